@@ -1,0 +1,127 @@
+"""Block and tail files on disk: durable writes, paths, and the store lock.
+
+Layout under the store root:
+
+    index.sqlite            the SQLite index (WAL mode)
+    store.lock              flock target: writers share it, gc takes it alone
+    blocks/ab/<key>.<nonce>.kvb        one file per block (ab = key[:2])
+    tails/<snapshot id>.kvb            one file per snapshot tail
+    quarantine/             files fsck found bad, moved aside, never deleted
+
+A file becomes durable in four steps: write a uniquely named temp file in the
+target directory, fsync it, rename it over the final name, fsync the
+directory. Only then does the index learn of it. A crash leaves at most a temp
+file or a renamed file the index does not name: both are orphans, swept by gc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvwake.errors import StorageFullError
+
+__all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "write_durable"]
+
+TEMP_SUFFIX = ".tmp"
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename or create inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes | memoryview) -> None:
+    """Write `data` to `path` atomically and durably (temp, fsync, rename, dir fsync).
+
+    Raises StorageFullError when the disk is full; the temp file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if exc.errno in _FULL:
+            raise StorageFullError(f"no room to write {path.name}: {exc.strerror}", path=str(path)) from exc
+        raise
+    fsync_dir(path.parent)
+
+
+class StoreFiles:
+    """Paths and locking for one store root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blocks = root / "blocks"
+        self.tails = root / "tails"
+        self.quarantine = root / "quarantine"
+        for d in (root, self.blocks, self.tails, self.quarantine):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.lock_path = root / "store.lock"
+
+    def block_path(self, key: str) -> Path:
+        """A fresh file name for block `key`.
+
+        The nonce makes every writer's file its own: two writers racing on the
+        same block never share a path, so the one whose commit loses (or that
+        aborts) deletes only its own file, never the one the index names.
+        """
+        return self.blocks / key[:2] / f"{key}.{secrets.token_hex(6)}.kvb"
+
+    def tail_path(self, snapshot_id: str) -> Path:
+        return self.tails / f"{snapshot_id}.kvb"
+
+    def relative(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
+
+    def absolute(self, relative: str) -> Path:
+        path = (self.root / relative).resolve()
+        if not path.is_relative_to(self.root.resolve()):
+            raise ValueError(f"index names a file outside the store: {relative!r}")
+        return path
+
+    def ensure_parent(self, path: Path) -> None:
+        if not path.parent.is_dir():
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fsync_dir(path.parent.parent)
+
+    @contextlib.contextmanager
+    def lock(self, exclusive: bool) -> Iterator[None]:
+        """Hold the store lock: shared for writers, exclusive for gc.
+
+        Each call opens its own descriptor, so threads of one process exclude
+        each other the same way separate processes do. The kernel drops the
+        lock when the holder dies, so `kill -9` never leaves the store locked.
+        """
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)
+
+    def walk(self) -> Iterator[Path]:
+        """Every file under blocks/ and tails/ (temp files included)."""
+        for top in (self.blocks, self.tails):
+            for dirpath, _, names in os.walk(top):
+                for name in names:
+                    yield Path(dirpath) / name

@@ -1,0 +1,203 @@
+"""The SQLite index: schema, migrations and the records it holds.
+
+WAL mode, `synchronous=FULL` (a committed snapshot survives power loss, not
+just a killed process), foreign keys on, a 30 s busy timeout for other
+processes. Write transactions use `BEGIN IMMEDIATE` rather than sqlite-utils'
+`atomic()` (a deferred `BEGIN`): two processes that both read and then write
+would otherwise fail with SQLITE_BUSY instead of waiting their turn.
+
+Block reference counts are kept by triggers on `snapshot_blocks`, so every
+path that adds or removes a snapshot (including cascades) keeps them right;
+fsck checks them against a recount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+from sqlite_utils.migrations import Migrations
+
+from kvwake.store.keys import tokens_from_bytes
+
+__all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
+
+migrations = Migrations("kvwake.store")
+
+
+@migrations()
+def m001_initial(db: sqlite_utils.Database) -> None:
+    for sql in (
+        """CREATE TABLE bundles (
+            hash TEXT PRIMARY KEY, description TEXT NOT NULL, created REAL NOT NULL)""",
+        """CREATE TABLE sessions (
+            id TEXT PRIMARY KEY, created REAL NOT NULL, updated REAL NOT NULL,
+            metadata TEXT NOT NULL DEFAULT '{}', head TEXT)""",
+        """CREATE TABLE blocks (
+            key TEXT PRIMARY KEY, parent TEXT NOT NULL,
+            bundle TEXT NOT NULL REFERENCES bundles(hash),
+            token_ids BLOB NOT NULL, n_tokens INTEGER NOT NULL,
+            digest TEXT NOT NULL, codec TEXT NOT NULL,
+            raw_bytes INTEGER NOT NULL, stored_bytes INTEGER NOT NULL, file TEXT NOT NULL,
+            refs INTEGER NOT NULL DEFAULT 0, pins INTEGER NOT NULL DEFAULT 0,
+            quarantined INTEGER NOT NULL DEFAULT 0,
+            created REAL NOT NULL, last_used REAL NOT NULL)""",
+        """CREATE TABLE snapshots (
+            id TEXT PRIMARY KEY,
+            session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+            bundle TEXT NOT NULL REFERENCES bundles(hash),
+            token_ids BLOB NOT NULL, n_tokens INTEGER NOT NULL,
+            tail_file TEXT, tail_digest TEXT, tail_codec TEXT,
+            tail_raw INTEGER NOT NULL DEFAULT 0, tail_stored INTEGER NOT NULL DEFAULT 0,
+            digest TEXT NOT NULL, label TEXT, parent TEXT,
+            created REAL NOT NULL, metadata TEXT NOT NULL DEFAULT '{}')""",
+        """CREATE TABLE snapshot_blocks (
+            snapshot_id TEXT NOT NULL REFERENCES snapshots(id) ON DELETE CASCADE,
+            pos INTEGER NOT NULL,
+            block_key TEXT NOT NULL REFERENCES blocks(key),
+            PRIMARY KEY (snapshot_id, pos))""",
+        "CREATE INDEX snapshot_blocks_key ON snapshot_blocks(block_key)",
+        "CREATE INDEX snapshots_session ON snapshots(session_id, created)",
+        "CREATE INDEX blocks_evictable ON blocks(refs, pins, last_used)",
+        """CREATE TRIGGER snapshot_blocks_ref AFTER INSERT ON snapshot_blocks BEGIN
+            UPDATE blocks SET refs = refs + 1 WHERE key = NEW.block_key; END""",
+        """CREATE TRIGGER snapshot_blocks_unref AFTER DELETE ON snapshot_blocks BEGIN
+            UPDATE blocks SET refs = refs - 1 WHERE key = OLD.block_key; END""",
+    ):
+        db.execute(sql)
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One block's index row (token ids included, so a hit can be checked)."""
+
+    key: str
+    parent: str
+    bundle: str
+    token_ids: tuple[int, ...]
+    digest: str
+    codec: str
+    raw_bytes: int
+    stored_bytes: int
+    file: str
+    refs: int = 0
+    pins: int = 0
+    quarantined: bool = False
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> BlockRef:
+        return cls(
+            key=row["key"], parent=row["parent"], bundle=row["bundle"],
+            token_ids=tuple(tokens_from_bytes(row["token_ids"])), digest=row["digest"],
+            codec=row["codec"], raw_bytes=row["raw_bytes"], stored_bytes=row["stored_bytes"],
+            file=row["file"], refs=row["refs"], pins=row["pins"], quarantined=bool(row["quarantined"]),
+        )
+
+
+@dataclass(frozen=True)
+class TailRef:
+    """A snapshot's private tail file."""
+
+    file: str
+    digest: str
+    codec: str
+    raw_bytes: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """An immutable snapshot as the index holds it."""
+
+    id: str
+    session_id: str
+    bundle: str
+    token_ids: tuple[int, ...]
+    blocks: tuple[BlockRef, ...]
+    tail: TailRef | None
+    digest: str
+    label: str | None
+    parent: str | None
+    created: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(b.raw_bytes for b in self.blocks) + (self.tail.raw_bytes if self.tail else 0)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.stored_bytes for b in self.blocks) + (self.tail.stored_bytes if self.tail else 0)
+
+
+class Index:
+    """A connection to one store's index. Not thread-safe: the Store serializes access."""
+
+    def __init__(self, path: Path) -> None:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        self.db = sqlite_utils.Database(conn)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+
+    def migrate(self) -> None:
+        """Apply pending migrations (the caller holds the store lock exclusively)."""
+        with self.write():
+            migrations.ensure_migrations_table(self.db)
+        migrations.apply(self.db)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite_utils.Database]:
+        """One IMMEDIATE transaction: all of it commits, or none of it."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            if self.db.conn.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def rows(self, sql: str, params: tuple | list = ()) -> list[dict[str, Any]]:
+        return list(self.db.query(sql, params))
+
+    def one(self, sql: str, params: tuple | list = ()) -> dict[str, Any] | None:
+        rows = self.rows(sql, params)
+        return rows[0] if rows else None
+
+    def blocks_by_key(self, keys: list[str]) -> dict[str, BlockRef]:
+        found: dict[str, BlockRef] = {}
+        for start in range(0, len(keys), 500):
+            chunk = keys[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            for row in self.db.query(f"SELECT * FROM blocks WHERE key IN ({marks})", chunk):
+                found[row["key"]] = BlockRef.from_row(row)
+        return found
+
+    def snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
+        row = self.one("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,))
+        if row is None:
+            return None
+        blocks = [
+            BlockRef.from_row(r)
+            for r in self.db.query(
+                "SELECT b.* FROM snapshot_blocks sb JOIN blocks b ON b.key = sb.block_key "
+                "WHERE sb.snapshot_id = ? ORDER BY sb.pos",
+                (snapshot_id,),
+            )
+        ]
+        tail = None
+        if row["tail_file"] is not None:
+            tail = TailRef(row["tail_file"], row["tail_digest"], row["tail_codec"], row["tail_raw"], row["tail_stored"])
+        return SnapshotRecord(
+            id=row["id"], session_id=row["session_id"], bundle=row["bundle"],
+            token_ids=tuple(tokens_from_bytes(row["token_ids"])), blocks=tuple(blocks), tail=tail,
+            digest=row["digest"], label=row["label"], parent=row["parent"], created=row["created"],
+            metadata=json.loads(row["metadata"]),
+        )

@@ -1,0 +1,187 @@
+"""gc and fsck: keeping a store small and proving it sound.
+
+gc, under the exclusive store lock (no writer is mid-snapshot):
+  1. prunes unlabeled snapshots beyond `keep_history` per session (the head
+     and labeled checkpoints always stay);
+  2. evicts blocks no snapshot references and nothing pinned, least recently
+     used first, until the store fits `budget_bytes` (None: evict them all;
+     with a budget they are the prefix cache);
+  3. deletes orphan files: temp files and block or tail files the index does
+     not name (what a crash between file write and commit leaves behind).
+Rows go first, in one transaction; files after. A crash in between leaves
+orphans for the next gc, never an index row without its file.
+
+fsck reads and verifies everything, moves bad files to quarantine/ and marks
+their rows, recounts references, and reports. It deletes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvwake.errors import KvwakeError
+from kvwake.store.index import BlockRef
+
+if TYPE_CHECKING:
+    from kvwake.store.store import Store
+
+__all__ = ["FsckReport", "GcReport", "fsck", "gc"]
+
+Progress = Callable[[int, int], None] | None
+
+
+@dataclass(frozen=True)
+class GcReport:
+    snapshots_pruned: int
+    blocks_evicted: int
+    block_bytes_freed: int
+    orphans_removed: int
+    orphan_bytes_freed: int
+    bytes_after: int
+
+
+@dataclass
+class FsckReport:
+    blocks_checked: int = 0
+    snapshots_checked: int = 0
+    bad_blocks: list[dict[str, Any]] = field(default_factory=list)
+    damaged_snapshots: list[dict[str, Any]] = field(default_factory=list)
+    refcounts_fixed: list[dict[str, Any]] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    sqlite: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad_blocks or self.damaged_snapshots or self.refcounts_fixed or self.sqlite)
+
+
+def stored_bytes(store: Store) -> int:
+    """Bytes of every indexed block and tail file."""
+    row = store.index.one(
+        "SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM blocks) + "
+        "(SELECT coalesce(sum(tail_stored), 0) FROM snapshots) AS n"
+    )
+    return int(row["n"]) if row else 0
+
+
+def _prune_history(store: Store, keep: int) -> int:
+    with store.index.write() as db:
+        return db.execute(
+            "DELETE FROM snapshots WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER ("
+            " PARTITION BY session_id ORDER BY created DESC, id DESC) AS rn FROM snapshots WHERE label IS NULL)"
+            " WHERE rn > ?) AND id NOT IN (SELECT head FROM sessions WHERE head IS NOT NULL)",
+            (keep,),
+        ).rowcount
+
+
+def _evict(store: Store, budget: int | None) -> tuple[list[str], int]:
+    total = stored_bytes(store)
+    files, freed = [], 0
+    with store.index.write() as db:
+        rows = db.execute("SELECT key, file, stored_bytes FROM blocks WHERE refs = 0 AND pins = 0 "
+                          "ORDER BY last_used, key").fetchall()
+        for key, rel, size in rows:
+            if budget is not None and total - freed <= budget:
+                break
+            db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+            files.append(rel)
+            freed += size
+    return files, freed
+
+
+def _orphans(store: Store) -> list[Path]:
+    named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
+                                              "WHERE tail_file IS NOT NULL")}
+    return [p for p in store.files.walk() if store.files.relative(p) not in named]
+
+
+def gc(store: Store, *, budget_bytes: int | None = None, keep_history: int | None = None) -> GcReport:
+    """Prune, evict and sweep (see the module docstring); returns what it did."""
+    budget = store.budget_bytes if budget_bytes is None else budget_bytes
+    keep = store.keep_history if keep_history is None else keep_history
+    with store.files.lock(exclusive=True), store._lock:
+        pruned = _prune_history(store, keep)
+        evicted, freed = _evict(store, budget)
+        for rel in evicted:
+            with contextlib.suppress(FileNotFoundError):
+                store.files.absolute(rel).unlink()
+        orphans = _orphans(store)
+        orphan_bytes = 0
+        for path in orphans:
+            with contextlib.suppress(FileNotFoundError):
+                orphan_bytes += path.stat().st_size
+                path.unlink()
+        return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
+
+
+def _quarantine(store: Store, rel: str) -> None:
+    src = store.files.absolute(rel)
+    if src.exists():
+        os.replace(src, store.files.quarantine / src.name)
+
+
+def _check_blocks(store: Store, report: FsckReport, progress: Progress) -> None:
+    rows = [BlockRef.from_row(r) for r in store.index.rows("SELECT * FROM blocks WHERE quarantined = 0")]
+    for n, ref in enumerate(rows, 1):
+        try:
+            store.read_block(ref)
+        except KvwakeError as exc:
+            report.bad_blocks.append({"block": ref.key, "file": ref.file, "reason": exc.message})
+            _quarantine(store, ref.file)
+            with store.index.write() as db:
+                db.execute("UPDATE blocks SET quarantined = 1 WHERE key = ?", (ref.key,))
+        report.blocks_checked = n
+        if progress:
+            progress(n, len(rows))
+    for row in store.index.rows("SELECT key, file FROM blocks WHERE quarantined = 1"):
+        if not any(b["block"] == row["key"] for b in report.bad_blocks):
+            report.bad_blocks.append({"block": row["key"], "file": row["file"], "reason": "quarantined earlier"})
+
+
+def _check_refcounts(store: Store, report: FsckReport) -> None:
+    with store.index.write() as db:
+        for key, refs, actual in db.execute(
+            "SELECT key, refs, (SELECT count(*) FROM snapshot_blocks WHERE block_key = key) FROM blocks "
+            "WHERE refs != (SELECT count(*) FROM snapshot_blocks WHERE block_key = key)"
+        ).fetchall():
+            report.refcounts_fixed.append({"block": key, "recorded": refs, "actual": actual})
+            db.execute("UPDATE blocks SET refs = ? WHERE key = ?", (actual, key))
+
+
+def _check_snapshots(store: Store, report: FsckReport) -> None:
+    for row in store.index.rows("SELECT id FROM snapshots ORDER BY created"):
+        facts: dict[str, Any] = {"snapshot_id": row["id"]}
+        try:
+            record = store.snapshot(row["id"])
+            facts["session_id"] = record.session_id
+            bad = [b.key for b in record.blocks if b.quarantined]
+            if bad:
+                raise KvwakeError(f"{len(bad)} quarantined block(s): {', '.join(k[:16] for k in bad)}")
+            try:
+                store.read_tail(record)
+            except KvwakeError:
+                if record.tail:
+                    _quarantine(store, record.tail.file)
+                raise
+        except KvwakeError as exc:
+            report.damaged_snapshots.append({**facts, "reason": exc.message})
+        report.snapshots_checked += 1
+
+
+def fsck(store: Store, *, progress: Progress = None) -> FsckReport:
+    """Verify every block and snapshot; quarantine bad files; report. Deletes nothing."""
+    report = FsckReport()
+    with store.files.lock(exclusive=True), store._lock:
+        integrity = [r[0] for r in store.index.db.execute("PRAGMA integrity_check").fetchall()]
+        report.sqlite += [] if integrity == ["ok"] else integrity
+        report.sqlite += [f"foreign key: {r}" for r in store.index.db.execute("PRAGMA foreign_key_check").fetchall()]
+        _check_blocks(store, report, progress)
+        _check_refcounts(store, report)
+        _check_snapshots(store, report)
+        report.orphans = [store.files.relative(p) for p in _orphans(store)]
+    return report

@@ -1,0 +1,216 @@
+"""Export and import: one portable file per snapshot.
+
+The file is an uncompressed POSIX tar (block files are already compressed), so
+ops can look inside with `tar tvf`. Members, in this order:
+
+    manifest.json        UTF-8 JSON, described below
+    blocks/<key>.kvb     each block file exactly as the store keeps it, in chain order
+    tail.kvb             the tail's file, when the snapshot has one
+
+manifest.json:
+
+    {"format": "kvwake-snapshot", "version": 1, "kvwake": "<version>",
+     "block_tokens": 128,
+     "bundle": {"hash": "<64 hex>", "description": {...}},
+     "snapshot": {"id", "session_id", "digest", "label", "parent", "created",
+                  "metadata", "n_tokens", "token_ids": "<base64 of u32 LE ids>"},
+     "blocks": [{"key", "parent", "digest", "codec", "raw_bytes", "stored_bytes"}, ...],
+     "tail": {"digest", "codec", "raw_bytes", "stored_bytes"} | null}
+
+Import trusts nothing in the file: member names must be exactly the expected
+ones (no paths, links or devices), sizes must match the manifest and stay
+under limits, every block is decoded and checked against its digest, its key
+(recomputed from the token ids) and its bundle, and the snapshot digest is
+recomputed. Files are written as they are verified and the index learns of
+them in one transaction at the end; any failure removes them again. Blocks the
+store already holds are verified but not stored twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import kvwake
+from kvwake.errors import InvalidParamsError, KvwakeError
+from kvwake.store.codec import BlockFormatError, Encoded, decode
+from kvwake.store.files import fsync_dir
+from kvwake.store.keys import tokens_from_bytes, tokens_to_bytes
+from kvwake.store.writer import snapshot_digest
+
+if TYPE_CHECKING:
+    from kvwake.store.store import Store
+
+__all__ = ["MAX_BLOCK_BYTES", "MAX_MANIFEST_BYTES", "export_snapshot", "import_snapshot"]
+
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_BLOCK_BYTES = 1 << 30
+Progress = Callable[[int, int], None] | None
+
+
+def _manifest(store: Store, snapshot_id: str) -> tuple[dict[str, Any], Any]:
+    r = store.snapshot(snapshot_id)
+    manifest = {
+        "format": "kvwake-snapshot", "version": 1, "kvwake": kvwake.__version__,
+        "block_tokens": store.block_tokens,
+        "bundle": {"hash": r.bundle, "description": store.bundle(r.bundle) or {}},
+        "snapshot": {"id": r.id, "session_id": r.session_id, "digest": r.digest, "label": r.label,
+                     "parent": r.parent, "created": r.created, "metadata": r.metadata, "n_tokens": len(r.token_ids),
+                     "token_ids": base64.b64encode(tokens_to_bytes(r.token_ids)).decode()},
+        "blocks": [{"key": b.key, "parent": b.parent, "digest": b.digest, "codec": b.codec,
+                    "raw_bytes": b.raw_bytes, "stored_bytes": b.stored_bytes} for b in r.blocks],
+        "tail": None if r.tail is None else {"digest": r.tail.digest, "codec": r.tail.codec,
+                                             "raw_bytes": r.tail.raw_bytes, "stored_bytes": r.tail.stored_bytes},
+    }
+    return manifest, r
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), int(mtime), 0o600
+    tar.addfile(info, _BytesReader(data))
+
+
+class _BytesReader:
+    def __init__(self, data: bytes) -> None:
+        self.view, self.pos = memoryview(data), 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n < 0 else self.pos + n
+        chunk, self.pos = self.view[self.pos : end], min(end, len(self.view))
+        return bytes(chunk)
+
+
+def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progress: Progress = None) -> dict[str, Any]:
+    """Write one snapshot to a portable file at `path` (atomically); returns a summary.
+
+    Every block is verified on the way out: a corrupt store raises CorruptBlockError.
+    """
+    path = Path(path)
+    manifest, record = _manifest(store, snapshot_id)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    total = len(record.blocks) + (1 if record.tail else 0)
+    try:
+        with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            _add_member(tar, "manifest.json", json.dumps(manifest, sort_keys=True, indent=1).encode(), record.created)
+            for n, ref in enumerate(record.blocks, 1):
+                store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
+                _add_member(tar, f"blocks/{ref.key}.kvb", store.files.absolute(ref.file).read_bytes(), record.created)
+                if progress:
+                    progress(n, total)
+            if record.tail:
+                store.read_tail(record)
+                _add_member(tar, "tail.kvb", store.files.absolute(record.tail.file).read_bytes(), record.created)
+            tar.close()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"snapshot_id": record.id, "path": str(path), "bytes": path.stat().st_size,
+            "blocks": len(record.blocks), "tokens": len(record.token_ids)}
+
+
+def _bad(path: Path, why: str) -> InvalidParamsError:
+    return InvalidParamsError(f"cannot import {path.name}: {why}", path=str(path))
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo | None, name: str, limit: int, path: Path) -> bytes:
+    if member is None:
+        raise _bad(path, f"file ends before {name} (truncated?)")
+    if member.name != name or not member.isreg():
+        raise _bad(path, f"expected regular member {name!r}, found {member.name!r} (type {member.type!r})")
+    if member.size > limit:
+        raise _bad(path, f"member {name} is {member.size} bytes, more than the {limit} allowed")
+    f: IO[bytes] | None = tar.extractfile(member)
+    data = f.read(member.size) if f else b""
+    if len(data) != member.size:
+        raise _bad(path, f"member {name} is truncated: {len(data)} of {member.size} bytes")
+    return data
+
+
+def _parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
+    try:
+        m = json.loads(raw)
+        snap, blocks, tail = m["snapshot"], m["blocks"], m["tail"]
+        if m["format"] != "kvwake-snapshot" or m["version"] != 1:
+            raise _bad(path, f"unknown format {m['format']!r} version {m['version']!r}")
+        m["token_ids"] = tokens_from_bytes(base64.b64decode(snap["token_ids"], validate=True))
+        for b in blocks + ([tail] if tail else []):
+            if not (isinstance(b["digest"], str) and 0 < int(b["raw_bytes"]) and 0 < int(b["stored_bytes"]) <= MAX_BLOCK_BYTES):
+                raise _bad(path, f"manifest entry {b} has bad sizes")
+        bytes.fromhex(m["bundle"]["hash"]), str(snap["session_id"]), str(snap["digest"])
+    except KvwakeError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _bad(path, f"manifest is malformed ({type(exc).__name__}: {exc})") from None
+    if m["block_tokens"] != store.block_tokens:
+        raise _bad(path, f"made with {m['block_tokens']}-token blocks, this store uses {store.block_tokens}")
+    if len(m["token_ids"]) != snap["n_tokens"] or len(blocks) != len(m["token_ids"]) // store.block_tokens:
+        raise _bad(path, "manifest token count and block count disagree")
+    return m
+
+
+def _verified(data: bytes, entry: dict[str, Any], what: str, bundle: str, path: Path, key: str | None) -> Encoded:
+    try:
+        _, meta, digest = decode(data, max_raw_bytes=int(entry["raw_bytes"]))
+    except BlockFormatError as exc:
+        raise _bad(path, f"{what} is damaged: {exc}") from None
+    if digest != entry["digest"]:
+        raise _bad(path, f"{what}: payload digest {digest[:16]} != manifest {str(entry['digest'])[:16]}")
+    if meta.get("kvwake.bundle") != bundle or (key is not None and meta.get("kvwake.key") != key):
+        raise _bad(path, f"{what} belongs to another block or bundle")
+    return Encoded(data, digest, int(entry["raw_bytes"]), entry["codec"])
+
+
+def import_snapshot(store: Store, path: str | Path, *, session_id: str | None = None, progress: Progress = None) -> dict[str, Any]:
+    """Verify a portable snapshot file completely, then add it to the store in one commit.
+
+    Raises InvalidParamsError naming what is wrong with the file. Importing the
+    same file twice returns the existing snapshot.
+    """
+    path = Path(path)
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            return _import(store, tar, path, session_id, progress)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise _bad(path, f"not a readable snapshot file ({type(exc).__name__}: {exc})") from None
+
+
+def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | None, progress: Progress) -> dict[str, Any]:
+    m = _parse_manifest(_read_member(tar, tar.next(), "manifest.json", MAX_MANIFEST_BYTES, path), store, path)
+    snap, bundle = m["snapshot"], m["bundle"]["hash"]
+    existing = store.rows("SELECT id FROM snapshots WHERE id = ? AND digest = ? AND session_id = ?",
+                          (snap["id"], snap["digest"], session_id or snap["session_id"]))
+    store.register_bundle(bundle, m["bundle"]["description"])
+    taken = store.rows("SELECT 1 FROM snapshots WHERE id = ?", (snap["id"],))
+    with store.writer(session_id or snap["session_id"], bundle, m["token_ids"], parent=snap["parent"],
+                      label=snap["label"], metadata=snap["metadata"], snapshot_id=None if taken else snap["id"]) as w:
+        if [b["key"] for b in m["blocks"]] != w.keys:
+            raise _bad(path, "block keys in the manifest do not match its token ids")
+        for i, entry in enumerate(m["blocks"]):
+            data = _read_member(tar, tar.next(), f"blocks/{entry['key']}.kvb", int(entry["stored_bytes"]), path)
+            w.add_encoded(i, _verified(data, entry, f"block {i} ({entry['key'][:16]})", bundle, path, entry["key"]))
+            if progress:
+                progress(i + 1, len(m["blocks"]))
+        if m["tail"]:
+            data = _read_member(tar, tar.next(), "tail.kvb", int(m["tail"]["stored_bytes"]), path)
+            w.set_tail_encoded(_verified(data, m["tail"], "tail", bundle, path, None))
+        extra = tar.next()
+        if extra is not None:
+            raise _bad(path, f"unexpected member {extra.name!r} after the snapshot")
+        digests = [(b["key"], b["digest"]) for b in m["blocks"]]
+        if snapshot_digest(bundle, m["token_ids"], digests, m["tail"]["digest"] if m["tail"] else None) != snap["digest"]:
+            raise _bad(path, "snapshot digest does not match its blocks, tail and tokens")
+        if existing:
+            return {"snapshot_id": existing[0]["id"], "session_id": snap["session_id"], "new_blocks": 0,
+                    "reused_blocks": len(w.keys), "tokens": len(m["token_ids"]), "existed": True}
+        info = w.commit()
+    return {"snapshot_id": info.id, "session_id": session_id or snap["session_id"], "new_blocks": info.new_blocks,
+            "reused_blocks": info.reused_blocks, "tokens": info.n_tokens, "existed": False}

@@ -1,0 +1,221 @@
+"""Writing snapshots and prefix blocks, block by block, visible only when durable.
+
+A writer is opened with the full token sequence. It computes the chain keys,
+asks the index which blocks already exist (those are references, not writes)
+and tells the caller which block indices it still `needed`. The caller hands
+over those blocks one at a time (`add_block`), each encoded and made durable
+right away so the caller can free it, then the tail, then `commit()` writes
+every index row in one transaction. Until that commit nothing is visible; a
+crash leaves only orphan files, which gc sweeps.
+
+The snapshot digest is sha256 over this exact layout:
+
+    b"kvwake-snapshot\\x00"  16 bytes
+    u32 LE                 1 (layout version)
+    bundle hash            32 raw bytes
+    u64 LE n_tokens, then n_tokens x u32 LE token ids
+    u32 LE n_blocks, then per block: key (32 raw bytes), payload digest (32 raw bytes)
+    u8 has_tail, then the tail's payload digest (32 raw bytes) if present
+
+Session id and label are not covered: fork and import may rename them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import secrets
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvwake.store.codec import Encoded, Tensor, encode
+from kvwake.store.files import write_durable
+from kvwake.store.index import BlockRef
+from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+
+if TYPE_CHECKING:
+    from kvwake.store.store import Store
+
+__all__ = ["SnapshotInfo", "SnapshotWriter", "new_snapshot_id", "snapshot_digest"]
+
+Arrays = Mapping[str, Tensor | np.ndarray]
+
+
+def new_snapshot_id() -> str:
+    """Time-ordered, unguessable: 11 hex digits of milliseconds, 10 random."""
+    return f"{int(time.time() * 1000):011x}{secrets.token_hex(5)}"
+
+
+def snapshot_digest(
+    bundle: str, token_ids: Sequence[int], blocks: Sequence[tuple[str, str]], tail_digest: str | None
+) -> str:
+    """The snapshot digest (layout in the module docstring); blocks are (key, digest)."""
+    h = hashlib.sha256(b"kvwake-snapshot\x00" + struct.pack("<I", 1) + bytes.fromhex(bundle))
+    h.update(struct.pack("<Q", len(token_ids)) + tokens_to_bytes(token_ids))
+    h.update(struct.pack("<I", len(blocks)))
+    for key, digest in blocks:
+        h.update(bytes.fromhex(key) + bytes.fromhex(digest))
+    h.update(b"\x01" + bytes.fromhex(tail_digest) if tail_digest else b"\x00")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a commit did."""
+
+    id: str | None
+    digest: str | None
+    n_tokens: int
+    raw_bytes: int
+    stored_bytes: int
+    new_blocks: int
+    reused_blocks: int
+    written_bytes: int
+    ms: float
+
+
+class SnapshotWriter:
+    """Stream one snapshot (or, with session_id None, prefix blocks only) into the store.
+
+    Use as a context manager; leaving it without `commit()` aborts and removes
+    the files it wrote. Holds the store lock shared from open to commit, so gc
+    cannot evict a block this writer decided to reuse.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        bundle: str,
+        token_ids: Sequence[int],
+        *,
+        session_id: str | None,
+        parent: str | None = None,
+        label: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        pin: bool = False,
+        snapshot_id: str | None = None,
+    ) -> None:
+        self.store, self.bundle, self.session_id = store, bundle, session_id
+        self.token_ids = [int(t) for t in token_ids]
+        self.parent, self.label, self.metadata, self.pin = parent, label, dict(metadata or {}), pin
+        self.id = (snapshot_id or new_snapshot_id()) if session_id is not None else None
+        self.keys = chain_keys(bundle, self.token_ids, store.block_tokens)
+        self._started = time.perf_counter()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(store.files.lock(exclusive=False))
+        self._existing = store.usable_blocks(self.keys, self.token_ids)
+        self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
+        self._new: dict[int, tuple[Encoded, str]] = {}
+        self._tail: tuple[Encoded, str] | None = None
+        self._done = False
+
+    def __enter__(self) -> SnapshotWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+    def block_tokens(self, i: int) -> list[int]:
+        b = self.store.block_tokens
+        return self.token_ids[i * b : (i + 1) * b]
+
+    def add_block(self, i: int, arrays: Arrays) -> bool:
+        """Encode and durably write block i; False (and nothing written) if it already exists."""
+        if i not in self.needed or i in self._new:
+            return False
+        key = self.keys[i]
+        meta = {"kvwake.kind": "block", "kvwake.key": key, "kvwake.bundle": self.bundle,
+                "kvwake.tokens": str(self.store.block_tokens)}
+        return self.add_encoded(i, encode(arrays, metadata=meta, codec=self.store.codec))
+
+    def add_encoded(self, i: int, encoded: Encoded) -> bool:
+        """Durably write block i from already-encoded (and verified) bytes."""
+        if i not in self.needed or i in self._new:
+            return False
+        path = self.store.files.block_path(self.keys[i])
+        self.store.files.ensure_parent(path)
+        write_durable(path, encoded.data)
+        self._new[i] = (encoded, self.store.files.relative(path))
+        return True
+
+    def set_tail(self, arrays: Arrays) -> None:
+        """Encode and durably write the tail (what is not a full block)."""
+        if self.id is None:
+            raise ValueError("prefix-only writes have no tail")
+        meta = {"kvwake.kind": "tail", "kvwake.bundle": self.bundle, "kvwake.tokens": str(len(self.token_ids))}
+        self.set_tail_encoded(encode(arrays, metadata=meta, codec=self.store.codec))
+
+    def set_tail_encoded(self, encoded: Encoded) -> None:
+        """Durably write the tail from already-encoded (and verified) bytes."""
+        if self.id is None:
+            raise ValueError("prefix-only writes have no tail")
+        path = self.store.files.tail_path(self.id)
+        write_durable(path, encoded.data)
+        self._tail = (encoded, self.store.files.relative(path))
+
+    def abort(self) -> None:
+        """Forget this write: remove the files it made, release the lock."""
+        self._done = True
+        for _, rel in list(self._new.values()) + ([self._tail] if self._tail else []):
+            with contextlib.suppress(FileNotFoundError):
+                self.store.files.absolute(rel).unlink()
+        self._stack.close()
+
+    def commit(self) -> SnapshotInfo:
+        """Make everything visible in one index transaction; returns what was done."""
+        missing = [i for i in self.needed if i not in self._new]
+        if missing:
+            raise ValueError(f"blocks {missing} were never added; cannot commit")
+        try:
+            losers = self.store.commit_write(self)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._stack.close()
+        for rel in losers:  # another writer indexed the same block first: ours is a duplicate
+            with contextlib.suppress(FileNotFoundError):
+                self.store.files.absolute(rel).unlink()
+        return self._info(losers)
+
+    def block_rows(self) -> list[tuple[int, BlockRef]]:
+        """Index rows for the blocks this writer wrote itself."""
+        rows = []
+        for i, (enc, rel) in sorted(self._new.items()):
+            rows.append((i, BlockRef(
+                key=self.keys[i], parent=self.keys[i - 1] if i else ROOT_KEY, bundle=self.bundle,
+                token_ids=tuple(self.block_tokens(i)), digest=enc.digest, codec=enc.codec,
+                raw_bytes=enc.raw_bytes, stored_bytes=len(enc.data), file=rel)))
+        return rows
+
+    def digests(self) -> list[tuple[str, str]]:
+        by_index = {i: enc.digest for i, (enc, _) in self._new.items()}
+        return [(k, by_index.get(i) or self._existing[k].digest) for i, k in enumerate(self.keys)]
+
+    @property
+    def tail(self) -> tuple[Encoded, str] | None:
+        return self._tail
+
+    def _info(self, losers: list[str]) -> SnapshotInfo:
+        new = [(enc, rel) for enc, rel in self._new.values()]
+        raw = sum(e.raw_bytes for e, _ in new) + sum(self._existing[k].raw_bytes for k in self._existing)
+        stored = sum(len(e.data) for e, _ in new) + sum(self._existing[k].stored_bytes for k in self._existing)
+        written = sum(len(e.data) for e, rel in new if rel not in losers)
+        if self._tail:
+            raw, stored, written = raw + self._tail[0].raw_bytes, stored + len(self._tail[0].data), written + len(self._tail[0].data)
+        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), self._tail[0].digest if self._tail else None)
+        return SnapshotInfo(
+            id=self.id, digest=digest if self.id else None, n_tokens=len(self.token_ids), raw_bytes=raw,
+            stored_bytes=stored, new_blocks=len(new) - len(losers), reused_blocks=len(self._existing) + len(losers),
+            written_bytes=written, ms=(time.perf_counter() - self._started) * 1000,
+        )
+
+    def metadata_json(self) -> str:
+        return json.dumps(self.metadata, sort_keys=True)

@@ -1,0 +1,122 @@
+"""Block codec: lossless round trips, safetensors payloads, and hostile bytes refused."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import safetensors
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from kvwake.store.codec import CODECS, FILE_HEADER, SECTION, BlockFormatError, Tensor, decode, encode, payload
+
+DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
+
+
+@st.composite
+def tensors(draw):
+    names = draw(st.lists(st.text("abcdefghij.0123456789", min_size=1, max_size=12), min_size=1, max_size=4, unique=True))
+    out = {}
+    for name in names:
+        dtype = draw(st.sampled_from(sorted(DTYPES)))
+        shape = draw(hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9))
+        # Raw bit patterns, so NaNs, infinities and denormals are all covered.
+        bits = draw(hnp.arrays(np.dtype(DTYPES[dtype]).newbyteorder("=").str.replace("f", "u").replace("i", "u"), shape))
+        out[name] = Tensor(dtype, np.ascontiguousarray(bits.view(DTYPES[dtype])))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
+def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
+    encoded = encode(arrays, metadata={"k": "v"}, codec=codec)
+    got, meta, digest = decode(encoded.data)
+    assert meta == {"k": "v"} and digest == encoded.digest and encoded.codec == codec
+    assert list(got) == list(arrays)
+    for name, t in arrays.items():
+        assert got[name].dtype == t.dtype and got[name].array.shape == t.array.shape
+        assert got[name].array.tobytes() == t.array.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrays=tensors())
+def test_digest_is_sha256_of_a_payload_the_safetensors_library_reads(arrays):
+    encoded = encode(arrays, metadata={"kvwake.kind": "block"})
+    raw = payload(arrays, metadata={"kvwake.kind": "block"})
+    assert hashlib.sha256(raw).hexdigest() == encoded.digest and len(raw) == encoded.raw_bytes
+    parsed = dict(safetensors.deserialize(raw))
+    assert set(parsed) == set(arrays)
+    for name, t in arrays.items():
+        assert parsed[name]["dtype"] == t.dtype
+        assert list(parsed[name]["shape"]) == list(t.array.shape)
+        assert bytes(parsed[name]["data"]) == t.array.tobytes()
+
+
+def test_nan_and_negative_zero_bits_survive():
+    bits = np.array([0x7FC0, 0xFFC1, 0x8000, 0x0000, 0x7F80, 0xFF80, 0x0001], np.uint16)
+    got, _, _ = decode(encode({"x": Tensor("BF16", bits)}).data)
+    assert got["x"].array.tobytes() == bits.tobytes()
+
+
+def _header_sections(data: bytes) -> int:
+    pos = FILE_HEADER.size
+    for _ in range(2):
+        _, n = SECTION.unpack_from(data, pos)
+        pos += SECTION.size + n
+    return pos
+
+
+def test_decompression_bomb_is_refused():
+    # A tensor section whose zstd frame inflates to far more than its header declares.
+    arrays = {"x": np.zeros(16, np.uint8)}
+    data = bytearray(encode(arrays, codec="zstd").data)
+    pos = _header_sections(bytes(data))
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
+    data[pos:] = SECTION.pack(1, len(bomb)) + bomb
+    with pytest.raises(BlockFormatError, match="header says 16|zstd"):
+        decode(bytes(data))
+
+
+def test_payload_larger_than_recorded_is_refused():
+    data = encode({"x": np.zeros(1000, np.float32)}).data
+    with pytest.raises(BlockFormatError, match="more than the 100 recorded"):
+        decode(data, max_raw_bytes=100)
+
+
+@pytest.mark.parametrize("cut", [0, 10, FILE_HEADER.size, FILE_HEADER.size + 5, -1])
+def test_truncated_file_is_refused(cut):
+    data = encode({"x": np.arange(500, dtype=np.float32)}).data
+    with pytest.raises(BlockFormatError):
+        decode(data[:cut])
+
+
+def test_trailing_bytes_bad_magic_and_unknown_codec_are_refused():
+    data = encode({"x": np.arange(10, dtype=np.int32)}).data
+    with pytest.raises(BlockFormatError, match="trailing"):
+        decode(data + b"junk")
+    with pytest.raises(BlockFormatError, match="magic"):
+        decode(b"XXXX" + data[4:])
+    with pytest.raises(BlockFormatError, match="codec id 9"):
+        decode(data[:5] + b"\x09" + data[6:])
+
+
+def test_lying_tensor_offsets_are_refused():
+    arrays = {"x": np.arange(4, dtype=np.float32)}
+    header = b'{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,99]}}'
+    header += b" " * (-len(header) % 8)
+    raw = struct.pack("<Q", len(header)) + header + arrays["x"].tobytes()
+    data = FILE_HEADER.pack(b"KVWB", 1, 1, 0, len(raw), hashlib.sha256(raw).digest())
+    data += SECTION.pack(0, 8) + raw[:8] + SECTION.pack(0, len(header)) + header
+    data += SECTION.pack(0, 16) + arrays["x"].tobytes()
+    with pytest.raises(BlockFormatError, match="offsets"):
+        decode(data)
+
+
+def test_unsupported_dtype_is_a_type_error():
+    with pytest.raises(TypeError, match="complex"):
+        encode({"x": np.zeros(3, np.complex64)})

@@ -1,0 +1,17 @@
+"""The README holds exactly two set-up commands, and CI runs the second one verbatim."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_has_two_commands_and_ci_runs_the_test_one():
+    blocks = re.findall(r"```sh\n(.*?)\n```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) == 2 and all("\n" not in b for b in blocks)
+    main_job, tests = blocks
+    assert "pytest" in tests and "pytest" not in main_job
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == tests

@@ -1,0 +1,280 @@
+"""Store: exact read-back, dedup, prefix lookup, refusal of corrupt or swapped data, gc, fsck."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from kvwake.errors import BundleMismatchError, CorruptBlockError, NotFoundError
+from kvwake.store import Store
+from tests.kvdata import BUNDLE, OTHER_BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
+
+TOKENS = list(range(100, 114))  # 3 full 4-token blocks + a 2-token tail
+
+
+def block_files(store):
+    return sorted(p for p in store.files.blocks.rglob("*.kvb"))
+
+
+def test_snapshot_reads_back_exactly_and_index_is_wal(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    assert (info.new_blocks, info.reused_blocks, info.n_tokens) == (3, 0, 14)
+    assert_snapshot_exact(store, info.id)
+    assert store.rows("PRAGMA journal_mode")[0]["journal_mode"] == "wal"
+    assert store.rows("PRAGMA foreign_keys")[0]["foreign_keys"] == 1
+    assert store.session("s1")["head"] == info.id
+
+
+def test_writing_an_existing_block_is_a_reference_not_a_write(store):
+    first = write_snapshot(store, "s1", TOKENS)
+    files = block_files(store)
+    second = write_snapshot(store, "s2", TOKENS[:12] + [7, 7, 7, 7, 7])
+    assert (second.new_blocks, second.reused_blocks) == (1, 3)
+    assert len(block_files(store)) == len(files) + 1
+    refs = {r["key"][:8]: r["refs"] for r in store.rows("SELECT key, refs FROM blocks")}
+    assert sorted(refs.values()) == [1, 2, 2, 2]
+    assert_snapshot_exact(store, first.id)
+    assert_snapshot_exact(store, second.id)
+
+
+def test_longest_prefix_checks_bundle_and_tokens(store):
+    write_snapshot(store, "s1", TOKENS)
+    assert len(store.longest_prefix(BUNDLE, TOKENS[:10] + [0] * 20)) == 2
+    assert len(store.longest_prefix(BUNDLE, TOKENS)) == 3
+    assert store.longest_prefix(OTHER_BUNDLE, TOKENS) == []
+    assert store.longest_prefix(BUNDLE, [1] + TOKENS[1:]) == []
+    # A row whose token ids were altered is never served as a hit.
+    key = store.longest_prefix(BUNDLE, TOKENS)[1].key
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET token_ids = ? WHERE key = ?", (b"\0" * 16, key))
+    assert len(store.longest_prefix(BUNDLE, TOKENS)) == 1
+
+
+def test_prefix_only_blocks_are_pinned_and_have_no_snapshot(store):
+    with store.writer(None, BUNDLE, TOKENS, pin=True) as w:
+        for i in w.needed:
+            w.add_block(i, kv_arrays(w.block_tokens(i), i * 4))
+        info = w.commit()
+    assert info.id is None and info.new_blocks == 3
+    assert store.snapshots() == []
+    assert {r["pins"] for r in store.rows("SELECT pins FROM blocks")} == {1}
+    assert store.gc(budget_bytes=0).blocks_evicted == 0
+
+
+def test_bundle_mismatch_is_refused_with_facts(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    with pytest.raises(BundleMismatchError) as err:
+        store.snapshot(info.id, bundle=OTHER_BUNDLE)
+    assert err.value.data["snapshot_id"] == info.id and err.value.data["loaded_bundle"] == OTHER_BUNDLE
+
+
+def test_index_row_naming_another_bundle_is_refused(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    key = store.snapshot(info.id).blocks[0].key
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET bundle = ? WHERE key = ?", (OTHER_BUNDLE, key))
+    with pytest.raises(BundleMismatchError, match="names bundle"):
+        store.snapshot(info.id, bundle=BUNDLE)
+
+
+def test_flipped_byte_raises_corrupt_block_naming_snapshot_and_block(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    ref = store.snapshot(info.id).blocks[1]
+    path = store.files.absolute(ref.file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    record = store.snapshot(info.id)
+    with pytest.raises(CorruptBlockError) as err:
+        list(store.iter_blocks(record))
+    assert err.value.data["block"] == ref.key and err.value.data["snapshot_id"] == info.id
+    assert err.value.data["session_id"] == "s1" and ref.key[:16] in err.value.message
+
+
+def test_missing_file_raises_corrupt_block(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    ref = store.snapshot(info.id).blocks[0]
+    store.files.absolute(ref.file).unlink()
+    with pytest.raises(CorruptBlockError, match="missing"):
+        store.read_block(ref, snapshot_id=info.id)
+
+
+def test_block_files_swapped_between_keys_are_refused(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    a, b = store.snapshot(info.id).blocks[:2]
+    pa, pb = store.files.absolute(a.file), store.files.absolute(b.file)
+    da, db_ = pa.read_bytes(), pb.read_bytes()
+    pa.write_bytes(db_)
+    pb.write_bytes(da)
+    with pytest.raises(CorruptBlockError, match="another payload"):
+        store.read_block(a)
+    # Even with the index digests swapped too, the payload names its own key.
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET digest = ?, raw_bytes = ? WHERE key = ?", (b.digest, b.raw_bytes, a.key))
+    with pytest.raises(CorruptBlockError):
+        store.snapshot(info.id)  # the snapshot digest no longer matches its rows
+    with pytest.raises(CorruptBlockError, match="file holds block"):
+        store.read_block(store.index.blocks_by_key([a.key])[a.key])
+
+
+def test_snapshot_rows_swapped_for_anothers_are_refused(store):
+    one = write_snapshot(store, "s1", TOKENS)
+    two = write_snapshot(store, "s2", [5] * 14)
+    with store.index.write() as db:
+        rows = db.execute("SELECT token_ids FROM snapshots WHERE id = ?", (two.id,)).fetchone()
+        db.execute("UPDATE snapshots SET token_ids = ? WHERE id = ?", (rows[0], one.id))
+    with pytest.raises(CorruptBlockError, match="block list does not match"):
+        store.snapshot(one.id)
+
+
+def test_tails_swapped_between_snapshots_are_refused(store):
+    one = write_snapshot(store, "s1", TOKENS)
+    two = write_snapshot(store, "s2", TOKENS[:12] + [1, 2])
+    t1 = store.files.absolute(store.snapshot(one.id).tail.file)
+    t2 = store.files.absolute(store.snapshot(two.id).tail.file)
+    d1, d2 = t1.read_bytes(), t2.read_bytes()
+    t1.write_bytes(d2)
+    t2.write_bytes(d1)
+    with pytest.raises(CorruptBlockError, match="tail"):
+        store.read_tail(store.snapshot(one.id))
+    with store.index.write() as db:  # swap the index's tail digests as well
+        db.execute("UPDATE snapshots SET tail_digest = (SELECT tail_digest FROM snapshots WHERE id = ?), "
+                   "tail_raw = (SELECT tail_raw FROM snapshots WHERE id = ?) WHERE id = ?", (two.id, two.id, one.id))
+    with pytest.raises(CorruptBlockError, match="digest mismatch"):
+        store.snapshot(one.id)
+
+
+def test_gc_evicts_unreferenced_blocks_and_orphans_but_keeps_checkpoints(store):
+    keep = write_snapshot(store, "keep", TOKENS, label="before-refactor")
+    gone = write_snapshot(store, "gone", [9] * 13)
+    (store.files.blocks / "ab").mkdir(exist_ok=True)
+    (store.files.blocks / "ab" / ".stale.123.tmp").write_bytes(b"partial")
+    store.delete_session("gone")
+    report = store.gc(budget_bytes=0)
+    assert (report.blocks_evicted, report.orphans_removed) == (3, 2)  # 3 blocks; the tmp file and gone's tail
+    with pytest.raises(NotFoundError):
+        store.snapshot(gone.id)
+    assert_snapshot_exact(store, keep.id)
+    assert store.fsck().ok
+
+
+def test_budget_evicts_least_recently_used_prefix_blocks_first(store):
+    for n, session in enumerate(["a", "b", "c"]):
+        write_snapshot(store, session, [n] * 8)
+    old, mid, new = (store.snapshot(store.latest_snapshot(s)) for s in "abc")
+    for s in "abc":
+        store.delete_session(s)
+    store.touch([b.key for b in old.blocks])  # "a" used most recently now
+    total = store.stored_bytes()
+    report = store.gc(budget_bytes=total - sum(b.stored_bytes for b in mid.blocks))
+    assert report.blocks_evicted == 2
+    left = {r["key"] for r in store.rows("SELECT key FROM blocks")}
+    assert {b.key for b in old.blocks} <= left and not ({b.key for b in mid.blocks} & left)
+
+
+def test_gc_prunes_history_but_keeps_head_and_labels(store):
+    ids = [write_snapshot(store, "s", TOKENS[: 4 + n]).id for n in range(6)]
+    store.set_label(ids[0], "first")
+    report = store.gc(keep_history=2)
+    assert report.snapshots_pruned == 3
+    assert [s["id"] for s in store.snapshots("s")] == [ids[0], ids[4], ids[5]]
+    assert store.session("s")["head"] == ids[5]
+
+
+def test_fsck_quarantines_bad_blocks_and_reports_damaged_snapshots(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    ref = store.snapshot(info.id).blocks[2]
+    path = store.files.absolute(ref.file)
+    path.write_bytes(path.read_bytes()[:-3])
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET refs = 7 WHERE key = ?", (store.snapshot(info.id).blocks[0].key,))
+    report = store.fsck()
+    assert [b["block"] for b in report.bad_blocks] == [ref.key]
+    assert report.damaged_snapshots[0]["snapshot_id"] == info.id
+    assert report.refcounts_fixed[0]["recorded"] == 7 and report.refcounts_fixed[0]["actual"] == 1
+    assert (store.files.quarantine / path.name).exists() and not path.exists()
+    assert store.rows("SELECT count(*) AS n FROM snapshots")[0]["n"] == 1  # nothing deleted
+    assert len(store.longest_prefix(BUNDLE, TOKENS)) == 2
+
+
+def test_a_quarantined_block_is_healed_by_the_next_writer(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    ref = store.snapshot(info.id).blocks[0]
+    store.files.absolute(ref.file).unlink()
+    store.fsck()
+    again = write_snapshot(store, "s2", TOKENS)
+    assert again.new_blocks == 1
+    assert_snapshot_exact(store, info.id)
+    assert store.fsck().bad_blocks == []
+
+
+def test_fork_shares_blocks_and_copies_the_tail(store):
+    info = write_snapshot(store, "s1", TOKENS)
+    before = len(block_files(store))
+    fork_id = store.fork(info.id, "s2")
+    assert len(block_files(store)) == before
+    assert store.snapshot(fork_id).session_id == "s2"
+    assert_snapshot_exact(store, fork_id)
+    store.delete_session("s1")
+    store.gc(budget_bytes=0)
+    assert_snapshot_exact(store, fork_id)
+
+
+def test_unknown_ids_raise_not_found(store):
+    with pytest.raises(NotFoundError):
+        store.snapshot("nope")
+    with pytest.raises(NotFoundError):
+        store.session("nope")
+    with pytest.raises(NotFoundError):
+        store.delete_session("nope")
+    with pytest.raises(NotFoundError, match="not registered"):
+        store.writer("s", "ee" * 32, TOKENS)
+
+
+def test_an_aborted_writer_leaves_nothing(store):
+    with pytest.raises(RuntimeError):
+        with store.writer("s1", BUNDLE, TOKENS) as w:
+            w.add_block(0, kv_arrays(w.block_tokens(0), 0))
+            raise RuntimeError("engine died")
+    assert block_files(store) == [] and store.snapshots() == []
+
+
+def test_commit_refuses_missing_blocks(store):
+    with store.writer("s1", BUNDLE, TOKENS) as w:
+        with pytest.raises(ValueError, match=r"blocks \[1, 2\]"):
+            w.add_block(0, kv_arrays(w.block_tokens(0), 0))
+            w.commit()
+
+
+def test_reopening_keeps_everything_and_migrations_run_once(store, tmp_path):
+    info = write_snapshot(store, "s1", TOKENS)
+    store.close()
+    again = Store(tmp_path / "store", block_tokens=4)
+    assert_snapshot_exact(again, info.id)
+    names = [r["name"] for r in again.rows("SELECT name FROM _sqlite_migrations")]
+    assert names == ["m001_initial"]
+    again.close()
+    with pytest.raises(sqlite3.IntegrityError):  # foreign keys are enforced
+        conn = sqlite3.connect(tmp_path / "store" / "index.sqlite")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("INSERT INTO snapshot_blocks VALUES ('x', 0, 'y')")
+
+
+@pytest.mark.parametrize("second", ["commit", "abort"])
+def test_racing_writers_of_the_same_blocks_never_delete_the_indexed_file(store, second):
+    # Both plan before either commits, so both write every block (same key, same bytes).
+    a, b = store.writer("a", BUNDLE, TOKENS), store.writer("b", BUNDLE, TOKENS)
+    for w in (a, b):
+        for i in w.needed:
+            w.add_block(i, kv_arrays(w.block_tokens(i), i * 4))
+        w.set_tail(kv_arrays(TOKENS[12:], 12))
+    first = a.commit()
+    if second == "commit":
+        info = b.commit()
+        assert (info.new_blocks, info.reused_blocks) == (0, 3)
+        assert_snapshot_exact(store, info.id)
+    else:
+        b.abort()
+    assert_snapshot_exact(store, first.id)
+    assert store.fsck().ok and len(block_files(store)) == 3
