@@ -346,9 +346,9 @@ class Store:
     def fork(self, snapshot_id: str, session_id: str, *, label: str | None = None) -> str:
         """A new snapshot for `session_id` sharing every block of `snapshot_id` (tail copied)."""
         record = self.snapshot(snapshot_id)
-        tail = self.read_tail(record) if record.tail else None
-        if self.index.one("SELECT 1 FROM sessions WHERE id = ?", (session_id,)) and session_id == record.session_id:
+        if session_id == record.session_id:
             raise InvalidParamsError(f"fork target {session_id!r} is the source session", session_id=session_id)
+        tail = self.read_tail(record) if record.tail else None
         with self.writer(session_id, record.bundle, record.token_ids, parent=record.id, label=label,
                          metadata=record.metadata) as w:
             if w.needed:

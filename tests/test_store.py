@@ -278,3 +278,36 @@ def test_racing_writers_of_the_same_blocks_never_delete_the_indexed_file(store, 
         b.abort()
     assert_snapshot_exact(store, first.id)
     assert store.fsck().ok and len(block_files(store)) == 3
+
+
+def test_disk_full_raises_storage_full_and_leaves_nothing_half_written(store, monkeypatch):
+    import errno
+    import os
+
+    previous = write_snapshot(store, "s1", TOKENS)
+    real_write, calls = os.write, []
+
+    def full_after_one(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_after_one)
+    from kvwake.errors import StorageFullError
+
+    with pytest.raises(StorageFullError, match="no room"):
+        write_snapshot(store, "s1", [1] * 14)
+    monkeypatch.undo()
+    assert [s["id"] for s in store.snapshots("s1")] == [previous.id]
+    assert not [p for p in store.files.walk() if p.name.endswith(".tmp")]
+    assert store.gc().orphans_removed == 0 and store.fsck().ok  # the aborted writer cleaned up after itself
+    assert_snapshot_exact(store, previous.id)
+
+
+def test_fork_into_the_same_session_is_refused(store):
+    from kvwake.errors import InvalidParamsError
+
+    info = write_snapshot(store, "s1", TOKENS)
+    with pytest.raises(InvalidParamsError, match="source session"):
+        store.fork(info.id, "s1")

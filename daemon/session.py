@@ -1,0 +1,144 @@
+"""A session: its token ids, its chat messages, and how new input becomes tokens.
+
+A session holds `tokens`, every token id of the conversation, and (while hot)
+an mlx-lm prompt cache covering `tokens[:processed]`. Tokens past `processed`
+are *pending*: they are fed to the model when generation starts, which yields
+the logits of the next token. Append prefills all new tokens but the last, so
+there is always a pending token to generate from.
+
+Two ways to add input, not mixed in one session:
+- **chat**: `messages` is the truth. Every append re-renders the whole
+  conversation through the tokenizer's chat template (with the generation
+  prompt); the engine keeps the longest common token prefix with what the
+  cache holds and prefills only the rest. Generated replies are recorded as
+  assistant messages.
+- **raw**: text or token ids are appended as they are.
+Mixing them is refused (INVALID_PARAMS): a chat re-render would otherwise drop
+the raw tokens silently.
+
+Templates that reject a system role get the system text folded into the
+first user turn ("{system}\\n\\n{user}"); it is never dropped.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwake.errors import InvalidParamsError
+
+__all__ = ["ChatTemplate", "Session", "common_prefix", "new_session_id"]
+
+MAX_SESSION_ID = 128
+
+
+def new_session_id() -> str:
+    return f"s-{secrets.token_hex(8)}"
+
+
+def check_session_id(session_id: Any) -> str:
+    """Session ids are 1-128 printable characters without '/' or NUL."""
+    if (not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID
+            or not session_id.isprintable() or "/" in session_id):
+        raise InvalidParamsError(f"bad session id {session_id!r}: 1-{MAX_SESSION_ID} printable characters, no '/'",
+                                 session_id=str(session_id)[:MAX_SESSION_ID])
+    return session_id
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class Session:
+    """One conversation. `cache` is None while asleep (or before any input)."""
+
+    id: str
+    mode: str | None = None  # "chat" | "raw" | None (no input yet)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tokens: list[int] = field(default_factory=list)
+    processed: int = 0
+    cache: list | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    head: str | None = None  # latest snapshot id
+    last_used: float = 0.0
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.processed :]
+
+    def set_mode(self, mode: str) -> None:
+        if self.mode not in (None, mode):
+            raise InvalidParamsError(
+                f"session {self.id} takes {self.mode} input; {mode} input would be lost at the next chat render",
+                session_id=self.id,
+            )
+        self.mode = mode
+
+    def state(self) -> dict[str, Any]:
+        """What a snapshot records beside the KV (its metadata), so a wake needs nothing else."""
+        return {"mode": self.mode, "messages": self.messages, "tools": self.tools,
+                "pending": self.pending, "metadata": self.metadata}
+
+    @classmethod
+    def from_state(cls, session_id: str, token_ids: list[int], state: dict[str, Any], head: str) -> Session:
+        return cls(id=session_id, mode=state.get("mode"), messages=list(state.get("messages", [])),
+                   tools=state.get("tools"), tokens=list(token_ids) + list(state.get("pending", [])),
+                   processed=len(token_ids), metadata=dict(state.get("metadata", {})), head=head)
+
+
+class ChatTemplate:
+    """Renders messages to token ids with the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.folds_system = not self._accepts_system()
+
+    def _accepts_system(self) -> bool:
+        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except Exception:  # jinja raises TemplateError (or anything) for templates without a system role
+            return False
+        return "S" in text
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation plus the generation prompt."""
+        messages = self._fold_system(messages) if self.folds_system else messages
+        options: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            options["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as exc:
+            raise InvalidParamsError(f"chat template rejected the messages: {exc}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        system = "\n\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "system")
+        rest = [dict(m) for m in messages if m.get("role") != "system"]
+        if not system:
+            return rest
+        for m in rest:
+            if m.get("role") == "user":
+                m["content"] = f"{system}\n\n{m.get('content', '')}"
+                return rest
+        return [{"role": "user", "content": system}, *rest]
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate chat messages: a list of {"role": str, "content": str, ...} maps."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidParamsError("messages must be a non-empty list of {role, content} maps")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+            raise InvalidParamsError(f"message {i} must be a map with string 'role' and 'content'", index=i)
+    return [dict(m) for m in messages]

