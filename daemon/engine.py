@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +33,36 @@ from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.generation import GenerateParams, GenerateResult, run_generation
 from kvwake.daemon.hotblocks import HotBlocks
-from kvwake.daemon.session import ChatTemplate, Session, check_messages, common_prefix
+from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError
-from kvwake.store import BlockRef, SnapshotRecord, Store
+from kvwake.store import BlockRef, SnapshotRecord, SnapshotWriter, Store
 from kvwake.store.codec import FORMAT_VERSION
 
-__all__ = ["Engine", "resolve_model"]
+__all__ = ["Engine", "Loaded", "Plan", "resolve_model"]
 
 log = logging.getLogger("kvwake.engine")
 INFLIGHT = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an append will make of a session: its new tokens and chat state."""
+
+    target: list[int]
+    mode: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass
+class Loaded:
+    """A verified snapshot read into memory, ready to restore."""
+
+    record: SnapshotRecord
+    blocks: list[dict]
+    tail: dict
+    started: float
+    counts: dict[str, int]
 
 
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
@@ -108,25 +130,27 @@ class Engine:
 
         Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}.
         """
-        given = [x is not None for x in (messages, text, tokens)]
-        if sum(given) != 1:
+        plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools)
+        return self.apply(session, plan, self.prefix_blocks(session, plan.target))
+
+    def plan(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
+             tools: Any = None) -> Plan:
+        """Validate input and compute the session's new token list; changes nothing."""
+        if sum(x is not None for x in (messages, text, tokens)) != 1:
             raise InvalidParamsError("give exactly one of messages, text or tokens")
         if messages is not None:
-            session.set_mode("chat")
-            if tools is not None:
-                session.tools = tools
+            session.check_mode("chat")
+            tools = session.tools if tools is None else check_json(tools, "tools")
             candidate = session.messages + check_messages(messages)
-            target = self.template.render(candidate, session.tools)
-            session.messages = candidate
-        elif text is not None:
+            return Plan(self.template.render(candidate, tools), "chat", candidate, tools)
+        session.check_mode("raw")
+        if text is not None:
             if not isinstance(text, str) or not text:
                 raise InvalidParamsError("text must be a non-empty string")
-            session.set_mode("raw")
-            target = session.tokens + list(self.tokenizer.encode(text, add_special_tokens=not session.tokens))
+            added = list(self.tokenizer.encode(text, add_special_tokens=not session.tokens))
         else:
-            session.set_mode("raw")
-            target = session.tokens + self._check_tokens(tokens)
-        return self._sync(session, target)
+            added = self._check_tokens(tokens)
+        return Plan(session.tokens + added, "raw", session.messages, session.tools)
 
     def _check_tokens(self, tokens: Any) -> list[int]:
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else 1 << 31
@@ -135,42 +159,50 @@ class Engine:
             raise InvalidParamsError(f"tokens must be a non-empty list of ids in [0, {vocab})")
         return list(tokens)
 
-    def _sync(self, session: Session, target: list[int]) -> dict[str, int]:
-        """Make the cache cover target[:-1]: keep the common prefix, reuse stored blocks, prefill the rest."""
-        keep = min(common_prefix(session.tokens[: session.processed], target), len(target) - 1)
-        if session.cache is not None and keep < session.processed:
-            if can_trim_prompt_cache(session.cache):
-                trim_prompt_cache(session.cache, session.processed - keep)
-                session.processed = keep
-            else:  # recurrent or wrapped sliding-window state cannot be rewound
-                session.cache, session.processed = None, 0
-        reused = 0
-        if session.cache is None:
-            session.cache, reused = self._start_cache(target)
-            session.processed = reused
-        session.tokens = target
-        prefilled = self._prefill(session, len(target) - 1)
-        return {"tokens": len(target), "prefilled": prefilled, "reused": reused}
+    def _keep(self, session: Session, target: list[int]) -> int:
+        """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
+        return min(common_prefix(session.tokens[: session.processed], target), len(target) - 1)
 
-    def _start_cache(self, target: list[int]) -> tuple[list, int]:
-        """A fresh cache, holding the longest stored prefix of target[:-1] when the model allows."""
-        if not self.cuttable or len(target) <= self.block_tokens:
-            return self.make_cache(), 0
-        refs = self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1])
+    def _needs_fresh_cache(self, session: Session, target: list[int]) -> bool:
+        return session.cache is None or (self._keep(session, target) < session.processed
+                                         and not can_trim_prompt_cache(session.cache))
+
+    def prefix_blocks(self, session: Session, target: list[int]) -> list[dict]:
+        """Stored blocks that start `target`, when the session will need a fresh cache (store work).
+
+        A bad block shortens the hit; it never fails the append.
+        """
+        if not self.cuttable or len(target) <= self.block_tokens or not self._needs_fresh_cache(session, target):
+            return []
         blocks = []
-        for ref in refs:  # read (and verify) first: a bad block shortens the hit, it never fails the append
+        for ref in self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1]):
             try:
                 blocks.append(self._fetch(ref))
             except CorruptBlockError as exc:
                 log.warning("prefix block unusable, prefilling instead: %s", exc.message)
                 break
-        if not blocks:
-            return self.make_cache(), 0
+        return blocks
+
+    def apply(self, session: Session, plan: Plan, blocks: list[dict]) -> dict[str, int]:
+        """Make the cache cover plan.target[:-1]: keep the common prefix, restore `blocks`, prefill the rest."""
+        target, keep = plan.target, self._keep(session, plan.target)
+        if self._needs_fresh_cache(session, target):
+            session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
+        elif keep < session.processed:
+            trim_prompt_cache(session.cache, session.processed - keep)
+            session.processed = keep
+        reused = 0
+        if session.cache is None:
+            session.cache = self._prefix_cache(blocks) if blocks else self.make_cache()
+            reused = session.processed = len(blocks) * self.block_tokens
+            self._count("tokens_reused", reused)
+        session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
+        prefilled = self._prefill(session, len(target) - 1)
+        return {"tokens": len(target), "prefilled": prefilled, "reused": reused}
+
+    def _prefix_cache(self, blocks: list[dict]) -> list:
         cache = kvstate.restore_prefix(self.model, iter(blocks), len(blocks), self.block_tokens)
-        if self.kv_bits is not None:
-            cache = self._quantize(cache)
-        self._count("tokens_reused", len(blocks) * self.block_tokens)
-        return cache, len(blocks) * self.block_tokens
+        return self._quantize(cache) if self.kv_bits is not None else cache
 
     def _quantize(self, cache: list) -> list:
         return [c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits) if type(c) is KVCache else c
@@ -202,8 +234,9 @@ class Engine:
     def generate(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerateResult:
         """Generate from the session's pending tokens; the reply becomes part of the session."""
-        if session.cache is None and session.tokens:
-            self._sync(session, session.tokens)
+        if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
+            plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
+            self.apply(session, plan, self.prefix_blocks(session, session.tokens))
         if not session.pending:
             if session.processed and can_trim_prompt_cache(session.cache):
                 trim_prompt_cache(session.cache, 1)
@@ -225,54 +258,85 @@ class Engine:
         return result
 
     # -- sleep and wake -------------------------------------------------------
+    # Each is split into phases so the daemon can run MLX work on its engine
+    # thread and store work on worker threads: begin_sleep / finish_sleep and
+    # load_snapshot touch only the store; capture_* and restore touch only MLX.
+
+    def begin_sleep(self, session: Session, *, label: str | None = None) -> SnapshotWriter:
+        """Open the snapshot writer (store work); its `needed` says which blocks to capture."""
+        tokens = session.tokens[: session.processed]
+        return self.store.writer(session.id, self.bundle.hash, tokens, parent=session.head, label=label,
+                                 metadata=session.state())
+
+    def capture_block(self, session: Session, index: int) -> dict:
+        return kvstate.capture_block(session.cache, index, self.block_tokens)
+
+    def capture_tail(self, session: Session) -> dict:
+        if session.cache is None:
+            return {}
+        return kvstate.capture_tail(session.cache, session.processed, self.block_tokens)
+
+    def finish_sleep(self, session: Session, w: SnapshotWriter, started: float, *, free: bool = True) -> dict[str, Any]:
+        """Commit (store work), then free the session's KV (unless `free` is False: a checkpoint).
+
+        Until the commit succeeds the session stays hot.
+        """
+        info = w.commit()
+        session.head = info.id
+        if free:
+            session.cache = None
+        return {"snapshot_id": info.id, "tokens": info.n_tokens, "raw_bytes": info.raw_bytes,
+                "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
+                "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
+                "ms": round((time.perf_counter() - started) * 1000, 3)}
 
     def sleep(self, session: Session) -> dict[str, Any]:
         """Write the session's KV as a snapshot and free it. On failure the session stays hot."""
-        start = time.perf_counter()
-        cache, n = session.cache, session.processed
-        tokens = session.tokens[:n]
-        with self.store.writer(session.id, self.bundle.hash, tokens, parent=session.head,
-                               metadata=session.state()) as w:
+        started = time.perf_counter()
+        with self.begin_sleep(session) as w:
             inflight: list[cf.Future] = []
             try:
                 for i in w.needed:
                     while len(inflight) >= INFLIGHT:
                         inflight.pop(0).result()
-                    arrays = kvstate.capture_block(cache, i, self.block_tokens)
-                    inflight.append(self._pool.submit(w.add_block, i, arrays))
+                    inflight.append(self._pool.submit(w.add_block, i, self.capture_block(session, i)))
             finally:  # never leave a write running behind an aborting writer
                 cf.wait(inflight)
             for f in inflight:
                 f.result()
-            if cache is not None:
-                tail = kvstate.capture_tail(cache, n, self.block_tokens)
-                if tail:
-                    w.set_tail(tail)
-            info = w.commit()
-        session.head, session.cache = info.id, None
-        return {"snapshot_id": info.id, "tokens": n, "raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes,
-                "new_blocks": info.new_blocks, "reused_blocks": info.reused_blocks,
-                "written_bytes": info.written_bytes, "ms": round((time.perf_counter() - start) * 1000, 3)}
+            tail = self.capture_tail(session)
+            if tail:
+                w.set_tail(tail)
+            return self.finish_sleep(session, w, started)
 
-    def wake(self, session_id: str, snapshot_id: str | None = None) -> tuple[Session, dict[str, Any]]:
-        """Restore a session from its latest (or a given) snapshot, exactly."""
-        start = time.perf_counter()
+    def load_snapshot(self, session_id: str, snapshot_id: str | None = None) -> Loaded:
+        """Read and verify everything a wake needs (store work, parallel decode)."""
+        started = time.perf_counter()
         sid = snapshot_id or self.store.latest_snapshot(session_id)
         record = self._record(sid)
         if record.session_id != session_id:
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         before = dict(self.counters)
-        blocks = self._stream_blocks(record)
+        blocks = list(self._stream_blocks(record))
         tail = self.store.read_tail(record)
-        cache = kvstate.restore(self.model, blocks, tail, len(record.token_ids), self.block_tokens) \
-            if record.token_ids else None
-        session = Session.from_state(session_id, list(record.token_ids), record.metadata, record.id)
+        return Loaded(record, blocks, tail, started, {
+            "blocks_from_memory": self.counters["blocks_ram"] - before["blocks_ram"],
+            "blocks_from_disk": self.counters["blocks_disk"] - before["blocks_disk"]})
+
+    def restore(self, loaded: Loaded) -> tuple[Session, dict[str, Any]]:
+        """Build the session's cache from loaded blocks (MLX work)."""
+        r = loaded.record
+        cache = kvstate.restore(self.model, iter(loaded.blocks), loaded.tail, len(r.token_ids), self.block_tokens) \
+            if r.token_ids else None
+        session = Session.from_state(r.session_id, list(r.token_ids), r.metadata, r.id)
         session.cache = cache
-        return session, {"snapshot_id": record.id, "tokens": len(session.tokens),
-                         "blocks_from_memory": self.counters["blocks_ram"] - before["blocks_ram"],
-                         "blocks_from_disk": self.counters["blocks_disk"] - before["blocks_disk"],
-                         "ms": round((time.perf_counter() - start) * 1000, 3)}
+        return session, {"snapshot_id": r.id, "tokens": len(session.tokens), **loaded.counts,
+                         "ms": round((time.perf_counter() - loaded.started) * 1000, 3)}
+
+    def wake(self, session_id: str, snapshot_id: str | None = None) -> tuple[Session, dict[str, Any]]:
+        """Restore a session from its latest (or a given) snapshot, exactly."""
+        return self.restore(self.load_snapshot(session_id, snapshot_id))
 
     def _record(self, snapshot_id: str) -> SnapshotRecord:
         try:
@@ -301,11 +365,14 @@ class Engine:
 
     # -- shared prompts -------------------------------------------------------
 
-    def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin its full blocks in the prefix cache."""
+    def check_warmable(self) -> None:
         if not self.cuttable:
             raise InvalidParamsError(f"{self.model_name} keeps state that cannot be cut by token (sliding window or "
                                      "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
+
+    def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None) -> dict[str, Any]:
+        """Prefill a shared prompt once and pin its full blocks in the prefix cache."""
+        self.check_warmable()
         scratch = Session(id="prefix-warm")
         self.append(scratch, messages=messages, text=text, tokens=tokens)
         with self.store.writer(None, self.bundle.hash, scratch.tokens[: scratch.processed], pin=True) as w:

@@ -22,13 +22,14 @@ first user turn ("{system}\\n\\n{user}"); it is never dropped.
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvwake.errors import InvalidParamsError
 
-__all__ = ["ChatTemplate", "Session", "common_prefix", "new_session_id"]
+__all__ = ["ChatTemplate", "Session", "check_json", "check_messages", "common_prefix", "new_session_id"]
 
 MAX_SESSION_ID = 128
 
@@ -74,13 +75,12 @@ class Session:
     def pending(self) -> list[int]:
         return self.tokens[self.processed :]
 
-    def set_mode(self, mode: str) -> None:
+    def check_mode(self, mode: str) -> None:
         if self.mode not in (None, mode):
             raise InvalidParamsError(
                 f"session {self.id} takes {self.mode} input; {mode} input would be lost at the next chat render",
                 session_id=self.id,
             )
-        self.mode = mode
 
     def state(self) -> dict[str, Any]:
         """What a snapshot records beside the KV (its metadata), so a wake needs nothing else."""
@@ -134,11 +134,23 @@ class ChatTemplate:
         return [{"role": "user", "content": system}, *rest]
 
 
+def check_json(value: Any, name: str) -> Any:
+    """Refuse what a snapshot could not hold exactly: it must survive a JSON round trip unchanged."""
+    try:
+        same = json.loads(json.dumps(value)) == value
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise InvalidParamsError(f"{name} must be plain JSON data (string keys; no bytes, NaN or other types)",
+                                 param=name)
+    return value
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate chat messages: a list of {"role": str, "content": str, ...} maps."""
+    """Validate chat messages: a list of {"role": str, "content": str, ...} maps of plain JSON data."""
     if not isinstance(messages, list) or not messages:
         raise InvalidParamsError("messages must be a non-empty list of {role, content} maps")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
             raise InvalidParamsError(f"message {i} must be a map with string 'role' and 'content'", index=i)
-    return [dict(m) for m in messages]
+    return [dict(m) for m in check_json(messages, "messages")]

@@ -97,7 +97,7 @@ def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progres
     total = len(record.blocks) + (1 if record.tail else 0)
     try:
         with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            _add_member(tar, "manifest.json", json.dumps(manifest, sort_keys=True, indent=1).encode(), record.created)
+            _add_member(tar, "manifest.json", json.dumps(manifest, indent=1).encode(), record.created)
             for n, ref in enumerate(record.blocks, 1):
                 store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
                 _add_member(tar, f"blocks/{ref.key}.kvb", store.files.absolute(ref.file).read_bytes(), record.created)

@@ -218,4 +218,6 @@ class SnapshotWriter:
         )
 
     def metadata_json(self) -> str:
-        return json.dumps(self.metadata, sort_keys=True)
+        # Insertion order is kept: chat templates render maps (tools) in their order, so
+        # sorting keys here would make a woken session render different tokens.
+        return json.dumps(self.metadata)

@@ -1,8 +1,16 @@
 """Tiny random-weight model folders that mlx_lm.load accepts, with a real byte-level tokenizer.
 
 The tokenizer maps every byte to one token (ids 0-255, GPT-2 byte-level
-alphabet) plus ChatML specials, so any text round-trips. Two chat templates:
-"chatml" (takes a system role) and "no-system" (raises on one, like Gemma's).
+alphabet) plus ChatML specials, so any text round-trips. Three chat templates:
+CHATML (takes a system role), NO_SYSTEM (raises on one, like Gemma's) and
+TOOLS_CHATML (CHATML that renders a `tools` list first, as tool-calling
+templates do).
+
+ARCHS holds config.json contents (keys as the HF configs name them) for a
+plain-KV model (llama), one with sliding-window ring buffers besides global
+layers (gemma3_text, window 8: short prompts wrap the ring), and two hybrids
+with recurrent state (lfm2: conv state + attention; qwen3_next: gated delta
+net + attention + MoE, which on CPU runs in float32 only, see FLOAT32_ONLY).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TOOLS_CHATML = "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}" + CHATML
 NO_SYSTEM = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -30,7 +39,27 @@ ARCHS = {
     "llama": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
               "tie_word_embeddings": True, "max_position_embeddings": 4096},
+    # Layers 0, 1 slide over the last 8 tokens (RotatingKVCache); layer 2 is global (KVCache).
+    "gemma3_text": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 16,
+                    "sliding_window": 8, "sliding_window_pattern": 3, "max_position_embeddings": 4096},
+    # Conv layers keep a recurrent state (ArraysCache); the middle layer is attention (KVCache).
+    "lfm2": {"model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 4096, "norm_eps": 1e-5, "conv_bias": False,
+             "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128, "block_multiple_of": 32,
+             "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": False, "rope_theta": 1000000.0,
+             "layer_types": ["conv", "full_attention", "conv"]},
+    # Linear-attention (gated delta net) layers 0, 2 keep conv + SSM state; layers 1, 3 are attention.
+    "qwen3_next": {"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                   "shared_expert_intermediate_size": 64, "mlp_only_layers": [], "moe_intermediate_size": 32,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                   "max_position_embeddings": 4096, "full_attention_interval": 2, "tie_word_embeddings": False},
 }
+FLOAT32_ONLY = {"qwen3_next"}  # MoE gather_mm has no bfloat16 kernel on CPU
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -63,8 +92,16 @@ def write_tokenizer(path: Path, template: str) -> int:
 
 
 def make_model_dir(path: Path, *, arch: str = "llama", template: str = CHATML, seed: int = 0,
-                   dtype: mx.Dtype = mx.bfloat16, **overrides) -> Path:
-    """Write a loadable tiny model folder at `path` and return it."""
+                   dtype: mx.Dtype | None = None, ascii_replies: bool = False, **overrides) -> Path:
+    """Write a loadable tiny model folder at `path` and return it.
+
+    dtype: of the weights; None means bfloat16, or float32 for FLOAT32_ONLY archs.
+    ascii_replies: zero the output rows of the bytes a chat re-render would not give back, so greedy
+      replies re-render to the same tokens: 128-255 (alone they decode to U+FFFD), NUL (mlx-lm's BPE
+      detokenizer turns it into "Ā") and space (it trims one that starts a reply).
+    """
+    if dtype is None:
+        dtype = mx.float32 if arch in FLOAT32_ONLY else mx.bfloat16
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path, template)
     config = {**ARCHS[arch], "vocab_size": vocab, **overrides}
@@ -75,8 +112,12 @@ def make_model_dir(path: Path, *, arch: str = "llama", template: str = CHATML, s
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     # Larger-than-default init so greedy continuations depend on the context.
-    params = [(k, (mx.random.normal(v.shape) * 0.5).astype(dtype)) for k, v in tree_flatten(model.parameters())]
-    mx.save_safetensors(str(path / "model.safetensors"), dict(params), metadata={"format": "mlx"})
+    params = {k: (mx.random.normal(v.shape) * 0.5).astype(dtype) for k, v in tree_flatten(model.parameters())}
+    if ascii_replies:
+        head = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
+        for lo, hi in ((0, 1), (32, 33), (128, 256)):
+            params[head][lo:hi] = 0
+    mx.save_safetensors(str(path / "model.safetensors"), params, metadata={"format": "mlx"})
     return path
 
 
@@ -84,4 +125,4 @@ def eos_id(path: Path) -> int:
     return json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
 
 
-__all__ = ["CHATML", "NO_SYSTEM", "eos_id", "make_model_dir", "nn"]
+__all__ = ["ARCHS", "CHATML", "FLOAT32_ONLY", "NO_SYSTEM", "TOOLS_CHATML", "eos_id", "make_model_dir", "nn"]

@@ -1,0 +1,109 @@
+"""Daemon settings: flags > environment > config file > platform defaults.
+
+Environment: KVWAKE_SOCKET, KVWAKE_DATA_DIR, KVWAKE_MODEL, KVWAKE_CONFIG.
+Config file (TOML, default `<user config dir>/kvwake/config.toml`), any of
+the `Settings` field names as top-level keys, e.g.
+
+    model = "~/models/Qwen3-4B-4bit"
+    hot_budget_bytes = 4_000_000_000
+    idle_timeout_s = 900
+    allow_uids = [501]
+
+Defaults come from platformdirs: the socket in the user runtime dir, the
+store and converted models in the user data dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+__all__ = ["Settings", "default_socket", "load_settings"]
+
+ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL"}
+
+
+def default_socket() -> Path:
+    with warnings.catch_warnings():  # no XDG_RUNTIME_DIR (containers, CI): platformdirs falls back and warns
+        warnings.simplefilter("ignore")
+        return Path(platformdirs.user_runtime_dir("kvwake")) / "kvwake.sock"
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("kvwake"))
+
+
+def default_config() -> Path:
+    return Path(os.environ.get("KVWAKE_CONFIG") or Path(platformdirs.user_config_dir("kvwake")) / "config.toml")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `kvwake serve` needs; see the module docstring for where values come from."""
+
+    socket: Path = field(default_factory=default_socket)
+    data_dir: Path = field(default_factory=default_data_dir)
+    model: str | None = None  # an mlx-lm folder or hub id; None: the default model
+    block_tokens: int = 128
+    hot_budget_bytes: int = 2 << 30  # KV of hot sessions; LRU sessions sleep above it
+    idle_timeout_s: float = 600.0  # a session idle this long sleeps
+    store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
+    ram_tier_bytes: int = 256 << 20  # decoded hot blocks kept in RAM
+    keep_history: int = 4  # unlabeled snapshots kept per session
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    allow_uids: tuple[int, ...] = ()  # besides the daemon's own uid
+    read_timeout_s: float = 30.0  # a peer stalled mid-frame this long is dropped
+    lifecycle_interval_s: float = 5.0
+    log_level: str = "INFO"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.data_dir / "store"
+
+    @property
+    def status_file(self) -> Path:
+        return self.socket.with_suffix(".json")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = {f.name: f.type for f in fields(Settings)}[name]
+    if name in ("socket", "data_dir"):
+        return Path(str(value)).expanduser()
+    if name == "allow_uids":
+        return tuple(int(v) for v in value)
+    if value is None:
+        return None
+    if "int" in str(kind) and "float" not in str(kind):
+        return int(value)
+    if "float" in str(kind):
+        return float(value)
+    return str(value)
+
+
+def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None = None) -> Settings:
+    """Resolve settings from flags (None values ignored), environment, config file, defaults.
+
+    Raises ValueError naming an unknown config key or a bad value.
+    """
+    values: dict[str, Any] = {}
+    path = config_file or default_config()
+    if path.exists():
+        data = tomllib.loads(path.read_text())
+        unknown = set(data) - {f.name for f in fields(Settings)}
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        values.update(data)
+    values.update({k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)})
+    values.update({k: v for k, v in (flags or {}).items() if v is not None})
+    try:
+        return dataclasses.replace(Settings(), **{k: _coerce(k, v) for k, v in values.items()})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad setting: {exc}") from None

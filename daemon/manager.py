@@ -1,0 +1,316 @@
+"""Sessions in the daemon: hot or asleep, one operation at a time, slept when idle or over budget.
+
+Concurrency rules:
+- MLX work runs on the engine thread (`EngineThread`); store work (SQLite,
+  compression, disk) on anyio worker threads; the event loop only orchestrates.
+- One operation at a time per session. A second mutating operation on a busy
+  session fails at once with BUSY (agents should not overlap turns on one
+  conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
+- A sleep captures one block at a time on the engine thread and encodes and
+  writes it on a worker, at most two blocks in flight: other sessions'
+  generation interleaves with it, and no second copy of the KV is built.
+- A client that disconnects mid-generation stops it after the current token;
+  the tokens generated so far stay in the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio import to_thread
+
+from kvwake.daemon import kvstate
+from kvwake.daemon.config import Settings
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.session import Session, check_session_id
+from kvwake.daemon.session import new_session_id as make_session_id
+from kvwake.daemon.worker import EngineThread
+from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
+from kvwake.store import SnapshotWriter
+
+__all__ = ["Latency", "SessionManager"]
+
+log = logging.getLogger("kvwake.sessions")
+INFLIGHT = 2
+
+
+class Latency:
+    """The last 1024 samples of one operation's duration, in ms."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=1024)
+
+    def add(self, ms: float) -> None:
+        self.samples.append(ms)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.samples:
+            return {"count": 0, "p50_ms": None, "p99_ms": None}
+        ordered = sorted(self.samples)
+        pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
+        return {"count": len(ordered), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
+
+
+@dataclass
+class Entry:
+    """A session the daemon knows: `session` is None while it sleeps."""
+
+    id: str
+    session: Session | None = None
+    busy: str | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+
+
+class SessionManager:
+    """All session operations the RPC methods call."""
+
+    def __init__(self, engine: Engine, thread: EngineThread, settings: Settings) -> None:
+        self.engine, self.thread, self.settings = engine, thread, settings
+        self.store = engine.store
+        self.entries: dict[str, Entry] = {}
+        self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
+        self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0}
+        self.stopping = False
+
+    async def load(self) -> None:
+        """Know every session the store holds (all asleep after a start)."""
+        for row in await to_thread.run_sync(self.store.sessions):
+            self.entries[row["id"]] = Entry(row["id"], created=row["created"])
+
+    # -- claiming -------------------------------------------------------------
+
+    def entry(self, session_id: Any) -> Entry:
+        entry = self.entries.get(check_session_id(session_id))
+        if entry is None:
+            raise NotFoundError(f"no session {session_id!r}", session_id=session_id)
+        return entry
+
+    @contextlib.asynccontextmanager
+    async def claim(self, session_id: Any, op: str) -> AsyncIterator[Entry]:
+        entry = self.entry(session_id)
+        if entry.busy:
+            raise BusyError(f"session {entry.id} is busy ({entry.busy}); retry when it is done",
+                            session_id=entry.id, busy_with=entry.busy)
+        entry.busy = op
+        try:
+            yield entry
+        finally:
+            entry.busy, entry.last_used = None, time.monotonic()
+
+    async def hot(self, entry: Entry) -> Session:
+        """The entry's session, woken first if it sleeps (the caller holds the claim)."""
+        if entry.session is None:
+            await self._wake(entry, None)
+        assert entry.session is not None
+        return entry.session
+
+    # -- lifecycle operations -------------------------------------------------
+
+    async def create(self, session_id: Any = None, system: Any = None, metadata: Any = None,
+                     exist_ok: bool = False) -> dict[str, Any]:
+        session_id = check_session_id(session_id) if session_id is not None else make_session_id()
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidParamsError("metadata must be a map")
+        if system is not None and not isinstance(system, str):
+            raise InvalidParamsError("system must be a string")
+        if session_id in self.entries:
+            if exist_ok:
+                return {"session_id": session_id, "created": False}
+            raise InvalidParamsError(f"session {session_id} exists", session_id=session_id, exists=True)
+        session = Session(session_id, metadata=dict(metadata or {}))
+        if system:
+            session.mode, session.messages = "chat", [{"role": "system", "content": system}]
+        self.entries[session_id] = Entry(session_id, session=session)
+        await to_thread.run_sync(self.store.ensure_session, session_id, metadata or {})
+        return {"session_id": session_id, "created": True}
+
+    async def _wake(self, entry: Entry, snapshot_id: str | None) -> dict[str, Any]:
+        loaded = await to_thread.run_sync(self.engine.load_snapshot, entry.id, snapshot_id)
+        session, info = await self.thread.run(lambda: self.engine.restore(loaded))
+        entry.session = session
+        self.latency["wake"].add(info["ms"])
+        self.counters["wakes"] += 1
+        log.info("wake", extra={"session": entry.id, **info})
+        return info
+
+    async def wake(self, session_id: Any, snapshot_id: Any = None) -> dict[str, Any]:
+        async with self.claim(session_id, "wake") as entry:
+            if entry.session is not None and snapshot_id is None:
+                return {"snapshot_id": entry.session.head, "tokens": len(entry.session.tokens), "already_awake": True}
+            return await self._wake(entry, snapshot_id)
+
+    async def sleep(self, session_id: Any, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
+        async with self.claim(session_id, "sleep") as entry:
+            if entry.session is None:
+                head = await to_thread.run_sync(self.store.session, entry.id)
+                return {"snapshot_id": head["head"], "already_asleep": True}
+            return await self._sleep(entry, label=label, free=free)
+
+    async def _sleep(self, entry: Entry, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
+        session, started = entry.session, time.perf_counter()
+        assert session is not None
+        w: SnapshotWriter = await to_thread.run_sync(lambda: self.engine.begin_sleep(session, label=label))
+        try:
+            await self._write_blocks(w, lambda i: self.engine.capture_block(session, i))
+            tail = await self.thread.run(lambda: self.engine.capture_tail(session))
+            if tail:
+                await to_thread.run_sync(w.set_tail, tail)
+            info = await to_thread.run_sync(lambda: self.engine.finish_sleep(session, w, started, free=free))
+        except BaseException as exc:
+            await to_thread.run_sync(w.abort)
+            self.counters["sleep_failures"] += 1
+            log.error("sleep failed; session stays hot", extra={"session": entry.id, "error": repr(exc)})
+            raise
+        if free:
+            entry.session = None
+        self.latency["sleep"].add(info["ms"])
+        self.counters["sleeps"] += 1
+        log.info("sleep", extra={"session": entry.id, **info})
+        return info
+
+    async def _write_blocks(self, w: SnapshotWriter, capture: Callable[[int], dict]) -> None:
+        """Capture each needed block on the engine thread, write it on a worker, two in flight."""
+        limit = anyio.Semaphore(INFLIGHT)
+
+        async def write(i: int, arrays: dict) -> None:
+            try:
+                await to_thread.run_sync(w.add_block, i, arrays)
+            finally:
+                limit.release()
+
+        async with anyio.create_task_group() as tg:
+            for i in w.needed:
+                await limit.acquire()
+                arrays = await self.thread.run(lambda i=i: capture(i))
+                tg.start_soon(write, i, arrays)
+
+    async def delete(self, session_id: Any) -> dict[str, Any]:
+        async with self.claim(session_id, "delete") as entry:
+            self.entries.pop(entry.id, None)
+            with contextlib.suppress(NotFoundError):
+                removed = await to_thread.run_sync(self.store.delete_session, entry.id)
+                return {"session_id": entry.id, "snapshots_removed": removed}
+        return {"session_id": session_id, "snapshots_removed": 0}
+
+    async def snapshot_now(self, session_id: Any, label: str | None) -> str:
+        """A snapshot of the session as it is now; a hot session stays hot."""
+        async with self.claim(session_id, "checkpoint") as entry:
+            if entry.session is None:
+                head = (await to_thread.run_sync(self.store.session, entry.id))["head"]
+                if head is None:
+                    raise InvalidParamsError(f"session {entry.id} has no state to checkpoint", session_id=entry.id)
+                if label is not None:
+                    await to_thread.run_sync(self.store.set_label, head, label)
+                return head
+            return (await self._sleep(entry, label=label, free=False))["snapshot_id"]
+
+    async def fork(self, session_id: Any, new_session_id: Any = None, snapshot_id: Any = None) -> dict[str, Any]:
+        new_id = check_session_id(new_session_id) if new_session_id is not None else make_session_id()
+        if new_id in self.entries:
+            raise InvalidParamsError(f"session {new_id} exists", session_id=new_id)
+        source = snapshot_id if snapshot_id is not None else await self.snapshot_now(session_id, None)
+        record = await to_thread.run_sync(self.store.snapshot, source)
+        if record.session_id != self.entry(session_id).id:
+            raise InvalidParamsError(f"snapshot {source} is not from session {session_id}", snapshot_id=source)
+        forked = await to_thread.run_sync(self.store.fork, source, new_id)
+        self.entries[new_id] = Entry(new_id)
+        return {"session_id": new_id, "snapshot_id": forked, "from_snapshot": source}
+
+    # -- conversation ---------------------------------------------------------
+
+    async def append(self, session_id: Any, **inputs: Any) -> dict[str, Any]:
+        async with self.claim(session_id, "append") as entry:
+            return await self._append(await self.hot(entry), inputs)
+
+    async def _append(self, session: Session, inputs: dict[str, Any]) -> dict[str, Any]:
+        plan = await self.thread.run(lambda: self.engine.plan(session, **inputs))
+        blocks = await to_thread.run_sync(self.engine.prefix_blocks, session, plan.target)
+        return await self.thread.run(lambda: self.engine.apply(session, plan, blocks))
+
+    async def generate(self, session_id: Any, params: GenerateParams, on_text: Callable[[str], None] | None,
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        async with self.claim(session_id, "chat" if inputs else "generate") as entry:
+            session = await self.hot(entry)
+            appended = await self._append(session, inputs) if inputs else None
+            stop = lambda: cancelled() or self.stopping  # noqa: E731
+            result = await self.thread.run(lambda: self.engine.generate(session, params, on_text, stop))
+            self.counters["generations"] += 1
+            self.latency["generate_ttft"].add(result.usage["ttft_ms"])
+            usage = {**result.usage, "reused_tokens": appended["reused"] if appended else 0,
+                     "prefilled_tokens": appended["prefilled"] if appended else 0}
+            return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
+                    "usage": usage, **({"append": appended} if appended else {})}
+
+    # -- store-level operations -----------------------------------------------
+
+    def engine_cache_bytes(self, session: Session) -> int:
+        return kvstate.cache_nbytes(session.cache) if session.cache is not None else 0
+
+    async def import_snapshot(self, path: Any, session_id: Any = None) -> dict[str, Any]:
+        """Import a portable snapshot; its session becomes known (asleep) if it was not."""
+        if session_id is not None:
+            check_session_id(session_id)
+        result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
+        self.entries.setdefault(result["session_id"], Entry(result["session_id"]))
+        return result
+
+    async def warm(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Prefill a shared prompt once and pin its full blocks in the prefix cache."""
+        self.engine.check_warmable()
+        scratch = Session("prefix-warm")
+        await self._append(scratch, inputs)
+        tokens = scratch.tokens[: scratch.processed]
+        w = await to_thread.run_sync(lambda: self.store.writer(None, self.engine.bundle.hash, tokens, pin=True))
+        try:
+            await self._write_blocks(w, lambda i: self.engine.capture_block(scratch, i))
+            info = await to_thread.run_sync(w.commit)
+        except BaseException:
+            await to_thread.run_sync(w.abort)
+            raise
+        return {"tokens": len(scratch.tokens), "blocks": len(w.keys), "new_blocks": info.new_blocks,
+                "stored_bytes": info.stored_bytes}
+
+    # -- automatic sleep and shutdown -----------------------------------------
+
+    def hot_bytes(self) -> int:
+        return sum(kvstate.cache_nbytes(e.session.cache) for e in self.entries.values()
+                   if e.session is not None and e.session.cache is not None)
+
+    async def enforce_limits(self) -> int:
+        """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
+        now, slept = time.monotonic(), 0
+        hot = sorted((e for e in self.entries.values() if e.session is not None and not e.busy),
+                     key=lambda e: e.last_used)
+        for e in hot:
+            idle = now - e.last_used > self.settings.idle_timeout_s
+            if not idle and self.hot_bytes() <= self.settings.hot_budget_bytes:
+                break
+            with contextlib.suppress(BusyError):
+                try:
+                    await self.sleep(e.id)
+                    slept += 1
+                    self.counters["auto_sleeps"] += 1
+                except Exception as exc:  # logged in _sleep; the session stays hot and is retried later
+                    log.warning("auto-sleep failed", extra={"session": e.id, "error": repr(exc)})
+        return slept
+
+    async def sleep_all(self) -> dict[str, Any]:
+        """For shutdown: sleep every hot session; failures are logged and reported, not raised."""
+        results: dict[str, Any] = {}
+        for e in list(self.entries.values()):
+            if e.session is None:
+                continue
+            try:
+                results[e.id] = (await self.sleep(e.id))["snapshot_id"]
+            except Exception as exc:
+                results[e.id] = {"error": repr(exc)}
+        return results

@@ -1,0 +1,240 @@
+"""The RPC methods: names, parameters and results (docs/protocol.md is their reference).
+
+Each method takes the request context and its params map and returns a map.
+Params are checked here; anything wrong is INVALID_PARAMS naming the param.
+Unknown params are refused too, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from anyio import to_thread
+
+import kvwake
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.manager import SessionManager
+from kvwake.errors import InvalidParamsError
+from kvwake.protocol import PROTOCOL_VERSION
+
+__all__ = ["METHODS", "Context"]
+
+GENERATE_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "stream"}
+INPUT_KEYS = {"messages", "text", "tokens", "tools"}
+
+
+@dataclass
+class Context:
+    """What a method may use: the manager, the requesting connection's hooks, the server's."""
+
+    manager: SessionManager
+    msgid: int
+    notify: Callable[[dict[str, Any]], None]  # sends [2, "stream", {...}] tied to this request
+    closed: Callable[[], bool]  # the client went away
+    shutdown: Callable[[], None]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check(params: dict[str, Any], allowed: set[str], required: set[str] = frozenset()) -> dict[str, Any]:
+    unknown = set(params) - allowed
+    if unknown:
+        raise InvalidParamsError(f"unknown params {sorted(unknown)}; allowed: {sorted(allowed)}")
+    missing = required - set(params)
+    if missing:
+        raise InvalidParamsError(f"missing params {sorted(missing)}")
+    return params
+
+
+def _path(value: Any, name: str, ctx: Context, *, must_exist: bool) -> Path:
+    """An absolute path outside the data dir; the file must exist (import) or its folder must (export)."""
+    if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
+        raise InvalidParamsError(f"{name} must be an absolute path", param=name)
+    path = Path(value).resolve()
+    data = ctx.manager.settings.data_dir.resolve()
+    if path.is_relative_to(data):
+        raise InvalidParamsError(f"{name} {path} is inside the daemon's data dir", param=name)
+    if must_exist and not path.is_file():
+        raise InvalidParamsError(f"{name} {path} is not a file", param=name)
+    if not must_exist and (not path.parent.is_dir() or path.exists()):
+        raise InvalidParamsError(f"{name} {path}: folder must exist and the file must not", param=name)
+    return path
+
+
+async def hello(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"client", "protocol"})
+    protocol = p.get("protocol", PROTOCOL_VERSION)
+    if protocol != PROTOCOL_VERSION:
+        raise InvalidParamsError(f"protocol {protocol!r} not supported; this server speaks {PROTOCOL_VERSION}",
+                                 supported=[PROTOCOL_VERSION])
+    engine = ctx.manager.engine
+    return {"server": "kvwake", "version": kvwake.__version__, "protocol": PROTOCOL_VERSION,
+            "model": engine.model_name, "bundle_hash": engine.bundle.hash}
+
+
+async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    m, engine = ctx.manager, ctx.manager.engine
+    hot = sum(1 for e in m.entries.values() if e.session is not None)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
+            "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
+            "memory": {"hot_kv_bytes": m.hot_bytes(), "hot_budget_bytes": m.settings.hot_budget_bytes,
+                       "ram_tier_bytes": engine.hot.bytes, "peak_rss_bytes": rss},
+            "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
+                      "path": str(engine.store.root)},
+            "counters": {**m.counters, **engine.counters}}
+
+
+async def stats(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    m, c = ctx.manager, ctx.manager.engine.counters
+    blocks = c["blocks_ram"] + c["blocks_disk"]
+    tokens = c["tokens_reused"] + c["tokens_prefilled"]
+    return {"latency": {k: v.summary() for k, v in m.latency.items()},
+            "blocks": {"from_memory": c["blocks_ram"], "from_disk": c["blocks_disk"],
+                       "memory_hit_rate": round(c["blocks_ram"] / blocks, 4) if blocks else None},
+            "tokens": {"reused": c["tokens_reused"], "prefilled": c["tokens_prefilled"],
+                       "reuse_rate": round(c["tokens_reused"] / tokens, 4) if tokens else None},
+            "engine_busy_s": round(m.thread.busy_s, 3), "counters": m.counters}
+
+
+async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id", "system", "metadata", "exist_ok"})
+    return await ctx.manager.create(p.get("session_id"), p.get("system"), p.get("metadata"), bool(p.get("exist_ok")))
+
+
+async def session_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    return {"sessions": [_summary(e) for e in ctx.manager.entries.values()]}
+
+
+def _summary(e: Any) -> dict[str, Any]:
+    s = e.session
+    return {"session_id": e.id, "state": "hot" if s is not None else "asleep", "busy": e.busy,
+            "tokens": len(s.tokens) if s is not None else None}
+
+
+async def session_info(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"}, {"session_id"})
+    e = ctx.manager.entry(p["session_id"])
+    row = await to_thread.run_sync(ctx.manager.store.session, e.id)
+    snaps = await to_thread.run_sync(ctx.manager.store.snapshots, e.id)
+    info = {**_summary(e), "metadata": row["metadata"], "head": row["head"], "snapshots": len(snaps)}
+    if e.session is not None:
+        s = e.session
+        info.update(tokens=len(s.tokens), processed=s.processed, mode=s.mode, messages=len(s.messages),
+                    kv_bytes=ctx.manager.engine_cache_bytes(s))
+    elif snaps:
+        info.update(tokens=snaps[-1]["n_tokens"])
+    return info
+
+
+async def session_delete(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"}, {"session_id"})
+    return await ctx.manager.delete(p["session_id"])
+
+
+async def session_append(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"} | INPUT_KEYS, {"session_id"})
+    inputs = {k: p[k] for k in INPUT_KEYS if k in p}
+    return await ctx.manager.append(p["session_id"], **inputs)
+
+
+async def _generate(ctx: Context, p: dict[str, Any], inputs: dict[str, Any] | None) -> dict[str, Any]:
+    params = GenerateParams.from_params({k: v for k, v in p.items() if k in GENERATE_KEYS})
+    on_text = (lambda piece: ctx.notify({"text": piece})) if p.get("stream") else None
+    return await ctx.manager.generate(p["session_id"], params, on_text, ctx.closed, inputs)
+
+
+async def session_generate(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"} | GENERATE_KEYS, {"session_id"})
+    return await _generate(ctx, p, None)
+
+
+async def session_chat(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id", "messages", "tools"} | GENERATE_KEYS, {"session_id", "messages"})
+    inputs = {"messages": p["messages"], **({"tools": p["tools"]} if "tools" in p else {})}
+    return await _generate(ctx, p, inputs)
+
+
+async def session_sleep(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"}, {"session_id"})
+    return await ctx.manager.sleep(p["session_id"])
+
+
+async def session_wake(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id", "snapshot_id"}, {"session_id"})
+    return await ctx.manager.wake(p["session_id"], p.get("snapshot_id"))
+
+
+async def session_fork(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id", "new_session_id", "snapshot_id"}, {"session_id"})
+    return await ctx.manager.fork(p["session_id"], p.get("new_session_id"), p.get("snapshot_id"))
+
+
+async def session_checkpoint(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id", "label"}, {"session_id", "label"})
+    if not isinstance(p["label"], str) or not 0 < len(p["label"]) <= 200:
+        raise InvalidParamsError("label must be a string of 1-200 characters", param="label")
+    return {"snapshot_id": await ctx.manager.snapshot_now(p["session_id"], p["label"]), "label": p["label"]}
+
+
+async def snapshot_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"session_id"})
+    sid = p.get("session_id")
+    if sid is not None:
+        ctx.manager.entry(sid)
+    return {"snapshots": await to_thread.run_sync(ctx.manager.store.snapshots, sid)}
+
+
+async def snapshot_export(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"snapshot_id", "path"}, {"snapshot_id", "path"})
+    path = _path(p["path"], "path", ctx, must_exist=False)
+    return await to_thread.run_sync(ctx.manager.store.export, str(p["snapshot_id"]), path)
+
+
+async def snapshot_import(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, {"path", "session_id"}, {"path"})
+    path = _path(p["path"], "path", ctx, must_exist=True)
+    return await ctx.manager.import_snapshot(path, p.get("session_id"))
+
+
+async def prefix_warm(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, INPUT_KEYS - {"tools"})
+    return await ctx.manager.warm({k: p[k] for k in ("messages", "text", "tokens") if k in p})
+
+
+async def store_gc(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    m = ctx.manager
+    report = await to_thread.run_sync(lambda: m.store.gc(budget_bytes=m.settings.store_budget_bytes))
+    return dict(report.__dict__)
+
+
+async def store_fsck(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    report = await to_thread.run_sync(ctx.manager.store.fsck)
+    return {**report.__dict__, "ok": report.ok}
+
+
+async def shutdown(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    ctx.shutdown()
+    return {"stopping": True}
+
+
+METHODS: dict[str, Callable[[Context, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+    "hello": hello, "status": status, "stats": stats,
+    "session.create": session_create, "session.list": session_list, "session.info": session_info,
+    "session.delete": session_delete, "session.append": session_append, "session.generate": session_generate,
+    "session.chat": session_chat, "session.sleep": session_sleep, "session.wake": session_wake,
+    "session.fork": session_fork, "session.checkpoint": session_checkpoint,
+    "snapshot.list": snapshot_list, "snapshot.export": snapshot_export, "snapshot.import": snapshot_import,
+    "prefix.warm": prefix_warm, "store.gc": store_gc, "store.fsck": store_fsck, "shutdown": shutdown,
+}

@@ -1,0 +1,193 @@
+"""`kvwake serve`: open the store, load the model, serve the socket, sleep everything on the way out.
+
+Start: the socket's folder is made 0700 and the socket 0600. A socket file
+left by a dead daemon is replaced; one a live daemon answers on makes this one
+exit (code 2) with a clear message. The store opens (recovering from any
+crash: SQLite rolls back, orphans wait for gc), the model loads on the engine
+thread, every stored session is known as asleep, then the socket is served.
+A status file next to the socket (`kvwake.json`: pid, socket, version, model)
+tells the CLI who is serving.
+
+Stop (SIGTERM, SIGINT or the `shutdown` method): stop accepting, refuse new
+requests (CANCELLED), stop running generations after their current token,
+wait for operations in flight, sleep every hot session, close connections,
+remove the socket and status file. Exit 0, or 1 if a session could not be
+slept (it is named in the log; its previous snapshot is intact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import kvwake
+from kvwake.daemon.config import Settings
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.rpc import Server, default_allow
+from kvwake.daemon.worker import EngineThread
+from kvwake.store import Store
+from kvwake.store.files import write_durable
+
+__all__ = ["DaemonRunningError", "JsonFormatter", "prepare_socket", "run"]
+
+log = logging.getLogger("kvwake.daemon")
+SHUTDOWN_WAIT_S = 120.0
+_STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+
+class DaemonRunningError(RuntimeError):
+    """Another daemon answers on the socket."""
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, event, and the record's extra facts."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+                "event": record.getMessage()}
+        line.update({k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS})
+        if record.exc_info:
+            line["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("kvwake")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def prepare_socket(path: Path) -> None:
+    """Make the folder private; remove a stale socket; refuse if a daemon is alive on it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.parent.stat().st_uid == os.getuid():
+        os.chmod(path.parent, 0o700)
+    if not (path.exists() or path.is_symlink()):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError, socket.timeout, OSError):
+        path.unlink(missing_ok=True)  # nobody listens: a dead daemon's leftover
+        return
+    finally:
+        probe.close()
+    raise DaemonRunningError(f"a kvwake daemon is already serving {path}; stop it first (kvwake status shows its pid)")
+
+
+def write_status(settings: Settings, engine: Engine) -> None:
+    status = {"pid": os.getpid(), "socket": str(settings.socket), "version": kvwake.__version__,
+              "model": engine.model_name, "bundle_hash": engine.bundle.hash, "started": time.time()}
+    write_durable(settings.status_file, json.dumps(status, indent=1).encode())
+
+
+def remove_own_files(settings: Settings) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(settings.status_file.read_text()).get("pid") == os.getpid():
+            settings.status_file.unlink()
+    settings.socket.unlink(missing_ok=True)
+
+
+def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> int:
+    """Serve until stopped; returns the process exit code."""
+    setup_logging(settings.log_level)
+    if listen_socket is None:
+        try:
+            prepare_socket(settings.socket)
+        except DaemonRunningError as exc:
+            print(f"kvwake serve: {exc}", file=sys.stderr)
+            return 2
+    store = Store(settings.store_dir, block_tokens=settings.block_tokens,
+                  budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
+    thread = EngineThread()
+    engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
+                                          kv_group_size=settings.kv_group_size,
+                                          hot_bytes=settings.ram_tier_bytes)).result()
+    manager = SessionManager(engine, thread, settings)
+    try:
+        return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio")
+    finally:
+        thread.stop()
+        engine.close()
+        store.close()
+
+
+async def _serve(settings: Settings, manager: SessionManager, listen_socket: socket.socket | None) -> int:
+    await manager.load()
+    if listen_socket is not None:
+        listener = anyio.abc.SocketListener.from_socket(listen_socket)
+    else:
+        listener = await anyio.create_unix_listener(settings.socket, mode=0o600)
+    stop = anyio.Event()
+    server = Server(manager, allow_uids=default_allow(settings.allow_uids),
+                    read_timeout_s=settings.read_timeout_s, shutdown=stop.set)
+    write_status(settings, manager.engine)
+    try:
+        async with anyio.create_task_group() as connections:
+            async with anyio.create_task_group() as services:
+                services.start_soon(_signals, stop)
+                services.start_soon(_lifecycle, manager, settings)
+                services.start_soon(_accept, listener, server, connections)
+                log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
+                                         "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries)})
+                await stop.wait()
+                services.cancel_scope.cancel()
+            failed = await _drain(manager)
+            connections.cancel_scope.cancel()
+    finally:
+        with contextlib.suppress(Exception):
+            await listener.aclose()
+        remove_own_files(settings)
+    log.info("stopped", extra={"unslept": failed})
+    return 1 if failed else 0
+
+
+async def _accept(listener: anyio.abc.SocketListener, server: Server, connections: anyio.abc.TaskGroup) -> None:
+    while True:
+        stream = await listener.accept()
+        connections.start_soon(server.handle, stream)
+
+
+async def _signals(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("signal", extra={"signal": signal.Signals(signum).name})
+            stop.set()
+            return
+
+
+async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
+    while True:
+        await anyio.sleep(settings.lifecycle_interval_s)
+        try:
+            await manager.enforce_limits()
+        except Exception:
+            log.exception("lifecycle pass failed")
+
+
+async def _drain(manager: SessionManager) -> list[str]:
+    """Stop generations, wait for operations in flight, sleep every hot session."""
+    manager.stopping = True
+    with anyio.move_on_after(SHUTDOWN_WAIT_S):
+        while any(e.busy for e in manager.entries.values()):
+            await anyio.sleep(0.02)
+    results: dict[str, Any] = await manager.sleep_all()
+    failed = [sid for sid, r in results.items() if isinstance(r, dict)]
+    for sid in failed:
+        log.error("session not slept at shutdown", extra={"session": sid, **results[sid]})
+    return failed

@@ -1,0 +1,112 @@
+"""Run a real `kvwake serve` subprocess on a tiny model, and talk to it with a minimal raw client.
+
+`RawClient` speaks msgpack-rpc directly (no kvwake.client), so daemon tests do
+not depend on the client library they would otherwise be testing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    """A `kvwake serve` process with its own socket and data dir."""
+
+    def __init__(self, root: Path, model_dir: Path, *, block_tokens: int = 16, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.root, self.model_dir = root, model_dir
+        self.socket = root / "run" / "kvwake.sock"
+        self.data_dir = root / "data"
+        self.log = root / "daemon.log"
+        self.args = ["--socket", str(self.socket), "--data-dir", str(self.data_dir), "--model", str(model_dir),
+                     "--block-tokens", str(block_tokens), *(extra or [])]
+        self.env = {**os.environ, "KVWAKE_CONFIG": str(root / "none.toml"), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> Daemon:
+        offset = self.log.stat().st_size if self.log.exists() else 0  # earlier runs' lines don't count
+        log = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvwake.client.cli", "serve", *self.args],
+                                     cwd=REPO, env=self.env, stdout=log, stderr=log)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if b'"event": "ready"' in self.log.read_bytes()[offset:]:
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def client(self) -> RawClient:
+        return RawClient(self.socket)
+
+
+class RpcError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error['code']}: {error['message']}")
+        self.code, self.message, self.data = error["code"], error["message"], error.get("data")
+
+
+class RawClient:
+    """Blocking msgpack-rpc over a Unix socket; collects stream notifications per request."""
+
+    def __init__(self, path: Path, timeout: float = 60.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+        self.streamed: dict[int, list[dict[str, Any]]] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, method: str, params: Any = None) -> int:
+        self.msgid += 1
+        self.sock.sendall(msgpack.packb([0, self.msgid, method, params if params is not None else {}]))
+        return self.msgid
+
+    def receive(self, msgid: int) -> Any:
+        while True:
+            for message in self.unpacker:
+                if message[0] == 2 and message[1] == "stream":
+                    self.streamed.setdefault(message[2]["msgid"], []).append(message[2])
+                elif message[0] == 1 and message[1] == msgid:
+                    if message[2] is not None:
+                        raise RpcError(message[2])
+                    return message[3]
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("daemon closed the connection")
+            self.unpacker.feed(data)
+
+    def call(self, method: str, **params: Any) -> Any:
+        return self.receive(self.send(method, params))

@@ -1,0 +1,249 @@
+"""The daemon as users meet it: a real `kvwake serve` process on a real socket, tiny model."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from tests.daemon import Daemon, RawClient, RpcError
+from tests.tinymodel import make_model_dir
+
+SYSTEM = "You are a terse agent that uses tools. " * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def daemon(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    yield d
+    d.stop()
+
+
+def chat(c: RawClient, sid: str, text: str, **kw):
+    return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8, **kw)
+
+
+def scenario(c: RawClient, name: str, i: int) -> list:
+    """A client's own work: chat, sleep, chat (wakes), fork, chat on the fork, delete the fork."""
+    c.call("session.create", session_id=name, system=SYSTEM)
+    out = [chat(c, name, f"task {i}: list files")["tokens"]]
+    c.call("session.sleep", session_id=name)
+    out.append(chat(c, name, f"task {i}: now open one")["tokens"])
+    fork = c.call("session.fork", session_id=name, new_session_id=f"{name}-fork")["session_id"]
+    out.append(chat(c, fork, "in the fork")["tokens"])
+    c.call("session.delete", session_id=fork)
+    out.append(chat(c, name, "back in the original")["tokens"])
+    return out
+
+
+def test_sixteen_concurrent_clients_get_exactly_what_they_would_alone(daemon):
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            with daemon.client() as c:
+                results[i] = scenario(c, f"c{i}", i)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    with daemon.client() as c:  # the same work alone, one at a time, on fresh sessions
+        for i in (0, 7, 15):
+            assert scenario(c, f"alone{i}", i) == results[i], f"client {i} saw cross-talk"
+        assert {s["session_id"] for s in c.call("session.list")["sessions"]} >= {f"c{i}" for i in range(16)}
+
+
+def test_sigterm_sleeps_every_session_and_restart_continues_token_identically(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    expected = {}
+    with d.client() as c:
+        for i in range(3):
+            for sid in (f"s{i}", f"twin{i}"):
+                c.call("session.create", session_id=sid, system=SYSTEM)
+                chat(c, sid, f"question {i}")
+            expected[i] = chat(c, f"twin{i}", "follow up")["tokens"]  # the never-slept continuation
+    assert d.stop() == 0
+    assert not d.socket.exists()
+    log = d.log.read_text()
+    assert all(f'"session": "s{i}"' in log for i in range(3))
+    d.start()
+    with d.client() as c:
+        assert {s["state"] for s in c.call("session.list")["sessions"]} == {"asleep"}
+        for i in range(3):
+            assert chat(c, f"s{i}", "follow up")["tokens"] == expected[i]
+    d.stop()
+
+
+def test_kill_9_during_sleeps_loses_nothing_beyond_the_last_snapshot(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    committed: dict[str, int] = {}
+    with d.client() as c:
+        for i in range(6):
+            c.call("session.create", session_id=f"k{i}", system=SYSTEM)
+            chat(c, f"k{i}", "first")
+            c.call("session.sleep", session_id=f"k{i}")
+            committed[f"k{i}"] = c.call("session.info", session_id=f"k{i}")["tokens"]
+            chat(c, f"k{i}", "second, not yet slept")
+        ids = [c.send("session.sleep", {"session_id": f"k{i}"}) for i in range(6)]
+        time.sleep(random.Random(1).uniform(0.0, 0.05))
+        d.stop(signal.SIGKILL)
+        del ids
+    d.start()
+    with d.client() as c:
+        for sid, tokens in committed.items():
+            info = c.call("session.info", session_id=sid)
+            assert info["tokens"] >= tokens, f"{sid} lost its committed snapshot"
+            assert chat(c, sid, "still here?")["finish_reason"] in ("stop", "length")
+        assert c.call("store.fsck")["ok"]
+    d.stop()
+
+
+def test_bundle_mismatch_after_restart_with_another_model(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM)
+        chat(c, "a", "hello")
+    d.stop()
+    other = Daemon(tmp_path, make_model_dir(tmp_path / "other", seed=9)).start()
+    with other.client() as c, pytest.raises(RpcError) as err:
+        chat(c, "a", "who are you?")
+    assert err.value.code == "BUNDLE_MISMATCH" and "model.safetensors" in err.value.message
+    other.stop()
+    d.start()
+    with d.client() as c:  # the snapshot is intact for its own model
+        assert chat(c, "a", "back")["tokens"]
+    d.stop()
+
+
+def test_busy_session_and_errors_name_what_failed(daemon):
+    with daemon.client() as a, daemon.client() as b:
+        a.call("session.create", session_id="s", system=SYSTEM)
+        first = a.send("session.chat", {"session_id": "s", "messages": [{"role": "user", "content": "go"}],
+                                        "max_tokens": 3000})
+        time.sleep(0.3)
+        with pytest.raises(RpcError) as err:
+            chat(b, "s", "me too")
+        assert err.value.code == "BUSY" and err.value.data["busy_with"] == "chat"
+        assert a.receive(first)["tokens"]
+        for call, code in [(lambda: b.call("session.info", session_id="nope"), "NOT_FOUND"),
+                           (lambda: b.call("no.such.method"), "UNKNOWN_METHOD"),
+                           (lambda: b.call("session.chat", session_id="s", messages="x"), "INVALID_PARAMS"),
+                           (lambda: b.call("session.create", session_id="../x"), "INVALID_PARAMS"),
+                           (lambda: b.call("session.generate", session_id="s", max_tokens=-1), "INVALID_PARAMS"),
+                           (lambda: b.call("session.sleep", session_id="s", bogus=1), "INVALID_PARAMS"),
+                           (lambda: b.call("snapshot.export", snapshot_id="x", path="relative.kvsnap"), "INVALID_PARAMS"),
+                           (lambda: b.call("snapshot.import", path=str(daemon.data_dir / "store" / "index.sqlite")),
+                            "INVALID_PARAMS")]:
+            with pytest.raises(RpcError) as err:
+                call()
+            assert err.value.code == code, err.value
+
+
+def test_disconnect_mid_stream_cancels_and_leaves_the_session_consistent(daemon):
+    c = daemon.client()
+    c.call("session.create", session_id="s", system=SYSTEM)
+    c.send("session.chat", {"session_id": "s", "messages": [{"role": "user", "content": "talk"}],
+                            "max_tokens": 100000, "stream": True})
+    while not c.streamed:
+        c.unpacker.feed(c.sock.recv(1 << 16))
+        for m in c.unpacker:
+            if m[0] == 2:
+                c.streamed.setdefault(m[2]["msgid"], []).append(m[2])
+    c.close()
+    with daemon.client() as d:
+        deadline = time.monotonic() + 30
+        while d.call("session.info", session_id="s")["busy"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = d.call("session.info", session_id="s")
+        assert info["busy"] is None and info["tokens"] < 100000
+        assert chat(d, "s", "are you there?")["tokens"]
+
+
+def test_socket_is_private_and_a_second_daemon_refuses_to_start(daemon, model_dir):
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
+    assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o700
+    second = Daemon(daemon.root, model_dir)
+    with pytest.raises(RuntimeError, match="already serving"):
+        second.start()
+    assert second.proc.returncode == 2
+
+
+def test_stale_socket_of_a_dead_daemon_is_replaced(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    d.stop(signal.SIGKILL)
+    assert d.socket.exists()
+    d.start()
+    with d.client() as c:
+        assert c.call("hello", client="test", protocol=1)["protocol"] == 1
+    d.stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_a_client_of_another_uid_is_refused(tmp_path, model_dir):
+    # The other uid must be able to reach the socket, so only SO_PEERCRED stands in its way.
+    public = Path(tempfile.mkdtemp(prefix="kvwake-uid-"))
+    public.chmod(0o755)
+    d = Daemon(tmp_path, model_dir, extra=["--socket", str(public / "run" / "kvwake.sock")])
+    d.socket = public / "run" / "kvwake.sock"
+    d.start()
+    try:
+        os.chmod(d.socket.parent, 0o755)
+        os.chmod(d.socket, 0o666)
+        code = ("import socket,os,sys\nos.setuid(65534); s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                "try:\n s.sendall(bytes([0x94,0,1,0xa5])+b'hello'+bytes([0x80])); s.settimeout(10); print(repr(s.recv(100)))\n"
+                "except ConnectionResetError:\n print(repr(b''))")  # closed unread: the kernel resets instead
+        out = subprocess.run([sys.executable, "-S", "-c", code, str(d.socket)], capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode == 0 and out.stdout.strip() == "b''", out  # closed without an answer
+        assert '"event": "refused connection", "uid": 65534' in d.log.read_text()
+        with d.client() as c:
+            assert c.call("hello")["server"] == "kvwake"
+    finally:
+        d.stop()
+        shutil.rmtree(public, ignore_errors=True)
+
+
+def test_idle_and_budget_limits_put_sessions_to_sleep(tmp_path, model_dir):
+    (tmp_path / "cfg.toml").write_text("lifecycle_interval_s = 0.1\nidle_timeout_s = 1.0\n")
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_CONFIG": str(tmp_path / "cfg.toml")}).start()
+    with d.client() as c:
+        c.call("session.create", session_id="idle", system=SYSTEM)
+        chat(c, "idle", "hi")
+        deadline = time.monotonic() + 20
+        while c.call("session.info", session_id="idle")["state"] == "hot" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.call("session.info", session_id="idle")["state"] == "asleep"
+        assert c.call("status")["counters"]["auto_sleeps"] >= 1
+    d.stop()
+    (tmp_path / "cfg.toml").write_text("lifecycle_interval_s = 0.1\nhot_budget_bytes = 1\n")
+    d.start()
+    with d.client() as c:
+        chat(c, "idle", "wake up")
+        deadline = time.monotonic() + 20
+        while c.call("status")["sessions"]["hot"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.call("status")["sessions"] == {"hot": 0, "asleep": 1}
+    d.stop()
