@@ -112,9 +112,11 @@ class Server:
                     conn.close()
 
     async def _read_loop(self, conn: Connection, tg: anyio.abc.TaskGroup) -> None:
-        decoder, fed = unpacker(), 0
+        decoder, fed, complete = unpacker(), 0, 0
         while True:
-            partial = fed > decoder.tell()
+            # Mid-frame iff bytes arrived past the end of the last whole message.
+            # (Unpacker.tell() also counts a partly parsed frame, so it cannot say.)
+            partial = fed > complete
             try:
                 with anyio.fail_after(self.read_timeout_s if partial else None):
                     data = await conn.stream.receive(RECEIVE_BYTES)
@@ -125,6 +127,7 @@ class Server:
                 decoder.feed(data)
                 fed += len(data)
                 for obj in decoder:
+                    complete = decoder.tell()
                     self._dispatch(conn, tg, obj)
             except (msgpack.exceptions.BufferFull, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
                     msgpack.exceptions.StackError, ValueError, FrameError) as exc:

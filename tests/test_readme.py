@@ -15,3 +15,13 @@ def test_readme_has_two_commands_and_ci_runs_the_test_one():
     assert "pytest" in tests and "pytest" not in main_job
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == tests
+
+
+def test_protocol_doc_names_every_method_and_error_code():
+    from kvwake.daemon.methods import METHODS
+    from kvwake.errors import CODES
+
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    documented = set(re.findall(r"^### `([a-z.]+)\(", doc, re.M))
+    assert documented == set(METHODS), f"undocumented: {set(METHODS) - documented}, stale: {documented - set(METHODS)}"
+    assert all(f"`{code}`" in doc for code in CODES)
