@@ -318,8 +318,9 @@ class Engine:
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         before = dict(self.counters)
+        tail_future = self._pool.submit(self.store.read_tail, record)  # decoded alongside the blocks
         blocks = list(self._stream_blocks(record))
-        tail = self.store.read_tail(record)
+        tail = tail_future.result()
         return Loaded(record, blocks, tail, started, {
             "blocks_from_memory": self.counters["blocks_ram"] - before["blocks_ram"],
             "blocks_from_disk": self.counters["blocks_disk"] - before["blocks_disk"]})

@@ -335,8 +335,10 @@ class _Filler:
                 raise StateMismatchError(f"{self.name}.{part}: expected {_dtype_name(buf.dtype)}{list(want)}, "
                                          f"found {_dtype_name(a.dtype)}{list(a.shape)}")
             buf[..., self.filled : self.filled + count, :] = a
-        mx.eval(list(self.buffers.values()))  # write now, so the next slice's host copy can go
         self.filled += count
+
+    def pending(self) -> list[mx.array]:
+        return list(self.buffers.values())
 
     def finish(self) -> Any:
         """The filled cache object (a new QuantizedKVCache when the slices were quantized)."""
@@ -378,6 +380,7 @@ def _restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_toke
         if offset:
             filler = _Filler(name, KVCache(), offset - start)
             filler.put(tail, offset - start)
+            mx.eval(filler.pending())
             c.keys, c.values = filler.buffers["keys"], filler.buffers["values"]
         c.offset, c.start_position = offset, start
     else:
@@ -398,6 +401,8 @@ def _fill_blocks(cache: list, blocks: Iterable[dict[str, Tensor]], n_blocks: int
         block = dict(block)  # names are popped as they fit; leftovers do not fit this model
         for _, _, f in fillers:
             f.put(block, block_tokens)
+        # One eval per block (not per layer): writes land now, so this block's host copy can go.
+        mx.eval([buf for _, _, f in fillers for buf in f.pending()])
         if block:
             raise StateMismatchError(f"block {count - 1} holds arrays this model's cache has no place for: {sorted(block)}")
     if count != n_blocks:
@@ -438,6 +443,7 @@ def restore(model: Any, blocks: Iterable[dict[str, Tensor]], tail: dict[str, Ten
             raise StateMismatchError(f"{f.name}: tail says {offset} tokens, restore asked for {n_tokens}")
         if n_tokens > n_full * block_tokens:
             f.put(tail, n_tokens - n_full * block_tokens)
+            mx.eval(f.pending())
         _place(cache, i, j, f.finish())
     for name, _, _, c in _units(cache):
         if _kind(c, name) not in _CUTTABLE:

@@ -308,7 +308,8 @@ def test_token_counts_at_block_edges_and_concatenate_cache(n):
 
 def test_capture_streams_one_block_and_restore_adds_one_block():
     """Capture: 0 bytes of MLX memory, numpy peak 1.05 MB for 1 MB blocks (16 MB cache);
-    restore: MLX peak = the cache it builds + 0.25 MB (measured on CPU, mlx 0.32.4)."""
+    restore: MLX peak = the cache it builds + one block's slices, which stay alive until
+    the one eval per block (measured on CPU, mlx 0.32.4: cache + 1 MB + 2 bytes)."""
     layers, heads, dim, n = 4, 8, 64, 2048
     block_tokens, block_bytes = 128, 4 * 2 * 8 * 128 * 64 * 2
     cache = [KVCache() for _ in range(layers)]
@@ -335,6 +336,6 @@ def test_capture_streams_one_block_and_restore_adds_one_block():
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     woken = kvstate.restore(_Stub(*[KVCache] * layers), iter(blocks), tail, n, block_tokens)
-    assert mx.get_peak_memory() - base < kvstate.cache_nbytes(woken) + block_bytes
+    assert mx.get_peak_memory() - base <= kvstate.cache_nbytes(woken) + block_bytes + 4096  # + scalars
     assert all(mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
                for a, b in zip(cache, woken))

@@ -1,0 +1,273 @@
+"""kvwake's benchmark suite: every number is a ratio against a baseline measured in the same run.
+
+usage: python bench/suite.py [resume|storage|rpc|all] [--model PATH] [--sizes 256,1024,4096]
+                             [--sessions 100] [--out bench/out]
+
+resume   per size N: re-prefill N tokens + first token (the baseline users pay
+         without kvwake) vs kvwake sleep/wake + first token vs mlx-lm's own
+         save_prompt_cache / load_prompt_cache + first token. Also: bytes stored
+         per token vs raw KV vs mlx-lm's file, wake throughput (MB/s of KV
+         restored), and peak RSS growth while sleeping (fraction of the KV).
+storage  S sessions sharing a 1k-token system prompt with 200 own tokens each:
+         kvwake's store bytes vs S mlx-lm cache files; time to first token of a
+         session whose prompt is in the prefix cache vs a cold prefill.
+rpc      a real daemon (tiny model): ping (hello) round trip p50/p99 over one
+         connection, and requests/s with 32 concurrent clients.
+
+Results go to <out>/<name>.json and are summarised in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # tests/ helpers for the rpc benchmark; capture_kv
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    import mlx.core as mx
+
+    return {"system": platform.system(), "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
+            "mlx_device": str(mx.default_device()), "python": platform.python_version()}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples RSS every millisecond in a thread; .growth is peak minus the level at start."""
+
+    def __enter__(self) -> PeakRss:
+        self.start, self.peak, self._stop = rss_bytes(), rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def tokens_of(engine: Any, n: int) -> list[int]:
+    """n tokens of natural English (the same prompt builder bench/capture_kv.py uses)."""
+    from capture_kv import build_prompt
+
+    return build_prompt(engine.tokenizer, n)
+
+
+def open_engine(model: str | None, root: Path) -> Any:
+    from kvwake.daemon.engine import Engine
+    from kvwake.store import Store
+
+    return Engine(Store(root / "store", block_tokens=128), root, model)
+
+
+def first_token(engine: Any, session: Any) -> float:
+    from kvwake.daemon.generation import GenerateParams
+
+    start = time.perf_counter()
+    engine.generate(session, GenerateParams(max_tokens=1))
+    return time.perf_counter() - start
+
+
+def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
+    """One size: prefill, sleep vs save_prompt_cache, wake vs load_prompt_cache, each + first token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from kvwake.daemon import kvstate
+    from kvwake.daemon.session import Session
+
+    ids = tokens_of(engine, n)
+    s = Session(f"resume-{n}")
+    engine.append(s, tokens=ids)
+    kv_bytes = kvstate.cache_nbytes(s.cache)
+    f = work / f"mlx-{n}.safetensors"
+    t0 = time.perf_counter()
+    save_prompt_cache(str(f), s.cache)
+    mlx_save_s = time.perf_counter() - t0
+    with PeakRss() as peak:
+        slept = engine.sleep(s)
+    engine.hot.__init__(engine.hot.budget)  # measure the disk path, not the RAM tier
+    t0 = time.perf_counter()
+    woken, info = engine.wake(s.id)
+    wake_s = time.perf_counter() - t0
+    wake_ft_s = wake_s + first_token(engine, woken)
+    t0 = time.perf_counter()
+    cache = load_prompt_cache(str(f))
+    mx.eval([c.state for c in cache])
+    mlx_load_s = time.perf_counter() - t0
+    loaded = Session("mlx", tokens=list(ids), processed=n - 1, cache=cache)
+    mlx_load_ft_s = mlx_load_s + first_token(engine, loaded)
+    cold = Session(f"cold-{n}")
+    t0 = time.perf_counter()
+    engine.append(cold, tokens=ids)
+    reprefill_ft_s = time.perf_counter() - t0 + first_token(engine, cold)
+    return {
+        "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n,
+        "reprefill_first_token_s": reprefill_ft_s, "wake_first_token_s": wake_ft_s,
+        "mlx_load_first_token_s": mlx_load_ft_s, "wake_s": wake_s, "mlx_load_s": mlx_load_s,
+        "sleep_s": slept["ms"] / 1000, "mlx_save_s": mlx_save_s,
+        "stored_bytes": slept["stored_bytes"], "raw_bytes": slept["raw_bytes"], "mlx_file_bytes": f.stat().st_size,
+        "stored_bytes_per_token": slept["stored_bytes"] / n, "mlx_bytes_per_token": f.stat().st_size / n,
+        "wake_MBps": slept["raw_bytes"] / wake_s / 1e6, "sleep_peak_rss_growth_bytes": peak.growth,
+        "ratios": {
+            "reprefill_over_wake": reprefill_ft_s / wake_ft_s,
+            "wake_over_mlx_load": wake_ft_s / mlx_load_ft_s,
+            "sleep_over_mlx_save": slept["ms"] / 1000 / mlx_save_s,
+            "stored_over_mlx_file": slept["stored_bytes"] / f.stat().st_size,
+            "sleep_rss_growth_over_kv": peak.growth / kv_bytes,
+        },
+    }
+
+
+def bench_resume(model: str | None, sizes: list[int]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = open_engine(model, Path(tmp))
+        runs = []
+        for n in sizes:
+            r = resume_one(engine, n, Path(tmp))
+            runs.append(r)
+            print(f"  {n:5d} tokens: re-prefill+1st {r['reprefill_first_token_s']:.2f}s, wake+1st "
+                  f"{r['wake_first_token_s'] * 1000:.0f}ms ({r['ratios']['reprefill_over_wake']:.0f}x), mlx load+1st "
+                  f"{r['mlx_load_first_token_s'] * 1000:.0f}ms (wake {r['ratios']['wake_over_mlx_load']:.2f}x of it), "
+                  f"stored {r['ratios']['stored_over_mlx_file']:.2f}x mlx file, sleep RSS growth "
+                  f"{r['ratios']['sleep_rss_growth_over_kv']:.1%} of KV", flush=True)
+        result = {"model": engine.model_name, "runs": runs}
+        engine.close()
+    return result
+
+
+def bench_storage(model: str | None, sessions: int, system_tokens: int = 1024, own: int = 200) -> dict[str, Any]:
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvwake.daemon.session import Session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = open_engine(model, Path(tmp))
+        shared = tokens_of(engine, system_tokens + own * sessions)
+        prompt = shared[:system_tokens]
+        ttft_cold = ttft_hit = None
+        mlx_bytes = 0
+        for i in range(sessions):
+            s = Session(f"agent-{i}")
+            mine = prompt + shared[system_tokens + i * own : system_tokens + (i + 1) * own]
+            t0 = time.perf_counter()
+            got = engine.append(s, tokens=mine)
+            ttft = time.perf_counter() - t0 + first_token(engine, s)
+            if i == 0:
+                ttft_cold = ttft
+            elif i == 1:
+                ttft_hit, reused = ttft, got["reused"]
+            if i < 3 or i == sessions - 1:  # mlx-lm file size depends only on the token count: measured, not assumed
+                f = Path(tmp) / "mlx.safetensors"
+                save_prompt_cache(str(f), s.cache)
+                mlx_one = f.stat().st_size
+            mlx_bytes += mlx_one
+            engine.sleep(s)
+            if i % 10 == 9:
+                print(f"  {i + 1} sessions stored", flush=True)
+        stored = engine.store.stored_bytes()
+        engine.close()
+    return {"model": engine.model_name, "sessions": sessions, "system_tokens": system_tokens, "own_tokens": own,
+            "kvwake_store_bytes": stored, "mlx_files_bytes": mlx_bytes, "ttft_cold_s": ttft_cold,
+            "ttft_prefix_hit_s": ttft_hit, "prefix_hit_reused_tokens": reused,
+            "ratios": {"store_over_mlx_files": stored / mlx_bytes, "cold_over_hit_ttft": ttft_cold / ttft_hit}}
+
+
+def bench_rpc(n_pings: int = 2000, clients: int = 32, per_client: int = 200) -> dict[str, Any]:
+    from tests.daemon import Daemon
+    from tests.tinymodel import make_model_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Daemon(Path(tmp), make_model_dir(Path(tmp) / "tiny")).start()
+        try:
+            with d.client() as c:
+                for _ in range(200):
+                    c.call("hello")
+                times = []
+                for _ in range(n_pings):
+                    t0 = time.perf_counter()
+                    c.call("hello")
+                    times.append(time.perf_counter() - t0)
+            times.sort()
+            rps = _concurrent_rps(d, clients, per_client)
+        finally:
+            d.stop()
+    return {"ping_p50_us": times[len(times) // 2] * 1e6, "ping_p99_us": times[int(len(times) * 0.99)] * 1e6,
+            "ping_mean_us": statistics.mean(times) * 1e6, "clients": clients, "requests_per_s": rps}
+
+
+def _concurrent_rps(d: Any, clients: int, per_client: int) -> float:
+    conns = [d.client() for _ in range(clients)]
+    barrier = threading.Barrier(clients + 1)
+
+    def run(c: Any) -> None:
+        barrier.wait()
+        for _ in range(per_client):
+            c.call("hello")
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    return clients * per_client / elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", nargs="?", default="all", choices=["resume", "storage", "rpc", "all"])
+    parser.add_argument("--model", help="mlx-lm model folder (default: the default model)")
+    parser.add_argument("--sizes", default="256,1024,4096")
+    parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    print(f"machine: {info}")
+    jobs = {"resume": lambda: bench_resume(args.model, [int(x) for x in args.sizes.split(",")]),
+            "storage": lambda: bench_storage(args.model, args.sessions),
+            "rpc": bench_rpc}
+    for name in (jobs if args.which == "all" else [args.which]):
+        print(f"{name}:", flush=True)
+        result = {"machine": info, **jobs[name]()}
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result.get("ratios") or {k: v for k, v in result.items() if k != "machine" and k != "runs"},
+                         indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
