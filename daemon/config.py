@@ -18,30 +18,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import platformdirs
+from kvwake.paths import default_config, default_data_dir, default_socket
 
 __all__ = ["Settings", "default_socket", "load_settings"]
 
 ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL"}
-
-
-def default_socket() -> Path:
-    with warnings.catch_warnings():  # no XDG_RUNTIME_DIR (containers, CI): platformdirs falls back and warns
-        warnings.simplefilter("ignore")
-        return Path(platformdirs.user_runtime_dir("kvwake")) / "kvwake.sock"
-
-
-def default_data_dir() -> Path:
-    return Path(platformdirs.user_data_dir("kvwake"))
-
-
-def default_config() -> Path:
-    return Path(os.environ.get("KVWAKE_CONFIG") or Path(platformdirs.user_config_dir("kvwake")) / "config.toml")
 
 
 @dataclass(frozen=True)

@@ -240,15 +240,19 @@ class SessionManager:
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             session = await self.hot(entry)
-            appended = await self._append(session, inputs) if inputs else None
+            started = time.perf_counter()
+            appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
+            append_ms = (time.perf_counter() - started) * 1000
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             result = await self.thread.run(lambda: self.engine.generate(session, params, on_text, stop))
+            # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
+            usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
+                     "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
+                     "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
             self.counters["generations"] += 1
-            self.latency["generate_ttft"].add(result.usage["ttft_ms"])
-            usage = {**result.usage, "reused_tokens": appended["reused"] if appended else 0,
-                     "prefilled_tokens": appended["prefilled"] if appended else 0}
+            self.latency["generate_ttft"].add(usage["ttft_ms"])
             return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                    "usage": usage, **({"append": appended} if appended else {})}
+                    "usage": usage, **({"append": appended} if inputs else {})}
 
     # -- store-level operations -----------------------------------------------
 

@@ -18,6 +18,7 @@ slept (it is named in the log; its previous snapshot is intact).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -96,22 +97,43 @@ def write_status(settings: Settings, engine: Engine) -> None:
     write_durable(settings.status_file, json.dumps(status, indent=1).encode())
 
 
-def remove_own_files(settings: Settings) -> None:
+def remove_own_files(settings: Settings, *, keep_socket: bool = False) -> None:
     with contextlib.suppress(OSError, ValueError):
         if json.loads(settings.status_file.read_text()).get("pid") == os.getpid():
             settings.status_file.unlink()
-    settings.socket.unlink(missing_ok=True)
+    if not keep_socket:  # a passed-in socket is the service manager's: it keeps listening on it
+        settings.socket.unlink(missing_ok=True)
+
+
+def hold_daemon_lock(settings: Settings) -> int:
+    """Take `<socket>.lock` exclusively for the daemon's life; the fd must stay open.
+
+    Two daemons started at once would both find no socket while loading their
+    models (the listener binds later); the lock decides which one serves. The
+    kernel releases it when the process dies, kill -9 included.
+    """
+    path = settings.socket.with_name(settings.socket.name + ".lock")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonRunningError(f"a kvwake daemon is already serving (or starting on) {settings.socket}; "
+                                 "stop it first (kvwake status shows its pid)") from None
+    return fd
 
 
 def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> int:
     """Serve until stopped; returns the process exit code."""
     setup_logging(settings.log_level)
-    if listen_socket is None:
-        try:
+    try:
+        lock_fd = hold_daemon_lock(settings)
+        if listen_socket is None:
             prepare_socket(settings.socket)
-        except DaemonRunningError as exc:
-            print(f"kvwake serve: {exc}", file=sys.stderr)
-            return 2
+    except DaemonRunningError as exc:
+        print(f"kvwake serve: {exc}", file=sys.stderr)
+        return 2
     store = Store(settings.store_dir, block_tokens=settings.block_tokens,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
     thread = EngineThread()
@@ -125,12 +147,13 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         thread.stop()
         engine.close()
         store.close()
+        os.close(lock_fd)
 
 
 async def _serve(settings: Settings, manager: SessionManager, listen_socket: socket.socket | None) -> int:
     await manager.load()
     if listen_socket is not None:
-        listener = anyio.abc.SocketListener.from_socket(listen_socket)
+        listener = await anyio.abc.SocketListener.from_socket(listen_socket)
     else:
         listener = await anyio.create_unix_listener(settings.socket, mode=0o600)
     stop = anyio.Event()
@@ -152,7 +175,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     finally:
         with contextlib.suppress(Exception):
             await listener.aclose()
-        remove_own_files(settings)
+        remove_own_files(settings, keep_socket=listen_socket is not None)
     log.info("stopped", extra={"unslept": failed})
     return 1 if failed else 0
 

@@ -247,3 +247,45 @@ def test_idle_and_budget_limits_put_sessions_to_sleep(tmp_path, model_dir):
             time.sleep(0.1)
         assert c.call("status")["sessions"] == {"hot": 0, "asleep": 1}
     d.stop()
+
+
+def test_two_daemons_started_at_once_one_serves_the_other_exits(tmp_path, model_dir):
+    # Was: both found no socket while loading their models, and both came up on one store.
+    a, b = Daemon(tmp_path, model_dir), Daemon(tmp_path, model_dir)
+    b.log = tmp_path / "daemon-b.log"
+    outcomes = []
+    for d in (a, b):
+        d.proc = None
+    threads = [threading.Thread(target=lambda d=d: outcomes.append(_start_or_error(d))) for d in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(outcomes) == ["exited 2", "ready"], outcomes
+    loser = b if outcomes and _start_state(b) == "exited 2" else a
+    assert "already serving (or starting on)" in loser.log.read_text()
+    for d in (a, b):
+        if d.proc.poll() is None:
+            assert d.stop() == 0
+
+
+def _start_or_error(d: Daemon) -> str:
+    try:
+        d.start()
+        return "ready"
+    except RuntimeError:
+        return _start_state(d)
+
+
+def _start_state(d: Daemon) -> str:
+    return f"exited {d.proc.returncode}" if d.proc.poll() is not None else "ready"
+
+
+def test_chat_usage_counts_the_prefill_of_its_messages(daemon):
+    # Was: prompt_tokens 1 and ttft_ms without the prefill (append prefills all but the last token).
+    with daemon.client() as c:
+        c.call("session.create", session_id="u", system=SYSTEM)
+        reply = chat(c, "u", "count me")
+        usage, append = reply["usage"], reply["append"]
+        assert usage["prompt_tokens"] == append["prefilled"] + 1 == append["tokens"] - append["reused"]
+        assert usage["prefilled_tokens"] == append["prefilled"] > 100

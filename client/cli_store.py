@@ -1,0 +1,146 @@
+"""`kvwake export`, `import`, `gc`, `fsck`, `warm` and `bench`: the store and the daemon as a whole.
+
+Registered on the `kvwake` group by client/cli.py, which also turns their
+failures into one `Error:` line. `opts` is cli.Options (the global --socket
+and --autostart).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvwake.client.output import echo_json, fields, human_bytes, json_option, short, spinner
+
+if TYPE_CHECKING:
+    from kvwake.client.cli import Options
+
+__all__ = ["bench", "export_", "fsck", "gc", "import_", "warm"]
+
+
+@click.command("export")
+@click.argument("snapshot_id")
+@click.argument("path", type=click.Path(dir_okay=False))
+@json_option
+@click.pass_obj
+def export_(opts: Options, snapshot_id: str, path: str, as_json: bool) -> None:
+    """Write a snapshot to a portable file (the daemon writes it; the file must not exist).
+
+    Example: kvwake export 1a1fdf2f2111c5e01f2e1 ~/agent-1.kvwake
+    """
+    with opts.client() as client, spinner("exporting"):
+        r = client.export_snapshot(snapshot_id, path)
+    echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
+
+
+@click.command("import")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@click.option("-s", "--session", "session_id", help="Import as this session (default: the one it was taken from).")
+@json_option
+@click.pass_obj
+def import_(opts: Options, path: str, session_id: str | None, as_json: bool) -> None:
+    """Import a portable snapshot file; its session appears asleep.
+
+    Example: kvwake import ~/agent-1.kvwake --session agent-1-copy
+    """
+    with opts.client() as client, spinner("importing"):
+        r = client.import_snapshot(path, session_id=session_id)
+    echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
+
+
+@click.command()
+@json_option
+@click.pass_obj
+def gc(opts: Options, as_json: bool) -> None:
+    """Prune old unlabeled snapshots, evict prefix blocks over budget, sweep orphan files.
+
+    Example: kvwake gc
+    """
+    with opts.client() as client, spinner("collecting"):
+        r = client.gc()
+    echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
+
+
+@click.command()
+@json_option
+@click.pass_obj
+def fsck(opts: Options, as_json: bool) -> None:
+    """Verify every stored block and snapshot; exits 1 if anything is damaged.
+
+    Example: kvwake fsck --json
+    """
+    with opts.client() as client, spinner("checking"):
+        r = client.fsck()
+    if as_json:
+        echo_json(r)
+    else:
+        fields([(k, v) for k, v in r.items()])
+    if not r.get("ok", False):
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--text", help="The shared prompt as raw text.")
+@click.option("--system", help="The shared prompt as a system message (as sessions created with --system start).")
+@click.option("--file", "file", type=click.File("r"), help="Read the shared prompt text from a file ('-': stdin).")
+@json_option
+@click.pass_obj
+def warm(opts: Options, text: str | None, system: str | None, file: Any, as_json: bool) -> None:
+    """Prefill a shared prompt once and pin its blocks, so new sessions reuse them.
+
+    Example: kvwake warm --system "$(cat tool-manual.txt)"
+    """
+    given = [x for x in (text, system, file) if x is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --text, --system, --file")
+    with opts.client() as client, spinner("warming"):
+        if system is not None:
+            r = client.warm_prefix([{"role": "system", "content": system}])
+        else:
+            r = client.warm_prefix(text=text if text is not None else file.read())
+    echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
+
+
+@click.command()
+@click.option("--sessions", "n_sessions", type=click.IntRange(1), default=4, show_default=True,
+              help="Sessions to run, one after another.")
+@click.option("--cycles", type=click.IntRange(0), default=2, show_default=True,
+              help="Sleep/wake/chat rounds per session.")
+@click.option("--system-words", type=click.IntRange(1), default=200, show_default=True,
+              help="Words in the shared system prompt.")
+@click.option("--max-tokens", type=click.IntRange(1), default=16, show_default=True, help="Tokens per reply.")
+@click.option("--keep", is_flag=True, help="Keep the benchmark's sessions (default: delete them).")
+@json_option
+@click.pass_obj
+def bench(opts: Options, n_sessions: int, cycles: int, system_words: int, max_tokens: int, keep: bool,
+          as_json: bool) -> None:
+    """Measure sleep, wake, prefix reuse and time to first token on the running daemon.
+
+    Example: kvwake bench --sessions 8 --cycles 3 --json > bench.json
+    """
+    from kvwake.client.bench import BenchConfig, run_bench
+
+    config = BenchConfig(n_sessions, cycles, system_words, max_tokens, keep)
+    with opts.client() as client:
+        with click.progressbar(length=n_sessions, label="benchmark", file=sys.stderr) as bar:
+            report = run_bench(client, config, bar.update)
+    if as_json:
+        return echo_json(report)
+    s = report["summary"]
+    ms = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
+    click.echo(f"model {report['model']} (bundle {short(report['bundle_hash'])}), {n_sessions} sessions, "
+               f"{cycles} cycles, {system_words}-word shared system prompt")
+    fields([
+        ("cold first-turn ttft", ms(s["cold_ttft_ms"])),
+        ("first-turn ttft p50", ms(s["first_turn_ttft_ms_p50"])),
+        ("shared-prefix reuse", "-" if s["prefix_reuse_rate"] is None else f"{s['prefix_reuse_rate']:.1%}"),
+        ("sleep p50 / max", f"{ms(s['sleep_ms_p50'])} / {ms(s['sleep_ms_max'])}"),
+        ("wake p50 / max", f"{ms(s['wake_ms_p50'])} / {ms(s['wake_ms_max'])}"),
+        ("ttft after wake p50", ms(s["ttft_after_wake_ms_p50"])),
+        ("decode p50", "-" if s["tokens_per_s_p50"] is None else f"{s['tokens_per_s_p50']:.0f} tokens/s"),
+        ("snapshot tokens p50", s["snapshot_tokens_p50"]),
+        ("compression", "-" if s["compression_ratio"] is None else f"{s['compression_ratio']:.2f}x"),
+        ("bytes written", human_bytes(s["written_bytes"])),
+    ])
