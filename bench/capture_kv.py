@@ -67,20 +67,23 @@ PARAGRAPHS = (
 
 
 def build_prompt(tokenizer, n_tokens: int) -> list[int]:
-    """Token ids of a ChatML conversation, cut to exactly ``n_tokens``."""
-    parts: list[str] = []
-    for number, paragraph in enumerate(itertools.cycle(PARAGRAPHS), start=1):
-        parts.append(f"Part {number}. {paragraph}")
+    """Token ids of a ChatML conversation, cut to exactly ``n_tokens``.
+
+    The paragraph count doubles until the rendered text is long enough: one
+    encode per doubling, so 20k-token prompts take as long as a few encodes.
+    """
+    count = 1
+    while True:
+        parts = [f"Part {i + 1}. {p}" for i, p in zip(range(count), itertools.cycle(PARAGRAPHS))]
         messages = [
             {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "Summarise these notes from the archive:\n\n"
-                                        + "\n\n".join(parts)},
+            {"role": "user", "content": "Summarise these notes from the archive:\n\n" + "\n\n".join(parts)},
         ]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(text)
         if len(ids) >= n_tokens:
             return ids[:n_tokens]
-    raise AssertionError("unreachable: cycle() never ends")
+        count *= 2
 
 
 def prefill(model, ids: list[int], chunk: int) -> list:

@@ -88,11 +88,14 @@ def open_engine(model: str | None, root: Path) -> Any:
 
 
 def first_token(engine: Any, session: Any) -> float:
+    """Seconds until the first token is available (the engine's TTFT: feeding the pending token).
+
+    Not the whole generate call: mlx-lm's generate_step computes the next
+    token before yielding one, which would double this on a CPU.
+    """
     from kvwake.daemon.generation import GenerateParams
 
-    start = time.perf_counter()
-    engine.generate(session, GenerateParams(max_tokens=1))
-    return time.perf_counter() - start
+    return engine.generate(session, GenerateParams(max_tokens=1)).usage["ttft_ms"] / 1000
 
 
 def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:

@@ -57,7 +57,7 @@ class Reply:
     """What `generate` and `chat` return.
 
     text: the generated text; tokens: its token ids; finish_reason: "stop" (EOS or a
-    stop string) or "length"; usage: prompt/generated/reused/prefilled tokens,
+    stop string), "length" or "cancelled" (the daemon is stopping); usage: prompt/generated/reused/prefilled tokens,
     ttft_ms, tokens_per_s; append: for chat, what appending the messages did
     (tokens, prefilled, reused), else None.
     """

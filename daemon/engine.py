@@ -312,15 +312,16 @@ class Engine:
     def load_snapshot(self, session_id: str, snapshot_id: str | None = None) -> Loaded:
         """Read and verify everything a wake needs (store work, parallel decode)."""
         started = time.perf_counter()
-        sid = snapshot_id or self.store.latest_snapshot(session_id)
-        record = self._record(sid)
-        if record.session_id != session_id:
-            raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
-                                     "use fork", session_id=session_id, snapshot_id=sid)
-        before = dict(self.counters)
-        tail_future = self._pool.submit(self.store.read_tail, record)  # decoded alongside the blocks
-        blocks = list(self._stream_blocks(record))
-        tail = tail_future.result()
+        with self.store.reading():  # gc cannot evict this snapshot's files while they are read
+            sid = snapshot_id or self.store.latest_snapshot(session_id)
+            record = self._record(sid)
+            if record.session_id != session_id:
+                raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
+                                         "use fork", session_id=session_id, snapshot_id=sid)
+            before = dict(self.counters)
+            tail_future = self._pool.submit(self.store.read_tail, record)  # decoded alongside the blocks
+            blocks = list(self._stream_blocks(record))
+            tail = tail_future.result()
         return Loaded(record, blocks, tail, started, {
             "blocks_from_memory": self.counters["blocks_ram"] - before["blocks_ram"],
             "blocks_from_disk": self.counters["blocks_disk"] - before["blocks_disk"]})

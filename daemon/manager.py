@@ -30,7 +30,7 @@ from kvwake.daemon import kvstate
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams
-from kvwake.daemon.session import Session, check_session_id
+from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
@@ -120,6 +120,7 @@ class SessionManager:
         session_id = check_session_id(session_id) if session_id is not None else make_session_id()
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidParamsError("metadata must be a map")
+        check_json(metadata or {}, "metadata")
         if system is not None and not isinstance(system, str):
             raise InvalidParamsError("system must be a string")
         if session_id in self.entries:
@@ -129,11 +130,26 @@ class SessionManager:
         session = Session(session_id, metadata=dict(metadata or {}))
         if system:
             session.mode, session.messages = "chat", [{"role": "system", "content": system}]
-        self.entries[session_id] = Entry(session_id, session=session)
-        await to_thread.run_sync(self.store.ensure_session, session_id, metadata or {})
+        entry = self.entries[session_id] = Entry(session_id, session=session, busy="create")
+        try:
+            # An empty first snapshot makes the session itself durable: its system prompt and
+            # metadata survive a crash before its first sleep.
+            await to_thread.run_sync(self.store.ensure_session, session_id, metadata or {})
+            w = await to_thread.run_sync(lambda: self.engine.begin_sleep(session))
+            await to_thread.run_sync(lambda: self.engine.finish_sleep(session, w, time.perf_counter(), free=False))
+        except BaseException:
+            self.entries.pop(session_id, None)
+            raise
+        finally:
+            entry.busy = None
         return {"session_id": session_id, "created": True}
 
     async def _wake(self, entry: Entry, snapshot_id: str | None) -> dict[str, Any]:
+        if snapshot_id is None:
+            row = await to_thread.run_sync(self.store.session, entry.id)
+            if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
+                entry.session = Session(entry.id, metadata=row["metadata"])
+                return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
         loaded = await to_thread.run_sync(self.engine.load_snapshot, entry.id, snapshot_id)
         session, info = await self.thread.run(lambda: self.engine.restore(loaded))
         entry.session = session
@@ -166,7 +182,8 @@ class SessionManager:
                 await to_thread.run_sync(w.set_tail, tail)
             info = await to_thread.run_sync(lambda: self.engine.finish_sleep(session, w, started, free=free))
         except BaseException as exc:
-            await to_thread.run_sync(w.abort)
+            with anyio.CancelScope(shield=True):  # even when cancelled: release the lock, remove the files
+                await to_thread.run_sync(w.abort)
             self.counters["sleep_failures"] += 1
             log.error("sleep failed; session stays hot", extra={"session": entry.id, "error": repr(exc)})
             raise
@@ -178,20 +195,35 @@ class SessionManager:
         return info
 
     async def _write_blocks(self, w: SnapshotWriter, capture: Callable[[int], dict]) -> None:
-        """Capture each needed block on the engine thread, write it on a worker, two in flight."""
-        limit = anyio.Semaphore(INFLIGHT)
+        """Capture each needed block on the engine thread, write it on a worker, two in flight.
+
+        A failure (disk full, capture error) is re-raised as itself once the
+        writes in flight have finished: not wrapped in a task group's
+        ExceptionGroup, so STORAGE_FULL reaches the client as STORAGE_FULL.
+        """
+        limit, failures = anyio.Semaphore(INFLIGHT), []
 
         async def write(i: int, arrays: dict) -> None:
             try:
                 await to_thread.run_sync(w.add_block, i, arrays)
+            except Exception as exc:
+                failures.append(exc)
             finally:
                 limit.release()
 
         async with anyio.create_task_group() as tg:
             for i in w.needed:
                 await limit.acquire()
-                arrays = await self.thread.run(lambda i=i: capture(i))
+                if failures:
+                    break
+                try:
+                    arrays = await self.thread.run(lambda i=i: capture(i))
+                except Exception as exc:
+                    failures.append(exc)
+                    break
                 tg.start_soon(write, i, arrays)
+        if failures:
+            raise failures[0]
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
@@ -208,6 +240,10 @@ class SessionManager:
                 head = (await to_thread.run_sync(self.store.session, entry.id))["head"]
                 if head is None:
                     raise InvalidParamsError(f"session {entry.id} has no state to checkpoint", session_id=entry.id)
+                rows = await to_thread.run_sync(self.store.rows, "SELECT label FROM snapshots WHERE id = ?", (head,))
+                if label is not None and rows and rows[0]["label"] not in (None, label):
+                    # The head already carries another checkpoint's label: copy it (blocks shared), keep both.
+                    return await to_thread.run_sync(lambda: self.store.fork(head, entry.id, label=label))
                 if label is not None:
                     await to_thread.run_sync(self.store.set_label, head, label)
                 return head
@@ -278,7 +314,8 @@ class SessionManager:
             await self._write_blocks(w, lambda i: self.engine.capture_block(scratch, i))
             info = await to_thread.run_sync(w.commit)
         except BaseException:
-            await to_thread.run_sync(w.abort)
+            with anyio.CancelScope(shield=True):
+                await to_thread.run_sync(w.abort)
             raise
         return {"tokens": len(scratch.tokens), "blocks": len(w.keys), "new_blocks": info.new_blocks,
                 "stored_bytes": info.stored_bytes}

@@ -7,6 +7,7 @@ Unknown params are refused too, so a typo never silently does nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -49,6 +50,16 @@ def _check(params: dict[str, Any], allowed: set[str], required: set[str] = froze
     if missing:
         raise InvalidParamsError(f"missing params {sorted(missing)}")
     return params
+
+
+def _id(p: dict[str, Any], name: str, *, required: bool = False) -> str | None:
+    """A snapshot id param: a short string (or absent when not required)."""
+    value = p.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise InvalidParamsError(f"{name} must be a snapshot id string", param=name)
+    return value
 
 
 def _path(value: Any, name: str, ctx: Context, *, must_exist: bool) -> Path:
@@ -130,8 +141,10 @@ async def session_info(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
         s = e.session
         info.update(tokens=len(s.tokens), processed=s.processed, mode=s.mode, messages=len(s.messages),
                     kv_bytes=ctx.manager.engine_cache_bytes(s))
-    elif snaps:
-        info.update(tokens=snaps[-1]["n_tokens"])
+    elif row["head"] is not None:  # its tokens: the snapshot's KV plus the pending ones it recorded
+        (head,) = await to_thread.run_sync(ctx.manager.store.rows,
+                                           "SELECT n_tokens, metadata FROM snapshots WHERE id = ?", (row["head"],))
+        info.update(tokens=head["n_tokens"] + len(json.loads(head["metadata"]).get("pending", [])))
     return info
 
 
@@ -170,12 +183,12 @@ async def session_sleep(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def session_wake(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id", "snapshot_id"}, {"session_id"})
-    return await ctx.manager.wake(p["session_id"], p.get("snapshot_id"))
+    return await ctx.manager.wake(p["session_id"], _id(p, "snapshot_id"))
 
 
 async def session_fork(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id", "new_session_id", "snapshot_id"}, {"session_id"})
-    return await ctx.manager.fork(p["session_id"], p.get("new_session_id"), p.get("snapshot_id"))
+    return await ctx.manager.fork(p["session_id"], p.get("new_session_id"), _id(p, "snapshot_id"))
 
 
 async def session_checkpoint(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -196,7 +209,7 @@ async def snapshot_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def snapshot_export(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"snapshot_id", "path"}, {"snapshot_id", "path"})
     path = _path(p["path"], "path", ctx, must_exist=False)
-    return await to_thread.run_sync(ctx.manager.store.export, str(p["snapshot_id"]), path)
+    return await to_thread.run_sync(ctx.manager.store.export, _id(p, "snapshot_id", required=True), path)
 
 
 async def snapshot_import(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

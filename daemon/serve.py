@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -74,11 +75,12 @@ def setup_logging(level: str) -> None:
 
 def prepare_socket(path: Path) -> None:
     """Make the folder private; remove a stale socket; refuse if a daemon is alive on it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.parent.stat().st_uid == os.getuid():
-        os.chmod(path.parent, 0o700)
+    if not path.parent.exists():  # a folder we make is private; an existing one (a home dir) is left alone
+        path.parent.mkdir(mode=0o700, parents=True)
     if not (path.exists() or path.is_symlink()):
         return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise DaemonRunningError(f"{path} exists and is not a socket; refusing to replace it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(2.0)
@@ -170,6 +172,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                                          "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries)})
                 await stop.wait()
                 services.cancel_scope.cancel()
+            await listener.aclose()  # new clients are refused at once, not left unanswered during the drain
             failed = await _drain(manager)
             connections.cancel_scope.cancel()
     finally:

@@ -243,7 +243,12 @@ class _Reader:
         if mode == 0:
             out: bytes | memoryview = body
         elif mode == 1:
+            # max_output_size is ignored when a frame declares its size, so check the declaration
+            # first: a frame claiming gigabytes is refused before anything is allocated.
             try:
+                declared = zstandard.frame_content_size(body)
+                if declared != expect:
+                    raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
                 out = self.dctx.decompress(body, max_output_size=expect)
             except zstandard.ZstdError as exc:
                 raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
@@ -255,14 +260,24 @@ class _Reader:
 
 
 def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[str, str]]:
-    header = json.loads(bytes(raw[8:]))
+    try:
+        header = json.loads(bytes(raw[8:]))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise BlockFormatError(f"safetensors header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise BlockFormatError("safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise BlockFormatError("safetensors __metadata__ is not a map of strings")
     offset = len(raw)
     for name, spec in header.items():
-        dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-        if dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
+        try:
+            dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
+            if not isinstance(shape, list) or not all(isinstance(x, int) for x in (begin, end)):
+                raise TypeError("shape or offsets of the wrong type")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BlockFormatError(f"tensor {name!r}: malformed header entry ({exc})") from None
+        if not isinstance(dtype, str) or dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
         if begin + len(raw) != offset or end - begin != math.prod(shape) * DTYPES[dtype][0].itemsize:
             raise BlockFormatError(f"tensor {name!r}: data offsets {begin}..{end} do not follow its shape")

@@ -5,7 +5,7 @@ Layout under the store root:
     index.sqlite            the SQLite index (WAL mode)
     store.lock              flock target: writers share it, gc takes it alone
     blocks/ab/<key>.<nonce>.kvb        one file per block (ab = key[:2])
-    tails/<snapshot id>.kvb            one file per snapshot tail
+    tails/<snapshot id>.<nonce>.kvb    one file per snapshot tail
     quarantine/             files fsck found bad, moved aside, never deleted
 
 A file becomes durable in four steps: write a uniquely named temp file in the
@@ -88,7 +88,8 @@ class StoreFiles:
         return self.blocks / key[:2] / f"{key}.{secrets.token_hex(6)}.kvb"
 
     def tail_path(self, snapshot_id: str) -> Path:
-        return self.tails / f"{snapshot_id}.kvb"
+        """A fresh file name for a snapshot's tail (a nonce for the same reason as blocks)."""
+        return self.tails / f"{snapshot_id}.{secrets.token_hex(6)}.kvb"
 
     def relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()

@@ -66,6 +66,10 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def reading(self) -> Any:
+        """Hold the store lock shared while reading a snapshot's files: gc cannot evict them meanwhile."""
+        return self.files.lock(exclusive=False)
+
     def rows(self, sql: str, params: tuple | list = ()) -> list[dict[str, Any]]:
         """Run a read query against the index (under the index lock)."""
         with self._lock:
@@ -195,7 +199,7 @@ class Store:
 
     def _insert_snapshot(self, db: Any, w: SnapshotWriter, now: float) -> None:
         tail = w.tail
-        digest = snapshot_digest(w.bundle, w.token_ids, w.digests(), tail[0].digest if tail else None)
+        digest = snapshot_digest(w.bundle, w.token_ids, w.digests(), tail.digest if tail else None)
         db.execute(
             "INSERT INTO sessions (id, created, updated) VALUES (?, ?, ?) "
             "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated",
@@ -206,8 +210,8 @@ class Store:
             " tail_codec, tail_raw, tail_stored, digest, label, parent, created, metadata)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (w.id, w.session_id, w.bundle, tokens_to_bytes(w.token_ids), len(w.token_ids),
-             tail[1] if tail else None, tail[0].digest if tail else None, tail[0].codec if tail else None,
-             tail[0].raw_bytes if tail else 0, len(tail[0].data) if tail else 0,
+             tail.file if tail else None, tail.digest if tail else None, tail.codec if tail else None,
+             tail.raw_bytes if tail else 0, tail.stored_bytes if tail else 0,
              digest, w.label, w.parent, now, w.metadata_json()),
         )
         db.conn.executemany("INSERT INTO snapshot_blocks (snapshot_id, pos, block_key) VALUES (?, ?, ?)",
@@ -344,15 +348,22 @@ class Store:
                        "ORDER BY created DESC, id DESC LIMIT 1) WHERE head = ?", (snapshot_id,))
 
     def fork(self, snapshot_id: str, session_id: str, *, label: str | None = None) -> str:
-        """A new snapshot for `session_id` sharing every block of `snapshot_id` (tail copied)."""
-        record = self.snapshot(snapshot_id)
-        if session_id == record.session_id:
-            raise InvalidParamsError(f"fork target {session_id!r} is the source session", session_id=session_id)
-        tail = self.read_tail(record) if record.tail else None
+        """A new snapshot for `session_id` sharing every block of `snapshot_id` (tail copied).
+
+        The same session is allowed only with a label: a checkpoint copy of an older state.
+        """
+        with self.reading():
+            record = self.snapshot(snapshot_id)
+            if session_id == record.session_id and label is None:
+                raise InvalidParamsError(f"fork target {session_id!r} is the source session", session_id=session_id)
+            tail = self.read_tail(record) if record.tail else None
+            return self._copy(record, session_id, label, tail)
+
+    def _copy(self, record: SnapshotRecord, session_id: str, label: str | None, tail: dict | None) -> str:
         with self.writer(session_id, record.bundle, record.token_ids, parent=record.id, label=label,
                          metadata=record.metadata) as w:
             if w.needed:
-                raise CorruptBlockError(f"snapshot {snapshot_id}: blocks vanished during fork", snapshot_id=snapshot_id)
+                raise CorruptBlockError(f"snapshot {record.id}: blocks vanished during fork", snapshot_id=record.id)
             if tail is not None:
                 w.set_tail(tail)
             return w.commit().id

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sqlite3
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +92,11 @@ def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progres
 
     Every block is verified on the way out: a corrupt store raises CorruptBlockError.
     """
-    path = Path(path)
+    with store.reading():  # gc cannot evict this snapshot's files while they are copied
+        return _export(store, snapshot_id, Path(path), progress)
+
+
+def _export(store: Store, snapshot_id: str, path: Path, progress: Progress) -> dict[str, Any]:
     manifest, record = _manifest(store, snapshot_id)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     total = len(record.blocks) + (1 if record.tail else 0)
@@ -183,6 +188,11 @@ def import_snapshot(store: Store, path: str | Path, *, session_id: str | None = 
         raise _bad(path, f"not a readable snapshot file ({type(exc).__name__}: {exc})") from None
 
 
+def _existed(snapshot_id: str, session_id: str, blocks: int, tokens: int) -> dict[str, Any]:
+    return {"snapshot_id": snapshot_id, "session_id": session_id, "new_blocks": 0, "reused_blocks": blocks,
+            "tokens": tokens, "existed": True}
+
+
 def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | None, progress: Progress) -> dict[str, Any]:
     m = _parse_manifest(_read_member(tar, tar.next(), "manifest.json", MAX_MANIFEST_BYTES, path), store, path)
     snap, bundle = m["snapshot"], m["bundle"]["hash"]
@@ -209,8 +219,12 @@ def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | No
         if snapshot_digest(bundle, m["token_ids"], digests, m["tail"]["digest"] if m["tail"] else None) != snap["digest"]:
             raise _bad(path, "snapshot digest does not match its blocks, tail and tokens")
         if existing:
-            return {"snapshot_id": existing[0]["id"], "session_id": snap["session_id"], "new_blocks": 0,
-                    "reused_blocks": len(w.keys), "tokens": len(m["token_ids"]), "existed": True}
-        info = w.commit()
+            return _existed(existing[0]["id"], snap["session_id"], len(w.keys), len(m["token_ids"]))
+        try:
+            info = w.commit()
+        except sqlite3.IntegrityError:  # the same file imported concurrently: the other import won
+            if store.rows("SELECT 1 FROM snapshots WHERE id = ? AND digest = ?", (snap["id"], snap["digest"])):
+                return _existed(snap["id"], snap["session_id"], len(w.keys), len(m["token_ids"]))
+            raise
     return {"snapshot_id": info.id, "session_id": session_id or snap["session_id"], "new_blocks": info.new_blocks,
             "reused_blocks": info.reused_blocks, "tokens": info.n_tokens, "existed": False}

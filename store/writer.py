@@ -42,7 +42,7 @@ from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 if TYPE_CHECKING:
     from kvwake.store.store import Store
 
-__all__ = ["SnapshotInfo", "SnapshotWriter", "new_snapshot_id", "snapshot_digest"]
+__all__ = ["SnapshotInfo", "SnapshotWriter", "Written", "new_snapshot_id", "snapshot_digest"]
 
 Arrays = Mapping[str, Tensor | np.ndarray]
 
@@ -63,6 +63,18 @@ def snapshot_digest(
         h.update(bytes.fromhex(key) + bytes.fromhex(digest))
     h.update(b"\x01" + bytes.fromhex(tail_digest) if tail_digest else b"\x00")
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a writer keeps of a file it made durable: the facts, never the bytes
+    (holding every block's bytes until commit cost a 4k-token sleep 58 MB)."""
+
+    digest: str
+    codec: str
+    raw_bytes: int
+    stored_bytes: int
+    file: str
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,8 @@ class SnapshotWriter:
         self._stack.enter_context(store.files.lock(exclusive=False))
         self._existing = store.usable_blocks(self.keys, self.token_ids)
         self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
-        self._new: dict[int, tuple[Encoded, str]] = {}
-        self._tail: tuple[Encoded, str] | None = None
+        self._new: dict[int, Written] = {}
+        self._tail: Written | None = None
         self._done = False
 
     def __enter__(self) -> SnapshotWriter:
@@ -142,8 +154,11 @@ class SnapshotWriter:
         path = self.store.files.block_path(self.keys[i])
         self.store.files.ensure_parent(path)
         write_durable(path, encoded.data)
-        self._new[i] = (encoded, self.store.files.relative(path))
+        self._new[i] = self._written(encoded, path)
         return True
+
+    def _written(self, encoded: Encoded, path: Any) -> Written:
+        return Written(encoded.digest, encoded.codec, encoded.raw_bytes, len(encoded.data), self.store.files.relative(path))
 
     def set_tail(self, arrays: Arrays) -> None:
         """Encode and durably write the tail (what is not a full block)."""
@@ -158,14 +173,14 @@ class SnapshotWriter:
             raise ValueError("prefix-only writes have no tail")
         path = self.store.files.tail_path(self.id)
         write_durable(path, encoded.data)
-        self._tail = (encoded, self.store.files.relative(path))
+        self._tail = self._written(encoded, path)
 
     def abort(self) -> None:
         """Forget this write: remove the files it made, release the lock."""
         self._done = True
-        for _, rel in list(self._new.values()) + ([self._tail] if self._tail else []):
+        for written in list(self._new.values()) + ([self._tail] if self._tail else []):
             with contextlib.suppress(FileNotFoundError):
-                self.store.files.absolute(rel).unlink()
+                self.store.files.absolute(written.file).unlink()
         self._stack.close()
 
     def commit(self) -> SnapshotInfo:
@@ -188,32 +203,32 @@ class SnapshotWriter:
     def block_rows(self) -> list[tuple[int, BlockRef]]:
         """Index rows for the blocks this writer wrote itself."""
         rows = []
-        for i, (enc, rel) in sorted(self._new.items()):
+        for i, enc in sorted(self._new.items()):
             rows.append((i, BlockRef(
                 key=self.keys[i], parent=self.keys[i - 1] if i else ROOT_KEY, bundle=self.bundle,
                 token_ids=tuple(self.block_tokens(i)), digest=enc.digest, codec=enc.codec,
-                raw_bytes=enc.raw_bytes, stored_bytes=len(enc.data), file=rel)))
+                raw_bytes=enc.raw_bytes, stored_bytes=enc.stored_bytes, file=enc.file)))
         return rows
 
     def digests(self) -> list[tuple[str, str]]:
-        by_index = {i: enc.digest for i, (enc, _) in self._new.items()}
+        by_index = {i: enc.digest for i, enc in self._new.items()}
         return [(k, by_index.get(i) or self._existing[k].digest) for i, k in enumerate(self.keys)]
 
     @property
-    def tail(self) -> tuple[Encoded, str] | None:
+    def tail(self) -> Written | None:
         return self._tail
 
     def _info(self, losers: list[str]) -> SnapshotInfo:
-        new = [(enc, rel) for enc, rel in self._new.values()]
-        raw = sum(e.raw_bytes for e, _ in new) + sum(self._existing[k].raw_bytes for k in self._existing)
-        stored = sum(len(e.data) for e, _ in new) + sum(self._existing[k].stored_bytes for k in self._existing)
-        written = sum(len(e.data) for e, rel in new if rel not in losers)
-        if self._tail:
-            raw, stored, written = raw + self._tail[0].raw_bytes, stored + len(self._tail[0].data), written + len(self._tail[0].data)
-        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), self._tail[0].digest if self._tail else None)
+        new = list(self._new.values()) + ([self._tail] if self._tail else [])
+        reused = list(self._existing.values())
+        raw = sum(w.raw_bytes for w in new) + sum(r.raw_bytes for r in reused)
+        stored = sum(w.stored_bytes for w in new) + sum(r.stored_bytes for r in reused)
+        written = sum(w.stored_bytes for w in new if w.file not in losers)
+        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), self._tail.digest if self._tail else None)
         return SnapshotInfo(
             id=self.id, digest=digest if self.id else None, n_tokens=len(self.token_ids), raw_bytes=raw,
-            stored_bytes=stored, new_blocks=len(new) - len(losers), reused_blocks=len(self._existing) + len(losers),
+            stored_bytes=stored, new_blocks=len(self._new) - len(losers),
+            reused_blocks=len(self._existing) + len(losers),
             written_bytes=written, ms=(time.perf_counter() - self._started) * 1000,
         )
 

@@ -133,7 +133,8 @@ def test_sessions(kvwake):
     assert as_json(kvwake("sessions", "list", "--json")) == listed
     assert "cli-sess" in kvwake("sessions").stdout
     shown = as_json(kvwake("sessions", "show", "cli-sess", "--json"))
-    assert shown["metadata"] == {"team": "ops"} and shown["snapshot_list"] == []
+    # A new session has one snapshot: the empty one that makes its creation durable.
+    assert shown["metadata"] == {"team": "ops"} and [x["n_tokens"] for x in shown["snapshot_list"]] == [0]
     assert "metadata" in kvwake("sessions", "show", "cli-sess").stdout
     kvwake("sessions", "rm", "cli-sess", input="n\n", code=1)  # declined
     removed = as_json(kvwake("sessions", "rm", "cli-sess", "--yes", "--json"))

@@ -270,13 +270,14 @@ def test_corrupt_tail_on_disk_raises_corrupt_block(client, daemon):
     s = fresh(client, "corrupt")
     s.chat("Some words to store", max_tokens=8)
     snapshot = s.sleep()["snapshot_id"]
-    tail = daemon.data_dir / "store" / "tails" / f"{snapshot}.kvb"
+    (tail,) = (daemon.data_dir / "store" / "tails").glob(f"{snapshot}.*.kvb")
     data = bytearray(tail.read_bytes())
     data[-10] ^= 0xFF
     tail.write_bytes(bytes(data))
     with pytest.raises(CorruptBlockError) as caught:
         s.wake()
-    assert caught.value.data
+    facts = caught.value.data
+    assert (facts["session_id"], facts["snapshot_id"], facts["block"]) == (s.id, snapshot, "tail")
     assert client.status()["model"] == "tiny"  # the daemon keeps serving
 
 

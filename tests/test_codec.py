@@ -120,3 +120,32 @@ def test_lying_tensor_offsets_are_refused():
 def test_unsupported_dtype_is_a_type_error():
     with pytest.raises(TypeError, match="complex"):
         encode({"x": np.zeros(3, np.complex64)})
+
+
+def test_every_flipped_byte_is_refused_with_a_named_error():
+    # Was: flips in the header region escaped as JSONDecodeError, KeyError, MemoryError (fsck crashed).
+    data = encode({"layers.0.keys": Tensor("BF16", np.arange(96, dtype=np.uint16).reshape(1, 2, 3, 16)),
+                   "layers.0.values": np.linspace(-1, 1, 96, dtype=np.float32)}, metadata={"kvwake.key": "k"})
+    reference = decode(data.data)
+    for pos in range(len(data.data)):
+        for bit in (0x01, 0x10, 0x80):
+            damaged = bytearray(data.data)
+            damaged[pos] ^= bit
+            try:
+                got, meta, digest = decode(bytes(damaged), max_raw_bytes=data.raw_bytes)
+            except BlockFormatError:
+                continue
+            # Decoded after all: then the digest, which every store read compares, must tell.
+            assert digest != data.digest or (meta == reference[1] and all(
+                got[k].array.tobytes() == reference[0][k].array.tobytes() for k in got)), (pos, bit)
+
+
+def test_a_frame_declaring_a_huge_size_is_refused_before_allocating():
+    # Was: max_output_size is ignored when the frame declares its size, so a tiny frame inflated to gigabytes.
+    data = bytearray(encode({"x": np.zeros(16, np.uint8)}, codec="zstd").data)
+    pos = _header_sections(bytes(data))
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))
+    bomb = bomb[:4] + bytes([bomb[4] & 0x3F | 0xC0]) + (1 << 40).to_bytes(8, "little") + bomb[5 + 4:]
+    data[pos:] = SECTION.pack(1, len(bomb)) + bomb
+    with pytest.raises(BlockFormatError, match="declares"):
+        decode(bytes(data))

@@ -289,3 +289,43 @@ def test_chat_usage_counts_the_prefill_of_its_messages(daemon):
         usage, append = reply["usage"], reply["append"]
         assert usage["prompt_tokens"] == append["prefilled"] + 1 == append["tokens"] - append["reused"]
         assert usage["prefilled_tokens"] == append["prefilled"] > 100
+
+
+def test_a_session_killed_before_its_first_sleep_keeps_its_system_prompt(tmp_path, model_dir):
+    # Was: listed as asleep after the restart, but every call failed with NOT_FOUND ("has no snapshot").
+    d = Daemon(tmp_path, model_dir).start()
+    with d.client() as c:
+        c.call("session.create", session_id="fresh", system=SYSTEM, metadata={"owner": "agent-7"})
+        chat(c, "fresh", "first turn, never slept")
+    d.stop(signal.SIGKILL)
+    d.start()
+    with d.client() as c:
+        reply = chat(c, "fresh", "still there?")
+        assert reply["append"]["tokens"] > len(SYSTEM) // 4  # the system prompt is part of the rendered turn
+        info = c.call("session.info", session_id="fresh")
+        assert info["mode"] == "chat" and info["messages"] == 3 and info["metadata"] == {"owner": "agent-7"}
+    d.stop()
+
+
+def test_checkpoints_of_an_asleep_session_keep_every_label(daemon):
+    # Was: a second checkpoint of the same asleep state moved the label, so the first checkpoint was lost.
+    with daemon.client() as c:
+        c.call("session.create", session_id="cp", system=SYSTEM)
+        chat(c, "cp", "hello")
+        c.call("session.sleep", session_id="cp")
+        c.call("session.checkpoint", session_id="cp", label="v1")
+        c.call("session.checkpoint", session_id="cp", label="v2")
+        labels = {s["label"] for s in c.call("snapshot.list", session_id="cp")["snapshots"]}
+        assert {"v1", "v2"} <= labels
+        with pytest.raises(RpcError) as err:
+            c.call("session.wake", session_id="cp", snapshot_id=42)
+        assert err.value.code == "INVALID_PARAMS"
+
+
+def test_a_file_in_the_sockets_place_is_not_deleted(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir)
+    d.socket.parent.mkdir(parents=True)
+    d.socket.write_text("precious")
+    with pytest.raises(RuntimeError, match="not a socket"):
+        d.start()
+    assert d.socket.read_text() == "precious"

@@ -1,0 +1,56 @@
+"""The daemon's session manager in-process (real engine thread, real store), for failure paths."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from kvwake.daemon.config import Settings
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.worker import EngineThread
+from kvwake.errors import InvalidParamsError, StorageFullError
+from kvwake.store import Store
+from tests.tinymodel import make_model_dir
+
+SYSTEM = "You are a careful agent. Follow the tool manual. " * 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def manager(model_dir, tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    thread = EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, model_dir)).result()
+    yield SessionManager(engine, thread, Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
+    thread.stop()
+    engine.close()
+    store.close()
+
+
+async def test_a_full_disk_during_sleep_is_storage_full_and_the_session_stays_hot(manager, monkeypatch):
+    # Was: the block writes' task group wrapped StorageFullError in an ExceptionGroup: INTERNAL for clients.
+    await manager.create("s", SYSTEM)
+    await manager.append("s", messages=[{"role": "user", "content": "hi"}])
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(StorageFullError):
+        await manager.sleep("s")
+    monkeypatch.setattr(os, "write", real)
+    entry = manager.entry("s")
+    assert entry.session is not None and entry.session.cache is not None and entry.busy is None
+    assert manager.counters["sleep_failures"] == 1
+    assert (await manager.sleep("s"))["snapshot_id"]
+
+
+async def test_metadata_json_cannot_hold_is_refused_at_create(manager):
+    # Was: accepted (INTERNAL from the store), the session existed hot and could never sleep.
+    with pytest.raises(InvalidParamsError, match="plain JSON"):
+        await manager.create("m", None, {"blob": b"\x00"})
+    assert "m" not in manager.entries
