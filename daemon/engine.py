@@ -152,8 +152,13 @@ class Engine:
             added = self._check_tokens(tokens)
         return Plan(session.tokens + added, "raw", session.messages, session.tools)
 
+    @property
+    def vocab_size(self) -> int:
+        args = getattr(self.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer.vocab))
+
     def _check_tokens(self, tokens: Any) -> list[int]:
-        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else 1 << 31
+        vocab = self.vocab_size
         if (not isinstance(tokens, list) or not tokens
                 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
             raise InvalidParamsError(f"tokens must be a non-empty list of ids in [0, {vocab})")
@@ -331,7 +336,7 @@ class Engine:
         r = loaded.record
         cache = kvstate.restore(self.model, iter(loaded.blocks), loaded.tail, len(r.token_ids), self.block_tokens) \
             if r.token_ids else None
-        session = Session.from_state(r.session_id, list(r.token_ids), r.metadata, r.id)
+        session = Session.from_state(r.session_id, list(r.token_ids), r.metadata, r.id, self.vocab_size)
         session.cache = cache
         return session, {"snapshot_id": r.id, "tokens": len(session.tokens), **loaded.counts,
                          "ms": round((time.perf_counter() - loaded.started) * 1000, 3)}

@@ -251,14 +251,23 @@ class SessionManager:
 
     async def fork(self, session_id: Any, new_session_id: Any = None, snapshot_id: Any = None) -> dict[str, Any]:
         new_id = check_session_id(new_session_id) if new_session_id is not None else make_session_id()
+        self.entry(session_id)
         if new_id in self.entries:
             raise InvalidParamsError(f"session {new_id} exists", session_id=new_id)
-        source = snapshot_id if snapshot_id is not None else await self.snapshot_now(session_id, None)
-        record = await to_thread.run_sync(self.store.snapshot, source)
-        if record.session_id != self.entry(session_id).id:
-            raise InvalidParamsError(f"snapshot {source} is not from session {session_id}", snapshot_id=source)
-        forked = await to_thread.run_sync(self.store.fork, source, new_id)
-        self.entries[new_id] = Entry(new_id)
+        # Reserve the new id now: the snapshot below takes a while, and a concurrent
+        # session.create of the same id must get "exists", not be overwritten by the fork.
+        reserved = self.entries[new_id] = Entry(new_id, busy="fork")
+        try:
+            source = snapshot_id if snapshot_id is not None else await self.snapshot_now(session_id, None)
+            record = await to_thread.run_sync(self.store.snapshot, source)
+            if record.session_id != self.entry(session_id).id:
+                raise InvalidParamsError(f"snapshot {source} is not from session {session_id}", snapshot_id=source)
+            forked = await to_thread.run_sync(self.store.fork, source, new_id)
+        except BaseException:
+            self.entries.pop(new_id, None)
+            raise
+        finally:
+            reserved.busy = None
         return {"session_id": new_id, "snapshot_id": forked, "from_snapshot": source}
 
     # -- conversation ---------------------------------------------------------

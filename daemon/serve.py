@@ -198,10 +198,17 @@ async def _signals(stop: anyio.Event) -> None:
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
+    """Sleep idle and over-budget sessions; now and then, gc the store (off the engine thread)."""
+    last_gc = time.monotonic()
     while True:
         await anyio.sleep(settings.lifecycle_interval_s)
         try:
             await manager.enforce_limits()
+            if time.monotonic() - last_gc >= settings.gc_interval_s:
+                last_gc = time.monotonic()
+                report = await anyio.to_thread.run_sync(
+                    lambda: manager.store.gc(budget_bytes=settings.store_budget_bytes))
+                log.info("gc", extra=dict(report.__dict__))
         except Exception:
             log.exception("lifecycle pass failed")
 

@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwake.errors import InvalidParamsError
+from kvwake.errors import CorruptBlockError, InvalidParamsError
 
 __all__ = ["ChatTemplate", "Session", "check_json", "check_messages", "common_prefix", "new_session_id"]
 
@@ -88,10 +88,29 @@ class Session:
                 "pending": self.pending, "metadata": self.metadata}
 
     @classmethod
-    def from_state(cls, session_id: str, token_ids: list[int], state: dict[str, Any], head: str) -> Session:
-        return cls(id=session_id, mode=state.get("mode"), messages=list(state.get("messages", [])),
-                   tools=state.get("tools"), tokens=list(token_ids) + list(state.get("pending", [])),
-                   processed=len(token_ids), metadata=dict(state.get("metadata", {})), head=head)
+    def from_state(cls, session_id: str, token_ids: list[int], state: Any, head: str, vocab: int) -> Session:
+        """Rebuild a session from a snapshot's recorded state, checking it (an imported file is untrusted).
+
+        Raises CorruptBlockError naming the snapshot when the state is malformed.
+        """
+        ok = isinstance(state, dict)
+        if ok:
+            pending, messages, tools = state.get("pending", []), state.get("messages", []), state.get("tools")
+            ok = (state.get("mode") in (None, "chat", "raw") and isinstance(state.get("metadata", {}), dict)
+                  and isinstance(pending, list) and isinstance(messages, list)
+                  and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in pending)
+                  and (tools is None or isinstance(tools, list)))
+        try:
+            if ok and messages:
+                check_messages(messages)
+        except InvalidParamsError:
+            ok = False
+        if not ok:
+            raise CorruptBlockError(f"snapshot {head} of session {session_id}: its recorded session state is malformed",
+                                    session_id=session_id, snapshot_id=head, block="state")
+        return cls(id=session_id, mode=state.get("mode"), messages=list(messages), tools=tools,
+                   tokens=list(token_ids) + list(pending), processed=len(token_ids),
+                   metadata=dict(state.get("metadata", {})), head=head)
 
 
 class ChatTemplate:

@@ -73,6 +73,12 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         db.execute(sql)
 
 
+@migrations()
+def m002_store_meta(db: sqlite_utils.Database) -> None:
+    # Facts fixed for the life of a store (block_tokens): a process opening it with others is refused.
+    db.execute("CREATE TABLE store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
 @dataclass(frozen=True)
 class BlockRef:
     """One block's index row (token ids included, so a hit can be checked)."""

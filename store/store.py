@@ -55,6 +55,18 @@ class Store:
         with self.files.lock(exclusive=True):
             self.index = Index(self.root / "index.sqlite")
             self.index.migrate()
+            self._check_block_tokens()
+
+    def _check_block_tokens(self) -> None:
+        """The block size is fixed when a store is made; opening it with another one is refused."""
+        with self.index.write() as db:
+            db.execute("INSERT OR IGNORE INTO store_meta (key, value) VALUES ('block_tokens', ?)",
+                       (str(self.block_tokens),))
+            stored = int(db.execute("SELECT value FROM store_meta WHERE key = 'block_tokens'").fetchone()[0])
+        if stored != self.block_tokens:
+            self.index.db.conn.close()
+            raise InvalidParamsError(f"the store at {self.root} uses {stored}-token blocks, not {self.block_tokens}; "
+                                     f"open it with block_tokens={stored}", store=str(self.root), block_tokens=stored)
 
     def close(self) -> None:
         with self._lock:
@@ -199,7 +211,7 @@ class Store:
 
     def _insert_snapshot(self, db: Any, w: SnapshotWriter, now: float) -> None:
         tail = w.tail
-        digest = snapshot_digest(w.bundle, w.token_ids, w.digests(), tail.digest if tail else None)
+        digest = snapshot_digest(w.bundle, w.token_ids, w.digests(), tail.digest if tail else None, w.metadata)
         db.execute(
             "INSERT INTO sessions (id, created, updated) VALUES (?, ?, ?) "
             "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated",
@@ -248,7 +260,8 @@ class Store:
             if b.bundle != r.bundle:
                 raise BundleMismatchError(f"snapshot {r.id}: block {b.key[:12]} names bundle {b.bundle[:12]}, "
                                           f"snapshot names {r.bundle[:12]}", block=b.key, **facts)
-        digest = snapshot_digest(r.bundle, r.token_ids, [(b.key, b.digest) for b in r.blocks], r.tail.digest if r.tail else None)
+        digest = snapshot_digest(r.bundle, r.token_ids, [(b.key, b.digest) for b in r.blocks],
+                                 r.tail.digest if r.tail else None, r.metadata)
         if digest != r.digest:
             raise CorruptBlockError(f"snapshot {r.id} of session {r.session_id}: digest mismatch "
                                     f"(index says {r.digest[:12]}, rows give {digest[:12]})", **facts)

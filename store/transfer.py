@@ -151,6 +151,8 @@ def _parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
             if not (isinstance(b["digest"], str) and 0 < int(b["raw_bytes"]) and 0 < int(b["stored_bytes"]) <= MAX_BLOCK_BYTES):
                 raise _bad(path, f"manifest entry {b} has bad sizes")
         bytes.fromhex(m["bundle"]["hash"]), str(snap["session_id"]), str(snap["digest"])
+        if not isinstance(snap["metadata"], dict):
+            raise _bad(path, "snapshot metadata must be a map")
     except KvwakeError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
@@ -216,7 +218,8 @@ def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | No
         if extra is not None:
             raise _bad(path, f"unexpected member {extra.name!r} after the snapshot")
         digests = [(b["key"], b["digest"]) for b in m["blocks"]]
-        if snapshot_digest(bundle, m["token_ids"], digests, m["tail"]["digest"] if m["tail"] else None) != snap["digest"]:
+        if snapshot_digest(bundle, m["token_ids"], digests, m["tail"]["digest"] if m["tail"] else None,
+                           snap["metadata"]) != snap["digest"]:
             raise _bad(path, "snapshot digest does not match its blocks, tail and tokens")
         if existing:
             return _existed(existing[0]["id"], snap["session_id"], len(w.keys), len(m["token_ids"]))

@@ -16,6 +16,8 @@ The snapshot digest is sha256 over this exact layout:
     u64 LE n_tokens, then n_tokens x u32 LE token ids
     u32 LE n_blocks, then per block: key (32 raw bytes), payload digest (32 raw bytes)
     u8 has_tail, then the tail's payload digest (32 raw bytes) if present
+    u64 LE length, then the snapshot's metadata as stored: JSON, UTF-8
+        (the session's pending tokens, messages, tools: what a wake restores besides the KV)
 
 Session id and label are not covered: fork and import may rename them.
 """
@@ -53,7 +55,8 @@ def new_snapshot_id() -> str:
 
 
 def snapshot_digest(
-    bundle: str, token_ids: Sequence[int], blocks: Sequence[tuple[str, str]], tail_digest: str | None
+    bundle: str, token_ids: Sequence[int], blocks: Sequence[tuple[str, str]], tail_digest: str | None,
+    metadata: Mapping[str, Any],
 ) -> str:
     """The snapshot digest (layout in the module docstring); blocks are (key, digest)."""
     h = hashlib.sha256(b"kvwake-snapshot\x00" + struct.pack("<I", 1) + bytes.fromhex(bundle))
@@ -62,7 +65,15 @@ def snapshot_digest(
     for key, digest in blocks:
         h.update(bytes.fromhex(key) + bytes.fromhex(digest))
     h.update(b"\x01" + bytes.fromhex(tail_digest) if tail_digest else b"\x00")
+    meta = metadata_json(metadata).encode()
+    h.update(struct.pack("<Q", len(meta)) + meta)
     return h.hexdigest()
+
+
+def metadata_json(metadata: Mapping[str, Any]) -> str:
+    # Insertion order is kept: chat templates render maps (tools) in their order, so
+    # sorting keys here would make a woken session render different tokens.
+    return json.dumps(dict(metadata))
 
 
 @dataclass(frozen=True)
@@ -224,7 +235,8 @@ class SnapshotWriter:
         raw = sum(w.raw_bytes for w in new) + sum(r.raw_bytes for r in reused)
         stored = sum(w.stored_bytes for w in new) + sum(r.stored_bytes for r in reused)
         written = sum(w.stored_bytes for w in new if w.file not in losers)
-        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), self._tail.digest if self._tail else None)
+        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), self._tail.digest if self._tail else None,
+                                 self.metadata)
         return SnapshotInfo(
             id=self.id, digest=digest if self.id else None, n_tokens=len(self.token_ids), raw_bytes=raw,
             stored_bytes=stored, new_blocks=len(self._new) - len(losers),
@@ -233,6 +245,4 @@ class SnapshotWriter:
         )
 
     def metadata_json(self) -> str:
-        # Insertion order is kept: chat templates render maps (tools) in their order, so
-        # sorting keys here would make a woken session render different tokens.
-        return json.dumps(self.metadata)
+        return metadata_json(self.metadata)

@@ -14,3 +14,21 @@ def store(tmp_path):
     s.register_bundle(OTHER_BUNDLE, {"model": "test-b"})
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_daemons():
+    """A test that fails before stopping its daemon must not leave the process running.
+
+    Only daemons started during the test itself are killed: module-scoped
+    fixtures start theirs before this fixture runs, and stop them themselves.
+    """
+    from tests.daemon import STARTED
+
+    first = len(STARTED)
+    yield
+    for d in STARTED[first:]:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(10)
+    del STARTED[first:]

@@ -20,6 +20,9 @@ import msgpack
 REPO = Path(__file__).resolve().parent.parent
 
 
+STARTED: list[Daemon] = []  # every daemon a test started; conftest kills leftovers after each test
+
+
 class Daemon:
     """A `kvwake serve` process with its own socket and data dir."""
 
@@ -40,6 +43,8 @@ class Daemon:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvwake.client.cli", "serve", *self.args],
                                      cwd=REPO, env=self.env, stdout=log, stderr=log)
         log.close()
+        if not any(d is self for d in STARTED):  # a restart keeps its place (module-scoped daemons too)
+            STARTED.append(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from kvwake.errors import BundleMismatchError, CorruptBlockError, NotFoundError
+from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store import Store
 from tests.kvdata import BUNDLE, OTHER_BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
 
@@ -253,7 +253,7 @@ def test_reopening_keeps_everything_and_migrations_run_once(store, tmp_path):
     again = Store(tmp_path / "store", block_tokens=4)
     assert_snapshot_exact(again, info.id)
     names = [r["name"] for r in again.rows("SELECT name FROM _sqlite_migrations")]
-    assert names == ["m001_initial"]
+    assert names == ["m001_initial", "m002_store_meta"]
     again.close()
     with pytest.raises(sqlite3.IntegrityError):  # foreign keys are enforced
         conn = sqlite3.connect(tmp_path / "store" / "index.sqlite")
@@ -366,3 +366,20 @@ def test_a_writer_holds_no_block_bytes_until_commit(store):
         info = w.commit()
     assert info.new_blocks == 40 and info.stored_bytes > 40 * (100 << 10)
     assert peak < 8 * (128 << 10), f"writer peak {peak} bytes for 40 blocks of 128 KiB"
+
+
+def test_a_store_refuses_another_block_size(store, tmp_path):
+    # Was: opened with another block size, every snapshot looked damaged to fsck and export failed.
+    write_snapshot(store, "s", TOKENS)
+    with pytest.raises(InvalidParamsError, match="uses 4-token blocks, not 8"):
+        Store(tmp_path / "store", block_tokens=8)
+    assert_snapshot_exact(store, store.latest_snapshot("s"))
+
+
+def test_the_snapshot_digest_covers_its_session_state(store):
+    # Was: pending tokens, messages and tools (what a wake restores besides the KV) were outside the digest.
+    info = write_snapshot(store, "s", TOKENS, metadata={"pending": [5], "messages": []})
+    with store.index.write() as db:
+        db.execute("UPDATE snapshots SET metadata = ? WHERE id = ?", ('{"pending": [6], "messages": []}', info.id))
+    with pytest.raises(CorruptBlockError, match="digest mismatch"):
+        store.snapshot(info.id)
