@@ -307,9 +307,16 @@ def test_export_import_warm_gc_fsck_stats(client, tmp_path):
     copy = client.session(imported["session_id"])
     assert copy.info()["tokens"] == s.info()["tokens"]
     assert copy.chat("What was it?", max_tokens=6).tokens == s.chat("What was it?", max_tokens=6).tokens
-    assert client.warm_prefix(text=SYSTEM * 4)["tokens"] > 0
-    assert "bytes_after" in client.gc()
-    assert "ok" in client.fsck()
+    warmed = client.warm_prefix(text=SYSTEM * 4)
+    assert warmed["blocks"] >= 1
+    reader = client.create_session(f"{s.id}-reader")["session_id"]  # a raw session starting with the warmed text
+    assert client.append(reader, text=SYSTEM * 4 + " Go.")["reused"] >= 16 * warmed["blocks"]
+    client.gc()
+    assert any(x["label"] == "keep" for x in client.list_snapshots(s.id))  # gc keeps checkpoints
+    report = client.fsck()
+    # Only the snapshot test_corrupt_tail_on_disk_raises_corrupt_block damaged on purpose may be reported.
+    assert report["blocks_checked"] > 0 and not report["bad_blocks"] and not report["refcounts_fixed"]
+    assert all("corrupt" in d["session_id"] for d in report["damaged_snapshots"]), report["damaged_snapshots"]
     assert "latency" in client.stats() and client.status()["sessions"]["hot"] >= 1
 
 
