@@ -227,11 +227,11 @@ class SessionManager:
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
-            self.entries.pop(entry.id, None)
-            with contextlib.suppress(NotFoundError):
+            removed = 0
+            with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
-                return {"session_id": entry.id, "snapshots_removed": removed}
-        return {"session_id": session_id, "snapshots_removed": 0}
+            self.entries.pop(entry.id, None)
+            return {"session_id": entry.id, "snapshots_removed": removed}
 
     async def snapshot_now(self, session_id: Any, label: str | None) -> str:
         """A snapshot of the session as it is now; a hot session stays hot."""

@@ -21,8 +21,8 @@ from typing import Any
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store.codec import DEFAULT_CODEC, BlockFormatError, Tensor, decode, read_file_header
 from kvwake.store.files import StoreFiles
-from kvwake.store.index import BlockRef, Index, SnapshotRecord, TailRef
-from kvwake.store.keys import ROOT_KEY, block_key, chain_keys, tokens_to_bytes
+from kvwake.store.index import BlockRef, Index, SnapshotRecord
+from kvwake.store.keys import block_key, chain_keys, tokens_to_bytes
 from kvwake.store import maintenance, transfer
 from kvwake.store.writer import SnapshotWriter, snapshot_digest
 

@@ -6,7 +6,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
 
 from tests.daemon import Daemon, RawClient, RpcError
@@ -254,15 +252,13 @@ def test_two_daemons_started_at_once_one_serves_the_other_exits(tmp_path, model_
     a, b = Daemon(tmp_path, model_dir), Daemon(tmp_path, model_dir)
     b.log = tmp_path / "daemon-b.log"
     outcomes = []
-    for d in (a, b):
-        d.proc = None
     threads = [threading.Thread(target=lambda d=d: outcomes.append(_start_or_error(d))) for d in (a, b)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert sorted(outcomes) == ["exited 2", "ready"], outcomes
-    loser = b if outcomes and _start_state(b) == "exited 2" else a
+    (loser,) = [d for d in (a, b) if d.proc.poll() == 2]
     assert "already serving (or starting on)" in loser.log.read_text()
     for d in (a, b):
         if d.proc.poll() is None:
