@@ -6,8 +6,11 @@ usage: python bench/suite.py [resume|storage|rpc|all] [--model PATH] [--sizes 25
 resume   per size N: re-prefill N tokens + first token (the baseline users pay
          without kvwake) vs kvwake sleep/wake + first token vs mlx-lm's own
          save_prompt_cache / load_prompt_cache + first token. Also: bytes stored
-         per token vs raw KV vs mlx-lm's file, wake throughput (MB/s of KV
-         restored), and peak RSS growth while sleeping (fraction of the KV).
+         per token vs raw KV vs mlx-lm's file, wake and sleep throughput (GB/s
+         of KV), the single-core verified decode rate of the same blocks (the
+         yardstick for wake's parallel efficiency: wake / (cores x that rate)),
+         and peak RSS growth while sleeping (fraction of the KV). Kernels are
+         warmed up for each size before anything is timed.
 storage  S sessions sharing a 1k-token system prompt with 200 own tokens each:
          kvwake's store bytes vs S mlx-lm cache files; time to first token of a
          session whose prompt is in the prefix cache vs a cold prefill.
@@ -32,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # tests/ helpers for the rpc benchmark; capture_kv
+# bench/ first (capture_kv); the repository root last, only for the rpc benchmark's tests/ helpers:
+# first, its kvwake/ folder would hide an installed (non-editable) kvwake's subpackages.
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.append(str(ROOT))
 
 
 def machine() -> dict[str, Any]:
@@ -80,22 +86,42 @@ def tokens_of(engine: Any, n: int) -> list[int]:
     return build_prompt(engine.tokenizer, n)
 
 
-def open_engine(model: str | None, root: Path) -> Any:
+def open_engine(model: str | None, root: Path, codec: str = "planes-zstd") -> Any:
     from kvwake.daemon.engine import Engine
     from kvwake.store import Store
 
-    return Engine(Store(root / "store", block_tokens=128), root, model)
+    return Engine(Store(root / "store", block_tokens=128, codec=codec), root, model)
 
 
-def first_token(engine: Any, session: Any) -> float:
-    """Seconds until the first token is available (the engine's TTFT: feeding the pending token).
+def decode_GBps(engine: Any, snapshot_id: str, workers: int = 1) -> float:
+    """Read, decode and verify every block of a snapshot on `workers` threads, into preallocated arrays.
 
-    Not the whole generate call: mlx-lm's generate_step computes the next
-    token before yielding one, which would double this on a CPU.
+    The same codec work a wake does per block (files from the page cache into
+    a reused buffer, zstd, byte planes joined in place, BLAKE3), without MLX:
+    with one worker, the yardstick for wake's parallel efficiency; with all,
+    what the codec alone reaches on this machine.
     """
-    from kvwake.daemon.generation import GenerateParams
+    import concurrent.futures as cf
 
-    return engine.generate(session, GenerateParams(max_tokens=1)).usage["ttft_ms"] / 1000
+    import numpy as np
+
+    from kvwake.store.codec import DTYPES
+
+    record = engine.store.snapshot(snapshot_id)
+    specs = engine.store.block_specs(record.blocks[0])
+    local = threading.local()
+
+    def read(ref: Any) -> None:
+        if not hasattr(local, "dest"):
+            local.dest = {n: np.empty(shape, DTYPES[dtype][0]) for n, (dtype, shape) in specs.items()}
+        engine.store.read_block(ref, place=lambda name, dtype, shape: local.dest.get(name))
+
+    with cf.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(read, record.blocks[: 2 * workers]))  # warm each thread's buffers and the page cache
+        t0 = time.perf_counter()
+        list(pool.map(read, record.blocks))
+        elapsed = time.perf_counter() - t0
+    return sum(b.raw_bytes for b in record.blocks) / elapsed / 1e9
 
 
 def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
@@ -114,6 +140,10 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     save_prompt_cache(str(f), s.cache)
     mlx_save_s = time.perf_counter() - t0
+    # Warm-up, untimed: a first token on a cache of this size compiles its kernels (CUDA, Metal).
+    warm = Session("warm", tokens=list(ids), processed=n - 1, cache=load_prompt_cache(str(f)))
+    first_token(engine, warm)
+    del warm
     with PeakRss() as peak:
         slept = engine.sleep(s)
     engine.hot.__init__(engine.hot.budget)  # measure the disk path, not the RAM tier
@@ -121,12 +151,16 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
     woken, info = engine.wake(s.id)
     wake_s = time.perf_counter() - t0
     wake_ft_s = wake_s + first_token(engine, woken)
+    del woken
     t0 = time.perf_counter()
     cache = load_prompt_cache(str(f))
     mx.eval([c.state for c in cache])
     mlx_load_s = time.perf_counter() - t0
     loaded = Session("mlx", tokens=list(ids), processed=n - 1, cache=cache)
     mlx_load_ft_s = mlx_load_s + first_token(engine, loaded)
+    del loaded, cache
+    decode_1core = decode_GBps(engine, slept["snapshot_id"])
+    decode_all = decode_GBps(engine, slept["snapshot_id"], engine.pool.workers)
     # The baseline must really prefill: the same tokens would hit the prefix cache (this session's
     # own blocks are stored now). A different first token changes every chain key, at equal cost.
     cold = Session(f"cold-{n}")
@@ -135,27 +169,33 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
     got = engine.append(cold, tokens=unseen)
     assert got["reused"] == 0, got
     reprefill_ft_s = time.perf_counter() - t0 + first_token(engine, cold)
+    del cold
+    raw, cores = slept["raw_bytes"], engine.pool.workers
     return {
-        "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n,
+        "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n, "codec": engine.store.codec,
+        "workers": cores, "restore_mode": __import__("kvwake.daemon.kvfill", fromlist=["x"]).RESTORE_MODE,
         "reprefill_first_token_s": reprefill_ft_s, "wake_first_token_s": wake_ft_s,
         "mlx_load_first_token_s": mlx_load_ft_s, "wake_s": wake_s, "mlx_load_s": mlx_load_s,
         "sleep_s": slept["ms"] / 1000, "mlx_save_s": mlx_save_s,
-        "stored_bytes": slept["stored_bytes"], "raw_bytes": slept["raw_bytes"], "mlx_file_bytes": f.stat().st_size,
+        "stored_bytes": slept["stored_bytes"], "raw_bytes": raw, "mlx_file_bytes": f.stat().st_size,
         "stored_bytes_per_token": slept["stored_bytes"] / n, "mlx_bytes_per_token": f.stat().st_size / n,
-        "wake_MBps": slept["raw_bytes"] / wake_s / 1e6, "sleep_peak_rss_growth_bytes": peak.growth,
+        "wake_GBps": raw / wake_s / 1e9, "sleep_GBps": raw / (slept["ms"] / 1000) / 1e9,
+        "decode_1core_GBps": decode_1core, "decode_all_cores_GBps": decode_all, "wake_MBps": raw / wake_s / 1e6,
+        "sleep_peak_rss_growth_bytes": peak.growth,
         "ratios": {
             "reprefill_over_wake": reprefill_ft_s / wake_ft_s,
             "wake_over_mlx_load": wake_ft_s / mlx_load_ft_s,
             "sleep_over_mlx_save": slept["ms"] / 1000 / mlx_save_s,
             "stored_over_mlx_file": slept["stored_bytes"] / f.stat().st_size,
             "sleep_rss_growth_over_kv": peak.growth / kv_bytes,
+            "wake_over_cores_x_decode_1core": raw / wake_s / 1e9 / (cores * decode_1core),
         },
     }
 
 
-def bench_resume(model: str | None, sizes: list[int]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
-        engine = open_engine(model, Path(tmp))
+def bench_resume(model: str | None, sizes: list[int], codec: str = "planes-zstd") -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVWAKE_BENCH_DIR")) as tmp:
+        engine = open_engine(model, Path(tmp), codec)
         runs = []
         for n in sizes:
             r = resume_one(engine, n, Path(tmp))
@@ -163,6 +203,9 @@ def bench_resume(model: str | None, sizes: list[int]) -> dict[str, Any]:
             print(f"  {n:5d} tokens: re-prefill+1st {r['reprefill_first_token_s']:.2f}s, wake+1st "
                   f"{r['wake_first_token_s'] * 1000:.0f}ms ({r['ratios']['reprefill_over_wake']:.0f}x), mlx load+1st "
                   f"{r['mlx_load_first_token_s'] * 1000:.0f}ms (wake {r['ratios']['wake_over_mlx_load']:.2f}x of it), "
+                  f"wake {r['wake_GBps']:.2f} GB/s = {r['ratios']['wake_over_cores_x_decode_1core']:.2f} x "
+                  f"{r['workers']} cores x {r['decode_1core_GBps']:.2f} GB/s, sleep {r['sleep_GBps']:.2f} GB/s "
+                  f"({r['ratios']['sleep_over_mlx_save']:.2f}x mlx save), "
                   f"stored {r['ratios']['stored_over_mlx_file']:.2f}x mlx file, sleep RSS growth "
                   f"{r['ratios']['sleep_rss_growth_over_kv']:.1%} of KV", flush=True)
         result = {"model": engine.model_name, "runs": runs}
@@ -258,13 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="mlx-lm model folder (default: the default model)")
     parser.add_argument("--sizes", default="256,1024,4096")
     parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--codec", default="planes-zstd", help="block codec of the resume run's store")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"machine: {info}")
-    jobs = {"resume": lambda: bench_resume(args.model, [int(x) for x in args.sizes.split(",")]),
+    jobs = {"resume": lambda: bench_resume(args.model, [int(x) for x in args.sizes.split(",")], args.codec),
             "storage": lambda: bench_storage(args.model, args.sessions),
             "rpc": bench_rpc}
     for name in (jobs if args.which == "all" else [args.which]):

@@ -121,11 +121,13 @@ def bench(opts: Options, n_sessions: int, cycles: int, system_words: int, max_to
     Example: kvwake bench --sessions 8 --cycles 3 --json > bench.json
     """
     from kvwake.client.bench import BenchConfig, run_bench
+    from kvwake.client.codecs import codec_advice
 
     config = BenchConfig(n_sessions, cycles, system_words, max_tokens, keep)
     with opts.client() as client:
         with click.progressbar(length=n_sessions, label="benchmark", file=sys.stderr) as bar:
             report = run_bench(client, config, bar.update)
+        report["codecs"] = codec_advice(client.status()["store"]["path"])
     if as_json:
         return echo_json(report)
     s = report["summary"]
@@ -144,3 +146,10 @@ def bench(opts: Options, n_sessions: int, cycles: int, system_words: int, max_to
         ("compression", "-" if s["compression_ratio"] is None else f"{s['compression_ratio']:.2f}x"),
         ("bytes written", human_bytes(s["written_bytes"])),
     ])
+    c = report["codecs"]
+    for name, r in c.get("codecs", {}).items():
+        click.echo(f"codec {name}: {r['ratio']:.2f}x, decode {r['decode_GBps_1core']:.2f} GB/s/core, disk read "
+                   f"{r['disk_read_GBps']:.2f} GB/s, wake ~{r['wake_GBps_estimate']:.2f} GB/s, "
+                   f"sleep ~{r['sleep_GBps_estimate']:.2f} GB/s")
+    click.echo(f"recommended codec: {c['recommended']} ({c['why']})" if c.get("recommended")
+               else f"codec: no advice ({c.get('why')})")

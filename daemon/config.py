@@ -41,6 +41,9 @@ class Settings:
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
     ram_tier_bytes: int = 256 << 20  # decoded hot blocks kept in RAM
+    codec: str = "planes-zstd"  # block codec for new blocks: "planes-zstd" (smallest) or "raw" (fastest)
+    io_workers: int | None = None  # sleep/wake worker threads; None: every core
+    io_inflight_bytes: int = 512 << 20  # raw KV bytes one sleep or wake may have in flight
     keep_history: int = 4  # unlabeled snapshots kept per session
     kv_bits: int | None = None
     kv_group_size: int = 64

@@ -1,10 +1,9 @@
 """The engine: one loaded MLX model, the sessions it runs, and their sleep and wake.
 
 All MLX work happens in the thread that calls the engine (the daemon gives it
-one thread of its own). Inside a sleep, encoding and writing blocks run on a
-small worker pool while the engine thread captures the next block, with at
-most `INFLIGHT` captured blocks waiting: a sleep never holds a second full copy
-of the KV. A wake streams blocks the same way in reverse.
+one thread of its own). Sleep and wake are `kvwake.daemon.pipeline`, which the
+daemon runs too: codec and disk work on the engine's `Pool` (every core by
+default, bounded by bytes in flight), MLX work on the engine thread.
 
 Prefix reuse: before a cold prefill, the engine asks the store for the longest
 run of stored full blocks that starts the tokens (under this bundle), restores
@@ -15,11 +14,10 @@ reuse whole snapshots: their prefix reuse is off.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,20 +26,23 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon import kvstate
+from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.generation import GenerateParams, GenerateResult, run_generation
 from kvwake.daemon.hotblocks import HotBlocks
+from kvwake.daemon.pipeline import Pool
 from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError
-from kvwake.store import BlockRef, SnapshotRecord, SnapshotWriter, Store
-from kvwake.store.codec import FORMAT_VERSION
+from kvwake.store import SnapshotRecord, SnapshotWriter, Store
 
-__all__ = ["Engine", "Loaded", "Plan", "resolve_model"]
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "resolve_model"]
 
 log = logging.getLogger("kvwake.engine")
-INFLIGHT = 2
+# What a block's payload means (kvstate's naming), as the bundle hash records it. Frozen at the
+# value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
+# file says its own), so switching codec or file format never orphans a store's snapshots.
+CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,6 @@ class Plan:
     mode: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
-
-
-@dataclass
-class Loaded:
-    """A verified snapshot read into memory, ready to restore."""
-
-    record: SnapshotRecord
-    blocks: list[dict]
-    tail: dict
-    started: float
-    counts: dict[str, int]
 
 
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
@@ -90,6 +80,8 @@ class Engine:
         kv_group_size: int = 64,
         hot_bytes: int = 256 << 20,
         prefill_step: int = 512,
+        io_workers: int | None = None,
+        io_inflight_bytes: int = 512 << 20,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -99,7 +91,7 @@ class Engine:
         self.cuttable = kvstate.cuttable(probe)
         self.bundle: Bundle = describe_bundle(
             self.model_path, kv_layout=kvstate.layout(probe, model=self.model), block_tokens=store.block_tokens,
-            codec=f"{store.codec}+kvstate{kvstate.STATE_FORMAT}", codec_version=FORMAT_VERSION,
+            codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1],
             digest_cache=Path(data_dir) / "digests.json",
             model_name=self.model_name,
         )
@@ -108,10 +100,10 @@ class Engine:
         self.hot = HotBlocks(hot_bytes)
         self.counters = {"blocks_ram": 0, "blocks_disk": 0, "tokens_reused": 0, "tokens_prefilled": 0}
         self._counter_lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(max_workers=INFLIGHT, thread_name_prefix="kvwake-io")
+        self.pool = Pool(io_workers, io_inflight_bytes)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self.pool.close()
 
     @property
     def block_tokens(self) -> int:
@@ -120,7 +112,7 @@ class Engine:
     def make_cache(self) -> list:
         """A fresh cache; with kv_bits, plain KV layers are quantized (mlx-lm cannot quantize the others)."""
         cache = make_prompt_cache(self.model)
-        return self._quantize(cache) if self.kv_bits is not None else cache
+        return self.quantize(cache) if self.kv_bits is not None else cache
 
     # -- input ----------------------------------------------------------------
 
@@ -131,7 +123,7 @@ class Engine:
         Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}.
         """
         plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools)
-        return self.apply(session, plan, self.prefix_blocks(session, plan.target))
+        return self.apply(session, plan, self.prefix_cache(session, plan.target))
 
     def plan(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
              tools: Any = None) -> Plan:
@@ -172,24 +164,19 @@ class Engine:
         return session.cache is None or (self._keep(session, target) < session.processed
                                          and not can_trim_prompt_cache(session.cache))
 
-    def prefix_blocks(self, session: Session, target: list[int]) -> list[dict]:
-        """Stored blocks that start `target`, when the session will need a fresh cache (store work).
+    def prefix_cache(self, session: Session, target: list[int], mlx: pipeline.Mlx = pipeline.direct) -> tuple[list | None, int]:
+        """A cache restored from stored blocks that start `target`, when the session will need a fresh one.
 
-        A bad block shortens the hit; it never fails the append.
+        Store and codec work on the caller's thread and the pool, MLX work through `mlx`.
+        Returns (cache or None, tokens it holds). A bad block shortens the hit; it never fails the append.
         """
         if not self.cuttable or len(target) <= self.block_tokens or not self._needs_fresh_cache(session, target):
-            return []
-        blocks = []
-        for ref in self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1]):
-            try:
-                blocks.append(self._fetch(ref))
-            except CorruptBlockError as exc:
-                log.warning("prefix block unusable, prefilling instead: %s", exc.message)
-                break
-        return blocks
+            return None, 0
+        refs = self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1])
+        return pipeline.restore_prefix(self, refs, len(target), mlx)
 
-    def apply(self, session: Session, plan: Plan, blocks: list[dict]) -> dict[str, int]:
-        """Make the cache cover plan.target[:-1]: keep the common prefix, restore `blocks`, prefill the rest."""
+    def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0)) -> dict[str, int]:
+        """Make the cache cover plan.target[:-1]: keep the common prefix, take `prefix` (a restored cache), prefill the rest."""
         target, keep = plan.target, self._keep(session, plan.target)
         if self._needs_fresh_cache(session, target):
             session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
@@ -198,27 +185,27 @@ class Engine:
             session.processed = keep
         reused = 0
         if session.cache is None:
-            session.cache = self._prefix_cache(blocks) if blocks else self.make_cache()
-            reused = session.processed = len(blocks) * self.block_tokens
+            cache, reused = prefix
+            session.cache = cache if cache is not None else self.make_cache()
+            session.processed = reused
             self._count("tokens_reused", reused)
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
         prefilled = self._prefill(session, len(target) - 1)
         return {"tokens": len(target), "prefilled": prefilled, "reused": reused}
 
-    def _prefix_cache(self, blocks: list[dict]) -> list:
-        cache = kvstate.restore_prefix(self.model, iter(blocks), len(blocks), self.block_tokens)
-        return self._quantize(cache) if self.kv_bits is not None else cache
-
-    def _quantize(self, cache: list) -> list:
+    def quantize(self, cache: list) -> list:
         return [c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits) if type(c) is KVCache else c
                 for c in cache]
 
-    def _fetch(self, ref: BlockRef, record: SnapshotRecord | None = None) -> dict:
-        read = lambda r: self.store.read_block(r, snapshot_id=record.id if record else None,  # noqa: E731
-                                               session_id=record.session_id if record else None)
-        arrays, from_ram = self.hot.fetch(ref, read)
-        self._count("blocks_ram" if from_ram else "blocks_disk", 1)
-        return arrays
+    def make_blank(self) -> list:
+        """make_prompt_cache(model): the cache skeleton a restore fills."""
+        return make_prompt_cache(self.model)
+
+    def log_unusable(self, exc: CorruptBlockError) -> None:
+        log.warning("prefix block unusable, prefilling instead: %s", exc.message)
+
+    def count(self, name: str, n: int) -> None:
+        self._count(name, n)
 
     def _count(self, name: str, n: int) -> None:
         with self._counter_lock:  # worker threads count too
@@ -241,7 +228,7 @@ class Engine:
         """Generate from the session's pending tokens; the reply becomes part of the session."""
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
-            self.apply(session, plan, self.prefix_blocks(session, session.tokens))
+            self.apply(session, plan, self.prefix_cache(session, session.tokens))
         if not session.pending:
             if session.processed and can_trim_prompt_cache(session.cache):
                 trim_prompt_cache(session.cache, 1)
@@ -263,9 +250,8 @@ class Engine:
         return result
 
     # -- sleep and wake -------------------------------------------------------
-    # Each is split into phases so the daemon can run MLX work on its engine
-    # thread and store work on worker threads: begin_sleep / finish_sleep and
-    # load_snapshot touch only the store; capture_* and restore touch only MLX.
+    # The pipeline (pipeline.py) drives these; begin_sleep / finish_sleep / record
+    # touch only the store, capture_* only MLX (engine thread).
 
     def begin_sleep(self, session: Session, *, label: str | None = None) -> SnapshotWriter:
         """Open the snapshot writer (store work); its `needed` says which blocks to capture."""
@@ -273,13 +259,16 @@ class Engine:
         return self.store.writer(session.id, self.bundle.hash, tokens, parent=session.head, label=label,
                                  metadata=session.state())
 
-    def capture_block(self, session: Session, index: int) -> dict:
-        return kvstate.capture_block(session.cache, index, self.block_tokens)
+    def capture_blocks(self, cache: list, first: int, count: int) -> list[dict]:
+        return kvstate.capture_blocks(cache, first, count, self.block_tokens)
 
     def capture_tail(self, session: Session) -> dict:
         if session.cache is None:
             return {}
         return kvstate.capture_tail(session.cache, session.processed, self.block_tokens)
+
+    def kv_bytes_per_token(self, cache: list) -> int:
+        return kvstate.bytes_per_token(cache)
 
     def finish_sleep(self, session: Session, w: SnapshotWriter, started: float, *, free: bool = True) -> dict[str, Any]:
         """Commit (store work), then free the session's KV (unless `free` is False: a checkpoint).
@@ -295,57 +284,16 @@ class Engine:
                 "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
                 "ms": round((time.perf_counter() - started) * 1000, 3)}
 
-    def sleep(self, session: Session) -> dict[str, Any]:
+    def sleep(self, session: Session, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
         """Write the session's KV as a snapshot and free it. On failure the session stays hot."""
-        started = time.perf_counter()
-        with self.begin_sleep(session) as w:
-            inflight: list[cf.Future] = []
-            try:
-                for i in w.needed:
-                    while len(inflight) >= INFLIGHT:
-                        inflight.pop(0).result()
-                    inflight.append(self._pool.submit(w.add_block, i, self.capture_block(session, i)))
-            finally:  # never leave a write running behind an aborting writer
-                cf.wait(inflight)
-            for f in inflight:
-                f.result()
-            tail = self.capture_tail(session)
-            if tail:
-                w.set_tail(tail)
-            return self.finish_sleep(session, w, started)
-
-    def load_snapshot(self, session_id: str, snapshot_id: str | None = None) -> Loaded:
-        """Read and verify everything a wake needs (store work, parallel decode)."""
-        started = time.perf_counter()
-        with self.store.reading():  # gc cannot evict this snapshot's files while they are read
-            sid = snapshot_id or self.store.latest_snapshot(session_id)
-            record = self._record(sid)
-            if record.session_id != session_id:
-                raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
-                                         "use fork", session_id=session_id, snapshot_id=sid)
-            before = dict(self.counters)
-            tail_future = self._pool.submit(self.store.read_tail, record)  # decoded alongside the blocks
-            blocks = list(self._stream_blocks(record))
-            tail = tail_future.result()
-        return Loaded(record, blocks, tail, started, {
-            "blocks_from_memory": self.counters["blocks_ram"] - before["blocks_ram"],
-            "blocks_from_disk": self.counters["blocks_disk"] - before["blocks_disk"]})
-
-    def restore(self, loaded: Loaded) -> tuple[Session, dict[str, Any]]:
-        """Build the session's cache from loaded blocks (MLX work)."""
-        r = loaded.record
-        cache = kvstate.restore(self.model, iter(loaded.blocks), loaded.tail, len(r.token_ids), self.block_tokens) \
-            if r.token_ids else None
-        session = Session.from_state(r.session_id, list(r.token_ids), r.metadata, r.id, self.vocab_size)
-        session.cache = cache
-        return session, {"snapshot_id": r.id, "tokens": len(session.tokens), **loaded.counts,
-                         "ms": round((time.perf_counter() - loaded.started) * 1000, 3)}
+        return pipeline.sleep(self, session, pipeline.direct, label=label, free=free)
 
     def wake(self, session_id: str, snapshot_id: str | None = None) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly."""
-        return self.restore(self.load_snapshot(session_id, snapshot_id))
+        return pipeline.wake(self, session_id, snapshot_id, pipeline.direct)
 
-    def _record(self, snapshot_id: str) -> SnapshotRecord:
+    def record(self, snapshot_id: str) -> SnapshotRecord:
+        """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""
         try:
             return self.store.snapshot(snapshot_id, bundle=self.bundle.hash)
         except BundleMismatchError as exc:
@@ -356,19 +304,6 @@ class Engine:
                 exc.args = (exc.message,)
                 exc.data["differences"] = diffs
             raise
-
-    def _stream_blocks(self, record: SnapshotRecord) -> Iterator[dict]:
-        """Blocks in order, decoded on the worker pool, at most INFLIGHT ahead of the consumer."""
-        self.store.touch([b.key for b in record.blocks])
-        refs = list(record.blocks)
-        pending: list[cf.Future] = []
-        for ref in refs[:INFLIGHT]:
-            pending.append(self._pool.submit(self._fetch, ref, record))
-        for i in range(len(refs)):
-            arrays = pending.pop(0).result()
-            if i + INFLIGHT < len(refs):
-                pending.append(self._pool.submit(self._fetch, refs[i + INFLIGHT], record))
-            yield arrays
 
     # -- shared prompts -------------------------------------------------------
 
@@ -382,9 +317,6 @@ class Engine:
         self.check_warmable()
         scratch = Session(id="prefix-warm")
         self.append(scratch, messages=messages, text=text, tokens=tokens)
-        with self.store.writer(None, self.bundle.hash, scratch.tokens[: scratch.processed], pin=True) as w:
-            for i in w.needed:
-                w.add_block(i, kvstate.capture_block(scratch.cache, i, self.block_tokens))
-            info = w.commit()
-        return {"tokens": len(scratch.tokens), "blocks": len(w.keys), "new_blocks": info.new_blocks,
-                "stored_bytes": info.stored_bytes}
+        info = pipeline.write_prefix(self, scratch, pipeline.direct)
+        return {"tokens": len(scratch.tokens), "blocks": len(scratch.tokens[: scratch.processed]) // self.block_tokens,
+                "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}

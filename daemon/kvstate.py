@@ -38,7 +38,6 @@ Written for mlx-lm 0.32 (its cache `state` layouts changed between 0.31 and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -51,7 +50,6 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from kvwake.store.codec import Tensor
@@ -62,20 +60,28 @@ __all__ = [
     "StateMismatchError",
     "UnsupportedCacheError",
     "cache_nbytes",
+    "CUTTABLE",
+    "QPARTS",
+    "array_of",
     "capture_block",
+    "bytes_per_token",
+    "capture_blocks",
     "capture_tail",
+    "check_meta",
     "cuttable",
+    "kind_of",
     "layout",
-    "restore",
-    "restore_prefix",
+    "restore_whole",
+    "take_ints",
+    "units",
 ]
 
 STATE_FORMAT = 1  # version of the naming scheme above; stored in the tail's "meta"
-_KINDS = {KVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
+KINDS = {KVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
           RotatingKVCache: "rotating", ArraysCache: "arrays", ChunkedKVCache: "chunked", CacheList: "cache_list"}
-_CUTTABLE = {"kv", "concat_kv", "quantized_kv"}
+CUTTABLE = {"kv", "concat_kv", "quantized_kv"}
 _STRUCTURE = {"quantized_kv": ("bits", "group_size"), "rotating": ("max_size", "keep"), "chunked": ("chunk_size",)}
-_QPARTS = ("keys.0", "keys.1", "keys.2", "values.0", "values.1", "values.2")
+QPARTS = ("keys.0", "keys.1", "keys.2", "values.0", "values.1", "values.2")
 
 
 class StateMismatchError(ValueError):
@@ -93,23 +99,23 @@ class NotCuttableError(ValueError):
 # -- small parts: kinds, units, array conversion ----------------------------
 
 
-def _kind(c: Any, where: str) -> str:
+def kind_of(c: Any, where: str) -> str:
     # Exact type, not isinstance: a subclass may keep state we would silently drop.
-    kind = _KINDS.get(type(c))
+    kind = KINDS.get(type(c))
     if kind is None:
         raise UnsupportedCacheError(f"{where}: cache class {type(c).__module__}.{type(c).__name__} is not supported")
     return kind
 
 
-def _units(cache: list) -> list[tuple[str, int, int | None, Any]]:
+def units(cache: list) -> list[tuple[str, int, int | None, Any]]:
     """(name, layer, member or None, leaf cache) for every leaf cache, in order."""
     out = []
     for i, c in enumerate(cache):
-        if _kind(c, f"layers.{i}") != "cache_list":
+        if kind_of(c, f"layers.{i}") != "cache_list":
             out.append((f"layers.{i}", i, None, c))
             continue
         for j, member in enumerate(c.caches):
-            if _kind(member, f"layers.{i}.{j}") == "cache_list":
+            if kind_of(member, f"layers.{i}.{j}") == "cache_list":
                 raise UnsupportedCacheError(f"layers.{i}.{j}: nested CacheList is not supported")
             out.append((f"layers.{i}.{j}", i, j, member))
     return out
@@ -126,7 +132,7 @@ def _tensor(a: mx.array) -> Tensor:
     return Tensor.of(np.array(a))
 
 
-def _array(t: Tensor) -> mx.array:
+def array_of(t: Tensor) -> mx.array:
     a = mx.array(t.array)
     return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
@@ -135,7 +141,7 @@ def _ints(*values: int, dtype: type = np.int64) -> Tensor:
     return Tensor.of(np.array(values, dtype=dtype))
 
 
-def _take_ints(arrays: dict[str, Tensor], name: str, n: int) -> list[int]:
+def take_ints(arrays: dict[str, Tensor], name: str, n: int) -> list[int]:
     t = arrays.pop(name, None)
     if t is None or t.array.shape != (n,) or t.array.dtype.kind not in "iu":
         found = None if t is None else f"{t.dtype}{list(t.array.shape)}"
@@ -162,12 +168,12 @@ def _shape_facts(kind: str, c: Any) -> dict[str, Any]:
 
 
 def _describe(c: Any, where: str, probed: Any | None) -> dict[str, Any]:
-    kind = _kind(c, where)
+    kind = kind_of(c, where)
     if kind == "cache_list":
         members = [_describe(m, f"{where}.{j}", probed.caches[j] if probed is not None else None)
                    for j, m in enumerate(c.caches)]
         return {"kind": kind, "cuttable": all(m["cuttable"] for m in members), "caches": members}
-    entry: dict[str, Any] = {"kind": kind, "cuttable": kind in _CUTTABLE}
+    entry: dict[str, Any] = {"kind": kind, "cuttable": kind in CUTTABLE}
     entry.update({p: getattr(c, p) for p in _STRUCTURE.get(kind, ())})
     if kind == "arrays":
         entry["size"] = len(c.cache)
@@ -180,7 +186,7 @@ def _describe(c: Any, where: str, probed: Any | None) -> dict[str, Any]:
 
 def _blank(c: Any) -> Any:
     """An empty cache of the same kind and structural parameters as c."""
-    kind = _kind(c, "cache")
+    kind = kind_of(c, "cache")
     return {"kv": lambda: KVCache(), "concat_kv": lambda: ConcatenateKVCache(),
             "quantized_kv": lambda: QuantizedKVCache(group_size=c.group_size, bits=c.bits),
             "rotating": lambda: RotatingKVCache(max_size=c.max_size, keep=c.keep),
@@ -210,41 +216,86 @@ def layout(cache: list, *, model: Any | None = None) -> list[dict]:
 
 def cuttable(cache: list) -> bool:
     """True when every unit can be cut by token, so a stored prefix can start a new cache."""
-    return all(_kind(c, name) in _CUTTABLE for name, _, _, c in _units(cache))
+    return all(kind_of(c, name) in CUTTABLE for name, _, _, c in units(cache))
 
 
 def cache_nbytes(cache: list) -> int:
     """Bytes the cache's arrays hold now, step-allocated buffers included (what memory budgets see)."""
-    return sum(c.nbytes for _, _, _, c in _units(cache))
+    return sum(c.nbytes for _, _, _, c in units(cache))
+
+
+def bytes_per_token(cache: list) -> int:
+    """Bytes one token takes in the cuttable units (what one block row costs; 0 before any prefill)."""
+    total = 0
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) in CUTTABLE and c.keys is not None:
+            parts = [*c.keys, *c.values] if isinstance(c, QuantizedKVCache) else [c.keys, c.values]
+            total += sum(a.nbytes // a.shape[-2] for a in parts)
+    return total
 
 
 # -- capture -----------------------------------------------------------------
 
 
+def _host_views(arrays: dict[str, mx.array]) -> dict[str, np.ndarray]:
+    """Host arrays of these (lazy) arrays, evaluated together.
+
+    Unified memory (CPU, Apple silicon): views of MLX's own memory, no copy (a
+    slice of a KV buffer stays a strided view). Otherwise (CUDA) each becomes
+    a contiguous device copy first, then one transfer to the host: reading a
+    slice of the cache itself would move the whole cache buffer to host memory.
+    """
+    as_bits = {n: a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for n, a in arrays.items()}
+    if not (mx.default_device() == mx.cpu or mx.metal.is_available()):
+        as_bits = {n: mx.contiguous(a) for n, a in as_bits.items()}
+    mx.eval(list(as_bits.values()))
+    return {n: np.asarray(a) for n, a in as_bits.items()}
+
+
 def _cut(name: str, c: Any, start: int, stop: int) -> dict[str, Tensor]:
-    """Tokens [start, stop) of one cuttable unit; only that slice is materialized."""
+    """Tokens [start, stop) of one cuttable unit, as host arrays (see _host_views)."""
     if stop > c.offset:
         raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
     if isinstance(c, QuantizedKVCache):
-        out = {f"{name}.{part}.{k}": _tensor(a[..., start:stop, :])
-               for part in ("keys", "values") for k, a in enumerate(getattr(c, part))}
+        lazy = {f"{name}.{part}.{k}": a[..., start:stop, :] for part in ("keys", "values")
+                for k, a in enumerate(getattr(c, part))}
+    else:
+        lazy = {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}
+    dtypes = {n: _dtype_of(a) for n, a in lazy.items()}
+    out = {n: Tensor(dtypes[n], v) for n, v in _host_views(lazy).items()}
+    if isinstance(c, QuantizedKVCache):
         out[f"{name}.quant"] = _ints(c.group_size, c.bits, dtype=np.int32)
-        return out
-    return {f"{name}.keys": _tensor(c.keys[..., start:stop, :]), f"{name}.values": _tensor(c.values[..., start:stop, :])}
+    return out
+
+
+def _dtype_of(a: mx.array) -> str:
+    return "BF16" if a.dtype == mx.bfloat16 else Tensor.of(np.zeros(0, _NP[a.dtype])).dtype
+
+
+_NP = {mx.float16: np.float16, mx.float32: np.float32, mx.uint32: np.uint32, mx.int32: np.int32,
+       mx.uint8: np.uint8, mx.int8: np.int8, mx.uint16: np.uint16, mx.int16: np.int16}
+
+
+def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> list[dict[str, Tensor]]:
+    """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring).
+
+    One evaluation for the whole span; each block's arrays are views of it
+    (on unified memory, of the cache itself: nothing is copied until encoded).
+    Non-cuttable units contribute nothing. Raises StateMismatchError if the
+    cache holds fewer tokens.
+    """
+    start, stop = first * block_tokens, (first + count) * block_tokens
+    span: dict[str, Tensor] = {}
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) in CUTTABLE:
+            span.update(_cut(name, c, start, stop))
+    return [{n: t if n.endswith(".quant") else Tensor(t.dtype, t.array[..., k * block_tokens : (k + 1) * block_tokens, :])
+             for n, t in span.items()} for k in range(count)]
 
 
 def capture_block(cache: list, index: int, block_tokens: int) -> dict[str, Tensor]:
-    """Tokens [index*B, (index+1)*B) of every cuttable unit (names in the module docstring).
-
-    Non-cuttable units contribute nothing. Materializes only this block's
-    slices. Raises StateMismatchError if the cache holds fewer tokens.
-    """
-    start, stop = index * block_tokens, (index + 1) * block_tokens
-    out: dict[str, Tensor] = {}
-    for name, _, _, c in _units(cache):
-        if _kind(c, name) in _CUTTABLE:
-            out.update(_cut(name, c, start, stop))
-    return out
+    """Block `index` alone (capture_blocks of one)."""
+    return capture_blocks(cache, index, 1, block_tokens)[0]
 
 
 def _whole(name: str, kind: str, c: Any) -> dict[str, Tensor]:
@@ -275,11 +326,11 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
     """
     full = n_tokens // block_tokens * block_tokens
     out = {"meta": _ints(STATE_FORMAT, n_tokens, block_tokens)}
-    for name, _, _, c in _units(cache):
-        kind = _kind(c, name)
+    for name, _, _, c in units(cache):
+        kind = kind_of(c, name)
         if kind != "arrays" and c.offset != n_tokens:  # recurrent state has no token count to check
             raise StateMismatchError(f"{name}: cache holds {c.offset} tokens, capture asked for {n_tokens}")
-        if kind in _CUTTABLE:
+        if kind in CUTTABLE:
             out[f"{name}.offset"] = _ints(c.offset)
             if full < n_tokens:
                 out.update(_cut(name, c, full, n_tokens))
@@ -288,83 +339,27 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
     return out
 
 
-# -- restore -----------------------------------------------------------------
+# -- restore helpers (the restore itself is kvfill.py) -------------------------
 
 
-class _Filler:
-    """Builds one cuttable unit from slices, in place in step-allocated buffers.
-
-    The slot from make_prompt_cache decides what fits: a KVCache slot takes
-    plain or quantized slices (a daemon may quantize KV; the slices say how),
-    a QuantizedKVCache slot only quantized, a ConcatenateKVCache only plain.
-    """
-
-    def __init__(self, name: str, slot: Any, total: int) -> None:
-        self.name, self.slot, self.total = name, slot, total
-        self.buffers: dict[str, mx.array] = {}
-        self.quant: list[int] | None = None
-        self.filled = 0
-
-    def _parts(self, arrays: dict[str, Tensor]) -> tuple[str, ...]:
-        quantized = f"{self.name}.keys.0" in arrays
-        allowed = {KVCache: (False, True), QuantizedKVCache: (True,), ConcatenateKVCache: (False,)}[type(self.slot)]
-        if quantized not in allowed or (self.buffers and quantized != (self.quant is not None)):
-            raise StateMismatchError(f"{self.name}: {'quantized' if quantized else 'plain'} KV does not fit "
-                                     f"a {type(self.slot).__name__} (or earlier slices)")
-        if quantized:
-            quant = _take_ints(arrays, f"{self.name}.quant", 2)
-            if self.quant not in (None, quant):
-                raise StateMismatchError(f"{self.name}: quantization {quant} after {self.quant}")
-            self.quant = quant
-        return _QPARTS if quantized else ("keys", "values")
-
-    def put(self, arrays: dict[str, Tensor], count: int) -> None:
-        """Append `count` tokens of this unit, popping its names from `arrays`."""
-        for part in self._parts(arrays):
-            t = arrays.pop(f"{self.name}.{part}", None)
-            if t is None:
-                raise StateMismatchError(f"{self.name}.{part}: missing")
-            a = _array(t)
-            buf = self.buffers.get(part)
-            if buf is None:
-                step = 1 if isinstance(self.slot, ConcatenateKVCache) else KVCache.step
-                shape = (*a.shape[:-2], -(-self.total // step) * step, a.shape[-1])
-                buf = self.buffers[part] = mx.zeros(shape, a.dtype)
-            want = (*buf.shape[:-2], count, buf.shape[-1])
-            if a.ndim != buf.ndim or a.shape != want or a.dtype != buf.dtype:
-                raise StateMismatchError(f"{self.name}.{part}: expected {_dtype_name(buf.dtype)}{list(want)}, "
-                                         f"found {_dtype_name(a.dtype)}{list(a.shape)}")
-            buf[..., self.filled : self.filled + count, :] = a
-        self.filled += count
-
-    def pending(self) -> list[mx.array]:
-        return list(self.buffers.values())
-
-    def finish(self) -> Any:
-        """The filled cache object (a new QuantizedKVCache when the slices were quantized)."""
-        if self.filled != self.total:
-            raise StateMismatchError(f"{self.name}: {self.filled} tokens restored, {self.total} expected")
-        if self.quant is not None:
-            c = QuantizedKVCache(group_size=self.quant[0], bits=self.quant[1])
-            c.keys = tuple(self.buffers[f"keys.{k}"] for k in range(3))
-            c.values = tuple(self.buffers[f"values.{k}"] for k in range(3))
-        else:
-            c = type(self.slot)()
-            c.keys, c.values = self.buffers.get("keys"), self.buffers.get("values")
-        c.offset = self.total
-        return c
+def check_meta(tail: dict[str, Tensor], n_tokens: int, block_tokens: int | None) -> None:
+    """Pop the tail's meta state and check it describes n_tokens (and block_tokens, when given)."""
+    fmt, n, b = take_ints(tail, "meta", 3)
+    if (fmt, n) != (STATE_FORMAT, n_tokens) or block_tokens not in (None, b):
+        raise StateMismatchError(f"tail meta (format, tokens, block) {(fmt, n, b)}, "
+                                 f"expected {(STATE_FORMAT, n_tokens, block_tokens)}")
 
 
-def _restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_tokens: int) -> None:
-    """Fill one non-cuttable unit in place from the tail."""
+def restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_tokens: int) -> None:
+    """Fill one non-cuttable unit in place from the tail, popping its names."""
     def both() -> tuple[mx.array, mx.array]:
         k, v = tail.pop(f"{name}.keys", None), tail.pop(f"{name}.values", None)
         if k is None or v is None or k.array.shape[:-1] != v.array.shape[:-1]:
             raise StateMismatchError(f"{name}: keys/values missing or of different lengths")
-        return _array(k), _array(v)
+        return array_of(k), array_of(v)
 
     if kind == "rotating":
-        offset, idx, keep, max_size = _take_ints(tail, f"{name}.ring", 4)
+        offset, idx, keep, max_size = take_ints(tail, f"{name}.ring", 4)
         if (keep, max_size, offset) != (c.keep, c.max_size, n_tokens):
             raise StateMismatchError(f"{name}: ring keep/max_size/offset {keep}/{max_size}/{offset}, "
                                      f"model expects {c.keep}/{c.max_size}/{n_tokens}")
@@ -374,97 +369,20 @@ def _restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_toke
                 raise StateMismatchError(f"{name}: ring index {idx} outside its {c.keys.shape[2]} rows")
         c.offset, c._idx = offset, idx
     elif kind == "chunked":
-        offset, start, chunk = _take_ints(tail, f"{name}.chunk", 3)
+        offset, start, chunk = take_ints(tail, f"{name}.chunk", 3)
         if (chunk, offset) != (c.chunk_size, n_tokens):
             raise StateMismatchError(f"{name}: chunk_size/offset {chunk}/{offset}, model expects {c.chunk_size}/{n_tokens}")
         if offset:
-            filler = _Filler(name, KVCache(), offset - start)
-            filler.put(tail, offset - start)
-            mx.eval(filler.pending())
-            c.keys, c.values = filler.buffers["keys"], filler.buffers["values"]
+            k, v = both()
+            if k.shape[2] != offset - start:
+                raise StateMismatchError(f"{name}: {k.shape[2]} rows, chunk state says {offset - start}")
+            step = KVCache.step
+            rows = -(-(offset - start) // step) * step
+            pad = [(0, 0)] * (k.ndim - 2) + [(0, rows - k.shape[2]), (0, 0)]
+            c.keys, c.values = mx.pad(k, pad), mx.pad(v, pad)
         c.offset, c.start_position = offset, start
     else:
-        c.cache = [_array(tail.pop(f"{name}.arrays.{k}")) if f"{name}.arrays.{k}" in tail else None
+        c.cache = [array_of(tail.pop(f"{name}.arrays.{k}")) if f"{name}.arrays.{k}" in tail else None
                    for k in range(len(c.cache))]
         for attr in ("left_padding", "lengths"):
-            setattr(c, attr, _array(tail.pop(f"{name}.{attr}")) if f"{name}.{attr}" in tail else None)
-
-
-def _fill_blocks(cache: list, blocks: Iterable[dict[str, Tensor]], n_blocks: int, block_tokens: int,
-                 total: int) -> list[tuple[int, int | None, _Filler]]:
-    fillers = [(i, j, _Filler(name, c, total)) for name, i, j, c in _units(cache)
-               if _kind(c, name) in _CUTTABLE]
-    count = 0
-    for count, block in enumerate(blocks, start=1):
-        if count > n_blocks:
-            raise StateMismatchError(f"more than the {n_blocks} blocks {total} tokens make")
-        block = dict(block)  # names are popped as they fit; leftovers do not fit this model
-        for _, _, f in fillers:
-            f.put(block, block_tokens)
-        # One eval per block (not per layer): writes land now, so this block's host copy can go.
-        mx.eval([buf for _, _, f in fillers for buf in f.pending()])
-        if block:
-            raise StateMismatchError(f"block {count - 1} holds arrays this model's cache has no place for: {sorted(block)}")
-    if count != n_blocks:
-        raise StateMismatchError(f"{count} blocks given, {n_blocks} expected for {total} tokens")
-    return fillers
-
-
-def _place(cache: list, i: int, j: int | None, c: Any) -> None:
-    if j is None:
-        cache[i] = c
-    else:
-        members = list(cache[i].caches)
-        members[j] = c
-        cache[i].caches = tuple(members)
-
-
-def restore(model: Any, blocks: Iterable[dict[str, Tensor]], tail: dict[str, Tensor],
-            n_tokens: int, block_tokens: int) -> list:
-    """A fresh cache (make_prompt_cache(model)) holding n_tokens, filled from blocks + tail.
-
-    `blocks` is consumed one at a time, in order (n_tokens // block_tokens of
-    them); each is copied into preallocated buffers before the next is read.
-    The model continues exactly as the captured cache would: bit-identical
-    logits. Raises StateMismatchError (naming the unit, expected vs found) when
-    the arrays, their count or the meta state do not fit the model's cache.
-    """
-    tail = dict(tail)
-    fmt, n, b = _take_ints(tail, "meta", 3)
-    if (fmt, n, b) != (STATE_FORMAT, n_tokens, block_tokens):
-        raise StateMismatchError(f"tail meta (format, tokens, block) {(fmt, n, b)}, "
-                                 f"expected {(STATE_FORMAT, n_tokens, block_tokens)}")
-    cache = make_prompt_cache(model)
-    n_full = n_tokens // block_tokens
-    fillers = _fill_blocks(cache, blocks, n_full, block_tokens, n_tokens)
-    for i, j, f in fillers:
-        (offset,) = _take_ints(tail, f"{f.name}.offset", 1)
-        if offset != n_tokens:
-            raise StateMismatchError(f"{f.name}: tail says {offset} tokens, restore asked for {n_tokens}")
-        if n_tokens > n_full * block_tokens:
-            f.put(tail, n_tokens - n_full * block_tokens)
-            mx.eval(f.pending())
-        _place(cache, i, j, f.finish())
-    for name, _, _, c in _units(cache):
-        if _kind(c, name) not in _CUTTABLE:
-            _restore_whole(name, _kind(c, name), c, tail, n_tokens)
-    if tail:
-        raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(tail)}")
-    return cache
-
-
-def restore_prefix(model: Any, blocks: Iterable[dict[str, Tensor]], n_blocks: int, block_tokens: int) -> list:
-    """A fresh cache holding exactly n_blocks * block_tokens tokens from `blocks` (no tail).
-
-    For prefix-cache hits. Raises NotCuttableError if the model's cache has a
-    unit that cannot be cut by token, StateMismatchError as `restore` does.
-    """
-    cache = make_prompt_cache(model)
-    if not cuttable(cache):
-        kinds = sorted({_kind(c, name) for name, _, _, c in _units(cache)} - _CUTTABLE)
-        raise NotCuttableError(f"this model's cache has {', '.join(kinds)} layers; a prefix cannot be restored")
-    total = n_blocks * block_tokens
-    for i, j, f in _fill_blocks(cache, blocks, n_blocks, block_tokens, total):
-        _place(cache, i, j, f.finish())
-    return cache
-
+            setattr(c, attr, array_of(tail.pop(f"{name}.{attr}")) if f"{name}.{attr}" in tail else None)

@@ -6,9 +6,9 @@ Concurrency rules:
 - One operation at a time per session. A second mutating operation on a busy
   session fails at once with BUSY (agents should not overlap turns on one
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
-- A sleep captures one block at a time on the engine thread and encodes and
-  writes it on a worker, at most two blocks in flight: other sessions'
-  generation interleaves with it, and no second copy of the KV is built.
+- Sleep and wake run `kvwake.daemon.pipeline` on a worker thread: its MLX
+  steps go to the engine thread one short job at a time (other sessions'
+  generation interleaves with them), codec and disk work to the engine's pool.
 - A client that disconnects mid-generation stops it after the current token;
   the tokens generated so far stay in the session.
 """
@@ -23,10 +23,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from anyio import to_thread
 
-from kvwake.daemon import kvstate
+from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams
@@ -34,12 +33,10 @@ from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
-from kvwake.store import SnapshotWriter
 
 __all__ = ["Latency", "SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
-INFLIGHT = 2
 
 
 class Latency:
@@ -135,8 +132,7 @@ class SessionManager:
             # An empty first snapshot makes the session itself durable: its system prompt and
             # metadata survive a crash before its first sleep.
             await to_thread.run_sync(self.store.ensure_session, session_id, metadata or {})
-            w = await to_thread.run_sync(lambda: self.engine.begin_sleep(session))
-            await to_thread.run_sync(lambda: self.engine.finish_sleep(session, w, time.perf_counter(), free=False))
+            await to_thread.run_sync(lambda: pipeline.sleep(self.engine, session, self.thread.call, free=False))
         except BaseException:
             self.entries.pop(session_id, None)
             raise
@@ -150,8 +146,8 @@ class SessionManager:
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
-        loaded = await to_thread.run_sync(self.engine.load_snapshot, entry.id, snapshot_id)
-        session, info = await self.thread.run(lambda: self.engine.restore(loaded))
+        session, info = await to_thread.run_sync(
+            lambda: pipeline.wake(self.engine, entry.id, snapshot_id, self.thread.call))
         entry.session = session
         self.latency["wake"].add(info["ms"])
         self.counters["wakes"] += 1
@@ -172,18 +168,14 @@ class SessionManager:
             return await self._sleep(entry, label=label, free=free)
 
     async def _sleep(self, entry: Entry, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
-        session, started = entry.session, time.perf_counter()
+        session = entry.session
         assert session is not None
-        w: SnapshotWriter = await to_thread.run_sync(lambda: self.engine.begin_sleep(session, label=label))
         try:
-            await self._write_blocks(w, lambda i: self.engine.capture_block(session, i))
-            tail = await self.thread.run(lambda: self.engine.capture_tail(session))
-            if tail:
-                await to_thread.run_sync(w.set_tail, tail)
-            info = await to_thread.run_sync(lambda: self.engine.finish_sleep(session, w, started, free=free))
+            # The pipeline cleans up after itself (files removed, lock released) before it raises;
+            # a worker thread is not interrupted by cancellation, so it always gets to.
+            info = await to_thread.run_sync(
+                lambda: pipeline.sleep(self.engine, session, self.thread.call, label=label, free=free))
         except BaseException as exc:
-            with anyio.CancelScope(shield=True):  # even when cancelled: release the lock, remove the files
-                await to_thread.run_sync(w.abort)
             self.counters["sleep_failures"] += 1
             log.error("sleep failed; session stays hot", extra={"session": entry.id, "error": repr(exc)})
             raise
@@ -193,37 +185,6 @@ class SessionManager:
         self.counters["sleeps"] += 1
         log.info("sleep", extra={"session": entry.id, **info})
         return info
-
-    async def _write_blocks(self, w: SnapshotWriter, capture: Callable[[int], dict]) -> None:
-        """Capture each needed block on the engine thread, write it on a worker, two in flight.
-
-        A failure (disk full, capture error) is re-raised as itself once the
-        writes in flight have finished: not wrapped in a task group's
-        ExceptionGroup, so STORAGE_FULL reaches the client as STORAGE_FULL.
-        """
-        limit, failures = anyio.Semaphore(INFLIGHT), []
-
-        async def write(i: int, arrays: dict) -> None:
-            try:
-                await to_thread.run_sync(w.add_block, i, arrays)
-            except Exception as exc:
-                failures.append(exc)
-            finally:
-                limit.release()
-
-        async with anyio.create_task_group() as tg:
-            for i in w.needed:
-                await limit.acquire()
-                if failures:
-                    break
-                try:
-                    arrays = await self.thread.run(lambda i=i: capture(i))
-                except Exception as exc:
-                    failures.append(exc)
-                    break
-                tg.start_soon(write, i, arrays)
-        if failures:
-            raise failures[0]
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
@@ -278,8 +239,8 @@ class SessionManager:
 
     async def _append(self, session: Session, inputs: dict[str, Any]) -> dict[str, Any]:
         plan = await self.thread.run(lambda: self.engine.plan(session, **inputs))
-        blocks = await to_thread.run_sync(self.engine.prefix_blocks, session, plan.target)
-        return await self.thread.run(lambda: self.engine.apply(session, plan, blocks))
+        prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, self.thread.call))
+        return await self.thread.run(lambda: self.engine.apply(session, plan, prefix))
 
     async def generate(self, session_id: Any, params: GenerateParams, on_text: Callable[[str], None] | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -317,17 +278,9 @@ class SessionManager:
         self.engine.check_warmable()
         scratch = Session("prefix-warm")
         await self._append(scratch, inputs)
-        tokens = scratch.tokens[: scratch.processed]
-        w = await to_thread.run_sync(lambda: self.store.writer(None, self.engine.bundle.hash, tokens, pin=True))
-        try:
-            await self._write_blocks(w, lambda i: self.engine.capture_block(scratch, i))
-            info = await to_thread.run_sync(w.commit)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await to_thread.run_sync(w.abort)
-            raise
-        return {"tokens": len(scratch.tokens), "blocks": len(w.keys), "new_blocks": info.new_blocks,
-                "stored_bytes": info.stored_bytes}
+        info = await to_thread.run_sync(lambda: pipeline.write_prefix(self.engine, scratch, self.thread.call))
+        return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.engine.block_tokens,
+                "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
 
     # -- automatic sleep and shutdown -----------------------------------------
 

@@ -136,12 +136,13 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     except DaemonRunningError as exc:
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
-    store = Store(settings.store_dir, block_tokens=settings.block_tokens,
+    store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
     thread = EngineThread()
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
-                                          hot_bytes=settings.ram_tier_bytes)).result()
+                                          hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
+                                          io_inflight_bytes=settings.io_inflight_bytes)).result()
     manager = SessionManager(engine, thread, settings)
     try:
         return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio")

@@ -48,6 +48,12 @@ class EngineThread:
         self._jobs.put((fn, future))
         return future
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread and wait for it from another thread (the pipeline's `mlx`)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self.submit(fn).result()
+
     async def run(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread and await its result from the event loop.
 

@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,10 +42,13 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durable(path: Path, data: bytes | memoryview) -> None:
+def write_durable(path: Path, data: bytes | memoryview, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` atomically and durably (temp, fsync, rename, dir fsync).
 
-    Raises StorageFullError when the disk is full; the temp file is removed.
+    sync_dir=False leaves the directory fsync to the caller, who must do it
+    before anything points to the file (a writer syncs each directory once at
+    commit instead of once per file). Raises StorageFullError when the disk is
+    full; the temp file is removed.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
     try:
@@ -63,7 +67,11 @@ def write_durable(path: Path, data: bytes | memoryview) -> None:
         if exc.errno in _FULL:
             raise StorageFullError(f"no room to write {path.name}: {exc.strerror}", path=str(path)) from exc
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+_buffers = threading.local()
 
 
 class StoreFiles:
@@ -90,6 +98,26 @@ class StoreFiles:
     def tail_path(self, snapshot_id: str) -> Path:
         """A fresh file name for a snapshot's tail (a nonce for the same reason as blocks)."""
         return self.tails / f"{snapshot_id}.{secrets.token_hex(6)}.kvb"
+
+    def read(self, relative: str) -> memoryview:
+        """A file's bytes in this thread's reusable buffer (valid until this thread's next read).
+
+        One copy from the page cache into a buffer that is allocated once per
+        thread and grown as needed, rather than a new bytes object per file.
+        """
+        with open(self.absolute(relative), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = getattr(_buffers, "buf", None)
+            if buf is None or len(buf) < size:
+                buf = _buffers.buf = bytearray(max(size, 1 << 20))
+            view = memoryview(buf)[:size]
+            got = 0
+            while got < size:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        return view[:got]
 
     def relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()

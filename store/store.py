@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store.codec import DEFAULT_CODEC, BlockFormatError, Tensor, decode, read_file_header
+from kvwake.store.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Tensor, decode_into, read_file_header, read_specs
 from kvwake.store.files import StoreFiles
 from kvwake.store.index import BlockRef, Index, SnapshotRecord
 from kvwake.store.keys import block_key, chain_keys, tokens_to_bytes
@@ -48,6 +48,8 @@ class Store:
         keep_history: int = 4,
         codec: str = DEFAULT_CODEC,
     ) -> None:
+        if codec not in CODEC_IDS:
+            raise InvalidParamsError(f"unknown block codec {codec!r}; known: {sorted(CODEC_IDS)}", codec=codec)
         self.root = Path(root)
         self.files = StoreFiles(self.root)
         self.block_tokens, self.budget_bytes, self.keep_history, self.codec = block_tokens, budget_bytes, keep_history, codec
@@ -273,45 +275,70 @@ class Store:
             raise NotFoundError(f"session {session_id!r} has no snapshot", session_id=session_id)
         return head
 
-    def read_block(self, ref: BlockRef, *, snapshot_id: str | None = None, session_id: str | None = None) -> dict[str, Tensor]:
-        """Read, decode and verify one block; CorruptBlockError names what failed."""
+    def read_block(self, ref: BlockRef, *, snapshot_id: str | None = None, session_id: str | None = None,
+                   place: Place | None = None) -> dict[str, Tensor]:
+        """Read, decode and verify one block; CorruptBlockError names what failed.
+
+        place: where each tensor is decoded to (see codec.decode_into); by default new arrays.
+        """
         facts = {"block": ref.key, "snapshot_id": snapshot_id, "session_id": session_id, "file": ref.file}
         where = f"block {ref.key[:16]} of snapshot {snapshot_id} (session {session_id})"
         if ref.quarantined:
             raise CorruptBlockError(f"{where} is quarantined", **facts)
         if block_key(ref.parent, ref.bundle, ref.token_ids) != ref.key:
             raise CorruptBlockError(f"{where}: index row does not hash to its key", **facts)
-        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts)
+        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts, place)
         if meta.get("kvwake.key") != ref.key or meta.get("kvwake.bundle") != ref.bundle:
             raise CorruptBlockError(f"{where}: file holds block {meta.get('kvwake.key', '?')[:16]} "
                                     f"of bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
 
-    def read_tail(self, record: SnapshotRecord) -> dict[str, Tensor]:
+    def read_tail(self, record: SnapshotRecord, place: Place | None = None) -> dict[str, Tensor]:
         """Read and verify a snapshot's tail (empty if it has none)."""
         if record.tail is None:
             return {}
         facts = {"snapshot_id": record.id, "session_id": record.session_id, "file": record.tail.file, "block": "tail"}
         where = f"tail of snapshot {record.id} (session {record.session_id})"
-        tensors, meta = self._read_verified(record.tail.file, record.tail.digest, record.tail.raw_bytes, where, facts)
+        tensors, meta = self._read_verified(record.tail.file, record.tail.digest, record.tail.raw_bytes, where, facts,
+                                            place)
         if meta.get("kvwake.bundle") != record.bundle:
             raise CorruptBlockError(f"{where}: file belongs to bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
 
-    def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict) -> tuple[dict[str, Tensor], dict[str, str]]:
+    def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
+                       place: Place | None) -> tuple[dict[str, Tensor], dict[str, str]]:
         try:
-            data = self.files.absolute(rel).read_bytes()
+            data = self.files.read(rel)
         except FileNotFoundError:
             raise CorruptBlockError(f"{where}: file {rel} is missing", **facts) from None
         try:
             if read_file_header(data)[2] != digest:
                 raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
-            tensors, meta, actual = decode(data, max_raw_bytes=raw_bytes)
+            tensors, meta, actual = decode_into(data, place, max_raw_bytes=raw_bytes)
         except BlockFormatError as exc:
             raise CorruptBlockError(f"{where}: file {rel} is damaged: {exc}", **facts) from None
         if actual != digest:
             raise CorruptBlockError(f"{where}: payload digest {actual[:16]} != indexed {digest[:16]}", **facts)
         return tensors, meta
+
+    def block_specs(self, ref: BlockRef) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """A block's tensor names, dtypes and shapes from its header (to allocate before decoding)."""
+        return self._specs(ref.file, {"block": ref.key, "file": ref.file})
+
+    def tail_specs(self, record: SnapshotRecord) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The same for a snapshot's tail (empty if it has none)."""
+        if record.tail is None:
+            return {}
+        return self._specs(record.tail.file, {"snapshot_id": record.id, "session_id": record.session_id,
+                                              "block": "tail", "file": record.tail.file})
+
+    def _specs(self, rel: str, facts: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+        try:
+            return read_specs(self.files.read(rel))
+        except FileNotFoundError:
+            raise CorruptBlockError(f"file {rel} is missing", **facts) from None
+        except BlockFormatError as exc:
+            raise CorruptBlockError(f"file {rel} is damaged: {exc}", **facts) from None
 
     def iter_blocks(self, record: SnapshotRecord) -> Iterator[dict[str, Tensor]]:
         """Yield each block of a snapshot in order, verified, and mark them used."""

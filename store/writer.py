@@ -32,12 +32,13 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvwake.store.codec import Encoded, Tensor, encode
-from kvwake.store.files import write_durable
+from kvwake.store.files import fsync_dir, write_durable
 from kvwake.store.index import BlockRef
 from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 
@@ -136,6 +137,7 @@ class SnapshotWriter:
         self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
         self._new: dict[int, Written] = {}
         self._tail: Written | None = None
+        self._dirs: set[Path] = set()
         self._done = False
 
     def __enter__(self) -> SnapshotWriter:
@@ -164,8 +166,9 @@ class SnapshotWriter:
             return False
         path = self.store.files.block_path(self.keys[i])
         self.store.files.ensure_parent(path)
-        write_durable(path, encoded.data)
+        write_durable(path, encoded.data, sync_dir=False)  # each directory is synced once, at commit
         self._new[i] = self._written(encoded, path)
+        self._dirs.add(path.parent)
         return True
 
     def _written(self, encoded: Encoded, path: Any) -> Written:
@@ -200,6 +203,8 @@ class SnapshotWriter:
         if missing:
             raise ValueError(f"blocks {missing} were never added; cannot commit")
         try:
+            for d in sorted(self._dirs):  # the renames are durable before the index names the files
+                fsync_dir(d)
             losers = self.store.commit_write(self)
         except BaseException:
             self.abort()

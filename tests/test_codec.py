@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import blake3
+
 import numpy as np
 import pytest
 import safetensors
@@ -13,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvwake.store.codec import CODECS, FILE_HEADER, SECTION, BlockFormatError, Tensor, decode, encode, payload
+from kvwake.store.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Tensor, decode,
+                                decode_into, encode, payload)
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 
@@ -45,10 +48,11 @@ def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
 
 @settings(max_examples=60, deadline=None)
 @given(arrays=tensors())
-def test_digest_is_sha256_of_a_payload_the_safetensors_library_reads(arrays):
+def test_digest_is_blake3_of_a_payload_the_safetensors_library_reads(arrays):
     encoded = encode(arrays, metadata={"kvwake.kind": "block"})
     raw = payload(arrays, metadata={"kvwake.kind": "block"})
-    assert hashlib.sha256(raw).hexdigest() == encoded.digest and len(raw) == encoded.raw_bytes
+    assert blake3.blake3(raw).hexdigest() == encoded.digest and len(raw) == encoded.raw_bytes
+    assert encoded.data[4] == FORMAT_VERSION == 2
     parsed = dict(safetensors.deserialize(raw))
     assert set(parsed) == set(arrays)
     for name, t in arrays.items():
@@ -149,3 +153,69 @@ def test_a_frame_declaring_a_huge_size_is_refused_before_allocating():
     data[pos:] = SECTION.pack(1, len(bomb)) + bomb
     with pytest.raises(BlockFormatError, match="declares"):
         decode(bytes(data))
+
+
+def _v1_file(arrays: dict[str, np.ndarray]) -> bytes:
+    """A format-1 file as kvwake 0.1 wrote it: sha256 digest, plain zstd sections."""
+    raw = payload(arrays)
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    cctx = zstandard.ZstdCompressor(level=3)
+    sections = [raw[:8], raw[8 : 8 + header_len]] + [a.tobytes() for a in arrays.values()]
+    body = b"".join(SECTION.pack(1, len(c := cctx.compress(x))) + c for x in sections)
+    return FILE_HEADER.pack(b"KVWB", 1, 1, 0, len(raw), hashlib.sha256(raw).digest()) + body
+
+
+def test_format_1_files_still_decode_with_their_sha256_digest():
+    arrays = {"a": np.arange(40, dtype=np.float32).reshape(2, 20), "b": np.arange(7, dtype=np.int32)}
+    got, _, digest = decode(_v1_file(arrays))
+    assert digest == hashlib.sha256(payload(arrays)).hexdigest()
+    assert all(got[k].array.tobytes() == a.tobytes() for k, a in arrays.items())
+
+
+def test_raw_codec_in_a_format_1_file_is_refused():
+    data = bytearray(encode({"x": np.arange(10, dtype=np.int32)}, codec="raw").data)
+    data[4] = 1
+    with pytest.raises(BlockFormatError, match="version 1, codec id 3"):
+        decode(bytes(data))
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS.values()))
+def test_decode_into_fills_strided_views_of_a_larger_buffer_in_place(codec):
+    # A block is tokens [8, 16) of a [1, heads, 24, dim] KV buffer: encode reads the strided
+    # slice in place, decode writes into the same slice of another buffer and nothing else.
+    rng = np.random.default_rng(1)
+    source = rng.integers(0, 1 << 16, (1, 3, 24, 16), dtype=np.uint16)
+    block = {"layers.0.keys": Tensor("BF16", source[..., 8:16, :]), "other": Tensor("F32", rng.random(5, np.float32))}
+    encoded = encode(block, codec=codec)
+    target = np.full_like(source, 0xAAAA)
+    got, _, digest = decode_into(encoded.data, lambda name, dtype, shape: target[..., 8:16, :] if name == "layers.0.keys" else None)
+    assert digest == encoded.digest == blake3.blake3(payload(block)).hexdigest()
+    assert np.array_equal(target[..., 8:16, :], source[..., 8:16, :])
+    assert (target[..., :8, :] == 0xAAAA).all() and (target[..., 16:, :] == 0xAAAA).all()
+    assert np.shares_memory(got["layers.0.keys"].array, target)
+    assert got["other"].array.tobytes() == block["other"].array.tobytes()
+
+
+def test_a_destination_of_the_wrong_shape_is_refused():
+    encoded = encode({"x": np.zeros((2, 4), np.float32)})
+    with pytest.raises(BlockFormatError, match="does not fit its destination"):
+        decode_into(encoded.data, lambda *_: np.zeros((4, 2), np.float32))
+
+
+def test_incompressible_planes_are_stored_raw_and_compressible_ones_packed():
+    rng = np.random.default_rng(2)
+    # bf16 with few exponents but random signs and mantissas: after the rotation the high plane holds
+    # the exponents (compressible), the low one sign and mantissa (random, so stored raw)
+    n = 1 << 17
+    bits = ((rng.integers(0, 2, n).astype(np.uint16) << 15) | (rng.integers(120, 124, n).astype(np.uint16) << 7)
+            | rng.integers(0, 128, n).astype(np.uint16))
+    encoded = encode({"x": Tensor("BF16", bits)})
+    assert len(encoded.data) < 0.8 * bits.nbytes
+    pos = _header_sections(encoded.data)
+    modes = []
+    for _ in range(2):
+        mode, n = SECTION.unpack_from(encoded.data, pos)
+        modes.append(mode)
+        pos += SECTION.size + n
+    assert modes == [1, 0]
+    assert decode(encoded.data)[0]["x"].array.tobytes() == bits.tobytes()

@@ -97,14 +97,22 @@ def test_prefix_cache_serves_a_second_session_and_matches_cold_prefill(engine, m
     cold_engine.close()
 
 
-def test_ram_tier_serves_repeat_wakes(engine):
-    s = Session("s")
-    engine.append(s, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}])
-    engine.sleep(s)
-    _, first = engine.wake("s")
-    s, second = engine.wake("s")
-    assert first["blocks_from_disk"] > 0 and second["blocks_from_disk"] == 0
-    assert second["blocks_from_memory"] == first["blocks_from_disk"] + first["blocks_from_memory"]
+def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine):
+    # Decoded blocks are kept in RAM when a prefix hit reads them (shared prompts are what the
+    # tier is for), not on every wake (that would cost each wake a second copy of its KV).
+    first = Session("first")
+    engine.append(first, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}])
+    engine.sleep(first)
+    _, woken = engine.wake("first")
+    assert woken["blocks_from_disk"] > 0 and woken["blocks_from_memory"] == 0 and len(engine.hot) == 0
+    counts = dict(engine.counters)
+    engine.append(Session("second"), messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "b"}])
+    shared = engine.counters["blocks_disk"] - counts["blocks_disk"]
+    assert shared > 0 and len(engine.hot) == shared
+    engine.append(Session("third"), messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "c"}])
+    assert engine.counters["blocks_ram"] - counts["blocks_ram"] == shared
+    _, again = engine.wake("first")
+    assert again["blocks_from_memory"] == shared and again["blocks_from_disk"] == woken["blocks_from_disk"] - shared
 
 
 def test_streamed_pieces_join_to_the_decode_of_all_generated_tokens(engine):

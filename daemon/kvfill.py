@@ -1,0 +1,301 @@
+"""Restore a prompt cache by filling preallocated per-layer buffers once.
+
+`Buffers` is made on the engine thread from the model and the tensor specs of
+one block (names, dtypes, shapes; see kvstate's naming). It allocates, once and
+at its final size, one MLX array per cuttable tensor (`{unit}.keys`,
+`{unit}.values`, or the three parts of quantized KV), with room for
+`capacity` tokens, and exposes a writable host view of each. Worker threads
+then decode block files straight into `place(start, count)` (the slice of
+every view for tokens [start, start + count)), so each restored byte is
+written once, where it stays. `finish` (engine thread again) hands the
+buffers to the cache objects, restores the units that are not cut by token
+from the tail, and evaluates everything: the first token pays nothing hidden.
+
+Two ways to get host views, by where MLX keeps arrays:
+- "direct" (CPU, Metal: unified memory): the views are the MLX buffers' own
+  memory. One copy per restored byte: decoder -> buffer.
+- "staged" (CUDA: device memory): the views are host arrays, uploaded in
+  `finish` with one `mx.array` per tensor and one on-device copy into device
+  memory. Two copies per restored byte: decoder -> host, host -> device.
+`RESTORE_MODE` picks one by the backend; KVWAKE_RESTORE_MODE overrides it
+(for benchmarks). Either way, no per-block arrays are joined afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
+
+from kvwake.daemon.kvstate import (
+    CUTTABLE,
+    QPARTS,
+    StateMismatchError,
+    NotCuttableError,
+    array_of,
+    check_meta,
+    cuttable,
+    kind_of,
+    restore_whole,
+    take_ints,
+    units,
+)
+from kvwake.store.codec import DTYPES, Tensor
+
+__all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "specs_of", "unified_memory"]
+
+Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
+_MX_DTYPE = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
+             "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64}
+
+
+def unified_memory() -> bool:
+    """True when MLX arrays live in memory the CPU can write in place (CPU, Apple silicon)."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
+RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE") or ("direct" if unified_memory() else "staged")
+
+
+def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:
+    """The tensor names of one cuttable unit in these specs, checked against the model's slot."""
+    quantized = f"{name}.keys.0" in specs
+    allowed = {KVCache: (False, True), QuantizedKVCache: (True,), ConcatenateKVCache: (False,)}[type(slot)]
+    if quantized not in allowed:
+        raise StateMismatchError(f"{name}: {'quantized' if quantized else 'plain'} KV does not fit "
+                                 f"a {type(slot).__name__}")
+    parts = QPARTS if quantized else ("keys", "values")
+    missing = [f"{name}.{p}" for p in parts if f"{name}.{p}" not in specs]
+    if missing:
+        raise StateMismatchError(f"{name}: missing {missing}")
+    return tuple(f"{name}.{p}" for p in parts)
+
+
+class Buffers:
+    """Preallocated KV buffers for one restore, their host views, and the cache they become.
+
+    sample: name -> (dtype, shape) of one block's or the tail's tensors (their
+    headers are enough), covering `sample_tokens` tokens; names of units the
+    model does not cut by token are ignored here.
+    """
+
+    def __init__(self, model: Any, sample: Specs, sample_tokens: int, capacity: int, block_tokens: int, *,
+                 mode: str = RESTORE_MODE) -> None:
+        self.cache = make_prompt_cache(model)
+        self.block_tokens, self.mode = block_tokens, mode
+        self.units = [(name, i, j, c) for name, i, j, c in units(self.cache) if kind_of(c, name) in CUTTABLE]
+        self.parts = {name: _slot_parts(name, c, sample) for name, _, _, c in self.units}
+        self.quantized = {name: parts[0].endswith(".0") for name, parts in self.parts.items()}
+        self.expected = {t for parts in self.parts.values() for t in parts}
+        self.expected |= {f"{name}.quant" for name, q in self.quantized.items() if q}
+        self.quant: dict[str, list[int]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.buffers: dict[str, mx.array] = {}
+        self.views: dict[str, np.ndarray] = {}
+        for unit, _, _, slot in self.units:
+            step = 1 if isinstance(slot, ConcatenateKVCache) else KVCache.step
+            rows = -(-capacity // step) * step
+            for name in self.parts[unit]:
+                self._allocate(name, *sample[name], sample_tokens, rows)
+        if mode == "direct":
+            mx.eval(list(self.buffers.values()))
+            for name, buf in self.buffers.items():
+                self.views[name] = np.asarray(buf.view(mx.uint16) if buf.dtype == mx.bfloat16 else buf)
+
+    def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
+        if len(shape) < 2 or shape[-2] != tokens or dtype not in _MX_DTYPE:
+            raise StateMismatchError(f"{name}: {dtype}{list(shape)} is not KV of {tokens} tokens")
+        full = (*shape[:-2], rows, shape[-1])
+        self.dtypes[name] = dtype
+        if self.mode == "direct":
+            self.buffers[name] = mx.zeros(full, _MX_DTYPE[dtype])
+        else:
+            self.views[name] = np.empty(full, DTYPES[dtype][0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views.values())
+
+    def place(self, start: int, count: int) -> Callable[[str, str, tuple[int, ...]], np.ndarray | None]:
+        """Where a block (or the tail's partial block) covering tokens [start, start+count) decodes to."""
+        def where(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
+            view = self.views.get(name)
+            return None if view is None else view[..., start : start + count, :]
+        return where
+
+    def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str) -> None:
+        """After a decode: every tensor went where it belongs, and quantization agrees across blocks."""
+        if set(arrays) != self.expected:
+            raise StateMismatchError(f"{what} holds {sorted(set(arrays) - self.expected)} this model's cache has "
+                                     f"no place for, lacks {sorted(self.expected - set(arrays))}")
+        for unit, parts in self.parts.items():
+            for name in parts:
+                t = arrays.get(name)
+                if t is None or not np.shares_memory(t.array, self.views[name][..., start : start + count, :]):
+                    raise StateMismatchError(f"{what}: {name} missing or not of this model's KV")
+            if self.quantized[unit]:
+                quant = take_ints(dict(arrays), f"{unit}.quant", 2)
+                if self.quant.setdefault(unit, quant) != quant:
+                    raise StateMismatchError(f"{unit}: quantization {quant} after {self.quant[unit]}")
+
+    def put(self, start: int, count: int, arrays: Mapping[str, Tensor], what: str) -> None:
+        """Copy in-memory arrays (the RAM tier's, a test's) into place: the same checks as a decode."""
+        placed: dict[str, Tensor] = {}
+        target = self.place(start, count)
+        for name, t in arrays.items():
+            dest = target(name, t.dtype, t.array.shape)
+            if dest is None:
+                placed[name] = t  # quantization facts; anything else is refused by check()
+                continue
+            if dest.shape != t.array.shape or self.dtypes[name] != t.dtype:
+                raise StateMismatchError(f"{name}: expected {self.dtypes[name]}{list(dest.shape)}, "
+                                         f"found {t.dtype}{list(t.array.shape)}")
+            np.copyto(dest, t.array)
+            placed[name] = Tensor(t.dtype, dest)
+        self.check(placed, start, count, what)
+
+    def take(self, tail: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Pop the tail's partial block (this restore's KV names and quantization) out of `tail`."""
+        return {name: tail.pop(name) for name in list(tail) if name in self.expected}
+
+    def block(self, start: int, count: int) -> dict[str, Tensor]:
+        """Copies of what is in place for tokens [start, start+count) (for the RAM tier)."""
+        out = {name: Tensor(self.dtypes[name], view[..., start : start + count, :].copy())
+               for name, view in self.views.items()}
+        out.update({f"{unit}.quant": Tensor("I32", np.array(q, np.int32)) for unit, q in self.quant.items()})
+        return out
+
+    def _uploaded(self) -> dict[str, mx.array]:
+        if self.mode == "direct":
+            return self.buffers
+        out = {}
+        for name, view in self.views.items():
+            a = mx.array(view)
+            a = a + mx.array(0, a.dtype)  # an on-device copy: the cache must not stay in host-mapped memory
+            out[name] = a.view(mx.bfloat16) if self.dtypes[name] == "BF16" else a
+        return out
+
+    def finish(self, n_tokens: int, tail: dict[str, Tensor] | None) -> list:
+        """The cache holding n_tokens, evaluated.
+
+        tail: the rest of the snapshot's tail once `take` popped the KV (meta
+        state and units not cut by token), or None for a prefix restore.
+        """
+        buffers = self._uploaded()
+        rest = None if tail is None else dict(tail)
+        if rest is not None:
+            check_meta(rest, n_tokens, self.block_tokens)
+        for unit, i, j, slot in self.units:
+            if rest is not None:
+                (offset,) = take_ints(rest, f"{unit}.offset", 1)
+                if offset != n_tokens:
+                    raise StateMismatchError(f"{unit}: tail says {offset} tokens, restore asked for {n_tokens}")
+            _place(self.cache, i, j, self._unit_cache(unit, slot, buffers, n_tokens))
+        for name, _, _, c in units(self.cache):
+            if kind_of(c, name) not in CUTTABLE:
+                restore_whole(name, kind_of(c, name), c, rest if rest is not None else {}, n_tokens)
+        if rest:
+            raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(rest)}")
+        mx.eval([s for c in self.cache for s in _state_arrays(c)])
+        return self.cache
+
+    def _unit_cache(self, unit: str, slot: Any, buffers: dict[str, mx.array], n_tokens: int) -> Any:
+        if self.quantized[unit]:
+            if unit not in self.quant:
+                raise StateMismatchError(f"{unit}: quantized KV without its quantization")
+            group_size, bits = self.quant[unit]
+            c = QuantizedKVCache(group_size=group_size, bits=bits)
+            c.keys = tuple(buffers[f"{unit}.keys.{k}"] for k in range(3))
+            c.values = tuple(buffers[f"{unit}.values.{k}"] for k in range(3))
+        else:
+            c = type(slot)()
+            c.keys, c.values = buffers[f"{unit}.keys"], buffers[f"{unit}.values"]
+        c.offset = n_tokens
+        return c
+
+
+def _place(cache: list, i: int, j: int | None, c: Any) -> None:
+    if j is None:
+        cache[i] = c
+    else:
+        members = list(cache[i].caches)
+        members[j] = c
+        cache[i].caches = tuple(members)
+
+
+def _state_arrays(c: Any) -> list[mx.array]:
+    state = c.state
+    flat: list = []
+    stack = [state]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, mx.array):
+            flat.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return flat
+
+
+def specs_of(arrays: Mapping[str, Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor specs (dtype, shape) of in-memory arrays, for `Buffers`."""
+    return {name: (t.dtype, tuple(t.array.shape)) for name, t in arrays.items()}
+
+
+def has_cut_kv(model_cache: list, sample: Mapping[str, Any]) -> bool:
+    """Whether `sample` (a tail's names) holds KV of any cuttable unit (False when the tail has no partial block)."""
+    return any(f"{name}.keys" in sample or f"{name}.keys.0" in sample
+               for name, _, _, c in units(model_cache) if kind_of(c, name) in CUTTABLE)
+
+
+def restore_arrays(model: Any, blocks: list[Mapping[str, Tensor]], tail: dict[str, Tensor] | None, n_tokens: int,
+                   block_tokens: int, *, capacity: int | None = None) -> list:
+    """A cache from in-memory block arrays (+ tail; None for a prefix): tests and the RAM tier use it.
+
+    The same buffers and checks as a restore from the store; one thread.
+    """
+    n_full, rest = divmod(n_tokens, block_tokens)
+    if tail is None and not cuttable(make_prompt_cache(model)):
+        kinds = sorted({kind_of(c, name) for name, _, _, c in units(make_prompt_cache(model))} - CUTTABLE)
+        raise NotCuttableError(f"this model's cache has {', '.join(kinds)} layers; a prefix cannot be restored")
+    if tail is not None:
+        check_meta(dict(tail), n_tokens, block_tokens)
+    if len(blocks) != n_full:
+        raise StateMismatchError(f"{len(blocks)} blocks given, {n_full} expected for {n_tokens} tokens")
+    tail = dict(tail) if tail is not None else None
+    if blocks:
+        sample, tokens = specs_of(blocks[0]), block_tokens
+    elif tail and rest and has_cut_kv(make_prompt_cache(model), tail):
+        sample, tokens = specs_of(tail), rest
+    else:
+        return finish_empty(model, n_tokens, tail, block_tokens)
+    buffers = Buffers(model, sample, tokens, capacity or n_tokens, block_tokens, mode="direct"
+                      if unified_memory() else RESTORE_MODE)
+    for k, block in enumerate(blocks):
+        buffers.put(k * block_tokens, block_tokens, block, f"block {k}")
+    if tail is not None and rest:
+        buffers.put(n_full * block_tokens, rest, buffers.take(tail), "tail")
+    return buffers.finish(n_tokens, tail)
+
+
+def finish_empty(model: Any, n_tokens: int, tail: dict[str, Tensor] | None, block_tokens: int) -> list:
+    """A cache with no cut KV at all: only whole-state units, or no tokens yet."""
+    cache = make_prompt_cache(model)
+    given, tail = tail is not None, dict(tail or {})
+    if given:
+        check_meta(tail, n_tokens, block_tokens)
+    for name, _, _, c in units(cache):
+        kind = kind_of(c, name)
+        if kind in CUTTABLE:
+            if given and take_ints(tail, f"{name}.offset", 1) != [n_tokens]:
+                raise StateMismatchError(f"{name}: tail's offset is not {n_tokens}")
+            if n_tokens:
+                raise StateMismatchError(f"{name}: {n_tokens} tokens but no KV for them")
+        else:
+            restore_whole(name, kind, c, tail, n_tokens)
+    if tail:
+        raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(tail)}")
+    return cache

@@ -1,0 +1,56 @@
+"""Stores written by kvwake 0.1 (block file format 1, sha256 digests) stay readable and wakeable.
+
+tests/fixtures/store-v1 was written by the format-1 code (commit e814480) before
+the format changed: a tiny llama model, a store with one slept 40-token session
+(two 16-token blocks and a tail), and a store of KV-like arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.session import Session
+from kvwake.store import Store
+from kvwake.store.codec import read_file_header
+from tests.kvdata import BUNDLE, assert_snapshot_exact
+
+FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
+FACTS = json.loads((FIXTURE / "facts.json").read_text())
+
+
+def test_format_1_blocks_read_back_exactly(tmp_path):
+    shutil.copytree(FIXTURE / "arrays-store", tmp_path / "store")
+    with Store(tmp_path / "store", block_tokens=4) as store:
+        record = store.snapshot(FACTS["arrays_snapshot"], bundle=BUNDLE)
+        assert {read_file_header(store.files.absolute(b.file).read_bytes())[3] for b in record.blocks} == {1}
+        assert_snapshot_exact(store, FACTS["arrays_snapshot"])
+
+
+def test_a_format_1_session_wakes_bit_exactly_and_sleeps_again_in_format_2(tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "v1")
+    store = Store(tmp_path / "v1" / "data" / "store", block_tokens=16)
+    engine = Engine(store, tmp_path / "v1" / "data", tmp_path / "v1" / "tiny-llama")
+    try:
+        assert engine.bundle.hash == FACTS["bundle"]  # the bundle hash did not move with the file format
+        woken, info = engine.wake(FACTS["session"])
+        assert info["blocks_from_disk"] == 2 and woken.tokens == FACTS["tokens"]
+        twin = Session("twin")
+        engine.append(twin, tokens=FACTS["tokens"])
+        for a, b in zip(woken.cache, twin.cache):
+            assert mx.array_equal(a.keys[..., :40, :], b.keys[..., :40, :]).item()
+            assert mx.array_equal(a.values[..., :40, :], b.values[..., :40, :]).item()
+        params = GenerateParams(max_tokens=8)
+        assert engine.generate(woken, params).tokens == engine.generate(twin, params).tokens
+        slept = engine.sleep(woken)
+        assert slept["reused_blocks"] >= 2  # format-1 blocks are reused as they are
+        again, _ = engine.wake(FACTS["session"])
+        assert again.tokens == woken.tokens
+    finally:
+        engine.close()
+        store.close()

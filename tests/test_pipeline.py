@@ -1,0 +1,143 @@
+"""The sleep/wake pipeline: a pool bounded by bytes in flight, fail-fast batches, and what a failure leaves."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvwake.daemon import pipeline
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.session import Session
+from kvwake.errors import CorruptBlockError
+from kvwake.store import Store
+from tests.tinymodel import make_model_dir
+
+
+def test_a_batch_keeps_bytes_in_flight_under_its_budget_and_order_of_admission():
+    pool = pipeline.Pool(workers=8, inflight_bytes=100)
+    batch, lock, state = pool.batch(), threading.Lock(), {"now": 0, "peak": 0, "order": []}
+
+    def task(i: int, n: int) -> None:
+        with lock:
+            state["now"] += n
+            state["peak"] = max(state["peak"], state["now"])
+            state["order"].append(i)
+        time.sleep(0.01)
+        with lock:
+            state["now"] -= n
+
+    for i in range(20):
+        batch.reserve(40)
+        batch.submit(40, task, i, 40)
+    batch.join()
+    batch.raise_first()
+    pool.close()
+    assert state["peak"] == 80  # two 40-byte tasks fit 100 bytes, a third never ran beside them
+    assert state["order"] == list(range(20))
+
+
+def test_a_task_larger_than_the_budget_still_runs_alone():
+    pool = pipeline.Pool(workers=4, inflight_bytes=10)
+    batch, ran = pool.batch(), []
+    batch.reserve(1000)
+    batch.submit(1000, ran.append, 1)
+    batch.join()
+    pool.close()
+    assert ran == [1]
+
+
+def test_the_first_failure_stops_the_tasks_not_yet_started_and_is_raised_as_itself():
+    pool = pipeline.Pool(workers=1, inflight_bytes=1 << 20)
+    batch, ran = pool.batch(), []
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    batch.reserve(1)
+    batch.submit(1, fail)
+    for i in range(5):
+        batch.reserve(1)
+        batch.submit(1, ran.append, i)
+    batch.join()
+    pool.close()
+    assert ran == [] and batch.failed
+    with pytest.raises(OSError, match="No space left"):
+        batch.raise_first()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    # A small budget: the sleep below is cut into many spans, the wake into many admissions.
+    e = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=4096)
+    yield e
+    e.close()
+    store.close()
+
+
+def test_sleep_and_wake_through_many_spans_and_workers_are_exact(engine):
+    s = Session("s")
+    engine.append(s, tokens=[(i * 7) % 256 for i in range(203)])
+    before = [(np.array(c.keys[..., :202, :].view(mx.uint16)), np.array(c.values[..., :202, :].view(mx.uint16)))
+              for c in s.cache]
+    info = engine.sleep(s)
+    assert info["new_blocks"] == 202 // 16 and s.cache is None
+    woken, woke = engine.wake("s")
+    assert woke["blocks_from_disk"] == 202 // 16
+    for (k, v), c in zip(before, woken.cache):
+        assert np.array_equal(k, np.array(c.keys[..., :202, :].view(mx.uint16)))
+        assert np.array_equal(v, np.array(c.values[..., :202, :].view(mx.uint16)))
+        assert c.keys.shape[2] == 256  # allocated once, as mlx-lm would have (a multiple of its step)
+
+
+def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine):
+    s = Session("s")
+    engine.append(s, tokens=list(range(100)))
+    snapshot = engine.sleep(s)["snapshot_id"]
+    record = engine.store.snapshot(snapshot)
+    path = engine.store.files.absolute(record.blocks[3].file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError) as caught:
+        engine.wake("s")
+    assert caught.value.data["block"] == record.blocks[3].key and caught.value.data["snapshot_id"] == snapshot
+    assert caught.value.data["session_id"] == "s"
+    path.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0x40]) + bytes(data[-4:]))
+    woken, _ = engine.wake("s")  # nothing was changed by the failed wake
+    assert woken.tokens == list(range(100))
+
+
+def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engine, monkeypatch):
+    s = Session("s")
+    engine.append(s, tokens=list(range(150)))
+    calls = []
+    real = engine.store.writer
+
+    def failing_writer(*args, **kwargs):
+        w = real(*args, **kwargs)
+        add = w.add_block
+
+        def add_block(i, arrays):
+            calls.append(i)
+            if i == 5:
+                raise OSError(5, "Input/output error")
+            return add(i, arrays)
+        w.add_block = add_block
+        return w
+
+    monkeypatch.setattr(engine.store, "writer", failing_writer)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.sleep(s)
+    assert s.cache is not None and s.head is None
+    assert engine.store.snapshots() == [] and not any(engine.store.files.walk())
+    assert 5 in calls
