@@ -124,7 +124,57 @@ def decode_GBps(engine: Any, snapshot_id: str, workers: int = 1) -> float:
     return sum(b.raw_bytes for b in record.blocks) / elapsed / 1e9
 
 
-def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
+def first_token(engine: Any, session: Any) -> float:
+    """Seconds until the first token is available (the engine's TTFT: feeding the pending token).
+
+    Not the whole generate call: mlx-lm's generate_step computes the next
+    token before yielding one, which would double this on a CPU.
+    """
+    from kvwake.daemon.generation import GenerateParams
+
+    return engine.generate(session, GenerateParams(max_tokens=1)).usage["ttft_ms"] / 1000
+
+
+def synthetic_session(engine: Any, session: Any, ids: list[int], kv_file: str) -> None:
+    """Give `session` the KV of `ids` without prefilling: real KV from bench/capture_kv.py, tiled.
+
+    For machines where a prefill of thousands of tokens takes many minutes (the
+    default model prefills ~15 tokens/s on a 2-core CPU). The bytes are real
+    KV of this model, so compression and every timing but re-prefill are as
+    for a prefilled session; re-prefill is then not measured.
+    """
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    kv = np.load(kv_file)
+    n = len(ids) - 1
+    cache = make_prompt_cache(engine.model)
+    for i, c in enumerate(cache):
+        parts = []
+        for part in ("keys", "values"):
+            a = kv[f"layers.{i}.{part}"]
+            reps = -(-n // a.shape[2])
+            parts.append(mx.array(np.concatenate([a] * reps, axis=2)[:, :, :n]).view(mx.bfloat16))
+        c.update_and_fetch(*parts)
+    mx.eval([c.state for c in cache])
+    session.tokens, session.processed, session.cache, session.mode = list(ids), n, cache, "raw"
+
+
+def reprefill_first_token_s(engine: Any, ids: list[int]) -> float:
+    """A cold prefill of ids + first token. The same tokens would hit the prefix cache (the session's
+    own blocks are stored now): a different first token changes every chain key, at equal cost."""
+    from kvwake.daemon.session import Session
+
+    cold = Session(f"cold-{len(ids)}")
+    unseen = [(ids[0] + 1) % engine.vocab_size, *ids[1:]]
+    t0 = time.perf_counter()
+    got = engine.append(cold, tokens=unseen)
+    assert got["reused"] == 0, got
+    return time.perf_counter() - t0 + first_token(engine, cold)
+
+
+def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) -> dict[str, Any]:
     """One size: prefill, sleep vs save_prompt_cache, wake vs load_prompt_cache, each + first token."""
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -134,7 +184,10 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
 
     ids = tokens_of(engine, n)
     s = Session(f"resume-{n}")
-    engine.append(s, tokens=ids)
+    if synthetic:
+        synthetic_session(engine, s, ids, synthetic)
+    else:
+        engine.append(s, tokens=ids)
     kv_bytes = kvstate.cache_nbytes(s.cache)
     f = work / f"mlx-{n}.safetensors"
     t0 = time.perf_counter()
@@ -161,15 +214,11 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
     del loaded, cache
     decode_1core = decode_GBps(engine, slept["snapshot_id"])
     decode_all = decode_GBps(engine, slept["snapshot_id"], engine.pool.workers)
-    # The baseline must really prefill: the same tokens would hit the prefix cache (this session's
-    # own blocks are stored now). A different first token changes every chain key, at equal cost.
-    cold = Session(f"cold-{n}")
-    unseen = [(ids[0] + 1) % engine.vocab_size, *ids[1:]]
-    t0 = time.perf_counter()
-    got = engine.append(cold, tokens=unseen)
-    assert got["reused"] == 0, got
-    reprefill_ft_s = time.perf_counter() - t0 + first_token(engine, cold)
-    del cold
+    if synthetic:  # no prefill to compare with: the tokens never went through the model
+        reprefill_ft_s = float("nan")
+    else:
+        reprefill_ft_s = reprefill_first_token_s(engine, ids)
+    raw, cores = slept["raw_bytes"], engine.pool.workers
     raw, cores = slept["raw_bytes"], engine.pool.workers
     return {
         "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n, "codec": engine.store.codec,
@@ -193,12 +242,13 @@ def resume_one(engine: Any, n: int, work: Path) -> dict[str, Any]:
     }
 
 
-def bench_resume(model: str | None, sizes: list[int], codec: str = "planes-zstd") -> dict[str, Any]:
+def bench_resume(model: str | None, sizes: list[int], codec: str = "planes-zstd",
+                 synthetic: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVWAKE_BENCH_DIR")) as tmp:
         engine = open_engine(model, Path(tmp), codec)
         runs = []
         for n in sizes:
-            r = resume_one(engine, n, Path(tmp))
+            r = resume_one(engine, n, Path(tmp), synthetic)
             runs.append(r)
             print(f"  {n:5d} tokens: re-prefill+1st {r['reprefill_first_token_s']:.2f}s, wake+1st "
                   f"{r['wake_first_token_s'] * 1000:.0f}ms ({r['ratios']['reprefill_over_wake']:.0f}x), mlx load+1st "
@@ -302,13 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="256,1024,4096")
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--codec", default="planes-zstd", help="block codec of the resume run's store")
+    parser.add_argument("--synthetic", metavar="KV.npz", help="resume: tile this real KV (bench/capture_kv.py) "
+                        "instead of prefilling; re-prefill is then not measured")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     print(f"machine: {info}")
-    jobs = {"resume": lambda: bench_resume(args.model, [int(x) for x in args.sizes.split(",")], args.codec),
+    jobs = {"resume": lambda: bench_resume(args.model, [int(x) for x in args.sizes.split(",")], args.codec,
+                                           args.synthetic),
             "storage": lambda: bench_storage(args.model, args.sessions),
             "rpc": bench_rpc}
     for name in (jobs if args.which == "all" else [args.which]):

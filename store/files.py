@@ -22,7 +22,8 @@ import fcntl
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 from pathlib import Path
 
 from kvwake.errors import StorageFullError
@@ -42,8 +43,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durable(path: Path, data: bytes | memoryview, *, sync_dir: bool = True) -> None:
-    """Write `data` to `path` atomically and durably (temp, fsync, rename, dir fsync).
+def write_durable(path: Path, data: bytes | memoryview | Sequence[Any], *, sync_dir: bool = True) -> None:
+    """Write `data` (bytes, or buffers written in order) to `path` atomically and durably
+    (temp, fsync, rename, dir fsync).
 
     sync_dir=False leaves the directory fsync to the caller, who must do it
     before anything points to the file (a writer syncs each directory once at
@@ -54,9 +56,11 @@ def write_durable(path: Path, data: bytes | memoryview, *, sync_dir: bool = True
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+            for buf in buffers:
+                view = memoryview(buf).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

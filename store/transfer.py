@@ -173,7 +173,7 @@ def _verified(data: bytes, entry: dict[str, Any], what: str, bundle: str, path: 
         raise _bad(path, f"{what}: payload digest {digest[:16]} != manifest {str(entry['digest'])[:16]}")
     if meta.get("kvwake.bundle") != bundle or (key is not None and meta.get("kvwake.key") != key):
         raise _bad(path, f"{what} belongs to another block or bundle")
-    return Encoded(data, digest, int(entry["raw_bytes"]), entry["codec"])
+    return Encoded((data,), digest, int(entry["raw_bytes"]), entry["codec"])
 
 
 def import_snapshot(store: Store, path: str | Path, *, session_id: str | None = None, progress: Progress = None) -> dict[str, Any]:

@@ -166,13 +166,13 @@ class SnapshotWriter:
             return False
         path = self.store.files.block_path(self.keys[i])
         self.store.files.ensure_parent(path)
-        write_durable(path, encoded.data, sync_dir=False)  # each directory is synced once, at commit
+        write_durable(path, encoded.parts, sync_dir=False)  # each directory is synced once, at commit
         self._new[i] = self._written(encoded, path)
         self._dirs.add(path.parent)
         return True
 
     def _written(self, encoded: Encoded, path: Any) -> Written:
-        return Written(encoded.digest, encoded.codec, encoded.raw_bytes, len(encoded.data), self.store.files.relative(path))
+        return Written(encoded.digest, encoded.codec, encoded.raw_bytes, encoded.nbytes, self.store.files.relative(path))
 
     def set_tail(self, arrays: Arrays) -> None:
         """Encode and durably write the tail (what is not a full block)."""
@@ -186,7 +186,7 @@ class SnapshotWriter:
         if self.id is None:
             raise ValueError("prefix-only writes have no tail")
         path = self.store.files.tail_path(self.id)
-        write_durable(path, encoded.data)
+        write_durable(path, encoded.parts)
         self._tail = self._written(encoded, path)
 
     def abort(self) -> None:
