@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon import kvstate, pipeline
+from kvwake.daemon import kvfill, kvstate, pipeline
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.generation import GenerateParams, GenerateResult, run_generation
@@ -101,6 +101,7 @@ class Engine:
         self.counters = {"blocks_ram": 0, "blocks_disk": 0, "tokens_reused": 0, "tokens_prefilled": 0}
         self._counter_lock = threading.Lock()
         self.pool = Pool(io_workers, io_inflight_bytes)
+        self.device_planes = kvfill.RESTORE_MODE == "staged"  # KV on a discrete GPU: byte planes are made there
 
     def close(self) -> None:
         self.pool.close()
@@ -259,7 +260,12 @@ class Engine:
         return self.store.writer(session.id, self.bundle.hash, tokens, parent=session.head, label=label,
                                  metadata=session.state())
 
-    def capture_blocks(self, cache: list, first: int, count: int) -> list[dict]:
+    def capture_blocks(self, cache: list, first: int, count: int) -> list:
+        """Blocks as host arrays (kvstate), or, KV on a discrete GPU, as byte planes made there."""
+        if self.device_planes and self.store.codec == "planes-zstd":
+            planed = kvstate.capture_planed(cache, first, count, self.block_tokens)
+            if planed is not None:
+                return planed
         return kvstate.capture_blocks(cache, first, count, self.block_tokens)
 
     def capture_tail(self, session: Session) -> dict:

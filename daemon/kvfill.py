@@ -11,18 +11,24 @@ written once, where it stays. `finish` (engine thread again) hands the
 buffers to the cache objects, restores the units that are not cut by token
 from the tail, and evaluates everything: the first token pays nothing hidden.
 
-Two ways to get host views, by where MLX keeps arrays:
+Two ways to fill, by where MLX keeps arrays:
 - "direct" (CPU, Metal: unified memory): the views are the MLX buffers' own
-  memory. One copy per restored byte: decoder -> buffer.
-- "staged" (CUDA: device memory): the views are host arrays, uploaded in
-  `finish` with one `mx.array` per tensor and one on-device copy into device
-  memory. Two copies per restored byte: decoder -> host, host -> device.
+  memory; decoders join byte planes straight into them. One write per
+  restored byte: decoder -> buffer.
+- "staged" (CUDA: device memory): a plain KV cache's blocks are decompressed
+  and verified into two host staging arrays of byte planes (`stage(k)`), which
+  `finish` uploads (one transfer per plane) and joins and lays out per layer
+  on the GPU (devplanes.py); blocks that cannot be staged (format-1 files,
+  quantized KV) are joined on the CPU into host views and uploaded per block.
+  Writes per restored byte: decoder -> staging, host -> device, one pass on
+  the device.
 `RESTORE_MODE` picks one by the backend; KVWAKE_RESTORE_MODE overrides it
 (for benchmarks). Either way, no per-block arrays are joined afterwards.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
+from kvwake.daemon import devplanes
 from kvwake.daemon.kvstate import (
     CUTTABLE,
     QPARTS,
@@ -44,7 +51,7 @@ from kvwake.daemon.kvstate import (
     take_ints,
     units,
 )
-from kvwake.store.codec import DTYPES, Tensor
+from kvwake.store.codec import DTYPES, Stage, Tensor
 
 __all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "specs_of", "unified_memory"]
 
@@ -84,8 +91,9 @@ class Buffers:
     """
 
     def __init__(self, model: Any, sample: Specs, sample_tokens: int, capacity: int, block_tokens: int, *,
-                 mode: str = RESTORE_MODE) -> None:
+                 mode: str | None = None, n_blocks: int | None = None) -> None:
         self.cache = make_prompt_cache(model)
+        mode = mode or RESTORE_MODE
         self.block_tokens, self.mode = block_tokens, mode
         self.units = [(name, i, j, c) for name, i, j, c in units(self.cache) if kind_of(c, name) in CUTTABLE]
         self.parts = {name: _slot_parts(name, c, sample) for name, _, _, c in self.units}
@@ -105,6 +113,28 @@ class Buffers:
             mx.eval(list(self.buffers.values()))
             for name, buf in self.buffers.items():
                 self.views[name] = np.asarray(buf.view(mx.uint16) if buf.dtype == mx.bfloat16 else buf)
+        self.order = tuple(t for unit, _, _, _ in self.units for t in self.parts[unit])
+        self.staged: set[int] = set()
+        self.planes: list[np.ndarray] = []
+        specs = {t: sample[t] for t in self.order}
+        if mode == "staged" and sample_tokens == block_tokens and specs and devplanes.planar(specs):
+            self.block_shape = next(iter(specs.values()))[1]
+            size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
+            per_plane = len(self.order) * math.prod(self.block_shape)
+            blocks = n_blocks if n_blocks is not None else capacity // block_tokens
+            self.planes = [np.empty((blocks, per_plane), np.uint8) for _ in range(size)]
+
+    def stage(self, k: int) -> Stage | None:
+        """Staging for block k's planes (format-2 plain KV on a GPU), or None: join on the CPU."""
+        if not self.planes:
+            return None
+
+        def where(names: tuple[str, ...], dtype: str, n: int) -> list[np.ndarray] | None:
+            if names != self.order or dtype != self.dtypes[names[0]] or n != self.planes[0].shape[1]:
+                return None
+            self.staged.add(k)
+            return [p[k] for p in self.planes]
+        return where
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in _MX_DTYPE:
@@ -127,8 +157,13 @@ class Buffers:
             return None if view is None else view[..., start : start + count, :]
         return where
 
-    def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str) -> None:
-        """After a decode: every tensor went where it belongs, and quantization agrees across blocks."""
+    def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str, staged: bool = False) -> None:
+        """After a decode: every tensor went where it belongs (or, staged, into the planes), and
+        quantization agrees across blocks."""
+        if staged:
+            if set(arrays) != self.expected - set(self.order):
+                raise StateMismatchError(f"{what} holds {sorted(arrays)} besides the staged KV")
+            return
         if set(arrays) != self.expected:
             raise StateMismatchError(f"{what} holds {sorted(set(arrays) - self.expected)} this model's cache has "
                                      f"no place for, lacks {sorted(self.expected - set(arrays))}")
@@ -169,14 +204,30 @@ class Buffers:
         out.update({f"{unit}.quant": Tensor("I32", np.array(q, np.int32)) for unit, q in self.quant.items()})
         return out
 
-    def _uploaded(self) -> dict[str, mx.array]:
+    def _uploaded(self, n_tokens: int) -> dict[str, mx.array]:
+        """The device arrays: MLX's own (direct), or staged planes and host views uploaded (staged)."""
         if self.mode == "direct":
             return self.buffers
+        b = self.block_tokens
+        joined = devplanes.join(self.planes, self.dtypes[self.order[0]], len(self.order), self.block_shape) \
+            if self.staged else None
+        n_full = n_tokens // b
         out = {}
-        for name, view in self.views.items():
-            a = mx.array(view)
-            a = a + mx.array(0, a.dtype)  # an on-device copy: the cache must not stay in host-mapped memory
-            out[name] = a.view(mx.bfloat16) if self.dtypes[name] == "BF16" else a
+        for t, name in enumerate(self.order):
+            view = self.views[name]
+            host = lambda lo, hi: _device(view[..., lo:hi, :], self.dtypes[name])  # noqa: E731
+            if joined is not None and self.staged >= set(range(n_full)):
+                pieces = [joined[t][..., : n_full * b, :]]
+            else:
+                pieces = [joined[t][..., k * b : (k + 1) * b, :] if k in self.staged else host(k * b, (k + 1) * b)
+                          for k in range(n_full)]
+            if n_tokens > n_full * b:
+                pieces.append(host(n_full * b, n_tokens))
+            # Always a new array of its own (the padding may be empty): a slice of the joined array
+            # would share its buffer, and mlx-lm's first in-place update would copy the whole layer.
+            pieces.append(mx.zeros((*view.shape[:-2], view.shape[-2] - n_tokens, view.shape[-1]),
+                                   _MX_DTYPE[self.dtypes[name]]))
+            out[name] = mx.concatenate(pieces, axis=-2)
         return out
 
     def finish(self, n_tokens: int, tail: dict[str, Tensor] | None) -> list:
@@ -185,7 +236,7 @@ class Buffers:
         tail: the rest of the snapshot's tail once `take` popped the KV (meta
         state and units not cut by token), or None for a prefix restore.
         """
-        buffers = self._uploaded()
+        buffers = self._uploaded(n_tokens)
         rest = None if tail is None else dict(tail)
         if rest is not None:
             check_meta(rest, n_tokens, self.block_tokens)
@@ -216,6 +267,11 @@ class Buffers:
             c.keys, c.values = buffers[f"{unit}.keys"], buffers[f"{unit}.values"]
         c.offset = n_tokens
         return c
+
+
+def _device(host: np.ndarray, dtype: str) -> mx.array:
+    a = mx.array(host)
+    return a.view(mx.bfloat16) if dtype == "BF16" else a
 
 
 def _place(cache: list, i: int, j: int | None, c: Any) -> None:
@@ -272,8 +328,7 @@ def restore_arrays(model: Any, blocks: list[Mapping[str, Tensor]], tail: dict[st
         sample, tokens = specs_of(tail), rest
     else:
         return finish_empty(model, n_tokens, tail, block_tokens)
-    buffers = Buffers(model, sample, tokens, capacity or n_tokens, block_tokens, mode="direct"
-                      if unified_memory() else RESTORE_MODE)
+    buffers = Buffers(model, sample, tokens, capacity or n_tokens, block_tokens)
     for k, block in enumerate(blocks):
         buffers.put(k * block_tokens, block_tokens, block, f"block {k}")
     if tail is not None and rest:

@@ -52,7 +52,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.store.codec import Tensor
+from kvwake.daemon import devplanes
+from kvwake.store.codec import Planed, Tensor
 
 __all__ = [
     "STATE_FORMAT",
@@ -66,6 +67,7 @@ __all__ = [
     "capture_block",
     "bytes_per_token",
     "capture_blocks",
+    "capture_planed",
     "capture_tail",
     "check_meta",
     "cuttable",
@@ -291,6 +293,23 @@ def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> li
             span.update(_cut(name, c, start, stop))
     return [{n: t if n.endswith(".quant") else Tensor(t.dtype, t.array[..., k * block_tokens : (k + 1) * block_tokens, :])
              for n, t in span.items()} for k in range(count)]
+
+
+def capture_planed(cache: list, first: int, count: int, block_tokens: int) -> list[Planed] | None:
+    """Blocks first .. first+count-1 as byte planes made on the device (devplanes.py), or None
+    when the cache is not plain KV of one dtype and shape (quantized, mixed heads)."""
+    start, stop = first * block_tokens, (first + count) * block_tokens
+    names, arrays = [], []
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) not in CUTTABLE:
+            continue
+        if isinstance(c, QuantizedKVCache):
+            return None
+        if stop > c.offset:
+            raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
+        names += [f"{name}.keys", f"{name}.values"]
+        arrays += [c.keys[..., start:stop, :], c.values[..., start:stop, :]]
+    return devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
 
 
 def capture_block(cache: list, index: int, block_tokens: int) -> dict[str, Tensor]:

@@ -51,6 +51,10 @@ __all__ = ["Batch", "Pool", "direct", "restore_prefix", "sleep", "wake", "write_
 T = TypeVar("T")
 Mlx = Callable[[Callable[[], Any]], Any]
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
+# A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
+# host copy (GPU) and its encoded bytes, about 1.7x its raw size, so RSS grows by about a fifth of
+# the KV at most (the issue's bound is a quarter).
+SLEEP_SHARE = 8
 
 
 def direct(fn: Callable[[], T]) -> T:
@@ -70,8 +74,9 @@ class Pool:
         self.inflight_bytes = inflight_bytes
         self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io")
 
-    def batch(self) -> Batch:
-        return Batch(self._executor, self.inflight_bytes)
+    def batch(self, budget: int | None = None) -> Batch:
+        """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes)."""
+        return Batch(self._executor, min(budget or self.inflight_bytes, self.inflight_bytes))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -87,7 +92,7 @@ class Batch:
     """
 
     def __init__(self, executor: cf.Executor, budget: int) -> None:
-        self._executor, self._budget = executor, budget
+        self._executor, self.budget = executor, budget
         self._cond = threading.Condition()
         self._used = 0
         self._futures: list[cf.Future] = []
@@ -99,7 +104,7 @@ class Batch:
 
     def reserve(self, nbytes: int) -> None:
         with self._cond:
-            while self._used and self._used + nbytes > self._budget and self.error is None:
+            while self._used and self._used + nbytes > self.budget and self.error is None:
                 self._cond.wait()
             self._used += nbytes
 
@@ -149,10 +154,14 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch) -> None:
-    """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool)."""
+def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list) -> None:
+    """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
+
+    `held` keeps every captured span until the caller releases it on the engine thread: on a
+    GPU the host arrays are MLX's, and MLX memory is freed on the thread that runs MLX.
+    """
     block_bytes = max(1, engine.kv_bytes_per_token(cache) * engine.block_tokens)
-    per_span = max(1, engine.pool.inflight_bytes // SPAN_SHARE // block_bytes)
+    per_span = max(1, batch.budget // SPAN_SHARE // block_bytes)
     for first, count in _spans(w.needed, per_span):
         batch.reserve(count * block_bytes)
         if batch.failed:
@@ -163,8 +172,15 @@ def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batc
         except BaseException:
             batch.release(count * block_bytes)
             raise
+        held.append(blocks)
         for k, arrays in enumerate(blocks):
             batch.submit(block_bytes, w.add_block, first + k, arrays)
+
+
+def _sleep_budget(engine: Engine, session: Session) -> int:
+    """Bytes a sleep may have in flight: an eighth of the session's KV, at least one block."""
+    per_token = engine.kv_bytes_per_token(session.cache) if session.cache is not None else 0
+    return max(per_token * engine.block_tokens, per_token * session.processed // SLEEP_SHARE, 1)
 
 
 def sleep(engine: Engine, session: Session, mlx: Mlx, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
@@ -175,31 +191,38 @@ def sleep(engine: Engine, session: Session, mlx: Mlx, *, label: str | None = Non
     """
     started = time.perf_counter()
     with engine.begin_sleep(session, label=label) as w:
-        batch = engine.pool.batch()
+        batch, held = engine.pool.batch(_sleep_budget(engine, session)), []
         try:
             if session.cache is not None:
-                _write_blocks(engine, w, session.cache, mlx, batch)
+                _write_blocks(engine, w, session.cache, mlx, batch, held)
                 tail = mlx(lambda: engine.capture_tail(session))
+                held.append(tail)
                 if tail and not batch.failed:
-                    batch.reserve(0)
                     batch.submit(0, w.set_tail, tail)
         finally:  # never leave a write running behind an aborting writer
             batch.join()
+            mlx(held.clear)
         batch.raise_first()
-        return engine.finish_sleep(session, w, started, free=free)
+        info = engine.finish_sleep(session, w, started, free=False)
+    if free:
+        mlx(lambda: setattr(session, "cache", None))  # the KV is freed where MLX runs
+    return info
 
 
 def write_prefix(engine: Engine, scratch: Session, mlx: Mlx) -> Any:
     """Store (and pin) the full blocks of a prefilled scratch session; returns the commit's SnapshotInfo."""
     tokens = scratch.tokens[: scratch.processed]
     with engine.store.writer(None, engine.bundle.hash, tokens, pin=True) as w:
-        batch = engine.pool.batch()
+        batch, held = engine.pool.batch(_sleep_budget(engine, scratch)), []
         try:
-            _write_blocks(engine, w, scratch.cache, mlx, batch)
+            _write_blocks(engine, w, scratch.cache, mlx, batch, held)
         finally:
             batch.join()
+            mlx(held.clear)
         batch.raise_first()
-        return w.commit()
+        info = w.commit()
+    mlx(lambda: setattr(scratch, "cache", None))
+    return info
 
 
 # -- wake ----------------------------------------------------------------------
@@ -214,10 +237,11 @@ def _fill(engine: Engine, buffers: kvfill.Buffers, ref: BlockRef, k: int, record
         buffers.put(start, engine.block_tokens, hot, what)
         engine.count("blocks_ram", 1)
         return
+    stage = None if keep_hot else buffers.stage(k)  # the RAM tier keeps joined arrays, so those join here
     arrays = engine.store.read_block(ref, snapshot_id=record.id if record else None,
                                      session_id=record.session_id if record else None,
-                                     place=buffers.place(start, engine.block_tokens))
-    buffers.check(arrays, start, engine.block_tokens, what)
+                                     place=buffers.place(start, engine.block_tokens), stage=stage)
+    buffers.check(arrays, start, engine.block_tokens, what, staged=k in buffers.staged)
     engine.count("blocks_disk", 1)
     if keep_hot:
         engine.hot.put(ref.key, buffers.block(start, engine.block_tokens))
@@ -296,7 +320,8 @@ def restore_prefix(engine: Engine, refs: list[BlockRef], capacity: int, mlx: Mlx
         sample = _sample(engine, refs[0])
     except CorruptBlockError:
         return None, 0
-    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, engine.block_tokens, capacity, engine.block_tokens))
+    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, engine.block_tokens, capacity, engine.block_tokens,
+                                         n_blocks=len(refs)))
     batch, ok = engine.pool.batch(), [False] * len(refs)
 
     def fill(k: int, ref: BlockRef) -> None:

@@ -2,44 +2,39 @@
 
 A block's *payload* is a safetensors container (8-byte little-endian header
 length, JSON header padded with spaces to 8 bytes, then the tensor data in
-header order). Its digest is the block's digest, computed over exactly those
-bytes. The store never keeps the payload itself: it keeps a *block file*:
+header order). The store never keeps the payload itself: it keeps a *block file*:
 
     offset  size  field
     0       4     magic b"KVWB"
-    4       1     file format version: 1 (digest sha256) or 2 (digest BLAKE3-256)
+    4       1     file format version: 1 or 2
     5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2)
     6       2     reserved, zero
     8       8     raw size: bytes of the safetensors payload (u64 LE)
-    16      32    digest of the safetensors payload
+    16      32    digest (below)
     48      ...   sections
 
 A section is `u8 mode (0 raw, 1 zstd) | u64 LE stored length | bytes`. The
 first section holds the safetensors header's 8-byte length prefix, the second
-the JSON. Then, in header order, each tensor's data follows as one section
-("zstd", "raw") or as one section per byte plane ("planes-zstd").
+the JSON. The tensor data follows:
 
-Writers write version 2; version 1 files (kvwake 0.1) stay readable. The
-digest moved from sha256 to BLAKE3 because verification was a third of the
-cost of a read (docs/decisions.md has the numbers and why not xxh3).
+- format 1 (kvwake 0.1, still read): one section per tensor ("zstd") or one
+  per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
+- format 2 (written now): tensors are coded in *runs* of consecutive tensors of
+  one dtype (a plain KV block is one run). "planes-zstd": one section per byte
+  plane of the whole run, each tensor's bytes ending a zstd block (store/planes.py);
+  "raw": one uncompressed section with the run's payload; "zstd": one section per
+  tensor. Digest = BLAKE3 of the concatenated BLAKE3 digests of every section's
+  decoded content, in file order (header length, header JSON, then the planes
+  or data). It is checked before any byte is transformed, so a reader may join
+  the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
+  the payload as surely as a digest of the payload itself: the planes are a
+  bijection of it. BLAKE3, not sha256: a third of the cost (docs/decisions.md).
 
-The "planes-zstd" filter, chosen by `bench/codec_bench.py` on real KV:
-16- and 32-bit floats are rotated left by one bit (sign to the bottom, so the
-exponent fills the top byte), then split into byte planes, high byte first.
-Each plane is compressed on its own and stored raw when zstd cannot shrink it
-by 3% (mantissa planes are close to random; storing them raw keeps decoding
-at memcpy speed). A writer first compresses a 16 KiB sample of each large
-plane and stores the plane raw at once when the sample does not shrink, so
-sleep does not spend its time failing to compress mantissas. Integer data
-(packed quantized KV) is split into planes without rotation. "raw" stores
-every tensor uncompressed: for machines whose disks outrun their cores.
-
-Decoding writes each tensor straight into a destination array the caller
-chooses (`decode_into`), such as a view into a preallocated KV buffer, and
-digests it there: a read copies each byte once from the file buffer (or the
-decompressor) into place. It never produces more than the recorded raw size
+Decoding writes each tensor straight into a destination the caller chooses
+(`decode_into`): a view into a preallocated KV buffer, or (format 2) a staging
+buffer for a run's planes. It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
-implies.
+implies, checked before anything is allocated.
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ import hashlib
 import json
 import math
 import struct
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +50,9 @@ from typing import Any
 import blake3
 import numpy as np
 import zstandard
+
+from kvwake.store.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into, scratch, split,
+                                 whole_section)
 
 __all__ = [
     "CODECS",
@@ -69,14 +66,15 @@ __all__ = [
     "decode",
     "decode_into",
     "encode",
-    "new_digest",
+    "Planed",
+    "Stage",
     "payload",
     "read_file_header",
     "read_specs",
+    "section_digest",
 ]
 
-FORMAT_VERSION = 2  # what writers write; READ_VERSIONS are accepted
-READ_VERSIONS = {1: hashlib.sha256, 2: blake3.blake3}
+FORMAT_VERSION = 2  # what writers write; both versions are read
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -84,27 +82,7 @@ DEFAULT_CODEC = "planes-zstd"
 FILE_HEADER = struct.Struct("<4sBBHQ32s")
 SECTION = struct.Struct("<BQ")
 MAX_HEADER_BYTES = 16 << 20
-RAW_IF_RATIO_ABOVE = 0.97
-SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample first
-# Format 2 codes the tensors of a run (consecutive tensors of one dtype: a KV block is one run)
-# together, CHUNK_BYTES of payload at a time: few, large numpy/zstd/BLAKE3 calls, each of which
-# releases the GIL, so worker threads scale; per-tensor calls on small tensors did not (GIL hand-offs).
-CHUNK_BYTES = 256 << 10
-# "zstd": plain level 3, the baseline. "planes-zstd": level 1, min_match 7, and a
-# 64-entry match table searched once. On real bf16 KV of the default model
-# (bench/codec_bench.py) the exponent planes are almost all literals: the matches
-# zstd finds there are short and spurious, and they disturb the literal
-# statistics Huffman codes from. Level 3 compressed worse than level 1 (1.43x vs
-# 1.475x); shrinking the match search to almost nothing (hash_log 6, search_log
-# 1) compresses the exponent planes better still (0.347 vs 0.364 of their size)
-# and 2.4x faster, and they decode about 2x faster. Each tensor's plane ends a
-# zstd block, so every tensor gets Huffman tables of its own (0.3465 vs 0.3556
-# for one table across tensors). Channel-major transposing gained 0.5% more but
-# cost 15% decode speed, so it is not done.
-_PARAMS = {
-    "zstd": zstandard.ZstdCompressionParameters.from_level(3),
-    "planes-zstd": zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1),
-}
+_ZSTD = zstandard.ZstdCompressionParameters.from_level(3)  # "zstd": plain level 3, the baseline
 
 # safetensors dtype name -> (numpy dtype used to hold it, rotate before planes)
 DTYPES: dict[str, tuple[np.dtype, bool]] = {
@@ -127,6 +105,9 @@ _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF1
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
+# Staging for a format-2 run's planes: given (names, dtype name, bytes per plane), one contiguous
+# uint8 array of that many bytes per plane, or None to have the run joined into place.
+Stage = Callable[[tuple[str, ...], str, int], "list[np.ndarray] | None"]
 
 
 class BlockFormatError(ValueError):
@@ -170,16 +151,47 @@ class Encoded:
 
     @property
     def data(self) -> bytes:
-        return b"".join(memoryview(p).cast("B") for p in self.parts)
+        return b"".join(as_bytes(p) for p in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(p).nbytes for p in self.parts)
+        return sum(as_bytes(p).nbytes for p in self.parts)
 
 
-def new_digest(version: int = FORMAT_VERSION) -> Any:
-    """A fresh payload hasher for block files of `version` (hashlib-like: update, hexdigest)."""
-    return READ_VERSIONS[version]()
+class _Digest:
+    """The block digest being computed: format 2's tree of section digests, or format 1's sha256."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self._sha = hashlib.sha256() if version == 1 else None
+        self._sections: list[bytes] = []
+
+    def section(self, *contents: Any) -> None:
+        """Digest one section's decoded content (format 2), given as buffers in order."""
+        h = blake3.blake3()
+        for c in contents:
+            h.update(as_bytes(c))
+        self._sections.append(h.digest())
+
+    def section_digest(self, digest: bytes) -> None:
+        self._sections.append(digest)
+
+    def payload(self, data: Any) -> None:
+        """Digest payload bytes (format 1)."""
+        self._sha.update(data)
+
+    def hexdigest(self) -> str:
+        if self._sha is not None:
+            return self._sha.hexdigest()
+        return blake3.blake3(b"".join(self._sections)).hexdigest()
+
+
+def section_digest(contents: list[bytes]) -> str:
+    """The format-2 digest of a block whose sections decode to `contents` (for tests and tools)."""
+    d = _Digest(2)
+    for c in contents:
+        d.section(c)
+    return d.hexdigest()
 
 
 def pieces(array: np.ndarray) -> Iterator[memoryview]:
@@ -196,90 +208,16 @@ def pieces(array: np.ndarray) -> Iterator[memoryview]:
         yield memoryview(array[index + (...,)].reshape(-1).view(np.uint8))
 
 
-def _payload_header(tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> bytes:
+def _payload_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
     offset = 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": t.dtype, "shape": list(t.array.shape), "data_offsets": [offset, offset + t.array.nbytes]}
-        offset += t.array.nbytes
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-# -- scratch buffers -----------------------------------------------------------
-
-_scratch = threading.local()
-
-
-def _scratch_u(dtype: np.dtype, shape: tuple[int, ...], slot: str = "rotate") -> np.ndarray:
-    """A per-thread reusable array of `shape` (contents undefined); one buffer per slot name."""
-    n = math.prod(shape) * dtype.itemsize
-    buf = getattr(_scratch, slot, None)
-    if buf is None or buf.nbytes < n:
-        buf = np.empty(max(n, CHUNK_BYTES), np.uint8)
-        setattr(_scratch, slot, buf)
-    return buf[:n].view(dtype).reshape(shape)
-
-
-# -- byte planes ---------------------------------------------------------------
-
-
-def _planes(t: Tensor) -> list[np.ndarray]:
-    holder, rotate = DTYPES[t.dtype]
-    if holder.itemsize == 1:
-        return [np.ascontiguousarray(t.array).reshape(-1).view(np.uint8)]
-    bits = holder.itemsize * 8
-    u = t.array.view(f"<u{holder.itemsize}")
-    if rotate:
-        u = (u << np.array(1, u.dtype)) | (u >> np.array(bits - 1, u.dtype))
-    else:
-        u = np.ascontiguousarray(u)
-    b = u.reshape(-1).view(np.uint8).reshape(-1, holder.itemsize)
-    return [np.ascontiguousarray(b[:, i]) for i in reversed(range(holder.itemsize))]
-
-
-def _unplanes_into(planes: list[np.ndarray], dtype: str, dest: np.ndarray) -> None:
-    """Join byte planes (high first) into `dest` (holder dtype, any strides), undoing the rotation."""
-    holder, rotate = DTYPES[dtype]
-    shape = dest.shape
-    if holder.itemsize == 1:
-        np.copyto(dest, planes[0].view(holder).reshape(shape))
-        return
-    u = dest.view(f"<u{holder.itemsize}")
-    # Widen the high plane straight into place and shift the others in: no temporaries
-    # but one scratch array for the rotation, reused by this thread.
-    np.left_shift(planes[0].reshape(shape), 8 * (holder.itemsize - 1), out=u, dtype=u.dtype)
-    for k, plane in enumerate(planes[1:], start=2):
-        shifted = plane.reshape(shape)
-        if k < holder.itemsize:
-            low = _scratch_u(u.dtype, shape)
-            np.left_shift(shifted, 8 * (holder.itemsize - k), out=low, dtype=u.dtype)
-            shifted = low
-        np.bitwise_or(u, shifted, out=u)
-    if rotate:
-        low = _scratch_u(u.dtype, shape)
-        np.right_shift(u, 1, out=low)
-        np.left_shift(u, holder.itemsize * 8 - 1, out=u)
-        np.bitwise_or(u, low, out=u)
-
-
-def _compressible(raw: memoryview, compressor: zstandard.ZstdCompressor) -> bool:
-    """False when a sample from the middle of a large plane does not shrink (mantissas)."""
-    if len(raw) < 4 * SAMPLE_BYTES:
-        return True
-    mid = len(raw) // 2
-    sample = raw[mid : mid + SAMPLE_BYTES]
-    return len(compressor.compress(sample)) <= RAW_IF_RATIO_ABOVE * len(sample)
-
-
-def _section(data: bytes | memoryview | np.ndarray, compressor: zstandard.ZstdCompressor | None) -> bytes:
-    raw = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
-    if compressor is not None and _compressible(raw, compressor):
-        packed = compressor.compress(raw)
-        if len(packed) <= RAW_IF_RATIO_ABOVE * len(raw):
-            return SECTION.pack(1, len(packed)) + packed
-    return SECTION.pack(0, len(raw)) + bytes(raw)
 
 
 def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
@@ -304,119 +242,120 @@ def _chunks(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
     return groups
 
 
-class _PlaneSink:
-    """One plane (or the raw payload) of a run, fed chunk by chunk, in one of three modes.
+def _bounds(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
 
-    "stream": a large compressible plane, one zstd frame in which each tensor's
-    bytes end a block; "raw": no compressor, or a large plane whose first chunk's
-    sample does not shrink (mantissas); "whole": a small plane, decided whole as
-    `_section` does. Parts are kept as they are (no joining): the writer writes
-    them in one go.
+
+@dataclass(frozen=True)
+class Planed:
+    """A block that is one run already split into byte planes (by the GPU, say): what encode would make.
+
+    names/shapes: its tensors in order; dtype: theirs (one); planes: one contiguous uint8
+    array per byte, high first, each the run's bytes of that plane in tensor order.
     """
 
-    def __init__(self, compressor: zstandard.ZstdCompressor | None, total: int) -> None:
-        self.compressor, self.total, self.parts, self.obj = compressor, total, [], None
-        self.mode = "raw" if compressor is None else ("stream" if total >= 4 * SAMPLE_BYTES else "whole")
-
-    def add(self, chunk: np.ndarray, bounds: list[int], owned: bool) -> None:
-        """Append a chunk; bounds are the tensor boundaries in it; owned: the sink may keep the array."""
-        raw = memoryview(chunk)
-        if self.mode == "stream" and self.obj is None:
-            if _compressible(raw, self.compressor):
-                self.obj = self.compressor.compressobj(size=self.total)
-            else:
-                self.mode = "raw"
-        if self.mode == "stream":
-            for lo, hi in zip(bounds, bounds[1:]):
-                self.parts.append(self.obj.compress(raw[lo:hi]))
-                self.parts.append(self.obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
-        else:
-            self.parts.append(chunk if owned else chunk.copy())
-
-    def sections(self) -> list[Any]:
-        if self.mode == "stream":
-            self.parts.append(self.obj.flush())
-            return [SECTION.pack(1, sum(len(x) for x in self.parts)), *self.parts]
-        if self.mode == "whole":
-            return [_section(b"".join(memoryview(x).cast("B") for x in self.parts), self.compressor)]
-        return [SECTION.pack(0, sum(memoryview(x).nbytes for x in self.parts)), *self.parts]
+    names: tuple[str, ...]
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    planes: tuple[np.ndarray, ...]
 
 
-def _compressor(k: int) -> zstandard.ZstdCompressor:
-    """This thread's k-th "planes-zstd" compressor (made once: a compression context is not free)."""
-    mine = getattr(_scratch, "compressors", None)
-    if mine is None:
-        mine = _scratch.compressors = []
-    while len(mine) <= k:
-        mine.append(zstandard.ZstdCompressor(compression_params=_PARAMS["planes-zstd"]))
-    return mine[k]
-
-
-def _encode_run(run: list[Tensor], compressor: zstandard.ZstdCompressor | None, digest: Any) -> list[Any]:
+def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: _Digest) -> list[Any]:
     """Buffers of one run's sections: one per byte plane ("planes-zstd"), or its payload ("raw")."""
-    holder = DTYPES[run[0].dtype][0]
-    sizes = [t.array.size for t in run]
-    planes = holder.itemsize if compressor is not None else 1
-    # One compressor per plane: a ZstdCompressor streams one frame at a time.
-    sinks = [_PlaneSink(_compressor(k) if compressor is not None else None, sum(sizes)) for k in range(planes)]
+    dtype = run[0][1].dtype
+    holder, rotate = DTYPES[dtype]
+    sizes = [t.array.size for _, t in run]
+    count = holder.itemsize if codec == "planes-zstd" else 1
+    sinks = [PlaneSink(compressor(k) if codec == "planes-zstd" else None, sum(sizes) * holder.itemsize // count,
+                       SECTION) for k in range(count)]
     for first, stop in _chunks(sizes, holder.itemsize):
-        if stop - first == 1 and run[first].array.flags.c_contiguous:
-            chunk = run[first].array.reshape(-1)
+        tensors = [t for _, t in run[first:stop]]
+        if len(tensors) == 1 and tensors[0].array.flags.c_contiguous:
+            chunk = tensors[0].array.reshape(-1)
         else:  # gather this chunk's tensors (strided views of the cache) into one contiguous buffer
-            chunk = _scratch_u(holder, (sum(sizes[first:stop]),), "gather")
-            offset = 0
-            for t in run[first:stop]:
-                np.copyto(chunk[offset : offset + t.array.size].reshape(t.array.shape), t.array)
-                offset += t.array.size
-        digest.update(memoryview(chunk.view(np.uint8)))
-        bounds = [0]
-        for n in sizes[first:stop]:
-            bounds.append(bounds[-1] + n)
-        if compressor is None:
+            chunk = scratch(holder, (sum(sizes[first:stop]),), "gather")
+            for t, lo, hi in zip(tensors, _bounds(sizes[first:stop]), _bounds(sizes[first:stop])[1:]):
+                np.copyto(chunk[lo:hi].reshape(t.array.shape), t.array)
+        bounds = _bounds(sizes[first:stop])
+        if codec == "raw":
             sinks[0].add(chunk.view(np.uint8), [b * holder.itemsize for b in bounds], owned=False)
         else:
-            for sink, plane in zip(sinks, _planes(Tensor(run[0].dtype, chunk))):
+            unsigned = chunk.view(f"<u{holder.itemsize}") if holder.itemsize > 1 else chunk.view(np.uint8)
+            for sink, plane in zip(sinks, split(unsigned, rotate)):
                 sink.add(plane, bounds, owned=True)
-    return [part for sink in sinks for part in sink.sections()]
+    return _finish_sinks(sinks, digest)
+
+
+def _finish_sinks(sinks: list[PlaneSink], digest: _Digest) -> list[Any]:
+    out = []
+    for sink in sinks:
+        out.extend(sink.sections())
+        digest.section_digest(sink.digest())
+    return out
+
+
+def _encode_planed(block: Planed, digest: _Digest) -> list[Any]:
+    sizes = [math.prod(shape) for shape in block.shapes]
+    total = sum(sizes)
+    sinks = [PlaneSink(compressor(k), total, SECTION) for k in range(len(block.planes))]
+    for first, stop in _chunks(sizes, len(block.planes)):
+        lo, hi = sum(sizes[:first]), sum(sizes[:stop])
+        for sink, plane in zip(sinks, block.planes):
+            sink.add(plane[lo:hi], _bounds(sizes[first:stop]), owned=True)
+    return _finish_sinks(sinks, digest)
 
 
 def encode(
-    arrays: Mapping[str, Tensor | np.ndarray],
+    arrays: Mapping[str, Tensor | np.ndarray] | Planed,
     *,
     metadata: Mapping[str, str] | None = None,
     codec: str = DEFAULT_CODEC,
 ) -> Encoded:
-    """Encode named arrays into block-file bytes (format 2); returns them with digest and raw size.
+    """Encode named arrays (or one already planed run) into block-file bytes, format 2.
 
-    Arrays may be strided views; they are read in place. Raises TypeError for
-    dtypes safetensors cannot name, ValueError for an unknown codec.
+    Arrays may be strided views; they are read in place. Returns the file's
+    buffers with digest and raw size. Raises TypeError for dtypes safetensors
+    cannot name, ValueError for an unknown codec or a Planed block with another codec.
     """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; known: {sorted(CODEC_IDS)}")
-    tensors = {name: Tensor.of(a) for name, a in arrays.items()}
-    header = _payload_header(tensors, metadata or {})
-    digest = new_digest()
-    digest.update(header)
-    compressor = None if codec == "raw" else zstandard.ZstdCompressor(compression_params=_PARAMS[codec])
-    # The length prefix is its own section so a reader knows how much header to expect.
-    sections: list[Any] = [_section(header[:8], compressor), _section(header[8:], compressor)]
-    if codec == "zstd":  # the baseline: one frame per tensor
-        for t in tensors.values():
-            for piece in pieces(t.array):
-                digest.update(piece)
-            sections.append(_section(np.ascontiguousarray(t.array), compressor))
+    if isinstance(arrays, Planed):
+        if codec != "planes-zstd":
+            raise ValueError(f"a planed block is coded with planes-zstd, not {codec}")
+        specs = [(n, arrays.dtype, tuple(s)) for n, s in zip(arrays.names, arrays.shapes)]
     else:
-        for run in _runs(list(tensors.values()), lambda t: t.dtype):
-            sections.extend(_encode_run(run, compressor if codec == "planes-zstd" else None, digest))
-    raw_bytes = len(header) + sum(t.array.nbytes for t in tensors.values())
-    head = FILE_HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec], 0, raw_bytes, digest.digest())
-    return Encoded((head, *sections), digest.hexdigest(), raw_bytes, codec)
+        tensors = {name: Tensor.of(a) for name, a in arrays.items()}
+        specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
+    header = _payload_header(specs, metadata or {})
+    digest = _Digest(FORMAT_VERSION)
+    zc = zstandard.ZstdCompressor(compression_params=PLANES_PARAMS if codec != "zstd" else _ZSTD)
+    sections: list[Any] = []
+    for part in (header[:8], header[8:]):  # the length prefix alone first: a reader knows how much header to expect
+        sections.extend(whole_section(part, zc if codec != "raw" else None, SECTION))
+        digest.section(part)
+    if isinstance(arrays, Planed):
+        sections.extend(_encode_planed(arrays, digest))
+    elif codec == "zstd":  # the baseline: one frame per tensor
+        for t in tensors.values():
+            sections.extend(whole_section(np.ascontiguousarray(t.array), zc, SECTION))
+            digest.section(*pieces(t.array))
+    else:
+        for run in _runs(list(tensors.items()), lambda item: item[1].dtype):
+            sections.extend(_encode_run(run, codec, digest))
+    raw_bytes = len(header) + sum(math.prod(shape) * DTYPES[dtype][0].itemsize for _, dtype, shape in specs)
+    digest_hex = digest.hexdigest()
+    head = FILE_HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec], 0, raw_bytes, bytes.fromhex(digest_hex))
+    return Encoded((head, *sections), digest_hex, raw_bytes, codec)
 
 
 def payload(arrays: Mapping[str, Tensor | np.ndarray], *, metadata: Mapping[str, str] | None = None) -> bytes:
-    """The uncompressed safetensors payload `encode` digests (for tests and tools)."""
+    """The uncompressed safetensors payload a block file decodes to (for tests and tools)."""
     tensors = {name: Tensor.of(a) for name, a in arrays.items()}
-    return _payload_header(tensors, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
+    specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
+    return _payload_header(specs, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
 
 
 def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
@@ -426,7 +365,7 @@ def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
     magic, version, codec_id, _, raw_bytes, digest = FILE_HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BlockFormatError(f"bad magic {magic!r}; not a kvwake block file")
-    if version not in READ_VERSIONS or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
+    if version not in (1, 2) or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
         raise BlockFormatError(f"unsupported block format version {version}, codec id {codec_id}")
     return CODECS[codec_id], raw_bytes, digest.hex(), version
 
@@ -438,7 +377,9 @@ class _Reader:
         self.data, self.pos = data, pos
         self.dctx = zstandard.ZstdDecompressor()
 
-    def section(self, expect: int) -> bytes | memoryview:
+    def section(self, expect: int, into: np.ndarray | None = None) -> bytes | memoryview | np.ndarray:
+        """The next section's content, `expect` bytes: a view of the file (raw), new bytes, or
+        decompressed/copied into `into` (a contiguous uint8 array of exactly `expect` bytes)."""
         if self.pos + SECTION.size > len(self.data):
             raise BlockFormatError(f"truncated block file: section header at byte {self.pos}")
         mode, length = SECTION.unpack_from(self.data, self.pos)
@@ -447,21 +388,35 @@ class _Reader:
             raise BlockFormatError(f"truncated block file: section of {length} bytes at byte {start}")
         body = self.data[start : self.pos]
         if mode == 0:
-            out: bytes | memoryview = body
-        elif mode == 1:
-            # max_output_size is ignored when a frame declares its size, so check the declaration
-            # first: a frame claiming gigabytes is refused before anything is allocated.
-            try:
-                declared = zstandard.frame_content_size(body)
-                if declared != expect:
-                    raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
-                out = self.dctx.decompress(body, max_output_size=expect)
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
-        else:
+            if length != expect:
+                raise BlockFormatError(f"section at byte {start} holds {length} bytes, header says {expect}")
+            if into is None:
+                return body
+            np.copyto(into, np.frombuffer(body, np.uint8))
+            return into
+        if mode != 1:
             raise BlockFormatError(f"unknown section mode {mode} at byte {start - SECTION.size}")
-        if len(out) != expect:
-            raise BlockFormatError(f"section at byte {start} holds {len(out)} bytes, header says {expect}")
+        # max_output_size is ignored when a frame declares its size, so check the declaration
+        # first: a frame claiming gigabytes is refused before anything is allocated.
+        try:
+            declared = zstandard.frame_content_size(body)
+            if declared != expect:
+                raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
+            if into is None:
+                out = self.dctx.decompress(body, max_output_size=expect)
+                got = len(out)
+            else:
+                with self.dctx.stream_reader(body) as reader:
+                    got = reader.readinto(memoryview(into))
+                    while got < expect and (n := reader.readinto(memoryview(into)[got:])):
+                        got += n
+                    if reader.read(1):
+                        raise BlockFormatError(f"zstd section at byte {start} holds more than {expect} bytes")
+                out = into
+        except zstandard.ZstdError as exc:
+            raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
+        if got != expect:
+            raise BlockFormatError(f"section at byte {start} holds {got} bytes, header says {expect}")
         return out
 
 
@@ -525,89 +480,105 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
     return dest
 
 
-def _decode_tensor(reader: _Reader, codec: str, name: str, dtype: str, shape: tuple[int, ...],
-                   place: Place | None, hasher: Any) -> Tensor:
-    holder = DTYPES[dtype][0]
+def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
+                   digest: _Digest) -> Tensor:
+    """One tensor coded alone: every format-1 tensor, and format-2 "zstd"."""
+    name, dtype, shape = entry
+    holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
     dest = _destination(place, name, dtype, shape)
-    if codec == "planes-zstd":
-        _unplanes_into([np.frombuffer(reader.section(n), np.uint8) for _ in range(holder.itemsize)], dtype, dest)
+    if codec == "planes-zstd":  # format 1 only
+        planes = [np.frombuffer(reader.section(n), np.uint8) for _ in range(holder.itemsize)]
+        join_into(planes, rotate, _unsigned(dest))
     else:
-        np.copyto(dest, np.frombuffer(reader.section(n * holder.itemsize), holder).reshape(shape))
-    if hasher is not None:
+        content = reader.section(n * holder.itemsize)
+        np.copyto(dest, np.frombuffer(content, holder).reshape(shape))
+    if digest.version == 1:
         for piece in pieces(dest):
-            hasher.update(piece)
+            digest.payload(piece)
+    else:
+        digest.section(*pieces(dest))
     return Tensor(dtype, dest)
 
 
+def _unsigned(a: np.ndarray) -> np.ndarray:
+    return a.view(f"<u{a.dtype.itemsize}") if a.dtype.itemsize > 1 else a.view(np.uint8)
+
+
 def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
-                hasher: Any, tensors: dict[str, Tensor]) -> None:
-    """A format-2 run: its planes (or raw payload) decoded a chunk of tensors at a time, straight into place."""
+                stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
+    """A format-2 run: its sections read (into `stage`'s buffers when it takes the run), digested,
+    then joined a chunk of tensors at a time straight into place."""
     dtype = run[0][1]
-    holder = DTYPES[dtype][0]
+    holder, rotate = DTYPES[dtype]
     sizes = [math.prod(shape) for _, _, shape in run]
     total = sum(sizes)
+    staged = stage(tuple(name for name, _, _ in run), dtype, total) if stage is not None and codec != "raw" else None
     if codec == "raw":
-        planes = [np.frombuffer(reader.section(total * holder.itemsize), holder)]
+        contents = [np.frombuffer(reader.section(total * holder.itemsize), np.uint8)]
     else:
-        planes = [np.frombuffer(reader.section(total), np.uint8) for _ in range(holder.itemsize)]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
+        contents = [np.frombuffer(reader.section(total, staged[k] if staged else None), np.uint8)
+                    for k in range(holder.itemsize)]
+    for content in contents:
+        digest.section(content)
+    if staged is not None:
+        return
+    data = contents[0].view(holder) if codec == "raw" else None
+    starts = _bounds(sizes)
     for first, stop in _chunks(sizes, holder.itemsize):
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         lo, hi = starts[first], starts[stop]
-        if stop - first == 1:  # a large tensor: joined straight into its destination
-            if codec == "raw":
-                np.copyto(dests[0], planes[0].reshape(dests[0].shape))
-            else:
-                _unplanes_into([p[lo:hi] for p in planes], dtype, dests[0])
-            if hasher is not None:
-                for piece in pieces(dests[0]):
-                    hasher.update(piece)
-        else:  # small tensors: joined together, digested in one call, then copied into place
-            if codec == "raw":
-                chunk = planes[0][lo:hi]
-            else:
-                chunk = _scratch_u(holder, (hi - lo,), "join")
-                _unplanes_into([p[lo:hi] for p in planes], dtype, chunk)
-            if hasher is not None:
-                hasher.update(memoryview(chunk.view(np.uint8)))
+        if len(dests) == 1:  # a large tensor: joined straight into its destination
+            target = dests[0]
+        else:  # small tensors: joined together, then copied into place
+            target = scratch(holder, (hi - lo,), "join")
+        if codec == "raw":
+            np.copyto(target, data[lo:hi].reshape(target.shape))
+        else:
+            join_into([c[lo:hi] for c in contents], rotate, _unsigned(target))
+        if len(dests) > 1:
             for dest, k in zip(dests, range(first, stop)):
-                np.copyto(dest, chunk[starts[k] - lo : starts[k + 1] - lo].reshape(dest.shape))
+                np.copyto(dest, target[starts[k] - lo : starts[k + 1] - lo].reshape(dest.shape))
         for (name, _, _), dest in zip(run[first:stop], dests):
             tensors[name] = Tensor(dtype, dest)
 
 
 def decode_into(
-    data: bytes | memoryview, place: Place | None = None, *, max_raw_bytes: int | None = None, digest: bool = True
+    data: bytes | memoryview, place: Place | None = None, *, stage: Stage | None = None,
+    max_raw_bytes: int | None = None, digest: bool = True,
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    Returns (tensors, metadata, payload digest hex); `tensors` holds every
-    tensor, placed ones as the destination arrays themselves. The caller
+    stage(names, dtype, plane_bytes): for a format-2 "planes-zstd" run, one
+    contiguous uint8 array of plane_bytes per byte plane to decode its planes
+    into, left unjoined (the run's tensors are then not in the result), or None.
+    Returns (tensors, metadata, digest hex); `tensors` holds every tensor not
+    staged, placed ones as the destination arrays themselves. The caller
     compares the digest with the one it expects (the store always does);
-    `digest=False` skips hashing and returns "" (benchmarks only). Raises
-    BlockFormatError for anything malformed, including a payload larger than
-    `max_raw_bytes` (the size the index recorded) or a tensor that does not fit
-    its destination. A destination may be partly written when that happens.
+    `digest=False` returns "" (benchmarks only: the work is still done).
+    Raises BlockFormatError for anything malformed, including a payload larger
+    than `max_raw_bytes` (the size the index recorded) or a tensor that does
+    not fit its destination. A destination may be partly written when that happens.
     """
     view = memoryview(data)
     codec, version, reader, header_raw, specs, metadata = _open(view, max_raw_bytes)
-    hasher = new_digest(version) if digest else None
-    if hasher is not None:
-        hasher.update(header_raw)
+    hasher = _Digest(version)
+    if version == 1:
+        hasher.payload(header_raw)
+    else:
+        hasher.section(header_raw[:8])
+        hasher.section(header_raw[8:])
     tensors: dict[str, Tensor] = {}
     entries = [(name, spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()]
-    if version == 1 or codec == "zstd":  # one section (or one per plane, format 1) per tensor
-        for name, dtype, shape in entries:
-            tensors[name] = _decode_tensor(reader, codec, name, dtype, shape, place, hasher)
+    if version == 1 or codec == "zstd":
+        for entry in entries:
+            tensors[entry[0]] = _decode_tensor(reader, codec, entry, place, hasher)
     else:
         for run in _runs(entries, lambda e: e[1]):
-            _decode_run(reader, codec, run, place, hasher, tensors)
+            _decode_run(reader, codec, run, place, stage, hasher, tensors)
     if reader.pos != len(view):
         raise BlockFormatError(f"{len(view) - reader.pos} trailing bytes after the last section")
-    return tensors, metadata, hasher.hexdigest() if hasher is not None else ""
+    return tensors, metadata, hasher.hexdigest() if digest else ""
 
 
 def decode(

@@ -27,6 +27,7 @@ from typing import Any
 from pathlib import Path
 
 from kvwake.errors import StorageFullError
+from kvwake.store.planes import as_bytes
 
 __all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "write_durable"]
 
@@ -58,7 +59,7 @@ def write_durable(path: Path, data: bytes | memoryview | Sequence[Any], *, sync_
         try:
             buffers = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
             for buf in buffers:
-                view = memoryview(buf).cast("B")
+                view = as_bytes(buf)
                 while view:
                     view = view[os.write(fd, view) :]
             os.fsync(fd)

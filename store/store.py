@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Tensor, decode_into, read_file_header, read_specs
+from kvwake.store.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Stage, Tensor, decode_into, read_file_header, read_specs
 from kvwake.store.files import StoreFiles
 from kvwake.store.index import BlockRef, Index, SnapshotRecord
 from kvwake.store.keys import block_key, chain_keys, tokens_to_bytes
@@ -276,10 +276,11 @@ class Store:
         return head
 
     def read_block(self, ref: BlockRef, *, snapshot_id: str | None = None, session_id: str | None = None,
-                   place: Place | None = None) -> dict[str, Tensor]:
+                   place: Place | None = None, stage: Stage | None = None) -> dict[str, Tensor]:
         """Read, decode and verify one block; CorruptBlockError names what failed.
 
-        place: where each tensor is decoded to (see codec.decode_into); by default new arrays.
+        place, stage: where tensors (or a run's planes) are decoded to (codec.decode_into);
+        by default new arrays.
         """
         facts = {"block": ref.key, "snapshot_id": snapshot_id, "session_id": session_id, "file": ref.file}
         where = f"block {ref.key[:16]} of snapshot {snapshot_id} (session {session_id})"
@@ -287,7 +288,7 @@ class Store:
             raise CorruptBlockError(f"{where} is quarantined", **facts)
         if block_key(ref.parent, ref.bundle, ref.token_ids) != ref.key:
             raise CorruptBlockError(f"{where}: index row does not hash to its key", **facts)
-        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts, place)
+        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts, place, stage)
         if meta.get("kvwake.key") != ref.key or meta.get("kvwake.bundle") != ref.bundle:
             raise CorruptBlockError(f"{where}: file holds block {meta.get('kvwake.key', '?')[:16]} "
                                     f"of bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
@@ -300,13 +301,13 @@ class Store:
         facts = {"snapshot_id": record.id, "session_id": record.session_id, "file": record.tail.file, "block": "tail"}
         where = f"tail of snapshot {record.id} (session {record.session_id})"
         tensors, meta = self._read_verified(record.tail.file, record.tail.digest, record.tail.raw_bytes, where, facts,
-                                            place)
+                                            place, None)
         if meta.get("kvwake.bundle") != record.bundle:
             raise CorruptBlockError(f"{where}: file belongs to bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
 
     def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
-                       place: Place | None) -> tuple[dict[str, Tensor], dict[str, str]]:
+                       place: Place | None, stage: Stage | None) -> tuple[dict[str, Tensor], dict[str, str]]:
         try:
             data = self.files.read(rel)
         except FileNotFoundError:
@@ -314,7 +315,7 @@ class Store:
         try:
             if read_file_header(data)[2] != digest:
                 raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
-            tensors, meta, actual = decode_into(data, place, max_raw_bytes=raw_bytes)
+            tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except BlockFormatError as exc:
             raise CorruptBlockError(f"{where}: file {rel} is damaged: {exc}", **facts) from None
         if actual != digest:

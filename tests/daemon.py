@@ -59,10 +59,13 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        if code != 0 and sig != signal.SIGKILL:  # shown by pytest when the test then fails
+            print(f"daemon exited {code}; its log ends:\n{self.log.read_text(errors='replace')[-4000:]}")
+        return code
 
     def client(self) -> RawClient:
         return RawClient(self.socket)

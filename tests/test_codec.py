@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import blake3
 
 import numpy as np
 import pytest
@@ -15,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvwake.store.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Tensor, decode,
-                                decode_into, encode, payload)
+from kvwake.store.codec import DTYPES as HOLDERS
+from kvwake.store.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
+                                decode, decode_into, encode, payload, section_digest)
+from kvwake.store.planes import split
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 
@@ -47,12 +48,26 @@ def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays=tensors())
-def test_digest_is_blake3_of_a_payload_the_safetensors_library_reads(arrays):
-    encoded = encode(arrays, metadata={"kvwake.kind": "block"})
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
+def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arrays, codec):
+    encoded = encode(arrays, metadata={"kvwake.kind": "block"}, codec=codec)
     raw = payload(arrays, metadata={"kvwake.kind": "block"})
-    assert blake3.blake3(raw).hexdigest() == encoded.digest and len(raw) == encoded.raw_bytes
+    header_len = 8 + struct.unpack("<Q", raw[:8])[0]
+    contents = [raw[:8], raw[8:header_len]]  # format 2: BLAKE3 over each section's decoded content
+    if codec == "zstd":
+        contents += [t.array.tobytes() for t in arrays.values()]
+    else:  # one run per stretch of one dtype: its payload ("raw") or its byte planes ("planes-zstd")
+        runs: list[list[Tensor]] = []
+        for t in arrays.values():
+            runs[-1:] = [runs[-1] + [t]] if runs and runs[-1][0].dtype == t.dtype else runs[-1:] + [[t]]
+        for run in runs:
+            data = np.concatenate([t.array.reshape(-1) for t in run])
+            holder, rotate = HOLDERS[run[0].dtype]
+            unsigned = data.view(f"<u{holder.itemsize}") if holder.itemsize > 1 else data.view(np.uint8)
+            contents += [data.tobytes()] if codec == "raw" else [p.tobytes() for p in split(unsigned, rotate)]
+    assert section_digest(contents) == encoded.digest and len(raw) == encoded.raw_bytes
     assert encoded.data[4] == FORMAT_VERSION == 2
+    assert decode(encoded.data)[2] == encoded.digest
     parsed = dict(safetensors.deserialize(raw))
     assert set(parsed) == set(arrays)
     for name, t in arrays.items():
@@ -189,7 +204,7 @@ def test_decode_into_fills_strided_views_of_a_larger_buffer_in_place(codec):
     encoded = encode(block, codec=codec)
     target = np.full_like(source, 0xAAAA)
     got, _, digest = decode_into(encoded.data, lambda name, dtype, shape: target[..., 8:16, :] if name == "layers.0.keys" else None)
-    assert digest == encoded.digest == blake3.blake3(payload(block)).hexdigest()
+    assert digest == encoded.digest
     assert np.array_equal(target[..., 8:16, :], source[..., 8:16, :])
     assert (target[..., :8, :] == 0xAAAA).all() and (target[..., 16:, :] == 0xAAAA).all()
     assert np.shares_memory(got["layers.0.keys"].array, target)
@@ -219,3 +234,34 @@ def test_incompressible_planes_are_stored_raw_and_compressible_ones_packed():
         pos += SECTION.size + n
     assert modes == [1, 0]
     assert decode(encoded.data)[0]["x"].array.tobytes() == bits.tobytes()
+
+
+def test_a_planed_block_encodes_to_the_same_file_and_decodes_into_staged_planes():
+    # What the daemon does on a GPU: the planes are made there; the file must be the one encode makes.
+    rng = np.random.default_rng(3)
+    parts = {f"layers.{i}.{p}": rng.integers(0, 1 << 16, (1, 2, 64, 128), dtype=np.uint16) for i in range(3)
+             for p in ("keys", "values")}
+    arrays = {n: Tensor("BF16", a) for n, a in parts.items()}
+    hi, lo = split(np.concatenate([a.reshape(-1) for a in parts.values()]), True)
+    planed = Planed(tuple(parts), "BF16", tuple(a.shape for a in parts.values()), (hi, lo))
+    meta = {"kvwake.key": "k"}
+    assert encode(planed, metadata=meta).data == encode(arrays, metadata=meta).data
+    staged = [np.full(hi.size, 7, np.uint8), np.full(lo.size, 7, np.uint8)]
+    seen = []
+    got, _, digest = decode_into(encode(arrays).data, stage=lambda names, dtype, n: seen.append((names, dtype, n)) or staged)
+    assert got == {} and digest == encode(arrays).digest and seen == [(tuple(parts), "BF16", hi.size)]
+    assert np.array_equal(staged[0], hi) and np.array_equal(staged[1], lo)
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS.values()))
+def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec):
+    # Was: "raw" copied a whole run's payload into the first large tensor (seen on the 8B shape).
+    rng = np.random.default_rng(4)
+    source = {f"layers.{i}.keys": rng.integers(0, 1 << 16, (1, 4, 512, 128), dtype=np.uint16) for i in range(3)}
+    block = {n: Tensor("BF16", a[..., 128:384, :]) for n, a in source.items()}  # 256 KiB each
+    encoded = encode(block, codec=codec)
+    targets = {n: np.zeros_like(a) for n, a in source.items()}
+    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: targets[name][..., 128:384, :])
+    assert digest == encoded.digest
+    for n, a in source.items():
+        assert np.array_equal(targets[n][..., 128:384, :], a[..., 128:384, :]), n

@@ -13,6 +13,7 @@ from kvwake.daemon.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.errors import BundleMismatchError, InvalidParamsError, StorageFullError
 from kvwake.store import Store
+from tests.capabilities import require_quantized_kv
 from tests.tinymodel import NO_SYSTEM, make_model_dir
 
 SYSTEM = "You are a careful agent. Follow the tool manual. " * 3
@@ -211,6 +212,7 @@ def test_quantized_kv_sleeps_and_wakes_exactly(tmp_path):
     folder = make_model_dir(tmp_path / "wide-heads", num_attention_heads=2, num_key_value_heads=1)
     store = Store(tmp_path / "store", block_tokens=16)
     e = Engine(store, tmp_path, folder, kv_bits=8, kv_group_size=32)
+    require_quantized_kv(e.model, 8, tokens=len(SYSTEM))
     a, b = Session("a"), Session("b")
     for s in (a, b):
         e.append(s, text=SYSTEM)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams
@@ -40,13 +41,17 @@ def test_a_format_1_session_wakes_bit_exactly_and_sleeps_again_in_format_2(tmp_p
         assert engine.bundle.hash == FACTS["bundle"]  # the bundle hash did not move with the file format
         woken, info = engine.wake(FACTS["session"])
         assert info["blocks_from_disk"] == 2 and woken.tokens == FACTS["tokens"]
+        record = store.snapshot(FACTS["snapshot"])
+        stored = [store.read_block(ref) for ref in record.blocks]
+        for i, c in enumerate(woken.cache):  # exactly the bytes format 1 stored
+            for part in ("keys", "values"):
+                got = np.asarray(getattr(c, part)[..., :32, :].view(mx.uint16))
+                assert np.array_equal(got, np.concatenate([b[f"layers.{i}.{part}"].array for b in stored], axis=2))
         twin = Session("twin")
         engine.append(twin, tokens=FACTS["tokens"])
-        for a, b in zip(woken.cache, twin.cache):
-            assert mx.array_equal(a.keys[..., :40, :], b.keys[..., :40, :]).item()
-            assert mx.array_equal(a.values[..., :40, :], b.values[..., :40, :]).item()
         params = GenerateParams(max_tokens=8)
-        assert engine.generate(woken, params).tokens == engine.generate(twin, params).tokens
+        if mx.default_device() == mx.cpu:  # the fixture's KV was computed on a CPU: a prefill elsewhere differs
+            assert engine.generate(woken, params).tokens == engine.generate(twin, params).tokens
         slept = engine.sleep(woken)
         assert slept["reused_blocks"] >= 2  # format-1 blocks are reused as they are
         again, _ = engine.wake(FACTS["session"])

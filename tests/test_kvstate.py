@@ -33,6 +33,7 @@ from kvwake.daemon import kvfill, kvstate
 from kvwake.daemon.kvstate import NotCuttableError, StateMismatchError, UnsupportedCacheError
 from kvwake.store import Store
 from kvwake.store.codec import Tensor, decode, encode
+from tests.capabilities import require_quantized_kv
 
 B = 16  # tokens per block: 40 tokens = 2 full blocks + an 8-token tail
 TOKENS = [(i * 37 + 11) % 256 for i in range(40)]
@@ -82,6 +83,8 @@ def model(arch: str):
 
 
 def fresh(m, kv_bits: int | None = None) -> list:
+    if kv_bits:
+        require_quantized_kv(m, kv_bits)
     cache = make_prompt_cache(m)
     return [c.to_quantized(group_size=32, bits=kv_bits) for c in cache] if kv_bits else cache
 
@@ -327,18 +330,24 @@ def test_capture_copies_nothing_and_restore_allocates_only_the_cache():
     for i in range(n // block_tokens):
         block = kvstate.capture_block(cache, i, block_tokens)
         assert sum(t.array.nbytes for t in block.values()) == block_bytes
-        assert all(np.shares_memory(t.array, np.asarray(c.keys.view(mx.uint16)))
-                   for c, t in zip(cache, (block[f"layers.{j}.keys"] for j in range(layers))))
+        if kvfill.unified_memory():  # views of the cache's own memory
+            assert all(np.shares_memory(t.array, np.asarray(c.keys.view(mx.uint16)))
+                       for c, t in zip(cache, (block[f"layers.{j}.keys"] for j in range(layers))))
+        del block
     numpy_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert max(0, mx.get_peak_memory() - base) < block_bytes // 4
-    assert numpy_peak < block_bytes // 16
+    if kvfill.unified_memory():
+        assert max(0, mx.get_peak_memory() - base) < block_bytes // 4
+        assert numpy_peak < block_bytes // 16
+    else:  # a discrete GPU: one block's device copy and its transfer to the host at a time
+        assert max(0, mx.get_peak_memory() - base) <= 2 * block_bytes + 4096
 
     blocks = [kvstate.capture_block(cache, i, block_tokens) for i in range(n // block_tokens)]
     tail = kvstate.capture_tail(cache, n, block_tokens)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
     woken = kvfill.restore_arrays(_Stub(*[KVCache] * layers), list(blocks), tail, n, block_tokens)
-    assert mx.get_peak_memory() - base <= kvstate.cache_nbytes(woken) + 4096  # + scalars
+    if kvfill.RESTORE_MODE == "direct":
+        assert mx.get_peak_memory() - base <= kvstate.cache_nbytes(woken) + 4096  # + scalars
     assert all(mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
                for a, b in zip(cache, woken))

@@ -141,3 +141,37 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
     assert s.cache is not None and s.head is None
     assert engine.store.snapshots() == [] and not any(engine.store.files.walk())
     assert 5 in calls
+
+
+def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(model_dir, tmp_path, monkeypatch):
+    # What runs on CUDA (KV in device memory), run here on MLX's CPU device: sleep splits byte planes
+    # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
+    from kvwake.daemon import devplanes, kvfill
+
+    calls = {"split": 0, "join": 0}
+    for name in calls:
+        real = getattr(devplanes, name if name == "join" else "split_span")
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(devplanes, name if name == "join" else "split_span", counted)
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192)
+    try:
+        a, b = Session("a"), Session("b")
+        tokens = [(i * 11) % 256 for i in range(150)]
+        for s in (a, b):
+            engine.append(s, tokens=tokens)
+        engine.sleep(b)
+        b, _ = engine.wake("b")
+        assert calls["split"] > 0 and calls["join"] == 1
+        for x, y in zip(a.cache, b.cache):
+            assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
+            assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
+        from kvwake.daemon.generation import GenerateParams
+        assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+    finally:
+        engine.close()
+        store.close()

@@ -1,0 +1,164 @@
+"""The byte-plane filter of the "planes-zstd" codec, and the per-plane writers of format 2.
+
+16- and 32-bit floats are rotated left by one bit (sign to the bottom, so the
+exponent fills the top byte), then split into byte planes, high byte first.
+Integers are split without rotation. `split` and `join_into` are the two
+directions on the CPU; the daemon does the same on the GPU when the KV lives
+there (kvstate/kvfill), producing and consuming exactly these bytes.
+
+A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
+compressible plane is one streamed zstd frame in which each tensor's bytes end
+a zstd block (so each tensor gets Huffman tables of its own); a plane whose
+first chunk's sample does not shrink by 3% (mantissas) is stored raw; a small
+one is decided whole. Each sink digests the content it is given (BLAKE3), in
+order, for the block digest (codec.py).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import blake3
+import numpy as np
+import zstandard
+
+__all__ = ["CHUNK_BYTES", "PLANES_PARAMS", "PlaneSink", "as_bytes", "compressor", "join_into", "scratch", "split",
+           "whole_section"]
+
+RAW_IF_RATIO_ABOVE = 0.97
+SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample of their first chunk
+# Tensors are processed CHUNK_BYTES of payload at a time: few, large numpy/zstd/BLAKE3 calls.
+CHUNK_BYTES = 256 << 10
+# Level 1, min_match 7, and a 64-entry match table searched once. On real bf16 KV of the default
+# model (bench/codec_bench.py) exponent planes are almost all literals: the matches zstd finds
+# there are short and spurious and disturb the literal statistics Huffman codes from. Level 3
+# compressed worse than level 1 (1.43x vs 1.475x); shrinking the match search to almost nothing
+# compresses exponent planes better still (0.347 vs 0.364 of their size), 2.4x faster, and they
+# decode about 2x faster. Channel-major transposing gained 0.5% more but cost 15% decode speed.
+PLANES_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1)
+
+_local = threading.local()
+
+
+def scratch(dtype: np.dtype, shape: tuple[int, ...], slot: str) -> np.ndarray:
+    """A per-thread reusable array of `shape` (contents undefined); one buffer per slot name."""
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    buf = getattr(_local, slot, None)
+    if buf is None or buf.nbytes < n:
+        buf = np.empty(max(n, CHUNK_BYTES), np.uint8)
+        setattr(_local, slot, buf)
+    return buf[:n].view(dtype).reshape(shape)
+
+
+def compressor(k: int) -> zstandard.ZstdCompressor:
+    """This thread's k-th planes compressor (made once: a compression context is not free)."""
+    mine = getattr(_local, "compressors", None)
+    if mine is None:
+        mine = _local.compressors = []
+    while len(mine) <= k:
+        mine.append(zstandard.ZstdCompressor(compression_params=PLANES_PARAMS))
+    return mine[k]
+
+
+def split(array: np.ndarray, rotate: bool) -> list[np.ndarray]:
+    """Byte planes (high first) of an unsigned-integer view of the data, rotated left one bit if asked."""
+    size = array.dtype.itemsize
+    if size == 1:
+        return [np.ascontiguousarray(array).reshape(-1).view(np.uint8)]
+    u = array
+    if rotate:
+        u = (u << np.array(1, u.dtype)) | (u >> np.array(size * 8 - 1, u.dtype))
+    else:
+        u = np.ascontiguousarray(u)
+    b = u.reshape(-1).view(np.uint8).reshape(-1, size)
+    return [np.ascontiguousarray(b[:, i]) for i in reversed(range(size))]
+
+
+def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray) -> None:
+    """Join byte planes (high first) into `dest` (unsigned ints of their count in bytes, any strides)."""
+    size = dest.dtype.itemsize
+    shape = dest.shape
+    if size == 1:
+        np.copyto(dest, planes[0].reshape(shape))
+        return
+    np.left_shift(planes[0].reshape(shape), 8 * (size - 1), out=dest, dtype=dest.dtype)
+    for k, plane in enumerate(planes[1:], start=2):
+        shifted = plane.reshape(shape)
+        if k < size:
+            low = scratch(dest.dtype, shape, "rotate")
+            np.left_shift(shifted, 8 * (size - k), out=low, dtype=dest.dtype)
+            shifted = low
+        np.bitwise_or(dest, shifted, out=dest)
+    if rotate:
+        low = scratch(dest.dtype, shape, "rotate")
+        np.right_shift(dest, 1, out=low)
+        np.left_shift(dest, size * 8 - 1, out=dest)
+        np.bitwise_or(dest, low, out=dest)
+
+
+def as_bytes(x: Any) -> memoryview:
+    """A flat byte view of a contiguous buffer (numpy arrays of any shape, empty ones too)."""
+    if isinstance(x, np.ndarray):
+        return memoryview(x.reshape(-1).view(np.uint8))
+    view = memoryview(x)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def compressible(raw: memoryview, zc: zstandard.ZstdCompressor) -> bool:
+    """False when a sample from the middle of a large plane does not shrink (mantissas)."""
+    if len(raw) < 4 * SAMPLE_BYTES:
+        return True
+    mid = len(raw) // 2
+    sample = raw[mid : mid + SAMPLE_BYTES]
+    return len(zc.compress(sample)) <= RAW_IF_RATIO_ABOVE * len(sample)
+
+
+def whole_section(data: Any, zc: zstandard.ZstdCompressor | None, mode_struct: Any) -> list[Any]:
+    """A section compressed in one go, or raw when zstd cannot shrink it by 3%."""
+    raw = as_bytes(data)
+    if zc is not None and compressible(raw, zc):
+        packed = zc.compress(raw)
+        if len(packed) <= RAW_IF_RATIO_ABOVE * len(raw):
+            return [mode_struct.pack(1, len(packed)), packed]
+    return [mode_struct.pack(0, len(raw)), raw]
+
+
+class PlaneSink:
+    """One section of a run (a plane, or a raw payload), fed chunk by chunk; see the module docstring."""
+
+    def __init__(self, zc: zstandard.ZstdCompressor | None, total: int, mode_struct: Any) -> None:
+        self.zc, self.total, self.mode_struct = zc, total, mode_struct
+        self.parts: list[Any] = []
+        self.obj: Any = None
+        self.hasher = blake3.blake3()
+        self.mode = "raw" if zc is None else ("stream" if total >= 4 * SAMPLE_BYTES else "whole")
+
+    def add(self, chunk: np.ndarray, bounds: list[int], owned: bool) -> None:
+        """Append a chunk (contiguous bytes); bounds: tensor boundaries in it; owned: the sink may keep it."""
+        raw = as_bytes(chunk)
+        self.hasher.update(raw)
+        if self.mode == "stream" and self.obj is None:
+            if compressible(raw, self.zc):
+                self.obj = self.zc.compressobj(size=self.total)
+            else:
+                self.mode = "raw"
+        if self.mode == "stream":
+            for lo, hi in zip(bounds, bounds[1:]):
+                self.parts.append(self.obj.compress(raw[lo:hi]))
+                self.parts.append(self.obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        else:
+            self.parts.append(chunk if owned else chunk.copy())
+
+    def sections(self) -> list[Any]:
+        """The section's buffers, in order (mode and length first)."""
+        if self.mode == "stream":
+            self.parts.append(self.obj.flush())
+            return [self.mode_struct.pack(1, sum(len(x) for x in self.parts)), *self.parts]
+        if self.mode == "whole":
+            return whole_section(b"".join(as_bytes(x) for x in self.parts), self.zc, self.mode_struct)
+        return [self.mode_struct.pack(0, sum(as_bytes(x).nbytes for x in self.parts)), *self.parts]
+
+    def digest(self) -> bytes:
+        return self.hasher.digest()
