@@ -254,20 +254,30 @@ def _host_views(arrays: dict[str, mx.array]) -> dict[str, np.ndarray]:
     return {n: np.asarray(a) for n, a in as_bits.items()}
 
 
-def _cut(name: str, c: Any, start: int, stop: int) -> dict[str, Tensor]:
-    """Tokens [start, stop) of one cuttable unit, as host arrays (see _host_views)."""
+def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
+    """Tokens [start, stop) of one cuttable unit: its lazy slices, and its small facts (quantization)."""
     if stop > c.offset:
         raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
     if isinstance(c, QuantizedKVCache):
         lazy = {f"{name}.{part}.{k}": a[..., start:stop, :] for part in ("keys", "values")
                 for k, a in enumerate(getattr(c, part))}
-    else:
-        lazy = {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}
-    dtypes = {n: _dtype_of(a) for n, a in lazy.items()}
-    out = {n: Tensor(dtypes[n], v) for n, v in _host_views(lazy).items()}
-    if isinstance(c, QuantizedKVCache):
-        out[f"{name}.quant"] = _ints(c.group_size, c.bits, dtype=np.int32)
-    return out
+        return lazy, {f"{name}.quant": _ints(c.group_size, c.bits, dtype=np.int32)}
+    return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
+
+
+def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str, Tensor]:
+    """Tokens [start, stop) of every cuttable unit (or of `only`), as host arrays, evaluated in one go."""
+    lazy: dict[str, mx.array] = {}
+    facts: dict[str, Tensor] = {}
+    order: list[str] = []  # units in order, each unit's parts, then its quantization
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) in CUTTABLE and (only is None or c is only):
+            slices, small = _lazy_cut(name, c, start, stop)
+            lazy.update(slices)
+            facts.update(small)
+            order += [*slices, *small]
+    views = _host_views(lazy)
+    return {n: Tensor(_dtype_of(lazy[n]), views[n]) if n in lazy else facts[n] for n in order}
 
 
 def _dtype_of(a: mx.array) -> str:
@@ -286,11 +296,7 @@ def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> li
     Non-cuttable units contribute nothing. Raises StateMismatchError if the
     cache holds fewer tokens.
     """
-    start, stop = first * block_tokens, (first + count) * block_tokens
-    span: dict[str, Tensor] = {}
-    for name, _, _, c in units(cache):
-        if kind_of(c, name) in CUTTABLE:
-            span.update(_cut(name, c, start, stop))
+    span = _cut_units(cache, first * block_tokens, (first + count) * block_tokens)
     return [{n: t if n.endswith(".quant") else Tensor(t.dtype, t.array[..., k * block_tokens : (k + 1) * block_tokens, :])
              for n, t in span.items()} for k in range(count)]
 
@@ -352,7 +358,7 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
         if kind in CUTTABLE:
             out[f"{name}.offset"] = _ints(c.offset)
             if full < n_tokens:
-                out.update(_cut(name, c, full, n_tokens))
+                out.update(_cut_units(cache, full, n_tokens, only=c))
         else:
             out.update(_whole(name, kind, c))
     return out

@@ -157,24 +157,31 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
 def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list) -> None:
     """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
 
-    `held` keeps every captured span until the caller releases it on the engine thread: on a
-    GPU the host arrays are MLX's, and MLX memory is freed on the thread that runs MLX.
+    On unified memory a span is all of it (views of the cache cost nothing); on a GPU a span's
+    host copy is a quarter of the batch budget. Each block is admitted by the budget (its
+    encoded bytes live until written). `held` keeps each span with its tasks; finished spans
+    are dropped inside the next engine-thread call, the rest by the caller there too: MLX
+    memory is freed on the thread that runs MLX.
     """
     block_bytes = max(1, engine.kv_bytes_per_token(cache) * engine.block_tokens)
-    per_span = max(1, batch.budget // SPAN_SHARE // block_bytes)
+    per_span = len(w.needed) if not engine.device_planes else max(1, batch.budget // SPAN_SHARE // block_bytes)
+
+    def capture(first: int, count: int) -> list:
+        held[:] = [(blocks, futures) for blocks, futures in held if not all(f.done() for f in futures)]
+        return engine.capture_blocks(cache, first, count)
+
     for first, count in _spans(w.needed, per_span):
-        batch.reserve(count * block_bytes)
         if batch.failed:
-            batch.release(count * block_bytes)
             return
-        try:
-            blocks = mlx(lambda first=first, count=count: engine.capture_blocks(cache, first, count))
-        except BaseException:
-            batch.release(count * block_bytes)
-            raise
-        held.append(blocks)
+        blocks = mlx(lambda first=first, count=count: capture(first, count))
+        futures: list[cf.Future] = []
+        held.append((blocks, futures))
         for k, arrays in enumerate(blocks):
-            batch.submit(block_bytes, w.add_block, first + k, arrays)
+            batch.reserve(block_bytes)
+            if batch.failed:
+                batch.release(block_bytes)
+                return
+            futures.append(batch.submit(block_bytes, w.add_block, first + k, arrays))
 
 
 def _sleep_budget(engine: Engine, session: Session) -> int:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvwake.store.codec import Encoded, Tensor, encode
-from kvwake.store.files import fsync_dir, write_durable
+from kvwake.store.files import fsync_dirs, write_durable
 from kvwake.store.index import BlockRef
 from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 
@@ -203,8 +203,7 @@ class SnapshotWriter:
         if missing:
             raise ValueError(f"blocks {missing} were never added; cannot commit")
         try:
-            for d in sorted(self._dirs):  # the renames are durable before the index names the files
-                fsync_dir(d)
+            fsync_dirs(sorted(self._dirs))  # the renames are durable before the index names the files
             losers = self.store.commit_write(self)
         except BaseException:
             self.abort()
