@@ -3,7 +3,7 @@
 # Run from the repository root after setup.sh, with the environment of /tmp/stage/env.sh:
 #   bash bench/device.sh [SIZES]        results in $OUT (or bench/out/device)
 # Makes the 8B-shaped random model once (/tmp/m8b), then `bench/suite.py resume` at each size
-# with the default codec, the same at 8k with the "raw" codec and with the other restore mode,
+# with the default codec, the same at 8k with the "raw" codec,
 # and, if .gpu/old holds an older kvwake tree (git archive), that tree's resume benchmark too:
 # before and after from one run on one machine.
 set -euo pipefail
@@ -14,11 +14,9 @@ mkdir -p "$out"
 nproc; nvidia-smi -L || true
 python3 bench/suite.py resume --model /tmp/m8b --sizes "$sizes" --out "$out/new"
 python3 bench/suite.py resume --model /tmp/m8b --sizes 8192 --codec raw --out "$out/raw"
-other=$(python3 -c "from kvwake.daemon.kvfill import RESTORE_MODE as m; print('direct' if m == 'staged' else 'staged')")
-KVWAKE_RESTORE_MODE=$other python3 bench/suite.py resume --model /tmp/m8b --sizes 8192 --out "$out/mode-$other"
 if [ -d .gpu/old ]; then
   rm -rf /tmp/old /tmp/oldbench && mkdir -p /tmp/oldbench
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
   cp .gpu/old/bench/suite.py .gpu/old/bench/capture_kv.py /tmp/oldbench/
-  PYTHONPATH=/tmp/old:$PYTHONPATH python3 /tmp/oldbench/suite.py resume --model /tmp/m8b --sizes "$sizes" --out "$out/old"
+  PYTHONPATH=/tmp/old:$PYTHONPATH python3 /tmp/oldbench/suite.py resume --model /tmp/m8b --sizes "${OLD_SIZES:-$sizes}" --out "$out/old"
 fi
