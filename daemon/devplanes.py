@@ -68,13 +68,13 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int, coun
     return [Planed(tuple(names), dtype, (block_shape,) * len(names), tuple(h[k] for h in host)) for k in range(count)]
 
 
-def join(planes: list[np.ndarray], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
-    """Host staging planes ([blocks, plane bytes] each, high first) -> [tensors, *lead, blocks*B, dim] on the device."""
+def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
+    """Staged planes ([blocks, plane bytes] uint8 each, high first) -> [tensors, *lead, blocks*B, dim]."""
     unsigned, size, rotate = _bits(dtype)
     blocks = planes[0].shape[0]
-    x = mx.array(planes[0]).astype(unsigned) << (8 * (size - 1))
+    x = planes[0].astype(unsigned) << (8 * (size - 1))
     for k, plane in enumerate(planes[1:], start=1):
-        x = x | (mx.array(plane).astype(unsigned) << (8 * (size - 1 - k)))
+        x = x | (plane.astype(unsigned) << (8 * (size - 1 - k)))
     if rotate:
         x = (x >> 1) | (x << (size * 8 - 1))
     lead, b, dim = block_shape[:-2], block_shape[-2], block_shape[-1]

@@ -350,15 +350,18 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
     Raises StateMismatchError when a unit that counts tokens does not hold n_tokens.
     """
     full = n_tokens // block_tokens * block_tokens
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) != "arrays" and c.offset != n_tokens:  # recurrent state has no token count to check
+            raise StateMismatchError(f"{name}: cache holds {c.offset} tokens, capture asked for {n_tokens}")
+    # The partial block first, all units together: one run of one dtype for plain KV, like a full
+    # block's (a GPU restore joins it the same way); then offsets, then the other units' state.
     out = {"meta": _ints(STATE_FORMAT, n_tokens, block_tokens)}
+    if full < n_tokens:
+        out.update(_cut_units(cache, full, n_tokens))
     for name, _, _, c in units(cache):
         kind = kind_of(c, name)
-        if kind != "arrays" and c.offset != n_tokens:  # recurrent state has no token count to check
-            raise StateMismatchError(f"{name}: cache holds {c.offset} tokens, capture asked for {n_tokens}")
         if kind in CUTTABLE:
             out[f"{name}.offset"] = _ints(c.offset)
-            if full < n_tokens:
-                out.update(_cut_units(cache, full, n_tokens, only=c))
         else:
             out.update(_whole(name, kind, c))
     return out

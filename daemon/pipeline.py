@@ -269,7 +269,7 @@ def _restore(engine: Engine, record: SnapshotRecord, mlx: Mlx) -> list:
         if not (rest and kvfill.has_cut_kv(mlx(engine.make_blank), sample)):
             tail = engine.store.read_tail(record)
             return mlx(lambda: kvfill.finish_empty(engine.model, n, tail, engine.block_tokens))
-    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, tokens, n, engine.block_tokens))
+    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, tokens, n, engine.block_tokens, tail_tokens=rest))
     batch, tail_box = engine.pool.batch(), []
     try:
         for k, ref in enumerate(record.blocks):
@@ -281,13 +281,14 @@ def _restore(engine: Engine, record: SnapshotRecord, mlx: Mlx) -> list:
         if record.tail is not None and not batch.failed:
             batch.reserve(record.tail.raw_bytes)
             place = buffers.place(n_full * engine.block_tokens, rest)
-            batch.submit(record.tail.raw_bytes, lambda: tail_box.append(engine.store.read_tail(record, place)))
+            batch.submit(record.tail.raw_bytes,
+                         lambda: tail_box.append(engine.store.read_tail(record, place, buffers.stage(None))))
     finally:
         batch.join()
     batch.raise_first()
     tail = dict(tail_box[0]) if tail_box else {}
     if rest:
-        buffers.check(buffers.take(tail), n_full * engine.block_tokens, rest, "tail")
+        buffers.check(buffers.take(tail), n_full * engine.block_tokens, rest, "tail", staged=-1 in buffers.staged)
     return mlx(lambda: buffers.finish(n, tail))
 
 

@@ -294,14 +294,14 @@ class Store:
                                     f"of bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
 
-    def read_tail(self, record: SnapshotRecord, place: Place | None = None) -> dict[str, Tensor]:
+    def read_tail(self, record: SnapshotRecord, place: Place | None = None, stage: Stage | None = None) -> dict[str, Tensor]:
         """Read and verify a snapshot's tail (empty if it has none)."""
         if record.tail is None:
             return {}
         facts = {"snapshot_id": record.id, "session_id": record.session_id, "file": record.tail.file, "block": "tail"}
         where = f"tail of snapshot {record.id} (session {record.session_id})"
         tensors, meta = self._read_verified(record.tail.file, record.tail.digest, record.tail.raw_bytes, where, facts,
-                                            place, None)
+                                            place, stage)
         if meta.get("kvwake.bundle") != record.bundle:
             raise CorruptBlockError(f"{where}: file belongs to bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
