@@ -73,7 +73,7 @@ def main() -> None:
         batch = engine.pool.batch()
         for k, ref in enumerate(record.blocks):
             batch.reserve(ref.raw_bytes)
-            batch.submit(ref.raw_bytes, lambda k=k, ref=ref: engine.store.read_block(
+            batch.submit(ref.raw_bytes, lambda k=k, ref=ref, buffers=buffers: engine.store.read_block(
                 ref, place=buffers.place(k * engine.block_tokens, engine.block_tokens), stage=buffers.stage(k)))
         batch.join()
         batch.raise_first()

@@ -8,6 +8,8 @@ the `Settings` field names as top-level keys, e.g.
     hot_budget_bytes = 4_000_000_000
     idle_timeout_s = 900
     allow_uids = [501]
+    codec = "raw"            # block codec for new blocks (`kvwake bench` says which wins here)
+    io_workers = 8           # sleep/wake worker threads (default: every core)
 
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.

@@ -43,7 +43,6 @@ from kvwake.daemon.kvstate import (
     QPARTS,
     StateMismatchError,
     NotCuttableError,
-    array_of,
     check_meta,
     cuttable,
     kind_of,

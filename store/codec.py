@@ -186,6 +186,16 @@ class _Digest:
         return blake3.blake3(b"".join(self._sections)).hexdigest()
 
 
+class _NoDigest(_Digest):
+    """For benchmarks of the codec alone (decode(..., digest=False))."""
+
+    def section(self, *contents: Any) -> None:
+        pass
+
+    def payload(self, data: Any) -> None:
+        pass
+
+
 def section_digest(contents: list[bytes]) -> str:
     """The format-2 digest of a block whose sections decode to `contents` (for tests and tools)."""
     d = _Digest(2)
@@ -555,14 +565,14 @@ def decode_into(
     Returns (tensors, metadata, digest hex); `tensors` holds every tensor not
     staged, placed ones as the destination arrays themselves. The caller
     compares the digest with the one it expects (the store always does);
-    `digest=False` returns "" (benchmarks only: the work is still done).
+    `digest=False` skips hashing and returns "" (benchmarks only).
     Raises BlockFormatError for anything malformed, including a payload larger
     than `max_raw_bytes` (the size the index recorded) or a tensor that does
     not fit its destination. A destination may be partly written when that happens.
     """
     view = memoryview(data)
     codec, version, reader, header_raw, specs, metadata = _open(view, max_raw_bytes)
-    hasher = _Digest(version)
+    hasher = _Digest(version) if digest else _NoDigest(version)
     if version == 1:
         hasher.payload(header_raw)
     else:

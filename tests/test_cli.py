@@ -185,10 +185,14 @@ def test_bench(kvwake, daemon):
     summary = report["summary"]
     assert summary["wake_ms_p50"] > 0 and summary["sleep_ms_p50"] > 0 and summary["compression_ratio"] > 0
     assert summary["prefix_reuse_rate"] is not None
+    codecs = report["codecs"]  # measured on the daemon's own blocks and this disk, and a pick
+    assert codecs["blocks"] > 0 and set(codecs["codecs"]) == {"planes-zstd", "raw", "zstd"}
+    assert codecs["recommended"] in codecs["codecs"] and codecs["codecs"]["raw"]["ratio"] < 1.01
+    assert all(r["wake_GBps_estimate"] > 0 and r["disk_read_GBps"] > 0 for r in codecs["codecs"].values())
     with Client(daemon.socket) as c:  # cleaned up
         assert not [s for s in c.list_sessions() if s["session_id"].startswith("bench-")]
     text = kvwake("bench", "--sessions", "1", "--cycles", "1", "--max-tokens", "2").stdout
-    assert "wake p50 / max" in text
+    assert "wake p50 / max" in text and "recommended codec: " in text
 
 
 def test_server_errors_are_one_line(kvwake):
