@@ -228,7 +228,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     raw, cores = slept["raw_bytes"], engine.pool.workers
     return {
         "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n, "codec": engine.store.codec,
-        "workers": cores, "restore_mode": __import__("kvwake.daemon.kvfill", fromlist=["x"]).RESTORE_MODE,
+        "workers": cores, "restore_mode": __import__("kvwake.daemon.kvfill", fromlist=["x"]).restore_mode(),
         "reprefill_first_token_s": reprefill_ft_s, "wake_first_token_s": wake_ft_s,
         "mlx_load_first_token_s": mlx_load_ft_s, "wake_s": wake_s, "mlx_load_s": mlx_load_s,
         "sleep_s": slept["ms"] / 1000, "mlx_save_s": mlx_save_s,

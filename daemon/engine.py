@@ -101,7 +101,7 @@ class Engine:
         self.counters = {"blocks_ram": 0, "blocks_disk": 0, "tokens_reused": 0, "tokens_prefilled": 0}
         self._counter_lock = threading.Lock()
         self.pool = Pool(io_workers, io_inflight_bytes)
-        self.device_planes = kvfill.RESTORE_MODE == "staged"  # KV on a discrete GPU: byte planes are made there
+        self.device_planes = kvfill.restore_mode() == "staged"  # KV on a discrete GPU: byte planes are made there
 
     def close(self) -> None:
         self.pool.close()

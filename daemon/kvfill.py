@@ -22,8 +22,8 @@ Two ways to fill, by where MLX keeps arrays:
   quantized KV) are joined on the CPU into host views and uploaded per block.
   Writes per restored byte: decoder -> staging, host -> device, one pass on
   the device.
-`RESTORE_MODE` picks one by the backend; KVWAKE_RESTORE_MODE overrides it
-(for benchmarks). Either way, no per-block arrays are joined afterwards.
+`restore_mode()` picks one by the backend (asked on the engine thread: no MLX
+call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either way, no per-block arrays are joined afterwards.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from kvwake.daemon.kvstate import (
 )
 from kvwake.store.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "specs_of", "unified_memory"]
+__all__ = ["RESTORE_MODE", "Buffers", "restore_mode", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "specs_of", "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
 _MX_DTYPE = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
@@ -64,7 +64,12 @@ def unified_memory() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE") or ("direct" if unified_memory() else "staged")
+RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
+
+
+def restore_mode() -> str:
+    """How restores fill buffers here: RESTORE_MODE when set, else by where MLX keeps arrays."""
+    return RESTORE_MODE or ("direct" if unified_memory() else "staged")
 
 
 def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:
@@ -92,7 +97,7 @@ class Buffers:
     def __init__(self, model: Any, sample: Specs, sample_tokens: int, capacity: int, block_tokens: int, *,
                  mode: str | None = None, n_blocks: int | None = None, tail_tokens: int = 0) -> None:
         self.cache = make_prompt_cache(model)
-        mode = mode or RESTORE_MODE
+        mode = mode or restore_mode()
         self.block_tokens, self.mode = block_tokens, mode
         self.units = [(name, i, j, c) for name, i, j, c in units(self.cache) if kind_of(c, name) in CUTTABLE]
         self.parts = {name: _slot_parts(name, c, sample) for name, _, _, c in self.units}
@@ -265,8 +270,10 @@ class Buffers:
         if rest:
             raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(rest)}")
         mx.eval([s for c in self.cache for s in _state_arrays(c)])
-        if self.mode == "staged":  # staging and join temporaries: give them back rather than keep them cached
-            self._stage_arrays, self.planes, self.tail_planes = [], [], []
+        # Drop every other reference to MLX memory here, on the engine thread (the object itself
+        # may die elsewhere); staging and join temporaries go back rather than stay cached.
+        self.buffers, self.views, self._stage_arrays, self.planes, self.tail_planes = {}, {}, [], [], []
+        if self.mode == "staged":
             mx.clear_cache()
         return self.cache
 

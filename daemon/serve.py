@@ -126,6 +126,17 @@ def hold_daemon_lock(settings: Settings) -> int:
     return fd
 
 
+def _release_mlx_streams() -> None:
+    """Run last on the engine thread: MLX's per-thread streams must be destroyed by the thread that
+    made them, before the interpreter shuts down, or MLX may abort at exit ("terminate called without
+    an active exception"; ml-explore/mlx#4327). Seen here: 1 daemon stop in a CI run, and on the GPU
+    machine."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()
+
+
 def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> int:
     """Serve until stopped; returns the process exit code."""
     setup_logging(settings.log_level)
@@ -138,7 +149,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         return 2
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
-    thread = EngineThread()
+    thread = EngineThread(on_exit=_release_mlx_streams)
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
                                           hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,

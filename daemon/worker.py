@@ -22,7 +22,8 @@ T = TypeVar("T")
 class EngineThread:
     """A single worker thread with a FIFO of jobs."""
 
-    def __init__(self, name: str = "kvwake-engine") -> None:
+    def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None) -> None:
+        self._on_exit = on_exit
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -42,6 +43,8 @@ class EngineThread:
                 future.set_exception(exc)
             finally:
                 self.busy_s += time.perf_counter() - start
+        if self._on_exit is not None:
+            self._on_exit()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
