@@ -4,6 +4,13 @@ import pytest
 
 from kvwake.store import Store
 from tests.kvdata import BUNDLE, OTHER_BUNDLE
+from tests.tinymodel import make_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random-weight llama folder (modules that need another model define their own)."""
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture

@@ -20,9 +20,6 @@ SYSTEM = "You are a careful agent. Follow the tool manual. " * 3
 GREEDY = GenerateParams(max_tokens=12)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture

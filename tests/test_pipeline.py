@@ -14,7 +14,6 @@ from kvwake.daemon.engine import Engine
 from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError
 from kvwake.store import Store
-from tests.tinymodel import make_model_dir
 
 
 def test_a_batch_keeps_bytes_in_flight_under_its_budget_and_order_of_admission():
@@ -69,9 +68,6 @@ def test_the_first_failure_stops_the_tasks_not_yet_started_and_is_raised_as_itse
         batch.raise_first()
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture
