@@ -189,7 +189,7 @@ class Engine:
             cache, reused = prefix
             session.cache = cache if cache is not None else self.make_cache()
             session.processed = reused
-            self._count("tokens_reused", reused)
+            self.count("tokens_reused", reused)
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
         prefilled = self._prefill(session, len(target) - 1)
         return {"tokens": len(target), "prefilled": prefilled, "reused": reused}
@@ -206,9 +206,6 @@ class Engine:
         log.warning("prefix block unusable, prefilling instead: %s", exc.message)
 
     def count(self, name: str, n: int) -> None:
-        self._count(name, n)
-
-    def _count(self, name: str, n: int) -> None:
         with self._counter_lock:  # worker threads count too
             self.counters[name] += n
 
@@ -219,7 +216,7 @@ class Engine:
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
             mx.eval([c.state for c in session.cache])
             session.processed = end
-        self._count("tokens_prefilled", upto - start)
+        self.count("tokens_prefilled", upto - start)
         return upto - start
 
     # -- generation -----------------------------------------------------------
@@ -276,15 +273,10 @@ class Engine:
     def kv_bytes_per_token(self, cache: list) -> int:
         return kvstate.bytes_per_token(cache)
 
-    def finish_sleep(self, session: Session, w: SnapshotWriter, started: float, *, free: bool = True) -> dict[str, Any]:
-        """Commit (store work), then free the session's KV (unless `free` is False: a checkpoint).
-
-        Until the commit succeeds the session stays hot.
-        """
+    def finish_sleep(self, session: Session, w: SnapshotWriter, started: float) -> dict[str, Any]:
+        """Commit (store work). The session stays hot: the pipeline frees its KV on the engine thread."""
         info = w.commit()
         session.head = info.id
-        if free:
-            session.cache = None
         return {"snapshot_id": info.id, "tokens": info.n_tokens, "raw_bytes": info.raw_bytes,
                 "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
                 "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
-from kvwake.store import BlockRef, Tensor
+from kvwake.store import Tensor
 
 __all__ = ["HotBlocks"]
 
@@ -64,12 +63,3 @@ class HotBlocks:
             while self._bytes > self.budget:
                 _, old = self._items.popitem(last=False)
                 self._bytes -= nbytes(old)
-
-    def fetch(self, ref: BlockRef, read: Callable[[BlockRef], Arrays]) -> tuple[Arrays, bool]:
-        """The block's arrays from RAM, else from `read` (then kept); returns (arrays, from_ram)."""
-        arrays = self.get(ref.key)
-        if arrays is not None:
-            return arrays, True
-        arrays = read(ref)
-        self.put(ref.key, arrays)
-        return arrays, False

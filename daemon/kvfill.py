@@ -23,7 +23,8 @@ Two ways to fill, by where MLX keeps arrays:
   Writes per restored byte: decoder -> staging, host -> device, one pass on
   the device.
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
-call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either way, no per-block arrays are joined afterwards.
+call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
+way, no per-block arrays are joined afterwards.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ from kvwake.daemon.kvstate import (
 )
 from kvwake.store.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "Buffers", "restore_mode", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "specs_of", "unified_memory"]
+__all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+           "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
 _MX_DTYPE = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
@@ -123,19 +125,18 @@ class Buffers:
         self.tail_planes: list[np.ndarray] = []
         self._stage_arrays: list[mx.array] = []
         specs = {t: sample[t] for t in self.order}
-        if mode == "staged" and sample_tokens == block_tokens and specs and devplanes.planar(specs):
+        blocks = n_blocks if n_blocks is not None else capacity // block_tokens
+        if mode == "staged" and blocks and sample_tokens == block_tokens and specs and devplanes.planar(specs):
             # Staging in MLX's own host-visible memory: filled by the decoders, read by the GPU join,
             # never copied by an mx.array() of a numpy array (measured 2 GB/s on the H100 machine).
             self.block_shape = next(iter(specs.values()))[1]
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
             per_token = len(self.order) * math.prod(self.block_shape) // block_tokens
-            blocks = n_blocks if n_blocks is not None else capacity // block_tokens
             self._stage_arrays = [mx.zeros((blocks, per_token * block_tokens), mx.uint8) for _ in range(size)]
             self._stage_arrays += [mx.zeros((1, per_token * tail_tokens), mx.uint8) for _ in range(size if tail_tokens else 0)]
             mx.eval(self._stage_arrays)
             views = [np.asarray(a) for a in self._stage_arrays]
             self.planes, self.tail_planes = views[:size], views[size:]
-            self.tail_tokens = tail_tokens
 
     def stage(self, k: int | None) -> Stage | None:
         """Staging for block k's planes (None: the tail's), format-2 plain KV on a GPU; else None (CPU join)."""
@@ -159,10 +160,6 @@ class Buffers:
             self.buffers[name] = mx.zeros(full, _MX_DTYPE[dtype])
         else:
             self.views[name] = np.empty(full, DTYPES[dtype][0])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views.values())
 
     def place(self, start: int, count: int) -> Callable[[str, str, tuple[int, ...]], np.ndarray | None]:
         """Where a block (or the tail's partial block) covering tokens [start, start+count) decodes to."""

@@ -21,12 +21,11 @@ aborts); a failed wake leaves the session asleep and untouched.
 
 Copies per byte. Sleep: on unified memory the workers read the cache's own
 memory (strided views), so the only copies are the encoder's (byte planes,
-compressed output) and the write to the page cache; on CUDA one device-side
-contiguous copy and one transfer to host come first, a span at a time.
-Wake: one read from the page cache into a per-thread buffer, then one write
-per byte into the final KV buffer (decompressed planes are joined there); on
-CUDA the buffer is host memory, uploaded once per tensor and copied into
-device memory (kvfill.py).
+compressed output) and the write to the page cache; on CUDA the GPU splits a
+span into byte planes and they move to the host once (devplanes.py). Wake:
+one read from the page cache into a per-thread buffer, then one write per
+byte into the final KV buffer (planes are joined there); on CUDA the planes
+are staged in MLX host-visible memory and joined on the GPU (kvfill.py).
 """
 
 from __future__ import annotations
@@ -212,7 +211,7 @@ def sleep(engine: Engine, session: Session, mlx: Mlx, *, label: str | None = Non
             batch.join()
             mlx(held.clear)
         batch.raise_first()
-        info = engine.finish_sleep(session, w, started, free=False)
+        info = engine.finish_sleep(session, w, started)
     if free:
         mlx(lambda: _free(session))
     return info
@@ -257,7 +256,7 @@ def _fill(engine: Engine, buffers: kvfill.Buffers, ref: BlockRef, k: int, record
         buffers.put(start, engine.block_tokens, hot, what)
         engine.count("blocks_ram", 1)
         return
-    stage = None if keep_hot else buffers.stage(k)  # the RAM tier keeps joined arrays, so those join here
+    stage = None if keep_hot else buffers.stage(k)
     arrays = engine.store.read_block(ref, snapshot_id=record.id if record else None,
                                      session_id=record.session_id if record else None,
                                      place=buffers.place(start, engine.block_tokens), stage=stage)
@@ -341,8 +340,9 @@ def restore_prefix(engine: Engine, refs: list[BlockRef], capacity: int, mlx: Mlx
         sample = _sample(engine, refs[0])
     except CorruptBlockError:
         return None, 0
+    # n_blocks=0: no plane staging, these blocks are joined on the host (the RAM tier keeps joined arrays).
     buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, engine.block_tokens, capacity, engine.block_tokens,
-                                         n_blocks=len(refs)))
+                                         n_blocks=0))
     batch, ok = engine.pool.batch(), [False] * len(refs)
 
     def fill(k: int, ref: BlockRef) -> None:

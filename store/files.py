@@ -46,8 +46,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_dirs(paths: Sequence[Path]) -> None:
-    """fsync several directories at once: concurrent fsyncs share journal commits (ext4 measured here:
-    32 one after another 275 ms, on 16 threads 177 ms for the same files)."""
+    """fsync several directories at once: concurrent fsyncs share journal commits (ext4 here, for
+    32 files' write and fsync: 275 ms one after another, 177 ms on 16 threads)."""
     paths = list(paths)
     if len(paths) <= 1:
         for path in paths:
