@@ -84,6 +84,8 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--block-tokens", type=int, help="Tokens per stored block (fixed per store).")
 @click.option("--hot-budget-bytes", type=int, help="KV bytes of hot sessions before LRU ones sleep.")
 @click.option("--idle-timeout", "idle_timeout_s", type=float, help="Seconds idle before a session sleeps.")
+@click.option("--max-batch", type=int,
+              help="Calls decoded together per forward pass (default 32); 1 decodes each alone, bit-exact.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:

@@ -10,6 +10,7 @@ the `Settings` field names as top-level keys, e.g.
     allow_uids = [501]
     codec = "raw"            # block codec for new blocks (`kvwake bench` says which wins here)
     io_workers = 8           # sleep/wake worker threads (default: every core)
+    max_batch = 1            # decode every call alone: output bit-identical to a solo run
 
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.
@@ -48,6 +49,8 @@ class Settings:
     io_inflight_bytes: int = 512 << 20  # raw KV bytes one sleep or wake may have in flight
     keep_history: int = 4  # unlabeled snapshots kept per session
     kv_bits: int | None = None
+    max_batch: int = 32  # generate calls decoded together in one forward pass; 1: each alone (solo-bit-exact)
+    prefill_step: int = 512  # tokens per prefill chunk (smaller while other calls decode)
     kv_group_size: int = 64
     allow_uids: tuple[int, ...] = ()  # besides the daemon's own uid
     read_timeout_s: float = 30.0  # a peer stalled mid-frame this long is dropped

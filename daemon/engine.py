@@ -29,7 +29,8 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 from kvwake.daemon import kvfill, kvstate, pipeline
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
-from kvwake.daemon.generation import GenerateParams, GenerateResult, run_generation
+from kvwake.daemon.decoder import Call, Decoder, batch_mode, run_alone
+from kvwake.daemon.generation import GenerateParams, GenerateResult, TextOutput
 from kvwake.daemon.hotblocks import HotBlocks
 from kvwake.daemon.pipeline import Pool
 from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
@@ -43,6 +44,8 @@ log = logging.getLogger("kvwake.engine")
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
+INTERLEAVE_STEPS = 1.5  # a prefill chunk beside running calls takes about this many decode steps
+MIN_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class Engine:
         prefill_step: int = 512,
         io_workers: int | None = None,
         io_inflight_bytes: int = 512 << 20,
+        max_batch: int = 32,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -102,6 +106,9 @@ class Engine:
         self._counter_lock = threading.Lock()
         self.pool = Pool(io_workers, io_inflight_bytes)
         self.device_planes = kvfill.restore_mode() == "staged"  # KV on a discrete GPU: byte planes are made there
+        self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
+        self.decoder = Decoder(self.model, self.decode_mode, max_batch)
+        self.prefill_s_per_token = 0.0  # moving average, for chunks that interleave with decoding
 
     def close(self) -> None:
         self.pool.close()
@@ -176,8 +183,18 @@ class Engine:
         refs = self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1])
         return pipeline.restore_prefix(self, refs, len(target), mlx)
 
-    def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0)) -> dict[str, int]:
-        """Make the cache cover plan.target[:-1]: keep the common prefix, take `prefix` (a restored cache), prefill the rest."""
+    def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
+              mlx: pipeline.Mlx = pipeline.direct) -> dict[str, int]:
+        """Make the cache cover plan.target[:-1]: keep the common prefix, take `prefix` (a restored cache), prefill the rest.
+
+        MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
+        """
+        reused = mlx(lambda: self._adopt(session, plan, prefix))
+        prefilled = self.prefill(session, len(plan.target) - 1, mlx)
+        return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
+
+    def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
+        """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
         target, keep = plan.target, self._keep(session, plan.target)
         if self._needs_fresh_cache(session, target):
             session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
@@ -191,8 +208,7 @@ class Engine:
             session.processed = reused
             self.count("tokens_reused", reused)
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
-        prefilled = self._prefill(session, len(target) - 1)
-        return {"tokens": len(target), "prefilled": prefilled, "reused": reused}
+        return reused
 
     def quantize(self, cache: list) -> list:
         return [c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits) if type(c) is KVCache else c
@@ -209,43 +225,66 @@ class Engine:
         with self._counter_lock:  # worker threads count too
             self.counters[name] += n
 
-    def _prefill(self, session: Session, upto: int) -> int:
+    def prefill(self, session: Session, upto: int, mlx: pipeline.Mlx = pipeline.direct) -> int:
+        """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call; returns how many."""
         start = session.processed
         while session.processed < upto:
-            end = min(upto, session.processed + self.prefill_step)
-            self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-            mx.eval([c.state for c in session.cache])
-            session.processed = end
+            mlx(lambda: self._prefill_chunk(session, upto))
         self.count("tokens_prefilled", upto - start)
         return upto - start
+
+    def _prefill_chunk(self, session: Session, upto: int) -> None:
+        end = min(upto, session.processed + self.chunk_tokens())
+        started = time.perf_counter()
+        self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
+        mx.eval([c.state for c in session.cache])
+        per_token = (time.perf_counter() - started) / (end - session.processed)
+        self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * per_token if self.prefill_s_per_token \
+            else per_token
+        session.processed = end
+
+    def chunk_tokens(self) -> int:
+        """Tokens per prefill chunk: `prefill_step`, or while calls decode in a batch, what takes about
+        INTERLEAVE_STEPS decode steps (so their next tokens wait about that long, not for the whole prompt)."""
+        d = self.decoder
+        if d.mode != "batched" or not d.running or not d.step_s or not self.prefill_s_per_token:
+            return self.prefill_step
+        fits = int(INTERLEAVE_STEPS * d.step_s / self.prefill_s_per_token)
+        # A power of two: few distinct chunk shapes, so MLX compiles (CUDA) each once, not per chunk.
+        return max(MIN_CHUNK, min(self.prefill_step, 1 << max(0, fits.bit_length() - 1)))
 
     # -- generation -----------------------------------------------------------
 
     def generate(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerateResult:
-        """Generate from the session's pending tokens; the reply becomes part of the session."""
+        """Generate from the session's pending tokens, alone; the reply becomes part of the session."""
+        return run_alone(self.decoder, self.start_call(session, params, on_text, should_stop))
+
+    def start_call(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None = None,
+                   should_stop: Callable[[], bool] | None = None, mlx: pipeline.Mlx = pipeline.direct) -> Call:
+        """A generate call ready to join the decoder: the cache covers every pending token but the last.
+
+        Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
+        """
+        output = TextOutput(self.tokenizer, params, on_text, should_stop)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
-            self.apply(session, plan, self.prefix_cache(session, session.tokens))
-        if not session.pending:
-            if session.processed and can_trim_prompt_cache(session.cache):
-                trim_prompt_cache(session.cache, 1)
-                session.processed -= 1
-            else:
-                raise InvalidParamsError(f"session {session.id} has nothing to generate from: append input first",
-                                         session_id=session.id)
-        prompt = session.pending
-        try:
-            result = run_generation(self.model, self.tokenizer, session.cache, prompt,
-                                    session.tokens[: session.processed], params, on_text, should_stop)
-        except BaseException:
-            session.cache, session.processed = None, 0  # state unknown: rebuilt from tokens on next use
-            raise
-        session.tokens = session.tokens + result.tokens
-        session.processed = len(session.tokens)
-        if session.mode == "chat":
-            session.messages.append({"role": "assistant", "content": result.text})
-        return result
+            self.apply(session, plan, self.prefix_cache(session, session.tokens, mlx), mlx)
+        mlx(lambda: self._ensure_pending(session))
+        prompt_tokens = len(session.pending)
+        self.prefill(session, len(session.tokens) - 1, mlx)
+        return Call(session, session.tokens[-1], output, prompt_tokens)
+
+    def _ensure_pending(self, session: Session) -> None:
+        """A call starts from a pending token: re-feed the last one when every token is in the cache."""
+        if session.pending:
+            return
+        if session.processed and can_trim_prompt_cache(session.cache):
+            trim_prompt_cache(session.cache, 1)
+            session.processed -= 1
+        else:
+            raise InvalidParamsError(f"session {session.id} has nothing to generate from: append input first",
+                                     session_id=session.id)
 
     # -- sleep and wake -------------------------------------------------------
     # The pipeline (pipeline.py) drives these; begin_sleep / finish_sleep / record

@@ -1,30 +1,30 @@
-"""Generation: mlx-lm's generate_step and samplers, stop strings, streamed text.
+"""Generation parameters, sampling and text output: what one generate call is, batched or not.
 
-`generate_step` feeds every token to the model before yielding it, so when
-generation ends every generated token is in the cache (`processed` catches up
-with `tokens`). Streaming uses the tokenizer's streaming detokenizer; text that
-could be the start of a stop string is held back until it is known not to be,
-so the pieces streamed, joined, always equal the final `text`. Without stop
-strings that is exactly the decode of all generated tokens.
+The decoder (decoder.py) feeds every token to the model before handing it
+here, so when a call ends every generated token is in the cache (`processed`
+catches up with `tokens`). Streaming uses the tokenizer's streaming
+detokenizer; text that could be the start of a stop string is held back until
+it is known not to be, so the pieces streamed, joined, always equal the final
+`text`. Without stop strings that is exactly the decode of all generated tokens.
 
 The repetition penalty sees the whole conversation (mlx-lm's processors would
-only see this call's prompt): earlier tokens are prepended to their history.
+only see this call's prompt): earlier tokens are part of its context.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
 
 from kvwake.errors import InvalidParamsError
 
-__all__ = ["GenerateParams", "GenerateResult", "run_generation"]
+__all__ = ["GenerateParams", "GenerateResult", "KeyedSampler", "TextOutput", "make_processors", "make_sampler"]
 
 MAX_TOKENS_LIMIT = 1 << 20
 
@@ -71,19 +71,54 @@ class GenerateParams:
 class GenerateResult:
     text: str
     tokens: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
     usage: dict[str, Any] = field(default_factory=dict)
 
 
-def _processors(params: GenerateParams, history: list[int]) -> list | None:
+class KeyedSampler:
+    """Temperature sampling (with top_p, min_p, top_k) from the call's own random state.
+
+    Each call has its own key, split once per token, so a seeded call samples the same tokens
+    whatever else the daemon decodes beside it (batched or not); mlx-lm's own samplers draw
+    from MLX's one global random state, which concurrent calls would interleave.
+    """
+
+    def __init__(self, params: GenerateParams) -> None:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.key = mx.random.key(seed)
+        self.temperature = params.temperature
+        self.filters: list[Callable[[mx.array], mx.array]] = []
+        if 0 < params.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p, 1))
+        if params.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, params.top_k))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        for keep in self.filters:
+            logprobs = keep(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
+
+
+def make_sampler(params: GenerateParams) -> Callable[[mx.array], mx.array]:
+    """Greedy (one shared function, so a batch of greedy calls samples in one op) or keyed."""
+    return greedy_sampler if params.temperature == 0 else KeyedSampler(params)
+
+
+def make_processors(params: GenerateParams, history: list[int] | None = None) -> list:
+    """Logits processors; with `history`, the repetition penalty also sees the tokens before this call.
+
+    The batch gives processors the whole context itself (history included): pass no history there.
+    """
     if not params.repetition_penalty:
-        return None
-    past = mx.array(history, dtype=mx.uint32) if history else None
-
-    def with_history(proc: Callable) -> Callable:
-        return lambda tokens, logits: proc(mx.concatenate([past, tokens]) if past is not None else tokens, logits)
-
-    return [with_history(p) for p in make_logits_processors(repetition_penalty=params.repetition_penalty)]
+        return []
+    procs = make_logits_processors(repetition_penalty=params.repetition_penalty)
+    if not history:
+        return procs
+    past = mx.array(history, dtype=mx.uint32)
+    return [lambda tokens, logits, p=p: p(mx.concatenate([past, tokens]), logits) for p in procs]
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -97,65 +132,60 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
-def run_generation(
-    model: Any,
-    tokenizer: Any,
-    cache: list,
-    prompt: list[int],
-    history: list[int],
-    params: GenerateParams,
-    on_text: Callable[[str], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> GenerateResult:
-    """Generate from `prompt` (the pending tokens) on top of `cache`; the cache is updated in place.
+class TextOutput:
+    """One call's generated tokens turned into text as they come: EOS, stop strings, streamed pieces.
 
-    history: tokens already in the cache (for the repetition penalty).
-    on_text: called with each new piece of text as it becomes final.
-    should_stop: polled after each token; True ends generation ("cancelled").
+    `add(token)` takes each token the model was fed and returns the finish reason once the call
+    is over ("stop", "length", "cancelled"), else None. Pieces go to `on_text` once final; text
+    that could begin a stop string is held back, so the pieces joined always equal `text`.
     """
-    if params.seed is not None:
-        mx.random.seed(params.seed)
-    sampler = make_sampler(params.temperature, params.top_p, params.min_p, top_k=params.top_k)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(tokenizer.eos_token_ids)
-    tokens: list[int] = []
-    sent, finish, start, first = 0, "length", time.perf_counter(), None
-    for token, _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, prompt_cache=cache,
-                                  max_tokens=params.max_tokens, sampler=sampler,
-                                  logits_processors=_processors(params, history)):
-        first = first or time.perf_counter()
-        tokens.append(int(token))
-        if token in eos:
-            finish = "stop"
-            break
-        detok.add_token(int(token))
-        text = detok.text
-        cut = min((i for i in (text.find(s, max(0, sent - len(s))) for s in params.stop) if i >= 0), default=-1)
+
+    def __init__(self, tokenizer: Any, params: GenerateParams, on_text: Callable[[str], None] | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.params, self.on_text, self.should_stop = params, on_text, should_stop
+        self.detok = tokenizer.detokenizer  # a fresh copy per call
+        self.eos = set(tokenizer.eos_token_ids)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+        self.started, self.first = time.perf_counter(), None
+
+    def add(self, token: int) -> str | None:
+        self.first = self.first or time.perf_counter()
+        self.tokens.append(token)
+        if token in self.eos:
+            return self._finish("stop")
+        self.detok.add_token(token)
+        text, stops = self.detok.text, self.params.stop
+        cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
-            sent = _emit(on_text, text[:cut], sent)
-            return _result(text[:cut], tokens, "stop", prompt, start, first)
-        sent = _emit(on_text, text[: len(text) - _held_back(text, params.stop)], sent)
-        if should_stop and should_stop():
-            finish = "cancelled"
-            break
-    detok.finalize()
-    sent = _emit(on_text, detok.text, sent)
-    return _result(detok.text, tokens, finish, prompt, start, first)
+            self._emit(text[:cut])
+            self.text = text[:cut]
+            return "stop"
+        self._emit(text[: len(text) - _held_back(text, stops)])
+        if len(self.tokens) >= self.params.max_tokens:
+            return self._finish("length")
+        if self.should_stop and self.should_stop():
+            return self._finish("cancelled")
+        return None
 
+    def _finish(self, reason: str) -> str:
+        self.detok.finalize()
+        self.text = self.detok.text
+        self._emit(self.text)
+        return reason
 
-def _emit(on_text: Callable[[str], None] | None, final: str, sent: int) -> int:
-    if on_text and len(final) > sent:
-        on_text(final[sent:])
-    return max(sent, len(final))
+    def _emit(self, final: str) -> None:
+        if self.on_text and len(final) > self.sent:
+            self.on_text(final[self.sent :])
+        self.sent = max(self.sent, len(final))
 
-
-def _result(text: str, tokens: list[int], finish: str, prompt: list[int], start: float, first: float | None) -> GenerateResult:
-    end = time.perf_counter()
-    first = first or end
-    decode_s = end - first
-    return GenerateResult(text, tokens, finish, {
-        "prompt_tokens": len(prompt), "generated_tokens": len(tokens),
-        "ttft_ms": round((first - start) * 1000, 3),
-        "tokens_per_s": round((len(tokens) - 1) / decode_s, 3) if len(tokens) > 1 and decode_s > 0 else None,
-    })
+    def result(self, finish: str, prompt_tokens: int) -> GenerateResult:
+        end = time.perf_counter()
+        first = self.first or end
+        decode_s, n = end - first, len(self.tokens)
+        return GenerateResult(self.text, list(self.tokens), finish, {
+            "prompt_tokens": prompt_tokens, "generated_tokens": n,
+            "ttft_ms": round((first - self.started) * 1000, 3),
+            "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
+        })

@@ -9,12 +9,16 @@ Concurrency rules:
 - Sleep and wake run `kvwake.daemon.pipeline` on a worker thread: its MLX
   steps go to the engine thread one short job at a time (other sessions'
   generation interleaves with them), codec and disk work to the engine's pool.
+- Generate calls of different sessions decode together, one batched forward
+  pass per step (decoder.py); prefill runs one chunk per engine job between
+  decode steps, so a long prompt delays the others by about one chunk.
 - A client that disconnects mid-generation stops it after the current token;
   the tokens generated so far stay in the session.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -23,12 +27,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from anyio import to_thread
 
 from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.generation import GenerateParams, GenerateResult
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
@@ -239,8 +244,9 @@ class SessionManager:
 
     async def _append(self, session: Session, inputs: dict[str, Any]) -> dict[str, Any]:
         plan = await self.thread.run(lambda: self.engine.plan(session, **inputs))
-        prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, self.thread.call))
-        return await self.thread.run(lambda: self.engine.apply(session, plan, prefix))
+        mlx = self.thread.call  # one prefill chunk per engine job: other sessions decode between them
+        prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
+        return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))
 
     async def generate(self, session_id: Any, params: GenerateParams, on_text: Callable[[str], None] | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -250,7 +256,7 @@ class SessionManager:
             appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             stop = lambda: cancelled() or self.stopping  # noqa: E731
-            result = await self.thread.run(lambda: self.engine.generate(session, params, on_text, stop))
+            result = await self._decode(session, params, on_text, stop)
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
                      "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
@@ -259,6 +265,17 @@ class SessionManager:
             self.latency["generate_ttft"].add(usage["ttft_ms"])
             return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
                     "usage": usage, **({"append": appended} if inputs else {})}
+
+    async def _decode(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None,
+                      stop: Callable[[], bool]) -> GenerateResult:
+        """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
+        engine = self.engine
+        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_text, stop, self.thread.call))
+        await self.thread.run(lambda: engine.decoder.join(call))
+        # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
+        # so this wait is not cancelled (a client that leaves stops the call through `stop`).
+        with anyio.CancelScope(shield=True):
+            return await asyncio.wrap_future(call.future)
 
     # -- store-level operations -----------------------------------------------
 

@@ -99,6 +99,8 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                        "ram_tier_bytes": engine.hot.bytes, "peak_rss_bytes": rss},
             "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
                       "path": str(engine.store.root)},
+            "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
+                           "max_batch": engine.decoder.max_batch, **engine.decoder.status()},
             "counters": {**m.counters, **engine.counters}}
 
 

@@ -153,7 +153,10 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
                                           hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
-                                          io_inflight_bytes=settings.io_inflight_bytes)).result()
+                                          io_inflight_bytes=settings.io_inflight_bytes,
+                                          max_batch=settings.max_batch,
+                                          prefill_step=settings.prefill_step)).result()
+    thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     try:
         return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio")

@@ -1,50 +1,88 @@
 """The engine thread: the one thread that runs MLX, fed by a queue.
 
-MLX work (prefill, generation, capture, restore) is submitted from the event
-loop and awaited without blocking it; each submission gets its own future
-(the response channel). Jobs run one at a time, in order.
+MLX work (prefill chunks, capture, restore) is submitted from the event loop
+or a worker thread and awaited without blocking it; each submission gets its
+own future (the response channel). Jobs run one at a time, in order, and are
+short: a long prefill or a sleep is many jobs.
+
+While generate calls are decoding, the thread alternates: one job, then one
+decode step for every running call (the attached `Decoder`). So a session's
+8k-token prefill delays other sessions' next tokens by about one chunk, not
+by the whole prompt, and a decoding session never waits for a sleep or wake.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvwake.errors import CancelledError
+
+if TYPE_CHECKING:
+    from kvwake.daemon.decoder import Decoder
 
 __all__ = ["EngineThread"]
 
+log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
+Job = tuple[Callable[[], Any], Future]
 
 
 class EngineThread:
-    """A single worker thread with a FIFO of jobs."""
+    """A single worker thread with a FIFO of jobs and, once attached, a decoder stepped between them."""
 
     def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None) -> None:
         self._on_exit = on_exit
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._decoder: Decoder | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.busy_s = 0.0
 
-    def _run(self) -> None:
-        import time
+    def attach(self, decoder: Decoder) -> None:
+        """Step `decoder` between jobs from now on (takes effect on the engine thread, in order)."""
+        self.submit(lambda: setattr(self, "_decoder", decoder)).result()
 
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            start = time.perf_counter()
+    def _run(self) -> None:
+        while True:
+            decoder = self._decoder
+            decoding = decoder is not None and decoder.active
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # delivered to the awaiting caller
-                future.set_exception(exc)
-            finally:
-                self.busy_s += time.perf_counter() - start
+                job = self._jobs.get_nowait() if decoding else self._jobs.get()
+            except queue.Empty:
+                job = ()  # nothing queued: decode
+            if job is None:
+                break
+            start = time.perf_counter()
+            if job:
+                self._do(job)
+            if decoding:
+                try:
+                    decoder.step()
+                except Exception as exc:  # a bug, not a model error (those fail only their calls)
+                    log.exception("decode step failed; failing every call in flight")
+                    decoder.abort(exc)
+            self.busy_s += time.perf_counter() - start
+        if self._decoder is not None:
+            self._decoder.abort(CancelledError("the engine stopped"))
         if self._on_exit is not None:
             self._on_exit()
+
+    @staticmethod
+    def _do(job: Job) -> None:
+        fn, future = job
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # delivered to the awaiting caller
+            future.set_exception(exc)
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()

@@ -1,0 +1,262 @@
+"""Many agents at once: batched decoding against one call at a time, and a long prefill beside decoding.
+
+usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16] [--tokens 64] [--prefill 8192]
+                                [--mlx-server] [--out bench/out]
+
+decode      for each N in --sessions: N sessions (short prompts, appended first) generate --tokens
+            tokens each, all at once, streamed, through a real `kvwake serve` with batching on
+            (--max-batch 32) and off (--max-batch 1): aggregate decode tokens/s (every token /
+            wall time) and the p50/p99 gap between a session's consecutive tokens.
+prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
+            session's gaps while the prompt prefills against its median gap alone; batching on and off.
+mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/completions of
+            --tokens tokens with the same prompts; aggregate tokens/s and kvwake's ratio to it.
+
+Gaps are measured where a client sees them: the arrival of streamed pieces. A piece is tied to
+the token that completed it by replaying the tokenizer's streaming detokenizer over the call's
+tokens; only pieces one token apart give a gap sample. `--model tiny` is the tests' tiny llama.
+Results: <out>/batching.json (docs/benchmarks.md summarises them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
+
+from tests.daemon import Daemon, RawClient  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+class Stream:
+    """One streamed generate call: piece arrival times, then its tokens; gaps tied to tokens."""
+
+    def __init__(self, client: RawClient, session_id: str, max_tokens: int) -> None:
+        self.client, self.session_id, self.max_tokens = client, session_id, max_tokens
+        self.pieces: list[tuple[float, str]] = []
+        self.result: dict[str, Any] = {}
+        self.started = self.ended = 0.0
+
+    def run(self) -> None:
+        c = self.client
+        self.started = time.perf_counter()
+        msgid = c.send("session.generate", {"session_id": self.session_id, "max_tokens": self.max_tokens,
+                                            "stream": True})
+        while not self.result:
+            data = c.sock.recv(1 << 16)
+            if not data:
+                return
+            now = time.perf_counter()
+            c.unpacker.feed(data)
+            for m in c.unpacker:
+                if m[0] == 2 and m[1] == "stream":
+                    self.pieces.append((now, m[2]["text"]))
+                elif m[0] == 1 and m[1] == msgid:
+                    self.result = m[3] or {"error": m[2]}
+        self.ended = time.perf_counter()
+
+    def gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[float]:
+        """ms between pieces completed by consecutive tokens (optionally arriving within a window)."""
+        detok, lengths = tokenizer.detokenizer, []
+        for t in self.result.get("tokens", []):
+            detok.add_token(t)
+            lengths.append(len(detok.text))
+        out, done, last = [], 0, None
+        for when, text in self.pieces:
+            done += len(text)
+            k = bisect.bisect_left(lengths, done)
+            if last is not None and k == last[0] + 1 and (within is None or within[0] < when < within[1]):
+                out.append((when - last[1]) * 1000)
+            last = (k, when)
+        return out
+
+
+def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int) -> Daemon:
+    root.mkdir(parents=True, exist_ok=True)
+    # A budget no run reaches: no session is put to sleep in the middle of a measurement.
+    (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n")
+    return Daemon(root, model, block_tokens=128, extra=["--max-batch", str(max_batch)]).start(timeout=600)
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Agent {i} plans step {i * 7 + 3} of the migration and lists its tools." for i in range(n)]
+
+
+def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
+    names = [f"{tag}-{n}-{i}" for i in range(n)]
+    with d.client() as c:
+        for name, text in zip(names, prompts(n)):
+            c.call("session.create", session_id=name)
+            c.call("session.append", session_id=name, text=text)
+    clients = [RawClient(d.socket, timeout=600) for _ in names]
+    streams = [Stream(cl, name, tokens) for cl, name in zip(clients, names)]
+    barrier = threading.Barrier(n)
+    threads = [threading.Thread(target=lambda s=s: (barrier.wait(), s.run())) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for cl in clients:
+        cl.close()
+    total = sum(len(s.result.get("tokens", [])) for s in streams)
+    wall = max(s.ended for s in streams) - min(s.started for s in streams)
+    gaps = [g for s in streams for g in s.gaps(tokenizer)]
+    return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
+            "gap_p50_ms": pct(gaps, 0.5), "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps)}
+
+
+def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
+    """The talker decodes; once it has 64 tokens, the reader appends a long prompt. The talker's
+    max_tokens is sized from a warm-up (the same prefill alone, 64 tokens alone) to outlast it."""
+    unit = "The archive holds notes, plans and tool output from many earlier runs. "
+    text = unit * max(1, prefill_tokens // max(1, len(tokenizer.encode(unit))))
+    talker, reader, warm = f"{tag}-talker", f"{tag}-reader", f"{tag}-warm"
+    with d.client() as c:
+        for name in (talker, reader, warm):
+            c.call("session.create", session_id=name)
+        c.call("session.append", session_id=talker, text="Tell the long story of the migration.")
+        t0 = time.perf_counter()
+        c.call("session.append", session_id=warm, text=text)
+        prefill_alone = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        c.call("session.generate", session_id=talker, max_tokens=64)
+        step = (time.perf_counter() - t0) / 64
+    stream = Stream(RawClient(d.socket, timeout=600), talker, 64 + int((3 * prefill_alone + 1.0) / step))
+    thread = threading.Thread(target=stream.run)
+    thread.start()
+    while len(stream.pieces) < 64 and thread.is_alive():
+        time.sleep(0.005)
+    alone_until = time.perf_counter()
+    with d.client() as c:
+        began = time.perf_counter()
+        info = c.call("session.append", session_id=reader, text=text)
+        ended = time.perf_counter()
+    thread.join()
+    stream.client.close()
+    alone = stream.gaps(tokenizer, (0.0, alone_until))
+    during = stream.gaps(tokenizer, (began, ended))
+    median, p99 = (statistics.median(alone) if alone else None), pct(during, 0.99)
+    return {"prefill_tokens": info["prefilled"], "prefill_s": round(ended - began, 3),
+            "prefill_alone_s": round(prefill_alone, 3), "talker_outlasted_prefill": stream.ended > ended,
+            "gap_alone_p50_ms": round(median, 3) if median else None, "gap_during_p50_ms": pct(during, 0.5),
+            "gap_during_p99_ms": p99, "gap_during_max_ms": round(max(during), 3) if during else None,
+            "gap_samples_during": len(during),
+            "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mlx_server_round(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
+    """mlx_lm.server on the same model: N concurrent non-streamed completions per N."""
+    port = free_port()
+    log = open(Path(tempfile.mkdtemp()) / "mlx-server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),
+                             "--decode-concurrency", "32", "--max-tokens", str(tokens)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def complete(text: str, out: list) -> None:
+        body = json.dumps({"prompt": text, "max_tokens": tokens, "temperature": 0.0}).encode()
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as r:
+            out.append(json.loads(r.read())["usage"]["completion_tokens"])
+
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                complete("warm up", [])
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlx_lm.server did not start: {log.name}") from None
+                time.sleep(1)
+        rows = []
+        for n in sizes:
+            counts: list[int] = []
+            threads = [threading.Thread(target=complete, args=(p, counts)) for p in prompts(n)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            rows.append({"sessions": n, "tokens": sum(counts), "wall_s": round(wall, 3),
+                         "tokens_per_s": round(sum(counts) / wall, 1)})
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--sessions", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--mlx-server", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    a = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "bench"))
+    from suite import machine  # noqa: E402
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="kvwake-batching-"))
+    if a.model == "tiny":
+        from tests.tinymodel import make_model_dir
+
+        model = make_model_dir(work / "tiny-llama", ascii_replies=True)
+    else:
+        model = Path(a.model).expanduser().resolve()
+    tokenizer = load_tokenizer(model)
+    sizes = [int(x) for x in a.sessions.split(",")]
+    report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens_per_call": a.tokens,
+                              "prefill_step": a.prefill_step, "decode": {}, "prefill": {}}
+    for mode, max_batch in (("batched", 32), ("solo", 1)):
+        d = start_daemon(work / mode, model, max_batch, a.prefill_step)
+        try:
+            decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
+            report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]
+            report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
+        finally:
+            d.stop()
+        print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"][mode]), flush=True)
+    solo_one = report["decode"]["solo"][0]["tokens_per_s"] if sizes[0] == 1 else None
+    for row in report["decode"]["batched"]:
+        row["x_one_session_alone"] = round(row["tokens_per_s"] / solo_one, 2) if solo_one else None
+    if a.mlx_server:
+        report["mlx_server"] = mlx_server_round(model, sizes, a.tokens)
+        for ours, theirs in zip(report["decode"]["batched"], report["mlx_server"]):
+            ours["x_mlx_server"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batching.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

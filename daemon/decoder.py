@@ -1,0 +1,237 @@
+"""The decoder: every generate call in flight, advanced one token per step on the engine thread.
+
+Batched mode (models whose cache layers mlx-lm can merge): calls decode
+together, one forward pass per step, through mlx-lm's `GenerationBatch` over a
+`BatchKVCache` (shorter histories are left-padded and the padding masked). A
+call joins between steps: its session's plain cache is merged into a one-row
+batch, which takes its first step alone and then joins the running batch. A
+call leaves when it finishes: its row is extracted as a plain per-layer cache
+into its session and the batch is filtered. So whenever no call runs on a
+session, the session holds a plain cache, and sleep, fork and prefix reuse see
+what they always saw.
+
+Solo mode (quantized KV; or `max_batch` = 1 for users who need output
+bit-identical to decoding alone): each call is mlx-lm's `generate_step` on
+the session's own cache. Calls take one step each in turn, so they interleave
+but never share a forward pass.
+
+At most `max_batch` calls decode at once; more wait, in order, for a place.
+Every token handed to a call's `TextOutput` has been fed to the model, so a
+finished call's cache covers all of its tokens. A step that raises fails the
+calls it was running (their caches are dropped; the engine rebuilds them from
+the tokens on next use); the decoder itself goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, StopSequences, generate_step, generation_stream
+from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.sample_utils import greedy_sampler
+
+from kvwake.daemon.generation import GenerateResult, TextOutput, make_processors, make_sampler
+from kvwake.daemon.session import Session
+
+__all__ = ["Call", "Decoder", "batch_mode", "run_alone"]
+
+log = logging.getLogger("kvwake.decoder")
+UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
+
+
+@dataclass
+class Call:
+    """One generate call: its session (whose cache it takes while it runs), last prompt token and output."""
+
+    session: Session
+    token: int  # the pending token fed at the first step (earlier pending tokens are prefilled)
+    output: TextOutput
+    prompt_tokens: int
+    future: Future[GenerateResult] = field(default_factory=Future)
+    steps: Iterator[tuple[Any, Any]] | None = None  # solo mode: its generate_step
+
+    def finish(self, reason: str) -> None:
+        result = self.output.result(reason, self.prompt_tokens)
+        s = self.session
+        s.tokens = s.tokens + result.tokens
+        s.processed = len(s.tokens)
+        if s.mode == "chat":
+            s.messages.append({"role": "assistant", "content": result.text})
+        self.future.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        self.session.cache, self.session.processed = None, 0  # state unknown: rebuilt from tokens on next use
+        self.future.set_exception(exc)
+
+
+def batch_mode(cache: list, kv_bits: int | None, max_batch: int) -> tuple[str, str]:
+    """("batched" | "solo", why) for a model whose fresh cache is `cache`."""
+    if max_batch <= 1:
+        return "solo", "max_batch is 1: every call decodes alone"
+    if kv_bits is not None or any(isinstance(c, QuantizedKVCache) for c in cache):
+        return "solo", "quantized KV cannot be batched by mlx-lm"
+    kinds = sorted({type(c).__name__ for c in cache if not _batchable(c)})
+    if kinds:
+        return "solo", f"cache layers mlx-lm cannot batch: {', '.join(kinds)}"
+    return "batched", f"up to {max_batch} calls per forward pass"
+
+
+def _batchable(layer: Any) -> bool:
+    # Plain KV only: mlx-lm can also merge sliding-window and recurrent layers, but its batched
+    # forms of those give back caches laid out differently from the ones kvwake captures.
+    return type(layer).__name__ == "KVCache"
+
+
+class Decoder:
+    """Calls in flight and waiting; `step()` (engine thread) advances each running call by one token."""
+
+    def __init__(self, model: Any, mode: str, max_batch: int) -> None:
+        self.model, self.mode, self.max_batch = model, mode, max(1, max_batch)
+        self.waiting: deque[Call] = deque()
+        self.solo: list[Call] = []
+        self.batch: GenerationBatch | None = None
+        self.rows: dict[int, Call] = {}  # batch uid -> call
+        self._uids = itertools.count()
+        self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0}
+        self.step_s = 0.0  # moving average of one step's wall time
+
+    @property
+    def running(self) -> int:
+        return len(self.rows) + len(self.solo)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.waiting or self.rows or self.solo)
+
+    def join(self, call: Call) -> None:
+        """Queue a call; it starts at the next step with a free place."""
+        self.waiting.append(call)
+
+    def step(self) -> None:
+        """Admit waiting calls, then one token for every running call."""
+        started = time.perf_counter()
+        with mx.stream(generation_stream):
+            while self.waiting and self.running < self.max_batch:
+                self._admit(self.waiting.popleft())
+            self._step_batch()
+            for call in list(self.solo):
+                self._step_solo(call)
+        n = self.running
+        self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], n)
+        self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
+            time.perf_counter() - started
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every call (the engine thread is stopping)."""
+        for call in [*self.waiting, *self.rows.values(), *self.solo]:
+            call.fail(exc)
+        self.waiting.clear(), self.rows.clear(), self.solo.clear()
+        self.batch = None
+
+    # -- joining ----------------------------------------------------------------
+
+    def _admit(self, call: Call) -> None:
+        try:
+            if self.mode == "batched":
+                self._admit_batched(call)
+            else:
+                self._admit_solo(call)
+        except Exception as exc:  # bad input for this call only (the model raised on it)
+            call.fail(exc)
+
+    def _admit_solo(self, call: Call) -> None:
+        p, s = call.output.params, call.session
+        call.steps = generate_step(mx.array([call.token], dtype=mx.uint32), self.model, prompt_cache=s.cache,
+                                   max_tokens=-1, sampler=make_sampler(p),
+                                   logits_processors=make_processors(p, s.tokens[: s.processed]) or None)
+        self.solo.append(call)
+
+    def _admit_batched(self, call: Call) -> None:
+        p, s = call.output.params, call.session
+        uid = next(self._uids)
+        merged = [layer.merge([layer]) for layer in s.cache]
+        history = s.tokens[: s.processed]
+        one = GenerationBatch(self.model, [uid], mx.array([call.token], dtype=mx.uint32), merged, [list(history)],
+                              [make_sampler(p)], greedy_sampler, [make_processors(p)], [StopSequences()],
+                              [UNLIMITED])  # takes the call's first step, alone
+        s.cache = None  # the batch holds the only copy until the call leaves
+        if self.batch is None:
+            self.batch = one
+        else:
+            self.batch.extend(one)
+        self.rows[uid] = call
+
+    # -- stepping ---------------------------------------------------------------
+
+    def _step_batch(self) -> None:
+        if self.batch is None:
+            return
+        try:
+            responses = self.batch.next()
+        except Exception as exc:
+            log.exception("batched decode step failed; failing its %d calls", len(self.rows))
+            for call in self.rows.values():
+                call.fail(exc)
+            self.rows.clear()
+            self.batch = None
+            return
+        self._count(len(responses))
+        done = [(i, r.uid, reason) for i, r in enumerate(responses)
+                if (reason := self.rows[r.uid].output.add(r.token)) is not None]
+        if done:
+            self._leave(done)
+
+    def _leave(self, done: list[tuple[int, int, str]]) -> None:
+        """Give finished rows back to their sessions as plain caches; keep the others batched."""
+        batch = self.batch
+        assert batch is not None
+        for i, uid, reason in done:
+            call = self.rows.pop(uid)
+            call.session.cache = batch.extract_cache(i)
+            mx.eval([c.state for c in call.session.cache])
+            call.finish(reason)
+        leaving = {i for i, _, _ in done}
+        keep = [i for i in range(len(batch.uids)) if i not in leaving]
+        if keep:
+            batch.filter(keep)
+        else:
+            self.batch = None
+
+    def _step_solo(self, call: Call) -> None:
+        assert call.steps is not None
+        try:
+            token, _ = next(call.steps)
+        except Exception as exc:
+            self.solo.remove(call)
+            call.fail(exc)
+            return
+        self._count(1)
+        reason = call.output.add(int(token))
+        if reason is not None:
+            call.steps.close()
+            self.solo.remove(call)
+            call.finish(reason)
+
+    def _count(self, tokens: int) -> None:
+        self.counters["decode_steps"] += 1
+        self.counters["decode_tokens"] += tokens
+
+    def status(self) -> dict[str, Any]:
+        return {"running": self.running, "waiting": len(self.waiting), **self.counters,
+                "step_ms": round(self.step_s * 1000, 3)}
+
+
+def run_alone(decoder: Decoder, call: Call) -> GenerateResult:
+    """Drive `call` to its end on the calling (engine) thread: the in-process engine's generate."""
+    decoder.join(call)
+    while not call.future.done():
+        decoder.step()
+    return call.future.result()

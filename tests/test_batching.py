@@ -1,0 +1,182 @@
+"""Batched decoding in the engine's decoder (tiny llama, CPU): calls join and leave between steps,
+match the same calls decoded alone, and hand back plain caches that sleep and wake exactly."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvwake.daemon.decoder import Decoder, batch_mode
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.session import Session
+from kvwake.daemon.worker import EngineThread
+from kvwake.store import Store
+from tests.capabilities import require_quantized_kv
+from tests.tinymodel import make_model_dir
+
+PROMPTS = ["short", "a somewhat longer prompt about tools " * 3, "x" * 150, "The weather today is"]
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model_dir, max_batch=8)
+    yield e
+    e.close()
+    store.close()
+
+
+def session(engine: Engine, name: str, text: str) -> Session:
+    s = Session(name)
+    engine.append(s, text=text)
+    return s
+
+
+def run_together(engine: Engine, calls: list, join_at: dict[int, int] | None = None) -> None:
+    """Step the decoder until every call ends; call i joins before step join_at[i] (default 0)."""
+    join_at = join_at or {}
+    waiting = dict(enumerate(calls))
+    step = 0
+    while waiting or engine.decoder.active:
+        for i in [i for i in waiting if join_at.get(i, 0) <= step]:
+            engine.decoder.join(waiting.pop(i))
+        engine.decoder.step()
+        step += 1
+
+
+def solo_tokens(engine: Engine, name: str, text: str, params: GenerateParams) -> list[int]:
+    return engine.generate(session(engine, name, text), params).tokens
+
+
+def test_a_plain_kv_model_decodes_batched_and_quantized_kv_alone(engine, model_dir, tmp_path):
+    assert engine.decode_mode == "batched"
+    assert batch_mode(engine.make_cache(), None, 1)[0] == "solo"
+    wide = make_model_dir(tmp_path / "wide-heads", num_attention_heads=2, num_key_value_heads=1)  # 32-wide groups
+    store = Store(tmp_path / "q", block_tokens=16)
+    q = Engine(store, tmp_path, wide, kv_bits=8, kv_group_size=32, max_batch=8)
+    try:
+        require_quantized_kv(q.model, 8, tokens=32)
+        assert q.decode_mode == "solo" and "quantized" in q.decode_reason
+        s = session(q, "q", "hello there")
+        assert len(q.generate(s, GenerateParams(max_tokens=5)).tokens) == 5
+    finally:
+        q.close()
+        store.close()
+
+
+def test_batched_calls_match_the_same_calls_decoded_alone(engine):
+    params = GenerateParams(max_tokens=24)
+    alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS)]
+    sessions = [session(engine, f"b{i}", p) for i, p in enumerate(PROMPTS)]
+    calls = [engine.start_call(s, params) for s in sessions]
+    run_together(engine, calls, join_at={1: 3, 2: 3, 3: 10})  # joining mid-flight, at different steps
+    assert [c.future.result().tokens for c in calls] == alone
+    assert engine.decoder.counters["max_batch_seen"] == 4
+    assert engine.decoder.counters["decode_tokens"] > engine.decoder.counters["decode_steps"]
+
+
+def test_after_a_batched_call_the_session_holds_a_plain_cache_that_sleeps_and_wakes_exactly(engine):
+    sessions = [session(engine, f"s{i}", p) for i, p in enumerate(PROMPTS[:3])]
+    calls = [engine.start_call(s, GenerateParams(max_tokens=n)) for s, n in zip(sessions, (5, 17, 9))]
+    run_together(engine, calls)
+    for s in sessions:
+        assert all(type(c) is KVCache for c in s.cache)
+        assert s.processed == len(s.tokens) == s.cache[0].offset
+    s = sessions[1]
+    engine.append(s, text=" and then")
+    before = [(mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :])) for c in s.cache]
+    engine.sleep(s)
+    woken, _ = engine.wake("s1")
+    assert woken.tokens == s.tokens and woken.processed == s.processed
+    for (k, v), c in zip(before, woken.cache):
+        assert mx.array_equal(k, c.keys[..., : c.offset, :]).item()
+        assert mx.array_equal(v, c.values[..., : c.offset, :]).item()
+    follow = engine.generate(woken, GenerateParams(max_tokens=8))
+    assert len(follow.tokens) == 8
+
+
+def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(engine):
+    probe = session(engine, "probe", PROMPTS[1])
+    full = engine.generate(probe, GenerateParams(max_tokens=20)).text
+    stop = full[6:8]
+    assert stop and full.find(stop) >= 0
+    pieces: list[str] = []
+    flags = {"cancel": False}
+    specs = [(PROMPTS[1], GenerateParams(max_tokens=20, stop=(stop,)), pieces.append, None),
+             (PROMPTS[0], GenerateParams(max_tokens=3), None, None),
+             (PROMPTS[2], GenerateParams(max_tokens=200), None, lambda: flags["cancel"]),
+             (PROMPTS[3], GenerateParams(max_tokens=30), None, None)]
+    calls = [engine.start_call(session(engine, f"c{i}", p), params, on_text, stop_fn)
+             for i, (p, params, on_text, stop_fn) in enumerate(specs)]
+    for c in calls:
+        engine.decoder.join(c)
+    for _ in range(12):
+        engine.decoder.step()
+    flags["cancel"] = True
+    run_together(engine, [])
+    results = [c.future.result() for c in calls]
+    assert results[0].finish_reason == "stop" and results[0].text == full[: full.find(stop)]
+    assert "".join(pieces) == results[0].text
+    assert results[1].finish_reason == "length" and len(results[1].tokens) == 3
+    assert results[2].finish_reason == "cancelled" and 12 <= len(results[2].tokens) < 200
+    assert results[3].tokens == solo_tokens(engine, "alone3", PROMPTS[3], GenerateParams(max_tokens=30))
+    for c, r in zip(calls, results):  # every generated token is in the session and its cache
+        assert c.session.tokens[-len(r.tokens):] == r.tokens and c.session.cache[0].offset == len(c.session.tokens)
+
+
+def test_a_seeded_call_samples_the_same_tokens_beside_other_sampling_calls(engine):
+    seeded = GenerateParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=40, repetition_penalty=1.2, seed=11)
+    alone = solo_tokens(engine, "alone", PROMPTS[3], seeded)
+    others = [engine.start_call(session(engine, f"o{i}", p), GenerateParams(max_tokens=16, temperature=1.0))
+              for i, p in enumerate(PROMPTS[:3])]
+    mine = engine.start_call(session(engine, "mine", PROMPTS[3]), seeded)
+    run_together(engine, [*others, mine], join_at={3: 2})
+    assert mine.future.result().tokens == alone
+
+
+def test_no_more_than_max_batch_calls_decode_at_once_and_the_rest_wait_their_turn(engine, tmp_path, model_dir):
+    store = Store(tmp_path / "two", block_tokens=16)
+    e = Engine(store, tmp_path, model_dir, max_batch=2)
+    try:
+        calls = [e.start_call(session(e, f"w{i}", p), GenerateParams(max_tokens=6)) for i, p in enumerate(PROMPTS)]
+        run_together(e, calls)
+        assert e.decoder.counters["max_batch_seen"] == 2
+        assert all(len(c.future.result().tokens) == 6 for c in calls)
+    finally:
+        e.close()
+        store.close()
+
+
+def test_a_failing_decode_step_fails_its_calls_and_the_engine_thread_goes_on(engine, monkeypatch):
+    thread = EngineThread()
+    try:
+        thread.attach(engine.decoder)
+        call = thread.submit(lambda: engine.start_call(session(engine, "f", PROMPTS[0]),
+                                                        GenerateParams(max_tokens=50))).result()
+        boom = RuntimeError("injected: the batched forward pass failed")
+        monkeypatch.setattr(Decoder, "_step_batch", lambda self: (_ for _ in ()).throw(boom))
+        thread.submit(lambda: engine.decoder.join(call)).result()
+        with pytest.raises(RuntimeError, match="injected"):
+            call.future.result(timeout=30)
+        assert call.session.cache is None  # rebuilt from its tokens on next use
+        monkeypatch.undo()
+        again = thread.submit(lambda: engine.generate(call.session, GenerateParams(max_tokens=4))).result(30)
+        assert len(again.tokens) == 4
+    finally:
+        thread.stop()
+
+
+def test_prefill_chunks_shrink_while_calls_decode_and_stay_whole_otherwise(engine):
+    assert engine.chunk_tokens() == engine.prefill_step
+    call = engine.start_call(session(engine, "d", PROMPTS[0]), GenerateParams(max_tokens=40))
+    engine.decoder.join(call)
+    for _ in range(5):
+        engine.decoder.step()
+    other = Session("long")
+    engine.append(other, text="y" * 600)  # measures the prefill rate
+    assert engine.prefill_s_per_token > 0 and engine.decoder.step_s > 0
+    assert 16 <= engine.chunk_tokens() <= engine.prefill_step
+    run_together(engine, [])
+    assert engine.chunk_tokens() == engine.prefill_step
