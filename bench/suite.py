@@ -14,8 +14,9 @@ resume   per size N: re-prefill N tokens + first token (the baseline users pay
 storage  S sessions sharing a 1k-token system prompt with 200 own tokens each:
          kvwake's store bytes vs S mlx-lm cache files; time to first token of a
          session whose prompt is in the prefix cache vs a cold prefill.
-rpc      a real daemon (tiny model): ping (hello) round trip p50/p99 over one
-         connection, and requests/s with 32 concurrent clients.
+rpc      a real daemon (tiny model): hello round trip p50/p99 over one
+         connection vs a bare asyncio msgpack echo server (bench/rpc_echo.py)
+         started in the same run, and requests/s with 32 concurrent clients.
 
 Results go to <out>/<name>.json and are summarised in docs/benchmarks.md.
 """
@@ -306,27 +307,43 @@ def bench_storage(model: str | None, sessions: int, system_tokens: int = 1024, o
             "ratios": {"store_over_mlx_files": stored / mlx_bytes, "cold_over_hit_ttft": ttft_cold / ttft_hit}}
 
 
-def bench_rpc(n_pings: int = 2000, clients: int = 32, per_client: int = 200) -> dict[str, Any]:
+def bench_rpc(rounds: int = 10, per_round: int = 500, clients: int = 32, per_client: int = 200) -> dict[str, Any]:
+    """hello round trips to a real daemon vs a bare asyncio msgpack echo server (bench/rpc_echo.py),
+    in alternating rounds so both see the same machine state; then requests/s with `clients` clients."""
+    import subprocess
+
+    from rpc_echo import round_trips
+
     from tests.daemon import Daemon
     from tests.tinymodel import make_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         d = Daemon(Path(tmp), make_model_dir(Path(tmp) / "tiny")).start()
+        echo_path = str(Path(tmp) / "echo.sock")
+        echo = subprocess.Popen([sys.executable, str(ROOT / "bench" / "rpc_echo.py"), echo_path],
+                                stdout=subprocess.PIPE, text=True)
         try:
-            with d.client() as c:
-                for _ in range(200):
-                    c.call("hello")
-                times = []
-                for _ in range(n_pings):
-                    t0 = time.perf_counter()
-                    c.call("hello")
-                    times.append(time.perf_counter() - t0)
-            times.sort()
+            assert echo.stdout is not None and echo.stdout.readline().strip() == "ready"
+            kvwake: list[float] = []
+            bare: list[float] = []
+            for _ in range(rounds):
+                kvwake += round_trips(str(d.socket), per_round)
+                bare += round_trips(echo_path, per_round)
             rps = _concurrent_rps(d, clients, per_client)
         finally:
+            echo.terminate()
+            echo.wait()
             d.stop()
-    return {"ping_p50_us": times[len(times) // 2] * 1e6, "ping_p99_us": times[int(len(times) * 0.99)] * 1e6,
-            "ping_mean_us": statistics.mean(times) * 1e6, "clients": clients, "requests_per_s": rps}
+    summary = {name: _percentiles(times) for name, times in (("kvwake_hello", kvwake), ("bare_echo", bare))}
+    return {**summary, "clients": clients, "requests_per_s": rps,
+            "ratios": {"hello_over_echo_p50": summary["kvwake_hello"]["p50_us"] / summary["bare_echo"]["p50_us"],
+                       "hello_over_echo_p99": summary["kvwake_hello"]["p99_us"] / summary["bare_echo"]["p99_us"]}}
+
+
+def _percentiles(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {"p50_us": times[len(times) // 2] * 1e6, "p99_us": times[int(len(times) * 0.99)] * 1e6,
+            "mean_us": statistics.mean(times) * 1e6, "n": len(times)}
 
 
 def _concurrent_rps(d: Any, clients: int, per_client: int) -> float:

@@ -54,6 +54,7 @@ class Settings:
     kv_group_size: int = 64
     allow_uids: tuple[int, ...] = ()  # besides the daemon's own uid
     read_timeout_s: float = 30.0  # a peer stalled mid-frame this long is dropped
+    out_buffer_bytes: int = 8 << 20  # replies queued for a client that stopped reading; beyond it, it is dropped
     lifecycle_interval_s: float = 5.0
     gc_interval_s: float = 900.0  # store gc (history, prefix-cache budget, orphans) this often
     log_level: str = "INFO"

@@ -17,8 +17,10 @@ slept (it is named in the log; its previous snapshot is intact).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import importlib.util
 import json
 import logging
 import os
@@ -36,7 +38,7 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.rpc import Server, default_allow
+from kvwake.daemon.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.worker import EngineThread
 from kvwake.store import Store
 from kvwake.store.files import write_durable
@@ -159,7 +161,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     try:
-        return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio")
+        return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio",
+                         backend_options={"use_uvloop": _have_uvloop()})
     finally:
         thread.stop()
         engine.close()
@@ -167,41 +170,37 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         os.close(lock_fd)
 
 
+def _have_uvloop() -> bool:
+    """uvloop where it is installed (Linux, macOS): it halves the loop's share of a round trip
+    (docs/decisions.md, "RPC front"); the stock loop otherwise, with the same behaviour."""
+    return importlib.util.find_spec("uvloop") is not None
+
+
 async def _serve(settings: Settings, manager: SessionManager, listen_socket: socket.socket | None) -> int:
     await manager.load()
-    if listen_socket is not None:
-        listener = await anyio.abc.SocketListener.from_socket(listen_socket)
-    else:
-        listener = await anyio.create_unix_listener(settings.socket, mode=0o600)
     stop = anyio.Event()
-    server = Server(manager, allow_uids=default_allow(settings.allow_uids),
-                    read_timeout_s=settings.read_timeout_s, shutdown=stop.set)
+    server = Server(manager, allow_uids=default_allow(settings.allow_uids), read_timeout_s=settings.read_timeout_s,
+                    out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
+    listener = await asyncio.get_running_loop().create_unix_server(
+        server.protocol, sock=listen_socket if listen_socket is not None else unix_listener(settings.socket))
     write_status(settings, manager.engine)
     try:
-        async with anyio.create_task_group() as connections:
-            async with anyio.create_task_group() as services:
-                services.start_soon(_signals, stop)
-                services.start_soon(_lifecycle, manager, settings)
-                services.start_soon(_accept, listener, server, connections)
-                log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
-                                         "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries)})
-                await stop.wait()
-                services.cancel_scope.cancel()
-            await listener.aclose()  # new clients are refused at once, not left unanswered during the drain
-            failed = await _drain(manager)
-            connections.cancel_scope.cancel()
+        async with anyio.create_task_group() as services:
+            services.start_soon(_signals, stop)
+            services.start_soon(_lifecycle, manager, settings)
+            log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
+                                     "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries),
+                                     "event_loop": type(asyncio.get_running_loop()).__module__})
+            await stop.wait()
+            services.cancel_scope.cancel()
+        listener.close()  # new clients are refused at once, not left unanswered during the drain
+        failed = await _drain(manager)
+        await server.close()
     finally:
-        with contextlib.suppress(Exception):
-            await listener.aclose()
+        listener.close()
         remove_own_files(settings, keep_socket=listen_socket is not None)
     log.info("stopped", extra={"unslept": failed})
     return 1 if failed else 0
-
-
-async def _accept(listener: anyio.abc.SocketListener, server: Server, connections: anyio.abc.TaskGroup) -> None:
-    while True:
-        stream = await listener.accept()
-        connections.start_soon(server.handle, stream)
 
 
 async def _signals(stop: anyio.Event) -> None:

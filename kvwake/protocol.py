@@ -6,6 +6,11 @@ Every message is one msgpack array, sent back to back on the stream:
     response      [1, msgid, error, result]      exactly one of error / result is nil
     notification  [2, method, params]
 
+What kvwake sends is exactly that. What it accepts is what the msgpack-rpc
+spec and its clients send (pynvim, the Node and Go libraries): a method name
+as str or UTF-8 bin, and params as the map itself, as an array holding that
+one map, or as nil / an empty array for none (`request_params`).
+
 Errors are maps {"code": str, "message": str, "data": any}. Output a request
 streams (generated text) arrives as notifications
 [2, "stream", {"msgid": <request id>, ...}] before that request's response.
@@ -20,6 +25,8 @@ from typing import Any
 
 import msgpack
 
+from kvwake.errors import InvalidParamsError
+
 __all__ = [
     "LIMITS",
     "NOTIFICATION",
@@ -31,6 +38,7 @@ __all__ = [
     "Message",
     "pack",
     "parse",
+    "request_params",
     "unpacker",
 ]
 
@@ -55,7 +63,12 @@ LIMITS = Limits()
 
 
 class FrameError(Exception):
-    """Bytes that are not a valid msgpack-rpc message; the connection cannot continue."""
+    """A decoded message that is not msgpack-rpc. `msgid` is the request's id when one could be
+    read (the peer can be answered), else None."""
+
+    def __init__(self, message: str, msgid: int | None = None) -> None:
+        super().__init__(message)
+        self.msgid = msgid
 
 
 @dataclass(frozen=True)
@@ -83,23 +96,59 @@ def pack(obj: Any) -> bytes:
 
 def _msgid(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MSGID:
-        raise FrameError(f"msgid must be a uint32, got {value!r}")
+        raise FrameError(f"msgid must be a uint32, got {value!r}"[:200])
+    return value
+
+
+def _method(value: Any, msgid: int | None) -> str:
+    """A method name: str, or bin holding UTF-8 (pynvim sends its own notifications' names as bin)."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise FrameError("method name is bin but not UTF-8", msgid) from None
+    if not isinstance(value, str):
+        raise FrameError(f"method name must be a str or bin, got {type(value).__name__}", msgid)
     return value
 
 
 def parse(obj: Any) -> Message:
     """Check the shape of a decoded message; FrameError when it is not msgpack-rpc."""
-    if not isinstance(obj, list) or not obj or obj[0] not in (REQUEST, RESPONSE, NOTIFICATION):
+    if not isinstance(obj, list) or not obj or type(obj[0]) is not int or obj[0] not in (REQUEST, RESPONSE,
+                                                                                          NOTIFICATION):
         raise FrameError("message must be an array starting with 0, 1 or 2")
     kind = obj[0]
     if kind == REQUEST:
-        if len(obj) != 4 or not isinstance(obj[2], str):
-            raise FrameError("request must be [0, msgid, method, params]")
-        return Message(kind, _msgid(obj[1]), obj[2], obj[3])
+        msgid = _msgid(obj[1] if len(obj) > 1 else None)
+        if len(obj) != 4:
+            raise FrameError("request must be [0, msgid, method, params]", msgid)
+        return Message(kind, msgid, _method(obj[2], msgid), obj[3])
     if kind == RESPONSE:
         if len(obj) != 4:
             raise FrameError("response must be [1, msgid, error, result]")
         return Message(kind, _msgid(obj[1]), None, None, error=obj[2], result=obj[3])
-    if len(obj) != 3 or not isinstance(obj[1], str):
+    if len(obj) != 3:
         raise FrameError("notification must be [2, method, params]")
-    return Message(kind, None, obj[1], obj[2])
+    return Message(kind, None, _method(obj[1], None), obj[2])
+
+
+def request_params(params: Any) -> dict[str, Any]:
+    """A request's params as the map methods take: a map, [map], or nil / [] for none.
+
+    Raises InvalidParamsError for anything else (positional arguments, several
+    maps) and for param names that are not strings.
+    """
+    if isinstance(params, list) and len(params) <= 1:
+        params = params[0] if params else None
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidParamsError("params must be a map, or an array holding one map "
+                                 f"(got {type(params).__name__}{_length(params)})")
+    if not all(isinstance(k, str) for k in params):
+        raise InvalidParamsError("param names must be strings")
+    return params
+
+
+def _length(value: Any) -> str:
+    return f" of {len(value)}" if isinstance(value, list) else ""

@@ -70,6 +70,12 @@ class Daemon:
     def client(self) -> RawClient:
         return RawClient(self.socket)
 
+    def log_problems(self) -> list[str]:
+        """Lines of the daemon's log that show a bug: tracebacks (also asyncio's own, "Exception in
+        callback ...", which are not JSON) and ERROR records."""
+        bad = ("Traceback", "Exception in callback", '"level": "ERROR"', '"level": "CRITICAL"')
+        return [line for line in self.log.read_text(errors="replace").splitlines() if any(b in line for b in bad)]
+
 
 class RpcError(Exception):
     def __init__(self, error: dict[str, Any]) -> None:

@@ -26,17 +26,23 @@ def served(tmp_path_factory):
     yield d, bystander, before
     bystander.close()
     assert d.stop() == 0
+    assert d.log_problems() == []
 
 
-def send_raw(d: Daemon, data: bytes, read: bool = True) -> bytes:
-    """Send bytes on a fresh connection; return what came back before the server closed or went quiet."""
+PROBE_ID = 2**32 - 1
+PROBE = msgpack.packb([0, PROBE_ID, "hello", {"client": "probe"}])
+
+
+def send_raw(d: Daemon, data: bytes) -> bytes:
+    """Send bytes, then a hello probe, on a fresh connection; return what came back until the
+    probe's answer, the server closing, or 2 s of quiet."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(str(d.socket))
     s.settimeout(2.0)
     got = b""
     try:
-        s.sendall(data)
-        while read:
+        s.sendall(data + PROBE)
+        while not probe_answered(got):
             chunk = s.recv(1 << 16)
             if not chunk:
                 break
@@ -46,6 +52,19 @@ def send_raw(d: Daemon, data: bytes, read: bool = True) -> bytes:
     finally:
         s.close()
     return got
+
+
+def replies(data: bytes) -> list:
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(data)
+    return list(unpacker)
+
+
+def probe_answered(data: bytes) -> bool:
+    try:
+        return any(m[:3] == [1, PROBE_ID, None] and m[3].get("server") == "kvwake" for m in replies(data))
+    except Exception:  # a reply cut short: not yet
+        return False
 
 
 def still_serving(d: Daemon, bystander, before) -> None:
@@ -77,15 +96,44 @@ def test_random_bytes(served, data):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(message=rpc_like)
-def test_valid_msgpack_that_is_not_a_valid_request(served, message):
+def test_valid_msgpack_never_closes_the_connection(served, message):
     d, bystander, before = served
     reply = send_raw(d, msgpack.packb(message, use_bin_type=True))
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-    unpacker.feed(reply)
-    for obj in unpacker:  # whatever comes back is well-formed msgpack-rpc
-        assert isinstance(obj, list) and obj[0] in (1, 2)
-        if obj[0] == 1 and obj[2] is not None:
+    assert probe_answered(reply), reply[:500]  # the connection went on after the message
+    for obj in replies(reply):  # whatever comes back is a msgpack-rpc response
+        assert isinstance(obj, list) and obj[0] == 1, obj
+        if obj[2] is not None:
             assert set(obj[2]) == {"code", "message", "data"}
+    still_serving(d, bystander, before)
+
+
+@pytest.mark.parametrize(("message", "code"), [
+    ([2, b"nvim_set_client_info", ["python3-client", {}, "remote", {}, {}]], None),  # pynvim's first message
+    ([2, "anything", {"x": 1}], None),
+    ([1, 7, None, {"a": 1}], None),  # a response to a request the daemon never made
+    (42, None),
+    ([9, 1], None),
+    ([0, 3, b"hello", [{"client": "bin method, params in an array"}]], "ok"),
+    ([0, 3, "hello", []], "ok"),
+    ([0, 3, "hello", None], "ok"),
+    ([0, 3, "hello", [{}, {}]], "INVALID_PARAMS"),
+    ([0, 3, "hello", ["pynvim"]], "INVALID_PARAMS"),
+    ([0, 3, "hello", {b"client": "x"}], "INVALID_PARAMS"),
+    ([0, 3, "nope", []], "UNKNOWN_METHOD"),
+    ([0, 3, 7, {}], "PROTOCOL_ERROR"),
+    ([0, 3, b"\xff\xfe", {}], "PROTOCOL_ERROR"),
+    ([0, 3, "hello"], "PROTOCOL_ERROR"),
+], ids=lambda v: repr(v)[:40])
+def test_each_accepted_form_is_answered_and_the_rest_ignored(served, message, code):
+    """docs/protocol.md's table of accepted forms, one row each."""
+    d, bystander, before = served
+    got = [m for m in replies(send_raw(d, msgpack.packb(message, use_bin_type=True))) if m[1] != PROBE_ID]
+    if code is None:
+        assert got == []
+    elif code == "ok":
+        assert len(got) == 1 and got[0][2] is None and got[0][3]["server"] == "kvwake"
+    else:
+        assert len(got) == 1 and got[0][1] == 3 and got[0][2]["code"] == code, got
     still_serving(d, bystander, before)
 
 
