@@ -44,8 +44,6 @@ log = logging.getLogger("kvwake.engine")
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
-INTERLEAVE_STEPS = 1.5  # a prefill chunk beside running calls takes about this many decode steps
-MIN_CHUNK = 16
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,6 @@ class Engine:
         self.device_planes = kvfill.restore_mode() == "staged"  # KV on a discrete GPU: byte planes are made there
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch)
-        self.prefill_s_per_token = 0.0  # moving average, for chunks that interleave with decoding
 
     def close(self) -> None:
         self.pool.close()
@@ -234,24 +231,13 @@ class Engine:
         return upto - start
 
     def _prefill_chunk(self, session: Session, upto: int) -> None:
-        end = min(upto, session.processed + self.chunk_tokens())
-        started = time.perf_counter()
+        # Fixed chunks, also beside running calls: MLX on CUDA compiles for each new (chunk, offset)
+        # shape (measured: a 64-token chunk at a new offset 100 ms, again 20 ms), so chunks sized to
+        # the decode step made an 8k prefill 17-30x slower and the others' gaps longer, not shorter.
+        end = min(upto, session.processed + self.prefill_step)
         self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         mx.eval([c.state for c in session.cache])
-        per_token = (time.perf_counter() - started) / (end - session.processed)
-        self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * per_token if self.prefill_s_per_token \
-            else per_token
         session.processed = end
-
-    def chunk_tokens(self) -> int:
-        """Tokens per prefill chunk: `prefill_step`, or while calls decode in a batch, what takes about
-        INTERLEAVE_STEPS decode steps (so their next tokens wait about that long, not for the whole prompt)."""
-        d = self.decoder
-        if d.mode != "batched" or not d.running or not d.step_s or not self.prefill_s_per_token:
-            return self.prefill_step
-        fits = int(INTERLEAVE_STEPS * d.step_s / self.prefill_s_per_token)
-        # A power of two: few distinct chunk shapes, so MLX compiles (CUDA) each once, not per chunk.
-        return max(MIN_CHUNK, min(self.prefill_step, 1 << max(0, fits.bit_length() - 1)))
 
     # -- generation -----------------------------------------------------------
 

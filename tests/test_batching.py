@@ -168,15 +168,16 @@ def test_a_failing_decode_step_fails_its_calls_and_the_engine_thread_goes_on(eng
         thread.stop()
 
 
-def test_prefill_chunks_shrink_while_calls_decode_and_stay_whole_otherwise(engine):
-    assert engine.chunk_tokens() == engine.prefill_step
-    call = engine.start_call(session(engine, "d", PROMPTS[0]), GenerateParams(max_tokens=40))
-    engine.decoder.join(call)
-    for _ in range(5):
+def test_a_lone_call_decodes_alone_and_moves_into_the_batch_when_company_comes(engine):
+    params = GenerateParams(max_tokens=4)
+    alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
+    first = engine.start_call(session(engine, "first", PROMPTS[0]), params)
+    engine.decoder.join(first)
+    for _ in range(3):
         engine.decoder.step()
-    other = Session("long")
-    engine.append(other, text="y" * 600)  # measures the prefill rate
-    assert engine.prefill_s_per_token > 0 and engine.decoder.step_s > 0
-    assert 16 <= engine.chunk_tokens() <= engine.prefill_step
-    run_together(engine, [])
-    assert engine.chunk_tokens() == engine.prefill_step
+    assert first.solo is not None and engine.decoder.batch is None  # alone: a plain forward pass
+    second = engine.start_call(session(engine, "second", PROMPTS[1]), params)
+    run_together(engine, [second])  # the first's 4th token is handed over as it moves: its call ends there
+    assert [first.future.result().tokens, second.future.result().tokens] == alone
+    s = first.session
+    assert s.cache[0].offset == len(s.tokens) and s.tokens[-4:] == alone[0]

@@ -98,7 +98,7 @@ def test_a_long_prefill_does_not_stall_another_sessions_tokens(tmp_path, model_d
         during = sum(began < t < ended for t in arrivals)
         talker.close()  # the talker's call is cancelled by its disconnect
         reader_thread.join(30)
-        assert appended["prefilled"] > 4000  # about 4,250 tokens, in chunks of 32 or less (16 at the least)
+        assert appended["prefilled"] > 4000  # about 4,250 tokens, in chunks of 32
         # The talker kept getting tokens while the reader's prompt prefilled: about one per chunk.
         assert during >= 20, f"talker got {during} tokens during a {ended - began:.2f} s prefill of 130+ chunks"
         with d.client() as c:
