@@ -85,6 +85,9 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--hot-budget-bytes", type=int, help="KV bytes of hot sessions before LRU ones sleep.")
 @click.option("--idle-timeout", "idle_timeout_s", type=float, help="Seconds idle before a session sleeps.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--remote", help="Shared tier s3://BUCKET/PREFIX (env KVWAKE_REMOTE).")
+@click.option("--remote-endpoint", help="S3 endpoint URL (env AWS_ENDPOINT_URL); credentials: AWS_ACCESS_KEY_ID, "
+              "AWS_SECRET_ACCESS_KEY.")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:
     """Run the daemon in the foreground.

@@ -36,6 +36,7 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.remote import RemoteTier
 from kvwake.daemon.rpc import Server, default_allow
 from kvwake.daemon.worker import EngineThread
 from kvwake.store import Store
@@ -45,6 +46,7 @@ __all__ = ["DaemonRunningError", "JsonFormatter", "prepare_socket", "run"]
 
 log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
+REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -155,9 +157,13 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
                                           io_inflight_bytes=settings.io_inflight_bytes)).result()
     manager = SessionManager(engine, thread, settings)
+    if settings.remote is not None:
+        manager.remote = RemoteTier(settings, engine)
     try:
         return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio")
     finally:
+        if manager.remote is not None:
+            manager.remote.close()
         thread.stop()
         engine.close()
         store.close()
@@ -180,12 +186,16 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                 services.start_soon(_signals, stop)
                 services.start_soon(_lifecycle, manager, settings)
                 services.start_soon(_accept, listener, server, connections)
+                if manager.remote is not None:  # connects (retrying) and uploads in the background
+                    services.start_soon(manager.remote.run)
                 log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
                                          "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries)})
                 await stop.wait()
                 services.cancel_scope.cancel()
             await listener.aclose()  # new clients are refused at once, not left unanswered during the drain
             failed = await _drain(manager)
+            if manager.remote is not None:
+                await manager.remote.flush(REMOTE_FLUSH_S)
             connections.cancel_scope.cancel()
     finally:
         with contextlib.suppress(Exception):
