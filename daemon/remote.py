@@ -94,7 +94,7 @@ class RemoteTier:
         self.ready = anyio.Event()
         self._send, self._receive = anyio.create_memory_object_stream[tuple[str, str]](settings.remote_queue)
         self.uploaded: dict[str, anyio.Event] = {}
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, tuple[str, float]] = {}  # snapshot id -> (why its last upload failed, when)
         self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "adopted": 0}
 
     def close(self) -> None:
@@ -150,12 +150,12 @@ class RemoteTier:
                 await self._upload(session_id, snapshot_id)
                 return
             except RemoteUnavailableError as exc:  # the server is down or refusing: keep it, try again
-                self.failed[snapshot_id] = exc.message
+                self.failed[snapshot_id] = (exc.message, time.monotonic())
                 await anyio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
             except KvwakeError as exc:  # lease lost, snapshot pruned, local damage: this one will not go
                 self.counters["upload_failures"] += 1
-                self.failed[snapshot_id] = exc.message
+                self.failed[snapshot_id] = (exc.message, time.monotonic())
                 log.warning("upload failed", extra={"session": session_id, "snapshot": snapshot_id, "error": exc.message})
                 self.uploaded[snapshot_id].set()
                 return
@@ -182,13 +182,18 @@ class RemoteTier:
         log.info("uploaded", extra={"session": session_id, **info})
 
     async def wait_uploaded(self, session_id: str, snapshot_id: str) -> None:
-        """Wait until the remote holds the snapshot; RemoteUnavailableError after 3x the request timeout."""
+        """Wait until the remote holds the snapshot. RemoteUnavailableError when the remote is not connected,
+        when an upload attempt fails after the wait began (it is retried in the background), or after 3x
+        the request timeout."""
         if snapshot_id not in self.uploaded:
             self.enqueue(session_id, snapshot_id)
-        with anyio.move_on_after(self.settings.remote_timeout_s * 3):
-            await self.uploaded[snapshot_id].wait()
-        if snapshot_id in self.failed or not self.uploaded[snapshot_id].is_set():
-            why = self.failed.get(snapshot_id, "the upload did not finish in time")
+        began, done = time.monotonic(), self.uploaded[snapshot_id]
+        with anyio.move_on_after(self.settings.remote_timeout_s * 3 if self.ready.is_set() else 0):
+            while not done.is_set() and self.failed.get(snapshot_id, ("", 0.0))[1] < began:
+                await anyio.sleep(0.02)
+        if snapshot_id in self.failed or not done.is_set():
+            why = (self.failed[snapshot_id][0] if snapshot_id in self.failed else "the upload did not finish in time"
+                   if self.ready.is_set() else f"not connected: {self.remote.health.error or 'still connecting'}")
             raise RemoteUnavailableError(f"snapshot {snapshot_id} of session {session_id} is committed locally but "
                                          f"the remote does not hold it: {why}", session_id=session_id,
                                          snapshot_id=snapshot_id, remote=self.settings.remote)
