@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,6 +27,17 @@ def remote_daemon(root, model_dir, weed: Seaweed, prefix: str, **env: str) -> Da
     return Daemon(root, model_dir, extra=["--remote", f"s3://{BUCKET}/{prefix}"], env={**weed.env, **env})
 
 
+@contextlib.contextmanager
+def two_daemons(tmp_path, model_dir, weed: Seaweed, prefix: str) -> Iterator[tuple[RawClient, RawClient]]:
+    """Daemons A and B, separate data dirs, one bucket prefix; both connected; both stop cleanly after."""
+    a = remote_daemon(tmp_path / "a", model_dir, weed, prefix).start()
+    b = remote_daemon(tmp_path / "b", model_dir, weed, prefix).start()
+    with a.client() as ca, b.client() as cb:
+        wait_remote(ca), wait_remote(cb)
+        yield ca, cb
+    assert a.stop() == 0 and b.stop() == 0
+
+
 def chat(c: RawClient, sid: str, text: str, **kw):
     return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8, **kw)
 
@@ -40,10 +53,7 @@ def wait_remote(c: RawClient, state: str = "ok", timeout: float = 30.0) -> dict:
 
 
 def test_a_session_slept_on_one_daemon_wakes_on_another_and_continues_identically(tmp_path, model_dir, weed):
-    a = remote_daemon(tmp_path / "a", model_dir, weed, "handover").start()
-    b = remote_daemon(tmp_path / "b", model_dir, weed, "handover").start()
-    with a.client() as ca, b.client() as cb:
-        wait_remote(ca), wait_remote(cb)
+    with two_daemons(tmp_path, model_dir, weed, "handover") as (ca, cb):
         for sid in ("agent", "twin"):
             ca.call("session.create", session_id=sid, system=SYSTEM)
             chat(ca, sid, "list the files")
@@ -61,14 +71,10 @@ def test_a_session_slept_on_one_daemon_wakes_on_another_and_continues_identicall
         cb.call("session.sleep", session_id="agent", release=True)  # hand it back: A takes B's newest state
         assert chat(ca, "agent", "and close it")["tokens"] == expected[1]
         assert cb.call("status")["remote"]["uploaded_snapshots"] >= 1
-    assert a.stop() == 0 and b.stop() == 0
 
 
 def test_a_held_session_is_refused_to_others_until_taken_over(tmp_path, model_dir, weed):
-    a = remote_daemon(tmp_path / "a", model_dir, weed, "held").start()
-    b = remote_daemon(tmp_path / "b", model_dir, weed, "held").start()
-    with a.client() as ca, b.client() as cb:
-        wait_remote(ca), wait_remote(cb)
+    with two_daemons(tmp_path, model_dir, weed, "held") as (ca, cb):
         ca.call("session.create", session_id="s", system=SYSTEM)
         chat(ca, "s", "hello")
         assert ca.call("session.sleep", session_id="s", remote_wait=True)["released"] is False
@@ -78,14 +84,10 @@ def test_a_held_session_is_refused_to_others_until_taken_over(tmp_path, model_di
         assert cb.call("snapshot.list")["snapshots"] == []  # nothing fetched for a refused wake
         woken = cb.call("session.wake", session_id="s", take_over=True)  # A is presumed dead
         assert woken["tokens"] > 0
-    a.stop(), b.stop()
 
 
 def test_a_prompt_one_daemon_stored_is_reused_from_the_remote_by_another(tmp_path, model_dir, weed):
-    a = remote_daemon(tmp_path / "a", model_dir, weed, "prefix").start()
-    b = remote_daemon(tmp_path / "b", model_dir, weed, "prefix").start()
-    with a.client() as ca, b.client() as cb:
-        wait_remote(ca), wait_remote(cb)
+    with two_daemons(tmp_path, model_dir, weed, "prefix") as (ca, cb):
         ca.call("session.create", session_id="reader")
         cold = ca.call("session.append", session_id="reader", text=DOC)
         assert cold["reused"] == 0 and cold["tokens"] >= 1000
@@ -97,7 +99,6 @@ def test_a_prompt_one_daemon_stored_is_reused_from_the_remote_by_another(tmp_pat
         assert hit["reused"] == (cold["tokens"] - 1) // 16 * 16 and hit["prefilled"] < 16
         assert cb.call("session.generate", session_id="other-reader", max_tokens=8)["tokens"] == expected
         assert cb.call("status")["remote"]["prefix_blocks"] == (cold["tokens"] - 1) // 16
-    a.stop(), b.stop()
 
 
 def test_wrong_keys_are_refused_and_local_service_goes_on(tmp_path, model_dir, weed):
@@ -118,10 +119,7 @@ def test_wrong_keys_are_refused_and_local_service_goes_on(tmp_path, model_dir, w
 
 
 def test_a_corrupt_remote_block_is_refused_and_nothing_is_restored(tmp_path, model_dir, weed):
-    a = remote_daemon(tmp_path / "a", model_dir, weed, "corrupt").start()
-    b = remote_daemon(tmp_path / "b", model_dir, weed, "corrupt").start()
-    with a.client() as ca, b.client() as cb:
-        wait_remote(ca), wait_remote(cb)
+    with two_daemons(tmp_path, model_dir, weed, "corrupt") as (ca, cb):
         ca.call("session.create", session_id="s", system=SYSTEM)
         chat(ca, "s", "hello there, agent")
         ca.call("session.sleep", session_id="s", release=True)
@@ -139,16 +137,12 @@ def test_a_corrupt_remote_block_is_refused_and_nothing_is_restored(tmp_path, mod
         assert cb.call("status")["remote"]["refused_objects"] >= 1
         with pytest.raises(RpcError):  # refused again, never restored from the local store either
             cb.call("session.wake", session_id="s")
-    a.stop(), b.stop()
 
 
 def test_server_killed_mid_upload_then_back_the_upload_finishes(tmp_path, model_dir):
     weed = Seaweed(tmp_path / "s3").start()
-    a = remote_daemon(tmp_path / "a", model_dir, weed, "cut").start()
-    b = remote_daemon(tmp_path / "b", model_dir, weed, "cut").start()
     try:
-        with a.client() as ca, b.client() as cb:
-            wait_remote(ca), wait_remote(cb)
+        with two_daemons(tmp_path, model_dir, weed, "cut") as (ca, cb):
             for sid in ("long", "twin"):
                 ca.call("session.create", session_id=sid)
                 ca.call("session.append", session_id=sid, text=DOC * 3)
@@ -160,6 +154,5 @@ def test_server_killed_mid_upload_then_back_the_upload_finishes(tmp_path, model_
             wait_remote(ca), wait_remote(cb)
             ca.call("session.sleep", session_id="long", release=True)  # waits for the retried upload
             assert cb.call("session.generate", session_id="long", max_tokens=8)["tokens"] == expected
-        a.stop(), b.stop()
     finally:
         weed.stop()
