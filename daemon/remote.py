@@ -166,16 +166,16 @@ class RemoteTier:
             try:
                 lease = await self._run(lambda: self.remote.acquire(session_id, only_new=True))
             except BusyError:
-                self.book.set(session_id, Lease(0, self.remote.daemon_id, "lost", time.time()))
+                await self._run(self.book.set, session_id, Lease(0, self.remote.daemon_id, "lost", time.time()))
                 raise
-            self.book.set(session_id, lease)
+            await self._run(self.book.set, session_id, lease)
         if lease.state != "held" or lease.daemon != self.remote.daemon_id:
             raise LostLeaseError(f"session {session_id} is not held by this daemon (lease {lease.state}); "
                                  f"snapshot {snapshot_id} stays local", session_id=session_id)
         try:
             info = await self._run(upload_snapshot, self.remote, self.store, snapshot_id, lease)
         except LostLeaseError:
-            self.book.set(session_id, Lease(lease.epoch, lease.daemon, "lost", lease.time))
+            await self._run(self.book.set, session_id, Lease(lease.epoch, lease.daemon, "lost", lease.time))
             raise
         self.failed.pop(snapshot_id, None)
         self.uploaded[snapshot_id].set()
@@ -204,7 +204,7 @@ class RemoteTier:
         if lease is None or lease.state != "held":
             return False
         if await self._run(self.remote.release, session_id, lease):
-            self.book.set(session_id, Lease(lease.epoch + 1, lease.daemon, "released", lease.time))
+            await self._run(self.book.set, session_id, Lease(lease.epoch + 1, lease.daemon, "released", lease.time))
             return True
         return False
 
@@ -232,7 +232,7 @@ class RemoteTier:
             raise NotFoundError(f"no session {session_id!r} here or on remote {self.settings.remote}",
                                 session_id=session_id)
         lease = await self._run(lambda: self.remote.acquire(session_id, take_over=take_over))
-        self.book.set(session_id, lease)
+        await self._run(self.book.set, session_id, lease)  # an fsync: off the event loop
         try:
             head = await self._run(self.remote.head, session_id)
             result = await self._run(fetch_snapshot, self.remote, self.store, head, session_id, self.engine.hot.put)
