@@ -87,6 +87,9 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--max-batch", type=int,
               help="Calls decoded together per forward pass (default 32); 1 decodes each alone, bit-exact.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--remote", help="Shared tier s3://BUCKET/PREFIX (env KVWAKE_REMOTE).")
+@click.option("--remote-endpoint", help="S3 endpoint URL (env AWS_ENDPOINT_URL); credentials: AWS_ACCESS_KEY_ID, "
+              "AWS_SECRET_ACCESS_KEY.")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:
     """Run the daemon in the foreground.

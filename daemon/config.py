@@ -1,6 +1,8 @@
 """Daemon settings: flags > environment > config file > platform defaults.
 
-Environment: KVWAKE_SOCKET, KVWAKE_DATA_DIR, KVWAKE_MODEL, KVWAKE_CONFIG.
+Environment: KVWAKE_SOCKET, KVWAKE_DATA_DIR, KVWAKE_MODEL, KVWAKE_CONFIG, KVWAKE_REMOTE;
+for the shared tier the AWS tools' own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
+AWS_SECRET_ACCESS_KEY, AWS_REGION.
 Config file (TOML, default `<user config dir>/kvwake/config.toml`), any of
 the `Settings` field names as top-level keys, e.g.
 
@@ -11,6 +13,8 @@ the `Settings` field names as top-level keys, e.g.
     codec = "raw"            # block codec for new blocks (`kvwake bench` says which wins here)
     io_workers = 8           # sleep/wake worker threads (default: every core)
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
+    remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier")
+    remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
 
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.
@@ -29,7 +33,9 @@ from kvwake.paths import default_config, default_data_dir, default_socket
 
 __all__ = ["Settings", "default_socket", "load_settings"]
 
-ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL"}
+ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL", "remote": "KVWAKE_REMOTE",
+       "remote_endpoint": "AWS_ENDPOINT_URL", "remote_access_key_id": "AWS_ACCESS_KEY_ID",
+       "remote_secret_access_key": "AWS_SECRET_ACCESS_KEY", "remote_region": "AWS_REGION"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,14 @@ class Settings:
     lifecycle_interval_s: float = 5.0
     gc_interval_s: float = 900.0  # store gc (history, prefix-cache budget, orphans) this often
     log_level: str = "INFO"
+    remote: str | None = None  # s3://BUCKET/PREFIX: the shared tier; None: local only
+    remote_endpoint: str | None = None  # e.g. http://127.0.0.1:8333 for SeaweedFS or MinIO
+    remote_access_key_id: str | None = None
+    remote_secret_access_key: str | None = field(default=None, repr=False)
+    remote_region: str = "us-east-1"
+    remote_timeout_s: float = 10.0  # one S3 request; also how long sleep's remote_wait waits at most x3
+    remote_prefix_deadline_s: float = 2.0  # a prefix lookup waits this long for remote blocks, then prefills
+    remote_queue: int = 1024  # snapshots waiting for upload; more are dropped (and counted) until it drains
 
     @property
     def store_dir(self) -> Path:

@@ -34,6 +34,7 @@ from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams, GenerateResult
+from kvwake.daemon.remote import RemoteTier
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
@@ -82,6 +83,7 @@ class SessionManager:
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0}
         self.stopping = False
+        self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""
@@ -97,7 +99,10 @@ class SessionManager:
         return entry
 
     @contextlib.asynccontextmanager
-    async def claim(self, session_id: Any, op: str) -> AsyncIterator[Entry]:
+    async def claim(self, session_id: Any, op: str, take_over: bool = False) -> AsyncIterator[Entry]:
+        if self.remote is not None and op not in ("delete", "sleep") and check_session_id(session_id) not in self.entries:
+            await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
+            self.entries.setdefault(session_id, Entry(session_id))
         entry = self.entry(session_id)
         if entry.busy:
             raise BusyError(f"session {entry.id} is busy ({entry.busy}); retry when it is done",
@@ -145,7 +150,9 @@ class SessionManager:
             entry.busy = None
         return {"session_id": session_id, "created": True}
 
-    async def _wake(self, entry: Entry, snapshot_id: str | None) -> dict[str, Any]:
+    async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False) -> dict[str, Any]:
+        if self.remote is not None and self.remote.needs_lease(entry.id):  # released or taken over: take it back
+            await self.remote.adopt(entry.id, take_over=take_over)
         if snapshot_id is None:
             row = await to_thread.run_sync(self.store.session, entry.id)
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
@@ -159,18 +166,28 @@ class SessionManager:
         log.info("wake", extra={"session": entry.id, **info})
         return info
 
-    async def wake(self, session_id: Any, snapshot_id: Any = None) -> dict[str, Any]:
-        async with self.claim(session_id, "wake") as entry:
+    async def wake(self, session_id: Any, snapshot_id: Any = None, take_over: bool = False) -> dict[str, Any]:
+        async with self.claim(session_id, "wake", take_over) as entry:
             if entry.session is not None and snapshot_id is None:
                 return {"snapshot_id": entry.session.head, "tokens": len(entry.session.tokens), "already_awake": True}
-            return await self._wake(entry, snapshot_id)
+            return await self._wake(entry, snapshot_id, take_over)
 
-    async def sleep(self, session_id: Any, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
+    async def sleep(self, session_id: Any, *, label: str | None = None, free: bool = True,
+                    remote_wait: bool = False, release: bool = False) -> dict[str, Any]:
+        """Sleep; with remote_wait, return once the remote holds the snapshot; with release, then give up
+        the session's lease so another daemon may wake it."""
         async with self.claim(session_id, "sleep") as entry:
             if entry.session is None:
                 head = await to_thread.run_sync(self.store.session, entry.id)
-                return {"snapshot_id": head["head"], "already_asleep": True}
-            return await self._sleep(entry, label=label, free=free)
+                info = {"snapshot_id": head["head"], "already_asleep": True}
+            else:
+                info = await self._sleep(entry, label=label, free=free)
+            if (remote_wait or release) and info["snapshot_id"] is not None:
+                if self.remote is None:
+                    raise InvalidParamsError("remote_wait and release need a daemon serving with --remote")
+                await self.remote.wait_uploaded(entry.id, info["snapshot_id"])
+                info["released"] = await self.remote.release(entry.id) if release else False
+            return info
 
     async def _sleep(self, entry: Entry, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
         session = entry.session
@@ -186,6 +203,8 @@ class SessionManager:
             raise
         if free:
             entry.session = None
+        if self.remote is not None:
+            self.remote.enqueue(entry.id, info["snapshot_id"])
         self.latency["sleep"].add(info["ms"])
         self.counters["sleeps"] += 1
         log.info("sleep", extra={"session": entry.id, **info})
@@ -244,6 +263,8 @@ class SessionManager:
 
     async def _append(self, session: Session, inputs: dict[str, Any]) -> dict[str, Any]:
         plan = await self.thread.run(lambda: self.engine.plan(session, **inputs))
+        if self.remote is not None and session.cache is None:  # a cold start: the remote may hold its prefix
+            await self.remote.prefetch(plan.target[: len(plan.target) - 1])
         mlx = self.thread.call  # one prefill chunk per engine job: other sessions decode between them
         prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
         return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))

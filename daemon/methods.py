@@ -101,7 +101,8 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                       "path": str(engine.store.root)},
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, **engine.decoder.status()},
-            "counters": {**m.counters, **engine.counters}}
+            "counters": {**m.counters, **engine.counters},
+            **({"remote": m.remote.status()} if m.remote is not None else {})}
 
 
 async def stats(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +125,14 @@ async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def session_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
-    return {"sessions": [_summary(e) for e in ctx.manager.entries.values()]}
+    m = ctx.manager
+    listed = {"sessions": [_summary(e) for e in m.entries.values()]}
+    if m.remote is not None:  # sessions other daemons published: waking one makes it ours
+        remote, error = await m.remote.sessions()
+        listed["sessions"] += [{"session_id": sid, "state": "remote", "busy": None, "tokens": None}
+                               for sid in remote if sid not in m.entries]
+        listed["remote_error"] = error
+    return listed
 
 
 def _summary(e: Any) -> dict[str, Any]:
@@ -178,14 +186,20 @@ async def session_chat(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     return await _generate(ctx, p, inputs)
 
 
+def _flag(p: dict[str, Any], name: str) -> bool:
+    if not isinstance(p.get(name, False), bool):
+        raise InvalidParamsError(f"{name} must be true or false", param=name)
+    return p.get(name, False)
+
+
 async def session_sleep(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, {"session_id"}, {"session_id"})
-    return await ctx.manager.sleep(p["session_id"])
+    _check(p, {"session_id", "remote_wait", "release"}, {"session_id"})
+    return await ctx.manager.sleep(p["session_id"], remote_wait=_flag(p, "remote_wait"), release=_flag(p, "release"))
 
 
 async def session_wake(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, {"session_id", "snapshot_id"}, {"session_id"})
-    return await ctx.manager.wake(p["session_id"], _id(p, "snapshot_id"))
+    _check(p, {"session_id", "snapshot_id", "take_over"}, {"session_id"})
+    return await ctx.manager.wake(p["session_id"], _id(p, "snapshot_id"), _flag(p, "take_over"))
 
 
 async def session_fork(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.remote import RemoteTier
 from kvwake.daemon.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.worker import EngineThread
 from kvwake.store import Store
@@ -47,6 +48,7 @@ __all__ = ["DaemonRunningError", "JsonFormatter", "prepare_socket", "run"]
 
 log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
+REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -160,10 +162,14 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           prefill_step=settings.prefill_step)).result()
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
+    if settings.remote is not None:
+        manager.remote = RemoteTier(settings, engine)
     try:
         return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio",
                          backend_options={"use_uvloop": _have_uvloop()})
     finally:
+        if manager.remote is not None:
+            manager.remote.close()
         thread.stop()
         engine.close()
         store.close()
@@ -188,6 +194,8 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)
+            if manager.remote is not None:  # connects (retrying) and uploads in the background
+                services.start_soon(manager.remote.run)
             log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
                                      "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries),
                                      "event_loop": type(asyncio.get_running_loop()).__module__})
@@ -195,6 +203,8 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
             services.cancel_scope.cancel()
         listener.close()  # new clients are refused at once, not left unanswered during the drain
         failed = await _drain(manager)
+        if manager.remote is not None:
+            await manager.remote.flush(REMOTE_FLUSH_S)
         await server.close()
     finally:
         listener.close()

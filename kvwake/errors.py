@@ -23,6 +23,7 @@ __all__ = [
     "StorageFullError",
     "CancelledError",
     "InternalError",
+    "RemoteUnavailableError",
     "error_for_code",
 ]
 
@@ -95,6 +96,12 @@ class CancelledError(KvwakeError):
     code = "CANCELLED"
 
 
+class RemoteUnavailableError(KvwakeError):
+    """The shared tier (S3) could not be reached, refused the credentials, or is not configured."""
+
+    code = "REMOTE_UNAVAILABLE"
+
+
 class InternalError(KvwakeError):
     """A bug: anything not covered by another code."""
 
@@ -113,6 +120,7 @@ _BY_CODE: dict[str, type[KvwakeError]] = {
         CorruptBlockError,
         StorageFullError,
         CancelledError,
+        RemoteUnavailableError,
         InternalError,
     )
 }

@@ -46,15 +46,17 @@ from kvwake.store.writer import snapshot_digest
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store
+    from kvwake.store.writer import SnapshotWriter
 
-__all__ = ["MAX_BLOCK_BYTES", "MAX_MANIFEST_BYTES", "export_snapshot", "import_snapshot"]
+__all__ = ["MAX_BLOCK_BYTES", "MAX_MANIFEST_BYTES", "check_encoded", "export_snapshot", "import_snapshot",
+           "import_verified", "parse_manifest", "snapshot_manifest"]
 
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_BLOCK_BYTES = 1 << 30
 Progress = Callable[[int, int], None] | None
 
 
-def _manifest(store: Store, snapshot_id: str) -> tuple[dict[str, Any], Any]:
+def snapshot_manifest(store: Store, snapshot_id: str) -> tuple[dict[str, Any], Any]:
     r = store.snapshot(snapshot_id)
     manifest = {
         "format": "kvwake-snapshot", "version": 1, "kvwake": kvwake.__version__,
@@ -97,7 +99,7 @@ def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progres
 
 
 def _export(store: Store, snapshot_id: str, path: Path, progress: Progress) -> dict[str, Any]:
-    manifest, record = _manifest(store, snapshot_id)
+    manifest, record = snapshot_manifest(store, snapshot_id)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     total = len(record.blocks) + (1 if record.tail else 0)
     try:
@@ -140,7 +142,7 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo | None, name: str
     return data
 
 
-def _parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
+def parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
     try:
         m = json.loads(raw)
         snap, blocks, tail = m["snapshot"], m["blocks"], m["tail"]
@@ -164,16 +166,28 @@ def _parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
     return m
 
 
+def check_encoded(data: bytes | memoryview, digest: str, raw_bytes: int, codec: str, bundle: str,
+                  key: str | None) -> tuple[Encoded, dict]:
+    """Decode a block (or tail) file and check it is what a manifest says: digest, bundle, key.
+
+    Returns the file as Encoded and its decoded tensors. Raises ValueError saying what is wrong.
+    """
+    try:
+        tensors, meta, actual = decode(data, max_raw_bytes=int(raw_bytes))
+    except BlockFormatError as exc:
+        raise ValueError(f"damaged: {exc}") from None
+    if actual != digest:
+        raise ValueError(f"payload digest {actual[:16]} != manifest {str(digest)[:16]}")
+    if meta.get("kvwake.bundle") != bundle or (key is not None and meta.get("kvwake.key") != key):
+        raise ValueError("belongs to another block or bundle")
+    return Encoded((data,), actual, int(raw_bytes), codec), tensors
+
+
 def _verified(data: bytes, entry: dict[str, Any], what: str, bundle: str, path: Path, key: str | None) -> Encoded:
     try:
-        _, meta, digest = decode(data, max_raw_bytes=int(entry["raw_bytes"]))
-    except BlockFormatError as exc:
-        raise _bad(path, f"{what} is damaged: {exc}") from None
-    if digest != entry["digest"]:
-        raise _bad(path, f"{what}: payload digest {digest[:16]} != manifest {str(entry['digest'])[:16]}")
-    if meta.get("kvwake.bundle") != bundle or (key is not None and meta.get("kvwake.key") != key):
-        raise _bad(path, f"{what} belongs to another block or bundle")
-    return Encoded((data,), digest, int(entry["raw_bytes"]), entry["codec"])
+        return check_encoded(data, entry["digest"], entry["raw_bytes"], entry["codec"], bundle, key)[0]
+    except ValueError as exc:
+        raise _bad(path, f"{what} {exc}") from None
 
 
 def import_snapshot(store: Store, path: str | Path, *, session_id: str | None = None, progress: Progress = None) -> dict[str, Any]:
@@ -196,16 +210,10 @@ def _existed(snapshot_id: str, session_id: str, blocks: int, tokens: int) -> dic
 
 
 def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | None, progress: Progress) -> dict[str, Any]:
-    m = _parse_manifest(_read_member(tar, tar.next(), "manifest.json", MAX_MANIFEST_BYTES, path), store, path)
-    snap, bundle = m["snapshot"], m["bundle"]["hash"]
-    existing = store.rows("SELECT id FROM snapshots WHERE id = ? AND digest = ? AND session_id = ?",
-                          (snap["id"], snap["digest"], session_id or snap["session_id"]))
-    store.register_bundle(bundle, m["bundle"]["description"])
-    taken = store.rows("SELECT 1 FROM snapshots WHERE id = ?", (snap["id"],))
-    with store.writer(session_id or snap["session_id"], bundle, m["token_ids"], parent=snap["parent"],
-                      label=snap["label"], metadata=snap["metadata"], snapshot_id=None if taken else snap["id"]) as w:
-        if [b["key"] for b in m["blocks"]] != w.keys:
-            raise _bad(path, "block keys in the manifest do not match its token ids")
+    m = parse_manifest(_read_member(tar, tar.next(), "manifest.json", MAX_MANIFEST_BYTES, path), store, path)
+    bundle = m["bundle"]["hash"]
+
+    def members(w: SnapshotWriter) -> None:
         for i, entry in enumerate(m["blocks"]):
             data = _read_member(tar, tar.next(), f"blocks/{entry['key']}.kvb", int(entry["stored_bytes"]), path)
             w.add_encoded(i, _verified(data, entry, f"block {i} ({entry['key'][:16]})", bundle, path, entry["key"]))
@@ -217,15 +225,36 @@ def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | No
         extra = tar.next()
         if extra is not None:
             raise _bad(path, f"unexpected member {extra.name!r} after the snapshot")
+
+    return import_verified(store, m, session_id, members, lambda why: _bad(path, why))
+
+
+def import_verified(store: Store, m: dict[str, Any], session_id: str | None, fill: Callable[[SnapshotWriter], None],
+                    bad: Callable[[str], KvwakeError]) -> dict[str, Any]:
+    """Commit a parsed manifest's snapshot: `fill` hands the writer every block it needs, verified, and the tail.
+
+    The snapshot digest is recomputed from the manifest before the commit; `bad(why)` makes the error
+    raised when anything disagrees. The same snapshot imported twice returns the existing one.
+    """
+    snap, bundle = m["snapshot"], m["bundle"]["hash"]
+    existing = store.rows("SELECT id FROM snapshots WHERE id = ? AND digest = ? AND session_id = ?",
+                          (snap["id"], snap["digest"], session_id or snap["session_id"]))
+    store.register_bundle(bundle, m["bundle"]["description"])
+    taken = store.rows("SELECT 1 FROM snapshots WHERE id = ?", (snap["id"],))
+    with store.writer(session_id or snap["session_id"], bundle, m["token_ids"], parent=snap["parent"],
+                      label=snap["label"], metadata=snap["metadata"], snapshot_id=None if taken else snap["id"]) as w:
+        if [b["key"] for b in m["blocks"]] != w.keys:
+            raise bad("block keys in the manifest do not match its token ids")
+        fill(w)
         digests = [(b["key"], b["digest"]) for b in m["blocks"]]
         if snapshot_digest(bundle, m["token_ids"], digests, m["tail"]["digest"] if m["tail"] else None,
                            snap["metadata"]) != snap["digest"]:
-            raise _bad(path, "snapshot digest does not match its blocks, tail and tokens")
+            raise bad("snapshot digest does not match its blocks, tail and tokens")
         if existing:
             return _existed(existing[0]["id"], snap["session_id"], len(w.keys), len(m["token_ids"]))
         try:
             info = w.commit()
-        except sqlite3.IntegrityError:  # the same file imported concurrently: the other import won
+        except sqlite3.IntegrityError:  # the same snapshot imported concurrently: the other import won
             if store.rows("SELECT 1 FROM snapshots WHERE id = ? AND digest = ?", (snap["id"], snap["digest"])):
                 return _existed(snap["id"], snap["session_id"], len(w.keys), len(m["token_ids"]))
             raise

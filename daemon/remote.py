@@ -1,0 +1,275 @@
+"""The daemon's side of the shared tier: uploads, adoption of remote sessions, leases, remote prefixes.
+
+Where the work runs: every S3 call and every verification runs on worker
+threads (`anyio.to_thread`, and the Remote's own pool for parallel fetches),
+never on the engine thread or the event loop, so a slow or dead server never
+stalls another session (invariant 7). Only the decoded blocks' arrays reach
+the engine: fetched blocks go to the RAM tier, so a wake from the remote does
+not decode them twice.
+
+Ownership (the lease rule; docs/decisions.md, "Remote tier"):
+- A session's lease history is a series of create-only objects; the newest is
+  its state: "held" by one daemon, or "released".
+- A daemon publishes a session's snapshots only while it holds its lease (checked
+  right before each manifest is written). It takes the lease of a session it
+  created at its first upload, if no daemon has one.
+- `session.sleep(release=true)` uploads, then releases. Another daemon may then
+  wake it (taking the next epoch); the first one must take the lease back (and
+  gets the newest remote snapshot) before it wakes the session again.
+- A lease held by a daemon that died stays held: `session.wake(take_over=true)`
+  takes it anyway. If the old owner was not dead after all, its later snapshots
+  stay local (its uploads see the lease moved on and say so) and it may not wake
+  the session again until it takes the lease back.
+This daemon's view of its leases is kept in `<data dir>/remote/leases.json`, so
+it survives a restart and a session it holds wakes without asking the remote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio import to_thread
+
+from kvwake.daemon.config import Settings
+from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
+from kvwake.store.files import write_durable
+from kvwake.store.remote import Lease, Remote, RemoteConfig
+from kvwake.store.remote_transfer import LostLeaseError, fetch_prefix, fetch_snapshot, upload_snapshot
+
+if TYPE_CHECKING:
+    from kvwake.daemon.engine import Engine
+
+__all__ = ["RemoteTier"]
+
+log = logging.getLogger("kvwake.remote")
+RETRY_MAX_S = 5.0
+
+
+class LeaseBook:
+    """This daemon's leases, by session id, persisted (`state` "lost": another daemon took it over)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.leases: dict[str, Lease] = {}
+        if path.exists():
+            self.leases = {sid: Lease(**v) for sid, v in json.loads(path.read_text()).items()}
+
+    def get(self, session_id: str) -> Lease | None:
+        return self.leases.get(session_id)
+
+    def set(self, session_id: str, lease: Lease) -> None:
+        self.leases[session_id] = lease
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_durable(self.path, json.dumps({k: asdict(v) for k, v in self.leases.items()}).encode())
+
+
+def daemon_id(folder: Path) -> str:
+    """This daemon's stable name in lease objects (made once per data dir)."""
+    path = folder / "daemon-id"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_durable(path, f"d-{secrets.token_hex(8)}".encode())
+    return path.read_text().strip()
+
+
+class RemoteTier:
+    """Everything the session manager asks of the shared tier."""
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        assert settings.remote is not None
+        self.engine, self.store, self.settings = engine, engine.store, settings
+        folder = settings.data_dir / "remote"
+        config = RemoteConfig(settings.remote, settings.remote_endpoint, settings.remote_access_key_id,
+                              settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
+        self.remote = Remote(config, engine.bundle.hash, daemon_id(folder))
+        self.book = LeaseBook(folder / "leases.json")
+        self.ready = anyio.Event()
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[str, str]](settings.remote_queue)
+        self.uploaded: dict[str, anyio.Event] = {}
+        self.failed: dict[str, tuple[str, float]] = {}  # snapshot id -> (why its last upload failed, when)
+        self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "adopted": 0}
+
+    def close(self) -> None:
+        self.remote.close()
+
+    def status(self) -> dict[str, Any]:
+        h = self.remote.health
+        return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": h.state,
+                "error": h.error, "since": h.since, "last_ok": h.last_ok, "daemon": self.remote.daemon_id,
+                "queued": self._send.statistics().current_buffer_used, **self.remote.counters, **self.counters}
+
+    @property
+    def healthy(self) -> bool:
+        return self.remote.health.state == "ok"
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await to_thread.run_sync(lambda: fn(*args))
+
+    # -- start and uploads ----------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect (retrying while the server is down), queue local heads not yet published, then upload forever."""
+        delay = 0.2
+        while True:
+            try:
+                await self._run(self.remote.connect, self.store.block_tokens, self.engine.bundle.description)
+                break
+            except KvwakeError as exc:
+                log.warning("remote not ready", extra={"error": exc.message})
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+        self.ready.set()
+        log.info("remote ready", extra={"remote": self.settings.remote, "daemon": self.remote.daemon_id})
+        for row in await self._run(self.store.sessions):
+            if row["head"] is not None and not self.needs_lease(row["id"]):
+                self.enqueue(row["id"], row["head"])
+        async for session_id, snapshot_id in self._receive:
+            await self._upload_retrying(session_id, snapshot_id)
+
+    def enqueue(self, session_id: str, snapshot_id: str) -> None:
+        """Queue a committed local snapshot for upload (never blocks: a full queue drops it, counted)."""
+        self.uploaded.setdefault(snapshot_id, anyio.Event())
+        try:
+            self._send.send_nowait((session_id, snapshot_id))
+        except anyio.WouldBlock:
+            self.counters["upload_queue_full"] += 1
+            log.warning("upload queue full; snapshot stays local", extra={"session": session_id, "snapshot": snapshot_id})
+
+    async def _upload_retrying(self, session_id: str, snapshot_id: str) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self._upload(session_id, snapshot_id)
+                return
+            except RemoteUnavailableError as exc:  # the server is down or refusing: keep it, try again
+                self.failed[snapshot_id] = (exc.message, time.monotonic())
+                await anyio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+            except KvwakeError as exc:  # lease lost, snapshot pruned, local damage: this one will not go
+                self.counters["upload_failures"] += 1
+                self.failed[snapshot_id] = (exc.message, time.monotonic())
+                log.warning("upload failed", extra={"session": session_id, "snapshot": snapshot_id, "error": exc.message})
+                self.uploaded[snapshot_id].set()
+                return
+
+    async def _upload(self, session_id: str, snapshot_id: str) -> None:
+        lease = self.book.get(session_id)
+        if lease is None:  # a session this daemon made: its lease is taken at the first upload, if nobody has one
+            try:
+                lease = await self._run(lambda: self.remote.acquire(session_id, only_new=True))
+            except BusyError:
+                await self._run(self.book.set, session_id, Lease(0, self.remote.daemon_id, "lost", time.time()))
+                raise
+            await self._run(self.book.set, session_id, lease)
+        if lease.state != "held" or lease.daemon != self.remote.daemon_id:
+            raise LostLeaseError(f"session {session_id} is not held by this daemon (lease {lease.state}); "
+                                 f"snapshot {snapshot_id} stays local", session_id=session_id)
+        try:
+            info = await self._run(upload_snapshot, self.remote, self.store, snapshot_id, lease)
+        except LostLeaseError:
+            await self._run(self.book.set, session_id, Lease(lease.epoch, lease.daemon, "lost", lease.time))
+            raise
+        self.failed.pop(snapshot_id, None)
+        self.uploaded[snapshot_id].set()
+        log.info("uploaded", extra={"session": session_id, **info})
+
+    async def wait_uploaded(self, session_id: str, snapshot_id: str) -> None:
+        """Wait until the remote holds the snapshot. RemoteUnavailableError when the remote is not connected,
+        when an upload attempt fails after the wait began (it is retried in the background), or after 3x
+        the request timeout."""
+        if snapshot_id not in self.uploaded:
+            self.enqueue(session_id, snapshot_id)
+        began, done = time.monotonic(), self.uploaded[snapshot_id]
+        with anyio.move_on_after(self.settings.remote_timeout_s * 3 if self.ready.is_set() else 0):
+            while not done.is_set() and self.failed.get(snapshot_id, ("", 0.0))[1] < began:
+                await anyio.sleep(0.02)
+        if snapshot_id in self.failed or not done.is_set():
+            why = (self.failed[snapshot_id][0] if snapshot_id in self.failed else "the upload did not finish in time"
+                   if self.ready.is_set() else f"not connected: {self.remote.health.error or 'still connecting'}")
+            raise RemoteUnavailableError(f"snapshot {snapshot_id} of session {session_id} is committed locally but "
+                                         f"the remote does not hold it: {why}", session_id=session_id,
+                                         snapshot_id=snapshot_id, remote=self.settings.remote)
+
+    async def release(self, session_id: str) -> bool:
+        """Give the session's lease up (after its head is uploaded): another daemon may take it."""
+        lease = self.book.get(session_id)
+        if lease is None or lease.state != "held":
+            return False
+        if await self._run(self.remote.release, session_id, lease):
+            await self._run(self.book.set, session_id, Lease(lease.epoch + 1, lease.daemon, "released", lease.time))
+            return True
+        return False
+
+    # -- reads: adoption and prefixes -----------------------------------------
+
+    def _check_ready(self) -> None:
+        if not self.ready.is_set():
+            raise RemoteUnavailableError(f"remote {self.settings.remote} is not connected: "
+                                         f"{self.remote.health.error or 'still connecting'}",
+                                         remote=self.settings.remote, state=self.remote.health.state)
+
+    def needs_lease(self, session_id: str) -> bool:
+        """Whether waking this local session must take its lease first (it was released or taken over)."""
+        lease = self.book.get(session_id)
+        return lease is not None and lease.state != "held"
+
+    async def adopt(self, session_id: str, *, take_over: bool = False) -> dict[str, Any]:
+        """Take the session's lease and bring its newest remote snapshot into the local store.
+
+        Raises NotFoundError (no such remote session), BusyError (another daemon holds it),
+        CorruptBlockError (refused, nothing kept), RemoteUnavailableError.
+        """
+        self._check_ready()
+        if await self._run(self.remote.head, session_id) is None:
+            raise NotFoundError(f"no session {session_id!r} here or on remote {self.settings.remote}",
+                                session_id=session_id)
+        lease = await self._run(lambda: self.remote.acquire(session_id, take_over=take_over))
+        await self._run(self.book.set, session_id, lease)  # an fsync: off the event loop
+        try:
+            head = await self._run(self.remote.head, session_id)
+            result = await self._run(fetch_snapshot, self.remote, self.store, head, session_id, self.engine.hot.put)
+        except BaseException:
+            with contextlib.suppress(Exception):  # give back what we cannot serve
+                await self.release(session_id)
+            raise
+        self.counters["adopted"] += 1
+        log.info("adopted", extra={"session": session_id, "epoch": lease.epoch, **result})
+        return result
+
+    async def prefetch(self, tokens: list[int]) -> int:
+        """Remote blocks continuing the local prefix of `tokens`, under the deadline; 0 when unhealthy."""
+        if not self.healthy or len(tokens) <= self.store.block_tokens:
+            return 0
+        try:
+            n = await self._run(lambda: fetch_prefix(self.remote, self.store, tokens,
+                                                     deadline_s=self.settings.remote_prefix_deadline_s,
+                                                     on_block=self.engine.hot.put))
+        except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
+            log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
+            return 0
+        self.counters["prefix_blocks"] += n
+        return n
+
+    async def sessions(self) -> tuple[list[str], str | None]:
+        """Remote session ids, and an error when they could not be listed (never raises)."""
+        if not self.ready.is_set() or not self.healthy:
+            return [], self.remote.health.error or "remote not connected"
+        try:
+            return await self._run(self.remote.sessions), None
+        except KvwakeError as exc:
+            return [], exc.message
+
+    async def flush(self, timeout_s: float) -> None:
+        """At shutdown: upload what is queued, for at most timeout_s."""
+        with anyio.move_on_after(timeout_s):
+            while self._send.statistics().current_buffer_used and self.healthy:
+                session_id, snapshot_id = self._receive.receive_nowait()
+                await self._upload_retrying(session_id, snapshot_id)

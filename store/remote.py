@@ -1,0 +1,348 @@
+"""The shared tier: blocks, snapshots and session leases on an S3-compatible object store.
+
+No MLX here: objects are keyed by chain key and hold block files exactly as
+the local store writes them. All calls are blocking (obstore's sync API, which
+releases the GIL while it waits); the daemon runs them on worker threads.
+Objects fetched concurrently go through a small thread pool of our own.
+
+Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
+
+    v1/<bundle>/identity.json                 create-only; compared at start
+    v1/<bundle>/blocks/<chain key>            one block object (below), create-only
+    v1/<bundle>/tails/<snapshot id>           a snapshot's tail object, create-only
+    v1/<bundle>/snapshots/<sid>/<epoch:012d>-<snapshot id>.json
+                                              the manifest, written last: the commit point
+    v1/<bundle>/leases/<sid>/<epoch:012d>.json
+                                              ownership history, create-only (see `Lease`)
+
+`<sid>` is the session id percent-encoded (every byte but ASCII letters,
+digits and "_.-~"). A namespace per bundle hash: two models never share an
+object, and a daemon only ever lists its own model's sessions.
+
+Block and tail objects (`ObjectHeader`, version 1):
+
+    offset  size  field
+    0       4     magic b"KVWO"
+    4       1     version (1)
+    5       3     reserved, zero
+    8       4     u32 LE length n of the header JSON
+    12      n     header JSON, UTF-8: {"kind": "block"|"tail", "bundle", "digest",
+                  "codec", "raw_bytes", "stored_bytes", and for blocks "key",
+                  "parent", "token_ids" (list of ints); for tails "snapshot_id"}
+    12+n    ...   the block file (store/codec.py), stored_bytes long
+
+A reader trusts none of it: the chain key is recomputed from parent, bundle
+and token ids, and the block file is decoded and its digest checked against
+the manifest (`kvwake.store.transfer.check_encoded`).
+
+Manifests are the export manifest (store/transfer.py) plus `"remote":
+{"epoch", "daemon"}`. A session's head is its manifest with the greatest name
+(epoch first, then the time-ordered snapshot id).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import json
+import struct
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urlparse
+
+import obstore
+from obstore.exceptions import AlreadyExistsError, NotFoundError, PermissionDeniedError, UnauthenticatedError
+from obstore.store import S3Store
+
+from kvwake.errors import BusyError, CorruptBlockError, InvalidParamsError, RemoteUnavailableError
+
+__all__ = ["LAYOUT", "Health", "Lease", "ObjectHeader", "Remote", "RemoteConfig"]
+
+LAYOUT = "v1"
+MAGIC = b"KVWO"
+OBJECT_VERSION = 1
+LEASE_VERSION = 1
+T = TypeVar("T")
+MISSING = (FileNotFoundError, NotFoundError)  # obstore raises either for a missing object, depending on the call
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the shared tier is and how to sign in (the daemon fills it from flags, env, config file)."""
+
+    url: str  # s3://BUCKET/PREFIX
+    endpoint: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)
+    region: str = "us-east-1"
+    timeout_s: float = 10.0  # one request, connection included
+
+    def bucket_prefix(self) -> tuple[str, str]:
+        parsed = urlparse(self.url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise InvalidParamsError(f"remote must look like s3://BUCKET/PREFIX, not {self.url!r}", remote=self.url)
+        return parsed.netloc, parsed.path.strip("/")
+
+    def open(self) -> S3Store:
+        bucket, prefix = self.bucket_prefix()
+        options: dict[str, Any] = {"timeout": f"{self.timeout_s}s", "connect_timeout": f"{min(self.timeout_s, 3.0)}s"}
+        if self.endpoint and self.endpoint.startswith("http://"):
+            options["allow_http"] = True
+        credentials = {k: v for k, v in (("access_key_id", self.access_key_id),
+                                         ("secret_access_key", self.secret_access_key)) if v}
+        # Few, quick retries: a dead server must surface as "down" within about timeout_s, not minutes.
+        retry = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=self.timeout_s),
+                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
+                             "max_backoff": datetime.timedelta(seconds=1), "base": 2}}
+        return S3Store(bucket, prefix=prefix or None, endpoint=self.endpoint, region=self.region,
+                       client_options=options, retry_config=retry, **credentials)
+
+
+@dataclass
+class Health:
+    """What `status` shows of the remote: state is "connecting", "ok", "down" or "unauthorized"."""
+
+    state: str = "connecting"
+    error: str | None = None
+    since: float = field(default_factory=time.time)
+    last_ok: float | None = None
+
+    def report(self, ok: bool, error: str | None = None, state: str = "down") -> None:
+        new = "ok" if ok else state
+        if new != self.state:
+            self.state, self.since = new, time.time()
+        if ok:
+            self.error, self.last_ok = None, time.time()
+        else:
+            self.error = error
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """The header of a block or tail object (layout in the module docstring)."""
+
+    kind: str
+    bundle: str
+    digest: str
+    codec: str
+    raw_bytes: int
+    stored_bytes: int
+    key: str | None = None
+    parent: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    snapshot_id: str | None = None
+
+    def pack(self, file: bytes | memoryview) -> bytes:
+        head = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
+        raw = json.dumps(head).encode()
+        return b"".join((MAGIC, bytes([OBJECT_VERSION, 0, 0, 0]), struct.pack("<I", len(raw)), raw, bytes(file)))
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> tuple[ObjectHeader, memoryview]:
+        """Split an object into its header and its block file; ValueError when malformed."""
+        view = memoryview(data)
+        if len(view) < 12 or bytes(view[:4]) != MAGIC or view[4] != OBJECT_VERSION:
+            raise ValueError("not a kvwake object (bad magic or version)")
+        (n,) = struct.unpack("<I", view[8:12])
+        try:
+            head = json.loads(bytes(view[12 : 12 + n]))
+            header = cls(**{**head, "token_ids": tuple(head["token_ids"]) if "token_ids" in head else None})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"header is malformed ({exc})") from None
+        body = view[12 + n :]
+        if len(body) != header.stored_bytes:
+            raise ValueError(f"holds {len(body)} bytes of block file, its header says {header.stored_bytes}")
+        return header, body
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One step of a session's ownership history, version 1; the greatest epoch is the current state.
+
+    state "held": `daemon` owns the session (only it may append and publish snapshots).
+    state "released": nobody does; any daemon may take it (epoch + 1, create-only).
+    """
+
+    epoch: int
+    daemon: str
+    state: str
+    time: float
+    version: int = LEASE_VERSION
+
+
+def session_part(session_id: str) -> str:
+    return quote(session_id, safe="")
+
+
+def _name(path: str) -> str:
+    return path.rsplit("/", 1)[-1]
+
+
+class Remote:
+    """One bundle's namespace on the object store, as seen by one daemon (`daemon_id`)."""
+
+    def __init__(self, config: RemoteConfig, bundle: str, daemon_id: str, *, workers: int = 16) -> None:
+        self.config, self.bundle, self.daemon_id = config, bundle, daemon_id
+        self.s3 = config.open()
+        self.ns = f"{LAYOUT}/{bundle}"
+        self.health = Health()
+        self.counters = {"uploaded_blocks": 0, "uploaded_snapshots": 0, "fetched_blocks": 0,
+                         "fetched_snapshots": 0, "refused_objects": 0}
+        self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwake-s3")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- calls, and what their failures mean ----------------------------------
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one store call; record health; turn transport and auth failures into RemoteUnavailableError.
+
+        AlreadyExistsError and FileNotFoundError (obstore raises it for a missing object) pass through: they are answers, not faults.
+        """
+        try:
+            result = fn()
+        except (AlreadyExistsError, *MISSING):
+            self.health.report(True)
+            raise
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            self._fail(what, exc, "unauthorized")
+        except Exception as exc:  # obstore's GenericError and friends: connection refused, timeouts, 5xx
+            self._fail(what, exc, "down")
+        self.health.report(True)
+        return result
+
+    def _fail(self, what: str, exc: Exception, state: str) -> None:
+        first = str(exc).splitlines()[0][:300]
+        why = "the server refused the credentials" if state == "unauthorized" else "the server is unreachable or failing"
+        message = f"remote {self.config.url} ({self.config.endpoint or 'AWS'}): {what}: {why}: {first}"
+        self.health.report(False, message, state)
+        raise RemoteUnavailableError(message, remote=self.config.url, state=state) from None
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+        try:
+            return bytes(self.call(f"GET {key}", lambda: self.s3.get(key).bytes()))
+        except MISSING:
+            return None
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Create-only put (If-None-Match: *); False if the key already exists."""
+        try:
+            self.call(f"PUT {key}", lambda: self.s3.put(key, data, mode="create"))
+            return True
+        except AlreadyExistsError:
+            return False
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.call(f"HEAD {key}", lambda: self.s3.head(key))
+            return True
+        except MISSING:
+            return False
+
+    def names(self, prefix: str) -> list[str]:
+        """Object names directly under `prefix` (a folder), sorted."""
+        result = self.call(f"LIST {prefix}", lambda: obstore.list_with_delimiter(self.s3, prefix))
+        return sorted(_name(o["path"]) for o in result["objects"])
+
+    def folders(self, prefix: str) -> list[str]:
+        result = self.call(f"LIST {prefix}", lambda: obstore.list_with_delimiter(self.s3, prefix))
+        return sorted(_name(p) for p in result["common_prefixes"])
+
+    def parallel(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+        """fn over items on the pool, results in order; the first failure is raised."""
+        return [f.result() for f in [self.pool.submit(fn, item) for item in items]]
+
+    # -- namespace ------------------------------------------------------------
+
+    def block_key(self, key: str) -> str:
+        return f"{self.ns}/blocks/{key}"
+
+    def tail_key(self, snapshot_id: str) -> str:
+        return f"{self.ns}/tails/{snapshot_id}"
+
+    def manifest_key(self, session_id: str, epoch: int, snapshot_id: str) -> str:
+        return f"{self.ns}/snapshots/{session_part(session_id)}/{epoch:012d}-{snapshot_id}.json"
+
+    def connect(self, block_tokens: int, description: dict[str, Any]) -> None:
+        """Write this bundle's identity object (create-only), or check the one there matches ours.
+
+        Raises RemoteUnavailableError (unreachable, refused) or InvalidParamsError (another identity).
+        """
+        mine = {"format": "kvwake-remote", "layout": LAYOUT, "bundle": self.bundle, "block_tokens": block_tokens,
+                "description": description}
+        key = f"{self.ns}/identity.json"
+        if self.put_new(key, json.dumps(mine, sort_keys=True).encode()):
+            return
+        raw = self.get(key)
+        theirs = json.loads(raw) if raw else None
+        if not isinstance(theirs, dict) or any(theirs.get(k) != mine[k] for k in ("format", "layout", "bundle", "block_tokens")):
+            message = (f"remote {self.config.url}: the identity object {key} does not match this daemon "
+                       f"(bundle {self.bundle[:12]}, {block_tokens}-token blocks); refusing to share it")
+            self.health.report(False, message, "refused")
+            raise InvalidParamsError(message, remote=self.config.url, key=key)
+
+    def sessions(self) -> list[str]:
+        """Ids of every session with a published snapshot in this namespace."""
+        return [unquote(p) for p in self.folders(f"{self.ns}/snapshots/")]
+
+    def head(self, session_id: str) -> str | None:
+        """The object key of a session's newest manifest, or None."""
+        names = self.names(f"{self.ns}/snapshots/{session_part(session_id)}/")
+        return f"{self.ns}/snapshots/{session_part(session_id)}/{names[-1]}" if names else None
+
+    # -- leases ---------------------------------------------------------------
+
+    def leases(self, session_id: str) -> list[Lease]:
+        prefix = f"{self.ns}/leases/{session_part(session_id)}/"
+        return [self._lease(prefix + name) for name in self.names(prefix)[-1:]]
+
+    def _lease(self, key: str) -> Lease:
+        raw = self.get(key)
+        try:
+            return Lease(**json.loads(raw or b""))
+        except (ValueError, TypeError) as exc:
+            raise CorruptBlockError(f"lease object {key} is malformed ({exc})", block=key) from None
+
+    def current_lease(self, session_id: str) -> Lease | None:
+        found = self.leases(session_id)
+        return found[-1] if found else None
+
+    def _write_lease(self, session_id: str, epoch: int, state: str) -> Lease | None:
+        lease = Lease(epoch, self.daemon_id, state, time.time())
+        key = f"{self.ns}/leases/{session_part(session_id)}/{epoch:012d}.json"
+        return lease if self.put_new(key, json.dumps(asdict(lease)).encode()) else None
+
+    def acquire(self, session_id: str, *, take_over: bool = False, only_new: bool = False) -> Lease:
+        """Become the session's owner: a new "held" epoch, written create-only.
+
+        Raises BusyError naming the owner when another daemon holds it (unless take_over: for an
+        owner that died) or wins the same epoch at the same moment; with only_new, also when the
+        session has any lease history (a session of that id was made elsewhere).
+        """
+        current = self.current_lease(session_id)
+        if only_new and current is not None and not (current.state == "held" and current.daemon == self.daemon_id):
+            raise BusyError(f"session {session_id} already exists on the remote (lease epoch {current.epoch}, "
+                            f"{current.state} by {current.daemon}); this daemon's copy stays local",
+                            session_id=session_id, owner=current.daemon, epoch=current.epoch)
+        if current is not None and current.state == "held":
+            if current.daemon == self.daemon_id:
+                return current
+            if not take_over:
+                raise BusyError(f"session {session_id} is owned by daemon {current.daemon} (lease epoch "
+                                f"{current.epoch}); sleep it there with release, or take it over if that daemon "
+                                "is gone", session_id=session_id, owner=current.daemon, epoch=current.epoch)
+        lease = self._write_lease(session_id, (current.epoch if current else 0) + 1, "held")
+        if lease is None:
+            raise BusyError(f"another daemon took session {session_id} at the same moment", session_id=session_id)
+        return lease
+
+    def release(self, session_id: str, held: Lease) -> bool:
+        """Give up ownership: the epoch after `held`, state "released"; False if we no longer held it."""
+        current = self.current_lease(session_id)
+        if current != held:
+            return False
+        return self._write_lease(session_id, held.epoch + 1, "released") is not None

@@ -1,0 +1,227 @@
+"""Moving snapshots and prefix blocks between the local store and the shared tier, verified both ways.
+
+Upload: every block file is decoded and checked against its index row before
+it leaves (a create-only object can never be replaced, so a bad one must never
+be written); blocks the remote already holds are not sent again; the tail
+follows; the manifest is written last, and only while the uploader still holds
+the session's lease. An upload cut off anywhere leaves no manifest, so no
+reader ever sees the snapshot; running it again finishes it.
+
+Download: every object is checked as an import file is (store/transfer.py):
+its chain key recomputed, its bundle, its decoded payload's digest against
+the manifest, then the snapshot digest, before one local commit. Blocks the
+local store already holds are not fetched. Nothing here imports mlx.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from collections.abc import Callable
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from kvwake.errors import CorruptBlockError, KvwakeError
+from kvwake.store.codec import Encoded
+from kvwake.store.keys import block_key, chain_keys
+from kvwake.store.remote import Lease, ObjectHeader, Remote
+from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
+
+if TYPE_CHECKING:
+    from kvwake.store.index import BlockRef
+    from kvwake.store.store import Store
+    from kvwake.store.writer import SnapshotWriter
+
+__all__ = ["LostLeaseError", "fetch_prefix", "fetch_snapshot", "upload_snapshot"]
+
+OnBlock = Callable[[str, dict], None] | None  # (chain key, decoded verified tensors): the daemon's RAM tier
+
+
+class LostLeaseError(KvwakeError):
+    """This daemon no longer holds the session's lease: its snapshots are not published."""
+
+    code = "BUSY"
+
+
+# -- upload ----------------------------------------------------------------------
+
+
+def _local_block(store: Store, ref: BlockRef) -> bytes:
+    """A block file's bytes, fully verified against its index row."""
+    data = bytes(store.files.read(ref.file))
+    if block_key(ref.parent, ref.bundle, ref.token_ids) != ref.key:
+        raise CorruptBlockError(f"block {ref.key[:16]}: index row does not hash to its key", block=ref.key)
+    try:
+        check_encoded(data, ref.digest, ref.raw_bytes, ref.codec, ref.bundle, ref.key)
+    except ValueError as exc:
+        raise CorruptBlockError(f"block {ref.key[:16]} ({ref.file}) {exc}; not uploaded", block=ref.key) from None
+    return data
+
+
+def upload_blocks(remote: Remote, store: Store, refs: list[BlockRef]) -> int:
+    """Put the blocks the remote lacks (create-only); returns how many were written."""
+    present = remote.parallel(lambda ref: remote.exists(remote.block_key(ref.key)), refs)
+
+    def put(ref: BlockRef) -> bool:
+        data = _local_block(store, ref)
+        header = ObjectHeader("block", ref.bundle, ref.digest, ref.codec, ref.raw_bytes, len(data), key=ref.key,
+                              parent=ref.parent, token_ids=tuple(ref.token_ids))
+        return remote.put_new(remote.block_key(ref.key), header.pack(data))  # "exists" is success: same content
+
+    written = sum(remote.parallel(put, [ref for ref, there in zip(refs, present) if not there]))
+    remote.counters["uploaded_blocks"] += written
+    return written
+
+
+def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease) -> dict[str, Any]:
+    """Publish one committed local snapshot under `lease`; returns what was sent.
+
+    Raises LostLeaseError when the lease moved on, RemoteUnavailableError, CorruptBlockError (local damage).
+    """
+    with store.reading():
+        manifest, record = snapshot_manifest(store, snapshot_id)
+        key = remote.manifest_key(record.session_id, lease.epoch, record.id)
+        if remote.exists(key):
+            return {"snapshot_id": record.id, "manifest": key, "new_blocks": 0, "existed": True}
+        written = upload_blocks(remote, store, list(record.blocks))
+        if record.tail is not None:
+            data = bytes(store.files.read(record.tail.file))
+            store.read_tail(record)  # verified before it leaves, like every block
+            header = ObjectHeader("tail", record.bundle, record.tail.digest, record.tail.codec, record.tail.raw_bytes,
+                                  len(data), snapshot_id=record.id)
+            remote.put_new(remote.tail_key(record.id), header.pack(data))
+    if remote.current_lease(record.session_id) != lease:
+        raise LostLeaseError(f"session {record.session_id}: this daemon no longer holds its lease (epoch "
+                             f"{lease.epoch}); snapshot {record.id} stays local", session_id=record.session_id,
+                             snapshot_id=record.id)
+    manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id}
+    remote.put_new(key, json.dumps(manifest, indent=1).encode())  # the commit point
+    remote.counters["uploaded_snapshots"] += 1
+    return {"snapshot_id": record.id, "manifest": key, "new_blocks": written, "existed": False}
+
+
+# -- download --------------------------------------------------------------------
+
+
+def _refused(remote: Remote, what: str, why: str, **facts: Any) -> CorruptBlockError:
+    remote.counters["refused_objects"] += 1
+    return CorruptBlockError(f"remote {what} refused: {why}", remote=remote.config.url, **facts)
+
+
+def fetch_block(remote: Remote, key: str, digest: str | None, raw_bytes: int | None, tokens: list[int]) -> tuple:
+    """Fetch and verify one block object; returns (header, file bytes, decoded tensors).
+
+    digest, raw_bytes: what a manifest says (None for a prefix lookup: the header's, bound by the key).
+    Raises CorruptBlockError for anything that does not check out, KeyError when it is missing.
+    """
+    data = remote.get(remote.block_key(key))
+    if data is None:
+        raise KeyError(key)
+    try:
+        header, body = ObjectHeader.unpack(data)
+        if (header.kind != "block" or header.key != key or header.bundle != remote.bundle
+                or list(header.token_ids or ()) != list(tokens)
+                or block_key(header.parent or "", remote.bundle, tokens) != key):
+            raise ValueError("its header names another block, bundle or tokens")
+        if digest is not None and (header.digest != digest or header.raw_bytes != raw_bytes):
+            raise ValueError("its header disagrees with the manifest")
+        _, tensors = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, key)
+    except ValueError as exc:
+        raise _refused(remote, f"block {key[:16]}", str(exc), block=key) from None
+    remote.counters["fetched_blocks"] += 1
+    return header, body, tensors
+
+
+def _fill_from_remote(remote: Remote, m: dict[str, Any], w: SnapshotWriter, on_block: OnBlock) -> None:
+    def one(i: int) -> None:
+        entry = m["blocks"][i]
+        try:
+            header, body, tensors = fetch_block(remote, entry["key"], entry["digest"], int(entry["raw_bytes"]),
+                                                w.block_tokens(i))
+        except KeyError:
+            raise _refused(remote, f"snapshot {m['snapshot']['id']}", f"block {i} ({entry['key'][:16]}) is missing",
+                           block=entry["key"]) from None
+        w.add_encoded(i, _encoded(body, header))
+        if on_block:
+            on_block(entry["key"], tensors)
+
+    _all(remote, one, w.needed)
+    if m["tail"]:
+        sid = m["snapshot"]["id"]
+        data = remote.get(remote.tail_key(sid))
+        try:
+            header, body = ObjectHeader.unpack(data or b"")
+            if header.kind != "tail" or header.snapshot_id != sid or header.digest != m["tail"]["digest"]:
+                raise ValueError("its header names another tail")
+            encoded, _ = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, None)
+        except ValueError as exc:
+            raise _refused(remote, f"tail of snapshot {sid}", str(exc), snapshot_id=sid) from None
+        w.set_tail_encoded(encoded)
+
+
+def _encoded(body: memoryview, header: ObjectHeader) -> Encoded:
+    """A fetched block file as the writer takes it (already verified by fetch_block)."""
+    return Encoded((bytes(body),), header.digest, header.raw_bytes, header.codec)
+
+
+def _all(remote: Remote, fn: Callable[[int], None], items: list[int]) -> None:
+    """fn over items on the remote's pool; waits for all, then raises the first failure."""
+    futures = [remote.pool.submit(fn, i) for i in items]
+    cf.wait(futures)
+    for f in futures:
+        f.result()
+
+
+def fetch_snapshot(remote: Remote, store: Store, manifest_key: str, session_id: str, on_block: OnBlock = None) -> dict[str, Any]:
+    """Fetch, verify and commit locally the snapshot a manifest names; returns the import summary.
+
+    Raises CorruptBlockError (nothing committed) or RemoteUnavailableError.
+    """
+    raw = remote.get(manifest_key)
+    if raw is None:
+        raise _refused(remote, f"manifest {manifest_key}", "it is missing", session_id=session_id)
+    try:
+        m = parse_manifest(raw, store, PurePosixPath(manifest_key))
+    except KvwakeError as exc:
+        raise _refused(remote, f"manifest {manifest_key}", exc.message, session_id=session_id) from None
+    if m["bundle"]["hash"] != remote.bundle or m["snapshot"]["session_id"] != session_id:
+        raise _refused(remote, f"manifest {manifest_key}", "it names another bundle or session", session_id=session_id)
+    result = import_verified(store, m, session_id, lambda w: _fill_from_remote(remote, m, w, on_block),
+                             lambda why: _refused(remote, f"manifest {manifest_key}", why, session_id=session_id))
+    remote.counters["fetched_snapshots"] += 1
+    return result
+
+
+def fetch_prefix(remote: Remote, store: Store, token_ids: list[int], *, deadline_s: float, batch: int = 8,
+                 on_block: OnBlock = None) -> int:
+    """Bring the remote's blocks that continue the local longest prefix of `token_ids` into the local store.
+
+    Asks for `batch` blocks at a time and stops at the first missing one, a refused one, or the
+    deadline (blocks still in flight then are dropped: the caller prefills instead). Returns the
+    blocks added locally.
+    """
+    b, ends = store.block_tokens, time.monotonic() + deadline_s
+    keys = chain_keys(remote.bundle, token_ids, b)
+    have, added = len(store.longest_prefix(remote.bundle, token_ids)), 0
+    while have < len(keys):
+        wanted = range(have, min(have + batch, len(keys)))
+        futures = [remote.pool.submit(fetch_block, remote, keys[i], None, None, token_ids[i * b : (i + 1) * b])
+                   for i in wanted]
+        cf.wait(futures, timeout=max(0.0, ends - time.monotonic()))
+        got = []
+        for f in futures:
+            if not f.done() or f.exception() is not None:
+                break
+            got.append(f.result())
+        if got:
+            with store.writer(None, remote.bundle, token_ids[: (have + len(got)) * b]) as w:
+                for i, (header, body, tensors) in zip(range(have, have + len(got)), got):
+                    w.add_encoded(i, _encoded(body, header))
+                    if on_block:
+                        on_block(keys[i], tensors)
+                w.commit()
+            have, added = have + len(got), added + len(got)
+        if len(got) < len(futures) or time.monotonic() >= ends:
+            break
+    return added
