@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio import to_thread
@@ -34,11 +34,13 @@ from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams, GenerateResult
-from kvwake.daemon.remote import RemoteTier
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
+
+if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
+    from kvwake.daemon.remote import RemoteTier
 
 __all__ = ["Latency", "SessionManager"]
 

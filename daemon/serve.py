@@ -38,7 +38,6 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.remote import RemoteTier
 from kvwake.daemon.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.worker import EngineThread
 from kvwake.store import Store
@@ -163,6 +162,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     if settings.remote is not None:
+        from kvwake.daemon.remote import RemoteTier  # obstore loads only when a remote is configured
+
         manager.remote = RemoteTier(settings, engine)
     try:
         return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio",
