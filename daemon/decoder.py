@@ -168,7 +168,9 @@ class Decoder:
         """Fail every call (the engine thread is stopping)."""
         for call in [*self.waiting, *self.rows.values(), *self.solo]:
             call.fail(exc)
-        self.waiting.clear(), self.rows.clear(), self.solo.clear()
+        self.waiting.clear()
+        self.rows.clear()
+        self.solo.clear()
         self.batch = None
 
     # -- joining ----------------------------------------------------------------
@@ -193,6 +195,7 @@ class Decoder:
         self.solo.remove(call)
         assert call.solo is not None
         token = call.solo.next
+        self.counters["decode_tokens"] += 1  # a token handed out, not a step of its own
         reason = call.output.add(int(token.item()))
         if reason is not None:  # that token ends the call: feed it alone, as every token handed out is
             call.solo.step()
