@@ -17,7 +17,7 @@ from __future__ import annotations
 from kvwake.client.aio import AsyncClient, AsyncStream
 from kvwake.client.api import ClientAPI, Session
 from kvwake.client.client import Client, Stream
-from kvwake.client.paths import resolve_socket
+from kvwake.client.paths import openai_config, resolve_socket
 from kvwake.client.wire import ClientConnectionError, ConnectionLostError, DaemonNotRunningError, Reply
 from kvwake.errors import (
     BundleMismatchError,
@@ -55,5 +55,6 @@ __all__ = [
     "StorageFullError",
     "Stream",
     "UnknownMethodError",
+    "openai_config",
     "resolve_socket",
 ]

@@ -10,6 +10,7 @@ reference; every command's docstring is its help, with an example.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -90,6 +91,11 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--remote", help="Shared tier s3://BUCKET/PREFIX (env KVWAKE_REMOTE).")
 @click.option("--remote-endpoint", help="S3 endpoint URL (env AWS_ENDPOINT_URL); credentials: AWS_ACCESS_KEY_ID, "
               "AWS_SECRET_ACCESS_KEY.")
+@click.option("--http", help="Serve the OpenAI-compatible API on [HOST:]PORT (a bare port binds 127.0.0.1).")
+@click.option("--http-token", help="Its bearer token (env KVWAKE_HTTP_TOKEN; default: made once in "
+              "<data dir>/http-token; `kvwake http` shows it).")
+@click.option("--http-no-token", "http_no_token", is_flag=True,
+              help="Ask no bearer token (loopback only): any local user could read every session.")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:
     """Run the daemon in the foreground.
@@ -104,6 +110,7 @@ def serve(opts: Options, **flags: object) -> None:
     from kvwake.daemon.serve import run
 
     config = flags.pop("config_file")
+    flags["http_auth"] = False if flags.pop("http_no_token") else None
     flags["socket"] = flags.pop("socket_path") or (opts.socket if opts else None)
     try:
         settings = load_settings(flags, Path(str(config)) if config else None)
@@ -144,6 +151,31 @@ def status(opts: Options, as_json: bool) -> None:
         ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"),
         ("counters", counters or "-"),
     ])
+
+
+@main.command("http")
+@click.option("--env", "as_env", is_flag=True, help="Print shell exports of OPENAI_BASE_URL and OPENAI_API_KEY.")
+@json_option
+@click.pass_obj
+def http_command(opts: Options, as_env: bool, as_json: bool) -> None:
+    """Show the daemon's OpenAI-compatible API: its base URL and bearer token.
+
+    Example: eval "$(kvwake http --env)"; python my_agent.py   # any OpenAI client library
+    """
+    from kvwake.client.paths import openai_config, resolve_socket
+
+    try:
+        config = openai_config(opts.socket if opts else None)
+    except (LookupError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        return echo_json(config)
+    if as_env:
+        click.echo(f"export OPENAI_BASE_URL={shlex.quote(config['base_url'])}\n"
+                   f"export OPENAI_API_KEY={shlex.quote(config['api_key'])}")
+        return
+    fields([("base url", config["base_url"]), ("api key", config["api_key"]),
+            ("socket", str(resolve_socket(opts.socket if opts else None)))])
 
 
 def generate_options(fn: Any) -> Any:

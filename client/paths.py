@@ -22,6 +22,7 @@ __all__ = [
     "config_value",
     "default_data_dir",
     "default_socket",
+    "openai_config",
     "pid_alive",
     "read_status_file",
     "resolve_data_dir",
@@ -81,3 +82,20 @@ def pid_alive(pid: Any) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def openai_config(socket: str | Path | None = None) -> dict[str, str]:
+    """`base_url` and `api_key` of the running daemon's HTTP API, for `openai.OpenAI(**openai_config())`.
+
+    The URL comes from the status file next to the socket (the daemon must serve `--http`); the key
+    from KVWAKE_HTTP_TOKEN, else the token file the daemon names there. Raises LookupError when there
+    is no HTTP API to find, PermissionError when the token file is not readable.
+    """
+    path = resolve_socket(socket)
+    info = (read_status_file(path) or {}).get("http")
+    if not isinstance(info, dict) or not isinstance(info.get("url"), str):
+        raise LookupError(f"no daemon serves HTTP for {path} (start it with `kvwake serve --http PORT`)")
+    token = os.environ.get("KVWAKE_HTTP_TOKEN")
+    if token is None and info.get("token_file"):
+        token = Path(info["token_file"]).read_text().strip()
+    return {"base_url": info["url"], "api_key": token or "none"}

@@ -1,6 +1,6 @@
 """Daemon settings: flags > environment > config file > platform defaults.
 
-Environment: KVWAKE_SOCKET, KVWAKE_DATA_DIR, KVWAKE_MODEL, KVWAKE_CONFIG, KVWAKE_REMOTE;
+Environment: KVWAKE_SOCKET, KVWAKE_DATA_DIR, KVWAKE_MODEL, KVWAKE_CONFIG, KVWAKE_REMOTE, KVWAKE_HTTP_TOKEN;
 for the shared tier the AWS tools' own: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_REGION.
 Config file (TOML, default `<user config dir>/kvwake/config.toml`), any of
@@ -15,6 +15,7 @@ the `Settings` field names as top-level keys, e.g.
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
     remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier")
     remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
+    http = "127.0.0.1:8080"  # the OpenAI-compatible API (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
 
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.
@@ -34,6 +35,7 @@ from kvwake.paths import default_config, default_data_dir, default_socket
 __all__ = ["Settings", "default_socket", "load_settings"]
 
 ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL", "remote": "KVWAKE_REMOTE",
+       "http_token": "KVWAKE_HTTP_TOKEN",
        "remote_endpoint": "AWS_ENDPOINT_URL", "remote_access_key_id": "AWS_ACCESS_KEY_ID",
        "remote_secret_access_key": "AWS_SECRET_ACCESS_KEY", "remote_region": "AWS_REGION"}
 
@@ -72,10 +74,17 @@ class Settings:
     remote_timeout_s: float = 10.0  # one S3 request; also how long sleep's remote_wait waits at most x3
     remote_prefix_deadline_s: float = 2.0  # a prefix lookup waits this long for remote blocks, then prefills
     remote_queue: int = 1024  # snapshots waiting for upload; more are dropped (and counted) until it drains
+    http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/http.py); None: off
+    http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
+    http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
 
     @property
     def store_dir(self) -> Path:
         return self.data_dir / "store"
+
+    @property
+    def http_token_file(self) -> Path:
+        return self.data_dir / "http-token"
 
     @property
     def status_file(self) -> Path:
@@ -90,6 +99,8 @@ def _coerce(name: str, value: Any) -> Any:
         return tuple(int(v) for v in value)
     if value is None:
         return None
+    if kind == "bool" or kind is bool:
+        return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
     if "int" in str(kind) and "float" not in str(kind):
         return int(value)
     if "float" in str(kind):

@@ -122,32 +122,36 @@ class Engine:
     # -- input ----------------------------------------------------------------
 
     def append(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
-               tools: Any = None) -> dict[str, int]:
+               tools: Any = None, whole: bool = False) -> dict[str, int]:
         """Add input and prefill it (all but the last token, which stays pending).
 
         Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}.
         """
-        plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools)
+        plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools, whole=whole)
         return self.apply(session, plan, self.prefix_cache(session, plan.target))
 
     def plan(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
-             tools: Any = None) -> Plan:
-        """Validate input and compute the session's new token list; changes nothing."""
+             tools: Any = None, whole: bool = False) -> Plan:
+        """Validate input and compute the session's new token list; changes nothing.
+
+        With `whole`, the input is the whole conversation (as OpenAI clients send it), not an addition:
+        it replaces the session's messages or tokens, and the cache keeps their common prefix.
+        """
         if sum(x is not None for x in (messages, text, tokens)) != 1:
             raise InvalidParamsError("give exactly one of messages, text or tokens")
         if messages is not None:
             session.check_mode("chat")
             tools = session.tools if tools is None else check_json(tools, "tools")
-            candidate = session.messages + check_messages(messages)
+            candidate = ([] if whole else session.messages) + check_messages(messages)
             return Plan(self.template.render(candidate, tools), "chat", candidate, tools)
         session.check_mode("raw")
         if text is not None:
             if not isinstance(text, str) or not text:
                 raise InvalidParamsError("text must be a non-empty string")
-            added = list(self.tokenizer.encode(text, add_special_tokens=not session.tokens))
+            added = list(self.tokenizer.encode(text, add_special_tokens=whole or not session.tokens))
         else:
             added = self._check_tokens(tokens)
-        return Plan(session.tokens + added, "raw", session.messages, session.tools)
+        return Plan(([] if whole else session.tokens) + added, "raw", session.messages, session.tools)
 
     @property
     def vocab_size(self) -> int:

@@ -38,6 +38,7 @@ Written for mlx-lm 0.32 (its cache `state` layouts changed between 0.31 and
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -70,6 +71,7 @@ __all__ = [
     "capture_planed",
     "capture_tail",
     "check_meta",
+    "copy_prefix",
     "cuttable",
     "kind_of",
     "layout",
@@ -219,6 +221,30 @@ def layout(cache: list, *, model: Any | None = None) -> list[dict]:
 def cuttable(cache: list) -> bool:
     """True when every unit can be cut by token, so a stored prefix can start a new cache."""
     return all(kind_of(c, name) in CUTTABLE for name, _, _, c in units(cache))
+
+
+def copy_prefix(cache: list, n_tokens: int) -> list:
+    """A new cache holding the first `n_tokens` of a cuttable `cache` (which stays as it is).
+
+    MLX arrays are values: the copy's slices never see the source's later writes. Evaluated on return
+    (engine thread). Raises NotCuttableError for a layer that cannot be cut by token.
+    """
+    def cut(c: Any, where: str) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*(cut(m, f"{where}.{j}") for j, m in enumerate(c.caches)))
+        if kind_of(c, where) not in CUTTABLE or c.offset < n_tokens:
+            raise NotCuttableError(f"{where}: a {type(c).__name__} holding {c.offset} tokens cannot give {n_tokens}")
+        twin = copy.copy(c)  # same class and settings (quantization bits, group size)
+        if isinstance(c, QuantizedKVCache):
+            twin.keys, twin.values = (tuple(a[..., :n_tokens, :] for a in part) for part in (c.keys, c.values))
+        else:
+            twin.keys, twin.values = c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :]
+        twin.offset = n_tokens
+        return twin
+
+    copied = [cut(c, f"layers.{i}") for i, c in enumerate(cache)]
+    mx.eval([c.state for c in copied])
+    return copied
 
 
 def cache_nbytes(cache: list) -> int:

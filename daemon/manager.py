@@ -279,6 +279,7 @@ class SessionManager:
             appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             stop = lambda: cancelled() or self.stopping  # noqa: E731
+            session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_text, stop)
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],

@@ -47,6 +47,7 @@ __all__ = ["DaemonRunningError", "JsonFormatter", "prepare_socket", "run"]
 
 log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
+HTTP_GRACE_S = 10.0  # at stop, open HTTP responses get this long to end
 REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
@@ -96,9 +97,12 @@ def prepare_socket(path: Path) -> None:
     raise DaemonRunningError(f"a kvwake daemon is already serving {path}; stop it first (kvwake status shows its pid)")
 
 
-def write_status(settings: Settings, engine: Engine) -> None:
+def write_status(settings: Settings, engine: Engine, *, http_url: str | None = None) -> None:
     status = {"pid": os.getpid(), "socket": str(settings.socket), "version": kvwake.__version__,
               "model": engine.model_name, "bundle_hash": engine.bundle.hash, "started": time.time()}
+    if http_url is not None:  # where `kvwake http` and openai_config() find the API (the token stays in its file)
+        status["http"] = {"url": http_url, "token_file": str(settings.http_token_file) if settings.http_auth
+                          and settings.http_token is None else None, "auth": settings.http_auth}
     write_durable(settings.status_file, json.dumps(status, indent=1).encode())
 
 
@@ -147,7 +151,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         lock_fd = hold_daemon_lock(settings)
         if listen_socket is None:
             prepare_socket(settings.socket)
-    except DaemonRunningError as exc:
+        http = open_http(settings)  # before the model loads: a port in use fails at once
+    except (DaemonRunningError, ValueError, OSError, RuntimeError) as exc:
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
@@ -166,9 +171,11 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
 
         manager.remote = RemoteTier(settings, engine)
     try:
-        return anyio.run(_serve, settings, manager, listen_socket, backend="asyncio",
+        return anyio.run(_serve, settings, manager, listen_socket, http, backend="asyncio",
                          backend_options={"use_uvloop": _have_uvloop()})
     finally:
+        if http is not None:
+            http[0].close()
         if manager.remote is not None:
             manager.remote.close()
         thread.stop()
@@ -177,30 +184,63 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         os.close(lock_fd)
 
 
+def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
+    """The HTTP API's listening socket and bearer token, when `--http` is set (daemon/http.py).
+
+    Raises ValueError for a bad address or a token check switched off on a non-loopback one,
+    OSError when the port cannot be bound, HttpTokenError for an unsafe token file.
+    """
+    if settings.http is None:
+        return None
+    from kvwake.daemon.http import bind, is_loopback, parse_address, read_token
+
+    host, port = parse_address(settings.http)
+    if not settings.http_auth and not is_loopback(host):
+        raise ValueError(f"--http-no-token serves loopback addresses only, not {host}")
+    token = None
+    if settings.http_auth:
+        token = settings.http_token or read_token(settings.http_token_file, create=True)
+    return bind(host, port), token
+
+
+def _http_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
 def _have_uvloop() -> bool:
     """uvloop where it is installed (Linux, macOS): it halves the loop's share of a round trip
     (docs/decisions.md, "RPC front"); the stock loop otherwise, with the same behaviour."""
     return importlib.util.find_spec("uvloop") is not None
 
 
-async def _serve(settings: Settings, manager: SessionManager, listen_socket: socket.socket | None) -> int:
+async def _serve(settings: Settings, manager: SessionManager, listen_socket: socket.socket | None,
+                 http: tuple[socket.socket, str | None] | None) -> int:
     await manager.load()
     stop = anyio.Event()
     server = Server(manager, allow_uids=default_allow(settings.allow_uids), read_timeout_s=settings.read_timeout_s,
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
     listener = await asyncio.get_running_loop().create_unix_server(
         server.protocol, sock=listen_socket if listen_socket is not None else unix_listener(settings.socket))
-    write_status(settings, manager.engine)
+    write_status(settings, manager.engine, http_url=_http_url(http[0]) if http else None)
+    http_done = anyio.Event()
     try:
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)
             if manager.remote is not None:  # connects (retrying) and uploads in the background
                 services.start_soon(manager.remote.run)
+            if http is not None:
+                services.start_soon(_serve_http, manager, http, stop, http_done)
             log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
                                      "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries),
+                                     "http": _http_url(http[0]) if http else None,
                                      "event_loop": type(asyncio.get_running_loop()).__module__})
             await stop.wait()
+            if http is not None:  # generations end after their current token; open HTTP streams get to finish
+                manager.stopping = True
+                with anyio.move_on_after(HTTP_GRACE_S):
+                    await http_done.wait()
             services.cancel_scope.cancel()
         listener.close()  # new clients are refused at once, not left unanswered during the drain
         failed = await _drain(manager)
@@ -212,6 +252,16 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         remove_own_files(settings, keep_socket=listen_socket is not None)
     log.info("stopped", extra={"unslept": failed})
     return 1 if failed else 0
+
+
+async def _serve_http(manager: SessionManager, http: tuple[socket.socket, str | None], stop: anyio.Event,
+                      done: anyio.Event) -> None:
+    from kvwake.daemon.http import run_http  # Starlette and Hypercorn load only when --http is set
+
+    try:
+        await run_http(manager, http[0], http[1], stop)
+    finally:
+        done.set()
 
 
 async def _signals(stop: anyio.Event) -> None:

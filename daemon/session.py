@@ -70,6 +70,7 @@ class Session:
     metadata: dict[str, Any] = field(default_factory=dict)
     head: str | None = None  # latest snapshot id
     last_used: float = 0.0
+    reply_start: int | None = None  # where the last generated reply begins in `tokens` (None: no reply yet)
 
     @property
     def pending(self) -> list[int]:
@@ -85,7 +86,7 @@ class Session:
     def state(self) -> dict[str, Any]:
         """What a snapshot records beside the KV (its metadata), so a wake needs nothing else."""
         return {"mode": self.mode, "messages": self.messages, "tools": self.tools,
-                "pending": self.pending, "metadata": self.metadata}
+                "pending": self.pending, "metadata": self.metadata, "reply_start": self.reply_start}
 
     @classmethod
     def from_state(cls, session_id: str, token_ids: list[int], state: Any, head: str, vocab: int) -> Session:
@@ -99,7 +100,8 @@ class Session:
             ok = (state.get("mode") in (None, "chat", "raw") and isinstance(state.get("metadata", {}), dict)
                   and isinstance(pending, list) and isinstance(messages, list)
                   and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in pending)
-                  and (tools is None or isinstance(tools, list)))
+                  and (tools is None or isinstance(tools, list))
+                  and (state.get("reply_start") is None or isinstance(state.get("reply_start"), int)))
         try:
             if ok and messages:
                 check_messages(messages)
@@ -110,7 +112,7 @@ class Session:
                                     session_id=session_id, snapshot_id=head, block="state")
         return cls(id=session_id, mode=state.get("mode"), messages=list(messages), tools=tools,
                    tokens=list(token_ids) + list(pending), processed=len(token_ids),
-                   metadata=dict(state.get("metadata", {})), head=head)
+                   metadata=dict(state.get("metadata", {})), head=head, reply_start=state.get("reply_start"))
 
 
 class ChatTemplate:

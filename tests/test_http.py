@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP API, through the official `openai` package, against a real daemon.
+
+Also: the bearer token (made once, 0600, found by `kvwake http` and openai_config),
+sessions over HTTP (named, and found by longest prefix for stateless clients, also
+across a restart), usage.prompt_tokens_details.cached_tokens, and OpenAI's error shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+import threading
+
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from kvwake.client import openai_config
+from tests.daemon import REPO, Daemon
+
+SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
+
+
+def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
+    """A raw request (what the openai package would not send): status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def client_for(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, model_dir):
+    d = Daemon(tmp_path_factory.mktemp("http"), model_dir, extra=["--http", "0"]).start()
+    yield d
+    assert d.stop() == 0
+    assert d.log_problems() == []
+
+
+@pytest.fixture(scope="module")
+def api(daemon):
+    return client_for(daemon)
+
+
+def chat(api: openai.OpenAI, messages: list[dict], **options):
+    options = {"max_tokens": 6, "temperature": 0, **options}
+    return api.chat.completions.create(model="any", messages=messages, **options)
+
+
+def test_token_is_made_once_private_and_found(daemon, api):
+    token_file = daemon.data_dir / "http-token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    config = openai_config(daemon.socket)
+    assert config["api_key"] == token_file.read_text().strip()
+    shown = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "--socket", str(daemon.socket), "http", "--json"],
+                           cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(shown.stdout) == config
+    assert [m.id for m in api.models.list()] == [daemon.model_dir.name]
+
+
+def test_wrong_or_missing_token_is_refused(daemon):
+    base = openai_config(daemon.socket)["base_url"]
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai.OpenAI(base_url=base, api_key="not-the-token", max_retries=0).models.list()
+    assert refused.value.body["code"] == "invalid_api_key"
+    assert get(f"{base}/models")[0] == 401
+
+
+def test_chat_streamed_and_not_give_the_same_reply(api):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "stream or not?"}]
+    whole = chat(api, messages, max_tokens=12)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    chunks = list(chat(api, messages, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == 12
+    # The same request again continues the session the first one made: its whole prompt is cached
+    # (but the pending last token, which yields the first logits).
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_ten_turns_prefill_only_each_turns_new_tokens(api):
+    messages = [{"role": "system", "content": SYSTEM + "ten turns"}]
+    previous = None
+    for turn in range(10):
+        messages.append({"role": "user", "content": f"turn {turn}: what next?"})
+        reply = chat(api, messages)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if previous is not None:  # the previous prompt (and reply) are in the cache: only this turn is new
+            assert cached >= previous.usage.prompt_tokens, (turn, cached, previous.usage.prompt_tokens)
+            assert reply.model_extra["kvwake"]["session_id"] == previous.model_extra["kvwake"]["session_id"]
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        previous = reply
+
+
+def test_a_branch_copies_the_shared_prefix_and_leaves_the_source(api):
+    base = [{"role": "system", "content": SYSTEM + "branches"}, {"role": "user", "content": "first question"}]
+    first = chat(api, base)
+    trunk = [*base, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "second question"}]
+    second = chat(api, trunk)
+    source = second.model_extra["kvwake"]["session_id"]
+    # A retry of the first question with another wording branches before the source's last reply.
+    branch = chat(api, [base[0], {"role": "user", "content": "first question, reworded"}])
+    info = branch.model_extra["kvwake"]
+    assert info["match"] == "copied" and info["session_id"] != source
+    assert branch.usage.prompt_tokens_details.cached_tokens == info["shared_tokens"] > 0
+    # The source is as it was: its conversation goes on fully cached.
+    trunk += [{"role": "assistant", "content": second.choices[0].message.content}, {"role": "user", "content": "3rd"}]
+    third = chat(api, trunk)
+    assert third.model_extra["kvwake"]["session_id"] == source
+    assert third.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens
+
+
+def test_a_named_session_appends_only_new_messages(daemon, api):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "named"}]
+    first = chat(api, messages, extra_headers={"X-Kvwake-Session": "agent-7"})
+    assert first.model_extra["kvwake"] == {"session_id": "agent-7", "match": "named"}
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "more"}]
+    second = chat(api, messages, extra_body={"kvwake_session": "agent-7"})
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    with daemon.client() as rpc:
+        assert rpc.call("session.info", session_id="agent-7")["messages"] == 5  # the 4 sent and the reply
+
+
+def test_completions_streamed_and_not(api):
+    whole = api.completions.create(model="any", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 8
+    pieces = list(api.completions.create(model="any", prompt="Once upon a time", max_tokens=8, temperature=0,
+                                         stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == "length"
+
+
+def test_errors_come_in_openais_shape(daemon, api):
+    messages = [{"role": "user", "content": "errors"}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(api, messages, n=2)
+    assert bad.value.body["param"] == "n" and bad.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(api, messages, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        chat(api, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    config = openai_config(daemon.socket)
+    auth = {"Authorization": f"Bearer {config['api_key']}"}
+    status, body = get(f"{config['base_url']}/nothing", auth)
+    assert status == 404 and "message" in body["error"]
+    status, body = get(f"{config['base_url']}/chat/completions", auth, b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_busy_named_session_is_a_conflict(api):
+    messages = [{"role": "user", "content": "busy"}]
+    started, errors = threading.Event(), []
+
+    def long_call():
+        stream = chat(api, messages, max_tokens=400, stream=True, extra_headers={"X-Kvwake-Session": "busy-1"})
+        for _ in stream:
+            started.set()
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    assert started.wait(60)
+    try:
+        chat(api, messages, extra_headers={"X-Kvwake-Session": "busy-1"})
+    except openai.ConflictError as exc:
+        errors.append(exc.body)
+    worker.join(120)
+    assert errors and errors[0]["code"] == "busy"
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(daemon, api):
+    stream = chat(api, [{"role": "user", "content": "leave"}], max_tokens=2000, stream=True,
+                  extra_headers={"X-Kvwake-Session": "leaver"})
+    next(iter(stream))
+    stream.close()
+    with daemon.client() as rpc:
+        for _ in range(600):
+            info = rpc.call("session.info", session_id="leaver")
+            if info["busy"] is None:
+                break
+            threading.Event().wait(0.05)
+        assert info["busy"] is None and info["tokens"] < 1000
+
+
+def test_stateless_conversation_continues_across_a_restart(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    messages = [{"role": "system", "content": SYSTEM + "restart"}, {"role": "user", "content": "before"}]
+    first = chat(client_for(d), messages)
+    assert d.stop() == 0
+    d.start()
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "after"}]
+    second = chat(client_for(d), messages)  # a new port, the same token
+    assert second.model_extra["kvwake"]["session_id"] == first.model_extra["kvwake"]["session_id"]
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_no_token_only_on_loopback(tmp_path, model_dir):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    refused = Daemon(tmp_path / "a", model_dir, extra=["--http", "0.0.0.0:0", "--http-no-token"])
+    with pytest.raises(RuntimeError, match="exited 2"):
+        refused.start()
+    assert "loopback addresses only" in refused.log.read_text()
+    d = Daemon(tmp_path / "b", model_dir, extra=["--http", "127.0.0.1:0", "--http-no-token"]).start()
+    assert not (d.data_dir / "http-token").exists()
+    base = openai_config(d.socket)["base_url"]
+    assert get(f"{base}/models")[0] == 200
+    assert d.stop() == 0
+
+
+def test_the_token_can_be_given(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("KVWAKE_HTTP_TOKEN", "a-given-token-1234")  # the daemon's and the client's environment
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    assert openai_config(d.socket)["api_key"] == "a-given-token-1234"
+    assert [m.object for m in client_for(d).models.list()] == ["model"]
+    assert not (d.data_dir / "http-token").exists()
+    assert d.stop() == 0
