@@ -1,0 +1,212 @@
+"""Agents over the OpenAI-compatible API: what a stateless client's conversation costs per turn.
+
+usage: python bench/http_turns.py [--model default|tiny|PATH] [--system-words 450] [--turns 10]
+                                  [--reply-tokens 16] [--mlx-server] [--out bench/out]
+
+turns       one stateless conversation (the `openai` package, streamed, greedy) of --turns turns
+            with a long system prompt, through `kvwake serve --http`; the daemon is restarted
+            (SIGTERM: every session sleeps) after turn 5. Per turn: prompt tokens, cached tokens,
+            prompt tokens computed, time to first token (first streamed chunk).
+cold        turn 2's request again, to a fresh daemon that never saw turn 1 (a re-prefill):
+            the ratio of its time to first token to turn 2's is the issue's "10x" target.
+shared      a second agent with the same ~200-token system prompt, stateless (its first request
+            finds the first agent's session hot and copies the shared KV) and over RPC after the
+            first agent slept (the prefix cache): tokens reused against the shared prompt's length.
+mlx-server  (--mlx-server) the same conversation through `mlx_lm.server` (its in-memory prompt
+            cache), restarted after turn 5 as kvwake is: time to first token per turn.
+Results: <out>/http_turns.json (docs/benchmarks.md summarises them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
+
+import openai  # noqa: E402
+
+from kvwake.client import openai_config  # noqa: E402
+from tests.daemon import Daemon  # noqa: E402
+
+WORDS = ("tool retry policy budget cache session agent memory plan step verify source answer brief "
+         "careful index block prefix token model restore sleep wake store digest bundle").split()
+
+
+def system_prompt(words: int) -> str:
+    return "You are a careful agent. " + " ".join(WORDS[i % len(WORDS)] for i in range(words)) + "."
+
+
+def timed_chat(api: openai.OpenAI, messages: list[dict], reply_tokens: int) -> dict[str, Any]:
+    """One streamed turn: time to the first chunk, the text, and usage."""
+    started = time.perf_counter()
+    first, text, usage = None, [], None
+    for chunk in api.chat.completions.create(model="local", messages=messages, max_tokens=reply_tokens,
+                                             temperature=0, stream=True, stream_options={"include_usage": True}):
+        first = first or time.perf_counter()
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else None
+    return {"ttft_ms": round((first - started) * 1000, 1), "text": "".join(text),
+            "prompt_tokens": usage.prompt_tokens if usage else None, "cached_tokens": cached,
+            "computed_tokens": usage.prompt_tokens - cached if usage and cached is not None else None}
+
+
+def start(root: Path, model: Path) -> Daemon:
+    root.mkdir(parents=True, exist_ok=True)
+    return Daemon(root, model, block_tokens=128, extra=["--http", "0"]).start(timeout=900)
+
+
+def api_of(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
+
+
+def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int) -> tuple[list, list]:
+    d = start(work / "a", model)
+    messages, rows, requests = [{"role": "system", "content": system}], [], []
+    try:
+        for turn in range(turns):
+            if turn == 5:
+                d.stop()
+                d.start(timeout=900)
+            messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?"})
+            requests.append(list(messages))
+            row = timed_chat(api_of(d), messages, reply_tokens)
+            rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"}})
+            messages.append({"role": "assistant", "content": row["text"]})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        d.stop()
+    return rows, requests
+
+
+def cold(work: Path, model: Path, request: list[dict], reply_tokens: int) -> dict[str, Any]:
+    d = start(work / "cold", model)
+    try:
+        return {k: v for k, v in timed_chat(api_of(d), request, reply_tokens).items() if k != "text"}
+    finally:
+        d.stop()
+
+
+def shared(work: Path, model: Path, reply_tokens: int) -> dict[str, Any]:
+    """A ~200-token system prompt, reused by a second agent: stateless (copy), and over RPC (prefix cache)."""
+    d = start(work / "shared", model)
+    system = system_prompt(150)
+    try:
+        api = api_of(d)
+        first = timed_chat(api, [{"role": "system", "content": system}, {"role": "user", "content": "Agent one."}],
+                           reply_tokens)
+        second = timed_chat(api, [{"role": "system", "content": system}, {"role": "user", "content": "Agent two."}],
+                            reply_tokens)
+        with d.client() as rpc:
+            rpc.call("session.create", session_id="rpc-1", system=system)
+            rpc.call("session.chat", session_id="rpc-1", messages=[{"role": "user", "content": "Agent one."}],
+                     max_tokens=reply_tokens)
+            rpc.call("session.sleep", session_id="rpc-1")
+            rpc.call("session.create", session_id="rpc-2", system=system)
+            turn = rpc.call("session.chat", session_id="rpc-2", messages=[{"role": "user", "content": "Agent two."}],
+                            max_tokens=reply_tokens)
+        system_tokens = shared_prompt_tokens(model, system)
+    finally:
+        d.stop()
+    return {"system_prompt_tokens": system_tokens,
+            "stateless": {"first_agent": first["computed_tokens"], "second_agent_cached": second["cached_tokens"],
+                          "second_agent_computed": second["computed_tokens"]},
+            "rpc_after_sleep": {"reused": turn["append"]["reused"], "prefilled": turn["append"]["prefilled"]}}
+
+
+def shared_prompt_tokens(model: Path, system: str) -> int:
+    """Tokens the two agents' rendered prompts have in common (the system turn and the user turn's head)."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tok = load_tokenizer(model)
+    a, b = (tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": u}],
+                                    add_generation_prompt=True) for u in ("Agent one.", "Agent two."))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def mlx_server(model: Path, requests: list[list[dict]], reply_tokens: int) -> list[dict[str, Any]]:
+    """mlx_lm.server, the same turns (the replies kvwake gave), restarted after turn 5 as kvwake was."""
+    rows, proc = [], None
+
+    def launch() -> tuple[subprocess.Popen, openai.OpenAI]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.25)
+        return p, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=3600)
+
+    try:
+        proc, api = launch()
+        for turn, messages in enumerate(requests):
+            if turn == 5:
+                proc.terminate()
+                proc.wait(60)
+                proc, api = launch()
+            row = timed_chat(api, messages, reply_tokens)
+            rows.append({"turn": turn + 1, "ttft_ms": row["ttft_ms"], "cached_tokens": row["cached_tokens"]})
+            print("mlx_lm.server", json.dumps(rows[-1]), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--system-words", type=int, default=450)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--mlx-server", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvwake-http-"))
+    if a.model == "default":
+        from kvwake.daemon.convert import ensure_default_model
+
+        model = ensure_default_model(work / "models")
+    elif a.model == "tiny":
+        from tests.tinymodel import make_model_dir
+
+        model = make_model_dir(work / "tiny-llama", ascii_replies=True)
+    else:
+        model = Path(a.model).expanduser().resolve()
+    system = system_prompt(a.system_words)
+    rows, requests = conversation(work, model, system, a.turns, a.reply_tokens)
+    baseline = cold(work, model, requests[1], a.reply_tokens)
+    report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, "
+                         f"{__import__('os').cpu_count()} cores", "model": str(model),
+              "reply_tokens": a.reply_tokens, "turns": rows, "cold_turn_2": baseline,
+              "turn_2_ttft_ratio": round(baseline["ttft_ms"] / rows[1]["ttft_ms"], 2),
+              "shared": shared(work, model, a.reply_tokens)}
+    if a.mlx_server:
+        report["mlx_server_turns"] = mlx_server(model, requests, a.reply_tokens)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "http_turns.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("cold_turn_2", "turn_2_ttft_ratio", "shared")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
