@@ -34,6 +34,7 @@ from anyio import to_thread
 
 from kvwake.daemon import kvstate
 from kvwake.daemon.session import new_session_id
+from kvwake.errors import BusyError
 
 if TYPE_CHECKING:
     from kvwake.daemon.manager import Entry, SessionManager
@@ -129,11 +130,14 @@ class Matcher:
         keep = min(shared, len(target) - 1)  # one token stays pending: it yields the first logits
         if source is None or source.session is None or source.busy or keep < 1 or not m.engine.cuttable:
             return Match(session_id, "new", shared)
-        async with m.claim(source.id, "copy"), m.claim(session_id, "copy") as fresh:
-            src, dst = source.session, fresh.session
-            if src is None or src.cache is None or src.processed < keep or dst is None:
-                return Match(session_id, "new", shared)  # it slept or failed meanwhile: the prefix cache serves
-            dst.cache = await m.thread.run(lambda: kvstate.copy_prefix(src.cache, keep))
-            dst.mode, dst.tokens, dst.processed = src.mode, src.tokens[:keep], keep
+        try:
+            async with m.claim(source.id, "copy"), m.claim(session_id, "copy") as fresh:
+                src, dst = source.session, fresh.session
+                if src is None or src.cache is None or src.processed < keep or dst is None:
+                    return Match(session_id, "new", shared)  # it slept or failed meanwhile: the prefix cache serves
+                dst.cache = await m.thread.run(lambda: kvstate.copy_prefix(src.cache, keep))
+                dst.mode, dst.tokens, dst.processed = src.mode, src.tokens[:keep], keep
+        except BusyError:  # another request took the source while this one was being made
+            return Match(session_id, "new", shared)
         log.info("session copied", extra={"session": session_id, "source": source.id, "tokens": keep})
         return Match(session_id, "copied", shared)
