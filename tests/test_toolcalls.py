@@ -141,3 +141,37 @@ def test_whole_marker_tokens_of_the_scripted_model(tmp_path):
     assert r.finish_reason == "tool_calls" and r.content == "" and len(r.tool_calls) == 1
     assert [e["text"] for e in events if "text" in e] == list(TOOL_SCRIPT)
     assert all(e.get("tool") for e in events if "text" in e)
+
+
+def test_calls_decoded_together_each_get_their_own_content_and_calls(tmp_path):
+    # Content before the call, from the scripted model; two sessions decode in one batch.
+    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+    from tests.tinymodel import make_scripted_model
+
+    script = ("Checking the weather.", "<tool_call>", WEATHER_CALL, "</tool_call>")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, make_scripted_model(tmp_path / "m", script), max_batch=8)
+    try:
+        events: dict[str, list[dict]] = {"a": [], "b": []}
+        calls = []
+        for name in events:
+            s = Session(name)
+            engine.append(s, messages=[{"role": "user", "content": f"Weather for {name}?"}], tools=TOOLS)
+            calls.append(engine.start_call(s, GenerateParams(), events[name].append))
+        for call in calls:
+            engine.decoder.join(call)
+        while engine.decoder.active:
+            engine.decoder.step()
+        assert engine.decoder.counters["max_batch_seen"] == 2
+        for call, name in zip(calls, events):
+            r = call.future.result()
+            assert r.finish_reason == "tool_calls" and r.content == "Checking the weather." and r.text == "".join(script)
+            assert events[name][0] == {"text": "Checking the weather."}
+            assert [e.get("tool") for e in events[name][1:4]] == [True] * 3 and "tool_call" in events[name][4]
+            assert call.session.messages[-1] == {"role": "assistant", "content": "".join(script)}
+        assert calls[0].future.result().tool_calls[0]["id"] != calls[1].future.result().tool_calls[0]["id"]
+    finally:
+        engine.close()
+        store.close()
