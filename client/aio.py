@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,6 +33,7 @@ from kvwake.client.wire import (
     DaemonNotRunningError,
     Done,
     Piece,
+    Streamed,
     encode_request,
 )
 from kvwake.errors import KvwakeError
@@ -93,18 +95,20 @@ class AsyncConnection:
             await self.stream.aclose()
 
 
-class AsyncStream:
+class AsyncStream(Streamed):
     """Text pieces of a streamed generation (`async for`), then the final `Reply`.
 
-    `result` is the final `Reply` once the stream is exhausted (before that it
-    raises RuntimeError); `await collect()` reads to the end and returns it.
-    Closing early (`await aclose()`, or leaving an `async with` block) cancels
-    the generation after its current token.
+    As `Stream`: `async for` gives the text pieces (tool-call text included),
+    `events()` every event map, `tool_calls` the calls parsed so far. `result` is
+    the final `Reply` once the stream is exhausted (before that it raises
+    RuntimeError); `await collect()` reads to the end and returns it. Closing
+    early (`await aclose()`, or leaving an `async with` block) cancels the
+    generation after its current token.
     """
 
     def __init__(self, client: AsyncClient, conn: AsyncConnection, reader: CallReader, decode: Decode) -> None:
+        super().__init__()
         self._client, self._conn, self._reader, self._decode = client, conn, reader, decode
-        self._pieces: list[str] = []
         self._result: Any = None
         self.finished = False
 
@@ -112,8 +116,20 @@ class AsyncStream:
         return self
 
     async def __anext__(self) -> str:
+        while (event := await self._next_event()) is not None:
+            if "text" in event:
+                return str(event["text"])
+        raise StopAsyncIteration
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Every event map of the stream, in order (see `Stream`)."""
+        while (event := await self._next_event()) is not None:
+            yield event
+
+    async def _next_event(self) -> dict[str, Any] | None:
+        """The next event, or None once the result has come (or the stream was closed)."""
         if self.finished:
-            raise StopAsyncIteration
+            return None
         try:
             event = await self._conn.next_event(self._reader)
         except KvwakeError:
@@ -123,20 +139,16 @@ class AsyncStream:
             await self._finish(reusable=False)
             raise
         if isinstance(event, Piece):
-            self._pieces.append(event.text)
-            return event.text
+            self._record(event.event)
+            return event.event
         self._result = self._decode(event.result) if self._decode else event.result
         await self._finish(reusable=True)
-        raise StopAsyncIteration
+        return None
 
     async def _finish(self, *, reusable: bool) -> None:
         if not self.finished:
             self.finished = True
             await self._client._release(self._conn, reusable=reusable)
-
-    @property
-    def text(self) -> str:
-        return "".join(self._pieces)
 
     @property
     def result(self) -> Any:
@@ -146,7 +158,7 @@ class AsyncStream:
 
     async def collect(self) -> Any:
         """Read to the end; the final result."""
-        async for _ in self:
+        async for _ in self.events():
             pass
         return self._result
 

@@ -20,7 +20,18 @@ import click
 
 from kvwake.client.client import Client
 from kvwake.client.cli_store import bench, export_, fsck, gc, import_, warm
-from kvwake.client.output import echo_json, error_line, fields, human_bytes, human_duration, json_option, short, table
+from kvwake.client.output import (
+    echo_json,
+    echo_reply,
+    echo_stream,
+    error_line,
+    fields,
+    human_bytes,
+    human_duration,
+    json_option,
+    short,
+    table,
+)
 from kvwake.client.paths import pid_alive, read_status_file
 from kvwake.client.demo import demo
 from kvwake.client.service import service
@@ -227,11 +238,9 @@ def chat(opts: Options, session_id: str | None, message: str | None, system: str
         if as_json:
             return echo_json({"session_id": session.id, **client.chat(session.id, message, **gen).to_dict()})
         if not stream:
-            return click.echo(client.chat(session.id, message, **gen).text)
-        with client.chat(session.id, message, stream=True, **gen) as pieces:
-            for piece in pieces:
-                click.echo(piece, nl=False)
-        click.echo()
+            return echo_reply(client.chat(session.id, message, **gen))
+        with client.chat(session.id, message, stream=True, **gen) as replying:
+            echo_stream(replying)
 
 
 # -- sessions -------------------------------------------------------------

@@ -35,6 +35,7 @@ from kvwake.client.wire import (
     DaemonNotRunningError,
     Done,
     Piece,
+    Streamed,
     encode_request,
 )
 from kvwake.errors import KvwakeError
@@ -111,19 +112,22 @@ class Connection:
         self.sock.close()
 
 
-class Stream:
+class Stream(Streamed):
     """Text pieces of a streamed generation, as they come; the final `Reply` at the end.
 
-    Iterate it for the pieces; `result` is the final `Reply` (reading it drains
-    any pieces not yet read); `text` is what has been streamed so far. Closing
-    it early (`close()`, or leaving a `with` block) cancels the generation after
-    its current token; the tokens generated so far stay in the session.
+    Iterate it for the text pieces (tool-call text included, so joined they are
+    `result.text`), or iterate `events()` for every event map: {"text"} for content,
+    {"text", "tool": True} for tool-call text, {"tool_call", "index"} when a call has
+    parsed. `text` is what has been streamed so far, `tool_calls` the calls parsed so far;
+    `result` is the final `Reply` (reading it drains any events not yet read). Closing
+    it early (`close()`, or leaving a `with` block) cancels the generation after its
+    current token; the tokens generated so far stay in the session.
     """
 
     def __init__(self, client: Client, conn: Connection, reader: CallReader, decode: Decode) -> None:
+        super().__init__()
         self._client, self._conn, self._reader, self._decode = client, conn, reader, decode
         self._events = conn.events(reader)
-        self._pieces: list[str] = []
         self._result: Any = None
         self.finished = False
 
@@ -131,13 +135,25 @@ class Stream:
         return self
 
     def __next__(self) -> str:
+        while (event := self._next_event()) is not None:
+            if "text" in event:
+                return str(event["text"])
+        raise StopIteration
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """Every event map of the stream, in order (see the class docstring)."""
+        while (event := self._next_event()) is not None:
+            yield event
+
+    def _next_event(self) -> dict[str, Any] | None:
+        """The next event, or None once the result has come (or the stream was closed)."""
         if self.finished:
-            raise StopIteration
+            return None
         try:
             for event in self._events:
                 if isinstance(event, Piece):
-                    self._pieces.append(event.text)
-                    return event.text
+                    self._record(event.event)
+                    return event.event
                 self._result = self._decode(event.result) if self._decode else event.result
         except KvwakeError:
             self._finish(reusable=self._reader.done)  # a server error leaves the connection usable
@@ -146,7 +162,7 @@ class Stream:
             self._finish(reusable=False)
             raise
         self._finish(reusable=True)
-        raise StopIteration
+        return None
 
     def _finish(self, *, reusable: bool) -> None:
         if not self.finished:
@@ -154,12 +170,8 @@ class Stream:
             self._client._release(self._conn, reusable=reusable)
 
     @property
-    def text(self) -> str:
-        return "".join(self._pieces)
-
-    @property
     def result(self) -> Any:
-        for _ in self:
+        for _ in self.events():
             pass
         return self._result
 

@@ -15,6 +15,8 @@ import click
 
 __all__ = [
     "echo_json",
+    "echo_reply",
+    "echo_stream",
     "error_line",
     "fields",
     "human_bytes",
@@ -23,6 +25,7 @@ __all__ = [
     "short",
     "spinner",
     "table",
+    "tool_call_line",
 ]
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts).")
@@ -109,3 +112,41 @@ def error_line(exc: BaseException) -> str:
     if isinstance(exc, KvwakeError):
         return f"{exc.code}: {exc.message}"
     return str(exc) or type(exc).__name__
+
+
+def tool_call_line(call: dict[str, Any]) -> str:
+    """A parsed tool call as people read it: `-> name(arguments)  [id]`."""
+    f = call.get("function", {})
+    return f"-> {f.get('name')}({f.get('arguments')})  [{call.get('id')}]"
+
+
+def echo_reply(reply: Any) -> None:
+    """A whole reply: its content, then one line per tool call; unparsed calls to stderr."""
+    if reply.content or not reply.tool_calls:
+        click.echo(reply.content)
+    for call in reply.tool_calls:
+        click.echo(tool_call_line(call))
+    _echo_errors(reply)
+
+
+def echo_stream(stream: Any) -> Any:
+    """A streamed reply: content as it comes, each tool call as a line once it parses (its raw
+    text is not shown); unparsed calls to stderr at the end. Returns the final `Reply`."""
+    line_start = True
+    for event in stream.events():
+        if "tool_call" in event:
+            click.echo(("" if line_start else "\n") + tool_call_line(event["tool_call"]))
+            line_start = True
+        elif "text" in event and not event.get("tool") and event["text"]:
+            click.echo(event["text"], nl=False)
+            line_start = event["text"].endswith("\n")
+    if not line_start:
+        click.echo()
+    reply = stream.result
+    _echo_errors(reply)
+    return reply
+
+
+def _echo_errors(reply: Any) -> None:
+    for error in reply.tool_call_errors:
+        click.echo(f"[tool call not parsed, left in the text: {error}]", err=True)

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from kvwake.client.client import Client
-from kvwake.client.output import error_line, fields, short
+from kvwake.client.output import echo_reply, echo_stream, error_line, fields, short
 from kvwake.client.wire import ClientConnectionError
 from kvwake.errors import KvwakeError
 
@@ -66,17 +66,14 @@ class Repl:
 
     def turn(self, text: str) -> None:
         if not self.stream:
-            click.echo(self.client.chat(self.session_id, text, **self.options).text)
+            echo_reply(self.client.chat(self.session_id, text, **self.options))
             return
         stream = self.client.chat(self.session_id, text, stream=True, **self.options)
         try:
-            for piece in stream:
-                click.echo(piece, nl=False)
+            echo_stream(stream)
         except KeyboardInterrupt:
             stream.close()
             click.echo("\n[interrupted]", err=True)
-            return
-        click.echo()
 
     # Each command returns False to leave the loop.
 

@@ -4,7 +4,8 @@ Both clients (sync `client.py`, async `aio.py`) use one connection per call in
 flight, so everything read on a connection belongs to its current call:
 
     -> [0, msgid, method, params]                  the request
-    <- [2, "stream", {"msgid": msgid, "text": s}]  zero or more pieces (streaming calls)
+    <- [2, "stream", {"msgid": msgid, ...event}]   zero or more events (streaming calls):
+                                                   {"text"}, {"text", "tool": true}, {"tool_call", "index"}
     <- [1, msgid, error, result]                   the response; the call is over
     <- [2, "error", {"code", "message"}]           broken framing: the server closes
 
@@ -28,6 +29,7 @@ __all__ = [
     "Done",
     "Piece",
     "Reply",
+    "Streamed",
     "encode_request",
     "server_error",
 ]
@@ -56,10 +58,14 @@ class ConnectionLostError(ClientConnectionError):
 class Reply:
     """What `generate` and `chat` return.
 
-    text: the generated text; tokens: its token ids; finish_reason: "stop" (EOS or a
-    stop string), "length" or "cancelled" (the daemon is stopping); usage: prompt/generated/reused/prefilled tokens,
-    ttft_ms, tokens_per_s; append: for chat, what appending the messages did
-    (tokens, prefilled, reused), else None.
+    text: the generated text, as generated (tool-call markup included); tokens: its token ids;
+    finish_reason: "stop" (EOS or a stop string), "tool_calls" (stopped after parsed tool
+    calls), "length" or "cancelled" (the daemon is stopping); usage: prompt/generated/
+    reused/prefilled tokens, ttft_ms, tokens_per_s; append: for chat, what appending the
+    messages did (tokens, prefilled, reused), else None; content: the text outside the tool
+    calls that parsed; tool_calls: OpenAI's shape, [{"id", "type": "function", "function":
+    {"name", "arguments" (JSON text)}}]; tool_call_errors: one line per call that did not
+    parse (its text stays in content).
     """
 
     text: str
@@ -67,12 +73,17 @@ class Reply:
     finish_reason: str = ""
     usage: dict[str, Any] = field(default_factory=dict)
     append: dict[str, Any] | None = None
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_errors: list[str] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, result: dict[str, Any]) -> Reply:
         """Build from the result map; keys this client does not know are ignored."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in result.items() if k in names})
+        known = {k: v for k, v in result.items() if k in names}
+        known.setdefault("content", known.get("text", ""))  # a daemon from before tool calls
+        return cls(**known)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -80,9 +91,28 @@ class Reply:
 
 @dataclass(frozen=True)
 class Piece:
-    """A streamed piece of text."""
+    """A streamed event: the notification's map without its msgid (see the module docstring)."""
 
-    text: str
+    event: dict[str, Any]
+
+
+class Streamed:
+    """What a stream (sync or async) has received so far: its text and its parsed tool calls."""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []  # as they parsed, in order
+
+    def _record(self, event: dict[str, Any]) -> None:
+        if "text" in event:
+            self._pieces.append(str(event["text"]))
+        if "tool_call" in event:
+            self.tool_calls.append(event["tool_call"])
+
+    @property
+    def text(self) -> str:
+        """The text streamed so far (tool-call text included)."""
+        return "".join(self._pieces)
 
 
 @dataclass(frozen=True)
@@ -153,8 +183,8 @@ class CallReader:
             params = msg.params if isinstance(msg.params, dict) else {}
             if msg.method == "error":  # the server closes the connection after this; not done, not reusable
                 raise server_error({"code": "PROTOCOL_ERROR", **params})
-            if msg.method == "stream" and params.get("msgid") == self.msgid and "text" in params:
-                return Piece(str(params["text"]))
+            if msg.method == "stream" and params.get("msgid") == self.msgid:
+                return Piece({k: v for k, v in params.items() if k != "msgid"})
             return None  # notifications this client does not know are ignored
         if msg.kind == RESPONSE and msg.msgid == self.msgid:
             self.done = True

@@ -69,7 +69,7 @@ class Call:
         s = self.session
         s.tokens = s.tokens + result.tokens
         s.processed = len(s.tokens)
-        if s.mode == "chat":
+        if s.mode == "chat":  # the raw text (tool-call markup and all): it re-renders to these same tokens
             s.messages.append({"role": "assistant", "content": result.text})
         self.future.set_result(result)
 

@@ -30,7 +30,7 @@ from kvwake.daemon import kvfill, kvstate, pipeline
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.decoder import Call, Decoder, batch_mode, run_alone
-from kvwake.daemon.generation import GenerateParams, GenerateResult, TextOutput
+from kvwake.daemon.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
 from kvwake.daemon.hotblocks import HotBlocks
 from kvwake.daemon.pipeline import Pool
 from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
@@ -141,7 +141,10 @@ class Engine:
             raise InvalidParamsError("give exactly one of messages, text or tokens")
         if messages is not None:
             session.check_mode("chat")
-            tools = session.tools if tools is None else check_json(tools, "tools")
+            if tools is not None:
+                tools = self._check_tools(tools)
+            elif not whole:  # a whole conversation brings its own tools, or has none
+                tools = session.tools
             candidate = ([] if whole else session.messages) + check_messages(messages)
             return Plan(self.template.render(candidate, tools), "chat", candidate, tools)
         session.check_mode("raw")
@@ -152,6 +155,19 @@ class Engine:
         else:
             added = self._check_tokens(tokens)
         return Plan(([] if whole else session.tokens) + added, "raw", session.messages, session.tools)
+
+    def _check_tools(self, tools: Any) -> list[dict[str, Any]]:
+        """Tools only for a model whose tool calls mlx-lm can parse: an agent given tools must get
+        structured calls back, not raw text it would have to parse itself."""
+        tools = check_json(tools, "tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise InvalidParamsError("tools must be a list of maps (OpenAI's tool definitions)", param="tools")
+        if tools and not self.tokenizer.has_tool_calling:
+            raise InvalidParamsError(
+                f"model {self.model_name} has no tool-call format mlx-lm knows (its tokenizer names no tool parser), "
+                "so its tool calls could not be parsed; send no tools, or set \"tool_parser_type\" (a module of "
+                "mlx_lm.tool_parsers) in the model's tokenizer_config.json", param="tools")
+        return tools
 
     @property
     def vocab_size(self) -> int:
@@ -245,18 +261,19 @@ class Engine:
 
     # -- generation -----------------------------------------------------------
 
-    def generate(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None = None,
+    def generate(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerateResult:
         """Generate from the session's pending tokens, alone; the reply becomes part of the session."""
-        return run_alone(self.decoder, self.start_call(session, params, on_text, should_stop))
+        return run_alone(self.decoder, self.start_call(session, params, on_event, should_stop))
 
-    def start_call(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None = None,
+    def start_call(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
                    should_stop: Callable[[], bool] | None = None, mlx: pipeline.Mlx = pipeline.direct) -> Call:
         """A generate call ready to join the decoder: the cache covers every pending token but the last.
 
+        `on_event` gets the streamed events (text pieces, tool calls: daemon/toolcalls.py).
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
-        output = TextOutput(self.tokenizer, params, on_text, should_stop)
+        output = TextOutput(self.tokenizer, params, on_event, should_stop, session.tools)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
             self.apply(session, plan, self.prefix_cache(session, session.tokens, mlx), mlx)

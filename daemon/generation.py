@@ -6,6 +6,8 @@ catches up with `tokens`). Streaming uses the tokenizer's streaming
 detokenizer; text that could be the start of a stop string is held back until
 it is known not to be, so the pieces streamed, joined, always equal the final
 `text`. Without stop strings that is exactly the decode of all generated tokens.
+The final text is split into content and tool calls by `ToolSpans`
+(toolcalls.py), which also makes the streamed events.
 
 The repetition penalty sees the whole conversation (mlx-lm's processors would
 only see this call's prompt): earlier tokens are part of its context.
@@ -22,11 +24,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
 
+from kvwake.daemon.toolcalls import ToolSpans, held_back
 from kvwake.errors import InvalidParamsError
 
-__all__ = ["GenerateParams", "GenerateResult", "KeyedSampler", "TextOutput", "make_processors", "make_sampler"]
+__all__ = ["GenerateParams", "GenerateResult", "KeyedSampler", "OnEvent", "TextOutput", "make_processors",
+           "make_sampler"]
 
 MAX_TOKENS_LIMIT = 1 << 20
+OnEvent = Callable[[dict[str, Any]], None]  # a streamed event: the map a stream notification carries
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,11 @@ class GenerateParams:
 class GenerateResult:
     text: str
     tokens: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
+    finish_reason: str  # "stop" (EOS or stop string) | "tool_calls" (stop after parsed calls) | "length" | "cancelled"
     usage: dict[str, Any] = field(default_factory=dict)
+    content: str = ""  # text outside the tool-call spans that parsed
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape (toolcalls.py)
+    tool_call_errors: list[str] = field(default_factory=list)  # spans that did not parse (left in content)
 
 
 class KeyedSampler:
@@ -121,28 +129,19 @@ def make_processors(params: GenerateParams, history: list[int] | None = None) ->
     return [lambda tokens, logits, p=p: p(mx.concatenate([past, tokens]), logits) for p in procs]
 
 
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of `text` could still begin a stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold
-
-
 class TextOutput:
-    """One call's generated tokens turned into text as they come: EOS, stop strings, streamed pieces.
+    """One call's generated tokens turned into text as they come: EOS, stop strings, streamed events.
 
     `add(token)` takes each token the model was fed and returns the finish reason once the call
-    is over ("stop", "length", "cancelled"), else None. Pieces go to `on_text` once final; text
-    that could begin a stop string is held back, so the pieces joined always equal `text`.
+    is over ("stop", "length", "cancelled"), else None. Text goes to `on_event` once final, split
+    by `ToolSpans` into content and tool-call events (toolcalls.py names them); text that could
+    begin a stop string is held back, so the text pieces joined always equal `text`.
     """
 
-    def __init__(self, tokenizer: Any, params: GenerateParams, on_text: Callable[[str], None] | None = None,
-                 should_stop: Callable[[], bool] | None = None) -> None:
-        self.params, self.on_text, self.should_stop = params, on_text, should_stop
+    def __init__(self, tokenizer: Any, params: GenerateParams, on_event: OnEvent | None = None,
+                 should_stop: Callable[[], bool] | None = None, tools: list[dict[str, Any]] | None = None) -> None:
+        self.params, self.should_stop = params, should_stop
+        self.spans = ToolSpans(tokenizer, tools, on_event)
         self.detok = tokenizer.detokenizer  # a fresh copy per call
         self.eos = set(tokenizer.eos_token_ids)
         self.tokens: list[int] = []
@@ -159,10 +158,8 @@ class TextOutput:
         text, stops = self.detok.text, self.params.stop
         cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in stops) if i >= 0), default=-1)
         if cut >= 0:
-            self._emit(text[:cut])
-            self.text = text[:cut]
-            return "stop"
-        self._emit(text[: len(text) - _held_back(text, stops)])
+            return self._close(text[:cut], "stop")
+        self._emit(text[: len(text) - held_back(text, stops)])
         if len(self.tokens) >= self.params.max_tokens:
             return self._finish("length")
         if self.should_stop and self.should_stop():
@@ -171,21 +168,28 @@ class TextOutput:
 
     def _finish(self, reason: str) -> str:
         self.detok.finalize()
-        self.text = self.detok.text
-        self._emit(self.text)
+        return self._close(self.detok.text, reason)
+
+    def _close(self, text: str, reason: str) -> str:
+        self.text = text
+        self._emit(text)
+        self.spans.finish(reason)
         return reason
 
     def _emit(self, final: str) -> None:
-        if self.on_text and len(final) > self.sent:
-            self.on_text(final[self.sent :])
+        if len(final) > self.sent:
+            self.spans.feed(final[self.sent :])
         self.sent = max(self.sent, len(final))
 
     def result(self, finish: str, prompt_tokens: int) -> GenerateResult:
+        """The call's result; a reply that stopped on its own after parsed tool calls finishes "tool_calls"."""
         end = time.perf_counter()
         first = self.first or end
         decode_s, n = end - first, len(self.tokens)
-        return GenerateResult(self.text, list(self.tokens), finish, {
-            "prompt_tokens": prompt_tokens, "generated_tokens": n,
-            "ttft_ms": round((first - self.started) * 1000, 3),
-            "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
-        })
+        spans = self.spans
+        return GenerateResult(
+            self.text, list(self.tokens), "tool_calls" if finish == "stop" and spans.calls else finish, {
+                "prompt_tokens": prompt_tokens, "generated_tokens": n,
+                "ttft_ms": round((first - self.started) * 1000, 3),
+                "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
+            }, spans.content, list(spans.calls), list(spans.errors))

@@ -144,7 +144,7 @@ class Api:
         reply = Reply(self.manager.engine.model_name, chat)
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, gone = asyncio.get_running_loop(), anyio.Event()
-        on_event = (lambda e: loop.call_soon_threadsafe(events.put_nowait, e if isinstance(e, dict) else {"text": e})) if req.stream else None
+        on_event = (lambda e: loop.call_soon_threadsafe(events.put_nowait, e)) if req.stream else None
         session, task = await self._start(req, on_event, gone.is_set)
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:

@@ -33,7 +33,7 @@ from anyio import to_thread
 from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams, GenerateResult
+from kvwake.daemon.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
@@ -271,7 +271,7 @@ class SessionManager:
         prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
         return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))
 
-    async def generate(self, session_id: Any, params: GenerateParams, on_text: Callable[[str], None] | None,
+    async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             session = await self.hot(entry)
@@ -280,21 +280,22 @@ class SessionManager:
             append_ms = (time.perf_counter() - started) * 1000
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             session.reply_start = len(session.tokens)
-            result = await self._decode(session, params, on_text, stop)
+            result = await self._decode(session, params, on_event, stop)
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
                      "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
                      "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
             self.counters["generations"] += 1
             self.latency["generate_ttft"].add(usage["ttft_ms"])
-            return {"text": result.text, "tokens": result.tokens, "finish_reason": result.finish_reason,
-                    "usage": usage, **({"append": appended} if inputs else {})}
+            return {"text": result.text, "content": result.content, "tool_calls": result.tool_calls,
+                    "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
+                    "finish_reason": result.finish_reason, "usage": usage, **({"append": appended} if inputs else {})}
 
-    async def _decode(self, session: Session, params: GenerateParams, on_text: Callable[[str], None] | None,
+    async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
                       stop: Callable[[], bool]) -> GenerateResult:
         """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
         engine = self.engine
-        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_text, stop, self.thread.call))
+        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_event, stop, self.thread.call))
         await self.thread.run(lambda: engine.decoder.join(call))
         # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
         # so this wait is not cancelled (a client that leaves stops the call through `stop`).

@@ -171,8 +171,8 @@ async def session_append(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def _generate(ctx: Context, p: dict[str, Any], inputs: dict[str, Any] | None) -> dict[str, Any]:
     params = GenerateParams.from_params({k: v for k, v in p.items() if k in GENERATE_KEYS})
-    on_text = (lambda piece: ctx.notify({"text": piece})) if p.get("stream") else None
-    return await ctx.manager.generate(p["session_id"], params, on_text, ctx.closed, inputs)
+    on_event = ctx.notify if p.get("stream") else None  # events are the notifications' maps (toolcalls.py)
+    return await ctx.manager.generate(p["session_id"], params, on_event, ctx.closed, inputs)
 
 
 async def session_generate(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

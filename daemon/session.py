@@ -17,7 +17,9 @@ Mixing them is refused (INVALID_PARAMS): a chat re-render would otherwise drop
 the raw tokens silently.
 
 Templates that reject a system role get the system text folded into the
-first user turn ("{system}\\n\\n{user}"); it is never dropped.
+first user turn ("{system}\\n\\n{user}"); it is never dropped. OpenAI's tool
+turns (assistant `tool_calls`, `tool` results) are checked on input and kept
+as sent; the template renders a copy in the form mlx-lm's server gives it.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the conversation plus the generation prompt."""
+        messages = for_template(messages)
         messages = self._fold_system(messages) if self.folds_system else messages
         options: dict[str, Any] = {"add_generation_prompt": True}
         if tools:
@@ -168,10 +171,64 @@ def check_json(value: Any, name: str) -> Any:
 
 
 def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate chat messages: a list of {"role": str, "content": str, ...} maps of plain JSON data."""
+    """Validate chat messages: a list of {"role": str, "content": str, ...} maps of plain JSON data.
+
+    OpenAI's tool turns are accepted as OpenAI clients send them: an assistant message may carry
+    `tool_calls` (each `{"id"?, "type"?: "function", "function": {"name", "arguments"}}`, arguments
+    a JSON object or its JSON text) and then null or no content; a `tool` message answers one call
+    and names it with `tool_call_id`. They are kept as sent; `ChatTemplate` adapts a copy.
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidParamsError("messages must be a non-empty list of {role, content} maps")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content", ""), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidParamsError(f"message {i} must be a map with string 'role' and 'content'", index=i)
+        _check_tool_turn(i, m)
+        if not isinstance(m.get("content", ""), str) and not (m["content"] is None and m.get("tool_calls")):
+            raise InvalidParamsError(f"message {i} must have string 'content' (null only beside tool_calls)",
+                                     index=i)
     return [dict(m) for m in check_json(messages, "messages")]
+
+
+def _check_tool_turn(i: int, m: dict[str, Any]) -> None:
+    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise InvalidParamsError(f"message {i}: a tool message needs 'tool_call_id', the id of the call it answers",
+                                 index=i)
+    if "tool_calls" not in m:
+        return
+    calls = m["tool_calls"]
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise InvalidParamsError(f"message {i}: tool_calls must be a list, on an assistant message", index=i)
+    for j, call in enumerate(calls):
+        f = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
+                or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"
+                or not isinstance(_arguments(f.get("arguments", {})), dict)):
+            raise InvalidParamsError(
+                f"message {i}: tool_calls[{j}] must be {{id?, type?: \"function\", function: {{name, arguments}}}} "
+                "with arguments a JSON object (or its JSON text)", index=i)
+
+
+def _arguments(arguments: Any) -> Any:
+    """A tool call's arguments as data: OpenAI clients send them as JSON text, templates want a map."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return None
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them, as mlx-lm's server makes them: tool-call arguments
+    as maps, null content as "". New maps: the session keeps what the client sent, and renders
+    it the same way every time."""
+    out = []
+    for m in messages:
+        if "tool_calls" in m or ("content" in m and m["content"] is None):
+            m = {**m, "content": m.get("content") or ""}
+            if isinstance(m.get("tool_calls"), list):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
+                    c["function"].get("arguments", {}))}} for c in m["tool_calls"]]
+        out.append(m)
+    return out

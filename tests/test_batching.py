@@ -102,14 +102,14 @@ def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(en
     full = engine.generate(probe, GenerateParams(max_tokens=20)).text
     stop = full[6:8]
     assert stop and full.find(stop) >= 0
-    pieces: list[str] = []
+    events: list[dict] = []
     flags = {"cancel": False}
-    specs = [(PROMPTS[1], GenerateParams(max_tokens=20, stop=(stop,)), pieces.append, None),
+    specs = [(PROMPTS[1], GenerateParams(max_tokens=20, stop=(stop,)), events.append, None),
              (PROMPTS[0], GenerateParams(max_tokens=3), None, None),
              (PROMPTS[2], GenerateParams(max_tokens=200), None, lambda: flags["cancel"]),
              (PROMPTS[3], GenerateParams(max_tokens=30), None, None)]
-    calls = [engine.start_call(session(engine, f"c{i}", p), params, on_text, stop_fn)
-             for i, (p, params, on_text, stop_fn) in enumerate(specs)]
+    calls = [engine.start_call(session(engine, f"c{i}", p), params, on_event, stop_fn)
+             for i, (p, params, on_event, stop_fn) in enumerate(specs)]
     for c in calls:
         engine.decoder.join(c)
     for _ in range(12):
@@ -118,7 +118,7 @@ def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(en
     run_together(engine, [])
     results = [c.future.result() for c in calls]
     assert results[0].finish_reason == "stop" and results[0].text == full[: full.find(stop)]
-    assert "".join(pieces) == results[0].text
+    assert "".join(e["text"] for e in events) == results[0].text
     assert results[1].finish_reason == "length" and len(results[1].tokens) == 3
     assert results[2].finish_reason == "cancelled" and 12 <= len(results[2].tokens) < 200
     assert results[3].tokens == solo_tokens(engine, "alone3", PROMPTS[3], GenerateParams(max_tokens=30))

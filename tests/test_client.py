@@ -203,7 +203,7 @@ def test_every_wire_code_becomes_its_exception_class():
         reader.feed(pack([NOTIFICATION, "stream", {"msgid": 7, "text": "a"}]))
         error = {"code": code, "message": f"{code} happened", "data": {"session_id": "x"}}
         reader.feed(pack([RESPONSE, 7, error, None]))
-        assert reader.next_event() == Piece("a")
+        assert reader.next_event() == Piece({"text": "a"})
         with pytest.raises(KvwakeError) as caught:
             reader.next_event()
         assert type(caught.value) is type(error_for_code(code, "")) and caught.value.code == code

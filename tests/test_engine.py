@@ -115,9 +115,11 @@ def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine):
 
 def test_streamed_pieces_join_to_the_decode_of_all_generated_tokens(engine):
     s = Session("s")
-    pieces: list[str] = []
+    events: list[dict] = []
     engine.append(s, text="Once upon a time")
-    result = engine.generate(s, GenerateParams(max_tokens=30), on_text=pieces.append)
+    result = engine.generate(s, GenerateParams(max_tokens=30), on_event=events.append)
+    pieces = [e["text"] for e in events]
+    assert all(set(e) == {"text"} for e in events)  # this tokenizer has no tool-call format: all content
     generated = [t for t in result.tokens if t not in engine.tokenizer.eos_token_ids]
     assert "".join(pieces) == result.text == engine.tokenizer.decode(generated)
     assert result.finish_reason in ("stop", "length") and result.usage["generated_tokens"] == len(result.tokens)
@@ -131,10 +133,10 @@ def test_stop_strings_cut_the_text_and_streaming_agrees(engine):
     assert stop and full.find(stop) >= 0
     s = Session("s2")
     engine.append(s, text="abc")
-    pieces: list[str] = []
-    result = engine.generate(s, GenerateParams(max_tokens=20, stop=(stop,)), on_text=pieces.append)
+    events: list[dict] = []
+    result = engine.generate(s, GenerateParams(max_tokens=20, stop=(stop,)), on_event=events.append)
     assert result.finish_reason == "stop" and result.text == full[: full.find(stop)]
-    assert "".join(pieces) == result.text
+    assert "".join(e["text"] for e in events) == result.text == result.content
 
 
 def test_sampling_with_a_seed_is_reproducible(engine):

@@ -3,8 +3,10 @@
 The tokenizer maps every byte to one token (ids 0-255, GPT-2 byte-level
 alphabet) plus ChatML specials, so any text round-trips. Three chat templates:
 CHATML (takes a system role), NO_SYSTEM (raises on one, like Gemma's) and
-TOOLS_CHATML (CHATML that renders a `tools` list first, as tool-calling
-templates do).
+TOOLS_CHATML (CHATML that renders a `tools` list first and assistant
+`tool_calls` in the json_tools format, so mlx-lm gives the tokenizer that tool
+parser). `make_scripted_model` makes a model that writes a fixed reply (a
+tool call by default), for tests of tool-call parsing.
 
 ARCHS holds config.json contents (keys as the HF configs name them) for a
 plain-KV model (llama), one with sliding-window ring buffers besides global
@@ -16,19 +18,28 @@ net + attention + MoE, which on CPU runs in float32 only, see FLOAT32_ONLY).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-TOOLS_CHATML = "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}" + CHATML
+# mlx-lm infers the json_tools parser from "<tool_call>" and "tool_call.name" in a template.
+TOOLS_CHATML = (
+    "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for tool_call in m.tool_calls or [] %}{% set tool_call = tool_call.function %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 NO_SYSTEM = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -75,7 +86,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def write_tokenizer(path: Path, template: str) -> int:
+def write_tokenizer(path: Path, template: str, added: Sequence[str] = ()) -> int:
+    """Byte-level tokenizer files; `added`: whole strings that are one token each (not special)."""
     table = bytes_to_unicode()
     assert set(table.values()) == set(pre_tokenizers.ByteLevel.alphabet())
     vocab = {table[b]: b for b in range(256)}
@@ -83,6 +95,7 @@ def write_tokenizer(path: Path, template: str) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
+    tok.add_tokens([AddedToken(a, normalized=False) for a in added])
     tok.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
               "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
@@ -92,18 +105,20 @@ def write_tokenizer(path: Path, template: str) -> int:
 
 
 def make_model_dir(path: Path, *, arch: str = "llama", template: str = CHATML, seed: int = 0,
-                   dtype: mx.Dtype | None = None, ascii_replies: bool = False, **overrides) -> Path:
+                   dtype: mx.Dtype | None = None, ascii_replies: bool = False, added: Sequence[str] = (),
+                   **overrides) -> Path:
     """Write a loadable tiny model folder at `path` and return it.
 
     dtype: of the weights; None means bfloat16, or float32 for FLOAT32_ONLY archs.
     ascii_replies: zero the output rows of the bytes a chat re-render would not give back, so greedy
       replies re-render to the same tokens: 128-255 (alone they decode to U+FFFD), NUL (mlx-lm's BPE
       detokenizer turns it into "Ā") and space (it trims one that starts a reply).
+    added: strings that become one (non-special) token each, after the specials.
     """
     if dtype is None:
         dtype = mx.float32 if arch in FLOAT32_ONLY else mx.bfloat16
     path.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(path, template)
+    vocab = write_tokenizer(path, template, added)
     config = {**ARCHS[arch], "vocab_size": vocab, **overrides}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     from mlx_lm.utils import _get_classes
@@ -125,4 +140,43 @@ def eos_id(path: Path) -> int:
     return json.loads((path / "tokenizer.json").read_text())["added_tokens"][2]["id"]
 
 
-__all__ = ["ARCHS", "CHATML", "FLOAT32_ONLY", "NO_SYSTEM", "TOOLS_CHATML", "eos_id", "make_model_dir", "nn"]
+# A scripted reply for the json_tools format: one call, as Qwen-style models write it.
+WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TOOL_SCRIPT = ("<tool_call>", WEATHER_CALL, "</tool_call>")
+
+
+def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, template: str = TOOLS_CHATML,
+                        alpha: float = 4.0) -> Path:
+    """A model folder whose greedy reply to any chat prompt is "".join(script), then EOS.
+
+    A llama (untied embeddings) whose attention and MLP outputs are zero (o_proj, down_proj),
+    so each layer passes the residual through and the logits depend on the current token
+    only: lm_head row next(t) = alpha * E[t] / |E[t]|, all other rows zero. After the final
+    RMSNorm the chain's logit is alpha * sqrt(64) = 8 alpha; another chain row gets 8 alpha
+    times the cosine of two random 64-d embeddings (about 0.125 each way). Each script piece
+    is one added token, so the chain "\n" (the last token of the generation prompt) ->
+    piece 0 -> ... -> <|im_end|> (EOS) has no repeated token; pieces must be unique and
+    longer than one byte. The default script makes one get_weather call in the json_tools
+    format that TOOLS_CHATML names.
+    """
+    assert len(set(script)) == len(script) and all(len(p.encode()) > 1 for p in script), script
+    make_model_dir(path, template=template, dtype=mx.float32, added=script, tie_word_embeddings=False)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    chain = [bytes_to_unicode()[ord("\n")], *script, "<|im_end|>"]
+    ids = [tok.token_to_id(t) for t in chain]
+    weights = mx.load(str(path / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    head = mx.zeros_like(weights["lm_head.weight"])
+    for t, nxt in zip(ids, ids[1:]):
+        head[nxt] = alpha * embed[t] / mx.linalg.norm(embed[t])
+    weights["lm_head.weight"] = head
+    weights["model.norm.weight"] = mx.ones_like(weights["model.norm.weight"])
+    for name in list(weights):
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            weights[name] = mx.zeros_like(weights[name])
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
+__all__ = ["ARCHS", "CHATML", "FLOAT32_ONLY", "NO_SYSTEM", "TOOLS_CHATML", "TOOL_SCRIPT", "WEATHER_CALL", "eos_id",
+           "make_model_dir", "make_scripted_model", "nn"]
