@@ -232,3 +232,58 @@ def test_the_token_can_be_given(tmp_path, model_dir, monkeypatch):
     assert [m.object for m in client_for(d).models.list()] == ["model"]
     assert not (d.data_dir / "http-token").exists()
     assert d.stop() == 0
+
+
+# -- tool calls: the scripted model (tinymodel.make_scripted_model) always answers with one call --
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def tool_api(tmp_path_factory):
+    from tests.tinymodel import make_scripted_model
+
+    model = make_scripted_model(tmp_path_factory.mktemp("models") / "scripted")
+    d = Daemon(tmp_path_factory.mktemp("http-tools"), model, extra=["--http", "0"]).start()
+    yield client_for(d)
+    assert d.stop() == 0
+    assert d.log_problems() == []
+
+
+def test_tool_calls_come_back_structured(tool_api):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = chat(tool_api, messages, tools=[WEATHER_TOOL], max_tokens=20)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    # The tool's result goes back as a role-tool message; the conversation goes on in the same session,
+    # every earlier token cached (the template renders the call as the model wrote it).
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    after = chat(tool_api, messages, tools=[WEATHER_TOOL], max_tokens=20)
+    assert after.model_extra["kvwake"]["session_id"] == reply.model_extra["kvwake"]["session_id"]
+    assert after.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens + 2
+
+
+def test_streamed_tool_calls_arrive_as_deltas(tool_api):
+    chunks = list(chat(tool_api, [{"role": "user", "content": "Stream the call"}], tools=[WEATHER_TOOL],
+                       max_tokens=20, stream=True))
+    calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0][0].index == 0 and calls[0][0].function.name == "get_weather"
+    assert json.loads(calls[0][0].function.arguments) == {"city": "Paris"}
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # markup never as content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_renders_no_tools_and_forced_choice_is_refused(tool_api):
+    messages = [{"role": "user", "content": "No tools"}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(tool_api, messages, tools=[WEATHER_TOOL],
+             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert bad.value.body["param"] == "tool_choice"
+    reply = chat(tool_api, messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=20)
+    assert reply.usage.prompt_tokens < chat(tool_api, messages, tools=[WEATHER_TOOL], max_tokens=20).usage.prompt_tokens
