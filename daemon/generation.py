@@ -44,6 +44,9 @@ class GenerateParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None  # additive, over the last 20 tokens (mlx-lm's processors)
+    frequency_penalty: float | None = None  # additive per occurrence, over the last 20 tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
@@ -68,8 +71,29 @@ class GenerateParams:
             temperature=num("temperature", float, 0.0, 100.0, 0.0), top_p=num("top_p", float, 0.0, 1.0, 0.0),
             top_k=num("top_k", int, 0, 1 << 24, 0), min_p=num("min_p", float, 0.0, 1.0, 0.0),
             repetition_penalty=num("repetition_penalty", float, 0.0, 100.0, None),
+            presence_penalty=num("presence_penalty", float, -2.0, 2.0, None),
+            frequency_penalty=num("frequency_penalty", float, -2.0, 2.0, None),
+            logit_bias=_logit_bias(p.get("logit_bias")),
             seed=num("seed", int, 0, 2**63 - 1, None), stop=tuple(stop),
         )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A map of token id (an int, or its decimal string as JSON keys are) to a bias in [-100, 100]."""
+    if value is None:
+        return ()
+    bad = InvalidParamsError("logit_bias must map up to 300 token ids to numbers in [-100, 100]", param="logit_bias")
+    if not isinstance(value, dict) or len(value) > 300:
+        raise bad
+    pairs = []
+    for key, bias in value.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isdigit():
+            token = int(key)
+        if token is None or isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
 
 
 @dataclass
@@ -120,9 +144,12 @@ def make_processors(params: GenerateParams, history: list[int] | None = None) ->
 
     The batch gives processors the whole context itself (history included): pass no history there.
     """
-    if not params.repetition_penalty:
+    procs = make_logits_processors(logit_bias=dict(params.logit_bias) or None,
+                                   repetition_penalty=params.repetition_penalty or None,
+                                   presence_penalty=params.presence_penalty or None,
+                                   frequency_penalty=params.frequency_penalty or None)
+    if not procs:
         return []
-    procs = make_logits_processors(repetition_penalty=params.repetition_penalty)
     if not history:
         return procs
     past = mx.array(history, dtype=mx.uint32)

@@ -273,6 +273,9 @@ class SessionManager:
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        if any(token >= self.engine.vocab_size for token, _ in params.logit_bias):
+            raise InvalidParamsError(f"logit_bias names a token id outside [0, {self.engine.vocab_size})",
+                                     param="logit_bias")
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             session = await self.hot(entry)
             started = time.perf_counter()

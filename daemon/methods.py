@@ -26,7 +26,8 @@ from kvwake.protocol import PROTOCOL_VERSION
 
 __all__ = ["METHODS", "Context"]
 
-GENERATE_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "stream"}
+GENERATE_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "seed", "stop", "stream"}
 INPUT_KEYS = {"messages", "text", "tokens", "tools"}
 
 

@@ -5,7 +5,8 @@ copied from OpenAI's API reference and checked with the official `openai`
 package (tests/test_http.py).
 
 Requests: the usual sampling parameters (`max_tokens` or
-`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`), mlx-lm
+`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`,
+`presence_penalty`, `frequency_penalty`, `logit_bias`), mlx-lm
 server's extras (`top_k`, `min_p`, `repetition_penalty`), `tools` with
 `tool_choice` "auto" or "none", `stream` with `stream_options.include_usage`,
 and `kvwake_session` (or the `X-Kvwake-Session` header) to name a session.
@@ -29,7 +30,8 @@ from kvwake.errors import KvwakeError
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Reply", "error_body", "from_kvwake"]
 
 DEFAULT_MAX_TOKENS = 4096
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop")
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "logit_bias", "seed", "stop")
 # kvwake error code -> HTTP status and OpenAI error type
 STATUS = {"INVALID_PARAMS": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
           "BUSY": (409, "conflict_error"), "BUNDLE_MISMATCH": (409, "conflict_error"),
@@ -71,11 +73,6 @@ def _params(body: dict[str, Any]) -> GenerateParams:
             raise _bad(f"{name} is not supported by kvwake", name)
     if body.get("best_of", 1) != 1:
         raise _bad("best_of must be 1", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise _bad(f"{name} is not supported by kvwake (repetition_penalty is)", name)
-    if body.get("logit_bias"):
-        raise _bad("logit_bias is not supported by kvwake", "logit_bias")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format: only {\"type\": \"text\"} is supported", "response_format")

@@ -126,6 +126,21 @@ def test_a_branch_copies_the_shared_prefix_and_leaves_the_source(api):
     assert third.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(api):
+    messages = [{"role": "user", "content": "bias"}]
+    forced = chat(api, messages, max_tokens=5, logit_bias={"65": 100})  # byte-level tokenizer: id 65 is "A"
+    assert forced.choices[0].message.content == "AAAAA"
+    # A frequency penalty larger than the bias's margin stops the repetition, within the 20-token window.
+    penalized = chat(api, messages, max_tokens=5, logit_bias={"65": 5}, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized.choices[0].message.content != "AAAAA"
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(api, messages, logit_bias={"99999999": 1})
+    assert bad.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(api, messages, frequency_penalty=3)
+    assert bad.value.body["param"] == "frequency_penalty"
+
+
 def test_a_named_session_appends_only_new_messages(daemon, api):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "named"}]
     first = chat(api, messages, extra_headers={"X-Kvwake-Session": "agent-7"})
