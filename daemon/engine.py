@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon import kvfill, kvstate, pipeline
+from kvwake.daemon import kvfill, kvstate, pipeline, prefixhit
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.decoder import Call, Decoder, batch_mode, run_alone
@@ -195,10 +195,17 @@ class Engine:
         Store and codec work on the caller's thread and the pool, MLX work through `mlx`.
         Returns (cache or None, tokens it holds). A bad block shortens the hit; it never fails the append.
         """
-        if not self.cuttable or len(target) <= self.block_tokens or not self._needs_fresh_cache(session, target):
+        if not self.cuttable or len(target) < 2 or not self._needs_fresh_cache(session, target):
             return None, 0
-        refs = self.store.longest_prefix(self.bundle.hash, target[: len(target) - 1])
-        return pipeline.restore_prefix(self, refs, len(target), mlx)
+        hit = self.store.prefix_hit(self.bundle.hash, target[: len(target) - 1], min_partial=self.min_partial)
+        return prefixhit.restore_prefix(self, hit, target, mlx)
+
+    @property
+    def min_partial(self) -> int:
+        """The fewest tokens a partial block or tail serves: a quarter block. Below that the match is the
+        chat template's opening, which every session shares: restoring (and keeping in RAM) a whole
+        block for it would cost more than prefilling it and push real shared prompts out of the RAM tier."""
+        return max(1, self.block_tokens // 4)
 
     def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
               mlx: pipeline.Mlx = pipeline.direct) -> dict[str, int]:
@@ -357,7 +364,7 @@ class Engine:
                                      "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
 
     def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin its full blocks in the prefix cache."""
+        """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a short block)."""
         self.check_warmable()
         scratch = Session(id="prefix-warm")
         self.append(scratch, messages=messages, text=text, tokens=tokens)

@@ -69,6 +69,7 @@ __all__ = [
     "bytes_per_token",
     "capture_blocks",
     "capture_planed",
+    "capture_span",
     "capture_tail",
     "check_meta",
     "copy_prefix",
@@ -342,6 +343,11 @@ def capture_planed(cache: list, first: int, count: int, block_tokens: int) -> li
         names += [f"{name}.keys", f"{name}.values"]
         arrays += [c.keys[..., start:stop, :], c.values[..., start:stop, :]]
     return devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
+
+
+def capture_span(cache: list, start: int, stop: int) -> dict[str, Tensor]:
+    """Tokens [start, stop) of every cuttable unit, named like a block (a short last block)."""
+    return _cut_units(cache, start, stop)
 
 
 def capture_block(cache: list, index: int, block_tokens: int) -> dict[str, Tensor]:

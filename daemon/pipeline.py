@@ -39,15 +39,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
-from kvwake.daemon import kvfill
+from kvwake.daemon import kvfill, kvstate
 from kvwake.daemon.session import Session
-from kvwake.errors import CorruptBlockError, InvalidParamsError
+from kvwake.errors import InvalidParamsError
 from kvwake.store import BlockRef, SnapshotRecord, SnapshotWriter
 
 if TYPE_CHECKING:
     from kvwake.daemon.engine import Engine
 
-__all__ = ["Batch", "Pool", "direct", "restore_prefix", "sleep", "wake", "write_prefix"]
+__all__ = ["Batch", "Pool", "block_specs", "direct", "fill_block", "sleep", "wake", "write_prefix"]
 
 T = TypeVar("T")
 Mlx = Callable[[Callable[[], Any]], Any]
@@ -155,7 +155,8 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list) -> None:
+def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list,
+                  skip: int | None = None) -> None:
     """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
 
     On unified memory a span is all of it (views of the cache cost nothing); on a GPU a span's
@@ -171,7 +172,7 @@ def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batc
         held[:] = [(blocks, futures) for blocks, futures in held if not all(f.done() for f in futures)]
         return engine.capture_blocks(cache, first, count)
 
-    for first, count in _spans(w.needed, per_span):
+    for first, count in _spans([i for i in w.needed if i != skip], per_span):
         if batch.failed:
             return
         blocks = mlx(lambda first=first, count=count: capture(first, count))
@@ -229,12 +230,24 @@ def _free(session: Session) -> None:
 
 
 def write_prefix(engine: Engine, scratch: Session, mlx: Mlx) -> Any:
-    """Store (and pin) the full blocks of a prefilled scratch session; returns the commit's SnapshotInfo."""
+    """Store (and pin) every token of a prefilled scratch session's prompt; returns the commit's SnapshotInfo.
+
+    The pending last token is prefilled too, and the last partial block is stored as a short
+    block (a child of the last full one): a later request that starts with the whole prompt
+    reuses all of it (store/prefix.py finds the short block as a partial piece).
+    """
+    engine.prefill(scratch, len(scratch.tokens), mlx)
     tokens = scratch.tokens[: scratch.processed]
-    with engine.store.writer(None, engine.bundle.hash, tokens, pin=True) as w:
+    with engine.store.writer(None, engine.bundle.hash, tokens, pin=True, partial=True) as w:
+        short = len(tokens) // engine.block_tokens if len(tokens) % engine.block_tokens else None
         batch, held = engine.pool.batch(_sleep_budget(engine, scratch)), []
         try:
-            _write_blocks(engine, w, scratch.cache, mlx, batch, held)
+            _write_blocks(engine, w, scratch.cache, mlx, batch, held, skip=short)
+            if short in w.needed:
+                arrays = mlx(lambda: kvstate.capture_span(scratch.cache, short * engine.block_tokens, len(tokens)))
+                held.append(arrays)
+                batch.reserve(0)
+                batch.submit(0, w.add_block, short, arrays)
         finally:
             batch.join()
             mlx(held.clear)
@@ -247,26 +260,27 @@ def write_prefix(engine: Engine, scratch: Session, mlx: Mlx) -> Any:
 # -- wake ----------------------------------------------------------------------
 
 
-def _fill(engine: Engine, buffers: kvfill.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
+def fill_block(engine: Engine, buffers: kvfill.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
           keep_hot: bool) -> None:
     """Block k into place: from the RAM tier when it holds it, else decoded from its file."""
-    start, what = k * engine.block_tokens, f"block {k}"
+    # A block holds block_tokens tokens, except the short last block prefix.warm stores.
+    start, count, what = k * engine.block_tokens, len(ref.token_ids), f"block {k}"
     hot = engine.hot.get(ref.key)
     if hot is not None:
-        buffers.put(start, engine.block_tokens, hot, what)
+        buffers.put(start, count, hot, what)
         engine.count("blocks_ram", 1)
         return
     stage = None if keep_hot else buffers.stage(k)
     arrays = engine.store.read_block(ref, snapshot_id=record.id if record else None,
                                      session_id=record.session_id if record else None,
-                                     place=buffers.place(start, engine.block_tokens), stage=stage)
-    buffers.check(arrays, start, engine.block_tokens, what, staged=k in buffers.staged)
+                                     place=buffers.place(start, count), stage=stage)
+    buffers.check(arrays, start, count, what, staged=k in buffers.staged)
     engine.count("blocks_disk", 1)
     if keep_hot:
-        engine.hot.put(ref.key, buffers.block(start, engine.block_tokens))
+        engine.hot.put(ref.key, buffers.block(start, count))
 
 
-def _sample(engine: Engine, ref: BlockRef) -> dict:
+def block_specs(engine: Engine, ref: BlockRef) -> dict:
     hot = engine.hot.get(ref.key)
     return kvfill.specs_of(hot) if hot is not None else engine.store.block_specs(ref)
 
@@ -275,7 +289,7 @@ def _restore(engine: Engine, record: SnapshotRecord, mlx: Mlx) -> list:
     n = len(record.token_ids)
     n_full, rest = divmod(n, engine.block_tokens)
     if record.blocks:
-        sample, tokens = _sample(engine, record.blocks[0]), engine.block_tokens
+        sample, tokens = block_specs(engine, record.blocks[0]), engine.block_tokens
     else:
         sample, tokens = (engine.store.tail_specs(record) if record.tail else {}), rest
         if not (rest and kvfill.has_cut_kv(mlx(engine.make_blank), sample)):
@@ -289,7 +303,7 @@ def _restore(engine: Engine, record: SnapshotRecord, mlx: Mlx) -> list:
             if batch.failed:
                 batch.release(ref.raw_bytes)
                 break
-            batch.submit(ref.raw_bytes, _fill, engine, buffers, ref, k, record, False)
+            batch.submit(ref.raw_bytes, fill_block, engine, buffers, ref, k, record, False)
         if record.tail is not None and not batch.failed:
             batch.reserve(record.tail.raw_bytes)
             place = buffers.place(n_full * engine.block_tokens, rest)
@@ -325,45 +339,3 @@ def wake(engine: Engine, session_id: str, snapshot_id: str | None, mlx: Mlx) -> 
                      "blocks_from_memory": engine.counters["blocks_ram"] - before["blocks_ram"],
                      "blocks_from_disk": engine.counters["blocks_disk"] - before["blocks_disk"],
                      "raw_bytes": record.raw_bytes, "ms": round((time.perf_counter() - started) * 1000, 3)}
-
-
-def restore_prefix(engine: Engine, refs: list[BlockRef], capacity: int, mlx: Mlx) -> tuple[list | None, int]:
-    """A cache holding the longest usable run of `refs` (a prefix-cache hit), room for `capacity` tokens.
-
-    Returns (cache or None, tokens it holds). A bad block shortens the hit
-    (logged by the caller); it never fails the append. Decoded blocks are kept
-    in the RAM tier: shared prompts are what it is for.
-    """
-    if not refs:
-        return None, 0
-    try:
-        sample = _sample(engine, refs[0])
-    except CorruptBlockError:
-        return None, 0
-    # n_blocks=0: no plane staging, these blocks are joined on the host (the RAM tier keeps joined arrays).
-    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, engine.block_tokens, capacity, engine.block_tokens,
-                                         n_blocks=0))
-    batch, ok = engine.pool.batch(), [False] * len(refs)
-
-    def fill(k: int, ref: BlockRef) -> None:
-        try:
-            _fill(engine, buffers, ref, k, None, True)
-            ok[k] = True
-        except CorruptBlockError as exc:
-            engine.log_unusable(exc)
-
-    try:
-        for k, ref in enumerate(refs):
-            batch.reserve(ref.raw_bytes)
-            batch.submit(ref.raw_bytes, fill, k, ref)
-    finally:
-        batch.join()
-    batch.raise_first()
-    usable = ok.index(False) if False in ok else len(ok)
-    if not usable:
-        return None, 0
-    tokens = usable * engine.block_tokens
-    cache = mlx(lambda: buffers.finish(tokens, None))
-    if engine.kv_bits is not None:
-        cache = mlx(lambda: engine.quantize(cache))
-    return cache, tokens

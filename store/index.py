@@ -24,7 +24,7 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from kvwake.store.keys import tokens_from_bytes
+from kvwake.store.keys import ROOT_KEY, tokens_from_bytes
 
 __all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
 
@@ -77,6 +77,27 @@ def m001_initial(db: sqlite_utils.Database) -> None:
 def m002_store_meta(db: sqlite_utils.Database) -> None:
     # Facts fixed for the life of a store (block_tokens): a process opening it with others is refused.
     db.execute("CREATE TABLE store_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
+@migrations()
+def m003_children(db: sqlite_utils.Database) -> None:
+    # Token-granular prefix reuse (store/prefix.py) asks for the children of a chain key: the
+    # blocks and snapshot tails that continue it, ordered by token ids, so the ones nearest a
+    # request are one index seek away. Block rows have named their parent since m001. A tail's
+    # parent (its snapshot's last block, or the root) and its token ids are derived here from
+    # the rows already present: a block's token count is its row's n_tokens.
+    db.execute("CREATE INDEX blocks_children ON blocks(parent, bundle, token_ids)")
+    db.execute("ALTER TABLE snapshots ADD COLUMN tail_parent TEXT")
+    db.execute("ALTER TABLE snapshots ADD COLUMN tail_tokens BLOB")
+    db.execute(
+        "UPDATE snapshots SET tail_parent = coalesce((SELECT block_key FROM snapshot_blocks"
+        "  WHERE snapshot_id = snapshots.id ORDER BY pos DESC LIMIT 1), ?),"
+        " tail_tokens = substr(token_ids, 1 + 4 * (SELECT coalesce(sum(b.n_tokens), 0) FROM snapshot_blocks sb"
+        "  JOIN blocks b ON b.key = sb.block_key WHERE sb.snapshot_id = snapshots.id))"
+        " WHERE tail_file IS NOT NULL",
+        (ROOT_KEY,),
+    )
+    db.execute("CREATE INDEX snapshots_tails ON snapshots(tail_parent, bundle, tail_tokens)")
 
 
 @dataclass(frozen=True)
@@ -170,7 +191,7 @@ class Index:
             raise
         self.db.execute("COMMIT")
 
-    def rows(self, sql: str, params: tuple | list = ()) -> list[dict[str, Any]]:
+    def rows(self, sql: str, params: tuple | list | dict = ()) -> list[dict[str, Any]]:
         return list(self.db.query(sql, params))
 
     def one(self, sql: str, params: tuple | list = ()) -> dict[str, Any] | None:

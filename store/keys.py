@@ -60,10 +60,13 @@ def block_key(parent_key: str, bundle_hash: str, token_ids: Sequence[int] | np.n
     return h.hexdigest()
 
 
-def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_tokens: int) -> list[str]:
+def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_tokens: int, *,
+               partial: bool = False) -> list[str]:
     """Keys of every full block of `block_tokens` tokens in `token_ids`, in order.
 
-    A trailing partial block gets no key (it belongs to a snapshot's tail).
+    A trailing partial block gets no key (it belongs to a snapshot's tail), unless
+    `partial`: then it gets one too, by the same layout over its fewer tokens
+    (prefix.warm stores a prompt's last, short block this way).
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
@@ -71,4 +74,7 @@ def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_to
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         parent = block_key(parent, bundle_hash, token_ids[start : start + block_tokens])
         keys.append(parent)
+    rest = len(token_ids) % block_tokens
+    if partial and rest:
+        keys.append(block_key(parent, bundle_hash, token_ids[len(token_ids) - rest :]))
     return keys

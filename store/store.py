@@ -23,7 +23,7 @@ from kvwake.store.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place
 from kvwake.store.files import StoreFiles
 from kvwake.store.index import BlockRef, Index, SnapshotRecord
 from kvwake.store.keys import block_key, chain_keys, tokens_to_bytes
-from kvwake.store import maintenance, transfer
+from kvwake.store import maintenance, prefix, transfer
 from kvwake.store.writer import SnapshotWriter, snapshot_digest
 
 __all__ = ["Store"]
@@ -84,7 +84,7 @@ class Store:
         """Hold the store lock shared while reading a snapshot's files: gc cannot evict them meanwhile."""
         return self.files.lock(exclusive=False)
 
-    def rows(self, sql: str, params: tuple | list = ()) -> list[dict[str, Any]]:
+    def rows(self, sql: str, params: tuple | list | dict = ()) -> list[dict[str, Any]]:
         """Run a read query against the index (under the index lock)."""
         with self._lock:
             return self.index.rows(sql, params)
@@ -221,12 +221,12 @@ class Store:
         )
         db.execute(
             "INSERT INTO snapshots (id, session_id, bundle, token_ids, n_tokens, tail_file, tail_digest,"
-            " tail_codec, tail_raw, tail_stored, digest, label, parent, created, metadata)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            " tail_codec, tail_raw, tail_stored, digest, label, parent, created, metadata, tail_parent, tail_tokens)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (w.id, w.session_id, w.bundle, tokens_to_bytes(w.token_ids), len(w.token_ids),
              tail.file if tail else None, tail.digest if tail else None, tail.codec if tail else None,
              tail.raw_bytes if tail else 0, tail.stored_bytes if tail else 0,
-             digest, w.label, w.parent, now, w.metadata_json()),
+             digest, w.label, w.parent, now, w.metadata_json(), *(w.tail_index() if tail else (None, None))),
         )
         db.conn.executemany("INSERT INTO snapshot_blocks (snapshot_id, pos, block_key) VALUES (?, ?, ?)",
                             [(w.id, pos, key) for pos, key in enumerate(w.keys)])
@@ -362,6 +362,11 @@ class Store:
                 break
             run.append(usable[key])
         return run
+
+    def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> prefix.PrefixHit:
+        """longest_prefix, then the stored block or tail continuing it with the most matching
+        tokens (at least min_partial); see prefix.py."""
+        return prefix.find(self, bundle, token_ids, min_partial)
 
     # -- snapshots ------------------------------------------------------------
 

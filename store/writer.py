@@ -124,12 +124,15 @@ class SnapshotWriter:
         metadata: Mapping[str, Any] | None = None,
         pin: bool = False,
         snapshot_id: str | None = None,
+        partial: bool = False,
     ) -> None:
+        if partial and session_id is not None:
+            raise ValueError("only prefix-only writes store a short last block; a snapshot keeps it in its tail")
         self.store, self.bundle, self.session_id = store, bundle, session_id
         self.token_ids = [int(t) for t in token_ids]
         self.parent, self.label, self.metadata, self.pin = parent, label, dict(metadata or {}), pin
         self.id = (snapshot_id or new_snapshot_id()) if session_id is not None else None
-        self.keys = chain_keys(bundle, self.token_ids, store.block_tokens)
+        self.keys = chain_keys(bundle, self.token_ids, store.block_tokens, partial=partial)
         self._started = time.perf_counter()
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(store.files.lock(exclusive=False))
@@ -157,7 +160,7 @@ class SnapshotWriter:
             return False
         key = self.keys[i]
         meta = {"kvwake.kind": "block", "kvwake.key": key, "kvwake.bundle": self.bundle,
-                "kvwake.tokens": str(self.store.block_tokens)}
+                "kvwake.tokens": str(len(self.block_tokens(i)))}
         return self.add_encoded(i, encode(arrays, metadata=meta, codec=self.store.codec))
 
     def add_encoded(self, i: int, encoded: Encoded) -> bool:
@@ -232,6 +235,11 @@ class SnapshotWriter:
     @property
     def tail(self) -> Written | None:
         return self._tail
+
+    def tail_index(self) -> tuple[str, bytes]:
+        """The tail's parent (the last block's key, or the root) and its token ids as stored."""
+        full = len(self.keys) * self.store.block_tokens
+        return (self.keys[-1] if self.keys else ROOT_KEY), tokens_to_bytes(self.token_ids[full:])
 
     def _info(self, losers: list[str]) -> SnapshotInfo:
         new = list(self._new.values()) + ([self._tail] if self._tail else [])

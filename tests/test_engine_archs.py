@@ -137,7 +137,8 @@ def test_warm_pins_blocks_where_the_cache_cuts_and_is_refused_elsewhere(open_eng
         assert engine.store.snapshots() == []
         return
     warmed = engine.warm(messages=system)
-    assert warmed["blocks"] >= 2 and warmed["new_blocks"] == warmed["blocks"]
+    # the prompt's last partial block is stored too, as a short block
+    assert warmed["blocks"] >= 2 and warmed["new_blocks"] == warmed["blocks"] + (warmed["tokens"] % 16 > 0)
     s = Session("s")
     got = engine.append(s, messages=[*system, *user("Pick a tool.")])
     assert got["reused"] >= 16

@@ -1,0 +1,69 @@
+"""A real daemon: a second session sharing a prompt of any length with a slept one reuses all of it."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from tests.daemon import Daemon
+
+B = 16
+SHARED = [(i * 29 + 7) % 200 + 20 for i in range(40)]  # 2.5 blocks
+
+
+@pytest.fixture
+def daemon(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, block_tokens=B).start()
+    yield d
+    d.stop()
+
+
+def tail_file(daemon: Daemon, session_id: str) -> str:
+    db = sqlite3.connect(daemon.data_dir / "store" / "index.sqlite")
+    try:
+        (rel,) = db.execute("SELECT s.tail_file FROM snapshots s JOIN sessions x ON x.head = s.id WHERE x.id = ?",
+                            (session_id,)).fetchone()
+    finally:
+        db.close()
+    return rel
+
+
+def test_a_second_session_reuses_a_shared_prompt_of_two_and_a_half_blocks(daemon):
+    with daemon.client() as c:
+        c.call("session.create", session_id="a")
+        c.call("session.append", session_id="a", tokens=SHARED + [30, 31, 32, 33, 34])
+        c.call("session.sleep", session_id="a")  # 44 tokens in its cache: two blocks and a 12-token tail
+        c.call("session.create", session_id="b")
+        got = c.call("session.append", session_id="b", tokens=SHARED + [5, 6, 7])
+        assert got["reused"] == 40 and got["prefilled"] == 2
+        assert c.call("stats")["tokens"]["reused"] == 40
+
+
+def test_chat_sessions_with_one_system_prompt_reuse_the_rendered_common_prefix(daemon):
+    system = "Plan, then call one tool at a time. "  # 36 bytes: the tiny tokenizer has a token per byte
+    with daemon.client() as c:
+        for sid in ("first", "second"):
+            c.call("session.create", session_id=sid, system=system)
+        c.call("session.chat", session_id="first", messages=[{"role": "user", "content": "task one"}], max_tokens=4)
+        c.call("session.sleep", session_id="first")
+        out = c.call("session.chat", session_id="second", messages=[{"role": "user", "content": "task two"}],
+                     max_tokens=4)
+    # <|im_start|> "system\n" SYSTEM <|im_end|> "\n" <|im_start|> "user\n" "task " are shared: 56 tokens
+    shared = 1 + len("system\n") + len(system) + 1 + 1 + 1 + len("user\n") + len("task ")
+    assert shared % B and out["usage"]["reused_tokens"] == out["append"]["reused"] == shared
+
+
+def test_a_corrupt_tail_is_prefilled_instead(daemon):
+    with daemon.client() as c:
+        c.call("session.create", session_id="a")
+        c.call("session.append", session_id="a", tokens=SHARED + [30, 31, 32, 33, 34])
+        c.call("session.sleep", session_id="a")
+        path = daemon.data_dir / "store" / tail_file(daemon, "a")
+        path.write_bytes(path.read_bytes()[:-9])
+        c.call("session.create", session_id="b")
+        got = c.call("session.append", session_id="b", tokens=SHARED + [5, 6, 7])
+        assert got["reused"] == 32 and got["prefilled"] == 10  # the whole blocks only
+        assert c.call("session.generate", session_id="b", max_tokens=3)["finish_reason"] in ("length", "stop")
+    assert "prefix block unusable" in daemon.log.read_text()
+    assert daemon.log_problems() == []

@@ -1,0 +1,256 @@
+"""Token-granular prefix reuse: a stored block or tail whose first k tokens match serves those k tokens.
+
+Store level (4-token blocks, KV-like arrays): the children lookup, its ranking, the
+migration of a format-1 store. Engine level (tiny llama, 16-token blocks): a shared
+prompt of 2.5 blocks is reused whole, from another session's block, from a slept
+session's tail, or from prefix.warm, and the continuation is bit-identical to a cold
+prefill on this CPU; a corrupt candidate shortens the hit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.engine import Engine
+from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.session import Session, common_prefix
+from kvwake.store import ROOT_KEY, Store, chain_keys
+from kvwake.store.keys import tokens_to_bytes
+from tests.capabilities import require_quantized_kv
+from tests.kvdata import BUNDLE, OTHER_BUNDLE, kv_arrays, write_snapshot
+from tests.tinymodel import make_model_dir
+
+FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
+B = 16
+SHARED = [(i * 29 + 7) % 200 + 20 for i in range(40)]  # a 40-token "system prompt": 2.5 blocks
+GREEDY = GenerateParams(max_tokens=10)
+
+
+# -- store ---------------------------------------------------------------------
+
+
+def write_prefix_blocks(store, tokens, bundle=BUNDLE, *, partial=False):
+    with store.writer(None, bundle, tokens, pin=True, partial=partial) as w:
+        for i in w.needed:
+            w.add_block(i, kv_arrays(w.block_tokens(i), i * store.block_tokens))
+        return w.commit()
+
+
+def test_a_block_continuing_the_run_serves_its_matching_tokens(store):
+    write_snapshot(store, "s1", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])
+    hit = store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 99, 98, 97, 96])
+    assert [b.key for b in hit.blocks] == chain_keys(BUNDLE, [1, 2, 3, 4], 4)
+    assert hit.partial.tokens == 2 and hit.partial.block.token_ids == (5, 6, 7, 8)
+    assert hit.partial.parent == hit.blocks[0].key and hit.tokens(4) == 6
+    first = store.prefix_hit(BUNDLE, [1, 2, 3, 99, 0])  # a first block: its parent is the root
+    assert first.blocks == [] and first.partial.tokens == 3 and first.partial.parent == ROOT_KEY
+    assert store.prefix_hit(OTHER_BUNDLE, [1, 2, 3, 99, 0]).partial is None
+    assert store.prefix_hit(BUNDLE, [1, 2, 3, 99, 0], min_partial=4).partial is None
+    assert store.prefix_hit(BUNDLE, [7, 7, 7]).partial is None
+
+
+def test_a_snapshot_tail_is_a_candidate_and_the_longest_match_wins(store):
+    write_snapshot(store, "short", [1, 2, 3, 4, 5, 6, 7])  # one block + a 3-token tail (5, 6, 7)
+    write_snapshot(store, "long", [1, 2, 3, 4, 5, 6, 0, 0, 0])  # a block (5, 6, 0, 0) continuing the first
+    hit = store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 7, 1])
+    assert hit.partial.tokens == 3 and hit.partial.snapshot_id == store.session("short")["head"]
+    tie = store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 9])  # two tokens match both: the block wins a tie
+    assert tie.partial.tokens == 2 and tie.partial.block is not None
+
+
+def test_ties_go_to_the_most_recently_used_block(store):
+    write_snapshot(store, "a", [1, 2, 3, 4, 5, 6, 7, 8])
+    write_snapshot(store, "b", [1, 2, 3, 4, 5, 6, 9, 9])
+    keys = {r["key"]: r for r in store.rows("SELECT key, token_ids FROM blocks")}
+    by_tokens = {bytes(r["token_ids"]): k for k, r in keys.items()}
+    older, newer = by_tokens[tokens_to_bytes([5, 6, 7, 8])], by_tokens[tokens_to_bytes([5, 6, 9, 9])]
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET last_used = ? WHERE key = ?", (time.time() + 60, older))
+    assert store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 0]).partial.block.key == older
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET last_used = ? WHERE key = ?", (time.time() + 120, newer))
+    assert store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 0]).partial.block.key == newer
+
+
+def test_quarantined_children_are_never_candidates(store):
+    write_snapshot(store, "s1", [1, 2, 3, 4, 5, 6, 7, 8])
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET quarantined = 1 WHERE parent != ?", (ROOT_KEY,))
+    assert store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 0]).partial is None
+
+
+def test_a_prompt_written_with_its_partial_block_is_found_whole(store):
+    info = write_prefix_blocks(store, [1, 2, 3, 4, 5, 6], partial=True)
+    assert info.new_blocks == 2 and len(chain_keys(BUNDLE, [1, 2, 3, 4, 5, 6], 4, partial=True)) == 2
+    hit = store.prefix_hit(BUNDLE, [1, 2, 3, 4, 5, 6, 42])
+    assert hit.tokens(4) == 6 and hit.partial.block.token_ids == (5, 6)
+    assert store.read_block(hit.partial.block)["layers.0.keys"].array.shape[2] == 2
+    assert store.fsck().ok and store.gc(budget_bytes=0).blocks_evicted == 0  # pinned, and sound
+    with pytest.raises(ValueError, match="prefix-only"):
+        store.writer("s", BUNDLE, [1, 2, 3, 4, 5], partial=True)
+
+
+def test_the_lookup_reads_the_children_index(store):
+    write_snapshot(store, "s1", list(range(100, 114)))
+    from kvwake.store.prefix import _CHILDREN  # the statement the lookup runs
+
+    plan = " ".join(r["detail"] for r in store.rows("EXPLAIN QUERY PLAN " + _CHILDREN, {
+        "parent": ROOT_KEY, "bundle": BUNDLE, "probe": b"\0" * 16, "n": 4}))
+    assert plan.count("USING INDEX blocks_children") == 2 and plan.count("USING INDEX snapshots_tails") == 2
+    assert "SCAN" not in plan.replace("SCAN SUBQUERY", "").replace("SCAN (subquery", "")
+
+
+def test_a_format_1_store_migrates_and_its_tail_becomes_a_candidate(tmp_path):
+    shutil.copytree(FIXTURE / "data" / "store", tmp_path / "store")
+    old = sqlite3.connect(tmp_path / "store" / "index.sqlite")
+    (snapshot_id, tokens), = old.execute("SELECT id, token_ids FROM snapshots").fetchall()
+    old.close()
+    tokens = list(memoryview(tokens).cast("I"))
+    assert len(tokens) == 40  # two 16-token blocks and an 8-token tail, written before m003
+    with Store(tmp_path / "store", block_tokens=16) as store:
+        row = store.rows("SELECT tail_parent, tail_tokens, bundle FROM snapshots")[0]
+        assert row["tail_parent"] == chain_keys(row["bundle"], tokens, 16)[-1]
+        assert bytes(row["tail_tokens"]) == tokens_to_bytes(tokens[32:])
+        hit = store.prefix_hit(row["bundle"], tokens[:37] + [1, 2, 3])
+        assert len(hit.blocks) == 2 and hit.partial.snapshot_id == snapshot_id and hit.partial.tokens == 5
+
+
+# -- engine --------------------------------------------------------------------
+
+
+def open_engine(model_dir, tmp_path, name):
+    store = Store(tmp_path / name, block_tokens=B)
+    e = Engine(store, tmp_path, model_dir)
+    yield e
+    e.close()
+    store.close()
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    yield from open_engine(model_dir, tmp_path, "store")
+
+
+@pytest.fixture
+def cold(model_dir, tmp_path):
+    """A second engine on an empty store: what a prefill of the same tokens gives."""
+    yield from open_engine(model_dir, tmp_path, "cold-store")
+
+
+def logits_after(engine, session) -> mx.array:
+    return engine.model(mx.array(session.pending, dtype=mx.uint32)[None], cache=session.cache)[0, -1]
+
+
+def assert_exact(engine, cold, tokens) -> dict:
+    """Append `tokens` to fresh sessions on each engine: the next logits are bit-identical, and so is
+    greedy output (from a second pair of sessions: the logits consumed the pending token)."""
+    warm_s, cold_s = Session("warm"), Session("cold")
+    got = engine.append(warm_s, tokens=tokens)
+    assert cold.append(cold_s, tokens=tokens)["reused"] == 0
+    assert mx.array_equal(logits_after(engine, warm_s), logits_after(cold, cold_s)).item()
+    warm_g, cold_g = Session("warm-greedy"), Session("cold-greedy")
+    assert engine.append(warm_g, tokens=tokens)["reused"] == got["reused"]  # again (from the RAM tier, for blocks)
+    cold.append(cold_g, tokens=tokens)
+    assert engine.generate(warm_g, GREEDY).tokens == cold.generate(cold_g, GREEDY).tokens
+    return got
+
+
+def test_a_shared_prompt_of_two_and_a_half_blocks_is_reused_whole_from_another_sessions_block(engine, cold):
+    first = Session("first")
+    engine.append(first, tokens=SHARED + list(range(30, 60)))  # its third block holds 8 shared tokens, then others
+    engine.sleep(first)
+    got = assert_exact(engine, cold, SHARED + [5, 6, 7, 8, 9])
+    assert got["reused"] == 40 and got["prefilled"] == got["tokens"] - 1 - 40
+    assert engine.counters["tokens_reused"] >= 40
+
+
+def test_a_slept_sessions_tail_serves_the_shared_prompt(engine, cold):
+    first = Session("first")
+    engine.append(first, tokens=SHARED + [30, 31, 32, 33, 34])  # 44 tokens in its cache: 2 blocks + a 12-token tail
+    engine.sleep(first)
+    assert engine.store.rows("SELECT count(*) AS n FROM blocks")[0]["n"] == 2
+    got = assert_exact(engine, cold, SHARED + [5, 6, 7, 8, 9])
+    assert got["reused"] == 40
+
+
+def test_a_warmed_prompt_is_reused_whole(engine, cold):
+    warmed = engine.warm(tokens=SHARED)
+    assert (warmed["tokens"], warmed["blocks"], warmed["new_blocks"]) == (40, 2, 3)
+    got = assert_exact(engine, cold, SHARED + [5, 6, 7])
+    assert got["reused"] == 40
+    again = assert_exact(engine, cold, SHARED[:36] + [5, 6, 7])  # a prompt sharing 4 of the short block's 8
+    assert again["reused"] == 36
+
+
+def test_chat_sessions_sharing_a_system_prompt_reuse_their_common_prefix(engine):
+    system = [{"role": "system", "content": "You are a careful agent. Follow the manual. " * 2}]
+    first = Session("first")
+    engine.append(first, messages=[*system, {"role": "user", "content": "a"}])
+    engine.generate(first, GREEDY)
+    engine.sleep(first)
+    second = Session("second")
+    got = engine.append(second, messages=[*system, {"role": "user", "content": "b"}])
+    shared = common_prefix(first.tokens[: first.processed], second.tokens[:-1])
+    assert shared % B and got["reused"] == shared  # not a whole number of blocks, and all of it reused
+
+
+def test_a_corrupt_candidate_block_shortens_the_hit(engine, cold):
+    first = Session("first")
+    engine.append(first, tokens=SHARED + list(range(30, 60)))
+    engine.sleep(first)
+    third = engine.store.prefix_hit(engine.bundle.hash, SHARED + [5]).partial.block
+    path = engine.store.files.absolute(third.file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    got = assert_exact(engine, cold, SHARED + [5, 6, 7, 8, 9])
+    assert got["reused"] == 32  # the two whole blocks; the candidate's 8 tokens were prefilled
+
+
+def test_a_corrupt_tail_shortens_the_hit(engine, cold):
+    first = Session("first")
+    engine.append(first, tokens=SHARED + [30, 31, 32, 33, 34])
+    engine.sleep(first)
+    record = engine.store.snapshot(engine.store.latest_snapshot("first"))
+    path = engine.store.files.absolute(record.tail.file)
+    path.write_bytes(path.read_bytes()[:-7])
+    got = assert_exact(engine, cold, SHARED + [5, 6, 7, 8, 9])
+    assert got["reused"] == 32
+
+
+def test_quantized_kv_partial_hit_matches_cold(tmp_path):
+    folder = make_model_dir(tmp_path / "wide-heads", num_attention_heads=2, num_key_value_heads=1)
+    engines = [Engine(Store(tmp_path / name, block_tokens=B), tmp_path, folder, kv_bits=8, kv_group_size=32)
+               for name in ("store", "cold")]
+    try:
+        require_quantized_kv(engines[0].model, 8, tokens=60)
+        first = Session("first")
+        engines[0].append(first, tokens=SHARED + [30, 31, 32, 33, 34])
+        engines[0].sleep(first)
+        got = assert_exact(*engines, SHARED + [5, 6, 7, 8, 9])
+        assert got["reused"] == 40
+    finally:
+        for e in engines:
+            e.close()
+            e.store.close()
+
+
+def test_a_model_whose_cache_does_not_cut_reuses_nothing(tmp_path):
+    folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text")
+    e = Engine(Store(tmp_path / "store", block_tokens=B), tmp_path, folder)
+    try:
+        assert not e.cuttable
+        first = Session("first")
+        e.append(first, tokens=SHARED + [30, 31, 32, 33, 34])
+        e.sleep(first)
+        got = e.append(Session("second"), tokens=SHARED + [5, 6, 7])
+        assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
+    finally:
+        e.close()
+        e.store.close()
