@@ -178,9 +178,11 @@ class ClientAPI:
         params = _given(messages=None if messages is None else messages_list(messages), text=text, tokens=tokens)
         return self._rpc("prefix.warm", params)
 
-    def gc(self) -> Any:
-        """Prune old unlabeled snapshots, evict prefix blocks over budget, sweep orphan files."""
-        return self._rpc("store.gc", {})
+    def gc(self, *, remote: bool = False, grace_s: float | None = None, verify: bool = False) -> Any:
+        """Prune old unlabeled snapshots, evict prefix blocks over budget, sweep orphan files; with remote,
+        collect the shared tier instead (objects no manifest names, older than grace_s; verify: damaged ones)."""
+        params = {"remote": True, "verify": verify, **({"grace_s": grace_s} if grace_s is not None else {})}
+        return self._rpc("store.gc", params if remote else {})
 
     def fsck(self) -> Any:
         """Verify every block and snapshot → {ok, bad_blocks, damaged_snapshots, orphans, ...}."""

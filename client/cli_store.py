@@ -51,15 +51,24 @@ def import_(opts: Options, path: str, session_id: str | None, as_json: bool) -> 
 
 
 @click.command()
+@click.option("--remote", is_flag=True, help="Collect the shared tier (serve --remote) instead of the local store.")
+@click.option("--grace", "grace_s", type=click.FloatRange(0),
+              help="With --remote: keep unreferenced objects younger than this many seconds (default 3600).")
+@click.option("--verify", is_flag=True, help="With --remote: also read every referenced object; remove damaged ones.")
 @json_option
 @click.pass_obj
-def gc(opts: Options, as_json: bool) -> None:
+def gc(opts: Options, remote: bool, grace_s: float | None, verify: bool, as_json: bool) -> None:
     """Prune old unlabeled snapshots, evict prefix blocks over budget, sweep orphan files.
 
-    Example: kvwake gc
+    With --remote: remove the shared tier's objects that no manifest names (never one a manifest names).
+
+    Example: kvwake gc --remote --grace 86400 --verify
     """
+    if not remote and (verify or grace_s is not None):
+        raise click.UsageError("--grace and --verify go with --remote")
     with opts.client() as client, spinner("collecting"):
-        r = client.gc()
+        r = client.gc(remote=True, grace_s=grace_s, verify=verify) if remote else client.gc()
+        r = r.get("remote", r)
     echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
 
 

@@ -324,6 +324,8 @@ class SessionManager:
         scratch = Session("prefix-warm")
         await self._append(scratch, inputs)
         info = await to_thread.run_sync(lambda: pipeline.write_prefix(self.engine, scratch, self.thread.call))
+        if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
+            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
         return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.engine.block_tokens,
                 "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
 

@@ -42,7 +42,9 @@ from kvwake.daemon.config import Settings
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
 from kvwake.store.files import write_durable
 from kvwake.store.remote import Lease, Remote, RemoteConfig
-from kvwake.store.remote_transfer import LostLeaseError, fetch_prefix, fetch_snapshot, upload_snapshot
+from kvwake.store.keys import chain_keys
+from kvwake.store.remote_gc import collect
+from kvwake.store.remote_transfer import LostLeaseError, fetch_prefix, fetch_snapshot, upload_prefix, upload_snapshot
 
 if TYPE_CHECKING:
     from kvwake.daemon.engine import Engine
@@ -90,12 +92,16 @@ class RemoteTier:
         config = RemoteConfig(settings.remote, settings.remote_endpoint, settings.remote_access_key_id,
                               settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
         self.remote = Remote(config, engine.bundle.hash, daemon_id(folder))
+        self.remote.health.slow_s = settings.remote_prefix_deadline_s  # slower than a prefix lookup waits: "slow"
         self.book = LeaseBook(folder / "leases.json")
         self.ready = anyio.Event()
-        self._send, self._receive = anyio.create_memory_object_stream[tuple[str, str]](settings.remote_queue)
+        # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`)
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[str | None, str]](settings.remote_queue)
+        self.prefixes: dict[str, list[int]] = {}
         self.uploaded: dict[str, anyio.Event] = {}
-        self.failed: dict[str, tuple[str, float]] = {}  # snapshot id -> (why its last upload failed, when)
-        self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "adopted": 0}
+        self.failed: dict[str, tuple[KvwakeError, float]] = {}  # snapshot id -> (why its last upload failed, when)
+        self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "prefix_lookups_late": 0,
+                         "uploaded_prefixes": 0, "adopted": 0}
 
     def close(self) -> None:
         self.remote.close()
@@ -103,12 +109,14 @@ class RemoteTier:
     def status(self) -> dict[str, Any]:
         h = self.remote.health
         return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": h.state,
-                "error": h.error, "since": h.since, "last_ok": h.last_ok, "daemon": self.remote.daemon_id,
+                "error": h.error, "since": h.since, "last_ok": h.last_ok, "last_call_s": h.last_call_s,
+                "daemon": self.remote.daemon_id,
                 "queued": self._send.statistics().current_buffer_used, **self.remote.counters, **self.counters}
 
     @property
     def healthy(self) -> bool:
-        return self.remote.health.state == "ok"
+        """Answering: "ok", or "slow" (a prefix lookup's deadline bounds what a slow server costs)."""
+        return self.remote.health.state in ("ok", "slow")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await to_thread.run_sync(lambda: fn(*args))
@@ -134,7 +142,14 @@ class RemoteTier:
         async for session_id, snapshot_id in self._receive:
             await self._upload_retrying(session_id, snapshot_id)
 
-    def enqueue(self, session_id: str, snapshot_id: str) -> None:
+    def enqueue_prefix(self, tokens: list[int]) -> None:
+        """Queue a warmed prefix's full blocks for upload, under a prefix manifest (store/remote_transfer.py)."""
+        keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens)
+        if keys:
+            self.prefixes[keys[-1]] = tokens[: len(keys) * self.store.block_tokens]
+            self.enqueue(None, keys[-1])
+
+    def enqueue(self, session_id: str | None, snapshot_id: str) -> None:
         """Queue a committed local snapshot for upload (never blocks: a full queue drops it, counted)."""
         self.uploaded.setdefault(snapshot_id, anyio.Event())
         try:
@@ -143,24 +158,30 @@ class RemoteTier:
             self.counters["upload_queue_full"] += 1
             log.warning("upload queue full; snapshot stays local", extra={"session": session_id, "snapshot": snapshot_id})
 
-    async def _upload_retrying(self, session_id: str, snapshot_id: str) -> None:
+    async def _upload_retrying(self, session_id: str | None, snapshot_id: str) -> None:
         delay = 0.2
         while True:
             try:
                 await self._upload(session_id, snapshot_id)
                 return
             except RemoteUnavailableError as exc:  # the server is down or refusing: keep it, try again
-                self.failed[snapshot_id] = (exc.message, time.monotonic())
+                self.failed[snapshot_id] = (exc, time.monotonic())
                 await anyio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
             except KvwakeError as exc:  # lease lost, snapshot pruned, local damage: this one will not go
                 self.counters["upload_failures"] += 1
-                self.failed[snapshot_id] = (exc.message, time.monotonic())
+                self.failed[snapshot_id] = (exc, time.monotonic())
                 log.warning("upload failed", extra={"session": session_id, "snapshot": snapshot_id, "error": exc.message})
                 self.uploaded[snapshot_id].set()
                 return
 
-    async def _upload(self, session_id: str, snapshot_id: str) -> None:
+    async def _upload(self, session_id: str | None, snapshot_id: str) -> None:
+        if session_id is None:  # a warmed prefix: no session, no lease; its manifest keeps its blocks
+            info = await self._run(upload_prefix, self.remote, self.store, self.prefixes[snapshot_id])
+            self.counters["uploaded_prefixes"] += 1
+            self.uploaded[snapshot_id].set()
+            log.info("uploaded prefix", extra=info or {})
+            return
         lease = self.book.get(session_id)
         if lease is None:  # a session this daemon made: its lease is taken at the first upload, if nobody has one
             try:
@@ -189,10 +210,13 @@ class RemoteTier:
             self.enqueue(session_id, snapshot_id)
         began, done = time.monotonic(), self.uploaded[snapshot_id]
         with anyio.move_on_after(self.settings.remote_timeout_s * 3 if self.ready.is_set() else 0):
-            while not done.is_set() and self.failed.get(snapshot_id, ("", 0.0))[1] < began:
+            while not done.is_set() and (snapshot_id not in self.failed or self.failed[snapshot_id][1] < began):
                 await anyio.sleep(0.02)
-        if snapshot_id in self.failed or not done.is_set():
-            why = (self.failed[snapshot_id][0] if snapshot_id in self.failed else "the upload did not finish in time"
+        failure = self.failed.get(snapshot_id, (None, 0.0))[0]
+        if isinstance(failure, LostLeaseError):  # BUSY: another daemon took the session over; it stays local here
+            raise failure
+        if failure is not None or not done.is_set():
+            why = (failure.message if failure is not None else "the upload did not finish in time"
                    if self.ready.is_set() else f"not connected: {self.remote.health.error or 'still connecting'}")
             raise RemoteUnavailableError(f"snapshot {snapshot_id} of session {session_id} is committed locally but "
                                          f"the remote does not hold it: {why}", session_id=session_id,
@@ -248,15 +272,26 @@ class RemoteTier:
         """Remote blocks continuing the local prefix of `tokens`, under the deadline; 0 when unhealthy."""
         if not self.healthy or len(tokens) <= self.store.block_tokens:
             return 0
+        deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
-            n = await self._run(lambda: fetch_prefix(self.remote, self.store, tokens,
-                                                     deadline_s=self.settings.remote_prefix_deadline_s,
+            n = await self._run(lambda: fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
                                                      on_block=self.engine.hot.put))
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0
+        if time.monotonic() - began >= deadline:  # the rest is prefilled; status says why at once
+            self.counters["prefix_lookups_late"] += 1
+            self.remote.health.report(False, f"a prefix lookup got no answer within {deadline} s; prefilled "
+                                      f"after {n} remote blocks", "slow")
         self.counters["prefix_blocks"] += n
         return n
+
+    async def gc(self, grace_s: float, verify: bool) -> dict[str, Any]:
+        """One remote gc run (store/remote_gc.py); this daemon's store puts back what it can of damaged objects."""
+        self._check_ready()
+        report = await self._run(lambda: collect(self.remote, self.store, grace_s=grace_s, verify=verify))
+        log.info("remote gc", extra=asdict(report))
+        return asdict(report)
 
     async def sessions(self) -> tuple[list[str], str | None]:
         """Remote session ids, and an error when they could not be listed (never raises)."""

@@ -14,6 +14,10 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
                                               the manifest, written last: the commit point
     v1/<bundle>/leases/<sid>/<epoch:012d>.json
                                               ownership history, create-only (see `Lease`)
+    v1/<bundle>/prefixes/<chain key>.json     a warmed prefix's manifest (`prefix.warm`), named
+                                              by its last block's chain key; written last
+    v1/<bundle>/gc/<epoch:012d>-start.json, -end.json
+                                              remote gc runs (store/remote_gc.py), create-only
 
 `<sid>` is the session id percent-encoded (every byte but ASCII letters,
 digits and "_.-~"). A namespace per bundle hash: two models never share an
@@ -37,12 +41,18 @@ the manifest (`kvwake.store.transfer.check_encoded`).
 
 Manifests are the export manifest (store/transfer.py) plus `"remote":
 {"epoch", "daemon"}`. A session's head is its manifest with the greatest name
-(epoch first, then the time-ordered snapshot id).
+(epoch first, then the time-ordered snapshot id). A prefix manifest is
+{"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
+"n_tokens", "blocks": [{"key", "digest", "raw_bytes"}]}.
+
+Objects are deleted only by the remote gc (store/remote_gc.py), which never
+removes what a snapshot or prefix manifest names.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime
 import json
 import struct
@@ -58,12 +68,13 @@ from obstore.store import S3Store
 
 from kvwake.errors import BusyError, CorruptBlockError, InvalidParamsError, RemoteUnavailableError
 
-__all__ = ["LAYOUT", "Health", "Lease", "ObjectHeader", "Remote", "RemoteConfig"]
+__all__ = ["LAYOUT", "GcRun", "Health", "Lease", "ObjectHeader", "Remote", "RemoteConfig"]
 
 LAYOUT = "v1"
 MAGIC = b"KVWO"
 OBJECT_VERSION = 1
 LEASE_VERSION = 1
+GC_SKEW_S = 30.0  # how far two machines' clocks may disagree; a gc run's deadline is stretched by it
 T = TypeVar("T")
 MISSING = (FileNotFoundError, NotFoundError)  # obstore raises either for a missing object, depending on the call
 
@@ -102,14 +113,24 @@ class RemoteConfig:
 
 @dataclass
 class Health:
-    """What `status` shows of the remote: state is "connecting", "ok", "down" or "unauthorized"."""
+    """What `status` shows of the remote: state is "connecting", "ok", "slow", "down" or "unauthorized".
+
+    "slow": the last call answered, but took longer than `slow_s` (the daemon sets it to the prefix
+    lookup's deadline); the next quick answer makes it "ok" again.
+    """
 
     state: str = "connecting"
     error: str | None = None
     since: float = field(default_factory=time.time)
     last_ok: float | None = None
+    slow_s: float = 2.0
+    last_call_s: float | None = None
 
-    def report(self, ok: bool, error: str | None = None, state: str = "down") -> None:
+    def report(self, ok: bool, error: str | None = None, state: str = "down", took_s: float | None = None) -> None:
+        if ok and took_s is not None:
+            self.last_call_s = round(took_s, 3)
+            if took_s > self.slow_s:  # it answered, but a prefix lookup would have given up on it
+                ok, state, error = False, "slow", f"{error} took {took_s:.1f} s (more than {self.slow_s} s)"
         new = "ok" if ok else state
         if new != self.state:
             self.state, self.since = new, time.time()
@@ -158,6 +179,16 @@ class ObjectHeader:
 
 
 @dataclass(frozen=True)
+class GcRun:
+    """The newest remote gc run: `epoch` 0 when none ever ran; `active` while it may still delete."""
+
+    epoch: int
+    active: bool
+    daemon: str | None = None
+    until: float = 0.0
+
+
+@dataclass(frozen=True)
 class Lease:
     """One step of a session's ownership history, version 1; the greatest epoch is the current state.
 
@@ -202,16 +233,17 @@ class Remote:
 
         AlreadyExistsError and FileNotFoundError (obstore raises it for a missing object) pass through: they are answers, not faults.
         """
+        began = time.monotonic()
         try:
             result = fn()
         except (AlreadyExistsError, *MISSING):
-            self.health.report(True)
+            self.health.report(True, what, took_s=time.monotonic() - began)
             raise
         except (PermissionDeniedError, UnauthenticatedError) as exc:
             self._fail(what, exc, "unauthorized")
         except Exception as exc:  # obstore's GenericError and friends: connection refused, timeouts, 5xx
             self._fail(what, exc, "down")
-        self.health.report(True)
+        self.health.report(True, what, took_s=time.monotonic() - began)
         return result
 
     def _fail(self, what: str, exc: Exception, state: str) -> None:
@@ -235,6 +267,15 @@ class Remote:
             return True
         except AlreadyExistsError:
             return False
+
+    def delete(self, key: str) -> None:
+        """Remove one object (only the remote gc does; a missing one is not an error)."""
+        with contextlib.suppress(*MISSING):
+            self.call(f"DELETE {key}", lambda: self.s3.delete(key))
+
+    def listing(self, prefix: str) -> list[dict[str, Any]]:
+        """Every object under `prefix`, recursively: dicts with "path", "last_modified" (datetime), "size"."""
+        return self.call(f"LIST {prefix}", lambda: [o for page in obstore.list(self.s3, prefix) for o in page])
 
     def exists(self, key: str) -> bool:
         try:
@@ -263,6 +304,9 @@ class Remote:
 
     def tail_key(self, snapshot_id: str) -> str:
         return f"{self.ns}/tails/{snapshot_id}"
+
+    def prefix_key(self, last_key: str) -> str:
+        return f"{self.ns}/prefixes/{last_key}.json"
 
     def manifest_key(self, session_id: str, epoch: int, snapshot_id: str) -> str:
         return f"{self.ns}/snapshots/{session_part(session_id)}/{epoch:012d}-{snapshot_id}.json"
@@ -293,6 +337,32 @@ class Remote:
         """The object key of a session's newest manifest, or None."""
         names = self.names(f"{self.ns}/snapshots/{session_part(session_id)}/")
         return f"{self.ns}/snapshots/{session_part(session_id)}/{names[-1]}" if names else None
+
+    # -- gc runs (the fence between gc and uploads: store/remote_gc.py) -----------
+
+    def gc_run(self) -> GcRun:
+        """The newest gc run. One whose end object is missing stays active until its `until` (plus
+        GC_SKEW_S for clocks that disagree), after which it deletes nothing more."""
+        names = self.names(f"{self.ns}/gc/")
+        starts = [n for n in names if n.endswith("-start.json")]
+        if not starts:
+            return GcRun(0, False)
+        epoch = int(starts[-1].split("-")[0])
+        if f"{epoch:012d}-end.json" in names:
+            return GcRun(epoch, False)
+        raw = self.get(f"{self.ns}/gc/{starts[-1]}") or b"{}"
+        try:
+            start = json.loads(raw)
+            until, daemon = float(start["until"]), str(start["daemon"])
+        except (ValueError, TypeError, KeyError):
+            raise CorruptBlockError(f"gc start object {starts[-1]} is malformed", block=starts[-1]) from None
+        return GcRun(epoch, time.time() < until + GC_SKEW_S, daemon, until)
+
+    def wait_for_gc(self, poll_s: float = 0.25) -> GcRun:
+        """Block until no gc run is active; returns the newest run (then inactive)."""
+        while (run := self.gc_run()).active:
+            time.sleep(min(poll_s, max(0.01, run.until + GC_SKEW_S - time.time())))
+        return run
 
     # -- leases ---------------------------------------------------------------
 

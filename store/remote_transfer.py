@@ -5,7 +5,9 @@ it leaves (a create-only object can never be replaced, so a bad one must never
 be written); blocks the remote already holds are not sent again; the tail
 follows; the manifest is written last, and only while the uploader still holds
 the session's lease. An upload cut off anywhere leaves no manifest, so no
-reader ever sees the snapshot; running it again finishes it.
+reader ever sees the snapshot; running it again finishes it. A warmed prefix
+is published the same way, under a prefix manifest. Uploads are fenced against
+the remote gc (`_fenced`, `_commit`; the rule is in store/remote_gc.py).
 
 Download: every object is checked as an import file is (store/transfer.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
@@ -25,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store.codec import Encoded
 from kvwake.store.keys import block_key, chain_keys
-from kvwake.store.remote import Lease, ObjectHeader, Remote
+from kvwake.store.remote import GcRun, Lease, ObjectHeader, Remote
 from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
 
 if TYPE_CHECKING:
-    from kvwake.store.index import BlockRef
+    from kvwake.store.index import BlockRef, SnapshotRecord
     from kvwake.store.store import Store
     from kvwake.store.writer import SnapshotWriter
 
-__all__ = ["LostLeaseError", "fetch_prefix", "fetch_snapshot", "upload_snapshot"]
+__all__ = ["LostLeaseError", "check_block_object", "check_tail_object", "put_block", "put_tail", "fetch_prefix", "fetch_snapshot", "upload_prefix", "upload_snapshot"]
 
 OnBlock = Callable[[str, dict], None] | None  # (chain key, decoded verified tensors): the daemon's RAM tier
 
@@ -59,19 +61,53 @@ def _local_block(store: Store, ref: BlockRef) -> bytes:
     return data
 
 
+def put_block(remote: Remote, store: Store, ref: BlockRef) -> bool:
+    """Put one local block (verified first), create-only; False when the remote already holds it."""
+    data = _local_block(store, ref)
+    header = ObjectHeader("block", ref.bundle, ref.digest, ref.codec, ref.raw_bytes, len(data), key=ref.key,
+                          parent=ref.parent, token_ids=tuple(ref.token_ids))
+    return remote.put_new(remote.block_key(ref.key), header.pack(data))  # "exists" is success: same content
+
+
+def put_tail(remote: Remote, store: Store, record: SnapshotRecord) -> bool:
+    """Put a local snapshot's tail (verified first), create-only; False when the remote already holds it."""
+    assert record.tail is not None
+    data = bytes(store.files.read(record.tail.file))
+    store.read_tail(record)  # verified before it leaves, like every block
+    header = ObjectHeader("tail", record.bundle, record.tail.digest, record.tail.codec, record.tail.raw_bytes,
+                          len(data), snapshot_id=record.id)
+    return remote.put_new(remote.tail_key(record.id), header.pack(data))
+
+
 def upload_blocks(remote: Remote, store: Store, refs: list[BlockRef]) -> int:
     """Put the blocks the remote lacks (create-only); returns how many were written."""
     present = remote.parallel(lambda ref: remote.exists(remote.block_key(ref.key)), refs)
-
-    def put(ref: BlockRef) -> bool:
-        data = _local_block(store, ref)
-        header = ObjectHeader("block", ref.bundle, ref.digest, ref.codec, ref.raw_bytes, len(data), key=ref.key,
-                              parent=ref.parent, token_ids=tuple(ref.token_ids))
-        return remote.put_new(remote.block_key(ref.key), header.pack(data))  # "exists" is success: same content
-
-    written = sum(remote.parallel(put, [ref for ref, there in zip(refs, present) if not there]))
+    written = sum(remote.parallel(lambda ref: put_block(remote, store, ref),
+                                  [ref for ref, there in zip(refs, present) if not there]))
     remote.counters["uploaded_blocks"] += written
     return written
+
+
+def _fenced(remote: Remote, put_objects: Callable[[], None]) -> GcRun:
+    """Run put_objects until no remote gc was active or began while it ran; returns the gc run seen.
+
+    An upload skips the blocks the remote already holds; a gc that runs meanwhile may remove one of
+    them (unreferenced so far). Seeing the same, inactive gc run before and after proves none did.
+    """
+    while True:
+        before = remote.wait_for_gc()
+        put_objects()
+        if remote.gc_run() == before:
+            return before
+
+
+def _commit(remote: Remote, key: str, data: bytes, run: GcRun, put_objects: Callable[[], None]) -> None:
+    """Write the commit object (the manifest); then, if a gc began before it could see it, wait for
+    that gc to end and put back what it removed (a gc that begins later sees the manifest)."""
+    remote.put_new(key, data)
+    if remote.gc_run() != run:
+        remote.wait_for_gc()
+        put_objects()
 
 
 def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease) -> dict[str, Any]:
@@ -81,24 +117,53 @@ def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease
     """
     with store.reading():
         manifest, record = snapshot_manifest(store, snapshot_id)
-        key = remote.manifest_key(record.session_id, lease.epoch, record.id)
-        if remote.exists(key):
-            return {"snapshot_id": record.id, "manifest": key, "new_blocks": 0, "existed": True}
-        written = upload_blocks(remote, store, list(record.blocks))
-        if record.tail is not None:
-            data = bytes(store.files.read(record.tail.file))
-            store.read_tail(record)  # verified before it leaves, like every block
-            header = ObjectHeader("tail", record.bundle, record.tail.digest, record.tail.codec, record.tail.raw_bytes,
-                                  len(data), snapshot_id=record.id)
-            remote.put_new(remote.tail_key(record.id), header.pack(data))
-    if remote.current_lease(record.session_id) != lease:
+    key = remote.manifest_key(record.session_id, lease.epoch, record.id)
+    if remote.exists(key):
+        return {"snapshot_id": record.id, "manifest": key, "new_blocks": 0, "existed": True}
+    written: list[int] = []
+
+    def put_objects() -> None:
+        with store.reading():
+            written.append(upload_blocks(remote, store, list(record.blocks)))
+            if record.tail is not None:
+                put_tail(remote, store, record)
+
+    run = _fenced(remote, put_objects)
+    current = remote.current_lease(record.session_id)
+    if current != lease:
+        now = f"{current.state} by daemon {current.daemon} at epoch {current.epoch}" if current else "gone"
         raise LostLeaseError(f"session {record.session_id}: this daemon no longer holds its lease (epoch "
-                             f"{lease.epoch}); snapshot {record.id} stays local", session_id=record.session_id,
-                             snapshot_id=record.id)
+                             f"{lease.epoch}; it is {now}); snapshot {record.id} stays local",
+                             session_id=record.session_id, snapshot_id=record.id,
+                             owner=current.daemon if current else None)
     manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id}
-    remote.put_new(key, json.dumps(manifest, indent=1).encode())  # the commit point
+    _commit(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)  # the commit point
     remote.counters["uploaded_snapshots"] += 1
-    return {"snapshot_id": record.id, "manifest": key, "new_blocks": written, "existed": False}
+    return {"snapshot_id": record.id, "manifest": key, "new_blocks": sum(written), "existed": False}
+
+
+def upload_prefix(remote: Remote, store: Store, token_ids: list[int]) -> dict[str, Any] | None:
+    """Publish a warmed prefix: its full blocks (from the local store), then its prefix manifest,
+    which keeps them from the remote gc. Returns what was sent; None when the store holds no block of it."""
+    with store.reading():
+        refs = store.longest_prefix(remote.bundle, token_ids)
+    if not refs:
+        return None
+    key = remote.prefix_key(refs[-1].key)
+    if remote.exists(key):
+        return {"prefix": key, "blocks": len(refs), "new_blocks": 0, "existed": True}
+    written: list[int] = []
+
+    def put_objects() -> None:
+        with store.reading():
+            written.append(upload_blocks(remote, store, refs))
+
+    run = _fenced(remote, put_objects)
+    manifest = {"format": "kvwake-prefix", "version": 1, "bundle": remote.bundle, "block_tokens": store.block_tokens,
+                "n_tokens": len(refs) * store.block_tokens,
+                "blocks": [{"key": r.key, "digest": r.digest, "raw_bytes": r.raw_bytes} for r in refs]}
+    _commit(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)
+    return {"prefix": key, "blocks": len(refs), "new_blocks": sum(written), "existed": False}
 
 
 # -- download --------------------------------------------------------------------
@@ -109,28 +174,39 @@ def _refused(remote: Remote, what: str, why: str, **facts: Any) -> CorruptBlockE
     return CorruptBlockError(f"remote {what} refused: {why}", remote=remote.config.url, **facts)
 
 
+def check_block_object(remote: Remote, key: str, data: bytes, digest: str | None = None,
+                       raw_bytes: int | None = None, tokens: list[int] | None = None) -> tuple:
+    """Verify one block object; returns (header, file bytes, decoded tensors); ValueError naming what is wrong.
+
+    digest, raw_bytes: what a manifest says (None: the header's, bound by the key); tokens: the ones
+    the caller expects (None: the header's, bound by the key as well).
+    """
+    header, body = ObjectHeader.unpack(data)
+    tokens = list(header.token_ids or ()) if tokens is None else tokens
+    if (header.kind != "block" or header.key != key or header.bundle != remote.bundle
+            or list(header.token_ids or ()) != list(tokens)
+            or block_key(header.parent or "", remote.bundle, tokens) != key):
+        raise ValueError("its header names another block, bundle or tokens")
+    if digest is not None and (header.digest != digest or header.raw_bytes != raw_bytes):
+        raise ValueError("its header disagrees with the manifest")
+    _, tensors = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, key)
+    return header, body, tensors
+
+
 def fetch_block(remote: Remote, key: str, digest: str | None, raw_bytes: int | None, tokens: list[int]) -> tuple:
     """Fetch and verify one block object; returns (header, file bytes, decoded tensors).
 
-    digest, raw_bytes: what a manifest says (None for a prefix lookup: the header's, bound by the key).
     Raises CorruptBlockError for anything that does not check out, KeyError when it is missing.
     """
     data = remote.get(remote.block_key(key))
     if data is None:
         raise KeyError(key)
     try:
-        header, body = ObjectHeader.unpack(data)
-        if (header.kind != "block" or header.key != key or header.bundle != remote.bundle
-                or list(header.token_ids or ()) != list(tokens)
-                or block_key(header.parent or "", remote.bundle, tokens) != key):
-            raise ValueError("its header names another block, bundle or tokens")
-        if digest is not None and (header.digest != digest or header.raw_bytes != raw_bytes):
-            raise ValueError("its header disagrees with the manifest")
-        _, tensors = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, key)
+        found = check_block_object(remote, key, data, digest, raw_bytes, tokens)
     except ValueError as exc:
         raise _refused(remote, f"block {key[:16]}", str(exc), block=key) from None
     remote.counters["fetched_blocks"] += 1
-    return header, body, tensors
+    return found
 
 
 def _fill_from_remote(remote: Remote, m: dict[str, Any], w: SnapshotWriter, on_block: OnBlock) -> None:
@@ -151,13 +227,19 @@ def _fill_from_remote(remote: Remote, m: dict[str, Any], w: SnapshotWriter, on_b
         sid = m["snapshot"]["id"]
         data = remote.get(remote.tail_key(sid))
         try:
-            header, body = ObjectHeader.unpack(data or b"")
-            if header.kind != "tail" or header.snapshot_id != sid or header.digest != m["tail"]["digest"]:
-                raise ValueError("its header names another tail")
-            encoded, _ = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, None)
+            encoded = check_tail_object(remote, sid, data or b"", m["tail"]["digest"])
         except ValueError as exc:
             raise _refused(remote, f"tail of snapshot {sid}", str(exc), snapshot_id=sid) from None
         w.set_tail_encoded(encoded)
+
+
+def check_tail_object(remote: Remote, snapshot_id: str, data: bytes, digest: str) -> Encoded:
+    """Verify a snapshot's tail object against the digest its manifest names; ValueError naming what is wrong."""
+    header, body = ObjectHeader.unpack(data)
+    if header.kind != "tail" or header.snapshot_id != snapshot_id or header.digest != digest:
+        raise ValueError("its header names another tail")
+    encoded, _ = check_encoded(body, header.digest, header.raw_bytes, header.codec, remote.bundle, None)
+    return encoded
 
 
 def _encoded(body: memoryview, header: ObjectHeader) -> Encoded:

@@ -99,3 +99,55 @@ class Seaweed:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class SlowProxy:
+    """A TCP proxy on loopback in front of a server, holding each request chunk `delay` seconds before
+    passing it on (a slow S3 server, as a client sees one). Runs its own event loop on a thread."""
+
+    def __init__(self, target_port: int) -> None:
+        import asyncio
+        import threading
+
+        self.target_port, self.delay = target_port, 0.0
+        self.writers: set = set()
+        self.loop = asyncio.new_event_loop()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def _serve(self, reader, writer) -> None:
+        import asyncio
+
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers |= {writer, upstream_writer}
+
+        async def pipe(src, dst, slow: bool) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    if slow and self.delay:
+                        await asyncio.sleep(self.delay)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer, True), pipe(upstream_reader, writer, False))
+
+    def close(self) -> None:
+        import asyncio
+
+        async def shut() -> None:
+            self.server.close()
+            for w in self.writers:
+                w.close()
+            await self.server.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -42,6 +42,14 @@ def chat(c: RawClient, sid: str, text: str, **kw):
     return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8, **kw)
 
 
+def released_with_twin(c: RawClient, sid: str, text: str) -> None:
+    """`sid` and its never-slept twin "twin" on one daemon, same turn; `sid` then slept and released."""
+    for name in (sid, "twin"):
+        c.call("session.create", session_id=name, system=SYSTEM)
+        chat(c, name, text)
+    assert c.call("session.sleep", session_id=sid, release=True)["released"] is True
+
+
 def wait_remote(c: RawClient, state: str = "ok", timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -1,0 +1,225 @@
+"""The remote gc: the only code that deletes objects from the shared tier (`kvwake gc --remote`).
+
+What it removes, in one bundle's namespace:
+- block and tail objects that no manifest names (snapshot manifests under
+  `snapshots/`, prefix manifests under `prefixes/`), once their last-modified
+  time is older than `grace_s`: the leftovers of uploads cut off before their
+  manifest;
+- with `verify`, also named block and tail objects that fail verification on
+  two reads in a row (a damaged object can never be replaced by a create-only
+  put, so it must go). The daemon running the gc then puts back a verified
+  copy from its own store when it holds one (`repaired`); otherwise the next
+  upload of any snapshot naming it re-creates it, since uploads put every block
+  the remote lacks.
+Manifests, leases and the identity object are never removed: every published
+snapshot keeps its objects (history is not pruned here).
+
+The race with uploads, and the rule that closes it. An upload skips the blocks
+the remote already holds; an unreferenced old one (from a cut-off upload) may
+be exactly what a gc is removing at that moment, and the upload's manifest
+would then name a removed block. So gc runs are fenced:
+1. A run first writes `gc/<n>-start.json` create-only (n = newest + 1) with a
+   deadline `until` (start + max_s); it lists and deletes only after that, and
+   nothing after its deadline; `gc/<n>-end.json` marks its end. A run is
+   refused while another is active (create-only settles two starting at once).
+2. An upload reads the newest run before its existence checks and again after
+   its puts; when a run was active or began in between, it waits for that run
+   to end and checks and puts again (remote_transfer._fenced).
+3. After writing its manifest it reads the newest run once more: a run that
+   began before the manifest existed may have removed a block the upload
+   reused, so it waits for the run to end and puts back what is missing
+   (remote_transfer._commit). A run that begins later lists the manifest.
+So no manifest loses an object for good. A reader may find one missing for the
+moment between its removal and its put-back; it refuses the snapshot (nothing
+corrupt is restored) and a retry succeeds. The grace period is not what makes
+this safe: it spares in-flight uploads from redoing their work, and leaves a
+cut-off upload's blocks for its daemon to finish (daemons re-send their
+unpublished heads at start). Clocks: a run whose end object is missing counts
+as active until its deadline plus GC_SKEW_S (store/remote.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvwake.errors import BusyError, CorruptBlockError
+from kvwake.store.index import BlockRef
+from kvwake.store.remote import Remote
+from kvwake.store.remote_transfer import check_block_object, check_tail_object, put_block, put_tail
+
+if TYPE_CHECKING:
+    from kvwake.store.store import Store
+
+__all__ = ["RemoteGcReport", "collect"]
+
+GC_MAX_S = 600.0  # a run deletes nothing after this long; uploads wait at most this (plus skew) for one
+
+
+@dataclass
+class RemoteGcReport:
+    """What one remote gc run found and did."""
+
+    epoch: int = 0
+    manifests: int = 0
+    prefixes: int = 0
+    blocks: int = 0
+    tails: int = 0
+    removed_blocks: int = 0
+    removed_tails: int = 0
+    removed_bytes: int = 0
+    kept_young: int = 0  # unreferenced, but younger than the grace period
+    verified: int = 0
+    corrupt_removed: int = 0
+    missing: int = 0  # named by a manifest but absent
+    repaired: int = 0  # put back from this daemon's store
+    incomplete: bool = False  # the run reached its deadline first
+    ms: float = 0.0
+
+
+def _start(remote: Remote, max_s: float) -> tuple[int, float]:
+    """Write the run's start object; returns its epoch and deadline."""
+    newest = remote.gc_run()
+    if newest.active:
+        raise BusyError(f"a remote gc by daemon {newest.daemon} is running (epoch {newest.epoch}, deletes nothing "
+                        f"after {time.ctime(newest.until)})", owner=newest.daemon, epoch=newest.epoch)
+    epoch, now = newest.epoch + 1, time.time()
+    start = {"epoch": epoch, "daemon": remote.daemon_id, "time": now, "until": now + max_s}
+    if not remote.put_new(f"{remote.ns}/gc/{epoch:012d}-start.json", json.dumps(start).encode()):
+        raise BusyError(f"another remote gc started at the same moment (epoch {epoch})", epoch=epoch)
+    return epoch, start["until"]
+
+
+def _references(remote: Remote, report: RemoteGcReport) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every block a manifest names (key -> its manifest entry) and every tail (snapshot id -> digest).
+
+    Raises CorruptBlockError when a manifest cannot be read: what it names is unknown, so nothing may go.
+    """
+    snapshots = [o["path"] for o in remote.listing(f"{remote.ns}/snapshots/") if o["path"].endswith(".json")]
+    prefixes = [o["path"] for o in remote.listing(f"{remote.ns}/prefixes/") if o["path"].endswith(".json")]
+    report.manifests, report.prefixes = len(snapshots), len(prefixes)
+    blocks: dict[str, dict] = {}
+    tails: dict[str, str] = {}
+    for key, raw in zip(snapshots + prefixes, remote.parallel(remote.get, snapshots + prefixes)):
+        try:
+            m = json.loads(raw or b"")
+            for entry in m["blocks"]:
+                blocks[str(entry["key"])] = entry
+            if m.get("tail"):
+                tails[str(m["snapshot"]["id"])] = str(m["tail"]["digest"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptBlockError(f"remote gc: manifest {key} cannot be read ({exc}); nothing was removed. "
+                                    "Move it aside by hand if it is damaged", block=key) from None
+    return blocks, tails
+
+
+def _objects(remote: Remote, kind: str) -> dict[str, dict]:
+    """Object name (chain key or snapshot id) -> its listing entry, for blocks/ or tails/."""
+    return {o["path"].rsplit("/", 1)[-1]: o for o in remote.listing(f"{remote.ns}/{kind}/")}
+
+
+def _sweep(remote: Remote, found: dict[str, dict], named: set[str] | dict, path: Any, grace_s: float,
+           until: float, report: RemoteGcReport) -> int:
+    """Delete the unnamed objects older than grace_s, until the deadline; returns how many went."""
+    now = time.time()
+    old = [name for name, o in found.items() if name not in named and now - o["last_modified"].timestamp() > grace_s]
+    report.kept_young += sum(1 for name in found if name not in named) - len(old)
+
+    def delete(name: str) -> int | None:  # on the pool: returns the bytes freed, None past the deadline
+        if time.time() > until:
+            return None
+        remote.delete(path(name))
+        return int(found[name]["size"])
+
+    freed = [n for n in remote.parallel(delete, old) if n is not None]
+    report.incomplete |= len(freed) < len(old)
+    report.removed_bytes += sum(freed)
+    return len(freed)
+
+
+def _check_twice(remote: Remote, key: str, check: Any) -> bool:
+    """Whether the object at `key` is damaged: it must fail verification on two separate reads."""
+    for _ in range(2):
+        data = remote.get(key)
+        if data is None:
+            return False  # gone meanwhile: nothing to remove
+        try:
+            check(data)
+            return False
+        except ValueError:
+            continue
+    return True
+
+
+def _local_block(store: Store | None, key: str) -> BlockRef | None:
+    rows = store.rows("SELECT * FROM blocks WHERE key = ? AND quarantined = 0", (key,)) if store else []
+    return BlockRef.from_row(rows[0]) if rows else None
+
+
+def _verify(remote: Remote, store: Store | None, blocks: dict[str, dict], tails: dict[str, str],
+            found_blocks: dict, found_tails: dict, until: float, report: RemoteGcReport) -> None:
+    """Remove named objects that fail verification twice; put back missing or removed ones from `store`.
+
+    Each check runs on the pool and returns its outcome: "ok", "late" (past the deadline), or
+    ("corrupt" | "missing", whether it was put back).
+    """
+    def block(key: str) -> Any:
+        entry = blocks[key]
+        if time.time() > until:
+            return "late"
+        outcome = "missing"
+        if key in found_blocks:
+            if not _check_twice(remote, remote.block_key(key), lambda data: check_block_object(
+                    remote, key, data, entry.get("digest"), entry.get("raw_bytes"))):
+                return "ok"
+            remote.delete(remote.block_key(key))
+            outcome = "corrupt"
+        ref = _local_block(store, key)
+        return outcome, bool(ref is not None and ref.digest == entry.get("digest") and put_block(remote, store, ref))
+
+    def tail(sid: str) -> Any:
+        if time.time() > until:
+            return "late"
+        outcome = "missing"
+        if sid in found_tails:
+            if not _check_twice(remote, remote.tail_key(sid), lambda data: check_tail_object(remote, sid, data, tails[sid])):
+                return "ok"
+            remote.delete(remote.tail_key(sid))
+            outcome = "corrupt"
+        record = store.snapshot(sid) if store and store.rows("SELECT id FROM snapshots WHERE id = ?", (sid,)) else None
+        return outcome, bool(record is not None and record.tail is not None and record.tail.digest == tails[sid]
+                             and put_tail(remote, store, record))
+
+    outcomes = remote.parallel(block, list(blocks)) + remote.parallel(tail, list(tails))
+    report.verified += sum(1 for o in outcomes if o == "ok" or o[0] == "corrupt")
+    report.corrupt_removed += sum(1 for o in outcomes if isinstance(o, tuple) and o[0] == "corrupt")
+    report.missing += sum(1 for o in outcomes if isinstance(o, tuple) and o[0] == "missing")
+    report.repaired += sum(1 for o in outcomes if isinstance(o, tuple) and o[1])
+    report.incomplete |= "late" in outcomes
+
+
+def collect(remote: Remote, store: Store | None = None, *, grace_s: float = 3600.0, verify: bool = False,
+            max_s: float = GC_MAX_S) -> RemoteGcReport:
+    """One remote gc run (the rules are in the module docstring); `store`: this daemon's, for repairs.
+
+    Raises BusyError (another run is active), CorruptBlockError (a manifest cannot be read; nothing
+    removed), RemoteUnavailableError.
+    """
+    began = time.monotonic()
+    epoch, until = _start(remote, max_s)
+    report = RemoteGcReport(epoch=epoch)
+    try:
+        found_blocks, found_tails = _objects(remote, "blocks"), _objects(remote, "tails")
+        blocks, tails = _references(remote, report)  # listed after the objects: a manifest newer than them counts
+        report.blocks, report.tails = len(found_blocks), len(found_tails)
+        report.removed_blocks = _sweep(remote, found_blocks, blocks, remote.block_key, grace_s, until, report)
+        report.removed_tails = _sweep(remote, found_tails, tails, remote.tail_key, grace_s, until, report)
+        if verify:
+            _verify(remote, store, blocks, tails, found_blocks, found_tails, until, report)
+    finally:
+        report.ms = round((time.monotonic() - began) * 1000, 3)
+        end = {"epoch": report.epoch, "daemon": remote.daemon_id, "time": time.time(), "report": asdict(report)}
+        remote.put_new(f"{remote.ns}/gc/{report.epoch:012d}-end.json", json.dumps(end).encode())
+    return report
