@@ -185,7 +185,8 @@ class Engine:
         """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
         return min(common_prefix(session.tokens[: session.processed], target), len(target) - 1)
 
-    def _needs_fresh_cache(self, session: Session, target: list[int]) -> bool:
+    def needs_fresh_cache(self, session: Session, target: list[int]) -> bool:
+        """True when appending `target` cannot keep the session's cache (none yet, or it cannot be cut back)."""
         return session.cache is None or (self._keep(session, target) < session.processed
                                          and not can_trim_prompt_cache(session.cache))
 
@@ -195,7 +196,7 @@ class Engine:
         Store and codec work on the caller's thread and the pool, MLX work through `mlx`.
         Returns (cache or None, tokens it holds). A bad block shortens the hit; it never fails the append.
         """
-        if not self.cuttable or len(target) < 2 or not self._needs_fresh_cache(session, target):
+        if not self.cuttable or len(target) < 2 or not self.needs_fresh_cache(session, target):
             return None, 0
         hit = self.store.prefix_hit(self.bundle.hash, target[: len(target) - 1], min_partial=self.min_partial)
         return prefixhit.restore_prefix(self, hit, target, mlx)
@@ -220,7 +221,7 @@ class Engine:
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
         target, keep = plan.target, self._keep(session, plan.target)
-        if self._needs_fresh_cache(session, target):
+        if self.needs_fresh_cache(session, target):
             session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
         elif keep < session.processed:
             trim_prompt_cache(session.cache, session.processed - keep)

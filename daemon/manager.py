@@ -34,6 +34,7 @@ from kvwake.daemon import kvstate, pipeline
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.matching import hot_prefix
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.worker import EngineThread
@@ -83,7 +84,8 @@ class SessionManager:
         self.store = engine.store
         self.entries: dict[str, Entry] = {}
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
-        self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0}
+        self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0,
+                         "prefix_copies": 0}
         self.stopping = False
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
 
@@ -268,7 +270,9 @@ class SessionManager:
         if self.remote is not None and session.cache is None:  # a cold start: the remote may hold its prefix
             await self.remote.prefetch(plan.target[: len(plan.target) - 1])
         mlx = self.thread.call  # one prefill chunk per engine job: other sessions decode between them
-        prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
+        prefix = await hot_prefix(self, session, plan.target)  # a hot agent's shared prompt: no disk at all
+        if prefix[0] is None:
+            prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
         return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,

@@ -1,4 +1,4 @@
-"""Which session a stateless request continues (the HTTP API, with no session named).
+"""Which session a stateless request continues, and which hot session's KV a new one copies.
 
 OpenAI clients send the whole conversation every turn. A request that names no
 session is matched against the sessions earlier stateless requests made
@@ -9,13 +9,12 @@ of its rendered prompt with each session's tokens:
   reaches its `reply_start`): the request is that conversation's next turn, and
   it **continues the session in place** (the cache keeps the common prefix; a
   reply the client re-rendered differently costs only its own tokens);
-- the request branches off earlier (a retried turn, an edited message, another
-  agent with the same system prompt) and the session is hot: a **new session
-  starts from a copy of the shared prefix's KV** in memory, and the source is
-  left as it was;
-- otherwise (nothing shared, the source asleep or busy, a model whose cache
-  cannot be cut): a **new session**, which still restores whatever stored
-  prefix blocks match (the prefix cache) instead of prefilling them.
+- otherwise (the request branches off earlier: a retried turn, an edited
+  message, another agent with the same system prompt; or nothing matched): a
+  **new session**, whose first append copies the longest shared prefix's KV
+  from a hot session in memory (`hot_prefix`, below: RPC sessions benefit
+  too), or restores it from stored blocks, instead of prefilling it. The
+  source is left as it was.
 
 A busy session is never a candidate: another request is continuing it. Sessions
 created over RPC are not candidates either: a request that did not name them
@@ -33,13 +32,13 @@ import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon import kvstate
-from kvwake.daemon.session import new_session_id
+from kvwake.daemon.session import Session, new_session_id
 from kvwake.errors import BusyError
 
 if TYPE_CHECKING:
     from kvwake.daemon.manager import Entry, SessionManager
 
-__all__ = ["ORIGIN", "Match", "Matcher"]
+__all__ = ["ORIGIN", "Match", "Matcher", "hot_prefix"]
 
 log = logging.getLogger("kvwake.matching")
 ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and may continue)
@@ -50,7 +49,8 @@ Known = tuple[np.ndarray, "int | None", "str | None"]  # a candidate's tokens, r
 
 @dataclass(frozen=True)
 class Match:
-    """The session a request runs in, and how it was found: "continued", "copied" or "new"."""
+    """The session a request runs in, and how it was found: "continued", "branched" (new, from a candidate's
+    shared prefix) or "new"."""
 
     session_id: str
     how: str
@@ -87,10 +87,10 @@ class Matcher:
                 best = (shared, entry, known[1])
         shared, entry, reply_start = best
         if entry is None:
-            return await self._new(target, None, 0)
+            return await self._new(0, False)
         if shared >= (reply_start if reply_start is not None else len(self._tokens(entry)[0])):
             return Match(entry.id, "continued", shared)
-        return await self._new(target, entry, shared)
+        return await self._new(shared, True)
 
     def remember(self, session_id: str) -> None:
         """After a turn: keep the session's tokens, for when it is asleep."""
@@ -122,22 +122,42 @@ class Matcher:
                                 state.get("reply_start"), state.get("mode"))
         return known
 
-    async def _new(self, target: list[int], source: Entry | None, shared: int) -> Match:
-        """A new stateless session; from a hot source, it starts with a copy of the shared prefix's KV."""
-        m = self.manager
+    async def _new(self, shared: int, branched: bool) -> Match:
+        """A new stateless session. Its first append copies the shared prefix's KV from a hot session
+        (`hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
-        await m.create(session_id, metadata={"origin": ORIGIN})
-        keep = min(shared, len(target) - 1)  # one token stays pending: it yields the first logits
-        if source is None or source.session is None or source.busy or keep < 1 or not m.engine.cuttable:
-            return Match(session_id, "new", shared)
-        try:
-            async with m.claim(source.id, "copy"), m.claim(session_id, "copy") as fresh:
-                src, dst = source.session, fresh.session
-                if src is None or src.cache is None or src.processed < keep or dst is None:
-                    return Match(session_id, "new", shared)  # it slept or failed meanwhile: the prefix cache serves
-                dst.cache = await m.thread.run(lambda: kvstate.copy_prefix(src.cache, keep))
-                dst.mode, dst.tokens, dst.processed = src.mode, src.tokens[:keep], keep
-        except BusyError:  # another request took the source while this one was being made
-            return Match(session_id, "new", shared)
-        log.info("session copied", extra={"session": session_id, "source": source.id, "tokens": keep})
-        return Match(session_id, "copied", shared)
+        await self.manager.create(session_id, metadata={"origin": ORIGIN})
+        return Match(session_id, "branched" if branched else "new", shared)
+
+async def hot_prefix(manager: SessionManager, session: Session, target: list[int]) -> tuple[list | None, int]:
+    """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
+
+    For a session about to need a fresh cache (its first input): agents that share a system prompt
+    while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
+    it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
+    opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
+    """
+    engine = manager.engine
+    if not engine.cuttable or len(target) < 2 or not engine.needs_fresh_cache(session, target):
+        return None, 0
+    want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
+    for entry in list(manager.entries.values()):
+        s = entry.session
+        if s is None or s is session or entry.busy or s.cache is None or not s.processed:
+            continue
+        shared = common_prefix(np.asarray(s.tokens[: s.processed], dtype=np.int64), want)
+        if shared > best:
+            best, source = shared, entry
+    if source is None or best < engine.min_partial:
+        return None, 0
+    try:
+        async with manager.claim(source.id, "copy"):
+            src = source.session
+            if src is None or src.cache is None or src.processed < best:
+                return None, 0
+            cache = await manager.thread.run(lambda: kvstate.copy_prefix(src.cache, best))
+    except BusyError:
+        return None, 0
+    manager.counters["prefix_copies"] += 1
+    log.info("prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
+    return cache, best

@@ -67,3 +67,20 @@ def test_a_corrupt_tail_is_prefilled_instead(daemon):
         assert c.call("session.generate", session_id="b", max_tokens=3)["finish_reason"] in ("length", "stop")
     assert "prefix block unusable" in daemon.log.read_text()
     assert daemon.log_problems() == []
+
+
+def test_a_hot_session_shares_its_prompt_without_sleeping(daemon):
+    with daemon.client() as c:
+        c.call("session.create", session_id="a")
+        c.call("session.append", session_id="a", tokens=SHARED + [30, 31, 32])  # hot, never slept
+        c.call("session.create", session_id="b")
+        got = c.call("session.append", session_id="b", tokens=SHARED + [5, 6, 7])
+        assert got["reused"] == 40 and got["prefilled"] == 2
+        assert c.call("status")["counters"]["prefix_copies"] == 1
+        copied = c.call("session.generate", session_id="b", max_tokens=8)["tokens"]
+        for sid in ("a", "b"):
+            c.call("session.delete", session_id=sid)
+        c.call("session.create", session_id="cold")  # nothing hot, nothing stored: prefilled from scratch
+        cold = c.call("session.append", session_id="cold", tokens=SHARED + [5, 6, 7])
+        assert cold["reused"] == 0
+        assert c.call("session.generate", session_id="cold", max_tokens=8)["tokens"] == copied

@@ -117,7 +117,7 @@ def test_a_branch_copies_the_shared_prefix_and_leaves_the_source(api):
     # A retry of the first question with another wording branches before the source's last reply.
     branch = chat(api, [base[0], {"role": "user", "content": "first question, reworded"}])
     info = branch.model_extra["kvwake"]
-    assert info["match"] == "copied" and info["session_id"] != source
+    assert info["match"] == "branched" and info["session_id"] != source
     assert branch.usage.prompt_tokens_details.cached_tokens == info["shared_tokens"] > 0
     # The source is as it was: its conversation goes on fully cached.
     trunk += [{"role": "assistant", "content": second.choices[0].message.content}, {"role": "user", "content": "3rd"}]
