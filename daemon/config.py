@@ -77,6 +77,7 @@ class Settings:
     http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/http.py); None: off
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
+    stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted
 
     @property
     def store_dir(self) -> Path:

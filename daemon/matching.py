@@ -23,8 +23,10 @@ must not change them (give one `metadata.origin = "http"` to make it one).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +35,12 @@ from anyio import to_thread
 
 from kvwake.daemon import kvstate
 from kvwake.daemon.session import Session, new_session_id
-from kvwake.errors import BusyError
+from kvwake.errors import BusyError, NotFoundError
 
 if TYPE_CHECKING:
     from kvwake.daemon.manager import Entry, SessionManager
 
-__all__ = ["ORIGIN", "Match", "Matcher", "hot_prefix"]
+__all__ = ["ORIGIN", "Match", "Matcher", "expire", "hot_prefix"]
 
 log = logging.getLogger("kvwake.matching")
 ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and may continue)
@@ -77,6 +79,8 @@ class Matcher:
         if self.asleep is None:
             self.asleep = await to_thread.run_sync(self._load)
         want = np.asarray(target, dtype=np.int64)
+        for gone in [sid for sid in self.asleep if sid not in self.manager.entries]:  # deleted, or expired
+            del self.asleep[gone]
         best: tuple[int, Entry | None, int | None] = (0, None, None)
         for entry in list(self.manager.entries.values()):
             known = self._tokens(entry)
@@ -161,3 +165,23 @@ async def hot_prefix(manager: SessionManager, session: Session, target: list[int
     manager.counters["prefix_copies"] += 1
     log.info("prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
     return cache, best
+
+
+async def expire(manager: SessionManager, max_idle_s: float) -> int:
+    """Delete stateless sessions (origin "http") asleep and unchanged for `max_idle_s`; returns how many.
+
+    Nobody names them, so nobody would ever delete them: without this, every conversation a stateless
+    client ever had would stay on disk. Their blocks stay as prefix cache until store gc evicts them.
+    """
+    cutoff, deleted = time.time() - max_idle_s, 0
+    for row in await to_thread.run_sync(manager.store.sessions):
+        entry = manager.entries.get(row["id"])
+        if (row["metadata"].get("origin") != ORIGIN or row["updated"] > cutoff or entry is None
+                or entry.session is not None or entry.busy):
+            continue
+        with contextlib.suppress(BusyError, NotFoundError):  # taken or removed meanwhile: it stays, or is gone
+            await manager.delete(row["id"])
+            deleted += 1
+    if deleted:
+        log.info("stateless sessions expired", extra={"sessions": deleted, "max_idle_s": max_idle_s})
+    return deleted

@@ -38,6 +38,7 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.engine import Engine
 from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.matching import expire
 from kvwake.daemon.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.worker import EngineThread
 from kvwake.store import Store
@@ -273,7 +274,7 @@ async def _signals(stop: anyio.Event) -> None:
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
-    """Sleep idle and over-budget sessions; now and then, gc the store (off the engine thread)."""
+    """Sleep idle and over-budget sessions; now and then, expire old stateless sessions and gc the store."""
     last_gc = time.monotonic()
     while True:
         await anyio.sleep(settings.lifecycle_interval_s)
@@ -281,6 +282,8 @@ async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
             await manager.enforce_limits()
             if time.monotonic() - last_gc >= settings.gc_interval_s:
                 last_gc = time.monotonic()
+                if settings.stateless_ttl_s is not None:  # first: their snapshots' blocks become evictable
+                    await expire(manager, settings.stateless_ttl_s)
                 report = await anyio.to_thread.run_sync(
                     lambda: manager.store.gc(budget_bytes=settings.store_budget_bytes))
                 log.info("gc", extra=dict(report.__dict__))

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import urllib.error
 import urllib.request
@@ -302,3 +303,22 @@ def test_tool_choice_none_renders_no_tools_and_forced_choice_is_refused(tool_api
     assert bad.value.body["param"] == "tool_choice"
     reply = chat(tool_api, messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=20)
     assert reply.usage.prompt_tokens < chat(tool_api, messages, tools=[WEATHER_TOOL], max_tokens=20).usage.prompt_tokens
+
+
+def test_old_stateless_sessions_expire_and_named_ones_stay(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    api = client_for(d)
+    stateless = chat(api, [{"role": "user", "content": "expire me"}]).model_extra["kvwake"]["session_id"]
+    chat(api, [{"role": "user", "content": "keep me"}], extra_headers={"X-Kvwake-Session": "named-1"})
+    assert d.stop() == 0  # both sleep: their last change is now
+    (tmp_path / "none.toml").write_text("stateless_ttl_s = 0.5\ngc_interval_s = 0.2\nlifecycle_interval_s = 0.1\n")
+    time.sleep(0.6)
+    d.start()
+    with d.client() as rpc:
+        for _ in range(300):
+            ids = {s["session_id"] for s in rpc.call("session.list")["sessions"]}
+            if stateless not in ids:
+                break
+            time.sleep(0.1)
+    assert stateless not in ids and "named-1" in ids
+    assert d.stop() == 0 and d.log_problems() == []
