@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ __all__ = ["HttpTokenError", "bind", "make_app", "parse_address", "read_token", 
 log = logging.getLogger("kvwake.http")
 SESSION_HEADER = "x-kvwake-session"
 DISCONNECT_POLL_S = 0.25
+MAX_BODY_BYTES = 32 << 20  # a million-token conversation as JSON fits; a bigger body is a 413, unread
+MATCH_TRIES = 8  # a stateless request whose chosen session another took first is matched again
 
 
 class HttpTokenError(RuntimeError):
@@ -110,15 +113,17 @@ class BearerAuth:
     """ASGI middleware: every HTTP request carries `Authorization: Bearer <token>` (compared in constant time)."""
 
     def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.expected = app, f"Bearer {token}".encode() if token else None
+        self.app, self.expected = app, token.encode() if token else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and self.expected is not None:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110); the token is compared in constant time.
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)):
                 body = error_body("missing or wrong bearer token (see `kvwake http`)", "invalid_request_error",
                                   code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -141,11 +146,18 @@ class Api:
         return await self._complete(request, CompletionRequest.parse(await _body(request), _header(request)), False)
 
     async def _complete(self, request: Request, req: ChatRequest | CompletionRequest, chat: bool) -> Response:
-        reply = Reply(self.manager.engine.model_name, chat)
+        reply = Reply(self.manager.engine.model_name, chat, req.one_call)
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        loop, gone = asyncio.get_running_loop(), anyio.Event()
-        on_event = (lambda e: loop.call_soon_threadsafe(events.put_nowait, e)) if req.stream else None
-        session, task = await self._start(req, on_event, gone.is_set)
+        loop, gone, called = asyncio.get_running_loop(), anyio.Event(), threading.Event()
+
+        def on_event(event: dict[str, Any]) -> None:  # on the engine thread, as each piece becomes final
+            if "tool_call" in event:
+                called.set()
+            if req.stream:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        stop = lambda: gone.is_set() or (req.one_call and called.is_set())  # noqa: E731
+        session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop)
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
             return JSONResponse(reply.full(await _watch(request, task, gone), session), headers=headers)
@@ -159,9 +171,11 @@ class Api:
 
     async def _start(self, req: ChatRequest | CompletionRequest, on_event: Callable | None,
                      cancelled: Callable[[], bool]) -> tuple[dict[str, Any], asyncio.Task]:
-        """Pick the session and start the generation; a session taken meanwhile is matched again once."""
+        """Pick the session and start the generation; a session another request took meanwhile is matched
+        again. Parameters are checked first: a refused request makes no session."""
         m, inputs = self.manager, req.inputs()
-        for attempt in range(2):
+        m.check_params(req.params)
+        for attempt in range(MATCH_TRIES):
             if req.session_id is not None:
                 await m.create(req.session_id, exist_ok=True)
                 session = {"session_id": req.session_id, "match": "named"}
@@ -170,7 +184,8 @@ class Api:
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, inputs))
             await asyncio.sleep(0)  # let it claim the session (or find it busy)
-            if attempt == 0 and req.session_id is None and task.done() and isinstance(task.exception(), BusyError):
+            taken = task.done() and not task.cancelled() and isinstance(task.exception(), BusyError)
+            if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
                 continue
             task.add_done_callback(lambda _t, sid=session["session_id"]: self.matcher.remember(sid))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
@@ -184,8 +199,18 @@ class Api:
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    """The JSON object sent, at most MAX_BODY_BYTES (413 past that: refused before it is all read)."""
+    too_big = ApiError(413, f"the body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > MAX_BODY_BYTES:
+            raise too_big
     try:
-        body = json.loads(await request.body())
+        body = json.loads(data)
     except ValueError:
         raise ApiError(400, "the body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -213,10 +238,10 @@ def _sse_line(data: Any) -> str:
 async def _sse(reply: Reply, first: asyncio.Future, events: asyncio.Queue, task: asyncio.Task, gone: anyio.Event,
                include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: chunks as the engine makes them, the finish, usage if asked, then [DONE]."""
+    pending = first
     try:
         if (head := reply.first()) is not None:
             yield _sse_line(head)
-        pending = first
         while True:
             await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
             if not pending.done():  # the call ended: what it queued is all there is
@@ -230,15 +255,23 @@ async def _sse(reply: Reply, first: asyncio.Future, events: asyncio.Queue, task:
                 yield _sse_line(chunk)
         try:
             result = task.result()
-        except KvwakeError as exc:  # the stream has begun: the error goes in it, as OpenAI streams do
-            yield _sse_line(from_kvwake(exc).body())
+        except Exception as exc:  # the stream has begun: the error goes in it, as OpenAI streams do
+            yield _sse_line(_stream_error(exc).body())
             return
         yield _sse_line(reply.last(result))
         if include_usage:
             yield _sse_line(reply.usage_chunk(result))
         yield "data: [DONE]\n\n"
     finally:
+        pending.cancel()  # a client that left mid-wait leaves this queue read pending: end it, not leak it
         gone.set()  # the client left (or the stream ended): a running generation stops at its next token
+
+
+def _stream_error(exc: Exception) -> ApiError:
+    if isinstance(exc, KvwakeError):
+        return from_kvwake(exc)
+    log.error("generation failed mid-stream", exc_info=exc)
+    return ApiError(500, f"internal error: {exc!r}", kind="server_error")
 
 
 def make_app(manager: SessionManager, token: str | None) -> Any:

@@ -275,11 +275,15 @@ class SessionManager:
             prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
         return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))
 
-    async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
-                       cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def check_params(self, params: GenerateParams) -> None:
+        """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError."""
         if any(token >= self.engine.vocab_size for token, _ in params.logit_bias):
             raise InvalidParamsError(f"logit_bias names a token id outside [0, {self.engine.vocab_size})",
                                      param="logit_bias")
+
+    async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.check_params(params)
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             session = await self.hot(entry)
             started = time.perf_counter()

@@ -8,13 +8,15 @@ Requests: the usual sampling parameters (`max_tokens` or
 `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`), mlx-lm
 server's extras (`top_k`, `min_p`, `repetition_penalty`), `tools` with
-`tool_choice` "auto" or "none", `stream` with `stream_options.include_usage`,
-and `kvwake_session` (or the `X-Kvwake-Session` header) to name a session.
-Unknown fields are ignored, as OpenAI's own clients send fields servers may
-not know; a known field this server cannot honour (`n` > 1, `logprobs`,
-`response_format` other than text, a forced `tool_choice`) is a 400 naming it,
-never silently dropped. Defaults follow OpenAI where they differ from RPC:
-`temperature` 1, and `max_tokens` 4096 (OpenAI's is "until the context ends").
+`tool_choice` "auto" or "none" and `parallel_tool_calls`, `stream` with
+`stream_options.include_usage`, and `kvwake_session` (or the
+`X-Kvwake-Session` header) to name a session. Unknown fields are ignored, as
+OpenAI's own clients send fields servers may not know; a known field this
+server cannot honour (`n` > 1, `logprobs`, `response_format` other than text,
+a forced `tool_choice`, legacy `functions`, audio, web search) is a 400 naming
+it, never silently dropped; so is a message role templates do not know.
+Defaults follow OpenAI where they differ from RPC: `temperature` 1, and
+`max_tokens` 4096 (OpenAI's is "until the context ends").
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Reply", "error_body"
 DEFAULT_MAX_TOKENS = 4096
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
             "logit_bias", "seed", "stop")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+UNSERVED = ("audio", "web_search_options")  # fields that would change the reply, which kvwake cannot honour
 # kvwake error code -> HTTP status and OpenAI error type
 STATUS = {"INVALID_PARAMS": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
           "BUSY": (409, "conflict_error"), "BUNDLE_MISMATCH": (409, "conflict_error"),
@@ -73,6 +77,11 @@ def _params(body: dict[str, Any]) -> GenerateParams:
             raise _bad(f"{name} is not supported by kvwake", name)
     if body.get("best_of", 1) != 1:
         raise _bad("best_of must be 1", "best_of")
+    for name in UNSERVED:
+        if body.get(name) is not None:
+            raise _bad(f"{name} is not supported by kvwake (a local text model)", name)
+    if any(m != "text" for m in body.get("modalities") or ["text"]):
+        raise _bad("modalities: kvwake replies with text only", "modalities")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
@@ -97,13 +106,15 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def _text(content: Any, where: str) -> Any:
-    """Message content: a string, null, or a list of text parts (joined)."""
+def _text(content: Any, where: str, role: Any) -> Any:
+    """Message content: a string, null, or a list of text parts (joined); an assistant's `refusal`
+    parts are its words too, as OpenAI renders them back to the model."""
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+    kinds = {"text": "text", **({"refusal": "refusal"} if role == "assistant" else {})}
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get(kinds.get(p.get("type"), "")), str)
+                                         for p in content):
+        return "".join(p[kinds[p["type"]]] for p in content)
     raise _bad(f"{where}: content must be a string or a list of text parts (kvwake serves text models)", where)
 
 
@@ -113,21 +124,33 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     messages = []
     for i, m in enumerate(raw):
         m = {k: v for k, v in m.items() if v is not None or k == "content"}
+        if m.get("role") not in ROLES:  # a template would render an unknown role as if it meant something
+            raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m.get('role')!r}"
+                       + (" (the legacy function role: send tool messages)" if m.get("role") == "function" else ""),
+                       f"messages[{i}].role")
         if "content" in m:
-            m["content"] = _text(m["content"], f"messages[{i}]")
-        if m.get("role") == "developer":  # OpenAI's newer name for the system role; templates know "system"
+            m["content"] = _text(m["content"], f"messages[{i}]", m["role"])
+        if m["role"] == "developer":  # OpenAI's newer name for the system role; templates know "system"
             m["role"] = "system"
         messages.append(m)
     return messages
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The tools the template gets, and whether the reply may hold more than one call."""
     tools, choice = body.get("tools") or None, body.get("tool_choice", "auto")
     if choice not in ("auto", "none", None):
-        raise _bad("tool_choice: only \"auto\" and \"none\" are supported", "tool_choice")
+        raise _bad("tool_choice: only \"auto\" and \"none\" are supported (kvwake cannot force a call)",
+                   "tool_choice")
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools must be an array", "tools")
-    return None if choice == "none" else tools
+    for legacy in ("functions", "function_call"):  # the deprecated form of tools: refused, not dropped
+        if body.get(legacy) is not None:
+            raise _bad(f"{legacy} is the deprecated form of tools; send tools and tool_choice", legacy)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    return (None if choice == "none" else tools), parallel
 
 
 def _session(body: dict[str, Any], header: str | None) -> str | None:
@@ -147,12 +170,14 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    one_call: bool = False  # parallel_tool_calls false: the reply ends after its first tool call
 
     @classmethod
     def parse(cls, body: dict[str, Any], header_session: str | None) -> ChatRequest:
         stream, include_usage = _stream(body)
-        return cls(_messages(body.get("messages")), _tools(body), _params(body), stream, include_usage,
-                   _session(body, header_session))
+        tools, parallel = _tools(body)
+        return cls(_messages(body.get("messages")), tools, _params(body), stream, include_usage,
+                   _session(body, header_session), one_call=bool(tools) and not parallel)
 
     def inputs(self) -> dict[str, Any]:
         return {"messages": self.messages, "whole": True, **({"tools": self.tools} if self.tools else {})}
@@ -167,6 +192,7 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    one_call: bool = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], header_session: str | None) -> CompletionRequest:
@@ -190,6 +216,7 @@ class Reply:
 
     model: str
     chat: bool
+    one_call: bool = False  # parallel_tool_calls false: only the first call is the reply's
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -210,7 +237,7 @@ class Reply:
     def full(self, result: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
         finish = _finish(result)
         if self.chat:
-            calls = result.get("tool_calls") or []
+            calls = (result.get("tool_calls") or [])[: 1 if self.one_call else None]
             message = {"role": "assistant", "content": result.get("content", result["text"]) if not calls
                        else (result.get("content") or None)}
             if calls:
@@ -227,6 +254,8 @@ class Reply:
             return {**self._head(True), "choices": [{"index": 0, "text": text, "finish_reason": None,
                                                      "logprobs": None}]} if text else None
         if "tool_call" in event:
+            if self.one_call and event["index"] > 0:
+                return None
             call = {"index": event["index"], **event["tool_call"]}
             return self._delta({"tool_calls": [call]})
         if event.get("tool") or not event.get("text"):
@@ -252,6 +281,9 @@ class Reply:
 
 
 def _finish(result: dict[str, Any]) -> str:
-    """OpenAI's finish reasons: a call cut short by a departing client or a stopping daemon reads "stop"."""
+    """OpenAI's finish reasons: a call cut short by a departing client or a stopping daemon reads "stop",
+    or "tool_calls" once it holds a parsed call (parallel_tool_calls false stops it there)."""
     reason = result["finish_reason"]
+    if reason == "cancelled" and result.get("tool_calls"):
+        return "tool_calls"
     return reason if reason in ("stop", "length", "tool_calls") else "stop"

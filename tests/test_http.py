@@ -7,6 +7,7 @@ across a restart), usage.prompt_tokens_details.cached_tokens, and OpenAI's error
 
 from __future__ import annotations
 
+import http.client
 import json
 import stat
 import subprocess
@@ -34,6 +35,14 @@ def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tup
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def in_threads(target, n: int) -> list[threading.Thread]:
+    """`target(i)` for i in range(n), each on its own started thread."""
+    workers = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for w in workers:
+        w.start()
+    return workers
 
 
 def client_for(d: Daemon) -> openai.OpenAI:
@@ -322,3 +331,185 @@ def test_old_stateless_sessions_expire_and_named_ones_stay(tmp_path, model_dir):
             time.sleep(0.1)
     assert stateless not in ids and "named-1" in ids
     assert d.stop() == 0 and d.log_problems() == []
+
+# -- fields frameworks send (seen from the OpenAI Agents SDK, langchain-openai and pydantic-ai) --
+
+def test_fields_kvwake_cannot_honour_are_refused_by_name(api):
+    messages = [{"role": "user", "content": "refusals"}]
+    refused = {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
+               "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+               "web_search_options": {}, "parallel_tool_calls": "yes"}
+    for name, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as bad:
+            chat(api, messages, extra_body={name: value})
+        assert bad.value.body["param"] == name, name
+    for role in ("wizard", "function"):  # a template would render an unknown role as if it meant something
+        with pytest.raises(openai.BadRequestError) as bad:
+            chat(api, [*messages, {"role": role, "name": "f", "content": "x"}])
+        assert bad.value.body["param"] == "messages[1].role"
+
+
+def test_harmless_fields_and_message_shapes_are_accepted(api):
+    # An assistant's refusal part is its words (OpenAI's clients send it back); `name`, `refusal: null`
+    # and fields that change nothing kvwake does (user, metadata, store, ...) are accepted.
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "hello", "name": "ada"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}], "refusal": None},
+                {"role": "user", "content": [{"type": "text", "text": "then this"}]}]
+    reply = chat(api, messages, user="ada", metadata={"run": "1"}, store=False, parallel_tool_calls=True,
+                 modalities=["text"], extra_body={"service_tier": "auto", "prediction": None})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens > 20
+
+
+def test_a_refused_request_makes_no_session(daemon, api):
+    with daemon.client() as rpc:
+        before = len(rpc.call("session.list")["sessions"])
+        with pytest.raises(openai.BadRequestError) as bad:  # the vocabulary is checked before a session is made
+            chat(api, [{"role": "user", "content": "out of vocabulary"}], logit_bias={"99999999": 1})
+        assert bad.value.body["param"] == "logit_bias"
+        assert len(rpc.call("session.list")["sessions"]) == before
+
+
+def test_many_stateless_requests_at_once_are_none_busy(api):
+    base = [{"role": "system", "content": SYSTEM + "crowd"}, {"role": "user", "content": "together"}]
+    first = chat(api, base)
+    turn = [*base, {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "2"}]
+    failures: list[Exception] = []
+
+    def one(i: int) -> None:
+        try:
+            reply = chat(api, turn if i % 2 else base, max_tokens=4, stream=i % 3 == 0)
+            list(reply) if i % 3 == 0 else reply
+        except Exception as exc:  # noqa: BLE001 (collected, asserted below)
+            failures.append(exc)
+
+    for w in in_threads(one, 16):
+        w.join(120)
+    assert failures == []
+
+
+def test_a_body_over_the_limit_is_refused_unread(daemon):
+    from kvwake.daemon.http import MAX_BODY_BYTES
+
+    config = openai_config(daemon.socket)
+    host, port = config["base_url"].split("//")[1].split("/")[0].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    conn.putrequest("POST", "/v1/chat/completions")  # the headers only: a 413 must not wait for the body
+    for name, value in (("Authorization", f"Bearer {config['api_key']}"), ("Content-Type", "application/json"),
+                        ("Content-Length", str(MAX_BODY_BYTES + 1))):
+        conn.putheader(name, value)
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    conn.close()
+    # Without a length (chunked), it is counted as it comes.
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    piece = b" " * (1 << 20)
+    chunks = (piece for _ in range(MAX_BODY_BYTES // len(piece) + 2))
+    try:
+        conn.request("POST", "/v1/chat/completions", body=chunks, encode_chunked=True,
+                     headers={"Authorization": f"Bearer {config['api_key']}"})
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the rest was sent
+    try:
+        assert conn.getresponse().status == 413
+    finally:
+        conn.close()
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_a_refusal_names_it(daemon):
+    config = openai_config(daemon.socket)
+    assert get(f"{config['base_url']}/models", {"Authorization": f"bearer {config['api_key']}"})[0] == 200
+    request = urllib.request.Request(f"{config['base_url']}/models", headers={"Authorization": "Basic eDp5"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=20)
+    refused.value.close()
+    assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_sse_stream_closed_early_leaves_no_pending_read():
+    """A client that leaves while the stream waits for the engine: the queue read it waited on is ended
+    (left pending, asyncio reports it as a destroyed pending task once collected)."""
+    import asyncio
+
+    from kvwake.daemon.http import _sse
+    from kvwake.daemon.openai_api import Reply
+
+    async def leave_mid_stream() -> bool:
+        events: asyncio.Queue = asyncio.Queue()
+        first = asyncio.ensure_future(events.get())
+        never = asyncio.ensure_future(asyncio.Event().wait())  # a generation still running
+        import anyio
+
+        stream = _sse(Reply("m", True), first, events, never, anyio.Event(), False)
+        await stream.__anext__()  # the role chunk
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # the client left: Starlette cancels the response task
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+        never.cancel()
+        return first.cancelled()  # checked here: asyncio.run's own cleanup would cancel it later
+
+    assert asyncio.run(leave_mid_stream())
+
+
+# -- parallel_tool_calls false: a scripted model that writes two calls --
+
+TWO_CALLS = ("<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "</tool_call>\n",
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', "</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def two_call_api(tmp_path_factory):
+    from tests.tinymodel import make_scripted_model
+
+    model = make_scripted_model(tmp_path_factory.mktemp("models") / "two-calls", TWO_CALLS)
+    d = Daemon(tmp_path_factory.mktemp("http-two"), model, extra=["--http", "0"]).start()
+    yield client_for(d)
+    assert d.stop() == 0
+    assert d.log_problems() == []
+
+
+def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(two_call_api):
+    messages = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    both = chat(two_call_api, messages, tools=[WEATHER_TOOL], max_tokens=20)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    one = chat(two_call_api, messages, tools=[WEATHER_TOOL], max_tokens=20, parallel_tool_calls=False)
+    (call,) = one.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens == 3  # generation stopped at the first call's end, not after the second
+    chunks = list(chat(two_call_api, messages, tools=[WEATHER_TOOL], max_tokens=20, stream=True,
+                       parallel_tool_calls=False))
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [t.index for t in calls] == [0] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_sigterm_with_streams_open_ends_them_and_sleeps_their_sessions(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    api, started, ends = client_for(d), threading.Barrier(4), []
+
+    def stream(i: int) -> None:
+        chunks = chat(api, [{"role": "user", "content": f"long {i}"}], max_tokens=100000, stream=True,
+                      extra_headers={"X-Kvwake-Session": f"open-{i}"})
+        got = []
+        for chunk in chunks:
+            if len(got) == 2:
+                started.wait(30)
+            got.append(chunk)
+        ends.append(got[-1].choices[0].finish_reason)
+
+    workers = in_threads(stream, 3)
+    started.wait(60)
+    assert d.stop() == 0  # SIGTERM: the generations stop after their current token, the streams end
+    for w in workers:
+        w.join(30)
+    assert ends == ["stop"] * 3 and d.log_problems() == []
+    d.start()
+    with d.client() as rpc:  # every session slept with what it had generated
+        for i in range(3):
+            info = rpc.call("session.info", session_id=f"open-{i}")
+            assert info["state"] == "asleep" and 10 < info["tokens"] < 100000
+    assert d.stop() == 0
