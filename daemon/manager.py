@@ -6,6 +6,8 @@ Concurrency rules:
 - One operation at a time per session. A second mutating operation on a busy
   session fails at once with BUSY (agents should not overlap turns on one
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
+  The one wait: a session lent for a moment to another session's prefix copy
+  (matching.hot_prefix, one engine job) is waited for, not BUSY.
 - Sleep and wake run `kvwake.daemon.pipeline` on a worker thread: its MLX
   steps go to the engine thread one short job at a time (other sessions'
   generation interleaves with them), codec and disk work to the engine's pool.
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --re
 __all__ = ["Latency", "SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
+COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
 class Latency:
@@ -108,6 +111,9 @@ class SessionManager:
             await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
             self.entries.setdefault(session_id, Entry(session_id))
         entry = self.entry(session_id)
+        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (matching.hot_prefix): one engine job
+            while entry.busy == "copy":
+                await anyio.sleep(0.002)
         if entry.busy:
             raise BusyError(f"session {entry.id} is busy ({entry.busy}); retry when it is done",
                             session_id=entry.id, busy_with=entry.busy)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
+import anyio
 import pytest
 
 from kvwake.daemon.config import Settings
@@ -54,3 +55,23 @@ async def test_metadata_json_cannot_hold_is_refused_at_create(manager):
     with pytest.raises(InvalidParamsError, match="plain JSON"):
         await manager.create("m", None, {"blob": b"\x00"})
     assert "m" not in manager.entries
+
+
+async def test_a_session_lent_for_a_prefix_copy_is_waited_for_not_busy(manager):
+    # Was: while another session's first append copied this one's prefix (a claim held across one
+    # engine job), a call on it failed at once with BUSY.
+    await manager.create("source", SYSTEM)
+    await manager.append("source", messages=[{"role": "user", "content": "hi"}])
+    lent, released = anyio.Event(), anyio.Event()
+
+    async def copy_holder() -> None:
+        async with manager.claim("source", "copy"):
+            lent.set()
+            await anyio.sleep(0.2)
+        released.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(copy_holder)
+        await lent.wait()
+        got = await manager.append("source", messages=[{"role": "user", "content": "again"}])
+        assert released.is_set() and got["prefilled"] > 0
