@@ -1,7 +1,8 @@
 """Agents over the OpenAI-compatible API: what a stateless client's conversation costs per turn.
 
 usage: python bench/http_turns.py [--model default|tiny|PATH] [--system-words 450] [--turns 10]
-                                  [--reply-tokens 16] [--mlx-server] [--out bench/out]
+                                  [--reply-tokens 16] [--shared-words 180] [--parts turns,shared]
+                                  [--mlx-server] [--out bench/out]
 
 turns       one stateless conversation (the `openai` package, streamed, greedy) of --turns turns
             with a long system prompt, through `kvwake serve --http`; the daemon is restarted
@@ -9,9 +10,10 @@ turns       one stateless conversation (the `openai` package, streamed, greedy) 
             prompt tokens computed, time to first token (first streamed chunk).
 cold        turn 2's request again, to a fresh daemon that never saw turn 1 (a re-prefill):
             the ratio of its time to first token to turn 2's is the issue's "10x" target.
-shared      a second agent with the same ~200-token system prompt, stateless (its first request
-            finds the first agent's session hot and copies the shared KV) and over RPC after the
-            first agent slept (the prefix cache): tokens reused against the shared prompt's length.
+shared      a second agent with the same ~200-token system prompt, three ways: stateless HTTP (a
+            new session whose first append copies the first agent's hot KV), RPC with the first
+            agent hot (the same copy), RPC after the first agent slept (token-granular prefix
+            cache): tokens reused against the tokens the two prompts share.
 mlx-server  (--mlx-server) the same conversation through `mlx_lm.server` (its in-memory prompt
             cache), restarted after turn 5 as kvwake is: time to first token per turn.
 Results: <out>/http_turns.json (docs/benchmarks.md summarises them).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -100,40 +103,45 @@ def cold(work: Path, model: Path, request: list[dict], reply_tokens: int) -> dic
         d.stop()
 
 
-def shared(work: Path, model: Path, reply_tokens: int) -> dict[str, Any]:
-    """A ~200-token system prompt, reused by a second agent: stateless (copy), and over RPC (prefix cache)."""
+def shared(work: Path, model: Path, reply_tokens: int, words: int) -> dict[str, Any]:
+    """A ~200-token system prompt, reused by a second agent, three ways (each its own prompt, so none
+    feeds another): stateless HTTP, RPC with the first agent hot, RPC after the first agent slept."""
     d = start(work / "shared", model)
-    system = system_prompt(150)
+    prompts = {way: f"[{way}] " + system_prompt(words) for way in ("stateless", "rpc_hot", "rpc_slept")}
+    user = ("Agent one.", "Agent two.")
     try:
         api = api_of(d)
-        first = timed_chat(api, [{"role": "system", "content": system}, {"role": "user", "content": "Agent one."}],
-                           reply_tokens)
-        second = timed_chat(api, [{"role": "system", "content": system}, {"role": "user", "content": "Agent two."}],
-                            reply_tokens)
+        one = [{"role": "system", "content": prompts["stateless"]}, {"role": "user", "content": user[0]}]
+        timed_chat(api, one, reply_tokens)
+        two = timed_chat(api, [one[0], {"role": "user", "content": user[1]}], reply_tokens)
+        report = {"stateless": {"shared_tokens": shared_prompt_tokens(model, prompts["stateless"], user),
+                                "reused": two["cached_tokens"], "computed": two["computed_tokens"]}}
         with d.client() as rpc:
-            rpc.call("session.create", session_id="rpc-1", system=system)
-            rpc.call("session.chat", session_id="rpc-1", messages=[{"role": "user", "content": "Agent one."}],
-                     max_tokens=reply_tokens)
-            rpc.call("session.sleep", session_id="rpc-1")
-            rpc.call("session.create", session_id="rpc-2", system=system)
-            turn = rpc.call("session.chat", session_id="rpc-2", messages=[{"role": "user", "content": "Agent two."}],
-                            max_tokens=reply_tokens)
-        system_tokens = shared_prompt_tokens(model, system)
+            for way in ("rpc_hot", "rpc_slept"):
+                first, second = f"{way}-1", f"{way}-2"
+                rpc.call("session.create", session_id=first, system=prompts[way])
+                rpc.call("session.chat", session_id=first, messages=[{"role": "user", "content": user[0]}],
+                         max_tokens=reply_tokens)
+                if way == "rpc_slept":
+                    rpc.call("session.sleep", session_id=first)
+                rpc.call("session.create", session_id=second, system=prompts[way])
+                turn = rpc.call("session.chat", session_id=second, messages=[{"role": "user", "content": user[1]}],
+                                max_tokens=reply_tokens)
+                report[way] = {"shared_tokens": shared_prompt_tokens(model, prompts[way], user),
+                               "reused": turn["append"]["reused"], "prefilled": turn["append"]["prefilled"]}
+            report["prefix_copies"] = rpc.call("status")["counters"]["prefix_copies"]
     finally:
         d.stop()
-    return {"system_prompt_tokens": system_tokens,
-            "stateless": {"first_agent": first["computed_tokens"], "second_agent_cached": second["cached_tokens"],
-                          "second_agent_computed": second["computed_tokens"]},
-            "rpc_after_sleep": {"reused": turn["append"]["reused"], "prefilled": turn["append"]["prefilled"]}}
+    return report
 
 
-def shared_prompt_tokens(model: Path, system: str) -> int:
+def shared_prompt_tokens(model: Path, system: str, user: tuple[str, str]) -> int:
     """Tokens the two agents' rendered prompts have in common (the system turn and the user turn's head)."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tok = load_tokenizer(model)
     a, b = (tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": u}],
-                                    add_generation_prompt=True) for u in ("Agent one.", "Agent two."))
+                                    add_generation_prompt=True) for u in user)
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -178,6 +186,8 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=450)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--shared-words", type=int, default=180, help="the shared system prompt (~200 tokens)")
+    ap.add_argument("--parts", default="turns,shared", help="turns (with the cold baseline), shared")
     ap.add_argument("--mlx-server", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
@@ -192,21 +202,24 @@ def main() -> None:
         model = make_model_dir(work / "tiny-llama", ascii_replies=True)
     else:
         model = Path(a.model).expanduser().resolve()
-    system = system_prompt(a.system_words)
-    rows, requests = conversation(work, model, system, a.turns, a.reply_tokens)
-    baseline = cold(work, model, requests[1], a.reply_tokens)
-    report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, "
-                         f"{__import__('os').cpu_count()} cores", "model": str(model),
-              "reply_tokens": a.reply_tokens, "turns": rows, "cold_turn_2": baseline,
-              "turn_2_ttft_ratio": round(baseline["ttft_ms"] / rows[1]["ttft_ms"], 2),
-              "shared": shared(work, model, a.reply_tokens)}
+    parts = set(a.parts.split(","))
+    report: dict[str, Any] = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, "
+                                         f"{os.cpu_count()} cores", "model": str(model), "reply_tokens": a.reply_tokens}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps({k: report[k] for k in ("cold_turn_2", "turn_2_ttft_ratio", "shared")}), flush=True)
-    if a.mlx_server:
+    requests: list[list[dict]] = []
+    if "turns" in parts:
+        rows, requests = conversation(work, model, system_prompt(a.system_words), a.turns, a.reply_tokens)
+        baseline = cold(work, model, requests[1], a.reply_tokens)
+        report.update(turns=rows, cold_turn_2=baseline,
+                      turn_2_ttft_ratio=round(baseline["ttft_ms"] / rows[1]["ttft_ms"], 2))
+        print(json.dumps({k: report[k] for k in ("cold_turn_2", "turn_2_ttft_ratio")}), flush=True)
+    if "shared" in parts:
+        report["shared"] = shared(work, model, a.reply_tokens, a.shared_words)
+        print(json.dumps(report["shared"]), flush=True)
+    if a.mlx_server and requests:
         report["mlx_server_turns"] = mlx_server(model, requests, a.reply_tokens)
     (out / "http_turns.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: report[k] for k in ("cold_turn_2", "turn_2_ttft_ratio", "shared")}, indent=1))
 
 
 if __name__ == "__main__":
