@@ -1,0 +1,84 @@
+"""What a short prefill chunk costs at a new cache offset (every agent turn is one), by attention path.
+
+usage: python bench/prefill_shapes.py MODEL [--context 7500] [--chunk 35] [--turns 6]
+
+A cache of --context random tokens, then --turns chunks of --chunk tokens, each at a new offset (as
+each turn of a conversation is), timed one by one, evaluated. Paths:
+  causal   mlx-lm as it is: mask "causal" into mx.fast.scaled_dot_product_attention
+  array    the same kernel given an explicit additive mask array (KVCache.make_mask(return_array=True))
+  plain    attention in plain ops (matmul, softmax): no fused kernel
+  steps    the chunk fed one token at a time (the decode kernel), for reference
+MLX on CUDA builds a cuDNN graph per (query length, key length) for fused prefill attention; this
+measures whether the other paths avoid that per-turn cost. Prints one JSON line per path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models import cache as cache_mod
+from mlx_lm.models import llama
+
+
+def plain_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """softmax(q k^T * scale + mask) v in plain ops, grouped-query heads repeated."""
+    n_rep = queries.shape[1] // keys.shape[1]
+    if n_rep > 1:
+        keys, values = (mx.repeat(x, n_rep, axis=1) for x in (keys, values))
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        q_len, k_len = queries.shape[2], keys.shape[2]
+        mask = cache_mod.create_causal_mask(q_len, offset=k_len - q_len)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
+    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+
+
+def run(model, context: int, chunk: int, turns: int, path: str) -> list[float]:
+    prompt_cache = cache_mod.make_prompt_cache(model)
+    tokens = mx.random.randint(0, 1000, (context + chunk * turns,)).astype(mx.uint32)
+    for start in range(0, context, 512):
+        model(tokens[start:min(context, start + 512)][None], cache=prompt_cache)
+        mx.eval([c.state for c in prompt_cache])
+    times = []
+    for turn in range(turns):
+        piece = tokens[context + turn * chunk: context + (turn + 1) * chunk]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        if path == "steps":
+            for i in range(chunk):
+                model(piece[i:i + 1][None], cache=prompt_cache)
+                mx.eval([c.state for c in prompt_cache])
+        else:
+            out = model(piece[None], cache=prompt_cache)
+            mx.eval(out, [c.state for c in prompt_cache])
+        mx.synchronize()
+        times.append(round((time.perf_counter() - t0) * 1000, 1))
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--context", type=int, default=7500)
+    ap.add_argument("--chunk", type=int, default=35)
+    ap.add_argument("--turns", type=int, default=6)
+    a = ap.parse_args()
+    model, _ = mlx_lm.load(a.model)
+    fast_sdpa, make_mask = llama.scaled_dot_product_attention, cache_mod.KVCache.make_mask
+    for path in ("causal", "array", "plain", "steps", "causal"):
+        llama.scaled_dot_product_attention = plain_attention if path == "plain" else fast_sdpa
+        cache_mod.KVCache.make_mask = (
+            (lambda self, n, return_array=False, window_size=None: make_mask(self, n, True, window_size))
+            if path == "array" else make_mask)
+        times = run(model, a.context, a.chunk, a.turns, path)
+        print(json.dumps({"path": path, "context": a.context, "chunk": a.chunk, "ms_per_turn": times,
+                          "device": str(mx.default_device())}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
