@@ -14,8 +14,10 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
                                               the manifest, written last: the commit point
     v1/<bundle>/leases/<sid>/<epoch:012d>.json
                                               ownership history, create-only (see `Lease`)
-    v1/<bundle>/prefixes/<chain key>.json     a warmed prefix's manifest (`prefix.warm`), named
-                                              by its last block's chain key; written last
+    v1/<bundle>/prefixes/<parent>/<chain key>.json
+                                              a warmed prefix's manifest (`prefix.warm`), named by
+                                              its last piece's key under that piece's parent
+                                              (store/remote_prefix.py); written last
     v1/<bundle>/gc/<epoch:012d>-start.json, -end.json
                                               remote gc runs (store/remote_gc.py), create-only
 
@@ -43,7 +45,9 @@ Manifests are the export manifest (store/transfer.py) plus `"remote":
 {"epoch", "daemon"}`. A session's head is its manifest with the greatest name
 (epoch first, then the time-ordered snapshot id). A prefix manifest is
 {"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
-"n_tokens", "blocks": [{"key", "digest", "raw_bytes"}]}.
+"n_tokens", "last_tokens" (the last piece's token ids), "blocks": [{"key",
+"digest", "raw_bytes"}]}; its last block may be short (fewer than
+block_tokens tokens, keyed by the same layout).
 
 Objects are deleted only by the remote gc (store/remote_gc.py), which never
 removes what a snapshot or prefix manifest names.
@@ -305,8 +309,8 @@ class Remote:
     def tail_key(self, snapshot_id: str) -> str:
         return f"{self.ns}/tails/{snapshot_id}"
 
-    def prefix_key(self, last_key: str) -> str:
-        return f"{self.ns}/prefixes/{last_key}.json"
+    def prefix_key(self, parent: str, last_key: str) -> str:
+        return f"{self.ns}/prefixes/{parent}/{last_key}.json"
 
     def manifest_key(self, session_id: str, epoch: int, snapshot_id: str) -> str:
         return f"{self.ns}/snapshots/{session_part(session_id)}/{epoch:012d}-{snapshot_id}.json"
