@@ -4,6 +4,9 @@ manifest naming a removed object."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +20,8 @@ from kvwake.store.remote_transfer import fetch_snapshot, upload_blocks, upload_s
 from tests.daemon import RpcError
 from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 from tests.seaweed import BUCKET, KEY_ID, SECRET
-from tests.test_remote import DOC, chat, released_with_twin, two_daemons, weed  # noqa: F401 (weed: the module's server)
+from tests.test_remote import (DOC, chat, released_with_twin, remote_daemon, two_daemons, wait_remote,  # noqa: F401
+                               weed)  # weed: the module's server
 
 
 def objects(weed, prefix: str) -> dict[str, bytes]:
@@ -130,3 +134,31 @@ def test_a_gc_racing_an_upload_never_leaves_a_manifest_naming_a_removed_block(tm
     assert_snapshot_exact(fresh, info.id)
     for r in (uploader, gc, reader):
         r.close()
+
+
+def test_the_gc_remote_command_collects_through_a_real_daemon(tmp_path, model_dir, weed):
+    d = remote_daemon(tmp_path / "a", model_dir, weed, "cli").start()
+    with d.client() as c:
+        wait_remote(c)
+        released_with_twin(c, "agent", "list the files")
+        named = objects(weed, "cli/")
+        ns = next(p for p in named if "/blocks/" in p).split("/blocks/")[0]
+        weed.store().put(f"{ns}/blocks/{'0' * 64}", b"left by an upload cut off before its manifest")
+        time.sleep(1.5)  # older than --grace 1 by the server's clock (1 s resolution)
+
+        def kvwake(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "kvwake.client.cli", "--socket", str(d.socket), *args],
+                                  capture_output=True, text=True, timeout=120)
+
+        shown = kvwake("gc", "--remote", "--grace", "1", "--verify", "--json")
+        assert shown.returncode == 0, shown.stderr
+        report = json.loads(shown.stdout)
+        assert (report["removed_blocks"], report["corrupt_removed"], report["incomplete"]) == (1, 0, False)
+        assert report["manifests"] >= 1 and report["verified"] >= 2
+        after = objects(weed, "cli/")
+        assert named.keys() <= after.keys() and {k for k in after if k not in named} == {k for k in after if "/gc/" in k}
+        human = kvwake("gc", "--remote")  # the default grace (an hour): nothing is old enough now
+        assert human.returncode == 0 and "removed_blocks" in human.stdout and "epoch" in human.stdout
+        misuse = kvwake("gc", "--verify")
+        assert misuse.returncode == 2 and "--grace and --verify go with --remote" in misuse.stderr
+    assert d.stop() == 0
