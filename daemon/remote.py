@@ -94,6 +94,7 @@ class RemoteTier:
                               settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
         self.remote = Remote(config, engine.bundle.hash, daemon_id(folder))
         self.remote.health.slow_s = settings.remote_prefix_deadline_s  # slower than a prefix lookup waits: "slow"
+        self.remote.keep_history = settings.keep_history  # the remote gc keeps as much of our sessions' history
         self.book = LeaseBook(folder / "leases.json")
         self.ready = anyio.Event()
         # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`)

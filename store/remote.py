@@ -42,7 +42,8 @@ and token ids, and the block file is decoded and its digest checked against
 the manifest (`kvwake.store.transfer.check_encoded`).
 
 Manifests are the export manifest (store/transfer.py) plus `"remote":
-{"epoch", "daemon"}`. A session's head is its manifest with the greatest name
+{"epoch", "daemon", "keep_history"}` (keep_history: the history the remote gc
+keeps for the session, named by its head; store/remote_gc.py). A session's head is its manifest with the greatest name
 (epoch first, then the time-ordered snapshot id). A prefix manifest is
 {"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
 "n_tokens", "last_tokens" (the last piece's token ids), "blocks": [{"key",
@@ -223,6 +224,7 @@ class Remote:
         self.s3 = config.open()
         self.ns = f"{LAYOUT}/{bundle}"
         self.health = Health()
+        self.keep_history: int | None = None  # named in our manifests: how much history the remote gc keeps
         self.counters = {"uploaded_blocks": 0, "uploaded_snapshots": 0, "fetched_blocks": 0,
                          "fetched_snapshots": 0, "refused_objects": 0}
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwake-s3")

@@ -136,7 +136,8 @@ def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease
                              f"{lease.epoch}; it is {now}); snapshot {record.id} stays local",
                              session_id=record.session_id, snapshot_id=record.id,
                              owner=current.daemon if current else None)
-    manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id}
+    manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id,
+                          **({"keep_history": remote.keep_history} if remote.keep_history is not None else {})}
     commit_manifest(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)  # the commit point
     remote.counters["uploaded_snapshots"] += 1
     return {"snapshot_id": record.id, "manifest": key, "new_blocks": sum(written), "existed": False}

@@ -162,3 +162,35 @@ def test_the_gc_remote_command_collects_through_a_real_daemon(tmp_path, model_di
         misuse = kvwake("gc", "--verify")
         assert misuse.returncode == 2 and "--grace and --verify go with --remote" in misuse.stderr
     assert d.stop() == 0
+
+
+def test_history_pruning_keeps_the_head_checkpoints_and_what_the_head_names(tmp_path, weed):
+    store = Store(tmp_path / "a", block_tokens=16)
+    store.register_bundle(BUNDLE, {"test": True})
+    owner, other = _remote(weed, "history", "d-owner"), _remote(weed, "history", "d-other")
+    owner.keep_history = 1  # the owner's setting; the gc below runs on a daemon configured otherwise
+    other.keep_history = 10
+    lease, base = owner.acquire("s"), list(range(3000, 3000 + 16 * 3))
+    ids = []
+    for n, label in ((3, None), (5, "checkpoint"), (7, None), (9, None), (11, None)):  # each one sleep
+        ids.append(write_snapshot(store, "s", base + list(range(n)), label=label).id)
+        upload_snapshot(owner, store, ids[-1], lease)
+    upload_snapshot(owner, store, write_snapshot(store, "older", base + [1]).id, owner.acquire("older"))
+    owner.keep_history = None  # a daemon from before this rule publishes the head: it names no keep_history
+    upload_snapshot(owner, store, write_snapshot(store, "older", base + [1, 2]).id, owner.acquire("older"))
+    time.sleep(1.5)  # older than grace_s=0 by the server's clock
+
+    report = collect(other, None, grace_s=0)
+    assert (report.pruned_manifests, report.removed_tails, report.removed_blocks) == (2, 2, 0)
+    left = {p.rsplit("-", 1)[-1].removesuffix(".json") for p in objects(weed, "history/") if "/snapshots/s/" in p}
+    assert left == {ids[1], ids[3], ids[4]}  # the checkpoint, the newest other, the head
+    assert sum("/snapshots/older/" in p for p in objects(weed, "history/")) == 2  # its head names none: all stay
+    fresh = Store(tmp_path / "b", block_tokens=16)
+    fresh.register_bundle(BUNDLE, {"test": True})
+    for sid in ids[1], ids[3], ids[4]:  # every kept manifest still has all its objects
+        key = next(p for p in objects(weed, "history/") if p.endswith(f"-{sid}.json"))
+        fetch_snapshot(other, fresh, key.removeprefix("history/"), "s")
+        assert_snapshot_exact(fresh, sid)
+    assert collect(other, None, grace_s=0).pruned_manifests == 0  # nothing more to prune
+    for r in (owner, other):
+        r.close()
