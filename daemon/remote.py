@@ -41,7 +41,8 @@ from anyio import to_thread
 from kvwake.daemon.config import Settings
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
 from kvwake.store.files import write_durable
-from kvwake.store.remote import Lease, Remote, RemoteConfig
+from kvwake.store.remote import Remote
+from kvwake.store.remote_objects import Lease, RemoteConfig
 from kvwake.store.keys import chain_keys
 from kvwake.store.remote_gc import collect
 from kvwake.store.remote_prefix import fetch_prefix, upload_prefix

@@ -14,7 +14,8 @@ import obstore
 import pytest
 
 from kvwake.store import Store
-from kvwake.store.remote import Remote, RemoteConfig
+from kvwake.store.remote import Remote
+from kvwake.store.remote_objects import RemoteConfig
 from kvwake.store.remote_gc import collect
 from kvwake.store.remote_transfer import fetch_snapshot, upload_blocks, upload_snapshot
 from tests.daemon import RpcError
