@@ -41,10 +41,12 @@ from anyio import to_thread
 from kvwake.daemon.config import Settings
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
 from kvwake.store.files import write_durable
-from kvwake.store.remote import Lease, Remote, RemoteConfig
+from kvwake.store.remote import Remote
+from kvwake.store.remote_objects import Lease, RemoteConfig
 from kvwake.store.keys import chain_keys
 from kvwake.store.remote_gc import collect
-from kvwake.store.remote_transfer import LostLeaseError, fetch_prefix, fetch_snapshot, upload_prefix, upload_snapshot
+from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
+from kvwake.store.remote_transfer import LostLeaseError, fetch_snapshot, upload_snapshot
 
 if TYPE_CHECKING:
     from kvwake.daemon.engine import Engine
@@ -93,6 +95,7 @@ class RemoteTier:
                               settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
         self.remote = Remote(config, engine.bundle.hash, daemon_id(folder))
         self.remote.health.slow_s = settings.remote_prefix_deadline_s  # slower than a prefix lookup waits: "slow"
+        self.remote.keep_history = settings.keep_history  # the remote gc keeps as much of our sessions' history
         self.book = LeaseBook(folder / "leases.json")
         self.ready = anyio.Event()
         # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`)
@@ -100,7 +103,8 @@ class RemoteTier:
         self.prefixes: dict[str, list[int]] = {}
         self.uploaded: dict[str, anyio.Event] = {}
         self.failed: dict[str, tuple[KvwakeError, float]] = {}  # snapshot id -> (why its last upload failed, when)
-        self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "prefix_lookups_late": 0,
+        self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "prefix_partial_tokens": 0,
+                         "prefix_lookups_late": 0,
                          "uploaded_prefixes": 0, "adopted": 0}
 
     def close(self) -> None:
@@ -143,10 +147,11 @@ class RemoteTier:
             await self._upload_retrying(session_id, snapshot_id)
 
     def enqueue_prefix(self, tokens: list[int]) -> None:
-        """Queue a warmed prefix's full blocks for upload, under a prefix manifest (store/remote_transfer.py)."""
-        keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens)
+        """Queue a warmed prefix's blocks, its short last one too, for upload under a prefix manifest
+        (store/remote_prefix.py)."""
+        keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens, partial=True)
         if keys:
-            self.prefixes[keys[-1]] = tokens[: len(keys) * self.store.block_tokens]
+            self.prefixes[keys[-1]] = list(tokens)
             self.enqueue(None, keys[-1])
 
     def enqueue(self, session_id: str | None, snapshot_id: str) -> None:
@@ -269,13 +274,15 @@ class RemoteTier:
         return result
 
     async def prefetch(self, tokens: list[int]) -> int:
-        """Remote blocks continuing the local prefix of `tokens`, under the deadline; 0 when unhealthy."""
-        if not self.healthy or len(tokens) <= self.store.block_tokens:
+        """Remote blocks continuing the local prefix of `tokens`, then a published partial piece, under
+        the deadline; returns the whole blocks added (0 when unhealthy)."""
+        if not self.healthy or len(tokens) < self.engine.min_partial:
             return 0
         deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
-            n = await self._run(lambda: fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
-                                                     on_block=self.engine.hot.put))
+            n, partial = await self._run(lambda: fetch_prefix(
+                self.remote, self.store, tokens, deadline_s=deadline, min_partial=self.engine.min_partial,
+                on_block=self.engine.hot.put))
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0
@@ -284,6 +291,7 @@ class RemoteTier:
             self.remote.health.report(False, f"a prefix lookup got no answer within {deadline} s; prefilled "
                                       f"after {n} remote blocks", "slow")
         self.counters["prefix_blocks"] += n
+        self.counters["prefix_partial_tokens"] += partial
         return n
 
     async def gc(self, grace_s: float, verify: bool) -> dict[str, Any]:

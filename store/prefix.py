@@ -35,7 +35,7 @@ from kvwake.store.keys import ROOT_KEY, tokens_to_bytes
 if TYPE_CHECKING:
     from kvwake.store.store import Store
 
-__all__ = ["NEIGHBOURS", "Partial", "PrefixHit", "find", "partial_candidate"]
+__all__ = ["NEIGHBOURS", "Partial", "common_length", "PrefixHit", "find", "partial_candidate"]
 
 NEIGHBOURS = 4  # rows read on each side of the request in token order (ties beyond them are not ranked)
 
@@ -76,7 +76,7 @@ class PrefixHit:
         return len(self.blocks) * block_tokens + (self.partial.tokens if self.partial else 0)
 
 
-def _common(stored: bytes, probe: np.ndarray) -> int:
+def common_length(stored: bytes, probe: np.ndarray) -> int:
     """How many leading token ids of `stored` (u32 LE bytes) equal `probe`'s."""
     ids = np.frombuffer(stored or b"", dtype="<u4")
     n = min(len(ids), len(probe))
@@ -92,7 +92,7 @@ def partial_candidate(store: Store, bundle: str, parent: str, following: Sequenc
         return None
     rows = store.rows(_CHILDREN, {"parent": parent, "bundle": bundle, "probe": tokens_to_bytes(probe),
                                   "n": NEIGHBOURS})
-    ranked = sorted(((_common(r["tokens"], probe), r["is_block"], r["used"], r["id"]) for r in rows), reverse=True)
+    ranked = sorted(((common_length(r["tokens"], probe), r["is_block"], r["used"], r["id"]) for r in rows), reverse=True)
     if not ranked or ranked[0][0] < max(min_tokens, 1):
         return None
     k, is_block, _, ident = ranked[0]

@@ -14,8 +14,10 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
                                               the manifest, written last: the commit point
     v1/<bundle>/leases/<sid>/<epoch:012d>.json
                                               ownership history, create-only (see `Lease`)
-    v1/<bundle>/prefixes/<chain key>.json     a warmed prefix's manifest (`prefix.warm`), named
-                                              by its last block's chain key; written last
+    v1/<bundle>/prefixes/<parent>/<chain key>.json
+                                              a warmed prefix's manifest (`prefix.warm`), named by
+                                              its last piece's key under that piece's parent
+                                              (store/remote_prefix.py); written last
     v1/<bundle>/gc/<epoch:012d>-start.json, -end.json
                                               remote gc runs (store/remote_gc.py), create-only
 
@@ -23,27 +25,16 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
 digits and "_.-~"). A namespace per bundle hash: two models never share an
 object, and a daemon only ever lists its own model's sessions.
 
-Block and tail objects (`ObjectHeader`, version 1):
-
-    offset  size  field
-    0       4     magic b"KVWO"
-    4       1     version (1)
-    5       3     reserved, zero
-    8       4     u32 LE length n of the header JSON
-    12      n     header JSON, UTF-8: {"kind": "block"|"tail", "bundle", "digest",
-                  "codec", "raw_bytes", "stored_bytes", and for blocks "key",
-                  "parent", "token_ids" (list of ints); for tails "snapshot_id"}
-    12+n    ...   the block file (store/codec.py), stored_bytes long
-
-A reader trusts none of it: the chain key is recomputed from parent, bundle
-and token ids, and the block file is decoded and its digest checked against
-the manifest (`kvwake.store.transfer.check_encoded`).
+Block and tail objects: store/remote_objects.py (`ObjectHeader`).
 
 Manifests are the export manifest (store/transfer.py) plus `"remote":
-{"epoch", "daemon"}`. A session's head is its manifest with the greatest name
+{"epoch", "daemon", "keep_history"}` (keep_history: the history the remote gc
+keeps for the session, named by its head; store/remote_gc.py). A session's head is its manifest with the greatest name
 (epoch first, then the time-ordered snapshot id). A prefix manifest is
 {"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
-"n_tokens", "blocks": [{"key", "digest", "raw_bytes"}]}.
+"n_tokens", "last_tokens" (the last piece's token ids), "blocks": [{"key",
+"digest", "raw_bytes"}]}; its last block may be short (fewer than
+block_tokens tokens, keyed by the same layout).
 
 Objects are deleted only by the remote gc (store/remote_gc.py), which never
 removes what a snapshot or prefix manifest names.
@@ -53,154 +44,25 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import datetime
 import json
-import struct
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, TypeVar
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import quote, unquote
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PermissionDeniedError, UnauthenticatedError
-from obstore.store import S3Store
 
 from kvwake.errors import BusyError, CorruptBlockError, InvalidParamsError, RemoteUnavailableError
+from kvwake.store.remote_objects import GcRun, Health, Lease, RemoteConfig
 
-__all__ = ["LAYOUT", "GcRun", "Health", "Lease", "ObjectHeader", "Remote", "RemoteConfig"]
+__all__ = ["LAYOUT", "Remote"]
 
 LAYOUT = "v1"
-MAGIC = b"KVWO"
-OBJECT_VERSION = 1
-LEASE_VERSION = 1
 GC_SKEW_S = 30.0  # how far two machines' clocks may disagree; a gc run's deadline is stretched by it
 T = TypeVar("T")
 MISSING = (FileNotFoundError, NotFoundError)  # obstore raises either for a missing object, depending on the call
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Where the shared tier is and how to sign in (the daemon fills it from flags, env, config file)."""
-
-    url: str  # s3://BUCKET/PREFIX
-    endpoint: str | None = None
-    access_key_id: str | None = None
-    secret_access_key: str | None = field(default=None, repr=False)
-    region: str = "us-east-1"
-    timeout_s: float = 10.0  # one request, connection included
-
-    def bucket_prefix(self) -> tuple[str, str]:
-        parsed = urlparse(self.url)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise InvalidParamsError(f"remote must look like s3://BUCKET/PREFIX, not {self.url!r}", remote=self.url)
-        return parsed.netloc, parsed.path.strip("/")
-
-    def open(self) -> S3Store:
-        bucket, prefix = self.bucket_prefix()
-        options: dict[str, Any] = {"timeout": f"{self.timeout_s}s", "connect_timeout": f"{min(self.timeout_s, 3.0)}s"}
-        if self.endpoint and self.endpoint.startswith("http://"):
-            options["allow_http"] = True
-        credentials = {k: v for k, v in (("access_key_id", self.access_key_id),
-                                         ("secret_access_key", self.secret_access_key)) if v}
-        # Few, quick retries: a dead server must surface as "down" within about timeout_s, not minutes.
-        retry = {"max_retries": 2, "retry_timeout": datetime.timedelta(seconds=self.timeout_s),
-                 "backoff": {"init_backoff": datetime.timedelta(milliseconds=50),
-                             "max_backoff": datetime.timedelta(seconds=1), "base": 2}}
-        return S3Store(bucket, prefix=prefix or None, endpoint=self.endpoint, region=self.region,
-                       client_options=options, retry_config=retry, **credentials)
-
-
-@dataclass
-class Health:
-    """What `status` shows of the remote: state is "connecting", "ok", "slow", "down" or "unauthorized".
-
-    "slow": the last call answered, but took longer than `slow_s` (the daemon sets it to the prefix
-    lookup's deadline); the next quick answer makes it "ok" again.
-    """
-
-    state: str = "connecting"
-    error: str | None = None
-    since: float = field(default_factory=time.time)
-    last_ok: float | None = None
-    slow_s: float = 2.0
-    last_call_s: float | None = None
-
-    def report(self, ok: bool, error: str | None = None, state: str = "down", took_s: float | None = None) -> None:
-        if ok and took_s is not None:
-            self.last_call_s = round(took_s, 3)
-            if took_s > self.slow_s:  # it answered, but a prefix lookup would have given up on it
-                ok, state, error = False, "slow", f"{error} took {took_s:.1f} s (more than {self.slow_s} s)"
-        new = "ok" if ok else state
-        if new != self.state:
-            self.state, self.since = new, time.time()
-        if ok:
-            self.error, self.last_ok = None, time.time()
-        else:
-            self.error = error
-
-
-@dataclass(frozen=True)
-class ObjectHeader:
-    """The header of a block or tail object (layout in the module docstring)."""
-
-    kind: str
-    bundle: str
-    digest: str
-    codec: str
-    raw_bytes: int
-    stored_bytes: int
-    key: str | None = None
-    parent: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    snapshot_id: str | None = None
-
-    def pack(self, file: bytes | memoryview) -> bytes:
-        head = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
-        raw = json.dumps(head).encode()
-        return b"".join((MAGIC, bytes([OBJECT_VERSION, 0, 0, 0]), struct.pack("<I", len(raw)), raw, bytes(file)))
-
-    @classmethod
-    def unpack(cls, data: bytes | memoryview) -> tuple[ObjectHeader, memoryview]:
-        """Split an object into its header and its block file; ValueError when malformed."""
-        view = memoryview(data)
-        if len(view) < 12 or bytes(view[:4]) != MAGIC or view[4] != OBJECT_VERSION:
-            raise ValueError("not a kvwake object (bad magic or version)")
-        (n,) = struct.unpack("<I", view[8:12])
-        try:
-            head = json.loads(bytes(view[12 : 12 + n]))
-            header = cls(**{**head, "token_ids": tuple(head["token_ids"]) if "token_ids" in head else None})
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(f"header is malformed ({exc})") from None
-        body = view[12 + n :]
-        if len(body) != header.stored_bytes:
-            raise ValueError(f"holds {len(body)} bytes of block file, its header says {header.stored_bytes}")
-        return header, body
-
-
-@dataclass(frozen=True)
-class GcRun:
-    """The newest remote gc run: `epoch` 0 when none ever ran; `active` while it may still delete."""
-
-    epoch: int
-    active: bool
-    daemon: str | None = None
-    until: float = 0.0
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One step of a session's ownership history, version 1; the greatest epoch is the current state.
-
-    state "held": `daemon` owns the session (only it may append and publish snapshots).
-    state "released": nobody does; any daemon may take it (epoch + 1, create-only).
-    """
-
-    epoch: int
-    daemon: str
-    state: str
-    time: float
-    version: int = LEASE_VERSION
 
 
 def session_part(session_id: str) -> str:
@@ -219,6 +81,7 @@ class Remote:
         self.s3 = config.open()
         self.ns = f"{LAYOUT}/{bundle}"
         self.health = Health()
+        self.keep_history: int | None = None  # named in our manifests: how much history the remote gc keeps
         self.counters = {"uploaded_blocks": 0, "uploaded_snapshots": 0, "fetched_blocks": 0,
                          "fetched_snapshots": 0, "refused_objects": 0}
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwake-s3")
@@ -305,8 +168,8 @@ class Remote:
     def tail_key(self, snapshot_id: str) -> str:
         return f"{self.ns}/tails/{snapshot_id}"
 
-    def prefix_key(self, last_key: str) -> str:
-        return f"{self.ns}/prefixes/{last_key}.json"
+    def prefix_key(self, parent: str, last_key: str) -> str:
+        return f"{self.ns}/prefixes/{parent}/{last_key}.json"
 
     def manifest_key(self, session_id: str, epoch: int, snapshot_id: str) -> str:
         return f"{self.ns}/snapshots/{session_part(session_id)}/{epoch:012d}-{snapshot_id}.json"

@@ -11,8 +11,18 @@ What it removes, in one bundle's namespace:
   copy from its own store when it holds one (`repaired`); otherwise the next
   upload of any snapshot naming it re-creates it, since uploads put every block
   the remote lacks.
-Manifests, leases and the identity object are never removed: every published
-snapshot keeps its objects (history is not pruned here).
+- old snapshot manifests, by history pruning: per session, every manifest
+  but the head, the labeled ones (checkpoints) and the `keep_history` newest
+  others (at least one), where `keep_history` is what the session's head
+  manifest names (its owner's setting when it published; a head naming none,
+  as before this rule, prunes nothing). The head decides, not the daemon
+  running the gc, so two daemons configured differently prune alike, and a
+  session's history follows its current owner. One more than the head stays
+  so that a daemon waking the session from the manifest that was the head a
+  moment ago (a stale owner's racing manifest may land after it) still finds
+  it; a wake that loses it anyway is refused as missing, never corrupt. Then
+  the objects only the removed manifests named are swept as above.
+Prefix manifests, leases and the identity object are never removed.
 
 The race with uploads, and the rule that closes it. An upload skips the blocks
 the remote already holds; an unreferenced old one (from a cut-off upload) may
@@ -65,6 +75,7 @@ class RemoteGcReport:
     epoch: int = 0
     manifests: int = 0
     prefixes: int = 0
+    pruned_manifests: int = 0  # old snapshot manifests removed by history pruning
     blocks: int = 0
     tails: int = 0
     removed_blocks: int = 0
@@ -92,26 +103,65 @@ def _start(remote: Remote, max_s: float) -> tuple[int, float]:
     return epoch, start["until"]
 
 
-def _references(remote: Remote, report: RemoteGcReport) -> tuple[dict[str, dict], dict[str, str]]:
-    """Every block a manifest names (key -> its manifest entry) and every tail (snapshot id -> digest).
+def _manifests(remote: Remote, report: RemoteGcReport) -> dict[str, dict]:
+    """Every snapshot and prefix manifest, parsed, by object key.
 
-    Raises CorruptBlockError when a manifest cannot be read: what it names is unknown, so nothing may go.
+    Raises CorruptBlockError when one cannot be read: what it names is unknown, so nothing may go.
     """
     snapshots = [o["path"] for o in remote.listing(f"{remote.ns}/snapshots/") if o["path"].endswith(".json")]
     prefixes = [o["path"] for o in remote.listing(f"{remote.ns}/prefixes/") if o["path"].endswith(".json")]
     report.manifests, report.prefixes = len(snapshots), len(prefixes)
-    blocks: dict[str, dict] = {}
-    tails: dict[str, str] = {}
+    found: dict[str, dict] = {}
     for key, raw in zip(snapshots + prefixes, remote.parallel(remote.get, snapshots + prefixes)):
         try:
-            m = json.loads(raw or b"")
-            for entry in m["blocks"]:
-                blocks[str(entry["key"])] = entry
-            if m.get("tail"):
-                tails[str(m["snapshot"]["id"])] = str(m["tail"]["digest"])
-        except (ValueError, TypeError, KeyError) as exc:
+            found[key] = json.loads(raw or b"")
+            _references({key: found[key]})  # what it names must be readable before anything goes
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise CorruptBlockError(f"remote gc: manifest {key} cannot be read ({exc}); nothing was removed. "
                                     "Move it aside by hand if it is damaged", block=key) from None
+    return found
+
+
+def _history(manifests: dict[str, dict], snapshots: str) -> list[str]:
+    """The snapshot manifests history pruning may remove: per session, those beyond the head, every
+    labeled one and the `keep_history` newest others its head names (none when the head names none)."""
+    sessions: dict[str, list[str]] = {}
+    for key in sorted(k for k in manifests if k.startswith(snapshots)):
+        sessions.setdefault(key.rsplit("/", 1)[0], []).append(key)
+    prunable = []
+    for names in sessions.values():
+        keep = (manifests[names[-1]].get("remote") or {}).get("keep_history")
+        if not isinstance(keep, int):
+            continue
+        unlabeled = [k for k in names[:-1] if not (manifests[k].get("snapshot") or {}).get("label")]
+        prunable += unlabeled[: max(0, len(unlabeled) - max(keep, 1))]
+    return prunable
+
+
+def _prune(remote: Remote, manifests: dict[str, dict], until: float, report: RemoteGcReport) -> None:
+    """Delete the manifests history pruning may remove, until the deadline; those deleted leave `manifests`,
+    so what only they named is swept next (one still there keeps its objects)."""
+    def delete(key: str) -> str | None:
+        if time.time() > until:
+            return None
+        remote.delete(key)
+        return key
+
+    gone = [k for k in remote.parallel(delete, _history(manifests, f"{remote.ns}/snapshots/")) if k is not None]
+    for key in gone:
+        del manifests[key]
+    report.pruned_manifests = len(gone)
+
+
+def _references(manifests: dict[str, dict]) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every block the manifests name (key -> its manifest entry) and every tail (snapshot id -> digest)."""
+    blocks: dict[str, dict] = {}
+    tails: dict[str, str] = {}
+    for m in manifests.values():
+        for entry in m["blocks"]:
+            blocks[str(entry["key"])] = entry
+        if m.get("tail"):
+            tails[str(m["snapshot"]["id"])] = str(m["tail"]["digest"])
     return blocks, tails
 
 
@@ -212,7 +262,9 @@ def collect(remote: Remote, store: Store | None = None, *, grace_s: float = 3600
     report = RemoteGcReport(epoch=epoch)
     try:
         found_blocks, found_tails = _objects(remote, "blocks"), _objects(remote, "tails")
-        blocks, tails = _references(remote, report)  # listed after the objects: a manifest newer than them counts
+        manifests = _manifests(remote, report)  # listed after the objects: a manifest newer than them counts
+        _prune(remote, manifests, until, report)
+        blocks, tails = _references(manifests)
         report.blocks, report.tails = len(found_blocks), len(found_tails)
         report.removed_blocks = _sweep(remote, found_blocks, blocks, remote.block_key, grace_s, until, report)
         report.removed_tails = _sweep(remote, found_tails, tails, remote.tail_key, grace_s, until, report)

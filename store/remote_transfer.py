@@ -1,13 +1,13 @@
-"""Moving snapshots and prefix blocks between the local store and the shared tier, verified both ways.
+"""Moving snapshots between the local store and the shared tier, verified both ways.
 
 Upload: every block file is decoded and checked against its index row before
 it leaves (a create-only object can never be replaced, so a bad one must never
 be written); blocks the remote already holds are not sent again; the tail
 follows; the manifest is written last, and only while the uploader still holds
 the session's lease. An upload cut off anywhere leaves no manifest, so no
-reader ever sees the snapshot; running it again finishes it. A warmed prefix
-is published the same way, under a prefix manifest. Uploads are fenced against
-the remote gc (`_fenced`, `_commit`; the rule is in store/remote_gc.py).
+reader ever sees the snapshot; running it again finishes it. Warmed prefixes
+go the same way (store/remote_prefix.py). Uploads are fenced against
+the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote_gc.py).
 
 Download: every object is checked as an import file is (store/transfer.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import time
 from collections.abc import Callable
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store.codec import Encoded
-from kvwake.store.keys import block_key, chain_keys
-from kvwake.store.remote import GcRun, Lease, ObjectHeader, Remote
+from kvwake.store.keys import block_key
+from kvwake.store.remote import Remote
+from kvwake.store.remote_objects import GcRun, Lease, ObjectHeader
 from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from kvwake.store.store import Store
     from kvwake.store.writer import SnapshotWriter
 
-__all__ = ["LostLeaseError", "check_block_object", "check_tail_object", "put_block", "put_tail", "fetch_prefix", "fetch_snapshot", "upload_prefix", "upload_snapshot"]
+__all__ = ["LostLeaseError", "as_encoded", "check_block_object", "check_tail_object", "commit_manifest", "fenced",
+           "fetch_block", "fetch_snapshot", "put_block", "put_tail", "upload_blocks", "upload_snapshot"]
 
 OnBlock = Callable[[str, dict], None] | None  # (chain key, decoded verified tensors): the daemon's RAM tier
 
@@ -88,7 +89,7 @@ def upload_blocks(remote: Remote, store: Store, refs: list[BlockRef]) -> int:
     return written
 
 
-def _fenced(remote: Remote, put_objects: Callable[[], None]) -> GcRun:
+def fenced(remote: Remote, put_objects: Callable[[], None]) -> GcRun:
     """Run put_objects until no remote gc was active or began while it ran; returns the gc run seen.
 
     An upload skips the blocks the remote already holds; a gc that runs meanwhile may remove one of
@@ -101,7 +102,7 @@ def _fenced(remote: Remote, put_objects: Callable[[], None]) -> GcRun:
             return before
 
 
-def _commit(remote: Remote, key: str, data: bytes, run: GcRun, put_objects: Callable[[], None]) -> None:
+def commit_manifest(remote: Remote, key: str, data: bytes, run: GcRun, put_objects: Callable[[], None]) -> None:
     """Write the commit object (the manifest); then, if a gc began before it could see it, wait for
     that gc to end and put back what it removed (a gc that begins later sees the manifest)."""
     remote.put_new(key, data)
@@ -128,7 +129,7 @@ def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease
             if record.tail is not None:
                 put_tail(remote, store, record)
 
-    run = _fenced(remote, put_objects)
+    run = fenced(remote, put_objects)
     current = remote.current_lease(record.session_id)
     if current != lease:
         now = f"{current.state} by daemon {current.daemon} at epoch {current.epoch}" if current else "gone"
@@ -136,34 +137,11 @@ def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease
                              f"{lease.epoch}; it is {now}); snapshot {record.id} stays local",
                              session_id=record.session_id, snapshot_id=record.id,
                              owner=current.daemon if current else None)
-    manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id}
-    _commit(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)  # the commit point
+    manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id,
+                          **({"keep_history": remote.keep_history} if remote.keep_history is not None else {})}
+    commit_manifest(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)  # the commit point
     remote.counters["uploaded_snapshots"] += 1
     return {"snapshot_id": record.id, "manifest": key, "new_blocks": sum(written), "existed": False}
-
-
-def upload_prefix(remote: Remote, store: Store, token_ids: list[int]) -> dict[str, Any] | None:
-    """Publish a warmed prefix: its full blocks (from the local store), then its prefix manifest,
-    which keeps them from the remote gc. Returns what was sent; None when the store holds no block of it."""
-    with store.reading():
-        refs = store.longest_prefix(remote.bundle, token_ids)
-    if not refs:
-        return None
-    key = remote.prefix_key(refs[-1].key)
-    if remote.exists(key):
-        return {"prefix": key, "blocks": len(refs), "new_blocks": 0, "existed": True}
-    written: list[int] = []
-
-    def put_objects() -> None:
-        with store.reading():
-            written.append(upload_blocks(remote, store, refs))
-
-    run = _fenced(remote, put_objects)
-    manifest = {"format": "kvwake-prefix", "version": 1, "bundle": remote.bundle, "block_tokens": store.block_tokens,
-                "n_tokens": len(refs) * store.block_tokens,
-                "blocks": [{"key": r.key, "digest": r.digest, "raw_bytes": r.raw_bytes} for r in refs]}
-    _commit(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)
-    return {"prefix": key, "blocks": len(refs), "new_blocks": sum(written), "existed": False}
 
 
 # -- download --------------------------------------------------------------------
@@ -218,7 +196,7 @@ def _fill_from_remote(remote: Remote, m: dict[str, Any], w: SnapshotWriter, on_b
         except KeyError:
             raise _refused(remote, f"snapshot {m['snapshot']['id']}", f"block {i} ({entry['key'][:16]}) is missing",
                            block=entry["key"]) from None
-        w.add_encoded(i, _encoded(body, header))
+        w.add_encoded(i, as_encoded(body, header))
         if on_block:
             on_block(entry["key"], tensors)
 
@@ -242,7 +220,7 @@ def check_tail_object(remote: Remote, snapshot_id: str, data: bytes, digest: str
     return encoded
 
 
-def _encoded(body: memoryview, header: ObjectHeader) -> Encoded:
+def as_encoded(body: memoryview, header: ObjectHeader) -> Encoded:
     """A fetched block file as the writer takes it (already verified by fetch_block)."""
     return Encoded((bytes(body),), header.digest, header.raw_bytes, header.codec)
 
@@ -273,37 +251,3 @@ def fetch_snapshot(remote: Remote, store: Store, manifest_key: str, session_id: 
                              lambda why: _refused(remote, f"manifest {manifest_key}", why, session_id=session_id))
     remote.counters["fetched_snapshots"] += 1
     return result
-
-
-def fetch_prefix(remote: Remote, store: Store, token_ids: list[int], *, deadline_s: float, batch: int = 8,
-                 on_block: OnBlock = None) -> int:
-    """Bring the remote's blocks that continue the local longest prefix of `token_ids` into the local store.
-
-    Asks for `batch` blocks at a time and stops at the first missing one, a refused one, or the
-    deadline (blocks still in flight then are dropped: the caller prefills instead). Returns the
-    blocks added locally.
-    """
-    b, ends = store.block_tokens, time.monotonic() + deadline_s
-    keys = chain_keys(remote.bundle, token_ids, b)
-    have, added = len(store.longest_prefix(remote.bundle, token_ids)), 0
-    while have < len(keys):
-        wanted = range(have, min(have + batch, len(keys)))
-        futures = [remote.pool.submit(fetch_block, remote, keys[i], None, None, token_ids[i * b : (i + 1) * b])
-                   for i in wanted]
-        cf.wait(futures, timeout=max(0.0, ends - time.monotonic()))
-        got = []
-        for f in futures:
-            if not f.done() or f.exception() is not None:
-                break
-            got.append(f.result())
-        if got:
-            with store.writer(None, remote.bundle, token_ids[: (have + len(got)) * b]) as w:
-                for i, (header, body, tensors) in zip(range(have, have + len(got)), got):
-                    w.add_encoded(i, _encoded(body, header))
-                    if on_block:
-                        on_block(keys[i], tensors)
-                w.commit()
-            have, added = have + len(got), added + len(got)
-        if len(got) < len(futures) or time.monotonic() >= ends:
-            break
-    return added

@@ -352,9 +352,10 @@ class Store:
             with self._lock, self.index.write() as db:
                 db.execute(f"UPDATE blocks SET last_used = ? WHERE key IN ({','.join('?' * len(keys))})", [time.time(), *keys])
 
-    def longest_prefix(self, bundle: str, token_ids: Sequence[int]) -> list[BlockRef]:
-        """The longest run of stored, usable full blocks that starts `token_ids` under `bundle`."""
-        keys = chain_keys(bundle, token_ids, self.block_tokens)
+    def longest_prefix(self, bundle: str, token_ids: Sequence[int], *, partial: bool = False) -> list[BlockRef]:
+        """The longest run of stored, usable full blocks that starts `token_ids` under `bundle`
+        (with `partial`, ending in the short block of the trailing tokens when that is stored too)."""
+        keys = chain_keys(bundle, token_ids, self.block_tokens, partial=partial)
         usable = self.usable_blocks(keys, token_ids)
         run = []
         for key in keys:

@@ -109,6 +109,29 @@ def test_a_prompt_one_daemon_stored_is_reused_from_the_remote_by_another(tmp_pat
         assert cb.call("status")["remote"]["prefix_blocks"] == (cold["tokens"] - 1) // 16
 
 
+def test_a_prompt_one_daemon_warmed_is_reused_whole_by_another_to_the_token(tmp_path, model_dir, weed):
+    with two_daemons(tmp_path, model_dir, weed, "warm") as (ca, cb):
+        ca.call("session.create", session_id="cold")  # A's cold prefill of the prompt: the reference
+        cold = ca.call("session.append", session_id="cold", text=DOC)
+        assert cold["reused"] == 0
+        expected = ca.call("session.generate", session_id="cold", max_tokens=8)["tokens"]
+        ca.call("session.delete", session_id="cold")
+        warmed = ca.call("prefix.warm", text=DOC)
+        assert warmed["tokens"] == cold["tokens"] and warmed["tokens"] % 16  # it ends in a short block
+        deadline = time.monotonic() + 30
+        while ca.call("status")["remote"]["uploaded_prefixes"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+        cb.call("session.create", session_id="reader")  # B's first session with that prompt
+        hit = cb.call("session.append", session_id="reader", text=DOC)
+        assert (hit["reused"], hit["prefilled"]) == (cold["tokens"] - 1, 0)  # all but the pending last token
+        assert cb.call("session.generate", session_id="reader", max_tokens=8)["tokens"] == expected
+        remote = cb.call("status")["remote"]
+        assert remote["prefix_blocks"] == warmed["blocks"] and remote["refused_objects"] == 0
+        assert remote["prefix_partial_tokens"] == cold["tokens"] - 1 - warmed["blocks"] * 16
+
+
 def test_wrong_keys_are_refused_and_local_service_goes_on(tmp_path, model_dir, weed):
     d = remote_daemon(tmp_path, model_dir, weed, "keys", AWS_SECRET_ACCESS_KEY="not-the-secret").start()
     with d.client() as c:

@@ -76,5 +76,5 @@ def test_after_a_forced_takeover_the_old_owner_publishes_nothing_more(tmp_path, 
         after_b = chat(cb, "s", "and now?")["tokens"]  # B goes on from the state it took over
         cb.call("session.sleep", session_id="s", release=True)
         head = json.loads(bytes(s3.get(manifests()[-1]).bytes()))
-        assert head["remote"] == {"epoch": 2, "daemon": b_name}  # B's state is the head
+        assert head["remote"] == {"epoch": 2, "daemon": b_name, "keep_history": 4}  # B's state is the head
         assert after_b and ca.call("session.wake", session_id="s")["snapshot_id"] == head["snapshot"]["id"]

@@ -1,0 +1,83 @@
+"""Token-granular prefix reuse across machines, at the store layer, against a real SeaweedFS: a warmed
+prompt's short last block serves its first k tokens from the remote, verified like any remote read;
+a session's tail never does."""
+
+from __future__ import annotations
+
+import obstore
+import pytest
+
+from kvwake.errors import CorruptBlockError
+from kvwake.store import Store
+from kvwake.store.keys import chain_keys
+from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
+from kvwake.store.remote_transfer import upload_snapshot
+from tests.kvdata import BUNDLE, kv_arrays, write_snapshot
+from tests.test_remote import weed  # noqa: F401 (the module's server)
+from tests.test_remote_gc import _remote
+
+B = 16
+PROMPT = list(range(2000, 2000 + 3 * B + 11))  # three full blocks and a short one of 11 tokens
+
+
+def _store(path) -> Store:
+    store = Store(path, block_tokens=B)
+    store.register_bundle(BUNDLE, {"test": True})
+    return store
+
+
+def _warm(store: Store, tokens: list[int]) -> None:
+    """What prefix.warm stores: every full block, and the last partial block as a short block."""
+    with store.writer(None, BUNDLE, tokens, pin=True, partial=True) as w:
+        for i in w.needed:
+            w.add_block(i, kv_arrays(w.block_tokens(i), i * B))
+        w.commit()
+
+
+def test_a_warmed_prompts_short_block_serves_its_first_k_tokens_from_the_remote(tmp_path, weed):
+    a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
+    _warm(a, PROMPT)
+    ra, rb = _remote(weed, "short", "d-a"), _remote(weed, "short", "d-b")
+    sent = upload_prefix(ra, a, PROMPT)
+    assert (sent["blocks"], sent["new_blocks"]) == (4, 4)
+    request = PROMPT[:-2] + [7, 8, 9]  # shares 9 of the short block's 11 tokens, then goes its own way
+    assert fetch_prefix(rb, b, request, deadline_s=5.0, min_partial=4) == (3, 9)
+    hit = b.prefix_hit(BUNDLE, request, min_partial=4)
+    assert len(hit.blocks) == 3 and hit.partial is not None and hit.partial.tokens == 9
+    short = chain_keys(BUNDLE, PROMPT, B, partial=True)[-1]
+    assert hit.partial.block.key == short
+    got = b.read_block(hit.partial.block)
+    want = kv_arrays(PROMPT[3 * B :], 3 * B)
+    assert all((got[name].array == want[name].array).all() for name in want)  # the very bytes A stored
+    assert fetch_prefix(rb, b, request, deadline_s=5.0, min_partial=4) == (0, 0)  # held locally now: no refetch
+    for r in (ra, rb):
+        r.close()
+
+
+def test_a_corrupt_short_block_is_refused_and_nothing_is_kept(tmp_path, weed):
+    a, c = _store(tmp_path / "a"), _store(tmp_path / "c")
+    _warm(a, PROMPT)
+    ra, rc = _remote(weed, "short-bad", "d-a"), _remote(weed, "short-bad", "d-c")
+    upload_prefix(ra, a, PROMPT)
+    s3, short = weed.store(), chain_keys(BUNDLE, PROMPT, B, partial=True)[-1]
+    path = next(o["path"] for page in obstore.list(s3, "short-bad/") for o in page if o["path"].endswith(short))
+    data = bytearray(bytes(s3.get(path).bytes()))
+    data[-5] ^= 0x40
+    s3.put(path, bytes(data))  # one bit, behind kvwake's back
+    with pytest.raises(CorruptBlockError, match="refused"):
+        fetch_prefix(rc, c, PROMPT[:-1], deadline_s=5.0, min_partial=4)
+    hit = c.prefix_hit(BUNDLE, PROMPT[:-1], min_partial=4)
+    assert len(hit.blocks) == 3 and hit.partial is None and rc.counters["refused_objects"] == 1
+    for r in (ra, rc):
+        r.close()
+
+
+def test_a_sessions_tail_does_not_serve_other_machines(tmp_path, weed):
+    a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
+    info = write_snapshot(a, "private", PROMPT)  # its last 11 tokens are in its tail
+    ra, rb = _remote(weed, "tails", "d-a"), _remote(weed, "tails", "d-b")
+    upload_snapshot(ra, a, info.id, ra.acquire("private"))
+    assert fetch_prefix(rb, b, PROMPT[:-1], deadline_s=5.0, min_partial=4) == (3, 0)  # whole blocks only
+    assert b.prefix_hit(BUNDLE, PROMPT[:-1], min_partial=4).partial is None
+    for r in (ra, rb):
+        r.close()
