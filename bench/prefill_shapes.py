@@ -6,7 +6,7 @@ A cache of --context random tokens, then --turns chunks of --chunk tokens, each 
 each turn of a conversation is), timed one by one, evaluated. Paths:
   causal   mlx-lm as it is: mask "causal" into mx.fast.scaled_dot_product_attention
   array    the same kernel given an explicit additive mask array (KVCache.make_mask(return_array=True))
-  plain    attention in plain ops (matmul, softmax): no fused kernel
+  plain    attention in plain ops (daemon/attention.py, what kvwake prefills with on CUDA)
   steps    the chunk fed one token at a time (the decode kernel), for reference
 MLX on CUDA builds a cuDNN graph per (query length, key length) for fused prefill attention; this
 measures whether the other paths avoid that per-turn cost. Prints one JSON line per path.
@@ -23,19 +23,7 @@ import mlx_lm
 from mlx_lm.models import cache as cache_mod
 from mlx_lm.models import llama
 
-
-def plain_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """softmax(q k^T * scale + mask) v in plain ops, grouped-query heads repeated."""
-    n_rep = queries.shape[1] // keys.shape[1]
-    if n_rep > 1:
-        keys, values = (mx.repeat(x, n_rep, axis=1) for x in (keys, values))
-    scores = (queries * scale) @ keys.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        q_len, k_len = queries.shape[2], keys.shape[2]
-        mask = cache_mod.create_causal_mask(q_len, offset=k_len - q_len)
-    if mask is not None:
-        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min) if mask.dtype == mx.bool_ else scores + mask
-    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+from kvwake.daemon.attention import plain_attention
 
 
 def run(model, context: int, chunk: int, turns: int, path: str) -> list[float]:
@@ -71,9 +59,9 @@ def main() -> None:
     model, _ = mlx_lm.load(a.model)
     fast_sdpa, make_mask = llama.scaled_dot_product_attention, cache_mod.KVCache.make_mask
     for path in ("causal", "array", "plain", "steps", "causal"):
-        llama.scaled_dot_product_attention = plain_attention if path == "plain" else fast_sdpa
+        llama.scaled_dot_product_attention = plain_attention(fast_sdpa) if path == "plain" else fast_sdpa
         cache_mod.KVCache.make_mask = (
-            (lambda self, n, return_array=False, window_size=None: make_mask(self, n, True, window_size))
+            (lambda self, n, return_array=False, window_size=None: make_mask(self, n, return_array=True, window_size=window_size))
             if path == "array" else make_mask)
         times = run(model, a.context, a.chunk, a.turns, path)
         print(json.dumps({"path": path, "context": a.context, "chunk": a.chunk, "ms_per_turn": times,

@@ -14,6 +14,7 @@ reuse whole snapshots: their prefix reuse is off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon import kvfill, kvstate, pipeline, prefixhit
+from kvwake.daemon import attention, kvfill, kvstate, pipeline, prefixhit
 from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.decoder import Call, Decoder, batch_mode, run_alone
@@ -106,6 +107,7 @@ class Engine:
         self.device_planes = kvfill.restore_mode() == "staged"  # KV on a discrete GPU: byte planes are made there
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch)
+        self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
 
     def close(self) -> None:
         self.pool.close()
@@ -263,7 +265,8 @@ class Engine:
         # shape (measured: a 64-token chunk at a new offset 100 ms, again 20 ms), so chunks sized to
         # the decode step made an 8k prefill 17-30x slower and the others' gaps longer, not shorter.
         end = min(upto, session.processed + self.prefill_step)
-        self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
+        with attention.plain_prefill(self.model) if self.plain_prefill else contextlib.nullcontext():
+            self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         mx.eval([c.state for c in session.cache])
         session.processed = end
 
