@@ -11,11 +11,12 @@ picture for 200-token chunks over 2k (56-94 ms fused and new, 23-37 ms plain).
 So `plain_prefill(model)` swaps the model module's `scaled_dot_product_attention`
 for one that computes softmax(q k^T * scale + causal mask) v in plain ops, for
 the duration of one prefill chunk on the engine thread (the only thread that
-runs MLX). The scores are float32 (H x L x K x 4 bytes): above `PLAIN_MAX_BYTES`
+runs MLX). The scores are float32 (H x L x K x 4 bytes), from float32 inputs as
+the fused kernels compute them: above `PLAIN_MAX_BYTES`
 the fused kernel runs as before, as it does for quantized KV, attention sinks
 and array masks. Only where MLX would build cuDNN graphs (CUDA): on the CPU
-MLX already runs attention in plain ops, and Metal's kernels are not built
-per shape.
+MLX already runs attention in plain ops (in the input dtype), and Metal's
+kernels are not built per shape.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def plain_attention(fused: Any) -> Any:
                 or heads * q_len * k_len * 4 > PLAIN_MAX_BYTES):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         kv_heads = keys.shape[1]
-        q = (queries * scale).reshape(b, kv_heads, heads // kv_heads, q_len, -1)  # grouped-query heads
-        scores = (q @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32)
+        # Scores in float32 from float32 inputs, as the fused kernels keep them: bf16 scores (a 2^-8
+        # step) would move the softmax. Grouped-query heads by reshape, not by repeating the keys.
+        q = (queries.astype(mx.float32) * scale).reshape(b, kv_heads, heads // kv_heads, q_len, -1)
+        scores = q @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
         if causal:  # query i sits at key position k_len - q_len + i and sees keys up to it
             rows = mx.arange(k_len - q_len, k_len)[:, None]
             scores = mx.where(mx.arange(k_len)[None] <= rows, scores, -mx.inf)

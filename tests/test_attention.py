@@ -29,16 +29,24 @@ def logits_after(model, prefix: mx.array, chunk: mx.array, plain: bool) -> mx.ar
     return out.astype(mx.float32)
 
 
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same weights in float32: the numbers both attentions approximate."""
+    model = mlx_lm.load(str(model_dir))[0]
+    model.set_dtype(mx.float32)
+    return model
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_plain_prefill_gives_the_fused_kernels_logits(model, chunk):
+def test_plain_prefill_is_as_close_to_float32_as_the_fused_kernel(model, reference, chunk):
     tokens = mx.random.randint(0, 256, (100 + chunk,), key=mx.random.key(chunk)).astype(mx.uint32)
+    exact = logits_after(reference, tokens[:100], tokens[100:], plain=False)
     fused = logits_after(model, tokens[:100], tokens[100:], plain=False)
     plain = logits_after(model, tokens[:100], tokens[100:], plain=True)
-    assert fused.shape == plain.shape
-    if mx.default_device() == mx.cpu:  # MLX's own CPU attention is these plain ops: bit for bit
-        assert mx.array_equal(fused, plain).item()
-    assert mx.abs(fused - plain).max().item() < 2e-2 * max(1.0, mx.abs(fused).max().item())
-    assert (mx.argmax(fused, -1) == mx.argmax(plain, -1)).all().item()
+    fused_error, plain_error = (mx.abs(x - exact).max().item() for x in (fused, plain))
+    print(f"chunk {chunk}: max error against float32: fused {fused_error:.4f}, plain {plain_error:.4f}")
+    assert plain.shape == fused.shape
+    assert plain_error <= fused_error * 1.25 + 1e-3  # bf16 weights and KV bound both; plain adds no error of its own
 
 
 def test_the_fused_kernel_is_back_after_the_chunk_and_big_chunks_keep_it(model):
