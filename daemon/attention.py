@@ -11,8 +11,8 @@ picture for 200-token chunks over 2k (56-94 ms fused and new, 23-37 ms plain).
 So `plain_prefill(model)` swaps the model module's `scaled_dot_product_attention`
 for one that computes softmax(q k^T * scale + causal mask) v in plain ops, for
 the duration of one prefill chunk on the engine thread (the only thread that
-runs MLX). The scores are float32 (H x L x K x 4 bytes), from float32 inputs as
-the fused kernels compute them: above `PLAIN_MAX_BYTES`
+runs MLX). Scores, softmax and the weighted sum are float32 (the scores take
+H x L x K x 4 bytes), as the fused kernels compute them: above `PLAIN_MAX_BYTES`
 the fused kernel runs as before, as it does for quantized KV, attention sinks
 and array masks. Only where MLX would build cuDNN graphs (CUDA): on the CPU
 MLX already runs attention in plain ops (in the input dtype), and Metal's
@@ -48,8 +48,8 @@ def plain_attention(fused: Any) -> Any:
         b, heads, q_len, _ = queries.shape
         k_len = keys.shape[2]
         causal = isinstance(mask, str) and mask == "causal"
-        if (hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
-                or heads * q_len * k_len * 4 > PLAIN_MAX_BYTES):
+        if (q_len == 1 or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
+                or heads * q_len * k_len * 4 > PLAIN_MAX_BYTES):  # one query: MLX's vector kernel, no graph
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         kv_heads = keys.shape[1]
         # Scores in float32 from float32 inputs, as the fused kernels keep them: bf16 scores (a 2^-8
@@ -59,8 +59,8 @@ def plain_attention(fused: Any) -> Any:
         if causal:  # query i sits at key position k_len - q_len + i and sees keys up to it
             rows = mx.arange(k_len - q_len, k_len)[:, None]
             scores = mx.where(mx.arange(k_len)[None] <= rows, scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1).astype(values.dtype)
-        return (probs @ values[:, :, None]).reshape(b, heads, q_len, -1)
+        out = mx.softmax(scores, axis=-1) @ values[:, :, None].astype(mx.float32)  # float32 throughout
+        return out.reshape(b, heads, q_len, -1).astype(values.dtype)
     return attention
 
 
