@@ -5,8 +5,10 @@ graph cached by (query length, key length). Every agent turn prefills its new
 tokens at a new offset, so every turn pays a fresh graph build. Measured on the
 H100 machine (8B shape, `bench/prefill_shapes.py`): a 35-token chunk over 7.5k
 cached tokens took 75-95 ms at a new offset and 14-17 ms once its graph was
-cached; in plain ops (matmul, softmax: no per-shape build) 29-43 ms. Same
+cached; in plain ops (matmul, softmax: no per-shape build) 24-65 ms. Same
 picture for 200-token chunks over 2k (56-94 ms fused and new, 23-37 ms plain).
+Not for long prompts' 512-token chunks: with them plain, a 7.5k-token prefill
+took 1.99 s against 1.30 s fused, so chunks over `PLAIN_MAX_QUERIES` stay fused.
 
 So `plain_prefill(model)` swaps the model module's `scaled_dot_product_attention`
 for one that computes softmax(q k^T * scale + causal mask) v in plain ops, for
@@ -29,9 +31,10 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["PLAIN_MAX_BYTES", "plain_attention", "plain_prefill", "wanted"]
+__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "plain_attention", "plain_prefill", "wanted"]
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
+PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
 
 
 def wanted() -> bool:
@@ -48,7 +51,7 @@ def plain_attention(fused: Any) -> Any:
         b, heads, q_len, _ = queries.shape
         k_len = keys.shape[2]
         causal = isinstance(mask, str) and mask == "causal"
-        if (q_len == 1 or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
+        if (not 1 < q_len <= PLAIN_MAX_QUERIES or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
                 or heads * q_len * k_len * 4 > PLAIN_MAX_BYTES):  # one query: MLX's vector kernel, no graph
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         kv_heads = keys.shape[1]
