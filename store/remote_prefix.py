@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvwake.errors import KvwakeError
 from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 from kvwake.store.prefix import common_length, partial_candidate
 from kvwake.store.remote import Remote
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PIECES_READ", "fetch_prefix", "upload_prefix"]
 
+log = logging.getLogger("kvwake.remote")
 PIECES_READ = 8  # prefix manifests read per partial lookup (published pieces under one parent; more are not ranked)
 
 
@@ -73,6 +76,22 @@ def upload_prefix(remote: Remote, store: Store, token_ids: list[int]) -> dict[st
     return {"prefix": key, "blocks": len(refs), "new_blocks": sum(written), "existed": False}
 
 
+def _arrived(f: cf.Future, what: str) -> bool:
+    """A finished fetch with a result. Missing objects (KeyError) end a run quietly, refused or
+    unreachable ones (KvwakeError, counted where they are refused) with a warning; anything else is a
+    bug, logged with its traceback, never passed off as "not on the remote"."""
+    if not f.done():
+        return False
+    exc = f.exception()
+    if exc is None:
+        return True
+    if isinstance(exc, KvwakeError):
+        log.warning("remote prefix fetch failed; prefilling instead", extra={"object": what, "error": exc.message})
+    elif not isinstance(exc, KeyError):
+        log.error("remote prefix fetch raised; prefilling instead", exc_info=exc, extra={"object": what})
+    return False
+
+
 def _whole_blocks(remote: Remote, store: Store, token_ids: list[int], ends: float, batch: int,
                   on_block: OnBlock) -> tuple[int, str, int]:
     """Fetch the remote blocks continuing the local run, `batch` at a time, until one is missing or
@@ -87,8 +106,8 @@ def _whole_blocks(remote: Remote, store: Store, token_ids: list[int], ends: floa
                    for i in wanted]
         cf.wait(futures, timeout=max(0.0, ends - time.monotonic()))
         got = []
-        for f in futures:
-            if not f.done() or f.exception() is not None:
+        for i, f in zip(wanted, futures):
+            if not _arrived(f, keys[i]):
                 break
             got.append(f.result())
         if got:
@@ -113,7 +132,7 @@ def _best_piece(remote: Remote, parent: str, following: list[int], least: int, e
     cf.wait(futures, timeout=max(0.0, ends - time.monotonic()))
     probe, best = np.asarray(following, dtype="<u4"), None
     for name, f in zip(names, futures):
-        if not f.done() or f.exception() is not None:
+        if not _arrived(f, folder + name):
             continue
         try:
             m = json.loads(f.result() or b"")

@@ -81,3 +81,25 @@ def test_a_sessions_tail_does_not_serve_other_machines(tmp_path, weed):
     assert b.prefix_hit(BUNDLE, PROMPT[:-1], min_partial=4).partial is None
     for r in (ra, rb):
         r.close()
+
+
+def test_a_fetch_that_raises_is_logged_not_passed_off_as_missing(tmp_path, weed, monkeypatch, caplog):
+    # Was: any exception in a block fetch (a code bug included) ended the lookup silently, as if the
+    # remote had no such block: the only sign was less reuse.
+    from kvwake.store import remote_prefix
+
+    a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
+    _warm(a, PROMPT)
+    ra, rb = _remote(weed, "raises", "d-a"), _remote(weed, "raises", "d-b")
+    upload_prefix(ra, a, PROMPT)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the fetch")
+
+    monkeypatch.setattr(remote_prefix, "fetch_block", broken)
+    with caplog.at_level("WARNING", logger="kvwake.remote"):
+        assert fetch_prefix(rb, b, PROMPT[:-1], deadline_s=5.0, min_partial=4) == (0, 0)
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "raised" in record.getMessage() and "a bug in the fetch" in str(record.exc_info[1])
+    for r in (ra, rb):
+        r.close()
