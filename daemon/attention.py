@@ -7,8 +7,12 @@ H100 machine (8B shape, `bench/prefill_shapes.py`): a 35-token chunk over 7.5k
 cached tokens took 75-95 ms at a new offset and 14-17 ms once its graph was
 cached; in plain ops (matmul, softmax: no per-shape build) 24-65 ms. Same
 picture for 200-token chunks over 2k (56-94 ms fused and new, 23-37 ms plain).
-Not for long prompts' 512-token chunks: with them plain, a 7.5k-token prefill
-took 1.99 s against 1.30 s fused, so chunks over `PLAIN_MAX_QUERIES` stay fused.
+Not for long prompts' chunks: with them plain, a 7.5k-token prefill took
+1.99 s against 1.30 s fused (512-token chunks), and beside a decoding session
+an 8k prefill in 128-token chunks took 3.0 s plain against 1.5 s fused (p99
+gap 135 ms against 87) once the fused graphs were built. So the engine uses
+it only for a chunk shorter than its prefill step (a turn's input, a prompt's
+last piece: key lengths never seen), of at most `PLAIN_MAX_QUERIES` tokens.
 
 So `plain_prefill(model)` swaps the model module's `scaled_dot_product_attention`
 for one that computes softmax(q k^T * scale + causal mask) v in plain ops, for

@@ -90,3 +90,20 @@ def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
         a = model(tokens[60:][None], cache=cache)
         b = model(tokens[60:][None], cache=twin)
     assert mx.array_equal(a, b).item()
+
+
+def test_the_engine_takes_plain_attention_only_for_a_chunk_shorter_than_its_step(model_dir, tmp_path, monkeypatch):
+    from kvwake.daemon import attention
+    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=32)
+    used, real = [], attention.plain_prefill
+    monkeypatch.setattr(attention, "plain_prefill", lambda m: used.append(m) or real(m))
+    got = engine.append(Session("s"), tokens=list(range(1, 80)))  # 78 to prefill: chunks of 32, 32, 14
+    assert got["prefilled"] == 78 and len(used) == 1
+    engine.close()
+    store.close()
