@@ -34,7 +34,7 @@ import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon import kvstate
-from kvwake.daemon.session import Session, new_session_id
+from kvwake.daemon.session import Session, common_prefix, new_session_id
 from kvwake.errors import BusyError, NotFoundError
 
 if TYPE_CHECKING:
@@ -57,12 +57,6 @@ class Match:
     session_id: str
     how: str
     shared_tokens: int = 0  # the common prefix with the session it came from
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if differ.size else n
 
 
 class Matcher:
@@ -149,7 +143,7 @@ async def hot_prefix(manager: SessionManager, session: Session, target: list[int
         s = entry.session
         if s is None or s is session or entry.busy or s.cache is None or not s.processed:
             continue
-        shared = common_prefix(np.asarray(s.tokens[: s.processed], dtype=np.int64), want)
+        shared = common_prefix(s.tokens[: s.processed], want)
         if shared > best:
             best, source = shared, entry
     if source is None or best < engine.min_partial:

@@ -266,15 +266,20 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
                                                                 "properties": {"city": {"type": "string"}}}}}
 
 
-@pytest.fixture(scope="module")
-def tool_api(tmp_path_factory):
+def scripted_api(tmp_path_factory, name: str, *script):
+    """An openai client of a daemon serving a scripted model (tinymodel.make_scripted_model); stops it after."""
     from tests.tinymodel import make_scripted_model
 
-    model = make_scripted_model(tmp_path_factory.mktemp("models") / "scripted")
-    d = Daemon(tmp_path_factory.mktemp("http-tools"), model, extra=["--http", "0"]).start()
+    model = make_scripted_model(tmp_path_factory.mktemp("models") / name, *script)
+    d = Daemon(tmp_path_factory.mktemp(f"http-{name}"), model, extra=["--http", "0"]).start()
     yield client_for(d)
     assert d.stop() == 0
     assert d.log_problems() == []
+
+
+@pytest.fixture(scope="module")
+def tool_api(tmp_path_factory):
+    yield from scripted_api(tmp_path_factory, "scripted")
 
 
 def test_tool_calls_come_back_structured(tool_api):
@@ -464,13 +469,7 @@ TWO_CALLS = ("<tool_call>", '{"name": "get_weather", "arguments": {"city": "Pari
 
 @pytest.fixture(scope="module")
 def two_call_api(tmp_path_factory):
-    from tests.tinymodel import make_scripted_model
-
-    model = make_scripted_model(tmp_path_factory.mktemp("models") / "two-calls", TWO_CALLS)
-    d = Daemon(tmp_path_factory.mktemp("http-two"), model, extra=["--http", "0"]).start()
-    yield client_for(d)
-    assert d.stop() == 0
-    assert d.log_problems() == []
+    yield from scripted_api(tmp_path_factory, "two-calls", TWO_CALLS)
 
 
 def test_parallel_tool_calls_false_ends_the_reply_at_its_first_call(two_call_api):
