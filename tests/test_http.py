@@ -512,3 +512,20 @@ def test_sigterm_with_streams_open_ends_them_and_sleeps_their_sessions(tmp_path,
             info = rpc.call("session.info", session_id=f"open-{i}")
             assert info["state"] == "asleep" and 10 < info["tokens"] < 100000
     assert d.stop() == 0
+
+
+def test_a_stateless_session_of_another_model_is_never_continued(tmp_path, model_dir):
+    # Invariant 4 over HTTP: after a restart with another model, the stored stateless session of the
+    # first is no candidate (waking it would be BUNDLE_MISMATCH); the request starts a new session.
+    from tests.tinymodel import make_model_dir
+
+    messages = [{"role": "system", "content": SYSTEM + "two models"}, {"role": "user", "content": "first"}]
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    first = chat(client_for(d), messages)
+    assert d.stop() == 0
+    other = Daemon(tmp_path, make_model_dir(tmp_path / "other", seed=9), extra=["--http", "0"]).start()
+    again = chat(client_for(other), messages)
+    assert again.model_extra["kvwake"]["match"] == "new"
+    assert again.model_extra["kvwake"]["session_id"] != first.model_extra["kvwake"]["session_id"]
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.stop() == 0
