@@ -8,7 +8,7 @@ chunks and saves what mlx-lm's cache holds.
     .venv/bin/python bench/capture_kv.py path/to/mlx-model-folder --tokens 128
 
 With no model folder, the default model is converted once into
-``<--data-dir>/models`` (see kvwake.daemon.convert.ensure_default_model).
+``<--data-dir>/models`` (see kvwake.daemon.model.convert.ensure_default_model).
 
 File format (np.savez, uncompressed):
     layers.{i}.keys, layers.{i}.values   uint16 [1, kv_heads, tokens, head_dim]:
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm import load
 
     if args.model is None:
-        from kvwake.daemon.convert import ensure_default_model
+        from kvwake.daemon.model.convert import ensure_default_model
 
         model_dir = ensure_default_model(args.data_dir)
     else:

@@ -193,7 +193,7 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-http-"))
     if a.model == "default":
-        from kvwake.daemon.convert import ensure_default_model
+        from kvwake.daemon.model.convert import ensure_default_model
 
         model = ensure_default_model(work / "models")
     elif a.model == "tiny":

@@ -23,7 +23,7 @@ import mlx_lm
 from mlx_lm.models import cache as cache_mod
 from mlx_lm.models import llama
 
-from kvwake.daemon.attention import plain_attention
+from kvwake.daemon.model.attention import plain_attention
 
 
 def run(model, context: int, chunk: int, turns: int, path: str) -> list[float]:

@@ -88,7 +88,7 @@ def tokens_of(engine: Any, n: int) -> list[int]:
 
 
 def open_engine(model: str | None, root: Path, codec: str = "planes-zstd") -> Any:
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model.engine import Engine
     from kvwake.store import Store
 
     return Engine(Store(root / "store", block_tokens=128, codec=codec), root, model)
@@ -131,7 +131,7 @@ def first_token(engine: Any, session: Any) -> float:
     Not the whole generate call: mlx-lm's generate_step computes the next
     token before yielding one, which would double this on a CPU.
     """
-    from kvwake.daemon.generation import GenerateParams
+    from kvwake.daemon.model.generation import GenerateParams
 
     return engine.generate(session, GenerateParams(max_tokens=1)).usage["ttft_ms"] / 1000
 
@@ -180,7 +180,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from kvwake.daemon import kvstate
+    from kvwake.daemon.kv import state as kvstate
     from kvwake.daemon.session import Session
 
     ids = tokens_of(engine, n)
@@ -229,7 +229,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     raw, cores = slept["raw_bytes"], engine.pool.workers
     return {
         "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n, "codec": engine.store.codec,
-        "workers": cores, "restore_mode": __import__("kvwake.daemon.kvfill", fromlist=["x"]).restore_mode(),
+        "workers": cores, "restore_mode": __import__("kvwake.daemon.kv.fill", fromlist=["x"]).restore_mode(),
         "reprefill_first_token_s": reprefill_ft_s, "wake_first_token_s": wake_ft_s,
         "mlx_load_first_token_s": mlx_load_ft_s, "wake_s": wake_s, "mlx_load_s": mlx_load_s,
         "sleep_s": slept["ms"] / 1000, "mlx_save_s": mlx_save_s,

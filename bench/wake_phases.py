@@ -26,7 +26,8 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from kvwake.daemon import devplanes, kvfill
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
     from kvwake.daemon.session import Session
     from suite import open_engine, tokens_of
 

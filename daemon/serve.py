@@ -36,11 +36,11 @@ import anyio
 
 import kvwake
 from kvwake.daemon.config import Settings
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.matching import expire
-from kvwake.daemon.rpc import Server, default_allow, unix_listener
-from kvwake.daemon.worker import EngineThread
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.fronts.matching import expire
+from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 
@@ -168,7 +168,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     if settings.remote is not None:
-        from kvwake.daemon.remote import RemoteTier  # obstore loads only when a remote is configured
+        from kvwake.daemon.sessions.remote_tier import RemoteTier  # obstore loads only when a remote is configured
 
         manager.remote = RemoteTier(settings, engine)
     try:
@@ -193,7 +193,7 @@ def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
     """
     if settings.http is None:
         return None
-    from kvwake.daemon.http import bind, is_loopback, parse_address, read_token
+    from kvwake.daemon.fronts.http import bind, is_loopback, parse_address, read_token
 
     host, port = parse_address(settings.http)
     if not settings.http_auth and not is_loopback(host):
@@ -257,7 +257,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
 
 async def _serve_http(manager: SessionManager, http: tuple[socket.socket, str | None], stop: anyio.Event,
                       done: anyio.Event) -> None:
-    from kvwake.daemon.http import run_http  # Starlette and Hypercorn load only when --http is set
+    from kvwake.daemon.fronts.http import run_http  # Starlette and Hypercorn load only when --http is set
 
     try:
         await run_http(manager, http[0], http[1], stop)

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon import kvstate
-from kvwake.daemon.attention import PLAIN_MAX_BYTES, plain_attention, plain_prefill
+from kvwake.daemon.kv import state as kvstate
+from kvwake.daemon.model.attention import PLAIN_MAX_BYTES, plain_attention, plain_prefill
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
 
 
 def test_the_engine_takes_plain_attention_only_for_a_chunk_shorter_than_its_step(model_dir, tmp_path, monkeypatch):
-    from kvwake.daemon import attention
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session import Session
     from kvwake.store import Store
 

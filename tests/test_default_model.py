@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.convert import ModelNotInstalledError
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.convert import ModelNotInstalledError
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.store import Store
 

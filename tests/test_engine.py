@@ -8,8 +8,8 @@ import os
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.errors import BundleMismatchError, InvalidParamsError, StorageFullError
 from kvwake.store import Store

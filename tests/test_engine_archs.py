@@ -15,8 +15,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store

@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.store import Store
 from kvwake.store.codec import read_file_header

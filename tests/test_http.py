@@ -395,7 +395,7 @@ def test_many_stateless_requests_at_once_are_none_busy(api):
 
 
 def test_a_body_over_the_limit_is_refused_unread(daemon):
-    from kvwake.daemon.http import MAX_BODY_BYTES
+    from kvwake.daemon.fronts.http import MAX_BODY_BYTES
 
     config = openai_config(daemon.socket)
     host, port = config["base_url"].split("//")[1].split("/")[0].rsplit(":", 1)
@@ -438,8 +438,8 @@ def test_sse_stream_closed_early_leaves_no_pending_read():
     (left pending, asyncio reports it as a destroyed pending task once collected)."""
     import asyncio
 
-    from kvwake.daemon.http import _sse
-    from kvwake.daemon.openai_api import Reply
+    from kvwake.daemon.fronts.http import _sse
+    from kvwake.daemon.fronts.openai_shapes import Reply
 
     async def leave_mid_stream() -> bool:
         events: asyncio.Queue = asyncio.Queue()

@@ -29,8 +29,9 @@ import pytest
 from mlx_lm.models import falcon_h1, gemma3_text, lfm2, llama, llama4, mamba2, qwen3, qwen3_next
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from kvwake.daemon import kvfill, kvstate
-from kvwake.daemon.kvstate import NotCuttableError, StateMismatchError, UnsupportedCacheError
+from kvwake.daemon.kv import fill as kvfill
+from kvwake.daemon.kv import state as kvstate
+from kvwake.daemon.kv.state import NotCuttableError, StateMismatchError, UnsupportedCacheError
 from kvwake.store import Store
 from kvwake.store.codec import Tensor, decode, encode
 from tests.capabilities import require_quantized_kv

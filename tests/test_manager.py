@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from kvwake.daemon.config import Settings
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.worker import EngineThread
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import InvalidParamsError, StorageFullError
 from kvwake.store import Store
 from tests.tinymodel import make_model_dir

@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon import pipeline
-from kvwake.daemon.engine import Engine
+from kvwake.daemon.kv import pipeline
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError
 from kvwake.store import Store
@@ -142,7 +142,8 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
 def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(model_dir, tmp_path, monkeypatch):
     # What runs on CUDA (KV in device memory), run here on MLX's CPU device: sleep splits byte planes
     # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
-    from kvwake.daemon import devplanes, kvfill
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
 
     calls = {"split": 0, "join": 0}
     for name in calls:
@@ -166,7 +167,7 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         for x, y in zip(a.cache, b.cache):
             assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
             assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
-        from kvwake.daemon.generation import GenerateParams
+        from kvwake.daemon.model.generation import GenerateParams
         assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
     finally:
         engine.close()

@@ -17,8 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.store import ROOT_KEY, Store, chain_keys
 from kvwake.store.keys import tokens_to_bytes

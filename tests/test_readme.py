@@ -20,7 +20,7 @@ def test_readme_has_two_commands_and_ci_runs_the_test_one():
 
 
 def test_protocol_doc_names_every_method_and_error_code():
-    from kvwake.daemon.methods import METHODS
+    from kvwake.daemon.fronts.methods import METHODS
     from kvwake.errors import CODES
 
     doc = (ROOT / "docs" / "protocol.md").read_text()

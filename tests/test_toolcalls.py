@@ -15,7 +15,7 @@ import json
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from kvwake.daemon.generation import GenerateParams, TextOutput
+from kvwake.daemon.model.generation import GenerateParams, TextOutput
 from tests.tinymodel import CHATML, TOOLS_CHATML, WEATHER_CALL, make_model_dir, write_tokenizer
 
 CALL = f"<tool_call>{WEATHER_CALL}</tool_call>"
@@ -145,7 +145,7 @@ def test_whole_marker_tokens_of_the_scripted_model(tmp_path):
 
 def test_calls_decoded_together_each_get_their_own_content_and_calls(tmp_path):
     # Content before the call, from the scripted model; two sessions decode in one batch.
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session import Session
     from kvwake.store import Store
     from tests.tinymodel import make_scripted_model

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from anyio import to_thread
 
-from kvwake.daemon import kvstate
+from kvwake.daemon.kv import state as kvstate
 from kvwake.daemon.session import Session, common_prefix, new_session_id
 from kvwake.errors import BusyError, NotFoundError
 
 if TYPE_CHECKING:
-    from kvwake.daemon.manager import Entry, SessionManager
+    from kvwake.daemon.sessions.manager import Entry, SessionManager
 
 __all__ = ["ORIGIN", "Match", "Matcher", "expire", "hot_prefix"]
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvwake.daemon import kvfill
-from kvwake.daemon.pipeline import Mlx, block_specs, fill_block
+from kvwake.daemon.kv import fill as kvfill
+from kvwake.daemon.kv.pipeline import Mlx, block_specs, fill_block
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.prefix import PrefixHit
 
 if TYPE_CHECKING:
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model.engine import Engine
 
 __all__ = ["restore_prefix"]
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvwake.errors import CancelledError
 
 if TYPE_CHECKING:
-    from kvwake.daemon.decoder import Decoder
+    from kvwake.daemon.model.decoder import Decoder
 
 __all__ = ["EngineThread"]
 

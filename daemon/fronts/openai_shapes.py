@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwake.daemon.generation import GenerateParams
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.errors import KvwakeError
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Reply", "error_body", "from_kvwake"]

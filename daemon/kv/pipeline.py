@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
-from kvwake.daemon import kvfill, kvstate
+from kvwake.daemon.kv import fill as kvfill, state as kvstate
 from kvwake.daemon.session import Session
 from kvwake.errors import InvalidParamsError
 from kvwake.store import BlockRef, SnapshotRecord, SnapshotWriter
 
 if TYPE_CHECKING:
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model.engine import Engine
 
 __all__ = ["Batch", "Pool", "block_specs", "direct", "fill_block", "sleep", "wake", "write_prefix"]
 

@@ -46,9 +46,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.matching import Matcher
-from kvwake.daemon.openai_api import ApiError, ChatRequest, CompletionRequest, Reply, error_body, from_kvwake
+from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.fronts.matching import Matcher
+from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, error_body, from_kvwake
 from kvwake.daemon.session import Session
 from kvwake.errors import BusyError, KvwakeError
 

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
 
-from kvwake.daemon.toolcalls import ToolSpans, held_back
+from kvwake.daemon.model.toolcalls import ToolSpans, held_back
 from kvwake.errors import InvalidParamsError
 
 __all__ = ["GenerateParams", "GenerateResult", "KeyedSampler", "OnEvent", "TextOutput", "make_processors",

@@ -49,7 +49,7 @@ from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
 from kvwake.store.remote_transfer import LostLeaseError, fetch_snapshot, upload_snapshot
 
 if TYPE_CHECKING:
-    from kvwake.daemon.engine import Engine
+    from kvwake.daemon.model.engine import Engine
 
 __all__ = ["RemoteTier"]
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import msgpack
 
-from kvwake.daemon.manager import SessionManager
-from kvwake.daemon.methods import METHODS, Context
+from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.fronts.methods import METHODS, Context
 from kvwake.errors import CancelledError, KvwakeError, UnknownMethodError
 from kvwake.protocol import NOTIFICATION, REQUEST, RESPONSE, FrameError, pack, parse, request_params, unpacker
 

@@ -53,7 +53,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.daemon import devplanes
+from kvwake.daemon.kv import devplanes
 from kvwake.store.codec import Planed, Tensor
 
 __all__ = [

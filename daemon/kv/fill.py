@@ -38,8 +38,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from kvwake.daemon import devplanes
-from kvwake.daemon.kvstate import (
+from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv.state import (
     CUTTABLE,
     QPARTS,
     StateMismatchError,

@@ -44,7 +44,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
-from kvwake.daemon.generation import GenerateResult, TextOutput, make_processors, make_sampler
+from kvwake.daemon.model.generation import GenerateResult, TextOutput, make_processors, make_sampler
 from kvwake.daemon.session import Session
 
 __all__ = ["Call", "Decoder", "batch_mode", "run_alone"]

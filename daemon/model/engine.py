@@ -1,7 +1,7 @@
 """The engine: one loaded MLX model, the sessions it runs, and their sleep and wake.
 
 All MLX work happens in the thread that calls the engine (the daemon gives it
-one thread of its own). Sleep and wake are `kvwake.daemon.pipeline`, which the
+one thread of its own). Sleep and wake are `kvwake.daemon.kv.pipeline`, which the
 daemon runs too: codec and disk work on the engine's `Pool` (every core by
 default, bounded by bytes in flight), MLX work on the engine thread.
 
@@ -27,13 +27,14 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon import attention, kvfill, kvstate, pipeline, prefixhit
-from kvwake.daemon.bundle import Bundle, describe_bundle, diff_descriptions
-from kvwake.daemon.convert import DEFAULT_MODEL_NAME, ensure_default_model
-from kvwake.daemon.decoder import Call, Decoder, batch_mode, run_alone
-from kvwake.daemon.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
-from kvwake.daemon.hotblocks import HotBlocks
-from kvwake.daemon.pipeline import Pool
+from kvwake.daemon.kv import fill as kvfill, pipeline, prefixhit, state as kvstate
+from kvwake.daemon.model import attention
+from kvwake.daemon.kv.bundle import Bundle, describe_bundle, diff_descriptions
+from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
+from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
+from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
+from kvwake.daemon.kv.hotblocks import HotBlocks
+from kvwake.daemon.kv.pipeline import Pool
 from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError
 from kvwake.store import SnapshotRecord, SnapshotWriter, Store

@@ -8,7 +8,7 @@ Concurrency rules:
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
   The one wait: a session lent for a moment to another session's prefix copy
   (matching.hot_prefix, one engine job) is waited for, not BUSY.
-- Sleep and wake run `kvwake.daemon.pipeline` on a worker thread: its MLX
+- Sleep and wake run `kvwake.daemon.kv.pipeline` on a worker thread: its MLX
   steps go to the engine thread one short job at a time (other sessions'
   generation interleaves with them), codec and disk work to the engine's pool.
 - Generate calls of different sessions decode together, one batched forward
@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio import to_thread
 
-from kvwake.daemon import kvstate, pipeline
+from kvwake.daemon.kv import pipeline, state as kvstate
 from kvwake.daemon.config import Settings
-from kvwake.daemon.engine import Engine
-from kvwake.daemon.generation import GenerateParams, GenerateResult, OnEvent
-from kvwake.daemon.matching import hot_prefix
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.fronts.matching import hot_prefix
 from kvwake.daemon.session import Session, check_json, check_session_id
 from kvwake.daemon.session import new_session_id as make_session_id
-from kvwake.daemon.worker import EngineThread
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
-    from kvwake.daemon.remote import RemoteTier
+    from kvwake.daemon.sessions.remote_tier import RemoteTier
 
 __all__ = ["Latency", "SessionManager"]
 

@@ -19,8 +19,8 @@ from typing import Any
 from anyio import to_thread
 
 import kvwake
-from kvwake.daemon.generation import GenerateParams
-from kvwake.daemon.manager import SessionManager
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import InvalidParamsError
 from kvwake.protocol import PROTOCOL_VERSION
 

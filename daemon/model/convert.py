@@ -333,7 +333,7 @@ def _write_folder(src: Path, folder: Path, dtype: str, progress: Progress | None
     for name, obj in _tokenizer_files(meta, config).items():
         _write_json(folder / name, obj)
     _write_json(folder / "kvwake-convert.json", {
-        "converter": "kvwake.daemon.convert",
+        "converter": "kvwake.daemon.model.convert",
         "converter_version": CONVERTER_VERSION,
         "dtype": dtype,
         "source": {"bytes": src.stat().st_size, "name": src.name, "sha256": _sha256(src)},
