@@ -36,11 +36,11 @@ import anyio
 
 import kvwake
 from kvwake.daemon.config import Settings
-from kvwake.daemon.model.engine import Engine
-from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 

@@ -1,4 +1,4 @@
-"""A session: its token ids, its chat messages, and how new input becomes tokens.
+"""A session: its token ids, its chat messages, and the checks on what goes in them.
 
 A session holds `tokens`, every token id of the conversation, and (while hot)
 an mlx-lm prompt cache covering `tokens[:processed]`. Tokens past `processed`
@@ -19,7 +19,11 @@ the raw tokens silently.
 Templates that reject a system role get the system text folded into the
 first user turn ("{system}\\n\\n{user}"); it is never dropped. OpenAI's tool
 turns (assistant `tool_calls`, `tool` results) are checked on input and kept
-as sent; the template renders a copy in the form mlx-lm's server gives it.
+as sent; the template renders a copy in the form mlx-lm's server gives it
+(daemon/model/chat.py renders them).
+
+This module is the daemon's shared vocabulary: every layer may import it; it
+imports nothing of the daemon.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import numpy as np
 
 from kvwake.errors import CorruptBlockError, InvalidParamsError
 
-__all__ = ["ChatTemplate", "Session", "check_json", "check_messages", "common_prefix", "new_session_id"]
+__all__ = ["Session", "check_json", "check_messages", "check_session_id", "common_prefix", "new_session_id",
+           "tool_arguments"]
 
 MAX_SESSION_ID = 128
 
@@ -118,47 +123,6 @@ class Session:
                    metadata=dict(state.get("metadata", {})), head=head, reply_start=state.get("reply_start"))
 
 
-class ChatTemplate:
-    """Renders messages to token ids with the tokenizer's chat template."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.folds_system = not self._accepts_system()
-
-    def _accepts_system(self) -> bool:
-        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-        try:
-            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        except Exception:  # jinja raises TemplateError (or anything) for templates without a system role
-            return False
-        return "S" in text
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of the conversation plus the generation prompt."""
-        messages = for_template(messages)
-        messages = self._fold_system(messages) if self.folds_system else messages
-        options: dict[str, Any] = {"add_generation_prompt": True}
-        if tools:
-            options["tools"] = tools
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
-        except Exception as exc:
-            raise InvalidParamsError(f"chat template rejected the messages: {exc}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    @staticmethod
-    def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        system = "\n\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "system")
-        rest = [dict(m) for m in messages if m.get("role") != "system"]
-        if not system:
-            return rest
-        for m in rest:
-            if m.get("role") == "user":
-                m["content"] = f"{system}\n\n{m.get('content', '')}"
-                return rest
-        return [{"role": "user", "content": system}, *rest]
-
-
 def check_json(value: Any, name: str) -> Any:
     """Refuse what a snapshot could not hold exactly: it must survive a JSON round trip unchanged."""
     try:
@@ -204,13 +168,13 @@ def _check_tool_turn(i: int, m: dict[str, Any]) -> None:
         f = call.get("function") if isinstance(call, dict) else None
         if (not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]
                 or not isinstance(call.get("id", ""), str) or call.get("type", "function") != "function"
-                or not isinstance(_arguments(f.get("arguments", {})), dict)):
+                or not isinstance(tool_arguments(f.get("arguments", {})), dict)):
             raise InvalidParamsError(
                 f"message {i}: tool_calls[{j}] must be {{id?, type?: \"function\", function: {{name, arguments}}}} "
                 "with arguments a JSON object (or its JSON text)", index=i)
 
 
-def _arguments(arguments: Any) -> Any:
+def tool_arguments(arguments: Any) -> Any:
     """A tool call's arguments as data: OpenAI clients send them as JSON text, templates want a map."""
     if not isinstance(arguments, str):
         return arguments
@@ -218,18 +182,3 @@ def _arguments(arguments: Any) -> Any:
         return json.loads(arguments)
     except ValueError:
         return None
-
-
-def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them, as mlx-lm's server makes them: tool-call arguments
-    as maps, null content as "". New maps: the session keeps what the client sent, and renders
-    it the same way every time."""
-    out = []
-    for m in messages:
-        if "tool_calls" in m or ("content" in m and m["content"] is None):
-            m = {**m, "content": m.get("content") or ""}
-            if isinstance(m.get("tool_calls"), list):
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(
-                    c["function"].get("arguments", {}))}} for c in m["tool_calls"]]
-        out.append(m)
-    return out

@@ -369,6 +369,24 @@ class Store:
         tokens (at least min_partial); see prefix.py."""
         return prefix.find(self, bundle, token_ids, min_partial)
 
+    def heads(self, bundle: str) -> list[dict[str, Any]]:
+        """TEMP (store-layers branch replaces): sessions whose head snapshot has `bundle`."""
+        import numpy as np
+        with self._lock:
+            rows = self.index.rows("SELECT s.id, s.metadata, p.token_ids, p.metadata AS state FROM sessions s "
+                                   "JOIN snapshots p ON p.id = s.head WHERE p.bundle = ?", (bundle,))
+        return [{"id": r["id"], "metadata": json.loads(r["metadata"]), "state": json.loads(r["state"]),
+                 "token_ids": np.frombuffer(r["token_ids"], dtype="<u4").astype(np.int64)} for r in rows]
+
+    def snapshot_summary(self, snapshot_id: str) -> dict[str, Any]:
+        """TEMP (store-layers branch replaces)."""
+        with self._lock:
+            row = self.index.one("SELECT id, session_id, n_tokens, label, metadata, bundle, created FROM snapshots"
+                                 " WHERE id = ?", (snapshot_id,))
+        if row is None:
+            raise NotFoundError(f"no snapshot {snapshot_id!r}", snapshot_id=snapshot_id)
+        return {**row, "metadata": json.loads(row["metadata"])}
+
     # -- snapshots ------------------------------------------------------------
 
     def snapshots(self, session_id: str | None = None) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ def manager(model_dir, tmp_path):
     store = Store(tmp_path / "store", block_tokens=16)
     thread = EngineThread()
     engine = thread.submit(lambda: Engine(store, tmp_path, model_dir)).result()
+    thread.attach(engine.decoder)  # as serve does: generate calls decode between engine jobs
     yield SessionManager(engine, thread, Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     thread.stop()
     engine.close()
@@ -75,3 +76,24 @@ async def test_a_session_lent_for_a_prefix_copy_is_waited_for_not_busy(manager):
         await lent.wait()
         got = await manager.append("source", messages=[{"role": "user", "content": "again"}])
         assert released.is_set() and got["prefilled"] > 0
+
+
+async def test_an_http_request_renders_its_prompt_once(manager, monkeypatch):
+    # Was: twice for a stateless request: once to pick its session, again in the append.
+    from kvwake.daemon.fronts.http import Api
+    from kvwake.daemon.fronts.openai_shapes import ChatRequest
+
+    renders = []
+    template = manager.engine.template
+    real = template.render
+    monkeypatch.setattr(template, "render", lambda *a, **k: renders.append(a) or real(*a, **k))
+    api = Api(manager)
+    body = {"model": "m", "max_tokens": 2,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]}
+    for named in (None, "named", None):  # a new stateless session, a named one, the stateless one continued
+        renders.clear()
+        session, task = await api._start(ChatRequest.parse(body, named), None, lambda: False)
+        result = await task
+        assert len(renders) == 1, (session, len(renders))
+        assert result["tokens"] and session["session_id"] in manager.entries
+    assert session["match"] == "continued"

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon.kv import pipeline
+from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError
@@ -17,7 +17,7 @@ from kvwake.store import Store
 
 
 def test_a_batch_keeps_bytes_in_flight_under_its_budget_and_order_of_admission():
-    pool = pipeline.Pool(workers=8, inflight_bytes=100)
+    pool = Pool(workers=8, inflight_bytes=100)
     batch, lock, state = pool.batch(), threading.Lock(), {"now": 0, "peak": 0, "order": []}
 
     def task(i: int, n: int) -> None:
@@ -40,7 +40,7 @@ def test_a_batch_keeps_bytes_in_flight_under_its_budget_and_order_of_admission()
 
 
 def test_a_task_larger_than_the_budget_still_runs_alone():
-    pool = pipeline.Pool(workers=4, inflight_bytes=10)
+    pool = Pool(workers=4, inflight_bytes=10)
     batch, ran = pool.batch(), []
     batch.reserve(1000)
     batch.submit(1000, ran.append, 1)
@@ -50,7 +50,7 @@ def test_a_task_larger_than_the_budget_still_runs_alone():
 
 
 def test_the_first_failure_stops_the_tasks_not_yet_started_and_is_raised_as_itself():
-    pool = pipeline.Pool(workers=1, inflight_bytes=1 << 20)
+    pool = Pool(workers=1, inflight_bytes=1 << 20)
     batch, ran = pool.batch(), []
 
     def fail() -> None:

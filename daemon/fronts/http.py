@@ -3,7 +3,7 @@
 Starlette on Hypercorn, in the daemon's own process and event loop, calling the
 same SessionManager as the socket's RPC methods. Routes: `GET /v1/models`,
 `POST /v1/chat/completions` and `POST /v1/completions` (streamed as
-server-sent events when `stream` is true). Shapes: daemon/openai_api.py.
+server-sent events when `stream` is true). Shapes: fronts/openai_shapes.py.
 
 Access. The Unix socket admits only its owner's uid; a TCP port admits every
 local user, and sessions hold private conversations. So every request needs
@@ -16,7 +16,7 @@ off, and only on a loopback address. A bare port binds 127.0.0.1.
 Sessions. With `X-Kvwake-Session: ID` (or `kvwake_session` in the body) the
 request runs in that session (created when new); its messages are the whole
 conversation, which replaces the session's, and only tokens past the common
-prefix are prefilled. Without one, daemon/matching.py picks the session. The
+prefix are prefilled. Without one, fronts/matching.py picks the session. The
 session used comes back in the `X-Kvwake-Session` response header and in the
 body's `kvwake` object.
 """
@@ -49,7 +49,6 @@ from starlette.routing import Route
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.fronts.matching import Matcher
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, error_body, from_kvwake
-from kvwake.daemon.session import Session
 from kvwake.errors import BusyError, KvwakeError
 
 __all__ = ["HttpTokenError", "bind", "make_app", "parse_address", "read_token", "run_http"]
@@ -173,16 +172,17 @@ class Api:
                      cancelled: Callable[[], bool]) -> tuple[dict[str, Any], asyncio.Task]:
         """Pick the session and start the generation; a session another request took meanwhile is matched
         again. Parameters are checked first: a refused request makes no session."""
-        m, inputs = self.manager, req.inputs()
+        m = self.manager
         m.check_params(req.params)
+        prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
         for attempt in range(MATCH_TRIES):
             if req.session_id is not None:
                 await m.create(req.session_id, exist_ok=True)
                 session = {"session_id": req.session_id, "match": "named"}
             else:
-                match = await self.matcher.find(await self._target(inputs), "chat" if "messages" in inputs else "raw")
+                match = await self.matcher.find(prompt.target, prompt.mode)
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
-            task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, inputs))
+            task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt))
             await asyncio.sleep(0)  # let it claim the session (or find it busy)
             taken = task.done() and not task.cancelled() and isinstance(task.exception(), BusyError)
             if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
@@ -191,11 +191,6 @@ class Api:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
             return session, task
         raise AssertionError("unreachable")
-
-    async def _target(self, inputs: dict[str, Any]) -> list[int]:
-        """The request's prompt as the session would hold it (rendered on the engine thread, as appends are)."""
-        engine = self.manager.engine
-        return await self.manager.thread.run(lambda: engine.plan(Session("match"), **inputs).target)
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -12,9 +12,9 @@ of its rendered prompt with each session's tokens:
 - otherwise (the request branches off earlier: a retried turn, an edited
   message, another agent with the same system prompt; or nothing matched): a
   **new session**, whose first append copies the longest shared prefix's KV
-  from a hot session in memory (`hot_prefix`, below: RPC sessions benefit
-  too), or restores it from stored blocks, instead of prefilling it. The
-  source is left as it was.
+  from a hot session in memory (the session manager's `hot_prefix`: RPC
+  sessions benefit too), or restores it from stored blocks, instead of
+  prefilling it. The source is left as it was.
 
 A busy session is never a candidate: another request is continuing it. Sessions
 created over RPC are not candidates either: a request that did not name them
@@ -24,23 +24,18 @@ must not change them (give one `metadata.origin = "http"` to make it one).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from anyio import to_thread
 
-from kvwake.daemon.kv import state as kvstate
-from kvwake.daemon.session import Session, common_prefix, new_session_id
+from kvwake.daemon.session import common_prefix, new_session_id
+from kvwake.daemon.sessions.manager import Entry, SessionManager
 from kvwake.errors import BusyError, NotFoundError
 
-if TYPE_CHECKING:
-    from kvwake.daemon.sessions.manager import Entry, SessionManager
-
-__all__ = ["ORIGIN", "Match", "Matcher", "expire", "hot_prefix"]
+__all__ = ["ORIGIN", "Match", "Matcher", "expire"]
 
 log = logging.getLogger("kvwake.matching")
 ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and may continue)
@@ -108,58 +103,22 @@ class Matcher:
 
     def _load(self) -> dict[str, Known]:
         """Tokens and reply starts of the stored stateless sessions (store work: a worker thread)."""
-        store, known = self.manager.store, {}
-        rows = store.rows("SELECT s.id, s.metadata, p.token_ids, p.metadata AS state FROM sessions s "
-                          "JOIN snapshots p ON p.id = s.head WHERE p.bundle = ?", (self.manager.engine.bundle.hash,))
-        for row in rows:
-            if json.loads(row["metadata"]).get("origin") != ORIGIN:
+        known: dict[str, Known] = {}
+        for head in self.manager.store.heads(self.manager.engine.bundle.hash):
+            if head["metadata"].get("origin") != ORIGIN:
                 continue
-            state = json.loads(row["state"])
-            tokens = np.frombuffer(row["token_ids"], dtype="<u4").astype(np.int64)
-            known[row["id"]] = (np.concatenate([tokens, np.asarray(state.get("pending", []), dtype=np.int64)]),
-                                state.get("reply_start"), state.get("mode"))
+            state = head["state"]
+            pending = np.asarray(state.get("pending", []), dtype=np.int64)
+            known[head["id"]] = (np.concatenate([head["token_ids"], pending]), state.get("reply_start"),
+                                 state.get("mode"))
         return known
 
     async def _new(self, shared: int, branched: bool) -> Match:
         """A new stateless session. Its first append copies the shared prefix's KV from a hot session
-        (`hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
+        (the manager's `hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
         await self.manager.create(session_id, metadata={"origin": ORIGIN})
         return Match(session_id, "branched" if branched else "new", shared)
-
-async def hot_prefix(manager: SessionManager, session: Session, target: list[int]) -> tuple[list | None, int]:
-    """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
-
-    For a session about to need a fresh cache (its first input): agents that share a system prompt
-    while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
-    it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
-    opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
-    """
-    engine = manager.engine
-    if not engine.cuttable or len(target) < 2 or not engine.needs_fresh_cache(session, target):
-        return None, 0
-    want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
-    for entry in list(manager.entries.values()):
-        s = entry.session
-        if s is None or s is session or entry.busy or s.cache is None or not s.processed:
-            continue
-        shared = common_prefix(s.tokens[: s.processed], want)
-        if shared > best:
-            best, source = shared, entry
-    if source is None or best < engine.min_partial:
-        return None, 0
-    try:
-        async with manager.claim(source.id, "copy"):
-            src = source.session
-            if src is None or src.cache is None or src.processed < best:
-                return None, 0
-            cache = await manager.thread.run(lambda: kvstate.copy_prefix(src.cache, best))
-    except BusyError:
-        return None, 0
-    manager.counters["prefix_copies"] += 1
-    log.info("prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
-    return cache, best
-
 
 async def expire(manager: SessionManager, max_idle_s: float) -> int:
     """Delete stateless sessions (origin "http") asleep and unchanged for `max_idle_s`; returns how many.

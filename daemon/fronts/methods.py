@@ -7,7 +7,6 @@ Unknown params are refused too, so a typo never silently does nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -151,11 +150,10 @@ async def session_info(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     if e.session is not None:
         s = e.session
         info.update(tokens=len(s.tokens), processed=s.processed, mode=s.mode, messages=len(s.messages),
-                    kv_bytes=ctx.manager.engine_cache_bytes(s))
+                    kv_bytes=ctx.manager.engine.cache_bytes(s))
     elif row["head"] is not None:  # its tokens: the snapshot's KV plus the pending ones it recorded
-        (head,) = await to_thread.run_sync(ctx.manager.store.rows,
-                                           "SELECT n_tokens, metadata FROM snapshots WHERE id = ?", (row["head"],))
-        info.update(tokens=head["n_tokens"] + len(json.loads(head["metadata"]).get("pending", [])))
+        head = await to_thread.run_sync(ctx.manager.store.snapshot_summary, row["head"])
+        info.update(tokens=head["n_tokens"] + len(head["metadata"].get("pending", [])))
     return info
 
 

@@ -1,6 +1,6 @@
 """OpenAI's request, response, streaming and error shapes, mapped to kvwake's own.
 
-Only translation lives here (no I/O): `daemon/http.py` serves it. Shapes are
+Only translation lives here (no I/O): `fronts/http.py` serves it. Shapes are
 copied from OpenAI's API reference and checked with the official `openai`
 package (tests/test_http.py).
 

@@ -14,7 +14,7 @@ plain KV cache (every cut tensor of one float dtype and one shape):
   them out per layer in one pass.
 
 `planar(...)` says whether a cache (or a block's tensor specs) qualifies; the
-others (quantized KV, mixed shapes) take the CPU path in kvstate/kvfill.
+others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Sleep and wake: the one pipeline the in-process engine and the daemon both run.
 
+It takes a `KvContext` (context.py), never the engine: the store, the bundle,
+the RAM tier, the pool and the few facts of the model's cache it needs.
+
 Three kinds of work, each where it belongs:
 - MLX work (cutting the cache into host views, allocating restore buffers,
   finishing the cache) runs through `mlx`, a callable that runs a function on
@@ -25,120 +28,31 @@ compressed output) and the write to the page cache; on CUDA the GPU splits a
 span into byte planes and they move to the host once (devplanes.py). Wake:
 one read from the page cache into a per-thread buffer, then one write per
 byte into the final KV buffer (planes are joined there); on CUDA the planes
-are staged in MLX host-visible memory and joined on the GPU (kvfill.py).
+are staged in MLX host-visible memory and joined on the GPU (fill.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import fill as kvfill, state as kvstate
+from kvwake.daemon.kv import fill, state
+from kvwake.daemon.kv.context import KvContext, Mlx
+from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.session import Session
 from kvwake.errors import InvalidParamsError
-from kvwake.store import BlockRef, SnapshotRecord, SnapshotWriter
+from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-if TYPE_CHECKING:
-    from kvwake.daemon.model.engine import Engine
+__all__ = ["block_specs", "fill_block", "sleep", "wake", "write_prefix"]
 
-__all__ = ["Batch", "Pool", "block_specs", "direct", "fill_block", "sleep", "wake", "write_prefix"]
-
-T = TypeVar("T")
-Mlx = Callable[[Callable[[], Any]], Any]
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
 # host copy (GPU) and its encoded bytes, about 1.7x its raw size, so RSS grows by about a fifth of
 # the KV at most (the issue's bound is a quarter).
 SLEEP_SHARE = 8
-
-
-def direct(fn: Callable[[], T]) -> T:
-    """The `mlx` runner for a caller that is itself the engine thread."""
-    return fn()
-
-
-class Pool:
-    """Worker threads for codec and disk work, and the byte budget each batch gets.
-
-    workers: threads (default: every core). inflight_bytes: raw bytes a batch
-    may have read, decoded or staged but not yet finished.
-    """
-
-    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20) -> None:
-        self.workers = workers or os.cpu_count() or 1
-        self.inflight_bytes = inflight_bytes
-        self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io")
-
-    def batch(self, budget: int | None = None) -> Batch:
-        """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes)."""
-        return Batch(self._executor, min(budget or self.inflight_bytes, self.inflight_bytes))
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-
-
-class Batch:
-    """Tasks on the pool, admitted while their bytes fit the budget; the first failure stops the rest.
-
-    `reserve(n)` waits until n more bytes fit (or nothing is in flight); each
-    task submitted with `submit(n, ...)` gives its n reserved bytes back when
-    it ends. `join()` waits for every task; `raise_first()` re-raises the first
-    failure as itself.
-    """
-
-    def __init__(self, executor: cf.Executor, budget: int) -> None:
-        self._executor, self.budget = executor, budget
-        self._cond = threading.Condition()
-        self._used = 0
-        self._futures: list[cf.Future] = []
-        self.error: BaseException | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def reserve(self, nbytes: int) -> None:
-        with self._cond:
-            while self._used and self._used + nbytes > self.budget and self.error is None:
-                self._cond.wait()
-            self._used += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self._used -= nbytes
-            self._cond.notify_all()
-
-    def submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Run fn(*args) on the pool with `nbytes` already reserved (they are released when it ends)."""
-        future = self._executor.submit(self._run, nbytes, fn, args)
-        self._futures.append(future)
-        return future
-
-    def _run(self, nbytes: int, fn: Callable[..., Any], args: tuple) -> Any:
-        try:
-            if self.error is None:  # after a failure, tasks not yet started do nothing
-                return fn(*args)
-        except BaseException as exc:
-            with self._cond:
-                if self.error is None:
-                    self.error = exc
-            raise
-        finally:
-            self.release(nbytes)
-        return None
-
-    def join(self) -> None:
-        cf.wait(self._futures)
-
-    def raise_first(self) -> None:
-        if self.error is not None:
-            raise self.error
 
 
 # -- sleep ---------------------------------------------------------------------
@@ -155,7 +69,16 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list,
+def capture_blocks(ctx: KvContext, cache: list, first: int, count: int) -> list:
+    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there (MLX work)."""
+    if ctx.device_planes and ctx.store.codec == "planes-zstd":
+        planed = state.capture_planed(cache, first, count, ctx.block_tokens)
+        if planed is not None:
+            return planed
+    return state.capture_blocks(cache, first, count, ctx.block_tokens)
+
+
+def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list,
                   skip: int | None = None) -> None:
     """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
 
@@ -165,12 +88,12 @@ def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batc
     are dropped inside the next engine-thread call, the rest by the caller there too: MLX
     memory is freed on the thread that runs MLX.
     """
-    block_bytes = max(1, engine.kv_bytes_per_token(cache) * engine.block_tokens)
-    per_span = len(w.needed) if not engine.device_planes else max(1, batch.budget // SPAN_SHARE // block_bytes)
+    block_bytes = max(1, state.bytes_per_token(cache) * ctx.block_tokens)
+    per_span = len(w.needed) if not ctx.device_planes else max(1, batch.budget // SPAN_SHARE // block_bytes)
 
     def capture(first: int, count: int) -> list:
         held[:] = [(blocks, futures) for blocks, futures in held if not all(f.done() for f in futures)]
-        return engine.capture_blocks(cache, first, count)
+        return capture_blocks(ctx, cache, first, count)
 
     for first, count in _spans([i for i in w.needed if i != skip], per_span):
         if batch.failed:
@@ -186,25 +109,28 @@ def _write_blocks(engine: Engine, w: SnapshotWriter, cache: list, mlx: Mlx, batc
             futures.append(batch.submit(block_bytes, w.add_block, first + k, arrays))
 
 
-def _sleep_budget(engine: Engine, session: Session) -> int:
+def _sleep_budget(ctx: KvContext, session: Session) -> int:
     """Bytes a sleep may have in flight: an eighth of the session's KV, at least one block."""
-    per_token = engine.kv_bytes_per_token(session.cache) if session.cache is not None else 0
-    return max(per_token * engine.block_tokens, per_token * session.processed // SLEEP_SHARE, 1)
+    per_token = state.bytes_per_token(session.cache) if session.cache is not None else 0
+    return max(per_token * ctx.block_tokens, per_token * session.processed // SLEEP_SHARE, 1)
 
 
-def sleep(engine: Engine, session: Session, mlx: Mlx, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
+def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
     """Write the session's KV as a snapshot (and free it unless `free` is False: a checkpoint).
 
     Until the commit succeeds the session stays hot; on failure every file
-    this sleep wrote is removed and the error is raised as itself.
+    this sleep wrote is removed and the error is raised as itself. Returns the
+    snapshot's id, tokens, raw/stored/written bytes, new/reused blocks and ms.
     """
     started = time.perf_counter()
-    with engine.begin_sleep(session, label=label) as w:
-        batch, held = engine.pool.batch(_sleep_budget(engine, session)), []
+    tokens = session.tokens[: session.processed]
+    with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=session.head, label=label,
+                          metadata=session.state()) as w:
+        batch, held = ctx.pool.batch(_sleep_budget(ctx, session)), []
         try:
             if session.cache is not None:
-                _write_blocks(engine, w, session.cache, mlx, batch, held)
-                tail = mlx(lambda: engine.capture_tail(session))
+                _write_blocks(ctx, w, session.cache, mlx, batch, held)
+                tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
                 held.append(tail)
                 if tail and not batch.failed:
                     batch.submit(0, w.set_tail, tail)
@@ -212,10 +138,15 @@ def sleep(engine: Engine, session: Session, mlx: Mlx, *, label: str | None = Non
             batch.join()
             mlx(held.clear)
         batch.raise_first()
-        info = engine.finish_sleep(session, w, started)
+        info = w.commit()
+        session.head = info.id
+        result = {"snapshot_id": info.id, "tokens": info.n_tokens, "raw_bytes": info.raw_bytes,
+                  "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
+                  "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
+                  "ms": round((time.perf_counter() - started) * 1000, 3)}
     if free:
         mlx(lambda: _free(session))
-    return info
+    return result
 
 
 def _free(session: Session) -> None:
@@ -229,22 +160,22 @@ def _free(session: Session) -> None:
     mx.clear_cache()
 
 
-def write_prefix(engine: Engine, scratch: Session, mlx: Mlx) -> Any:
-    """Store (and pin) every token of a prefilled scratch session's prompt; returns the commit's SnapshotInfo.
+def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
+    """Store (and pin) every token of a scratch session's cache; returns the commit's SnapshotInfo.
 
-    The pending last token is prefilled too, and the last partial block is stored as a short
-    block (a child of the last full one): a later request that starts with the whole prompt
-    reuses all of it (store/prefix.py finds the short block as a partial piece).
+    The caller has prefilled all of scratch.tokens (the pending last token too). The last partial
+    block is stored as a short block (a child of the last full one): a later request that starts
+    with the whole prompt reuses all of it (store/prefix.py finds the short block as a partial
+    piece). The scratch cache is dropped on return.
     """
-    engine.prefill(scratch, len(scratch.tokens), mlx)
     tokens = scratch.tokens[: scratch.processed]
-    with engine.store.writer(None, engine.bundle.hash, tokens, pin=True, partial=True) as w:
-        short = len(tokens) // engine.block_tokens if len(tokens) % engine.block_tokens else None
-        batch, held = engine.pool.batch(_sleep_budget(engine, scratch)), []
+    with ctx.store.writer(None, ctx.bundle.hash, tokens, pin=True, partial=True) as w:
+        short = len(tokens) // ctx.block_tokens if len(tokens) % ctx.block_tokens else None
+        batch, held = ctx.pool.batch(_sleep_budget(ctx, scratch)), []
         try:
-            _write_blocks(engine, w, scratch.cache, mlx, batch, held, skip=short)
+            _write_blocks(ctx, w, scratch.cache, mlx, batch, held, skip=short)
             if short in w.needed:
-                arrays = mlx(lambda: kvstate.capture_span(scratch.cache, short * engine.block_tokens, len(tokens)))
+                arrays = mlx(lambda: state.capture_span(scratch.cache, short * ctx.block_tokens, len(tokens)))
                 held.append(arrays)
                 batch.reserve(0)
                 batch.submit(0, w.add_block, short, arrays)
@@ -260,82 +191,87 @@ def write_prefix(engine: Engine, scratch: Session, mlx: Mlx) -> Any:
 # -- wake ----------------------------------------------------------------------
 
 
-def fill_block(engine: Engine, buffers: kvfill.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
-          keep_hot: bool) -> None:
+def fill_block(ctx: KvContext, buffers: fill.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
+               keep_hot: bool) -> None:
     """Block k into place: from the RAM tier when it holds it, else decoded from its file."""
     # A block holds block_tokens tokens, except the short last block prefix.warm stores.
-    start, count, what = k * engine.block_tokens, len(ref.token_ids), f"block {k}"
-    hot = engine.hot.get(ref.key)
+    start, count, what = k * ctx.block_tokens, len(ref.token_ids), f"block {k}"
+    hot = ctx.hot.get(ref.key)
     if hot is not None:
         buffers.put(start, count, hot, what)
-        engine.count("blocks_ram", 1)
+        ctx.counters.add("blocks_ram")
         return
     stage = None if keep_hot else buffers.stage(k)
-    arrays = engine.store.read_block(ref, snapshot_id=record.id if record else None,
-                                     session_id=record.session_id if record else None,
-                                     place=buffers.place(start, count), stage=stage)
+    arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
+                                  session_id=record.session_id if record else None,
+                                  place=buffers.place(start, count), stage=stage)
     buffers.check(arrays, start, count, what, staged=k in buffers.staged)
-    engine.count("blocks_disk", 1)
+    ctx.counters.add("blocks_disk")
     if keep_hot:
-        engine.hot.put(ref.key, buffers.block(start, count))
+        ctx.hot.put(ref.key, buffers.block(start, count))
 
 
-def block_specs(engine: Engine, ref: BlockRef) -> dict:
-    hot = engine.hot.get(ref.key)
-    return kvfill.specs_of(hot) if hot is not None else engine.store.block_specs(ref)
+def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
+    """A block's tensor specs, from the RAM tier when it holds the block, else from its file's header."""
+    hot = ctx.hot.get(ref.key)
+    return fill.specs_of(hot) if hot is not None else ctx.store.block_specs(ref)
 
 
-def _restore(engine: Engine, record: SnapshotRecord, mlx: Mlx) -> list:
+def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
     n = len(record.token_ids)
-    n_full, rest = divmod(n, engine.block_tokens)
+    n_full, rest = divmod(n, ctx.block_tokens)
     if record.blocks:
-        sample, tokens = block_specs(engine, record.blocks[0]), engine.block_tokens
+        sample, tokens = block_specs(ctx, record.blocks[0]), ctx.block_tokens
     else:
-        sample, tokens = (engine.store.tail_specs(record) if record.tail else {}), rest
-        if not (rest and kvfill.has_cut_kv(mlx(engine.make_blank), sample)):
-            tail = engine.store.read_tail(record)
-            return mlx(lambda: kvfill.finish_empty(engine.model, n, tail, engine.block_tokens))
-    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample, tokens, n, engine.block_tokens, tail_tokens=rest))
-    batch, tail_box = engine.pool.batch(), []
+        sample, tokens = (ctx.store.tail_specs(record) if record.tail else {}), rest
+        if not (rest and fill.has_cut_kv(mlx(ctx.make_blank), sample)):
+            tail = ctx.store.read_tail(record)
+            return mlx(lambda: fill.finish_empty(ctx.model, n, tail, ctx.block_tokens))
+    buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest))
+    batch, tail_box = ctx.pool.batch(), []
     try:
         for k, ref in enumerate(record.blocks):
             batch.reserve(ref.raw_bytes)
             if batch.failed:
                 batch.release(ref.raw_bytes)
                 break
-            batch.submit(ref.raw_bytes, fill_block, engine, buffers, ref, k, record, False)
+            batch.submit(ref.raw_bytes, fill_block, ctx, buffers, ref, k, record, False)
         if record.tail is not None and not batch.failed:
             batch.reserve(record.tail.raw_bytes)
-            place = buffers.place(n_full * engine.block_tokens, rest)
+            place = buffers.place(n_full * ctx.block_tokens, rest)
             batch.submit(record.tail.raw_bytes,
-                         lambda: tail_box.append(engine.store.read_tail(record, place, buffers.stage(None))))
+                         lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
     finally:
         batch.join()
     batch.raise_first()
     tail = dict(tail_box[0]) if tail_box else {}
     if rest:
-        buffers.check(buffers.take(tail), n_full * engine.block_tokens, rest, "tail", staged=-1 in buffers.staged)
+        buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
     return mlx(lambda: buffers.finish(n, tail))
 
 
-def wake(engine: Engine, session_id: str, snapshot_id: str | None, mlx: Mlx) -> tuple[Session, dict[str, Any]]:
-    """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return."""
+def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx) -> tuple[Session, dict[str, Any]]:
+    """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return.
+
+    Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
+    InvalidParamsError for a snapshot of another session.
+    """
     started = time.perf_counter()
-    before = dict(engine.counters)
-    with engine.store.reading():  # gc cannot evict this snapshot's files while they are read
-        sid = snapshot_id or engine.store.latest_snapshot(session_id)
-        record = engine.record(sid)
+    before = dict(ctx.counters)
+    with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
+        sid = snapshot_id or ctx.store.latest_snapshot(session_id)
+        record = ctx.record(sid)
         if record.session_id != session_id:
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
-        engine.store.touch([b.key for b in record.blocks])
-        cache = _restore(engine, record, mlx) if record.token_ids else None
+        ctx.store.touch([b.key for b in record.blocks])
+        cache = _restore(ctx, record, mlx) if record.token_ids else None
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
-                                 engine.vocab_size)
-    if cache is not None and engine.kv_bits is not None:
-        cache = mlx(lambda: engine.quantize(cache))
+                                 ctx.vocab_size)
+    if cache is not None and ctx.kv_bits is not None:
+        cache = mlx(lambda: ctx.quantize(cache))
     session.cache = cache
     return session, {"snapshot_id": record.id, "tokens": len(session.tokens),
-                     "blocks_from_memory": engine.counters["blocks_ram"] - before["blocks_ram"],
-                     "blocks_from_disk": engine.counters["blocks_disk"] - before["blocks_disk"],
+                     "blocks_from_memory": ctx.counters["blocks_ram"] - before["blocks_ram"],
+                     "blocks_from_disk": ctx.counters["blocks_disk"] - before["blocks_disk"],
                      "raw_bytes": record.raw_bytes, "ms": round((time.perf_counter() - started) * 1000, 3)}

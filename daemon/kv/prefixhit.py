@@ -1,28 +1,37 @@
 """Restoring a prefix-cache hit: whole blocks, then the first k tokens of a partial piece.
 
 The store finds the hit (store/prefix.py); this fills a fresh cache from it, the
-MLX work through `mlx` (pipeline.py says how), the reading and decoding on the
+MLX work through `mlx` (context.py says how), the reading and decoding on the
 pool. Nothing here fails an append: a block or tail that cannot be read or does
 not verify shortens the hit, and those tokens are prefilled instead.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvwake.daemon.kv import fill as kvfill
-from kvwake.daemon.kv.pipeline import Mlx, block_specs, fill_block
+from kvwake.daemon.kv import fill
+from kvwake.daemon.kv.context import KvContext, Mlx
+from kvwake.daemon.kv.pipeline import block_specs, fill_block
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.prefix import PrefixHit
 
-if TYPE_CHECKING:
-    from kvwake.daemon.model.engine import Engine
-
-__all__ = ["restore_prefix"]
+__all__ = ["restore_prefix", "stored_prefix"]
 
 
-def restore_prefix(engine: Engine, hit: PrefixHit, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
+def stored_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
+    """A fresh cache restored from the stored blocks (and partial piece) that start `target`.
+
+    At most len(target) - 1 tokens: the last one stays pending. Store and codec work on the
+    caller's thread and the pool, MLX work through `mlx`. Returns (cache or None, tokens it
+    holds); (None, 0) for a model whose cache cannot be cut by token.
+    """
+    if not ctx.cuttable or len(target) < 2:
+        return None, 0
+    hit = ctx.store.prefix_hit(ctx.bundle.hash, target[: len(target) - 1], min_partial=ctx.min_partial)
+    return restore_prefix(ctx, hit, target, mlx)
+
+
+def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
     """A cache holding the longest usable part of `hit` (a prefix-cache hit), room for len(target) tokens.
 
     The hit's whole blocks, then the first k tokens of its partial piece (a block or a
@@ -30,45 +39,45 @@ def restore_prefix(engine: Engine, hit: PrefixHit, target: list[int], mlx: Mlx) 
     it holds). A bad block or tail shortens the hit (logged by the caller); it never fails the
     append. Decoded blocks are kept in the RAM tier: shared prompts are what it is for.
     """
-    piece = _partial_piece(engine, hit, target)
+    piece = _partial_piece(ctx, hit, target)
     pieces: list[BlockRef | SnapshotRecord] = [*hit.blocks, *([piece] if piece is not None else [])]
     if not pieces:
         return None, 0
     try:
-        sample = _piece_specs(engine, pieces[0])
+        sample = _piece_specs(ctx, pieces[0])
     except CorruptBlockError as exc:
-        engine.log_unusable(exc)
+        ctx.log_unusable(exc)
         return None, 0
-    start = len(hit.blocks) * engine.block_tokens
+    start = len(hit.blocks) * ctx.block_tokens
     # The partial piece is decoded whole (a block's B tokens), then cut to k by the cache's offset.
-    room = max(len(target), start + (_piece_tokens(engine, piece) if piece is not None else 0))
+    room = max(len(target), start + (_piece_tokens(ctx, piece) if piece is not None else 0))
     # n_blocks=0: no plane staging, these blocks are joined on the host (the RAM tier keeps joined arrays).
-    buffers = mlx(lambda: kvfill.Buffers(engine.model, sample[0], sample[1], room, engine.block_tokens, n_blocks=0))
-    usable = _fill_all(engine, buffers, pieces, start)
-    tokens = min(usable, len(hit.blocks)) * engine.block_tokens
+    buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens, n_blocks=0))
+    usable = _fill_all(ctx, buffers, pieces, start)
+    tokens = min(usable, len(hit.blocks)) * ctx.block_tokens
     if usable > len(hit.blocks) and hit.partial is not None:
         tokens += hit.partial.tokens
     if not tokens:
         return None, 0
     cache = mlx(lambda: buffers.finish(tokens, None))
-    if engine.kv_bits is not None:
-        cache = mlx(lambda: engine.quantize(cache))
+    if ctx.kv_bits is not None:
+        cache = mlx(lambda: ctx.quantize(cache))
     return cache, tokens
 
 
-def _fill_all(engine: Engine, buffers: kvfill.Buffers, pieces: list[BlockRef | SnapshotRecord], start: int) -> int:
+def _fill_all(ctx: KvContext, buffers: fill.Buffers, pieces: list[BlockRef | SnapshotRecord], start: int) -> int:
     """Decode every piece into place on the pool; returns how many lead the list unbroken."""
-    batch, ok = engine.pool.batch(), [False] * len(pieces)
+    batch, ok = ctx.pool.batch(), [False] * len(pieces)
 
     def fill(k: int, piece: BlockRef | SnapshotRecord) -> None:
         try:
             if isinstance(piece, BlockRef):
-                fill_block(engine, buffers, piece, k, None, True)
+                fill_block(ctx, buffers, piece, k, None, True)
             else:
-                _fill_tail(engine, buffers, piece, start)
+                _fill_tail(ctx, buffers, piece, start)
             ok[k] = True
         except CorruptBlockError as exc:
-            engine.log_unusable(exc)
+            ctx.log_unusable(exc)
 
     try:
         for k, piece in enumerate(pieces):
@@ -81,43 +90,43 @@ def _fill_all(engine: Engine, buffers: kvfill.Buffers, pieces: list[BlockRef | S
     return ok.index(False) if False in ok else len(ok)
 
 
-def _partial_piece(engine: Engine, hit: PrefixHit, target: list[int]) -> BlockRef | SnapshotRecord | None:
+def _partial_piece(ctx: KvContext, hit: PrefixHit, target: list[int]) -> BlockRef | SnapshotRecord | None:
     """The hit's partial piece, checked: a block (verified when read), or a tail's verified snapshot record
     whose tokens start target; None when there is none or it cannot be used."""
     partial = hit.partial
     if partial is None:
         return None
-    start = len(hit.blocks) * engine.block_tokens
+    start = len(hit.blocks) * ctx.block_tokens
     wanted = list(target[start : start + partial.tokens])
     if partial.block is not None:  # read_block checks that its key hashes its parent, bundle and tokens
         ref, parent = partial.block, hit.blocks[-1].key if hit.blocks else ROOT_KEY
         return ref if ref.parent == parent and list(ref.token_ids[: partial.tokens]) == wanted else None
     try:
-        record = engine.store.snapshot(partial.snapshot_id or "", bundle=engine.bundle.hash)
+        record = ctx.store.snapshot(partial.snapshot_id or "", bundle=ctx.bundle.hash)
     except KvwakeError as exc:  # pruned since the lookup, or damaged: prefill those tokens instead
-        engine.log_unusable(exc)
+        ctx.log_unusable(exc)
         return None
     keep = start + partial.tokens
-    if record.tail is None or len(record.blocks) * engine.block_tokens != start or \
+    if record.tail is None or len(record.blocks) * ctx.block_tokens != start or \
             list(record.token_ids[:keep]) != list(target[:keep]):
         return None
     return record
 
 
-def _piece_tokens(engine: Engine, piece: BlockRef | SnapshotRecord) -> int:
+def _piece_tokens(ctx: KvContext, piece: BlockRef | SnapshotRecord) -> int:
     if isinstance(piece, BlockRef):
         return len(piece.token_ids)
-    return len(piece.token_ids) - len(piece.blocks) * engine.block_tokens
+    return len(piece.token_ids) - len(piece.blocks) * ctx.block_tokens
 
 
-def _piece_specs(engine: Engine, piece: BlockRef | SnapshotRecord) -> tuple[dict, int]:
+def _piece_specs(ctx: KvContext, piece: BlockRef | SnapshotRecord) -> tuple[dict, int]:
     """Tensor specs of a block or tail (to allocate the buffers), and the tokens they cover."""
-    specs = block_specs(engine, piece) if isinstance(piece, BlockRef) else engine.store.tail_specs(piece)
-    return specs, _piece_tokens(engine, piece)
+    specs = block_specs(ctx, piece) if isinstance(piece, BlockRef) else ctx.store.tail_specs(piece)
+    return specs, _piece_tokens(ctx, piece)
 
 
-def _fill_tail(engine: Engine, buffers: kvfill.Buffers, record: SnapshotRecord, start: int) -> None:
+def _fill_tail(ctx: KvContext, buffers: fill.Buffers, record: SnapshotRecord, start: int) -> None:
     """A snapshot's tail KV into place at `start` (verified; its other state is not needed for a prefix)."""
-    count = _piece_tokens(engine, record)
-    tail = engine.store.read_tail(record, buffers.place(start, count), None)
+    count = _piece_tokens(ctx, record)
+    tail = ctx.store.read_tail(record, buffers.place(start, count), None)
     buffers.check(buffers.take(dict(tail)), start, count, f"tail of snapshot {record.id}")

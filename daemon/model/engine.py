@@ -1,61 +1,53 @@
 """The engine: one loaded MLX model, the sessions it runs, and their sleep and wake.
 
-All MLX work happens in the thread that calls the engine (the daemon gives it
-one thread of its own). Sleep and wake are `kvwake.daemon.kv.pipeline`, which the
-daemon runs too: codec and disk work on the engine's `Pool` (every core by
-default, bounded by bytes in flight), MLX work on the engine thread.
+All MLX work happens on one thread. Every operation takes `mlx`, the runner for
+its MLX steps (kv/context.py): `direct` when the caller is that thread (the
+in-process API tests and bench/ use), `EngineThread.call` when it is a worker
+thread (the daemon's session manager). Either way the operation is this code:
+sleep and wake are `kv/pipeline.py` (codec and disk work on the `Pool`, every
+core by default, bounded by bytes in flight), appends are plan, prefix, apply.
 
 Prefix reuse: before a cold prefill, the engine asks the store for the longest
 run of stored full blocks that starts the tokens (under this bundle), restores
-them (from the RAM tier when hot, else disk) and prefills only the rest. Models
-whose caches cannot be cut by token (sliding windows, recurrent state) only
-reuse whole snapshots: their prefix reuse is off.
+them (from the RAM tier when hot, else disk) and prefills only the rest; the
+daemon first offers a hot session's copy (`shared`). Models whose caches cannot
+be cut by token (sliding windows, recurrent state) only reuse whole snapshots:
+their prefix reuse is off.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon.kv import fill as kvfill, pipeline, prefixhit, state as kvstate
+from kvwake.daemon.kv import fill, pipeline, prefixhit, state
+from kvwake.daemon.kv.bundle import Bundle, describe_bundle
+from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
+from kvwake.daemon.kv.hotblocks import HotBlocks
+from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention
-from kvwake.daemon.kv.bundle import Bundle, describe_bundle, diff_descriptions
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
-from kvwake.daemon.kv.hotblocks import HotBlocks
-from kvwake.daemon.kv.pipeline import Pool
-from kvwake.daemon.session import ChatTemplate, Session, check_json, check_messages, common_prefix
-from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError
-from kvwake.store import SnapshotRecord, SnapshotWriter, Store
+from kvwake.daemon.model.prompt import Plan, Prompter
+from kvwake.daemon.session import Session, common_prefix
+from kvwake.errors import InvalidParamsError
+from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "resolve_model"]
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "resolve_model"]
 
-log = logging.getLogger("kvwake.engine")
-# What a block's payload means (kvstate's naming), as the bundle hash records it. Frozen at the
+# What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What an append will make of a session: its new tokens and chat state."""
-
-    target: list[int]
-    mode: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+# A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
+Shared = Callable[[list[int]], tuple[list | None, int]]
 
 
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
@@ -71,7 +63,7 @@ def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
 
 
 class Engine:
-    """Holds one model and runs sessions on it. Not thread-safe: one thread calls it."""
+    """Holds one model and runs sessions on it: one operation per session at a time, MLX work through `mlx`."""
 
     def __init__(
         self,
@@ -88,24 +80,24 @@ class Engine:
         max_batch: int = 32,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
-        probe = self.make_cache()
-        self.cuttable = kvstate.cuttable(probe)
+        probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
         self.bundle: Bundle = describe_bundle(
-            self.model_path, kv_layout=kvstate.layout(probe, model=self.model), block_tokens=store.block_tokens,
+            self.model_path, kv_layout=state.layout(probe, model=self.model), block_tokens=store.block_tokens,
             codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1],
             digest_cache=Path(data_dir) / "digests.json",
             model_name=self.model_name,
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
-        self.template = ChatTemplate(self.tokenizer)
-        self.hot = HotBlocks(hot_bytes)
-        self.counters = {"blocks_ram": 0, "blocks_disk": 0, "tokens_reused": 0, "tokens_prefilled": 0}
-        self._counter_lock = threading.Lock()
-        self.pool = Pool(io_workers, io_inflight_bytes)
-        self.device_planes = kvfill.restore_mode() == "staged"  # KV on a discrete GPU: byte planes are made there
+        self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, hot=HotBlocks(hot_bytes),
+                            pool=Pool(io_workers, io_inflight_bytes), vocab_size=self._vocab_size(),
+                            cuttable=state.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
+                            # KV on a discrete GPU: byte planes are made there
+                            device_planes=fill.restore_mode() == "staged")
+        self.hot, self.pool, self.counters, self.cuttable = self.kv.hot, self.kv.pool, self.kv.counters, self.kv.cuttable
+        self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name)
+        self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
@@ -113,76 +105,58 @@ class Engine:
     def close(self) -> None:
         self.pool.close()
 
+    def _vocab_size(self) -> int:
+        args = getattr(self.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer.vocab))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.kv.vocab_size
+
     @property
     def block_tokens(self) -> int:
         return self.store.block_tokens
 
+    @property
+    def min_partial(self) -> int:
+        return self.kv.min_partial
+
     def make_cache(self) -> list:
         """A fresh cache; with kv_bits, plain KV layers are quantized (mlx-lm cannot quantize the others)."""
-        cache = make_prompt_cache(self.model)
-        return self.quantize(cache) if self.kv_bits is not None else cache
+        return self.kv.make_cache()
+
+    def cache_bytes(self, session: Session) -> int:
+        """Bytes of the session's KV in memory (0 while it has none)."""
+        return state.cache_nbytes(session.cache) if session.cache is not None else 0
+
+    def copy_prefix(self, session: Session, n_tokens: int) -> list:
+        """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
+        return state.copy_prefix(session.cache, n_tokens)
 
     # -- input ----------------------------------------------------------------
 
+    def render(self, **inputs: Any) -> Plan:
+        """A whole conversation (messages, text or tokens, and tools) rendered once, for any session."""
+        return self.prompter.render(**inputs)
+
+    def plan(self, session: Session, **inputs: Any) -> Plan:
+        """What appending `inputs` will make of the session (Prompter.plan); changes nothing."""
+        return self.prompter.plan(session, **inputs)
+
     def append(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
-               tools: Any = None, whole: bool = False) -> dict[str, int]:
+               tools: Any = None, whole: bool = False, prompt: Plan | None = None, mlx: Mlx = direct,
+               shared: Shared | None = None) -> dict[str, int]:
         """Add input and prefill it (all but the last token, which stays pending).
 
+        The input is rendered on the engine thread (once: `prompt` is one `render` made already).
+        A session that needs a fresh cache takes the longest prefix `shared` offers (another
+        session's, in memory), else the one the prefix cache holds. Store and codec work run on
+        the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.
         Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}.
         """
-        plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools, whole=whole)
-        return self.apply(session, plan, self.prefix_cache(session, plan.target))
-
-    def plan(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
-             tools: Any = None, whole: bool = False) -> Plan:
-        """Validate input and compute the session's new token list; changes nothing.
-
-        With `whole`, the input is the whole conversation (as OpenAI clients send it), not an addition:
-        it replaces the session's messages or tokens, and the cache keeps their common prefix.
-        """
-        if sum(x is not None for x in (messages, text, tokens)) != 1:
-            raise InvalidParamsError("give exactly one of messages, text or tokens")
-        if messages is not None:
-            session.check_mode("chat")
-            if tools is not None:
-                tools = self._check_tools(tools)
-            elif not whole:  # a whole conversation brings its own tools, or has none
-                tools = session.tools
-            candidate = ([] if whole else session.messages) + check_messages(messages)
-            return Plan(self.template.render(candidate, tools), "chat", candidate, tools)
-        session.check_mode("raw")
-        if text is not None:
-            if not isinstance(text, str) or not text:
-                raise InvalidParamsError("text must be a non-empty string")
-            added = list(self.tokenizer.encode(text, add_special_tokens=whole or not session.tokens))
-        else:
-            added = self._check_tokens(tokens)
-        return Plan(([] if whole else session.tokens) + added, "raw", session.messages, session.tools)
-
-    def _check_tools(self, tools: Any) -> list[dict[str, Any]]:
-        """Tools only for a model whose tool calls mlx-lm can parse: an agent given tools must get
-        structured calls back, not raw text it would have to parse itself."""
-        tools = check_json(tools, "tools")
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise InvalidParamsError("tools must be a list of maps (OpenAI's tool definitions)", param="tools")
-        if tools and not self.tokenizer.has_tool_calling:
-            raise InvalidParamsError(
-                f"model {self.model_name} has no tool-call format mlx-lm knows (its tokenizer names no tool parser), "
-                "so its tool calls could not be parsed; send no tools, or set \"tool_parser_type\" (a module of "
-                "mlx_lm.tool_parsers) in the model's tokenizer_config.json", param="tools")
-        return tools
-
-    @property
-    def vocab_size(self) -> int:
-        args = getattr(self.model, "args", None)
-        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer.vocab))
-
-    def _check_tokens(self, tokens: Any) -> list[int]:
-        vocab = self.vocab_size
-        if (not isinstance(tokens, list) or not tokens
-                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
-            raise InvalidParamsError(f"tokens must be a non-empty list of ids in [0, {vocab})")
-        return list(tokens)
+        plan = mlx(lambda: self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools,
+                                     whole=whole, prompt=prompt))
+        return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx)
 
     def _keep(self, session: Session, target: list[int]) -> int:
         """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
@@ -193,26 +167,23 @@ class Engine:
         return session.cache is None or (self._keep(session, target) < session.processed
                                          and not can_trim_prompt_cache(session.cache))
 
-    def prefix_cache(self, session: Session, target: list[int], mlx: pipeline.Mlx = pipeline.direct) -> tuple[list | None, int]:
-        """A cache restored from stored blocks that start `target`, when the session will need a fresh one.
+    def prefix_cache(self, session: Session, target: list[int], mlx: Mlx = direct,
+                     shared: Shared | None = None) -> tuple[list | None, int]:
+        """A cache restored for `target` when the session will need a fresh one: from `shared` (a copy
+        of another session's) when it offers one, else from stored blocks (kv/prefixhit.py).
 
-        Store and codec work on the caller's thread and the pool, MLX work through `mlx`.
         Returns (cache or None, tokens it holds). A bad block shortens the hit; it never fails the append.
         """
         if not self.cuttable or len(target) < 2 or not self.needs_fresh_cache(session, target):
             return None, 0
-        hit = self.store.prefix_hit(self.bundle.hash, target[: len(target) - 1], min_partial=self.min_partial)
-        return prefixhit.restore_prefix(self, hit, target, mlx)
-
-    @property
-    def min_partial(self) -> int:
-        """The fewest tokens a partial block or tail serves: a quarter block. Below that the match is the
-        chat template's opening, which every session shares: restoring (and keeping in RAM) a whole
-        block for it would cost more than prefilling it and push real shared prompts out of the RAM tier."""
-        return max(1, self.block_tokens // 4)
+        if shared is not None:
+            copied = shared(target)
+            if copied[0] is not None:
+                return copied
+        return prefixhit.stored_prefix(self.kv, target, mlx)
 
     def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
-              mlx: pipeline.Mlx = pipeline.direct) -> dict[str, int]:
+              mlx: Mlx = direct) -> dict[str, int]:
         """Make the cache cover plan.target[:-1]: keep the common prefix, take `prefix` (a restored cache), prefill the rest.
 
         MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
@@ -234,31 +205,16 @@ class Engine:
             cache, reused = prefix
             session.cache = cache if cache is not None else self.make_cache()
             session.processed = reused
-            self.count("tokens_reused", reused)
+            self.counters.add("tokens_reused", reused)
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
         return reused
 
-    def quantize(self, cache: list) -> list:
-        return [c.to_quantized(group_size=self.kv_group_size, bits=self.kv_bits) if type(c) is KVCache else c
-                for c in cache]
-
-    def make_blank(self) -> list:
-        """make_prompt_cache(model): the cache skeleton a restore fills."""
-        return make_prompt_cache(self.model)
-
-    def log_unusable(self, exc: CorruptBlockError) -> None:
-        log.warning("prefix block unusable, prefilling instead: %s", exc.message)
-
-    def count(self, name: str, n: int) -> None:
-        with self._counter_lock:  # worker threads count too
-            self.counters[name] += n
-
-    def prefill(self, session: Session, upto: int, mlx: pipeline.Mlx = pipeline.direct) -> int:
+    def prefill(self, session: Session, upto: int, mlx: Mlx = direct) -> int:
         """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call; returns how many."""
         start = session.processed
         while session.processed < upto:
             mlx(lambda: self._prefill_chunk(session, upto))
-        self.count("tokens_prefilled", upto - start)
+        self.counters.add("tokens_prefilled", upto - start)
         return upto - start
 
     def _prefill_chunk(self, session: Session, upto: int) -> None:
@@ -268,7 +224,7 @@ class Engine:
         end = min(upto, session.processed + self.prefill_step)
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build. Full chunks stay fused: beside
-        # decoding, 128-token chunks over 8k took 3.0 s plain against 1.5 s fused (daemon/attention.py).
+        # decoding, 128-token chunks over 8k took 3.0 s plain against 1.5 s fused (model/attention.py).
         plain = self.plain_prefill and end - session.processed < self.prefill_step
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
@@ -283,7 +239,7 @@ class Engine:
         return run_alone(self.decoder, self.start_call(session, params, on_event, should_stop))
 
     def start_call(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
-                   should_stop: Callable[[], bool] | None = None, mlx: pipeline.Mlx = pipeline.direct) -> Call:
+                   should_stop: Callable[[], bool] | None = None, mlx: Mlx = direct) -> Call:
         """A generate call ready to join the decoder: the cache covers every pending token but the last.
 
         `on_event` gets the streamed events (text pieces, tool calls: daemon/toolcalls.py).
@@ -292,7 +248,7 @@ class Engine:
         output = TextOutput(self.tokenizer, params, on_event, should_stop, session.tools)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
-            self.apply(session, plan, self.prefix_cache(session, session.tokens, mlx), mlx)
+            self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx)
         mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
         self.prefill(session, len(session.tokens) - 1, mlx)
@@ -310,60 +266,19 @@ class Engine:
                                      session_id=session.id)
 
     # -- sleep and wake -------------------------------------------------------
-    # The pipeline (pipeline.py) drives these; begin_sleep / finish_sleep / record
-    # touch only the store, capture_* only MLX (engine thread).
 
-    def begin_sleep(self, session: Session, *, label: str | None = None) -> SnapshotWriter:
-        """Open the snapshot writer (store work); its `needed` says which blocks to capture."""
-        tokens = session.tokens[: session.processed]
-        return self.store.writer(session.id, self.bundle.hash, tokens, parent=session.head, label=label,
-                                 metadata=session.state())
+    def sleep(self, session: Session, *, label: str | None = None, free: bool = True,
+              mlx: Mlx = direct) -> dict[str, Any]:
+        """Write the session's KV as a snapshot and free it (kv/pipeline.py). On failure the session stays hot."""
+        return pipeline.sleep(self.kv, session, mlx, label=label, free=free)
 
-    def capture_blocks(self, cache: list, first: int, count: int) -> list:
-        """Blocks as host arrays (kvstate), or, KV on a discrete GPU, as byte planes made there."""
-        if self.device_planes and self.store.codec == "planes-zstd":
-            planed = kvstate.capture_planed(cache, first, count, self.block_tokens)
-            if planed is not None:
-                return planed
-        return kvstate.capture_blocks(cache, first, count, self.block_tokens)
-
-    def capture_tail(self, session: Session) -> dict:
-        if session.cache is None:
-            return {}
-        return kvstate.capture_tail(session.cache, session.processed, self.block_tokens)
-
-    def kv_bytes_per_token(self, cache: list) -> int:
-        return kvstate.bytes_per_token(cache)
-
-    def finish_sleep(self, session: Session, w: SnapshotWriter, started: float) -> dict[str, Any]:
-        """Commit (store work). The session stays hot: the pipeline frees its KV on the engine thread."""
-        info = w.commit()
-        session.head = info.id
-        return {"snapshot_id": info.id, "tokens": info.n_tokens, "raw_bytes": info.raw_bytes,
-                "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
-                "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
-                "ms": round((time.perf_counter() - started) * 1000, 3)}
-
-    def sleep(self, session: Session, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
-        """Write the session's KV as a snapshot and free it. On failure the session stays hot."""
-        return pipeline.sleep(self, session, pipeline.direct, label=label, free=free)
-
-    def wake(self, session_id: str, snapshot_id: str | None = None) -> tuple[Session, dict[str, Any]]:
-        """Restore a session from its latest (or a given) snapshot, exactly."""
-        return pipeline.wake(self, session_id, snapshot_id, pipeline.direct)
+    def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct) -> tuple[Session, dict[str, Any]]:
+        """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py)."""
+        return pipeline.wake(self.kv, session_id, snapshot_id, mlx)
 
     def record(self, snapshot_id: str) -> SnapshotRecord:
         """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""
-        try:
-            return self.store.snapshot(snapshot_id, bundle=self.bundle.hash)
-        except BundleMismatchError as exc:
-            theirs = self.store.bundle(exc.data.get("snapshot_bundle", "")) or {}
-            diffs = diff_descriptions(theirs, self.bundle.description) if theirs else []
-            if diffs:
-                exc.message += "; differences: " + "; ".join(diffs[:5])
-                exc.args = (exc.message,)
-                exc.data["differences"] = diffs
-            raise
+        return self.kv.record(snapshot_id)
 
     # -- shared prompts -------------------------------------------------------
 
@@ -372,11 +287,15 @@ class Engine:
             raise InvalidParamsError(f"{self.model_name} keeps state that cannot be cut by token (sliding window or "
                                      "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
 
-    def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a short block)."""
+    def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None, mlx: Mlx = direct,
+             shared: Shared | None = None, scratch: Session | None = None) -> dict[str, Any]:
+        """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a
+        short block). `scratch`: the throwaway session to prefill in (the daemon keeps it to publish
+        its tokens to the remote tier); `mlx` and `shared` as for append."""
         self.check_warmable()
-        scratch = Session(id="prefix-warm")
-        self.append(scratch, messages=messages, text=text, tokens=tokens)
-        info = pipeline.write_prefix(self, scratch, pipeline.direct)
-        return {"tokens": len(scratch.tokens), "blocks": len(scratch.tokens[: scratch.processed]) // self.block_tokens,
+        scratch = scratch if scratch is not None else Session(id="prefix-warm")
+        self.append(scratch, messages=messages, text=text, tokens=tokens, mlx=mlx, shared=shared)
+        self.prefill(scratch, len(scratch.tokens), mlx)  # the pending last token too: all of it is stored
+        info = pipeline.write_prefix(self.kv, scratch, mlx)
+        return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.block_tokens,
                 "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}

@@ -20,12 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from kvwake.daemon.model.decoder import Decoder
 from kvwake.errors import CancelledError
-
-if TYPE_CHECKING:
-    from kvwake.daemon.model.decoder import Decoder
 
 __all__ = ["EngineThread"]
 

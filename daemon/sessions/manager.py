@@ -7,10 +7,11 @@ Concurrency rules:
   session fails at once with BUSY (agents should not overlap turns on one
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
   The one wait: a session lent for a moment to another session's prefix copy
-  (matching.hot_prefix, one engine job) is waited for, not BUSY.
-- Sleep and wake run `kvwake.daemon.kv.pipeline` on a worker thread: its MLX
-  steps go to the engine thread one short job at a time (other sessions'
-  generation interleaves with them), codec and disk work to the engine's pool.
+  (`hot_prefix`, one engine job) is waited for, not BUSY.
+- Append, sleep, wake and warm run the engine's own operation on a worker
+  thread, with `mlx` = the engine thread's `call`: its MLX steps go to the
+  engine thread one short job at a time (other sessions' generation
+  interleaves with them), codec and disk work to the engine's pool.
 - Generate calls of different sessions decode together, one batched forward
   pass per step (decoder.py); prefill runs one chunk per engine job between
   decode steps, so a long prompt delays the others by about one chunk.
@@ -30,22 +31,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from anyio import to_thread
+import numpy as np
+from anyio import from_thread, to_thread
 
-from kvwake.daemon.kv import pipeline, state as kvstate
 from kvwake.daemon.config import Settings
-from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
-from kvwake.daemon.fronts.matching import hot_prefix
-from kvwake.daemon.session import Session, check_json, check_session_id
-from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
+from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
     from kvwake.daemon.sessions.remote_tier import RemoteTier
 
-__all__ = ["Latency", "SessionManager"]
+__all__ = ["Entry", "Latency", "SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
@@ -111,7 +111,7 @@ class SessionManager:
             await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
             self.entries.setdefault(session_id, Entry(session_id))
         entry = self.entry(session_id)
-        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (matching.hot_prefix): one engine job
+        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (hot_prefix): one engine job
             while entry.busy == "copy":
                 await anyio.sleep(0.002)
         if entry.busy:
@@ -152,7 +152,7 @@ class SessionManager:
             # An empty first snapshot makes the session itself durable: its system prompt and
             # metadata survive a crash before its first sleep.
             await to_thread.run_sync(self.store.ensure_session, session_id, metadata or {})
-            await to_thread.run_sync(lambda: pipeline.sleep(self.engine, session, self.thread.call, free=False))
+            await to_thread.run_sync(lambda: self.engine.sleep(session, free=False, mlx=self.thread.call))
         except BaseException:
             self.entries.pop(session_id, None)
             raise
@@ -168,8 +168,7 @@ class SessionManager:
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
-        session, info = await to_thread.run_sync(
-            lambda: pipeline.wake(self.engine, entry.id, snapshot_id, self.thread.call))
+        session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
         entry.session = session
         self.latency["wake"].add(info["ms"])
         self.counters["wakes"] += 1
@@ -206,7 +205,7 @@ class SessionManager:
             # The pipeline cleans up after itself (files removed, lock released) before it raises;
             # a worker thread is not interrupted by cancellation, so it always gets to.
             info = await to_thread.run_sync(
-                lambda: pipeline.sleep(self.engine, session, self.thread.call, label=label, free=free))
+                lambda: self.engine.sleep(session, label=label, free=free, mlx=self.thread.call))
         except BaseException as exc:
             self.counters["sleep_failures"] += 1
             log.error("sleep failed; session stays hot", extra={"session": entry.id, "error": repr(exc)})
@@ -235,8 +234,8 @@ class SessionManager:
                 head = (await to_thread.run_sync(self.store.session, entry.id))["head"]
                 if head is None:
                     raise InvalidParamsError(f"session {entry.id} has no state to checkpoint", session_id=entry.id)
-                rows = await to_thread.run_sync(self.store.rows, "SELECT label FROM snapshots WHERE id = ?", (head,))
-                if label is not None and rows and rows[0]["label"] not in (None, label):
+                summary = await to_thread.run_sync(self.store.snapshot_summary, head)
+                if label is not None and summary["label"] not in (None, label):
                     # The head already carries another checkpoint's label: copy it (blocks shared), keep both.
                     return await to_thread.run_sync(lambda: self.store.fork(head, entry.id, label=label))
                 if label is not None:
@@ -271,15 +270,56 @@ class SessionManager:
         async with self.claim(session_id, "append") as entry:
             return await self._append(await self.hot(entry), inputs)
 
-    async def _append(self, session: Session, inputs: dict[str, Any]) -> dict[str, Any]:
-        plan = await self.thread.run(lambda: self.engine.plan(session, **inputs))
-        if self.remote is not None and session.cache is None:  # a cold start: the remote may hold its prefix
-            await self.remote.prefetch(plan.target[: len(plan.target) - 1])
-        mlx = self.thread.call  # one prefill chunk per engine job: other sessions decode between them
-        prefix = await hot_prefix(self, session, plan.target)  # a hot agent's shared prompt: no disk at all
-        if prefix[0] is None:
-            prefix = await to_thread.run_sync(lambda: self.engine.prefix_cache(session, plan.target, mlx))
-        return await to_thread.run_sync(lambda: self.engine.apply(session, plan, prefix, mlx))
+    async def _append(self, session: Session, inputs: dict[str, Any] | Plan) -> dict[str, Any]:
+        """The engine's append on a worker thread: input as params, or a prompt a front rendered already."""
+        given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
+        return await to_thread.run_sync(lambda: self.engine.append(
+            session, **given, mlx=self.thread.call, shared=self._shared(session)))
+
+    async def render(self, inputs: dict[str, Any]) -> Plan:
+        """A whole conversation (`inputs` as for append) rendered once, on the engine thread."""
+        return await self.thread.run(lambda: self.engine.render(**{k: v for k, v in inputs.items() if k != "whole"}))
+
+    def _shared(self, session: Session) -> Shared:
+        """What a cold start of `session` may take instead of prefilling, before stored blocks (called
+        from the worker thread running the append): the remote tier's blocks are fetched into the RAM
+        tier first, then a hot session's prefix is copied when one holds more."""
+        async def shared(target: list[int]) -> tuple[list | None, int]:
+            if self.remote is not None and session.cache is None:  # the remote may hold its prefix
+                await self.remote.prefetch(target[: len(target) - 1])
+            return await self.hot_prefix(session, target)
+
+        return lambda target: from_thread.run(shared, target)
+
+    async def hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
+        """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
+
+        For a session about to need a fresh cache (its first input): agents that share a system prompt
+        while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
+        it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
+        opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
+        """
+        want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
+        for entry in list(self.entries.values()):
+            s = entry.session
+            if s is None or s is session or entry.busy or s.cache is None or not s.processed:
+                continue
+            shared = common_prefix(s.tokens[: s.processed], want)
+            if shared > best:
+                best, source = shared, entry
+        if source is None or best < self.engine.min_partial:
+            return None, 0
+        try:
+            async with self.claim(source.id, "copy"):
+                src = source.session
+                if src is None or src.cache is None or src.processed < best:
+                    return None, 0
+                cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
+        except BusyError:
+            return None, 0
+        self.counters["prefix_copies"] += 1
+        log.info("prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
+        return cache, best
 
     def check_params(self, params: GenerateParams) -> None:
         """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError."""
@@ -288,7 +328,8 @@ class SessionManager:
                                      param="logit_bias")
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
-                       cancelled: Callable[[], bool], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None) -> dict[str, Any]:
+        """Generate in the session (after appending `inputs`: params, or a prompt a front rendered)."""
         self.check_params(params)
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             session = await self.hot(entry)
@@ -321,9 +362,6 @@ class SessionManager:
 
     # -- store-level operations -----------------------------------------------
 
-    def engine_cache_bytes(self, session: Session) -> int:
-        return kvstate.cache_nbytes(session.cache) if session.cache is not None else 0
-
     async def import_snapshot(self, path: Any, session_id: Any = None) -> dict[str, Any]:
         """Import a portable snapshot; its session becomes known (asleep) if it was not."""
         if session_id is not None:
@@ -333,21 +371,18 @@ class SessionManager:
         return result
 
     async def warm(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin its full blocks in the prefix cache."""
-        self.engine.check_warmable()
+        """Prefill a shared prompt once and pin it in the prefix cache (the engine's warm)."""
         scratch = Session("prefix-warm")
-        await self._append(scratch, inputs)
-        info = await to_thread.run_sync(lambda: pipeline.write_prefix(self.engine, scratch, self.thread.call))
+        info = await to_thread.run_sync(lambda: self.engine.warm(
+            **inputs, mlx=self.thread.call, shared=self._shared(scratch), scratch=scratch))
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
-        return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.engine.block_tokens,
-                "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
+        return info
 
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        return sum(kvstate.cache_nbytes(e.session.cache) for e in self.entries.values()
-                   if e.session is not None and e.session.cache is not None)
+        return sum(self.engine.cache_bytes(e.session) for e in self.entries.values() if e.session is not None)
 
     async def enforce_limits(self) -> int:
         """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""

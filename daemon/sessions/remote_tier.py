@@ -33,12 +33,13 @@ import secrets
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from anyio import to_thread
 
 from kvwake.daemon.config import Settings
+from kvwake.daemon.model.engine import Engine
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
 from kvwake.store.files import write_durable
 from kvwake.store.remote import Remote
@@ -48,8 +49,6 @@ from kvwake.store.remote_gc import collect
 from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
 from kvwake.store.remote_transfer import LostLeaseError, fetch_snapshot, upload_snapshot
 
-if TYPE_CHECKING:
-    from kvwake.daemon.model.engine import Engine
 
 __all__ = ["RemoteTier"]
 

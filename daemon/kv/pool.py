@@ -1,0 +1,96 @@
+"""The worker pool for codec and disk work, and the byte budget each batch of tasks gets.
+
+Encoding, digesting, decoding, file I/O and fsync release the GIL (zstd,
+BLAKE3, numpy, file I/O), so a pool of threads sized to the machine (all
+cores by default) scales with cores. A batch is bounded by bytes in flight
+rather than by a task count: a sleep or wake never holds more than its budget
+of encoded or staged bytes, whatever the block size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Batch", "Pool"]
+
+
+class Pool:
+    """Worker threads for codec and disk work, and the byte budget each batch gets.
+
+    workers: threads (default: every core). inflight_bytes: raw bytes a batch
+    may have read, decoded or staged but not yet finished.
+    """
+
+    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20) -> None:
+        self.workers = workers or os.cpu_count() or 1
+        self.inflight_bytes = inflight_bytes
+        self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io")
+
+    def batch(self, budget: int | None = None) -> Batch:
+        """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes)."""
+        return Batch(self._executor, min(budget or self.inflight_bytes, self.inflight_bytes))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class Batch:
+    """Tasks on the pool, admitted while their bytes fit the budget; the first failure stops the rest.
+
+    `reserve(n)` waits until n more bytes fit (or nothing is in flight); each
+    task submitted with `submit(n, ...)` gives its n reserved bytes back when
+    it ends. `join()` waits for every task; `raise_first()` re-raises the first
+    failure as itself.
+    """
+
+    def __init__(self, executor: cf.Executor, budget: int) -> None:
+        self._executor, self.budget = executor, budget
+        self._cond = threading.Condition()
+        self._used = 0
+        self._futures: list[cf.Future] = []
+        self.error: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def reserve(self, nbytes: int) -> None:
+        with self._cond:
+            while self._used and self._used + nbytes > self.budget and self.error is None:
+                self._cond.wait()
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
+
+    def submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> cf.Future:
+        """Run fn(*args) on the pool with `nbytes` already reserved (they are released when it ends)."""
+        future = self._executor.submit(self._run, nbytes, fn, args)
+        self._futures.append(future)
+        return future
+
+    def _run(self, nbytes: int, fn: Callable[..., Any], args: tuple) -> Any:
+        try:
+            if self.error is None:  # after a failure, tasks not yet started do nothing
+                return fn(*args)
+        except BaseException as exc:
+            with self._cond:
+                if self.error is None:
+                    self.error = exc
+            raise
+        finally:
+            self.release(nbytes)
+        return None
+
+    def join(self) -> None:
+        cf.wait(self._futures)
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,72 @@
+"""Chat templates: a conversation's messages rendered to token ids with the tokenizer's template.
+
+Templates that reject a system role get the system text folded into the first
+user turn ("{system}\\n\\n{user}"); it is never dropped. OpenAI's tool turns
+(assistant `tool_calls`, `tool` results) are kept by the session as sent; the
+template renders a copy in the form mlx-lm's server gives it (`for_template`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvwake.daemon.session import tool_arguments
+from kvwake.errors import InvalidParamsError
+
+__all__ = ["ChatTemplate", "for_template"]
+
+
+class ChatTemplate:
+    """Renders messages to token ids with the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.folds_system = not self._accepts_system()
+
+    def _accepts_system(self) -> bool:
+        probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except Exception:  # jinja raises TemplateError (or anything) for templates without a system role
+            return False
+        return "S" in text
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation plus the generation prompt."""
+        messages = for_template(messages)
+        messages = self._fold_system(messages) if self.folds_system else messages
+        options: dict[str, Any] = {"add_generation_prompt": True}
+        if tools:
+            options["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as exc:
+            raise InvalidParamsError(f"chat template rejected the messages: {exc}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        system = "\n\n".join(str(m.get("content", "")) for m in messages if m.get("role") == "system")
+        rest = [dict(m) for m in messages if m.get("role") != "system"]
+        if not system:
+            return rest
+        for m in rest:
+            if m.get("role") == "user":
+                m["content"] = f"{system}\n\n{m.get('content', '')}"
+                return rest
+        return [{"role": "user", "content": system}, *rest]
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them, as mlx-lm's server makes them: tool-call arguments
+    as maps, null content as "". New maps: the session keeps what the client sent, and renders
+    it the same way every time."""
+    out = []
+    for m in messages:
+        if "tool_calls" in m or ("content" in m and m["content"] is None):
+            m = {**m, "content": m.get("content") or ""}
+            if isinstance(m.get("tool_calls"), list):
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": tool_arguments(
+                    c["function"].get("arguments", {}))}} for c in m["tool_calls"]]
+        out.append(m)
+    return out

@@ -1,0 +1,127 @@
+"""The layers hold: each imports only downward, no module graph has a circle, no SQL above the store.
+
+Read from the source with `ast`, every import counted: module level, inside functions, and under
+`if TYPE_CHECKING:` (a back-reference hidden there is still a circle a reader has to untangle).
+docs/architecture.md describes the layers these tests keep.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"kvwake.daemon": ROOT / "daemon", "kvwake.store": ROOT / "store", "kvwake.client": ROOT / "client"}
+# Inside daemon/: a layer imports only those below it. The daemon's root modules: session.py
+# (the shared vocabulary) and config.py, activation.py sit under every layer; serve.py is on top.
+DAEMON_RANKS = {"session": 0, "config": 0, "activation": 0, "kv": 1, "model": 2, "sessions": 3, "fronts": 4,
+                "serve": 5}
+SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM)\b", re.IGNORECASE | re.DOTALL)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the three folders, by import name."""
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The kvwake modules a file imports, anywhere in it (`from package import module` names the module)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if sub in known else node.module)
+    return {name for name in out if name == "kvwake" or name.startswith("kvwake.")}
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) & set(known) - {name} for name, path in known.items()}
+
+
+def daemon_rank(module: str) -> int | None:
+    parts = module.split(".")
+    return DAEMON_RANKS.get(parts[2]) if len(parts) > 2 and parts[1] == "daemon" else None
+
+
+def test_no_import_circles():
+    edges, cycles = graph(), []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_daemon_layers_import_only_downward():
+    wrong = []
+    for module, targets in graph().items():
+        rank = daemon_rank(module)
+        if rank is None:
+            continue
+        for target in targets:
+            below = daemon_rank(target)
+            same_layer = target.split(".")[:3] == module.split(".")[:3]
+            if below is not None and below >= rank and not same_layer:
+                wrong.append(f"{module} (rank {rank}) imports {target} (rank {below})")
+    assert not wrong, "imports that go up or sideways:\n" + "\n".join(sorted(wrong))
+
+
+def test_every_daemon_module_has_a_layer():
+    homeless = [m for m in modules() if m.startswith("kvwake.daemon.") and daemon_rank(m) is None]
+    assert not homeless, f"modules outside the layers of docs/architecture.md: {homeless}"
+
+
+def test_store_and_client_stand_alone():
+    """The store knows nothing of MLX or the daemon; the client imports neither at module level."""
+    wrong = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        if name.startswith("kvwake.store") and any(x.split(".")[0] in ("mlx", "mlx_lm") or
+                                                   x.startswith("kvwake.daemon") for x in names):
+            wrong.append(f"{name} imports mlx or the daemon")
+        top_names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        top_names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        if name.startswith("kvwake.client") and any(x.startswith(("kvwake.daemon", "kvwake.store", "mlx"))
+                                                    for x in top_names):
+            wrong.append(f"{name} imports the daemon, the store or mlx at import time")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("folder", ["daemon", "client"])
+def test_no_sql_outside_the_store(folder):
+    """The daemon and the client ask the store by method; its tables are its own."""
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.search(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+            if isinstance(node, ast.Attribute) and node.attr in ("execute", "executemany"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}(...)")
+    assert not found, "SQL outside store/:\n" + "\n".join(found)
