@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# bench/ first (capture_kv); the repository root last, only for the rpc benchmark's tests/ helpers:
-# first, its kvwake/ folder would hide an installed (non-editable) kvwake's subpackages.
+# bench/ first (capture_kv); the repository root for the rpc benchmark's tests/ helpers.
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.append(str(ROOT))
 

@@ -13,13 +13,12 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import click
 
-from kvwake.client.client import Client
 from kvwake.client.cli_store import bench, export_, fsck, gc, import_, warm
+from kvwake.client.options import Options
 from kvwake.client.output import (
     echo_json,
     echo_reply,
@@ -39,17 +38,6 @@ from kvwake.client.wire import ClientConnectionError, DaemonNotRunningError
 from kvwake.errors import KvwakeError
 
 __all__ = ["main"]
-
-@dataclass
-class Options:
-    socket: str | None
-    autostart: bool | None
-
-    def client(self) -> Client:
-        try:
-            return Client(self.socket, autostart=self.autostart)
-        except ValueError as exc:  # an unreadable config file
-            raise click.ClickException(str(exc)) from None
 
 
 class KvwakeGroup(click.Group):

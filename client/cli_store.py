@@ -1,21 +1,19 @@
 """`kvwake export`, `import`, `gc`, `fsck`, `warm` and `bench`: the store and the daemon as a whole.
 
 Registered on the `kvwake` group by client/cli.py, which also turns their
-failures into one `Error:` line. `opts` is cli.Options (the global --socket
-and --autostart).
+failures into one `Error:` line. `opts` is client/options.py's Options (the
+global --socket and --autostart).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
+from kvwake.client.options import Options
 from kvwake.client.output import echo_json, fields, human_bytes, json_option, short, spinner
-
-if TYPE_CHECKING:
-    from kvwake.client.cli import Options
 
 __all__ = ["bench", "export_", "fsck", "gc", "import_", "warm"]
 
