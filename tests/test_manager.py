@@ -97,3 +97,41 @@ async def test_an_http_request_renders_its_prompt_once(manager, monkeypatch):
         assert len(renders) == 1, (session, len(renders))
         assert result["tokens"] and session["session_id"] in manager.entries
     assert session["match"] == "continued"
+
+
+async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is_matched_again(manager):
+    # Was: a 409 BUSY. The request's session was lent to another session's prefix copy when its claim
+    # came; the claim waited, another request took the session as the copy ended, and the late BUSY
+    # was not one the front re-matched (it only looked right after starting the generation).
+    from kvwake.daemon.fronts.http import Api
+    from kvwake.daemon.fronts.openai_shapes import ChatRequest
+
+    api = Api(manager)
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    session, task = await api._start(ChatRequest.parse({"messages": first, "max_tokens": 2}, None), None,
+                                     lambda: False)
+    reply = (await task)["text"]
+    turn = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+    real_find, lent = api.matcher.find, []
+
+    async def take(entry):
+        await anyio.sleep(0.05)
+        entry.busy = "chat"  # the copy ended and another request claimed the session first
+        await anyio.sleep(0.3)
+        entry.busy = None
+
+    async with anyio.create_task_group() as tg:
+        async def find(target, mode):
+            match = await real_find(target, mode)
+            if match.how == "continued" and not lent:  # lent for a copy between the match and the claim
+                lent.append(manager.entry(match.session_id))
+                lent[0].busy = "copy"
+                tg.start_soon(take, lent[0])
+            return match
+
+        api.matcher.find = find
+        again, task = await api._start(ChatRequest.parse({"messages": turn, "max_tokens": 2}, None), None,
+                                       lambda: False)
+        result = await task
+    assert lent and lent[0].id == session["session_id"]
+    assert result["tokens"] and again["session_id"] != session["session_id"] and again["match"] == "new"

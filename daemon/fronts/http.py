@@ -182,9 +182,14 @@ class Api:
             else:
                 match = await self.matcher.find(prompt.target, prompt.mode)
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
-            task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt))
-            await asyncio.sleep(0)  # let it claim the session (or find it busy)
-            taken = task.done() and not task.cancelled() and isinstance(task.exception(), BusyError)
+            claimed = asyncio.Event()
+            task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
+                                                    claimed.set))
+            # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
+            waiting = asyncio.ensure_future(claimed.wait())
+            await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            taken = not claimed.is_set() and not task.cancelled() and isinstance(task.exception(), BusyError)
             if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
                 continue
             task.add_done_callback(lambda _t, sid=session["session_id"]: self.matcher.remember(sid))

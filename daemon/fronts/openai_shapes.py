@@ -180,7 +180,8 @@ class ChatRequest:
                    _session(body, header_session), one_call=bool(tools) and not parallel)
 
     def inputs(self) -> dict[str, Any]:
-        return {"messages": self.messages, "whole": True, **({"tools": self.tools} if self.tools else {})}
+        """The whole conversation, as SessionManager.render takes it."""
+        return {"messages": self.messages, **({"tools": self.tools} if self.tools else {})}
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,8 @@ class CompletionRequest:
         return cls(prompt, _params(body), stream, include_usage, _session(body, header_session))
 
     def inputs(self) -> dict[str, Any]:
-        return {"text" if isinstance(self.prompt, str) else "tokens": self.prompt, "whole": True}
+        """The whole prompt, as SessionManager.render takes it."""
+        return {"text" if isinstance(self.prompt, str) else "tokens": self.prompt}
 
 
 @dataclass

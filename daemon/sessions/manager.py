@@ -277,8 +277,9 @@ class SessionManager:
             session, **given, mlx=self.thread.call, shared=self._shared(session)))
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
-        """A whole conversation (`inputs` as for append) rendered once, on the engine thread."""
-        return await self.thread.run(lambda: self.engine.render(**{k: v for k, v in inputs.items() if k != "whole"}))
+        """A whole conversation (messages, text or tokens; tools) rendered once, on the engine thread: the
+        plan a front matches a session with and then passes to `generate`, which appends it as it is."""
+        return await self.thread.run(lambda: self.engine.render(**inputs))
 
     def _shared(self, session: Session) -> Shared:
         """What a cold start of `session` may take instead of prefilling, before stored blocks (called
@@ -328,10 +329,16 @@ class SessionManager:
                                      param="logit_bias")
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
-                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None) -> dict[str, Any]:
-        """Generate in the session (after appending `inputs`: params, or a prompt a front rendered)."""
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None,
+                       on_claim: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Generate in the session (after appending `inputs`: params, or a prompt a front rendered).
+
+        `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
+        """
         self.check_params(params)
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
+            if on_claim is not None:
+                on_claim()
             session = await self.hot(entry)
             started = time.perf_counter()
             appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
