@@ -6,7 +6,7 @@ A cache of --context random tokens, then --turns chunks of --chunk tokens, each 
 each turn of a conversation is), timed one by one, evaluated. Paths:
   causal   mlx-lm as it is: mask "causal" into mx.fast.scaled_dot_product_attention
   array    the same kernel given an explicit additive mask array (KVCache.make_mask(return_array=True))
-  plain    attention in plain ops (daemon/attention.py, what kvwake prefills with on CUDA)
+  plain    attention in plain ops (daemon/model/attention.py, what kvwake prefills with on CUDA)
   steps    the chunk fed one token at a time (the decode kernel), for reference
 MLX on CUDA builds a cuDNN graph per (query length, key length) for fused prefill attention; this
 measures whether the other paths avoid that per-turn cost. Prints one JSON line per path.

@@ -1,6 +1,6 @@
 """Every RPC method as a Python method, written once for both clients.
 
-`ClientAPI` names each daemon method (daemon/methods.py is the source of truth
+`ClientAPI` names each daemon method (daemon/fronts/methods.py is the source of truth
 for names and params) and says how to decode its result. A transport subclass
 supplies one primitive, `_rpc(method, params, decode, stream)`: the sync
 `Client` returns the decoded result (or a `Stream`), `AsyncClient` returns an

@@ -1,4 +1,4 @@
-"""Plain-ops prefill attention (daemon/attention.py): the same numbers as the fused kernel, swapped in and out."""
+"""Plain-ops prefill attention (daemon/model/attention.py): the same numbers as the fused kernel, swapped in and out."""
 
 from __future__ import annotations
 

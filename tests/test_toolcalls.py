@@ -1,4 +1,4 @@
-"""Tool calls in generated text (daemon/toolcalls.py through TextOutput): spans, parsing, streamed events.
+"""Tool calls in generated text (daemon/model/toolcalls.py through TextOutput): spans, parsing, streamed events.
 
 Tokens are fed to a real `TextOutput` with a real mlx-lm tokenizer: a byte-level
 one whose template makes mlx-lm pick the json_tools parser (TOOLS_CHATML), so
