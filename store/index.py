@@ -24,7 +24,7 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from kvwake.store.keys import ROOT_KEY, tokens_from_bytes
+from kvwake.store.format.keys import ROOT_KEY, tokens_from_bytes
 
 __all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
 

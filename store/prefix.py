@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvwake.store.index import BlockRef
-from kvwake.store.keys import ROOT_KEY, tokens_to_bytes
+from kvwake.store.format.keys import ROOT_KEY, tokens_to_bytes
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store

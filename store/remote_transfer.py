@@ -24,8 +24,8 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from kvwake.errors import CorruptBlockError, KvwakeError
-from kvwake.store.codec import Encoded
-from kvwake.store.keys import block_key
+from kvwake.store.format.codec import Encoded
+from kvwake.store.format.keys import block_key
 from kvwake.store.remote import Remote
 from kvwake.store.remote_objects import GcRun, Lease, ObjectHeader
 from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest

@@ -1,7 +1,7 @@
 """The Store: one root folder of block files plus its SQLite index.
 
 It knows nothing of MLX. Callers hand it named numpy arrays (see
-`kvwake.store.codec.Tensor`) cut into blocks of `block_tokens` tokens, and get
+`kvwake.store.format.codec.Tensor`) cut into blocks of `block_tokens` tokens, and get
 them back verified: every read checks the payload digest, the block's identity
 (its key, bundle and token ids) and, for snapshots, the snapshot digest.
 
@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Stage, Tensor, decode_into, read_file_header, read_specs
+from kvwake.store.format.codec import CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Stage, Tensor, decode_into, read_file_header, read_specs
 from kvwake.store.files import StoreFiles
 from kvwake.store.index import BlockRef, Index, SnapshotRecord
-from kvwake.store.keys import block_key, chain_keys, tokens_to_bytes
+from kvwake.store.format.keys import block_key, chain_keys, tokens_to_bytes
 from kvwake.store import maintenance, prefix, transfer
 from kvwake.store.writer import SnapshotWriter, snapshot_digest
 

@@ -39,9 +39,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import kvwake
 from kvwake.errors import InvalidParamsError, KvwakeError
-from kvwake.store.codec import BlockFormatError, Encoded, decode
+from kvwake.store.format.codec import BlockFormatError, Encoded, decode
 from kvwake.store.files import fsync_dir
-from kvwake.store.keys import tokens_from_bytes, tokens_to_bytes
+from kvwake.store.format.keys import tokens_from_bytes, tokens_to_bytes
 from kvwake.store.writer import snapshot_digest
 
 if TYPE_CHECKING:

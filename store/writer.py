@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvwake.store.codec import Encoded, Tensor, encode
+from kvwake.store.format.codec import Encoded, Tensor, encode
 from kvwake.store.files import fsync_dirs, write_durable
 from kvwake.store.index import BlockRef
-from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store

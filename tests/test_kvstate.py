@@ -32,7 +32,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, RotatingKVCache, ma
 from kvwake.daemon import kvfill, kvstate
 from kvwake.daemon.kvstate import NotCuttableError, StateMismatchError, UnsupportedCacheError
 from kvwake.store import Store
-from kvwake.store.codec import Tensor, decode, encode
+from kvwake.store.format.codec import Tensor, decode, encode
 from tests.capabilities import require_quantized_kv
 
 B = 16  # tokens per block: 40 tokens = 2 full blocks + an 8-token tail

@@ -9,7 +9,7 @@ import pytest
 
 from kvwake.errors import CorruptBlockError
 from kvwake.store import Store
-from kvwake.store.keys import chain_keys
+from kvwake.store.format.keys import chain_keys
 from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
 from kvwake.store.remote_transfer import upload_snapshot
 from tests.kvdata import BUNDLE, kv_arrays, write_snapshot
