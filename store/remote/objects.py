@@ -1,5 +1,5 @@
 """What the shared tier's pieces look like: its configuration, its health, block and tail objects,
-gc runs and lease steps (store/remote.py makes the calls; the layout is in its docstring).
+gc runs and lease steps (store/remote/client.py makes the calls; the layout is in its docstring).
 
 Block and tail objects (`ObjectHeader`, version 1):
 

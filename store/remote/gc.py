@@ -34,18 +34,18 @@ would then name a removed block. So gc runs are fenced:
    refused while another is active (create-only settles two starting at once).
 2. An upload reads the newest run before its existence checks and again after
    its puts; when a run was active or began in between, it waits for that run
-   to end and checks and puts again (remote_transfer._fenced).
+   to end and checks and puts again (remote/transfer.py, `fenced`).
 3. After writing its manifest it reads the newest run once more: a run that
    began before the manifest existed may have removed a block the upload
    reused, so it waits for the run to end and puts back what is missing
-   (remote_transfer._commit). A run that begins later lists the manifest.
+   (remote/transfer.py, `commit_manifest`). A run that begins later lists the manifest.
 So no manifest loses an object for good. A reader may find one missing for the
 moment between its removal and its put-back; it refuses the snapshot (nothing
 corrupt is restored) and a retry succeeds. The grace period is not what makes
 this safe: it spares in-flight uploads from redoing their work, and leaves a
 cut-off upload's blocks for its daemon to finish (daemons re-send their
 unpublished heads at start). Clocks: a run whose end object is missing counts
-as active until its deadline plus GC_SKEW_S (store/remote.py).
+as active until its deadline plus GC_SKEW_S (store/remote/client.py).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvwake.errors import BusyError, CorruptBlockError
 from kvwake.store.index import BlockRef
-from kvwake.store.remote import Remote
-from kvwake.store.remote_transfer import check_block_object, check_tail_object, put_block, put_tail
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.transfer import check_block_object, check_tail_object, put_block, put_tail
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store

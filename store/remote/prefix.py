@@ -39,8 +39,8 @@ import numpy as np
 from kvwake.errors import KvwakeError
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 from kvwake.store.prefix import common_length, partial_candidate
-from kvwake.store.remote import Remote
-from kvwake.store.remote_transfer import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.transfer import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store

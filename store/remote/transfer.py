@@ -6,8 +6,8 @@ be written); blocks the remote already holds are not sent again; the tail
 follows; the manifest is written last, and only while the uploader still holds
 the session's lease. An upload cut off anywhere leaves no manifest, so no
 reader ever sees the snapshot; running it again finishes it. Warmed prefixes
-go the same way (store/remote_prefix.py). Uploads are fenced against
-the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote_gc.py).
+go the same way (store/remote/prefix.py). Uploads are fenced against
+the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote/gc.py).
 
 Download: every object is checked as an import file is (store/transfer.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store.format.codec import Encoded
 from kvwake.store.format.keys import block_key
-from kvwake.store.remote import Remote
-from kvwake.store.remote_objects import GcRun, Lease, ObjectHeader
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.objects import GcRun, Lease, ObjectHeader
 from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
 
 if TYPE_CHECKING:
