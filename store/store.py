@@ -24,7 +24,8 @@ from kvwake.store.files import StoreFiles
 from kvwake.store.index import BlockRef, Index, SnapshotRecord
 from kvwake.store.format.keys import block_key, chain_keys, tokens_to_bytes
 from kvwake.store import maintenance, prefix, transfer
-from kvwake.store.writer import SnapshotWriter, snapshot_digest
+from kvwake.store.format.snapshot import snapshot_digest
+from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["Store"]
 

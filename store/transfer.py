@@ -42,7 +42,7 @@ from kvwake.errors import InvalidParamsError, KvwakeError
 from kvwake.store.format.codec import BlockFormatError, Encoded, decode
 from kvwake.store.files import fsync_dir
 from kvwake.store.format.keys import tokens_from_bytes, tokens_to_bytes
-from kvwake.store.writer import snapshot_digest
+from kvwake.store.format.snapshot import snapshot_digest
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store

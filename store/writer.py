@@ -8,27 +8,13 @@ right away so the caller can free it, then the tail, then `commit()` writes
 every index row in one transaction. Until that commit nothing is visible; a
 crash leaves only orphan files, which gc sweeps.
 
-The snapshot digest is sha256 over this exact layout:
-
-    b"kvwake-snapshot\\x00"  16 bytes
-    u32 LE                 1 (layout version)
-    bundle hash            32 raw bytes
-    u64 LE n_tokens, then n_tokens x u32 LE token ids
-    u32 LE n_blocks, then per block: key (32 raw bytes), payload digest (32 raw bytes)
-    u8 has_tail, then the tail's payload digest (32 raw bytes) if present
-    u64 LE length, then the snapshot's metadata as stored: JSON, UTF-8
-        (the session's pending tokens, messages, tools: what a wake restores besides the KV)
-
-Session id and label are not covered: fork and import may rename them.
+The snapshot digest a commit records is defined in store/format/snapshot.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import secrets
-import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,11 +27,12 @@ from kvwake.store.format.codec import Encoded, Tensor, encode
 from kvwake.store.files import fsync_dirs, write_durable
 from kvwake.store.index import BlockRef
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+from kvwake.store.format.snapshot import metadata_json, snapshot_digest
 
 if TYPE_CHECKING:
     from kvwake.store.store import Store
 
-__all__ = ["SnapshotInfo", "SnapshotWriter", "Written", "new_snapshot_id", "snapshot_digest"]
+__all__ = ["SnapshotInfo", "SnapshotWriter", "Written", "new_snapshot_id"]
 
 Arrays = Mapping[str, Tensor | np.ndarray]
 
@@ -53,28 +40,6 @@ Arrays = Mapping[str, Tensor | np.ndarray]
 def new_snapshot_id() -> str:
     """Time-ordered, unguessable: 11 hex digits of milliseconds, 10 random."""
     return f"{int(time.time() * 1000):011x}{secrets.token_hex(5)}"
-
-
-def snapshot_digest(
-    bundle: str, token_ids: Sequence[int], blocks: Sequence[tuple[str, str]], tail_digest: str | None,
-    metadata: Mapping[str, Any],
-) -> str:
-    """The snapshot digest (layout in the module docstring); blocks are (key, digest)."""
-    h = hashlib.sha256(b"kvwake-snapshot\x00" + struct.pack("<I", 1) + bytes.fromhex(bundle))
-    h.update(struct.pack("<Q", len(token_ids)) + tokens_to_bytes(token_ids))
-    h.update(struct.pack("<I", len(blocks)))
-    for key, digest in blocks:
-        h.update(bytes.fromhex(key) + bytes.fromhex(digest))
-    h.update(b"\x01" + bytes.fromhex(tail_digest) if tail_digest else b"\x00")
-    meta = metadata_json(metadata).encode()
-    h.update(struct.pack("<Q", len(meta)) + meta)
-    return h.hexdigest()
-
-
-def metadata_json(metadata: Mapping[str, Any]) -> str:
-    # Insertion order is kept: chat templates render maps (tools) in their order, so
-    # sorting keys here would make a woken session render different tokens.
-    return json.dumps(dict(metadata))
 
 
 @dataclass(frozen=True)
