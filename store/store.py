@@ -20,7 +20,6 @@ import numpy as np
 from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store import maintenance, prefix, transfer
 from kvwake.store.core import StoreCore
-from kvwake.store.format.keys import chain_keys
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.writer import SnapshotWriter
 
@@ -102,16 +101,9 @@ class Store(StoreCore):
         return head
 
     def longest_prefix(self, bundle: str, token_ids: Sequence[int], *, partial: bool = False) -> list[BlockRef]:
-        """The longest run of stored, usable full blocks that starts `token_ids` under `bundle`
-        (with `partial`, ending in the short block of the trailing tokens when that is stored too)."""
-        keys = chain_keys(bundle, token_ids, self.block_tokens, partial=partial)
-        usable = self.usable_blocks(keys, token_ids)
-        run = []
-        for key in keys:
-            if key not in usable:
-                break
-            run.append(usable[key])
-        return run
+        """Stored, usable full blocks starting `token_ids` under `bundle`, as far as they go
+        (with `partial`, maybe a last short block); see prefix.longest_prefix."""
+        return prefix.longest_prefix(self, bundle, token_ids, partial=partial)
 
     def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> prefix.PrefixHit:
         """longest_prefix, then the stored block or tail continuing it with the most matching

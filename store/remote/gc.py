@@ -53,15 +53,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvwake.errors import BusyError, CorruptBlockError
+from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.transfer import check_block_object, check_tail_object, put_block, put_tail
-
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
 
 __all__ = ["RemoteGcReport", "collect"]
 
@@ -203,12 +201,12 @@ def _check_twice(remote: Remote, key: str, check: Any) -> bool:
     return True
 
 
-def _local_block(store: Store | None, key: str) -> BlockRef | None:
+def _local_block(store: StoreCore | None, key: str) -> BlockRef | None:
     rows = store.rows("SELECT * FROM blocks WHERE key = ? AND quarantined = 0", (key,)) if store else []
     return BlockRef.from_row(rows[0]) if rows else None
 
 
-def _verify(remote: Remote, store: Store | None, blocks: dict[str, dict], tails: dict[str, str],
+def _verify(remote: Remote, store: StoreCore | None, blocks: dict[str, dict], tails: dict[str, str],
             found_blocks: dict, found_tails: dict, until: float, report: RemoteGcReport) -> None:
     """Remove named objects that fail verification twice; put back missing or removed ones from `store`.
 
@@ -250,7 +248,7 @@ def _verify(remote: Remote, store: Store | None, blocks: dict[str, dict], tails:
     report.incomplete |= "late" in outcomes
 
 
-def collect(remote: Remote, store: Store | None = None, *, grace_s: float = 3600.0, verify: bool = False,
+def collect(remote: Remote, store: StoreCore | None = None, *, grace_s: float = 3600.0, verify: bool = False,
             max_s: float = GC_MAX_S) -> RemoteGcReport:
     """One remote gc run (the rules are in the module docstring); `store`: this daemon's, for repairs.
 
