@@ -73,6 +73,22 @@ class Store(StoreCore):
             rows = self.index.rows("SELECT * FROM sessions ORDER BY created")
         return [{**r, "metadata": json.loads(r["metadata"])} for r in rows]
 
+    def heads(self, bundle: str) -> list[dict[str, Any]]:
+        """Every session whose head snapshot was made with `bundle`, oldest session first:
+        {"id", "metadata" (the session's, decoded), "token_ids" (the head's, numpy int64),
+        "state" (the head snapshot's metadata, decoded)}.
+
+        Unverified and cheap (no digest check, no block rows): for matching a request to a
+        stored session, which a wake then verifies.
+        """
+        with self.locked():
+            rows = self.index.rows("SELECT s.id, s.metadata, p.token_ids, p.metadata AS state FROM sessions s "
+                                   "JOIN snapshots p ON p.id = s.head WHERE p.bundle = ? ORDER BY s.created, s.id",
+                                   (bundle,))
+        return [{"id": r["id"], "metadata": json.loads(r["metadata"]),
+                 "token_ids": np.frombuffer(r["token_ids"], dtype="<u4").astype(np.int64),  # stored as u32 LE
+                 "state": json.loads(r["state"])} for r in rows]
+
     def delete_session(self, session_id: str) -> int:
         """Delete a session and all its snapshots (checkpoints too); returns snapshots removed.
 
@@ -120,6 +136,16 @@ class Store(StoreCore):
             if session_id is None:
                 return self.index.rows(sql + " ORDER BY created, id")
             return self.index.rows(sql + " WHERE session_id = ? ORDER BY created, id", (session_id,))
+
+    def snapshot_summary(self, snapshot_id: str) -> dict[str, Any]:
+        """One snapshot's facts without its token ids, unverified and cheap: {"id", "session_id",
+        "n_tokens", "label", "metadata" (decoded), "bundle", "created"}. NotFoundError if absent."""
+        with self.locked():
+            row = self.index.one("SELECT id, session_id, n_tokens, label, metadata, bundle, created FROM snapshots "
+                                 "WHERE id = ?", (snapshot_id,))
+        if row is None:
+            raise NotFoundError(f"no snapshot {snapshot_id!r}", snapshot_id=snapshot_id)
+        return {**row, "metadata": json.loads(row["metadata"])}
 
     def set_label(self, snapshot_id: str, label: str | None) -> None:
         """Label a snapshot as a checkpoint (gc keeps it), or clear its label."""
