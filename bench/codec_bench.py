@@ -24,7 +24,7 @@ import blake3
 import numpy as np
 import zstandard
 
-from kvwake.store.codec import Tensor, decode, encode, payload
+from kvwake.store.format.codec import Tensor, decode, encode, payload
 
 
 def blocks_of(path: str, block_tokens: int) -> list[dict[str, Tensor]]:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 
 from kvwake.store import ROOT_KEY, Store, block_key  # noqa: E402
-from kvwake.store.keys import tokens_to_bytes  # noqa: E402
+from kvwake.store.format.keys import tokens_to_bytes  # noqa: E402
 from kvwake.store.prefix import partial_candidate  # noqa: E402
 
 BUNDLE = "ab" * 32

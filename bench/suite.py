@@ -105,7 +105,7 @@ def decode_GBps(engine: Any, snapshot_id: str, workers: int = 1) -> float:
 
     import numpy as np
 
-    from kvwake.store.codec import DTYPES
+    from kvwake.store.format.codec import DTYPES
 
     record = engine.store.snapshot(snapshot_id)
     specs = engine.store.block_specs(record.blocks[0])

@@ -43,7 +43,7 @@ def _disk(folder: Path, data: bytes) -> tuple[float, float]:
 
 def codec_advice(store_root: str | Path, *, sample: int = 8, cores: int | None = None) -> dict[str, Any]:
     """Measure every codec on real blocks of the store at `store_root`; returns the numbers and a pick."""
-    from kvwake.store.codec import CODECS, decode, encode
+    from kvwake.store.format.codec import CODECS, decode, encode
 
     root = Path(store_root)
     files = sorted((root / "blocks").glob("*/*.kvb"))[:sample]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from kvwake.store.codec import Tensor
+from kvwake.store.format.codec import Tensor
+from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
+from kvwake.store.format.snapshot import snapshot_digest
 from kvwake.store.index import BlockRef, SnapshotRecord, TailRef
-from kvwake.store.keys import ROOT_KEY, block_key, chain_keys
 from kvwake.store.store import Store
-from kvwake.store.writer import SnapshotInfo, SnapshotWriter, snapshot_digest
+from kvwake.store.writer import SnapshotInfo, SnapshotWriter
 
 __all__ = [
     "ROOT_KEY",

@@ -28,7 +28,7 @@ from typing import Any
 from pathlib import Path
 
 from kvwake.errors import StorageFullError
-from kvwake.store.planes import as_bytes
+from kvwake.store.format.planes import as_bytes
 
 __all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "write_durable"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
-from kvwake.store.keys import ROOT_KEY, tokens_from_bytes
+from kvwake.store.format.keys import ROOT_KEY, tokens_from_bytes
 
 __all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
 
@@ -164,7 +164,7 @@ class SnapshotRecord:
 
 
 class Index:
-    """A connection to one store's index. Not thread-safe: the Store serializes access."""
+    """A connection to one store's index. Not thread-safe: the StoreCore serializes access (core.py)."""
 
     def __init__(self, path: Path) -> None:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)

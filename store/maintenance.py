@@ -22,13 +22,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvwake.errors import KvwakeError
+from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef
-
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
 
 __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
 
@@ -60,7 +58,7 @@ class FsckReport:
         return not (self.bad_blocks or self.damaged_snapshots or self.refcounts_fixed or self.sqlite)
 
 
-def stored_bytes(store: Store) -> int:
+def stored_bytes(store: StoreCore) -> int:
     """Bytes of every indexed block and tail file."""
     row = store.index.one(
         "SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM blocks) + "
@@ -69,7 +67,7 @@ def stored_bytes(store: Store) -> int:
     return int(row["n"]) if row else 0
 
 
-def _prune_history(store: Store, keep: int) -> int:
+def _prune_history(store: StoreCore, keep: int) -> int:
     with store.index.write() as db:
         return db.execute(
             "DELETE FROM snapshots WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER ("
@@ -79,7 +77,7 @@ def _prune_history(store: Store, keep: int) -> int:
         ).rowcount
 
 
-def _evict(store: Store, budget: int | None) -> tuple[list[str], int]:
+def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
     total = stored_bytes(store)
     files, freed = [], 0
     with store.index.write() as db:
@@ -94,17 +92,17 @@ def _evict(store: Store, budget: int | None) -> tuple[list[str], int]:
     return files, freed
 
 
-def _orphans(store: Store) -> list[Path]:
+def _orphans(store: StoreCore) -> list[Path]:
     named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
                                               "WHERE tail_file IS NOT NULL")}
     return [p for p in store.files.walk() if store.files.relative(p) not in named]
 
 
-def gc(store: Store, *, budget_bytes: int | None = None, keep_history: int | None = None) -> GcReport:
+def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int | None = None) -> GcReport:
     """Prune, evict and sweep (see the module docstring); returns what it did."""
     budget = store.budget_bytes if budget_bytes is None else budget_bytes
     keep = store.keep_history if keep_history is None else keep_history
-    with store.files.lock(exclusive=True), store._lock:
+    with store.files.lock(exclusive=True), store.locked():
         pruned = _prune_history(store, keep)
         evicted, freed = _evict(store, budget)
         for rel in evicted:
@@ -119,13 +117,13 @@ def gc(store: Store, *, budget_bytes: int | None = None, keep_history: int | Non
         return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
 
 
-def _quarantine(store: Store, rel: str) -> None:
+def _quarantine(store: StoreCore, rel: str) -> None:
     src = store.files.absolute(rel)
     if src.exists():
         os.replace(src, store.files.quarantine / src.name)
 
 
-def _check_blocks(store: Store, report: FsckReport, progress: Progress) -> None:
+def _check_blocks(store: StoreCore, report: FsckReport, progress: Progress) -> None:
     rows = [BlockRef.from_row(r) for r in store.index.rows("SELECT * FROM blocks WHERE quarantined = 0")]
     for n, ref in enumerate(rows, 1):
         try:
@@ -143,7 +141,7 @@ def _check_blocks(store: Store, report: FsckReport, progress: Progress) -> None:
             report.bad_blocks.append({"block": row["key"], "file": row["file"], "reason": "quarantined earlier"})
 
 
-def _check_refcounts(store: Store, report: FsckReport) -> None:
+def _check_refcounts(store: StoreCore, report: FsckReport) -> None:
     with store.index.write() as db:
         for key, refs, actual in db.execute(
             "SELECT key, refs, (SELECT count(*) FROM snapshot_blocks WHERE block_key = key) FROM blocks "
@@ -153,7 +151,7 @@ def _check_refcounts(store: Store, report: FsckReport) -> None:
             db.execute("UPDATE blocks SET refs = ? WHERE key = ?", (actual, key))
 
 
-def _check_snapshots(store: Store, report: FsckReport) -> None:
+def _check_snapshots(store: StoreCore, report: FsckReport) -> None:
     for row in store.index.rows("SELECT id FROM snapshots ORDER BY created"):
         facts: dict[str, Any] = {"snapshot_id": row["id"]}
         try:
@@ -173,10 +171,10 @@ def _check_snapshots(store: Store, report: FsckReport) -> None:
         report.snapshots_checked += 1
 
 
-def fsck(store: Store, *, progress: Progress = None) -> FsckReport:
+def fsck(store: StoreCore, *, progress: Progress = None) -> FsckReport:
     """Verify every block and snapshot; quarantine bad files; report. Deletes nothing."""
     report = FsckReport()
-    with store.files.lock(exclusive=True), store._lock:
+    with store.files.lock(exclusive=True), store.locked():
         integrity = [r[0] for r in store.index.db.execute("PRAGMA integrity_check").fetchall()]
         report.sqlite += [] if integrity == ["ok"] else integrity
         report.sqlite += [f"foreign key: {r}" for r in store.index.db.execute("PRAGMA foreign_key_check").fetchall()]

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvwake.store.core import StoreCore
+from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 from kvwake.store.index import BlockRef
-from kvwake.store.keys import ROOT_KEY, tokens_to_bytes
 
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
-
-__all__ = ["NEIGHBOURS", "Partial", "common_length", "PrefixHit", "find", "partial_candidate"]
+__all__ = ["NEIGHBOURS", "Partial", "common_length", "PrefixHit", "find", "longest_prefix", "partial_candidate"]
 
 NEIGHBOURS = 4  # rows read on each side of the request in token order (ties beyond them are not ranked)
 
@@ -84,7 +81,7 @@ def common_length(stored: bytes, probe: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def partial_candidate(store: Store, bundle: str, parent: str, following: Sequence[int],
+def partial_candidate(store: StoreCore, bundle: str, parent: str, following: Sequence[int],
                       min_tokens: int) -> Partial | None:
     """The child of `parent` sharing the most leading tokens with `following` (at least min_tokens), or None."""
     probe = np.asarray(following[: store.block_tokens], dtype="<u4")
@@ -98,14 +95,28 @@ def partial_candidate(store: Store, bundle: str, parent: str, following: Sequenc
     k, is_block, _, ident = ranked[0]
     if not is_block:
         return Partial(k, parent, snapshot_id=ident)
-    with store._lock:
+    with store.locked():
         ref = store.index.blocks_by_key([ident]).get(ident)
     return Partial(k, parent, block=ref) if ref is not None and not ref.quarantined else None
 
 
-def find(store: Store, bundle: str, token_ids: Sequence[int], min_partial: int) -> PrefixHit:
+def longest_prefix(store: StoreCore, bundle: str, token_ids: Sequence[int], *,
+                   partial: bool = False) -> list[BlockRef]:
+    """The longest run of stored, usable full blocks that starts `token_ids` under `bundle`
+    (with `partial`, ending in the short block of the trailing tokens when that is stored too)."""
+    keys = chain_keys(bundle, token_ids, store.block_tokens, partial=partial)
+    usable = store.usable_blocks(keys, token_ids)
+    run = []
+    for key in keys:
+        if key not in usable:
+            break
+        run.append(usable[key])
+    return run
+
+
+def find(store: StoreCore, bundle: str, token_ids: Sequence[int], min_partial: int) -> PrefixHit:
     """The longest whole-block run that starts `token_ids`, then the best partial piece after it."""
-    run = store.longest_prefix(bundle, token_ids)
+    run = longest_prefix(store, bundle, token_ids)
     start = len(run) * store.block_tokens
     parent = run[-1].key if run else ROOT_KEY
     return PrefixHit(run, partial_candidate(store, bundle, parent, token_ids[start:], min_partial))

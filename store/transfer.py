@@ -35,18 +35,16 @@ import sqlite3
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import kvwake
 from kvwake.errors import InvalidParamsError, KvwakeError
-from kvwake.store.codec import BlockFormatError, Encoded, decode
+from kvwake.store.core import StoreCore
 from kvwake.store.files import fsync_dir
-from kvwake.store.keys import tokens_from_bytes, tokens_to_bytes
-from kvwake.store.writer import snapshot_digest
-
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
-    from kvwake.store.writer import SnapshotWriter
+from kvwake.store.format.codec import BlockFormatError, Encoded, decode
+from kvwake.store.format.keys import tokens_from_bytes, tokens_to_bytes
+from kvwake.store.format.snapshot import snapshot_digest
+from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["MAX_BLOCK_BYTES", "MAX_MANIFEST_BYTES", "check_encoded", "export_snapshot", "import_snapshot",
            "import_verified", "parse_manifest", "snapshot_manifest"]
@@ -56,7 +54,7 @@ MAX_BLOCK_BYTES = 1 << 30
 Progress = Callable[[int, int], None] | None
 
 
-def snapshot_manifest(store: Store, snapshot_id: str) -> tuple[dict[str, Any], Any]:
+def snapshot_manifest(store: StoreCore, snapshot_id: str) -> tuple[dict[str, Any], Any]:
     r = store.snapshot(snapshot_id)
     manifest = {
         "format": "kvwake-snapshot", "version": 1, "kvwake": kvwake.__version__,
@@ -89,7 +87,7 @@ class _BytesReader:
         return bytes(chunk)
 
 
-def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progress: Progress = None) -> dict[str, Any]:
+def export_snapshot(store: StoreCore, snapshot_id: str, path: str | Path, *, progress: Progress = None) -> dict[str, Any]:
     """Write one snapshot to a portable file at `path` (atomically); returns a summary.
 
     Every block is verified on the way out: a corrupt store raises CorruptBlockError.
@@ -98,7 +96,7 @@ def export_snapshot(store: Store, snapshot_id: str, path: str | Path, *, progres
         return _export(store, snapshot_id, Path(path), progress)
 
 
-def _export(store: Store, snapshot_id: str, path: Path, progress: Progress) -> dict[str, Any]:
+def _export(store: StoreCore, snapshot_id: str, path: Path, progress: Progress) -> dict[str, Any]:
     manifest, record = snapshot_manifest(store, snapshot_id)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     total = len(record.blocks) + (1 if record.tail else 0)
@@ -142,7 +140,7 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo | None, name: str
     return data
 
 
-def parse_manifest(raw: bytes, store: Store, path: Path) -> dict[str, Any]:
+def parse_manifest(raw: bytes, store: StoreCore, path: Path) -> dict[str, Any]:
     try:
         m = json.loads(raw)
         snap, blocks, tail = m["snapshot"], m["blocks"], m["tail"]
@@ -190,7 +188,7 @@ def _verified(data: bytes, entry: dict[str, Any], what: str, bundle: str, path: 
         raise _bad(path, f"{what} {exc}") from None
 
 
-def import_snapshot(store: Store, path: str | Path, *, session_id: str | None = None, progress: Progress = None) -> dict[str, Any]:
+def import_snapshot(store: StoreCore, path: str | Path, *, session_id: str | None = None, progress: Progress = None) -> dict[str, Any]:
     """Verify a portable snapshot file completely, then add it to the store in one commit.
 
     Raises InvalidParamsError naming what is wrong with the file. Importing the
@@ -209,7 +207,7 @@ def _existed(snapshot_id: str, session_id: str, blocks: int, tokens: int) -> dic
             "tokens": tokens, "existed": True}
 
 
-def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | None, progress: Progress) -> dict[str, Any]:
+def _import(store: StoreCore, tar: tarfile.TarFile, path: Path, session_id: str | None, progress: Progress) -> dict[str, Any]:
     m = parse_manifest(_read_member(tar, tar.next(), "manifest.json", MAX_MANIFEST_BYTES, path), store, path)
     bundle = m["bundle"]["hash"]
 
@@ -229,7 +227,7 @@ def _import(store: Store, tar: tarfile.TarFile, path: Path, session_id: str | No
     return import_verified(store, m, session_id, members, lambda why: _bad(path, why))
 
 
-def import_verified(store: Store, m: dict[str, Any], session_id: str | None, fill: Callable[[SnapshotWriter], None],
+def import_verified(store: StoreCore, m: dict[str, Any], session_id: str | None, fill: Callable[[SnapshotWriter], None],
                     bad: Callable[[str], KvwakeError]) -> dict[str, Any]:
     """Commit a parsed manifest's snapshot: `fill` hands the writer every block it needs, verified, and the tail.
 
@@ -241,8 +239,9 @@ def import_verified(store: Store, m: dict[str, Any], session_id: str | None, fil
                           (snap["id"], snap["digest"], session_id or snap["session_id"]))
     store.register_bundle(bundle, m["bundle"]["description"])
     taken = store.rows("SELECT 1 FROM snapshots WHERE id = ?", (snap["id"],))
-    with store.writer(session_id or snap["session_id"], bundle, m["token_ids"], parent=snap["parent"],
-                      label=snap["label"], metadata=snap["metadata"], snapshot_id=None if taken else snap["id"]) as w:
+    with SnapshotWriter(store, bundle, m["token_ids"], session_id=session_id or snap["session_id"],
+                        parent=snap["parent"], label=snap["label"], metadata=snap["metadata"],
+                        snapshot_id=None if taken else snap["id"]) as w:
         if [b["key"] for b in m["blocks"]] != w.keys:
             raise bad("block keys in the manifest do not match its token ids")
         fill(w)

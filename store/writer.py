@@ -8,44 +8,34 @@ right away so the caller can free it, then the tail, then `commit()` writes
 every index row in one transaction. Until that commit nothing is visible; a
 crash leaves only orphan files, which gc sweeps.
 
-The snapshot digest is sha256 over this exact layout:
+A writer stands on the store's core (core.py) and commits itself: the rows it
+inserts are its own, so no layer above it needs to read its internals.
 
-    b"kvwake-snapshot\\x00"  16 bytes
-    u32 LE                 1 (layout version)
-    bundle hash            32 raw bytes
-    u64 LE n_tokens, then n_tokens x u32 LE token ids
-    u32 LE n_blocks, then per block: key (32 raw bytes), payload digest (32 raw bytes)
-    u8 has_tail, then the tail's payload digest (32 raw bytes) if present
-    u64 LE length, then the snapshot's metadata as stored: JSON, UTF-8
-        (the session's pending tokens, messages, tools: what a wake restores besides the KV)
-
-Session id and label are not covered: fork and import may rename them.
+The snapshot digest a commit records is defined in store/format/snapshot.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import secrets
-import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import sqlite_utils
 
-from kvwake.store.codec import Encoded, Tensor, encode
+from kvwake.errors import CorruptBlockError, NotFoundError
+from kvwake.store.core import StoreCore
 from kvwake.store.files import fsync_dirs, write_durable
+from kvwake.store.format.codec import Encoded, Tensor, encode
+from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+from kvwake.store.format.snapshot import metadata_json, snapshot_digest
 from kvwake.store.index import BlockRef
-from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
-
-__all__ = ["SnapshotInfo", "SnapshotWriter", "Written", "new_snapshot_id", "snapshot_digest"]
+__all__ = ["SnapshotInfo", "SnapshotWriter", "Written", "new_snapshot_id"]
 
 Arrays = Mapping[str, Tensor | np.ndarray]
 
@@ -53,28 +43,6 @@ Arrays = Mapping[str, Tensor | np.ndarray]
 def new_snapshot_id() -> str:
     """Time-ordered, unguessable: 11 hex digits of milliseconds, 10 random."""
     return f"{int(time.time() * 1000):011x}{secrets.token_hex(5)}"
-
-
-def snapshot_digest(
-    bundle: str, token_ids: Sequence[int], blocks: Sequence[tuple[str, str]], tail_digest: str | None,
-    metadata: Mapping[str, Any],
-) -> str:
-    """The snapshot digest (layout in the module docstring); blocks are (key, digest)."""
-    h = hashlib.sha256(b"kvwake-snapshot\x00" + struct.pack("<I", 1) + bytes.fromhex(bundle))
-    h.update(struct.pack("<Q", len(token_ids)) + tokens_to_bytes(token_ids))
-    h.update(struct.pack("<I", len(blocks)))
-    for key, digest in blocks:
-        h.update(bytes.fromhex(key) + bytes.fromhex(digest))
-    h.update(b"\x01" + bytes.fromhex(tail_digest) if tail_digest else b"\x00")
-    meta = metadata_json(metadata).encode()
-    h.update(struct.pack("<Q", len(meta)) + meta)
-    return h.hexdigest()
-
-
-def metadata_json(metadata: Mapping[str, Any]) -> str:
-    # Insertion order is kept: chat templates render maps (tools) in their order, so
-    # sorting keys here would make a woken session render different tokens.
-    return json.dumps(dict(metadata))
 
 
 @dataclass(frozen=True)
@@ -109,12 +77,13 @@ class SnapshotWriter:
 
     Use as a context manager; leaving it without `commit()` aborts and removes
     the files it wrote. Holds the store lock shared from open to commit, so gc
-    cannot evict a block this writer decided to reuse.
+    cannot evict a block this writer decided to reuse. Raises NotFoundError when
+    `bundle` is not registered in the store.
     """
 
     def __init__(
         self,
-        store: Store,
+        store: StoreCore,
         bundle: str,
         token_ids: Sequence[int],
         *,
@@ -126,6 +95,8 @@ class SnapshotWriter:
         snapshot_id: str | None = None,
         partial: bool = False,
     ) -> None:
+        if store.bundle(bundle) is None:
+            raise NotFoundError(f"bundle {bundle} is not registered in this store", bundle=bundle)
         if partial and session_id is not None:
             raise ValueError("only prefix-only writes store a short last block; a snapshot keeps it in its tail")
         self.store, self.bundle, self.session_id = store, bundle, session_id
@@ -207,7 +178,7 @@ class SnapshotWriter:
             raise ValueError(f"blocks {missing} were never added; cannot commit")
         try:
             fsync_dirs(sorted(self._dirs))  # the renames are durable before the index names the files
-            losers = self.store.commit_write(self)
+            losers = self._index()
         except BaseException:
             self.abort()
             raise
@@ -217,6 +188,64 @@ class SnapshotWriter:
             with contextlib.suppress(FileNotFoundError):
                 self.store.files.absolute(rel).unlink()
         return self._info(losers)
+
+    def _index(self) -> list[str]:
+        """Index everything this writer made durable, in one transaction.
+
+        Returns the files of blocks another writer indexed first (duplicates to delete).
+        """
+        now, losers = time.time(), []
+        with self.store.transaction() as db:
+            for _, ref in self.block_rows():
+                cur = db.execute(
+                    "INSERT INTO blocks (key, parent, bundle, token_ids, n_tokens, digest, codec, raw_bytes,"
+                    " stored_bytes, file, created, last_used) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
+                    " ON CONFLICT(key) DO UPDATE SET parent=excluded.parent, token_ids=excluded.token_ids,"
+                    " n_tokens=excluded.n_tokens, digest=excluded.digest, codec=excluded.codec,"
+                    " raw_bytes=excluded.raw_bytes, stored_bytes=excluded.stored_bytes, file=excluded.file,"
+                    " quarantined=0 WHERE blocks.quarantined = 1 OR blocks.token_ids != excluded.token_ids",
+                    (ref.key, ref.parent, ref.bundle, tokens_to_bytes(ref.token_ids), len(ref.token_ids),
+                     ref.digest, ref.codec, ref.raw_bytes, ref.stored_bytes, ref.file, now, now),
+                )
+                if cur.rowcount == 0:
+                    losers.append(ref.file)
+            self._check_reused()
+            marks = ",".join("?" * len(self.keys))
+            db.execute(f"UPDATE blocks SET last_used = ?{', pins = 1' if self.pin else ''} WHERE key IN ({marks})",
+                       [now, *self.keys])
+            if self.id is not None:
+                self._insert_snapshot(db, now)
+        return losers
+
+    def _check_reused(self) -> None:
+        # The shared lock keeps gc away, but fsck may have quarantined a block since planning.
+        reused = [k for k in self.keys if k not in {ref.key for _, ref in self.block_rows()}]
+        rows = self.store.index.blocks_by_key(reused)  # under the index lock: _index's transaction holds it
+        bad = [k for k in reused if k not in rows or rows[k].quarantined]
+        if bad:
+            raise CorruptBlockError(f"blocks quarantined while snapshot {self.id} was written; retry", blocks=bad)
+
+    def _insert_snapshot(self, db: sqlite_utils.Database, now: float) -> None:
+        tail = self.tail
+        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), tail.digest if tail else None,
+                                 self.metadata)
+        db.execute(
+            "INSERT INTO sessions (id, created, updated) VALUES (?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated",
+            (self.session_id, now, now),
+        )
+        db.execute(
+            "INSERT INTO snapshots (id, session_id, bundle, token_ids, n_tokens, tail_file, tail_digest,"
+            " tail_codec, tail_raw, tail_stored, digest, label, parent, created, metadata, tail_parent, tail_tokens)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (self.id, self.session_id, self.bundle, tokens_to_bytes(self.token_ids), len(self.token_ids),
+             tail.file if tail else None, tail.digest if tail else None, tail.codec if tail else None,
+             tail.raw_bytes if tail else 0, tail.stored_bytes if tail else 0,
+             digest, self.label, self.parent, now, self.metadata_json(), *(self.tail_index() if tail else (None, None))),
+        )
+        db.conn.executemany("INSERT INTO snapshot_blocks (snapshot_id, pos, block_key) VALUES (?, ?, ?)",
+                            [(self.id, pos, key) for pos, key in enumerate(self.keys)])
+        db.execute("UPDATE sessions SET head = ? WHERE id = ?", (self.id, self.session_id))
 
     def block_rows(self) -> list[tuple[int, BlockRef]]:
         """Index rows for the blocks this writer wrote itself."""

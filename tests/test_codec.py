@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvwake.store.codec import DTYPES as HOLDERS
-from kvwake.store.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
+from kvwake.store.format.codec import DTYPES as HOLDERS
+from kvwake.store.format.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
                                 decode, decode_into, encode, payload, section_digest)
-from kvwake.store.planes import split
+from kvwake.store.format.planes import split
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 

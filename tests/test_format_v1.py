@@ -18,7 +18,7 @@ from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.store import Store
-from kvwake.store.codec import read_file_header
+from kvwake.store.format.codec import read_file_header
 from tests.kvdata import BUNDLE, assert_snapshot_exact
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwake.store.keys import ROOT_KEY, block_key, chain_keys, tokens_from_bytes, tokens_to_bytes
+from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys, tokens_from_bytes, tokens_to_bytes
 
 VECTORS = json.loads((Path(__file__).parent / "fixtures" / "chain_keys.json").read_text())["vectors"]
 
@@ -32,7 +32,7 @@ def test_layout_matches_an_independent_implementation():
 
 
 def test_same_keys_in_another_process_with_another_hash_seed():
-    code = "from kvwake.store.keys import chain_keys; print(chain_keys('b0'*32, list(range(50)), 8))"
+    code = "from kvwake.store.format.keys import chain_keys; print(chain_keys('b0'*32, list(range(50)), 8))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(chain_keys("b0" * 32, list(range(50)), 8))

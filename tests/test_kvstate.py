@@ -33,7 +33,7 @@ from kvwake.daemon.kv import fill as kvfill
 from kvwake.daemon.kv import state as kvstate
 from kvwake.daemon.kv.state import NotCuttableError, StateMismatchError, UnsupportedCacheError
 from kvwake.store import Store
-from kvwake.store.codec import Tensor, decode, encode
+from kvwake.store.format.codec import Tensor, decode, encode
 from tests.capabilities import require_quantized_kv
 
 B = 16  # tokens per block: 40 tokens = 2 full blocks + an 8-token tail

@@ -21,7 +21,7 @@ from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.store import ROOT_KEY, Store, chain_keys
-from kvwake.store.keys import tokens_to_bytes
+from kvwake.store.format.keys import tokens_to_bytes
 from tests.capabilities import require_quantized_kv
 from tests.kvdata import BUNDLE, OTHER_BUNDLE, kv_arrays, write_snapshot
 from tests.tinymodel import make_model_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import numpy as np
 import pytest
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
@@ -383,3 +384,30 @@ def test_the_snapshot_digest_covers_its_session_state(store):
         db.execute("UPDATE snapshots SET metadata = ? WHERE id = ?", ('{"pending": [6], "messages": []}', info.id))
     with pytest.raises(CorruptBlockError, match="digest mismatch"):
         store.snapshot(info.id)
+
+
+def test_heads_are_each_sessions_newest_snapshot_of_one_bundle(store):
+    write_snapshot(store, "a", TOKENS[:6], metadata={"pending": [1]})
+    head_a = write_snapshot(store, "a", TOKENS, metadata={"pending": [2], "mode": "chat"})
+    write_snapshot(store, "b", [7, 8, 9, 10, 11], OTHER_BUNDLE)
+    store.ensure_session("c", {"origin": "http"})  # never slept: no head
+    store.ensure_session("a", {"origin": "http"})
+    (a,) = store.heads(BUNDLE)
+    assert a["id"] == "a" and a["metadata"] == {"origin": "http"} and a["state"] == {"pending": [2], "mode": "chat"}
+    assert a["token_ids"].dtype == np.int64 and a["token_ids"].tolist() == TOKENS
+    assert store.latest_snapshot("a") == head_a.id
+    assert [h["id"] for h in store.heads(OTHER_BUNDLE)] == ["b"]
+    store.delete_snapshot(head_a.id)  # the older snapshot becomes the head
+    assert store.heads(BUNDLE)[0]["token_ids"].tolist() == TOKENS[:6]
+    assert store.heads("dd" * 32) == []
+
+
+def test_a_snapshot_summary_is_its_row_without_tokens(store):
+    info = write_snapshot(store, "s", TOKENS, metadata={"pending": [5, 6]})
+    store.set_label(info.id, "before-tools")
+    summary = store.snapshot_summary(info.id)
+    created = store.snapshot(info.id).created
+    assert summary == {"id": info.id, "session_id": "s", "n_tokens": len(TOKENS), "label": "before-tools",
+                       "metadata": {"pending": [5, 6]}, "bundle": BUNDLE, "created": created}
+    with pytest.raises(NotFoundError):
+        store.snapshot_summary("nope")

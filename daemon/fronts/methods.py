@@ -241,7 +241,7 @@ async def prefix_warm(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def store_gc(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"remote", "grace_s", "verify"})
     m = ctx.manager
-    if _flag(p, "remote"):  # the shared tier's gc instead (store/remote_gc.py)
+    if _flag(p, "remote"):  # the shared tier's gc instead (store/remote/gc.py)
         grace = p.get("grace_s", 3600.0)
         if m.remote is None or isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidParamsError("remote gc needs a daemon serving with --remote, and grace_s seconds >= 0")

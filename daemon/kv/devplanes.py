@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvwake.store.codec import DTYPES, Planed
+from kvwake.store.format.codec import DTYPES, Planed
 
 __all__ = ["PLANAR_DTYPES", "join", "planar", "split_span"]
 

@@ -51,7 +51,7 @@ from kvwake.daemon.kv.state import (
     take_ints,
     units,
 )
-from kvwake.store.codec import DTYPES, Stage, Tensor
+from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
 __all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]

@@ -6,7 +6,7 @@ per layer. A `CacheList` layer holds several caches; each leaf cache is a
 CacheList at layer i). Units of the kinds "kv", "concat_kv" and "quantized_kv"
 can be cut by token: block k holds tokens [k*B, (k+1)*B) of every such unit.
 Everything else (ring buffers, recurrent state, chunked attention) is whole in
-the tail. Arrays travel as `kvwake.store.codec.Tensor`; bf16 is moved bit for
+the tail. Arrays travel as `kvwake.store.format.codec.Tensor`; bf16 is moved bit for
 bit as "BF16" (a uint16 view), never through a float conversion.
 
 Array names, in blocks and (for tokens [n_full*B, n), absent when n % B == 0) in the tail:
@@ -54,7 +54,7 @@ from mlx_lm.models.cache import (
 )
 
 from kvwake.daemon.kv import devplanes
-from kvwake.store.codec import Planed, Tensor
+from kvwake.store.format.codec import Planed, Tensor
 
 __all__ = [
     "STATE_FORMAT",

@@ -42,12 +42,12 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
 from kvwake.store.files import write_durable
-from kvwake.store.remote import Remote
-from kvwake.store.remote_objects import Lease, RemoteConfig
-from kvwake.store.keys import chain_keys
-from kvwake.store.remote_gc import collect
-from kvwake.store.remote_prefix import fetch_prefix, upload_prefix
-from kvwake.store.remote_transfer import LostLeaseError, fetch_snapshot, upload_snapshot
+from kvwake.store.format.keys import chain_keys
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.gc import collect
+from kvwake.store.remote.objects import Lease, RemoteConfig
+from kvwake.store.remote.prefix import fetch_prefix, upload_prefix
+from kvwake.store.remote.transfer import LostLeaseError, fetch_snapshot, upload_snapshot
 
 
 __all__ = ["RemoteTier"]
@@ -147,7 +147,7 @@ class RemoteTier:
 
     def enqueue_prefix(self, tokens: list[int]) -> None:
         """Queue a warmed prefix's blocks, its short last one too, for upload under a prefix manifest
-        (store/remote_prefix.py)."""
+        (store/remote/prefix.py)."""
         keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens, partial=True)
         if keys:
             self.prefixes[keys[-1]] = list(tokens)
@@ -294,7 +294,7 @@ class RemoteTier:
         return n
 
     async def gc(self, grace_s: float, verify: bool) -> dict[str, Any]:
-        """One remote gc run (store/remote_gc.py); this daemon's store puts back what it can of damaged objects."""
+        """One remote gc run (store/remote/gc.py); this daemon's store puts back what it can of damaged objects."""
         self._check_ready()
         report = await self._run(lambda: collect(self.remote, self.store, grace_s=grace_s, verify=verify))
         log.info("remote gc", extra=asdict(report))

@@ -6,8 +6,8 @@ be written); blocks the remote already holds are not sent again; the tail
 follows; the manifest is written last, and only while the uploader still holds
 the session's lease. An upload cut off anywhere leaves no manifest, so no
 reader ever sees the snapshot; running it again finishes it. Warmed prefixes
-go the same way (store/remote_prefix.py). Uploads are fenced against
-the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote_gc.py).
+go the same way (store/remote/prefix.py). Uploads are fenced against
+the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote/gc.py).
 
 Download: every object is checked as an import file is (store/transfer.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
@@ -21,19 +21,17 @@ import concurrent.futures as cf
 import json
 from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvwake.errors import CorruptBlockError, KvwakeError
-from kvwake.store.codec import Encoded
-from kvwake.store.keys import block_key
-from kvwake.store.remote import Remote
-from kvwake.store.remote_objects import GcRun, Lease, ObjectHeader
+from kvwake.store.core import StoreCore
+from kvwake.store.format.codec import Encoded
+from kvwake.store.format.keys import block_key
+from kvwake.store.index import BlockRef, SnapshotRecord
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.objects import GcRun, Lease, ObjectHeader
 from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
-
-if TYPE_CHECKING:
-    from kvwake.store.index import BlockRef, SnapshotRecord
-    from kvwake.store.store import Store
-    from kvwake.store.writer import SnapshotWriter
+from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["LostLeaseError", "as_encoded", "check_block_object", "check_tail_object", "commit_manifest", "fenced",
            "fetch_block", "fetch_snapshot", "put_block", "put_tail", "upload_blocks", "upload_snapshot"]
@@ -50,7 +48,7 @@ class LostLeaseError(KvwakeError):
 # -- upload ----------------------------------------------------------------------
 
 
-def _local_block(store: Store, ref: BlockRef) -> bytes:
+def _local_block(store: StoreCore, ref: BlockRef) -> bytes:
     """A block file's bytes, fully verified against its index row."""
     data = bytes(store.files.read(ref.file))
     if block_key(ref.parent, ref.bundle, ref.token_ids) != ref.key:
@@ -62,7 +60,7 @@ def _local_block(store: Store, ref: BlockRef) -> bytes:
     return data
 
 
-def put_block(remote: Remote, store: Store, ref: BlockRef) -> bool:
+def put_block(remote: Remote, store: StoreCore, ref: BlockRef) -> bool:
     """Put one local block (verified first), create-only; False when the remote already holds it."""
     data = _local_block(store, ref)
     header = ObjectHeader("block", ref.bundle, ref.digest, ref.codec, ref.raw_bytes, len(data), key=ref.key,
@@ -70,7 +68,7 @@ def put_block(remote: Remote, store: Store, ref: BlockRef) -> bool:
     return remote.put_new(remote.block_key(ref.key), header.pack(data))  # "exists" is success: same content
 
 
-def put_tail(remote: Remote, store: Store, record: SnapshotRecord) -> bool:
+def put_tail(remote: Remote, store: StoreCore, record: SnapshotRecord) -> bool:
     """Put a local snapshot's tail (verified first), create-only; False when the remote already holds it."""
     assert record.tail is not None
     data = bytes(store.files.read(record.tail.file))
@@ -80,7 +78,7 @@ def put_tail(remote: Remote, store: Store, record: SnapshotRecord) -> bool:
     return remote.put_new(remote.tail_key(record.id), header.pack(data))
 
 
-def upload_blocks(remote: Remote, store: Store, refs: list[BlockRef]) -> int:
+def upload_blocks(remote: Remote, store: StoreCore, refs: list[BlockRef]) -> int:
     """Put the blocks the remote lacks (create-only); returns how many were written."""
     present = remote.parallel(lambda ref: remote.exists(remote.block_key(ref.key)), refs)
     written = sum(remote.parallel(lambda ref: put_block(remote, store, ref),
@@ -111,7 +109,7 @@ def commit_manifest(remote: Remote, key: str, data: bytes, run: GcRun, put_objec
         put_objects()
 
 
-def upload_snapshot(remote: Remote, store: Store, snapshot_id: str, lease: Lease) -> dict[str, Any]:
+def upload_snapshot(remote: Remote, store: StoreCore, snapshot_id: str, lease: Lease) -> dict[str, Any]:
     """Publish one committed local snapshot under `lease`; returns what was sent.
 
     Raises LostLeaseError when the lease moved on, RemoteUnavailableError, CorruptBlockError (local damage).
@@ -233,7 +231,7 @@ def _all(remote: Remote, fn: Callable[[int], None], items: list[int]) -> None:
         f.result()
 
 
-def fetch_snapshot(remote: Remote, store: Store, manifest_key: str, session_id: str, on_block: OnBlock = None) -> dict[str, Any]:
+def fetch_snapshot(remote: Remote, store: StoreCore, manifest_key: str, session_id: str, on_block: OnBlock = None) -> dict[str, Any]:
     """Fetch, verify and commit locally the snapshot a manifest names; returns the import summary.
 
     Raises CorruptBlockError (nothing committed) or RemoteUnavailableError.

@@ -1,5 +1,5 @@
 """What the shared tier's pieces look like: its configuration, its health, block and tail objects,
-gc runs and lease steps (store/remote.py makes the calls; the layout is in its docstring).
+gc runs and lease steps (store/remote/client.py makes the calls; the layout is in its docstring).
 
 Block and tail objects (`ObjectHeader`, version 1):
 
@@ -11,7 +11,7 @@ Block and tail objects (`ObjectHeader`, version 1):
     12      n     header JSON, UTF-8: {"kind": "block"|"tail", "bundle", "digest",
                   "codec", "raw_bytes", "stored_bytes", and for blocks "key",
                   "parent", "token_ids" (list of ints); for tails "snapshot_id"}
-    12+n    ...   the block file (store/codec.py), stored_bytes long
+    12+n    ...   the block file (store/format/codec.py), stored_bytes long
 
 A reader trusts none of it: the chain key is recomputed from parent, bundle
 and token ids, and the block file is decoded and its digest checked against

@@ -32,18 +32,17 @@ import concurrent.futures as cf
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvwake.errors import KvwakeError
-from kvwake.store.keys import ROOT_KEY, chain_keys, tokens_to_bytes
-from kvwake.store.prefix import common_length, partial_candidate
-from kvwake.store.remote import Remote
-from kvwake.store.remote_transfer import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
-
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
+from kvwake.store.core import StoreCore
+from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+from kvwake.store.prefix import common_length, longest_prefix, partial_candidate
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.transfer import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
+from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["PIECES_READ", "fetch_prefix", "upload_prefix"]
 
@@ -51,11 +50,11 @@ log = logging.getLogger("kvwake.remote")
 PIECES_READ = 8  # prefix manifests read per partial lookup (published pieces under one parent; more are not ranked)
 
 
-def upload_prefix(remote: Remote, store: Store, token_ids: list[int]) -> dict[str, Any] | None:
+def upload_prefix(remote: Remote, store: StoreCore, token_ids: list[int]) -> dict[str, Any] | None:
     """Publish a warmed prefix: its blocks (the short last one too), then its prefix manifest, which
     keeps them from the remote gc. Returns what was sent; None when the store holds no block of it."""
     with store.reading():
-        refs = store.longest_prefix(remote.bundle, token_ids, partial=True)
+        refs = longest_prefix(store, remote.bundle, token_ids, partial=True)
     if not refs:
         return None
     last = refs[-1]
@@ -92,14 +91,14 @@ def _arrived(f: cf.Future, what: str) -> bool:
     return False
 
 
-def _whole_blocks(remote: Remote, store: Store, token_ids: list[int], ends: float, batch: int,
+def _whole_blocks(remote: Remote, store: StoreCore, token_ids: list[int], ends: float, batch: int,
                   on_block: OnBlock) -> tuple[int, str, int]:
     """Fetch the remote blocks continuing the local run, `batch` at a time, until one is missing or
     refused or the deadline passes (blocks still in flight are dropped).
     Returns (run length, its last chain key or ROOT_KEY, blocks added)."""
     b = store.block_tokens
     keys = chain_keys(remote.bundle, token_ids, b)
-    have, added = len(store.longest_prefix(remote.bundle, token_ids)), 0
+    have, added = len(longest_prefix(store, remote.bundle, token_ids)), 0
     while have < len(keys):
         wanted = range(have, min(have + batch, len(keys)))
         futures = [remote.pool.submit(fetch_block, remote, keys[i], None, None, token_ids[i * b : (i + 1) * b])
@@ -111,7 +110,7 @@ def _whole_blocks(remote: Remote, store: Store, token_ids: list[int], ends: floa
                 break
             got.append(f.result())
         if got:
-            with store.writer(None, remote.bundle, token_ids[: (have + len(got)) * b]) as w:
+            with SnapshotWriter(store, remote.bundle, token_ids[: (have + len(got)) * b], session_id=None) as w:
                 for i, (header, body, tensors) in zip(range(have, have + len(got)), got):
                     w.add_encoded(i, as_encoded(body, header))
                     if on_block:
@@ -145,7 +144,7 @@ def _best_piece(remote: Remote, parent: str, following: list[int], least: int, e
     return best
 
 
-def _partial_piece(remote: Remote, store: Store, token_ids: list[int], have: int, parent_key: str,
+def _partial_piece(remote: Remote, store: StoreCore, token_ids: list[int], have: int, parent_key: str,
                    min_partial: int, ends: float) -> int:
     """Fetch the best published piece continuing the run of `have` blocks (ending at `parent_key`) and
     store it as a short block; returns the tokens it serves (0: none, late, or none better than the
@@ -167,13 +166,14 @@ def _partial_piece(remote: Remote, store: Store, token_ids: list[int], have: int
     header, body, _ = future.result()  # CorruptBlockError for one that does not verify
     if header.parent != parent_key:  # a key is self-consistent; it must also continue *this* run
         return 0
-    with store.writer(None, remote.bundle, token_ids[: have * b] + piece["tokens"], partial=True) as w:
+    with SnapshotWriter(store, remote.bundle, token_ids[: have * b] + piece["tokens"], session_id=None,
+                        partial=True) as w:
         w.add_encoded(have, as_encoded(body, header))
         w.commit()
     return int(piece["common"])
 
 
-def fetch_prefix(remote: Remote, store: Store, token_ids: list[int], *, deadline_s: float, batch: int = 8,
+def fetch_prefix(remote: Remote, store: StoreCore, token_ids: list[int], *, deadline_s: float, batch: int = 8,
                  min_partial: int = 1, on_block: OnBlock = None) -> tuple[int, int]:
     """Bring the remote's blocks that continue the local longest prefix of `token_ids` into the local
     store, then the published piece that continues them furthest (module docstring), all under the

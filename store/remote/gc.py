@@ -34,18 +34,18 @@ would then name a removed block. So gc runs are fenced:
    refused while another is active (create-only settles two starting at once).
 2. An upload reads the newest run before its existence checks and again after
    its puts; when a run was active or began in between, it waits for that run
-   to end and checks and puts again (remote_transfer._fenced).
+   to end and checks and puts again (remote/transfer.py, `fenced`).
 3. After writing its manifest it reads the newest run once more: a run that
    began before the manifest existed may have removed a block the upload
    reused, so it waits for the run to end and puts back what is missing
-   (remote_transfer._commit). A run that begins later lists the manifest.
+   (remote/transfer.py, `commit_manifest`). A run that begins later lists the manifest.
 So no manifest loses an object for good. A reader may find one missing for the
 moment between its removal and its put-back; it refuses the snapshot (nothing
 corrupt is restored) and a retry succeeds. The grace period is not what makes
 this safe: it spares in-flight uploads from redoing their work, and leaves a
 cut-off upload's blocks for its daemon to finish (daemons re-send their
 unpublished heads at start). Clocks: a run whose end object is missing counts
-as active until its deadline plus GC_SKEW_S (store/remote.py).
+as active until its deadline plus GC_SKEW_S (store/remote/client.py).
 """
 
 from __future__ import annotations
@@ -53,15 +53,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvwake.errors import BusyError, CorruptBlockError
+from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef
-from kvwake.store.remote import Remote
-from kvwake.store.remote_transfer import check_block_object, check_tail_object, put_block, put_tail
-
-if TYPE_CHECKING:
-    from kvwake.store.store import Store
+from kvwake.store.remote.client import Remote
+from kvwake.store.remote.transfer import check_block_object, check_tail_object, put_block, put_tail
 
 __all__ = ["RemoteGcReport", "collect"]
 
@@ -203,12 +201,12 @@ def _check_twice(remote: Remote, key: str, check: Any) -> bool:
     return True
 
 
-def _local_block(store: Store | None, key: str) -> BlockRef | None:
+def _local_block(store: StoreCore | None, key: str) -> BlockRef | None:
     rows = store.rows("SELECT * FROM blocks WHERE key = ? AND quarantined = 0", (key,)) if store else []
     return BlockRef.from_row(rows[0]) if rows else None
 
 
-def _verify(remote: Remote, store: Store | None, blocks: dict[str, dict], tails: dict[str, str],
+def _verify(remote: Remote, store: StoreCore | None, blocks: dict[str, dict], tails: dict[str, str],
             found_blocks: dict, found_tails: dict, until: float, report: RemoteGcReport) -> None:
     """Remove named objects that fail verification twice; put back missing or removed ones from `store`.
 
@@ -250,7 +248,7 @@ def _verify(remote: Remote, store: Store | None, blocks: dict[str, dict], tails:
     report.incomplete |= "late" in outcomes
 
 
-def collect(remote: Remote, store: Store | None = None, *, grace_s: float = 3600.0, verify: bool = False,
+def collect(remote: Remote, store: StoreCore | None = None, *, grace_s: float = 3600.0, verify: bool = False,
             max_s: float = GC_MAX_S) -> RemoteGcReport:
     """One remote gc run (the rules are in the module docstring); `store`: this daemon's, for repairs.
 

@@ -17,26 +17,26 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
     v1/<bundle>/prefixes/<parent>/<chain key>.json
                                               a warmed prefix's manifest (`prefix.warm`), named by
                                               its last piece's key under that piece's parent
-                                              (store/remote_prefix.py); written last
+                                              (store/remote/prefix.py); written last
     v1/<bundle>/gc/<epoch:012d>-start.json, -end.json
-                                              remote gc runs (store/remote_gc.py), create-only
+                                              remote gc runs (store/remote/gc.py), create-only
 
 `<sid>` is the session id percent-encoded (every byte but ASCII letters,
 digits and "_.-~"). A namespace per bundle hash: two models never share an
 object, and a daemon only ever lists its own model's sessions.
 
-Block and tail objects: store/remote_objects.py (`ObjectHeader`).
+Block and tail objects: store/remote/objects.py (`ObjectHeader`).
 
 Manifests are the export manifest (store/transfer.py) plus `"remote":
 {"epoch", "daemon", "keep_history"}` (keep_history: the history the remote gc
-keeps for the session, named by its head; store/remote_gc.py). A session's head is its manifest with the greatest name
+keeps for the session, named by its head; store/remote/gc.py). A session's head is its manifest with the greatest name
 (epoch first, then the time-ordered snapshot id). A prefix manifest is
 {"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
 "n_tokens", "last_tokens" (the last piece's token ids), "blocks": [{"key",
 "digest", "raw_bytes"}]}; its last block may be short (fewer than
 block_tokens tokens, keyed by the same layout).
 
-Objects are deleted only by the remote gc (store/remote_gc.py), which never
+Objects are deleted only by the remote gc (store/remote/gc.py), which never
 removes what a snapshot or prefix manifest names.
 """
 
@@ -55,7 +55,7 @@ import obstore
 from obstore.exceptions import AlreadyExistsError, NotFoundError, PermissionDeniedError, UnauthenticatedError
 
 from kvwake.errors import BusyError, CorruptBlockError, InvalidParamsError, RemoteUnavailableError
-from kvwake.store.remote_objects import GcRun, Health, Lease, RemoteConfig
+from kvwake.store.remote.objects import GcRun, Health, Lease, RemoteConfig
 
 __all__ = ["LAYOUT", "Remote"]
 
@@ -201,7 +201,7 @@ class Remote:
         names = self.names(f"{self.ns}/snapshots/{session_part(session_id)}/")
         return f"{self.ns}/snapshots/{session_part(session_id)}/{names[-1]}" if names else None
 
-    # -- gc runs (the fence between gc and uploads: store/remote_gc.py) -----------
+    # -- gc runs (the fence between gc and uploads: store/remote/gc.py) -----------
 
     def gc_run(self) -> GcRun:
         """The newest gc run. One whose end object is missing stays active until its `until` (plus

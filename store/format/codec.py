@@ -21,7 +21,7 @@ the JSON. The tensor data follows:
   per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
 - format 2 (written now): tensors are coded in *runs* of consecutive tensors of
   one dtype (a plain KV block is one run). "planes-zstd": one section per byte
-  plane of the whole run, each tensor's bytes ending a zstd block (store/planes.py);
+  plane of the whole run, each tensor's bytes ending a zstd block (store/format/planes.py);
   "raw": one uncompressed section with the run's payload; "zstd": one section per
   tensor. Digest = BLAKE3 of the concatenated BLAKE3 digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
@@ -51,8 +51,8 @@ import blake3
 import numpy as np
 import zstandard
 
-from kvwake.store.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into, scratch, split,
-                                 whole_section)
+from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into,
+                                        scratch, split, whole_section)
 
 __all__ = [
     "CODECS",
