@@ -74,7 +74,7 @@ class Settings:
     remote_timeout_s: float = 10.0  # one S3 request; also how long sleep's remote_wait waits at most x3
     remote_prefix_deadline_s: float = 2.0  # a prefix lookup waits this long for remote blocks, then prefills
     remote_queue: int = 1024  # snapshots waiting for upload; more are dropped (and counted) until it drains
-    http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/http.py); None: off
+    http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/fronts/http.py); None: off
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
     stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted

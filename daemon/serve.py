@@ -186,7 +186,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
 
 
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
-    """The HTTP API's listening socket and bearer token, when `--http` is set (daemon/http.py).
+    """The HTTP API's listening socket and bearer token, when `--http` is set (daemon/fronts/http.py).
 
     Raises ValueError for a bad address or a token check switched off on a non-loopback one,
     OSError when the port cannot be bound, HttpTokenError for an unsafe token file.

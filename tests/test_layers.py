@@ -20,7 +20,11 @@ FOLDERS = {"kvwake": ROOT / "common", "kvwake.daemon": ROOT / "daemon", "kvwake.
 # (the shared vocabulary) and config.py, activation.py sit under every layer; serve.py is on top.
 DAEMON_RANKS = {"session": 0, "config": 0, "activation": 0, "kv": 1, "model": 2, "sessions": 3, "fronts": 4,
                 "serve": 5}
-SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM)\b", re.IGNORECASE | re.DOTALL)
+SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\b.+\bINTO|REPLACE\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM|CREATE\s+"
+                 r"(TABLE|INDEX|VIEW|TRIGGER)|DROP\s+(TABLE|INDEX|VIEW|TRIGGER)|PRAGMA\s+\w+)\b", re.IGNORECASE | re.DOTALL)
+# The store's own handles on its tables: code above it asks by method instead.
+STORE_INTERNALS = {"index", "rows", "transaction", "locked", "db", "conn", "execute", "executemany", "executescript",
+                   "query"}
 
 
 def modules() -> dict[str, Path]:
@@ -53,9 +57,15 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    """The import graph among kvwake's modules."""
-    known = modules()
-    return {name: imports(name, path, known) & set(known) - {name} for name, path in known.items()}
+    """The import graph among kvwake's modules. Inside the store, importing the package (`from
+    kvwake.store import Store`) is importing its facade: the package's `__init__` is the facade's."""
+    known, edges = modules(), {}
+    for name, path in known.items():
+        targets = imports(name, path, known) & set(known) - {name}
+        if name.startswith("kvwake.store.") and "kvwake.store" in targets:
+            targets = targets - {"kvwake.store"} | {"kvwake.store.store"}
+        edges[name] = targets - {name}
+    return edges
 
 
 def find_cycles(edges: dict[str, set[str]]) -> list[str]:
@@ -136,11 +146,42 @@ def test_the_client_imports_no_daemon_store_or_mlx_at_import_time():
     for name, path in modules().items():
         top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        names += [f"{n.module}.{a.name}" for n in top if isinstance(n, ast.ImportFrom) for a in n.names]
         if name.startswith("kvwake.client") and any(x.startswith(("kvwake.daemon", "kvwake.store", "mlx"))
                                                     for x in names):
             wrong.append(name)
     assert not wrong, f"client modules that import the daemon, the store or mlx at import time: {wrong}"
+
+
+def strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every string a module spells: constants, f-strings with their holes as "?", and `+` of those."""
+    def text(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(text(v) or "?" for v in node.values)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left, right = text(node.left), text(node.right)
+            return None if left is None and right is None else (left or "?") + (right or "?")
+        return None
+
+    return [(n.lineno, s) for n in ast.walk(tree) if isinstance(n, (ast.Constant, ast.JoinedStr, ast.BinOp))
+            and (s := text(n)) is not None]
+
+
+def test_the_sql_check_sees_sql():
+    # The check below passes on code with no strings at all; this proves it finds what it should.
+    code = 'q = f"SELECT {c} FROM t"\nr = "INSERT OR REPLACE " + "INTO t"\ns = self.store.index.rows("x")'
+    tree = ast.parse(code)
+    assert sum(bool(SQL.search(s)) for _, s in strings(tree)) == 2
+    assert [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and reaches_store(n)] == ["index"]
+
+
+def reaches_store(node: ast.Attribute) -> bool:
+    """`<...>store.<internal>`: the store's index, raw queries or locks, reached from outside it."""
+    base = node.value
+    name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
+    return node.attr in STORE_INTERNALS and name.endswith("store")
 
 
 @pytest.mark.parametrize("folder", ["daemon", "client"])
@@ -149,9 +190,7 @@ def test_no_sql_outside_the_store(folder):
     found = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and SQL.search(node.value):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
-            if isinstance(node, ast.Attribute) and node.attr in ("execute", "executemany"):
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}(...)")
+        found += [f"{path.relative_to(ROOT)}:{line}: {s[:60]!r}" for line, s in strings(tree) if SQL.search(s)]
+        found += [f"{path.relative_to(ROOT)}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and (reaches_store(n) or n.attr in ("execute", "executemany"))]
     assert not found, "SQL outside store/:\n" + "\n".join(found)

@@ -185,15 +185,17 @@ class Api:
             claimed = asyncio.Event()
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
                                                     claimed.set))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
             # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
             waiting = asyncio.ensure_future(claimed.wait())
-            await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-            waiting.cancel()
+            try:
+                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
             taken = not claimed.is_set() and not task.cancelled() and isinstance(task.exception(), BusyError)
             if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
                 continue
             task.add_done_callback(lambda _t, sid=session["session_id"]: self.matcher.remember(sid))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
             return session, task
         raise AssertionError("unreachable")
 

@@ -12,7 +12,7 @@ of its rendered prompt with each session's tokens:
 - otherwise (the request branches off earlier: a retried turn, an edited
   message, another agent with the same system prompt; or nothing matched): a
   **new session**, whose first append copies the longest shared prefix's KV
-  from a hot session in memory (the session manager's `hot_prefix`: RPC
+  from a hot session in memory (the session manager's `_hot_prefix`: RPC
   sessions benefit too), or restores it from stored blocks, instead of
   prefilling it. The source is left as it was.
 
@@ -32,7 +32,8 @@ import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon.session import common_prefix, new_session_id
-from kvwake.daemon.sessions.manager import Entry, SessionManager
+from kvwake.daemon.sessions.entries import Entry
+from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import BusyError, NotFoundError
 
 __all__ = ["ORIGIN", "Match", "Matcher", "expire"]
@@ -115,7 +116,7 @@ class Matcher:
 
     async def _new(self, shared: int, branched: bool) -> Match:
         """A new stateless session. Its first append copies the shared prefix's KV from a hot session
-        (the manager's `hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
+        (the manager's `_hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
         await self.manager.create(session_id, metadata={"origin": ORIGIN})
         return Match(session_id, "branched" if branched else "new", shared)

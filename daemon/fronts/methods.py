@@ -170,7 +170,7 @@ async def session_append(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def _generate(ctx: Context, p: dict[str, Any], inputs: dict[str, Any] | None) -> dict[str, Any]:
     params = GenerateParams.from_params({k: v for k, v in p.items() if k in GENERATE_KEYS})
-    on_event = ctx.notify if p.get("stream") else None  # events are the notifications' maps (toolcalls.py)
+    on_event = ctx.notify if p.get("stream") else None  # events are the notifications' maps (model/toolcalls.py)
     return await ctx.manager.generate(p["session_id"], params, on_event, ctx.closed, inputs)
 
 

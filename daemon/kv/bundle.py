@@ -50,7 +50,7 @@ __all__ = [
     "describe_bundle", "diff_descriptions", "file_digest", "hash_description",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvwake.daemon.bundle")  # its name before the layers (logs are read by it)
 
 DESCRIPTION_FORMAT = 1
 CACHE_FORMAT = 1

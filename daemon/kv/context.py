@@ -30,7 +30,7 @@ from kvwake.store import SnapshotRecord, Store
 
 __all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache"]
 
-log = logging.getLogger("kvwake.kv")
+log = logging.getLogger("kvwake.engine")  # the name its messages had before the layers (logs are read by it)
 T = TypeVar("T")
 Mlx = Callable[[Callable[[], Any]], Any]
 

@@ -69,7 +69,7 @@ def _fill_all(ctx: KvContext, buffers: fill.Buffers, pieces: list[BlockRef | Sna
     """Decode every piece into place on the pool; returns how many lead the list unbroken."""
     batch, ok = ctx.pool.batch(), [False] * len(pieces)
 
-    def fill(k: int, piece: BlockRef | SnapshotRecord) -> None:
+    def one(k: int, piece: BlockRef | SnapshotRecord) -> None:
         try:
             if isinstance(piece, BlockRef):
                 fill_block(ctx, buffers, piece, k, None, True)
@@ -83,7 +83,7 @@ def _fill_all(ctx: KvContext, buffers: fill.Buffers, pieces: list[BlockRef | Sna
         for k, piece in enumerate(pieces):
             nbytes = piece.raw_bytes if isinstance(piece, BlockRef) else piece.tail.raw_bytes  # type: ignore[union-attr]
             batch.reserve(nbytes)
-            batch.submit(nbytes, fill, k, piece)
+            batch.submit(nbytes, one, k, piece)
     finally:
         batch.join()
     batch.raise_first()

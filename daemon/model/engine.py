@@ -242,7 +242,7 @@ class Engine:
                    should_stop: Callable[[], bool] | None = None, mlx: Mlx = direct) -> Call:
         """A generate call ready to join the decoder: the cache covers every pending token but the last.
 
-        `on_event` gets the streamed events (text pieces, tool calls: daemon/toolcalls.py).
+        `on_event` gets the streamed events (text pieces, tool calls: model/toolcalls.py).
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
         output = TextOutput(self.tokenizer, params, on_event, should_stop, session.tools)

@@ -7,13 +7,13 @@ Concurrency rules:
   session fails at once with BUSY (agents should not overlap turns on one
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
   The one wait: a session lent for a moment to another session's prefix copy
-  (`hot_prefix`, one engine job) is waited for, not BUSY.
+  (`_hot_prefix`, one engine job) is waited for, not BUSY.
 - Append, sleep, wake and warm run the engine's own operation on a worker
   thread, with `mlx` = the engine thread's `call`: its MLX steps go to the
   engine thread one short job at a time (other sessions' generation
   interleaves with them), codec and disk work to the engine's pool.
 - Generate calls of different sessions decode together, one batched forward
-  pass per step (decoder.py); prefill runs one chunk per engine job between
+  pass per step (model/decoder.py); prefill runs one chunk per engine job between
   decode steps, so a long prompt delays the others by about one chunk.
 - A client that disconnects mid-generation stops it after the current token;
   the tokens generated so far stay in the session.
@@ -25,9 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -39,44 +37,17 @@ from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
+from kvwake.daemon.sessions.entries import Entry, Latency
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
     from kvwake.daemon.sessions.remote_tier import RemoteTier
 
-__all__ = ["Entry", "Latency", "SessionManager"]
+__all__ = ["SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
-
-
-class Latency:
-    """The last 1024 samples of one operation's duration, in ms."""
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=1024)
-
-    def add(self, ms: float) -> None:
-        self.samples.append(ms)
-
-    def summary(self) -> dict[str, Any]:
-        if not self.samples:
-            return {"count": 0, "p50_ms": None, "p99_ms": None}
-        ordered = sorted(self.samples)
-        pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
-        return {"count": len(ordered), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
-
-
-@dataclass
-class Entry:
-    """A session the daemon knows: `session` is None while it sleeps."""
-
-    id: str
-    session: Session | None = None
-    busy: str | None = None
-    last_used: float = field(default_factory=time.monotonic)
-    created: float = field(default_factory=time.time)
 
 
 class SessionManager:
@@ -111,7 +82,7 @@ class SessionManager:
             await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
             self.entries.setdefault(session_id, Entry(session_id))
         entry = self.entry(session_id)
-        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (hot_prefix): one engine job
+        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (_hot_prefix): one engine job
             while entry.busy == "copy":
                 await anyio.sleep(0.002)
         if entry.busy:
@@ -282,20 +253,23 @@ class SessionManager:
         return await self.thread.run(lambda: self.engine.render(**inputs))
 
     def _shared(self, session: Session) -> Shared:
-        """What a cold start of `session` may take instead of prefilling, before stored blocks (called
-        from the worker thread running the append): the remote tier's blocks are fetched into the RAM
-        tier first, then a hot session's prefix is copied when one holds more."""
-        async def shared(target: list[int]) -> tuple[list | None, int]:
+        """What a cold start of `session` may take instead of prefilling, before stored blocks (called by
+        Engine.prefix_cache on the worker thread running the append): the remote tier's blocks are
+        fetched into the RAM tier first (on that thread), then another hot session's prefix is copied
+        when one holds at least `engine.min_partial` tokens of it (on the event loop: it claims that
+        session)."""
+        def shared(target: list[int]) -> tuple[list | None, int]:
             if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-                await self.remote.prefetch(target[: len(target) - 1])
-            return await self.hot_prefix(session, target)
+                self.remote.prefetch(target[: len(target) - 1])
+            return from_thread.run(self._hot_prefix, session, target)
 
-        return lambda target: from_thread.run(shared, target)
+        return shared
 
-    async def hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
+    async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
         """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
 
-        For a session about to need a fresh cache (its first input): agents that share a system prompt
+        For a session about to need a fresh cache (its first input; Engine.prefix_cache checks that and
+        that the model's cache can be cut by token before it asks): agents that share a system prompt
         while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
         it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
@@ -319,7 +293,8 @@ class SessionManager:
         except BusyError:
             return None, 0
         self.counters["prefix_copies"] += 1
-        log.info("prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
+        logging.getLogger("kvwake.matching").info(  # the logger its message always had
+            "prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
         return cache, best
 
     def check_params(self, params: GenerateParams) -> None:

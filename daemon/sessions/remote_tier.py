@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio import to_thread
+from anyio import from_thread, to_thread
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine
@@ -272,26 +272,34 @@ class RemoteTier:
         log.info("adopted", extra={"session": session_id, "epoch": lease.epoch, **result})
         return result
 
-    async def prefetch(self, tokens: list[int]) -> int:
+    def prefetch(self, tokens: list[int]) -> int:
         """Remote blocks continuing the local prefix of `tokens`, then a published partial piece, under
-        the deadline; returns the whole blocks added (0 when unhealthy)."""
+        the deadline, into the RAM tier; returns the whole blocks added (0 when unhealthy).
+
+        Blocking, on the calling worker thread (an append's, which is waiting for this anyway): it takes
+        no second worker thread, so any number of cold appends at once cannot starve anyio's pool.
+        The counters are updated on the event loop.
+        """
         if not self.healthy or len(tokens) < self.engine.min_partial:
             return 0
         deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
-            n, partial = await self._run(lambda: fetch_prefix(
-                self.remote, self.store, tokens, deadline_s=deadline, min_partial=self.engine.min_partial,
-                on_block=self.engine.hot.put))
+            n, partial = fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
+                                      min_partial=self.engine.min_partial, on_block=self.engine.hot.put)
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0
-        if time.monotonic() - began >= deadline:  # the rest is prefilled; status says why at once
+        from_thread.run_sync(self._count_prefetch, n, partial, time.monotonic() - began >= deadline)
+        return n
+
+    def _count_prefetch(self, n: int, partial: int, late: bool) -> None:
+        if late:  # the rest is prefilled; status says why at once
+            deadline = self.settings.remote_prefix_deadline_s
             self.counters["prefix_lookups_late"] += 1
             self.remote.health.report(False, f"a prefix lookup got no answer within {deadline} s; prefilled "
                                       f"after {n} remote blocks", "slow")
         self.counters["prefix_blocks"] += n
         self.counters["prefix_partial_tokens"] += partial
-        return n
 
     async def gc(self, grace_s: float, verify: bool) -> dict[str, Any]:
         """One remote gc run (store/remote/gc.py); this daemon's store puts back what it can of damaged objects."""

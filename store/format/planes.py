@@ -4,7 +4,7 @@
 exponent fills the top byte), then split into byte planes, high byte first.
 Integers are split without rotation. `split` and `join_into` are the two
 directions on the CPU; the daemon does the same on the GPU when the KV lives
-there (kvstate/kvfill), producing and consuming exactly these bytes.
+there (daemon/kv/devplanes.py), producing and consuming exactly these bytes.
 
 A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
 compressible plane is one streamed zstd frame in which each tensor's bytes end

@@ -1,7 +1,7 @@
 """Shared prompts on the remote tier: publishing a warmed prefix, and prefix lookups that read the remote.
 
 Publication (`upload_prefix`): `prefix.warm` stores a prompt's full blocks and
-its last partial block as a short block (daemon/pipeline.write_prefix); all of
+its last partial block as a short block (daemon/kv/pipeline.py, write_prefix); all of
 them go up as block objects, then the prefix manifest, written last:
 
     prefixes/<parent key>/<last key>.json
