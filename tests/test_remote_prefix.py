@@ -103,3 +103,43 @@ def test_a_fetch_that_raises_is_logged_not_passed_off_as_missing(tmp_path, weed,
     assert "raised" in record.getMessage() and "a bug in the fetch" in str(record.exc_info[1])
     for r in (ra, rb):
         r.close()
+
+
+async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, weed):
+    # Was (found in review, never landed): the remote prefix lookup awaited a second anyio worker thread
+    # from inside the append's own, so as many cold appends at once as the pool has threads (40) hung the
+    # daemon. With the pool cut to one thread, one cold append is enough to show it.
+    import anyio
+    from anyio import to_thread
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.thread import EngineThread
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.daemon.sessions.remote_tier import RemoteTier
+    from tests.seaweed import BUCKET, KEY_ID, SECRET
+    from tests.tinymodel import make_model_dir
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, block_tokens=B, remote=f"s3://{BUCKET}/threads",
+                        remote_endpoint=weed.endpoint, remote_access_key_id=KEY_ID, remote_secret_access_key=SECRET)
+    store, thread = Store(settings.store_dir, block_tokens=B), EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, make_model_dir(tmp_path / "model"))).result()
+    manager = SessionManager(engine, thread, settings)
+    manager.remote = RemoteTier(settings, engine)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(manager.remote.run)
+            with anyio.fail_after(30):
+                await manager.remote.ready.wait()
+            to_thread.current_default_thread_limiter().total_tokens = 1
+            await manager.create("cold")
+            with anyio.fail_after(30):
+                appended = await manager.append("cold", text="A prompt the remote is asked for first. " * 3)
+            assert appended["prefilled"] == appended["tokens"] - 1
+            assert manager.remote.healthy and manager.remote.counters["prefix_lookups_late"] == 0
+            tg.cancel_scope.cancel()
+    finally:
+        manager.remote.close()
+        thread.stop()
+        engine.close()
+        store.close()

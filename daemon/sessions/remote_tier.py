@@ -107,6 +107,8 @@ class RemoteTier:
                          "uploaded_prefixes": 0, "adopted": 0}
 
     def close(self) -> None:
+        self._send.close()  # the upload queue: whatever is still queued is uploaded at the next start
+        self._receive.close()
         self.remote.close()
 
     def status(self) -> dict[str, Any]:
