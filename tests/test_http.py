@@ -22,19 +22,9 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon
+from tests.daemon import REPO, Daemon, get, serving_http
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
-
-
-def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
-    """A raw request (what the openai package would not send): status and JSON body."""
-    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def in_threads(target, n: int) -> list[threading.Thread]:
@@ -51,10 +41,7 @@ def client_for(d: Daemon) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, model_dir):
-    d = Daemon(tmp_path_factory.mktemp("http"), model_dir, extra=["--http", "0"]).start()
-    yield d
-    assert d.stop() == 0
-    assert d.log_problems() == []
+    yield from serving_http(tmp_path_factory.mktemp("http"), model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -271,10 +258,8 @@ def scripted_api(tmp_path_factory, name: str, *script):
     from tests.tinymodel import make_scripted_model
 
     model = make_scripted_model(tmp_path_factory.mktemp("models") / name, *script)
-    d = Daemon(tmp_path_factory.mktemp(f"http-{name}"), model, extra=["--http", "0"]).start()
-    yield client_for(d)
-    assert d.stop() == 0
-    assert d.log_problems() == []
+    for d in serving_http(tmp_path_factory.mktemp(f"http-{name}"), model):
+        yield client_for(d)
 
 
 @pytest.fixture(scope="module")
@@ -438,8 +423,8 @@ def test_sse_stream_closed_early_leaves_no_pending_read():
     (left pending, asyncio reports it as a destroyed pending task once collected)."""
     import asyncio
 
-    from kvwake.daemon.fronts.http import _sse
     from kvwake.daemon.fronts.openai_shapes import Reply
+    from kvwake.daemon.fronts.sse import OpenAiEvents, stream
 
     async def leave_mid_stream() -> bool:
         events: asyncio.Queue = asyncio.Queue()
@@ -447,9 +432,9 @@ def test_sse_stream_closed_early_leaves_no_pending_read():
         never = asyncio.ensure_future(asyncio.Event().wait())  # a generation still running
         import anyio
 
-        stream = _sse(Reply("m", True), first, events, never, anyio.Event(), False)
-        await stream.__anext__()  # the role chunk
-        waiting = asyncio.ensure_future(stream.__anext__())
+        sse = stream(OpenAiEvents(Reply("m", True), False), first, events, never, anyio.Event())
+        await sse.__anext__()  # the role chunk
+        waiting = asyncio.ensure_future(sse.__anext__())
         await asyncio.sleep(0.05)
         waiting.cancel()  # the client left: Starlette cancels the response task
         with pytest.raises(asyncio.CancelledError):
