@@ -61,10 +61,11 @@ def timed_turn(api: anthropic.Anthropic, request: dict[str, Any]) -> dict[str, A
             if event.type in ("content_block_delta", "message_delta") and first is None:
                 first = time.perf_counter()
         final = stream.get_final_message()
+        session = stream.response.headers.get("x-kvwake-session")
     u = final.usage
     return {"ttft_ms": round(((first or time.perf_counter()) - started) * 1000, 1), "content": final.content,
             "input_tokens": u.input_tokens, "cache_read_input_tokens": u.cache_read_input_tokens,
-            "output_tokens": u.output_tokens, "session": final.model_extra["kvwake"]["session_id"]}
+            "output_tokens": u.output_tokens, "session": session}
 
 
 def conversation(work: Path, model: Path, base: dict[str, Any], turns: int) -> tuple[list, list]:
@@ -116,8 +117,8 @@ def main() -> None:
     else:
         model = Path(a.model).expanduser().resolve()
     system = [{"type": "text", "text": system_prompt(a.system_words), "cache_control": {"type": "ephemeral"}}]
-    base = {"model": "claude-sonnet-4-6", "max_tokens": a.reply_tokens, "temperature": 0, "system": system,
-            "tools": tools(a.tools)}
+    base = {"model": "claude-sonnet-4-6", "max_tokens": a.reply_tokens, "system": system, "tools": tools(a.tools),
+            "extra_body": {"temperature": 0}}  # greedy (the SDK has no temperature argument any more)
     rows, requests = conversation(work, model, base, a.turns)
     after = next(r for r in rows if r["after_restart"])
     baseline = cold(work, model, requests[after["turn"] - 1])
