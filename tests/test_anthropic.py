@@ -177,6 +177,20 @@ def test_what_changes_nothing_is_accepted(api):
     assert reply.stop_reason == "max_tokens"
 
 
+def test_a_prompt_over_the_context_is_refused_and_max_tokens_is_capped(api):
+    # The tiny model's context is 4096 tokens (1 byte = 1 token); Claude Code compacts on this message.
+    too_long = [{"role": "user", "content": "x" * 5000}]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        ask(api, too_long)
+    counted = api.messages.count_tokens(model="m", messages=too_long).input_tokens  # counting is not refused
+    assert bad.value.body["error"] == {"type": "invalid_request_error",
+                                       "message": f"prompt is too long: {counted} tokens > 4095 maximum"}
+    near = ask(api, [{"role": "user", "content": "y" * 3990}], max_tokens=1000)
+    room = 4096 - total_of(near)
+    assert 0 < near.usage.output_tokens <= room
+    assert near.stop_reason != "max_tokens" or near.usage.output_tokens == room
+
+
 def test_the_billing_header_does_not_break_reuse():
     """Two requests that differ only in Claude Code's billing header render the same prompt."""
     body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon, get, serving_http
+from tests.daemon import REPO, Daemon, RpcError, get, serving_http
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 
@@ -174,6 +174,20 @@ def test_errors_come_in_openais_shape(daemon, api):
     assert status == 404 and "message" in body["error"]
     status, body = get(f"{config['base_url']}/chat/completions", auth, b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_session(daemon, api):
+    with daemon.client() as rpc:
+        before = len(rpc.call("session.list")["sessions"])
+        with pytest.raises(openai.BadRequestError) as bad:  # the tiny model's context: 4096 tokens
+            chat(api, [{"role": "user", "content": "x" * 5000}])
+        assert bad.value.body["code"] == "context_length_exceeded"
+        assert bad.value.body["message"].startswith("prompt is too long: ")
+        assert len(rpc.call("session.list")["sessions"]) == before
+        rpc.call("session.create", session_id="full")
+        with pytest.raises(RpcError) as refused:  # over RPC too, before any prefill
+            rpc.call("session.chat", session_id="full", messages=[{"role": "user", "content": "x" * 5000}])
+        assert refused.value.code == "CONTEXT_TOO_LONG" and refused.value.data["limit"] == 4096
 
 
 def test_a_busy_named_session_is_a_conflict(api):

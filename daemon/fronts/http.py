@@ -237,6 +237,7 @@ class Api:
         m = self.manager
         m.check_params(req.params)
         prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
+        m.engine.check_fits(len(prompt.target))  # a prompt over the context is refused before a session is made
         for attempt in range(MATCH_TRIES):
             if req.session_id is not None:
                 await m.create(req.session_id, exist_ok=True)
