@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import sys
+import threading
 
 import anthropic
 import mlx.core as mx
@@ -17,7 +20,7 @@ import pytest
 
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.anthropic_shapes import MessagesRequest
-from tests.daemon import Daemon, get, serving_http
+from tests.daemon import REPO, Daemon, get, serving_http
 from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
@@ -124,6 +127,31 @@ def test_the_token_as_x_api_key_or_bearer_and_a_wrong_one(daemon):
         ask(client_for(daemon, api_key="not-the-token"), [{"role": "user", "content": "hi"}])
     assert refused.value.body == {"type": "error", "error": {"type": "authentication_error",
                                                              "message": refused.value.body["error"]["message"]}}
+
+
+def test_kvwake_http_exports_what_claude_code_reads(daemon):
+    shown = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "--socket", str(daemon.socket), "http", "--env"],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    token = openai_config(daemon.socket)["api_key"]
+    assert f"export ANTHROPIC_BASE_URL={base_url(daemon)}" in shown and f"export ANTHROPIC_API_KEY={token}" in shown
+
+
+def test_a_busy_named_session_is_overloaded(api):
+    started, ask_busy = threading.Event(), {"extra_headers": {"X-Kvwake-Session": "busy-a"}}
+
+    def long_call() -> None:
+        with api.messages.stream(model="m", max_tokens=400, messages=[{"role": "user", "content": "busy"}],
+                                 extra_body=GREEDY, **ask_busy) as stream:
+            for _ in stream:
+                started.set()
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    assert started.wait(60)
+    with pytest.raises(anthropic.APIStatusError) as busy:  # Anthropic's clients retry an overloaded error
+        ask(api, [{"role": "user", "content": "busy"}], **ask_busy)
+    worker.join(120)
+    assert busy.value.status_code == 529 and busy.value.body["error"]["type"] == "overloaded_error"
 
 
 def test_models_in_anthropics_shape_and_any_name_is_served(daemon, api):
