@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,20 @@ def api_of(d: Daemon) -> openai.OpenAI:
     return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
 
 
+def each_turn(d: Daemon, turns: int) -> Iterator[int]:
+    """Turn numbers from 0; the daemon is restarted (SIGTERM: every session sleeps) before turn 5."""
+    for turn in range(turns):
+        if turn == 5:
+            d.stop()
+            d.start(timeout=900)
+        yield turn
+
+
 def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int) -> tuple[list, list]:
     d = start(work / "a", model)
     messages, rows, requests = [{"role": "system", "content": system}], [], []
     try:
-        for turn in range(turns):
-            if turn == 5:
-                d.stop()
-                d.start(timeout=900)
+        for turn in each_turn(d, turns):
             messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?"})
             requests.append(list(messages))
             row = timed_chat(api_of(d), messages, reply_tokens)

@@ -153,13 +153,14 @@ def status(opts: Options, as_json: bool) -> None:
 
 
 @main.command("http")
-@click.option("--env", "as_env", is_flag=True, help="Print shell exports of OPENAI_BASE_URL and OPENAI_API_KEY.")
+@click.option("--env", "as_env", is_flag=True,
+              help="Print shell exports: OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY.")
 @json_option
 @click.pass_obj
 def http_command(opts: Options, as_env: bool, as_json: bool) -> None:
-    """Show the daemon's OpenAI-compatible API: its base URL and bearer token.
+    """Show the daemon's OpenAI- and Anthropic-compatible API: its base URL and token.
 
-    Example: eval "$(kvwake http --env)"; python my_agent.py   # any OpenAI client library
+    Example: eval "$(kvwake http --env)"; claude   # or any OpenAI or Anthropic client library
     """
     from kvwake.client.paths import openai_config, resolve_socket
 
@@ -170,8 +171,10 @@ def http_command(opts: Options, as_env: bool, as_json: bool) -> None:
     if as_json:
         return echo_json(config)
     if as_env:
-        click.echo(f"export OPENAI_BASE_URL={shlex.quote(config['base_url'])}\n"
-                   f"export OPENAI_API_KEY={shlex.quote(config['api_key'])}")
+        key = shlex.quote(config["api_key"])
+        click.echo(f"export OPENAI_BASE_URL={shlex.quote(config['base_url'])}\nexport OPENAI_API_KEY={key}\n"
+                   f"export ANTHROPIC_BASE_URL={shlex.quote(config['base_url'].removesuffix('/v1'))}\n"
+                   f"export ANTHROPIC_API_KEY={key}")
         return
     fields([("base url", config["base_url"]), ("api key", config["api_key"]),
             ("socket", str(resolve_socket(opts.socket if opts else None)))])

@@ -24,6 +24,7 @@ __all__ = [
     "CancelledError",
     "InternalError",
     "RemoteUnavailableError",
+    "ContextTooLongError",
     "error_for_code",
 ]
 
@@ -102,6 +103,12 @@ class RemoteUnavailableError(KvwakeError):
     code = "REMOTE_UNAVAILABLE"
 
 
+class ContextTooLongError(KvwakeError):
+    """A prompt that does not fit the model's context (with room for one generated token)."""
+
+    code = "CONTEXT_TOO_LONG"
+
+
 class InternalError(KvwakeError):
     """A bug: anything not covered by another code."""
 
@@ -121,6 +128,7 @@ _BY_CODE: dict[str, type[KvwakeError]] = {
         StorageFullError,
         CancelledError,
         RemoteUnavailableError,
+        ContextTooLongError,
         InternalError,
     )
 }

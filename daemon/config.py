@@ -15,7 +15,11 @@ the `Settings` field names as top-level keys, e.g.
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
     remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier")
     remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
-    http = "127.0.0.1:8080"  # the OpenAI-compatible API (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
+    http = "127.0.0.1:8080"  # the OpenAI and Anthropic APIs (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
+    anthropic_drop_system = ["x-anthropic-billing-header:"]  # system blocks left out (the default; [] keeps all)
+
+    [aliases]                # model names clients may ask for; without the table any name is served
+    "claude-sonnet-4-5" = "Qwen3-8B-4bit"    # -> the loaded model's name (its folder name or hub id)
 
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.
@@ -78,6 +82,10 @@ class Settings:
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
     stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted
+    # Model names HTTP clients may ask for ([aliases] table: name -> the loaded model's name); empty: any name.
+    aliases: dict[str, str] = field(default_factory=dict)
+    # System blocks of Anthropic requests left out when they begin with one of these (docs/http.md).
+    anthropic_drop_system: tuple[str, ...] = ("x-anthropic-billing-header:",)
 
     @property
     def store_dir(self) -> Path:
@@ -98,6 +106,12 @@ def _coerce(name: str, value: Any) -> Any:
         return Path(str(value)).expanduser()
     if name == "allow_uids":
         return tuple(int(v) for v in value)
+    if name == "anthropic_drop_system":
+        return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
+    if name == "aliases":
+        if not isinstance(value, dict):
+            raise ValueError("aliases must be a table of model name = loaded model name")
+        return {str(k): str(v) for k, v in value.items()}
     if value is None:
         return None
     if kind == "bool" or kind is bool:

@@ -6,12 +6,16 @@ not depend on the client library they would otherwise be testing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +79,24 @@ class Daemon:
         callback ...", which are not JSON) and ERROR records."""
         bad = ("Traceback", "Exception in callback", '"level": "ERROR"', '"level": "CRITICAL"')
         return [line for line in self.log.read_text(errors="replace").splitlines() if any(b in line for b in bad)]
+
+
+def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
+    """A raw HTTP request (what the API client packages would not send): status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def serving_http(root: Path, model_dir: Path) -> Iterator[Daemon]:
+    """A module fixture's body: a daemon serving HTTP on a free port; stopped after, its log checked."""
+    d = Daemon(root, model_dir, extra=["--http", "0"]).start()
+    yield d
+    assert d.stop() == 0
+    assert d.log_problems() == []
 
 
 class RpcError(Exception):

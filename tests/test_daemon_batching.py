@@ -14,7 +14,8 @@ from tests.tinymodel import make_model_dir
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny", ascii_replies=True)
+    # A 64k context: the long prefill below (4k tokens) and an endless talker must fit it.
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny", ascii_replies=True, max_position_embeddings=65536)
 
 
 def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> dict[str, list[int]]:

@@ -22,19 +22,9 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon
+from tests.daemon import REPO, Daemon, RpcError, get, serving_http
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
-
-
-def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
-    """A raw request (what the openai package would not send): status and JSON body."""
-    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def in_threads(target, n: int) -> list[threading.Thread]:
@@ -51,10 +41,7 @@ def client_for(d: Daemon) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, model_dir):
-    d = Daemon(tmp_path_factory.mktemp("http"), model_dir, extra=["--http", "0"]).start()
-    yield d
-    assert d.stop() == 0
-    assert d.log_problems() == []
+    yield from serving_http(tmp_path_factory.mktemp("http"), model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +176,20 @@ def test_errors_come_in_openais_shape(daemon, api):
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
 
 
+def test_a_prompt_over_the_context_is_refused_before_any_session(daemon, api):
+    with daemon.client() as rpc:
+        before = len(rpc.call("session.list")["sessions"])
+        with pytest.raises(openai.BadRequestError) as bad:  # the tiny model's context: 4096 tokens
+            chat(api, [{"role": "user", "content": "x" * 5000}])
+        assert bad.value.body["code"] == "context_length_exceeded"
+        assert bad.value.body["message"].startswith("prompt is too long: ")
+        assert len(rpc.call("session.list")["sessions"]) == before
+        rpc.call("session.create", session_id="full")
+        with pytest.raises(RpcError) as refused:  # over RPC too, before any prefill
+            rpc.call("session.chat", session_id="full", messages=[{"role": "user", "content": "x" * 5000}])
+        assert refused.value.code == "CONTEXT_TOO_LONG" and refused.value.data["limit"] == 4096
+
+
 def test_a_busy_named_session_is_a_conflict(api):
     messages = [{"role": "user", "content": "busy"}]
     started, errors = threading.Event(), []
@@ -271,10 +272,8 @@ def scripted_api(tmp_path_factory, name: str, *script):
     from tests.tinymodel import make_scripted_model
 
     model = make_scripted_model(tmp_path_factory.mktemp("models") / name, *script)
-    d = Daemon(tmp_path_factory.mktemp(f"http-{name}"), model, extra=["--http", "0"]).start()
-    yield client_for(d)
-    assert d.stop() == 0
-    assert d.log_problems() == []
+    for d in serving_http(tmp_path_factory.mktemp(f"http-{name}"), model):
+        yield client_for(d)
 
 
 @pytest.fixture(scope="module")
@@ -438,8 +437,8 @@ def test_sse_stream_closed_early_leaves_no_pending_read():
     (left pending, asyncio reports it as a destroyed pending task once collected)."""
     import asyncio
 
-    from kvwake.daemon.fronts.http import _sse
     from kvwake.daemon.fronts.openai_shapes import Reply
+    from kvwake.daemon.fronts.sse import OpenAiEvents, stream
 
     async def leave_mid_stream() -> bool:
         events: asyncio.Queue = asyncio.Queue()
@@ -447,9 +446,9 @@ def test_sse_stream_closed_early_leaves_no_pending_read():
         never = asyncio.ensure_future(asyncio.Event().wait())  # a generation still running
         import anyio
 
-        stream = _sse(Reply("m", True), first, events, never, anyio.Event(), False)
-        await stream.__anext__()  # the role chunk
-        waiting = asyncio.ensure_future(stream.__anext__())
+        sse = stream(OpenAiEvents(Reply("m", True), False), first, events, never, anyio.Event())
+        await sse.__anext__()  # the role chunk
+        waiting = asyncio.ensure_future(sse.__anext__())
         await asyncio.sleep(0.05)
         waiting.cancel()  # the client left: Starlette cancels the response task
         with pytest.raises(asyncio.CancelledError):

@@ -18,7 +18,8 @@ from tests.tinymodel import make_model_dir
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
+    # A 64k context: a stalled client's million-token stream is capped there, and must outlast its buffers.
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny", max_position_embeddings=65536)
 
 
 def raw(d: Daemon) -> socket.socket:

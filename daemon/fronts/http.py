@@ -1,13 +1,19 @@
-"""The OpenAI-compatible HTTP API: `kvwake serve --http [HOST:]PORT`, off by default.
+"""The OpenAI- and Anthropic-compatible HTTP API: `kvwake serve --http [HOST:]PORT`, off by default.
 
 Starlette on Hypercorn, in the daemon's own process and event loop, calling the
-same SessionManager as the socket's RPC methods. Routes: `GET /v1/models`,
-`POST /v1/chat/completions` and `POST /v1/completions` (streamed as
-server-sent events when `stream` is true). Shapes: fronts/openai_shapes.py.
+same SessionManager as the socket's RPC methods. Routes: `GET /v1/models` (and
+`/v1/models/{id}`), `POST /v1/chat/completions` and `POST /v1/completions`
+(OpenAI's; shapes: fronts/openai_shapes.py), `POST /v1/messages` and
+`POST /v1/messages/count_tokens` (Anthropic's; shapes: fronts/anthropic_shapes.py),
+streamed as server-sent events when `stream` is true. Both APIs run one request
+path (`Api._complete`); they differ only in their shapes. Errors come in
+Anthropic's shape on its routes and wherever an `anthropic-version` header is
+sent (so `/v1/models` answers Anthropic's clients in theirs), else in OpenAI's.
 
 Access. The Unix socket admits only its owner's uid; a TCP port admits every
 local user, and sessions hold private conversations. So every request needs
-`Authorization: Bearer <token>`: the token is `--http-token` /
+`Authorization: Bearer <token>` (or `x-api-key: <token>`, as Anthropic's
+clients send it): the token is `--http-token` /
 `KVWAKE_HTTP_TOKEN` when given, else generated once into `<data dir>/http-token`
 (mode 0600, as Jupyter keeps its token), where `kvwake http` and
 `kvwake.client.openai_config()` find it. `--http-no-token` turns the check
@@ -33,7 +39,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +53,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.fronts import anthropic_shapes
+from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
 from kvwake.daemon.fronts.matching import Matcher
-from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, error_body, from_kvwake
+from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
+from kvwake.daemon.fronts.sse import AnthropicEvents, OpenAiEvents, stream
 from kvwake.errors import BusyError, KvwakeError
 
 __all__ = ["HttpTokenError", "bind", "make_app", "parse_address", "read_token", "run_http"]
@@ -108,21 +117,34 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def anthropic_client(path: str, headers: Any) -> bool:
+    """Whether a request gets Anthropic's shapes: on its routes, or from a client that sends its version header."""
+    return path.startswith("/v1/messages") or "anthropic-version" in headers
+
+
+def _refusal(err: ApiError, anthropic: bool, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error response in the shape of the API the client speaks."""
+    status, body = anthropic_shapes.error_body(err) if anthropic else (err.status, err.body())
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 class BearerAuth:
-    """ASGI middleware: every HTTP request carries `Authorization: Bearer <token>` (compared in constant time)."""
+    """ASGI middleware: every HTTP request carries the token, as `Authorization: Bearer <token>` or as
+    `x-api-key: <token>` (Anthropic's clients), compared in constant time."""
 
     def __init__(self, app: Any, token: str | None) -> None:
         self.app, self.expected = app, token.encode() if token else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and self.expected is not None:
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
             # The scheme is case-insensitive (RFC 9110); the token is compared in constant time.
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)):
-                body = error_body("missing or wrong bearer token (see `kvwake http`)", "invalid_request_error",
-                                  code="invalid_api_key")
-                await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send)
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)):
+                err = ApiError(401, "missing or wrong token (see `kvwake http`)", code="invalid_api_key")
+                anthropic = anthropic_client(scope["path"], {k.decode("latin-1") for k in headers})
+                await _refusal(err, anthropic, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -132,20 +154,58 @@ class Api:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher = manager, Matcher(manager)
+        self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
+
+    def _names(self) -> list[str]:
+        """The model names served: the loaded model's, then the aliases of it."""
+        name = self.manager.engine.model_name
+        return [name, *(alias for alias, target in self.aliases.items() if target == name)]
+
+    def _check_model(self, requested: Any) -> None:
+        """Any name is served by the loaded model, unless the config has an [aliases] table: then only its names."""
+        if self.aliases and requested is not None and requested not in self._names():
+            raise ApiError(404, f"model {requested!r} is not served: this daemon serves {', '.join(self._names())}",
+                           param="model", code="model_not_found", kind="not_found_error")
 
     async def models(self, request: Request) -> Response:
-        engine = self.manager.engine
-        return JSONResponse({"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
-                                                         "owned_by": "kvwake"}]})
+        if "anthropic-version" in request.headers:
+            data = [model_info(name) for name in self._names()]
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
+        return JSONResponse({"object": "list", "data": [_openai_model(name) for name in self._names()]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        self._check_model(name)
+        return JSONResponse(model_info(name) if "anthropic-version" in request.headers else _openai_model(name))
 
     async def chat(self, request: Request) -> Response:
-        return await self._complete(request, ChatRequest.parse(await _body(request), _header(request)), True)
+        body = await _body(request)
+        self._check_model(body.get("model"))
+        req = ChatRequest.parse(body, _header(request))
+        return await self._complete(request, req, OpenAiEvents(Reply(self.manager.engine.model_name, True,
+                                                                     req.one_call), req.include_usage))
 
     async def completions(self, request: Request) -> Response:
-        return await self._complete(request, CompletionRequest.parse(await _body(request), _header(request)), False)
+        body = await _body(request)
+        self._check_model(body.get("model"))
+        req = CompletionRequest.parse(body, _header(request))
+        return await self._complete(request, req, OpenAiEvents(Reply(self.manager.engine.model_name, False),
+                                                               req.include_usage))
 
-    async def _complete(self, request: Request, req: ChatRequest | CompletionRequest, chat: bool) -> Response:
-        reply = Reply(self.manager.engine.model_name, chat, req.one_call)
+    async def messages(self, request: Request) -> Response:
+        req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
+        self._check_model(req.model)
+        return await self._complete(request, req, AnthropicEvents(MessagesReply(self.manager.engine.model_name,
+                                                                                req.one_call)))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt's tokens, rendered as /v1/messages renders it (nothing runs, no session is made)."""
+        req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system, counting=True)
+        self._check_model(req.model)
+        return JSONResponse({"input_tokens": len((await self.manager.render(req.inputs())).target)})
+
+    async def _complete(self, request: Request, req: Any, shape: OpenAiEvents | AnthropicEvents) -> Response:
+        """One generation, for either API: `req` is a parsed request, `shape` makes its responses."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, gone, called = asyncio.get_running_loop(), anyio.Event(), threading.Event()
 
@@ -155,26 +215,29 @@ class Api:
             if req.stream:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
+        # Streamed: the prompt's counts, once it is in the cache, open the stream (Anthropic's message_start).
+        on_append = (lambda counts: events.put_nowait({"append": counts})) if req.stream else None
         stop = lambda: gone.is_set() or (req.one_call and called.is_set())  # noqa: E731
-        session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop)
+        session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop, on_append)
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
-            return JSONResponse(reply.full(await _watch(request, task, gone), session), headers=headers)
+            return JSONResponse(shape.reply.full(await _watch(request, task, gone), session), headers=headers)
         first = asyncio.ensure_future(events.get())
         await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
-        return StreamingResponse(_sse(reply, first, events, task, gone, req.include_usage),
+        return StreamingResponse(stream(shape, first, events, task, gone),
                                  media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
-    async def _start(self, req: ChatRequest | CompletionRequest, on_event: Callable | None,
-                     cancelled: Callable[[], bool]) -> tuple[dict[str, Any], asyncio.Task]:
+    async def _start(self, req: Any, on_event: Callable | None, cancelled: Callable[[], bool],
+                     on_append: Callable | None = None) -> tuple[dict[str, Any], asyncio.Task]:
         """Pick the session and start the generation; a session another request took meanwhile is matched
         again. Parameters are checked first: a refused request makes no session."""
         m = self.manager
         m.check_params(req.params)
         prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
+        m.engine.check_fits(len(prompt.target))  # a prompt over the context is refused before a session is made
         for attempt in range(MATCH_TRIES):
             if req.session_id is not None:
                 await m.create(req.session_id, exist_ok=True)
@@ -184,7 +247,7 @@ class Api:
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
             claimed = asyncio.Event()
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
-                                                    claimed.set))
+                                                    claimed.set, on_append))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
             # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
             waiting = asyncio.ensure_future(claimed.wait())
@@ -233,68 +296,35 @@ async def _watch(request: Request, task: asyncio.Task, gone: anyio.Event) -> dic
     return task.result()
 
 
-def _sse_line(data: Any) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def _sse(reply: Reply, first: asyncio.Future, events: asyncio.Queue, task: asyncio.Task, gone: anyio.Event,
-               include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: chunks as the engine makes them, the finish, usage if asked, then [DONE]."""
-    pending = first
-    try:
-        if (head := reply.first()) is not None:
-            yield _sse_line(head)
-        while True:
-            await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
-            if not pending.done():  # the call ended: what it queued is all there is
-                pending.cancel()
-                break
-            if (chunk := reply.piece(pending.result())) is not None:
-                yield _sse_line(chunk)
-            pending = asyncio.ensure_future(events.get())
-        while not events.empty():
-            if (chunk := reply.piece(events.get_nowait())) is not None:
-                yield _sse_line(chunk)
-        try:
-            result = task.result()
-        except Exception as exc:  # the stream has begun: the error goes in it, as OpenAI streams do
-            yield _sse_line(_stream_error(exc).body())
-            return
-        yield _sse_line(reply.last(result))
-        if include_usage:
-            yield _sse_line(reply.usage_chunk(result))
-        yield "data: [DONE]\n\n"
-    finally:
-        pending.cancel()  # a client that left mid-wait leaves this queue read pending: end it, not leak it
-        gone.set()  # the client left (or the stream ended): a running generation stops at its next token
-
-
-def _stream_error(exc: Exception) -> ApiError:
-    if isinstance(exc, KvwakeError):
-        return from_kvwake(exc)
-    log.error("generation failed mid-stream", exc_info=exc)
-    return ApiError(500, f"internal error: {exc!r}", kind="server_error")
+def _openai_model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvwake"}
 
 
 def make_app(manager: SessionManager, token: str | None) -> Any:
     api = Api(manager)
 
+    def refuse(request: Request, err: ApiError) -> Response:
+        return _refusal(err, anthropic_client(request.url.path, request.headers))
+
     async def api_error(request: Request, exc: Exception) -> Response:
-        err = exc if isinstance(exc, ApiError) else from_kvwake(exc)  # type: ignore[arg-type]
-        return JSONResponse(err.body(), status_code=err.status)
+        return refuse(request, exc if isinstance(exc, ApiError) else from_kvwake(exc))  # type: ignore[arg-type]
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
-        return JSONResponse(error_body(str(getattr(exc, "detail", exc)), "invalid_request_error"), status_code=status)
+        kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return refuse(request, ApiError(status, str(getattr(exc, "detail", exc)), kind=kind))
 
     async def internal(request: Request, exc: Exception) -> Response:
         log.exception("http request failed", exc_info=exc)
-        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
+        return refuse(request, ApiError(500, f"internal error: {exc!r}", kind="server_error"))
 
     app = Starlette(routes=[
         Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
     ], exception_handlers={ApiError: api_error, KvwakeError: api_error, HTTPException: http_error,
                            Exception: internal})
     return BearerAuth(app, token)

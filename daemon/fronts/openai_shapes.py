@@ -40,7 +40,9 @@ UNSERVED = ("audio", "web_search_options")  # fields that would change the reply
 STATUS = {"INVALID_PARAMS": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
           "BUSY": (409, "conflict_error"), "BUNDLE_MISMATCH": (409, "conflict_error"),
           "STORAGE_FULL": (507, "server_error"), "CANCELLED": (503, "server_error"),
-          "REMOTE_UNAVAILABLE": (503, "server_error"), "CORRUPT_BLOCK": (500, "server_error")}
+          "REMOTE_UNAVAILABLE": (503, "server_error"), "CORRUPT_BLOCK": (500, "server_error"),
+          "CONTEXT_TOO_LONG": (400, "invalid_request_error")}
+CODES = {"CONTEXT_TOO_LONG": "context_length_exceeded"}  # OpenAI's own code where it has one
 
 
 class ApiError(Exception):
@@ -61,7 +63,8 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 def from_kvwake(exc: KvwakeError) -> ApiError:
     status, kind = STATUS.get(exc.code, (500, "server_error"))
-    return ApiError(status, exc.message, param=exc.data.get("param"), code=exc.code.lower(), kind=kind)
+    return ApiError(status, exc.message, param=exc.data.get("param"), code=CODES.get(exc.code, exc.code.lower()),
+                    kind=kind)
 
 
 def _bad(message: str, param: str) -> ApiError:

@@ -18,6 +18,8 @@ their prefix reuse is off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
 from kvwake.daemon.model.prompt import Plan, Prompter
 from kvwake.daemon.session import Session, common_prefix
-from kvwake.errors import InvalidParamsError
+from kvwake.errors import ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
 __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "resolve_model"]
@@ -48,6 +50,17 @@ __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "resolve_model"]
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
+
+
+def context_length(model_path: Path) -> int | None:
+    """The model's context in tokens, from its config.json (`max_position_embeddings`, also under
+    `text_config`); None when the config does not say."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return int(value) if isinstance(value, int) and value > 1 else None
 
 
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
@@ -82,6 +95,7 @@ class Engine:
         self.store, self.prefill_step = store, prefill_step
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
+        self.context_length = context_length(self.model_path)
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
         self.bundle: Bundle = describe_bundle(
             self.model_path, kv_layout=state.layout(probe, model=self.model), block_tokens=store.block_tokens,
@@ -139,6 +153,19 @@ class Engine:
         """A whole conversation (messages, text or tokens, and tools) rendered once, for any session."""
         return self.prompter.render(**inputs)
 
+    def check_fits(self, tokens: int) -> None:
+        """A prompt of `tokens` must leave room for one generated token in the model's context; raises
+        ContextTooLongError otherwise (callers check before any prefill)."""
+        if self.context_length is not None and tokens >= self.context_length:
+            raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {self.context_length - 1} maximum",
+                                      tokens=tokens, limit=self.context_length)
+
+    def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
+        """`params` with max_tokens capped to what the context has left after `tokens` (not refused)."""
+        self.check_fits(tokens)
+        room = self.context_length - tokens if self.context_length is not None else params.max_tokens
+        return dataclasses.replace(params, max_tokens=room) if params.max_tokens > room else params
+
     def plan(self, session: Session, **inputs: Any) -> Plan:
         """What appending `inputs` will make of the session (Prompter.plan); changes nothing."""
         return self.prompter.plan(session, **inputs)
@@ -156,6 +183,7 @@ class Engine:
         """
         plan = mlx(lambda: self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools,
                                      whole=whole, prompt=prompt))
+        self.check_fits(len(plan.target))  # before any prefill
         return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx)
 
     def _keep(self, session: Session, target: list[int]) -> int:
@@ -245,7 +273,8 @@ class Engine:
         `on_event` gets the streamed events (text pieces, tool calls: model/toolcalls.py).
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
-        output = TextOutput(self.tokenizer, params, on_event, should_stop, session.tools)
+        output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
+                            session.tools)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
             self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx)

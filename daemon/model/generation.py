@@ -105,6 +105,7 @@ class GenerateResult:
     content: str = ""  # text outside the tool-call spans that parsed
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape (toolcalls.py)
     tool_call_errors: list[str] = field(default_factory=list)  # spans that did not parse (left in content)
+    stop_sequence: str | None = None  # the stop string that ended the call ("stop" without one: EOS)
 
 
 class KeyedSampler:
@@ -174,6 +175,7 @@ class TextOutput:
         self.tokens: list[int] = []
         self.text = ""
         self.sent = 0
+        self.stop_sequence: str | None = None  # the stop string that ended the call, if one did
         self.started, self.first = time.perf_counter(), None
 
     def add(self, token: int) -> str | None:
@@ -183,8 +185,9 @@ class TextOutput:
             return self._finish("stop")
         self.detok.add_token(token)
         text, stops = self.detok.text, self.params.stop
-        cut = min((i for i in (text.find(s, max(0, self.sent - len(s))) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for s in stops if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if hits:
+            cut, self.stop_sequence = min(hits)
             return self._close(text[:cut], "stop")
         self._emit(text[: len(text) - held_back(text, stops)])
         if len(self.tokens) >= self.params.max_tokens:
@@ -219,4 +222,4 @@ class TextOutput:
                 "prompt_tokens": prompt_tokens, "generated_tokens": n,
                 "ttft_ms": round((first - self.started) * 1000, 3),
                 "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
-            }, spans.content, list(spans.calls), list(spans.errors))
+            }, spans.content, list(spans.calls), list(spans.errors), self.stop_sequence)

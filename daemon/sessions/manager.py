@@ -305,10 +305,14 @@ class SessionManager:
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None,
-                       on_claim: Callable[[], None] | None = None) -> dict[str, Any]:
+                       on_claim: Callable[[], None] | None = None,
+                       on_append: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Generate in the session (after appending `inputs`: params, or a prompt a front rendered).
 
         `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
+        `on_append` gets the append's counts once the prompt is in the cache, before the first token:
+        {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
+        computes (the prefilled ones and the pending last one), as the result's usage will count them.
         """
         self.check_params(params)
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
@@ -318,6 +322,8 @@ class SessionManager:
             started = time.perf_counter()
             appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
+            if on_append is not None and inputs:  # a call starts from one pending token at least
+                on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_event, stop)
@@ -329,7 +335,8 @@ class SessionManager:
             self.latency["generate_ttft"].add(usage["ttft_ms"])
             return {"text": result.text, "content": result.content, "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
-                    "finish_reason": result.finish_reason, "usage": usage, **({"append": appended} if inputs else {})}
+                    "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence, "usage": usage,
+                    **({"append": appended} if inputs else {})}
 
     async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
                       stop: Callable[[], bool]) -> GenerateResult:

@@ -1,0 +1,110 @@
+"""Server-sent events of the two APIs, and the loop that streams a generation as them.
+
+`OpenAiEvents` and `AnthropicEvents` turn one request's stream (engine events,
+the result, or an error) into SSE text through its API's shapes; `stream` sends
+them as the engine makes them. Used by fronts/http.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from kvwake.daemon.fronts import anthropic_shapes
+from kvwake.daemon.fronts.anthropic_shapes import MessagesReply
+from kvwake.daemon.fronts.openai_shapes import ApiError, Reply, from_kvwake
+from kvwake.errors import KvwakeError
+
+__all__ = ["AnthropicEvents", "OpenAiEvents", "stream"]
+
+log = logging.getLogger("kvwake.http")
+
+
+def _data(data: Any) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class OpenAiEvents:
+    """OpenAI's server-sent events over a Reply: `data:` lines, the usage chunk if asked, `[DONE]` last."""
+
+    def __init__(self, reply: Reply, include_usage: bool) -> None:
+        self.reply, self.include_usage = reply, include_usage
+
+    def opening(self) -> list[str]:
+        return [_data(head)] if (head := self.reply.first()) is not None else []
+
+    def piece(self, event: dict[str, Any]) -> list[str]:
+        return [_data(chunk)] if (chunk := self.reply.piece(event)) is not None else []
+
+    def closing(self, result: dict[str, Any]) -> list[str]:
+        usage = [_data(self.reply.usage_chunk(result))] if self.include_usage else []
+        return [_data(self.reply.last(result)), *usage, "data: [DONE]\n\n"]
+
+    def failure(self, err: ApiError) -> list[str]:
+        return [_data(err.body())]  # as OpenAI streams do: the error object, and no [DONE]
+
+
+class AnthropicEvents:
+    """Anthropic's server-sent events over a MessagesReply: each `event:` named by its data's type."""
+
+    def __init__(self, reply: MessagesReply) -> None:
+        self.reply = reply
+
+    @staticmethod
+    def _lines(events: list[dict[str, Any]]) -> list[str]:
+        return [f"event: {e['type']}\n{_data(e)}" for e in events]
+
+    def opening(self) -> list[str]:
+        return []
+
+    def piece(self, event: dict[str, Any]) -> list[str]:
+        return self._lines(self.reply.piece(event))
+
+    def closing(self, result: dict[str, Any]) -> list[str]:
+        return self._lines(self.reply.last(result))
+
+    def failure(self, err: ApiError) -> list[str]:
+        return self._lines([anthropic_shapes.error_body(err)[1]])
+
+
+async def stream(shape: OpenAiEvents | AnthropicEvents, first: asyncio.Future, events: asyncio.Queue,
+               task: asyncio.Task, gone: anyio.Event) -> AsyncIterator[str]:
+    """Server-sent events: what the engine makes as it makes it, then the closing events (or the error)."""
+    pending = first
+    try:
+        for line in shape.opening():
+            yield line
+        while True:
+            await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():  # the call ended: what it queued is all there is
+                pending.cancel()
+                break
+            for line in shape.piece(pending.result()):
+                yield line
+            pending = asyncio.ensure_future(events.get())
+        while not events.empty():
+            for line in shape.piece(events.get_nowait()):
+                yield line
+        try:
+            result = task.result()
+        except Exception as exc:  # the stream has begun: the error goes in it
+            for line in shape.failure(_stream_error(exc)):
+                yield line
+            return
+        for line in shape.closing(result):
+            yield line
+    finally:
+        pending.cancel()  # a client that left mid-wait leaves this queue read pending: end it, not leak it
+        gone.set()  # the client left (or the stream ended): a running generation stops at its next token
+
+
+def _stream_error(exc: Exception) -> ApiError:
+    if isinstance(exc, KvwakeError):
+        return from_kvwake(exc)
+    log.error("generation failed mid-stream", exc_info=exc)
+    return ApiError(500, f"internal error: {exc!r}", kind="server_error")
