@@ -100,6 +100,37 @@ class Store(StoreCore):
                 raise NotFoundError(f"no session {session_id!r} in the store", session_id=session_id)
         return n
 
+    # -- stored responses (the Responses API's response ids) --------------------
+
+    def put_response(self, response_id: str, session_id: str, position: int, conversation: list[Any],
+                     response: Mapping[str, Any]) -> None:
+        """Record a response: the session and token position it ended at, the conversation as chat
+        messages (what continuing it renders) and the response object (what GET returns)."""
+        with self.transaction() as db:
+            db.execute("INSERT INTO responses (id, session_id, position, created, conversation, response) "
+                       "VALUES (?, ?, ?, ?, ?, ?)", (response_id, session_id, position, time.time(),
+                                                     json.dumps(conversation), json.dumps(dict(response))))
+
+    def response(self, response_id: str) -> dict[str, Any]:
+        """A recorded response: {"id", "session_id", "position", "created", "conversation", "response"}
+        (both decoded); NotFoundError if absent."""
+        with self.locked():
+            row = self.index.one("SELECT * FROM responses WHERE id = ?", (response_id,))
+        if row is None:
+            raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
+        return {**row, "conversation": json.loads(row["conversation"]), "response": json.loads(row["response"])}
+
+    def delete_response(self, response_id: str) -> None:
+        """Forget a recorded response (its session is left as it is); NotFoundError if absent."""
+        with self.transaction() as db:
+            if db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 0:
+                raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
+
+    def expire_responses(self, before: float) -> int:
+        """Forget responses recorded before `before` (a time.time()); returns how many."""
+        with self.transaction() as db:
+            return db.execute("DELETE FROM responses WHERE created < ?", (before,)).rowcount
+
     # -- writing --------------------------------------------------------------
 
     def writer(self, session_id: str | None, bundle: str, token_ids: Sequence[int], **options: Any) -> SnapshotWriter:

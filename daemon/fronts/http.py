@@ -5,7 +5,9 @@ same SessionManager as the socket's RPC methods. Routes: `GET /v1/models` (and
 `/v1/models/{id}`), `POST /v1/chat/completions` and `POST /v1/completions`
 (OpenAI's; shapes: fronts/openai_shapes.py), `POST /v1/messages` and
 `POST /v1/messages/count_tokens` (Anthropic's; shapes: fronts/anthropic_shapes.py),
-streamed as server-sent events when `stream` is true. Both APIs run one request
+`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}` (OpenAI's Responses API;
+shapes: fronts/responses_shapes.py, stored responses: sessions/responses.py),
+streamed as server-sent events when `stream` is true. The APIs run one request
 path (`Api._complete`); they differ only in their shapes. Errors come in
 Anthropic's shape on its routes and wherever an `anthropic-version` header is
 sent (so `/v1/models` answers Anthropic's clients in theirs), else in OpenAI's.
@@ -39,7 +41,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +59,10 @@ from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
 from kvwake.daemon.fronts.matching import Matcher
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
-from kvwake.daemon.fronts.sse import AnthropicEvents, OpenAiEvents, stream
-from kvwake.errors import BusyError, KvwakeError
+from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
+from kvwake.daemon.fronts.sse import AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream
+from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
+from kvwake.errors import BusyError, KvwakeError, NotFoundError
 
 __all__ = ["HttpTokenError", "bind", "make_app", "parse_address", "read_token", "run_http"]
 
@@ -153,7 +157,7 @@ class Api:
     """The routes, over one SessionManager."""
 
     def __init__(self, manager: SessionManager) -> None:
-        self.manager, self.matcher = manager, Matcher(manager)
+        self.manager, self.matcher, self.records = manager, Matcher(manager), ResponseRecords(manager)
         self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
 
     def _names(self) -> list[str]:
@@ -204,8 +208,47 @@ class Api:
         self._check_model(req.model)
         return JSONResponse({"input_tokens": len((await self.manager.render(req.inputs())).target)})
 
-    async def _complete(self, request: Request, req: Any, shape: OpenAiEvents | AnthropicEvents) -> Response:
-        """One generation, for either API: `req` is a parsed request, `shape` makes its responses."""
+    async def responses(self, request: Request) -> Response:
+        body = await _body(request)
+        self._check_model(body.get("model"))
+        req = ResponsesRequest.parse(body, _header(request))
+        if req.previous_response_id is not None:
+            before = await self._stored(req.previous_response_id, "previous_response_id")
+            req = req.following(before.conversation, before.session_id, before.position)
+        reply = ResponsesReply(self.manager.engine.model_name, req)
+
+        async def record(result: dict[str, Any], session: dict[str, Any]) -> None:  # before the reply is sent
+            response = reply.settle(result, session)
+            if req.store:
+                position = result["append"]["tokens"] + len(result["tokens"])  # where this reply left the session
+                await self.records.put(ResponseRecord(reply.id, session["session_id"], position,
+                                                      req.recorded(response), response))
+
+        return await self._complete(request, req, ResponsesEvents(reply), record)
+
+    async def stored_response(self, request: Request) -> Response:
+        return JSONResponse((await self._stored(request.path_params["response_id"])).response)
+
+    async def delete_response(self, request: Request) -> Response:
+        record = await self._stored(request.path_params["response_id"])
+        await self.records.delete(record.id)
+        return JSONResponse({"id": record.id, "object": "response", "deleted": True})
+
+    async def _stored(self, response_id: str, param: str | None = None) -> ResponseRecord:
+        """A stored response; a 404 (a 400 naming `param`, in a request that refers to one) when none has the id."""
+        try:
+            return await self.records.get(response_id)
+        except NotFoundError:
+            message = f"Response with id {response_id!r} not found."
+            if param is None:
+                raise ApiError(404, message, kind="not_found_error") from None
+            raise ApiError(400, f"Previous response with id {response_id!r} not found.", param=param,
+                           code="previous_response_not_found") from None
+
+    async def _complete(self, request: Request, req: Any, shape: OpenAiEvents | NamedEvents,
+                        after: Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]] | None = None) -> Response:
+        """One generation, for any of the APIs: `req` is a parsed request, `shape` makes its responses;
+        `after(result, session)` runs once the generation is done, before its result is sent."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, gone, called = asyncio.get_running_loop(), anyio.Event(), threading.Event()
 
@@ -219,6 +262,9 @@ class Api:
         on_append = (lambda counts: events.put_nowait({"append": counts})) if req.stream else None
         stop = lambda: gone.is_set() or (req.one_call and called.is_set())  # noqa: E731
         session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop, on_append)
+        if after is not None:
+            task = asyncio.ensure_future(_then(task, after, session))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
             return JSONResponse(shape.reply.full(await _watch(request, task, gone), session), headers=headers)
@@ -243,7 +289,7 @@ class Api:
                 await m.create(req.session_id, exist_ok=True)
                 session = {"session_id": req.session_id, "match": "named"}
             else:
-                match = await self.matcher.find(prompt.target, prompt.mode)
+                match = await self.matcher.find(prompt.target, prompt.mode, getattr(req, "hint", None))
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
             claimed = asyncio.Event()
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
@@ -281,6 +327,13 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+async def _then(task: asyncio.Task, after: Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]],
+                session: dict[str, Any]) -> dict[str, Any]:
+    result = await task
+    await after(result, session)
+    return result
 
 
 def _header(request: Request) -> str | None:
@@ -325,6 +378,9 @@ def make_app(manager: SessionManager, token: str | None) -> Any:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+        Route("/v1/responses", api.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.stored_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", api.delete_response, methods=["DELETE"]),
     ], exception_handlers={ApiError: api_error, KvwakeError: api_error, HTTPException: http_error,
                            Exception: internal})
     return BearerAuth(app, token)

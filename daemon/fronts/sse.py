@@ -1,8 +1,8 @@
-"""Server-sent events of the two APIs, and the loop that streams a generation as them.
+"""Server-sent events of the three APIs, and the loop that streams a generation as them.
 
-`OpenAiEvents` and `AnthropicEvents` turn one request's stream (engine events,
-the result, or an error) into SSE text through its API's shapes; `stream` sends
-them as the engine makes them. Used by fronts/http.py.
+`OpenAiEvents`, `AnthropicEvents` and `ResponsesEvents` turn one request's
+stream (engine events, the result, or an error) into SSE text through its API's
+shapes; `stream` sends them as the engine makes them. Used by fronts/http.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import anyio
 from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply
 from kvwake.daemon.fronts.openai_shapes import ApiError, Reply, from_kvwake
+from kvwake.daemon.fronts.responses_shapes import ResponsesReply
 from kvwake.errors import KvwakeError
 
-__all__ = ["AnthropicEvents", "OpenAiEvents", "stream"]
+__all__ = ["AnthropicEvents", "NamedEvents", "OpenAiEvents", "ResponsesEvents", "stream"]
 
 log = logging.getLogger("kvwake.http")
 
@@ -49,31 +50,44 @@ class OpenAiEvents:
         return [_data(err.body())]  # as OpenAI streams do: the error object, and no [DONE]
 
 
-class AnthropicEvents:
-    """Anthropic's server-sent events over a MessagesReply: each `event:` named by its data's type."""
+class NamedEvents:
+    """Server-sent events each named (`event:`) by its data's type, over a reply that makes them
+    (`piece`, `last`): Anthropic's and the Responses API's."""
 
-    def __init__(self, reply: MessagesReply) -> None:
+    def __init__(self, reply: MessagesReply | ResponsesReply) -> None:
         self.reply = reply
-
-    @staticmethod
-    def _lines(events: list[dict[str, Any]]) -> list[str]:
-        return [f"event: {e['type']}\n{_data(e)}" for e in events]
 
     def opening(self) -> list[str]:
         return []
 
     def piece(self, event: dict[str, Any]) -> list[str]:
-        return self._lines(self.reply.piece(event))
+        return _lines(self.reply.piece(event))
 
     def closing(self, result: dict[str, Any]) -> list[str]:
-        return self._lines(self.reply.last(result))
+        return _lines(self.reply.last(result))
+
+
+class AnthropicEvents(NamedEvents):
+    """Anthropic's server-sent events over a MessagesReply."""
 
     def failure(self, err: ApiError) -> list[str]:
-        return self._lines([anthropic_shapes.error_body(err)[1]])
+        return _lines([anthropic_shapes.error_body(err)[1]])
 
 
-async def stream(shape: OpenAiEvents | AnthropicEvents, first: asyncio.Future, events: asyncio.Queue,
-               task: asyncio.Task, gone: anyio.Event) -> AsyncIterator[str]:
+class ResponsesEvents(NamedEvents):
+    """The Responses API's server-sent events over a ResponsesReply, each with its `sequence_number`;
+    a failure is `response.failed`, then `error`."""
+
+    def failure(self, err: ApiError) -> list[str]:
+        return _lines(self.reply.failure(err))  # type: ignore[union-attr]
+
+
+def _lines(events: list[dict[str, Any]]) -> list[str]:
+    return [f"event: {e['type']}\n{_data(e)}" for e in events]
+
+
+async def stream(shape: OpenAiEvents | NamedEvents, first: asyncio.Future, events: asyncio.Queue,
+                 task: asyncio.Task, gone: anyio.Event) -> AsyncIterator[str]:
     """Server-sent events: what the engine makes as it makes it, then the closing events (or the error)."""
     pending = first
     try:

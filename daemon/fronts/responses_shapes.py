@@ -1,0 +1,424 @@
+"""OpenAI's Responses API shapes (requests, response objects, stream events), mapped to kvwake's own.
+
+Only translation lives here (no I/O): `fronts/http.py` serves it beside chat
+completions and Anthropic's Messages, on the same request path, sessions and
+matcher. Shapes follow the official `openai` package's `types/responses` and
+are checked with it (tests/test_responses.py).
+
+A Responses body becomes what a chat completion is: chat messages, OpenAI-form
+tools and GenerateParams. `instructions` is a system message before the input
+(a leading run of system and developer messages is joined into one, as
+templates want a single system message first); `input` is a string (one user
+message) or items: messages (roles `system`, `developer`, `user`,
+`assistant`; content a string or `input_text`/`output_text`/`refusal`
+parts), `function_call` (an assistant message's `tool_calls`, joined to the
+assistant message just before it), `function_call_output` (a `tool`
+message), `reasoning` (its text as the next assistant message's
+`reasoning_content`, which templates with a place for it render). So the same
+conversation sent as chat completions renders to the same tokens.
+
+Fields: `model`, `input`, `instructions`, `tools` (function tools; any other
+type is a 400 naming it), `tool_choice` `auto` or `none`,
+`parallel_tool_calls`, `max_output_tokens` (default 4096), `temperature`
+(default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
+`prompt_cache_key` (a lineage hint, fronts/matching.py), `text.format`
+`text`, `metadata` (repeated in the response), mlx-lm's extras (`top_k`,
+`min_p`, `repetition_penalty`, `seed`) and `kvwake_session`. Refused by name
+(400): `tool_choice` `required` or a named function and `text.format`
+`json_schema`/`json_object` (they need constrained decoding),
+`background`, `conversation`, `prompt`, `max_tool_calls`, `top_logprobs`,
+`truncation: "auto"`, input images, files and audio. Other fields (`include`,
+`reasoning`, `user`, `service_tier`, ... and unknown ones) change nothing
+kvwake does and are ignored, as on the chat completions route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwake.daemon.fronts.matching import Hint
+from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params
+from kvwake.daemon.model.generation import GenerateParams
+
+__all__ = ["ResponsesReply", "ResponsesRequest", "input_messages"]
+
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+ROLES = ("system", "developer", "user", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")  # "text": what some clients send for input_text
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _text(content: Any, where: str, role: str) -> str:
+    """A message's content: a string, or its text parts joined (an assistant's refusals are its words)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad("must be a string or an array of content parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind in TEXT_PARTS else None
+        if key is None or not isinstance(part.get(key), str):
+            raise _bad(f"{kind!r} parts are not supported: kvwake serves text models (input_text and output_text "
+                       "parts only)", f"{where}[{j}].type")
+        texts.append(part[key])
+    return "".join(texts)
+
+
+def _reasoning(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its content, else its summary (encrypted content means nothing here)."""
+    parts = item.get("content") or item.get("summary") or []
+    return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        raise _bad("a function_call needs call_id, name and arguments (JSON text)", where)
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                   "arguments": item["arguments"]}}
+
+
+def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(item.get("call_id"), str):
+        raise _bad("a function_call_output needs call_id", where)
+    output = item.get("output")
+    return {"role": "tool", "tool_call_id": item["call_id"],
+            "content": output if isinstance(output, str) else _text(output, f"{where}.output", "tool")}
+
+
+def input_messages(raw: Any) -> list[dict[str, Any]]:
+    """`input` (a string or items) as chat messages; a refused item is a 400 naming it."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise _bad("must be a string or a non-empty array of input items", "input")
+    out: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message after it
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad("must be an input item object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            reasoning += _reasoning(item)
+        elif kind == "function_call_output":
+            out.append(_output(item, where))
+        elif kind == "function_call":
+            call, last = _function_call(item, where), out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)  # the calls of the reply that holds them
+                continue
+            out.append(_assistant(None, reasoning) | {"tool_calls": [call]})
+            reasoning = ""
+        elif kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise _bad(f"must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role")
+            text = _text(item.get("content"), f"{where}.content", role)
+            if role == "assistant":
+                out.append(_assistant(text, reasoning))
+                reasoning = ""
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        else:
+            raise _bad(f"{kind!r} items are not supported by kvwake (message, function_call, "
+                       "function_call_output and reasoning items only)", f"{where}.type")
+    return out
+
+
+def _assistant(text: str | None, reasoning: str) -> dict[str, Any]:
+    """An assistant message; the reasoning before it as `reasoning_content`, the key templates render."""
+    return {"role": "assistant", "content": text, **({"reasoning_content": reasoning} if reasoning else {})}
+
+
+def _one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading system messages (instructions, developer messages) joined into one."""
+    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if n < 2:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:n])}, *messages[n:]]
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+    """(the tools as the response repeats them, the tools the template gets or None, whether only one
+    call may come)."""
+    tools, choice = body.get("tools") or [], body.get("tool_choice", "auto")
+    if not isinstance(tools, list):
+        raise _bad("must be an array", "tools")
+    echo, chat = [], []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise _bad(f"{kind!r} tools are not supported by kvwake: only function tools", f"tools[{i}].type")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise _bad("a function tool needs a name", f"tools[{i}].name")
+        parameters = t.get("parameters") or {"type": "object", "properties": {}}
+        echo.append({"type": "function", "name": t["name"], "description": t.get("description"),
+                     "parameters": parameters, "strict": t.get("strict", True)})
+        function = {"name": t["name"], "parameters": parameters}
+        if t.get("description"):
+            function["description"] = t["description"]
+        chat.append({"type": "function", "function": function})
+    if choice == "required" or isinstance(choice, dict):
+        named = choice.get("name") if isinstance(choice, dict) else None
+        what = f"a forced call of {named!r}" if named else f"{choice!r}" if isinstance(choice, str) else "a forced call"
+        raise _bad(f"{what} needs constrained decoding, which kvwake does not have yet (\"auto\" and \"none\" "
+                   "are supported)", "tool_choice")
+    if choice not in ("auto", "none", None):
+        raise _bad(f"must be \"auto\" or \"none\"; got {choice!r}", "tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("must be true or false", "parallel_tool_calls")
+    return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel
+
+
+def _refused(body: dict[str, Any]) -> None:
+    """Fields whose effect kvwake cannot give: a 400 naming them."""
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise _bad("must be an object", "text")
+    fmt = text.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise _bad(f"{kind!r} needs constrained decoding, which kvwake does not have yet (only "
+                   "{\"type\": \"text\"})", "text.format")
+    for name, why in (("background", "responses run while the request is open"),
+                      ("conversation", "send previous_response_id or the whole input"),
+                      ("prompt", "prompt templates are OpenAI's"), ("max_tool_calls", "it cannot be honoured"),
+                      ("top_logprobs", "logprobs are not returned")):
+        if body.get(name) not in (None, False, 0):
+            raise _bad(f"not supported by kvwake: {why}", name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise _bad("only \"disabled\": kvwake does not drop input (a prompt over the context is a 400)",
+                   "truncation")
+
+
+def _sampling(body: dict[str, Any]) -> GenerateParams:
+    given = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    limit = body.get("max_output_tokens")
+    try:
+        return _params({**given, "max_tokens": DEFAULT_MAX_TOKENS if limit is None else limit})
+    except ApiError as err:
+        param = "max_output_tokens" if err.param == "max_tokens" else err.param
+        raise ApiError(err.status, err.message, param=param, code=err.code, kind=err.kind) from None
+
+
+def _checked(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, kind):
+        raise _bad(f"must be a {getattr(kind, '__name__', 'string')}", name)
+    return value
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A parsed /v1/responses body; `following` adds the conversation of the response it continues."""
+
+    new: list[dict[str, Any]]  # this request's input, as chat messages
+    tools: list[dict[str, Any]] | None
+    params: GenerateParams
+    echo: dict[str, Any]  # what the response object repeats of the request
+    instructions: str | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    lineage: str | None = None  # prompt_cache_key
+    session_id: str | None = None
+    one_call: bool = False  # parallel_tool_calls false: the reply ends after its first call
+    history: list[dict[str, Any]] = field(default_factory=list)  # the previous response's conversation
+    follows: tuple[str, int] | None = None  # its session and token position
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], header_session: str | None) -> ResponsesRequest:
+        _refused(body)
+        echo_tools, tools, one_call = _tools(body)
+        instructions = _checked(body, "instructions", str)
+        stream, store = _checked(body, "stream", bool, False), _checked(body, "store", bool, True)
+        named = body.get("kvwake_session", header_session)
+        if named is not None and (not isinstance(named, str) or not named):
+            raise _bad("must be a non-empty string", "kvwake_session")
+        params = _sampling(body)
+        metadata = _checked(body, "metadata", dict) or {}
+        reasoning = _checked(body, "reasoning", dict)
+        echo = {"instructions": instructions, "metadata": metadata, "model": body.get("model"),
+                "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+                "tool_choice": body.get("tool_choice") or "auto", "tools": echo_tools,
+                "max_output_tokens": body.get("max_output_tokens"),
+                "previous_response_id": _checked(body, "previous_response_id", str),
+                "prompt_cache_key": _checked(body, "prompt_cache_key", str),
+                "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
+                "store": store, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "user": body.get("user"), "background": False}
+        return cls(input_messages(body.get("input")), tools, params, echo, instructions, stream, store,
+                   echo["previous_response_id"], echo["prompt_cache_key"], named, one_call)
+
+    def following(self, conversation: list[dict[str, Any]], session_id: str, position: int) -> ResponsesRequest:
+        """This request after the stored response it continues (its conversation, session and position)."""
+        return dataclasses.replace(self, history=conversation, follows=(session_id, position))
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The whole conversation to render: the instructions, the previous response's, this input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return _one_system([*system, *self.history, *self.new])
+
+    @property
+    def hint(self) -> Hint:
+        """Where the matcher looks first (fronts/matching.py)."""
+        session_id, position = self.follows or (None, None)
+        return Hint(self.lineage, session_id, position)
+
+    def inputs(self) -> dict[str, Any]:
+        """The whole conversation, as SessionManager.render takes it."""
+        return {"messages": self.messages, **({"tools": self.tools} if self.tools else {})}
+
+    def recorded(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        """The conversation a stored response keeps: what came before, this input, and the reply as the
+        client would send its output items back (so a continuation renders what a resend would)."""
+        return [*self.history, *self.new, *(input_messages(response["output"]) if response["output"] else [])]
+
+
+def _usage(result: dict[str, Any]) -> dict[str, Any]:
+    """The whole prompt as `input_tokens`, and how much of it was not computed for this request."""
+    u = result["usage"]
+    total = result.get("append", {}).get("tokens", u["prompt_tokens"])
+    return {"input_tokens": total, "input_tokens_details": {"cached_tokens": max(0, total - u["prompt_tokens"]),
+                                                            "cache_write_tokens": 0},
+            "output_tokens": u["generated_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total + u["generated_tokens"]}
+
+
+def _hex() -> str:
+    return secrets.token_hex(24)
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+@dataclass
+class ResponsesReply:
+    """One response's identity and its shapes; streamed, the state of its output items."""
+
+    model: str
+    request: ResponsesRequest
+    id: str = field(default_factory=lambda: "resp_" + _hex())
+    created: int = field(default_factory=lambda: int(time.time()))
+    message_id: str = field(default_factory=lambda: "msg_" + _hex())
+    final: dict[str, Any] | None = None  # the finished response object (settle)
+    session: dict[str, Any] | None = None  # the session it ran in (the `kvwake` object)
+    items: list[dict[str, Any]] = field(default_factory=list)  # streamed output items, in order
+    open: dict[str, Any] | None = None  # the message item being streamed
+    sequence: int = 0
+
+    def response(self, status: str, output: list[dict[str, Any]], **facts: Any) -> dict[str, Any]:
+        """The response object, as OpenAI's `Response`."""
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": None, **self.request.echo, "model": self.model,
+                "output": output, "usage": None, **facts}
+
+    def _calls(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        return (result.get("tool_calls") or [])[: 1 if self.request.one_call else None]
+
+    def settle(self, result: dict[str, Any], session: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The finished response object of a generation's result: a message with its text (if any),
+        then its function calls. The session it ran in is added where it is sent, not here."""
+        self.session = session
+        calls = self._calls(result)
+        incomplete = result["finish_reason"] == "length" and not calls
+        status = "incomplete" if incomplete else "completed"
+        text = result.get("content", result["text"])
+        output = ([{"id": self.message_id, "type": "message", "role": "assistant", "status": status,
+                    "content": [_text_part(text)]}] if text else []) + [_call_item(c) for c in calls]
+        self.final = self.response(status, output, usage=_usage(result), completed_at=int(time.time()),
+                                   incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+        return self.final
+
+    def full(self, result: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
+        return {**(self.final or self.settle(result, session)), "kvwake": session}
+
+    # -- streaming: each method returns the events to send, in order ----------
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, **fields, "sequence_number": self.sequence - 1}
+
+    def piece(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """Events for one engine event (toolcalls.py's maps, or the manager's {"append": counts})."""
+        if "append" in event or self.sequence == 0:
+            opening = self.response("in_progress", [])
+            out = [self._event("response.created", response=opening),
+                   self._event("response.in_progress", response=opening)]
+            return out if "append" in event else out + self.piece(event)
+        if "tool_call" in event:
+            if self.request.one_call and event["index"] > 0:
+                return []
+            item = _call_item(event["tool_call"])
+            index = len(self.items)
+            self.items.append(item)
+            return [*self._close("completed"),
+                    self._event("response.output_item.added", output_index=index,
+                                item={**item, "status": "in_progress", "arguments": ""}),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=index, item=item)]
+        if event.get("tool") or not event.get("text"):
+            return []  # markup of a tool call: it arrives parsed, as its own item
+        out = [] if self.open is not None else self._start_message()
+        self.open["text"] += event["text"]
+        return out + [self._event("response.output_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.items) - 1, content_index=0, delta=event["text"],
+                                  logprobs=[])]
+
+    def _start_message(self) -> list[dict[str, Any]]:
+        used = any(i["id"] == self.message_id for i in self.items)  # text again after a call: a second message
+        item = {"id": "msg_" + _hex() if used else self.message_id, "type": "message", "role": "assistant",
+                "status": "in_progress", "content": []}
+        self.items.append(item)
+        self.open = {"id": item["id"], "text": ""}
+        index = len(self.items) - 1
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                            content_index=0, part=_text_part(""))]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        index, text, item_id = len(self.items) - 1, self.open["text"], self.open["id"]
+        self.open = None
+        item = self.items[index] = {**self.items[index], "status": status, "content": [_text_part(text)]}
+        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                            text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                            part=_text_part(text)),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def last(self, result: dict[str, Any]) -> list[dict[str, Any]]:
+        final = self.final or self.settle(result)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        sent = {**final, "kvwake": self.session} if self.session is not None else final
+        return [*self._close(final["status"]), self._event(kind, response=sent)]
+
+    def failure(self, err: ApiError) -> list[dict[str, Any]]:
+        """A generation that failed after the stream began: `response.failed`, then an `error` event."""
+        closed = self._close("incomplete")
+        error = {"code": err.code or "server_error", "message": err.message}
+        return [*closed, self._event("response.failed", response=self.response("failed", self.items, error=error)),
+                self._event("error", code=error["code"], message=err.message, param=err.param)]
+
+
+def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """A parsed call (OpenAI chat's shape, toolcalls.py) as a function_call output item."""
+    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
+            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}

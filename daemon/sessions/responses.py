@@ -1,0 +1,56 @@
+"""Stored responses of the Responses API: what a `previous_response_id` continues.
+
+A record names the session a response ran in and the token position its reply
+ended at, and holds the conversation as chat messages (instructions left out:
+OpenAI does not carry them over) and the response object `GET
+/v1/responses/{id}` returns. The records live in the store's index (the
+`responses` table, store/index.py's m004); store work runs on worker threads.
+Which session a continuation runs in is fronts/matching.py's `Matcher.find`
+with a `Hint`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from anyio import to_thread
+
+from kvwake.daemon.sessions.manager import SessionManager
+
+__all__ = ["ResponseRecord", "ResponseRecords"]
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    """One stored response."""
+
+    id: str
+    session_id: str
+    position: int  # the session's token count when the reply ended
+    conversation: list[dict[str, Any]]  # chat messages, the reply last
+    response: dict[str, Any]  # the Responses API's response object
+
+
+class ResponseRecords:
+    """The stored responses of one daemon's store."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.store = manager.store
+
+    async def put(self, record: ResponseRecord) -> None:
+        await to_thread.run_sync(lambda: self.store.put_response(
+            record.id, record.session_id, record.position, record.conversation, record.response))
+
+    async def get(self, response_id: str) -> ResponseRecord:
+        """The record; NotFoundError if none has this id."""
+        row = await to_thread.run_sync(self.store.response, response_id)
+        return ResponseRecord(row["id"], row["session_id"], row["position"], row["conversation"], row["response"])
+
+    async def delete(self, response_id: str) -> None:
+        """Forget the record (its session is left as it is); NotFoundError if none has this id."""
+        await to_thread.run_sync(self.store.delete_response, response_id)
+
+    async def expire(self, before: float) -> int:
+        """Forget records made before `before` (time.time()); returns how many."""
+        return await to_thread.run_sync(self.store.expire_responses, before)
