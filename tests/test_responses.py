@@ -12,11 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+import urllib.request
+
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from kvwake.client import openai_config
-from kvwake.daemon.fronts.responses_shapes import ResponsesRequest
+from kvwake.daemon.fronts.openai_shapes import ApiError
+from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
 from tests.daemon import Daemon, serving_http
 from tests.tinymodel import make_scripted_model
 
@@ -86,6 +91,48 @@ def test_a_response_streamed_and_not_is_the_same(api):
         events = list(stream)
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert deltas[-1].snapshot == whole.output_text and events[-1].response.output_text == whole.output_text
+
+
+def validated_stream(d: Daemon, body: dict) -> list:
+    """The raw server-sent events of a streamed request, each validated (not just parsed, as the SDK
+    does) against the `openai` package's event types; each `event:` names its data's type."""
+    config, events = openai_config(d.socket), []
+    request = urllib.request.Request(f"{config['base_url']}/responses", data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Authorization": f"Bearer {config['api_key']}",
+                                              "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        lines = [line.decode().rstrip("\n") for line in reply if line.strip()]
+    for name, data in zip(lines[::2], lines[1::2]):
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        events.append(TypeAdapter(ResponseStreamEvent).validate_python(event))
+    return events
+
+
+def test_every_event_and_response_validates_against_the_sdks_types(daemon, tool_daemon):
+    for d in (daemon, tool_daemon):
+        body = {"model": "m", "input": "validate", "max_output_tokens": 8, "temperature": 0,
+                "tools": [WEATHER] if d is tool_daemon else [], "metadata": {"k": "v"}}
+        events = validated_stream(d, body)
+        Response.model_validate(events[-1].response.model_dump())
+        assert events[-1].response.metadata == {"k": "v"}
+        whole = client_for(d).responses.with_raw_response.create(**body)
+        Response.model_validate(json.loads(whole.text))
+
+
+def test_a_failure_after_the_stream_began_is_response_failed_then_error():
+    reply = ResponsesReply("m", ResponsesRequest.parse({"model": "m", "input": "x"}, None))
+    events = reply.piece({"append": {"tokens": 3, "computed": 3}}) + reply.piece({"text": "partial"})
+    events += reply.failure(ApiError(503, "the daemon is stopping", code="cancelled", kind="server_error"))
+    parsed = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert [e.type for e in parsed][-5:] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "response.failed", "error"]
+    failed, error = parsed[-2:]
+    assert failed.response.status == "failed" and failed.response.error.code == "server_error"
+    assert failed.response.error.message == "the daemon is stopping"
+    assert failed.response.output[0].content[0].text == "partial" and error.code == "cancelled"
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
 
 
 def test_a_previous_response_id_chain_computes_only_each_turns_new_tokens(api):

@@ -411,11 +411,12 @@ class ResponsesReply:
         return [*self._close(final["status"]), self._event(kind, response=sent)]
 
     def failure(self, err: ApiError) -> list[dict[str, Any]]:
-        """A generation that failed after the stream began: `response.failed`, then an `error` event."""
+        """A generation that failed after the stream began: `response.failed` (its error code one of those
+        OpenAI's `ResponseError` allows), then an `error` event with kvwake's own code."""
         closed = self._close("incomplete")
-        error = {"code": err.code or "server_error", "message": err.message}
+        error = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
         return [*closed, self._event("response.failed", response=self.response("failed", self.items, error=error)),
-                self._event("error", code=error["code"], message=err.message, param=err.param)]
+                self._event("error", code=err.code or error["code"], message=err.message, param=err.param)]
 
 
 def _call_item(call: dict[str, Any]) -> dict[str, Any]:
