@@ -411,3 +411,22 @@ def test_a_snapshot_summary_is_its_row_without_tokens(store):
                        "metadata": {"pending": [5, 6]}, "bundle": BUNDLE, "created": created}
     with pytest.raises(NotFoundError):
         store.snapshot_summary("nope")
+
+
+def test_stored_responses_round_trip_outlive_their_session_and_expire(store, tmp_path):
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    store.put_response("resp_1", "s-gone", 42, conversation, {"id": "resp_1", "object": "response"})
+    got = store.response("resp_1")
+    assert (got["session_id"], got["position"], got["conversation"]) == ("s-gone", 42, conversation)
+    assert got["response"] == {"id": "resp_1", "object": "response"}
+    store.close()
+    reopened = Store(tmp_path / "store", block_tokens=4)  # durable: a new process finds it
+    assert reopened.response("resp_1")["position"] == 42
+    assert reopened.expire_responses(got["created"]) == 0 and reopened.expire_responses(got["created"] + 1) == 1
+    with pytest.raises(NotFoundError):
+        reopened.response("resp_1")
+    reopened.put_response("resp_2", "s-x", 1, [], {})
+    reopened.delete_response("resp_2")
+    with pytest.raises(NotFoundError):
+        reopened.delete_response("resp_2")
+    reopened.close()
