@@ -95,6 +95,21 @@ def cold(work: Path, model: Path, request: dict[str, Any]) -> dict[str, Any]:
         d.stop()
 
 
+def model_of(name: str, work: Path) -> Path:
+    """`--model`: "tiny" (the tiny test model with a 64k context and a tool-call format), "default"
+    (SmolLM2, converted into `work`), or a model folder."""
+    if name == "tiny":
+        from tests.tinymodel import TOOLS_CHATML, make_model_dir
+
+        return make_model_dir(work / "tiny-64k", ascii_replies=True, template=TOOLS_CHATML,
+                              max_position_embeddings=65536)
+    if name == "default":
+        from kvwake.daemon.model.convert import ensure_default_model
+
+        return ensure_default_model(work / "models")
+    return Path(name).expanduser().resolve()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
@@ -105,17 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-anthropic-"))
-    if a.model == "tiny":
-        from tests.tinymodel import TOOLS_CHATML, make_model_dir
-
-        model = make_model_dir(work / "tiny-64k", ascii_replies=True, template=TOOLS_CHATML,
-                               max_position_embeddings=65536)
-    elif a.model == "default":
-        from kvwake.daemon.model.convert import ensure_default_model
-
-        model = ensure_default_model(work / "models")
-    else:
-        model = Path(a.model).expanduser().resolve()
+    model = model_of(a.model, work)
     system = [{"type": "text", "text": system_prompt(a.system_words), "cache_control": {"type": "ephemeral"}}]
     base = {"model": "claude-sonnet-4-6", "max_tokens": a.reply_tokens, "system": system, "tools": tools(a.tools),
             "extra_body": {"temperature": 0}}  # greedy (the SDK has no temperature argument any more)

@@ -35,6 +35,7 @@ sys.path.append(str(ROOT))  # tests/ helpers (the real daemon) and bench/http_tu
 
 import openai  # noqa: E402
 
+from bench.anthropic_turns import model_of  # noqa: E402
 from bench.http_turns import api_of, each_turn, start, system_prompt  # noqa: E402
 from tests.daemon import Daemon  # noqa: E402
 
@@ -119,17 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-responses-"))
-    if a.model == "tiny":
-        from tests.tinymodel import TOOLS_CHATML, make_model_dir
-
-        model = make_model_dir(work / "tiny-64k", ascii_replies=True, template=TOOLS_CHATML,
-                               max_position_embeddings=65536)
-    elif a.model == "default":
-        from kvwake.daemon.model.convert import ensure_default_model
-
-        model = ensure_default_model(work / "models")
-    else:
-        model = Path(a.model).expanduser().resolve()
+    model = model_of(a.model, work)
     base = {"model": "gpt-5-codex", "instructions": system_prompt(a.instruction_words), "tools": tools(a.tools),
             "max_output_tokens": a.reply_tokens, "temperature": 0}
     d = start(work / "a", model)
