@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import urllib.request
 
@@ -371,4 +372,23 @@ def test_a_previous_response_id_continues_after_a_restart(tmp_path, model_dir):
     fork = create(api, "a fork after the restart", previous_response_id=one.id)
     assert session_of(fork) != session_of(one) and fork.model_extra["kvwake"]["match"] == "branched"
     assert cached(fork) >= one.usage.input_tokens - 16  # whole stored blocks (16 tokens here) of the shared prefix
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_stored_responses_expire_with_the_stateless_sessions(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    made = create(client_for(d), "expire me")
+    assert d.stop() == 0
+    (tmp_path / "none.toml").write_text("stateless_ttl_s = 0.5\ngc_interval_s = 0.2\nlifecycle_interval_s = 0.1\n")
+    time.sleep(0.6)
+    d.start()
+    api = client_for(d)
+    for _ in range(300):
+        try:
+            api.responses.retrieve(made.id)
+        except openai.NotFoundError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(made.id)
     assert d.stop() == 0 and d.log_problems() == []
