@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 
 import urllib.request
@@ -391,4 +392,23 @@ def test_stored_responses_expire_with_the_stateless_sessions(tmp_path, model_dir
         time.sleep(0.1)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(made.id)
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_a_stored_response_survives_kill_9_whole(tmp_path, model_dir):
+    """The record is committed before the reply is sent: after kill -9 (no session slept) the chain
+    continues with the whole conversation, as a resend of it renders."""
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    one = create(client_for(d), "before the crash")
+    two = create(client_for(d), "just before", previous_response_id=one.id)
+    d.stop(signal.SIGKILL)
+    d.start()
+    api = client_for(d)
+    three = create(api, "after the crash", previous_response_id=two.id)
+    assert three.status in ("completed", "incomplete") and three.previous_response_id == two.id
+    items = [{"role": "user", "content": "before the crash"}, *replayed(one), {"role": "user", "content": "just before"},
+             *replayed(two), {"role": "user", "content": "after the crash"}]
+    resent = create(api, items, store=False)
+    assert resent.usage.input_tokens == three.usage.input_tokens  # the same prompt, token for token
+    assert cached(resent) >= three.usage.input_tokens - 1  # and it continues the chain's session
     assert d.stop() == 0 and d.log_problems() == []
