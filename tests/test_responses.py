@@ -412,3 +412,17 @@ def test_a_stored_response_survives_kill_9_whole(tmp_path, model_dir):
     assert resent.usage.input_tokens == three.usage.input_tokens  # the same prompt, token for token
     assert cached(resent) >= three.usage.input_tokens - 1  # and it continues the chain's session
     assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_nulls_read_as_defaults_and_wrong_types_are_refused_by_name():
+    body = {"model": "m", "input": "x", "store": None, "stream": None, "parallel_tool_calls": None,
+            "temperature": None, "top_p": None, "metadata": None, "tools": [WEATHER]}
+    req = ResponsesRequest.parse(body, None)
+    assert req.store is True and req.stream is False and req.one_call is False
+    assert (req.echo["temperature"], req.echo["top_p"], req.echo["parallel_tool_calls"]) == (1.0, 1.0, True)
+    for field, value, says in (("stream", "yes", "true or false"), ("store", 1, "true or false"),
+                               ("metadata", [], "an object"), ("instructions", 3, "a string"),
+                               ("max_output_tokens", -1, "max_output_tokens")):
+        with pytest.raises(ApiError) as bad:
+            ResponsesRequest.parse({**body, field: value}, None)
+        assert bad.value.status == 400 and bad.value.param == field and says in bad.value.message, field

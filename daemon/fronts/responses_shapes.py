@@ -56,6 +56,19 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+KINDS = {str: "a string", bool: "true or false", dict: "an object"}
+
+
+def _checked(body: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """`body[name]` of type `kind`, or `default` when absent or null (as OpenAI reads a null)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise _bad(f"must be {KINDS[kind]}", name)
+    return value
+
+
 def _text(content: Any, where: str, role: str) -> str:
     """A message's content: a string, or its text parts joined (an assistant's refusals are its words)."""
     if isinstance(content, str):
@@ -174,9 +187,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
                    "are supported)", "tool_choice")
     if choice not in ("auto", "none", None):
         raise _bad(f"must be \"auto\" or \"none\"; got {choice!r}", "tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise _bad("must be true or false", "parallel_tool_calls")
+    parallel = _checked(body, "parallel_tool_calls", bool, True)
     return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel
 
 
@@ -201,21 +212,22 @@ def _refused(body: dict[str, Any]) -> None:
                    "truncation")
 
 
+def _number(body: dict[str, Any], name: str) -> float:
+    """A sampling setting as the response repeats it (checked by _sampling); OpenAI's default is 1."""
+    value = body.get(name)
+    return 1.0 if value is None else value
+
+
 def _sampling(body: dict[str, Any]) -> GenerateParams:
     given = {k: body[k] for k in SAMPLING if body.get(k) is not None}
     limit = body.get("max_output_tokens")
     try:
         return _params({**given, "max_tokens": DEFAULT_MAX_TOKENS if limit is None else limit})
-    except ApiError as err:
+    except ApiError as err:  # in this API's names, the message beginning with the field's
         param = "max_output_tokens" if err.param == "max_tokens" else err.param
-        raise ApiError(err.status, err.message, param=param, code=err.code, kind=err.kind) from None
-
-
-def _checked(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is not None and not isinstance(value, kind):
-        raise _bad(f"must be a {getattr(kind, '__name__', 'string')}", name)
-    return value
+        message = err.message.replace("max_tokens", "max_output_tokens")
+        message = message if param is None or message.startswith(param) else f"{param}: {message}"
+        raise ApiError(err.status, message, param=param, code=err.code, kind=err.kind) from None
 
 
 @dataclass(frozen=True)
@@ -249,8 +261,8 @@ class ResponsesRequest:
         metadata = _checked(body, "metadata", dict) or {}
         reasoning = _checked(body, "reasoning", dict)
         echo = {"instructions": instructions, "metadata": metadata, "model": body.get("model"),
-                "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+                "parallel_tool_calls": _checked(body, "parallel_tool_calls", bool, True),
+                "temperature": _number(body, "temperature"), "top_p": _number(body, "top_p"),
                 "tool_choice": body.get("tool_choice") or "auto", "tools": echo_tools,
                 "max_output_tokens": body.get("max_output_tokens"),
                 "previous_response_id": _checked(body, "previous_response_id", str),
