@@ -313,21 +313,26 @@ def test_the_agents_sdk_runs_an_agent_with_its_default_responses_model(tool_daem
                          tool_use_behavior="stop_on_first_tool",
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=20))
 
-    async def run() -> tuple[agents.RunResult, list[str]]:
+    async def run() -> tuple[agents.RunResult, agents.RunResult, list[str]]:
         async with openai.AsyncOpenAI(**openai_config(tool_daemon.socket), max_retries=0) as client:
             agents.set_default_openai_client(client, use_for_tracing=False)
             result = await agents.Runner.run(agent, "Weather in Paris?", max_turns=3)
+            # The SDK's own server-side conversation: only the new input, and the previous response's id.
+            later = await agents.Runner.run(agent, "And tomorrow?", max_turns=3,
+                                            previous_response_id=result.last_response_id)
             streamed = agents.Runner.run_streamed(agent, "Weather in Paris, streamed?", max_turns=3)
             kinds = [event.data.type async for event in streamed.stream_events()
                      if event.type == "raw_response_event"]
             assert streamed.final_output == "21C in Paris"
-            return result, kinds
+            return result, later, kinds
 
-    result, kinds = asyncio.run(run())
+    result, later, kinds = asyncio.run(run())
     assert isinstance(agents.models.get_default_model(), str)  # the SDK's own model name, served by any name
-    assert result.final_output == "21C in Paris" and seen == ["Paris", "Paris"]
+    assert result.final_output == later.final_output == "21C in Paris" and seen == ["Paris"] * 3
     (response,) = result.raw_responses
     assert response.response_id.startswith("resp_") and response.usage.input_tokens > 0
+    (continued,) = later.raw_responses
+    assert continued.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
 
 
