@@ -361,6 +361,34 @@ def test_what_codex_cli_sends_is_served(tool_daemon):
         previous = final
 
 
+def test_a_streamed_response_is_stored_in_the_order_it_was_streamed(tmp_path):
+    """Text, a call, more text: the stream's items, the completed response and the stored one agree."""
+    script = ("Checking.", "<tool_call>", '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "</tool_call>",
+              "\n\n", "Done.")
+    d = Daemon(tmp_path, make_scripted_model(tmp_path / "talky", script), extra=["--http", "0"]).start()
+    api = client_for(d)
+    events = list(create(api, "Weather in Oslo?", tools=[WEATHER], max_output_tokens=20, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, getattr(i, "content", None) and i.content[0].text) for i in done] == [
+        ("message", "Checking."), ("function_call", None), ("message", "\n\nDone.")]
+    final = events[-1].response
+    assert final.output == done and api.responses.retrieve(final.id).output == done
+    whole = create(api, "Weather in Oslo?", tools=[WEATHER], max_output_tokens=20)  # not streamed: text, then calls
+    assert [i.type for i in whole.output] == ["message", "function_call"]
+    assert whole.output_text == "Checking.\n\nDone."
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_whitespace_around_calls_opens_no_message():
+    reply = ResponsesReply("m", ResponsesRequest.parse({"model": "m", "input": "x"}, None))
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    events = [e for piece in ({"append": {"tokens": 3}}, {"text": "\n"}, {"tool_call": call, "index": 0},
+                              {"text": "\n\n"}, {"text": " "}) for e in reply.piece(piece)]
+    assert [e["type"] for e in events][2:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                               "response.function_call_arguments.done", "response.output_item.done"]
+    assert [i["type"] for i in reply.items] == ["function_call"]
+
+
 # -- durable response ids: across a restart --
 
 def test_a_previous_response_id_continues_after_a_restart(tmp_path, model_dir):

@@ -41,7 +41,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,14 +217,10 @@ class Api:
             req = req.following(before.conversation, before.session_id, before.position)
         reply = ResponsesReply(self.manager.engine.model_name, req)
 
-        async def record(result: dict[str, Any], session: dict[str, Any]) -> None:  # before the reply is sent
-            response = reply.settle(result, session)
-            if req.store:
-                position = result["append"]["tokens"] + len(result["tokens"])  # where this reply left the session
-                await self.records.put(ResponseRecord(reply.id, session["session_id"], position,
-                                                      req.recorded(response), response))
+        async def keep(response: dict[str, Any], session_id: str, position: int) -> None:
+            await self.records.put(ResponseRecord(reply.id, session_id, position, req.recorded(response), response))
 
-        return await self._complete(request, req, ResponsesEvents(reply), record)
+        return await self._complete(request, req, ResponsesEvents(reply, keep if req.store else None), chosen=reply)
 
     async def stored_response(self, request: Request) -> Response:
         return JSONResponse((await self._stored(request.path_params["response_id"])).response)
@@ -246,9 +242,9 @@ class Api:
                            code="previous_response_not_found") from None
 
     async def _complete(self, request: Request, req: Any, shape: OpenAiEvents | NamedEvents,
-                        after: Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]] | None = None) -> Response:
+                        chosen: ResponsesReply | None = None) -> Response:
         """One generation, for any of the APIs: `req` is a parsed request, `shape` makes its responses;
-        `after(result, session)` runs once the generation is done, before its result is sent."""
+        `chosen` is told the session once it is chosen."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, gone, called = asyncio.get_running_loop(), anyio.Event(), threading.Event()
 
@@ -262,12 +258,13 @@ class Api:
         on_append = (lambda counts: events.put_nowait({"append": counts})) if req.stream else None
         stop = lambda: gone.is_set() or (req.one_call and called.is_set())  # noqa: E731
         session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop, on_append)
-        if after is not None:
-            task = asyncio.ensure_future(_then(task, after, session))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if chosen is not None:
+            chosen.session = session
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
-            return JSONResponse(shape.reply.full(await _watch(request, task, gone), session), headers=headers)
+            body = shape.reply.full(await _watch(request, task, gone), session)
+            await shape.kept()
+            return JSONResponse(body, headers=headers)
         first = asyncio.ensure_future(events.get())
         await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
@@ -327,13 +324,6 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
-
-
-async def _then(task: asyncio.Task, after: Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]],
-                session: dict[str, Any]) -> dict[str, Any]:
-    result = await task
-    await after(result, session)
-    return result
 
 
 def _header(request: Request) -> str | None:

@@ -326,10 +326,12 @@ class ResponsesReply:
     id: str = field(default_factory=lambda: "resp_" + _hex())
     created: int = field(default_factory=lambda: int(time.time()))
     message_id: str = field(default_factory=lambda: "msg_" + _hex())
-    final: dict[str, Any] | None = None  # the finished response object (settle)
-    session: dict[str, Any] | None = None  # the session it ran in (the `kvwake` object)
+    session: dict[str, Any] | None = None  # the session it runs in (the `kvwake` object), once chosen
+    final: dict[str, Any] | None = None  # the finished response object
+    position: int = 0  # then: the session's token count where the reply ended
     items: list[dict[str, Any]] = field(default_factory=list)  # streamed output items, in order
     open: dict[str, Any] | None = None  # the message item being streamed
+    held: str = ""  # whitespace while no message is open: it opens none unless words follow
     sequence: int = 0
 
     def response(self, status: str, output: list[dict[str, Any]], **facts: Any) -> dict[str, Any]:
@@ -341,22 +343,24 @@ class ResponsesReply:
     def _calls(self, result: dict[str, Any]) -> list[dict[str, Any]]:
         return (result.get("tool_calls") or [])[: 1 if self.request.one_call else None]
 
-    def settle(self, result: dict[str, Any], session: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The finished response object of a generation's result: a message with its text (if any),
-        then its function calls. The session it ran in is added where it is sent, not here."""
-        self.session = session
-        calls = self._calls(result)
-        incomplete = result["finish_reason"] == "length" and not calls
-        status = "incomplete" if incomplete else "completed"
-        text = result.get("content", result["text"])
-        output = ([{"id": self.message_id, "type": "message", "role": "assistant", "status": status,
-                    "content": [_text_part(text)]}] if text else []) + [_call_item(c) for c in calls]
+    def _status(self, result: dict[str, Any]) -> str:
+        """`incomplete` when the reply filled max_output_tokens (and holds no call), else `completed`."""
+        return "incomplete" if result["finish_reason"] == "length" and not self._calls(result) else "completed"
+
+    def _finish(self, result: dict[str, Any], status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         self.final = self.response(status, output, usage=_usage(result), completed_at=int(time.time()),
-                                   incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+                                   incomplete_details=incomplete)
+        self.position = result["append"]["tokens"] + len(result["tokens"])
         return self.final
 
     def full(self, result: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
-        return {**(self.final or self.settle(result, session)), "kvwake": session}
+        """The whole response, not streamed: a message with the reply's text (unless it is blank), then its
+        function calls."""
+        status, text = self._status(result), result.get("content", result["text"])
+        output = ([{"id": self.message_id, "type": "message", "role": "assistant", "status": status,
+                    "content": [_text_part(text)]}] if text.strip() else []) + [_call_item(c) for c in self._calls(result)]
+        return {**self._finish(result, status, output), "kvwake": session}
 
     # -- streaming: each method returns the events to send, in order ----------
 
@@ -374,10 +378,10 @@ class ResponsesReply:
         if "tool_call" in event:
             if self.request.one_call and event["index"] > 0:
                 return []
-            item = _call_item(event["tool_call"])
+            closed, item, self.held = self._close("completed"), _call_item(event["tool_call"]), ""
             index = len(self.items)
             self.items.append(item)
-            return [*self._close("completed"),
+            return [*closed,
                     self._event("response.output_item.added", output_index=index,
                                 item={**item, "status": "in_progress", "arguments": ""}),
                     self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
@@ -387,11 +391,14 @@ class ResponsesReply:
                     self._event("response.output_item.done", output_index=index, item=item)]
         if event.get("tool") or not event.get("text"):
             return []  # markup of a tool call: it arrives parsed, as its own item
+        text, self.held = self.held + event["text"], ""
+        if self.open is None and not text.strip():
+            self.held = text  # the newlines around calls: a message only if words follow
+            return []
         out = [] if self.open is not None else self._start_message()
-        self.open["text"] += event["text"]
+        self.open["text"] += text
         return out + [self._event("response.output_text.delta", item_id=self.open["id"],
-                                  output_index=len(self.items) - 1, content_index=0, delta=event["text"],
-                                  logprobs=[])]
+                                  output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[])]
 
     def _start_message(self) -> list[dict[str, Any]]:
         used = any(i["id"] == self.message_id for i in self.items)  # text again after a call: a second message
@@ -417,10 +424,12 @@ class ResponsesReply:
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def last(self, result: dict[str, Any]) -> list[dict[str, Any]]:
-        final = self.final or self.settle(result)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        sent = {**final, "kvwake": self.session} if self.session is not None else final
-        return [*self._close(final["status"]), self._event(kind, response=sent)]
+        """The closing events; the finished response holds the items as they were streamed."""
+        status = self._status(result)
+        closed = self._close(status)
+        final = self._finish(result, status, self.items)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*closed, self._event(kind, response={**final, "kvwake": self.session})]
 
     def failure(self, err: ApiError) -> list[dict[str, Any]]:
         """A generation that failed after the stream began: `response.failed` (its error code one of those

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -24,6 +24,7 @@ from kvwake.errors import KvwakeError
 __all__ = ["AnthropicEvents", "NamedEvents", "OpenAiEvents", "ResponsesEvents", "stream"]
 
 log = logging.getLogger("kvwake.http")
+Keep = Callable[[dict[str, Any], str, int], Awaitable[None]]
 
 
 def _data(data: Any) -> str:
@@ -49,6 +50,9 @@ class OpenAiEvents:
     def failure(self, err: ApiError) -> list[str]:
         return [_data(err.body())]  # as OpenAI streams do: the error object, and no [DONE]
 
+    async def kept(self) -> None:
+        """Awaited once the reply is finished (closing, or the whole reply made), before it is sent."""
+
 
 class NamedEvents:
     """Server-sent events each named (`event:`) by its data's type, over a reply that makes them
@@ -66,6 +70,9 @@ class NamedEvents:
     def closing(self, result: dict[str, Any]) -> list[str]:
         return _lines(self.reply.last(result))
 
+    async def kept(self) -> None:
+        """Awaited once the reply is finished (closing, or the whole reply made), before it is sent."""
+
 
 class AnthropicEvents(NamedEvents):
     """Anthropic's server-sent events over a MessagesReply."""
@@ -76,10 +83,21 @@ class AnthropicEvents(NamedEvents):
 
 class ResponsesEvents(NamedEvents):
     """The Responses API's server-sent events over a ResponsesReply, each with its `sequence_number`;
-    a failure is `response.failed`, then `error`."""
+    a failure is `response.failed`, then `error`. `keep(response, session_id, position)`, when given,
+    stores the finished response before it is sent."""
+
+    def __init__(self, reply: ResponsesReply, keep: Keep | None = None) -> None:
+        super().__init__(reply)
+        self.keep = keep
 
     def failure(self, err: ApiError) -> list[str]:
         return _lines(self.reply.failure(err))  # type: ignore[union-attr]
+
+    async def kept(self) -> None:
+        reply = self.reply
+        assert isinstance(reply, ResponsesReply) and reply.final is not None and reply.session is not None
+        if self.keep is not None:
+            await self.keep(reply.final, reply.session["session_id"], reply.position)
 
 
 def _lines(events: list[dict[str, Any]]) -> list[str]:
@@ -110,7 +128,9 @@ async def stream(shape: OpenAiEvents | NamedEvents, first: asyncio.Future, event
             for line in shape.failure(_stream_error(exc)):
                 yield line
             return
-        for line in shape.closing(result):
+        lines = shape.closing(result)
+        await shape.kept()
+        for line in lines:
             yield line
     finally:
         pending.cancel()  # a client that left mid-wait leaves this queue read pending: end it, not leak it
