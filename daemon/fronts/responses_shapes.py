@@ -8,14 +8,9 @@ are checked with it (tests/test_responses.py).
 A Responses body becomes what a chat completion is: chat messages, OpenAI-form
 tools and GenerateParams. `instructions` is a system message before the input
 (a leading run of system and developer messages is joined into one, as
-templates want a single system message first); `input` is a string (one user
-message) or items: messages (roles `system`, `developer`, `user`,
-`assistant`; content a string or `input_text`/`output_text`/`refusal`
-parts), `function_call` (an assistant message's `tool_calls`, joined to the
-assistant message just before it), `function_call_output` (a `tool`
-message), `reasoning` (its text as the next assistant message's
-`reasoning_content`, which templates with a place for it render). So the same
-conversation sent as chat completions renders to the same tokens.
+templates want a single system message first); `input` becomes chat messages
+as fronts/responses_items.py says, so the same conversation sent as chat
+completions renders to the same tokens.
 
 Fields: `model`, `input`, `instructions`, `tools` (function tools; any other
 type is a 400 naming it), `tool_choice` `auto` or `none`,
@@ -23,19 +18,18 @@ type is a 400 naming it), `tool_choice` `auto` or `none`,
 (default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
 `prompt_cache_key` (a lineage hint, fronts/matching.py), `text.format`
 `text`, `metadata` (repeated in the response), mlx-lm's extras (`top_k`,
-`min_p`, `repetition_penalty`, `seed`) and `kvwake_session`. Refused by name
-(400): `tool_choice` `required` or a named function and `text.format`
-`json_schema`/`json_object` (they need constrained decoding),
-`background`, `conversation`, `prompt`, `max_tool_calls`, `top_logprobs`,
-`truncation: "auto"`, input images, files and audio. Other fields (`include`,
-`reasoning`, `user`, `service_tier`, ... and unknown ones) change nothing
-kvwake does and are ignored, as on the chat completions route.
+`min_p`, `repetition_penalty`, `seed`) and `kvwake_session`. A null reads as
+the field's default. Refused by name (400): `tool_choice` `required` or a
+named function and `text.format` `json_schema`/`json_object` (they need
+constrained decoding), `background`, `conversation`, `prompt`,
+`max_tool_calls`, `top_logprobs`, `truncation: "auto"`. Other fields
+(`include`, `reasoning`, `user`, `service_tier`, ... and unknown ones) change
+nothing kvwake does and are ignored, as on the chat completions route.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -43,17 +37,13 @@ from typing import Any
 
 from kvwake.daemon.fronts.matching import Hint
 from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params
+from kvwake.daemon.fronts.responses_items import bad, input_messages, one_system
 from kvwake.daemon.model.generation import GenerateParams
 
-__all__ = ["ResponsesReply", "ResponsesRequest", "input_messages"]
+__all__ = ["ResponsesReply", "ResponsesRequest"]
+
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
-ROLES = ("system", "developer", "user", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")  # "text": what some clients send for input_text
-
-
-def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
 
 
 KINDS = {str: "a string", bool: "true or false", dict: "an object"}
@@ -65,99 +55,8 @@ def _checked(body: dict[str, Any], name: str, kind: type, default: Any = None) -
     if value is None:
         return default
     if not isinstance(value, kind):
-        raise _bad(f"must be {KINDS[kind]}", name)
+        raise bad(f"must be {KINDS[kind]}", name)
     return value
-
-
-def _text(content: Any, where: str, role: str) -> str:
-    """A message's content: a string, or its text parts joined (an assistant's refusals are its words)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad("must be a string or an array of content parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind in TEXT_PARTS else None
-        if key is None or not isinstance(part.get(key), str):
-            raise _bad(f"{kind!r} parts are not supported: kvwake serves text models (input_text and output_text "
-                       "parts only)", f"{where}[{j}].type")
-        texts.append(part[key])
-    return "".join(texts)
-
-
-def _reasoning(item: dict[str, Any]) -> str:
-    """A reasoning item's text: its content, else its summary (encrypted content means nothing here)."""
-    parts = item.get("content") or item.get("summary") or []
-    return "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
-
-
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-        raise _bad("a function_call needs call_id, name and arguments (JSON text)", where)
-    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"],
-                                                                   "arguments": item["arguments"]}}
-
-
-def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(item.get("call_id"), str):
-        raise _bad("a function_call_output needs call_id", where)
-    output = item.get("output")
-    return {"role": "tool", "tool_call_id": item["call_id"],
-            "content": output if isinstance(output, str) else _text(output, f"{where}.output", "tool")}
-
-
-def input_messages(raw: Any) -> list[dict[str, Any]]:
-    """`input` (a string or items) as chat messages; a refused item is a 400 naming it."""
-    if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list) or not raw:
-        raise _bad("must be a string or a non-empty array of input items", "input")
-    out: list[dict[str, Any]] = []
-    reasoning = ""  # a reasoning item's text, for the assistant message after it
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad("must be an input item object", where)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "reasoning":
-            reasoning += _reasoning(item)
-        elif kind == "function_call_output":
-            out.append(_output(item, where))
-        elif kind == "function_call":
-            call, last = _function_call(item, where), out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and not reasoning:
-                last.setdefault("tool_calls", []).append(call)  # the calls of the reply that holds them
-                continue
-            out.append(_assistant(None, reasoning) | {"tool_calls": [call]})
-            reasoning = ""
-        elif kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise _bad(f"must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role")
-            text = _text(item.get("content"), f"{where}.content", role)
-            if role == "assistant":
-                out.append(_assistant(text, reasoning))
-                reasoning = ""
-            else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
-        else:
-            raise _bad(f"{kind!r} items are not supported by kvwake (message, function_call, "
-                       "function_call_output and reasoning items only)", f"{where}.type")
-    return out
-
-
-def _assistant(text: str | None, reasoning: str) -> dict[str, Any]:
-    """An assistant message; the reasoning before it as `reasoning_content`, the key templates render."""
-    return {"role": "assistant", "content": text, **({"reasoning_content": reasoning} if reasoning else {})}
-
-
-def _one_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The leading system messages (instructions, developer messages) joined into one."""
-    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    if n < 2:
-        return messages
-    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:n])}, *messages[n:]]
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
@@ -165,14 +64,14 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     call may come)."""
     tools, choice = body.get("tools") or [], body.get("tool_choice", "auto")
     if not isinstance(tools, list):
-        raise _bad("must be an array", "tools")
+        raise bad("must be an array", "tools")
     echo, chat = [], []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
         if kind != "function":
-            raise _bad(f"{kind!r} tools are not supported by kvwake: only function tools", f"tools[{i}].type")
+            raise bad(f"{kind!r} tools are not supported by kvwake: only function tools", f"tools[{i}].type")
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise _bad("a function tool needs a name", f"tools[{i}].name")
+            raise bad("a function tool needs a name", f"tools[{i}].name")
         parameters = t.get("parameters") or {"type": "object", "properties": {}}
         echo.append({"type": "function", "name": t["name"], "description": t.get("description"),
                      "parameters": parameters, "strict": t.get("strict", True)})
@@ -183,10 +82,10 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
     if choice == "required" or isinstance(choice, dict):
         named = choice.get("name") if isinstance(choice, dict) else None
         what = f"a forced call of {named!r}" if named else f"{choice!r}" if isinstance(choice, str) else "a forced call"
-        raise _bad(f"{what} needs constrained decoding, which kvwake does not have yet (\"auto\" and \"none\" "
-                   "are supported)", "tool_choice")
+        raise bad(f"{what} needs constrained decoding, which kvwake does not have yet (\"auto\" and \"none\" "
+                  "are supported)", "tool_choice")
     if choice not in ("auto", "none", None):
-        raise _bad(f"must be \"auto\" or \"none\"; got {choice!r}", "tool_choice")
+        raise bad(f"must be \"auto\" or \"none\"; got {choice!r}", "tool_choice")
     parallel = _checked(body, "parallel_tool_calls", bool, True)
     return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel
 
@@ -195,21 +94,21 @@ def _refused(body: dict[str, Any]) -> None:
     """Fields whose effect kvwake cannot give: a 400 naming them."""
     text = body.get("text") or {}
     if not isinstance(text, dict):
-        raise _bad("must be an object", "text")
+        raise bad("must be an object", "text")
     fmt = text.get("format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise _bad(f"{kind!r} needs constrained decoding, which kvwake does not have yet (only "
-                   "{\"type\": \"text\"})", "text.format")
+        raise bad(f"{kind!r} needs constrained decoding, which kvwake does not have yet (only "
+                  "{\"type\": \"text\"})", "text.format")
     for name, why in (("background", "responses run while the request is open"),
                       ("conversation", "send previous_response_id or the whole input"),
                       ("prompt", "prompt templates are OpenAI's"), ("max_tool_calls", "it cannot be honoured"),
                       ("top_logprobs", "logprobs are not returned")):
         if body.get(name) not in (None, False, 0):
-            raise _bad(f"not supported by kvwake: {why}", name)
+            raise bad(f"not supported by kvwake: {why}", name)
     if body.get("truncation") not in (None, "disabled"):
-        raise _bad("only \"disabled\": kvwake does not drop input (a prompt over the context is a 400)",
-                   "truncation")
+        raise bad("only \"disabled\": kvwake does not drop input (a prompt over the context is a 400)",
+                  "truncation")
 
 
 def _number(body: dict[str, Any], name: str) -> float:
@@ -231,6 +130,8 @@ def _sampling(body: dict[str, Any]) -> GenerateParams:
 
 
 @dataclass(frozen=True)
+
+
 class ResponsesRequest:
     """A parsed /v1/responses body; `following` adds the conversation of the response it continues."""
 
@@ -256,7 +157,7 @@ class ResponsesRequest:
         stream, store = _checked(body, "stream", bool, False), _checked(body, "store", bool, True)
         named = body.get("kvwake_session", header_session)
         if named is not None and (not isinstance(named, str) or not named):
-            raise _bad("must be a non-empty string", "kvwake_session")
+            raise bad("must be a non-empty string", "kvwake_session")
         params = _sampling(body)
         metadata = _checked(body, "metadata", dict) or {}
         reasoning = _checked(body, "reasoning", dict)
@@ -281,7 +182,7 @@ class ResponsesRequest:
     def messages(self) -> list[dict[str, Any]]:
         """The whole conversation to render: the instructions, the previous response's, this input."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return _one_system([*system, *self.history, *self.new])
+        return one_system([*system, *self.history, *self.new])
 
     @property
     def hint(self) -> Hint:
@@ -318,6 +219,8 @@ def _text_part(text: str) -> dict[str, Any]:
 
 
 @dataclass
+
+
 class ResponsesReply:
     """One response's identity and its shapes; streamed, the state of its output items."""
 
