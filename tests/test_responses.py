@@ -246,6 +246,7 @@ def test_items_become_the_chat_messages_templates_know():
         {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: none."}]},
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Use the tool."}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "Twice."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "21 C"},
@@ -258,7 +259,8 @@ def test_items_become_the_chat_messages_templates_know():
              for i, city in ((1, "Paris"), (2, "Lyon"))]
     assert messages == [{"role": "system", "content": "Be brief.\n\nSandbox: none."},
                         {"role": "user", "content": "Weather in Paris?"},
-                        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": calls},
+                        {"role": "assistant", "content": None, "reasoning_content": "Use the tool.\nTwice.",
+                         "tool_calls": calls},
                         {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
                         {"role": "tool", "tool_call_id": "call_2", "content": "19 C"},
                         {"role": "assistant", "content": "21 and 19."}]

@@ -78,7 +78,7 @@ def input_messages(raw: Any) -> list[dict[str, Any]]:
             raise bad("must be an input item object", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "reasoning":
-            reasoning += _reasoning(item)
+            reasoning = "\n".join(text for text in (reasoning, _reasoning(item)) if text)
         elif kind == "function_call_output":
             out.append(_output(item, where))
         elif kind == "function_call":
