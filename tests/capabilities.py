@@ -35,3 +35,21 @@ def require_quantized_kv(model: Any, bits: int, group_size: int = 32, tokens: in
     if failure is not None:
         pytest.skip(f"quantized KV ({bits}-bit, group {group_size}) does not run on {mx.default_device()} "
                     f"(probed: {failure})")
+
+
+_chunking: dict[int, bool] = {}
+
+
+def chunked_prefill_is_exact(model: Any, tokens: int = 40, split: int = 32) -> bool:
+    """Whether prefilling `tokens` tokens as two chunks (`split`, then the rest) gives logits bit-identical
+    to one chunk of them all here: true on the CPU; MLX on CUDA picks kernels by shape, so it may not be.
+    Probed once per model object, with the model's own cache."""
+    key = id(model)
+    if key not in _chunking:
+        ids = mx.array([[(i * 31 + 11) % 200 + 20 for i in range(tokens)]], dtype=mx.uint32)
+        whole = model(ids, cache=make_prompt_cache(model))[0, -1]
+        cache = make_prompt_cache(model)
+        model(ids[:, :split], cache=cache)
+        parts = model(ids[:, split:], cache=cache)[0, -1]
+        _chunking[key] = bool(mx.array_equal(whole, parts).item())
+    return _chunking[key]
