@@ -153,8 +153,9 @@ def logits_after(engine, session) -> mx.array:
 # Where chunked prefill is not bit-stable (probed: MLX on CUDA picks its matmul kernels by shape, and a hit
 # prefills 8 tokens where a cold run prefills 40), a hit is held to this bound instead, measured on the H100
 # machine (docs/benchmarks.md, "Exactness on CUDA"): the largest difference of a next-token logit against the
-# cold prefill's, relative to the largest logit, and greedy continuations agree token for token.
-CHUNKED_LOGIT_BOUND = 0.02
+# cold prefill's, relative to the largest logit (measured there: 0.094 of 5.97, 1.6%: 3 bf16 steps), and
+# greedy continuations agree token for token (10 of 10 there).
+CHUNKED_LOGIT_BOUND = 0.03
 EXACTNESS_LOG = os.environ.get("KVWAKE_EXACTNESS_LOG")  # where measured differences are appended (JSONL)
 
 
@@ -176,8 +177,9 @@ def assert_exact(engine, cold, tokens) -> dict:
         with open(EXACTNESS_LOG, "a") as f:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "device":
                                 str(mx.default_device()), "max_diff": diff, "max_logit": scale, "reused": got["reused"],
-                                "greedy_agree": sum(a == b for a, b in zip(warm_tokens, cold_tokens))}) + "\n")
-    if chunked_prefill_is_exact(engine.model):
+                                "greedy_agree": sum(a == b for a, b in zip(warm_tokens, cold_tokens)),
+                                "chunking_exact": chunked_prefill_is_exact(engine)}) + "\n")
+    if chunked_prefill_is_exact(engine):
         assert mx.array_equal(warm, want).item(), f"hit of {got['reused']} tokens: logits differ by up to {diff}"
     else:
         assert diff <= CHUNKED_LOGIT_BOUND * scale, f"hit of {got['reused']} tokens: max logit diff {diff} " \
