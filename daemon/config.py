@@ -86,6 +86,7 @@ class Settings:
     http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/fronts/http.py); None: off
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
+    http_keepalive_s: float = 5.0  # a stream with nothing to send this long (a long prefill) gets an SSE comment
     stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted
     # Model names HTTP clients may ask for ([aliases] table: name -> the loaded model's name); empty: any name.
     aliases: dict[str, str] = field(default_factory=dict)

@@ -155,6 +155,7 @@ class Api:
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher = manager, Matcher(manager)
         self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
+        self.keepalive_s = manager.settings.http_keepalive_s
 
     def _names(self) -> list[str]:
         """The model names served: the loaded model's, then the aliases of it."""
@@ -223,11 +224,13 @@ class Api:
         if not req.stream:
             return JSONResponse(shape.reply.full(await _watch(request, task, gone), session), headers=headers)
         first = asyncio.ensure_future(events.get())
-        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        # Up to one keep-alive interval for the first event, so a quick failure is still a plain HTTP error;
+        # a longer prefill opens the stream and sends keep-alive comments until its first event.
+        await asyncio.wait([first, task], timeout=self.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
-        return StreamingResponse(stream(shape, first, events, task, gone),
+        return StreamingResponse(stream(shape, first, events, task, gone, self.keepalive_s),
                                  media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
     async def _start(self, req: Any, on_event: Callable | None, cancelled: Callable[[], bool],
