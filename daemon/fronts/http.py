@@ -197,7 +197,7 @@ class Api:
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
         self._check_model(req.model)
         return await self._complete(request, req, AnthropicEvents(MessagesReply(self.manager.engine.model_name,
-                                                                                req.one_call)))
+                                                                                req.one_call, req.thinking)))
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, rendered as /v1/messages renders it (nothing runs, no session is made)."""

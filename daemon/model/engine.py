@@ -52,6 +52,9 @@ CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 Shared = Callable[[list[int]], tuple[list | None, int]]
 
 
+THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
+
+
 def context_length(model_path: Path) -> int | None:
     """The model's context in tokens, from its config.json (`max_position_embeddings`, also under
     `text_config`); None when the config does not say."""
@@ -297,7 +300,7 @@ class Engine:
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
         output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
-                            session.tools)
+                            session.tools, self.opens_thinking(session.tokens))
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
             self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx)
@@ -305,6 +308,15 @@ class Engine:
         prompt_tokens = len(session.pending)
         self.prefill(session, len(session.tokens) - 1, mlx)
         return Call(session, session.tokens[-1], output, prompt_tokens)
+
+    def opens_thinking(self, tokens: list[int]) -> bool:
+        """Whether a reply to `tokens` begins inside a thinking span: the template opened one (its start
+        marker after the last end marker), as mlx-lm's server decides."""
+        tok = self.tokenizer
+        if not getattr(tok, "has_thinking", False):
+            return False
+        tail = tokens[-THINK_LOOKBACK:]  # the generation prompt's end: a long conversation is not scanned
+        return tok.rfind_think_start(tail) > tok.rfind_think_end(tail)
 
     def _ensure_pending(self, session: Session) -> None:
         """A call starts from a pending token: re-feed the last one when every token is in the cache."""
