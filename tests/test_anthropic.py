@@ -13,9 +13,11 @@ import secrets
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import anthropic
 import mlx.core as mx
+import openai
 import pytest
 
 from kvwake.client import openai_config
@@ -313,3 +315,62 @@ def test_a_long_system_prompt_is_read_from_the_cache_on_turn_2_and_after_a_resta
     assert unknown.value.body["error"]["type"] == "not_found_error"
     assert [m.id for m in client_for(d).models.list().data] == ["tiny-64k", "claude-sonnet-4-6"]
     assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_a_long_prefill_sends_keepalives_before_message_start_and_clients_skip_them(tmp_path, model_dir):
+    (tmp_path / "none.toml").write_text("http_keepalive_s = 0.05\n")
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    try:
+        config = openai_config(d.socket)
+        body = {"model": "m", "max_tokens": 4, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": "long " * 600}]}  # ~3000 tokens to prefill
+        request = urllib.request.Request(f"{base_url(d)}/v1/messages", json.dumps(body).encode(),
+                                         {"x-api-key": config["api_key"], "content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            lines = [line.decode().rstrip("\n") for line in response]
+        opening = lines.index("event: message_start")
+        assert ": keepalive" in lines[:opening]  # the stream opened during the prefill
+        assert lines[-3:] == ["event: message_stop", 'data: {"type":"message_stop"}', ""]
+        body["messages"][0]["content"] = "again " * 600  # a new prompt: a new prefill
+        del body["temperature"]  # the SDK has no such argument any more
+        events = list(client_for(d).messages.create(**body, extra_body=GREEDY))
+        assert [e.type for e in events][0] == "message_start" and events[-1].type == "message_stop"
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_thinking_models_reasoning_comes_as_thinking_blocks_when_asked(tmp_path):
+    """The scripted model thinks first (<think> and </think> are its tokenizer's thinking markers)."""
+    model = make_scripted_model(tmp_path / "thinker", ("<think>", "Weigh it.", "</think>", "Hello there."))
+    d = Daemon(tmp_path, model, extra=["--http", "0"]).start()
+    try:
+        api, messages = client_for(d), [{"role": "user", "content": "hi"}]
+        asked = ask(api, messages, max_tokens=20, thinking={"type": "enabled", "budget_tokens": 1024})
+        assert [b.type for b in asked.content] == ["thinking", "text"]
+        assert asked.content[0].thinking == "Weigh it." and asked.content[0].signature.startswith("kvwake-")
+        assert asked.content[1].text == "Hello there." and asked.stop_reason == "end_turn"
+        plain = ask(api, messages, max_tokens=20)  # not asked: the reasoning is left out
+        assert [(b.type, b.text) for b in plain.content] == [("text", "Hello there.")]
+        with api.messages.stream(model="x", max_tokens=20, extra_body=GREEDY, messages=messages,
+                                 thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+            kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
+            streamed = stream.get_final_message()
+        assert ("content_block_delta", "thinking_delta") in kinds and ("content_block_delta", "signature_delta") in kinds
+        assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in asked.content]
+        # Chat completions: the reasoning apart, as reasoning_content (whole and streamed).
+        chat = openai.OpenAI(**openai_config(d.socket), max_retries=0)
+        reply = chat.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
+        message = reply.choices[0].message
+        assert message.content == "Hello there." and message.model_extra["reasoning_content"] == "Weigh it."
+        chunks = list(chat.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0,
+                                                   stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join((delta.model_extra or {}).get("reasoning_content") or "" for delta in deltas) == "Weigh it."
+        assert "".join(delta.content or "" for delta in deltas) == "Hello there."
+        with d.client() as rpc:  # over RPC: the result's `reasoning`, cut from `content`
+            rpc.call("session.create", session_id="r")
+            got = rpc.call("session.chat", session_id="r", messages=messages, max_tokens=20, temperature=0)
+            assert (got["reasoning"], got["content"]) == ("Weigh it.", "Hello there.")
+            assert got["text"] == "<think>Weigh it.</think>Hello there."
+    finally:
+        assert d.stop() == 0

@@ -53,7 +53,7 @@ def tool_text(events: list[dict]) -> str:
 
 
 def content_text(events: list[dict]) -> str:
-    return "".join(e["text"] for e in events if "text" in e and not e.get("tool"))
+    return "".join(e["text"] for e in events if "text" in e and not e.get("tool") and not e.get("thinking"))
 
 
 def test_a_call_between_content_is_parsed_and_its_pieces_are_marked(tokenizers):
@@ -175,3 +175,60 @@ def test_calls_decoded_together_each_get_their_own_content_and_calls(tmp_path):
     finally:
         engine.close()
         store.close()
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A json_tools tokenizer whose vocabulary has <think> and </think>: mlx-lm names them its thinking markers."""
+    path = tmp_path_factory.mktemp("thinker")
+    write_tokenizer(path, TOOLS_CHATML, added=("<think>", "</think>"))
+    (path / "config.json").write_text("{}")
+    tok = load_tokenizer(path)
+    assert tok.has_thinking and (tok.think_start, tok.think_end) == ("<think>", "</think>")
+    return tok
+
+
+def thinking_text(events: list[dict]) -> str:
+    return "".join(e["text"] for e in events if e.get("thinking"))
+
+
+def streamed_reasoning(events: list[dict]) -> str:
+    return "".join(e.get("reasoning", "") for e in events)
+
+
+def test_thinking_is_cut_from_content_and_streamed_as_thinking(thinker):
+    reason, r, events = run(thinker, f"<think>\nThe user wants weather.\n</think>\n\nSure. {CALL}")
+    assert r.reasoning == "The user wants weather." and r.content == "Sure. "
+    assert thinking_text(events) == "<think>\nThe user wants weather.\n</think>\n\n"  # markers and whitespace
+    assert content_text(events) == "Sure. " and len(r.tool_calls) == 1 and reason == "stop"
+    assert streamed_reasoning(events) == r.reasoning  # byte by byte, markers and blank lines left out
+
+
+def test_two_thinking_spans_are_one_reasoning_streamed_alike(thinker):
+    _, r, events = run(thinker, "<think> first  </think>A<think>\n\nsecond\n</think>\nB")
+    assert (r.reasoning, r.content) == ("first\n\nsecond", "AB")
+    assert streamed_reasoning(events) == r.reasoning
+
+
+def test_a_reply_the_template_opened_inside_thinking(thinker):
+    events: list[dict] = []
+    out = TextOutput(thinker, GenerateParams(), events.append, None, TOOLS, thinking=True)
+    for t in [*thinker.encode("Plan first.</think>Answer.", add_special_tokens=False), thinker.eos_token_id]:
+        if (reason := out.add(t)) is not None:
+            break
+    r = out.result(reason, 0)
+    assert (r.reasoning, r.content) == ("Plan first.", "Answer.")
+    assert thinking_text(events) == "Plan first.</think>" and content_text(events) == "Answer."
+    assert streamed_reasoning(events) == "Plan first."
+
+
+def test_thinking_cut_off_by_max_tokens_is_reasoning_and_no_content(thinker):
+    text = "<think>Still weighing the options"
+    reason, r, events = run(thinker, text, eos=False, max_tokens=len(thinker.encode(text, add_special_tokens=False)))
+    assert reason == "length" and r.reasoning == "Still weighing the options" and r.content == ""
+    assert thinking_text(events) == text and streamed_reasoning(events) == r.reasoning
+
+
+def test_without_thinking_markers_a_think_tag_is_content(tokenizers):
+    _, r, _ = run(tokenizers["tools"], "<think>not a marker here</think> ok")
+    assert r.reasoning == "" and r.content == "<think>not a marker here</think> ok"

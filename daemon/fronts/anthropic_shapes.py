@@ -17,14 +17,17 @@ Fields: `model`, `messages`, `max_tokens` (required, as Anthropic requires it),
 `input_schema`), `tool_choice` `auto` or `none` (with
 `disable_parallel_tool_use`), and `kvwake_session`. Ignored, as they change
 nothing kvwake does: `metadata`, `cache_control` (anywhere: kvwake caches every
-prefix), `context_management`, `service_tier`, `thinking` (the model thinks as
+prefix), `context_management`, `service_tier`, `thinking`'s budget (the model thinks as
 its template makes it; see docs/http.md), `output_config.effort`, `speed`,
-`inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`. Anything
+`inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`. `thinking` enabled (or
+adaptive) asks for the reasoning of a thinking model (its template's `<think>` span) as
+`thinking` blocks; without it the reasoning is left out of the reply. Anything
 else is a 400 naming it (`output_config.format` too: no constrained decoding yet).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from collections.abc import Sequence
@@ -221,6 +224,7 @@ class MessagesRequest:
     stream: bool = False
     session_id: str | None = None
     one_call: bool = False  # disable_parallel_tool_use: the reply ends after its first tool call
+    thinking: bool = False  # `thinking` enabled (or adaptive): the model's reasoning comes back as thinking blocks
 
     @classmethod
     def parse(cls, body: dict[str, Any], header_session: str | None, drop_system: Sequence[str],
@@ -244,11 +248,20 @@ class MessagesRequest:
             raise _bad("must be a non-empty string", "kvwake_session")
         tools, one_call = _tools(body)
         messages = _messages(body.get("messages"), _system(body.get("system"), drop_system))
-        return cls(body["model"], messages, tools, _params(body, counting), stream, named, one_call and bool(tools))
+        thinking = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") in ("enabled", "adaptive")
+        return cls(body["model"], messages, tools, _params(body, counting), stream, named, one_call and bool(tools),
+                   thinking)
 
     def inputs(self) -> dict[str, Any]:
         """The whole conversation, as SessionManager.render takes it."""
         return {"messages": self.messages, **({"tools": self.tools} if self.tools else {})}
+
+
+def _thinking(reasoning: str) -> dict[str, Any]:
+    """A thinking block. Its signature is a digest of the text, not Anthropic's encrypted one: kvwake
+    keeps no secret to sign with, and takes thinking blocks back without checking them."""
+    return {"type": "thinking", "thinking": reasoning,
+            "signature": "kvwake-" + hashlib.sha256(reasoning.encode()).hexdigest()[:32]}
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
@@ -263,10 +276,12 @@ class MessagesReply:
 
     model: str
     one_call: bool = False
+    thinking: bool = False  # the reasoning goes out as thinking blocks (else it is left out)
     id: str = field(default_factory=lambda: "msg_" + secrets.token_hex(12))
     blocks: int = 0  # content blocks started
     open: str | None = None  # the type of the open block
     started: bool = False
+    reasoning: str = ""  # the open thinking block's text so far (its signature is made from it)
 
     @staticmethod
     def usage(computed: int, total: int, output: int) -> dict[str, Any]:
@@ -295,8 +310,9 @@ class MessagesReply:
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     def full(self, result: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
-        text = result.get("content", result["text"])
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in self._calls(result)]
+        text, reasoning = result.get("content", result["text"]), result.get("reasoning") if self.thinking else None
+        content = ([_thinking(reasoning)] if reasoning else []) + ([{"type": "text", "text": text}] if text else []) \
+            + [_tool_use(c) for c in self._calls(result)]
         return {**self._message(content, self._stop(result), self._usage(result)), "kvwake": session}
 
     # -- streaming: each method returns the events to send, in order ----------
@@ -316,6 +332,14 @@ class MessagesReply:
             return out + self._start({**block, "input": {}}) + [
                 self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}),
                 *self._close()]
+        if event.get("thinking"):
+            if not self.thinking or not event.get("reasoning"):
+                return out
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+                self.reasoning = ""
+            self.reasoning += event["reasoning"]
+            return out + [self._delta({"type": "thinking_delta", "thinking": event["reasoning"]})]
         if event.get("tool") or not event.get("text"):
             return out  # markup of a tool call: it arrives parsed, as its own block
         if self.open != "text":
@@ -337,6 +361,10 @@ class MessagesReply:
         return {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
 
     def _close(self) -> list[dict[str, Any]]:
+        if self.open == "thinking":  # a thinking block ends with its signature, as Anthropic's do
+            signed = [self._delta({"type": "signature_delta", "signature": _thinking(self.reasoning)["signature"]})]
+            self.open = None
+            return [*signed, {"type": "content_block_stop", "index": self.blocks - 1}]
         if self.open is None:
             return []
         self.open = None

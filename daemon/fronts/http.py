@@ -159,6 +159,7 @@ class Api:
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher, self.records = manager, Matcher(manager), ResponseRecords(manager)
         self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
+        self.keepalive_s = manager.settings.http_keepalive_s
 
     def _names(self) -> list[str]:
         """The model names served: the loaded model's, then the aliases of it."""
@@ -200,7 +201,7 @@ class Api:
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
         self._check_model(req.model)
         return await self._complete(request, req, AnthropicEvents(MessagesReply(self.manager.engine.model_name,
-                                                                                req.one_call)))
+                                                                                req.one_call, req.thinking)))
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, rendered as /v1/messages renders it (nothing runs, no session is made)."""
@@ -266,11 +267,13 @@ class Api:
             await shape.kept()
             return JSONResponse(body, headers=headers)
         first = asyncio.ensure_future(events.get())
-        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        # Up to one keep-alive interval for the first event, so a quick failure is still a plain HTTP error;
+        # a longer prefill opens the stream and sends keep-alive comments until its first event.
+        await asyncio.wait([first, task], timeout=self.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
-        return StreamingResponse(stream(shape, first, events, task, gone),
+        return StreamingResponse(stream(shape, first, events, task, gone, self.keepalive_s),
                                  media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
     async def _start(self, req: Any, on_event: Callable | None, cancelled: Callable[[], bool],

@@ -247,6 +247,8 @@ class Reply:
                        else (result.get("content") or None)}
             if calls:
                 message["tool_calls"] = calls
+            if result.get("reasoning"):  # a thinking model's reasoning, apart (DeepSeek's and vLLM's field)
+                message["reasoning_content"] = result["reasoning"]
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": result["text"], "finish_reason": finish, "logprobs": None}
@@ -263,6 +265,8 @@ class Reply:
                 return None
             call = {"index": event["index"], **event["tool_call"]}
             return self._delta({"tool_calls": [call]})
+        if event.get("thinking"):  # its reasoning, markers left out
+            return self._delta({"reasoning_content": event["reasoning"]}) if event.get("reasoning") else None
         if event.get("tool") or not event.get("text"):
             return None  # markup of a tool call: it arrives parsed, as its own chunk
         return self._delta({"content": event["text"]})

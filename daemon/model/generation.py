@@ -106,6 +106,7 @@ class GenerateResult:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape (toolcalls.py)
     tool_call_errors: list[str] = field(default_factory=list)  # spans that did not parse (left in content)
     stop_sequence: str | None = None  # the stop string that ended the call ("stop" without one: EOS)
+    reasoning: str = ""  # the thinking spans' text (toolcalls.py), cut from content
 
 
 class KeyedSampler:
@@ -167,9 +168,10 @@ class TextOutput:
     """
 
     def __init__(self, tokenizer: Any, params: GenerateParams, on_event: OnEvent | None = None,
-                 should_stop: Callable[[], bool] | None = None, tools: list[dict[str, Any]] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None, tools: list[dict[str, Any]] | None = None,
+                 thinking: bool = False) -> None:
         self.params, self.should_stop = params, should_stop
-        self.spans = ToolSpans(tokenizer, tools, on_event)
+        self.spans = ToolSpans(tokenizer, tools, on_event, thinking=thinking)
         self.detok = tokenizer.detokenizer  # a fresh copy per call
         self.eos = set(tokenizer.eos_token_ids)
         self.tokens: list[int] = []
@@ -222,4 +224,4 @@ class TextOutput:
                 "prompt_tokens": prompt_tokens, "generated_tokens": n,
                 "ttft_ms": round((first - self.started) * 1000, 3),
                 "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
-            }, spans.content, list(spans.calls), list(spans.errors), self.stop_sequence)
+            }, spans.content, list(spans.calls), list(spans.errors), self.stop_sequence, spans.reasoning)

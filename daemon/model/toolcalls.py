@@ -1,4 +1,4 @@
-"""Tool calls in generated text: where they are (mlx-lm's markers) and what they say (mlx-lm's parsers).
+"""Tool calls and thinking in generated text: where they are (mlx-lm's markers) and what calls say (its parsers).
 
 mlx-lm's `TokenizerWrapper` names the model's tool-call format: `tool_call_start`
 and `tool_call_end` mark a call's span in the text (an empty end marker: the
@@ -9,8 +9,17 @@ final text as it grows and splits it into content and tool-call spans, the
 way mlx-lm's server does, but keeps every character: the events it emits,
 joined, are the text.
 
+Thinking: where the tokenizer names thinking markers (mlx-lm's `think_start` and
+`think_end`: `<think>`, `</think>` for Qwen3 and DeepSeek-R1), the text between
+them is the model's reasoning, not its answer. A reply may begin inside it (the
+template opened it in the generation prompt: `thinking=True`). Its spans, markers
+and the whitespace after the end marker included, are cut from `content` and
+joined (markers left out, trimmed) into `reasoning`.
+
 Events (the maps a streaming RPC call sends as notifications):
 - `{"text": piece}`: content;
+- `{"text": piece, "thinking": True, "reasoning": part}`: a piece of a thinking span, markers included;
+  `reasoning` (when there is some) is its part of `reasoning`: the pieces' parts joined are `reasoning`;
 - `{"text": piece, "tool": True}`: a piece of a tool-call span, markers included;
 - `{"tool_call": {"id", "type": "function", "function": {"name", "arguments"}}, "index": i}`:
   a span closed and parsed (i counts this reply's parsed calls from 0).
@@ -52,8 +61,16 @@ class ToolSpans:
     has none) everything is content.
     """
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, emit: Emit | None) -> None:
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None, emit: Emit | None, *,
+                 thinking: bool = False) -> None:
         has = bool(getattr(tokenizer, "has_tool_calling", False))
+        thinks = bool(getattr(tokenizer, "has_thinking", False))
+        self.think_start: str | None = tokenizer.think_start if thinks else None
+        self.think_end: str = tokenizer.think_end if thinks else ""
+        self.thinking: int | None = 0 if thinking and thinks else None  # where the open thinking span begins
+        self.thought: list[tuple[int, int]] = []  # (begin, end) of closed thinking spans: cut from content
+        self._said = 0  # text[:_said] has been streamed as reasoning (or skipped: markers, whitespace)
+        self._spoke = False  # some reasoning has been streamed (the next span's begins with a blank line)
         self.start: str | None = tokenizer.tool_call_start if has else None
         self.end: str = (tokenizer.tool_call_end or "") if has else ""
         self.parser = tokenizer.tool_parser if has else None
@@ -89,27 +106,68 @@ class ToolSpans:
 
     @property
     def content(self) -> str:
-        """The text without the spans that parsed."""
+        """The text without the tool-call spans that parsed and the thinking spans."""
         parts, at = [], 0
-        for begin, end in self.parsed:
+        for begin, end in sorted(self.parsed + self._thinking_spans()):
             parts.append(self.text[at:begin])
             at = end
         return "".join(parts) + self.text[at:]
 
+    @property
+    def reasoning(self) -> str:
+        """The thinking spans' text, markers left out, trimmed; "" when the model did not think."""
+        bodies = []
+        for begin, end in self._thinking_spans():
+            body = self.text[begin:end].rstrip()
+            body = body.removeprefix(self.think_start or "") if self.text.startswith(self.think_start or "\0", begin) else body
+            bodies.append(body.removesuffix(self.think_end).strip())
+        return "\n\n".join(b for b in bodies if b)
+
+    def _thinking_spans(self) -> list[tuple[int, int]]:
+        """Closed thinking spans, and one still open (cut off) up to the end of the text."""
+        return self.thought + ([(self.thinking, len(self.text))] if self.thinking is not None else [])
+
     def _scan(self, *, final: bool) -> None:
-        while self.sent < len(self.text) and (self._span() if self.open is not None else self._content(final)):
+        while self.sent < len(self.text) and (
+                self._span() if self.open is not None else self._think(final) if self.thinking is not None
+                else self._content(final)):
             pass
 
     def _content(self, final: bool) -> bool:
-        """Emit content up to the next start marker (True: a span opened); unless final, hold back
-        what could begin one."""
-        begin = self.text.find(self.start, self.sent) if self.start else -1
-        if begin < 0:
-            hold = held_back(self.text[self.sent:], (self.start,)) if self.start and not final else 0
+        """Emit content up to the next tool-call or thinking start marker (True: a span opened); unless final,
+        hold back what could begin one."""
+        marks = tuple(m for m in (self.start, self.think_start) if m)
+        found = [(at, m) for m in marks if (at := self.text.find(m, self.sent)) >= 0]
+        if not found:
+            hold = held_back(self.text[self.sent:], marks) if not final else 0
             self._send(len(self.text) - hold, tool=False)
             return False
+        begin, mark = min(found)
         self._send(begin, tool=False)
-        self.open = begin
+        if mark == self.start:
+            self.open = begin
+        else:
+            self.thinking = begin
+        return True
+
+    def _think(self, final: bool) -> bool:
+        """Emit the open thinking span; at its end marker (and the whitespace after it) close it (True: more
+        text may follow). Unless final, hold back what could begin the end marker, and whitespace after it."""
+        assert self.thinking is not None
+        close = self.text.find(self.think_end, max(self.thinking, self.sent - len(self.think_end) + 1))
+        if close < 0:
+            hold = held_back(self.text[self.sent:], (self.think_end,)) if not final else 0
+            self._send(len(self.text) - hold, thinking=True)
+            return False
+        stop = close + len(self.think_end)
+        while stop < len(self.text) and self.text[stop].isspace():
+            stop += 1
+        if stop == len(self.text) and not final:  # more whitespace may follow: the span is not closed yet
+            self._send(close, thinking=True)
+            return False
+        self._send(stop, thinking=True, closed=close)
+        self.thought.append((self.thinking, stop))
+        self.thinking = None
         return True
 
     def _span(self) -> bool:
@@ -126,12 +184,36 @@ class ToolSpans:
         self.open = None
         return True
 
-    def _send(self, upto: int, *, tool: bool) -> None:
+    def _send(self, upto: int, *, tool: bool = False, thinking: bool = False, closed: int | None = None) -> None:
         if upto > self.sent:
             if self.emit is not None:
                 piece = self.text[self.sent:upto]
-                self.emit({"text": piece, "tool": True} if tool else {"text": piece})
+                event = {"text": piece, "tool": True} if tool else {"text": piece}
+                if thinking:
+                    event = {"text": piece, "thinking": True, **self._reasoning_part(upto, closed)}
+                self.emit(event)
             self.sent = upto
+
+    def _reasoning_part(self, upto: int, closed: int | None) -> dict[str, str]:
+        """The open thinking span's reasoning in text[:upto] not yet streamed: markers left out, and trimmed
+        as `reasoning` is (leading whitespace skipped; trailing held back until more text, or dropped at
+        `closed`, where the end marker begins)."""
+        assert self.thinking is not None
+        body = self.thinking + len(self.think_start or "") if self.text.startswith(
+            self.think_start or "\0", self.thinking) else self.thinking
+        start = max(self._said, body)
+        fresh = self._said <= body  # nothing of this span streamed yet
+        end = min(upto, closed) if closed is not None else upto
+        part = self.text[start:end]
+        if fresh:
+            part = part.lstrip()
+        part = part.rstrip()
+        if not part:
+            return {}
+        self._said = self.text.rindex(part[-1], start, end) + 1
+        prefix = "\n\n" if fresh and self._spoke else ""
+        self._spoke = True
+        return {"reasoning": prefix + part}
 
     def _parse(self, body: str, begin: int, end: int) -> None:
         assert self.parser is not None

@@ -333,7 +333,8 @@ class SessionManager:
                      "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
             self.counters["generations"] += 1
             self.latency["generate_ttft"].add(usage["ttft_ms"])
-            return {"text": result.text, "content": result.content, "tool_calls": result.tool_calls,
+            return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
+                    "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
                     "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence, "usage": usage,
                     **({"append": appended} if inputs else {})}
