@@ -391,6 +391,31 @@ def test_whitespace_around_calls_opens_no_message():
     assert [i["type"] for i in reply.items] == ["function_call"]
 
 
+def test_a_thinking_models_reasoning_is_a_reasoning_item(tmp_path):
+    """The scripted model thinks first (<think> and </think> are its tokenizer's thinking markers)."""
+    model = make_scripted_model(tmp_path / "thinker", ("<think>", "Weigh it.", "</think>", "Hello there."))
+    d = Daemon(tmp_path, model, extra=["--http", "0"]).start()
+    try:
+        api = client_for(d)
+        whole = create(api, "hi", max_output_tokens=20)
+        assert [i.type for i in whole.output] == ["reasoning", "message"] and whole.output_text == "Hello there."
+        assert whole.output[0].content[0].text == "Weigh it." and whole.output[0].summary == []
+        events = validated_stream(d, {"model": "m", "input": "hi", "max_output_tokens": 20, "temperature": 0})
+        kinds = [e.type for e in events]
+        assert kinds[2:6] == ["response.output_item.added", "response.content_part.added",
+                              "response.reasoning_text.delta", "response.reasoning_text.done"]
+        final = events[-1].response
+        assert [i.model_dump(exclude={"id"}) for i in final.output] == [
+            i.model_dump(exclude={"id"}) for i in whole.output]
+        # Continued: the reasoning goes back to the template with the reply (reasoning_content), as resent.
+        after = create(api, "and then?", previous_response_id=whole.id, max_output_tokens=20)
+        resent = create(api, [{"role": "user", "content": "hi"}, *replayed(whole),
+                              {"role": "user", "content": "and then?"}], store=False, max_output_tokens=20)
+        assert resent.usage.input_tokens == after.usage.input_tokens
+    finally:
+        assert d.stop() == 0 and d.log_problems() == []
+
+
 # -- durable response ids: across a restart --
 
 def test_a_previous_response_id_continues_after_a_restart(tmp_path, model_dir):

@@ -218,6 +218,11 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """The content part of a message or reasoning item."""
+    return {"type": "reasoning_text", "text": text} if kind == "reasoning" else _text_part(text)
+
+
 @dataclass
 
 
@@ -233,7 +238,7 @@ class ResponsesReply:
     final: dict[str, Any] | None = None  # the finished response object
     position: int = 0  # then: the session's token count where the reply ended
     items: list[dict[str, Any]] = field(default_factory=list)  # streamed output items, in order
-    open: dict[str, Any] | None = None  # the message item being streamed
+    open: dict[str, Any] | None = None  # the message or reasoning item being streamed: its id, type, text
     held: str = ""  # whitespace while no message is open: it opens none unless words follow
     sequence: int = 0
 
@@ -258,12 +263,16 @@ class ResponsesReply:
         return self.final
 
     def full(self, result: dict[str, Any], session: dict[str, Any]) -> dict[str, Any]:
-        """The whole response, not streamed: a message with the reply's text (unless it is blank), then its
-        function calls."""
-        status, text = self._status(result), result.get("content", result["text"])
-        output = ([{"id": self.message_id, "type": "message", "role": "assistant", "status": status,
-                    "content": [_text_part(text)]}] if text.strip() else []) + [_call_item(c) for c in self._calls(result)]
-        return {**self._finish(result, status, output), "kvwake": session}
+        """The whole response, not streamed: a reasoning item with the model's reasoning (if it thought), a
+        message with the reply's text (unless it is blank), then its function calls."""
+        status, text, reasoning = self._status(result), result.get("content", result["text"]), result.get("reasoning")
+        output = [{"id": "rs_" + _hex(), "type": "reasoning", "summary": [], "status": status,
+                   "content": [_part("reasoning", reasoning)]}] if reasoning else []
+        if text.strip():
+            output.append({"id": self.message_id, "type": "message", "role": "assistant", "status": status,
+                           "content": [_text_part(text)]})
+        return {**self._finish(result, status, output + [_call_item(c) for c in self._calls(result)]),
+                "kvwake": session}
 
     # -- streaming: each method returns the events to send, in order ----------
 
@@ -292,38 +301,55 @@ class ResponsesReply:
                     self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                 name=item["name"], arguments=item["arguments"]),
                     self._event("response.output_item.done", output_index=index, item=item)]
+        if event.get("thinking"):  # the model's reasoning (markers left out): a reasoning item
+            return self._add("reasoning", event["reasoning"]) if event.get("reasoning") else []
         if event.get("tool") or not event.get("text"):
             return []  # markup of a tool call: it arrives parsed, as its own item
         text, self.held = self.held + event["text"], ""
-        if self.open is None and not text.strip():
-            self.held = text  # the newlines around calls: a message only if words follow
+        if (self.open is None or self.open["type"] != "message") and not text.strip():
+            self.held = text  # the newlines around calls and thinking: a message only if words follow
             return []
-        out = [] if self.open is not None else self._start_message()
-        self.open["text"] += text
-        return out + [self._event("response.output_text.delta", item_id=self.open["id"],
-                                  output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[])]
+        return self._add("message", text)
 
-    def _start_message(self) -> list[dict[str, Any]]:
-        used = any(i["id"] == self.message_id for i in self.items)  # text again after a call: a second message
-        item = {"id": "msg_" + _hex() if used else self.message_id, "type": "message", "role": "assistant",
-                "status": "in_progress", "content": []}
+    def _add(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """`text` streamed into the open item of `kind` ("message" or "reasoning"), opened first if need be."""
+        out = []
+        if self.open is None or self.open["type"] != kind:
+            out = [*self._close("completed"), *self._start(kind)]
+        self.open["text"] += text
+        index, item_id = len(self.items) - 1, self.open["id"]
+        if kind == "reasoning":
+            return out + [self._event("response.reasoning_text.delta", item_id=item_id, output_index=index,
+                                      content_index=0, delta=text)]
+        return out + [self._event("response.output_text.delta", item_id=item_id, output_index=index,
+                                  content_index=0, delta=text, logprobs=[])]
+
+    def _start(self, kind: str) -> list[dict[str, Any]]:
+        if kind == "reasoning":
+            item = {"id": "rs_" + _hex(), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+        else:
+            used = any(i["id"] == self.message_id for i in self.items)  # text again after a call: another message
+            item = {"id": "msg_" + _hex() if used else self.message_id, "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
         self.items.append(item)
-        self.open = {"id": item["id"], "text": ""}
+        self.open = {"id": item["id"], "type": kind, "text": ""}
         index = len(self.items) - 1
         return [self._event("response.output_item.added", output_index=index, item=item),
                 self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                            content_index=0, part=_text_part(""))]
+                            content_index=0, part=_part(kind, ""))]
 
     def _close(self, status: str) -> list[dict[str, Any]]:
         if self.open is None:
             return []
-        index, text, item_id = len(self.items) - 1, self.open["text"], self.open["id"]
+        index, kind, text, item_id = len(self.items) - 1, self.open["type"], self.open["text"], self.open["id"]
         self.open = None
-        item = self.items[index] = {**self.items[index], "status": status, "content": [_text_part(text)]}
-        return [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                            text=text, logprobs=[]),
-                self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                            part=_text_part(text)),
+        item = self.items[index] = {**self.items[index], "status": status, "content": [_part(kind, text)]}
+        done = (self._event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                            text=text) if kind == "reasoning" else
+                self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                            text=text, logprobs=[]))
+        return [done, self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                  content_index=0, part=_part(kind, text)),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def last(self, result: dict[str, Any]) -> list[dict[str, Any]]:
