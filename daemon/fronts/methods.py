@@ -100,7 +100,7 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                        "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
                        "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,
                        "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,
-                       "max_session_tokens": engine.max_tokens},
+                       "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
             "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
                       "path": str(engine.store.root)},
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,

@@ -165,6 +165,12 @@ class Engine:
         """A whole conversation (messages, text or tokens, and tools) rendered once, for any session."""
         return self.prompter.render(**inputs)
 
+    @staticmethod
+    def mlx_memory() -> dict[str, int]:
+        """MLX's own counters: bytes in arrays now, in its cache of freed buffers, and at most so far."""
+        return {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
+                "mlx_peak_bytes": mx.get_peak_memory()}
+
     @property
     def max_tokens(self) -> int | None:
         """The most tokens a session may hold: the model's context (or `max_context`), and what its KV
