@@ -173,3 +173,23 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
     finally:
         engine.close()
         store.close()
+
+
+def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(tmp_path, model_dir, monkeypatch):
+    """Nothing staged (no full block): only the tail's partial block; the join must not need staging's shape."""
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir)
+    try:
+        a, b = Session("a"), Session("b")
+        for s in (a, b):
+            engine.append(s, tokens=list(range(30, 40)))
+        engine.sleep(b)
+        b, _ = engine.wake("b")
+        for x, y in zip(a.cache, b.cache):
+            assert mx.array_equal(x.keys[..., :9, :], y.keys[..., :9, :]).item()
+    finally:
+        engine.close()
+        store.close()

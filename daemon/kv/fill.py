@@ -223,7 +223,7 @@ class Buffers:
         n_full, rest = divmod(n_tokens, b)
         size = len(self.planes)
         dtype = self.dtypes[self.order[0]] if self.order else ""
-        tensors, tail_shape = len(self.order), (*self.block_shape[:-2], rest, self.block_shape[-1]) if self.order else ()
+        tensors = len(self.order)
         out = {}
         for t, name in enumerate(self.order):
             view = self.views[name]
@@ -237,7 +237,8 @@ class Buffers:
                 pieces = [joined[..., k * b : (k + 1) * b, :] if k in self.staged else host(k * b, (k + 1) * b)
                           for k in range(n_full)]
             if rest:
-                pieces.append(devplanes.join_one(self._stage_arrays[size:], dtype, tensors, t, tail_shape)
+                pieces.append(devplanes.join_one(self._stage_arrays[size:], dtype, tensors, t,
+                                                 (*self.block_shape[:-2], rest, self.block_shape[-1]))
                               if -1 in self.staged else host(n_full * b, n_tokens))
             # Always a new array of its own (the padding may be empty): a slice of the joined array
             # would share its buffer, and mlx-lm's first in-place update would copy the whole layer.
