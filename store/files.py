@@ -12,6 +12,8 @@ A file becomes durable in four steps: write a uniquely named temp file in the
 target directory, fsync it, rename it over the final name, fsync the
 directory. Only then does the index learn of it. A crash leaves at most a temp
 file or a renamed file the index does not name: both are orphans, swept by gc.
+Every "fsync" here is `sync`: on macOS, `fcntl(F_FULLFSYNC)`, since macOS's
+fsync leaves the data in the drive's write cache, which power loss empties.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import errno
 import fcntl
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,17 +33,35 @@ from pathlib import Path
 from kvwake.errors import StorageFullError
 from kvwake.store.format.planes import as_bytes
 
-__all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "write_durable"]
+__all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "sync", "write_durable"]
 
 TEMP_SUFFIX = ".tmp"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_FULLFSYNC = {errno.ENOTSUP, errno.EINVAL, errno.ENOTTY}  # file systems without it (some network, FUSE ones)
+
+
+def sync(fd: int) -> None:
+    """Put an open file's or directory's data and metadata on stable storage.
+
+    On macOS (`sys.platform` "darwin") fsync only hands the data to the drive, whose write cache a
+    power loss empties; `fcntl(F_FULLFSYNC)` also flushes that cache (what SQLite's `fullfsync` does).
+    A file system that refuses F_FULLFSYNC gets fsync, as SQLite does. Elsewhere: fsync.
+    """
+    if sys.platform == "darwin":
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_FULLFSYNC:
+                raise
+    os.fsync(fd)
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename or create inside it is durable."""
+    """Sync a directory (`sync`) so a rename or create inside it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 
@@ -75,7 +96,7 @@ def write_durable(path: Path, data: bytes | memoryview | Sequence[Any], *, sync_
                 view = as_bytes(buf)
                 while view:
                     view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
