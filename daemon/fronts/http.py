@@ -221,9 +221,10 @@ class Api:
         session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop, on_append)
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
-            return JSONResponse(shape.reply.full(await _watch(request, task, gone), session), headers=headers)
+            await _watch(request, [task], gone)
+            return JSONResponse(shape.reply.full(task.result(), session), headers=headers)
         first = asyncio.ensure_future(events.get())
-        await asyncio.wait([first, task], return_when=asyncio.FIRST_COMPLETED)
+        await _watch(request, [first, task], gone)  # the prefill runs: nothing is sent yet
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
@@ -287,13 +288,13 @@ def _header(request: Request) -> str | None:
     return request.headers.get(SESSION_HEADER)
 
 
-async def _watch(request: Request, task: asyncio.Task, gone: anyio.Event) -> dict[str, Any]:
-    """Wait for a non-streamed result; a client that hangs up stops the generation."""
-    while not task.done():
-        await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
+async def _watch(request: Request, waits: list[asyncio.Future], gone: anyio.Event) -> None:
+    """Wait until one of `waits` is done (a result, a stream's first event); a client that hangs up
+    meanwhile sets `gone`, which stops the call's prefill before its next chunk, or its generation."""
+    while not any(w.done() for w in waits):
+        await asyncio.wait(waits, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        if not any(w.done() for w in waits) and await request.is_disconnected():
             gone.set()
-    return task.result()
 
 
 def _openai_model(name: str) -> dict[str, Any]:
