@@ -3,7 +3,8 @@
 Layout under the store root:
 
     index.sqlite            the SQLite index (WAL mode)
-    store.lock              flock target: writers share it, gc takes it alone
+    store.lock              flock target: writers and readers share it, gc takes it alone
+    store.gate              flock turnstile in front of it (`StoreFiles.lock`)
     blocks/ab/<key>.<nonce>.kvb        one file per block (ab = key[:2])
     tails/<snapshot id>.<nonce>.kvb    one file per snapshot tail
     quarantine/             files fsck found bad, moved aside, never deleted
@@ -124,6 +125,8 @@ class StoreFiles:
         for d in (root, self.blocks, self.tails, self.quarantine):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.lock_path = root / "store.lock"
+        self.gate_path = root / "store.gate"
+        self._held = threading.local()  # shared locks this thread holds
 
     def block_path(self, key: str) -> Path:
         """A fresh file name for block `key`.
@@ -174,18 +177,38 @@ class StoreFiles:
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool) -> Iterator[None]:
-        """Hold the store lock: shared for writers, exclusive for gc.
+        """Hold the store lock: shared for writers and readers, exclusive for gc's moments.
 
         Each call opens its own descriptor, so threads of one process exclude
         each other the same way separate processes do. The kernel drops the
         lock when the holder dies, so `kill -9` never leaves the store locked.
+
+        A turnstile (`store.gate`) keeps a stream of readers and writers from
+        starving an exclusive locker (flock queues nobody): it takes the gate
+        exclusively before the lock, and a shared locker passes through the gate
+        first, so new ones wait behind it while those holding the lock finish.
+        A thread that already holds the lock shared skips the gate (a fork's
+        writer inside its read): it would wait for an exclusive locker that
+        waits for it.
         """
+        held = getattr(self._held, "n", 0)
+        gate = None
+        if exclusive or not held:
+            gate = os.open(self.gate_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            if not exclusive:
+                os.close(gate)  # passed through
+                gate = None
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            self._held.n = held + (not exclusive)
             yield
         finally:
+            self._held.n = held
             os.close(fd)
+            if gate is not None:
+                os.close(gate)
 
     def walk(self) -> Iterator[Path]:
         """Every file under blocks/ and tails/ (temp files included)."""

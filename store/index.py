@@ -178,6 +178,20 @@ class Index:
             self.db.execute("PRAGMA checkpoint_fullfsync=ON")
         self.db.execute("PRAGMA foreign_keys=ON")
 
+    def check(self) -> list[str]:
+        """SQLite's integrity and foreign-key checks, on a read-only connection of their own: they read
+        one consistent state (WAL) and never wait for, nor hold up, this connection's writes. Returns
+        the problems found (none: [])."""
+        path = self.db.conn.execute("PRAGMA database_list").fetchone()[2]
+        conn = sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True, timeout=30.0)
+        try:
+            conn.execute("PRAGMA foreign_keys=ON")
+            integrity = [r[0] for r in conn.execute("PRAGMA integrity_check").fetchall()]
+            keys = [f"foreign key: {r}" for r in conn.execute("PRAGMA foreign_key_check").fetchall()]
+        finally:
+            conn.close()
+        return ([] if integrity == ["ok"] else integrity) + keys
+
     def migrate(self) -> None:
         """Apply pending migrations (the caller holds the store lock exclusively)."""
         with self.write():
