@@ -78,11 +78,15 @@ def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exa
     done = prefilled(daemon) - before
     assert 0 < done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
 
-    # The input stays in the session; the next call prefills the rest, and the reply is the twin's.
+    # The input stays in the session, through a sleep too; the next call prefills the rest, and the
+    # reply is the twin's.
     expected = twin_reply(daemon, f"twin-{sid}", text)
     with daemon.client() as c:
         info = c.call("session.info", session_id=sid)
         assert info["busy"] is None and info["tokens"] > 3800
+        slept = c.call("session.sleep", session_id=sid)
+        assert slept["tokens"] < 3000 and slept["tokens"] + slept["pending"] == info["tokens"]
+        assert c.call("session.wake", session_id=sid)["tokens"] == info["tokens"]
         assert c.call("session.generate", session_id=sid, max_tokens=8)["tokens"] == expected
 
 
