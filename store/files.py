@@ -23,6 +23,7 @@ import concurrent.futures as cf
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import sys
@@ -39,6 +40,8 @@ __all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "sync", "writ
 TEMP_SUFFIX = ".tmp"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_FULLFSYNC = {errno.ENOTSUP, errno.EINVAL, errno.ENOTTY}  # file systems without it (some network, FUSE ones)
+_refused_fullfsync: set[int] = set()  # devices whose refusal was logged
+log = logging.getLogger("kvwake.store")
 
 
 def sync(fd: int) -> None:
@@ -46,7 +49,8 @@ def sync(fd: int) -> None:
 
     On macOS (`sys.platform` "darwin") fsync only hands the data to the drive, whose write cache a
     power loss empties; `fcntl(F_FULLFSYNC)` also flushes that cache (what SQLite's `fullfsync` does).
-    A file system that refuses F_FULLFSYNC gets fsync, as SQLite does. Elsewhere: fsync.
+    A file system that refuses F_FULLFSYNC gets fsync, as SQLite does (logged once per device: its
+    writes are not safe from a power loss). Elsewhere: fsync.
     """
     if sys.platform == "darwin":
         try:
@@ -55,6 +59,11 @@ def sync(fd: int) -> None:
         except OSError as exc:
             if exc.errno not in _NO_FULLFSYNC:
                 raise
+            device = os.fstat(fd).st_dev
+            if device not in _refused_fullfsync:
+                _refused_fullfsync.add(device)
+                log.warning("this file system refuses F_FULLFSYNC: its writes are synced with fsync only, which a "
+                            "power loss may undo", extra={"device": device, "error": exc.strerror})
     os.fsync(fd)
 
 

@@ -127,11 +127,16 @@ def test_on_macos_files_directories_and_the_index_are_synced_with_full_fsync(tmp
     assert pragmas == {"fullfsync": 1, "checkpoint_fullfsync": 1, "synchronous": 2}
 
 
-def test_on_a_file_system_without_full_fsync_the_sync_is_an_fsync(tmp_path, monkeypatch):
+def test_on_a_file_system_without_full_fsync_the_sync_is_an_fsync_and_says_so(tmp_path, monkeypatch, caplog):
     syncs = FullSyncs(monkeypatch, refuse=errno.ENOTSUP)
-    write_durable(tmp_path / "f", b"data")
-    assert syncs.full == [] and syncs.plain == ["file", "dir"]
+    monkeypatch.setattr("kvwake.store.files._refused_fullfsync", set())
+    with caplog.at_level("WARNING", logger="kvwake.store"):
+        write_durable(tmp_path / "f", b"data")
+        write_durable(tmp_path / "g", b"more")
+    assert syncs.full == [] and syncs.plain == ["file", "dir", "file", "dir"]
     assert (tmp_path / "f").read_bytes() == b"data"
+    assert [r.getMessage() for r in caplog.records] == [  # once per device
+        "this file system refuses F_FULLFSYNC: its writes are synced with fsync only, which a power loss may undo"]
 
 
 def test_elsewhere_the_sync_is_an_fsync_and_sqlite_keeps_its_default(tmp_path, monkeypatch):
