@@ -76,7 +76,7 @@ def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exa
     leave_when_busy(daemon, method, {"session_id": sid, **params})
     wait_free(daemon, sid)
     done = prefilled(daemon) - before
-    assert 0 < done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
+    assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
 
     # The input stays in the session, through a sleep too; the next call prefills the rest, and the
     # reply is the twin's.
@@ -101,7 +101,7 @@ def test_an_http_client_that_leaves_stops_the_prefill(daemon, stream):
                                     stream=stream, extra_headers={"X-Kvwake-Session": sid})
     wait_free(daemon, sid)
     done = prefilled(daemon) - before
-    assert 0 < done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
+    assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
 
     patient = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120)  # it asks again
     again = patient.chat.completions.create(model="any", messages=messages, max_tokens=8,
