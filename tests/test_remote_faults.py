@@ -95,13 +95,14 @@ def test_a_stop_right_after_a_sleep_finishes_the_upload_in_flight(tmp_path, mode
             proxy.delay = 0.3  # every S3 request takes a while: the upload is surely in flight at the stop
             snapshot = ca.call("session.sleep", session_id="agent")["snapshot_id"]
             time.sleep(0.1)  # the uploader has taken it from the queue
-            queued = ca.call("status")["remote"]["queued"]
+            remote = ca.call("status")["remote"]
+            queued, uploading = remote["queued"], remote["uploading"]
         began = time.monotonic()
         assert a.stop() == 0
         took = time.monotonic() - began
     finally:
         proxy.close()
-    assert queued == 0, "the upload had not begun: this test would not test the one in flight"
+    assert queued == 0 and uploading == snapshot, "the upload was not under way: this test would not test it"
     assert took < 30.0, took  # REMOTE_FLUSH_S bounds it
     assert a.log_problems() == []
 

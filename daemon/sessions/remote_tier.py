@@ -117,7 +117,8 @@ class RemoteTier:
         return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": h.state,
                 "error": h.error, "since": h.since, "last_ok": h.last_ok, "last_call_s": h.last_call_s,
                 "daemon": self.remote.daemon_id,
-                "queued": self._send.statistics().current_buffer_used, **self.remote.counters, **self.counters}
+                "queued": self._send.statistics().current_buffer_used,
+                "uploading": self.taken[1] if self.taken is not None else None, **self.remote.counters, **self.counters}
 
     @property
     def healthy(self) -> bool:
