@@ -86,6 +86,8 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--idle-timeout", "idle_timeout_s", type=float, help="Seconds idle before a session sleeps.")
 @click.option("--max-batch", type=int,
               help="Calls decoded together per forward pass (default 32); 1 decodes each alone, bit-exact.")
+@click.option("--max-context", type=int,
+              help="Tokens a session may hold (prompt and reply), below the model's own context.")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
 @click.option("--remote", help="Shared tier s3://BUCKET/PREFIX (env KVWAKE_REMOTE).")
 @click.option("--remote-endpoint", help="S3 endpoint URL (env AWS_ENDPOINT_URL); credentials: AWS_ACCESS_KEY_ID, "

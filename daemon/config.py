@@ -13,6 +13,8 @@ the `Settings` field names as top-level keys, e.g.
     codec = "raw"            # block codec for new blocks (`kvwake bench` says which wins here)
     io_workers = 8           # sleep/wake worker threads (default: every core)
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
+    max_context = 32768      # refuse prompts beyond this (and below the model's own context)
+    mlx_memory_bytes = 48_000_000_000  # MLX's memory limit; sessions whose KV would not fit are refused
     remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier")
     remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
     http = "127.0.0.1:8080"  # the OpenAI and Anthropic APIs (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
@@ -63,6 +65,9 @@ class Settings:
     kv_bits: int | None = None
     max_batch: int = 32  # generate calls decoded together in one forward pass; 1: each alone (solo-bit-exact)
     prefill_step: int = 512  # tokens per prefill chunk (smaller while other calls decode)
+    max_context: int | None = None  # tokens a session may hold, below the model's own context; None: the model's
+    mlx_memory_bytes: int | None = None  # MLX's memory limit; None: 90% of the GPU's memory (CUDA), else of RAM
+    mlx_cache_bytes: int = 4 << 30  # freed buffers MLX keeps for reuse (daemon/model/memory.py says why)
     kv_group_size: int = 64
     allow_uids: tuple[int, ...] = ()  # besides the daemon's own uid
     read_timeout_s: float = 30.0  # a peer stalled mid-frame this long is dropped
@@ -81,6 +86,7 @@ class Settings:
     http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/fronts/http.py); None: off
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
+    http_keepalive_s: float = 5.0  # a stream with nothing to send this long (a long prefill) gets an SSE comment
     stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted
     # Model names HTTP clients may ask for ([aliases] table: name -> the loaded model's name); empty: any name.
     aliases: dict[str, str] = field(default_factory=dict)

@@ -39,6 +39,7 @@ import kvwake
 from kvwake.daemon.config import Settings
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
+from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.sessions.manager import SessionManager
@@ -160,12 +161,14 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
     thread = EngineThread(on_exit=_release_mlx_streams)
+    limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
                                           hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
                                           io_inflight_bytes=settings.io_inflight_bytes,
                                           max_batch=settings.max_batch,
-                                          prefill_step=settings.prefill_step)).result()
+                                          prefill_step=settings.prefill_step, max_context=settings.max_context,
+                                          limits=limits)).result()
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     if settings.remote is not None:

@@ -35,3 +35,24 @@ def require_quantized_kv(model: Any, bits: int, group_size: int = 32, tokens: in
     if failure is not None:
         pytest.skip(f"quantized KV ({bits}-bit, group {group_size}) does not run on {mx.default_device()} "
                     f"(probed: {failure})")
+
+
+_chunking: dict[int, bool] = {}
+
+
+def chunked_prefill_is_exact(engine: Any, tokens: int = 40, split: int = 32) -> bool:
+    """Whether the engine's prefill of `tokens` tokens in two chunks (`split`, then the rest) leaves next-token
+    logits bit-identical to one chunk of them all, as a prefix hit and a cold prefill do: true on the CPU;
+    MLX on CUDA picks kernels by shape, so it may not be. Probed once per engine, on its own prefill path."""
+    from kvwake.daemon.session import Session
+
+    if id(engine) not in _chunking:
+        ids = [(i * 31 + 11) % 200 + 20 for i in range(tokens)]
+        logits = []
+        for stops in ((tokens - 1,), (split, tokens - 1)):
+            session = Session("probe", tokens=list(ids), cache=make_prompt_cache(engine.model))
+            for upto in stops:
+                engine.prefill(session, upto)
+            logits.append(engine.model(mx.array(ids[-1:], dtype=mx.uint32)[None], cache=session.cache)[0, -1])
+        _chunking[id(engine)] = bool(mx.array_equal(*logits).item())
+    return _chunking[id(engine)]

@@ -13,6 +13,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import urllib.request
 
 import anthropic
 import mlx.core as mx
@@ -313,3 +314,25 @@ def test_a_long_system_prompt_is_read_from_the_cache_on_turn_2_and_after_a_resta
     assert unknown.value.body["error"]["type"] == "not_found_error"
     assert [m.id for m in client_for(d).models.list().data] == ["tiny-64k", "claude-sonnet-4-6"]
     assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_a_long_prefill_sends_keepalives_before_message_start_and_clients_skip_them(tmp_path, model_dir):
+    (tmp_path / "none.toml").write_text("http_keepalive_s = 0.05\n")
+    d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
+    try:
+        config = openai_config(d.socket)
+        body = {"model": "m", "max_tokens": 4, "stream": True, "temperature": 0,
+                "messages": [{"role": "user", "content": "long " * 600}]}  # ~3000 tokens to prefill
+        request = urllib.request.Request(f"{base_url(d)}/v1/messages", json.dumps(body).encode(),
+                                         {"x-api-key": config["api_key"], "content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            lines = [line.decode().rstrip("\n") for line in response]
+        opening = lines.index("event: message_start")
+        assert ": keepalive" in lines[:opening]  # the stream opened during the prefill
+        assert lines[-3:] == ["event: message_stop", 'data: {"type":"message_stop"}', ""]
+        body["messages"][0]["content"] = "again " * 600  # a new prompt: a new prefill
+        del body["temperature"]  # the SDK has no such argument any more
+        events = list(client_for(d).messages.create(**body, extra_body=GREEDY))
+        assert [e.type for e in events][0] == "message_start" and events[-1].type == "message_stop"
+    finally:
+        assert d.stop() == 0

@@ -4,11 +4,14 @@ Store level (4-token blocks, KV-like arrays): the children lookup, its ranking, 
 migration of a format-1 store. Engine level (tiny llama, 16-token blocks): a shared
 prompt of 2.5 blocks is reused whole, from another session's block, from a slept
 session's tail, or from prefix.warm, and the continuation is bit-identical to a cold
-prefill on this CPU; a corrupt candidate shortens the hit.
+prefill where chunked prefill is bit-stable (probed: the CPU), within a measured bound
+where it is not (MLX on CUDA); a corrupt candidate shortens the hit.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sqlite3
 import time
@@ -22,7 +25,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.store import ROOT_KEY, Store, chain_keys
 from kvwake.store.format.keys import tokens_to_bytes
-from tests.capabilities import require_quantized_kv
+from tests.capabilities import chunked_prefill_is_exact, require_quantized_kv
 from tests.kvdata import BUNDLE, OTHER_BUNDLE, kv_arrays, write_snapshot
 from tests.tinymodel import make_model_dir
 
@@ -147,17 +150,41 @@ def logits_after(engine, session) -> mx.array:
     return engine.model(mx.array(session.pending, dtype=mx.uint32)[None], cache=session.cache)[0, -1]
 
 
+# Where chunked prefill is not bit-stable (probed: MLX on CUDA picks its matmul kernels by shape, and a hit
+# prefills 8 tokens where a cold run prefills 40), a hit is held to this bound instead, measured on the H100
+# machine (docs/benchmarks.md, "Exactness on CUDA"): the largest difference of a next-token logit against the
+# cold prefill's, relative to the largest logit (measured there: 0.094 of 5.97, 1.6%: 3 bf16 steps), and
+# greedy continuations agree token for token (10 of 10 there).
+CHUNKED_LOGIT_BOUND = 0.03
+EXACTNESS_LOG = os.environ.get("KVWAKE_EXACTNESS_LOG")  # where measured differences are appended (JSONL)
+
+
 def assert_exact(engine, cold, tokens) -> dict:
-    """Append `tokens` to fresh sessions on each engine: the next logits are bit-identical, and so is
-    greedy output (from a second pair of sessions: the logits consumed the pending token)."""
+    """Append `tokens` to fresh sessions on each engine: the next logits are bit-identical (within the bound
+    where chunked prefill is not bit-stable here), and so is greedy output (from a second pair of sessions:
+    the logits consumed the pending token)."""
     warm_s, cold_s = Session("warm"), Session("cold")
     got = engine.append(warm_s, tokens=tokens)
     assert cold.append(cold_s, tokens=tokens)["reused"] == 0
-    assert mx.array_equal(logits_after(engine, warm_s), logits_after(cold, cold_s)).item()
+    warm, want = logits_after(engine, warm_s), logits_after(cold, cold_s)
     warm_g, cold_g = Session("warm-greedy"), Session("cold-greedy")
     assert engine.append(warm_g, tokens=tokens)["reused"] == got["reused"]  # again (from the RAM tier, for blocks)
     cold.append(cold_g, tokens=tokens)
-    assert engine.generate(warm_g, GREEDY).tokens == cold.generate(cold_g, GREEDY).tokens
+    warm_tokens, cold_tokens = engine.generate(warm_g, GREEDY).tokens, cold.generate(cold_g, GREEDY).tokens
+    diff = mx.abs(warm.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    scale = mx.abs(want.astype(mx.float32)).max().item()
+    if EXACTNESS_LOG:
+        with open(EXACTNESS_LOG, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "device":
+                                str(mx.default_device()), "max_diff": diff, "max_logit": scale, "reused": got["reused"],
+                                "greedy_agree": sum(a == b for a, b in zip(warm_tokens, cold_tokens)),
+                                "chunking_exact": chunked_prefill_is_exact(engine)}) + "\n")
+    if chunked_prefill_is_exact(engine):
+        assert mx.array_equal(warm, want).item(), f"hit of {got['reused']} tokens: logits differ by up to {diff}"
+    else:
+        assert diff <= CHUNKED_LOGIT_BOUND * scale, f"hit of {got['reused']} tokens: max logit diff {diff} " \
+            f"> {CHUNKED_LOGIT_BOUND} x max logit {scale}"
+    assert warm_tokens == cold_tokens
     return got
 
 

@@ -39,6 +39,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,7 @@ class Api:
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher = manager, Matcher(manager)
         self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
+        self.keepalive_s = manager.settings.http_keepalive_s
 
     def _names(self) -> list[str]:
         """The model names served: the loaded model's, then the aliases of it."""
@@ -224,11 +226,14 @@ class Api:
             await _watch(request, [task], gone)
             return JSONResponse(shape.reply.full(task.result(), session), headers=headers)
         first = asyncio.ensure_future(events.get())
-        await _watch(request, [first, task], gone)  # the prefill runs: nothing is sent yet
+        # Up to one keep-alive interval for the first event, so a quick failure is still a plain HTTP error;
+        # a longer prefill opens the stream and sends keep-alive comments until its first event. Nothing
+        # is sent meanwhile, so a client that leaves is seen by polling (it stops the prefill).
+        await _watch(request, [first, task], gone, self.keepalive_s)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
-        return StreamingResponse(stream(shape, first, events, task, gone),
+        return StreamingResponse(stream(shape, first, events, task, gone, self.keepalive_s),
                                  media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
 
     async def _start(self, req: Any, on_event: Callable | None, cancelled: Callable[[], bool],
@@ -288,11 +293,14 @@ def _header(request: Request) -> str | None:
     return request.headers.get(SESSION_HEADER)
 
 
-async def _watch(request: Request, waits: list[asyncio.Future], gone: anyio.Event) -> None:
-    """Wait until one of `waits` is done (a result, a stream's first event); a client that hangs up
-    meanwhile sets `gone`, which stops the call's prefill before its next chunk, or its generation."""
-    while not any(w.done() for w in waits):
-        await asyncio.wait(waits, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+async def _watch(request: Request, waits: list[asyncio.Future], gone: anyio.Event,
+                 timeout_s: float | None = None) -> None:
+    """Wait until one of `waits` is done (a result, a stream's first event), or timeout_s; a client that
+    hangs up meanwhile sets `gone`, which stops the call's prefill before its next chunk, or its generation."""
+    until = None if timeout_s is None else time.monotonic() + timeout_s
+    while not any(w.done() for w in waits) and (until is None or time.monotonic() < until):
+        poll = DISCONNECT_POLL_S if until is None else max(0.0, min(DISCONNECT_POLL_S, until - time.monotonic()))
+        await asyncio.wait(waits, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
         if not any(w.done() for w in waits) and await request.is_disconnected():
             gone.set()
 

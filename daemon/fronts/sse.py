@@ -20,7 +20,7 @@ from kvwake.daemon.fronts.anthropic_shapes import MessagesReply
 from kvwake.daemon.fronts.openai_shapes import ApiError, Reply, from_kvwake
 from kvwake.errors import KvwakeError
 
-__all__ = ["AnthropicEvents", "OpenAiEvents", "stream"]
+__all__ = ["KEEPALIVE", "AnthropicEvents", "OpenAiEvents", "stream"]
 
 log = logging.getLogger("kvwake.http")
 
@@ -72,15 +72,23 @@ class AnthropicEvents:
         return self._lines([anthropic_shapes.error_body(err)[1]])
 
 
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: every client's parser skips it (the spec's own keep-alive)
+
+
 async def stream(shape: OpenAiEvents | AnthropicEvents, first: asyncio.Future, events: asyncio.Queue,
-               task: asyncio.Task, gone: anyio.Event) -> AsyncIterator[str]:
-    """Server-sent events: what the engine makes as it makes it, then the closing events (or the error)."""
+               task: asyncio.Task, gone: anyio.Event, keepalive_s: float | None = None) -> AsyncIterator[str]:
+    """Server-sent events: what the engine makes as it makes it, then the closing events (or the error).
+    While nothing comes for `keepalive_s` (a long prefill, before Anthropic's message_start can be sent),
+    a comment line keeps proxies and clients' read timeouts from closing the connection."""
     pending = first
     try:
         for line in shape.opening():
             yield line
         while True:
-            await asyncio.wait([pending, task], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([pending, task], timeout=keepalive_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                yield KEEPALIVE
+                continue
             if not pending.done():  # the call ended: what it queued is all there is
                 pending.cancel()
                 break

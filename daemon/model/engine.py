@@ -33,7 +33,7 @@ from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention
+from kvwake.daemon.model import attention, memory
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
@@ -93,11 +93,16 @@ class Engine:
         io_workers: int | None = None,
         io_inflight_bytes: int = 512 << 20,
         max_batch: int = 32,
+        max_context: int | None = None,
+        limits: memory.Limits | None = None,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
-        self.context_length = context_length(self.model_path)
+        mx.eval(self.model.parameters())
+        self.weights_bytes = mx.get_active_memory()
+        known = [n for n in (context_length(self.model_path), max_context) if n]
+        self.context_length = min(known) if known else None
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
         self.bundle: Bundle = describe_bundle(
             self.model_path, kv_layout=state.layout(probe, model=self.model), block_tokens=store.block_tokens,
@@ -117,6 +122,10 @@ class Engine:
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
+        self.token_bytes = memory.kv_token_bytes(self.model, self.make_cache)
+        # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
+        self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
+        self.limits = limits
 
     def close(self) -> None:
         self.pool.close()
@@ -155,17 +164,31 @@ class Engine:
         """A whole conversation (messages, text or tokens, and tools) rendered once, for any session."""
         return self.prompter.render(**inputs)
 
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens a session may hold: the model's context (or `max_context`), and what its KV
+        may take of the memory limit, whichever is less; None when neither is known."""
+        known = [n for n in (self.context_length, self.session_tokens) if n is not None]
+        return min(known) if known else None
+
     def check_fits(self, tokens: int) -> None:
-        """A prompt of `tokens` must leave room for one generated token in the model's context; raises
-        ContextTooLongError otherwise (callers check before any prefill)."""
-        if self.context_length is not None and tokens >= self.context_length:
-            raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {self.context_length - 1} maximum",
-                                      tokens=tokens, limit=self.context_length)
+        """A prompt of `tokens` must leave room for one generated token in the model's context and in the
+        memory a session may take; raises ContextTooLongError otherwise (callers check before any prefill)."""
+        limit = self.max_tokens
+        if limit is None or tokens < limit:
+            return
+        by_memory = self.session_tokens is not None and self.session_tokens == limit and (
+            self.context_length is None or self.session_tokens < self.context_length)
+        why = (f" (the KV of {limit} tokens is what fits the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB "
+               f"beside the weights)") if by_memory else ""
+        raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
+                                  tokens=tokens, limit=limit, bound="memory" if by_memory else "context")
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
-        """`params` with max_tokens capped to what the context has left after `tokens` (not refused)."""
+        """`params` with max_tokens capped to what the context (and memory) has left after `tokens` (not refused)."""
         self.check_fits(tokens)
-        room = self.context_length - tokens if self.context_length is not None else params.max_tokens
+        limit = self.max_tokens
+        room = limit - tokens if limit is not None else params.max_tokens
         return dataclasses.replace(params, max_tokens=room) if params.max_tokens > room else params
 
     def plan(self, session: Session, **inputs: Any) -> Plan:

@@ -1,0 +1,82 @@
+"""MLX's memory limits, set from the machine and the daemon's settings, and the tokens one session may hold.
+
+What grew a process to ~130 GB resident on the H100 machine (issue 25; measured
+with bench/memory.py, docs/benchmarks.md "Memory"): MLX's buffer cache. A 32k-token
+prefill of the 8B shape left 54.5 GiB of freed buffers cached (the KV grows in
+steps and every step is a new, larger buffer; attention's scratch comes in ever
+new sizes), beside 20 GiB in use. MLX lets its cache grow to its memory limit
+(95% of the GPU's memory on CUDA), and on CUDA its buffers are managed memory,
+which the driver spills to host memory past the GPU's size: two such sessions
+and the kernel's OOM killer ends the daemon. A 4 GiB cache limit held that run
+at 4 GiB of cache with no slower prefill (5.96 s against 7.64 s), sleep, wake or
+first token.
+
+So the daemon sets both limits at start (`apply_limits`): the cache limit
+(`mlx_cache_bytes`, default 4 GiB) and the memory limit (`mlx_memory_bytes`,
+default 90% of the memory MLX computes in: the GPU's own on CUDA, else the
+machine's RAM). And since MLX on CUDA does not refuse an allocation past its
+limit (it spills), the daemon refuses work before it starts: a session may hold
+at most `session_tokens` tokens, the KV that fits the memory limit after the
+weights and a prefill's working memory (`Engine.check_fits`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvwake.daemon.kv import state
+
+__all__ = ["DEFAULT_CACHE_BYTES", "MEMORY_SHARE", "Limits", "apply_limits", "device_memory", "kv_token_bytes",
+           "session_tokens"]
+
+DEFAULT_CACHE_BYTES = 4 << 30
+MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
+WORKSPACE_SHARE = 0.1  # of the limit, kept for a prefill's scratch (a 32k prefill of the 8B shape: ~3 GiB)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits in force: bytes MLX may use, bytes of freed buffers it may keep."""
+
+    memory_bytes: int
+    cache_bytes: int
+
+
+def device_memory() -> int:
+    """Bytes of the memory MLX computes in: a GPU's own (CUDA reports it), else the machine's RAM (CPU,
+    and Apple silicon's unified memory)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    gpu = int(info.get("total_memory", 0) or info.get("memory_size", 0) or 0)  # CUDA's name, Metal's
+    return min(gpu, ram) if gpu else ram
+
+
+def apply_limits(memory_bytes: int | None = None, cache_bytes: int = DEFAULT_CACHE_BYTES) -> Limits:
+    """Set MLX's memory limit (`memory_bytes`, None: MEMORY_SHARE of device_memory()) and cache limit."""
+    limits = Limits(memory_bytes or int(device_memory() * MEMORY_SHARE), cache_bytes)
+    mx.set_memory_limit(limits.memory_bytes)
+    mx.set_cache_limit(limits.cache_bytes)
+    return limits
+
+
+def kv_token_bytes(model: Any, make_cache: Any = None) -> int:
+    """Bytes one more token adds to a session's KV (the cuttable layers'; windows and recurrent state do not
+    grow), from a one-token forward pass through a fresh cache."""
+    cache = make_cache() if make_cache is not None else make_prompt_cache(model)
+    model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    return state.bytes_per_token(cache)
+
+
+def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:
+    """The most tokens one session's KV may hold under `limits`, beside the weights and a prefill's scratch;
+    None when a token costs nothing that grows."""
+    if token_bytes <= 0:
+        return None
+    room = limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes
+    return max(0, int(room // token_bytes))

@@ -1,0 +1,87 @@
+"""Bounded sessions: `max_context`, and the KV a session may hold under MLX's memory limit (daemon/model/memory.py).
+
+A real daemon: its status reports the limits in force; a prompt beyond `--max-context` or beyond
+what fits the memory limit is refused with CONTEXT_TOO_LONG (data: tokens, limit, bound) before
+any prefill; a reply that would pass the limit is capped (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.model import memory
+from tests.daemon import Daemon, RpcError
+
+TOKENS = list(range(20, 220))  # 200 tokens the tiny model knows
+
+
+def test_apply_limits_sets_mlxs_memory_and_cache_limits():
+    before = mx.get_memory_limit()
+    try:
+        limits = memory.apply_limits(3 << 30, 256 << 20)
+        assert (limits.memory_bytes, limits.cache_bytes) == (3 << 30, 256 << 20)
+        assert mx.get_memory_limit() == 3 << 30
+        assert mx.set_cache_limit(1 << 30) == 256 << 20  # set_cache_limit returns the one it replaces
+        default = memory.apply_limits(None)
+        assert default.memory_bytes == int(memory.device_memory() * memory.MEMORY_SHARE)
+        assert default.cache_bytes == memory.DEFAULT_CACHE_BYTES
+    finally:
+        mx.set_memory_limit(before)
+
+
+def test_session_tokens_leave_room_for_the_weights_and_a_prefills_scratch():
+    limits = memory.Limits(memory_bytes=10_000, cache_bytes=0)
+    assert memory.session_tokens(limits, weights_bytes=4_000, token_bytes=100) == 50  # 9000 usable - 4000 weights
+    assert memory.session_tokens(limits, weights_bytes=20_000, token_bytes=100) == 0
+    assert memory.session_tokens(limits, weights_bytes=0, token_bytes=0) is None  # nothing grows per token
+
+
+def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, extra=["--max-context", "150"]).start()
+    try:
+        with d.client() as rpc:
+            memory_status = rpc.call("status")["memory"]
+            assert memory_status["max_session_tokens"] == 150
+            assert memory_status["mlx_cache_limit_bytes"] == memory.DEFAULT_CACHE_BYTES
+            assert memory_status["mlx_memory_limit_bytes"] == int(memory.device_memory() * memory.MEMORY_SHARE)
+            assert memory_status["kv_bytes_per_token"] > 0 and memory_status["weights_bytes"] > 0
+            rpc.call("session.create", session_id="s")
+            with pytest.raises(RpcError) as refused:
+                rpc.call("session.append", session_id="s", tokens=TOKENS)
+            assert refused.value.code == "CONTEXT_TOO_LONG"
+            assert refused.value.data == {"tokens": 200, "limit": 150, "bound": "context"}
+            assert rpc.call("session.info", session_id="s")["tokens"] == 0  # nothing prefilled
+            rpc.call("session.append", session_id="s", tokens=TOKENS[:100])
+            got = rpc.call("session.generate", session_id="s", max_tokens=1000, temperature=0)
+            assert got["finish_reason"] == "length" and rpc.call("session.info", session_id="s")["tokens"] <= 150
+    finally:
+        d.stop()
+
+
+def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir):
+    (tmp_path / "probe").mkdir()
+    d = Daemon(tmp_path / "probe", model_dir).start()
+    try:
+        with d.client() as rpc:
+            facts = rpc.call("status")["memory"]
+    finally:
+        d.stop()
+    # A memory limit that leaves room for the weights and the KV of ~120 tokens (after the prefill scratch).
+    limit = int((facts["weights_bytes"] + 120.5 * facts["kv_bytes_per_token"]) / (1 - memory.WORKSPACE_SHARE))
+    (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\n")  # the config file tests.daemon names
+    d = Daemon(tmp_path, model_dir).start()
+    try:
+        with d.client() as rpc:
+            status = rpc.call("status")["memory"]
+            assert status["mlx_memory_limit_bytes"] == limit
+            held = status["max_session_tokens"]
+            assert 100 <= held <= 140, status  # the weights measured in this process differ by a few arrays
+            rpc.call("session.create", session_id="big")
+            with pytest.raises(RpcError) as refused:
+                rpc.call("session.append", session_id="big", tokens=TOKENS)
+            assert refused.value.code == "CONTEXT_TOO_LONG" and refused.value.data["bound"] == "memory"
+            assert refused.value.data["limit"] == held and "memory limit" in refused.value.message
+            rpc.call("session.append", session_id="big", tokens=TOKENS[:50])  # what fits still runs
+    finally:
+        d.stop()
