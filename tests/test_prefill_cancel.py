@@ -7,7 +7,10 @@ The prompt is about 3,900 tokens (the tiny model's context is 4,096), prefilled 
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
+import urllib.parse
 
 import openai
 import pytest
@@ -15,6 +18,7 @@ import pytest
 from kvwake.client import openai_config
 from tests.daemon import Daemon, RawClient
 
+KEEPALIVE_S = 0.5  # http_keepalive_s: a stream opens on keep-alive comments when its prefill takes longer
 LONG = "a long document. " * 228  # 3,876 byte-level tokens, after a tag naming the test (no prefix shared)
 PREFILL_STEP = 16
 
@@ -22,7 +26,7 @@ PREFILL_STEP = 16
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, model_dir):
     root = tmp_path_factory.mktemp("prefill-cancel")
-    (root / "none.toml").write_text(f"prefill_step = {PREFILL_STEP}\n")
+    (root / "none.toml").write_text(f"prefill_step = {PREFILL_STEP}\nhttp_keepalive_s = {KEEPALIVE_S}\n")
     d = Daemon(root, model_dir, extra=["--http", "0"]).start()
     yield d
     assert d.stop() == 0
@@ -90,15 +94,38 @@ def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exa
         assert c.call("session.generate", session_id=sid, max_tokens=8)["tokens"] == expected
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_an_http_client_that_leaves_stops_the_prefill(daemon, stream):
-    sid = f"http-leaver-{stream}"
-    api = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=0.6)  # it hangs up after 0.6 s
+def leave_raw(d: Daemon, sid: str, messages: list[dict]) -> None:
+    """A streamed request whose client hangs up 0.1 s after sending it, before anything comes back."""
+    config = openai_config(d.socket)
+    url = urllib.parse.urlsplit(config["base_url"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    body = json.dumps({"model": "any", "messages": messages, "max_tokens": 8, "stream": True})
+    conn.request("POST", f"{url.path}/chat/completions", body, headers={
+        "Authorization": f"Bearer {config['api_key']}", "Content-Type": "application/json", "X-Kvwake-Session": sid})
+    time.sleep(0.1)
+    conn.close()
+
+
+@pytest.mark.parametrize("how", ["waiting for the body", "before the stream opens", "on an open stream"])
+def test_an_http_client_that_leaves_stops_the_prefill(daemon, how):
+    sid = f"http-leaver-{how.replace(' ', '-')}"
     messages = [{"role": "user", "content": f"{sid}: {LONG}"}]
     before = prefilled(daemon)
-    with pytest.raises(openai.APITimeoutError):
-        api.chat.completions.create(model="any", messages=messages, max_tokens=8,
-                                    stream=stream, extra_headers={"X-Kvwake-Session": sid})
+    if how == "waiting for the body":  # not streamed: the client's read timeout hangs up after 0.6 s
+        api = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=0.6)
+        with pytest.raises(openai.APITimeoutError):
+            api.chat.completions.create(model="any", messages=messages, max_tokens=8,
+                                        extra_headers={"X-Kvwake-Session": sid})
+    elif how == "before the stream opens":  # within http_keepalive_s: nothing sent yet
+        leave_raw(daemon, sid, messages)
+    else:  # past http_keepalive_s the stream opens on keep-alive comments; the client closes it
+        api = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=30)
+        began = time.monotonic()
+        stream = api.chat.completions.create(model="any", messages=messages, max_tokens=8, stream=True,
+                                             extra_headers={"X-Kvwake-Session": sid})
+        opened = time.monotonic() - began
+        stream.close()
+        assert opened >= KEEPALIVE_S, opened  # the headers came with the first keep-alive, mid-prefill
     wait_free(daemon, sid)
     done = prefilled(daemon) - before
     assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
