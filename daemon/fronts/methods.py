@@ -169,7 +169,7 @@ async def session_delete(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def session_append(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id"} | INPUT_KEYS, {"session_id"})
     inputs = {k: p[k] for k in INPUT_KEYS if k in p}
-    return await ctx.manager.append(p["session_id"], **inputs)
+    return await ctx.manager.append(p["session_id"], ctx.closed, **inputs)
 
 
 async def _generate(ctx: Context, p: dict[str, Any], inputs: dict[str, Any] | None) -> dict[str, Any]:
