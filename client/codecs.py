@@ -22,11 +22,13 @@ __all__ = ["codec_advice"]
 
 def _disk(folder: Path, data: bytes) -> tuple[float, float]:
     """(write+fsync GB/s, cold read GB/s) for `data` written to a temporary file in `folder`."""
+    from kvwake.store.files import sync  # the store's own sync (F_FULLFSYNC on macOS); loaded when measuring
+
     fd, name = tempfile.mkstemp(dir=folder, prefix=".codec-probe-")
     try:
         t0 = time.perf_counter()
         os.write(fd, data)
-        os.fsync(fd)
+        sync(fd)  # as the store syncs: F_FULLFSYNC on macOS
         write = len(data) / (time.perf_counter() - t0) / 1e9
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

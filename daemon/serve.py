@@ -10,8 +10,9 @@ tells the CLI who is serving.
 
 Stop (SIGTERM, SIGINT or the `shutdown` method): stop accepting, refuse new
 requests (CANCELLED), stop running generations after their current token,
-wait for operations in flight, sleep every hot session, close connections,
-remove the socket and status file. Exit 0, or 1 if a session could not be
+wait for operations in flight, sleep every hot session, finish the remote
+uploads (the one under way and those queued, within REMOTE_FLUSH_S), close
+connections, remove the socket and status file. Exit 0, or 1 if a session could not be
 slept (it is named in the log; its previous snapshot is intact).
 """
 

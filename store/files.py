@@ -3,7 +3,8 @@
 Layout under the store root:
 
     index.sqlite            the SQLite index (WAL mode)
-    store.lock              flock target: writers share it, gc takes it alone
+    store.lock              flock target: writers and readers share it, gc takes it alone
+    store.gate              flock turnstile in front of it (`StoreFiles.lock`)
     blocks/ab/<key>.<nonce>.kvb        one file per block (ab = key[:2])
     tails/<snapshot id>.<nonce>.kvb    one file per snapshot tail
     quarantine/             files fsck found bad, moved aside, never deleted
@@ -12,6 +13,8 @@ A file becomes durable in four steps: write a uniquely named temp file in the
 target directory, fsync it, rename it over the final name, fsync the
 directory. Only then does the index learn of it. A crash leaves at most a temp
 file or a renamed file the index does not name: both are orphans, swept by gc.
+Every "fsync" here is `sync`: on macOS, `fcntl(F_FULLFSYNC)`, since macOS's
+fsync leaves the data in the drive's write cache, which power loss empties.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import concurrent.futures as cf
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,17 +35,43 @@ from pathlib import Path
 from kvwake.errors import StorageFullError
 from kvwake.store.format.planes import as_bytes
 
-__all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "write_durable"]
+__all__ = ["TEMP_SUFFIX", "StoreFiles", "fsync_dir", "fsync_dirs", "sync", "write_durable"]
 
 TEMP_SUFFIX = ".tmp"
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_FULLFSYNC = {errno.ENOTSUP, errno.EINVAL, errno.ENOTTY}  # file systems without it (some network, FUSE ones)
+_refused_fullfsync: set[int] = set()  # devices whose refusal was logged
+log = logging.getLogger("kvwake.store")
+
+
+def sync(fd: int) -> None:
+    """Put an open file's or directory's data and metadata on stable storage.
+
+    On macOS (`sys.platform` "darwin") fsync only hands the data to the drive, whose write cache a
+    power loss empties; `fcntl(F_FULLFSYNC)` also flushes that cache (what SQLite's `fullfsync` does).
+    A file system that refuses F_FULLFSYNC gets fsync, as SQLite does (logged once per device: its
+    writes are not safe from a power loss). Elsewhere: fsync.
+    """
+    if sys.platform == "darwin":
+        try:
+            fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_FULLFSYNC:
+                raise
+            device = os.fstat(fd).st_dev
+            if device not in _refused_fullfsync:
+                _refused_fullfsync.add(device)
+                log.warning("this file system refuses F_FULLFSYNC: its writes are synced with fsync only, which a "
+                            "power loss may undo", extra={"device": device, "error": exc.strerror})
+    os.fsync(fd)
 
 
 def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename or create inside it is durable."""
+    """Sync a directory (`sync`) so a rename or create inside it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 
@@ -75,7 +106,7 @@ def write_durable(path: Path, data: bytes | memoryview | Sequence[Any], *, sync_
                 view = as_bytes(buf)
                 while view:
                     view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            sync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -103,6 +134,8 @@ class StoreFiles:
         for d in (root, self.blocks, self.tails, self.quarantine):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.lock_path = root / "store.lock"
+        self.gate_path = root / "store.gate"
+        self._held = threading.local()  # shared locks this thread holds
 
     def block_path(self, key: str) -> Path:
         """A fresh file name for block `key`.
@@ -153,18 +186,38 @@ class StoreFiles:
 
     @contextlib.contextmanager
     def lock(self, exclusive: bool) -> Iterator[None]:
-        """Hold the store lock: shared for writers, exclusive for gc.
+        """Hold the store lock: shared for writers and readers, exclusive for gc's moments.
 
         Each call opens its own descriptor, so threads of one process exclude
         each other the same way separate processes do. The kernel drops the
         lock when the holder dies, so `kill -9` never leaves the store locked.
+
+        A turnstile (`store.gate`) keeps a stream of readers and writers from
+        starving an exclusive locker (flock queues nobody): it takes the gate
+        exclusively before the lock, and a shared locker passes through the gate
+        first, so new ones wait behind it while those holding the lock finish.
+        A thread that already holds the lock shared skips the gate (a fork's
+        writer inside its read): it would wait for an exclusive locker that
+        waits for it.
         """
+        held = getattr(self._held, "n", 0)
+        gate = None
+        if exclusive or not held:
+            gate = os.open(self.gate_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            if not exclusive:
+                os.close(gate)  # passed through
+                gate = None
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            self._held.n = held + (not exclusive)
             yield
         finally:
+            self._held.n = held
             os.close(fd)
+            if gate is not None:
+                os.close(gate)
 
     def walk(self) -> Iterator[Path]:
         """Every file under blocks/ and tails/ (temp files included)."""

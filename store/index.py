@@ -1,7 +1,8 @@
 """The SQLite index: schema, migrations and the records it holds.
 
 WAL mode, `synchronous=FULL` (a committed snapshot survives power loss, not
-just a killed process), foreign keys on, a 30 s busy timeout for other
+just a killed process; on macOS with `fullfsync` and `checkpoint_fullfsync`
+too, since fsync there leaves the data in the drive's cache), foreign keys on, a 30 s busy timeout for other
 processes. Write transactions use `BEGIN IMMEDIATE` rather than sqlite-utils'
 `atomic()` (a deferred `BEGIN`): two processes that both read and then write
 would otherwise fail with SQLITE_BUSY instead of waiting their turn.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,7 +186,24 @@ class Index:
         self.db = sqlite_utils.Database(conn)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
+        if sys.platform == "darwin":  # SQLite's syncs as F_FULLFSYNC (store/files.py, `sync`)
+            self.db.execute("PRAGMA fullfsync=ON")
+            self.db.execute("PRAGMA checkpoint_fullfsync=ON")
         self.db.execute("PRAGMA foreign_keys=ON")
+
+    def check(self) -> list[str]:
+        """SQLite's integrity and foreign-key checks, on a read-only connection of their own: they read
+        one consistent state (WAL) and never wait for, nor hold up, this connection's writes. Returns
+        the problems found (none: [])."""
+        path = self.db.conn.execute("PRAGMA database_list").fetchone()[2]
+        conn = sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True, timeout=30.0)
+        try:
+            conn.execute("PRAGMA foreign_keys=ON")
+            integrity = [r[0] for r in conn.execute("PRAGMA integrity_check").fetchall()]
+            keys = [f"foreign key: {r}" for r in conn.execute("PRAGMA foreign_key_check").fetchall()]
+        finally:
+            conn.close()
+        return ([] if integrity == ["ok"] else integrity) + keys
 
     def migrate(self) -> None:
         """Apply pending migrations (the caller holds the store lock exclusively)."""

@@ -1,6 +1,6 @@
-"""gc and fsck: keeping a store small and proving it sound.
+"""gc and fsck: keeping a store small and proving it sound, while sleeps and wakes go on.
 
-gc, under the exclusive store lock (no writer is mid-snapshot):
+gc:
   1. prunes unlabeled snapshots beyond `keep_history` per session (the head
      and labeled checkpoints always stay);
   2. evicts blocks no snapshot references and nothing pinned, least recently
@@ -13,6 +13,21 @@ orphans for the next gc, never an index row without its file.
 
 fsck reads and verifies everything, moves bad files to quarantine/ and marks
 their rows, recounts references, and reports. It deletes nothing.
+
+Beside serving (issue 25): neither holds the store lock for its run. A writer
+holds the lock shared from its first file to its commit, and counts on the
+blocks it reuses staying (they may be unreferenced: the prefix cache); a
+reader holds it shared while it reads a snapshot's files. So gc takes the lock
+exclusively only for what those two rely on, each time for a moment: (1) and
+(2)'s row deletions, then the orphan decision (the folders are walked before,
+unlocked; a file walked, not named by the index in that moment, and still
+there is an orphan: no writer is between its first file and its commit then,
+and a writer after it only makes files the walk did not see). Files are
+deleted after the lock is given back: no row names them any more, so no
+reader or writer can reach them. fsck verifies one block or snapshot at a
+time under the shared lock, looking its row up again inside it (a block gc
+evicted meanwhile is skipped, not reported missing), and checks SQLite on a
+connection of its own; its orphan report is made as gc's.
 """
 
 from __future__ import annotations
@@ -24,9 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvwake.errors import KvwakeError
+from kvwake.errors import KvwakeError, NotFoundError
 from kvwake.store.core import StoreCore
-from kvwake.store.index import BlockRef
 
 __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
 
@@ -93,27 +107,33 @@ def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
 
 
 def _orphans(store: StoreCore) -> list[Path]:
-    named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
-                                              "WHERE tail_file IS NOT NULL")}
-    return [p for p in store.files.walk() if store.files.relative(p) not in named]
+    """Files no index row names and no writer will (see the module docstring: walked unlocked, decided
+    under the exclusive lock)."""
+    walked = list(store.files.walk())
+    with store.files.lock(exclusive=True), store.locked():
+        named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
+                                                  "WHERE tail_file IS NOT NULL")}
+        unnamed = [p for p in walked if store.files.relative(p) not in named]
+    return [p for p in unnamed if p.exists()]  # not a temp file renamed since the walk (no one makes these paths)
 
 
 def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int | None = None) -> GcReport:
     """Prune, evict and sweep (see the module docstring); returns what it did."""
     budget = store.budget_bytes if budget_bytes is None else budget_bytes
     keep = store.keep_history if keep_history is None else keep_history
-    with store.files.lock(exclusive=True), store.locked():
+    with store.files.lock(exclusive=True), store.locked():  # a moment: no writer counts on what is evicted
         pruned = _prune_history(store, keep)
         evicted, freed = _evict(store, budget)
-        for rel in evicted:
-            with contextlib.suppress(FileNotFoundError):
-                store.files.absolute(rel).unlink()
-        orphans = _orphans(store)
-        orphan_bytes = 0
-        for path in orphans:
-            with contextlib.suppress(FileNotFoundError):
-                orphan_bytes += path.stat().st_size
-                path.unlink()
+    for rel in evicted:
+        with contextlib.suppress(FileNotFoundError):
+            store.files.absolute(rel).unlink()
+    orphans = _orphans(store)
+    orphan_bytes = 0
+    for path in orphans:
+        with contextlib.suppress(FileNotFoundError):
+            orphan_bytes += path.stat().st_size
+            path.unlink()
+    with store.locked():
         return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
 
 
@@ -123,26 +143,36 @@ def _quarantine(store: StoreCore, rel: str) -> None:
         os.replace(src, store.files.quarantine / src.name)
 
 
-def _check_blocks(store: StoreCore, report: FsckReport, progress: Progress) -> None:
-    rows = [BlockRef.from_row(r) for r in store.index.rows("SELECT * FROM blocks WHERE quarantined = 0")]
-    for n, ref in enumerate(rows, 1):
+def _check_block(store: StoreCore, key: str, report: FsckReport) -> bool:
+    """Verify one block as it is now, under the shared lock; False when it is gone (gc evicted it)."""
+    with store.reading():
+        with store.locked():
+            ref = store.index.blocks_by_key([key]).get(key)
+        if ref is None or ref.quarantined:
+            return False
         try:
             store.read_block(ref)
         except KvwakeError as exc:
             report.bad_blocks.append({"block": ref.key, "file": ref.file, "reason": exc.message})
             _quarantine(store, ref.file)
-            with store.index.write() as db:
-                db.execute("UPDATE blocks SET quarantined = 1 WHERE key = ?", (ref.key,))
-        report.blocks_checked = n
+            with store.transaction() as db:
+                db.execute("UPDATE blocks SET quarantined = 1 WHERE key = ? AND file = ?", (ref.key, ref.file))
+    return True
+
+
+def _check_blocks(store: StoreCore, report: FsckReport, progress: Progress) -> None:
+    keys = [r["key"] for r in store.rows("SELECT key FROM blocks WHERE quarantined = 0 ORDER BY key")]
+    for n, key in enumerate(keys, 1):
+        report.blocks_checked += _check_block(store, key, report)
         if progress:
-            progress(n, len(rows))
-    for row in store.index.rows("SELECT key, file FROM blocks WHERE quarantined = 1"):
+            progress(n, len(keys))
+    for row in store.rows("SELECT key, file FROM blocks WHERE quarantined = 1"):
         if not any(b["block"] == row["key"] for b in report.bad_blocks):
             report.bad_blocks.append({"block": row["key"], "file": row["file"], "reason": "quarantined earlier"})
 
 
 def _check_refcounts(store: StoreCore, report: FsckReport) -> None:
-    with store.index.write() as db:
+    with store.transaction() as db:
         for key, refs, actual in db.execute(
             "SELECT key, refs, (SELECT count(*) FROM snapshot_blocks WHERE block_key = key) FROM blocks "
             "WHERE refs != (SELECT count(*) FROM snapshot_blocks WHERE block_key = key)"
@@ -151,11 +181,13 @@ def _check_refcounts(store: StoreCore, report: FsckReport) -> None:
             db.execute("UPDATE blocks SET refs = ? WHERE key = ?", (actual, key))
 
 
-def _check_snapshots(store: StoreCore, report: FsckReport) -> None:
-    for row in store.index.rows("SELECT id FROM snapshots ORDER BY created"):
-        facts: dict[str, Any] = {"snapshot_id": row["id"]}
+def _check_snapshot(store: StoreCore, snapshot_id: str, report: FsckReport) -> None:
+    """Verify one snapshot's record and tail as they are now, under the shared lock (one pruned meanwhile
+    is skipped)."""
+    facts: dict[str, Any] = {"snapshot_id": snapshot_id}
+    with store.reading():
         try:
-            record = store.snapshot(row["id"])
+            record = store.snapshot(snapshot_id)
             facts["session_id"] = record.session_id
             bad = [b.key for b in record.blocks if b.quarantined]
             if bad:
@@ -166,20 +198,27 @@ def _check_snapshots(store: StoreCore, report: FsckReport) -> None:
                 if record.tail:
                     _quarantine(store, record.tail.file)
                 raise
+        except NotFoundError:
+            return  # pruned or deleted since the list was read
         except KvwakeError as exc:
             report.damaged_snapshots.append({**facts, "reason": exc.message})
-        report.snapshots_checked += 1
+    report.snapshots_checked += 1
+
+
+def _check_snapshots(store: StoreCore, report: FsckReport) -> None:
+    for row in store.rows("SELECT id FROM snapshots ORDER BY created"):
+        _check_snapshot(store, row["id"], report)
 
 
 def fsck(store: StoreCore, *, progress: Progress = None) -> FsckReport:
-    """Verify every block and snapshot; quarantine bad files; report. Deletes nothing."""
+    """Verify every block and snapshot; quarantine bad files; report. Deletes nothing.
+
+    Sleeps, wakes and gc go on meanwhile (see the module docstring); what they add after fsck
+    listed the blocks and snapshots is left for the next run."""
     report = FsckReport()
-    with store.files.lock(exclusive=True), store.locked():
-        integrity = [r[0] for r in store.index.db.execute("PRAGMA integrity_check").fetchall()]
-        report.sqlite += [] if integrity == ["ok"] else integrity
-        report.sqlite += [f"foreign key: {r}" for r in store.index.db.execute("PRAGMA foreign_key_check").fetchall()]
-        _check_blocks(store, report, progress)
-        _check_refcounts(store, report)
-        _check_snapshots(store, report)
-        report.orphans = [store.files.relative(p) for p in _orphans(store)]
+    report.sqlite = store.index.check()
+    _check_blocks(store, report, progress)
+    _check_refcounts(store, report)
+    _check_snapshots(store, report)
+    report.orphans = [store.files.relative(p) for p in _orphans(store)]
     return report

@@ -40,7 +40,7 @@ from typing import IO, Any
 import kvwake
 from kvwake.errors import InvalidParamsError, KvwakeError
 from kvwake.store.core import StoreCore
-from kvwake.store.files import fsync_dir
+from kvwake.store.files import fsync_dir, sync
 from kvwake.store.format.codec import BlockFormatError, Encoded, decode
 from kvwake.store.format.keys import tokens_from_bytes, tokens_to_bytes
 from kvwake.store.format.snapshot import snapshot_digest
@@ -113,7 +113,7 @@ def _export(store: StoreCore, snapshot_id: str, path: Path, progress: Progress) 
                 _add_member(tar, "tail.kvb", store.files.absolute(record.tail.file).read_bytes(), record.created)
             tar.close()
             f.flush()
-            os.fsync(f.fileno())
+            sync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:

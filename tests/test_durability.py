@@ -1,16 +1,19 @@
-"""kill -9 at random points, and two processes writing one store, leave it consistent."""
+"""kill -9 at random points, and two processes writing one store, leave it consistent; syncs reach the disk
+(F_FULLFSYNC on macOS, faked here)."""
 
 from __future__ import annotations
 
+import errno
 import random
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from kvwake.store import Store
-from kvwake.store.files import TEMP_SUFFIX
-from tests.kvdata import assert_snapshot_exact
+from kvwake.store.files import TEMP_SUFFIX, write_durable
+from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = 50
@@ -71,3 +74,77 @@ def test_two_processes_writing_one_store_leave_it_consistent(tmp_path):
             assert_snapshot_exact(store, snapshot_id)
         report = store.fsck()
         assert report.ok and not report.orphans, report
+
+
+class FullSyncs:
+    """A fake macOS: `sys.platform` "darwin" and an `F_FULLFSYNC` that is recorded (as file or directory),
+    then done as an fsync; plain fsyncs are recorded apart (on macOS they would not reach the disk)."""
+
+    F_FULLFSYNC = 51  # macOS's value
+
+    def __init__(self, monkeypatch, refuse: int | None = None) -> None:
+        import fcntl
+        import os
+
+        self.full: list[str] = []
+        self.plain: list[str] = []
+        self.refuse = refuse
+        fsync, fcntl_ = os.fsync, fcntl.fcntl
+
+        def kind(fd: int) -> str:
+            return "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+
+        def fake_fcntl(fd, cmd, *args):
+            if cmd != self.F_FULLFSYNC:
+                return fcntl_(fd, cmd, *args)
+            if self.refuse is not None:
+                raise OSError(self.refuse, os.strerror(self.refuse))
+            self.full.append(kind(fd))
+            fsync(fd)
+            return 0
+
+        def fake_fsync(fd):
+            self.plain.append(kind(fd))
+            fsync(fd)
+
+        monkeypatch.setattr(sys, "platform", "darwin")
+        monkeypatch.setattr(fcntl, "F_FULLFSYNC", self.F_FULLFSYNC, raising=False)
+        monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)
+        monkeypatch.setattr(os, "fsync", fake_fsync)
+
+
+def test_on_macos_files_directories_and_the_index_are_synced_with_full_fsync(tmp_path, monkeypatch):
+    syncs = FullSyncs(monkeypatch)
+    store = Store(tmp_path / "store", block_tokens=4)
+    store.register_bundle(BUNDLE, {"model": "test-a"})
+    info = write_snapshot(store, "s1", list(range(100, 114)))  # 3 blocks and a tail
+    store.export(info.id, tmp_path / "s1.kvwake")
+    pragmas = {p: store.rows(f"PRAGMA {p}")[0][p] for p in ("fullfsync", "checkpoint_fullfsync", "synchronous")}
+    store.close()
+
+    assert syncs.plain == []  # no sync stopped at the drive's cache
+    assert syncs.full.count("file") >= 5 and syncs.full.count("dir") >= 2, syncs.full  # 3 blocks, tail, export
+    assert pragmas == {"fullfsync": 1, "checkpoint_fullfsync": 1, "synchronous": 2}
+
+
+def test_on_a_file_system_without_full_fsync_the_sync_is_an_fsync_and_says_so(tmp_path, monkeypatch, caplog):
+    syncs = FullSyncs(monkeypatch, refuse=errno.ENOTSUP)
+    monkeypatch.setattr("kvwake.store.files._refused_fullfsync", set())
+    with caplog.at_level("WARNING", logger="kvwake.store"):
+        write_durable(tmp_path / "f", b"data")
+        write_durable(tmp_path / "g", b"more")
+    assert syncs.full == [] and syncs.plain == ["file", "dir", "file", "dir"]
+    assert (tmp_path / "f").read_bytes() == b"data"
+    assert [r.getMessage() for r in caplog.records] == [  # once per device
+        "this file system refuses F_FULLFSYNC: its writes are synced with fsync only, which a power loss may undo"]
+
+
+def test_elsewhere_the_sync_is_an_fsync_and_sqlite_keeps_its_default(tmp_path, monkeypatch):
+    syncs = FullSyncs(monkeypatch)
+    monkeypatch.setattr(sys, "platform", "linux")
+    store = Store(tmp_path / "store", block_tokens=4)
+    store.register_bundle(BUNDLE, {"model": "test-a"})
+    write_snapshot(store, "s1", list(range(100, 114)))
+    assert store.rows("PRAGMA fullfsync")[0]["fullfsync"] == 0
+    store.close()
+    assert syncs.full == [] and "file" in syncs.plain and "dir" in syncs.plain

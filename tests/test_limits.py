@@ -46,6 +46,7 @@ def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir
             assert memory_status["mlx_cache_limit_bytes"] == memory.DEFAULT_CACHE_BYTES
             assert memory_status["mlx_memory_limit_bytes"] == int(memory.device_memory() * memory.MEMORY_SHARE)
             assert memory_status["kv_bytes_per_token"] > 0 and memory_status["weights_bytes"] > 0
+            assert memory_status["mlx_peak_bytes"] >= memory_status["mlx_active_bytes"] >= memory_status["weights_bytes"]
             rpc.call("session.create", session_id="s")
             with pytest.raises(RpcError) as refused:
                 rpc.call("session.append", session_id="s", tokens=TOKENS)

@@ -163,12 +163,33 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
             engine.append(s, tokens=tokens)
         engine.sleep(b)
         b, _ = engine.wake("b")
-        assert calls["split"] > 0 and calls["join"] == 2  # the full blocks, and the tail's partial block
+        # Per tensor (keys, values of each layer), one at a time: the full blocks, and the tail's partial block.
+        assert calls["split"] > 0 and calls["join"] == 2 * 2 * len(a.cache)
         for x, y in zip(a.cache, b.cache):
             assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
             assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
         from kvwake.daemon.model.generation import GenerateParams
         assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(tmp_path, model_dir, monkeypatch):
+    """Nothing staged (no full block): only the tail's partial block; the join must not need staging's shape."""
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir)
+    try:
+        a, b = Session("a"), Session("b")
+        for s in (a, b):
+            engine.append(s, tokens=list(range(30, 40)))
+        engine.sleep(b)
+        b, _ = engine.wake("b")
+        for x, y in zip(a.cache, b.cache):
+            assert mx.array_equal(x.keys[..., :9, :], y.keys[..., :9, :]).item()
     finally:
         engine.close()
         store.close()

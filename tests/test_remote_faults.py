@@ -78,3 +78,38 @@ def test_after_a_forced_takeover_the_old_owner_publishes_nothing_more(tmp_path, 
         head = json.loads(bytes(s3.get(manifests()[-1]).bytes()))
         assert head["remote"] == {"epoch": 2, "daemon": b_name, "keep_history": 4}  # B's state is the head
         assert after_b and ca.call("session.wake", session_id="s")["snapshot_id"] == head["snapshot"]["id"]
+
+
+def test_a_stop_right_after_a_sleep_finishes_the_upload_in_flight(tmp_path, model_dir, weed):
+    """SIGTERM while the sleep's upload is under way: the stop finishes it (not only what is still queued),
+    so another daemon can take the session over and continue it exactly."""
+    proxy = SlowProxy(int(weed.endpoint.rsplit(":", 1)[1]))
+    a = remote_daemon(tmp_path / "a", model_dir, weed, "stopped", AWS_ENDPOINT_URL=proxy.endpoint).start()
+    try:
+        with a.client() as ca:
+            wait_remote(ca)
+            for sid in ("agent", "twin"):
+                ca.call("session.create", session_id=sid, system=SYSTEM)
+                chat(ca, sid, "list the files")
+            expected = ca.call("session.generate", session_id="twin", max_tokens=8)["tokens"]
+            proxy.delay = 0.3  # every S3 request takes a while: the upload is surely in flight at the stop
+            snapshot = ca.call("session.sleep", session_id="agent")["snapshot_id"]
+            time.sleep(0.1)  # the uploader has taken it from the queue
+            remote = ca.call("status")["remote"]
+            queued, uploading = remote["queued"], remote["uploading"]
+        began = time.monotonic()
+        assert a.stop() == 0
+        took = time.monotonic() - began
+    finally:
+        proxy.close()
+    assert queued == 0 and uploading == snapshot, "the upload was not under way: this test would not test it"
+    assert took < 30.0, took  # REMOTE_FLUSH_S bounds it
+    assert a.log_problems() == []
+
+    b = remote_daemon(tmp_path / "b", model_dir, weed, "stopped").start()
+    with b.client() as cb:
+        wait_remote(cb)
+        woken = cb.call("session.wake", session_id="agent", take_over=True)  # A is gone: presumed dead
+        assert woken["snapshot_id"] == snapshot
+        assert cb.call("session.generate", session_id="agent", max_tokens=8)["tokens"] == expected
+    assert b.stop() == 0

@@ -41,6 +41,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -263,13 +264,15 @@ class Api:
             chosen.session = session
         headers = {"X-Kvwake-Session": session["session_id"]}
         if not req.stream:
-            body = shape.reply.full(await _watch(request, task, gone), session)
+            await _watch(request, [task], gone)
+            body = shape.reply.full(task.result(), session)
             await shape.kept()
             return JSONResponse(body, headers=headers)
         first = asyncio.ensure_future(events.get())
         # Up to one keep-alive interval for the first event, so a quick failure is still a plain HTTP error;
-        # a longer prefill opens the stream and sends keep-alive comments until its first event.
-        await asyncio.wait([first, task], timeout=self.keepalive_s, return_when=asyncio.FIRST_COMPLETED)
+        # a longer prefill opens the stream and sends keep-alive comments until its first event. Nothing
+        # is sent meanwhile, so a client that leaves is seen by polling (it stops the prefill).
+        await _watch(request, [first, task], gone, self.keepalive_s)
         if task.done() and task.exception() is not None and events.empty() and not first.done():
             first.cancel()
             task.result()  # failed before any output: a plain HTTP error is still possible
@@ -333,13 +336,16 @@ def _header(request: Request) -> str | None:
     return request.headers.get(SESSION_HEADER)
 
 
-async def _watch(request: Request, task: asyncio.Task, gone: anyio.Event) -> dict[str, Any]:
-    """Wait for a non-streamed result; a client that hangs up stops the generation."""
-    while not task.done():
-        await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
+async def _watch(request: Request, waits: list[asyncio.Future], gone: anyio.Event,
+                 timeout_s: float | None = None) -> None:
+    """Wait until one of `waits` is done (a result, a stream's first event), or timeout_s; a client that
+    hangs up meanwhile sets `gone`, which stops the call's prefill before its next chunk, or its generation."""
+    until = None if timeout_s is None else time.monotonic() + timeout_s
+    while not any(w.done() for w in waits) and (until is None or time.monotonic() < until):
+        poll = DISCONNECT_POLL_S if until is None else max(0.0, min(DISCONNECT_POLL_S, until - time.monotonic()))
+        await asyncio.wait(waits, timeout=poll, return_when=asyncio.FIRST_COMPLETED)
+        if not any(w.done() for w in waits) and await request.is_disconnected():
             gone.set()
-    return task.result()
 
 
 def _openai_model(name: str) -> dict[str, Any]:

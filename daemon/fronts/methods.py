@@ -100,7 +100,7 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                        "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
                        "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,
                        "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,
-                       "max_session_tokens": engine.max_tokens},
+                       "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
             "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
                       "path": str(engine.store.root)},
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
@@ -169,7 +169,7 @@ async def session_delete(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def session_append(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id"} | INPUT_KEYS, {"session_id"})
     inputs = {k: p[k] for k in INPUT_KEYS if k in p}
-    return await ctx.manager.append(p["session_id"], **inputs)
+    return await ctx.manager.append(p["session_id"], ctx.closed, **inputs)
 
 
 async def _generate(ctx: Context, p: dict[str, Any], inputs: dict[str, Any] | None) -> dict[str, Any]:

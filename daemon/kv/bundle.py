@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvwake.store.files import sync
+
 __all__ = [
     "DESCRIPTION_FORMAT", "Bundle", "BundleError", "DigestCache",
     "describe_bundle", "diff_descriptions", "file_digest", "hash_description",
@@ -172,7 +174,7 @@ class DigestCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(_canonical({"format": CACHE_FORMAT, "entries": merged}))
                 f.flush()
-                os.fsync(f.fileno())
+                sync(f.fileno())
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):

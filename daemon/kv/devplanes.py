@@ -26,7 +26,7 @@ import numpy as np
 
 from kvwake.store.format.codec import DTYPES, Planed
 
-__all__ = ["PLANAR_DTYPES", "join", "planar", "split_span"]
+__all__ = ["PLANAR_DTYPES", "join", "join_one", "planar", "split_span"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
@@ -82,3 +82,11 @@ def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[in
     x = mx.moveaxis(x, 0, len(lead) + 1)  # [tensors, *lead, blocks, B, dim]
     x = x.reshape(tensors, *lead, blocks * b, dim)
     return x.view(PLANAR_DTYPES[dtype][0])
+
+
+def join_one(planes: list[mx.array], dtype: str, tensors: int, t: int, block_shape: tuple[int, ...]) -> mx.array:
+    """Tensor `t` alone of what `join` makes ([*lead, blocks*B, dim]): joined one tensor at a time, a wake's
+    temporaries on the device are a few times one layer's KV, not a few times the session's."""
+    blocks = planes[0].shape[0]
+    own = [p.reshape(blocks, tensors, -1)[:, t, :] for p in planes]
+    return join(own, dtype, 1, block_shape)[0]

@@ -223,26 +223,29 @@ class Buffers:
         n_full, rest = divmod(n_tokens, b)
         size = len(self.planes)
         dtype = self.dtypes[self.order[0]] if self.order else ""
-        joined = devplanes.join(self._stage_arrays[:size], dtype, len(self.order), self.block_shape) \
-            if self.staged - {-1} else None
-        tail = devplanes.join(self._stage_arrays[size:], dtype, len(self.order),
-                              (*self.block_shape[:-2], rest, self.block_shape[-1])) if -1 in self.staged else None
+        tensors = len(self.order)
         out = {}
         for t, name in enumerate(self.order):
             view = self.views[name]
             host = lambda lo, hi: _device(view[..., lo:hi, :], self.dtypes[name])  # noqa: E731
+            # One tensor at a time, evaluated before the next: the join's temporaries stay one layer's size.
+            joined = devplanes.join_one(self._stage_arrays[:size], dtype, tensors, t, self.block_shape) \
+                if self.staged - {-1} else None
             if joined is not None and self.staged >= set(range(n_full)):
-                pieces = [joined[t][..., : n_full * b, :]]
+                pieces = [joined[..., : n_full * b, :]]
             else:
-                pieces = [joined[t][..., k * b : (k + 1) * b, :] if k in self.staged else host(k * b, (k + 1) * b)
+                pieces = [joined[..., k * b : (k + 1) * b, :] if k in self.staged else host(k * b, (k + 1) * b)
                           for k in range(n_full)]
             if rest:
-                pieces.append(tail[t] if tail is not None else host(n_full * b, n_tokens))
+                pieces.append(devplanes.join_one(self._stage_arrays[size:], dtype, tensors, t,
+                                                 (*self.block_shape[:-2], rest, self.block_shape[-1]))
+                              if -1 in self.staged else host(n_full * b, n_tokens))
             # Always a new array of its own (the padding may be empty): a slice of the joined array
             # would share its buffer, and mlx-lm's first in-place update would copy the whole layer.
             pieces.append(mx.zeros((*view.shape[:-2], view.shape[-2] - n_tokens, view.shape[-1]),
                                    _MX_DTYPE[self.dtypes[name]]))
             out[name] = mx.concatenate(pieces, axis=-2)
+            mx.eval(out[name])
         return out
 
     def finish(self, n_tokens: int, tail: dict[str, Tensor] | None) -> list:

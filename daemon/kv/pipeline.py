@@ -120,7 +120,8 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
 
     Until the commit succeeds the session stays hot; on failure every file
     this sleep wrote is removed and the error is raised as itself. Returns the
-    snapshot's id, tokens, raw/stored/written bytes, new/reused blocks and ms.
+    snapshot's id, tokens (its KV's), pending (input tokens kept without KV, restored by a wake),
+    raw/stored/written bytes, new/reused blocks and ms.
     """
     started = time.perf_counter()
     tokens = session.tokens[: session.processed]
@@ -140,7 +141,8 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
         batch.raise_first()
         info = w.commit()
         session.head = info.id
-        result = {"snapshot_id": info.id, "tokens": info.n_tokens, "raw_bytes": info.raw_bytes,
+        result = {"snapshot_id": info.id, "tokens": info.n_tokens, "pending": len(session.pending),
+                  "raw_bytes": info.raw_bytes,
                   "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
                   "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
                   "ms": round((time.perf_counter() - started) * 1000, 3)}

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from kvwake.store.files import sync
+
 __all__ = [
     "CONVERTER_VERSION", "DEFAULT_MODEL_FACTS", "DEFAULT_MODEL_NAME",
     "ConvertError", "ModelNotInstalledError", "UnsupportedModelError", "VerificationError",
@@ -300,7 +302,7 @@ def _write_text(path: Path, text: str) -> None:
     with path.open("w", encoding="utf-8", newline="\n") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        sync(f.fileno())
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -308,10 +310,10 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _fsync(path: Path) -> None:
-    """fsync a file or a folder (so a rename inside it is durable)."""
+    """Sync a file or a folder (so a rename inside it is durable): F_FULLFSYNC on macOS."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        sync(fd)
     finally:
         os.close(fd)
 

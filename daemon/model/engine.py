@@ -39,10 +39,10 @@ from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
 from kvwake.daemon.model.prompt import Plan, Prompter
 from kvwake.daemon.session import Session, common_prefix
-from kvwake.errors import ContextTooLongError, InvalidParamsError
+from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "resolve_model"]
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_model"]
 
 # What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
@@ -50,6 +50,8 @@ __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "resolve_model"]
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
+# Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
+ShouldStop = Callable[[], bool] | None
 
 
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
@@ -165,6 +167,12 @@ class Engine:
         """A whole conversation (messages, text or tokens, and tools) rendered once, for any session."""
         return self.prompter.render(**inputs)
 
+    @staticmethod
+    def mlx_memory() -> dict[str, int]:
+        """MLX's own counters: bytes in arrays now, in its cache of freed buffers, and at most so far."""
+        return {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
+                "mlx_peak_bytes": mx.get_peak_memory()}
+
     @property
     def max_tokens(self) -> int | None:
         """The most tokens a session may hold: the model's context (or `max_context`), and what its KV
@@ -198,19 +206,20 @@ class Engine:
 
     def append(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
                tools: Any = None, whole: bool = False, prompt: Plan | None = None, mlx: Mlx = direct,
-               shared: Shared | None = None) -> dict[str, int]:
+               shared: Shared | None = None, should_stop: ShouldStop = None) -> dict[str, int]:
         """Add input and prefill it (all but the last token, which stays pending).
 
         The input is rendered on the engine thread (once: `prompt` is one `render` made already).
         A session that needs a fresh cache takes the longest prefix `shared` offers (another
         session's, in memory), else the one the prefix cache holds. Store and codec work run on
         the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.
-        Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}.
+        Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}. Raises
+        CancelledError when `should_stop` says so between chunks (see `prefill`).
         """
         plan = mlx(lambda: self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools,
                                      whole=whole, prompt=prompt))
         self.check_fits(len(plan.target))  # before any prefill
-        return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx)
+        return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx, should_stop)
 
     def _keep(self, session: Session, target: list[int]) -> int:
         """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
@@ -237,13 +246,13 @@ class Engine:
         return prefixhit.stored_prefix(self.kv, target, mlx)
 
     def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
-              mlx: Mlx = direct) -> dict[str, int]:
+              mlx: Mlx = direct, should_stop: ShouldStop = None) -> dict[str, int]:
         """Make the cache cover plan.target[:-1]: keep the common prefix, take `prefix` (a restored cache), prefill the rest.
 
         MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
         """
         reused = mlx(lambda: self._adopt(session, plan, prefix))
-        prefilled = self.prefill(session, len(plan.target) - 1, mlx)
+        prefilled = self.prefill(session, len(plan.target) - 1, mlx, should_stop)
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
@@ -263,12 +272,25 @@ class Engine:
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
         return reused
 
-    def prefill(self, session: Session, upto: int, mlx: Mlx = direct) -> int:
-        """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call; returns how many."""
+    def prefill(self, session: Session, upto: int, mlx: Mlx = direct, should_stop: ShouldStop = None) -> int:
+        """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call; returns how many.
+
+        `should_stop` is asked before each chunk: when it says so, CancelledError (with the tokens
+        prefilled and to prefill). The session stays consistent: its input is kept, the cache covers
+        what was prefilled, and the next call prefills the rest (as a generation a client left keeps
+        the tokens it made).
+        """
         start = session.processed
-        while session.processed < upto:
-            mlx(lambda: self._prefill_chunk(session, upto))
-        self.counters.add("tokens_prefilled", upto - start)
+        try:
+            while session.processed < upto:
+                if should_stop is not None and should_stop():
+                    raise CancelledError(f"session {session.id}: prefill stopped after {session.processed - start} "
+                                         f"of {upto - start} tokens (the client left, or the daemon is stopping)",
+                                         session_id=session.id, prefilled=session.processed - start,
+                                         tokens=upto - start)
+                mlx(lambda: self._prefill_chunk(session, upto))
+        finally:
+            self.counters.add("tokens_prefilled", session.processed - start)
         return upto - start
 
     def _prefill_chunk(self, session: Session, upto: int) -> None:
@@ -297,16 +319,17 @@ class Engine:
         """A generate call ready to join the decoder: the cache covers every pending token but the last.
 
         `on_event` gets the streamed events (text pieces, tool calls: model/toolcalls.py).
-        Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
+        Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call);
+        `should_stop` stops the prefill too (CancelledError) and then the generation.
         """
         output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
                             session.tools, self.opens_thinking(session.tokens))
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
-            self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx)
+            self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx, should_stop)
         mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
-        self.prefill(session, len(session.tokens) - 1, mlx)
+        self.prefill(session, len(session.tokens) - 1, mlx, should_stop)
         return Call(session, session.tokens[-1], output, prompt_tokens)
 
     def opens_thinking(self, tokens: list[int]) -> bool:

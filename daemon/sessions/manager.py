@@ -16,7 +16,9 @@ Concurrency rules:
   pass per step (model/decoder.py); prefill runs one chunk per engine job between
   decode steps, so a long prompt delays the others by about one chunk.
 - A client that disconnects mid-generation stops it after the current token;
-  the tokens generated so far stay in the session.
+  the tokens generated so far stay in the session. One that disconnects
+  mid-prefill (a chat's or an append's) stops it before the next chunk
+  (CANCELLED): its input stays in the session, the next call prefills the rest.
 """
 
 from __future__ import annotations
@@ -237,15 +239,19 @@ class SessionManager:
 
     # -- conversation ---------------------------------------------------------
 
-    async def append(self, session_id: Any, **inputs: Any) -> dict[str, Any]:
+    async def append(self, session_id: Any, cancelled: Callable[[], bool] | None = None,
+                     **inputs: Any) -> dict[str, Any]:
+        """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
         async with self.claim(session_id, "append") as entry:
-            return await self._append(await self.hot(entry), inputs)
+            stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
+            return await self._append(await self.hot(entry), inputs, stop)
 
-    async def _append(self, session: Session, inputs: dict[str, Any] | Plan) -> dict[str, Any]:
+    async def _append(self, session: Session, inputs: dict[str, Any] | Plan,
+                      stop: Callable[[], bool]) -> dict[str, Any]:
         """The engine's append on a worker thread: input as params, or a prompt a front rendered already."""
         given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
         return await to_thread.run_sync(lambda: self.engine.append(
-            session, **given, mlx=self.thread.call, shared=self._shared(session)))
+            session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop))
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
         """A whole conversation (messages, text or tokens; tools) rendered once, on the engine thread: the
@@ -319,12 +325,12 @@ class SessionManager:
             if on_claim is not None:
                 on_claim()
             session = await self.hot(entry)
+            stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
-            appended = await self._append(session, inputs) if inputs else {"prefilled": 0, "reused": 0}
+            appended = await self._append(session, inputs, stop) if inputs else {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
-            stop = lambda: cancelled() or self.stopping  # noqa: E731
             session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_event, stop)
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.

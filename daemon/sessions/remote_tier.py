@@ -99,6 +99,7 @@ class RemoteTier:
         self.ready = anyio.Event()
         # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`)
         self._send, self._receive = anyio.create_memory_object_stream[tuple[str | None, str]](settings.remote_queue)
+        self.taken: tuple[str | None, str] | None = None  # the upload `run` took from the queue and has not finished
         self.prefixes: dict[str, list[int]] = {}
         self.uploaded: dict[str, anyio.Event] = {}
         self.failed: dict[str, tuple[KvwakeError, float]] = {}  # snapshot id -> (why its last upload failed, when)
@@ -116,7 +117,8 @@ class RemoteTier:
         return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": h.state,
                 "error": h.error, "since": h.since, "last_ok": h.last_ok, "last_call_s": h.last_call_s,
                 "daemon": self.remote.daemon_id,
-                "queued": self._send.statistics().current_buffer_used, **self.remote.counters, **self.counters}
+                "queued": self._send.statistics().current_buffer_used,
+                "uploading": self.taken[1] if self.taken is not None else None, **self.remote.counters, **self.counters}
 
     @property
     def healthy(self) -> bool:
@@ -144,8 +146,10 @@ class RemoteTier:
         for row in await self._run(self.store.sessions):
             if row["head"] is not None and not self.needs_lease(row["id"]):
                 self.enqueue(row["id"], row["head"])
-        async for session_id, snapshot_id in self._receive:
-            await self._upload_retrying(session_id, snapshot_id)
+        async for item in self._receive:
+            self.taken = item  # a stop that cancels this upload finishes it in `flush`
+            await self._upload_retrying(*item)
+            self.taken = None
 
     def enqueue_prefix(self, tokens: list[int]) -> None:
         """Queue a warmed prefix's blocks, its short last one too, for upload under a prefix manifest
@@ -320,8 +324,13 @@ class RemoteTier:
             return [], exc.message
 
     async def flush(self, timeout_s: float) -> None:
-        """At shutdown: upload what is queued, for at most timeout_s."""
+        """At shutdown, after `run` was cancelled: finish the upload it had taken from the queue (the stop
+        cut it between two steps; running it again skips what is already there), then upload what is
+        queued, for at most timeout_s in all. What is not uploaded by then stays local and is queued
+        again at the next start."""
         with anyio.move_on_after(timeout_s):
+            if self.taken is not None and self.healthy:
+                await self._upload_retrying(*self.taken)
+                self.taken = None
             while self._send.statistics().current_buffer_used and self.healthy:
-                session_id, snapshot_id = self._receive.receive_nowait()
-                await self._upload_retrying(session_id, snapshot_id)
+                await self._upload_retrying(*self._receive.receive_nowait())
