@@ -37,6 +37,8 @@ from kvwake.daemon.model import attention
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
+from kvwake.daemon.model.grammar import Grammars
+from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import ContextTooLongError, InvalidParamsError
@@ -113,7 +115,8 @@ class Engine:
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name)
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
-        self.decoder = Decoder(self.model, self.decode_mode, max_batch)
+        self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
 
     def close(self) -> None:
@@ -159,6 +162,19 @@ class Engine:
         if self.context_length is not None and tokens >= self.context_length:
             raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {self.context_length - 1} maximum",
                                       tokens=tokens, limit=self.context_length)
+
+    def check_structure(self, params: GenerateParams, tools: list[dict[str, Any]] | None) -> None:
+        """Compile the call's structure now (kept for the call): InvalidParamsError before any compute."""
+        if params.structure is not None:
+            self.grammars.matcher(params.structure, tools)
+
+    def constraint(self, params: GenerateParams, tools: list[dict[str, Any]] | None) -> Constraint | None:
+        """The grammar state a constrained call decodes under (None: unconstrained)."""
+        if params.structure is None:
+            return None
+        llt = self.grammars.tokenizer
+        return Constraint(self.grammars.matcher(params.structure, tools), set(self.tokenizer.eos_token_ids),
+                          llt.eos_token)
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
         """`params` with max_tokens capped to what the context has left after `tokens` (not refused)."""
@@ -273,6 +289,7 @@ class Engine:
         `on_event` gets the streamed events (text pieces, tool calls: model/toolcalls.py).
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
+        constraint = self.constraint(params, session.tools)  # a bad schema is refused before any prefill
         output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
                             session.tools)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
@@ -281,7 +298,7 @@ class Engine:
         mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
         self.prefill(session, len(session.tokens) - 1, mlx)
-        return Call(session, session.tokens[-1], output, prompt_tokens)
+        return Call(session, session.tokens[-1], output, prompt_tokens, constraint=constraint)
 
     def _ensure_pending(self, session: Session) -> None:
         """A call starts from a pending token: re-feed the last one when every token is in the cache."""
