@@ -46,7 +46,8 @@ class Structure:
     """What one call's output must be.
 
     kind "json": `source` is the JSON schema as JSON text (`{"type": "object"}`: any object); with
-    `strict` false, schema keywords llguidance does not know are ignored instead of refused.
+    `strict` false, schema keywords llguidance does not know are ignored instead of refused; with
+    `or_tools`, a reply may instead be tool calls (tool_choice "auto" beside tools: an agent's turn).
     kind "lark": `source` is an llguidance Lark grammar.
     kind "tool_call": `source` is the tool that must be called, "" for any of the tools; `one` limits
     the reply to one call (else one or more).
@@ -56,12 +57,14 @@ class Structure:
     source: str = ""
     strict: bool = True
     one: bool = False
+    or_tools: bool = False
 
     @classmethod
-    def json(cls, schema: Any, *, strict: bool = True, param: str = "json_schema") -> Structure:
+    def json(cls, schema: Any, *, strict: bool = True, or_tools: bool = False, one: bool = False,
+             param: str = "json_schema") -> Structure:
         if not isinstance(schema, dict):
             raise InvalidParamsError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
-        return cls("json", json.dumps(schema, ensure_ascii=False), strict)
+        return cls("json", json.dumps(schema, ensure_ascii=False), strict, one, or_tools)
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> Structure | None:
@@ -127,24 +130,26 @@ class ToolFormat:
             return f"<[{vocab[marker]}]>"
         return json.dumps(marker)
 
-    def lark(self, tools: list[dict[str, Any]] | None, name: str, one: bool) -> str:
-        """The grammar of a reply that is tool calls (optionally after a thought)."""
+    def lark(self, tools: list[dict[str, Any]] | None, name: str, one: bool, alternative: str = "") -> str:
+        """The grammar of a reply that is tool calls (optionally after a thought), or `alternative` (Lark)."""
         if self.name not in TOOL_FORMATS:
             raise InvalidParamsError(
-                f"tool_choice cannot force a call for this model: its tool-call format is "
-                f"{self.name or 'unknown (its chat template names none)'}; kvwake forces calls in "
+                f"kvwake cannot constrain tool calls for this model: its tool-call format is "
+                f"{self.name or 'unknown (its chat template names none)'}; kvwake constrains "
                 f"{', '.join(TOOL_FORMATS)}", param="tool_choice")
         schemas = _tool_schemas(tools, name)
         if self.name == "json_tools":
             body = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
                                "required": ["name", "arguments"], "additionalProperties": False}
-                              for n, s in schemas]}
+                              for n, s in schemas], "x-guidance": JSON_OPTIONS}
             call = f'{self.literal(self.start)} "\\n"? %json {json.dumps(body)} "\\n"? {self.literal(self.end)}'
             calls = "call" if one else 'call ("\\n"? call)*'
         else:  # mistral: [TOOL_CALLS]name[ARGS]{...}, repeated
-            call = " | ".join(f'{json.dumps(n)} {self.literal("[ARGS]")} %json {json.dumps(s)}' for n, s in schemas)
+            call = " | ".join(f'{json.dumps(n)} {self.literal("[ARGS]")} %json {json.dumps({**s, "x-guidance": JSON_OPTIONS})}'
+                              for n, s in schemas)
             calls = f"{self.literal(self.start)} call" + ("" if one else " call*")
-        rules = [f"start: {'think? ' if self.think else ''}{calls}", f"call: {call}"]
+        rules = [f"start: {'think? ' if self.think else ''}{calls}{f' | {alternative}' if alternative else ''}",
+                 f"call: {call}"]
         if self.think:
             begin, end = self.think
             rules += [f"think: {self.literal(begin)}? thought /\\s*/",
@@ -176,6 +181,9 @@ class Grammars:
         """llguidance's grammar text for `structure` (`tools`: the call's, for kind "tool_call")."""
         if structure.kind == "json":
             options = JSON_OPTIONS if structure.strict else {**JSON_OPTIONS, "lenient": True}
+            if structure.or_tools and tools and self.tools.name is not None:
+                inline = {**json.loads(structure.source), "x-guidance": options}
+                return llg.LLMatcher.grammar_from_lark(self.tools.lark(tools, "", structure.one, f"%json {json.dumps(inline)}"))
             return llg.LLMatcher.grammar_from_json_schema(structure.source, defaults=options)
         if structure.kind == "lark":
             return llg.LLMatcher.grammar_from_lark(structure.source)

@@ -29,8 +29,6 @@ import numpy as np
 
 __all__ = ["Constraint", "MaskedModel", "Masks", "apply_mask"]
 
-SHIFTS = mx.arange(32, dtype=mx.int32)
-
 
 class Constraint:
     """One call's grammar state. `feed` every token the model is fed, in order (the first, the
@@ -89,7 +87,7 @@ class Masks:
 
 @mx.compile
 def _masked(logits: mx.array, mask: mx.array) -> mx.array:
-    bits = ((mask[..., None] >> SHIFTS) & 1).reshape(mask.shape[0], -1)[:, : logits.shape[-1]]
+    bits = ((mask[..., None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(mask.shape[0], -1)[:, : logits.shape[-1]]
     return mx.where(bits.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
