@@ -119,7 +119,7 @@ def response_format(fmt: Any, tools: bool, one: bool) -> Structure | None:
     if kind == "json_object":
         return Structure.json({"type": "object"}, or_tools=tools, one=one)
     if kind != "json_schema":
-        raise _bad(f'{where}.type must be "text", "json_object" or "json_schema"; got {kind!r}', f"{where}.type")
+        raise _bad(f'{where}.type must be "text", "json_object" or "json_schema"; got {kind!r}', where)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise _bad(f"{where}.json_schema must be an object with a name", f"{where}.json_schema")
