@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvwake.client import openai_config
+from kvwake.client import AsyncClient, Client, openai_config
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import Structure
@@ -351,3 +351,29 @@ def test_rpc_json_schema_grammar_and_tool_choice(daemon):
                        max_tokens=8, **bad)
             assert err.value.code == "INVALID_PARAMS"
         assert c.call("session.info", session_id="rpc-structured")["tokens"] == tokens  # nothing appended
+
+
+def test_python_clients_take_a_schema_a_pydantic_model_and_a_tool_name(daemon):
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")  # else extra keys are valid, and a random model adds them
+        name: str = pydantic.Field(max_length=6)
+        population: int = pydantic.Field(ge=0, le=1000)
+
+    with Client(daemon.socket) as client:
+        s = client.session("py-structured")
+        reply = s.chat("a city", json_schema=City, max_tokens=160, temperature=1.0, seed=1)
+        assert reply.finish_reason == "stop", reply.text
+        City.model_validate_json(reply.text)
+        call = s.chat("weather", tools=[WEATHER, TIME], tool_choice="get_time", max_tokens=160, temperature=1.0,
+                      seed=1)
+        assert [c["function"]["name"] for c in call.tool_calls] == ["get_time"]
+
+
+async def test_the_async_client_takes_a_grammar(daemon):
+    async with AsyncClient(daemon.socket) as ac:
+        s = await ac.session("py-async-structured")
+        await s.append(text="pick: ")
+        reply = await s.generate(grammar='start: "yes" | "no"', max_tokens=8, temperature=1.0, seed=3)
+        assert reply.text in ("yes", "no") and reply.finish_reason == "stop"

@@ -69,7 +69,7 @@ class Structure:
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> Structure | None:
         """The RPC form: at most one of `json_schema` (a schema map), `grammar` (Lark text) and
-        `tool_choice` ("auto", "required", or {"name": tool})."""
+        `tool_choice` ("auto", "required": one or more calls, or {"name": tool}: one call to it)."""
         given = [k for k in GRAMMAR_KEYS if p.get(k) is not None and p.get(k) != "auto"]
         if len(given) > 1:
             raise InvalidParamsError(f"give at most one of json_schema, grammar and tool_choice; got {given}",
@@ -86,7 +86,7 @@ class Structure:
         if value == "required":
             return cls("tool_call")
         if isinstance(value, dict) and set(value) == {"name"} and isinstance(value["name"], str) and value["name"]:
-            return cls("tool_call", value["name"])
+            return cls("tool_call", value["name"], one=True)
         raise InvalidParamsError('tool_choice must be "auto", "required" or {"name": TOOL}', param="tool_choice")
 
 
