@@ -1,7 +1,7 @@
 """Structured output's cost: decode tokens/s under a JSON schema against without, at 1 and N sessions, one run.
 
 usage: python bench/structured.py [--model tiny|default|PATH] [--sessions 1,8] [--tokens 128]
-                                  [--context 256] [--rounds 2] [--out bench/out]
+                                  [--context 256] [--rounds 2] [--fill-only] [--out bench/out]
 
 decode  for each N in --sessions: N fresh sessions (a --context-token prompt each, prefilled before
         timing) decode --tokens tokens at once in the engine's batched decoder (the daemon's code,
@@ -12,7 +12,8 @@ decode  for each N in --sessions: N fresh sessions (a --context-token prompt eac
         call can end before --tokens; an unconstrained call that samples EOS early leaves the
         steps that follow out of the mean. Reported: tokens/s each way, their ratio, and the mask
         fill time per step (llguidance, all constrained rows, on its thread pool).
-fill    the mask fill alone (Masks.fill): 1 and 8 rows mid-schema, with the model's tokenizer.
+fill    the mask fill alone (Masks.fill): 1 and N rows at each token of a sample answer (12 items)
+        (`--fill-only`: this part only; the default model's bfloat16 decode is too slow on a small CPU).
 
 `--model tiny` is the tests' tiny llama (byte vocabulary), `default` the default model
 (SmolLM2-135M, 49k vocabulary). On the GPU machine: `--model /tmp/m8b` (bench/device.sh makes it).
@@ -47,6 +48,8 @@ MIN_ITEMS = 200
 ITEM = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
                                          "ok": {"type": "boolean"}},
         "required": ["id", "name", "ok"], "additionalProperties": False}
+SAMPLE = '{"items":[' + ",".join(f'{{"id":{i * 37},"name":"item number {i}","ok":{str(i % 2 == 0).lower()}}}'
+                                 for i in range(12))  # an answer in the middle of SCHEMA
 SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": MIN_ITEMS}},
           "required": ["items"], "additionalProperties": False}
 
@@ -117,26 +120,29 @@ def decode(engine: Engine, sessions: list[int], tokens: int, context: int, round
     return [{"grammar_compile_ms": round(compile_ms, 3)}, *out]
 
 
-def fill(engine: Engine, rows: list[int], reps: int = 200) -> list[dict[str, Any]]:
-    """Masks.fill alone, every row mid-schema (inside the array's first object)."""
+def fill(engine: Engine, rows: list[int]) -> list[dict[str, Any]]:
+    """Masks.fill alone along a real answer: at each token of SAMPLE, N rows at that point (mean and max)."""
     llt, masks = engine.grammars.tokenizer, engine.decoder.masks
-    prefix = llt.tokenize_str('{"items":[{"id":12,"name":"ab')
+    tokens = llt.tokenize_str(SAMPLE)
     out = []
     for n in rows:
         constraints = []
         for _ in range(n):
             c = Constraint(engine.grammars.matcher(Structure.json(SCHEMA)), set(), llt.eos_token)
             c.prompt_token = False
-            for t in prefix:
-                c.feed(t)
-            assert c.error is None, c.error
             constraints.append(c)
-        masks.fill(constraints)
-        started = time.perf_counter()
-        for _ in range(reps):
+        times = []
+        for t in tokens:
+            started = time.perf_counter()
             masks.fill(constraints)
-        ms = (time.perf_counter() - started) / reps * 1000
-        out.append({"rows": n, "vocab": llt.vocab_size, "fill_ms": round(ms, 4)})
+            times.append(time.perf_counter() - started)
+            for c in constraints:
+                c.feed(t)
+            assert all(c.error is None for c in constraints), constraints[0].error
+        out.append({"rows": n, "vocab": llt.vocab_size, "positions": len(tokens),
+                    "fill_ms_mean": round(statistics.mean(times) * 1000, 4),
+                    "fill_ms_p99": round(sorted(times)[int(0.99 * (len(times) - 1))] * 1000, 4),
+                    "fill_ms_max": round(max(times) * 1000, 4)})
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -148,6 +154,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fill-only", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sessions = [int(x) for x in a.sessions.split(",")]
@@ -160,7 +167,7 @@ def main() -> None:
             device = str(mx.default_device())
             print(json.dumps({"model": engine.model_name, "device": device, "vocab": engine.vocab_size}), flush=True)
             result = {"model": engine.model_name, "device": device, "tokens": a.tokens, "context": a.context,
-                      "decode": decode(engine, sessions, a.tokens, a.context, a.rounds),
+                      "decode": None if a.fill_only else decode(engine, sessions, a.tokens, a.context, a.rounds),
                       "fill": fill(engine, sorted({1, max(sessions)}))}
         finally:
             engine.close()
