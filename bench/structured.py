@@ -1,7 +1,7 @@
 """Structured output's cost: decode tokens/s under a JSON schema against without, at 1 and N sessions, one run.
 
 usage: python bench/structured.py [--model tiny|default|PATH] [--sessions 1,8] [--tokens 128]
-                                  [--context 256] [--rounds 2] [--fill-only] [--out bench/out]
+                                  [--context 256] [--rounds 2] [--fill-only] [--vocab-from DIR] [--out bench/out]
 
 decode  for each N in --sessions: N fresh sessions (a --context-token prompt each, prefilled before
         timing) decode --tokens tokens at once in the engine's batched decoder (the daemon's code,
@@ -16,7 +16,10 @@ fill    the mask fill alone (Masks.fill): 1 and N rows at each token of a sample
         (`--fill-only`: this part only; the default model's bfloat16 decode is too slow on a small CPU).
 
 `--model tiny` is the tests' tiny llama (byte vocabulary), `default` the default model
-(SmolLM2-135M, 49k vocabulary). On the GPU machine: `--model /tmp/m8b` (bench/device.sh makes it).
+(SmolLM2-135M, 49k vocabulary). On the GPU machine: `--model /tmp/m8b` (bench/device.sh makes it),
+whose 512-token vocabulary makes masks cheap; `--vocab-from DIR` first writes a copy of the model
+beside it with DIR's tokenizer (e.g. the default model's, 49k tokens) and embeddings and lm_head
+of that size (random), so the mask costs what a real vocabulary costs.
 Results: <out>/structured.json (docs/benchmarks.md summarises them).
 """
 
@@ -62,6 +65,31 @@ def model_path(name: str, work: Path) -> Path | None:
     return None if name == "default" else Path(name)
 
 
+def widen_vocab(model: Path, tokenizer_dir: Path) -> Path:
+    """A copy of `model` with `tokenizer_dir`'s tokenizer: embed_tokens and lm_head resized, random."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    out = model.with_name(f"{model.name}-v{vocab}")
+    if (out / "config.json").exists():
+        return out
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            (out / name).write_bytes((tokenizer_dir / name).read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = vocab
+    config.pop("eos_token_id", None)  # the tokenizer's own
+    weights = mx.load(str(model / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in weights:
+            w = weights[name]
+            weights[name] = (mx.random.normal((vocab, w.shape[1])) * 0.02).astype(w.dtype)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Structure | None,
                tag: str) -> dict[str, Any]:
     """N calls from fresh sessions, decoded together; per-step times of the steps that ran all N."""
@@ -86,8 +114,11 @@ def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Str
             times.append(time.perf_counter() - started)
         step += 1
     results = [c.future.result() for c in calls]
-    if structure is not None:
+    if structure is not None:  # cut by max_tokens, and every token one the grammar allows
         assert all(r.finish_reason == "length" for r in results), [r.finish_reason for r in results]
+        for r in results:
+            check = engine.grammars.matcher(structure)
+            assert check.validate_tokens(r.tokens) == len(r.tokens), (r.text[:200], check.get_error())
     n_fills = masks.fills - fills
     return {"steps_timed": len(times), "step_ms": round(statistics.mean(times) * 1000, 3),
             "tokens_per_s": round(n / statistics.mean(times), 1),
@@ -155,14 +186,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fill-only", action="store_true")
+    ap.add_argument("--vocab-from", type=Path)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sessions = [int(x) for x in a.sessions.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         store = Store(work / "store", block_tokens=16)
-        engine = Engine(store, work if a.model != "default" else Path.home() / ".kvwake-bench",
-                        model_path(a.model, work), max_batch=max(sessions))
+        path = model_path(a.model, work)
+        if a.vocab_from is not None:
+            path = widen_vocab(path, a.vocab_from)
+        engine = Engine(store, work if a.model != "default" else Path.home() / ".kvwake-bench", path,
+                        max_batch=max(sessions))
         try:
             device = str(mx.default_device())
             print(json.dumps({"model": engine.model_name, "device": device, "vocab": engine.vocab_size}), flush=True)
