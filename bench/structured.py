@@ -8,9 +8,10 @@ decode  for each N in --sessions: N fresh sessions (a --context-token prompt eac
         in process), unconstrained and under SCHEMA, alternating for --rounds rounds. A step's time
         is wall time around `Decoder.step()` (it waits for the step before it, so in steady state
         this is the pipeline's rate); tokens/s = N / mean step time over the steps that ran all N
-        calls, after the first WARMUP. SCHEMA's array needs MIN_ITEMS objects, so no constrained
-        call can end before --tokens; an unconstrained call that samples EOS early leaves the
-        steps that follow out of the mean. Reported: tokens/s each way, their ratio, and the mask
+        calls, after the first WARMUP. Every call runs to --tokens: SCHEMA's array needs
+        MIN_ITEMS objects, so no constrained call can end sooner, and as a random model's
+        unconstrained calls would sample EOS every few hundred tokens, the bench's engine treats
+        no token as EOS (the grammars keep theirs). Reported: tokens/s each way, their ratio, and the mask
         fill time per step (llguidance, all constrained rows, on its thread pool).
 fill    the mask fill alone (Masks.fill): 1 and N rows at each token of a sample answer (12 items)
         (`--fill-only`: this part only; the default model's bfloat16 decode is too slow on a small CPU).
@@ -120,6 +121,8 @@ def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Str
             check = engine.grammars.matcher(structure)
             assert check.validate_tokens(r.tokens) == len(r.tokens), (r.text[:200], check.get_error())
     n_fills = masks.fills - fills
+    if not times:  # an unconstrained call sampled EOS within the warm-up: no step ran all N
+        return {"steps_timed": 0, "step_ms": None, "tokens_per_s": None, "mask_fill_ms_per_step": None}
     return {"steps_timed": len(times), "step_ms": round(statistics.mean(times) * 1000, 3),
             "tokens_per_s": round(n / statistics.mean(times), 1),
             "mask_fill_ms_per_step": round((masks.fill_s - fill_s) / n_fills * 1000, 4) if n_fills else None}
@@ -139,13 +142,13 @@ def decode(engine: Engine, sessions: list[int], tokens: int, context: int, round
             for kind in ("free", "json"):
                 runs[kind].append(decode_run(engine, n, tokens, context, structure if kind == "json" else None,
                                              f"{kind}-{n}-{r}"))
-        free = statistics.median(x["tokens_per_s"] for x in runs["free"])
-        constrained = statistics.median(x["tokens_per_s"] for x in runs["json"])
+        def median(kind: str, key: str) -> float:
+            return round(statistics.median(x[key] for x in runs[kind] if x[key] is not None), 4)
+
+        free, constrained = median("free", "tokens_per_s"), median("json", "tokens_per_s")
         row = {"sessions": n, "free_tokens_per_s": free, "json_tokens_per_s": constrained,
-               "ratio": round(constrained / free, 3),
-               "mask_fill_ms_per_step": statistics.median(x["mask_fill_ms_per_step"] for x in runs["json"]),
-               "free_step_ms": statistics.median(x["step_ms"] for x in runs["free"]),
-               "json_step_ms": statistics.median(x["step_ms"] for x in runs["json"]), "runs": runs}
+               "ratio": round(constrained / free, 3), "mask_fill_ms_per_step": median("json", "mask_fill_ms_per_step"),
+               "free_step_ms": median("free", "step_ms"), "json_step_ms": median("json", "step_ms"), "runs": runs}
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
         out.append(row)
     return [{"grammar_compile_ms": round(compile_ms, 3)}, *out]
@@ -198,6 +201,7 @@ def main() -> None:
             path = widen_vocab(path, a.vocab_from)
         engine = Engine(store, work if a.model != "default" else Path.home() / ".kvwake-bench", path,
                         max_batch=max(sessions))
+        engine.tokenizer.eos_token_ids = []  # calls end at --tokens
         try:
             device = str(mx.default_device())
             print(json.dumps({"model": engine.model_name, "device": device, "vocab": engine.vocab_size}), flush=True)
