@@ -377,3 +377,36 @@ async def test_the_async_client_takes_a_grammar(daemon):
         await s.append(text="pick: ")
         reply = await s.generate(grammar='start: "yes" | "no"', max_tokens=8, temperature=1.0, seed=3)
         assert reply.text in ("yes", "no") and reply.finish_reason == "stop"
+
+
+def test_a_constrained_call_that_starts_alone_and_joins_the_batch_stays_valid(engine):
+    schema = SCHEMAS["nested objects"]
+    for steps_alone in (1, 5, 12):
+        first = Session(f"alone-{steps_alone}")
+        engine.append(first, messages=[{"role": "user", "content": "first"}])
+        a = engine.start_call(first, params(Structure.json(schema), steps_alone))
+        engine.decoder.join(a)
+        for _ in range(steps_alone):
+            engine.decoder.step()
+        assert a.solo is not None or a.future.done()  # decoding alone (solo), not batched
+        second = Session(f"joins-{steps_alone}")
+        engine.append(second, messages=[{"role": "user", "content": "second"}])
+        b = engine.start_call(second, params(Structure.json(SCHEMAS["enum"]), steps_alone))
+        engine.decoder.join(b)
+        while engine.decoder.active:
+            engine.decoder.step()
+        jsonschema.validate(json.loads(a.future.result().text), schema)
+        jsonschema.validate(json.loads(b.future.result().text), SCHEMAS["enum"])
+
+
+def test_solo_decoding_is_constrained_too(tools_model, tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, tools_model, max_batch=1)
+    try:
+        assert e.decode_mode == "solo"
+        for name in ("bounded array", "anyOf"):
+            result = generate(e, name, params(Structure.json(SCHEMAS[name]), 4))
+            jsonschema.validate(json.loads(result.text), SCHEMAS[name])
+    finally:
+        e.close()
+        store.close()
