@@ -410,3 +410,24 @@ def test_solo_decoding_is_constrained_too(tools_model, tmp_path):
     finally:
         e.close()
         store.close()
+
+
+def test_every_eos_id_ends_a_reply_where_the_grammar_accepts_and_none_before(tmp_path):
+    two = make_model_dir(tmp_path / "two-eos", eos_token_id=[256, 258])  # <|endoftext|> and <|im_end|>
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, two, max_batch=2)
+    try:
+        assert set(e.tokenizer.eos_token_ids) == {256, 258}
+        c = e.constraint(params(Structure.json({"enum": ["ab"]}), 0), None)
+        c.feed(0)  # the prompt's last token: not the grammar's
+        allowed = lambda: {t for t in (ord("a"), ord("b"), ord('"'), 256, 258)  # noqa: E731
+                           if e.decoder.masks.fill([c])[0, t // 32] >> (t % 32) & 1}
+        assert allowed() == {ord('"')}
+        for t in b'"ab"':
+            c.feed(t)
+        assert allowed() == {256, 258} and c.accepting
+        c.feed(256)  # the other EOS id is fed as llguidance's one
+        assert c.error is None and c.matcher.is_stopped()
+    finally:
+        e.close()
+        store.close()

@@ -172,9 +172,8 @@ class Engine:
         """The grammar state a constrained call decodes under (None: unconstrained)."""
         if params.structure is None:
             return None
-        llt = self.grammars.tokenizer
-        return Constraint(self.grammars.matcher(params.structure, tools), set(self.tokenizer.eos_token_ids),
-                          llt.eos_token)
+        grammars = self.grammars
+        return Constraint(grammars.matcher(params.structure, tools), grammars.eos_ids, grammars.eos)
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
         """`params` with max_tokens capped to what the context has left after `tokens` (not refused)."""

@@ -168,9 +168,13 @@ class Grammars:
         backend = getattr(tokenizer._tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise InvalidParamsError("structured output needs a fast (Rust) Hugging Face tokenizer")
-        # n_vocab: the logits' width, which may exceed the tokenizer's: masks cover every logit.
+        # n_vocab: the logits' width, which may exceed the tokenizer's: masks cover every logit. One EOS id
+        # for llguidance (a list needs llguidance 1.7+): the mask gives the others its bit (masks.py).
+        eos = sorted(tokenizer.eos_token_ids)
+        self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id in eos else eos[0]
+        self.eos_ids = set(eos)
         self.tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer.vocab)),
-                                         eos_token=sorted(tokenizer.eos_token_ids))
+                                         eos_token=self.eos)
         self.tools = ToolFormat(tokenizer)
         self.capacity = capacity
         self.compiled: OrderedDict[str, llg.LLMatcher] = OrderedDict()

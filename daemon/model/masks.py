@@ -11,8 +11,9 @@ all ones. The sampling that follows (mlx-lm's, or Solo's) is unchanged, and a
 step with no constrained row never comes here: the unconstrained hot path is
 untouched.
 
-EOS is allowed only where the grammar accepts (llguidance's mask says so; the
-tokenizer's EOS ids are the grammar's). A matcher that fails (a token it did
+EOS is allowed only where the grammar accepts (llguidance's mask says so for
+its one EOS id; the tokenizer's other EOS ids get the same bit, and any of
+them is fed to the matcher as that one). A matcher that fails (a token it did
 not allow: never, unless the mask was not applied) records its error, allows
 only EOS so the call ends at once, and the call fails with that error.
 """
@@ -76,13 +77,22 @@ class Masks:
         if live:
             llnp.fill_next_token_bitmask_par(self.executor, live, mask)
         for i, c in enumerate(constraints):
-            if c is not None and (c.error is not None or c.matcher.is_error()):
+            if c is None:
+                continue
+            if c.error is not None or c.matcher.is_error():
                 c.error = c.error or c.matcher.get_error()
                 mask[i] = 0  # only EOS: the call ends now and fails with the matcher's error
-                mask[i, c.eos_id // 32] = np.int32(np.uint32(1 << (c.eos_id % 32)).view(np.int32))
+                _allow(mask[i], c.eos_id)
+            if len(c.eos) > 1 and mask[i, c.eos_id // 32] >> (c.eos_id % 32) & 1:
+                for token in c.eos:
+                    _allow(mask[i], token)
         self.fill_s += time.perf_counter() - started
         self.fills += 1
         return mask
+
+
+def _allow(row: np.ndarray, token: int) -> None:
+    row[token // 32] |= np.uint32(1 << (token % 32)).view(np.int32)
 
 
 @mx.compile
