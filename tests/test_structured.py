@@ -431,3 +431,28 @@ def test_every_eos_id_ends_a_reply_where_the_grammar_accepts_and_none_before(tmp
     finally:
         e.close()
         store.close()
+
+
+MISTRAL_TEMPLATE = (  # mlx-lm names the mistral tool parser from "[TOOL_CALLS]" in a template
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_forced_call_in_the_mistral_format_parses_and_validates(tmp_path):
+    model = make_model_dir(tmp_path / "mistral-tools", template=MISTRAL_TEMPLATE, added=("[TOOL_CALLS]", "[ARGS]"))
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model, max_batch=2)
+    try:
+        assert e.grammars.tools.name == "mistral"
+        for seed in range(3):
+            result = generate(e, "call", params(Structure("tool_call", "get_weather", one=True), seed), [WEATHER, TIME])
+            assert result.text.startswith("[TOOL_CALLS]get_weather[ARGS]{")
+            assert result.finish_reason == "tool_calls" and result.tool_call_errors == [], result.text
+            jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]),
+                                WEATHER["function"]["parameters"])
+    finally:
+        e.close()
+        store.close()
