@@ -240,7 +240,8 @@ def daemon(tmp_path_factory, tools_model):
 
 @pytest.fixture(scope="module")
 def api(daemon):
-    return openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120)
+    with openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120) as client:
+        yield client
 
 
 def test_openai_response_format_json_schema_and_json_object(api):
@@ -308,8 +309,13 @@ def test_openai_max_tokens_cut_is_length(api):
 
 
 def test_anthropic_tool_choice_any_and_tool_and_output_format(daemon):
-    client = anthropic.Anthropic(base_url=openai_config(daemon.socket)["base_url"].removesuffix("/v1"),
-                                 api_key=openai_config(daemon.socket)["api_key"], max_retries=0)
+    config = openai_config(daemon.socket)
+    with anthropic.Anthropic(base_url=config["base_url"].removesuffix("/v1"), api_key=config["api_key"],
+                             max_retries=0) as client:
+        anthropic_tool_choices(client)
+
+
+def anthropic_tool_choices(client: anthropic.Anthropic) -> None:
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in (WEATHER, TIME)]
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
         message = client.messages.create(model="any", max_tokens=160, tools=tools, tool_choice=choice,
@@ -453,6 +459,51 @@ def test_a_forced_call_in_the_mistral_format_parses_and_validates(tmp_path):
             assert result.finish_reason == "tool_calls" and result.tool_call_errors == [], result.text
             jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]),
                                 WEATHER["function"]["parameters"])
+    finally:
+        e.close()
+        store.close()
+
+
+def test_a_thinking_model_may_think_before_its_forced_call(engine):
+    from types import SimpleNamespace
+
+    import llguidance
+    from mlx_lm.tool_parsers import json_tools
+
+    from kvwake.daemon.model.grammar import ToolFormat
+
+    thinker = SimpleNamespace(has_tool_calling=True, tool_parser=json_tools.parse_tool_call,
+                              tool_call_start="<tool_call>", tool_call_end="</tool_call>", has_thinking=True,
+                              think_start="<think>", think_end="</think>", vocab={}, all_special_tokens=[])
+    tools = ToolFormat(thinker)
+    llt = engine.grammars.tokenizer
+    call = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo","unit":"C"}}</tool_call>'
+    cases = [(False, "<think>rain?\nmaybe</think>\n\n" + call, True), (False, call, True),
+             (False, "<think>no call</think>", False), (False, "cold, so</think>" + call, False),
+             (True, "cold, so</think>\n" + call, True), (True, call, False)]  # True: the prompt opened <think>
+    for opened, text, whole in cases:
+        lark = tools.lark([WEATHER], "get_weather", True, thinking=opened)
+        m = llguidance.LLMatcher(llt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        assert not m.is_error(), m.get_error()
+        ok = m.consume_tokens(llt.tokenize_str(text))
+        assert (ok and m.is_accepting()) == whole, (text, m.get_error())
+
+
+def test_a_forced_call_closes_the_thought_its_prompt_opened(tmp_path):
+    template = TOOLS_CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+    # The markers are added tokens, as in Qwen's vocabulary: llguidance matches them only as those tokens.
+    model = make_model_dir(tmp_path / "thinker", template=template,
+                           added=("<think>", "</think>", "<tool_call>", "</tool_call>"))
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model, max_batch=2)
+    try:
+        assert e.grammars.tools.think == ("<think>", "</think>")
+        result = generate(e, "think, then call", params(Structure("tool_call", "get_time", one=True), 0,
+                                                        max_tokens=1500), [WEATHER, TIME])
+        thought, _, rest = result.text.partition("</think>")
+        assert rest and "<think>" not in thought and result.finish_reason == "tool_calls"
+        assert {e.tokenizer.vocab[t] for t in ("</think>", "<tool_call>", "</tool_call>")} <= set(result.tokens)
+        jsonschema.validate(json.loads(result.tool_calls[0]["function"]["arguments"]), TIME["function"]["parameters"])
     finally:
         e.close()
         store.close()

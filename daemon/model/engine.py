@@ -168,12 +168,14 @@ class Engine:
         if params.structure is not None:
             self.grammars.matcher(params.structure, tools)
 
-    def constraint(self, params: GenerateParams, tools: list[dict[str, Any]] | None) -> Constraint | None:
-        """The grammar state a constrained call decodes under (None: unconstrained)."""
+    def constraint(self, params: GenerateParams, tools: list[dict[str, Any]] | None,
+                   prompt: list[int] = ()) -> Constraint | None:
+        """The grammar state a constrained call from `prompt` decodes under (None: unconstrained)."""
         if params.structure is None:
             return None
         grammars = self.grammars
-        return Constraint(grammars.matcher(params.structure, tools), grammars.eos_ids, grammars.eos)
+        matcher = grammars.matcher(params.structure, tools, grammars.opened_thought(list(prompt)))
+        return Constraint(matcher, grammars.eos_ids, grammars.eos)
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
         """`params` with max_tokens capped to what the context has left after `tokens` (not refused)."""
@@ -288,7 +290,7 @@ class Engine:
         `on_event` gets the streamed events (text pieces, tool calls: model/toolcalls.py).
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call).
         """
-        constraint = self.constraint(params, session.tools)  # a bad schema is refused before any prefill
+        constraint = self.constraint(params, session.tools, session.tokens)  # refused before any prefill
         output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
                             session.tools)
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens

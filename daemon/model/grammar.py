@@ -14,7 +14,8 @@ template's call wrapper, so what comes out is what the model's parser
 (model/toolcalls.py) reads. Formats: mlx-lm's `json_tools` (Qwen, Hermes:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and `mistral`
 (`[TOOL_CALLS]name[ARGS]{...}`); a model that thinks may think first
-(`<think>...</think>`). Markers that are one special token are matched as that
+(`<think>...</think>`), and must close the thought first when its prompt
+opened one (templates that start the reply with `<think>`). Markers that are one special token are matched as that
 token, as the template renders them.
 
 JSON is written without free whitespace (`{"a": 1, "b": [2, 3]}`): llguidance's
@@ -112,8 +113,8 @@ def _tool_schemas(tools: list[dict[str, Any]] | None, name: str) -> list[tuple[s
 class ToolFormat:
     """The model's tool-call format, as mlx-lm's tokenizer names it, written as Lark pieces."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, llt: llg.LLTokenizer | None = None) -> None:
+        self.tokenizer, self.llt = tokenizer, llt
         parser = getattr(tokenizer, "tool_parser", None) if getattr(tokenizer, "has_tool_calling", False) else None
         self.name = getattr(parser, "__module__", "").rsplit(".", 1)[-1] if parser is not None else None
         self.start, self.end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
@@ -121,17 +122,17 @@ class ToolFormat:
             else None
 
     def literal(self, marker: str) -> str:
-        """A marker in Lark: its special token when it is one (`<[id]>`), else the quoted text."""
-        vocab = getattr(self.tokenizer, "vocab", {})
-        special = set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
-        added = getattr(getattr(self.tokenizer, "_tokenizer", None), "added_tokens_decoder", {}) or {}
-        if marker in vocab and (marker in special or any(getattr(t, "special", False) and str(t) == marker
-                                                         for t in added.values())):
-            return f"<[{vocab[marker]}]>"
+        """A marker in Lark: its token when it is one added token (`<[id]>`: llguidance matches added
+        tokens, `<tool_call>` and `</think>` in Qwen's vocabulary, only as themselves), else the quoted text."""
+        token = getattr(self.tokenizer, "vocab", {}).get(marker)
+        if token is not None and self.llt is not None and self.llt.is_special_token(token):
+            return f"<[{token}]>"
         return json.dumps(marker)
 
-    def lark(self, tools: list[dict[str, Any]] | None, name: str, one: bool, alternative: str = "") -> str:
-        """The grammar of a reply that is tool calls (optionally after a thought), or `alternative` (Lark)."""
+    def lark(self, tools: list[dict[str, Any]] | None, name: str, one: bool, alternative: str = "",
+             thinking: bool = False) -> str:
+        """The grammar of a reply that is tool calls (optionally after a thought), or `alternative` (Lark);
+        `thinking`: the prompt opened a thought, so the reply begins inside it."""
         if self.name not in TOOL_FORMATS:
             raise InvalidParamsError(
                 f"kvwake cannot constrain tool calls for this model: its tool-call format is "
@@ -148,12 +149,15 @@ class ToolFormat:
             call = " | ".join(f'{json.dumps(n)} {self.literal("[ARGS]")} %json {json.dumps({**s, "x-guidance": JSON_OPTIONS})}'
                               for n, s in schemas)
             calls = f"{self.literal(self.start)} call" + ("" if one else " call*")
-        rules = [f"start: {'think? ' if self.think else ''}{calls}{f' | {alternative}' if alternative else ''}",
-                 f"call: {call}"]
+        first = "" if not self.think else "after_thought " if thinking else "think? "
+        rules = [f"start: {first}({calls}{f' | {alternative}' if alternative else ''})", f"call: {call}"]
         if self.think:
             begin, end = self.think
-            rules += [f"think: {self.literal(begin)}? thought /\\s*/",
-                      f"thought[stop={json.dumps(end)}]: /(.|\\n)*/"]
+            rules += [f"think: {self.literal(begin)} after_thought", "WS: /[ \\t\\n]+/"]
+            if self.literal(end).startswith("<["):  # a token text cannot hold: the thought is any text before it
+                rules += [f"after_thought: THOUGHT? {self.literal(end)} WS?", "THOUGHT: /(.|\\n)+/"]
+            else:
+                rules += ["after_thought: thought WS?", f'thought[stop={json.dumps(end)}]: /(.|\\n)*/']
         return "\n".join(rules) + "\n"
 
 
@@ -175,29 +179,39 @@ class Grammars:
         self.eos_ids = set(eos)
         self.tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer.vocab)),
                                          eos_token=self.eos)
-        self.tools = ToolFormat(tokenizer)
+        self.tools = ToolFormat(tokenizer, self.tokenizer)
         self.capacity = capacity
         self.compiled: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()
         self.counters = {"grammar_compiles": 0, "grammar_cache_hits": 0}
 
-    def grammar(self, structure: Structure, tools: list[dict[str, Any]] | None = None) -> str:
-        """llguidance's grammar text for `structure` (`tools`: the call's, for kind "tool_call")."""
+    def opened_thought(self, prompt: list[int]) -> bool:
+        """Whether the prompt ends inside a thought the template opened (the reply begins thinking)."""
+        think = self.tools.think
+        return think is not None and self.tools.tokenizer.decode(prompt[-16:]).rstrip().endswith(think[0])
+
+    def grammar(self, structure: Structure, tools: list[dict[str, Any]] | None = None, thinking: bool = False) -> str:
+        """llguidance's grammar text for `structure` (`tools`: the call's, for kind "tool_call"; `thinking`:
+        the prompt opened a thought, which a forced call closes first). JSON replies get no thought: kvwake
+        does not split reasoning from content, and a thought would make the content unparseable."""
         if structure.kind == "json":
             options = JSON_OPTIONS if structure.strict else {**JSON_OPTIONS, "lenient": True}
             if structure.or_tools and tools and self.tools.name is not None:
                 inline = {**json.loads(structure.source), "x-guidance": options}
-                return llg.LLMatcher.grammar_from_lark(self.tools.lark(tools, "", structure.one, f"%json {json.dumps(inline)}"))
+                return llg.LLMatcher.grammar_from_lark(
+                    self.tools.lark(tools, "", structure.one, f"%json {json.dumps(inline)}"))
             return llg.LLMatcher.grammar_from_json_schema(structure.source, defaults=options)
         if structure.kind == "lark":
             return llg.LLMatcher.grammar_from_lark(structure.source)
         if structure.kind == "tool_call":
-            return llg.LLMatcher.grammar_from_lark(self.tools.lark(tools, structure.source, structure.one))
+            return llg.LLMatcher.grammar_from_lark(self.tools.lark(tools, structure.source, structure.one,
+                                                                   thinking=thinking))
         raise InvalidParamsError(f"unknown structure kind {structure.kind!r}")
 
-    def matcher(self, structure: Structure, tools: list[dict[str, Any]] | None = None) -> llg.LLMatcher:
+    def matcher(self, structure: Structure, tools: list[dict[str, Any]] | None = None,
+                thinking: bool = False) -> llg.LLMatcher:
         """A fresh matcher for `structure`, compiled once per grammar; InvalidParamsError names what is wrong."""
-        text = self.grammar(structure, tools)
+        text = self.grammar(structure, tools, thinking)
         with self.lock:
             compiled = self.compiled.get(text)
             if compiled is not None:
