@@ -95,17 +95,18 @@ class Solo:
 
     `next` is the token sampled but not yet fed; each step feeds it, samples the one after, and
     returns it, so every token returned is in the cache (as generate_step's yields are).
+    `model_for(tokens)`: the model for the pass that feeds `tokens` (masked for a constrained call).
     """
 
-    def __init__(self, model: Any, cache: list, first: mx.array, sampler: Any, processors: list,
+    def __init__(self, model_for: Any, cache: list, first: mx.array, sampler: Any, processors: list,
                  context: list[int]) -> None:
-        self.model, self.cache, self.sampler, self.processors = model, cache, sampler, processors
+        self.model_for, self.cache, self.sampler, self.processors = model_for, cache, sampler, processors
         self.context = mx.array(context, dtype=mx.uint32) if processors else None
         self.next = self._feed(first)
         mx.async_eval(self.next)
 
     def _feed(self, tokens: mx.array) -> mx.array:
-        logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
+        logits = self.model_for(tokens)(tokens[None], cache=self.cache)[:, -1, :]
         if self.processors:
             self.context = mx.concatenate([self.context, tokens]) if self.context is not None else tokens
             for processor in self.processors:
@@ -196,7 +197,7 @@ class Decoder:
                     self._move_to_batch(lone)
                 self._join_batch(call, mx.array([call.token], dtype=mx.uint32), s.cache, [])
             else:
-                call.solo = Solo(self._model([call]), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
+                call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
                                  make_processors(p), s.tokens[: s.processed])
                 self.solo.append(call)
         except Exception as exc:  # bad input for this call only (the model raised on it)
@@ -224,7 +225,7 @@ class Decoder:
         call.solo = None
         uid = next(self._uids)
         merged = [layer.merge([layer]) for layer in cache]
-        one = GenerationBatch(self._model([call]), [uid], inputs, merged, [s.tokens[: s.processed] + generated],
+        one = GenerationBatch(self._model([call], inputs), [uid], inputs, merged, [s.tokens[: s.processed] + generated],
                               [sampler], greedy_sampler, [make_processors(p)], [StopSequences()],
                               [UNLIMITED])  # takes the call's next step, alone
         s.cache = None  # the batch holds the only copy until the call leaves
@@ -232,19 +233,23 @@ class Decoder:
             self.batch = one
         else:
             self.batch.extend(one)
+            mx.async_eval(self.batch._next_tokens)  # joined: scheduled before the next pass (MaskedModel waits on it)
         self.rows[uid] = call
 
     # -- stepping ---------------------------------------------------------------
 
-    def _model(self, calls: list[Call]) -> Any:
-        """The model for a forward pass over `calls` (in row order): masked when any is constrained."""
+    def _model(self, calls: list[Call], fed: mx.array) -> Any:
+        """The model for a forward pass over `calls` (in row order) feeding `fed`: masked when any is
+        constrained. `fed` must be the array the step before scheduled (or a constant), so waiting
+        for its values never waits for this pass."""
         constraints = [call.constraint for call in calls]
-        return MaskedModel(self.model, constraints, self.masks) if any(constraints) else self.model
+        return MaskedModel(self.model, constraints, self.masks, fed) if any(constraints) else self.model
 
     def _step_batch(self) -> None:
         if self.batch is None:
             return
-        self.batch.model = self._model([self.rows[uid] for uid in self.batch.uids])
+        # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
+        self.batch.model = self._model([self.rows[uid] for uid in self.batch.uids], self.batch._next_tokens)
         try:
             responses = self.batch.next()
         except Exception as exc:
@@ -273,6 +278,7 @@ class Decoder:
         keep = [i for i in range(len(batch.uids)) if i not in leaving]
         if keep:
             batch.filter(keep)
+            mx.async_eval(batch._next_tokens)  # the rows kept: scheduled before the next pass
         else:
             self.batch = None
 

@@ -110,19 +110,20 @@ def apply_mask(logits: mx.array, mask: np.ndarray) -> mx.array:
 class MaskedModel:
     """The model for one forward pass over rows some of which are constrained (same call signature).
 
-    Called with the tokens to feed (batch, 1) or (1, n): queues the forward pass, advances each
-    constrained row's matcher with its token and fills the mask while the device computes, and
-    returns the masked logits, still lazy.
+    `fed`: the tokens this pass feeds, one per row, as the array the step before sampled. Called
+    with the model's input: queues the forward pass, then waits for `fed` alone (a new op on the
+    input would queue behind the forward pass and wait for all of it), advances each constrained
+    row's matcher and fills the mask while the device computes, and returns the masked logits,
+    still lazy.
     """
 
-    def __init__(self, model: Any, constraints: list[Constraint | None], masks: Masks) -> None:
-        self.model, self.constraints, self.masks = model, constraints, masks
+    def __init__(self, model: Any, constraints: list[Constraint | None], masks: Masks, fed: mx.array) -> None:
+        self.model, self.constraints, self.masks, self.fed = model, constraints, masks, fed
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         logits = self.model(inputs, cache=cache)
         mx.async_eval(logits)
-        fed = inputs[:, -1].tolist()  # sampled the step before: ready before this step's forward pass
-        for constraint, token in zip(self.constraints, fed):
+        for constraint, token in zip(self.constraints, self.fed.tolist()):
             if constraint is not None:
                 constraint.feed(token)
         return apply_mask(logits, self.masks.fill(self.constraints))
