@@ -260,6 +260,14 @@ def test_openai_response_format_json_schema_and_json_object(api):
         assert reply.choices[0].finish_reason == "length"
 
 
+def test_openai_completions_take_a_response_format_too(api):
+    schema = SCHEMAS["enum"]
+    reply = api.completions.create(model="any", prompt="Pick: ", max_tokens=80, seed=2, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
+
+
 def test_openai_streamed_json_joins_to_valid_json(api):
     schema = SCHEMAS["bounded array"]
     stream = api.chat.completions.create(
