@@ -18,7 +18,7 @@ import pytest
 
 from kvwake.client import AsyncClient, Client, openai_config
 from kvwake.daemon.model.engine import Engine
-from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.generation import GenerateParams, TextOutput
 from kvwake.daemon.model.grammar import Structure
 from kvwake.daemon.session import Session
 from kvwake.errors import InvalidParamsError
@@ -515,3 +515,22 @@ def test_a_forced_call_closes_the_thought_its_prompt_opened(tmp_path):
     finally:
         e.close()
         store.close()
+
+
+def test_a_failed_matcher_ends_its_call_at_once_and_fails_it_naming_the_error(engine):
+    from kvwake.daemon.model.decoder import Call
+    from kvwake.errors import InternalError
+
+    c = engine.constraint(params(Structure.json({"enum": ["ab"]}), 0), None)
+    c.feed(0)  # the prompt's token
+    c.feed(ord("x"))  # a token the mask would never have allowed (the grammar wants '"')
+    assert c.error
+    row = engine.decoder.masks.fill([c])[0]
+    eos = engine.grammars.eos
+    assert [t for t in range(engine.vocab_size) if row[t // 32] >> (t % 32) & 1] == [eos]  # only EOS
+    s = Session("failed-matcher")
+    engine.append(s, messages=[{"role": "user", "content": "x"}])
+    call = Call(s, s.tokens[-1], TextOutput(engine.tokenizer, params(None, 0)), 1, constraint=c)
+    call.finish("stop")
+    with pytest.raises(InternalError, match="constrained decoding failed in session failed-matcher"):
+        call.future.result()
