@@ -44,11 +44,23 @@ def _given(**params: Any) -> dict[str, Any]:
 
 def _generate_params(max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
                      min_p: float | None, repetition_penalty: float | None, seed: int | None,
-                     stop: str | Sequence[str] | None, stream: bool) -> dict[str, Any]:
+                     stop: str | Sequence[str] | None, stream: bool, structure: dict[str, Any]) -> dict[str, Any]:
     if stop is not None and not isinstance(stop, str):
         stop = list(stop)
     return _given(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                  repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream=True if stream else None)
+                  repetition_penalty=repetition_penalty, seed=seed, stop=stop, stream=True if stream else None,
+                  **_structure(**structure))
+
+
+def _structure(json_schema: Any = None, grammar: str | None = None,
+               tool_choice: str | dict[str, Any] | None = None) -> dict[str, Any]:
+    """Structured output params: a schema map (or a pydantic model class: its JSON schema), a Lark grammar,
+    or tool_choice "auto", "required" or a tool's name."""
+    if json_schema is not None and hasattr(json_schema, "model_json_schema"):
+        json_schema = json_schema.model_json_schema()
+    if isinstance(tool_choice, str) and tool_choice not in ("auto", "required"):
+        tool_choice = {"name": tool_choice}
+    return _given(json_schema=json_schema, grammar=grammar, tool_choice=tool_choice)
 
 
 def _key(name: str) -> Callable[[dict[str, Any]], Any]:
@@ -120,24 +132,32 @@ class ClientAPI:
     def generate(self, session_id: str, *, max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, stream: bool = False) -> Any:
+                 stop: str | Sequence[str] | None = None, stream: bool = False, json_schema: Any = None,
+                 grammar: str | None = None, tool_choice: str | dict[str, Any] | None = None) -> Any:
         """Generate from what the session holds → `Reply`, or a `Stream` of text pieces if stream=True.
 
         temperature 0 (the default) is greedy; seed makes sampling repeatable; stop
-        strings end generation (they are not part of the text).
+        strings end generation (they are not part of the text). Structured output (at most one):
+        `json_schema` (a schema map or a pydantic model class) makes the text JSON valid against
+        it; `grammar`, an llguidance Lark grammar; `tool_choice` "required" or a tool's name makes
+        the reply a call to the session's tools. A reply cut first finishes "length".
         """
-        gen = _generate_params(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, stream)
+        gen = _generate_params(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, stream,
+                               {"json_schema": json_schema, "grammar": grammar, "tool_choice": tool_choice})
         return self._rpc("session.generate", {"session_id": session_id, **gen}, Reply.from_wire, stream)
 
     def chat(self, session_id: str, messages: Messages, *, tools: list[dict[str, Any]] | None = None,
              max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
              top_k: int | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-             seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False) -> Any:
-        """Append messages (a string is one user message), then generate: as `generate`.
+             seed: int | None = None, stop: str | Sequence[str] | None = None, stream: bool = False,
+             json_schema: Any = None, grammar: str | None = None, tool_choice: str | dict[str, Any] | None = None) -> Any:
+        """Append messages (a string is one user message), then generate: as `generate` (structured
+        output too: `tool_choice` picks among `tools`).
 
         The reply is kept in the session as the assistant's turn.
         """
-        gen = _generate_params(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, stream)
+        gen = _generate_params(max_tokens, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, stream,
+                               {"json_schema": json_schema, "grammar": grammar, "tool_choice": tool_choice})
         params = {"session_id": session_id, "messages": messages_list(messages), **_given(tools=tools), **gen}
         return self._rpc("session.chat", params, Reply.from_wire, stream)
 

@@ -173,10 +173,11 @@ def test_what_kvwake_cannot_honour_is_refused_by_name(api, daemon):
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, image]}]},
          "messages[0].content[1].type"),
         ({"extra_body": {"frobnicate": True}}, "frobnicate"),
-        ({"tool_choice": {"type": "any"}, "tools": [WEATHER]}, "tool_choice"),
+        ({"tool_choice": {"type": "sometimes"}, "tools": [WEATHER]}, "tool_choice"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),  # forces a call, but names no tools
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
         ({"extra_body": {"temperature": 7}}, "temperature"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
+        ({"output_config": {"format": {"type": "yaml"}}}, "output_config.format"),
     ]
     for options, name in refusals:
         options = {"messages": [{"role": "user", "content": "refuse"}], **options}

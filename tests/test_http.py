@@ -308,11 +308,11 @@ def test_streamed_tool_calls_arrive_as_deltas(tool_api):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_tool_choice_none_renders_no_tools_and_forced_choice_is_refused(tool_api):
+def test_tool_choice_none_renders_no_tools_and_a_forced_unknown_tool_is_refused(tool_api):
     messages = [{"role": "user", "content": "No tools"}]
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.BadRequestError, match="not among the tools") as bad:
         chat(tool_api, messages, tools=[WEATHER_TOOL],
-             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+             tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert bad.value.body["param"] == "tool_choice"
     reply = chat(tool_api, messages, tools=[WEATHER_TOOL], tool_choice="none", max_tokens=20)
     assert reply.usage.prompt_tokens < chat(tool_api, messages, tools=[WEATHER_TOOL], max_tokens=20).usage.prompt_tokens
@@ -342,7 +342,7 @@ def test_fields_kvwake_cannot_honour_are_refused_by_name(api):
     messages = [{"role": "user", "content": "refusals"}]
     refused = {"functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
                "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
-               "web_search_options": {}, "parallel_tool_calls": "yes"}
+               "web_search_options": {}, "parallel_tool_calls": "yes", "response_format": {"type": "yaml"}}
     for name, value in refused.items():
         with pytest.raises(openai.BadRequestError) as bad:
             chat(api, messages, extra_body={name: value})

@@ -14,19 +14,23 @@ template exactly as the same conversation sent as chat completions would.
 Fields: `model`, `messages`, `max_tokens` (required, as Anthropic requires it),
 `system` (a string or text blocks), `stop_sequences`, `temperature` (default 1),
 `top_p`, `top_k`, `stream`, `tools` (custom tools: `name`, `description`,
-`input_schema`), `tool_choice` `auto` or `none` (with
-`disable_parallel_tool_use`), and `kvwake_session`. Ignored, as they change
+`input_schema`), `tool_choice` (with `disable_parallel_tool_use`): `auto`,
+`none`, and by constrained decoding (model/grammar.py) `any` and `tool` (a
+call to any tool or to the one named, in the model's own format, its input
+valid against the tool's schema), `output_config.format` `json_schema` (the
+reply's text is JSON valid against it), and `kvwake_session`. Ignored, as they change
 nothing kvwake does: `metadata`, `cache_control` (anywhere: kvwake caches every
 prefix), `context_management`, `service_tier`, `thinking`'s budget (the model thinks as
 its template makes it; see docs/http.md), `output_config.effort`, `speed`,
 `inference_geo`, `diagnostics`, `user_profile_id`, `workspace_id`. `thinking` enabled (or
 adaptive) asks for the reasoning of a thinking model (its template's `<think>` span) as
 `thinking` blocks; without it the reasoning is left out of the reply. Anything
-else is a 400 naming it (`output_config.format` too: no constrained decoding yet).
+else is a 400 naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -36,6 +40,7 @@ from typing import Any
 
 from kvwake.daemon.fronts.openai_shapes import ApiError
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.grammar import Structure
 from kvwake.errors import KvwakeError
 
 __all__ = ["BILLING_HEADER", "MessagesRequest", "MessagesReply", "error_body", "model_info", "status_for"]
@@ -96,6 +101,24 @@ def _params(body: dict[str, Any], counting: bool) -> GenerateParams:
     except KvwakeError as exc:
         param = exc.data.get("param", "")
         raise _bad(exc.message, {"stop": "stop_sequences"}.get(param, param)) from None
+
+
+def _structure(body: dict[str, Any], fmt: Any, tools: list[dict[str, Any]] | None, one: bool) -> Structure | None:
+    """What constrained decoding makes of the reply: a forced call (tool_choice any or tool) wins over
+    output_config.format (json_schema: the text is that JSON, or tool calls beside tools under auto)."""
+    choice = body.get("tool_choice") or {}
+    if choice.get("type") in ("any", "tool"):
+        name = choice.get("name") if choice["type"] == "tool" else ""
+        if not isinstance(name, str) or (choice["type"] == "tool" and not name):
+            raise _bad("a tool choice of type tool names the tool", "tool_choice.name")
+        if not tools:
+            raise _bad(f"tool_choice {choice['type']} forces a tool call, but no tools were given", "tool_choice")
+        return Structure("tool_call", name, one=one or bool(name))
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_config.format")
+    return Structure.json(fmt["schema"], or_tools=bool(tools), one=one, param="output_config.format.schema")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -194,9 +217,9 @@ def _messages(raw: Any, system: str | None) -> list[dict[str, Any]]:
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     """OpenAI-form tools for the template (None: none or tool_choice none), and whether only one call may come."""
     tools, choice = body.get("tools") or None, body.get("tool_choice") or {"type": "auto"}
-    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "none"):
-        raise _bad("only {\"type\": \"auto\"} and {\"type\": \"none\"} are supported (kvwake cannot force a call)",
-                   "tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "none", "any", "tool"):
+        raise _bad("must be {\"type\": \"auto\"}, {\"type\": \"none\"}, {\"type\": \"any\"} or "
+                   "{\"type\": \"tool\", \"name\": ...}", "tool_choice")
     if tools is not None and not isinstance(tools, list):
         raise _bad("must be an array", "tools")
     out = []
@@ -235,9 +258,8 @@ class MessagesRequest:
         if unknown:
             raise _bad("not supported by kvwake", unknown[0])
         config = body.get("output_config") or {}
-        if not isinstance(config, dict) or set(config) - {"effort", "format"} or config.get("format") is not None:
-            raise _bad("only effort is accepted (ignored): kvwake cannot constrain the reply to a format",
-                       "output_config.format" if isinstance(config, dict) and config.get("format") else "output_config")
+        if not isinstance(config, dict) or set(config) - {"effort", "format"}:
+            raise _bad("only effort (ignored) and format are accepted", "output_config")
         if not isinstance(body.get("model"), str) or not body["model"]:
             raise _bad("required: a model name (any name: the daemon serves the model it loaded)", "model")
         stream = body.get("stream", False)
@@ -248,9 +270,10 @@ class MessagesRequest:
             raise _bad("must be a non-empty string", "kvwake_session")
         tools, one_call = _tools(body)
         messages = _messages(body.get("messages"), _system(body.get("system"), drop_system))
+        params = dataclasses.replace(_params(body, counting), structure=_structure(body, config.get("format"), tools,
+                                                                                   one_call))
         thinking = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") in ("enabled", "adaptive")
-        return cls(body["model"], messages, tools, _params(body, counting), stream, named, one_call and bool(tools),
-                   thinking)
+        return cls(body["model"], messages, tools, params, stream, named, one_call and bool(tools), thinking)
 
     def inputs(self) -> dict[str, Any]:
         """The whole conversation, as SessionManager.render takes it."""

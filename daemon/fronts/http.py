@@ -284,7 +284,7 @@ class Api:
         """Pick the session and start the generation; a session another request took meanwhile is matched
         again. Parameters are checked first: a refused request makes no session."""
         m = self.manager
-        m.check_params(req.params)
+        m.check_params(req.params, req.inputs().get("tools"))  # a bad schema too: refused before any compute
         prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
         m.engine.check_fits(len(prompt.target))  # a prompt over the context is refused before a session is made
         for attempt in range(MATCH_TRIES):

@@ -19,6 +19,7 @@ from anyio import to_thread
 
 import kvwake
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.grammar import GRAMMAR_KEYS
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import InvalidParamsError
 from kvwake.protocol import PROTOCOL_VERSION
@@ -26,7 +27,7 @@ from kvwake.protocol import PROTOCOL_VERSION
 __all__ = ["METHODS", "Context"]
 
 GENERATE_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "seed", "stop", "stream"}
+                 "frequency_penalty", "logit_bias", "seed", "stop", "stream", *GRAMMAR_KEYS}
 INPUT_KEYS = {"messages", "text", "tokens", "tools"}
 
 

@@ -8,25 +8,32 @@ Requests: the usual sampling parameters (`max_tokens` or
 `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`), mlx-lm
 server's extras (`top_k`, `min_p`, `repetition_penalty`), `tools` with
-`tool_choice` "auto" or "none" and `parallel_tool_calls`, `stream` with
+`tool_choice` and `parallel_tool_calls`, `stream` with
 `stream_options.include_usage`, and `kvwake_session` (or the
-`X-Kvwake-Session` header) to name a session. Unknown fields are ignored, as
-OpenAI's own clients send fields servers may not know; a known field this
-server cannot honour (`n` > 1, `logprobs`, `response_format` other than text,
-a forced `tool_choice`, legacy `functions`, audio, web search) is a 400 naming
-it, never silently dropped; so is a message role templates do not know.
+`X-Kvwake-Session` header) to name a session. Structured output
+(model/grammar.py) by constrained decoding: `response_format` `json_object`
+or `json_schema` (strict or not; beside tools under tool_choice "auto" the
+reply is that JSON or tool calls), and `tool_choice` "required" or one named
+function (the reply is calls in the model's own format, arguments valid
+against the tool's schema; a forced call wins over `response_format`).
+Unknown fields are ignored, as OpenAI's own clients send fields servers may
+not know; a known field this server cannot honour (`n` > 1, `logprobs`,
+legacy `functions`, audio, web search) is a 400 naming it, never silently
+dropped; so is a message role templates do not know.
 Defaults follow OpenAI where they differ from RPC: `temperature` 1, and
 `max_tokens` 4096 (OpenAI's is "until the context ends").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.grammar import Structure
 from kvwake.errors import KvwakeError
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Reply", "error_body", "from_kvwake"]
@@ -71,8 +78,9 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def _params(body: dict[str, Any]) -> GenerateParams:
-    """Sampling and stopping, OpenAI's names and defaults, checked as RPC checks them."""
+def _params(body: dict[str, Any], structure: Structure | None = None) -> GenerateParams:
+    """Sampling and stopping, OpenAI's names and defaults, checked as RPC checks them; `structure`: what the
+    reply must be (a forced tool call), else what `response_format` asks."""
     if body.get("n", 1) != 1:
         raise _bad("n must be 1: kvwake generates one choice per request", "n")
     for name in ("logprobs", "top_logprobs", "echo", "suffix"):
@@ -85,9 +93,8 @@ def _params(body: dict[str, Any]) -> GenerateParams:
             raise _bad(f"{name} is not supported by kvwake (a local text model)", name)
     if any(m != "text" for m in body.get("modalities") or ["text"]):
         raise _bad("modalities: kvwake replies with text only", "modalities")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise _bad("response_format: only {\"type\": \"text\"} is supported", "response_format")
+    structure = structure or response_format(body.get("response_format"), bool(body.get("tools")),
+                                             body.get("parallel_tool_calls") is False)
     given = {k: body[k] for k in SAMPLING if body.get(k) is not None}
     given.setdefault("temperature", 1.0)
     if given.get("top_p") == 1:
@@ -95,9 +102,31 @@ def _params(body: dict[str, Any]) -> GenerateParams:
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     given["max_tokens"] = DEFAULT_MAX_TOKENS if limit is None else limit
     try:
-        return GenerateParams.from_params(given)
+        return dataclasses.replace(GenerateParams.from_params(given), structure=structure)
     except KvwakeError as exc:
         raise from_kvwake(exc) from None
+
+
+def response_format(fmt: Any, tools: bool, one: bool) -> Structure | None:
+    """`response_format`: text (None), json_object (any object) or json_schema ({name, schema, strict});
+    `tools`: tools were given, so the reply may be tool calls instead (tool_choice "auto"), `one` of them."""
+    where = "response_format"
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure.json({"type": "object"}, or_tools=tools, one=one)
+    if kind != "json_schema":
+        raise _bad(f'{where}.type must be "text", "json_object" or "json_schema"; got {kind!r}', where)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad(f"{where}.json_schema must be an object with a name", f"{where}.json_schema")
+    schema, strict = spec.get("schema", {}), spec.get("strict")
+    if not isinstance(schema, dict) or not isinstance(strict, (bool, type(None))):
+        raise _bad(f"{where}.json_schema.schema must be an object and strict a boolean", f"{where}.json_schema")
+    return Structure.json(schema, strict=bool(strict), or_tools=tools, one=one, param=f"{where}.json_schema.schema")
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -139,12 +168,10 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
-    """The tools the template gets, and whether the reply may hold more than one call."""
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool, Structure | None]:
+    """The tools the template gets, whether the reply may hold more than one call, and the forced call."""
     tools, choice = body.get("tools") or None, body.get("tool_choice", "auto")
-    if choice not in ("auto", "none", None):
-        raise _bad("tool_choice: only \"auto\" and \"none\" are supported (kvwake cannot force a call)",
-                   "tool_choice")
+    forced = forced_call(choice, tools, body.get("parallel_tool_calls", True) is False)
     if tools is not None and not isinstance(tools, list):
         raise _bad("tools must be an array", "tools")
     for legacy in ("functions", "function_call"):  # the deprecated form of tools: refused, not dropped
@@ -153,7 +180,25 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
-    return (None if choice == "none" else tools), parallel
+    return (None if choice == "none" else tools), parallel, forced
+
+
+def forced_call(choice: Any, tools: Any, one: bool) -> Structure | None:
+    """tool_choice: "auto"/"none" force nothing; "required" any of the tools, {"type": "function",
+    "function": {"name"}} that one (one call)."""
+    if choice in ("auto", "none", None):
+        return None
+    if choice == "required":
+        name = ""
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str) and choice["function"]["name"]:
+        name, one = choice["function"]["name"], True
+    else:
+        raise _bad('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name"}}',
+                   "tool_choice")
+    if not tools:
+        raise _bad("tool_choice forces a tool call, but no tools were given", "tool_choice")
+    return Structure("tool_call", name, one=one)
 
 
 def _session(body: dict[str, Any], header: str | None) -> str | None:
@@ -178,8 +223,8 @@ class ChatRequest:
     @classmethod
     def parse(cls, body: dict[str, Any], header_session: str | None) -> ChatRequest:
         stream, include_usage = _stream(body)
-        tools, parallel = _tools(body)
-        return cls(_messages(body.get("messages")), tools, _params(body), stream, include_usage,
+        tools, parallel, forced = _tools(body)
+        return cls(_messages(body.get("messages")), tools, _params(body, forced), stream, include_usage,
                    _session(body, header_session), one_call=bool(tools) and not parallel)
 
     def inputs(self) -> dict[str, Any]:

@@ -17,6 +17,11 @@ H100 machine, 10.5-13.8 ms against 8.1-9.6 ms per token). When a second call
 arrives, the lone call moves into the batch between two steps, with the token
 it has sampled but not yet fed.
 
+Structured output: a call with a `Constraint` has its logits masked by its
+grammar each step (masks.py); while any running call has one, the forward pass
+goes through `MaskedModel`, so constrained and unconstrained calls still share
+one forward pass and one mask op per step.
+
 Solo mode (quantized KV and cache kinds kvwake does not batch; or
 `max_batch` = 1 for users who need output bit-identical to decoding alone):
 every call decodes alone; calls take one step each in turn, so they
@@ -45,7 +50,9 @@ from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.model.generation import GenerateResult, TextOutput, make_processors, make_sampler
+from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 from kvwake.daemon.session import Session
+from kvwake.errors import InternalError
 
 __all__ = ["Call", "Decoder", "batch_mode", "run_alone"]
 
@@ -63,8 +70,13 @@ class Call:
     prompt_tokens: int
     future: Future[GenerateResult] = field(default_factory=Future)
     solo: Solo | None = None  # while it decodes alone
+    constraint: Constraint | None = None  # structured output: its grammar masks each token (masks.py)
 
     def finish(self, reason: str) -> None:
+        if self.constraint is not None and self.constraint.error is not None:
+            self.fail(InternalError(f"constrained decoding failed in session {self.session.id}: "
+                                    f"{self.constraint.error}", session_id=self.session.id))
+            return
         result = self.output.result(reason, self.prompt_tokens)
         s = self.session
         s.tokens = s.tokens + result.tokens
@@ -83,17 +95,18 @@ class Solo:
 
     `next` is the token sampled but not yet fed; each step feeds it, samples the one after, and
     returns it, so every token returned is in the cache (as generate_step's yields are).
+    `model_for(tokens)`: the model for the pass that feeds `tokens` (masked for a constrained call).
     """
 
-    def __init__(self, model: Any, cache: list, first: mx.array, sampler: Any, processors: list,
+    def __init__(self, model_for: Any, cache: list, first: mx.array, sampler: Any, processors: list,
                  context: list[int]) -> None:
-        self.model, self.cache, self.sampler, self.processors = model, cache, sampler, processors
+        self.model_for, self.cache, self.sampler, self.processors = model_for, cache, sampler, processors
         self.context = mx.array(context, dtype=mx.uint32) if processors else None
         self.next = self._feed(first)
         mx.async_eval(self.next)
 
     def _feed(self, tokens: mx.array) -> mx.array:
-        logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
+        logits = self.model_for(tokens)(tokens[None], cache=self.cache)[:, -1, :]
         if self.processors:
             self.context = mx.concatenate([self.context, tokens]) if self.context is not None else tokens
             for processor in self.processors:
@@ -128,8 +141,9 @@ def _batchable(layer: Any) -> bool:
 class Decoder:
     """Calls in flight and waiting; `step()` (engine thread) advances each running call by one token."""
 
-    def __init__(self, model: Any, mode: str, max_batch: int) -> None:
+    def __init__(self, model: Any, mode: str, max_batch: int, vocab_size: int) -> None:
         self.model, self.mode, self.max_batch = model, mode, max(1, max_batch)
+        self.masks = Masks(vocab_size, self.max_batch)
         self.waiting: deque[Call] = deque()
         self.solo: list[Call] = []
         self.batch: GenerationBatch | None = None
@@ -183,7 +197,7 @@ class Decoder:
                     self._move_to_batch(lone)
                 self._join_batch(call, mx.array([call.token], dtype=mx.uint32), s.cache, [])
             else:
-                call.solo = Solo(self.model, s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
+                call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
                                  make_processors(p), s.tokens[: s.processed])
                 self.solo.append(call)
         except Exception as exc:  # bad input for this call only (the model raised on it)
@@ -211,7 +225,7 @@ class Decoder:
         call.solo = None
         uid = next(self._uids)
         merged = [layer.merge([layer]) for layer in cache]
-        one = GenerationBatch(self.model, [uid], inputs, merged, [s.tokens[: s.processed] + generated],
+        one = GenerationBatch(self._model([call], inputs), [uid], inputs, merged, [s.tokens[: s.processed] + generated],
                               [sampler], greedy_sampler, [make_processors(p)], [StopSequences()],
                               [UNLIMITED])  # takes the call's next step, alone
         s.cache = None  # the batch holds the only copy until the call leaves
@@ -219,13 +233,23 @@ class Decoder:
             self.batch = one
         else:
             self.batch.extend(one)
+            mx.async_eval(self.batch._next_tokens)  # joined: scheduled before the next pass (MaskedModel waits on it)
         self.rows[uid] = call
 
     # -- stepping ---------------------------------------------------------------
 
+    def _model(self, calls: list[Call], fed: mx.array) -> Any:
+        """The model for a forward pass over `calls` (in row order) feeding `fed`: masked when any is
+        constrained. `fed` must be the array the step before scheduled (or a constant), so waiting
+        for its values never waits for this pass."""
+        constraints = [call.constraint for call in calls]
+        return MaskedModel(self.model, constraints, self.masks, fed) if any(constraints) else self.model
+
     def _step_batch(self) -> None:
         if self.batch is None:
             return
+        # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
+        self.batch.model = self._model([self.rows[uid] for uid in self.batch.uids], self.batch._next_tokens)
         try:
             responses = self.batch.next()
         except Exception as exc:
@@ -254,6 +278,7 @@ class Decoder:
         keep = [i for i in range(len(batch.uids)) if i not in leaving]
         if keep:
             batch.filter(keep)
+            mx.async_eval(batch._next_tokens)  # the rows kept: scheduled before the next pass
         else:
             self.batch = None
 
@@ -277,8 +302,10 @@ class Decoder:
         self.counters["decode_tokens"] += tokens
 
     def status(self) -> dict[str, Any]:
+        masks = self.masks
         return {"running": self.running, "waiting": len(self.waiting), **self.counters,
-                "step_ms": round(self.step_s * 1000, 3)}
+                "step_ms": round(self.step_s * 1000, 3), "mask_fills": masks.fills,
+                "mask_fill_ms": round(masks.fill_s / masks.fills * 1000, 4) if masks.fills else None}
 
 
 def run_alone(decoder: Decoder, call: Call) -> GenerateResult:

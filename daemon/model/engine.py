@@ -37,6 +37,8 @@ from kvwake.daemon.model import attention, memory
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
+from kvwake.daemon.model.grammar import Grammars
+from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
@@ -123,7 +125,8 @@ class Engine:
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name)
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
-        self.decoder = Decoder(self.model, self.decode_mode, max_batch)
+        self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
         self.token_bytes = memory.kv_token_bytes(self.model, self.make_cache)
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
@@ -192,6 +195,20 @@ class Engine:
                f"beside the weights)") if by_memory else ""
         raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
                                   tokens=tokens, limit=limit, bound="memory" if by_memory else "context")
+
+    def check_structure(self, params: GenerateParams, tools: list[dict[str, Any]] | None) -> None:
+        """Compile the call's structure now (kept for the call): InvalidParamsError before any compute."""
+        if params.structure is not None:
+            self.grammars.matcher(params.structure, tools)
+
+    def constraint(self, params: GenerateParams, tools: list[dict[str, Any]] | None,
+                   prompt: list[int] = ()) -> Constraint | None:
+        """The grammar state a constrained call from `prompt` decodes under (None: unconstrained)."""
+        if params.structure is None:
+            return None
+        grammars = self.grammars
+        matcher = grammars.matcher(params.structure, tools, grammars.opened_thought(list(prompt)))
+        return Constraint(matcher, grammars.eos_ids, grammars.eos)
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
         """`params` with max_tokens capped to what the context (and memory) has left after `tokens` (not refused)."""
@@ -322,6 +339,7 @@ class Engine:
         Store work on the caller's thread, MLX work through `mlx` (prefill one chunk per call);
         `should_stop` stops the prefill too (CancelledError) and then the generation.
         """
+        constraint = self.constraint(params, session.tools, session.tokens)  # refused before any prefill
         output = TextOutput(self.tokenizer, self.fit(params, len(session.tokens)), on_event, should_stop,
                             session.tools, self.opens_thinking(session.tokens))
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
@@ -330,7 +348,7 @@ class Engine:
         mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
         self.prefill(session, len(session.tokens) - 1, mlx, should_stop)
-        return Call(session, session.tokens[-1], output, prompt_tokens)
+        return Call(session, session.tokens[-1], output, prompt_tokens, constraint=constraint)
 
     def opens_thinking(self, tokens: list[int]) -> bool:
         """Whether a reply to `tokens` begins inside a thinking span: the template opened one (its start

@@ -9,6 +9,11 @@ it is known not to be, so the pieces streamed, joined, always equal the final
 The final text is split into content and tool calls by `ToolSpans`
 (toolcalls.py), which also makes the streamed events.
 
+A constrained call (structured output) finishes "stop" only when its grammar
+ended it (EOS, which the mask allows only where the grammar accepts); a stop
+string or max_tokens that cuts it first finishes "length": the text is not a
+whole answer, and is never passed off as one.
+
 The repetition penalty sees the whole conversation (mlx-lm's processors would
 only see this call's prompt): earlier tokens are part of its context.
 """
@@ -24,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler, make_logits_processors
 
+from kvwake.daemon.model.grammar import Structure
 from kvwake.daemon.model.toolcalls import ToolSpans, held_back
 from kvwake.errors import InvalidParamsError
 
@@ -49,6 +55,7 @@ class GenerateParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    structure: Structure | None = None  # structured output: what the text must be (model/grammar.py)
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> GenerateParams:
@@ -74,7 +81,7 @@ class GenerateParams:
             presence_penalty=num("presence_penalty", float, -2.0, 2.0, None),
             frequency_penalty=num("frequency_penalty", float, -2.0, 2.0, None),
             logit_bias=_logit_bias(p.get("logit_bias")),
-            seed=num("seed", int, 0, 2**63 - 1, None), stop=tuple(stop),
+            seed=num("seed", int, 0, 2**63 - 1, None), stop=tuple(stop), structure=Structure.from_params(p),
         )
 
 
@@ -171,6 +178,7 @@ class TextOutput:
                  should_stop: Callable[[], bool] | None = None, tools: list[dict[str, Any]] | None = None,
                  thinking: bool = False) -> None:
         self.params, self.should_stop = params, should_stop
+        self.constrained = params.structure is not None
         self.spans = ToolSpans(tokenizer, tools, on_event, thinking=thinking)
         self.detok = tokenizer.detokenizer  # a fresh copy per call
         self.eos = set(tokenizer.eos_token_ids)
@@ -190,7 +198,7 @@ class TextOutput:
         hits = [(i, s) for s in stops if (i := text.find(s, max(0, self.sent - len(s)))) >= 0]
         if hits:
             cut, self.stop_sequence = min(hits)
-            return self._close(text[:cut], "stop")
+            return self._close(text[:cut], "length" if self.constrained else "stop")
         self._emit(text[: len(text) - held_back(text, stops)])
         if len(self.tokens) >= self.params.max_tokens:
             return self._finish("length")

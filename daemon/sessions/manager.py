@@ -303,8 +303,15 @@ class SessionManager:
             "prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
         return cache, best
 
-    def check_params(self, params: GenerateParams) -> None:
-        """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError."""
+    def check_params(self, params: GenerateParams, tools: list[dict[str, Any]] | None = None) -> None:
+        """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError.
+
+        A structure is compiled here (and kept), so a bad schema is refused before any compute; a forced
+        tool call without `tools` given is checked against the session's tools when the call starts.
+        """
+        structure = params.structure
+        if structure is not None and (structure.kind != "tool_call" or tools is not None):
+            self.engine.check_structure(params, tools)
         if any(token >= self.engine.vocab_size for token, _ in params.logit_bias):
             raise InvalidParamsError(f"logit_bias names a token id outside [0, {self.engine.vocab_size})",
                                      param="logit_bias")
@@ -320,7 +327,7 @@ class SessionManager:
         {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
         computes (the prefilled ones and the pending last one), as the result's usage will count them.
         """
-        self.check_params(params)
+        self.check_params(params, inputs.tools if isinstance(inputs, Plan) else (inputs or {}).get("tools"))
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
                 on_claim()
