@@ -25,7 +25,7 @@ from kvwake.client import openai_config
 from kvwake.daemon.fronts.openai_shapes import ApiError
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
 from tests.daemon import Daemon, serving_http
-from tests.tinymodel import make_scripted_model
+from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 INSTRUCTIONS = "You are a careful agent. Answer briefly and name your sources. " * 4
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -210,11 +210,11 @@ def test_what_kvwake_cannot_honour_is_refused_by_name(daemon, api):
     image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
     refusals = [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "'required'"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
-         "'get_weather'"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format",
-         "'json_schema'"),
+        ({"tool_choice": "required"}, "tool_choice", "no tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type", "'xml'"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": 3}}}},
+         "text.format.schema", "properties"),
         ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "look"}, image]}]},
          "input[0].content[1].type", "'input_image'"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "'item_reference'"),
@@ -486,3 +486,41 @@ def test_nulls_read_as_defaults_and_wrong_types_are_refused_by_name():
         with pytest.raises(ApiError) as bad:
             ResponsesRequest.parse({**body, field: value}, None)
         assert bad.value.status == 400 and bad.value.param == field and says in bad.value.message, field
+
+
+def test_structured_output_by_text_format_and_a_forced_call(api, tmp_path):
+    """text.format json_schema (and the SDK's responses.parse with a pydantic model) yields JSON that validates;
+    tool_choice required (and a named function) yields a call: the grammar of chat completions' structured output."""
+    import jsonschema
+    from pydantic import BaseModel, ConfigDict, Field
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+    made = create(api, "Plan a trip", max_output_tokens=120,
+                  text={"format": {"type": "json_schema", "name": "trip", "schema": schema, "strict": True}})
+    assert made.status == "completed" and made.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(made.output_text), schema)
+
+    class Trip(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=12)  # a random model writes until a bound (or max_tokens) stops it
+        days: int = Field(ge=1, le=7)
+
+    parsed = api.responses.parse(model="m", input="Plan another", text_format=Trip, max_output_tokens=120,
+                                 temperature=0)
+    assert isinstance(parsed.output_parsed, Trip)
+    # A random model whose template has a tool-call format (json_tools): the grammar writes its call markup.
+    d = Daemon(tmp_path, make_model_dir(tmp_path / "tools-llama", template=TOOLS_CHATML), extra=["--http", "0"]).start()
+    try:
+        bounded = {**WEATHER, "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                             "properties": {"city": {"type": "string", "maxLength": 4}}}}
+        for choice in ("required", {"type": "function", "name": "get_weather"}):
+            forced = create(client_for(d), "Anything", tools=[bounded], tool_choice=choice, max_output_tokens=200)
+            calls = [item for item in forced.output if item.type == "function_call"]
+            assert calls and len(calls) == (1 if isinstance(choice, dict) else len(calls))  # named: one call
+            for call in calls:
+                assert call.name == "get_weather"
+                jsonschema.validate(json.loads(call.arguments), bounded["parameters"])
+    finally:
+        assert d.stop() == 0

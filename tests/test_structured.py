@@ -297,7 +297,7 @@ def test_openai_refusals_name_the_problem(api, daemon):
         "a": {"type": "integr"}}}}}
     with pytest.raises(openai.BadRequestError, match="integr") as err:
         api.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], response_format=bad)
-    assert err.value.body["param"] == "json_schema"
+    assert err.value.body["param"] == "response_format.json_schema.schema"  # the field, whole
     with pytest.raises(openai.BadRequestError, match="no tools were given"):
         api.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}], tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="response_format.type"):

@@ -16,12 +16,13 @@ Fields: `model`, `input`, `instructions`, `tools` (function tools; any other
 type is a 400 naming it), `tool_choice` `auto` or `none`,
 `parallel_tool_calls`, `max_output_tokens` (default 4096), `temperature`
 (default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
-`prompt_cache_key` (a lineage hint, fronts/matching.py), `text.format`
-`text`, `metadata` (repeated in the response), mlx-lm's extras (`top_k`,
-`min_p`, `repetition_penalty`, `seed`) and `kvwake_session`. A null reads as
-the field's default. Refused by name (400): `tool_choice` `required` or a
-named function and `text.format` `json_schema`/`json_object` (they need
-constrained decoding), `background`, `conversation`, `prompt`,
+`prompt_cache_key` (a lineage hint, fronts/matching.py), `metadata` (repeated
+in the response), mlx-lm's extras (`top_k`, `min_p`, `repetition_penalty`,
+`seed`) and `kvwake_session`. Structured output by constrained decoding
+(model/grammar.py), as on the chat completions route: `tool_choice`
+`required` or `{"type": "function", "name"}` (a forced call wins), and
+`text.format` `json_object` or `json_schema`. A null reads as the field's
+default. Refused by name (400): `background`, `conversation`, `prompt`,
 `max_tool_calls`, `top_logprobs`, `truncation: "auto"`. Other fields
 (`include`, `reasoning`, `user`, `service_tier`, ... and unknown ones) change
 nothing kvwake does and are ignored, as on the chat completions route.
@@ -36,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwake.daemon.fronts.matching import Hint
-from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params
+from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params, forced_call, response_format
 from kvwake.daemon.fronts.responses_items import bad, input_messages, one_system
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.grammar import Structure
 
 __all__ = ["ResponsesReply", "ResponsesRequest"]
 
@@ -59,9 +61,10 @@ def _checked(body: dict[str, Any], name: str, kind: type, default: Any = None) -
     return value
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool]:
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, Structure | None]:
     """(the tools as the response repeats them, the tools the template gets or None, whether only one
-    call may come)."""
+    call may come, the forced call: `tool_choice` "required" or {"type": "function", "name"}, decoded under
+    the same grammar as chat completions' forced calls)."""
     tools, choice = body.get("tools") or [], body.get("tool_choice", "auto")
     if not isinstance(tools, list):
         raise bad("must be an array", "tools")
@@ -79,15 +82,46 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         if t.get("description"):
             function["description"] = t["description"]
         chat.append({"type": "function", "function": function})
-    if choice == "required" or isinstance(choice, dict):
-        named = choice.get("name") if isinstance(choice, dict) else None
-        what = f"a forced call of {named!r}" if named else f"{choice!r}" if isinstance(choice, str) else "a forced call"
-        raise bad(f"{what} needs constrained decoding, which kvwake does not have yet (\"auto\" and \"none\" "
-                  "are supported)", "tool_choice")
-    if choice not in ("auto", "none", None):
-        raise bad(f"must be \"auto\" or \"none\"; got {choice!r}", "tool_choice")
     parallel = _checked(body, "parallel_tool_calls", bool, True)
-    return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel
+    if isinstance(choice, dict):  # this API's {"type": "function", "name"}: chat completions' shape of it
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
+            raise bad("must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...} "
+                      f"(function tools only); got {choice!r}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in ("auto", "none", "required", None):
+        raise bad(f"must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"name\": ...}}; "
+                  f"got {choice!r}", "tool_choice")
+    try:
+        forced = forced_call(choice, chat, not parallel)
+    except ApiError as err:
+        raise bad(err.message.removeprefix("tool_choice ").removeprefix("tool_choice: "), "tool_choice") from None
+    return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel, forced
+
+
+def _text_format(body: dict[str, Any], tools: bool, one: bool) -> tuple[Structure | None, dict[str, Any]]:
+    """`text.format`: text, json_object or json_schema (this API's flat {"type", "name", "schema", "strict"}),
+    as chat completions' `response_format` (the same grammar); and the format as the response repeats it."""
+    text = body.get("text") or {}
+    if not isinstance(text, dict):
+        raise bad("must be an object", "text")
+    fmt = text.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise bad("must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = {"name": fmt.get("name"), "schema": fmt.get("schema", {}), "strict": fmt.get("strict")}
+        chat = {"type": "json_schema", "json_schema": spec}
+    elif kind in ("text", "json_object"):
+        chat = {"type": kind}
+    else:
+        raise bad(f"must be \"text\", \"json_object\" or \"json_schema\"; got {kind!r}", "text.format.type")
+    try:
+        structure = response_format(chat, tools, one)
+        return (dataclasses.replace(structure, param="text.format.schema") if structure else None), fmt
+    except ApiError as err:  # in this API's names
+        message = err.message.replace("response_format.json_schema.", "text.format.").replace(
+            "response_format.json_schema", "text.format").replace("response_format", "text.format")
+        raise ApiError(err.status, message, param="text.format", code=err.code, kind=err.kind) from None
 
 
 def _refused(body: dict[str, Any]) -> None:
@@ -95,11 +129,6 @@ def _refused(body: dict[str, Any]) -> None:
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise bad("must be an object", "text")
-    fmt = text.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise bad(f"{kind!r} needs constrained decoding, which kvwake does not have yet (only "
-                  "{\"type\": \"text\"})", "text.format")
     for name, why in (("background", "responses run while the request is open"),
                       ("conversation", "send previous_response_id or the whole input"),
                       ("prompt", "prompt templates are OpenAI's"), ("max_tool_calls", "it cannot be honoured"),
@@ -152,13 +181,14 @@ class ResponsesRequest:
     @classmethod
     def parse(cls, body: dict[str, Any], header_session: str | None) -> ResponsesRequest:
         _refused(body)
-        echo_tools, tools, one_call = _tools(body)
+        echo_tools, tools, one_call, forced = _tools(body)
+        structure, text_format = _text_format(body, bool(tools), one_call)
         instructions = _checked(body, "instructions", str)
         stream, store = _checked(body, "stream", bool, False), _checked(body, "store", bool, True)
         named = body.get("kvwake_session", header_session)
         if named is not None and (not isinstance(named, str) or not named):
             raise bad("must be a non-empty string", "kvwake_session")
-        params = _sampling(body)
+        params = dataclasses.replace(_sampling(body), structure=forced or structure)  # a forced call wins
         metadata = _checked(body, "metadata", dict) or {}
         reasoning = _checked(body, "reasoning", dict)
         echo = {"instructions": instructions, "metadata": metadata, "model": body.get("model"),
@@ -169,7 +199,7 @@ class ResponsesRequest:
                 "previous_response_id": _checked(body, "previous_response_id", str),
                 "prompt_cache_key": _checked(body, "prompt_cache_key", str),
                 "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
-                "store": store, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "store": store, "text": {"format": text_format}, "truncation": "disabled",
                 "user": body.get("user"), "background": False}
         return cls(input_messages(body.get("input")), tools, params, echo, instructions, stream, store,
                    echo["previous_response_id"], echo["prompt_cache_key"], named, one_call)

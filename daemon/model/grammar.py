@@ -59,13 +59,14 @@ class Structure:
     strict: bool = True
     one: bool = False
     or_tools: bool = False
+    param: str = ""  # the request field it came from, named when it cannot be compiled ("" : by kind)
 
     @classmethod
     def json(cls, schema: Any, *, strict: bool = True, or_tools: bool = False, one: bool = False,
              param: str = "json_schema") -> Structure:
         if not isinstance(schema, dict):
             raise InvalidParamsError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
-        return cls("json", json.dumps(schema, ensure_ascii=False), strict, one, or_tools)
+        return cls("json", json.dumps(schema, ensure_ascii=False), strict, one, or_tools, param)
 
     @classmethod
     def from_params(cls, p: dict[str, Any]) -> Structure | None:
@@ -220,8 +221,9 @@ class Grammars:
                 return compiled.deep_copy()
         compiled = llg.LLMatcher(self.tokenizer, text, log_level=0)
         if compiled.is_error():
-            param = {"json": "json_schema", "lark": "grammar", "tool_call": "tools"}[structure.kind]
-            raise InvalidParamsError(f"{_what(structure)} cannot be compiled: {compiled.get_error()}", param=param)
+            param = structure.param or {"json": "json_schema", "lark": "grammar", "tool_call": "tools"}[structure.kind]
+            raise InvalidParamsError(f"{param}: {_what(structure)} cannot be compiled: {compiled.get_error()}",
+                                     param=param)
         with self.lock:
             self.counters["grammar_compiles"] += 1
             self.compiled[text] = compiled
