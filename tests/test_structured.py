@@ -534,3 +534,19 @@ def test_a_failed_matcher_ends_its_call_at_once_and_fails_it_naming_the_error(en
     call.finish("stop")
     with pytest.raises(InternalError, match="constrained decoding failed in session failed-matcher"):
         call.future.result()
+
+
+def test_a_json_reply_on_a_thinking_model_closes_its_thought_and_the_content_validates(tmp_path):
+    template = TOOLS_CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+    model = make_model_dir(tmp_path / "thinker", template=template, added=("<think>", "</think>"))
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model, max_batch=2)
+    try:
+        schema = SCHEMAS["enum"]
+        result = generate(e, "think, then answer", params(Structure.json(schema), 0, max_tokens=1500), None)
+        assert e.tokenizer.vocab["</think>"] in result.tokens and result.finish_reason == "stop"
+        jsonschema.validate(json.loads(result.content), schema)  # the thought is reasoning, not content
+        assert "</think>" not in result.content and result.text.endswith(result.content)
+    finally:
+        e.close()
+        store.close()

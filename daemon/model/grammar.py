@@ -150,16 +150,23 @@ class ToolFormat:
             call = " | ".join(f'{json.dumps(n)} {self.literal("[ARGS]")} %json {json.dumps({**s, "x-guidance": JSON_OPTIONS})}'
                               for n, s in schemas)
             calls = f"{self.literal(self.start)} call" + ("" if one else " call*")
-        first = "" if not self.think else "after_thought " if thinking else "think? "
-        rules = [f"start: {first}({calls}{f' | {alternative}' if alternative else ''})", f"call: {call}"]
-        if self.think:
-            begin, end = self.think
-            rules += [f"think: {self.literal(begin)} after_thought", "WS: /[ \\t\\n]+/"]
-            if self.literal(end).startswith("<["):  # a token text cannot hold: the thought is any text before it
-                rules += [f"after_thought: THOUGHT? {self.literal(end)} WS?", "THOUGHT: /(.|\\n)+/"]
-            else:
-                rules += ["after_thought: thought WS?", f'thought[stop={json.dumps(end)}]: /(.|\\n)*/']
+        first, thought = self.thought(thinking)
+        rules = [f"start: {first}({calls}{f' | {alternative}' if alternative else ''})", f"call: {call}", *thought]
         return "\n".join(rules) + "\n"
+
+    def thought(self, thinking: bool) -> tuple[str, list[str]]:
+        """What comes before a constrained reply on a thinking model: (the start of its `start` rule, the rules
+        it needs). `thinking`: the prompt opened a thought, which the reply closes first; else it may think
+        first. Nothing without thinking markers."""
+        if not self.think:
+            return "", []
+        begin, end = self.think
+        rules = [f"think: {self.literal(begin)} after_thought", "WS: /[ \\t\\n]+/"]
+        if self.literal(end).startswith("<["):  # a token text cannot hold: the thought is any text before it
+            rules += [f"after_thought: THOUGHT? {self.literal(end)} WS?", "THOUGHT: /(.|\\n)+/"]
+        else:
+            rules += ["after_thought: thought WS?", f'thought[stop={json.dumps(end)}]: /(.|\\n)*/']
+        return ("after_thought " if thinking else "think? "), rules
 
 
 class Grammars:
@@ -193,14 +200,18 @@ class Grammars:
 
     def grammar(self, structure: Structure, tools: list[dict[str, Any]] | None = None, thinking: bool = False) -> str:
         """llguidance's grammar text for `structure` (`tools`: the call's, for kind "tool_call"; `thinking`:
-        the prompt opened a thought, which a forced call closes first). JSON replies get no thought: kvwake
-        does not split reasoning from content, and a thought would make the content unparseable."""
+        the prompt opened a thought, which the reply closes first). On a thinking model a reply may think
+        first, JSON replies too: the thought is cut from the content (model/toolcalls.py), which is the JSON."""
         if structure.kind == "json":
             options = JSON_OPTIONS if structure.strict else {**JSON_OPTIONS, "lenient": True}
+            inline = {**json.loads(structure.source), "x-guidance": options}
             if structure.or_tools and tools and self.tools.name is not None:
-                inline = {**json.loads(structure.source), "x-guidance": options}
                 return llg.LLMatcher.grammar_from_lark(
-                    self.tools.lark(tools, "", structure.one, f"%json {json.dumps(inline)}"))
+                    self.tools.lark(tools, "", structure.one, f"%json {json.dumps(inline)}", thinking=thinking))
+            first, thought = self.tools.thought(thinking)
+            if thought:
+                return llg.LLMatcher.grammar_from_lark(
+                    "\n".join([f"start: {first}%json {json.dumps(inline)}", *thought]) + "\n")
             return llg.LLMatcher.grammar_from_json_schema(structure.source, defaults=options)
         if structure.kind == "lark":
             return llg.LLMatcher.grammar_from_lark(structure.source)
