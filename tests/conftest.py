@@ -39,3 +39,26 @@ def no_leftover_daemons():
             d.proc.kill()
             d.proc.wait(10)
     del STARTED[first:]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leftover_module_http_clients():
+    """The same for the module's fixtures' clients, after the module."""
+    from tests.daemon import CLIENTS
+
+    first = len(CLIENTS)
+    yield
+    while len(CLIENTS) > first:
+        CLIENTS.pop().close()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_http_clients():
+    """API clients a test made (tests.daemon.track) are closed after it: one left to the garbage collector
+    warns of its unclosed socket in whichever later test the collector happens to run (warnings are errors)."""
+    from tests.daemon import CLIENTS
+
+    first = len(CLIENTS)
+    yield
+    while len(CLIENTS) > first:
+        CLIENTS.pop().close()

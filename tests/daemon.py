@@ -25,6 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 STARTED: list[Daemon] = []  # every daemon a test started; conftest kills leftovers after each test
+CLIENTS: list[Any] = []  # API clients (openai, anthropic) tests made; conftest closes a test's own after it
+
+
+def track(client: Any) -> Any:
+    """`client` (anything with close()), closed after the test that made it (module fixtures' after the module)."""
+    CLIENTS.append(client)
+    return client
 
 
 class Daemon:

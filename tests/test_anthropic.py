@@ -22,7 +22,7 @@ import pytest
 
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.anthropic_shapes import MessagesRequest
-from tests.daemon import REPO, Daemon, get, serving_http
+from tests.daemon import REPO, Daemon, get, serving_http, track
 from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
@@ -36,7 +36,7 @@ def base_url(d: Daemon) -> str:
 
 def client_for(d: Daemon, **auth) -> anthropic.Anthropic:
     auth = auth or {"api_key": openai_config(d.socket)["api_key"]}
-    return anthropic.Anthropic(base_url=base_url(d), max_retries=0, timeout=300, **auth)
+    return track(anthropic.Anthropic(base_url=base_url(d), max_retries=0, timeout=300, **auth))
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +359,7 @@ def test_a_thinking_models_reasoning_comes_as_thinking_blocks_when_asked(tmp_pat
         assert ("content_block_delta", "thinking_delta") in kinds and ("content_block_delta", "signature_delta") in kinds
         assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in asked.content]
         # Chat completions: the reasoning apart, as reasoning_content (whole and streamed).
-        chat = openai.OpenAI(**openai_config(d.socket), max_retries=0)
+        chat = track(openai.OpenAI(**openai_config(d.socket), max_retries=0))
         reply = chat.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
         message = reply.choices[0].message
         assert message.content == "Hello there." and message.model_extra["reasoning_content"] == "Weigh it."

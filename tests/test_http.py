@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon, RpcError, get, serving_http
+from tests.daemon import REPO, Daemon, RpcError, get, serving_http, track
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 
@@ -36,7 +36,7 @@ def in_threads(target, n: int) -> list[threading.Thread]:
 
 
 def client_for(d: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120)
+    return track(openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_token_is_made_once_private_and_found(daemon, api):
 def test_wrong_or_missing_token_is_refused(daemon):
     base = openai_config(daemon.socket)["base_url"]
     with pytest.raises(openai.AuthenticationError) as refused:
-        openai.OpenAI(base_url=base, api_key="not-the-token", max_retries=0).models.list()
+        track(openai.OpenAI(base_url=base, api_key="not-the-token", max_retries=0)).models.list()
     assert refused.value.body["code"] == "invalid_api_key"
     assert get(f"{base}/models")[0] == 401
 

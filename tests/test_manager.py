@@ -121,8 +121,8 @@ async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is
         entry.busy = None
 
     async with anyio.create_task_group() as tg:
-        async def find(target, mode):
-            match = await real_find(target, mode)
+        async def find(target, mode, *hint):
+            match = await real_find(target, mode, *hint)
             if match.how == "continued" and not lent:  # lent for a copy between the match and the claim
                 lent.append(manager.entry(match.session_id))
                 lent[0].busy = "copy"

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import Daemon, RawClient
+from tests.daemon import Daemon, RawClient, track
 
 KEEPALIVE_S = 0.5  # http_keepalive_s: a stream opens on keep-alive comments when its prefill takes longer
 LONG = "a long document. " * 228  # 3,876 byte-level tokens, after a tag naming the test (no prefix shared)
@@ -112,14 +112,14 @@ def test_an_http_client_that_leaves_stops_the_prefill(daemon, how):
     messages = [{"role": "user", "content": f"{sid}: {LONG}"}]
     before = prefilled(daemon)
     if how == "waiting for the body":  # not streamed: the client's read timeout hangs up after 0.6 s
-        api = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=0.6)
+        api = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=0.6))
         with pytest.raises(openai.APITimeoutError):
             api.chat.completions.create(model="any", messages=messages, max_tokens=8,
                                         extra_headers={"X-Kvwake-Session": sid})
     elif how == "before the stream opens":  # within http_keepalive_s: nothing sent yet
         leave_raw(daemon, sid, messages)
     else:  # past http_keepalive_s the stream opens on keep-alive comments; the client closes it
-        api = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=30)
+        api = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=30))
         began = time.monotonic()
         stream = api.chat.completions.create(model="any", messages=messages, max_tokens=8, stream=True,
                                              extra_headers={"X-Kvwake-Session": sid})
@@ -130,7 +130,7 @@ def test_an_http_client_that_leaves_stops_the_prefill(daemon, how):
     done = prefilled(daemon) - before
     assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
 
-    patient = openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120)  # it asks again
+    patient = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120))  # it asks again
     again = patient.chat.completions.create(model="any", messages=messages, max_tokens=8,
                                             extra_headers={"X-Kvwake-Session": sid})
     assert again.usage.prompt_tokens_details.cached_tokens >= done  # what was prefilled before is kept
