@@ -19,6 +19,15 @@ of its rendered prompt with each session's tokens:
 A busy session is never a candidate: another request is continuing it. Sessions
 created over RPC are not candidates either: a request that did not name them
 must not change them (give one `metadata.origin = "http"` to make it one).
+
+How the best is found, whatever the number of sessions (issue 26): asleep
+sessions are looked up in the store by the chain keys of the request's blocks
+(`Store.deepest_heads`, on a worker thread: a binary search over the keys, then
+the few stored pieces nearest the request's next tokens), so nothing is held
+per asleep session beyond the manager's entry; hot ones (bounded by the hot-KV
+budget) are compared token by token, from the `hot` set this matcher keeps.
+A stored head counts its recorded pending tokens (the last generated one) when
+the request contains the whole head. On a tie the oldest session wins.
 """
 
 from __future__ import annotations
@@ -27,12 +36,12 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon.session import common_prefix, new_session_id
-from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import BusyError, NotFoundError
 
@@ -42,7 +51,18 @@ log = logging.getLogger("kvwake.matching")
 ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and may continue)
 
 
-Known = tuple[np.ndarray, "int | None", "str | None"]  # a candidate's tokens, reply start and input mode
+EXPIRE_PAGE = 256  # stale sessions named per store read while expiring
+LOOKUPS = 4  # store lookups per request while the best heads found are busy or hot (then matched without them)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A session a request may continue: its common prefix with the request and where its last reply starts."""
+
+    session_id: str
+    shared: int
+    reply_start: int
+    created: float
 
 
 @dataclass(frozen=True)
@@ -60,82 +80,94 @@ class Matcher:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
-        # Asleep candidates: session id -> (tokens, reply_start), read from their head snapshots once,
-        # then kept from the live session after each turn (a hot session is read directly).
-        self.asleep: dict[str, Known] | None = None
+        # Stateless sessions that are, or were lately, hot: compared from memory, left out of the store's
+        # lookup (their heads are stale). A session found hot through the store joins; one asleep leaves.
+        self.hot: set[str] = set()
 
     async def find(self, target: list[int], mode: str) -> Match:
         """The session `target` (a rendered prompt of `mode` "chat" or "raw") should run in: claimable now, or new."""
-        if self.asleep is None:
-            self.asleep = await to_thread.run_sync(self._load)
         want = np.asarray(target, dtype=np.int64)
-        for gone in [sid for sid in self.asleep if sid not in self.manager.entries]:  # deleted, or expired
-            del self.asleep[gone]
-        best: tuple[int, Entry | None, int | None] = (0, None, None)
-        for entry in list(self.manager.entries.values()):
-            known = self._tokens(entry)
-            if known is None or entry.busy or known[2] != mode:
-                continue
-            shared = common_prefix(known[0], want)
-            if shared > best[0]:
-                best = (shared, entry, known[1])
-        shared, entry, reply_start = best
-        if entry is None:
+        skip: set[str] = set()  # stored candidates found busy, hot or gone: asked again without them
+        for _ in range(LOOKUPS):
+            found = [c for c in (self._hot(sid, want, mode) for sid in list(self.hot)) if c is not None]
+            hot = set(self.hot)
+            stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(
+                self.manager.engine.bundle.hash, target, origin=ORIGIN, mode=mode, exclude=hot | skip))
+            fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
+            slept = any(self._asleep(sid) for sid in hot)  # meanwhile: its new head was left out of the lookup
+            if len(fresh) == len(stored) and not slept:
+                break
+        best = min(found + fresh, key=lambda c: (-c.shared, c.created, c.session_id), default=None)
+        if best is None or best.shared == 0:
             return await self._new(0, False)
-        if shared >= (reply_start if reply_start is not None else len(self._tokens(entry)[0])):
-            return Match(entry.id, "continued", shared)
-        return await self._new(shared, True)
+        if best.shared >= best.reply_start:
+            self.hot.add(best.session_id)
+            return Match(best.session_id, "continued", best.shared)
+        return await self._new(best.shared, True)
 
-    def remember(self, session_id: str) -> None:
-        """After a turn: keep the session's tokens, for when it is asleep."""
+    def _hot(self, session_id: str, want: np.ndarray, mode: str) -> Candidate | None:
+        """A session of the hot set as a candidate, compared from memory; one gone or asleep leaves the set."""
         entry = self.manager.entries.get(session_id)
-        if self.asleep is not None and entry is not None and entry.session is not None:
-            s = entry.session
-            self.asleep[session_id] = (np.asarray(s.tokens, dtype=np.int64), s.reply_start, s.mode)
+        s = entry.session if entry is not None else None
+        if s is None:
+            self.hot.discard(session_id)
+            return None
+        if entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
+            return None
+        return Candidate(session_id, common_prefix(s.tokens, want), _start(s.reply_start, len(s.tokens)), entry.created)
 
-    def _tokens(self, entry: Entry) -> Known | None:
-        s = entry.session
-        if s is not None:
-            if s.metadata.get("origin") != ORIGIN or not s.tokens:
-                return None
-            return np.asarray(s.tokens, dtype=np.int64), s.reply_start, s.mode
-        assert self.asleep is not None
-        return self.asleep.get(entry.id)
+    def _stored(self, head: Any, want: np.ndarray, skip: set[str]) -> Candidate | None:
+        """A head the store found (a store.heads.HeadMatch) as a candidate, unless its session is busy, hot
+        (then the hot set takes it) or unknown here; those go into `skip`."""
+        entry = self.manager.entries.get(head.session_id)
+        if entry is None or entry.busy or entry.session is not None:
+            skip.add(head.session_id)
+            if entry is not None and entry.session is not None:
+                self.hot.add(head.session_id)
+            return None
+        pending = head.state.get("pending") or []
+        shared = head.shared
+        if shared == head.n_tokens and pending:  # the whole head is in the request: its pending tokens may be too
+            shared += common_prefix(pending, want[shared:])
+        return Candidate(head.session_id, shared, _start(head.state.get("reply_start"), head.n_tokens + len(pending)),
+                         entry.created)
 
-    def _load(self) -> dict[str, Known]:
-        """Tokens and reply starts of the stored stateless sessions (store work: a worker thread)."""
-        known: dict[str, Known] = {}
-        for head in self.manager.store.heads(self.manager.engine.bundle.hash):
-            if head["metadata"].get("origin") != ORIGIN:
-                continue
-            state = head["state"]
-            pending = np.asarray(state.get("pending", []), dtype=np.int64)
-            known[head["id"]] = (np.concatenate([head["token_ids"], pending]), state.get("reply_start"),
-                                 state.get("mode"))
-        return known
+    def _asleep(self, session_id: str) -> bool:
+        entry = self.manager.entries.get(session_id)
+        return entry is not None and entry.session is None
 
     async def _new(self, shared: int, branched: bool) -> Match:
         """A new stateless session. Its first append copies the shared prefix's KV from a hot session
         (the manager's `_hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
         await self.manager.create(session_id, metadata={"origin": ORIGIN})
+        self.hot.add(session_id)
         return Match(session_id, "branched" if branched else "new", shared)
+
+
+def _start(reply_start: int | None, n_tokens: int) -> int:
+    """Where a candidate's last reply starts: its whole length before it has one."""
+    return reply_start if reply_start is not None else n_tokens
+
 
 async def expire(manager: SessionManager, max_idle_s: float) -> int:
     """Delete stateless sessions (origin "http") asleep and unchanged for `max_idle_s`; returns how many.
 
     Nobody names them, so nobody would ever delete them: without this, every conversation a stateless
     client ever had would stay on disk. Their blocks stay as prefix cache until store gc evicts them.
+    The store names them a page at a time, least recently updated first (an index range on a worker
+    thread), so a store of many sessions is never read whole nor scanned on the event loop.
     """
-    cutoff, deleted = time.time() - max_idle_s, 0
-    for row in await to_thread.run_sync(manager.store.sessions):
-        entry = manager.entries.get(row["id"])
-        if (row["metadata"].get("origin") != ORIGIN or row["updated"] > cutoff or entry is None
-                or entry.session is not None or entry.busy):
-            continue
-        with contextlib.suppress(BusyError, NotFoundError):  # taken or removed meanwhile: it stays, or is gone
-            await manager.delete(row["id"])
-            deleted += 1
+    cutoff, deleted, after = time.time() - max_idle_s, 0, None
+    while page := await to_thread.run_sync(lambda: manager.store.stale_sessions(ORIGIN, cutoff, EXPIRE_PAGE, after)):
+        after = page[-1]
+        for _, session_id in page:
+            entry = manager.entries.get(session_id)
+            if entry is None or entry.session is not None or entry.busy:
+                continue
+            with contextlib.suppress(BusyError, NotFoundError):  # taken or removed meanwhile: it stays, or is gone
+                await manager.delete(session_id)
+                deleted += 1
     if deleted:
         log.info("stateless sessions expired", extra={"sessions": deleted, "max_idle_s": max_idle_s})
     return deleted
