@@ -53,26 +53,31 @@ SELECT 1 FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id JOIN
 WHERE sb.block_key = :key AND {_CANDIDATE} LIMIT 1
 """
 
+# What a candidate row carries: its session, the head's length, and of the head's recorded state (JSON that
+# holds the whole conversation's messages: SQLite reads it, Python does not) the two numbers matching needs.
+_FACTS = ("s.id, s.created, p.n_tokens, json_extract(p.metadata, '$.pending') AS pending,"
+          " json_extract(p.metadata, '$.reply_start') AS reply_start")
+
 _HELD_BY = f"""
-SELECT s.id, s.created, p.n_tokens, p.metadata FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
+SELECT {_FACTS} FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
 JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} ORDER BY s.created, s.id LIMIT :ties
 """
 
-_CHILD_BLOCKS = """
-SELECT b.key, b.token_ids FROM blocks b WHERE b.parent = :parent AND b.bundle = :bundle AND b.token_ids {op} :probe
+_CHILD_BLOCKS = f"""
+SELECT b.key, b.token_ids FROM blocks b WHERE b.parent = :parent AND b.bundle = :bundle AND b.token_ids {{op}} :probe
 AND EXISTS (SELECT 1 FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
-            JOIN snapshots p ON p.id = s.head WHERE sb.block_key = b.key AND {candidate})
-ORDER BY b.token_ids {order} LIMIT :n
+            JOIN snapshots p ON p.id = s.head WHERE sb.block_key = b.key AND {_CANDIDATE})
+ORDER BY b.token_ids {{order}} LIMIT :n
 """
 
-_TAILS = """
-SELECT s.id, s.created, p.n_tokens, p.metadata, p.tail_tokens FROM snapshots p JOIN sessions s ON s.head = p.id
-WHERE p.tail_parent = :parent AND p.bundle = :bundle AND p.tail_tokens {op} :probe AND {candidate}
-ORDER BY p.tail_tokens {order} LIMIT :n
+_TAILS = f"""
+SELECT {_FACTS}, p.tail_tokens FROM snapshots p JOIN sessions s ON s.head = p.id
+WHERE p.tail_parent = :parent AND p.bundle = :bundle AND p.tail_tokens {{op}} :probe AND {_CANDIDATE}
+ORDER BY p.tail_tokens {{order}} LIMIT :n
 """
 
 _HOLDERS = f"""
-SELECT s.id, s.created, p.n_tokens, p.metadata FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
+SELECT {_FACTS} FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
 JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} LIMIT :ties
 """
 
@@ -80,25 +85,28 @@ JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} LIM
 @dataclass(frozen=True)
 class HeadMatch:
     """A session whose head snapshot shares `shared` leading tokens with the request (of its `n_tokens`);
-    `state` is the head's recorded metadata (decoded), `created` the session's creation time."""
+    `pending` and `reply_start` are what the head's recorded state says of them (the daemon's session
+    state: tokens after the KV, where the last reply starts), `created` the session's creation time."""
 
     session_id: str
     shared: int
     n_tokens: int
     created: float
-    state: dict[str, Any]
+    pending: list[int]
+    reply_start: int | None
 
 
 def _neighbours(store: StoreCore, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of `sql` nearest `params["probe"]` in token order: NEIGHBOURS on each side."""
     rows = []
     for op, order in (("<=", "DESC"), (">", "ASC")):
-        rows += store.index.rows(sql.format(op=op, order=order, candidate=_CANDIDATE), {**params, "n": NEIGHBOURS})
+        rows += store.index.rows(sql.format(op=op, order=order), {**params, "n": NEIGHBOURS})
     return rows
 
 
 def _match(row: dict[str, Any], shared: int) -> HeadMatch:
-    return HeadMatch(row["id"], shared, row["n_tokens"], row["created"], json.loads(row["metadata"]))
+    pending = json.loads(row["pending"]) if row["pending"] is not None else []
+    return HeadMatch(row["id"], shared, row["n_tokens"], row["created"], pending, row["reply_start"])
 
 
 def deepest_head(store: StoreCore, bundle: str, token_ids: Sequence[int], *, origin: str, mode: str | None,

@@ -125,11 +125,10 @@ class Matcher:
             if entry is not None and entry.session is not None:
                 self.hot.add(head.session_id)
             return None
-        pending = head.state.get("pending") or []
         shared = head.shared
-        if shared == head.n_tokens and pending:  # the whole head is in the request: its pending tokens may be too
-            shared += common_prefix(pending, want[shared:])
-        return Candidate(head.session_id, shared, _start(head.state.get("reply_start"), head.n_tokens + len(pending)),
+        if shared == head.n_tokens and head.pending:  # the whole head is in the request: its pending ones may be too
+            shared += common_prefix(head.pending, want[shared:])
+        return Candidate(head.session_id, shared, _start(head.reply_start, head.n_tokens + len(head.pending)),
                          entry.created)
 
     def _asleep(self, session_id: str) -> bool:
