@@ -25,7 +25,7 @@ sessions are looked up in the store by the chain keys of the request's blocks
 (`Store.deepest_heads`, on a worker thread: a binary search over the keys, then
 the few stored pieces nearest the request's next tokens), so nothing is held
 per asleep session beyond the manager's entry; hot ones (bounded by the hot-KV
-budget) are compared token by token, from the `hot` set this matcher keeps.
+budget, and indexed by the manager's `entries.hot`) are compared token by token.
 A stored head counts its recorded pending tokens (the last generated one) when
 the request contains the whole head. On a tie the oldest session wins.
 """
@@ -42,6 +42,7 @@ import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon.session import common_prefix, new_session_id
+from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import BusyError, NotFoundError
 
@@ -80,50 +81,41 @@ class Matcher:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
-        # Stateless sessions that are, or were lately, hot: compared from memory, left out of the store's
-        # lookup (their heads are stale). A session found hot through the store joins; one asleep leaves.
-        self.hot: set[str] = set()
 
     async def find(self, target: list[int], mode: str) -> Match:
         """The session `target` (a rendered prompt of `mode` "chat" or "raw") should run in: claimable now, or new."""
         want = np.asarray(target, dtype=np.int64)
-        skip: set[str] = set()  # stored candidates found busy, hot or gone: asked again without them
+        skip: set[str] = set()  # stored candidates found busy or gone: asked again without them
         for _ in range(LOOKUPS):
-            found = [c for c in (self._hot(sid, want, mode) for sid in list(self.hot)) if c is not None]
-            hot = set(self.hot)
+            hot = list(self.manager.entries.hot.values())  # their stored heads are stale: compared from memory
+            found = [c for c in (self._hot(entry, want, mode) for entry in hot) if c is not None]
+            exclude = {entry.id for entry in hot} | skip
             stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(
-                self.manager.engine.bundle.hash, target, origin=ORIGIN, mode=mode, exclude=hot | skip))
+                self.manager.engine.bundle.hash, target, origin=ORIGIN, mode=mode, exclude=exclude))
             fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
-            slept = any(self._asleep(sid) for sid in hot)  # meanwhile: its new head was left out of the lookup
+            slept = any(entry.session is None for entry in hot)  # meanwhile: its new head was left out
             if len(fresh) == len(stored) and not slept:
                 break
         best = min(found + fresh, key=lambda c: (-c.shared, c.created, c.session_id), default=None)
         if best is None or best.shared == 0:
             return await self._new(0, False)
         if best.shared >= best.reply_start:
-            self.hot.add(best.session_id)
             return Match(best.session_id, "continued", best.shared)
         return await self._new(best.shared, True)
 
-    def _hot(self, session_id: str, want: np.ndarray, mode: str) -> Candidate | None:
-        """A session of the hot set as a candidate, compared from memory; one gone or asleep leaves the set."""
-        entry = self.manager.entries.get(session_id)
-        s = entry.session if entry is not None else None
-        if s is None:
-            self.hot.discard(session_id)
+    def _hot(self, entry: Entry, want: np.ndarray, mode: str) -> Candidate | None:
+        """A hot session as a candidate, compared from memory (their number is bounded by the hot-KV budget)."""
+        s = entry.session
+        if s is None or entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
             return None
-        if entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
-            return None
-        return Candidate(session_id, common_prefix(s.tokens, want), _start(s.reply_start, len(s.tokens)), entry.created)
+        return Candidate(entry.id, common_prefix(s.tokens, want), _start(s.reply_start, len(s.tokens)), entry.created)
 
     def _stored(self, head: Any, want: np.ndarray, skip: set[str]) -> Candidate | None:
         """A head the store found (a store.heads.HeadMatch) as a candidate, unless its session is busy, hot
-        (then the hot set takes it) or unknown here; those go into `skip`."""
+        (woken since the lookup began) or unknown here; those go into `skip`, and the lookup is asked again."""
         entry = self.manager.entries.get(head.session_id)
         if entry is None or entry.busy or entry.session is not None:
             skip.add(head.session_id)
-            if entry is not None and entry.session is not None:
-                self.hot.add(head.session_id)
             return None
         shared = head.shared
         if shared == head.n_tokens and head.pending:  # the whole head is in the request: its pending ones may be too
@@ -131,16 +123,11 @@ class Matcher:
         return Candidate(head.session_id, shared, _start(head.reply_start, head.n_tokens + len(head.pending)),
                          entry.created)
 
-    def _asleep(self, session_id: str) -> bool:
-        entry = self.manager.entries.get(session_id)
-        return entry is not None and entry.session is None
-
     async def _new(self, shared: int, branched: bool) -> Match:
         """A new stateless session. Its first append copies the shared prefix's KV from a hot session
         (the manager's `_hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
         await self.manager.create(session_id, metadata={"origin": ORIGIN})
-        self.hot.add(session_id)
         return Match(session_id, "branched" if branched else "new", shared)
 
 

@@ -91,7 +91,7 @@ async def hello(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
     m, engine = ctx.manager, ctx.manager.engine
-    hot = sum(1 for e in m.entries.values() if e.session is not None)
+    hot = len(m.entries.hot)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
             "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
