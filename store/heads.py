@@ -45,11 +45,15 @@ __all__ = ["HeadMatch", "deepest_head"]
 TIES = 8  # candidates returned when several share the longest prefix (the caller breaks the tie)
 
 # A candidate head: s is the session, p its head snapshot. :origin, :mode and :exclude (a JSON list).
-_CANDIDATE = ("s.origin = :origin AND s.id NOT IN (SELECT value FROM json_each(:exclude))"
+# Every query below joins with CROSS JOIN, which SQLite never reorders: from the block key (or the tail's
+# parent) to the few heads holding it. Left to choose, the planner scanned every session of the origin
+# (sessions_origin) and looked each one's blocks up: O(sessions) per query. The unary + keeps the origin
+# test off that index too, so a session is reached by its head (sessions_head), one row at a time.
+_CANDIDATE = ("+s.origin = :origin AND s.id NOT IN (SELECT value FROM json_each(:exclude))"
               " AND json_extract(p.metadata, '$.mode') IS :mode")
 
 _HELD = f"""
-SELECT 1 FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id JOIN snapshots p ON p.id = s.head
+SELECT 1 FROM snapshot_blocks sb CROSS JOIN sessions s ON s.head = sb.snapshot_id CROSS JOIN snapshots p ON p.id = s.head
 WHERE sb.block_key = :key AND {_CANDIDATE} LIMIT 1
 """
 
@@ -59,26 +63,26 @@ _FACTS = ("s.id, s.created, p.n_tokens, json_extract(p.metadata, '$.pending') AS
           " json_extract(p.metadata, '$.reply_start') AS reply_start")
 
 _HELD_BY = f"""
-SELECT {_FACTS} FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
-JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} ORDER BY s.created, s.id LIMIT :ties
+SELECT {_FACTS} FROM snapshot_blocks sb CROSS JOIN sessions s ON s.head = sb.snapshot_id
+CROSS JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} ORDER BY s.created, s.id LIMIT :ties
 """
 
 _CHILD_BLOCKS = f"""
 SELECT b.key, b.token_ids FROM blocks b WHERE b.parent = :parent AND b.bundle = :bundle AND b.token_ids {{op}} :probe
-AND EXISTS (SELECT 1 FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
-            JOIN snapshots p ON p.id = s.head WHERE sb.block_key = b.key AND {_CANDIDATE})
+AND EXISTS (SELECT 1 FROM snapshot_blocks sb CROSS JOIN sessions s ON s.head = sb.snapshot_id
+            CROSS JOIN snapshots p ON p.id = s.head WHERE sb.block_key = b.key AND {_CANDIDATE})
 ORDER BY b.token_ids {{order}} LIMIT :n
 """
 
 _TAILS = f"""
-SELECT {_FACTS}, p.tail_tokens FROM snapshots p JOIN sessions s ON s.head = p.id
+SELECT {_FACTS}, p.tail_tokens FROM snapshots p CROSS JOIN sessions s ON s.head = p.id
 WHERE p.tail_parent = :parent AND p.bundle = :bundle AND p.tail_tokens {{op}} :probe AND {_CANDIDATE}
 ORDER BY p.tail_tokens {{order}} LIMIT :n
 """
 
 _HOLDERS = f"""
-SELECT {_FACTS} FROM snapshot_blocks sb JOIN sessions s ON s.head = sb.snapshot_id
-JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} LIMIT :ties
+SELECT {_FACTS} FROM snapshot_blocks sb CROSS JOIN sessions s ON s.head = sb.snapshot_id
+CROSS JOIN snapshots p ON p.id = s.head WHERE sb.block_key = :key AND {_CANDIDATE} LIMIT :ties
 """
 
 

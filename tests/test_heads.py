@@ -94,3 +94,18 @@ def test_thousands_of_sessions_sharing_a_long_prompt(store):
     assert new and all(m.shared == len(prompt) for m in new)
     partly = check(store, convs["c00042"][:-1] + [77], origin="http", mode="chat")
     assert "c00042" in [m.session_id for m in partly] or partly[0].shared > len(convs["c00042"]) - 1
+
+
+def test_every_lookup_goes_from_a_key_to_the_heads_holding_it(store):
+    # Was: the planner chose to scan every session of the origin (sessions_origin) and look each one's
+    # blocks up, O(sessions) per lookup; the queries now fix the join order. No table is scanned whole.
+    write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
+    store.ensure_session("a", {"origin": "http"})
+    where = {"origin": "http", "mode": "chat", "exclude": "[]", "bundle": BUNDLE, "ties": 8, "key": "00" * 32,
+             "parent": "00" * 32, "probe": b"\0\0\0\0", "n": 4}
+    for name in ("_HELD", "_HELD_BY", "_HOLDERS", "_TAILS", "_CHILD_BLOCKS"):
+        sql = getattr(heads, name).format(op="<=", order="DESC")
+        plan = [r["detail"] for r in store.rows("EXPLAIN QUERY PLAN " + sql, where)]
+        assert not [step for step in plan if step.startswith("SCAN") and "json_each" not in step], (name, plan)
+        assert not [step for step in plan if "sessions_origin" in step], (name, plan)
+        assert any("sessions_head" in step for step in plan), (name, plan)
