@@ -1,7 +1,7 @@
 """Thousands of stateless conversations: what continuing one costs, the daemon's RSS and start time (issue 26).
 
-usage: python bench/matching.py [--counts 50,500,5000,10000] [--system-words 2600] [--requests 8]
-                                [--out bench/out]
+usage: python bench/matching.py [--counts 50,500,5000,10000] [--pair 50,5000] [--system-words 2600]
+                                [--requests 12] [--out bench/out]
 
 Conversations 0 and 1 are real: stateless chats through the `openai` package and `kvwake serve --http`
 on a tiny model (tests/tinymodel.py: random weights, a real byte-level BPE tokenizer and chat template)
@@ -13,11 +13,15 @@ reply_start, the last token pending). Their shared blocks are references to conv
 their own tokens' KV is a stand-in cut from conversation 0's block 0 (the right shape; none of them is
 woken: matching reads tokens only).
 
-At each count the daemon starts (time to its ready line, against the empty store's), then --requests
-requests continue conversation 0 (one new user turn each, max_tokens 1, not streamed, timed around
-the `openai` call): the first wakes it, the rest find it hot. Then: the daemon's RSS (VmRSS), a paged
-session.list and status over RPC. After the last count the daemon restarts with stateless_ttl_s = 1
-and the time until every stateless session has expired is measured, with status answered meanwhile.
+The store is copied after each count is written, so every measurement starts from the same
+conversation 0. Paired: a daemon over the 50 copy and one over the 5,000 copy run side by side and
+take turns (the order alternating each round), --requests rounds, each request continuing conversation
+0 with the same new user turn (max_tokens 1, not streamed, timed around the `openai` call): the
+first wakes it, the rest find it hot. Taking turns puts this shared machine's load on both alike;
+their medians' ratio is the issue's target. Then, each count alone: the daemon's start (time to its
+ready line, against the empty store's), 4 continuing requests, its RSS (VmRSS) beside the hot KV,
+a paged session.list and status over RPC. Last, the largest copy restarts with stateless_ttl_s = 1:
+the time until every stateless session has expired, with status answered meanwhile.
 Results: <out>/matching.json (docs/benchmarks.md summarises them).
 """
 
@@ -28,6 +32,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -113,18 +118,52 @@ class Others:
         self.store.ensure_session(sid, {"origin": "http"})
 
 
-def level(d: Daemon, count: int, conv: list[dict], sid0: str, requests: int, empty_start: float) -> dict[str, Any]:
-    """Start the daemon over `count` stored conversations and continue conversation 0 `requests` times."""
+def continue_0(api: openai.OpenAI, conv: list[dict], sid0: str, label: str) -> tuple[float, bool]:
+    """One request continuing conversation 0 with a new user turn: its ms, and whether it did continue it."""
+    conv.append({"role": "user", "content": f"follow-up {label}: and then?"})
+    ms, reply = chat(api, conv, 1)
+    conv.append({"role": "assistant", "content": reply.choices[0].message.content})
+    info = reply.model_extra["kvwake"]
+    return round(ms, 2), info["match"] == "continued" and info["session_id"] == sid0
+
+
+def api_of(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
+
+
+def paired(copies: dict[int, Path], pair: tuple[int, int], model: Path, conv: list[dict], sid0: str,
+           rounds: int) -> dict[str, Any]:
+    """Two daemons (over fresh copies of the `pair` counts' stores) taking turns continuing conversation 0."""
+    daemons, convs, times, ok = {}, {}, {n: [] for n in pair}, []
+    for n in pair:
+        root = copies[n].parent / f"pair-{n}"
+        shutil.copytree(copies[n], root, ignore=shutil.ignore_patterns("run"))
+        daemons[n], convs[n] = Daemon(root, model, block_tokens=BLOCK, extra=["--http", "0"]), list(conv)
+        daemons[n].start(timeout=900)
+    for k in range(rounds):
+        for n in (pair if k % 2 == 0 else pair[::-1]):
+            ms, continued = continue_0(api_of(daemons[n]), convs[n], sid0, str(k))
+            times[n].append(ms)
+            ok.append(continued)
+    for d in daemons.values():
+        assert d.stop() == 0
+    small, large = pair
+    row = {"pair": list(pair), "request_ms": {str(n): times[n] for n in pair},
+           "woken_request_ms": {str(n): times[n][0] for n in pair},
+           "hot_request_ms_median": {str(n): statistics.median(times[n][1:]) for n in pair},
+           "all_continued_conversation_0": all(ok)}
+    row["hot_ratio"] = round(row["hot_request_ms_median"][str(large)] / row["hot_request_ms_median"][str(small)], 3)
+    row["woken_ratio"] = round(times[large][0] / times[small][0], 3)
+    print(json.dumps({"paired": row}), flush=True)
+    return row
+
+
+def level(d: Daemon, count: int, conv: list[dict], sid0: str, empty_start: float) -> dict[str, Any]:
+    """Start the daemon over `count` stored conversations and continue conversation 0 four times."""
     start_s = started(d)
-    api = openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
-    times, matches = [], []
-    for k in range(requests):
-        conv.append({"role": "user", "content": f"follow-up {count}-{k}: and then?"})
-        ms, reply = chat(api, conv, 1)
-        info = reply.model_extra["kvwake"]
-        matches.append(info["match"] == "continued" and info["session_id"] == sid0)
-        conv.append({"role": "assistant", "content": reply.choices[0].message.content})
-        times.append(round(ms, 2))
+    api, conv = api_of(d), list(conv)
+    runs = [continue_0(api, conv, sid0, f"{count}-{k}") for k in range(4)]
+    times = [ms for ms, _ in runs]
     with d.client() as rpc:
         t = time.perf_counter()
         status = rpc.call("status")
@@ -133,11 +172,11 @@ def level(d: Daemon, count: int, conv: list[dict], sid0: str, requests: int, emp
         page = rpc.call("session.list", origin="http", state="asleep", limit=100)
         list_ms = (time.perf_counter() - t) * 1000
     row = {"stateless_sessions": count, "start_s": start_s, "start_over_empty_s": round(start_s - empty_start, 3),
-           "request_ms": times, "woken_request_ms": times[0], "hot_request_ms_median": statistics.median(times[1:]),
-           "all_continued_conversation_0": all(matches), "rss_bytes": rss_bytes(d.proc.pid),
-           "hot_kv_bytes": status["memory"]["hot_kv_bytes"], "sessions": status["sessions"],
-           "status_ms": round(status_ms, 2), "session_list_page_ms": round(list_ms, 2),
-           "session_list_page": len(page["sessions"])}
+           "request_ms": times, "all_continued_conversation_0": all(ok for _, ok in runs),
+           "rss_bytes": rss_bytes(d.proc.pid), "hot_kv_bytes": status["memory"]["hot_kv_bytes"],
+           "sessions": status["sessions"], "status_ms": round(status_ms, 2),
+           "session_list_page_ms": round(list_ms, 2), "session_list_page": len(page["sessions"])}
+    assert d.stop() == 0 and d.log_problems() == [], d.log_problems()
     print(json.dumps(row), flush=True)
     return row
 
@@ -165,12 +204,14 @@ def expiry(d: Daemon, root: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", default="50,500,5000,10000")
+    ap.add_argument("--pair", default="50,5000", help="the two counts measured side by side")
     ap.add_argument("--system-words", type=int, default=2600, help="the shared system prompt (~7k tokens)")
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=12, help="rounds of the paired measurement")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     from tests.tinymodel import make_model_dir
 
+    counts, pair = [int(c) for c in a.counts.split(",")], tuple(int(c) for c in a.pair.split(","))
     work = Path(tempfile.mkdtemp(prefix="kvwake-matching-"))
     model = make_model_dir(work / "tiny-llama", ascii_replies=True, max_position_embeddings=32768)
     root = work / "daemon"
@@ -179,49 +220,50 @@ def main() -> None:
     empty_start = started(d)
     empty_rss = rss_bytes(d.proc.pid)
     system = system_prompt(a.system_words)
-    api = openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
     conv = [{"role": "system", "content": system}, {"role": "user", "content": "question 0: where to start?"}]
-    _, first = chat(api, conv, 10)
+    _, first = chat(api_of(d), conv, 10)
     sid0 = first.model_extra["kvwake"]["session_id"]
     conv.append({"role": "assistant", "content": first.choices[0].message.content})
-    _, other = chat(api, [conv[0], {"role": "user", "content": "question 1: what else?"}], 10)
+    _, other = chat(api_of(d), [conv[0], {"role": "user", "content": "question 1: what else?"}], 10)
     assert d.stop() == 0
     report: dict[str, Any] = {
         "machine": f"{platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores",
-        "python": platform.python_version(), "block_tokens": BLOCK, "empty_start_s": empty_start,
-        "empty_rss_bytes": empty_rss, "conversation_0_tokens": first.usage.prompt_tokens, "levels": []}
-    made = 2
-    for count in [int(c) for c in a.counts.split(",")]:
-        if count > made:
-            t = time.perf_counter()
-            with Store(d.data_dir / "store", block_tokens=BLOCK) as store:
-                store.index.db.execute("PRAGMA synchronous=OFF")  # bench setup only: no fsync per commit
-                others = Others(store, sid0, other.model_extra["kvwake"]["session_id"], system)
-                others.rng.seed(made)
-                report["shared_prompt_tokens"] = others.shared
-                for i in range(made, count):
-                    others.write(i)
-            print(f"wrote {count - made} conversations in {time.perf_counter() - t:.1f} s", flush=True)
-            made = count
-        report["levels"].append(level(d, count, conv, sid0, a.requests, empty_start))
-        assert d.stop() == 0
-    report["expiry"] = expiry(d, root)
-    assert d.stop() == 0
+        "load_average_at_start": os.getloadavg(), "python": platform.python_version(), "block_tokens": BLOCK,
+        "empty_start_s": empty_start, "empty_rss_bytes": empty_rss, "conversation_0_tokens": first.usage.prompt_tokens}
+    copies, made = {}, 2
+    for count in counts:
+        t = time.perf_counter()
+        with Store(d.data_dir / "store", block_tokens=BLOCK, codec="raw") as store:
+            store.index.db.execute("PRAGMA synchronous=OFF")  # bench setup only: no fsync per commit
+            others = Others(store, sid0, other.model_extra["kvwake"]["session_id"], system)
+            others.rng.seed(made)
+            report["shared_prompt_tokens"] = others.shared
+            for i in range(made, count):
+                others.write(i)
+        copies[count] = work / f"at-{count}"
+        shutil.copytree(root, copies[count], ignore=shutil.ignore_patterns("run"))
+        print(f"wrote {count - made} conversations in {time.perf_counter() - t:.1f} s", flush=True)
+        made = count
+    report["paired"] = paired(copies, pair, model, conv, sid0, a.requests)
+    report["levels"] = [level(Daemon(copies[n], model, block_tokens=BLOCK, extra=["--http", "0"]), n, conv, sid0,
+                              empty_start) for n in counts]
+    big = Daemon(copies[counts[-1]], model, block_tokens=BLOCK, extra=["--http", "0"])
+    report["expiry"] = expiry(big, copies[counts[-1]])
+    assert big.stop() == 0
     base, top = report["levels"][0], report["levels"][-1]
-    per = [lv for lv in report["levels"] if lv["stateless_sessions"] == 5000] or [top]
     report["summary"] = {
-        "hot_request_ratio_5000_over_50": round(per[0]["hot_request_ms_median"] / base["hot_request_ms_median"], 3),
-        "woken_request_ratio_5000_over_50": round(per[0]["woken_request_ms"] / base["woken_request_ms"], 3),
-        # beyond the hot KV (conversation 0 grows by a turn per request)
+        "hot_request_ratio": report["paired"]["hot_ratio"], "woken_request_ratio": report["paired"]["woken_ratio"],
+        # beyond the hot KV (the same conversation 0 in every copy)
         "rss_bytes_per_asleep_session": round((top["rss_bytes"] - top["hot_kv_bytes"] - base["rss_bytes"]
                                                + base["hot_kv_bytes"])
                                               / (top["stateless_sessions"] - base["stateless_sessions"])),
         "max_start_over_empty_s": max(lv["start_over_empty_s"] for lv in report["levels"]),
-        "log_problems": d.log_problems()}
+        "log_problems": big.log_problems()}
     print(json.dumps(report["summary"]), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "matching.json").write_text(json.dumps(report, indent=1))
+    shutil.rmtree(work)
 
 
 if __name__ == "__main__":
