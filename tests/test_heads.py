@@ -109,3 +109,23 @@ def test_every_lookup_goes_from_a_key_to_the_heads_holding_it(store):
         assert not [step for step in plan if step.startswith("SCAN") and "json_each" not in step], (name, plan)
         assert not [step for step in plan if "sessions_origin" in step], (name, plan)
         assert any("sessions_head" in step for step in plan), (name, plan)
+
+
+def test_sessions_are_paged_by_id_and_stale_ones_by_age(store):
+    for i in range(9):
+        store.ensure_session(f"s{i}", {"origin": "http" if i % 3 else "rpc"})
+    with store.index.write() as db:  # s0..s8 last changed at t = 100 + i
+        for i in range(9):
+            db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (100.0 + i, f"s{i}"))
+    pages, after = [], None
+    while page := store.session_page(after=after, limit=2, origin="http"):
+        pages.append([r["id"] for r in page])
+        after = page[-1]["id"]
+    assert pages == [["s1", "s2"], ["s4", "s5"], ["s7", "s8"]]
+    assert [r["id"] for r in store.session_page(limit=4)] == ["s0", "s1", "s2", "s3"]
+    assert {r["origin"] for r in store.session_page(limit=9)} == {"http", "rpc"}
+    stale, after = [], None
+    while page := store.stale_sessions("http", 107.0, 2, after):
+        stale += [sid for _, sid in page]
+        after = page[-1]
+    assert stale == ["s1", "s2", "s4", "s5", "s7"]  # least recently updated first; s8 is too recent
