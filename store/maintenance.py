@@ -92,9 +92,13 @@ def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
     return files, freed
 
 
-def _orphans(store: StoreCore) -> list[Path]:
-    named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
-                                              "WHERE tail_file IS NOT NULL")}
+def _named(store: StoreCore) -> set[str]:
+    """Every file the index names (the caller holds the index lock)."""
+    return {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
+                                             "WHERE tail_file IS NOT NULL")}
+
+
+def _orphans(store: StoreCore, named: set[str]) -> list[Path]:
     return [p for p in store.files.walk() if store.files.relative(p) not in named]
 
 
@@ -102,19 +106,25 @@ def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int |
     """Prune, evict and sweep (see the module docstring); returns what it did."""
     budget = store.budget_bytes if budget_bytes is None else budget_bytes
     keep = store.keep_history if keep_history is None else keep_history
-    with store.files.lock(exclusive=True), store.locked():
-        pruned = _prune_history(store, keep)
-        evicted, freed = _evict(store, budget)
+    with store.files.lock(exclusive=True):  # no writer or reader is mid-snapshot: no file appears or is read
+        with store.locked():
+            pruned = _prune_history(store, keep)
+            evicted, freed = _evict(store, budget)
+            named = _named(store)
+        # The index lock is free from here (so is the daemon's matching, listing and status): removing
+        # files and walking a store of many sessions' tails takes seconds, and only this lock's holder
+        # could add a file meanwhile. A row removed meanwhile leaves an orphan for the next gc.
         for rel in evicted:
             with contextlib.suppress(FileNotFoundError):
                 store.files.absolute(rel).unlink()
-        orphans = _orphans(store)
+        orphans = _orphans(store, named)
         orphan_bytes = 0
         for path in orphans:
             with contextlib.suppress(FileNotFoundError):
                 orphan_bytes += path.stat().st_size
                 path.unlink()
-        return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
+        with store.locked():
+            return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
 
 
 def _quarantine(store: StoreCore, rel: str) -> None:
@@ -181,5 +191,5 @@ def fsck(store: StoreCore, *, progress: Progress = None) -> FsckReport:
         _check_blocks(store, report, progress)
         _check_refcounts(store, report)
         _check_snapshots(store, report)
-        report.orphans = [store.files.relative(p) for p in _orphans(store)]
+        report.orphans = [store.files.relative(p) for p in _orphans(store, _named(store))]
     return report
