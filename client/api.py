@@ -114,6 +114,14 @@ class ClientAPI:
         """Every session the daemon knows → [{session_id, state: hot|asleep, busy, tokens}]."""
         return self._rpc("session.list", {}, _key("sessions"))
 
+    def session_page(self, *, limit: int | None = None, after: str | None = None, origin: str | None = None,
+                     state: str | None = None) -> Any:
+        """One page of sessions in id order → {sessions: [{session_id, state, busy, tokens, origin}], next}:
+        at most `limit` (default 100, at most 1000) after the id `after`, of metadata `origin` and `state`
+        ("hot" or "asleep") when given; pass `next` as `after` for the following page (None: no more)."""
+        return self._rpc("session.list", {"limit": 100 if limit is None else limit,
+                                          **_given(after=after, origin=origin, state=state)})
+
     def session_info(self, session_id: str) -> Any:
         """One session: state, tokens, metadata, head snapshot, snapshot count (and KV bytes when hot)."""
         return self._rpc("session.info", {"session_id": session_id})

@@ -13,6 +13,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -239,36 +240,60 @@ def chat(opts: Options, session_id: str | None, message: str | None, system: str
 # -- sessions -------------------------------------------------------------
 
 
-def _list_sessions(opts: Options, as_json: bool) -> None:
+LIST_PAGE = 1000  # sessions asked per page when listing with a filter
+
+
+def _list_sessions(opts: Options, as_json: bool, origin: str | None = None, state: str | None = None,
+                   limit: int | None = None) -> None:
     with opts.client() as client:
-        sessions = client.list_sessions()
+        if origin is None and state is None and limit is None:
+            sessions = client.list_sessions()  # everything, remote sessions too
+        else:  # a page at a time, so a daemon of many sessions answers each in bounded time
+            sessions, after = [], None
+            while limit is None or len(sessions) < limit:
+                want = LIST_PAGE if limit is None else min(LIST_PAGE, limit - len(sessions))
+                page = client.session_page(limit=want, after=after, origin=origin, state=state)
+                sessions += page["sessions"]
+                if (after := page["next"]) is None:
+                    break
     if as_json:
         return echo_json(sessions)
     table(["SESSION", "STATE", "TOKENS", "BUSY"],
           [[s["session_id"], s["state"], s.get("tokens"), s.get("busy")] for s in sessions])
 
 
+def list_options(f: Callable) -> Callable:
+    """--origin, --state and --limit of `kvwake sessions` and `kvwake sessions list`."""
+    f = click.option("--limit", type=click.IntRange(min=1), help="List at most this many (in id order).")(f)
+    f = click.option("--state", type=click.Choice(["hot", "asleep"]), help="Only hot, or only asleep, sessions.")(f)
+    return click.option("--origin", help='Only sessions whose metadata origin is this ("http": stateless ones).')(f)
+
+
 @main.group(invoke_without_command=True)
 @json_option
+@list_options
 @click.pass_context
-def sessions(ctx: click.Context, as_json: bool) -> None:
+def sessions(ctx: click.Context, as_json: bool, origin: str | None, state: str | None, limit: int | None) -> None:
     """List sessions (the default), or show, create or remove one.
 
-    Example: kvwake sessions --json
+    With --origin, --state or --limit the daemon answers a page at a time (this daemon's sessions only).
+
+    Example: kvwake sessions --origin http --state asleep --limit 20
     """
     if ctx.invoked_subcommand is None:
-        _list_sessions(ctx.obj, as_json)
+        _list_sessions(ctx.obj, as_json, origin, state, limit)
 
 
 @sessions.command("list")
 @json_option
+@list_options
 @click.pass_obj
-def sessions_list(opts: Options, as_json: bool) -> None:
-    """List every session: id, hot or asleep, tokens, what it is busy with.
+def sessions_list(opts: Options, as_json: bool, origin: str | None, state: str | None, limit: int | None) -> None:
+    """List sessions: id, hot or asleep, tokens, what it is busy with (filtered: a page at a time).
 
-    Example: kvwake sessions list
+    Example: kvwake sessions list --origin http
     """
-    _list_sessions(opts, as_json)
+    _list_sessions(opts, as_json, origin, state, limit)
 
 
 @sessions.command("show")

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store import maintenance, prefix, transfer
+from kvwake.store import heads, maintenance, prefix, transfer
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.writer import SnapshotWriter
@@ -73,8 +73,8 @@ class Store(StoreCore):
             rows = self.index.rows("SELECT * FROM sessions ORDER BY created")
         return [{**r, "metadata": json.loads(r["metadata"])} for r in rows]
 
-    def heads(self, bundle: str) -> list[dict[str, Any]]:
-        """Every session whose head snapshot was made with `bundle`, oldest session first:
+    def heads(self, bundle: str, session_id: str | None = None) -> list[dict[str, Any]]:
+        """Every session (or the one `session_id` names) whose head snapshot was made with `bundle`, oldest first:
         {"id", "metadata" (the session's, decoded), "token_ids" (the head's, numpy int64),
         "state" (the head snapshot's metadata, decoded)}.
 
@@ -83,11 +83,31 @@ class Store(StoreCore):
         """
         with self.locked():
             rows = self.index.rows("SELECT s.id, s.metadata, p.token_ids, p.metadata AS state FROM sessions s "
-                                   "JOIN snapshots p ON p.id = s.head WHERE p.bundle = ? ORDER BY s.created, s.id",
-                                   (bundle,))
+                                   "JOIN snapshots p ON p.id = s.head WHERE p.bundle = ?"
+                                   + (" AND s.id = ?" if session_id is not None else "") + " ORDER BY s.created, s.id",
+                                   (bundle, session_id) if session_id is not None else (bundle,))
         return [{"id": r["id"], "metadata": json.loads(r["metadata"]),
                  "token_ids": np.frombuffer(r["token_ids"], dtype="<u4").astype(np.int64),  # stored as u32 LE
                  "state": json.loads(r["state"])} for r in rows]
+
+    def session_page(self, *, after: str | None = None, limit: int = 100, origin: str | None = None) -> list[dict[str, Any]]:
+        """At most `limit` sessions in id order after the id `after` (None: from the first), of `origin`
+        (their metadata's) when given: {"id", "created", "updated", "origin", "head"}. One index range."""
+        sql = "SELECT id, created, updated, origin, head FROM sessions WHERE id > :after"
+        with self.locked():
+            return self.index.rows(sql + (" AND origin = :origin" if origin is not None else "") + " ORDER BY id LIMIT :n",
+                                   {"after": after or "", "origin": origin, "n": limit})
+
+    def stale_sessions(self, origin: str, updated_before: float, limit: int,
+                       after: tuple[float, str] | None = None) -> list[tuple[float, str]]:
+        """(updated, id) of at most `limit` sessions of `origin` not updated since `updated_before`, least
+        recently updated first, starting past `after` (the last pair of the previous page). One index range."""
+        updated, ident = after if after is not None else (-1.0, "")
+        with self.locked():
+            rows = self.index.rows("SELECT updated, id FROM sessions WHERE origin = ? AND updated <= ? "
+                                   "AND (updated, id) > (?, ?) ORDER BY updated, id LIMIT ?",
+                                   (origin, updated_before, updated, ident, limit))
+        return [(r["updated"], r["id"]) for r in rows]
 
     def delete_session(self, session_id: str) -> int:
         """Delete a session and all its snapshots (checkpoints too); returns snapshots removed.
@@ -156,6 +176,12 @@ class Store(StoreCore):
         """longest_prefix, then the stored block or tail continuing it with the most matching
         tokens (at least min_partial); see prefix.py."""
         return prefix.find(self, bundle, token_ids, min_partial)
+
+    def deepest_heads(self, bundle: str, token_ids: Sequence[int], *, origin: str, mode: str | None,
+                      exclude: Collection[str] = ()) -> list[heads.HeadMatch]:
+        """The sessions of `origin` whose head snapshots (of `mode`, not in `exclude`) share the longest
+        token prefix with `token_ids`, found by chain key whatever the number of sessions; see heads.py."""
+        return heads.deepest_head(self, bundle, token_ids, origin=origin, mode=mode, exclude=exclude)
 
     # -- snapshots ------------------------------------------------------------
 

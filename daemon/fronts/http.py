@@ -307,7 +307,6 @@ class Api:
             taken = not claimed.is_set() and not task.cancelled() and isinstance(task.exception(), BusyError)
             if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
                 continue
-            task.add_done_callback(lambda _t, sid=session["session_id"]: self.matcher.remember(sid))
             return session, task
         raise AssertionError("unreachable")
 

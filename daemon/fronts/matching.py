@@ -20,10 +20,20 @@ A busy session is never a candidate: another request is continuing it. Sessions
 created over RPC are not candidates either: a request that did not name them
 must not change them (give one `metadata.origin = "http"` to make it one).
 
+How the best is found, whatever the number of sessions (issue 26): asleep
+sessions are looked up in the store by the chain keys of the request's blocks
+(`Store.deepest_heads`, on a worker thread: a binary search over the keys, then
+the few stored pieces nearest the request's next tokens), so nothing is held
+per asleep session beyond the manager's entry; hot ones (bounded by the hot-KV
+budget, and indexed by the manager's `entries.hot`) are compared token by token.
+A stored head counts its recorded pending tokens (the last generated one) when
+the request contains the whole head. On a tie the oldest session wins.
+
 A request may bring a `Hint` (the Responses API):
 - `lineage` (its `prompt_cache_key`): sessions made under another key are
   never continued in place, only branched from; the key is kept in the
-  metadata of the sessions made under it;
+  metadata of the sessions made under it, and on a tie the request's own
+  lineage wins;
 - `session_id` and `position` (a stored response its `previous_response_id`
   names): only that session is continued in place, and only while it holds
   no more than `position` tokens (it has not moved on past that response)
@@ -34,9 +44,11 @@ A request may bring a `Hint` (the Responses API):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from anyio import to_thread
@@ -53,9 +65,9 @@ log = logging.getLogger("kvwake.matching")
 ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and may continue)
 
 
-# A candidate's tokens, reply start, input mode and lineage (prompt_cache_key)
-Known = tuple[np.ndarray, "int | None", "str | None", "str | None"]
 LINEAGE = "prompt_cache_key"  # the session metadata key of its lineage
+EXPIRE_PAGE = 256  # stale sessions named per store read while expiring
+LOOKUPS = 4  # store lookups per request while the best heads found are busy or hot (then matched without them)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,17 @@ class Hint:
     lineage: str | None = None
     session_id: str | None = None
     position: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A session a request may continue: its common prefix with the request and where its last reply starts."""
+
+    session_id: str
+    shared: int
+    reply_start: int
+    created: float
+    lineage: str | None = None  # its prompt_cache_key (read only when the request has one)
 
 
 @dataclass(frozen=True)
@@ -83,112 +106,124 @@ class Matcher:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
-        # Asleep candidates: session id -> (tokens, reply_start), read from their head snapshots once,
-        # then kept from the live session after each turn (a hot session is read directly).
-        self.asleep: dict[str, Known] | None = None
 
     async def find(self, target: list[int], mode: str, hint: Hint | None = None) -> Match:
         """The session `target` (a rendered prompt of `mode` "chat" or "raw") should run in: claimable now, or new."""
-        if self.asleep is None:
-            self.asleep = await to_thread.run_sync(self._load)
         hint = hint or Hint()
         want = np.asarray(target, dtype=np.int64)
-        for gone in [sid for sid in self.asleep if sid not in self.manager.entries]:  # deleted, or expired
-            del self.asleep[gone]
         if hint.session_id is not None:
             return await self._follow(hint, want, mode)
-        best: tuple[tuple[int, bool], Entry | None, Known | None] = ((0, False), None, None)
-        branch = 0  # the longest shared prefix, with any candidate
-        for entry in list(self.manager.entries.values()):
-            known = self._tokens(entry)
-            if known is None or entry.busy or known[2] != mode:
-                continue
-            shared = common_prefix(known[0], want)
-            branch = max(branch, shared)
-            if shared == 0:
-                continue
-            if hint.lineage is not None and known[3] not in (None, hint.lineage):
-                continue  # another lineage's: branched from, never continued
-            rank = (shared, known[3] == hint.lineage)  # a tie goes to the request's own lineage
-            if rank > best[0]:
-                best = (rank, entry, known)
-        (shared, _), entry, known = best
-        if entry is not None and known is not None and _continues(known, shared):
-            return Match(entry.id, "continued", shared)
+        skip: set[str] = set()  # stored candidates found busy or gone: asked again without them
+        for _ in range(LOOKUPS):
+            hot = list(self.manager.entries.hot.values())  # their stored heads are stale: compared from memory
+            found = [c for c in (self._hot(entry, want, mode) for entry in hot) if c is not None]
+            exclude = {entry.id for entry in hot} | skip
+            stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(
+                self.manager.engine.bundle.hash, target, origin=ORIGIN, mode=mode, exclude=exclude))
+            fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
+            slept = any(entry.session is None for entry in hot)  # meanwhile: its new head was left out
+            if len(fresh) == len(stored) and not slept:
+                break
+        candidates = found + fresh
+        if hint.lineage is not None:  # stored candidates' lineage, from their sessions' metadata (a few rows)
+            candidates = await to_thread.run_sync(lambda: [self._with_lineage(c) for c in candidates])
+        branch = max((c.shared for c in candidates), default=0)  # what a new session shares, whoever's it is
+        own = [c for c in candidates if hint.lineage is None or c.lineage in (None, hint.lineage)]
+        best = min(own, key=lambda c: (-c.shared, c.lineage != hint.lineage, c.created, c.session_id), default=None)
+        if best is not None and best.shared > 0 and best.shared >= best.reply_start:
+            return Match(best.session_id, "continued", best.shared)
         return await self._new(branch, branch > 0, hint.lineage)
 
     async def _follow(self, hint: Hint, want: np.ndarray, mode: str) -> Match:
         """The session a stored response names, while it still holds that response's state; else a new one
         branched from it."""
         entry = self.manager.entries.get(hint.session_id or "")
-        known = self._tokens(entry) if entry is not None and not entry.busy else None
-        if entry is None or known is None or known[2] != mode:
+        if entry is None or entry.busy:
             return await self._new(0, False, hint.lineage)
-        shared = common_prefix(known[0], want)
-        if len(known[0]) <= (hint.position or 0) and _continues(known, shared):
+        s = entry.session
+        if s is not None:
+            if s.mode != mode or not s.tokens:
+                return await self._new(0, False, hint.lineage)
+            tokens, reply_start = s.tokens, s.reply_start
+        else:
+            heads = await to_thread.run_sync(lambda: self.manager.store.heads(self.manager.engine.bundle.hash,
+                                                                              session_id=entry.id))
+            if not heads or heads[0]["state"].get("mode") != mode:
+                return await self._new(0, False, hint.lineage)
+            state = heads[0]["state"]
+            tokens = np.concatenate([heads[0]["token_ids"], np.asarray(state.get("pending", []), dtype=np.int64)])
+            reply_start = state.get("reply_start")
+        shared = common_prefix(tokens, want)
+        if len(tokens) <= (hint.position or 0) and shared >= _start(reply_start, len(tokens)):
             return Match(entry.id, "continued", shared)
         return await self._new(shared, shared > 0, hint.lineage)
 
-    def remember(self, session_id: str) -> None:
-        """After a turn: keep the session's tokens, for when it is asleep."""
-        entry = self.manager.entries.get(session_id)
-        if self.asleep is not None and entry is not None and entry.session is not None:
-            s = entry.session
-            self.asleep[session_id] = (np.asarray(s.tokens, dtype=np.int64), s.reply_start, s.mode,
-                                       s.metadata.get(LINEAGE))
+    def _with_lineage(self, c: Candidate) -> Candidate:
+        """`c` with its session's lineage (worker thread: a stored one's is read from the store)."""
+        if c.lineage is not None:
+            return c
+        entry = self.manager.entries.get(c.session_id)
+        if entry is not None and entry.session is not None:
+            return dataclasses.replace(c, lineage=entry.session.metadata.get(LINEAGE))
+        with contextlib.suppress(NotFoundError):
+            return dataclasses.replace(c, lineage=self.manager.store.session(c.session_id)["metadata"].get(LINEAGE))
+        return c
 
-    def _tokens(self, entry: Entry) -> Known | None:
+    def _hot(self, entry: Entry, want: np.ndarray, mode: str) -> Candidate | None:
+        """A hot session as a candidate, compared from memory (their number is bounded by the hot-KV budget)."""
         s = entry.session
-        if s is not None:
-            if s.metadata.get("origin") != ORIGIN or not s.tokens:
-                return None
-            return np.asarray(s.tokens, dtype=np.int64), s.reply_start, s.mode, s.metadata.get(LINEAGE)
-        assert self.asleep is not None
-        return self.asleep.get(entry.id)
+        if s is None or entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
+            return None
+        return Candidate(entry.id, common_prefix(s.tokens, want), _start(s.reply_start, len(s.tokens)), entry.created,
+                         s.metadata.get(LINEAGE))
 
-    def _load(self) -> dict[str, Known]:
-        """Tokens and reply starts of the stored stateless sessions (store work: a worker thread)."""
-        known: dict[str, Known] = {}
-        for head in self.manager.store.heads(self.manager.engine.bundle.hash):
-            if head["metadata"].get("origin") != ORIGIN:
-                continue
-            state = head["state"]
-            pending = np.asarray(state.get("pending", []), dtype=np.int64)
-            known[head["id"]] = (np.concatenate([head["token_ids"], pending]), state.get("reply_start"),
-                                 state.get("mode"), head["metadata"].get(LINEAGE))
-        return known
+    def _stored(self, head: Any, want: np.ndarray, skip: set[str]) -> Candidate | None:
+        """A head the store found (a store.heads.HeadMatch) as a candidate, unless its session is busy, hot
+        (woken since the lookup began) or unknown here; those go into `skip`, and the lookup is asked again."""
+        entry = self.manager.entries.get(head.session_id)
+        if entry is None or entry.busy or entry.session is not None:
+            skip.add(head.session_id)
+            return None
+        shared = head.shared
+        if shared == head.n_tokens and head.pending:  # the whole head is in the request: its pending ones may be too
+            shared += common_prefix(head.pending, want[shared:])
+        return Candidate(head.session_id, shared, _start(head.reply_start, head.n_tokens + len(head.pending)),
+                         entry.created)
 
     async def _new(self, shared: int, branched: bool, lineage: str | None = None) -> Match:
-        """A new stateless session. Its first append copies the shared prefix's KV from a hot session
-        (the manager's `_hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
+        """A new stateless session (of `lineage`). Its first append copies the shared prefix's KV from a hot
+        session (the manager's `_hot_prefix`), or restores it from stored blocks, instead of prefilling it."""
         session_id = f"http-{new_session_id()[2:]}"
         metadata = {"origin": ORIGIN, **({LINEAGE: lineage} if lineage is not None else {})}
         await self.manager.create(session_id, metadata=metadata)
         return Match(session_id, "branched" if branched else "new", shared)
 
 
-def _continues(known: Known, shared: int) -> bool:
-    """Whether a request sharing `shared` tokens with a candidate is its next turn: the prefix reaches the
-    start of its last reply (all of it, when it has none)."""
-    return shared >= (known[1] if known[1] is not None else len(known[0]))
+def _start(reply_start: int | None, n_tokens: int) -> int:
+    """Where a candidate's last reply starts: its whole length before it has one."""
+    return reply_start if reply_start is not None else n_tokens
+
 
 async def expire(manager: SessionManager, max_idle_s: float) -> int:
     """Delete stateless sessions (origin "http") asleep and unchanged for `max_idle_s`, and forget stored
-    responses as old; returns how many sessions.
+    responses as old (the Responses API's); returns how many sessions.
 
     Nobody names them, so nobody would ever delete them: without this, every conversation a stateless
     client ever had would stay on disk. Their blocks stay as prefix cache until store gc evicts them.
+    The store names them a page at a time, least recently updated first (an index range on a worker
+    thread), so a store of many sessions is never read whole nor scanned on the event loop.
     """
-    cutoff, deleted = time.time() - max_idle_s, 0
+    cutoff, deleted, after = time.time() - max_idle_s, 0, None
     forgotten = await ResponseRecords(manager).expire(cutoff)  # stored responses of the same age too
-    for row in await to_thread.run_sync(manager.store.sessions):
-        entry = manager.entries.get(row["id"])
-        if (row["metadata"].get("origin") != ORIGIN or row["updated"] > cutoff or entry is None
-                or entry.session is not None or entry.busy):
-            continue
-        with contextlib.suppress(BusyError, NotFoundError):  # taken or removed meanwhile: it stays, or is gone
-            await manager.delete(row["id"])
-            deleted += 1
+    while page := await to_thread.run_sync(lambda: manager.store.stale_sessions(ORIGIN, cutoff, EXPIRE_PAGE, after)):
+        after = page[-1]
+        for _, session_id in page:
+            entry = manager.entries.get(session_id)
+            if entry is None or entry.session is not None or entry.busy:
+                continue
+            with contextlib.suppress(BusyError, NotFoundError):  # taken or removed meanwhile: it stays, or is gone
+                await manager.delete(session_id)
+                deleted += 1
     if deleted or forgotten:
         log.info("stateless sessions expired", extra={"sessions": deleted, "responses": forgotten,
                                                       "max_idle_s": max_idle_s})

@@ -92,7 +92,7 @@ async def hello(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
     m, engine = ctx.manager, ctx.manager.engine
-    hot = sum(1 for e in m.entries.values() if e.session is not None)
+    hot = len(m.entries.hot)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
             "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
@@ -128,9 +128,14 @@ async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     return await ctx.manager.create(p.get("session_id"), p.get("system"), p.get("metadata"), bool(p.get("exist_ok")))
 
 
+LIST_PAGE_MAX = 1000  # sessions one paged session.list returns at most
+
+
 async def session_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, set())
+    _check(p, {"limit", "after", "origin", "state"})
     m = ctx.manager
+    if p:
+        return await _session_page(m, p)
     listed = {"sessions": [_summary(e) for e in m.entries.values()]}
     if m.remote is not None:  # sessions other daemons published: waking one makes it ours
         remote, error = await m.remote.sessions()
@@ -138,6 +143,31 @@ async def session_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                                for sid in remote if sid not in m.entries]
         listed["remote_error"] = error
     return listed
+
+
+async def _session_page(m: SessionManager, p: dict[str, Any]) -> dict[str, Any]:
+    """One page of session.list, in id order after `after`: the store names the ids a page at a time (an
+    index range on a worker thread) and the page is filtered here, so no step reads every session."""
+    limit, after, origin, state = p.get("limit", 100), p.get("after"), p.get("origin"), p.get("state")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_PAGE_MAX:
+        raise InvalidParamsError(f"limit must be an integer in [1, {LIST_PAGE_MAX}], got {limit!r}", param="limit")
+    for name in ("after", "origin"):
+        if p.get(name) is not None and not isinstance(p[name], str):
+            raise InvalidParamsError(f"{name} must be a string, got {p[name]!r}", param=name)
+    if state not in (None, "hot", "asleep"):
+        raise InvalidParamsError(f'state must be "hot" or "asleep", got {state!r}', param="state")
+    sessions: list[dict[str, Any]] = []
+    while len(sessions) < limit:
+        rows = await to_thread.run_sync(lambda: m.store.session_page(after=after, limit=limit, origin=origin))
+        for row in rows:
+            after, entry = row["id"], m.entries.get(row["id"])
+            if entry is not None and state in (None, "hot" if entry.session is not None else "asleep"):
+                sessions.append({**_summary(entry), "origin": row["origin"]})
+                if len(sessions) == limit:
+                    break
+        if len(rows) < limit:
+            return {"sessions": sessions, "next": None}
+    return {"sessions": sessions, "next": after}
 
 
 def _summary(e: Any) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
-from kvwake.daemon.sessions.entries import Entry, Latency
+from kvwake.daemon.sessions.entries import Entries, Entry, Latency
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
@@ -58,7 +58,7 @@ class SessionManager:
     def __init__(self, engine: Engine, thread: EngineThread, settings: Settings) -> None:
         self.engine, self.thread, self.settings = engine, thread, settings
         self.store = engine.store
-        self.entries: dict[str, Entry] = {}
+        self.entries = Entries()  # its `hot` indexes the hot ones: nothing below walks every session
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0,
                          "prefix_copies": 0}
@@ -281,7 +281,7 @@ class SessionManager:
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
         """
         want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
-        for entry in list(self.entries.values()):
+        for entry in list(self.entries.hot.values()):
             s = entry.session
             if s is None or s is session or entry.busy or s.cache is None or not s.processed:
                 continue
@@ -385,12 +385,12 @@ class SessionManager:
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        return sum(self.engine.cache_bytes(e.session) for e in self.entries.values() if e.session is not None)
+        return sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values() if e.session is not None)
 
     async def enforce_limits(self) -> int:
         """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
         now, slept = time.monotonic(), 0
-        hot = sorted((e for e in self.entries.values() if e.session is not None and not e.busy),
+        hot = sorted((e for e in self.entries.hot.values() if not e.busy),
                      key=lambda e: e.last_used)
         for e in hot:
             idle = now - e.last_used > self.settings.idle_timeout_s
@@ -408,9 +408,7 @@ class SessionManager:
     async def sleep_all(self) -> dict[str, Any]:
         """For shutdown: sleep every hot session; failures are logged and reported, not raised."""
         results: dict[str, Any] = {}
-        for e in list(self.entries.values()):
-            if e.session is None:
-                continue
+        for e in list(self.entries.hot.values()):
             try:
                 results[e.id] = (await self.sleep(e.id))["snapshot_id"]
             except Exception as exc:

@@ -1,0 +1,167 @@
+"""Head lookups by chain key (store/heads.py) agree with comparing every session's tokens, at thousands of sessions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvwake.daemon.session import common_prefix
+from kvwake.store import heads
+from tests.kvdata import BUNDLE, OTHER_BUNDLE, write_snapshot
+
+
+def brute_force(store, bundle, tokens, *, origin, mode, exclude=()):
+    """What the lookup must return, by reading every head and comparing its tokens (the old matcher's way)."""
+    found = []
+    for h in store.heads(bundle):
+        if h["metadata"].get("origin") != origin or h["state"].get("mode") != mode or h["id"] in exclude:
+            continue
+        found.append((common_prefix(h["token_ids"], tokens), store.session(h["id"])["created"], h["id"]))
+    best = max((f[0] for f in found), default=0)
+    return best, [sid for shared, _, sid in sorted(found, key=lambda f: (f[1], f[2])) if shared == best > 0]
+
+
+def check(store, tokens, **where):
+    got = store.deepest_heads(BUNDLE, tokens, **where)
+    best, ids = brute_force(store, BUNDLE, tokens, **where)
+    # The longest prefix exactly; on a tie, some of the tied sessions, oldest first (only the rows the
+    # neighbour reads reach are ranked; a tie of identical conversations is rare, and either continues).
+    assert bool(got) == bool(ids) and all(m.shared == best for m in got), (tokens, where)
+    assert set(m.session_id for m in got) <= set(ids) and len(got) <= heads.TIES
+    if len(ids) <= heads.NEIGHBOURS:
+        assert [m.session_id for m in got] == ids, (tokens, where)
+    return got
+
+
+def fill(store, rng, n, base):
+    """n sessions, most of them stateless, branching off one another and `base` at random points."""
+    made = [base]
+    for i in range(n):
+        parent = rng.choice(made)
+        tokens = parent[: rng.randrange(len(parent) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(12))]
+        sid = f"s{i:05d}"
+        if rng.random() < 0.2:  # an older snapshot first: history the lookup must not take for the head
+            write_snapshot(store, sid, tokens[: len(tokens) // 2], metadata={"mode": "chat"})
+        write_snapshot(store, sid, tokens, bundle=BUNDLE if rng.random() < 0.95 else OTHER_BUNDLE,
+                       metadata={"mode": "chat" if rng.random() < 0.9 else "raw", "pending": [1]})
+        store.ensure_session(sid, {"origin": "http" if rng.random() < 0.85 else "rpc"})
+        made.append(tokens)
+    return made
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_lookup_finds_what_comparing_every_head_finds(store, seed):
+    rng = random.Random(seed)
+    made = fill(store, rng, 150, [rng.randrange(4) for _ in range(20)])
+    for _ in range(120):
+        source = rng.choice(made)
+        query = source[: rng.randrange(len(source) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(10))]
+        exclude = set(rng.sample([f"s{i:05d}" for i in range(150)], 5)) if rng.random() < 0.3 else set()
+        check(store, query, origin="http", mode=rng.choice(["chat", "chat", "raw"]), exclude=exclude)
+
+
+def test_a_deleted_session_or_its_pruned_head_is_not_found(store):
+    write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
+    store.ensure_session("a", {"origin": "http"})
+    (m,) = check(store, list(range(12)), origin="http", mode="chat")
+    assert (m.session_id, m.shared, m.n_tokens, m.pending, m.reply_start) == ("a", 10, 10, [], None)
+    newer = write_snapshot(store, "a", list(range(6)) + [9, 9], metadata={"mode": "chat"})
+    assert check(store, list(range(12)), origin="http", mode="chat")[0].shared == 6  # the head, not the history
+    store.delete_snapshot(newer.id)
+    assert check(store, list(range(12)), origin="http", mode="chat")[0].shared == 10
+    store.delete_session("a")
+    assert store.deepest_heads(BUNDLE, list(range(12)), origin="http", mode="chat") == []
+
+
+def test_thousands_of_sessions_sharing_a_long_prompt(store):
+    # Created cheaply (no fsync per commit): what is asserted is the answer, not the time.
+    store.index.db.execute("PRAGMA synchronous=OFF")
+    rng = random.Random(7)
+    prompt = [rng.randrange(50) for _ in range(64)]  # 16 shared blocks
+    convs = {}
+    for i in range(2000):
+        tokens = prompt + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
+        convs[f"c{i:05d}"] = tokens
+        write_snapshot(store, f"c{i:05d}", tokens, metadata={"mode": "chat", "reply_start": len(tokens) - 1,
+                                                             "pending": [i]})
+        store.ensure_session(f"c{i:05d}", {"origin": "http"})
+    for sid in ("c00000", "c01234", "c01999"):  # a next turn contains the whole conversation: that one
+        (m,) = check(store, convs[sid] + [1, 2, 3], origin="http", mode="chat")
+        i = int(sid[1:])
+        assert (m.session_id, m.shared, m.pending, m.reply_start) == (sid, len(convs[sid]), [i], len(convs[sid]) - 1)
+    new = check(store, prompt + [99, 98], origin="http", mode="chat")  # a new thread: the prompt, no more
+    assert new and all(m.shared == len(prompt) for m in new)
+    partly = check(store, convs["c00042"][:-1] + [77], origin="http", mode="chat")
+    assert "c00042" in [m.session_id for m in partly] or partly[0].shared > len(convs["c00042"]) - 1
+
+
+def test_every_lookup_goes_from_a_key_to_the_heads_holding_it(store):
+    # Was: the planner chose to scan every session of the origin (sessions_origin) and look each one's
+    # blocks up, O(sessions) per lookup; the queries now fix the join order. No table is scanned whole.
+    write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
+    store.ensure_session("a", {"origin": "http"})
+    where = {"origin": "http", "mode": "chat", "exclude": "[]", "bundle": BUNDLE, "ties": 8, "key": "00" * 32,
+             "parent": "00" * 32, "probe": b"\0\0\0\0", "n": 4}
+    for name in ("_HELD", "_HELD_BY", "_HOLDERS", "_TAILS", "_CHILD_BLOCKS"):
+        sql = getattr(heads, name).format(op="<=", order="DESC")
+        plan = [r["detail"] for r in store.rows("EXPLAIN QUERY PLAN " + sql, where)]
+        assert not [step for step in plan if step.startswith("SCAN") and "json_each" not in step], (name, plan)
+        assert not [step for step in plan if "sessions_origin" in step], (name, plan)
+        assert any("sessions_head" in step for step in plan), (name, plan)
+
+
+def test_sessions_are_paged_by_id_and_stale_ones_by_age(store):
+    for i in range(9):
+        store.ensure_session(f"s{i}", {"origin": "http" if i % 3 else "rpc"})
+    with store.index.write() as db:  # s0..s8 last changed at t = 100 + i
+        for i in range(9):
+            db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (100.0 + i, f"s{i}"))
+    pages, after = [], None
+    while page := store.session_page(after=after, limit=2, origin="http"):
+        pages.append([r["id"] for r in page])
+        after = page[-1]["id"]
+    assert pages == [["s1", "s2"], ["s4", "s5"], ["s7", "s8"]]
+    assert [r["id"] for r in store.session_page(limit=4)] == ["s0", "s1", "s2", "s3"]
+    assert {r["origin"] for r in store.session_page(limit=9)} == {"http", "rpc"}
+    stale, after = [], None
+    while page := store.stale_sessions("http", 107.0, 2, after):
+        stale += [sid for _, sid in page]
+        after = page[-1]
+    assert stale == ["s1", "s2", "s4", "s5", "s7"]  # least recently updated first; s8 is too recent
+
+
+def test_stored_bytes_reads_indexes_not_snapshot_rows(store):
+    # Was: a full scan of snapshot rows, each carrying a head's token ids and messages (status: 270 ms at 5,000).
+    write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
+    plan = [r["detail"] for r in store.rows(
+        "EXPLAIN QUERY PLAN SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM blocks) + "
+        "(SELECT coalesce(sum(tail_stored), 0) FROM snapshots) AS n")]
+    assert [step for step in plan if step.startswith("SCAN") and step != "SCAN CONSTANT ROW"] == [
+        "SCAN blocks USING COVERING INDEX blocks_stored", "SCAN snapshots USING COVERING INDEX snapshots_tail_stored"]
+    assert store.stored_bytes() > 0
+
+
+def test_gc_walks_the_store_without_holding_the_index(store, monkeypatch):
+    # Was: gc held the index lock while it walked every block and tail file, so every lookup (matching,
+    # status, listing) waited for the walk: seconds with thousands of sessions.
+    import threading
+
+    write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
+    walk, free = store.files.walk, []
+
+    def try_index():
+        took = store.locked().acquire(timeout=2)
+        if took:
+            store.locked().release()
+        free.append(took)
+
+    def watched():
+        t = threading.Thread(target=try_index)  # another thread: the lock is re-entrant for gc's own
+        t.start()
+        t.join()
+        return walk()
+
+    monkeypatch.setattr(store.files, "walk", watched)
+    store.gc()
+    assert free == [True]
