@@ -23,6 +23,7 @@ def _probe(model: Any, bits: int, group_size: int, tokens: int) -> str | None:
     cache = [c.to_quantized(group_size=group_size, bits=bits) for c in make_prompt_cache(model)]
     try:
         mx.eval(model(mx.array([list(range(1, tokens + 1))]), cache=cache))
+        mx.eval(model(mx.array([[1]]), cache=cache))  # and a decode step: its kernels differ (mlx-cuda: 1x1 shapes)
     except RuntimeError as exc:  # e.g. mlx-cuda: "[quantized_matmul] No implementation for problem shape"
         return str(exc)
     return None
@@ -30,7 +31,7 @@ def _probe(model: Any, bits: int, group_size: int, tokens: int) -> str | None:
 
 def require_quantized_kv(model: Any, bits: int, group_size: int = 32, tokens: int = 48) -> None:
     """Skip unless this model's attention runs over `bits`-bit quantized KV here (probed with a real
-    prefill of `tokens` tokens, once per model object and setting)."""
+    prefill of `tokens` tokens and one decode step, once per model object and setting)."""
     failure = _quantized_kv_failure(model, bits, group_size, tokens)
     if failure is not None:
         pytest.skip(f"quantized KV ({bits}-bit, group {group_size}) does not run on {mx.default_device()} "

@@ -107,3 +107,20 @@ def test_the_engine_takes_plain_attention_only_for_a_chunk_shorter_than_its_step
     assert got["prefilled"] == 78 and len(used) == 1
     engine.close()
     store.close()
+
+
+def test_the_daemon_lets_mlx_keep_many_attention_graphs():
+    """MLX on CUDA raises once its fused-attention graph cache (256 by default) has missed twice its size over
+    the process's life; importing the engine raises that size, unless the user set it (a fresh process each)."""
+    import os
+    import subprocess
+    import sys
+
+    from kvwake.daemon.model import attention
+
+    show = "import os, kvwake.daemon.model.engine; print(os.environ['MLX_CUDA_SDPA_CACHE_SIZE'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_SDPA_CACHE_SIZE"}
+    unset = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    given = subprocess.run([sys.executable, "-c", show], env={**env, "MLX_CUDA_SDPA_CACHE_SIZE": "77"},
+                           capture_output=True, text=True, check=True)
+    assert (unset.stdout.strip(), given.stdout.strip()) == (str(attention.SDPA_GRAPHS), "77")

@@ -17,7 +17,7 @@ TOKENS = list(range(20, 220))  # 200 tokens the tiny model knows
 
 
 def test_apply_limits_sets_mlxs_memory_and_cache_limits():
-    before = mx.get_memory_limit()
+    before, cached = mx.get_memory_limit(), mx.set_cache_limit(memory.DEFAULT_CACHE_BYTES)
     try:
         limits = memory.apply_limits(3 << 30, 256 << 20)
         assert (limits.memory_bytes, limits.cache_bytes) == (3 << 30, 256 << 20)
@@ -28,6 +28,7 @@ def test_apply_limits_sets_mlxs_memory_and_cache_limits():
         assert default.cache_bytes == memory.DEFAULT_CACHE_BYTES
     finally:
         mx.set_memory_limit(before)
+        mx.set_cache_limit(cached)
 
 
 def test_session_tokens_leave_room_for_the_weights_and_a_prefills_scratch():

@@ -37,6 +37,15 @@ import mlx.core as mx
 
 __all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "plain_attention", "plain_prefill", "wanted"]
 
+# MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
+# counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
+# thrashing is happening" (mlx/backend/cuda/lru_cache.h, 0.32). A daemon meets a new (query, key) length at
+# most turns, so on the H100 the prefill-cancel tests (prefills stopped at any chunk) failed with it after a
+# few hundred. Unless set, the daemon allows 1<<16 graphs (a miss count of 131k before MLX raises); the
+# graphs are plans, kept on the host. Read when MLX first runs attention on a thread: set at import.
+SDPA_GRAPHS = 1 << 16
+os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(SDPA_GRAPHS))
+
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
 
