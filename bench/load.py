@@ -352,10 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    ok = (result["internal"] == 0 and not result["unexpected"] and checks["woke"] == checks["acknowledged_sleeps"]
-          and checks["fsck_ok"] and stopped == 0 and not problems and record.faults["kill -9"] == 1
-          and result["restart"]["down_before_kill"] == 0 and result["restart"]["down_after_restart"] <= args.clients)
-    print("load: all checks passed" if ok else "load: a check FAILED", file=sys.stderr)
+    passed = {"no INTERNAL": result["internal"] == 0, "no unexpected outcome": not result["unexpected"],
+              "every acknowledged sleep woke": checks["woke"] == checks["acknowledged_sleeps"],
+              "fsck clean": checks["fsck_ok"], "clean stop": stopped == 0, "no log problems": not problems,
+              "one kill -9": record.faults["kill -9"] == 1, "up before the kill": result["restart"]["down_before_kill"] == 0,
+              "back after the restart": result["restart"]["down_after_restart"] <= args.clients}
+    failed = [name for name, ok in passed.items() if not ok]
+    ok = not failed
+    print("load: all checks passed" if ok else f"load: a check FAILED: {', '.join(failed)} "
+          f"(unexpected: {result['unexpected']}, restart: {result['restart']})", file=sys.stderr)
     return 0 if ok else 1
 
 

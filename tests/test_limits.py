@@ -87,3 +87,21 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
             rpc.call("session.append", session_id="big", tokens=TOKENS[:50])  # what fits still runs
     finally:
         d.stop()
+
+
+def test_kv_bytes_per_token_plain_and_quantized(tmp_path, model_dir):
+    """Measured on the plain cache: what a prefilled session's KV holds per token; quantized KV counted from it
+    (bits per value, a 16-bit scale and bias per group) without a quantized pass."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvwake.daemon.kv import state
+
+    model, _ = load(str(model_dir))
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(20, 60))], dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    plain = memory.kv_token_bytes(model)
+    assert plain == state.bytes_per_token(cache) > 0
+    assert memory.kv_token_bytes(model, kv_bits=8, kv_group_size=32) == int(plain / 2 * (1 + 4 / 32))
+    assert memory.kv_token_bytes(model, kv_bits=4, kv_group_size=64) == int(plain / 2 * (0.5 + 4 / 64))

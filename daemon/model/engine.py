@@ -128,7 +128,7 @@ class Engine:
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
-        self.token_bytes = memory.kv_token_bytes(self.model, self.make_cache)
+        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits

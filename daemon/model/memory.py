@@ -64,13 +64,19 @@ def apply_limits(memory_bytes: int | None = None, cache_bytes: int = DEFAULT_CAC
     return limits
 
 
-def kv_token_bytes(model: Any, make_cache: Any = None) -> int:
+def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """Bytes one more token adds to a session's KV (the cuttable layers'; windows and recurrent state do not
-    grow), from a one-token forward pass through a fresh cache."""
-    cache = make_cache() if make_cache is not None else make_prompt_cache(model)
+    grow), from a one-token forward pass through a fresh cache. Quantized KV (`kv_bits`) is counted from the
+    plain cache's: `kv_bits` per value plus a scale and a bias (16 bits each) per group, not measured by a
+    quantized pass (mlx-cuda has no quantized kernels for some shapes, and the engine must still start)."""
+    cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
     mx.eval([c.state for c in cache])
-    return state.bytes_per_token(cache)
+    plain = state.bytes_per_token(cache)
+    if kv_bits is None:
+        return plain
+    itemsize = next((c.keys.dtype.size for c in cache if getattr(c, "keys", None) is not None), 2)
+    return int(plain / itemsize * (kv_bits / 8 + 4 / kv_group_size))
 
 
 def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:
