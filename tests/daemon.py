@@ -34,6 +34,15 @@ def track(client: Any) -> Any:
     return client
 
 
+def openai_client(d: Daemon) -> Any:
+    """The official `openai` client of a daemon serving HTTP (its URL and token), no retries; closed after the test."""
+    import openai
+
+    from kvwake.client import openai_config
+
+    return track(openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120))
+
+
 class Daemon:
     """A `kvwake serve` process with its own socket and data dir."""
 

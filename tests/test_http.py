@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon, RpcError, get, serving_http, track
+from tests.daemon import REPO, Daemon, RpcError, get, openai_client, serving_http, track
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 
@@ -35,8 +35,7 @@ def in_threads(target, n: int) -> list[threading.Thread]:
     return workers
 
 
-def client_for(d: Daemon) -> openai.OpenAI:
-    return track(openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120))
+client_for = openai_client  # tests.daemon's
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
         d.stop()
 
 
-def test_kv_bytes_per_token_plain_and_quantized(tmp_path, model_dir):
+def test_kv_bytes_per_token_plain_and_quantized(tmp_path):
     """Measured on the plain cache: what a prefilled session's KV holds per token; quantized KV counted from it
     (bits per value, a 16-bit scale and bias per group) without a quantized pass."""
     from mlx_lm import load
@@ -97,11 +97,16 @@ def test_kv_bytes_per_token_plain_and_quantized(tmp_path, model_dir):
 
     from kvwake.daemon.kv import state
 
-    model, _ = load(str(model_dir))
+    from tests.tinymodel import make_model_dir
+
+    model, _ = load(str(make_model_dir(tmp_path / "wide-heads", num_attention_heads=2, num_key_value_heads=1)))
     cache = make_prompt_cache(model)
     model(mx.array([list(range(20, 60))], dtype=mx.uint32), cache=cache)
     mx.eval([c.state for c in cache])
     plain = memory.kv_token_bytes(model)
     assert plain == state.bytes_per_token(cache) > 0
-    assert memory.kv_token_bytes(model, kv_bits=8, kv_group_size=32) == int(plain / 2 * (1 + 4 / 32))
-    assert memory.kv_token_bytes(model, kv_bits=4, kv_group_size=64) == int(plain / 2 * (0.5 + 4 / 64))
+    for bits, group in ((8, 32), (4, 32)):  # against a real quantized cache's bytes per token (head dim 32)
+        quantized = [c.to_quantized(group_size=group, bits=bits) for c in make_prompt_cache(model)]
+        model(mx.array([list(range(20, 60))], dtype=mx.uint32), cache=quantized)
+        mx.eval([c.state for c in quantized])
+        assert memory.kv_token_bytes(model, kv_bits=bits, kv_group_size=group) == state.bytes_per_token(quantized)

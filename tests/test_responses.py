@@ -24,7 +24,7 @@ from pydantic import TypeAdapter
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.openai_shapes import ApiError
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
-from tests.daemon import Daemon, serving_http, track
+from tests.daemon import Daemon, openai_client, serving_http
 from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 INSTRUCTIONS = "You are a careful agent. Answer briefly and name your sources. " * 4
@@ -32,8 +32,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-def client_for(d: Daemon) -> openai.OpenAI:
-    return track(openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120))
+client_for = openai_client  # tests.daemon's
 
 
 @pytest.fixture(scope="module")

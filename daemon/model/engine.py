@@ -189,8 +189,7 @@ class Engine:
         limit = self.max_tokens
         if limit is None or tokens < limit:
             return
-        by_memory = self.session_tokens is not None and self.session_tokens == limit and (
-            self.context_length is None or self.session_tokens < self.context_length)
+        by_memory = limit != self.context_length  # the least of the two, and not the context's: memory's
         why = (f" (the KV of {limit} tokens is what fits the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB "
                f"beside the weights)") if by_memory else ""
         raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
