@@ -33,7 +33,7 @@ from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory
+from kvwake.daemon.model import attention, memory, prefillslices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
@@ -128,6 +128,7 @@ class Engine:
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
+        self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
@@ -289,7 +290,8 @@ class Engine:
         return reused
 
     def prefill(self, session: Session, upto: int, mlx: Mlx = direct, should_stop: ShouldStop = None) -> int:
-        """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call; returns how many.
+        """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call (a slice of
+        layers per call while other calls decode); returns how many.
 
         `should_stop` is asked before each chunk: when it says so, CancelledError (with the tokens
         prefilled and to prefill). The session stays consistent: its input is kept, the cache covers
@@ -304,24 +306,36 @@ class Engine:
                                          f"of {upto - start} tokens (the client left, or the daemon is stopping)",
                                          session_id=session.id, prefilled=session.processed - start,
                                          tokens=upto - start)
-                mlx(lambda: self._prefill_chunk(session, upto))
+                chunk = mlx(lambda: self._prefill_chunk(session, upto))
+                while not chunk.done:
+                    mlx(chunk.step)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)
         return upto - start
 
-    def _prefill_chunk(self, session: Session, upto: int) -> None:
-        # Fixed chunks, also beside running calls: MLX on CUDA compiles for each new (chunk, offset)
-        # shape (measured: a 64-token chunk at a new offset 100 ms, again 20 ms), so chunks sized to
-        # the decode step made an 8k prefill 17-30x slower and the others' gaps longer, not shorter.
-        end = min(upto, session.processed + self.prefill_step)
+    def chunk_end(self, processed: int, upto: int) -> int:
+        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`).
+
+        Aligned, every full chunk's key length is a multiple of the step whatever the turn or prefix hit
+        before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (about
+        100 ms each); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
+        """
+        step = self.prefill_step
+        return min(upto, (processed // step + 1) * step)
+
+    def _prefill_chunk(self, session: Session, upto: int) -> prefillslices.Chunk:
+        """Queue the next chunk's forward pass and compute it, all of it, or, while other calls decode,
+        its first slice of layers (the `Chunk` computes the rest, one `step` per engine job)."""
+        end = self.chunk_end(session.processed, upto)
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build. Full chunks stay fused: beside
         # decoding, 128-token chunks over 8k took 3.0 s plain against 1.5 s fused (model/attention.py).
         plain = self.plain_prefill and end - session.processed < self.prefill_step
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        mx.eval([c.state for c in session.cache])
-        session.processed = end
+        chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if self.decoder.active else None)
+        chunk.step()
+        return chunk
 
     # -- generation -----------------------------------------------------------
 

@@ -1,0 +1,80 @@
+"""A prefill chunk computed a slice of layers at a time, so decoding calls wait one slice, not one chunk.
+
+A chunk's forward pass is queued whole (MLX builds the graph lazily), then
+computed by evaluating its cache layers: all at once when no call decodes,
+else a few layers per engine job, each slice sized from the measured cost of
+a layer so it takes about one decode step. The engine thread runs a decode
+step between two jobs, so a decoding neighbour's gap during a long prefill is
+about two steps, whatever the chunk size. The graph and its kernels are the
+ones a whole chunk runs (same shapes, same ops, evaluated in order): the
+cache is bit-identical to a chunk computed at once, and on CUDA a full chunk
+still meets the cuDNN graph its shape already built.
+
+Why layers and not smaller chunks (docs/decisions.md, "Prefill beside
+decoding"): a smaller chunk is a new (query, key) shape per offset on CUDA,
+and runs the weights once per chunk; a slice of layers keeps the chunk's
+shape and its weight reads.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import mlx.core as mx
+
+__all__ = ["Chunk", "Slicer"]
+
+
+class Slicer:
+    """How many layers a slice takes: from the measured seconds per layer and token of recent slices."""
+
+    def __init__(self) -> None:
+        self.layer_token_s: float | None = None  # moving average over slices
+
+    def layers_for(self, target_s: float, tokens: int, left: int) -> int:
+        """Layers (1..left) whose computation of `tokens` tokens takes about `target_s`."""
+        if self.layer_token_s is None:
+            return 1  # no measurement yet: the smallest slice, measured
+        return max(1, min(left, math.floor(target_s / (self.layer_token_s * tokens))))
+
+    def observe(self, seconds: float, layers: int, tokens: int) -> None:
+        cost = seconds / (layers * tokens)
+        self.layer_token_s = cost if self.layer_token_s is None else 0.5 * self.layer_token_s + 0.5 * cost
+
+
+class Chunk:
+    """A queued prefill chunk of `session`, computed by `step()` until `done`; then the session's
+    `processed` is `end`. `target_s`: a slice's time (a decode step's), or None for all layers in one step.
+
+    A slice that raises leaves the cache's state unknown: the session's cache is dropped (the engine
+    rebuilds it from the tokens on next use), as after a failed generation.
+    """
+
+    def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None) -> None:
+        self.session, self.end, self.slicer, self.target_s = session, end, slicer, target_s
+        self.layers = list(session.cache)
+        self.tokens = end - session.processed
+        self.computed = 0  # layers evaluated so far
+        self.slices = 0
+
+    @property
+    def done(self) -> bool:
+        return self.computed >= len(self.layers)
+
+    def step(self) -> None:
+        """Compute the next slice of layers (the chunk's whole pass when not sliced)."""
+        left = len(self.layers) - self.computed
+        n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.tokens, left)
+        started = time.perf_counter()
+        try:
+            mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
+        except BaseException:
+            self.session.cache, self.session.processed = None, 0
+            raise
+        self.slicer.observe(time.perf_counter() - started, n, self.tokens)
+        self.computed += n
+        self.slices += 1
+        if self.done:
+            self.session.processed = self.end

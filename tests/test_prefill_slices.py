@@ -1,0 +1,76 @@
+"""Prefill beside decoding (tiny llama, CPU): chunks end on multiples of the prefill step whatever the
+offset a turn or a prefix hit starts from, and while a call decodes, a chunk is computed a slice of
+layers per engine job, leaving the same cache bit for bit as a chunk computed at once."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.session import Session
+from kvwake.store import Store
+from tests.tinymodel import make_model_dir
+
+STEP = 32
+
+
+@pytest.fixture
+def deep(tmp_path):
+    """An engine on a 6-layer tiny llama: slices have layers to split."""
+    store = Store(tmp_path / "store", block_tokens=16)
+    model = make_model_dir(tmp_path / "deep", num_hidden_layers=6)
+    engine = Engine(store, tmp_path, model, prefill_step=STEP, max_batch=8)
+    yield engine
+    engine.close()
+    store.close()
+
+
+class Fed:
+    """The model, recording each prefill pass's (offset, tokens)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.passes = model, []
+
+    def __call__(self, inputs, cache=None):
+        self.passes.append((cache[0].offset, inputs.shape[1]))
+        return self.model(inputs, cache=cache)
+
+
+def test_chunks_after_a_turn_end_on_multiples_of_the_step(deep):
+    s = Session("s")
+    deep.append(s, tokens=list(range(1, 21)))  # 19 prefilled: a turn ends off the step's grid
+    deep.model = fed = Fed(deep.model)
+    deep.append(s, tokens=list(range(1, 21)) + list(range(30, 130)))  # 119 tokens to reach
+    assert fed.passes == [(19, 13), (32, 32), (64, 32), (96, 32), (128, 11)]  # each full chunk's keys: a multiple of 32
+
+
+def cache_arrays(session: Session) -> list[mx.array]:
+    return [a for layer in session.cache for a in layer.state]
+
+
+def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_same_cache(deep):
+    long_prompt = [(i * 37 + 5) % 200 + 20 for i in range(4 * STEP + 7)]
+    whole = Session("whole")
+    deep.append(whole, tokens=long_prompt)  # nothing decodes: one job per chunk
+    talker = Session("talker")
+    deep.append(talker, text="Tell the long story")
+    thread = EngineThread()
+    thread.attach(deep.decoder)
+    slices: list[int] = []
+    real = deep._prefill_chunk
+    deep._prefill_chunk = lambda session, upto: slices.append(chunk := real(session, upto)) or chunk
+    try:
+        call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000)))
+        thread.call(lambda: deep.decoder.join(call))
+        sliced = Session("sliced")
+        deep.append(sliced, tokens=long_prompt, mlx=thread.call)
+        call.output.should_stop = lambda: True  # the talker stops at its next token
+        call.future.result(timeout=60)
+    finally:
+        thread.stop()
+    assert any(chunk.slices > 1 for chunk in slices), [c.slices for c in slices]
+    assert sliced.processed == whole.processed == len(long_prompt) - 1
+    assert all(mx.array_equal(a, b).item() for a, b in zip(cache_arrays(sliced), cache_arrays(whole)))
