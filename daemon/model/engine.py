@@ -129,6 +129,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
+        self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
@@ -333,7 +334,7 @@ class Engine:
         plain = self.plain_prefill and end - session.processed < self.prefill_step
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if self.decoder.active else None)
+        chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if self.slice_prefill and self.decoder.active else None)
         chunk.step()
         return chunk
 
