@@ -135,3 +135,27 @@ async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is
         result = await task
     assert lent and lent[0].id == session["session_id"]
     assert result["tokens"] and again["session_id"] != session["session_id"] and again["match"] == "new"
+
+
+async def test_every_calls_streamed_output_of_a_step_reaches_the_loop_in_one_hop(manager):
+    # Was: one call_soon_threadsafe per row per token (a batch of 32 woke the loop 32 times a step).
+    import asyncio
+
+    from kvwake.daemon.model.generation import GenerateParams
+
+    loop, names = asyncio.get_running_loop(), [f"a{i}" for i in range(4)]
+    for i, name in enumerate(names):
+        await manager.create(name)
+        await manager.append(name, text=f"agent {i} lists the tools it needs")
+    pieces: dict[str, list[str]] = {name: [] for name in names}
+
+    def on_event(name):
+        return lambda event: manager.post(loop, pieces[name].append, event.get("text", ""))
+
+    hops, steps = manager.thread.hops, manager.engine.decoder.counters["decode_steps"]
+    results = await asyncio.gather(*(manager.generate(name, GenerateParams(max_tokens=40), on_event(name),
+                                                      lambda: False) for name in names))
+    events = sum(len(p) for p in pieces.values())
+    assert all("".join(pieces[name]) == r["text"] for name, r in zip(names, results))  # all of it, in order
+    hops, steps = manager.thread.hops - hops, manager.engine.decoder.counters["decode_steps"] - steps
+    assert hops <= steps + 4 and events > 1.5 * hops, (events, hops, steps)  # a hop per step, not per row

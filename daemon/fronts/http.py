@@ -254,7 +254,7 @@ class Api:
             if "tool_call" in event:
                 called.set()
             if req.stream:
-                loop.call_soon_threadsafe(events.put_nowait, event)
+                self.manager.post(loop, events.put_nowait, event)  # one loop hop per decode step
 
         # Streamed: the prompt's counts, once it is in the cache, open the stream (Anthropic's message_start).
         on_append = (lambda counts: events.put_nowait({"append": counts})) if req.stream else None

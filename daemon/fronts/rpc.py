@@ -77,8 +77,8 @@ def default_allow(extra: tuple[int, ...]) -> set[int]:
 
 class Connection(asyncio.Protocol):
     """One client. Replies are written to the transport in the order they are produced; streamed
-    pieces from the engine thread reach the loop through `call_soon_threadsafe`, before the
-    engine's completion of that call does, so they always precede its response."""
+    pieces from the engine thread reach the loop through the engine thread's `post`, in the same
+    hop as (or one before) the engine's completion of that call, so they always precede its response."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -154,11 +154,6 @@ class Connection(asyncio.Protocol):
     def send(self, message: list[Any]) -> None:
         """Write a message (event loop thread)."""
         self.write(pack(message))
-
-    def send_threadsafe(self, message: list[Any]) -> None:
-        """Queue a message from another thread (streamed text from the engine thread); never blocks."""
-        if not self.closed:
-            self.loop.call_soon_threadsafe(self.write, pack(message))
 
     def write(self, data: bytes) -> None:
         """Write, unless more than out_buffer_bytes already wait for this client: then it has stopped
@@ -241,7 +236,8 @@ class Server:
 
     def _notify(self, conn: Connection, msgid: int, body: dict[str, Any]) -> None:
         """Called on the engine thread with streamed output: hand it to the event loop."""
-        conn.send_threadsafe([NOTIFICATION, "stream", {"msgid": msgid, **body}])
+        if not conn.closed:  # the step's output of every call goes to the loop in one hop (manager.post)
+            self.manager.post(conn.loop, conn.write, pack([NOTIFICATION, "stream", {"msgid": msgid, **body}]))
 
     async def close(self) -> None:
         """Close every connection, then end the requests still in flight (none touches a session

@@ -7,8 +7,13 @@ short: a long prefill or a sleep is many jobs.
 
 While generate calls are decoding, the thread alternates: one job, then one
 decode step for every running call (the attached `Decoder`). So a session's
-8k-token prefill delays other sessions' next tokens by about one chunk, not
-by the whole prompt, and a decoding session never waits for a sleep or wake.
+8k-token prefill delays other sessions' next tokens by about one slice of a
+chunk (model/prefillslices.py), not by the whole prompt, and a decoding session
+never waits for a sleep or wake.
+
+Output for the event loop (streamed pieces, finished calls) is `post`ed: what a
+job or a decode step posts reaches each loop in one `call_soon_threadsafe`
+after it, in order, so a step of 32 rows wakes the loop once, not 32 times.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ __all__ = ["EngineThread"]
 log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
+Posted = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 class EngineThread:
@@ -39,6 +45,8 @@ class EngineThread:
         self._on_exit = on_exit
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._decoder: Decoder | None = None
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
+        self.hops = 0  # loop wake-ups made by `post`ed output (one per loop per job or step that posted)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.busy_s = 0.0
@@ -66,9 +74,11 @@ class EngineThread:
                 except Exception as exc:  # a bug, not a model error (those fail only their calls)
                     log.exception("decode step failed; failing every call in flight")
                     decoder.abort(exc)
+            self._flush()
             self.busy_s += time.perf_counter() - start
         if self._decoder is not None:
             self._decoder.abort(CancelledError("the engine stopped"))
+            self._flush()  # the calls' failures reach their waiters
         if self._on_exit is not None:
             self._on_exit()
 
@@ -81,6 +91,28 @@ class EngineThread:
             future.set_result(fn())
         except BaseException as exc:  # delivered to the awaiting caller
             future.set_exception(exc)
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on `loop`: from the engine thread, with everything else the current job or decode
+        step posts, in one hop after it; from another thread, at once. In the order posted, either way."""
+        if threading.current_thread() is self._thread:
+            self._outbox.append((loop, fn, args))
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Posted]] = {}
+        for loop, fn, args in self._outbox:
+            by_loop.setdefault(loop, []).append((fn, args))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+                self.hops += 1
+            except RuntimeError:  # the loop is closed: nobody is left to tell
+                pass
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -104,3 +136,12 @@ class EngineThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
+
+
+def _deliver(items: list[Posted]) -> None:
+    """On the loop: run what one job or step posted, in order; one that raises does not stop the rest."""
+    for fn, args in items:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("posted output failed on the event loop")

@@ -355,13 +355,21 @@ class SessionManager:
     async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
                       stop: Callable[[], bool]) -> GenerateResult:
         """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
-        engine = self.engine
+        engine, loop = self.engine, asyncio.get_running_loop()
         call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_event, stop, self.thread.call))
+        # The result comes through `post`, after the output the same step posted (streamed pieces first).
+        ended: asyncio.Future[GenerateResult] = loop.create_future()
+        call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
         await self.thread.run(lambda: engine.decoder.join(call))
         # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
         # so this wait is not cancelled (a client that leaves stops the call through `stop`).
         with anyio.CancelScope(shield=True):
-            return await asyncio.wrap_future(call.future)
+            return await ended
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on `loop`; for fronts' streamed output, called on the engine thread: every call's
+        output of one decode step reaches the loop in one hop, before the calls that step ended return."""
+        self.thread.post(loop, fn, *args)
 
     # -- store-level operations -----------------------------------------------
 
@@ -414,3 +422,14 @@ class SessionManager:
             except Exception as exc:
                 results[e.id] = {"error": repr(exc)}
         return results
+
+
+def _settle(ended: asyncio.Future, done: Any) -> None:
+    """On the loop: `ended` takes the outcome of the call's `done` (a concurrent future)."""
+    if ended.cancelled():
+        return
+    exc = done.exception()
+    if exc is not None:
+        ended.set_exception(exc)
+    else:
+        ended.set_result(done.result())
