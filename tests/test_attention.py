@@ -74,10 +74,38 @@ def test_the_fused_kernel_is_back_after_the_chunk_and_big_chunks_keep_it(model):
     q = mx.zeros((1, 4, 8, 16))
     keys = mx.zeros((1, 2, 8, 16))
     assert attention(q, keys, keys, None, 1.0, mx.zeros((8, 8))) == "fused"  # an array mask: the kernel's
-    big = PLAIN_MAX_BYTES // (4 * 4 * 8) + 1  # scores over this many keys would pass the byte bound
-    assert attention(q, mx.zeros((1, 2, big, 16)), mx.zeros((1, 2, big, 16)), None, 1.0, "causal") == "fused"
+    huge = PLAIN_MAX_BYTES // (4 * 4) + 1  # one query's scores over this many keys pass the byte bound
+    assert attention(q, mx.zeros((1, 2, huge, 16)), mx.zeros((1, 2, huge, 16)), None, 1.0, "causal") == "fused"
     assert attention(q[:, :, :1], keys, keys, None, 1.0, None) == "fused"  # one query: the vector kernel
     assert len(calls) == 3 and attention(q, keys, keys, None, 1.0, "causal").shape == (1, 4, 8, 16)
+
+
+def test_a_short_chunk_over_many_keys_runs_plain_in_pieces_of_queries(monkeypatch):
+    from kvwake.daemon.model import attention
+
+    shapes = {"q": (1, 8, 40, 64), "k": (1, 2, 900, 64), "v": (1, 2, 900, 64)}
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)) for i, s in enumerate(shapes.values()))
+    fused = []
+    plain = plain_attention(lambda *a, **kw: fused.append(1))
+    whole = plain(q, k, v, None, 0.125, "causal")
+    monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 8 * 7 * 900 * 4)  # 7 query rows per piece: 6 pieces
+    pieces = plain(q, k, v, None, 0.125, "causal")
+    assert not fused and mx.allclose(whole, pieces, atol=1e-6).item()
+
+
+def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape(model):
+    from kvwake.daemon.model.attention import PathCosts
+
+    # Per layer: plain 1 ms at 1k keys and 8 ms at 8k, fused 0.5 and 2 ms, and a 100 ms build for a new shape.
+    paths = PathCosts(layers=32, queries=128, table=[(1024, 0.001, 0.0005, 0.1), (8192, 0.008, 0.002, 0.1)])
+    assert paths.costs(128, 1024) == pytest.approx((0.032, 0.116))
+    assert paths.plain(128, 4000)  # 32 x ~4 ms plain against a build and 32 x ~1.1 ms
+    assert not paths.plain(128, 8192)  # 256 ms plain: the fused build pays ...
+    assert paths.costs(128, 8192)[1] == pytest.approx(0.064)  # ... and is built from then on
+    assert not paths.plain(64, 65536)  # beyond the table: plain scaled with the keys, 1 s
+    measured = PathCosts.measure(model, [256, 1024], queries=16, repeats=1)
+    assert [row[0] for row in measured.table] == [256, 1024] and measured.layers == len(model.layers)
+    assert all(plain > 0 and fused > 0 and extra >= 0 for _, plain, fused, extra in measured.table)
 
 
 def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
@@ -92,7 +120,7 @@ def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
     assert mx.array_equal(a, b).item()
 
 
-def test_the_engine_takes_plain_attention_only_for_a_chunk_shorter_than_its_step(model_dir, tmp_path, monkeypatch):
+def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_less(model_dir, tmp_path, monkeypatch):
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session import Session
@@ -101,10 +129,14 @@ def test_the_engine_takes_plain_attention_only_for_a_chunk_shorter_than_its_step
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.001, 0.1)])  # a new fused shape: 100 ms more
     used, real = [], attention.plain_prefill
     monkeypatch.setattr(attention, "plain_prefill", lambda m: used.append(m) or real(m))
     got = engine.append(Session("s"), tokens=list(range(1, 80)))  # 78 to prefill: chunks of 32, 32, 14
     assert got["prefilled"] == 78 and len(used) == 1
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
+    engine.append(Session("t"), tokens=list(range(1, 80)))
+    assert len(used) == 1
     engine.close()
     store.close()
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "plain_attention", "plain_prefill", "wanted"]
+__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "plain_attention", "plain_prefill", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -50,6 +52,12 @@ PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per laye
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
 
 
+def key_ladder(context: int | None) -> list[int]:
+    """Key lengths PathCosts measures at: 1k to 128k by fours, up to the model's context (32k when unknown)."""
+    top = context or 32768
+    return [k for k in (1024, 4096, 16384, 65536, 131072) if k <= top] or [top]
+
+
 def wanted() -> bool:
     """Plain prefill attention where it pays: MLX on CUDA (KVWAKE_PLAIN_PREFILL=0 turns it off)."""
     if os.environ.get("KVWAKE_PLAIN_PREFILL", "1") == "0":
@@ -58,24 +66,33 @@ def wanted() -> bool:
 
 
 def plain_attention(fused: Any) -> Any:
-    """mlx-lm's `scaled_dot_product_attention` signature, in plain ops for causal or unmasked chunks."""
+    """mlx-lm's `scaled_dot_product_attention` signature, in plain ops for causal or unmasked chunks.
+
+    Queries go in pieces whose float32 scores take at most `PLAIN_MAX_BYTES` (one piece up to ~8k keys
+    for 32 heads and 256 queries), so a short chunk over a long context runs plain too."""
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
         b, heads, q_len, _ = queries.shape
         k_len = keys.shape[2]
         causal = isinstance(mask, str) and mask == "causal"
+        rows = PLAIN_MAX_BYTES // (heads * k_len * 4)  # query rows per piece
         if (not 1 < q_len <= PLAIN_MAX_QUERIES or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
-                or heads * q_len * k_len * 4 > PLAIN_MAX_BYTES):  # one query: MLX's vector kernel, no graph
+                or rows < 1):  # one query: MLX's vector kernel, no graph
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         kv_heads = keys.shape[1]
         # Scores in float32 from float32 inputs, as the fused kernels keep them: bf16 scores (a 2^-8
         # step) would move the softmax. Grouped-query heads by reshape, not by repeating the keys.
         q = (queries.astype(mx.float32) * scale).reshape(b, kv_heads, heads // kv_heads, q_len, -1)
-        scores = q @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
-        if causal:  # query i sits at key position k_len - q_len + i and sees keys up to it
-            rows = mx.arange(k_len - q_len, k_len)[:, None]
-            scores = mx.where(mx.arange(k_len)[None] <= rows, scores, -mx.inf)
-        out = mx.softmax(scores, axis=-1) @ values[:, :, None].astype(mx.float32)  # float32 throughout
+        k32, v32 = keys[:, :, None].astype(mx.float32).swapaxes(-1, -2), values[:, :, None].astype(mx.float32)
+        pieces = []
+        for start in range(0, q_len, rows):
+            end = min(q_len, start + rows)
+            scores = q[..., start:end, :] @ k32
+            if causal:  # query i sits at key position k_len - q_len + i and sees keys up to it
+                at = mx.arange(k_len - q_len + start, k_len - q_len + end)[:, None]
+                scores = mx.where(mx.arange(k_len)[None] <= at, scores, -mx.inf)
+            pieces.append(mx.softmax(scores, axis=-1) @ v32)  # float32 throughout
+        out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
         return out.reshape(b, heads, q_len, -1).astype(values.dtype)
     return attention
 
@@ -93,3 +110,88 @@ def plain_prefill(model: Any) -> Iterator[None]:
         yield
     finally:
         module.scaled_dot_product_attention = fused
+
+
+class PathCosts:
+    """Which path a prefill chunk's attention should take, from measured costs at its key length.
+
+    `measure` times one layer's attention of `queries` queries on random tensors of the model's
+    attention shape, at a ladder of key lengths: plain ops, the fused kernel at a shape it ran
+    before, and the fused kernel at a shape it never ran (on CUDA: the cuDNN graph build). A chunk
+    of q queries over k keys then costs, for all `layers`, plain: layers x plain(k) x q / queries;
+    fused: the same with fused(k), plus the build when its (q, k) shape is new to this process
+    (`seen`: the shapes fused so far). Costs between two measured key lengths are interpolated,
+    beyond the last scaled with k. `plain(q, k)` says which is cheaper.
+    """
+
+    def __init__(self, layers: int, queries: int, table: list[tuple[int, float, float, float]]) -> None:
+        self.layers, self.queries = layers, queries
+        self.table = sorted(table)  # (key length, plain s, fused s, fused first-shape extra s) per layer
+        self.seen: set[tuple[int, int]] = set()
+
+    @classmethod
+    def measure(cls, model: Any, key_lengths: list[int], queries: int = 128, repeats: int = 2) -> PathCosts | None:
+        """Costs for `model`'s attention shape (None when its args do not give it)."""
+        args = getattr(model, "args", None)
+        heads = getattr(args, "num_attention_heads", None)
+        hidden = getattr(args, "hidden_size", None)
+        layers = getattr(args, "num_hidden_layers", None) or len(getattr(model, "layers", []))
+        if not (heads and hidden and layers):
+            return None
+        kv_heads = getattr(args, "num_key_value_heads", None) or heads
+        head_dim = getattr(args, "head_dim", None) or hidden // heads
+        dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                     mx.float16)
+        table = [(k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats)) for k in key_lengths]
+        return cls(layers, queries, table)
+
+    def costs(self, q: int, k: int) -> tuple[float, float]:
+        """(plain, fused) seconds for a chunk of q queries over k keys, all layers."""
+        plain, fused, extra = self._at(k)
+        scale = self.layers * q / self.queries
+        return plain * scale, fused * scale + (0.0 if (q, k) in self.seen else extra)
+
+    def plain(self, q: int, k: int) -> bool:
+        """True when plain ops are cheaper for this chunk; else the fused shape is counted as built."""
+        plain, fused = self.costs(q, k)
+        if plain < fused:
+            return True
+        self.seen.add((q, k))
+        return False
+
+    def _at(self, k: int) -> tuple[float, float, float]:
+        table = self.table
+        if k <= table[0][0]:
+            return table[0][1:]
+        for (k0, *lo), (k1, *hi) in zip(table, table[1:]):
+            if k <= k1:
+                w = (k - k0) / (k1 - k0)
+                return tuple(a + w * (b - a) for a, b in zip(lo, hi))  # type: ignore[return-value]
+        last_k, plain, fused, extra = table[-1]
+        return plain * k / last_k, fused * k / last_k, extra
+
+
+def _timed_paths(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int, keys: int,
+                 repeats: int) -> tuple[float, float, float]:
+    """(plain, fused at a known shape, fused's extra at a new shape) seconds of one layer's attention."""
+    fused = mx.fast.scaled_dot_product_attention
+    plain = plain_attention(lambda *a, **kw: fused(*a[:3], scale=kw["scale"], mask=kw["mask"]))
+    k = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
+    mx.eval(k, v)
+
+    def timed(fn: Any, q_len: int) -> float:
+        q = mx.random.normal((1, heads, q_len, head_dim)).astype(dtype)
+        mx.eval(q)
+        start = time.perf_counter()
+        mx.eval(fn(q))
+        return time.perf_counter() - start
+
+    scale = head_dim ** -0.5
+    run_plain = lambda q: plain(q, k, v, None, scale, "causal")  # noqa: E731
+    run_fused = lambda q: fused(q, k, v, scale=scale, mask="causal")  # noqa: E731
+    timed(run_plain, queries)  # the plain ops' own kernels, once
+    first = timed(run_fused, queries + 1)  # a query length no chunk of this calibration ran: new
+    plain_s = min(timed(run_plain, queries) for _ in range(repeats))
+    fused_s = min(timed(run_fused, queries) for _ in range(repeats + 1))  # the first of these builds too
+    return plain_s, fused_s, max(0.0, first - fused_s)

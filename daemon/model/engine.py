@@ -128,6 +128,9 @@ class Engine:
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
+        # Which path a short chunk's attention takes: measured at this model's shape, off the request path.
+        self.paths = attention.PathCosts.measure(self.model, attention.key_ladder(self.context_length)) \
+            if self.plain_prefill else None
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
@@ -329,9 +332,12 @@ class Engine:
         its first slice of layers (the `Chunk` computes the rest, one `step` per engine job)."""
         end = self.chunk_end(session.processed, upto)
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
-        # computed before: plain attention spares it a cuDNN graph build. Full chunks stay fused: beside
-        # decoding, 128-token chunks over 8k took 3.0 s plain against 1.5 s fused (model/attention.py).
-        plain = self.plain_prefill and end - session.processed < self.prefill_step
+        # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
+        # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
+        # shapes recur (aligned), and beside decoding 128-token chunks over 8k took 3.0 s plain against
+        # 1.5 s fused (model/attention.py).
+        plain = self.plain_prefill and end - session.processed < self.prefill_step and \
+            (self.paths is None or self.paths.plain(end - session.processed, end))
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if self.slice_prefill and self.decoder.active else None)
