@@ -1,6 +1,6 @@
 """What a short prefill chunk costs at a new cache offset (every agent turn is one), by attention path.
 
-usage: python bench/prefill_shapes.py MODEL [--context 7500] [--chunk 35] [--turns 6]
+usage: python bench/prefill_shapes.py MODEL [--context 7500] [--chunk 35] [--turns 6] [--costs 1024,4096,...]
 
 A cache of --context random tokens, then --turns chunks of --chunk tokens, each at a new offset (as
 each turn of a conversation is), timed one by one, evaluated. Paths:
@@ -10,6 +10,8 @@ each turn of a conversation is), timed one by one, evaluated. Paths:
   steps    the chunk fed one token at a time (the decode kernel), for reference
 MLX on CUDA builds a cuDNN graph per (query length, key length) for fused prefill attention; this
 measures whether the other paths avoid that per-turn cost. Prints one JSON line per path.
+--costs: also the table the engine chooses a short chunk's path by (attention.PathCosts, one layer, 128
+queries) at these key lengths, and what it picks for a --chunk chunk at each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import mlx_lm
 from mlx_lm.models import cache as cache_mod
 from mlx_lm.models import llama
 
-from kvwake.daemon.model.attention import plain_attention
+from kvwake.daemon.model.attention import PathCosts, plain_attention
 
 
 def run(model, context: int, chunk: int, turns: int, path: str) -> list[float]:
@@ -55,8 +57,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=7500)
     ap.add_argument("--chunk", type=int, default=35)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--costs", default="")
     a = ap.parse_args()
     model, _ = mlx_lm.load(a.model)
+    if a.costs:
+        paths = PathCosts.measure(model, [int(k) for k in a.costs.split(",")])
+        for k, plain, fused, extra in paths.table:
+            chunk_plain, chunk_fused = paths.costs(a.chunk, k)
+            print(json.dumps({"keys": k, "layer_ms": {"plain": round(plain * 1e3, 3), "fused": round(fused * 1e3, 3),
+                                                      "fused_new_shape_extra": round(extra * 1e3, 3)},
+                              "chunk": a.chunk, "chunk_ms": {"plain": round(chunk_plain * 1e3, 1),
+                                                             "fused_new": round(chunk_fused * 1e3, 1)},
+                              "picks": "plain" if chunk_plain < chunk_fused else "fused",
+                              "device": str(mx.default_device())}), flush=True)
     fast_sdpa, make_mask = llama.scaled_dot_product_attention, cache_mod.KVCache.make_mask
     for path in ("causal", "array", "plain", "steps", "causal"):
         llama.scaled_dot_product_attention = plain_attention(fast_sdpa) if path == "plain" else fast_sdpa
