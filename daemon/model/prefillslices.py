@@ -10,8 +10,8 @@ ones a whole chunk runs (same shapes, same ops, evaluated in order): the
 cache is bit-identical to a chunk computed at once, and on CUDA a full chunk
 still meets the cuDNN graph its shape already built.
 
-Why layers and not smaller chunks (docs/decisions.md, "Prefill beside
-decoding"): a smaller chunk is a new (query, key) shape per offset on CUDA,
+Why layers and not smaller chunks (docs/decisions.md, "Many agents at
+once"): a smaller chunk is a new (query, key) shape per offset on CUDA,
 and runs the weights once per chunk; a slice of layers keeps the chunk's
 shape and its weight reads.
 """
