@@ -1,7 +1,7 @@
 """Many agents at once: batched decoding against one call at a time, and a long prefill beside decoding.
 
-usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16] [--tokens 64] [--prefill 8192]
-                                [--mlx-server] [--out bench/out]
+usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
+                                [--whole 4:96] [--mlx-server] [--no-batch-generator] [--out bench/out]
 
 decode      for each N in --sessions: N sessions (short prompts, appended first) generate --tokens
             tokens each, all at once, streamed, through a real `kvwake serve` with batching on
@@ -9,6 +9,10 @@ decode      for each N in --sessions: N sessions (short prompts, appended first)
             wall time) and the p50/p99 gap between a session's consecutive tokens.
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
+whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
+            alone (batching on): the "N sessions >= 2x one alone" row.
+batchgen    mlx-lm's own `BatchGenerator` in this process on the same model and prompts (no EOS, steady
+            state: tokens/s once every row decodes), the ceiling kvwake's batched decode is held to.
 mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/completions of
             --tokens tokens with the same prompts; aggregate tokens/s and kvwake's ratio to it.
 
@@ -164,6 +168,60 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> d
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
 
 
+def whole_round(d: Daemon, n: int, tokens: int, tag: str) -> dict[str, Any]:
+    """N sessions generate `tokens` tokens each, not streamed, all at once: aggregate tokens/s."""
+    names = [f"{tag}-{n}-{i}" for i in range(n)]
+    with d.client() as c:
+        for name, text in zip(names, prompts(n)):
+            c.call("session.create", session_id=name)
+            c.call("session.append", session_id=name, text=text)
+    counts: list[int] = []
+    clients = [RawClient(d.socket, timeout=600) for _ in names]
+    barrier = threading.Barrier(n)
+
+    def one(client: RawClient, name: str) -> None:
+        barrier.wait()
+        counts.append(len(client.call("session.generate", session_id=name, max_tokens=tokens)["tokens"]))
+
+    threads = [threading.Thread(target=one, args=(cl, name)) for cl, name in zip(clients, names)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    for cl in clients:
+        cl.close()
+    return {"sessions": n, "tokens": sum(counts), "wall_s": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 1)}
+
+
+def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
+    """mlx-lm's BatchGenerator in this process: N prompts, `tokens` each, no stop tokens. tokens/s counts
+    the steps once all N rows decode (steady state); wall_s is insert to last token."""
+    import mlx_lm
+    from mlx_lm.generate import BatchGenerator
+
+    loaded, tokenizer = mlx_lm.load(str(model))
+    rows = []
+    for n in [max(sizes), *sizes]:  # the first round warms every shape up
+        gen = BatchGenerator(loaded, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, n),
+                             prefill_batch_size=max(8, n))
+        gen.insert([tokenizer.encode(p) for p in prompts(n)])
+        started, steady, steady_tokens, total = time.perf_counter(), None, 0, 0
+        while total < n * tokens:
+            out = gen.next_generated()
+            total += len(out)
+            if steady is None and len(out) == n:
+                steady = time.perf_counter()
+            elif steady is not None:
+                steady_tokens += len(out)
+        ended = time.perf_counter()
+        gen.close()
+        rows.append({"sessions": n, "tokens": total, "wall_s": round(ended - started, 3),
+                     "tokens_per_s": round(steady_tokens / (ended - steady), 1) if steady and ended > steady else None})
+    return rows[1:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -215,11 +273,13 @@ def mlx_server_round(model: Path, sizes: list[int], tokens: int) -> list[dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--sessions", default="1,4,8,16")
+    ap.add_argument("--sessions", default="1,4,8,16,32")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--mlx-server", action="store_true")
+    ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
+    ap.add_argument("--no-batch-generator", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -243,12 +303,22 @@ def main() -> None:
             decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
             report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]
             report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
+            if mode == "batched" and a.whole:
+                n, t = (int(x) for x in a.whole.split(":"))
+                alone, together = whole_round(d, 1, t, "whole"), whole_round(d, n, t, "whole")
+                report["whole"] = {"alone": alone, "together": together,
+                                   "x_one_session_alone": round(together["tokens_per_s"] / alone["tokens_per_s"], 2)}
         finally:
             d.stop()
         print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"][mode]), flush=True)
     solo_one = report["decode"]["solo"][0]["tokens_per_s"] if sizes[0] == 1 else None
     for row in report["decode"]["batched"]:
         row["x_one_session_alone"] = round(row["tokens_per_s"] / solo_one, 2) if solo_one else None
+    if not a.no_batch_generator:
+        report["batch_generator"] = batch_generator_round(model, sizes, a.tokens)
+        for ours, theirs in zip(report["decode"]["batched"], report["batch_generator"]):
+            ours["x_batch_generator"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2) \
+                if theirs["tokens_per_s"] else None
     if a.mlx_server:
         report["mlx_server"] = mlx_server_round(model, sizes, a.tokens)
         for ours, theirs in zip(report["decode"]["batched"], report["mlx_server"]):

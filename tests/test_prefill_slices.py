@@ -63,14 +63,29 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
     real = deep._prefill_chunk
     deep._prefill_chunk = lambda session, upto: slices.append(chunk := real(session, upto)) or chunk
     try:
-        call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000)))
+        no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)  # it decodes until stopped
+        call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
         thread.call(lambda: deep.decoder.join(call))
+        # One layer per slice, however busy this machine is (sizes are measured; test_a_slice_is_sized_...).
+        deep.slicer.layers_for = lambda target_s, tokens, left: 1
         sliced = Session("sliced")
         deep.append(sliced, tokens=long_prompt, mlx=thread.call)
         call.output.should_stop = lambda: True  # the talker stops at its next token
         call.future.result(timeout=60)
     finally:
         thread.stop()
-    assert any(chunk.slices > 1 for chunk in slices), [c.slices for c in slices]
+    assert [c.slices for c in slices] == [6] * len(slices)  # 6 layers, one per job
     assert sliced.processed == whole.processed == len(long_prompt) - 1
     assert all(mx.array_equal(a, b).item() for a, b in zip(cache_arrays(sliced), cache_arrays(whole)))
+
+
+def test_a_slice_is_sized_to_the_decode_step_from_the_measured_layer_cost():
+    from kvwake.daemon.model.prefillslices import Slicer
+
+    slicer = Slicer()
+    assert slicer.layers_for(0.010, 512, 32) == 1  # nothing measured yet: one layer, measured
+    slicer.observe(0.004, 2, 512)  # 2 ms a layer for 512 tokens
+    assert slicer.layers_for(0.010, 512, 32) == 5 and slicer.layers_for(0.010, 512, 3) == 3
+    assert slicer.layers_for(0.001, 512, 32) == 1  # a layer costs more than the step: still one
+    slicer.observe(0.024, 4, 512)  # now 6 ms a layer: the average moves halfway, to 4 ms
+    assert slicer.layers_for(0.010, 512, 32) == 2
