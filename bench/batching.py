@@ -10,7 +10,7 @@ decode      for each N in --sessions: N sessions (short prompts, appended first)
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
 whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
-            alone (batching on): the "N sessions >= 2x one alone" row.
+            alone (batching on), --repeat times: the "N sessions >= 2x one alone" row (median ratio).
 batchgen    mlx-lm's own `BatchGenerator` in this process on the same model and prompts (no EOS, steady
             state: tokens/s once every row decodes), the ceiling kvwake's batched decode is held to.
 mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/completions of
@@ -280,6 +280,7 @@ def main() -> None:
     ap.add_argument("--mlx-server", action="store_true")
     ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
     ap.add_argument("--no-batch-generator", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of the --whole row (alone, then together; median ratio)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -305,9 +306,11 @@ def main() -> None:
             report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
             if mode == "batched" and a.whole:
                 n, t = (int(x) for x in a.whole.split(":"))
-                alone, together = whole_round(d, 1, t, "whole"), whole_round(d, n, t, "whole")
-                report["whole"] = {"alone": alone, "together": together,
-                                   "x_one_session_alone": round(together["tokens_per_s"] / alone["tokens_per_s"], 2)}
+                runs = [(whole_round(d, 1, t, f"whole{r}"), whole_round(d, n, t, f"whole{r}")) for r in range(a.repeat)]
+                ratios = sorted(together["tokens_per_s"] / alone["tokens_per_s"] for alone, together in runs)
+                report["whole"] = {"runs": [{"alone": x, "together": y} for x, y in runs],
+                                   "x_one_session_alone_median": round(ratios[len(ratios) // 2], 2),
+                                   "x_one_session_alone_each": [round(r, 2) for r in ratios]}
         finally:
             d.stop()
         print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"][mode]), flush=True)
