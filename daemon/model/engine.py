@@ -340,7 +340,8 @@ class Engine:
             (self.paths is None or self.paths.plain(end - session.processed, end))
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if self.slice_prefill and self.decoder.active else None)
+        sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
+        chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
         chunk.step()
         return chunk
 
