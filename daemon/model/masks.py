@@ -11,9 +11,9 @@ constrained row never comes here: the unconstrained hot path is untouched.
 Ahead of the pass: a constrained step cannot be queued on the device ahead
 of the host the way a free one is, since its mask needs the token sampled
 the step before. So as soon as a step has scheduled its sampled tokens, the
-decoder hands them to `Masks.ahead` (`prefetch`): one worker thread waits for
-them (a wait on arrays already scheduled: it releases the GIL and builds no
-MLX op), advances the matchers and fills the next pass's mask on llguidance's
+decoder hands them to `Masks.prefetch`: one worker thread waits for a copy of
+them that only it holds (a wait on an array already scheduled: it releases
+the GIL and builds no MLX op), advances the matchers and fills the next pass's mask on llguidance's
 pool, while the engine thread hands the step's tokens out and builds the next
 forward pass. The pass then takes the mask ready (`take`). Where the rows
 changed in between (a call joined), the pass waits for what was started,
@@ -104,10 +104,14 @@ class Masks:
         """`sampled` (already scheduled) holds the token each row feeds next: feed them and fill the
         next pass's mask on the worker thread. Call only for rows that will be fed these tokens."""
         if self.ahead_enabled and any(constraints):
-            self._ahead[_key(constraints)] = self._worker.submit(self._advance, constraints, sampled)
+            # The worker waits on a copy of its own: waiting changes an array (MLX drops its event),
+            # and the engine thread reads `sampled`'s as it queues the next pass (a crash on CUDA).
+            copy = sampled.astype(mx.int32)
+            mx.async_eval(copy)
+            self._ahead[_key(constraints)] = self._worker.submit(self._advance, constraints, copy)
 
     def _advance(self, constraints: list[Constraint | None], sampled: mx.array) -> np.ndarray:
-        mx.eval(sampled)  # scheduled by the engine thread: only waits for it
+        mx.eval(sampled)  # scheduled by the engine thread, and only this thread holds it: only waits
         for constraint, token in zip(constraints, sampled.tolist()):
             if constraint is not None:
                 constraint.feed(token)
