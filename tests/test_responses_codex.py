@@ -204,3 +204,22 @@ def test_input_items_list_a_chains_items_in_openais_shape(omitting):
         assert status == 400 and raw["error"]["param"] == param, query
     with pytest.raises(openai.NotFoundError):
         api.responses.input_items.list("resp_unknown")
+
+
+def test_a_record_stored_before_input_items_were_kept_still_reads(store):
+    """Records written before input items were kept hold the bare response object: read, with no items."""
+    from types import SimpleNamespace
+
+    from anyio import run
+
+    from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
+
+    records = ResponseRecords(SimpleNamespace(store=store))
+    old = {"id": "resp_old", "object": "response", "output": []}
+    store.put_response("resp_old", "s", 3, [{"role": "user", "content": "hi"}], old)
+    got = run(records.get, "resp_old")
+    assert got.response == old and got.input_items is None and got.position == 3
+    items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    run(records.put, ResponseRecord("resp_new", "s", 5, [], {**old, "id": "resp_new"}, items))
+    new = run(records.get, "resp_new")
+    assert new.response["id"] == "resp_new" and new.input_items == items

@@ -12,8 +12,9 @@ templates want a single system message first); `input` becomes chat messages
 as fronts/responses_items.py says, so the same conversation sent as chat
 completions renders to the same tokens.
 
-Fields: `model`, `input`, `instructions`, `tools` (function tools; any other
-type is a 400 naming it), `tool_choice` `auto` or `none`,
+Fields: `model`, `input`, `instructions`, `tools` (function and namespace
+tools; OpenAI's built-in ones refused or left out: fronts/responses_tools.py),
+`tool_choice` `auto` or `none`,
 `parallel_tool_calls`, `max_output_tokens` (default 4096), `temperature`
 (default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
 `prompt_cache_key` (a lineage hint, fronts/matching.py), `metadata` (repeated
