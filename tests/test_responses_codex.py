@@ -223,3 +223,13 @@ def test_a_record_stored_before_input_items_were_kept_still_reads(store):
     run(records.put, ResponseRecord("resp_new", "s", 5, [], {**old, "id": "resp_new"}, items))
     new = run(records.get, "resp_new")
     assert new.response["id"] == "resp_new" and new.input_items == items
+
+
+def test_the_hosted_tools_setting_takes_refuse_or_omit_only(tmp_path):
+    from kvwake.daemon.config import load_settings
+
+    none = tmp_path / "none.toml"
+    assert load_settings({}, none).http_hosted_tools == "refuse"
+    assert load_settings({"http_hosted_tools": "omit"}, none).http_hosted_tools == "omit"
+    with pytest.raises(ValueError, match="http_hosted_tools must be \"refuse\" or \"omit\", not 'drop'"):
+        load_settings({"http_hosted_tools": "drop"}, none)
