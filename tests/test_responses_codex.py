@@ -2,11 +2,14 @@
 left out with `--http-hosted-tools omit`) and `GET /v1/responses/{id}/input_items`, against a real daemon.
 
 tests/fixtures/codex-0.169.0-request.json is the first request Codex CLI 0.169.0 sent for `codex exec
-"Say hello"` (with the provider docs/http.md gives), captured on the wire: 7 function tools, the
-`multi_agent_v1` namespace tool (5 function tools) and `web_search`. It is replayed through raw HTTP
-(the real CLI runs in bench/codex_cli.py); its long developer texts are cut so the CPU prefill stays
-short, all else is as captured. The scripted model calls `multi_agent_v1`'s `close_agent` after a
-user's words and answers in words after a tool's output.
+"Say hello"` (with the provider docs/http.md gives), captured on the wire by bench/codex_capture.py: 7
+function tools, the `multi_agent_v1` namespace tool (5 function tools) and `web_search`;
+codex-0.169.0-request-2.json is the request Codex sent next, after it was answered with a call of
+`multi_agent_v1`'s `close_agent` and ran it: the same input, then the call (with its `namespace`) and
+Codex's output for it. They are replayed through raw HTTP (the real CLI runs against kvwake in
+bench/codex_cli.py); their long developer texts are cut so the CPU prefill stays short, all else is as
+captured. The scripted model makes that same call after a user's words and answers in words after a
+tool's output.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tests.daemon import Daemon, get, openai_client
 from tests.test_responses import cached, replayed, session_of, validated_stream
 from tests.tinymodel import after_tool_template, make_scripted_model
 
-CODEX_REQUEST = Path(__file__).parent / "fixtures" / "codex-0.169.0-request.json"
+FIXTURES = Path(__file__).parent / "fixtures"
 CLOSE = '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "agent-7"}}'
 ANSWER = ("Closed", " it.")
 # The tools by name only: the prompt says which names the model is offered, and stays short.
@@ -38,11 +41,11 @@ AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools f
                     {"type": "function", "name": "wait_agent", "parameters": {"type": "object", "properties": {}}}]}
 
 
-def codex_request() -> dict:
-    """The captured request, its texts cut to 300 characters."""
-    body = json.loads(CODEX_REQUEST.read_text())
+def codex_request(suffix: str = "") -> dict:
+    """A captured request, its messages' texts cut to 300 characters."""
+    body = json.loads((FIXTURES / f"codex-0.169.0-request{suffix}.json").read_text())
     for item in body["input"]:
-        for part in item["content"]:
+        for part in item.get("content") or []:
             part["text"] = part["text"][:300]
     return body
 
@@ -91,8 +94,8 @@ def test_codex_clis_request_is_refused_by_default_naming_its_web_search_tool(ref
 
 
 def test_codex_clis_turns_with_a_namespace_call_continue_the_cache(omitting):
-    """Codex's own request, then its next one as Codex makes it: the whole input again, the call (with its
-    namespace) and the tool's output after it."""
+    """Codex's two captured requests: the first, then the next one, which resends the whole input, the call
+    (with its namespace) and Codex's output for it."""
     request, headers = codex_request(), {}
     events = validated_stream(omitting, request, headers)
     assert headers["x-kvwake-omitted-tools"] == "web_search"
@@ -106,9 +109,9 @@ def test_codex_clis_turns_with_a_namespace_call_continue_the_cache(omitting):
     assert [t.type for t in first.tools] == ["function"] * 4 + ["namespace"] + ["function"] * 3  # no web_search
     assert [t.name for t in first.tools[4].tools] == ["close_agent", "resume_agent", "send_input", "spawn_agent",
                                                       "wait_agent"]
-    request["input"] += [*replayed(first), {"type": "function_call_output", "call_id": call.call_id,
-                                            "output": "agent-7 not found"}]
-    second = validated_stream(omitting, request)[-1].response
+    after = codex_request("-2")
+    assert after["input"][:4] == request["input"] and after["input"][4]["namespace"] == "multi_agent_v1"
+    second = validated_stream(omitting, after)[-1].response
     assert second.output_text == "Closed it." and session_of(second) == session_of(first)
     # The call renders as the model wrote it (its three tokens): all of the first turn is cached.
     assert cached(second) >= first.usage.input_tokens + 3
