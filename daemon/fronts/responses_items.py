@@ -17,17 +17,12 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from kvwake.daemon.fronts.openai_shapes import ApiError
-from kvwake.daemon.fronts.responses_tools import flat_name
+from kvwake.daemon.fronts.responses_tools import bad, flat_name
 
 __all__ = ["bad", "input_messages", "item_page", "listed_items", "one_system"]
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")  # "text": what some clients send for input_text
-
-
-def bad(message: str, param: str) -> ApiError:
-    return ApiError(400, f"{param}: {message}", param=param)
 
 
 def _text(content: Any, where: str, role: str) -> str:

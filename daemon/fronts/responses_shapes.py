@@ -40,7 +40,7 @@ from typing import Any
 from kvwake.daemon.fronts.matching import Hint
 from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params, forced_call, response_format
 from kvwake.daemon.fronts.responses_items import bad, input_messages, listed_items, one_system
-from kvwake.daemon.fronts.responses_tools import Tools, parse_tools
+from kvwake.daemon.fronts.responses_tools import Tools
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import Structure
 
@@ -67,7 +67,7 @@ def _tools(body: dict[str, Any], hosted: str) -> tuple[Tools, list[dict[str, Any
     """(the request's tools (fronts/responses_tools.py), the tools the template gets or None, whether only
     one call may come, the forced call: `tool_choice` "required" or {"type": "function", "name"}, decoded
     under the same grammar as chat completions' forced calls)."""
-    tools, choice = parse_tools(body.get("tools"), hosted), body.get("tool_choice", "auto")
+    tools, choice = Tools.parse(body.get("tools"), hosted), body.get("tool_choice", "auto")
     chat = tools.chat
     parallel = _checked(body, "parallel_tool_calls", bool, True)
     if isinstance(choice, dict):  # this API's {"type": "function", "name"}: chat completions' shape of it

@@ -31,10 +31,9 @@ from typing import Any
 
 from kvwake.daemon.fronts.openai_shapes import ApiError
 
-__all__ = ["BUILT_IN", "HOSTED_TOOLS", "NAMESPACE_SEPARATOR", "Tools", "flat_name", "parse_tools"]
+__all__ = ["BUILT_IN", "NAMESPACE_SEPARATOR", "Tools", "bad", "flat_name"]
 
 NAMESPACE_SEPARATOR = "__"
-HOSTED_TOOLS = ("refuse", "omit")  # the values of the http_hosted_tools setting
 # The tool types of OpenAI's own tools (the `openai` package's responses.Tool union, less function,
 # namespace and custom): run by OpenAI's servers, or called in item types of their own.
 BUILT_IN = frozenset({"web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
@@ -47,7 +46,8 @@ def flat_name(namespace: str, name: str) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
 
 
-def _bad(message: str, param: str) -> ApiError:
+def bad(message: str, param: str) -> ApiError:
+    """A 400 naming the request's field `param`, its message beginning with it."""
     return ApiError(400, f"{param}: {message}", param=param)
 
 
@@ -61,6 +61,31 @@ class Tools:
     members: dict[str, tuple[str, str]] = field(default_factory=dict)  # flat name -> (namespace, bare name)
     omitted: list[str] = field(default_factory=list)  # built-in tool types left out ("omit")
 
+    @classmethod
+    def parse(cls, raw: Any, hosted: str) -> Tools:
+        """`tools` of a request; `hosted` is the http_hosted_tools setting ("refuse" or "omit")."""
+        if raw is None:
+            raw = []
+        if not isinstance(raw, list):
+            raise bad("must be an array", "tools")
+        tools = cls()
+        for i, t in enumerate(raw):
+            kind, where = t.get("type") if isinstance(t, dict) else None, f"tools[{i}]"
+            if kind == "function":
+                tools.echo.append(tools._function(t, where))
+            elif kind == "namespace":
+                tools.echo.append(tools._namespace(t, where))
+            elif kind in BUILT_IN and hosted == "omit":
+                tools.omitted.append(kind)
+            elif kind in BUILT_IN:
+                raise bad(f"{kind!r} is one of OpenAI's built-in tools, which kvwake cannot run: leave it out of "
+                           "the request (Codex CLI: web_search = \"disabled\" in config.toml), or start the daemon "
+                           "with --http-hosted-tools omit to have such tools left out of the prompt", f"{where}.type")
+            else:
+                raise bad(f"{kind!r} tools are not supported by kvwake: only function and namespace tools",
+                           f"{where}.type")
+        return tools
+
     def call(self, name: str) -> dict[str, str]:
         """A call's `name` (and `namespace`, for a namespace's member) as the function_call item has them."""
         if name in self.members:
@@ -71,10 +96,10 @@ class Tools:
     def _function(self, t: dict[str, Any], where: str, flat: str | None = None) -> dict[str, Any]:
         """A function tool: offered (under `flat` when a namespace's member); returns it as repeated."""
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise _bad("a function tool needs a name", f"{where}.name")
+            raise bad("a function tool needs a name", f"{where}.name")
         name = flat or t["name"]
         if name in {c["function"]["name"] for c in self.chat}:
-            raise _bad(f"a second tool named {name!r}" + (" (a namespace's member, as offered)" if flat else ""),
+            raise bad(f"a second tool named {name!r}" + (" (a namespace's member, as offered)" if flat else ""),
                        f"{where}.name")
         parameters = t.get("parameters") or {"type": "object", "properties": {}}
         function = {"name": name, "parameters": parameters}
@@ -87,40 +112,15 @@ class Tools:
     def _namespace(self, t: dict[str, Any], where: str) -> dict[str, Any]:
         namespace, members = t.get("name"), t.get("tools")
         if not isinstance(namespace, str) or not namespace:
-            raise _bad("a namespace tool needs a name", f"{where}.name")
+            raise bad("a namespace tool needs a name", f"{where}.name")
         if not isinstance(members, list) or not members:
-            raise _bad("a namespace tool needs an array of function tools", f"{where}.tools")
+            raise bad("a namespace tool needs an array of function tools", f"{where}.tools")
         echo = []
         for j, member in enumerate(members):
             kind = member.get("type") if isinstance(member, dict) else None
             if kind != "function":
-                raise _bad(f"{kind!r} tools are not supported by kvwake in a namespace: only function tools",
+                raise bad(f"{kind!r} tools are not supported by kvwake in a namespace: only function tools",
                            f"{where}.tools[{j}].type")
             echo.append(self._function(member, f"{where}.tools[{j}]", flat_name(namespace, member.get("name"))))
             self.members[flat_name(namespace, member["name"])] = (namespace, member["name"])
         return {"type": "namespace", "name": namespace, "description": t.get("description") or "", "tools": echo}
-
-
-def parse_tools(raw: Any, hosted: str) -> Tools:
-    """`tools` of a request; `hosted` is the http_hosted_tools setting ("refuse" or "omit")."""
-    if raw is None:
-        raw = []
-    if not isinstance(raw, list):
-        raise _bad("must be an array", "tools")
-    tools = Tools()
-    for i, t in enumerate(raw):
-        kind, where = t.get("type") if isinstance(t, dict) else None, f"tools[{i}]"
-        if kind == "function":
-            tools.echo.append(tools._function(t, where))
-        elif kind == "namespace":
-            tools.echo.append(tools._namespace(t, where))
-        elif kind in BUILT_IN and hosted == "omit":
-            tools.omitted.append(kind)
-        elif kind in BUILT_IN:
-            raise _bad(f"{kind!r} is one of OpenAI's built-in tools, which kvwake cannot run: leave it out of the "
-                       "request (Codex CLI: web_search = \"disabled\" in config.toml), or start the daemon with "
-                       "--http-hosted-tools omit to have such tools left out of the prompt", f"{where}.type")
-        else:
-            raise _bad(f"{kind!r} tools are not supported by kvwake: only function and namespace tools",
-                       f"{where}.type")
-    return tools
