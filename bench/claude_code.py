@@ -36,12 +36,13 @@ from tests.tinymodel import make_scripted_model  # noqa: E402
 REPLY = ("Hello", " from", " kvwake", " on", " MLX.")
 
 
-def claude_binary(version: str) -> Path:
-    where = Path.home() / ".cache" / "kvwake-bench" / "claude-code" / version
-    binary = where / "node_modules" / ".bin" / "claude"
+def npm_binary(package: str, name: str, version: str) -> Path:
+    """The `name` command of npm `package@version`, installed once under ~/.cache/kvwake-bench."""
+    where = Path.home() / ".cache" / "kvwake-bench" / package.rpartition("/")[2] / version
+    binary = where / "node_modules" / ".bin" / name
     if not binary.exists():
         where.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", f"@anthropic-ai/claude-code@{version}"],
+        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", f"{package}@{version}"],
                        cwd=where, check=True)
     return binary
 
@@ -77,7 +78,7 @@ def main() -> None:
     ap.add_argument("--tools", default="", help='Claude Code\'s --tools ("" turns its built-in tools off)')
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
-    claude = claude_binary(a.version)
+    claude = npm_binary("@anthropic-ai/claude-code", "claude", a.version)
     work = Path(tempfile.mkdtemp(prefix="kvwake-claude-code-"))
     (work / "home").mkdir()
     (work / "project").mkdir()

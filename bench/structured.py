@@ -103,6 +103,7 @@ def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Str
         calls.append(engine.start_call(s, p))
     decoder, masks = engine.decoder, engine.decoder.masks
     fills, fill_s = masks.fills, masks.fill_s
+    passes, ready, take_s = masks.timing["passes"], masks.timing["ready"], masks.timing["take_s"]
     for call in calls:
         decoder.join(call)
     times, step = [], 0
@@ -120,12 +121,16 @@ def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Str
         for r in results:
             check = engine.grammars.matcher(structure)
             assert check.validate_tokens(r.tokens) == len(r.tokens), (r.text[:200], check.get_error())
-    n_fills = masks.fills - fills
+    n_fills, n_passes = masks.fills - fills, masks.timing["passes"] - passes
     if not times:  # an unconstrained call sampled EOS within the warm-up: no step ran all N
-        return {"steps_timed": 0, "step_ms": None, "tokens_per_s": None, "mask_fill_ms_per_step": None}
+        return {"steps_timed": 0, "step_ms": None, "tokens_per_s": None, "mask_fill_ms_per_step": None,
+                "mask_take_ms_per_step": None}
     return {"steps_timed": len(times), "step_ms": round(statistics.mean(times) * 1000, 3),
             "tokens_per_s": round(n / statistics.mean(times), 1),
-            "mask_fill_ms_per_step": round((masks.fill_s - fill_s) / n_fills * 1000, 4) if n_fills else None}
+            "mask_fill_ms_per_step": round((masks.fill_s - fill_s) / n_fills * 1000, 4) if n_fills else None,
+            # the engine thread's own wait for the mask (filled ahead) or time filling it (in the pass)
+            "mask_take_ms_per_step": round((masks.timing["take_s"] - take_s) / n_passes * 1000, 4)
+            if n_passes else None, "masks_ready_ahead": masks.timing["ready"] - ready, "mask_passes": n_passes}
 
 
 def decode(engine: Engine, sessions: list[int], tokens: int, context: int, rounds: int) -> list[dict[str, Any]]:
@@ -136,19 +141,28 @@ def decode(engine: Engine, sessions: list[int], tokens: int, context: int, round
     out = []
     decode_run(engine, max(sessions), 16, context, structure, "warm-json")  # kernels and shapes, both ways
     decode_run(engine, max(sessions), 16, context, None, "warm-free")
+    masks = engine.decoder.masks
     for n in sessions:
-        runs: dict[str, list[dict[str, Any]]] = {"free": [], "json": []}
+        runs: dict[str, list[dict[str, Any]]] = {"free": [], "json": [], "json-in-pass": []}
         for r in range(rounds):
-            for kind in ("free", "json"):
-                runs[kind].append(decode_run(engine, n, tokens, context, structure if kind == "json" else None,
+            for kind in runs:  # json: masks filled ahead (the daemon's way); json-in-pass: filled in the pass
+                masks.ahead_enabled = kind != "json-in-pass"
+                runs[kind].append(decode_run(engine, n, tokens, context, structure if kind != "free" else None,
                                              f"{kind}-{n}-{r}"))
+        masks.ahead_enabled = True
+
         def median(kind: str, key: str) -> float:
             return round(statistics.median(x[key] for x in runs[kind] if x[key] is not None), 4)
 
-        free, constrained = median("free", "tokens_per_s"), median("json", "tokens_per_s")
+        free, constrained, in_pass = (median(k, "tokens_per_s") for k in ("free", "json", "json-in-pass"))
         row = {"sessions": n, "free_tokens_per_s": free, "json_tokens_per_s": constrained,
-               "ratio": round(constrained / free, 3), "mask_fill_ms_per_step": median("json", "mask_fill_ms_per_step"),
-               "free_step_ms": median("free", "step_ms"), "json_step_ms": median("json", "step_ms"), "runs": runs}
+               "ratio": round(constrained / free, 3), "json_in_pass_tokens_per_s": in_pass,
+               "ratio_in_pass": round(in_pass / free, 3),
+               "mask_fill_ms_per_step": median("json", "mask_fill_ms_per_step"),
+               "mask_take_ms_per_step": median("json", "mask_take_ms_per_step"),
+               "mask_take_ms_per_step_in_pass": median("json-in-pass", "mask_take_ms_per_step"),
+               "free_step_ms": median("free", "step_ms"), "json_step_ms": median("json", "step_ms"),
+               "json_in_pass_step_ms": median("json-in-pass", "step_ms"), "runs": runs}
         print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
         out.append(row)
     return [{"grammar_compile_ms": round(compile_ms, 3)}, *out]

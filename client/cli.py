@@ -98,6 +98,9 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
               "<data dir>/http-token; `kvwake http` shows it).")
 @click.option("--http-no-token", "http_no_token", is_flag=True,
               help="Ask no bearer token (loopback only): any local user could read every session.")
+@click.option("--http-hosted-tools", type=click.Choice(["refuse", "omit"]),
+              help="OpenAI's built-in tools (web_search, ...) in a Responses request: refused by name (the "
+              "default), or left out of the prompt (omit).")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:
     """Run the daemon in the foreground.

@@ -94,15 +94,17 @@ def test_a_response_streamed_and_not_is_the_same(api):
     assert deltas[-1].snapshot == whole.output_text and events[-1].response.output_text == whole.output_text
 
 
-def validated_stream(d: Daemon, body: dict) -> list:
+def validated_stream(d: Daemon, body: dict, headers: dict | None = None) -> list:
     """The raw server-sent events of a streamed request, each validated (not just parsed, as the SDK
-    does) against the `openai` package's event types; each `event:` names its data's type."""
+    does) against the `openai` package's event types; each `event:` names its data's type. `headers`,
+    when given, gets the response's headers (names in lower case)."""
     config, events = openai_config(d.socket), []
     request = urllib.request.Request(f"{config['base_url']}/responses", data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Authorization": f"Bearer {config['api_key']}",
                                               "Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
         assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        (headers if headers is not None else {}).update((k.lower(), v) for k, v in reply.headers.items())
         lines = [line.decode().rstrip("\n") for line in reply if line.strip()]
     for name, data in zip(lines[::2], lines[1::2]):
         event = json.loads(data.removeprefix("data: "))

@@ -413,6 +413,50 @@ def test_a_constrained_call_that_starts_alone_and_joins_the_batch_stays_valid(en
         jsonschema.validate(json.loads(b.future.result().text), SCHEMAS["enum"])
 
 
+def run_staggered(engine: Engine, tag: str) -> list[list[int]]:
+    """Eight calls, four constrained, joining at staggered steps (one alone first) and leaving at
+    different lengths: every path a mask can take (ahead, after a join, after a leave, solo into batch)."""
+    names = sorted(SCHEMAS)
+    calls = []
+    for i in range(8):
+        s = Session(f"{tag}{i}")
+        engine.append(s, messages=[{"role": "user", "content": f"staggered {i} " * (i % 3 + 1)}])
+        structure = Structure.json(SCHEMAS[names[i]]) if i % 2 == 0 else None
+        calls.append(engine.start_call(s, params(structure, 40 + i, max_tokens=20 + 15 * i)))
+    for step, call in enumerate(calls):
+        engine.decoder.join(call)
+        for _ in range(step % 3):
+            engine.decoder.step()
+    while engine.decoder.active:
+        engine.decoder.step()
+    results = [call.future.result() for call in calls]
+    for i, result in enumerate(results):
+        if i % 2 == 0 and result.finish_reason == "stop":
+            jsonschema.validate(json.loads(result.text), SCHEMAS[names[i]])
+    return [result.tokens for result in results]
+
+
+@pytest.mark.parametrize("max_batch", [8, 1])
+def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_pass(tools_model, tmp_path, max_batch):
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, tools_model, max_batch=max_batch)
+    try:
+        masks = e.decoder.masks
+        masks.ahead_enabled = False
+        serial = run_staggered(e, "serial")
+        assert masks.timing["ready"] == 0
+        masks.ahead_enabled = True
+        passes = masks.timing["passes"]
+        ahead = run_staggered(e, "ahead")
+        assert ahead == serial
+        ready = masks.timing["ready"]
+        assert ready > 0.8 * (masks.timing["passes"] - passes), masks.timing  # most passes found their mask ready
+        assert not masks._ahead  # nothing left waiting
+    finally:
+        e.close()
+        store.close()
+
+
 def test_solo_decoding_is_constrained_too(tools_model, tmp_path):
     store = Store(tmp_path / "store", block_tokens=16)
     e = Engine(store, tmp_path, tools_model, max_batch=1)

@@ -40,6 +40,25 @@ TOOLS_CHATML = (
     "{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def after_tool_template(tools: str = "{{ tools | tojson }}") -> str:
+    """TOOLS_CHATML, but an assistant turn that follows a tool's output opens with a tab, not a newline, so a
+    scripted model (make_scripted_model's `more`) answers a tool's output otherwise than a user's words.
+    `tools`: how the tools list renders (Jinja)."""
+    return (
+        "{% if tools %}TOOLS:" + tools + "\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+        "{{ '\t' if m['role'] == 'assistant' and loop.index0 > 0 and messages[loop.index0 - 1]['role'] == 'tool' "
+        "else '\n' }}{{ m['content'] }}"
+        "{% for tool_call in m.tool_calls or [] %}{% set tool_call = tool_call.function %}"
+        '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+        "{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant"
+        "{{ '\t' if messages[-1]['role'] == 'tool' else '\n' }}{% endif %}"
+    )
+
+
 NO_SYSTEM = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -146,7 +165,7 @@ TOOL_SCRIPT = ("<tool_call>", WEATHER_CALL, "</tool_call>")
 
 
 def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, template: str = TOOLS_CHATML,
-                        alpha: float = 4.0) -> Path:
+                        alpha: float = 4.0, more: Sequence[tuple[str, Sequence[str]]] = ()) -> Path:
     """A model folder whose greedy reply to any chat prompt is "".join(script), then EOS.
 
     A llama (untied embeddings) whose attention and MLP outputs are zero (o_proj, down_proj),
@@ -157,18 +176,21 @@ def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, temp
     is one added token, so the chain "\n" (the last token of the generation prompt) ->
     piece 0 -> ... -> <|im_end|> (EOS) has no repeated token; pieces must be unique and
     longer than one byte. The default script makes one get_weather call in the json_tools
-    format that TOOLS_CHATML names.
+    format that TOOLS_CHATML names. `more`: further chains, each (the one-byte text its prompt ends
+    with instead of "\n", its pieces), for a template whose generation prompt ends otherwise in some
+    turns (bench/codex_cli.py: after a tool's output); all pieces of all chains are unique.
     """
-    assert len(set(script)) == len(script) and all(len(p.encode()) > 1 for p in script), script
-    make_model_dir(path, template=template, dtype=mx.float32, added=script, tie_word_embeddings=False)
+    pieces = [*script, *(p for _, chain in more for p in chain)]
+    assert len(set(pieces)) == len(pieces) and all(len(p.encode()) > 1 for p in pieces), pieces
+    make_model_dir(path, template=template, dtype=mx.float32, added=pieces, tie_word_embeddings=False)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    chain = [bytes_to_unicode()[ord("\n")], *script, "<|im_end|>"]
-    ids = [tok.token_to_id(t) for t in chain]
     weights = mx.load(str(path / "model.safetensors"))
     embed = weights["model.embed_tokens.weight"]
     head = mx.zeros_like(weights["lm_head.weight"])
-    for t, nxt in zip(ids, ids[1:]):
-        head[nxt] = alpha * embed[t] / mx.linalg.norm(embed[t])
+    for start, chain in (("\n", script), *more):
+        ids = [tok.token_to_id(t) for t in (bytes_to_unicode()[ord(start)], *chain, "<|im_end|>")]
+        for t, nxt in zip(ids, ids[1:]):  # EOS ends every chain: its row adds up their last pieces
+            head[nxt] = head[nxt] + alpha * embed[t] / mx.linalg.norm(embed[t])
     weights["lm_head.weight"] = head
     weights["model.norm.weight"] = mx.ones_like(weights["model.norm.weight"])
     for name in list(weights):
@@ -178,5 +200,5 @@ def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, temp
     return path
 
 
-__all__ = ["ARCHS", "CHATML", "FLOAT32_ONLY", "NO_SYSTEM", "TOOLS_CHATML", "TOOL_SCRIPT", "WEATHER_CALL", "eos_id",
-           "make_model_dir", "make_scripted_model", "nn"]
+__all__ = ["ARCHS", "CHATML", "FLOAT32_ONLY", "NO_SYSTEM", "TOOLS_CHATML", "TOOL_SCRIPT", "WEATHER_CALL",
+           "after_tool_template", "eos_id", "make_model_dir", "make_scripted_model", "nn"]

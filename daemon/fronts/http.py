@@ -5,8 +5,8 @@ same SessionManager as the socket's RPC methods. Routes: `GET /v1/models` (and
 `/v1/models/{id}`), `POST /v1/chat/completions` and `POST /v1/completions`
 (OpenAI's; shapes: fronts/openai_shapes.py), `POST /v1/messages` and
 `POST /v1/messages/count_tokens` (Anthropic's; shapes: fronts/anthropic_shapes.py),
-`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}` (OpenAI's Responses API;
-shapes: fronts/responses_shapes.py, stored responses: sessions/responses.py),
+`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`
+(OpenAI's Responses API; shapes: fronts/responses_shapes.py, stored responses: sessions/responses.py),
 streamed as server-sent events when `stream` is true. The APIs run one request
 path (`Api._complete`); they differ only in their shapes. Errors come in
 Anthropic's shape on its routes and wherever an `anthropic-version` header is
@@ -60,6 +60,7 @@ from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
 from kvwake.daemon.fronts.matching import Matcher
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
+from kvwake.daemon.fronts.responses_items import item_page
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
 from kvwake.daemon.fronts.sse import AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream
 from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
@@ -160,7 +161,7 @@ class Api:
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher, self.records = manager, Matcher(manager), ResponseRecords(manager)
         self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
-        self.keepalive_s = manager.settings.http_keepalive_s
+        self.keepalive_s, self.hosted = manager.settings.http_keepalive_s, manager.settings.http_hosted_tools
 
     def _names(self) -> list[str]:
         """The model names served: the loaded model's, then the aliases of it."""
@@ -213,19 +214,33 @@ class Api:
     async def responses(self, request: Request) -> Response:
         body = await _body(request)
         self._check_model(body.get("model"))
-        req = ResponsesRequest.parse(body, _header(request))
+        req = ResponsesRequest.parse(body, _header(request), self.hosted)
+        if req.offered.omitted:
+            log.info("responses: OpenAI's built-in tools left out of the prompt (http_hosted_tools = omit): %s",
+                     ", ".join(req.offered.omitted))
         if req.previous_response_id is not None:
             before = await self._stored(req.previous_response_id, "previous_response_id")
-            req = req.following(before.conversation, before.session_id, before.position)
+            earlier = None if before.input_items is None else [*before.input_items, *before.response["output"]]
+            req = req.following(before.conversation, before.session_id, before.position, earlier)
         reply = ResponsesReply(self.manager.engine.model_name, req)
 
         async def keep(response: dict[str, Any], session_id: str, position: int) -> None:
-            await self.records.put(ResponseRecord(reply.id, session_id, position, req.recorded(response), response))
+            await self.records.put(ResponseRecord(reply.id, session_id, position, req.recorded(response), response,
+                                                  req.input_items))
 
-        return await self._complete(request, req, ResponsesEvents(reply, keep if req.store else None), chosen=reply)
+        omitted = {"X-Kvwake-Omitted-Tools": ", ".join(req.offered.omitted)} if req.offered.omitted else {}
+        return await self._complete(request, req, ResponsesEvents(reply, keep if req.store else None), chosen=reply,
+                                    headers=omitted)
 
     async def stored_response(self, request: Request) -> Response:
         return JSONResponse((await self._stored(request.path_params["response_id"])).response)
+
+    async def input_items(self, request: Request) -> Response:
+        record = await self._stored(request.path_params["response_id"])
+        if record.input_items is None:
+            raise ApiError(404, f"Response {record.id!r} was stored before its input items were kept.",
+                           kind="not_found_error")
+        return JSONResponse(item_page(record.input_items, request.query_params))
 
     async def delete_response(self, request: Request) -> Response:
         record = await self._stored(request.path_params["response_id"])
@@ -244,9 +259,9 @@ class Api:
                            code="previous_response_not_found") from None
 
     async def _complete(self, request: Request, req: Any, shape: OpenAiEvents | NamedEvents,
-                        chosen: ResponsesReply | None = None) -> Response:
+                        chosen: ResponsesReply | None = None, headers: dict[str, str] | None = None) -> Response:
         """One generation, for any of the APIs: `req` is a parsed request, `shape` makes its responses;
-        `chosen` is told the session once it is chosen."""
+        `chosen` is told the session once it is chosen; `headers` go with the response."""
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop, gone, called = asyncio.get_running_loop(), anyio.Event(), threading.Event()
 
@@ -262,7 +277,7 @@ class Api:
         session, task = await self._start(req, on_event if req.stream or req.one_call else None, stop, on_append)
         if chosen is not None:
             chosen.session = session
-        headers = {"X-Kvwake-Session": session["session_id"]}
+        headers = {"X-Kvwake-Session": session["session_id"], **(headers or {})}
         if not req.stream:
             await _watch(request, [task], gone)
             body = shape.reply.full(task.result(), session)
@@ -379,6 +394,7 @@ def make_app(manager: SessionManager, token: str | None) -> Any:
         Route("/v1/responses", api.responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", api.stored_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", api.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", api.input_items, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, KvwakeError: api_error, HTTPException: http_error,
                            Exception: internal})
     return BearerAuth(app, token)

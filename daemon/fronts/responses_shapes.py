@@ -12,8 +12,9 @@ templates want a single system message first); `input` becomes chat messages
 as fronts/responses_items.py says, so the same conversation sent as chat
 completions renders to the same tokens.
 
-Fields: `model`, `input`, `instructions`, `tools` (function tools; any other
-type is a 400 naming it), `tool_choice` `auto` or `none`,
+Fields: `model`, `input`, `instructions`, `tools` (function and namespace
+tools; OpenAI's built-in ones refused or left out: fronts/responses_tools.py),
+`tool_choice` `auto` or `none`,
 `parallel_tool_calls`, `max_output_tokens` (default 4096), `temperature`
 (default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
 `prompt_cache_key` (a lineage hint, fronts/matching.py), `metadata` (repeated
@@ -38,7 +39,8 @@ from typing import Any
 
 from kvwake.daemon.fronts.matching import Hint
 from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params, forced_call, response_format
-from kvwake.daemon.fronts.responses_items import bad, input_messages, one_system
+from kvwake.daemon.fronts.responses_items import bad, input_messages, listed_items, one_system
+from kvwake.daemon.fronts.responses_tools import Tools
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import Structure
 
@@ -61,27 +63,12 @@ def _checked(body: dict[str, Any], name: str, kind: type, default: Any = None) -
     return value
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, bool, Structure | None]:
-    """(the tools as the response repeats them, the tools the template gets or None, whether only one
-    call may come, the forced call: `tool_choice` "required" or {"type": "function", "name"}, decoded under
-    the same grammar as chat completions' forced calls)."""
-    tools, choice = body.get("tools") or [], body.get("tool_choice", "auto")
-    if not isinstance(tools, list):
-        raise bad("must be an array", "tools")
-    echo, chat = [], []
-    for i, t in enumerate(tools):
-        kind = t.get("type") if isinstance(t, dict) else None
-        if kind != "function":
-            raise bad(f"{kind!r} tools are not supported by kvwake: only function tools", f"tools[{i}].type")
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise bad("a function tool needs a name", f"tools[{i}].name")
-        parameters = t.get("parameters") or {"type": "object", "properties": {}}
-        echo.append({"type": "function", "name": t["name"], "description": t.get("description"),
-                     "parameters": parameters, "strict": t.get("strict", True)})
-        function = {"name": t["name"], "parameters": parameters}
-        if t.get("description"):
-            function["description"] = t["description"]
-        chat.append({"type": "function", "function": function})
+def _tools(body: dict[str, Any], hosted: str) -> tuple[Tools, list[dict[str, Any]] | None, bool, Structure | None]:
+    """(the request's tools (fronts/responses_tools.py), the tools the template gets or None, whether only
+    one call may come, the forced call: `tool_choice` "required" or {"type": "function", "name"}, decoded
+    under the same grammar as chat completions' forced calls)."""
+    tools, choice = Tools.parse(body.get("tools"), hosted), body.get("tool_choice", "auto")
+    chat = tools.chat
     parallel = _checked(body, "parallel_tool_calls", bool, True)
     if isinstance(choice, dict):  # this API's {"type": "function", "name"}: chat completions' shape of it
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or not choice["name"]:
@@ -95,7 +82,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, A
         forced = forced_call(choice, chat, not parallel)
     except ApiError as err:
         raise bad(err.message.removeprefix("tool_choice ").removeprefix("tool_choice: "), "tool_choice") from None
-    return echo, (chat if chat and choice != "none" else None), bool(chat) and not parallel, forced
+    return tools, (chat if chat and choice != "none" else None), bool(chat) and not parallel, forced
 
 
 def _text_format(body: dict[str, Any], tools: bool, one: bool) -> tuple[Structure | None, dict[str, Any]]:
@@ -175,13 +162,17 @@ class ResponsesRequest:
     lineage: str | None = None  # prompt_cache_key
     session_id: str | None = None
     one_call: bool = False  # parallel_tool_calls false: the reply ends after its first call
+    offered: Tools = field(default_factory=Tools)  # the tools: namespace members, omitted built-in tools
+    listed: list[dict[str, Any]] = field(default_factory=list)  # this input as input_items lists it
     history: list[dict[str, Any]] = field(default_factory=list)  # the previous response's conversation
     follows: tuple[str, int] | None = None  # its session and token position
+    earlier: list[dict[str, Any]] | None = field(default_factory=list)  # its items, input and output (None: unknown)
 
     @classmethod
-    def parse(cls, body: dict[str, Any], header_session: str | None) -> ResponsesRequest:
+    def parse(cls, body: dict[str, Any], header_session: str | None, hosted: str = "refuse") -> ResponsesRequest:
+        """`hosted`: the http_hosted_tools setting (what OpenAI's built-in tools get: "refuse" or "omit")."""
         _refused(body)
-        echo_tools, tools, one_call, forced = _tools(body)
+        offered, tools, one_call, forced = _tools(body, hosted)
         structure, text_format = _text_format(body, bool(tools), one_call)
         instructions = _checked(body, "instructions", str)
         stream, store = _checked(body, "stream", bool, False), _checked(body, "store", bool, True)
@@ -194,7 +185,7 @@ class ResponsesRequest:
         echo = {"instructions": instructions, "metadata": metadata, "model": body.get("model"),
                 "parallel_tool_calls": _checked(body, "parallel_tool_calls", bool, True),
                 "temperature": _number(body, "temperature"), "top_p": _number(body, "top_p"),
-                "tool_choice": body.get("tool_choice") or "auto", "tools": echo_tools,
+                "tool_choice": body.get("tool_choice") or "auto", "tools": offered.echo,
                 "max_output_tokens": body.get("max_output_tokens"),
                 "previous_response_id": _checked(body, "previous_response_id", str),
                 "prompt_cache_key": _checked(body, "prompt_cache_key", str),
@@ -202,11 +193,19 @@ class ResponsesRequest:
                 "store": store, "text": {"format": text_format}, "truncation": "disabled",
                 "user": body.get("user"), "background": False}
         return cls(input_messages(body.get("input")), tools, params, echo, instructions, stream, store,
-                   echo["previous_response_id"], echo["prompt_cache_key"], named, one_call)
+                   echo["previous_response_id"], echo["prompt_cache_key"], named, one_call, offered,
+                   listed_items(body.get("input")))
 
-    def following(self, conversation: list[dict[str, Any]], session_id: str, position: int) -> ResponsesRequest:
-        """This request after the stored response it continues (its conversation, session and position)."""
-        return dataclasses.replace(self, history=conversation, follows=(session_id, position))
+    def following(self, conversation: list[dict[str, Any]], session_id: str, position: int,
+                  items: list[dict[str, Any]] | None) -> ResponsesRequest:
+        """This request after the stored response it continues (its conversation, session, position, and
+        its items: its input items then its output; None if its record did not keep them)."""
+        return dataclasses.replace(self, history=conversation, follows=(session_id, position), earlier=items)
+
+    @property
+    def input_items(self) -> list[dict[str, Any]] | None:
+        """The items this response is made from, as GET .../input_items lists them (None: not all known)."""
+        return None if self.earlier is None else [*self.earlier, *self.listed]
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -301,10 +300,17 @@ class ResponsesReply:
         if text.strip():
             output.append({"id": self.message_id, "type": "message", "role": "assistant", "status": status,
                            "content": [_text_part(text)]})
-        return {**self._finish(result, status, output + [_call_item(c) for c in self._calls(result)]),
+        return {**self._finish(result, status, output + [self._call_item(c) for c in self._calls(result)]),
                 "kvwake": session}
 
     # -- streaming: each method returns the events to send, in order ----------
+
+    def _call_item(self, call: dict[str, Any]) -> dict[str, Any]:
+        """A parsed call (OpenAI chat's shape, toolcalls.py) as a function_call output item: a namespace's
+        member by its bare name and its `namespace` (fronts/responses_tools.py)."""
+        return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
+                "call_id": call["id"], **self.request.offered.call(call["function"]["name"]),
+                "arguments": call["function"]["arguments"]}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -320,7 +326,7 @@ class ResponsesReply:
         if "tool_call" in event:
             if self.request.one_call and event["index"] > 0:
                 return []
-            closed, item, self.held = self._close("completed"), _call_item(event["tool_call"]), ""
+            closed, item, self.held = self._close("completed"), self._call_item(event["tool_call"]), ""
             index = len(self.items)
             self.items.append(item)
             return [*closed,
@@ -397,9 +403,3 @@ class ResponsesReply:
         error = {"code": "server_error" if err.status >= 500 else "invalid_prompt", "message": err.message}
         return [*closed, self._event("response.failed", response=self.response("failed", self.items, error=error)),
                 self._event("error", code=err.code or error["code"], message=err.message, param=err.param)]
-
-
-def _call_item(call: dict[str, Any]) -> dict[str, Any]:
-    """A parsed call (OpenAI chat's shape, toolcalls.py) as a function_call output item."""
-    return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
-            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}

@@ -20,7 +20,10 @@ it has sampled but not yet fed.
 Structured output: a call with a `Constraint` has its logits masked by its
 grammar each step (masks.py); while any running call has one, the forward pass
 goes through `MaskedModel`, so constrained and unconstrained calls still share
-one forward pass and one mask op per step.
+one forward pass and one mask op per step. After each step the decoder hands
+the constrained rows' sampled tokens to `Masks.prefetch`, so the next mask is
+filled on a worker thread while this thread hands tokens out and builds the
+next pass.
 
 Solo mode (quantized KV and cache kinds kvwake does not batch; or
 `max_batch` = 1 for users who need output bit-identical to decoding alone):
@@ -180,7 +183,9 @@ class Decoder:
 
     def abort(self, exc: BaseException) -> None:
         """Fail every call (the engine thread is stopping)."""
-        for call in [*self.waiting, *self.rows.values(), *self.solo]:
+        calls = [*self.waiting, *self.rows.values(), *self.solo]
+        self.masks.settle([call.constraint for call in calls])
+        for call in calls:
             call.fail(exc)
         self.waiting.clear()
         self.rows.clear()
@@ -200,6 +205,7 @@ class Decoder:
                 call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
                                  make_processors(p), s.tokens[: s.processed])
                 self.solo.append(call)
+                self.masks.prefetch([call.constraint], call.solo.next)
         except Exception as exc:  # bad input for this call only (the model raised on it)
             call.fail(exc)
 
@@ -254,6 +260,7 @@ class Decoder:
             responses = self.batch.next()
         except Exception as exc:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
+            self.masks.settle([call.constraint for call in self.rows.values()])
             for call in self.rows.values():
                 call.fail(exc)
             self.rows.clear()
@@ -264,6 +271,8 @@ class Decoder:
                 if (reason := self.rows[r.uid].output.add(r.token)) is not None]
         if done:
             self._leave(done)
+        if self.batch is not None:  # the rows that go on: their next mask, filled while this thread goes on
+            self.masks.prefetch([self.rows[uid].constraint for uid in self.batch.uids], self.batch._next_tokens)
 
     def _leave(self, done: list[tuple[int, int, str]]) -> None:
         """Give finished rows back to their sessions as plain caches; keep the others batched."""
@@ -288,6 +297,7 @@ class Decoder:
             token = call.solo.step()
         except Exception as exc:
             self.solo.remove(call)
+            self.masks.settle([call.constraint])
             call.fail(exc)
             return
         self._count(1)
@@ -296,6 +306,8 @@ class Decoder:
             self.solo.remove(call)
             call.solo = None
             call.finish(reason)
+        else:
+            self.masks.prefetch([call.constraint], call.solo.next)
 
     def _count(self, tokens: int) -> None:
         self.counters["decode_steps"] += 1
@@ -305,7 +317,10 @@ class Decoder:
         masks = self.masks
         return {"running": self.running, "waiting": len(self.waiting), **self.counters,
                 "step_ms": round(self.step_s * 1000, 3), "mask_fills": masks.fills,
-                "mask_fill_ms": round(masks.fill_s / masks.fills * 1000, 4) if masks.fills else None}
+                "mask_fill_ms": round(masks.fill_s / masks.fills * 1000, 4) if masks.fills else None,
+                "mask_passes": masks.timing["passes"], "masks_ready_ahead": masks.timing["ready"],
+                "mask_take_ms": round(masks.timing["take_s"] / masks.timing["passes"] * 1000, 4)
+                if masks.timing["passes"] else None}
 
 
 def run_alone(decoder: Decoder, call: Call) -> GenerateResult:

@@ -3,13 +3,22 @@
 A constrained call has a `Constraint`: its llguidance matcher, advanced with
 every token the model is fed (the prompt's last token excepted: the first
 feed). The decoder's forward passes go through `MaskedModel` when any row is
-constrained: it queues the forward pass, waits only for the tokens being fed
-(sampled the step before), advances the matchers and fills the constrained
-rows of the bitmask on llguidance's thread pool while the device computes,
-then returns the logits with disallowed tokens at -inf. Unconstrained rows are
-all ones. The sampling that follows (mlx-lm's, or Solo's) is unchanged, and a
-step with no constrained row never comes here: the unconstrained hot path is
-untouched.
+constrained: it queues the forward pass and returns its logits with the
+tokens the grammar disallows at -inf. Unconstrained rows are all ones. The
+sampling that follows (mlx-lm's, or Solo's) is unchanged, and a step with no
+constrained row never comes here: the unconstrained hot path is untouched.
+
+Ahead of the pass: a constrained step cannot be queued on the device ahead
+of the host the way a free one is, since its mask needs the token sampled
+the step before. So as soon as a step has scheduled its sampled tokens, the
+decoder hands them to `Masks.prefetch`: one worker thread waits for a copy of
+them that only it holds (a wait on an array already scheduled: it releases
+the GIL and builds no MLX op), advances the matchers and fills the next pass's mask on llguidance's
+pool, while the engine thread hands the step's tokens out and builds the next
+forward pass. The pass then takes the mask ready (`take`). Where the rows
+changed in between (a call joined), the pass waits for what was started,
+feeds the rows nothing fed yet, and fills the mask itself, as every pass did
+before. Every token is fed to its matcher exactly once, in order.
 
 EOS is allowed only where the grammar accepts (llguidance's mask says so for
 its one EOS id; the tokenizer's other EOS ids get the same bit, and any of
@@ -21,6 +30,7 @@ only EOS so the call ends at once, and the call fails with that error.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance as llg
@@ -54,25 +64,25 @@ class Constraint:
 
 
 class Masks:
-    """The step's bitmask: a buffer of max_batch rows, filled in place; llguidance's pool fills rows.
+    """Each pass's bitmask, filled on llguidance's pool; and the masks being filled ahead (`prefetch`).
 
-    `fill_s` and `fills` count the time spent filling (the per-step cost on the hot path).
+    `fill_s` and `fills` count the time spent filling; `timing` the engine thread's own time in a
+    constrained pass (waiting for a mask filled ahead, or feeding and filling itself).
     """
 
-    def __init__(self, vocab_size: int, max_batch: int, threads: int | None = None) -> None:
+    def __init__(self, vocab_size: int, max_batch: int, threads: int | None = None, ahead: bool = True) -> None:
         self.vocab_size = vocab_size
-        self.buffer = llnp.allocate_token_bitmask(max(1, max_batch), vocab_size)
         self.executor = llg.LLExecutor(threads)
         self.fill_s, self.fills = 0.0, 0
+        self.ahead_enabled = ahead
+        self._ahead: dict[tuple[int, ...], Future[np.ndarray]] = {}  # row constraints' ids -> the next mask
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvwake-masks")
+        self.timing = {"passes": 0, "ready": 0, "take_s": 0.0}
 
     def fill(self, constraints: list[Constraint | None]) -> np.ndarray:
-        """The mask for rows in this order (None: unconstrained, all ones); a view of the buffer."""
+        """The mask for rows in this order (None: unconstrained, all ones)."""
         started = time.perf_counter()
-        n = len(constraints)
-        if n > len(self.buffer):
-            self.buffer = llnp.allocate_token_bitmask(n, self.vocab_size)
-        mask = self.buffer[:n]
-        mask.fill(-1)
+        mask = llnp.allocate_token_bitmask(len(constraints), self.vocab_size)  # its own: fills may overlap
         live = [(c.matcher, i) for i, c in enumerate(constraints) if c is not None and c.error is None]
         if live:
             llnp.fill_next_token_bitmask_par(self.executor, live, mask)
@@ -89,6 +99,58 @@ class Masks:
         self.fill_s += time.perf_counter() - started
         self.fills += 1
         return mask
+
+    def prefetch(self, constraints: list[Constraint | None], sampled: mx.array) -> None:
+        """`sampled` (already scheduled) holds the token each row feeds next: feed them and fill the
+        next pass's mask on the worker thread. Call only for rows that will be fed these tokens."""
+        if self.ahead_enabled and any(constraints):
+            # The worker waits on a copy of its own: waiting changes an array (MLX drops its event),
+            # and the engine thread reads `sampled`'s as it queues the next pass (a crash on CUDA).
+            copy = sampled.astype(mx.int32)
+            mx.async_eval(copy)
+            self._ahead[_key(constraints)] = self._worker.submit(self._advance, constraints, copy)
+
+    def _advance(self, constraints: list[Constraint | None], sampled: mx.array) -> np.ndarray:
+        mx.eval(sampled)  # scheduled by the engine thread, and only this thread holds it: only waits
+        for constraint, token in zip(constraints, sampled.tolist()):
+            if constraint is not None:
+                constraint.feed(token)
+        return self.fill(constraints)
+
+    def take(self, constraints: list[Constraint | None], fed: mx.array) -> np.ndarray:
+        """The mask for the pass that feeds `fed` (one token per row, scheduled) to these rows."""
+        started = time.perf_counter()
+        ready = self._ahead.pop(_key(constraints), None)
+        self.timing["passes"] += 1
+        if ready is not None:
+            mask = ready.result()
+            self.timing["ready"] += 1
+        else:
+            done = self.settle(constraints, strict=True)
+            for constraint, token in zip(constraints, fed.tolist()):
+                if constraint is not None and id(constraint) not in done:
+                    constraint.feed(token)
+            mask = self.fill(constraints)
+        self.timing["take_s"] += time.perf_counter() - started
+        return mask
+
+    def settle(self, constraints: list[Constraint | None], strict: bool = False) -> set[int]:
+        """Wait for the work ahead that touches these rows (it fed them their next token); their ids.
+        `strict`: a failure there is raised (for a pass); else ignored (the rows are failing anyway)."""
+        ids = {id(c) for c in constraints if c is not None}
+        done: set[int] = set()
+        for key in [k for k in self._ahead if ids.intersection(k)]:
+            future = self._ahead.pop(key)
+            if strict:
+                future.result()
+            else:
+                future.exception()
+            done.update(key)
+        return done & ids
+
+
+def _key(constraints: list[Constraint | None]) -> tuple[int, ...]:
+    return tuple(id(c) if c is not None else 0 for c in constraints)
 
 
 def _allow(row: np.ndarray, token: int) -> None:
@@ -110,11 +172,9 @@ def apply_mask(logits: mx.array, mask: np.ndarray) -> mx.array:
 class MaskedModel:
     """The model for one forward pass over rows some of which are constrained (same call signature).
 
-    `fed`: the tokens this pass feeds, one per row, as the array the step before sampled. Called
-    with the model's input: queues the forward pass, then waits for `fed` alone (a new op on the
-    input would queue behind the forward pass and wait for all of it), advances each constrained
-    row's matcher and fills the mask while the device computes, and returns the masked logits,
-    still lazy.
+    `fed`: the tokens this pass feeds, one per row, as the array the step before sampled (scheduled).
+    Called with the model's input: queues the forward pass, then takes the pass's mask (filled
+    ahead, or filled now while the device computes) and returns the masked logits, still lazy.
     """
 
     def __init__(self, model: Any, constraints: list[Constraint | None], masks: Masks, fed: mx.array) -> None:
@@ -123,7 +183,4 @@ class MaskedModel:
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         logits = self.model(inputs, cache=cache)
         mx.async_eval(logits)
-        for constraint, token in zip(self.constraints, self.fed.tolist()):
-            if constraint is not None:
-                constraint.feed(token)
-        return apply_mask(logits, self.masks.fill(self.constraints))
+        return apply_mask(logits, self.masks.take(self.constraints, self.fed))

@@ -2,9 +2,13 @@
 
 A record names the session a response ran in and the token position its reply
 ended at, and holds the conversation as chat messages (instructions left out:
-OpenAI does not carry them over) and the response object `GET
-/v1/responses/{id}` returns. The records live in the store's index (the
-`responses` table, store/index.py's m004); store work runs on worker threads.
+OpenAI does not carry them over), the response object `GET
+/v1/responses/{id}` returns and the input items `GET
+/v1/responses/{id}/input_items` lists. The records live in the store's index
+(the `responses` table, store/index.py's m004): its `response` column holds
+{"response": the object, "input_items": [...]}; a record written before input
+items were kept holds the bare object (its `input_items` read as None). Store
+work runs on worker threads.
 Which session a continuation runs in is fronts/matching.py's `Matcher.find`
 with a `Hint`.
 """
@@ -30,6 +34,7 @@ class ResponseRecord:
     position: int  # the session's token count when the reply ended
     conversation: list[dict[str, Any]]  # chat messages, the reply last
     response: dict[str, Any]  # the Responses API's response object
+    input_items: list[dict[str, Any]] | None  # the items it was made from, oldest first (None: not kept)
 
 
 class ResponseRecords:
@@ -40,12 +45,15 @@ class ResponseRecords:
 
     async def put(self, record: ResponseRecord) -> None:
         await to_thread.run_sync(lambda: self.store.put_response(
-            record.id, record.session_id, record.position, record.conversation, record.response))
+            record.id, record.session_id, record.position, record.conversation,
+            {"response": record.response, "input_items": record.input_items}))
 
     async def get(self, response_id: str) -> ResponseRecord:
         """The record; NotFoundError if none has this id."""
         row = await to_thread.run_sync(self.store.response, response_id)
-        return ResponseRecord(row["id"], row["session_id"], row["position"], row["conversation"], row["response"])
+        kept = row["response"]
+        response, items = (kept, None) if kept.get("object") == "response" else (kept["response"], kept["input_items"])
+        return ResponseRecord(row["id"], row["session_id"], row["position"], row["conversation"], response, items)
 
     async def delete(self, response_id: str) -> None:
         """Forget the record (its session is left as it is); NotFoundError if none has this id."""
