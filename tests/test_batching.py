@@ -181,3 +181,67 @@ def test_a_lone_call_decodes_alone_and_moves_into_the_batch_when_company_comes(e
     assert [first.future.result().tokens, second.future.result().tokens] == alone
     s = first.session
     assert s.cache[0].offset == len(s.tokens) and s.tokens[-4:] == alone[0]
+
+
+class Passes:
+    """The model, recording each forward pass's batch size."""
+
+    def __init__(self, model) -> None:
+        self.model, self.sizes = model, []
+
+    def __call__(self, inputs, cache=None):
+        self.sizes.append(inputs.shape[0])
+        return self.model(inputs, cache=cache)
+
+
+def test_calls_arriving_together_join_in_one_merge_with_no_pass_of_their_own(engine):
+    # Was: each joining call took a one-row forward pass of its own (mlx-lm's GenerationBatch constructor),
+    # then joined: passes of 1, 1, 1, 1 rows before the first of 4.
+    params = GenerateParams(max_tokens=12)
+    alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS)]
+    calls = [engine.start_call(session(engine, f"m{i}", p), params) for i, p in enumerate(PROMPTS)]
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    run_together(engine, calls)
+    got = [c.future.result().tokens for c in calls]
+    assert got == alone
+    # One pass feeds the four prompts' last tokens, then one pass per token; rows only leave.
+    assert passes.sizes[0] == 4 and len(passes.sizes) == 1 + max(len(t) for t in got)
+    assert passes.sizes == sorted(passes.sizes, reverse=True)
+
+
+def test_a_long_call_among_short_ones_decodes_alone_and_pads_no_short_row(engine, monkeypatch):
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    params = GenerateParams(max_tokens=8)
+    texts = ["word " * 120, "hi", "ok then", "short"]
+    alone = [solo_tokens(engine, f"alone{i}", t, params) for i, t in enumerate(texts)]
+    sessions = [session(engine, f"p{i}", t) for i, t in enumerate(texts)]
+    long_tokens = sessions[0].processed
+    calls = [engine.start_call(s, params) for s in sessions]
+    for call in calls:
+        engine.decoder.join(call)
+    engine.decoder.step()
+    batch = engine.decoder.batch
+    assert calls[0].solo is not None and len(engine.decoder.rows) == 3  # the long one decodes alone
+    padded = batch.prompt_cache[0].size()  # the batch's KV length: its longest short row (+ the step)
+    assert long_tokens > 500 and padded < 32, (long_tokens, padded)
+    run_together(engine, [])
+    assert [c.future.result().tokens for c in calls] == alone
+
+
+def test_rows_live_in_slots_and_a_leaving_calls_slot_goes_to_the_next_call(engine):
+    from kvwake.daemon.model.joining import SLOTS
+
+    texts = ["The weather today is", "a somewhat longer prompt about tools", "x" * 40, "tell me", "short"]
+    limits = [3, 16, 16, 16, 16]
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in limits]
+    alone = [engine.generate(session(engine, f"alone{i}", t), p).tokens for i, (t, p) in enumerate(zip(texts, params))]
+    calls = [engine.start_call(session(engine, f"s{i}", t), p) for i, (t, p) in enumerate(zip(texts, params))]
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    run_together(engine, calls, join_at={4: 6})  # the first leaves after step 3; the fifth joins at step 6
+    assert [c.future.result().tokens for c in calls] == alone
+    # Four rows, then the fifth call in the first's slot (no batch of 5), then one when three leave at once.
+    assert set(passes.sizes) <= set(SLOTS) and passes.sizes == [4] * 17 + [1] * 6, passes.sizes
+    assert passes.sizes[-1] == 1 and engine.decoder.batch is None and not engine.decoder.dead

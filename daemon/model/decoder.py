@@ -2,20 +2,28 @@
 
 Batched mode (models whose cache layers mlx-lm can merge): calls decode
 together, one forward pass per step, through mlx-lm's `GenerationBatch` over a
-`BatchKVCache` (shorter histories are left-padded and the padding masked). A
-call joins between steps: its session's plain cache is merged into a one-row
-batch, which takes its first step alone and then joins the running batch. A
-call leaves when it finishes: its row is extracted as a plain per-layer cache
-into its session and the batch is filtered. So whenever no call runs on a
-session, the session holds a plain cache, and sleep, fork and prefix reuse see
-what they always saw.
+`BatchKVCache` (shorter histories are left-padded and the padding masked).
+Calls join between steps, all those waiting at once: their sessions' plain
+caches are merged in one go and appended to the batch with the token each
+feeds next, and the step's one forward pass feeds them beside the others (no
+pass of their own; the token a row's first pass feeds is its prompt's last,
+or one already handed out, so it is not output). A call leaves when it
+finishes: its row is extracted as a plain per-layer cache into its session
+(queued, not waited for) and the batch is filtered. So whenever no call runs
+on a session, the session holds a plain cache, and sleep, fork and prefix
+reuse see what they always saw.
+
+Padding is bounded: the batch pads every row to its longest, so a call whose
+history would make the padding more than the rows' own tokens (and more than
+`PAD_SLACK` tokens) decodes alone beside the batch (one 32k-token session
+among seven short ones would otherwise pad each of them to 32k).
 
 A call that starts while no other call decodes or waits decodes alone, on
 its session's own cache (`Solo`: mlx-lm's `generate_step`, one step at a
 time): a batch of one costs more per token than a plain forward pass (on the
 H100 machine, 10.5-13.8 ms against 8.1-9.6 ms per token). When a second call
-arrives, the lone call moves into the batch between two steps, with the token
-it has sampled but not yet fed.
+arrives, the lone call moves into the batch between two steps (in the same
+merge), with the token it has sampled but not yet fed.
 
 Structured output: a call with a `Constraint` has its logits masked by its
 grammar each step (masks.py); while any running call has one, the forward pass
@@ -48,11 +56,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch, StopSequences, generation_stream
+from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import QuantizedKVCache
-from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.model.generation import GenerateResult, TextOutput, make_processors, make_sampler
+from kvwake.daemon.model.joining import Row, dead_rows, fits, place, retire, rows_batch, slot_size
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 from kvwake.daemon.session import Session
 from kvwake.errors import InternalError
@@ -60,7 +68,7 @@ from kvwake.errors import InternalError
 __all__ = ["Call", "Decoder", "batch_mode", "run_alone"]
 
 log = logging.getLogger("kvwake.decoder")
-UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
+PAD_SLACK = 4096  # padding tokens a batch may hold whatever its rows' lengths (a long row decodes alone past it)
 
 
 @dataclass
@@ -151,6 +159,8 @@ class Decoder:
         self.solo: list[Call] = []
         self.batch: GenerationBatch | None = None
         self.rows: dict[int, Call] = {}  # batch uid -> call
+        self.fed_only: set[int] = set()  # rows joined this step: the pass feeds their pending token
+        self.dead: set[int] = set()  # batch uids of slots no call holds (joining.py)
         self._uids = itertools.count()
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0}
         self.step_s = 0.0  # moving average of one step's wall time
@@ -168,11 +178,10 @@ class Decoder:
         self.waiting.append(call)
 
     def step(self) -> None:
-        """Admit waiting calls, then one token for every running call."""
+        """Admit waiting calls (in one merge), then one token for every running call."""
         started = time.perf_counter()
         with mx.stream(generation_stream):
-            while self.waiting and self.running < self.max_batch:
-                self._admit(self.waiting.popleft())
+            self._admit()
             self._step_batch()
             for call in list(self.solo):
                 self._step_solo(call)
@@ -190,106 +199,183 @@ class Decoder:
         self.waiting.clear()
         self.rows.clear()
         self.solo.clear()
+        self.dead.clear()
         self.batch = None
 
     # -- joining ----------------------------------------------------------------
 
-    def _admit(self, call: Call) -> None:
+    def _admit(self) -> None:
+        """Every waiting call that has a place starts now. Batched, they join the batch in one merge
+        (with a lone call, when there is company), and the step's pass feeds their pending tokens:
+        no pass of their own. A call that comes to an empty decoder alone decodes alone."""
+        joining: list[Call] = []
+        while self.waiting and self.running + len(joining) < self.max_batch:
+            joining.append(self.waiting.popleft())
+        if not joining:
+            return
+        if self.mode != "batched" or (len(joining) == 1 and not self.rows and not self.solo):
+            for call in joining:
+                self._start_solo(call)
+            return
+        batched, alone = self._bounded(self.solo + joining)
+        if not self.rows and len(batched) == 1:  # no company left: alone too
+            batched, alone = [], alone + batched
+        for call in alone:
+            if call.solo is None:
+                self._start_solo(call)
+        rows = [row for lone in batched if lone.solo is not None and (row := self._lone_row(lone)) is not None]
+        rows += [Row(call, call.token, call.session.cache, [], make_sampler(call.output.params))
+                 for call in batched if call in joining]
+        if rows:
+            self._merge(rows)
+
+    def _bounded(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
+        """(calls that join the batch, calls that decode alone): the batch pads every row to its
+        longest, so a call whose history would make the padding more than the tokens themselves
+        (and more than PAD_SLACK tokens) decodes alone, longest first (one 32k session among short
+        ones would otherwise pad each of them to 32k)."""
+        lengths = [_length(call) for call in self.rows.values()]
+        batched = sorted(calls, key=_length)
+        alone: list[Call] = []
+        while batched:
+            every = lengths + [_length(call) for call in batched]
+            padding = len(every) * max(every) - sum(every)
+            if padding <= max(sum(every), PAD_SLACK) or _length(batched[-1]) <= max(lengths, default=0):
+                break
+            alone.append(batched.pop())
+        return batched, alone
+
+    def _start_solo(self, call: Call) -> None:
         s, p = call.session, call.output.params
         try:
-            if self.mode == "batched" and (self.rows or self.solo or self.waiting):
-                for lone in list(self.solo):  # company: the lone call joins the batch first
-                    self._move_to_batch(lone)
-                self._join_batch(call, mx.array([call.token], dtype=mx.uint32), s.cache, [])
-            else:
-                call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
-                                 make_processors(p), s.tokens[: s.processed])
-                self.solo.append(call)
-                self.masks.prefetch([call.constraint], call.solo.next)
+            call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
+                             make_processors(p), s.tokens[: s.processed])
         except Exception as exc:  # bad input for this call only (the model raised on it)
             call.fail(exc)
+            return
+        self.solo.append(call)
+        self.masks.prefetch([call.constraint], call.solo.next)
 
-    def _move_to_batch(self, call: Call) -> None:
-        """A lone call joins the batch with the token it has sampled: the batch's first step feeds it
-        without returning it, so it is handed to the call's output here."""
+    def _lone_row(self, call: Call) -> Row | None:
+        """A lone call's row for the batch, with the token it has sampled: the batch's first pass feeds
+        it without handing it out, so it is handed to the call's output here (None: that ended it)."""
         self.solo.remove(call)
         assert call.solo is not None
-        token = call.solo.next
+        solo, call.solo = call.solo, None
         self.counters["decode_tokens"] += 1  # a token handed out, not a step of its own
-        reason = call.output.add(int(token.item()))
+        reason = call.output.add(int(solo.next.item()))
         if reason is not None:  # that token ends the call: feed it alone, as every token handed out is
-            call.solo.step()
-            call.solo = None
+            solo.step()
             call.finish(reason)
-            return
-        self._join_batch(call, token, call.solo.cache, call.output.tokens[:-1])
+            return None
+        return Row(call, solo.next, solo.cache, call.output.tokens[:-1], solo.sampler)  # the same random state
 
-    def _join_batch(self, call: Call, inputs: mx.array, cache: list, generated: list[int]) -> None:
-        """Add a call whose cache holds its history and `generated`; `inputs` is its next token to feed."""
-        s, p = call.session, call.output.params
-        sampler = call.solo.sampler if call.solo is not None else make_sampler(p)  # the same random state
-        call.solo = None
-        uid = next(self._uids)
-        merged = [layer.merge([layer]) for layer in cache]
-        one = GenerationBatch(self._model([call], inputs), [uid], inputs, merged, [s.tokens[: s.processed] + generated],
-                              [sampler], greedy_sampler, [make_processors(p)], [StopSequences()],
-                              [UNLIMITED])  # takes the call's next step, alone
-        s.cache = None  # the batch holds the only copy until the call leaves
-        if self.batch is None:
-            self.batch = one
-        else:
-            self.batch.extend(one)
-            mx.async_eval(self.batch._next_tokens)  # joined: scheduled before the next pass (MaskedModel waits on it)
-        self.rows[uid] = call
+    def _merge(self, rows: list[Row]) -> None:
+        """Add rows to the batch: into dead slots where their histories fit, the rest in one merge
+        appended (then dead rows up to the next slot size). No forward pass here: the step's pass
+        feeds their next tokens with the others'."""
+        batch, placed = self.batch, []
+        if batch is not None and self.dead:
+            slots = [i for i, uid in enumerate(batch.uids) if uid in self.dead]
+            for row in [r for r in rows if fits(batch, r)][: len(slots)]:
+                i, uid = slots.pop(0), next(self._uids)
+                self.dead.discard(batch.uids[i])
+                place(batch, i, uid, row)
+                placed.append((uid, row))
+            rows = [r for r in rows if all(r is not p for _, p in placed)]
+        try:
+            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows) if rows else None
+        except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
+            for row in rows:
+                row.call.fail(exc)
+            joined, rows = None, []
+        for uid, row in [*placed, *zip(joined.uids if joined else [], rows)]:
+            row.call.session.cache = None  # the batch holds the only copy until the call leaves
+            self.rows[uid] = row.call
+            self.fed_only.add(uid)
+        if joined is not None and batch is not None:
+            batch.extend(joined)
+        elif joined is not None:
+            self.batch = joined
+        if self.batch is not None:
+            self._fill_slots()
+            mx.async_eval(self.batch._next_tokens)  # scheduled before the pass (MaskedModel waits on it)
+
+    def _fill_slots(self) -> None:
+        """Dead rows up to the batch's slot size, so it has one of a few sizes."""
+        batch = self.batch
+        n = len(batch.uids)
+        size = slot_size(n, max(self.max_batch, n))
+        if size > n:
+            uids = [next(self._uids) for _ in range(size - n)]
+            batch.extend(dead_rows(self.model, uids, batch))
+            self.dead.update(uids)
 
     # -- stepping ---------------------------------------------------------------
 
-    def _model(self, calls: list[Call], fed: mx.array) -> Any:
-        """The model for a forward pass over `calls` (in row order) feeding `fed`: masked when any is
-        constrained. `fed` must be the array the step before scheduled (or a constant), so waiting
-        for its values never waits for this pass."""
-        constraints = [call.constraint for call in calls]
+    def _model(self, calls: list[Call | None], fed: mx.array) -> Any:
+        """The model for a forward pass over `calls` (in row order; None: a dead slot) feeding `fed`:
+        masked when any is constrained. `fed` must be the array the step before scheduled (or a
+        constant), so waiting for its values never waits for this pass."""
+        constraints = _constraints(calls)
         return MaskedModel(self.model, constraints, self.masks, fed) if any(constraints) else self.model
+
+    def _row_calls(self) -> list[Call | None]:
+        return [self.rows.get(uid) for uid in self.batch.uids] if self.batch is not None else []
 
     def _step_batch(self) -> None:
         if self.batch is None:
             return
         # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
-        self.batch.model = self._model([self.rows[uid] for uid in self.batch.uids], self.batch._next_tokens)
+        self.batch.model = self._model(self._row_calls(), self.batch._next_tokens)
         try:
             responses = self.batch.next()
         except Exception as exc:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
+            self.fed_only.clear()
+            self.dead.clear()
             self.masks.settle([call.constraint for call in self.rows.values()])
             for call in self.rows.values():
                 call.fail(exc)
             self.rows.clear()
             self.batch = None
             return
-        self._count(len(responses))
-        done = [(i, r.uid, reason) for i, r in enumerate(responses)
-                if (reason := self.rows[r.uid].output.add(r.token)) is not None]
+        fed_only, done = self.fed_only, []
+        self._count(len(responses) - len(fed_only) - len(self.dead))
+        for i, r in enumerate(responses):
+            if r.uid in fed_only or r.uid in self.dead:  # fed its pending token (a prompt's last, or one
+                continue  # handed out), or a dead slot's
+            reason = self.rows[r.uid].output.add(r.token)
+            if reason is not None:
+                done.append((i, r.uid, reason))
+        fed_only.clear()
         if done:
             self._leave(done)
         if self.batch is not None:  # the rows that go on: their next mask, filled while this thread goes on
-            self.masks.prefetch([self.rows[uid].constraint for uid in self.batch.uids], self.batch._next_tokens)
+            self.masks.prefetch(_constraints(self._row_calls()), self.batch._next_tokens)
 
     def _leave(self, done: list[tuple[int, int, str]]) -> None:
-        """Give finished rows back to their sessions as plain caches; keep the others batched."""
+        """Give finished rows back to their sessions as plain caches; their slots stay, dead, for the
+        next calls, until half the batch is dead: then it keeps only its live rows (at a slot size)."""
         batch = self.batch
         assert batch is not None
         for i, uid, reason in done:
             call = self.rows.pop(uid)
             call.session.cache = batch.extract_cache(i)
-            mx.eval([c.state for c in call.session.cache])
+            mx.async_eval([c.state for c in call.session.cache])  # queued behind the pass: no stall here
             call.finish(reason)
-        leaving = {i for i, _, _ in done}
-        keep = [i for i in range(len(batch.uids)) if i not in leaving]
-        if keep:
-            batch.filter(keep)
-            mx.async_eval(batch._next_tokens)  # the rows kept: scheduled before the next pass
-        else:
+            retire(batch, i)
+            self.dead.add(uid)
+        if 2 * len(self.dead) < len(batch.uids):
+            return
+        keep = [i for i, uid in enumerate(batch.uids) if uid not in self.dead]
+        self.dead.clear()
+        if not keep:
             self.batch = None
+            return
+        batch.filter(keep)
+        self._fill_slots()
+        mx.async_eval(batch._next_tokens)  # the rows kept: scheduled before the next pass
 
     def _step_solo(self, call: Call) -> None:
         assert call.solo is not None
@@ -321,6 +407,15 @@ class Decoder:
                 "mask_passes": masks.timing["passes"], "masks_ready_ahead": masks.timing["ready"],
                 "mask_take_ms": round(masks.timing["take_s"] / masks.timing["passes"] * 1000, 4)
                 if masks.timing["passes"] else None}
+
+
+def _constraints(calls: list[Call | None]) -> list[Constraint | None]:
+    return [call.constraint if call is not None else None for call in calls]
+
+
+def _length(call: Call) -> int:
+    """Tokens in the call's cache, give or take the one being fed."""
+    return call.session.processed + len(call.output.tokens)
 
 
 def run_alone(decoder: Decoder, call: Call) -> GenerateResult:
