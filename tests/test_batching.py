@@ -245,3 +245,12 @@ def test_rows_live_in_slots_and_a_leaving_calls_slot_goes_to_the_next_call(engin
     # Four rows, then the fifth call in the first's slot (no batch of 5), then one when three leave at once.
     assert set(passes.sizes) <= set(SLOTS) and passes.sizes == [4] * 17 + [1] * 6, passes.sizes
     assert passes.sizes[-1] == 1 and engine.decoder.batch is None and not engine.decoder.dead
+
+
+def test_each_slot_size_is_warmed_on_dead_rows_without_a_call(engine):
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    assert engine.decoder.warm(len(engine.make_cache())) == [2, 4, 8]  # max_batch 8
+    assert passes.sizes == [2, 2, 4, 4, 8, 8] and not engine.decoder.active and engine.decoder.batch is None
+    params = GenerateParams(max_tokens=6)
+    alone = solo_tokens(engine, "alone", PROMPTS[0], params)
+    assert solo_tokens(engine, "after", PROMPTS[0], params) == alone

@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "plain_attention", "plain_prefill", "wanted"]
+__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "on_cuda", "plain_attention", "plain_prefill", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -60,8 +60,11 @@ def key_ladder(context: int | None) -> list[int]:
 
 def wanted() -> bool:
     """Plain prefill attention where it pays: MLX on CUDA (KVWAKE_PLAIN_PREFILL=0 turns it off)."""
-    if os.environ.get("KVWAKE_PLAIN_PREFILL", "1") == "0":
-        return False
+    return os.environ.get("KVWAKE_PLAIN_PREFILL", "1") != "0" and on_cuda()
+
+
+def on_cuda() -> bool:
+    """MLX runs on CUDA here (where it builds kernels and attention graphs per shape)."""
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 

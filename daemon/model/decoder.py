@@ -13,6 +13,11 @@ finishes: its row is extracted as a plain per-layer cache into its session
 on a session, the session holds a plain cache, and sleep, fork and prefix
 reuse see what they always saw.
 
+Rows live in slots (joining.py): the batch has 1, 2, 4, 8, 16 or 32 rows,
+padded with dead rows; a call that leaves leaves a dead slot that the next call
+whose history fits takes, and the batch keeps only its live rows once half its
+slots are dead. On CUDA each size is warmed at start (`warm`).
+
 Padding is bounded: the batch pads every row to its longest, so a call whose
 history would make the padding more than the rows' own tokens (and more than
 `PAD_SLACK` tokens) decodes alone beside the batch (one 32k-token session
@@ -190,6 +195,19 @@ class Decoder:
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
 
+    def warm(self, layers: int) -> list[int]:
+        """Two batched steps at each slot size up to max_batch, on dead rows (no call), so MLX builds each
+        size's kernels before a request meets them (MLX on CUDA compiles per shape). The sizes warmed."""
+        if self.mode != "batched":
+            return []
+        sizes = sorted({slot_size(n, self.max_batch) for n in range(2, self.max_batch + 1)})
+        with mx.stream(generation_stream):
+            for n in sizes:
+                batch = dead_rows(self.model, list(range(n)), layers)
+                batch.next()
+                batch.next()
+        return sizes
+
     def abort(self, exc: BaseException) -> None:
         """Fail every call (the engine thread is stopping)."""
         calls = [*self.waiting, *self.rows.values(), *self.solo]
@@ -308,7 +326,7 @@ class Decoder:
         size = slot_size(n, max(self.max_batch, n))
         if size > n:
             uids = [next(self._uids) for _ in range(size - n)]
-            batch.extend(dead_rows(self.model, uids, batch))
+            batch.extend(dead_rows(self.model, uids, len(batch.prompt_cache)))
             self.dead.update(uids)
 
     # -- stepping ---------------------------------------------------------------

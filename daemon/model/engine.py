@@ -126,6 +126,8 @@ class Engine:
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
+        if attention.on_cuda():  # each batch size's kernels built now, not by a request
+            self.decoder.warm(len(probe))
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
         # Which path a short chunk's attention takes: measured at this model's shape, off the request path.

@@ -55,11 +55,11 @@ def rows_batch(model: Any, uids: list[int], rows: list[Row]) -> GenerationBatch:
                       mx.concatenate([_token(r) for r in rows]))
 
 
-def dead_rows(model: Any, uids: list[int], like: GenerationBatch) -> GenerationBatch:
-    """Rows that hold nothing (all padding once they extend `like`): places for calls to come. They are
-    fed and sample like any row (greedy, token 0 first); their tokens are never handed out."""
+def dead_rows(model: Any, uids: list[int], layers: int) -> GenerationBatch:
+    """Rows that hold nothing (all padding once they extend a batch): places for calls to come. They
+    are fed and sample like any row (greedy, token 0 first); their tokens are never handed out."""
     n = len(uids)
-    caches = [BatchKVCache([0] * n) for _ in like.prompt_cache]
+    caches = [BatchKVCache([0] * n) for _ in range(layers)]
     return _unstepped(model, uids, caches, [[] for _ in uids], [greedy_sampler] * n, [() for _ in uids],
                       mx.zeros((n,), dtype=mx.uint32))
 
