@@ -254,3 +254,21 @@ def test_each_slot_size_is_warmed_on_dead_rows_without_a_call(engine):
     params = GenerateParams(max_tokens=6)
     alone = solo_tokens(engine, "alone", PROMPTS[0], params)
     assert solo_tokens(engine, "after", PROMPTS[0], params) == alone
+
+
+def test_a_one_token_session_takes_a_dead_slot_and_decodes_as_alone(engine):
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (2, 12, 12, 12, 8)]
+    inputs = [[40, 41, 42], [50, 51, 52, 53], [60, 61], [70, 71, 72, 73, 74], [99]]  # the last: one token, no KV
+
+    def fresh(name, tokens):
+        s = Session(name)
+        engine.append(s, tokens=tokens)
+        return s
+
+    alone = [engine.generate(fresh(f"alone{i}", t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+    calls = [engine.start_call(fresh(f"o{i}", t), p) for i, (t, p) in enumerate(zip(inputs, params))]
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    run_together(engine, calls, join_at={4: 5})  # the first leaves after step 2: the fifth takes its slot
+    assert [c.future.result().tokens for c in calls] == alone
+    assert passes.sizes[:13] == [4] * 13, passes.sizes
