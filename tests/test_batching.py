@@ -272,3 +272,37 @@ def test_a_one_token_session_takes_a_dead_slot_and_decodes_as_alone(engine):
     run_together(engine, calls, join_at={4: 5})  # the first leaves after step 2: the fifth takes its slot
     assert [c.future.result().tokens for c in calls] == alone
     assert passes.sizes[:13] == [4] * 13, passes.sizes
+
+
+def test_a_long_row_already_batched_goes_on_alone_when_short_calls_join(engine, monkeypatch):
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=10, logit_bias=no_eos)
+    texts = ["word " * 40, "a short one"] + [f"agent {i}" for i in range(5)]  # 200 tokens, then short ones
+    alone = [solo_tokens(engine, f"alone{i}", t, params) for i, t in enumerate(texts)]
+    calls = [engine.start_call(session(engine, f"e{i}", t), params) for i, t in enumerate(texts)]
+    run_together(engine, calls[:2] + calls[2:], join_at={i: 3 for i in range(2, 7)})  # two batch, five join
+    assert [c.future.result().tokens for c in calls] == alone
+    assert engine.decoder.counters["max_batch_seen"] == 7
+
+
+def test_the_long_row_leaves_the_batch_at_the_join_and_the_batch_is_cut_to_the_short_rows(engine, monkeypatch):
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=10, logit_bias=no_eos)
+    texts = ["word " * 40, "a short one"] + [f"agent {i}" for i in range(5)]
+    calls = [engine.start_call(session(engine, f"f{i}", t), params) for i, t in enumerate(texts)]
+    for call in calls[:2]:
+        engine.decoder.join(call)
+    engine.decoder.step()
+    assert engine.decoder.batch.prompt_cache[0].size() >= 199  # batched together: the long one's length
+    for call in calls[2:]:
+        engine.decoder.join(call)
+    engine.decoder.step()
+    assert calls[0].solo is not None and len(engine.decoder.rows) == 6
+    assert engine.decoder.batch.prompt_cache[0].size() < 20  # the short rows' length, not the long one's
+    run_together(engine, [])

@@ -594,3 +594,32 @@ def test_a_json_reply_on_a_thinking_model_closes_its_thought_and_the_content_val
     finally:
         e.close()
         store.close()
+
+
+def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engine, monkeypatch):
+    """A long constrained call batched with a short one goes on alone when five short calls join (its
+    padding would be more than their tokens): its grammar state moves with it (decoder._evict)."""
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    schema = SCHEMAS["nested objects"]
+    sessions = []
+    for i, text in enumerate(["a long question " * 30, "short"] + [f"q{i}" for i in range(5)]):
+        s = Session(f"evict{i}")
+        engine.append(s, messages=[{"role": "user", "content": text}])
+        sessions.append(s)
+    long = engine.start_call(sessions[0], params(Structure.json(schema), 7))
+    calls = [long] + [engine.start_call(s, params(None, 8 + i, max_tokens=30)) for i, s in enumerate(sessions[1:])]
+    for call in calls[:2]:
+        engine.decoder.join(call)
+    for _ in range(4):
+        engine.decoder.step()
+    for call in calls[2:]:
+        engine.decoder.join(call)
+    engine.decoder.step()
+    assert long.solo is not None or long.future.done()  # alone now
+    while engine.decoder.active:
+        engine.decoder.step()
+    result = long.future.result()
+    assert result.finish_reason == "stop", (result.text, result.finish_reason)
+    jsonschema.validate(json.loads(result.text), schema)

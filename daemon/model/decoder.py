@@ -18,10 +18,11 @@ padded with dead rows; a call that leaves leaves a dead slot that the next call
 whose history fits takes, and the batch keeps only its live rows once half its
 slots are dead. On CUDA each size is warmed at start (`warm`).
 
-Padding is bounded: the batch pads every row to its longest, so a call whose
-history would make the padding more than the rows' own tokens (and more than
-`PAD_SLACK` tokens) decodes alone beside the batch (one 32k-token session
-among seven short ones would otherwise pad each of them to 32k).
+Padding is bounded: the batch pads every row to its longest, so while the
+padding would be more than the rows' own tokens (and more than `PAD_SLACK`
+tokens), the longest call decodes alone beside the batch, joining or already
+batched (one 32k-token session among seven short ones would otherwise pad each
+of them to 32k).
 
 A call that starts while no other call decodes or waits decodes alone, on
 its session's own cache (`Solo`: mlx-lm's `generate_step`, one step at a
@@ -236,32 +237,65 @@ class Decoder:
                 self._start_solo(call)
             return
         batched, alone = self._bounded(self.solo + joining)
+        evicted = [call for call in alone if call.solo is None and id(call) not in {id(c) for c in joining}]
+        if evicted:
+            self._evict(evicted)
         if not self.rows and len(batched) == 1:  # no company left: alone too
             batched, alone = [], alone + batched
         for call in alone:
-            if call.solo is None:
+            if call.solo is None and all(call is not e for e in evicted):
                 self._start_solo(call)
         rows = [row for lone in batched if lone.solo is not None and (row := self._lone_row(lone)) is not None]
+        new = {id(call) for call in joining}
         rows += [Row(call, call.token, call.session.cache, [], make_sampler(call.output.params))
-                 for call in batched if call in joining]
+                 for call in batched if id(call) in new]
         if rows:
             self._merge(rows)
 
     def _bounded(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
-        """(calls that join the batch, calls that decode alone): the batch pads every row to its
-        longest, so a call whose history would make the padding more than the tokens themselves
-        (and more than PAD_SLACK tokens) decodes alone, longest first (one 32k session among short
-        ones would otherwise pad each of them to 32k)."""
-        lengths = [_length(call) for call in self.rows.values()]
-        batched = sorted(calls, key=_length)
+        """(of `calls`, those that join the batch; of them and the batch's rows, those that decode
+        alone): the batch pads every row to its longest, so while the padding would be more than the
+        tokens themselves (and more than PAD_SLACK tokens), the longest decodes alone (one 32k session
+        among short ones would otherwise pad each of them to 32k)."""
+        pool = sorted([*self.rows.values(), *calls], key=_length)
         alone: list[Call] = []
-        while batched:
-            every = lengths + [_length(call) for call in batched]
-            padding = len(every) * max(every) - sum(every)
-            if padding <= max(sum(every), PAD_SLACK) or _length(batched[-1]) <= max(lengths, default=0):
+        while len(pool) > 1:
+            every = [_length(call) for call in pool]
+            if len(every) * every[-1] - sum(every) <= max(sum(every), PAD_SLACK):
                 break
-            alone.append(batched.pop())
-        return batched, alone
+            alone.append(pool.pop())
+        joining = {id(call) for call in calls}
+        return [call for call in pool if id(call) in joining], alone
+
+    def _evict(self, calls: list[Call]) -> None:
+        """Batch rows that go on alone (their history pads the batch too much): each takes its cache
+        and its sampled token (handed out here; the lone pass feeds it) to a `Solo`; then the batch
+        keeps its other rows, cut to their length."""
+        batch = self.batch
+        assert batch is not None
+        for call in calls:
+            i = next(i for i, uid in enumerate(batch.uids) if self.rows.get(uid) is call)
+            uid, token, sampler = batch.uids[i], batch._next_tokens[i : i + 1], batch.samplers[i]
+            s, p = call.session, call.output.params
+            s.cache = batch.extract_cache(i)
+            del self.rows[uid]
+            self.dead.add(uid)
+            retire(batch, i)
+            self.counters["decode_tokens"] += 1  # a token handed out, not a step of its own
+            reason = call.output.add(int(token.item()))
+            try:
+                call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, token, sampler,
+                                 make_processors(p), s.tokens[: s.processed] + call.output.tokens[:-1])
+            except Exception as exc:
+                call.fail(exc)
+                continue
+            if reason is not None:  # that token ended it: fed now, as every token handed out is
+                call.solo = None
+                call.finish(reason)
+                continue
+            self.solo.append(call)
+            self.masks.prefetch([call.constraint], call.solo.next)
+        self._compact()
 
     def _start_solo(self, call: Call) -> None:
         s, p = call.session, call.output.params
@@ -384,8 +418,13 @@ class Decoder:
             call.finish(reason)
             retire(batch, i)
             self.dead.add(uid)
-        if 2 * len(self.dead) < len(batch.uids):
-            return
+        if 2 * len(self.dead) >= len(batch.uids):
+            self._compact()
+
+    def _compact(self) -> None:
+        """The batch keeps only its live rows (cut to the longest of them), at their slot size."""
+        batch = self.batch
+        assert batch is not None
         keep = [i for i, uid in enumerate(batch.uids) if uid not in self.dead]
         self.dead.clear()
         if not keep:
