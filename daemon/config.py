@@ -65,7 +65,7 @@ class Settings:
     keep_history: int = 4  # unlabeled snapshots kept per session
     kv_bits: int | None = None
     max_batch: int = 32  # generate calls decoded together in one forward pass; 1: each alone (solo-bit-exact)
-    prefill_step: int = 512  # tokens per prefill chunk (smaller while other calls decode)
+    prefill_step: int = 512  # tokens per prefill chunk; chunks end on its multiples
     max_context: int | None = None  # tokens a session may hold, below the model's own context; None: the model's
     mlx_memory_bytes: int | None = None  # MLX's memory limit; None: 90% of the GPU's memory (CUDA), else of RAM
     mlx_cache_bytes: int = 4 << 30  # freed buffers MLX keeps for reuse (daemon/model/memory.py says why)
