@@ -306,3 +306,14 @@ def test_the_long_row_leaves_the_batch_at_the_join_and_the_batch_is_cut_to_the_s
     assert calls[0].solo is not None and len(engine.decoder.rows) == 6
     assert engine.decoder.batch.prompt_cache[0].size() < 20  # the short rows' length, not the long one's
     run_together(engine, [])
+
+
+def test_status_counts_merges_slot_reuses_and_compactions(engine):
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (3, 10, 10, 10, 6)]
+    calls = [engine.start_call(session(engine, f"c{i}", t), p) for i, (t, p) in enumerate(zip(PROMPTS + ["hi"], params))]
+    before = dict(engine.decoder.counters)
+    run_together(engine, calls, join_at={4: 6})
+    status = engine.decoder.status()
+    assert status["merges"] - before["merges"] == 1 and status["slot_reuses"] - before["slot_reuses"] == 1
+    assert status["compactions"] > before["compactions"] and status["batch_rows"] == status["dead_rows"] == 0

@@ -168,7 +168,8 @@ class Decoder:
         self.fed_only: set[int] = set()  # rows joined this step: the pass feeds their pending token
         self.dead: set[int] = set()  # batch uids of slots no call holds (joining.py)
         self._uids = itertools.count()
-        self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0}
+        self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
+                         "compactions": 0, "alone_for_length": 0}
         self.step_s = 0.0  # moving average of one step's wall time
 
     @property
@@ -238,6 +239,7 @@ class Decoder:
             return
         batched, alone = self._bounded(self.solo + joining)
         evicted = [call for call in alone if call.solo is None and id(call) not in {id(c) for c in joining}]
+        self.counters["alone_for_length"] += len(alone)
         if evicted:
             self._evict(evicted)
         if not self.rows and len(batched) == 1:  # no company left: alone too
@@ -334,6 +336,7 @@ class Decoder:
                 self.dead.discard(batch.uids[i])
                 place(batch, i, uid, row)
                 placed.append((uid, row))
+                self.counters["slot_reuses"] += 1
             rows = [r for r in rows if all(r is not p for _, p in placed)]
         try:
             joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows) if rows else None
@@ -345,6 +348,7 @@ class Decoder:
             row.call.session.cache = None  # the batch holds the only copy until the call leaves
             self.rows[uid] = row.call
             self.fed_only.add(uid)
+        self.counters["merges"] += joined is not None
         if joined is not None and batch is not None:
             batch.extend(joined)
         elif joined is not None:
@@ -427,6 +431,7 @@ class Decoder:
         assert batch is not None
         keep = [i for i, uid in enumerate(batch.uids) if uid not in self.dead]
         self.dead.clear()
+        self.counters["compactions"] += 1
         if not keep:
             self.batch = None
             return
@@ -459,6 +464,7 @@ class Decoder:
     def status(self) -> dict[str, Any]:
         masks = self.masks
         return {"running": self.running, "waiting": len(self.waiting), **self.counters,
+                "batch_rows": len(self.batch.uids) if self.batch is not None else 0, "dead_rows": len(self.dead),
                 "step_ms": round(self.step_s * 1000, 3), "mask_fills": masks.fills,
                 "mask_fill_ms": round(masks.fill_s / masks.fills * 1000, 4) if masks.fills else None,
                 "mask_passes": masks.timing["passes"], "masks_ready_ahead": masks.timing["ready"],
