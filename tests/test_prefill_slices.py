@@ -5,6 +5,7 @@ layers per engine job, leaving the same cache bit for bit as a chunk computed at
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import pytest
 
 from kvwake.daemon.model.engine import Engine
@@ -17,11 +18,13 @@ from tests.tinymodel import make_model_dir
 STEP = 32
 
 
-@pytest.fixture
-def deep(tmp_path):
-    """An engine on a 6-layer tiny llama: slices have layers to split."""
+@pytest.fixture(params=["llama", "gemma3_text", "lfm2"])
+def deep(tmp_path, request):
+    """An engine on a tiny model with layers to split: a 6-layer llama, and 3-layer models with sliding-window
+    and recurrent layers (their caches are evaluated a layer at a time too)."""
     store = Store(tmp_path / "store", block_tokens=16)
-    model = make_model_dir(tmp_path / "deep", num_hidden_layers=6)
+    more = {"num_hidden_layers": 6} if request.param == "llama" else {}
+    model = make_model_dir(tmp_path / "deep", arch=request.param, **more)
     engine = Engine(store, tmp_path, model, prefill_step=STEP, max_batch=8)
     yield engine
     engine.close()
@@ -35,7 +38,7 @@ class Fed:
         self.model, self.passes = model, []
 
     def __call__(self, inputs, cache=None):
-        self.passes.append((cache[0].offset, inputs.shape[1]))
+        self.passes.append((next(c.offset for c in cache if hasattr(c, "offset")), inputs.shape[1]))
         return self.model(inputs, cache=cache)
 
 
@@ -48,7 +51,7 @@ def test_chunks_after_a_turn_end_on_multiples_of_the_step(deep):
 
 
 def cache_arrays(session: Session) -> list[mx.array]:
-    return [a for layer in session.cache for a in layer.state]
+    return [a for _, a in tree_flatten([layer.state for layer in session.cache]) if a is not None]
 
 
 def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_same_cache(deep):
@@ -74,9 +77,11 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
         call.future.result(timeout=60)
     finally:
         thread.stop()
-    assert [c.slices for c in slices] == [6] * len(slices)  # 6 layers, one per job
+    layers = len(deep.make_cache())
+    assert [c.slices for c in slices] == [layers] * len(slices)  # one layer per job
     assert sliced.processed == whole.processed == len(long_prompt) - 1
-    assert all(mx.array_equal(a, b).item() for a, b in zip(cache_arrays(sliced), cache_arrays(whole)))
+    got, want = cache_arrays(sliced), cache_arrays(whole)
+    assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
 
 
 def test_a_slice_is_sized_to_the_decode_step_from_the_measured_layer_cost():
