@@ -623,3 +623,33 @@ def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engi
     result = long.future.result()
     assert result.finish_reason == "stop", (result.text, result.finish_reason)
     jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_a_long_row_stays_batched_beside_another_constrained_row_and_both_stay_valid(engine, monkeypatch):
+    """A long row is not taken out of the batch while another constrained row decodes in it (their next
+    masks are filled together): every constrained call still validates."""
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    schema = SCHEMAS["nested objects"]
+    sessions = []
+    for i, text in enumerate(["a long question " * 30, "short"] + [f"q{i}" for i in range(5)]):
+        s = Session(f"stay{i}")
+        engine.append(s, messages=[{"role": "user", "content": text}])
+        sessions.append(s)
+    calls = [engine.start_call(s, params(Structure.json(schema), 20 + i)) for i, s in enumerate(sessions[:2])]
+    calls += [engine.start_call(s, params(None, 30 + i, max_tokens=30)) for i, s in enumerate(sessions[2:])]
+    for call in calls[:2]:
+        engine.decoder.join(call)
+    for _ in range(4):
+        engine.decoder.step()
+    for call in calls[2:]:
+        engine.decoder.join(call)
+    engine.decoder.step()
+    assert calls[0].solo is None  # still batched
+    while engine.decoder.active:
+        engine.decoder.step()
+    for call in calls[:2]:
+        result = call.future.result()
+        assert result.finish_reason == "stop", (result.text, result.finish_reason)
+        jsonschema.validate(json.loads(result.text), schema)

@@ -239,6 +239,11 @@ class Decoder:
             return
         batched, alone = self._bounded(self.solo + joining)
         evicted = [call for call in alone if call.solo is None and id(call) not in {id(c) for c in joining}]
+        staying = [call for call in self.rows.values() if all(call is not e for e in evicted)]
+        if evicted and any(call.constraint is not None for call in staying):
+            # The rows' next masks are being filled together (Masks.prefetch): a row taken out now would
+            # settle that work alone and the others would be fed their token twice. It stays batched.
+            alone, evicted = [c for c in alone if all(c is not e for e in evicted)], []
         self.counters["alone_for_length"] += len(alone)
         if evicted:
             self._evict(evicted)
