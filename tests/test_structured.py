@@ -596,20 +596,21 @@ def test_a_json_reply_on_a_thinking_model_closes_its_thought_and_the_content_val
         store.close()
 
 
-def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engine, monkeypatch):
-    """A long constrained call batched with a short one goes on alone when five short calls join (its
-    padding would be more than their tokens): its grammar state moves with it (decoder._evict)."""
+def two_then_five(engine, monkeypatch, tag: str, constrained: int) -> list:
+    """A long call (400 tokens) and a short one decode batched for 4 steps; then five short calls join, which
+    would pad the batch more than their tokens (PAD_SLACK lowered to 64). The first `constrained` calls
+    are constrained (the nested-objects schema). Returns the calls, after that joining step."""
     from kvwake.daemon.model import decoder as decoder_module
 
     monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
-    schema = SCHEMAS["nested objects"]
     sessions = []
     for i, text in enumerate(["a long question " * 30, "short"] + [f"q{i}" for i in range(5)]):
-        s = Session(f"evict{i}")
+        s = Session(f"{tag}{i}")
         engine.append(s, messages=[{"role": "user", "content": text}])
         sessions.append(s)
-    long = engine.start_call(sessions[0], params(Structure.json(schema), 7))
-    calls = [long] + [engine.start_call(s, params(None, 8 + i, max_tokens=30)) for i, s in enumerate(sessions[1:])]
+    calls = [engine.start_call(s, params(Structure.json(SCHEMAS["nested objects"]) if i < constrained else None,
+                                         20 + i, **({} if i < constrained else {"max_tokens": 30})))
+             for i, s in enumerate(sessions)]
     for call in calls[:2]:
         engine.decoder.join(call)
     for _ in range(4):
@@ -617,39 +618,29 @@ def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engi
     for call in calls[2:]:
         engine.decoder.join(call)
     engine.decoder.step()
-    assert long.solo is not None or long.future.done()  # alone now
+    return calls
+
+
+def finish_valid(engine, calls: list) -> None:
     while engine.decoder.active:
         engine.decoder.step()
-    result = long.future.result()
-    assert result.finish_reason == "stop", (result.text, result.finish_reason)
-    jsonschema.validate(json.loads(result.text), schema)
+    for call in calls:
+        result = call.future.result()
+        assert result.finish_reason == "stop", (result.text, result.finish_reason)
+        jsonschema.validate(json.loads(result.text), SCHEMAS["nested objects"])
+
+
+def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engine, monkeypatch):
+    """The long constrained call goes on alone when the short calls join: its grammar state moves with it
+    (decoder._evict)."""
+    calls = two_then_five(engine, monkeypatch, "evict", constrained=1)
+    assert calls[0].solo is not None or calls[0].future.done()  # alone now
+    finish_valid(engine, calls[:1])
 
 
 def test_a_long_row_stays_batched_beside_another_constrained_row_and_both_stay_valid(engine, monkeypatch):
     """A long row is not taken out of the batch while another constrained row decodes in it (their next
-    masks are filled together): every constrained call still validates."""
-    from kvwake.daemon.model import decoder as decoder_module
-
-    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
-    schema = SCHEMAS["nested objects"]
-    sessions = []
-    for i, text in enumerate(["a long question " * 30, "short"] + [f"q{i}" for i in range(5)]):
-        s = Session(f"stay{i}")
-        engine.append(s, messages=[{"role": "user", "content": text}])
-        sessions.append(s)
-    calls = [engine.start_call(s, params(Structure.json(schema), 20 + i)) for i, s in enumerate(sessions[:2])]
-    calls += [engine.start_call(s, params(None, 30 + i, max_tokens=30)) for i, s in enumerate(sessions[2:])]
-    for call in calls[:2]:
-        engine.decoder.join(call)
-    for _ in range(4):
-        engine.decoder.step()
-    for call in calls[2:]:
-        engine.decoder.join(call)
-    engine.decoder.step()
+    masks are filled together: the other would be fed its token twice)."""
+    calls = two_then_five(engine, monkeypatch, "stay", constrained=2)
     assert calls[0].solo is None  # still batched
-    while engine.decoder.active:
-        engine.decoder.step()
-    for call in calls[:2]:
-        result = call.future.result()
-        assert result.finish_reason == "stop", (result.text, result.finish_reason)
-        jsonschema.validate(json.loads(result.text), schema)
+    finish_valid(engine, calls[:2])
