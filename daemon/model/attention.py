@@ -179,12 +179,13 @@ def _timed_paths(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: 
     """(plain, fused at a known shape, fused's extra at a new shape) seconds of one layer's attention."""
     fused = mx.fast.scaled_dot_product_attention
     plain = plain_attention(lambda *a, **kw: fused(*a[:3], scale=kw["scale"], mask=kw["mask"]))
-    k = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
-    v = mx.random.normal((1, kv_heads, keys, head_dim)).astype(dtype)
+    # Own keys: MLX's global random state (what a caller may have seeded) is left as it was.
+    k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(1)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(2)).astype(dtype)
     mx.eval(k, v)
 
     def timed(fn: Any, q_len: int) -> float:
-        q = mx.random.normal((1, heads, q_len, head_dim)).astype(dtype)
+        q = mx.random.normal((1, heads, q_len, head_dim), key=mx.random.key(q_len)).astype(dtype)
         mx.eval(q)
         start = time.perf_counter()
         mx.eval(fn(q))
