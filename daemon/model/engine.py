@@ -338,8 +338,9 @@ class Engine:
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
         # shapes recur (aligned), and beside decoding 128-token chunks over 8k took 3.0 s plain against
         # 1.5 s fused (model/attention.py).
-        plain = self.plain_prefill and end - session.processed < self.prefill_step and \
-            (self.paths is None or self.paths.plain(end - session.processed, end))
+        n = end - session.processed
+        plain = self.plain_prefill and n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
+            (self.paths is None or self.paths.plain(n, end))
         with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
