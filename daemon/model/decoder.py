@@ -237,14 +237,15 @@ class Decoder:
             for call in joining:
                 self._start_solo(call)
             return
+        new = {id(call) for call in joining}
         batched, alone = self._bounded(self.solo + joining)
-        evicted = [call for call in alone if call.solo is None and id(call) not in {id(c) for c in joining}]
+        evicted = [call for call in alone if call.solo is None and id(call) not in new]
         staying = [call for call in self.rows.values() if all(call is not e for e in evicted)]
         if evicted and any(call.constraint is not None for call in staying):
             # The rows' next masks are being filled together (Masks.prefetch): a row taken out now would
             # settle that work alone and the others would be fed their token twice. It stays batched.
             alone, evicted = [c for c in alone if all(c is not e for e in evicted)], []
-        self.counters["alone_for_length"] += len(alone)
+        self.counters["alone_for_length"] += len(evicted) + sum(id(call) in new for call in alone)
         if evicted:
             self._evict(evicted)
         if not self.rows and len(batched) == 1:  # no company left: alone too
@@ -253,7 +254,6 @@ class Decoder:
             if call.solo is None and all(call is not e for e in evicted):
                 self._start_solo(call)
         rows = [row for lone in batched if lone.solo is not None and (row := self._lone_row(lone)) is not None]
-        new = {id(call) for call in joining}
         rows += [Row(call, call.token, call.session.cache, [], make_sampler(call.output.params))
                  for call in batched if id(call) in new]
         if rows:
