@@ -213,7 +213,7 @@ class Decoder:
     def abort(self, exc: BaseException) -> None:
         """Fail every call (the engine thread is stopping)."""
         calls = [*self.waiting, *self.rows.values(), *self.solo]
-        self.masks.settle([call.constraint for call in calls])
+        self.masks.forget([call.constraint for call in calls])
         for call in calls:
             call.fail(exc)
         self.waiting.clear()
@@ -240,11 +240,6 @@ class Decoder:
         new = {id(call) for call in joining}
         batched, alone = self._bounded(self.solo + joining)
         evicted = [call for call in alone if call.solo is None and id(call) not in new]
-        staying = [call for call in self.rows.values() if all(call is not e for e in evicted)]
-        if evicted and any(call.constraint is not None for call in staying):
-            # The rows' next masks are being filled together (Masks.prefetch): a row taken out now would
-            # settle that work alone and the others would be fed their token twice. It stays batched.
-            alone, evicted = [c for c in alone if all(c is not e for e in evicted)], []
         self.counters["alone_for_length"] += len(evicted) + sum(id(call) in new for call in alone)
         if evicted:
             self._evict(evicted)
@@ -294,6 +289,7 @@ class Decoder:
                 call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, token, sampler,
                                  make_processors(p), s.tokens[: s.processed] + call.output.tokens[:-1])
             except Exception as exc:
+                self.masks.forget([call.constraint])
                 call.fail(exc)
                 continue
             if reason is not None:  # that token ended it: fed now, as every token handed out is
@@ -310,6 +306,7 @@ class Decoder:
             call.solo = Solo(lambda fed, call=call: self._model([call], fed), s.cache, mx.array([call.token], dtype=mx.uint32), make_sampler(p),
                              make_processors(p), s.tokens[: s.processed])
         except Exception as exc:  # bad input for this call only (the model raised on it)
+            self.masks.forget([call.constraint])
             call.fail(exc)
             return
         self.solo.append(call)
@@ -395,7 +392,7 @@ class Decoder:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
             self.fed_only.clear()
             self.dead.clear()
-            self.masks.settle([call.constraint for call in self.rows.values()])
+            self.masks.forget([call.constraint for call in self.rows.values()])
             for call in self.rows.values():
                 call.fail(exc)
             self.rows.clear()
@@ -450,7 +447,7 @@ class Decoder:
             token = call.solo.step()
         except Exception as exc:
             self.solo.remove(call)
-            self.masks.settle([call.constraint])
+            self.masks.forget([call.constraint])
             call.fail(exc)
             return
         self._count(1)

@@ -75,7 +75,9 @@ class Masks:
         self.executor = llg.LLExecutor(threads)
         self.fill_s, self.fills = 0.0, 0
         self.ahead_enabled = ahead
-        self._ahead: dict[tuple[int, ...], Future[np.ndarray]] = {}  # row constraints' ids -> the next mask
+        # The rows' constraints (ids, in row order) -> the work filling their next mask, and those rows.
+        self._ahead: dict[tuple[int, ...], tuple[Future[np.ndarray], list[Constraint | None]]] = {}
+        self._fed: set[Constraint] = set()  # fed ahead by work settled outside their pass: the pass skips the feed
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvwake-masks")
         self.timing = {"passes": 0, "ready": 0, "take_s": 0.0}
 
@@ -108,7 +110,7 @@ class Masks:
             # and the engine thread reads `sampled`'s as it queues the next pass (a crash on CUDA).
             copy = sampled.astype(mx.int32)
             mx.async_eval(copy)
-            self._ahead[_key(constraints)] = self._worker.submit(self._advance, constraints, copy)
+            self._ahead[_key(constraints)] = (self._worker.submit(self._advance, constraints, copy), constraints)
 
     def _advance(self, constraints: list[Constraint | None], sampled: mx.array) -> np.ndarray:
         mx.eval(sampled)  # scheduled by the engine thread, and only this thread holds it: only waits
@@ -123,30 +125,38 @@ class Masks:
         ready = self._ahead.pop(_key(constraints), None)
         self.timing["passes"] += 1
         if ready is not None:
-            mask = ready.result()
+            mask = ready[0].result()
             self.timing["ready"] += 1
         else:
-            done = self.settle(constraints, strict=True)
+            self.settle(constraints, strict=True)
             for constraint, token in zip(constraints, fed.tolist()):
-                if constraint is not None and id(constraint) not in done:
+                if constraint is None:
+                    continue
+                if constraint in self._fed:
+                    self._fed.discard(constraint)
+                else:
                     constraint.feed(token)
             mask = self.fill(constraints)
         self.timing["take_s"] += time.perf_counter() - started
         return mask
 
-    def settle(self, constraints: list[Constraint | None], strict: bool = False) -> set[int]:
-        """Wait for the work ahead that touches these rows (it fed them their next token); their ids.
-        `strict`: a failure there is raised (for a pass); else ignored (the rows are failing anyway)."""
+    def settle(self, constraints: list[Constraint | None], strict: bool = False) -> None:
+        """Wait for the work ahead that touches these rows. Every row that work fed (these and any
+        other in it) is remembered, so its own pass, whenever it comes, does not feed it again.
+        `strict`: a failure there is raised (for a pass); else ignored (the rows are failing)."""
         ids = {id(c) for c in constraints if c is not None}
-        done: set[int] = set()
         for key in [k for k in self._ahead if ids.intersection(k)]:
-            future = self._ahead.pop(key)
+            future, rows = self._ahead.pop(key)
             if strict:
                 future.result()
             else:
                 future.exception()
-            done.update(key)
-        return done & ids
+            self._fed.update(c for c in rows if c is not None)
+
+    def forget(self, constraints: list[Constraint | None]) -> None:
+        """Rows that will have no pass again (their calls failed or were dropped): settle and forget them."""
+        self.settle(constraints)
+        self._fed.difference_update(constraints)
 
 
 def _key(constraints: list[Constraint | None]) -> tuple[int, ...]:
