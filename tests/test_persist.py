@@ -41,6 +41,14 @@ def wait_persisted(c: RawClient, sid: str, tokens: int, timeout: float = 30.0) -
     return n
 
 
+def idle(c: RawClient, timeout: float = 30.0) -> None:
+    """Wait until no checkpoint is queued or running."""
+    deadline = time.monotonic() + timeout
+    while (p := c.call("status")["persistence"])["queued"] or p["running"]:
+        assert time.monotonic() < deadline, f"persistence still busy after {timeout} s: {p}"
+        time.sleep(0.02)
+
+
 def tokens_of(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 250) for _ in range(n)]
 
@@ -98,3 +106,93 @@ def test_kill_9_at_random_points_keeps_every_persisted_block_of_a_never_slept_se
         assert c.call("store.fsck")["ok"]
     d.stop()
     assert mid_write > 0  # some kills landed while blocks were filled but not yet committed
+
+
+def test_a_sleep_after_persistence_writes_only_the_tail_and_replaces_the_checkpoint(tmp_path, model_dir):
+    small_chunks(tmp_path)
+    d, rng = Daemon(tmp_path, model_dir).start(), random.Random(5)
+    with d.client() as c:
+        c.call("session.create", session_id="long")
+        tokens = tokens_of(rng, 300)  # 18 full blocks and 12 tokens
+        c.call("session.append", session_id="long", tokens=tokens)
+        wait_persisted(c, "long", 288)
+        before = c.call("status")["persistence"]
+        assert before["checkpoint_blocks"] == 18 and before["checkpoints"] >= 2
+        slept = c.call("session.sleep", session_id="long")
+        assert slept["new_blocks"] == 0 and slept["reused_blocks"] == 18, slept
+        assert 0 < slept["written_bytes"] < before["checkpoint_bytes"] / 18  # the tail, less than a block
+        info = c.call("session.info", session_id="long")
+        assert info["head"] == slept["snapshot_id"] and info["persisted_tokens"] == 299
+        assert info["snapshots"] == 2  # the new session's empty one and the sleep's: checkpoints were replaced
+        assert c.call("status")["persistence"]["checkpoint_blocks"] == 18  # the sleep wrote none through it
+        same_continuation(c, "long", tokens, "ref")
+        assert c.call("store.fsck")["ok"]
+    d.stop()
+
+
+def test_a_never_slept_sessions_persisted_blocks_serve_another_sessions_prefix(tmp_path, model_dir):
+    small_chunks(tmp_path)
+    d, rng = Daemon(tmp_path, model_dir).start(), random.Random(7)
+    shared = tokens_of(rng, 200)
+    with d.client() as c:
+        c.call("session.create", session_id="first")
+        c.call("session.append", session_id="first", tokens=shared)
+        wait_persisted(c, "first", 192)
+    d.stop(signal.SIGKILL)  # never slept; nothing hot is left to copy a prefix from
+    d.start()
+    with d.client() as c:
+        c.call("session.create", session_id="second")
+        appended = c.call("session.append", session_id="second", tokens=shared + tokens_of(rng, 40))
+        assert appended["reused"] == 192, appended  # every persisted block, from the store
+        assert c.call("session.info", session_id="first")["state"] == "asleep"
+    d.stop()
+
+
+def test_persisted_blocks_serve_a_prefix_while_their_session_is_still_hot_and_busy(tmp_path, model_dir):
+    # A hot idle session's prefix is copied in memory (manager._hot_prefix); a busy one's is not: the store's
+    # blocks serve it, committed by persistence while the first session never slept.
+    small_chunks(tmp_path)
+    d, rng = Daemon(tmp_path, model_dir).start(), random.Random(9)
+    shared = tokens_of(rng, 200)
+    with d.client() as c, d.client() as other:  # c waits for the long generate, other does the rest
+        other.call("session.create", session_id="busy")
+        other.call("session.append", session_id="busy", tokens=shared)
+        wait_persisted(other, "busy", 192)
+        long = c.send("session.generate", {"session_id": "busy", "max_tokens": 4000, "temperature": 0.0})
+        while other.call("session.info", session_id="busy")["busy"] is None:
+            time.sleep(0.005)
+        other.call("session.create", session_id="late")
+        appended = other.call("session.append", session_id="late", tokens=shared + tokens_of(rng, 40))
+        assert other.call("session.info", session_id="busy")["busy"] == "generate"  # still decoding meanwhile
+        assert appended["reused"] == 192, appended
+        assert other.call("status")["counters"]["prefix_copies"] == 0
+        c.receive(long)
+    d.stop()
+
+
+def test_a_chat_session_killed_after_a_turn_wakes_with_that_turn_and_continues_exactly(tmp_path, model_dir):
+    small_chunks(tmp_path)
+    d = Daemon(tmp_path, model_dir).start()
+    system = "You are a terse agent that uses tools. " * 3
+    turn = {"max_tokens": 8, "temperature": 0.0}
+    with d.client() as c:
+        c.call("session.create", session_id="chat", system=system)
+        first = c.call("session.chat", session_id="chat", messages=[{"role": "user", "content": "list files"}], **turn)
+        total = c.call("session.info", session_id="chat")["tokens"]
+        wait_persisted(c, "chat", total // B * B)
+        idle(c)  # the turn's own checkpoint (offered before the reply was sent) is committed
+    d.stop(signal.SIGKILL)
+    d.start()
+    with d.client() as c:
+        info = c.call("session.info", session_id="chat")
+        assert info["state"] == "asleep" and info["tokens"] == total  # the reply is there too, as pending tokens
+        woke = c.call("session.wake", session_id="chat")
+        assert woke["tokens"] == total
+        assert c.call("session.info", session_id="chat")["messages"] == 3  # system, user, the assistant's reply
+        c.call("session.create", session_id="twin", system=system)
+        again = c.call("session.chat", session_id="twin", messages=[{"role": "user", "content": "list files"}], **turn)
+        assert again["tokens"] == first["tokens"]
+        follow = [{"role": "user", "content": "now open one"}]
+        assert c.call("session.chat", session_id="chat", messages=follow, **turn)["tokens"] == \
+            c.call("session.chat", session_id="twin", messages=follow, **turn)["tokens"]
+    d.stop()

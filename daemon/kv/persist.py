@@ -3,7 +3,8 @@
 A full block never changes once filled (blocks are content-addressed by their
 token prefix), so it can be made durable at once. The engine offers a session
 after each prefill chunk and the daemon after each generate call (`offer`: no
-MLX work, no waiting); one background thread, the driver, takes the offered
+MLX work, no waiting; a call's end is committed even without a new block, so
+the reply is kept with the conversation); one background thread, the driver, takes the offered
 sessions in turn and commits a checkpoint of each (pipeline.checkpoint): a
 snapshot of its first k*B tokens, the later tokens recorded as pending. The
 checkpoint becomes the session's head, so after `kill -9` the session wakes
@@ -47,6 +48,7 @@ class _Track:
 
     tokens: int = 0
     checkpoint: str | None = None
+    total: int = -1  # all tokens (KV and pending) its head records; -1: not known
 
 
 class Persister:
@@ -59,7 +61,7 @@ class Persister:
                        "off (setting persist = false)" if not enabled else
                        "off (the model's cache cannot be cut by token)")
         self._cond = threading.Condition()
-        self._queue: OrderedDict[str, tuple[Session, Mlx]] = OrderedDict()
+        self._queue: OrderedDict[str, tuple[Session, Mlx, bool]] = OrderedDict()
         self._tracks: dict[str, _Track] = {}
         self._running: str | None = None
         self._closed = False
@@ -71,15 +73,17 @@ class Persister:
 
     # -- the engine's and the daemon's side ----------------------------------
 
-    def offer(self, session: Session, mlx: Mlx) -> None:
-        """The session may have new full blocks: check it soon (returns at once). `mlx` must run on the
+    def offer(self, session: Session, mlx: Mlx, turn: bool = False) -> None:
+        """The session may have new full blocks: check it soon (returns at once). `turn`: a call ended, so
+        its state is worth a commit even without a new block (the reply is kept). `mlx` must run on the
         engine thread from another thread: with `direct` (an in-process engine) nothing is persisted."""
         if not self.enabled or mlx is direct:
             return
         with self._cond:
             if self._closed:
                 return
-            self._queue[session.id] = (session, mlx)
+            queued = self._queue.get(session.id)
+            self._queue[session.id] = (session, mlx, turn or (queued is not None and queued[2]))
             self._cond.notify_all()
 
     def settle(self, session_id: str) -> str | None:
@@ -106,6 +110,7 @@ class Persister:
     def status(self) -> dict[str, object]:
         with self._cond:
             return {"enabled": self.enabled, "state": self.reason, "queued": len(self._queue),
+                    "running": self._running is not None,
                     **{k: round(v, 3) if isinstance(v, float) else v for k, v in self.counters.items()}}
 
     def close(self) -> None:
@@ -126,34 +131,39 @@ class Persister:
                     self._cond.wait()
                 if self._closed:
                     return
-                session_id, (session, mlx) = self._queue.popitem(last=False)
+                session_id, (session, mlx, turn) = self._queue.popitem(last=False)
                 self._running = session_id
                 track = self._tracks.setdefault(session_id, _Track())
             try:
-                self._checkpoint(session, mlx, track)
+                self._checkpoint(session, mlx, track, turn)
             finally:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
 
-    def _checkpoint(self, session: Session, mlx: Mlx, track: _Track) -> None:
-        started = time.perf_counter()
+    def _checkpoint(self, session: Session, mlx: Mlx, track: _Track, turn: bool) -> None:
+        started, seen = time.perf_counter(), {"total": -1}
+
+        def wanted(blocks: int, total: int) -> bool:  # new full blocks, or a call's end that changed the session
+            seen["total"] = total
+            return blocks > track.tokens or (turn and total != track.total)
+
         try:
-            info = pipeline.checkpoint(self.ctx, session, mlx, supersede=track.checkpoint, known=track.tokens)
+            info = pipeline.checkpoint(self.ctx, session, mlx, supersede=track.checkpoint, wanted=wanted)
         except pipeline.Moved:
             self.counters["checkpoints_moved"] += 1
-            track.tokens = 0  # its cache was cut: what it holds now is checked against the store next time
+            track.tokens, track.total = 0, -1  # its cache was cut: the next offer commits what it holds then
             return
         except Exception as exc:  # the session stays hot and whole; its next offer tries again
             self.counters["checkpoint_failures"] += 1
-            track.tokens = 0
+            track.tokens, track.total = 0, -1
             log.warning("checkpoint failed; the session keeps its last one",
                         extra={"session": session.id, "error": repr(exc)})
             return
         if info is None:
             return
         session.head = info.id
-        track.tokens, track.checkpoint = info.n_tokens, info.id
+        track.tokens, track.checkpoint, track.total = info.n_tokens, info.id, seen["total"]
         c = self.counters
         c["checkpoints"] += 1
         c["checkpoint_blocks"] += info.new_blocks

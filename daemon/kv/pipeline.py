@@ -175,9 +175,9 @@ class Moved(Exception):
 def _look(ctx: KvContext, session: Session) -> tuple[list[int], dict[str, Any], dict, str | None] | None:
     """What a checkpoint records, read at one moment on the engine thread (where the session changes):
     its full blocks' tokens, its state with every later token pending, the tail of that many tokens,
-    its head. None while it has no full block in its own cache (none yet, or decoding in a batch)."""
+    its head. None while its KV is not in its own cache (none yet, or decoding in a batch)."""
     n = session.processed // ctx.block_tokens * ctx.block_tokens
-    if session.cache is None or not n:
+    if session.cache is None:
         return None
     recorded = session.state()
     recorded.update(messages=list(recorded["messages"]), metadata=dict(recorded["metadata"]),
@@ -186,17 +186,17 @@ def _look(ctx: KvContext, session: Session) -> tuple[list[int], dict[str, Any], 
 
 
 def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | None,
-               known: int = 0) -> SnapshotInfo | None:
+               wanted: Callable[[int, int], bool] = lambda blocks, total: True) -> SnapshotInfo | None:
     """Commit the session's full blocks as a snapshot of its first k*B tokens, the rest of its tokens
     pending (what a wake of it restores: a session whose prefill stopped there). Blocks the store holds
     are reused, so only the blocks filled since the last checkpoint are captured and written.
 
-    `supersede`: the last checkpoint, replaced in the same commit. `known`: tokens the caller knows
-    are persisted for this session; when the session has no more, nothing is done (None). Raises
+    `supersede`: the last checkpoint, replaced in the same commit. `wanted(k*B, all tokens)` says
+    whether the session as it is now is worth a commit; when not, nothing is done (None). Raises
     Moved when the session changed under it (nothing is left behind: the writer aborts).
     """
     seen = mlx(lambda: _look(ctx, session))
-    if seen is None or len(seen[0]) <= known:
+    if seen is None or not wanted(len(seen[0]), len(seen[0]) + len(seen[1]["pending"])):
         return None
     tokens, recorded, tail, head = seen
 
@@ -215,7 +215,8 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
             batch.join()
             mlx(held.clear)
         batch.raise_first()
-        w.set_tail(tail)  # meta state and offsets: a few bytes
+        if tokens:  # a snapshot of no KV has no tail, as a new session's first one
+            w.set_tail(tail)  # meta state and offsets: a few bytes
         return w.commit()
 
 

@@ -392,11 +392,12 @@ class Engine:
         self.persister.stored(session_id, session.processed)
         return session, info
 
-    def persist(self, session: Session, mlx: Mlx) -> None:
+    def persist(self, session: Session, mlx: Mlx, turn: bool = False) -> None:
         """Write the session's new full blocks in the background (kv/persist.py), when persistence is on and
-        the session has a snapshot already (a daemon's session; a scratch session never has one)."""
+        the session has a snapshot already (a daemon's session; a scratch session never has one). `turn`:
+        a call ended; its state is committed even without a new block."""
         if session.head is not None:
-            self.persister.offer(session, mlx)
+            self.persister.offer(session, mlx, turn)
 
     def forget(self, session_id: str) -> None:
         """A deleted session: wait for its running checkpoint, write nothing more of it."""
