@@ -70,24 +70,27 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def defer_blocks(ctx: KvContext, cache: list, first: int, count: int) -> state.Deferred:
-    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX work)."""
+def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> state.Deferred:
+    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
+    work). `own`: never views of the cache (it goes on growing: state._as_host_bits)."""
     if ctx.device_planes and ctx.store.codec == "planes-zstd":
         planed = state.defer_planed(cache, first, count, ctx.block_tokens)
         if planed is not None:
             return planed
-    return state.defer_blocks(cache, first, count, ctx.block_tokens)
+    return state.defer_blocks(cache, first, count, ctx.block_tokens, own=own)
 
 
 def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], mlx: Mlx, batch: Batch, held: list,
-                  skip: int | None = None) -> None:
+                  skip: int | None = None, own: bool = False) -> None:
     """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
 
-    `cache()` gives the cache on the engine thread (it may raise: the caller's cache is gone). On
+    `cache()` gives the cache on the engine thread (it may raise: the caller's cache is gone); `own`:
+    the blocks are copied out of it (a hot session's cache, which goes on growing). On
     unified memory a span is all of it (views of the cache cost nothing); on a GPU a span's host
-    copy is a quarter of the batch budget, and each engine-thread call hosts one span and schedules
-    the next one's copy (`Deferred`), so the copy overlaps the encoding and no call waits for a
-    whole span's transfer. Each block is admitted by the budget (its encoded bytes live until
+    copy is a quarter of the batch budget. The first engine-thread call schedules the first span's
+    copy; each later one takes a span scheduled by the call before and schedules the next
+    (`Deferred`), so copies overlap the encoding and a call rarely waits for a transfer (a decode
+    step or more runs between two calls while other sessions decode). Each block is admitted by the budget (its encoded bytes live until
     written). `held` keeps each span with its tasks; finished spans are dropped inside the next
     engine-thread call, the rest by the caller there too: MLX memory is freed on the thread that runs MLX.
     """
@@ -97,14 +100,16 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
     scheduled: dict[int, state.Deferred] = {}
     held.append(scheduled)
 
-    def capture(k: int) -> list:
-        held[:] = [h for h in held if not isinstance(h, tuple) or not all(f.done() for f in h[1])]
-        source = cache()
-        deferred = scheduled.pop(k, None) or defer_blocks(ctx, source, *spans[k])
-        if k + 1 < len(spans):
-            scheduled[k + 1] = defer_blocks(ctx, source, *spans[k + 1]).schedule()
-        return deferred.host()
+    def schedule(k: int) -> None:
+        if k < len(spans):
+            scheduled[k] = defer_blocks(ctx, cache(), *spans[k], own=own).schedule()
 
+    def capture(k: int) -> list:  # the span scheduled by the call before; the next one scheduled
+        held[:] = [h for h in held if not isinstance(h, tuple) or not all(f.done() for f in h[1])]
+        schedule(k + 1)
+        return scheduled.pop(k).host()
+
+    mlx(lambda: schedule(0))
     for k, (first, _) in enumerate(spans):
         if batch.failed:
             return
@@ -210,7 +215,7 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
         batch, held = ctx.pool.batch(ctx.pool.inflight_bytes // SPAN_SHARE), []
         try:
             if w.needed:
-                _write_blocks(ctx, w, cache, mlx, batch, held)
+                _write_blocks(ctx, w, cache, mlx, batch, held, own=True)
         finally:
             batch.join()
             mlx(held.clear)

@@ -292,10 +292,12 @@ class Deferred:
         return self.make([np.asarray(a) for a in self.lazy])
 
 
-def _as_host_bits(a: mx.array) -> mx.array:
-    """`a` as the array its host copy is made of: bf16 as uint16, and on CUDA a contiguous copy."""
+def _as_host_bits(a: mx.array, own: bool) -> mx.array:
+    """`a` as the array its host copy is made of: bf16 as uint16, and a contiguous copy on CUDA or when
+    `own` (else, on unified memory, a view of the cache's buffer: while a view lives, MLX cannot update
+    that buffer in place and copies all of it at the cache's next update)."""
     a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    return a if mx.default_device() == mx.cpu or mx.metal.is_available() else mx.contiguous(a)
+    return a if not own and (mx.default_device() == mx.cpu or mx.metal.is_available()) else mx.contiguous(a)
 
 
 def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
@@ -309,8 +311,9 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
 
-def _defer_units(cache: list, start: int, stop: int, only: Any = None) -> Deferred:
-    """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs."""
+def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool = False) -> Deferred:
+    """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs; `own`:
+    copies, never views of a cache that goes on growing (`_as_host_bits`)."""
     lazy: dict[str, mx.array] = {}
     facts: dict[str, Tensor] = {}
     order: list[str] = []  # units in order, each unit's parts, then its quantization
@@ -326,7 +329,7 @@ def _defer_units(cache: list, start: int, stop: int, only: Any = None) -> Deferr
         views = dict(zip(names, host))
         return {n: Tensor(_dtype_of(lazy[n]), views[n]) if n in lazy else facts[n] for n in order}
 
-    return Deferred([_as_host_bits(lazy[n]) for n in names], make)
+    return Deferred([_as_host_bits(lazy[n], own) for n in names], make)
 
 
 def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str, Tensor]:
@@ -342,10 +345,10 @@ _NP = {mx.float16: np.float16, mx.float32: np.float32, mx.uint32: np.uint32, mx.
        mx.uint8: np.uint8, mx.int8: np.int8, mx.uint16: np.uint16, mx.int16: np.int16}
 
 
-def defer_blocks(cache: list, first: int, count: int, block_tokens: int) -> Deferred:
+def defer_blocks(cache: list, first: int, count: int, block_tokens: int, own: bool = False) -> Deferred:
     """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring), deferred:
-    `host()` gives what `capture_blocks` returns."""
-    span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens)
+    `host()` gives what `capture_blocks` returns (`own`: as copies, see `_as_host_bits`)."""
+    span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens, own=own)
     cut = span.make
 
     def make(host: list[np.ndarray]) -> list[dict[str, Tensor]]:
