@@ -183,6 +183,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             http[0].close()
         if manager.remote is not None:
             manager.remote.close()
+        engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
         thread.stop()
         engine.close()
         store.close()
