@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from batching import Stream, pct  # noqa: E402
+from batching import Stream, bench_model, gap_stats, save  # noqa: E402
 from tests.daemon import Daemon, RawClient  # noqa: E402
 
 BLOCK = 128
@@ -47,6 +46,10 @@ def start(root: Path, model: Path, persist: bool, prefill_step: int) -> Daemon:
     (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n"
                                     f"idle_timeout_s = 100000.0\npersist = {'true' if persist else 'false'}\n")
     return Daemon(root, model, block_tokens=BLOCK).start(timeout=900)
+
+
+def client(d: Daemon) -> RawClient:
+    return RawClient(d.socket, timeout=1800)  # a long prefill on a small machine takes minutes
 
 
 def text_of(tokenizer: Any, n: int) -> str:
@@ -68,7 +71,7 @@ def wait_persisted(c: RawClient, sid: str, tokens: int, timeout: float = 600.0) 
 
 def sleep_round(d: Daemon, text: str, persist: bool, tag: str) -> dict[str, Any]:
     sid = f"{tag}-long"
-    with d.client() as c:
+    with client(d) as c:
         c.call("session.create", session_id=sid)
         t0 = time.perf_counter()
         appended = c.call("session.append", session_id=sid, text=text)
@@ -88,16 +91,16 @@ def sleep_round(d: Daemon, text: str, persist: bool, tag: str) -> dict[str, Any]
 def gaps_beside(d: Daemon, tokenizer: Any, step_s: float, work: Any, tag: str) -> dict[str, Any]:
     """The talker decodes; once it has 64 tokens `work(client)` runs; its gaps during the work against alone."""
     talker = f"{tag}-talker"
-    with d.client() as c:
+    with client(d) as c:
         c.call("session.create", session_id=talker)
         c.call("session.append", session_id=talker, text="Tell the long story of the migration.")
-    stream = Stream(RawClient(d.socket, timeout=600), talker, 64 + int(60.0 / step_s))
+    stream = Stream(client(d), talker, 64 + int(60.0 / step_s))
     thread = threading.Thread(target=stream.run)
     thread.start()
     while len(stream.pieces) < 64 and thread.is_alive():
         time.sleep(0.005)
     alone_until = time.perf_counter()
-    with d.client() as c:
+    with client(d) as c:
         began = time.perf_counter()
         info = work(c)
         ended = time.perf_counter()
@@ -105,18 +108,12 @@ def gaps_beside(d: Daemon, tokenizer: Any, step_s: float, work: Any, tag: str) -
     stream.client.sock.shutdown(socket.SHUT_RDWR)  # a client that leaves stops its call after the current token
     thread.join()
     stream.client.close()
-    alone = stream.gaps(tokenizer, (0.0, alone_until))
-    during = stream.gaps(tokenizer, (began, ended))
-    median, p99 = (statistics.median(alone) if alone else None), pct(during, 0.99)
     return {"work_s": round(ended - began, 3), "talker_outlasted_work": outlasted, "work": info,
-            "gap_alone_p50_ms": round(median, 3) if median else None, "gap_during_p50_ms": pct(during, 0.5),
-            "gap_during_p99_ms": p99, "gap_during_max_ms": round(max(during), 3) if during else None,
-            "gap_samples_during": len(during),
-            "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
+            **gap_stats(stream, tokenizer, alone_until, (began, ended))}
 
 
 def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, tag: str) -> dict[str, Any]:
-    with d.client() as c:  # the decode step's time, so the talker outlasts the work
+    with client(d) as c:  # the decode step's time, so the talker outlasts the work
         c.call("session.create", session_id=f"{tag}-probe")
         c.call("session.append", session_id=f"{tag}-probe", text="Count to a hundred.")
         t0 = time.perf_counter()
@@ -150,16 +147,7 @@ def main() -> None:
     from suite import machine
 
     work = Path(tempfile.mkdtemp(prefix="kvwake-persist-"))
-    if a.model == "tiny":
-        from tests.tinymodel import make_model_dir
-
-        model = make_model_dir(work / "tiny-llama", ascii_replies=True)
-    elif a.model == "default":
-        from kvwake.daemon.model.convert import ensure_default_model
-
-        model = ensure_default_model(work / "models")
-    else:
-        model = Path(a.model).expanduser().resolve()
+    model = bench_model(a.model, work)
     tokenizer = load_tokenizer(model)
     text = text_of(tokenizer, a.tokens)
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens": a.tokens,
@@ -171,17 +159,15 @@ def main() -> None:
             sleep_round(d, text_of(tokenizer, 600), persist, f"warm-{tag}")  # kernels and code paths warmed
             report[tag] = {"sleep": sleep_round(d, text, persist, tag),
                            "neighbour": neighbour_rounds(d, tokenizer, text, persist, tag)}
-            with d.client() as c:
+            with client(d) as c:
                 report[tag]["persistence"] = c.call("status")["persistence"]
         finally:
             d.stop()
         print(tag, json.dumps(report[tag]), flush=True)
+        save(report, a.out, "persist.json")  # what a run cut short has measured so far
     on, off = report["on"]["sleep"], report["off"]["sleep"]
     report["sleep_on_over_off"] = round(on["sleep_s"] / off["sleep_s"], 3)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "persist.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    save(report, a.out, "persist.json")
 
 
 if __name__ == "__main__":
