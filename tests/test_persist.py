@@ -196,3 +196,38 @@ def test_a_chat_session_killed_after_a_turn_wakes_with_that_turn_and_continues_e
         assert c.call("session.chat", session_id="chat", messages=follow, **turn)["tokens"] == \
             c.call("session.chat", session_id="twin", messages=follow, **turn)["tokens"]
     d.stop()
+
+
+def test_persistence_can_be_turned_off_and_kvwake_status_says_which(tmp_path, model_dir):
+    import subprocess
+    import sys
+
+    def cli_status(d: Daemon) -> str:
+        out = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "--socket", str(d.socket), "status"],
+                             capture_output=True, text=True, timeout=60, env=d.env)
+        assert out.returncode == 0, out.stderr
+        return next(line for line in out.stdout.splitlines() if line.lstrip().startswith("persistence"))
+
+    rng = random.Random(3)
+    for persist in (False, True):
+        root = tmp_path / str(persist)
+        root.mkdir()
+        small_chunks(root, persist=str(persist).lower())
+        d = Daemon(root, model_dir).start()
+        with d.client() as c:
+            c.call("session.create", session_id="s")
+            c.call("session.append", session_id="s", tokens=tokens_of(rng, 100))
+            if persist:
+                wait_persisted(c, "s", 96)
+                idle(c)
+            state = c.call("status")["persistence"]
+            assert state["enabled"] is persist
+            assert c.call("session.info", session_id="s")["persisted_tokens"] == (96 if persist else 0)
+        line = cli_status(d)
+        if persist:
+            assert state["state"] == "on" and state["checkpoint_blocks"] == 6, state
+            assert f"on: {state['checkpoints']} checkpoints, 6 blocks" in line, line
+        else:
+            assert state["state"] == "off (setting persist = false)" and state["checkpoints"] == 0, state
+            assert "off (setting persist = false)" in line, line
+        d.stop()
