@@ -231,3 +231,26 @@ def test_persistence_can_be_turned_off_and_kvwake_status_says_which(tmp_path, mo
             assert state["state"] == "off (setting persist = false)" and state["checkpoints"] == 0, state
             assert "off (setting persist = false)" in line, line
         d.stop()
+
+
+def test_a_session_whose_whole_prompt_came_from_stored_blocks_is_persisted_too(tmp_path, model_dir):
+    # Was: offered only after a prefill chunk, so a session whose prompt the prefix cache served whole
+    # (nothing left to prefill) never advanced its head: kill -9 lost the conversation.
+    small_chunks(tmp_path)
+    d, rng = Daemon(tmp_path, model_dir).start(), random.Random(11)
+    prompt = tokens_of(rng, 200)
+    with d.client() as c:
+        for sid in ("source", "copy"):
+            c.call("session.create", session_id=sid)
+        c.call("session.append", session_id="source", tokens=prompt)
+        c.call("session.sleep", session_id="source")  # its blocks and its tail serve the same prompt whole
+        appended = c.call("session.append", session_id="copy", tokens=prompt)
+        assert appended["prefilled"] == 0, appended
+        wait_persisted(c, "copy", 192, timeout=10)
+        idle(c)
+    d.stop(signal.SIGKILL)
+    d.start()
+    with d.client() as c:
+        assert c.call("session.wake", session_id="copy")["tokens"] == 200
+        same_continuation(c, "copy", prompt, "ref")
+    d.stop()

@@ -87,17 +87,21 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
     `cache()` gives the cache on the engine thread (it may raise: the caller's cache is gone); `own`:
     the blocks are copied out of it (a hot session's cache, which goes on growing). On
     unified memory a span is all of it (views of the cache cost nothing); on a GPU, or copied, a
-    span's copy is a quarter of the batch budget. The first engine-thread call schedules the first span's
-    copy; each later one takes a span scheduled by the call before and schedules the next
+    span's copy is a quarter of the batch budget. The first engine-thread call schedules the first
+    span's copy; each later one takes a span scheduled by the call before and schedules the next
     (`Deferred`), so copies overlap the encoding and a call rarely waits for a transfer (a decode
-    step or more runs between two calls while other sessions decode). Each block is admitted by the budget (its encoded bytes live until
-    written). `held` keeps each span with its tasks; finished spans are dropped inside the next
-    engine-thread call, the rest by the caller there too: MLX memory is freed on the thread that runs MLX.
+    step or more runs between two calls while other sessions decode). Each block is admitted by
+    the budget (its encoded bytes live until written). `held` keeps each span with its tasks;
+    finished spans are dropped inside the next engine-thread call, the rest by the caller there
+    too: MLX memory is freed on the thread that runs MLX.
     """
+    todo = [i for i in w.needed if i != skip]
+    if not todo:
+        return
     block_bytes = max(1, mlx(lambda: state.bytes_per_token(cache())) * ctx.block_tokens)
     copied = ctx.device_planes or own  # spans of copies, not views: a span's copy is bounded
-    per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(w.needed)
-    spans = _spans([i for i in w.needed if i != skip], per_span)
+    per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(todo)
+    spans = _spans(todo, per_span)
     scheduled: dict[int, state.Deferred] = {}
     held.append(scheduled)
 

@@ -273,6 +273,7 @@ class Engine:
         """
         reused = mlx(lambda: self._adopt(session, plan, prefix))
         prefilled = self.prefill(session, len(plan.target) - 1, mlx, should_stop)
+        self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
