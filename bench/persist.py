@@ -121,6 +121,7 @@ def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, tag: s
         step_s = (time.perf_counter() - t0) / 64
         c.call("session.delete", session_id=f"{tag}-probe")
     reader = f"{tag}-reader"
+    text = "A second archive, another agent's. " + text  # no prefix of it is stored: all of it is prefilled
 
     def prefill(c: RawClient) -> dict[str, Any]:
         c.call("session.create", session_id=reader)
