@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -88,13 +87,15 @@ def sleep_round(d: Daemon, text: str, persist: bool, tag: str) -> dict[str, Any]
             "raw_bytes": slept["raw_bytes"]}
 
 
-def gaps_beside(d: Daemon, tokenizer: Any, step_s: float, work: Any, tag: str) -> dict[str, Any]:
-    """The talker decodes; once it has 64 tokens `work(client)` runs; its gaps during the work against alone."""
+def gaps_beside(d: Daemon, tokenizer: Any, step_s: float, work: Any, expect_s: float, tag: str) -> dict[str, Any]:
+    """The talker decodes; once it has 64 tokens `work(client)` runs; its gaps during the work against alone.
+    Its max_tokens outlasts the work (`expect_s`, from an earlier run of the same work) by half; a call
+    must end by itself for its gaps to be tied to its tokens."""
     talker = f"{tag}-talker"
     with client(d) as c:
         c.call("session.create", session_id=talker)
         c.call("session.append", session_id=talker, text="Tell the long story of the migration.")
-    stream = Stream(client(d), talker, 64 + int(60.0 / step_s))
+    stream = Stream(client(d), talker, 64 + int((1.5 * expect_s + 1.0) / step_s))
     thread = threading.Thread(target=stream.run)
     thread.start()
     while len(stream.pieces) < 64 and thread.is_alive():
@@ -104,15 +105,16 @@ def gaps_beside(d: Daemon, tokenizer: Any, step_s: float, work: Any, tag: str) -
         began = time.perf_counter()
         info = work(c)
         ended = time.perf_counter()
-        outlasted = thread.is_alive()
-    stream.client.sock.shutdown(socket.SHUT_RDWR)  # a client that leaves stops its call after the current token
     thread.join()
+    outlasted = stream.ended > ended
     stream.client.close()
     return {"work_s": round(ended - began, 3), "talker_outlasted_work": outlasted, "work": info,
             **gap_stats(stream, tokenizer, alone_until, (began, ended))}
 
 
-def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, tag: str) -> dict[str, Any]:
+def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, alone: dict[str, Any],
+                     tag: str) -> dict[str, Any]:
+    """`alone`: the sleep round's figures (how long the same prefill and sleep took without a neighbour)."""
     with client(d) as c:  # the decode step's time, so the talker outlasts the work
         c.call("session.create", session_id=f"{tag}-probe")
         c.call("session.append", session_id=f"{tag}-probe", text="Count to a hundred.")
@@ -133,8 +135,9 @@ def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, tag: s
         slept = c.call("session.sleep", session_id=reader)
         return {"new_blocks": slept["new_blocks"], "ms": slept["ms"]}
 
-    return {"prefill": gaps_beside(d, tokenizer, step_s, prefill, f"{tag}-p"),
-            "sleep": gaps_beside(d, tokenizer, step_s, sleep, f"{tag}-s")}
+    return {"prefill": gaps_beside(d, tokenizer, step_s, prefill, alone["append_s"] + (alone["persist_lag_s"] or 0),
+                                   f"{tag}-p"),
+            "sleep": gaps_beside(d, tokenizer, step_s, sleep, alone["sleep_s"], f"{tag}-s")}
 
 
 def main() -> None:
@@ -158,8 +161,8 @@ def main() -> None:
         d = start(work / tag, model, persist, a.prefill_step)
         try:
             sleep_round(d, text_of(tokenizer, 600), persist, f"warm-{tag}")  # kernels and code paths warmed
-            report[tag] = {"sleep": sleep_round(d, text, persist, tag),
-                           "neighbour": neighbour_rounds(d, tokenizer, text, persist, tag)}
+            alone = sleep_round(d, text, persist, tag)
+            report[tag] = {"sleep": alone, "neighbour": neighbour_rounds(d, tokenizer, text, persist, alone, tag)}
             with client(d) as c:
                 report[tag]["persistence"] = c.call("status")["persistence"]
         finally:
