@@ -2,9 +2,9 @@
 
 A full block never changes once filled (blocks are content-addressed by their
 token prefix), so it can be made durable at once. The engine offers a session
-after each prefill chunk and the daemon after each generate call (`offer`: no
-MLX work, no waiting; a call's end is committed even without a new block, so
-the reply is kept with the conversation); one background thread, the driver, takes the offered
+after each prefill chunk and each append, the daemon after each generate call
+(`offer`: no MLX work, no waiting; a call's end is committed even without a new
+block, so the reply is kept with the conversation); one background thread, the driver, takes the offered
 sessions in turn and commits a checkpoint of each (pipeline.checkpoint): a
 snapshot of its first k*B tokens, the later tokens recorded as pending. The
 checkpoint becomes the session's head, so after `kill -9` the session wakes
