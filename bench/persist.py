@@ -160,7 +160,8 @@ def main() -> None:
         tag = "on" if persist else "off"
         d = start(work / tag, model, persist, a.prefill_step)
         try:
-            sleep_round(d, text_of(tokenizer, 600), persist, f"warm-{tag}")  # kernels and code paths warmed
+            warm = "Warming up. " + text_of(tokenizer, 600)  # no prefix of the measured text: nothing shared
+            sleep_round(d, warm, persist, f"warm-{tag}")  # kernels and code paths warmed
             alone = sleep_round(d, text, persist, tag)
             report[tag] = {"sleep": alone, "neighbour": neighbour_rounds(d, tokenizer, text, persist, alone, tag)}
             with client(d) as c:
