@@ -12,6 +12,8 @@ sleep       one session appends --tokens tokens (natural text) and sits idle unt
 neighbour   one session decodes (streamed) while another appends --tokens tokens (persisting as it
             prefills, when on), then while that one sleeps: the decoding session's p50/p99 gap
             between tokens during each, against its median gap alone (target: p99 <= 2x median).
+--append-ab only: append --tokens random tokens three times to each of two daemons up at once,
+            on and off alternated: what persistence costs a prefill.
 
 Gaps are measured where a client sees them (bench/batching.py's Stream). `--model default` is
 SmolLM2-135M (the default model, a real tokenizer), `tiny` the tests' tiny llama.
@@ -140,12 +142,35 @@ def neighbour_rounds(d: Daemon, tokenizer: Any, text: str, persist: bool, alone:
             "sleep": gaps_beside(d, tokenizer, step_s, sleep, alone["sleep_s"], f"{tag}-s")}
 
 
+def append_ab(work: Path, model: Path, tokens: int, prefill_step: int, reps: int = 3) -> dict[str, list[float]]:
+    """Append time with persistence on and off, alternated between two daemons up at once (on, off;
+    off, on; ...): a cost of persistence to a prefill, free of the drift of a shared machine."""
+    import random
+
+    daemons = {tag: start(work / f"ab-{tag}", model, tag == "on", prefill_step) for tag in ("on", "off")}
+    rng, times = random.Random(0), {"on": [], "off": []}
+    try:
+        for rep in range(reps):
+            for tag in ("on", "off") if rep % 2 == 0 else ("off", "on"):
+                with client(daemons[tag]) as c:
+                    c.call("session.create", session_id=f"ab{rep}")
+                    prompt = [rng.randrange(3, 250) for _ in range(tokens)]
+                    t0 = time.perf_counter()
+                    c.call("session.append", session_id=f"ab{rep}", tokens=prompt)
+                    times[tag].append(round(time.perf_counter() - t0, 3))
+    finally:
+        for d in daemons.values():
+            d.stop()
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--append-ab", action="store_true", help="only the alternated append timing (append_ab)")
     a = ap.parse_args()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from suite import machine
@@ -153,6 +178,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvwake-persist-"))
     model = bench_model(a.model, work)
     tokenizer = load_tokenizer(model)
+    if a.append_ab:
+        save({"machine": machine(), "model": str(model), "tokens": a.tokens,
+              "append_s": append_ab(work, model, a.tokens, a.prefill_step)}, a.out, "persist-append-ab.json")
+        return
     text = text_of(tokenizer, a.tokens)
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens": a.tokens,
                               "prefill_step": a.prefill_step}
