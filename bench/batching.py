@@ -157,14 +157,18 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> d
         ended = time.perf_counter()
     thread.join()
     stream.client.close()
-    alone = stream.gaps(tokenizer, (0.0, alone_until))
-    during = stream.gaps(tokenizer, (began, ended))
-    median, p99 = (statistics.median(alone) if alone else None), pct(during, 0.99)
     return {"prefill_tokens": info["prefilled"], "prefill_s": round(ended - began, 3),
             "prefill_alone_s": round(prefill_alone, 3), "talker_outlasted_prefill": stream.ended > ended,
-            "gap_alone_p50_ms": round(median, 3) if median else None, "gap_during_p50_ms": pct(during, 0.5),
-            "gap_during_p99_ms": p99, "gap_during_max_ms": round(max(during), 3) if during else None,
-            "gap_samples_during": len(during),
+            **gap_stats(stream, tokenizer, alone_until, (began, ended))}
+
+
+def gap_stats(stream: Stream, tokenizer: Any, alone_until: float, during: tuple[float, float]) -> dict[str, Any]:
+    """The stream's gaps in the window `during` against its median gap before `alone_until`."""
+    alone, inside = stream.gaps(tokenizer, (0.0, alone_until)), stream.gaps(tokenizer, during)
+    median, p99 = (statistics.median(alone) if alone else None), pct(inside, 0.99)
+    return {"gap_alone_p50_ms": round(median, 3) if median else None, "gap_during_p50_ms": pct(inside, 0.5),
+            "gap_during_p99_ms": p99, "gap_during_max_ms": round(max(inside), 3) if inside else None,
+            "gap_samples_during": len(inside),
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
 
 
@@ -220,6 +224,27 @@ def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[di
         rows.append({"sessions": n, "tokens": total, "wall_s": round(ended - started, 3),
                      "tokens_per_s": round(steady_tokens / (ended - steady), 1) if steady and ended > steady else None})
     return rows[1:]
+
+
+def bench_model(name: str, work: Path) -> Path:
+    """`tiny` (the tests' tiny llama), `default` (SmolLM2-135M, converted once) or a model folder."""
+    if name == "tiny":
+        from tests.tinymodel import make_model_dir
+
+        return make_model_dir(work / "tiny-llama", ascii_replies=True)
+    if name == "default":
+        from kvwake.daemon.model.convert import ensure_default_model
+
+        return ensure_default_model(work / "models")
+    return Path(name).expanduser().resolve()
+
+
+def save(report: dict[str, Any], out: str, name: str) -> None:
+    """The report as <out>/<name>, and printed."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
 
 
 def free_port() -> int:
@@ -288,12 +313,7 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="kvwake-batching-"))
-    if a.model == "tiny":
-        from tests.tinymodel import make_model_dir
-
-        model = make_model_dir(work / "tiny-llama", ascii_replies=True)
-    else:
-        model = Path(a.model).expanduser().resolve()
+    model = bench_model(a.model, work)
     tokenizer = load_tokenizer(model)
     sizes = [int(x) for x in a.sessions.split(",")]
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens_per_call": a.tokens,
@@ -326,10 +346,7 @@ def main() -> None:
         report["mlx_server"] = mlx_server_round(model, sizes, a.tokens)
         for ours, theirs in zip(report["decode"]["batched"], report["mlx_server"]):
             ours["x_mlx_server"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "batching.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
+    save(report, a.out, "batching.json")
 
 
 if __name__ == "__main__":

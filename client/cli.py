@@ -89,6 +89,8 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
               help="Calls decoded together per forward pass (default 32); 1 decodes each alone, bit-exact.")
 @click.option("--max-context", type=int,
               help="Tokens a session may hold (prompt and reply), below the model's own context.")
+@click.option("--persist/--no-persist", default=None,
+              help="Write hot sessions' full blocks as they fill, so kill -9 loses at most the tail (default on).")
 @click.option("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR.")
 @click.option("--remote", help="Shared tier s3://BUCKET/PREFIX (env KVWAKE_REMOTE).")
 @click.option("--remote-endpoint", help="S3 endpoint URL (env AWS_ENDPOINT_URL); credentials: AWS_ACCESS_KEY_ID, "
@@ -154,8 +156,17 @@ def status(opts: Options, as_json: bool) -> None:
                    f"RAM tier {human_bytes(mem.get('ram_tier_bytes'))}, "
                    f"peak RSS {human_bytes(mem.get('peak_rss_bytes'))}"),
         ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"),
+        ("persistence", _persistence(state.get("persistence") or {})),
         ("counters", counters or "-"),
     ])
+
+
+def _persistence(p: dict) -> str:
+    """The status line of continuous persistence: on or off (and why), what it wrote."""
+    if not p.get("enabled"):
+        return str(p.get("state", "-"))
+    return (f"on: {p.get('checkpoints', 0)} checkpoints, {p.get('checkpoint_blocks', 0)} blocks, "
+            f"{human_bytes(p.get('checkpoint_bytes'))} written, {p.get('queued', 0)} queued")
 
 
 @main.command("http")

@@ -63,6 +63,7 @@ class Settings:
     io_workers: int | None = None  # sleep/wake worker threads; None: every core
     io_inflight_bytes: int = 512 << 20  # raw KV bytes one sleep or wake may have in flight
     keep_history: int = 4  # unlabeled snapshots kept per session
+    persist: bool = True  # write a hot session's full blocks as they fill (kill -9 loses at most the tail)
     kv_bits: int | None = None
     max_batch: int = 32  # generate calls decoded together in one forward pass; 1: each alone (solo-bit-exact)
     prefill_step: int = 512  # tokens per prefill chunk; chunks end on its multiples

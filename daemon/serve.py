@@ -168,7 +168,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           io_inflight_bytes=settings.io_inflight_bytes,
                                           max_batch=settings.max_batch,
                                           prefill_step=settings.prefill_step, max_context=settings.max_context,
-                                          limits=limits)).result()
+                                          limits=limits, persist=settings.persist)).result()
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     if settings.remote is not None:
@@ -183,6 +183,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             http[0].close()
         if manager.remote is not None:
             manager.remote.close()
+        engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
         thread.stop()
         engine.close()
         store.close()

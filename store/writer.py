@@ -94,6 +94,7 @@ class SnapshotWriter:
         pin: bool = False,
         snapshot_id: str | None = None,
         partial: bool = False,
+        supersede: str | None = None,
     ) -> None:
         if store.bundle(bundle) is None:
             raise NotFoundError(f"bundle {bundle} is not registered in this store", bundle=bundle)
@@ -102,6 +103,7 @@ class SnapshotWriter:
         self.store, self.bundle, self.session_id = store, bundle, session_id
         self.token_ids = [int(t) for t in token_ids]
         self.parent, self.label, self.metadata, self.pin = parent, label, dict(metadata or {}), pin
+        self.supersede, self.superseded = supersede, None  # see _replace
         self.id = (snapshot_id or new_snapshot_id()) if session_id is not None else None
         self.keys = chain_keys(bundle, self.token_ids, store.block_tokens, partial=partial)
         self._started = time.perf_counter()
@@ -111,6 +113,7 @@ class SnapshotWriter:
         self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
         self._new: dict[int, Written] = {}
         self._tail: Written | None = None
+        self._dropped: list[str] = []  # the tail file of the snapshot this one replaced
         self._dirs: set[Path] = set()
         self._done = False
 
@@ -184,7 +187,7 @@ class SnapshotWriter:
             raise
         self._done = True
         self._stack.close()
-        for rel in losers:  # another writer indexed the same block first: ours is a duplicate
+        for rel in losers + self._dropped:  # duplicates of blocks another writer indexed first; a replaced tail
             with contextlib.suppress(FileNotFoundError):
                 self.store.files.absolute(rel).unlink()
         return self._info(losers)
@@ -225,7 +228,22 @@ class SnapshotWriter:
         if bad:
             raise CorruptBlockError(f"blocks quarantined while snapshot {self.id} was written; retry", blocks=bad)
 
+    def _replace(self, db: sqlite_utils.Database) -> None:
+        """Drop the snapshot `supersede` names, in this transaction, when it is still this session's head
+        and unlabeled (a persistence checkpoint: daemon/kv/persist.py); this one takes its parent. Its
+        blocks lose a reference (this snapshot holds them again); its tail file goes after the commit."""
+        row = db.execute("SELECT s.parent, s.tail_file FROM snapshots s JOIN sessions h ON h.head = s.id"
+                         " WHERE s.id = ? AND s.session_id = ? AND s.label IS NULL",
+                         (self.supersede, self.session_id)).fetchone()
+        if row is None:
+            return
+        db.execute("DELETE FROM snapshots WHERE id = ?", (self.supersede,))
+        self.parent, self.superseded = row[0], self.supersede
+        self._dropped += [row[1]] if row[1] else []
+
     def _insert_snapshot(self, db: sqlite_utils.Database, now: float) -> None:
+        if self.supersede is not None:
+            self._replace(db)
         tail = self.tail
         digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), tail.digest if tail else None,
                                  self.metadata)

@@ -289,7 +289,9 @@ def test_chat_usage_counts_the_prefill_of_its_messages(daemon):
 
 def test_a_session_killed_before_its_first_sleep_keeps_its_system_prompt(tmp_path, model_dir):
     # Was: listed as asleep after the restart, but every call failed with NOT_FOUND ("has no snapshot").
-    d = Daemon(tmp_path, model_dir).start()
+    # Without continuous persistence (which would keep the first turn too: tests/test_persist.py), only the
+    # session's first, empty snapshot holds it.
+    d = Daemon(tmp_path, model_dir, extra=["--no-persist"]).start()
     with d.client() as c:
         c.call("session.create", session_id="fresh", system=SYSTEM, metadata={"owner": "agent-7"})
         chat(c, "fresh", "first turn, never slept")

@@ -69,7 +69,10 @@ def test_a_corrupt_tail_is_prefilled_instead(daemon):
     assert daemon.log_problems() == []
 
 
-def test_a_hot_session_shares_its_prompt_without_sleeping(daemon):
+def test_a_hot_session_shares_its_prompt_without_sleeping(tmp_path, model_dir):
+    # Persistence off: with it, the deleted sessions' persisted blocks would serve "cold" from the store
+    # (tests/test_persist.py), and it would not be the from-scratch prefill compared with here.
+    daemon = Daemon(tmp_path, model_dir, block_tokens=B, extra=["--no-persist"]).start()
     with daemon.client() as c:
         c.call("session.create", session_id="a")
         c.call("session.append", session_id="a", tokens=SHARED + [30, 31, 32])  # hot, never slept
@@ -84,3 +87,4 @@ def test_a_hot_session_shares_its_prompt_without_sleeping(daemon):
         cold = c.call("session.append", session_id="cold", tokens=SHARED + [5, 6, 7])
         assert cold["reused"] == 0
         assert c.call("session.generate", session_id="cold", max_tokens=8)["tokens"] == copied
+    daemon.stop()

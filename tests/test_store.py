@@ -430,3 +430,24 @@ def test_stored_responses_round_trip_outlive_their_session_and_expire(store, tmp
     with pytest.raises(NotFoundError):
         reopened.delete_response("resp_2")
     reopened.close()
+
+
+def test_a_snapshot_replaces_the_checkpoint_it_supersedes_only_while_that_is_the_unlabeled_head(store):
+    # Continuous persistence (daemon/kv/persist.py): each checkpoint replaces the last in its own commit.
+    b = store.block_tokens
+    first = write_snapshot(store, "s", list(range(2 * b)))
+    check = write_snapshot(store, "s", list(range(3 * b)) + [5, 6], parent=first.id)  # with a tail file
+    newer = write_snapshot(store, "s", list(range(4 * b)) + [7], parent=check.id, supersede=check.id)
+    assert [(s["id"], s["parent"]) for s in store.snapshots("s")] == [(first.id, None), (newer.id, first.id)]
+    assert newer.new_blocks == 1 and newer.reused_blocks == 3  # the replaced one's blocks, referenced again
+    assert_snapshot_exact(store, newer.id)
+    assert store.session("s")["head"] == newer.id
+    assert store.fsck().ok and store.gc(keep_history=10).orphans_removed == 0  # its tail file went with it
+    # Labeled, no longer the head, or another session's: kept.
+    labeled = write_snapshot(store, "s", list(range(4 * b)), label="keep")
+    write_snapshot(store, "s", list(range(5 * b)), supersede=labeled.id)
+    write_snapshot(store, "s", list(range(5 * b)), supersede=newer.id)
+    other = write_snapshot(store, "t", list(range(b)))
+    write_snapshot(store, "s", list(range(5 * b)), supersede=other.id)
+    assert {newer.id, labeled.id, other.id} <= {s["id"] for s in store.snapshots()}
+    assert store.fsck().ok

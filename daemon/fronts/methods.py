@@ -104,6 +104,7 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                        "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
             "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
                       "path": str(engine.store.root)},
+            "persistence": engine.persister.status(),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, **engine.decoder.status()},
             "counters": {**m.counters, **engine.counters},
@@ -181,7 +182,9 @@ async def session_info(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     e = ctx.manager.entry(p["session_id"])
     row = await to_thread.run_sync(ctx.manager.store.session, e.id)
     snaps = await to_thread.run_sync(ctx.manager.store.snapshots, e.id)
-    info = {**_summary(e), "metadata": row["metadata"], "head": row["head"], "snapshots": len(snaps)}
+    info = {**_summary(e), "metadata": row["metadata"], "head": row["head"], "snapshots": len(snaps),
+            # tokens whose KV a crash keeps: the head's (a sleep's, or a persistence checkpoint's)
+            "persisted_tokens": next((s["n_tokens"] for s in snaps if s["id"] == row["head"]), 0)}
     if e.session is not None:
         s = e.session
         info.update(tokens=len(s.tokens), processed=s.processed, mode=s.mode, messages=len(s.messages),

@@ -19,6 +19,7 @@ others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -44,11 +45,13 @@ def _bits(dtype: str) -> tuple[Any, int, bool]:
     return unsigned, size, DTYPES[dtype][1]
 
 
-def split_span(names: list[str], arrays: list[mx.array], block_tokens: int, count: int) -> list[Planed] | None:
-    """`count` blocks of these [.., tokens, dim] arrays (already sliced to the span) as planed runs.
+def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
+               count: int) -> tuple[list[mx.array], Callable[[list[np.ndarray]], list[Planed]]] | None:
+    """`count` blocks of these [.., tokens, dim] arrays (already sliced to the span) as planed runs:
+    the planes, lazy (one array per plane, evaluated on the device), and what makes the runs of their
+    host copies (kv/state.py's `Deferred`).
 
-    Returns None when they do not share one planar dtype and shape. Evaluates
-    on the device, then moves one array per plane to the host.
+    Returns None when they do not share one planar dtype and shape.
     """
     dtype = _MX_NAME.get(arrays[0].dtype)
     shape = tuple(arrays[0].shape)
@@ -62,10 +65,13 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int, coun
     if rotate:
         x = (x << 1) | (x >> (size * 8 - 1))
     planes = [((x >> (8 * (size - 1 - k))) & 0xFF).astype(mx.uint8).reshape(count, -1) for k in range(size)]
-    mx.eval(planes)
-    host = [np.asarray(p) for p in planes]
     block_shape = (*lead, block_tokens, dim)
-    return [Planed(tuple(names), dtype, (block_shape,) * len(names), tuple(h[k] for h in host)) for k in range(count)]
+
+    def runs(host: list[np.ndarray]) -> list[Planed]:
+        return [Planed(tuple(names), dtype, (block_shape,) * len(names), tuple(h[k] for h in host))
+                for k in range(count)]
+
+    return planes, runs
 
 
 def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -46,7 +47,7 @@ from kvwake.daemon.session import Session
 from kvwake.errors import InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-__all__ = ["block_specs", "fill_block", "sleep", "wake", "write_prefix"]
+__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "sleep", "wake", "write_prefix"]
 
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
@@ -69,44 +70,63 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def capture_blocks(ctx: KvContext, cache: list, first: int, count: int) -> list:
-    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there (MLX work)."""
+def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> state.Deferred:
+    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
+    work). `own`: never views of the cache (it goes on growing: state._as_host_bits)."""
     if ctx.device_planes and ctx.store.codec == "planes-zstd":
-        planed = state.capture_planed(cache, first, count, ctx.block_tokens)
+        planed = state.defer_planed(cache, first, count, ctx.block_tokens)
         if planed is not None:
             return planed
-    return state.capture_blocks(cache, first, count, ctx.block_tokens)
+    return state.defer_blocks(cache, first, count, ctx.block_tokens, own=own)
 
 
-def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: list, mlx: Mlx, batch: Batch, held: list,
-                  skip: int | None = None) -> None:
+def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], mlx: Mlx, batch: Batch, held: list,
+                  skip: int | None = None, own: bool = False) -> None:
     """Capture the writer's needed blocks a span at a time (engine thread) and encode and write them (pool).
 
-    On unified memory a span is all of it (views of the cache cost nothing); on a GPU a span's
-    host copy is a quarter of the batch budget. Each block is admitted by the budget (its
-    encoded bytes live until written). `held` keeps each span with its tasks; finished spans
-    are dropped inside the next engine-thread call, the rest by the caller there too: MLX
-    memory is freed on the thread that runs MLX.
+    `cache()` gives the cache on the engine thread (it may raise: the caller's cache is gone); `own`:
+    the blocks are copied out of it (a hot session's cache, which goes on growing). On
+    unified memory a span is all of it (views of the cache cost nothing); on a GPU, or copied, a
+    span's copy is a quarter of the batch budget. The first engine-thread call schedules the first
+    span's copy; each later one takes a span scheduled by the call before and schedules the next
+    (`Deferred`), so copies overlap the encoding and a call rarely waits for a transfer (a decode
+    step or more runs between two calls while other sessions decode). Each block is admitted by
+    the budget (its encoded bytes live until written). `held` keeps each span with its tasks;
+    finished spans are dropped inside the next engine-thread call, the rest by the caller there
+    too: MLX memory is freed on the thread that runs MLX.
     """
-    block_bytes = max(1, state.bytes_per_token(cache) * ctx.block_tokens)
-    per_span = len(w.needed) if not ctx.device_planes else max(1, batch.budget // SPAN_SHARE // block_bytes)
+    todo = [i for i in w.needed if i != skip]
+    if not todo:
+        return
+    block_bytes = max(1, mlx(lambda: state.bytes_per_token(cache())) * ctx.block_tokens)
+    copied = ctx.device_planes or own  # spans of copies, not views: a span's copy is bounded
+    per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(todo)
+    spans = _spans(todo, per_span)
+    scheduled: dict[int, state.Deferred] = {}
+    held.append(scheduled)
 
-    def capture(first: int, count: int) -> list:
-        held[:] = [(blocks, futures) for blocks, futures in held if not all(f.done() for f in futures)]
-        return capture_blocks(ctx, cache, first, count)
+    def schedule(k: int) -> None:
+        if k < len(spans):
+            scheduled[k] = defer_blocks(ctx, cache(), *spans[k], own=own).schedule()
 
-    for first, count in _spans([i for i in w.needed if i != skip], per_span):
+    def capture(k: int) -> list:  # the span scheduled by the call before; the next one scheduled
+        held[:] = [h for h in held if not isinstance(h, tuple) or not all(f.done() for f in h[1])]
+        schedule(k + 1)
+        return scheduled.pop(k).host()
+
+    mlx(lambda: schedule(0))
+    for k, (first, _) in enumerate(spans):
         if batch.failed:
             return
-        blocks = mlx(lambda first=first, count=count: capture(first, count))
+        blocks = mlx(lambda k=k: capture(k))
         futures: list[cf.Future] = []
         held.append((blocks, futures))
-        for k, arrays in enumerate(blocks):
+        for j, arrays in enumerate(blocks):
             batch.reserve(block_bytes)
             if batch.failed:
                 batch.release(block_bytes)
                 return
-            futures.append(batch.submit(block_bytes, w.add_block, first + k, arrays))
+            futures.append(batch.submit(block_bytes, w.add_block, first + j, arrays))
 
 
 def _sleep_budget(ctx: KvContext, session: Session) -> int:
@@ -115,8 +135,14 @@ def _sleep_budget(ctx: KvContext, session: Session) -> int:
     return max(per_token * ctx.block_tokens, per_token * session.processed // SLEEP_SHARE, 1)
 
 
-def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = None, free: bool = True) -> dict[str, Any]:
+def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = None, free: bool = True,
+          supersede: str | None = None) -> dict[str, Any]:
     """Write the session's KV as a snapshot (and free it unless `free` is False: a checkpoint).
+
+    Blocks the store holds already (continuous persistence wrote them as they filled, or another
+    session did) are not written again: a sleep after persistence writes the tail and what was not
+    yet persisted. `supersede`: the session's latest persistence checkpoint (persist.py), which this
+    snapshot replaces in the same commit.
 
     Until the commit succeeds the session stays hot; on failure every file
     this sleep wrote is removed and the error is raised as itself. Returns the
@@ -126,11 +152,11 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
     started = time.perf_counter()
     tokens = session.tokens[: session.processed]
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=session.head, label=label,
-                          metadata=session.state()) as w:
+                          metadata=session.state(), supersede=supersede) as w:
         batch, held = ctx.pool.batch(_sleep_budget(ctx, session)), []
         try:
             if session.cache is not None:
-                _write_blocks(ctx, w, session.cache, mlx, batch, held)
+                _write_blocks(ctx, w, lambda: session.cache, mlx, batch, held)
                 tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
                 held.append(tail)
                 if tail and not batch.failed:
@@ -149,6 +175,59 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
     if free:
         mlx(lambda: _free(session))
     return result
+
+
+class Moved(Exception):
+    """The session moved on from the tokens a checkpoint was planned for (its cache was cut, changed or
+    taken by the decoder): that checkpoint is dropped; the next one starts from the session as it is."""
+
+
+def _look(ctx: KvContext, session: Session) -> tuple[list[int], dict[str, Any], dict, str | None] | None:
+    """What a checkpoint records, read at one moment on the engine thread (where the session changes):
+    its full blocks' tokens, its state with every later token pending, the tail of that many tokens,
+    its head. None while its KV is not in its own cache (none yet, or decoding in a batch)."""
+    n = session.processed // ctx.block_tokens * ctx.block_tokens
+    if session.cache is None:
+        return None
+    recorded = session.state()
+    recorded.update(messages=list(recorded["messages"]), metadata=dict(recorded["metadata"]),
+                    pending=session.tokens[n:])
+    return session.tokens[:n], recorded, state.block_tail(session.cache, n, ctx.block_tokens), session.head
+
+
+def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | None,
+               wanted: Callable[[int, int], bool] = lambda blocks, total: True) -> SnapshotInfo | None:
+    """Commit the session's full blocks as a snapshot of its first k*B tokens, the rest of its tokens
+    pending (what a wake of it restores: a session whose prefill stopped there). Blocks the store holds
+    are reused, so only the blocks filled since the last checkpoint are captured and written.
+
+    `supersede`: the last checkpoint, replaced in the same commit. `wanted(k*B, all tokens)` says
+    whether the session as it is now is worth a commit; when not, nothing is done (None). Raises
+    Moved when the session changed under it (nothing is left behind: the writer aborts).
+    """
+    seen = mlx(lambda: _look(ctx, session))
+    if seen is None or not wanted(len(seen[0]), len(seen[0]) + len(seen[1]["pending"])):
+        return None
+    tokens, recorded, tail, head = seen
+
+    def cache() -> list:  # engine thread: the cache still holds these tokens
+        if session.cache is None or session.processed < len(tokens) or session.tokens[: len(tokens)] != tokens:
+            raise Moved(f"session {session.id} no longer holds the {len(tokens)} tokens planned")
+        return session.cache
+
+    with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=head, metadata=recorded,
+                          supersede=supersede) as w:
+        batch, held = ctx.pool.batch(ctx.pool.inflight_bytes // SPAN_SHARE), []
+        try:
+            if w.needed:
+                _write_blocks(ctx, w, cache, mlx, batch, held, own=True)
+        finally:
+            batch.join()
+            mlx(held.clear)
+        batch.raise_first()
+        if tokens:  # a snapshot of no KV has no tail, as a new session's first one
+            w.set_tail(tail)  # meta state and offsets: a few bytes
+        return w.commit()
 
 
 def _free(session: Session) -> None:
@@ -175,7 +254,7 @@ def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
         short = len(tokens) // ctx.block_tokens if len(tokens) % ctx.block_tokens else None
         batch, held = ctx.pool.batch(_sleep_budget(ctx, scratch)), []
         try:
-            _write_blocks(ctx, w, scratch.cache, mlx, batch, held, skip=short)
+            _write_blocks(ctx, w, lambda: scratch.cache, mlx, batch, held, skip=short)
             if short in w.needed:
                 arrays = mlx(lambda: state.capture_span(scratch.cache, short * ctx.block_tokens, len(tokens)))
                 held.append(arrays)

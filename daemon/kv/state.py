@@ -71,6 +71,10 @@ __all__ = [
     "capture_planed",
     "capture_span",
     "capture_tail",
+    "Deferred",
+    "block_tail",
+    "defer_blocks",
+    "defer_planed",
     "check_meta",
     "copy_prefix",
     "cuttable",
@@ -266,19 +270,34 @@ def bytes_per_token(cache: list) -> int:
 # -- capture -----------------------------------------------------------------
 
 
-def _host_views(arrays: dict[str, mx.array]) -> dict[str, np.ndarray]:
-    """Host arrays of these (lazy) arrays, evaluated together.
+class Deferred:
+    """Arrays scheduled on the device, and how the host result is made of them (both on the engine thread).
 
-    Unified memory (CPU, Apple silicon): views of MLX's own memory, no copy (a
-    slice of a KV buffer stays a strided view). Otherwise (CUDA) each becomes
-    a contiguous device copy first, then one transfer to the host: reading a
-    slice of the cache itself would move the whole cache buffer to host memory.
+    `schedule()` queues their evaluation (`mx.async_eval`: a device-to-host copy on CUDA) and returns at
+    once; `host()` waits for it (nothing to wait for when a decode step or more ran in between) and
+    makes the result from host arrays: on unified memory (CPU, Apple silicon) views of MLX's own
+    memory, no copy; on CUDA each array is a contiguous device copy first, then one transfer (reading a
+    slice of the cache itself would move the whole cache buffer to host memory).
     """
-    as_bits = {n: a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for n, a in arrays.items()}
-    if not (mx.default_device() == mx.cpu or mx.metal.is_available()):
-        as_bits = {n: mx.contiguous(a) for n, a in as_bits.items()}
-    mx.eval(list(as_bits.values()))
-    return {n: np.asarray(a) for n, a in as_bits.items()}
+
+    def __init__(self, lazy: list[mx.array], make: Any) -> None:
+        self.lazy, self.make = lazy, make
+
+    def schedule(self) -> Deferred:
+        mx.async_eval(self.lazy)
+        return self
+
+    def host(self) -> Any:
+        mx.eval(self.lazy)
+        return self.make([np.asarray(a) for a in self.lazy])
+
+
+def _as_host_bits(a: mx.array, own: bool) -> mx.array:
+    """`a` as the array its host copy is made of: bf16 as uint16, and a contiguous copy on CUDA or when
+    `own` (else, on unified memory, a view of the cache's buffer: while a view lives, MLX cannot update
+    that buffer in place and copies all of it at the cache's next update)."""
+    a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    return a if not own and (mx.default_device() == mx.cpu or mx.metal.is_available()) else mx.contiguous(a)
 
 
 def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
@@ -292,8 +311,9 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
 
-def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str, Tensor]:
-    """Tokens [start, stop) of every cuttable unit (or of `only`), as host arrays, evaluated in one go."""
+def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool = False) -> Deferred:
+    """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs; `own`:
+    copies, never views of a cache that goes on growing (`_as_host_bits`)."""
     lazy: dict[str, mx.array] = {}
     facts: dict[str, Tensor] = {}
     order: list[str] = []  # units in order, each unit's parts, then its quantization
@@ -303,8 +323,18 @@ def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str
             lazy.update(slices)
             facts.update(small)
             order += [*slices, *small]
-    views = _host_views(lazy)
-    return {n: Tensor(_dtype_of(lazy[n]), views[n]) if n in lazy else facts[n] for n in order}
+    names = list(lazy)
+
+    def make(host: list[np.ndarray]) -> dict[str, Tensor]:
+        views = dict(zip(names, host))
+        return {n: Tensor(_dtype_of(lazy[n]), views[n]) if n in lazy else facts[n] for n in order}
+
+    return Deferred([_as_host_bits(lazy[n], own) for n in names], make)
+
+
+def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str, Tensor]:
+    """Tokens [start, stop) of every cuttable unit (or of `only`), as host arrays, evaluated in one go."""
+    return _defer_units(cache, start, stop, only).host()
 
 
 def _dtype_of(a: mx.array) -> str:
@@ -315,6 +345,20 @@ _NP = {mx.float16: np.float16, mx.float32: np.float32, mx.uint32: np.uint32, mx.
        mx.uint8: np.uint8, mx.int8: np.int8, mx.uint16: np.uint16, mx.int16: np.int16}
 
 
+def defer_blocks(cache: list, first: int, count: int, block_tokens: int, own: bool = False) -> Deferred:
+    """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring), deferred:
+    `host()` gives what `capture_blocks` returns (`own`: as copies, see `_as_host_bits`)."""
+    span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens, own=own)
+    cut = span.make
+
+    def make(host: list[np.ndarray]) -> list[dict[str, Tensor]]:
+        whole = cut(host)
+        return [{n: t if n.endswith(".quant") else Tensor(t.dtype, t.array[..., k * block_tokens : (k + 1) * block_tokens, :])
+                 for n, t in whole.items()} for k in range(count)]
+
+    return Deferred(span.lazy, make)
+
+
 def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> list[dict[str, Tensor]]:
     """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring).
 
@@ -323,13 +367,11 @@ def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> li
     Non-cuttable units contribute nothing. Raises StateMismatchError if the
     cache holds fewer tokens.
     """
-    span = _cut_units(cache, first * block_tokens, (first + count) * block_tokens)
-    return [{n: t if n.endswith(".quant") else Tensor(t.dtype, t.array[..., k * block_tokens : (k + 1) * block_tokens, :])
-             for n, t in span.items()} for k in range(count)]
+    return defer_blocks(cache, first, count, block_tokens).host()
 
 
-def capture_planed(cache: list, first: int, count: int, block_tokens: int) -> list[Planed] | None:
-    """Blocks first .. first+count-1 as byte planes made on the device (devplanes.py), or None
+def defer_planed(cache: list, first: int, count: int, block_tokens: int) -> Deferred | None:
+    """Blocks first .. first+count-1 as byte planes made on the device (devplanes.py), deferred, or None
     when the cache is not plain KV of one dtype and shape (quantized, mixed heads)."""
     start, stop = first * block_tokens, (first + count) * block_tokens
     names, arrays = [], []
@@ -342,7 +384,30 @@ def capture_planed(cache: list, first: int, count: int, block_tokens: int) -> li
             raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
         names += [f"{name}.keys", f"{name}.values"]
         arrays += [c.keys[..., start:stop, :], c.values[..., start:stop, :]]
-    return devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
+    split = devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
+    return Deferred(*split) if split is not None else None
+
+
+def capture_planed(cache: list, first: int, count: int, block_tokens: int) -> list[Planed] | None:
+    """Blocks first .. first+count-1 as byte planes made on the device (devplanes.py), or None
+    when the cache is not plain KV of one dtype and shape (quantized, mixed heads)."""
+    deferred = defer_planed(cache, first, count, block_tokens)
+    return deferred.host() if deferred is not None else None
+
+
+def block_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Tensor]:
+    """The tail of a snapshot of the first `n_tokens` (a whole number of blocks) of a cuttable cache that
+    may hold more: its meta state and offsets (what `capture_tail` makes at a block boundary). No MLX work."""
+    if n_tokens % block_tokens:
+        raise ValueError(f"{n_tokens} tokens are not a whole number of {block_tokens}-token blocks")
+    out = {"meta": _ints(STATE_FORMAT, n_tokens, block_tokens)}
+    for name, _, _, c in units(cache):
+        if kind_of(c, name) not in CUTTABLE:
+            raise NotCuttableError(f"{name}: a {type(c).__name__} cannot be cut at {n_tokens} tokens")
+        if c.offset < n_tokens:
+            raise StateMismatchError(f"{name}: cache holds {c.offset} tokens, a tail of {n_tokens} asked")
+        out[f"{name}.offset"] = _ints(n_tokens)
+    return out
 
 
 def capture_span(cache: list, start: int, stop: int) -> dict[str, Tensor]:

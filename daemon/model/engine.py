@@ -32,6 +32,7 @@ from kvwake.daemon.kv import fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
+from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, memory, prefillslices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -100,6 +101,7 @@ class Engine:
         max_batch: int = 32,
         max_context: int | None = None,
         limits: memory.Limits | None = None,
+        persist: bool = False,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
@@ -139,8 +141,10 @@ class Engine:
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits
+        self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
 
     def close(self) -> None:
+        self.persister.close()
         self.pool.close()
 
     def _vocab_size(self) -> int:
@@ -276,6 +280,7 @@ class Engine:
         """
         reused = mlx(lambda: self._adopt(session, plan, prefix))
         prefilled = self.prefill(session, len(plan.target) - 1, mlx, should_stop)
+        self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
@@ -315,6 +320,7 @@ class Engine:
                 chunk = mlx(lambda: self._prefill_chunk(session, upto))
                 while not chunk.done:
                     mlx(chunk.step)
+                self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)
         return upto - start
@@ -398,12 +404,30 @@ class Engine:
 
     def sleep(self, session: Session, *, label: str | None = None, free: bool = True,
               mlx: Mlx = direct) -> dict[str, Any]:
-        """Write the session's KV as a snapshot and free it (kv/pipeline.py). On failure the session stays hot."""
-        return pipeline.sleep(self.kv, session, mlx, label=label, free=free)
+        """Write the session's KV as a snapshot and free it (kv/pipeline.py). On failure the session stays hot.
+
+        Its running persistence checkpoint is waited for and replaced: the blocks it wrote are reused."""
+        info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=self.persister.settle(session.id))
+        self.persister.stored(session.id, info["tokens"])
+        return info
 
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py)."""
-        return pipeline.wake(self.kv, session_id, snapshot_id, mlx)
+        self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
+        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx)
+        self.persister.stored(session_id, session.processed)
+        return session, info
+
+    def persist(self, session: Session, mlx: Mlx, turn: bool = False) -> None:
+        """Write the session's new full blocks in the background (kv/persist.py), when persistence is on and
+        the session has a snapshot already (a daemon's session; a scratch session never has one). `turn`:
+        a call ended; its state is committed even without a new block."""
+        if session.head is not None:
+            self.persister.offer(session, mlx, turn)
+
+    def forget(self, session_id: str) -> None:
+        """A deleted session: wait for its running checkpoint, write nothing more of it."""
+        self.persister.forget(session_id)
 
     def record(self, snapshot_id: str) -> SnapshotRecord:
         """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""

@@ -194,6 +194,7 @@ class SessionManager:
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
+            await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
             removed = 0
             with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
@@ -340,6 +341,7 @@ class SessionManager:
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
             session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_event, stop)
+            self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
                      "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
