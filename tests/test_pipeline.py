@@ -175,6 +175,52 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         store.close()
 
 
+def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than_the_session(
+        model_dir, tmp_path, monkeypatch):
+    # One block per span and two slots: nine blocks go through the ring, each slot reused four
+    # times, a block from the RAM tier among them; the session's KV must come back bit for bit.
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
+    rings, joined = [], []
+    real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
+
+    def ring(self, *args):
+        real_ring(self, *args)
+        rings.append(self)
+
+    def join_span(self, first, count):
+        joined.append((first, count))
+        real_join(self, first, count)
+    monkeypatch.setattr(devplanes.Ring, "__init__", ring)
+    monkeypatch.setattr(kvfill.Buffers, "join_span", join_span)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3)
+    try:
+        a, b = Session("a"), Session("b")
+        tokens = [(i * 7) % 256 for i in range(150)]
+        for s in (a, b):
+            engine.append(s, tokens=tokens)
+        record = engine.store.snapshot(engine.sleep(b)["snapshot_id"])
+        engine.hot.__init__(engine.hot.budget)
+        engine.hot.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
+        b, info = engine.wake("b")
+        assert [(r.span, r.slots) for r in rings] == [(1, 2)]
+        assert joined == [(k, 1) for k in range(9)]
+        assert info["blocks_from_memory"] == 1 and info["blocks_from_disk"] == 8
+        for x, y in zip(a.cache, b.cache):
+            assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
+            assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
+        from kvwake.daemon.model.generation import GenerateParams
+        assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+    finally:
+        engine.close()
+        store.close()
+
+
 def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(tmp_path, model_dir, monkeypatch):
     """Nothing staged (no full block): only the tail's partial block; the join must not need staging's shape."""
     from kvwake.daemon.kv import fill as kvfill

@@ -26,10 +26,16 @@ import numpy as np
 
 from kvwake.store.format.codec import DTYPES, Planed
 
-__all__ = ["PLANAR_DTYPES", "join", "join_one", "planar", "split_span"]
+__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "Ring", "join", "join_one", "planar", "split_span"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
+# A wake stages at most RING_SLOTS spans of about SPAN_BYTES of raw KV each: while the GPU joins
+# one span, the pool decodes the next ones into the other slots. Enough slots that the decoders
+# never wait for the join (it runs at device speed), few enough that staging stays a few hundred
+# MB whatever the session's size (it was the whole session: 125 GB resident at 32k on the H100).
+SPAN_BYTES = 64 << 20
+RING_SLOTS = 3
 
 
 def planar(specs: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
@@ -66,6 +72,31 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int, coun
     host = [np.asarray(p) for p in planes]
     block_shape = (*lead, block_tokens, dim)
     return [Planed(tuple(names), dtype, (block_shape,) * len(names), tuple(h[k] for h in host)) for k in range(count)]
+
+
+class Ring:
+    """Staging for a wake's planes: `slots` slots of `span` blocks' planes each, in MLX host-visible memory.
+
+    Block k of a restore stages into slot (k // span) % slots, row k % span; the caller decodes a
+    span only once the span `slots` before it was joined (its slot is then free). Filled by the
+    decoders through `rows` (numpy views of MLX's own memory, so no copy moves them into MLX),
+    read by the GPU join through `arrays`. Made and dropped on the engine thread.
+    """
+
+    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int) -> None:
+        self.span = max(1, min(blocks, SPAN_BYTES // max(1, block_bytes)))
+        self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
+        self.arrays = [[mx.zeros((self.span, plane_bytes), mx.uint8) for _ in range(size)] for _ in range(self.slots)]
+        mx.eval(self.arrays)
+        self.views = [[np.asarray(a) for a in slot] for slot in self.arrays]
+
+    def rows(self, k: int) -> list[np.ndarray]:
+        """Block k's row of each plane, to decode into."""
+        return [v[k % self.span] for v in self.views[(k // self.span) % self.slots]]
+
+    def planes(self, first: int, count: int) -> list[mx.array]:
+        """The planes of the span that starts at block `first` ([count, plane bytes] each), to join."""
+        return [a[:count] for a in self.arrays[(first // self.span) % self.slots]]
 
 
 def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
