@@ -154,8 +154,17 @@ def status(opts: Options, as_json: bool) -> None:
                    f"RAM tier {human_bytes(mem.get('ram_tier_bytes'))}, "
                    f"peak RSS {human_bytes(mem.get('peak_rss_bytes'))}"),
         ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"),
+        ("codec", _codec_line(store)),
         ("counters", counters or "-"),
     ])
+
+
+def _codec_line(store: dict) -> str:
+    """The codec new blocks get, and why: set in the config, or measured here (codec = "auto")."""
+    choice = store.get("codec_choice")
+    if not choice:
+        return f"{store.get('codec', '?')} (set in the config)"
+    return f"{store.get('codec')} (auto: {choice.get('why')}, measured on {choice.get('on')})"
 
 
 @main.command("http")
