@@ -248,13 +248,12 @@ class StoreCore:
     def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
                        place: Place | None, stage: Stage | None) -> tuple[dict[str, Tensor], dict[str, str]]:
         try:
-            data = self.files.read(rel)
+            with self.files.mapped(rel) as data:
+                if read_file_header(data)[2] != digest:
+                    raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
+                tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except FileNotFoundError:
             raise CorruptBlockError(f"{where}: file {rel} is missing", **facts) from None
-        try:
-            if read_file_header(data)[2] != digest:
-                raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
-            tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except BlockFormatError as exc:
             raise CorruptBlockError(f"{where}: file {rel} is damaged: {exc}", **facts) from None
         if actual != digest:
