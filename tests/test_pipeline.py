@@ -95,7 +95,15 @@ def test_sleep_and_wake_through_many_spans_and_workers_are_exact(engine):
         assert c.keys.shape[2] == 256  # allocated once, as mlx-lm would have (a multiple of its step)
 
 
-def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine):
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine, mode, monkeypatch):
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
+
+    # staged: one block per span through a ring of two slots (the discrete-GPU path, on the CPU)
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", mode)
+    monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     s = Session("s")
     engine.append(s, tokens=list(range(100)))
     snapshot = engine.sleep(s)["snapshot_id"]

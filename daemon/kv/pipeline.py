@@ -232,12 +232,12 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest))
     batch, tail_box = ctx.pool.batch(), []
     try:
-        _restore_blocks(ctx, record, buffers, mlx, batch)
-        if record.tail is not None and not batch.failed:
+        if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
             batch.reserve(record.tail.raw_bytes)
             place = buffers.place(n_full * ctx.block_tokens, rest)
             batch.submit(record.tail.raw_bytes,
                          lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
+        _restore_blocks(ctx, record, buffers, mlx, batch)
     finally:
         batch.join()
     batch.raise_first()
