@@ -488,6 +488,11 @@ class _Pieces:
         return self.hasher.digest() if self.hasher is not None else b""
 
 
+# (dtype, shape, types of its dims) -> bytes, for tensor specs already checked: every block of a model
+# has the same few, and checking 60 of them afresh per block was a quarter of a wake here (GIL-bound).
+_SPEC_BYTES: dict[tuple, int] = {}
+
+
 def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[str, str]]:
     try:
         header = json.loads(bytes(raw[8:]))
@@ -502,13 +507,19 @@ def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[s
     for name, spec in header.items():
         try:
             dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            if not isinstance(shape, list) or not all(isinstance(x, int) for x in (begin, end)):
+            if type(shape) is not list or type(begin) is not int or type(end) is not int:
                 raise TypeError("shape or offsets of the wrong type")
+            key = (dtype, tuple(shape), tuple(map(type, shape)))  # exact: 128.0 or true is not 128
+            nbytes = _SPEC_BYTES.get(key)
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFormatError(f"tensor {name!r}: malformed header entry ({exc})") from None
-        if not isinstance(dtype, str) or dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
-        if begin + len(raw) != offset or end - begin != math.prod(shape) * DTYPES[dtype][0].itemsize:
+        if nbytes is None:
+            if not isinstance(dtype, str) or dtype not in DTYPES or not all(type(s) is int and s >= 0 for s in shape):
+                raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
+            nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
+            if len(_SPEC_BYTES) < 1024:
+                _SPEC_BYTES[key] = nbytes
+        if begin + len(raw) != offset or end - begin != nbytes:
             raise BlockFormatError(f"tensor {name!r}: data offsets {begin}..{end} do not follow its shape")
         offset = end + len(raw)
     if offset != raw_bytes:
