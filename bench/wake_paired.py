@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--codec", default="planes-zstd")
+    ap.add_argument("--old-read", choices=["copied", "mapped"], default="copied",
+                    help="how the old side reads files (mapped: isolates the codec change)")
     args = ap.parse_args()
     spec = importlib.util.spec_from_file_location("old_codec", args.old_codec)
     old = importlib.util.module_from_spec(spec)
@@ -51,7 +53,7 @@ def main() -> None:
 
         def use(which: str) -> None:
             core.decode_into = old.decode_into if which == "old" else new_decode
-            files.mapped = copied if which == "old" else new_mapped
+            files.mapped = copied if which == "old" and args.old_read == "copied" else new_mapped
 
         s = Session("w")
         synthetic_session(engine, s, tokens_of(engine, args.tokens), args.synthetic)
@@ -68,7 +70,7 @@ def main() -> None:
                 del woken
         engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.tokens} tokens, {args.codec}, {args.rounds} pairs: wake old {med['old'] * 1000:.0f} ms "
+    print(f"{args.tokens} tokens, {args.codec}, old read {args.old_read}, {args.rounds} pairs: wake old {med['old'] * 1000:.0f} ms "
           f"({raw / med['old'] / 1e9:.2f} GB/s), new {med['new'] * 1000:.0f} ms ({raw / med['new'] / 1e9:.2f} GB/s): "
           f"new/old {med['new'] / med['old']:.2f}; pairs where new was faster: "
           f"{sum(n < o for n, o in zip(times['new'], times['old']))}/{args.rounds}", flush=True)

@@ -16,12 +16,14 @@ Two ways to fill, by where MLX keeps arrays:
   memory; decoders join byte planes straight into them. One write per
   restored byte: decoder -> buffer.
 - "staged" (CUDA: device memory): a plain KV cache's blocks are decompressed
-  and verified into two host staging arrays of byte planes (`stage(k)`), which
-  `finish` uploads (one transfer per plane) and joins and lays out per layer
-  on the GPU (devplanes.py); blocks that cannot be staged (format-1 files,
-  quantized KV) are joined on the CPU into host views and uploaded per block.
-  Writes per restored byte: decoder -> staging, host -> device, one pass on
-  the device.
+  and verified into host staging of byte planes (`stage(k)`): a ring of a few
+  spans of blocks (devplanes.Ring), not the session's size. As each span is
+  in, `join_span` (engine thread) moves it to the GPU and joins and lays it
+  out per tensor there, and its slot takes a later span; `finish` concatenates
+  each tensor's spans (one tensor at a time). Blocks that cannot be staged
+  (format-1 files, quantized KV, the RAM tier's) are joined on the CPU into
+  host views and uploaded with their span. Writes per restored byte: decoder
+  -> staging, host -> device, one pass on the device, one concatenation.
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
 call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
 way, no per-block arrays are joined afterwards.

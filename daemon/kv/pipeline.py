@@ -26,9 +26,12 @@ Copies per byte. Sleep: on unified memory the workers read the cache's own
 memory (strided views), so the only copies are the encoder's (byte planes,
 compressed output) and the write to the page cache; on CUDA the GPU splits a
 span into byte planes and they move to the host once (devplanes.py). Wake:
-one read from the page cache into a per-thread buffer, then one write per
-byte into the final KV buffer (planes are joined there); on CUDA the planes
-are staged in MLX host-visible memory and joined on the GPU (fill.py).
+block files are mapped from the page cache and decoded a piece at a time,
+each piece digested while in cache; on unified memory each piece is joined
+into the final KV buffer (one write per byte); on CUDA the planes go into a
+staging ring in MLX host-visible memory and each span is joined on the GPU as
+soon as it is in, while the pool decodes the next spans (fill.py,
+docs/benchmarks.md "Copies per restored byte").
 """
 
 from __future__ import annotations

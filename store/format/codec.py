@@ -75,6 +75,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 2  # what writers write; both versions are read
+DECODE_CHUNK_BYTES = CHUNK_BYTES  # payload a decoder takes per step: decompressed, digested, joined in cache
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -245,12 +246,12 @@ def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
     return runs
 
 
-def _chunks(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
-    """(first, stop) index ranges of tensors grouped to about CHUNK_BYTES of payload each."""
-    groups, first, acc = [], 0, 0
+def _chunks(sizes: list[int], itemsize: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """(first, stop) index ranges of tensors grouped to about `chunk` (CHUNK_BYTES) of payload each."""
+    groups, first, acc, chunk = [], 0, 0, chunk or CHUNK_BYTES
     for i, n in enumerate(sizes):
         acc += n * itemsize
-        if acc >= CHUNK_BYTES or i == len(sizes) - 1:
+        if acc >= chunk or i == len(sizes) - 1:
             groups.append((first, i + 1))
             first, acc = i + 1, 0
     return groups
@@ -604,7 +605,7 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
             digest.section_digest(section.finish())
         return
     starts = _bounds(sizes)
-    for first, stop in _chunks(sizes, holder.itemsize):
+    for first, stop in _chunks(sizes, holder.itemsize, DECODE_CHUNK_BYTES):
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         lo, hi = starts[first], starts[stop]
         if len(dests) == 1:  # a large tensor: joined straight into its destination
