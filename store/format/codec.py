@@ -32,7 +32,10 @@ the JSON. The tensor data follows:
 
 Decoding writes each tensor straight into a destination the caller chooses
 (`decode_into`): a view into a preallocated KV buffer, or (format 2) a staging
-buffer for a run's planes. It never produces more than the recorded raw size
+buffer for a run's planes. A format-2 run is decoded a chunk of tensors at a
+time: each section's piece is decompressed (or read where it lies), digested
+and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
+never go through memory whole. It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
 implies, checked before anything is allocated.
 """
@@ -75,7 +78,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 2  # what writers write; both versions are read
-DECODE_CHUNK_BYTES = CHUNK_BYTES  # payload a decoder takes per step: decompressed, digested, joined in cache
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -246,12 +248,12 @@ def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
     return runs
 
 
-def _chunks(sizes: list[int], itemsize: int, chunk: int | None = None) -> list[tuple[int, int]]:
-    """(first, stop) index ranges of tensors grouped to about `chunk` (CHUNK_BYTES) of payload each."""
-    groups, first, acc, chunk = [], 0, 0, chunk or CHUNK_BYTES
+def _chunks(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
+    """(first, stop) index ranges of tensors grouped to about CHUNK_BYTES of payload each."""
+    groups, first, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n * itemsize
-        if acc >= chunk or i == len(sizes) - 1:
+        if acc >= CHUNK_BYTES or i == len(sizes) - 1:
             groups.append((first, i + 1))
             first, acc = i + 1, 0
     return groups
@@ -605,7 +607,7 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
             digest.section_digest(section.finish())
         return
     starts = _bounds(sizes)
-    for first, stop in _chunks(sizes, holder.itemsize, DECODE_CHUNK_BYTES):
+    for first, stop in _chunks(sizes, holder.itemsize):
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         lo, hi = starts[first], starts[stop]
         if len(dests) == 1:  # a large tensor: joined straight into its destination
