@@ -171,8 +171,9 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
             engine.append(s, tokens=tokens)
         engine.sleep(b)
         b, _ = engine.wake("b")
-        # Per tensor (keys, values of each layer), one at a time: the full blocks, and the tail's partial block.
-        assert calls["split"] > 0 and calls["join"] == 2 * 2 * len(a.cache)
+        # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
+        # for the tail's partial block: device ops per span, not per tensor.
+        assert calls["split"] > 0 and calls["join"] == 2
         for x, y in zip(a.cache, b.cache):
             assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
             assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
