@@ -186,19 +186,19 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
 
 def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than_the_session(
         model_dir, tmp_path, monkeypatch):
-    # One block per span and two slots: nine blocks go through the ring, each slot reused four
-    # times, a block from the RAM tier among them; the session's KV must come back bit for bit.
+    # Two blocks per span and two slots: nine blocks go through the ring in five spans, each slot
+    # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
     from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import fill as kvfill
 
     monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
-    monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
 
-    def ring(self, *args):
-        real_ring(self, *args)
+    def ring(self, blocks, size, plane_bytes, block_bytes):
+        monkeypatch.setattr(devplanes, "SPAN_BYTES", 2 * block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes)
         rings.append(self)
 
     def join_span(self, first, count):
@@ -217,8 +217,8 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         engine.hot.__init__(engine.hot.budget)
         engine.hot.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
         b, info = engine.wake("b")
-        assert [(r.span, r.slots) for r in rings] == [(1, 2)]
-        assert joined == [(k, 1) for k in range(9)]
+        assert [(r.span, r.slots) for r in rings] == [(2, 2)]
+        assert joined == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
         assert info["blocks_from_memory"] == 1 and info["blocks_from_disk"] == 8
         for x, y in zip(a.cache, b.cache):
             assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
