@@ -127,6 +127,7 @@ class Buffers:
         self.tail_planes: list[np.ndarray] = []
         self._tail_arrays: list[mx.array] = []
         self.pieces: dict[str, list[mx.array]] = {name: [] for name in self.order}  # joined spans, in order
+        self.joined = 0  # blocks the pieces cover (from 0); the rest are uploaded from the host views at finish
         specs = {t: sample[t] for t in self.order}
         blocks = n_blocks if n_blocks is not None else capacity // block_tokens
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
@@ -193,6 +194,7 @@ class Buffers:
             self.pieces[name].append(piece)
             out.append(piece)
         mx.eval(out)
+        self.joined = first + count
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in _MX_DTYPE:
@@ -270,6 +272,9 @@ class Buffers:
         out = {}
         for t, name in enumerate(self.order):
             view, pieces = self.views[name], self.pieces[name]
+            if self.joined < n_full:  # blocks no span took (a prefix hit fills host views only)
+                pieces.append(_device(view[..., self.joined * self.block_tokens : n_full * self.block_tokens, :],
+                                      self.dtypes[name]))
             if tail is not None:
                 pieces.append(tail[t])
             elif rest:
