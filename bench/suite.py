@@ -9,7 +9,8 @@ resume   per size N: re-prefill N tokens + first token (the baseline users pay
          per token vs raw KV vs mlx-lm's file, wake and sleep throughput (GB/s
          of KV), the single-core verified decode rate of the same blocks (the
          yardstick for wake's parallel efficiency: wake / (cores x that rate)),
-         and peak RSS growth while sleeping (fraction of the KV). Kernels are
+         peak RSS growth while sleeping (fraction of the KV) and while waking,
+         and per size the process's peak RSS and MLX's peak memory. Kernels are
          warmed up for each size before anything is timed.
 storage  S sessions sharing a 1k-token system prompt with 200 own tokens each:
          kvwake's store bytes vs S mlx-lm cache files; time to first token of a
@@ -53,6 +54,14 @@ def machine() -> dict[str, Any]:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set so far (getrusage: KiB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class PeakRss:
@@ -183,6 +192,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     from kvwake.daemon.session import Session
 
     ids = tokens_of(engine, n)
+    mx.reset_peak_memory()
     s = Session(f"resume-{n}")
     if synthetic:
         synthetic_session(engine, s, ids, synthetic)
@@ -206,9 +216,10 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     with PeakRss() as peak:
         slept = engine.sleep(s)
     engine.hot.__init__(engine.hot.budget)  # measure the disk path, not the RAM tier
-    t0 = time.perf_counter()
-    woken, info = engine.wake(s.id)
-    wake_s = time.perf_counter() - t0
+    with PeakRss() as wake_peak:
+        t0 = time.perf_counter()
+        woken, info = engine.wake(s.id)
+        wake_s = time.perf_counter() - t0
     wake_ft_s = wake_s + first_token(engine, woken)
     del woken
     t0 = time.perf_counter()
@@ -236,7 +247,10 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
         "stored_bytes_per_token": slept["stored_bytes"] / n, "mlx_bytes_per_token": f.stat().st_size / n,
         "wake_GBps": raw / wake_s / 1e9, "sleep_GBps": raw / (slept["ms"] / 1000) / 1e9,
         "decode_1core_GBps": decode_1core, "decode_all_cores_GBps": decode_all, "wake_MBps": raw / wake_s / 1e6,
-        "sleep_peak_rss_growth_bytes": peak.growth,
+        "sleep_peak_rss_growth_bytes": peak.growth, "wake_peak_rss_growth_bytes": wake_peak.growth,
+        # Peak memory of this size (the process's resident peak so far, MLX's own peak since this size began):
+        # one process runs every size, and the largest must fit the machine (issue 23).
+        "peak_rss_bytes": peak_rss_bytes(), "mlx_peak_bytes": mx.get_peak_memory(),
         "ratios": {
             "reprefill_over_wake": reprefill_ft_s / wake_ft_s,
             "wake_over_mlx_load": wake_ft_s / mlx_load_ft_s,
@@ -263,7 +277,9 @@ def bench_resume(model: str | None, sizes: list[int], codec: str = "planes-zstd"
                   f"{r['workers']} cores x {r['decode_1core_GBps']:.2f} GB/s, sleep {r['sleep_GBps']:.2f} GB/s "
                   f"({r['ratios']['sleep_over_mlx_save']:.2f}x mlx save), "
                   f"stored {r['ratios']['stored_over_mlx_file']:.2f}x mlx file, sleep RSS growth "
-                  f"{r['ratios']['sleep_rss_growth_over_kv']:.1%} of KV", flush=True)
+                  f"{r['ratios']['sleep_rss_growth_over_kv']:.1%} of KV, wake RSS growth "
+                  f"{r['wake_peak_rss_growth_bytes'] / 1e9:.2f} GB, peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB, "
+                  f"MLX peak {r['mlx_peak_bytes'] / 1e9:.2f} GB", flush=True)
         result = {"model": engine.model_name, "runs": runs}
         engine.close()
     return result

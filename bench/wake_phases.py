@@ -1,7 +1,8 @@
 """Where a wake's time goes, phase by phase (a diagnostic for the device; prints one line per phase).
 
 usage: python bench/wake_phases.py --model /tmp/m8b --tokens 8192
-Prefills, sleeps, then repeats the wake's steps by hand with a clock and RSS reading between them,
+Prefills, sleeps, then repeats the wake's steps by hand with a clock and RSS reading between them
+(decode and join span by span, one after the other: the real wake overlaps them; its time is last),
 and times the host-to-device moves MLX offers (mx.array of a numpy array, then a first GPU use).
 """
 
@@ -26,7 +27,6 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import fill as kvfill
     from kvwake.daemon.session import Session
     from suite import open_engine, tokens_of
@@ -69,30 +69,31 @@ def main() -> None:
         mark("record (verified index rows)")
         sample = engine.store.block_specs(record.blocks[0])
         mark("specs of block 0")
-        buffers = kvfill.Buffers(engine.model, sample, engine.block_tokens, n, engine.block_tokens)
-        mark(f"buffers ({buffers.mode}, planes staged: {bool(buffers.planes)})")
-        batch = engine.pool.batch()
-        for k, ref in enumerate(record.blocks):
-            batch.reserve(ref.raw_bytes)
-            batch.submit(ref.raw_bytes, lambda k=k, ref=ref, buffers=buffers: engine.store.read_block(
-                ref, place=buffers.place(k * engine.block_tokens, engine.block_tokens), stage=buffers.stage(k)))
-        batch.join()
-        batch.raise_first()
-        mark(f"decode {len(record.blocks)} blocks on {engine.pool.workers} threads")
-        tail = dict(engine.store.read_tail(record, buffers.place(n // 128 * 128, n % 128)))
+        b = engine.block_tokens
+        buffers = kvfill.Buffers(engine.model, sample, b, n, b, tail_tokens=n % b)
+        ring = f"{buffers.ring.span} blocks x {buffers.ring.slots} slots" if buffers.ring else "none"
+        mark(f"buffers ({buffers.mode}, staging ring: {ring})")
+        decode_s = join_s = 0.0
+        for first, count in buffers.spans(len(record.blocks)):  # one phase after the other: a wake overlaps them
+            t0 = time.perf_counter()
+            batch = engine.pool.batch()
+            for k in range(first, first + count):
+                ref = record.blocks[k]
+                batch.reserve(ref.raw_bytes)
+                batch.submit(ref.raw_bytes, lambda k=k, ref=ref: engine.store.read_block(
+                    ref, place=buffers.place(k * b, b), stage=buffers.stage(k)))
+            batch.join()
+            batch.raise_first()
+            t1 = time.perf_counter()
+            buffers.join_span(first, count)
+            decode_s, join_s = decode_s + t1 - t0, join_s + time.perf_counter() - t1
+        mark(f"decode {len(record.blocks)} blocks on {engine.pool.workers} threads ({1000 * decode_s:.0f} ms), "
+             f"join span by span ({1000 * join_s:.0f} ms)")
+        tail = dict(engine.store.read_tail(record, buffers.place(n // b * b, n % b), buffers.stage(None)))
         mark("tail")
-        if buffers.planes:
-            up = [mx.array(p) for p in buffers.planes]
-            mx.eval(up)
-            mark("upload staged planes (mx.array + eval)")
-            joined = devplanes.join(buffers.planes, buffers.dtypes[buffers.order[0]], len(buffers.order),
-                                    buffers.block_shape)
-            mx.eval(joined)
-            mark("upload + join on the device")
-            del up, joined
-        buffers.check(buffers.take(tail), n // 128 * 128, n % 128, "tail")
+        buffers.check(buffers.take(tail), n // b * b, n % b, "tail", staged=-1 in buffers.staged)
         cache = buffers.finish(n, tail)
-        mark("finish (upload, join, per-layer arrays, eval)")
+        mark("finish (tail, one concatenation per tensor, eval)")
         del cache, buffers
         mx.clear_cache()
         t0 = time.perf_counter()

@@ -157,6 +157,7 @@ def status(opts: Options, as_json: bool) -> None:
                    f"peak RSS {human_bytes(mem.get('peak_rss_bytes'))}"),
         ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"),
         ("persistence", _persistence(state.get("persistence") or {})),
+        ("codec", _codec_line(store)),
         ("counters", counters or "-"),
     ])
 
@@ -167,6 +168,14 @@ def _persistence(p: dict) -> str:
         return str(p.get("state", "-"))
     return (f"on: {p.get('checkpoints', 0)} checkpoints, {p.get('checkpoint_blocks', 0)} blocks, "
             f"{human_bytes(p.get('checkpoint_bytes'))} written, {p.get('queued', 0)} queued")
+
+
+def _codec_line(store: dict) -> str:
+    """The codec new blocks get, and why: set in the config, or measured here (codec = "auto")."""
+    choice = store.get("codec_choice")
+    if not choice:
+        return f"{store.get('codec', '?')} (set in the config)"
+    return f"{store.get('codec')} (auto: {choice.get('why')}, measured on {choice.get('on')})"
 
 
 @main.command("http")

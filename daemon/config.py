@@ -10,7 +10,7 @@ the `Settings` field names as top-level keys, e.g.
     hot_budget_bytes = 4_000_000_000
     idle_timeout_s = 900
     allow_uids = [501]
-    codec = "raw"            # block codec for new blocks (`kvwake bench` says which wins here)
+    codec = "raw"            # block codec for new blocks (default "auto": measured here; `kvwake status` says which)
     io_workers = 8           # sleep/wake worker threads (default: every core)
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
     max_context = 32768      # refuse prompts beyond this (and below the model's own context)
@@ -59,7 +59,9 @@ class Settings:
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
     ram_tier_bytes: int = 256 << 20  # decoded hot blocks kept in RAM
-    codec: str = "planes-zstd"  # block codec for new blocks: "planes-zstd" (smallest) or "raw" (fastest)
+    # block codec for new blocks: "planes-zstd" (smallest), "raw" (fastest to read), or "auto": the one
+    # measured fastest to wake on this machine, once, recorded in the store (store/codecpick.py)
+    codec: str = "auto"
     io_workers: int | None = None  # sleep/wake worker threads; None: every core
     io_inflight_bytes: int = 512 << 20  # raw KV bytes one sleep or wake may have in flight
     keep_history: int = 4  # unlabeled snapshots kept per session

@@ -29,6 +29,7 @@ from typing import Any, Self
 import sqlite_utils
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
+from kvwake.store import codecpick
 from kvwake.store.files import StoreFiles
 from kvwake.store.format.codec import (CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Stage, Tensor, decode_into,
                                        read_file_header, read_specs)
@@ -49,7 +50,9 @@ class StoreCore:
         every bundle hash the daemon computes).
     budget_bytes: gc evicts least-recently-used prefix-only blocks above this.
     keep_history: unlabeled snapshots gc keeps per session (newest first).
-    codec: the block codec new files are written with (format/codec.py).
+    codec: the block codec new files are written with (format/codec.py), or "auto": the one
+        measured fastest to wake on this machine (codecpick.py), recorded in the index; every
+        store reads files of any codec whatever this says.
     """
 
     def __init__(
@@ -61,8 +64,9 @@ class StoreCore:
         keep_history: int = 4,
         codec: str = DEFAULT_CODEC,
     ) -> None:
-        if codec not in CODEC_IDS:
-            raise InvalidParamsError(f"unknown block codec {codec!r}; known: {sorted(CODEC_IDS)}", codec=codec)
+        if codec not in CODEC_IDS and codec != "auto":
+            raise InvalidParamsError(f"unknown block codec {codec!r}; known: auto, {', '.join(sorted(CODEC_IDS))}",
+                                     codec=codec)
         self.root = Path(root)
         self.files = StoreFiles(self.root)
         self.block_tokens, self.budget_bytes, self.keep_history, self.codec = block_tokens, budget_bytes, keep_history, codec
@@ -71,6 +75,35 @@ class StoreCore:
             self.index = Index(self.root / "index.sqlite")
             self.index.migrate()
             self._check_block_tokens()
+        self.codec_choice: dict[str, Any] | None = None  # the measurement behind codec="auto"
+        if codec == "auto":
+            self.codec_choice = codecpick.choose(self.root, self.meta(codecpick.META_KEY),
+                                                 lambda value: self.set_meta(codecpick.META_KEY, value),
+                                                 self._sample_blocks)
+            self.codec = self.codec_choice["codec"]
+
+    def meta(self, key: str) -> str | None:
+        """A value the store keeps about itself (`store_meta`), or None."""
+        with self._lock:
+            row = self.index.one("SELECT value FROM store_meta WHERE key = ?", (key,))
+        return row["value"] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO store_meta (key, value) VALUES (?, ?)", (key, value))
+
+    def _sample_blocks(self, count: int = 4) -> list[dict[str, Tensor]]:
+        """A few of the store's blocks, decoded (verified), for the codec measurement."""
+        with self._lock:
+            refs = [r for r in self.index.blocks_by_key(
+                [row["key"] for row in self.index.rows("SELECT key FROM blocks LIMIT ?", (count,))]).values()]
+        out = []
+        for ref in refs:
+            try:
+                out.append(self.read_block(ref))
+            except CorruptBlockError:
+                continue  # fsck's business; the measurement takes the others
+        return out
 
     def _check_block_tokens(self) -> None:
         """The block size is fixed when a store is made; opening it with another one is refused."""
@@ -215,13 +248,12 @@ class StoreCore:
     def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
                        place: Place | None, stage: Stage | None) -> tuple[dict[str, Tensor], dict[str, str]]:
         try:
-            data = self.files.read(rel)
+            with self.files.mapped(rel) as data:
+                if read_file_header(data)[2] != digest:
+                    raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
+                tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except FileNotFoundError:
             raise CorruptBlockError(f"{where}: file {rel} is missing", **facts) from None
-        try:
-            if read_file_header(data)[2] != digest:
-                raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
-            tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except BlockFormatError as exc:
             raise CorruptBlockError(f"{where}: file {rel} is damaged: {exc}", **facts) from None
         if actual != digest:

@@ -84,6 +84,9 @@ def test_status(kvwake, daemon):
     assert data["version"] and isinstance(data["started"], float)
     text = kvwake("status").stdout
     assert f"pid {daemon.proc.pid}" in text and "tiny" in text
+    # codec = "auto" (the default): measured on this machine when the store opened, and said
+    assert data["store"]["codec"] == data["store"]["codec_choice"]["codec"] in {"raw", "planes-zstd", "zstd"}
+    assert f"{data['store']['codec']} (auto: estimated wake" in text
 
 
 def test_socket_from_the_environment(daemon):

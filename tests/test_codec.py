@@ -136,6 +136,25 @@ def test_lying_tensor_offsets_are_refused():
         decode(data)
 
 
+def _format1_file(header: bytes, data: bytes) -> bytes:
+    header += b" " * (-len(header) % 8)
+    raw = struct.pack("<Q", len(header)) + header + data
+    out = FILE_HEADER.pack(b"KVWB", 1, 1, 0, len(raw), hashlib.sha256(raw).digest())
+    return out + SECTION.pack(0, 8) + raw[:8] + SECTION.pack(0, len(header)) + header + SECTION.pack(0, len(data)) + data
+
+
+@pytest.mark.parametrize("shape", ["[4.0]", "[true,4]", "[4,-1]", '["4"]'])
+def test_a_shape_that_is_not_whole_numbers_is_refused_after_the_same_shape_was_read(shape):
+    # Tensor specs once checked are remembered (a block's header repeats the same few); 4.0 == 4
+    # and True == 1 in Python, so the memory must not let these through.
+    data = np.arange(4, dtype=np.float32).tobytes()
+    good = _format1_file(b'{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}', data)
+    assert decode(good)[0]["x"].array.shape == (4,)
+    bad = _format1_file(b'{"x":{"dtype":"F32","shape":' + shape.encode() + b',"data_offsets":[0,16]}}', data)
+    with pytest.raises(BlockFormatError, match="tensor 'x'"):
+        decode(bad)
+
+
 def test_unsupported_dtype_is_a_type_error():
     with pytest.raises(TypeError, match="complex"):
         encode({"x": np.zeros(3, np.complex64)})

@@ -95,7 +95,15 @@ def test_sleep_and_wake_through_many_spans_and_workers_are_exact(engine):
         assert c.keys.shape[2] == 256  # allocated once, as mlx-lm would have (a multiple of its step)
 
 
-def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine):
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine, mode, monkeypatch):
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
+
+    # staged: one block per span through a ring of two slots (the discrete-GPU path, on the CPU)
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", mode)
+    monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     s = Session("s")
     engine.append(s, tokens=list(range(100)))
     snapshot = engine.sleep(s)["snapshot_id"]
@@ -163,13 +171,84 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
             engine.append(s, tokens=tokens)
         engine.sleep(b)
         b, _ = engine.wake("b")
-        # Per tensor (keys, values of each layer), one at a time: the full blocks, and the tail's partial block.
-        assert calls["split"] > 0 and calls["join"] == 2 * 2 * len(a.cache)
+        # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
+        # for the tail's partial block: device ops per span, not per tensor.
+        assert calls["split"] > 0 and calls["join"] == 2
         for x, y in zip(a.cache, b.cache):
             assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
             assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
         from kvwake.daemon.model.generation import GenerateParams
         assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than_the_session(
+        model_dir, tmp_path, monkeypatch):
+    # Two blocks per span and two slots: nine blocks go through the ring in five spans, each slot
+    # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
+    rings, joined = [], []
+    real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
+
+    def ring(self, blocks, size, plane_bytes, block_bytes):
+        monkeypatch.setattr(devplanes, "SPAN_BYTES", 2 * block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes)
+        rings.append(self)
+
+    def join_span(self, first, count):
+        joined.append((first, count))
+        real_join(self, first, count)
+    monkeypatch.setattr(devplanes.Ring, "__init__", ring)
+    monkeypatch.setattr(kvfill.Buffers, "join_span", join_span)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3)
+    try:
+        a, b = Session("a"), Session("b")
+        tokens = [(i * 7) % 256 for i in range(150)]
+        for s in (a, b):
+            engine.append(s, tokens=tokens)
+        record = engine.store.snapshot(engine.sleep(b)["snapshot_id"])
+        engine.hot.__init__(engine.hot.budget)
+        engine.hot.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
+        b, info = engine.wake("b")
+        assert [(r.span, r.slots) for r in rings] == [(2, 2)]
+        assert joined == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
+        assert info["blocks_from_memory"] == 1 and info["blocks_from_disk"] == 8
+        for x, y in zip(a.cache, b.cache):
+            assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
+            assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
+        from kvwake.daemon.model.generation import GenerateParams
+        assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_the_discrete_gpu_path_serves_a_prefix_hit_exactly(tmp_path, model_dir, monkeypatch):
+    """A prefix hit fills host views only (no span is joined): finish must upload every block."""
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir)
+    try:
+        tokens = [(i * 13) % 256 for i in range(90)]
+        first, second = Session("first"), Session("second")
+        engine.append(first, tokens=tokens)
+        before = [(np.array(c.keys.view(mx.uint16)), np.array(c.values.view(mx.uint16))) for c in first.cache]
+        engine.sleep(first)
+        got = engine.append(second, tokens=[*tokens[:80], 7, 8, 9])
+        n = got["reused"]
+        assert n >= 64
+        for (k, v), c in zip(before, second.cache):  # the reused tokens' KV is the stored blocks', bit for bit
+            assert np.array_equal(k[..., :n, :], np.array(c.keys[..., :n, :].view(mx.uint16)))
+            assert np.array_equal(v[..., :n, :], np.array(c.values[..., :n, :].view(mx.uint16)))
     finally:
         engine.close()
         store.close()

@@ -9,9 +9,10 @@ plain KV cache (every cut tensor of one float dtype and one shape):
   exactly as a format-2 "planes-zstd" run stores them (block-major, then
   tensor, then the tensor's C order), and the host receives one array per
   plane; the pool only compresses, digests and writes (`codec.Planed`).
-- wake: the pool decompresses and verifies each block's planes into two host
-  staging arrays (`codec.decode_into(stage=...)`); the GPU joins them and lays
-  them out per layer in one pass.
+- wake: the pool decompresses and verifies each block's planes into a slot of
+  a staging ring (`Ring`, `codec.decode_into(stage=...)`); as soon as a span of
+  blocks is in, the GPU joins it and lays it out per tensor in one pass, and
+  the slot takes a later span.
 
 `planar(...)` says whether a cache (or a block's tensor specs) qualifies; the
 others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
@@ -27,10 +28,19 @@ import numpy as np
 
 from kvwake.store.format.codec import DTYPES, Planed
 
-__all__ = ["PLANAR_DTYPES", "join", "join_one", "planar", "split_span"]
+__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "Ring", "join", "planar", "split_span"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
+# A wake stages at most RING_SLOTS spans of about SPAN_BYTES of raw KV each: while the GPU joins
+# one span, the pool decodes the next ones into the other slots. Enough slots that the decoders
+# never wait for the join (it runs at device speed), few enough that staging stays a few hundred
+# MB whatever the session's size (it was the whole session: 125 GB resident at 32k on the H100).
+# Spans large enough that per-span device work (a join, and one piece per tensor to concatenate
+# at the end) stays a few hundred ops at 32k; small enough that the last span's join, which
+# nothing overlaps, is a small part of a wake.
+SPAN_BYTES = 128 << 20
+RING_SLOTS = 3
 
 
 def planar(specs: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
@@ -74,6 +84,31 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
     return planes, runs
 
 
+class Ring:
+    """Staging for a wake's planes: `slots` slots of `span` blocks' planes each, in MLX host-visible memory.
+
+    Block k of a restore stages into slot (k // span) % slots, row k % span; the caller decodes a
+    span only once the span `slots` before it was joined (its slot is then free). Filled by the
+    decoders through `rows` (numpy views of MLX's own memory, so no copy moves them into MLX),
+    read by the GPU join through `arrays`. Made and dropped on the engine thread.
+    """
+
+    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int) -> None:
+        self.span = max(1, min(blocks, SPAN_BYTES // max(1, block_bytes)))
+        self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
+        self.arrays = [[mx.zeros((self.span, plane_bytes), mx.uint8) for _ in range(size)] for _ in range(self.slots)]
+        mx.eval(self.arrays)
+        self.views = [[np.asarray(a) for a in slot] for slot in self.arrays]
+
+    def rows(self, k: int) -> list[np.ndarray]:
+        """Block k's row of each plane, to decode into."""
+        return [v[k % self.span] for v in self.views[(k // self.span) % self.slots]]
+
+    def planes(self, first: int, count: int) -> list[mx.array]:
+        """The planes of the span that starts at block `first` ([count, plane bytes] each), to join."""
+        return [a[:count] for a in self.arrays[(first // self.span) % self.slots]]
+
+
 def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
     """Staged planes ([blocks, plane bytes] uint8 each, high first) -> [tensors, *lead, blocks*B, dim]."""
     unsigned, size, rotate = _bits(dtype)
@@ -88,11 +123,3 @@ def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[in
     x = mx.moveaxis(x, 0, len(lead) + 1)  # [tensors, *lead, blocks, B, dim]
     x = x.reshape(tensors, *lead, blocks * b, dim)
     return x.view(PLANAR_DTYPES[dtype][0])
-
-
-def join_one(planes: list[mx.array], dtype: str, tensors: int, t: int, block_shape: tuple[int, ...]) -> mx.array:
-    """Tensor `t` alone of what `join` makes ([*lead, blocks*B, dim]): joined one tensor at a time, a wake's
-    temporaries on the device are a few times one layer's KV, not a few times the session's."""
-    blocks = planes[0].shape[0]
-    own = [p.reshape(blocks, tensors, -1)[:, t, :] for p in planes]
-    return join(own, dtype, 1, block_shape)[0]

@@ -16,12 +16,14 @@ Two ways to fill, by where MLX keeps arrays:
   memory; decoders join byte planes straight into them. One write per
   restored byte: decoder -> buffer.
 - "staged" (CUDA: device memory): a plain KV cache's blocks are decompressed
-  and verified into two host staging arrays of byte planes (`stage(k)`), which
-  `finish` uploads (one transfer per plane) and joins and lays out per layer
-  on the GPU (devplanes.py); blocks that cannot be staged (format-1 files,
-  quantized KV) are joined on the CPU into host views and uploaded per block.
-  Writes per restored byte: decoder -> staging, host -> device, one pass on
-  the device.
+  and verified into host staging of byte planes (`stage(k)`): a ring of a few
+  spans of blocks (devplanes.Ring), not the session's size. As each span is
+  in, `join_span` (engine thread) moves it to the GPU and joins and lays it
+  out per tensor there, and its slot takes a later span; `finish` concatenates
+  each tensor's spans (one tensor at a time). Blocks that cannot be staged
+  (format-1 files, quantized KV, the RAM tier's) are joined on the CPU into
+  host views and uploaded with their span. Writes per restored byte: decoder
+  -> staging, host -> device, one pass on the device, one concatenation.
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
 call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
 way, no per-block arrays are joined afterwards.
@@ -121,35 +123,78 @@ class Buffers:
                 self.views[name] = np.asarray(buf.view(mx.uint16) if buf.dtype == mx.bfloat16 else buf)
         self.order = tuple(t for unit, _, _, _ in self.units for t in self.parts[unit])
         self.staged: set[int] = set()
-        self.planes: list[np.ndarray] = []
+        self.ring: devplanes.Ring | None = None
         self.tail_planes: list[np.ndarray] = []
-        self._stage_arrays: list[mx.array] = []
+        self._tail_arrays: list[mx.array] = []
+        self.pieces: dict[str, list[mx.array]] = {name: [] for name in self.order}  # joined spans, in order
+        self.joined = 0  # blocks the pieces cover (from 0); the rest are uploaded from the host views at finish
         specs = {t: sample[t] for t in self.order}
         blocks = n_blocks if n_blocks is not None else capacity // block_tokens
+        self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
         if mode == "staged" and blocks and sample_tokens == block_tokens and specs and devplanes.planar(specs):
             # Staging in MLX's own host-visible memory: filled by the decoders, read by the GPU join,
             # never copied by an mx.array() of a numpy array (measured 2 GB/s on the H100 machine).
+            # A ring of a few spans, reused span after span: not an allocation the size of the session.
             self.block_shape = next(iter(specs.values()))[1]
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
             per_token = len(self.order) * math.prod(self.block_shape) // block_tokens
-            self._stage_arrays = [mx.zeros((blocks, per_token * block_tokens), mx.uint8) for _ in range(size)]
-            self._stage_arrays += [mx.zeros((1, per_token * tail_tokens), mx.uint8) for _ in range(size if tail_tokens else 0)]
-            mx.eval(self._stage_arrays)
-            views = [np.asarray(a) for a in self._stage_arrays]
-            self.planes, self.tail_planes = views[:size], views[size:]
+            self.ring = devplanes.Ring(blocks, size, per_token * block_tokens, size * per_token * block_tokens)
+            self.span = self.ring.span
+            if tail_tokens:
+                self._tail_arrays = [mx.zeros((1, per_token * tail_tokens), mx.uint8) for _ in range(size)]
+                mx.eval(self._tail_arrays)
+                self.tail_planes = [np.asarray(a) for a in self._tail_arrays]
+
+    def spans(self, n_blocks: int) -> list[tuple[int, int]]:
+        """(first, count) of the spans blocks are restored in: each is decoded, then joined (join_span)."""
+        return [(first, min(self.span, n_blocks - first)) for first in range(0, n_blocks, self.span)]
+
+    @property
+    def slots(self) -> int:
+        """Spans that may be decoding at once: the ring's slots (staged), all of them (direct)."""
+        return self.ring.slots if self.ring is not None else 1 << 30
 
     def stage(self, k: int | None) -> Stage | None:
         """Staging for block k's planes (None: the tail's), format-2 plain KV on a GPU; else None (CPU join)."""
-        planes = self.planes if k is not None else self.tail_planes
-        if not planes:
+        if (self.ring is None) if k is not None else not self.tail_planes:
             return None
 
         def where(names: tuple[str, ...], dtype: str, n: int) -> list[np.ndarray] | None:
-            if names != self.order or dtype != self.dtypes[names[0]] or n != planes[0].shape[1]:
+            rows = self.ring.rows(k) if k is not None else [p[0] for p in self.tail_planes]
+            if names != self.order or dtype != self.dtypes[names[0]] or n != rows[0].size:
                 return None
             self.staged.add(k if k is not None else -1)
-            return [p[k if k is not None else 0] for p in planes]
+            return rows
         return where
+
+    def join_span(self, first: int, count: int) -> None:
+        """Engine thread, once blocks [first, first + count) are in place: move them to the device.
+
+        Staged blocks are joined from their ring slot, every tensor in one pass (a few device
+        ops per span, not per tensor: a 32k 8B-shaped session has 64 tensors and ~64 spans), the
+        others uploaded from the host views; everything is evaluated, so the slot is free for the
+        next span on return. Direct mode: nothing to do (the decoders wrote MLX's own memory).
+        """
+        if self.mode == "direct" or not self.order:
+            return
+        b = self.block_tokens
+        staged = [k in self.staged for k in range(first, first + count)]
+        dtype, tensors = self.dtypes[self.order[0]], len(self.order)
+        whole = devplanes.join(self.ring.planes(first, count), dtype, tensors, self.block_shape) if any(staged) else None
+        out = [whole] if whole is not None else []
+        for t, name in enumerate(self.order):
+            joined = whole[t] if whole is not None else None
+            if all(staged):
+                piece = joined
+            else:
+                view = self.views[name]
+                piece = mx.concatenate([joined[..., i * b : (i + 1) * b, :] if s else
+                                        _device(view[..., k * b : (k + 1) * b, :], self.dtypes[name])
+                                        for i, (k, s) in enumerate(zip(range(first, first + count), staged))], axis=-2)
+            self.pieces[name].append(piece)
+            out.append(piece)
+        mx.eval(out)
+        self.joined = first + count
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in _MX_DTYPE:
@@ -216,36 +261,34 @@ class Buffers:
         return out
 
     def _uploaded(self, n_tokens: int) -> dict[str, mx.array]:
-        """The device arrays: MLX's own (direct), or staged planes joined on the device and host views uploaded."""
+        """The device arrays: MLX's own (direct), or the joined spans, the tail and the padding (staged)."""
         if self.mode == "direct":
             return self.buffers
-        b = self.block_tokens
-        n_full, rest = divmod(n_tokens, b)
-        size = len(self.planes)
-        dtype = self.dtypes[self.order[0]] if self.order else ""
-        tensors = len(self.order)
+        n_full, rest = divmod(n_tokens, self.block_tokens)
+        tail = None
+        if rest and -1 in self.staged:  # every tensor's partial block joined in one pass
+            tail = devplanes.join(self._tail_arrays, self.dtypes[self.order[0]], len(self.order),
+                                  (*self.block_shape[:-2], rest, self.block_shape[-1]))
         out = {}
         for t, name in enumerate(self.order):
-            view = self.views[name]
-            host = lambda lo, hi: _device(view[..., lo:hi, :], self.dtypes[name])  # noqa: E731
-            # One tensor at a time, evaluated before the next: the join's temporaries stay one layer's size.
-            joined = devplanes.join_one(self._stage_arrays[:size], dtype, tensors, t, self.block_shape) \
-                if self.staged - {-1} else None
-            if joined is not None and self.staged >= set(range(n_full)):
-                pieces = [joined[..., : n_full * b, :]]
-            else:
-                pieces = [joined[..., k * b : (k + 1) * b, :] if k in self.staged else host(k * b, (k + 1) * b)
-                          for k in range(n_full)]
-            if rest:
-                pieces.append(devplanes.join_one(self._stage_arrays[size:], dtype, tensors, t,
-                                                 (*self.block_shape[:-2], rest, self.block_shape[-1]))
-                              if -1 in self.staged else host(n_full * b, n_tokens))
-            # Always a new array of its own (the padding may be empty): a slice of the joined array
+            view, pieces = self.views[name], self.pieces[name]
+            if self.joined < n_full:  # blocks no span took (a prefix hit fills host views only)
+                pieces.append(_device(view[..., self.joined * self.block_tokens : n_full * self.block_tokens, :],
+                                      self.dtypes[name]))
+            if tail is not None:
+                pieces.append(tail[t])
+            elif rest:
+                pieces.append(_device(view[..., n_full * self.block_tokens : n_tokens, :], self.dtypes[name]))
+            # Always a new array of its own (the padding may be empty): a slice of a joined array
             # would share its buffer, and mlx-lm's first in-place update would copy the whole layer.
             pieces.append(mx.zeros((*view.shape[:-2], view.shape[-2] - n_tokens, view.shape[-1]),
                                    _MX_DTYPE[self.dtypes[name]]))
+            # One tensor at a time. The joined spans hold every tensor, so they go once the last
+            # tensor is laid out: at that moment the device holds the KV twice (as staging in
+            # managed memory did before issue 23).
             out[name] = mx.concatenate(pieces, axis=-2)
             mx.eval(out[name])
+            self.pieces[name] = []
         return out
 
     def finish(self, n_tokens: int, tail: dict[str, Tensor] | None) -> list:
@@ -272,7 +315,7 @@ class Buffers:
         mx.eval([s for c in self.cache for s in _state_arrays(c)])
         # Drop every other reference to MLX memory here, on the engine thread (the object itself
         # may die elsewhere); staging and join temporaries go back rather than stay cached.
-        self.buffers, self.views, self._stage_arrays, self.planes, self.tail_planes = {}, {}, [], [], []
+        self.buffers, self.views, self.ring, self._tail_arrays, self.tail_planes = {}, {}, None, [], []
         if self.mode == "staged":
             mx.clear_cache()
         return self.cache
@@ -354,6 +397,8 @@ def restore_arrays(model: Any, blocks: list[Mapping[str, Tensor]], tail: dict[st
     buffers = Buffers(model, sample, tokens, capacity or n_tokens, block_tokens)
     for k, block in enumerate(blocks):
         buffers.put(k * block_tokens, block_tokens, block, f"block {k}")
+    for first, count in buffers.spans(len(blocks)):
+        buffers.join_span(first, count)
     if tail is not None and rest:
         buffers.put(n_full * block_tokens, rest, buffers.take(tail), "tail")
     return buffers.finish(n_tokens, tail)

@@ -26,9 +26,12 @@ Copies per byte. Sleep: on unified memory the workers read the cache's own
 memory (strided views), so the only copies are the encoder's (byte planes,
 compressed output) and the write to the page cache; on CUDA the GPU splits a
 span into byte planes and they move to the host once (devplanes.py). Wake:
-one read from the page cache into a per-thread buffer, then one write per
-byte into the final KV buffer (planes are joined there); on CUDA the planes
-are staged in MLX host-visible memory and joined on the GPU (fill.py).
+block files are mapped from the page cache and decoded a piece at a time,
+each piece digested while in cache; on unified memory each piece is joined
+into the final KV buffer (one write per byte); on CUDA the planes go into a
+staging ring in MLX host-visible memory and each span is joined on the GPU as
+soon as it is in, while the pool decodes the next spans (fill.py,
+docs/benchmarks.md "Copies per restored byte").
 """
 
 from __future__ import annotations
@@ -311,17 +314,12 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest))
     batch, tail_box = ctx.pool.batch(), []
     try:
-        for k, ref in enumerate(record.blocks):
-            batch.reserve(ref.raw_bytes)
-            if batch.failed:
-                batch.release(ref.raw_bytes)
-                break
-            batch.submit(ref.raw_bytes, fill_block, ctx, buffers, ref, k, record, False)
-        if record.tail is not None and not batch.failed:
+        if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
             batch.reserve(record.tail.raw_bytes)
             place = buffers.place(n_full * ctx.block_tokens, rest)
             batch.submit(record.tail.raw_bytes,
                          lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
+        _restore_blocks(ctx, record, buffers, mlx, batch)
     finally:
         batch.join()
     batch.raise_first()
@@ -329,6 +327,39 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
     if rest:
         buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
     return mlx(lambda: buffers.finish(n, tail))
+
+
+def _restore_blocks(ctx: KvContext, record: SnapshotRecord, buffers: fill.Buffers, mlx: Mlx, batch: Batch) -> None:
+    """Decode the blocks a span at a time on the pool while the engine thread moves earlier spans to the device.
+
+    Up to `buffers.slots` spans are decoding at once (the staging ring's slots; on unified memory
+    all of them: the decoders write the final buffers, there is nothing to move). Span k is joined
+    (`join_span`) as soon as its blocks are in place, and its slot then takes span k + slots:
+    decoding and the host-to-device move overlap, and staging stays a few spans whatever the size.
+    """
+    spans = buffers.spans(len(record.blocks))
+    pending: dict[int, list[cf.Future]] = {}
+
+    def submit(s: int) -> None:
+        first, count = spans[s]
+        pending[s] = []
+        for k in range(first, first + count):
+            ref = record.blocks[k]
+            batch.reserve(ref.raw_bytes)
+            if batch.failed:
+                batch.release(ref.raw_bytes)
+                return
+            pending[s].append(batch.submit(ref.raw_bytes, fill_block, ctx, buffers, ref, k, record, False))
+
+    for s in range(min(buffers.slots, len(spans))):
+        submit(s)
+    for s, (first, count) in enumerate(spans):
+        cf.wait(pending.pop(s, []))
+        if batch.failed:
+            return
+        mlx(lambda first=first, count=count: buffers.join_span(first, count))
+        if s + buffers.slots < len(spans):
+            submit(s + buffers.slots)
 
 
 def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx) -> tuple[Session, dict[str, Any]]:

@@ -32,7 +32,10 @@ the JSON. The tensor data follows:
 
 Decoding writes each tensor straight into a destination the caller chooses
 (`decode_into`): a view into a preallocated KV buffer, or (format 2) a staging
-buffer for a run's planes. It never produces more than the recorded raw size
+buffer for a run's planes. A format-2 run is decoded a chunk of tensors at a
+time: each section's piece is decompressed (or read where it lies), digested
+and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
+never go through memory whole. It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
 implies, checked before anything is allocated.
 """
@@ -161,6 +164,8 @@ class Encoded:
 class _Digest:
     """The block digest being computed: format 2's tree of section digests, or format 1's sha256."""
 
+    enabled = True
+
     def __init__(self, version: int) -> None:
         self.version = version
         self._sha = hashlib.sha256() if version == 1 else None
@@ -188,6 +193,8 @@ class _Digest:
 
 class _NoDigest(_Digest):
     """For benchmarks of the codec alone (decode(..., digest=False))."""
+
+    enabled = False
 
     def section(self, *contents: Any) -> None:
         pass
@@ -387,47 +394,106 @@ class _Reader:
         self.data, self.pos = data, pos
         self.dctx = zstandard.ZstdDecompressor()
 
-    def section(self, expect: int, into: np.ndarray | None = None) -> bytes | memoryview | np.ndarray:
-        """The next section's content, `expect` bytes: a view of the file (raw), new bytes, or
-        decompressed/copied into `into` (a contiguous uint8 array of exactly `expect` bytes)."""
+    def next_section(self) -> tuple[int, memoryview, int]:
+        """(mode, stored bytes, offset of those bytes) of the next section; the reader moves past it."""
         if self.pos + SECTION.size > len(self.data):
             raise BlockFormatError(f"truncated block file: section header at byte {self.pos}")
         mode, length = SECTION.unpack_from(self.data, self.pos)
         start, self.pos = self.pos + SECTION.size, self.pos + SECTION.size + length
         if self.pos > len(self.data):
             raise BlockFormatError(f"truncated block file: section of {length} bytes at byte {start}")
-        body = self.data[start : self.pos]
-        if mode == 0:
-            if length != expect:
-                raise BlockFormatError(f"section at byte {start} holds {length} bytes, header says {expect}")
-            if into is None:
-                return body
-            np.copyto(into, np.frombuffer(body, np.uint8))
-            return into
-        if mode != 1:
+        if mode not in (0, 1):
             raise BlockFormatError(f"unknown section mode {mode} at byte {start - SECTION.size}")
-        # max_output_size is ignored when a frame declares its size, so check the declaration
-        # first: a frame claiming gigabytes is refused before anything is allocated.
+        return mode, self.data[start : self.pos], start
+
+    def section(self, expect: int) -> bytes | memoryview:
+        """The next section's content, `expect` bytes: a view of the file (raw) or new bytes."""
+        mode, body, start = self.next_section()
+        if mode == 0:
+            if len(body) != expect:
+                raise BlockFormatError(f"section at byte {start} holds {len(body)} bytes, header says {expect}")
+            return body
         try:
-            declared = zstandard.frame_content_size(body)
-            if declared != expect:
-                raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
-            if into is None:
-                out = self.dctx.decompress(body, max_output_size=expect)
-                got = len(out)
-            else:
-                with self.dctx.stream_reader(body) as reader:
-                    got = reader.readinto(memoryview(into))
-                    while got < expect and (n := reader.readinto(memoryview(into)[got:])):
-                        got += n
-                    if reader.read(1):
-                        raise BlockFormatError(f"zstd section at byte {start} holds more than {expect} bytes")
-                out = into
+            _check_declared(body, expect, start)
+            out = self.dctx.decompress(body, max_output_size=expect)
         except zstandard.ZstdError as exc:
             raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
-        if got != expect:
-            raise BlockFormatError(f"section at byte {start} holds {got} bytes, header says {expect}")
+        if len(out) != expect:
+            raise BlockFormatError(f"section at byte {start} holds {len(out)} bytes, header says {expect}")
         return out
+
+
+def _check_declared(body: memoryview, expect: int, start: int) -> None:
+    # max_output_size is ignored when a frame declares its size, so check the declaration
+    # first: a frame claiming gigabytes is refused before anything is allocated.
+    declared = zstandard.frame_content_size(body)
+    if declared != expect:
+        raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
+
+
+class _Pieces:
+    """The next section's content (`expect` bytes) taken a piece at a time, each piece digested
+    (BLAKE3) as it is produced, while it is in the CPU's cache: one pass over the bytes, not a
+    decompression into memory and a second read to hash it."""
+
+    def __init__(self, reader: _Reader, expect: int, slot: str, hashed: bool = True) -> None:
+        self.mode, self.body, self.start = reader.next_section()
+        self.expect, self.slot, self.got = expect, slot, 0
+        self.hasher = blake3.blake3() if hashed else None
+        self.stream: Any = None
+        if self.mode == 0 and len(self.body) != expect:
+            raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
+        if self.mode == 1:
+            try:
+                _check_declared(self.body, expect, self.start)
+            except zstandard.ZstdError as exc:
+                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
+            self.stream = reader.dctx.stream_reader(self.body)
+
+    def take(self, n: int, into: np.ndarray | None = None) -> np.ndarray:
+        """The next n bytes (uint8): a view of the file (raw section), else decompressed into `into`
+        (contiguous, n bytes) or this thread's scratch for the section (valid until the next take)."""
+        if self.got + n > self.expect:
+            raise BlockFormatError(f"section at byte {self.start}: {self.got + n} bytes asked of {self.expect}")
+        if self.mode == 0:
+            piece = np.frombuffer(self.body[self.got : self.got + n], np.uint8)
+            if into is not None:
+                np.copyto(into, piece)
+                piece = into
+        else:
+            piece = into if into is not None else scratch(np.dtype(np.uint8), (n,), self.slot)
+            view, got = memoryview(piece), 0
+            try:
+                while got < n and (k := self.stream.readinto(view[got:])):
+                    got += k
+            except zstandard.ZstdError as exc:
+                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
+            if got != n:
+                raise BlockFormatError(f"section at byte {self.start} holds {self.got + got} bytes, "
+                                       f"header says {self.expect}")
+        if self.hasher is not None:
+            self.hasher.update(piece)
+        self.got += n
+        return piece
+
+    def finish(self) -> bytes:
+        """The section's digest, once all of it was taken and nothing follows it."""
+        if self.got != self.expect:
+            raise BlockFormatError(f"section at byte {self.start}: {self.got} of {self.expect} bytes taken")
+        if self.stream is not None:
+            try:
+                extra = self.stream.read(1)
+            except zstandard.ZstdError as exc:
+                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
+            if extra:
+                raise BlockFormatError(f"zstd section at byte {self.start} holds more than {self.expect} bytes")
+            self.stream.close()
+        return self.hasher.digest() if self.hasher is not None else b""
+
+
+# (dtype, shape, types of its dims) -> bytes, for tensor specs already checked: every block of a model
+# has the same few, and checking 60 of them afresh per block was a quarter of a wake here (GIL-bound).
+_SPEC_BYTES: dict[tuple, int] = {}
 
 
 def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[str, str]]:
@@ -444,13 +510,19 @@ def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[s
     for name, spec in header.items():
         try:
             dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            if not isinstance(shape, list) or not all(isinstance(x, int) for x in (begin, end)):
+            if type(shape) is not list or type(begin) is not int or type(end) is not int:
                 raise TypeError("shape or offsets of the wrong type")
+            key = (dtype, tuple(shape), tuple(map(type, shape)))  # exact: 128.0 or true is not 128
+            nbytes = _SPEC_BYTES.get(key)
         except (KeyError, TypeError, ValueError) as exc:
             raise BlockFormatError(f"tensor {name!r}: malformed header entry ({exc})") from None
-        if not isinstance(dtype, str) or dtype not in DTYPES or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
-        if begin + len(raw) != offset or end - begin != math.prod(shape) * DTYPES[dtype][0].itemsize:
+        if nbytes is None:
+            if not isinstance(dtype, str) or dtype not in DTYPES or not all(type(s) is int and s >= 0 for s in shape):
+                raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
+            nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
+            if len(_SPEC_BYTES) < 1024:
+                _SPEC_BYTES[key] = nbytes
+        if begin + len(raw) != offset or end - begin != nbytes:
             raise BlockFormatError(f"tensor {name!r}: data offsets {begin}..{end} do not follow its shape")
         offset = end + len(raw)
     if offset != raw_bytes:
@@ -525,15 +597,15 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
     total = sum(sizes)
     staged = stage(tuple(name for name, _, _ in run), dtype, total) if stage is not None and codec != "raw" else None
     if codec == "raw":
-        contents = [np.frombuffer(reader.section(total * holder.itemsize), np.uint8)]
+        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest.enabled)]
     else:
-        contents = [np.frombuffer(reader.section(total, staged[k] if staged else None), np.uint8)
-                    for k in range(holder.itemsize)]
-    for content in contents:
-        digest.section(content)
+        sections = [_Pieces(reader, total, f"plane{k}", digest.enabled) for k in range(holder.itemsize)]
     if staged is not None:
+        for section, plane in zip(sections, staged):
+            for lo in range(0, total, CHUNK_BYTES):
+                section.take(min(CHUNK_BYTES, total - lo), plane[lo : lo + CHUNK_BYTES])
+            digest.section_digest(section.finish())
         return
-    data = contents[0].view(holder) if codec == "raw" else None
     starts = _bounds(sizes)
     for first, stop in _chunks(sizes, holder.itemsize):
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
@@ -543,14 +615,16 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
         else:  # small tensors: joined together, then copied into place
             target = scratch(holder, (hi - lo,), "join")
         if codec == "raw":
-            np.copyto(target, data[lo:hi].reshape(target.shape))
-        else:
-            join_into([c[lo:hi] for c in contents], rotate, _unsigned(target))
+            np.copyto(target, sections[0].take((hi - lo) * holder.itemsize).view(holder).reshape(target.shape))
+        else:  # each plane's piece decompressed, digested and joined while it is in cache
+            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target))
         if len(dests) > 1:
             for dest, k in zip(dests, range(first, stop)):
                 np.copyto(dest, target[starts[k] - lo : starts[k + 1] - lo].reshape(dest.shape))
         for (name, _, _), dest in zip(run[first:stop], dests):
             tensors[name] = Tensor(dtype, dest)
+    for section in sections:
+        digest.section_digest(section.finish())
 
 
 def decode_into(
