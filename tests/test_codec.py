@@ -17,7 +17,7 @@ from hypothesis.extra import numpy as hnp
 from kvwake.store.format.codec import DTYPES as HOLDERS
 from kvwake.store.format.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
                                 decode, decode_into, encode, payload, section_digest)
-from kvwake.store.format.planes import split
+from kvwake.store.format.planes import CHUNK_BYTES, split
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 
@@ -284,3 +284,18 @@ def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec):
     assert digest == encoded.digest
     for n, a in source.items():
         assert np.array_equal(targets[n][..., 128:384, :], a[..., 128:384, :]), n
+
+
+def test_compressible_planes_larger_than_a_chunk_decode_side_by_side():
+    # Was: every plane's zstd stream came from one decompressor; decoded a chunk of each plane in turn,
+    # they corrupted each other ("Data corruption detected", first seen on the H100's tails).
+    rng = np.random.default_rng(5)
+    values = (np.round(rng.standard_normal(3 * CHUNK_BYTES) * 4) / 4).astype(np.float32)  # both planes compress
+    keys = (values.view(np.uint32) >> 16).astype(np.uint16).reshape(1, 8, -1, 128)
+    block = {"layers.0.keys": Tensor("BF16", keys), "layers.0.values": Tensor("BF16", keys[..., ::-1].copy())}
+    encoded = encode(block, codec="planes-zstd")
+    assert encoded.data.count(b"\x28\xb5\x2f\xfd") >= 2  # at least two zstd frames (planes), side by side
+    tensors, _, digest = decode_into(encoded.data)
+    assert digest == encoded.digest
+    for name, t in block.items():
+        assert np.array_equal(np.asarray(tensors[name].array), t.array), name

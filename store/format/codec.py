@@ -54,8 +54,8 @@ import blake3
 import numpy as np
 import zstandard
 
-from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into,
-                                        scratch, split, whole_section)
+from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
+                                        join_into, scratch, split, whole_section)
 
 __all__ = [
     "CODECS",
@@ -448,7 +448,7 @@ class _Pieces:
                 _check_declared(self.body, expect, self.start)
             except zstandard.ZstdError as exc:
                 raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            self.stream = reader.dctx.stream_reader(self.body)
+            self.stream = decompressor(slot).stream_reader(self.body)  # its own: sections interleave
 
     def take(self, n: int, into: np.ndarray | None = None) -> np.ndarray:
         """The next n bytes (uint8): a view of the file (raw section), else decompressed into `into`

@@ -62,6 +62,18 @@ def compressor(k: int) -> zstandard.ZstdCompressor:
     return mine[k]
 
 
+def decompressor(slot: str) -> zstandard.ZstdDecompressor:
+    """This thread's decompressor for one section slot (made once). Sections decoded side by side,
+    a piece of each in turn, each need their own: streams of one decompressor share its context,
+    and interleaved they corrupt each other ("Data corruption detected")."""
+    mine = getattr(_local, "decompressors", None)
+    if mine is None:
+        mine = _local.decompressors = {}
+    if slot not in mine:
+        mine[slot] = zstandard.ZstdDecompressor()
+    return mine[slot]
+
+
 def split(array: np.ndarray, rotate: bool) -> list[np.ndarray]:
     """Byte planes (high first) of an unsigned-integer view of the data, rotated left one bit if asked."""
     size = array.dtype.itemsize
