@@ -143,3 +143,54 @@ async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, w
         thread.stop()
         engine.close()
         store.close()
+
+
+async def test_the_remote_state_is_connecting_until_remote_reads_work(tmp_path, weed):
+    # Was: status said "ok" as soon as the identity check's first request answered, before the tier was
+    # ready, and a wake with take_over sent in that window got REMOTE_UNAVAILABLE "still connecting"
+    # (seen in test_remote_faults under load). The window is held open here by a connect that waits.
+    import threading
+
+    import anyio
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.thread import EngineThread
+    from kvwake.daemon.sessions.remote_tier import RemoteTier
+    from kvwake.errors import RemoteUnavailableError
+    from tests.seaweed import BUCKET, KEY_ID, SECRET
+    from tests.tinymodel import make_model_dir
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, block_tokens=B, remote=f"s3://{BUCKET}/window",
+                        remote_endpoint=weed.endpoint, remote_access_key_id=KEY_ID, remote_secret_access_key=SECRET)
+    store, thread = Store(settings.store_dir, block_tokens=B), EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, make_model_dir(tmp_path / "model"))).result()
+    tier = RemoteTier(settings, engine)
+    connect, answered, go_on = tier.remote.connect, threading.Event(), threading.Event()
+
+    def slow_connect(*args):
+        connect(*args)  # the identity check answers: health "ok"
+        answered.set()
+        go_on.wait(30)
+
+    tier.remote.connect = slow_connect
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tier.run)
+            with anyio.fail_after(30):
+                while not answered.is_set():
+                    await anyio.sleep(0.01)
+            assert tier.remote.health.state == "ok" and tier.status()["state"] == "connecting"
+            with pytest.raises(RemoteUnavailableError, match="still connecting"):
+                await tier.adopt("anyone", take_over=True)
+            go_on.set()
+            with anyio.fail_after(30):
+                await tier.ready.wait()
+            assert tier.status()["state"] == "ok"
+            tg.cancel_scope.cancel()
+    finally:
+        go_on.set()
+        tier.close()
+        thread.stop()
+        engine.close()
+        store.close()

@@ -114,7 +114,10 @@ class RemoteTier:
 
     def status(self) -> dict[str, Any]:
         h = self.remote.health
-        return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": h.state,
+        # Answering is not yet ready: until the identity check has returned, remote reads and adoption
+        # refuse (REMOTE_UNAVAILABLE), so the state says "connecting", never "ok" before they would work.
+        state = "connecting" if h.state in ("ok", "slow") and not self.ready.is_set() else h.state
+        return {"url": self.settings.remote, "endpoint": self.settings.remote_endpoint, "state": state,
                 "error": h.error, "since": h.since, "last_ok": h.last_ok, "last_call_s": h.last_call_s,
                 "daemon": self.remote.daemon_id,
                 "queued": self._send.statistics().current_buffer_used,
