@@ -110,6 +110,8 @@ def serve(opts: Options, **flags: object) -> None:
     Example: kvwake serve --model ~/models/Qwen3-4B-4bit
     """
     import dataclasses
+    import logging
+    import os
     from pathlib import Path
 
     from kvwake.daemon.activation import ActivationError, listen_socket_from_env, socket_path
@@ -126,7 +128,14 @@ def serve(opts: Options, **flags: object) -> None:
         raise click.ClickException(str(exc)) from None
     if listen is not None and socket_path(listen) is not None:  # the status file goes next to the socket served
         settings = dataclasses.replace(settings, socket=socket_path(listen))
-    sys.exit(run(settings, listen_socket=listen))
+    code = run(settings, listen_socket=listen)
+    # Every session slept, the store and the lock are closed: leave without the interpreter's teardown,
+    # where MLX's per-thread state of threads other than the engine's may be destroyed after CUDA's and
+    # crash the exit (SIGSEGV after "stopped", seen twice on the GPU machine; docs/decisions.md).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @main.command()

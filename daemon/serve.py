@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import fcntl
 import importlib.util
 import json
@@ -150,6 +151,7 @@ def _release_mlx_streams() -> None:
 def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> int:
     """Serve until stopped; returns the process exit code."""
     setup_logging(settings.log_level)
+    faulthandler.enable(all_threads=True)  # a crash in native code (MLX, CUDA) leaves every thread's stack in the log
     try:
         lock_fd = hold_daemon_lock(settings)
         if listen_socket is None:

@@ -41,19 +41,20 @@ def require_quantized_kv(model: Any, bits: int, group_size: int = 32, tokens: in
 _chunking: dict[int, bool] = {}
 
 
-def chunked_prefill_is_exact(engine: Any, tokens: int = 40, split: int = 32) -> bool:
-    """Whether the engine's prefill of `tokens` tokens in two chunks (`split`, then the rest) leaves next-token
-    logits bit-identical to one chunk of them all, as a prefix hit and a cold prefill do: true on the CPU;
-    MLX on CUDA picks kernels by shape, so it may not be. Probed once per engine, on its own prefill path."""
+def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, ...] = (32, 37, 39)) -> bool:
+    """Whether the engine's prefill of `tokens` tokens in two chunks (each of `splits`, then the rest) leaves
+    next-token logits bit-identical to one chunk of them all, as a prefix hit and a cold prefill do: true on
+    the CPU; MLX on CUDA picks kernels (and kvwake its attention path) by shape, so it may not be: a long
+    rest and a rest of a few tokens both. Probed once per engine, on its own prefill path."""
     from kvwake.daemon.session import Session
 
     if id(engine) not in _chunking:
         ids = [(i * 31 + 11) % 200 + 20 for i in range(tokens)]
         logits = []
-        for stops in ((tokens - 1,), (split, tokens - 1)):
+        for stops in ((tokens - 1,), *((split, tokens - 1) for split in splits)):
             session = Session("probe", tokens=list(ids), cache=make_prompt_cache(engine.model))
             for upto in stops:
                 engine.prefill(session, upto)
             logits.append(engine.model(mx.array(ids[-1:], dtype=mx.uint32)[None], cache=session.cache)[0, -1])
-        _chunking[id(engine)] = bool(mx.array_equal(*logits).item())
+        _chunking[id(engine)] = all(bool(mx.array_equal(logits[0], other).item()) for other in logits[1:])
     return _chunking[id(engine)]

@@ -90,7 +90,9 @@ def test_a_short_chunk_over_many_keys_runs_plain_in_pieces_of_queries(monkeypatc
     whole = plain(q, k, v, None, 0.125, "causal")
     monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 8 * 7 * 900 * 4)  # 7 query rows per piece: 6 pieces
     pieces = plain(q, k, v, None, 0.125, "causal")
-    assert not fused and mx.allclose(whole, pieces, atol=1e-6).item()
+    # The CPU sums each piece as it sums the whole; CUDA's kernels take other orders (1e-5 seen on the H100).
+    bound = 1e-6 if mx.default_device() == mx.cpu else 1e-4
+    assert not fused and mx.allclose(whole, pieces, atol=bound).item()
 
 
 def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape(model):
