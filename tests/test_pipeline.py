@@ -147,6 +147,16 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
     assert 5 in calls
 
 
+def assert_same_kv_and_continuation(engine, a: Session, b: Session, n: int) -> None:
+    """Sessions `a` (never slept) and `b` (woken): the first n tokens' KV bit for bit, and the same greedy reply."""
+    from kvwake.daemon.model.generation import GenerateParams
+
+    for x, y in zip(a.cache, b.cache):
+        assert mx.array_equal(x.keys[..., :n, :], y.keys[..., :n, :]).item()
+        assert mx.array_equal(x.values[..., :n, :], y.values[..., :n, :]).item()
+    assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+
+
 def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(model_dir, tmp_path, monkeypatch):
     # What runs on CUDA (KV in device memory), run here on MLX's CPU device: sleep splits byte planes
     # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
@@ -174,11 +184,7 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
         # for the tail's partial block: device ops per span, not per tensor.
         assert calls["split"] > 0 and calls["join"] == 2
-        for x, y in zip(a.cache, b.cache):
-            assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
-            assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
-        from kvwake.daemon.model.generation import GenerateParams
-        assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+        assert_same_kv_and_continuation(engine, a, b, 149)
     finally:
         engine.close()
         store.close()
@@ -220,11 +226,7 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         assert [(r.span, r.slots) for r in rings] == [(2, 2)]
         assert joined == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
         assert info["blocks_from_memory"] == 1 and info["blocks_from_disk"] == 8
-        for x, y in zip(a.cache, b.cache):
-            assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
-            assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
-        from kvwake.daemon.model.generation import GenerateParams
-        assert engine.generate(a, GenerateParams(max_tokens=6)).tokens == engine.generate(b, GenerateParams(max_tokens=6)).tokens
+        assert_same_kv_and_continuation(engine, a, b, 149)
     finally:
         engine.close()
         store.close()
