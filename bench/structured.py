@@ -91,6 +91,23 @@ def widen_vocab(model: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
+def timed_steps(decoder: Any, calls: list) -> list[float]:
+    """Join the calls and step the decoder until all are done: the wall times of the steps that ran
+    every call, after the first WARMUP."""
+    for call in calls:
+        decoder.join(call)
+    times, step = [], 0
+    mx.synchronize()
+    while decoder.active:
+        full = decoder.running == len(calls) and not decoder.waiting
+        started = time.perf_counter()
+        decoder.step()
+        if full and step >= WARMUP:
+            times.append(time.perf_counter() - started)
+        step += 1
+    return times
+
+
 def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Structure | None,
                tag: str) -> dict[str, Any]:
     """N calls from fresh sessions, decoded together; per-step times of the steps that ran all N."""
@@ -104,17 +121,7 @@ def decode_run(engine: Engine, n: int, tokens: int, context: int, structure: Str
     decoder, masks = engine.decoder, engine.decoder.masks
     fills, fill_s = masks.fills, masks.fill_s
     passes, ready, take_s = masks.timing["passes"], masks.timing["ready"], masks.timing["take_s"]
-    for call in calls:
-        decoder.join(call)
-    times, step = [], 0
-    mx.synchronize()
-    while decoder.active:
-        full = decoder.running == n and not decoder.waiting
-        started = time.perf_counter()
-        decoder.step()
-        if full and step >= WARMUP:
-            times.append(time.perf_counter() - started)
-        step += 1
+    times = timed_steps(decoder, calls)
     results = [c.future.result() for c in calls]
     if structure is not None:  # cut by max_tokens, and every token one the grammar allows
         assert all(r.finish_reason == "length" for r in results), [r.finish_reason for r in results]

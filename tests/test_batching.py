@@ -136,6 +136,24 @@ def test_a_seeded_call_samples_the_same_tokens_beside_other_sampling_calls(engin
     assert mine.future.result().tokens == alone
 
 
+def test_sampling_rows_sample_in_one_op_and_each_draws_what_it_draws_alone(engine):
+    """Seeded calls at temperatures of their own (and a greedy one) batched: one sampling op a step
+    (RowsSampler), and each call's tokens are the ones it samples alone, and the ones row-by-row
+    sampling gives."""
+    params = [GenerateParams(max_tokens=12, temperature=t, seed=20 + i) for i, t in enumerate((1.0, 0.7, 0.0, 1.3))]
+    alone = [solo_tokens(engine, f"rows-alone{i}", PROMPTS[i], p) for i, p in enumerate(params)]
+    got = {}
+    for together in (True, False):
+        engine.decoder.rows_sampling = together
+        before = engine.decoder.counters["rows_sampled_together"]
+        calls = [engine.start_call(session(engine, f"rows{together}{i}", PROMPTS[i]), p) for i, p in enumerate(params)]
+        run_together(engine, calls)
+        got[together] = [c.future.result().tokens for c in calls]
+        assert (engine.decoder.counters["rows_sampled_together"] > before) == together
+    engine.decoder.rows_sampling = True
+    assert got[True] == got[False] == alone
+
+
 def test_no_more_than_max_batch_calls_decode_at_once_and_the_rest_wait_their_turn(engine, tmp_path, model_dir):
     store = Store(tmp_path / "two", block_tokens=16)
     e = Engine(store, tmp_path, model_dir, max_batch=2)

@@ -65,7 +65,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvwake.daemon.model.generation import GenerateResult, TextOutput, make_processors, make_sampler
+from kvwake.daemon.model.generation import GenerateResult, RowsSampler, TextOutput, make_processors, make_sampler
 from kvwake.daemon.model.joining import Row, dead_rows, fits, place, retire, rows_batch, slot_size
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 from kvwake.daemon.session import Session
@@ -169,7 +169,8 @@ class Decoder:
         self.dead: set[int] = set()  # batch uids of slots no call holds (joining.py)
         self._uids = itertools.count()
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
-                         "compactions": 0, "alone_for_length": 0}
+                         "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
+        self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.step_s = 0.0  # moving average of one step's wall time
 
     @property
@@ -386,6 +387,10 @@ class Decoder:
             return
         # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
         self.batch.model = self._model(self._row_calls(), self.batch._next_tokens)
+        samplers = self.batch.samplers
+        if self.rows_sampling and RowsSampler.fits(samplers):  # one op samples every row (each its own key)
+            self.batch.samplers = [RowsSampler(samplers)] * len(samplers)
+            self.counters["rows_sampled_together"] += 1
         try:
             responses = self.batch.next()
         except Exception as exc:
@@ -398,6 +403,9 @@ class Decoder:
             self.rows.clear()
             self.batch = None
             return
+        finally:
+            if self.batch is not None:
+                self.batch.samplers = samplers
         fed_only, done = self.fed_only, []
         self._count(len(responses) - len(fed_only) - len(self.dead))
         for i, r in enumerate(responses):

@@ -140,7 +140,42 @@ class KeyedSampler:
         self.key, draw = mx.random.split(self.key)
         for keep in self.filters:
             logprobs = keep(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
+        # The Gumbel-max draw, written out (not mx.random.categorical) so RowsSampler can make the
+        # same draw for many rows in one op.
+        return mx.argmax(logprobs * (1.0 / self.temperature) + mx.random.gumbel(shape=logprobs.shape, key=draw),
+                         axis=-1)
+
+
+class RowsSampler:
+    """A batch's rows sampled in one op, each from its own random state: the tokens each row's own
+    sampler would draw, bit for bit (its key split as its own call splits it, its Gumbel noise drawn
+    from that key), so a seeded call samples the same tokens alone or batched, as before. For rows
+    that are greedy or keyed without filters (`fits`); others sample one row at a time, as mlx-lm does.
+    Row by row, a batch of 32 sampling rows was some 200 small device ops per step."""
+
+    def __init__(self, samplers: list[Callable[[mx.array], mx.array]]) -> None:
+        self.samplers = samplers
+
+    @staticmethod
+    def fits(samplers: list[Callable[[mx.array], mx.array]]) -> bool:
+        keyed = [s for s in samplers if s is not greedy_sampler]
+        return len(samplers) > 1 and bool(keyed) and all(isinstance(s, KeyedSampler) and not s.filters for s in keyed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        keyed = [isinstance(s, KeyedSampler) for s in self.samplers]
+        spare = mx.zeros((2,), mx.uint32)  # a greedy row's key: its noise is drawn and not used
+        pairs = _split_rows(mx.stack([s.key if k else spare for s, k in zip(self.samplers, keyed)]))
+        width = logprobs.shape[-1]
+        noise = mx.vmap(lambda key: mx.random.gumbel(shape=(1, width), key=key))(pairs[:, 1]).reshape(-1, width)
+        scale = mx.array([1.0 / s.temperature if k else 1.0 for s, k in zip(self.samplers, keyed)])
+        scaled = logprobs * scale.astype(logprobs.dtype)[:, None] + noise
+        for i, (s, k) in enumerate(zip(self.samplers, keyed)):
+            if k:
+                s.key = pairs[i, 0]
+        return mx.argmax(mx.where(mx.array(keyed)[:, None], scaled, logprobs), axis=-1)
+
+
+_split_rows = mx.vmap(mx.random.split)  # a key per row -> (new key, draw) per row, in one op
 
 
 def make_sampler(params: GenerateParams) -> Callable[[mx.array], mx.array]:
