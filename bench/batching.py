@@ -172,6 +172,16 @@ def gap_stats(stream: Stream, tokenizer: Any, alone_until: float, during: tuple[
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
 
 
+def run_threads(threads: list[threading.Thread]) -> float:
+    """Start the threads together, wait for all: the wall seconds."""
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - started
+
+
 def whole_round(d: Daemon, n: int, tokens: int, tag: str) -> dict[str, Any]:
     """N sessions generate `tokens` tokens each, not streamed, all at once: aggregate tokens/s."""
     names = [f"{tag}-{n}-{i}" for i in range(n)]
@@ -187,13 +197,7 @@ def whole_round(d: Daemon, n: int, tokens: int, tag: str) -> dict[str, Any]:
         barrier.wait()
         counts.append(len(client.call("session.generate", session_id=name, max_tokens=tokens)["tokens"]))
 
-    threads = [threading.Thread(target=one, args=(cl, name)) for cl, name in zip(clients, names)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    wall = run_threads([threading.Thread(target=one, args=(cl, name)) for cl, name in zip(clients, names)])
     for cl in clients:
         cl.close()
     return {"sessions": n, "tokens": sum(counts), "wall_s": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 1)}
@@ -280,13 +284,7 @@ def mlx_server_round(model: Path, sizes: list[int], tokens: int) -> list[dict[st
         rows = []
         for n in sizes:
             counts: list[int] = []
-            threads = [threading.Thread(target=complete, args=(p, counts)) for p in prompts(n)]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
+            wall = run_threads([threading.Thread(target=complete, args=(p, counts)) for p in prompts(n)])
             rows.append({"sessions": n, "tokens": sum(counts), "wall_s": round(wall, 3),
                          "tokens_per_s": round(sum(counts) / wall, 1)})
         return rows

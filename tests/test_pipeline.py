@@ -232,45 +232,42 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         store.close()
 
 
-def test_the_discrete_gpu_path_serves_a_prefix_hit_exactly(tmp_path, model_dir, monkeypatch):
+@pytest.fixture
+def staged_engine(tmp_path, model_dir, monkeypatch):
+    """An engine restoring as on a discrete GPU (staging, then joins on the device), here on MLX's CPU device."""
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir)
+    yield engine
+    engine.close()
+    store.close()
+
+
+def test_the_discrete_gpu_path_serves_a_prefix_hit_exactly(staged_engine):
     """A prefix hit fills host views only (no span is joined): finish must upload every block."""
-    from kvwake.daemon.kv import fill as kvfill
-
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
-    store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir)
-    try:
-        tokens = [(i * 13) % 256 for i in range(90)]
-        first, second = Session("first"), Session("second")
-        engine.append(first, tokens=tokens)
-        before = [(np.array(c.keys.view(mx.uint16)), np.array(c.values.view(mx.uint16))) for c in first.cache]
-        engine.sleep(first)
-        got = engine.append(second, tokens=[*tokens[:80], 7, 8, 9])
-        n = got["reused"]
-        assert n >= 64
-        for (k, v), c in zip(before, second.cache):  # the reused tokens' KV is the stored blocks', bit for bit
-            assert np.array_equal(k[..., :n, :], np.array(c.keys[..., :n, :].view(mx.uint16)))
-            assert np.array_equal(v[..., :n, :], np.array(c.values[..., :n, :].view(mx.uint16)))
-    finally:
-        engine.close()
-        store.close()
+    engine = staged_engine
+    tokens = [(i * 13) % 256 for i in range(90)]
+    first, second = Session("first"), Session("second")
+    engine.append(first, tokens=tokens)
+    before = [(np.array(c.keys.view(mx.uint16)), np.array(c.values.view(mx.uint16))) for c in first.cache]
+    engine.sleep(first)
+    got = engine.append(second, tokens=[*tokens[:80], 7, 8, 9])
+    n = got["reused"]
+    assert n >= 64
+    for (k, v), c in zip(before, second.cache):  # the reused tokens' KV is the stored blocks', bit for bit
+        assert np.array_equal(k[..., :n, :], np.array(c.keys[..., :n, :].view(mx.uint16)))
+        assert np.array_equal(v[..., :n, :], np.array(c.values[..., :n, :].view(mx.uint16)))
 
 
-def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(tmp_path, model_dir, monkeypatch):
+def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(staged_engine):
     """Nothing staged (no full block): only the tail's partial block; the join must not need staging's shape."""
-    from kvwake.daemon.kv import fill as kvfill
-
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
-    store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir)
-    try:
-        a, b = Session("a"), Session("b")
-        for s in (a, b):
-            engine.append(s, tokens=list(range(30, 40)))
-        engine.sleep(b)
-        b, _ = engine.wake("b")
-        for x, y in zip(a.cache, b.cache):
-            assert mx.array_equal(x.keys[..., :9, :], y.keys[..., :9, :]).item()
-    finally:
-        engine.close()
-        store.close()
+    engine = staged_engine
+    a, b = Session("a"), Session("b")
+    for s in (a, b):
+        engine.append(s, tokens=list(range(30, 40)))
+    engine.sleep(b)
+    b, _ = engine.wake("b")
+    for x, y in zip(a.cache, b.cache):
+        assert mx.array_equal(x.keys[..., :9, :], y.keys[..., :9, :]).item()
