@@ -8,7 +8,8 @@ package, sessions named by X-Kvwake-Session), all against one `kvwake serve --ht
 until the time is up, picking at random: a chat turn, a tool turn (a call, then its result sent back),
 a sleep, a wake, or a disconnect (a streamed turn abandoned after its first piece, or before). At
 --kill-at of the run the daemon is killed (SIGKILL) and started again on the same data dir; calls
-meanwhile fail to connect and are counted as "down". A conversation starts over in a new session
+meanwhile fail to connect and are counted as "down"; the run goes on for the downtime, so the clients get
+--seconds of the daemon's uptime (after one warm-up turn outside the clock). A conversation starts over in a new session
 after ROTATE turns (the tiny model's context is 4,096 tokens).
 
 Afterwards, the checks (exit 1 when one fails): every acknowledged sleep wakes, by its snapshot id,
@@ -37,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # tests/ helpers: the real daemon, a raw msgpack-rpc client, tiny models
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from kvwake.client import openai_config  # noqa: E402
@@ -49,7 +51,8 @@ TOOLS = [{"type": "function", "function": {
 OPS = {"chat": 4, "tool": 3, "sleep": 2, "wake": 1, "leave": 1}  # weights
 ROTATE = 24  # turns before a conversation starts over in a new session
 ALLOWED = {"BUSY", "CANCELLED"}  # a session still busy with a call its client left; a call cut by a stop
-DOWN = (ConnectionError, OSError, openai.APIConnectionError, openai.APITimeoutError)
+# No daemon to answer: refused, reset, or a stream cut mid-way (httpx's error, which openai's stream passes on).
+DOWN = (ConnectionError, OSError, openai.APIConnectionError, openai.APITimeoutError, httpx.TransportError)
 
 
 class Record:
@@ -60,10 +63,14 @@ class Record:
         self.calls: list[tuple[str, str, str, float, float]] = []  # front, op, outcome, ms, began (monotonic)
         self.acks: list[tuple[str, str, int, float]] = []  # session, snapshot, tokens, when (monotonic)
         self.faults = Counter()
+        self.examples: dict[str, list[str]] = defaultdict(list)  # outcome: the first few messages, to say what failed
+        self.downs: list[tuple[float, str]] = []  # when a call found no daemon (monotonic), and how
 
-    def call(self, front: str, op: str, outcome: str, ms: float, began: float) -> None:
+    def call(self, front: str, op: str, outcome: str, ms: float, began: float, message: str = "") -> None:
         with self.lock:
             self.calls.append((front, op, outcome, ms, began))
+            if message and len(self.examples[outcome]) < 3:
+                self.examples[outcome].append(f"{front} {op}: {message}")
 
 
 def http_outcome(exc: openai.APIStatusError) -> str:
@@ -93,22 +100,25 @@ class Agent:
 
     def step(self) -> None:
         op = self.rng.choices(list(OPS), weights=list(OPS.values()))[0]
-        began, at = time.perf_counter(), time.monotonic()
+        began, at, message = time.perf_counter(), time.monotonic(), ""
         try:
             getattr(self, op)()
             outcome = "ok"
         except RpcError as exc:
-            outcome = exc.code
+            outcome, message = exc.code, f"{exc.message} {exc.data or ''}"
             if exc.code == "CONTEXT_TOO_LONG":
                 self.rotate()
         except openai.APIStatusError as exc:
-            outcome = http_outcome(exc)
+            outcome, message = http_outcome(exc), exc.message
             if outcome == "CONTEXT_TOO_LONG":
                 self.rotate()
-        except DOWN:
+        except DOWN as exc:
             outcome = "down"
+            with self.record.lock:
+                self.record.downs.append((time.monotonic(), f"{self.front} {op}: {type(exc).__name__}: {exc}"))
             self.reconnect()
-        self.record.call(self.front, op, outcome, (time.perf_counter() - began) * 1000, at)
+        self.record.call(self.front, op, outcome, (time.perf_counter() - began) * 1000, at,
+                         "" if outcome in {"ok", "down", *ALLOWED} else message)
         if outcome == "BUSY":  # a call its client left still holds the session: as a client would, wait a little
             time.sleep(self.rng.uniform(0.02, 0.1))
         if self.turns >= ROTATE:
@@ -239,21 +249,25 @@ class HttpAgent(Agent):
 def run_clients(d: Daemon, record: Record, clients: int, seconds: float, kill_at: float, seed: int) -> dict:
     """The load, with its kill -9 and restart; returns the restart's facts."""
     agents = [(RpcAgent if n % 2 == 0 else HttpAgent)(n, d, record, seed) for n in range(clients)]
-    deadline = time.monotonic() + seconds
+    with d.client() as c:  # one turn first, outside the clock: a GPU backend's first call builds its kernels
+        c.call("session.create", session_id="warm-up")
+        c.call("session.chat", session_id="warm-up", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    end = [time.monotonic() + seconds]  # `seconds` of the daemon's uptime: the restart's downtime extends it
     restart: dict[str, Any] = {}
 
     def loop(agent: Agent) -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < end[0]:
             agent.step()
 
     def killer() -> None:
         time.sleep(seconds * kill_at)
-        d.proc.kill()
+        restart["killed"] = time.monotonic()  # before the signal: clients see the sockets close before wait()
+        d.proc.kill()  # returns (a process holding a CUDA context takes a while to be torn down)
         d.proc.wait()
-        restart["killed"] = time.monotonic()
         record.faults["kill -9"] += 1
         d.start(timeout=120)
         restart["back"] = time.monotonic()
+        end[0] += restart["back"] - restart["killed"]
 
     threads = [threading.Thread(target=loop, args=(a,)) for a in agents] + [threading.Thread(target=killer)]
     for t in threads:
@@ -301,7 +315,8 @@ def downs(record: Record, restart: dict[str, float]) -> dict[str, Any]:
     down = [(began, began + ms / 1000) for _, _, outcome, ms, began in record.calls if outcome == "down"]
     return {"down_s": round(restart["back"] - restart["killed"], 3),
             "down_before_kill": sum(end < restart["killed"] for _, end in down),
-            "down_after_restart": sum(began > restart["back"] for began, _ in down)}
+            "down_after_restart": sum(began > restart["back"] for began, _ in down),
+            "before_kill_examples": [how for at, how in record.downs if at < restart["killed"]][:3]}  # each at its end
 
 
 def summary(record: Record) -> dict[str, Any]:
@@ -314,6 +329,7 @@ def summary(record: Record) -> dict[str, Any]:
     return {"calls": len(record.calls), "outcomes": dict(outcomes), "failed_calls": dict(sorted(by_op.items())),
             "internal": outcomes["INTERNAL"],
             "unexpected": {k: v for k, v in outcomes.items() if k not in {"ok", "down", *ALLOWED}},
+            "unexpected_examples": dict(record.examples),
             "faults": dict(record.faults), "latency": {k: percentiles(v) for k, v in sorted(latency.items())}}
 
 
@@ -345,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         checks = check(d, record, restart["killed"])
         stopped = d.stop()
         problems = d.log_problems()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "load-daemon.log").write_bytes(d.log.read_bytes())  # the daemon's whole story, kept with the result
     result = {"machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
               "clients": args.clients, "seconds": round(elapsed, 1), "seed": args.seed, "model": args.model,
               **summary(record), "restart": downs(record, restart), **checks, "stop_exit": stopped,

@@ -112,6 +112,7 @@ class SnapshotWriter:
         self._existing = store.usable_blocks(self.keys, self.token_ids)
         self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
         self._new: dict[int, Written] = {}
+        self._lost: dict[int, str] = {}  # block: the digest another writer indexed first (see _index)
         self._tail: Written | None = None
         self._dropped: list[str] = []  # the tail file of the snapshot this one replaced
         self._dirs: set[Path] = set()
@@ -197,9 +198,9 @@ class SnapshotWriter:
 
         Returns the files of blocks another writer indexed first (duplicates to delete).
         """
-        now, losers = time.time(), []
+        now, losers, self._lost = time.time(), [], {}
         with self.store.transaction() as db:
-            for _, ref in self.block_rows():
+            for i, ref in self.block_rows():
                 cur = db.execute(
                     "INSERT INTO blocks (key, parent, bundle, token_ids, n_tokens, digest, codec, raw_bytes,"
                     " stored_bytes, file, created, last_used) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
@@ -210,8 +211,11 @@ class SnapshotWriter:
                     (ref.key, ref.parent, ref.bundle, tokens_to_bytes(ref.token_ids), len(ref.token_ids),
                      ref.digest, ref.codec, ref.raw_bytes, ref.stored_bytes, ref.file, now, now),
                 )
+                # Another writer indexed this block first: its bytes stand for the key, and this snapshot's
+                # digest names them (they differ from this writer's where prefill is not bit-stable: CUDA).
                 if cur.rowcount == 0:
                     losers.append(ref.file)
+                    self._lost[i] = db.execute("SELECT digest FROM blocks WHERE key = ?", (ref.key,)).fetchone()[0]
             self._check_reused()
             marks = ",".join("?" * len(self.keys))
             db.execute(f"UPDATE blocks SET last_used = ?{', pins = 1' if self.pin else ''} WHERE key IN ({marks})",
@@ -276,7 +280,7 @@ class SnapshotWriter:
         return rows
 
     def digests(self) -> list[tuple[str, str]]:
-        by_index = {i: enc.digest for i, enc in self._new.items()}
+        by_index = {i: self._lost.get(i, enc.digest) for i, enc in self._new.items()}
         return [(k, by_index.get(i) or self._existing[k].digest) for i, k in enumerate(self.keys)]
 
     @property

@@ -90,9 +90,16 @@ def test_a_short_chunk_over_many_keys_runs_plain_in_pieces_of_queries(monkeypatc
     whole = plain(q, k, v, None, 0.125, "causal")
     monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 8 * 7 * 900 * 4)  # 7 query rows per piece: 6 pieces
     pieces = plain(q, k, v, None, 0.125, "causal")
-    # The CPU sums each piece as it sums the whole; CUDA's kernels take other orders (1e-5 seen on the H100).
-    bound = 1e-6 if mx.default_device() == mx.cpu else 1e-4
-    assert not fused and mx.allclose(whole, pieces, atol=bound).item()
+    assert not fused
+    if mx.default_device() == mx.cpu:  # the CPU sums each piece as it sums the whole
+        assert mx.allclose(whole, pieces, atol=1e-6).item()
+        return
+    # CUDA's float32 matmuls pick kernels (and TF32 paths) by shape: pieces differ from the whole (1e-5 to 2e-4
+    # seen on the H100), so both are held to a float64 reference: the pieces are no less exact than the whole.
+    exact = float64_attention(*(np.array(x, dtype=np.float64) for x in (q, k, v)), 0.125)
+    whole_error, pieces_error = (np.abs(np.array(x) - exact).max() for x in (whole, pieces))
+    print(f"from float64: pieces {pieces_error:.2e}, the whole {whole_error:.2e}")
+    assert pieces_error <= 2 * whole_error + 1e-6, f"pieces {pieces_error:.2e} from float64, the whole {whole_error:.2e}"
 
 
 def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape(model):

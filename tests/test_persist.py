@@ -117,6 +117,7 @@ def test_a_sleep_after_persistence_writes_only_the_tail_and_replaces_the_checkpo
         tokens = tokens_of(rng, 300)  # 18 full blocks and 12 tokens
         c.call("session.append", session_id="long", tokens=tokens)
         wait_persisted(c, "long", 288)
+        idle(c)  # the counters follow the commit that persisted_tokens reads
         before = c.call("status")["persistence"]
         assert before["checkpoint_blocks"] == 18 and before["checkpoints"] >= 2
         slept = c.call("session.sleep", session_id="long")

@@ -154,7 +154,7 @@ def logits_after(engine, session) -> mx.array:
 # prefills 8 tokens where a cold run prefills 40), a hit is held to this bound instead, measured on the H100
 # machine (docs/benchmarks.md, "Exactness on CUDA"): the largest difference of a next-token logit against the
 # cold prefill's, relative to the largest logit (measured there: 0.094 of 5.97, 1.6%: 3 bf16 steps), and
-# greedy continuations agree token for token (10 of 10 there).
+# greedy continuations agree token for token up to a near tie (assert_diverges_only_at_a_tie).
 CHUNKED_LOGIT_BOUND = 0.03
 EXACTNESS_LOG = os.environ.get("KVWAKE_EXACTNESS_LOG")  # where measured differences are appended (JSONL)
 
@@ -181,11 +181,28 @@ def assert_exact(engine, cold, tokens) -> dict:
                                 "chunking_exact": chunked_prefill_is_exact(engine)}) + "\n")
     if chunked_prefill_is_exact(engine):
         assert mx.array_equal(warm, want).item(), f"hit of {got['reused']} tokens: logits differ by up to {diff}"
+        assert warm_tokens == cold_tokens
     else:
         assert diff <= CHUNKED_LOGIT_BOUND * scale, f"hit of {got['reused']} tokens: max logit diff {diff} " \
             f"> {CHUNKED_LOGIT_BOUND} x max logit {scale}"
-    assert warm_tokens == cold_tokens
+        assert_diverges_only_at_a_tie(cold, tokens, warm_tokens, cold_tokens)
     return got
+
+
+def assert_diverges_only_at_a_tie(cold, tokens, warm_tokens, cold_tokens) -> None:
+    """Greedy outputs within the logit bound agree token for token, except where the cold run's top two
+    logits lie within twice the bound of each other (each side may move by the bound): from there on, either
+    pick is the model's. A random tiny model has such near ties (seen on the H100 at the 5th token)."""
+    split = next((i for i, (a, b) in enumerate(zip(warm_tokens, cold_tokens)) if a != b), None)
+    if split is None:
+        return
+    at = Session("cold-at-split")
+    cold.append(at, tokens=tokens + cold_tokens[:split])
+    logits = logits_after(cold, at).astype(mx.float32)
+    margin = (logits[cold_tokens[split]] - logits[warm_tokens[split]]).item()
+    bound = 2 * CHUNKED_LOGIT_BOUND * mx.abs(logits).max().item()
+    assert margin <= bound, f"greedy outputs part at token {split} ({warm_tokens[split]} after the hit, " \
+        f"{cold_tokens[split]} cold) where the cold run prefers its token by {margin:.4f} > {bound:.4f}"
 
 
 def test_a_shared_prompt_of_two_and_a_half_blocks_is_reused_whole_from_another_sessions_block(engine, cold):

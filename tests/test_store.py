@@ -451,3 +451,25 @@ def test_a_snapshot_replaces_the_checkpoint_it_supersedes_only_while_that_is_the
     write_snapshot(store, "s", list(range(5 * b)), supersede=other.id)
     assert {newer.id, labeled.id, other.id} <= {s["id"] for s in store.snapshots()}
     assert store.fsck().ok
+
+
+def test_writers_racing_on_a_block_with_other_bytes_both_commit_snapshots_that_verify(store):
+    # Was: the losing writer's snapshot digest named its own bytes for the block, the index kept the winner's,
+    # and its wake failed "digest mismatch" (seen on the H100: CUDA's prefill of one prefix is not bit-stable
+    # across chunk shapes, so two sessions' KV for one block differ in the last bits).
+    a = store.writer("a", BUNDLE, TOKENS)
+    b = store.writer("b", BUNDLE, TOKENS)
+    for w, nudge in ((a, 0), (b, 1)):
+        for i in w.needed:
+            arrays = kv_arrays(w.block_tokens(i), i * 4)
+            packed = arrays["layers.0.packed"]
+            packed.array[...] += nudge  # b's bytes differ from a's
+            w.add_block(i, arrays)
+        w.set_tail(kv_arrays(TOKENS[12:], 12))
+    first, second = a.commit(), b.commit()
+    assert second.new_blocks == 0 and second.written_bytes < first.written_bytes  # only its tail counts as written
+    for info in (first, second):
+        record = store.snapshot(info.id, bundle=BUNDLE)  # verifies the digest over the index rows
+        assert record.digest == info.digest
+    assert_snapshot_exact(store, second.id)  # the winner's (a's) bytes stand for both
+    assert store.fsck().ok and store.gc().orphans_removed == 0
