@@ -6,7 +6,8 @@ usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16,32] [--
 decode      for each N in --sessions: N sessions (short prompts, appended first) generate --tokens
             tokens each, all at once, streamed, through a real `kvwake serve` with batching on
             (--max-batch 32) and off (--max-batch 1): aggregate decode tokens/s (every token /
-            wall time) and the p50/p99 gap between a session's consecutive tokens.
+            wall time), steady tokens/s (while all N stream: what BatchGenerator's figure counts;
+            `steady_x_batch_generator`) and the p50/p99 gap between a session's consecutive tokens.
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
 whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
@@ -78,20 +79,39 @@ class Stream:
                     self.result = m[3] or {"error": m[2]}
         self.ended = time.perf_counter()
 
-    def gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[float]:
-        """ms between pieces completed by consecutive tokens (optionally arriving within a window)."""
+    def arrivals(self, tokenizer: Any) -> list[tuple[int, float]]:
+        """(tokens complete, when) at each piece: a piece's text ends within token k's text."""
         detok, lengths = tokenizer.detokenizer, []
         for t in self.result.get("tokens", []):
             detok.add_token(t)
             lengths.append(len(detok.text))
-        out, done, last = [], 0, None
+        out, done = [], 0
         for when, text in self.pieces:
             done += len(text)
-            k = bisect.bisect_left(lengths, done)
+            out.append((bisect.bisect_left(lengths, done) + 1, when))
+        return out
+
+    def gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[float]:
+        """ms between pieces completed by consecutive tokens (optionally arriving within a window)."""
+        out, last = [], None
+        for k, when in self.arrivals(tokenizer):
             if last is not None and k == last[0] + 1 and (within is None or within[0] < when < within[1]):
                 out.append((when - last[1]) * 1000)
             last = (k, when)
         return out
+
+
+def steady_tokens_per_s(streams: list[Stream], tokenizer: Any) -> float | None:
+    """Tokens/s while every stream was running (from the last one's first piece to the first one's last):
+    what `BatchGenerator`'s figure counts (its steps once all N rows decode)."""
+    seen = [s.arrivals(tokenizer) for s in streams]
+    if not all(seen):
+        return None
+    start, end = max(a[0][1] for a in seen), min(a[-1][1] for a in seen)
+    if end <= start:
+        return None
+    done = lambda a, t: max((k for k, when in a if when <= t), default=0)  # noqa: E731
+    return round(sum(done(a, end) - done(a, start) for a in seen) / (end - start), 1)
 
 
 def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int) -> Daemon:
@@ -125,7 +145,8 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
-            "gap_p50_ms": pct(gaps, 0.5), "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps)}
+            "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
+            "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps)}
 
 
 def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
@@ -340,6 +361,8 @@ def main() -> None:
         for ours, theirs in zip(report["decode"]["batched"], report["batch_generator"]):
             ours["x_batch_generator"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 2) \
                 if theirs["tokens_per_s"] else None
+            ours["steady_x_batch_generator"] = round(ours["steady_tokens_per_s"] / theirs["tokens_per_s"], 2) \
+                if theirs["tokens_per_s"] and ours["steady_tokens_per_s"] else None
     if a.mlx_server:
         report["mlx_server"] = mlx_server_round(model, sizes, a.tokens)
         for ours, theirs in zip(report["decode"]["batched"], report["mlx_server"]):
