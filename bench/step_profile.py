@@ -6,7 +6,9 @@ usage: python bench/step_profile.py [--model tiny|default|PATH] [--sessions 8,16
 For each N, --rounds times (alternating): mlx-lm's `BatchGenerator` decodes N prompts (steady state:
 the steps that return all N rows), then the engine's batched decoder (the daemon's code, in process:
 no RPC, no event loop) decodes N fresh calls of the same prompts and length, timed per step
-(`Decoder.step()`, after WARMUP); medians of the rounds' mean steps. Then the decoder once more under
+(`Decoder.step()`, after WARMUP); medians of the rounds' mean steps. `--limits-ab`: each round also
+times the decoder under the daemon's MLX memory and cache limits (model/memory.py), then restores
+MLX's defaults. Then the decoder once more under
 cProfile. Reported: each one's mean step (ms) and tokens/s, their ratio, and the
 profiled decoder's time split by where it is spent (mlx-lm's batch step, the calls' outputs:
 detokenizing, stop strings, events; masks; the rest), with the top functions by own time. The
@@ -35,6 +37,7 @@ from batching import bench_model, prompts, save  # noqa: E402
 from structured import timed_steps  # noqa: E402
 
 from kvwake.daemon.model.engine import Engine  # noqa: E402
+from kvwake.daemon.model import memory  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--limits-ab", action="store_true", help="also time the decoder under the daemon's MLX limits")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
@@ -113,6 +117,9 @@ def main() -> None:
         store = Store(work / "store", block_tokens=16)
         engine = Engine(store, work, model, max_batch=64)
         engine.tokenizer.eos_token_ids = []  # every call runs to --tokens: every step runs all N
+        defaults = (mx.set_memory_limit(1 << 40), mx.set_cache_limit(1 << 40))  # each returns the limit it replaced
+        mx.set_memory_limit(defaults[0])
+        mx.set_cache_limit(defaults[1])
         mean_ms = lambda times: statistics.mean(times) * 1000  # noqa: E731
         try:
             batch_generator_steps(loaded, tokenizer, max(sizes), 8)  # warms every shape up, both ways
@@ -123,6 +130,12 @@ def main() -> None:
                     runs[n]["batch_generator"].append(mean_ms(batch_generator_steps(loaded, tokenizer, n, a.tokens)))
                     runs[n]["decoder"].append(mean_ms(timed_steps(engine.decoder, decoder_calls(
                         engine, n, a.tokens, a.temperature, f"t{n}-{r}"))))
+                    if a.limits_ab:  # the decoder again under the daemon's MLX limits (memory.apply_limits)
+                        memory.apply_limits()
+                        runs[n].setdefault("decoder_daemon_limits", []).append(mean_ms(timed_steps(
+                            engine.decoder, decoder_calls(engine, n, a.tokens, a.temperature, f"l{n}-{r}"))))
+                        mx.set_memory_limit(defaults[0])
+                        mx.set_cache_limit(defaults[1])
             for n in sizes:
                 ms, mlx_lm_ms = statistics.median(runs[n]["decoder"]), statistics.median(runs[n]["batch_generator"])
                 calls = decoder_calls(engine, n, a.tokens, a.temperature, f"p{n}")
