@@ -205,6 +205,24 @@ def assert_diverges_only_at_a_tie(cold, tokens, warm_tokens, cold_tokens) -> Non
         f"{cold_tokens[split]} cold) where the cold run prefers its token by {margin:.4f} > {bound:.4f}"
 
 
+def test_greedy_outputs_may_part_only_at_a_near_tie(cold):
+    # The check CUDA's hits are held to (assert_diverges_only_at_a_tie), tried here with made-up parts.
+    s = Session("reference")
+    cold.append(s, tokens=SHARED)
+    tokens = cold.generate(s, GREEDY).tokens
+    assert_diverges_only_at_a_tie(cold, SHARED, tokens, tokens)  # no parting: nothing to check
+    at = Session("at-2")
+    cold.append(at, tokens=SHARED + tokens[:2])
+    logits = logits_after(cold, at).astype(mx.float32)
+    order = mx.argsort(logits).tolist()
+    far, near = order[0], order[-2]  # the least likely token; the runner-up
+    with pytest.raises(AssertionError, match="part at token 2"):
+        assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [far], tokens)
+    margin = (logits[tokens[2]] - logits[near]).item()  # 0.19 of a largest logit of 5.4 here: within reach
+    assert margin <= 2 * CHUNKED_LOGIT_BOUND * mx.abs(logits).max().item()
+    assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [near], tokens)
+
+
 def test_a_shared_prompt_of_two_and_a_half_blocks_is_reused_whole_from_another_sessions_block(engine, cold):
     first = Session("first")
     engine.append(first, tokens=SHARED + list(range(30, 60)))  # its third block holds 8 shared tokens, then others
