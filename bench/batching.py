@@ -7,7 +7,8 @@ decode      for each N in --sessions: N sessions (short prompts, appended first)
             tokens each, all at once, streamed, through a real `kvwake serve` with batching on
             (--max-batch 32) and off (--max-batch 1): aggregate decode tokens/s (every token /
             wall time), steady tokens/s (while all N stream: what BatchGenerator's figure counts;
-            `steady_x_batch_generator`) and the p50/p99 gap between a session's consecutive tokens.
+            `steady_x_batch_generator`), the p50/p99 gap between a session's consecutive tokens, and
+            the daemon's own view meanwhile (its status: decode step ms, the batch's rows and dead rows).
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
 whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
@@ -135,10 +136,14 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     streams = [Stream(cl, name, tokens) for cl, name in zip(clients, names)]
     barrier = threading.Barrier(n)
     threads = [threading.Thread(target=lambda s=s: (barrier.wait(), s.run())) for s in streams]
+    inside: list[dict[str, Any]] = []  # the daemon's own view while all N decode (its status, 4 times a second)
+    watch = threading.Thread(target=watch_decoder, args=(d, n, threads, inside))
     for t in threads:
         t.start()
+    watch.start()
     for t in threads:
         t.join()
+    watch.join()
     for cl in clients:
         cl.close()
     total = sum(len(s.result.get("tokens", [])) for s in streams)
@@ -146,7 +151,20 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
-            "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps)}
+            "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps),
+            "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5),
+            "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}), "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
+
+
+def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]]) -> None:
+    """Sample the decoder's status (its step time, a moving average; its batch's rows, dead ones included)
+    while all n calls run."""
+    with d.client() as c:
+        while any(t.is_alive() for t in threads):
+            g = c.call("status")["generation"]
+            if g["running"] == n:
+                inside.append({k: g[k] for k in ("step_ms", "batch_rows", "dead_rows")})
+            time.sleep(0.25)
 
 
 def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
