@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvwake.daemon.model.decoder import Decoder, batch_mode
+from kvwake.daemon.model.calls import batch_mode
+from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session

@@ -562,7 +562,7 @@ def test_a_forced_call_closes_the_thought_its_prompt_opened(tmp_path):
 
 
 def test_a_failed_matcher_ends_its_call_at_once_and_fails_it_naming_the_error(engine):
-    from kvwake.daemon.model.decoder import Call
+    from kvwake.daemon.model.calls import Call
     from kvwake.errors import InternalError
 
     c = engine.constraint(params(Structure.json({"enum": ["ab"]}), 0), None)

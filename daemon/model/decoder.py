@@ -24,12 +24,10 @@ tokens), the longest call decodes alone beside the batch, joining or already
 batched (one 32k-token session among seven short ones would otherwise pad each
 of them to 32k).
 
-A call that starts while no other call decodes or waits decodes alone, on
-its session's own cache (`Solo`: mlx-lm's `generate_step`, one step at a
-time): a batch of one costs more per token than a plain forward pass (on the
-H100 machine, 10.5-13.8 ms against 8.1-9.6 ms per token). When a second call
-arrives, the lone call moves into the batch between two steps (in the same
-merge), with the token it has sampled but not yet fed.
+A call that starts while no other call decodes or waits decodes alone (`Solo`,
+calls.py); when a second call arrives, the lone call moves into the batch
+between two steps (in the same merge), with the token it has sampled but not
+yet fed.
 
 Structured output: a call with a `Constraint` has its logits masked by its
 grammar each step (masks.py); while any running call has one, the forward pass
@@ -39,10 +37,9 @@ the constrained rows' sampled tokens to `Masks.prefetch`, so the next mask is
 filled on a worker thread while this thread hands tokens out and builds the
 next pass.
 
-Solo mode (quantized KV and cache kinds kvwake does not batch; or
-`max_batch` = 1 for users who need output bit-identical to decoding alone):
-every call decodes alone; calls take one step each in turn, so they
-interleave but never share a forward pass.
+Solo mode (`batch_mode`, calls.py, says when and why): every call decodes
+alone; calls take one step each in turn, so they interleave but never share a
+forward pass.
 
 At most `max_batch` calls decode at once; more wait, in order, for a place.
 Every token handed to a call's `TextOutput` has been fed to the model, so a
@@ -57,102 +54,20 @@ import itertools
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
-from mlx_lm.models.cache import QuantizedKVCache
 
-from kvwake.daemon.model.generation import GenerateResult, RowsSampler, TextOutput, make_processors, make_sampler
+from kvwake.daemon.model.calls import Call, Solo
+from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
 from kvwake.daemon.model.joining import Row, dead_rows, fits, place, retire, rows_batch, slot_size
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
-from kvwake.daemon.session import Session
-from kvwake.errors import InternalError
 
-__all__ = ["Call", "Decoder", "batch_mode", "run_alone"]
+__all__ = ["Decoder", "run_alone"]
 
 log = logging.getLogger("kvwake.decoder")
 PAD_SLACK = 4096  # padding tokens a batch may hold whatever its rows' lengths (a long row decodes alone past it)
-
-
-@dataclass
-class Call:
-    """One generate call: its session (whose cache it takes while it runs), last prompt token and output."""
-
-    session: Session
-    token: int  # the pending token fed at the first step (earlier pending tokens are prefilled)
-    output: TextOutput
-    prompt_tokens: int
-    future: Future[GenerateResult] = field(default_factory=Future)
-    solo: Solo | None = None  # while it decodes alone
-    constraint: Constraint | None = None  # structured output: its grammar masks each token (masks.py)
-
-    def finish(self, reason: str) -> None:
-        if self.constraint is not None and self.constraint.error is not None:
-            self.fail(InternalError(f"constrained decoding failed in session {self.session.id}: "
-                                    f"{self.constraint.error}", session_id=self.session.id))
-            return
-        result = self.output.result(reason, self.prompt_tokens)
-        s = self.session
-        s.tokens = s.tokens + result.tokens
-        s.processed = len(s.tokens)
-        if s.mode == "chat":  # the raw text (tool-call markup and all): it re-renders to these same tokens
-            s.messages.append({"role": "assistant", "content": result.text})
-        self.future.set_result(result)
-
-    def fail(self, exc: BaseException) -> None:
-        self.session.cache, self.session.processed = None, 0  # state unknown: rebuilt from tokens on next use
-        self.future.set_exception(exc)
-
-
-class Solo:
-    """One call decoding alone on its own cache: `generate_step`'s steps, with the state in the open.
-
-    `next` is the token sampled but not yet fed; each step feeds it, samples the one after, and
-    returns it, so every token returned is in the cache (as generate_step's yields are).
-    `model_for(tokens)`: the model for the pass that feeds `tokens` (masked for a constrained call).
-    """
-
-    def __init__(self, model_for: Any, cache: list, first: mx.array, sampler: Any, processors: list,
-                 context: list[int]) -> None:
-        self.model_for, self.cache, self.sampler, self.processors = model_for, cache, sampler, processors
-        self.context = mx.array(context, dtype=mx.uint32) if processors else None
-        self.next = self._feed(first)
-        mx.async_eval(self.next)
-
-    def _feed(self, tokens: mx.array) -> mx.array:
-        logits = self.model_for(tokens)(tokens[None], cache=self.cache)[:, -1, :]
-        if self.processors:
-            self.context = mx.concatenate([self.context, tokens]) if self.context is not None else tokens
-            for processor in self.processors:
-                logits = processor(self.context, logits)
-        return self.sampler(logits - mx.logsumexp(logits, keepdims=True))
-
-    def step(self) -> int:
-        current = self.next
-        self.next = self._feed(current)
-        mx.async_eval(self.next)
-        return int(current.item())
-
-
-def batch_mode(cache: list, kv_bits: int | None, max_batch: int) -> tuple[str, str]:
-    """("batched" | "solo", why) for a model whose fresh cache is `cache`."""
-    if max_batch <= 1:
-        return "solo", "max_batch is 1: every call decodes alone"
-    if kv_bits is not None or any(isinstance(c, QuantizedKVCache) for c in cache):
-        return "solo", "quantized KV cannot be batched by mlx-lm"
-    kinds = sorted({type(c).__name__ for c in cache if not _batchable(c)})
-    if kinds:
-        return "solo", f"cache layers mlx-lm cannot batch: {', '.join(kinds)}"
-    return "batched", f"up to {max_batch} calls per forward pass"
-
-
-def _batchable(layer: Any) -> bool:
-    # Plain KV only: mlx-lm can also merge sliding-window and recurrent layers, but its batched
-    # forms of those give back caches laid out differently from the ones kvwake captures.
-    return type(layer).__name__ == "KVCache"
 
 
 class Decoder:

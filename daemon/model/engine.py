@@ -36,7 +36,8 @@ from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, memory, prefillslices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
-from kvwake.daemon.model.decoder import Call, Decoder, batch_mode, run_alone
+from kvwake.daemon.model.calls import Call, batch_mode
+from kvwake.daemon.model.decoder import Decoder, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
