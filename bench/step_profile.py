@@ -8,7 +8,9 @@ the steps that return all N rows), then the engine's batched decoder (the daemon
 no RPC, no event loop) decodes N fresh calls of the same prompts and length, timed per step
 (`Decoder.step()`, after WARMUP); medians of the rounds' mean steps. `--limits-ab`: each round also
 times the decoder under the daemon's MLX memory and cache limits (model/memory.py), then restores
-MLX's defaults. Then the decoder once more under
+MLX's defaults. `--engine-thread`: each round also times a second engine made and stepped on an
+`EngineThread` under those limits, as the daemon runs its own (no RPC, no event loop): what is left
+between it and the daemon is the daemon's serving. Then the decoder once more under
 cProfile. Reported: each one's mean step (ms) and tokens/s, their ratio, and the
 profiled decoder's time split by where it is spent (mlx-lm's batch step, the calls' outputs:
 detokenizing, stop strings, events; masks; the rest), with the top functions by own time. The
@@ -39,6 +41,8 @@ from structured import timed_steps  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model import memory  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
+from kvwake.daemon.model.thread import EngineThread  # noqa: E402
+from kvwake.daemon.serve import _release_mlx_streams  # noqa: E402
 from kvwake.daemon.session import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
@@ -67,6 +71,33 @@ def batch_generator_steps(loaded: Any, tokenizer: Any, n: int, tokens: int) -> l
 
 
 WARMUP = 4
+
+
+class ThreadedEngine:
+    """An engine as the daemon has it (daemon/serve.py): made on an `EngineThread`, MLX's limits set there,
+    every MLX call on that thread; no RPC, no event loop."""
+
+    def __init__(self, work: Path, model: Path, defaults: tuple[int, int]) -> None:
+        self.thread, self.defaults = EngineThread(on_exit=_release_mlx_streams), defaults
+        self.store = Store(work / "threaded-store", block_tokens=16)
+        self.engine = self.thread.call(lambda: Engine(self.store, work / "threaded", model, max_batch=64))
+        self.engine.tokenizer.eos_token_ids = []
+
+    def steps(self, n: int, tokens: int, temperature: float, tag: str) -> list[float]:
+        """Step times of n calls, under the daemon's MLX limits (MLX's defaults again afterwards: the
+        limits are the process's)."""
+        self.thread.call(memory.apply_limits)
+        try:
+            return self.thread.call(lambda: timed_steps(self.engine.decoder,
+                                                        decoder_calls(self.engine, n, tokens, temperature, tag)))
+        finally:
+            mx.set_memory_limit(self.defaults[0])
+            mx.set_cache_limit(self.defaults[1])
+
+    def close(self) -> None:
+        self.thread.call(self.engine.close)
+        self.thread.stop()
+        self.store.close()
 
 
 def decoder_calls(engine: Engine, n: int, tokens: int, temperature: float, tag: str) -> list:
@@ -102,6 +133,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limits-ab", action="store_true", help="also time the decoder under the daemon's MLX limits")
+    ap.add_argument("--engine-thread", action="store_true",
+                    help="also time the decoder of an engine made and stepped on an EngineThread, as the daemon's")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
@@ -121,9 +154,12 @@ def main() -> None:
         mx.set_memory_limit(defaults[0])
         mx.set_cache_limit(defaults[1])
         mean_ms = lambda times: statistics.mean(times) * 1000  # noqa: E731
+        threaded = ThreadedEngine(work, model, defaults) if a.engine_thread else None
         try:
             batch_generator_steps(loaded, tokenizer, max(sizes), 8)  # warms every shape up, both ways
             timed_steps(engine.decoder, decoder_calls(engine, max(sizes), 8, a.temperature, "warm"))
+            if threaded is not None:
+                threaded.steps(max(sizes), 8, a.temperature, "warm")
             runs: dict[int, dict[str, list[float]]] = {n: {"decoder": [], "batch_generator": []} for n in sizes}
             for r in range(a.rounds):  # alternating, so a drift of the machine's speed hits both alike
                 for n in sizes:
@@ -136,6 +172,9 @@ def main() -> None:
                             engine.decoder, decoder_calls(engine, n, a.tokens, a.temperature, f"l{n}-{r}"))))
                         mx.set_memory_limit(defaults[0])
                         mx.set_cache_limit(defaults[1])
+                    if threaded is not None:  # the decoder on an engine built and stepped on an EngineThread
+                        runs[n].setdefault("decoder_engine_thread", []).append(
+                            mean_ms(threaded.steps(n, a.tokens, a.temperature, f"e{n}-{r}")))
             for n in sizes:
                 ms, mlx_lm_ms = statistics.median(runs[n]["decoder"]), statistics.median(runs[n]["batch_generator"])
                 calls = decoder_calls(engine, n, a.tokens, a.temperature, f"p{n}")
@@ -151,6 +190,8 @@ def main() -> None:
                       row["profile"]["decoder_step_s"], flush=True)
                 report["rows"].append(row)
         finally:
+            if threaded is not None:
+                threaded.close()
             engine.close()
             store.close()
     save(report, a.out, "step_profile.json")
