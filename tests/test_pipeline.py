@@ -95,6 +95,23 @@ def test_sleep_and_wake_through_many_spans_and_workers_are_exact(engine):
         assert c.keys.shape[2] == 256  # allocated once, as mlx-lm would have (a multiple of its step)
 
 
+def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeypatch):
+    # Was "direct" on Metal: numpy joined the byte planes on the CPU there (issue 23, point 4). The staged
+    # path itself is exact on the CPU backend (the tests here run it both ways).
+    import mlx.core as mx
+
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", None)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple silicon: unified memory, a GPU
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert kvfill.unified_memory() and kvfill.restore_mode() == "staged"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert kvfill.restore_mode() == "direct"
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")  # KVWAKE_RESTORE_MODE still overrides
+    assert kvfill.restore_mode() == "staged"
+
+
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine, mode, monkeypatch):
     from kvwake.daemon.kv import devplanes

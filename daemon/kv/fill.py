@@ -11,11 +11,11 @@ written once, where it stays. `finish` (engine thread again) hands the
 buffers to the cache objects, restores the units that are not cut by token
 from the tail, and evaluates everything: the first token pays nothing hidden.
 
-Two ways to fill, by where MLX keeps arrays:
-- "direct" (CPU, Metal: unified memory): the views are the MLX buffers' own
-  memory; decoders join byte planes straight into them. One write per
-  restored byte: decoder -> buffer.
-- "staged" (CUDA: device memory): a plain KV cache's blocks are decompressed
+Two ways to fill, by what computes:
+- "direct" (the CPU): the views are the MLX buffers' own memory; decoders
+  join byte planes straight into them. One write per restored byte: decoder
+  -> buffer (the join is numpy's bit operations, on the pool's threads).
+- "staged" (a GPU: CUDA, and Metal on Apple silicon): a plain KV cache's blocks are decompressed
   and verified into host staging of byte planes (`stage(k)`): a ring of a few
   spans of blocks (devplanes.Ring), not the session's size. As each span is
   in, `join_span` (engine thread) moves it to the GPU and joins and lays it
@@ -23,7 +23,11 @@ Two ways to fill, by where MLX keeps arrays:
   each tensor's spans (one tensor at a time). Blocks that cannot be staged
   (format-1 files, quantized KV, the RAM tier's) are joined on the CPU into
   host views and uploaded with their span. Writes per restored byte: decoder
-  -> staging, host -> device, one pass on the device, one concatenation.
+  -> staging, host -> device, one pass on the device, one concatenation. On
+  Apple silicon the ring is MLX's own shared memory, so nothing moves it to
+  the GPU: the decoders write where the GPU joins (numpy's join on the CPU
+  took four or five passes per byte there). Not timed on a Mac (none here);
+  exact on the CPU backend (tests/test_pipeline.py runs both ways).
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
 call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
 way, no per-block arrays are joined afterwards.
@@ -72,8 +76,9 @@ RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or N
 
 
 def restore_mode() -> str:
-    """How restores fill buffers here: RESTORE_MODE when set, else by where MLX keeps arrays."""
-    return RESTORE_MODE or ("direct" if unified_memory() else "staged")
+    """How restores fill buffers here: RESTORE_MODE when set, else "staged" where a GPU computes (CUDA,
+    Metal), "direct" on the CPU. (It also says whether sleeps split byte planes on the device.)"""
+    return RESTORE_MODE or ("direct" if mx.default_device() == mx.cpu else "staged")
 
 
 def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:
