@@ -112,7 +112,7 @@ class SnapshotWriter:
         self._existing = store.usable_blocks(self.keys, self.token_ids)
         self.needed = [i for i, key in enumerate(self.keys) if key not in self._existing]
         self._new: dict[int, Written] = {}
-        self._lost: dict[int, str] = {}  # block: the digest another writer indexed first (see _index)
+        self._indexed: dict[str, str] = {}  # key: its digest as the index holds it at commit (see _index)
         self._tail: Written | None = None
         self._dropped: list[str] = []  # the tail file of the snapshot this one replaced
         self._dirs: set[Path] = set()
@@ -198,9 +198,9 @@ class SnapshotWriter:
 
         Returns the files of blocks another writer indexed first (duplicates to delete).
         """
-        now, losers, self._lost = time.time(), [], {}
+        now, losers, self._indexed = time.time(), [], {}
         with self.store.transaction() as db:
-            for i, ref in self.block_rows():
+            for _, ref in self.block_rows():
                 cur = db.execute(
                     "INSERT INTO blocks (key, parent, bundle, token_ids, n_tokens, digest, codec, raw_bytes,"
                     " stored_bytes, file, created, last_used) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
@@ -215,8 +215,8 @@ class SnapshotWriter:
                 # digest names them (they differ from this writer's where prefill is not bit-stable: CUDA).
                 if cur.rowcount == 0:
                     losers.append(ref.file)
-                    self._lost[i] = db.execute("SELECT digest FROM blocks WHERE key = ?", (ref.key,)).fetchone()[0]
-            self._check_reused()
+                    self._indexed[ref.key] = db.execute("SELECT digest FROM blocks WHERE key = ?", (ref.key,)).fetchone()[0]
+            self._indexed.update(self._check_reused())
             marks = ",".join("?" * len(self.keys))
             db.execute(f"UPDATE blocks SET last_used = ?{', pins = 1' if self.pin else ''} WHERE key IN ({marks})",
                        [now, *self.keys])
@@ -224,13 +224,16 @@ class SnapshotWriter:
                 self._insert_snapshot(db, now)
         return losers
 
-    def _check_reused(self) -> None:
+    def _check_reused(self) -> dict[str, str]:
+        """The reused blocks' digests as the index holds them now (a block fsck quarantined and another
+        writer wrote again since planning has new bytes: the snapshot names those)."""
         # The shared lock keeps gc away, but fsck may have quarantined a block since planning.
         reused = [k for k in self.keys if k not in {ref.key for _, ref in self.block_rows()}]
         rows = self.store.index.blocks_by_key(reused)  # under the index lock: _index's transaction holds it
         bad = [k for k in reused if k not in rows or rows[k].quarantined]
         if bad:
             raise CorruptBlockError(f"blocks quarantined while snapshot {self.id} was written; retry", blocks=bad)
+        return {k: rows[k].digest for k in reused}
 
     def _replace(self, db: sqlite_utils.Database) -> None:
         """Drop the snapshot `supersede` names, in this transaction, when it is still this session's head
@@ -280,8 +283,9 @@ class SnapshotWriter:
         return rows
 
     def digests(self) -> list[tuple[str, str]]:
-        by_index = {i: self._lost.get(i, enc.digest) for i, enc in self._new.items()}
-        return [(k, by_index.get(i) or self._existing[k].digest) for i, k in enumerate(self.keys)]
+        """(key, digest) of every block: as the index holds it once committed, else as this writer knows it."""
+        own = {i: enc.digest for i, enc in self._new.items()}
+        return [(k, self._indexed.get(k) or own.get(i) or self._existing[k].digest) for i, k in enumerate(self.keys)]
 
     @property
     def tail(self) -> Written | None:

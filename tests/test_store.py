@@ -473,3 +473,25 @@ def test_writers_racing_on_a_block_with_other_bytes_both_commit_snapshots_that_v
         assert record.digest == info.digest
     assert_snapshot_exact(store, second.id)  # the winner's (a's) bytes stand for both
     assert store.fsck().ok and store.gc().orphans_removed == 0
+
+
+def test_a_reused_block_quarantined_and_written_again_meanwhile_is_named_with_its_new_bytes(store):
+    # Was: a writer's snapshot digest named a reused block's digest as read when the writer opened; if fsck
+    # quarantined the block and another writer stored it again (other bytes) before this commit, the
+    # committed snapshot failed every wake with "digest mismatch".
+    first = write_snapshot(store, "first", TOKENS)
+    later = store.writer("later", BUNDLE, TOKENS)  # reuses every block
+    assert later.needed == []
+    key = store.rows("SELECT block_key FROM snapshot_blocks ORDER BY pos LIMIT 1")[0]["block_key"]
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET quarantined = 1 WHERE key = ?", (key,))
+    again = store.writer(None, BUNDLE, TOKENS[:4])  # stores block 0 again, with other bytes
+    arrays = kv_arrays(TOKENS[:4], 0)
+    arrays["layers.0.packed"].array[...] += 1
+    again.add_block(0, arrays)
+    again.commit()
+    later.set_tail(kv_arrays(TOKENS[12:], 12))
+    info = later.commit()
+    assert store.snapshot(info.id, bundle=BUNDLE).digest == info.digest  # verifies against the index rows
+    # Only the snapshot made before the quarantine names the bytes fsck condemned.
+    assert [d["snapshot_id"] for d in store.fsck().damaged_snapshots] == [first.id]
