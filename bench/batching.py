@@ -153,7 +153,8 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
             "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps),
             "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5),
-            "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}), "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
+            "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
+            "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
 
 
 def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]]) -> None:
@@ -242,31 +243,39 @@ def whole_round(d: Daemon, n: int, tokens: int, tag: str) -> dict[str, Any]:
     return {"sessions": n, "tokens": sum(counts), "wall_s": round(wall, 3), "tokens_per_s": round(sum(counts) / wall, 1)}
 
 
-def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
-    """mlx-lm's BatchGenerator in this process: N prompts, `tokens` each, no stop tokens. tokens/s counts
-    the steps once all N rows decode (steady state); wall_s is insert to last token."""
-    import mlx_lm
+def batch_generator_steps(loaded: Any, tokenizer: Any, n: int, tokens: int, skip: int = 0) -> list[float]:
+    """Seconds per steady step of mlx-lm's BatchGenerator (one that returns all n rows; no stop tokens),
+    the first `skip` of them left out."""
     from mlx_lm.generate import BatchGenerator
 
+    gen = BatchGenerator(loaded, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, n),
+                         prefill_batch_size=max(8, n))
+    gen.insert([tokenizer.encode(p) for p in prompts(n)])
+    times, total, last = [], 0, None
+    while total < n * tokens:
+        out = gen.next_generated()
+        now = time.perf_counter()
+        total += len(out)
+        if len(out) == n and last is not None:
+            times.append(now - last)
+        last = now if len(out) == n else None
+    gen.close()
+    return times[skip:]
+
+
+def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
+    """mlx-lm's BatchGenerator in this process: N prompts, `tokens` each, no stop tokens; tokens/s over the
+    steps once all N rows decode (steady state)."""
+    import mlx_lm
+
     loaded, tokenizer = mlx_lm.load(str(model))
+    batch_generator_steps(loaded, tokenizer, max(sizes), tokens)  # warms every shape up
     rows = []
-    for n in [max(sizes), *sizes]:  # the first round warms every shape up
-        gen = BatchGenerator(loaded, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, n),
-                             prefill_batch_size=max(8, n))
-        gen.insert([tokenizer.encode(p) for p in prompts(n)])
-        started, steady, steady_tokens, total = time.perf_counter(), None, 0, 0
-        while total < n * tokens:
-            out = gen.next_generated()
-            total += len(out)
-            if steady is None and len(out) == n:
-                steady = time.perf_counter()
-            elif steady is not None:
-                steady_tokens += len(out)
-        ended = time.perf_counter()
-        gen.close()
-        rows.append({"sessions": n, "tokens": total, "wall_s": round(ended - started, 3),
-                     "tokens_per_s": round(steady_tokens / (ended - steady), 1) if steady and ended > steady else None})
-    return rows[1:]
+    for n in sizes:
+        steps = batch_generator_steps(loaded, tokenizer, n, tokens)
+        rows.append({"sessions": n, "tokens": n * tokens,
+                     "tokens_per_s": round(n * len(steps) / sum(steps), 1) if steps else None})
+    return rows
 
 
 def bench_model(name: str, work: Path) -> Path:

@@ -35,7 +35,7 @@ sys.path.append(str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mlx.core as mx  # noqa: E402
-from batching import bench_model, prompts, save  # noqa: E402
+from batching import batch_generator_steps, bench_model, prompts, save  # noqa: E402
 from structured import timed_steps  # noqa: E402
 
 from kvwake.daemon.model.engine import Engine  # noqa: E402
@@ -49,25 +49,6 @@ from kvwake.store import Store  # noqa: E402
 # Where a function's cumulative time is counted (the first pattern its file:function matches).
 PARTS = {"batch step (mlx-lm)": "generate.py:next", "outputs (detokenize, stops, events)": "generation.py:add",
          "masks": "masks.py:prefetch"}
-
-
-def batch_generator_steps(loaded: Any, tokenizer: Any, n: int, tokens: int) -> list[float]:
-    """Seconds per steady-state step of mlx-lm's BatchGenerator (all n rows returned)."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(loaded, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, n),
-                         prefill_batch_size=max(8, n))
-    gen.insert([tokenizer.encode(p) for p in prompts(n)])
-    times, total, last = [], 0, None
-    while total < n * tokens:
-        out = gen.next_generated()
-        now = time.perf_counter()
-        total += len(out)
-        if len(out) == n and last is not None:
-            times.append(now - last)
-        last = now if len(out) == n else None
-    gen.close()
-    return times[WARMUP:]
 
 
 WARMUP = 4
@@ -121,7 +102,8 @@ def split(profile: cProfile.Profile, top: int) -> dict[str, Any]:
     step = sum(row[3] for key, row in by_name.items() if key.startswith("decoder.py:") and key.endswith(":step"))
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][2])[:top]
     return {"profiled_s": round(total, 4), "decoder_step_s": round(step, 4), "parts_s": parts,
-            "top_own_s": [{"function": key, "calls": row[1], "own_s": round(row[2], 4), "cumulative_s": round(row[3], 4)}
+            "top_own_s": [{"function": key, "calls": row[1], "own_s": round(row[2], 4),
+                           "cumulative_s": round(row[3], 4)}
                           for key, row in rows]}
 
 
@@ -156,14 +138,15 @@ def main() -> None:
         mean_ms = lambda times: statistics.mean(times) * 1000  # noqa: E731
         threaded = ThreadedEngine(work, model, defaults) if a.engine_thread else None
         try:
-            batch_generator_steps(loaded, tokenizer, max(sizes), 8)  # warms every shape up, both ways
+            batch_generator_steps(loaded, tokenizer, max(sizes), 8, WARMUP)  # warms every shape up, both ways
             timed_steps(engine.decoder, decoder_calls(engine, max(sizes), 8, a.temperature, "warm"))
             if threaded is not None:
                 threaded.steps(max(sizes), 8, a.temperature, "warm")
             runs: dict[int, dict[str, list[float]]] = {n: {"decoder": [], "batch_generator": []} for n in sizes}
             for r in range(a.rounds):  # alternating, so a drift of the machine's speed hits both alike
                 for n in sizes:
-                    runs[n]["batch_generator"].append(mean_ms(batch_generator_steps(loaded, tokenizer, n, a.tokens)))
+                    mlx_lm_steps = batch_generator_steps(loaded, tokenizer, n, a.tokens, WARMUP)
+                    runs[n]["batch_generator"].append(mean_ms(mlx_lm_steps))
                     runs[n]["decoder"].append(mean_ms(timed_steps(engine.decoder, decoder_calls(
                         engine, n, a.tokens, a.temperature, f"t{n}-{r}"))))
                     if a.limits_ab:  # the decoder again under the daemon's MLX limits (memory.apply_limits)
@@ -184,8 +167,9 @@ def main() -> None:
                 profile.disable()
                 row = {"sessions": n, "decoder_step_ms": round(ms, 3), "decoder_tokens_per_s": round(n / ms * 1000, 1),
                        "batch_generator_step_ms": round(mlx_lm_ms, 3),
-                       "batch_generator_tokens_per_s": round(n / mlx_lm_ms * 1000, 1), "ratio": round(mlx_lm_ms / ms, 3),
-                       "runs_ms": {k: [round(x, 3) for x in v] for k, v in runs[n].items()}, "profile": split(profile, a.top)}
+                       "batch_generator_tokens_per_s": round(n / mlx_lm_ms * 1000, 1),
+                       "ratio": round(mlx_lm_ms / ms, 3), "profile": split(profile, a.top),
+                       "runs_ms": {k: [round(x, 3) for x in v] for k, v in runs[n].items()}}
                 print({k: v for k, v in row.items() if k != "profile"}, row["profile"]["parts_s"],
                       row["profile"]["decoder_step_s"], flush=True)
                 report["rows"].append(row)

@@ -215,7 +215,8 @@ class SnapshotWriter:
                 # digest names them (they differ from this writer's where prefill is not bit-stable: CUDA).
                 if cur.rowcount == 0:
                     losers.append(ref.file)
-                    self._indexed[ref.key] = db.execute("SELECT digest FROM blocks WHERE key = ?", (ref.key,)).fetchone()[0]
+                    row = db.execute("SELECT digest FROM blocks WHERE key = ?", (ref.key,)).fetchone()
+                    self._indexed[ref.key] = row[0]
             self._indexed.update(self._check_reused())
             marks = ",".join("?" * len(self.keys))
             db.execute(f"UPDATE blocks SET last_used = ?{', pins = 1' if self.pin else ''} WHERE key IN ({marks})",
