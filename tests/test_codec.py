@@ -267,9 +267,28 @@ def test_a_planed_block_encodes_to_the_same_file_and_decodes_into_staged_planes(
     assert encode(planed, metadata=meta).data == encode(arrays, metadata=meta).data
     staged = [np.full(hi.size, 7, np.uint8), np.full(lo.size, 7, np.uint8)]
     seen = []
-    got, _, digest = decode_into(encode(arrays).data, stage=lambda names, dtype, n: seen.append((names, dtype, n)) or staged)
-    assert got == {} and digest == encode(arrays).digest and seen == [(tuple(parts), "BF16", hi.size)]
+    got, _, digest = decode_into(encode(arrays).data,
+                                 stage=lambda names, dtype, n, planes: seen.append((names, dtype, n, planes)) or staged)
+    assert got == {} and digest == encode(arrays).digest and seen == [(tuple(parts), "BF16", hi.size, True)]
     assert np.array_equal(staged[0], hi) and np.array_equal(staged[1], lo)
+
+
+def test_a_raw_block_decodes_into_staging_as_stored():
+    # Was: a raw run was never staged, so on a GPU every block went through host arrays the size of the
+    # session and one upload per tensor and block (a 32k wake of the 8B shape did not end in 5 minutes).
+    rng = np.random.default_rng(5)
+    parts = {f"layers.{i}.{p}": rng.integers(0, 1 << 16, (1, 2, 64, 128), dtype=np.uint16) for i in range(3)
+             for p in ("keys", "values")}
+    encoded = encode({n: Tensor("BF16", a) for n, a in parts.items()}, codec="raw")
+    whole = np.concatenate([a.reshape(-1) for a in parts.values()])
+    staged = [np.zeros(whole.nbytes, np.uint8)]
+    seen = []
+    got, _, digest = decode_into(encoded.data,
+                                 stage=lambda names, dtype, n, planes: seen.append((names, dtype, n, planes)) or staged)
+    assert got == {} and digest == encoded.digest and seen == [(tuple(parts), "BF16", whole.size, False)]
+    assert staged[0].tobytes() == whole.tobytes()
+    with pytest.raises(BlockFormatError, match="staging of 7 bytes for a section of"):
+        decode_into(encoded.data, stage=lambda *_: [np.zeros(7, np.uint8)])
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS.values()))

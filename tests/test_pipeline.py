@@ -288,3 +288,78 @@ def test_the_discrete_gpu_path_wakes_a_session_shorter_than_a_block(staged_engin
     b, _ = engine.wake("b")
     for x, y in zip(a.cache, b.cache):
         assert mx.array_equal(x.keys[..., :9, :], y.keys[..., :9, :]).item()
+
+
+def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(model_dir, tmp_path, monkeypatch):
+    # Was: raw blocks were never staged, so on a GPU they went through host arrays the size of the session
+    # and one upload per tensor and block: a 32k wake of the 8B shape on the H100 did not end in 5 minutes.
+    # Now a raw block stages as stored and joins on the device; one span mixes a planes-zstd block (stored
+    # by an earlier store setting), raw ones and one from the RAM tier; the KV must come back bit for bit.
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.store.format.codec import read_file_header
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
+    real_ring, joins = devplanes.Ring.__init__, {"planes": 0, "raw": 0}
+
+    def ring(self, blocks, size, plane_bytes, block_bytes):
+        monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes)
+    monkeypatch.setattr(devplanes.Ring, "__init__", ring)
+    for name, kind in (("join", "planes"), ("join_raw", "raw")):
+        def counted(*args, _real=getattr(devplanes, name), _kind=kind):
+            joins[_kind] += 1
+            return _real(*args)
+        monkeypatch.setattr(devplanes, name, counted)
+    tokens = [(i * 5) % 256 for i in range(150)]
+    store = Store(tmp_path / "store", block_tokens=16, codec="planes-zstd")
+    engine = Engine(store, tmp_path, model_dir)
+    a = Session("a")
+    engine.append(a, tokens=tokens[:70])
+    engine.sleep(a)
+    engine.close()
+    store.close()
+    store = Store(tmp_path / "store", block_tokens=16, codec="raw")
+    engine = Engine(store, tmp_path, model_dir)
+    try:
+        b = Session("b")
+        engine.append(b, tokens=tokens)
+        before = [(np.array(c.keys[..., :149, :].view(mx.uint16)), np.array(c.values[..., :149, :].view(mx.uint16)))
+                  for c in b.cache]
+        record = engine.store.snapshot(engine.sleep(b)["snapshot_id"])
+        codecs = [read_file_header(engine.store.files.absolute(ref.file).read_bytes())[0] for ref in record.blocks]
+        assert codecs[:4] == ["planes-zstd"] * 4 and codecs[4:] == ["raw"] * 5, codecs
+        engine.hot.__init__(engine.hot.budget)
+        engine.hot.put(record.blocks[2].key, engine.store.read_block(record.blocks[2]))
+        joins.update(planes=0, raw=0)
+        b, _ = engine.wake("b")
+        # span 0: blocks 0-1 planes, 2 from memory, 3 planes, 4-5 raw; span 1: 6-8 raw; the tail raw
+        assert joins == {"planes": 2, "raw": 3}, joins
+        for (k, v), c in zip(before, b.cache):
+            assert np.array_equal(k, np.array(c.keys[..., :149, :].view(mx.uint16)))
+            assert np.array_equal(v, np.array(c.values[..., :149, :].view(mx.uint16)))
+    finally:
+        engine.close()
+        store.close()
+
+
+def test_staging_mapped_for_the_gpu_is_unmapped_before_mlx_can_reuse_it(staged_engine, monkeypatch):
+    # On CUDA the ring's slots (and the tail's) are kept on the host and mapped for the GPU (cudart.py);
+    # a kernel must never write such memory once MLX takes it back, so every mapping is undone when a
+    # wake ends, and by the ring's own finalizer when a failed wake drops it.
+    from kvwake.daemon.kv import cudart, devplanes
+
+    mapped, unmapped = [], []
+    monkeypatch.setattr(cudart, "map_to_device", lambda ptr, n: mapped.append((ptr, n)) or True)
+    monkeypatch.setattr(cudart, "unmap", lambda ptr, n: unmapped.append((ptr, n)) or True)
+    engine = staged_engine
+    a = Session("a")
+    engine.append(a, tokens=list(range(70)))
+    engine.sleep(a)
+    engine.wake("a")
+    assert mapped and sorted(unmapped) == sorted(mapped)  # the ring's slots and the tail, each once
+    mapped.clear(), unmapped.clear()
+    ring = devplanes.Ring(4, 2, 64, 128)
+    del ring
+    assert mapped and sorted(unmapped) == sorted(mapped)

@@ -20,15 +20,18 @@ others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from kvwake.daemon.kv import cudart
 from kvwake.store.format.codec import DTYPES, Planed
 
-__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "Ring", "join", "planar", "split_span"]
+__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "join", "join_raw", "planar", "planes_of",
+           "release_all", "split_span", "staging"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
@@ -41,6 +44,32 @@ _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
 # nothing overlaps, is a small part of a wake.
 SPAN_BYTES = 128 << 20
 RING_SLOTS = 3
+# How staging memory is made (bench/ring_upload.py measures each): "device" (an array the GPU
+# made, which numpy's view moves into managed memory), "host" (managed memory the CPU touched
+# first), "mapped" (host, and on CUDA kept there and mapped for the GPU to read in place: cudart.py).
+STAGING = "mapped"
+
+
+def staging(shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray, Callable[[], None]]:
+    """A uint8 array in host-visible MLX memory, the numpy view the decoders write, and what releases
+    its mapping (call it before MLX may reuse the memory: a kernel must not write host-preferred
+    pages; harmless twice)."""
+    if STAGING == "device":
+        a = mx.zeros(shape, mx.uint8)
+        mx.eval(a)
+    else:
+        a = mx.array(np.zeros(shape, np.uint8))
+    view = np.asarray(a)
+    ptr, n = view.ctypes.data, view.nbytes
+    if STAGING == "mapped" and n and cudart.map_to_device(ptr, n):
+        done: list[bool] = []
+
+        def release() -> None:
+            if not done:
+                done.append(True)
+                cudart.unmap(ptr, n)
+        return a, view, release
+    return a, view, lambda: None
 
 
 def planar(specs: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
@@ -85,28 +114,47 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
 
 
 class Ring:
-    """Staging for a wake's planes: `slots` slots of `span` blocks' planes each, in MLX host-visible memory.
+    """Staging for a wake's blocks: `slots` slots of `span` blocks each, in MLX host-visible memory.
 
-    Block k of a restore stages into slot (k // span) % slots, row k % span; the caller decodes a
-    span only once the span `slots` before it was joined (its slot is then free). Filled by the
-    decoders through `rows` (numpy views of MLX's own memory, so no copy moves them into MLX),
-    read by the GPU join through `arrays`. Made and dropped on the engine thread.
+    Block k of a restore stages into slot (k // span) % slots, row k % span: its run as stored,
+    byte planes (`rows(k, True)`, planes-zstd) or the values whole (`rows(k, False)`, raw). The
+    caller decodes a span only once the span `slots` before it was joined (its slot is then free).
+    Filled by the decoders through numpy views of MLX's own memory (so no copy moves them into
+    MLX), read by the GPU join through `planes` and `raw`. Made and dropped on the engine thread.
     """
 
     def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int) -> None:
         self.span = max(1, min(blocks, SPAN_BYTES // max(1, block_bytes)))
         self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
-        self.arrays = [[mx.zeros((self.span, plane_bytes), mx.uint8) for _ in range(size)] for _ in range(self.slots)]
-        mx.eval(self.arrays)
-        self.views = [[np.asarray(a) for a in slot] for slot in self.arrays]
+        self.size, self.plane_bytes = size, plane_bytes
+        made = [staging((self.span, size * plane_bytes)) for _ in range(self.slots)]
+        self.arrays = [a for a, _, _ in made]
+        self.views = [v for _, v, _ in made]
+        self.close = weakref.finalize(self, release_all, [r for _, _, r in made])
 
-    def rows(self, k: int) -> list[np.ndarray]:
-        """Block k's row of each plane, to decode into."""
-        return [v[k % self.span] for v in self.views[(k // self.span) % self.slots]]
+    def rows(self, k: int, planes: bool) -> list[np.ndarray]:
+        """Block k's staging: one row per byte plane (planes), else one for the run's bytes."""
+        row = self.views[(k // self.span) % self.slots][k % self.span]
+        return planes_of(row, self.size) if planes else [row]
 
     def planes(self, first: int, count: int) -> list[mx.array]:
-        """The planes of the span that starts at block `first` ([count, plane bytes] each), to join."""
-        return [a[:count] for a in self.arrays[(first // self.span) % self.slots]]
+        """Blocks [first, first + count) of one span as planes ([count, plane bytes] each), to join."""
+        return planes_of(self.raw(first, count), self.size)
+
+    def raw(self, first: int, count: int) -> mx.array:
+        """Blocks [first, first + count) of one span as stored by the raw codec ([count, run bytes])."""
+        return self.arrays[(first // self.span) % self.slots][first % self.span : first % self.span + count]
+
+
+def planes_of(stage: mx.array | np.ndarray, size: int) -> list:
+    """The byte planes of one staged row set ([n, size * plane bytes] -> size x [n, plane bytes])."""
+    plane_bytes = stage.shape[-1] // size
+    return [stage[..., p * plane_bytes : (p + 1) * plane_bytes] for p in range(size)]
+
+
+def release_all(releases: list[Callable[[], None]]) -> None:
+    for release in releases:
+        release()
 
 
 def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
@@ -118,8 +166,18 @@ def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[in
         x = x | (plane.astype(unsigned) << (8 * (size - 1 - k)))
     if rotate:
         x = (x >> 1) | (x << (size * 8 - 1))
+    return _lay_out(x, blocks, tensors, block_shape).view(PLANAR_DTYPES[dtype][0])
+
+
+def join_raw(data: mx.array, dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
+    """Staged raw runs ([blocks, run bytes] uint8) -> [tensors, *lead, blocks*B, dim]: a view and one layout pass."""
+    x = mx.contiguous(data).view(PLANAR_DTYPES[dtype][1])
+    return _lay_out(x, data.shape[0], tensors, block_shape).view(PLANAR_DTYPES[dtype][0])
+
+
+def _lay_out(x: mx.array, blocks: int, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
+    """[blocks, tensors * block values] of unsigned words -> [tensors, *lead, blocks*B, dim]."""
     lead, b, dim = block_shape[:-2], block_shape[-2], block_shape[-1]
     x = x.reshape(blocks, tensors, *lead, b, dim)
     x = mx.moveaxis(x, 0, len(lead) + 1)  # [tensors, *lead, blocks, B, dim]
-    x = x.reshape(tensors, *lead, blocks * b, dim)
-    return x.view(PLANAR_DTYPES[dtype][0])
+    return x.reshape(tensors, *lead, blocks * b, dim)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -127,10 +128,11 @@ class Buffers:
             for name, buf in self.buffers.items():
                 self.views[name] = np.asarray(buf.view(mx.uint16) if buf.dtype == mx.bfloat16 else buf)
         self.order = tuple(t for unit, _, _, _ in self.units for t in self.parts[unit])
-        self.staged: set[int] = set()
+        self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.ring: devplanes.Ring | None = None
-        self.tail_planes: list[np.ndarray] = []
-        self._tail_arrays: list[mx.array] = []
+        self._tail_view: np.ndarray | None = None
+        self._tail_array: mx.array | None = None
+        self._tail_release: Callable[[], Any] = lambda: None
         self.pieces: dict[str, list[mx.array]] = {name: [] for name in self.order}  # joined spans, in order
         self.joined = 0  # blocks the pieces cover (from 0); the rest are uploaded from the host views at finish
         specs = {t: sample[t] for t in self.order}
@@ -146,9 +148,9 @@ class Buffers:
             self.ring = devplanes.Ring(blocks, size, per_token * block_tokens, size * per_token * block_tokens)
             self.span = self.ring.span
             if tail_tokens:
-                self._tail_arrays = [mx.zeros((1, per_token * tail_tokens), mx.uint8) for _ in range(size)]
-                mx.eval(self._tail_arrays)
-                self.tail_planes = [np.asarray(a) for a in self._tail_arrays]
+                array, view, release = devplanes.staging((1, size * per_token * tail_tokens))
+                self._tail_array, self._tail_view = array, view[0]
+                self._tail_release = weakref.finalize(self, release)
 
     def spans(self, n_blocks: int) -> list[tuple[int, int]]:
         """(first, count) of the spans blocks are restored in: each is decoded, then joined (join_span)."""
@@ -160,17 +162,23 @@ class Buffers:
         return self.ring.slots if self.ring is not None else 1 << 30
 
     def stage(self, k: int | None) -> Stage | None:
-        """Staging for block k's planes (None: the tail's), format-2 plain KV on a GPU; else None (CPU join)."""
-        if (self.ring is None) if k is not None else not self.tail_planes:
+        """Staging for block k's run as stored (None: the tail's), format-2 plain KV on a GPU; else None
+        (decoded into the host views)."""
+        if (self.ring is None) if k is not None else self._tail_view is None:
             return None
 
-        def where(names: tuple[str, ...], dtype: str, n: int) -> list[np.ndarray] | None:
-            rows = self.ring.rows(k) if k is not None else [p[0] for p in self.tail_planes]
-            if names != self.order or dtype != self.dtypes[names[0]] or n != rows[0].size:
+        def where(names: tuple[str, ...], dtype: str, n: int, planes: bool) -> list[np.ndarray] | None:
+            size = DTYPES[dtype][0].itemsize
+            rows = self.ring.rows(k, planes) if k is not None else (
+                devplanes.planes_of(self._tail_view, size) if planes else [self._tail_view])
+            if names != self.order or dtype != self.dtypes[names[0]] or n * size != self._row_bytes(k):
                 return None
-            self.staged.add(k if k is not None else -1)
+            self.staged[k if k is not None else -1] = planes
             return rows
         return where
+
+    def _row_bytes(self, k: int | None) -> int:
+        return self.ring.size * self.ring.plane_bytes if k is not None else self._tail_view.size
 
     def join_span(self, first: int, count: int) -> None:
         """Engine thread, once blocks [first, first + count) are in place: move them to the device.
@@ -183,19 +191,25 @@ class Buffers:
         if self.mode == "direct" or not self.order:
             return
         b = self.block_tokens
-        staged = [k in self.staged for k in range(first, first + count)]
         dtype, tensors = self.dtypes[self.order[0]], len(self.order)
-        whole = devplanes.join(self.ring.planes(first, count), dtype, tensors, self.block_shape) if any(staged) else None
-        out = [whole] if whole is not None else []
-        for t, name in enumerate(self.order):
-            joined = whole[t] if whole is not None else None
-            if all(staged):
-                piece = joined
+        # Runs of blocks staged alike (planes, raw, or not staged: RAM tier, another layout), in order.
+        runs: list[tuple[bool | None, int, int]] = []
+        for k in range(first, first + count):
+            kind = self.staged.get(k)
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], runs[-1][2] + 1)
             else:
-                view = self.views[name]
-                piece = mx.concatenate([joined[..., i * b : (i + 1) * b, :] if s else
-                                        _device(view[..., k * b : (k + 1) * b, :], self.dtypes[name])
-                                        for i, (k, s) in enumerate(zip(range(first, first + count), staged))], axis=-2)
+                runs.append((kind, k, 1))
+        wholes = [None if kind is None else
+                  devplanes.join(self.ring.planes(k, n), dtype, tensors, self.block_shape) if kind else
+                  devplanes.join_raw(self.ring.raw(k, n), dtype, tensors, self.block_shape)
+                  for kind, k, n in runs]
+        out = [w for w in wholes if w is not None]
+        for t, name in enumerate(self.order):
+            parts = [whole[t] if whole is not None else
+                     _device(self.views[name][..., k * b : (k + n) * b, :], self.dtypes[name])
+                     for whole, (_, k, n) in zip(wholes, runs)]
+            piece = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
             self.pieces[name].append(piece)
             out.append(piece)
         mx.eval(out)
@@ -272,8 +286,10 @@ class Buffers:
         n_full, rest = divmod(n_tokens, self.block_tokens)
         tail = None
         if rest and -1 in self.staged:  # every tensor's partial block joined in one pass
-            tail = devplanes.join(self._tail_arrays, self.dtypes[self.order[0]], len(self.order),
-                                  (*self.block_shape[:-2], rest, self.block_shape[-1]))
+            dtype, shape = self.dtypes[self.order[0]], (*self.block_shape[:-2], rest, self.block_shape[-1])
+            size = DTYPES[dtype][0].itemsize
+            tail = (devplanes.join(devplanes.planes_of(self._tail_array, size), dtype, len(self.order), shape)
+                    if self.staged[-1] else devplanes.join_raw(self._tail_array, dtype, len(self.order), shape))
         out = {}
         for t, name in enumerate(self.order):
             view, pieces = self.views[name], self.pieces[name]
@@ -320,7 +336,10 @@ class Buffers:
         mx.eval([s for c in self.cache for s in _state_arrays(c)])
         # Drop every other reference to MLX memory here, on the engine thread (the object itself
         # may die elsewhere); staging and join temporaries go back rather than stay cached.
-        self.buffers, self.views, self.ring, self._tail_arrays, self.tail_planes = {}, {}, None, [], []
+        if self.ring is not None:
+            self.ring.close()  # staging leaves the host before MLX may reuse it for a kernel's output
+        self._tail_release()
+        self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
         if self.mode == "staged":
             mx.clear_cache()
         return self.cache

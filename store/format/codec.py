@@ -105,12 +105,19 @@ DTYPES: dict[str, tuple[np.dtype, bool]] = {
 }
 _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF16"}
 
+# A staged section is read (decompressed or copied) and digested this many bytes at a time: each
+# piece is one call that releases the GIL for each of the two, so smaller pieces stay in the
+# CPU's cache and larger ones take the GIL less often (bench/ring_upload.py --pieces measures).
+STAGE_PIECE_BYTES = 2 << 20
+
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
-# Staging for a format-2 run's planes: given (names, dtype name, bytes per plane), one contiguous
-# uint8 array of that many bytes per plane, or None to have the run joined into place.
-Stage = Callable[[tuple[str, ...], str, int], "list[np.ndarray] | None"]
+# Staging for a format-2 run as stored: given (names, dtype name, values in the run, planes), for a
+# "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each,
+# for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
+# run decoded into place.
+Stage = Callable[[tuple[str, ...], str, int, bool], "list[np.ndarray] | None"]
 
 
 class BlockFormatError(ValueError):
@@ -595,15 +602,18 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
     holder, rotate = DTYPES[dtype]
     sizes = [math.prod(shape) for _, _, shape in run]
     total = sum(sizes)
-    staged = stage(tuple(name for name, _, _ in run), dtype, total) if stage is not None and codec != "raw" else None
+    staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
         sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest.enabled)]
     else:
         sections = [_Pieces(reader, total, f"plane{k}", digest.enabled) for k in range(holder.itemsize)]
     if staged is not None:
         for section, plane in zip(sections, staged):
-            for lo in range(0, total, CHUNK_BYTES):
-                section.take(min(CHUNK_BYTES, total - lo), plane[lo : lo + CHUNK_BYTES])
+            if plane.size != section.expect:
+                raise BlockFormatError(f"staging of {plane.size} bytes for a section of {section.expect}")
+            step = STAGE_PIECE_BYTES
+            for lo in range(0, plane.size, step):
+                section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
         return
     starts = _bounds(sizes)
@@ -633,9 +643,10 @@ def decode_into(
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    stage(names, dtype, plane_bytes): for a format-2 "planes-zstd" run, one
-    contiguous uint8 array of plane_bytes per byte plane to decode its planes
-    into, left unjoined (the run's tensors are then not in the result), or None.
+    stage(names, dtype, values, planes): for a format-2 run, where to read
+    its sections as stored (`Stage`): a "planes-zstd" run's byte planes left
+    unjoined, a "raw" run's bytes as they are (the run's tensors are then not
+    in the result), or None.
     Returns (tensors, metadata, digest hex); `tensors` holds every tensor not
     staged, placed ones as the destination arrays themselves. The caller
     compares the digest with the one it expects (the store always does);
