@@ -170,7 +170,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           io_inflight_bytes=settings.io_inflight_bytes,
                                           max_batch=settings.max_batch,
                                           prefill_step=settings.prefill_step, max_context=settings.max_context,
-                                          limits=limits, persist=settings.persist)).result()
+                                          limits=limits, persist=settings.persist, warm=False)).result()
     thread.attach(engine.decoder)
     manager = SessionManager(engine, thread, settings)
     if settings.remote is not None:
@@ -236,6 +236,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)
+            services.start_soon(_warm, manager)
             if manager.remote is not None:  # connects (retrying) and uploads in the background
                 services.start_soon(manager.remote.run)
             if http is not None:
@@ -278,6 +279,20 @@ async def _signals(stop: anyio.Event) -> None:
             log.info("signal", extra={"signal": signal.Signals(signum).name})
             stop.set()
             return
+
+
+async def _warm(manager: SessionManager) -> None:
+    """The engine's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers,
+    one short engine-thread job at a time: a request that comes meanwhile waits for one job, not all."""
+    started, jobs = time.perf_counter(), manager.engine.warm_jobs()
+    for job in jobs:
+        try:
+            await manager.thread.run(job)
+        except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
+            log.warning("warm-up failed", extra={"error": repr(exc)})
+            return
+    if jobs:
+        log.info("warm", extra={"jobs": len(jobs), "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:

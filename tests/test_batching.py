@@ -275,6 +275,24 @@ def test_each_slot_size_is_warmed_on_dead_rows_without_a_call(engine):
     assert solo_tokens(engine, "after", PROMPTS[0], params) == alone
 
 
+def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monkeypatch):
+    # Was one step of the engine's construction on CUDA (each slot size's kernels, then the attention
+    # paths' costs at every key length): seconds before the daemon listened. Now jobs for the engine
+    # thread, one per size and per key length; until the last, short chunks take the plain path.
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    jobs = engine.warm_jobs()
+    assert len(jobs) == 3 + 2  # sizes 2, 4, 8; key lengths 1024, 4096
+    for job in jobs[:-1]:
+        job()
+    assert passes.sizes == [2, 2, 4, 4, 8, 8] and engine.paths is None
+    jobs[-1]()
+    assert [row[0] for row in engine.paths.table] == [1024, 4096] and engine.decoder.batch is None
+
+
 def test_a_one_token_session_takes_a_dead_slot_and_decodes_as_alone(engine):
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (2, 12, 12, 12, 8)]

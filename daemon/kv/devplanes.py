@@ -20,6 +20,7 @@ others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +31,8 @@ import numpy as np
 from kvwake.daemon.kv import cudart
 from kvwake.store.format.codec import DTYPES, Planed
 
-__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "join", "join_raw", "planar", "planes_of",
-           "release_all", "split_span", "staging"]
+__all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "drop_idle", "join", "join_raw", "planar",
+           "planes_of", "release_all", "split_span", "staging"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
@@ -124,13 +125,15 @@ class Ring:
     """
 
     def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int) -> None:
-        self.span = max(1, min(blocks, SPAN_BYTES // max(1, block_bytes)))
+        rows = max(1, SPAN_BYTES // max(1, block_bytes))
+        self.span = min(blocks, rows) if blocks else 1
         self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
         self.size, self.plane_bytes = size, plane_bytes
-        made = [staging((self.span, size * plane_bytes)) for _ in range(self.slots)]
+        shape = (rows, size * plane_bytes)  # whole spans whatever this wake needs: the slots are kept for the next
+        made = [_take_slot(shape) for _ in range(self.slots)]
         self.arrays = [a for a, _, _ in made]
         self.views = [v for _, v, _ in made]
-        self.close = weakref.finalize(self, release_all, [r for _, _, r in made])
+        self.close = weakref.finalize(self, _give_back, shape, made)
 
     def rows(self, k: int, planes: bool) -> list[np.ndarray]:
         """Block k's staging: one row per byte plane (planes), else one for the run's bytes."""
@@ -144,6 +147,41 @@ class Ring:
     def raw(self, first: int, count: int) -> mx.array:
         """Blocks [first, first + count) of one span as stored by the raw codec ([count, run bytes])."""
         return self.arrays[(first // self.span) % self.slots][first % self.span : first % self.span + count]
+
+
+# Idle slots of one shape kept between wakes (made once: a slot is a fresh managed allocation the
+# CPU writes zeros into, ~50 ms per 128 MiB on the H100 machine, a fixed cost a small wake notices),
+# still mapped for the GPU; `drop_idle` releases them (the engine's close).
+KEEP_SLOTS = RING_SLOTS
+_idle_lock = threading.Lock()
+_idle: tuple[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] | None = None
+
+
+def _take_slot(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray, Callable[[], None]]:
+    with _idle_lock:
+        if _idle is not None and _idle[0] == shape and _idle[1]:
+            return _idle[1].pop()
+    return staging(shape)
+
+
+def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]]) -> None:
+    global _idle
+    with _idle_lock:
+        stale = []
+        if _idle is None or _idle[0] != shape:
+            stale, _idle = (_idle[1] if _idle else []), (shape, [])
+        room = max(0, KEEP_SLOTS - len(_idle[1]))
+        _idle[1].extend(slots[:room])
+        stale += slots[room:]
+    release_all([release for _, _, release in stale])
+
+
+def drop_idle() -> None:
+    """Release the slots kept between wakes (their memory goes back to MLX)."""
+    global _idle
+    with _idle_lock:
+        stale, _idle = (_idle[1] if _idle else []), None
+    release_all([release for _, _, release in stale])
 
 
 def planes_of(stage: mx.array | np.ndarray, size: int) -> list:

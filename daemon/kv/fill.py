@@ -337,8 +337,8 @@ class Buffers:
         # Drop every other reference to MLX memory here, on the engine thread (the object itself
         # may die elsewhere); staging and join temporaries go back rather than stay cached.
         if self.ring is not None:
-            self.ring.close()  # staging leaves the host before MLX may reuse it for a kernel's output
-        self._tail_release()
+            self.ring.close()  # its slots wait for the next wake, still mapped (devplanes.drop_idle frees them)
+        self._tail_release()  # staging leaves the host before MLX may reuse it for a kernel's output
         self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
         if self.mode == "staged":
             mx.clear_cache()

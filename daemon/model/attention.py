@@ -31,7 +31,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -135,6 +135,31 @@ class PathCosts:
     @classmethod
     def measure(cls, model: Any, key_lengths: list[int], queries: int = 128, repeats: int = 2) -> PathCosts | None:
         """Costs for `model`'s attention shape (None when its args do not give it)."""
+        got: list[PathCosts | None] = []
+        for step in cls.steps(model, key_lengths, got.append, queries, repeats):
+            step()
+        return got[0]
+
+    @classmethod
+    def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any], queries: int = 128,
+              repeats: int = 2) -> list[Callable[[], None]]:
+        """`measure` as short jobs, one per key length (each a few of the fused kernel's graph builds); the
+        last calls done(costs). Run in order, on the thread that runs the model."""
+        shape = cls._shape(model)
+        if shape is None:
+            return [lambda: done(None)]
+        layers, heads, kv_heads, head_dim, dtype = shape
+        table: list[tuple[int, float, float, float]] = []
+
+        def one(k: int, last: bool) -> None:
+            table.append((k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats)))
+            if last:
+                done(cls(layers, queries, table))
+        return [lambda k=k, last=i == len(key_lengths) - 1: one(k, last) for i, k in enumerate(key_lengths)] or \
+            [lambda: done(cls(layers, queries, table))]
+
+    @staticmethod
+    def _shape(model: Any) -> tuple[int, int, int, int, Any] | None:
         args = getattr(model, "args", None)
         heads = getattr(args, "num_attention_heads", None)
         hidden = getattr(args, "hidden_size", None)
@@ -145,8 +170,7 @@ class PathCosts:
         head_dim = getattr(args, "head_dim", None) or hidden // heads
         dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
                      mx.float16)
-        table = [(k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats)) for k in key_lengths]
-        return cls(layers, queries, table)
+        return layers, heads, kv_heads, head_dim, dtype
 
     def costs(self, q: int, k: int) -> tuple[float, float]:
         """(plain, fused) seconds for a chunk of q queries over k keys, all layers."""

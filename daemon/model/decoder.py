@@ -116,15 +116,23 @@ class Decoder:
     def warm(self, layers: int) -> list[int]:
         """Two batched steps at each slot size up to max_batch, on dead rows (no call), so MLX builds each
         size's kernels before a request meets them (MLX on CUDA compiles per shape). The sizes warmed."""
+        sizes = self.warm_sizes()
+        for n in sizes:
+            self.warm_size(n, layers)
+        return sizes
+
+    def warm_sizes(self) -> list[int]:
+        """The slot sizes `warm` builds (none unless batched)."""
         if self.mode != "batched":
             return []
-        sizes = sorted({slot_size(n, self.max_batch) for n in range(2, self.max_batch + 1)})
+        return sorted({slot_size(n, self.max_batch) for n in range(2, self.max_batch + 1)})
+
+    def warm_size(self, n: int, layers: int) -> None:
+        """One size of `warm`: a batch of its own, so it may run between the live batch's steps."""
         with mx.stream(generation_stream):
-            for n in sizes:
-                batch = dead_rows(self.model, list(range(n)), layers)
-                batch.next()
-                batch.next()
-        return sizes
+            batch = dead_rows(self.model, list(range(n)), layers)
+            batch.next()
+            batch.next()
 
     def abort(self, exc: BaseException) -> None:
         """Fail every call (the engine thread is stopping)."""

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from kvwake.daemon.kv import fill, pipeline, prefixhit, state
+from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
@@ -103,6 +103,7 @@ class Engine:
         max_context: int | None = None,
         limits: memory.Limits | None = None,
         persist: bool = False,
+        warm: bool = True,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
@@ -129,13 +130,15 @@ class Engine:
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        if attention.on_cuda():  # each batch size's kernels built now, not by a request
-            self.decoder.warm(len(probe))
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
-        # Which path a short chunk's attention takes: measured at this model's shape, off the request path.
-        self.paths = attention.PathCosts.measure(self.model, attention.key_ladder(self.context_length)) \
-            if self.plain_prefill else None
+        # Which path a short chunk's attention takes, measured at this model's shape (warm_jobs); until
+        # then, and off CUDA, short chunks take the plain ops.
+        self.paths: attention.PathCosts | None = None
+        self._layers = len(probe)
+        if warm:
+            for job in self.warm_jobs():
+                job()
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
@@ -144,9 +147,23 @@ class Engine:
         self.limits = limits
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
 
+    def warm_jobs(self) -> list[Callable[[], Any]]:
+        """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
+        unless made with warm=False; the daemon runs them after it answers): each batch size's kernels
+        built (MLX compiles per shape), then the attention paths' costs measured per key length. None
+        elsewhere."""
+        jobs: list[Callable[[], Any]] = []
+        if attention.on_cuda():
+            jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
+        if self.plain_prefill:
+            jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
+                                              lambda costs: setattr(self, "paths", costs))
+        return jobs
+
     def close(self) -> None:
         self.persister.close()
         self.pool.close()
+        devplanes.drop_idle()
 
     def _vocab_size(self) -> int:
         args = getattr(self.model, "args", None)

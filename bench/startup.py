@@ -1,0 +1,99 @@
+"""Where `kvwake serve`'s start-up goes, and how long its first requests take (issue 23, point 6).
+
+usage: python bench/startup.py [--model tiny|default|PATH] [--starts 2] [--top 25] [--json OUT]
+
+1. In process: the engine made under cProfile (what a daemon does before it listens: loading the
+   weights, the bundle hash, warming the batch sizes' kernels, measuring attention paths), the top
+   functions by cumulative time, and the time of the import of MLX and mlx-lm before it.
+2. A real daemon, `--starts` times: process start -> "ready" in its log, then the first request (a
+   new session's chat call of 8 tokens) and a second one, timed from the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def in_process(model: Path, top: int) -> dict:
+    t0 = time.perf_counter()
+    import mlx.core as mx
+    import mlx_lm  # noqa: F401
+
+    imported = time.perf_counter() - t0
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.store import Store
+
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = cProfile.Profile()
+        t0 = time.perf_counter()
+        profile.enable()
+        engine = Engine(Store(Path(tmp) / "store"), Path(tmp), model)
+        profile.disable()
+        made = time.perf_counter() - t0
+        engine.close()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"import mlx + mlx_lm {imported:.2f} s; Engine() {made:.2f} s on {mx.default_device()}\n{out.getvalue()}",
+          flush=True)
+    return {"import_s": imported, "engine_s": made, "profile": out.getvalue()}
+
+
+def daemon_starts(model: Path, starts: int) -> list[dict]:
+    from tests.daemon import Daemon
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Daemon(Path(tmp), model)
+        for i in range(starts):
+            t0 = time.perf_counter()
+            d.start(timeout=300)
+            ready = time.perf_counter() - t0
+            c = d.client()
+            times = []
+            for k in range(2):
+                t1 = time.perf_counter()
+                sid = f"s{i}-{k}"
+                c.call("session.create", session_id=sid)
+                c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": f"Hello number {k}"}],
+                       max_tokens=8)
+                times.append(time.perf_counter() - t1)
+            c.close()
+            d.stop()
+            row = {"start": i, "ready_s": ready, "first_request_s": times[0], "second_request_s": times[1]}
+            rows.append(row)
+            print(f"start {i}: ready in {ready:.2f} s, first request {times[0] * 1000:.0f} ms, second "
+                  f"{times[1] * 1000:.0f} ms", flush=True)
+    return rows
+
+
+def main() -> None:
+    from batching import bench_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--starts", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        model = bench_model(args.model, Path(work))
+        out = {"model": args.model, "in_process": in_process(model, args.top),
+               "daemon": daemon_starts(model, args.starts)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
