@@ -373,3 +373,23 @@ def test_staging_mapped_for_the_gpu_is_kept_for_the_next_wake_and_unmapped_befor
     assert mapped and not unmapped
     devplanes.drop_idle()
     assert sorted(unmapped) == sorted(mapped)
+
+
+def test_a_block_decoded_anywhere_but_its_place_is_refused(engine):
+    # The check that a decode landed in place is by identity with the view `place` handed out (it was
+    # np.shares_memory, an overlap solver per tensor: 8% of a wake's decoding threads on the CPU).
+    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv.state import StateMismatchError
+
+    s = Session("s")
+    engine.append(s, tokens=list(range(40)))
+    record = engine.store.snapshot(engine.sleep(s)["snapshot_id"])
+    ref, b = record.blocks[1], engine.block_tokens
+    sample = engine.store.block_specs(ref)
+    buffers = kvfill.Buffers(engine.model, sample, b, 40, b, mode="direct")
+    buffers.check(engine.store.read_block(ref, place=buffers.place(b, b)), b, b, "block 1")
+    with pytest.raises(StateMismatchError, match="not of this model's KV"):
+        buffers.check(engine.store.read_block(ref), b, b, "block 1")  # decoded into new arrays
+    arrays = engine.store.read_block(ref, place=buffers.place(0, b))  # decoded into block 0's place
+    with pytest.raises(StateMismatchError, match="not of this model's KV"):
+        buffers.check(arrays, b, b, "block 1")

@@ -128,6 +128,9 @@ class Buffers:
             for name, buf in self.buffers.items():
                 self.views[name] = np.asarray(buf.view(mx.uint16) if buf.dtype == mx.bfloat16 else buf)
         self.order = tuple(t for unit, _, _, _ in self.units for t in self.parts[unit])
+        # The views handed out by `place` (tensor, first token): a decode returns each one it filled,
+        # checked by identity (np.shares_memory, an overlap solver, was 8% of a wake's decoding).
+        self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.ring: devplanes.Ring | None = None
         self._tail_view: np.ndarray | None = None
@@ -229,7 +232,10 @@ class Buffers:
         """Where a block (or the tail's partial block) covering tokens [start, start+count) decodes to."""
         def where(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
             view = self.views.get(name)
-            return None if view is None else view[..., start : start + count, :]
+            if view is None:
+                return None
+            self._placed[name, start] = placed = view[..., start : start + count, :]
+            return placed
         return where
 
     def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str, staged: bool = False) -> None:
@@ -245,7 +251,7 @@ class Buffers:
         for unit, parts in self.parts.items():
             for name in parts:
                 t = arrays.get(name)
-                if t is None or not _same_place(t.array, self.views[name][..., start : start + count, :]):
+                if t is None or t.array is not self._placed.pop((name, start), None):
                     raise StateMismatchError(f"{what}: {name} missing or not of this model's KV")
             if self.quantized[unit]:
                 quant = take_ints(dict(arrays), f"{unit}.quant", 2)
@@ -357,14 +363,6 @@ class Buffers:
             c.keys, c.values = buffers[f"{unit}.keys"], buffers[f"{unit}.values"]
         c.offset = n_tokens
         return c
-
-
-def _same_place(a: np.ndarray, b: np.ndarray) -> bool:
-    """a is exactly the view b (same first byte, shape and strides): what a decode into place returns.
-    (np.shares_memory, which this replaced, solved an overlap problem per tensor: 8% of a wake's
-    decoding threads here.)"""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
-            and a.strides == b.strides and a.dtype.itemsize == b.dtype.itemsize)
 
 
 def _device(host: np.ndarray, dtype: str) -> mx.array:
