@@ -284,7 +284,7 @@ async def _signals(stop: anyio.Event) -> None:
 async def _warm(manager: SessionManager) -> None:
     """The engine's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers,
     one short engine-thread job at a time: a request that comes meanwhile waits for one job, not all."""
-    started, jobs = time.perf_counter(), manager.engine.warm_jobs()
+    started, jobs = time.perf_counter(), await manager.thread.run(manager.engine.warm_jobs)
     for job in jobs:
         try:
             await manager.thread.run(job)

@@ -356,6 +356,7 @@ def test_staging_mapped_for_the_gpu_is_kept_for_the_next_wake_and_unmapped_befor
     mapped, unmapped = [], []
     monkeypatch.setattr(cudart, "map_to_device", lambda ptr, n: mapped.append((ptr, n)) or True)
     monkeypatch.setattr(cudart, "unmap", lambda ptr, n: unmapped.append((ptr, n)) or True)
+    monkeypatch.setattr(cudart, "active", lambda: True)
     engine = staged_engine
     a = Session("a")
     engine.append(a, tokens=list(range(70)))
@@ -393,3 +394,26 @@ def test_a_block_decoded_anywhere_but_its_place_is_refused(engine):
     arrays = engine.store.read_block(ref, place=buffers.place(0, b))  # decoded into block 0's place
     with pytest.raises(StateMismatchError, match="not of this model's KV"):
         buffers.check(arrays, b, b, "block 1")
+
+
+def test_a_mapping_is_all_or_nothing_and_its_undoing_tries_both_advices(monkeypatch):
+    # A refused second advice left the first (host preferred) in place for good, and a refused first
+    # undo skipped the second: memory MLX would reuse for a kernel's output stayed slow to write.
+    from kvwake.daemon.kv import cudart, devplanes
+
+    calls = []
+    refuse = {cudart._SET_ACCESSED_BY, cudart._UNSET_ACCESSED_BY}
+    monkeypatch.setattr(cudart, "_advise", lambda ptr, n, advice, kind, ident: calls.append(advice) or
+                        (1 if advice in refuse else 0))
+    assert not cudart.map_to_device(4096, 64)
+    assert calls == [cudart._SET_PREFERRED, cudart._SET_ACCESSED_BY, cudart._UNSET_PREFERRED]
+    calls.clear()
+    assert not cudart.unmap(4096, 64)
+    assert calls == [cudart._UNSET_ACCESSED_BY, cudart._UNSET_PREFERRED]
+    # Where nothing is mapped (the CPU, Metal) a ring's slots are its own size and are not kept.
+    monkeypatch.setattr(cudart, "_advise", False)
+    devplanes.drop_idle()
+    ring = devplanes.Ring(2, 2, 64, 128)
+    assert ring.arrays[0].shape == (2, 128)
+    ring.close()
+    assert devplanes._idle is None

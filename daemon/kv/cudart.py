@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["map_to_device", "unmap"]
+__all__ = ["active", "map_to_device", "unmap"]
 
 log = logging.getLogger("kvwake.cudart")
 
@@ -93,11 +93,27 @@ def _call(pairs: list[tuple[int, int, int]], ptr: int, nbytes: int) -> bool:
     return True
 
 
+def active() -> bool:
+    """True once a map_to_device call found the advice call (so staging here is mapped)."""
+    return bool(_advise)
+
+
 def map_to_device(ptr: int, nbytes: int, device: int = 0) -> bool:
-    """Keep [ptr, ptr + nbytes) (managed memory) on the host, mapped for `device` to read in place."""
-    return _call([(_SET_PREFERRED, _LOC_HOST, 0), (_SET_ACCESSED_BY, _LOC_DEVICE, device)], ptr, nbytes)
+    """Keep [ptr, ptr + nbytes) (managed memory) on the host, mapped for `device` to read in place.
+    All or nothing: if the second advice is refused, the first is undone."""
+    if not _call([(_SET_PREFERRED, _LOC_HOST, 0)], ptr, nbytes):
+        return False
+    if _call([(_SET_ACCESSED_BY, _LOC_DEVICE, device)], ptr, nbytes):
+        return True
+    _call([(_UNSET_PREFERRED, _LOC_HOST, 0)], ptr, nbytes)
+    return False
 
 
 def unmap(ptr: int, nbytes: int, device: int = 0) -> bool:
-    """Undo map_to_device: the memory migrates on use again, as MLX expects of its buffers."""
-    return _call([(_UNSET_ACCESSED_BY, _LOC_DEVICE, device), (_UNSET_PREFERRED, _LOC_HOST, 0)], ptr, nbytes)
+    """Undo map_to_device: the memory migrates on use again, as MLX expects of its buffers. Both
+    advices are undone even if one is refused (logged: the memory then stays slow for the GPU to write)."""
+    ok = [_call([advice], ptr, nbytes) for advice in ((_UNSET_ACCESSED_BY, _LOC_DEVICE, device),
+                                                      (_UNSET_PREFERRED, _LOC_HOST, 0))]
+    if not all(ok) and _advise:
+        log.warning("cudaMemAdvise could not undo a staging mapping", extra={"bytes": nbytes})
+    return all(ok)

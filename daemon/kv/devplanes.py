@@ -129,8 +129,17 @@ class Ring:
         self.span = min(blocks, rows) if blocks else 1
         self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
         self.size, self.plane_bytes = size, plane_bytes
-        shape = (rows, size * plane_bytes)  # whole spans whatever this wake needs: the slots are kept for the next
-        made = [_take_slot(shape) for _ in range(self.slots)]
+        # Mapped for a discrete GPU, slots of whole spans are kept for the next wake (made once); elsewhere
+        # (Metal's shared memory, the CPU) each wake makes slots of its own size and lets them go.
+        keep = STAGING == "mapped" and cudart.active()
+        shape = (rows if keep else self.span, size * plane_bytes)
+        made: list[tuple[mx.array, np.ndarray, Callable[[], None]]] = []
+        try:
+            for _ in range(self.slots):
+                made.append(_take_slot(shape))
+        except BaseException:
+            _give_back(shape, made)
+            raise
         self.arrays = [a for a, _, _ in made]
         self.views = [v for _, v, _ in made]
         self.close = weakref.finalize(self, _give_back, shape, made)
@@ -149,11 +158,11 @@ class Ring:
         return self.arrays[(first // self.span) % self.slots][first % self.span : first % self.span + count]
 
 
-# Idle slots of one shape kept between wakes (made once: a slot is a fresh managed allocation the
-# CPU writes zeros into, ~50 ms per 128 MiB on the H100 machine, a fixed cost a small wake notices),
-# still mapped for the GPU; `drop_idle` releases them (the engine's close).
+# Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
+# slot is a fresh managed allocation the CPU writes zeros into, ~50 ms per 128 MiB on the H100
+# machine, a fixed cost a small wake notices), still mapped; `drop_idle` releases them (the engine's close).
 KEEP_SLOTS = RING_SLOTS
-_idle_lock = threading.Lock()
+_idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
 _idle: tuple[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] | None = None
 
 
@@ -166,6 +175,9 @@ def _take_slot(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray, Callable[[
 
 def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]]) -> None:
     global _idle
+    if not cudart.active():  # nothing mapped, nothing worth keeping
+        release_all([release for _, _, release in slots])
+        return
     with _idle_lock:
         stale = []
         if _idle is None or _idle[0] != shape:

@@ -345,6 +345,7 @@ class Buffers:
         if self.ring is not None:
             self.ring.close()  # its slots wait for the next wake, still mapped (devplanes.drop_idle frees them)
         self._tail_release()  # staging leaves the host before MLX may reuse it for a kernel's output
+        self._placed.clear()
         self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
         if self.mode == "staged":
             mx.clear_cache()
