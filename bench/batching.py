@@ -152,7 +152,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
             "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps),
-            "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5),
+            "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5), **engine_split(inside),
             "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
             "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
 
@@ -162,10 +162,29 @@ def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: li
     while all n calls run."""
     with d.client() as c:
         while any(t.is_alive() for t in threads):
-            g = c.call("status")["generation"]
+            status = c.call("status")
+            g = status["generation"]
             if g["running"] == n:
-                inside.append({k: g[k] for k in ("step_ms", "batch_rows", "dead_rows")})
+                inside.append({**{k: g[k] for k in ("step_ms", "batch_rows", "dead_rows", "batch_next_s",
+                                                   "batch_outputs_s", "decode_steps")},
+                               **{k: v for k, v in status["engine_thread"].items() if k != "slow"}})
             time.sleep(0.25)
+
+
+def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the engine thread's time went while all N decoded (first to last status sample), per step, ms:
+    mlx-lm's step (the pass queued, the one before waited for), host work on the tokens, jobs between
+    steps, handing output to the event loop, and the thread idle."""
+    if len(inside) < 2:
+        return {}
+    a, b = inside[0], inside[-1]
+    steps = b["decode_steps"] - a["decode_steps"]
+    if steps <= 0:
+        return {}
+    per = lambda k: round((b[k] - a[k]) / steps * 1000, 3)  # noqa: E731
+    return {"split_ms_per_step": {"batch_next": per("batch_next_s"), "batch_outputs": per("batch_outputs_s"),
+                                  "step_total": per("step_s"), "jobs": per("job_s"), "flush": per("flush_s")},
+            "split_steps": steps}
 
 
 def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
@@ -192,14 +211,18 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> d
         time.sleep(0.005)
     alone_until = time.perf_counter()
     with d.client() as c:
-        began = time.perf_counter()
+        began, began_wall = time.perf_counter(), time.time()
         info = c.call("session.append", session_id=reader, text=text)
-        ended = time.perf_counter()
+        ended, ended_wall = time.perf_counter(), time.time()
+        slow = [j for j in c.call("status")["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
     thread.join()
     stream.client.close()
     return {"prefill_tokens": info["prefilled"], "prefill_s": round(ended - began, 3),
             "prefill_alone_s": round(prefill_alone, 3), "talker_outlasted_prefill": stream.ended > ended,
-            **gap_stats(stream, tokenizer, alone_until, (began, ended))}
+            **gap_stats(stream, tokenizer, alone_until, (began, ended)),
+            # the engine thread's jobs and steps over its SLOW_S during the prefill: what the talker waited for
+            "slow_engine_work": [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
+                                 for j in slow]}
 
 
 def gap_stats(stream: Stream, tokenizer: Any, alone_until: float, during: tuple[float, float]) -> dict[str, Any]:
@@ -351,6 +374,7 @@ def main() -> None:
     ap.add_argument("--mlx-server", action="store_true")
     ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
     ap.add_argument("--no-batch-generator", action="store_true")
+    ap.add_argument("--modes", default="batched,solo", help="daemon modes to run: batched (max_batch 32), solo (1)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the --whole row (alone, then together; median ratio)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
@@ -364,7 +388,7 @@ def main() -> None:
     sizes = [int(x) for x in a.sessions.split(",")]
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens_per_call": a.tokens,
                               "prefill_step": a.prefill_step, "decode": {}, "prefill": {}}
-    for mode, max_batch in (("batched", 32), ("solo", 1)):
+    for mode, max_batch in [(m, b) for m, b in (("batched", 32), ("solo", 1)) if m in a.modes.split(",")]:
         d = start_daemon(work / mode, model, max_batch, a.prefill_step)
         try:
             decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
@@ -380,7 +404,7 @@ def main() -> None:
         finally:
             d.stop()
         print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"][mode]), flush=True)
-    solo_one = report["decode"]["solo"][0]["tokens_per_s"] if sizes[0] == 1 else None
+    solo_one = report["decode"]["solo"][0]["tokens_per_s"] if sizes[0] == 1 and "solo" in report["decode"] else None
     for row in report["decode"]["batched"]:
         row["x_one_session_alone"] = round(row["tokens_per_s"] / solo_one, 2) if solo_one else None
     if not a.no_batch_generator:

@@ -3,6 +3,8 @@ match the same calls decoded alone, and hand back plain caches that sleep and wa
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -183,6 +185,29 @@ def test_a_failing_decode_step_fails_its_calls_and_the_engine_thread_goes_on(eng
         monkeypatch.undo()
         again = thread.submit(lambda: engine.generate(call.session, GenerateParams(max_tokens=4))).result(30)
         assert len(again.tokens) == 4
+    finally:
+        thread.stop()
+
+
+def test_the_engine_thread_says_where_its_time_went_and_names_the_slow_jobs(engine):
+    thread = EngineThread()
+    try:
+        thread.attach(engine.decoder)
+        calls = thread.submit(lambda: [engine.start_call(session(engine, f"t{i}", PROMPTS[i]),
+                                                         GenerateParams(max_tokens=24)) for i in range(2)]).result()
+
+        def slow_job() -> None:  # what a decoding neighbour waits for, by name
+            time.sleep(0.08)
+
+        thread.submit(lambda: [engine.decoder.join(c) for c in calls]).result()
+        thread.submit(slow_job).result()
+        assert all(len(c.future.result(timeout=60).tokens) == 24 for c in calls)
+        timing, spent = thread.timing(), engine.decoder.status()
+        assert timing["steps"] >= 24 and timing["step_s"] > 0 and timing["jobs"] >= 3
+        slow = [j for j in timing["slow"] if j["what"].endswith("slow_job")]
+        assert slow and slow[0]["ms"] >= 80 and abs(slow[0]["at"] - time.time()) < 60, timing["slow"]
+        assert slow[0]["what"] == "test_the_engine_thread_says_where_its_time_went_and_names_the_slow_jobs.slow_job"
+        assert 0 < spent["batch_next_s"] <= timing["step_s"] and 0 < spent["batch_outputs_s"] <= timing["step_s"]
     finally:
         thread.stop()
 

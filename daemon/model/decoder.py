@@ -87,6 +87,9 @@ class Decoder:
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.step_s = 0.0  # moving average of one step's wall time
+        # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
+        # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
+        self.spent = {"batch_next_s": 0.0, "batch_outputs_s": 0.0}
 
     @property
     def running(self) -> int:
@@ -314,6 +317,7 @@ class Decoder:
         if self.rows_sampling and RowsSampler.fits(samplers):  # one op samples every row (each its own key)
             self.batch.samplers = [RowsSampler(samplers)] * len(samplers)
             self.counters["rows_sampled_together"] += 1
+        started = time.perf_counter()
         try:
             responses = self.batch.next()
         except Exception as exc:
@@ -329,6 +333,8 @@ class Decoder:
         finally:
             if self.batch is not None:
                 self.batch.samplers = samplers
+        nexted = time.perf_counter()
+        self.spent["batch_next_s"] += nexted - started
         fed_only, done = self.fed_only, []
         self._count(len(responses) - len(fed_only) - len(self.dead))
         for i, r in enumerate(responses):
@@ -342,6 +348,7 @@ class Decoder:
             self._leave(done)
         if self.batch is not None:  # the rows that go on: their next mask, filled while this thread goes on
             self.masks.prefetch(_constraints(self._row_calls()), self.batch._next_tokens)
+        self.spent["batch_outputs_s"] += time.perf_counter() - nexted
 
     def _leave(self, done: list[tuple[int, int, str]]) -> None:
         """Give finished rows back to their sessions as plain caches; their slots stay, dead, for the
@@ -398,7 +405,8 @@ class Decoder:
         masks = self.masks
         return {"running": self.running, "waiting": len(self.waiting), **self.counters,
                 "batch_rows": len(self.batch.uids) if self.batch is not None else 0, "dead_rows": len(self.dead),
-                "step_ms": round(self.step_s * 1000, 3), "mask_fills": masks.fills,
+                "step_ms": round(self.step_s * 1000, 3), **{k: round(v, 4) for k, v in self.spent.items()},
+                "mask_fills": masks.fills,
                 "mask_fill_ms": round(masks.fill_s / masks.fills * 1000, 4) if masks.fills else None,
                 "mask_passes": masks.timing["passes"], "masks_ready_ahead": masks.timing["ready"],
                 "mask_take_ms": round(masks.timing["take_s"] / masks.timing["passes"] * 1000, 4)

@@ -14,6 +14,10 @@ never waits for a sleep or wake.
 Output for the event loop (streamed pieces, finished calls) is `post`ed: what a
 job or a decode step posts reaches each loop in one `call_soon_threadsafe`
 after it, in order, so a step of 32 rows wakes the loop once, not 32 times.
+
+What the thread spends its time on is kept for `status` (`timing`): seconds in
+jobs, in decode steps and in handing output over, and the last `SLOW_KEPT` jobs
+or steps that took over `SLOW_S`, by name: what a decoding neighbour waited for.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -36,6 +41,8 @@ log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
 Posted = tuple[Callable[..., Any], tuple[Any, ...]]
+SLOW_S = 0.05  # a job or step this long is named in `timing` (a decode step on the H100 takes ~15 ms)
+SLOW_KEPT = 32
 
 
 class EngineThread:
@@ -48,8 +55,10 @@ class EngineThread:
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
         self.hops = 0  # loop wake-ups made by `post`ed output (one per loop per job or step that posted)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
         self.busy_s = 0.0
+        self._spent = {"jobs": 0, "job_s": 0.0, "steps": 0, "step_s": 0.0, "flush_s": 0.0}
+        self._slow: deque[dict[str, Any]] = deque(maxlen=SLOW_KEPT)
+        self._thread.start()
 
     def attach(self, decoder: Decoder) -> None:
         """Step `decoder` between jobs from now on (takes effect on the engine thread, in order)."""
@@ -68,19 +77,38 @@ class EngineThread:
             start = time.perf_counter()
             if job:
                 self._do(job)
+                self._spend("job", _name(job[0]), start)
             if decoding:
+                stepped = time.perf_counter()
                 try:
                     decoder.step()
                 except Exception as exc:  # a bug, not a model error (those fail only their calls)
                     log.exception("decode step failed; failing every call in flight")
                     decoder.abort(exc)
+                self._spend("step", "decode step", stepped)
+            flushed = time.perf_counter()
             self._flush()
-            self.busy_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self._spent["flush_s"] += end - flushed
+            self.busy_s += end - start
         if self._decoder is not None:
             self._decoder.abort(CancelledError("the engine stopped"))
             self._flush()  # the calls' failures reach their waiters
         if self._on_exit is not None:
             self._on_exit()
+
+    def _spend(self, kind: str, name: str, start: float) -> None:
+        took = time.perf_counter() - start
+        self._spent[kind + "s"] += 1
+        self._spent[kind + "_s"] += took
+        if took > SLOW_S:
+            self._slow.append({"what": name, "ms": round(took * 1000, 1), "at": round(time.time() - took, 4)})
+
+    def timing(self) -> dict[str, Any]:
+        """Seconds spent in jobs, decode steps and handing output over, their counts, and the slow ones
+        (`at`: wall-clock start, seconds since the epoch), oldest first."""
+        spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
+        return {**spent, "slow_over_ms": SLOW_S * 1000, "slow": list(self._slow)}
 
     @staticmethod
     def _do(job: Job) -> None:
@@ -136,6 +164,12 @@ class EngineThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    """A job's name from its function: `Engine.prefill` for a lambda made in Engine.prefill."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return name.replace(".<locals>.<lambda>", "").replace(".<locals>", "")
 
 
 def _deliver(items: list[Posted]) -> None:
