@@ -115,10 +115,11 @@ def steady_tokens_per_s(streams: list[Stream], tokenizer: Any) -> float | None:
     return round(sum(done(a, end) - done(a, start) for a in seen) / (end - start), 1)
 
 
-def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int) -> Daemon:
+def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int, persist: bool = True) -> Daemon:
     root.mkdir(parents=True, exist_ok=True)
     # A budget no run reaches: no session is put to sleep in the middle of a measurement.
-    (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n")
+    (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n"
+                                    f"persist = {'true' if persist else 'false'}\n")
     return Daemon(root, model, block_tokens=128, extra=["--max-batch", str(max_batch)]).start(timeout=600)
 
 
@@ -374,6 +375,7 @@ def main() -> None:
     ap.add_argument("--mlx-server", action="store_true")
     ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
     ap.add_argument("--no-batch-generator", action="store_true")
+    ap.add_argument("--no-persist", action="store_true", help="the daemons run with persist = false")
     ap.add_argument("--modes", default="batched,solo", help="daemon modes to run: batched (max_batch 32), solo (1)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the --whole row (alone, then together; median ratio)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
@@ -387,9 +389,10 @@ def main() -> None:
     tokenizer = load_tokenizer(model)
     sizes = [int(x) for x in a.sessions.split(",")]
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "tokens_per_call": a.tokens,
+                              "persist": not a.no_persist,
                               "prefill_step": a.prefill_step, "decode": {}, "prefill": {}}
     for mode, max_batch in [(m, b) for m, b in (("batched", 32), ("solo", 1)) if m in a.modes.split(",")]:
-        d = start_daemon(work / mode, model, max_batch, a.prefill_step)
+        d = start_daemon(work / mode, model, max_batch, a.prefill_step, persist=not a.no_persist)
         try:
             decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
             report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]

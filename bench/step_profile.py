@@ -1,7 +1,8 @@
 """Where a batched decode step's time goes: the daemon's decoder in process against mlx-lm's BatchGenerator.
 
 usage: python bench/step_profile.py [--model tiny|default|PATH] [--sessions 8,16] [--tokens 96]
-                                    [--temperature 0] [--rounds 3] [--top 25] [--out bench/out]
+                                    [--temperature 0] [--rounds 3] [--between none|clear|gc] [--top 25]
+                                    [--out bench/out]
 
 For each N, --rounds times (alternating): mlx-lm's `BatchGenerator` decodes N prompts (steady state:
 the steps that return all N rows), then the engine's batched decoder (the daemon's code, in process:
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import sys
@@ -117,6 +119,8 @@ def main() -> None:
     ap.add_argument("--limits-ab", action="store_true", help="also time the decoder under the daemon's MLX limits")
     ap.add_argument("--engine-thread", action="store_true",
                     help="also time the decoder of an engine made and stepped on an EngineThread, as the daemon's")
+    ap.add_argument("--between", default="none", choices=["none", "clear", "gc"],
+                    help="after each round: nothing, mx.clear_cache() (MLX's cached buffers freed), or gc.collect()")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
@@ -128,6 +132,7 @@ def main() -> None:
         loaded, tokenizer = mlx_lm.load(str(model))
         sizes = [int(x) for x in a.sessions.split(",")]
         report: dict[str, Any] = {"model": model.name, "device": str(mx.default_device()), "tokens": a.tokens,
+                                  "between_rounds": a.between,
                                   "temperature": a.temperature, "rows": []}
         store = Store(work / "store", block_tokens=16)
         engine = Engine(store, work, model, max_batch=64)
@@ -144,6 +149,11 @@ def main() -> None:
                 threaded.steps(max(sizes), 8, a.temperature, "warm")
             runs: dict[int, dict[str, list[float]]] = {n: {"decoder": [], "batch_generator": []} for n in sizes}
             for r in range(a.rounds):  # alternating, so a drift of the machine's speed hits both alike
+                report.setdefault("memory_per_round", []).append(Engine.mlx_memory())
+                if a.between == "clear":
+                    mx.clear_cache()
+                elif a.between == "gc":
+                    gc.collect()
                 for n in sizes:
                     mlx_lm_steps = batch_generator_steps(loaded, tokenizer, n, a.tokens, WARMUP)
                     runs[n]["batch_generator"].append(mean_ms(mlx_lm_steps))

@@ -310,12 +310,35 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()
-    assert len(jobs) == 3 + 2  # sizes 2, 4, 8; key lengths 1024, 4096
+    assert len(jobs) == 3 + len(attention.DECODE_WARM_CAPACITIES) + 2  # sizes 2, 4, 8; decode; keys 1024, 4096
     for job in jobs[:-1]:
         job()
-    assert passes.sizes == [2, 2, 4, 4, 8, 8] and engine.paths is None
+    assert passes.sizes[:6] == [2, 2, 4, 4, 8, 8] and engine.paths is None
     jobs[-1]()
     assert [row[0] for row in engine.paths.table] == [1024, 4096] and engine.decoder.batch is None
+
+
+def test_a_lone_sessions_decode_is_warmed_at_whole_capacities_and_the_model_is_left_as_it_was(engine, monkeypatch):
+    # On CUDA a lone session's decode step over a buffer of a multiple of 256 tokens builds a cuDNN graph
+    # per capacity (the first ones ~0.8 s on the H100: a decoding neighbour's p99 beside a prefill).
+    import mlx_lm.models.llama as llama
+
+    from kvwake.daemon.model import attention
+
+    params = GenerateParams(max_tokens=6)
+    before = solo_tokens(engine, "before", PROMPTS[0], params)
+    fused, seen = llama.scaled_dot_product_attention, []
+
+    def spy(queries, keys, values, cache, scale, mask, sinks=None):
+        seen.append((queries.shape[2], keys.shape[2], cache.keys.shape[2]))
+        return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", spy)
+    assert attention.warm_decode(engine.model, 512)
+    monkeypatch.undo()
+    # one query over a whole 512-token buffer (a slice of all of it), in every layer
+    assert seen[-len(engine.make_cache()):] == [(1, 512, 512)] * len(engine.make_cache()), seen
+    assert solo_tokens(engine, "after", PROMPTS[0], params) == before
 
 
 def test_a_one_token_session_takes_a_dead_slot_and_decodes_as_alone(engine):

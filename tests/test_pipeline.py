@@ -417,3 +417,33 @@ def test_a_mapping_is_all_or_nothing_and_its_undoing_tries_both_advices(monkeypa
     assert ring.arrays[0].shape == (2, 128)
     ring.close()
     assert devplanes._idle is None
+
+
+@pytest.mark.parametrize("what", ["prefix hit", "wake"])
+def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine, monkeypatch, what):
+    # On the H100 a prefix hit of 5.6k tokens (8B shape) moved 0.7 GB from host views to the device in
+    # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out ~UPLOAD_JOB_BYTES.
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    monkeypatch.setattr(kvfill, "UPLOAD_JOB_BYTES", 1)  # one tensor per job
+    tokens = list(range(3, 203))
+    hot = Session("hot")
+    engine.append(hot, tokens=tokens)
+    engine.sleep(hot, free=False)  # its blocks are stored: a prefix for the next session
+    jobs: list[str] = []
+
+    def mlx(fn):
+        jobs.append(getattr(fn, "__qualname__", ""))
+        return fn()
+
+    if what == "prefix hit":
+        cold = Session("cold")
+        engine.append(cold, tokens=tokens, mlx=mlx)
+        assert engine.counters["tokens_reused"] >= 192
+    else:
+        cold, _ = engine.wake("hot", mlx=mlx)
+    uploads = [j for j in jobs if "<lambda>" in j and ("restore_prefix" in j or "_restore" in j)]
+    tensors = 2 * len(engine.make_cache())  # keys and values per layer
+    assert len(uploads) >= tensors, jobs  # a job per tensor (and the buffers' and the finish's)
+    assert_same_kv_and_continuation(engine, hot, cold, 192)

@@ -326,6 +326,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
     tail = dict(tail_box[0]) if tail_box else {}
     if rest:
         buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
+    while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_BYTES)):  # a decoding neighbour waits a slice
+        pass
     return mlx(lambda: buffers.finish(n, tail))
 
 

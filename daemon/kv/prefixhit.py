@@ -59,6 +59,8 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
         tokens += hit.partial.tokens
     if not tokens:
         return None, 0
+    while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_BYTES)):  # a decoding neighbour waits a slice
+        pass
     cache = mlx(lambda: buffers.finish(tokens, None))
     if ctx.kv_bits is not None:
         cache = mlx(lambda: ctx.quantize(cache))

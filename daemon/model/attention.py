@@ -37,7 +37,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-__all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "on_cuda", "plain_attention", "plain_prefill", "wanted"]
+__all__ = ["DECODE_WARM_CAPACITIES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "on_cuda",
+           "plain_attention", "plain_prefill", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -47,6 +48,17 @@ __all__ = ["PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "o
 # graphs are plans, kept on the host. Read when MLX first runs attention on a thread: set at import.
 SDPA_GRAPHS = 1 << 16
 os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(SDPA_GRAPHS))
+
+# A session decoding alone (one query, no mask) over a plain KVCache whose buffer holds a multiple of 256
+# tokens (mlx-lm grows it by 256) decodes on CUDA through a cuDNN graph per (batch, buffer capacity), built
+# the first time a step meets that capacity (mlx/backend/cuda/scaled_dot_product_attention.cpp,
+# `use_cudnn_for_decoding`). Measured on the H100 machine (8B shape, bench/decode_attention.py): the first
+# two such builds in a process took 975 and 524 ms (cuDNN compiling its decode kernels), later ones 80 ms;
+# steady, cuDNN's step beat MLX's vector kernel by 1.25x at 16k tokens and 1.53x at 32k (even at 1k-4k).
+# A daemon that had not built them stalled a decoding session for ~0.8 s twice, when its buffer first
+# reached 256 and 512 tokens (the p99 gap beside a long prefill). `warm_decode` builds at these capacities
+# off the request path, so the one-time compile is paid before the first request.
+DECODE_WARM_CAPACITIES = (256, 512, 4352)
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
@@ -98,6 +110,26 @@ def plain_attention(fused: Any) -> Any:
         out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
         return out.reshape(b, heads, q_len, -1).astype(values.dtype)
     return attention
+
+
+def warm_decode(model: Any, capacity: int) -> bool:
+    """One decode step of one row whose KV buffer holds `capacity` tokens, all of them used (on CUDA: the
+    cuDNN decode graph for that capacity built, its kernels compiled). The model is left as it was; False
+    when its cache is not plain KV layers (nothing to warm)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if not cache or not all(type(c) is KVCache for c in cache):
+        return False
+    token = mx.array([[0]], dtype=mx.uint32)
+    mx.eval(model(token, cache=cache))  # each layer's buffer: its shape and dtype
+    for c in cache:
+        b, heads, _, dim = c.keys.shape
+        c.keys = mx.zeros((b, heads, capacity, dim), c.keys.dtype)
+        c.values = mx.zeros((b, heads, capacity, c.values.shape[-1]), c.values.dtype)
+        c.offset = capacity - 1  # the step's token fills the buffer: keys are a whole-capacity slice
+    mx.eval(model(token, cache=cache))
+    return True
 
 
 @contextlib.contextmanager

@@ -150,11 +150,13 @@ class Engine:
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
         unless made with warm=False; the daemon runs them after it answers): each batch size's kernels
-        built (MLX compiles per shape), then the attention paths' costs measured per key length. None
-        elsewhere."""
+        built (MLX compiles per shape), a lone session's decode graphs at a few cache capacities
+        (attention.warm_decode), then the attention paths' costs measured per key length. None elsewhere."""
         jobs: list[Callable[[], Any]] = []
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
+            # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
+            jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.DECODE_WARM_CAPACITIES]
         if self.plain_prefill:
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self, "paths", costs))
