@@ -85,11 +85,14 @@ UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax",
 
 def hide_unused_frameworks() -> None:
     """Make UNUSED_FRAMEWORKS look absent to this process (None in sys.modules: find_spec, which
-    transformers asks, says None and an import fails), unless one is imported already."""
+    transformers asks, says None and an import fails), unless one is imported already, or transformers
+    is: it decides what is available once, at its import, and a framework hidden after that breaks it
+    (seen on the GPU machine: `serve` run in a test process that had imported transformers, whose next
+    model load failed importing torchvision.io and LlamaConfig)."""
     import os
     import sys
 
-    if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1":
+    if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1" or "transformers" in sys.modules:
         return
     for name in UNUSED_FRAMEWORKS:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]

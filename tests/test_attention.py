@@ -140,12 +140,48 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
     engine.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.001, 0.1)])  # a new fused shape: 100 ms more
     used, real = [], attention.plain_prefill
-    monkeypatch.setattr(attention, "plain_prefill", lambda m: used.append(m) or real(m))
+    monkeypatch.setattr(attention, "plain_prefill", lambda m, *a: used.append(m) or real(m, *a))
     got = engine.append(Session("s"), tokens=list(range(1, 80)))  # 78 to prefill: chunks of 32, 32, 14
     assert got["prefilled"] == 78 and len(used) == 1
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
     engine.append(Session("t"), tokens=list(range(1, 80)))
     assert len(used) == 1
+    engine.close()
+    store.close()
+
+
+def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_it_comes_back(model_dir, tmp_path,
+                                                                                           monkeypatch):
+    # On the H100 the first slice of a chunk whose cuDNN graph is new (a (queries, keys, buffer capacity)
+    # this process never ran: after a prefix hit, every chunk) took ~90 ms: a decoding neighbour's gap.
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import PLAIN_BEFORE_BUILD, Engine
+    from kvwake.daemon.model.generation import GenerateParams
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=32)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # short chunks: fused is cheaper
+    used, real = [], attention.plain_prefill
+    monkeypatch.setattr(attention, "plain_prefill", lambda m, q=attention.PLAIN_MAX_QUERIES: used.append(q) or real(m, q))
+    tokens = list(range(1, 66))  # 64 to prefill: two full chunks of 32
+    engine.append(Session("alone"), tokens=tokens)
+    assert used == []  # nobody decodes: fused, its graphs built
+    talker = Session("talker")
+    engine.append(talker, tokens=[5, 6, 7])
+    engine.decoder.join(engine.start_call(talker, GenerateParams(max_tokens=4)))  # a call decodes from now on
+    engine.append(Session("seen"), tokens=tokens)
+    assert used == []  # the same shapes: built already
+    longer = list(range(1, 98))  # a third full chunk: a shape never run
+    for k in range(PLAIN_BEFORE_BUILD + 1):
+        used.clear()
+        engine.append(Session(f"new{k}"), tokens=longer)
+        assert used == ([attention.PLAIN_MAX_QUERIES] if k < PLAIN_BEFORE_BUILD else []), (k, used)
+    cold = Session("cold")
+    engine.append(cold, tokens=longer)
+    assert engine.cache_bytes(cold) > 0 and cold.processed == 96
     engine.close()
     store.close()
 

@@ -218,9 +218,12 @@ def test_greedy_outputs_may_part_only_at_a_near_tie(cold):
     far, near = order[0], order[-2]  # the least likely token; the runner-up
     with pytest.raises(AssertionError, match="part at token 2"):
         assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [far], tokens)
-    margin = (logits[tokens[2]] - logits[near]).item()  # 0.19 of a largest logit of 5.4 here: within reach
-    assert margin <= 2 * CHUNKED_LOGIT_BOUND * mx.abs(logits).max().item()
-    assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [near], tokens)
+    margin = (logits[tokens[2]] - logits[near]).item()  # 0.19 of a largest logit of 5.4 on the CPU: within reach
+    if margin <= 2 * CHUNKED_LOGIT_BOUND * mx.abs(logits).max().item():
+        assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [near], tokens)
+    else:  # CUDA's numbers: the runner-up is out of reach there (0.84 of 6.2 on the H100), so a parting is refused
+        with pytest.raises(AssertionError, match="part at token 2"):
+            assert_diverges_only_at_a_tie(cold, SHARED, tokens[:2] + [near], tokens)
 
 
 def test_a_shared_prompt_of_two_and_a_half_blocks_is_reused_whole_from_another_sessions_block(engine, cold):

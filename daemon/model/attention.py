@@ -37,7 +37,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-__all__ = ["DECODE_WARM_CAPACITIES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "key_ladder", "on_cuda",
+__all__ = ["DECODE_WARM_CAPACITIES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
@@ -80,8 +80,9 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
-def plain_attention(fused: Any) -> Any:
-    """mlx-lm's `scaled_dot_product_attention` signature, in plain ops for causal or unmasked chunks.
+def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature, in plain ops for causal or unmasked chunks of
+    2..`max_queries` queries.
 
     Queries go in pieces whose float32 scores take at most `PLAIN_MAX_BYTES` (one piece up to ~8k keys
     for 32 heads and 256 queries), so a short chunk over a long context runs plain too."""
@@ -91,7 +92,7 @@ def plain_attention(fused: Any) -> Any:
         k_len = keys.shape[2]
         causal = isinstance(mask, str) and mask == "causal"
         rows = PLAIN_MAX_BYTES // (heads * k_len * 4)  # query rows per piece
-        if (not 1 < q_len <= PLAIN_MAX_QUERIES or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
+        if (not 1 < q_len <= max_queries or hasattr(cache, "bits") or sinks is not None or not (mask is None or causal)
                 or rows < 1):  # one query: MLX's vector kernel, no graph
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         kv_heads = keys.shape[1]
@@ -110,6 +111,22 @@ def plain_attention(fused: Any) -> Any:
         out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
         return out.reshape(b, heads, q_len, -1).astype(values.dtype)
     return attention
+
+
+def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
+    """What MLX's cuDNN graph for a chunk of `tokens` fed to `cache` is built for: (queries, keys, the
+    buffer's capacity after mlx-lm grows it; cuDNN's cache key holds the keys' strides, so a buffer of
+    another capacity is another graph). None when the first layer is not a plain KVCache."""
+    from mlx_lm.models.cache import KVCache
+
+    c = cache[0] if cache else None
+    if type(c) is not KVCache:
+        return None
+    prev, capacity = c.offset, (c.keys.shape[2] if c.keys is not None else 0)
+    if prev + tokens > capacity:  # KVCache.update_and_fetch: cut to the offset unless on a step, then grow
+        base = prev if prev % c.step else capacity
+        capacity = base + (c.step + tokens - 1) // c.step * c.step
+    return tokens, prev + tokens, capacity
 
 
 def warm_decode(model: Any, capacity: int) -> bool:
@@ -133,14 +150,14 @@ def warm_decode(model: Any, capacity: int) -> bool:
 
 
 @contextlib.contextmanager
-def plain_prefill(model: Any) -> Iterator[None]:
+def plain_prefill(model: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Iterator[None]:
     """For one prefill chunk: the model's module computes attention with `plain_attention`."""
     module = sys.modules.get(type(model).__module__)
     fused = getattr(module, "scaled_dot_product_attention", None)
     if fused is None:  # a model that does not take attention from mlx-lm's base: left as it is
         yield
         return
-    module.scaled_dot_product_attention = plain_attention(fused)
+    module.scaled_dot_product_attention = plain_attention(fused, max_queries)
     try:
         yield
     finally:

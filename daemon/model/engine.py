@@ -58,7 +58,8 @@ Shared = Callable[[list[int]], tuple[list | None, int]]
 ShouldStop = Callable[[], bool] | None
 
 
-THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
+THINK_LOOKBACK = 64
+PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built  # tokens at a prompt's end where a template's opened thinking span is looked for
 
 
 def context_length(model_path: Path) -> int | None:
@@ -135,6 +136,8 @@ class Engine:
         # Which path a short chunk's attention takes, measured at this model's shape (warm_jobs); until
         # then, and off CUDA, short chunks take the plain ops.
         self.paths: attention.PathCosts | None = None
+        self._fused_shapes: set[tuple[int, int, int]] = set()  # full chunks' fused shapes run (attention.fused_shape)
+        self._plain_shapes: dict[tuple[int, int, int], int] = {}  # new ones run plain beside decoding, how often
         self._layers = len(probe)
         if warm:
             for job in self.warm_jobs():
@@ -359,17 +362,29 @@ class Engine:
         """Queue the next chunk's forward pass and compute it, all of it, or, while other calls decode,
         its first slice of layers (the `Chunk` computes the rest, one `step` per engine job)."""
         end = self.chunk_end(session.processed, upto)
+        sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
         # shapes recur (aligned), and beside decoding 128-token chunks over 8k took 3.0 s plain against
-        # 1.5 s fused (model/attention.py).
+        # 1.5 s fused (model/attention.py) -- unless a neighbour decodes and the graph would be new to
+        # this process: its build (~90 ms on the H100, in the chunk's first slice) is a gap of a dozen
+        # decode steps; plain, the neighbour waits one slice (the prefill itself takes longer). A shape
+        # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
         n = end - session.processed
-        plain = self.plain_prefill and n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
+        short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
             (self.paths is None or self.paths.plain(n, end))
-        with attention.plain_prefill(self.model) if plain else contextlib.nullcontext():
+        shape = attention.fused_shape(session.cache, n) if self.plain_prefill else None
+        new_beside = sliced and shape is not None and shape not in self._fused_shapes and \
+            self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
+        if new_beside:
+            self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
+        plain = self.plain_prefill and (short or new_beside)
+        if self.plain_prefill and not plain and shape is not None:
+            self._fused_shapes.add(shape)
+        with attention.plain_prefill(self.model, max(n, attention.PLAIN_MAX_QUERIES)) if plain else \
+                contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
         chunk.step()
         return chunk
