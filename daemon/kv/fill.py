@@ -45,6 +45,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
+from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes
 from kvwake.daemon.kv.state import (
     CUTTABLE,
@@ -123,8 +124,9 @@ class Buffers:
         self.buffers: dict[str, mx.array] = {}
         self.views: dict[str, np.ndarray] = {}
         for unit, _, _, slot in self.units:
-            step = 1 if isinstance(slot, ConcatenateKVCache) else KVCache.step
-            rows = -(-capacity // step) * step
+            # a KVCache's buffer as its own growth would make it (kv/capacity.py: off cuDNN's grid on CUDA)
+            rows = capacity if isinstance(slot, ConcatenateKVCache) else kvcapacity.capacity(capacity) \
+                if type(slot) is KVCache else -(-capacity // KVCache.step) * KVCache.step
             for name in self.parts[unit]:
                 self._allocate(name, *sample[name], sample_tokens, rows)
         if mode == "direct":

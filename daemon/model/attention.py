@@ -37,7 +37,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-__all__ = ["DECODE_WARM_CAPACITIES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
+from kvwake.daemon.kv import capacity as kvcapacity
+
+__all__ = ["decode_warm_capacities", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
@@ -49,16 +51,12 @@ __all__ = ["DECODE_WARM_CAPACITIES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "Pa
 SDPA_GRAPHS = 1 << 16
 os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(SDPA_GRAPHS))
 
-# A session decoding alone (one query, no mask) over a plain KVCache whose buffer holds a multiple of 256
-# tokens (mlx-lm grows it by 256) decodes on CUDA through a cuDNN graph per (batch, buffer capacity), built
-# the first time a step meets that capacity (mlx/backend/cuda/scaled_dot_product_attention.cpp,
-# `use_cudnn_for_decoding`). Measured on the H100 machine (8B shape, bench/decode_attention.py): the first
-# two such builds in a process took 975 and 524 ms (cuDNN compiling its decode kernels), later ones 80 ms;
-# steady, cuDNN's step beat MLX's vector kernel by 1.25x at 16k tokens and 1.53x at 32k (even at 1k-4k).
-# A daemon that had not built them stalled a decoding session for ~0.8 s twice, when its buffer first
-# reached 256 and 512 tokens (the p99 gap beside a long prefill). `warm_decode` builds at these capacities
-# off the request path, so the one-time compile is paid before the first request.
-DECODE_WARM_CAPACITIES = (256, 512, 4352)
+# A session decoding alone over a buffer on the 256-token grid decodes on CUDA through a cuDNN graph per
+# (batch, capacity), built the first time a step meets it (kv/capacity.py: below CUDNN_MIN buffers stay off
+# the grid, so only those from there on are). The daemon's warm-up decodes once off the grid (the vector
+# kernel) and once at CUDNN_MIN (cuDNN's decode kernels compiled), off the request path.
+def decode_warm_capacities() -> tuple[int, ...]:
+    return kvcapacity.capacity(1024), kvcapacity.CUDNN_MIN
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
@@ -115,18 +113,14 @@ def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:
 
 def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
     """What MLX's cuDNN graph for a chunk of `tokens` fed to `cache` is built for: (queries, keys, the
-    buffer's capacity after mlx-lm grows it; cuDNN's cache key holds the keys' strides, so a buffer of
+    buffer's capacity once grown for them; cuDNN's cache key holds the keys' strides, so a buffer of
     another capacity is another graph). None when the first layer is not a plain KVCache."""
     from mlx_lm.models.cache import KVCache
 
     c = cache[0] if cache else None
     if type(c) is not KVCache:
         return None
-    prev, capacity = c.offset, (c.keys.shape[2] if c.keys is not None else 0)
-    if prev + tokens > capacity:  # KVCache.update_and_fetch: cut to the offset unless on a step, then grow
-        base = prev if prev % c.step else capacity
-        capacity = base + (c.step + tokens - 1) // c.step * c.step
-    return tokens, prev + tokens, capacity
+    return tokens, c.offset + tokens, kvcapacity.grown(c, tokens)
 
 
 def warm_decode(model: Any, capacity: int) -> bool:

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
@@ -108,6 +109,8 @@ class Engine:
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
+        if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
+            kvcapacity.install()
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         self.weights_bytes = mx.get_active_memory()
@@ -159,7 +162,7 @@ class Engine:
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
-            jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.DECODE_WARM_CAPACITIES]
+            jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
         if self.plain_prefill:
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self, "paths", costs))

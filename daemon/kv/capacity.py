@@ -1,0 +1,91 @@
+"""How many tokens a KV cache's buffer holds: the growth of mlx-lm's KVCache, with CUDA's decode in mind.
+
+mlx-lm's `KVCache` grows its buffers 256 tokens at a time. MLX on CUDA decodes
+one query over such a cache through a cuDNN graph when the buffer holds a
+multiple of 256 tokens (mlx/backend/cuda/scaled_dot_product_attention.cpp,
+`use_cudnn_for_decoding`), and builds one graph per (batch, capacity) the first
+time a step meets it; otherwise it takes its vector kernel, which builds
+nothing. Measured on the H100 machine (8B shape, `bench/decode_attention.py`,
+`bench/batching.py`'s prefill row): a new capacity's graph cost a lone session's
+step 0.5-1.0 s at 256 to 4352 tokens (cuDNN compiling kernels for it) and ~80 ms
+at 16k and 32k; steady, the vector kernel's step took 0.90x cuDNN's at 1k, 1.01x
+at 4k, 1.25x at 16k and 1.53x at 32k. A daemon meets every capacity of every
+session's growth, and restores its caches at whole steps: each was a stall.
+
+So on CUDA (`install`) a buffer below `CUDNN_MIN` tokens holds `OFF_GRID` tokens
+more than the next multiple of 256 (off the grid: the vector kernel, faster
+there and never built), and from `CUDNN_MIN` on exactly a multiple of 256
+(cuDNN, whose builds cost ~80 ms there against a step 1.25-1.5x faster). Only
+the buffer's size changes: the tokens in it, and so every result, are the same.
+Elsewhere (the CPU, Metal) nothing is installed and growth is mlx-lm's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+__all__ = ["CUDNN_MIN", "OFF_GRID", "STEP", "capacity", "grown", "install", "installed", "uninstall"]
+
+STEP = 256  # mlx-lm's KVCache.step, and the grid cuDNN's decode path looks for
+CUDNN_MIN = 16384  # buffers from here on stay on the grid: cuDNN decodes them
+OFF_GRID = 8  # tokens past the grid below CUDNN_MIN (a whole number of 16-byte rows for any dtype)
+
+_mlx_update_and_fetch = KVCache.update_and_fetch
+_installed = False
+
+
+def installed() -> bool:
+    return _installed
+
+
+def capacity(tokens: int) -> int:
+    """The buffer a KVCache grows to for `tokens` tokens (mlx-lm's whole steps unless installed)."""
+    whole = -(-tokens // STEP) * STEP
+    return whole + OFF_GRID if _installed and whole < CUDNN_MIN else whole
+
+
+def grown(cache: Any, tokens: int) -> int:
+    """The capacity `cache` (a KVCache) has once `tokens` more are fed to it."""
+    prev, held = cache.offset, (cache.keys.shape[2] if cache.keys is not None else 0)
+    if prev + tokens <= held:
+        return held
+    if _installed:
+        return capacity(prev + tokens)
+    base = prev if prev % cache.step else held  # mlx-lm: cut to the offset unless on a step, then whole steps
+    return base + (cache.step + tokens - 1) // cache.step * cache.step
+
+
+def _update_and_fetch(self: KVCache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """KVCache.update_and_fetch with `capacity`'s growth; the same writes, the same views."""
+    prev, n = self.offset, keys.shape[2]
+    if self.keys is None or prev + n > self.keys.shape[2]:
+        size = capacity(prev + n)
+        b, heads, _, k_dim = keys.shape
+        new_k = mx.zeros((b, heads, size - prev, k_dim), keys.dtype)
+        new_v = mx.zeros((b, heads, size - prev, values.shape[3]), values.dtype)
+        if self.keys is None or prev == 0:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+    self.offset += n
+    self.keys[..., prev : self.offset, :] = keys
+    self.values[..., prev : self.offset, :] = values
+    return self.keys_and_values()
+
+
+def install() -> None:
+    """Grow every KVCache of this process by `capacity` (the daemon on CUDA: one model, one engine)."""
+    global _installed
+    KVCache.update_and_fetch = _update_and_fetch
+    _installed = True
+
+
+def uninstall() -> None:
+    """mlx-lm's own growth again."""
+    global _installed
+    KVCache.update_and_fetch = _mlx_update_and_fetch
+    _installed = False
