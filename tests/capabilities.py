@@ -48,6 +48,11 @@ def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, .
     rest and a rest of a few tokens both. Probed once per engine, on its own prefill path."""
     from kvwake.daemon.session import Session
 
+    if getattr(engine, "plain_prefill", False):
+        # CUDA: a chunk's attention path is chosen by costs each engine measures (and by what the
+        # process built before), so two engines may prefill the same chunk two ways; on the H100 a
+        # warmed prompt's hit passed bit-exact in one run of the suite and not in the next
+        return False
     if id(engine) not in _chunking:
         # and a hit of a whole warmed prompt of `tokens` (warm prefills all but its last token, then that
         # one) with a few more after it: the tests' own shapes (on the H100 the first probe alone said
