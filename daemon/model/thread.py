@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -41,8 +42,10 @@ log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
 Posted = tuple[Callable[..., Any], tuple[Any, ...]]
-SLOW_S = 0.05  # a job or step this long is named in `timing` (a decode step on the H100 takes ~15 ms)
-SLOW_KEPT = 32
+# a job or step this long is named in `timing` (a decode step on the H100 takes ~7-20 ms); KVWAKE_SLOW_JOB_MS
+# lowers it to see what a neighbour's shorter gaps are made of
+SLOW_S = float(os.environ.get("KVWAKE_SLOW_JOB_MS", "50")) / 1000
+SLOW_KEPT = 64
 
 
 class EngineThread:
