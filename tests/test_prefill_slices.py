@@ -64,7 +64,9 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
     thread.attach(deep.decoder)
     slices: list[int] = []
     real = deep._prefill_chunk
-    deep._prefill_chunk = lambda session, upto: slices.append(chunk := real(session, upto)) or chunk
+    built: list[int] = []  # layers computed in the job that builds a chunk's graph (none, beside a decoding call)
+    deep._prefill_chunk = lambda session, upto: built.append((chunk := real(session, upto)).computed) or \
+        slices.append(chunk) or chunk
     try:
         no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)  # it decodes until stopped
         call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
@@ -79,6 +81,7 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
         thread.stop()
     layers = len(deep.make_cache())
     assert [c.slices for c in slices] == [layers] * len(slices)  # one layer per job
+    assert built == [0] * len(slices)  # the graph's building (Python) is a job of its own
     assert sliced.processed == whole.processed == len(long_prompt) - 1
     got, want = cache_arrays(sliced), cache_arrays(whole)
     assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -362,8 +362,8 @@ class Engine:
         return min(upto, (processed // step + 1) * step)
 
     def _prefill_chunk(self, session: Session, upto: int) -> prefillslices.Chunk:
-        """Queue the next chunk's forward pass and compute it, all of it, or, while other calls decode,
-        its first slice of layers (the `Chunk` computes the rest, one `step` per engine job)."""
+        """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing
+        yet (the `Chunk` computes it a slice of layers per `step`, one per engine job)."""
         end = self.chunk_end(session.processed, upto)
         sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
@@ -389,7 +389,8 @@ class Engine:
                 contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
-        chunk.step()
+        if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
+            chunk.step()  # in Python for the 8B shape), and its slices the next ones
         return chunk
 
     # -- generation -----------------------------------------------------------
