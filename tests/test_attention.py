@@ -186,6 +186,18 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     store.close()
 
 
+def test_the_plain_path_warms_at_a_full_chunks_shape_in_one_and_in_several_pieces(model, monkeypatch):
+    from kvwake.daemon.model import attention
+
+    pieces = []
+    real = mx.softmax
+    monkeypatch.setattr(mx, "softmax", lambda x, **kw: pieces.append(x.shape[-2]) or real(x, **kw))
+    monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 4 * 4 * 64 * 512)  # (heads x rows x keys x 4): 64 rows at 512 keys
+    assert attention.warm_plain(model, 100, 512)
+    heads = model.args.num_attention_heads
+    assert sum(pieces) == 100 and len(pieces) == -(-100 // (attention.PLAIN_MAX_BYTES // (heads * 512 * 4))) > 1
+
+
 def test_the_daemon_lets_mlx_keep_many_attention_graphs():
     """MLX on CUDA raises once its fused-attention graph cache (256 by default) has missed twice its size over
     the process's life; importing the engine raises that size, unless the user set it (a fresh process each)."""

@@ -310,7 +310,7 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()
-    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 2  # sizes 2, 4, 8; decode; keys 1024, 4096
+    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 2 + 2  # sizes; decode; plain; keys 1k, 4k
     for job in jobs[:-1]:
         job()
     assert passes.sizes[:6] == [2, 2, 4, 4, 8, 8] and engine.paths is None

@@ -39,7 +39,7 @@ from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 
-__all__ = ["decode_warm_capacities", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
+__all__ = ["decode_warm_capacities", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
@@ -121,6 +121,23 @@ def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
     if type(c) is not KVCache:
         return None
     return tokens, c.offset + tokens, kvcapacity.grown(c, tokens)
+
+
+def warm_plain(model: Any, queries: int, keys: int) -> bool:
+    """One layer's plain attention of `queries` over `keys` at the model's shape, on random tensors: the
+    kernels a full chunk's plain path runs (its queries in several pieces past ~8k keys, strided) built
+    before a request needs them. On the H100 the first plain slices beside a decoding call took 80-100 ms
+    (NVRTC compiling), against a few ms after. False when the model's args do not give its shape."""
+    shape = PathCosts._shape(model)
+    if shape is None:
+        return False
+    _, heads, kv_heads, head_dim, dtype = shape
+    q = mx.random.normal((1, heads, queries, head_dim), key=mx.random.key(3)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(4)).astype(dtype)
+    plain = plain_attention(lambda *a, **kw: mx.fast.scaled_dot_product_attention(*a[:3], scale=kw["scale"],
+                                                                                  mask=kw["mask"]), queries)
+    mx.eval(plain(q, k, k, None, head_dim ** -0.5, "causal"))
+    return True
 
 
 def warm_decode(model: Any, capacity: int) -> bool:

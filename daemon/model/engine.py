@@ -163,7 +163,8 @@ class Engine:
             jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
-        if self.plain_prefill:
+        if self.plain_prefill:  # a full chunk's plain path (a new shape beside decoding), in one and in many pieces
+            jobs += [lambda k=k: attention.warm_plain(self.model, self.prefill_step, k) for k in (4096, 16384)]
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self, "paths", costs))
         return jobs
