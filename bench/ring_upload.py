@@ -102,7 +102,7 @@ def wakes(model: str, tokens: int, kv_file: str, codecs: list[str], variants: li
 
     from kvwake.daemon.session import Session
     from kvwake.store.format import codec as codec_module
-    from suite import first_token, open_engine, synthetic_session, tokens_of
+    from suite import first_token, open_engine, synthetic_session, timed_wake, tokens_of
 
     rows = []
     started = time.perf_counter()
@@ -140,13 +140,7 @@ def wakes(model: str, tokens: int, kv_file: str, codecs: list[str], variants: li
             for i in range(repeat + 1):  # rounds alternate the combinations; the first warms each, untimed
                 for combo in combos:
                     devplanes.STAGING, codec_module.STAGE_PIECE_BYTES = combo
-                    engine.hot.__init__(engine.hot.budget)
-                    t0 = time.perf_counter()
-                    woken, _ = engine.wake("w")
-                    wake = time.perf_counter() - t0
-                    ft = wake + first_token(engine, woken)
-                    del woken
-                    mx.clear_cache()
+                    wake, ft = timed_wake(engine, "w")
                     if i:
                         times[combo].append(wake)
                         fts[combo].append(ft)

@@ -144,6 +144,21 @@ def first_token(engine: Any, session: Any) -> float:
     return engine.generate(session, GenerateParams(max_tokens=1)).usage["ttft_ms"] / 1000
 
 
+def timed_wake(engine: Any, session_id: str) -> tuple[float, float]:
+    """(wake, wake + first token) seconds of a wake from disk: the RAM tier emptied first, the woken cache
+    dropped and MLX's cached buffers freed after (the next round starts as this one did)."""
+    import mlx.core as mx
+
+    engine.hot.__init__(engine.hot.budget)
+    t0 = time.perf_counter()
+    woken, _ = engine.wake(session_id)
+    wake = time.perf_counter() - t0
+    with_first = wake + first_token(engine, woken)
+    del woken
+    mx.clear_cache()
+    return wake, with_first
+
+
 def synthetic_session(engine: Any, session: Any, ids: list[int], kv_file: str) -> None:
     """Give `session` the KV of `ids` without prefilling: real KV from bench/capture_kv.py, tiled.
 

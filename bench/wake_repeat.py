@@ -27,7 +27,7 @@ def main() -> None:
 
     import kvwake
     from kvwake.daemon.session import Session
-    from suite import decode_GBps, first_token, open_engine, synthetic_session, tokens_of
+    from suite import decode_GBps, first_token, open_engine, synthetic_session, timed_wake, tokens_of
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -48,12 +48,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"wake": [], "wake_first_token": [], "mlx_load": [],
                                          "mlx_load_first_token": [], "decode_1core_GBps": []}
         for i in range(args.repeat + 1):  # the first round warms kernels and the page cache, untimed
-            engine.hot.__init__(engine.hot.budget)
-            t0 = time.perf_counter()
-            woken, _ = engine.wake("w")
-            wake = time.perf_counter() - t0
-            wake_ft = wake + first_token(engine, woken)
-            del woken
+            wake, wake_ft = timed_wake(engine, "w")
             t0 = time.perf_counter()
             cache = load_prompt_cache(str(f))
             mx.eval([c.state for c in cache])
