@@ -110,7 +110,8 @@ def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape
     assert paths.costs(128, 1024) == pytest.approx((0.032, 0.116))
     assert paths.plain(128, 4000)  # 32 x ~4 ms plain against a build and 32 x ~1.1 ms
     assert not paths.plain(128, 8192)  # 256 ms plain: the fused build pays ...
-    assert paths.costs(128, 8192)[1] == pytest.approx(0.064)  # ... and is built from then on
+    assert paths.costs(128, 8192, new=False)[1] == pytest.approx(0.064)  # ... and once built costs no build
+    assert not paths.plain(128, 4000, new=False)  # a shape built before: fused (32 x ~1.1 ms)
     assert not paths.plain(64, 65536)  # beyond the table: plain scaled with the keys, 1 s
     measured = PathCosts.measure(model, [256, 1024], queries=16, repeats=1)
     assert [row[0] for row in measured.table] == [256, 1024] and measured.layers == len(model.layers)
@@ -146,6 +147,13 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
     engine.append(Session("t"), tokens=list(range(1, 80)))
     assert len(used) == 1
+    # Plain costs less than a build but more than a built graph: the shapes "t" ran fused (the engine's
+    # one record, buffer capacity included) are built, so the same chunks stay fused.
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.002, 0.001, 0.1)])
+    engine.append(Session("u"), tokens=list(range(1, 80)))
+    assert len(used) == 1
+    engine.append(Session("v"), tokens=list(range(1, 84)))  # its last chunk (18 tokens) never ran: plain
+    assert len(used) == 2
     engine.close()
     store.close()
 

@@ -134,8 +134,7 @@ def warm_plain(model: Any, queries: int, keys: int) -> bool:
     _, heads, kv_heads, head_dim, dtype = shape
     q = mx.random.normal((1, heads, queries, head_dim), key=mx.random.key(3)).astype(dtype)
     k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(4)).astype(dtype)
-    plain = plain_attention(lambda *a, **kw: mx.fast.scaled_dot_product_attention(*a[:3], scale=kw["scale"],
-                                                                                  mask=kw["mask"]), queries)
+    plain = plain_attention(_fast_sdpa, queries)
     mx.eval(plain(q, k, k, None, head_dim ** -0.5, "causal"))
     return True
 
@@ -182,15 +181,14 @@ class PathCosts:
     attention shape, at a ladder of key lengths: plain ops, the fused kernel at a shape it ran
     before, and the fused kernel at a shape it never ran (on CUDA: the cuDNN graph build). A chunk
     of q queries over k keys then costs, for all `layers`, plain: layers x plain(k) x q / queries;
-    fused: the same with fused(k), plus the build when its (q, k) shape is new to this process
-    (`seen`: the shapes fused so far). Costs between two measured key lengths are interpolated,
-    beyond the last scaled with k. `plain(q, k)` says which is cheaper.
+    fused: the same with fused(k), plus the build when its shape is new to this process (the caller
+    knows: the engine records every shape it ran fused, `fused_shape`). Costs between two measured key
+    lengths are interpolated, beyond the last scaled with k. `plain(q, k, new)` says which is cheaper.
     """
 
     def __init__(self, layers: int, queries: int, table: list[tuple[int, float, float, float]]) -> None:
         self.layers, self.queries = layers, queries
         self.table = sorted(table)  # (key length, plain s, fused s, fused first-shape extra s) per layer
-        self.seen: set[tuple[int, int]] = set()
 
     @classmethod
     def measure(cls, model: Any, key_lengths: list[int], queries: int = 128, repeats: int = 2) -> PathCosts | None:
@@ -232,19 +230,17 @@ class PathCosts:
                      mx.float16)
         return layers, heads, kv_heads, head_dim, dtype
 
-    def costs(self, q: int, k: int) -> tuple[float, float]:
-        """(plain, fused) seconds for a chunk of q queries over k keys, all layers."""
+    def costs(self, q: int, k: int, new: bool = True) -> tuple[float, float]:
+        """(plain, fused) seconds for a chunk of q queries over k keys, all layers; `new`: its fused
+        graph would be built (a shape this process never ran fused)."""
         plain, fused, extra = self._at(k)
         scale = self.layers * q / self.queries
-        return plain * scale, fused * scale + (0.0 if (q, k) in self.seen else extra)
+        return plain * scale, fused * scale + (extra if new else 0.0)
 
-    def plain(self, q: int, k: int) -> bool:
-        """True when plain ops are cheaper for this chunk; else the fused shape is counted as built."""
-        plain, fused = self.costs(q, k)
-        if plain < fused:
-            return True
-        self.seen.add((q, k))
-        return False
+    def plain(self, q: int, k: int, new: bool = True) -> bool:
+        """True when plain ops are cheaper for this chunk."""
+        plain, fused = self.costs(q, k, new)
+        return plain < fused
 
     def _at(self, k: int) -> tuple[float, float, float]:
         table = self.table
@@ -258,11 +254,17 @@ class PathCosts:
         return plain * k / last_k, fused * k / last_k, extra
 
 
+def _fast_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
+    """MLX's fused attention under mlx-lm's signature: what `plain_attention` falls back to off the model."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def _timed_paths(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int, keys: int,
                  repeats: int) -> tuple[float, float, float]:
     """(plain, fused at a known shape, fused's extra at a new shape) seconds of one layer's attention."""
     fused = mx.fast.scaled_dot_product_attention
-    plain = plain_attention(lambda *a, **kw: fused(*a[:3], scale=kw["scale"], mask=kw["mask"]))
+    plain = plain_attention(_fast_sdpa)
     # Own keys: MLX's global random state (what a caller may have seeded) is left as it was.
     k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(1)).astype(dtype)
     v = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(2)).astype(dtype)

@@ -139,7 +139,7 @@ class Engine:
         # Which path a short chunk's attention takes, measured at this model's shape (warm_jobs); until
         # then, and off CUDA, short chunks take the plain ops.
         self.paths: attention.PathCosts | None = None
-        self._fused_shapes: set[tuple[int, int, int]] = set()  # full chunks' fused shapes run (attention.fused_shape)
+        self._fused_shapes: set[tuple[int, int, int]] = set()  # chunks' shapes run fused (attention.fused_shape)
         self._plain_shapes: dict[tuple[int, int, int], int] = {}  # new ones run plain beside decoding, how often
         self._layers = len(probe)
         if warm:
@@ -376,16 +376,16 @@ class Engine:
         # decode steps; plain, the neighbour waits one slice (the prefill itself takes longer). A shape
         # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
         n = end - session.processed
-        short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
-            (self.paths is None or self.paths.plain(n, end))
         shape = attention.fused_shape(session.cache, n) if self.plain_prefill else None
-        new_beside = sliced and shape is not None and shape not in self._fused_shapes and \
-            self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
+        new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
+        short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
+            (self.paths is None or self.paths.plain(n, end, new))
+        new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
         if new_beside:
             self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
         plain = self.plain_prefill and (short or new_beside)
         if self.plain_prefill and not plain and shape is not None:
-            self._fused_shapes.add(shape)
+            self._fused_shapes.add(shape)  # the one record of shapes run fused (their graphs built)
         with attention.plain_prefill(self.model, max(n, attention.PLAIN_MAX_QUERIES)) if plain else \
                 contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
