@@ -1,7 +1,8 @@
 """Many agents at once: batched decoding against one call at a time, and a long prefill beside decoding.
 
 usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
-                                [--whole 4:96] [--mlx-server] [--no-batch-generator] [--out bench/out]
+                                [--whole 4:96] [--mlx-server] [--no-batch-generator] [--alternate 3]
+                                [--out bench/out]
 
 decode      for each N in --sessions: N sessions (short prompts, appended first) generate --tokens
             tokens each, all at once, streamed, through a real `kvwake serve` with batching on
@@ -15,6 +16,9 @@ whole       (--whole N:T) N sessions generate T tokens each, not streamed, again
             alone (batching on), --repeat times: the "N sessions >= 2x one alone" row (median ratio).
 batchgen    mlx-lm's own `BatchGenerator` in this process on the same model and prompts (no EOS, steady
             state: tokens/s once every row decodes), the ceiling kvwake's batched decode is held to.
+alternate   (--alternate R) the daemon's steady tokens/s and BatchGenerator's for --alternate-sizes,
+            round after round, R rounds: this machine's speed drifts within minutes, for both alike;
+            each pair's ratio and the ratio of the medians.
 mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/completions of
             --tokens tokens with the same prompts; aggregate tokens/s and kvwake's ratio to it.
 
@@ -302,6 +306,39 @@ def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[di
     return rows
 
 
+def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, rounds: int,
+                       tokenizer: Any) -> list[dict[str, Any]]:
+    """The daemon's steady tokens/s and `BatchGenerator`'s (in this process, the daemon idle meanwhile),
+    round after round, each size one after the other: this machine's speed drifts by a third within
+    minutes, for both alike (bench/step_profile.py's alternating rounds), so a ratio of runs taken
+    minutes apart says more about the drift than about either. Per size: each pair's ratio, and the
+    ratio of the medians."""
+    import mlx_lm
+
+    loaded, bg_tokenizer = mlx_lm.load(str(model))
+    batch_generator_steps(loaded, bg_tokenizer, max(sizes), tokens)  # warms every shape up
+    pairs: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    for r in range(rounds):
+        for n in sizes:
+            ours = decode_round(d, n, tokens, tokenizer, f"alt{r}")["steady_tokens_per_s"]
+            steps = batch_generator_steps(loaded, bg_tokenizer, n, tokens)
+            theirs = n * len(steps) / sum(steps) if steps else None
+            if ours and theirs:
+                pairs[n].append((ours, theirs))
+            print(f"round {r}, {n} sessions: kvwake {ours} tok/s, BatchGenerator {theirs and round(theirs, 1)}",
+                  flush=True)
+    rows = []
+    for n, got in pairs.items():
+        ours_med = statistics.median(o for o, _ in got) if got else None
+        theirs_med = statistics.median(t for _, t in got) if got else None
+        rows.append({"sessions": n, "rounds": len(got), "kvwake_steady_tokens_per_s": [round(o, 1) for o, _ in got],
+                     "batch_generator_tokens_per_s": [round(t, 1) for _, t in got],
+                     "each_ratio": [round(o / t, 2) for o, t in got],
+                     "ratio_of_medians": round(ours_med / theirs_med, 3) if got else None})
+    del loaded
+    return rows
+
+
 def bench_model(name: str, work: Path) -> Path:
     """`tiny` (the tests' tiny llama), `default` (SmolLM2-135M, converted once) or a model folder."""
     if name == "tiny":
@@ -378,6 +415,9 @@ def main() -> None:
     ap.add_argument("--no-persist", action="store_true", help="the daemons run with persist = false")
     ap.add_argument("--modes", default="batched,solo", help="daemon modes to run: batched (max_batch 32), solo (1)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the --whole row (alone, then together; median ratio)")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="rounds of the daemon and BatchGenerator alternating, per size (0: skip)")
+    ap.add_argument("--alternate-sizes", default="8,16", help="sessions for --alternate")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -396,6 +436,9 @@ def main() -> None:
         try:
             decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
             report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]
+            if mode == "batched" and a.alternate:
+                report["alternating"] = alternating_rounds(
+                    d, model, [int(x) for x in a.alternate_sizes.split(",")], a.tokens, a.alternate, tokenizer)
             report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
             if mode == "batched" and a.whole:
                 n, t = (int(x) for x in a.whole.split(":"))

@@ -77,10 +77,11 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
     ctx.obj = Options(socket_path, autostart)
 
 
-# Frameworks the daemon never runs (it runs MLX) that transformers imports when they are installed:
-# its tokenizer imports then load PyTorch and torchvision, 10+ s of a start on the GPU machine
-# (bench/startup_spy.sh). KVWAKE_IMPORT_FRAMEWORKS=1 lets them load.
-UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax")
+# Frameworks the daemon never runs (it runs MLX) that its libraries import when they are installed:
+# transformers' tokenizer imports load PyTorch and torchvision (10+ s of a start on the GPU machine,
+# bench/startup_spy.sh); sqlite-utils imports pandas, and with it pyarrow, only to name a pandas type
+# (0.6 s there). KVWAKE_IMPORT_FRAMEWORKS=1 lets them load.
+UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax", "pandas", "pyarrow")
 
 
 def hide_unused_frameworks() -> None:

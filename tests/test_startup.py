@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,10 @@ def test_the_daemon_never_imports_an_installed_pytorch(tmp_path, model_dir, allo
     fake.mkdir(parents=True)
     marker = tmp_path / "torch-imported"
     fake.joinpath("__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n__version__ = '2.9.0'\n")
+    # and pandas, which sqlite-utils imported (with pyarrow: 0.6 s of a start on the GPU machine)
+    (tmp_path / "site" / "pandas").mkdir()
+    pandas_marker = tmp_path / "pandas-imported"
+    (tmp_path / "site" / "pandas" / "__init__.py").write_text(f"open({str(pandas_marker)!r}, 'w').close()\n")
     # in front of the path the machine already uses (the GPU machine's packages come by PYTHONPATH)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
     (tmp_path / "d").mkdir()
@@ -38,6 +43,7 @@ def test_the_daemon_never_imports_an_installed_pytorch(tmp_path, model_dir, allo
     finally:
         assert d.stop() == 0
     assert not marker.exists()
+    assert not pandas_marker.exists()
     assert d.log_problems() == []
 
 
@@ -56,3 +62,36 @@ def test_frameworks_are_not_hidden_from_a_process_that_imported_transformers_alr
     before = subprocess.run([sys.executable, "-c", probe.replace("import sys, transformers;", "import sys;")],
                             env=env, capture_output=True, text=True, check=True)
     assert before.stdout.strip() == "None"  # a fresh process (the daemon's): hidden
+
+
+def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
+    # `status` and the "ready" log line carry the start's phases in ms: the process before serve ran
+    # (Python and the imports), the store, the engine (its weights, its first forward pass), ...
+    d = Daemon(tmp_path, model_dir).start()
+    try:
+        c = d.client()
+        phases = c.call("status")["startup_ms"]
+        c.close()
+    finally:
+        assert d.stop() == 0
+    for name in ("process", "lock", "store", "engine", "engine.weights", "engine.bundle", "engine.first_forward",
+                 "sessions", "listen"):
+        assert isinstance(phases[name], float) and phases[name] >= 0, (name, phases)
+    assert phases["process"] > 100  # Python and MLX's imports take more than 0.1 s anywhere
+    engine_parts = sum(v for k, v in phases.items() if k.startswith("engine."))
+    assert engine_parts <= phases["engine"] + 1, phases
+    ready = [line for line in d.log.read_text().splitlines() if '"event": "ready"' in line]
+    assert len(ready) == 1 and json.loads(ready[0])["startup_ms"] == phases
+
+
+def test_compiled_kernels_are_kept_in_the_data_dir_per_mlx_version(tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    from kvwake.daemon.serve import keep_compiled_kernels
+
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    keep_compiled_kernels(tmp_path)
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "cache" / f"mlx-{mx.__version__}" / "ptx")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/somewhere/else")  # the user's own choice stands
+    keep_compiled_kernels(tmp_path)
+    assert os.environ["MLX_PTX_CACHE_DIR"] == "/somewhere/else"

@@ -43,6 +43,7 @@ from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEve
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
+from kvwake.daemon.model.thread import Phases
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
@@ -108,12 +109,14 @@ class Engine:
         warm: bool = True,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
+        self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         self.weights_bytes = mx.get_active_memory()
+        self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
@@ -124,6 +127,7 @@ class Engine:
             model_name=self.model_name,
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
+        self.started.mark("bundle")
         self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, hot=HotBlocks(hot_bytes),
                             pool=Pool(io_workers, io_inflight_bytes), vocab_size=self._vocab_size(),
                             cuttable=state.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
@@ -147,7 +151,9 @@ class Engine:
                 job()
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
-        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)
+        self.started.mark("set_up")
+        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
+        self.started.mark("first_forward")
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits

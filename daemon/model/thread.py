@@ -36,9 +36,35 @@ from typing import Any, TypeVar
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.errors import CancelledError
 
-__all__ = ["EngineThread"]
+__all__ = ["EngineThread", "Phases", "process_age_s"]
 
 log = logging.getLogger("kvwake.engine")
+class Phases:
+    """Where a start went: named spans, each in ms from the mark before it (the first from `since`, a
+    `time.perf_counter()` reading, else from when this was made)."""
+
+    def __init__(self, since: float | None = None) -> None:
+        self._last = time.perf_counter() if since is None else since
+        self.ms: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] = round((now - self._last) * 1000, 1)
+        self._last = now
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process was started (exec), from /proc on Linux; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
 Posted = tuple[Callable[..., Any], tuple[Any, ...]]

@@ -37,7 +37,7 @@ from anyio import from_thread, to_thread
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
-from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.model.thread import EngineThread, Phases
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
 from kvwake.daemon.sessions.entries import Entries, Entry, Latency
 from kvwake.daemon.session import new_session_id as make_session_id
@@ -64,6 +64,7 @@ class SessionManager:
                          "prefix_copies": 0}
         self.stopping = False
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
+        self.started = Phases()  # where the daemon's start went (serve.py marks it)
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""
