@@ -8,7 +8,7 @@ from pathlib import Path
 
 import platformdirs
 
-__all__ = ["default_config", "default_data_dir", "default_socket"]
+__all__ = ["default_cache_dir", "default_config", "default_data_dir", "default_socket"]
 
 
 def default_socket() -> Path:
@@ -19,6 +19,11 @@ def default_socket() -> Path:
 
 def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("kvwake"))
+
+
+def default_cache_dir() -> Path:
+    """What can be made again but is slow to make (MLX's compiled kernels): kept across reboots."""
+    return Path(platformdirs.user_cache_dir("kvwake"))
 
 
 def default_config() -> Path:

@@ -38,6 +38,7 @@ import anyio
 import mlx.core as mx
 
 import kvwake
+from kvwake.paths import default_cache_dir
 from kvwake.daemon.config import Settings
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
@@ -166,7 +167,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
     started.mark("lock")
-    keep_compiled_kernels(settings.data_dir)
+    keep_compiled_kernels()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
     started.mark("store")
@@ -203,13 +204,14 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         os.close(lock_fd)
 
 
-def keep_compiled_kernels(data_dir: Path) -> None:
-    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the data dir, unless
-    MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties, and the
-    first start after one then compiled them all again (a tiny model's first forward pass: 8.4 s
-    against 0.4-0.9 s on the H100 machine). One folder per MLX version: the cache is keyed by kernel
-    name only. Set before the first kernel is compiled (MLX reads it once); nothing to do off CUDA."""
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(Path(data_dir) / "cache" / f"mlx-{mx.__version__}" / "ptx"))
+def keep_compiled_kernels() -> None:
+    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
+    unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
+    and the first start after one compiled them all again (a tiny model's first forward pass: 8.4 s
+    against 0.4-0.9 s on the H100 machine). Shared by every daemon of the user, as MLX's default is; one
+    folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
+    compiled (MLX reads it once); nothing uses it off CUDA."""
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
 
 
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:

@@ -84,14 +84,17 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     assert len(ready) == 1 and json.loads(ready[0])["startup_ms"] == phases
 
 
-def test_compiled_kernels_are_kept_in_the_data_dir_per_mlx_version(tmp_path, monkeypatch):
+def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, monkeypatch):
     import mlx.core as mx
 
     from kvwake.daemon.serve import keep_compiled_kernels
 
     monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
-    keep_compiled_kernels(tmp_path)
-    assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "cache" / f"mlx-{mx.__version__}" / "ptx")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # platformdirs' user cache folder on Linux
+    keep_compiled_kernels()
+    if sys.platform == "linux":
+        assert os.environ["MLX_PTX_CACHE_DIR"] == str(tmp_path / "kvwake" / f"mlx-{mx.__version__}" / "ptx")
+    assert os.environ["MLX_PTX_CACHE_DIR"].endswith(f"mlx-{mx.__version__}{os.sep}ptx")
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/somewhere/else")  # the user's own choice stands
-    keep_compiled_kernels(tmp_path)
+    keep_compiled_kernels()
     assert os.environ["MLX_PTX_CACHE_DIR"] == "/somewhere/else"
