@@ -2,7 +2,10 @@
 stops its generation; the session stays consistent and continues exactly.
 
 The prompt is about 3,900 tokens (the tiny model's context is 4,096), prefilled in 16-token chunks: about
-2 s of engine work here. "Stopped" is read from the daemon's own counter of prefilled tokens.
+2 s of engine work here, 0.7 s on the GPU machine. "Stopped" is read from the daemon's own counter of
+prefilled tokens. Each client leaves a fraction of the way into the prefill as this daemon times it
+(`whole`), so the test means the same on either machine (it failed on the GPU machine with fixed delays:
+0.6 s was most of the prefill there).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 from kvwake.client import openai_config
 from tests.daemon import Daemon, RawClient, track
 
-KEEPALIVE_S = 0.5  # http_keepalive_s: a stream opens on keep-alive comments when its prefill takes longer
+KEEPALIVE_S = 0.2  # http_keepalive_s: a stream opens on keep-alive comments when its prefill takes longer
 LONG = "a long document. " * 228  # 3,876 byte-level tokens, after a tag naming the test (no prefix shared)
 PREFILL_STEP = 16
 
@@ -31,6 +34,26 @@ def daemon(tmp_path_factory, model_dir):
     yield d
     assert d.stop() == 0
     assert d.log_problems() == []
+
+
+@pytest.fixture(scope="module")
+def whole(daemon) -> tuple[float, int]:
+    """Seconds and tokens this daemon takes to prefill the long prompt (the faster of two runs: the
+    first may compile kernels)."""
+    runs = []
+    for k in range(2):
+        with daemon.client() as c:
+            c.call("session.create", session_id=f"timing-{k}")
+            before = prefilled(daemon)
+            began = time.monotonic()
+            c.call("session.append", session_id=f"timing-{k}", messages=[{"role": "user", "content": f"t{k}: {LONG}"}])
+            runs.append((time.monotonic() - began, prefilled(daemon) - before))
+    return min(runs)
+
+
+def bound(whole: tuple[float, int]) -> int:
+    """Tokens a stopped prefill stays under: three quarters of the whole prompt."""
+    return int(whole[1] * 0.75)
 
 
 def prefilled(d: Daemon) -> int:
@@ -48,8 +71,9 @@ def wait_free(d: Daemon, sid: str, timeout: float = 60.0) -> float:
     return time.monotonic() - began
 
 
-def leave_when_busy(d: Daemon, method: str, params: dict) -> None:
-    """Send the call on its own connection, wait until its session is busy (the prefill runs), then hang up."""
+def leave_when_busy(d: Daemon, method: str, params: dict, after_s: float) -> None:
+    """Send the call on its own connection, wait until its session is busy (the prefill runs), then hang up
+    `after_s` later."""
     leaver = RawClient(d.socket)
     leaver.send(method, params)
     with d.client() as c:
@@ -57,7 +81,7 @@ def leave_when_busy(d: Daemon, method: str, params: dict) -> None:
         while c.call("session.info", session_id=params["session_id"])["busy"] is None:
             assert time.monotonic() < deadline, "the call never claimed its session"
             time.sleep(0.005)
-    time.sleep(0.2)  # some chunks in
+    time.sleep(after_s)  # some chunks in
     leaver.close()
 
 
@@ -70,17 +94,17 @@ def twin_reply(d: Daemon, sid: str, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("method", ["session.chat", "session.append"])
-def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exactly(daemon, method):
+def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exactly(daemon, whole, method):
     sid = f"leaver-{method.split('.')[1]}"
     with daemon.client() as c:
         c.call("session.create", session_id=sid)
     text = f"{method}: {LONG}"
     before = prefilled(daemon)
     params = {"messages": [{"role": "user", "content": text}], **({"max_tokens": 8} if method == "session.chat" else {})}
-    leave_when_busy(daemon, method, {"session_id": sid, **params})
+    leave_when_busy(daemon, method, {"session_id": sid, **params}, after_s=min(0.2, whole[0] / 8))
     wait_free(daemon, sid)
     done = prefilled(daemon) - before
-    assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
+    assert done < bound(whole), f"{done} of {whole[1]} prompt tokens prefilled after the client left"
 
     # The input stays in the session, through a sleep too; the next call prefills the rest, and the
     # reply is the twin's.
@@ -89,7 +113,7 @@ def test_an_rpc_client_that_leaves_stops_the_prefill_and_the_session_goes_on_exa
         info = c.call("session.info", session_id=sid)
         assert info["busy"] is None and info["tokens"] > 3800
         slept = c.call("session.sleep", session_id=sid)
-        assert slept["tokens"] < 3000 and slept["tokens"] + slept["pending"] == info["tokens"]
+        assert slept["tokens"] < bound(whole) + 64 and slept["tokens"] + slept["pending"] == info["tokens"]
         assert c.call("session.wake", session_id=sid)["tokens"] == info["tokens"]
         assert c.call("session.generate", session_id=sid, max_tokens=8)["tokens"] == expected
 
@@ -107,12 +131,12 @@ def leave_raw(d: Daemon, sid: str, messages: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("how", ["waiting for the body", "before the stream opens", "on an open stream"])
-def test_an_http_client_that_leaves_stops_the_prefill(daemon, how):
+def test_an_http_client_that_leaves_stops_the_prefill(daemon, whole, how):
     sid = f"http-leaver-{how.replace(' ', '-')}"
     messages = [{"role": "user", "content": f"{sid}: {LONG}"}]
     before = prefilled(daemon)
-    if how == "waiting for the body":  # not streamed: the client's read timeout hangs up after 0.6 s
-        api = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=0.6))
+    if how == "waiting for the body":  # not streamed: the client's read timeout hangs up mid-prefill
+        api = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=min(0.6, whole[0] / 4)))
         with pytest.raises(openai.APITimeoutError):
             api.chat.completions.create(model="any", messages=messages, max_tokens=8,
                                         extra_headers={"X-Kvwake-Session": sid})
@@ -128,7 +152,7 @@ def test_an_http_client_that_leaves_stops_the_prefill(daemon, how):
         assert opened >= KEEPALIVE_S, opened  # the headers came with the first keep-alive, mid-prefill
     wait_free(daemon, sid)
     done = prefilled(daemon) - before
-    assert done < 3000, f"{done} of ~3,900 prompt tokens prefilled after the client left"
+    assert done < bound(whole), f"{done} of {whole[1]} prompt tokens prefilled after the client left"
 
     patient = track(openai.OpenAI(**openai_config(daemon.socket), max_retries=0, timeout=120))  # it asks again
     again = patient.chat.completions.create(model="any", messages=messages, max_tokens=8,
