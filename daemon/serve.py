@@ -42,6 +42,7 @@ from kvwake.paths import default_cache_dir
 from kvwake.daemon.config import Settings
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
+from kvwake.daemon.kv import fill
 from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.thread import EngineThread, Phases, process_age_s
@@ -169,7 +170,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     started.mark("lock")
     keep_compiled_kernels()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
-                  budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history)
+                  budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
+                  auto_among=fill.STAGED_CODECS if fill.restore_mode() == "staged" else None)
     started.mark("store")
     thread = EngineThread(on_exit=_release_mlx_streams)
     limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()

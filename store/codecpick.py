@@ -57,12 +57,14 @@ def _disk(folder: Path, data: bytes) -> tuple[float, float]:
     return write, read
 
 
-def measure(blocks: list[Mapping[str, Tensor]], folder: Path, cores: int | None = None) -> dict[str, Any]:
-    """Every codec measured on these blocks (disk speeds in `folder`); the numbers and the pick."""
+def measure(blocks: list[Mapping[str, Tensor]], folder: Path, cores: int | None = None,
+            among: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every codec (or those `among`) measured on these blocks (disk speeds in `folder`); the numbers and
+    the pick."""
     raw = sum(t.array.nbytes for b in blocks for t in b.values())
     cores = cores or os.cpu_count() or 1
     out: dict[str, Any] = {"blocks": len(blocks), "raw_bytes": raw, "cores": cores, "codecs": {}}
-    for codec in sorted(CODECS.values()):
+    for codec in sorted(c for c in CODECS.values() if among is None or c in among):
         t0 = time.perf_counter()
         encoded = [encode(b, codec=codec).data for b in blocks]
         enc = raw / (time.perf_counter() - t0) / 1e9
@@ -112,21 +114,26 @@ def machine_key() -> str:
 
 
 def choose(root: Path, recorded: str | None, record: Callable[[str], None],
-           blocks: Callable[[], list[Mapping[str, Tensor]]]) -> dict[str, Any]:
-    """The codec for a store opened with codec="auto": {"codec", "machine", "measured", "why", "estimates"}.
+           blocks: Callable[[], list[Mapping[str, Tensor]]], among: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The codec for a store opened with codec="auto": {"codec", "machine", "measured", "why", "estimates",
+    "among"}.
 
     recorded: the store's `codec_auto` value (JSON) or None; record(value) keeps a new one;
-    blocks(): a few of the store's blocks (may be empty: then KV-like ones are measured).
+    blocks(): a few of the store's blocks (may be empty: then KV-like ones are measured); among: the
+    codecs it may pick (None: all). A recorded pick holds for the same machine and the same `among`.
     """
     key = machine_key()
+    candidates = sorted(c for c in CODECS.values() if among is None or c in among)
     if recorded:
         choice = json.loads(recorded)
-        if choice.get("machine") == key and choice.get("codec") in CODECS.values():
+        if choice.get("machine") == key and choice.get("codec") in candidates \
+                and choice.get("among", sorted(CODECS.values())) == candidates:
             return choice
     own = blocks()
-    result = measure(own or kv_like_blocks(), root)
+    result = measure(own or kv_like_blocks(), root, among=among)
     choice = {"codec": result["recommended"], "machine": key, "measured": time.time(), "why": result["why"],
               "on": f"{len(own)} blocks of the store" if own else "KV-like blocks (the store had none)",
-              "estimates": {c: r["wake_GBps_estimate"] for c, r in result["codecs"].items()}}
+              "estimates": {c: r["wake_GBps_estimate"] for c, r in result["codecs"].items()},
+              "among": candidates}
     record(json.dumps(choice, sort_keys=True))
     return choice

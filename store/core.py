@@ -53,6 +53,8 @@ class StoreCore:
     codec: the block codec new files are written with (format/codec.py), or "auto": the one
         measured fastest to wake on this machine (codecpick.py), recorded in the index; every
         store reads files of any codec whatever this says.
+    auto_among: the codecs "auto" may pick (None: all): the daemon's restores stage only some of
+        them on a GPU (daemon/kv/fill.py, STAGED_CODECS).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class StoreCore:
         budget_bytes: int | None = None,
         keep_history: int = 4,
         codec: str = DEFAULT_CODEC,
+        auto_among: tuple[str, ...] | None = None,
     ) -> None:
         if codec not in CODEC_IDS and codec != "auto":
             raise InvalidParamsError(f"unknown block codec {codec!r}; known: auto, {', '.join(sorted(CODEC_IDS))}",
@@ -79,7 +82,7 @@ class StoreCore:
         if codec == "auto":
             self.codec_choice = codecpick.choose(self.root, self.meta(codecpick.META_KEY),
                                                  lambda value: self.set_meta(codecpick.META_KEY, value),
-                                                 self._sample_blocks)
+                                                 self._sample_blocks, among=auto_among)
             self.codec = self.codec_choice["codec"]
 
     def meta(self, key: str) -> str | None:

@@ -33,9 +33,9 @@ def test_auto_measures_once_per_machine_records_it_and_says_why(tmp_path, monkey
     calls = []
     real = codecpick.measure
 
-    def measure(blocks, folder, cores=None):
+    def measure(blocks, folder, cores=None, among=None):
         calls.append(len(blocks))
-        return real(blocks, folder, cores)
+        return real(blocks, folder, cores, among)
     monkeypatch.setattr(codecpick, "measure", measure)
     with Store(tmp_path / "store", block_tokens=4, codec="auto") as store:
         choice = store.codec_choice
@@ -51,6 +51,38 @@ def test_auto_measures_once_per_machine_records_it_and_says_why(tmp_path, monkey
     with Store(tmp_path / "store", block_tokens=4, codec="auto") as store:  # moved: measured again, on its blocks
         assert calls == [4, 3] and store.codec_choice["machine"] == "another machine"
         assert store.codec_choice["on"] == "3 blocks of the store"
+
+
+def test_auto_picks_among_the_codecs_it_is_given_and_measures_again_when_they_change(tmp_path, monkeypatch):
+    # On the H100 machine "auto" picked zstd (the smallest files for its cold disk reads), a codec a
+    # GPU restore does not stage: a 32k-token wake took over 110 s. The daemon now says which may be
+    # picked there (fill.STAGED_CODECS); a pick recorded among others is measured again.
+    real = codecpick.measure
+    favour_zstd = lambda *a, **k: {**(r := real(*a, **k)), "recommended": "zstd" if "zstd" in r["codecs"]  # noqa: E731
+                                   else r["recommended"]}
+    monkeypatch.setattr(codecpick, "measure", favour_zstd)
+    with Store(tmp_path / "store", block_tokens=4, codec="auto") as store:
+        assert store.codec == "zstd" and store.codec_choice["among"] == ["planes-zstd", "raw", "zstd"]
+    with Store(tmp_path / "store", block_tokens=4, codec="auto", auto_among=("planes-zstd", "raw")) as store:
+        assert store.codec in {"planes-zstd", "raw"}
+        assert store.codec_choice["among"] == ["planes-zstd", "raw"] and set(store.codec_choice["estimates"]) == {
+            "planes-zstd", "raw"}
+        again = store.codec_choice
+    with Store(tmp_path / "store", block_tokens=4, codec="auto", auto_among=("planes-zstd", "raw")) as store:
+        assert store.codec_choice == again  # the same machine and codecs: the recorded pick
+
+
+def test_a_daemon_whose_restores_stage_never_picks_a_codec_they_do_not_stage(tmp_path, model_dir):
+    from kvwake.daemon.kv.fill import STAGED_CODECS
+    from tests.daemon import Daemon
+
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": "staged"}).start()  # as on a GPU
+    try:
+        with d.client() as c:
+            store = c.call("status")["store"]
+    finally:
+        assert d.stop() == 0
+    assert store["codec"] in STAGED_CODECS and store["codec_choice"]["among"] == sorted(STAGED_CODECS)
 
 
 def test_an_unknown_codec_is_refused_naming_the_known_ones(tmp_path):

@@ -61,7 +61,7 @@ from kvwake.daemon.kv.state import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["RESTORE_MODE", "STAGED_CODECS", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
@@ -78,6 +78,11 @@ def unified_memory() -> bool:
 # ~2 GB/s on the H100 machine, so ~16 ms, about one decode step of the 8B shape.
 UPLOAD_JOB_BYTES = 32 << 20
 
+# The codecs whose blocks a staged restore stages (codec.decode_into's `stage`: format-2 planes and raw
+# runs). A "zstd" block is decoded on the CPU into the device's arrays: on the H100 machine a 1k-token
+# wake of them took 279 ms (5x mlx-lm's load), 8k 6.2 s, 32k over 110 s. So where restores stage, the
+# store's codec "auto" picks among these only (serve.py).
+STAGED_CODECS = ("planes-zstd", "raw")
 RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
 
 
