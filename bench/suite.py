@@ -96,10 +96,11 @@ def tokens_of(engine: Any, n: int) -> list[int]:
 
 
 def open_engine(model: str | None, root: Path, codec: str = "planes-zstd") -> Any:
+    from kvwake.daemon.kv.fill import auto_codecs
     from kvwake.daemon.model.engine import Engine
     from kvwake.store import Store
 
-    return Engine(Store(root / "store", block_tokens=128, codec=codec), root, model)
+    return Engine(Store(root / "store", block_tokens=128, codec=codec, auto_among=auto_codecs()), root, model)
 
 
 def decode_GBps(engine: Any, snapshot_id: str, workers: int = 1) -> float:

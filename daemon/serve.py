@@ -171,7 +171,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     keep_compiled_kernels()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
-                  auto_among=fill.STAGED_CODECS if fill.restore_mode() == "staged" else None)
+                  auto_among=fill.auto_codecs())
     started.mark("store")
     thread = EngineThread(on_exit=_release_mlx_streams)
     limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()

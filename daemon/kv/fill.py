@@ -61,7 +61,7 @@ from kvwake.daemon.kv.state import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "STAGED_CODECS", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["RESTORE_MODE", "STAGED_CODECS", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
@@ -84,6 +84,12 @@ UPLOAD_JOB_BYTES = 32 << 20
 # store's codec "auto" picks among these only (serve.py).
 STAGED_CODECS = ("planes-zstd", "raw")
 RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
+
+
+def auto_codecs() -> tuple[str, ...] | None:
+    """The codecs a store's codec "auto" may pick for this process's restores: STAGED_CODECS where they
+    stage, any elsewhere (None)."""
+    return STAGED_CODECS if restore_mode() == "staged" else None
 
 
 def restore_mode() -> str:
