@@ -78,10 +78,11 @@ def unified_memory() -> bool:
 # ~2 GB/s on the H100 machine, so ~16 ms, about one decode step of the 8B shape.
 UPLOAD_JOB_BYTES = 32 << 20
 
-# The codecs whose blocks a staged restore stages (codec.decode_into's `stage`: format-2 planes and raw
-# runs). A "zstd" block is decoded on the CPU into the device's arrays: on the H100 machine a 1k-token
-# wake of them took 279 ms (5x mlx-lm's load), 8k 6.2 s, 32k over 110 s. So where restores stage, the
-# store's codec "auto" picks among these only (serve.py).
+# The codecs a store's codec "auto" may pick where restores stage (serve.py): the two whose staged
+# wakes are measured on a GPU. "zstd" blocks were not staged until session 11 (decoded on the CPU into
+# the device's arrays: on the H100 machine an 8k-token wake of them took 6.2 s, 32k over 110 s, and
+# "auto" had picked zstd there); they now stage as raw runs (codec.decode_into), so stores holding them
+# wake staged too, but that path's speed on a GPU is not measured yet.
 STAGED_CODECS = ("planes-zstd", "raw")
 RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
 
