@@ -170,7 +170,8 @@ def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: li
             status = c.call("status")
             g = status["generation"]
             if g["running"] == n:
-                inside.append({**{k: g[k] for k in ("step_ms", "batch_rows", "dead_rows", "batch_next_s",
+                inside.append({"at": time.perf_counter(),
+                               **{k: g[k] for k in ("step_ms", "batch_rows", "dead_rows", "batch_next_s",
                                                    "batch_outputs_s", "decode_steps")},
                                **{k: v for k, v in status["engine_thread"].items() if k != "slow"}})
             time.sleep(0.25)
@@ -179,7 +180,8 @@ def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: li
 def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
     """Where the engine thread's time went while all N decoded (first to last status sample), per step, ms:
     mlx-lm's step (the pass queued, the one before waited for), host work on the tokens, jobs between
-    steps, handing output to the event loop, and the thread idle."""
+    steps, handing output to the event loop, and the wall clock (what the rest is: the thread's loop,
+    waiting for the GIL outside a step)."""
     if len(inside) < 2:
         return {}
     a, b = inside[0], inside[-1]
@@ -188,7 +190,8 @@ def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     per = lambda k: round((b[k] - a[k]) / steps * 1000, 3)  # noqa: E731
     return {"split_ms_per_step": {"batch_next": per("batch_next_s"), "batch_outputs": per("batch_outputs_s"),
-                                  "step_total": per("step_s"), "jobs": per("job_s"), "flush": per("flush_s")},
+                                  "step_total": per("step_s"), "jobs": per("job_s"), "flush": per("flush_s"),
+                                  "wall": per("at")},
             "split_steps": steps}
 
 
