@@ -17,7 +17,8 @@ whole       (--whole N:T) N sessions generate T tokens each, not streamed, again
 batchgen    mlx-lm's own `BatchGenerator` in this process on the same model and prompts (no EOS, steady
             state: tokens/s once every row decodes), the ceiling kvwake's batched decode is held to.
 alternate   (--alternate R) the daemon's steady tokens/s and BatchGenerator's for --alternate-sizes,
-            round after round, R rounds: this machine's speed drifts within minutes, for both alike;
+            round after round, R rounds (BatchGenerator in a fresh process each round, or
+            --alternate-in-process): this machine's speed drifts within minutes, for both alike;
             each pair's ratio and the ratio of the medians.
 mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/completions of
             --tokens tokens with the same prompts; aggregate tokens/s and kvwake's ratio to it.
@@ -310,36 +311,53 @@ def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[di
 
 
 def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, rounds: int,
-                       tokenizer: Any) -> list[dict[str, Any]]:
-    """The daemon's steady tokens/s and `BatchGenerator`'s (in this process, the daemon idle meanwhile),
-    round after round, each size one after the other: this machine's speed drifts by a third within
-    minutes, for both alike (bench/step_profile.py's alternating rounds), so a ratio of runs taken
-    minutes apart says more about the drift than about either. Per size: each pair's ratio, and the
-    ratio of the medians."""
-    import mlx_lm
+                       tokenizer: Any, in_process: bool = False) -> list[dict[str, Any]]:
+    """The daemon's steady tokens/s and `BatchGenerator`'s (the daemon idle meanwhile), round after round,
+    each size one after the other: this machine's speed drifts by a third within minutes, for both alike
+    (bench/step_profile.py's alternating rounds), so a ratio of runs taken minutes apart says more about
+    the drift than about either. `BatchGenerator` runs in a fresh process each round (loads the model,
+    warms every shape, runs, exits: no second CUDA context lingers on the GPU beside the daemon's rounds,
+    which session 11's in-process rounds left and may have paid for), or with `in_process` in this one.
+    Per size: each pair's ratio, and the ratio of the medians."""
+    loaded = None
+    if in_process:
+        import mlx_lm
 
-    loaded, bg_tokenizer = mlx_lm.load(str(model))
-    batch_generator_steps(loaded, bg_tokenizer, max(sizes), tokens)  # warms every shape up
+        loaded = mlx_lm.load(str(model))
+        batch_generator_steps(*loaded, max(sizes), tokens)  # warms every shape up
     pairs: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     for r in range(rounds):
+        ours = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}")["steady_tokens_per_s"] for n in sizes}
+        if loaded is not None:
+            theirs = {}
+            for n in sizes:
+                steps = batch_generator_steps(*loaded, n, tokens)
+                theirs[n] = n * len(steps) / sum(steps) if steps else None
+        else:
+            theirs = {row["sessions"]: row["tokens_per_s"] for row in batch_generator_elsewhere(model, sizes, tokens)}
         for n in sizes:
-            ours = decode_round(d, n, tokens, tokenizer, f"alt{r}")["steady_tokens_per_s"]
-            steps = batch_generator_steps(loaded, bg_tokenizer, n, tokens)
-            theirs = n * len(steps) / sum(steps) if steps else None
-            if ours and theirs:
-                pairs[n].append((ours, theirs))
-            print(f"round {r}, {n} sessions: kvwake {ours} tok/s, BatchGenerator {theirs and round(theirs, 1)}",
-                  flush=True)
+            if ours[n] and theirs[n]:
+                pairs[n].append((ours[n], theirs[n]))
+            print(f"round {r}, {n} sessions: kvwake {ours[n]} tok/s, BatchGenerator "
+                  f"{theirs[n] and round(theirs[n], 1)}", flush=True)
     rows = []
     for n, got in pairs.items():
         ours_med = statistics.median(o for o, _ in got) if got else None
         theirs_med = statistics.median(t for _, t in got) if got else None
-        rows.append({"sessions": n, "rounds": len(got), "kvwake_steady_tokens_per_s": [round(o, 1) for o, _ in got],
+        rows.append({"sessions": n, "rounds": len(got), "batch_generator_in_process": in_process,
+                     "kvwake_steady_tokens_per_s": [round(o, 1) for o, _ in got],
                      "batch_generator_tokens_per_s": [round(t, 1) for _, t in got],
                      "each_ratio": [round(o / t, 2) for o, t in got],
                      "ratio_of_medians": round(ours_med / theirs_med, 3) if got else None})
-    del loaded
     return rows
+
+
+def batch_generator_elsewhere(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
+    """`batch_generator_round` in a fresh process (this file run with --batch-generator-only)."""
+    out = subprocess.run([sys.executable, __file__, "--batch-generator-only", "--model", str(model),
+                          "--sessions", ",".join(map(str, sizes)), "--tokens", str(tokens)],
+                         capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_model(name: str, work: Path) -> Path:
@@ -421,12 +439,18 @@ def main() -> None:
     ap.add_argument("--alternate", type=int, default=0,
                     help="rounds of the daemon and BatchGenerator alternating, per size (0: skip)")
     ap.add_argument("--alternate-sizes", default="8,16", help="sessions for --alternate")
+    ap.add_argument("--alternate-in-process", action="store_true",
+                    help="--alternate's BatchGenerator in this process, loaded once (default: a fresh one each round)")
+    ap.add_argument("--batch-generator-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from suite import machine  # noqa: E402
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+    if a.batch_generator_only:  # a round of --alternate: one JSON line
+        print(json.dumps(batch_generator_round(Path(a.model), [int(x) for x in a.sessions.split(",")], a.tokens)))
+        return
     work = Path(tempfile.mkdtemp(prefix="kvwake-batching-"))
     model = bench_model(a.model, work)
     tokenizer = load_tokenizer(model)
@@ -441,7 +465,8 @@ def main() -> None:
             report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]
             if mode == "batched" and a.alternate:
                 report["alternating"] = alternating_rounds(
-                    d, model, [int(x) for x in a.alternate_sizes.split(",")], a.tokens, a.alternate, tokenizer)
+                    d, model, [int(x) for x in a.alternate_sizes.split(",")], a.tokens, a.alternate, tokenizer,
+                    in_process=a.alternate_in_process)
             report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
             if mode == "batched" and a.whole:
                 n, t = (int(x) for x in a.whole.split(":"))
