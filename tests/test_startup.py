@@ -74,10 +74,12 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
         c.close()
     finally:
         assert d.stop() == 0
-    for name in ("process", "lock", "store", "engine", "engine.weights", "engine.bundle", "engine.first_forward",
-                 "sessions", "listen"):
+    names = ["lock", "store", "engine", "engine.weights", "engine.bundle", "engine.first_forward", "sessions", "listen"]
+    if sys.platform == "linux":  # the process's age comes from /proc
+        names.append("process")
+        assert phases["process"] > 100  # Python and MLX's imports take more than 0.1 s anywhere
+    for name in names:
         assert isinstance(phases[name], float) and phases[name] >= 0, (name, phases)
-    assert phases["process"] > 100  # Python and MLX's imports take more than 0.1 s anywhere
     engine_parts = sum(v for k, v in phases.items() if k.startswith("engine."))
     assert engine_parts <= phases["engine"] + 1, phases
     ready = [line for line in d.log.read_text().splitlines() if '"event": "ready"' in line]
