@@ -134,7 +134,8 @@ def bench(opts: Options, n_sessions: int, cycles: int, system_words: int, max_to
     with opts.client() as client:
         with click.progressbar(length=n_sessions, label="benchmark", file=sys.stderr) as bar:
             report = run_bench(client, config, bar.update)
-        report["codecs"] = codec_advice(client.status()["store"]["path"])
+        store = client.status()["store"]
+        report["codecs"] = codec_advice(store["path"], among=store.get("auto_among"))
     if as_json:
         return echo_json(report)
     s = report["summary"]

@@ -12,8 +12,10 @@ from typing import Any
 __all__ = ["codec_advice"]
 
 
-def codec_advice(store_root: str | Path, *, sample: int = 8, cores: int | None = None) -> dict[str, Any]:
-    """Measure every codec on real blocks of the store at `store_root`; returns the numbers and a pick."""
+def codec_advice(store_root: str | Path, *, sample: int = 8, cores: int | None = None,
+                 among: list[str] | None = None) -> dict[str, Any]:
+    """Measure every codec (or those `among`: what the daemon's restores stage, its status says) on real
+    blocks of the store at `store_root`; returns the numbers and a pick."""
     from kvwake.store.codecpick import measure
     from kvwake.store.format.codec import decode
 
@@ -21,4 +23,4 @@ def codec_advice(store_root: str | Path, *, sample: int = 8, cores: int | None =
     files = sorted((root / "blocks").glob("*/*.kvb"))[:sample]
     if not files:
         return {"blocks": 0, "recommended": None, "why": "the store holds no blocks yet"}
-    return measure([decode(f.read_bytes())[0] for f in files], root, cores)
+    return measure([decode(f.read_bytes())[0] for f in files], root, cores, tuple(among) if among else None)

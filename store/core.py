@@ -78,6 +78,7 @@ class StoreCore:
             self.index = Index(self.root / "index.sqlite")
             self.index.migrate()
             self._check_block_tokens()
+        self.auto_among = auto_among
         self.codec_choice: dict[str, Any] | None = None  # the measurement behind codec="auto"
         if codec == "auto":
             self.codec_choice = codecpick.choose(self.root, self.meta(codecpick.META_KEY),

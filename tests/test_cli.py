@@ -14,6 +14,7 @@ from click.testing import CliRunner, Result
 
 from kvwake.client import Client
 from kvwake.client.cli import main
+from kvwake.client.codecs import codec_advice
 from tests.daemon import REPO, Daemon
 from tests.tinymodel import make_model_dir
 
@@ -192,6 +193,11 @@ def test_bench(kvwake, daemon):
     assert codecs["blocks"] > 0 and set(codecs["codecs"]) == {"planes-zstd", "raw", "zstd"}
     assert codecs["recommended"] in codecs["codecs"] and codecs["codecs"]["raw"]["ratio"] < 1.01
     assert all(r["wake_GBps_estimate"] > 0 and r["disk_read_GBps"] > 0 for r in codecs["codecs"].values())
+    with Client(daemon.socket) as c:  # a daemon whose restores stage (a GPU) says which codecs bench advises among
+        store = c.status()["store"]
+    assert store["auto_among"] is None  # here: any
+    staged = codec_advice(store["path"], among=["planes-zstd", "raw"])
+    assert set(staged["codecs"]) == {"planes-zstd", "raw"} and staged["recommended"] in {"planes-zstd", "raw"}
     with Client(daemon.socket) as c:  # cleaned up
         assert not [s for s in c.list_sessions() if s["session_id"].startswith("bench-")]
     text = kvwake("bench", "--sessions", "1", "--cycles", "1", "--max-tokens", "2").stdout

@@ -83,6 +83,7 @@ def test_a_daemon_whose_restores_stage_never_picks_a_codec_they_do_not_stage(tmp
     finally:
         assert d.stop() == 0
     assert store["codec"] in STAGED_CODECS and store["codec_choice"]["among"] == sorted(STAGED_CODECS)
+    assert store["auto_among"] == list(STAGED_CODECS)  # what `kvwake bench` advises among (test_cli.py)
 
 
 def test_an_unknown_codec_is_refused_naming_the_known_ones(tmp_path):
