@@ -38,7 +38,6 @@ import anyio
 import mlx.core as mx
 
 import kvwake
-from kvwake.paths import default_cache_dir
 from kvwake.daemon.config import Settings
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
@@ -47,6 +46,7 @@ from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.thread import EngineThread, Phases, process_age_s
 from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.paths import default_cache_dir
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 

@@ -57,6 +57,11 @@ def _disk(folder: Path, data: bytes) -> tuple[float, float]:
     return write, read
 
 
+def _candidates(among: tuple[str, ...] | None) -> list[str]:
+    """The codecs a measurement considers, sorted: every one, or those `among`."""
+    return sorted(c for c in CODECS.values() if among is None or c in among)
+
+
 def measure(blocks: list[Mapping[str, Tensor]], folder: Path, cores: int | None = None,
             among: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Every codec (or those `among`) measured on these blocks (disk speeds in `folder`); the numbers and
@@ -64,7 +69,7 @@ def measure(blocks: list[Mapping[str, Tensor]], folder: Path, cores: int | None 
     raw = sum(t.array.nbytes for b in blocks for t in b.values())
     cores = cores or os.cpu_count() or 1
     out: dict[str, Any] = {"blocks": len(blocks), "raw_bytes": raw, "cores": cores, "codecs": {}}
-    for codec in sorted(c for c in CODECS.values() if among is None or c in among):
+    for codec in _candidates(among):
         t0 = time.perf_counter()
         encoded = [encode(b, codec=codec).data for b in blocks]
         enc = raw / (time.perf_counter() - t0) / 1e9
@@ -123,11 +128,11 @@ def choose(root: Path, recorded: str | None, record: Callable[[str], None],
     codecs it may pick (None: all). A recorded pick holds for the same machine and the same `among`.
     """
     key = machine_key()
-    candidates = sorted(c for c in CODECS.values() if among is None or c in among)
+    candidates = _candidates(among)
     if recorded:
         choice = json.loads(recorded)
         if choice.get("machine") == key and choice.get("codec") in candidates \
-                and choice.get("among", sorted(CODECS.values())) == candidates:
+                and choice.get("among", _candidates(None)) == candidates:
             return choice
     own = blocks()
     result = measure(own or kv_like_blocks(), root, among=among)

@@ -39,6 +39,8 @@ from kvwake.errors import CancelledError
 __all__ = ["EngineThread", "Phases", "process_age_s"]
 
 log = logging.getLogger("kvwake.engine")
+
+
 class Phases:
     """Where a start went: named spans, each in ms from the mark before it (the first from `since`, a
     `time.perf_counter()` reading, else from when this was made)."""
