@@ -306,11 +306,16 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     # thread, one per size and per key length; until the last, short chunks take the plain path.
     from kvwake.daemon.model import attention
 
+    from kvwake.daemon.kv import fill as kvfill
+
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
     engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()
-    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 2 + 2  # sizes; decode; plain; keys 1k, 4k
+    # sizes; decode; a wake's staging; plain; keys 1k, 4k
+    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 1 + 2 + 2
+    assert engine._warm_staging in jobs
     for job in jobs[:-1]:
         job()
     assert passes.sizes[:6] == [2, 2, 4, 4, 8, 8] and engine.paths is None

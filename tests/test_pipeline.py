@@ -165,6 +165,15 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
     assert 5 in calls
 
 
+def slept_and_woken(engine, tokens: list[int]) -> tuple[Session, Session]:
+    """Two sessions fed `tokens`: "a" as it is, "b" put to sleep and woken."""
+    a, b = Session("a"), Session("b")
+    for s in (a, b):
+        engine.append(s, tokens=tokens)
+    engine.sleep(b)
+    return a, engine.wake("b")[0]
+
+
 def assert_same_kv_and_continuation(engine, a: Session, b: Session, n: int) -> None:
     """Sessions `a` (never slept) and `b` (woken): the first n tokens' KV bit for bit, and the same greedy reply."""
     from kvwake.daemon.model.generation import GenerateParams
@@ -191,14 +200,10 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         monkeypatch.setattr(devplanes, name if name == "join" else "split_span", counted)
     monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192)
+    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False)
     try:
-        a, b = Session("a"), Session("b")
-        tokens = [(i * 11) % 256 for i in range(150)]
-        for s in (a, b):
-            engine.append(s, tokens=tokens)
-        engine.sleep(b)
-        b, _ = engine.wake("b")
+        a, b = slept_and_woken(engine, [(i * 11) % 256 for i in range(150)])
         # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
         # for the tail's partial block: device ops per span, not per tensor.
         assert calls["split"] > 0 and calls["join"] == 2
@@ -208,10 +213,9 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         store.close()
 
 
-def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than_the_session(
-        model_dir, tmp_path, monkeypatch):
-    # Two blocks per span and two slots: nine blocks go through the ring in five spans, each slot
-    # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
+def two_block_spans(monkeypatch) -> tuple[list, list[tuple[int, int]]]:
+    """Restores staged (the discrete-GPU path, here on the CPU) through rings of two slots of two blocks each:
+    the rings made and the (first, count) of every span joined, recorded."""
     from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import fill as kvfill
 
@@ -230,8 +234,17 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         real_join(self, first, count)
     monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     monkeypatch.setattr(kvfill.Buffers, "join_span", join_span)
+    return rings, joined
+
+
+def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than_the_session(
+        model_dir, tmp_path, monkeypatch):
+    # Two blocks per span and two slots: nine blocks go through the ring in five spans, each slot
+    # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
+    rings, joined = two_block_spans(monkeypatch)
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3)
+    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
     try:
         a, b = Session("a"), Session("b")
         tokens = [(i * 7) % 256 for i in range(150)]
@@ -329,14 +342,16 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     tokens = [(i * 5) % 256 for i in range(150)]
     store = Store(tmp_path / "store", block_tokens=16, codec="planes-zstd")
-    engine = Engine(store, tmp_path, model_dir)
+    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
+    engine = Engine(store, tmp_path, model_dir, warm=False)
     a = Session("a")
     engine.append(a, tokens=tokens[:70])
     engine.sleep(a)
     engine.close()
     store.close()
     store = Store(tmp_path / "store", block_tokens=16, codec="raw")
-    engine = Engine(store, tmp_path, model_dir)
+    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
+    engine = Engine(store, tmp_path, model_dir, warm=False)
     try:
         b = Session("b")
         engine.append(b, tokens=tokens)
@@ -365,7 +380,8 @@ def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir,
     joins = count_joins(monkeypatch)
     tokens = [(i * 7) % 256 for i in range(120)]
     store = Store(tmp_path / "store", block_tokens=16, codec="zstd")
-    engine = Engine(store, tmp_path, model_dir)
+    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
+    engine = Engine(store, tmp_path, model_dir, warm=False)
     try:
         a = Session("a")
         engine.append(a, tokens=tokens)
@@ -455,14 +471,51 @@ def test_a_mapping_is_all_or_nothing_and_its_undoing_tries_both_advices(monkeypa
     assert devplanes._idle is None
 
 
+@pytest.mark.parametrize("damaged", [None, 5])
+def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_shortens_it(
+        model_dir, tmp_path, monkeypatch, damaged):
+    # Was: a prefix hit decoded every block into host views (numpy joining byte planes on the CPU), kept
+    # each in the RAM tier, and uploaded them at its end: on the H100, 5.6k tokens of the 8B shape took
+    # 1.7 s to decode and 0.9 s to upload, longer than prefilling them. Now its blocks stage and join on
+    # the device span by span, as a wake's do; a damaged block ends the hit there (its tokens prefilled).
+    _, joined = two_block_spans(monkeypatch)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    try:
+        tokens = [(i * 7) % 256 for i in range(150)]
+        a = Session("a")
+        engine.append(a, tokens=tokens)
+        record = engine.store.snapshot(engine.sleep(a, free=False)["snapshot_id"])
+        if damaged is not None:
+            path = engine.store.files.absolute(record.blocks[damaged].file)
+            data = bytearray(path.read_bytes())
+            data[-5] ^= 0x40
+            path.write_bytes(bytes(data))
+        engine.hot.__init__(engine.hot.budget)
+        b = Session("b")
+        got = engine.append(b, tokens=[*tokens[:140], 1, 2, 3])
+        blocks = 8 if damaged is None else damaged  # whole blocks of 16 in the 140 shared tokens
+        reused = 140 if damaged is None else 16 * damaged  # and the partial block's 12 tokens
+        assert got["reused"] == reused
+        assert joined == [(0, 2), (2, 2), (4, 2), (6, 2)][: -(-blocks // 2)] if damaged is None else \
+            [(0, 2), (2, 2), (4, 1)]
+        staged_hot = [k for k in (r.key for r in record.blocks[:blocks]) if engine.hot.get(k) is not None]
+        assert staged_hot == []  # staged blocks are not copied into the RAM tier
+        for x, y in zip(kv_of(a.cache, reused), kv_of(b.cache, reused)):  # the reused tokens' KV, bit for bit
+            assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+    finally:
+        engine.close()
+        store.close()
+
+
 @pytest.mark.parametrize("what", ["prefix hit", "wake"])
 def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine, monkeypatch, what):
     # On the H100 a prefix hit of 5.6k tokens (8B shape) moved 0.7 GB from host views to the device in
-    # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out ~UPLOAD_JOB_BYTES.
+    # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out tensors for ~UPLOAD_JOB_S.
     from kvwake.daemon.kv import fill as kvfill
 
     monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
-    monkeypatch.setattr(kvfill, "UPLOAD_JOB_BYTES", 1)  # one tensor per job
+    monkeypatch.setattr(kvfill, "UPLOAD_JOB_S", 0)  # one tensor per job
     tokens = list(range(3, 203))
     hot = Session("hot")
     engine.append(hot, tokens=tokens)
@@ -483,3 +536,34 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
     tensors = 2 * len(engine.make_cache())  # keys and values per layer
     assert len(uploads) >= tensors, jobs  # a job per tensor (and the buffers' and the finish's)
     assert_same_kv_and_continuation(engine, hot, cold, 192)
+
+
+def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir, tmp_path, monkeypatch):
+    # On the H100 a daemon's first restore made its ring (fresh managed allocations the CPU writes: ~50 ms per
+    # 128 MiB slot) in an engine-thread job of 246 ms, a decoding neighbour's gap. The warm-up makes the slots
+    # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none.
+    from kvwake.daemon.kv import cudart, devplanes
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    monkeypatch.setattr(cudart, "_advise", lambda ptr, n, advice, kind, ident: 0)  # mapping "works" (as on CUDA)
+    devplanes.drop_idle()
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3)
+    try:
+        assert engine._warm_staging()
+        shape, idle = devplanes._idle
+        args = engine.model.args
+        kv_heads, dim = args.num_key_value_heads, args.hidden_size // args.num_attention_heads
+        block_bytes = 2 * args.num_hidden_layers * kv_heads * 16 * dim * 2  # keys and values, bf16
+        assert len(idle) == devplanes.KEEP_SLOTS and shape == (devplanes.SPAN_BYTES // block_bytes, block_bytes)
+        made = []
+        real = devplanes.staging
+        monkeypatch.setattr(devplanes, "staging", lambda shape: made.append(shape) or real(shape))
+        a, b = slept_and_woken(engine, [(i * 5) % 256 for i in range(100)])
+        assert [m for m in made if m == shape] == []  # the ring's slots were the warm-up's
+        assert_same_kv_and_continuation(engine, a, b, 99)
+    finally:
+        engine.close()
+        store.close()
+        devplanes.drop_idle()

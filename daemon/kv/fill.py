@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,7 +62,7 @@ from kvwake.daemon.kv.state import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "STAGED_CODECS", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["RESTORE_MODE", "STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
@@ -74,9 +75,12 @@ def unified_memory() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-# Bytes one engine-thread job lays out on the device at a restore's end (Buffers.upload): from host views
-# ~2 GB/s on the H100 machine, so ~16 ms, about one decode step of the 8B shape.
-UPLOAD_JOB_BYTES = 32 << 20
+# Seconds one engine-thread job lays out tensors on the device at a restore's end (Buffers.upload), then
+# it returns and a decode step may run: under one decode step of the 8B shape on the H100 (6-14 ms). A
+# budget in time, not bytes: a tensor whose spans are already on the device concatenates in ~0.1 ms, one
+# uploaded from host views (a block from the RAM tier, a partial piece) takes ~10 ms per 11 MB there (a
+# fixed 32 MiB per job was 26-34 ms a job: a decoding neighbour's gap of five of its steps).
+UPLOAD_JOB_S = 0.004
 
 # The codecs a store's codec "auto" may pick where restores stage (serve.py): the two whose staged
 # wakes are measured on a GPU. "zstd" blocks were not staged until session 11 (decoded on the CPU into
@@ -305,18 +309,19 @@ class Buffers:
         out.update({f"{unit}.quant": Tensor("I32", np.array(q, np.int32)) for unit, q in self.quant.items()})
         return out
 
-    def upload(self, n_tokens: int, max_bytes: int | None = None) -> bool:
-        """Lay out the next tensors of n_tokens on the device, about `max_bytes` of them (all when None);
-        True once every tensor is. One call is one engine-thread job: a restore from host views (a prefix
-        hit's blocks) moves ~0.7 GB for 5.6k tokens of an 8B model, 0.9 s in one job on the H100, during
-        which a decoding session waited; in slices it waits one slice. Nothing to do in direct mode."""
+    def upload(self, n_tokens: int, budget_s: float | None = None) -> bool:
+        """Lay out the next tensors of n_tokens on the device until `budget_s` seconds have passed (at least
+        one tensor; all of them when None); True once every tensor is. One call is one engine-thread job:
+        a restore from host views moved ~0.7 GB for 5.6k tokens of an 8B model, 0.9 s in one job on the
+        H100, during which a decoding session waited; in slices it waits one slice. Nothing to do in
+        direct mode."""
         if self.mode == "direct":
             return True
         if self._layout is None:
             self._layout = (n_tokens, self._tail_join(n_tokens))
         if self._layout[0] != n_tokens:
             raise StateMismatchError(f"restore laid out for {self._layout[0]} tokens, finished for {n_tokens}")
-        tail, moved = self._layout[1], 0
+        tail, started = self._layout[1], time.perf_counter()
         n_full, rest = divmod(n_tokens, self.block_tokens)
         for t, name in enumerate(self.order):
             if name in self._out:
@@ -339,8 +344,7 @@ class Buffers:
             self._out[name] = out = mx.concatenate(pieces, axis=-2)
             mx.eval(out)
             self.pieces[name] = []
-            moved += out.nbytes
-            if max_bytes is not None and moved >= max_bytes:
+            if budget_s is not None and time.perf_counter() - started >= budget_s:
                 break
         return len(self._out) == len(self.order)
 

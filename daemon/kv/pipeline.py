@@ -47,10 +47,10 @@ from kvwake.daemon.kv import fill, state
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.session import Session
-from kvwake.errors import InvalidParamsError
+from kvwake.errors import CorruptBlockError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "sleep", "wake", "write_prefix"]
+__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "sleep", "wake", "write_prefix"]
 
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
@@ -319,49 +319,73 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
             place = buffers.place(n_full * ctx.block_tokens, rest)
             batch.submit(record.tail.raw_bytes,
                          lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-        _restore_blocks(ctx, record, buffers, mlx, batch)
+        fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record)
     finally:
         batch.join()
     batch.raise_first()
     tail = dict(tail_box[0]) if tail_box else {}
     if rest:
         buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
-    while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_BYTES)):  # a decoding neighbour waits a slice
+    while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
         pass
     return mlx(lambda: buffers.finish(n, tail))
 
 
-def _restore_blocks(ctx: KvContext, record: SnapshotRecord, buffers: fill.Buffers, mlx: Mlx, batch: Batch) -> None:
-    """Decode the blocks a span at a time on the pool while the engine thread moves earlier spans to the device.
+def fill_spans(ctx: KvContext, buffers: fill.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
+               record: SnapshotRecord | None = None, shorten: bool = False) -> int:
+    """Blocks 0 .. len(refs)-1 of a restore into place: decoded a span at a time on the pool while the engine
+    thread moves earlier spans to the device. Returns how many blocks are in place, unbroken from 0.
 
     Up to `buffers.slots` spans are decoding at once (the staging ring's slots; on unified memory
     all of them: the decoders write the final buffers, there is nothing to move). Span k is joined
     (`join_span`) as soon as its blocks are in place, and its slot then takes span k + slots:
     decoding and the host-to-device move overlap, and staging stays a few spans whatever the size.
+
+    A wake (`shorten` False): the first failure stops the batch (its caller's `raise_first` raises it).
+    A prefix hit (`shorten`): a block that cannot be read or does not verify is logged and ends the
+    restore there (the hit shortens; its tokens are prefilled). Blocks not staged (direct mode, no ring)
+    are kept in the RAM tier when `shorten`: shared prompts are what it is for.
     """
-    spans = buffers.spans(len(record.blocks))
+    spans = buffers.spans(len(refs))
     pending: dict[int, list[cf.Future]] = {}
+    keep_hot = shorten and buffers.ring is None
+
+    def one(k: int, ref: BlockRef) -> bool:
+        try:
+            fill_block(ctx, buffers, ref, k, record, keep_hot)
+        except CorruptBlockError as exc:
+            if not shorten:
+                raise
+            ctx.log_unusable(exc)
+            return False
+        return True
 
     def submit(s: int) -> None:
         first, count = spans[s]
         pending[s] = []
         for k in range(first, first + count):
-            ref = record.blocks[k]
+            ref = refs[k]
             batch.reserve(ref.raw_bytes)
             if batch.failed:
                 batch.release(ref.raw_bytes)
                 return
-            pending[s].append(batch.submit(ref.raw_bytes, fill_block, ctx, buffers, ref, k, record, False))
+            pending[s].append(batch.submit(ref.raw_bytes, one, k, ref))
 
     for s in range(min(buffers.slots, len(spans))):
         submit(s)
     for s, (first, count) in enumerate(spans):
-        cf.wait(pending.pop(s, []))
+        futures = pending.pop(s, [])
+        cf.wait(futures)
         if batch.failed:
-            return
-        mlx(lambda first=first, count=count: buffers.join_span(first, count))
+            return first
+        good = next((i for i, f in enumerate(futures) if not f.result()), count)
+        if good:
+            mlx(lambda first=first, good=good: buffers.join_span(first, good))
+        if good < count:
+            return first + good
         if s + buffers.slots < len(spans):
             submit(s + buffers.slots)
+    return len(refs)
 
 
 def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx) -> tuple[Session, dict[str, Any]]:

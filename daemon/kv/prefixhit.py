@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvwake.daemon.kv import fill
 from kvwake.daemon.kv.context import KvContext, Mlx
-from kvwake.daemon.kv.pipeline import block_specs, fill_block
+from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.prefix import PrefixHit
@@ -37,7 +37,9 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     The hit's whole blocks, then the first k tokens of its partial piece (a block or a
     snapshot's tail whose first k token ids continue target). Returns (cache or None, tokens
     it holds). A bad block or tail shortens the hit (logged by the caller); it never fails the
-    append. Decoded blocks are kept in the RAM tier: shared prompts are what it is for.
+    append. Blocks decoded into host views (on the CPU; the partial piece anywhere) are kept in
+    the RAM tier: shared prompts are what it is for. Staged blocks are not (their copy would be
+    the numpy join a GPU restore avoids; from the page cache they stage at the wake's speed).
     """
     piece = _partial_piece(ctx, hit, target)
     pieces: list[BlockRef | SnapshotRecord] = [*hit.blocks, *([piece] if piece is not None else [])]
@@ -51,15 +53,19 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     start = len(hit.blocks) * ctx.block_tokens
     # The partial piece is decoded whole (a block's B tokens), then cut to k by the cache's offset.
     room = max(len(target), start + (_piece_tokens(ctx, piece) if piece is not None else 0))
-    # n_blocks=0: no plane staging, these blocks are joined on the host (the RAM tier keeps joined arrays).
-    buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens, n_blocks=0))
-    usable = _fill_all(ctx, buffers, pieces, start)
-    tokens = min(usable, len(hit.blocks)) * ctx.block_tokens
+    # Where a GPU computes, the whole blocks stage and join on the device a span at a time, as a wake's do
+    # (was: every block decoded and its planes joined by numpy on the CPU into host views, then uploaded
+    # from there: 5.6k tokens of the 8B shape took 1.7 s to decode and 0.9 s to upload on the H100, longer
+    # than prefilling them). The partial piece decodes into host views and goes up with the layout.
+    buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
+                                       n_blocks=len(hit.blocks)))
+    usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
+    tokens = usable * ctx.block_tokens
     if usable > len(hit.blocks) and hit.partial is not None:
-        tokens += hit.partial.tokens
+        tokens = start + hit.partial.tokens
     if not tokens:
         return None, 0
-    while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_BYTES)):  # a decoding neighbour waits a slice
+    while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
         pass
     cache = mlx(lambda: buffers.finish(tokens, None))
     if ctx.kv_bits is not None:
@@ -67,29 +73,32 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     return cache, tokens
 
 
-def _fill_all(ctx: KvContext, buffers: fill.Buffers, pieces: list[BlockRef | SnapshotRecord], start: int) -> int:
-    """Decode every piece into place on the pool; returns how many lead the list unbroken."""
-    batch, ok = ctx.pool.batch(), [False] * len(pieces)
+def _fill_all(ctx: KvContext, buffers: fill.Buffers, blocks: list[BlockRef], piece: BlockRef | SnapshotRecord | None,
+              start: int, mlx: Mlx) -> int:
+    """The hit's blocks (spans, joined on the device as they come in) and its partial piece into place;
+    returns how many of blocks + [piece] lead the list unbroken."""
+    batch, piece_ok = ctx.pool.batch(), [False]
 
-    def one(k: int, piece: BlockRef | SnapshotRecord) -> None:
+    def partial() -> None:
         try:
             if isinstance(piece, BlockRef):
-                fill_block(ctx, buffers, piece, k, None, True)
+                fill_block(ctx, buffers, piece, len(blocks), None, True)
             else:
                 _fill_tail(ctx, buffers, piece, start)
-            ok[k] = True
+            piece_ok[0] = True
         except CorruptBlockError as exc:
             ctx.log_unusable(exc)
 
     try:
-        for k, piece in enumerate(pieces):
+        if piece is not None:  # first: it decodes beside the first blocks, not after the last span
             nbytes = piece.raw_bytes if isinstance(piece, BlockRef) else piece.tail.raw_bytes  # type: ignore[union-attr]
             batch.reserve(nbytes)
-            batch.submit(nbytes, one, k, piece)
+            batch.submit(nbytes, partial)
+        usable = fill_spans(ctx, buffers, list(blocks), mlx, batch, shorten=True)
     finally:
         batch.join()
     batch.raise_first()
-    return ok.index(False) if False in ok else len(ok)
+    return usable + (usable == len(blocks) and piece_ok[0])
 
 
 def _partial_piece(ctx: KvContext, hit: PrefixHit, target: list[int]) -> BlockRef | SnapshotRecord | None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
@@ -169,11 +169,21 @@ class Engine:
             jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
+        if attention.on_cuda() and fill.restore_mode() == "staged":
+            jobs.append(self._warm_staging)
         if self.plain_prefill:  # a full chunk's plain path (a new shape beside decoding), in one and in many pieces
             jobs += [lambda k=k: attention.warm_plain(self.model, self.prefill_step, k) for k in (4096, 16384)]
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self, "paths", costs))
         return jobs
+
+    def _warm_staging(self) -> bool:
+        """A wake's staging ring made and kept, its joins compiled (devplanes.warm), for plain KV caches."""
+        cache = self.make_cache()
+        if not cache or not all(type(c) is KVCache for c in cache):
+            return False
+        mx.eval(self.model(mx.array([[0]], dtype=mx.uint32), cache=cache))
+        return devplanes.warm(cache[0].keys, 2 * len(cache), self.block_tokens)
 
     def close(self) -> None:
         self.persister.close()
