@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvwake.daemon.model.pieces import Pieces
 from kvwake.daemon.session import tool_arguments
 from kvwake.errors import InvalidParamsError
 
@@ -22,6 +23,7 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.folds_system = not self._accepts_system()
+        self.pieces = Pieces(tokenizer)  # a conversation's earlier messages are encoded once, not every turn
 
     def _accepts_system(self) -> bool:
         probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
@@ -42,7 +44,7 @@ class ChatTemplate:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except Exception as exc:
             raise InvalidParamsError(f"chat template rejected the messages: {exc}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.pieces.encode(text)
 
     @staticmethod
     def _fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

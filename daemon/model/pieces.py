@@ -1,0 +1,127 @@
+"""Tokenizing a rendered conversation piece by piece, each piece once.
+
+A stateless client (OpenAI's chat API, Anthropic's Messages, an agent) sends
+its whole conversation every turn, and the chat template renders all of it
+again: for a 75k-token conversation on the H100 machine, encoding the text
+took 90-100 ms a turn, on the engine thread, for tokens that were the same as
+the turn before's but the last few hundred.
+
+A fast tokenizer splits its input at its added tokens (`<|im_start|>`, ...)
+before anything else and encodes the text between them independently, so a
+rendered prompt cut just before each added token that starts a message
+encodes to the same ids piece by piece as whole. `Pieces` cuts it there,
+keeps each piece's ids (keyed by the piece's text, least recently used first
+out, bounded by tokens), and encodes only the pieces it has not seen, all in
+one batch call. Turn after turn that is the new messages.
+
+Where a tokenizer could break that (an added token matched on normalized text
+or that strips its neighbours, a pre-tokenizer that treats the start of the
+input specially, Llama's "prepend a space to the first word"), the pieces
+would not add up: `Pieces` checks at start, on probe texts, that pieced
+encoding equals whole encoding for every added token it cuts at, and on each
+of its first `VERIFY_FIRST` real prompts too; any difference turns it off for
+the process (logged) and every render encodes whole, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+__all__ = ["Pieces"]
+
+log = logging.getLogger("kvwake.pieces")
+
+# Token ids kept (int32: 4 bytes each): 16 MB, dozens of long agent conversations.
+KEEP_TOKENS = 4_000_000
+VERIFY_FIRST = 1  # real prompts also encoded whole and compared, after the probes (the first one: a cold turn)
+_PROBES = ("{t}", "a{t}b", " x {t} y ", "\n{t}\n\n", "user\nHi there!{t}\n{t}assistant\n", "12{t}34 .{t}.")
+
+
+class Pieces:
+    """Token ids of texts cut before each of the tokenizer's clean added tokens, each piece encoded once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.backend = _backend(tokenizer)
+        self._ids: OrderedDict[str, array] = OrderedDict()
+        self._kept = 0
+        self._verify = VERIFY_FIRST
+        self.split: re.Pattern[str] | None = None
+        self.stats = {"pieces_reused": 0, "pieces_encoded": 0}
+        marks = _clean_added(self.backend) if self.backend is not None else []
+        if marks:
+            self.split = re.compile("|".join(re.escape(m) for m in sorted(marks, key=len, reverse=True)))
+            if not all(self._agrees(p.format(t=m)) for m in marks for p in _PROBES):
+                self._off("pieced encoding differs from whole encoding on a probe text")
+
+    @property
+    def on(self) -> bool:
+        return self.split is not None
+
+    def encode(self, text: str) -> list[int]:
+        """text's token ids (no special tokens added), as `tokenizer.encode(text, add_special_tokens=False)`."""
+        if self.split is None:
+            return self._whole(text)
+        ids = self._pieced(text)
+        if self._verify:
+            self._verify -= 1
+            if ids != self._whole(text):
+                self._off("pieced encoding differs from whole encoding on a prompt")
+                return self._whole(text)
+        return ids
+
+    def _pieced(self, text: str) -> list[int]:
+        cuts = [0, *(m.start() for m in self.split.finditer(text) if m.start()), len(text)]
+        parts = [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        missing = list(dict.fromkeys(p for p in parts if p not in self._ids))
+        if missing:
+            for part, enc in zip(missing, self.backend.encode_batch(missing, add_special_tokens=False)):
+                self._keep(part, array("i", enc.ids))
+        out: list[int] = []
+        for part in parts:
+            ids = self._ids[part]
+            self._ids.move_to_end(part)
+            out.extend(ids)
+        self.stats["pieces_encoded"] += len(missing)
+        self.stats["pieces_reused"] += len(parts) - len(missing)
+        return out
+
+    def _keep(self, part: str, ids: array) -> None:
+        self._ids[part] = ids
+        self._kept += len(ids)
+        while self._kept > KEEP_TOKENS and len(self._ids) > 1:
+            _, old = self._ids.popitem(last=False)
+            self._kept -= len(old)
+
+    def _whole(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _agrees(self, text: str) -> bool:
+        return self._pieced(text) == self._whole(text)
+
+    def _off(self, why: str) -> None:
+        log.warning("tokenizing prompts whole: %s", why)
+        self.split = None
+        self._ids.clear()
+        self._kept = 0
+
+
+def _backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` under mlx-lm's wrapper and transformers' fast tokenizer, or None."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    backend = getattr(hf, "backend_tokenizer", None)
+    return backend if hasattr(backend, "encode_batch") and hasattr(backend, "get_added_tokens_decoder") else None
+
+
+def _clean_added(backend: Any) -> list[str]:
+    """The special added tokens to cut before: each matched on the raw text, anywhere. Empty when an added
+    token strips its neighbours or matches whole words only (a cut beside one might not be the
+    tokenizer's own), or a special one is matched on normalized text."""
+    tokens = list(backend.get_added_tokens_decoder().values())
+    if any(t.lstrip or t.rstrip or t.single_word or (t.special and t.normalized) for t in tokens):
+        return []
+    return [t.content for t in tokens if t.special and t.content]

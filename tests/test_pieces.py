@@ -1,0 +1,114 @@
+"""Prompts tokenized piece by piece, each piece once: the same ids as tokenizing them whole, or off."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kvwake.daemon.model import pieces as pieces_module
+from kvwake.daemon.model.chat import ChatTemplate
+from kvwake.daemon.model.pieces import Pieces
+from tests.tinymodel import CHATML, SPECIALS, write_tokenizer
+
+TEXT = ("The agent reads the manual, plans twelve steps and calls its tools. 12345 tokens, 3.14 ms; "
+        "naïve café — done!\n\n  Indented line.\tTabbed. ") * 8
+
+
+def save(path: Path, tok: Tokenizer) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None}))
+    return path
+
+
+def metaspace(path: Path, special: AddedToken | None = None) -> Path:
+    """A sentencepiece-like BPE: Metaspace prepends '▁' to the input's first word only ("first")."""
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    alphabet = sorted(set(TEXT + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789▁?!.,:;-_'\"<>|/\n\t "))
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, initial_alphabet=alphabet)
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    if special is not None:
+        tok.add_special_tokens([special])
+    return save(path, tok)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_(tmp_path_factory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("toks")
+    (root / "bytes").mkdir()
+    write_tokenizer(root / "bytes", CHATML, added=["<tool_call>", "</tool_call>"])
+    return {"bytes": load_tokenizer(root / "bytes"), "metaspace": load_tokenizer(metaspace(root / "metaspace"))}
+
+
+def whole(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_a_growing_conversation_encodes_only_its_new_pieces_to_the_same_ids(tokenizers_, kind):
+    tokenizer = tokenizers_[kind]
+    template = ChatTemplate(tokenizer)
+    assert template.pieces.on
+    messages = [{"role": "system", "content": TEXT}, {"role": "user", "content": "First: what now?"}]
+    for turn in range(4):
+        before = dict(template.pieces.stats)
+        ids = template.render(messages)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ids == whole(tokenizer, text)
+        if turn:  # the earlier turns' pieces come from memory: each turn encodes its own few
+            assert template.pieces.stats["pieces_encoded"] - before["pieces_encoded"] <= 4
+            assert template.pieces.stats["pieces_reused"] - before["pieces_reused"] >= 2 * turn + 2
+        messages += [{"role": "assistant", "content": f" Reply {turn}: <tool_call>{{}}</tool_call> ok "},
+                     {"role": "user", "content": f"<|im_start|> inside a message {turn}\n\n"}]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(st.one_of(st.sampled_from(SPECIALS + [" ", "\n", "12", "a", "▁x", "<tool_call>", "é"]),
+                                st.text(max_size=12)), max_size=14))
+def test_any_text_encodes_to_the_same_ids_pieced_as_whole(tokenizers_, parts):
+    text = "".join(parts)
+    for tokenizer in tokenizers_.values():
+        pieces = Pieces(tokenizer)
+        assert pieces.on and pieces._pieced(text) == whole(tokenizer, text), text
+
+
+def test_an_added_token_that_strips_its_neighbours_turns_pieces_off(tmp_path):
+    tokenizer = load_tokenizer(metaspace(tmp_path / "lstrip", AddedToken("<mask>", lstrip=True, special=True)))
+    pieces = Pieces(tokenizer)
+    assert not pieces.on
+    text = "a <mask> b<|im_start|>user\nhi"
+    assert pieces.encode(text) == whole(tokenizer, text)
+
+
+def test_a_prompt_that_pieces_differently_turns_pieces_off_and_is_encoded_whole(tokenizers_, monkeypatch, caplog):
+    tokenizer = tokenizers_["bytes"]
+    pieces = Pieces(tokenizer)
+    assert pieces.on
+    monkeypatch.setattr(pieces, "_pieced", lambda text: [0])  # what a tokenizer the probes missed would do
+    with caplog.at_level(logging.WARNING, logger="kvwake.pieces"):
+        ids = pieces.encode("<|im_start|>user\nhello<|im_end|>")
+    assert ids == whole(tokenizer, "<|im_start|>user\nhello<|im_end|>") and not pieces.on
+    assert "pieced encoding differs" in caplog.text
+
+
+def test_pieces_kept_are_bounded_by_tokens_least_recently_used_out(tokenizers_, monkeypatch):
+    monkeypatch.setattr(pieces_module, "KEEP_TOKENS", 40)
+    monkeypatch.setattr(pieces_module, "VERIFY_FIRST", 0)
+    tokenizer = tokenizers_["bytes"]
+    pieces = Pieces(tokenizer)
+    for k in range(6):
+        text = f"<|im_start|>{'x' * 15}{k}"
+        assert pieces.encode(text) == whole(tokenizer, text)
+        assert pieces._kept <= 40 and pieces._kept == sum(len(v) for v in pieces._ids.values())
+    assert "<|im_start|>xxxxxxxxxxxxxxx5" in pieces._ids and "<|im_start|>xxxxxxxxxxxxxxx0" not in pieces._ids
