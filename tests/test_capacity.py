@@ -40,7 +40,15 @@ def test_buffers_below_the_threshold_sit_off_the_grid_and_above_it_on_it(off_gri
     assert capacity.capacity(1) == 256 + capacity.OFF_GRID
     assert capacity.capacity(1000) == 1024 + capacity.OFF_GRID
     assert capacity.capacity(capacity.CUDNN_MIN) == capacity.CUDNN_MIN
-    assert capacity.capacity(20000) == 20224
+    # from there on, steps of a power of two near a GROWTH-th of the tokens (all on the 256 grid): a turn of
+    # a long conversation rarely meets a new capacity (was every 256 tokens: a cuDNN graph built each time)
+    assert capacity.capacity(20000) == 20480 and capacity.capacity(20480) == 20480
+    assert capacity.capacity(75000) == 77824 and capacity.capacity(77824 + 1) == 81920
+    for tokens in (16385, 30000, 70001, 131072, 200000):
+        got = capacity.capacity(tokens)
+        assert got % capacity.STEP == 0 and tokens <= got < tokens * (1 + 1 / capacity.GROWTH) + capacity.STEP
+    turns = [capacity.capacity(64000 + 110 * t) for t in range(100)]
+    assert len(set(turns)) <= 4  # 100 turns of 110 tokens past 64k: a few capacities, not 43
     c = KVCache()
     k = mx.zeros((1, 2, 300, 8))
     c.update_and_fetch(k, k)
