@@ -256,3 +256,83 @@ def test_a_session_whose_whole_prompt_came_from_stored_blocks_is_persisted_too(t
         assert c.call("session.wake", session_id="copy")["tokens"] == 200
         same_continuation(c, "copy", prompt, "ref")
     d.stop()
+
+
+def test_a_checkpoint_reads_a_cache_between_a_prefills_chunks_not_inside_one(tmp_path, model_dir, monkeypatch):
+    # On the H100 a checkpoint's capture job landed between two slices of a prefill chunk (the chunk is
+    # queued whole, then computed a few layers per job): reading the cache computed the chunk's remaining
+    # layers in the capture's job (60-86 ms), then the next slice waited for them on the GPU (77-98 ms),
+    # a decoding neighbour's worst gaps. Now the capture waits for the chunk's end.
+    from kvwake.daemon.kv import pipeline
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.thread import EngineThread
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    store = Store(tmp_path / "store", block_tokens=B)
+    thread = EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, model_dir, prefill_step=64, persist=False)).result()
+    chunk_done_at_read = []
+    real_defer = pipeline.defer_blocks
+
+    def defer(ctx, cache, first, count, own=False):
+        chunk_done_at_read.append(not session.computing)
+        return real_defer(ctx, cache, first, count, own)
+    monkeypatch.setattr(pipeline, "defer_blocks", defer)
+    try:
+        session = Session("s")
+        thread.call(lambda: engine.append(session, tokens=list(range(3, 43))))  # 39 tokens computed: 2 blocks
+        session.tokens += list(range(50, 90))
+        monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))  # a neighbour decodes
+        engine.decoder.step_s = 1e-9  # slices of one layer
+        chunk = thread.call(lambda: engine._prefill_chunk(session, len(session.tokens) - 1))
+        assert not chunk.done and session.computing
+        result: list = []
+        driver = threading.Thread(target=lambda: result.append(
+            pipeline.checkpoint(engine.kv, session, thread.call, supersede=None)))
+        driver.start()
+        deadline = time.monotonic() + 30
+        while not thread.call(lambda: session._settled):  # the capture is waiting for the chunk's end
+            assert driver.is_alive() and time.monotonic() < deadline, "the checkpoint read the cache mid-chunk"
+            time.sleep(0.01)
+        while not chunk.done:
+            thread.call(chunk.step)
+        driver.join(30)
+        assert result and result[0].n_tokens == 2 * B and chunk_done_at_read == [True]
+        assert not session.computing and not session._settled
+    finally:
+        thread.call(engine.close)
+        thread.stop()
+        store.close()
+
+
+def test_a_prefill_stopped_between_slices_drops_its_half_chunk_and_releases_what_waited(tmp_path, model_dir,
+                                                                                      monkeypatch):
+    # A checkpoint waiting for a chunk's end must not wait forever when the prefill stops between slices
+    # (a slice's job refused): the half-computed cache is dropped, as after a failed slice, and the waiter runs.
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    store = Store(tmp_path / "store", block_tokens=B)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, persist=False)
+    monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
+    engine.decoder.step_s = 1e-9  # slices of one layer
+    session, waited, steps = Session("s"), [], []
+
+    def mlx(fn):
+        if getattr(fn, "__name__", "") == "step":
+            steps.append(fn)
+            if len(steps) == 1:
+                waited.append(session.when_settled(lambda: session.cache))
+            else:
+                raise RuntimeError("the engine thread takes no more jobs")
+        return fn()
+    try:
+        with pytest.raises(RuntimeError):
+            engine.append(session, tokens=list(range(3, 90)), mlx=mlx)
+        assert waited and waited[0].done() and waited[0].result() is None  # it ran, on a dropped cache
+        assert not session.computing and session.cache is None and session.processed == 0
+    finally:
+        engine.close()
+        store.close()

@@ -218,12 +218,15 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
             raise Moved(f"session {session.id} no longer holds the {len(tokens)} tokens planned")
         return session.cache
 
+    def settled(fn: Callable[[], Any]) -> Any:  # an engine-thread job run between a prefill's chunks, not inside one
+        return mlx(lambda: session.when_settled(fn)).result()
+
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=head, metadata=recorded,
                           supersede=supersede) as w:
         batch, held = ctx.pool.batch(ctx.pool.inflight_bytes // SPAN_SHARE), []
         try:
             if w.needed:
-                _write_blocks(ctx, w, cache, mlx, batch, held, own=True)
+                _write_blocks(ctx, w, cache, settled, batch, held, own=True)
         finally:
             batch.join()
             mlx(held.clear)

@@ -58,10 +58,18 @@ class Chunk:
         self.tokens = end - session.processed
         self.computed = 0  # layers evaluated so far
         self.slices = 0
+        session.computing = True  # until the last slice: what reads the cache waits (Session.when_settled)
 
     @property
     def done(self) -> bool:
         return self.computed >= len(self.layers)
+
+    def abandon(self) -> None:
+        """The chunk will not be finished (its caller stopped between slices): the cache, half computed, is
+        dropped as after a failed slice, and what waited for the chunk's end runs."""
+        if not self.done:
+            self.session.cache, self.session.processed = None, 0
+            self.session.settle()
 
     def step(self) -> None:
         """Compute the next slice of layers (the chunk's whole pass when not sliced)."""
@@ -72,9 +80,11 @@ class Chunk:
             mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
         except BaseException:
             self.session.cache, self.session.processed = None, 0
+            self.session.settle()
             raise
         self.slicer.observe(time.perf_counter() - started, n, self.tokens)
         self.computed += n
         self.slices += 1
         if self.done:
             self.session.processed = self.end
+            self.session.settle()
