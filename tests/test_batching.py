@@ -407,3 +407,39 @@ def test_status_counts_merges_slot_reuses_and_compactions(engine):
     status = engine.decoder.status()
     assert status["merges"] - before["merges"] == 1 and status["slot_reuses"] - before["slot_reuses"] == 1
     assert status["compactions"] > before["compactions"] and status["batch_rows"] == status["dead_rows"] == 0
+
+
+def test_a_failed_jobs_exception_reaches_its_waiter_without_the_jobs_locals():
+    # A job's exception travels to its waiter's thread with a traceback whose frames held the job's locals
+    # (caches, MLX arrays): freed there, MLX memory went back to MLX from a thread that is not the engine
+    # thread while the engine thread ran MLX. The engine thread now clears those frames before handing over.
+    import gc
+    import weakref
+
+    from kvwake.daemon.model.thread import EngineThread
+
+    class Held:  # stands for an MLX array a job made
+        pass
+
+    refs = []
+
+    def job():
+        held = Held()
+        refs.append(weakref.ref(held))
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise ValueError("the job failed") from None  # a chained context too: its frames are cleared as well
+
+    thread = EngineThread()
+    try:
+        with pytest.raises(ValueError, match="the job failed") as caught:
+            thread.call(job)
+        gc.disable()  # only reference counts: nothing collected behind the test's back
+        try:
+            assert refs[0]() is None, "the job's local is still alive, held by its exception's frames"
+        finally:
+            gc.enable()
+        assert "job" in "".join(__import__("traceback").format_tb(caught.value.__traceback__))  # lines kept
+    finally:
+        thread.stop()

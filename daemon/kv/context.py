@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,11 +29,29 @@ from kvwake.daemon.kv.pool import Pool
 from kvwake.errors import BundleMismatchError, KvwakeError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache"]
+__all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache", "unframed"]
 
 log = logging.getLogger("kvwake.engine")  # the name its messages had before the layers (logs are read by it)
 T = TypeVar("T")
 Mlx = Callable[[Callable[[], Any]], Any]
+
+
+def unframed(exc: BaseException) -> BaseException:
+    """`exc` (and the exceptions chained to it) with its traceback's finished frames cleared of their locals.
+
+    An exception raised by MLX work travels to another thread (a job's waiter, a call's client) with a
+    traceback whose frames hold that work's locals: caches, batches, MLX arrays. Freed there, an MLX array's
+    memory goes back to MLX's allocator from a thread that is not the engine thread, while the engine thread
+    may be allocating (MLX is not thread-safe). A suspect, not proven, in the daemons that exited by SIGSEGV
+    at a stop on the H100 (the last one's main thread was in the event loop, the engine thread in an MLX
+    eval). Cleared here, on the engine thread, they are freed here. Tracebacks still name every file and line."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    return exc
 
 
 def direct(fn: Callable[[], T]) -> T:

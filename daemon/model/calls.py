@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
+from kvwake.daemon.kv.context import unframed
 from kvwake.daemon.model.generation import GenerateResult, TextOutput
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.session import Session
@@ -60,7 +61,7 @@ class Call:
 
     def fail(self, exc: BaseException) -> None:
         self.session.cache, self.session.processed = None, 0  # state unknown: rebuilt from tokens on next use
-        self.future.set_exception(exc)
+        self.future.set_exception(unframed(exc))  # its frames' MLX arrays freed here, on the engine thread
 
 
 class Solo:

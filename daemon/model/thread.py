@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kvwake.daemon.kv.context import unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.errors import CancelledError
 
@@ -115,7 +116,7 @@ class EngineThread:
                     decoder.step()
                 except Exception as exc:  # a bug, not a model error (those fail only their calls)
                     log.exception("decode step failed; failing every call in flight")
-                    decoder.abort(exc)
+                    decoder.abort(unframed(exc))
                 self._spend("step", "decode step", stepped)
             flushed = time.perf_counter()
             self._flush()
@@ -149,7 +150,7 @@ class EngineThread:
         try:
             future.set_result(fn())
         except BaseException as exc:  # delivered to the awaiting caller
-            future.set_exception(exc)
+            future.set_exception(unframed(exc))
 
     def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on `loop`: from the engine thread, with everything else the current job or decode
