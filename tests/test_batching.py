@@ -443,3 +443,24 @@ def test_a_failed_jobs_exception_reaches_its_waiter_without_the_jobs_locals():
         assert "job" in "".join(__import__("traceback").format_tb(caught.value.__traceback__))  # lines kept
     finally:
         thread.stop()
+
+
+def test_clearing_an_exceptions_frames_leaves_a_suspended_generator_running():
+    # An exception caught inside a generator that then suspends has that live frame in its traceback;
+    # clearing it would close the generator (Python 3.11/3.12). Its frames are left alone.
+    from kvwake.daemon.kv.context import unframed
+
+    caught = []
+
+    def numbers():
+        try:
+            raise KeyError("caught inside")
+        except KeyError as exc:
+            caught.append(exc)
+        yield 1
+        yield 2
+
+    gen = numbers()
+    assert next(gen) == 1  # suspended, its frame in caught[0]'s traceback
+    unframed(caught[0])
+    assert next(gen) == 2

@@ -14,9 +14,9 @@ that runs a function there and returns its result (`EngineThread.call`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ __all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache", "unframed
 log = logging.getLogger("kvwake.engine")  # the name its messages had before the layers (logs are read by it)
 T = TypeVar("T")
 Mlx = Callable[[Callable[[], Any]], Any]
+_SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def unframed(exc: BaseException) -> BaseException:
@@ -49,7 +50,15 @@ def unframed(exc: BaseException) -> BaseException:
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
+        tb = e.__traceback__
+        while tb is not None:
+            # A generator's or coroutine's frame is left alone: clearing one still suspended would close it.
+            if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # still executing (the frame that caught it)
+                    pass
+            tb = tb.tb_next
         e = e.__cause__ or e.__context__
     return exc
 
