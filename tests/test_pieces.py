@@ -112,3 +112,18 @@ def test_pieces_kept_are_bounded_by_tokens_least_recently_used_out(tokenizers_, 
         assert pieces.encode(text) == whole(tokenizer, text)
         assert pieces._kept <= 40 and pieces._kept == sum(len(v) for v in pieces._ids.values())
     assert "<|im_start|>xxxxxxxxxxxxxxx5" in pieces._ids and "<|im_start|>xxxxxxxxxxxxxxx0" not in pieces._ids
+
+
+def test_a_prompt_whose_own_pieces_are_the_oldest_kept_encodes_when_new_pieces_push_them_out(tokenizers_,
+                                                                                            monkeypatch):
+    # Was a KeyError: the new pieces were kept first, and keeping them evicted the least recently used,
+    # which were this prompt's own earlier pieces (not yet touched by this render).
+    monkeypatch.setattr(pieces_module, "KEEP_TOKENS", 40)
+    monkeypatch.setattr(pieces_module, "VERIFY_FIRST", 0)
+    tokenizer = tokenizers_["bytes"]
+    pieces = Pieces(tokenizer)
+    first = "<|im_start|>" + "a" * 15 + "<|im_start|>" + "b" * 15
+    assert pieces.encode(first) == whole(tokenizer, first)
+    longer = first + "<|im_start|>" + "c" * 15
+    assert pieces.encode(longer) == whole(tokenizer, longer)
+    assert pieces._kept <= 40

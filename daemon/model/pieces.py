@@ -77,15 +77,20 @@ class Pieces:
     def _pieced(self, text: str) -> list[int]:
         cuts = [0, *(m.start() for m in self.split.finditer(text) if m.start()), len(text)]
         parts = [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
-        missing = list(dict.fromkeys(p for p in parts if p not in self._ids))
+        known: dict[str, array] = {}  # this text's pieces, held here: keeping new ones may evict old ones
+        for part in parts:
+            ids = self._ids.get(part)
+            if ids is not None:
+                known[part] = ids
+                self._ids.move_to_end(part)
+        missing = [p for p in dict.fromkeys(parts) if p not in known]
         if missing:
             for part, enc in zip(missing, self.backend.encode_batch(missing, add_special_tokens=False)):
-                self._keep(part, array("i", enc.ids))
+                known[part] = array("i", enc.ids)
+                self._keep(part, known[part])
         out: list[int] = []
         for part in parts:
-            ids = self._ids[part]
-            self._ids.move_to_end(part)
-            out.extend(ids)
+            out.extend(known[part])
         self.stats["pieces_encoded"] += len(missing)
         self.stats["pieces_reused"] += len(parts) - len(missing)
         return out
