@@ -309,7 +309,8 @@ def test_a_checkpoint_reads_a_cache_between_a_prefills_chunks_not_inside_one(tmp
 def test_a_prefill_stopped_between_slices_drops_its_half_chunk_and_releases_what_waited(tmp_path, model_dir,
                                                                                       monkeypatch):
     # A checkpoint waiting for a chunk's end must not wait forever when the prefill stops between slices
-    # (a slice's job refused): the half-computed cache is dropped, as after a failed slice, and the waiter runs.
+    # (the runner of a slice's job raised before running it): the half-computed cache is dropped, as after a
+    # failed slice, and the waiter runs.
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session import Session
     from kvwake.store import Store
@@ -326,7 +327,7 @@ def test_a_prefill_stopped_between_slices_drops_its_half_chunk_and_releases_what
             if len(steps) == 1:
                 waited.append(session.when_settled(lambda: session.cache))
             else:
-                raise RuntimeError("the engine thread takes no more jobs")
+                raise RuntimeError("the slice's job did not run")
         return fn()
     try:
         with pytest.raises(RuntimeError):

@@ -47,8 +47,11 @@ def unframed(exc: BaseException) -> BaseException:
     at a stop on the H100 (the last one's main thread was in the event loop, the engine thread in an MLX
     eval). Cleared here, on the engine thread, they are freed here. Tracebacks still name every file and line."""
     seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         seen.add(id(e))
         tb = e.__traceback__
         while tb is not None:
@@ -56,10 +59,10 @@ def unframed(exc: BaseException) -> BaseException:
             if not tb.tb_frame.f_code.co_flags & _SUSPENDABLE:
                 try:
                     tb.tb_frame.clear()
-                except RuntimeError:  # still executing (the frame that caught it)
+                except BaseException:  # still executing (the frame that caught it): left as it is
                     pass
             tb = tb.tb_next
-        e = e.__cause__ or e.__context__
+        todo += [e.__cause__, e.__context__]
     return exc
 
 

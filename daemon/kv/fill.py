@@ -387,17 +387,23 @@ class Buffers:
         if rest:
             raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(rest)}")
         mx.eval([s for c in self.cache for s in _state_arrays(c)])
-        # Drop every other reference to MLX memory here, on the engine thread (the object itself
-        # may die elsewhere); staging and join temporaries go back rather than stay cached.
+        self.release()
+        return self.cache
+
+    def release(self) -> None:
+        """Engine thread: drop every reference to MLX memory but the cache's (the object itself may die
+        elsewhere): the ring's slots go back (kept mapped for the next wake: devplanes.drop_idle frees
+        them), staging leaves the host before MLX may reuse it for a kernel's output, joined spans and
+        temporaries go back rather than stay cached. `finish` ends with it; a restore given up calls it."""
         if self.ring is not None:
-            self.ring.close()  # its slots wait for the next wake, still mapped (devplanes.drop_idle frees them)
-        self._tail_release()  # staging leaves the host before MLX may reuse it for a kernel's output
+            self.ring.close()
+        self._tail_release()
         self._placed.clear()
         self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
+        self.pieces = {name: [] for name in self.order}
         self._out, self._layout = {}, None
         if self.mode == "staged":
             mx.clear_cache()
-        return self.cache
 
     def _unit_cache(self, unit: str, slot: Any, buffers: dict[str, mx.array], n_tokens: int) -> Any:
         if self.quantized[unit]:

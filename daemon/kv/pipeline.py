@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvwake.daemon.kv import fill, state
-from kvwake.daemon.kv.context import KvContext, Mlx
+from kvwake.daemon.kv.context import KvContext, Mlx, unframed
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError, InvalidParamsError
@@ -219,7 +219,13 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
         return session.cache
 
     def settled(fn: Callable[[], Any]) -> Any:  # an engine-thread job run between a prefill's chunks, not inside one
-        return mlx(lambda: session.when_settled(fn)).result()
+        def run() -> Any:
+            try:
+                return fn()
+            except BaseException as exc:  # its frames' MLX arrays freed here, on the engine thread
+                unframed(exc)
+                raise
+        return mlx(lambda: session.when_settled(run)).result()
 
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=head, metadata=recorded,
                           supersede=supersede) as w:

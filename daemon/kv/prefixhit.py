@@ -59,15 +59,20 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     # than prefilling them). The partial piece decodes into host views and goes up with the layout.
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
                                        n_blocks=len(hit.blocks)))
-    usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
-    tokens = usable * ctx.block_tokens
-    if usable > len(hit.blocks) and hit.partial is not None:
-        tokens = start + hit.partial.tokens
-    if not tokens:
-        return None, 0
-    while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
-        pass
-    cache = mlx(lambda: buffers.finish(tokens, None))
+    cache = None
+    try:
+        usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
+        tokens = usable * ctx.block_tokens
+        if usable > len(hit.blocks) and hit.partial is not None:
+            tokens = start + hit.partial.tokens
+        if not tokens:
+            return None, 0
+        while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
+            pass
+        cache = mlx(lambda: buffers.finish(tokens, None))
+    finally:
+        if cache is None:  # given up: its staging and joined spans go back on the engine thread
+            mlx(buffers.release)
     if ctx.kv_bits is not None:
         cache = mlx(lambda: ctx.quantize(cache))
     return cache, tokens

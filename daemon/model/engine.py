@@ -87,14 +87,6 @@ def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
     return Path(_download(str(model))), str(model)
 
 
-def _last_resort(mlx: Mlx, fn: Callable[[], Any]) -> None:
-    """fn on the engine thread, or here when that thread takes no more jobs (it is stopping)."""
-    try:
-        mlx(fn)
-    except Exception:
-        fn()
-
-
 class Engine:
     """Holds one model and runs sessions on it: one operation per session at a time, MLX work through `mlx`."""
 
@@ -373,8 +365,8 @@ class Engine:
                     while not chunk.done:
                         mlx(chunk.step)
                 finally:
-                    if not chunk.done:  # a slice's job was refused or interrupted: nothing may wait on the rest
-                        _last_resort(mlx, chunk.abandon)
+                    if not chunk.done:  # a slice's job did not run to its end: nothing may wait on the rest
+                        mlx(chunk.abandon)
                 self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)
