@@ -38,6 +38,24 @@ def test_session_tokens_leave_room_for_the_weights_and_a_prefills_scratch():
     assert memory.session_tokens(limits, weights_bytes=0, token_bytes=0) is None  # nothing grows per token
 
 
+def test_session_tokens_count_the_buffer_a_long_session_grows_to():
+    # Past 16k tokens a buffer grows by a sixteenth of itself on CUDA (kv/capacity.py): a session at the limit
+    # held up to 6% more than the limit's tokens, out of the prefill's scratch share. Now its buffer fits.
+    from kvwake.daemon.kv import capacity
+
+    was = capacity.installed()
+    capacity.install()
+    try:
+        limits = memory.Limits(memory_bytes=int(75_000 * 100 / (1 - memory.WORKSPACE_SHARE)) + 1, cache_bytes=0)
+        tokens = memory.session_tokens(limits, weights_bytes=0, token_bytes=100)
+        assert tokens == 73_728 and capacity.capacity(tokens) <= 75_000 < capacity.capacity(tokens + 1)
+        small = memory.Limits(memory_bytes=10_000, cache_bytes=0)
+        assert memory.session_tokens(small, weights_bytes=4_000, token_bytes=100) == 50  # below 16k: as before
+    finally:
+        if not was:
+            capacity.uninstall()
+
+
 def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir):
     d = Daemon(tmp_path, model_dir, extra=["--max-context", "150"]).start()
     try:

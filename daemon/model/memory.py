@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import state
 
 __all__ = ["DEFAULT_CACHE_BYTES", "MEMORY_SHARE", "Limits", "apply_limits", "device_memory", "kv_token_bytes",
@@ -85,4 +86,13 @@ def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int 
     if token_bytes <= 0:
         return None
     room = limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes
-    return max(0, int(room // token_bytes))
+    tokens = max(0, int(room // token_bytes))
+    if kvcapacity.installed() and tokens > kvcapacity.CUDNN_MIN:
+        # Past CUDNN_MIN a buffer holds up to a sixteenth more than its tokens (kv/capacity.py): the most
+        # tokens whose buffer fits, not the most tokens (it would eat the prefill's scratch share).
+        lo, hi = kvcapacity.CUDNN_MIN, tokens  # capacity(CUDNN_MIN) is CUDNN_MIN: it fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if kvcapacity.capacity(mid) <= tokens else (lo, mid - 1)
+        tokens = lo
+    return tokens
