@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from array import array
 from pathlib import Path
 
 import pytest
@@ -102,15 +103,16 @@ def test_a_prompt_that_pieces_differently_turns_pieces_off_and_is_encoded_whole(
     assert "pieced encoding differs" in caplog.text
 
 
-def test_pieces_kept_are_bounded_by_tokens_least_recently_used_out(tokenizers_, monkeypatch):
-    monkeypatch.setattr(pieces_module, "KEEP_TOKENS", 40)
+def test_pieces_kept_are_bounded_in_bytes_least_recently_used_out(tokenizers_, monkeypatch):
+    bound = 2 * pieces_module.cost("<|im_start|>" + "x" * 16, array("i", range(17))) + 10  # two pieces
+    monkeypatch.setattr(pieces_module, "KEEP_BYTES", bound)
     monkeypatch.setattr(pieces_module, "VERIFY_FIRST", 0)
     tokenizer = tokenizers_["bytes"]
     pieces = Pieces(tokenizer)
     for k in range(6):
         text = f"<|im_start|>{'x' * 15}{k}"
         assert pieces.encode(text) == whole(tokenizer, text)
-        assert pieces._kept <= 40 and pieces._kept == sum(len(v) for v in pieces._ids.values())
+        assert pieces._kept <= bound and pieces._kept == sum(pieces_module.cost(k, v) for k, v in pieces._ids.items())
     assert "<|im_start|>xxxxxxxxxxxxxxx5" in pieces._ids and "<|im_start|>xxxxxxxxxxxxxxx0" not in pieces._ids
 
 
@@ -118,7 +120,8 @@ def test_a_prompt_whose_own_pieces_are_the_oldest_kept_encodes_when_new_pieces_p
                                                                                             monkeypatch):
     # Was a KeyError: the new pieces were kept first, and keeping them evicted the least recently used,
     # which were this prompt's own earlier pieces (not yet touched by this render).
-    monkeypatch.setattr(pieces_module, "KEEP_TOKENS", 40)
+    bound = 2 * pieces_module.cost("<|im_start|>" + "a" * 15, array("i", range(16))) + 10  # two pieces
+    monkeypatch.setattr(pieces_module, "KEEP_BYTES", bound)
     monkeypatch.setattr(pieces_module, "VERIFY_FIRST", 0)
     tokenizer = tokenizers_["bytes"]
     pieces = Pieces(tokenizer)
@@ -126,4 +129,4 @@ def test_a_prompt_whose_own_pieces_are_the_oldest_kept_encodes_when_new_pieces_p
     assert pieces.encode(first) == whole(tokenizer, first)
     longer = first + "<|im_start|>" + "c" * 15
     assert pieces.encode(longer) == whole(tokenizer, longer)
-    assert pieces._kept <= 40
+    assert pieces._kept <= bound

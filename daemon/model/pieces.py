@@ -11,7 +11,7 @@ before anything else and encodes the text between them independently, so a
 rendered prompt cut just before each added token that starts a message
 encodes to the same ids piece by piece as whole. `Pieces` cuts it there,
 keeps each piece's ids (keyed by the piece's text, least recently used first
-out, bounded by tokens), and encodes only the pieces it has not seen, all in
+out, bounded in bytes), and encodes only the pieces it has not seen, all in
 one batch call. Turn after turn that is the new messages.
 
 Where a tokenizer could break that (an added token matched on normalized text
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -35,8 +36,8 @@ __all__ = ["Pieces"]
 
 log = logging.getLogger("kvwake.pieces")
 
-# Token ids kept (int32: 4 bytes each): 16 MB, dozens of long agent conversations.
-KEEP_TOKENS = 4_000_000
+# Bytes the kept pieces may take, their texts and ids (int32) counted: dozens of long agent conversations.
+KEEP_BYTES = 64 << 20
 VERIFY_FIRST = 1  # real prompts also encoded whole and compared, after the probes (the first one: a cold turn)
 _PROBES = ("{t}", "a{t}b", " x {t} y ", "\n{t}\n\n", "user\nHi there!{t}\n{t}assistant\n", "12{t}34 .{t}.")
 
@@ -97,10 +98,10 @@ class Pieces:
 
     def _keep(self, part: str, ids: array) -> None:
         self._ids[part] = ids
-        self._kept += len(ids)
-        while self._kept > KEEP_TOKENS and len(self._ids) > 1:
-            _, old = self._ids.popitem(last=False)
-            self._kept -= len(old)
+        self._kept += cost(part, ids)
+        while self._kept > KEEP_BYTES and len(self._ids) > 1:
+            old_part, old = self._ids.popitem(last=False)
+            self._kept -= cost(old_part, old)
 
     def _whole(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -113,6 +114,11 @@ class Pieces:
         self.split = None
         self._ids.clear()
         self._kept = 0
+
+
+def cost(part: str, ids: array) -> int:
+    """Bytes one kept piece takes: its text, its ids and about what the dict entry and array add."""
+    return sys.getsizeof(part) + ids.itemsize * len(ids) + 160
 
 
 def _backend(tokenizer: Any) -> Any:
