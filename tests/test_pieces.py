@@ -130,3 +130,14 @@ def test_a_prompt_whose_own_pieces_are_the_oldest_kept_encodes_when_new_pieces_p
     longer = first + "<|im_start|>" + "c" * 15
     assert pieces.encode(longer) == whole(tokenizer, longer)
     assert pieces._kept <= bound
+
+
+def test_an_added_token_that_runs_into_a_cut_token_turns_pieces_off(tmp_path):
+    # "x<|im" is matched leftmost before "<|im_start|>", so the tokenizer does not split where the special
+    # token begins: cutting there would give other ids. Such a tokenizer is tokenized whole.
+    (tmp_path / "overlap").mkdir()
+    write_tokenizer(tmp_path / "overlap", CHATML, added=["x<|im"])
+    tokenizer = load_tokenizer(tmp_path / "overlap")
+    text = "ax<|im_start|>user\nhi"
+    pieces = Pieces(tokenizer)
+    assert not pieces.on and pieces.encode(text) == whole(tokenizer, text)

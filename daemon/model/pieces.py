@@ -135,4 +135,11 @@ def _clean_added(backend: Any) -> list[str]:
     tokens = list(backend.get_added_tokens_decoder().values())
     if any(t.lstrip or t.rstrip or t.single_word or (t.special and t.normalized) for t in tokens):
         return []
-    return [t.content for t in tokens if t.special and t.content]
+    marks = [t.content for t in tokens if t.special and t.content]
+    others = [t.content for t in tokens if not t.special and t.content]
+    # An added token that starts before a mark and runs into it (or holds it) is matched first, leftmost:
+    # the tokenizer would not split where the mark begins.
+    if any(m in o or any(o.endswith(m[:k]) for k in range(1, min(len(o), len(m)) + 1))
+           for o in others for m in marks):
+        return []
+    return marks
