@@ -122,6 +122,8 @@ def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_wa
     monkeypatch.setattr(kvfill, "RESTORE_MODE", mode)
     monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
+    released, real_release = [], kvfill.Buffers.release
+    monkeypatch.setattr(kvfill.Buffers, "release", lambda self: released.append(self) or real_release(self))
     s = Session("s")
     engine.append(s, tokens=list(range(100)))
     snapshot = engine.sleep(s)["snapshot_id"]
@@ -133,6 +135,7 @@ def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_wa
     with pytest.raises(CorruptBlockError) as caught:
         engine.wake("s")
     assert caught.value.data["block"] == record.blocks[3].key and caught.value.data["snapshot_id"] == snapshot
+    assert len(released) == 1  # the failed wake's staging and joined spans went back through release
     assert caught.value.data["session_id"] == "s"
     path.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 0x40]) + bytes(data[-4:]))
     woken, _ = engine.wake("s")  # nothing was changed by the failed wake

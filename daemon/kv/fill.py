@@ -162,6 +162,7 @@ class Buffers:
         self.joined = 0  # blocks the pieces cover (from 0); the rest are uploaded from the host views at finish
         self._out: dict[str, mx.array] = {}  # tensors laid out on the device (upload), in order
         self._layout: tuple[int, list[mx.array] | None] | None = None  # (tokens, the joined tail) once begun
+        self.released = False  # `release` ran (by `finish`, or for a restore given up)
         specs = {t: sample[t] for t in self.order}
         blocks = n_blocks if n_blocks is not None else capacity // block_tokens
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
@@ -394,7 +395,9 @@ class Buffers:
         """Engine thread: drop every reference to MLX memory but the cache's (the object itself may die
         elsewhere): the ring's slots go back (kept mapped for the next wake: devplanes.drop_idle frees
         them), staging leaves the host before MLX may reuse it for a kernel's output, joined spans and
-        temporaries go back rather than stay cached. `finish` ends with it; a restore given up calls it."""
+        temporaries go back rather than stay cached. `finish` ends with it; a restore given up calls it
+        (`pipeline.releasing`). Once is enough: `released` says whether it ran."""
+        self.released = True
         if self.ring is not None:
             self.ring.close()
         self._tail_release()

@@ -37,8 +37,9 @@ docs/benchmarks.md "Copies per restored byte").
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -50,7 +51,7 @@ from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "sleep", "wake", "write_prefix"]
+__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "releasing", "sleep", "wake", "write_prefix"]
 
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
@@ -321,23 +322,36 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
             tail = ctx.store.read_tail(record)
             return mlx(lambda: fill.finish_empty(ctx.model, n, tail, ctx.block_tokens))
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest))
-    batch, tail_box = ctx.pool.batch(), []
+    with releasing(buffers, mlx):
+        batch, tail_box = ctx.pool.batch(), []
+        try:
+            if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
+                batch.reserve(record.tail.raw_bytes)
+                place = buffers.place(n_full * ctx.block_tokens, rest)
+                batch.submit(record.tail.raw_bytes,
+                             lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
+            fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record)
+        finally:
+            batch.join()
+        batch.raise_first()
+        tail = dict(tail_box[0]) if tail_box else {}
+        if rest:
+            buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
+        while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
+            pass
+        return mlx(lambda: buffers.finish(n, tail))
+
+
+@contextlib.contextmanager
+def releasing(buffers: fill.Buffers, mlx: Mlx) -> Iterator[fill.Buffers]:
+    """A restore's buffers, released on the engine thread however the restore ends: by `finish`, or here when
+    it is given up (a damaged block failing a wake, a prefix hit with nothing usable). Left to die on the
+    caller's thread, their staging ring and joined spans would go back to MLX off the engine thread."""
     try:
-        if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
-            batch.reserve(record.tail.raw_bytes)
-            place = buffers.place(n_full * ctx.block_tokens, rest)
-            batch.submit(record.tail.raw_bytes,
-                         lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-        fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record)
+        yield buffers
     finally:
-        batch.join()
-    batch.raise_first()
-    tail = dict(tail_box[0]) if tail_box else {}
-    if rest:
-        buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
-    while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
-        pass
-    return mlx(lambda: buffers.finish(n, tail))
+        if not buffers.released:
+            mlx(buffers.release)
 
 
 def fill_spans(ctx: KvContext, buffers: fill.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,

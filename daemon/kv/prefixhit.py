@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvwake.daemon.kv import fill
 from kvwake.daemon.kv.context import KvContext, Mlx
-from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans
+from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.prefix import PrefixHit
@@ -59,8 +59,7 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     # than prefilling them). The partial piece decodes into host views and goes up with the layout.
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
                                        n_blocks=len(hit.blocks)))
-    cache = None
-    try:
+    with releasing(buffers, mlx):
         usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
         tokens = usable * ctx.block_tokens
         if usable > len(hit.blocks) and hit.partial is not None:
@@ -70,9 +69,6 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
         while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
             pass
         cache = mlx(lambda: buffers.finish(tokens, None))
-    finally:
-        if cache is None:  # given up: its staging and joined spans go back on the engine thread
-            mlx(buffers.release)
     if ctx.kv_bits is not None:
         cache = mlx(lambda: ctx.quantize(cache))
     return cache, tokens
