@@ -1,6 +1,7 @@
 """What a short prefill chunk costs at a new cache offset (every agent turn is one), by attention path.
 
 usage: python bench/prefill_shapes.py MODEL [--context 7500] [--chunk 35] [--turns 6] [--costs 1024,4096,...]
+                                       [--paths causal,array,plain,steps,causal,bucket]
 
 A cache of --context random tokens, then --turns chunks of --chunk tokens, each at a new offset (as
 each turn of a conversation is), timed one by one, evaluated. Paths:
@@ -8,6 +9,9 @@ each turn of a conversation is), timed one by one, evaluated. Paths:
   array    the same kernel given an explicit additive mask array (KVCache.make_mask(return_array=True))
   plain    attention in plain ops (daemon/model/attention.py, what kvwake prefills with on CUDA)
   steps    the chunk fed one token at a time (the decode kernel), for reference
+  bucket   the fused kernel at the chunk's query bucket over the whole buffer (attention.bucketed_attention,
+           what kvwake runs a short chunk at past kv/capacity.py's CUDNN_MIN): one graph per bucket and
+           capacity, with the daemon's CUDA buffer growth installed
 MLX on CUDA builds a cuDNN graph per (query length, key length) for fused prefill attention; this
 measures whether the other paths avoid that per-turn cost. Prints one JSON line per path.
 --costs: also the table the engine chooses a short chunk's path by (attention.PathCosts, one layer, 128
@@ -25,7 +29,8 @@ import mlx_lm
 from mlx_lm.models import cache as cache_mod
 from mlx_lm.models import llama
 
-from kvwake.daemon.model.attention import PathCosts, plain_attention
+from kvwake.daemon.kv import capacity
+from kvwake.daemon.model.attention import PathCosts, bucketed_attention, plain_attention
 
 
 def run(model, context: int, chunk: int, turns: int, path: str) -> list[float]:
@@ -58,6 +63,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=35)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--costs", default="")
+    ap.add_argument("--paths", default="causal,array,plain,steps,causal")
     a = ap.parse_args()
     model, _ = mlx_lm.load(a.model)
     if a.costs:
@@ -71,8 +77,10 @@ def main() -> None:
                               "picks": "plain" if chunk_plain < chunk_fused else "fused",
                               "device": str(mx.default_device())}), flush=True)
     fast_sdpa, make_mask = llama.scaled_dot_product_attention, cache_mod.KVCache.make_mask
-    for path in ("causal", "array", "plain", "steps", "causal"):
-        llama.scaled_dot_product_attention = plain_attention(fast_sdpa) if path == "plain" else fast_sdpa
+    for path in a.paths.split(","):
+        llama.scaled_dot_product_attention = plain_attention(fast_sdpa) if path == "plain" else \
+            bucketed_attention(fast_sdpa) if path == "bucket" else fast_sdpa
+        (capacity.install if path == "bucket" else capacity.uninstall)()
         cache_mod.KVCache.make_mask = (
             (lambda self, n, return_array=False, window_size=None: make_mask(self, n, return_array=True, window_size=window_size))
             if path == "array" else make_mask)

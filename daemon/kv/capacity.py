@@ -56,7 +56,7 @@ def capacity(tokens: int) -> int:
         return whole
     if whole < CUDNN_MIN:
         return whole + OFF_GRID
-    step = max(STEP, 1 << ((tokens // GROWTH).bit_length() - 1))
+    step = max(STEP, 1 << max(0, (tokens // GROWTH).bit_length() - 1))
     return -(-tokens // step) * step
 
 

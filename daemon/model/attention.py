@@ -39,8 +39,9 @@ from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 
-__all__ = ["decode_warm_capacities", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
-           "plain_attention", "plain_prefill", "warm_decode", "wanted"]
+__all__ = ["BUCKET_MIN_QUERIES", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
+           "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
+           "plain_attention", "plain_prefill", "query_bucket", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -71,6 +72,12 @@ def key_ladder(context: int | None) -> list[int]:
 def wanted() -> bool:
     """Plain prefill attention where it pays: MLX on CUDA (KVWAKE_PLAIN_PREFILL=0 turns it off)."""
     return os.environ.get("KVWAKE_PLAIN_PREFILL", "1") != "0" and on_cuda()
+
+
+def bucket_wanted() -> bool:
+    """Short chunks over long caches at shared shapes (`bucketed_attention`) where MLX builds a graph per
+    shape: on CUDA, with plain prefill on (KVWAKE_BUCKET_PREFILL=0 turns it off)."""
+    return os.environ.get("KVWAKE_BUCKET_PREFILL", "1") != "0" and wanted()
 
 
 def on_cuda() -> bool:
@@ -108,6 +115,66 @@ def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:
             pieces.append(mx.softmax(scores, axis=-1) @ v32)  # float32 throughout
         out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
         return out.reshape(b, heads, q_len, -1).astype(values.dtype)
+    return attention
+
+
+BUCKET_MIN_QUERIES = 16  # the smallest query bucket: a chunk of 2..16 queries pads to 16
+
+
+def query_bucket(queries: int) -> int:
+    """The query length a short chunk's attention pads to: the next power of two, at least BUCKET_MIN_QUERIES."""
+    return max(BUCKET_MIN_QUERIES, 1 << (queries - 1).bit_length())
+
+
+def bucket_shape(cache: list, tokens: int) -> tuple[int, int] | None:
+    """The cuDNN graph a chunk of `tokens` fed to `cache` runs on through `bucketed_attention`: (the
+    query bucket, the buffer's capacity once grown). None where the bucket would not be shared: not a
+    plain KVCache, or a buffer below kv/capacity.py's CUDNN_MIN (where capacity moves every 256 tokens;
+    only installed, on CUDA, is it coarser from there on)."""
+    from mlx_lm.models.cache import KVCache
+
+    c = cache[0] if cache else None
+    if type(c) is not KVCache or not kvcapacity.installed() or c.offset + tokens < kvcapacity.CUDNN_MIN:
+        return None
+    return query_bucket(tokens), kvcapacity.grown(c, tokens)
+
+
+def bucketed_attention(fused: Any) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature: a chunk's fused attention at a shape its turn
+    shares with the next ones.
+
+    MLX on CUDA keys its cuDNN prefill graph by the query and key lengths; a turn over a long context
+    meets a new pair each time and builds again (~57 ms on the H100 at 75k keys, 8B shape). Here the
+    queries pad with zeros to `query_bucket` and the keys are the cache's whole buffer (its capacity,
+    grown by a sixteenth at a time past CUDNN_MIN), masked by an additive array: each query sees the
+    keys a causal mask gives it, never a key past the cache's offset (zeros or a rewound token's, and
+    they weigh exactly 0). The padded queries' rows are cut off. So turns within one capacity and
+    bucket run one graph. Plain KVCache layers only, causal or unmasked; anything else runs `fused`."""
+    from mlx_lm.models.cache import KVCache
+
+    masks: dict[tuple[int, int, int, bool, Any], mx.array] = {}  # one per chunk shape: every layer shares it
+
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+        b, heads, q_len, dim = queries.shape
+        causal = isinstance(mask, str) and mask == "causal"
+        if (type(cache) is not KVCache or q_len < 2 or sinks is not None or not (mask is None or causal)
+                or cache.keys.shape[2] < keys.shape[2]):
+            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        k_len, capacity, bucket = keys.shape[2], cache.keys.shape[2], query_bucket(q_len)
+        key = (q_len, k_len, capacity, causal, queries.dtype)
+        additive = masks.get(key)
+        if additive is None:
+            # Query i (a padded one as the last real one) sees keys up to k_len - q_len + i, or all k_len.
+            rows = mx.minimum(mx.arange(bucket), q_len - 1) + (k_len - q_len) if causal else \
+                mx.full((bucket,), k_len - 1)
+            seen = mx.arange(capacity)[None] <= rows[:, None]
+            additive = mx.where(seen, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))[None, None]
+            masks[key] = additive
+        if bucket > q_len:
+            queries = mx.concatenate([queries, mx.zeros((b, heads, bucket - q_len, dim), queries.dtype)], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, cache.keys, cache.values, scale=scale, mask=additive)
+        return out[:, :, :q_len]
     return attention
 
 
@@ -159,15 +226,25 @@ def warm_decode(model: Any, capacity: int) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def plain_prefill(model: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Iterator[None]:
+def plain_prefill(model: Any, max_queries: int = PLAIN_MAX_QUERIES) -> contextlib.AbstractContextManager[None]:
     """For one prefill chunk: the model's module computes attention with `plain_attention`."""
+    return _swapped(model, lambda fused: plain_attention(fused, max_queries))
+
+
+def bucketed_prefill(model: Any) -> contextlib.AbstractContextManager[None]:
+    """For one prefill chunk: the model's module computes attention with `bucketed_attention`."""
+    return _swapped(model, bucketed_attention)
+
+
+@contextlib.contextmanager
+def _swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
+    """The model's module's `scaled_dot_product_attention` replaced by make(it) while inside."""
     module = sys.modules.get(type(model).__module__)
     fused = getattr(module, "scaled_dot_product_attention", None)
     if fused is None:  # a model that does not take attention from mlx-lm's base: left as it is
         yield
         return
-    module.scaled_dot_product_attention = plain_attention(fused, max_queries)
+    module.scaled_dot_product_attention = make(fused)
     try:
         yield
     finally:
@@ -237,9 +314,11 @@ class PathCosts:
         scale = self.layers * q / self.queries
         return plain * scale, fused * scale + (extra if new else 0.0)
 
-    def plain(self, q: int, k: int, new: bool = True) -> bool:
-        """True when plain ops are cheaper for this chunk."""
-        plain, fused = self.costs(q, k, new)
+    def plain(self, q: int, k: int, new: bool = True, fused_at: tuple[int, int] | None = None) -> bool:
+        """True when plain ops are cheaper for this chunk; `fused_at`: the (queries, keys) the fused kernel
+        would run it at (`bucketed_attention`'s padded shape) when not (q, k)."""
+        plain = self.costs(q, k)[0]
+        fused = self.costs(*(fused_at or (q, k)), new)[1]
         return plain < fused
 
     def _at(self, k: int) -> tuple[float, float, float]:

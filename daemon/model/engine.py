@@ -143,8 +143,11 @@ class Engine:
         # Which path a short chunk's attention takes, measured at this model's shape (warm_jobs); until
         # then, and off CUDA, short chunks take the plain ops.
         self.paths: attention.PathCosts | None = None
-        self._fused_shapes: set[tuple[int, int, int]] = set()  # chunks' shapes run fused (attention.fused_shape)
-        self._plain_shapes: dict[tuple[int, int, int], int] = {}  # new ones run plain beside decoding, how often
+        # A short chunk over a long cache runs fused at a shared shape (attention.bucketed_attention)
+        self.bucket_prefill = attention.bucket_wanted()
+        # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
+        self._fused_shapes: set[tuple[Any, ...]] = set()
+        self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
         self._layers = len(probe)
         if warm:
             for job in self.warm_jobs():
@@ -395,11 +398,14 @@ class Engine:
         # this process: its build (~90 ms on the H100, in the chunk's first slice) is a gap of a dozen
         # decode steps; plain, the neighbour waits one slice (the prefill itself takes longer). A shape
         # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
+        # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
+        # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
         n = end - session.processed
-        shape = attention.fused_shape(session.cache, n) if self.plain_prefill else None
+        is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
+        bucket = attention.bucket_shape(session.cache, n) if self.bucket_prefill and is_short else None
+        shape = ("bucket", *bucket) if bucket else attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
-        short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES and \
-            (self.paths is None or self.paths.plain(n, end, new))
+        short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket))
         new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
         if new_beside:
             self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
@@ -407,7 +413,7 @@ class Engine:
         if self.plain_prefill and not plain and shape is not None:
             self._fused_shapes.add(shape)  # the one record of shapes run fused (their graphs built)
         with attention.plain_prefill(self.model, max(n, attention.PLAIN_MAX_QUERIES)) if plain else \
-                contextlib.nullcontext():
+                attention.bucketed_prefill(self.model) if bucket else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
         if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
