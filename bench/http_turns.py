@@ -16,6 +16,8 @@ shared      a second agent with the same ~200-token system prompt, three ways: s
             cache): tokens reused against the tokens the two prompts share.
 mlx-server  (--mlx-server) the same conversation through `mlx_lm.server` (its in-memory prompt
             cache), restarted after turn 5 as kvwake is: time to first token per turn.
+Each kvwake turn also lists `waited_on`: the engine thread's jobs and steps slower than KVWAKE_SLOW_JOB_MS
+(50 ms unless set) that ran while the turn waited for its first token.
 Results: <out>/http_turns.json (docs/benchmarks.md summarises them).
 """
 
@@ -68,6 +70,14 @@ def timed_chat(api: openai.OpenAI, messages: list[dict], reply_tokens: int, mode
             "computed_tokens": usage.prompt_tokens - cached if usage and cached is not None else None}
 
 
+def slow_jobs(d: Daemon, since: float, until: float) -> list[list[Any]]:
+    """The engine thread's slow jobs and steps (over KVWAKE_SLOW_JOB_MS, 50 unless set) that ran between
+    `since` and `until` (wall clock): what a turn's first token waited on. [name, ms] each."""
+    with d.client() as rpc:
+        slow = rpc.call("status")["engine_thread"]["slow"]
+    return [[s["what"], s["ms"]] for s in slow if since - 1e-3 <= s["at"] + s["ms"] / 1000 and s["at"] <= until]
+
+
 def start(root: Path, model: Path) -> Daemon:
     root.mkdir(parents=True, exist_ok=True)
     return Daemon(root, model, block_tokens=128, extra=["--http", "0"]).start(timeout=900)
@@ -93,8 +103,10 @@ def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens:
         for turn in each_turn(d, turns):
             messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?"})
             requests.append(list(messages))
+            sent = time.time()
             row = timed_chat(api_of(d), messages, reply_tokens)
-            rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"}})
+            rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"},
+                         "waited_on": slow_jobs(d, sent, sent + row["ttft_ms"] / 1000)})
             messages.append({"role": "assistant", "content": row["text"]})
             print(json.dumps(rows[-1]), flush=True)
     finally:
