@@ -299,3 +299,50 @@ def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape
     assert not attention.bucket_wanted()
     engine.close()
     store.close()
+
+
+def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_while_idle(model_dir, tmp_path,
+                                                                                     monkeypatch, coarse_capacity):
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
+    idle: list = []
+    engine.idle = idle.append
+    built, real = [], attention.warm_bucket
+    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c: built.append((b, c)) or real(m, b, c))
+    chunks, bucketed = [], attention.bucketed_prefill
+    monkeypatch.setattr(attention, "bucketed_prefill", lambda m: chunks.append(1) or bucketed(m))
+    session = Session("agent")
+    engine.append(session, tokens=list(range(1, 121)))  # 119 prefilled: 64 + 55 (the last, bucket 64)
+    capacity = session.cache[0].keys.shape[2]
+    # buckets 16 and 32 at this capacity, built when idle (64: by the last chunk)
+    assert len(idle) == 2 and chunks == [1] and ("bucket", 64, capacity) in engine._fused_shapes
+    for job in idle:
+        job()
+    assert built == [(16, capacity), (32, capacity)]
+    assert {s for s in engine._fused_shapes if s[0] == "bucket"} == {("bucket", b, capacity) for b in (16, 32, 64)}
+    idle.clear()
+    chunks.clear()
+    engine.append(session, tokens=list(range(1, 21)))  # 119..139 crosses 128: one chunk of 20, its graph built
+    assert chunks == [1] and session.processed == 139 and idle == []  # nothing new to build
+    assert session.cache[0].keys.shape[2] == capacity
+    # A capacity the cache grew past before its idle job ran: skipped.
+    engine._fused_shapes.clear()
+    engine.append(session, tokens=list(range(1, 11)))
+    pending = list(idle)
+    assert len(pending) == 2  # 32 and 64 (16: run by that chunk)
+    idle.clear()
+    built.clear()
+    engine.append(session, tokens=list(range(1, 200)))  # grows the buffer
+    assert session.cache[0].keys.shape[2] > capacity
+    for job in pending:
+        job()
+    assert built == []
+    engine.close()
+    store.close()

@@ -212,6 +212,37 @@ def test_the_engine_thread_says_where_its_time_went_and_names_the_slow_jobs(engi
         thread.stop()
 
 
+def test_idle_jobs_run_when_nothing_waits_one_at_a_time_and_never_while_a_call_decodes(engine, caplog):
+    thread = EngineThread()
+    order: list[str] = []
+    try:
+        thread.attach(engine.decoder)
+        call = thread.submit(lambda: engine.start_call(session(engine, "busy", PROMPTS[0]),
+                                                       GenerateParams(max_tokens=40))).result()
+
+        def first() -> None:  # a request that comes while an idle job runs waits for it, then goes first
+            order.append(f"idle1 decoding={engine.decoder.active}")
+            thread.submit(lambda: order.append("job"))
+
+        def boom() -> None:
+            raise RuntimeError("injected: an idle job failed")
+
+        def joined() -> None:
+            engine.decoder.join(call)
+            for fn in (first, boom, lambda: order.append("idle2"), lambda: order.append("idle3")):
+                thread.idle(fn)
+        thread.submit(joined).result()
+        assert len(call.future.result(timeout=60).tokens) == 40
+        deadline = time.monotonic() + 30
+        while len(order) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["idle1 decoding=False", "job", "idle2", "idle3"], order
+        assert any("idle job failed" in r.getMessage() for r in caplog.records)
+        assert thread.submit(lambda: "alive").result(timeout=10) == "alive"
+    finally:
+        thread.stop()
+
+
 def test_a_lone_call_decodes_alone_and_moves_into_the_batch_when_company_comes(engine):
     params = GenerateParams(max_tokens=4)
     alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS[:2])]

@@ -41,7 +41,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 
 __all__ = ["BUCKET_MIN_QUERIES", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
            "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
-           "plain_attention", "plain_prefill", "query_bucket", "warm_decode", "wanted"]
+           "plain_attention", "plain_prefill", "query_bucket", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -126,6 +126,11 @@ def query_bucket(queries: int) -> int:
     return max(BUCKET_MIN_QUERIES, 1 << (queries - 1).bit_length())
 
 
+def query_buckets(queries: int) -> list[int]:
+    """Every query bucket a chunk of 2..`queries` tokens pads to."""
+    return [1 << b for b in range(BUCKET_MIN_QUERIES.bit_length() - 1, query_bucket(queries).bit_length())]
+
+
 def bucket_shape(cache: list, tokens: int) -> tuple[int, int] | None:
     """The cuDNN graph a chunk of `tokens` fed to `cache` runs on through `bucketed_attention`: (the
     query bucket, the buffer's capacity once grown). None where the bucket would not be shared: not a
@@ -156,26 +161,47 @@ def bucketed_attention(fused: Any) -> Any:
 
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
-        b, heads, q_len, dim = queries.shape
         causal = isinstance(mask, str) and mask == "causal"
-        if (type(cache) is not KVCache or q_len < 2 or sinks is not None or not (mask is None or causal)
+        if (type(cache) is not KVCache or queries.shape[2] < 2 or sinks is not None or not (mask is None or causal)
                 or cache.keys.shape[2] < keys.shape[2]):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        k_len, capacity, bucket = keys.shape[2], cache.keys.shape[2], query_bucket(q_len)
-        key = (q_len, k_len, capacity, causal, queries.dtype)
-        additive = masks.get(key)
-        if additive is None:
-            # Query i (a padded one as the last real one) sees keys up to k_len - q_len + i, or all k_len.
-            rows = mx.minimum(mx.arange(bucket), q_len - 1) + (k_len - q_len) if causal else \
-                mx.full((bucket,), k_len - 1)
-            seen = mx.arange(capacity)[None] <= rows[:, None]
-            additive = mx.where(seen, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))[None, None]
-            masks[key] = additive
-        if bucket > q_len:
-            queries = mx.concatenate([queries, mx.zeros((b, heads, bucket - q_len, dim), queries.dtype)], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, cache.keys, cache.values, scale=scale, mask=additive)
-        return out[:, :, :q_len]
+        return _bucketed(queries, cache.keys, cache.values, keys.shape[2], scale, causal, masks)
     return attention
+
+
+def _bucketed(queries: mx.array, keys: mx.array, values: mx.array, k_len: int, scale: float, causal: bool,
+              masks: dict[tuple[int, int, int, bool, Any], mx.array]) -> mx.array:
+    """Attention of `queries` (the chunk's last at key k_len - 1) over the first k_len of `keys` and
+    `values` (whole buffers), run at (query_bucket, the buffers' length): see `bucketed_attention`."""
+    b, heads, q_len, dim = queries.shape
+    capacity, bucket = keys.shape[2], query_bucket(q_len)
+    key = (q_len, k_len, capacity, causal, queries.dtype)
+    additive = masks.get(key)
+    if additive is None:
+        # Query i (a padded one as the last real one) sees keys up to k_len - q_len + i, or all k_len.
+        rows = mx.minimum(mx.arange(bucket), q_len - 1) + (k_len - q_len) if causal else mx.full((bucket,), k_len - 1)
+        seen = mx.arange(capacity)[None] <= rows[:, None]
+        additive = mx.where(seen, mx.array(0, queries.dtype), mx.array(-mx.inf, queries.dtype))[None, None]
+        masks[key] = additive
+    # Row-contiguous queries, padded or not: cuDNN's graph is keyed by their strides too.
+    queries = mx.concatenate([queries, mx.zeros((b, heads, bucket - q_len, dim), queries.dtype)], axis=2) \
+        if bucket > q_len else mx.contiguous(queries)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=additive)
+    return out[:, :, :q_len]
+
+
+def warm_bucket(model: Any, bucket: int, capacity: int) -> bool:
+    """One layer's `bucketed_attention` at (bucket, capacity) on zeros of the model's attention shape: the
+    cuDNN graph a short chunk over a buffer of that capacity runs on, built before a turn needs it (~90
+    ms on the H100 at 75k keys, 8B shape). False when the model's args do not give its shape."""
+    shape = PathCosts._shape(model)
+    if shape is None:
+        return False
+    _, heads, kv_heads, head_dim, dtype = shape
+    keys = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
+    queries = mx.zeros((1, heads, bucket, head_dim), dtype)
+    mx.eval(_bucketed(queries, keys, keys, capacity, head_dim ** -0.5, True, {}))
+    return True
 
 
 def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,10 @@ class Engine:
         self.paths: attention.PathCosts | None = None
         # A short chunk over a long cache runs fused at a shared shape (attention.bucketed_attention)
         self.bucket_prefill = attention.bucket_wanted()
+        # Runs a job on the engine thread when nothing else waits (the daemon's EngineThread.idle): the next
+        # turns' shared shapes built ahead. None (in-process use): built when first met.
+        self.idle: Callable[[Callable[[], Any]], None] | None = None
+        self._bucket_warming: set[tuple[Any, ...]] = set()
         # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
         self._fused_shapes: set[tuple[Any, ...]] = set()
         self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
@@ -389,6 +394,9 @@ class Engine:
         """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing
         yet (the `Chunk` computes it a slice of layers per `step`, one per engine job)."""
         end = self.chunk_end(session.processed, upto)
+        rest = upto - session.processed
+        if end < upto and self._bucketed(session.cache, rest):
+            end = upto  # a turn's input at one query bucket: no boundary to keep (its graph is the bucket's)
         sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
@@ -402,7 +410,7 @@ class Engine:
         # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
         n = end - session.processed
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
-        bucket = attention.bucket_shape(session.cache, n) if self.bucket_prefill and is_short else None
+        bucket = self._bucketed(session.cache, n)
         shape = ("bucket", *bucket) if bucket else attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
         short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket))
@@ -415,10 +423,40 @@ class Engine:
         with attention.plain_prefill(self.model, max(n, attention.PLAIN_MAX_QUERIES)) if plain else \
                 attention.bucketed_prefill(self.model) if bucket else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
+        if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
+            self._warm_buckets(session.cache, n)
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
         if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
             chunk.step()  # in Python for the 8B shape), and its slices the next ones
         return chunk
+
+    def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
+        """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a
+        short chunk (below the prefill step and PLAIN_MAX_QUERIES) while bucketed prefill is on; else None."""
+        if not (self.bucket_prefill and n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES):
+            return None
+        return attention.bucket_shape(cache, n)
+
+    def _warm_buckets(self, cache: list, n: int) -> None:
+        """The shared shapes of the next turns over `cache` once fed n more tokens (every query bucket at
+        its capacity), built as idle jobs: when nothing else waits. Built ones and queued ones are skipped;
+        a capacity the cache grew past by then is skipped when its turn comes."""
+        if self.idle is None or not self.bucket_prefill or attention.bucket_shape(cache, n) is None:
+            return
+        capacity = kvcapacity.grown(cache[0], n)
+        for bucket in attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1)):
+            shape = ("bucket", bucket, capacity)
+            if shape not in self._fused_shapes and shape not in self._bucket_warming:
+                self._bucket_warming.add(shape)
+                self.idle(lambda shape=shape, cache=weakref.ref(cache[0]): self._warm_bucket(shape, cache))
+
+    def _warm_bucket(self, shape: tuple[Any, ...], cache: weakref.ref) -> None:
+        self._bucket_warming.discard(shape)
+        layer = cache()
+        if shape in self._fused_shapes or layer is None or layer.keys is None or layer.keys.shape[2] != shape[2]:
+            return  # built meanwhile, or its cache is gone or grew: a later turn needs another capacity
+        if attention.warm_bucket(self.model, shape[1], shape[2]):
+            self._fused_shapes.add(shape)
 
     # -- generation -----------------------------------------------------------
 

@@ -75,6 +75,7 @@ Posted = tuple[Callable[..., Any], tuple[Any, ...]]
 # lowers it to see what a neighbour's shorter gaps are made of
 SLOW_S = float(os.environ.get("KVWAKE_SLOW_JOB_MS", "50")) / 1000
 SLOW_KEPT = 64
+IDLE_AFTER_S = 0.05  # `idle` jobs wait for the queue to stay empty this long
 
 
 class EngineThread:
@@ -82,7 +83,8 @@ class EngineThread:
 
     def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None) -> None:
         self._on_exit = on_exit
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up, no job
+        self._idle: deque[Callable[[], Any]] = deque()  # `idle` jobs: run only when nothing else waits
         self._decoder: Decoder | None = None
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
         self.hops = 0  # loop wake-ups made by `post`ed output (one per loop per job or step that posted)
@@ -100,16 +102,26 @@ class EngineThread:
         while True:
             decoder = self._decoder
             decoding = decoder is not None and decoder.active
+            idle = None
             try:
-                job = self._jobs.get_nowait() if decoding else self._jobs.get()
+                if decoding:
+                    job = self._jobs.get_nowait()
+                elif self._idle:  # an idle job once the queue stays empty a while (a caller's next job is
+                    job = self._jobs.get(timeout=IDLE_AFTER_S)  # typically microseconds behind its last)
+                else:
+                    job = self._jobs.get()
             except queue.Empty:
-                job = ()  # nothing queued: decode
+                job = ()  # nothing queued: decode, or (not decoding) one idle job
+                idle = None if decoding else self._idle.popleft()
             if job is None:
                 break
             start = time.perf_counter()
             if job:
                 self._do(job)
                 self._spend("job", _name(job[0]), start)
+            elif idle is not None:
+                self._do_idle(idle)
+                self._spend("job", "idle " + _name(idle), start)
             if decoding:
                 stepped = time.perf_counter()
                 try:
@@ -141,6 +153,21 @@ class EngineThread:
         (`at`: wall-clock start, seconds since the epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
         return {**spent, "slow_over_ms": SLOW_S * 1000, "slow": list(self._slow)}
+
+    def idle(self, fn: Callable[[], Any]) -> None:
+        """Run fn on the engine thread once nothing else waits (no job queued for IDLE_AFTER_S, no call
+        decoding), one such job between two looks at the queue: a request that comes meanwhile waits for
+        one, not all. For
+        what only speeds later requests up (a graph built ahead); a failure is logged, never raised."""
+        self._idle.append(fn)
+        self._jobs.put(())  # a thread blocked on an empty queue looks again
+
+    @staticmethod
+    def _do_idle(fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - only speed was at stake
+            log.warning("idle job failed", extra={"job": _name(fn), "error": repr(unframed(exc))})
 
     @staticmethod
     def _do(job: Job) -> None:
