@@ -127,8 +127,10 @@ def query_bucket(queries: int) -> int:
 
 
 def query_buckets(queries: int) -> list[int]:
-    """Every query bucket a chunk of 2..`queries` tokens pads to."""
-    return [1 << b for b in range(BUCKET_MIN_QUERIES.bit_length() - 1, query_bucket(queries).bit_length())]
+    """Every query bucket a chunk of 2..`queries` tokens pads to, the likeliest of an agent's turn first
+    (a user's message or a tool's result: tens to hundreds of tokens): 128, 64, 256, 32, 16."""
+    buckets = [1 << b for b in range(BUCKET_MIN_QUERIES.bit_length() - 1, query_bucket(queries).bit_length())]
+    return sorted(buckets, key=lambda b: (abs(b.bit_length() - 7.6), b))  # 128, 64, 256, 32, 16, 512, ...
 
 
 def bucket_shape(cache: list, tokens: int) -> tuple[int, int] | None:

@@ -75,7 +75,10 @@ Posted = tuple[Callable[..., Any], tuple[Any, ...]]
 # lowers it to see what a neighbour's shorter gaps are made of
 SLOW_S = float(os.environ.get("KVWAKE_SLOW_JOB_MS", "50")) / 1000
 SLOW_KEPT = 64
-IDLE_AFTER_S = 0.05  # `idle` jobs wait for the queue to stay empty this long
+# `idle` jobs wait for the queue to stay empty this long: on the H100 a client that sent its next turn at
+# once (bench/http_turns.py) left the engine quiet for more than 50 ms between turns, and its turn waited
+# for the idle job (a cuDNN graph build, 90-135 ms) that started there.
+IDLE_AFTER_S = 0.25
 
 
 class EngineThread:
