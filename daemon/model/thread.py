@@ -74,7 +74,7 @@ Posted = tuple[Callable[..., Any], tuple[Any, ...]]
 # a job or step this long is named in `timing` (a decode step on the H100 takes ~7-20 ms); KVWAKE_SLOW_JOB_MS
 # lowers it to see what a neighbour's shorter gaps are made of
 SLOW_S = float(os.environ.get("KVWAKE_SLOW_JOB_MS", "50")) / 1000
-SLOW_KEPT = 64
+SLOW_KEPT = int(os.environ.get("KVWAKE_SLOW_JOBS_KEPT", "64"))  # the latest slow ones `timing` keeps
 # `idle` jobs wait for the queue to stay empty this long: on the H100 a client that sent its next turn at
 # once (bench/http_turns.py) left the engine quiet for more than 50 ms between turns, and its turn waited
 # for the idle job (a cuDNN graph build, 90-135 ms) that started there.
