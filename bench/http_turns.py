@@ -17,7 +17,8 @@ shared      a second agent with the same ~200-token system prompt, three ways: s
 mlx-server  (--mlx-server) the same conversation through `mlx_lm.server` (its in-memory prompt
             cache), restarted after turn 5 as kvwake is: time to first token per turn.
 Each kvwake turn also lists `waited_on`: the engine thread's jobs and steps slower than KVWAKE_SLOW_JOB_MS
-(50 ms unless set) that ran while the turn waited for its first token.
+(50 ms unless set) that ran while the turn waited for its first token, and `phases`: the daemon's own
+account of it (status "turns": rendering, matching a session, claiming it, the append, the first token).
 Results: <out>/http_turns.json (docs/benchmarks.md summarises them).
 """
 
@@ -70,12 +71,16 @@ def timed_chat(api: openai.OpenAI, messages: list[dict], reply_tokens: int, mode
             "computed_tokens": usage.prompt_tokens - cached if usage and cached is not None else None}
 
 
-def slow_jobs(d: Daemon, since: float, until: float) -> list[list[Any]]:
-    """The engine thread's slow jobs and steps (over KVWAKE_SLOW_JOB_MS, 50 unless set) that ran between
-    `since` and `until` (wall clock): what a turn's first token waited on. [name, ms] each."""
+def daemon_side(d: Daemon, since: float, until: float) -> tuple[list[list[Any]], dict[str, Any] | None]:
+    """What the daemon saw of a turn sent at `since` whose first token came at `until` (wall clock): the
+    engine thread's slow jobs and steps (over KVWAKE_SLOW_JOB_MS, 50 unless set) that ran meanwhile,
+    [name, ms] each, and the call's phases (status "turns": render, match, claim, append, first token)."""
     with d.client() as rpc:
-        slow = rpc.call("status")["engine_thread"]["slow"]
-    return [[s["what"], s["ms"]] for s in slow if since - 1e-3 <= s["at"] + s["ms"] / 1000 and s["at"] <= until]
+        status = rpc.call("status")
+    slow = status["engine_thread"]["slow"]
+    turns = [t for t in status["turns"] if t["at"] >= since - 1e-3]
+    return ([[s["what"], s["ms"]] for s in slow if since - 1e-3 <= s["at"] + s["ms"] / 1000 and s["at"] <= until],
+            {k: v for k, v in turns[-1].items() if k.endswith("_ms")} if turns else None)
 
 
 def start(root: Path, model: Path) -> Daemon:
@@ -105,8 +110,9 @@ def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens:
             requests.append(list(messages))
             sent = time.time()
             row = timed_chat(api_of(d), messages, reply_tokens)
+            waited_on, phases = daemon_side(d, sent, sent + row["ttft_ms"] / 1000)
             rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"},
-                         "waited_on": slow_jobs(d, sent, sent + row["ttft_ms"] / 1000)})
+                         "phases": phases, "waited_on": waited_on})
             messages.append({"role": "assistant", "content": row["text"]})
             print(json.dumps(rows[-1]), flush=True)
     finally:

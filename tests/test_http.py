@@ -103,6 +103,20 @@ def test_ten_turns_prefill_only_each_turns_new_tokens(api):
         previous = reply
 
 
+def test_status_says_where_each_turns_first_token_went(daemon, api):
+    messages = [{"role": "system", "content": SYSTEM + "phases"}, {"role": "user", "content": "go"}]
+    sent = time.time()
+    reply = chat(api, messages)
+    with daemon.client() as rpc:
+        turns = rpc.call("status")["turns"]
+    mine = [t for t in turns if t["session"] == reply.model_extra["kvwake"]["session_id"]]
+    assert len(mine) == 1 and mine[0]["at"] >= sent - 1, turns
+    phases = mine[0]
+    assert set(phases) >= {"render_ms", "match_ms", "claim_ms", "append_ms", "first_token_ms", "prefilled"}
+    assert all(phases[k] >= 0 for k in phases if k.endswith("_ms")) and phases["prefilled"] > 0
+    assert phases["append_ms"] > 0 and phases["first_token_ms"] > 0
+
+
 def test_a_branch_copies_the_shared_prefix_and_leaves_the_source(api):
     base = [{"role": "system", "content": SYSTEM + "branches"}, {"role": "user", "content": "first question"}]
     first = chat(api, base)

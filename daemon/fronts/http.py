@@ -300,7 +300,9 @@ class Api:
         again. Parameters are checked first: a refused request makes no session."""
         m = self.manager
         m.check_params(req.params, req.inputs().get("tools"))  # a bad schema too: refused before any compute
+        started = time.perf_counter()
         prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
+        rendered = time.perf_counter()
         m.engine.check_fits(len(prompt.target))  # a prompt over the context is refused before a session is made
         for attempt in range(MATCH_TRIES):
             if req.session_id is not None:
@@ -309,9 +311,11 @@ class Api:
             else:
                 match = await self.matcher.find(prompt.target, prompt.mode, getattr(req, "hint", None))
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
+            phases = {"render_ms": round((rendered - started) * 1000, 2),
+                      "match_ms": round((time.perf_counter() - rendered) * 1000, 2)}
             claimed = asyncio.Event()
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
-                                                    claimed.set, on_append))
+                                                    claimed.set, on_append, phases))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
             # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
             waiting = asyncio.ensure_future(claimed.wait())

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --re
 __all__ = ["SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
+TURNS_KEPT = 64  # generate calls whose phases status keeps
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
@@ -60,6 +62,8 @@ class SessionManager:
         self.store = engine.store
         self.entries = Entries()  # its `hot` indexes the hot ones: nothing below walks every session
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
+        # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
+        self.turns: deque[dict[str, Any]] = deque(maxlen=TURNS_KEPT)
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0,
                          "prefix_copies": 0}
         self.stopping = False
@@ -321,7 +325,8 @@ class SessionManager:
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                        cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None,
                        on_claim: Callable[[], None] | None = None,
-                       on_append: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                       on_append: Callable[[dict[str, Any]], None] | None = None,
+                       phases: dict[str, Any] | None = None) -> dict[str, Any]:
         """Generate in the session (after appending `inputs`: params, or a prompt a front rendered).
 
         `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
@@ -330,6 +335,7 @@ class SessionManager:
         computes (the prefilled ones and the pending last one), as the result's usage will count them.
         """
         self.check_params(params, inputs.tools if isinstance(inputs, Plan) else (inputs or {}).get("tools"))
+        called = time.perf_counter()
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
                 on_claim()
@@ -349,6 +355,10 @@ class SessionManager:
                      "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
             self.counters["generations"] += 1
             self.latency["generate_ttft"].add(usage["ttft_ms"])
+            self.turns.append({"session": session.id, "at": round(time.time() - (time.perf_counter() - called), 4),
+                               **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
+                               "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
+                               "prefilled": appended["prefilled"]})
             return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
                     "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
