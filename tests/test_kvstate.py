@@ -342,9 +342,10 @@ def test_capture_copies_nothing_and_restore_allocates_only_the_cache():
     if kvfill.unified_memory():
         assert max(0, mx.get_peak_memory() - base) < block_bytes // 4
         assert numpy_peak < block_bytes // 16
-    else:  # a discrete GPU: one block's device copy and its transfer to the host at a time, and the block
-        # before's copy while CUDA frees it asynchronously (measured on the H100: 3 blocks at the peak)
-        assert max(0, mx.get_peak_memory() - base) <= 3 * block_bytes + 4096
+    else:  # a discrete GPU: one block's device copy and its transfer to the host at a time, and the blocks
+        # before's copies while CUDA frees them asynchronously (H100: 3 blocks at the peak alone, 5 under
+        # the suite's 14 workers), never the cache's 16
+        assert max(0, mx.get_peak_memory() - base) <= 6 * block_bytes + 4096
 
     blocks = [kvstate.capture_block(cache, i, block_tokens) for i in range(n // block_tokens)]
     tail = kvstate.capture_tail(cache, n, block_tokens)
