@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvwake.daemon.session import common_prefix
@@ -165,3 +166,17 @@ def test_gc_walks_the_store_without_holding_the_index(store, monkeypatch):
     monkeypatch.setattr(store.files, "walk", watched)
     store.gc()
     assert free == [True]
+
+
+def test_common_prefix_of_lists_and_arrays_agree_at_every_kind_of_position():
+    from kvwake.daemon.session import PREFIX_PIECE
+
+    rng = np.random.default_rng(7)
+    base = [int(t) for t in rng.integers(0, 50_000, 3 * PREFIX_PIECE + 17)]
+    for at in (0, 1, PREFIX_PIECE - 1, PREFIX_PIECE, PREFIX_PIECE + 1, 2 * PREFIX_PIECE + 5, len(base) - 1):
+        other = list(base)
+        other[at] += 1
+        for a, b in ((base, other), (base, np.asarray(other)), (np.asarray(base), other)):
+            assert common_prefix(a, b) == at, (at, type(a), type(b))
+    for a, b in ((base, base[:100]), (base[:PREFIX_PIECE], base), ([], base), (base, base)):
+        assert common_prefix(a, b) == common_prefix(np.asarray(a), np.asarray(b)) == min(len(a), len(b))

@@ -116,10 +116,10 @@ class Matcher:
         skip: set[str] = set()  # stored candidates found busy or gone: asked again without them
         for _ in range(LOOKUPS):
             hot = list(self.manager.entries.hot.values())  # their stored heads are stale: compared from memory
-            found = [c for c in (self._hot(entry, want, mode) for entry in hot) if c is not None]
+            found = [c for c in (self._hot(entry, target, mode) for entry in hot) if c is not None]
             exclude = {entry.id for entry in hot} | skip
-            stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(
-                self.manager.engine.bundle.hash, target, origin=ORIGIN, mode=mode, exclude=exclude))
+            stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(  # the array: no list walk
+                self.manager.engine.bundle.hash, want, origin=ORIGIN, mode=mode, exclude=exclude))
             fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
             slept = any(entry.session is None for entry in hot)  # meanwhile: its new head was left out
             if len(fresh) == len(stored) and not slept:
@@ -169,7 +169,7 @@ class Matcher:
             return dataclasses.replace(c, lineage=self.manager.store.session(c.session_id)["metadata"].get(LINEAGE))
         return c
 
-    def _hot(self, entry: Entry, want: np.ndarray, mode: str) -> Candidate | None:
+    def _hot(self, entry: Entry, want: list[int], mode: str) -> Candidate | None:
         """A hot session as a candidate, compared from memory (their number is bounded by the hot-KV budget)."""
         s = entry.session
         if s is None or entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:

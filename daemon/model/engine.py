@@ -303,10 +303,13 @@ class Engine:
         """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
         return min(common_prefix(session.tokens[: session.processed], target), len(target) - 1)
 
-    def needs_fresh_cache(self, session: Session, target: list[int]) -> bool:
-        """True when appending `target` cannot keep the session's cache (none yet, or it cannot be cut back)."""
-        return session.cache is None or (self._keep(session, target) < session.processed
-                                         and not can_trim_prompt_cache(session.cache))
+    def needs_fresh_cache(self, session: Session, target: list[int], keep: int | None = None) -> bool:
+        """True when appending `target` cannot keep the session's cache (none yet, or it cannot be cut back);
+        `keep`: `_keep(session, target)` when the caller has it."""
+        if session.cache is None:
+            return True
+        keep = self._keep(session, target) if keep is None else keep
+        return keep < session.processed and not can_trim_prompt_cache(session.cache)
 
     def prefix_cache(self, session: Session, target: list[int], mlx: Mlx = direct,
                      shared: Shared | None = None) -> tuple[list | None, int]:
@@ -337,7 +340,7 @@ class Engine:
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
         target, keep = plan.target, self._keep(session, plan.target)
-        if self.needs_fresh_cache(session, target):
+        if self.needs_fresh_cache(session, target, keep):
             session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
         elif keep < session.processed:
             trim_prompt_cache(session.cache, session.processed - keep)

@@ -54,10 +54,7 @@ def _raw(hex_digest: str, what: str) -> bytes:
 
 def block_key(parent_key: str, bundle_hash: str, token_ids: Sequence[int] | np.ndarray) -> str:
     """The chain key of one block given its parent's key (ROOT_KEY for the first)."""
-    h = hashlib.sha256(_raw(parent_key, "parent key"))
-    h.update(_raw(bundle_hash, "bundle hash"))
-    h.update(tokens_to_bytes(token_ids))
-    return h.hexdigest()
+    return _key(parent_key, _raw(bundle_hash, "bundle hash"), tokens_to_bytes(token_ids))
 
 
 def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_tokens: int, *,
@@ -70,11 +67,21 @@ def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_to
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
+    # The tokens as bytes once (a conversation's 75k took 7 ms block by block, from a list), then each
+    # block's slice of them: the same bytes block_key hashes.
+    data, bundle, width = tokens_to_bytes(token_ids), _raw(bundle_hash, "bundle hash"), 4 * block_tokens
     keys, parent = [], ROOT_KEY
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        parent = block_key(parent, bundle_hash, token_ids[start : start + block_tokens])
+    for start in range(0, len(data) - width + 1, width):
+        parent = _key(parent, bundle, data[start : start + width])
         keys.append(parent)
-    rest = len(token_ids) % block_tokens
+    rest = len(data) % width
     if partial and rest:
-        keys.append(block_key(parent, bundle_hash, token_ids[len(token_ids) - rest :]))
+        keys.append(_key(parent, bundle, data[len(data) - rest :]))
     return keys
+
+
+def _key(parent_key: str, bundle: bytes, token_bytes: bytes) -> str:
+    h = hashlib.sha256(_raw(parent_key, "parent key"))
+    h.update(bundle)
+    h.update(token_bytes)
+    return h.hexdigest()
