@@ -347,3 +347,31 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
     assert built == []
     engine.close()
     store.close()
+
+
+def test_a_long_prefill_ends_by_building_the_likeliest_turn_bucket(model_dir, tmp_path, monkeypatch, coarse_capacity):
+    # On the H100 the first turn after a 75k-token prompt built its bucket (first token 196-245 ms, the
+    # turns after 120-150): a client that sends it at once leaves no idle time to build it in.
+    from kvwake.daemon.model import attention, engine as engine_mod
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 100)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    built, real = [], attention.warm_bucket
+    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c: built.append((b, c)) or real(m, b, c))
+    short = Session("short")
+    engine.append(short, tokens=list(range(1, 80)))  # 78 prefilled: below BUCKET_AHEAD_AFTER
+    assert built == []
+    long = Session("long")
+    engine.append(long, tokens=list(range(1, 150)))  # 148 prefilled, no idle runner: built at its end
+    capacity = long.cache[0].keys.shape[2]
+    assert built == [(64, capacity)] and ("bucket", 64, capacity) in engine._fused_shapes  # query_buckets(63)[0]
+    engine.append(Session("again"), tokens=list(range(1, 150)))  # the same capacity: built already
+    assert len(built) == 1
+    engine.close()
+    store.close()
