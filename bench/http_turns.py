@@ -1,7 +1,7 @@
 """Agents over the OpenAI-compatible API: what a stateless client's conversation costs per turn.
 
 usage: python bench/http_turns.py [--model default|tiny|PATH] [--system-words 450] [--turns 10]
-                                  [--reply-tokens 16] [--shared-words 180] [--parts turns,shared]
+                                  [--reply-tokens 16] [--turn-words 0] [--shared-words 180] [--parts turns,shared]
                                   [--mlx-server] [--out bench/out]
 
 turns       one stateless conversation (the `openai` package, streamed, greedy) of --turns turns
@@ -101,12 +101,14 @@ def each_turn(d: Daemon, turns: int) -> Iterator[int]:
         yield turn
 
 
-def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int) -> tuple[list, list]:
+def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int,
+                 turn_words: int = 0) -> tuple[list, list]:
     d = start(work / "a", model)
     messages, rows, requests = [{"role": "system", "content": system}], [], []
     try:
         for turn in each_turn(d, turns):
-            messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?"})
+            extra = " " + " ".join(WORDS[(turn + i) % len(WORDS)] for i in range(turn_words)) if turn_words else ""
+            messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?{extra}"})
             requests.append(list(messages))
             sent = time.time()
             row = timed_chat(api_of(d), messages, reply_tokens)
@@ -211,6 +213,7 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=450)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--reply-tokens", type=int, default=16)
+    ap.add_argument("--turn-words", type=int, default=0, help="words added to each user message (a longer turn)")
     ap.add_argument("--shared-words", type=int, default=180, help="the shared system prompt (~200 tokens)")
     ap.add_argument("--parts", default="turns,shared", help="turns (with the cold baseline), shared")
     ap.add_argument("--mlx-server", action="store_true")
@@ -234,7 +237,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     requests: list[list[dict]] = []
     if "turns" in parts:
-        rows, requests = conversation(work, model, system_prompt(a.system_words), a.turns, a.reply_tokens)
+        rows, requests = conversation(work, model, system_prompt(a.system_words), a.turns, a.reply_tokens,
+                                      a.turn_words)
         baseline = cold(work, model, requests[1], a.reply_tokens)
         report.update(turns=rows, cold_turn_2=baseline,
                       turn_2_ttft_ratio=round(baseline["ttft_ms"] / rows[1]["ttft_ms"], 2))

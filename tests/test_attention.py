@@ -271,7 +271,8 @@ def test_bucketed_attention_pads_queries_to_a_power_of_two_and_sees_the_whole_bu
     exact = float64_attention(*(np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, keys, values)), 0.125)
     assert np.abs(np.array(out.astype(mx.float32)) - exact).max() < 2e-2
     assert attention.query_bucket(2) == 16 and attention.query_bucket(17) == 32 and attention.query_bucket(256) == 256
-    assert attention.query_buckets(255) == [128, 64, 256, 32, 16] and attention.query_buckets(63) == [64, 32, 16]
+    assert attention.query_bucket(65) == 128 and attention.query_bucket(130) == 192  # multiples of 64 past 64
+    assert attention.query_buckets(255) == [128, 192, 64, 256, 32, 16] and attention.query_buckets(63) == [64, 32, 16]
 
 
 def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape(model_dir, tmp_path, monkeypatch,

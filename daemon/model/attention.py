@@ -15,7 +15,7 @@ it only for a chunk shorter than its prefill step (a turn's input, a prompt's
 last piece: key lengths never seen), of at most `PLAIN_MAX_QUERIES` tokens.
 Past 16k keys, where plain ops cost more than a build, such a chunk runs fused
 at a shape turns share instead (`bucketed_attention`: queries padded to a power
-of two over the whole buffer, masked), built once per buffer capacity.
+of two or of 64 over the whole buffer, masked), built once per buffer capacity.
 
 So `plain_prefill(model)` swaps the model module's `scaled_dot_product_attention`
 for one that computes softmax(q k^T * scale + causal mask) v in plain ops, for
@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 
-__all__ = ["BUCKET_MIN_QUERIES", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
+__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
            "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "query_bucket", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
 
@@ -124,16 +124,24 @@ def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:
 BUCKET_MIN_QUERIES = 16  # the smallest query bucket: a chunk of 2..16 queries pads to 16
 
 
+BUCKET_STEP = 64  # past it, buckets are its multiples (a 131-token turn pads to 192, not 256)
+LIKELY_BUCKETS = (128, 192, 64, 256, 32, 16)  # an agent turn's (a message, a tool's result), likeliest first
+
+
 def query_bucket(queries: int) -> int:
-    """The query length a short chunk's attention pads to: the next power of two, at least BUCKET_MIN_QUERIES."""
+    """The query length a short chunk's attention pads to: the next power of two up to BUCKET_STEP (at
+    least BUCKET_MIN_QUERIES), then the next multiple of BUCKET_STEP."""
+    if queries > BUCKET_STEP:
+        return -(-queries // BUCKET_STEP) * BUCKET_STEP
     return max(BUCKET_MIN_QUERIES, 1 << (queries - 1).bit_length())
 
 
 def query_buckets(queries: int) -> list[int]:
-    """Every query bucket a chunk of 2..`queries` tokens pads to, the likeliest of an agent's turn first
-    (a user's message or a tool's result: tens to hundreds of tokens): 128, 64, 256, 32, 16."""
-    buckets = [1 << b for b in range(BUCKET_MIN_QUERIES.bit_length() - 1, query_bucket(queries).bit_length())]
-    return sorted(buckets, key=lambda b: (abs(b.bit_length() - 7.6), b))  # 128, 64, 256, 32, 16, 512, ...
+    """Every query bucket a chunk of 2..`queries` tokens pads to, the likeliest of an agent's turn first."""
+    top = query_bucket(queries)
+    buckets = sorted({query_bucket(q) for q in range(2, min(top, BUCKET_STEP) + 1)} |
+                     set(range(2 * BUCKET_STEP, top + 1, BUCKET_STEP)))
+    return sorted(buckets, key=lambda b: (LIKELY_BUCKETS.index(b) if b in LIKELY_BUCKETS else len(LIKELY_BUCKETS), b))
 
 
 def bucket_shape(cache: list, tokens: int) -> tuple[int, int] | None:
@@ -155,7 +163,7 @@ def bucketed_attention(fused: Any) -> Any:
 
     MLX on CUDA keys its cuDNN prefill graph by the query and key lengths; a turn over a long context
     meets a new pair each time and builds again (75-100 ms on the H100 at 75k keys, 8B shape). Here the
-    queries pad with zeros to `query_bucket` and the keys are the cache's whole buffer (its capacity,
+    queries pad with zeros to `query_bucket` (a power of two to 64, then multiples of 64) and the keys are the cache's whole buffer (its capacity,
     grown by a sixteenth at a time past CUDNN_MIN), masked by an additive array: each query sees the
     keys a causal mask gives it, never a key past the cache's offset (zeros or a rewound token's, and
     they weigh exactly 0). The padded queries' rows are cut off. So turns within one capacity and
