@@ -376,3 +376,58 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turn_bucket(model_dir, tm
     assert len(built) == 1
     engine.close()
     store.close()
+
+
+def test_bucketed_attention_runs_the_fused_kernel_on_keys_the_model_changed_after_the_cache(monkeypatch):
+    # mlx-lm's plamo tiles the KV heads after the cache's update, stablelm casts to float32: the whole
+    # buffer would not stand for what they pass (a review finding).
+    from mlx_lm.models.cache import KVCache
+
+    from kvwake.daemon.model import attention
+
+    cache = KVCache()
+    k = mx.random.normal((1, 2, 100, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 4, 20, 64), key=mx.random.key(2)).astype(mx.bfloat16)
+    used = []
+    fused = lambda q, k, v, cache, scale, mask, sinks=None: used.append(k.shape) or q  # noqa: E731
+    keys = cache.keys[..., :100, :]
+    attention.bucketed_attention(fused)(q, mx.concatenate([keys, keys], axis=1), mx.concatenate([keys, keys], axis=1),
+                                       cache, 0.125, "causal")
+    attention.bucketed_attention(fused)(q.astype(mx.float32), keys.astype(mx.float32), keys.astype(mx.float32),
+                                       cache, 0.125, "causal")
+    assert used == [(1, 4, 100, 64), (1, 2, 100, 64)]
+    attention.bucketed_attention(fused)(q, keys, keys, cache, 0.125, "causal")  # the cache's own: bucketed
+    assert len(used) == 2
+
+
+def test_a_failed_build_ahead_is_logged_and_the_append_stands(model_dir, tmp_path, monkeypatch, coarse_capacity, caplog):
+    from kvwake.daemon.model import attention, engine as engine_mod
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)
+    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 100)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    monkeypatch.setattr(attention, "warm_bucket", lambda *a: (_ for _ in ()).throw(MemoryError("injected")))
+    session = Session("long")
+    got = engine.append(session, tokens=list(range(1, 150)))
+    assert got["prefilled"] == 148 and session.processed == 148
+    assert any("ahead failed" in r.getMessage() for r in caplog.records)
+    assert engine._bucketed(session.cache, 1) is None  # one query: the decode kernel, never a bucket
+    # An idle build whose session is gone is skipped.
+    idle: list = []
+    engine.idle = idle.append
+    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 10_000)
+    monkeypatch.setattr(attention, "warm_bucket", lambda *a: pytest.fail("built for a session that is gone"))
+    gone = Session("gone")
+    engine.append(gone, tokens=list(range(1, 150)))
+    del gone
+    assert idle
+    for job in idle:
+        job()
+    engine.close()
+    store.close()

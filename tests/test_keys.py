@@ -55,3 +55,11 @@ def test_partial_block_has_no_key_and_bad_input_is_refused():
     with pytest.raises(ValueError, match="bundle hash"):
         block_key(ROOT_KEY, "short", [1])
     assert tokens_from_bytes(tokens_to_bytes([0, 1, 2**32 - 1])) == [0, 1, 2**32 - 1]
+
+
+def test_chain_keys_key_only_whole_blocks_unless_partial():
+    # An id past the keyed blocks is not read (as block by block before); a partial block's is.
+    tokens = list(range(10)) + [-1]
+    assert chain_keys("ab" * 32, tokens, 4) == chain_keys("ab" * 32, tokens[:8], 4)
+    with pytest.raises(ValueError):
+        chain_keys("ab" * 32, tokens, 4, partial=True)

@@ -178,10 +178,21 @@ def bucketed_attention(fused: Any) -> Any:
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
         causal = isinstance(mask, str) and mask == "causal"
         if (type(cache) is not KVCache or queries.shape[2] < 2 or sinks is not None or not (mask is None or causal)
-                or cache.keys.shape[2] < keys.shape[2]):
+                or not _own_keys(queries, keys, values, cache)):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return _bucketed(queries, cache.keys, cache.values, keys.shape[2], scale, causal, masks)
     return attention
+
+
+def _own_keys(queries: mx.array, keys: mx.array, values: mx.array, cache: Any) -> bool:
+    """The keys and values are the cache's first `offset` tokens as it holds them, in the queries' dtype: what
+    the whole buffer stands for. A model that changes them after the cache's update (mlx-lm's plamo tiles
+    the KV heads, stablelm casts to float32) runs the fused kernel on what it passes."""
+    held = cache.keys
+    return (held is not None and keys.shape == (*held.shape[:2], cache.offset, held.shape[3])
+            and values.shape[:3] == keys.shape[:3] and values.shape == (*cache.values.shape[:2], cache.offset,
+                                                                      cache.values.shape[3])
+            and queries.dtype == keys.dtype == held.dtype == values.dtype == cache.values.dtype)
 
 
 def _bucketed(queries: mx.array, keys: mx.array, values: mx.array, k_len: int, scale: float, causal: bool,

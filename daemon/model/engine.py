@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,8 @@ Shared = Callable[[list[int]], tuple[list | None, int]]
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
 ShouldStop = Callable[[], bool] | None
 
+
+log = logging.getLogger("kvwake.engine")
 
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
 BUCKET_AHEAD_AFTER = 4096  # a prefill of this many tokens ends by building the next turn's likeliest bucket
@@ -430,7 +433,7 @@ class Engine:
                 attention.bucketed_prefill(self.model) if bucket else contextlib.nullcontext():
             self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
         if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
-            self._warm_buckets(session.cache, n)
+            self._warm_buckets(session, n)
         chunk = prefillslices.Chunk(session, end, self.slicer, self.decoder.step_s if sliced else None)
         if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
             chunk.step()  # in Python for the 8B shape), and its slices the next ones
@@ -438,15 +441,17 @@ class Engine:
 
     def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
         """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a
-        short chunk (below the prefill step and PLAIN_MAX_QUERIES) while bucketed prefill is on; else None."""
-        if not (self.bucket_prefill and n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES):
+        short chunk (2 tokens to below the prefill step and PLAIN_MAX_QUERIES: one query takes the decode
+        kernel) while bucketed prefill is on; else None."""
+        if not (self.bucket_prefill and 2 <= n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES):
             return None
         return attention.bucket_shape(cache, n)
 
-    def _warm_buckets(self, cache: list, n: int) -> None:
-        """The shared shapes of the next turns over `cache` once fed n more tokens (every query bucket at
-        its capacity), built as idle jobs: when nothing else waits. Built ones and queued ones are skipped;
-        a capacity the cache grew past by then is skipped when its turn comes."""
+    def _warm_buckets(self, session: Session, n: int) -> None:
+        """The shared shapes of the next turns over the session's cache once fed n more tokens (every query
+        bucket at its capacity), built as idle jobs: when nothing else waits. Built ones and queued ones are
+        skipped; so is one whose session holds another capacity by its turn (grown, or gone)."""
+        cache = session.cache
         if self.idle is None or not self.bucket_prefill or attention.bucket_shape(cache, n) is None:
             return
         capacity = kvcapacity.grown(cache[0], n)
@@ -454,26 +459,37 @@ class Engine:
             shape = ("bucket", bucket, capacity)
             if shape not in self._fused_shapes and shape not in self._bucket_warming:
                 self._bucket_warming.add(shape)
-                self.idle(lambda shape=shape, cache=weakref.ref(cache[0]): self._warm_bucket(shape, cache))
+                self.idle(lambda shape=shape, ref=weakref.ref(session): self._warm_bucket(shape, ref))
 
     def _bucket_ahead(self, session: Session, mlx: Mlx) -> None:
         """After a long prefill, nobody decoding: the likeliest turn's shared shape at the cache's capacity
-        built now (one graph build, ~90 ms on the H100 at 75k keys, on a prefill of seconds), not by the next turn: a
-        client that sends it at once leaves no idle time to build it in (its first token took 196-245 ms
-        against 120-150 for the turns after)."""
+        built now (one graph build, ~90 ms on the H100 at 75k keys, on a prefill of seconds), not by the next
+        turn: a client that sends it at once leaves no idle time to build it in (its first token took 196-245
+        ms against 120-150 for the turns after). Only speed is at stake: a failure is logged, not raised."""
         cache = session.cache
         if not self.bucket_prefill or not cache or attention.bucket_shape(cache, 1) is None:
             return
         bucket = attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))[0]
         shape = ("bucket", bucket, cache[0].keys.shape[2])
-        if shape not in self._fused_shapes:  # not beside a decoding call (a gap): its idle job builds it then
-            mlx(lambda: self.decoder.active or self._warm_bucket(shape, weakref.ref(cache[0])))
 
-    def _warm_bucket(self, shape: tuple[Any, ...], cache: weakref.ref) -> None:
+        def build() -> None:
+            if self.decoder.active:  # not beside a decoding call (a gap): its idle job builds it then
+                return
+            try:
+                self._warm_bucket(shape, weakref.ref(session))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("building a turn's attention graph ahead failed",
+                            extra={"session": session.id, "shape": list(shape[1:]), "error": repr(exc)})
+        if shape not in self._fused_shapes:
+            mlx(build)
+
+    def _warm_bucket(self, shape: tuple[Any, ...], session: weakref.ref) -> None:
         self._bucket_warming.discard(shape)
-        layer = cache()
-        if shape in self._fused_shapes or layer is None or layer.keys is None or layer.keys.shape[2] != shape[2]:
-            return  # built meanwhile, or its cache is gone or grew: a later turn needs another capacity
+        s = session()
+        layer = s.cache[0] if s is not None and s.cache else None
+        if shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
+                layer.keys.shape[2] != shape[2]:
+            return  # built meanwhile, or its session's cache is gone or holds another capacity now
         if attention.warm_bucket(self.model, shape[1], shape[2]):
             self._fused_shapes.add(shape)
 

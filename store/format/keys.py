@@ -69,7 +69,8 @@ def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_to
         raise ValueError("block_tokens must be positive")
     # The tokens as bytes once (a conversation's 75k took 7 ms block by block, from a list), then each
     # block's slice of them: the same bytes block_key hashes.
-    data, bundle, width = tokens_to_bytes(token_ids), _raw(bundle_hash, "bundle hash"), 4 * block_tokens
+    keyed = len(token_ids) if partial else len(token_ids) // block_tokens * block_tokens  # a tail is not keyed
+    data, bundle, width = tokens_to_bytes(token_ids[:keyed]), _raw(bundle_hash, "bundle hash"), 4 * block_tokens
     keys, parent = [], ROOT_KEY
     for start in range(0, len(data) - width + 1, width):
         parent = _key(parent, bundle, data[start : start + width])
