@@ -431,3 +431,37 @@ def test_a_failed_build_ahead_is_logged_and_the_append_stands(model_dir, tmp_pat
         job()
     engine.close()
     store.close()
+
+
+def test_no_builds_ahead_at_a_capacity_off_the_grid(model_dir, tmp_path, monkeypatch, coarse_capacity):
+    # A batch's extracted cache (or a prefix copy) holds exactly its tokens: trimmed and fed a chunk that
+    # fits, its buffer keeps a capacity no later turn shares (a review finding): nothing is built for it.
+    from mlx_lm.models.cache import KVCache
+
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    idle: list = []
+    engine.idle = idle.append
+    session = Session("extracted")
+    engine.append(session, tokens=list(range(1, 150)))
+    assert idle  # on the grid: built ahead when idle
+    idle.clear()
+    for c in session.cache:  # as a batch hands a row back: a buffer of exactly its tokens
+        assert type(c) is KVCache
+        c.keys, c.values = c.keys[..., : c.offset, :] + 0, c.values[..., : c.offset, :] + 0
+    held = session.cache[0].keys.shape[2]
+    assert coarse_capacity.capacity(held) != held
+    session.tokens, session.processed = session.tokens[:140], 140
+    for c in session.cache:
+        c.trim(c.offset - 140)
+    engine.append(session, tokens=list(range(1, 6)))  # fits the odd buffer: no growth
+    assert session.cache[0].keys.shape[2] == held and idle == []
+    engine.close()
+    store.close()

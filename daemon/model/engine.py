@@ -455,6 +455,8 @@ class Engine:
         if self.idle is None or not self.bucket_prefill or attention.bucket_shape(cache, n) is None:
             return
         capacity = kvcapacity.grown(cache[0], n)
+        if kvcapacity.capacity(capacity) != capacity:  # off the grid (a batch's or a copy's buffer, trimmed):
+            return  # no later turn shares its graphs; the next growth puts the buffer back on the grid
         for bucket in attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1)):
             shape = ("bucket", bucket, capacity)
             if shape not in self._fused_shapes and shape not in self._bucket_warming:
@@ -471,6 +473,8 @@ class Engine:
             return
         bucket = attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))[0]
         shape = ("bucket", bucket, cache[0].keys.shape[2])
+        if kvcapacity.capacity(shape[2]) != shape[2]:  # off the grid: see _warm_buckets
+            return
 
         def build() -> None:
             if self.decoder.active:  # not beside a decoding call (a gap): its idle job builds it then
