@@ -317,7 +317,7 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
     idle: list = []
     engine.idle = idle.append
     built, real = [], attention.warm_bucket
-    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c: built.append((b, c)) or real(m, b, c))
+    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
     chunks, bucketed = [], attention.bucketed_prefill
     monkeypatch.setattr(attention, "bucketed_prefill", lambda m: chunks.append(1) or bucketed(m))
     session = Session("agent")
@@ -364,7 +364,7 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turn_bucket(model_dir, tm
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     built, real = [], attention.warm_bucket
-    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c: built.append((b, c)) or real(m, b, c))
+    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
     short = Session("short")
     engine.append(short, tokens=list(range(1, 80)))  # 78 prefilled: below BUCKET_AHEAD_AFTER
     assert built == []
@@ -465,3 +465,17 @@ def test_no_builds_ahead_at_a_capacity_off_the_grid(model_dir, tmp_path, monkeyp
     assert session.cache[0].keys.shape[2] == held and idle == []
     engine.close()
     store.close()
+
+
+def test_a_bucket_is_built_for_the_layers_own_kv_dtype_and_shape(model, monkeypatch):
+    # The graph's key holds the keys' shape and dtype: built from the session's buffer, not the model's
+    # first floating parameter (a model whose KV dtype differs would build a graph no turn uses).
+    from kvwake.daemon.model import attention
+
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, scale, mask: seen.append((k.shape, k.dtype, q.dtype)) or real(q, k, v, scale=scale, mask=mask))
+    like = mx.zeros((1, 2, 512, 32), mx.float16)
+    assert attention.warm_bucket(model, 64, 512, like=like)
+    assert seen[-1] == ((1, 2, 512, 32), mx.float16, mx.float16)

@@ -216,14 +216,18 @@ def _bucketed(queries: mx.array, keys: mx.array, values: mx.array, k_len: int, s
     return out[:, :, :q_len]
 
 
-def warm_bucket(model: Any, bucket: int, capacity: int) -> bool:
+def warm_bucket(model: Any, bucket: int, capacity: int, like: mx.array | None = None) -> bool:
     """One layer's `bucketed_attention` at (bucket, capacity) on zeros of the model's attention shape: the
     cuDNN graph a short chunk over a buffer of that capacity runs on, built before a turn needs it (~90
-    ms on the H100 at 75k keys, 8B shape). False when the model's args do not give its shape."""
+    ms on the H100 at 75k keys, 8B shape). `like`: a layer's KV buffer, whose heads, head size and dtype
+    the graph is built for (else the model's args and its first floating parameter's dtype). False when
+    the model's args do not give its shape."""
     shape = PathCosts._shape(model)
     if shape is None:
         return False
     _, heads, kv_heads, head_dim, dtype = shape
+    if like is not None:
+        kv_heads, head_dim, dtype = like.shape[1], like.shape[3], like.dtype
     keys = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
     queries = mx.zeros((1, heads, bucket, head_dim), dtype)
     mx.eval(_bucketed(queries, keys, keys, capacity, head_dim ** -0.5, True, {}))

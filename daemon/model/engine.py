@@ -494,7 +494,7 @@ class Engine:
         if shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
                 layer.keys.shape[2] != shape[2]:
             return  # built meanwhile, or its session's cache is gone or holds another capacity now
-        if attention.warm_bucket(self.model, shape[1], shape[2]):
+        if attention.warm_bucket(self.model, shape[1], shape[2], like=layer.keys):
             self._fused_shapes.add(shape)
 
     # -- generation -----------------------------------------------------------
