@@ -447,18 +447,25 @@ class Engine:
             return None
         return attention.bucket_shape(cache, n)
 
-    def _warm_buckets(self, session: Session, n: int) -> None:
-        """The shared shapes of the next turns over the session's cache once fed n more tokens (every query
-        bucket at its capacity), built as idle jobs: when nothing else waits. Built ones and queued ones are
-        skipped; so is one whose session holds another capacity by its turn (grown, or gone)."""
-        cache = session.cache
-        if self.idle is None or not self.bucket_prefill or attention.bucket_shape(cache, n) is None:
-            return
+    def _turn_buckets(self, cache: list, n: int) -> tuple[int, list[int]] | None:
+        """(the capacity `cache` has once fed n more tokens, every query bucket of a turn there, likeliest
+        first), or None when no later turn would share those graphs: bucketed prefill off, not a plain
+        KVCache past CUDNN_MIN, or a buffer off the capacity grid (a batch's or a copy's, trimmed; its
+        next growth puts it back on the grid)."""
+        if not self.bucket_prefill or not cache or attention.bucket_shape(cache, max(n, 1)) is None:
+            return None
         capacity = kvcapacity.grown(cache[0], n)
-        if kvcapacity.capacity(capacity) != capacity:  # off the grid (a batch's or a copy's buffer, trimmed):
-            return  # no later turn shares its graphs; the next growth puts the buffer back on the grid
-        for bucket in attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1)):
-            shape = ("bucket", bucket, capacity)
+        if kvcapacity.capacity(capacity) != capacity:
+            return None
+        return capacity, attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))
+
+    def _warm_buckets(self, session: Session, n: int) -> None:
+        """The shared shapes of the next turns over the session's cache once fed n more tokens, built as
+        idle jobs: when nothing else waits. Built ones and queued ones are skipped; so is one whose
+        session holds another capacity by its turn (grown, or gone)."""
+        turn = self._turn_buckets(session.cache, n) if self.idle is not None else None
+        for bucket in turn[1] if turn else ():
+            shape = ("bucket", bucket, turn[0])
             if shape not in self._fused_shapes and shape not in self._bucket_warming:
                 self._bucket_warming.add(shape)
                 self.idle(lambda shape=shape, ref=weakref.ref(session): self._warm_bucket(shape, ref))
@@ -467,35 +474,27 @@ class Engine:
         """After a long prefill, nobody decoding: the likeliest turn's shared shape at the cache's capacity
         built now (one graph build, ~90 ms on the H100 at 75k keys, on a prefill of seconds), not by the next
         turn: a client that sends it at once leaves no idle time to build it in (its first token took 196-245
-        ms against 120-150 for the turns after). Only speed is at stake: a failure is logged, not raised."""
-        cache = session.cache
-        if not self.bucket_prefill or not cache or attention.bucket_shape(cache, 1) is None:
-            return
-        bucket = attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))[0]
-        shape = ("bucket", bucket, cache[0].keys.shape[2])
-        if kvcapacity.capacity(shape[2]) != shape[2]:  # off the grid: see _warm_buckets
-            return
-
-        def build() -> None:
-            if self.decoder.active:  # not beside a decoding call (a gap): its idle job builds it then
-                return
-            try:
-                self._warm_bucket(shape, weakref.ref(session))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("building a turn's attention graph ahead failed",
-                            extra={"session": session.id, "shape": list(shape[1:]), "error": repr(exc)})
-        if shape not in self._fused_shapes:
-            mlx(build)
+        ms against 120-150 for the turns after). Beside a decoding call (a gap) its idle job builds it."""
+        turn = self._turn_buckets(session.cache, 0)
+        shape = ("bucket", turn[1][0], turn[0]) if turn else None
+        if shape is not None and shape not in self._fused_shapes:
+            mlx(lambda: self.decoder.active or self._warm_bucket(shape, weakref.ref(session)))
 
     def _warm_bucket(self, shape: tuple[Any, ...], session: weakref.ref) -> None:
+        """Build `shape`'s graph (attention.warm_bucket) for the session's buffer if it still has that
+        capacity. Only speed is at stake: a failure is logged, never raised."""
         self._bucket_warming.discard(shape)
         s = session()
         layer = s.cache[0] if s is not None and s.cache else None
         if shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
                 layer.keys.shape[2] != shape[2]:
             return  # built meanwhile, or its session's cache is gone or holds another capacity now
-        if attention.warm_bucket(self.model, shape[1], shape[2], like=layer.keys):
-            self._fused_shapes.add(shape)
+        try:
+            if attention.warm_bucket(self.model, shape[1], shape[2], like=layer.keys):
+                self._fused_shapes.add(shape)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("building a turn's attention graph ahead failed",
+                        extra={"session": s.id, "shape": list(shape[1:]), "error": repr(exc)})
 
     # -- generation -----------------------------------------------------------
 

@@ -160,8 +160,8 @@ class EngineThread:
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn on the engine thread once nothing else waits (no job queued for IDLE_AFTER_S, no call
         decoding), one such job between two looks at the queue: a request that comes meanwhile waits for
-        one, not all. For
-        what only speeds later requests up (a graph built ahead); a failure is logged, never raised."""
+        one, not all. For what only speeds later requests up (a graph built ahead); a failure is logged,
+        never raised."""
         self._idle.append(fn)
         self._jobs.put(())  # a thread blocked on an empty queue looks again
 
