@@ -1,6 +1,6 @@
 """Many agents at once: batched decoding against one call at a time, and a long prefill beside decoding.
 
-usage: python bench/batching.py [--model tiny|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
+usage: python bench/batching.py [--model tiny|tiny:ARCH|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
                                 [--whole 4:96] [--mlx-server] [--no-batch-generator] [--alternate 3]
                                 [--out bench/out]
 
@@ -25,7 +25,8 @@ mlx-server  (--mlx-server) `mlx_lm.server` on the same model: N concurrent /v1/c
 
 Gaps are measured where a client sees them: the arrival of streamed pieces. A piece is tied to
 the token that completed it by replaying the tokenizer's streaming detokenizer over the call's
-tokens; only pieces one token apart give a gap sample. `--model tiny` is the tests' tiny llama.
+tokens; only pieces one token apart give a gap sample. `--model tiny` is the tests' tiny llama,
+`tiny:gemma3_text` (sliding windows), `tiny:lfm2` or `tiny:qwen3_next` (recurrent state) another family's.
 Results: <out>/batching.json (docs/benchmarks.md summarises them).
 """
 
@@ -361,11 +362,15 @@ def batch_generator_elsewhere(model: Path, sizes: list[int], tokens: int) -> lis
 
 
 def bench_model(name: str, work: Path) -> Path:
-    """`tiny` (the tests' tiny llama), `default` (SmolLM2-135M, converted once) or a model folder."""
-    if name == "tiny":
+    """`tiny` (the tests' tiny llama), `tiny:ARCH` (the tests' tiny model of another family: gemma3_text,
+    lfm2, qwen3_next), `default` (SmolLM2-135M, converted once) or a model folder."""
+    if name == "tiny" or name.startswith("tiny:"):
         from tests.tinymodel import make_model_dir
 
-        return make_model_dir(work / "tiny-llama", ascii_replies=True)
+        arch = name.partition(":")[2]
+        if not arch:
+            return make_model_dir(work / "tiny-llama", ascii_replies=True)
+        return make_model_dir(work / f"tiny-{arch}", arch=arch, ascii_replies=True, max_position_embeddings=65536)
     if name == "default":
         from kvwake.daemon.model.convert import ensure_default_model
 

@@ -324,7 +324,7 @@ def test_rows_live_in_slots_and_a_leaving_calls_slot_goes_to_the_next_call(engin
 
 def test_each_slot_size_is_warmed_on_dead_rows_without_a_call(engine):
     engine.decoder.model = passes = Passes(engine.decoder.model)
-    assert engine.decoder.warm(len(engine.make_cache())) == [2, 4, 8]  # max_batch 8
+    assert engine.decoder.warm() == [2, 4, 8]  # max_batch 8
     assert passes.sizes == [2, 2, 4, 4, 8, 8] and not engine.decoder.active and engine.decoder.batch is None
     params = GenerateParams(max_tokens=6)
     alone = solo_tokens(engine, "alone", PROMPTS[0], params)

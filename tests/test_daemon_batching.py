@@ -40,7 +40,17 @@ def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> di
     return results
 
 
-def test_concurrent_calls_decode_together_and_give_what_each_gives_alone(tmp_path, model_dir):
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory):
+    """arch -> a tiny model of it: plain KV (the module's), a sliding window, recurrent state beside attention."""
+    def make(arch: str):
+        return make_model_dir(tmp_path_factory.mktemp("models") / arch, arch=arch)
+    return make
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "lfm2"])
+def test_concurrent_calls_decode_together_and_give_what_each_gives_alone(tmp_path, model_dir, arch_dirs, arch):
+    model_dir = model_dir if arch == "llama" else arch_dirs(arch)
     names = [f"agent{i}" for i in range(4)]
     outputs = {}
     for mode, extra in (("batched", []), ("solo", ["--max-batch", "1"])):

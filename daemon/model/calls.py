@@ -107,6 +107,9 @@ def batch_mode(cache: list, kv_bits: int | None, max_batch: int) -> tuple[str, s
 
 
 def _batchable(layer: Any) -> bool:
-    # Plain KV only: mlx-lm can also merge sliding-window and recurrent layers, but its batched
-    # forms of those give back caches laid out differently from the ones kvwake captures.
-    return type(layer).__name__ == "KVCache"
+    # The kinds mlx-lm merges and extracts whole: plain KV, a sliding window's ring (without kept
+    # tokens: BatchRotatingKVCache has no `keep`) and recurrent state. What leaves the batch is the
+    # same kind of cache, holding the same tokens (a window's ring in temporal order), and sleeps and
+    # wakes as one decoded alone does (tests/test_batching_archs.py).
+    kind = type(layer).__name__
+    return kind in ("KVCache", "ArraysCache") or (kind == "RotatingKVCache" and layer.keep == 0)

@@ -1,8 +1,10 @@
 """The decoder: every generate call in flight, advanced one token per step on the engine thread.
 
-Batched mode (models whose cache layers mlx-lm can merge): calls decode
-together, one forward pass per step, through mlx-lm's `GenerationBatch` over a
-`BatchKVCache` (shorter histories are left-padded and the padding masked).
+Batched mode (models whose cache layers mlx-lm can merge: plain KV, sliding
+windows, recurrent state; calls.batch_mode): calls decode together, one
+forward pass per step, through mlx-lm's `GenerationBatch` over each layer's
+batched form (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache`; shorter
+histories are left-padded and the padding masked).
 Calls join between steps, all those waiting at once: their sessions' plain
 caches are merged in one go and appended to the batch with the token each
 feeds next, and the step's one forward pass feeds them beside the others (no
@@ -58,6 +60,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.model.calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
@@ -76,6 +79,7 @@ class Decoder:
     def __init__(self, model: Any, mode: str, max_batch: int, vocab_size: int) -> None:
         self.model, self.mode, self.max_batch = model, mode, max(1, max_batch)
         self.masks = Masks(vocab_size, self.max_batch)
+        self.blanks = make_prompt_cache(model) if mode == "batched" else []  # each layer's kind, empty: dead rows
         self.waiting: deque[Call] = deque()
         self.solo: list[Call] = []
         self.batch: GenerationBatch | None = None
@@ -116,12 +120,12 @@ class Decoder:
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
 
-    def warm(self, layers: int) -> list[int]:
+    def warm(self) -> list[int]:
         """Two batched steps at each slot size up to max_batch, on dead rows (no call), so MLX builds each
         size's kernels before a request meets them (MLX on CUDA compiles per shape). The sizes warmed."""
         sizes = self.warm_sizes()
         for n in sizes:
-            self.warm_size(n, layers)
+            self.warm_size(n)
         return sizes
 
     def warm_sizes(self) -> list[int]:
@@ -130,10 +134,10 @@ class Decoder:
             return []
         return sorted({slot_size(n, self.max_batch) for n in range(2, self.max_batch + 1)})
 
-    def warm_size(self, n: int, layers: int) -> None:
+    def warm_size(self, n: int) -> None:
         """One size of `warm`: a batch of its own, so it may run between the live batch's steps."""
         with mx.stream(generation_stream):
-            batch = dead_rows(self.model, list(range(n)), layers)
+            batch = dead_rows(self.model, list(range(n)), self.blanks)
             batch.next()
             batch.next()
 
@@ -293,7 +297,7 @@ class Decoder:
         size = slot_size(n, max(self.max_batch, n))
         if size > n:
             uids = [next(self._uids) for _ in range(size - n)]
-            batch.extend(dead_rows(self.model, uids, len(batch.prompt_cache)))
+            batch.extend(dead_rows(self.model, uids, self.blanks))
             self.dead.update(uids)
 
     # -- stepping ---------------------------------------------------------------

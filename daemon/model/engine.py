@@ -157,7 +157,6 @@ class Engine:
         # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
         self._fused_shapes: set[tuple[Any, ...]] = set()
         self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
-        self._layers = len(probe)
         if warm:
             for job in self.warm_jobs():
                 job()
@@ -178,7 +177,7 @@ class Engine:
         (attention.warm_decode), then the attention paths' costs measured per key length. None elsewhere."""
         jobs: list[Callable[[], Any]] = []
         if attention.on_cuda():
-            jobs += [lambda n=n: self.decoder.warm_size(n, self._layers) for n in self.decoder.warm_sizes()]
+            jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
         if attention.on_cuda() and fill.restore_mode() == "staged":

@@ -11,6 +11,12 @@ Rows live in slots: the batch has one of `SLOTS` rows, the ones no call holds
 are dead (all padding, fed and sampled, never handed out). A call that leaves
 leaves a dead slot, which the next call whose history fits the batch's length
 takes (`place`: its KV copied in, right-aligned, no other row moved).
+
+Three kinds of cache layer batch (calls.batch_mode): plain KV (`BatchKVCache`),
+sliding windows (`BatchRotatingKVCache`) and recurrent state (`ArraysCache`),
+alone or mixed in one model, and each kind takes a row into a dead slot: plain
+KV right-aligned, a recurrent state as it is, a window's tokens as the newest
+of the batch's ring, wherever its rotation has got to.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, TokenBuffer
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.model.generation import make_processors
@@ -55,25 +61,28 @@ def rows_batch(model: Any, uids: list[int], rows: list[Row]) -> GenerationBatch:
                       mx.concatenate([_token(r) for r in rows]))
 
 
-def dead_rows(model: Any, uids: list[int], layers: int) -> GenerationBatch:
+def dead_rows(model: Any, uids: list[int], blanks: list) -> GenerationBatch:
     """Rows that hold nothing (all padding once they extend a batch): places for calls to come. They
-    are fed and sample like any row (greedy, token 0 first); their tokens are never handed out."""
+    are fed and sample like any row (greedy, token 0 first); their tokens are never handed out.
+    `blanks`: the model's fresh cache (one empty layer of each layer's kind): each layer's batched form
+    is merged from n of them (an empty merge holds no KV, only each row's padding)."""
     n = len(uids)
-    caches = [BatchKVCache([0] * n) for _ in range(layers)]
+    caches = [blank.merge([blank] * n) for blank in blanks]
     return _unstepped(model, uids, caches, [[] for _ in uids], [greedy_sampler] * n, [() for _ in uids],
                       mx.zeros((n,), dtype=mx.uint32))
 
 
 def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
     """Put `row` in the batch's slot i (a dead row's): its KV right-aligned to the batch's length, the
-    rest of the slot masked as padding, its state in the slot's. Its history must fit (`fits`)."""
+    rest of the slot masked as padding, its recurrent state in the slot's, its sampling state in the
+    slot's. It must fit (`fits`)."""
     for layer, own in zip(batch.prompt_cache, row.cache):
-        n, end = own.offset, layer._idx
-        if n:  # (a one-token session's cache is empty: its whole slot is padding)
-            layer.keys[i : i + 1, :, end - n : end, :] = own.keys[..., :n, :]
-            layer.values[i : i + 1, :, end - n : end, :] = own.values[..., :n, :]
-        layer.left_padding[i : i + 1] = mx.array([end - n])
-        layer.offset[i : i + 1] = mx.array([n])
+        if isinstance(layer, ArraysCache):
+            _place_arrays(layer, i, own)
+        elif isinstance(layer, BatchRotatingKVCache):
+            _place_ring(layer, i, own)
+        else:
+            _place_kv(layer, i, own)
     history = _history(row)
     batch.uids[i], batch.tokens[i], batch.samplers[i] = uid, history, row.sampler
     batch.logits_processors[i] = make_processors(row.call.output.params)
@@ -85,8 +94,61 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
 
 
 def fits(batch: GenerationBatch, row: Row) -> bool:
-    """Whether the row's history fits the batch's length (a longer one would need every row re-padded)."""
-    return row.cache[0].offset <= batch.prompt_cache[0]._idx
+    """Whether the row's history fits the batch's length in every layer (a longer one would need every
+    row re-padded); a wrapped window's ring holds any row's window, a recurrent state has no length."""
+    for layer, own in zip(batch.prompt_cache, row.cache):
+        if isinstance(layer, BatchKVCache) and own.offset > layer._idx:
+            return False
+        if isinstance(layer, BatchRotatingKVCache) and not _wrapped(layer) and own.size() > layer._idx:
+            return False
+    return True
+
+
+def _wrapped(ring: BatchRotatingKVCache) -> bool:
+    """The batch's ring is full (it has rotated, or rotates at its next token)."""
+    return ring.rotated or ring._idx >= ring.max_size
+
+
+def _place_kv(layer: BatchKVCache, i: int, own: Any) -> None:
+    n, end = own.offset, layer._idx
+    if n:  # (a one-token session's cache is empty: its whole slot is padding)
+        layer.keys[i : i + 1, :, end - n : end, :] = own.keys[..., :n, :]
+        layer.values[i : i + 1, :, end - n : end, :] = own.values[..., :n, :]
+    layer.left_padding[i : i + 1] = mx.array([end - n])
+    layer.offset[i : i + 1] = mx.array([n])
+
+
+def _place_ring(layer: BatchRotatingKVCache, i: int, own: Any) -> None:
+    """A sliding window's tokens into slot i: the s it holds (s = own.size(), in temporal order) become
+    the newest s of the batch's ring, the rest of the slot masked. Before the ring wraps, its newest
+    token sits at `_idx - 1` (as plain KV); once wrapped, temporal position p (0 the oldest) sits at
+    (_idx + p) mod max_size, and `left_padding` counts the slot's masked positions from the oldest."""
+    size, s = layer.max_size, own.size()
+    if _wrapped(layer):
+        first, padding = (layer._idx + size - s) % size, size - s
+    else:
+        first, padding = layer._idx - s, layer._idx - s
+    if s:
+        head = min(s, size - first)  # the run up to the ring's end; the rest wraps to its start
+        for mine, theirs in ((own.keys, layer.keys), (own.values, layer.values)):
+            tokens = own._temporal_order(mine)[..., -s:, :]
+            theirs[i : i + 1, :, first : first + head, :] = tokens[..., :head, :]
+            if head < s:
+                theirs[i : i + 1, :, : s - head, :] = tokens[..., head:, :]
+    layer.left_padding[i : i + 1] = mx.array([padding])
+    layer.offset[i : i + 1] = mx.array([own.offset])
+
+
+def _place_arrays(layer: ArraysCache, i: int, own: ArraysCache) -> None:
+    """A recurrent layer's state into slot i: the row's own, or zeros (a fresh state) where it has none."""
+    for e, mine in enumerate(own.cache):
+        if layer.cache[e] is None and mine is None:
+            continue
+        if layer.cache[e] is None:  # no row has this state yet: fresh (zero) states for the others
+            layer.cache[e] = mx.zeros((layer.batch_size, *mine.shape[1:]), mine.dtype)
+        layer.cache[e][i : i + 1] = mine if mine is not None else mx.zeros_like(layer.cache[e][i : i + 1])
+    if layer.left_padding is not None:  # decoding: nothing of the slot is padding
+        layer.left_padding[i : i + 1] = mx.array([0])
 
 
 def retire(batch: GenerationBatch, i: int) -> None:

@@ -1,0 +1,161 @@
+"""Batched decoding of models whose caches are not all plain KV (issue 24, point 6): sliding windows
+(gemma3_text, window 8: every prompt here wraps its ring) and recurrent state beside attention (lfm2's
+conv state, qwen3_next's conv and gated-delta state). They decode in the batch, give what each call gives
+alone, and hand back caches of their own kinds that sleep and wake exactly (CPU)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.session import Session
+from kvwake.store import Store
+from tests.test_batching import PROMPTS, Passes, run_together
+from tests.tinymodel import make_model_dir
+
+ARCHS = ["gemma3_text", "lfm2", "qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    made: dict[str, object] = {}
+
+    def folder(arch: str):
+        if arch not in made:
+            made[arch] = make_model_dir(tmp_path_factory.mktemp("models") / arch, arch=arch)
+        return made[arch]
+
+    return folder
+
+
+@pytest.fixture(params=ARCHS)
+def engine(request, folders, tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, folders(request.param), max_batch=8)
+    e.arch = request.param
+    yield e
+    e.close()
+    store.close()
+
+
+def fresh(engine: Engine, name: str, text: str | None = None, tokens: list[int] | None = None) -> Session:
+    s = Session(name)
+    engine.append(s, text=text, tokens=tokens)
+    return s
+
+
+def kinds(cache: list) -> list[str]:
+    return [type(c).__name__ for c in cache]
+
+
+def state_arrays(cache: list) -> list:
+    """What each layer holds, copied: plain KV up to its offset, a ring as held (with its offset and index),
+    recurrent states."""
+    out: list = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out += [mx.array(a) for a in c.cache if a is not None]
+        elif isinstance(c, RotatingKVCache):
+            out += [mx.array(c.keys), mx.array(c.values), (c.offset, c._idx)]
+        else:
+            out += [mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :])]
+    return out
+
+
+def same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return a == b
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+def test_sliding_window_and_recurrent_models_decode_batched_and_match_each_call_alone(engine):
+    assert engine.decode_mode == "batched", engine.decode_reason
+    params = GenerateParams(max_tokens=24)
+    alone = [engine.generate(fresh(engine, f"alone{i}", p), params).tokens for i, p in enumerate(PROMPTS)]
+    sessions = [fresh(engine, f"b{i}", p) for i, p in enumerate(PROMPTS)]
+    calls = [engine.start_call(s, params) for s in sessions]
+    engine.decoder.model = passes = Passes(engine.decoder.model)
+    run_together(engine, calls, join_at={1: 3, 2: 3, 3: 10})  # joining mid-flight, after the windows wrapped
+    assert [c.future.result().tokens for c in calls] == alone
+    assert max(passes.sizes) == 4 and engine.decoder.counters["max_batch_seen"] == 4
+    for s in sessions:  # the session holds a cache of the model's own kinds, covering every token
+        assert kinds(s.cache) == kinds(engine.make_cache())
+        assert s.processed == len(s.tokens)
+
+
+def test_a_leaving_calls_slot_goes_to_the_next_call_whatever_its_layers(engine):
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (2, 12, 12, 12, 8)]
+    inputs = [[40, 41, 42], [50, 51, 52, 53], [60, 61], [70, 71, 72, 73, 74], [99]]  # the last: one token, no state
+    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+    calls = [engine.start_call(fresh(engine, f"o{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
+    before = dict(engine.decoder.counters)
+    run_together(engine, calls, join_at={4: 5})  # the first leaves after step 2; the fifth comes at step 5
+    assert [c.future.result().tokens for c in calls] == alone
+    reused = engine.decoder.counters["slot_reuses"] - before["slot_reuses"]
+    merges = engine.decoder.counters["merges"] - before["merges"]
+    assert (reused, merges) == (1, 1)  # into the first's dead slot: KV, rings and states written in place
+
+
+@pytest.mark.parametrize("engine", ["gemma3_text"], indirect=True)
+def test_a_window_takes_a_dead_slot_before_and_after_the_batchs_ring_wraps(engine, monkeypatch):
+    from kvwake.daemon.model import joining
+
+    placed: list[tuple[bool, int]] = []  # (the ring had wrapped, tokens the joining window held)
+    real = joining._place_ring
+
+    def recording(layer, i, own):
+        placed.append((joining._wrapped(layer), own.size()))
+        real(layer, i, own)
+
+    monkeypatch.setattr(joining, "_place_ring", recording)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    inputs = [[40, 41], [50, 51, 52], [60], [61, 62], [70, 71], list(range(80, 90))]
+    limits = [1, 18, 18, 18, 4, 4]
+    join_at = {4: 2, 5: 12}  # the 5th into the 1st's slot before the window (8) fills; the 6th (a full window, 9 tokens of
+    # global KV: the batch holds 14) into the 5th's after
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in limits]
+    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+    calls = [engine.start_call(fresh(engine, f"w{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
+    run_together(engine, calls, join_at=join_at)
+    assert [c.future.result().tokens for c in calls] == alone
+    assert {wrapped for wrapped, _ in placed} == {False, True}, placed
+    assert any(wrapped and held == 8 for wrapped, held in placed), placed  # a whole window into a wrapped ring
+
+
+def test_after_a_batched_call_the_session_sleeps_and_wakes_exactly_and_goes_on_as_its_twin(engine):
+    sessions = [fresh(engine, f"s{i}", p) for i, p in enumerate(PROMPTS[:3])]
+    calls = [engine.start_call(s, GenerateParams(max_tokens=n)) for s, n in zip(sessions, (5, 17, 9))]
+    run_together(engine, calls)
+    s = sessions[1]
+    engine.append(s, text=" and then")
+    held = state_arrays(s.cache)
+    engine.sleep(s, free=False)  # a snapshot; s stays hot: the never-slept twin
+    woken, _ = engine.wake("s1")
+    assert (woken.tokens, woken.processed) == (s.tokens, s.processed)
+    assert kinds(woken.cache) == kinds(s.cache)
+    restored = state_arrays(woken.cache)
+    assert len(restored) == len(held)
+    assert all(same(a, b) for a, b in zip(held, restored))
+    follow = GenerateParams(max_tokens=10)
+    assert engine.generate(woken, follow).tokens == engine.generate(s, follow).tokens
+
+
+def test_a_lone_call_moves_into_the_batch_and_a_long_one_goes_on_alone(engine, monkeypatch):
+    from kvwake.daemon.model import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=10, logit_bias=no_eos)
+    texts = ["a short one", "word " * 40] + [f"agent {i}" for i in range(3)]
+    alone = [engine.generate(fresh(engine, f"alone{i}", t), params).tokens for i, t in enumerate(texts)]
+    calls = [engine.start_call(fresh(engine, f"l{i}", t), params) for i, t in enumerate(texts)]
+    engine.decoder.join(calls[0])
+    engine.decoder.step()
+    assert calls[0].solo is not None and engine.decoder.batch is None  # alone first
+    run_together(engine, calls[1:], join_at={0: 0, 1: 2, 2: 2, 3: 2})
+    assert [c.future.result().tokens for c in calls] == alone
+    assert engine.decoder.counters["alone_for_length"] >= 1  # the 200-token call went on alone
