@@ -1,13 +1,14 @@
 """Batched decoding of models whose caches are not all plain KV (issue 24, point 6): sliding windows
-(gemma3_text, window 8: every prompt here wraps its ring) and recurrent state beside attention (lfm2's
-conv state, qwen3_next's conv and gated-delta state). They decode in the batch, give what each call gives
+(gemma3_text, window 8: every prompt here wraps its ring), recurrent state beside attention (lfm2's conv
+state, qwen3_next's conv and gated-delta state), both in one layer (falcon_h1: a CacheList of a Mamba-2
+state and KV) and recurrent state alone (mamba2). They decode in the batch, give what each call gives
 alone, and hand back caches of their own kinds that sleep and wake exactly (CPU)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
@@ -16,7 +17,7 @@ from kvwake.store import Store
 from tests.test_batching import PROMPTS, Passes, run_together
 from tests.tinymodel import make_model_dir
 
-ARCHS = ["gemma3_text", "lfm2", "qwen3_next"]
+ARCHS = ["gemma3_text", "lfm2", "qwen3_next", "falcon_h1", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ def state_arrays(cache: list) -> list:
     recurrent states."""
     out: list = []
     for c in cache:
-        if isinstance(c, ArraysCache):
+        if isinstance(c, CacheList):
+            out += state_arrays(list(c.caches))
+        elif isinstance(c, ArraysCache):
             out += [mx.array(a) for a in c.cache if a is not None]
         elif isinstance(c, RotatingKVCache):
             out += [mx.array(c.keys), mx.array(c.values), (c.offset, c._idx)]
@@ -73,7 +76,8 @@ def same(a, b) -> bool:
 
 def test_sliding_window_and_recurrent_models_decode_batched_and_match_each_call_alone(engine):
     assert engine.decode_mode == "batched", engine.decode_reason
-    params = GenerateParams(max_tokens=24)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=24, logit_bias=no_eos)  # every call runs to the end: four rows at once
     alone = [engine.generate(fresh(engine, f"alone{i}", p), params).tokens for i, p in enumerate(PROMPTS)]
     sessions = [fresh(engine, f"b{i}", p) for i, p in enumerate(PROMPTS)]
     calls = [engine.start_call(s, params) for s in sessions]

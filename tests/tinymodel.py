@@ -12,7 +12,9 @@ ARCHS holds config.json contents (keys as the HF configs name them) for a
 plain-KV model (llama), one with sliding-window ring buffers besides global
 layers (gemma3_text, window 8: short prompts wrap the ring), and two hybrids
 with recurrent state (lfm2: conv state + attention; qwen3_next: gated delta
-net + attention + MoE, which on CPU runs in float32 only, see FLOAT32_ONLY).
+net + attention + MoE, which on CPU runs in float32 only, see FLOAT32_ONLY),
+one whose every layer is a CacheList of both (falcon_h1), and one of recurrent
+state alone (mamba2).
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ ARCHS = {
                    "shared_expert_intermediate_size": 64, "mlp_only_layers": [], "moe_intermediate_size": 32,
                    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                    "max_position_embeddings": 4096, "full_attention_interval": 2, "tie_word_embeddings": False},
+    # Every layer a CacheList of a Mamba-2 state (ArraysCache) and attention KV (KVCache).
+    "falcon_h1": {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_d_conv": 4,
+                  "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_n_heads": 4,
+                  "mamba_chunk_size": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                  "max_position_embeddings": 4096, "tie_word_embeddings": True},
+    # Recurrent state only (ArraysCache): no attention at all.
+    "mamba2": {"model_type": "mamba2", "num_heads": 4, "head_dim": 16, "hidden_size": 32, "intermediate_size": 64,
+               "state_size": 16, "num_hidden_layers": 2, "layer_norm_epsilon": 1e-5, "conv_kernel": 4, "n_groups": 1,
+               "use_bias": False, "use_conv_bias": True, "tie_word_embeddings": True,
+               "time_step_limit": [0.0, 1e30], "time_step_rank": "auto"},
 }
 FLOAT32_ONLY = {"qwen3_next"}  # MoE gather_mm has no bfloat16 kernel on CPU
 
@@ -148,7 +161,8 @@ def make_model_dir(path: Path, *, arch: str = "llama", template: str = CHATML, s
     # Larger-than-default init so greedy continuations depend on the context.
     params = {k: (mx.random.normal(v.shape) * 0.5).astype(dtype) for k, v in tree_flatten(model.parameters())}
     if ascii_replies:
-        head = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
+        head = "lm_head.weight" if "lm_head.weight" in params else \
+            next(k for k in params if k.endswith(("embed_tokens.weight", "embeddings.weight")))  # tied
         for lo, hi in ((0, 1), (32, 33), (128, 256)):
             params[head][lo:hi] = 0
     mx.save_safetensors(str(path / "model.safetensors"), params, metadata={"format": "mlx"})

@@ -112,4 +112,6 @@ def _batchable(layer: Any) -> bool:
     # same kind of cache, holding the same tokens (a window's ring in temporal order), and sleeps and
     # wakes as one decoded alone does (tests/test_batching_archs.py).
     kind = type(layer).__name__
+    if kind == "CacheList":  # a layer of several caches (falcon_h1: recurrent state and KV): each member's kind
+        return all(_batchable(member) for member in layer.caches)
     return kind in ("KVCache", "ArraysCache") or (kind == "RotatingKVCache" and layer.keep == 0)

@@ -21,12 +21,13 @@ of the batch's ring, wherever its rotation has got to.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, TokenBuffer
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList
 from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.model.generation import make_processors
@@ -76,7 +77,7 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
     """Put `row` in the batch's slot i (a dead row's): its KV right-aligned to the batch's length, the
     rest of the slot masked as padding, its recurrent state in the slot's, its sampling state in the
     slot's. It must fit (`fits`)."""
-    for layer, own in zip(batch.prompt_cache, row.cache):
+    for layer, own in _leaves(batch.prompt_cache, row.cache):
         if isinstance(layer, ArraysCache):
             _place_arrays(layer, i, own)
         elif isinstance(layer, BatchRotatingKVCache):
@@ -96,12 +97,21 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
 def fits(batch: GenerationBatch, row: Row) -> bool:
     """Whether the row's history fits the batch's length in every layer (a longer one would need every
     row re-padded); a wrapped window's ring holds any row's window, a recurrent state has no length."""
-    for layer, own in zip(batch.prompt_cache, row.cache):
+    for layer, own in _leaves(batch.prompt_cache, row.cache):
         if isinstance(layer, BatchKVCache) and own.offset > layer._idx:
             return False
         if isinstance(layer, BatchRotatingKVCache) and not _wrapped(layer) and own.size() > layer._idx:
             return False
     return True
+
+
+def _leaves(batched: list, own: list) -> Iterator[tuple[Any, Any]]:
+    """(batched layer, the row's own) pairs, a `CacheList`'s members one by one."""
+    for layer, mine in zip(batched, own):
+        if isinstance(layer, CacheList):
+            yield from _leaves(list(layer.caches), list(mine.caches))
+        else:
+            yield layer, mine
 
 
 def _wrapped(ring: BatchRotatingKVCache) -> bool:
