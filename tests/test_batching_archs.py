@@ -163,3 +163,25 @@ def test_a_lone_call_moves_into_the_batch_and_a_long_one_goes_on_alone(engine, m
     run_together(engine, calls[1:], join_at={0: 0, 1: 2, 2: 2, 3: 2})
     assert [c.future.result().tokens for c in calls] == alone
     assert engine.decoder.counters["alone_for_length"] >= 1  # the 200-token call went on alone
+
+
+def test_constrained_and_free_calls_share_the_batch_and_each_constrained_one_validates(engine):
+    import json
+
+    import jsonschema
+
+    from kvwake.daemon.model.grammar import Structure
+    from tests.test_structured import SCHEMAS
+
+    schema = SCHEMAS["enum"]  # bounded: every valid reply ends within max_tokens
+    calls = []
+    for i in range(4):
+        s = fresh(engine, f"json{i}", f"call {i} " * (i + 1))
+        structure = Structure.json(schema) if i % 2 == 0 else None
+        calls.append(engine.start_call(s, GenerateParams(max_tokens=100, temperature=1.0, seed=i, structure=structure)))
+    run_together(engine, calls, join_at={2: 3, 3: 3})  # two join mid-flight: a dead slot, then a merge
+    assert engine.decoder.counters["max_batch_seen"] == 4
+    for call in calls[::2]:
+        result = call.future.result()
+        assert result.finish_reason == "stop", result
+        jsonschema.validate(json.loads(result.text), schema)
