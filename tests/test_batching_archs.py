@@ -185,3 +185,22 @@ def test_constrained_and_free_calls_share_the_batch_and_each_constrained_one_val
         result = call.future.result()
         assert result.finish_reason == "stop", result
         jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_a_recurrent_state_leaving_the_batch_owns_its_row_not_the_batchs_array():
+    # Was (found by a review): mlx-lm extracts an ArraysCache row as a view of the batch's (B, ...) state, so a
+    # session that left a batch of 16 kept all 16 rows' state alive, counted as its own one row's.
+    from kvwake.daemon.model.joining import extract_row
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    batched = ArraysCache(2)
+    batched[0], batched[1] = mx.ones((16, 1000, 1000)), mx.zeros((16, 8))  # 64 MB of state over 16 rows
+    mx.eval(batched.cache)
+    row = extract_row([CacheList(batched)], 3)
+    mx.eval([c.cache for c in row[0].caches])
+    del batched
+    mx.clear_cache()
+    kept = mx.get_active_memory() - before
+    assert kept < 8e6, f"{kept / 1e6:.1f} MB kept for one row of 4 MB"
+    assert row[0].caches[0][0].shape == (1, 1000, 1000) and mx.all(row[0].caches[0][0] == 1).item()

@@ -64,7 +64,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.model.calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
-from kvwake.daemon.model.joining import Row, dead_rows, fits, place, retire, rows_batch, slot_size
+from kvwake.daemon.model.joining import Row, dead_rows, extract_row, fits, place, retire, rows_batch, slot_size
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 
 __all__ = ["Decoder", "run_alone"]
@@ -210,7 +210,7 @@ class Decoder:
             i = next(i for i, uid in enumerate(batch.uids) if self.rows.get(uid) is call)
             uid, token, sampler = batch.uids[i], batch._next_tokens[i : i + 1], batch.samplers[i]
             s, p = call.session, call.output.params
-            s.cache = batch.extract_cache(i)
+            s.cache = extract_row(batch.prompt_cache, i)
             del self.rows[uid]
             self.dead.add(uid)
             retire(batch, i)
@@ -361,7 +361,7 @@ class Decoder:
         assert batch is not None
         for i, uid, reason in done:
             call = self.rows.pop(uid)
-            call.session.cache = batch.extract_cache(i)
+            call.session.cache = extract_row(batch.prompt_cache, i)
             mx.async_eval([c.state for c in call.session.cache])  # queued behind the pass: no stall here
             call.finish(reason)
             retire(batch, i)

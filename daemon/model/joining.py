@@ -32,7 +32,8 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.model.generation import make_processors
 
-__all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "fits", "place", "retire", "rows_batch", "slot_size"]
+__all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "place", "retire", "rows_batch",
+           "slot_size"]
 
 UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
 SLOTS = (1, 2, 4, 8, 16, 32)  # the batch sizes rows live in: MLX meets a few shapes, not one per row count
@@ -77,7 +78,7 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
     """Put `row` in the batch's slot i (a dead row's): its KV right-aligned to the batch's length, the
     rest of the slot masked as padding, its recurrent state in the slot's, its sampling state in the
     slot's. It must fit (`fits`)."""
-    for layer, own in _leaves(batch.prompt_cache, row.cache):
+    for layer, own in zip(_leaves(batch.prompt_cache), _leaves(row.cache)):
         if isinstance(layer, ArraysCache):
             _place_arrays(layer, i, own)
         elif isinstance(layer, BatchRotatingKVCache):
@@ -97,21 +98,12 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
 def fits(batch: GenerationBatch, row: Row) -> bool:
     """Whether the row's history fits the batch's length in every layer (a longer one would need every
     row re-padded); a wrapped window's ring holds any row's window, a recurrent state has no length."""
-    for layer, own in _leaves(batch.prompt_cache, row.cache):
+    for layer, own in zip(_leaves(batch.prompt_cache), _leaves(row.cache)):
         if isinstance(layer, BatchKVCache) and own.offset > layer._idx:
             return False
         if isinstance(layer, BatchRotatingKVCache) and not _wrapped(layer) and own.size() > layer._idx:
             return False
     return True
-
-
-def _leaves(batched: list, own: list) -> Iterator[tuple[Any, Any]]:
-    """(batched layer, the row's own) pairs, a `CacheList`'s members one by one."""
-    for layer, mine in zip(batched, own):
-        if isinstance(layer, CacheList):
-            yield from _leaves(list(layer.caches), list(mine.caches))
-        else:
-            yield layer, mine
 
 
 def _wrapped(ring: BatchRotatingKVCache) -> bool:
@@ -159,6 +151,26 @@ def _place_arrays(layer: ArraysCache, i: int, own: ArraysCache) -> None:
         layer.cache[e][i : i + 1] = mine if mine is not None else mx.zeros_like(layer.cache[e][i : i + 1])
     if layer.left_padding is not None:  # decoding: nothing of the slot is padding
         layer.left_padding[i : i + 1] = mx.array([0])
+
+
+def extract_row(caches: list, i: int) -> list:
+    """Row i of a batch's caches as the plain caches a session holds, owning their memory: mlx-lm extracts a
+    recurrent state as a view of the batch's (B, ...) array (plain KV and windows as copies), which would
+    keep the whole batch's state alive in every session that left it, counted as one row's."""
+    row = [c.extract(i) for c in caches]
+    for c in _leaves(row):
+        if isinstance(c, ArraysCache):
+            c.cache = [mx.contiguous(a) if a is not None else None for a in c.cache]
+    return row
+
+
+def _leaves(cache: list) -> Iterator[Any]:
+    """Every layer's caches, a `CacheList`'s members one by one."""
+    for c in cache:
+        if isinstance(c, CacheList):
+            yield from _leaves(list(c.caches))
+        else:
+            yield c
 
 
 def retire(batch: GenerationBatch, i: int) -> None:
