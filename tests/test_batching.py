@@ -495,3 +495,31 @@ def test_clearing_an_exceptions_frames_leaves_a_suspended_generator_running():
     assert next(gen) == 1  # suspended, its frame in caught[0]'s traceback
     unframed(caught[0])
     assert next(gen) == 2
+
+
+def test_a_finished_jobs_closure_and_result_are_freed_on_the_engine_thread_without_a_next_job():
+    # Was: the engine thread kept its last job (closure and future) while it waited for the next, so what
+    # the job held (a deleted session, a prefill chunk's cache layers) lived on, on an idle daemon, until
+    # another request came, and was freed then, all at once.
+    import threading
+    import weakref
+
+    from kvwake.daemon.model.thread import EngineThread
+
+    class Held:  # stands for a session's cache
+        pass
+
+    freed_on: list[str] = []
+    gone = threading.Event()
+    thread = EngineThread()
+    try:
+        held, go = Held(), threading.Event()
+        weakref.finalize(held, lambda: (freed_on.append(threading.current_thread().name), gone.set()))
+        done = thread.submit(lambda held=held: go.wait())  # its closure holds it; only its closure, once
+        del held
+        go.set()
+        done.result()
+        assert gone.wait(5), "the finished job still holds it"
+        assert freed_on == ["kvwake-engine"]
+    finally:
+        thread.stop()

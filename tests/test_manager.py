@@ -159,3 +159,50 @@ async def test_every_calls_streamed_output_of_a_step_reaches_the_loop_in_one_hop
     assert all("".join(pieces[name]) == r["text"] for name, r in zip(names, results))  # all of it, in order
     hops, steps = manager.thread.hops - hops, manager.engine.decoder.counters["decode_steps"] - steps
     assert hops <= steps + 4 and events > 1.5 * hops, (events, hops, steps)  # a hop per step, not per row
+
+
+def freed_where(session) -> list[str]:
+    """The names of the threads each of the session's cache layers will be freed on (filled as they go)."""
+    import threading
+    import weakref
+
+    where: list[str] = []
+    for layer in session.cache:
+        weakref.finalize(layer, lambda: where.append(threading.current_thread().name))
+    return where
+
+
+async def test_a_deleted_hot_sessions_kv_is_freed_on_the_engine_thread(manager):
+    # Was: the session's cache went with its entry, on the event loop's thread (MLX memory given back off
+    # the engine thread, and a stall of every connection while a big cache is unmapped).
+    await manager.create("d", SYSTEM)
+    await manager.append("d", messages=[{"role": "user", "content": "hi"}])
+    where = freed_where(manager.entry("d").session)
+    await manager.delete("d")
+    assert where == ["kvwake-engine"] * 2, where  # the tiny llama's two layers
+
+
+async def test_a_hot_session_woken_from_another_snapshot_frees_its_kv_on_the_engine_thread(manager):
+    await manager.create("w", SYSTEM)
+    await manager.append("w", messages=[{"role": "user", "content": "hi"}])
+    first = (await manager.sleep("w", free=False))["snapshot_id"]
+    await manager.append("w", messages=[{"role": "user", "content": "and more"}])
+    where = freed_where(manager.entry("w").session)
+    await manager.wake("w", snapshot_id=first)
+    assert where == ["kvwake-engine"] * 2, where
+    assert manager.entry("w").session.head == first
+
+
+async def test_a_sleeping_sessions_kv_is_freed_a_few_layers_per_engine_job(manager, monkeypatch):
+    from kvwake.daemon.kv import pipeline
+
+    jobs: list[int] = []
+    real = pipeline._free_layers
+    monkeypatch.setattr(pipeline, "RELEASE_JOB_S", 0.0)  # at least one layer a job: here exactly one
+    monkeypatch.setattr(pipeline, "_free_layers", lambda layers, s: (jobs.append(len(layers)), real(layers, s)))
+    await manager.create("s", SYSTEM)
+    await manager.append("s", messages=[{"role": "user", "content": "hi"}])
+    where = freed_where(manager.entry("s").session)
+    await manager.sleep("s")
+    assert jobs == [2, 1] and where == ["kvwake-engine"] * 2, (jobs, where)  # two jobs, one layer each
+    assert manager.entry("s").session is None

@@ -51,13 +51,15 @@ from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "releasing", "sleep", "wake", "write_prefix"]
+__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "release", "releasing", "sleep", "wake",
+           "write_prefix"]
 
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
 # host copy (GPU) and its encoded bytes, about 1.7x its raw size, so RSS grows by about a fifth of
 # the KV at most (the issue's bound is a quarter).
 SLEEP_SHARE = 8
+RELEASE_JOB_S = 0.004  # a release's engine-thread job frees layers for about this long (about a decode step)
 
 
 # -- sleep ---------------------------------------------------------------------
@@ -177,7 +179,7 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
                   "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
                   "ms": round((time.perf_counter() - started) * 1000, 3)}
     if free:
-        mlx(lambda: _free(session))
+        release(session, mlx)
     return result
 
 
@@ -243,15 +245,36 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
         return w.commit()
 
 
-def _free(session: Session) -> None:
-    """Drop a slept session's KV and give MLX's cached buffers back: sleeping is for freeing memory.
+def release(session: Session, mlx: Mlx) -> None:
+    """Drop the session's KV and give MLX's cached buffers back (a sleep, a delete, a wake replacing it),
+    on the engine thread, a few layers per job: a decoding neighbour waits one short job, not the freeing
+    of a whole cache (on the 2-core VM 1 GB took 75-100 ms in one job, its own session's sleep included).
 
-    Without the clear, freed buffers stay in MLX's cache (up to 80% of the device's memory), and
-    on a discrete GPU the host-side copies a sleep made stay pinned: a 32k-token 8B-shaped session
-    slept and woken twice was killed for host memory on the 128 GiB H100 machine.
+    The cache leaves the session in the first job (what runs after sees none); each job then frees layers,
+    one at a time, until it has run about RELEASE_JOB_S. Without `mx.clear_cache`, freed buffers stay in
+    MLX's cache (up to its limit), and on a discrete GPU the host-side copies a sleep made stay pinned: a
+    32k-token 8B-shaped session slept and woken twice was killed for host memory on the 128 GiB H100
+    machine. MLX memory goes back on the thread that runs MLX, never the event loop's.
     """
-    session.cache = None
-    mx.clear_cache()
+    layers = mlx(lambda: _take_cache(session))
+    while layers:
+        mlx(lambda: _free_layers(layers, RELEASE_JOB_S))
+
+
+def _take_cache(session: Session) -> list:
+    layers, session.cache = list(session.cache or []), None
+    return layers
+
+
+def _free_layers(layers: list, seconds: float) -> None:
+    """Engine thread: free layers from the end of `layers` (the only references to them) for about `seconds`,
+    at least one."""
+    started = time.perf_counter()
+    while layers:
+        del layers[-1]
+        mx.clear_cache()
+        if time.perf_counter() - started >= seconds:
+            return
 
 
 def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:

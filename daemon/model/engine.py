@@ -552,6 +552,10 @@ class Engine:
         self.persister.stored(session.id, info["tokens"])
         return info
 
+    def release(self, session: Session, mlx: Mlx = direct) -> None:
+        """Free the session's KV on the engine thread, a few layers per job (kv/pipeline.py); its tokens stay."""
+        pipeline.release(session, mlx)
+
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more

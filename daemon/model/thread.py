@@ -138,6 +138,9 @@ class EngineThread:
             end = time.perf_counter()
             self._spent["flush_s"] += end - flushed
             self.busy_s += end - start
+            # Not kept while the queue is waited on: a job's closure and result (a session, its cache, a
+            # prefill chunk's layers) would live on until the next job came, and be freed then, all at once.
+            job = idle = None
         if self._decoder is not None:
             self._decoder.abort(CancelledError("the engine stopped"))
             self._flush()  # the calls' failures reach their waiters

@@ -147,7 +147,9 @@ class SessionManager:
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
         session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
-        entry.session = session
+        replaced, entry.session = entry.session, session
+        if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
+            await self._release(replaced)
         self.latency["wake"].add(info["ms"])
         self.counters["wakes"] += 1
         log.info("wake", extra={"session": entry.id, **info})
@@ -197,9 +199,17 @@ class SessionManager:
         log.info("sleep", extra={"session": entry.id, **info})
         return info
 
+    async def _release(self, session: Session) -> None:
+        """Free a hot session's KV on the engine thread, in short jobs (pipeline.release), not where its last
+        reference happens to drop (the event loop: MLX memory off the engine thread, and a stall of every
+        connection while a big cache is unmapped)."""
+        await to_thread.run_sync(lambda: self.engine.release(session, self.thread.call))
+
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
             await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
+            if entry.session is not None:
+                await self._release(entry.session)
             removed = 0
             with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
