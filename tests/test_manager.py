@@ -206,3 +206,45 @@ async def test_a_sleeping_sessions_kv_is_freed_a_few_layers_per_engine_job(manag
     await manager.sleep("s")
     assert jobs == [2, 1] and where == ["kvwake-engine"] * 2, (jobs, where)  # two jobs, one layer each
     assert manager.entry("s").session is None
+
+
+async def test_a_delete_the_store_refuses_keeps_the_session_whole(manager, monkeypatch):
+    # Was (a review's finding): the KV was freed before the store's delete, so when the store refused, the
+    # session stayed known and hot without its KV: its next sleep failed, or (persisting) committed a
+    # snapshot no wake could restore.
+    import sqlite3
+
+    await manager.create("k", SYSTEM)
+    await manager.append("k", messages=[{"role": "user", "content": "hi"}])
+    session = manager.entry("k").session
+    processed = session.processed
+
+    def locked(session_id):
+        raise sqlite3.OperationalError("database is locked")
+
+    monkeypatch.setattr(manager.store, "delete_session", locked)
+    with pytest.raises(sqlite3.OperationalError):
+        await manager.delete("k")
+    monkeypatch.undo()
+    assert manager.entry("k").session is session and session.cache is not None and session.processed == processed
+    await manager.sleep("k")
+    await manager.wake("k")
+    assert manager.entry("k").session.processed == processed
+    from kvwake.daemon.model.generation import GenerateParams
+
+    assert (await manager.generate("k", GenerateParams(max_tokens=3), None, lambda: False))["tokens"]
+
+
+async def test_a_session_without_the_kv_of_its_processed_tokens_is_not_slept(manager):
+    # A snapshot of processed tokens without their KV could not be woken: the sleep refuses it, names the
+    # session, and the session's head stays the last good snapshot.
+    from kvwake.errors import InternalError
+
+    await manager.create("n", SYSTEM)
+    await manager.append("n", messages=[{"role": "user", "content": "hi"}])
+    session = manager.entry("n").session
+    head = session.head
+    session.cache = None  # what a bug would leave
+    with pytest.raises(InternalError, match="session n: .* tokens processed but no cache"):
+        await manager.sleep("n")
+    assert manager.store.session("n")["head"] == head

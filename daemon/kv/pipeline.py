@@ -48,7 +48,7 @@ from kvwake.daemon.kv import fill, state
 from kvwake.daemon.kv.context import KvContext, Mlx, unframed
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.session import Session
-from kvwake.errors import CorruptBlockError, InvalidParamsError
+from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
 __all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "release", "releasing", "sleep", "wake",
@@ -59,7 +59,7 @@ SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per eng
 # host copy (GPU) and its encoded bytes, about 1.7x its raw size, so RSS grows by about a fifth of
 # the KV at most (the issue's bound is a quarter).
 SLEEP_SHARE = 8
-RELEASE_JOB_S = 0.004  # a release's engine-thread job frees layers for about this long (about a decode step)
+RELEASE_JOB_S = 0.004  # a release's engine-thread job frees layers until it has run this long (one at least)
 
 
 # -- sleep ---------------------------------------------------------------------
@@ -156,6 +156,9 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
     raw/stored/written bytes, new/reused blocks and ms.
     """
     started = time.perf_counter()
+    if session.cache is None and session.processed:
+        raise InternalError(f"session {session.id}: {session.processed} tokens processed but no cache to sleep; "
+                            "not written (a snapshot without their KV could not be woken)", session_id=session.id)
     tokens = session.tokens[: session.processed]
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=session.head, label=label,
                           metadata=session.state(), supersede=supersede) as w:
@@ -247,11 +250,12 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
 
 def release(session: Session, mlx: Mlx) -> None:
     """Drop the session's KV and give MLX's cached buffers back (a sleep, a delete, a wake replacing it),
-    on the engine thread, a few layers per job: a decoding neighbour waits one short job, not the freeing
-    of a whole cache (on the 2-core VM 1 GB took 75-100 ms in one job, its own session's sleep included).
+    on the engine thread, layer by layer: a decoding neighbour waits one short job, not the freeing of a
+    whole cache (on the 2-core VM a 2 GB cache took 194-229 ms in one job; a 125 MB layer takes 10-17 ms).
 
-    The cache leaves the session in the first job (what runs after sees none); each job then frees layers,
-    one at a time, until it has run about RELEASE_JOB_S. Without `mx.clear_cache`, freed buffers stay in
+    The cache leaves the session in the first job (what runs after sees none; `processed` still says what
+    the snapshot holds, and a sleep refuses such a session); each job then frees layers, one at a time,
+    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without `mx.clear_cache`, freed buffers stay in
     MLX's cache (up to its limit), and on a discrete GPU the host-side copies a sleep made stay pinned: a
     32k-token 8B-shaped session slept and woken twice was killed for host memory on the 128 GiB H100
     machine. MLX memory goes back on the thread that runs MLX, never the event loop's.

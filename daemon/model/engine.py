@@ -553,7 +553,7 @@ class Engine:
         return info
 
     def release(self, session: Session, mlx: Mlx = direct) -> None:
-        """Free the session's KV on the engine thread, a few layers per job (kv/pipeline.py); its tokens stay."""
+        """Free the session's KV on the engine thread, layer by layer (kv/pipeline.py); its tokens stay."""
         pipeline.release(session, mlx)
 
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct) -> tuple[Session, dict[str, Any]]:

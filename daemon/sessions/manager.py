@@ -208,11 +208,11 @@ class SessionManager:
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
             await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
-            if entry.session is not None:
-                await self._release(entry.session)
             removed = 0
             with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
+            if entry.session is not None:  # gone from the store: its KV goes too (not before: see above)
+                await self._release(entry.session)
             self.entries.pop(entry.id, None)
             return {"session_id": entry.id, "snapshots_removed": removed}
 
