@@ -8,7 +8,8 @@ session costs no prefill: the big sessions' snapshots are written beforehand fro
 own writer, through the in-process engine on the same model and store; every session holds the same
 tokens, so their blocks are stored once), then woken by the daemon, each into its own KV. The talker
 decodes, streamed, while a big session sleeps (its blocks are stored: the sleep writes its tail and frees
-its KV) or is deleted (first, --rounds sleeps with no talker: how long the client waits for each): the talker's gaps from the operation's start to 0.3 s after its end (a free that
+its KV) or is deleted (first, --rounds sleeps with no talker: how long the client waits for each): the
+talker's gaps from the operation's start to 0.3 s after its end (a free that
 happens later, where the last reference drops, is counted too) against its median gap alone, and the
 engine thread's jobs over KVWAKE_SLOW_JOB_MS (set to 5 ms here) in that window.
 Results: <out>/release.json.
@@ -94,7 +95,8 @@ def main() -> None:
     os.environ["KVWAKE_SLOW_JOB_MS"] = "5"  # the daemon names every job or step over 5 ms
     d = start(work / "d", model, True, 512)
     report: dict[str, Any] = {"machine": machine(), "model": str(model), "layers": a.layers, "kv_heads": heads,
-                              "tokens": tokens, "kv_bytes": tokens * TOKEN_BYTES, "sleep_alone": [], "sleep": [], "delete": []}
+                              "tokens": tokens, "kv_bytes": tokens * TOKEN_BYTES,
+                              "sleep_alone": [], "sleep": [], "delete": []}
     try:
         with client(d) as c:  # the talker's step, so it outlasts the work; and a warm-up round
             c.call("session.create", session_id="probe")

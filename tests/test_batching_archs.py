@@ -94,7 +94,8 @@ def test_a_leaving_calls_slot_goes_to_the_next_call_whatever_its_layers(engine):
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (2, 12, 12, 12, 8)]
     inputs = [[40, 41, 42], [50, 51, 52, 53], [60, 61], [70, 71, 72, 73, 74], [99]]  # the last: one token, no state
-    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens
+             for i, (t, p) in enumerate(zip(inputs, params))]
     calls = [engine.start_call(fresh(engine, f"o{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
     before = dict(engine.decoder.counters)
     run_together(engine, calls, join_at={4: 5})  # the first leaves after step 2; the fifth comes at step 5
@@ -119,10 +120,12 @@ def test_a_window_takes_a_dead_slot_before_and_after_the_batchs_ring_wraps(engin
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     inputs = [[40, 41], [50, 51, 52], [60], [61, 62], [70, 71], list(range(80, 90))]
     limits = [1, 18, 18, 18, 4, 4]
-    join_at = {4: 2, 5: 12}  # the 5th into the 1st's slot before the window (8) fills; the 6th (a full window, 9 tokens of
-    # global KV: the batch holds 14) into the 5th's after
+    # The 5th into the 1st's slot before the window (8) fills; the 6th (a full window, 9 tokens of global
+    # KV: the batch holds 14) into the 5th's after.
+    join_at = {4: 2, 5: 12}
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in limits]
-    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+    alone = [engine.generate(fresh(engine, f"alone{i}", tokens=t), p).tokens
+             for i, (t, p) in enumerate(zip(inputs, params))]
     calls = [engine.start_call(fresh(engine, f"w{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
     run_together(engine, calls, join_at=join_at)
     assert [c.future.result().tokens for c in calls] == alone

@@ -255,10 +255,11 @@ def release(session: Session, mlx: Mlx) -> None:
 
     The cache leaves the session in the first job (what runs after sees none; `processed` still says what
     the snapshot holds, and a sleep refuses such a session); each job then frees layers, one at a time,
-    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without `mx.clear_cache`, freed buffers stay in
-    MLX's cache (up to its limit), and on a discrete GPU the host-side copies a sleep made stay pinned: a
-    32k-token 8B-shaped session slept and woken twice was killed for host memory on the 128 GiB H100
-    machine. MLX memory goes back on the thread that runs MLX, never the event loop's.
+    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without
+    `mx.clear_cache`, freed buffers stay in MLX's cache (up to its limit), and on a discrete GPU the
+    host-side copies a sleep made stay pinned: a 32k-token 8B-shaped session slept and woken twice was
+    killed for host memory on the 128 GiB H100 machine. MLX memory goes back on the thread that runs
+    MLX, never the event loop's.
     """
     layers = mlx(lambda: _take_cache(session))
     while layers:
