@@ -2,6 +2,7 @@
 
 usage: python bench/batching.py [--model tiny|tiny:ARCH|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
                                 [--whole 4:96] [--mlx-server] [--no-batch-generator] [--alternate 3]
+                                [--status-every 0.25]
                                 [--out bench/out]
 
 decode      for each N in --sessions: N sessions (short prompts, appended first) generate --tokens
@@ -9,7 +10,9 @@ decode      for each N in --sessions: N sessions (short prompts, appended first)
             (--max-batch 32) and off (--max-batch 1): aggregate decode tokens/s (every token /
             wall time), steady tokens/s (while all N stream: what BatchGenerator's figure counts;
             `steady_x_batch_generator`), the p50/p99 gap between a session's consecutive tokens, and
-            the daemon's own view meanwhile (its status: decode step ms, the batch's rows and dead rows).
+            the daemon's own view meanwhile (its status every --status-every s: decode step ms, the
+            batch's rows and dead rows) and after (`engine_step_gap_ms`: the engine thread's intervals
+            between decode steps' hand-overs, p50/p99: the engine's side of the client's gaps).
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
 whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
@@ -50,6 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
 
 from tests.daemon import Daemon, RawClient  # noqa: E402
+
+
+WATCH_S = 0.25  # seconds between status samples while the decode rows run (--status-every)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -144,7 +150,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     barrier = threading.Barrier(n)
     threads = [threading.Thread(target=lambda s=s: (barrier.wait(), s.run())) for s in streams]
     inside: list[dict[str, Any]] = []  # the daemon's own view while all N decode (its status, 4 times a second)
-    watch = threading.Thread(target=watch_decoder, args=(d, n, threads, inside))
+    watch = threading.Thread(target=watch_decoder, args=(d, n, threads, inside, WATCH_S))
     for t in threads:
         t.start()
     watch.start()
@@ -153,20 +159,24 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     watch.join()
     for cl in clients:
         cl.close()
+    with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
+        engine_gaps = c.call("status")["engine_thread"].get("step_gap_ms")
     total = sum(len(s.result.get("tokens", [])) for s in streams)
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
-            "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps),
+            "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps), "engine_step_gap_ms": engine_gaps,
+            "status_every_s": WATCH_S,
             "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5), **engine_split(inside),
             "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
             "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
 
 
-def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]]) -> None:
+def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]],
+                  every_s: float) -> None:
     """Sample the decoder's status (its step time, a moving average; its batch's rows, dead ones included)
-    while all n calls run."""
+    while all n calls run, every `every_s` (--status-every: a status call is work on the daemon's loop)."""
     with d.client() as c:
         while any(t.is_alive() for t in threads):
             status = c.call("status")
@@ -176,7 +186,7 @@ def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: li
                                **{k: g[k] for k in ("step_ms", "batch_rows", "dead_rows", "batch_next_s",
                                                    "batch_outputs_s", "decode_steps")},
                                **{k: v for k, v in status["engine_thread"].items() if k != "slow"}})
-            time.sleep(0.25)
+            time.sleep(every_s)
 
 
 def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
@@ -447,8 +457,12 @@ def main() -> None:
     ap.add_argument("--alternate-in-process", action="store_true",
                     help="--alternate's BatchGenerator in this process, loaded once (default: a fresh one each round)")
     ap.add_argument("--batch-generator-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--status-every", type=float, default=0.25,
+                    help="seconds between the decode rows' status samples (a status call is work on the daemon's loop)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
+    global WATCH_S
+    WATCH_S = a.status_every
     sys.path.insert(0, str(ROOT / "bench"))
     from suite import machine  # noqa: E402
     from mlx_lm.tokenizer_utils import load as load_tokenizer

@@ -84,7 +84,8 @@ def sleep_round(d: Daemon, text: str, persist: bool, tag: str) -> dict[str, Any]
         sleep_s = time.perf_counter() - t0
     return {"tokens": appended["tokens"], "append_s": round(append_s, 3),
             "persist_lag_s": round(lag, 3) if lag is not None else None,
-            "sleep_s": round(sleep_s, 4), "sleep_ms_daemon": slept["ms"], "new_blocks": slept["new_blocks"],
+            "sleep_s": round(sleep_s, 4), "sleep_ms_daemon": slept["ms"], "sleep_phases_ms": slept.get("phases_ms"),
+            "new_blocks": slept["new_blocks"],
             "reused_blocks": slept["reused_blocks"], "written_bytes": slept["written_bytes"],
             "raw_bytes": slept["raw_bytes"]}
 

@@ -44,7 +44,8 @@ from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import fill
 from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
-from kvwake.daemon.model.thread import EngineThread, Phases, process_age_s
+from kvwake.daemon.model.thread import EngineThread, process_age_s
+from kvwake.daemon.phases import Phases
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.paths import default_cache_dir
 from kvwake.store import Store

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -179,6 +180,7 @@ async def test_a_deleted_hot_sessions_kv_is_freed_on_the_engine_thread(manager):
     await manager.append("d", messages=[{"role": "user", "content": "hi"}])
     where = freed_where(manager.entry("d").session)
     await manager.delete("d")
+    await manager.released()
     assert where == ["kvwake-engine"] * 2, where  # the tiny llama's two layers
 
 
@@ -189,6 +191,7 @@ async def test_a_hot_session_woken_from_another_snapshot_frees_its_kv_on_the_eng
     await manager.append("w", messages=[{"role": "user", "content": "and more"}])
     where = freed_where(manager.entry("w").session)
     await manager.wake("w", snapshot_id=first)
+    await manager.released()
     assert where == ["kvwake-engine"] * 2, where
     assert manager.entry("w").session.head == first
 
@@ -204,6 +207,7 @@ async def test_a_sleeping_sessions_kv_is_freed_a_few_layers_per_engine_job(manag
     await manager.append("s", messages=[{"role": "user", "content": "hi"}])
     where = freed_where(manager.entry("s").session)
     await manager.sleep("s")
+    await manager.released()
     assert jobs == [2, 1] and where == ["kvwake-engine"] * 2, (jobs, where)  # two jobs, one layer each
     assert manager.entry("s").session is None
 
@@ -248,3 +252,44 @@ async def test_a_session_without_the_kv_of_its_processed_tokens_is_not_slept(man
     with pytest.raises(InternalError, match="session n: .* tokens processed but no cache"):
         await manager.sleep("n")
     assert manager.store.session("n")["head"] == head
+
+
+async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(manager, monkeypatch):
+    # Was: the reply waited for every layer's freeing job, each queued behind a neighbour's decode step (on the
+    # GPU 32 layers, ~0.3 s beside a decoding session). Now the reply goes at the commit; the bytes being freed
+    # count in hot_bytes (and status) until they are gone.
+    import threading
+    import time
+
+    from kvwake.daemon.kv import pipeline
+
+    go = threading.Event()
+    real = pipeline._free_layers
+    monkeypatch.setattr(pipeline, "_free_layers", lambda layers, s: (go.wait(10), real(layers, s)))
+    await manager.create("f", SYSTEM)
+    await manager.append("f", messages=[{"role": "user", "content": "hi"}])
+    session = manager.entry("f").session
+    nbytes = manager.engine.cache_bytes(session)
+    where = freed_where(session)
+    started = time.monotonic()
+    info = await manager.sleep("f")
+    assert time.monotonic() - started < 5, "the sleep waited for its KV's freeing"
+    assert info["snapshot_id"] and manager.entry("f").session is None
+    assert manager.freeing_bytes() == nbytes > 0 and manager.hot_bytes() == nbytes and where == []
+    go.set()
+    await manager.released()
+    assert manager.freeing_bytes() == 0 and manager.hot_bytes() == 0
+    assert where == ["kvwake-engine"] * 2, where
+    await manager.wake("f")
+    assert manager.entry("f").session.processed == session.processed
+
+
+async def test_an_auto_sleep_over_the_budget_waits_for_the_kv_it_frees(manager):
+    # enforce_limits looks at hot_bytes again after each sleep: the slept session's KV must be gone by then,
+    # or one session over the budget would put every other one to sleep too.
+    for name in ("a", "b", "c"):
+        await manager.create(name, SYSTEM)
+        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+    manager.settings = dataclasses.replace(manager.settings, hot_budget_bytes=manager.hot_bytes() - 1)  # one over
+    assert await manager.enforce_limits() == 1
+    assert manager.freeing_bytes() == 0 and len(manager.entries.hot) == 2

@@ -47,6 +47,7 @@ import mlx.core as mx
 from kvwake.daemon.kv import fill, state
 from kvwake.daemon.kv.context import KvContext, Mlx, unframed
 from kvwake.daemon.kv.pool import Batch
+from kvwake.daemon.phases import Phases
 from kvwake.daemon.session import Session
 from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
@@ -160,27 +161,33 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
         raise InternalError(f"session {session.id}: {session.processed} tokens processed but no cache to sleep; "
                             "not written (a snapshot without their KV could not be woken)", session_id=session.id)
     tokens = session.tokens[: session.processed]
+    phases = Phases(started)
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=session.head, label=label,
                           metadata=session.state(), supersede=supersede) as w:
+        phases.mark("open")
         batch, held = ctx.pool.batch(_sleep_budget(ctx, session)), []
         try:
             if session.cache is not None:
                 _write_blocks(ctx, w, lambda: session.cache, mlx, batch, held)
+                phases.mark("blocks")
                 tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
                 held.append(tail)
+                phases.mark("tail")
                 if tail and not batch.failed:
                     batch.submit(0, w.set_tail, tail)
         finally:  # never leave a write running behind an aborting writer
             batch.join()
             mlx(held.clear)
+        phases.mark("written")
         batch.raise_first()
         info = w.commit()
+        phases.mark("commit")
         session.head = info.id
         result = {"snapshot_id": info.id, "tokens": info.n_tokens, "pending": len(session.pending),
                   "raw_bytes": info.raw_bytes,
                   "stored_bytes": info.stored_bytes, "new_blocks": info.new_blocks,
                   "reused_blocks": info.reused_blocks, "written_bytes": info.written_bytes,
-                  "ms": round((time.perf_counter() - started) * 1000, 3)}
+                  "ms": round((time.perf_counter() - started) * 1000, 3), "phases_ms": phases.ms}
     if free:
         release(session, mlx)
     return result

@@ -45,7 +45,7 @@ from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEve
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
-from kvwake.daemon.model.thread import Phases
+from kvwake.daemon.phases import Phases
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
@@ -548,8 +548,13 @@ class Engine:
         """Write the session's KV as a snapshot and free it (kv/pipeline.py). On failure the session stays hot.
 
         Its running persistence checkpoint is waited for and replaced: the blocks it wrote are reused."""
-        info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=self.persister.settle(session.id))
+        phases = Phases()
+        supersede = self.persister.settle(session.id)
+        phases.mark("settle")  # its running checkpoint waited for
+        info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=supersede)
         self.persister.stored(session.id, info["tokens"])
+        info["ms"] = round(info["ms"] + phases.ms["settle"], 3)
+        info["phases_ms"] = {**phases.ms, **info["phases_ms"]}
         return info
 
     def release(self, session: Session, mlx: Mlx = direct) -> None:

@@ -37,23 +37,9 @@ from kvwake.daemon.kv.context import unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.errors import CancelledError
 
-__all__ = ["EngineThread", "Phases", "process_age_s"]
+__all__ = ["EngineThread", "process_age_s"]
 
 log = logging.getLogger("kvwake.engine")
-
-
-class Phases:
-    """Where a start went: named spans, each in ms from the mark before it (the first from `since`, a
-    `time.perf_counter()` reading, else from when this was made)."""
-
-    def __init__(self, since: float | None = None) -> None:
-        self._last = time.perf_counter() if since is None else since
-        self.ms: dict[str, float] = {}
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.ms[name] = round((now - self._last) * 1000, 1)
-        self._last = now
 
 
 def process_age_s() -> float | None:
@@ -79,6 +65,7 @@ SLOW_KEPT = int(os.environ.get("KVWAKE_SLOW_JOBS_KEPT", "64"))  # the latest slo
 # once (bench/http_turns.py) left the engine quiet for more than 50 ms between turns, and its turn waited
 # for the idle job (a cuDNN graph build, 90-135 ms) that started there.
 IDLE_AFTER_S = 0.25
+GAPS_KEPT = 512  # the latest intervals between decode steps' hand-overs that `timing` keeps (its step_gap_ms)
 
 
 class EngineThread:
@@ -95,6 +82,10 @@ class EngineThread:
         self.busy_s = 0.0
         self._spent = {"jobs": 0, "job_s": 0.0, "steps": 0, "step_s": 0.0, "flush_s": 0.0}
         self._slow: deque[dict[str, Any]] = deque(maxlen=SLOW_KEPT)
+        # seconds between one decode step's output handed over and the next's, while decoding without a pause:
+        # the engine's side of the gap a streaming client sees (a job between two steps is in it)
+        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._handed: float | None = None
         self._thread.start()
 
     def attach(self, decoder: Decoder) -> None:
@@ -138,6 +129,9 @@ class EngineThread:
             end = time.perf_counter()
             self._spent["flush_s"] += end - flushed
             self.busy_s += end - start
+            if decoding and self._handed is not None:
+                self._gaps.append(end - self._handed)
+            self._handed = end if decoding else None
             # Not kept while the queue is waited on: a job's closure and result (a session, its cache, a
             # prefill chunk's layers) would live on until the next job came, and be freed then, all at once.
             job = idle = None
@@ -158,7 +152,8 @@ class EngineThread:
         """Seconds spent in jobs, decode steps and handing output over, their counts, and the slow ones
         (`at`: wall-clock start, seconds since the epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
-        return {**spent, "slow_over_ms": SLOW_S * 1000, "slow": list(self._slow)}
+        return {**spent, "step_gap_ms": _percentiles(list(self._gaps)), "slow_over_ms": SLOW_S * 1000,
+                "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn on the engine thread once nothing else waits (no job queued for IDLE_AFTER_S, no call
@@ -229,6 +224,13 @@ class EngineThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
+
+
+def _percentiles(seconds: list[float]) -> dict[str, Any]:
+    """p50, p99 and max of `seconds`, in ms, and how many (None each when there are none)."""
+    ordered = sorted(seconds)
+    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3) if ordered else None  # noqa: E731
+    return {"p50": at(0.5), "p99": at(0.99), "max": at(1.0), "n": len(ordered)}
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -38,7 +38,8 @@ from anyio import from_thread, to_thread
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
-from kvwake.daemon.model.thread import EngineThread, Phases
+from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.phases import Phases
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
 from kvwake.daemon.sessions.entries import Entries, Entry, Latency
 from kvwake.daemon.session import new_session_id as make_session_id
@@ -67,6 +68,8 @@ class SessionManager:
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0,
                          "prefix_copies": 0}
         self.stopping = False
+        # KV taken from sessions (slept, deleted, replaced by a wake) and being freed on the engine thread: its bytes
+        self.releasing: dict[asyncio.Task, int] = {}
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
 
@@ -146,10 +149,12 @@ class SessionManager:
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
+        if self.releasing and self.hot_bytes() > self.settings.hot_budget_bytes:
+            await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
-            await self._release(replaced)
+            self._release(replaced)
         self.latency["wake"].add(info["ms"])
         self.counters["wakes"] += 1
         log.info("wake", extra={"session": entry.id, **info})
@@ -185,13 +190,14 @@ class SessionManager:
             # The pipeline cleans up after itself (files removed, lock released) before it raises;
             # a worker thread is not interrupted by cancellation, so it always gets to.
             info = await to_thread.run_sync(
-                lambda: self.engine.sleep(session, label=label, free=free, mlx=self.thread.call))
+                lambda: self.engine.sleep(session, label=label, free=False, mlx=self.thread.call))
         except BaseException as exc:
             self.counters["sleep_failures"] += 1
             log.error("sleep failed; session stays hot", extra={"session": entry.id, "error": repr(exc)})
             raise
-        if free:
+        if free:  # committed: the reply goes now, the KV is freed after it (`_release`)
             entry.session = None
+            self._release(session)
         if self.remote is not None:
             self.remote.enqueue(entry.id, info["snapshot_id"])
         self.latency["sleep"].add(info["ms"])
@@ -199,11 +205,27 @@ class SessionManager:
         log.info("sleep", extra={"session": entry.id, **info})
         return info
 
-    async def _release(self, session: Session) -> None:
-        """Free a hot session's KV on the engine thread, in short jobs (pipeline.release), not where its last
-        reference happens to drop (the event loop: MLX memory off the engine thread, and a stall of every
-        connection while a big cache is unmapped)."""
-        await to_thread.run_sync(lambda: self.engine.release(session, self.thread.call))
+    def _release(self, session: Session) -> None:
+        """Free a session's KV (no entry holds it any more) on the engine thread, in short jobs
+        (pipeline.release), not where its last reference happens to drop (the event loop: MLX memory off the
+        engine thread, and a stall of every connection while a big cache is unmapped). In the background: the
+        call that let it go (a sleep, a delete, a wake from another snapshot) replies first; its bytes count
+        in hot_bytes until they are freed, and `released` waits for them."""
+        nbytes = self.engine.cache_bytes(session)
+        task = asyncio.get_running_loop().create_task(
+            to_thread.run_sync(lambda: self.engine.release(session, self.thread.call)))
+        self.releasing[task] = nbytes
+        task.add_done_callback(self._freed)
+
+    def _freed(self, task: asyncio.Task) -> None:
+        self.releasing.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("freeing a session's KV failed", extra={"error": repr(task.exception())})
+
+    async def released(self) -> None:
+        """Wait until every KV let go so far is freed."""
+        while self.releasing:
+            await asyncio.wait(list(self.releasing))
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
@@ -212,7 +234,7 @@ class SessionManager:
             with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
             if entry.session is not None:  # gone from the store: its KV goes too (not before: see above)
-                await self._release(entry.session)
+                self._release(entry.session)
             self.entries.pop(entry.id, None)
             return {"session_id": entry.id, "snapshots_removed": removed}
 
@@ -416,7 +438,12 @@ class SessionManager:
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        return sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values() if e.session is not None)
+        """KV in memory: the hot sessions' and what is being freed."""
+        return self.freeing_bytes() + sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values()
+                                          if e.session is not None)
+
+    def freeing_bytes(self) -> int:
+        return sum(self.releasing.values())
 
     async def enforce_limits(self) -> int:
         """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
@@ -430,6 +457,7 @@ class SessionManager:
             with contextlib.suppress(BusyError):
                 try:
                     await self.sleep(e.id)
+                    await self.released()  # its memory gone before the budget is looked at again
                     slept += 1
                     self.counters["auto_sleeps"] += 1
                 except Exception as exc:  # logged in _sleep; the session stays hot and is retried later
@@ -444,6 +472,7 @@ class SessionManager:
                 results[e.id] = (await self.sleep(e.id))["snapshot_id"]
             except Exception as exc:
                 results[e.id] = {"error": repr(exc)}
+        await self.released()  # MLX memory freed on the engine thread before it stops
         return results
 
 

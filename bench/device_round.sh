@@ -1,0 +1,35 @@
+#!/bin/bash
+# Session 15's device measurements for issues 23 and 24, in parts that each fit one call (600 s).
+# From the repository root after ../shared/gpu's setup.sh, with /tmp/stage/env.sh sourced:
+#   bash bench/device_round.sh suite      the GPU suite (bench/device_suite.sh), the 8B model made meanwhile
+#   bash bench/device_round.sh persist    bench/persist.py at 32k tokens: this tree, then .gpu/old's (a git
+#                                         archive of the tree before) if present: before and after, one machine
+#   bash bench/device_round.sh turns      bench/http_turns.py over 75k tokens with 131-token turns
+#   bash bench/device_round.sh batching   bench/batching.py, alternating rounds at 8 and 16 sessions
+# Results in $OUT (or bench/out/device).
+set -uo pipefail
+out=${OUT:-bench/out/device}
+mkdir -p "$out"
+model() { [ -f /tmp/m8b/config.json ] || python3 /tmp/stage/make_model.py /tmp/m8b --shape llama8b >"$out/model.txt" 2>&1; }
+case "$1" in
+  suite)
+    model & made=$!
+    WORKERS=${WORKERS:-14} timeout 540 bash bench/device_suite.sh
+    wait $made ;;
+  persist)
+    model
+    timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 --out "$out/persist-new" 2>&1 | tail -4
+    if [ -d .gpu/old ]; then
+      rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
+      PYTHONPATH=/tmp/old:$PYTHONPATH timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 \
+        --out "$out/persist-old" 2>&1 | tail -4
+    fi ;;
+  turns)
+    model
+    timeout 560 python3 bench/http_turns.py --model /tmp/m8b --system-words 15000 --turns 8 --turn-words 10 \
+      --parts turns --out "$out/turns-131" 2>&1 | tail -6 ;;
+  batching)
+    model
+    timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 1,8,16 --tokens 256 --alternate 3 \
+      --modes batched --whole "" --no-batch-generator --out "$out/batching" 2>&1 | tail -6 ;;
+esac
