@@ -2,7 +2,8 @@
 (gemma3_text, window 8: every prompt here wraps its ring), recurrent state beside attention (lfm2's conv
 state, qwen3_next's conv and gated-delta state), both in one layer (falcon_h1: a CacheList of a Mamba-2
 state and KV) and recurrent state alone (mamba2). They decode in the batch, give what each call gives
-alone, and hand back caches of their own kinds that sleep and wake exactly (CPU)."""
+alone (exactly on the CPU backend; on CUDA up to near ties: `assert_as_alone`), and hand back caches of
+their own kinds that sleep and wake exactly."""
 
 from __future__ import annotations
 
@@ -48,6 +49,31 @@ def fresh(engine: Engine, name: str, text: str | None = None, tokens: list[int] 
     return s
 
 
+NEAR_TIE = 0.05  # nats: on CUDA a batched row may pick another token only where the solo model's top two are this close
+
+
+def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int]], alone: list[list[int]]) -> None:
+    """Batched rows give what each call gives alone. On the CPU backend exactly (claimed, asserted). On CUDA
+    not always: GEMMs of another batch size round differently (docs/decisions.md, `max_batch`; on the H200
+    qwen3_next's rows parted from their solo twins after 5-9 tokens): there each row must agree with its
+    solo run up to its first difference, and there the two tokens must be a near tie in the solo model's
+    own log-probabilities over that context (what rounding moves; a wrong state would not be close)."""
+    from kvwake.daemon.model.attention import on_cuda
+
+    if not on_cuda():
+        assert got == alone
+        return
+    for prompt, mine, theirs in zip(prompts, got, alone):
+        k = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if k is None:
+            assert mine == theirs
+            continue
+        logits = engine.model(mx.array([prompt + theirs[:k]]))[0, -1].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits)
+        margin = abs((logprobs[theirs[k]] - logprobs[mine[k]]).item())
+        assert margin < NEAR_TIE, f"row parted from its solo run at token {k} by {margin:.4f} nats: {mine} vs {theirs}"
+
+
 def kinds(cache: list) -> list[str]:
     return [type(c).__name__ for c in cache]
 
@@ -80,10 +106,12 @@ def test_sliding_window_and_recurrent_models_decode_batched_and_match_each_call_
     params = GenerateParams(max_tokens=24, logit_bias=no_eos)  # every call runs to the end: four rows at once
     alone = [engine.generate(fresh(engine, f"alone{i}", p), params).tokens for i, p in enumerate(PROMPTS)]
     sessions = [fresh(engine, f"b{i}", p) for i, p in enumerate(PROMPTS)]
+    prompts = [list(s.tokens) for s in sessions]
     calls = [engine.start_call(s, params) for s in sessions]
     engine.decoder.model = passes = Passes(engine.decoder.model)
     run_together(engine, calls, join_at={1: 3, 2: 3, 3: 10})  # joining mid-flight, after the windows wrapped
-    assert [c.future.result().tokens for c in calls] == alone
+    engine.decoder.model = passes.model
+    assert_as_alone(engine, prompts, [c.future.result().tokens for c in calls], alone)
     assert max(passes.sizes) == 4 and engine.decoder.counters["max_batch_seen"] == 4
     for s in sessions:  # the session holds a cache of the model's own kinds, covering every token
         assert kinds(s.cache) == kinds(engine.make_cache())
@@ -99,7 +127,7 @@ def test_a_leaving_calls_slot_goes_to_the_next_call_whatever_its_layers(engine):
     calls = [engine.start_call(fresh(engine, f"o{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
     before = dict(engine.decoder.counters)
     run_together(engine, calls, join_at={4: 5})  # the first leaves after step 2; the fifth comes at step 5
-    assert [c.future.result().tokens for c in calls] == alone
+    assert_as_alone(engine, inputs, [c.future.result().tokens for c in calls], alone)
     reused = engine.decoder.counters["slot_reuses"] - before["slot_reuses"]
     merges = engine.decoder.counters["merges"] - before["merges"]
     assert (reused, merges) == (1, 1)  # into the first's dead slot: KV, rings and states written in place
@@ -128,7 +156,7 @@ def test_a_window_takes_a_dead_slot_before_and_after_the_batchs_ring_wraps(engin
              for i, (t, p) in enumerate(zip(inputs, params))]
     calls = [engine.start_call(fresh(engine, f"w{i}", tokens=t), p) for i, (t, p) in enumerate(zip(inputs, params))]
     run_together(engine, calls, join_at=join_at)
-    assert [c.future.result().tokens for c in calls] == alone
+    assert_as_alone(engine, inputs, [c.future.result().tokens for c in calls], alone)
     assert {wrapped for wrapped, _ in placed} == {False, True}, placed
     assert any(wrapped and held == 8 for wrapped, held in placed), placed  # a whole window into a wrapped ring
 
@@ -159,12 +187,14 @@ def test_a_lone_call_moves_into_the_batch_and_a_long_one_goes_on_alone(engine, m
     params = GenerateParams(max_tokens=10, logit_bias=no_eos)
     texts = ["a short one", "word " * 40] + [f"agent {i}" for i in range(3)]
     alone = [engine.generate(fresh(engine, f"alone{i}", t), params).tokens for i, t in enumerate(texts)]
-    calls = [engine.start_call(fresh(engine, f"l{i}", t), params) for i, t in enumerate(texts)]
+    sessions = [fresh(engine, f"l{i}", t) for i, t in enumerate(texts)]
+    prompts = [list(s.tokens) for s in sessions]
+    calls = [engine.start_call(s, params) for s in sessions]
     engine.decoder.join(calls[0])
     engine.decoder.step()
     assert calls[0].solo is not None and engine.decoder.batch is None  # alone first
     run_together(engine, calls[1:], join_at={0: 0, 1: 2, 2: 2, 3: 2})
-    assert [c.future.result().tokens for c in calls] == alone
+    assert_as_alone(engine, prompts, [c.future.result().tokens for c in calls], alone)
     assert engine.decoder.counters["alone_for_length"] >= 1  # the 200-token call went on alone
 
 

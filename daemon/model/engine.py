@@ -65,7 +65,8 @@ ShouldStop = Callable[[], bool] | None
 log = logging.getLogger("kvwake.engine")
 
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
-BUCKET_AHEAD_AFTER = 4096  # a prefill of this many tokens ends by building the next turn's likeliest bucket
+BUCKET_AHEAD_AFTER = 4096  # a prefill of this many tokens ends by building the next turn's likeliest buckets,
+BUCKETS_AHEAD = 2  # this many (128 and 192 queries: turns of 65-192 tokens; one build each, ~60-90 ms on the GPU)
 PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
 
 
@@ -470,14 +471,17 @@ class Engine:
                 self.idle(lambda shape=shape, ref=weakref.ref(session): self._warm_bucket(shape, ref))
 
     def _bucket_ahead(self, session: Session, mlx: Mlx) -> None:
-        """After a long prefill, nobody decoding: the likeliest turn's shared shape at the cache's capacity
-        built now (one graph build, ~90 ms on the H100 at 75k keys, on a prefill of seconds), not by the next
-        turn: a client that sends it at once leaves no idle time to build it in (its first token took 196-245
-        ms against 120-150 for the turns after). Beside a decoding call (a gap) its idle job builds it."""
+        """After a long prefill, nobody decoding: the likeliest turns' shared shapes at the cache's capacity
+        (BUCKETS_AHEAD of them) built now, one job each (a graph build, ~60-90 ms on the GPU at 75k keys, on a
+        prefill of seconds), not by the next turn: a client that sends it at once leaves no idle time to build
+        it in (on the H100 its first token took 196-245 ms against 120-150 for the turns after; on the H200 a
+        131-token turn, bucket 192, took 203 ms when only 128 was built ahead, 104-137 ms after). Beside a
+        decoding call (a gap) the idle jobs build them."""
         turn = self._turn_buckets(session.cache, 0)
-        shape = ("bucket", turn[1][0], turn[0]) if turn else None
-        if shape is not None and shape not in self._fused_shapes:
-            mlx(lambda: self.decoder.active or self._warm_bucket(shape, weakref.ref(session)))
+        for bucket in turn[1][:BUCKETS_AHEAD] if turn else ():
+            shape = ("bucket", bucket, turn[0])
+            if shape not in self._fused_shapes:
+                mlx(lambda shape=shape: self.decoder.active or self._warm_bucket(shape, weakref.ref(session)))
 
     def _warm_bucket(self, shape: tuple[Any, ...], session: weakref.ref) -> None:
         """Build `shape`'s graph (attention.warm_bucket) for the session's buffer if it still has that
