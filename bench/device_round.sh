@@ -4,6 +4,7 @@
 #   bash bench/device_round.sh suite      the GPU suite (bench/device_suite.sh), the 8B model made meanwhile
 #   bash bench/device_round.sh persist    bench/persist.py at 32k tokens: this tree, then .gpu/old's (a git
 #                                         archive of the tree before) if present: before and after, one machine
+#   bash bench/device_round.sh persist-old-first   the same, .gpu/old's first
 #   bash bench/device_round.sh turns      bench/http_turns.py over 75k tokens with 131-token turns
 #   bash bench/device_round.sh batching   bench/batching.py, alternating rounds at 8 and 16 sessions
 # Results in $OUT (or bench/out/device).
@@ -16,14 +17,16 @@ case "$1" in
     model & made=$!
     WORKERS=${WORKERS:-14} timeout 540 bash bench/device_suite.sh
     wait $made ;;
-  persist)
-    model
-    timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 --out "$out/persist-new" 2>&1 | tail -4
-    if [ -d .gpu/old ]; then
+  persist|persist-old-first)  # the first run of a fresh machine pays kernel builds and a disk still writing the
+    model                      # model out: run both orders to see what is the code's
+    new() { timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 --out "$out/persist-new" 2>&1 | tail -2; }
+    old() {
+      [ -d .gpu/old ] || return 0
       rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
       PYTHONPATH=/tmp/old:$PYTHONPATH timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 \
-        --out "$out/persist-old" 2>&1 | tail -4
-    fi ;;
+        --out "$out/persist-old" 2>&1 | tail -2
+    }
+    if [ "$1" = persist ]; then new; old; else old; new; fi ;;
   turns)
     model
     timeout 560 python3 bench/http_turns.py --model /tmp/m8b --system-words 15000 --turns 8 --turn-words 10 \

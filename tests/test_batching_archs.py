@@ -49,15 +49,18 @@ def fresh(engine: Engine, name: str, text: str | None = None, tokens: list[int] 
     return s
 
 
-NEAR_TIE = 0.05  # nats: on CUDA a batched row may pick another token only where the solo model's top two are this close
+# nats: on CUDA a batched row may part from its solo twin only by taking the solo model's second choice, this close to
+# its first (qwen3_next on the H200: 0.085 at its 10th token, its experts chosen by a router a rounding can tip)
+NEAR_TIE = 0.25
 
 
 def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int]], alone: list[list[int]]) -> None:
     """Batched rows give what each call gives alone. On the CPU backend exactly (claimed, asserted). On CUDA
     not always: GEMMs of another batch size round differently (docs/decisions.md, `max_batch`; on the H200
     qwen3_next's rows parted from their solo twins after 5-9 tokens): there each row must agree with its
-    solo run up to its first difference, and there the two tokens must be a near tie in the solo model's
-    own log-probabilities over that context (what rounding moves; a wrong state would not be close)."""
+    solo run up to its first difference, and there it must have taken the solo model's second choice over
+    that context, within NEAR_TIE of its first (what rounding moves; a wrong state picks anywhere). The
+    logic is the CPU's, where the same paths are held to exact equality."""
     from kvwake.daemon.model.attention import on_cuda
 
     if not on_cuda():
@@ -71,7 +74,10 @@ def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int
         logits = engine.model(mx.array([prompt + theirs[:k]]))[0, -1].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits)
         margin = abs((logprobs[theirs[k]] - logprobs[mine[k]]).item())
-        assert margin < NEAR_TIE, f"row parted from its solo run at token {k} by {margin:.4f} nats: {mine} vs {theirs}"
+        second = mx.argsort(-logprobs)[1].item()
+        assert mine[k] == second and margin < NEAR_TIE, \
+            f"row parted from its solo run at token {k} by {margin:.4f} nats (solo's second choice: {second}): " \
+            f"{mine} vs {theirs}"
 
 
 def kinds(cache: list) -> list[str]:
@@ -233,6 +239,7 @@ def test_a_recurrent_state_leaving_the_batch_owns_its_row_not_the_batchs_array()
     row = extract_row([CacheList(batched)], 3)
     mx.eval([c.cache for c in row[0].caches])
     del batched
+    mx.synchronize()  # on CUDA a buffer is given back once the stream is done with it (the H200 counted 68 MB here)
     mx.clear_cache()
     kept = mx.get_active_memory() - before
     assert kept < 8e6, f"{kept / 1e6:.1f} MB kept for one row of 4 MB"
