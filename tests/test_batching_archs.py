@@ -49,8 +49,8 @@ def fresh(engine: Engine, name: str, text: str | None = None, tokens: list[int] 
     return s
 
 
-# nats: on CUDA a batched row may part from its solo twin only by taking the solo model's second choice, this close to
-# its first (qwen3_next on the H200: 0.085 at its 10th token, its experts chosen by a router a rounding can tip)
+# nats: on CUDA a batched row may part from its solo twin only where the model's top two are this close (qwen3_next
+# on the H200: 0.085 at a row's 10th token, 0.0013 at another's 6th; its experts chosen by a router a rounding tips)
 NEAR_TIE = 0.25
 
 
@@ -58,9 +58,10 @@ def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int
     """Batched rows give what each call gives alone. On the CPU backend exactly (claimed, asserted). On CUDA
     not always: GEMMs of another batch size round differently (docs/decisions.md, `max_batch`; on the H200
     qwen3_next's rows parted from their solo twins after 5-9 tokens): there each row must agree with its
-    solo run up to its first difference, and there it must have taken the solo model's second choice over
-    that context, within NEAR_TIE of its first (what rounding moves; a wrong state picks anywhere). The
-    logic is the CPU's, where the same paths are held to exact equality."""
+    solo run up to its first difference, and there the two tokens must be the top two of the model over
+    that context (one forward pass: on CUDA it may rank them either way, as prefill and decode round
+    differently too), within NEAR_TIE of each other (what rounding moves; a wrong state picks anywhere).
+    The logic is the CPU's, where the same paths are held to exact equality."""
     from kvwake.daemon.model.attention import on_cuda
 
     if not on_cuda():
@@ -74,9 +75,9 @@ def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int
         logits = engine.model(mx.array([prompt + theirs[:k]]))[0, -1].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits)
         margin = abs((logprobs[theirs[k]] - logprobs[mine[k]]).item())
-        second = mx.argsort(-logprobs)[1].item()
-        assert mine[k] == second and margin < NEAR_TIE, \
-            f"row parted from its solo run at token {k} by {margin:.4f} nats (solo's second choice: {second}): " \
+        top = set(mx.argsort(-logprobs)[:2].tolist())
+        assert {mine[k], theirs[k]} == top and margin < NEAR_TIE, \
+            f"row parted from its solo run at token {k} by {margin:.4f} nats (the top two there: {top}): " \
             f"{mine} vs {theirs}"
 
 
