@@ -6,6 +6,7 @@
 #                                         archive of the tree before) if present: before and after, one machine
 #   bash bench/device_round.sh persist-old-first   the same, .gpu/old's first
 #   bash bench/device_round.sh turns      bench/http_turns.py over 75k tokens with 131-token turns
+#   bash bench/device_round.sh slices     the prefill row at KVWAKE_SLICE_OF_STEP 1.0 and 0.5, alternating
 #   bash bench/device_round.sh batching   bench/batching.py, alternating rounds at 8 and 16 sessions
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -31,6 +32,12 @@ case "$1" in
     model
     timeout 560 python3 bench/http_turns.py --model /tmp/m8b --system-words 15000 --turns 8 --turn-words 10 \
       --parts turns --out "$out/turns-131" 2>&1 | tail -6 ;;
+  slices)  # the prefill row (a talker beside another session's 8k prefill) at two slice sizes, alternating
+    model
+    for f in 1.0 0.5 1.0 0.5; do
+      KVWAKE_SLICE_OF_STEP=$f timeout 140 python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 \
+        --modes batched --whole "" --no-batch-generator --out "$out/slices-$f-$RANDOM" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/$f /"
+    done ;;
   batching)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 1,8,16 --tokens 256 --alternate 3 \

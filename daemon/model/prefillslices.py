@@ -19,12 +19,17 @@ shape and its weight reads.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["Chunk", "Slicer"]
+__all__ = ["Chunk", "Slicer", "SLICE_OF_STEP"]
+
+# A slice's target time, in decode steps: a neighbour's gap during a prefill is about one step plus one slice.
+# KVWAKE_SLICE_OF_STEP sets it for a measurement (bench/batching.py's prefill row compares).
+SLICE_OF_STEP = float(os.environ.get("KVWAKE_SLICE_OF_STEP", "1.0"))
 
 
 class Slicer:
