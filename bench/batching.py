@@ -160,7 +160,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     for cl in clients:
         cl.close()
     with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
-        engine_gaps = c.call("status")["engine_thread"].get("step_gap_ms")
+        engine_gaps = c.call("status")["engine_thread"].get("step_gaps")
     total = sum(len(s.result.get("tokens", [])) for s in streams)
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]

@@ -1,10 +1,13 @@
-"""Named spans of one operation, in ms: where a daemon's start, a sleep or a turn went."""
+"""Timing: named spans of one operation (`Phases`: where a start, a sleep or a turn went) and the latest
+samples of a recurring one (`Latency`: p50/p99/max)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import Any
 
-__all__ = ["Phases"]
+__all__ = ["Latency", "Phases"]
 
 
 class Phases:
@@ -19,3 +22,20 @@ class Phases:
         now = time.perf_counter()
         self.ms[name] = round((now - self._last) * 1000, 1)
         self._last = now
+
+
+class Latency:
+    """The last `kept` samples of one operation's duration, in ms."""
+
+    def __init__(self, kept: int = 1024) -> None:
+        self.samples: deque[float] = deque(maxlen=kept)
+
+    def add(self, ms: float) -> None:
+        self.samples.append(ms)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.samples:
+            return {"count": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+        ordered = sorted(self.samples)
+        pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
+        return {"count": len(ordered), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": pick(1.0)}

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from kvwake.daemon.kv.context import unframed
 from kvwake.daemon.model.decoder import Decoder
+from kvwake.daemon.phases import Latency
 from kvwake.errors import CancelledError
 
 __all__ = ["EngineThread", "process_age_s"]
@@ -65,7 +66,7 @@ SLOW_KEPT = int(os.environ.get("KVWAKE_SLOW_JOBS_KEPT", "64"))  # the latest slo
 # once (bench/http_turns.py) left the engine quiet for more than 50 ms between turns, and its turn waited
 # for the idle job (a cuDNN graph build, 90-135 ms) that started there.
 IDLE_AFTER_S = 0.25
-GAPS_KEPT = 512  # the latest intervals between decode steps' hand-overs that `timing` keeps (its step_gap_ms)
+GAPS_KEPT = 512  # the latest intervals between decode steps' hand-overs that `timing` keeps (its step_gaps)
 
 
 class EngineThread:
@@ -84,7 +85,7 @@ class EngineThread:
         self._slow: deque[dict[str, Any]] = deque(maxlen=SLOW_KEPT)
         # seconds between one decode step's output handed over and the next's, while decoding without a pause:
         # the engine's side of the gap a streaming client sees (a job between two steps is in it)
-        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._gaps = Latency(GAPS_KEPT)
         self._handed: float | None = None
         self._thread.start()
 
@@ -130,7 +131,7 @@ class EngineThread:
             self._spent["flush_s"] += end - flushed
             self.busy_s += end - start
             if decoding and self._handed is not None:
-                self._gaps.append(end - self._handed)
+                self._gaps.add((end - self._handed) * 1000)
             self._handed = end if decoding else None
             # Not kept while the queue is waited on: a job's closure and result (a session, its cache, a
             # prefill chunk's layers) would live on until the next job came, and be freed then, all at once.
@@ -152,7 +153,7 @@ class EngineThread:
         """Seconds spent in jobs, decode steps and handing output over, their counts, and the slow ones
         (`at`: wall-clock start, seconds since the epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
-        return {**spent, "step_gap_ms": _percentiles(list(self._gaps)), "slow_over_ms": SLOW_S * 1000,
+        return {**spent, "step_gaps": self._gaps.summary(), "slow_over_ms": SLOW_S * 1000,
                 "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:
@@ -224,13 +225,6 @@ class EngineThread:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
-
-
-def _percentiles(seconds: list[float]) -> dict[str, Any]:
-    """p50, p99 and max of `seconds`, in ms, and how many (None each when there are none)."""
-    ordered = sorted(seconds)
-    at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3) if ordered else None  # noqa: E731
-    return {"p50": at(0.5), "p99": at(0.99), "max": at(1.0), "n": len(ordered)}
 
 
 def _name(fn: Callable[..., Any]) -> str:

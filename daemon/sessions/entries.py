@@ -1,4 +1,4 @@
-"""What the session manager keeps per session (`Entry`, in `Entries`) and per operation (`Latency`).
+"""What the session manager keeps per session (`Entry`, in `Entries`).
 
 An asleep session costs the daemon its `Entry` alone (slots: id, busy, two times; about 200 bytes with
 its id and its place in the map); its tokens stay in the store, where matching finds them by chain key.
@@ -14,24 +14,7 @@ from typing import Any
 
 from kvwake.daemon.session import Session
 
-__all__ = ["Entries", "Entry", "Latency"]
-
-
-class Latency:
-    """The last 1024 samples of one operation's duration, in ms."""
-
-    def __init__(self) -> None:
-        self.samples: deque[float] = deque(maxlen=1024)
-
-    def add(self, ms: float) -> None:
-        self.samples.append(ms)
-
-    def summary(self) -> dict[str, Any]:
-        if not self.samples:
-            return {"count": 0, "p50_ms": None, "p99_ms": None}
-        ordered = sorted(self.samples)
-        pick = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
-        return {"count": len(ordered), "p50_ms": pick(0.5), "p99_ms": pick(0.99)}
+__all__ = ["Entries", "Entry"]
 
 
 class Entry:

@@ -39,9 +39,9 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.thread import EngineThread
-from kvwake.daemon.phases import Phases
+from kvwake.daemon.phases import Latency, Phases
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
-from kvwake.daemon.sessions.entries import Entries, Entry, Latency
+from kvwake.daemon.sessions.entries import Entries, Entry
 from kvwake.daemon.session import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
