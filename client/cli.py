@@ -77,28 +77,6 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
     ctx.obj = Options(socket_path, autostart)
 
 
-# Frameworks the daemon never runs (it runs MLX) that its libraries import when they are installed:
-# transformers' tokenizer imports load PyTorch and torchvision (10+ s of a start on the GPU machine,
-# bench/startup_spy.sh); sqlite-utils imports pandas, and with it pyarrow, only to name a pandas type
-# (0.6 s there). KVWAKE_IMPORT_FRAMEWORKS=1 lets them load.
-UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax", "pandas", "pyarrow")
-
-
-def hide_unused_frameworks() -> None:
-    """Make UNUSED_FRAMEWORKS look absent to this process (None in sys.modules: find_spec, which
-    transformers asks, says None and an import fails), unless one is imported already, or transformers
-    is: it decides what is available once, at its import, and a framework hidden after that breaks it
-    (seen on the GPU machine: `serve` run in a test process that had imported transformers, whose next
-    model load failed importing torchvision.io and LlamaConfig)."""
-    import os
-    import sys
-
-    if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1" or "transformers" in sys.modules:
-        return
-    for name in UNUSED_FRAMEWORKS:
-        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
-
-
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(), help="Unix socket to serve (env KVWAKE_SOCKET).")
 @click.option("--data-dir", type=click.Path(), help="Store and converted models (env KVWAKE_DATA_DIR).")
@@ -136,7 +114,9 @@ def serve(opts: Options, **flags: object) -> None:
     import os
     from pathlib import Path
 
-    hide_unused_frameworks()
+    from kvwake.daemon.startup import lighten_imports
+
+    lighten_imports()  # before anything imports transformers
     from kvwake.daemon.activation import ActivationError, listen_socket_from_env, socket_path
     from kvwake.daemon.config import load_settings
     from kvwake.daemon.serve import run

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +54,7 @@ def test_frameworks_are_not_hidden_from_a_process_that_imported_transformers_alr
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
     fake.joinpath("__init__.py").write_text("__version__ = '2.9.0'\n")
-    probe = ("import sys, transformers; from kvwake.client.cli import hide_unused_frameworks; "
+    probe = ("import sys, transformers; from kvwake.daemon.startup import hide_unused_frameworks; "
              "hide_unused_frameworks(); print(sys.modules.get('torch', 'absent'))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
     env.pop("KVWAKE_IMPORT_FRAMEWORKS", None)
@@ -100,3 +101,91 @@ def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/somewhere/else")  # the user's own choice stands
     keep_compiled_kernels()
     assert os.environ["MLX_PTX_CACHE_DIR"] == "/somewhere/else"
+
+
+SCAN_PROBE = """
+import json, sys
+from kvwake.daemon.startup import lighten_imports
+lighten_imports()
+import mlx_lm  # as the daemon does: it imports transformers and its tokenizer classes
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+import transformers.utils.import_utils as iu
+scan = iu.create_import_structure_from_path  # transformers' own (an lru_cache), or kvwake's front on it
+scan = scan if hasattr(scan, "cache_info") else scan.__wrapped__
+table = {name: sorted(sys.modules[name]._class_to_module.items()) for name in ("transformers", "transformers.models")}
+print(json.dumps({"misses": scan.cache_info().misses, "table": table}))
+"""
+
+
+def test_transformers_reads_its_models_folder_once_then_from_the_cache(tmp_path):
+    # Was: transformers 5 read every file of its models folder twice at each import (its scan's cache
+    # keyed the folder and the folder's __init__.py apart): 0.55-0.7 s of a 1.3 s start here. Now once,
+    # and a later start loads the table kept in the user's cache folder. The same lazy table every way.
+    import transformers
+
+    models = os.path.join(os.path.dirname(transformers.__file__), "models")
+    folders = sum(1 for _, dirs, _ in os.walk(models) for d in dirs if d != "__pycache__") + 1
+    runs = []
+    for lighten in (False, True, True):
+        env = {k: v for k, v in os.environ.items() if k != "KVWAKE_IMPORT_FRAMEWORKS"}
+        env["XDG_CACHE_HOME"] = str(tmp_path)  # platformdirs' user cache folder on Linux
+        if not lighten:
+            env["KVWAKE_IMPORT_FRAMEWORKS"] = "1"  # the switch that leaves transformers as it comes
+        out = subprocess.run([sys.executable, "-c", SCAN_PROBE], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert folders > 100  # transformers 5 keeps one folder per model family
+    plain, first, later = (r["misses"] for r in runs)
+    assert plain >= 2 * folders, (plain, folders)  # as transformers comes: twice
+    assert first <= folders + 5, (first, folders)  # each folder once
+    assert later <= 5, later  # from the cache (a model family's own folder may still be scanned)
+    assert runs[1]["table"] == runs[0]["table"] and runs[2]["table"] == runs[0]["table"]
+    if sys.platform == "linux":
+        assert len(list((tmp_path / "kvwake" / "transformers-scans").glob("*.pickle"))) == 1
+
+
+def scanner(calls: list[str]):
+    """A stand-in for transformers' scan: each folder's files by name, its subfolders through `front`."""
+    front = {}
+
+    def scan(path):
+        calls.append(path)
+        table = {}
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            table[entry.name] = front["scan"](entry.path) if entry.is_dir() else Path(entry.path).read_text()
+        return table
+
+    return scan, front
+
+
+def test_a_kept_scan_is_used_only_while_its_folder_is_unchanged(tmp_path):
+    from kvwake.daemon.startup import Scans
+
+    folder = tmp_path / "models"
+    (folder / "llama").mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "llama" / "modeling_llama.py").write_text("__all__ = ['LlamaModel']")
+    cache = tmp_path / "cache"
+
+    def front(calls):
+        scan, hook = scanner(calls)
+        hook["scan"] = Scans(scan, cache)  # as transformers' own recursive calls go through the module global
+        hook["scan"].WORTH_KEEPING_S = 0  # keep even this small folder's table
+        return hook["scan"]
+
+    calls = []
+    table = front(calls)(folder)
+    assert calls == [str(folder), str(folder / "llama")]  # the subfolder straight to the scan, not the front
+    assert front(calls)(folder / "__init__.py") is not None  # the folder's file names the folder
+    again = []
+    f = front(again)
+    assert f(folder / "__init__.py") == table and f(str(folder)) == table and again == []  # from the disk
+    (folder / "llama" / "modeling_llama.py").write_text("__all__ = ['LlamaModel', 'LlamaForCausalLM']")
+    changed = []
+    assert front(changed)(folder)["llama"]["modeling_llama.py"].endswith("'LlamaForCausalLM']")
+    assert changed == [str(folder), str(folder / "llama")]
+    kept = list(cache.glob("*.pickle"))
+    assert len(kept) == 1  # one file per folder, rewritten
+    kept[0].write_bytes(b"torn")
+    torn = []
+    assert front(torn)(folder) == front([])(folder) and torn == [str(folder), str(folder / "llama")]
