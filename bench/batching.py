@@ -1,7 +1,7 @@
 """Many agents at once: batched decoding against one call at a time, and a long prefill beside decoding.
 
 usage: python bench/batching.py [--model tiny|tiny:ARCH|PATH] [--sessions 1,4,8,16,32] [--tokens 64] [--prefill 8192]
-                                [--whole 4:96] [--mlx-server] [--no-batch-generator] [--alternate 3]
+                                [--prefill-hit] [--whole 4:96] [--mlx-server] [--no-batch-generator] [--alternate 3]
                                 [--status-every 0.25]
                                 [--out bench/out]
 
@@ -15,6 +15,7 @@ decode      for each N in --sessions: N sessions (short prompts, appended first)
             between decode steps' hand-overs, p50/p99: the engine's side of the client's gaps).
 prefill     one session decodes (streamed) while another appends --prefill tokens: the decoding
             session's gaps while the prompt prefills against its median gap alone; batching on and off.
+            The prompt is all new (--prefill-hit: partly restored from the store, sessions 10-15's row).
 whole       (--whole N:T) N sessions generate T tokens each, not streamed, against one session
             alone (batching on), --repeat times: the "N sessions >= 2x one alone" row (median ratio).
 batchgen    mlx-lm's own `BatchGenerator` in this process on the same model and prompts (no EOS, steady
@@ -207,9 +208,14 @@ def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
             "split_steps": steps}
 
 
-def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
+def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit: bool = False) -> dict[str, Any]:
     """The talker decodes; once it has 64 tokens, the reader appends a long prompt. The talker's
-    max_tokens is sized from a warm-up (the same prefill alone, 64 tokens alone) to outlast it."""
+    max_tokens is sized from a warm-up (a prompt as long alone, 64 tokens alone) to outlast it.
+
+    `hit`: the warm-up's prompt is the reader's, so the reader's append finds the blocks the warm-up
+    persisted in the store and restores them, prefilling the rest (the row of sessions 10-15: ~5k of 8k
+    tokens restored). Otherwise the warm-up's prompt differs from its first token and the reader
+    prefills all of its own (the issue's "another session's 8k prefill")."""
     unit = "The archive holds notes, plans and tool output from many earlier runs. "
     text = unit * max(1, prefill_tokens // max(1, len(tokenizer.encode(unit))))
     talker, reader, warm = f"{tag}-talker", f"{tag}-reader", f"{tag}-warm"
@@ -218,7 +224,7 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> d
             c.call("session.create", session_id=name)
         c.call("session.append", session_id=talker, text="Tell the long story of the migration.")
         t0 = time.perf_counter()
-        c.call("session.append", session_id=warm, text=text)
+        c.call("session.append", session_id=warm, text=text if hit else "Warm-up. " + text)
         prefill_alone = time.perf_counter() - t0
         c.call("session.delete", session_id=warm)  # hot, it would serve the reader's prompt (a prefix copy)
         t0 = time.perf_counter()
@@ -237,7 +243,8 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str) -> d
         slow = [j for j in c.call("status")["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
     thread.join()
     stream.client.close()
-    return {"prefill_tokens": info["prefilled"], "prefill_s": round(ended - began, 3),
+    return {"prefill_tokens": info["prefilled"], "restored_tokens": info["reused"],
+            "prefill_s": round(ended - began, 3),
             "prefill_alone_s": round(prefill_alone, 3), "talker_outlasted_prefill": stream.ended > ended,
             **gap_stats(stream, tokenizer, alone_until, (began, ended)),
             # the engine thread's jobs and steps over its SLOW_S during the prefill: what the talker waited for
@@ -445,6 +452,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--prefill-step", type=int, default=512)
+    ap.add_argument("--prefill-hit", action="store_true",
+                    help="the prefill row's prompt is partly in the store (sessions 10-15's row); default: all new")
     ap.add_argument("--mlx-server", action="store_true")
     ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
     ap.add_argument("--no-batch-generator", action="store_true")
@@ -486,7 +495,7 @@ def main() -> None:
                 report["alternating"] = alternating_rounds(
                     d, model, [int(x) for x in a.alternate_sizes.split(",")], a.tokens, a.alternate, tokenizer,
                     in_process=a.alternate_in_process)
-            report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode)
+            report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode, hit=a.prefill_hit)
             if mode == "batched" and a.whole:
                 n, t = (int(x) for x in a.whole.split(":"))
                 runs = [(whole_round(d, 1, t, f"whole{r}"), whole_round(d, n, t, f"whole{r}")) for r in range(a.repeat)]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 15's device measurements for issues 23 and 24, in parts that each fit one call (600 s).
+# Sessions 15-16's device measurements for issues 23 and 24, in parts that each fit one call (600 s).
 # From the repository root after ../shared/gpu's setup.sh, with /tmp/stage/env.sh sourced:
 #   bash bench/device_round.sh suite      the GPU suite (bench/device_suite.sh), the 8B model made meanwhile
 #   bash bench/device_round.sh persist    bench/persist.py at 32k tokens: this tree, then .gpu/old's (a git
@@ -8,6 +8,9 @@
 #   bash bench/device_round.sh turns      bench/http_turns.py over 75k tokens with 131-token turns
 #   bash bench/device_round.sh slices     the prefill row at KVWAKE_SLICE_OF_STEP 1.0 and 0.5, alternating
 #   bash bench/device_round.sh batching   bench/batching.py, alternating rounds at 8 and 16 sessions
+#   bash bench/device_round.sh startup    bench/startup.py on the tiny model: this tree and .gpu/old's, alternating
+#   bash bench/device_round.sh prefill    the prefill row, all new and partly restored (--prefill-hit), alternating
+#   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -42,4 +45,25 @@ case "$1" in
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 1,8,16 --tokens 256 --alternate 3 \
       --modes batched --whole "" --no-batch-generator --out "$out/batching" 2>&1 | tail -6 ;;
+  startup)  # three starts each (the first of a fresh machine compiles kernels), new and old alternating
+    [ -d .gpu/old ] && { rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation \
+      --target /tmp/old .gpu/old >/dev/null; }
+    for round in 1 2; do
+      timeout 120 python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 \
+        --json "$out/startup-new-$round.json" 2>&1 | grep -E '^(start|imports)' | sed "s/^/new $round /"
+      [ -d /tmp/old ] && PYTHONPATH=/tmp/old:$PYTHONPATH timeout 120 python3 bench/startup.py --model tiny --starts 3 \
+        --importtime --top 40 --json "$out/startup-old-$round.json" 2>&1 | grep -E '^(start|imports)' | sed "s/^/old $round /"
+    done ;;
+  prefill)  # the talker's gaps beside an 8k prefill: all new, then partly restored from the store
+    model
+    for kind in new hit new hit; do
+      flag=""; [ $kind = hit ] && flag="--prefill-hit"
+      KVWAKE_SLOW_JOB_MS=12 timeout 140 python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 \
+        --modes batched --whole "" --no-batch-generator $flag --out "$out/prefill-$kind-$RANDOM" 2>&1 \
+        | grep -o '"prefill_tokens.*"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/$kind /"
+    done ;;
+  server)
+    model
+    timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \
+      --modes batched --whole "" --no-batch-generator --out "$out/server" 2>&1 | tail -4 ;;
 esac

@@ -1,12 +1,13 @@
 """Where `kvwake serve`'s start-up goes, and how long its first requests take (issue 23, point 6).
 
-usage: python bench/startup.py [--model tiny|default|PATH] [--starts 2] [--top 25] [--json OUT]
+usage: python bench/startup.py [--model tiny|default|PATH] [--starts 2] [--top 25] [--importtime] [--json OUT]
 
 1. In process: the engine made under cProfile (what a daemon does before it listens: loading the
    weights, the bundle hash, warming the batch sizes' kernels, measuring attention paths), the top
    functions by cumulative time, and the time of the import of MLX and mlx-lm before it.
 2. A real daemon, `--starts` times: process start -> "ready" in its log, then the first request (a
-   new session's chat call of 8 tokens) and a second one, timed from the client.
+   new session's chat call of 8 tokens) and a second one, timed from the client; the daemon's own
+   `startup_ms` (status); with --importtime the last start's slowest imports (`-X importtime`).
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def in_process(model: Path, top: int) -> dict:
     return {"import_s": imported, "engine_s": made, "profile": out.getvalue()}
 
 
-def daemon_starts(model: Path, starts: int) -> list[dict]:
+def daemon_starts(model: Path, starts: int, importtime: bool) -> list[dict]:
     from tests.daemon import Daemon
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(Path(tmp), model)
         for i in range(starts):
+            profiled = importtime and i == starts - 1  # the last start: its imports' own times in its log
+            d = Daemon(Path(tmp), model, env={"PYTHONPROFILEIMPORTTIME": "1"} if profiled else None)  # one store
             t0 = time.perf_counter()
             d.start(timeout=300)
             ready = time.perf_counter() - t0
             c = d.client()
+            phases = c.call("status")["startup_ms"]
             times = []
             for k in range(2):
                 t1 = time.perf_counter()
@@ -71,11 +74,27 @@ def daemon_starts(model: Path, starts: int) -> list[dict]:
                 times.append(time.perf_counter() - t1)
             c.close()
             d.stop()
-            row = {"start": i, "ready_s": ready, "first_request_s": times[0], "second_request_s": times[1]}
+            row = {"start": i, "ready_s": ready, "first_request_s": times[0], "second_request_s": times[1],
+                   "startup_ms": phases}
+            if profiled:
+                row["imports_ms"] = top_imports(d.log.read_text(errors="replace"))  # only this start's run
             rows.append(row)
             print(f"start {i}: ready in {ready:.2f} s, first request {times[0] * 1000:.0f} ms, second "
-                  f"{times[1] * 1000:.0f} ms", flush=True)
+                  f"{times[1] * 1000:.0f} ms; {json.dumps(phases)}", flush=True)
+            if profiled:
+                print("imports, cumulative ms:", json.dumps(row["imports_ms"]), flush=True)
     return rows
+
+
+def top_imports(log: str, top: int = 30) -> dict[str, float]:
+    """`-X importtime`'s lines in a log: the `top` modules by cumulative time, in ms."""
+    found = {}
+    for line in log.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            _, cumulative, name = line.split("|")
+            if cumulative.strip().isdigit():
+                found[name.strip()] = int(cumulative) / 1000
+    return dict(sorted(found.items(), key=lambda kv: -kv[1])[:top])
 
 
 def main() -> None:
@@ -85,12 +104,13 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--importtime", action="store_true", help="the last start under -X importtime: its slowest imports")
     ap.add_argument("--json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
         model = bench_model(args.model, Path(work))
         out = {"model": args.model, "in_process": in_process(model, args.top),
-               "daemon": daemon_starts(model, args.starts)}
+               "daemon": daemon_starts(model, args.starts, args.importtime)}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
