@@ -10,6 +10,7 @@
 #   bash bench/device_round.sh batching   bench/batching.py, alternating rounds at 8 and 16 sessions
 #   bash bench/device_round.sh startup    bench/startup.py on the tiny model: this tree and .gpu/old's, alternating
 #   bash bench/device_round.sh prefill    the prefill row, all new and partly restored (--prefill-hit), alternating
+#   bash bench/device_round.sh trace      the prefill row with the engine thread's every job and step (its timeline)
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -61,6 +62,16 @@ case "$1" in
       KVWAKE_SLOW_JOB_MS=12 timeout 140 python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 \
         --modes batched --whole "" --no-batch-generator $flag --out "$out/prefill-$kind-$RANDOM" 2>&1 \
         | grep -o '"prefill_tokens.*"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/$kind /"
+    done ;;
+  trace)  # the prefill row (all new) with every engine job and step named (the engine's timeline beside the
+    model  # talker's), Python's collector freezing the start's objects (the default) or not, alternating
+    for r in 1 2; do
+      for freeze in 1 0; do
+        KVWAKE_GC_FREEZE=$freeze KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
+          --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
+          --out "$out/prefill-trace-freeze$freeze-$r" 2>&1 | grep -o '"gc_during.*"gc_frozen": [0-9]*\|"p99_during_over_p50_alone": [0-9.]*' \
+          | sed "s/^/trace freeze=$freeze $r /"
+      done
     done ;;
   server)
     model

@@ -72,7 +72,7 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
         call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
         thread.call(lambda: deep.decoder.join(call))
         # One layer per slice, however busy this machine is (sizes are measured; test_a_slice_is_sized_...).
-        deep.slicer.layers_for = lambda target_s, tokens, left: 1
+        deep.slicer.layers_for = lambda target_s, tokens, left, kind="fused": 1
         sliced = Session("sliced")
         deep.append(sliced, tokens=long_prompt, mlx=thread.call)
         call.output.should_stop = lambda: True  # the talker stops at its next token
@@ -97,3 +97,53 @@ def test_a_slice_is_sized_to_the_decode_step_from_the_measured_layer_cost():
     assert slicer.layers_for(0.001, 512, 32) == 1  # a layer costs more than the step: still one
     slicer.observe(0.024, 4, 512)  # now 6 ms a layer: the average moves halfway, to 4 ms
     assert slicer.layers_for(0.010, 512, 32) == 2
+
+
+def test_a_slice_of_another_attention_path_is_sized_from_that_paths_own_cost():
+    # Was: one cost for every chunk. A long prompt's last chunk, run plain beside decoding (a shape new to the
+    # process, on CUDA), was sized from the fused chunks' cost: its first slice took 28-30 ms on the H100
+    # against a 4 ms target, the longest gap of a neighbour's stream during the prefill.
+    from kvwake.daemon.model.prefillslices import Slicer
+
+    slicer = Slicer()
+    slicer.observe(0.004, 2, 512)  # fused: 2 ms a layer for 512 tokens
+    assert slicer.layers_for(0.010, 512, 32) == 5
+    assert slicer.layers_for(0.010, 318, 32, "plain") == 1  # plain not measured yet: one layer, measured
+    slicer.observe(0.006, 1, 318, "plain")  # 6 ms a layer
+    assert slicer.layers_for(0.013, 318, 32, "plain") == 2
+    assert slicer.layers_for(0.010, 512, 32) == 5  # the fused cost is its own
+
+
+def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep):
+    # CUDA's choice here: a chunk shorter than the step (a prompt's last piece) runs plain attention
+    deep.plain_prefill = True
+    long_prompt = [(i * 37 + 5) % 200 + 20 for i in range(4 * STEP + 7)]
+    whole = Session("whole")
+    deep.append(whole, tokens=long_prompt)  # nothing decodes: the full chunks' shapes are known fused after
+    talker = Session("talker")
+    deep.append(talker, text="Tell the long story")
+    thread = EngineThread()
+    thread.attach(deep.decoder)
+    chunks = []
+    real = deep._prefill_chunk
+    deep._prefill_chunk = lambda session, upto: chunks.append(chunk := real(session, upto)) or chunk
+    try:
+        no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)
+        call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
+        thread.call(lambda: deep.decoder.join(call))
+        deep.slicer.layer_token_s.clear()  # `whole`'s chunks were measured too
+        observe = deep.slicer.observe
+        observe(1e-12, 1, 1)  # fused layers cost nothing (and stay so): a fused chunk is one slice
+        deep.slicer.observe = lambda s, layers, tokens, kind="fused": kind == "fused" or observe(s, layers, tokens, kind)
+        sliced = Session("sliced")
+        deep.append(sliced, tokens=long_prompt, mlx=thread.call)
+        call.output.should_stop = lambda: True
+        call.future.result(timeout=60)
+    finally:
+        thread.stop()
+    assert [c.kind for c in chunks] == ["fused"] * 4 + ["plain"], [(c.kind, c.tokens) for c in chunks]
+    assert [c.slices for c in chunks[:4]] == [1] * 4
+    assert chunks[-1].slices >= 2  # its first slice was one layer: the fused cost was not its cost
+    assert "plain" in deep.slicer.layer_token_s
+    got, want = cache_arrays(sliced), cache_arrays(whole)
+    assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -71,7 +71,8 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     d = Daemon(tmp_path, model_dir).start()
     try:
         c = d.client()
-        phases = c.call("status")["startup_ms"]
+        status = c.call("status")
+        phases = status["startup_ms"]
         c.close()
     finally:
         assert d.stop() == 0
@@ -85,6 +86,27 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     assert engine_parts <= phases["engine"] + 1, phases
     ready = [line for line in d.log.read_text().splitlines() if '"event": "ready"' in line]
     assert len(ready) == 1 and json.loads(ready[0])["startup_ms"] == phases
+    # the start's objects (modules, the model's wrappers) are out of the garbage collector's full runs
+    assert status["gc"]["frozen"] > 10_000, status["gc"]
+    assert [set(g) for g in status["gc"]["generations"]] == [{"collections", "p50_ms", "p99_ms", "max_ms"}] * 3
+
+
+def test_the_collectors_runs_are_counted_and_timed_per_generation():
+    import gc
+
+    from kvwake.daemon.collector import Collector
+
+    watch = Collector().install()
+    try:
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        watch.uninstall()
+    gc.collect(2)  # not counted: uninstalled
+    summary = watch.summary()
+    full, young = summary["generations"][2], summary["generations"][0]
+    assert full["collections"] == 1 and young["collections"] >= 1
+    assert 0 <= full["max_ms"] < 10_000 and full["p50_ms"] == full["max_ms"]
 
 
 def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, monkeypatch):

@@ -110,6 +110,7 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, **engine.decoder.status()},
             "engine_thread": m.thread.timing(),
+            "gc": m.collector.summary(),
             "turns": list(m.turns),
             "startup_ms": m.started.ms,
             "counters": {**m.counters, **engine.counters},

@@ -435,7 +435,8 @@ class Engine:
         if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
             self._warm_buckets(session, n)
         chunk = prefillslices.Chunk(session, end, self.slicer,
-                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None)
+                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
+                                    kind="plain" if plain else "bucket" if bucket else "fused")
         if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
             chunk.step()  # in Python for the 8B shape), and its slices the next ones
         return chunk

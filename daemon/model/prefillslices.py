@@ -33,32 +33,43 @@ SLICE_OF_STEP = float(os.environ.get("KVWAKE_SLICE_OF_STEP", "1.0"))
 
 
 class Slicer:
-    """How many layers a slice takes: from the measured seconds per layer and token of recent slices."""
+    """How many layers a slice takes: from the measured seconds per layer and token of recent slices of the
+    same kind of chunk (the attention path it runs: "fused", "plain" or "bucket").
+
+    Kinds apart: a long prompt's full chunks run fused, and its last, shorter one may run plain (a key
+    length new to this process, beside decoding: engine.py), whose layer costs several times a fused one
+    over a long cache. Sized from the fused chunks' cost, that chunk's first slice took 28-30 ms on the
+    H100 against a 4 ms target: the one gap of 6x in a neighbour's stream. A kind not seen yet starts at
+    one layer, measured.
+    """
 
     def __init__(self) -> None:
-        self.layer_token_s: float | None = None  # moving average over slices
+        self.layer_token_s: dict[str, float] = {}  # by kind: a moving average over its slices
 
-    def layers_for(self, target_s: float, tokens: int, left: int) -> int:
+    def layers_for(self, target_s: float, tokens: int, left: int, kind: str = "fused") -> int:
         """Layers (1..left) whose computation of `tokens` tokens takes about `target_s`."""
-        if self.layer_token_s is None:
+        cost = self.layer_token_s.get(kind)
+        if cost is None:
             return 1  # no measurement yet: the smallest slice, measured
-        return max(1, min(left, math.floor(target_s / (self.layer_token_s * tokens))))
+        return max(1, min(left, math.floor(target_s / (cost * tokens))))
 
-    def observe(self, seconds: float, layers: int, tokens: int) -> None:
+    def observe(self, seconds: float, layers: int, tokens: int, kind: str = "fused") -> None:
         cost = seconds / (layers * tokens)
-        self.layer_token_s = cost if self.layer_token_s is None else 0.5 * self.layer_token_s + 0.5 * cost
+        was = self.layer_token_s.get(kind)
+        self.layer_token_s[kind] = cost if was is None else 0.5 * was + 0.5 * cost
 
 
 class Chunk:
     """A queued prefill chunk of `session`, computed by `step()` until `done`; then the session's
-    `processed` is `end`. `target_s`: a slice's time (a decode step's), or None for all layers in one step.
+    `processed` is `end`. `target_s`: a slice's time (a decode step's), or None for all layers in one step;
+    `kind`: the attention path its graph takes (the Slicer's costs are kept per kind).
 
     A slice that raises leaves the cache's state unknown: the session's cache is dropped (the engine
     rebuilds it from the tokens on next use), as after a failed generation.
     """
 
-    def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None) -> None:
-        self.session, self.end, self.slicer, self.target_s = session, end, slicer, target_s
+    def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None, kind: str = "fused") -> None:
+        self.session, self.end, self.slicer, self.target_s, self.kind = session, end, slicer, target_s, kind
         self.layers = list(session.cache)
         self.tokens = end - session.processed
         self.computed = 0  # layers evaluated so far
@@ -79,7 +90,7 @@ class Chunk:
     def step(self) -> None:
         """Compute the next slice of layers (the chunk's whole pass when not sliced)."""
         left = len(self.layers) - self.computed
-        n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.tokens, left)
+        n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.tokens, left, self.kind)
         started = time.perf_counter()
         try:
             mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
@@ -87,7 +98,7 @@ class Chunk:
             self.session.cache, self.session.processed = None, 0
             self.session.settle()
             raise
-        self.slicer.observe(time.perf_counter() - started, n, self.tokens)
+        self.slicer.observe(time.perf_counter() - started, n, self.tokens, self.kind)
         self.computed += n
         self.slices += 1
         if self.done:

@@ -35,6 +35,7 @@ import anyio
 import numpy as np
 from anyio import from_thread, to_thread
 
+from kvwake.daemon.collector import Collector
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
@@ -72,6 +73,7 @@ class SessionManager:
         self.releasing: dict[asyncio.Task, int] = {}
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
+        self.collector = Collector()  # the garbage collector's runs (serve.py installs it and freezes the start's objects)
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""
