@@ -64,13 +64,14 @@ case "$1" in
         | grep -o '"prefill_tokens.*"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/$kind /"
     done ;;
   trace)  # the prefill row (all new) with every engine job and step named (the engine's timeline beside the
-    model  # talker's), Python's collector freezing the start's objects (the default) or not, alternating
+    model  # talker's): the daemon persisting as it runs (the default) or not (--no-persist), alternating
     for r in 1 2; do
-      for freeze in 1 0; do
-        KVWAKE_GC_FREEZE=$freeze KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
-          --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
-          --out "$out/prefill-trace-freeze$freeze-$r" 2>&1 | grep -o '"gc_during.*"gc_frozen": [0-9]*\|"p99_during_over_p50_alone": [0-9.]*' \
-          | sed "s/^/trace freeze=$freeze $r /"
+      for persist in on off; do
+        flag=""; [ $persist = off ] && flag="--no-persist"
+        KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py --model /tmp/m8b \
+          --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator $flag \
+          --out "$out/prefill-trace-persist-$persist-$r" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' \
+          | sed "s/^/trace persist=$persist $r /"
       done
     done ;;
   server)

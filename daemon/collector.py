@@ -1,11 +1,12 @@
-"""Python's garbage collector: its pauses watched, and the daemon's start-up objects kept out of them.
+"""Python's garbage collector, watched: every run counted and timed per generation (`status.gc`).
 
 A full collection (generation 2) walks every tracked object; after its imports and the model's load a
-daemon holds about 80,000 of them, and a full collection took 35 ms on the 2-core VM. It runs on the
-thread whose allocation tripped it: on the engine thread that is one decode step longer by that much,
-the long gaps a decoding neighbour saw during a prefill (docs/decisions.md). `freeze()` after start-up
-moves what exists into the permanent generation, which collections skip: those objects live as long as
-the daemon anyway. `Collector` times every collection per generation (`status.gc`).
+daemon holds about 80,000 of them, and a full collection of that many took 35 ms on the 2-core VM, on
+whichever thread's allocation tripped it: on the engine thread, one decode step longer by that much.
+Suspected of the long gaps a decoding neighbour saw during a prefill, it was measured there instead
+(bench/batching.py's prefill row, session 16 on the H100): only generation-0 runs, 0.3-0.4 ms each, no
+full one, and freezing the start's objects out of reach (`gc.freeze()`) changed nothing, so the daemon
+does not freeze. `status.gc` keeps the question answerable on any machine.
 """
 
 from __future__ import annotations
@@ -46,16 +47,9 @@ class Collector:
             self.pauses[generation].add((time.perf_counter() - self._began) * 1000)
             self._began = None
 
-    @staticmethod
-    def freeze() -> int:
-        """Move every object tracked now into the permanent generation (once start-up is done); returns how
-        many are frozen in all."""
-        gc.freeze()
-        return gc.get_freeze_count()
-
     def summary(self) -> dict[str, Any]:
-        """{"frozen": objects in the permanent generation, "generations": [{"collections", and "p50_ms",
-        "p99_ms", "max_ms" of the latest runs} for generations 0, 1, 2]}."""
+        """{"frozen": objects in the permanent generation (gc.freeze), "generations": [{"collections", and
+        "p50_ms", "p99_ms", "max_ms" of the latest runs} for generations 0, 1, 2]}."""
         return {"frozen": gc.get_freeze_count(),
                 "generations": [{"collections": n, **{k: v for k, v in p.summary().items() if k != "count"}}
                                 for n, p in zip(self.counts, self.pauses)]}

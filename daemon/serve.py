@@ -252,12 +252,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                  http: tuple[socket.socket, str | None] | None) -> int:
     await manager.load()
     manager.started.mark("sessions")
-    # What exists now (modules, the model's wrappers, the loaded sessions) lives as long as the daemon: out of
-    # the collector's full runs, which otherwise walk it all on whichever thread trips one (daemon/collector.py;
-    # KVWAKE_GC_FREEZE=0 leaves it in, for a measurement)
-    manager.collector.install()
-    if os.environ.get("KVWAKE_GC_FREEZE", "1") != "0":
-        manager.collector.freeze()
+    manager.collector.install()  # the garbage collector's runs, timed (status.gc)
     stop = anyio.Event()
     server = Server(manager, allow_uids=default_allow(settings.allow_uids), read_timeout_s=settings.read_timeout_s,
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)

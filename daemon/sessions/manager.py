@@ -73,7 +73,7 @@ class SessionManager:
         self.releasing: dict[asyncio.Task, int] = {}
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
-        self.collector = Collector()  # the garbage collector's runs (serve.py installs it and freezes the start's objects)
+        self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""
