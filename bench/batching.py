@@ -128,11 +128,12 @@ def steady_tokens_per_s(streams: list[Stream], tokenizer: Any) -> float | None:
     return round(sum(done(a, end) - done(a, start) for a in seen) / (end - start), 1)
 
 
-def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int, persist: bool = True) -> Daemon:
+def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int, persist: bool = True,
+                 config: str = "") -> Daemon:
     root.mkdir(parents=True, exist_ok=True)
     # A budget no run reaches: no session is put to sleep in the middle of a measurement.
     (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n"
-                                    f"persist = {'true' if persist else 'false'}\n")
+                                    f"persist = {'true' if persist else 'false'}\n{config}\n")
     return Daemon(root, model, block_tokens=128, extra=["--max-batch", str(max_batch)]).start(timeout=600)
 
 
@@ -237,7 +238,8 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
         time.sleep(0.005)
     alone_until = time.perf_counter()
     with d.client() as c:
-        gc_before = c.call("status")["gc"]["generations"]
+        before = c.call("status")
+        gc_before = before["gc"]["generations"]
         began, began_wall = time.perf_counter(), time.time()
         info = c.call("session.append", session_id=reader, text=text)
         ended, ended_wall = time.perf_counter(), time.time()
@@ -253,6 +255,8 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
             # and the longest of the latest ones
             "gc_during": [{"collections": b["collections"] - a["collections"], "max_ms": b["max_ms"]}
                           for a, b in zip(gc_before, gc_after["generations"])], "gc_frozen": gc_after["frozen"],
+            # MLX's cache of freed buffers (its limit: mlx_cache_bytes) before and after the prefill
+            "mlx_cache_bytes": [before["memory"]["mlx_cache_bytes"], after["memory"]["mlx_cache_bytes"]],
             **gap_stats(stream, tokenizer, alone_until, (began, ended)),
             # the talker's tokens as they arrived during the prefill, ms from its start (beside the engine's work)
             "arrivals_during_ms": [[k, round((when - began) * 1000, 1)] for k, when in stream.arrivals(tokenizer)
@@ -474,6 +478,7 @@ def main() -> None:
     ap.add_argument("--whole", default="4:96", help="N:T for the non-streamed row (empty: skip)")
     ap.add_argument("--no-batch-generator", action="store_true")
     ap.add_argument("--no-persist", action="store_true", help="the daemons run with persist = false")
+    ap.add_argument("--daemon-config", default="", help="more lines of the daemons' TOML config (\\n between)")
     ap.add_argument("--modes", default="batched,solo", help="daemon modes to run: batched (max_batch 32), solo (1)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the --whole row (alone, then together; median ratio)")
     ap.add_argument("--alternate", type=int, default=0,
@@ -503,7 +508,8 @@ def main() -> None:
                               "persist": not a.no_persist,
                               "prefill_step": a.prefill_step, "decode": {}, "prefill": {}}
     for mode, max_batch in [(m, b) for m, b in (("batched", 32), ("solo", 1)) if m in a.modes.split(",")]:
-        d = start_daemon(work / mode, model, max_batch, a.prefill_step, persist=not a.no_persist)
+        d = start_daemon(work / mode, model, max_batch, a.prefill_step, persist=not a.no_persist,
+                         config=a.daemon_config.replace("\\n", "\n"))
         try:
             decode_round(d, max(sizes), 8, tokenizer, f"warm-{mode}")  # kernels for every batch shape seen
             report["decode"][mode] = [decode_round(d, n, a.tokens, tokenizer, mode) for n in sizes]

@@ -11,6 +11,7 @@
 #   bash bench/device_round.sh startup    bench/startup.py on the tiny model: this tree and .gpu/old's, alternating
 #   bash bench/device_round.sh prefill    the prefill row, all new and partly restored (--prefill-hit), alternating
 #   bash bench/device_round.sh trace      the prefill row with the engine thread's every job and step (its timeline)
+#   bash bench/device_round.sh cache      the prefill row's trace at MLX's cache limit 4 GiB (default) and 32 GiB
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -73,6 +74,13 @@ case "$1" in
           --out "$out/prefill-trace-persist-$persist-$r" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' \
           | sed "s/^/trace persist=$persist $r /"
       done
+    done ;;
+  cache)  # the prefill row's trace with MLX's buffer cache at its default limit (4 GiB) and at 32 GiB, alternating
+    model
+    for limit in 4294967296 34359738368; do
+      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py --model /tmp/m8b \
+        --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator --daemon-config "mlx_cache_bytes = $limit" \
+        --out "$out/prefill-trace-cache-$limit" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/cache=$limit /"
     done ;;
   server)
     model

@@ -25,21 +25,29 @@ every 37 turns there, and each growth's copy of the buffer is rarer too; the
 buffer holds at most 1/GROWTH more than its tokens. Only the buffer's size
 changes: the tokens in it, and so every result, are the same.
 Elsewhere (the CPU, Metal) nothing is installed and growth is mlx-lm's own.
+
+Whichever the rule, a lone decoding session's layers grow one a step before the buffer fills
+(`grow_ahead`), not all in the step that finds it full, to the same sizes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-__all__ = ["CUDNN_MIN", "GROWTH", "OFF_GRID", "STEP", "capacity", "grown", "install", "installed", "uninstall"]
+__all__ = ["CUDNN_MIN", "GROWTH", "GROW_AHEAD", "OFF_GRID", "STEP", "capacity", "grow_ahead", "grown", "install",
+           "installed", "next_size", "uninstall"]
 
 STEP = 256  # mlx-lm's KVCache.step, and the grid cuDNN's decode path looks for
 CUDNN_MIN = 16384  # buffers from here on stay on the grid: cuDNN decodes them
 OFF_GRID = 8  # tokens past the grid below CUDNN_MIN (a whole number of 16-byte rows for any dtype)
 GROWTH = 16  # from CUDNN_MIN on, a buffer grows in steps of the largest power of two <= its tokens / GROWTH
+# a decoding session's layers grow one per step ahead of a full buffer (grow_ahead); KVWAKE_GROW_AHEAD=0: all at
+# once when full, mlx-lm's way, for a measurement
+GROW_AHEAD = os.environ.get("KVWAKE_GROW_AHEAD", "1") != "0"
 
 _mlx_update_and_fetch = KVCache.update_and_fetch
 _installed = False
@@ -75,19 +83,52 @@ def _update_and_fetch(self: KVCache, keys: mx.array, values: mx.array) -> tuple[
     """KVCache.update_and_fetch with `capacity`'s growth; the same writes, the same views."""
     prev, n = self.offset, keys.shape[2]
     if self.keys is None or prev + n > self.keys.shape[2]:
-        size = capacity(prev + n)
-        b, heads, _, k_dim = keys.shape
-        new_k = mx.zeros((b, heads, size - prev, k_dim), keys.dtype)
-        new_v = mx.zeros((b, heads, size - prev, values.shape[3]), values.dtype)
-        if self.keys is None or prev == 0:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        _regrow(self, capacity(prev + n), keys, values)
     self.offset += n
     self.keys[..., prev : self.offset, :] = keys
     self.values[..., prev : self.offset, :] = values
     return self.keys_and_values()
+
+
+def _regrow(layer: KVCache, size: int, keys: mx.array, values: mx.array) -> None:
+    """Give `layer` a buffer of `size` tokens holding its first `offset` (shapes and dtypes as `keys`, `values`)."""
+    prev = layer.offset
+    b, heads, _, k_dim = keys.shape
+    new_k = mx.zeros((b, heads, size - prev, k_dim), keys.dtype)
+    new_v = mx.zeros((b, heads, size - prev, values.shape[3]), values.dtype)
+    if layer.keys is None or prev == 0:
+        layer.keys, layer.values = new_k, new_v
+    else:
+        layer.keys = mx.concatenate([layer.keys[..., :prev, :], new_k], axis=2)
+        layer.values = mx.concatenate([layer.values[..., :prev, :], new_v], axis=2)
+
+
+def next_size(layer: KVCache) -> int:
+    """The buffer `layer`'s own growth makes when its buffer is full and one more token comes."""
+    held = layer.keys.shape[2]
+    return capacity(held + 1) if _installed else held + layer.step  # mlx-lm: whole steps after a full buffer
+
+
+def grow_ahead(cache: list) -> int | None:
+    """Before a decode step: while the plain KV layers' buffers are within one token per layer of full,
+    grow one of them (the first not grown yet) to the size its own growth would make once full. Returns
+    its index among them, or None.
+
+    Growing is allocating two new buffers per layer and copying the tokens held; done all at once, it is
+    one decode step that does it for every layer: on the H100 (8B shape, 32 layers) the step that met a
+    session's capacity took 16-37 ms against 4-7 (bench/batching.py's prefill row: every run's longest
+    decode step was the neighbour's token at its buffer's 264th). One layer a step, the same work is
+    spread over the last steps before the buffer fills. Only the buffers' sizes move earlier, to the
+    sizes they would have had: the tokens in them, and so every result, are the same.
+    """
+    layers = [c for c in cache if type(c) is KVCache and c.keys is not None]
+    if not GROW_AHEAD or not layers or layers[-1].keys.shape[2] - layers[-1].offset >= len(layers):
+        return None  # the last to grow has room for a token per layer: nothing to do yet (the common case)
+    for i, layer in enumerate(layers):
+        if layer.keys.shape[2] - layer.offset < len(layers):
+            _regrow(layer, next_size(layer), layer.keys, layer.values)
+            return i
+    return None
 
 
 def install() -> None:

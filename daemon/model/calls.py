@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
+from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv.context import unframed
 from kvwake.daemon.model.generation import GenerateResult, TextOutput
 from kvwake.daemon.model.masks import Constraint
@@ -89,6 +90,7 @@ class Solo:
 
     def step(self) -> int:
         current = self.next
+        kvcapacity.grow_ahead(self.cache)  # a full buffer's growth, a layer a step before it fills
         self.next = self._feed(current)
         mx.async_eval(self.next)
         return int(current.item())
