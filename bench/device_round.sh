@@ -12,6 +12,7 @@
 #   bash bench/device_round.sh prefill    the prefill row, all new and partly restored (--prefill-hit), alternating
 #   bash bench/device_round.sh trace      the prefill row with the engine thread's every job and step (its timeline)
 #   bash bench/device_round.sh cache      the prefill row's trace at MLX's cache limit 4 GiB (default) and 32 GiB
+#   bash bench/device_round.sh growth     bench/decode_growth.py, then the prefill row with KVWAKE_GROW_AHEAD 0 and 1
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -81,6 +82,15 @@ case "$1" in
       KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py --model /tmp/m8b \
         --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator --daemon-config "mlx_cache_bytes = $limit" \
         --out "$out/prefill-trace-cache-$limit" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/cache=$limit /"
+    done ;;
+  growth)  # a lone session's decode steps where its KV buffer grows: all layers at once, or one a step ahead
+    model
+    timeout 300 python3 bench/decode_growth.py --model /tmp/m8b --prompt 200 --tokens 1100 --rounds 3 \
+      --json "$out/growth.json" 2>&1 | tail -1
+    for ahead in 0 1; do  # and the prefill row, whose talker meets its buffer's 265th token during the prefill
+      KVWAKE_GROW_AHEAD=$ahead KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
+        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
+        --out "$out/prefill-trace-ahead-$ahead" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/ahead=$ahead /"
     done ;;
   server)
     model
