@@ -169,3 +169,18 @@ def test_growing_ahead_leaves_a_solo_generation_and_its_sleep_and_wake_exact(eng
     engine.sleep(s, free=False)
     woken, _ = engine.wake("ahead")
     assert_same_kv_and_continuation(engine, s, woken, s.processed)
+
+
+def test_a_call_that_ends_while_growing_ahead_leaves_every_layer_one_size(engine, off_grid):
+    # The engine reads a cache's shapes (prefill graphs, turn buckets) off its first layer: a call that ended
+    # inside the window where some layers had grown ahead and some not left them of two sizes.
+    prompt = [(i * 37) % 250 + 5 for i in range(250)]
+    s = _appended(engine, "ends", prompt)
+    layers = len(s.cache)
+    assert layers >= 2
+    stop_at = capacity.capacity(1) - s.processed - layers // 2  # a few layers grown ahead, the rest not yet
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    engine.generate(s, GenerateParams(max_tokens=stop_at, logit_bias=no_eos))
+    sizes = {c.keys.shape[2] for c in s.cache}
+    assert sizes == {capacity.capacity(capacity.capacity(1) + 1)}, sizes  # all grown, to the size growth makes
+    assert all(c.offset == s.cache[0].offset for c in s.cache)

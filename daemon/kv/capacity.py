@@ -38,8 +38,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-__all__ = ["CUDNN_MIN", "GROWTH", "GROW_AHEAD", "OFF_GRID", "STEP", "capacity", "grow_ahead", "grown", "install",
-           "installed", "next_size", "uninstall"]
+__all__ = ["CUDNN_MIN", "GROWTH", "GROW_AHEAD", "OFF_GRID", "STEP", "capacity", "even_out", "grow_ahead", "grown",
+           "install", "installed", "next_size", "uninstall"]
 
 STEP = 256  # mlx-lm's KVCache.step, and the grid cuDNN's decode path looks for
 CUDNN_MIN = 16384  # buffers from here on stay on the grid: cuDNN decodes them
@@ -129,6 +129,18 @@ def grow_ahead(cache: list) -> int | None:
             _regrow(layer, next_size(layer), layer.keys, layer.values)
             return i
     return None
+
+
+def even_out(cache: list) -> None:
+    """Grow the plain KV layers `grow_ahead` had not reached yet to the size it gave the others (a call that
+    ended within a token per layer of a full buffer), so every layer's buffer is the same size again, as
+    the engine's shapes (prefill graphs, turn buckets) are read off the first layer's. The work is queued
+    (MLX is lazy): it runs with the cache's next use, not in the call's last step."""
+    layers = [c for c in cache if type(c) is KVCache and c.keys is not None]
+    size = max((c.keys.shape[2] for c in layers), default=0)
+    for layer in layers:
+        if layer.keys.shape[2] < size:
+            _regrow(layer, size, layer.keys, layer.values)
 
 
 def install() -> None:
