@@ -6,7 +6,8 @@ In process, one Engine: a session of --prompt tokens generates --tokens tokens a
 agent decodes), round after round with kv/capacity.py's GROW_AHEAD off (every layer grows in the step
 that meets the full buffer, mlx-lm's way) and on (a layer a step before it fills), alternating. Each
 step is timed (Solo.step: it feeds a token and waits for the one before); reported per mode: the median
-step, the longest, the steps where a buffer grew (with their times), and the p99. On the H100 the step
+step, the longest, the p99, and where the last layer's buffer grew (the step, its time and the next's:
+a growth's work is computed with the step after the one that queued it). On the H100 the step
 that met a 264-token buffer took 16-37 ms against 4-7 (bench/batching.py's prefill row, session 16);
 this isolates it.
 """
@@ -51,7 +52,9 @@ def run(engine, prompt: list[int], tokens: int, ahead: bool, name: str) -> dict:
     finally:
         calls.Solo.step = real
     ms = [m for m, _ in steps]
-    grew = [(i, round(steps[i][0], 2)) for i in range(1, len(steps)) if steps[i][1] != steps[i - 1][1]]
+    # a step returns the token fed the step before (it waits for it): a growth's cost shows in the step after
+    grew = [(i, round(steps[i][0], 2), round(steps[i + 1][0], 2) if i + 1 < len(steps) else None)
+            for i in range(1, len(steps)) if steps[i][1] != steps[i - 1][1]]
     ordered = sorted(ms)
     return {"grow_ahead": ahead, "steps": len(ms), "median_ms": round(statistics.median(ms), 3),
             "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),

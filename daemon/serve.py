@@ -289,6 +289,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     finally:
         listener.close()
         remove_own_files(settings, keep_socket=listen_socket is not None)
+        manager.collector.uninstall()  # a process may serve again (tests do): one watcher at a time
     log.info("stopped", extra={"unslept": failed})
     return 1 if failed else 0
 

@@ -16,12 +16,11 @@ import contextlib
 import hashlib
 import importlib.abc
 import importlib.machinery
+import marshal
 import os
-import pickle
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -63,8 +62,10 @@ class ScanOnce(importlib.abc.MetaPathFinder):
     `transformers/models/__init__.py` for its `__init__.py`, and the scan's cache (`lru_cache` on
     `create_import_structure_from_path`) keys the two apart. Here that was 0.55-0.7 s of a 1.3 s start.
 
-    This finder waits for `transformers.utils.import_utils` to load, then puts a `Scans` front on that
-    function. If the function is not there (another transformers), nothing changes.
+    This finder waits for `transformers.utils.import_utils` to load (found by the finders after it, as it
+    would have been), then puts a `Scans` front on that function. If the function is not there (another
+    transformers), or the module does not come from a plain source file (a zip's loader is shared by all
+    its modules), nothing changes.
     """
 
     MODULE = "transformers.utils.import_utils"
@@ -72,6 +73,7 @@ class ScanOnce(importlib.abc.MetaPathFinder):
 
     def __init__(self, cache_dir: Path) -> None:
         self.cache_dir = cache_dir
+        self.done = False
 
     @classmethod
     def install(cls, cache_dir: Path | None = None) -> None:
@@ -79,11 +81,12 @@ class ScanOnce(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, cls(cache_dir or default_cache_dir() / "transformers-scans"))
 
     def find_spec(self, name: str, path, target=None):  # noqa: ANN001 (the finder protocol's own types)
-        if name != self.MODULE:
+        if self.done or name != self.MODULE:
             return None
-        sys.meta_path.remove(self)  # once: the module is loaded once
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        self.done = True  # the module loads once (it stays in sys.meta_path: removing it mid-search skips a finder)
+        spec = next((found for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")
+                     and (found := finder.find_spec(name, path, target)) is not None), None)
+        if spec is None or type(spec.loader) is not importlib.machinery.SourceFileLoader:
             return spec
         run = spec.loader.exec_module
 
@@ -91,41 +94,44 @@ class ScanOnce(importlib.abc.MetaPathFinder):
             run(module)
             scan = getattr(module, self.FUNCTION, None)
             if callable(scan):
-                setattr(module, self.FUNCTION, Scans(scan, self.cache_dir))
+                setattr(module, self.FUNCTION, Scans(scan, self.cache_dir, reader=getattr(module, "__file__", None)))
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  (this spec's own loader)
         return spec
 
 
 class Scans:
     """A front on transformers' folder scan:
 
-    - A folder is named one way (a file is its folder, as the scan itself treats it), so the second ask
-      for `models` returns the first's table.
-    - A folder's table is kept on disk (`<cache_dir>/<hash of the folder's path>.pickle`) with the
-      folder's fingerprint: every file's path, size and modification time under it (15-20 ms to take
-      for `models`, against 0.3 s to scan it here). A later start whose fingerprint matches loads the
-      table instead of reading 1,698 files; any other fingerprint (an upgrade, an edited file) scans
-      and writes it again. A file that cannot be read or written only costs the scan.
+    - A folder is named one way (absolute, normalised; a file is its folder, as the scan itself treats
+      it), so the second ask for `models` returns the first's table.
+    - A big folder's table is kept on disk (`<cache_dir>/<hash of the folder's path>.marshal`) with a
+      fingerprint: every file's path, size and modification time under the folder, and those of the
+      scanning code's own file and this Python's version (15-20 ms to take for `models`, against 0.3 s to
+      scan it here). A later start whose fingerprint matches loads the table instead of reading 1,698
+      files; any other fingerprint (an upgrade, an edited file) scans and writes it again. `marshal`, not
+      pickle: the table is dicts, sets and strings, and loading one runs no code. A file that cannot be
+      read or written only costs the scan.
 
     Only a scan asked from outside goes through here; the scan's calls into its own subfolders go
     straight to transformers' function.
     """
 
-    WORTH_KEEPING_S = 0.05  # a folder whose scan takes less is not written to disk
+    KEEP_FROM_FILES = 100  # a folder of fewer files is scanned each time (a model family's own: milliseconds)
 
-    def __init__(self, scan, cache_dir: Path) -> None:  # noqa: ANN001 (transformers' function)
+    def __init__(self, scan, cache_dir: Path, reader: str | None = None) -> None:  # noqa: ANN001 (transformers')
         self.__wrapped__ = scan
         self.cache_dir = cache_dir
+        self.reader = reader  # the scanning code's file: part of the fingerprint
         self.tables: dict[str, object] = {}
         self.inside = threading.local()
 
     def __call__(self, module_path):  # noqa: ANN001, ANN204 (the signature transformers calls)
-        path = os.fspath(module_path)
+        if getattr(self.inside, "depth", 0):  # a subfolder of a scan under way
+            return self.__wrapped__(module_path)
+        path = os.path.normpath(os.path.abspath(os.fspath(module_path)))
         if os.path.isfile(path):
             path = os.path.dirname(path)
-        if getattr(self.inside, "depth", 0):  # a subfolder of a scan under way
-            return self.__wrapped__(path)
         if path not in self.tables:
             self.inside.depth = 1
             try:
@@ -135,36 +141,41 @@ class Scans:
         return self.tables[path]
 
     def load_or_scan(self, path: str):  # noqa: ANN201 (transformers' table)
-        kept = self.cache_dir / f"{hashlib.blake2b(path.encode(), digest_size=16).hexdigest()}.pickle"
+        kept = self.cache_dir / f"{hashlib.blake2b(path.encode(), digest_size=16).hexdigest()}.marshal"
         try:
-            now = fingerprint(path)
+            now, files = fingerprint(path, self.reader)
         except OSError:
             return self.__wrapped__(path)
         try:
-            with open(kept, "rb") as f:
-                was, table = pickle.load(f)
+            was, table = marshal.loads(kept.read_bytes())
             if was == now:
                 return table
         except Exception:  # noqa: BLE001 (absent, torn or from another version: scan instead)
             pass
-        t0 = time.perf_counter()
         table = self.__wrapped__(path)
-        if time.perf_counter() - t0 >= self.WORTH_KEEPING_S:
+        if files >= self.KEEP_FROM_FILES:
+            temp = None
             try:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 with tempfile.NamedTemporaryFile(dir=self.cache_dir, suffix=".tmp", delete=False) as f:
-                    pickle.dump((now, table), f, protocol=pickle.HIGHEST_PROTOCOL)
-                os.replace(f.name, kept)
-            except OSError:
-                with contextlib.suppress(OSError, NameError):
-                    os.unlink(f.name)
+                    temp = f.name
+                    f.write(marshal.dumps((now, table)))
+                os.replace(temp, kept)
+            except Exception:  # noqa: BLE001 (unwritable, or a table marshal cannot hold: the scan stands)
+                if temp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
         return table
 
 
-def fingerprint(folder: str) -> str:
-    """Every file's relative path, size and modification time under `folder` (but __pycache__), hashed."""
-    h = hashlib.blake2b(digest_size=20)
-    pending = [folder]
+def fingerprint(folder: str, reader: str | None = None) -> tuple[str, int]:
+    """(a hash of every file's relative path, size and modification time under `folder` but __pycache__,
+    of `reader`'s and of this Python's version; the number of files)."""
+    h = hashlib.blake2b(f"{sys.version}\0{reader}\0".encode(), digest_size=20)
+    if reader is not None:
+        st = os.stat(reader)
+        h.update(f"{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    pending, files = [folder], 0
     while pending:
         with os.scandir(pending.pop()) as entries:
             for entry in sorted(entries, key=lambda e: e.name):
@@ -174,5 +185,6 @@ def fingerprint(folder: str) -> str:
                     pending.append(entry.path)
                 else:
                     st = entry.stat()
+                    files += 1
                     h.update(f"{entry.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()
+    return h.hexdigest(), files

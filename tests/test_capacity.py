@@ -184,3 +184,34 @@ def test_a_call_that_ends_while_growing_ahead_leaves_every_layer_one_size(engine
     sizes = {c.keys.shape[2] for c in s.cache}
     assert sizes == {capacity.capacity(capacity.capacity(1) + 1)}, sizes  # all grown, to the size growth makes
     assert all(c.offset == s.cache[0].offset for c in s.cache)
+
+
+def test_every_call_that_finishes_leaves_its_layers_one_size(engine, off_grid):
+    # However a call finishes (its own step, or the token handed out when it joins the batch, decoder._lone_row),
+    # Call.finish evens the layers out.
+    s = _appended(engine, "finish", [(i * 37) % 250 + 5 for i in range(250)])
+    call = engine.start_call(s, GenerateParams(max_tokens=4))
+    first = s.cache[0]
+    capacity._regrow(first, capacity.next_size(first), first.keys, first.values)  # one layer grown ahead
+    assert len({c.keys.shape[2] for c in s.cache}) == 2
+    call.finish("length")
+    assert {c.keys.shape[2] for c in s.cache} == {first.keys.shape[2]}
+
+
+def test_growing_ahead_passes_over_layers_that_are_not_plain_kv(own_growth):
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
+
+    def fed(c, n):
+        kv = mx.ones((1, 2, n, 64))
+        c.update_and_fetch(kv, kv)
+        return c
+
+    layers = [fed(KVCache(), 250), fed(RotatingKVCache(max_size=32), 250), fed(QuantizedKVCache(), 250),
+              fed(KVCache(), 250)]
+    assert capacity.grow_ahead(layers) is None  # 250 of 256: room for more than a token per layer
+    for c in layers:
+        fed(c, 5)  # the plain layers now hold 255 of 256: within a token per plain layer of full
+    rotating, quantized = layers[1].keys, layers[2].keys
+    assert [capacity.grow_ahead(layers) for _ in range(3)] == [0, 1, None]  # the two plain layers, in order
+    assert [layers[0].keys.shape[2], layers[3].keys.shape[2]] == [512, 512]
+    assert layers[1].keys.shape == rotating.shape and layers[2].keys[0].shape == quantized[0].shape  # untouched

@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 import pytest
 
+from kvwake.daemon.model import prefillslices
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
@@ -133,17 +134,24 @@ def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(
         thread.call(lambda: deep.decoder.join(call))
         deep.slicer.layer_token_s.clear()  # `whole`'s chunks were measured too
         observe = deep.slicer.observe
-        observe(1e-12, 1, 1)  # fused layers cost nothing (and stay so): a fused chunk is one slice
-        deep.slicer.observe = lambda s, layers, tokens, kind="fused": kind == "fused" or observe(s, layers, tokens, kind)
+        for keys in range(1, 4 * STEP + 8):  # fused layers cost nothing (and stay so): a fused chunk is one slice
+            observe(1e-12, 1, 1, prefillslices.kind("fused", keys))
+        deep.slicer.observe = lambda s, layers, tokens, kind="fused": kind.startswith("fused") or \
+            observe(s, layers, tokens, kind)
+        sized = deep.slicer.layers_for
+        asked: list[tuple[str, int]] = []  # (kind, layers) of every slice sized
+        deep.slicer.layers_for = lambda target_s, tokens, left, kind="fused": \
+            asked.append((kind, n := sized(target_s, tokens, left, kind))) or n
         sliced = Session("sliced")
         deep.append(sliced, tokens=long_prompt, mlx=thread.call)
         call.output.should_stop = lambda: True
         call.future.result(timeout=60)
     finally:
         thread.stop()
-    assert [c.kind for c in chunks] == ["fused"] * 4 + ["plain"], [(c.kind, c.tokens) for c in chunks]
+    assert [c.kind.split("@")[0] for c in chunks] == ["fused"] * 4 + ["plain"], [(c.kind, c.tokens) for c in chunks]
     assert [c.slices for c in chunks[:4]] == [1] * 4
-    assert chunks[-1].slices >= 2  # its first slice was one layer: the fused cost was not its cost
-    assert "plain" in deep.slicer.layer_token_s
+    plain = [n for kind, n in asked if kind.startswith("plain")]
+    assert plain[0] == 1 and chunks[-1].slices == len(plain)  # its first slice one layer: the fused cost not its own
+    assert chunks[-1].kind in deep.slicer.layer_token_s
     got, want = cache_arrays(sliced), cache_arrays(whole)
     assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want))

@@ -163,7 +163,7 @@ def test_transformers_reads_its_models_folder_once_then_from_the_cache(tmp_path)
     assert later <= 5, later  # from the cache (a model family's own folder may still be scanned)
     assert runs[1]["table"] == runs[0]["table"] and runs[2]["table"] == runs[0]["table"]
     if sys.platform == "linux":
-        assert len(list((tmp_path / "kvwake" / "transformers-scans").glob("*.pickle"))) == 1
+        assert len(list((tmp_path / "kvwake" / "transformers-scans").glob("*.marshal"))) == 1
 
 
 def scanner(calls: list[str]):
@@ -192,13 +192,15 @@ def test_a_kept_scan_is_used_only_while_its_folder_is_unchanged(tmp_path):
     def front(calls):
         scan, hook = scanner(calls)
         hook["scan"] = Scans(scan, cache)  # as transformers' own recursive calls go through the module global
-        hook["scan"].WORTH_KEEPING_S = 0  # keep even this small folder's table
+        hook["scan"].KEEP_FROM_FILES = 0  # keep even this small folder's table
         return hook["scan"]
 
     calls = []
-    table = front(calls)(folder)
+    first = front(calls)
+    table = first(folder)
     assert calls == [str(folder), str(folder / "llama")]  # the subfolder straight to the scan, not the front
-    assert front(calls)(folder / "__init__.py") is not None  # the folder's file names the folder
+    assert first(folder / "__init__.py") is table and first(f"{folder}/./") is table  # one folder, one name
+    assert len(calls) == 2
     again = []
     f = front(again)
     assert f(folder / "__init__.py") == table and f(str(folder)) == table and again == []  # from the disk
@@ -206,7 +208,7 @@ def test_a_kept_scan_is_used_only_while_its_folder_is_unchanged(tmp_path):
     changed = []
     assert front(changed)(folder)["llama"]["modeling_llama.py"].endswith("'LlamaForCausalLM']")
     assert changed == [str(folder), str(folder / "llama")]
-    kept = list(cache.glob("*.pickle"))
+    kept = list(cache.glob("*.marshal"))
     assert len(kept) == 1  # one file per folder, rewritten
     kept[0].write_bytes(b"torn")
     torn = []

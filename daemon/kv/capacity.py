@@ -27,7 +27,7 @@ changes: the tokens in it, and so every result, are the same.
 Elsewhere (the CPU, Metal) nothing is installed and growth is mlx-lm's own.
 
 Whichever the rule, a lone decoding session's layers grow one a step before the buffer fills
-(`grow_ahead`), not all in the step that finds it full, to the same sizes.
+(`grow_ahead`), not all in the step that finds it full, to the sizes their own growth gives.
 """
 
 from __future__ import annotations
@@ -112,18 +112,24 @@ def next_size(layer: KVCache) -> int:
 def grow_ahead(cache: list) -> int | None:
     """Before a decode step: while the plain KV layers' buffers are within one token per layer of full,
     grow one of them (the first not grown yet) to the size its own growth would make once full. Returns
-    its index among them, or None.
+    its index among them, or None. (A call that ends inside that window has the others grown to the same
+    size at once: `even_out`.)
 
     Growing is allocating two new buffers per layer and copying the tokens held; done all at once, it is
     one decode step that does it for every layer: on the H100 (8B shape, 32 layers) the step that met a
     session's capacity took 16-37 ms against 4-7 (bench/batching.py's prefill row: every run's longest
     decode step was the neighbour's token at its buffer's 264th). One layer a step, the same work is
-    spread over the last steps before the buffer fills. Only the buffers' sizes move earlier, to the
-    sizes they would have had: the tokens in them, and so every result, are the same.
+    spread over the last steps before the buffer fills. Only the buffers grow earlier, to the sizes
+    their own growth gives: the tokens in them, and so every result, are the same.
     """
+    if not GROW_AHEAD or not cache:
+        return None
+    last = cache[-1]  # the common case, in O(1): the last layer (the last to grow) has room for a token a layer
+    if type(last) is KVCache and last.keys is not None and last.keys.shape[2] - last.offset >= len(cache):
+        return None
     layers = [c for c in cache if type(c) is KVCache and c.keys is not None]
-    if not GROW_AHEAD or not layers or layers[-1].keys.shape[2] - layers[-1].offset >= len(layers):
-        return None  # the last to grow has room for a token per layer: nothing to do yet (the common case)
+    if not layers or layers[-1].keys.shape[2] - layers[-1].offset >= len(layers):
+        return None
     for i, layer in enumerate(layers):
         if layer.keys.shape[2] - layer.offset < len(layers):
             _regrow(layer, next_size(layer), layer.keys, layer.values)

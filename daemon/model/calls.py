@@ -54,6 +54,8 @@ class Call:
             return
         result = self.output.result(reason, self.prompt_tokens)
         s = self.session
+        if s.cache is not None:  # a lone call's growth ahead left half done: every layer one size again
+            kvcapacity.even_out(s.cache)
         s.tokens = s.tokens + result.tokens
         s.processed = len(s.tokens)
         if s.mode == "chat":  # the raw text (tool-call markup and all): it re-renders to these same tokens

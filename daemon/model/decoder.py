@@ -62,7 +62,6 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.model.calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
 from kvwake.daemon.model.joining import Row, dead_rows, extract_row, fits, place, retire, rows_batch, slot_size
@@ -396,7 +395,6 @@ class Decoder:
         self._count(1)
         reason = call.output.add(token)
         if reason is not None:
-            kvcapacity.even_out(call.solo.cache)  # a growth ahead it left half done: every layer one size again
             self.solo.remove(call)
             call.solo = None
             call.finish(reason)

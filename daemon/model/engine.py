@@ -436,7 +436,7 @@ class Engine:
             self._warm_buckets(session, n)
         chunk = prefillslices.Chunk(session, end, self.slicer,
                                     self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
-                                    kind="plain" if plain else "bucket" if bucket else "fused")
+                                    kind=prefillslices.kind("plain" if plain else "bucket" if bucket else "fused", end))
         if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
             chunk.step()  # in Python for the 8B shape), and its slices the next ones
         return chunk

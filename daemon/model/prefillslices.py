@@ -25,22 +25,29 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["Chunk", "Slicer", "SLICE_OF_STEP"]
+__all__ = ["Chunk", "Slicer", "SLICE_OF_STEP", "kind"]
 
 # A slice's target time, in decode steps: a neighbour's gap during a prefill is about one step plus one slice.
 # KVWAKE_SLICE_OF_STEP sets it for a measurement (bench/batching.py's prefill row compares).
 SLICE_OF_STEP = float(os.environ.get("KVWAKE_SLICE_OF_STEP", "1.0"))
 
 
+def kind(path: str, keys: int) -> str:
+    """A chunk's kind for the Slicer's costs: its attention path ("fused", "plain", "bucket") and its key
+    length to a power of two (attention's share of a layer grows with the keys: plain's most)."""
+    return f"{path}@{keys.bit_length()}"
+
+
 class Slicer:
     """How many layers a slice takes: from the measured seconds per layer and token of recent slices of the
-    same kind of chunk (the attention path it runs: "fused", "plain" or "bucket").
+    same kind of chunk (`kind`: the attention path it runs, "fused", "plain" or "bucket", and its key length
+    to a power of two).
 
     Kinds apart: a long prompt's full chunks run fused, and its last, shorter one may run plain (a key
     length new to this process, beside decoding: engine.py), whose layer costs several times a fused one
     over a long cache. Sized from the fused chunks' cost, that chunk's first slice took 28-30 ms on the
     H100 against a 4 ms target: the one gap of 6x in a neighbour's stream. A kind not seen yet starts at
-    one layer, measured.
+    one layer, measured (a kind is also new at each doubling of the keys: one small slice more per doubling).
     """
 
     def __init__(self) -> None:
