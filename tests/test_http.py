@@ -112,8 +112,10 @@ def test_status_says_where_each_turns_first_token_went(daemon, api):
     mine = [t for t in turns if t["session"] == reply.model_extra["kvwake"]["session_id"]]
     assert len(mine) == 1 and mine[0]["at"] >= sent - 1, turns
     phases = mine[0]
-    assert set(phases) >= {"render_ms", "match_ms", "claim_ms", "append_ms", "first_token_ms", "prefilled"}
+    assert set(phases) >= {"render_ms", "match_ms", "match_store_ms", "claim_ms", "append_ms", "first_token_ms",
+                           "prefilled"}
     assert all(phases[k] >= 0 for k in phases if k.endswith("_ms")) and phases["prefilled"] > 0
+    assert 0 < phases["match_store_ms"] <= phases["match_ms"]  # the store was asked, within the finding
     assert phases["append_ms"] > 0 and phases["first_token_ms"] > 0
 
 

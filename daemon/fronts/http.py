@@ -312,7 +312,8 @@ class Api:
                 match = await self.matcher.find(prompt.target, prompt.mode, getattr(req, "hint", None))
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
             phases = {"render_ms": round((rendered - started) * 1000, 2),
-                      "match_ms": round((time.perf_counter() - rendered) * 1000, 2)}
+                      "match_ms": round((time.perf_counter() - rendered) * 1000, 2),
+                      **({} if req.session_id is not None else {"match_store_ms": match.store_ms})}
             claimed = asyncio.Event()
             task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
                                                     claimed.set, on_append, phases))

@@ -99,6 +99,7 @@ class Match:
     session_id: str
     how: str
     shared_tokens: int = 0  # the common prefix with the session it came from
+    store_ms: float = 0.0  # of the finding, the store's lookups (on worker threads, with any wait for the store's lock)
 
 
 class Matcher:
@@ -114,12 +115,15 @@ class Matcher:
         if hint.session_id is not None:
             return await self._follow(hint, want, mode)
         skip: set[str] = set()  # stored candidates found busy or gone: asked again without them
+        store_s = 0.0
         for _ in range(LOOKUPS):
             hot = list(self.manager.entries.hot.values())  # their stored heads are stale: compared from memory
             found = [c for c in (self._hot(entry, target, mode) for entry in hot) if c is not None]
             exclude = {entry.id for entry in hot} | skip
+            asked = time.perf_counter()
             stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(  # the array: no list walk
                 self.manager.engine.bundle.hash, want, origin=ORIGIN, mode=mode, exclude=exclude))
+            store_s += time.perf_counter() - asked
             fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
             slept = any(entry.session is None for entry in hot)  # meanwhile: its new head was left out
             if len(fresh) == len(stored) and not slept:
@@ -131,8 +135,8 @@ class Matcher:
         own = [c for c in candidates if hint.lineage is None or c.lineage in (None, hint.lineage)]
         best = min(own, key=lambda c: (-c.shared, c.lineage != hint.lineage, c.created, c.session_id), default=None)
         if best is not None and best.shared > 0 and best.shared >= best.reply_start:
-            return Match(best.session_id, "continued", best.shared)
-        return await self._new(branch, branch > 0, hint.lineage)
+            return Match(best.session_id, "continued", best.shared, round(store_s * 1000, 2))
+        return dataclasses.replace(await self._new(branch, branch > 0, hint.lineage), store_ms=round(store_s * 1000, 2))
 
     async def _follow(self, hint: Hint, want: np.ndarray, mode: str) -> Match:
         """The session a stored response names, while it still holds that response's state; else a new one
