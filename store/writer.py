@@ -199,6 +199,9 @@ class SnapshotWriter:
         Returns the files of blocks another writer indexed first (duplicates to delete).
         """
         now, losers, self._indexed = time.time(), [], {}
+        # Outside the index lock, which lookups wait on: the token ids as an array once (the snapshot row and
+        # its digest take them; a 75k-token list converted twice was ~7 ms of a checkpoint's transaction).
+        tokens = np.asarray(self.token_ids, dtype=np.int64)
         with self.store.transaction() as db:
             for _, ref in self.block_rows():
                 cur = db.execute(
@@ -222,19 +225,20 @@ class SnapshotWriter:
             db.execute(f"UPDATE blocks SET last_used = ?{', pins = 1' if self.pin else ''} WHERE key IN ({marks})",
                        [now, *self.keys])
             if self.id is not None:
-                self._insert_snapshot(db, now)
+                self._insert_snapshot(db, now, tokens)
         return losers
 
     def _check_reused(self) -> dict[str, str]:
         """The reused blocks' digests as the index holds them now (a block fsck quarantined and another
         writer wrote again since planning has new bytes: the snapshot names those)."""
         # The shared lock keeps gc away, but fsck may have quarantined a block since planning.
-        reused = [k for k in self.keys if k not in {ref.key for _, ref in self.block_rows()}]
-        rows = self.store.index.blocks_by_key(reused)  # under the index lock: _index's transaction holds it
-        bad = [k for k in reused if k not in rows or rows[k].quarantined]
+        written = {self.keys[i] for i in self._new}
+        reused = [k for k in self.keys if k not in written]
+        rows = self.store.index.digests_by_key(reused)  # under the index lock: _index's transaction holds it
+        bad = [k for k in reused if k not in rows or rows[k][1]]
         if bad:
             raise CorruptBlockError(f"blocks quarantined while snapshot {self.id} was written; retry", blocks=bad)
-        return {k: rows[k].digest for k in reused}
+        return {k: rows[k][0] for k in reused}
 
     def _replace(self, db: sqlite_utils.Database) -> None:
         """Drop the snapshot `supersede` names, in this transaction, when it is still this session's head
@@ -249,12 +253,11 @@ class SnapshotWriter:
         self.parent, self.superseded = row[0], self.supersede
         self._dropped += [row[1]] if row[1] else []
 
-    def _insert_snapshot(self, db: sqlite_utils.Database, now: float) -> None:
+    def _insert_snapshot(self, db: sqlite_utils.Database, now: float, tokens: np.ndarray) -> None:
         if self.supersede is not None:
             self._replace(db)
         tail = self.tail
-        digest = snapshot_digest(self.bundle, self.token_ids, self.digests(), tail.digest if tail else None,
-                                 self.metadata)
+        digest = snapshot_digest(self.bundle, tokens, self.digests(), tail.digest if tail else None, self.metadata)
         db.execute(
             "INSERT INTO sessions (id, created, updated) VALUES (?, ?, ?) "
             "ON CONFLICT(id) DO UPDATE SET updated = excluded.updated",
@@ -264,7 +267,7 @@ class SnapshotWriter:
             "INSERT INTO snapshots (id, session_id, bundle, token_ids, n_tokens, tail_file, tail_digest,"
             " tail_codec, tail_raw, tail_stored, digest, label, parent, created, metadata, tail_parent, tail_tokens)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (self.id, self.session_id, self.bundle, tokens_to_bytes(self.token_ids), len(self.token_ids),
+            (self.id, self.session_id, self.bundle, tokens_to_bytes(tokens), len(tokens),
              tail.file if tail else None, tail.digest if tail else None, tail.codec if tail else None,
              tail.raw_bytes if tail else 0, tail.stored_bytes if tail else 0,
              digest, self.label, self.parent, now, self.metadata_json(), *(self.tail_index() if tail else (None, None))),

@@ -505,3 +505,18 @@ def test_a_file_name_that_leaves_the_store_is_refused(store):
     for bad in ("../x", "/etc/passwd", "blocks/../../x", "", "blocks/\0x"):
         with pytest.raises(ValueError, match="outside the store"):
             files.absolute(bad)
+
+
+def test_a_reused_block_quarantined_meanwhile_fails_the_commit_and_names_it(store):
+    # The commit checks the blocks it reuses (their digests and quarantine marks: index.digests_by_key, inside
+    # the transaction); a block fsck condemned since the writer opened, and nobody wrote again, is named.
+    write_snapshot(store, "first", TOKENS)
+    later = store.writer("later", BUNDLE, TOKENS)  # reuses every block
+    key = store.rows("SELECT block_key FROM snapshot_blocks ORDER BY pos LIMIT 1")[0]["block_key"]
+    with store.index.write() as db:
+        db.execute("UPDATE blocks SET quarantined = 1 WHERE key = ?", (key,))
+    later.set_tail(kv_arrays(TOKENS[12:], 12))
+    with pytest.raises(CorruptBlockError, match="quarantined while") as caught:
+        later.commit()
+    assert caught.value.data["blocks"] == [key]
+    assert [s["session_id"] for s in store.snapshots()] == ["first"]  # nothing of `later` committed
