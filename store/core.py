@@ -74,6 +74,9 @@ class StoreCore:
         self.files = StoreFiles(self.root)
         self.block_tokens, self.budget_bytes, self.keep_history, self.codec = block_tokens, budget_bytes, keep_history, codec
         self._lock = threading.RLock()
+        self._readers = threading.local()  # each thread's read-only connection (snapshot_read)
+        self._reader_indexes: list[Index] = []  # all of them, closed with the store
+        self._readers_lock = threading.Lock()  # for that list: never the index lock, which a writer holds
         with self.files.lock(exclusive=True):
             self.index = Index(self.root / "index.sqlite")
             self.index.migrate()
@@ -121,7 +124,10 @@ class StoreCore:
                                      f"open it with block_tokens={stored}", store=str(self.root), block_tokens=stored)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._readers_lock:
+            for reader in self._reader_indexes:
+                reader.db.conn.close()
+            self._reader_indexes.clear()
             self.index.db.conn.close()
 
     def __enter__(self) -> Self:
@@ -135,6 +141,25 @@ class StoreCore:
     def locked(self) -> threading.RLock:
         """The index lock (re-entrant): hold it around index calls that must see one state."""
         return self._lock
+
+    @contextlib.contextmanager
+    def snapshot_read(self) -> Iterator[Index]:
+        """The index as of its last commit, for reads that must see one state, through this thread's own
+        read-only connection: it neither takes the index lock nor waits for a write under way (the index is
+        in WAL mode), so a request's lookup does not wait for a checkpoint's commit (23-51 ms over a 75k-token
+        conversation here: bench/checkpoint_lock.py). What it reads may be a commit older than a write
+        finishing meanwhile; its users (lookups that pick candidates) check what they find."""
+        index = getattr(self._readers, "index", None)
+        if index is None:
+            index = Index(self.root / "index.sqlite", read_only=True)
+            self._readers.index = index
+            with self._readers_lock:
+                self._reader_indexes.append(index)
+        index.db.execute("BEGIN")  # one read transaction: every query in it sees the same commit
+        try:
+            yield index
+        finally:
+            index.db.execute("COMMIT")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite_utils.Database]:

@@ -38,6 +38,7 @@ import numpy as np
 
 from kvwake.store.core import StoreCore
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
+from kvwake.store.index import Index
 from kvwake.store.prefix import NEIGHBOURS, common_length
 
 __all__ = ["HeadMatch", "deepest_head"]
@@ -100,11 +101,11 @@ class HeadMatch:
     reply_start: int | None
 
 
-def _neighbours(store: StoreCore, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _neighbours(index: Index, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of `sql` nearest `params["probe"]` in token order: NEIGHBOURS on each side."""
     rows = []
     for op, order in (("<=", "DESC"), (">", "ASC")):
-        rows += store.index.rows(sql.format(op=op, order=order), {**params, "n": NEIGHBOURS})
+        rows += index.rows(sql.format(op=op, order=order), {**params, "n": NEIGHBOURS})
     return rows
 
 
@@ -121,11 +122,11 @@ def deepest_head(store: StoreCore, bundle: str, token_ids: Sequence[int], *, ori
     B = store.block_tokens
     keys = chain_keys(bundle, token_ids, B)
     where = {"origin": origin, "mode": mode, "exclude": json.dumps(sorted(exclude)), "bundle": bundle, "ties": TIES}
-    with store.locked():
+    with store.snapshot_read() as index:  # one commit's state, without waiting for a write under way
         lo, hi = 0, len(keys)  # keys[:lo] are held; keys[hi:] are not
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if store.index.rows(_HELD, {**where, "key": keys[mid - 1]}):
+            if index.rows(_HELD, {**where, "key": keys[mid - 1]}):
                 lo = mid
             else:
                 hi = mid - 1
@@ -135,15 +136,15 @@ def deepest_head(store: StoreCore, bundle: str, token_ids: Sequence[int], *, ori
         if len(probe):
             params = {**where, "parent": parent, "probe": tokens_to_bytes(probe)}
             found += [_match(r, depth * B + common_length(r["tail_tokens"], probe))
-                      for r in _neighbours(store, _TAILS, params)]
-            blocks = [(common_length(r["token_ids"], probe), r["key"]) for r in _neighbours(store, _CHILD_BLOCKS, params)]
+                      for r in _neighbours(index, _TAILS, params)]
+            blocks = [(common_length(r["token_ids"], probe), r["key"]) for r in _neighbours(index, _CHILD_BLOCKS, params)]
             for k, key in blocks:
                 if k == max(blocks)[0]:
-                    found += [_match(r, depth * B + k) for r in store.index.rows(_HELD_BY, {**where, "key": key})]
+                    found += [_match(r, depth * B + k) for r in index.rows(_HELD_BY, {**where, "key": key})]
         if depth and max((m.shared for m in found), default=depth * B) == depth * B:
             # No head goes on with the request's next token: every holder of the run ties (heads that end
             # there too); a few of them, not sorted (a new thread on a prompt thousands share is common).
-            found = [_match(r, depth * B) for r in store.index.rows(_HOLDERS, {**where, "key": parent})]
+            found = [_match(r, depth * B) for r in index.rows(_HOLDERS, {**where, "key": parent})]
     best = max((m.shared for m in found), default=0)
     top = {m.session_id: m for m in sorted(found, key=lambda m: (m.created, m.session_id)) if m.shared == best > 0}
     return list(top.values())[:TIES]

@@ -198,7 +198,14 @@ class SnapshotRecord:
 class Index:
     """A connection to one store's index. Not thread-safe: the StoreCore serializes access (core.py)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False) -> None:
+        """`read_only`: a connection that only reads (StoreCore.snapshot_read: one per thread); the store's
+        own connection sets the journal (WAL, which lets such readers see the last commit during a write)."""
+        if read_only:
+            conn = sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True, isolation_level=None,
+                                   check_same_thread=False, timeout=30.0)
+            self.db = sqlite_utils.Database(conn)
+            return
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
         self.db = sqlite_utils.Database(conn)
         self.db.execute("PRAGMA journal_mode=WAL")

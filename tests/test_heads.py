@@ -180,3 +180,58 @@ def test_common_prefix_of_lists_and_arrays_agree_at_every_kind_of_position():
             assert common_prefix(a, b) == at, (at, type(a), type(b))
     for a, b in ((base, base[:100]), (base[:PREFIX_PIECE], base), ([], base), (base, base)):
         assert common_prefix(a, b) == common_prefix(np.asarray(a), np.asarray(b)) == min(len(a), len(b))
+
+
+def test_a_lookup_does_not_wait_for_a_commit_under_way_and_sees_the_last_one(store):
+    # Was: the lookup took the index lock, which a checkpoint's transaction holds through its commit (23-51 ms
+    # over a 75k-token conversation: bench/checkpoint_lock.py), so a request's matching waited for it.
+    import threading
+    import time
+
+    tokens = list(range(40))
+    write_snapshot(store, "http-a", tokens, metadata={"mode": "chat"})
+    store.ensure_session("http-a", {"origin": "http"})
+    holding, release = threading.Event(), threading.Event()
+
+    def write_slowly():
+        with store.transaction() as db:  # a commit under way: a session row no reader may see yet
+            db.execute("INSERT INTO sessions (id, created, updated) VALUES ('http-b', 0, 0)")
+            holding.set()
+            release.wait(10)
+
+    writer = threading.Thread(target=write_slowly)
+    writer.start()
+    try:
+        assert holding.wait(10)
+        began = time.perf_counter()
+        got = store.deepest_heads(BUNDLE, tokens + [99], origin="http", mode="chat")
+        took = time.perf_counter() - began
+    finally:
+        release.set()
+        writer.join()
+    assert took < 2, took  # the writer held on for up to 10 s
+    assert [m.session_id for m in got] == ["http-a"] and got[0].shared == 40
+    assert store.deepest_heads(BUNDLE, tokens + [99], origin="http", mode="chat")[0].session_id == "http-a"
+
+
+def test_the_lookups_connections_close_with_the_store(tmp_path):
+    import threading
+
+    from kvwake.store import Store
+
+    s = Store(tmp_path / "s", block_tokens=4)
+    s.register_bundle(BUNDLE, {"model": "test-a"})
+    write_snapshot(s, "http-a", list(range(12)), metadata={"mode": "chat"})
+    s.ensure_session("http-a", {"origin": "http"})
+    threads = [threading.Thread(target=s.deepest_heads, args=(BUNDLE, list(range(12))),
+                                kwargs={"origin": "http", "mode": "chat"}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    readers = list(s._reader_indexes)
+    assert len(readers) == 3  # one per thread
+    s.close()
+    for reader in readers:
+        with pytest.raises(Exception, match="closed"):
+            reader.db.execute("SELECT 1")
