@@ -74,9 +74,10 @@ class StoreCore:
         self.files = StoreFiles(self.root)
         self.block_tokens, self.budget_bytes, self.keep_history, self.codec = block_tokens, budget_bytes, keep_history, codec
         self._lock = threading.RLock()
-        self._readers = threading.local()  # each thread's read-only connection (snapshot_read)
-        self._reader_indexes: list[Index] = []  # all of them, closed with the store
-        self._readers_lock = threading.Lock()  # for that list: never the index lock, which a writer holds
+        # snapshot_read's read-only connections not in use (as many as lookups ever ran at once), closed with
+        # the store; their own lock, never the index lock, which a writer holds
+        self._readers: list[Index] = []
+        self._readers_lock = threading.Lock()
         with self.files.lock(exclusive=True):
             self.index = Index(self.root / "index.sqlite")
             self.index.migrate()
@@ -125,9 +126,9 @@ class StoreCore:
 
     def close(self) -> None:
         with self._lock, self._readers_lock:
-            for reader in self._reader_indexes:
+            for reader in self._readers:
                 reader.db.conn.close()
-            self._reader_indexes.clear()
+            self._readers.clear()
             self.index.db.conn.close()
 
     def __enter__(self) -> Self:
@@ -144,22 +145,27 @@ class StoreCore:
 
     @contextlib.contextmanager
     def snapshot_read(self) -> Iterator[Index]:
-        """The index as of its last commit, for reads that must see one state, through this thread's own
-        read-only connection: it neither takes the index lock nor waits for a write under way (the index is
-        in WAL mode), so a request's lookup does not wait for a checkpoint's commit (23-51 ms over a 75k-token
-        conversation here: bench/checkpoint_lock.py). What it reads may be a commit older than a write
-        finishing meanwhile; its users (lookups that pick candidates) check what they find."""
-        index = getattr(self._readers, "index", None)
+        """The index as of its last commit, for reads that must see one state, through a read-only connection
+        of their own (taken from the store's few, made when none is free): it neither takes the index lock nor
+        waits for a write under way (the index is in WAL mode), so a request's lookup does not wait for a
+        checkpoint's commit (23-51 ms over a 75k-token conversation here: bench/checkpoint_lock.py). What it
+        reads may be a commit older than a write finishing meanwhile; its users (lookups that pick
+        candidates) check what they find. Pooled, not one per thread: worker threads come and go."""
+        with self._readers_lock:
+            index = self._readers.pop() if self._readers else None
         if index is None:
             index = Index(self.root / "index.sqlite", read_only=True)
-            self._readers.index = index
-            with self._readers_lock:
-                self._reader_indexes.append(index)
-        index.db.execute("BEGIN")  # one read transaction: every query in it sees the same commit
         try:
-            yield index
-        finally:
-            index.db.execute("COMMIT")
+            index.db.execute("BEGIN")  # one read transaction: every query in it sees the same commit
+            try:
+                yield index
+            finally:
+                index.db.execute("COMMIT")
+        except BaseException:
+            index.db.conn.close()  # its state unknown: not handed out again
+            raise
+        with self._readers_lock:
+            self._readers.append(index)
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite_utils.Database]:

@@ -214,7 +214,9 @@ def test_a_lookup_does_not_wait_for_a_commit_under_way_and_sees_the_last_one(sto
     assert store.deepest_heads(BUNDLE, tokens + [99], origin="http", mode="chat")[0].session_id == "http-a"
 
 
-def test_the_lookups_connections_close_with_the_store(tmp_path):
+def test_the_lookups_connections_are_reused_and_close_with_the_store(tmp_path):
+    # Worker threads come and go (anyio prunes idle ones): a connection per thread would pile up for the
+    # daemon's life. The lookups share a few, as many as ever ran at once.
     import threading
 
     from kvwake.store import Store
@@ -223,14 +225,16 @@ def test_the_lookups_connections_close_with_the_store(tmp_path):
     s.register_bundle(BUNDLE, {"model": "test-a"})
     write_snapshot(s, "http-a", list(range(12)), metadata={"mode": "chat"})
     s.ensure_session("http-a", {"origin": "http"})
-    threads = [threading.Thread(target=s.deepest_heads, args=(BUNDLE, list(range(12))),
-                                kwargs={"origin": "http", "mode": "chat"}) for _ in range(3)]
-    for t in threads:
+    for _ in range(5):  # one thread after another, each new
+        t = threading.Thread(target=s.deepest_heads, args=(BUNDLE, list(range(12))),
+                             kwargs={"origin": "http", "mode": "chat"})
         t.start()
-    for t in threads:
         t.join()
-    readers = list(s._reader_indexes)
-    assert len(readers) == 3  # one per thread
+    assert len(s._readers) == 1
+    with s.snapshot_read() as a, s.snapshot_read() as b:  # two at once: two connections
+        assert a is not b
+    readers = list(s._readers)
+    assert len(readers) == 2
     s.close()
     for reader in readers:
         with pytest.raises(Exception, match="closed"):
