@@ -255,25 +255,20 @@ class Index:
         return rows[0] if rows else None
 
     def blocks_by_key(self, keys: list[str]) -> dict[str, BlockRef]:
-        found: dict[str, BlockRef] = {}
-        for start in range(0, len(keys), 500):
-            chunk = keys[start : start + 500]
-            marks = ",".join("?" * len(chunk))
-            for row in self.db.query(f"SELECT * FROM blocks WHERE key IN ({marks})", chunk):
-                found[row["key"]] = BlockRef.from_row(row)
-        return found
+        return {row["key"]: BlockRef.from_row(row) for row in self._blocks_where_key_in("*", keys)}
 
     def digests_by_key(self, keys: list[str]) -> dict[str, tuple[str, bool]]:
         """(digest, quarantined) of each block of `keys` the index holds: what a commit checks of the blocks it
         reuses, without their token ids (a 75k-token checkpoint reuses ~600 blocks, inside the index lock)."""
-        found: dict[str, tuple[str, bool]] = {}
+        return {row["key"]: (row["digest"], bool(row["quarantined"]))
+                for row in self._blocks_where_key_in("key, digest, quarantined", keys)}
+
+    def _blocks_where_key_in(self, columns: str, keys: list[str]) -> Iterator[dict[str, Any]]:
+        """`columns` of the blocks rows whose key is one of `keys`, 500 keys a query (SQLite's limit on
+        parameters)."""
         for start in range(0, len(keys), 500):
             chunk = keys[start : start + 500]
-            marks = ",".join("?" * len(chunk))
-            for key, digest, quarantined in self.db.execute(
-                    f"SELECT key, digest, quarantined FROM blocks WHERE key IN ({marks})", chunk).fetchall():
-                found[key] = (digest, bool(quarantined))
-        return found
+            yield from self.db.query(f"SELECT {columns} FROM blocks WHERE key IN ({','.join('?' * len(chunk))})", chunk)
 
     def snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
         row = self.one("SELECT * FROM snapshots WHERE id = ?", (snapshot_id,))
