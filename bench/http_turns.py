@@ -80,7 +80,7 @@ def daemon_side(d: Daemon, since: float, until: float) -> tuple[list[list[Any]],
     slow = status["engine_thread"]["slow"]
     turns = [t for t in status["turns"] if t["at"] >= since - 1e-3]
     return ([[s["what"], s["ms"]] for s in slow if since - 1e-3 <= s["at"] + s["ms"] / 1000 and s["at"] <= until],
-            {k: v for k, v in turns[-1].items() if k.endswith("_ms")} if turns else None)
+            {k: v for k, v in turns[-1].items() if k.endswith("_ms") or k == "match"} if turns else None)
 
 
 def start(root: Path, model: Path) -> Daemon:

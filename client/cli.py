@@ -83,7 +83,8 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--model", help="mlx-lm model folder or hub id (env KVWAKE_MODEL); default SmolLM2-135M-Instruct.")
 @click.option("--config", "config_file", type=click.Path(), help="TOML config file (env KVWAKE_CONFIG).")
 @click.option("--block-tokens", type=int, help="Tokens per stored block (fixed per store).")
-@click.option("--hot-budget-bytes", type=int, help="KV bytes of hot sessions before LRU ones sleep.")
+@click.option("--hot-budget-bytes", type=int, help="KV bytes of hot sessions before LRU ones sleep "
+              "(default: half the memory the KV may have beside the weights).")
 @click.option("--idle-timeout", "idle_timeout_s", type=float, help="Seconds idle before a session sleeps.")
 @click.option("--max-batch", type=int,
               help="Calls decoded together per forward pass (default 32); 1 decodes each alone, bit-exact.")

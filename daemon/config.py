@@ -7,7 +7,7 @@ Config file (TOML, default `<user config dir>/kvwake/config.toml`), any of
 the `Settings` field names as top-level keys, e.g.
 
     model = "~/models/Qwen3-4B-4bit"
-    hot_budget_bytes = 4_000_000_000
+    hot_budget_bytes = 4_000_000_000  # hot KV before LRU sessions sleep (default: half the memory left for KV)
     idle_timeout_s = 900
     allow_uids = [501]
     codec = "raw"            # block codec for new blocks (default "auto": measured here; `kvwake status` says which)
@@ -55,7 +55,9 @@ class Settings:
     data_dir: Path = field(default_factory=default_data_dir)
     model: str | None = None  # an mlx-lm folder or hub id; None: the default model
     block_tokens: int = 128
-    hot_budget_bytes: int = 2 << 30  # KV of hot sessions; LRU sessions sleep above it
+    # KV of hot sessions; LRU sessions sleep above it. None: half the memory the KV may have beside the weights
+    # and a prefill's scratch (model/memory.py hot_budget: ~24 GB on an 80 GB GPU with an 8B model's weights)
+    hot_budget_bytes: int | None = None
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
     ram_tier_bytes: int = 256 << 20  # decoded hot blocks kept in RAM

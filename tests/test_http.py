@@ -117,6 +117,12 @@ def test_status_says_where_each_turns_first_token_went(daemon, api):
     assert all(phases[k] >= 0 for k in phases if k.endswith("_ms")) and phases["prefilled"] > 0
     assert 0 < phases["match_store_ms"] <= phases["match_ms"]  # the store was asked, within the finding
     assert phases["append_ms"] > 0 and phases["first_token_ms"] > 0
+    assert phases["match"] == "new"  # a conversation no session had: how the matcher found it
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "on"}]
+    again = chat(api, messages)
+    with daemon.client() as rpc:
+        turn = rpc.call("status")["turns"][-1]
+    assert turn["session"] == again.model_extra["kvwake"]["session_id"] and turn["match"] == "continued"
 
 
 def test_a_branch_copies_the_shared_prefix_and_leaves_the_source(api):

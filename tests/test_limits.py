@@ -38,6 +38,18 @@ def test_session_tokens_leave_room_for_the_weights_and_a_prefills_scratch():
     assert memory.session_tokens(limits, weights_bytes=0, token_bytes=0) is None  # nothing grows per token
 
 
+def test_the_hot_budget_is_half_the_memory_left_for_kv():
+    # Was a fixed 2 GiB: a 75k-token session of the 8B shape (9.8 GB) slept whenever it was idle at a
+    # lifecycle pass, between an agent's turns, and its next turn restored it from the store (1.9 s on the
+    # H100, against ~0.1 s continuing it). Now half of what the memory limit leaves beside the weights and
+    # a prefill's scratch; the other half is room to wake or prefill while others stay hot.
+    limits = memory.Limits(memory_bytes=10_000, cache_bytes=0)
+    assert memory.hot_budget(limits, weights_bytes=4_000) == 2_500  # (9000 usable - 4000 weights) / 2
+    assert memory.hot_budget(limits, weights_bytes=20_000) == 0  # nothing left: every idle session sleeps
+    h100 = memory.Limits(memory_bytes=int(80e9 * memory.MEMORY_SHARE), cache_bytes=0)
+    assert memory.hot_budget(h100, weights_bytes=16_000_000_000) > 75_000 * 128 * 1024 * 2  # two such sessions
+
+
 def test_session_tokens_count_the_buffer_a_long_session_grows_to():
     # Past 16k tokens a buffer grows by a sixteenth of itself on CUDA (kv/capacity.py): a session at the limit
     # held up to 6% more than the limit's tokens, out of the prefill's scratch share. Now its buffer fits.
@@ -66,6 +78,9 @@ def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir
             assert memory_status["mlx_memory_limit_bytes"] == int(memory.device_memory() * memory.MEMORY_SHARE)
             assert memory_status["kv_bytes_per_token"] > 0 and memory_status["weights_bytes"] > 0
             assert memory_status["mlx_peak_bytes"] >= memory_status["mlx_active_bytes"] >= memory_status["weights_bytes"]
+            # no budget configured: the engine's, from the memory limit and the weights it measured
+            assert memory_status["hot_budget_bytes"] == memory.hot_budget(
+                memory.Limits(memory_status["mlx_memory_limit_bytes"], 0), memory_status["weights_bytes"])
             rpc.call("session.create", session_id="s")
             with pytest.raises(RpcError) as refused:
                 rpc.call("session.append", session_id="s", tokens=TOKENS)

@@ -295,6 +295,19 @@ async def test_an_auto_sleep_over_the_budget_waits_for_the_kv_it_frees(manager):
     assert manager.freeing_bytes() == 0 and len(manager.entries.hot) == 2
 
 
+async def test_with_no_budget_configured_the_engines_own_decides_what_sleeps(manager):
+    for name in ("a", "b"):
+        await manager.create(name, SYSTEM)
+        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+    manager.settings = dataclasses.replace(manager.settings, hot_budget_bytes=None)
+    manager.engine.hot_budget_bytes = manager.hot_bytes()  # both fit
+    assert manager.hot_budget() == manager.hot_bytes() and await manager.enforce_limits() == 0
+    manager.engine.hot_budget_bytes = manager.hot_bytes() - 1  # one over: the older sleeps
+    assert await manager.enforce_limits() == 1 and list(manager.entries.hot) == ["b"]
+    manager.settings = dataclasses.replace(manager.settings, hot_budget_bytes=1 << 40)  # a configured one wins
+    assert manager.hot_budget() == 1 << 40
+
+
 async def test_status_names_the_engines_step_gaps_and_a_sleep_its_phases(manager):
     # step_gaps is the engine's side of a streaming client's token gaps (bench/batching.py reads it)
     from kvwake.daemon.model.generation import GenerateParams

@@ -118,6 +118,7 @@ def test_a_slice_of_another_attention_path_is_sized_from_that_paths_own_cost():
 def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep):
     # CUDA's choice here: a chunk shorter than the step (a prompt's last piece) runs plain attention
     deep.plain_prefill = True
+    deep.paths = None  # every short chunk plain, as on the CPU (CUDA's measured costs ran this one fused)
     long_prompt = [(i * 37 + 5) % 200 + 20 for i in range(4 * STEP + 7)]
     whole = Session("whole")
     deep.append(whole, tokens=long_prompt)  # nothing decodes: the full chunks' shapes are known fused after

@@ -311,7 +311,7 @@ class Api:
             else:
                 match = await self.matcher.find(prompt.target, prompt.mode, getattr(req, "hint", None))
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
-            phases = {"render_ms": round((rendered - started) * 1000, 2),
+            phases = {"match": session["match"], "render_ms": round((rendered - started) * 1000, 2),
                       "match_ms": round((time.perf_counter() - rendered) * 1000, 2),
                       **({} if req.session_id is not None else {"match_store_ms": match.store_ms})}
             claimed = asyncio.Event()

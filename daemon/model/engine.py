@@ -169,6 +169,8 @@ class Engine:
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits
+        # What hot sessions' KV may hold when the settings name no budget (model/memory.py hot_budget).
+        self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
 
     def warm_jobs(self) -> list[Callable[[], Any]]:

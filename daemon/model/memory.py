@@ -32,12 +32,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import state
 
-__all__ = ["DEFAULT_CACHE_BYTES", "MEMORY_SHARE", "Limits", "apply_limits", "device_memory", "kv_token_bytes",
-           "session_tokens"]
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHARE", "Limits", "apply_limits",
+           "device_memory", "hot_budget", "kv_token_bytes", "session_tokens"]
 
 DEFAULT_CACHE_BYTES = 4 << 30
 MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
 WORKSPACE_SHARE = 0.1  # of the limit, kept for a prefill's scratch (a 32k prefill of the 8B shape: ~3 GiB)
+HOT_SHARE = 0.5  # of the memory left for KV, the hot sessions' budget when none is configured
+DEFAULT_HOT_BUDGET = 2 << 30  # the budget of an engine that sets no limits (tests, tools)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,15 @@ def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 
         return plain
     itemsize = next((c.keys.dtype.size for c in cache if getattr(c, "keys", None) is not None), 2)
     return int(plain / itemsize * (kv_bits / 8 + 4 / kv_group_size))
+
+
+def hot_budget(limits: Limits, weights_bytes: int) -> int:
+    """Bytes of KV hot sessions may hold before the least recently used sleep, when none is configured:
+    HOT_SHARE of what the memory limit leaves beside the weights and a prefill's scratch. The other half is
+    room for a session to wake or prefill while others stay hot. Was a fixed 2 GiB: a 75k-token session of
+    the 8B shape (9.8 GB) went over it alone and slept whenever it was idle at a lifecycle pass, between an
+    agent's turns, so its next turn restored it (1.9 s on the H100) instead of continuing it (~0.1 s)."""
+    return int(HOT_SHARE * max(0.0, limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes))
 
 
 def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:

@@ -151,7 +151,7 @@ class SessionManager:
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
-        if self.releasing and self.hot_bytes() > self.settings.hot_budget_bytes:
+        if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
         replaced, entry.session = entry.session, session
@@ -444,6 +444,11 @@ class SessionManager:
         return self.freeing_bytes() + sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values()
                                           if e.session is not None)
 
+    def hot_budget(self) -> int:
+        """Bytes of hot KV above which LRU sessions sleep: the settings', else the engine's from its memory."""
+        configured = self.settings.hot_budget_bytes
+        return configured if configured is not None else self.engine.hot_budget_bytes
+
     def freeing_bytes(self) -> int:
         return sum(self.releasing.values())
 
@@ -454,7 +459,7 @@ class SessionManager:
                      key=lambda e: e.last_used)
         for e in hot:
             idle = now - e.last_used > self.settings.idle_timeout_s
-            if not idle and self.hot_bytes() <= self.settings.hot_budget_bytes:
+            if not idle and self.hot_bytes() <= self.hot_budget():
                 break
             with contextlib.suppress(BusyError):
                 try:
