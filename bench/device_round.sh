@@ -14,6 +14,7 @@
 #   bash bench/device_round.sh cache      the prefill row's trace at MLX's cache limit 4 GiB (default) and 32 GiB
 #   bash bench/device_round.sh growth     bench/decode_growth.py, then the prefill row with KVWAKE_GROW_AHEAD 0 and 1
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
+#   bash bench/device_round.sh spikes     bench/step_spikes.py: a lone session's slow steps, kvwake's and mlx-lm's loop
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -92,6 +93,10 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-ahead-$ahead" 2>&1 | grep -o '"p99_during_over_p50_alone": [0-9.]*' | sed "s/^/ahead=$ahead /"
     done ;;
+  spikes)
+    model
+    timeout 300 python3 bench/step_spikes.py --model /tmp/m8b --prompt 200 --tokens 1100 --rounds 2 \
+      --json "$out/step_spikes.json" 2>&1 | tail -1 ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \

@@ -117,7 +117,9 @@ def test_status_says_where_each_turns_first_token_went(daemon, api):
     assert all(phases[k] >= 0 for k in phases if k.endswith("_ms")) and phases["prefilled"] > 0
     assert 0 < phases["match_store_ms"] <= phases["match_ms"]  # the store was asked, within the finding
     assert phases["append_ms"] > 0 and phases["first_token_ms"] > 0
-    assert phases["match"] == "new"  # a conversation no session had: how the matcher found it
+    # how the matcher found it: a conversation no session had (new, or branched from another test's
+    # session on the same system prompt: the daemon is the module's)
+    assert phases["match"] in ("new", "branched")
     messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "on"}]
     again = chat(api, messages)
     with daemon.client() as rpc:
