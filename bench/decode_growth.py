@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,30 +26,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def run(engine, prompt: list[int], tokens: int, ahead: bool, name: str) -> dict:  # noqa: ANN001
+    from step_spikes import timed_solo
+
     from kvwake.daemon.kv import capacity
-    from kvwake.daemon.model import calls
-    from kvwake.daemon.model.generation import GenerateParams
-    from kvwake.daemon.session import Session
+
+    def buffer(call) -> int:  # noqa: ANN001  (the last layer's buffer tokens after the step)
+        layer = next((c for c in reversed(call.cache) if getattr(c, "keys", None) is not None), None)
+        return layer.keys.shape[2] if layer is not None else 0
 
     capacity.GROW_AHEAD = ahead
-    steps: list[tuple[float, int]] = []  # (ms, buffer tokens of the last layer after the step)
-    real = calls.Solo.step
-
-    def timed(self) -> int:  # noqa: ANN001
-        t0 = time.perf_counter()
-        token = real(self)
-        layer = next((c for c in reversed(self.cache) if getattr(c, "keys", None) is not None), None)
-        steps.append(((time.perf_counter() - t0) * 1000, layer.keys.shape[2] if layer is not None else 0))
-        return token
-
-    calls.Solo.step = timed
-    try:
-        s = Session(name)
-        engine.append(s, tokens=prompt)
-        no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
-        engine.generate(s, GenerateParams(max_tokens=tokens, logit_bias=no_eos))
-    finally:
-        calls.Solo.step = real
+    steps = timed_solo(engine, prompt, tokens, name, buffer)
     ms = [m for m, _ in steps]
     # a step returns the token fed the step before (it waits for it): a growth's cost shows in the step after
     grew = [(i, round(steps[i][0], 2), round(steps[i + 1][0], 2) if i + 1 < len(steps) else None)

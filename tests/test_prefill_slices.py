@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 import pytest
 
 from kvwake.daemon.model import prefillslices
+from kvwake.daemon.model import thread as engine_thread
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
@@ -115,7 +116,7 @@ def test_a_slice_of_another_attention_path_is_sized_from_that_paths_own_cost():
     assert slicer.layers_for(0.010, 512, 32) == 5  # the fused cost is its own
 
 
-def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep):
+def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep, monkeypatch):
     # CUDA's choice here: a chunk shorter than the step (a prompt's last piece) runs plain attention
     deep.plain_prefill = True
     deep.paths = None  # every short chunk plain, as on the CPU (CUDA's measured costs ran this one fused)
@@ -124,6 +125,7 @@ def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(
     deep.append(whole, tokens=long_prompt)  # nothing decodes: the full chunks' shapes are known fused after
     talker = Session("talker")
     deep.append(talker, text="Tell the long story")
+    monkeypatch.setattr(engine_thread, "SLOW_S", 0.0)  # every job kept by name: each slice says its layers
     thread = EngineThread()
     thread.attach(deep.decoder)
     chunks = []
@@ -154,5 +156,9 @@ def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(
     plain = [n for kind, n in asked if kind.startswith("plain")]
     assert plain[0] == 1 and chunks[-1].slices == len(plain)  # its first slice one layer: the fused cost not its own
     assert chunks[-1].kind in deep.slicer.layer_token_s
+    named = [j["what"] for j in thread.timing()["slow"] if j["what"].startswith("Chunk.step")]
+    last = len(chunks[-1].layers)
+    assert f"Chunk.step {chunks[-1].kind} 6 tokens, layers 0-0 of {last}" in named, named  # the plain one's first
+    assert named[-1].endswith(f"-{last - 1} of {last}"), named
     got, want = cache_arrays(sliced), cache_arrays(whole)
     assert len(got) == len(want) and all(mx.array_equal(a, b).item() for a, b in zip(got, want))

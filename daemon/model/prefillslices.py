@@ -81,7 +81,13 @@ class Chunk:
         self.tokens = end - session.processed
         self.computed = 0  # layers evaluated so far
         self.slices = 0
+        self.last = (0, 0)  # the last slice's first layer and its number of layers
         session.computing = True  # until the last slice: what reads the cache waits (Session.when_settled)
+
+    def trace(self) -> str:
+        """What the last slice computed, for the engine thread's record of slow work (`status.engine_thread`)."""
+        first, n = self.last
+        return f"{self.kind} {self.tokens} tokens, layers {first}-{first + n - 1} of {len(self.layers)}"
 
     @property
     def done(self) -> bool:
@@ -106,6 +112,7 @@ class Chunk:
             self.session.settle()
             raise
         self.slicer.observe(time.perf_counter() - started, n, self.tokens, self.kind)
+        self.last = (self.computed, n)
         self.computed += n
         self.slices += 1
         if self.done:

@@ -113,7 +113,7 @@ class EngineThread:
             start = time.perf_counter()
             if job:
                 self._do(job)
-                self._spend("job", _name(job[0]), start)
+                self._spend("job", job[0], start)
             elif idle is not None:
                 self._do_idle(idle)
                 self._spend("job", "idle " + _name(idle), start)
@@ -142,11 +142,17 @@ class EngineThread:
         if self._on_exit is not None:
             self._on_exit()
 
-    def _spend(self, kind: str, name: str, start: float) -> None:
+    def _spend(self, kind: str, what: str | Callable[..., Any], start: float) -> None:
+        """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
+        function's name, with what its object says of the work when it can: `trace()`, a prefill slice's layers)."""
         took = time.perf_counter() - start
         self._spent[kind + "s"] += 1
         self._spent[kind + "_s"] += took
         if took > SLOW_S:
+            name = what if isinstance(what, str) else _name(what)
+            trace = getattr(getattr(what, "__self__", None), "trace", None)
+            if callable(trace):
+                name = f"{name} {trace()}"
             self._slow.append({"what": name, "ms": round(took * 1000, 1), "at": round(time.time() - took, 4)})
 
     def timing(self) -> dict[str, Any]:
