@@ -15,6 +15,7 @@
 #   bash bench/device_round.sh growth     bench/decode_growth.py, then the prefill row with KVWAKE_GROW_AHEAD 0 and 1
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 #   bash bench/device_round.sh spikes     bench/step_spikes.py: a lone session's slow steps, kvwake's and mlx-lm's loop
+#   bash bench/device_round.sh plainfirst bench/plain_first.py: a plain chunk's first attention, kernels or memory
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -97,6 +98,10 @@ case "$1" in
     model
     timeout 300 python3 bench/step_spikes.py --model /tmp/m8b --prompt 200 --tokens 1100 --rounds 2 \
       --json "$out/step_spikes.json" 2>&1 | tail -1 ;;
+  plainfirst)
+    model
+    timeout 300 python3 bench/plain_first.py --model /tmp/m8b --context 7680 --chunk 318 --rounds 2 \
+      --json "$out/plain_first.json" 2>&1 | grep -o '"variant.*' ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \
