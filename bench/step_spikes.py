@@ -5,7 +5,8 @@ usage: python bench/step_spikes.py [--model tiny|PATH] [--prompt 200] [--tokens 
 In process, one model, the daemon's MLX limits (model/memory.py apply_limits): a session of --prompt
 tokens decodes --tokens tokens alone, in rounds that alternate four ways:
 - `kvwake`: the engine's Solo steps (as a lone agent decodes in the daemon; no persistence in process);
-- `mlx-lm`: mlx-lm's `generate_step` on the same model and prompt (greedy), its tokens read one by one;
+- `mlx-lm`: mlx-lm's `generate_step` on the same model and prompt (greedy), its tokens read one by one,
+  its caches growing mlx-lm's way (session 17's device run still had kv/capacity.py's growth here);
 - each with Python's garbage collector off for the run (`-nogc`).
 Each step is timed; reported per run: the median, the p99, the longest, every step over 2.5x the median
 with its index (and the collections the collector ran meanwhile). On the H100 (session 17) a lone session's
@@ -32,11 +33,10 @@ SPIKE = 2.5  # a step this many times the run's median is named
 
 def summary(name: str, ms: list[float], collections: int) -> dict:
     ordered = sorted(ms)
-    median = statistics.median(ms)
+    median, p99 = statistics.median(ms), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
     spikes = [(i, round(m, 2)) for i, m in enumerate(ms) if m > SPIKE * median]
-    return {"run": name, "steps": len(ms), "median_ms": round(median, 3),
-            "p99_ms": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
-            "p99_over_median": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] / median, 2),
+    return {"run": name, "steps": len(ms), "median_ms": round(median, 3), "p99_ms": round(p99, 3),
+            "p99_over_median": round(p99 / median, 2),
             "max_ms": round(max(ms), 3), "spikes": spikes, "gc_collections": collections}
 
 
@@ -91,19 +91,29 @@ def kvwake_run(engine, prompt: list[int], tokens: int, name: str) -> list[float]
 
 
 def mlx_run(model, prompt: list[int], tokens: int) -> list[float]:  # noqa: ANN001
+    """mlx-lm's `generate_step`, greedy, `tokens` steps timed after the prompt's first token, with mlx-lm's
+    own buffer growth (the Engine installs kv/capacity.py's on CUDA: taken out for the run)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    from kvwake.daemon.kv import capacity
+
+    def greedy(logprobs: mx.array) -> mx.array:
+        return mx.argmax(logprobs, axis=-1)
+
     steps: list[float] = []
-    greedy = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
-    last = None
-    for n, _ in enumerate(generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=tokens, sampler=greedy)):
-        now = time.perf_counter()
-        if last is not None:  # the first yield is the prompt's prefill
-            steps.append((now - last) * 1000)
-        last = now
-        if n + 1 >= tokens:
-            break
+    installed = capacity.installed()
+    capacity.uninstall()
+    try:
+        last = None
+        for _ in generate_step(mx.array(prompt, dtype=mx.uint32), model, max_tokens=tokens + 1, sampler=greedy):
+            now = time.perf_counter()
+            if last is not None:  # the first yield is the prompt's prefill
+                steps.append((now - last) * 1000)
+            last = now
+    finally:
+        if installed:
+            capacity.install()
     return steps
 
 
@@ -151,7 +161,8 @@ def main() -> None:
            "rows": rows}
     for name in ("kvwake", "mlx-lm", "kvwake-nogc", "mlx-lm-nogc"):
         mine = [r for r in rows if r["run"] == name]
-        out[name] = {k: statistics.median(r[k] for r in mine) for k in ("median_ms", "p99_ms", "p99_over_median", "max_ms")}
+        out[name] = {k: statistics.median(r[k] for r in mine)
+                     for k in ("median_ms", "p99_ms", "p99_over_median", "max_ms")}
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -56,7 +56,7 @@ class Settings:
     model: str | None = None  # an mlx-lm folder or hub id; None: the default model
     block_tokens: int = 128
     # KV of hot sessions; LRU sessions sleep above it. None: half the memory the KV may have beside the weights
-    # and a prefill's scratch (model/memory.py hot_budget: ~24 GB on an 80 GB GPU with an 8B model's weights)
+    # and a prefill's scratch (model/memory.py hot_budget: ~26 GB on an 80 GB H100 with an 8B model's weights)
     hot_budget_bytes: int | None = None
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc

@@ -94,7 +94,9 @@ def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir
         d.stop()
 
 
-def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir):
+def limit_for_tokens(tmp_path, model_dir, tokens: float) -> int:  # noqa: ANN001
+    """A memory limit that leaves room for the tiny model's weights and the KV of `tokens` tokens (after the
+    prefill's scratch), from what a probe daemon measured."""
     (tmp_path / "probe").mkdir()
     d = Daemon(tmp_path / "probe", model_dir).start()
     try:
@@ -102,8 +104,11 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
             facts = rpc.call("status")["memory"]
     finally:
         d.stop()
-    # A memory limit that leaves room for the weights and the KV of ~120 tokens (after the prefill scratch).
-    limit = int((facts["weights_bytes"] + 120.5 * facts["kv_bytes_per_token"]) / (1 - memory.WORKSPACE_SHARE))
+    return int((facts["weights_bytes"] + tokens * facts["kv_bytes_per_token"]) / (1 - memory.WORKSPACE_SHARE))
+
+
+def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir):
+    limit = limit_for_tokens(tmp_path, model_dir, 120.5)  # ~120 tokens of KV
     (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\n")  # the config file tests.daemon names
     d = Daemon(tmp_path, model_dir).start()
     try:
@@ -118,6 +123,29 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
             assert refused.value.code == "CONTEXT_TOO_LONG" and refused.value.data["bound"] == "memory"
             assert refused.value.data["limit"] == held and "memory limit" in refused.value.message
             rpc.call("session.append", session_id="big", tokens=TOKENS[:50])  # what fits still runs
+    finally:
+        d.stop()
+
+
+def test_a_long_prompt_beside_hot_sessions_sleeps_them_to_fit_the_memory_left_for_kv(tmp_path, model_dir):
+    # Room for the KV of ~700 tokens: a 200-token session (a 256-token buffer) and a 300-token one (512) do
+    # not fit together, though each fits alone and the hot budget (half the room) is never looked at here.
+    limit = limit_for_tokens(tmp_path, model_dir, 700.5)
+    (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\nlifecycle_interval_s = 3600\n")
+    d = Daemon(tmp_path, model_dir).start()
+    try:
+        with d.client() as rpc:
+            rpc.call("session.create", session_id="first")
+            rpc.call("session.append", session_id="first", tokens=TOKENS)
+            rpc.call("session.create", session_id="second")
+            assert rpc.call("session.info", session_id="first")["state"] == "hot"
+            rpc.call("session.append", session_id="second", tokens=TOKENS + TOKENS[:100])
+            assert rpc.call("session.info", session_id="first")["state"] == "asleep"
+            assert rpc.call("session.info", session_id="second")["state"] == "hot"
+            status = rpc.call("status")
+            assert status["counters"]["room_sleeps"] == 1 and status["sessions"] == {"hot": 1, "asleep": 1}
+            got = rpc.call("session.generate", session_id="first", max_tokens=4, temperature=0)  # wakes as it was
+            assert len(got["tokens"]) == 4
     finally:
         d.stop()
 

@@ -308,6 +308,29 @@ async def test_with_no_budget_configured_the_engines_own_decides_what_sleeps(man
     assert manager.hot_budget() == 1 << 40
 
 
+async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recently_used_first(manager):
+    # The budget lets hot sessions hold half the room for KV and one session may take all of it: a wake
+    # beside a full budget must make room first, or MLX goes past its limit (on CUDA it spills to the host).
+    tokens = [(i * 7) % 200 + 20 for i in range(600)]
+    await manager.create("big")
+    await manager.append("big", tokens=tokens)
+    await manager.sleep("big")
+    await manager.released()
+    for name in ("a", "b"):
+        await manager.create(name, SYSTEM)
+        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+    big = manager.engine.kv_bytes(600)
+    manager.engine.kv_room_bytes = manager.hot_bytes() + big  # both stay: it fits
+    await manager.wake("big")
+    assert set(manager.entries.hot) == {"a", "b", "big"} and manager.counters["room_sleeps"] == 0
+    await manager.sleep("big")
+    await manager.released()
+    manager.engine.kv_room_bytes = manager.hot_bytes() + big - 1  # one byte short: the older one sleeps
+    await manager.wake("big")
+    assert set(manager.entries.hot) == {"b", "big"} and manager.counters["room_sleeps"] == 1
+    assert manager.hot_bytes() <= manager.engine.kv_room_bytes
+
+
 async def test_status_names_the_engines_step_gaps_and_a_sleep_its_phases(manager):
     # step_gaps is the engine's side of a streaming client's token gaps (bench/batching.py reads it)
     from kvwake.daemon.model.generation import GenerateParams

@@ -96,7 +96,8 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
             "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
-            "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(), "hot_budget_bytes": m.hot_budget(),
+            "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(),
+                       "hot_budget_bytes": m.hot_budget(), "kv_room_bytes": engine.kv_room_bytes,
                        "ram_tier_bytes": engine.hot.bytes, "peak_rss_bytes": rss,
                        "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
                        "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,

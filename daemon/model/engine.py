@@ -169,8 +169,10 @@ class Engine:
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits
-        # What hot sessions' KV may hold when the settings name no budget (model/memory.py hot_budget).
+        # What hot sessions' KV may hold when the settings name no budget (model/memory.py hot_budget), and
+        # what all of it may hold: a wake or a prefill that would pass it sleeps others first (SessionManager)
         self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
+        self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
@@ -227,6 +229,10 @@ class Engine:
     def cache_bytes(self, session: Session) -> int:
         """Bytes of the session's KV in memory (0 while it has none)."""
         return state.cache_nbytes(session.cache) if session.cache is not None else 0
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Bytes of the KV buffer a session of `tokens` tokens holds (as its growth makes it)."""
+        return kvcapacity.capacity(tokens) * self.token_bytes if tokens > 0 else 0
 
     def copy_prefix(self, session: Session, n_tokens: int) -> list:
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""

@@ -33,7 +33,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import state
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHARE", "Limits", "apply_limits",
-           "device_memory", "hot_budget", "kv_token_bytes", "session_tokens"]
+           "device_memory", "hot_budget", "kv_room", "kv_token_bytes", "session_tokens"]
 
 DEFAULT_CACHE_BYTES = 4 << 30
 MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
@@ -82,13 +82,18 @@ def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 
     return int(plain / itemsize * (kv_bits / 8 + 4 / kv_group_size))
 
 
+def kv_room(limits: Limits, weights_bytes: int) -> int:
+    """Bytes the memory limit leaves for KV: beside the weights and a prefill's scratch (WORKSPACE_SHARE)."""
+    return int(max(0.0, limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes))
+
+
 def hot_budget(limits: Limits, weights_bytes: int) -> int:
     """Bytes of KV hot sessions may hold before the least recently used sleep, when none is configured:
     HOT_SHARE of what the memory limit leaves beside the weights and a prefill's scratch. The other half is
     room for a session to wake or prefill while others stay hot. Was a fixed 2 GiB: a 75k-token session of
     the 8B shape (9.8 GB) went over it alone and slept whenever it was idle at a lifecycle pass, between an
     agent's turns, so its next turn restored it (1.9 s on the H100) instead of continuing it (~0.1 s)."""
-    return int(HOT_SHARE * max(0.0, limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes))
+    return int(HOT_SHARE * kv_room(limits, weights_bytes))
 
 
 def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:
@@ -96,8 +101,7 @@ def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int 
     None when a token costs nothing that grows."""
     if token_bytes <= 0:
         return None
-    room = limits.memory_bytes * (1 - WORKSPACE_SHARE) - weights_bytes
-    tokens = max(0, int(room // token_bytes))
+    tokens = kv_room(limits, weights_bytes) // token_bytes
     if kvcapacity.installed() and tokens > kvcapacity.CUDNN_MIN:
         # Past CUDNN_MIN a buffer holds up to a sixteenth more than its tokens (kv/capacity.py): the most
         # tokens whose buffer fits, not the most tokens (it would eat the prefill's scratch share).

@@ -105,6 +105,7 @@ class Chunk:
         left = len(self.layers) - self.computed
         n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.tokens, left, self.kind)
         started = time.perf_counter()
+        self.last = (self.computed, n)
         try:
             mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
         except BaseException:
@@ -112,7 +113,6 @@ class Chunk:
             self.session.settle()
             raise
         self.slicer.observe(time.perf_counter() - started, n, self.tokens, self.kind)
-        self.last = (self.computed, n)
         self.computed += n
         self.slices += 1
         if self.done:

@@ -66,8 +66,8 @@ class SessionManager:
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
         # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
         self.turns: deque[dict[str, Any]] = deque(maxlen=TURNS_KEPT)
-        self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "sleep_failures": 0, "generations": 0,
-                         "prefix_copies": 0}
+        self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "room_sleeps": 0, "sleep_failures": 0,
+                         "generations": 0, "prefix_copies": 0}
         self.stopping = False
         # KV taken from sessions (slept, deleted, replaced by a wake) and being freed on the engine thread: its bytes
         self.releasing: dict[asyncio.Task, int] = {}
@@ -146,13 +146,18 @@ class SessionManager:
     async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False) -> dict[str, Any]:
         if self.remote is not None and self.remote.needs_lease(entry.id):  # released or taken over: take it back
             await self.remote.adopt(entry.id, take_over=take_over)
-        if snapshot_id is None:
+        snapshot = snapshot_id
+        if snapshot is None:
             row = await to_thread.run_sync(self.store.session, entry.id)
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
+            snapshot = row["head"]
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
+        if self.engine.kv_room_bytes is not None:  # the snapshot's KV must fit beside the hot sessions'
+            tokens = await to_thread.run_sync(lambda: self.store.snapshot_summary(snapshot)["n_tokens"])
+            await self.make_room(entry, tokens)
         session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
@@ -284,11 +289,17 @@ class SessionManager:
         """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
         async with self.claim(session_id, "append") as entry:
             stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
-            return await self._append(await self.hot(entry), inputs, stop)
+            return await self._append(await self.hot(entry), inputs, stop, entry)
 
     async def _append(self, session: Session, inputs: dict[str, Any] | Plan,
-                      stop: Callable[[], bool]) -> dict[str, Any]:
-        """The engine's append on a worker thread: input as params, or a prompt a front rendered already."""
+                      stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
+        """The engine's append on a worker thread: input as params, or a prompt a front rendered already.
+        Where its length is known before (a rendered prompt, tokens), other sessions sleep first if the
+        memory left for KV would not hold it (make_room); text and messages are tokenized by the append."""
+        if entry is not None:
+            upto = (len(inputs.target) if isinstance(inputs, Plan) else
+                    len(session.tokens) + len(inputs["tokens"]) if isinstance(inputs.get("tokens"), list) else 0)
+            await self.make_room(entry, upto)
         given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
         return await to_thread.run_sync(lambda: self.engine.append(
             session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop))
@@ -376,7 +387,7 @@ class SessionManager:
             session = await self.hot(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
-            appended = await self._append(session, inputs, stop) if inputs else {"prefilled": 0, "reused": 0}
+            appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
@@ -451,6 +462,34 @@ class SessionManager:
 
     def freeing_bytes(self) -> int:
         return sum(self.releasing.values())
+
+    async def make_room(self, keep: Entry, tokens: int) -> int:
+        """Before `keep`'s session grows to `tokens` tokens (a wake, a long prompt): sleep the least recently
+        used idle sessions while the hot KV and that growth would not fit the memory left for KV beside the
+        weights (`Engine.kv_room_bytes`); returns how many slept. The budget lets hot sessions hold half of
+        that room, and one session may take all of it (Engine.check_fits), so a big one beside a full budget
+        needs this; without it MLX would go past its limit (on CUDA it spills to host memory)."""
+        room = self.engine.kv_room_bytes
+        if room is None or tokens <= 0:
+            return 0
+        held = self.engine.cache_bytes(keep.session) if keep.session is not None else 0
+        growth = max(0, self.engine.kv_bytes(tokens) - held)
+        slept = 0
+        if growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
+            return slept
+        for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
+                        key=lambda e: e.last_used):
+            if self.hot_bytes() + growth <= room:
+                break
+            with contextlib.suppress(BusyError):
+                try:
+                    await self.sleep(e.id)
+                    await self.released()
+                    slept += 1
+                    self.counters["room_sleeps"] += 1
+                except Exception as exc:  # logged in _sleep; the request goes on, as it would have
+                    log.warning("sleep for room failed", extra={"session": e.id, "error": repr(exc)})
+        return slept
 
     async def enforce_limits(self) -> int:
         """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
