@@ -331,6 +331,18 @@ async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recent
     assert manager.hot_bytes() <= manager.engine.kv_room_bytes
 
 
+async def test_an_append_of_text_makes_room_once_its_tokens_are_known(manager):
+    # text (and messages) over RPC are tokenized by the append itself: the room is made then, before the prefill
+    await manager.create("a", SYSTEM)
+    await manager.append("a", messages=[{"role": "user", "content": "hi"}])
+    text = " ".join(f"note {i}" for i in range(45))
+    manager.engine.kv_room_bytes = manager.hot_bytes() + manager.engine.kv_bytes(300) - 1  # a 512-token buffer
+    await manager.create("long")
+    got = await manager.append("long", text=text)
+    assert 256 < got["tokens"] <= 512, got  # what the room was sized for
+    assert set(manager.entries.hot) == {"long"} and manager.counters["room_sleeps"] == 1
+
+
 async def test_status_names_the_engines_step_gaps_and_a_sleep_its_phases(manager):
     # step_gaps is the engine's side of a streaming client's token gaps (bench/batching.py reads it)
     from kvwake.daemon.model.generation import GenerateParams

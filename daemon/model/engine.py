@@ -296,10 +296,12 @@ class Engine:
 
     def append(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
                tools: Any = None, whole: bool = False, prompt: Plan | None = None, mlx: Mlx = direct,
-               shared: Shared | None = None, should_stop: ShouldStop = None) -> dict[str, int]:
+               shared: Shared | None = None, should_stop: ShouldStop = None,
+               room: Callable[[int], Any] | None = None) -> dict[str, int]:
         """Add input and prefill it (all but the last token, which stays pending).
 
-        The input is rendered on the engine thread (once: `prompt` is one `render` made already).
+        The input is rendered on the engine thread (once: `prompt` is one `render` made already), then
+        `room` is told the tokens the session will hold, before anything is restored or prefilled.
         A session that needs a fresh cache takes the longest prefix `shared` offers (another
         session's, in memory), else the one the prefix cache holds. Store and codec work run on
         the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.
@@ -309,6 +311,8 @@ class Engine:
         plan = mlx(lambda: self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools,
                                      whole=whole, prompt=prompt))
         self.check_fits(len(plan.target))  # before any prefill
+        if room is not None:
+            room(len(plan.target))
         return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx, should_stop)
 
     def _keep(self, session: Session, target: list[int]) -> int:

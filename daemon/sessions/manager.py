@@ -294,15 +294,12 @@ class SessionManager:
     async def _append(self, session: Session, inputs: dict[str, Any] | Plan,
                       stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
         """The engine's append on a worker thread: input as params, or a prompt a front rendered already.
-        Where its length is known before (a rendered prompt, tokens), other sessions sleep first if the
-        memory left for KV would not hold it (make_room); text and messages are tokenized by the append."""
-        if entry is not None:
-            upto = (len(inputs.target) if isinstance(inputs, Plan) else
-                    len(session.tokens) + len(inputs["tokens"]) if isinstance(inputs.get("tokens"), list) else 0)
-            await self.make_room(entry, upto)
+        Once rendered, before anything is prefilled, other sessions sleep if the memory left for KV would
+        not hold the session's new length beside them (make_room, on the loop: `entry` is the claimed one)."""
         given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
+        room = None if entry is None else lambda tokens: from_thread.run(self.make_room, entry, tokens)
         return await to_thread.run_sync(lambda: self.engine.append(
-            session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop))
+            session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop, room=room))
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
         """A whole conversation (messages, text or tokens; tools) rendered once, on the engine thread: the
