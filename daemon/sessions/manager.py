@@ -297,7 +297,9 @@ class SessionManager:
         Once rendered, before anything is prefilled, other sessions sleep if the memory left for KV would
         not hold the session's new length beside them (make_room, on the loop: `entry` is the claimed one)."""
         given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
-        room = None if entry is None else lambda tokens: from_thread.run(self.make_room, entry, tokens)
+        def room(tokens: int) -> None:  # on the append's worker thread: the loop only when the session grows
+            if entry is not None and self._growth(entry, tokens) > 0:
+                from_thread.run(self.make_room, entry, tokens)
         return await to_thread.run_sync(lambda: self.engine.append(
             session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop, room=room))
 
@@ -460,19 +462,22 @@ class SessionManager:
     def freeing_bytes(self) -> int:
         return sum(self.releasing.values())
 
+    def _growth(self, entry: Entry, tokens: int) -> int:
+        """Bytes of KV the claimed entry's session takes on growing to `tokens` tokens (0 within its buffer, or
+        without a memory limit to keep to)."""
+        if self.engine.kv_room_bytes is None or tokens <= 0:
+            return 0
+        held = self.engine.cache_bytes(entry.session) if entry.session is not None else 0
+        return max(0, self.engine.kv_bytes(tokens) - held)
+
     async def make_room(self, keep: Entry, tokens: int) -> int:
         """Before `keep`'s session grows to `tokens` tokens (a wake, a long prompt): sleep the least recently
         used idle sessions while the hot KV and that growth would not fit the memory left for KV beside the
         weights (`Engine.kv_room_bytes`); returns how many slept. The budget lets hot sessions hold half of
         that room, and one session may take all of it (Engine.check_fits), so a big one beside a full budget
         needs this; without it MLX would go past its limit (on CUDA it spills to host memory)."""
-        room = self.engine.kv_room_bytes
-        if room is None or tokens <= 0:
-            return 0
-        held = self.engine.cache_bytes(keep.session) if keep.session is not None else 0
-        growth = max(0, self.engine.kv_bytes(tokens) - held)
-        slept = 0
-        if growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
+        room, growth, slept = self.engine.kv_room_bytes, self._growth(keep, tokens), 0
+        if room is None or growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
             return slept
         for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
                         key=lambda e: e.last_used):
