@@ -476,40 +476,35 @@ class SessionManager:
         weights (`Engine.kv_room_bytes`); returns how many slept. The budget lets hot sessions hold half of
         that room, and one session may take all of it (Engine.check_fits), so a big one beside a full budget
         needs this; without it MLX would go past its limit (on CUDA it spills to host memory)."""
-        room, growth, slept = self.engine.kv_room_bytes, self._growth(keep, tokens), 0
+        room, growth = self.engine.kv_room_bytes, self._growth(keep, tokens)
         if room is None or growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
-            return slept
-        for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
-                        key=lambda e: e.last_used):
-            if self.hot_bytes() + growth <= room:
-                break
-            with contextlib.suppress(BusyError):
-                try:
-                    await self.sleep(e.id)
-                    await self.released()
-                    slept += 1
-                    self.counters["room_sleeps"] += 1
-                except Exception as exc:  # logged in _sleep; the request goes on, as it would have
-                    log.warning("sleep for room failed", extra={"session": e.id, "error": repr(exc)})
-        return slept
+            return 0
+        return await self._sleep_lru(lambda e: self.hot_bytes() + growth > room, "room_sleeps", keep)
 
     async def enforce_limits(self) -> int:
         """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
-        now, slept = time.monotonic(), 0
-        hot = sorted((e for e in self.entries.hot.values() if not e.busy),
-                     key=lambda e: e.last_used)
-        for e in hot:
-            idle = now - e.last_used > self.settings.idle_timeout_s
-            if not idle and self.hot_bytes() <= self.hot_budget():
+        now = time.monotonic()
+        return await self._sleep_lru(lambda e: now - e.last_used > self.settings.idle_timeout_s
+                                     or self.hot_bytes() > self.hot_budget(), "auto_sleeps")
+
+    async def _sleep_lru(self, needed: Callable[[Entry], bool], counter: str, keep: Entry | None = None) -> int:
+        """Sleep idle hot sessions (not `keep`), least recently used first, while `needed(entry)` says so;
+        each one's KV is freed before the next is looked at. Returns how many slept (counted in `counter`).
+        A failed sleep is logged (in _sleep too) and the session stays hot: a later pass retries it."""
+        slept = 0
+        for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
+                        key=lambda e: e.last_used):
+            if not needed(e):
                 break
             with contextlib.suppress(BusyError):
                 try:
                     await self.sleep(e.id)
-                    await self.released()  # its memory gone before the budget is looked at again
+                    await self.released()  # its memory gone before the next is looked at
                     slept += 1
-                    self.counters["auto_sleeps"] += 1
-                except Exception as exc:  # logged in _sleep; the session stays hot and is retried later
-                    log.warning("auto-sleep failed", extra={"session": e.id, "error": repr(exc)})
+                    self.counters[counter] += 1
+                except Exception as exc:
+                    log.warning("sleep for memory failed", extra={"session": e.id, "error": repr(exc),
+                                                                  "why": counter})
         return slept
 
     async def sleep_all(self) -> dict[str, Any]:
