@@ -194,16 +194,49 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     store.close()
 
 
-def test_the_plain_path_warms_at_a_full_chunks_shape_in_one_and_in_several_pieces(model, monkeypatch):
+def test_the_plain_path_warms_through_the_model_over_a_buffer_larger_than_its_keys_in_several_pieces(model, monkeypatch):
+    """As a session's chunk runs it: every layer's attention, in pieces, over keys read from a slice of a
+    larger buffer (strided). Warmed on contiguous tensors alone, a prompt's last chunk still paid 15-22 ms
+    of kernel builds at its first attention on the H100 (session 18)."""
+    from mlx_lm.models.cache import KVCache
+
     from kvwake.daemon.model import attention
 
-    pieces = []
+    pieces, seen = [], []
     real = mx.softmax
-    monkeypatch.setattr(mx, "softmax", lambda x, **kw: pieces.append(x.shape[-2]) or real(x, **kw))
-    monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 4 * 4 * 64 * 512)  # (heads x rows x keys x 4): 64 rows at 512 keys
+    monkeypatch.setattr(mx, "softmax", lambda x, **kw: pieces.append(x.shape[-2:]) or real(x, **kw))
+    update = KVCache.update_and_fetch
+    monkeypatch.setattr(KVCache, "update_and_fetch",
+                        lambda self, k, v: seen.append((self.offset, k.shape[2], self.keys is not None and self.keys.shape[2])) or update(self, k, v))
+    monkeypatch.setattr(attention, "PLAIN_MAX_BYTES", 4 * 4 * 64 * 612)  # (heads x rows x keys x 4): 64 rows at 612 keys
     assert attention.warm_plain(model, 100, 512)
-    heads = model.args.num_attention_heads
-    assert sum(pieces) == 100 and len(pieces) == -(-100 // (attention.PLAIN_MAX_BYTES // (heads * 512 * 4))) > 1
+    layers, heads = len(model.layers), model.args.num_attention_heads
+    rows = attention.PLAIN_MAX_BYTES // (heads * 612 * 4)
+    assert seen[-layers:] == [(512, 100, attention.kvcapacity.capacity(612))] * layers
+    assert all(capacity > 612 for *_, capacity in seen[-layers:])  # keys a slice of a larger buffer
+    assert len(pieces) == layers * -(-100 // rows) > layers and all(keys == 612 for _, keys in pieces)
+    assert sum(n for n, _ in pieces) == 100 * layers
+
+
+def test_the_plain_path_is_warmed_at_every_class_of_shape_mlx_builds_kernels_for():
+    """MLX on CUDA builds kernels per class of shape: warmed at full aligned chunks only, a 318-token chunk
+    over 7,998 keys still took 41-60 ms at its first attention on the H100, and 4.5-5.4 ms warmed at odd
+    shapes too (session 18). For the 8B shape (32 heads): aligned in one piece, odd in one piece, two unequal
+    pieces, many with a one-row last; none past the model's context."""
+    from kvwake.daemon.model import attention
+
+    def pieces(queries: int, keys: int) -> tuple[int, int]:
+        rows = attention.PLAIN_MAX_BYTES // (32 * keys * 4)
+        n = -(-queries // rows)
+        return n, queries - (n - 1) * rows
+
+    shapes = attention.plain_warm_shapes(512, None)
+    classes = {(pieces(q, k)[0] > 2 and "many" or pieces(q, k)[0], q % 64 == 0 and k % 64 == 0) for q, k in shapes}
+    assert {(1, True), (1, False), (2, False), ("many", False)} <= classes
+    assert any(pieces(q, k)[0] == 2 and pieces(q, k)[1] != q - pieces(q, k)[1] for q, k in shapes)
+    assert any(pieces(q, k)[0] > 2 and pieces(q, k)[1] == 1 for q, k in shapes)
+    assert all(q + k <= 8192 for q, k in attention.plain_warm_shapes(512, 8192))
+    assert len(attention.plain_warm_shapes(512, 8192)) < len(shapes)
 
 
 def test_the_daemon_lets_mlx_keep_many_attention_graphs():

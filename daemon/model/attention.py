@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 from kvwake.daemon.kv import capacity as kvcapacity
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
-           "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
+           "plain_warm_shapes", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "query_bucket", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
@@ -246,39 +246,58 @@ def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
     return tokens, c.offset + tokens, kvcapacity.grown(c, tokens)
 
 
+def plain_warm_shapes(prefill_step: int, context: int | None) -> list[tuple[int, int]]:
+    """(queries, keys) the plain path is warmed at (`warm_plain`): MLX on CUDA builds its kernels per class
+    of shape (aligned or not, one piece or several, an equal last piece or not), not per shape. Measured on
+    the H100 (`bench/plain_first.py --first-only`, 8B shape, a 318-token chunk over 7,680 cached tokens, the
+    first of a process): its first attention took 204-215 ms after the warm-up on random tensors at 512
+    queries, 41-60 ms warmed through the model at 512 queries, 4.5-5.4 ms after these (3-4 ms a layer
+    later). Full chunks aligned; odd query counts and key lengths in one piece, two unequal ones, and many
+    with a one-row last; keys within the model's context."""
+    shapes = [(prefill_step, 4096), (317, 7001), (129, 2049), (255, 16387)]
+    return [(q, k) for q, k in shapes if context is None or q + k <= context]
+
+
 def warm_plain(model: Any, queries: int, keys: int) -> bool:
-    """One layer's plain attention of `queries` over `keys` at the model's shape, on random tensors: the
-    kernels a full chunk's plain path runs (its queries in several pieces past ~8k keys, strided) built
-    before a request needs them. On the H100 the first plain slices beside a decoding call took 80-100 ms
-    (NVRTC compiling), against a few ms after. False when the model's args do not give its shape."""
-    shape = PathCosts._shape(model)
-    if shape is None:
+    """A chunk of `queries` tokens through the model on the plain path, over a cache of `keys` tokens whose
+    buffers hold more than that, as a session's do: every kernel of a real chunk's plain path (its queries in
+    several pieces past ~8k keys; keys read from a slice of a larger buffer, so strided) built before a
+    request needs them (`plain_warm_shapes` says at which shapes). On the H100 the first plain slices beside
+    a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left as it was;
+    False when its cache is not plain KV layers (nothing to warm)."""
+    cache = _filled_cache(model, keys, kvcapacity.capacity(keys + queries))
+    if cache is None:
         return False
-    _, heads, kv_heads, head_dim, dtype = shape
-    q = mx.random.normal((1, heads, queries, head_dim), key=mx.random.key(3)).astype(dtype)
-    k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(4)).astype(dtype)
-    plain = plain_attention(_fast_sdpa, queries)
-    mx.eval(plain(q, k, k, None, head_dim ** -0.5, "causal"))
+    with plain_prefill(model, queries):
+        mx.eval(model(mx.zeros((1, queries), dtype=mx.uint32), cache=cache))
     return True
+
+
+def _filled_cache(model: Any, tokens: int, capacity: int) -> list | None:
+    """A fresh cache for `model` whose layers hold `tokens` tokens (zeros) in buffers of `capacity`; None
+    when its cache is not plain KV layers."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if not cache or not all(type(c) is KVCache for c in cache):
+        return None
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))  # each layer's buffer: its shape and dtype
+    for c in cache:
+        b, heads, _, dim = c.keys.shape
+        c.keys = mx.zeros((b, heads, capacity, dim), c.keys.dtype)
+        c.values = mx.zeros((b, heads, capacity, c.values.shape[-1]), c.values.dtype)
+        c.offset = tokens
+    return cache
 
 
 def warm_decode(model: Any, capacity: int) -> bool:
     """One decode step of one row whose KV buffer holds `capacity` tokens, all of them used (on CUDA: the
     cuDNN decode graph for that capacity built, its kernels compiled). The model is left as it was; False
     when its cache is not plain KV layers (nothing to warm)."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    if not cache or not all(type(c) is KVCache for c in cache):
+    cache = _filled_cache(model, capacity - 1, capacity)  # the step's token fills the buffer: keys are a whole-capacity slice
+    if cache is None:
         return False
-    token = mx.array([[0]], dtype=mx.uint32)
-    mx.eval(model(token, cache=cache))  # each layer's buffer: its shape and dtype
-    for c in cache:
-        b, heads, _, dim = c.keys.shape
-        c.keys = mx.zeros((b, heads, capacity, dim), c.keys.dtype)
-        c.values = mx.zeros((b, heads, capacity, c.values.shape[-1]), c.values.dtype)
-        c.offset = capacity - 1  # the step's token fills the buffer: keys are a whole-capacity slice
-    mx.eval(model(token, cache=cache))
+    mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
     return True
 
 

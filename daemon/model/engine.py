@@ -158,9 +158,6 @@ class Engine:
         # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
         self._fused_shapes: set[tuple[Any, ...]] = set()
         self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
-        if warm:
-            for job in self.warm_jobs():
-                job()
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
         self.started.mark("set_up")
@@ -174,6 +171,9 @@ class Engine:
         self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
+        if warm:  # last: a warm-up's caches are sized against the room the limits leave
+            for job in self.warm_jobs():
+                job()
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
@@ -187,8 +187,11 @@ class Engine:
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
         if attention.on_cuda() and fill.restore_mode() == "staged":
             jobs.append(self._warm_staging)
-        if self.plain_prefill:  # a full chunk's plain path (a new shape beside decoding), in one and in many pieces
-            jobs += [lambda k=k: attention.warm_plain(self.model, self.prefill_step, k) for k in (4096, 16384)]
+        if self.plain_prefill:  # the plain path at each class of shape MLX builds kernels for (plain_warm_shapes)
+            room = self.kv_room_bytes if self.kv_room_bytes is not None else float("inf")
+            jobs += [lambda q=q, k=k: attention.warm_plain(self.model, q, k)
+                     for q, k in attention.plain_warm_shapes(self.prefill_step, self.context_length)
+                     if self.kv_bytes(q + k) <= room / 2]  # its cache made for it: beside room for sessions
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self, "paths", costs))
         return jobs
