@@ -16,6 +16,8 @@
 #   bash bench/device_round.sh server     bench/batching.py at 8 and 16 sessions against mlx_lm.server
 #   bash bench/device_round.sh spikes     bench/step_spikes.py: a lone session's slow steps, kvwake's and mlx-lm's loop
 #   bash bench/device_round.sh plainfirst bench/plain_first.py: a plain chunk's first attention, kernels or memory
+#   bash bench/device_round.sh firstplain the first plain chunk of a process after each kind of warm-up (plain_first.py)
+#   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -102,6 +104,24 @@ case "$1" in
     model
     timeout 300 python3 bench/plain_first.py --model /tmp/m8b --context 7680 --chunk 318 --rounds 2 \
       --json "$out/plain_first.json" 2>&1 | grep -o '"variant.*' ;;
+  firstplain)  # the first plain chunk of a process after the engine's warm-ups, each variant in a fresh process
+    model
+    for r in 1 2; do
+      for v in "random" "random --clear" "model" "model --clear" "none" "shapes"; do
+        timeout 100 python3 bench/plain_first.py --model /tmp/m8b --context 7680 --chunk 318 --first-only --warm $v \
+          2>&1 | tail -1
+      done
+    done ;;
+  warmplain)  # the prefill row's trace, this tree against .gpu/old's (a git archive of the tree before), alternating
+    model
+    rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
+    for run in new-1 old-1 new-2 old-2; do
+      path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
+      PYTHONPATH=$path$PYTHONPATH KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
+        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
+        --out "$out/prefill-trace-warm-$run" >/dev/null 2>&1
+      python3 bench/trace_summary.py "$run" "$out/prefill-trace-warm-$run/batching.json"
+    done ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \

@@ -1,6 +1,7 @@
 """Why a prompt's last chunk is slow at its first attention on the plain path: kernels or first-touched memory.
 
 usage: python bench/plain_first.py [--model tiny|PATH] [--context 7680] [--chunk 318] [--rounds 2] [--json OUT]
+       python bench/plain_first.py --model PATH --first-only --warm none|random|model|shapes [--clear] [--json OUT]
 
 In process, one model: a cache of --context tokens (prefilled in 512-token chunks), then a --chunk-token
 chunk on the plain attention path (model/attention.py plain_prefill), its layers evaluated one at a time as
@@ -15,7 +16,18 @@ same length ("again"):
   was the memory's first touch; if both are, kernels built for the shape;
 - `pieces`: the scores in pieces of at most 32 MiB (`PLAIN_MAX_BYTES`), small enough to come from buffers
   freed before.
-Reported per run: layer 1's ms, the median of layers 2 and up, and their ratio.
+Reported per run: layer 1's ms, the median of layers 2 and up, and their ratio. Session 18 (H100): after the
+first run of the process (269 ms: kernels built), `plain` at a new key length took 3.96 ms, so neither new
+memory nor a new length makes it slow; the `--first-only` runs below found what does.
+
+`--first-only` (one process per variant: the engine pays it once per process): the daemon's start-up first
+(`--warm`: none; `random`, the plain path warmed on contiguous random tensors at 512 queries over 4k and 16k
+keys, as the engine did until session 18; `model`, attention.warm_plain through the model over a larger
+buffer at 512 queries over the same keys; `shapes`, warm_plain at attention.plain_warm_shapes, as the engine
+does now; all then decode warmed at attention.decode_warm_capacities()), `--clear`: MLX's cache of freed
+buffers handed back (mx.clear_cache) after it, then the context, then one plain chunk, timed as above.
+Session 18 (H100): 313-390 ms unwarmed, 204-215 `random`, 41-60 `model`, 4.5-5.4 ms with the three odd
+shapes of plain_warm_shapes alone; `--clear` changed nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +75,32 @@ def layer_times(model, cache: list, tokens: list[int], variant: str) -> list[flo
             layer.trim(n)  # back to the context, for the next run
 
 
+def warm(model, how: str, clear: bool) -> None:  # noqa: ANN001
+    """The engine's start-up warm-ups of the plain path and of decoding (engine.py warm_jobs), as `how` says."""
+    import mlx.core as mx
+
+    from kvwake.daemon.model import attention
+
+    if how == "none":
+        return
+    if how == "shapes":  # as the engine warms now: through the model at each class of shape
+        for queries, keys in attention.plain_warm_shapes(512, None):
+            attention.warm_plain(model, queries, keys)
+    for keys in (4096, 16384) if how != "shapes" else ():
+        if how == "model":
+            attention.warm_plain(model, 512, keys)
+            continue
+        shape = attention.PathCosts._shape(model)  # session 17's warm_plain: contiguous random tensors
+        _, heads, kv_heads, head_dim, dtype = shape
+        q = mx.random.normal((1, heads, 512, head_dim), key=mx.random.key(3)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, keys, head_dim), key=mx.random.key(4)).astype(dtype)
+        mx.eval(attention.plain_attention(attention._fast_sdpa, 512)(q, k, k, None, head_dim ** -0.5, "causal"))
+    for capacity in attention.decode_warm_capacities():
+        attention.warm_decode(model, capacity)
+    if clear:
+        mx.clear_cache()
+
+
 def main() -> None:
     from batching import bench_model
 
@@ -72,6 +110,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=318)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
+    ap.add_argument("--first-only", action="store_true")
+    ap.add_argument("--warm", choices=("none", "random", "model", "shapes"), default="none")
+    ap.add_argument("--clear", action="store_true")
     a = ap.parse_args()
     import mlx.core as mx
     from mlx_lm import load
@@ -82,6 +123,8 @@ def main() -> None:
     memory.apply_limits()
     with tempfile.TemporaryDirectory() as work:
         model, _ = load(str(bench_model(a.model, Path(work))))
+        if a.first_only:
+            warm(model, a.warm, a.clear)
         cache = make_prompt_cache(model)
         vocab = model.args.vocab_size
         context = [(i * 37 + 11) % (vocab - 2) + 1 for i in range(a.context)]
@@ -95,6 +138,16 @@ def main() -> None:
         for layer in cache:
             layer.trim(a.chunk + 2 * a.rounds * 3)
         rows, length = [], a.chunk
+        if a.first_only:
+            chunk = [(i * 13 + 7) % (vocab - 2) + 1 for i in range(length)]
+            ms = layer_times(model, cache, chunk, "plain")
+            later = statistics.median(ms[2:]) if len(ms) > 2 else float("nan")
+            rows.append({"warm": a.warm, "clear": a.clear, "chunk": length, "keys": a.context + length,
+                         "layer0_ms": round(ms[0], 2), "layer1_ms": round(ms[1], 2),
+                         "later_median_ms": round(later, 2), "layer1_over_later": round(ms[1] / later, 2),
+                         "mlx_cache_bytes": mx.get_cache_memory()})
+            print(json.dumps(rows[-1]), flush=True)
+            a.rounds = 0
         for r in range(a.rounds):
             for variant in ("plain", "touched", "pieces"):
                 for when in ("first", "again"):
