@@ -344,8 +344,10 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()
-    # sizes; decode; a wake's staging; plain; keys 1k, 4k
-    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 1 + 2 + 2
+    # sizes; decode; a wake's staging; the plain path's classes of shape within the context; keys 1k, 4k
+    plain = attention.plain_warm_shapes(engine.prefill_step, 4096)
+    assert plain and all(q + k <= 4096 for q, k in plain)
+    assert len(jobs) == 3 + len(attention.decode_warm_capacities()) + 1 + len(plain) + 2
     assert engine._warm_staging in jobs
     for job in jobs[:-1]:
         job()
