@@ -34,7 +34,7 @@ case "$1" in
     old() {
       [ -d .gpu/old ] || return 0
       rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
-      PYTHONPATH=/tmp/old:$PYTHONPATH timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 \
+      PYTHONPATH=/tmp/old:${PYTHONPATH:-} timeout 280 python3 bench/persist.py --model /tmp/m8b --tokens 32768 \
         --out "$out/persist-old" 2>&1 | tail -2
     }
     if [ "$1" = persist ]; then new; old; else old; new; fi ;;
@@ -58,7 +58,7 @@ case "$1" in
     for round in 1 2; do
       timeout 120 python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 \
         --json "$out/startup-new-$round.json" 2>&1 | grep -E '^(start|imports)' | sed "s/^/new $round /"
-      [ -d /tmp/old ] && PYTHONPATH=/tmp/old:$PYTHONPATH timeout 120 python3 bench/startup.py --model tiny --starts 3 \
+      [ -d /tmp/old ] && PYTHONPATH=/tmp/old:${PYTHONPATH:-} timeout 120 python3 bench/startup.py --model tiny --starts 3 \
         --importtime --top 40 --json "$out/startup-old-$round.json" 2>&1 | grep -E '^(start|imports)' | sed "s/^/old $round /"
     done ;;
   prefill)  # the talker's gaps beside an 8k prefill: all new, then partly restored from the store
@@ -117,7 +117,7 @@ case "$1" in
     rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
     for run in new-1 old-1 new-2 old-2; do
       path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
-      PYTHONPATH=$path$PYTHONPATH KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
+      PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-warm-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-warm-$run/batching.json"

@@ -356,6 +356,21 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     assert [row[0] for row in engine.paths.table] == [1024, 4096] and engine.decoder.batch is None
 
 
+def test_the_plain_path_is_not_warmed_at_a_shape_whose_cache_would_take_half_the_room_for_kv(engine, monkeypatch):
+    # The warm-up runs after the daemon answers, beside live sessions: a shape whose cache alone would take
+    # more than half of what the limits leave for KV is skipped
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    engine.plain_prefill, engine.context_length, engine.paths = True, 32768, None
+    small = min(engine.kv_bytes(q + k) for q, k in attention.plain_warm_shapes(engine.prefill_step, 32768))
+    plain = [job for job in engine.warm_jobs() if "warm_plain" in getattr(job, "__code__", type(job)).co_names]
+    assert len(plain) == len(attention.plain_warm_shapes(engine.prefill_step, 32768)) == 4
+    engine.kv_room_bytes = 2 * small
+    plain = [job for job in engine.warm_jobs() if "warm_plain" in getattr(job, "__code__", type(job)).co_names]
+    assert len(plain) == 1
+
+
 def test_a_lone_sessions_decode_is_warmed_at_whole_capacities_and_the_model_is_left_as_it_was(engine, monkeypatch):
     # On CUDA a lone session's decode step over a buffer of a multiple of 256 tokens builds a cuDNN graph
     # per capacity (the first ones ~0.8 s on the H100: a decoding neighbour's p99 beside a prefill).

@@ -247,29 +247,37 @@ def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
 
 
 def plain_warm_shapes(prefill_step: int, context: int | None) -> list[tuple[int, int]]:
-    """(queries, keys) the plain path is warmed at (`warm_plain`): MLX on CUDA builds its kernels per class
-    of shape (aligned or not, one piece or several, an equal last piece or not), not per shape. Measured on
-    the H100 (`bench/plain_first.py --first-only`, 8B shape, a 318-token chunk over 7,680 cached tokens, the
-    first of a process): its first attention took 204-215 ms after the warm-up on random tensors at 512
-    queries, 41-60 ms warmed through the model at 512 queries, 4.5-5.4 ms after these (3-4 ms a layer
-    later). Full chunks aligned; odd query counts and key lengths in one piece, two unequal ones, and many
-    with a one-row last; keys within the model's context."""
+    """(queries, cached keys) the plain path is warmed at (`warm_plain`; its attention then runs over keys +
+    queries). MLX on CUDA builds its kernels per class of shape, not per shape: a full chunk (aligned) and
+    query counts and key lengths off every alignment (317 over 7,001: 7,318 keys; 129 over 2,049; 255 over
+    16,387), in one, two and three pieces of scores for 32 heads. Measured on the H100 (`bench/plain_first.py
+    --first-only`, 8B shape, a 318-token chunk over 7,680 cached tokens, the first of a process): its first
+    attention took 204-215 ms after the warm-up on random tensors at 512 queries (one piece over 4,096 keys,
+    four over 16,384), 41-60 ms warmed through the model at 512 queries (two pieces over 4,608 keys, as the
+    chunk's), 4.5-5.4 ms after the three unaligned shapes alone (3-4 ms a layer later): alignment made the
+    difference, not the number of pieces. Odd key lengths (the chunk's was even) were not measured apart.
+    Shapes past the model's context are left out."""
     shapes = [(prefill_step, 4096), (317, 7001), (129, 2049), (255, 16387)]
     return [(q, k) for q, k in shapes if context is None or q + k <= context]
 
 
 def warm_plain(model: Any, queries: int, keys: int) -> bool:
     """A chunk of `queries` tokens through the model on the plain path, over a cache of `keys` tokens whose
-    buffers hold more than that, as a session's do: every kernel of a real chunk's plain path (its queries in
-    several pieces past ~8k keys; keys read from a slice of a larger buffer, so strided) built before a
-    request needs them (`plain_warm_shapes` says at which shapes). On the H100 the first plain slices beside
-    a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left as it was;
-    False when its cache is not plain KV layers (nothing to warm)."""
+    buffers hold more than that, as a session's do (keys read from a slice of a larger buffer, so strided),
+    its layers' caches evaluated as a chunk's slices are: every kernel of a real chunk's plain path built
+    before a request needs them (`plain_warm_shapes` says at which shapes). On the H100 the first plain
+    slices beside a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left
+    as it was; False when its cache is not plain KV layers or its module takes attention from elsewhere than
+    mlx-lm's base (nothing the plain path would run)."""
+    module = sys.modules.get(type(model).__module__)
+    if getattr(module, "scaled_dot_product_attention", None) is None:
+        return False
     cache = _filled_cache(model, keys, kvcapacity.capacity(keys + queries))
     if cache is None:
         return False
     with plain_prefill(model, queries):
-        mx.eval(model(mx.zeros((1, queries), dtype=mx.uint32), cache=cache))
+        model(mx.zeros((1, queries), dtype=mx.uint32), cache=cache)
+        mx.eval([c.state for c in cache])  # no logits: a chunk's slices evaluate its caches
     return True
 
 

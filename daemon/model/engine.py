@@ -174,6 +174,7 @@ class Engine:
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
             for job in self.warm_jobs():
                 job()
+            self.started.mark("warm")
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
