@@ -200,6 +200,23 @@ def test_a_chat_session_killed_after_a_turn_wakes_with_that_turn_and_continues_e
     d.stop()
 
 
+def test_a_checkpoints_engine_jobs_are_named_in_the_record_of_slow_work(tmp_path, model_dir):
+    """Which of a checkpoint's engine-thread jobs ran when (its span's copy scheduled, then taken): what a
+    decoding neighbour's long step is laid beside. All were "checkpoint.settled" before."""
+    small_chunks(tmp_path)
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_SLOW_JOB_MS": "0", "KVWAKE_SLOW_JOBS_KEPT": "5000"}).start()
+    try:
+        with d.client() as c:
+            c.call("session.create", session_id="named")
+            c.call("session.append", session_id="named", tokens=tokens_of(random.Random(5), 3 * B + 5))
+            wait_persisted(c, "named", 3 * B)
+            idle(c)
+            named = {j["what"] for j in c.call("status")["engine_thread"]["slow"] if j["what"].startswith("checkpoint.")}
+    finally:
+        d.stop()
+    assert {"checkpoint.token_bytes", "checkpoint.schedule_first", "checkpoint.capture_span"} <= named, named
+
+
 def test_persistence_can_be_turned_off_and_kvwake_status_says_which(tmp_path, model_dir):
     import subprocess
     import sys

@@ -105,7 +105,9 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
     todo = [i for i in w.needed if i != skip]
     if not todo:
         return
-    block_bytes = max(1, mlx(lambda: state.bytes_per_token(cache())) * ctx.block_tokens)
+    def token_bytes() -> int:
+        return state.bytes_per_token(cache())
+    block_bytes = max(1, mlx(token_bytes) * ctx.block_tokens)
     copied = ctx.device_planes or own  # spans of copies, not views: a span's copy is bounded
     per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(todo)
     spans = _spans(todo, per_span)
@@ -121,11 +123,17 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
         schedule(k + 1)
         return scheduled.pop(k).host()
 
-    mlx(lambda: schedule(0))
+    def schedule_first() -> None:  # engine jobs named for the engine thread's record of slow work
+        schedule(0)
+
+    mlx(schedule_first)
     for k, (first, _) in enumerate(spans):
         if batch.failed:
             return
-        blocks = mlx(lambda k=k: capture(k))
+
+        def capture_span(k: int = k) -> list:
+            return capture(k)
+        blocks = mlx(capture_span)
         futures: list[cf.Future] = []
         held.append((blocks, futures))
         for j, arrays in enumerate(blocks):
@@ -238,7 +246,11 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
             except BaseException as exc:  # its frames' MLX arrays freed here, on the engine thread
                 unframed(exc)
                 raise
-        return mlx(lambda: session.when_settled(run)).result()
+
+        def job() -> Any:
+            return session.when_settled(run)
+        job.__qualname__ = f"checkpoint.{getattr(fn, '__name__', 'job')}"  # the slow-work record says which
+        return mlx(job).result()
 
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=head, metadata=recorded,
                           supersede=supersede) as w:
