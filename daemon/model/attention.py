@@ -269,8 +269,7 @@ def warm_plain(model: Any, queries: int, keys: int) -> bool:
     slices beside a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left
     as it was; False when its cache is not plain KV layers or its module takes attention from elsewhere than
     mlx-lm's base (nothing the plain path would run)."""
-    module = sys.modules.get(type(model).__module__)
-    if getattr(module, "scaled_dot_product_attention", None) is None:
+    if _attention_module(model) is None:
         return False
     cache = _filled_cache(model, keys, kvcapacity.capacity(keys + queries))
     if cache is None:
@@ -302,7 +301,8 @@ def warm_decode(model: Any, capacity: int) -> bool:
     """One decode step of one row whose KV buffer holds `capacity` tokens, all of them used (on CUDA: the
     cuDNN decode graph for that capacity built, its kernels compiled). The model is left as it was; False
     when its cache is not plain KV layers (nothing to warm)."""
-    cache = _filled_cache(model, capacity - 1, capacity)  # the step's token fills the buffer: keys are a whole-capacity slice
+    # the step's token fills the buffer: its keys are a whole-capacity slice
+    cache = _filled_cache(model, capacity - 1, capacity)
     if cache is None:
         return False
     mx.eval(model(mx.array([[0]], dtype=mx.uint32), cache=cache))
@@ -319,14 +319,21 @@ def bucketed_prefill(model: Any) -> contextlib.AbstractContextManager[None]:
     return _swapped(model, bucketed_attention)
 
 
+def _attention_module(model: Any) -> Any:
+    """The module of `model`'s class if it takes `scaled_dot_product_attention` from mlx-lm's base (what
+    the plain and bucketed paths swap), else None."""
+    module = sys.modules.get(type(model).__module__)
+    return module if getattr(module, "scaled_dot_product_attention", None) is not None else None
+
+
 @contextlib.contextmanager
 def _swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
     """The model's module's `scaled_dot_product_attention` replaced by make(it) while inside."""
-    module = sys.modules.get(type(model).__module__)
-    fused = getattr(module, "scaled_dot_product_attention", None)
-    if fused is None:  # a model that does not take attention from mlx-lm's base: left as it is
+    module = _attention_module(model)
+    if module is None:  # a model that does not take attention from mlx-lm's base: left as it is
         yield
         return
+    fused = module.scaled_dot_product_attention
     module.scaled_dot_product_attention = make(fused)
     try:
         yield

@@ -114,9 +114,9 @@ class Chunk:
             raise
         # A slice of layers a..b evaluates their caches; a KV cache's input is the output of the layer before,
         # so the slice computes the attention of layers a-1..b-1 and the first layer's slice none: it says
-        # nothing of what a layer costs (a recurrent layer 0 does its own work: one small slice more) (on the H100
-        # the plain path's layer 0 took ~1 ms against ~5 for each later one: sized from it, the next slice
-        # took 4-5 layers, 22-25 ms against a 6 ms target)
+        # nothing of what a layer costs (a recurrent layer 0 does its own work: one small slice more). On the
+        # H100 the plain path's layer 0 took ~1 ms against ~5 for each later one: sized from it, the next
+        # slice took 4-5 layers, 22-25 ms against a 6 ms target.
         attentions = n - (self.computed == 0)
         if attentions:
             self.slicer.observe(time.perf_counter() - started, attentions, self.tokens, self.kind)
