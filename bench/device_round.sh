@@ -18,6 +18,8 @@
 #   bash bench/device_round.sh plainfirst bench/plain_first.py: a plain chunk's first attention, kernels or memory
 #   bash bench/device_round.sh firstplain the first plain chunk of a process after each kind of warm-up (plain_first.py)
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
+#   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
+#   bash bench/device_round.sh prefetch   bench/managed_reuse.py --steps, then the trace with host copies prefetched or not
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -121,6 +123,35 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-warm-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-warm-$run/batching.json"
+    done ;;
+  hostfree)  # host copies freed to the driver (this tree) or into MLX's cache (.gpu/old's): bench/managed_reuse.py,
+    model & made=$!  # then the prefill row's trace, alternating, and one run without persistence, while time lasts
+    timeout 90 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --json "$out/managed_reuse-4.json" 2>&1 | tail -4
+    timeout 90 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 5 --json "$out/managed_reuse-64.json" 2>&1 | tail -4
+    wait $made
+    rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
+    for run in new-1 old-1 new-2 old-2 off-1 new-3 old-3; do
+      [ $SECONDS -gt 470 ] && break
+      path="" flag=""; [ "${run%%-*}" = old ] && path=/tmp/old:; [ "${run%%-*}" = off ] && flag=--no-persist
+      PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 110 python3 bench/batching.py \
+        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator $flag \
+        --out "$out/prefill-trace-hostfree-$run" >/dev/null 2>&1
+      python3 bench/trace_summary.py "$run" "$out/prefill-trace-hostfree-$run/batching.json"
+    done ;;
+  prefetch)  # host copies moved to the host in bulk (KVWAKE_HOST_PREFETCH=1) or on the encoders' faults: bench/
+    model & made=$!  # managed_reuse.py's steps while the CPU reads copies, then the prefill row's trace, alternating
+    timeout 100 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --steps 60 \
+      --json "$out/managed_reuse-steps-4.json" 2>&1 | grep while
+    timeout 100 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 3 --steps 100 \
+      --json "$out/managed_reuse-steps-64.json" 2>&1 | grep while
+    wait $made
+    for run in pf-1 fault-1 pf-2 fault-2 pf-3 fault-3 pf-4 fault-4; do
+      [ $SECONDS -gt 480 ] && break
+      pf=0; [ "${run%%-*}" = pf ] && pf=1
+      KVWAKE_HOST_PREFETCH=$pf KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 python3 bench/batching.py \
+        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
+        --out "$out/prefill-trace-prefetch-$run" >/dev/null 2>&1
+      python3 bench/trace_summary.py "$run" "$out/prefill-trace-prefetch-$run/batching.json"
     done ;;
   server)
     model

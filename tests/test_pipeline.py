@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
 import time
+import weakref
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon.kv import capacity
+from kvwake.daemon.kv import capacity, state
+from kvwake.daemon.kv.context import direct
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.session import Session
@@ -94,6 +98,73 @@ def test_sleep_and_wake_through_many_spans_and_workers_are_exact(engine):
         assert np.array_equal(k, np.array(c.keys[..., :202, :].view(mx.uint16)))
         assert np.array_equal(v, np.array(c.values[..., :202, :].view(mx.uint16)))
         assert c.keys.shape[2] == capacity.capacity(202)  # allocated once, as its growth would (kv/capacity.py)
+
+
+@pytest.mark.parametrize("how", ["sleep", "checkpoint"])
+def test_on_a_discrete_gpu_host_copies_go_back_to_the_driver_not_to_mlxs_cache(engine, monkeypatch, how):
+    # On CUDA a host copy is managed memory the encoders read; in MLX's cache it would become a neighbour's
+    # next kernel output, written through page faults. Every array a sleep or a checkpoint (its spans of
+    # copies let go as their writes finish, span by span) hosted must die on the engine thread with the
+    # cache closed (limit 0), and the limit must come back after.
+    from kvwake.daemon.kv import pipeline
+
+    monkeypatch.setattr(state, "_discrete", lambda: True)
+    deaths: list[tuple[int, str]] = []
+    hosted = []
+
+    def peek(thread: str) -> None:
+        limit = mx.set_cache_limit(0)
+        mx.set_cache_limit(limit)
+        deaths.append((limit, thread))
+    real_host = state.Deferred.host
+
+    def host(self):
+        hosted.append(len(self.lazy))
+        for a in self.lazy:
+            weakref.finalize(a, lambda: peek(threading.current_thread().name))
+        return real_host(self)
+    monkeypatch.setattr(state.Deferred, "host", host)
+    limit = mx.set_cache_limit(1 << 30)
+    try:
+        s = Session("s")
+        engine.append(s, tokens=[(i * 7) % 256 for i in range(203)])
+        if how == "sleep":
+            assert engine.sleep(s)["new_blocks"] == 202 // 16
+        else:
+            info = pipeline.checkpoint(engine.kv, s, direct, supersede=None, wanted=lambda *_: True)
+            assert info.new_blocks == 202 // 16
+        gc.collect()
+        # keys and values of both layers: a sleep's blocks in one span, then its tail; a checkpoint's in many
+        assert len(hosted) >= (2 if how == "sleep" else 3) and len(deaths) == sum(hosted) >= 4 * len(hosted)
+        assert {d for d, _ in deaths} == {0}, deaths
+        assert {t for _, t in deaths} == {threading.current_thread().name}, deaths  # the engine's (direct here)
+        assert mx.set_cache_limit(1 << 30) == 1 << 30
+    finally:
+        mx.set_cache_limit(limit)
+
+
+def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkeypatch):
+    def dropped(discrete: bool, fail: bool = False) -> int:
+        monkeypatch.setattr(state, "_discrete", lambda: discrete)
+        held = [mx.arange(1 << 16)]
+        mx.eval(held)
+        mx.clear_cache()
+
+        def drop() -> None:
+            held.clear()
+            if fail:
+                raise OSError("the drop failed")
+        limit = mx.set_cache_limit(1 << 30)
+        try:
+            with contextlib.suppress(OSError):
+                state.drop_hosted(drop)
+            assert mx.set_cache_limit(1 << 30) == 1 << 30  # given back, even after a failure
+        finally:
+            mx.set_cache_limit(limit)
+        return mx.get_cache_memory()
+    assert dropped(False) >= 4 << 16  # unified memory: into the cache, as MLX does
+    assert dropped(True) == 0
+    assert dropped(True, fail=True) == 0
 
 
 def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeypatch):

@@ -118,8 +118,11 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
         if k < len(spans):
             scheduled[k] = defer_blocks(ctx, cache(), *spans[k], own=own).schedule()
 
-    def capture(k: int) -> list:  # the span scheduled by the call before; the next one scheduled
+    def settle() -> None:  # spans whose writes are done let their host copies go
         held[:] = [h for h in held if not isinstance(h, tuple) or not all(f.done() for f in h[1])]
+
+    def capture(k: int) -> list:  # the span scheduled by the call before; the next one scheduled
+        state.drop_hosted(settle)
         schedule(k + 1)
         return scheduled.pop(k).host()
 
@@ -142,6 +145,21 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
                 batch.release(block_bytes)
                 return
             futures.append(batch.submit(block_bytes, w.add_block, first + j, arrays))
+
+
+def _dropping(held: list) -> Callable[[], None]:
+    """The engine-thread job that empties `held` (spans and their host copies: `state.drop_hosted`)."""
+    def drop_held() -> None:
+        state.drop_hosted(held.clear)
+    return drop_held
+
+
+def _write_tail(ctx: KvContext, w: SnapshotWriter, session: Session, mlx: Mlx, batch: Batch, held: list) -> None:
+    """Capture the session's tail (engine thread) and write it (pool); `held` alone keeps its host copies."""
+    tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
+    held.append(tail)
+    if tail and not batch.failed:
+        batch.submit(0, w.set_tail, tail)
 
 
 def _sleep_budget(ctx: KvContext, session: Session) -> int:
@@ -178,14 +196,11 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
             if session.cache is not None:
                 _write_blocks(ctx, w, lambda: session.cache, mlx, batch, held)
                 phases.mark("blocks")
-                tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
-                held.append(tail)
+                _write_tail(ctx, w, session, mlx, batch, held)
                 phases.mark("tail")
-                if tail and not batch.failed:
-                    batch.submit(0, w.set_tail, tail)
         finally:  # never leave a write running behind an aborting writer
             batch.join()
-            mlx(held.clear)
+            mlx(_dropping(held))
         phases.mark("written")
         batch.raise_first()
         info = w.commit()
@@ -260,11 +275,20 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
                 _write_blocks(ctx, w, cache, settled, batch, held, own=True)
         finally:
             batch.join()
-            mlx(held.clear)
+            mlx(_dropping(held))
         batch.raise_first()
         if tokens:  # a snapshot of no KV has no tail, as a new session's first one
             w.set_tail(tail)  # meta state and offsets: a few bytes
         return w.commit()
+
+
+def _write_short(ctx: KvContext, w: SnapshotWriter, scratch: Session, short: int, mlx: Mlx, batch: Batch,
+                 held: list) -> None:
+    """Capture the last partial block, `short` (engine thread), and write it (pool); `held` alone keeps it."""
+    arrays = mlx(lambda: state.capture_span(scratch.cache, short * ctx.block_tokens, scratch.processed))
+    held.append(arrays)
+    batch.reserve(0)
+    batch.submit(0, w.add_block, short, arrays)
 
 
 def release(session: Session, mlx: Mlx) -> None:
@@ -316,13 +340,10 @@ def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
         try:
             _write_blocks(ctx, w, lambda: scratch.cache, mlx, batch, held, skip=short)
             if short in w.needed:
-                arrays = mlx(lambda: state.capture_span(scratch.cache, short * ctx.block_tokens, len(tokens)))
-                held.append(arrays)
-                batch.reserve(0)
-                batch.submit(0, w.add_block, short, arrays)
+                _write_short(ctx, w, scratch, short, mlx, batch, held)
         finally:
             batch.join()
-            mlx(held.clear)
+            mlx(_dropping(held))
         batch.raise_first()
         info = w.commit()
     mlx(lambda: setattr(scratch, "cache", None))

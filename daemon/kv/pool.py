@@ -70,12 +70,17 @@ class Batch:
             self._cond.notify_all()
 
     def submit(self, nbytes: int, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Run fn(*args) on the pool with `nbytes` already reserved (they are released when it ends)."""
-        future = self._executor.submit(self._run, nbytes, fn, args)
+        """Run fn(*args) on the pool with `nbytes` already reserved (they are released when it ends).
+
+        The task lets go of `args` before its future is done: whoever waits for it then holds the last
+        references (the executor's work item would hold them a moment longer, on the pool's thread,
+        where MLX memory must not be freed)."""
+        future = self._executor.submit(self._run, nbytes, fn, [args])
         self._futures.append(future)
         return future
 
-    def _run(self, nbytes: int, fn: Callable[..., Any], args: tuple) -> Any:
+    def _run(self, nbytes: int, fn: Callable[..., Any], boxed: list[tuple]) -> Any:
+        args = boxed.pop()
         try:
             if self.error is None:  # after a failure, tasks not yet started do nothing
                 return fn(*args)

@@ -39,6 +39,8 @@ Written for mlx-lm 0.32 (its cache `state` layouts changed between 0.31 and
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -53,7 +55,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv import cudart, devplanes
 from kvwake.store.format.codec import Planed, Tensor
 
 __all__ = [
@@ -270,6 +272,11 @@ def bytes_per_token(cache: list) -> int:
 # -- capture -----------------------------------------------------------------
 
 
+# Experiment (issue 24): a host copy on CUDA is managed memory left on the GPU by its copy; the encoders'
+# first reads migrate it page by page. With this on, `Deferred.host` starts a bulk move to the host first.
+PREFETCH = os.environ.get("KVWAKE_HOST_PREFETCH", "0") == "1"
+
+
 class Deferred:
     """Arrays scheduled on the device, and how the host result is made of them (both on the engine thread).
 
@@ -289,7 +296,33 @@ class Deferred:
 
     def host(self) -> Any:
         mx.eval(self.lazy)
-        return self.make([np.asarray(a) for a in self.lazy])
+        host = [np.asarray(a) for a in self.lazy]
+        if PREFETCH and _discrete():
+            for h in host:
+                cudart.prefetch_to_host(h.ctypes.data, h.nbytes)
+        return self.make(host)
+
+
+def _discrete() -> bool:
+    """True where the KV lives apart from host memory (CUDA): a host copy is a copy, not a view."""
+    return not (mx.default_device() == mx.cpu or mx.metal.is_available())
+
+
+def drop_hosted(drop: Callable[[], Any]) -> None:
+    """Engine thread: run `drop`, which lets host copies (`Deferred.host`'s) go, with MLX's buffer cache
+    closed on a discrete GPU, so that what it frees goes back to the driver.
+
+    There a host copy is managed memory that the CPU (the encoders) read last. MLX's cache does not tell
+    managed buffers from device ones: back in it, the copy would become the next kernel output of about
+    its size, a neighbour's decode step, written through page faults (bench/managed_reuse.py)."""
+    if not _discrete():
+        drop()
+        return
+    limit = mx.set_cache_limit(0)
+    try:
+        drop()
+    finally:
+        mx.set_cache_limit(limit)
 
 
 def _as_host_bits(a: mx.array, own: bool) -> mx.array:
@@ -297,7 +330,7 @@ def _as_host_bits(a: mx.array, own: bool) -> mx.array:
     `own` (else, on unified memory, a view of the cache's buffer: while a view lives, MLX cannot update
     that buffer in place and copies all of it at the cache's next update)."""
     a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    return a if not own and (mx.default_device() == mx.cpu or mx.metal.is_available()) else mx.contiguous(a)
+    return mx.contiguous(a) if own or _discrete() else a
 
 
 def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
