@@ -19,7 +19,6 @@
 #   bash bench/device_round.sh firstplain the first plain chunk of a process after each kind of warm-up (plain_first.py)
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
-#   bash bench/device_round.sh prefetch   bench/managed_reuse.py --steps, then the trace with host copies prefetched or not
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -137,21 +136,6 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator $flag \
         --out "$out/prefill-trace-hostfree-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-hostfree-$run/batching.json"
-    done ;;
-  prefetch)  # host copies moved to the host in bulk (KVWAKE_HOST_PREFETCH=1) or on the encoders' faults: bench/
-    model & made=$!  # managed_reuse.py's steps while the CPU reads copies, then the prefill row's trace, alternating
-    timeout 100 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --steps 60 \
-      --json "$out/managed_reuse-steps-4.json" 2>&1 | grep while
-    timeout 100 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 3 --steps 100 \
-      --json "$out/managed_reuse-steps-64.json" 2>&1 | grep while
-    wait $made
-    for run in pf-1 fault-1 pf-2 fault-2 pf-3 fault-3 pf-4 fault-4; do
-      [ $SECONDS -gt 480 ] && break
-      pf=0; [ "${run%%-*}" = pf ] && pf=1
-      KVWAKE_HOST_PREFETCH=$pf KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 python3 bench/batching.py \
-        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
-        --out "$out/prefill-trace-prefetch-$run" >/dev/null 2>&1
-      python3 bench/trace_summary.py "$run" "$out/prefill-trace-prefetch-$run/batching.json"
     done ;;
   server)
     model

@@ -14,9 +14,10 @@ Each round, in one process, for each variant:
   unread   host copies dropped into the cache without the CPU reading them, then the op
 Reported per variant (median over rounds): the first op's ms, the ops' p50 and max, the copies' ms,
 the CPU's first and second read of them (page migration shows in the first), and the drop's ms.
-With --steps N, then: N GPU steps timed while another thread reads fresh host copies, the copies
-left to migrate on the reads' faults (while-fault), moved to the host in bulk first (while-prefetch,
-cudart.prefetch_to_host), or none made (while-none): does their migration stall the GPU's work?
+With --steps N, then: N GPU steps timed while another thread reads fresh host copies, left to
+migrate on the reads' faults (while-fault), or none made (while-none): does their migration stall
+the GPU's work? (A bulk move to the host first, cudaMemPrefetchAsync, was measured in session 19 at
+9ff7bde and removed: the call held its caller 17.7 ms per 128 MiB.)
 
 usage: python bench/managed_reuse.py [--mib 4] [--count 32] [--rounds 5] [--steps 40] [--json out.json]
 """
@@ -76,10 +77,8 @@ def round_of(variant: str, sources: list[mx.array]) -> dict[str, float]:
 
 def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.array, steps: int) -> dict[str, float]:
     """GPU steps timed on this thread while another reads host copies (the encoders' pattern): `none` makes
-    no copies, `fault` lets the reads migrate them page by page, `prefetch` starts a bulk move first."""
+    no copies, `fault` lets the reads migrate them page by page."""
     import threading
-
-    from kvwake.daemon.kv import cudart
 
     mx.synchronize()
     mx.clear_cache()
@@ -89,10 +88,6 @@ def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.arra
         copies = [s + 0 for s in sources]
         mx.eval(copies)
         hosted = [np.asarray(c) for c in copies]
-        if mode == "prefetch":
-            started = time.perf_counter()
-            out["prefetched"] = float(sum(cudart.prefetch_to_host(h.ctypes.data, h.nbytes) for h in hosted))
-            out["prefetch_call_ms"] = _ms(started)
     done: list[float] = []
 
     def read() -> None:
@@ -139,7 +134,7 @@ def main() -> None:
         weights = [mx.random.normal((args.dim, args.dim)).astype(mx.bfloat16) for _ in range(16)]
         x = mx.random.normal((args.dim, 32)).astype(mx.bfloat16)
         mx.eval(weights, x)
-        modes = ["none", "fault", "prefetch"]
+        modes = ["none", "fault"]
         for m in modes:
             concurrent(m, sources, weights, x, 3)
         for m in modes:

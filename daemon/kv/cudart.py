@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["active", "map_to_device", "prefetch_to_host", "unmap"]
+__all__ = ["active", "map_to_device", "unmap"]
 
 log = logging.getLogger("kvwake.cudart")
 
@@ -118,58 +118,3 @@ def unmap(ptr: int, nbytes: int, device: int = 0) -> bool:
         log.warning("cudaMemAdvise could not undo a staging mapping", extra={"bytes": nbytes})
     return all(ok)
 
-
-_prefetch: object = None  # as _advise: a callable(ptr, n) -> error code, once looked up
-
-
-def _lookup_prefetch() -> object:
-    """cudaMemPrefetchAsync from a shared CUDA runtime (it makes the device's context current), else the
-    driver's cuMemPrefetchAsync(_v2) (the calling thread's context: call it on the thread that runs MLX).
-    To the host, on the legacy default stream (MLX's streams do not wait for it: they are non-blocking)."""
-    for path in _mapped("libcudart.so"):
-        try:
-            lib = ctypes.CDLL(path)
-            version = ctypes.c_int(0)
-            lib.cudaRuntimeGetVersion(ctypes.byref(version))
-            fn = lib.cudaMemPrefetchAsync
-        except (OSError, AttributeError):
-            continue
-        if version.value >= 13000:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            return lambda ptr, n: fn(ptr, n, _Location(_LOC_HOST, 0), 0, None)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        return lambda ptr, n: fn(ptr, n, _CPU_DEVICE_ID, None)
-    for path in _mapped("libcuda.so"):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        if hasattr(lib, "cuMemPrefetchAsync_v2"):
-            fn = lib.cuMemPrefetchAsync_v2
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, _Location, ctypes.c_uint, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            return lambda ptr, n: fn(ptr, n, _Location(_LOC_HOST, 0), 0, None)
-        if hasattr(lib, "cuMemPrefetchAsync"):
-            fn = lib.cuMemPrefetchAsync
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            return lambda ptr, n: fn(ptr, n, _CPU_DEVICE_ID, None)
-    return False
-
-
-def prefetch_to_host(ptr: int, nbytes: int) -> bool:
-    """Start moving [ptr, ptr + nbytes) (managed memory) to the host in bulk, so that the CPU's first reads
-    find it there instead of migrating it page by page on faults. False where the call is unavailable or
-    refused (then the reads fault, as before)."""
-    global _prefetch
-    with _lock:
-        if _prefetch is None:
-            _prefetch = _lookup_prefetch()
-    if not _prefetch or not nbytes:
-        return False
-    err = _prefetch(ptr, nbytes)
-    if err:
-        log.debug("cudaMemPrefetchAsync refused", extra={"error": err})
-    return not err

@@ -39,7 +39,6 @@ Written for mlx-lm 0.32 (its cache `state` layouts changed between 0.31 and
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +54,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.daemon.kv import cudart, devplanes
+from kvwake.daemon.kv import devplanes
 from kvwake.store.format.codec import Planed, Tensor
 
 __all__ = [
@@ -272,11 +271,6 @@ def bytes_per_token(cache: list) -> int:
 # -- capture -----------------------------------------------------------------
 
 
-# Experiment (issue 24): a host copy on CUDA is managed memory left on the GPU by its copy; the encoders'
-# first reads migrate it page by page. With this on, `Deferred.host` starts a bulk move to the host first.
-PREFETCH = os.environ.get("KVWAKE_HOST_PREFETCH", "0") == "1"
-
-
 class Deferred:
     """Arrays scheduled on the device, and how the host result is made of them (both on the engine thread).
 
@@ -296,11 +290,7 @@ class Deferred:
 
     def host(self) -> Any:
         mx.eval(self.lazy)
-        host = [np.asarray(a) for a in self.lazy]
-        if PREFETCH and _discrete():
-            for h in host:
-                cudart.prefetch_to_host(h.ctypes.data, h.nbytes)
-        return self.make(host)
+        return self.make([np.asarray(a) for a in self.lazy])
 
 
 def _discrete() -> bool:
