@@ -1,6 +1,7 @@
 """One line per prefill-row trace (bench/batching.py's batching.json, run with KVWAKE_SLOW_JOB_MS=0): the
 talker's p99 gap over its median alone, the longest decode step, the longest plain and fused slices, the
-decode steps' count, median and how many took over 20 ms, and the five longest engine jobs.
+decode steps' count, median and how many took over 20 ms, the checkpoints' engine jobs (count, sum,
+longest), and the five longest engine jobs.
 
 usage: python bench/trace_summary.py LABEL batching.json
 """
@@ -22,11 +23,13 @@ def summary(label: str, path: str) -> str:
     steps = sorted(j["ms"] for j in work if j["what"].startswith("decode step"))
     median = steps[len(steps) // 2] if steps else 0.0
     long = [ms for ms in steps if ms > 20]
+    checkpoint = [j["ms"] for j in work if j["what"].startswith(("checkpoint", "_dropping", "list.clear"))]
     return (f"{label}: p99/alone {row['p99_during_over_p50_alone']}x (p99 {row['gap_during_p99_ms']} ms, "
             f"alone p50 {row['gap_alone_p50_ms']} ms, prefill {row['prefill_s']} s); longest decode step "
             f"{longest('decode step')} ms, plain slice {longest('Chunk.step plain')} ms, fused slice "
             f"{longest('Chunk.step fused')} ms; decode steps {len(steps)}, median {median} ms, over 20 ms "
-            f"{len(long)}; top: " + "; ".join(f"{j['what']} {j['ms']} ms @{j['at_s']}" for j in top))
+            f"{len(long)}; checkpoint jobs {len(checkpoint)}, {round(sum(checkpoint), 1)} ms, longest "
+            f"{max(checkpoint, default=0.0)} ms; top: " + "; ".join(f"{j['what']} {j['ms']} ms @{j['at_s']}" for j in top))
 
 
 if __name__ == "__main__":

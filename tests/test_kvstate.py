@@ -138,6 +138,23 @@ def test_wake_continues_bit_identically(arch, kv_bits, singles):
     assert_same_continuation(m, cache, woken)
 
 
+@pytest.mark.parametrize("arch, kv_bits, singles", [("llama", None, 7), ("llama-hd32", 8, 5), ("llama-hd32", 4, 0),
+                                                    ("gemma3", None, 7), ("qwen3_next", None, 3), ("lfm2", None, 3)])
+def test_wake_continues_bit_identically_from_copies_stacked_as_on_cuda(arch, kv_bits, singles, monkeypatch):
+    # On CUDA a capture copies, its tensors stacked one copy per dtype and shape (quantized KV: the packed
+    # values and their scales apart); each block's arrays are views of those copies.
+    monkeypatch.setattr(kvstate, "_discrete", lambda: True)
+    m = model(arch)
+    cache = fresh(m, kv_bits)
+    run(m, cache, TOKENS, singles)
+    deferred = kvstate.defer_blocks(cache, 0, len(TOKENS) // B, B)
+    shapes = {(a.dtype, tuple(a.shape[1:])) for a in deferred.lazy}
+    assert len(deferred.lazy) == len(shapes)  # one copy per dtype and shape
+    blocks, tail = sleep(cache, len(TOKENS))
+    woken = kvfill.restore_arrays(m, list(blocks), tail, len(TOKENS), B)
+    assert_same_continuation(m, cache, woken)
+
+
 @pytest.mark.parametrize("arch, kv_bits", [("llama", None), ("llama-hd32", 8), ("gemma3", None)])
 def test_wake_after_uneven_prefill_chunks(arch, kv_bits):
     """40 then 300 tokens: mlx-lm grows the buffer to 552 rows, restore allocates 512; same logits."""

@@ -79,7 +79,7 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
 
 def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> state.Deferred:
     """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
-    work). `own`: never views of the cache (it goes on growing: state._as_host_bits)."""
+    work). `own`: never views of the cache (it goes on growing: state._defer_units)."""
     if ctx.device_planes and ctx.store.codec == "planes-zstd":
         planed = state.defer_planed(cache, first, count, ctx.block_tokens)
         if planed is not None:

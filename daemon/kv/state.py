@@ -277,8 +277,8 @@ class Deferred:
     `schedule()` queues their evaluation (`mx.async_eval`: a device-to-host copy on CUDA) and returns at
     once; `host()` waits for it (nothing to wait for when a decode step or more ran in between) and
     makes the result from host arrays: on unified memory (CPU, Apple silicon) views of MLX's own
-    memory, no copy; on CUDA each array is a contiguous device copy first, then one transfer (reading a
-    slice of the cache itself would move the whole cache buffer to host memory).
+    memory, no copy; on CUDA a device copy first (the tensors stacked), then one transfer per copy
+    (`_defer_units`).
     """
 
     def __init__(self, lazy: list[mx.array], make: Any) -> None:
@@ -315,12 +315,9 @@ def drop_hosted(drop: Callable[[], Any]) -> None:
         mx.set_cache_limit(limit)
 
 
-def _as_host_bits(a: mx.array, own: bool) -> mx.array:
-    """`a` as the array its host copy is made of: bf16 as uint16, and a contiguous copy on CUDA or when
-    `own` (else, on unified memory, a view of the cache's buffer: while a view lives, MLX cannot update
-    that buffer in place and copies all of it at the cache's next update)."""
-    a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    return mx.contiguous(a) if own or _discrete() else a
+def _host_bits(a: mx.array) -> mx.array:
+    """`a` as its host copy holds it: bf16 as uint16 (numpy has no bfloat16)."""
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
 def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
@@ -335,8 +332,13 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
 
 
 def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool = False) -> Deferred:
-    """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs; `own`:
-    copies, never views of a cache that goes on growing (`_as_host_bits`)."""
+    """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs.
+
+    On unified memory (CPU, Apple silicon) they are views of the cache's buffers, unless `own`. While a
+    view lives MLX cannot update that buffer in place and copies all of it at the cache's next update,
+    so a cache that goes on growing is copied (`own`). On CUDA they are always copies: reading a slice
+    of the cache itself would move its whole buffer to host memory. Copies are made one per dtype and
+    shape (the tensors stacked): on CUDA each is a managed allocation and a transfer of its own."""
     lazy: dict[str, mx.array] = {}
     facts: dict[str, Tensor] = {}
     order: list[str] = []  # units in order, each unit's parts, then its quantization
@@ -346,13 +348,22 @@ def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool
             lazy.update(slices)
             facts.update(small)
             order += [*slices, *small]
-    names = list(lazy)
+    bits = {n: _host_bits(a) for n, a in lazy.items()}
+    stacked = own or _discrete()
+    if stacked:  # one copy per dtype and shape, not one per tensor: on CUDA one host allocation and transfer
+        kinds: dict[tuple, list[str]] = {}
+        for n, a in bits.items():
+            kinds.setdefault((a.dtype, tuple(a.shape)), []).append(n)
+        groups = list(kinds.values())
+        arrays = [mx.stack([bits[n] for n in group]) for group in groups]
+    else:  # views of the cache, no copy
+        groups, arrays = [[n] for n in bits], list(bits.values())
 
     def make(host: list[np.ndarray]) -> dict[str, Tensor]:
-        views = dict(zip(names, host))
+        views = {n: h[i] if stacked else h for group, h in zip(groups, host) for i, n in enumerate(group)}
         return {n: Tensor(_dtype_of(lazy[n]), views[n]) if n in lazy else facts[n] for n in order}
 
-    return Deferred([_as_host_bits(lazy[n], own) for n in names], make)
+    return Deferred(arrays, make)
 
 
 def _cut_units(cache: list, start: int, stop: int, only: Any = None) -> dict[str, Tensor]:
@@ -370,7 +381,7 @@ _NP = {mx.float16: np.float16, mx.float32: np.float32, mx.uint32: np.uint32, mx.
 
 def defer_blocks(cache: list, first: int, count: int, block_tokens: int, own: bool = False) -> Deferred:
     """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring), deferred:
-    `host()` gives what `capture_blocks` returns (`own`: as copies, see `_as_host_bits`)."""
+    `host()` gives what `capture_blocks` returns (`own`: as copies, see `_defer_units`)."""
     span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens, own=own)
     cut = span.make
 
