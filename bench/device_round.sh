@@ -19,7 +19,7 @@
 #   bash bench/device_round.sh firstplain the first plain chunk of a process after each kind of warm-up (plain_first.py)
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
-#   bash bench/device_round.sh hostcopy   the prefill row's trace against .gpu/old's, alternating, as time lasts
+#   bash bench/device_round.sh hostcopy   the same as warmplain (session 19's name)
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -114,16 +114,6 @@ case "$1" in
           2>&1 | tail -1
       done
     done ;;
-  warmplain)  # the prefill row's trace, this tree against .gpu/old's (a git archive of the tree before), alternating
-    model
-    rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
-    for run in new-1 old-1 new-2 old-2; do
-      path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
-      PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 140 python3 bench/batching.py \
-        --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
-        --out "$out/prefill-trace-warm-$run" >/dev/null 2>&1
-      python3 bench/trace_summary.py "$run" "$out/prefill-trace-warm-$run/batching.json"
-    done ;;
   hostfree)  # host copies freed to the driver (this tree) or into MLX's cache (.gpu/old's): bench/managed_reuse.py,
     model & made=$!  # then the prefill row's trace, alternating, and one run without persistence, while time lasts
     timeout 90 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --json "$out/managed_reuse-4.json" 2>&1 | tail -4
@@ -138,16 +128,16 @@ case "$1" in
         --out "$out/prefill-trace-hostfree-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-hostfree-$run/batching.json"
     done ;;
-  hostcopy)  # the prefill row's trace, this tree against .gpu/old's, alternating, while time lasts (the checkpoint's
-    model    # engine jobs: capture_span, and the drop of its host copies)
+  warmplain|hostcopy)  # the prefill row's trace, this tree against .gpu/old's, alternating, while time lasts
+    model
     rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
     for run in new-1 old-1 new-2 old-2 new-3 old-3 new-4 old-4; do
       [ $SECONDS -gt 480 ] && break
       path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
       PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 python3 bench/batching.py \
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
-        --out "$out/prefill-trace-hostcopy-$run" >/dev/null 2>&1
-      python3 bench/trace_summary.py "$run" "$out/prefill-trace-hostcopy-$run/batching.json"
+        --out "$out/prefill-trace-$1-$run" >/dev/null 2>&1
+      python3 bench/trace_summary.py "$run" "$out/prefill-trace-$1-$run/batching.json"
     done ;;
   server)
     model
