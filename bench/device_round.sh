@@ -20,6 +20,7 @@
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
 #   bash bench/device_round.sh hostcopy   the same as warmplain (session 19's name)
+#   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -138,6 +139,13 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-$1-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-$1-$run/batching.json"
+    done ;;
+  readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
+    for r in 1 4; do  # host copies (their first reads migrate them)
+      timeout 100 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --steps 60 --readers $r \
+        --json "$out/managed_reuse-readback-4-$r.json" 2>&1 | grep while | sed "s/^/4MiB readers=$r /"
+      timeout 100 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 3 --steps 100 --readers $r \
+        --json "$out/managed_reuse-readback-64-$r.json" 2>&1 | grep while | sed "s/^/64MiB readers=$r /"
     done ;;
   server)
     model

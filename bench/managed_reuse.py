@@ -16,7 +16,8 @@ Reported per variant (median over rounds): the first op's ms, the ops' p50 and m
 the CPU's first and second read of them (page migration shows in the first), and the drop's ms.
 With --steps N, then: N GPU steps timed while another thread reads fresh host copies, left to
 migrate on the reads' faults (while-fault), or none made (while-none): does their migration stall
-the GPU's work? (A bulk move to the host first, cudaMemPrefetchAsync, was measured in session 19 at
+the GPU's work? Each also with every step ending in a token read by the CPU (-readback), as a decode
+step ends. (A bulk move to the host first, cudaMemPrefetchAsync, was measured in session 19 at
 9ff7bde and removed: the call held its caller 17.7 ms per 128 MiB.)
 
 usage: python bench/managed_reuse.py [--mib 4] [--count 32] [--rounds 5] [--steps 40] [--json out.json]
@@ -75,9 +76,15 @@ def round_of(variant: str, sources: list[mx.array]) -> dict[str, float]:
     return out
 
 
-def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.array, steps: int) -> dict[str, float]:
+READERS = 1  # threads reading the copies (--readers), as the pool's encoders do
+
+
+def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.array, steps: int,
+               readback: bool) -> dict[str, float]:
     """GPU steps timed on this thread while another reads host copies (the encoders' pattern): `none` makes
-    no copies, `fault` lets the reads migrate them page by page."""
+    no copies, `fault` lets the reads migrate them page by page. `readback`: each step ends reading one
+    token on the CPU, as a decode step does (its buffer is managed memory: the GPU writes it, then the CPU
+    reads it, each through a fault), where the GPU's faults may queue behind the reads' migration."""
     import threading
 
     mx.synchronize()
@@ -89,23 +96,28 @@ def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.arra
         mx.eval(copies)
         hosted = [np.asarray(c) for c in copies]
     done: list[float] = []
+    started_all = time.perf_counter()
 
-    def read() -> None:
-        started = time.perf_counter()
-        sum(int(h[::512].sum()) for h in hosted)
-        done.append(_ms(started))
-    reader = threading.Thread(target=read)
+    def read(part: list[np.ndarray]) -> None:
+        sum(int(h[::512].sum()) for h in part)
+        done.append(_ms(started_all))
+    readers = [threading.Thread(target=read, args=(hosted[k::READERS],)) for k in range(READERS)]
     times = []
-    reader.start()
+    for reader in readers:
+        reader.start()
     for _ in range(steps):
         started = time.perf_counter()
         y = x
         for w in weights:
             y = mx.tanh(w @ y)
-        mx.eval(y)
+        if readback:  # as a decode step ends: one token read by the CPU (MLX's small managed buffers)
+            mx.argmax(y[:, 0]).item()
+        else:
+            mx.eval(y)
         times.append(_ms(started))
-    reader.join()
-    out.update(read_ms=done[0], step_p50_ms=statistics.median(times), step_max_ms=max(times),
+    for reader in readers:
+        reader.join()
+    out.update(read_ms=max(done), step_p50_ms=statistics.median(times), step_max_ms=max(times),
                steps_over_2x=float(sum(t > 2 * statistics.median(times) for t in times)))
     del hosted
     return out
@@ -117,9 +129,12 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=0, help="GPU steps timed while the CPU reads host copies")
+    parser.add_argument("--readers", type=int, default=1, help="threads reading the copies")
     parser.add_argument("--dim", type=int, default=8192, help="the steps' matrices: dim x dim")
     parser.add_argument("--json")
     args = parser.parse_args()
+    global READERS
+    READERS = args.readers
     n = int(args.mib * 2**20) // 4
     sources = [mx.random.normal((n,)) for _ in range(args.count)]
     mx.eval(sources)
@@ -134,15 +149,15 @@ def main() -> None:
         weights = [mx.random.normal((args.dim, args.dim)).astype(mx.bfloat16) for _ in range(16)]
         x = mx.random.normal((args.dim, 32)).astype(mx.bfloat16)
         mx.eval(weights, x)
-        modes = ["none", "fault"]
-        for m in modes:
-            concurrent(m, sources, weights, x, 3)
-        for m in modes:
-            rows[f"while-{m}"] = []
+        modes = [(m, r) for r in (False, True) for m in ("none", "fault")]
+        for m, r in modes:
+            concurrent(m, sources, weights, x, 3, r)
+            rows[f"while-{m}{'-readback' if r else ''}"] = []
         for _ in range(args.rounds):
-            for m in modes:
-                rows[f"while-{m}"].append(concurrent(m, sources, weights, x, args.steps))
+            for m, r in modes:
+                rows[f"while-{m}{'-readback' if r else ''}"].append(concurrent(m, sources, weights, x, args.steps, r))
     result = {"device": str(mx.default_device()), "mib": args.mib, "count": args.count, "rounds": args.rounds,
+              "readers": args.readers,
               "variants": {v: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
                            for v, rs in rows.items()}}
     for v, r in result["variants"].items():

@@ -121,12 +121,21 @@ class Session:
             _run_into(done, fn)
         return done
 
-    def settle(self) -> None:
-        """Engine thread: the chunk in flight ended (computed, or failed and its cache dropped); run what waited."""
+    def settle(self, later: Callable[[Callable[[], Any]], bool] | None = None) -> None:
+        """Engine thread: the chunk in flight ended (computed, or failed and its cache dropped); what waited
+        runs, each as a job of its own through `later` when it takes it (kv/context.py: a decode step then
+        runs between the chunk's last slice and each, and between them), else here.
+
+        Here, a checkpoint's capture made the last slice's job its own: 9-17 ms against 1.3-4 ms for a
+        slice of one or two layers without persistence (H100, 8B shape)."""
         self.computing = False
         waiting, self._settled = self._settled, []
         for fn, done in waiting:
-            _run_into(done, fn)
+            def job(fn: Callable[[], Any] = fn, done: Future = done) -> None:
+                _run_into(done, fn)
+            job.__qualname__ = getattr(fn, "__qualname__", "Session.settled")  # the slow-work record says whose
+            if later is None or not later(job):
+                job()
 
     def check_mode(self, mode: str) -> None:
         if self.mode not in (None, mode):

@@ -71,6 +71,24 @@ def direct(fn: Callable[[], T]) -> T:
     return fn()
 
 
+_engine = threading.local()  # on an engine thread: how `later` queues a job there
+
+
+def serve_later(put: Callable[[Callable[[], Any]], Any]) -> None:
+    """Called by an engine thread as it starts: `later`, from that thread, queues its jobs through `put`."""
+    _engine.put = put
+
+
+def later(fn: Callable[[], Any]) -> bool:
+    """From a job on an engine thread: queue `fn` as a job of its own, behind those waiting (a decode step
+    runs between two jobs), and return True; False on any other thread (the caller runs it itself)."""
+    put = getattr(_engine, "put", None)
+    if put is None:
+        return False
+    put(fn)
+    return True
+
+
 def quantize_cache(cache: list, bits: int | None, group_size: int) -> list:
     """The cache with its plain KV layers quantized when `bits` is set (mlx-lm cannot quantize the
     others); as it is otherwise."""

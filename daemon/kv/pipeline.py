@@ -264,7 +264,8 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
 
         def job() -> Any:
             return session.when_settled(run)
-        job.__qualname__ = f"checkpoint.{getattr(fn, '__name__', 'job')}"  # the slow-work record says which
+        # the slow-work record says which, run now or once the chunk in flight ends (Session.settle)
+        job.__qualname__ = run.__qualname__ = f"checkpoint.{getattr(fn, '__name__', 'job')}"
         return mlx(job).result()
 
     with ctx.store.writer(session.id, ctx.bundle.hash, tokens, parent=head, metadata=recorded,

@@ -25,6 +25,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvwake.daemon.kv.context import later
+
 __all__ = ["Chunk", "Slicer", "SLICE_OF_STEP", "kind"]
 
 # A slice's target time, in decode steps: a neighbour's gap during a prefill is about one step plus one slice.
@@ -98,7 +100,7 @@ class Chunk:
         dropped as after a failed slice, and what waited for the chunk's end runs."""
         if not self.done:
             self.session.cache, self.session.processed = None, 0
-            self.session.settle()
+            self.session.settle(later)
 
     def step(self) -> None:
         """Compute the next slice of layers (the chunk's whole pass when not sliced)."""
@@ -110,7 +112,7 @@ class Chunk:
             mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
         except BaseException:
             self.session.cache, self.session.processed = None, 0
-            self.session.settle()
+            self.session.settle(later)
             raise
         # A slice of layers a..b evaluates their caches; a KV cache's input is the output of the layer before,
         # so the slice computes the attention of layers a-1..b-1 and the first layer's slice none: it says
@@ -124,4 +126,4 @@ class Chunk:
         self.slices += 1
         if self.done:
             self.session.processed = self.end
-            self.session.settle()
+            self.session.settle(later)

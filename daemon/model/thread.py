@@ -33,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvwake.daemon.kv.context import unframed
+from kvwake.daemon.kv.context import serve_later, unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.phases import Latency
 from kvwake.errors import CancelledError
@@ -94,6 +94,7 @@ class EngineThread:
         self.submit(lambda: setattr(self, "_decoder", decoder)).result()
 
     def _run(self) -> None:
+        serve_later(self.submit)
         while True:
             decoder = self._decoder
             decoding = decoder is not None and decoder.active
