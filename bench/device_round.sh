@@ -133,7 +133,7 @@ case "$1" in
     model
     rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
     for run in new-1 old-1 new-2 old-2 new-3 old-3 new-4 old-4; do
-      [ $SECONDS -gt 480 ] && break
+      [ $SECONDS -gt ${UNTIL_S:-480} ] && break
       path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
       PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 python3 bench/batching.py \
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
