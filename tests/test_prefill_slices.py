@@ -4,6 +4,9 @@ layers per engine job, leaving the same cache bit for bit as a chunk computed at
 
 from __future__ import annotations
 
+import threading
+import time
+
 import mlx.core as mx
 from mlx.utils import tree_flatten
 import pytest
@@ -14,6 +17,7 @@ from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session
+from kvwake.errors import CancelledError
 from kvwake.store import Store
 from tests.tinymodel import make_model_dir
 
@@ -124,6 +128,31 @@ def test_what_waited_for_a_chunk_runs_after_its_last_slice_as_jobs_of_their_own(
         assert ran == ["waited", "last slice"]
     finally:
         thread.stop()
+
+
+def test_what_waited_for_a_chunk_fails_with_the_engines_error_when_the_engine_stops_first():
+    # Queued behind the last slice, a checkpoint's capture may fall behind the engine's stop: its waiter (a
+    # pool thread) must get an error, not wait for ever.
+    class Layer:
+        state: list = []
+
+    session = Session("s")
+    session.cache = [Layer()]
+    thread = EngineThread()
+    chunk = thread.call(lambda: prefillslices.Chunk(session, 10, prefillslices.Slicer(), target_s=None))
+    waited = thread.call(lambda: session.when_settled(lambda: "ran"))
+    gate = threading.Event()
+    thread.submit(gate.wait)
+    thread.submit(chunk.step)  # settles: the waiting job is queued behind the stop below
+    stopping = threading.Thread(target=thread.stop)
+    stopping.start()
+    while thread._jobs.qsize() < 2:  # the step, then the stop's sentinel
+        time.sleep(0.001)
+    gate.set()
+    stopping.join(timeout=30)
+    with pytest.raises(CancelledError, match="engine stopped"):
+        waited.result(timeout=10)
+    assert chunk.done and not session.computing
 
 
 def test_a_slice_is_sized_to_the_decode_step_from_the_measured_layer_cost():

@@ -18,6 +18,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -74,19 +75,17 @@ def direct(fn: Callable[[], T]) -> T:
 _engine = threading.local()  # on an engine thread: how `later` queues a job there
 
 
-def serve_later(put: Callable[[Callable[[], Any]], Any]) -> None:
+def serve_later(put: Callable[[Callable[[], Any]], Future]) -> None:
     """Called by an engine thread as it starts: `later`, from that thread, queues its jobs through `put`."""
     _engine.put = put
 
 
-def later(fn: Callable[[], Any]) -> bool:
+def later(fn: Callable[[], Any]) -> Future | None:
     """From a job on an engine thread: queue `fn` as a job of its own, behind those waiting (a decode step
-    runs between two jobs), and return True; False on any other thread (the caller runs it itself)."""
+    runs between two jobs), and return its Future (failed if the engine stops first); None on any other
+    thread (the caller runs it itself)."""
     put = getattr(_engine, "put", None)
-    if put is None:
-        return False
-    put(fn)
-    return True
+    return None if put is None else put(fn)
 
 
 def quantize_cache(cache: list, bits: int | None, group_size: int) -> list:

@@ -117,4 +117,3 @@ def unmap(ptr: int, nbytes: int, device: int = 0) -> bool:
     if not all(ok) and _advise:
         log.warning("cudaMemAdvise could not undo a staging mapping", extra={"bytes": nbytes})
     return all(ok)
-

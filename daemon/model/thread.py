@@ -140,8 +140,20 @@ class EngineThread:
         if self._decoder is not None:
             self._decoder.abort(CancelledError("the engine stopped"))
             self._flush()  # the calls' failures reach their waiters
+        self._refuse_left()
         if self._on_exit is not None:
             self._on_exit()
+
+    def _refuse_left(self) -> None:
+        """Fail the jobs queued behind the stop (one a job queued for later, `later`, among them): their
+        waiters get CancelledError instead of waiting for ever."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job:
+                job[1].set_exception(CancelledError("the engine stopped before this job ran"))
 
     def _spend(self, kind: str, what: str | Callable[..., Any], start: float) -> None:
         """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
