@@ -175,7 +175,9 @@ def test_sleeps_and_wakes_go_on_while_fsck_verifies_the_store(daemon):
         expected = expected_reply(c)
     during, total, report = cycles_during(daemon, "store.fsck", expected)
     assert report["ok"] and report["blocks_checked"] >= FILLERS * FILLER_BLOCKS, report
-    assert during >= 3, f"{during} of {total} sleep-wake cycles ended while fsck ran"
+    # every cycle but the last (which may end after it) ended while fsck ran: none waited for it. How many
+    # fit depends on the machine's disk (2 of 3 to 21 of 22 here): at least two.
+    assert during >= max(2, total - 1), f"{during} of {total} sleep-wake cycles ended while fsck ran"
 
 
 def test_sleeps_and_wakes_go_on_while_gc_sweeps_and_it_takes_no_block_in_use(daemon):
@@ -189,7 +191,9 @@ def test_sleeps_and_wakes_go_on_while_gc_sweeps_and_it_takes_no_block_in_use(dae
             c.call("session.delete", session_id=f"filler-{s}")
     during, total, report = cycles_during(daemon, "store.gc", expected)
     assert report["orphans_removed"] >= 20000 and report["blocks_evicted"] >= FILLERS * FILLER_BLOCKS, report
-    assert during >= 3, f"{during} of {total} sleep-wake cycles ended while gc ran"
+    # every cycle but the last (which may end after it) ended while gc ran: none waited for it. How many
+    # fit depends on the machine's disk (2 of 3 to 21 of 22 here): at least two.
+    assert during >= max(2, total - 1), f"{during} of {total} sleep-wake cycles ended while gc ran"
     with daemon.client() as c:
         report = c.call("store.fsck")
         assert report["ok"] and report["bad_blocks"] == [], report
