@@ -76,11 +76,8 @@ def round_of(variant: str, sources: list[mx.array]) -> dict[str, float]:
     return out
 
 
-READERS = 1  # threads reading the copies (--readers), as the pool's encoders do
-
-
 def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.array, steps: int,
-               readback: bool) -> dict[str, float]:
+               readback: bool, readers: int = 1) -> dict[str, float]:
     """GPU steps timed on this thread while another reads host copies (the encoders' pattern): `none` makes
     no copies, `fault` lets the reads migrate them page by page. `readback`: each step ends reading one
     token on the CPU, as a decode step does (its buffer is managed memory: the GPU writes it, then the CPU
@@ -101,9 +98,9 @@ def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.arra
     def read(part: list[np.ndarray]) -> None:
         sum(int(h[::512].sum()) for h in part)
         done.append(_ms(started_all))
-    readers = [threading.Thread(target=read, args=(hosted[k::READERS],)) for k in range(READERS)]
+    threads = [threading.Thread(target=read, args=(hosted[k::readers],)) for k in range(readers)]
     times = []
-    for reader in readers:
+    for reader in threads:
         reader.start()
     for _ in range(steps):
         started = time.perf_counter()
@@ -115,7 +112,7 @@ def concurrent(mode: str, sources: list[mx.array], weights: mx.array, x: mx.arra
         else:
             mx.eval(y)
         times.append(_ms(started))
-    for reader in readers:
+    for reader in threads:
         reader.join()
     out.update(read_ms=max(done), step_p50_ms=statistics.median(times), step_max_ms=max(times),
                steps_over_2x=float(sum(t > 2 * statistics.median(times) for t in times)))
@@ -133,8 +130,6 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=8192, help="the steps' matrices: dim x dim")
     parser.add_argument("--json")
     args = parser.parse_args()
-    global READERS
-    READERS = args.readers
     n = int(args.mib * 2**20) // 4
     sources = [mx.random.normal((n,)) for _ in range(args.count)]
     mx.eval(sources)
@@ -151,11 +146,12 @@ def main() -> None:
         mx.eval(weights, x)
         modes = [(m, r) for r in (False, True) for m in ("none", "fault")]
         for m, r in modes:
-            concurrent(m, sources, weights, x, 3, r)
+            concurrent(m, sources, weights, x, 3, r, args.readers)
             rows[f"while-{m}{'-readback' if r else ''}"] = []
         for _ in range(args.rounds):
             for m, r in modes:
-                rows[f"while-{m}{'-readback' if r else ''}"].append(concurrent(m, sources, weights, x, args.steps, r))
+                row = concurrent(m, sources, weights, x, args.steps, r, args.readers)
+                rows[f"while-{m}{'-readback' if r else ''}"].append(row)
     result = {"device": str(mx.default_device()), "mib": args.mib, "count": args.count, "rounds": args.rounds,
               "readers": args.readers,
               "variants": {v: {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}
