@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import threading
 
 import anyio
 import pytest
@@ -98,6 +99,56 @@ async def test_an_http_request_renders_its_prompt_once(manager, monkeypatch):
         assert len(renders) == 1, (session, len(renders))
         assert result["tokens"] and session["session_id"] in manager.entries
     assert session["match"] == "continued"
+
+
+async def test_a_prompt_is_rendered_off_the_engine_thread_while_another_session_decodes(manager, monkeypatch):
+    # Was: rendered in an engine job (an 8k-token text's encode took 12-14 ms on the H100 machine), so every
+    # decoding session waited for the template and the tokenizer. Here the render waits for the talker.
+    from kvwake.daemon.model.generation import GenerateParams
+
+    await manager.create("talker", SYSTEM)
+    await manager.append("talker", messages=[{"role": "user", "content": "hi"}])
+    await manager.create("reader", SYSTEM)
+    rendering, talked, threads, waited = threading.Event(), threading.Event(), [], []
+    template = manager.engine.template
+    real = template.render
+
+    def render(*a, **k):
+        threads.append(threading.current_thread())
+        rendering.set()
+        waited.append(talked.wait(timeout=10))  # on the engine thread the talker could not step meanwhile
+        return real(*a, **k)
+
+    monkeypatch.setattr(template, "render", render)
+
+    async def talk() -> None:
+        await anyio.to_thread.run_sync(rendering.wait, 10)
+        result = await manager.generate("talker", GenerateParams(max_tokens=4), None, lambda: False)
+        assert len(result["tokens"]) == 4
+        talked.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(talk)
+        got = await manager.append("reader", messages=[{"role": "user", "content": "a long tool result"}])
+    assert waited == [True], "the talker could not decode while the reader's prompt was rendered"
+    assert threads and manager.thread._thread not in threads
+    assert got["prefilled"] > 0
+
+
+async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(manager):
+    # The prompter renders one input at a time (its kept pieces are shared): many at once must not mix.
+    inputs = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"turn {i} " * i}]}
+              for i in range(1, 13)]
+    alone = [manager.engine.render(**x).target for x in inputs]
+    together = [None] * len(inputs)
+
+    async def one(i: int) -> None:
+        together[i] = (await manager.render(inputs[i])).target
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(inputs)):
+            tg.start_soon(one, i)
+    assert together == alone
 
 
 async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is_matched_again(manager):

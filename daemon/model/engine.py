@@ -304,16 +304,16 @@ class Engine:
                room: Callable[[int], Any] | None = None) -> dict[str, int]:
         """Add input and prefill it (all but the last token, which stays pending).
 
-        The input is rendered on the engine thread (once: `prompt` is one `render` made already), then
-        `room` is told the tokens the session will hold, before anything is restored or prefilled.
+        The input is rendered on the caller's thread, not the engine's, so decoding goes on meanwhile
+        (once: `prompt` is one `render` made already), then `room` is told the tokens the session will hold, before anything is restored or prefilled.
         A session that needs a fresh cache takes the longest prefix `shared` offers (another
         session's, in memory), else the one the prefix cache holds. Store and codec work run on
         the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.
         Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}. Raises
         CancelledError when `should_stop` says so between chunks (see `prefill`).
         """
-        plan = mlx(lambda: self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools,
-                                     whole=whole, prompt=prompt))
+        plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools, whole=whole,
+                         prompt=prompt)
         self.check_fits(len(plan.target))  # before any prefill
         if room is not None:
             room(len(plan.target))

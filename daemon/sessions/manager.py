@@ -304,9 +304,9 @@ class SessionManager:
             session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop, room=room))
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
-        """A whole conversation (messages, text or tokens; tools) rendered once, on the engine thread: the
+        """A whole conversation (messages, text or tokens; tools) rendered once, on a worker thread: the
         plan a front matches a session with and then passes to `generate`, which appends it as it is."""
-        return await self.thread.run(lambda: self.engine.render(**inputs))
+        return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
     def _shared(self, session: Session) -> Shared:
         """What a cold start of `session` may take instead of prefilling, before stored blocks (called by
