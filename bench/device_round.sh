@@ -20,8 +20,6 @@
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
 #   bash bench/device_round.sh hostcopy   the same as warmplain (session 19's name)
-#   bash bench/device_round.sh gil        the prefill row's trace: .gpu/old's tree against this one at GIL switch
-#                                         intervals 5 / 1 / 0.25 ms (KVWAKE_GIL_SWITCH_MS), alternating
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -141,19 +139,6 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-$1-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-$1-$run/batching.json"
-    done ;;
-  gil)  # the prefill row's trace: .gpu/old's tree, and this one at GIL switch intervals of 5 ms (Python's), 1 and 0.25,
-    model  # alternating while time lasts (VARIANTS to choose: old 5 1 0.25)
-    rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
-    for round in 1 2 3 4; do
-      for v in ${VARIANTS:-old 5 1 0.25}; do
-        [ $SECONDS -gt ${UNTIL_S:-480} ] && break 2
-        path=""; ms=$v; [ $v = old ] && path=/tmp/old: && ms=5
-        PYTHONPATH=$path${PYTHONPATH:-} KVWAKE_GIL_SWITCH_MS=$ms KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 \
-          timeout 100 python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" \
-          --no-batch-generator --out "$out/prefill-trace-gil-$v-$round" >/dev/null 2>&1
-        python3 bench/trace_summary.py "$v-$round" "$out/prefill-trace-gil-$v-$round/batching.json"
-      done
     done ;;
   readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
     for r in 1 4; do  # host copies (their first reads migrate them)

@@ -57,7 +57,6 @@ log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
 HTTP_GRACE_S = 10.0  # at stop, open HTTP responses get this long to end
 REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
-GIL_SWITCH_S = float(os.environ.get("KVWAKE_GIL_SWITCH_MS", "1")) / 1000  # Python's own: 5 ms
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -171,7 +170,6 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         return 2
     started.mark("lock")
     keep_compiled_kernels()
-    hand_the_gil_over_quickly()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
                   auto_among=fill.auto_codecs())
@@ -208,14 +206,6 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         engine.close()
         store.close()
         os.close(lock_fd)
-
-
-def hand_the_gil_over_quickly() -> None:
-    """A thread waiting for the GIL gets it after GIL_SWITCH_S at most, not Python's 5 ms. The engine thread
-    lets it go in every MLX eval and waits for it after: beside a thread running Python (a checkpoint's
-    encoding, an append's rendering, the event loop) it waited up to 5 ms at each slice's and step's end,
-    and so did the event loop handing a token to its client (docs/decisions.md, session 20)."""
-    sys.setswitchinterval(GIL_SWITCH_S)
 
 
 def keep_compiled_kernels() -> None:

@@ -86,8 +86,6 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     assert engine_parts <= phases["engine"] + 1, phases
     ready = [line for line in d.log.read_text().splitlines() if '"event": "ready"' in line]
     assert len(ready) == 1 and json.loads(ready[0])["startup_ms"] == phases
-    # a thread waiting for the GIL (the engine's, after each MLX eval) gets it within 1 ms, not Python's 5
-    assert status["engine_thread"]["gil_switch_ms"] == pytest.approx(1.0)
     # the garbage collector's runs are watched from the start on (status.gc)
     assert status["gc"]["frozen"] >= 0
     assert [set(g) for g in status["gc"]["generations"]] == [{"collections", "p50_ms", "p99_ms", "max_ms"}] * 3

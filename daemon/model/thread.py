@@ -26,7 +26,6 @@ import asyncio
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -174,7 +173,7 @@ class EngineThread:
         (`at`: wall-clock start, seconds since the epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
         return {**spent, "step_gaps": self._gaps.summary(), "slow_over_ms": SLOW_S * 1000,
-                "gil_switch_ms": sys.getswitchinterval() * 1000, "slow": list(self._slow)}
+                "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn on the engine thread once nothing else waits (no job queued for IDLE_AFTER_S, no call
