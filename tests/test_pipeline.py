@@ -54,6 +54,32 @@ def test_a_task_larger_than_the_budget_still_runs_alone():
     assert ran == [1]
 
 
+def test_a_tasks_arguments_die_with_whoever_waited_for_it_not_on_the_pool_thread():
+    # The pool's work item kept a task's arguments until after its future was done, on the pool's thread:
+    # a caller that let its reference go once the future was done could leave the last one there, and
+    # MLX memory must be freed on the engine thread. Deterministic: the future's done-callback (run on the
+    # pool thread inside set_result) waits until the caller has let go.
+    pool = Pool(workers=1, inflight_bytes=1 << 20)
+    batch, died, let_go = pool.batch(), [], threading.Event()
+
+    class Held:
+        def __del__(self) -> None:
+            died.append(threading.current_thread().name)
+
+    held, watched = Held(), threading.Event()
+    batch.reserve(1)
+    future = batch.submit(1, lambda arg: watched.wait(10), held)
+    future.add_done_callback(lambda _: let_go.wait(10))
+    watched.set()  # the task ends once its future is watched
+    while not future.done():
+        time.sleep(0.001)
+    del held  # the caller's reference: the last one, so it dies here, on this thread
+    let_go.set()
+    batch.join()
+    pool.close()
+    assert died == [threading.current_thread().name], died
+
+
 def test_the_first_failure_stops_the_tasks_not_yet_started_and_is_raised_as_itself():
     pool = Pool(workers=1, inflight_bytes=1 << 20)
     batch, ran = pool.batch(), []
