@@ -263,7 +263,12 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
                                    if began <= when <= ended],
             # the engine thread's jobs and steps over its SLOW_S during the prefill: what the talker waited for
             "slow_engine_work": [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
-                                 for j in slow]}
+                                 for j in slow],
+            # with KVWAKE_GIL_WATCH_MS in the daemon's environment: its waits for the GIL during the prefill
+            # (at_s: the wait's start), each with the threads' stacks as it ended (daemon/gilwatch.py)
+            "gil_waits": [{"late_ms": w["late_ms"], "at_s": round(w["at"] - w["late_ms"] / 1000 - began_wall, 3),
+                           "threads": w["threads"]} for w in (after.get("gil") or {}).get("waits", [])
+                          if began_wall <= w["at"] <= ended_wall]}
 # KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 in the daemon's environment makes slow_engine_work every job
 # and step of the engine thread during the prefill: its timeline, to lay beside arrivals_during_ms.
 

@@ -20,6 +20,7 @@
 #   bash bench/device_round.sh warmplain  the prefill row's trace, this tree against .gpu/old's, alternating
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
 #   bash bench/device_round.sh hostcopy   the same as warmplain (session 19's name)
+#   bash bench/device_round.sh gilwatch   the prefill row's trace with the daemon's waits for the GIL (KVWAKE_GIL_WATCH_MS)
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -139,6 +140,15 @@ case "$1" in
         --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
         --out "$out/prefill-trace-$1-$run" >/dev/null 2>&1
       python3 bench/trace_summary.py "$run" "$out/prefill-trace-$1-$run/batching.json"
+    done ;;
+  gilwatch)  # the prefill row's trace with the daemon watching the GIL (daemon/gilwatch.py: waits of 4 ms or more,
+    model      # each with every thread's stack), while time lasts: on a machine with long decode steps, did the
+    for r in 1 2 3 4 5 6; do  # engine thread wait for the GIL in them, and who held it
+      [ $SECONDS -gt ${UNTIL_S:-480} ] && break
+      KVWAKE_GIL_WATCH_MS=4 KVWAKE_GIL_WATCH_KEPT=5000 KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 \
+        python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" \
+        --no-batch-generator --out "$out/prefill-trace-gilwatch-$r" >/dev/null 2>&1
+      python3 bench/trace_summary.py "gilwatch-$r" "$out/prefill-trace-gilwatch-$r/batching.json"
     done ;;
   readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
     for r in 1 4; do  # host copies (their first reads migrate them)

@@ -38,6 +38,7 @@ import anyio
 import mlx.core as mx
 
 import kvwake
+from kvwake.daemon import gilwatch
 from kvwake.daemon.config import Settings
 from kvwake.daemon.fronts.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
@@ -253,6 +254,9 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     await manager.load()
     manager.started.mark("sessions")
     manager.collector.install()  # the garbage collector's runs, timed (status.gc)
+    manager.gil_watch = gilwatch.from_environment()  # waits for the GIL (status.gil): a diagnostic, off by default
+    if manager.gil_watch is not None:
+        manager.gil_watch.start()
     stop = anyio.Event()
     server = Server(manager, allow_uids=default_allow(settings.allow_uids), read_timeout_s=settings.read_timeout_s,
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
@@ -290,6 +294,8 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         listener.close()
         remove_own_files(settings, keep_socket=listen_socket is not None)
         manager.collector.uninstall()  # a process may serve again (tests do): one watcher at a time
+        if manager.gil_watch is not None:
+            manager.gil_watch.stop()
     log.info("stopped", extra={"unslept": failed})
     return 1 if failed else 0
 

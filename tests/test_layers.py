@@ -18,8 +18,8 @@ FOLDERS = {"kvwake": ROOT / "common", "kvwake.daemon": ROOT / "daemon", "kvwake.
            "kvwake.client": ROOT / "client"}
 # Inside daemon/: a layer imports only those below it. The daemon's root modules: session.py
 # (the shared vocabulary) and config.py, activation.py sit under every layer; serve.py is on top.
-DAEMON_RANKS = {"session": 0, "phases": 0, "startup": 0, "config": 0, "activation": 0, "collector": 1, "kv": 1, "model": 2,
-                "sessions": 3, "fronts": 4, "serve": 5}
+DAEMON_RANKS = {"session": 0, "phases": 0, "startup": 0, "config": 0, "activation": 0, "collector": 1, "gilwatch": 1,
+                "kv": 1, "model": 2, "sessions": 3, "fronts": 4, "serve": 5}
 SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\b.+\bINTO|REPLACE\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM|CREATE\s+"
                  r"(TABLE|INDEX|VIEW|TRIGGER)|DROP\s+(TABLE|INDEX|VIEW|TRIGGER)|PRAGMA\s+\w+)\b", re.IGNORECASE | re.DOTALL)
 # The store's own handles on its tables: code above it asks by method instead.

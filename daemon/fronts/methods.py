@@ -112,6 +112,7 @@ async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
                            "max_batch": engine.decoder.max_batch, **engine.decoder.status()},
             "engine_thread": m.thread.timing(),
             "gc": m.collector.summary(),
+            "gil": m.gil_watch.summary() if m.gil_watch is not None else None,
             "turns": list(m.turns),
             "startup_ms": m.started.ms,
             "counters": {**m.counters, **engine.counters},

@@ -36,6 +36,7 @@ import numpy as np
 from anyio import from_thread, to_thread
 
 from kvwake.daemon.collector import Collector
+from kvwake.daemon.gilwatch import GilWatch
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
@@ -74,6 +75,7 @@ class SessionManager:
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
         self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
+        self.gil_watch: GilWatch | None = None  # waits for the GIL, when KVWAKE_GIL_WATCH_MS asks (serve.py)
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""

@@ -1,0 +1,62 @@
+"""The GIL watch (status.gil): a wait for the GIL is kept with the stack of the thread that held it."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from kvwake.daemon.gilwatch import GilWatch
+from tests.daemon import Daemon
+from tests.tinymodel import make_model_dir
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Python that keeps the GIL: the switch interval is longer than the loop (set by the caller)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_thread_holding_the_gil_is_named_with_its_line_in_the_wait():
+    watch = GilWatch(over_ms=20).start()
+    interval = sys.getswitchinterval()
+    try:
+        time.sleep(0.05)  # the watch ticks
+        sys.setswitchinterval(1.0)  # no forced hand-over: the holder keeps the GIL until it waits
+        def holds_then_sleeps() -> None:
+            hold_the_gil(0.15)
+            time.sleep(0.05)  # lets the GIL go here
+
+        holder = threading.Thread(target=holds_then_sleeps, name="holder")
+        holder.start()
+        holder.join()
+    finally:
+        sys.setswitchinterval(interval)
+        time.sleep(0.02)
+        watch.stop()
+    summary = watch.summary()
+    assert summary["ticks"] > 10 and summary["late"]["count"] == min(summary["ticks"], 4096)
+    waits = [w for w in summary["waits"] if "holder" in w["threads"]]
+    assert waits, summary["waits"]
+    wait = max(waits, key=lambda w: w["late_ms"])
+    assert wait["late_ms"] >= 100, wait  # ~150 ms held; the watch waited nearly all of it
+    assert "holds_then_sleeps" in wait["threads"]["holder"][0], wait["threads"]["holder"]  # where it let go
+
+
+def test_the_daemon_reports_gil_waits_only_when_asked(tmp_path):
+    model = make_model_dir(tmp_path / "tiny")
+    for env, watched in (({}, False), ({"KVWAKE_GIL_WATCH_MS": "50"}, True)):
+        root = tmp_path / ("on" if watched else "off")
+        root.mkdir()
+        d = Daemon(root, model, env=env).start()
+        try:
+            with d.client() as c:
+                time.sleep(0.1)
+                gil = c.call("status")["gil"]
+        finally:
+            assert d.stop() == 0
+        if watched:
+            assert gil["over_ms"] == 50 and gil["ticks"] > 0 and gil["late"]["count"] > 0, gil
+        else:
+            assert gil is None
