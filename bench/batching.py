@@ -162,7 +162,8 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     for cl in clients:
         cl.close()
     with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
-        engine_gaps = c.call("status")["engine_thread"].get("step_gaps")
+        status = c.call("status")
+        engine_gaps = status["engine_thread"].get("step_gaps")
     total = sum(len(s.result.get("tokens", [])) for s in streams)
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
@@ -172,7 +173,20 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
             "status_every_s": WATCH_S,
             "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5), **engine_split(inside),
             "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
-            "daemon_dead_rows": sorted({g["dead_rows"] for g in inside})}
+            "daemon_dead_rows": sorted({g["dead_rows"] for g in inside}), **gil_during(status, streams)}
+
+
+def gil_during(status: dict[str, Any], streams: list[Stream]) -> dict[str, Any]:
+    """With KVWAKE_GIL_WATCH_MS in the daemon's environment: how late its watching thread got the GIL (its
+    latest wakes) and its waits of that long or more while the round's calls ran (daemon/gilwatch.py)."""
+    gil = status.get("gil")
+    if not gil:
+        return {}
+    wall = time.time() - time.perf_counter()  # the streams' perf_counter times as Unix time
+    first, last = wall + min(s.started for s in streams), wall + max(s.ended for s in streams)
+    waits = [w["late_ms"] for w in gil["waits"] if first <= w["at"] <= last]
+    return {"gil_late_ms": gil["late"], "gil_waits_over_ms": gil["over_ms"], "gil_waits": len(waits),
+            "gil_wait_max_ms": max(waits, default=None)}
 
 
 def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]],
@@ -475,7 +489,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--sessions", default="1,4,8,16,32")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prefill", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=8192, help="the prefill row's prompt, tokens (0: no prefill row)")
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--prefill-hit", action="store_true",
                     help="the prefill row's prompt is partly in the store (sessions 10-15's row); default: all new")
@@ -522,7 +536,8 @@ def main() -> None:
                 report["alternating"] = alternating_rounds(
                     d, model, [int(x) for x in a.alternate_sizes.split(",")], a.tokens, a.alternate, tokenizer,
                     in_process=a.alternate_in_process)
-            report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode, hit=a.prefill_hit)
+            if a.prefill:  # --prefill 0: no prefill row
+                report["prefill"][mode] = prefill_round(d, a.prefill, tokenizer, mode, hit=a.prefill_hit)
             if mode == "batched" and a.whole:
                 n, t = (int(x) for x in a.whole.split(":"))
                 runs = [(whole_round(d, 1, t, f"whole{r}"), whole_round(d, n, t, f"whole{r}")) for r in range(a.repeat)]
@@ -532,7 +547,7 @@ def main() -> None:
                                    "x_one_session_alone_each": [round(r, 2) for r in ratios]}
         finally:
             d.stop()
-        print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"][mode]), flush=True)
+        print(mode, json.dumps(report["decode"][mode]), json.dumps(report["prefill"].get(mode)), flush=True)
     solo_one = report["decode"]["solo"][0]["tokens_per_s"] if sizes[0] == 1 and "solo" in report["decode"] else None
     for row in report["decode"]["batched"]:
         row["x_one_session_alone"] = round(row["tokens_per_s"] / solo_one, 2) if solo_one else None

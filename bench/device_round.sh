@@ -143,7 +143,13 @@ case "$1" in
     done ;;
   gilwatch)  # the prefill row's trace with the daemon watching the GIL (daemon/gilwatch.py: waits of 4 ms or more,
     model      # each with every thread's stack), while time lasts: on a machine with long decode steps, did the
-    for r in 1 2 3 4 5 6; do  # engine thread wait for the GIL in them, and who held it
+    for watch in "" 2; do  # engine thread wait for the GIL in them, and who held it. First 8 and 16 sessions
+      KVWAKE_GIL_WATCH_MS=$watch timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+        --modes batched --whole "" --prefill 0 --no-batch-generator --out "$out/batching-gilwatch-${watch:-off}" 2>&1 \
+        | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gap_p99_ms": [0-9.]*\|"gil_wait[a-z_]*": [0-9.]*' \
+        | tr '\n' ' ' | sed "s/^/watch=${watch:-off} /"; echo
+    done  # decoding (steady tok/s with the watch off and on: its cost; the GIL's waits meanwhile)
+    for r in 1 2 3 4 5 6; do
       [ $SECONDS -gt ${UNTIL_S:-480} ] && break
       KVWAKE_GIL_WATCH_MS=4 KVWAKE_GIL_WATCH_KEPT=5000 KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 \
         python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" \
