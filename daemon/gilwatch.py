@@ -7,9 +7,9 @@ a long native call (a copy that pages managed memory in, a tokenizer's single `e
 large buffer) holds every decode step meanwhile, and the engine's record of slow work shows only a long
 step. A sleeping thread that wakes late by more than the switch interval (5 ms) waited for such a call:
 whichever thread held it has just let it go, so its stack, taken at once, shows where (the line of the
-call that held it, or the one after it that let the GIL go). A
-diagnostic (the watcher takes the GIL a thousand times a second), off unless asked for; bench/batching.py's
-prefill row keeps the waits during the prefill.
+call that held it, or the one after it that let the GIL go). A diagnostic (the watcher takes the GIL a
+thousand times a second), off unless asked for; bench/batching.py's prefill row keeps the waits during
+the prefill.
 """
 
 from __future__ import annotations

@@ -305,7 +305,8 @@ class Engine:
         """Add input and prefill it (all but the last token, which stays pending).
 
         The input is rendered on the caller's thread, not the engine's, so decoding goes on meanwhile
-        (once: `prompt` is one `render` made already), then `room` is told the tokens the session will hold, before anything is restored or prefilled.
+        (once: `prompt` is one `render` made already), then `room` is told the tokens the session will
+        hold, before anything is restored or prefilled.
         A session that needs a fresh cache takes the longest prefix `shared` offers (another
         session's, in memory), else the one the prefix cache holds. Store and codec work run on
         the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.

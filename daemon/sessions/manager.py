@@ -36,8 +36,8 @@ import numpy as np
 from anyio import from_thread, to_thread
 
 from kvwake.daemon.collector import Collector
-from kvwake.daemon.gilwatch import GilWatch
 from kvwake.daemon.config import Settings
+from kvwake.daemon.gilwatch import GilWatch
 from kvwake.daemon.model.engine import Engine, Plan, Shared
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.thread import EngineThread
