@@ -14,6 +14,7 @@ the prefill.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -25,6 +26,7 @@ from kvwake.daemon.phases import Latency
 
 __all__ = ["GilWatch", "from_environment"]
 
+log = logging.getLogger("kvwake.gilwatch")
 TICK_S = 0.001
 FRAMES = 4  # innermost frames kept per thread
 
@@ -86,6 +88,18 @@ def stacks(skip: int | None = None) -> dict[str, list[str]]:
 
 
 def from_environment() -> GilWatch | None:
-    """A watch for KVWAKE_GIL_WATCH_MS (the wait to keep, ms), or None when it is not set."""
+    """A watch for KVWAKE_GIL_WATCH_MS (the wait to keep, ms), or None when it is not set (or not a number of
+    ms above 0 with KVWAKE_GIL_WATCH_KEPT a count above 0: logged, and the daemon serves unwatched)."""
     over = os.environ.get("KVWAKE_GIL_WATCH_MS")
-    return GilWatch(float(over), kept=int(os.environ.get("KVWAKE_GIL_WATCH_KEPT", "64"))) if over else None
+    if not over:
+        return None
+    kept = os.environ.get("KVWAKE_GIL_WATCH_KEPT", "64")
+    try:
+        watch = GilWatch(float(over), kept=int(kept))
+    except ValueError:
+        watch = None
+    if watch is None or watch.over_ms <= 0 or (watch.over.maxlen or 0) <= 0:
+        log.warning("not watching the GIL: KVWAKE_GIL_WATCH_MS=%r and KVWAKE_GIL_WATCH_KEPT=%r must be a number of "
+                    "ms and a count, both above 0", over, kept)
+        return None
+    return watch

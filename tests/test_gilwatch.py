@@ -60,3 +60,18 @@ def test_the_daemon_reports_gil_waits_only_when_asked(tmp_path):
             assert gil["over_ms"] == 50 and gil["ticks"] > 0 and gil["late"]["count"] > 0, gil
         else:
             assert gil is None
+
+
+def test_a_watch_asked_for_with_a_bad_value_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog):
+    from kvwake.daemon import gilwatch
+
+    for over, kept in (("lots", "64"), ("0", "64"), ("5", "none"), ("5", "0")):
+        monkeypatch.setenv("KVWAKE_GIL_WATCH_MS", over)
+        monkeypatch.setenv("KVWAKE_GIL_WATCH_KEPT", kept)
+        caplog.clear()
+        assert gilwatch.from_environment() is None
+        assert "not watching the GIL" in caplog.text, (over, kept)
+    monkeypatch.setenv("KVWAKE_GIL_WATCH_MS", "2.5")
+    monkeypatch.delenv("KVWAKE_GIL_WATCH_KEPT")
+    watch = gilwatch.from_environment()
+    assert watch is not None and watch.over_ms == 2.5 and watch.over.maxlen == 64
