@@ -185,8 +185,10 @@ def gil_during(status: dict[str, Any], streams: list[Stream]) -> dict[str, Any]:
     wall = time.time() - time.perf_counter()  # the streams' perf_counter times as Unix time
     first, last = wall + min(s.started for s in streams), wall + max(s.ended for s in streams)
     waits = [w["late_ms"] for w in gil["waits"] if first <= w["at"] <= last]
-    return {"gil_late_ms": gil["late"], "gil_waits_over_ms": gil["over_ms"], "gil_waits": len(waits),
-            "gil_wait_max_ms": max(waits, default=None)}
+    return {"gil_late_ms": gil["late"], "gil_waits_over_ms": gil["over_ms"], "gil_waits_count": len(waits),
+            "gil_wait_max_ms": max(waits, default=None),
+            # the daemon kept its latest `kept` waits only: the count is a floor when they were all kept
+            "gil_waits_capped": len(gil["waits"]) >= gil["kept"]}
 
 
 def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: list[dict[str, Any]],

@@ -144,9 +144,9 @@ case "$1" in
   gilwatch)  # the prefill row's trace with the daemon watching the GIL (daemon/gilwatch.py: waits of 4 ms or more,
     model      # each with every thread's stack), while time lasts: on a machine with long decode steps, did the
     for watch in "" 2; do  # engine thread wait for the GIL in them, and who held it. First 8 and 16 sessions
-      KVWAKE_GIL_WATCH_MS=$watch timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+      KVWAKE_GIL_WATCH_MS=$watch KVWAKE_GIL_WATCH_KEPT=5000 timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
         --modes batched --whole "" --prefill 0 --no-batch-generator --out "$out/batching-gilwatch-${watch:-off}" 2>&1 \
-        | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gap_p99_ms": [0-9.]*\|"gil_wait[a-z_]*": [0-9.]*' \
+        | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gap_p99_ms": [0-9.]*\|"gil_wait[a-z_]*": [0-9a-z.]*' \
         | tr '\n' ' ' | sed "s/^/watch=${watch:-off} /"; echo
     done  # decoding (steady tok/s with the watch off and on: its cost; the GIL's waits meanwhile)
     for r in 1 2 3 4 5 6; do

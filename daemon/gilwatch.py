@@ -14,9 +14,12 @@ the prefill.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import math
 import os
-import sys
+import re
+import tempfile
 import threading
 import time
 from collections import deque
@@ -29,6 +32,8 @@ __all__ = ["GilWatch", "from_environment"]
 log = logging.getLogger("kvwake.gilwatch")
 TICK_S = 0.001
 FRAMES = 4  # innermost frames kept per thread
+THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
+FRAME_LINE = re.compile(r'^\s+File "(.+)", line (\d+) in (.+)$')
 
 
 class GilWatch:
@@ -54,7 +59,7 @@ class GilWatch:
             self._thread.join()
 
     def _run(self) -> None:
-        me = threading.get_ident()
+        dump = tempfile.TemporaryFile()
         while not self._stop.is_set():
             asked = time.perf_counter()
             time.sleep(TICK_S)
@@ -63,27 +68,40 @@ class GilWatch:
             self.late.add(late_ms)
             if late_ms >= self.over_ms:
                 self.over.append({"at": round(time.time(), 4), "late_ms": round(late_ms, 2),
-                                  "threads": stacks(skip=me)})
+                                  "threads": stacks(dump)})
+        dump.close()
 
     def summary(self) -> dict[str, Any]:
-        """{"over_ms", "ticks", "late": {count, p50_ms, p99_ms, max_ms} of the latest wakes, "waits": the
-        latest waits of over_ms or more: [{at (Unix time of its end), late_ms, threads: {name: frames}}]}."""
-        return {"over_ms": self.over_ms, "ticks": self.ticks, "late": self.late.summary(), "waits": list(self.over)}
+        """{"over_ms", "kept", "ticks", "late": {count, p50_ms, p99_ms, max_ms} of the latest wakes, "waits": the
+        latest `kept` waits of over_ms or more: [{at (Unix time of its end), late_ms, threads: {name: frames}}]}."""
+        return {"over_ms": self.over_ms, "kept": self.over.maxlen, "ticks": self.ticks, "late": self.late.summary(),
+                "waits": list(self.over)}
 
 
-def stacks(skip: int | None = None) -> dict[str, list[str]]:
-    """Every thread's innermost FRAMES frames ("file:line function", innermost first), by thread name."""
-    names = {t.ident: t.name for t in threading.enumerate()}
+def stacks(dump: Any) -> dict[str, list[str]]:
+    """Every other thread's innermost FRAMES frames ("file:line function", innermost first), by thread name
+    (with its id where names repeat: anyio's workers share one). Read from faulthandler's dump of every
+    thread into `dump` (a file with a descriptor), not from frame objects: a frame held here would keep a
+    function's locals alive past its return, and free them (MLX arrays among them) on this thread."""
+    dump.seek(0)
+    dump.truncate()
+    faulthandler.dump_traceback(dump, all_threads=True)
+    dump.seek(0)
+    names: dict[int, str] = {}
+    for t in threading.enumerate():
+        if t.ident is not None:
+            names[t.ident] = t.name
+    repeated = {n for n in names.values() if list(names.values()).count(n) > 1}
     out: dict[str, list[str]] = {}
-    for ident, frame in sys._current_frames().items():
-        if ident == skip:
-            continue
-        frames: list[str] = []
-        f: Any = frame
-        while f is not None and len(frames) < FRAMES:
-            frames.append(f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}")
-            f = f.f_back
-        out[names.get(ident, str(ident))] = frames
+    frames: list[str] | None = None
+    for line in dump.read().decode("utf-8", "replace").splitlines():
+        head = THREAD_LINE.match(line)
+        if head:
+            current, ident = head.group(1) == "Current thread", int(head.group(2), 16)
+            name = names.get(ident, hex(ident))
+            frames = None if current else out.setdefault(f"{name} {hex(ident)}" if name in repeated else name, [])
+        elif frames is not None and len(frames) < FRAMES and (frame := FRAME_LINE.match(line)):
+            frames.append(f"{os.path.basename(frame.group(1))}:{frame.group(2)} {frame.group(3)}")
     return out
 
 
@@ -98,7 +116,7 @@ def from_environment() -> GilWatch | None:
         watch = GilWatch(float(over), kept=int(kept))
     except ValueError:
         watch = None
-    if watch is None or watch.over_ms <= 0 or (watch.over.maxlen or 0) <= 0:
+    if watch is None or not math.isfinite(watch.over_ms) or watch.over_ms <= 0 or (watch.over.maxlen or 0) <= 0:
         log.warning("not watching the GIL: KVWAKE_GIL_WATCH_MS=%r and KVWAKE_GIL_WATCH_KEPT=%r must be a number of "
                     "ms and a count, both above 0", over, kept)
         return None

@@ -254,9 +254,6 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     await manager.load()
     manager.started.mark("sessions")
     manager.collector.install()  # the garbage collector's runs, timed (status.gc)
-    manager.gil_watch = gilwatch.from_environment()  # waits for the GIL (status.gil): a diagnostic, off by default
-    if manager.gil_watch is not None:
-        manager.gil_watch.start()
     stop = anyio.Event()
     server = Server(manager, allow_uids=default_allow(settings.allow_uids), read_timeout_s=settings.read_timeout_s,
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
@@ -265,6 +262,9 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     write_status(settings, manager.engine, http_url=_http_url(http[0]) if http else None)
     http_done = anyio.Event()
     try:
+        manager.gil_watch = gilwatch.from_environment()  # waits for the GIL (status.gil): a diagnostic, off by default
+        if manager.gil_watch is not None:
+            manager.gil_watch.start()
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)

@@ -75,3 +75,29 @@ def test_a_watch_asked_for_with_a_bad_value_is_refused_with_a_warning_not_a_cras
     monkeypatch.delenv("KVWAKE_GIL_WATCH_KEPT")
     watch = gilwatch.from_environment()
     assert watch is not None and watch.over_ms == 2.5 and watch.over.maxlen == 64
+
+
+def test_threads_of_one_name_are_told_apart_by_their_ids(tmp_path):
+    # anyio's workers (where prompts are rendered) all bear one name: each keeps its own stack
+    from kvwake.daemon.gilwatch import stacks
+
+    started, release = threading.Barrier(4), threading.Event()
+
+    def parked() -> None:
+        started.wait()
+        release.wait(10)
+
+    workers = [threading.Thread(target=parked, name="AnyIO worker thread") for _ in range(3)]
+    for w in workers:
+        w.start()
+    started.wait()
+    try:
+        with open(tmp_path / "dump", "w+b") as dump:
+            seen = stacks(dump)
+    finally:
+        release.set()
+        for w in workers:
+            w.join()
+    named = {k: v for k, v in seen.items() if k.startswith("AnyIO worker thread ")}
+    assert len(named) == 3 and all(any("parked" in f for f in frames) for frames in named.values()), seen
+    assert threading.current_thread().name not in seen  # the thread that asked is not in its own dump

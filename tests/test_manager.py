@@ -136,10 +136,19 @@ async def test_a_prompt_is_rendered_off_the_engine_thread_while_another_session_
 
 
 async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(manager):
-    # The prompter renders one input at a time (its kept pieces are shared): many at once must not mix.
-    inputs = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"turn {i} " * i}]}
-              for i in range(1, 13)]
-    alone = [manager.engine.render(**x).target for x in inputs]
+    # Renders run on worker threads now, many at once; the prompter's kept pieces are shared. From a cold
+    # start (none of these texts seen), each must get what a renderer of its own gives it, and the
+    # whole-encode check of the first real prompt must run once (a racing countdown would go below 0 and
+    # check every prompt from then on).
+    from kvwake.daemon.model.prompt import Prompter
+
+    prompter = manager.engine.prompter
+    own = Prompter(prompter.tokenizer, prompter.vocab_size, prompter.model_name)
+    inputs = [{"messages": [{"role": "system", "content": f"{SYSTEM} Desk {i}."},
+                            {"role": "user", "content": f"turn {i} " * i}]} for i in range(1, 13)]
+    alone = [own.render(**x).target for x in inputs]
+    pieces = prompter.template.pieces
+    encoded, verify = pieces.stats["pieces_encoded"], pieces._verify
     together = [None] * len(inputs)
 
     async def one(i: int) -> None:
@@ -149,6 +158,8 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
         for i in range(len(inputs)):
             tg.start_soon(one, i)
     assert together == alone
+    assert pieces.stats["pieces_encoded"] > encoded and pieces.on  # the cold path ran, pieced
+    assert pieces._verify == max(0, verify - len(inputs))
 
 
 async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is_matched_again(manager):
