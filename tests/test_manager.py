@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import os
 import threading
+import time
 
 import anyio
 import pytest
@@ -160,6 +161,49 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
     assert together == alone
     assert pieces.stats["pieces_encoded"] > encoded and pieces.on  # the cold path ran, pieced
     assert pieces._verify == max(0, verify - len(inputs))
+
+
+async def test_one_prompts_encoding_does_not_hold_up_anothers(manager, monkeypatch):
+    # Was (aae8599): the prompter rendered one input at a time, so an agent's first long render (a new
+    # 30k-token conversation: ~40 ms of encoding here, 100 with the first prompt's whole-encode check)
+    # queued every other request's render behind it. Here one render's encoding waits until another's ends.
+    pieces = manager.engine.template.pieces
+    backend, entered, release = pieces.backend, threading.Event(), threading.Event()
+
+    class Held:
+        def encode_batch(self, texts, **options):
+            if any("SLOW" in t for t in texts):
+                entered.set()
+                release.wait(30)
+            return backend.encode_batch(texts, **options)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    monkeypatch.setattr(pieces, "backend", Held())
+    slow = {"messages": [{"role": "system", "content": f"{SYSTEM} SLOW"}, {"role": "user", "content": "a"}]}
+    quick = {"messages": [{"role": "system", "content": f"{SYSTEM} quick"}, {"role": "user", "content": "b"}]}
+    done: dict[str, list[int]] = {}
+    released_before_quick: list[bool] = []
+
+    async def render(name: str, inputs: dict) -> None:
+        done[name] = (await manager.render(inputs)).target
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(render, "slow", slow)
+            assert await anyio.to_thread.run_sync(entered.wait, 10)
+            began = time.monotonic()
+            await render("quick", quick)  # behind a lock, it would wait the 30 s the slow one's encoding waits
+            released_before_quick.append(release.is_set())
+            release.set()
+            assert time.monotonic() - began < 5
+    finally:
+        release.set()
+    assert released_before_quick == [False] and set(done) == {"slow", "quick"}
+    monkeypatch.setattr(pieces, "backend", backend)
+    assert done["slow"] == manager.engine.render(**slow).target
+    assert done["quick"] == manager.engine.render(**quick).target
 
 
 async def test_a_stateless_request_whose_session_is_taken_after_a_prefix_copy_is_matched_again(manager):

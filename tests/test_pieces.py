@@ -141,3 +141,33 @@ def test_an_added_token_that_runs_into_a_cut_token_turns_pieces_off(tmp_path):
     text = "ax<|im_start|>user\nhi"
     pieces = Pieces(tokenizer)
     assert not pieces.on and pieces.encode(text) == whole(tokenizer, text)
+
+
+def test_two_renders_encoding_one_new_piece_at_once_keep_it_once(tokenizers_):
+    # Renders run on worker threads at once and encode outside the pieces' lock: both may encode the same
+    # new piece and keep it. Kept twice, its bytes were counted twice (the budget shrank for good).
+    import threading
+
+    pieces = Pieces(tokenizers_["bytes"])
+    backend, both = pieces.backend, threading.Barrier(2)
+
+    class Together:  # each render's encoding waits for the other's: both miss the piece
+        def encode_batch(self, texts, **options):
+            both.wait(10)
+            return backend.encode_batch(texts, **options)
+
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+    pieces.backend = Together()
+    text = "<|im_start|>system\n" + TEXT + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    got: list[list[int]] = []
+    workers = [threading.Thread(target=lambda: got.append(pieces.encode(text))) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    pieces.backend = backend
+    assert got == [whole(tokenizers_["bytes"], text)] * 2
+    assert pieces._kept == sum(pieces_module.cost(p, ids) for p, ids in pieces._ids.items())
+    assert pieces._verify == 0  # the first real prompt's whole-encode check ran once, not twice

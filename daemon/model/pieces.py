@@ -21,6 +21,11 @@ would not add up: `Pieces` checks at start, on probe texts, that pieced
 encoding equals whole encoding for every added token it cuts at, and on each
 of its first `VERIFY_FIRST` real prompts too; any difference turns it off for
 the process (logged) and every render encodes whole, as before.
+
+Renders run on worker threads, several at once (model/prompt.py): the kept
+pieces and the counters are touched under a lock, the encoding itself (the
+tokenizer lets the GIL go) outside it, so one conversation's new pieces do
+not wait for another's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -49,6 +55,7 @@ class Pieces:
         self.tokenizer = tokenizer
         self.backend = _backend(tokenizer)
         self._ids: OrderedDict[str, array] = OrderedDict()
+        self._lock = threading.Lock()  # the kept pieces, their bytes, the countdown and the counters
         self._kept = 0
         self._verify = VERIFY_FIRST
         self.split: re.Pattern[str] | None = None
@@ -68,35 +75,47 @@ class Pieces:
         if self.split is None:
             return self._whole(text)
         ids = self._pieced(text)
-        if self._verify:
-            self._verify -= 1
-            if ids != self._whole(text):
-                self._off("pieced encoding differs from whole encoding on a prompt")
-                return self._whole(text)
+        with self._lock:
+            verify = self._verify > 0
+            self._verify -= verify
+        if verify and ids != self._whole(text):
+            self._off("pieced encoding differs from whole encoding on a prompt")
+            return self._whole(text)
         return ids
 
     def _pieced(self, text: str) -> list[int]:
-        cuts = [0, *(m.start() for m in self.split.finditer(text) if m.start()), len(text)]
+        split = self.split  # once: another render may turn pieces off meanwhile
+        if split is None:
+            return self._whole(text)
+        cuts = [0, *(m.start() for m in split.finditer(text) if m.start()), len(text)]
         parts = [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
         known: dict[str, array] = {}  # this text's pieces, held here: keeping new ones may evict old ones
-        for part in parts:
-            ids = self._ids.get(part)
-            if ids is not None:
-                known[part] = ids
-                self._ids.move_to_end(part)
+        with self._lock:
+            for part in parts:
+                ids = self._ids.get(part)
+                if ids is not None:
+                    known[part] = ids
+                    self._ids.move_to_end(part)
         missing = [p for p in dict.fromkeys(parts) if p not in known]
-        if missing:
-            for part, enc in zip(missing, self.backend.encode_batch(missing, add_special_tokens=False)):
-                known[part] = array("i", enc.ids)
-                self._keep(part, known[part])
+        if missing:  # outside the lock: the encoding lets the GIL go, and another render its own pieces
+            encoded = [array("i", enc.ids) for enc in self.backend.encode_batch(missing, add_special_tokens=False)]
+            with self._lock:
+                for part, ids in zip(missing, encoded):
+                    known[part] = ids
+                    self._keep(part, ids)
         out: list[int] = []
         for part in parts:
             out.extend(known[part])
-        self.stats["pieces_encoded"] += len(missing)
-        self.stats["pieces_reused"] += len(parts) - len(missing)
+        with self._lock:
+            self.stats["pieces_encoded"] += len(missing)
+            self.stats["pieces_reused"] += len(parts) - len(missing)
         return out
 
     def _keep(self, part: str, ids: array) -> None:
+        """Under the lock. A piece another render kept meanwhile is replaced (the same ids): counted once."""
+        old = self._ids.pop(part, None)
+        if old is not None:
+            self._kept -= cost(part, old)
         self._ids[part] = ids
         self._kept += cost(part, ids)
         while self._kept > KEEP_BYTES and len(self._ids) > 1:
@@ -111,9 +130,10 @@ class Pieces:
 
     def _off(self, why: str) -> None:
         log.warning("tokenizing prompts whole: %s", why)
-        self.split = None
-        self._ids.clear()
-        self._kept = 0
+        with self._lock:
+            self.split = None
+            self._ids.clear()
+            self._kept = 0
 
 
 def cost(part: str, ids: array) -> int:

@@ -9,7 +9,6 @@ session (fronts/matching.py) and hand the same plan to the append.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +32,15 @@ class Plan:
 class Prompter:
     """Checks input and renders it with the model's tokenizer and chat template.
 
-    Off the engine thread (an append's worker thread), one input at a time: the kept pieces
-    (model/pieces.py) are this one renderer's. The tokenizer's encode lets the GIL go while it
-    runs, and only reads the tokenizer, as the engine thread's detokenizing does meanwhile.
+    On worker threads (an append's, or the one a front renders on), not the engine's, several
+    inputs at once: the kept pieces (model/pieces.py) take their own lock. The tokenizer's encode
+    lets the GIL go while it runs, and only reads the tokenizer, as the engine thread's
+    detokenizing does meanwhile.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, model_name: str) -> None:
         self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
         self.template = ChatTemplate(tokenizer)
-        self._one = threading.Lock()
 
     def render(self, *, messages: Any = None, text: Any = None, tokens: Any = None, tools: Any = None) -> Plan:
         """A whole conversation (as OpenAI clients send it) rendered, for no session in particular."""
@@ -56,11 +55,6 @@ class Prompter:
         whole conversation `render` made already, is taken as it is (its mode checked). The
         caller holds the session (its claim), so nothing changes it meanwhile.
         """
-        with self._one:
-            return self._plan(session, messages, text, tokens, tools, whole, prompt)
-
-    def _plan(self, session: Session, messages: Any, text: Any, tokens: Any, tools: Any, whole: bool,
-              prompt: Plan | None) -> Plan:
         if prompt is not None:
             if any(x is not None for x in (messages, text, tokens, tools)):
                 raise InvalidParamsError("give a rendered prompt or input, not both")
