@@ -1,13 +1,15 @@
 """A long prompt's render beside a decoding session: how long the talker's tokens pause meanwhile.
 
 usage: python bench/render_beside.py [--model default|tiny|PATH] [--old SITE] [--rounds 3] [--appends 8]
-                                     [--text-tokens 40000] [--out bench/out]
+                                     [--text-tokens 40000] [--together 1] [--chat] [--out bench/out]
 
 A talker streams tokens while another session appends, --appends times, a text of --text-tokens
 tokens: past the model's context, so the daemon renders it (tokenizes it: its whole cost, nothing is
 prefilled) and refuses it (CONTEXT_TOO_LONG). Reported per daemon: the talker's median gap outside
 the appends, its longest gap overlapping each append (median and max of them), and the appends' own
-time. `--old SITE`: a second daemon from a tree installed there (`pip install --no-deps --target SITE`), the
+time. `--together R`: R readers append at once, each to its own session; `--chat`: each appends a chat
+whose system message is the text, new to the daemon's kept pieces (model/pieces.py), as agents' first
+turns are. `--old SITE`: a second daemon from a tree installed there (`pip install --no-deps --target SITE`), the
 two alternating round after round: before and after, one machine. Session 20's change rendered the
 prompt on the append's worker thread; the tree before rendered it in an engine-thread job.
 `--model default` is SmolLM2-135M (a real tokenizer; 8,192 tokens of context).
@@ -23,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +39,28 @@ from tests.daemon import Daemon, RawClient, RpcError  # noqa: E402
 UNIT = "The archive holds notes, plans and tool output from many earlier runs. "
 
 
-def one_round(root: Path, model: Path, site: str | None, appends: int, text: str, tokenizer: Any) -> dict[str, Any]:
+def refused(d: Daemon, session: str, inputs: dict[str, Any]) -> float:
+    """Append `inputs` (past the context) and see it refused; the append's time, ms."""
+    began = time.perf_counter()
+    with d.client() as c:
+        try:
+            c.call("session.append", session_id=session, **inputs)
+            raise AssertionError("the text fit the context: give more --text-tokens")
+        except RpcError as exc:
+            if "CONTEXT_TOO_LONG" not in str(exc):
+                raise
+    return (time.perf_counter() - began) * 1000
+
+
+def one_round(root: Path, model: Path, site: str | None, appends: int, text: str, tokenizer: Any,
+              together: int = 1, chat: bool = False) -> dict[str, Any]:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)} if site else {}
     root.mkdir(parents=True)
     (root / "none.toml").write_text(f"hot_budget_bytes = {1 << 40}\npersist = false\n")
     d = Daemon(root, model, block_tokens=128, env=env).start(timeout=600)
     try:
         with d.client() as c:
-            for name in ("talker", "reader"):
+            for name in ("talker", *(f"reader{i}" for i in range(together))):
                 c.call("session.create", session_id=name)
             c.call("session.append", session_id="talker", text="Tell the long story of the migration.")
             t0 = time.perf_counter()
@@ -55,19 +72,16 @@ def one_round(root: Path, model: Path, site: str | None, appends: int, text: str
         while len(stream.pieces) < 32 and thread.is_alive():
             time.sleep(0.005)
         windows, took = [], []
-        with d.client() as c:
-            for _ in range(appends):
-                began = time.perf_counter()
-                try:
-                    c.call("session.append", session_id="reader", text=text)
-                    raise AssertionError("the text fit the context: give more --text-tokens")
-                except RpcError as exc:
-                    if "CONTEXT_TOO_LONG" not in str(exc):
-                        raise
-                ended = time.perf_counter()
-                windows.append((began, ended))
-                took.append((ended - began) * 1000)
-                time.sleep(0.3)
+        for k in range(appends):
+            # each reader's input new to the daemon: a chat's system message new to the kept pieces
+            inputs = [{"messages": [{"role": "system", "content": f"Desk {k}-{i}. {text}"},
+                                    {"role": "user", "content": "Go on."}]} if chat else {"text": text}
+                      for i in range(together)]
+            began = time.perf_counter()
+            with ThreadPoolExecutor(together) as pool:
+                took += pool.map(lambda i: refused(d, f"reader{i}", inputs[i]), range(together))
+            windows.append((began, time.perf_counter()))
+            time.sleep(0.3)
         thread.join()
         stream.client.close()
     finally:
@@ -93,6 +107,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--appends", type=int, default=8)
     ap.add_argument("--text-tokens", type=int, default=40000)
+    ap.add_argument("--together", type=int, default=1, help="readers appending at once, each its own session")
+    ap.add_argument("--chat", action="store_true",
+                    help="each reader appends a chat whose system message is the text (new to the kept pieces)")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
     from mlx_lm.utils import load_tokenizer
@@ -105,7 +122,7 @@ def main() -> None:
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for r in range(a.rounds):
         for name, site in trees.items():
-            got = one_round(work / f"{name}-{r}", model, site, a.appends, text, tokenizer)
+            got = one_round(work / f"{name}-{r}", model, site, a.appends, text, tokenizer, a.together, a.chat)
             rounds[name].append(got)
             print(name, r, got, flush=True)
     summary = {}
@@ -114,8 +131,10 @@ def main() -> None:
         summary[name] = {"gap_p50_outside_ms": statistics.median(g["gap_p50_outside_ms"] for g in got),
                          "longest_gap_beside_an_append_ms": {"median": statistics.median(longest), "max": max(longest)},
                          "append_ms_median": statistics.median(x for g in got for x in g["append_ms"])}
-    save({"model": str(model), "text_tokens": len(tokenizer.encode(text)), "appends": a.appends, "rounds": rounds,
-          "summary": summary}, a.out, "render_beside.json")
+    variant = "" if a.together == 1 and not a.chat else f"-{a.together}{'-chat' * a.chat}"
+    name = f"render_beside{variant}.json"
+    save({"model": str(model), "text_tokens": len(tokenizer.encode(text)), "appends": a.appends,
+          "together": a.together, "chat": a.chat, "rounds": rounds, "summary": summary}, a.out, name)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,7 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
 
     prompter = manager.engine.prompter
     own = Prompter(prompter.tokenizer, prompter.vocab_size, prompter.model_name)
+    prompter.at_once = threading.BoundedSemaphore(4)  # a machine of 16 cores
     inputs = [{"messages": [{"role": "system", "content": f"{SYSTEM} Desk {i}."},
                             {"role": "user", "content": f"turn {i} " * i}]} for i in range(1, 13)]
     alone = [own.render(**x).target for x in inputs]
@@ -166,7 +167,8 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
 async def test_one_prompts_encoding_does_not_hold_up_anothers(manager, monkeypatch):
     # Was (aae8599): the prompter rendered one input at a time, so an agent's first long render (a new
     # 30k-token conversation: ~40 ms of encoding here, 100 with the first prompt's whole-encode check)
-    # queued every other request's render behind it. Here one render's encoding waits until another's ends.
+    # queued every other request's render behind it. Now a quarter of the cores render at once (two here,
+    # as on 8 cores). Here one render's encoding waits until another's ends.
     pieces = manager.engine.template.pieces
     backend, entered, release = pieces.backend, threading.Event(), threading.Event()
 
@@ -181,6 +183,7 @@ async def test_one_prompts_encoding_does_not_hold_up_anothers(manager, monkeypat
             return getattr(backend, name)
 
     monkeypatch.setattr(pieces, "backend", Held())
+    monkeypatch.setattr(manager.engine.prompter, "at_once", threading.BoundedSemaphore(2))  # a machine of 8 cores
     slow = {"messages": [{"role": "system", "content": f"{SYSTEM} SLOW"}, {"role": "user", "content": "a"}]}
     quick = {"messages": [{"role": "system", "content": f"{SYSTEM} quick"}, {"role": "user", "content": "b"}]}
     done: dict[str, list[int]] = {}
