@@ -21,6 +21,8 @@
 #   bash bench/device_round.sh hostfree   bench/managed_reuse.py, then the prefill row's trace against .gpu/old's
 #   bash bench/device_round.sh hostcopy   the same as warmplain (session 19's name)
 #   bash bench/device_round.sh gilwatch   the prefill row's trace with the daemon's waits for the GIL (KVWAKE_GIL_WATCH_MS)
+#   bash bench/device_round.sh renders    bench/render_beside.py: 4 new chats rendered at once beside a talker, one at a
+#                                         time (KVWAKE_RENDERS_AT_ONCE=1) against the default, alternating
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -155,6 +157,16 @@ case "$1" in
         python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" \
         --no-batch-generator --out "$out/prefill-trace-gilwatch-$r" >/dev/null 2>&1
       python3 bench/trace_summary.py "gilwatch-$r" "$out/prefill-trace-gilwatch-$r/batching.json"
+    done ;;
+  renders)  # bench/render_beside.py: 4 readers append new 28k-token chats at once beside a talker, renders one at
+    model     # a time against the default (a quarter of the cores: 4 of 16), alternating
+    for r in 1 2; do
+      for n in 1 default; do
+        env=""; [ $n = 1 ] && env="KVWAKE_RENDERS_AT_ONCE=1"
+        env $env timeout 140 python3 bench/render_beside.py --model /tmp/m8b --together 4 --chat --rounds 1 \
+          --appends 6 --text-tokens 30000 --out "$out/renders-$n-$r" 2>&1 | grep -A12 '"summary"' | tr -d ' \n' \
+          | sed "s/^/at_once=$n round $r /"; echo
+      done
     done ;;
   readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
     for r in 1 4; do  # host copies (their first reads migrate them)

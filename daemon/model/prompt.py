@@ -20,10 +20,11 @@ from kvwake.errors import InvalidParamsError
 
 __all__ = ["Plan", "Prompter", "RENDERS_AT_ONCE"]
 
-# Renders at once: a quarter of the cores, at least one. A render's encoding takes a core (40-100 ms for
-# a new 30k-token conversation); on the 2-core VM two at once slowed a decoding neighbour on the CPU
-# (its longest gap beside them 194 against 161 ms) and ended no sooner (the later 131 against 126 ms).
-RENDERS_AT_ONCE = max(1, (os.cpu_count() or 1) // 4)
+# Renders at once: a quarter of the cores, at least one (KVWAKE_RENDERS_AT_ONCE sets it for a measurement).
+# A render's encoding takes a core (40-100 ms for a new 30k-token conversation); on the 2-core VM two at
+# once slowed a decoding neighbour on the CPU (its longest gap beside them 194 against 161 ms) and ended
+# no sooner (the later 131 against 126 ms).
+RENDERS_AT_ONCE = int(os.environ.get("KVWAKE_RENDERS_AT_ONCE", max(1, (os.cpu_count() or 1) // 4)))
 
 
 @dataclass(frozen=True)
