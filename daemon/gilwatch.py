@@ -67,8 +67,11 @@ class GilWatch:
             self.ticks += 1
             self.late.add(late_ms)
             if late_ms >= self.over_ms:
-                self.over.append({"at": round(time.time(), 4), "late_ms": round(late_ms, 2),
-                                  "threads": stacks(dump)})
+                try:
+                    threads = stacks(dump)
+                except Exception as exc:  # a dump that fails (the temporary file's disk full) loses the stacks only
+                    threads = {"(stacks unavailable)": [f"{type(exc).__name__}: {exc}"]}
+                self.over.append({"at": round(time.time(), 4), "late_ms": round(late_ms, 2), "threads": threads})
         dump.close()
 
     def summary(self) -> dict[str, Any]:

@@ -101,3 +101,23 @@ def test_threads_of_one_name_are_told_apart_by_their_ids(tmp_path):
     named = {k: v for k, v in seen.items() if k.startswith("AnyIO worker thread ")}
     assert len(named) == 3 and all(any("parked" in f for f in frames) for frames in named.values()), seen
     assert threading.current_thread().name not in seen  # the thread that asked is not in its own dump
+
+
+def test_a_wait_whose_stacks_cannot_be_dumped_is_kept_and_the_watch_goes_on(monkeypatch):
+    # Was: the exception ended the watch's thread, and status showed its last counts for ever.
+    from kvwake.daemon import gilwatch
+
+    def full(dump):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gilwatch, "stacks", full)
+    watch = GilWatch(over_ms=0.0).start()  # every wake is a wait
+    try:
+        time.sleep(0.05)
+        ticks = watch.ticks
+        time.sleep(0.05)
+    finally:
+        watch.stop()
+    assert watch.ticks > ticks > 0
+    assert watch.over and all(w["threads"] == {"(stacks unavailable)": ["OSError: [Errno 28] No space left on device"]}
+                              for w in watch.over)
