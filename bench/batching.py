@@ -382,7 +382,9 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
         batch_generator_steps(*loaded, max(sizes), tokens)  # warms every shape up
     pairs: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
     for r in range(rounds):
+        print(f"at {time.time():.2f}: round {r}, kvwake begins", flush=True)  # windows to lay beside GPU clocks
         ours = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}")["steady_tokens_per_s"] for n in sizes}
+        print(f"at {time.time():.2f}: round {r}, BatchGenerator begins", flush=True)
         if loaded is not None:
             theirs = {}
             for n in sizes:

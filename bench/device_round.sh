@@ -23,6 +23,10 @@
 #   bash bench/device_round.sh gilwatch   the prefill row's trace with the daemon's waits for the GIL (KVWAKE_GIL_WATCH_MS)
 #   bash bench/device_round.sh renders    bench/render_beside.py: 4 new chats rendered at once beside a talker, one at a
 #                                         time (KVWAKE_RENDERS_AT_ONCE=1) against the default, alternating
+#   bash bench/device_round.sh decodepersist  8 and 16 sessions decoding with persistence on and off, alternating
+#                                         (what the daemon's durability costs a batch, beside BatchGenerator's gap)
+#   bash bench/device_round.sh clocks     alternating rounds against BatchGenerator at 8 and 16 sessions, the GPU's
+#                                         clocks, power and throttle reasons sampled beside (bench/clock_windows.py)
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -168,6 +172,27 @@ case "$1" in
           | sed "s/^/at_once=$n round $r /"; echo
       done
     done ;;
+  decodepersist)  # 8 and 16 sessions, 256 tokens a call, the daemon persisting as the rows fill blocks or not
+    model
+    for r in 1 2; do
+      for p in on off; do
+        [ $SECONDS -gt ${UNTIL_S:-450} ] && break 2
+        flag=""; [ $p = off ] && flag="--no-persist"
+        timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 --modes batched --whole "" \
+          --prefill 0 --no-batch-generator $flag --out "$out/batching-persist-$p-$r" 2>&1 \
+          | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gap_p50_ms": [0-9.]*\|"gap_p99_ms": [0-9.]*' \
+          | tr '\n' ' ' | sed "s/^/persist=$p round $r /"; echo
+      done
+    done ;;
+  clocks)  # does the speed that drifts between rounds (12 to 18 ms a step on one machine) go with the GPU's clocks?
+    model
+    q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
+    nvidia-smi --query-gpu=$q --format=csv,noheader -lms 250 >"$out/clocks.csv" 2>&1 & smi=$!
+    timeout ${UNTIL_S:-520} python3 -u bench/batching.py --model /tmp/m8b --sessions 8 --tokens 256 --alternate 4 \
+      --modes batched --whole "" --prefill 0 --no-batch-generator --out "$out/batching-clocks" >"$out/rounds.txt" 2>&1
+    kill $smi
+    grep -E "^round|^at " "$out/rounds.txt" | tail -24
+    python3 bench/clock_windows.py "$out/clocks.csv" "$out/rounds.txt" ;;
   readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
     for r in 1 4; do  # host copies (their first reads migrate them)
       timeout 100 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --steps 60 --readers $r \

@@ -4,7 +4,7 @@ usage: python bench/render_beside.py [--model default|tiny|PATH] [--old SITE] [-
                                      [--text-tokens 40000] [--together 1] [--chat] [--out bench/out]
 
 A talker streams tokens while another session appends, --appends times, a text of --text-tokens
-tokens: past the model's context, so the daemon renders it (tokenizes it: its whole cost, nothing is
+tokens: past the daemon's context (capped at half the text), so the daemon renders it (tokenizes it: its whole cost, nothing is
 prefilled) and refuses it (CONTEXT_TOO_LONG). Reported per daemon: the talker's median gap outside
 the appends, its longest gap overlapping each append (median and max of them), and the appends' own
 time. `--together R`: R readers append at once, each to its own session; `--chat`: each appends a chat
@@ -56,7 +56,9 @@ def one_round(root: Path, model: Path, site: str | None, appends: int, text: str
               together: int = 1, chat: bool = False) -> dict[str, Any]:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)} if site else {}
     root.mkdir(parents=True)
-    (root / "none.toml").write_text(f"hot_budget_bytes = {1 << 40}\npersist = false\n")
+    # the daemon's context capped at half the text, so that the text is refused whatever the model's own context
+    cap = len(tokenizer.encode(text)) // 2
+    (root / "none.toml").write_text(f"hot_budget_bytes = {1 << 40}\npersist = false\nmax_context = {cap}\n")
     d = Daemon(root, model, block_tokens=128, env=env).start(timeout=600)
     try:
         with d.client() as c:
