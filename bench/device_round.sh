@@ -26,7 +26,9 @@
 #   bash bench/device_round.sh decodepersist  8 and 16 sessions decoding with persistence on and off, alternating
 #                                         (what the daemon's durability costs a batch, beside BatchGenerator's gap)
 #   bash bench/device_round.sh clocks     alternating rounds against BatchGenerator at 8 and 16 sessions, the GPU's
-#                                         clocks, power and throttle reasons sampled beside (bench/clock_windows.py)
+#                                         clocks, power and throttle reasons sampled beside (bench/clock_windows.py);
+#                                         IN_PROCESS=1: BatchGenerator in the bench's process, loaded once (its
+#                                         windows then hold its decoding only)
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -189,7 +191,8 @@ case "$1" in
     q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
     nvidia-smi --query-gpu=$q --format=csv,noheader -lms 250 >"$out/clocks.csv" 2>&1 & smi=$!
     timeout ${UNTIL_S:-520} python3 -u bench/batching.py --model /tmp/m8b --sessions 8 --tokens 256 --alternate 4 \
-      --modes batched --whole "" --prefill 0 --no-batch-generator --out "$out/batching-clocks" >"$out/rounds.txt" 2>&1
+      --modes batched --whole "" --prefill 0 --no-batch-generator ${IN_PROCESS:+--alternate-in-process} \
+      --out "$out/batching-clocks" >"$out/rounds.txt" 2>&1
     kill $smi
     grep -E "^round|^at " "$out/rounds.txt" | tail -24
     python3 bench/clock_windows.py "$out/clocks.csv" "$out/rounds.txt" ;;
