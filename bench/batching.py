@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import shutil
 import socket
 import statistics
 import subprocess
@@ -64,6 +65,34 @@ def pct(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
+
+
+class GpuBusy:
+    """The GPU's utilization while a block runs (nvidia-smi, every 100 ms): the share of time a kernel ran.
+    Session 21 read 40-65% for kvwake and for BatchGenerator alike at 8 and 16 rows of the 8B shape on the
+    H100, its clocks steady: both host-bound, so their tokens/s follow the host's speed. `pct`: the median
+    sample; None without nvidia-smi (here)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "GpuBusy":
+        exe = shutil.which("nvidia-smi")
+        if exe:
+            self.proc = subprocess.Popen([exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate()
+            self.samples = [float(x) for x in out.split() if x.replace(".", "", 1).isdigit()]
+
+    @property
+    def pct(self) -> float | None:
+        return round(statistics.median(self.samples), 1) if self.samples else None
 
 
 class Stream:
@@ -153,12 +182,13 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     threads = [threading.Thread(target=lambda s=s: (barrier.wait(), s.run())) for s in streams]
     inside: list[dict[str, Any]] = []  # the daemon's own view while all N decode (its status, 4 times a second)
     watch = threading.Thread(target=watch_decoder, args=(d, n, threads, inside, WATCH_S))
-    for t in threads:
-        t.start()
-    watch.start()
-    for t in threads:
-        t.join()
-    watch.join()
+    with GpuBusy() as busy:
+        for t in threads:
+            t.start()
+        watch.start()
+        for t in threads:
+            t.join()
+        watch.join()
     for cl in clients:
         cl.close()
     with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
@@ -170,7 +200,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
             "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps), "engine_step_gap_ms": engine_gaps,
-            "status_every_s": WATCH_S,
+            "status_every_s": WATCH_S, "gpu_busy_pct": busy.pct,
             "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5), **engine_split(inside),
             "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
             "daemon_dead_rows": sorted({g["dead_rows"] for g in inside}), **gil_during(status, streams)}
@@ -359,8 +389,9 @@ def batch_generator_round(model: Path, sizes: list[int], tokens: int) -> list[di
     batch_generator_steps(loaded, tokenizer, max(sizes), tokens)  # warms every shape up
     rows = []
     for n in sizes:
-        steps = batch_generator_steps(loaded, tokenizer, n, tokens)
-        rows.append({"sessions": n, "tokens": n * tokens,
+        with GpuBusy() as busy:
+            steps = batch_generator_steps(loaded, tokenizer, n, tokens)
+        rows.append({"sessions": n, "tokens": n * tokens, "gpu_busy_pct": busy.pct,
                      "tokens_per_s": round(n * len(steps) / sum(steps), 1) if steps else None})
     return rows
 
@@ -381,20 +412,27 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
         loaded = mlx_lm.load(str(model))
         batch_generator_steps(*loaded, max(sizes), tokens)  # warms every shape up
     pairs: dict[int, list[tuple[float, float]]] = {n: [] for n in sizes}
+    busy: dict[int, list[tuple[float | None, float | None]]] = {n: [] for n in sizes}  # GPU busy %: ours, theirs
     for r in range(rounds):
         print(f"at {time.time():.2f}: round {r}, kvwake begins", flush=True)  # windows to lay beside GPU clocks
-        ours = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}")["steady_tokens_per_s"] for n in sizes}
+        rows = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}") for n in sizes}
+        ours = {n: row["steady_tokens_per_s"] for n, row in rows.items()}
+        their_busy: dict[int, float | None] = {}
         print(f"at {time.time():.2f}: round {r}, BatchGenerator begins", flush=True)
         if loaded is not None:
             theirs = {}
             for n in sizes:
-                steps = batch_generator_steps(*loaded, n, tokens)
-                theirs[n] = n * len(steps) / sum(steps) if steps else None
+                with GpuBusy() as gpu:
+                    steps = batch_generator_steps(*loaded, n, tokens)
+                theirs[n], their_busy[n] = (n * len(steps) / sum(steps) if steps else None), gpu.pct
         else:
-            theirs = {row["sessions"]: row["tokens_per_s"] for row in batch_generator_elsewhere(model, sizes, tokens)}
+            elsewhere = batch_generator_elsewhere(model, sizes, tokens)
+            theirs = {row["sessions"]: row["tokens_per_s"] for row in elsewhere}
+            their_busy = {row["sessions"]: row.get("gpu_busy_pct") for row in elsewhere}
         for n in sizes:
             if ours[n] and theirs[n]:
                 pairs[n].append((ours[n], theirs[n]))
+                busy[n].append((rows[n]["gpu_busy_pct"], their_busy.get(n)))
             print(f"round {r}, {n} sessions: kvwake {ours[n]} tok/s, BatchGenerator "
                   f"{theirs[n] and round(theirs[n], 1)}", flush=True)
     rows = []
@@ -405,6 +443,8 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
                      "kvwake_steady_tokens_per_s": [round(o, 1) for o, _ in got],
                      "batch_generator_tokens_per_s": [round(t, 1) for _, t in got],
                      "each_ratio": [round(o / t, 2) for o, t in got],
+                     "kvwake_gpu_busy_pct": [o for o, _ in busy[n]],
+                     "batch_generator_gpu_busy_pct": [t for _, t in busy[n]],
                      "ratio_of_medians": round(ours_med / theirs_med, 3) if got else None})
     return rows
 
