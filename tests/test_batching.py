@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 from kvwake.daemon.model.calls import batch_mode
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.engine import Engine
-from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.generation import GenerateParams, RowsSampler, make_sampler
 from kvwake.daemon.session import Session
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
@@ -155,6 +155,38 @@ def test_sampling_rows_sample_in_one_op_and_each_draws_what_it_draws_alone(engin
         assert (engine.decoder.counters["rows_sampled_together"] > before) == together
     engine.decoder.rows_sampling = True
     assert got[True] == got[False] == alone
+
+
+def test_sampling_rows_keep_one_key_array_while_the_batch_keeps_its_rows_and_draw_as_each_row_alone():
+    """RowsSampler leaves the keys it split as one array; a step over the same rows splits that array again
+    (no per-row slice, no stack), a row's own key is read out of it only when asked for, and every draw is
+    the one each row's sampler makes alone, also when the rows change order."""
+    logprobs = mx.random.normal((3, 50), key=mx.random.key(5))
+    params = [GenerateParams(temperature=t, seed=30 + i) for i, t in enumerate((1.0, 0.6, 1.4))]
+    rows = [make_sampler(p) for p in params]
+    own = [make_sampler(p) for p in params]  # the same calls, each sampling alone
+    # a step over the rows of the step before takes its keys whole; a new order stacks the rows' own keys
+    steps = [([0, 1, 2], False), ([0, 1, 2], True), ([0, 1, 2], True), ([2, 0, 1], False), ([2, 0, 1], True)]
+    for order, carries in steps:
+        batch = RowsSampler([rows[i] for i in order])
+        assert (batch._carried_keys([True] * 3) is not None) == carries, (order, carries)
+        assert batch(logprobs[mx.array(order)]).tolist() == [own[i](logprobs[i : i + 1]).item() for i in order]
+        assert len({id(rows[i]._carried[0]) for i in order}) == 1  # the rows' keys left as one array
+    assert mx.array_equal(rows[1].key, own[1].key)  # read out of the batch's keys when asked for
+    assert rows[1]._carried is None
+
+
+def test_sampling_rows_that_come_and_go_each_draw_what_they_draw_alone(engine):
+    """Rows leave at different steps and one joins late: the batch's keys are stacked again whenever its rows
+    change, and each seeded call's tokens are still the ones it samples alone."""
+    params = [GenerateParams(max_tokens=m, temperature=t, seed=40 + i)
+              for i, (m, t) in enumerate(((5, 1.0), (12, 0.7), (8, 1.3), (12, 0.0)))]
+    alone = [solo_tokens(engine, f"come-alone{i}", PROMPTS[i], p) for i, p in enumerate(params)]
+    before = engine.decoder.counters["rows_sampled_together"]
+    calls = [engine.start_call(session(engine, f"come{i}", PROMPTS[i]), p) for i, p in enumerate(params)]
+    run_together(engine, calls, join_at={3: 3})
+    assert engine.decoder.counters["rows_sampled_together"] > before
+    assert [c.future.result().tokens for c in calls] == alone
 
 
 def test_no_more_than_max_batch_calls_decode_at_once_and_the_rest_wait_their_turn(engine, tmp_path, model_dir):

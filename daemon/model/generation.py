@@ -20,6 +20,7 @@ only see this call's prompt): earlier tokens are part of its context.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -126,7 +127,8 @@ class KeyedSampler:
 
     def __init__(self, params: GenerateParams) -> None:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.key = mx.random.key(seed)
+        self._key = mx.random.key(seed)
+        self._carried: tuple[mx.array, int] | None = None  # (keys, row): its key is row `row` of a batch's keys
         self.temperature = params.temperature
         self.filters: list[Callable[[mx.array], mx.array]] = []
         if 0 < params.top_p < 1.0:
@@ -135,6 +137,19 @@ class KeyedSampler:
             self.filters.append(lambda x: apply_min_p(x, params.min_p, 1))
         if params.top_k > 0:
             self.filters.append(lambda x: apply_top_k(x, params.top_k))
+
+    @property
+    def key(self) -> mx.array:
+        """The call's random state: its own array, or its row of the keys RowsSampler split last, sliced
+        out only when read (a batch that keeps its rows never reads it)."""
+        if self._carried is not None:
+            keys, row = self._carried
+            self._key, self._carried = keys[row], None
+        return self._key
+
+    @key.setter
+    def key(self, value: mx.array) -> None:
+        self._key, self._carried = value, None
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         self.key, draw = mx.random.split(self.key)
@@ -151,7 +166,11 @@ class RowsSampler:
     sampler would draw, bit for bit (its key split as its own call splits it, its Gumbel noise drawn
     from that key), so a seeded call samples the same tokens alone or batched, as before. For rows
     that are greedy or keyed without filters (`fits`); others sample one row at a time, as mlx-lm does.
-    Row by row, a batch of 32 sampling rows was some 200 small device ops per step."""
+    Row by row, a batch of 32 sampling rows was some 200 small device ops per step.
+
+    While the batch keeps its rows, the keys stay one array from step to step (each row's key is read
+    out of it only when its call needs it alone), and the rows' temperatures are made once: a step
+    then adds no operation per row (at 16 rows, 48 of a tiny model's 457; bench/step_graph.py)."""
 
     def __init__(self, samplers: list[Callable[[mx.array], mx.array]]) -> None:
         self.samplers = samplers
@@ -163,19 +182,44 @@ class RowsSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         keyed = [isinstance(s, KeyedSampler) for s in self.samplers]
-        spare = mx.zeros((2,), mx.uint32)  # a greedy row's key: its noise is drawn and not used
-        pairs = _split_rows(mx.stack([s.key if k else spare for s, k in zip(self.samplers, keyed)]))
+        keys = self._carried_keys(keyed)
+        if keys is None:
+            spare = mx.zeros((2,), mx.uint32)  # a greedy row's key: its noise is drawn and not used
+            keys = mx.stack([s.key if k else spare for s, k in zip(self.samplers, keyed)])
+        pairs = _split_rows(keys)
         width = logprobs.shape[-1]
         noise = mx.vmap(lambda key: mx.random.gumbel(shape=(1, width), key=key))(pairs[:, 1]).reshape(-1, width)
-        scale = mx.array([1.0 / s.temperature if k else 1.0 for s, k in zip(self.samplers, keyed)])
-        scaled = logprobs * scale.astype(logprobs.dtype)[:, None] + noise
+        scale, mask = _row_constants(tuple(s.temperature if k else None for s, k in zip(self.samplers, keyed)),
+                                     logprobs.dtype)
+        scaled = logprobs * scale + noise
+        carried = pairs[:, 0]
         for i, (s, k) in enumerate(zip(self.samplers, keyed)):
             if k:
-                s.key = pairs[i, 0]
-        return mx.argmax(mx.where(mx.array(keyed)[:, None], scaled, logprobs), axis=-1)
+                s._carried = (carried, i)
+        return mx.argmax(mx.where(mask, scaled, logprobs), axis=-1)
+
+    def _carried_keys(self, keyed: list[bool]) -> mx.array | None:
+        """The keys the step before left, when every keyed row is still at its row of them (a greedy row's
+        key there is whatever its noise was drawn from: unused)."""
+        rows = [(i, s) for i, (s, k) in enumerate(zip(self.samplers, keyed)) if k]
+        first = rows[0][1]._carried if rows else None
+        if first is None or first[0].shape[0] != len(self.samplers):
+            return None
+        keys = first[0]
+        return keys if all(s._carried is not None and s._carried[0] is keys and s._carried[1] == i
+                           for i, s in rows) else None
 
 
 _split_rows = mx.vmap(mx.random.split)  # a key per row -> (new key, draw) per row, in one op
+
+
+@functools.lru_cache(maxsize=64)
+def _row_constants(temperatures: tuple[float | None, ...], dtype: Any) -> tuple[mx.array, mx.array]:
+    """Per row (None: greedy): the logits' scale, 1 / temperature, as a column; and which rows sample."""
+    scale = mx.array([1.0 / t if t is not None else 1.0 for t in temperatures]).astype(dtype)[:, None]
+    mask = mx.array([t is not None for t in temperatures])[:, None]
+    mx.eval(scale, mask)
+    return scale, mask
 
 
 def make_sampler(params: GenerateParams) -> Callable[[mx.array], mx.array]:
