@@ -166,7 +166,7 @@ case "$1" in
     done ;;
   renders)  # bench/render_beside.py: 4 readers append new 28k-token chats at once beside a talker, renders one at
     model     # a time against the default (a quarter of the cores: 4 of 16), alternating
-    for r in 1 2; do
+    for r in $(seq ${RENDER_ROUNDS:-2}); do
       for n in 1 default; do
         env=""; [ $n = 1 ] && env="KVWAKE_RENDERS_AT_ONCE=1"
         env $env timeout 140 python3 bench/render_beside.py --model /tmp/m8b --together 4 --chat --rounds 1 \
