@@ -29,6 +29,8 @@
 #                                         clocks, power and throttle reasons sampled beside (bench/clock_windows.py);
 #                                         IN_PROCESS=1: BatchGenerator in the bench's process, loaded once (its
 #                                         windows then hold its decoding only)
+#   bash bench/device_round.sh poolnice   bench/persist.py at 16k tokens with the pool's workers at the daemon's
+#                                         priority and 10 nice levels below (KVWAKE_POOL_NICE), alternating
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -196,6 +198,15 @@ case "$1" in
     kill $smi
     grep -E "^round|^at " "$out/rounds.txt" | tail -24
     python3 bench/clock_windows.py "$out/clocks.csv" "$out/rounds.txt" ;;
+  poolnice)  # a host-bound decode step against 16 workers encoding a persisting neighbour's blocks: does running
+    model     # the workers nicer keep the neighbour's p99 gap down? (daemon/kv/pool.py)
+    for r in 1 2; do
+      for nice in 0 10; do
+        [ $SECONDS -gt ${UNTIL_S:-420} ] && break 2
+        KVWAKE_POOL_NICE=$nice timeout 170 python3 bench/persist.py --model /tmp/m8b --tokens 16384 \
+          --out "$out/persist-nice$nice-$r" 2>&1 | tail -2 | sed "s/^/nice=$nice round $r /"
+      done
+    done ;;
   readback)  # bench/managed_reuse.py --steps: GPU steps, ending in a token read or not, while 1 or 4 threads read
     for r in 1 4; do  # host copies (their first reads migrate them)
       timeout 100 python3 bench/managed_reuse.py --mib 4 --count 32 --rounds 5 --steps 60 --readers $r \

@@ -5,17 +5,28 @@ BLAKE3, numpy, file I/O), so a pool of threads sized to the machine (all
 cores by default) scales with cores. A batch is bounded by bytes in flight
 rather than by a task count: a sleep or wake never holds more than its budget
 of encoded or staged bytes, whatever the block size.
+
+KVWAKE_POOL_NICE=N (Linux, 1-19; unset or 0: off) runs the workers N nice
+levels below the daemon. It is a knob for a measurement, not a default. On the
+H100 machine a decode step is host-bound (session 21: the GPU busy 39-65% of
+it): the engine thread launching kernels competes for the 16 vCPUs with as
+many workers encoding a persisting neighbour's blocks. The knob asks whether
+yielding those cores to the engine thread keeps the neighbour's p99 gap down
+(`device_round.sh poolnice`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Batch", "Pool"]
+__all__ = ["Batch", "Pool", "niceness"]
+
+log = logging.getLogger("kvwake.pool")
 
 
 class Pool:
@@ -25,10 +36,12 @@ class Pool:
     may have read, decoded or staged but not yet finished.
     """
 
-    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20) -> None:
+    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20, nice: int | None = None) -> None:
         self.workers = workers or os.cpu_count() or 1
         self.inflight_bytes = inflight_bytes
-        self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io")
+        self.nice = niceness() if nice is None else nice
+        self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io",
+                                               initializer=_lower_priority, initargs=(self.nice,))
 
     def batch(self, budget: int | None = None) -> Batch:
         """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes)."""
@@ -36,6 +49,31 @@ class Pool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def niceness() -> int:
+    """KVWAKE_POOL_NICE as nice levels, 0 to 19 (0 when unset; a value that is not a whole number is logged
+    and taken as 0)."""
+    raw = os.environ.get("KVWAKE_POOL_NICE", "")
+    if not raw:
+        return 0
+    try:
+        return max(0, min(19, int(raw)))
+    except ValueError:
+        log.warning("KVWAKE_POOL_NICE=%r is not a whole number of nice levels: the pool runs at the daemon's", raw)
+        return 0
+
+
+def _lower_priority(nice: int) -> None:
+    """A worker's first act: lower its own CPU priority by `nice` levels (Linux, where a thread is a task of
+    its own; elsewhere, or when refused, it stays as it is)."""
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except (AttributeError, OSError) as exc:
+        log.warning("pool worker left at its priority: %r", exc)
 
 
 class Batch:

@@ -1,0 +1,78 @@
+"""The pool's workers at a lower CPU priority when KVWAKE_POOL_NICE asks (a knob for measuring, off by default)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvwake.daemon.kv.pool import Pool, niceness
+from tests.daemon import Daemon
+from tests.tinymodel import make_model_dir
+
+linux = pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+
+
+def own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@linux
+def test_workers_run_nice_levels_below_their_maker_only_when_asked():
+    mine = own_nice()
+    for nice, expected in ((0, mine), (5, min(19, mine + 5))):
+        pool = Pool(workers=2, nice=nice)
+        try:
+            batch = pool.batch()
+            futures = [batch.submit(1, own_nice) for _ in range(4)]
+            batch.join()
+            assert {f.result() for f in futures} == {expected}, nice
+        finally:
+            pool.close()
+    assert own_nice() == mine  # the caller's own priority is left alone
+
+
+def test_the_knob_reads_whole_levels_and_refuses_the_rest_with_a_warning(monkeypatch, caplog):
+    for raw, levels in (("", 0), ("0", 0), ("7", 7), ("40", 19), ("-3", 0)):
+        monkeypatch.setenv("KVWAKE_POOL_NICE", raw)
+        assert niceness() == levels, raw
+    monkeypatch.setenv("KVWAKE_POOL_NICE", "low")
+    caplog.clear()
+    assert niceness() == 0
+    assert "KVWAKE_POOL_NICE='low'" in caplog.text
+    monkeypatch.delenv("KVWAKE_POOL_NICE")
+    assert niceness() == 0
+
+
+def threads_nice(pid: int) -> list[int]:
+    """Every thread of the process and its nice value, from /proc (Python 3.11 does not give the OS its
+    threads' names, so the pool's are told apart by their nice value alone)."""
+    return [int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])  # stat's 19th field: nice
+            for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
+@linux
+def test_a_daemon_asked_runs_its_pool_workers_nicer_and_one_not_asked_does_not(tmp_path):
+    model = make_model_dir(tmp_path / "tiny")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for env, nice in (({}, 0), ({"KVWAKE_POOL_NICE": "6"}, 6)):
+        root = tmp_path / f"nice{nice}"
+        root.mkdir()
+        d = Daemon(root, model, env=env).start()
+        try:
+            with d.client() as c:  # a sleep and a wake put the pool's workers to work
+                c.call("session.create", session_id="s")
+                c.call("session.append", session_id="s", text="the pool's workers encode this " * 20)
+                c.call("session.sleep", session_id="s")
+                c.call("session.wake", session_id="s")
+            seen = threads_nice(d.proc.pid)
+        finally:
+            assert d.stop() == 0
+        nicer = [n for n in seen if n != base]
+        if nice:  # the pool's workers, started by the sleep, and no other thread
+            assert set(nicer) == {min(19, base + nice)} and 1 <= len(nicer) <= os.cpu_count(), seen
+        else:
+            assert nicer == [], seen
