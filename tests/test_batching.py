@@ -176,17 +176,30 @@ def test_sampling_rows_keep_one_key_array_while_the_batch_keeps_its_rows_and_dra
     assert rows[1]._carried is None
 
 
-def test_sampling_rows_that_come_and_go_each_draw_what_they_draw_alone(engine):
-    """Rows leave at different steps and one joins late: the batch's keys are stacked again whenever its rows
-    change, and each seeded call's tokens are still the ones it samples alone."""
-    params = [GenerateParams(max_tokens=m, temperature=t, seed=40 + i)
-              for i, (m, t) in enumerate(((5, 1.0), (12, 0.7), (8, 1.3), (12, 0.0)))]
-    alone = [solo_tokens(engine, f"come-alone{i}", PROMPTS[i], p) for i, p in enumerate(params)]
+def test_sampling_rows_that_come_and_go_each_draw_what_they_draw_alone(engine, monkeypatch):
+    """Six seeded rows in a batch of eight slots: one joins a dead slot while the others stay at their rows
+    (the batch's size unchanged, so only the joiner's own key tells the keys must be stacked again), one
+    leaves, another takes its slot. Each call's tokens are the ones it samples alone, and the keys were both
+    carried over and stacked again on the way (review of e56bfcd: a check of the first keyed row alone
+    passed the earlier test)."""
+    seen = {"carried": 0, "stacked": 0}
+    carried_keys = RowsSampler._carried_keys
+
+    def counted(self, keyed):
+        keys = carried_keys(self, keyed)
+        seen["carried" if keys is not None else "stacked"] += 1
+        return keys
+    monkeypatch.setattr(RowsSampler, "_carried_keys", counted)
+    spec = [(30, 1.0), (5, 0.8), (30, 1.2), (30, 0.9), (30, 1.1), (30, 0.6), (20, 1.0), (15, 1.4)]
+    params = [GenerateParams(max_tokens=m, temperature=t, seed=70 + i) for i, (m, t) in enumerate(spec)]
+    texts = [PROMPTS[i % 4] + str(i) for i in range(len(spec))]
+    alone = [solo_tokens(engine, f"come-alone{i}", text, p) for i, (text, p) in enumerate(zip(texts, params))]
     before = engine.decoder.counters["rows_sampled_together"]
-    calls = [engine.start_call(session(engine, f"come{i}", PROMPTS[i]), p) for i, p in enumerate(params)]
-    run_together(engine, calls, join_at={3: 3})
+    calls = [engine.start_call(session(engine, f"come{i}", text), p) for i, (text, p) in enumerate(zip(texts, params))]
+    run_together(engine, calls, join_at={6: 3, 7: 7})
     assert engine.decoder.counters["rows_sampled_together"] > before
     assert [c.future.result().tokens for c in calls] == alone
+    assert seen["carried"] > 0 and seen["stacked"] >= 3, seen  # the first step, each join
 
 
 def test_no_more_than_max_batch_calls_decode_at_once_and_the_rest_wait_their_turn(engine, tmp_path, model_dir):

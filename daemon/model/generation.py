@@ -170,7 +170,7 @@ class RowsSampler:
 
     While the batch keeps its rows, the keys stay one array from step to step (each row's key is read
     out of it only when its call needs it alone), and the rows' temperatures are made once: a step
-    then adds no operation per row (at 16 rows, 48 of a tiny model's 457; bench/step_graph.py)."""
+    then adds no operation per row (at 16 rows, 49 of a tiny model's 457; bench/step_graph.py)."""
 
     def __init__(self, samplers: list[Callable[[mx.array], mx.array]]) -> None:
         self.samplers = samplers
@@ -189,9 +189,8 @@ class RowsSampler:
         pairs = _split_rows(keys)
         width = logprobs.shape[-1]
         noise = mx.vmap(lambda key: mx.random.gumbel(shape=(1, width), key=key))(pairs[:, 1]).reshape(-1, width)
-        scale, mask = _row_constants(tuple(s.temperature if k else None for s, k in zip(self.samplers, keyed)),
-                                     logprobs.dtype)
-        scaled = logprobs * scale + noise
+        scale, mask = _row_constants(tuple(s.temperature if k else None for s, k in zip(self.samplers, keyed)))
+        scaled = logprobs * scale.astype(logprobs.dtype) + noise
         carried = pairs[:, 0]
         for i, (s, k) in enumerate(zip(self.samplers, keyed)):
             if k:
@@ -214,11 +213,12 @@ _split_rows = mx.vmap(mx.random.split)  # a key per row -> (new key, draw) per r
 
 
 @functools.lru_cache(maxsize=64)
-def _row_constants(temperatures: tuple[float | None, ...], dtype: Any) -> tuple[mx.array, mx.array]:
-    """Per row (None: greedy): the logits' scale, 1 / temperature, as a column; and which rows sample."""
-    scale = mx.array([1.0 / t if t is not None else 1.0 for t in temperatures]).astype(dtype)[:, None]
-    mask = mx.array([t is not None for t in temperatures])[:, None]
-    mx.eval(scale, mask)
+def _row_constants(temperatures: tuple[float | None, ...]) -> tuple[mx.array, mx.array]:
+    """Per row (None: greedy): the logits' scale, 1 / temperature, as a float32 column; and which rows sample.
+    Made from lists, no operation to evaluate: an eval here, inside the step, would wait for the step
+    before (review of e56bfcd)."""
+    scale = mx.array([[1.0 / t if t is not None else 1.0] for t in temperatures], dtype=mx.float32)
+    mask = mx.array([[t is not None] for t in temperatures])
     return scale, mask
 
 
