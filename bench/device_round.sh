@@ -32,10 +32,10 @@
 #   bash bench/device_round.sh poolnice   bench/persist.py at 16k tokens with the pool's workers at the daemon's
 #                                         priority and 10 nice levels below (KVWAKE_POOL_NICE), alternating
 #   bash bench/device_round.sh graphs     8 and 16 sessions, kvwake and BatchGenerator (in process), under MLX's CUDA-graph
-#                                         knobs: MLX_MAX_OPS_PER_BUFFER (20 nodes a graph) and MLX_CUDA_GRAPH_CACHE_SIZE
-#                                         (100 graphs kept, all cleared past that), default against larger
-#   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 100 (MLX's default) and
-#                                         2000, alternating: are the long decode steps the cache cleared whole?
+#                                         knobs: MLX_MAX_OPS_PER_BUFFER (20 nodes a graph), MLX_CUDA_GRAPH_CACHE_SIZE
+#                                         (an LRU of 400 graphs) and MLX_USE_CUDA_GRAPHS=0 (kernels launched one by one)
+#   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 400 (MLX 0.32's default) and
+#                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
@@ -213,10 +213,10 @@ case "$1" in
       done
     done ;;
   graphs)  # MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes (default 20) and
-    model   # keeps MLX_CUDA_GRAPH_CACHE_SIZE of them (100; past that it clears them all): a host-bound step (session
-    for r in 1 2; do  # 21: the GPU busy 39-65%) pays a commit every 20 nodes, and re-instantiates what the cache dropped
+    model   # keeps MLX_CUDA_GRAPH_CACHE_SIZE of them (an LRU of 400 in 0.32): a host-bound step (session 21: the GPU
+    for r in 1 2; do  # busy 39-65%) pays a commit (a graph's update or instantiation, and launch) every 20 nodes
       for cfg in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=100" \
-                 "MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=2000"; do
+                 "MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_USE_CUDA_GRAPHS=0"; do
         [ $SECONDS -gt ${UNTIL_S:-480} ] && break 2
         env $cfg timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 --modes batched \
           --whole "" --prefill 0 --out "$out/graphs-$r-${cfg// /-}" 2>&1 \
@@ -224,10 +224,10 @@ case "$1" in
           | tr '\n' ' ' | sed "s/^/[$cfg] round $r /"; echo
       done
     done ;;
-  graphcache)  # MLX clears its whole cache of CUDA graphs when it passes MLX_CUDA_GRAPH_CACHE_SIZE; the next steps then
-    model       # instantiate every graph again (below Python, as the long decode steps are: session 21's GIL watch)
-    for r in 1 2 3 4; do
-      for size in 100 2000; do
+  graphcache)  # MLX keeps MLX_CUDA_GRAPH_CACHE_SIZE CUDA graphs (an LRU); a prefill's slices (layer ranges, chunk
+    model       # sizes) make new graphs that can evict a decode step's, which then instantiates them again (below
+    for r in 1 2 3 4; do  # Python, as the long decode steps are: session 21's GIL watch)
+      for size in 400 4000; do
         [ $SECONDS -gt ${UNTIL_S:-480} ] && break 2
         MLX_CUDA_GRAPH_CACHE_SIZE=$size KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 100 python3 \
           bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 --modes batched --whole "" --no-batch-generator \
