@@ -214,11 +214,11 @@ case "$1" in
     done ;;
   graphs)  # MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes (default 20) and
     model   # keeps MLX_CUDA_GRAPH_CACHE_SIZE of them (an LRU of 400 in 0.32): a host-bound step (session 21: the GPU
-    for r in 1 2; do  # busy 39-65%) pays a commit (a graph's update or instantiation, and launch) every 20 nodes
+    for r in $(seq ${ROUNDS:-1}); do  # busy 39-65%) pays a commit (a graph's update or instantiation, and launch)
       for cfg in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=100" \
                  "MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=4000" "MLX_USE_CUDA_GRAPHS=0"; do
-        [ $SECONDS -gt ${UNTIL_S:-480} ] && break 2
-        env $cfg timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 --modes batched \
+        [ $SECONDS -gt ${UNTIL_S:-380} ] && break 2
+        env $cfg timeout 200 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 --modes batched \
           --whole "" --prefill 0 --out "$out/graphs-$r-${cfg// /-}" 2>&1 \
           | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gpu_busy_pct": [0-9.]*\|"tokens_per_s": [0-9.]*' \
           | tr '\n' ' ' | sed "s/^/[$cfg] round $r /"; echo
