@@ -415,8 +415,8 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
     busy: dict[int, list[tuple[float | None, float | None]]] = {n: [] for n in sizes}  # GPU busy %: ours, theirs
     for r in range(rounds):
         print(f"at {time.time():.2f}: round {r}, kvwake begins", flush=True)  # windows to lay beside GPU clocks
-        rows = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}") for n in sizes}
-        ours = {n: row["steady_tokens_per_s"] for n, row in rows.items()}
+        our_rows = {n: decode_round(d, n, tokens, tokenizer, f"alt{r}") for n in sizes}
+        ours = {n: row["steady_tokens_per_s"] for n, row in our_rows.items()}
         their_busy: dict[int, float | None] = {}
         print(f"at {time.time():.2f}: round {r}, BatchGenerator begins", flush=True)
         if loaded is not None:
@@ -432,7 +432,7 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
         for n in sizes:
             if ours[n] and theirs[n]:
                 pairs[n].append((ours[n], theirs[n]))
-                busy[n].append((rows[n]["gpu_busy_pct"], their_busy.get(n)))
+                busy[n].append((our_rows[n]["gpu_busy_pct"], their_busy.get(n)))
             print(f"round {r}, {n} sessions: kvwake {ours[n]} tok/s, BatchGenerator "
                   f"{theirs[n] and round(theirs[n], 1)}", flush=True)
     rows = []

@@ -26,6 +26,7 @@ sys.path.append(str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 from batching import bench_model, prompts, save  # noqa: E402
 
 from kvwake.daemon.model.engine import Engine  # noqa: E402
@@ -51,7 +52,7 @@ class Spy:
     def _wrap(self, real: Any) -> Any:
         def spy(*args: Any, **kwargs: Any) -> Any:
             if self.on:
-                arrays = [a for a in _flat(args) if isinstance(a, mx.array)]
+                arrays = [a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]
                 if arrays:
                     self.calls += 1
                     path = self.work / f"step-{self.calls}.dot"
@@ -70,14 +71,6 @@ class Spy:
     def report(self) -> dict[str, Any]:
         return {"operations": sum(self.kinds.values()), "eval_calls": self.calls,
                 "by_kind": dict(self.kinds.most_common())}
-
-
-def _flat(x: Any) -> list[Any]:
-    if isinstance(x, (list, tuple)):
-        return [y for item in x for y in _flat(item)]
-    if isinstance(x, dict):
-        return [y for item in x.values() for y in _flat(item)]
-    return [x]
 
 
 def kvwake_step(work: Path, model: Path, n: int, temperature: float) -> dict[str, Any]:
