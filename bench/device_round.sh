@@ -34,6 +34,10 @@
 #   bash bench/device_round.sh graphs     8 and 16 sessions, kvwake and BatchGenerator (in process), under MLX's CUDA-graph
 #                                         knobs: MLX_MAX_OPS_PER_BUFFER (20 nodes a graph), MLX_CUDA_GRAPH_CACHE_SIZE
 #                                         (an LRU of 400 graphs) and MLX_USE_CUDA_GRAPHS=0 (kernels launched one by one)
+#   bash bench/device_round.sh nographs   kvwake and BatchGenerator (in process) with MLX_USE_CUDA_GRAPHS 1 and 0, alternating
+#                                         (SESSIONS=1,4: a lone session's and 4 sessions' steps)
+#   bash bench/device_round.sh nographsprefill  the prefill row with MLX_USE_CUDA_GRAPHS 1 and 0, alternating
+#   bash bench/device_round.sh daemongap  graphs off: the decoder in process (3 ways) against BatchGenerator, then the daemon
 #   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 400 (MLX 0.32's default) and
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
@@ -224,6 +228,38 @@ case "$1" in
           | tr '\n' ' ' | sed "s/^/[$cfg] round $r /"; echo
       done
     done ;;
+  nographs)  # kvwake and BatchGenerator (in process) with MLX's CUDA graphs on (default) and off, alternating
+    model      # (session 22: graphs off gave 1320 against 696 steady tok/s at 16 sessions, one round)
+    for r in 1 2 3; do
+      for g in 1 0; do
+        [ $SECONDS -gt ${UNTIL_S:-420} ] && break 2
+        MLX_USE_CUDA_GRAPHS=$g timeout 170 python3 bench/batching.py --model /tmp/m8b --sessions ${SESSIONS:-8,16} \
+          --tokens 256 --modes batched --whole "" --prefill 0 --out "$out/nographs-$g-$r" >"$out/nographs-$g-$r.txt" 2>&1
+        grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gpu_busy_pct": [0-9.]*\|"tokens_per_s": [0-9.]*\|"gap_p50_ms": [0-9.]*\|"gap_p99_ms": [0-9.]*' \
+          "$out/nographs-$g-$r.txt" | tr '\n' ' ' | sed "s/^/graphs=$g round $r /"; echo
+      done
+    done ;;
+  nographsprefill)  # the prefill row (a talker beside another session's 8k prefill) with MLX's CUDA graphs on and
+    model             # off, alternating: the talker's p99 over its median, and the prefill's own time
+    for r in 1 2; do
+      for g in 1 0; do
+        [ $SECONDS -gt ${UNTIL_S:-300} ] && break 2
+        MLX_USE_CUDA_GRAPHS=$g timeout 140 python3 bench/batching.py --model /tmp/m8b --sessions 1 --tokens 64 \
+          --modes batched --whole "" --no-batch-generator --out "$out/nographsprefill-$g-$r" 2>&1 \
+          | grep -o '"p99_during_over_p50_alone": [0-9.]*\|"prefill_s": [0-9.]*\|"prefill_alone_s": [0-9.]*' \
+          | tr '\n' ' ' | sed "s/^/graphs=$g round $r /"; echo
+      done
+    done ;;
+  daemongap)  # with CUDA graphs off (the daemon's default since session 22) BatchGenerator in process kept the GPU
+    model       # 83-91% busy and kvwake's daemon 56-74%, the same mlx-lm step (batch_next 12-15 ms a step of 14 ms):
+                # is it the daemon's process? The decoder in process (main thread, the daemon's MLX limits, an
+                # EngineThread) against BatchGenerator, then the daemon over RPC, in one call on one machine
+    MLX_USE_CUDA_GRAPHS=0 timeout 330 python3 bench/step_profile.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+      --rounds 3 --limits-ab --engine-thread --out "$out/daemongap" 2>&1 | grep "^{'sessions'" | cut -c1-400
+    MLX_USE_CUDA_GRAPHS=0 timeout 200 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+      --modes batched --whole "" --prefill 0 --out "$out/daemongap" 2>&1 \
+      | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gpu_busy_pct": [0-9.]*\|"tokens_per_s": [0-9.]*\|"batch_next": [0-9.]*' \
+      | tr '\n' ' '; echo ;;
   graphcache)  # MLX keeps MLX_CUDA_GRAPH_CACHE_SIZE CUDA graphs (an LRU); a prefill's slices (layer ranges, chunk
     model       # sizes) make new graphs that can evict a decode step's, which then instantiates them again (below
     for r in 1 2 3 4; do  # Python, as the long decode steps are: session 21's GIL watch)

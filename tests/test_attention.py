@@ -262,6 +262,21 @@ def test_the_daemon_lets_mlx_keep_many_attention_graphs():
     assert (unset.stdout.strip(), given.stdout.strip()) == (str(attention.SDPA_GRAPHS), "77")
 
 
+
+def test_the_daemon_turns_mlx_cuda_graphs_off_unless_the_user_set_them():
+    """MLX on CUDA reads MLX_USE_CUDA_GRAPHS once, at its first commit; importing the engine sets it off (the
+    decode's long gaps, docs/benchmarks.md "Session 22") unless the user chose (a fresh process each)."""
+    import os
+    import subprocess
+    import sys
+
+    show = "import os, kvwake.daemon.model.engine; print(os.environ['MLX_USE_CUDA_GRAPHS'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
+    unset = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    given = subprocess.run([sys.executable, "-c", show], env={**env, "MLX_USE_CUDA_GRAPHS": "1"},
+                           capture_output=True, text=True, check=True)
+    assert (unset.stdout.strip(), given.stdout.strip()) == ("0", "1")
+
 @pytest.fixture
 def coarse_capacity(monkeypatch):
     """kv/capacity.py's CUDA growth, coarse (geometric) from 64 tokens on: bucketed attention's ground."""

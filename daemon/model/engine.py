@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,15 @@ __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
+# MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes and keeps an LRU of
+# them (0.32: 400); each commit looks its topology up, then updates or instantiates a graph and launches it.
+# With MLX_USE_CUDA_GRAPHS=0 it launches the kernels one by one. On the H100 (8B shape, session 22,
+# alternating rounds on one machine) graphs off cut the batched decode's p99 gap between tokens at 8 rows
+# from 28.6-31.4 ms to 22.0-23.9 ms and at 16 rows from 34.6-41.0 to 23.0-28.1 ms, tokens/s unchanged
+# within the rounds' spread and an 8k prefill no slower (docs/benchmarks.md, "Session 22"). So the daemon
+# turns them off unless the user set the variable. MLX reads it once, at its first CUDA commit: set at import.
+CUDA_GRAPHS = "0"
+os.environ.setdefault("MLX_USE_CUDA_GRAPHS", CUDA_GRAPHS)
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
