@@ -277,6 +277,24 @@ def test_the_daemon_turns_mlx_cuda_graphs_off_unless_the_user_set_them():
                            capture_output=True, text=True, check=True)
     assert (unset.stdout.strip(), given.stdout.strip()) == ("0", "1")
 
+
+def test_status_says_whether_mlx_records_cuda_graphs_as_mlx_reads_the_variable(monkeypatch):
+    """MLX parses MLX_USE_CUDA_GRAPHS with C's atoi; off CUDA there is nothing to say (None)."""
+    from kvwake.daemon.model import attention, engine
+
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    seen = {}
+    for value in ("0", "1", " 2", "-1", "false", "", "0x1", None):
+        if value is None:
+            monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", value)
+        seen[value] = engine.cuda_graphs()
+    assert seen == {"0": False, "1": True, " 2": True, "-1": True, "false": False, "": False, "0x1": False,
+                    None: True}
+    monkeypatch.setattr(attention, "on_cuda", lambda: False)
+    assert engine.cuda_graphs() is None
+
 @pytest.fixture
 def coarse_capacity(monkeypatch):
     """kv/capacity.py's CUDA growth, coarse (geometric) from 64 tokens on: bucketed attention's ground."""
