@@ -1,6 +1,7 @@
 #!/bin/bash
 # Sessions 15-16's device measurements for issues 23 and 24, in parts that each fit one call (600 s).
-# From the repository root after ../shared/gpu's setup.sh, with /tmp/stage/env.sh sourced:
+# From the repository root after ../shared/gpu's setup.sh, with /tmp/stage/env.sh sourced (bench/device_go.sh does
+# both, checks the test clients' wheels, then runs parts in order: `bash bench/device_go.sh suite graphs`):
 #   bash bench/device_round.sh suite      the GPU suite (bench/device_suite.sh), the 8B model made meanwhile
 #   bash bench/device_round.sh persist    bench/persist.py at 32k tokens: this tree, then .gpu/old's (a git
 #                                         archive of the tree before) if present: before and after, one machine
@@ -32,7 +33,7 @@
 #   bash bench/device_round.sh poolnice   bench/persist.py at 16k tokens with the pool's workers at the daemon's
 #                                         priority and 10 nice levels below (KVWAKE_POOL_NICE), alternating
 #   bash bench/device_round.sh graphs     8 and 16 sessions, kvwake and BatchGenerator (in process), under MLX's CUDA-graph
-#                                         knobs: MLX_MAX_OPS_PER_BUFFER (20 nodes a graph), MLX_CUDA_GRAPH_CACHE_SIZE
+#                                         knobs: MLX_MAX_OPS_PER_BUFFER (100 nodes a graph on the H100), MLX_CUDA_GRAPH_CACHE_SIZE
 #                                         (an LRU of 400 graphs) and MLX_USE_CUDA_GRAPHS=0 (kernels launched one by one)
 #   bash bench/device_round.sh nographs   kvwake and BatchGenerator (in process) with MLX_USE_CUDA_GRAPHS 1 and 0, alternating
 #                                         (SESSIONS=1,4: a lone session's and 4 sessions' steps)
@@ -216,7 +217,7 @@ case "$1" in
           --out "$out/persist-nice$nice-$r" 2>&1 | tail -2 | sed "s/^/nice=$nice round $r /"
       done
     done ;;
-  graphs)  # MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes (default 20) and
+  graphs)  # MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes (H100: 100; 20 below) and
     model   # keeps MLX_CUDA_GRAPH_CACHE_SIZE of them (an LRU of 400 in 0.32): a host-bound step (session 21: the GPU
     for r in $(seq ${ROUNDS:-1}); do  # busy 39-65%) pays a commit (a graph's update or instantiation, and launch)
       for cfg in "MLX_MAX_OPS_PER_BUFFER=20" "MLX_MAX_OPS_PER_BUFFER=100" \
@@ -229,7 +230,7 @@ case "$1" in
       done
     done ;;
   nographs)  # kvwake and BatchGenerator (in process) with MLX's CUDA graphs on (default) and off, alternating
-    model      # (session 22: graphs off gave 1320 against 696 steady tok/s at 16 sessions, one round)
+    model      # (session 22: p99 gaps shorter off, 16 rows' tok/s 7-8% lower off, in two pairs)
     for r in 1 2 3; do
       for g in 1 0; do
         [ $SECONDS -gt ${UNTIL_S:-420} ] && break 2
@@ -250,13 +251,13 @@ case "$1" in
           | tr '\n' ' ' | sed "s/^/graphs=$g round $r /"; echo
       done
     done ;;
-  daemongap)  # with CUDA graphs off (the daemon's default since session 22) BatchGenerator in process kept the GPU
+  daemongap)  # with CUDA graphs off (session 22) BatchGenerator in process kept the GPU
     model       # 83-91% busy and kvwake's daemon 56-74%, the same mlx-lm step (batch_next 12-15 ms a step of 14 ms):
                 # is it the daemon's process? The decoder in process (main thread, the daemon's MLX limits, an
                 # EngineThread) against BatchGenerator, then the daemon over RPC, in one call on one machine
-    MLX_USE_CUDA_GRAPHS=0 timeout 330 python3 bench/step_profile.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
-      --rounds 3 --limits-ab --engine-thread --out "$out/daemongap" 2>&1 | grep "^{'sessions'" | cut -c1-400
-    MLX_USE_CUDA_GRAPHS=0 timeout 200 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+    MLX_USE_CUDA_GRAPHS=0 timeout 300 python3 bench/step_profile.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
+      --rounds 2 --limits-ab --engine-thread --out "$out/daemongap" 2>&1 | grep "^{'sessions'" | cut -c1-400
+    MLX_USE_CUDA_GRAPHS=0 timeout 180 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
       --modes batched --whole "" --prefill 0 --out "$out/daemongap" 2>&1 \
       | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gpu_busy_pct": [0-9.]*\|"tokens_per_s": [0-9.]*\|"batch_next": [0-9.]*' \
       | tr '\n' ' '; echo ;;

@@ -48,7 +48,10 @@ def machine() -> dict[str, Any]:
     import mlx.core as mx
 
     return {"system": platform.system(), "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
-            "mlx_device": str(mx.default_device()), "python": platform.python_version()}
+            "mlx_device": str(mx.default_device()), "python": platform.python_version(),
+            # MLX's CUDA-graph settings as this process (and the daemons it starts) got them; unset: MLX's default
+            **{name.lower(): os.environ.get(name) for name in ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER",
+                                                                "MLX_CUDA_GRAPH_CACHE_SIZE")}}
 
 
 def rss_bytes() -> int:

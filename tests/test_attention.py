@@ -262,25 +262,9 @@ def test_the_daemon_lets_mlx_keep_many_attention_graphs():
     assert (unset.stdout.strip(), given.stdout.strip()) == (str(attention.SDPA_GRAPHS), "77")
 
 
-
-def test_the_daemon_turns_mlx_cuda_graphs_off_unless_the_user_set_them():
-    """MLX on CUDA reads MLX_USE_CUDA_GRAPHS once, at its first commit; importing the engine sets it off (the
-    decode's long gaps, docs/benchmarks.md "Session 22") unless the user chose (a fresh process each)."""
-    import os
-    import subprocess
-    import sys
-
-    show = "import os, kvwake.daemon.model.engine; print(os.environ['MLX_USE_CUDA_GRAPHS'])"
-    env = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
-    unset = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
-    given = subprocess.run([sys.executable, "-c", show], env={**env, "MLX_USE_CUDA_GRAPHS": "1"},
-                           capture_output=True, text=True, check=True)
-    assert (unset.stdout.strip(), given.stdout.strip()) == ("0", "1")
-
-
 def test_status_says_whether_mlx_records_cuda_graphs_as_mlx_reads_the_variable(monkeypatch):
     """MLX parses MLX_USE_CUDA_GRAPHS with C's atoi; off CUDA there is nothing to say (None)."""
-    from kvwake.daemon.model import attention, engine
+    from kvwake.daemon.model import attention
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
     seen = {}
@@ -289,11 +273,12 @@ def test_status_says_whether_mlx_records_cuda_graphs_as_mlx_reads_the_variable(m
             monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
         else:
             monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", value)
-        seen[value] = engine.cuda_graphs()
+        seen[value] = attention.cuda_graphs()
     assert seen == {"0": False, "1": True, " 2": True, "-1": True, "false": False, "": False, "0x1": False,
                     None: True}
     monkeypatch.setattr(attention, "on_cuda", lambda: False)
-    assert engine.cuda_graphs() is None
+    assert attention.cuda_graphs() is None
+
 
 @pytest.fixture
 def coarse_capacity(monkeypatch):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvwake.daemon.model import engine
+from kvwake.daemon.model import attention
 from tests.daemon import Daemon, RawClient
 from tests.tinymodel import make_model_dir
 
@@ -66,7 +66,7 @@ def test_concurrent_calls_decode_together_and_give_what_each_gives_alone(tmp_pat
             with d.client() as c:
                 gen = c.call("status")["generation"]
             assert gen["mode"] == mode and gen["running"] == 0
-            assert gen["cuda_graphs"] is engine.cuda_graphs()  # as this process sees it (None off CUDA)
+            assert gen["cuda_graphs"] is attention.cuda_graphs()  # as this process sees it (None off CUDA)
             if mode == "batched":  # four calls shared forward passes
                 assert gen["max_batch_seen"] >= 2 and gen["decode_tokens"] > 1.5 * gen["decode_steps"]
             else:

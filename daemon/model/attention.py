@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +43,7 @@ from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 
-__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "decode_warm_capacities",
+__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities",
            "plain_warm_shapes", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "query_bucket", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
 
@@ -86,6 +87,19 @@ def bucket_wanted() -> bool:
 def on_cuda() -> bool:
     """MLX runs on CUDA here (where it builds kernels and attention graphs per shape)."""
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def cuda_graphs() -> bool | None:
+    """Whether MLX records CUDA graphs in this process (`MLX_USE_CUDA_GRAPHS`, read as MLX reads it: C's atoi, so
+    "0", "false" or "" is off, unset is on); None where MLX does not run on CUDA. The daemon leaves MLX's
+    default (docs/decisions.md, "MLX's CUDA graphs"); `status().generation.cuda_graphs` says which it runs."""
+    if not on_cuda():
+        return None
+    value = os.environ.get("MLX_USE_CUDA_GRAPHS")
+    if value is None:
+        return True
+    number = re.match(r"\s*([+-]?[0-9]+)", value, re.ASCII)
+    return number is not None and int(number.group(1)) != 0
 
 
 def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:

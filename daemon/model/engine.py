@@ -21,8 +21,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
-import re
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -52,33 +50,12 @@ from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["CONTENT_FORMAT", "CUDA_GRAPHS", "Engine", "Plan", "Shared", "ShouldStop", "cuda_graphs", "resolve_model"]
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_model"]
 
 # What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
-# MLX on CUDA records a step's kernels into CUDA graphs of MLX_MAX_OPS_PER_BUFFER nodes and keeps an LRU of
-# them (0.32: 400); each commit looks its topology up, then updates or instantiates a graph and launches it.
-# With MLX_USE_CUDA_GRAPHS=0 it launches the kernels one by one. On the H100 (8B shape, session 22,
-# alternating rounds on one machine) graphs off cut the batched decode's p99 gap between tokens at 8 rows
-# from 28.6-31.4 ms to 22.0-23.9 ms and at 16 rows from 34.6-41.0 to 23.0-28.1 ms, tokens/s unchanged
-# within the rounds' spread and an 8k prefill no slower (docs/benchmarks.md, "Session 22"). So the daemon
-# turns them off unless the user set the variable. MLX reads it once, at its first CUDA commit: set at import.
-CUDA_GRAPHS = "0"
-os.environ.setdefault("MLX_USE_CUDA_GRAPHS", CUDA_GRAPHS)
-
-
-def cuda_graphs() -> bool | None:
-    """Whether MLX records CUDA graphs in this process, read as MLX reads the variable (C's atoi: "0", "false"
-    or "" is off, unset is on); None where MLX does not run on CUDA. `status().generation.cuda_graphs`."""
-    if not attention.on_cuda():
-        return None
-    value = os.environ.get("MLX_USE_CUDA_GRAPHS")
-    if value is None:
-        return True
-    number = re.match(r"\s*([+-]?\d+)", value)
-    return number is not None and int(number.group(1)) != 0
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
@@ -166,7 +143,7 @@ class Engine:
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name)
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
-        self.cuda_graphs = cuda_graphs()  # fixed for the process: MLX reads the variable once
+        self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
