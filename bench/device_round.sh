@@ -39,6 +39,7 @@
 #                                         (SESSIONS=1,4: a lone session's and 4 sessions' steps)
 #   bash bench/device_round.sh nographsprefill  the prefill row with MLX_USE_CUDA_GRAPHS 1 and 0, alternating
 #   bash bench/device_round.sh daemongap  graphs off: the decoder in process (3 ways) against BatchGenerator, then the daemon
+#   bash bench/device_round.sh longsolo   a lone decode over 20k tokens (cuDNN attention), CUDA graphs on and off, alternating
 #   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 400 (MLX 0.32's default) and
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
@@ -261,6 +262,15 @@ case "$1" in
       --modes batched --whole "" --prefill 0 --out "$out/daemongap" 2>&1 \
       | grep -o '"sessions": [0-9]*\|"steady_tokens_per_s": [0-9.]*\|"gpu_busy_pct": [0-9.]*\|"tokens_per_s": [0-9.]*\|"batch_next": [0-9.]*' \
       | tr '\n' ' '; echo ;;
+  longsolo)  # a lone session decoding over 20k tokens (its buffer past kv/capacity.py's CUDNN_MIN: cuDNN attention,
+    model     # which with graphs off instantiates a CUDA graph per call, per layer) with MLX's CUDA graphs on and off,
+    for r in 1 2; do  # alternating: kvwake's Solo steps and mlx-lm's generate_step (bench/step_spikes.py)
+      for g in 1 0; do
+        [ $SECONDS -gt ${UNTIL_S:-420} ] && break 2
+        MLX_USE_CUDA_GRAPHS=$g timeout 150 python3 bench/step_spikes.py --model /tmp/m8b --prompt 20000 --tokens 300 \
+          --rounds 1 --json "$out/longsolo-$g-$r.json" 2>&1 | tail -1 | sed "s/^/graphs=$g round $r /"
+      done
+    done ;;
   graphcache)  # MLX keeps MLX_CUDA_GRAPH_CACHE_SIZE CUDA graphs (an LRU); a prefill's slices (layer ranges, chunk
     model       # sizes) make new graphs that can evict a decode step's, which then instantiates them again (below
     for r in 1 2 3 4; do  # Python, as the long decode steps are: session 21's GIL watch)
