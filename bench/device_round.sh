@@ -253,7 +253,7 @@ case "$1" in
       done
     done ;;
   daemongap)  # with CUDA graphs off (session 22) BatchGenerator in process kept the GPU
-    model       # 83-91% busy and kvwake's daemon 56-74%, the same mlx-lm step (batch_next 12-15 ms a step of 14 ms):
+    model       # 83-89% busy at 8 rows and kvwake's daemon 56%, the same mlx-lm step (batch_next 14-15 ms a step of 15 ms):
                 # is it the daemon's process? The decoder in process (main thread, the daemon's MLX limits, an
                 # EngineThread) against BatchGenerator, then the daemon over RPC, in one call on one machine
     MLX_USE_CUDA_GRAPHS=0 timeout 300 python3 bench/step_profile.py --model /tmp/m8b --sessions 8,16 --tokens 256 \
