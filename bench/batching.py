@@ -197,7 +197,14 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     total = sum(len(s.result.get("tokens", [])) for s in streams)
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
+    # the admission's share of the wall time: each call's first piece after its send, and the last first piece
+    # after the first send (all N decoding from then on: what the steady rate counts)
+    firsts = [(s.pieces[0][0] - s.started) * 1000 for s in streams if s.pieces]
+    all_in = (max(s.pieces[0][0] for s in streams if s.pieces) - min(s.started for s in streams)) * 1000 \
+        if firsts else None
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
+            "first_token_ms": {"p50": pct(firsts, 0.5), "max": pct(firsts, 1.0),
+                               "all_decoding_after": round(all_in, 1) if all_in is not None else None},
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
             "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps), "engine_step_gap_ms": engine_gaps,
             "status_every_s": WATCH_S, "gpu_busy_pct": busy.pct,

@@ -3,6 +3,7 @@ match the same calls decoded alone, and hand back plain caches that sleep and wa
 
 from __future__ import annotations
 
+import threading
 import time
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams, RowsSampler, make_sampler
 from kvwake.daemon.session import Session
+from kvwake.errors import CancelledError
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 from tests.capabilities import require_quantized_kv
@@ -255,6 +257,56 @@ def test_the_engine_thread_says_where_its_time_went_and_names_the_slow_jobs(engi
         assert 0 < spent["batch_next_s"] <= timing["step_s"] and 0 < spent["batch_outputs_s"] <= timing["step_s"]
     finally:
         thread.stop()
+
+
+def test_calls_that_come_together_join_in_one_merge_through_quick_jobs_not_one_a_step(engine):
+    """16 calls arriving at once used to join over 16 steps (one job a step); quick jobs run together."""
+    thread = EngineThread()
+    try:
+        thread.attach(engine.decoder)
+        busy = thread.submit(lambda: engine.start_call(session(engine, "busy", PROMPTS[0]),
+                                                       GenerateParams(max_tokens=200))).result()
+        calls = thread.submit(lambda: [engine.start_call(session(engine, f"q{i}", PROMPTS[i % 4]),
+                                                         GenerateParams(max_tokens=12)) for i in range(6)]).result()
+        thread.submit(lambda: engine.decoder.join(busy)).result()
+        merges = engine.decoder.counters["merges"]
+        gate, running = threading.Event(), threading.Event()
+        blocked = thread.submit(lambda: (running.set(), gate.wait()))  # the thread is busy while the calls come
+        assert running.wait(30)
+        seen: list[int] = []
+
+        def join(call) -> None:
+            seen.append(engine.decoder.counters["decode_steps"])
+            engine.decoder.join(call)
+
+        joins = [thread.submit(lambda c=c: join(c), quick=True) for c in calls]
+        late = thread.submit(lambda: engine.decoder.counters["decode_steps"])  # a plain job, queued after them
+        gate.set()
+        blocked.result(timeout=30)
+        for j in joins:
+            j.result(timeout=30)
+        assert len(set(seen)) == 1, f"the quick joins ran at steps {seen}"
+        assert late.result(timeout=30) >= seen[0]
+        assert all(len(c.future.result(timeout=60).tokens) == 12 for c in calls)
+        assert engine.decoder.counters["merges"] == merges + 1  # the lone call and the six, in one merge
+        assert engine.decoder.counters["max_batch_seen"] == 7
+        busy.future.result(timeout=120)
+    finally:
+        thread.stop()
+
+
+def test_a_quick_job_queued_at_a_stop_fails_with_cancelled_error_not_a_hang(engine):
+    thread = EngineThread()
+    gate, running = threading.Event(), threading.Event()
+    blocked = thread.submit(lambda: (running.set(), gate.wait()))
+    assert running.wait(30)
+    thread._jobs.put(None)  # the stop, queued while the thread is busy
+    quick = thread.submit(lambda: "ran", quick=True)
+    gate.set()
+    blocked.result(timeout=30)
+    with pytest.raises(CancelledError):
+        quick.result(timeout=30)
+    thread.stop()
 
 
 def test_idle_jobs_run_when_nothing_waits_one_at_a_time_and_never_while_a_call_decodes(engine, caplog):

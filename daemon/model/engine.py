@@ -540,7 +540,8 @@ class Engine:
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
             self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx, should_stop)
-        mlx(lambda: self._ensure_pending(session))
+        if not session.pending:  # rare (every token in the cache): no engine-thread job otherwise
+            mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
         self.prefill(session, len(session.tokens) - 1, mlx, should_stop)
         return Call(session, session.tokens[-1], output, prompt_tokens, constraint=constraint)

@@ -9,7 +9,10 @@ While generate calls are decoding, the thread alternates: one job, then one
 decode step for every running call (the attached `Decoder`). So a session's
 8k-token prefill delays other sessions' next tokens by about one slice of a
 chunk (model/prefillslices.py), not by the whole prompt, and a decoding session
-never waits for a sleep or wake.
+never waits for a sleep or wake. A `quick` job (bookkeeping with no MLX work: a
+call joining the decoder) does not wait its turn: every quick job queued runs
+before the next job, so 16 calls that come at once join the batch at one step,
+not over 16.
 
 Output for the event loop (streamed pieces, finished calls) is `post`ed: what a
 job or a decode step posts reaches each loop in one `call_soon_threadsafe`
@@ -75,6 +78,7 @@ class EngineThread:
     def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None) -> None:
         self._on_exit = on_exit
         self._jobs: queue.SimpleQueue[Job | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up, no job
+        self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()  # `quick` jobs: all run before the next job
         self._idle: deque[Callable[[], Any]] = deque()  # `idle` jobs: run only when nothing else waits
         self._decoder: Decoder | None = None
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
@@ -112,6 +116,7 @@ class EngineThread:
             if job is None:
                 break
             start = time.perf_counter()
+            self._run_quick()
             if job:
                 self._do(job)
                 self._spend("job", job[0], start)
@@ -144,16 +149,28 @@ class EngineThread:
         if self._on_exit is not None:
             self._on_exit()
 
+    def _run_quick(self) -> None:
+        """Every quick job queued now (its caller waits for it, so none queues another behind it)."""
+        while True:
+            try:
+                job = self._quick.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            self._do(job)
+            self._spend("job", job[0], start)
+
     def _refuse_left(self) -> None:
         """Fail the jobs queued behind the stop (one a job queued for later, `later`, among them): their
         waiters get CancelledError instead of waiting for ever."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job:
-                job[1].set_exception(CancelledError("the engine stopped before this job ran"))
+        for jobs in (self._quick, self._jobs):
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job:
+                    job[1].set_exception(CancelledError("the engine stopped before this job ran"))
 
     def _spend(self, kind: str, what: str | Callable[..., Any], start: float) -> None:
         """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
@@ -222,9 +239,15 @@ class EngineThread:
             except RuntimeError:  # the loop is closed: nobody is left to tell
                 pass
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def submit(self, fn: Callable[[], T], quick: bool = False) -> Future[T]:
+        """Queue fn; `quick`: it does no MLX work to speak of (microseconds), so it runs before the next
+        job, with every other quick job queued, instead of one job per decode step."""
         future: Future[T] = Future()
-        self._jobs.put((fn, future))
+        if quick:
+            self._quick.put((fn, future))
+            self._jobs.put(())  # a thread blocked on an empty queue looks again
+        else:
+            self._jobs.put((fn, future))
         return future
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -233,13 +256,13 @@ class EngineThread:
             return fn()
         return self.submit(fn).result()
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine thread and await its result from the event loop.
+    async def run(self, fn: Callable[[], T], quick: bool = False) -> T:
+        """Run fn on the engine thread and await its result from the event loop (`quick`: see `submit`).
 
         Cancelling the awaiting task does not interrupt a job already running
         (MLX work cannot be interrupted); a job not yet started is dropped.
         """
-        return await asyncio.wrap_future(self.submit(fn))
+        return await asyncio.wrap_future(self.submit(fn, quick))
 
     def stop(self) -> None:
         self._jobs.put(None)

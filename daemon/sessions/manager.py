@@ -419,7 +419,7 @@ class SessionManager:
         # The result comes through `post`, after the output the same step posted (streamed pieces first).
         ended: asyncio.Future[GenerateResult] = loop.create_future()
         call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
-        await self.thread.run(lambda: engine.decoder.join(call))
+        await self.thread.run(lambda: engine.decoder.join(call), quick=True)  # calls that come together join together
         # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
         # so this wait is not cancelled (a client that leaves stops the call through `stop`).
         with anyio.CancelScope(shield=True):
