@@ -43,6 +43,8 @@
 #   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 400 (MLX 0.32's default) and
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
+#   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
+#                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
 set -uo pipefail
 out=${OUT:-bench/out/device}
@@ -288,6 +290,21 @@ case "$1" in
         --json "$out/managed_reuse-readback-4-$r.json" 2>&1 | grep while | sed "s/^/4MiB readers=$r /"
       timeout 100 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 3 --steps 100 --readers $r \
         --json "$out/managed_reuse-readback-64-$r.json" 2>&1 | grep while | sed "s/^/64MiB readers=$r /"
+    done ;;
+  admit)  # calls sent at once join at one step (quick jobs) or one a step (.gpu/old): this tree and the old, alternating
+    model
+    rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
+    for run in new-1 old-1 new-2 old-2 new-3 old-3; do
+      [ $SECONDS -gt ${UNTIL_S:-400} ] && break
+      path=""; [ "${run%%-*}" = old ] && path=/tmp/old:
+      PYTHONPATH=$path${PYTHONPATH:-} timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 8,16,32 --tokens 128 \
+        --prefill 0 --modes batched --whole "" --no-batch-generator --out "$out/admit-$run" >/dev/null 2>&1
+      python3 - "$run" "$out/admit-$run/batching.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[2]))["decode"]["batched"]:
+    print(sys.argv[1], r["sessions"], "tok/s", r["tokens_per_s"], "steady", r["steady_tokens_per_s"], "first token",
+          r.get("first_token_ms"), "gap p50/p99", r["gap_p50_ms"], r["gap_p99_ms"])
+PY
     done ;;
   server)
     model
