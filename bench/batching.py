@@ -71,24 +71,42 @@ class GpuBusy:
     """The GPU's utilization while a block runs (nvidia-smi, every 100 ms): the share of time a kernel ran.
     Session 21 read 40-65% for kvwake and for BatchGenerator alike at 8 and 16 rows of the 8B shape on the
     H100, its clocks steady: both host-bound, so their tokens/s follow the host's speed. `pct`: the median
-    sample; None without nvidia-smi (here)."""
+    sample; None without nvidia-smi (here). The block starts after nvidia-smi's first sample: its start
+    (the driver's NVML set up) is not inside the measured round, where it came at the calls' first tokens."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
         self.proc: subprocess.Popen | None = None
+        self._timed: list[tuple[float, float]] = []
+        self._first = threading.Event()
+        self._reader: threading.Thread | None = None
+        self._since = 0.0
 
     def __enter__(self) -> "GpuBusy":
         exe = shutil.which("nvidia-smi")
         if exe:
             self.proc = subprocess.Popen([exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
                                           "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+            self._first.wait(5)
+        self._since = time.perf_counter()
         return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip().replace(".", "", 1).isdigit():
+                self._timed.append((time.perf_counter(), float(line)))
+                self._first.set()
 
     def __exit__(self, *exc: Any) -> None:
         if self.proc is not None:
             self.proc.terminate()
-            out, _ = self.proc.communicate()
-            self.samples = [float(x) for x in out.split() if x.replace(".", "", 1).isdigit()]
+            self.proc.wait()
+            if self._reader is not None:
+                self._reader.join(5)
+            self.samples = [v for t, v in self._timed if t >= self._since]
 
     @property
     def pct(self) -> float | None:
@@ -194,6 +212,12 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
         status = c.call("status")
         engine_gaps = status["engine_thread"].get("step_gaps")
+    # the daemon's side of the first tokens: its claim of each session, and from the call's start (prompt in the
+    # cache, the call made) to its first token
+    turns = [t for t in status.get("turns", []) if t["session"] in set(names)]
+    daemon_turns = {"claim_ms_max": pct([t["claim_ms"] for t in turns], 1.0),
+                    "first_token_ms_p50": pct([t["first_token_ms"] for t in turns], 0.5),
+                    "first_token_ms_max": pct([t["first_token_ms"] for t in turns], 1.0)}
     total = sum(len(s.result.get("tokens", [])) for s in streams)
     wall = max(s.ended for s in streams) - min(s.started for s in streams)
     gaps = [g for s in streams for g in s.gaps(tokenizer)]
@@ -205,6 +229,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     return {"sessions": n, "tokens": total, "wall_s": round(wall, 3), "tokens_per_s": round(total / wall, 1),
             "first_token_ms": {"p50": pct(firsts, 0.5), "max": pct(firsts, 1.0),
                                "all_decoding_after": round(all_in, 1) if all_in is not None else None},
+            "daemon_turns": daemon_turns,
             "steady_tokens_per_s": steady_tokens_per_s(streams, tokenizer), "gap_p50_ms": pct(gaps, 0.5),
             "gap_p99_ms": pct(gaps, 0.99), "gap_samples": len(gaps), "engine_step_gap_ms": engine_gaps,
             "status_every_s": WATCH_S, "gpu_busy_pct": busy.pct,
