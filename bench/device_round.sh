@@ -43,6 +43,7 @@
 #   bash bench/device_round.sh graphcache the prefill row's trace at MLX_CUDA_GRAPH_CACHE_SIZE 400 (MLX 0.32's default) and
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
+#   bash bench/device_round.sh turnsatonce  bench/turns_at_once.py: 16 chat turns sent at once beside a decoding talker
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
@@ -303,9 +304,13 @@ case "$1" in
 import json, sys
 for r in json.load(open(sys.argv[2]))["decode"]["batched"]:
     print(sys.argv[1], r["sessions"], "tok/s", r["tokens_per_s"], "steady", r["steady_tokens_per_s"], "first token",
-          r.get("first_token_ms"), "gap p50/p99", r["gap_p50_ms"], r["gap_p99_ms"])
+          r.get("first_token_ms"), r.get("daemon_turns"), "gap p50/p99", r["gap_p50_ms"], r["gap_p99_ms"])
 PY
     done ;;
+  turnsatonce)  # 16 agents send their next chat turn at once beside a decoding talker: first tokens, jobs and steps
+    model
+    timeout 400 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 --out "$out/turnsatonce" 2>&1 \
+      | grep '^{' ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \
