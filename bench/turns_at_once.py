@@ -5,8 +5,9 @@ usage: python bench/turns_at_once.py [--model tiny|default|PATH] [--sessions 16]
 Each of N sessions has a conversation (one chat turn made before). A talker decodes a long reply; then
 all N send their next chat turn (a new user message, about 40 tokens) in one moment, non-streamed,
 `max_tokens` 8. Reported per round: the turns' first tokens as the daemon counts them (`usage.ttft_ms`,
-from the call's arrival: the turn's prefill and its join), p50 and max, the calls' wall time, and the
-engine thread's jobs and decode steps between the round's start and end. While a call decodes the engine
+from the call's arrival: the turn's prefill and its join), p50 and max, the calls' wall time, the
+engine thread's jobs and decode steps between the round's start and end, and the checkpoints committed
+and dropped (`checkpoints_moved`: the session went into the batch before its capture ran). While a call decodes the engine
 runs one job between two steps (model/thread.py), and a turn is several jobs (its cache cut back, its
 prefill chunk queued, computed, its checkpoint): N turns at once are about N x jobs steps.
 Each round's turn sends the replies back as the client got them; a random-weight model's reply text does
@@ -69,7 +70,8 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
             replies[i].append(r["text"])
 
     with d.client() as c:
-        before = c.call("status")["engine_thread"]
+        status = c.call("status")
+        before, saved = status["engine_thread"], status["persistence"]
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
@@ -77,13 +79,17 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
         t.join()
     with d.client() as c:
         after = c.call("status")["engine_thread"]
+        time.sleep(0.5)  # the turns' checkpoints (their end offers) settle
+        persisted = c.call("status")["persistence"]
     done = [o for o in out if o is not None]
     ttft = [u["ttft_ms"] for _, u in done]
     walls = [w for w, _ in done]
     return {"turns": len(done), "ttft_p50_ms": round(statistics.median(ttft), 1), "ttft_max_ms": round(max(ttft), 1),
             "wall_p50_ms": round(statistics.median(walls), 1), "wall_max_ms": round(max(walls), 1),
             "prefilled_p50": statistics.median(u.get("prefilled_tokens", 0) for _, u in done),
-            "engine_jobs": after["jobs"] - before["jobs"], "engine_steps": after["steps"] - before["steps"]}
+            "engine_jobs": after["jobs"] - before["jobs"], "engine_steps": after["steps"] - before["steps"],
+            # checkpoints committed, and dropped because the session moved (into the batch) under them
+            **{k: persisted[k] - saved[k] for k in ("checkpoints", "checkpoints_moved")}}
 
 
 def main() -> None:

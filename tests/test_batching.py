@@ -286,13 +286,53 @@ def test_calls_that_come_together_join_in_one_merge_through_quick_jobs_not_one_a
         for j in joins:
             j.result(timeout=30)
         assert len(set(seen)) == 1, f"the quick joins ran at steps {seen}"
-        assert late.result(timeout=30) >= seen[0]
+        # a plain job queued after them waits one step at most: their wake-ups are not a turn each
+        assert seen[0] <= late.result(timeout=30) <= seen[0] + 1
         assert all(len(c.future.result(timeout=60).tokens) == 12 for c in calls)
         assert engine.decoder.counters["merges"] == merges + 1  # the lone call and the six, in one merge
         assert engine.decoder.counters["max_batch_seen"] == 7
         busy.future.result(timeout=120)
     finally:
         thread.stop()
+
+
+def test_a_turns_cache_cut_back_and_its_first_chunk_are_one_engine_job(engine):
+    """While calls decode every engine job waits for a step: a turn's input is in the cache after one job,
+    not after a job that only cut the cache back to the common prefix."""
+    s = session(engine, "turn", PROMPTS[1])
+    after_each: list[tuple[int, int]] = []
+
+    def mlx(fn):  # the engine thread's runner, recording what each job left
+        out = fn()
+        after_each.append((s.processed, len(s.tokens)))
+        return out
+
+    engine.append(s, text=PROMPTS[3], mlx=mlx)
+    assert after_each[0] == (len(s.tokens) - 1, len(s.tokens)), after_each
+
+
+def test_a_turn_whose_client_left_before_its_first_chunk_prefills_nothing(engine):
+    s = session(engine, "left", PROMPTS[1])
+    kept = s.processed
+    with pytest.raises(CancelledError) as err:
+        engine.append(s, text=PROMPTS[3], should_stop=lambda: True)
+    assert err.value.data["prefilled"] == 0 and s.processed <= kept and not s.computing
+
+
+def test_a_checkpoints_look_at_a_session_is_a_quick_job(engine):
+    """The look (its blocks' tokens, its state) reads Python objects only: it does not wait for a step."""
+    from kvwake.daemon.kv import pipeline
+
+    s = session(engine, "look", "x" * 40)
+    quick: list[bool] = []
+
+    def mlx(fn):
+        quick.append(getattr(fn, "engine_quick", False))
+        return fn()
+
+    info = pipeline.checkpoint(engine.kv, s, mlx, supersede=None)
+    assert info is not None and info.n_tokens == len(s.tokens) // 16 * 16 > 0
+    assert quick[0] is True and not all(quick), quick  # the look, then the captures (MLX work: in turn)
 
 
 def test_a_quick_job_queued_at_a_stop_fails_with_cancelled_error_not_a_hang(engine):

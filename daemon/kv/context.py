@@ -30,7 +30,7 @@ from kvwake.daemon.kv.pool import Pool
 from kvwake.errors import BundleMismatchError, KvwakeError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache", "unframed"]
+__all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache", "quick", "unframed"]
 
 log = logging.getLogger("kvwake.engine")  # the name its messages had before the layers (logs are read by it)
 T = TypeVar("T")
@@ -72,6 +72,15 @@ def direct(fn: Callable[[], T]) -> T:
     return fn()
 
 
+def quick(fn: Callable[[], T]) -> Callable[[], T]:
+    """Mark `fn` as an engine job with no MLX work (a look at a session's state, a call's join): the engine
+    thread runs it before its next job with the other quick ones, not at its turn, one job between two decode
+    steps (model/thread.py). Only for what reads or moves Python objects: a quick job is not ordered behind
+    the jobs queued before it."""
+    fn.engine_quick = True  # type: ignore[attr-defined]
+    return fn
+
+
 _engine = threading.local()  # on an engine thread: how `later` queues a job there
 
 
@@ -82,7 +91,7 @@ def serve_later(put: Callable[[Callable[[], Any]], Future]) -> None:
 
 def later(fn: Callable[[], Any]) -> Future | None:
     """From a job on an engine thread: queue `fn` as a job of its own, behind those waiting (a decode step
-    runs between two jobs), and return its Future (failed if the engine stops first); None on any other
+    runs between two jobs; `fn` is not made quick: `quick` jobs go first), and return its Future (failed if the engine stops first); None on any other
     thread (the caller runs it itself)."""
     put = getattr(_engine, "put", None)
     return None if put is None else put(fn)

@@ -45,7 +45,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvwake.daemon.kv import fill, state
-from kvwake.daemon.kv.context import KvContext, Mlx, unframed
+from kvwake.daemon.kv.context import KvContext, Mlx, quick, unframed
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.phases import Phases
 from kvwake.daemon.session import Session
@@ -244,7 +244,7 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
     whether the session as it is now is worth a commit; when not, nothing is done (None). Raises
     Moved when the session changed under it (nothing is left behind: the writer aborts).
     """
-    seen = mlx(lambda: _look(ctx, session))
+    seen = mlx(quick(lambda: _look(ctx, session)))  # no MLX work: not a step of a decoding neighbour's
     if seen is None or not wanted(len(seen[0]), len(seen[0]) + len(seen[1]["pending"])):
         return None
     tokens, recorded, tail, head = seen

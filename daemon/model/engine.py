@@ -354,10 +354,20 @@ class Engine:
 
         MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
         """
-        reused = mlx(lambda: self._adopt(session, plan, prefix))
-        prefilled = self.prefill(session, len(plan.target) - 1, mlx, should_stop)
+        upto = len(plan.target) - 1
+        reused, chunk = mlx(lambda: self._adopt_and_start(session, plan, prefix, upto, should_stop))
+        prefilled = self.prefill(session, upto, mlx, should_stop, chunk)
         self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
+
+    def _adopt_and_start(self, session: Session, plan: Plan, prefix: tuple[list | None, int], upto: int,
+                         should_stop: ShouldStop = None) -> tuple[int, prefillslices.Chunk | None]:
+        """`_adopt`, then the first prefill chunk queued (when there is one and `should_stop` does not say
+        stop: `prefill` then raises before any chunk), in one engine job: while calls decode a job waits for
+        a step, and a turn's first token one job fewer."""
+        reused = self._adopt(session, plan, prefix)
+        start = session.processed < upto and not (should_stop is not None and should_stop())
+        return reused, self._prefill_chunk(session, upto) if start else None
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
@@ -376,30 +386,34 @@ class Engine:
         session.mode, session.messages, session.tools, session.tokens = plan.mode, plan.messages, plan.tools, target
         return reused
 
-    def prefill(self, session: Session, upto: int, mlx: Mlx = direct, should_stop: ShouldStop = None) -> int:
+    def prefill(self, session: Session, upto: int, mlx: Mlx = direct, should_stop: ShouldStop = None,
+                chunk: prefillslices.Chunk | None = None) -> int:
         """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call (a slice of
-        layers per call while other calls decode); returns how many.
+        layers per call while other calls decode); returns how many. `chunk`: the first chunk, queued
+        already (`_adopt_and_start`; it may be computed too).
 
         `should_stop` is asked before each chunk: when it says so, CancelledError (with the tokens
         prefilled and to prefill). The session stays consistent: its input is kept, the cache covers
         what was prefilled, and the next call prefills the rest (as a generation a client left keeps
         the tokens it made).
         """
-        start = session.processed
+        start = session.processed if chunk is None else chunk.end - chunk.tokens
         try:
-            while session.processed < upto:
-                if should_stop is not None and should_stop():
-                    raise CancelledError(f"session {session.id}: prefill stopped after {session.processed - start} "
-                                         f"of {upto - start} tokens (the client left, or the daemon is stopping)",
-                                         session_id=session.id, prefilled=session.processed - start,
-                                         tokens=upto - start)
-                chunk = mlx(lambda: self._prefill_chunk(session, upto))
+            while chunk is not None or session.processed < upto:
+                if chunk is None:
+                    if should_stop is not None and should_stop():
+                        raise CancelledError(f"session {session.id}: prefill stopped after "
+                                             f"{session.processed - start} of {upto - start} tokens (the client "
+                                             "left, or the daemon is stopping)", session_id=session.id,
+                                             prefilled=session.processed - start, tokens=upto - start)
+                    chunk = mlx(lambda: self._prefill_chunk(session, upto))
                 try:
                     while not chunk.done:
                         mlx(chunk.step)
                 finally:
                     if not chunk.done:  # a slice's job did not run to its end: nothing may wait on the rest
                         mlx(chunk.abandon)
+                chunk = None
                 self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)

@@ -2,8 +2,9 @@
 
 MLX work (prefill chunks, capture, restore) is submitted from the event loop
 or a worker thread and awaited without blocking it; each submission gets its
-own future (the response channel). Jobs run one at a time, in order, and are
-short: a long prefill or a sleep is many jobs.
+own future (the response channel). Jobs run one at a time, in order (quick
+ones, below, before the others), and are short: a long prefill or a sleep is
+many jobs.
 
 While generate calls are decoding, the thread alternates: one job, then one
 decode step for every running call (the attached `Decoder`). So a session's
@@ -113,16 +114,22 @@ class EngineThread:
             except queue.Empty:
                 job = ()  # nothing queued: decode, or (not decoding) one idle job
                 idle = None if decoding else self._idle.popleft()
+            while job == () and idle is None:  # quick jobs' wake-ups (they all run below): not a turn each
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
             if job is None:
                 break
             start = time.perf_counter()
             self._run_quick()
+            began = time.perf_counter()  # the quick jobs counted apart
             if job:
                 self._do(job)
-                self._spend("job", job[0], start)
+                self._spend("job", job[0], began)
             elif idle is not None:
                 self._do_idle(idle)
-                self._spend("job", "idle " + _name(idle), start)
+                self._spend("job", "idle " + _name(idle), began)
             if decoding:
                 stepped = time.perf_counter()
                 try:
@@ -243,7 +250,7 @@ class EngineThread:
         """Queue fn; `quick`: it does no MLX work to speak of (microseconds), so it runs before the next
         job, with every other quick job queued, instead of one job per decode step."""
         future: Future[T] = Future()
-        if quick:
+        if quick or getattr(fn, "engine_quick", False):  # kv/context.quick
             self._quick.put((fn, future))
             self._jobs.put(())  # a thread blocked on an empty queue looks again
         else:
