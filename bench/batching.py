@@ -264,7 +264,8 @@ def watch_decoder(d: Daemon, n: int, threads: list[threading.Thread], inside: li
             if g["running"] == n:
                 inside.append({"at": time.perf_counter(),
                                **{k: g[k] for k in ("step_ms", "batch_rows", "dead_rows", "batch_next_s",
-                                                   "batch_outputs_s", "decode_steps")},
+                                                   "batch_outputs_s", "decode_steps") if k in g},
+                               **({"admit_s": g["admit_s"]} if "admit_s" in g else {}),
                                **{k: v for k, v in status["engine_thread"].items() if k != "slow"}})
             time.sleep(every_s)
 
@@ -282,6 +283,7 @@ def engine_split(inside: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     per = lambda k: round((b[k] - a[k]) / steps * 1000, 3)  # noqa: E731
     return {"split_ms_per_step": {"batch_next": per("batch_next_s"), "batch_outputs": per("batch_outputs_s"),
+                                  "admit": per("admit_s") if "admit_s" in b else None,
                                   "step_total": per("step_s"), "jobs": per("job_s"), "flush": per("flush_s"),
                                   "wall": per("at")},
             "split_steps": steps}

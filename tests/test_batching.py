@@ -335,6 +335,26 @@ def test_a_checkpoints_look_at_a_session_is_a_quick_job(engine):
     assert quick[0] is True and not all(quick), quick  # the look, then the captures (MLX work: in turn)
 
 
+def test_a_slow_step_that_admitted_calls_says_how_many_and_how_long_their_merge_took(engine, monkeypatch):
+    from kvwake.daemon.model import thread as engine_thread
+
+    monkeypatch.setattr(engine_thread, "SLOW_S", 0.0)  # every job and step recorded
+    thread = EngineThread()
+    try:
+        thread.attach(engine.decoder)
+        calls = thread.submit(lambda: [engine.start_call(session(engine, f"m{i}", PROMPTS[i]),
+                                                         GenerateParams(max_tokens=6)) for i in range(3)]).result()
+        thread.submit(lambda: [engine.decoder.join(c) for c in calls]).result()
+        assert all(len(c.future.result(timeout=60).tokens) == 6 for c in calls)
+        steps = [j["what"] for j in thread.timing()["slow"] if j["what"].startswith("decode step")]
+        admitting = [w for w in steps if "admitting" in w]
+        assert len(admitting) == 1 and admitting[0].startswith("decode step admitting 3 calls ("), steps
+        assert "decode step" in steps  # the others, plain
+        assert engine.decoder.status()["admit_s"] > 0
+    finally:
+        thread.stop()
+
+
 def test_a_quick_job_queued_at_a_stop_fails_with_cancelled_error_not_a_hang(engine):
     thread = EngineThread()
     gate, running = threading.Event(), threading.Event()

@@ -93,7 +93,8 @@ class Decoder:
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
-        self.spent = {"batch_next_s": 0.0, "batch_outputs_s": 0.0}
+        self.spent = {"batch_next_s": 0.0, "batch_outputs_s": 0.0, "admit_s": 0.0}
+        self.admitted: tuple[int, float] | None = None  # the last step's admission: (calls, seconds), or None
 
     @property
     def running(self) -> int:
@@ -109,16 +110,28 @@ class Decoder:
 
     def step(self) -> None:
         """Admit waiting calls (in one merge), then one token for every running call."""
-        started = time.perf_counter()
+        started, waiting = time.perf_counter(), len(self.waiting)
         with mx.stream(generation_stream):
             self._admit()
+            admitted = time.perf_counter() - started
             self._step_batch()
             for call in list(self.solo):
                 self._step_solo(call)
+        joined = waiting - len(self.waiting)
+        self.spent["admit_s"] += admitted
+        self.admitted = (joined, admitted) if joined else None
         n = self.running
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], n)
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
+
+    def trace(self) -> str:
+        """What the last step did beyond a step, for the engine thread's record of slow work: the calls it
+        admitted and how long their admission (the merge into the batch) took, before the pass."""
+        if self.admitted is None:
+            return ""
+        calls, seconds = self.admitted
+        return f"admitting {calls} call{'s' if calls != 1 else ''} ({seconds * 1000:.1f} ms)"
 
     def warm(self) -> list[int]:
         """Two batched steps at each slot size up to max_batch, on dead rows (no call), so MLX builds each

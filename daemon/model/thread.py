@@ -137,7 +137,7 @@ class EngineThread:
                 except Exception as exc:  # a bug, not a model error (those fail only their calls)
                     log.exception("decode step failed; failing every call in flight")
                     decoder.abort(unframed(exc))
-                self._spend("step", "decode step", stepped)
+                self._spend("step", decoder.step, stepped)
             flushed = time.perf_counter()
             self._flush()
             end = time.perf_counter()
@@ -181,15 +181,17 @@ class EngineThread:
 
     def _spend(self, kind: str, what: str | Callable[..., Any], start: float) -> None:
         """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
-        function's name, with what its object says of the work when it can: `trace()`, a prefill slice's layers)."""
+        function's name, with what its object says of the work when it can: `trace()`, a prefill slice's
+        layers, a decode step's admitted calls). A decode step is named "decode step"."""
         took = time.perf_counter() - start
         self._spent[kind + "s"] += 1
         self._spent[kind + "_s"] += took
         if took > SLOW_S:
-            name = what if isinstance(what, str) else _name(what)
+            name = what if isinstance(what, str) else "decode step" if kind == "step" else _name(what)
             trace = getattr(getattr(what, "__self__", None), "trace", None)
-            if callable(trace):
-                name = f"{name} {trace()}"
+            said = trace() if callable(trace) else ""
+            if said:
+                name = f"{name} {said}"
             self._slow.append({"what": name, "ms": round(took * 1000, 1), "at": round(time.time() - took, 4)})
 
     def timing(self) -> dict[str, Any]:
