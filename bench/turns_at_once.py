@@ -7,9 +7,9 @@ all N send their next chat turn (a new user message, about 40 tokens) in one mom
 `max_tokens` 8. Reported per round: the turns' first tokens as the daemon counts them (`usage.ttft_ms`,
 from the call's arrival: the turn's prefill and its join), p50 and max, the calls' wall time, the
 engine thread's jobs and decode steps between the round's start and end, and the checkpoints committed
-and dropped (`checkpoints_moved`: the session went into the batch before its capture ran). While a call decodes the engine
-runs one job between two steps (model/thread.py), and a turn is several jobs (its cache cut back, its
-prefill chunk queued, computed, its checkpoint): N turns at once are about N x jobs steps.
+and dropped (`checkpoints_moved`: the session went into the batch before its capture ran). While a call decodes
+the engine runs one job between two steps (model/thread.py), and a turn is several jobs (its cache cut back
+with its chunk queued, the chunk computed, its checkpoint's captures): N turns at once are about N x jobs steps.
 Each round's turn sends the replies back as the client got them; a random-weight model's reply text does
 not always tokenize back to its tokens, so a later round may prefill more than its new message (the report's
 `prefilled_p50` says how much). (Session 23, here, tiny model: 16 turns of ~260 tokens, 80 jobs, 57 steps,
@@ -109,7 +109,8 @@ def main() -> None:
         with d.client() as c:
             for i in range(args.sessions):
                 c.call("session.create", session_id=f"a{i}")
-                replies[i].append(c.call("session.chat", session_id=f"a{i}", messages=turn(i, []), max_tokens=4)["text"])
+                first = c.call("session.chat", session_id=f"a{i}", messages=turn(i, []), max_tokens=4)
+                replies[i].append(first["text"])
         talker = threading.Thread(target=talk, args=(d, stop, talked), daemon=True)
         talker.start()
         time.sleep(1.0)  # the talker decodes

@@ -91,8 +91,8 @@ def serve_later(put: Callable[[Callable[[], Any]], Future]) -> None:
 
 def later(fn: Callable[[], Any]) -> Future | None:
     """From a job on an engine thread: queue `fn` as a job of its own, behind those waiting (a decode step
-    runs between two jobs; `fn` is not made quick: `quick` jobs go first), and return its Future (failed if the engine stops first); None on any other
-    thread (the caller runs it itself)."""
+    runs between two jobs; `quick` jobs go first, and `fn` is not made one), and return its Future (failed
+    if the engine stops first); None on any other thread (the caller runs it itself)."""
     put = getattr(_engine, "put", None)
     return None if put is None else put(fn)
 
