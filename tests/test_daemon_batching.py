@@ -69,6 +69,7 @@ def test_concurrent_calls_decode_together_and_give_what_each_gives_alone(tmp_pat
             assert gen["cuda_graphs"] is attention.cuda_graphs()  # as this process sees it (None off CUDA)
             if mode == "batched":  # four calls shared forward passes
                 assert gen["max_batch_seen"] >= 2 and gen["decode_tokens"] > 1.5 * gen["decode_steps"]
+                assert gen["admit_s"] > 0  # the calls' admission, timed apart from the passes (status over RPC)
             else:
                 assert gen["max_batch_seen"] == 1 and gen["decode_tokens"] == gen["decode_steps"]
                 assert "max_batch" in gen["reason"]
