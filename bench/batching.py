@@ -200,6 +200,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     threads = [threading.Thread(target=lambda s=s: (barrier.wait(), s.run())) for s in streams]
     inside: list[dict[str, Any]] = []  # the daemon's own view while all N decode (its status, 4 times a second)
     watch = threading.Thread(target=watch_decoder, args=(d, n, threads, inside, WATCH_S))
+    began_wall = time.time()
     with GpuBusy() as busy:
         for t in threads:
             t.start()
@@ -212,6 +213,7 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
     with d.client() as c:  # the engine's side of the gaps: its latest steps' hand-over intervals (this round's)
         status = c.call("status")
         engine_gaps = status["engine_thread"].get("step_gaps")
+    slow = engine_work(status, began_wall, time.time())
     # the daemon's side of the first tokens: its claim of each session, and from the call's start (prompt in the
     # cache, the call made) to its first token
     turns = [t for t in status.get("turns", []) if t["session"] in set(names)]
@@ -235,7 +237,9 @@ def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> di
             "status_every_s": WATCH_S, "gpu_busy_pct": busy.pct,
             "daemon_step_ms_p50": pct([g["step_ms"] for g in inside], 0.5), **engine_split(inside),
             "daemon_batch_rows": sorted({g["batch_rows"] for g in inside}),
-            "daemon_dead_rows": sorted({g["dead_rows"] for g in inside}), **gil_during(status, streams)}
+            "daemon_dead_rows": sorted({g["dead_rows"] for g in inside}), **gil_during(status, streams),
+            # the engine's jobs and steps over its SLOW_S during the round (all of them with KVWAKE_SLOW_JOB_MS=0)
+            "slow_engine_work": slow}
 
 
 def gil_during(status: dict[str, Any], streams: list[Stream]) -> dict[str, Any]:
@@ -324,7 +328,6 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
         info = c.call("session.append", session_id=reader, text=text)
         ended, ended_wall = time.perf_counter(), time.time()
         after = c.call("status")
-        slow = [j for j in after["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
         gc_after = after["gc"]
     thread.join()
     stream.client.close()
@@ -342,8 +345,7 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
             "arrivals_during_ms": [[k, round((when - began) * 1000, 1)] for k, when in stream.arrivals(tokenizer)
                                    if began <= when <= ended],
             # the engine thread's jobs and steps over its SLOW_S during the prefill: what the talker waited for
-            "slow_engine_work": [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
-                                 for j in slow],
+            "slow_engine_work": engine_work(after, began_wall, ended_wall),
             # with KVWAKE_GIL_WATCH_MS in the daemon's environment: its waits for the GIL during the prefill
             # (at_s: the wait's start), each with the threads' stacks as it ended (daemon/gilwatch.py)
             "gil_waits": [{"late_ms": w["late_ms"], "at_s": round(w["at"] - w["late_ms"] / 1000 - began_wall, 3),
@@ -351,6 +353,13 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
                           if began_wall <= w["at"] <= ended_wall]}
 # KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 in the daemon's environment makes slow_engine_work every job
 # and step of the engine thread during the prefill: its timeline, to lay beside arrivals_during_ms.
+
+
+def engine_work(status: dict[str, Any], began_wall: float, ended_wall: float) -> list[dict[str, Any]]:
+    """The engine thread's jobs and steps over its SLOW_S between two Unix times, by name, `at_s` from
+    `began_wall` (KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 in the daemon's environment: all of them)."""
+    return [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
+            for j in status["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
 
 
 def gap_stats(stream: Stream, tokenizer: Any, alone_until: float, during: tuple[float, float]) -> dict[str, Any]:

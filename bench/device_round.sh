@@ -311,6 +311,13 @@ PY
     model
     timeout 400 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 --out "$out/turnsatonce" 2>&1 \
       | grep '^{' ;;
+  admittrace)  # every engine job and step named while 8/16/32 calls join at once and while 16 chat turns come at once
+    model       # (slow_engine_work in each JSON): where the calls' 7-12 steps to a first token go
+    KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 150 python3 bench/batching.py --model /tmp/m8b \
+      --sessions 8,16,32 --tokens 128 --prefill 0 --modes batched --whole "" --no-batch-generator \
+      --out "$out/admittrace" >/dev/null 2>&1
+    KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b \
+      --sessions 16 --rounds 2 --out "$out/turnstrace" 2>&1 | grep '^{' ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching import ROOT, bench_model, start_daemon  # noqa: E402
+from batching import ROOT, bench_model, engine_work, start_daemon  # noqa: E402
 from suite import machine  # noqa: E402
 
 
@@ -73,12 +73,14 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
         status = c.call("status")
         before, saved = status["engine_thread"], status["persistence"]
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    began_wall = time.time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     with d.client() as c:
-        after = c.call("status")["engine_thread"]
+        status = c.call("status")
+        after = status["engine_thread"]
         time.sleep(0.5)  # the turns' checkpoints (their end offers) settle
         persisted = c.call("status")["persistence"]
     done = [o for o in out if o is not None]
@@ -89,7 +91,9 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
             "prefilled_p50": statistics.median(u.get("prefilled_tokens", 0) for _, u in done),
             "engine_jobs": after["jobs"] - before["jobs"], "engine_steps": after["steps"] - before["steps"],
             # checkpoints committed, and dropped because the session moved (into the batch) under them
-            **{k: persisted[k] - saved[k] for k in ("checkpoints", "checkpoints_moved")}}
+            **{k: persisted[k] - saved[k] for k in ("checkpoints", "checkpoints_moved")},
+            # the engine's jobs and steps over its SLOW_S during the round (all with KVWAKE_SLOW_JOB_MS=0)
+            "slow_engine_work": engine_work(status, began_wall, time.time())}
 
 
 def main() -> None:
@@ -116,7 +120,7 @@ def main() -> None:
         time.sleep(1.0)  # the talker decodes
         for r in range(args.rounds):
             row = one_round(d, args.sessions, replies)
-            print(json.dumps({"round": r + 1, **row}), flush=True)
+            print(json.dumps({"round": r + 1, **{k: v for k, v in row.items() if k != "slow_engine_work"}}), flush=True)
             rounds.append(row)
         stop.set()
         talker.join(600)
