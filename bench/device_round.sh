@@ -66,6 +66,10 @@ case "$1" in
         --out "$out/persist-old" 2>&1 | tail -2
     }
     if [ "$1" = persist ]; then new; old; else old; new; fi ;;
+  tests)  # the test files named in $TESTS (the suite's settings, no remote tier): what a session changed, on CUDA
+    timeout 400 python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfE $TESTS \
+      >"$out/tests.txt" 2>&1
+    tail -15 "$out/tests.txt" ;;
   turns)
     model
     timeout 560 python3 bench/http_turns.py --model /tmp/m8b --system-words 15000 --turns 8 --turn-words 10 \
@@ -307,10 +311,14 @@ for r in json.load(open(sys.argv[2]))["decode"]["batched"]:
           r.get("first_token_ms"), r.get("daemon_turns"), "gap p50/p99", r["gap_p50_ms"], r["gap_p99_ms"])
 PY
     done ;;
-  turnsatonce)  # 16 agents send their next chat turn at once beside a decoding talker: first tokens, jobs and steps
-    model
-    timeout 400 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 --out "$out/turnsatonce" 2>&1 \
-      | grep '^{' ;;
+  turnsatonce)  # 16 agents send their next chat turn at once beside a decoding talker: first tokens, jobs and steps;
+    model        # their short chunks packed in one forward pass (model/packing.py) or not, alternating
+    for run in pack-1 nopack-1 pack-2 nopack-2; do
+      [ $SECONDS -gt ${UNTIL_S:-400} ] && break
+      pack=1; [ "${run%%-*}" = nopack ] && pack=0
+      KVWAKE_PACK_PREFILL=$pack timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
+        --out "$out/turnsatonce-$run" 2>&1 | grep '^{' | sed "s/^/$run /"
+    done ;;
   admittrace)  # every engine job and step named while 8/16/32 calls join at once and while 16 chat turns come at once
     model       # (slow_engine_work in each JSON): where the calls' 7-12 steps to a first token go
     KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 150 python3 bench/batching.py --model /tmp/m8b \

@@ -140,8 +140,8 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
     engine.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.001, 0.1)])  # a new fused shape: 100 ms more
-    used, real = [], attention.plain_prefill
-    monkeypatch.setattr(attention, "plain_prefill", lambda m, *a: used.append(m) or real(m, *a))
+    used, real = [], attention.plain_attention  # made once per chunk that runs plain
+    monkeypatch.setattr(attention, "plain_attention", lambda f, *a: used.append(f) or real(f, *a))
     got = engine.append(Session("s"), tokens=list(range(1, 80)))  # 78 to prefill: chunks of 32, 32, 14
     assert got["prefilled"] == 78 and len(used) == 1
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
@@ -172,8 +172,8 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # short chunks: fused is cheaper
-    used, real = [], attention.plain_prefill
-    monkeypatch.setattr(attention, "plain_prefill", lambda m, q=attention.PLAIN_MAX_QUERIES: used.append(q) or real(m, q))
+    used, real = [], attention.plain_attention  # made once per chunk that runs plain
+    monkeypatch.setattr(attention, "plain_attention", lambda f, q=attention.PLAIN_MAX_QUERIES: used.append(q) or real(f, q))
     tokens = list(range(1, 66))  # 64 to prefill: two full chunks of 32
     engine.append(Session("alone"), tokens=tokens)
     assert used == []  # nobody decodes: fused, its graphs built
@@ -346,8 +346,8 @@ def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
     engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
-    used, real = [], attention.bucketed_prefill
-    monkeypatch.setattr(attention, "bucketed_prefill", lambda m: used.append(1) or real(m))
+    used, real = [], attention.bucketed_attention  # made once per chunk that runs bucketed
+    monkeypatch.setattr(attention, "bucketed_attention", lambda f: used.append(1) or real(f))
     session = Session("agent")
     engine.append(session, tokens=list(range(1, 130)))  # 128 to prefill: full chunks, their exact shapes
     assert used == [] and not any(s[0] == "bucket" for s in engine._fused_shapes)
@@ -376,8 +376,8 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
     engine.idle = idle.append
     built, real = [], attention.warm_bucket
     monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
-    chunks, bucketed = [], attention.bucketed_prefill
-    monkeypatch.setattr(attention, "bucketed_prefill", lambda m: chunks.append(1) or bucketed(m))
+    chunks, bucketed = [], attention.bucketed_attention  # made once per chunk that runs bucketed
+    monkeypatch.setattr(attention, "bucketed_attention", lambda f: chunks.append(1) or bucketed(f))
     session = Session("agent")
     engine.append(session, tokens=list(range(1, 121)))  # 119 prefilled: 64 + 55 (the last, bucket 64)
     capacity = session.cache[0].keys.shape[2]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -19,8 +21,9 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny", ascii_replies=True, max_position_embeddings=65536)
 
 
-def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> dict[str, list[int]]:
-    results: dict[str, list[int]] = {}
+def at_once(daemon: Daemon, names: list[str], call: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """call(client, name) for every name, each from its own thread and connection, released together."""
+    results: dict[str, Any] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(len(names))
 
@@ -28,7 +31,7 @@ def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> di
         try:
             with daemon.client() as c:
                 start.wait()
-                results[name] = c.call("session.generate", session_id=name, max_tokens=max_tokens)["tokens"]
+                results[name] = call(c, name)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -39,6 +42,11 @@ def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> di
         t.join(120)
     assert not errors, errors
     return results
+
+
+def generate_in_threads(daemon: Daemon, names: list[str], max_tokens: int) -> dict[str, list[int]]:
+    return at_once(daemon, names, lambda c, name: c.call("session.generate", session_id=name,
+                                                         max_tokens=max_tokens)["tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +131,47 @@ def test_a_long_prefill_does_not_stall_another_sessions_tokens(tmp_path, model_d
             assert msgid == 1
     finally:
         assert d.stop() == 0
+
+
+def chat_turns_at_once(daemon: Daemon, conversations: dict[str, list[dict[str, str]]]) -> dict[str, list[int]]:
+    """Every session's next chat turn sent in the same moment (non-streamed, 6 tokens): session -> its reply."""
+    def chat(c: Any, name: str) -> list[int]:
+        r = c.call("session.chat", session_id=name, messages=conversations[name], max_tokens=6)
+        conversations[name] += [{"role": "assistant", "content": r["text"]}]
+        return r["tokens"]
+    return at_once(daemon, list(conversations), chat)
+
+
+def test_chat_turns_sent_at_once_prefill_in_one_pass_and_reply_as_with_packing_off(tmp_path, model_dir):
+    """Turns whose chunks wait for the engine together go in one forward pass (model/packing.py) beside a
+    decoding talker; each reply is the one the daemon gives with packing off (bit-exact on the CPU)."""
+    names = [f"agent{i}" for i in range(6)]
+    replies: dict[str, list[dict[str, list[int]]]] = {}
+    packed: dict[str, int] = {}
+    for mode, env in (("packed", {}), ("off", {"KVWAKE_PACK_PREFILL": "0"})):
+        (tmp_path / mode).mkdir()
+        d = Daemon(tmp_path / mode, model_dir, env=env).start()
+        try:
+            conversations = {n: [{"role": "user", "content": f"agent {i} reads module {i * 7}"}]
+                             for i, n in enumerate(names)}
+            with d.client() as c:
+                for n in names:
+                    c.call("session.create", session_id=n)
+                c.call("session.create", session_id="talker")
+                c.call("session.append", session_id="talker", text="tell me a long story")
+            talker = RawClient(d.socket)
+            talker.send("session.generate", {"session_id": "talker", "max_tokens": 1 << 20, "stream": True})
+            replies[mode] = []
+            for turn in range(3):
+                for i, n in enumerate(names):
+                    conversations[n] = conversations[n] + [{"role": "user", "content": f"step {turn}: fix test {i}"}]
+                replies[mode].append(chat_turns_at_once(d, conversations))
+            talker.close()
+            with d.client() as c:
+                packed[mode] = c.call("status")["counters"]["prefill_packed_turns"]
+        finally:
+            assert d.stop() == 0
+    assert replies["packed"] == replies["off"]
+    assert packed["off"] == 0
+    # 18 turns in three moments: the ones whose chunks met in the queue went together (at least two once)
+    assert packed["packed"] >= 2, packed

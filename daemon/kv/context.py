@@ -30,7 +30,7 @@ from kvwake.daemon.kv.pool import Pool
 from kvwake.errors import BundleMismatchError, KvwakeError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache", "quick", "unframed"]
+__all__ = ["Counters", "KvContext", "Mlx", "Packed", "direct", "quantize_cache", "quick", "unframed"]
 
 log = logging.getLogger("kvwake.engine")  # the name its messages had before the layers (logs are read by it)
 T = TypeVar("T")
@@ -79,6 +79,25 @@ def quick(fn: Callable[[], T]) -> Callable[[], T]:
     the jobs queued before it."""
     fn.engine_quick = True  # type: ignore[attr-defined]
     return fn
+
+
+class Packed:
+    """An engine job that runs with every job of the same `pack` queued when its turn comes (model/thread.py):
+    the engine thread calls `pack(jobs)` once for them all, in the place of the first, and each caller gets
+    its item of the list it returns (an exception item is raised to that caller; `pack` raising fails them
+    all). Called as a plain function (another runner than the engine thread's, or `direct`), it is a pack of
+    one. `fn`: what one job does, named in the engine's timing; `args`: what `pack` reads of each job."""
+
+    __slots__ = ("args", "engine_pack", "fn")
+
+    def __init__(self, fn: Callable[..., Any], pack: Callable[[list[Packed]], list[Any]], args: tuple = ()) -> None:
+        self.fn, self.engine_pack, self.args = fn, pack, args
+
+    def __call__(self) -> Any:
+        result = self.engine_pack([self])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
 
 _engine = threading.local()  # on an engine thread: how `later` queues a job there
@@ -138,7 +157,8 @@ class KvContext:
     kv_group_size: int = 64
     device_planes: bool = False
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "tokens_reused",
-                                                                "tokens_prefilled"))
+                                                                "tokens_prefilled", "prefill_packs",
+                                                                "prefill_packed_turns"))
 
     @property
     def block_tokens(self) -> int:

@@ -45,7 +45,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities",
            "plain_warm_shapes", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
-           "plain_attention", "plain_prefill", "query_bucket", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
+           "plain_attention", "plain_prefill", "query_bucket", "swapped", "attention_module", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -283,7 +283,7 @@ def warm_plain(model: Any, queries: int, keys: int) -> bool:
     slices beside a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left
     as it was; False when its cache is not plain KV layers or its module takes attention from elsewhere than
     mlx-lm's base (nothing the plain path would run)."""
-    if _attention_module(model) is None:
+    if attention_module(model) is None:
         return False
     cache = _filled_cache(model, keys, kvcapacity.capacity(keys + queries))
     if cache is None:
@@ -325,15 +325,15 @@ def warm_decode(model: Any, capacity: int) -> bool:
 
 def plain_prefill(model: Any, max_queries: int = PLAIN_MAX_QUERIES) -> contextlib.AbstractContextManager[None]:
     """For one prefill chunk: the model's module computes attention with `plain_attention`."""
-    return _swapped(model, lambda fused: plain_attention(fused, max_queries))
+    return swapped(model, lambda fused: plain_attention(fused, max_queries))
 
 
 def bucketed_prefill(model: Any) -> contextlib.AbstractContextManager[None]:
     """For one prefill chunk: the model's module computes attention with `bucketed_attention`."""
-    return _swapped(model, bucketed_attention)
+    return swapped(model, bucketed_attention)
 
 
-def _attention_module(model: Any) -> Any:
+def attention_module(model: Any) -> Any:
     """The module of `model`'s class if it takes `scaled_dot_product_attention` from mlx-lm's base (what
     the plain and bucketed paths swap), else None."""
     module = sys.modules.get(type(model).__module__)
@@ -341,9 +341,9 @@ def _attention_module(model: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
+def swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
     """The model's module's `scaled_dot_product_attention` replaced by make(it) while inside."""
-    module = _attention_module(model)
+    module = attention_module(model)
     if module is None:  # a model that does not take attention from mlx-lm's base: left as it is
         yield
         return

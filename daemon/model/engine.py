@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +34,11 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
-from kvwake.daemon.kv.context import KvContext, Mlx, direct, quantize_cache
+from kvwake.daemon.kv.context import KvContext, Mlx, Packed, direct, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, prefillslices
+from kvwake.daemon.model import attention, memory, packing, prefillslices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.calls import Call, batch_mode
 from kvwake.daemon.model.decoder import Decoder, run_alone
@@ -67,6 +68,10 @@ log = logging.getLogger("kvwake.engine")
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
 BUCKET_AHEAD_AFTER = 4096  # a prefill of this many tokens ends by building the next turn's likeliest buckets,
 BUCKETS_AHEAD = 2  # this many (128 and 192 queries: turns of 65-192 tokens; one build each, ~60-90 ms on the GPU)
+# Turns whose short chunks come at once prefill in one forward pass from this many (model/packing.py);
+# KVWAKE_PACK_PREFILL=0 turns packing off (bench/turns_at_once.py compares)
+PACK_MIN = 2
+PACK_PREFILL = os.environ.get("KVWAKE_PACK_PREFILL", "1") != "0"
 PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
 
 
@@ -161,6 +166,8 @@ class Engine:
         self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
         self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
         self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
+        # several sessions' short chunks in one forward pass: where calls batch (the same exactness class)
+        self.pack_prefill = PACK_PREFILL and self.decode_mode == "batched" and packing.packable_model(self.model)
         self.started.mark("set_up")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")
@@ -355,7 +362,7 @@ class Engine:
         MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
         """
         upto = len(plan.target) - 1
-        reused, chunk = mlx(lambda: self._adopt_and_start(session, plan, prefix, upto, should_stop))
+        reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, (session, plan, prefix, upto, should_stop)))
         prefilled = self.prefill(session, upto, mlx, should_stop, chunk)
         self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
@@ -368,6 +375,65 @@ class Engine:
         reused = self._adopt(session, plan, prefix)
         start = session.processed < upto and not (should_stop is not None and should_stop())
         return reused, self._prefill_chunk(session, upto) if start else None
+
+    def _start_turns(self, jobs: list[Packed]) -> list[Any]:
+        """The `_adopt_and_start` of every turn queued at once (a Packed job each, model/thread.py), in one
+        job: each cache adopted, then the short chunks that start them (PACK_MIN or more) queued as one forward
+        pass (model/packing.py), the others alone. One turn: `_adopt_and_start` itself, as before packing.
+        An item is (tokens reused, the chunk queued or None), or the exception of that turn's adoption."""
+        if len(jobs) == 1 or not self.pack_prefill:
+            return [_outcome(lambda job=job: self._adopt_and_start(*job.args)) for job in jobs]
+        results: list[Any] = []
+        rows: list[tuple[int, Session, int]] = []  # (its result's index, session, upto) of each that starts a chunk
+        for job in jobs:
+            session, plan, prefix, upto, should_stop = job.args
+            reused = _outcome(lambda: self._adopt(session, plan, prefix))
+            results.append(reused if isinstance(reused, BaseException) else [reused, None])
+            if not isinstance(reused, BaseException) and session.processed < upto and \
+                    not (should_stop is not None and should_stop()):
+                rows.append((len(results) - 1, session, upto))
+        packed = [row for row in rows if self._packable(row[1], row[2])]
+        if len(packed) < PACK_MIN:
+            packed = []
+        in_pack = {i for i, _, _ in packed}
+        for i, session, upto in rows:
+            if i not in in_pack:
+                chunk = _outcome(lambda: self._prefill_chunk(session, upto))
+                results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
+        if packed:
+            chunk = _outcome(lambda: self._pack_chunk([(session, upto) for _, session, upto in packed]))
+            for i, _, _ in packed:
+                results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
+        return [r if isinstance(r, BaseException) else tuple(r) for r in results]
+
+    def _packable(self, session: Session, upto: int) -> bool:
+        """Whether the session's next chunk (to upto) can go in a packed pass: plain KV layers, and one short
+        chunk (below the prefill step, at most PLAIN_MAX_QUERIES tokens) that reaches `upto`."""
+        n = upto - session.processed
+        return (n <= attention.PLAIN_MAX_QUERIES and self._chunk_end(session, upto) == upto
+                and all(type(c) is KVCache for c in session.cache))
+
+    def _pack_chunk(self, rows: list[tuple[Session, int]]) -> prefillslices.Chunk:
+        """Queue one forward pass prefilling each session of `rows` (session, upto) to upto, each row's
+        attention on the path its chunk alone would take; computed all at once when nobody decodes, else a
+        slice of layers per step (a Chunk of several sessions)."""
+        sliced = self.slice_prefill and self.decoder.active
+        paths = [self._path(session, upto - session.processed, upto, sliced)[1] or _fused for session, upto in rows]
+        packing.forward(self.model, [(session.tokens[session.processed : upto], session.cache)
+                                     for session, upto in rows], paths)
+        for session, upto in rows:
+            self._warm_buckets(session, upto - session.processed)
+        longest = max(upto - session.processed for session, upto in rows)
+        (first, end), more = rows[0], rows[1:]
+        chunk = prefillslices.Chunk(first, end, self.slicer,
+                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
+                                    kind=prefillslices.kind("packed", max(upto for _, upto in rows)),
+                                    more=more, padded=len(rows) * longest)
+        self.counters.add("prefill_packs", 1)
+        self.counters.add("prefill_packed_turns", len(rows))
+        if not sliced:
+            chunk.step()
+        return chunk
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
@@ -397,7 +463,7 @@ class Engine:
         what was prefilled, and the next call prefills the rest (as a generation a client left keeps
         the tokens it made).
         """
-        start = session.processed if chunk is None else chunk.end - chunk.tokens
+        start = session.processed if chunk is None else chunk.start_of(session)
         try:
             while chunk is not None or session.processed < upto:
                 if chunk is None:
@@ -409,7 +475,7 @@ class Engine:
                     chunk = mlx(lambda: self._prefill_chunk(session, upto))
                 try:
                     while not chunk.done:
-                        mlx(chunk.step)
+                        mlx(chunk.step_job)  # a packed chunk's callers: one job for those queued together
                 finally:
                     if not chunk.done:  # a slice's job did not run to its end: nothing may wait on the rest
                         mlx(chunk.abandon)
@@ -431,14 +497,36 @@ class Engine:
         step = self.prefill_step
         return min(upto, (processed // step + 1) * step)
 
+    def _chunk_end(self, session: Session, upto: int) -> int:
+        """Where the session's next prefill chunk ends: `chunk_end`, or `upto` for a turn's input that runs at
+        one query bucket (no boundary to keep: its graph is the bucket's)."""
+        end = self.chunk_end(session.processed, upto)
+        if end < upto and self._bucketed(session.cache, upto - session.processed):
+            end = upto
+        return end
+
     def _prefill_chunk(self, session: Session, upto: int) -> prefillslices.Chunk:
         """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing
         yet (the `Chunk` computes it a slice of layers per `step`, one per engine job)."""
-        end = self.chunk_end(session.processed, upto)
-        rest = upto - session.processed
-        if end < upto and self._bucketed(session.cache, rest):
-            end = upto  # a turn's input at one query bucket: no boundary to keep (its graph is the bucket's)
+        end = self._chunk_end(session, upto)
         sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
+        n = end - session.processed
+        path, make = self._path(session, n, end, sliced)
+        with attention.swapped(self.model, make) if make else contextlib.nullcontext():
+            self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
+        if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
+            self._warm_buckets(session, n)
+        chunk = prefillslices.Chunk(session, end, self.slicer,
+                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
+                                    kind=prefillslices.kind(path, end))
+        if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
+            chunk.step()  # in Python for the 8B shape), and its slices the next ones
+        return chunk
+
+    def _path(self, session: Session, n: int, end: int, sliced: bool) -> tuple[str, Callable[[Any], Any] | None]:
+        """The attention path of a chunk of n tokens of the session's (to `end`): ("plain" | "bucket" |
+        "fused", what makes its attention from the model's fused one; None: the fused one itself). Records
+        the shapes run fused, and those run plain beside decoding."""
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
@@ -449,7 +537,6 @@ class Engine:
         # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
         # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
         # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
-        n = end - session.processed
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
         bucket = self._bucketed(session.cache, n)
         shape = ("bucket", *bucket) if bucket else attention.fused_shape(session.cache, n) if self.plain_prefill else None
@@ -461,17 +548,10 @@ class Engine:
         plain = self.plain_prefill and (short or new_beside)
         if self.plain_prefill and not plain and shape is not None:
             self._fused_shapes.add(shape)  # the one record of shapes run fused (their graphs built)
-        with attention.plain_prefill(self.model, max(n, attention.PLAIN_MAX_QUERIES)) if plain else \
-                attention.bucketed_prefill(self.model) if bucket else contextlib.nullcontext():
-            self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
-            self._warm_buckets(session, n)
-        chunk = prefillslices.Chunk(session, end, self.slicer,
-                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
-                                    kind=prefillslices.kind("plain" if plain else "bucket" if bucket else "fused", end))
-        if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
-            chunk.step()  # in Python for the 8B shape), and its slices the next ones
-        return chunk
+        if plain:
+            queries = max(n, attention.PLAIN_MAX_QUERIES)
+            return "plain", lambda fused: attention.plain_attention(fused, queries)
+        return ("bucket", attention.bucketed_attention) if bucket else ("fused", None)
 
     def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
         """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a
@@ -641,3 +721,16 @@ class Engine:
         info = pipeline.write_prefix(self.kv, scratch, mlx)
         return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.block_tokens,
                 "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    """fn's result, or the exception it raised (a pack's item: model/thread.py raises it to its caller)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - delivered to the one caller it belongs to
+        return exc
+
+
+def _fused(fused: Any) -> Any:
+    """A packed row's attention on the fused path: the model's own."""
+    return fused

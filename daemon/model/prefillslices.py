@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv.context import later
+from kvwake.daemon.kv.context import Packed, later
 
 __all__ = ["Chunk", "Slicer", "SLICE_OF_STEP", "kind"]
 
@@ -73,23 +73,46 @@ class Chunk:
     `processed` is `end`. `target_s`: a slice's time (a decode step's), or None for all layers in one step;
     `kind`: the attention path its graph takes (the Slicer's costs are kept per kind).
 
-    A slice that raises leaves the cache's state unknown: the session's cache is dropped (the engine
-    rebuilds it from the tokens on next use), as after a failed generation.
+    `more`: the other sessions (session, end) of a packed chunk (model/packing.py: one forward pass for
+    several sessions' short chunks), computed slice by slice together; `padded`: the tokens the pass
+    computes (rows x the longest), what a slice's cost grows with. Its callers step it each through
+    `step_job`: the ones queued at a turn make one job.
+
+    A slice that raises leaves the cache's state unknown: the session's cache (every packed session's)
+    is dropped (the engine rebuilds it from the tokens on next use), as after a failed generation, and
+    later steps raise the same error.
     """
 
-    def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None, kind: str = "fused") -> None:
+    def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None, kind: str = "fused",
+                 more: list[tuple[Any, int]] | None = None, padded: int | None = None) -> None:
         self.session, self.end, self.slicer, self.target_s, self.kind = session, end, slicer, target_s, kind
-        self.layers = list(session.cache)
+        self.rows = [(session, end), *(more or ())]
+        self.starts = {id(s): s.processed for s, _ in self.rows}
+        self.layers = list(zip(*(s.cache for s, _ in self.rows)))  # by layer, every row's
         self.tokens = end - session.processed
+        self.padded = padded or sum(e - s.processed for s, e in self.rows)
         self.computed = 0  # layers evaluated so far
         self.slices = 0
         self.last = (0, 0)  # the last slice's first layer and its number of layers
-        session.computing = True  # until the last slice: what reads the cache waits (Session.when_settled)
+        self.failed: str | None = None  # what a failed slice raised (later steps raise it again)
+        for s, _ in self.rows:
+            s.computing = True  # until the last slice: what reads the cache waits (Session.when_settled)
+
+    @property
+    def step_job(self) -> Packed:
+        """`step` as a job the steps queued with it join (made per use: kept, it would tie the chunk and its
+        layers in a cycle, freed by the collector, not when the chunk goes)."""
+        return Packed(self.step, self._step_once)
+
+    def start_of(self, session: Any) -> int:
+        """Where `session`'s part of the chunk starts (its `processed` when the chunk was queued)."""
+        return self.starts[id(session)]
 
     def trace(self) -> str:
         """What the last slice computed, for the engine thread's record of slow work (`status.engine_thread`)."""
         first, n = self.last
-        return f"{self.kind} {self.tokens} tokens, layers {first}-{first + n - 1} of {len(self.layers)}"
+        rows = f" in {len(self.rows)} sessions" if len(self.rows) > 1 else ""
+        return f"{self.kind} {self.padded} tokens{rows}, layers {first}-{first + n - 1} of {len(self.layers)}"
 
     @property
     def done(self) -> bool:
@@ -98,21 +121,34 @@ class Chunk:
     def abandon(self) -> None:
         """The chunk will not be finished (its caller stopped between slices): the cache, half computed, is
         dropped as after a failed slice, and what waited for the chunk's end runs."""
-        if not self.done:
-            self.session.cache, self.session.processed = None, 0
-            self.session.settle(later)
+        if not self.done and self.failed is None:
+            self._drop()
+
+    def _drop(self) -> None:
+        for s, _ in self.rows:
+            s.cache, s.processed = None, 0
+            s.settle(later)
+
+    def _step_once(self, jobs: list[Packed]) -> list[None]:
+        """The pack of step jobs queued together: one slice for them all."""
+        self.step()
+        return [None] * len(jobs)
 
     def step(self) -> None:
-        """Compute the next slice of layers (the chunk's whole pass when not sliced)."""
+        """Compute the next slice of layers (the chunk's whole pass when not sliced); nothing once done."""
+        if self.failed is not None:
+            raise RuntimeError(f"the chunk's slice failed before: {self.failed}")
+        if self.done:
+            return
         left = len(self.layers) - self.computed
-        n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.tokens, left, self.kind)
+        n = left if self.target_s is None else self.slicer.layers_for(self.target_s, self.padded, left, self.kind)
         started = time.perf_counter()
         self.last = (self.computed, n)
         try:
-            mx.eval([c.state for c in self.layers[self.computed : self.computed + n]])
-        except BaseException:
-            self.session.cache, self.session.processed = None, 0
-            self.session.settle(later)
+            mx.eval([c.state for layer in self.layers[self.computed : self.computed + n] for c in layer])
+        except BaseException as exc:
+            self.failed = repr(exc)
+            self._drop()
             raise
         # A slice of layers a..b evaluates their caches; a KV cache's input is the output of the layer before,
         # so the slice computes the attention of layers a-1..b-1 and the first layer's slice none: it says
@@ -121,9 +157,10 @@ class Chunk:
         # slice took 4-5 layers, 22-25 ms against a 6 ms target.
         attentions = n - (self.computed == 0)
         if attentions:
-            self.slicer.observe(time.perf_counter() - started, attentions, self.tokens, self.kind)
+            self.slicer.observe(time.perf_counter() - started, attentions, self.padded, self.kind)
         self.computed += n
         self.slices += 1
         if self.done:
-            self.session.processed = self.end
-            self.session.settle(later)
+            for s, end in self.rows:
+                s.processed = end
+                s.settle(later)

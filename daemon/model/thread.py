@@ -13,7 +13,9 @@ chunk (model/prefillslices.py), not by the whole prompt, and a decoding session
 never waits for a sleep or wake. A `quick` job (bookkeeping with no MLX work: a
 call joining the decoder) does not wait its turn: every quick job queued runs
 before the next job, so 16 calls that come at once join the batch at one step,
-not over 16.
+not over 16. A `Packed` job (kv/context.py) runs with every job of its pack queued
+by its turn, as one: 16 turns' prefill chunks that come at once are one forward pass
+(model/packing.py) and one job, not 16 of each.
 
 Output for the event loop (streamed pieces, finished calls) is `post`ed: what a
 job or a decode step posts reaches each loop in one `call_soon_threadsafe`
@@ -61,6 +63,25 @@ def process_age_s() -> float | None:
 
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
+
+
+class _PackDue:
+    """In the job queue: a Packed job of `pack` was queued here; the first of these runs all of its jobs
+    queued by then, the others find none (a wake-up, not a turn)."""
+
+    __slots__ = ("pack",)
+
+    def __init__(self, pack: Callable[[list[Any]], list[Any]]) -> None:
+        self.pack = pack
+
+
+class _Taken:
+    """A pack's jobs taken from the queue, to run as one."""
+
+    __slots__ = ("jobs",)
+
+    def __init__(self, jobs: list[Job]) -> None:
+        self.jobs = jobs
 Posted = tuple[Callable[..., Any], tuple[Any, ...]]
 # a job or step this long is named in `timing` (a decode step on the H100 takes ~7-20 ms); KVWAKE_SLOW_JOB_MS
 # lowers it to see what a neighbour's shorter gaps are made of
@@ -81,6 +102,8 @@ class EngineThread:
         self._jobs: queue.SimpleQueue[Job | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up, no job
         self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()  # `quick` jobs: all run before the next job
         self._idle: deque[Callable[[], Any]] = deque()  # `idle` jobs: run only when nothing else waits
+        self._packs: dict[Any, list[Job]] = {}  # Packed jobs by pack, queued (a _PackDue each in _jobs)
+        self._packs_lock = threading.Lock()
         self._decoder: Decoder | None = None
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
         self.hops = 0  # loop wake-ups made by `post`ed output (one per loop per job or step that posted)
@@ -106,17 +129,17 @@ class EngineThread:
             idle = None
             try:
                 if decoding:
-                    job = self._jobs.get_nowait()
+                    job = self._take(self._jobs.get_nowait())
                 elif self._idle:  # an idle job once the queue stays empty a while (a caller's next job is
-                    job = self._jobs.get(timeout=IDLE_AFTER_S)  # typically microseconds behind its last)
+                    job = self._take(self._jobs.get(timeout=IDLE_AFTER_S))  # typically microseconds behind its last)
                 else:
-                    job = self._jobs.get()
+                    job = self._take(self._jobs.get())
             except queue.Empty:
                 job = ()  # nothing queued: decode, or (not decoding) one idle job
                 idle = None if decoding else self._idle.popleft()
             while job == () and idle is None:  # quick jobs' wake-ups (they all run below): not a turn each
                 try:
-                    job = self._jobs.get_nowait()
+                    job = self._take(self._jobs.get_nowait())
                 except queue.Empty:
                     break
             if job is None:
@@ -124,7 +147,10 @@ class EngineThread:
             start = time.perf_counter()
             self._run_quick()
             began = time.perf_counter()  # the quick jobs counted apart
-            if job:
+            if isinstance(job, _Taken):
+                self._do_pack(job.jobs)
+                self._spend("job", getattr(job.jobs[0][0], "fn", job.jobs[0][0]), began, len(job.jobs))
+            elif job:
                 self._do(job)
                 self._spend("job", job[0], began)
             elif idle is not None:
@@ -156,6 +182,33 @@ class EngineThread:
         if self._on_exit is not None:
             self._on_exit()
 
+    def _take(self, job: Any) -> Any:
+        """A queued item as the loop runs it: a pack's marker becomes the pack's queued jobs (_Taken), or a
+        wake-up () when an earlier marker took them."""
+        if not isinstance(job, _PackDue):
+            return job
+        with self._packs_lock:
+            jobs = self._packs.pop(job.pack, None)
+        return _Taken(jobs) if jobs else ()
+
+    @staticmethod
+    def _do_pack(jobs: list[Job]) -> None:
+        """Run a pack's jobs as one: `pack` once over those still wanted, each future its item."""
+        live = [(fn, future) for fn, future in jobs if future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            results = live[0][0].engine_pack([fn for fn, _ in live])  # type: ignore[attr-defined]
+        except BaseException as exc:  # every caller of the pack gets it
+            for _, future in live:
+                future.set_exception(unframed(exc))
+            return
+        for (_, future), result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                future.set_exception(unframed(result))
+            else:
+                future.set_result(result)
+
     def _run_quick(self) -> None:
         """Every quick job queued now (its caller waits for it, so none queues another behind it)."""
         while True:
@@ -176,13 +229,18 @@ class EngineThread:
                     job = jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job:
+                if isinstance(job, tuple) and job:
                     job[1].set_exception(CancelledError("the engine stopped before this job ran"))
+        with self._packs_lock:
+            packs, self._packs = self._packs, {}
+        for pack in packs.values():
+            for _, future in pack:
+                future.set_exception(CancelledError("the engine stopped before this job ran"))
 
-    def _spend(self, kind: str, what: str | Callable[..., Any], start: float) -> None:
+    def _spend(self, kind: str, what: str | Callable[..., Any], start: float, packed: int = 1) -> None:
         """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
         function's name, with what its object says of the work when it can: `trace()`, a prefill slice's
-        layers, a decode step's admitted calls). A decode step is named "decode step"."""
+        layers, a decode step's admitted calls; "x N" for a pack of N jobs). A decode step is named "decode step"."""
         took = time.perf_counter() - start
         self._spent[kind + "s"] += 1
         self._spent[kind + "_s"] += took
@@ -192,6 +250,8 @@ class EngineThread:
             said = trace() if callable(trace) else ""
             if said:
                 name = f"{name} {said}"
+            if packed > 1:
+                name = f"{name} x {packed}"
             self._slow.append({"what": name, "ms": round(took * 1000, 1), "at": round(time.time() - took, 4)})
 
     def timing(self) -> dict[str, Any]:
@@ -252,9 +312,14 @@ class EngineThread:
         """Queue fn; `quick`: it does no MLX work to speak of (microseconds), so it runs before the next
         job, with every other quick job queued, instead of one job per decode step."""
         future: Future[T] = Future()
+        pack = getattr(fn, "engine_pack", None)  # kv/context.Packed
         if quick or getattr(fn, "engine_quick", False):  # kv/context.quick
             self._quick.put((fn, future))
             self._jobs.put(())  # a thread blocked on an empty queue looks again
+        elif pack is not None:
+            with self._packs_lock:
+                self._packs.setdefault(pack, []).append((fn, future))
+            self._jobs.put(_PackDue(pack))
         else:
             self._jobs.put((fn, future))
         return future

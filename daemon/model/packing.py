@@ -1,0 +1,105 @@
+"""Several sessions' short prefill chunks in one forward pass: N agents' turns read the weights once.
+
+Sixteen agents that send their next turn at once each prefill a short chunk
+(a message, a tool's result: tens to a few hundred tokens). One at a time,
+that is sixteen forward passes, each reading every weight, and beside a
+decoding call sixteen times the jobs, each waiting for a decode step (on the
+H100, 8B shape: first tokens 1.7-2.9 s, `bench/turns_at_once.py`). Packed,
+the chunks are the rows of one batch: the projections and the MLP run once
+over all rows, and each row's attention runs over its own session's cache,
+as its chunk alone would (same function, same shapes).
+
+How, without touching the model's code: the rows are right-padded to the
+longest; each layer's cache is a `RowsLayer` that gives RoPE every row's
+offset (MLX rotates each batch row from its own) and hands each row's new
+keys and values (padding cut off) to that row's own cache; the model
+module's `scaled_dot_product_attention` is swapped (as model/attention.py's
+paths are) for one that runs each row's attention with the path the engine
+chose for it (plain, bucketed or fused) and pads its output back. Padded
+positions compute numbers nothing reads: no cache holds them.
+
+Only for models whose attention is mlx-lm's standard shape (`PACKABLE`:
+rotary offsets from `cache.offset`, keys and values passed from the cache's
+update to the module's attention unchanged) and plain `KVCache` layers.
+Exactness: each row's attention is its solo computation; the projections
+and the MLP run at another matrix shape, whose kernels may round
+differently, as batched decoding's do (docs/decisions.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from kvwake.daemon.model import attention
+
+__all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model"]
+
+# mlx-lm model modules whose attention rotates by `cache.offset`, then passes `cache.update_and_fetch`'s keys
+# and values to the module's `scaled_dot_product_attention` as they are (read in mlx-lm 0.32); mistral and
+# the SmolLM family load as llama.
+PACKABLE = frozenset(f"mlx_lm.models.{name}" for name in
+                     ("llama", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "granite"))
+
+Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
+
+
+def packable_model(model: Any) -> bool:
+    """Whether `model`'s forward pass can take packed rows (its module is in PACKABLE)."""
+    return type(model).__module__ in PACKABLE and attention.attention_module(model) is not None
+
+
+class RowsLayer:
+    """One layer's caches of the packed rows, standing in for one cache in the model's forward pass.
+
+    `offset`: every row's, for RoPE. `update_and_fetch` feeds row b's first `lengths[b]` keys and values to
+    its own cache and keeps what that cache returns (`fetched`) for the swapped attention; the model gets its
+    input back, so whatever shape code follows still runs."""
+
+    def __init__(self, layers: Sequence[Any], lengths: Sequence[int]) -> None:
+        self.layers, self.lengths = list(layers), list(lengths)
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([layer.offset for layer in self.layers])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.fetched = [layer.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
+                        for b, (layer, n) in enumerate(zip(self.layers, self.lengths))]
+        return keys, values
+
+
+def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
+    """The module's attention for a forward pass over RowsLayer caches: row b's queries (its real ones) over
+    what its cache fetched, through `rows[b]` (its own path), zero-padded back to the batch's length."""
+
+    def attend(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+               sinks: mx.array | None = None) -> mx.array:
+        if not isinstance(cache, RowsLayer):
+            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        length = queries.shape[2]
+        out = []
+        for b, ((k, v), n, layer, path) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows)):
+            row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask="causal" if n > 1 else None,
+                       sinks=sinks)
+            if n < length:
+                row = mx.concatenate([row, mx.zeros((1, row.shape[1], length - n, row.shape[3]), row.dtype)], axis=2)
+            out.append(row)
+        return mx.concatenate(out, axis=0)
+    return attend
+
+
+def forward(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[Any]]],
+            paths: Sequence[Callable[[Attention], Attention]]) -> None:
+    """Queue (lazily) one forward pass feeding row b's `tokens` to its `cache` (a list of plain KVCache layers),
+    its attention made by `paths[b]` from the module's fused one. The caches hold the result once their state
+    is evaluated; the logits are never computed (nothing evaluates them)."""
+    length = max(len(tokens) for tokens, _ in rows)
+    batch = mx.array([list(tokens) + [0] * (length - len(tokens)) for tokens, _ in rows], dtype=mx.uint32)
+    lengths = [len(tokens) for tokens, _ in rows]
+    caches = [RowsLayer(layers, lengths) for layers in zip(*(cache for _, cache in rows))]
+    with attention.swapped(model, lambda fused: packed_attention(fused, [make(fused) for make in paths])):
+        model(batch, cache=caches)

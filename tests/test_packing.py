@@ -1,0 +1,194 @@
+"""Turns that come at once prefill in one forward pass (model/packing.py): each session's cache ends as its
+own prefill would leave it (bit for bit on the CPU), the engine thread runs the pack as one job in the first
+turn's place, and a failure reaches the turns it belongs to."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvwake.daemon.kv.context import Packed
+from kvwake.daemon.model import attention, packing, prefillslices
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.session import Session
+from tests.test_batching import engine, session  # noqa: F401 - the batched engine fixture
+
+HISTORIES = ["the first agent read the tests " * 3, "a short one", "x" * 90, "the weather in the harbour " * 5]
+TURNS = [" now fix the failing test", " next", " and then a longer message about the module and its tools " * 3,
+         "!"]
+
+
+def held(cache: list) -> list[mx.array]:
+    """Every layer's keys and values up to its offset: what the cache stands for."""
+    return [a[..., : layer.offset, :] for layer in cache for a in (layer.keys, layer.values)]
+
+
+def same(a: list, b: list) -> bool:
+    return all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(held(a), held(b), strict=True))
+
+
+def test_a_packed_pass_leaves_each_cache_as_its_own_prefill_would(model_dir):
+    model, tokenizer = load(str(model_dir))
+    assert packing.packable_model(model)
+    histories = [tokenizer.encode(h) for h in HISTORIES]
+    news = [tokenizer.encode(t) for t in TURNS]
+    assert len(news[3]) == 1  # a one-token row among longer ones
+    for path in (lambda fused: fused, lambda fused: attention.plain_attention(fused)):
+        alone, packed = [], []
+        for history, new in zip(histories, news):
+            for out in (alone, packed):
+                cache = make_prompt_cache(model)
+                model(mx.array(history)[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                out.append(cache)
+            with attention.swapped(model, path):
+                model(mx.array(new)[None], cache=alone[-1])
+            mx.eval([c.state for c in alone[-1]])
+        packing.forward(model, list(zip(news, packed)), [path] * len(news))
+        mx.eval([c.state for cache in packed for c in cache])
+        for i, (a, b) in enumerate(zip(alone, packed)):
+            assert [c.offset for c in a] == [c.offset for c in b]
+            assert same(a, b), f"row {i}: the packed pass's keys or values differ from its own prefill's"
+
+
+def test_packed_jobs_queued_by_their_turn_run_as_one_pack_in_the_first_ones_place():
+    thread = EngineThread()
+    order: list[str] = []
+
+    def pack(jobs: list[Packed]) -> list:
+        order.append("pack " + " ".join(job.args[0] for job in jobs))
+        return [ValueError(job.args[0]) if job.args[0] == "bad" else job.args[0].upper() for job in jobs]
+
+    try:
+        gate, running = threading.Event(), threading.Event()
+        blocked = thread.submit(lambda: (running.set(), gate.wait()))
+        assert running.wait(30)
+        a = thread.submit(Packed(lambda: None, pack, ("a",)))
+        plain = thread.submit(lambda: order.append("plain"))
+        b = thread.submit(Packed(lambda: None, pack, ("b",)))
+        bad = thread.submit(Packed(lambda: None, pack, ("bad",)))
+        gate.set()
+        blocked.result(30)
+        assert (a.result(30), b.result(30)) == ("A", "B")
+        with pytest.raises(ValueError, match="bad"):
+            bad.result(30)  # its own item: the others got theirs
+        plain.result(30)
+        assert order == ["pack a b bad", "plain"]  # one pack, where the first was queued
+
+        def broken(jobs: list[Packed]) -> list:
+            raise RuntimeError("the pack failed")
+
+        assert thread.submit(Packed(lambda: None, broken)).exception(30).args == ("the pack failed",)
+        assert Packed(lambda: None, pack, ("alone",))() == "ALONE"  # called directly: a pack of one
+    finally:
+        thread.stop()
+
+
+def turns_at_once(engine: Engine, thread: EngineThread, sessions: list[Session], texts: list[str]) -> None:
+    """Each session's append from its own thread while the engine thread is held, released once all wait."""
+    gate, running = threading.Event(), threading.Event()
+    blocked = thread.submit(lambda: (running.set(), gate.wait()))
+    assert running.wait(30)
+    errors: list[BaseException] = []
+
+    def append(s: Session, text: str) -> None:
+        try:
+            engine.append(s, text=text, mlx=thread.call)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    workers = [threading.Thread(target=append, args=(s, t)) for s, t in zip(sessions, texts)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 30
+    while sum(len(jobs) for jobs in thread._packs.values()) < len(sessions) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    blocked.result(30)
+    for w in workers:
+        w.join(60)
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced beside decoding"])
+def test_turns_that_come_at_once_prefill_in_one_pass_and_continue_as_each_alone(engine, monkeypatch, sliced):
+    if sliced:  # a call decodes (as far as the prefill sees): slices of one layer, a step job each
+        monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
+        engine.decoder.step_s = 1e-9
+    assert engine.pack_prefill
+    alone = [session(engine, f"alone{i}", h) for i, h in enumerate(HISTORIES)]
+    for s, t in zip(alone, TURNS):
+        engine.append(s, text=t)  # `direct`: a pack of one, the lone path
+    packs, turns = engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]
+    together = [session(engine, f"together{i}", h) for i, h in enumerate(HISTORIES)]
+    thread = EngineThread()
+    try:
+        turns_at_once(engine, thread, together, TURNS)
+    finally:
+        thread.stop()
+    assert engine.counters["prefill_packs"] == packs + 1
+    assert engine.counters["prefill_packed_turns"] == turns + len(TURNS)
+    monkeypatch.undo()
+    for a, b in zip(alone, together):
+        assert (a.processed, a.tokens) == (b.processed, b.tokens) and not b.computing
+        assert same(a.cache, b.cache), f"{b.id}: its cache differs from the same turn prefilled alone"
+        params = GenerateParams(max_tokens=8)
+        assert engine.generate(a, params).tokens == engine.generate(b, params).tokens
+
+
+def test_a_turn_that_cannot_pack_goes_alone_beside_the_pack(engine):
+    long_turn = " a long tool result with many lines of output" * 40  # over PLAIN_MAX_QUERIES tokens
+    texts = [TURNS[0], long_turn, TURNS[2]]
+    alone = [session(engine, f"alone{i}", HISTORIES[i]) for i in range(3)]
+    for s, t in zip(alone, texts):
+        engine.append(s, text=t)
+    together = [session(engine, f"together{i}", HISTORIES[i]) for i in range(3)]
+    packs, turns = engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]
+    thread = EngineThread()
+    try:
+        turns_at_once(engine, thread, together, texts)
+    finally:
+        thread.stop()
+    assert (engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]) == (packs + 1, turns + 2)
+    for a, b in zip(alone, together):
+        assert a.processed == b.processed and same(a.cache, b.cache)
+
+
+def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_each_step():
+    class Layer:
+        state = property(lambda self: mx.array([1]))
+
+    class Failing(Layer):
+        @property
+        def state(self):
+            raise RuntimeError("slice failed")
+
+    class Fake:
+        def __init__(self, layers: list) -> None:
+            self.id, self.cache, self.processed, self.computing, self.settled = "s", layers, 0, False, 0
+
+        def settle(self, later) -> None:
+            self.settled += 1
+            self.computing = False
+
+    one, two = Fake([Layer(), Layer()]), Fake([Layer(), Failing()])
+    chunk = prefillslices.Chunk(one, 5, prefillslices.Slicer(), target_s=1.0, kind="packed@3", more=[(two, 7)],
+                                padded=14)
+    assert one.computing and two.computing and chunk.start_of(two) == 0
+    chunk.step()  # layer 0 (one layer: no cost measured yet)
+    assert "in 2 sessions" in chunk.trace()
+    with pytest.raises(RuntimeError, match="slice failed"):
+        chunk.step()
+    for s in (one, two):
+        assert s.cache is None and s.processed == 0 and s.settled == 1 and not s.computing
+    with pytest.raises(RuntimeError, match="slice failed"):  # another caller's step: the same failure
+        chunk.step_job()
+    chunk.abandon()  # nothing more to drop
+    assert one.settled == two.settled == 1
