@@ -7,7 +7,7 @@ all N send their next chat turn (a new user message, about 40 tokens) in one mom
 `max_tokens` 8. Reported per round: the turns' first tokens as the daemon counts them (`usage.ttft_ms`,
 from the call's arrival: the turn's prefill and its join), p50 and max, the calls' wall time, the
 engine thread's jobs and decode steps between the round's start and end, the packed prefills (turns whose
-short chunks went in one forward pass: `prefill_packs`, `prefill_packed_turns`), and the checkpoints committed
+short chunks went in one forward pass: `prefill_packs`, `prefill_packed_chunks`), and the checkpoints committed
 and dropped (`checkpoints_moved`: the session went into the batch before its capture ran). While a call decodes
 the engine runs one job between two steps (model/thread.py), and a turn is several jobs (its cache cut back
 with its chunk queued, the chunk computed, its checkpoint's captures): N turns at once are about N x jobs steps.
@@ -94,7 +94,7 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
             # checkpoints committed, and dropped because the session moved (into the batch) under them
             **{k: persisted[k] - saved[k] for k in ("checkpoints", "checkpoints_moved")},
             # forward passes that prefilled several turns at once, and the turns in them (model/packing.py)
-            **{k: status["counters"][k] - counted[k] for k in ("prefill_packs", "prefill_packed_turns")},
+            **{k: status["counters"][k] - counted[k] for k in ("prefill_packs", "prefill_packed_chunks")},
             # the engine's jobs and steps over its SLOW_S during the round (all with KVWAKE_SLOW_JOB_MS=0)
             "slow_engine_work": engine_work(status, began_wall, time.time())}
 

@@ -168,7 +168,7 @@ def test_chat_turns_sent_at_once_prefill_in_one_pass_and_reply_as_with_packing_o
                 replies[mode].append(chat_turns_at_once(d, conversations))
             talker.close()
             with d.client() as c:
-                packed[mode] = c.call("status")["counters"]["prefill_packed_turns"]
+                packed[mode] = c.call("status")["counters"]["prefill_packed_chunks"]
         finally:
             assert d.stop() == 0
     assert replies["packed"] == replies["off"]

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.kv.context import Packed
 from kvwake.daemon.model import attention, packing, prefillslices
-from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.engine import Engine, pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session
@@ -126,15 +126,17 @@ def test_turns_that_come_at_once_prefill_in_one_pass_and_continue_as_each_alone(
     alone = [session(engine, f"alone{i}", h) for i, h in enumerate(HISTORIES)]
     for s, t in zip(alone, TURNS):
         engine.append(s, text=t)  # `direct`: a pack of one, the lone path
-    packs, turns = engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]
+    packs, chunks = engine.counters["prefill_packs"], engine.counters["prefill_packed_chunks"]
     together = [session(engine, f"together{i}", h) for i, h in enumerate(HISTORIES)]
+    lengths = [len(engine.plan(s, text=t).target) - 1 - s.processed for s, t in zip(together, TURNS)]
+    assert len(pack_groups(list(enumerate(lengths)))) == 2, lengths  # the short two, the long two: padding bounded
     thread = EngineThread()
     try:
         turns_at_once(engine, thread, together, TURNS)
     finally:
         thread.stop()
-    assert engine.counters["prefill_packs"] == packs + 1
-    assert engine.counters["prefill_packed_turns"] == turns + len(TURNS)
+    assert engine.counters["prefill_packs"] == packs + 2
+    assert engine.counters["prefill_packed_chunks"] == chunks + len(TURNS)
     monkeypatch.undo()
     for a, b in zip(alone, together):
         assert (a.processed, a.tokens) == (b.processed, b.tokens) and not b.computing
@@ -143,20 +145,42 @@ def test_turns_that_come_at_once_prefill_in_one_pass_and_continue_as_each_alone(
         assert engine.generate(a, params).tokens == engine.generate(b, params).tokens
 
 
-def test_a_turn_that_cannot_pack_goes_alone_beside_the_pack(engine):
-    long_turn = " a long tool result with many lines of output" * 40  # over PLAIN_MAX_QUERIES tokens
-    texts = [TURNS[0], long_turn, TURNS[2]]
+def test_a_turn_that_fits_no_pack_goes_alone_beside_it(engine):
+    long_turn = " a long tool result with many lines of output" * 40  # its first chunk: ~400 tokens
+    texts = [TURNS[1], TURNS[3], long_turn]  # 5 and 1 tokens: the long one would pad them past twice their work
     alone = [session(engine, f"alone{i}", HISTORIES[i]) for i in range(3)]
     for s, t in zip(alone, texts):
         engine.append(s, text=t)
     together = [session(engine, f"together{i}", HISTORIES[i]) for i in range(3)]
-    packs, turns = engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]
+    packs, chunks = engine.counters["prefill_packs"], engine.counters["prefill_packed_chunks"]
     thread = EngineThread()
     try:
         turns_at_once(engine, thread, together, texts)
     finally:
         thread.stop()
-    assert (engine.counters["prefill_packs"], engine.counters["prefill_packed_turns"]) == (packs + 1, turns + 2)
+    assert (engine.counters["prefill_packs"], engine.counters["prefill_packed_chunks"]) == (packs + 1, chunks + 2)
+    for a, b in zip(alone, together):
+        assert a.processed == b.processed and same(a.cache, b.cache)
+
+
+def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine):
+    prompts = ["the archive holds notes and plans " * 40, "tool output, line after line " * 45]
+    alone = [session(engine, f"alone{i}", p) for i, p in enumerate(prompts)]
+    together = []
+    for i, p in enumerate(prompts):
+        s = Session(f"together{i}")
+        plan = engine.plan(s, text=p)
+        engine._adopt(s, plan, (None, 0))
+        together.append(s)
+    upto = [len(s.tokens) - 1 for s in together]
+    assert all(n > 2 * engine.prefill_step for n in upto)  # three chunks or more each
+    packs = engine.counters["prefill_packs"]
+    while any(s.processed < n for s, n in zip(together, upto)):
+        jobs = [Packed(engine._prefill_chunk, engine._next_chunks, (s, n)) for s, n in zip(together, upto)
+                if s.processed < n]
+        chunks = engine._next_chunks(jobs)
+        assert len(jobs) == 1 or len({id(c) for c in chunks}) == 1  # both sessions' chunks in one pass
+    assert engine.counters["prefill_packs"] >= packs + 2
     for a, b in zip(alone, together):
         assert a.processed == b.processed and same(a.cache, b.cache)
 
@@ -192,3 +216,24 @@ def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_e
         chunk.step_job()
     chunk.abandon()  # nothing more to drop
     assert one.settled == two.settled == 1
+
+
+def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():
+    assert pack_groups([("a", 10), ("b", 12), ("c", 200), ("d", 9)]) == [["d", "a", "b"]]  # c: 4 x 200 > 2 x 231
+    assert pack_groups([("a", 100), ("b", 5), ("c", 5)]) == [["b", "c"]]  # 3 x 100 would be 2.7 x 110
+    assert pack_groups([("a", 100), ("b", 60), ("c", 70), ("d", 300), ("e", 250)]) == [["b", "c", "a"], ["e", "d"]]
+    assert pack_groups([("a", 10)]) == []
+
+
+def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(engine, monkeypatch):
+    monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
+    monkeypatch.setattr(type(engine.decoder), "running", property(lambda self: 2))
+    engine.decoder.step_s = 0.01
+    rows = []
+    for i, (history, turn) in enumerate(zip(HISTORIES, TURNS)):
+        s = session(engine, f"s{i}", history)
+        plan = engine.plan(s, text=turn)
+        engine._adopt(s, plan, (None, 0))
+        rows.append((s, len(plan.target) - 1))
+    chunk = engine._pack_chunk(rows)  # 4 turns waiting beside 2 decoding calls: slices of 2 steps
+    assert chunk.target_s == pytest.approx(0.01 * prefillslices.SLICE_OF_STEP * 2)

@@ -158,7 +158,7 @@ class KvContext:
     device_planes: bool = False
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "tokens_reused",
                                                                 "tokens_prefilled", "prefill_packs",
-                                                                "prefill_packed_turns"))
+                                                                "prefill_packed_chunks"))
 
     @property
     def block_tokens(self) -> int:

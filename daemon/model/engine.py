@@ -25,7 +25,7 @@ import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx_lm
@@ -56,6 +56,7 @@ __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_
 # What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
+T = TypeVar("T")
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
@@ -71,6 +72,7 @@ BUCKETS_AHEAD = 2  # this many (128 and 192 queries: turns of 65-192 tokens; one
 # Turns whose short chunks come at once prefill in one forward pass from this many (model/packing.py);
 # KVWAKE_PACK_PREFILL=0 turns packing off (bench/turns_at_once.py compares)
 PACK_MIN = 2
+PACK_PADDING = 2.0  # a pack computes at most this many times its rows' tokens (right-padded to the longest)
 PACK_PREFILL = os.environ.get("KVWAKE_PACK_PREFILL", "1") != "0"
 PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
 
@@ -378,9 +380,9 @@ class Engine:
 
     def _start_turns(self, jobs: list[Packed]) -> list[Any]:
         """The `_adopt_and_start` of every turn queued at once (a Packed job each, model/thread.py), in one
-        job: each cache adopted, then the short chunks that start them (PACK_MIN or more) queued as one forward
-        pass (model/packing.py), the others alone. One turn: `_adopt_and_start` itself, as before packing.
-        An item is (tokens reused, the chunk queued or None), or the exception of that turn's adoption."""
+        job: each cache adopted, then the first chunks queued (`_queue_chunks`: in packs where they can). One
+        turn: `_adopt_and_start` itself, as before packing. An item is (tokens reused, the chunk queued or
+        None), or the exception of that turn's adoption."""
         if len(jobs) == 1 or not self.pack_prefill:
             return [_outcome(lambda job=job: self._adopt_and_start(*job.args)) for job in jobs]
         results: list[Any] = []
@@ -392,45 +394,58 @@ class Engine:
             if not isinstance(reused, BaseException) and session.processed < upto and \
                     not (should_stop is not None and should_stop()):
                 rows.append((len(results) - 1, session, upto))
-        packed = [row for row in rows if self._packable(row[1], row[2])]
-        if len(packed) < PACK_MIN:
-            packed = []
-        in_pack = {i for i, _, _ in packed}
-        for i, session, upto in rows:
-            if i not in in_pack:
-                chunk = _outcome(lambda: self._prefill_chunk(session, upto))
-                results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
-        if packed:
-            chunk = _outcome(lambda: self._pack_chunk([(session, upto) for _, session, upto in packed]))
-            for i, _, _ in packed:
-                results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
+        for (i, _, _), chunk in zip(rows, self._queue_chunks([(session, upto) for _, session, upto in rows])):
+            results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
         return [r if isinstance(r, BaseException) else tuple(r) for r in results]
 
-    def _packable(self, session: Session, upto: int) -> bool:
-        """Whether the session's next chunk (to upto) can go in a packed pass: plain KV layers, and one short
-        chunk (below the prefill step, at most PLAIN_MAX_QUERIES tokens) that reaches `upto`."""
-        n = upto - session.processed
-        return (n <= attention.PLAIN_MAX_QUERIES and self._chunk_end(session, upto) == upto
-                and all(type(c) is KVCache for c in session.cache))
+    def _next_chunks(self, jobs: list[Packed]) -> list[Any]:
+        """The next `_prefill_chunk` of every prefill queued at once (a Packed job each), in one job."""
+        if len(jobs) == 1 or not self.pack_prefill:
+            return [_outcome(lambda job=job: self._prefill_chunk(*job.args)) for job in jobs]
+        return self._queue_chunks([job.args for job in jobs])
+
+    def _queue_chunks(self, rows: list[tuple[Session, int]]) -> list[Any]:
+        """Each session's next chunk towards its `upto`: those of plain KV layers in packs (`pack_groups`:
+        PACK_MIN or more, padding bounded), one forward pass each (model/packing.py), the others alone. An
+        item is the chunk (shared by a pack's sessions) or the exception queuing it raised."""
+        out: list[Any] = [None] * len(rows)
+        packs = pack_groups([(i, self._chunk_end(session, upto) - session.processed)
+                             for i, (session, upto) in enumerate(rows)
+                             if all(type(c) is KVCache for c in session.cache)])
+        packed = {i for pack in packs for i in pack}
+        for i, (session, upto) in enumerate(rows):
+            if i not in packed:
+                out[i] = _outcome(lambda: self._prefill_chunk(session, upto))
+        for pack in packs:
+            chunk = _outcome(lambda: self._pack_chunk([rows[i] for i in pack]))
+            for i in pack:
+                out[i] = chunk
+        return out
 
     def _pack_chunk(self, rows: list[tuple[Session, int]]) -> prefillslices.Chunk:
-        """Queue one forward pass prefilling each session of `rows` (session, upto) to upto, each row's
-        attention on the path its chunk alone would take; computed all at once when nobody decodes, else a
-        slice of layers per step (a Chunk of several sessions)."""
+        """Queue one forward pass feeding each session of `rows` (session, upto) its next chunk (`_chunk_end`),
+        each row's attention on the path its chunk alone would take; computed all at once when nobody
+        decodes, else a slice of layers per step (a Chunk of several sessions)."""
         sliced = self.slice_prefill and self.decoder.active
-        paths = [self._path(session, upto - session.processed, upto, sliced)[1] or _fused for session, upto in rows]
-        packing.forward(self.model, [(session.tokens[session.processed : upto], session.cache)
-                                     for session, upto in rows], paths)
-        for session, upto in rows:
-            self._warm_buckets(session, upto - session.processed)
-        longest = max(upto - session.processed for session, upto in rows)
-        (first, end), more = rows[0], rows[1:]
+        ends = [(session, self._chunk_end(session, upto), upto) for session, upto in rows]
+        paths = [self._path(session, end - session.processed, end, sliced)[1] or _fused for session, end, _ in ends]
+        packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
+                                     for session, end, _ in ends], paths)
+        for session, end, upto in ends:
+            if end == upto:  # its prefill's last chunk: the next turn's shapes, once the engine is idle
+                self._warm_buckets(session, end - session.processed)
+        longest = max(end - session.processed for session, end, _ in ends)
+        (first, end, _), more = ends[0], [(session, end) for session, end, _ in ends[1:]]
+        # A slice's time is shared by the sessions on each side: N turns waiting beside D decoding calls take
+        # slices of N / D steps (at least one). One step each, 16 turns packed beside one talker took 32
+        # slices, 32 steps between them (H100, 8B: first tokens 1.4 s for 3k tokens of prefill work).
+        share = max(1.0, len(rows) / max(1, self.decoder.running))
         chunk = prefillslices.Chunk(first, end, self.slicer,
-                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
-                                    kind=prefillslices.kind("packed", max(upto for _, upto in rows)),
+                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP * share if sliced else None,
+                                    kind=prefillslices.kind("packed", max(end for _, end, _ in ends)),
                                     more=more, padded=len(rows) * longest)
         self.counters.add("prefill_packs", 1)
-        self.counters.add("prefill_packed_turns", len(rows))
+        self.counters.add("prefill_packed_chunks", len(rows))
         if not sliced:
             chunk.step()
         return chunk
@@ -472,7 +487,7 @@ class Engine:
                                              f"{session.processed - start} of {upto - start} tokens (the client "
                                              "left, or the daemon is stopping)", session_id=session.id,
                                              prefilled=session.processed - start, tokens=upto - start)
-                    chunk = mlx(lambda: self._prefill_chunk(session, upto))
+                    chunk = mlx(Packed(self._prefill_chunk, self._next_chunks, (session, upto)))
                 try:
                     while not chunk.done:
                         mlx(chunk.step_job)  # a packed chunk's callers: one job for those queued together
@@ -721,6 +736,20 @@ class Engine:
         info = pipeline.write_prefix(self.kv, scratch, mlx)
         return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.block_tokens,
                 "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
+
+
+def pack_groups(rows: list[tuple[T, int]]) -> list[list[T]]:
+    """Rows (each with its number of new tokens) in packs of PACK_MIN or more whose padding (every row as
+    long as the pack's longest) at most doubles the tokens computed; a row that fits no pack is left out
+    (it prefills alone). Shortest first, each pack takes the next (longer) rows while they fit."""
+    packs: list[list[tuple[T, int]]] = []
+    for row in sorted(rows, key=lambda r: r[1]):
+        pack = packs[-1] if packs else None
+        if pack is not None and (len(pack) + 1) * row[1] <= PACK_PADDING * (sum(n for _, n in pack) + row[1]):
+            pack.append(row)
+        else:
+            packs.append([row])
+    return [[r for r, _ in pack] for pack in packs if len(pack) >= PACK_MIN]
 
 
 def _outcome(fn: Callable[[], Any]) -> Any:
