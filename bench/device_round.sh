@@ -316,7 +316,7 @@ PY
     for run in pack-1 nopack-1 pack-2 nopack-2; do
       [ $SECONDS -gt ${UNTIL_S:-400} ] && break
       pack=1; [ "${run%%-*}" = nopack ] && pack=0
-      KVWAKE_PACK_PREFILL=$pack timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
+      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
         --out "$out/turnsatonce-$run" 2>&1 | grep '^{' | sed "s/^/$run /"
     done ;;
   admittrace)  # every engine job and step named while 8/16/32 calls join at once and while 16 chat turns come at once

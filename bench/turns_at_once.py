@@ -58,6 +58,9 @@ def talk(d: Any, stop: threading.Event, steps: list[int]) -> None:
             k += 1
 
 
+ALONE_S = 0.5  # each round begins with the talker alone this long
+
+
 def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
     out: list[tuple[float, dict[str, Any]] | None] = [None] * n
     barrier = threading.Barrier(n)
@@ -74,6 +77,8 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
         status = c.call("status")
         before, saved, counted = status["engine_thread"], status["persistence"], status["counters"]
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+    alone_wall = time.time()
+    time.sleep(ALONE_S)  # the talker alone: its gaps' baseline
     began_wall = time.time()
     for t in threads:
         t.start()
@@ -85,6 +90,7 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
         time.sleep(0.5)  # the turns' checkpoints (their end offers) settle
         persisted = c.call("status")["persistence"]
     done = [o for o in out if o is not None]
+    work = engine_work(status, alone_wall, time.time())
     ttft = [u["ttft_ms"] for _, u in done]
     walls = [w for w, _ in done]
     return {"turns": len(done), "ttft_p50_ms": round(statistics.median(ttft), 1), "ttft_max_ms": round(max(ttft), 1),
@@ -96,7 +102,25 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
             # forward passes that prefilled several turns at once, and the turns in them (model/packing.py)
             **{k: status["counters"][k] - counted[k] for k in ("prefill_packs", "prefill_packed_chunks")},
             # the engine's jobs and steps over its SLOW_S during the round (all with KVWAKE_SLOW_JOB_MS=0)
-            "slow_engine_work": engine_work(status, began_wall, time.time())}
+            "slow_engine_work": [{**j, "at_s": round(j["at_s"] - ALONE_S, 3)} for j in work],
+            **talker_gaps(work, ALONE_S, (began_wall - alone_wall) + max(w for w, _ in done) / 1000)}
+
+
+def talker_gaps(work: list[dict[str, Any]], alone_s: float, until_s: float) -> dict[str, Any]:
+    """The talker's side: intervals between the engine's decode steps (their starts, from the trace of every
+    job and step: KVWAKE_SLOW_JOB_MS=0 in the daemon's environment), alone (before `alone_s`) and while the
+    turns prefill (to `until_s`), p50 / p99 / max in ms; {} without the trace."""
+    steps = [j["at_s"] for j in work if j["what"].startswith("decode step")]
+    gaps = [(b, (b - a) * 1000) for a, b in zip(steps, steps[1:])]
+    alone = sorted(g for at, g in gaps if at <= alone_s)
+    during = sorted(g for at, g in gaps if alone_s < at <= until_s)
+    if len(alone) < 10 or not during:
+        return {}
+    def pick(values: list[float], q: float) -> float:
+        return round(values[min(len(values) - 1, int(q * len(values)))], 1)
+    return {"talker_gap_alone_ms": [pick(alone, 0.5), pick(alone, 0.99)],
+            "talker_gap_during_ms": [pick(during, 0.5), pick(during, 0.99), round(during[-1], 1)],
+            "talker_p99_during_over_p50_alone": round(pick(during, 0.99) / pick(alone, 0.5), 2)}
 
 
 def main() -> None:

@@ -111,7 +111,9 @@ def test_a_client_that_stops_reading_is_dropped_and_its_session_freed(tmp_path, 
         while b"stopped reading" not in d.log.read_bytes():
             assert time.monotonic() < deadline, "the stalled client was never dropped"
             assert other.call("hello")["server"] == "kvwake"  # served all along
-            assert other.call("session.info", session_id="s")["busy"] == "chat"
+            busy = other.call("session.info", session_id="s")["busy"]
+            # held until dropped (the drop may come between the look at the log and this call)
+            assert busy == "chat" or b"stopped reading" in d.log.read_bytes(), busy
             time.sleep(0.1)
         info = wait_free(other, "s")
         assert info["busy"] is None and info["tokens"] < 1_000_000
