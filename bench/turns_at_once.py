@@ -73,12 +73,12 @@ def one_round(d: Any, n: int, replies: list[list[str]]) -> dict[str, Any]:
             out[i] = ((time.perf_counter() - t) * 1000, r["usage"])
             replies[i].append(r["text"])
 
+    alone_wall = time.time()
+    time.sleep(ALONE_S)  # the talker alone: its gaps' baseline
     with d.client() as c:
         status = c.call("status")
         before, saved, counted = status["engine_thread"], status["persistence"], status["counters"]
     threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
-    alone_wall = time.time()
-    time.sleep(ALONE_S)  # the talker alone: its gaps' baseline
     began_wall = time.time()
     for t in threads:
         t.start()
