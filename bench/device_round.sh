@@ -313,7 +313,7 @@ PY
     done ;;
   turnsatonce)  # 16 agents send their next chat turn at once beside a decoding talker: first tokens, jobs and steps;
     model        # their short chunks packed in one forward pass (model/packing.py) or not, alternating
-    for run in pack-1 nopack-1 pack-2 nopack-2; do
+    for run in ${TURNS_RUNS:-nopack-1 pack-1 nopack-2 pack-2}; do  # a fresh machine's first process: packing off (session 24's stalls)
       [ $SECONDS -gt ${UNTIL_S:-400} ] && break
       pack=1; [ "${run%%-*}" = nopack ] && pack=0
       KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
