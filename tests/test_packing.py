@@ -237,3 +237,23 @@ def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(en
         rows.append((s, len(plan.target) - 1))
     chunk = engine._pack_chunk(rows)  # 4 turns waiting beside 2 decoding calls: slices of 2 steps
     assert chunk.target_s == pytest.approx(0.01 * prefillslices.SLICE_OF_STEP * 2)
+
+
+def test_a_packed_pass_that_fails_as_it_is_built_drops_every_sessions_cache_and_fails_each_turn(engine, monkeypatch):
+    together = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:2])]  # their turns: one pack
+
+    def broken(model, rows, paths):
+        rows[0][1][0].offset += 5  # a layer fed before the failure
+        raise RuntimeError("forward failed")
+
+    monkeypatch.setattr(packing, "forward", broken)
+    jobs = []
+    for s, t in zip(together, TURNS):
+        plan = engine.plan(s, text=t)
+        jobs.append(Packed(engine._adopt_and_start, engine._start_turns, (s, plan, (None, 0), len(plan.target) - 1, None)))
+    errors = engine._start_turns(jobs)
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) and "forward failed" in str(e) for e in errors), errors
+    assert all(s.cache is None and s.processed == 0 for s in together)
+    monkeypatch.undo()
+    for s in together:  # usable again: the next append rebuilds from the tokens
+        assert engine.append(s, text=" again")["prefilled"] > 0 and s.cache is not None

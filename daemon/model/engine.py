@@ -429,8 +429,13 @@ class Engine:
         sliced = self.slice_prefill and self.decoder.active
         ends = [(session, self._chunk_end(session, upto), upto) for session, upto in rows]
         paths = [self._path(session, end - session.processed, end, sliced)[1] or _fused for session, end, _ in ends]
-        packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
-                                     for session, end, _ in ends], paths)
+        try:
+            packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
+                                         for session, end, _ in ends], paths)
+        except BaseException:  # caches part-fed (their offsets moved layer by layer): rebuilt from tokens on next use
+            for session, _, _ in ends:
+                session.cache, session.processed = None, 0
+            raise
         for session, end, upto in ends:
             if end == upto:  # its prefill's last chunk: the next turn's shapes, once the engine is idle
                 self._warm_buckets(session, end - session.processed)
