@@ -257,3 +257,24 @@ def test_a_packed_pass_that_fails_as_it_is_built_drops_every_sessions_cache_and_
     monkeypatch.undo()
     for s in together:  # usable again: the next append rebuilds from the tokens
         assert engine.append(s, text=" again")["prefilled"] > 0 and s.cache is not None
+
+
+def test_a_model_whose_rope_scales_by_a_single_offset_is_not_packed(tmp_path):
+    from tests.tinymodel import make_model_dir
+
+    model, _ = load(str(make_model_dir(tmp_path / "ntk", rope_scaling={"type": "dynamic", "factor": 2.0})))
+    assert type(model.layers[0].self_attn.rope).__name__ == "DynamicNTKScalingRoPE"
+    assert not packing.packable_model(model)  # it takes its base from an int offset: an array offset raises
+
+
+def test_with_packing_off_a_turns_jobs_are_plain_ones(engine, monkeypatch):
+    engine.pack_prefill = False
+    s = session(engine, "off", HISTORIES[0])
+    kinds: list[str] = []
+
+    def mlx(fn):
+        kinds.append(type(fn).__name__)
+        return fn()
+
+    engine.append(s, text=TURNS[2], mlx=mlx)
+    assert kinds[0] == "function", kinds  # the turn's first job: a plain one (packed, it would pull others forward)

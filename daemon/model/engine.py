@@ -364,7 +364,9 @@ class Engine:
         MLX work goes through `mlx` one chunk at a time, so other sessions decode between the chunks.
         """
         upto = len(plan.target) - 1
-        reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, (session, plan, prefix, upto, should_stop)))
+        args = (session, plan, prefix, upto, should_stop)
+        reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, args) if self.pack_prefill else
+                            lambda: self._adopt_and_start(*args))
         prefilled = self.prefill(session, upto, mlx, should_stop, chunk)
         self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
@@ -492,7 +494,8 @@ class Engine:
                                              f"{session.processed - start} of {upto - start} tokens (the client "
                                              "left, or the daemon is stopping)", session_id=session.id,
                                              prefilled=session.processed - start, tokens=upto - start)
-                    chunk = mlx(Packed(self._prefill_chunk, self._next_chunks, (session, upto)))
+                    chunk = mlx(Packed(self._prefill_chunk, self._next_chunks, (session, upto)) if self.pack_prefill
+                                else lambda: self._prefill_chunk(session, upto))
                 try:
                     while not chunk.done:
                         mlx(chunk.step_job)  # a packed chunk's callers: one job for those queued together

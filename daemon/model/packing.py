@@ -46,9 +46,18 @@ PACKABLE = frozenset(f"mlx_lm.models.{name}" for name in
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 
 
+# RoPE classes that rotate each batch row from its own offset (an array offset): mlx-lm's DynamicNTKScalingRoPE
+# takes its base from a Python int offset (it raises on an array, and would scale by the padded length)
+ROW_ROPES = frozenset({"RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE"})
+
+
 def packable_model(model: Any) -> bool:
-    """Whether `model`'s forward pass can take packed rows (its module is in PACKABLE)."""
-    return type(model).__module__ in PACKABLE and attention.attention_module(model) is not None
+    """Whether `model`'s forward pass can take packed rows: its module is in PACKABLE and each of its RoPE
+    modules takes one offset per row (ROW_ROPES)."""
+    if type(model).__module__ not in PACKABLE or attention.attention_module(model) is None:
+        return False
+    ropes = {type(m).__name__ for _, m in model.named_modules() if type(m).__name__.endswith("RoPE")}
+    return ropes <= ROW_ROPES
 
 
 class RowsLayer:

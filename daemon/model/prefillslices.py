@@ -122,6 +122,7 @@ class Chunk:
         """The chunk will not be finished (its caller stopped between slices): the cache, half computed, is
         dropped as after a failed slice, and what waited for the chunk's end runs."""
         if not self.done and self.failed is None:
+            self.failed = "abandoned by a caller"  # a packed chunk's other callers stop stepping it too
             self._drop()
 
     def _drop(self) -> None:
