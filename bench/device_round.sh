@@ -44,6 +44,7 @@
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 #   bash bench/device_round.sh turnsatonce  bench/turns_at_once.py: 16 chat turns sent at once beside a decoding talker
+#                                         (TURNS_RUNS: nopack-K packing off, pack-K on, capN-K on with slices of at most N steps)
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
@@ -316,7 +317,8 @@ PY
     for run in ${TURNS_RUNS:-nopack-1 pack-1 nopack-2 pack-2}; do  # a fresh machine's first process: packing off (session 24's stalls)
       [ $SECONDS -gt ${UNTIL_S:-400} ] && break
       pack=1; [ "${run%%-*}" = nopack ] && pack=0
-      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
+      cap=0; case "$run" in cap*) cap=${run%%-*}; cap=${cap#cap} ;; esac  # capN-K: slices of at most N steps
+      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack KVWAKE_PACK_SHARE_MAX=$cap timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
         --out "$out/turnsatonce-$run" 2>&1 | grep '^{' | sed "s/^/$run /"
     done ;;
   admittrace)  # every engine job and step named while 8/16/32 calls join at once and while 16 chat turns come at once

@@ -14,11 +14,13 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.kv.context import Packed
 from kvwake.daemon.model import attention, packing, prefillslices
+from kvwake.daemon.model import engine as engine_module
 from kvwake.daemon.model.engine import Engine, pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session
 from tests.test_batching import engine, session  # noqa: F401 - the batched engine fixture
+from tests.test_prefill_slices import LayersOnly
 
 HISTORIES = ["the first agent read the tests " * 3, "a short one", "x" * 90, "the weather in the harbour " * 5]
 TURNS = [" now fix the failing test", " next", " and then a longer message about the module and its tools " * 3,
@@ -86,6 +88,9 @@ def test_packed_jobs_queued_by_their_turn_run_as_one_pack_in_the_first_ones_plac
             raise RuntimeError("the pack failed")
 
         assert thread.submit(Packed(lambda: None, broken)).exception(30).args == ("the pack failed",)
+        short = thread.submit(Packed(lambda: None, lambda jobs: [], ("x",)))  # a pack's bug: no items
+        assert "a pack of 1 jobs gave 0 results" in str(short.exception(30))
+        assert thread.submit(lambda: "alive").result(30) == "alive"  # the engine thread goes on
         assert Packed(lambda: None, pack, ("alone",))() == "ALONE"  # called directly: a pack of one
     finally:
         thread.stop()
@@ -185,6 +190,31 @@ def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine):
         assert a.processed == b.processed and same(a.cache, b.cache)
 
 
+def test_one_turns_failing_check_or_missing_cache_fails_that_turn_alone(engine):
+    """A turn's should_stop that raises, or a prefill whose cache is gone, is that turn's item; the pack's
+    other turns go on (each raised for the whole pack before)."""
+    sessions = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:3])]
+    plans = [engine.plan(s, text=t) for s, t in zip(sessions, TURNS)]
+
+    def broken() -> bool:
+        raise ConnectionError("the client's check failed")
+
+    stops = [None, broken, lambda: False]
+    jobs = [Packed(engine._adopt_and_start, engine._start_turns, (s, p, (None, 0), len(p.target) - 1, stop))
+            for s, p, stop in zip(sessions, plans, stops)]
+    items = engine._start_turns(jobs)
+    assert isinstance(items[1], ConnectionError)
+    assert all(isinstance(item, tuple) and item[1] is not None for item in (items[0], items[2]))
+    longer = session(engine, "longer", "the archive holds notes and plans " * 40)
+    upto = len(longer.tokens) + 40
+    longer.tokens = longer.tokens + longer.tokens[:40]
+    lost = session(engine, "lost", HISTORIES[0])
+    lost.cache = None  # a failed pass dropped it
+    chunks = engine._next_chunks([Packed(engine._prefill_chunk, engine._next_chunks, (s, n))
+                                  for s, n in ((longer, upto), (lost, len(lost.tokens) + 5))])
+    assert isinstance(chunks[0], prefillslices.Chunk) and isinstance(chunks[1], BaseException)
+
+
 def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_each_step():
     class Layer:
         state = property(lambda self: mx.array([1]))
@@ -218,6 +248,25 @@ def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_e
     assert one.settled == two.settled == 1
 
 
+def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earlier_ones():
+    """Every pack is its own shapes: sized from an earlier pack's cost, a 16-row pack's first slice took 217 ms
+    against a 40 ms target on the H200. A pack starts at one layer, measured, whatever the slicer knows."""
+    shared = prefillslices.Slicer()
+    shared.observe(1e-12, 1, 10, "packed@3")  # an earlier pack of this kind: nearly free
+    lone = prefillslices.Chunk(LayersOnly(), 5, shared, target_s=1.0, kind="packed@3")
+    lone.step()
+    assert lone.last == (0, 6)  # a lone chunk uses its kind's cost: all six layers in one slice
+    known = shared.layer_token_s["packed@3"]
+    chunk = prefillslices.Chunk(LayersOnly(), 5, shared, target_s=1.0, kind="packed@3", more=[(LayersOnly(), 7)],
+                                padded=14)
+    chunk.step()
+    assert chunk.last == (0, 1)  # layer 0: no attention, nothing measured
+    chunk.step()
+    assert chunk.last == (1, 1)  # measured: its own cost from here
+    chunk.step()
+    assert chunk.done and shared.layer_token_s["packed@3"] == known  # the shared costs untouched
+
+
 def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():
     assert pack_groups([("a", 10), ("b", 12), ("c", 200), ("d", 9)]) == [["d", "a", "b"]]  # c: 4 x 200 > 2 x 231
     assert pack_groups([("a", 100), ("b", 5), ("c", 5)]) == [["b", "c"]]  # 3 x 100 would be 2.7 x 110
@@ -225,9 +274,12 @@ def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():
     assert pack_groups([("a", 10)]) == []
 
 
-def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(engine, monkeypatch):
+@pytest.mark.parametrize("running,cap,steps", [(2, 0, 2), (1, 0, 4), (1, 3, 3), (1, 8, 4), (4, 3, 1)])
+def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(engine, monkeypatch, running, cap,
+                                                                               steps):
     monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
-    monkeypatch.setattr(type(engine.decoder), "running", property(lambda self: 2))
+    monkeypatch.setattr(type(engine.decoder), "running", property(lambda self: running))
+    monkeypatch.setattr(engine_module, "PACK_SHARE_MAX", cap)
     engine.decoder.step_s = 0.01
     rows = []
     for i, (history, turn) in enumerate(zip(HISTORIES, TURNS)):
@@ -235,8 +287,8 @@ def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(en
         plan = engine.plan(s, text=turn)
         engine._adopt(s, plan, (None, 0))
         rows.append((s, len(plan.target) - 1))
-    chunk = engine._pack_chunk(rows)  # 4 turns waiting beside 2 decoding calls: slices of 2 steps
-    assert chunk.target_s == pytest.approx(0.01 * prefillslices.SLICE_OF_STEP * 2)
+    chunk = engine._pack_chunk(rows)  # 4 turns waiting beside `running` decoding calls: 4 / running steps, capped
+    assert chunk.target_s == pytest.approx(0.01 * prefillslices.SLICE_OF_STEP * steps)
 
 
 def test_a_packed_pass_that_fails_as_it_is_built_drops_every_sessions_cache_and_fails_each_turn(engine, monkeypatch):

@@ -182,23 +182,25 @@ def test_a_slice_of_another_attention_path_is_sized_from_that_paths_own_cost():
     assert slicer.layers_for(0.010, 512, 32) == 5  # the fused cost is its own
 
 
-def test_a_chunks_first_slice_computes_no_attention_so_its_cost_sizes_nothing():
-    """Layer 0's slice only projects the chunk's keys and values (a slice of layers a..b computes the
-    attention of layers a-1..b-1): on the H100 a plain chunk's layer 0 took ~1 ms, and the next slice, sized
-    from it, took 4-5 layers (22-25 ms against a 6 ms target). A kind not measured stays so after it."""
+class LayersOnly:
+    """A session of six cache layers that cost nothing to evaluate: what a Chunk's slicing sees."""
 
     class Layer:
         state = [mx.zeros((2,))]
 
-    class Fake:
-        def __init__(self) -> None:
-            self.cache, self.processed, self.computing = [Layer() for _ in range(6)], 0, False
+    def __init__(self) -> None:
+        self.cache, self.processed, self.computing = [self.Layer() for _ in range(6)], 0, False
 
-        def settle(self, later=None) -> None:
-            self.computing = False
+    def settle(self, later=None) -> None:
+        self.computing = False
 
+
+def test_a_chunks_first_slice_computes_no_attention_so_its_cost_sizes_nothing():
+    """Layer 0's slice only projects the chunk's keys and values (a slice of layers a..b computes the
+    attention of layers a-1..b-1): on the H100 a plain chunk's layer 0 took ~1 ms, and the next slice, sized
+    from it, took 4-5 layers (22-25 ms against a 6 ms target). A kind not measured stays so after it."""
     slicer = prefillslices.Slicer()
-    chunk = prefillslices.Chunk(Fake(), 10, slicer, target_s=1.0, kind="plain@13")
+    chunk = prefillslices.Chunk(LayersOnly(), 10, slicer, target_s=1.0, kind="plain@13")
     chunk.step()
     assert chunk.last == (0, 1) and "plain@13" not in slicer.layer_token_s
     chunk.step()  # one layer again, now with an attention: measured

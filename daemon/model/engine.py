@@ -74,6 +74,9 @@ BUCKETS_AHEAD = 2  # this many (128 and 192 queries: turns of 65-192 tokens; one
 PACK_MIN = 2
 PACK_PADDING = 2.0  # a pack computes at most this many times its rows' tokens (right-padded to the longest)
 PACK_PREFILL = os.environ.get("KVWAKE_PACK_PREFILL", "1") != "0"
+# A packed slice takes at most this many decode steps' time however many turns it feeds (0: no cap;
+# KVWAKE_PACK_SHARE_MAX; bench/turns_at_once.py measures the talker's gaps against the turns' first tokens)
+PACK_SHARE_MAX = float(os.environ.get("KVWAKE_PACK_SHARE_MAX", "0"))
 PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
 
 
@@ -391,10 +394,11 @@ class Engine:
         rows: list[tuple[int, Session, int]] = []  # (its result's index, session, upto) of each that starts a chunk
         for job in jobs:
             session, plan, prefix, upto, should_stop = job.args
-            reused = _outcome(lambda: self._adopt(session, plan, prefix))
-            results.append(reused if isinstance(reused, BaseException) else [reused, None])
-            if not isinstance(reused, BaseException) and session.processed < upto and \
-                    not (should_stop is not None and should_stop()):
+            # One turn's failure (its adoption, its caller's should_stop) is that turn's item alone.
+            reused = _outcome(lambda: (self._adopt(session, plan, prefix),
+                                       should_stop is not None and session.processed < upto and should_stop()))
+            results.append(reused if isinstance(reused, BaseException) else [reused[0], None])
+            if not isinstance(reused, BaseException) and session.processed < upto and not reused[1]:
                 rows.append((len(results) - 1, session, upto))
         for (i, _, _), chunk in zip(rows, self._queue_chunks([(session, upto) for _, session, upto in rows])):
             results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
@@ -413,7 +417,7 @@ class Engine:
         out: list[Any] = [None] * len(rows)
         packs = pack_groups([(i, self._chunk_end(session, upto) - session.processed)
                              for i, (session, upto) in enumerate(rows)
-                             if all(type(c) is KVCache for c in session.cache)])
+                             if session.cache is not None and all(type(c) is KVCache for c in session.cache)])
         packed = {i for pack in packs for i in pack}
         for i, (session, upto) in enumerate(rows):
             if i not in packed:
@@ -447,6 +451,8 @@ class Engine:
         # slices of N / D steps (at least one). One step each, 16 turns packed beside one talker took 32
         # slices, 32 steps between them (H100, 8B: first tokens 1.4 s for 3k tokens of prefill work).
         share = max(1.0, len(rows) / max(1, self.decoder.running))
+        if PACK_SHARE_MAX:
+            share = min(share, max(1.0, PACK_SHARE_MAX))
         chunk = prefillslices.Chunk(first, end, self.slicer,
                                     self.decoder.step_s * prefillslices.SLICE_OF_STEP * share if sliced else None,
                                     kind=prefillslices.kind("packed", max(end for _, end, _ in ends)),

@@ -199,11 +199,13 @@ class EngineThread:
             return
         try:
             results = live[0][0].engine_pack([fn for fn, _ in live])  # type: ignore[attr-defined]
+            if len(results) != len(live):  # a pack's bug: fails its callers, not the engine thread
+                raise RuntimeError(f"a pack of {len(live)} jobs gave {len(results)} results")
         except BaseException as exc:  # every caller of the pack gets it
             for _, future in live:
                 future.set_exception(unframed(exc))
             return
-        for (_, future), result in zip(live, results, strict=True):
+        for (_, future), result in zip(live, results):
             if isinstance(result, BaseException):
                 future.set_exception(unframed(result))
             else:
