@@ -45,6 +45,8 @@
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 #   bash bench/device_round.sh turnsatonce  bench/turns_at_once.py: 16 chat turns sent at once beside a decoding talker
 #                                         (TURNS_RUNS: nopack-K packing off, pack-K on, capN-K on with slices of at most N steps)
+#   bash bench/device_round.sh admitpass  bench/admit_pass.py: 16 calls join a decoding talker; merge, its evaluation, the
+#                                         first pass and the steps after, timed apart, with MLX's memory
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
@@ -328,6 +330,9 @@ PY
       --out "$out/admittrace" >/dev/null 2>&1
     KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b \
       --sessions 16 --rounds 2 --out "$out/turnstrace" 2>&1 | grep '^{' ;;
+  admitpass)  # bench/admit_pass.py: the first step after 16 calls join a decoding talker, merge and pass apart
+    model
+    timeout 240 python3 bench/admit_pass.py --model /tmp/m8b --rows 16 --talker 1000 --out "$out/admitpass" 2>&1 | grep '^{' ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \
