@@ -5,7 +5,8 @@ sessions of a few hundred to a thousand tokens join in one merge, dead rows fill
 and the first pass runs. Timed apart, per admission: the merge in Python (lazy), the merged caches evaluated
 (copies into the batch's arrays), the first pass, the steps after it; MLX's active, cached and peak memory
 before and after. Admissions repeat with other lengths (a new batch length each time) and again with the same
-lengths (shapes seen), and once with the merge evaluated inside the first pass (as the daemon does).
+lengths (shapes seen), then alternate the merge computed inside the first pass (the daemon before session 25)
+and scheduled ahead of it (joining.schedule, the daemon's since).
 The daemon's trace (session 24, H100) had the admitting step at 75-154 ms against 16-20 ms steady.
 
 usage: python bench/admit_pass.py --model PATH [--rows 16] [--talker 1000] [--steps 8] [--out DIR]
@@ -22,6 +23,7 @@ import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
+from kvwake.daemon.model import joining
 from kvwake.daemon.model.joining import SLOTS, _unstepped, dead_rows, slot_size
 
 
@@ -65,10 +67,13 @@ def main() -> None:
     steady = sorted(step_ms() for _ in range(a.steps))
     results = {"rows": a.rows, "talker": a.talker, "slots": list(SLOTS), "steady_alone_ms": steady}
     print(json.dumps({"steady_alone_ms": steady}), flush=True)
-    trials = [("new lengths", 11, False), ("new lengths", 12, False), ("same lengths again", 12, False),
-              ("new lengths, merge evaluated in the pass", 13, True), ("new lengths", 14, False)]
+    # (what, lengths' seed, how the merge is computed): "apart" evaluated before the step (timed alone),
+    # "in the pass" left to the step's pass (before session 25), "ahead" joining.schedule's async_eval (the
+    # daemon's since); alternating, each admission at new lengths (a new batch length), one repeated
+    trials = [("warm-up", 10, "apart"), ("new lengths", 11, "apart"), ("same lengths again", 11, "apart")]
+    trials += [("new lengths", 12 + i, how) for i in range(6) for how in (("in the pass", "ahead")[i % 2],)]
     results["admissions"] = []
-    for what, seed, in_pass in trials:
+    for what, seed, how in trials:
         lengths = [300 + (seed * 37 + i * 53) % 700 for i in range(a.rows)]
         caches = [cache_for(n, seed * 100 + i) for i, n in enumerate(lengths)]
         mx.synchronize()
@@ -80,12 +85,15 @@ def main() -> None:
         if size > n:
             batch.extend(dead_rows(model, [next(uid) for _ in range(size - n)], blanks))
         t1 = time.perf_counter()
-        if not in_pass:
+        if how == "apart":
             mx.eval([c.state for c in batch.prompt_cache], batch._next_tokens)
+        else:
+            joining.ADMIT_AHEAD = how == "ahead"
+            joining.schedule(batch)
         t2 = time.perf_counter()
         first = step_ms()
         after = sorted(step_ms() for _ in range(a.steps))
-        row = {"what": what, "lengths": [min(lengths), max(lengths)], "batch": size,
+        row = {"what": what, "merge": how, "lengths": [min(lengths), max(lengths)], "batch": size,
                "merge_python_ms": round((t1 - t0) * 1000, 1), "merge_eval_ms": round((t2 - t1) * 1000, 1),
                "first_pass_ms": round(first, 1), "steps_after_ms": [round(x, 1) for x in after],
                "memory_before": before, "memory_after": memory()}

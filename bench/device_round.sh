@@ -47,6 +47,7 @@
 #                                         (TURNS_RUNS: nopack-K packing off, pack-K on, capN-K on with slices of at most N steps)
 #   bash bench/device_round.sh admitpass  bench/admit_pass.py: 16 calls join a decoding talker; merge, its evaluation, the
 #                                         first pass and the steps after, timed apart, with MLX's memory
+#   bash bench/device_round.sh admitahead calls sent at once (16, 32), merged caches scheduled ahead of the first pass or not
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
@@ -298,6 +299,20 @@ case "$1" in
         --json "$out/managed_reuse-readback-4-$r.json" 2>&1 | grep while | sed "s/^/4MiB readers=$r /"
       timeout 100 python3 bench/managed_reuse.py --mib 64 --count 8 --rounds 3 --steps 100 --readers $r \
         --json "$out/managed_reuse-readback-64-$r.json" 2>&1 | grep while | sed "s/^/64MiB readers=$r /"
+    done ;;
+  admitahead)  # calls sent at once, a merged batch's caches scheduled ahead of its first pass (joining.schedule) or
+    model       # computed inside it (KVWAKE_ADMIT_AHEAD=0), alternating; first the host-copy drop test alone, twice
+    for i in 1 2; do python3 -m pytest -q -p no:cacheprovider -p no:xdist tests/test_pipeline.py -k dropping_host 2>&1 | tail -1; done
+    for run in ahead0-1 ahead1-1 ahead0-2 ahead1-2 ahead0-3 ahead1-3; do
+      [ $SECONDS -gt ${UNTIL_S:-400} ] && break
+      ahead=${run#ahead}; ahead=${ahead%%-*}
+      KVWAKE_ADMIT_AHEAD=$ahead timeout 150 python3 bench/batching.py --model /tmp/m8b --sessions 16,32 --tokens 64 \
+        --prefill 0 --modes batched --whole "" --no-batch-generator --out "$out/admitahead-$run" >/dev/null 2>&1
+      python3 - "$run" "$out/admitahead-$run/batching.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[2]))["decode"]["batched"]:
+    print(sys.argv[1], r["sessions"], "tok/s", r["tokens_per_s"], "first token", r.get("first_token_ms"))
+PY
     done ;;
   admit)  # calls sent at once join at one step (quick jobs) or one a step (.gpu/old): this tree and the old, alternating
     model

@@ -64,7 +64,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.model.calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
-from kvwake.daemon.model.joining import Row, dead_rows, extract_row, fits, place, retire, rows_batch, slot_size
+from kvwake.daemon.model.joining import (Row, dead_rows, extract_row, fits, place, retire, rows_batch, schedule,
+                                        slot_size)
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 
 __all__ = ["Decoder", "run_alone"]
@@ -301,7 +302,7 @@ class Decoder:
             self.batch = joined
         if self.batch is not None:
             self._fill_slots()
-            mx.async_eval(self.batch._next_tokens)  # scheduled before the pass (MaskedModel waits on it)
+            schedule(self.batch)  # before the pass (MaskedModel waits on the tokens)
 
     def _fill_slots(self) -> None:
         """Dead rows up to the batch's slot size, so it has one of a few sizes."""
@@ -394,7 +395,7 @@ class Decoder:
             return
         batch.filter(keep)
         self._fill_slots()
-        mx.async_eval(batch._next_tokens)  # the rows kept: scheduled before the next pass
+        schedule(batch)  # the rows kept: scheduled before the next pass
 
     def _step_solo(self, call: Call) -> None:
         assert call.solo is not None

@@ -21,6 +21,7 @@ of the batch's ring, wherever its rotation has got to.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,10 @@ from mlx_lm.sample_utils import greedy_sampler
 from kvwake.daemon.model.generation import make_processors
 
 __all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "place", "retire", "rows_batch",
-           "slot_size"]
+           "schedule", "slot_size"]
 
+# KVWAKE_ADMIT_AHEAD=0: a merged batch's caches are computed inside its first pass (bench/admit_pass.py compares)
+ADMIT_AHEAD = os.environ.get("KVWAKE_ADMIT_AHEAD", "1") != "0"
 UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
 SLOTS = (1, 2, 4, 8, 16, 32)  # the batch sizes rows live in: MLX meets a few shapes, not one per row count
 
@@ -176,6 +179,17 @@ def _leaves(cache: list) -> Iterator[Any]:
 def retire(batch: GenerationBatch, i: int) -> None:
     """Slot i's row has left: it samples greedily, without processors, until a call takes the slot."""
     batch.samplers[i], batch.logits_processors[i] = greedy_sampler, ()
+
+
+def schedule(batch: GenerationBatch) -> None:
+    """Schedule what a batch's next pass needs, once rows joined (merged, placed) or left (compacted): its
+    next tokens and its caches, as work of their own ahead of the pass. Left to the pass, the merge's copies
+    are computed inside it, and there they cost twice their time apart (H200, 8B shape, 16 rows of 300-1,000
+    tokens joining a talker: a 95 ms first pass against 22 ms of merge and 23 of pass; bench/admit_pass.py)."""
+    if ADMIT_AHEAD:
+        mx.async_eval([c.state for c in batch.prompt_cache], batch._next_tokens)
+    else:
+        mx.async_eval(batch._next_tokens)
 
 
 def slot_size(n: int, most: int) -> int:
