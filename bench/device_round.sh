@@ -313,7 +313,7 @@ import json, sys
 for r in json.load(open(sys.argv[2]))["decode"]["batched"]:
     print(sys.argv[1], r["sessions"], "tok/s", r["tokens_per_s"], "first token", r.get("first_token_ms"))
 PY
-    done ;;
+    done | tee "$out/admitahead.txt" ;;
   admit)  # calls sent at once join at one step (quick jobs) or one a step (.gpu/old): this tree and the old, alternating
     model
     rm -rf /tmp/old && python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null

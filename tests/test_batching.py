@@ -697,3 +697,42 @@ def test_a_finished_jobs_closure_and_result_are_freed_on_the_engine_thread_witho
         assert freed_on == ["kvwake-engine"]
     finally:
         thread.stop()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["caches ahead", "caches in the pass"])
+def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_and_decode_as_alone(
+        engine, monkeypatch, ahead):
+    """joining.schedule: after a merge, a placement into a dead slot and a compaction, the batch's caches are
+    scheduled as work of their own before the next pass (inside it they cost twice as much on the H200);
+    KVWAKE_ADMIT_AHEAD=0 leaves them to the pass. Either way every call gives what it gives alone."""
+    import mlx.core as mx
+
+    from kvwake.daemon.model import joining
+
+    scheduled: list[str] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def async_eval(*args):
+            flat = [a for arg in args for a in (arg if isinstance(arg, list) else [arg])]
+            scheduled.append("caches" if flat and all(isinstance(a, tuple) for a in flat) else "tokens")
+            mx.async_eval(*args)
+
+    monkeypatch.setattr(joining, "mx", Recording())
+    monkeypatch.setattr(joining, "ADMIT_AHEAD", ahead)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (3, 10, 10, 10, 6)]
+    texts = PROMPTS + ["hi"]
+    alone = [engine.generate(session(engine, f"alone{i}", t), p).tokens for i, (t, p) in enumerate(zip(texts, params))]
+    calls = [engine.start_call(session(engine, f"c{i}", t), p) for i, (t, p) in enumerate(zip(texts, params))]
+    before = dict(engine.decoder.counters)
+    run_together(engine, calls, join_at={4: 6})  # a merge, a slot reused, then compactions as rows leave
+    assert [c.future.result().tokens for c in calls] == alone
+    status = engine.decoder.status()
+    schedules = (status["merges"] - before["merges"]) + (status["slot_reuses"] - before["slot_reuses"]) + \
+        (status["compactions"] - before["compactions"])
+    assert scheduled.count("tokens") >= 3 and schedules >= 3
+    assert scheduled.count("caches") == (scheduled.count("tokens") if ahead else 0), scheduled

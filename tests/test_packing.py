@@ -193,18 +193,22 @@ def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine):
 def test_one_turns_failing_check_or_missing_cache_fails_that_turn_alone(engine):
     """A turn's should_stop that raises, or a prefill whose cache is gone, is that turn's item; the pack's
     other turns go on (each raised for the whole pack before)."""
-    sessions = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:3])]
+    sessions = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:4])]
     plans = [engine.plan(s, text=t) for s, t in zip(sessions, TURNS)]
 
     def broken() -> bool:
         raise ConnectionError("the client's check failed")
 
-    stops = [None, broken, lambda: False]
-    jobs = [Packed(engine._adopt_and_start, engine._start_turns, (s, p, (None, 0), len(p.target) - 1, stop))
-            for s, p, stop in zip(sessions, plans, stops)]
+    stops = [None, broken, lambda: False, broken]
+    uptos = [len(p.target) - 1 for p in plans[:3]] + [0]  # the last has nothing to prefill: its check unasked
+    jobs = [Packed(engine._adopt_and_start, engine._start_turns, (s, p, (None, 0), upto, stop))
+            for s, p, upto, stop in zip(sessions, plans, uptos, stops)]
+    packs = engine.counters["prefill_packs"]
     items = engine._start_turns(jobs)
     assert isinstance(items[1], ConnectionError)
     assert all(isinstance(item, tuple) and item[1] is not None for item in (items[0], items[2]))
+    assert items[0][1] is items[2][1] and engine.counters["prefill_packs"] == packs + 1  # the two left: one pack
+    assert isinstance(items[3], tuple) and items[3][1] is None
     longer = session(engine, "longer", "the archive holds notes and plans " * 40)
     upto = len(longer.tokens) + 40
     longer.tokens = longer.tokens + longer.tokens[:40]
@@ -212,7 +216,7 @@ def test_one_turns_failing_check_or_missing_cache_fails_that_turn_alone(engine):
     lost.cache = None  # a failed pass dropped it
     chunks = engine._next_chunks([Packed(engine._prefill_chunk, engine._next_chunks, (s, n))
                                   for s, n in ((longer, upto), (lost, len(lost.tokens) + 5))])
-    assert isinstance(chunks[0], prefillslices.Chunk) and isinstance(chunks[1], BaseException)
+    assert isinstance(chunks[0], prefillslices.Chunk) and "lost: its cache was dropped" in str(chunks[1])
 
 
 def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_each_step():

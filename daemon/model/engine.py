@@ -537,6 +537,8 @@ class Engine:
     def _prefill_chunk(self, session: Session, upto: int) -> prefillslices.Chunk:
         """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing
         yet (the `Chunk` computes it a slice of layers per `step`, one per engine job)."""
+        if session.cache is None:  # dropped under it (a failed pass of a pack it was in): nothing to feed
+            raise RuntimeError(f"session {session.id}: its cache was dropped before its chunk to {upto}")
         end = self._chunk_end(session, upto)
         sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
         n = end - session.processed
