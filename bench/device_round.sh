@@ -44,7 +44,8 @@
 #                                         4000, alternating: are the long decode steps graphs the LRU evicted, made again?
 #   bash bench/device_round.sh readback   bench/managed_reuse.py --steps: steps ending in a token read, beside reads
 #   bash bench/device_round.sh turnsatonce  bench/turns_at_once.py: 16 chat turns sent at once beside a decoding talker
-#                                         (TURNS_RUNS: nopack-K packing off, pack-K on, capN-K on with slices of at most N steps)
+#                                         (TURNS_RUNS: nopack-K packing off, pack-K on, capN-K on with slices of at most N steps,
+#                                         shared-K on with packs sized from their kind's shared costs)
 #   bash bench/device_round.sh admitpass  bench/admit_pass.py: 16 calls join a decoding talker; merge, its evaluation, the
 #                                         first pass and the steps after, timed apart, with MLX's memory
 #   bash bench/device_round.sh admitahead calls sent at once (16, 32), merged caches scheduled ahead of the first pass or not
@@ -335,7 +336,9 @@ PY
       [ $SECONDS -gt ${UNTIL_S:-400} ] && break
       pack=1; [ "${run%%-*}" = nopack ] && pack=0
       cap=0; case "$run" in cap*) cap=${run%%-*}; cap=${cap#cap} ;; esac  # capN-K: slices of at most N steps
-      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack KVWAKE_PACK_SHARE_MAX=$cap timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
+      own=1; [ "${run%%-*}" = shared ] && own=0  # shared-K: packs sized from their kind's shared costs
+      KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 KVWAKE_PACK_PREFILL=$pack KVWAKE_PACK_SHARE_MAX=$cap \
+        KVWAKE_PACK_OWN_COSTS=$own timeout 200 python3 bench/turns_at_once.py --model /tmp/m8b --sessions 16 --rounds 2 \
         --out "$out/turnsatonce-$run" 2>&1 | grep '^{' | sed "s/^/$run /"
     done ;;
   admittrace)  # every engine job and step named while 8/16/32 calls join at once and while 16 chat turns come at once

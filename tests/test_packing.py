@@ -252,7 +252,7 @@ def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_e
     assert one.settled == two.settled == 1
 
 
-def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earlier_ones():
+def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earlier_ones(monkeypatch):
     """Every pack is its own shapes: sized from an earlier pack's cost, a 16-row pack's first slice took 217 ms
     against a 40 ms target on the H200. A pack starts at one layer, measured, whatever the slicer knows."""
     shared = prefillslices.Slicer()
@@ -269,6 +269,11 @@ def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earli
     assert chunk.last == (1, 1)  # measured: its own cost from here
     chunk.step()
     assert chunk.done and shared.layer_token_s["packed@3"] == known  # the shared costs untouched
+    monkeypatch.setattr(prefillslices, "PACK_OWN_COSTS", False)  # KVWAKE_PACK_OWN_COSTS=0: the kind's costs
+    chunk = prefillslices.Chunk(LayersOnly(), 5, shared, target_s=1.0, kind="packed@3", more=[(LayersOnly(), 7)],
+                                padded=14)
+    chunk.step()
+    assert chunk.last == (0, 6)
 
 
 def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():

@@ -32,6 +32,9 @@ __all__ = ["Chunk", "Slicer", "SLICE_OF_STEP", "kind"]
 # A slice's target time, in decode steps: a neighbour's gap during a prefill is about one step plus one slice.
 # KVWAKE_SLICE_OF_STEP sets it for a measurement (bench/batching.py's prefill row compares).
 SLICE_OF_STEP = float(os.environ.get("KVWAKE_SLICE_OF_STEP", "1.0"))
+# KVWAKE_PACK_OWN_COSTS=0: packed chunks size their slices from the shared costs of their kind, as before
+# session 25 (bench/turns_at_once.py's "shared" runs compare)
+PACK_OWN_COSTS = os.environ.get("KVWAKE_PACK_OWN_COSTS", "1") != "0"
 
 
 def kind(path: str, keys: int) -> str:
@@ -89,7 +92,7 @@ class Chunk:
     def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None, kind: str = "fused",
                  more: list[tuple[Any, int]] | None = None, padded: int | None = None) -> None:
         self.session, self.end, self.target_s, self.kind = session, end, target_s, kind
-        self.slicer = Slicer() if more else slicer  # a pack's costs are its own
+        self.slicer = Slicer() if more and PACK_OWN_COSTS else slicer  # a pack's costs are its own
         self.rows = [(session, end), *(more or ())]
         self.starts = {id(s): s.processed for s, _ in self.rows}
         self.layers = list(zip(*(s.cache for s, _ in self.rows)))  # by layer, every row's
