@@ -49,6 +49,9 @@
 #   bash bench/device_round.sh admitpass  bench/admit_pass.py: 16 calls join a decoding talker; merge, its evaluation, the
 #                                         first pass and the steps after, timed apart, with MLX's memory
 #   bash bench/device_round.sh admitahead calls sent at once (16, 32), merged caches scheduled ahead of the first pass or not
+#   bash bench/device_round.sh resume     bench/device.sh: the resume suite (1k/8k/32k in one process, 8k raw, 32k auto)
+#   bash bench/device_round.sh point8     bench/batching.py, 1-32 sessions against BatchGenerator and mlx_lm.server (SESSIONS)
+#   bash bench/device_round.sh dropprobe  bench/drop_probe.py: a dropped host copy's way into MLX's cache, or not
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
 # Results in $OUT (or bench/out/device).
@@ -351,6 +354,15 @@ PY
   admitpass)  # bench/admit_pass.py: the first step after 16 calls join a decoding talker, merge and pass apart
     model
     timeout 240 python3 bench/admit_pass.py --model /tmp/m8b --rows 16 --talker 1000 --out "$out/admitpass" 2>&1 | grep '^{' ;;
+  resume)  # issue 23's wake targets: bench/device.sh (the resume suite 1k/8k/32k planes-zstd in one process, 8k raw,
+    model    # 32k with codec "auto"), the JSONs in $out/new, $out/raw, $out/auto
+    OUT=$out timeout 500 bash bench/device.sh 2>&1 | grep -vE '^\s*$' | tail -30 ;;
+  point8)  # issue 24 point 8's one run: 1-32 sessions streamed against BatchGenerator in process and mlx_lm.server,
+    model   # gaps, the prefill row (session 23's command)
+    timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions ${SESSIONS:-1,4,8,16,32} --tokens 128 \
+      --mlx-server --modes batched --whole "" --out "$out/point8" 2>&1 | tail -8 ;;
+  dropprobe)  # bench/drop_probe.py: where a host copy dropped under drop_hosted goes (test_pipeline's GPU failure)
+    timeout 120 python3 bench/drop_probe.py 2>&1 | tee "$out/dropprobe.txt" | head -40 ;;
   server)
     model
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8,16 --tokens 128 --mlx-server \
