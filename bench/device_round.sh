@@ -51,6 +51,7 @@
 #   bash bench/device_round.sh admitahead calls sent at once (16, 32), merged caches scheduled ahead of the first pass or not
 #   bash bench/device_round.sh resume     bench/device.sh: the resume suite (1k/8k/32k in one process, 8k raw, 32k auto)
 #   bash bench/device_round.sh point8     bench/batching.py, 1-32 sessions against BatchGenerator and mlx_lm.server (SESSIONS)
+#   bash bench/device_round.sh alternate  bench/batching.py --alternate: kvwake against BatchGenerator, rounds at SIZES
 #   bash bench/device_round.sh dropprobe  bench/drop_probe.py: a dropped host copy's way into MLX's cache, or not
 #   bash bench/device_round.sh admit      calls sent at once (8, 16, 32 sessions, 128 tokens): this tree against .gpu/old's
 #                                         (before session 23's quick joins), alternating; first tokens and tokens/s
@@ -361,6 +362,10 @@ PY
     model   # gaps, the prefill row (session 23's command)
     timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions ${SESSIONS:-1,4,8,16,32} --tokens 128 \
       --mlx-server --modes batched --whole "" --out "$out/point8" 2>&1 | tail -8 ;;
+  alternate)  # kvwake's steady tok/s and BatchGenerator's (a fresh process each round), ROUNDS rounds at SIZES sessions
+    model
+    timeout 560 python3 bench/batching.py --model /tmp/m8b --sessions 8 --tokens 256 --prefill 0 --alternate ${ROUNDS:-3} \
+      --alternate-sizes ${SIZES:-8,16,32} --modes batched --whole "" --no-batch-generator --out "$out/alternate" 2>&1 | tail -12 ;;
   dropprobe)  # bench/drop_probe.py: where a host copy dropped under drop_hosted goes (test_pipeline's GPU failure)
     timeout 120 python3 bench/drop_probe.py 2>&1 | tee "$out/dropprobe.txt" | head -40 ;;
   server)
