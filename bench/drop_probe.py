@@ -6,7 +6,10 @@ five times each, and prints MLX's cache memory at each point: the daemon's drop_
 candidate changes (a stream sync before the limit is given back; the cache cleared after a failure).
 
 Session 25 on the H200: the variants below left 0 bytes in the cache every time (3 each, fail or not, no
-unified-memory call first); the test's own sequence (`as_the_test`) was not run there yet (device time).
+unified-memory call first). Session 26 on the H200, `as_the_test`: 0 bytes right after every drop, 256 KiB
+100 ms later, in all three calls (even the unified-memory one): the array's last reference was MLX-CUDA's
+worker thread's, let go after the drop. Settled first (a sync and 50 ms after the evaluation): 256 KiB,
+0, 0, right after and later alike. The test now settles its array (tests/test_pipeline.py).
 
 usage: python bench/drop_probe.py
 """

@@ -304,7 +304,11 @@ def drop_hosted(drop: Callable[[], Any]) -> None:
 
     There a host copy is managed memory that the CPU (the encoders) read last. MLX's cache does not tell
     managed buffers from device ones: back in it, the copy would become the next kernel output of about
-    its size, a neighbour's decode step, written through page faults (bench/managed_reuse.py)."""
+    its size, a neighbour's decode step, written through page faults (bench/managed_reuse.py).
+
+    It frees what `drop` lets go. An array evaluated a moment before is still held by MLX-CUDA's worker
+    thread until that thread runs the stream's finished tasks, and what it lets go later goes to the cache
+    (bench/drop_probe.py). A host copy is dropped after its blocks are encoded and written, well after."""
     if not _discrete():
         drop()
         return
