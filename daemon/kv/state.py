@@ -308,7 +308,8 @@ def drop_hosted(drop: Callable[[], Any]) -> None:
 
     It frees what `drop` lets go. An array evaluated a moment before is still held by MLX-CUDA's worker
     thread until that thread runs the stream's finished tasks, and what it lets go later goes to the cache
-    (bench/drop_probe.py). A host copy is dropped after its blocks are encoded and written, well after."""
+    (bench/drop_probe.py). A host copy is dropped after its blocks are encoded and written; how long after
+    its evaluation that is, against the worker's lag, has not been measured."""
     if not _discrete():
         drop()
         return
