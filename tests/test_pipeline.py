@@ -180,7 +180,7 @@ def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkey
         # On MLX-CUDA an array evaluated a moment ago is still held by MLX's worker thread until it runs the
         # stream's finished tasks: let go by it after the drop returned, it went to the cache (session 26 on
         # the H200, bench/drop_probe.py: 0 bytes right after every drop, 256 KiB 100 ms later; settled, 0 both
-        # times). drop_hosted frees what `drop` lets go, which the daemon does well after a copy is made.
+        # times). drop_hosted frees what `drop` lets go; the daemon drops a copy after encoding and writing it.
         mx.synchronize()
         time.sleep(0.05)
         mx.clear_cache()
