@@ -90,9 +90,9 @@ def main() -> None:
     for mode in a.modes.split(","):
         store = Store(work / f"store-{mode}", block_tokens=128)
         engine = Engine(store, work, model, prefill_step=a.small if mode == "small" else a.step)
-        engine.slice_prefill = mode == "slices"
+        engine.planner.slice_prefill = mode == "slices"
         thread = EngineThread()
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         try:
             run(engine, thread, min(a.prefill, 1024), f"warm-{mode}")  # kernels and slice costs measured once
             row = {"mode": mode, "prefill_tokens": a.prefill, **run(engine, thread, a.prefill, mode),

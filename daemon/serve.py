@@ -186,8 +186,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           limits=limits, persist=settings.persist, warm=False)).result()
     started.mark("engine")
     started.ms.update({f"engine.{k}": v for k, v in engine.started.ms.items()})
-    thread.attach(engine.decoder)
-    engine.idle = thread.idle  # the next turns' attention graphs built while nothing else waits
+    thread.attach(engine.decoder, engine.planner)
     manager = SessionManager(engine, thread, settings)
     manager.started = started
     if settings.remote is not None:

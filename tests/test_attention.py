@@ -139,17 +139,17 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.001, 0.1)])  # a new fused shape: 100 ms more
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.001, 0.1)])  # a new fused shape: 100 ms more
     used, real = [], attention.plain_attention  # made once per chunk that runs plain
     monkeypatch.setattr(attention, "plain_attention", lambda f, *a: used.append(f) or real(f, *a))
     got = engine.append(Session("s"), tokens=list(range(1, 80)))  # 78 to prefill: chunks of 32, 32, 14
     assert got["prefilled"] == 78 and len(used) == 1
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # plain ops cost more: fused
     engine.append(Session("t"), tokens=list(range(1, 80)))
     assert len(used) == 1
     # Plain costs less than a build but more than a built graph: the shapes "t" ran fused (the engine's
     # one record, buffer capacity included) are built, so the same chunks stay fused.
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.002, 0.001, 0.1)])
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.002, 0.001, 0.1)])
     engine.append(Session("u"), tokens=list(range(1, 80)))
     assert len(used) == 1
     engine.append(Session("v"), tokens=list(range(1, 84)))  # its last chunk (18 tokens) never ran: plain
@@ -163,7 +163,8 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     # On the H100 the first slice of a chunk whose cuDNN graph is new (a (queries, keys, buffer capacity)
     # this process never ran: after a prefix hit, every chunk) took ~90 ms: a decoding neighbour's gap.
     from kvwake.daemon.model import attention
-    from kvwake.daemon.model.engine import PLAIN_BEFORE_BUILD, Engine
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.scheduler.prefill import PLAIN_BEFORE_BUILD
     from kvwake.daemon.model.generation import GenerateParams
     from kvwake.daemon.session import Session
     from kvwake.store import Store
@@ -171,7 +172,7 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=32)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # short chunks: fused is cheaper
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.001)])  # short chunks: fused is cheaper
     used, real = [], attention.plain_attention  # made once per chunk that runs plain
     monkeypatch.setattr(attention, "plain_attention", lambda f, q=attention.PLAIN_MAX_QUERIES: used.append(q) or real(f, q))
     tokens = list(range(1, 66))  # 64 to prefill: two full chunks of 32
@@ -345,15 +346,15 @@ def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
     used, real = [], attention.bucketed_attention  # made once per chunk that runs bucketed
     monkeypatch.setattr(attention, "bucketed_attention", lambda f: used.append(1) or real(f))
     session = Session("agent")
     engine.append(session, tokens=list(range(1, 130)))  # 128 to prefill: full chunks, their exact shapes
-    assert used == [] and not any(s[0] == "bucket" for s in engine._fused_shapes)
+    assert used == [] and not any(s[0] == "bucket" for s in engine.planner._fused_shapes)
     engine.append(session, tokens=list(range(1, 10)))  # 9 new: 129..137, one chunk of 9 (bucket 16)
     engine.append(session, tokens=list(range(1, 14)))  # 13 new: 138..150, still bucket 16, the same buffer
-    buckets = {s for s in engine._fused_shapes if s[0] == "bucket"}
+    buckets = {s for s in engine.planner._fused_shapes if s[0] == "bucket"}
     assert len(used) == 2 and buckets == {("bucket", 16, session.cache[0].keys.shape[2])}, (used, buckets)
     monkeypatch.setenv("KVWAKE_BUCKET_PREFILL", "0")
     assert not attention.bucket_wanted()
@@ -371,9 +372,9 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
     idle: list = []
-    engine.idle = idle.append
+    engine.planner.idle = idle.append
     built, real = [], attention.warm_bucket
     monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
     chunks, bucketed = [], attention.bucketed_attention  # made once per chunk that runs bucketed
@@ -382,18 +383,18 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
     engine.append(session, tokens=list(range(1, 121)))  # 119 prefilled: 64 + 55 (the last, bucket 64)
     capacity = session.cache[0].keys.shape[2]
     # buckets 16 and 32 at this capacity, built when idle (64: by the last chunk)
-    assert len(idle) == 2 and chunks == [1] and ("bucket", 64, capacity) in engine._fused_shapes
+    assert len(idle) == 2 and chunks == [1] and ("bucket", 64, capacity) in engine.planner._fused_shapes
     for job in idle:
         job()
     assert built == [(32, capacity), (16, capacity)]  # the likelier bucket first
-    assert {s for s in engine._fused_shapes if s[0] == "bucket"} == {("bucket", b, capacity) for b in (16, 32, 64)}
+    assert {s for s in engine.planner._fused_shapes if s[0] == "bucket"} == {("bucket", b, capacity) for b in (16, 32, 64)}
     idle.clear()
     chunks.clear()
     engine.append(session, tokens=list(range(1, 21)))  # 119..139 crosses 128: one chunk of 20, its graph built
     assert chunks == [1] and session.processed == 139 and idle == []  # nothing new to build
     assert session.cache[0].keys.shape[2] == capacity
     # A capacity the cache grew past before its idle job ran: skipped.
-    engine._fused_shapes.clear()
+    engine.planner._fused_shapes.clear()
     engine.append(session, tokens=list(range(1, 11)))
     pending = list(idle)
     assert len(pending) == 2  # 32 and 64 (16: run by that chunk)
@@ -411,16 +412,17 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
 def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, tmp_path, monkeypatch, coarse_capacity):
     # On the H100 the first turn after a 75k-token prompt built its bucket (first token 196-245 ms, the
     # turns after 120-150): a client that sends it at once leaves no idle time to build it in.
-    from kvwake.daemon.model import attention, engine as engine_mod
+    from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.scheduler import prefill as prefill_mod
     from kvwake.daemon.session import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
-    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 100)
+    monkeypatch.setattr(prefill_mod, "BUCKET_AHEAD_AFTER", 100)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     built, real = [], attention.warm_bucket
     monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
     short = Session("short")
@@ -432,7 +434,7 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, 
     # query_buckets(63)[:BUCKETS_AHEAD]: the two likeliest (on the H200 a 131-token turn's 192 was not built ahead
     # when only the likeliest, 128, was: its first token took 203 ms against 104-137 for the turns after)
     assert built == [(64, capacity), (32, capacity)], built
-    assert {("bucket", 64, capacity), ("bucket", 32, capacity)} <= engine._fused_shapes
+    assert {("bucket", 64, capacity), ("bucket", 32, capacity)} <= engine.planner._fused_shapes
     engine.append(Session("again"), tokens=list(range(1, 141)))  # the same capacity: built already
     assert len(built) == 2
     engine.close()
@@ -463,25 +465,26 @@ def test_bucketed_attention_runs_the_fused_kernel_on_keys_the_model_changed_afte
 
 
 def test_a_failed_build_ahead_is_logged_and_the_append_stands(model_dir, tmp_path, monkeypatch, coarse_capacity, caplog):
-    from kvwake.daemon.model import attention, engine as engine_mod
+    from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.scheduler import prefill as prefill_mod
     from kvwake.daemon.session import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)
-    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 100)
+    monkeypatch.setattr(prefill_mod, "BUCKET_AHEAD_AFTER", 100)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     monkeypatch.setattr(attention, "warm_bucket", lambda *a: (_ for _ in ()).throw(MemoryError("injected")))
     session = Session("long")
     got = engine.append(session, tokens=list(range(1, 150)))
     assert got["prefilled"] == 148 and session.processed == 148
     assert any("ahead failed" in r.getMessage() for r in caplog.records)
-    assert engine._bucketed(session.cache, 1) is None  # one query: the decode kernel, never a bucket
+    assert engine.planner._bucketed(session.cache, 1) is None  # one query: the decode kernel, never a bucket
     # An idle build whose session is gone is skipped.
     idle: list = []
-    engine.idle = idle.append
+    engine.planner.idle = idle.append
     monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 10_000)
     monkeypatch.setattr(attention, "warm_bucket", lambda *a: pytest.fail("built for a session that is gone"))
     gone = Session("gone")
@@ -507,9 +510,9 @@ def test_no_builds_ahead_at_a_capacity_off_the_grid(model_dir, tmp_path, monkeyp
     monkeypatch.setattr(attention, "wanted", lambda: True)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     idle: list = []
-    engine.idle = idle.append
+    engine.planner.idle = idle.append
     session = Session("extracted")
     engine.append(session, tokens=list(range(1, 150)))
     assert idle  # on the grid: built ahead when idle

@@ -220,7 +220,7 @@ def test_no_more_than_max_batch_calls_decode_at_once_and_the_rest_wait_their_tur
 def test_a_failing_decode_step_fails_its_calls_and_the_engine_thread_goes_on(engine, monkeypatch):
     thread = EngineThread()
     try:
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         call = thread.submit(lambda: engine.start_call(session(engine, "f", PROMPTS[0]),
                                                         GenerateParams(max_tokens=50))).result()
         boom = RuntimeError("injected: the batched forward pass failed")
@@ -239,7 +239,7 @@ def test_a_failing_decode_step_fails_its_calls_and_the_engine_thread_goes_on(eng
 def test_the_engine_thread_says_where_its_time_went_and_names_the_slow_jobs(engine):
     thread = EngineThread()
     try:
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         calls = thread.submit(lambda: [engine.start_call(session(engine, f"t{i}", PROMPTS[i]),
                                                          GenerateParams(max_tokens=24)) for i in range(2)]).result()
 
@@ -263,7 +263,7 @@ def test_calls_that_come_together_join_in_one_merge_through_quick_jobs_not_one_a
     """16 calls arriving at once used to join over 16 steps (one job a step); quick jobs run together."""
     thread = EngineThread()
     try:
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         busy = thread.submit(lambda: engine.start_call(session(engine, "busy", PROMPTS[0]),
                                                        GenerateParams(max_tokens=200))).result()
         calls = thread.submit(lambda: [engine.start_call(session(engine, f"q{i}", PROMPTS[i % 4]),
@@ -336,12 +336,9 @@ def test_a_checkpoints_look_at_a_session_is_a_quick_job(engine):
 
 
 def test_a_slow_step_that_admitted_calls_says_how_many_and_how_long_their_merge_took(engine, monkeypatch):
-    from kvwake.daemon.model import thread as engine_thread
-
-    monkeypatch.setattr(engine_thread, "SLOW_S", 0.0)  # every job and step recorded
-    thread = EngineThread()
+    thread = EngineThread(slow_job_ms=0.0)  # every job and step recorded
     try:
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         calls = thread.submit(lambda: [engine.start_call(session(engine, f"m{i}", PROMPTS[i]),
                                                          GenerateParams(max_tokens=6)) for i in range(3)]).result()
         thread.submit(lambda: [engine.decoder.join(c) for c in calls]).result()
@@ -373,7 +370,7 @@ def test_idle_jobs_run_when_nothing_waits_one_at_a_time_and_never_while_a_call_d
     thread = EngineThread()
     order: list[str] = []
     try:
-        thread.attach(engine.decoder)
+        thread.attach(engine.decoder, engine.planner)
         call = thread.submit(lambda: engine.start_call(session(engine, "busy", PROMPTS[0]),
                                                        GenerateParams(max_tokens=40))).result()
 
@@ -498,7 +495,7 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
     monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
-    engine.plain_prefill, engine.context_length, engine.paths = True, 4096, None
+    engine.planner.plain_prefill, engine.context_length, engine.planner.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()
     # sizes; decode; a wake's staging; the plain path's classes of shape within the context; keys 1k, 4k
@@ -508,9 +505,9 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     assert engine._warm_staging in jobs
     for job in jobs[:-1]:
         job()
-    assert passes.sizes[:6] == [2, 2, 4, 4, 8, 8] and engine.paths is None
+    assert passes.sizes[:6] == [2, 2, 4, 4, 8, 8] and engine.planner.paths is None
     jobs[-1]()
-    assert [row[0] for row in engine.paths.table] == [1024, 4096] and engine.decoder.batch is None
+    assert [row[0] for row in engine.planner.paths.table] == [1024, 4096] and engine.decoder.batch is None
 
 
 def test_the_plain_path_is_not_warmed_at_a_shape_whose_cache_would_take_half_the_room_for_kv(engine, monkeypatch):
@@ -519,7 +516,7 @@ def test_the_plain_path_is_not_warmed_at_a_shape_whose_cache_would_take_half_the
     from kvwake.daemon.model import attention
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
-    engine.plain_prefill, engine.context_length, engine.paths = True, 32768, None
+    engine.planner.plain_prefill, engine.context_length, engine.planner.paths = True, 32768, None
     small = min(engine.kv_bytes(q + k) for q, k in attention.plain_warm_shapes(engine.prefill_step, 32768))
     plain = [job for job in engine.warm_jobs() if "warm_plain" in getattr(job, "__code__", type(job)).co_names]
     assert len(plain) == len(attention.plain_warm_shapes(engine.prefill_step, 32768)) == 4
@@ -653,7 +650,7 @@ def test_a_failed_jobs_exception_reaches_its_waiter_without_the_jobs_locals():
 def test_clearing_an_exceptions_frames_leaves_a_suspended_generator_running():
     # An exception caught inside a generator that then suspends has that live frame in its traceback;
     # clearing it would close the generator (Python 3.11/3.12). Its frames are left alone.
-    from kvwake.daemon.kv.context import unframed
+    from kvwake.daemon.jobs import unframed
 
     caught = []
 
@@ -699,12 +696,11 @@ def test_a_finished_jobs_closure_and_result_are_freed_on_the_engine_thread_witho
         thread.stop()
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["caches ahead", "caches in the pass"])
 def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_and_decode_as_alone(
-        engine, monkeypatch, ahead):
+        engine, monkeypatch):
     """joining.schedule: after a merge, a placement into a dead slot and a compaction, the batch's caches are
-    scheduled as work of their own before the next pass (inside it they cost twice as much on the H200);
-    KVWAKE_ADMIT_AHEAD=0 leaves them to the pass. Either way every call gives what it gives alone."""
+    scheduled as work of their own before the next pass (inside it they cost about twice as much), and every
+    call gives what it gives alone."""
     import mlx.core as mx
 
     from kvwake.daemon.model import joining
@@ -722,7 +718,6 @@ def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_an
             mx.async_eval(*args)
 
     monkeypatch.setattr(joining, "mx", Recording())
-    monkeypatch.setattr(joining, "ADMIT_AHEAD", ahead)
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (3, 10, 10, 10, 6)]
     texts = PROMPTS + ["hi"]
@@ -735,4 +730,4 @@ def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_an
     schedules = (status["merges"] - before["merges"]) + (status["slot_reuses"] - before["slot_reuses"]) + \
         (status["compactions"] - before["compactions"])
     assert scheduled.count("tokens") >= 3 and schedules >= 3
-    assert scheduled.count("caches") == (scheduled.count("tokens") if ahead else 0), scheduled
+    assert scheduled.count("caches") == scheduled.count("tokens"), scheduled

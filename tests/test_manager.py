@@ -32,7 +32,7 @@ def manager(model_dir, tmp_path):
     store = Store(tmp_path / "store", block_tokens=16)
     thread = EngineThread()
     engine = thread.submit(lambda: Engine(store, tmp_path, model_dir)).result()
-    thread.attach(engine.decoder)  # as serve does: generate calls decode between engine jobs
+    thread.attach(engine.decoder, engine.planner)  # as serve does: generate calls decode between engine jobs
     yield SessionManager(engine, thread, Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     thread.stop()
     engine.close()

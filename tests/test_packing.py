@@ -12,10 +12,11 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.kv.context import Packed
-from kvwake.daemon.model import attention, packing, prefillslices
-from kvwake.daemon.model import engine as engine_module
-from kvwake.daemon.model.engine import Engine, pack_groups
+from kvwake.daemon.jobs import Packed
+from kvwake.daemon.model import attention, packing
+from kvwake.daemon.model.scheduler import slices as prefillslices
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.scheduler import pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session
@@ -127,7 +128,7 @@ def test_turns_that_come_at_once_prefill_in_one_pass_and_continue_as_each_alone(
     if sliced:  # a call decodes (as far as the prefill sees): slices of one layer, a step job each
         monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
         engine.decoder.step_s = 1e-9
-    assert engine.pack_prefill
+    assert engine.planner.pack_prefill
     alone = [session(engine, f"alone{i}", h) for i, h in enumerate(HISTORIES)]
     for s, t in zip(alone, TURNS):
         engine.append(s, text=t)  # `direct`: a pack of one, the lone path
@@ -181,9 +182,9 @@ def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine):
     assert all(n > 2 * engine.prefill_step for n in upto)  # three chunks or more each
     packs = engine.counters["prefill_packs"]
     while any(s.processed < n for s, n in zip(together, upto)):
-        jobs = [Packed(engine._prefill_chunk, engine._next_chunks, (s, n)) for s, n in zip(together, upto)
+        jobs = [Packed(engine.planner.chunk, engine.planner.next_chunks, (s, n)) for s, n in zip(together, upto)
                 if s.processed < n]
-        chunks = engine._next_chunks(jobs)
+        chunks = engine.planner.next_chunks(jobs)
         assert len(jobs) == 1 or len({id(c) for c in chunks}) == 1  # both sessions' chunks in one pass
     assert engine.counters["prefill_packs"] >= packs + 2
     for a, b in zip(alone, together):
@@ -214,7 +215,7 @@ def test_one_turns_failing_check_or_missing_cache_fails_that_turn_alone(engine):
     longer.tokens = longer.tokens + longer.tokens[:40]
     lost = session(engine, "lost", HISTORIES[0])
     lost.cache = None  # a failed pass dropped it
-    chunks = engine._next_chunks([Packed(engine._prefill_chunk, engine._next_chunks, (s, n))
+    chunks = engine.planner.next_chunks([Packed(engine.planner.chunk, engine.planner.next_chunks, (s, n))
                                   for s, n in ((longer, upto), (lost, len(lost.tokens) + 5))])
     assert isinstance(chunks[0], prefillslices.Chunk) and "lost: its cache was dropped" in str(chunks[1])
 
@@ -252,9 +253,9 @@ def test_a_failed_slice_of_a_packed_chunk_drops_every_sessions_cache_and_fails_e
     assert one.settled == two.settled == 1
 
 
-def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earlier_ones(monkeypatch):
-    """Every pack is its own shapes: sized from an earlier pack's cost, a 16-row pack's first slice took 217 ms
-    against a 40 ms target on the H200. A pack starts at one layer, measured, whatever the slicer knows."""
+def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earlier_ones():
+    """Every pack is its own shapes: sized from an earlier pack's cost, a pack's first slice can take several
+    times its target. A pack starts at one layer, measured, whatever the slicer knows."""
     shared = prefillslices.Slicer()
     shared.observe(1e-12, 1, 10, "packed@3")  # an earlier pack of this kind: nearly free
     lone = prefillslices.Chunk(LayersOnly(), 5, shared, target_s=1.0, kind="packed@3")
@@ -269,11 +270,6 @@ def test_a_packed_chunk_sizes_its_slices_from_its_own_slices_not_the_kinds_earli
     assert chunk.last == (1, 1)  # measured: its own cost from here
     chunk.step()
     assert chunk.done and shared.layer_token_s["packed@3"] == known  # the shared costs untouched
-    monkeypatch.setattr(prefillslices, "PACK_OWN_COSTS", False)  # KVWAKE_PACK_OWN_COSTS=0: the kind's costs
-    chunk = prefillslices.Chunk(LayersOnly(), 5, shared, target_s=1.0, kind="packed@3", more=[(LayersOnly(), 7)],
-                                padded=14)
-    chunk.step()
-    assert chunk.last == (0, 6)
 
 
 def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():
@@ -283,12 +279,10 @@ def test_packs_bound_their_padding_and_a_turn_that_fits_none_prefills_alone():
     assert pack_groups([("a", 10)]) == []
 
 
-@pytest.mark.parametrize("running,cap,steps", [(2, 0, 2), (1, 0, 4), (1, 3, 3), (1, 8, 4), (4, 3, 1)])
-def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(engine, monkeypatch, running, cap,
-                                                                               steps):
+@pytest.mark.parametrize("running,steps", [(2, 2), (1, 4), (4, 1)])
+def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(engine, monkeypatch, running, steps):
     monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))
     monkeypatch.setattr(type(engine.decoder), "running", property(lambda self: running))
-    monkeypatch.setattr(engine_module, "PACK_SHARE_MAX", cap)
     engine.decoder.step_s = 0.01
     rows = []
     for i, (history, turn) in enumerate(zip(HISTORIES, TURNS)):
@@ -296,8 +290,8 @@ def test_a_packed_chunks_slices_share_their_time_by_the_sessions_on_each_side(en
         plan = engine.plan(s, text=turn)
         engine._adopt(s, plan, (None, 0))
         rows.append((s, len(plan.target) - 1))
-    chunk = engine._pack_chunk(rows)  # 4 turns waiting beside `running` decoding calls: 4 / running steps, capped
-    assert chunk.target_s == pytest.approx(0.01 * prefillslices.SLICE_OF_STEP * steps)
+    chunk = engine.planner._pack_chunk(rows)  # 4 turns waiting beside `running` decoding calls: 4 / running steps
+    assert chunk.target_s == pytest.approx(0.01 * engine.planner.slice_of_step * steps)
 
 
 def test_a_packed_pass_that_fails_as_it_is_built_drops_every_sessions_cache_and_fails_each_turn(engine, monkeypatch):
@@ -329,7 +323,7 @@ def test_a_model_whose_rope_scales_by_a_single_offset_is_not_packed(tmp_path):
 
 
 def test_with_packing_off_a_turns_jobs_are_plain_ones(engine, monkeypatch):
-    engine.pack_prefill = False
+    engine.planner.pack_prefill = False
     s = session(engine, "off", HISTORIES[0])
     kinds: list[str] = []
 

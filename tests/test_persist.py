@@ -302,7 +302,7 @@ def test_a_checkpoint_reads_a_cache_between_a_prefills_chunks_not_inside_one(tmp
         session.tokens += list(range(50, 90))
         monkeypatch.setattr(type(engine.decoder), "active", property(lambda self: True))  # a neighbour decodes
         engine.decoder.step_s = 1e-9  # slices of one layer
-        chunk = thread.call(lambda: engine._prefill_chunk(session, len(session.tokens) - 1))
+        chunk = thread.call(lambda: engine.planner.chunk(session, len(session.tokens) - 1))
         assert not chunk.done and session.computing
         result: list = []
         driver = threading.Thread(target=lambda: result.append(

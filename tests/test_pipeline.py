@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvwake.daemon.kv import capacity, state
-from kvwake.daemon.kv.context import direct
+from kvwake.daemon.jobs import direct
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.session import Session

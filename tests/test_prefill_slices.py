@@ -11,8 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 import pytest
 
-from kvwake.daemon.model import prefillslices
-from kvwake.daemon.model import thread as engine_thread
+from kvwake.daemon.model.scheduler import slices as prefillslices
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
@@ -67,11 +66,11 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
     talker = Session("talker")
     deep.append(talker, text="Tell the long story")
     thread = EngineThread()
-    thread.attach(deep.decoder)
+    thread.attach(deep.decoder, deep.planner)
     slices: list[int] = []
-    real = deep._prefill_chunk
+    real = deep.planner.chunk
     built: list[int] = []  # layers computed in the job that builds a chunk's graph (none, beside a decoding call)
-    deep._prefill_chunk = lambda session, upto: built.append((chunk := real(session, upto)).computed) or \
+    deep.planner.chunk = lambda session, upto: built.append((chunk := real(session, upto)).computed) or \
         slices.append(chunk) or chunk
     try:
         no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)  # it decodes until stopped
@@ -156,7 +155,7 @@ def test_what_waited_for_a_chunk_fails_with_the_engines_error_when_the_engine_st
 
 
 def test_a_slice_is_sized_to_the_decode_step_from_the_measured_layer_cost():
-    from kvwake.daemon.model.prefillslices import Slicer
+    from kvwake.daemon.model.scheduler.slices import Slicer
 
     slicer = Slicer()
     assert slicer.layers_for(0.010, 512, 32) == 1  # nothing measured yet: one layer, measured
@@ -171,7 +170,7 @@ def test_a_slice_of_another_attention_path_is_sized_from_that_paths_own_cost():
     # Was: one cost for every chunk. A long prompt's last chunk, run plain beside decoding (a shape new to the
     # process, on CUDA), was sized from the fused chunks' cost: its first slice took 28-30 ms on the H100
     # against a 4 ms target, the longest gap of a neighbour's stream during the prefill.
-    from kvwake.daemon.model.prefillslices import Slicer
+    from kvwake.daemon.model.scheduler.slices import Slicer
 
     slicer = Slicer()
     slicer.observe(0.004, 2, 512)  # fused: 2 ms a layer for 512 tokens
@@ -212,18 +211,17 @@ def test_a_chunks_first_slice_computes_no_attention_so_its_cost_sizes_nothing():
 def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep, monkeypatch):
     # CUDA's choice here: a chunk shorter than the step (a prompt's last piece) runs plain attention
     deep.plain_prefill = True
-    deep.paths = None  # every short chunk plain, as on the CPU (CUDA's measured costs ran this one fused)
+    deep.planner.paths = None  # every short chunk plain, as on the CPU (CUDA's measured costs ran this one fused)
     long_prompt = [(i * 37 + 5) % 200 + 20 for i in range(4 * STEP + 7)]
     whole = Session("whole")
     deep.append(whole, tokens=long_prompt)  # nothing decodes: the full chunks' shapes are known fused after
     talker = Session("talker")
     deep.append(talker, text="Tell the long story")
-    monkeypatch.setattr(engine_thread, "SLOW_S", 0.0)  # every job kept by name: each slice says its layers
-    thread = EngineThread()
-    thread.attach(deep.decoder)
+    thread = EngineThread(slow_job_ms=0.0)  # every job kept by name: each slice says its layers
+    thread.attach(deep.decoder, deep.planner)
     chunks = []
-    real = deep._prefill_chunk
-    deep._prefill_chunk = lambda session, upto: chunks.append(chunk := real(session, upto)) or chunk
+    real = deep.planner.chunk
+    deep.planner.chunk = lambda session, upto: chunks.append(chunk := real(session, upto)) or chunk
     try:
         no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)
         call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))

@@ -45,7 +45,8 @@ from typing import Any
 import mlx.core as mx
 
 from kvwake.daemon.kv import fill, state
-from kvwake.daemon.kv.context import KvContext, Mlx, quick, unframed
+from kvwake.daemon.jobs import quick, unframed
+from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.phases import Phases
 from kvwake.daemon.session import Session

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv.context import unframed
+from kvwake.daemon.jobs import unframed
 from kvwake.daemon.model.generation import GenerateResult, TextOutput
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.session import Session

@@ -17,15 +17,12 @@ their prefix reuse is off.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import os
-import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm
@@ -34,11 +31,13 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
-from kvwake.daemon.kv.context import KvContext, Mlx, Packed, direct, quantize_cache
+from kvwake.daemon.jobs import Mlx, Packed, direct, outcome
+from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, packing, prefillslices
+from kvwake.daemon.model import attention, memory, packing
+from kvwake.daemon.model.scheduler import PrefillPlanner, slices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.calls import Call, batch_mode
 from kvwake.daemon.model.decoder import Decoder, run_alone
@@ -56,7 +55,6 @@ __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_
 # What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
-T = TypeVar("T")
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
 # A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
 Shared = Callable[[list[int]], tuple[list | None, int]]
@@ -67,17 +65,6 @@ ShouldStop = Callable[[], bool] | None
 log = logging.getLogger("kvwake.engine")
 
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
-BUCKET_AHEAD_AFTER = 4096  # a prefill of this many tokens ends by building the next turn's likeliest buckets,
-BUCKETS_AHEAD = 2  # this many (128 and 192 queries: turns of 65-192 tokens; one build each, ~60-90 ms on the GPU)
-# Turns whose short chunks come at once prefill in one forward pass from this many (model/packing.py);
-# KVWAKE_PACK_PREFILL=0 turns packing off (bench/turns_at_once.py compares)
-PACK_MIN = 2
-PACK_PADDING = 2.0  # a pack computes at most this many times its rows' tokens (right-padded to the longest)
-PACK_PREFILL = os.environ.get("KVWAKE_PACK_PREFILL", "1") != "0"
-# A packed slice takes at most this many decode steps' time however many turns it feeds (0: no cap;
-# KVWAKE_PACK_SHARE_MAX; bench/turns_at_once.py measures the talker's gaps against the turns' first tokens)
-PACK_SHARE_MAX = float(os.environ.get("KVWAKE_PACK_SHARE_MAX", "0"))
-PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
 
 
 def context_length(model_path: Path) -> int | None:
@@ -123,6 +110,8 @@ class Engine:
         limits: memory.Limits | None = None,
         persist: bool = False,
         warm: bool = True,
+        pack_prefill: bool = True,
+        slice_of_step: float = 1.0,
     ) -> None:
         self.store, self.prefill_step = store, prefill_step
         self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
@@ -156,23 +145,14 @@ class Engine:
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
-        self.plain_prefill = attention.wanted()  # CUDA: no cuDNN graph build per new chunk shape
-        # Which path a short chunk's attention takes, measured at this model's shape (warm_jobs); until
-        # then, and off CUDA, short chunks take the plain ops.
-        self.paths: attention.PathCosts | None = None
-        # A short chunk over a long cache runs fused at a shared shape (attention.bucketed_attention)
-        self.bucket_prefill = attention.bucket_wanted()
-        # Runs a job on the engine thread when nothing else waits (the daemon's EngineThread.idle): the next
-        # turns' shared shapes built ahead. None (in-process use): built when first met.
-        self.idle: Callable[[Callable[[], Any]], None] | None = None
-        self._bucket_warming: set[tuple[Any, ...]] = set()
-        # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
-        self._fused_shapes: set[tuple[Any, ...]] = set()
-        self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
-        self.slicer = prefillslices.Slicer()  # a long prefill's layers in slices while other calls decode
-        self.slice_prefill = True  # off: whole chunks beside decoding too (bench/prefill_slices.py compares)
-        # several sessions' short chunks in one forward pass: where calls batch (the same exactness class)
-        self.pack_prefill = PACK_PREFILL and self.decode_mode == "batched" and packing.packable_model(self.model)
+        # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
+        # packing is for where calls batch (the same exactness class)
+        self.planner = PrefillPlanner(
+            self.model, self.decoder, self.counters, prefill_step=prefill_step,
+            plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
+            bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
+            pack_prefill=pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
+            slice_of_step=slice_of_step)
         self.started.mark("set_up")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")
@@ -201,13 +181,13 @@ class Engine:
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
         if attention.on_cuda() and fill.restore_mode() == "staged":
             jobs.append(self._warm_staging)
-        if self.plain_prefill:  # the plain path at each class of shape MLX builds kernels for (plain_warm_shapes)
+        if self.planner.plain_prefill:  # the plain path at each class of shape MLX builds kernels for (plain_warm_shapes)
             room = self.kv_room_bytes if self.kv_room_bytes is not None else float("inf")
             jobs += [lambda q=q, k=k: attention.warm_plain(self.model, q, k)
                      for q, k in attention.plain_warm_shapes(self.prefill_step, self.context_length)
                      if self.kv_bytes(q + k) <= room / 2]  # its cache made for it: beside room for sessions
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
-                                              lambda costs: setattr(self, "paths", costs))
+                                              lambda costs: setattr(self.planner, "paths", costs))
         return jobs
 
     def _warm_staging(self) -> bool:
@@ -368,100 +348,41 @@ class Engine:
         """
         upto = len(plan.target) - 1
         args = (session, plan, prefix, upto, should_stop)
-        reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, args) if self.pack_prefill else
+        reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, args) if self.planner.pack_prefill else
                             lambda: self._adopt_and_start(*args))
         prefilled = self.prefill(session, upto, mlx, should_stop, chunk)
         self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
 
     def _adopt_and_start(self, session: Session, plan: Plan, prefix: tuple[list | None, int], upto: int,
-                         should_stop: ShouldStop = None) -> tuple[int, prefillslices.Chunk | None]:
+                         should_stop: ShouldStop = None) -> tuple[int, slices.Chunk | None]:
         """`_adopt`, then the first prefill chunk queued (when there is one and `should_stop` does not say
         stop: `prefill` then raises before any chunk), in one engine job: while calls decode a job waits for
         a step, and a turn's first token one job fewer."""
         reused = self._adopt(session, plan, prefix)
         start = session.processed < upto and not (should_stop is not None and should_stop())
-        return reused, self._prefill_chunk(session, upto) if start else None
+        return reused, self.planner.chunk(session, upto) if start else None
 
     def _start_turns(self, jobs: list[Packed]) -> list[Any]:
         """The `_adopt_and_start` of every turn queued at once (a Packed job each, model/thread.py), in one
-        job: each cache adopted, then the first chunks queued (`_queue_chunks`: in packs where they can). One
+        job: each cache adopted, then the first chunks queued (the scheduler's `queue_chunks`: in packs). One
         turn: `_adopt_and_start` itself, as before packing. An item is (tokens reused, the chunk queued or
         None), or the exception of that turn's adoption."""
-        if len(jobs) == 1 or not self.pack_prefill:
-            return [_outcome(lambda job=job: self._adopt_and_start(*job.args)) for job in jobs]
+        if len(jobs) == 1 or not self.planner.pack_prefill:
+            return [outcome(lambda job=job: self._adopt_and_start(*job.args)) for job in jobs]
         results: list[Any] = []
         rows: list[tuple[int, Session, int]] = []  # (its result's index, session, upto) of each that starts a chunk
         for job in jobs:
             session, plan, prefix, upto, should_stop = job.args
             # One turn's failure (its adoption, its caller's should_stop) is that turn's item alone.
-            reused = _outcome(lambda: (self._adopt(session, plan, prefix),
+            reused = outcome(lambda: (self._adopt(session, plan, prefix),
                                        should_stop is not None and session.processed < upto and should_stop()))
             results.append(reused if isinstance(reused, BaseException) else [reused[0], None])
             if not isinstance(reused, BaseException) and session.processed < upto and not reused[1]:
                 rows.append((len(results) - 1, session, upto))
-        for (i, _, _), chunk in zip(rows, self._queue_chunks([(session, upto) for _, session, upto in rows])):
+        for (i, _, _), chunk in zip(rows, self.planner.queue_chunks([(session, upto) for _, session, upto in rows])):
             results[i] = chunk if isinstance(chunk, BaseException) else [results[i][0], chunk]
         return [r if isinstance(r, BaseException) else tuple(r) for r in results]
-
-    def _next_chunks(self, jobs: list[Packed]) -> list[Any]:
-        """The next `_prefill_chunk` of every prefill queued at once (a Packed job each), in one job."""
-        if len(jobs) == 1 or not self.pack_prefill:
-            return [_outcome(lambda job=job: self._prefill_chunk(*job.args)) for job in jobs]
-        return self._queue_chunks([job.args for job in jobs])
-
-    def _queue_chunks(self, rows: list[tuple[Session, int]]) -> list[Any]:
-        """Each session's next chunk towards its `upto`: those of plain KV layers in packs (`pack_groups`:
-        PACK_MIN or more, padding bounded), one forward pass each (model/packing.py), the others alone. An
-        item is the chunk (shared by a pack's sessions) or the exception queuing it raised."""
-        out: list[Any] = [None] * len(rows)
-        packs = pack_groups([(i, self._chunk_end(session, upto) - session.processed)
-                             for i, (session, upto) in enumerate(rows)
-                             if session.cache is not None and all(type(c) is KVCache for c in session.cache)])
-        packed = {i for pack in packs for i in pack}
-        for i, (session, upto) in enumerate(rows):
-            if i not in packed:
-                out[i] = _outcome(lambda: self._prefill_chunk(session, upto))
-        for pack in packs:
-            chunk = _outcome(lambda: self._pack_chunk([rows[i] for i in pack]))
-            for i in pack:
-                out[i] = chunk
-        return out
-
-    def _pack_chunk(self, rows: list[tuple[Session, int]]) -> prefillslices.Chunk:
-        """Queue one forward pass feeding each session of `rows` (session, upto) its next chunk (`_chunk_end`),
-        each row's attention on the path its chunk alone would take; computed all at once when nobody
-        decodes, else a slice of layers per step (a Chunk of several sessions)."""
-        sliced = self.slice_prefill and self.decoder.active
-        ends = [(session, self._chunk_end(session, upto), upto) for session, upto in rows]
-        paths = [self._path(session, end - session.processed, end, sliced)[1] or _fused for session, end, _ in ends]
-        try:
-            packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
-                                         for session, end, _ in ends], paths)
-        except BaseException:  # caches part-fed (their offsets moved layer by layer): rebuilt from tokens on next use
-            for session, _, _ in ends:
-                session.cache, session.processed = None, 0
-            raise
-        for session, end, upto in ends:
-            if end == upto:  # its prefill's last chunk: the next turn's shapes, once the engine is idle
-                self._warm_buckets(session, end - session.processed)
-        longest = max(end - session.processed for session, end, _ in ends)
-        (first, end, _), more = ends[0], [(session, end) for session, end, _ in ends[1:]]
-        # A slice's time is shared by the sessions on each side: N turns waiting beside D decoding calls take
-        # slices of N / D steps (at least one). One step each, 16 turns packed beside one talker took 32
-        # slices, 32 steps between them (H100, 8B: first tokens 1.4 s for 3k tokens of prefill work).
-        share = max(1.0, len(rows) / max(1, self.decoder.running))
-        if PACK_SHARE_MAX:
-            share = min(share, max(1.0, PACK_SHARE_MAX))
-        chunk = prefillslices.Chunk(first, end, self.slicer,
-                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP * share if sliced else None,
-                                    kind=prefillslices.kind("packed", max(end for _, end, _ in ends)),
-                                    more=more, padded=len(rows) * longest)
-        self.counters.add("prefill_packs", 1)
-        self.counters.add("prefill_packed_chunks", len(rows))
-        if not sliced:
-            chunk.step()
-        return chunk
 
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
@@ -481,7 +402,7 @@ class Engine:
         return reused
 
     def prefill(self, session: Session, upto: int, mlx: Mlx = direct, should_stop: ShouldStop = None,
-                chunk: prefillslices.Chunk | None = None) -> int:
+                chunk: slices.Chunk | None = None) -> int:
         """Feed session.tokens[processed:upto] to the model, one chunk per `mlx` call (a slice of
         layers per call while other calls decode); returns how many. `chunk`: the first chunk, queued
         already (`_adopt_and_start`; it may be computed too).
@@ -500,8 +421,9 @@ class Engine:
                                              f"{session.processed - start} of {upto - start} tokens (the client "
                                              "left, or the daemon is stopping)", session_id=session.id,
                                              prefilled=session.processed - start, tokens=upto - start)
-                    chunk = mlx(Packed(self._prefill_chunk, self._next_chunks, (session, upto)) if self.pack_prefill
-                                else lambda: self._prefill_chunk(session, upto))
+                    planner = self.planner
+                    chunk = mlx(Packed(planner.chunk, planner.next_chunks, (session, upto)) if planner.pack_prefill
+                                else lambda: planner.chunk(session, upto))
                 try:
                     while not chunk.done:
                         mlx(chunk.step_job)  # a packed chunk's callers: one job for those queued together
@@ -512,139 +434,9 @@ class Engine:
                 self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)
-        if upto - start >= BUCKET_AHEAD_AFTER:
-            self._bucket_ahead(session, mlx)
+        self.planner.build_ahead(session, upto - start, mlx)
         return upto - start
 
-    def chunk_end(self, processed: int, upto: int) -> int:
-        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`).
-
-        Aligned, every full chunk's key length is a multiple of the step whatever the turn or prefix hit
-        before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (about
-        100 ms each); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
-        """
-        step = self.prefill_step
-        return min(upto, (processed // step + 1) * step)
-
-    def _chunk_end(self, session: Session, upto: int) -> int:
-        """Where the session's next prefill chunk ends: `chunk_end`, or `upto` for a turn's input that runs at
-        one query bucket (no boundary to keep: its graph is the bucket's)."""
-        end = self.chunk_end(session.processed, upto)
-        if end < upto and self._bucketed(session.cache, upto - session.processed):
-            end = upto
-        return end
-
-    def _prefill_chunk(self, session: Session, upto: int) -> prefillslices.Chunk:
-        """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing
-        yet (the `Chunk` computes it a slice of layers per `step`, one per engine job)."""
-        if session.cache is None:  # dropped under it (a failed pass of a pack it was in): nothing to feed
-            raise RuntimeError(f"session {session.id}: its cache was dropped before its chunk to {upto}")
-        end = self._chunk_end(session, upto)
-        sliced = self.slice_prefill and self.decoder.active  # a decoding neighbour waits one slice, not the chunk
-        n = end - session.processed
-        path, make = self._path(session, n, end, sliced)
-        with attention.swapped(self.model, make) if make else contextlib.nullcontext():
-            self.model(mx.array(session.tokens[session.processed : end], dtype=mx.uint32)[None], cache=session.cache)
-        if end == upto:  # the prefill's last chunk: the next turn's shapes, once the engine is idle
-            self._warm_buckets(session, n)
-        chunk = prefillslices.Chunk(session, end, self.slicer,
-                                    self.decoder.step_s * prefillslices.SLICE_OF_STEP if sliced else None,
-                                    kind=prefillslices.kind(path, end))
-        if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
-            chunk.step()  # in Python for the 8B shape), and its slices the next ones
-        return chunk
-
-    def _path(self, session: Session, n: int, end: int, sliced: bool) -> tuple[str, Callable[[Any], Any] | None]:
-        """The attention path of a chunk of n tokens of the session's (to `end`): ("plain" | "bucket" |
-        "fused", what makes its attention from the model's fused one; None: the fused one itself). Records
-        the shapes run fused, and those run plain beside decoding."""
-        # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
-        # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
-        # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
-        # shapes recur (aligned), and beside decoding 128-token chunks over 8k took 3.0 s plain against
-        # 1.5 s fused (model/attention.py) -- unless a neighbour decodes and the graph would be new to
-        # this process: its build (~90 ms on the H100, in the chunk's first slice) is a gap of a dozen
-        # decode steps; plain, the neighbour waits one slice (the prefill itself takes longer). A shape
-        # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
-        # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
-        # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
-        is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
-        bucket = self._bucketed(session.cache, n)
-        shape = ("bucket", *bucket) if bucket else attention.fused_shape(session.cache, n) if self.plain_prefill else None
-        new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
-        short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket))
-        new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
-        if new_beside:
-            self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
-        plain = self.plain_prefill and (short or new_beside)
-        if self.plain_prefill and not plain and shape is not None:
-            self._fused_shapes.add(shape)  # the one record of shapes run fused (their graphs built)
-        if plain:
-            queries = max(n, attention.PLAIN_MAX_QUERIES)
-            return "plain", lambda fused: attention.plain_attention(fused, queries)
-        return ("bucket", attention.bucketed_attention) if bucket else ("fused", None)
-
-    def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
-        """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a
-        short chunk (2 tokens to below the prefill step and PLAIN_MAX_QUERIES: one query takes the decode
-        kernel) while bucketed prefill is on; else None."""
-        if not (self.bucket_prefill and 2 <= n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES):
-            return None
-        return attention.bucket_shape(cache, n)
-
-    def _turn_buckets(self, cache: list, n: int) -> tuple[int, list[int]] | None:
-        """(the capacity `cache` has once fed n more tokens, every query bucket of a turn there, likeliest
-        first), or None when no later turn would share those graphs: bucketed prefill off, not a plain
-        KVCache past CUDNN_MIN, or a buffer off the capacity grid (a batch's or a copy's, trimmed; its
-        next growth puts it back on the grid)."""
-        if not self.bucket_prefill or not cache or attention.bucket_shape(cache, max(n, 1)) is None:
-            return None
-        capacity = kvcapacity.grown(cache[0], n)
-        if kvcapacity.capacity(capacity) != capacity:
-            return None
-        return capacity, attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))
-
-    def _warm_buckets(self, session: Session, n: int) -> None:
-        """The shared shapes of the next turns over the session's cache once fed n more tokens, built as
-        idle jobs: when nothing else waits. Built ones and queued ones are skipped; so is one whose
-        session holds another capacity by its turn (grown, or gone)."""
-        turn = self._turn_buckets(session.cache, n) if self.idle is not None else None
-        for bucket in turn[1] if turn else ():
-            shape = ("bucket", bucket, turn[0])
-            if shape not in self._fused_shapes and shape not in self._bucket_warming:
-                self._bucket_warming.add(shape)
-                self.idle(lambda shape=shape, ref=weakref.ref(session): self._warm_bucket(shape, ref))
-
-    def _bucket_ahead(self, session: Session, mlx: Mlx) -> None:
-        """After a long prefill, nobody decoding: the likeliest turns' shared shapes at the cache's capacity
-        (BUCKETS_AHEAD of them) built now, one job each (a graph build, ~60-90 ms on the GPU at 75k keys, on a
-        prefill of seconds), not by the next turn: a client that sends it at once leaves no idle time to build
-        it in (on the H100 its first token took 196-245 ms against 120-150 for the turns after; on the H200 a
-        131-token turn, bucket 192, took 203 ms when only 128 was built ahead, 104-137 ms after). Beside a
-        decoding call (a gap) the idle jobs build them."""
-        turn = self._turn_buckets(session.cache, 0)
-        for bucket in turn[1][:BUCKETS_AHEAD] if turn else ():
-            shape = ("bucket", bucket, turn[0])
-            if shape not in self._fused_shapes:
-                mlx(lambda shape=shape: self.decoder.active or self._warm_bucket(shape, weakref.ref(session)))
-
-    def _warm_bucket(self, shape: tuple[Any, ...], session: weakref.ref) -> None:
-        """Build `shape`'s graph (attention.warm_bucket) for the session's buffer if it still has that
-        capacity. Only speed is at stake: a failure is logged, never raised."""
-        self._bucket_warming.discard(shape)
-        s = session()
-        layer = s.cache[0] if s is not None and s.cache else None
-        if shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
-                layer.keys.shape[2] != shape[2]:
-            return  # built meanwhile, or its session's cache is gone or holds another capacity now
-        try:
-            if attention.warm_bucket(self.model, shape[1], shape[2], like=layer.keys):
-                self._fused_shapes.add(shape)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("building a turn's attention graph ahead failed",
-                        extra={"session": s.id, "shape": list(shape[1:]), "error": repr(exc)})
-
-    # -- generation -----------------------------------------------------------
 
     def generate(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerateResult:
@@ -754,28 +546,3 @@ class Engine:
                 "new_blocks": info.new_blocks, "stored_bytes": info.stored_bytes}
 
 
-def pack_groups(rows: list[tuple[T, int]]) -> list[list[T]]:
-    """Rows (each with its number of new tokens) in packs of PACK_MIN or more whose padding (every row as
-    long as the pack's longest) at most doubles the tokens computed; a row that fits no pack is left out
-    (it prefills alone). Shortest first, each pack takes the next (longer) rows while they fit."""
-    packs: list[list[tuple[T, int]]] = []
-    for row in sorted(rows, key=lambda r: r[1]):
-        pack = packs[-1] if packs else None
-        if pack is not None and (len(pack) + 1) * row[1] <= PACK_PADDING * (sum(n for _, n in pack) + row[1]):
-            pack.append(row)
-        else:
-            packs.append([row])
-    return [[r for r, _ in pack] for pack in packs if len(pack) >= PACK_MIN]
-
-
-def _outcome(fn: Callable[[], Any]) -> Any:
-    """fn's result, or the exception it raised (a pack's item: model/thread.py raises it to its caller)."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001 - delivered to the one caller it belongs to
-        return exc
-
-
-def _fused(fused: Any) -> Any:
-    """A packed row's attention on the fused path: the model's own."""
-    return fused

@@ -21,7 +21,6 @@ of the batch's ring, wherever its rotation has got to.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +35,6 @@ from kvwake.daemon.model.generation import make_processors
 __all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "place", "retire", "rows_batch",
            "schedule", "slot_size"]
 
-# KVWAKE_ADMIT_AHEAD=0: a merged batch's caches are computed inside its first pass (bench/admit_pass.py compares)
-ADMIT_AHEAD = os.environ.get("KVWAKE_ADMIT_AHEAD", "1") != "0"
 UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
 SLOTS = (1, 2, 4, 8, 16, 32)  # the batch sizes rows live in: MLX meets a few shapes, not one per row count
 
@@ -185,11 +182,9 @@ def schedule(batch: GenerationBatch) -> None:
     """Schedule what a batch's next pass needs, once rows joined (merged, placed) or left (compacted): its
     next tokens, then its caches, as work of their own ahead of the pass (the tokens first: a constrained
     row's mask waits for them, not for the copies). Left to the pass, the merge's copies are computed inside
-    it, and there they cost about twice their time apart (H200, 8B shape, 16 rows of 300-1,000 tokens
-    joining a talker, alternating: merge and first pass 38-81 ms inside, 36-45 ms ahead; bench/admit_pass.py)."""
+    it, and there they cost about twice their time apart (docs/decisions.md, "Many agents at once")."""
     mx.async_eval(batch._next_tokens)
-    if ADMIT_AHEAD:
-        mx.async_eval([c.state for c in batch.prompt_cache])
+    mx.async_eval([c.state for c in batch.prompt_cache])
 
 
 def slot_size(n: int, most: int) -> int:

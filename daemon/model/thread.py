@@ -1,29 +1,22 @@
-"""The engine thread: the one thread that runs MLX, fed by a queue.
+"""The engine thread: the one thread that runs MLX, executing what its scheduler decides.
 
 MLX work (prefill chunks, capture, restore) is submitted from the event loop
 or a worker thread and awaited without blocking it; each submission gets its
-own future (the response channel). Jobs run one at a time, in order (quick
-ones, below, before the others), and are short: a long prefill or a sleep is
-many jobs.
-
-While generate calls are decoding, the thread alternates: one job, then one
-decode step for every running call (the attached `Decoder`). So a session's
-8k-token prefill delays other sessions' next tokens by about one slice of a
-chunk (model/prefillslices.py), not by the whole prompt, and a decoding session
-never waits for a sleep or wake. A `quick` job (bookkeeping with no MLX work: a
-call joining the decoder) does not wait its turn: every quick job queued runs
-before the next job, so 16 calls that come at once join the batch at one step,
-not over 16. A `Packed` job (kv/context.py) runs with every job of its pack queued
-by its turn, as one: 16 turns' prefill chunks that come at once are one forward pass
-(model/packing.py) and one job, not 16 of each.
+own future (the response channel). Each turn the thread asks its `Scheduler`
+(model/scheduler/steps.py) for one `Step` (quick jobs, then one job or pack or
+idle job, then a decode step of every running call) and runs it; it knows no
+policy. So a session's long prefill delays other sessions' next tokens by about
+one slice of a chunk (model/scheduler/slices.py), not by the whole prompt, and
+a decoding session never waits for a sleep or wake.
 
 Output for the event loop (streamed pieces, finished calls) is `post`ed: what a
 job or a decode step posts reaches each loop in one `call_soon_threadsafe`
-after it, in order, so a step of 32 rows wakes the loop once, not 32 times.
+after it, in order, so a step of many rows wakes the loop once, not once a row.
 
 What the thread spends its time on is kept for `status` (`timing`): seconds in
-jobs, in decode steps and in handing output over, and the last `SLOW_KEPT` jobs
-or steps that took over `SLOW_S`, by name: what a decoding neighbour waited for.
+jobs, in decode steps and in handing output over, and the latest jobs or steps
+that took over the slow mark (Tuning.slow_job_ms), by name: what a decoding
+neighbour waited for.
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -39,8 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvwake.daemon.kv.context import serve_later, unframed
+from kvwake.daemon.jobs import unframed
 from kvwake.daemon.model.decoder import Decoder
+from kvwake.daemon.model.scheduler.prefill import PrefillPlanner
+from kvwake.daemon.model.scheduler.steps import Job, Scheduler
 from kvwake.daemon.phases import Latency
 from kvwake.errors import CancelledError
 
@@ -62,101 +56,64 @@ def process_age_s() -> float | None:
 
 
 T = TypeVar("T")
-Job = tuple[Callable[[], Any], Future]
-
-
-class _PackDue:
-    """In the job queue: a Packed job of `pack` was queued here; the first of these runs all of its jobs
-    queued by then, the others find none (a wake-up, not a turn)."""
-
-    __slots__ = ("pack",)
-
-    def __init__(self, pack: Callable[[list[Any]], list[Any]]) -> None:
-        self.pack = pack
-
-
-class _Taken:
-    """A pack's jobs taken from the queue, to run as one."""
-
-    __slots__ = ("jobs",)
-
-    def __init__(self, jobs: list[Job]) -> None:
-        self.jobs = jobs
 Posted = tuple[Callable[..., Any], tuple[Any, ...]]
-# a job or step this long is named in `timing` (a decode step on the H100 takes ~7-20 ms); KVWAKE_SLOW_JOB_MS
-# lowers it to see what a neighbour's shorter gaps are made of
-SLOW_S = float(os.environ.get("KVWAKE_SLOW_JOB_MS", "50")) / 1000
-SLOW_KEPT = int(os.environ.get("KVWAKE_SLOW_JOBS_KEPT", "64"))  # the latest slow ones `timing` keeps
-# `idle` jobs wait for the queue to stay empty this long: on the H100 a client that sent its next turn at
-# once (bench/http_turns.py) left the engine quiet for more than 50 ms between turns, and its turn waited
-# for the idle job (a cuDNN graph build, 90-135 ms) that started there.
-IDLE_AFTER_S = 0.25
+SLOW_MS = 50.0  # a job or step this long is named in `timing` (Tuning.slow_job_ms)
+SLOW_KEPT = 64  # the latest slow ones `timing` keeps (Tuning.slow_jobs_kept)
 GAPS_KEPT = 512  # the latest intervals between decode steps' hand-overs that `timing` keeps (its step_gaps)
 
 
 class EngineThread:
     """A single worker thread with a FIFO of jobs and, once attached, a decoder stepped between them."""
 
-    def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None) -> None:
+    def __init__(self, name: str = "kvwake-engine", on_exit: Callable[[], None] | None = None, *,
+                 scheduler: Scheduler | None = None, slow_job_ms: float = SLOW_MS,
+                 slow_jobs_kept: int = SLOW_KEPT) -> None:
         self._on_exit = on_exit
-        self._jobs: queue.SimpleQueue[Job | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up, no job
-        self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()  # `quick` jobs: all run before the next job
-        self._idle: deque[Callable[[], Any]] = deque()  # `idle` jobs: run only when nothing else waits
-        self._packs: dict[Any, list[Job]] = {}  # Packed jobs by pack, queued (a _PackDue each in _jobs)
-        self._packs_lock = threading.Lock()
-        self._decoder: Decoder | None = None
+        self.scheduler = scheduler if scheduler is not None else Scheduler()
         self._outbox: list[tuple[asyncio.AbstractEventLoop, Callable[..., Any], tuple[Any, ...]]] = []
         self.hops = 0  # loop wake-ups made by `post`ed output (one per loop per job or step that posted)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.busy_s = 0.0
+        self.slow_s = slow_job_ms / 1000
         self._spent = {"jobs": 0, "job_s": 0.0, "steps": 0, "step_s": 0.0, "flush_s": 0.0}
-        self._slow: deque[dict[str, Any]] = deque(maxlen=SLOW_KEPT)
+        self._slow: deque[dict[str, Any]] = deque(maxlen=slow_jobs_kept)
         # seconds between one decode step's output handed over and the next's, while decoding without a pause:
         # the engine's side of the gap a streaming client sees (a job between two steps is in it)
         self._gaps = Latency(GAPS_KEPT)
         self._handed: float | None = None
         self._thread.start()
 
-    def attach(self, decoder: Decoder) -> None:
-        """Step `decoder` between jobs from now on (takes effect on the engine thread, in order)."""
-        self.submit(lambda: setattr(self, "_decoder", decoder)).result()
+    def attach(self, decoder: Decoder, prefill: PrefillPlanner | None = None) -> None:
+        """Step `decoder` between jobs from now on, and let `prefill` queue its jobs here (its idle builds,
+        the jobs that waited for a chunk's end); takes effect on the engine thread, in order."""
+        def attach() -> None:
+            self.scheduler.decoder = decoder
+            if prefill is not None:
+                self.scheduler.prefill, prefill.idle, prefill.later = prefill, self.idle, self.submit
+        self.submit(attach).result()
 
     def _run(self) -> None:
-        serve_later(self.submit)
         while True:
-            decoder = self._decoder
-            decoding = decoder is not None and decoder.active
-            idle = None
-            try:
-                if decoding:
-                    job = self._take(self._jobs.get_nowait())
-                elif self._idle:  # an idle job once the queue stays empty a while (a caller's next job is
-                    job = self._take(self._jobs.get(timeout=IDLE_AFTER_S))  # typically microseconds behind its last)
-                else:
-                    job = self._take(self._jobs.get())
-            except queue.Empty:
-                job = ()  # nothing queued: decode, or (not decoding) one idle job
-                idle = None if decoding else self._idle.popleft()
-            while job == () and idle is None:  # quick jobs' wake-ups (they all run below): not a turn each
-                try:
-                    job = self._take(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            if job is None:
+            step = self.scheduler.next_step()
+            if step.stop:
                 break
             start = time.perf_counter()
-            self._run_quick()
-            began = time.perf_counter()  # the quick jobs counted apart
-            if isinstance(job, _Taken):
-                self._do_pack(job.jobs)
-                self._spend("job", getattr(job.jobs[0][0], "fn", job.jobs[0][0]), began, len(job.jobs))
-            elif job:
+            for job in step.quick + self.scheduler.more_quick():
+                began = time.perf_counter()
                 self._do(job)
                 self._spend("job", job[0], began)
-            elif idle is not None:
-                self._do_idle(idle)
-                self._spend("job", "idle " + _name(idle), began)
-            if decoding:
+            began = time.perf_counter()  # the quick jobs counted apart
+            if step.pack is not None:
+                self._do_pack(step.pack)
+                self._spend("job", getattr(step.pack[0][0], "fn", step.pack[0][0]), began, len(step.pack))
+            elif step.job is not None:
+                self._do(step.job)
+                self._spend("job", step.job[0], began)
+            elif step.idle is not None:
+                self._do_idle(step.idle)
+                self._spend("job", "idle " + _name(step.idle), began)
+            decoder = self.scheduler.decoder
+            if step.decode and decoder is not None:
                 stepped = time.perf_counter()
                 try:
                     decoder.step()
@@ -169,27 +126,18 @@ class EngineThread:
             end = time.perf_counter()
             self._spent["flush_s"] += end - flushed
             self.busy_s += end - start
-            if decoding and self._handed is not None:
+            if step.decode and self._handed is not None:
                 self._gaps.add((end - self._handed) * 1000)
-            self._handed = end if decoding else None
+            self._handed = end if step.decode else None
             # Not kept while the queue is waited on: a job's closure and result (a session, its cache, a
             # prefill chunk's layers) would live on until the next job came, and be freed then, all at once.
-            job = idle = None
-        if self._decoder is not None:
-            self._decoder.abort(CancelledError("the engine stopped"))
+            step = None
+        if self.scheduler.decoder is not None:
+            self.scheduler.decoder.abort(CancelledError("the engine stopped"))
             self._flush()  # the calls' failures reach their waiters
-        self._refuse_left()
+        self.scheduler.refuse_left()
         if self._on_exit is not None:
             self._on_exit()
-
-    def _take(self, job: Any) -> Any:
-        """A queued item as the loop runs it: a pack's marker becomes the pack's queued jobs (_Taken), or a
-        wake-up () when an earlier marker took them."""
-        if not isinstance(job, _PackDue):
-            return job
-        with self._packs_lock:
-            jobs = self._packs.pop(job.pack, None)
-        return _Taken(jobs) if jobs else ()
 
     @staticmethod
     def _do_pack(jobs: list[Job]) -> None:
@@ -211,42 +159,14 @@ class EngineThread:
             else:
                 future.set_result(result)
 
-    def _run_quick(self) -> None:
-        """Every quick job queued now (its caller waits for it, so none queues another behind it)."""
-        while True:
-            try:
-                job = self._quick.get_nowait()
-            except queue.Empty:
-                return
-            start = time.perf_counter()
-            self._do(job)
-            self._spend("job", job[0], start)
-
-    def _refuse_left(self) -> None:
-        """Fail the jobs queued behind the stop (one a job queued for later, `later`, among them): their
-        waiters get CancelledError instead of waiting for ever."""
-        for jobs in (self._quick, self._jobs):
-            while True:
-                try:
-                    job = jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(job, tuple) and job:
-                    job[1].set_exception(CancelledError("the engine stopped before this job ran"))
-        with self._packs_lock:
-            packs, self._packs = self._packs, {}
-        for pack in packs.values():
-            for _, future in pack:
-                future.set_exception(CancelledError("the engine stopped before this job ran"))
-
     def _spend(self, kind: str, what: str | Callable[..., Any], start: float, packed: int = 1) -> None:
-        """Count a job or step that began at `start`; one over SLOW_S is kept by name (`what`, or its
+        """Count a job or step that began at `start`; one over the slow mark is kept by name (`what`, or its
         function's name, with what its object says of the work when it can: `trace()`, a prefill slice's
         layers, a decode step's admitted calls; "x N" for a pack of N jobs). A decode step is named "decode step"."""
         took = time.perf_counter() - start
         self._spent[kind + "s"] += 1
         self._spent[kind + "_s"] += took
-        if took > SLOW_S:
+        if took > self.slow_s:
             name = what if isinstance(what, str) else "decode step" if kind == "step" else _name(what)
             trace = getattr(getattr(what, "__self__", None), "trace", None)
             said = trace() if callable(trace) else ""
@@ -260,16 +180,13 @@ class EngineThread:
         """Seconds spent in jobs, decode steps and handing output over, their counts, and the slow ones
         (`at`: wall-clock start, seconds since the epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
-        return {**spent, "step_gaps": self._gaps.summary(), "slow_over_ms": SLOW_S * 1000,
+        return {**spent, "step_gaps": self._gaps.summary(), "slow_over_ms": self.slow_s * 1000,
                 "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:
-        """Run fn on the engine thread once nothing else waits (no job queued for IDLE_AFTER_S, no call
-        decoding), one such job between two looks at the queue: a request that comes meanwhile waits for
-        one, not all. For what only speeds later requests up (a graph built ahead); a failure is logged,
-        never raised."""
-        self._idle.append(fn)
-        self._jobs.put(())  # a thread blocked on an empty queue looks again
+        """Run fn on the engine thread once nothing else waits (Scheduler.idle). For what only speeds later
+        requests up (a graph built ahead); a failure is logged, never raised."""
+        self.scheduler.idle(fn)
 
     @staticmethod
     def _do_idle(fn: Callable[[], Any]) -> None:
@@ -311,20 +228,9 @@ class EngineThread:
                 pass
 
     def submit(self, fn: Callable[[], T], quick: bool = False) -> Future[T]:
-        """Queue fn; `quick`: it does no MLX work to speak of (microseconds), so it runs before the next
-        job, with every other quick job queued, instead of one job per decode step."""
-        future: Future[T] = Future()
-        pack = getattr(fn, "engine_pack", None)  # kv/context.Packed
-        if quick or getattr(fn, "engine_quick", False):  # kv/context.quick
-            self._quick.put((fn, future))
-            self._jobs.put(())  # a thread blocked on an empty queue looks again
-        elif pack is not None:
-            with self._packs_lock:
-                self._packs.setdefault(pack, []).append((fn, future))
-            self._jobs.put(_PackDue(pack))
-        else:
-            self._jobs.put((fn, future))
-        return future
+        """Queue fn (Scheduler.submit; `quick`: it does no MLX work to speak of, so it runs before the next
+        job, with every other quick job queued, instead of one job per decode step)."""
+        return self.scheduler.submit(fn, quick)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread and wait for it from another thread (the pipeline's `mlx`)."""
@@ -341,7 +247,7 @@ class EngineThread:
         return await asyncio.wrap_future(self.submit(fn, quick))
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        self.scheduler.stop()
         self._thread.join(timeout=60)
 
 

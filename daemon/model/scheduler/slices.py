@@ -19,22 +19,18 @@ shape and its weight reads.
 from __future__ import annotations
 
 import math
-import os
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv.context import Packed, later
+from kvwake.daemon.jobs import Packed
 
-__all__ = ["Chunk", "Slicer", "SLICE_OF_STEP", "kind"]
+__all__ = ["Chunk", "Slicer", "kind"]
 
-# A slice's target time, in decode steps: a neighbour's gap during a prefill is about one step plus one slice.
-# KVWAKE_SLICE_OF_STEP sets it for a measurement (bench/batching.py's prefill row compares).
-SLICE_OF_STEP = float(os.environ.get("KVWAKE_SLICE_OF_STEP", "1.0"))
-# KVWAKE_PACK_OWN_COSTS=0: packed chunks size their slices from the shared costs of their kind, as before
-# session 25 (bench/turns_at_once.py's "shared" runs compare)
-PACK_OWN_COSTS = os.environ.get("KVWAKE_PACK_OWN_COSTS", "1") != "0"
+Later = Callable[[Callable[[], Any]], Future] | None  # queues a job behind the others (EngineThread.later)
 
 
 def kind(path: str, keys: int) -> str:
@@ -49,10 +45,11 @@ class Slicer:
     to a power of two).
 
     Kinds apart: a long prompt's full chunks run fused, and its last, shorter one may run plain (a key
-    length new to this process, beside decoding: engine.py), whose layer costs several times a fused one
-    over a long cache. Sized from the fused chunks' cost, that chunk's first slice took 28-30 ms on the
-    H100 against a 4 ms target: the one gap of 6x in a neighbour's stream. A kind not seen yet starts at
-    one layer, measured (a kind is also new at each doubling of the keys: one small slice more per doubling).
+    length new to this process, beside decoding: scheduler/prefill.py), whose layer costs several times a
+    fused one over a long cache: sized from the fused chunks' cost, its first slice would be several times
+    its target, the one long gap in a neighbour's stream (docs/decisions.md, "Many agents at once"). A kind
+    not seen yet starts at one layer, measured (a kind is also new at each doubling of the keys: one small
+    slice more per doubling).
     """
 
     def __init__(self) -> None:
@@ -81,18 +78,18 @@ class Chunk:
     computes (rows x the longest), what a slice's cost grows with. Its callers step it each through
     `step_job`: the ones queued at a turn make one job. A packed chunk sizes its slices from its own
     slices only, starting at one layer: every pack is its own set of shapes, and their costs per token
-    differ several times (H200, 8B shape: 1.3-2.9 us per token and layer for 14 rows of ~230 tokens, 4-22 us
-    for 16 rows of ~115; sized from the first, the second's first slice took 217 ms against a 40 ms target).
+    differ several times from pack to pack (docs/benchmarks.md, "turns at once").
 
     A slice that raises leaves the cache's state unknown: the session's cache (every packed session's)
     is dropped (the engine rebuilds it from the tokens on next use), as after a failed generation, and
-    later steps raise the same error.
+    later steps raise the same error. `later` queues what waited for the chunk's end as engine jobs (None:
+    run at once, in process).
     """
 
     def __init__(self, session: Any, end: int, slicer: Slicer, target_s: float | None, kind: str = "fused",
-                 more: list[tuple[Any, int]] | None = None, padded: int | None = None) -> None:
-        self.session, self.end, self.target_s, self.kind = session, end, target_s, kind
-        self.slicer = Slicer() if more and PACK_OWN_COSTS else slicer  # a pack's costs are its own
+                 more: list[tuple[Any, int]] | None = None, padded: int | None = None, later: Later = None) -> None:
+        self.session, self.end, self.target_s, self.kind, self.later = session, end, target_s, kind, later
+        self.slicer = Slicer() if more else slicer  # a pack's costs are its own
         self.rows = [(session, end), *(more or ())]
         self.starts = {id(s): s.processed for s, _ in self.rows}
         self.layers = list(zip(*(s.cache for s, _ in self.rows)))  # by layer, every row's
@@ -135,7 +132,7 @@ class Chunk:
     def _drop(self) -> None:
         for s, _ in self.rows:
             s.cache, s.processed = None, 0
-            s.settle(later)
+            s.settle(self.later)
 
     def _step_once(self, jobs: list[Packed]) -> list[None]:
         """The pack of step jobs queued together: one slice for them all."""
@@ -160,9 +157,8 @@ class Chunk:
             raise
         # A slice of layers a..b evaluates their caches; a KV cache's input is the output of the layer before,
         # so the slice computes the attention of layers a-1..b-1 and the first layer's slice none: it says
-        # nothing of what a layer costs (a recurrent layer 0 does its own work: one small slice more). On the
-        # H100 the plain path's layer 0 took ~1 ms against ~5 for each later one: sized from it, the next
-        # slice took 4-5 layers, 22-25 ms against a 6 ms target.
+        # nothing of what a layer costs (a recurrent layer 0 does its own work: one small slice more); sized
+        # from it, the next slice would take several times its target.
         attentions = n - (self.computed == 0)
         if attentions:
             self.slicer.observe(time.perf_counter() - started, attentions, self.padded, self.kind)
@@ -171,4 +167,4 @@ class Chunk:
         if self.done:
             for s, end in self.rows:
                 s.processed = end
-                s.settle(later)
+                s.settle(self.later)
