@@ -5,23 +5,21 @@ one query over such a cache through a cuDNN graph when the buffer holds a
 multiple of 256 tokens (mlx/backend/cuda/scaled_dot_product_attention.cpp,
 `use_cudnn_for_decoding`), and builds one graph per (batch, capacity) the first
 time a step meets it; otherwise it takes its vector kernel, which builds
-nothing. Measured on the H100 machine (8B shape, `bench/decode_attention.py`,
-`bench/batching.py`'s prefill row): a new capacity's graph cost a lone session's
-step 0.5-1.0 s at 256 to 4352 tokens (cuDNN compiling kernels for it) and ~80 ms
-at 16k and 32k; steady, the vector kernel's step took 0.90x cuDNN's at 1k, 1.01x
-at 4k, 1.25x at 16k and 1.53x at 32k. A daemon meets every capacity of every
-session's growth, and restores its caches at whole steps: each was a stall.
+nothing. Measured with `bench/decode_attention.py` (docs/decisions.md, "Many agents at once (issue 24)";
+figures in docs/benchmarks.md, "Many agents at once, as fast as mlx-lm's own batch (issue 24)"): a new
+capacity's graph stalled a lone session's step for far longer than a step, most below `CUDNN_MIN`; steady,
+the vector kernel was as fast as cuDNN's for short buffers and slower for long ones. A daemon meets every
+capacity of every session's growth, and restores its caches at whole steps: each was a stall.
 
 So on CUDA (`install`) a buffer below `CUDNN_MIN` tokens holds `OFF_GRID` tokens
-more than the next multiple of 256 (off the grid: the vector kernel, faster
+more than the next multiple of 256 (off the grid: the vector kernel, as fast
 there and never built), and from `CUDNN_MIN` on a multiple of 256 (cuDNN, whose
-builds cost ~80 ms there against a step 1.25-1.5x faster), grown by about a
+builds cost less there than its faster steps save), grown by about a
 `GROWTH`th of itself at a time (a power-of-two number of grid steps: 1,024
 tokens at 16k, 4,096 at 64k) rather than 256: an agent's turn adds a few hundred
-tokens, and over a 75k-token conversation every second or third turn met a
-new capacity, its graph built before its first token (measured: first tokens
-of 86-139 ms against 22 ms). Grown geometrically, a turn meets one about
-every 37 turns there, and each growth's copy of the buffer is rarer too; the
+tokens, and over a long conversation every second or third turn met a
+new capacity, its graph built before its first token. Grown geometrically, a turn
+meets one far more rarely, and each growth's copy of the buffer is rarer too; the
 buffer holds at most 1/GROWTH more than its tokens. Only the buffer's size
 changes: the tokens in it, and so every result, are the same.
 Elsewhere (the CPU, Metal) nothing is installed and growth is mlx-lm's own.
@@ -116,9 +114,8 @@ def grow_ahead(cache: list) -> int | None:
     size at once: `even_out`.)
 
     Growing is allocating two new buffers per layer and copying the tokens held; done all at once, it is
-    one decode step that does it for every layer: on the H100 (8B shape, 32 layers) the step that met a
-    session's capacity took 16-37 ms against 4-7 (bench/batching.py's prefill row: every run's longest
-    decode step was the neighbour's token at its buffer's 264th). One layer a step, the same work is
+    one decode step that does it for every layer, a step several times its neighbours' length (docs/decisions.md,
+    "Batched generation (issue 11)": the growth ahead of full). One layer a step, the same work is
     spread over the last steps before the buffer fills. Only the buffers grow earlier, to the sizes
     their own growth gives: the tokens in them, and so every result, are the same.
     """

@@ -7,12 +7,12 @@ rather than by a task count: a sleep or wake never holds more than its budget
 of encoded or staged bytes, whatever the block size.
 
 KVWAKE_POOL_NICE=N (Linux, 1-19; unset or 0: off) runs the workers N nice
-levels below the daemon. It is a knob for a measurement, not a default. On the
-H100 machine a decode step is host-bound (session 21: the GPU busy 39-65% of
-it): the engine thread launching kernels competes for the 16 vCPUs with as
-many workers encoding a persisting neighbour's blocks. The knob asks whether
-yielding those cores to the engine thread keeps the neighbour's p99 gap down
-(`device_round.sh poolnice`).
+levels below the daemon. It is a knob for a measurement, not a default. On a
+GPU a decode step can be host-bound: the engine thread launching kernels
+competes for the cores with as many workers encoding a persisting neighbour's
+blocks. The knob asks whether yielding those cores to the engine thread keeps
+the neighbour's p99 gap down, at the cost of sleeps and wakes where cores are
+short (docs/decisions.md, "Continuous persistence (issue 23, point 1)").
 """
 
 from __future__ import annotations
