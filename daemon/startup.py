@@ -6,8 +6,9 @@ Two things, both before MLX, mlx-lm or transformers load, in `lighten_imports()`
 - transformers' scan of its `models` folder runs once, not twice, and later starts load its result
   from the user's cache folder (`ScanOnce`, `Scans`).
 
-Neither changes what the daemon computes; both only cut its start. KVWAKE_IMPORT_FRAMEWORKS=1 turns
-both off.
+Neither changes what the daemon computes; both only cut its start. The tuning knob import_frameworks
+(KVWAKE_IMPORT_FRAMEWORKS=1, `--tune import_frameworks=1`) turns both off: `serve` reads its settings
+first, which import nothing heavy.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ __all__ = ["UNUSED_FRAMEWORKS", "ScanOnce", "Scans", "hide_unused_frameworks", "
 UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax", "pandas", "pyarrow")
 
 
-def lighten_imports() -> None:
-    """Both cuts, unless KVWAKE_IMPORT_FRAMEWORKS=1, or transformers is imported already (then neither
-    can take effect, and hiding a framework would break it: see hide_unused_frameworks)."""
-    if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1" or "transformers" in sys.modules:
+def lighten_imports(import_frameworks: bool = False) -> None:
+    """Both cuts, unless `import_frameworks` (the tuning knob), or transformers is imported already (then
+    neither can take effect, and hiding a framework would break it: see hide_unused_frameworks)."""
+    if import_frameworks or "transformers" in sys.modules:
         return
     hide_unused_frameworks()
     ScanOnce.install()
