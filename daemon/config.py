@@ -50,7 +50,7 @@ from typing import Any, Mapping, get_type_hints
 
 from kvwake.paths import default_config, default_data_dir, default_socket
 
-__all__ = ["Settings", "Tuning", "default_socket", "load_settings", "load_tuning"]
+__all__ = ["Settings", "Tuning", "default_socket", "load_settings", "load_tuning", "tuning_from_environment"]
 
 ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL", "remote": "KVWAKE_REMOTE",
        "http_token": "KVWAKE_HTTP_TOKEN",
@@ -237,7 +237,7 @@ def load_tuning(layers: list[tuple[str, Mapping[str, Any]]]) -> Tuning:
     return Tuning(**values)
 
 
-def _environment_tuning() -> list[tuple[str, Mapping[str, Any]]]:
+def tuning_from_environment() -> list[tuple[str, Mapping[str, Any]]]:
     """One layer per KVWAKE_<NAME> set (not empty), named by its variable."""
     named = ((f"KVWAKE_{f.name.upper()}", f.name) for f in fields(Tuning))
     return [(variable, {name: os.environ[variable]}) for variable, name in named if os.environ.get(variable)]
@@ -263,7 +263,7 @@ def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None 
             raise ValueError(f"{path}: tuning must be a table ([tuning])")
         tuning.append((f"{path} [tuning]", table))
         values.update(data)
-    tuning += _environment_tuning()
+    tuning += tuning_from_environment()
     tuning.append(("--tune", flags.pop("tuning", None) or {}))
     values.update({k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)})
     values.update({k: v for k, v in flags.items() if v is not None})

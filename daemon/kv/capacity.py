@@ -30,22 +30,18 @@ Whichever the rule, a lone decoding session's layers grow one a step before the 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-__all__ = ["CUDNN_MIN", "GROWTH", "GROW_AHEAD", "OFF_GRID", "STEP", "capacity", "even_out", "grow_ahead", "grown",
+__all__ = ["CUDNN_MIN", "GROWTH", "OFF_GRID", "STEP", "capacity", "even_out", "grow_ahead", "grown",
            "install", "installed", "next_size", "uninstall"]
 
 STEP = 256  # mlx-lm's KVCache.step, and the grid cuDNN's decode path looks for
 CUDNN_MIN = 16384  # buffers from here on stay on the grid: cuDNN decodes them
 OFF_GRID = 8  # tokens past the grid below CUDNN_MIN (a whole number of 16-byte rows for any dtype)
 GROWTH = 16  # from CUDNN_MIN on, a buffer grows in steps of the largest power of two <= its tokens / GROWTH
-# a decoding session's layers grow one per step ahead of a full buffer (grow_ahead); KVWAKE_GROW_AHEAD=0: all at
-# once when full, mlx-lm's way, for a measurement
-GROW_AHEAD = os.environ.get("KVWAKE_GROW_AHEAD", "1") != "0"
 
 _mlx_update_and_fetch = KVCache.update_and_fetch
 _installed = False
@@ -119,7 +115,7 @@ def grow_ahead(cache: list) -> int | None:
     spread over the last steps before the buffer fills. Only the buffers grow earlier, to the sizes
     their own growth gives: the tokens in them, and so every result, are the same.
     """
-    if not GROW_AHEAD or not cache:
+    if not cache:
         return None
     last = cache[-1]  # the common case, in O(1): the last layer (the last to grow) has room for a token a layer
     if type(last) is KVCache and last.keys is not None and last.keys.shape[2] - last.offset >= len(cache):

@@ -29,14 +29,13 @@ Two ways to fill, by what computes:
   took four or five passes per byte there). Not timed on a Mac (none here);
   exact on the CPU backend (tests/test_pipeline.py runs both ways).
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
-call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
+call at import); the tuning knob restore_mode overrides it (for benchmarks). Either
 way, no per-block arrays are joined afterwards.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -62,7 +61,7 @@ from kvwake.daemon.kv.state import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
@@ -88,19 +87,19 @@ UPLOAD_JOB_S = 0.004
 # too, still slower than "planes-zstd" (docs/decisions.md, "Store"; docs/benchmarks.md, "Overlapped restore
 # and codec by machine (issue 23, points 2 and 3)").
 STAGED_CODECS = ("planes-zstd", "raw")
-RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
 
 
-def auto_codecs() -> tuple[str, ...] | None:
-    """The codecs a store's codec "auto" may pick for this process's restores: STAGED_CODECS where they
-    stage, any elsewhere (None)."""
-    return STAGED_CODECS if restore_mode() == "staged" else None
+def auto_codecs(configured: str | None = None) -> tuple[str, ...] | None:
+    """The codecs a store's codec "auto" may pick for this process's restores (`configured` as for
+    restore_mode): STAGED_CODECS where they stage, any elsewhere (None)."""
+    return STAGED_CODECS if restore_mode(configured) == "staged" else None
 
 
-def restore_mode() -> str:
-    """How restores fill buffers here: RESTORE_MODE when set, else "staged" where a GPU computes (CUDA,
-    Metal), "direct" on the CPU. (It also says whether sleeps split byte planes on the device.)"""
-    return RESTORE_MODE or ("direct" if mx.default_device() == mx.cpu else "staged")
+def restore_mode(configured: str | None = None) -> str:
+    """How restores fill buffers here: `configured` ("direct" or "staged": the tuning knob restore_mode) when
+    given, else "staged" where a GPU computes (CUDA, Metal), "direct" on the CPU. (It also says whether
+    sleeps split byte planes on the device.)"""
+    return configured or ("direct" if mx.default_device() == mx.cpu else "staged")
 
 
 def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:

@@ -74,14 +74,16 @@ def key_ladder(context: int | None) -> list[int]:
 
 
 def wanted() -> bool:
-    """Plain prefill attention where it pays: MLX on CUDA (KVWAKE_PLAIN_PREFILL=0 turns it off)."""
-    return os.environ.get("KVWAKE_PLAIN_PREFILL", "1") != "0" and on_cuda()
+    """Plain prefill attention where it pays: MLX on CUDA (docs/decisions.md, "Engine": prefill attention in
+    plain ops on CUDA)."""
+    return on_cuda()
 
 
 def bucket_wanted() -> bool:
     """Short chunks over long caches at shared shapes (`bucketed_attention`) where MLX builds a graph per
-    shape: on CUDA, with plain prefill on (KVWAKE_BUCKET_PREFILL=0 turns it off)."""
-    return os.environ.get("KVWAKE_BUCKET_PREFILL", "1") != "0" and wanted()
+    shape: where plain prefill is wanted (docs/decisions.md, "Many agents at once (issue 24)": a short chunk
+    over a buffer past 16k runs fused at a shared shape)."""
+    return wanted()
 
 
 def on_cuda() -> bool:
