@@ -78,7 +78,7 @@ class Tuning:
     # chat templates rendered at once; None: a quarter of the cores. More: renders queue less, and take
     # cores from the engine thread
     renders_at_once: int | None = None
-    slow_job_ms: float = 50.0  # engine jobs longer than this are named in `status` (lower: more records kept)
+    slow_job_ms: float = 50.0  # engine jobs longer than this are named in `status` (lower: more jobs named, the oldest dropped sooner)
     slow_jobs_kept: int = 64  # the latest slow jobs `status` keeps (more: a longer look back, more memory)
     # a watcher thread reports waits for the GIL of this long (`status.gil`); None: off. A diagnostic:
     # the watcher wakes often, which a busy daemon pays for
@@ -101,7 +101,7 @@ _TUNING_RULES = (
     ("slice_of_step", lambda v: 0 < v < math.inf, "a number above 0"),
     ("pool_nice", lambda v: 0 <= v <= 19, "a whole number of nice levels, 0 to 19"),
     ("renders_at_once", lambda v: v >= 1, "a count above 0"),
-    ("slow_job_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
+    ("slow_job_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (every job) or more"),
     ("slow_jobs_kept", lambda v: v >= 1, "a count above 0"),
     ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
