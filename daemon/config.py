@@ -78,7 +78,8 @@ class Tuning:
     # chat templates rendered at once; None: a quarter of the cores. More: renders queue less, and take
     # cores from the engine thread
     renders_at_once: int | None = None
-    slow_job_ms: float = 50.0  # engine jobs longer than this are named in `status` (lower: more jobs named, the oldest dropped sooner)
+    # engine jobs longer than this are named in `status` (lower: more jobs named, the oldest dropped sooner)
+    slow_job_ms: float = 50.0
     slow_jobs_kept: int = 64  # the latest slow jobs `status` keeps (more: a longer look back, more memory)
     # a watcher thread reports waits for the GIL of this long (`status.gil`); None: off. A diagnostic:
     # the watcher wakes often, which a busy daemon pays for

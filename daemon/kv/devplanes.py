@@ -193,8 +193,8 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     """Make a wake's ring slots for blocks of `tensors` tensors like `kv` (one layer's keys: [.., tokens, dim])
     and keep them idle, and join a block from them both ways (planes, raw): a first restore then neither
     makes staging (a fresh managed allocation the CPU writes, a long job for a first restore:
-    docs/decisions.md, "Engine", the ring's slots kept between wakes) nor compiles the joins. False (nothing kept) where staging
-    is not mapped (no CUDA) or the dtype is not planar."""
+    docs/decisions.md, "Engine", the ring's slots kept between wakes) nor compiles the joins. False
+    (nothing kept) where staging is not mapped (no CUDA) or the dtype is not planar."""
     dtype = _MX_NAME.get(kv.dtype)
     if dtype is None:
         return False
