@@ -77,6 +77,17 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
     ctx.obj = Options(socket_path, autostart)
 
 
+def _tune_flags(pairs: Any) -> dict[str, str]:
+    """`--tune NAME=VALUE` pairs as {name: value} (a later NAME wins); one without "=" is refused."""
+    tuning = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.strip():
+            raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--tune")
+        tuning[name.strip()] = value.strip()
+    return tuning
+
+
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(), help="Unix socket to serve (env KVWAKE_SOCKET).")
 @click.option("--data-dir", type=click.Path(), help="Store and converted models (env KVWAKE_DATA_DIR).")
@@ -104,38 +115,43 @@ def main(ctx: click.Context, socket_path: str | None, autostart: bool | None) ->
 @click.option("--http-hosted-tools", type=click.Choice(["refuse", "omit"]),
               help="OpenAI's built-in tools (web_search, ...) in a Responses request: refused by name (the "
               "default), or left out of the prompt (omit).")
+@click.option("--tune", "tune", multiple=True, metavar="NAME=VALUE",
+              help="A tuning knob (repeatable; env KVWAKE_<NAME>, config [tuning]); docs/service.md lists them.")
 @click.pass_obj
 def serve(opts: Options, **flags: object) -> None:
     """Run the daemon in the foreground.
 
-    Example: kvwake serve --model ~/models/Qwen3-4B-4bit
+    Example: kvwake serve --model ~/models/Qwen3-4B-4bit --tune slice_of_step=2
     """
     import dataclasses
     import logging
     import os
     from pathlib import Path
 
-    from kvwake.daemon.startup import lighten_imports
-
-    lighten_imports()  # before anything imports transformers
+    # Settings and activation import nothing heavy: they come before lighten_imports, which they tune
     from kvwake.daemon.activation import ActivationError, listen_socket_from_env, socket_path
     from kvwake.daemon.config import load_settings
-    from kvwake.daemon.serve import run
 
     config = flags.pop("config_file")
     flags["http_auth"] = False if flags.pop("http_no_token") else None
     flags["socket"] = flags.pop("socket_path") or (opts.socket if opts else None)
+    flags["tuning"] = _tune_flags(flags.pop("tune"))
     try:
         settings = load_settings(flags, Path(str(config)) if config else None)
         listen = listen_socket_from_env()  # systemd socket activation: LISTEN_FDS / LISTEN_PID
     except (ValueError, ActivationError) as exc:
         raise click.ClickException(str(exc)) from None
+    from kvwake.daemon.startup import lighten_imports
+
+    lighten_imports(settings.tuning.import_frameworks)  # before anything imports transformers
+    from kvwake.daemon.serve import run
+
     if listen is not None and socket_path(listen) is not None:  # the status file goes next to the socket served
         settings = dataclasses.replace(settings, socket=socket_path(listen))
     code = run(settings, listen_socket=listen)
     # Every session slept, the store and the lock are closed: leave without the interpreter's teardown,
     # where MLX's per-thread state of threads other than the engine's may be destroyed after CUDA's and
-    # crash the exit (SIGSEGV after "stopped", seen twice on the GPU machine; docs/decisions.md).
+    # crash the exit (SIGSEGV after "stopped": docs/decisions.md, "Leaving the process after a stop").
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,10 +1,10 @@
 """Python's garbage collector, watched: every run counted and timed per generation (`status.gc`).
 
 A full collection (generation 2) walks every tracked object; after its imports and the model's load a
-daemon holds about 80,000 of them, and a full collection of that many took 35 ms on the 2-core VM, on
-whichever thread's allocation tripped it: on the engine thread, one decode step longer by that much.
-Suspected of the long gaps a decoding neighbour saw during a prefill, it was measured there instead
-(bench/batching.py's prefill row, session 16 on the H100): only generation-0 runs, 0.3-0.4 ms each, no
+daemon holds tens of thousands of them, and a full collection of that many runs on whichever thread's
+allocation tripped it: on the engine thread, one decode step longer by that much. Suspected of the long
+gaps a decoding neighbour saw during a prefill, it was measured there instead (bench/batching.py's
+prefill row; docs/decisions.md, "Batched generation (issue 11)"): only short generation-0 runs, no
 full one, and freezing the start's objects out of reach (`gc.freeze()`) changed nothing, so the daemon
 does not freeze. `status.gc` keeps the question answerable on any machine.
 """

@@ -24,6 +24,16 @@ the `Settings` field names as top-level keys, e.g.
     [aliases]                # model names clients may ask for; without the table any name is served
     "claude-sonnet-4-5" = "Qwen3-8B-4bit"    # -> the loaded model's name (its folder name or hub id)
 
+    [tuning]                 # `Tuning`'s fields: what each trades is said where it is declared
+    slice_of_step = 2.0      # also `kvwake serve --tune slice_of_step=2`, or KVWAKE_SLICE_OF_STEP=2
+
+Tuning knobs come from the same three places, field by field: `--tune NAME=VALUE`
+(repeatable) over `KVWAKE_<NAME>` (NAME upper-cased, e.g. KVWAKE_PACK_PREFILL=0)
+over the config file's `[tuning]` table over `Tuning`'s defaults. Their
+defaults are what the benchmarks chose (docs/decisions.md says why); the others
+are there to measure against, or to trade one thing for another. An unknown
+name or a bad value is refused, naming where it came from.
+
 Defaults come from platformdirs: the socket in the user runtime dir, the
 store and converted models in the user data dir.
 """
@@ -31,20 +41,72 @@ store and converted models in the user data dir.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, get_type_hints
 
 from kvwake.paths import default_config, default_data_dir, default_socket
 
-__all__ = ["Settings", "default_socket", "load_settings"]
+__all__ = ["Settings", "Tuning", "default_socket", "load_settings", "load_tuning", "tuning_from_environment"]
 
 ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL", "remote": "KVWAKE_REMOTE",
        "http_token": "KVWAKE_HTTP_TOKEN",
        "remote_endpoint": "AWS_ENDPOINT_URL", "remote_access_key_id": "AWS_ACCESS_KEY_ID",
        "remote_secret_access_key": "AWS_SECRET_ACCESS_KEY", "remote_region": "AWS_REGION"}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Knobs that trade one cost for another, or switch on a diagnostic; the module docstring says where
+    their values come from. None, where allowed, leaves the choice to the machine."""
+
+    # turns that come at once prefill packed in one forward pass; False: one by one (each turn's first
+    # token waits for the turns before it, for smaller passes)
+    pack_prefill: bool = True
+    # a prefill slice's target beside decoding calls, in decode steps: larger, sooner first tokens for the
+    # prompt; smaller, shorter gaps between a decoding neighbour's tokens
+    slice_of_step: float = 1.0
+    # how a wake lays blocks out: "direct" (decoders write MLX's memory) or "staged" (a ring the device
+    # joins); None: by the backend (staged where a GPU computes)
+    restore_mode: str | None = None
+    # Linux: the codec and disk workers run this many nice levels below the daemon (0 to 19; 0: at its
+    # priority): cores yielded to the engine thread, sleeps and wakes slower where cores are short
+    pool_nice: int = 0
+    # chat templates rendered at once; None: a quarter of the cores. More: renders queue less, and take
+    # cores from the engine thread
+    renders_at_once: int | None = None
+    # engine jobs longer than this are named in `status` (lower: more jobs named, the oldest dropped sooner)
+    slow_job_ms: float = 50.0
+    slow_jobs_kept: int = 64  # the latest slow jobs `status` keeps (more: a longer look back, more memory)
+    # a watcher thread reports waits for the GIL of this long (`status.gil`); None: off. A diagnostic:
+    # the watcher wakes often, which a busy daemon pays for
+    gil_watch_ms: float | None = None
+    gil_watch_kept: int = 64  # the latest GIL waits `status` keeps
+    # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
+    # scan of its models as it comes (a slower start, for comparison: daemon/startup.py)
+    import_frameworks: bool = False
+
+    def __post_init__(self) -> None:
+        for name, ok, wanted in _TUNING_RULES:
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"tuning {name} must be {wanted}, not {value!r}")
+        if self.restore_mode not in (None, "direct", "staged"):
+            raise ValueError(f"tuning restore_mode must be \"direct\" or \"staged\", not {self.restore_mode!r}")
+
+
+_TUNING_RULES = (
+    ("slice_of_step", lambda v: 0 < v < math.inf, "a number above 0"),
+    ("pool_nice", lambda v: 0 <= v <= 19, "a whole number of nice levels, 0 to 19"),
+    ("renders_at_once", lambda v: v >= 1, "a count above 0"),
+    ("slow_job_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (every job) or more"),
+    ("slow_jobs_kept", lambda v: v >= 1, "a count above 0"),
+    ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
+    ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +118,7 @@ class Settings:
     model: str | None = None  # an mlx-lm folder or hub id; None: the default model
     block_tokens: int = 128
     # KV of hot sessions; LRU sessions sleep above it. None: half the memory the KV may have beside the weights
-    # and a prefill's scratch (model/memory.py hot_budget: ~26 GB on an 80 GB H100 with an 8B model's weights)
+    # and a prefill's scratch (model/memory.py hot_budget)
     hot_budget_bytes: int | None = None
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
@@ -101,6 +163,7 @@ class Settings:
     aliases: dict[str, str] = field(default_factory=dict)
     # System blocks of Anthropic requests left out when they begin with one of these (docs/http.md).
     anthropic_drop_system: tuple[str, ...] = ("x-anthropic-billing-header:",)
+    tuning: Tuning = field(default_factory=Tuning)
 
     @property
     def store_dir(self) -> Path:
@@ -140,22 +203,73 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
+def _tuning_value(name: str, value: Any) -> Any:
+    """`value` (text from a flag or the environment, or a TOML value) as the type of Tuning's `name`."""
+    kind = get_type_hints(Tuning)[name]
+    base = next(t for t in (bool, int, float, str) if t is kind or t in getattr(kind, "__args__", ()))
+    if isinstance(value, str) and base is bool:
+        text = value.strip().lower()
+        if text not in _BOOL_TEXT:
+            raise ValueError(f"not a yes or no: {value!r}")
+        return _BOOL_TEXT[text]
+    if isinstance(value, str) and base in (int, float):
+        return base(value)
+    if isinstance(value, bool) != (base is bool) or not isinstance(value, (int, float) if base is float else base):
+        raise ValueError(f"not {base.__name__}: {value!r}")
+    return base(value)
+
+
+_BOOL_TEXT = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def load_tuning(layers: list[tuple[str, Mapping[str, Any]]]) -> Tuning:
+    """Tuning from (source, {name: value}) layers, later ones over earlier ones. Raises ValueError naming
+    the source and the name of an unknown knob or a bad value."""
+    names, values = {f.name for f in fields(Tuning)}, {}
+    for source, layer in layers:
+        for name, value in layer.items():
+            if name not in names:
+                raise ValueError(f"{source}: unknown tuning {name!r} (known: {', '.join(sorted(names))})")
+            try:
+                values[name] = _tuning_value(name, value)
+                Tuning(**{name: values[name]})
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{source}: bad tuning {name}={value!r}: {exc}") from None
+    return Tuning(**values)
+
+
+def tuning_from_environment() -> list[tuple[str, Mapping[str, Any]]]:
+    """One layer per KVWAKE_<NAME> set (not empty), named by its variable."""
+    named = ((f"KVWAKE_{f.name.upper()}", f.name) for f in fields(Tuning))
+    return [(variable, {name: os.environ[variable]}) for variable, name in named if os.environ.get(variable)]
+
+
 def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None = None) -> Settings:
-    """Resolve settings from flags (None values ignored), environment, config file, defaults.
+    """Resolve settings from flags (None values ignored), environment, config file, defaults. Tuning
+    comes as flags["tuning"], a {name: value} map (`--tune NAME=VALUE`), and field by field.
 
     Raises ValueError naming an unknown config key or a bad value.
     """
     values: dict[str, Any] = {}
+    flags = dict(flags or {})
+    tuning: list[tuple[str, Mapping[str, Any]]] = []
     path = config_file or default_config()
     if path.exists():
         data = tomllib.loads(path.read_text())
         unknown = set(data) - {f.name for f in fields(Settings)}
         if unknown:
             raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        table = data.pop("tuning", {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: tuning must be a table ([tuning])")
+        tuning.append((f"{path} [tuning]", table))
         values.update(data)
+    tuning += tuning_from_environment()
+    tuning.append(("--tune", flags.pop("tuning", None) or {}))
     values.update({k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)})
-    values.update({k: v for k, v in (flags or {}).items() if v is not None})
+    values.update({k: v for k, v in flags.items() if v is not None})
     try:
-        return dataclasses.replace(Settings(), **{k: _coerce(k, v) for k, v in values.items()})
+        settings = dataclasses.replace(Settings(), **{k: _coerce(k, v) for k, v in values.items()})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad setting: {exc}") from None
+    return dataclasses.replace(settings, tuning=load_tuning(tuning))

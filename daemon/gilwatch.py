@@ -1,6 +1,6 @@
 """The GIL, watched: how late a thread that asks for it every millisecond gets it, and what held it
-(`status.gil`, on when KVWAKE_GIL_WATCH_MS is set: the latest KVWAKE_GIL_WATCH_KEPT waits that long are
-kept, 64 by default, with every thread's stack).
+(`status.gil`, on when the tuning knob gil_watch_ms is set: the latest gil_watch_kept waits that long are
+kept, with every thread's stack).
 
 MLX lets the GIL go in every eval, and the engine thread takes it back after: a thread holding it through
 a long native call (a copy that pages managed memory in, a tokenizer's single `encode`, `bytes()` of a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import math
 import os
 import re
 import tempfile
@@ -25,9 +24,10 @@ import time
 from collections import deque
 from typing import Any
 
+from kvwake.daemon.config import Tuning, load_tuning, tuning_from_environment
 from kvwake.daemon.phases import Latency
 
-__all__ = ["GilWatch", "from_environment"]
+__all__ = ["GilWatch", "from_environment", "from_tuning"]
 
 log = logging.getLogger("kvwake.gilwatch")
 TICK_S = 0.001
@@ -109,18 +109,14 @@ def stacks(dump: Any) -> dict[str, list[str]]:
 
 
 def from_environment() -> GilWatch | None:
-    """A watch for KVWAKE_GIL_WATCH_MS (the wait to keep, ms), or None when it is not set (or not a number of
-    ms above 0 with KVWAKE_GIL_WATCH_KEPT a count above 0: logged, and the daemon serves unwatched)."""
-    over = os.environ.get("KVWAKE_GIL_WATCH_MS")
-    if not over:
+    """`from_tuning` of what the environment alone says (KVWAKE_GIL_WATCH_MS, KVWAKE_GIL_WATCH_KEPT), for a
+    caller that holds no Settings."""
+    return from_tuning(load_tuning(tuning_from_environment()))
+
+
+def from_tuning(tuning: Tuning) -> GilWatch | None:
+    """A watch for the tuning's gil_watch_ms (the wait to keep, ms) keeping its gil_watch_kept latest waits, or
+    None when gil_watch_ms is None (off; Tuning has refused values that are not above 0)."""
+    if tuning.gil_watch_ms is None:
         return None
-    kept = os.environ.get("KVWAKE_GIL_WATCH_KEPT", "64")
-    try:
-        watch = GilWatch(float(over), kept=int(kept))
-    except ValueError:
-        watch = None
-    if watch is None or not math.isfinite(watch.over_ms) or watch.over_ms <= 0 or (watch.over.maxlen or 0) <= 0:
-        log.warning("not watching the GIL: KVWAKE_GIL_WATCH_MS=%r and KVWAKE_GIL_WATCH_KEPT=%r must be a number of "
-                    "ms and a count, both above 0", over, kept)
-        return None
-    return watch
+    return GilWatch(tuning.gil_watch_ms, kept=tuning.gil_watch_kept)

@@ -1,4 +1,4 @@
-"""What `kvwake serve` does to its imports before it imports anything heavy (issue 23, point 6).
+"""What `kvwake serve` does to its imports before it imports anything heavy.
 
 Two things, both before MLX, mlx-lm or transformers load, in `lighten_imports()`:
 
@@ -6,8 +6,9 @@ Two things, both before MLX, mlx-lm or transformers load, in `lighten_imports()`
 - transformers' scan of its `models` folder runs once, not twice, and later starts load its result
   from the user's cache folder (`ScanOnce`, `Scans`).
 
-Neither changes what the daemon computes; both only cut its start. KVWAKE_IMPORT_FRAMEWORKS=1 turns
-both off.
+Neither changes what the daemon computes; both only cut its start. The tuning knob import_frameworks
+(KVWAKE_IMPORT_FRAMEWORKS=1, `--tune import_frameworks=1`) turns both off: `serve` reads its settings
+first, which import nothing heavy.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from kvwake.paths import default_cache_dir
 __all__ = ["UNUSED_FRAMEWORKS", "ScanOnce", "Scans", "hide_unused_frameworks", "lighten_imports"]
 
 # Frameworks the daemon never runs (it runs MLX) that its libraries import when they are installed:
-# transformers' tokenizer imports load PyTorch and torchvision (10+ s of a start on the GPU machine,
+# transformers' tokenizer imports load PyTorch and torchvision (most of a start where they are installed,
 # bench/startup_spy.sh); sqlite-utils imports pandas, and with it pyarrow, only to name a pandas type
-# (0.6 s there).
+# (docs/benchmarks.md, "CUDA start-up (issue 23, point 6)").
 UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax", "pandas", "pyarrow")
 
 
-def lighten_imports() -> None:
-    """Both cuts, unless KVWAKE_IMPORT_FRAMEWORKS=1, or transformers is imported already (then neither
-    can take effect, and hiding a framework would break it: see hide_unused_frameworks)."""
-    if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1" or "transformers" in sys.modules:
+def lighten_imports(import_frameworks: bool = False) -> None:
+    """Both cuts, unless `import_frameworks` (the tuning knob), or transformers is imported already (then
+    neither can take effect, and hiding a framework would break it: see hide_unused_frameworks)."""
+    if import_frameworks or "transformers" in sys.modules:
         return
     hide_unused_frameworks()
     ScanOnce.install()
@@ -47,9 +48,9 @@ def lighten_imports() -> None:
 def hide_unused_frameworks() -> None:
     """Make UNUSED_FRAMEWORKS look absent to this process (None in sys.modules: find_spec, which
     transformers asks, says None and an import fails), unless transformers is imported: it decides what is
-    available once, at its import, and a framework hidden after that breaks it (seen on the GPU machine:
-    `serve` run in a test process that had imported transformers, whose next model load failed importing
-    torchvision.io and LlamaConfig). One imported already stays."""
+    available once, at its import, and a framework hidden after that breaks it (`serve` run in a test
+    process that had imported transformers: its next model load failed importing torchvision.io and
+    LlamaConfig; docs/decisions.md, "Daemon"). One imported already stays."""
     if "transformers" in sys.modules:
         return
     for name in UNUSED_FRAMEWORKS:
@@ -58,9 +59,10 @@ def hide_unused_frameworks() -> None:
 
 class ScanOnce(importlib.abc.MetaPathFinder):
     """transformers (5.x) builds its lazy import table by reading every file of its `models` folder
-    (1,698 files in 5.24) at each import, and twice: `transformers/__init__.py` asks for the folder,
+    (over a thousand files) at each import, and twice: `transformers/__init__.py` asks for the folder,
     `transformers/models/__init__.py` for its `__init__.py`, and the scan's cache (`lru_cache` on
-    `create_import_structure_from_path`) keys the two apart. Here that was 0.55-0.7 s of a 1.3 s start.
+    `create_import_structure_from_path`) keys the two apart: about half of a small daemon's start
+    (docs/benchmarks.md, "CUDA start-up (issue 23, point 6)").
 
     This finder waits for `transformers.utils.import_utils` to load (found by the finders after it, as it
     would have been), then puts a `Scans` front on that function. If the function is not there (another
@@ -107,9 +109,8 @@ class Scans:
       it), so the second ask for `models` returns the first's table.
     - A big folder's table is kept on disk (`<cache_dir>/<hash of the folder's path>.marshal`) with a
       fingerprint: every file's path, size and modification time under the folder, and those of the
-      scanning code's own file and this Python's version (15-20 ms to take for `models`, against 0.3 s to
-      scan it here). A later start whose fingerprint matches loads the table instead of reading 1,698
-      files; any other fingerprint (an upgrade, an edited file) scans and writes it again. `marshal`, not
+      scanning code's own file and this Python's version (far quicker to take than a scan). A later start
+      whose fingerprint matches loads the table instead of reading every file; any other fingerprint (an upgrade, an edited file) scans and writes it again. `marshal`, not
       pickle: the table is dicts, sets and strings, and loading one runs no code. A file that cannot be
       read or written only costs the scan.
 

@@ -155,12 +155,11 @@ def test_growing_ahead_leaves_a_solo_generation_and_its_sleep_and_wake_exact(eng
 
     prompt = [(i * 37) % 250 + 5 for i in range(200)]
     params = GenerateParams(max_tokens=120)  # past the buffer's 264 tokens: it grows while decoding
-    monkeypatch.setattr(capacity, "GROW_AHEAD", False)
+    real = capacity.grow_ahead
+    monkeypatch.setattr(capacity, "grow_ahead", lambda cache: None)  # mlx-lm's way: all layers once full
     own = _appended(engine, "own", prompt)
     want = engine.generate(own, params).tokens
-    monkeypatch.setattr(capacity, "GROW_AHEAD", True)
     grown: list[int] = []
-    real = capacity.grow_ahead
     monkeypatch.setattr(capacity, "grow_ahead", lambda cache: grown.append(real(cache)) or grown[-1])
     s = _appended(engine, "ahead", prompt)
     assert engine.generate(s, params).tokens == want

@@ -248,6 +248,15 @@ def test_serve_refuses_a_bad_config(tmp_path):
     assert result.exit_code == 1 and "unknown settings" in result.stderr
 
 
+def test_serve_refuses_an_unknown_or_bad_tuning_naming_it(tmp_path):
+    for args, named in ((["--tune", "no_such_knob=1"], "unknown tuning 'no_such_knob'"),
+                        (["--tune", "slice_of_step=fast"], "--tune: bad tuning slice_of_step='fast'"),
+                        (["--tune", "slice_of_step"], "'slice_of_step' is not NAME=VALUE")):
+        result = CliRunner().invoke(main, ["serve", "--config", str(tmp_path / "none.toml"),
+                                           "--socket", str(tmp_path / "s.sock"), *args])
+        assert result.exit_code != 0 and named in result.stderr, (args, result.stderr)
+
+
 def test_docs_quick_start_is_ten_lines_or_so():
     block = re.search(r"```python\n(.*?)```", DOCS.read_text(), re.S)
     assert block and len(block.group(1).strip().splitlines()) <= 12

@@ -99,9 +99,9 @@ def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine, monkeypatch):
     # Decoded blocks are kept in RAM when a prefix hit reads them (shared prompts are what the
     # tier is for), not on every wake (that would cost each wake a second copy of its KV). Where
     # restores stage (a GPU) a hit's blocks join on the device and are not kept (test_pipeline.py).
-    from kvwake.daemon.kv import fill as kvfill
+    from tests.test_pipeline import restores_as
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "direct")
+    restores_as(monkeypatch, "direct")
     first = Session("first")
     engine.append(first, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}])
     engine.sleep(first)

@@ -6,6 +6,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kvwake.daemon.gilwatch import GilWatch
 from tests.daemon import Daemon
 from tests.tinymodel import make_model_dir
@@ -62,19 +64,24 @@ def test_the_daemon_reports_gil_waits_only_when_asked(tmp_path):
             assert gil is None
 
 
-def test_a_watch_asked_for_with_a_bad_value_is_refused_with_a_warning_not_a_crash(monkeypatch, caplog):
+def test_a_watch_asked_for_with_a_bad_value_is_refused_naming_it(monkeypatch, tmp_path):
     from kvwake.daemon import gilwatch
+    from kvwake.daemon.config import load_settings
+
+    def tuning():
+        return load_settings({}, tmp_path / "absent.toml").tuning
 
     for over, kept in (("lots", "64"), ("0", "64"), ("5", "none"), ("5", "0")):
         monkeypatch.setenv("KVWAKE_GIL_WATCH_MS", over)
         monkeypatch.setenv("KVWAKE_GIL_WATCH_KEPT", kept)
-        caplog.clear()
-        assert gilwatch.from_environment() is None
-        assert "not watching the GIL" in caplog.text, (over, kept)
+        with pytest.raises(ValueError, match="KVWAKE_GIL_WATCH_(MS|KEPT): bad tuning"):
+            tuning()
     monkeypatch.setenv("KVWAKE_GIL_WATCH_MS", "2.5")
     monkeypatch.delenv("KVWAKE_GIL_WATCH_KEPT")
-    watch = gilwatch.from_environment()
+    watch = gilwatch.from_tuning(tuning())
     assert watch is not None and watch.over_ms == 2.5 and watch.over.maxlen == 64
+    monkeypatch.delenv("KVWAKE_GIL_WATCH_MS")
+    assert gilwatch.from_tuning(tuning()) is None
 
 
 def test_threads_of_one_name_are_told_apart_by_their_ids(tmp_path):

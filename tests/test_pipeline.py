@@ -209,14 +209,12 @@ def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeyp
 
     from kvwake.daemon.kv import fill as kvfill
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", None)
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple silicon: unified memory, a GPU
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert kvfill.unified_memory() and kvfill.restore_mode() == "staged"
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert kvfill.restore_mode() == "direct"
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")  # KVWAKE_RESTORE_MODE still overrides
-    assert kvfill.restore_mode() == "staged"
+    assert kvfill.restore_mode("staged") == "staged"  # the tuning knob restore_mode still overrides
 
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
@@ -225,7 +223,7 @@ def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_wa
     from kvwake.daemon.kv import fill as kvfill
 
     # staged: one block per span through a ring of two slots (the discrete-GPU path, on the CPU)
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", mode)
+    restores_as(monkeypatch, mode)
     monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     released, real_release = [], kvfill.Buffers.release
@@ -274,6 +272,13 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
     assert 5 in calls
 
 
+def restores_as(monkeypatch, mode: str) -> None:
+    """Restores fill buffers in `mode` ("direct" or "staged") unless configured otherwise, whatever the backend."""
+    from kvwake.daemon.kv import fill as kvfill
+
+    monkeypatch.setattr(kvfill, "restore_mode", lambda configured=None: configured or mode)
+
+
 def slept_and_woken(engine, tokens: list[int]) -> tuple[Session, Session]:
     """Two sessions fed `tokens`: "a" as it is, "b" put to sleep and woken."""
     a, b = Session("a"), Session("b")
@@ -297,7 +302,6 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
     # What runs on CUDA (KV in device memory), run here on MLX's CPU device: sleep splits byte planes
     # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
     from kvwake.daemon.kv import devplanes
-    from kvwake.daemon.kv import fill as kvfill
 
     calls = {"split": 0, "join": 0}
     for name in calls:
@@ -307,7 +311,7 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
             calls[_name] += 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(devplanes, name if name == "join" else "split_span", counted)
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
     # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False)
@@ -328,7 +332,7 @@ def two_block_spans(monkeypatch) -> tuple[list, list[tuple[int, int]]]:
     from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import fill as kvfill
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
@@ -375,9 +379,7 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
 @pytest.fixture
 def staged_engine(tmp_path, model_dir, monkeypatch):
     """An engine restoring as on a discrete GPU (staging, then joins on the device), here on MLX's CPU device."""
-    from kvwake.daemon.kv import fill as kvfill
-
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir)
     yield engine
@@ -438,10 +440,9 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     # Now a raw block stages as stored and joins on the device; one span mixes a planes-zstd block (stored
     # by an earlier store setting), raw ones and one from the RAM tier; the KV must come back bit for bit.
     from kvwake.daemon.kv import devplanes
-    from kvwake.daemon.kv import fill as kvfill
     from kvwake.store.format.codec import read_file_header
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch)
 
@@ -483,9 +484,7 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
 def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir, tmp_path, monkeypatch):
     # Was: "zstd" blocks were never staged: decoded on the CPU into the device's arrays, an 8k-token wake of
     # the 8B shape took 6.2 s on the H100 machine (32k: over 110 s), where codec "auto" had picked zstd.
-    from kvwake.daemon.kv import fill as kvfill
-
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     joins = count_joins(monkeypatch)
     tokens = [(i * 7) % 256 for i in range(120)]
     store = Store(tmp_path / "store", block_tokens=16, codec="zstd")
@@ -627,7 +626,7 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
     # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out tensors for ~UPLOAD_JOB_S.
     from kvwake.daemon.kv import fill as kvfill
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     monkeypatch.setattr(kvfill, "UPLOAD_JOB_S", 0)  # one tensor per job
     tokens = list(range(3, 203))
     hot = Session("hot")
@@ -656,9 +655,8 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
     # 128 MiB slot) in an engine-thread job of 246 ms, a decoding neighbour's gap. The warm-up makes the slots
     # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none.
     from kvwake.daemon.kv import cudart, devplanes
-    from kvwake.daemon.kv import fill as kvfill
 
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged")
     monkeypatch.setattr(cudart, "_advise", lambda ptr, n, advice, kind, ident: 0)  # mapping "works" (as on CUDA)
     devplanes.drop_idle()
     store = Store(tmp_path / "store", block_tokens=16)

@@ -1,4 +1,5 @@
-"""The pool's workers at a lower CPU priority when KVWAKE_POOL_NICE asks (a knob for measuring, off by default)."""
+"""The pool's workers at a lower CPU priority when the tuning knob pool_nice asks (KVWAKE_POOL_NICE; a knob for
+measuring, off by default)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvwake.daemon.kv.pool import Pool, niceness
+from kvwake.daemon.config import load_settings
+from kvwake.daemon.kv.pool import Pool
 from tests.daemon import Daemon
 from tests.tinymodel import make_model_dir
 
@@ -35,14 +37,17 @@ def test_workers_run_nice_levels_below_their_maker_only_when_asked():
     assert own_nice() == mine  # the caller's own priority is left alone
 
 
-def test_the_knob_reads_whole_levels_and_refuses_the_rest_with_a_warning(monkeypatch, caplog):
-    for raw, levels in (("", 0), ("0", 0), ("7", 7), ("40", 19), ("-3", 0)):
+def test_the_knob_reads_whole_levels_and_refuses_the_rest_naming_it(monkeypatch, tmp_path):
+    def niceness() -> int:
+        return load_settings({}, tmp_path / "absent.toml").tuning.pool_nice
+
+    for raw, levels in (("", 0), ("0", 0), ("7", 7), ("19", 19)):
         monkeypatch.setenv("KVWAKE_POOL_NICE", raw)
         assert niceness() == levels, raw
-    monkeypatch.setenv("KVWAKE_POOL_NICE", "low")
-    caplog.clear()
-    assert niceness() == 0
-    assert "KVWAKE_POOL_NICE='low'" in caplog.text
+    for raw in ("40", "-3", "low"):  # a daemon asked for these no longer starts at its own priority unsaid
+        monkeypatch.setenv("KVWAKE_POOL_NICE", raw)
+        with pytest.raises(ValueError, match=f"KVWAKE_POOL_NICE: bad tuning pool_nice='{raw}'"):
+            niceness()
     monkeypatch.delenv("KVWAKE_POOL_NICE")
     assert niceness() == 0
 

@@ -128,9 +128,10 @@ def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, 
 SCAN_PROBE = """
 import json, os, sys
 from kvwake.daemon.startup import hide_unused_frameworks, lighten_imports
-if os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1":
+import_frameworks = os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1"
+if import_frameworks:
     hide_unused_frameworks()  # the scan as transformers ships it, beside the same hidden frameworks
-lighten_imports()
+lighten_imports(import_frameworks)
 import mlx_lm  # as the daemon does: it imports transformers and its tokenizer classes
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 import transformers.utils.import_utils as iu

@@ -5,23 +5,21 @@ one query over such a cache through a cuDNN graph when the buffer holds a
 multiple of 256 tokens (mlx/backend/cuda/scaled_dot_product_attention.cpp,
 `use_cudnn_for_decoding`), and builds one graph per (batch, capacity) the first
 time a step meets it; otherwise it takes its vector kernel, which builds
-nothing. Measured on the H100 machine (8B shape, `bench/decode_attention.py`,
-`bench/batching.py`'s prefill row): a new capacity's graph cost a lone session's
-step 0.5-1.0 s at 256 to 4352 tokens (cuDNN compiling kernels for it) and ~80 ms
-at 16k and 32k; steady, the vector kernel's step took 0.90x cuDNN's at 1k, 1.01x
-at 4k, 1.25x at 16k and 1.53x at 32k. A daemon meets every capacity of every
-session's growth, and restores its caches at whole steps: each was a stall.
+nothing. Measured with `bench/decode_attention.py` (docs/decisions.md, "Many agents at once (issue 24)";
+figures in docs/benchmarks.md, "Many agents at once, as fast as mlx-lm's own batch (issue 24)"): a new
+capacity's graph stalled a lone session's step for far longer than a step, most below `CUDNN_MIN`; steady,
+the vector kernel was as fast as cuDNN's for short buffers and slower for long ones. A daemon meets every
+capacity of every session's growth, and restores its caches at whole steps: each was a stall.
 
 So on CUDA (`install`) a buffer below `CUDNN_MIN` tokens holds `OFF_GRID` tokens
-more than the next multiple of 256 (off the grid: the vector kernel, faster
+more than the next multiple of 256 (off the grid: the vector kernel, as fast
 there and never built), and from `CUDNN_MIN` on a multiple of 256 (cuDNN, whose
-builds cost ~80 ms there against a step 1.25-1.5x faster), grown by about a
+builds cost less there than its faster steps save), grown by about a
 `GROWTH`th of itself at a time (a power-of-two number of grid steps: 1,024
 tokens at 16k, 4,096 at 64k) rather than 256: an agent's turn adds a few hundred
-tokens, and over a 75k-token conversation every second or third turn met a
-new capacity, its graph built before its first token (measured: first tokens
-of 86-139 ms against 22 ms). Grown geometrically, a turn meets one about
-every 37 turns there, and each growth's copy of the buffer is rarer too; the
+tokens, and over a long conversation every second or third turn met a
+new capacity, its graph built before its first token. Grown geometrically, a turn
+meets one far more rarely, and each growth's copy of the buffer is rarer too; the
 buffer holds at most 1/GROWTH more than its tokens. Only the buffer's size
 changes: the tokens in it, and so every result, are the same.
 Elsewhere (the CPU, Metal) nothing is installed and growth is mlx-lm's own.
@@ -32,22 +30,18 @@ Whichever the rule, a lone decoding session's layers grow one a step before the 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-__all__ = ["CUDNN_MIN", "GROWTH", "GROW_AHEAD", "OFF_GRID", "STEP", "capacity", "even_out", "grow_ahead", "grown",
+__all__ = ["CUDNN_MIN", "GROWTH", "OFF_GRID", "STEP", "capacity", "even_out", "grow_ahead", "grown",
            "install", "installed", "next_size", "uninstall"]
 
 STEP = 256  # mlx-lm's KVCache.step, and the grid cuDNN's decode path looks for
 CUDNN_MIN = 16384  # buffers from here on stay on the grid: cuDNN decodes them
 OFF_GRID = 8  # tokens past the grid below CUDNN_MIN (a whole number of 16-byte rows for any dtype)
 GROWTH = 16  # from CUDNN_MIN on, a buffer grows in steps of the largest power of two <= its tokens / GROWTH
-# a decoding session's layers grow one per step ahead of a full buffer (grow_ahead); KVWAKE_GROW_AHEAD=0: all at
-# once when full, mlx-lm's way, for a measurement
-GROW_AHEAD = os.environ.get("KVWAKE_GROW_AHEAD", "1") != "0"
 
 _mlx_update_and_fetch = KVCache.update_and_fetch
 _installed = False
@@ -116,13 +110,12 @@ def grow_ahead(cache: list) -> int | None:
     size at once: `even_out`.)
 
     Growing is allocating two new buffers per layer and copying the tokens held; done all at once, it is
-    one decode step that does it for every layer: on the H100 (8B shape, 32 layers) the step that met a
-    session's capacity took 16-37 ms against 4-7 (bench/batching.py's prefill row: every run's longest
-    decode step was the neighbour's token at its buffer's 264th). One layer a step, the same work is
+    one decode step that does it for every layer, a step several times its neighbours' length (docs/decisions.md,
+    "Batched generation (issue 11)": the growth ahead of full). One layer a step, the same work is
     spread over the last steps before the buffer fills. Only the buffers grow earlier, to the sizes
     their own growth gives: the tokens in them, and so every result, are the same.
     """
-    if not GROW_AHEAD or not cache:
+    if not cache:
         return None
     last = cache[-1]  # the common case, in O(1): the last layer (the last to grow) has room for a token a layer
     if type(last) is KVCache and last.keys is not None and last.keys.shape[2] - last.offset >= len(cache):

@@ -1,8 +1,8 @@
 """The byte-plane filter on the device that holds the KV (CUDA), both ways.
 
 On a discrete GPU the CPU cannot afford numpy's bit operations per byte (they
-do not scale across threads: measured 1.3 GB/s on one thread and 2.0 on
-sixteen on the H100 machine), and the GPU does them at memory speed. So for a
+do not scale across threads: docs/decisions.md, "Engine"), and the GPU does
+them at memory speed. So for a
 plain KV cache (every cut tensor of one float dtype and one shape):
 
 - sleep: the GPU rotates and splits a span of blocks into byte planes laid out
@@ -40,7 +40,7 @@ _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
 # A wake stages at most RING_SLOTS spans of about SPAN_BYTES of raw KV each: while the GPU joins
 # one span, the pool decodes the next ones into the other slots. Enough slots that the decoders
 # never wait for the join (it runs at device speed), few enough that staging stays a few hundred
-# MB whatever the session's size (it was the whole session: 125 GB resident at 32k on the H100).
+# MB whatever the session's size (it was the whole session: docs/benchmarks.md, "Copies per restored byte").
 # Spans large enough that per-span device work (a join, and one piece per tensor to concatenate
 # at the end) stays a few hundred ops at 32k; small enough that the last span's join, which
 # nothing overlaps, is a small part of a wake.
@@ -160,8 +160,8 @@ class Ring:
 
 
 # Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
-# slot is a fresh managed allocation the CPU writes zeros into, ~50 ms per 128 MiB on the H100
-# machine, a fixed cost a small wake notices), still mapped; `drop_idle` releases them (the engine's close).
+# slot is a fresh managed allocation the CPU writes zeros into, a fixed cost a small wake
+# notices), still mapped; `drop_idle` releases them (the engine's close).
 KEEP_SLOTS = RING_SLOTS
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
 _idle: tuple[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] | None = None
@@ -192,9 +192,9 @@ def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, C
 def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     """Make a wake's ring slots for blocks of `tensors` tensors like `kv` (one layer's keys: [.., tokens, dim])
     and keep them idle, and join a block from them both ways (planes, raw): a first restore then neither
-    makes staging (a fresh managed allocation the CPU writes: ~50 ms per 128 MiB slot on the H100; a prefix
-    hit's first restore job took 246 ms there) nor compiles the joins. False (nothing kept) where staging
-    is not mapped (no CUDA) or the dtype is not planar."""
+    makes staging (a fresh managed allocation the CPU writes, a long job for a first restore:
+    docs/decisions.md, "Engine", the ring's slots kept between wakes) nor compiles the joins. False
+    (nothing kept) where staging is not mapped (no CUDA) or the dtype is not planar."""
     dtype = _MX_NAME.get(kv.dtype)
     if dtype is None:
         return False

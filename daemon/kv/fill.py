@@ -29,14 +29,13 @@ Two ways to fill, by what computes:
   took four or five passes per byte there). Not timed on a Mac (none here);
   exact on the CPU backend (tests/test_pipeline.py runs both ways).
 `restore_mode()` picks one by the backend (asked on the engine thread: no MLX
-call at import); KVWAKE_RESTORE_MODE overrides it (for benchmarks). Either
+call at import); the tuning knob restore_mode overrides it (for benchmarks). Either
 way, no per-block arrays are joined afterwards.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -62,7 +61,7 @@ from kvwake.daemon.kv.state import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["RESTORE_MODE", "STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
@@ -76,31 +75,31 @@ def unified_memory() -> bool:
 
 
 # Seconds one engine-thread job lays out tensors on the device at a restore's end (Buffers.upload), then
-# it returns and a decode step may run: under one decode step of the 8B shape on the H100 (6-14 ms). A
-# budget in time, not bytes: a tensor whose spans are already on the device concatenates in ~0.1 ms, one
-# uploaded from host views (a block from the RAM tier, a partial piece) takes ~10 ms per 11 MB there (a
-# fixed 32 MiB per job was 26-34 ms a job: a decoding neighbour's gap of five of its steps).
+# it returns and a decode step may run: under one decode step of a large model. A budget in time, not
+# bytes: a tensor whose spans are already on the device concatenates at once, one uploaded from host views
+# (a block from the RAM tier, a partial piece) takes far longer per byte, and a fixed byte budget per job
+# left a decoding neighbour waiting several of its steps (docs/decisions.md, "Many agents at once (issue 24)").
 UPLOAD_JOB_S = 0.004
 
 # The codecs a store's codec "auto" may pick where restores stage (serve.py): the two whose staged
-# wakes are measured on a GPU. "zstd" blocks were not staged until session 11 (decoded on the CPU into
-# the device's arrays: on the H100 machine an 8k-token wake of them took 6.2 s, 32k over 110 s, and
-# "auto" had picked zstd there); they now stage as raw runs (codec.decode_into), so stores holding them
-# wake staged too, but that path's speed on a GPU is not measured yet.
+# wakes are measured on a GPU. "zstd" blocks once decoded on the CPU into the device's arrays, many times
+# slower than staging; they now stage as raw runs (codec.decode_into), so stores holding them wake staged
+# too, still slower than "planes-zstd" (docs/decisions.md, "Store"; docs/benchmarks.md, "Overlapped restore
+# and codec by machine (issue 23, points 2 and 3)").
 STAGED_CODECS = ("planes-zstd", "raw")
-RESTORE_MODE = os.environ.get("KVWAKE_RESTORE_MODE")  # "direct", "staged", or None: by the backend
 
 
-def auto_codecs() -> tuple[str, ...] | None:
-    """The codecs a store's codec "auto" may pick for this process's restores: STAGED_CODECS where they
-    stage, any elsewhere (None)."""
-    return STAGED_CODECS if restore_mode() == "staged" else None
+def auto_codecs(configured: str | None = None) -> tuple[str, ...] | None:
+    """The codecs a store's codec "auto" may pick for this process's restores (`configured` as for
+    restore_mode): STAGED_CODECS where they stage, any elsewhere (None)."""
+    return STAGED_CODECS if restore_mode(configured) == "staged" else None
 
 
-def restore_mode() -> str:
-    """How restores fill buffers here: RESTORE_MODE when set, else "staged" where a GPU computes (CUDA,
-    Metal), "direct" on the CPU. (It also says whether sleeps split byte planes on the device.)"""
-    return RESTORE_MODE or ("direct" if mx.default_device() == mx.cpu else "staged")
+def restore_mode(configured: str | None = None) -> str:
+    """How restores fill buffers here: `configured` ("direct" or "staged": the tuning knob restore_mode) when
+    given, else "staged" where a GPU computes (CUDA, Metal), "direct" on the CPU. (It also says whether
+    sleeps split byte planes on the device.)"""
+    return configured or ("direct" if mx.default_device() == mx.cpu else "staged")
 
 
 def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:
@@ -168,7 +167,8 @@ class Buffers:
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
         if mode == "staged" and blocks and sample_tokens == block_tokens and specs and devplanes.planar(specs):
             # Staging in MLX's own host-visible memory: filled by the decoders, read by the GPU join,
-            # never copied by an mx.array() of a numpy array (measured 2 GB/s on the H100 machine).
+            # never copied by an mx.array() of a numpy array (slow on a discrete GPU: docs/benchmarks.md,
+            # "GPU machine: before and after").
             # A ring of a few spans, reused span after span: not an allocation the size of the session.
             self.block_shape = next(iter(specs.values()))[1]
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
@@ -313,9 +313,8 @@ class Buffers:
     def upload(self, n_tokens: int, budget_s: float | None = None) -> bool:
         """Lay out the next tensors of n_tokens on the device until `budget_s` seconds have passed (at least
         one tensor; all of them when None); True once every tensor is. One call is one engine-thread job:
-        a restore from host views moved ~0.7 GB for 5.6k tokens of an 8B model, 0.9 s in one job on the
-        H100, during which a decoding session waited; in slices it waits one slice. Nothing to do in
-        direct mode."""
+        in one job, a restore from host views held the engine thread for many decode steps while a decoding
+        session waited; in slices it waits one slice. Nothing to do in direct mode."""
         if self.mode == "direct":
             return True
         if self._layout is None:
@@ -340,8 +339,7 @@ class Buffers:
             pieces.append(mx.zeros((*view.shape[:-2], view.shape[-2] - n_tokens, view.shape[-1]),
                                    _MX_DTYPE[self.dtypes[name]]))
             # One tensor at a time. The joined spans hold every tensor, so they go once the last
-            # tensor is laid out: at that moment the device holds the KV twice (as staging in
-            # managed memory did before issue 23).
+            # tensor is laid out: at that moment the device holds the KV twice, no more.
             self._out[name] = out = mx.concatenate(pieces, axis=-2)
             mx.eval(out)
             self.pieces[name] = []

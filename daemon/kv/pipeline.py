@@ -58,8 +58,8 @@ __all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "re
 
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
-# host copy (GPU) and its encoded bytes, about 1.7x its raw size, so RSS grows by about a fifth of
-# the KV at most (the issue's bound is a quarter).
+# host copy (GPU) and its encoded bytes, under twice its raw size, so RSS grows by less than the
+# quarter of the KV that bounds it (docs/decisions.md, "Daemon").
 SLEEP_SHARE = 8
 RELEASE_JOB_S = 0.004  # a release's engine-thread job frees layers until it has run this long (one at least)
 
@@ -296,14 +296,14 @@ def _write_short(ctx: KvContext, w: SnapshotWriter, scratch: Session, short: int
 def release(session: Session, mlx: Mlx) -> None:
     """Drop the session's KV and give MLX's cached buffers back (a sleep, a delete, a wake replacing it),
     on the engine thread, layer by layer: a decoding neighbour waits one short job, not the freeing of a
-    whole cache (on the 2-core VM a 2 GB cache took 194-229 ms in one job; a 125 MB layer takes 10-17 ms).
+    whole cache (docs/decisions.md, "Daemon": a layer is the grain).
 
     The cache leaves the session in the first job (what runs after sees none; `processed` still says what
     the snapshot holds, and a sleep refuses such a session); each job then frees layers, one at a time,
     until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without
     `mx.clear_cache`, freed buffers stay in MLX's cache (up to its limit), and on a discrete GPU the
-    host-side copies a sleep made stay pinned: a 32k-token 8B-shaped session slept and woken twice was
-    killed for host memory on the 128 GiB H100 machine. MLX memory goes back on the thread that runs
+    host-side copies a sleep made stay pinned, until a long session slept and woken twice runs the host
+    out of memory (docs/benchmarks.md, "GPU machine: before and after"). MLX memory goes back on the thread that runs
     MLX, never the event loop's.
     """
     layers = mlx(lambda: _take_cache(session))

@@ -6,13 +6,13 @@ cores by default) scales with cores. A batch is bounded by bytes in flight
 rather than by a task count: a sleep or wake never holds more than its budget
 of encoded or staged bytes, whatever the block size.
 
-KVWAKE_POOL_NICE=N (Linux, 1-19; unset or 0: off) runs the workers N nice
-levels below the daemon. It is a knob for a measurement, not a default. On the
-H100 machine a decode step is host-bound (session 21: the GPU busy 39-65% of
-it): the engine thread launching kernels competes for the 16 vCPUs with as
-many workers encoding a persisting neighbour's blocks. The knob asks whether
-yielding those cores to the engine thread keeps the neighbour's p99 gap down
-(`device_round.sh poolnice`).
+`nice` (the tuning knob pool_nice: Linux, 1-19; 0: off) runs the workers that
+many nice levels below the daemon. It is a knob for a measurement, not a default. On a
+GPU a decode step can be host-bound: the engine thread launching kernels
+competes for the cores with as many workers encoding a persisting neighbour's
+blocks. The knob asks whether yielding those cores to the engine thread keeps
+the neighbour's p99 gap down, at the cost of sleeps and wakes where cores are
+short (docs/decisions.md, "Continuous persistence (issue 23, point 1)").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Batch", "Pool", "niceness"]
+__all__ = ["Batch", "Pool"]
 
 log = logging.getLogger("kvwake.pool")
 
@@ -33,13 +33,14 @@ class Pool:
     """Worker threads for codec and disk work, and the byte budget each batch gets.
 
     workers: threads (default: every core). inflight_bytes: raw bytes a batch
-    may have read, decoded or staged but not yet finished.
+    may have read, decoded or staged but not yet finished. nice: nice levels
+    the workers run below their maker (Linux; 0: at its priority).
     """
 
-    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20, nice: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, inflight_bytes: int = 512 << 20, nice: int = 0) -> None:
         self.workers = workers or os.cpu_count() or 1
         self.inflight_bytes = inflight_bytes
-        self.nice = niceness() if nice is None else nice
+        self.nice = nice
         self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io",
                                                initializer=_lower_priority, initargs=(self.nice,))
 
@@ -49,19 +50,6 @@ class Pool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-
-
-def niceness() -> int:
-    """KVWAKE_POOL_NICE as nice levels, 0 to 19 (0 when unset; a value that is not a whole number is logged
-    and taken as 0)."""
-    raw = os.environ.get("KVWAKE_POOL_NICE", "")
-    if not raw:
-        return 0
-    try:
-        return max(0, min(19, int(raw)))
-    except ValueError:
-        log.warning("KVWAKE_POOL_NICE=%r is not a whole number of nice levels: the pool runs at the daemon's", raw)
-        return 0
 
 
 def _lower_priority(nice: int) -> None:

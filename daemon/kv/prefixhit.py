@@ -54,9 +54,8 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     # The partial piece is decoded whole (a block's B tokens), then cut to k by the cache's offset.
     room = max(len(target), start + (_piece_tokens(ctx, piece) if piece is not None else 0))
     # Where a GPU computes, the whole blocks stage and join on the device a span at a time, as a wake's do
-    # (was: every block decoded and its planes joined by numpy on the CPU into host views, then uploaded
-    # from there: 5.6k tokens of the 8B shape took 1.7 s to decode and 0.9 s to upload on the H100, longer
-    # than prefilling them). The partial piece decodes into host views and goes up with the layout.
+    # (decoding every block and joining its planes with numpy into host views, then uploading them, took
+    # longer than prefilling them: docs/decisions.md, "Engine"). The partial piece decodes into host views and goes up with the layout.
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
                                        n_blocks=len(hit.blocks)))
     with releasing(buffers, mlx):

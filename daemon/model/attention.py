@@ -2,18 +2,16 @@
 
 MLX on CUDA runs a prefill chunk's attention (query length > 1) through a cuDNN
 graph cached by (query length, key length). Every agent turn prefills its new
-tokens at a new offset, so every turn pays a fresh graph build. Measured on the
-H100 machine (8B shape, `bench/prefill_shapes.py`): a 35-token chunk over 7.5k
-cached tokens took 75-95 ms at a new offset and 14-17 ms once its graph was
-cached; in plain ops (matmul, softmax: no per-shape build) 24-65 ms. Same
-picture for 200-token chunks over 2k (56-94 ms fused and new, 23-37 ms plain).
-Not for long prompts' chunks: with them plain, a 7.5k-token prefill took
-1.99 s against 1.30 s fused (512-token chunks), and beside a decoding session
-an 8k prefill in 128-token chunks took 3.0 s plain against 1.5 s fused (p99
-gap 135 ms against 87) once the fused graphs were built. So the engine uses
-it only for a chunk shorter than its prefill step (a turn's input, a prompt's
-last piece: key lengths never seen), of at most `PLAIN_MAX_QUERIES` tokens.
-Past 16k keys, where plain ops cost more than a build, such a chunk runs fused
+tokens at a new offset, so every turn pays a fresh graph build. Measured with
+`bench/prefill_shapes.py` (docs/decisions.md, "Engine": prefill attention in
+plain ops on CUDA): a short chunk at a new offset runs faster in plain ops
+(matmul, softmax: no per-shape build) than fused with its graph's build, though
+slower than fused once the graph is cached. Not for long prompts' chunks: with
+them plain, a long prefill took longer than fused, and slowed a decoding
+neighbour more, once the fused graphs were built. So the engine uses it only
+for a chunk shorter than its prefill step (a turn's input, a prompt's last
+piece: key lengths never seen), of at most `PLAIN_MAX_QUERIES` tokens.
+Past CUDNN_MIN keys, where plain ops cost more than a build, such a chunk runs fused
 at a shape turns share instead (`bucketed_attention`: queries padded to a power
 of two or of 64 over the whole buffer, masked), built once per buffer capacity.
 
@@ -50,9 +48,10 @@ __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape"
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
 # thrashing is happening" (mlx/backend/cuda/lru_cache.h, 0.32). A daemon meets a new (query, key) length at
-# most turns, so on the H100 the prefill-cancel tests (prefills stopped at any chunk) failed with it after a
-# few hundred. Unless set, the daemon allows 1<<16 graphs (a miss count of 131k before MLX raises); the
-# graphs are plans, kept on the host. Read when MLX first runs attention on a thread: set at import.
+# most turns, so on CUDA the prefill-cancel tests (prefills stopped at any chunk) failed with it after a
+# few hundred (docs/benchmarks.md, "The test suite on the GPU machine"). Unless set, the daemon allows
+# 1<<16 graphs (a miss count of 131k before MLX raises); the graphs are plans, kept on the host. Read when
+# MLX first runs attention on a thread: set at import.
 SDPA_GRAPHS = 1 << 16
 os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", str(SDPA_GRAPHS))
 
@@ -74,14 +73,16 @@ def key_ladder(context: int | None) -> list[int]:
 
 
 def wanted() -> bool:
-    """Plain prefill attention where it pays: MLX on CUDA (KVWAKE_PLAIN_PREFILL=0 turns it off)."""
-    return os.environ.get("KVWAKE_PLAIN_PREFILL", "1") != "0" and on_cuda()
+    """Plain prefill attention where it pays: MLX on CUDA (docs/decisions.md, "Engine": prefill attention in
+    plain ops on CUDA)."""
+    return on_cuda()
 
 
 def bucket_wanted() -> bool:
     """Short chunks over long caches at shared shapes (`bucketed_attention`) where MLX builds a graph per
-    shape: on CUDA, with plain prefill on (KVWAKE_BUCKET_PREFILL=0 turns it off)."""
-    return os.environ.get("KVWAKE_BUCKET_PREFILL", "1") != "0" and wanted()
+    shape: where plain prefill is wanted (docs/decisions.md, "Many agents at once (issue 24)": a short chunk
+    over a buffer past 16k runs fused at a shared shape)."""
+    return wanted()
 
 
 def on_cuda() -> bool:
@@ -176,13 +177,14 @@ def bucketed_attention(fused: Any) -> Any:
     shares with the next ones.
 
     MLX on CUDA keys its cuDNN prefill graph by the query and key lengths; a turn over a long context
-    meets a new pair each time and builds again (75-100 ms on the H100 at 75k keys, 8B shape). Here the
-    queries pad with zeros to `query_bucket` (a power of two to 64, then multiples of 64) and the keys are the cache's whole buffer (its capacity,
+    meets a new pair each time and builds again. Here the queries pad with zeros to `query_bucket` (a
+    power of two to 64, then multiples of 64) and the keys are the cache's whole buffer (its capacity,
     grown by a sixteenth at a time past CUDNN_MIN), masked by an additive array: each query sees the
     keys a causal mask gives it, never a key past the cache's offset (zeros or a rewound token's, and
     they weigh exactly 0). The padded queries' rows are cut off. So turns within one capacity and
-    bucket run one graph. The array mask costs cuDNN's kernel about 1 ms a layer there (2.14 ms against
-    1.17 for the causal one at a known shape): 72-74 ms a turn against 118-153 ms building each time.
+    bucket run one graph. The array mask makes cuDNN's kernel slower than the causal one at a known
+    shape, and a turn still far cheaper than building each time (docs/decisions.md, "Many agents at once
+    (issue 24)": a short chunk over a buffer past 16k runs fused at a shared shape).
     Plain KVCache layers only, causal or unmasked; anything else runs `fused`."""
     from mlx_lm.models.cache import KVCache
 
@@ -232,8 +234,8 @@ def _bucketed(queries: mx.array, keys: mx.array, values: mx.array, k_len: int, s
 
 def warm_bucket(model: Any, bucket: int, capacity: int, like: mx.array | None = None) -> bool:
     """One layer's `bucketed_attention` at (bucket, capacity) on zeros of the model's attention shape: the
-    cuDNN graph a short chunk over a buffer of that capacity runs on, built before a turn needs it (~90
-    ms on the H100 at 75k keys, 8B shape). `like`: a layer's KV buffer, whose heads, head size and dtype
+    cuDNN graph a short chunk over a buffer of that capacity runs on, built before a turn needs it (a
+    build is a long stall for a turn). `like`: a layer's KV buffer, whose heads, head size and dtype
     the graph is built for (else the model's args and its first floating parameter's dtype). False when
     the model's args do not give its shape."""
     shape = PathCosts._shape(model)
@@ -264,12 +266,11 @@ def plain_warm_shapes(prefill_step: int, context: int | None) -> list[tuple[int,
     """(queries, cached keys) the plain path is warmed at (`warm_plain`; its attention then runs over keys +
     queries). MLX on CUDA builds its kernels per class of shape, not per shape: a full chunk (aligned) and
     query counts and key lengths off every alignment (317 over 7,001: 7,318 keys; 129 over 2,049; 255 over
-    16,387), in one, two and three pieces of scores for 32 heads. Measured on the H100 (`bench/plain_first.py
-    --first-only`, 8B shape, a 318-token chunk over 7,680 cached tokens, the first of a process): its first
-    attention took 204-215 ms after the warm-up on random tensors at 512 queries (one piece over 4,096 keys,
-    four over 16,384), 41-60 ms warmed through the model at 512 queries (two pieces over 4,608 keys, as the
-    chunk's), 4.5-5.4 ms after the three unaligned shapes alone (3-4 ms a layer later): alignment made the
-    difference, not the number of pieces. Odd key lengths (the chunk's was even) were not measured apart.
+    16,387), in one, two and three pieces of scores for 32 heads. Measured with `bench/plain_first.py
+    --first-only` (docs/decisions.md, "Many agents at once (issue 24)": the plain path warmed at unaligned
+    shapes): a process's first unaligned chunk stayed slow after warm-ups at aligned shapes, whatever their
+    number of pieces, and ran at its steady speed after the three unaligned shapes alone: alignment made
+    the difference. Odd key lengths (the chunk's was even) were not measured apart.
     Shapes past the model's context are left out."""
     shapes = [(prefill_step, 4096), (317, 7001), (129, 2049), (255, 16387)]
     return [(q, k) for q, k in shapes if context is None or q + k <= context]
@@ -279,8 +280,8 @@ def warm_plain(model: Any, queries: int, keys: int) -> bool:
     """A chunk of `queries` tokens through the model on the plain path, over a cache of `keys` tokens whose
     buffers hold more than that, as a session's do (keys read from a slice of a larger buffer, so strided),
     its layers' caches evaluated as a chunk's slices are: every kernel of a real chunk's plain path built
-    before a request needs them (`plain_warm_shapes` says at which shapes). On the H100 the first plain
-    slices beside a decoding call took 80-100 ms (NVRTC compiling), against a few ms after. The model is left
+    before a request needs them (`plain_warm_shapes` says at which shapes): unwarmed, the first plain slices
+    beside a decoding call wait for NVRTC compiling them, many times a warm slice. The model is left
     as it was; False when its cache is not plain KV layers or its module takes attention from elsewhere than
     mlx-lm's base (nothing the plain path would run)."""
     if attention_module(model) is None:

@@ -1,15 +1,14 @@
 """MLX's memory limits, set from the machine and the daemon's settings, and the tokens one session may hold.
 
-What grew a process to ~130 GB resident on the H100 machine (issue 25; measured
-with bench/memory.py, docs/benchmarks.md "Memory"): MLX's buffer cache. A 32k-token
-prefill of the 8B shape left 54.5 GiB of freed buffers cached (the KV grows in
-steps and every step is a new, larger buffer; attention's scratch comes in ever
-new sizes), beside 20 GiB in use. MLX lets its cache grow to its memory limit
+What grew a process to many times its KV resident on a GPU (measured with
+bench/memory.py; docs/decisions.md, "Memory limits (issue 25, point 7)"): MLX's
+buffer cache. A long prefill left more freed buffers cached than it had in use
+(the KV grows in steps and every step is a new, larger buffer; attention's
+scratch comes in ever new sizes). MLX lets its cache grow to its memory limit
 (95% of the GPU's memory on CUDA), and on CUDA its buffers are managed memory,
 which the driver spills to host memory past the GPU's size: two such sessions
 and the kernel's OOM killer ends the daemon. A 4 GiB cache limit held that run
-at 4 GiB of cache with no slower prefill (5.96 s against 7.64 s), sleep, wake or
-first token.
+to its limit with no slower prefill, sleep, wake or first token.
 
 So the daemon sets both limits at start (`apply_limits`): the cache limit
 (`mlx_cache_bytes`, default 4 GiB) and the memory limit (`mlx_memory_bytes`,
@@ -37,7 +36,7 @@ __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHA
 
 DEFAULT_CACHE_BYTES = 4 << 30
 MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
-WORKSPACE_SHARE = 0.1  # of the limit, kept for a prefill's scratch (a 32k prefill of the 8B shape: ~3 GiB)
+WORKSPACE_SHARE = 0.1  # of the limit, kept for a prefill's scratch (docs/decisions.md, "Memory limits (issue 25, point 7)")
 HOT_SHARE = 0.5  # of the memory left for KV, the hot sessions' budget when none is configured
 DEFAULT_HOT_BUDGET = 2 << 30  # the budget of an engine that sets no limits (tests, tools)
 
@@ -90,9 +89,9 @@ def kv_room(limits: Limits, weights_bytes: int) -> int:
 def hot_budget(limits: Limits, weights_bytes: int) -> int:
     """Bytes of KV hot sessions may hold before the least recently used sleep, when none is configured:
     HOT_SHARE of what the memory limit leaves beside the weights and a prefill's scratch. The other half is
-    room for a session to wake or prefill while others stay hot. Was a fixed 2 GiB: a 75k-token session of
-    the 8B shape (9.8 GB) went over it alone and slept whenever it was idle at a lifecycle pass, between an
-    agent's turns, so its next turn restored it (1.9 s on the H100) instead of continuing it (~0.1 s)."""
+    room for a session to wake or prefill while others stay hot. A fixed budget smaller than one long session
+    put it to sleep between an agent's turns, so its next turn restored it instead of continuing it
+    (docs/decisions.md, "Memory limits (issue 25, point 7)")."""
     return int(HOT_SHARE * kv_room(limits, weights_bytes))
 
 

@@ -2,9 +2,10 @@
 
 A stateless client (OpenAI's chat API, Anthropic's Messages, an agent) sends
 its whole conversation every turn, and the chat template renders all of it
-again: for a 75k-token conversation on the H100 machine, encoding the text
-took 90-100 ms a turn, on the engine thread, for tokens that were the same as
-the turn before's but the last few hundred.
+again: for a long conversation, encoding the text took a long job a turn
+(docs/decisions.md, "Engine": a rendered conversation is tokenized piece by
+piece), for tokens that were the same as the turn before's but the last few
+hundred.
 
 A fast tokenizer splits its input at its added tokens (`<|im_start|>`, ...)
 before anything else and encodes the text between them independently, so a

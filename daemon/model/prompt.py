@@ -18,13 +18,14 @@ from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.session import Session, check_json, check_messages
 from kvwake.errors import InvalidParamsError
 
-__all__ = ["Plan", "Prompter", "RENDERS_AT_ONCE"]
+__all__ = ["Plan", "Prompter"]
 
-# Renders at once: a quarter of the cores, at least one (KVWAKE_RENDERS_AT_ONCE sets it for a measurement).
-# A render's encoding takes a core (40-100 ms for a new 30k-token conversation); on the 2-core VM two at
-# once slowed a decoding neighbour on the CPU (its longest gap beside them 194 against 161 ms) and ended
-# no sooner (the later 131 against 126 ms).
-RENDERS_AT_ONCE = int(os.environ.get("KVWAKE_RENDERS_AT_ONCE", max(1, (os.cpu_count() or 1) // 4)))
+
+def _renders_at_once(configured: int | None = None) -> int:
+    """Renders at once: `configured` (the tuning knob renders_at_once), else a quarter of the cores, at least
+    one. A render's encoding takes a core, and two at once on a small machine slowed a decoding neighbour and
+    ended no sooner (docs/decisions.md, "Engine": a prompt is rendered on the append's worker thread)."""
+    return configured or max(1, (os.cpu_count() or 1) // 4)
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,15 @@ class Prompter:
     """Checks input and renders it with the model's tokenizer and chat template.
 
     On worker threads (an append's, or the one a front renders on), not the engine's, up to
-    `RENDERS_AT_ONCE` inputs at once: the kept pieces (model/pieces.py) take their own lock. The
+    `renders_at_once` inputs at once: the kept pieces (model/pieces.py) take their own lock. The
     tokenizer's encode lets the GIL go while it runs, and only reads the tokenizer, as the engine
     thread's detokenizing does meanwhile.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, model_name: str) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, model_name: str, renders_at_once: int | None = None) -> None:
         self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
         self.template = ChatTemplate(tokenizer)
-        self.at_once = threading.BoundedSemaphore(RENDERS_AT_ONCE)
+        self.at_once = threading.BoundedSemaphore(_renders_at_once(renders_at_once))
 
     def render(self, *, messages: Any = None, text: Any = None, tokens: Any = None, tools: Any = None) -> Plan:
         """A whole conversation (as OpenAI clients send it) rendered, for no session in particular."""
