@@ -173,9 +173,10 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     keep_compiled_kernels()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
-                  auto_among=fill.auto_codecs())
+                  auto_among=fill.auto_codecs(settings.tuning.restore_mode))
     started.mark("store")
-    thread = EngineThread(on_exit=_release_mlx_streams)
+    thread = EngineThread(on_exit=_release_mlx_streams, slow_job_ms=settings.tuning.slow_job_ms,
+                          slow_jobs_kept=settings.tuning.slow_jobs_kept)
     limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
@@ -183,7 +184,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           io_inflight_bytes=settings.io_inflight_bytes,
                                           max_batch=settings.max_batch,
                                           prefill_step=settings.prefill_step, max_context=settings.max_context,
-                                          limits=limits, persist=settings.persist, warm=False)).result()
+                                          limits=limits, persist=settings.persist, warm=False,
+                                          tuning=settings.tuning)).result()
     started.mark("engine")
     started.ms.update({f"engine.{k}": v for k, v in engine.started.ms.items()})
     thread.attach(engine.decoder, engine.planner)
@@ -261,7 +263,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
     write_status(settings, manager.engine, http_url=_http_url(http[0]) if http else None)
     http_done = anyio.Event()
     try:
-        manager.gil_watch = gilwatch.from_environment()  # waits for the GIL (status.gil): a diagnostic, off by default
+        manager.gil_watch = gilwatch.from_tuning(settings.tuning)  # waits for the GIL (status.gil): a diagnostic, off by default
         if manager.gil_watch is not None:
             manager.gil_watch.start()
         async with anyio.create_task_group() as services:

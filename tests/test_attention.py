@@ -483,7 +483,7 @@ def test_a_failed_build_ahead_is_logged_and_the_append_stands(model_dir, tmp_pat
     # An idle build whose session is gone is skipped.
     idle: list = []
     engine.planner.idle = idle.append
-    monkeypatch.setattr(engine_mod, "BUCKET_AHEAD_AFTER", 10_000)
+    monkeypatch.setattr(prefill_mod, "BUCKET_AHEAD_AFTER", 10_000)
     monkeypatch.setattr(attention, "warm_bucket", lambda *a: pytest.fail("built for a session that is gone"))
     gone = Session("gone")
     engine.append(gone, tokens=list(range(1, 150)))

@@ -357,7 +357,7 @@ def test_a_quick_job_queued_at_a_stop_fails_with_cancelled_error_not_a_hang(engi
     gate, running = threading.Event(), threading.Event()
     blocked = thread.submit(lambda: (running.set(), gate.wait()))
     assert running.wait(30)
-    thread._jobs.put(None)  # the stop, queued while the thread is busy
+    thread.scheduler.stop()  # the stop, queued while the thread is busy
     quick = thread.submit(lambda: "ran", quick=True)
     gate.set()
     blocked.result(timeout=30)
@@ -491,10 +491,10 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     # thread, one per size and per key length; until the last, short chunks take the plain path.
     from kvwake.daemon.model import attention
 
-    from kvwake.daemon.kv import fill as kvfill
+    from tests.test_pipeline import restores_as
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
-    monkeypatch.setattr(kvfill, "RESTORE_MODE", "staged")
+    restores_as(monkeypatch, "staged", engine)
     engine.planner.plain_prefill, engine.context_length, engine.planner.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
     jobs = engine.warm_jobs()

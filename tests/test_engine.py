@@ -101,7 +101,7 @@ def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine, monkeypatch):
     # restores stage (a GPU) a hit's blocks join on the device and are not kept (test_pipeline.py).
     from tests.test_pipeline import restores_as
 
-    restores_as(monkeypatch, "direct")
+    restores_as(monkeypatch, "direct", engine)
     first = Session("first")
     engine.append(first, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}])
     engine.sleep(first)

@@ -114,7 +114,7 @@ def turns_at_once(engine: Engine, thread: EngineThread, sessions: list[Session],
     for w in workers:
         w.start()
     deadline = time.monotonic() + 30
-    while sum(len(jobs) for jobs in thread._packs.values()) < len(sessions) and time.monotonic() < deadline:
+    while thread.scheduler.waiting()[1] < len(sessions) and time.monotonic() < deadline:
         time.sleep(0.01)
     gate.set()
     blocked.result(30)

@@ -223,7 +223,7 @@ def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_wa
     from kvwake.daemon.kv import fill as kvfill
 
     # staged: one block per span through a ring of two slots (the discrete-GPU path, on the CPU)
-    restores_as(monkeypatch, mode)
+    restores_as(monkeypatch, mode, engine)
     monkeypatch.setattr(devplanes, "SPAN_BYTES", 1)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     released, real_release = [], kvfill.Buffers.release
@@ -272,11 +272,15 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
     assert 5 in calls
 
 
-def restores_as(monkeypatch, mode: str) -> None:
-    """Restores fill buffers in `mode` ("direct" or "staged") unless configured otherwise, whatever the backend."""
+def restores_as(monkeypatch, mode: str, engine=None) -> None:
+    """Restores fill buffers in `mode` ("direct" or "staged") unless configured otherwise, whatever the backend;
+    `engine`: one made already, which took its mode when it was made."""
     from kvwake.daemon.kv import fill as kvfill
 
     monkeypatch.setattr(kvfill, "restore_mode", lambda configured=None: configured or mode)
+    if engine is not None:
+        monkeypatch.setattr(engine, "restore_mode", mode)
+        monkeypatch.setattr(engine.kv, "restore_mode", mode)
 
 
 def slept_and_woken(engine, tokens: list[int]) -> tuple[Session, Session]:
@@ -626,7 +630,7 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
     # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out tensors for ~UPLOAD_JOB_S.
     from kvwake.daemon.kv import fill as kvfill
 
-    restores_as(monkeypatch, "staged")
+    restores_as(monkeypatch, "staged", engine)
     monkeypatch.setattr(kvfill, "UPLOAD_JOB_S", 0)  # one tensor per job
     tokens = list(range(3, 203))
     hot = Session("hot")

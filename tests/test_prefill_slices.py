@@ -50,7 +50,7 @@ class Fed:
 def test_chunks_after_a_turn_end_on_multiples_of_the_step(deep):
     s = Session("s")
     deep.append(s, tokens=list(range(1, 21)))  # 19 prefilled: a turn ends off the step's grid
-    deep.model = fed = Fed(deep.model)
+    deep.model = deep.planner.model = fed = Fed(deep.model)
     deep.append(s, tokens=list(range(1, 21)) + list(range(30, 130)))  # 119 tokens to reach
     assert fed.passes == [(19, 13), (32, 32), (64, 32), (96, 32), (128, 11)]  # each full chunk's keys: a multiple of 32
 
@@ -77,7 +77,7 @@ def test_beside_a_decoding_call_a_chunk_is_computed_in_slices_and_leaves_the_sam
         call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
         thread.call(lambda: deep.decoder.join(call))
         # One layer per slice, however busy this machine is (sizes are measured; test_a_slice_is_sized_...).
-        deep.slicer.layers_for = lambda target_s, tokens, left, kind="fused": 1
+        deep.planner.slicer.layers_for = lambda target_s, tokens, left, kind="fused": 1
         sliced = Session("sliced")
         deep.append(sliced, tokens=long_prompt, mlx=thread.call)
         call.output.should_stop = lambda: True  # the talker stops at its next token
@@ -106,7 +106,8 @@ def test_what_waited_for_a_chunk_runs_after_its_last_slice_as_jobs_of_their_own(
     thread = EngineThread()
     ran: list[str] = []
     try:
-        chunk = thread.call(lambda: prefillslices.Chunk(session, 10, prefillslices.Slicer(), target_s=None))
+        chunk = thread.call(lambda: prefillslices.Chunk(session, 10, prefillslices.Slicer(), target_s=None,
+                                                        later=thread.submit))
         waited = [thread.call(lambda k=k: session.when_settled(lambda k=k: ran.append(f"waited {k}") or k))
                   for k in range(2)]
         assert ran == [] and not any(f.done() for f in waited)
@@ -138,14 +139,15 @@ def test_what_waited_for_a_chunk_fails_with_the_engines_error_when_the_engine_st
     session = Session("s")
     session.cache = [Layer()]
     thread = EngineThread()
-    chunk = thread.call(lambda: prefillslices.Chunk(session, 10, prefillslices.Slicer(), target_s=None))
+    chunk = thread.call(lambda: prefillslices.Chunk(session, 10, prefillslices.Slicer(), target_s=None,
+                                                    later=thread.submit))
     waited = thread.call(lambda: session.when_settled(lambda: "ran"))
     gate = threading.Event()
     thread.submit(gate.wait)
     thread.submit(chunk.step)  # settles: the waiting job is queued behind the stop below
     stopping = threading.Thread(target=thread.stop)
     stopping.start()
-    while thread._jobs.qsize() < 2:  # the step, then the stop's sentinel
+    while thread.scheduler.waiting()[0] < 2:  # the step, then the stop's sentinel
         time.sleep(0.001)
     gate.set()
     stopping.join(timeout=30)
@@ -210,7 +212,7 @@ def test_a_chunks_first_slice_computes_no_attention_so_its_cost_sizes_nothing():
 
 def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(deep, monkeypatch):
     # CUDA's choice here: a chunk shorter than the step (a prompt's last piece) runs plain attention
-    deep.plain_prefill = True
+    deep.planner.plain_prefill = True
     deep.planner.paths = None  # every short chunk plain, as on the CPU (CUDA's measured costs ran this one fused)
     long_prompt = [(i * 37 + 5) % 200 + 20 for i in range(4 * STEP + 7)]
     whole = Session("whole")
@@ -226,15 +228,15 @@ def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(
         no_eos = tuple((token, -100.0) for token in deep.tokenizer.eos_token_ids)
         call = thread.call(lambda: deep.start_call(talker, GenerateParams(max_tokens=4000, logit_bias=no_eos)))
         thread.call(lambda: deep.decoder.join(call))
-        deep.slicer.layer_token_s.clear()  # `whole`'s chunks were measured too
-        observe = deep.slicer.observe
+        deep.planner.slicer.layer_token_s.clear()  # `whole`'s chunks were measured too
+        observe = deep.planner.slicer.observe
         for keys in range(1, 4 * STEP + 8):  # fused layers cost nothing (and stay so): a fused chunk is one slice
             observe(1e-12, 1, 1, prefillslices.kind("fused", keys))
-        deep.slicer.observe = lambda s, layers, tokens, kind="fused": kind.startswith("fused") or \
+        deep.planner.slicer.observe = lambda s, layers, tokens, kind="fused": kind.startswith("fused") or \
             observe(s, layers, tokens, kind)
-        sized = deep.slicer.layers_for
+        sized = deep.planner.slicer.layers_for
         asked: list[tuple[str, int]] = []  # (kind, layers) of every slice sized
-        deep.slicer.layers_for = lambda target_s, tokens, left, kind="fused": \
+        deep.planner.slicer.layers_for = lambda target_s, tokens, left, kind="fused": \
             asked.append((kind, n := sized(target_s, tokens, left, kind))) or n
         sliced = Session("sliced")
         deep.append(sliced, tokens=long_prompt, mlx=thread.call)
@@ -246,7 +248,7 @@ def test_beside_a_decoding_call_the_chunk_on_the_plain_path_starts_at_one_layer(
     assert [c.slices for c in chunks[:4]] == [1] * 4
     plain = [n for kind, n in asked if kind.startswith("plain")]
     assert plain[0] == 1 and chunks[-1].slices == len(plain)  # its first slice one layer: the fused cost not its own
-    assert chunks[-1].kind in deep.slicer.layer_token_s
+    assert chunks[-1].kind in deep.planner.slicer.layer_token_s
     named = [j["what"] for j in thread.timing()["slow"] if j["what"].startswith("Chunk.step")]
     last = len(chunks[-1].layers)
     assert f"Chunk.step {chunks[-1].kind} 6 tokens, layers 0-0 of {last}" in named, named  # the plain one's first

@@ -71,6 +71,7 @@ class KvContext:
     kv_bits: int | None = None
     kv_group_size: int = 64
     device_planes: bool = False
+    restore_mode: str | None = None  # "direct" | "staged" (kv/fill.py); None: by the backend
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "tokens_reused",
                                                                 "tokens_prefilled", "prefill_packs",
                                                                 "prefill_packed_chunks"))

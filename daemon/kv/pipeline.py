@@ -391,7 +391,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
         if not (rest and fill.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: fill.finish_empty(ctx.model, n, tail, ctx.block_tokens))
-    buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest))
+    buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
+                                             mode=ctx.restore_mode))
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
         try:

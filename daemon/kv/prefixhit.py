@@ -57,7 +57,7 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     # (decoding every block and joining its planes with numpy into host views, then uploading them, took
     # longer than prefilling them: docs/decisions.md, "Engine"). The partial piece decodes into host views and goes up with the layout.
     buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
-                                       n_blocks=len(hit.blocks)))
+                                       n_blocks=len(hit.blocks), mode=ctx.restore_mode))
     with releasing(buffers, mlx):
         usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
         tokens = usable * ctx.block_tokens

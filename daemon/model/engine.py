@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, Packed, direct, outcome
 from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.hotblocks import HotBlocks
@@ -110,10 +111,10 @@ class Engine:
         limits: memory.Limits | None = None,
         persist: bool = False,
         warm: bool = True,
-        pack_prefill: bool = True,
-        slice_of_step: float = 1.0,
+        tuning: Tuning = Tuning(),
     ) -> None:
-        self.store, self.prefill_step = store, prefill_step
+        self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
+        self.restore_mode = fill.restore_mode(tuning.restore_mode)
         self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
@@ -134,12 +135,13 @@ class Engine:
         store.register_bundle(self.bundle.hash, self.bundle.description)
         self.started.mark("bundle")
         self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, hot=HotBlocks(hot_bytes),
-                            pool=Pool(io_workers, io_inflight_bytes), vocab_size=self._vocab_size(),
+                            pool=Pool(io_workers, io_inflight_bytes, nice=tuning.pool_nice),
+                            vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
                             cuttable=state.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
                             # KV on a discrete GPU: byte planes are made there
-                            device_planes=fill.restore_mode() == "staged")
+                            device_planes=self.restore_mode == "staged")
         self.hot, self.pool, self.counters, self.cuttable = self.kv.hot, self.kv.pool, self.kv.counters, self.kv.cuttable
-        self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name)
+        self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
@@ -151,8 +153,8 @@ class Engine:
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
-            pack_prefill=pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=slice_of_step)
+            pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
+            slice_of_step=tuning.slice_of_step)
         self.started.mark("set_up")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")
@@ -179,7 +181,7 @@ class Engine:
             jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
-        if attention.on_cuda() and fill.restore_mode() == "staged":
+        if attention.on_cuda() and self.restore_mode == "staged":
             jobs.append(self._warm_staging)
         if self.planner.plain_prefill:  # the plain path at each class of shape MLX builds kernels for (plain_warm_shapes)
             room = self.kv_room_bytes if self.kv_room_bytes is not None else float("inf")

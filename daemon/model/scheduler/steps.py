@@ -105,6 +105,12 @@ class Scheduler:
         """The thread ends after the work queued before this."""
         self._jobs.put(None)
 
+    def waiting(self) -> tuple[int, int]:
+        """(items in the job queue, jobs waiting for their pack's turn): what a look from outside sees."""
+        with self._packs_lock:
+            packed = sum(len(jobs) for jobs in self._packs.values())
+        return self._jobs.qsize(), packed
+
     # -- what the engine thread runs ------------------------------------------
 
     def next_step(self) -> Step:
