@@ -27,6 +27,7 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from kvwake.store.format.keys import ROOT_KEY, tokens_from_bytes
+from kvwake.store.responses import m004_responses
 
 __all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
 
@@ -102,17 +103,8 @@ def m003_children(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX snapshots_tails ON snapshots(tail_parent, bundle, tail_tokens)")
 
 
-@migrations()
-def m004_responses(db: sqlite_utils.Database) -> None:
-    # Stored responses of the Responses API (`store: true`): a response id names a session and the
-    # token position its reply ended at, with the conversation as the client would resend it (chat
-    # messages, JSON) and the response object GET returns (JSON). No foreign key to sessions: a
-    # record outlives its session (deleted, expired), and continuing it then starts a new session
-    # from the conversation, served from stored blocks where they remain.
-    db.execute("""CREATE TABLE responses (
-        id TEXT PRIMARY KEY, session_id TEXT NOT NULL, position INTEGER NOT NULL, created REAL NOT NULL,
-        conversation TEXT NOT NULL, response TEXT NOT NULL)""")
-    db.execute("CREATE INDEX responses_created ON responses(created)")
+# Stored responses of the Responses API: the table is store/responses.py's.
+migrations()(m004_responses)
 
 
 @migrations()

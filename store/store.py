@@ -3,12 +3,14 @@
 `Store` is a `StoreCore` (core.py: files, index, locks, verified reads) with the
 operations the helpers below it build: writers (writer.py), prefix lookups
 (prefix.py), gc and fsck (maintenance.py), export and import (transfer.py),
-and the session and snapshot bookkeeping no helper needs. Nothing below this
+the Responses API's records (responses.py, as the `responses` attribute), and
+the session and snapshot bookkeeping no helper needs. Nothing below this
 module imports it; it is the only place they are composed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -21,6 +23,7 @@ from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store import heads, maintenance, prefix, transfer
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef, SnapshotRecord
+from kvwake.store.responses import StoredResponses
 from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["Store"]
@@ -120,36 +123,10 @@ class Store(StoreCore):
                 raise NotFoundError(f"no session {session_id!r} in the store", session_id=session_id)
         return n
 
-    # -- stored responses (the Responses API's response ids) --------------------
-
-    def put_response(self, response_id: str, session_id: str, position: int, conversation: list[Any],
-                     response: Mapping[str, Any]) -> None:
-        """Record a response: the session and token position it ended at, the conversation as chat
-        messages (what continuing it renders) and the response object (what GET returns)."""
-        with self.transaction() as db:
-            db.execute("INSERT INTO responses (id, session_id, position, created, conversation, response) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (response_id, session_id, position, time.time(),
-                                                     json.dumps(conversation), json.dumps(dict(response))))
-
-    def response(self, response_id: str) -> dict[str, Any]:
-        """A recorded response: {"id", "session_id", "position", "created", "conversation", "response"}
-        (both decoded); NotFoundError if absent."""
-        with self.locked():
-            row = self.index.one("SELECT * FROM responses WHERE id = ?", (response_id,))
-        if row is None:
-            raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
-        return {**row, "conversation": json.loads(row["conversation"]), "response": json.loads(row["response"])}
-
-    def delete_response(self, response_id: str) -> None:
-        """Forget a recorded response (its session is left as it is); NotFoundError if absent."""
-        with self.transaction() as db:
-            if db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 0:
-                raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
-
-    def expire_responses(self, before: float) -> int:
-        """Forget responses recorded before `before` (a time.time()); returns how many."""
-        with self.transaction() as db:
-            return db.execute("DELETE FROM responses WHERE created < ?", (before,)).rowcount
+    @functools.cached_property
+    def responses(self) -> StoredResponses:
+        """The Responses API's stored responses (responses.py): their own table, kept beside the sessions."""
+        return StoredResponses(self)
 
     # -- writing --------------------------------------------------------------
 
