@@ -84,7 +84,7 @@ def m002_store_meta(db: sqlite_utils.Database) -> None:
 
 @migrations()
 def m003_children(db: sqlite_utils.Database) -> None:
-    # Token-granular prefix reuse (store/prefix.py) asks for the children of a chain key: the
+    # Token-granular prefix reuse (store/reuse.py) asks for the children of a chain key: the
     # blocks and snapshot tails that continue it, ordered by token ids, so the ones nearest a
     # request are one index seek away. Block rows have named their parent since m001. A tail's
     # parent (its snapshot's last block, or the root) and its token ids are derived here from

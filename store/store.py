@@ -2,7 +2,7 @@
 
 `Store` is a `StoreCore` (core.py: files, index, locks, verified reads) with the
 operations the helpers below it build: writers (writer.py), prefix lookups
-(prefix.py), gc and fsck (maintenance.py), export and import (transfer.py),
+(reuse.py), gc and fsck (maintenance.py), export and import (archive.py),
 the Responses API's records (responses.py, as the `responses` attribute), and
 the session and snapshot bookkeeping no helper needs. Nothing below this
 module imports it; it is the only place they are composed.
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store import heads, maintenance, prefix, transfer
+from kvwake.store import archive, heads, maintenance, reuse
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.responses import StoredResponses
@@ -32,7 +32,7 @@ __all__ = ["Store"]
 class Store(StoreCore):
     """A content-addressed KV block store (the arguments are StoreCore's)."""
 
-    # -- maintenance (see maintenance.py and transfer.py) ---------------------
+    # -- maintenance (see maintenance.py and archive.py) ---------------------
 
     def gc(self, **options: Any) -> maintenance.GcReport:
         return maintenance.gc(self, **options)
@@ -41,10 +41,10 @@ class Store(StoreCore):
         return maintenance.fsck(self, **options)
 
     def export(self, snapshot_id: str, path: str | Path, **options: Any) -> dict[str, Any]:
-        return transfer.export_snapshot(self, snapshot_id, path, **options)
+        return archive.export_snapshot(self, snapshot_id, path, **options)
 
     def import_(self, path: str | Path, **options: Any) -> dict[str, Any]:
-        return transfer.import_snapshot(self, path, **options)
+        return archive.import_snapshot(self, path, **options)
 
     def stored_bytes(self) -> int:
         with self.locked():
@@ -146,13 +146,13 @@ class Store(StoreCore):
 
     def longest_prefix(self, bundle: str, token_ids: Sequence[int], *, partial: bool = False) -> list[BlockRef]:
         """Stored, usable full blocks starting `token_ids` under `bundle`, as far as they go
-        (with `partial`, maybe a last short block); see prefix.longest_prefix."""
-        return prefix.longest_prefix(self, bundle, token_ids, partial=partial)
+        (with `partial`, maybe a last short block); see reuse.longest_prefix."""
+        return reuse.longest_prefix(self, bundle, token_ids, partial=partial)
 
-    def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> prefix.PrefixHit:
+    def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> reuse.PrefixHit:
         """longest_prefix, then the stored block or tail continuing it with the most matching
-        tokens (at least min_partial); see prefix.py."""
-        return prefix.find(self, bundle, token_ids, min_partial)
+        tokens (at least min_partial); see reuse.py."""
+        return reuse.find(self, bundle, token_ids, min_partial)
 
     def deepest_heads(self, bundle: str, token_ids: Sequence[int], *, origin: str, mode: str | None,
                       exclude: Collection[str] = ()) -> list[heads.HeadMatch]:
