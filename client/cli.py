@@ -135,7 +135,7 @@ def serve(opts: Options, **flags: object) -> None:
     code = run(settings, listen_socket=listen)
     # Every session slept, the store and the lock are closed: leave without the interpreter's teardown,
     # where MLX's per-thread state of threads other than the engine's may be destroyed after CUDA's and
-    # crash the exit (SIGSEGV after "stopped", seen twice on the GPU machine; docs/decisions.md).
+    # crash the exit (SIGSEGV after "stopped"; docs/decisions.md, "Leaving the process after a stop").
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -109,17 +109,18 @@ migrations()(m004_responses)
 
 @migrations()
 def m005_heads(db: sqlite_utils.Database) -> None:
-    # Thousands of sessions (issue 26): the matcher finds a request's session by its head's chain keys
-    # (store/heads.py: snapshot_blocks by key, then sessions by head), lists sessions a page at a time by
-    # id and origin, and expires stateless ones by origin and age, all through indexes. `origin` is the
-    # session metadata's own field ("http" for the ones stateless requests made), computed, never stored.
+    # Thousands of sessions (docs/decisions.md, "Matching by chain key"): the matcher finds a request's
+    # session by its head's chain keys (store/heads.py: snapshot_blocks by key, then sessions by head),
+    # lists sessions a page at a time by id and origin, and expires stateless ones by origin and age, all
+    # through indexes. `origin` is the session metadata's own field ("http" for the ones stateless
+    # requests made), computed, never stored.
     db.execute("ALTER TABLE sessions ADD COLUMN origin TEXT GENERATED ALWAYS AS (json_extract(metadata, '$.origin'))"
                " VIRTUAL")
     db.execute("CREATE INDEX sessions_head ON sessions(head)")
     db.execute("CREATE INDEX sessions_origin ON sessions(origin, updated)")
     db.execute("CREATE INDEX sessions_origin_id ON sessions(origin, id)")
     # status sums stored bytes: over these, not over rows whose pages carry every head's token ids and
-    # messages (270 ms at 5,000 conversations of 17k tokens, bench/matching.py).
+    # messages (docs/benchmarks.md, "Thousands of stateless conversations": status).
     db.execute("CREATE INDEX snapshots_tail_stored ON snapshots(tail_stored)")
     db.execute("CREATE INDEX blocks_stored ON blocks(stored_bytes)")
 
