@@ -28,7 +28,7 @@ sys.path.append(str(ROOT))
 
 from kvwake.store import ROOT_KEY, Store, block_key  # noqa: E402
 from kvwake.store.format.keys import tokens_to_bytes  # noqa: E402
-from kvwake.store.prefix import partial_candidate  # noqa: E402
+from kvwake.store.reuse import partial_candidate  # noqa: E402
 
 BUNDLE = "ab" * 32
 OPENING = [1, 9, 5]  # the chat template's opening every prompt shares

@@ -148,7 +148,8 @@ class StoreCore:
         """The index as of its last commit, for reads that must see one state, through a read-only connection
         of their own (taken from the store's few, made when none is free): it neither takes the index lock nor
         waits for a write under way (the index is in WAL mode), so a request's lookup does not wait for a
-        checkpoint's commit (23-51 ms over a 75k-token conversation here: bench/checkpoint_lock.py). What it
+        checkpoint's commit (docs/decisions.md, Batched generation: "A request's lookup reads the index
+        through a connection of its own"). What it
         reads may be a commit older than a write finishing meanwhile; its users (lookups that pick
         candidates) check what they find. Pooled, not one per thread: worker threads come and go."""
         with self._readers_lock:

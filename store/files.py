@@ -78,8 +78,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def fsync_dirs(paths: Sequence[Path]) -> None:
-    """fsync several directories at once: concurrent fsyncs share journal commits (ext4 here, for
-    32 files' write and fsync: 275 ms one after another, 177 ms on 16 threads)."""
+    """fsync several directories at once: concurrent fsyncs share journal commits
+    (docs/decisions.md, "Figures behind the store's comments")."""
     paths = list(paths)
     if len(paths) <= 1:
         for path in paths:
@@ -206,8 +206,9 @@ class StoreFiles:
 
     def absolute(self, relative: str) -> Path:
         """The path of a file the index names, refused if the name leaves the store (absolute, or a
-        `..` part). Checked on the name, not by resolving it: two realpath walks per block read were
-        5% of a wake's decoding threads; the store writes no links, and its folders are its owner's."""
+        `..` part). Checked on the name, not by resolving it: two realpath walks per block read were a
+        share of a wake's decoding threads (docs/decisions.md, "Figures behind the store's comments");
+        the store writes no links, and its folders are its owner's."""
         parts = PurePosixPath(relative).parts
         if not parts or relative.startswith("/") or any(p in ("..", "") for p in parts) or "\0" in relative:
             raise ValueError(f"index names a file outside the store: {relative!r}")

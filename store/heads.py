@@ -15,7 +15,7 @@ the number of sessions:
    are the ones after the run. They continue the run's last key either as
    a block (blocks by parent, ordered by token ids) or as the head's tail
    (snapshots by tail parent, ordered by tail tokens); when none shares a
-   token, every holder of the run ties (a few are named). As in prefix.py, in
+   token, every holder of the run ties (a few are named). As in reuse.py, in
    token order the piece sharing the longest prefix with the request's next
    tokens is a neighbour of the request's own position, so NEIGHBOURS rows
    on each side are read, restricted to candidate heads in the query.
@@ -39,7 +39,7 @@ import numpy as np
 from kvwake.store.core import StoreCore
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 from kvwake.store.index import Index
-from kvwake.store.prefix import NEIGHBOURS, common_length
+from kvwake.store.reuse import NEIGHBOURS, common_length
 
 __all__ = ["HeadMatch", "deepest_head"]
 
@@ -118,7 +118,7 @@ def deepest_head(store: StoreCore, bundle: str, token_ids: Sequence[int], *, ori
                  exclude: Collection[str] = ()) -> list[HeadMatch]:
     """The candidate heads (see the module docstring) sharing the longest token prefix with `token_ids`,
     at most TIES of them, oldest session first; [] when none shares a token. Of many heads tied on one
-    piece only those the neighbour reads reach are ranked (as in prefix.py)."""
+    piece only those the neighbour reads reach are ranked (as in reuse.py)."""
     B = store.block_tokens
     keys = chain_keys(bundle, token_ids, B)
     where = {"origin": origin, "mode": mode, "exclude": json.dumps(sorted(exclude)), "bundle": bundle, "ties": TIES}

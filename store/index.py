@@ -27,6 +27,7 @@ import sqlite_utils
 from sqlite_utils.migrations import Migrations
 
 from kvwake.store.format.keys import ROOT_KEY, tokens_from_bytes
+from kvwake.store.responses import m004_responses
 
 __all__ = ["BlockRef", "Index", "SnapshotRecord", "TailRef", "migrations"]
 
@@ -83,7 +84,7 @@ def m002_store_meta(db: sqlite_utils.Database) -> None:
 
 @migrations()
 def m003_children(db: sqlite_utils.Database) -> None:
-    # Token-granular prefix reuse (store/prefix.py) asks for the children of a chain key: the
+    # Token-granular prefix reuse (store/reuse.py) asks for the children of a chain key: the
     # blocks and snapshot tails that continue it, ordered by token ids, so the ones nearest a
     # request are one index seek away. Block rows have named their parent since m001. A tail's
     # parent (its snapshot's last block, or the root) and its token ids are derived here from
@@ -102,32 +103,24 @@ def m003_children(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX snapshots_tails ON snapshots(tail_parent, bundle, tail_tokens)")
 
 
-@migrations()
-def m004_responses(db: sqlite_utils.Database) -> None:
-    # Stored responses of the Responses API (`store: true`): a response id names a session and the
-    # token position its reply ended at, with the conversation as the client would resend it (chat
-    # messages, JSON) and the response object GET returns (JSON). No foreign key to sessions: a
-    # record outlives its session (deleted, expired), and continuing it then starts a new session
-    # from the conversation, served from stored blocks where they remain.
-    db.execute("""CREATE TABLE responses (
-        id TEXT PRIMARY KEY, session_id TEXT NOT NULL, position INTEGER NOT NULL, created REAL NOT NULL,
-        conversation TEXT NOT NULL, response TEXT NOT NULL)""")
-    db.execute("CREATE INDEX responses_created ON responses(created)")
+# Stored responses of the Responses API: the table is store/responses.py's.
+migrations()(m004_responses)
 
 
 @migrations()
 def m005_heads(db: sqlite_utils.Database) -> None:
-    # Thousands of sessions (issue 26): the matcher finds a request's session by its head's chain keys
-    # (store/heads.py: snapshot_blocks by key, then sessions by head), lists sessions a page at a time by
-    # id and origin, and expires stateless ones by origin and age, all through indexes. `origin` is the
-    # session metadata's own field ("http" for the ones stateless requests made), computed, never stored.
+    # Thousands of sessions (docs/decisions.md, "Matching by chain key"): the matcher finds a request's
+    # session by its head's chain keys (store/heads.py: snapshot_blocks by key, then sessions by head),
+    # lists sessions a page at a time by id and origin, and expires stateless ones by origin and age, all
+    # through indexes. `origin` is the session metadata's own field ("http" for the ones stateless
+    # requests made), computed, never stored.
     db.execute("ALTER TABLE sessions ADD COLUMN origin TEXT GENERATED ALWAYS AS (json_extract(metadata, '$.origin'))"
                " VIRTUAL")
     db.execute("CREATE INDEX sessions_head ON sessions(head)")
     db.execute("CREATE INDEX sessions_origin ON sessions(origin, updated)")
     db.execute("CREATE INDEX sessions_origin_id ON sessions(origin, id)")
     # status sums stored bytes: over these, not over rows whose pages carry every head's token ids and
-    # messages (270 ms at 5,000 conversations of 17k tokens, bench/matching.py).
+    # messages (docs/benchmarks.md, "Thousands of stateless conversations": status).
     db.execute("CREATE INDEX snapshots_tail_stored ON snapshots(tail_stored)")
     db.execute("CREATE INDEX blocks_stored ON blocks(stored_bytes)")
 

@@ -14,8 +14,8 @@ orphans for the next gc, never an index row without its file.
 fsck reads and verifies everything, moves bad files to quarantine/ and marks
 their rows, recounts references, and reports. It deletes nothing.
 
-Beside serving (issue 25): neither holds the store lock for its run. A writer
-holds the lock shared from its first file to its commit, and counts on the
+Beside serving (docs/decisions.md, Store: "gc and fsck beside serving"):
+neither holds the store lock for its run. A writer holds the lock shared from its first file to its commit, and counts on the
 blocks it reuses staying (they may be unreferenced: the prefix cache); a
 reader holds it shared while it reads a snapshot's files. So gc takes the lock
 exclusively only for what those two rely on, each time for a moment: (1) and

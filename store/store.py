@@ -2,13 +2,15 @@
 
 `Store` is a `StoreCore` (core.py: files, index, locks, verified reads) with the
 operations the helpers below it build: writers (writer.py), prefix lookups
-(prefix.py), gc and fsck (maintenance.py), export and import (transfer.py),
-and the session and snapshot bookkeeping no helper needs. Nothing below this
+(reuse.py), gc and fsck (maintenance.py), export and import (archive.py),
+the Responses API's records (responses.py, as the `responses` attribute), and
+the session and snapshot bookkeeping no helper needs. Nothing below this
 module imports it; it is the only place they are composed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -18,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store import heads, maintenance, prefix, transfer
+from kvwake.store import archive, heads, maintenance, reuse
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef, SnapshotRecord
+from kvwake.store.responses import StoredResponses
 from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["Store"]
@@ -29,7 +32,7 @@ __all__ = ["Store"]
 class Store(StoreCore):
     """A content-addressed KV block store (the arguments are StoreCore's)."""
 
-    # -- maintenance (see maintenance.py and transfer.py) ---------------------
+    # -- maintenance (see maintenance.py and archive.py) ---------------------
 
     def gc(self, **options: Any) -> maintenance.GcReport:
         return maintenance.gc(self, **options)
@@ -38,10 +41,10 @@ class Store(StoreCore):
         return maintenance.fsck(self, **options)
 
     def export(self, snapshot_id: str, path: str | Path, **options: Any) -> dict[str, Any]:
-        return transfer.export_snapshot(self, snapshot_id, path, **options)
+        return archive.export_snapshot(self, snapshot_id, path, **options)
 
     def import_(self, path: str | Path, **options: Any) -> dict[str, Any]:
-        return transfer.import_snapshot(self, path, **options)
+        return archive.import_snapshot(self, path, **options)
 
     def stored_bytes(self) -> int:
         with self.locked():
@@ -120,36 +123,10 @@ class Store(StoreCore):
                 raise NotFoundError(f"no session {session_id!r} in the store", session_id=session_id)
         return n
 
-    # -- stored responses (the Responses API's response ids) --------------------
-
-    def put_response(self, response_id: str, session_id: str, position: int, conversation: list[Any],
-                     response: Mapping[str, Any]) -> None:
-        """Record a response: the session and token position it ended at, the conversation as chat
-        messages (what continuing it renders) and the response object (what GET returns)."""
-        with self.transaction() as db:
-            db.execute("INSERT INTO responses (id, session_id, position, created, conversation, response) "
-                       "VALUES (?, ?, ?, ?, ?, ?)", (response_id, session_id, position, time.time(),
-                                                     json.dumps(conversation), json.dumps(dict(response))))
-
-    def response(self, response_id: str) -> dict[str, Any]:
-        """A recorded response: {"id", "session_id", "position", "created", "conversation", "response"}
-        (both decoded); NotFoundError if absent."""
-        with self.locked():
-            row = self.index.one("SELECT * FROM responses WHERE id = ?", (response_id,))
-        if row is None:
-            raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
-        return {**row, "conversation": json.loads(row["conversation"]), "response": json.loads(row["response"])}
-
-    def delete_response(self, response_id: str) -> None:
-        """Forget a recorded response (its session is left as it is); NotFoundError if absent."""
-        with self.transaction() as db:
-            if db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount == 0:
-                raise NotFoundError(f"no response {response_id!r}", response_id=response_id)
-
-    def expire_responses(self, before: float) -> int:
-        """Forget responses recorded before `before` (a time.time()); returns how many."""
-        with self.transaction() as db:
-            return db.execute("DELETE FROM responses WHERE created < ?", (before,)).rowcount
+    @functools.cached_property
+    def responses(self) -> StoredResponses:
+        """The Responses API's stored responses (responses.py): their own table, kept beside the sessions."""
+        return StoredResponses(self)
 
     # -- writing --------------------------------------------------------------
 
@@ -169,13 +146,13 @@ class Store(StoreCore):
 
     def longest_prefix(self, bundle: str, token_ids: Sequence[int], *, partial: bool = False) -> list[BlockRef]:
         """Stored, usable full blocks starting `token_ids` under `bundle`, as far as they go
-        (with `partial`, maybe a last short block); see prefix.longest_prefix."""
-        return prefix.longest_prefix(self, bundle, token_ids, partial=partial)
+        (with `partial`, maybe a last short block); see reuse.longest_prefix."""
+        return reuse.longest_prefix(self, bundle, token_ids, partial=partial)
 
-    def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> prefix.PrefixHit:
+    def prefix_hit(self, bundle: str, token_ids: Sequence[int], *, min_partial: int = 1) -> reuse.PrefixHit:
         """longest_prefix, then the stored block or tail continuing it with the most matching
-        tokens (at least min_partial); see prefix.py."""
-        return prefix.find(self, bundle, token_ids, min_partial)
+        tokens (at least min_partial); see reuse.py."""
+        return reuse.find(self, bundle, token_ids, min_partial)
 
     def deepest_heads(self, bundle: str, token_ids: Sequence[int], *, origin: str, mode: str | None,
                       exclude: Collection[str] = ()) -> list[heads.HeadMatch]:

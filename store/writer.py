@@ -48,7 +48,8 @@ def new_snapshot_id() -> str:
 @dataclass(frozen=True)
 class Written:
     """What a writer keeps of a file it made durable: the facts, never the bytes
-    (holding every block's bytes until commit cost a 4k-token sleep 58 MB)."""
+    (holding every block's bytes until commit grew a sleep's memory by most of its KV: docs/decisions.md,
+    Store: "A writer keeps facts, not bytes")."""
 
     digest: str
     codec: str
@@ -200,7 +201,8 @@ class SnapshotWriter:
         """
         now, losers, self._indexed = time.time(), [], {}
         # Outside the index lock, which lookups wait on: the token ids as an array once (the snapshot row and
-        # its digest take them; a 75k-token list converted twice was ~7 ms of a checkpoint's transaction).
+        # its digest take them; a long list converted twice lengthened a checkpoint's transaction:
+        # docs/decisions.md, "Figures behind the store's comments").
         tokens = np.asarray(self.token_ids, dtype=np.int64)
         with self.store.transaction() as db:
             for _, ref in self.block_rows():

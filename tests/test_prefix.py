@@ -101,7 +101,7 @@ def test_a_prompt_written_with_its_partial_block_is_found_whole(store):
 
 def test_the_lookup_reads_the_children_index(store):
     write_snapshot(store, "s1", list(range(100, 114)))
-    from kvwake.store.prefix import _CHILDREN  # the statement the lookup runs
+    from kvwake.store.reuse import _CHILDREN  # the statement the lookup runs
 
     plan = " ".join(r["detail"] for r in store.rows("EXPLAIN QUERY PLAN " + _CHILDREN, {
         "parent": ROOT_KEY, "bundle": BUNDLE, "probe": b"\0" * 16, "n": 4}))

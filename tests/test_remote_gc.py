@@ -17,7 +17,7 @@ from kvwake.store import Store
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.objects import RemoteConfig
 from kvwake.store.remote.gc import collect
-from kvwake.store.remote.transfer import fetch_snapshot, upload_blocks, upload_snapshot
+from kvwake.store.remote.snapshots import fetch_snapshot, upload_blocks, upload_snapshot
 from tests.daemon import RpcError
 from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 from tests.seaweed import BUCKET, KEY_ID, SECRET

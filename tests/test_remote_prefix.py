@@ -10,8 +10,8 @@ import pytest
 from kvwake.errors import CorruptBlockError
 from kvwake.store import Store
 from kvwake.store.format.keys import chain_keys
-from kvwake.store.remote.prefix import fetch_prefix, upload_prefix
-from kvwake.store.remote.transfer import upload_snapshot
+from kvwake.store.remote.shared_prompts import fetch_prefix, upload_prefix
+from kvwake.store.remote.snapshots import upload_snapshot
 from tests.kvdata import BUNDLE, kv_arrays, write_snapshot
 from tests.test_remote import weed  # noqa: F401 (the module's server)
 from tests.test_remote_gc import _remote
@@ -86,7 +86,7 @@ def test_a_sessions_tail_does_not_serve_other_machines(tmp_path, weed):
 def test_a_fetch_that_raises_is_logged_not_passed_off_as_missing(tmp_path, weed, monkeypatch, caplog):
     # Was: any exception in a block fetch (a code bug included) ended the lookup silently, as if the
     # remote had no such block: the only sign was less reuse.
-    from kvwake.store.remote import prefix as remote_prefix
+    from kvwake.store.remote import shared_prompts as remote_prefix
 
     a, b = _store(tmp_path / "a"), _store(tmp_path / "b")
     _warm(a, PROMPT)

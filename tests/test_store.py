@@ -415,20 +415,20 @@ def test_a_snapshot_summary_is_its_row_without_tokens(store):
 
 def test_stored_responses_round_trip_outlive_their_session_and_expire(store, tmp_path):
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    store.put_response("resp_1", "s-gone", 42, conversation, {"id": "resp_1", "object": "response"})
-    got = store.response("resp_1")
+    store.responses.put("resp_1", "s-gone", 42, conversation, {"id": "resp_1", "object": "response"})
+    got = store.responses.get("resp_1")
     assert (got["session_id"], got["position"], got["conversation"]) == ("s-gone", 42, conversation)
     assert got["response"] == {"id": "resp_1", "object": "response"}
     store.close()
     reopened = Store(tmp_path / "store", block_tokens=4)  # durable: a new process finds it
-    assert reopened.response("resp_1")["position"] == 42
-    assert reopened.expire_responses(got["created"]) == 0 and reopened.expire_responses(got["created"] + 1) == 1
+    assert reopened.responses.get("resp_1")["position"] == 42
+    assert reopened.responses.expire(got["created"]) == 0 and reopened.responses.expire(got["created"] + 1) == 1
     with pytest.raises(NotFoundError):
-        reopened.response("resp_1")
-    reopened.put_response("resp_2", "s-x", 1, [], {})
-    reopened.delete_response("resp_2")
+        reopened.responses.get("resp_1")
+    reopened.responses.put("resp_2", "s-x", 1, [], {})
+    reopened.responses.delete("resp_2")
     with pytest.raises(NotFoundError):
-        reopened.delete_response("resp_2")
+        reopened.responses.delete("resp_2")
     reopened.close()
 
 

@@ -13,7 +13,7 @@ from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
-from kvwake.store.prefix import PrefixHit
+from kvwake.store.reuse import PrefixHit
 
 __all__ = ["restore_prefix", "stored_prefix"]
 

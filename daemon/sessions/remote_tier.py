@@ -46,8 +46,8 @@ from kvwake.store.format.keys import chain_keys
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.gc import collect
 from kvwake.store.remote.objects import Lease, RemoteConfig
-from kvwake.store.remote.prefix import fetch_prefix, upload_prefix
-from kvwake.store.remote.transfer import LostLeaseError, fetch_snapshot, upload_snapshot
+from kvwake.store.remote.shared_prompts import fetch_prefix, upload_prefix
+from kvwake.store.remote.snapshots import LostLeaseError, fetch_snapshot, upload_snapshot
 
 
 __all__ = ["RemoteTier"]
@@ -156,7 +156,7 @@ class RemoteTier:
 
     def enqueue_prefix(self, tokens: list[int]) -> None:
         """Queue a warmed prefix's blocks, its short last one too, for upload under a prefix manifest
-        (store/remote/prefix.py)."""
+        (store/remote/shared_prompts.py)."""
         keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens, partial=True)
         if keys:
             self.prefixes[keys[-1]] = list(tokens)

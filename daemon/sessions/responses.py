@@ -5,7 +5,7 @@ ended at, and holds the conversation as chat messages (instructions left out:
 OpenAI does not carry them over), the response object `GET
 /v1/responses/{id}` returns and the input items `GET
 /v1/responses/{id}/input_items` lists. The records live in the store's index
-(the `responses` table, store/index.py's m004): its `response` column holds
+(the `responses` table, store/responses.py): its `response` column holds
 {"response": the object, "input_items": [...]}; a record written before input
 items were kept holds the bare object (its `input_items` read as None). Store
 work runs on worker threads.
@@ -41,24 +41,24 @@ class ResponseRecords:
     """The stored responses of one daemon's store."""
 
     def __init__(self, manager: SessionManager) -> None:
-        self.store = manager.store
+        self.stored = manager.store.responses
 
     async def put(self, record: ResponseRecord) -> None:
-        await to_thread.run_sync(lambda: self.store.put_response(
+        await to_thread.run_sync(lambda: self.stored.put(
             record.id, record.session_id, record.position, record.conversation,
             {"response": record.response, "input_items": record.input_items}))
 
     async def get(self, response_id: str) -> ResponseRecord:
         """The record; NotFoundError if none has this id."""
-        row = await to_thread.run_sync(self.store.response, response_id)
+        row = await to_thread.run_sync(self.stored.get, response_id)
         kept = row["response"]
         response, items = (kept, None) if kept.get("object") == "response" else (kept["response"], kept["input_items"])
         return ResponseRecord(row["id"], row["session_id"], row["position"], row["conversation"], response, items)
 
     async def delete(self, response_id: str) -> None:
         """Forget the record (its session is left as it is); NotFoundError if none has this id."""
-        await to_thread.run_sync(self.store.delete_response, response_id)
+        await to_thread.run_sync(self.stored.delete, response_id)
 
     async def expire(self, before: float) -> int:
         """Forget records made before `before` (time.time()); returns how many."""
-        return await to_thread.run_sync(self.store.expire_responses, before)
+        return await to_thread.run_sync(self.stored.expire, before)

@@ -107,7 +107,8 @@ _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF1
 
 # A staged section is read (decompressed or copied) and digested this many bytes at a time: each
 # piece is one call that releases the GIL for each of the two, so smaller pieces stay in the
-# CPU's cache and larger ones take the GIL less often (bench/ring_upload.py --pieces measures).
+# CPU's cache and larger ones take the GIL less often (docs/decisions.md, Engine: "Staged sections are
+# read and digested 2 MiB at a time").
 STAGE_PIECE_BYTES = 2 << 20
 
 # A destination for one tensor: given (name, dtype name, shape), an array of the
@@ -499,7 +500,8 @@ class _Pieces:
 
 
 # (dtype, shape, types of its dims) -> bytes, for tensor specs already checked: every block of a model
-# has the same few, and checking 60 of them afresh per block was a quarter of a wake here (GIL-bound).
+# has the same few, and checking them afresh per block was a large share of a wake (GIL-bound;
+# docs/decisions.md, "Figures behind the store's comments").
 _SPEC_BYTES: dict[tuple, int] = {}
 
 
@@ -641,8 +643,8 @@ def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]
                      stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
     """A format-2 "zstd" run: one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
-    joins it: decoding each into the device's arrays from the CPU took a 32k-token 8B-shaped wake over
-    110 s on the H100 machine); else each tensor into place."""
+    joins it: decoding each into the device's arrays from the CPU made a long wake many times slower,
+    docs/decisions.md, Store: `codec = "auto"` is the default); else each tensor into place."""
     dtype = run[0][1]
     holder = DTYPES[dtype][0]
     sizes = [math.prod(shape) for _, _, shape in run]

@@ -67,7 +67,8 @@ def chain_keys(bundle_hash: str, token_ids: Sequence[int] | np.ndarray, block_to
     """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
-    # The tokens as bytes once (a conversation's 75k took 7 ms block by block, from a list), then each
+    # The tokens as bytes once, not block by block from a list (a long conversation's keys then took
+    # a share of its matching: docs/decisions.md, "Figures behind the store's comments"), then each
     # block's slice of them: the same bytes block_key hashes.
     keyed = len(token_ids) if partial else len(token_ids) // block_tokens * block_tokens  # a tail is not keyed
     data, bundle, width = tokens_to_bytes(token_ids[:keyed]), _raw(bundle_hash, "bundle hash"), 4 * block_tokens

@@ -31,12 +31,12 @@ RAW_IF_RATIO_ABOVE = 0.97
 SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample of their first chunk
 # Tensors are processed CHUNK_BYTES of payload at a time: few, large numpy/zstd/BLAKE3 calls.
 CHUNK_BYTES = 256 << 10
-# Level 1, min_match 7, and a 64-entry match table searched once. On real bf16 KV of the default
-# model (bench/codec_bench.py) exponent planes are almost all literals: the matches zstd finds
-# there are short and spurious and disturb the literal statistics Huffman codes from. Level 3
-# compressed worse than level 1 (1.43x vs 1.475x); shrinking the match search to almost nothing
-# compresses exponent planes better still (0.347 vs 0.364 of their size), 2.4x faster, and they
-# decode about 2x faster. Channel-major transposing gained 0.5% more but cost 15% decode speed.
+# Level 1, min_match 7, and a 64-entry match table searched once. On real bf16 KV exponent planes
+# are almost all literals: the matches zstd finds there are short and spurious and disturb the
+# literal statistics Huffman codes from. A higher level compresses worse; shrinking the match search
+# to almost nothing compresses exponent planes better still, faster, and they decode faster.
+# Channel-major transposing cost more decode speed than it gained in size. The figures:
+# docs/decisions.md, Store: "Block codec planes-zstd" and "zstd for exponent planes".
 PLANES_PARAMS = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, search_log=1)
 
 _local = threading.local()

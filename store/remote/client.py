@@ -17,7 +17,7 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
     v1/<bundle>/prefixes/<parent>/<chain key>.json
                                               a warmed prefix's manifest (`prefix.warm`), named by
                                               its last piece's key under that piece's parent
-                                              (store/remote/prefix.py); written last
+                                              (store/remote/shared_prompts.py); written last
     v1/<bundle>/gc/<epoch:012d>-start.json, -end.json
                                               remote gc runs (store/remote/gc.py), create-only
 
@@ -27,7 +27,7 @@ object, and a daemon only ever lists its own model's sessions.
 
 Block and tail objects: store/remote/objects.py (`ObjectHeader`).
 
-Manifests are the export manifest (store/transfer.py) plus `"remote":
+Manifests are the export manifest (store/archive.py) plus `"remote":
 {"epoch", "daemon", "keep_history"}` (keep_history: the history the remote gc
 keeps for the session, named by its head; store/remote/gc.py). A session's head is its manifest with the greatest name
 (epoch first, then the time-ordered snapshot id). A prefix manifest is

@@ -34,11 +34,11 @@ would then name a removed block. So gc runs are fenced:
    refused while another is active (create-only settles two starting at once).
 2. An upload reads the newest run before its existence checks and again after
    its puts; when a run was active or began in between, it waits for that run
-   to end and checks and puts again (remote/transfer.py, `fenced`).
+   to end and checks and puts again (remote/snapshots.py, `fenced`).
 3. After writing its manifest it reads the newest run once more: a run that
    began before the manifest existed may have removed a block the upload
    reused, so it waits for the run to end and puts back what is missing
-   (remote/transfer.py, `commit_manifest`). A run that begins later lists the manifest.
+   (remote/snapshots.py, `commit_manifest`). A run that begins later lists the manifest.
 So no manifest loses an object for good. A reader may find one missing for the
 moment between its removal and its put-back; it refuses the snapshot (nothing
 corrupt is restored) and a retry succeeds. The grace period is not what makes
@@ -59,7 +59,7 @@ from kvwake.errors import BusyError, CorruptBlockError
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef
 from kvwake.store.remote.client import Remote
-from kvwake.store.remote.transfer import check_block_object, check_tail_object, put_block, put_tail
+from kvwake.store.remote.snapshots import check_block_object, check_tail_object, put_block, put_tail
 
 __all__ = ["RemoteGcReport", "collect"]
 

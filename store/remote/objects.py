@@ -15,7 +15,7 @@ Block and tail objects (`ObjectHeader`, version 1):
 
 A reader trusts none of it: the chain key is recomputed from parent, bundle
 and token ids, and the block file is decoded and its digest checked against
-the manifest (`kvwake.store.transfer.check_encoded`).
+the manifest (`kvwake.store.archive.check_encoded`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Export and import: one portable file per snapshot.
+"""Snapshot archives: export and import, one portable file per snapshot.
 
 The file is an uncompressed POSIX tar (block files are already compressed), so
 ops can look inside with `tar tvf`. Members, in this order:

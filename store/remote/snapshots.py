@@ -6,10 +6,10 @@ be written); blocks the remote already holds are not sent again; the tail
 follows; the manifest is written last, and only while the uploader still holds
 the session's lease. An upload cut off anywhere leaves no manifest, so no
 reader ever sees the snapshot; running it again finishes it. Warmed prefixes
-go the same way (store/remote/prefix.py). Uploads are fenced against
+go the same way (store/remote/shared_prompts.py). Uploads are fenced against
 the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote/gc.py).
 
-Download: every object is checked as an import file is (store/transfer.py):
+Download: every object is checked as an import file is (store/archive.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
 the manifest, then the snapshot digest, before one local commit. Blocks the
 local store already holds are not fetched. Nothing here imports mlx.
@@ -30,7 +30,7 @@ from kvwake.store.format.keys import block_key
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.objects import GcRun, Lease, ObjectHeader
-from kvwake.store.transfer import check_encoded, import_verified, parse_manifest, snapshot_manifest
+from kvwake.store.archive import check_encoded, import_verified, parse_manifest, snapshot_manifest
 from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["LostLeaseError", "as_encoded", "check_block_object", "check_tail_object", "commit_manifest", "fenced",

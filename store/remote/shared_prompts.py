@@ -16,7 +16,7 @@ Lookup (`fetch_prefix`): the blocks continuing the local longest prefix are
 asked for by chain key, `batch` at a time; then, after the run, the published
 piece under the run's last block that shares the most leading tokens with the
 request (at least `min_partial`) is fetched and stored locally as a short
-block, where the local lookup (store/prefix.py) finds it as a partial piece.
+block, where the local lookup (store/reuse.py) finds it as a partial piece.
 Everything fetched is verified like any remote read (the chain key recomputed
 from parent, bundle and tokens, the payload's digest against the manifest);
 the deadline covers the whole lookup.
@@ -39,9 +39,9 @@ import numpy as np
 from kvwake.errors import KvwakeError
 from kvwake.store.core import StoreCore
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
-from kvwake.store.prefix import common_length, longest_prefix, partial_candidate
+from kvwake.store.reuse import common_length, longest_prefix, partial_candidate
 from kvwake.store.remote.client import Remote
-from kvwake.store.remote.transfer import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
+from kvwake.store.remote.snapshots import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
 from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["PIECES_READ", "fetch_prefix", "upload_prefix"]

@@ -1,4 +1,4 @@
-"""Prefix lookups: which stored KV can start a request's tokens, to the token.
+"""Prefix reuse: which stored KV can start a request's tokens, to the token.
 
 A hit is a run of whole blocks (their chain keys name the request's own full
 blocks) and then, optionally, a *partial*: a stored piece whose parent is the
