@@ -228,7 +228,7 @@ def test_a_record_stored_before_input_items_were_kept_still_reads(store):
 
     records = ResponseRecords(SimpleNamespace(store=store))
     old = {"id": "resp_old", "object": "response", "output": []}
-    store.put_response("resp_old", "s", 3, [{"role": "user", "content": "hi"}], old)
+    store.responses.put("resp_old", "s", 3, [{"role": "user", "content": "hi"}], old)
     got = run(records.get, "resp_old")
     assert got.response == old and got.input_items is None and got.position == 3
     items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
