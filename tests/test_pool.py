@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvwake.daemon.kv.pool import Pool, niceness
-from tests.daemon import Daemon
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon
+from testkit.tinymodel import make_model_dir
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
 
