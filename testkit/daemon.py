@@ -127,7 +127,11 @@ class RawClient:
     def __init__(self, path: Path, timeout: float = 60.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
+        try:
+            self.sock.connect(str(path))
+        except OSError:  # no daemon there (down, restarting): the socket is not left for the collector
+            self.sock.close()
+            raise
         self.unpacker = msgpack.Unpacker(raw=False)
         self.msgid = 0
         self.streamed: dict[int, list[dict[str, Any]]] = {}
