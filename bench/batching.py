@@ -356,7 +356,7 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
                        tokenizer: Any, in_process: bool = False) -> list[dict[str, Any]]:
     """The daemon's steady tokens/s and `BatchGenerator`'s (the daemon idle meanwhile), round after round,
     each size one after the other: this machine's speed drifts by a third within minutes, for both alike
-    (bench/step_profile.py's alternating rounds), so a ratio of runs taken minutes apart says more about
+    (docs/history/benchmarks-journal.md, "Session 11"), so a ratio of runs taken minutes apart says more about
     the drift than about either. `BatchGenerator` runs in a fresh process each round (loads the model,
     warms every shape, runs, exits: no second CUDA context lingers on the GPU beside the daemon's rounds,
     which session 11's in-process rounds left and may have paid for), or with `in_process` in this one.
