@@ -11,7 +11,7 @@ tokens computed (`input_tokens`) and read from the cache (`cache_read_input_toke
 and time to first token (the first content delta, or the message's end if it has none).
 cold: turn 6's request (the first after the restart) to a fresh daemon that never saw
 the conversation; the ratio of its time to first token to turn 6's is the issue's "10x".
-The tiny model (tests/tinymodel.py, 64k context, 1 byte = 1 token): 3000 words are
+The tiny model (testkit/tinymodel.py, 64k context, 1 byte = 1 token): 3000 words are
 about 20k tokens. Results: <out>/anthropic_turns.json.
 """
 
@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers (the real daemon) and bench/http_turns.py
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 import anthropic  # noqa: E402
 
-from bench.http_turns import each_turn, start, system_prompt  # noqa: E402
+from bench.lib import agent_model, each_turn, start_http, system_prompt  # noqa: E402
 from kvwake.client import openai_config  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
 
 
 def tools(n: int) -> list[dict[str, Any]]:
@@ -69,7 +69,7 @@ def timed_turn(api: anthropic.Anthropic, request: dict[str, Any]) -> dict[str, A
 
 
 def conversation(work: Path, model: Path, base: dict[str, Any], turns: int) -> tuple[list, list]:
-    d = start(work / "a", model)
+    d = start_http(work / "a", model)
     messages: list[dict[str, Any]] = []
     rows, requests = [], []
     try:
@@ -86,28 +86,13 @@ def conversation(work: Path, model: Path, base: dict[str, Any], turns: int) -> t
 
 
 def cold(work: Path, model: Path, request: dict[str, Any]) -> dict[str, Any]:
-    d = start(work / "cold", model)
+    d = start_http(work / "cold", model)
     try:
         row = timed_turn(api_of(d), request)
         row.pop("content")
         return row
     finally:
         d.stop()
-
-
-def model_of(name: str, work: Path) -> Path:
-    """`--model`: "tiny" (the tiny test model with a 64k context and a tool-call format), "default"
-    (SmolLM2, converted into `work`), or a model folder."""
-    if name == "tiny":
-        from tests.tinymodel import TOOLS_CHATML, make_model_dir
-
-        return make_model_dir(work / "tiny-64k", ascii_replies=True, template=TOOLS_CHATML,
-                              max_position_embeddings=65536)
-    if name == "default":
-        from kvwake.daemon.model.convert import ensure_default_model
-
-        return ensure_default_model(work / "models")
-    return Path(name).expanduser().resolve()
 
 
 def main() -> None:
@@ -120,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-anthropic-"))
-    model = model_of(a.model, work)
+    model = agent_model(a.model, work)
     system = [{"type": "text", "text": system_prompt(a.system_words), "cache_control": {"type": "ephemeral"}}]
     base = {"model": "claude-sonnet-4-6", "max_tokens": a.reply_tokens, "system": system, "tools": tools(a.tools),
             "extra_body": {"temperature": 0}}  # greedy (the SDK has no temperature argument any more)

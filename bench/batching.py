@@ -37,10 +37,8 @@ Results: <out>/batching.json (docs/benchmarks.md summarises them).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,19 +50,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-from tests.daemon import Daemon, RawClient  # noqa: E402
+from bench.lib import bench_model, engine_work, free_port, gap_stats, machine, pct, prompts, save, start_daemon, Stream  # noqa: E402
+from testkit.daemon import Daemon, RawClient  # noqa: E402
 
 
 WATCH_S = 0.25  # seconds between status samples while the decode rows run (--status-every)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
 class GpuBusy:
@@ -113,55 +105,6 @@ class GpuBusy:
         return round(statistics.median(self.samples), 1) if self.samples else None
 
 
-class Stream:
-    """One streamed generate call: piece arrival times, then its tokens; gaps tied to tokens."""
-
-    def __init__(self, client: RawClient, session_id: str, max_tokens: int) -> None:
-        self.client, self.session_id, self.max_tokens = client, session_id, max_tokens
-        self.pieces: list[tuple[float, str]] = []
-        self.result: dict[str, Any] = {}
-        self.started = self.ended = 0.0
-
-    def run(self) -> None:
-        c = self.client
-        self.started = time.perf_counter()
-        msgid = c.send("session.generate", {"session_id": self.session_id, "max_tokens": self.max_tokens,
-                                            "stream": True})
-        while not self.result:
-            data = c.sock.recv(1 << 16)
-            if not data:
-                return
-            now = time.perf_counter()
-            c.unpacker.feed(data)
-            for m in c.unpacker:
-                if m[0] == 2 and m[1] == "stream":
-                    self.pieces.append((now, m[2]["text"]))
-                elif m[0] == 1 and m[1] == msgid:
-                    self.result = m[3] or {"error": m[2]}
-        self.ended = time.perf_counter()
-
-    def arrivals(self, tokenizer: Any) -> list[tuple[int, float]]:
-        """(tokens complete, when) at each piece: a piece's text ends within token k's text."""
-        detok, lengths = tokenizer.detokenizer, []
-        for t in self.result.get("tokens", []):
-            detok.add_token(t)
-            lengths.append(len(detok.text))
-        out, done = [], 0
-        for when, text in self.pieces:
-            done += len(text)
-            out.append((bisect.bisect_left(lengths, done) + 1, when))
-        return out
-
-    def gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[float]:
-        """ms between pieces completed by consecutive tokens (optionally arriving within a window)."""
-        out, last = [], None
-        for k, when in self.arrivals(tokenizer):
-            if last is not None and k == last[0] + 1 and (within is None or within[0] < when < within[1]):
-                out.append((when - last[1]) * 1000)
-            last = (k, when)
-        return out
-
-
 def steady_tokens_per_s(streams: list[Stream], tokenizer: Any) -> float | None:
     """Tokens/s while every stream was running (from the last one's first piece to the first one's last):
     what `BatchGenerator`'s figure counts (its steps once all N rows decode)."""
@@ -173,19 +116,6 @@ def steady_tokens_per_s(streams: list[Stream], tokenizer: Any) -> float | None:
         return None
     done = lambda a, t: max((k for k, when in a if when <= t), default=0)  # noqa: E731
     return round(sum(done(a, end) - done(a, start) for a in seen) / (end - start), 1)
-
-
-def start_daemon(root: Path, model: Path, max_batch: int, prefill_step: int, persist: bool = True,
-                 config: str = "") -> Daemon:
-    root.mkdir(parents=True, exist_ok=True)
-    # A budget no run reaches: no session is put to sleep in the middle of a measurement.
-    (root / "none.toml").write_text(f"prefill_step = {prefill_step}\nhot_budget_bytes = {1 << 40}\n"
-                                    f"persist = {'true' if persist else 'false'}\n{config}\n")
-    return Daemon(root, model, block_tokens=128, extra=["--max-batch", str(max_batch)]).start(timeout=600)
-
-
-def prompts(n: int) -> list[str]:
-    return [f"Agent {i} plans step {i * 7 + 3} of the migration and lists its tools." for i in range(n)]
 
 
 def decode_round(d: Daemon, n: int, tokens: int, tokenizer: Any, tag: str) -> dict[str, Any]:
@@ -355,23 +285,6 @@ def prefill_round(d: Daemon, prefill_tokens: int, tokenizer: Any, tag: str, hit:
 # and step of the engine thread during the prefill: its timeline, to lay beside arrivals_during_ms.
 
 
-def engine_work(status: dict[str, Any], began_wall: float, ended_wall: float) -> list[dict[str, Any]]:
-    """The engine thread's jobs and steps over its SLOW_S between two Unix times, by name, `at_s` from
-    `began_wall` (KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 in the daemon's environment: all of them)."""
-    return [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
-            for j in status["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
-
-
-def gap_stats(stream: Stream, tokenizer: Any, alone_until: float, during: tuple[float, float]) -> dict[str, Any]:
-    """The stream's gaps in the window `during` against its median gap before `alone_until`."""
-    alone, inside = stream.gaps(tokenizer, (0.0, alone_until)), stream.gaps(tokenizer, during)
-    median, p99 = (statistics.median(alone) if alone else None), pct(inside, 0.99)
-    return {"gap_alone_p50_ms": round(median, 3) if median else None, "gap_during_p50_ms": pct(inside, 0.5),
-            "gap_during_p99_ms": p99, "gap_during_max_ms": round(max(inside), 3) if inside else None,
-            "gap_samples_during": len(inside),
-            "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None}
-
-
 def run_threads(threads: list[threading.Thread]) -> float:
     """Start the threads together, wait for all: the wall seconds."""
     started = time.perf_counter()
@@ -443,7 +356,7 @@ def alternating_rounds(d: Daemon, model: Path, sizes: list[int], tokens: int, ro
                        tokenizer: Any, in_process: bool = False) -> list[dict[str, Any]]:
     """The daemon's steady tokens/s and `BatchGenerator`'s (the daemon idle meanwhile), round after round,
     each size one after the other: this machine's speed drifts by a third within minutes, for both alike
-    (bench/step_profile.py's alternating rounds), so a ratio of runs taken minutes apart says more about
+    (docs/history/benchmarks-journal.md, "Session 11"), so a ratio of runs taken minutes apart says more about
     the drift than about either. `BatchGenerator` runs in a fresh process each round (loads the model,
     warms every shape, runs, exits: no second CUDA context lingers on the GPU beside the daemon's rounds,
     which session 11's in-process rounds left and may have paid for), or with `in_process` in this one.
@@ -498,37 +411,6 @@ def batch_generator_elsewhere(model: Path, sizes: list[int], tokens: int) -> lis
                           "--sessions", ",".join(map(str, sizes)), "--tokens", str(tokens)],
                          capture_output=True, text=True, check=True, timeout=1800)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def bench_model(name: str, work: Path) -> Path:
-    """`tiny` (the tests' tiny llama), `tiny:ARCH` (the tests' tiny model of another family: gemma3_text,
-    lfm2, qwen3_next), `default` (SmolLM2-135M, converted once) or a model folder."""
-    if name == "tiny" or name.startswith("tiny:"):
-        from tests.tinymodel import make_model_dir
-
-        arch = name.partition(":")[2]
-        if not arch:
-            return make_model_dir(work / "tiny-llama", ascii_replies=True)
-        return make_model_dir(work / f"tiny-{arch}", arch=arch, ascii_replies=True, max_position_embeddings=65536)
-    if name == "default":
-        from kvwake.daemon.model.convert import ensure_default_model
-
-        return ensure_default_model(work / "models")
-    return Path(name).expanduser().resolve()
-
-
-def save(report: dict[str, Any], out: str, name: str) -> None:
-    """The report as <out>/<name>, and printed."""
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report, indent=1))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mlx_server_round(model: Path, sizes: list[int], tokens: int) -> list[dict[str, Any]]:
@@ -599,8 +481,6 @@ def main() -> None:
     a = ap.parse_args()
     global WATCH_S
     WATCH_S = a.status_every
-    sys.path.insert(0, str(ROOT / "bench"))
-    from suite import machine  # noqa: E402
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     if a.batch_generator_only:  # a round of --alternate: one JSON line

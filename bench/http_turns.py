@@ -34,24 +34,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 import openai  # noqa: E402
 
-from kvwake.client import openai_config  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
-
-WORDS = ("tool retry policy budget cache session agent memory plan step verify source answer brief "
-         "careful index block prefix token model restore sleep wake store digest bundle").split()
-
-
-def system_prompt(words: int) -> str:
-    return "You are a careful agent. " + " ".join(WORDS[i % len(WORDS)] for i in range(words)) + "."
+from bench.lib import each_turn, openai_api, start_http, system_prompt, WORDS  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
 
 
 def timed_chat(api: openai.OpenAI, messages: list[dict], reply_tokens: int, model: str = "local") -> dict[str, Any]:
@@ -83,27 +75,9 @@ def daemon_side(d: Daemon, since: float, until: float) -> tuple[list[list[Any]],
             {k: v for k, v in turns[-1].items() if k.endswith("_ms") or k == "match"} if turns else None)
 
 
-def start(root: Path, model: Path) -> Daemon:
-    root.mkdir(parents=True, exist_ok=True)
-    return Daemon(root, model, block_tokens=128, extra=["--http", "0"]).start(timeout=900)
-
-
-def api_of(d: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
-
-
-def each_turn(d: Daemon, turns: int) -> Iterator[int]:
-    """Turn numbers from 0; the daemon is restarted (SIGTERM: every session sleeps) before turn 5."""
-    for turn in range(turns):
-        if turn == 5:
-            d.stop()
-            d.start(timeout=900)
-        yield turn
-
-
 def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int,
                  turn_words: int = 0) -> tuple[list, list]:
-    d = start(work / "a", model)
+    d = start_http(work / "a", model)
     messages, rows, requests = [{"role": "system", "content": system}], [], []
     try:
         for turn in each_turn(d, turns):
@@ -111,7 +85,7 @@ def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens:
             messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?{extra}"})
             requests.append(list(messages))
             sent = time.time()
-            row = timed_chat(api_of(d), messages, reply_tokens)
+            row = timed_chat(openai_api(d), messages, reply_tokens)
             waited_on, phases = daemon_side(d, sent, sent + row["ttft_ms"] / 1000)
             rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"},
                          "phases": phases, "waited_on": waited_on})
@@ -123,9 +97,9 @@ def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens:
 
 
 def cold(work: Path, model: Path, request: list[dict], reply_tokens: int) -> dict[str, Any]:
-    d = start(work / "cold", model)
+    d = start_http(work / "cold", model)
     try:
-        return {k: v for k, v in timed_chat(api_of(d), request, reply_tokens).items() if k != "text"}
+        return {k: v for k, v in timed_chat(openai_api(d), request, reply_tokens).items() if k != "text"}
     finally:
         d.stop()
 
@@ -133,11 +107,11 @@ def cold(work: Path, model: Path, request: list[dict], reply_tokens: int) -> dic
 def shared(work: Path, model: Path, reply_tokens: int, words: int) -> dict[str, Any]:
     """A ~200-token system prompt, reused by a second agent, three ways (each its own prompt, so none
     feeds another): stateless HTTP, RPC with the first agent hot, RPC after the first agent slept."""
-    d = start(work / "shared", model)
+    d = start_http(work / "shared", model)
     prompts = {way: f"[{way}] " + system_prompt(words) for way in ("stateless", "rpc_hot", "rpc_slept")}
     user = ("Agent one.", "Agent two.")
     try:
-        api = api_of(d)
+        api = openai_api(d)
         one = [{"role": "system", "content": prompts["stateless"]}, {"role": "user", "content": user[0]}]
         timed_chat(api, one, reply_tokens)
         two = timed_chat(api, [one[0], {"role": "user", "content": user[1]}], reply_tokens)
@@ -225,7 +199,7 @@ def main() -> None:
 
         model = ensure_default_model(work / "models")
     elif a.model == "tiny":
-        from tests.tinymodel import make_model_dir
+        from testkit.tinymodel import make_model_dir
 
         model = make_model_dir(work / "tiny-llama", ascii_replies=True)
     else:

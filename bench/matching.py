@@ -4,7 +4,7 @@ usage: python bench/matching.py [--counts 50,500,5000,10000] [--pair 50,5000] [-
                                 [--requests 12] [--out bench/out]
 
 Conversations 0 and 1 are real: stateless chats through the `openai` package and `kvwake serve --http`
-on a tiny model (tests/tinymodel.py: random weights, a real byte-level BPE tokenizer and chat template)
+on a tiny model (testkit/tinymodel.py: random weights, a real byte-level BPE tokenizer and chat template)
 with a long shared system prompt. The others are written into the store while the daemon is stopped
 (thousands of generations would take hours on this machine): each is the rendered system prompt and
 user-turn opening conversations 0 and 1 share, then its own random tokens, the last 10 of them its
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers: the real daemon and a raw msgpack-rpc client
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 import openai  # noqa: E402
 
-from kvwake.client import openai_config  # noqa: E402
+from bench.lib import openai_api  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 from kvwake.store.format.codec import Tensor  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
 
 BLOCK = 128
 WORDS = ("tool retry policy budget cache session agent memory plan step verify source answer brief "
@@ -127,10 +127,6 @@ def continue_0(api: openai.OpenAI, conv: list[dict], sid0: str, label: str) -> t
     return round(ms, 2), info["match"] == "continued" and info["session_id"] == sid0
 
 
-def api_of(d: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=3600)
-
-
 def paired(copies: dict[int, Path], pair: tuple[int, int], model: Path, conv: list[dict], sid0: str,
            rounds: int) -> dict[str, Any]:
     """Two daemons (over fresh copies of the `pair` counts' stores) taking turns continuing conversation 0."""
@@ -142,7 +138,7 @@ def paired(copies: dict[int, Path], pair: tuple[int, int], model: Path, conv: li
         daemons[n].start(timeout=900)
     for k in range(rounds):
         for n in (pair if k % 2 == 0 else pair[::-1]):
-            ms, continued = continue_0(api_of(daemons[n]), convs[n], sid0, str(k))
+            ms, continued = continue_0(openai_api(daemons[n]), convs[n], sid0, str(k))
             times[n].append(ms)
             ok.append(continued)
     for d in daemons.values():
@@ -161,7 +157,7 @@ def paired(copies: dict[int, Path], pair: tuple[int, int], model: Path, conv: li
 def level(d: Daemon, count: int, conv: list[dict], sid0: str, empty_start: float) -> dict[str, Any]:
     """Start the daemon over `count` stored conversations and continue conversation 0 four times."""
     start_s = started(d)
-    api, conv = api_of(d), list(conv)
+    api, conv = openai_api(d), list(conv)
     runs = [continue_0(api, conv, sid0, f"{count}-{k}") for k in range(4)]
     times = [ms for ms, _ in runs]
     with d.client() as rpc:
@@ -209,7 +205,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12, help="rounds of the paired measurement")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     a = ap.parse_args()
-    from tests.tinymodel import make_model_dir
+    from testkit.tinymodel import make_model_dir
 
     counts, pair = [int(c) for c in a.counts.split(",")], tuple(int(c) for c in a.pair.split(","))
     work = Path(tempfile.mkdtemp(prefix="kvwake-matching-"))
@@ -221,10 +217,10 @@ def main() -> None:
     empty_rss = rss_bytes(d.proc.pid)
     system = system_prompt(a.system_words)
     conv = [{"role": "system", "content": system}, {"role": "user", "content": "question 0: where to start?"}]
-    _, first = chat(api_of(d), conv, 10)
+    _, first = chat(openai_api(d), conv, 10)
     sid0 = first.model_extra["kvwake"]["session_id"]
     conv.append({"role": "assistant", "content": first.choices[0].message.content})
-    _, other = chat(api_of(d), [conv[0], {"role": "user", "content": "question 1: what else?"}], 10)
+    _, other = chat(openai_api(d), [conv[0], {"role": "user", "content": "question 1: what else?"}], 10)
     assert d.stop() == 0
     report: dict[str, Any] = {
         "machine": f"{platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores",

@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-from batching import Stream, bench_model, gap_stats, save  # noqa: E402
-from tests.daemon import Daemon, RawClient  # noqa: E402
+from bench.lib import bench_model, gap_stats, machine, save, Stream  # noqa: E402
+from testkit.daemon import Daemon, RawClient  # noqa: E402
 
 BLOCK = 128
 
@@ -174,7 +173,6 @@ def main() -> None:
     ap.add_argument("--append-ab", action="store_true", help="only the alternated append timing (append_ab)")
     a = ap.parse_args()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from suite import machine
 
     work = Path(tempfile.mkdtemp(prefix="kvwake-persist-"))
     model = bench_model(a.model, work)

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-from tests.daemon import Daemon, RawClient  # noqa: E402
-from tests.seaweed import BUCKET, Seaweed  # noqa: E402
-from tests.tinymodel import make_model_dir  # noqa: E402
+from testkit.daemon import Daemon, RawClient  # noqa: E402
+from testkit.seaweed import BUCKET, Seaweed  # noqa: E402
+from testkit.tinymodel import make_model_dir  # noqa: E402
 
 KV_SHAPE = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64,
             "num_hidden_layers": 8, "intermediate_size": 128}

@@ -13,7 +13,7 @@ Two conversations through the official `openai` package (streamed, greedy), each
 Per turn: input tokens, `cached_tokens`, and time to first token (the first output delta, or
 the response's end if it has none). cold: the chain's turn-6 prompt (its whole conversation,
 `store: false`) sent to a fresh daemon that never saw it; the ratio of its time to first
-token to the chain's turn 6 is the issue's "10x". The tiny model (tests/tinymodel.py, 64k
+token to the chain's turn 6 is the issue's "10x". The tiny model (testkit/tinymodel.py, 64k
 context, 1 byte = 1 token): 1500 words are about 10k tokens. Results:
 <out>/responses_turns.json.
 """
@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers (the real daemon) and bench/http_turns.py
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 import openai  # noqa: E402
 
-from bench.anthropic_turns import model_of  # noqa: E402
-from bench.http_turns import api_of, each_turn, start, system_prompt  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from bench.lib import agent_model, each_turn, openai_api, start_http, system_prompt  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
 
 
 def tools(n: int) -> list[dict[str, Any]]:
@@ -79,7 +78,7 @@ def chain(d: Daemon, base: dict[str, Any], turns: int) -> tuple[list, list]:
         items.append(user(turn))
         whole.append(list(items))
         request = {**base, "input": [user(turn)], **({"previous_response_id": previous} if previous else {})}
-        row = timed_turn(api_of(d), request)
+        row = timed_turn(openai_api(d), request)
         response = row.pop("response")
         items += replayed(response)
         previous = response.id
@@ -93,7 +92,7 @@ def resend(d: Daemon, base: dict[str, Any], turns: int) -> list:
     rows, items = [], []
     for turn in each_turn(d, turns):
         items.append(user(100 + turn))
-        row = timed_turn(api_of(d), {**base, "input": list(items), "store": False, "prompt_cache_key": "bench"})
+        row = timed_turn(openai_api(d), {**base, "input": list(items), "store": False, "prompt_cache_key": "bench"})
         items += replayed(row.pop("response"))
         rows.append({"turn": turn + 1, "after_restart": turn == 5, **row})
         print(json.dumps({"resend": rows[-1]}), flush=True)
@@ -101,9 +100,9 @@ def resend(d: Daemon, base: dict[str, Any], turns: int) -> list:
 
 
 def cold(work: Path, model: Path, request: dict[str, Any]) -> dict[str, Any]:
-    d = start(work / "cold", model)
+    d = start_http(work / "cold", model)
     try:
-        row = timed_turn(api_of(d), request)
+        row = timed_turn(openai_api(d), request)
         row.pop("response")
         return row
     finally:
@@ -120,10 +119,10 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-responses-"))
-    model = model_of(a.model, work)
+    model = agent_model(a.model, work)
     base = {"model": "gpt-5-codex", "instructions": system_prompt(a.instruction_words), "tools": tools(a.tools),
             "max_output_tokens": a.reply_tokens, "temperature": 0}
-    d = start(work / "a", model)
+    d = start_http(work / "a", model)
     try:
         chained, whole = chain(d, base, a.turns)
         resent = resend(d, base, a.turns)

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 import openai  # noqa: E402
 
-from bench.http_turns import system_prompt  # noqa: E402
+from bench.lib import system_prompt  # noqa: E402
 from kvwake.client import openai_config  # noqa: E402
-from tests.daemon import Daemon  # noqa: E402
+from testkit.daemon import Daemon  # noqa: E402
 
 GB = 1 << 30
 

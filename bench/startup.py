@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
+
+from bench.lib import bench_model  # noqa: E402
 
 
 def in_process(model: Path, top: int) -> dict:
@@ -52,7 +53,7 @@ def in_process(model: Path, top: int) -> dict:
 
 
 def daemon_starts(model: Path, starts: int, importtime: bool) -> list[dict]:
-    from tests.daemon import Daemon
+    from testkit.daemon import Daemon
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,8 +99,6 @@ def top_imports(log: str, top: int = 30) -> dict[str, float]:
 
 
 def main() -> None:
-    from batching import bench_model
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--starts", type=int, default=2)

@@ -38,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # tests/ helpers: the tiny model
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
@@ -60,7 +60,7 @@ SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": I
 
 def model_path(name: str, work: Path) -> Path | None:
     if name == "tiny":
-        from tests.tinymodel import make_model_dir
+        from testkit.tinymodel import make_model_dir
 
         return make_model_dir(work / "tiny-llama")
     return None if name == "default" else Path(name)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,21 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# bench/ first (capture_kv); the repository root for the rpc benchmark's tests/ helpers.
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.append(str(ROOT))
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
-    import mlx.core as mx
-
-    return {"system": platform.system(), "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
-            "mlx_device": str(mx.default_device()), "python": platform.python_version(),
-            # MLX's CUDA-graph settings as this process (and the daemons it starts) got them; unset: MLX's default
-            **{name.lower(): os.environ.get(name) for name in ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER",
-                                                                "MLX_CUDA_GRAPH_CACHE_SIZE")}}
+from bench.lib import machine  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -93,7 +80,7 @@ class PeakRss:
 
 def tokens_of(engine: Any, n: int) -> list[int]:
     """n tokens of natural English (the same prompt builder bench/capture_kv.py uses)."""
-    from capture_kv import build_prompt
+    from bench.capture_kv import build_prompt
 
     return build_prompt(engine.tokenizer, n)
 
@@ -346,10 +333,10 @@ def bench_rpc(rounds: int = 10, per_round: int = 500, clients: int = 32, per_cli
     in alternating rounds so both see the same machine state; then requests/s with `clients` clients."""
     import subprocess
 
-    from rpc_echo import round_trips
+    from bench.rpc_echo import round_trips
 
-    from tests.daemon import Daemon
-    from tests.tinymodel import make_model_dir
+    from testkit.daemon import Daemon
+    from testkit.tinymodel import make_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         d = Daemon(Path(tmp), make_model_dir(Path(tmp) / "tiny")).start()

@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batching import ROOT, bench_model, engine_work, start_daemon  # noqa: E402
-from suite import machine  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
+
+from bench.lib import bench_model, engine_work, machine, start_daemon  # noqa: E402
 
 
 def turn(i: int, replies: list[str]) -> list[dict[str, str]]:

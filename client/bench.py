@@ -13,21 +13,26 @@ streamed piece, so it includes prefilling the new messages (`daemon_ttft_ms`,
 the daemon's usage field, starts after that prefill); `rpc_ms` is the whole
 round trip. Nothing is estimated: a field the daemon did not report is None. Sessions are deleted afterwards
 unless `keep`.
+
+`kvwake bench NAME` runs one of the registered workloads instead (`WORKLOADS`): scripts of bench/ in a
+repository checkout, beside the installed package's folders (an editable install); a wheel has no bench/.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvwake.client.client import Client
 from kvwake.errors import KvwakeError
 
-__all__ = ["BenchConfig", "run_bench"]
+__all__ = ["WORKLOADS", "BenchConfig", "NoBenchDir", "UnknownBenchmark", "Workload", "bench_dir", "run_bench", "workload_argv"]
 
 PARAGRAPH = (
     "You are a careful assistant working for a shipping company. You track containers, vessels, "
@@ -134,3 +139,63 @@ def run_bench(client: Client, config: BenchConfig, progress: Callable[[int], Non
             client.delete_session(sid)
     return {"model": status.get("model"), "bundle_hash": status.get("bundle_hash"), "config": asdict(config),
             "summary": summarize(rows), "sessions": rows}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A registered benchmark: `bench/<script>` run with `args` first, then the user's."""
+
+    name: str
+    script: str
+    about: str
+    args: tuple[str, ...] = ()
+
+
+WORKLOADS = (
+    Workload("resume", "suite.py", "sleep and wake against re-prefill and mlx-lm's cache files, by size", ("resume",)),
+    Workload("storage", "suite.py", "shared-prefix store bytes and time to first token against mlx-lm's files",
+             ("storage",)),
+    Workload("rpc", "suite.py", "the RPC front's round trip against a bare msgpack echo server", ("rpc",)),
+    Workload("batching", "batching.py", "many sessions decoding at once, and a long prefill beside decoding"),
+    Workload("turns-at-once", "turns_at_once.py", "agents sending their next turn at once beside a decoding session"),
+    Workload("openai-turns", "http_turns.py", "an agent's turns over the OpenAI chat API, a restart mid-way"),
+    Workload("responses-turns", "responses_turns.py", "an agent's turns over the Responses API, a restart mid-way"),
+    Workload("anthropic-turns", "anthropic_turns.py", "an agent's turns over the Anthropic Messages API, a restart"),
+    Workload("claude-code", "claude_code.py", "the real Claude Code CLI against the daemon (npm)"),
+    Workload("codex-cli", "codex_cli.py", "the real Codex CLI against the daemon (npm)"),
+    Workload("persist", "persist.py", "continuous persistence: the sleep it saves, what it costs a neighbour"),
+    Workload("matching", "matching.py", "thousands of stateless conversations: continuing one, RSS, start time"),
+    Workload("load", "load.py", "concurrent agents over RPC and HTTP with disconnects and a kill -9"),
+    Workload("soak", "soak.py", "long conversations, sleeps, wakes and restarts: memory over time"),
+    Workload("remote", "remote.py", "remote wake against local wake (a real SeaweedFS on loopback)"),
+    Workload("structured", "structured.py", "decode speed under a JSON schema against without"),
+    Workload("startup", "startup.py", "where the daemon's start goes, and its first requests"),
+    Workload("codec", "codec_bench.py", "the block codecs' ratio and speed on real KV (bench/capture_kv.py's file)"),
+)
+
+
+class NoBenchDir(FileNotFoundError):
+    """This install has no bench/ folder (only a repository checkout has one)."""
+
+
+class UnknownBenchmark(LookupError):
+    """No registered workload has that name."""
+
+
+def bench_dir() -> Path:
+    """bench/ of the repository this package runs from; NoBenchDir where there is none."""
+    here = Path(__file__).resolve().parent.parent / "bench"
+    if not (here / "lib.py").is_file():
+        raise NoBenchDir(f"no bench/ beside the installed package (looked in {here}): the registered benchmarks "
+                         "run from a repository checkout (pip install -e .)")
+    return here
+
+
+def workload_argv(name: str, args: tuple[str, ...] | list[str]) -> list[str]:
+    """The command line that runs workload `name` with the user's `args` (run it from bench_dir().parent).
+    Raises UnknownBenchmark, NoBenchDir."""
+    found = {w.name: w for w in WORKLOADS}
+    if name not in found:
+        raise UnknownBenchmark(f"no benchmark named {name!r} (kvwake bench --list names them)")
+    w = found[name]
+    return [sys.executable, str(bench_dir() / w.script), *w.args, *args]

@@ -7,6 +7,7 @@ global --socket and --autostart).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from typing import Any
 
@@ -110,7 +111,10 @@ def warm(opts: Options, text: str | None, system: str | None, file: Any, as_json
     echo_json(r) if as_json else fields([(k, v) for k, v in r.items()])
 
 
-@click.command()
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.argument("name", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--list", "list_", is_flag=True, help="List the registered benchmarks NAME can be.")
 @click.option("--sessions", "n_sessions", type=click.IntRange(1), default=4, show_default=True,
               help="Sessions to run, one after another.")
 @click.option("--cycles", type=click.IntRange(0), default=2, show_default=True,
@@ -120,13 +124,52 @@ def warm(opts: Options, text: str | None, system: str | None, file: Any, as_json
 @click.option("--max-tokens", type=click.IntRange(1), default=16, show_default=True, help="Tokens per reply.")
 @click.option("--keep", is_flag=True, help="Keep the benchmark's sessions (default: delete them).")
 @json_option
-@click.pass_obj
-def bench(opts: Options, n_sessions: int, cycles: int, system_words: int, max_tokens: int, keep: bool,
-          as_json: bool) -> None:
+@click.pass_context
+def bench(ctx: click.Context, name: str | None, args: tuple[str, ...], list_: bool, n_sessions: int, cycles: int,
+          system_words: int, max_tokens: int, keep: bool, as_json: bool) -> None:
     """Measure sleep, wake, prefix reuse and time to first token on the running daemon.
 
+    With NAME, run that registered benchmark instead, with ARGS (its own options: `kvwake bench NAME --help`);
+    each starts its own daemons. They are bench/'s scripts, found beside the package in a repository
+    checkout (pip install -e .); `--list` names them.
+
     Example: kvwake bench --sessions 8 --cycles 3 --json > bench.json
+
+    Example: kvwake bench batching --model tiny --sessions 1,8
     """
+    if list_:
+        return _list_workloads(as_json)
+    if name is not None:
+        own = [p.opts[0] for p in ctx.command.params if p.name not in ("name", "args") and
+               ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT]
+        if own:
+            raise click.UsageError(f"{own[0]} is the built-in benchmark's option; a named "
+                                   f"one takes its own after NAME (kvwake bench {name} --help)")
+        return _run_workload(name, args)
+    _bench_loop(ctx.obj, n_sessions, cycles, system_words, max_tokens, keep, as_json)
+
+
+def _list_workloads(as_json: bool) -> None:
+    from kvwake.client.bench import WORKLOADS
+
+    if as_json:
+        return echo_json([{"name": w.name, "script": f"bench/{w.script}", "args": list(w.args), "about": w.about}
+                          for w in WORKLOADS])
+    fields([(w.name, w.about) for w in WORKLOADS])
+
+
+def _run_workload(name: str, args: tuple[str, ...]) -> None:
+    from kvwake.client.bench import NoBenchDir, UnknownBenchmark, bench_dir, workload_argv
+
+    try:
+        argv = workload_argv(name, args)
+    except (NoBenchDir, UnknownBenchmark) as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(subprocess.run(argv, cwd=bench_dir().parent).returncode)
+
+
+def _bench_loop(opts: Options, n_sessions: int, cycles: int, system_words: int, max_tokens: int, keep: bool,
+                as_json: bool) -> None:
     from kvwake.client.bench import BenchConfig, run_bench
     from kvwake.client.codecs import codec_advice
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from kvwake.store import Store
-from tests.kvdata import BUNDLE, OTHER_BUNDLE
-from tests.tinymodel import make_model_dir
+from testkit.kvdata import BUNDLE, OTHER_BUNDLE
+from testkit.tinymodel import make_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def no_leftover_daemons():
     Only daemons started during the test itself are killed: module-scoped
     fixtures start theirs before this fixture runs, and stop them themselves.
     """
-    from tests.daemon import STARTED
+    from testkit.daemon import STARTED
 
     first = len(STARTED)
     yield
@@ -44,7 +44,7 @@ def no_leftover_daemons():
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_module_http_clients():
     """The same for the module's fixtures' clients, after the module."""
-    from tests.daemon import CLIENTS
+    from testkit.daemon import CLIENTS
 
     first = len(CLIENTS)
     yield
@@ -54,9 +54,9 @@ def no_leftover_module_http_clients():
 
 @pytest.fixture(autouse=True)
 def no_leftover_http_clients():
-    """API clients a test made (tests.daemon.track) are closed after it: one left to the garbage collector
+    """API clients a test made (testkit.daemon.track) are closed after it: one left to the garbage collector
     warns of its unclosed socket in whichever later test the collector happens to run (warnings are errors)."""
-    from tests.daemon import CLIENTS
+    from testkit.daemon import CLIENTS
 
     first = len(CLIENTS)
     yield

@@ -22,8 +22,8 @@ import pytest
 
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.anthropic_shapes import MessagesRequest
-from tests.daemon import REPO, Daemon, get, serving_http, track
-from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
+from testkit.daemon import REPO, Daemon, get, serving_http, track
+from testkit.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 WEATHER = {"name": "get_weather", "description": "Weather in a city",

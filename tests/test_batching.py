@@ -19,7 +19,7 @@ from kvwake.errors import CancelledError
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 from tests.capabilities import require_quantized_kv
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 PROMPTS = ["short", "a somewhat longer prompt about tools " * 3, "x" * 150, "The weather today is"]
 

@@ -16,7 +16,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.store import Store
 from tests.test_batching import PROMPTS, Passes, run_together
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 ARCHS = ["gemma3_text", "lfm2", "qwen3_next", "falcon_h1", "mamba2"]
 

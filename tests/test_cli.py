@@ -16,8 +16,8 @@ from kvwake.client import Client
 from kvwake.client.cli import main
 from kvwake.client.codecs import codec_advice
 from kvwake.daemon.kv import fill
-from tests.daemon import REPO, Daemon
-from tests.tinymodel import make_model_dir
+from testkit.daemon import REPO, Daemon
+from testkit.tinymodel import make_model_dir
 
 DOCS = REPO / "docs" / "cli.md"
 

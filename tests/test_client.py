@@ -33,8 +33,8 @@ from kvwake.client.paths import resolve_socket
 from kvwake.client.wire import CallReader, Done, Piece
 from kvwake.errors import CODES, KvwakeError, error_for_code
 from kvwake.protocol import NOTIFICATION, RESPONSE, pack
-from tests.daemon import REPO, Daemon
-from tests.tinymodel import make_model_dir
+from testkit.daemon import REPO, Daemon
+from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a terse assistant."
 LONG = 4000  # a generation that is still running when the next call arrives; always cancelled early

@@ -8,7 +8,7 @@ import pytest
 
 from kvwake.store import Store, codecpick
 from kvwake.store.format.codec import read_file_header
-from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
+from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 TOKENS = list(range(100, 114))
 
@@ -74,7 +74,7 @@ def test_auto_picks_among_the_codecs_it_is_given_and_measures_again_when_they_ch
 
 def test_a_daemon_whose_restores_stage_never_picks_a_codec_they_do_not_stage(tmp_path, model_dir):
     from kvwake.daemon.kv.fill import STAGED_CODECS
-    from tests.daemon import Daemon
+    from testkit.daemon import Daemon
 
     d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": "staged"}).start()  # as on a GPU
     try:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon, RawClient, RpcError
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon, RawClient, RpcError
+from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a terse agent that uses tools. " * 3
 

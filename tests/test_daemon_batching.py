@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvwake.daemon.model import attention
-from tests.daemon import Daemon, RawClient
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon, RawClient
+from testkit.tinymodel import make_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon import Daemon
+from testkit.daemon import Daemon
 from tests.test_daemon import SYSTEM, chat
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 
 @pytest.fixture(scope="module")

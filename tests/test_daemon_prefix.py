@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from tests.daemon import Daemon
+from testkit.daemon import Daemon
 
 B = 16
 SHARED = [(i * 29 + 7) % 200 + 20 for i in range(40)]  # 2.5 blocks

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvwake.store import Store
 from kvwake.store.files import TEMP_SUFFIX, write_durable
-from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
+from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = 50

@@ -14,7 +14,7 @@ from kvwake.daemon.session import Session
 from kvwake.errors import BundleMismatchError, InvalidParamsError, StorageFullError
 from kvwake.store import Store
 from tests.capabilities import require_quantized_kv
-from tests.tinymodel import NO_SYSTEM, make_model_dir
+from testkit.tinymodel import NO_SYSTEM, make_model_dir
 
 SYSTEM = "You are a careful agent. Follow the tool manual. " * 3
 GREEDY = GenerateParams(max_tokens=12)

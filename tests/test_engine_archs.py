@@ -20,7 +20,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
-from tests.tinymodel import ARCHS, TOOLS_CHATML, make_model_dir
+from testkit.tinymodel import ARCHS, TOOLS_CHATML, make_model_dir
 
 NAMES = ["llama", "gemma3_text", "lfm2", "qwen3_next"]
 CUTTABLE = {"llama"}

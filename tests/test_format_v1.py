@@ -19,7 +19,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session import Session
 from kvwake.store import Store
 from kvwake.store.format.codec import read_file_header
-from tests.kvdata import BUNDLE, assert_snapshot_exact
+from testkit.kvdata import BUNDLE, assert_snapshot_exact
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 FACTS = json.loads((FIXTURE / "facts.json").read_text())

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kvwake.daemon.gilwatch import GilWatch
-from tests.daemon import Daemon
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon
+from testkit.tinymodel import make_model_dir
 
 
 def hold_the_gil(seconds: float) -> None:

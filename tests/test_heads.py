@@ -9,7 +9,7 @@ import pytest
 
 from kvwake.daemon.session import common_prefix
 from kvwake.store import heads
-from tests.kvdata import BUNDLE, OTHER_BUNDLE, write_snapshot
+from testkit.kvdata import BUNDLE, OTHER_BUNDLE, write_snapshot
 
 
 def brute_force(store, bundle, tokens, *, origin, mode, exclude=()):

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import REPO, Daemon, RpcError, get, openai_client, serving_http, track
+from testkit.daemon import REPO, Daemon, RpcError, get, openai_client, serving_http, track
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 
@@ -35,7 +35,7 @@ def in_threads(target, n: int) -> list[threading.Thread]:
     return workers
 
 
-client_for = openai_client  # tests.daemon's
+client_for = openai_client  # testkit.daemon's
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +292,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
 
 def scripted_api(tmp_path_factory, name: str, *script):
     """An openai client of a daemon serving a scripted model (tinymodel.make_scripted_model); stops it after."""
-    from tests.tinymodel import make_scripted_model
+    from testkit.tinymodel import make_scripted_model
 
     model = make_scripted_model(tmp_path_factory.mktemp("models") / name, *script)
     for d in serving_http(tmp_path_factory.mktemp(f"http-{name}"), model):
@@ -539,7 +539,7 @@ def test_sigterm_with_streams_open_ends_them_and_sleeps_their_sessions(tmp_path,
 def test_a_stateless_session_of_another_model_is_never_continued(tmp_path, model_dir):
     # Invariant 4 over HTTP: after a restart with another model, the stored stateless session of the
     # first is no candidate (waking it would be BUNDLE_MISMATCH); the request starts a new session.
-    from tests.tinymodel import make_model_dir
+    from testkit.tinymodel import make_model_dir
 
     messages = [{"role": "system", "content": SYSTEM + "two models"}, {"role": "user", "content": "first"}]
     d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()

@@ -13,9 +13,9 @@ import warnings
 import pytest
 from pynvim.msgpack_rpc import socket_session
 
-from tests.daemon import REPO, Daemon, RpcError
+from testkit.daemon import REPO, Daemon, RpcError
 from tests.test_daemon import SYSTEM
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 NODE_DIR = REPO / "tests" / "node"
 

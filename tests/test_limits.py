@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from kvwake.daemon.model import memory
-from tests.daemon import Daemon, RpcError
+from testkit.daemon import Daemon, RpcError
 
 TOKENS = list(range(20, 220))  # 200 tokens the tiny model knows
 
@@ -109,7 +109,7 @@ def limit_for_tokens(tmp_path, model_dir, tokens: float) -> int:  # noqa: ANN001
 
 def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir):
     limit = limit_for_tokens(tmp_path, model_dir, 120.5)  # ~120 tokens of KV
-    (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\n")  # the config file tests.daemon names
+    (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\n")  # the config file testkit.daemon names
     d = Daemon(tmp_path, model_dir).start()
     try:
         with d.client() as rpc:
@@ -158,7 +158,7 @@ def test_kv_bytes_per_token_plain_and_quantized(tmp_path):
 
     from kvwake.daemon.kv import state
 
-    from tests.tinymodel import make_model_dir
+    from testkit.tinymodel import make_model_dir
 
     model, _ = load(str(make_model_dir(tmp_path / "wide-heads", num_attention_heads=2, num_key_value_heads=1)))
     cache = make_prompt_cache(model)

@@ -1,22 +1,16 @@
-"""A short run of bench/load.py: 32 clients over RPC and HTTP with disconnects and a kill -9 mid-run."""
+"""A short load run (testkit/load.py): 32 clients over RPC and HTTP with disconnects and a kill -9 mid-run."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.daemon import REPO
+from testkit.load import failed_checks, run_load
 
 
 @pytest.mark.slow
 def test_load_with_faults_loses_no_acknowledged_sleep_and_never_fails_internally(tmp_path):
-    run = subprocess.run([sys.executable, "bench/load.py", "--clients", "32", "--seconds", "20", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    result = json.loads((tmp_path / "load.json").read_text())
-    assert run.returncode == 0, (run.stderr[-3000:], result)
+    result = run_load(tmp_path, clients=32, seconds=20)
+    assert failed_checks(result) == [], result
     assert result["faults"]["kill -9"] == 1 and result["faults"]["disconnects"] > 0
     assert result["outcomes"]["down"] > 0  # the kill was felt: calls failed to connect meanwhile
     assert result["restart"]["down_before_kill"] == 0 and result["restart"]["down_after_restart"] <= 32

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from kvwake.store import Store
-from tests.daemon import Daemon, RawClient
-from tests.kvdata import BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
+from testkit.daemon import Daemon, RawClient
+from testkit.kvdata import BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
 
 ROUNDS = 60
 SHARED = list(range(1000, 1040))  # 10 blocks of 4 tokens every writer's snapshots start with

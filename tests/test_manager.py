@@ -17,7 +17,7 @@ from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import InvalidParamsError, StorageFullError
 from kvwake.store import Store
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a careful agent. Follow the tool manual. " * 3
 

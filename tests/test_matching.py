@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from kvwake.client import Client, openai_config
 from kvwake.client.cli import main
 from kvwake.store import Store
-from tests.daemon import Daemon, RpcError
+from testkit.daemon import Daemon, RpcError
 
 SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 4
 

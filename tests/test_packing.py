@@ -315,7 +315,7 @@ def test_a_packed_pass_that_fails_as_it_is_built_drops_every_sessions_cache_and_
 
 
 def test_a_model_whose_rope_scales_by_a_single_offset_is_not_packed(tmp_path):
-    from tests.tinymodel import make_model_dir
+    from testkit.tinymodel import make_model_dir
 
     model, _ = load(str(make_model_dir(tmp_path / "ntk", rope_scaling={"type": "dynamic", "factor": 2.0})))
     assert type(model.layers[0].self_attn.rope).__name__ == "DynamicNTKScalingRoPE"

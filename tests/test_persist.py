@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.daemon import Daemon, RawClient, RpcError
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon, RawClient, RpcError
+from testkit.tinymodel import make_model_dir
 
 B = 16  # tokens per block (the test daemon's)
 GREEDY = {"max_tokens": 8, "temperature": 0.0}

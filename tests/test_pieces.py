@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from kvwake.daemon.model import pieces as pieces_module
 from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.pieces import Pieces
-from tests.tinymodel import CHATML, SPECIALS, write_tokenizer
+from testkit.tinymodel import CHATML, SPECIALS, write_tokenizer
 
 TEXT = ("The agent reads the manual, plans twelve steps and calls its tools. 12345 tokens, 3.14 ms; "
         "naïve café — done!\n\n  Indented line.\tTabbed. ") * 8

@@ -12,8 +12,8 @@ import pytest
 
 from kvwake.daemon.config import load_settings
 from kvwake.daemon.kv.pool import Pool
-from tests.daemon import Daemon
-from tests.tinymodel import make_model_dir
+from testkit.daemon import Daemon
+from testkit.tinymodel import make_model_dir
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
 

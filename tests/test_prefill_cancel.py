@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import Daemon, RawClient, track
+from testkit.daemon import Daemon, RawClient, track
 
 KEEPALIVE_S = 0.2  # http_keepalive_s: a stream opens on keep-alive comments when its prefill takes longer
 LONG = "a long document. " * 228  # 3,876 byte-level tokens, after a tag naming the test (no prefix shared)

@@ -18,7 +18,7 @@ from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session import Session
 from kvwake.errors import CancelledError
 from kvwake.store import Store
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 STEP = 32
 

@@ -26,8 +26,8 @@ from kvwake.daemon.session import Session, common_prefix
 from kvwake.store import ROOT_KEY, Store, chain_keys
 from kvwake.store.format.keys import tokens_to_bytes
 from tests.capabilities import chunked_prefill_is_exact, require_quantized_kv
-from tests.kvdata import BUNDLE, OTHER_BUNDLE, kv_arrays, write_snapshot
-from tests.tinymodel import make_model_dir
+from testkit.kvdata import BUNDLE, OTHER_BUNDLE, kv_arrays, write_snapshot
+from testkit.tinymodel import make_model_dir
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 B = 16

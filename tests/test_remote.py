@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.daemon import Daemon, RawClient, RpcError
-from tests.seaweed import BUCKET, Seaweed
+from testkit.daemon import Daemon, RawClient, RpcError
+from testkit.seaweed import BUCKET, Seaweed
 
 SYSTEM = "You are a terse agent that uses tools. " * 3
 DOC = "".join(f"Section {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}. " for i in range(18))  # ~1k tokens

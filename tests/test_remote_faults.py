@@ -9,8 +9,8 @@ import time
 import obstore
 import pytest
 
-from tests.daemon import RpcError
-from tests.seaweed import SlowProxy
+from testkit.daemon import RpcError
+from testkit.seaweed import SlowProxy
 from tests.test_remote import DOC, SYSTEM, chat, remote_daemon, two_daemons, wait_remote, weed  # noqa: F401 (weed: the server)
 
 DEADLINE_S = 2.0  # remote_prefix_deadline_s, the default

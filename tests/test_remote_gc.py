@@ -18,9 +18,9 @@ from kvwake.store.remote.client import Remote
 from kvwake.store.remote.objects import RemoteConfig
 from kvwake.store.remote.gc import collect
 from kvwake.store.remote.snapshots import fetch_snapshot, upload_blocks, upload_snapshot
-from tests.daemon import RpcError
-from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
-from tests.seaweed import BUCKET, KEY_ID, SECRET
+from testkit.daemon import RpcError
+from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
+from testkit.seaweed import BUCKET, KEY_ID, SECRET
 from tests.test_remote import (DOC, chat, released_with_twin, remote_daemon, two_daemons, wait_remote,  # noqa: F401
                                weed)  # weed: the module's server
 

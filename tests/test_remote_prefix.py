@@ -12,7 +12,7 @@ from kvwake.store import Store
 from kvwake.store.format.keys import chain_keys
 from kvwake.store.remote.shared_prompts import fetch_prefix, upload_prefix
 from kvwake.store.remote.snapshots import upload_snapshot
-from tests.kvdata import BUNDLE, kv_arrays, write_snapshot
+from testkit.kvdata import BUNDLE, kv_arrays, write_snapshot
 from tests.test_remote import weed  # noqa: F401 (the module's server)
 from tests.test_remote_gc import _remote
 
@@ -117,8 +117,8 @@ async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, w
     from kvwake.daemon.model.thread import EngineThread
     from kvwake.daemon.sessions.manager import SessionManager
     from kvwake.daemon.sessions.remote_tier import RemoteTier
-    from tests.seaweed import BUCKET, KEY_ID, SECRET
-    from tests.tinymodel import make_model_dir
+    from testkit.seaweed import BUCKET, KEY_ID, SECRET
+    from testkit.tinymodel import make_model_dir
 
     settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, block_tokens=B, remote=f"s3://{BUCKET}/threads",
                         remote_endpoint=weed.endpoint, remote_access_key_id=KEY_ID, remote_secret_access_key=SECRET)
@@ -158,8 +158,8 @@ async def test_the_remote_state_is_connecting_until_remote_reads_work(tmp_path, 
     from kvwake.daemon.model.thread import EngineThread
     from kvwake.daemon.sessions.remote_tier import RemoteTier
     from kvwake.errors import RemoteUnavailableError
-    from tests.seaweed import BUCKET, KEY_ID, SECRET
-    from tests.tinymodel import make_model_dir
+    from testkit.seaweed import BUCKET, KEY_ID, SECRET
+    from testkit.tinymodel import make_model_dir
 
     settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, block_tokens=B, remote=f"s3://{BUCKET}/window",
                         remote_endpoint=weed.endpoint, remote_access_key_id=KEY_ID, remote_secret_access_key=SECRET)

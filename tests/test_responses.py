@@ -24,15 +24,15 @@ from pydantic import TypeAdapter
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.openai_shapes import ApiError
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
-from tests.daemon import Daemon, openai_client, serving_http
-from tests.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
+from testkit.daemon import Daemon, openai_client, serving_http
+from testkit.tinymodel import TOOLS_CHATML, make_model_dir, make_scripted_model
 
 INSTRUCTIONS = "You are a careful agent. Answer briefly and name your sources. " * 4
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-client_for = openai_client  # tests.daemon's
+client_for = openai_client  # testkit.daemon's
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ from pydantic import TypeAdapter
 from kvwake.client import openai_config
 from kvwake.daemon.fronts.openai_shapes import ApiError
 from kvwake.daemon.fronts.responses_shapes import ResponsesRequest
-from tests.daemon import Daemon, get, openai_client
+from testkit.daemon import Daemon, get, openai_client
 from tests.test_responses import cached, replayed, session_of, validated_stream
-from tests.tinymodel import after_tool_template, make_scripted_model
+from testkit.tinymodel import after_tool_template, make_scripted_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CLOSE = '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "agent-7"}}'

@@ -11,9 +11,9 @@ import time
 import msgpack
 import pytest
 
-from tests.daemon import Daemon
+from testkit.daemon import Daemon
 from tests.test_daemon import SYSTEM, chat
-from tests.tinymodel import make_model_dir
+from testkit.tinymodel import make_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from kvwake.client.service import MANIFEST_NAME, Manifest, plan_install, service
 from kvwake.daemon.activation import ActivationError, listen_socket_from_env
-from tests.daemon import REPO, RawClient
+from testkit.daemon import REPO, RawClient
 
 # Moves the fds named in argv[1] to 3, 4, ..., sets LISTEN_PID to its own pid and LISTEN_FDS, then execs
 # python with the rest of argv: what systemd does between fork and exec.
@@ -387,7 +387,7 @@ def test_socket_activation_needs_systemd(tmp_path):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.tinymodel import make_model_dir
+    from testkit.tinymodel import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
 

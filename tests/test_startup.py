@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon
+from testkit.daemon import Daemon
 
 
 @pytest.mark.parametrize("allowed", [False, True])

@@ -9,7 +9,7 @@ import pytest
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store import Store
-from tests.kvdata import BUNDLE, OTHER_BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
+from testkit.kvdata import BUNDLE, OTHER_BUNDLE, assert_snapshot_exact, kv_arrays, write_snapshot
 
 TOKENS = list(range(100, 114))  # 3 full 4-token blocks + a 2-token tail
 

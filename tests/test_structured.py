@@ -23,8 +23,8 @@ from kvwake.daemon.model.grammar import Structure
 from kvwake.daemon.session import Session
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
-from tests.daemon import RpcError, serving_http
-from tests.tinymodel import TOOLS_CHATML, make_model_dir
+from testkit.daemon import RpcError, serving_http
+from testkit.tinymodel import TOOLS_CHATML, make_model_dir
 
 SHORT = {"type": "string", "maxLength": 6}
 SCHEMAS = {

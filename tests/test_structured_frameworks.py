@@ -17,8 +17,8 @@ import pydantic
 import pytest
 
 from kvwake.client import openai_config
-from tests.daemon import serving_http
-from tests.tinymodel import TOOLS_CHATML, make_model_dir
+from testkit.daemon import serving_http
+from testkit.tinymodel import TOOLS_CHATML, make_model_dir
 
 
 class City(pydantic.BaseModel):

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from kvwake.daemon.model.generation import GenerateParams, TextOutput
-from tests.tinymodel import CHATML, TOOLS_CHATML, WEATHER_CALL, make_model_dir, write_tokenizer
+from testkit.tinymodel import CHATML, TOOLS_CHATML, WEATHER_CALL, make_model_dir, write_tokenizer
 
 CALL = f"<tool_call>{WEATHER_CALL}</tool_call>"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -132,7 +132,7 @@ def test_without_a_tool_call_format_markers_are_plain_text(tokenizers):
 
 
 def test_whole_marker_tokens_of_the_scripted_model(tmp_path):
-    from tests.tinymodel import TOOL_SCRIPT
+    from testkit.tinymodel import TOOL_SCRIPT
 
     path = make_model_dir(tmp_path / "m", template=TOOLS_CHATML, added=TOOL_SCRIPT)
     tok = load_tokenizer(path)
@@ -148,7 +148,7 @@ def test_calls_decoded_together_each_get_their_own_content_and_calls(tmp_path):
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session import Session
     from kvwake.store import Store
-    from tests.tinymodel import make_scripted_model
+    from testkit.tinymodel import make_scripted_model
 
     script = ("Checking the weather.", "<tool_call>", WEATHER_CALL, "</tool_call>")
     store = Store(tmp_path / "store", block_tokens=16)

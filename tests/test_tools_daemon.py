@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from kvwake.client import AsyncClient, Client, InvalidParamsError
 from kvwake.client.cli import main
-from tests.daemon import Daemon, RawClient, RpcError
-from tests.tinymodel import TOOL_SCRIPT, WEATHER_CALL, make_scripted_model
+from testkit.daemon import Daemon, RawClient, RpcError
+from testkit.tinymodel import TOOL_SCRIPT, WEATHER_CALL, make_scripted_model
 
 RAW = "".join(TOOL_SCRIPT)
 TOOLS = [{"type": "function", "function": {

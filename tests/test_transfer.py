@@ -10,7 +10,7 @@ import pytest
 
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
-from tests.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
+from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 TOKENS = list(range(200, 215))
 

@@ -13,7 +13,7 @@ import random
 import sys
 
 from kvwake.store import Store
-from tests.kvdata import BUNDLE, write_snapshot
+from testkit.kvdata import BUNDLE, write_snapshot
 
 
 def main() -> None:

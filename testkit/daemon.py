@@ -1,0 +1,168 @@
+"""Run a real `kvwake serve` subprocess on a tiny model, and talk to it with a minimal raw client.
+
+`RawClient` speaks msgpack-rpc directly (no kvwake.client), so daemon tests do
+not depend on the client library they would otherwise be testing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+STARTED: list[Daemon] = []  # every daemon a test started; conftest kills leftovers after each test
+CLIENTS: list[Any] = []  # API clients (openai, anthropic) tests made; conftest closes a test's own after it
+
+
+def track(client: Any) -> Any:
+    """`client` (anything with close()), closed after the test that made it (module fixtures' after the module)."""
+    CLIENTS.append(client)
+    return client
+
+
+def openai_client(d: Daemon) -> Any:
+    """The official `openai` client of a daemon serving HTTP (its URL and token), no retries; closed after the test."""
+    import openai
+
+    from kvwake.client import openai_config
+
+    return track(openai.OpenAI(**openai_config(d.socket), max_retries=0, timeout=120))
+
+
+class Daemon:
+    """A `kvwake serve` process with its own socket and data dir."""
+
+    def __init__(self, root: Path, model_dir: Path, *, block_tokens: int = 16, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.root, self.model_dir = root, model_dir
+        self.socket = root / "run" / "kvwake.sock"
+        self.data_dir = root / "data"
+        self.log = root / "daemon.log"
+        self.args = ["--socket", str(self.socket), "--data-dir", str(self.data_dir), "--model", str(model_dir),
+                     "--block-tokens", str(block_tokens), *(extra or [])]
+        self.env = {**os.environ, "KVWAKE_CONFIG": str(root / "none.toml"), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> Daemon:
+        offset = self.log.stat().st_size if self.log.exists() else 0  # earlier runs' lines don't count
+        log = open(self.log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvwake.client.cli", "serve", *self.args],
+                                     cwd=REPO, env=self.env, stdout=log, stderr=log)
+        log.close()
+        if not any(d is self for d in STARTED):  # a restart keeps its place (module-scoped daemons too)
+            STARTED.append(self)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            if b'"event": "ready"' in self.log.read_bytes()[offset:]:
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        if code != 0 and sig != signal.SIGKILL:  # shown by pytest when the test then fails
+            print(f"daemon exited {code}; its log ends:\n{self.log.read_text(errors='replace')[-4000:]}")
+        return code
+
+    def client(self) -> RawClient:
+        return RawClient(self.socket)
+
+    def log_problems(self) -> list[str]:
+        """Lines of the daemon's log that show a bug: tracebacks (also asyncio's own, "Exception in
+        callback ...", which are not JSON) and ERROR records."""
+        bad = ("Traceback", "Exception in callback", '"level": "ERROR"', '"level": "CRITICAL"')
+        return [line for line in self.log.read_text(errors="replace").splitlines() if any(b in line for b in bad)]
+
+
+def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
+    """A raw HTTP request (what the API client packages would not send): status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def serving_http(root: Path, model_dir: Path) -> Iterator[Daemon]:
+    """A module fixture's body: a daemon serving HTTP on a free port; stopped after, its log checked."""
+    d = Daemon(root, model_dir, extra=["--http", "0"]).start()
+    yield d
+    assert d.stop() == 0
+    assert d.log_problems() == []
+
+
+class RpcError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error['code']}: {error['message']}")
+        self.code, self.message, self.data = error["code"], error["message"], error.get("data")
+
+
+class RawClient:
+    """Blocking msgpack-rpc over a Unix socket; collects stream notifications per request."""
+
+    def __init__(self, path: Path, timeout: float = 60.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(str(path))
+        except OSError:  # no daemon there (down, restarting): the socket is not left for the collector
+            self.sock.close()
+            raise
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+        self.streamed: dict[int, list[dict[str, Any]]] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, method: str, params: Any = None) -> int:
+        self.msgid += 1
+        self.sock.sendall(msgpack.packb([0, self.msgid, method, params if params is not None else {}]))
+        return self.msgid
+
+    def receive(self, msgid: int) -> Any:
+        while True:
+            for message in self.unpacker:
+                if message[0] == 2 and message[1] == "stream":
+                    self.streamed.setdefault(message[2]["msgid"], []).append(message[2])
+                elif message[0] == 1 and message[1] == msgid:
+                    if message[2] is not None:
+                        raise RpcError(message[2])
+                    return message[3]
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("daemon closed the connection")
+            self.unpacker.feed(data)
+
+    def call(self, method: str, **params: Any) -> Any:
+        return self.receive(self.send(method, params))
