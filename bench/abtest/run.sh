@@ -1,13 +1,13 @@
 #!/bin/bash
 # A/B of kvwake's hot paths: tree A (a commit, as a tarball) against tree B (a source folder), in one run.
 #
-#   bash bench/abtest/run.sh pack     make bench/abtest/.before.tar from REV_A (needs git: run it here)
+#   bash bench/abtest/run.sh pack     make bench/abtest/.before.tar.gz from REV_A (needs git: run it here)
 #   bash bench/abtest/run.sh          install both trees under $WORK and run abtest.py on them
 #
 # Variables (defaults in brackets):
 #   PY      the python that runs everything [python3]: it needs mlx, mlx-lm and kvwake's dependencies
 #   REV_A   the commit `pack` archives [4469ee7]
-#   TREE_A  tree A: a .tar made by `pack`, or a source folder [bench/abtest/.before.tar]
+#   TREE_A  tree A: a .tar.gz made by `pack`, or a source folder [bench/abtest/.before.tar.gz]
 #   TREE_B  tree B: a source folder [the repository this script is in]
 #   WORK    scratch: unpacked tree, installs, models, stores, logs [/tmp/abtest]
 #   MODEL   a model folder, or "tiny" (tree B's tests/tinymodel.py makes one under $WORK) [tiny]
@@ -18,15 +18,15 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 PY=${PY:-python3}
 REV_A=${REV_A:-4469ee7}
-TREE_A=${TREE_A:-$here/.before.tar}
+TREE_A=${TREE_A:-$here/.before.tar.gz}
 TREE_B=${TREE_B:-$repo}
 WORK=${WORK:-/tmp/abtest}
 MODEL=${MODEL:-tiny}
 OUT=${OUT:-$WORK/abtest.json}
 
 if [ "${1:-}" = pack ]; then
-  git -C "$repo" archive --format=tar -o "$here/.before.tar" "$REV_A"
-  echo "$here/.before.tar: $(git -C "$repo" rev-parse --short "$REV_A") ($(du -h "$here/.before.tar" | cut -f1))"
+  git -C "$repo" archive --format=tar.gz -o "$here/.before.tar.gz" "$REV_A"
+  echo "$here/.before.tar.gz: $(git -C "$repo" rev-parse --short "$REV_A") ($(du -h "$here/.before.tar.gz" | cut -f1))"
   exit 0
 fi
 [ "${1:-}" = run ] && shift
