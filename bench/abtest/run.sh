@@ -10,7 +10,7 @@
 #   TREE_A  tree A: a .tar.gz made by `pack`, or a source folder [bench/abtest/.before.tar.gz]
 #   TREE_B  tree B: a source folder [the repository this script is in]
 #   WORK    scratch: unpacked tree, installs, models, stores, logs [/tmp/abtest]
-#   MODEL   a model folder, or "tiny" (tree B's tests/tinymodel.py makes one under $WORK) [tiny]
+#   MODEL   a model folder, or "tiny" (tree B's testkit/tinymodel.py makes one under $WORK) [tiny]
 #   OUT     where the JSON record goes [$WORK/abtest.json]
 #   Any arguments after the mode go to abtest.py (sizes, rounds: see its --help).
 set -euo pipefail
@@ -48,7 +48,7 @@ install_tree B "$TREE_B"
 if [ "$MODEL" = tiny ]; then
   MODEL=$WORK/tiny-llama
   [ -f "$MODEL/config.json" ] || (cd "$TREE_B" && "$PY" -c \
-    "import sys; from pathlib import Path; from tests.tinymodel import make_model_dir; make_model_dir(Path(sys.argv[1]))" \
+    "import sys; from pathlib import Path; from testkit.tinymodel import make_model_dir; make_model_dir(Path(sys.argv[1]))" \
     "$MODEL")
 fi
 
