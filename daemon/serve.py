@@ -40,11 +40,12 @@ import mlx.core as mx
 import kvwake
 from kvwake.daemon import gilwatch
 from kvwake.daemon.config import Settings
-from kvwake.daemon.fronts.matching import expire
+from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import fill
 from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread, process_age_s
 from kvwake.daemon.phases import Phases
 from kvwake.daemon.sessions.manager import SessionManager
@@ -106,9 +107,9 @@ def prepare_socket(path: Path) -> None:
     raise DaemonRunningError(f"a kvwake daemon is already serving {path}; stop it first (kvwake status shows its pid)")
 
 
-def write_status(settings: Settings, engine: Engine, *, http_url: str | None = None) -> None:
+def write_status(settings: Settings, model: LoadedModel, *, http_url: str | None = None) -> None:
     status = {"pid": os.getpid(), "socket": str(settings.socket), "version": kvwake.__version__,
-              "model": engine.model_name, "bundle_hash": engine.bundle.hash, "started": time.time()}
+              "model": model.name, "bundle_hash": model.bundle.hash, "started": time.time()}
     if http_url is not None:  # where `kvwake http` and openai_config() find the API (the token stays in its file)
         status["http"] = {"url": http_url, "token_file": str(settings.http_token_file) if settings.http_auth
                           and settings.http_token is None else None, "auth": settings.http_auth}
@@ -188,8 +189,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                                           tuning=settings.tuning)).result()
     started.mark("engine")
     started.ms.update({f"engine.{k}": v for k, v in engine.started.ms.items()})
-    thread.attach(engine.decoder, engine.planner)
-    manager = SessionManager(engine, thread, settings)
+    manager = SessionManager(ModelProvider.of(engine, thread), settings)
     manager.started = started
     if settings.remote is not None:
         from kvwake.daemon.sessions.remote_tier import RemoteTier  # obstore loads only when a remote is configured
@@ -260,7 +260,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
     listener = await asyncio.get_running_loop().create_unix_server(
         server.protocol, sock=listen_socket if listen_socket is not None else unix_listener(settings.socket))
-    write_status(settings, manager.engine, http_url=_http_url(http[0]) if http else None)
+    write_status(settings, manager.model, http_url=_http_url(http[0]) if http else None)
     http_done = anyio.Event()
     try:
         manager.gil_watch = gilwatch.from_tuning(settings.tuning)  # waits for the GIL (status.gil): a diagnostic, off by default
@@ -269,15 +269,15 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)
-            services.start_soon(_warm, manager)
+            services.start_soon(_warm, manager.models)
             if manager.remote is not None:  # connects (retrying) and uploads in the background
                 services.start_soon(manager.remote.run)
             if http is not None:
                 services.start_soon(_serve_http, manager, http, stop, http_done)
             manager.started.mark("listen")
-            log.info("ready", extra={"socket": str(settings.socket), "model": manager.engine.model_name,
+            log.info("ready", extra={"socket": str(settings.socket), "model": manager.model.name,
                                      "startup_ms": manager.started.ms,
-                                     "bundle": manager.engine.bundle.hash, "sessions": len(manager.entries),
+                                     "bundle": manager.model.bundle.hash, "sessions": len(manager.entries),
                                      "http": _http_url(http[0]) if http else None,
                                      "event_loop": type(asyncio.get_running_loop()).__module__})
             await stop.wait()
@@ -319,18 +319,21 @@ async def _signals(stop: anyio.Event) -> None:
             return
 
 
-async def _warm(manager: SessionManager) -> None:
-    """The engine's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers,
+async def _warm(models: ModelProvider) -> None:
+    """Each model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers,
     one short engine-thread job at a time: a request that comes meanwhile waits for one job, not all."""
-    started, jobs = time.perf_counter(), await manager.thread.run(manager.engine.warm_jobs)
-    for job in jobs:
-        try:
-            await manager.thread.run(job)
-        except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
-            log.warning("warm-up failed", extra={"error": repr(exc)})
-            return
-    if jobs:
-        log.info("warm", extra={"jobs": len(jobs), "ms": round((time.perf_counter() - started) * 1000, 1)})
+    for model in models:
+        started, jobs = time.perf_counter(), await model.thread.run(model.engine.warm_jobs)
+        for job in jobs:
+            try:
+                await model.thread.run(job)
+            except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
+                log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
+                break
+        else:
+            if jobs:
+                log.info("warm", extra={"model": model.name, "jobs": len(jobs),
+                                        "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:

@@ -12,14 +12,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlite_utils
 
 from kvwake.errors import NotFoundError
-
-if TYPE_CHECKING:
-    from kvwake.store.core import StoreCore
 
 __all__ = ["StoredResponses", "m004_responses"]
 
@@ -34,9 +31,10 @@ def m004_responses(db: sqlite_utils.Database) -> None:
 
 
 class StoredResponses:
-    """The `responses` table of one store (`Store.responses`), under the store's index lock."""
+    """The `responses` table of one store (`Store.responses`), under the store's index lock. `core`: the
+    store's core (store/core.py; not imported here: the index imports this module for its migration)."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: Any) -> None:
         self.core = core
 
     def put(self, response_id: str, session_id: str, position: int, conversation: list[Any],

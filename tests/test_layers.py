@@ -18,7 +18,8 @@ FOLDERS = {"kvwake": ROOT / "common", "kvwake.daemon": ROOT / "daemon", "kvwake.
            "kvwake.client": ROOT / "client"}
 # Inside daemon/: a layer imports only those below it. The daemon's root modules: session.py
 # (the shared vocabulary) and config.py, activation.py sit under every layer; serve.py is on top.
-DAEMON_RANKS = {"session": 0, "phases": 0, "startup": 0, "config": 0, "activation": 0, "collector": 1, "gilwatch": 1,
+DAEMON_RANKS = {"session": 0, "phases": 0, "startup": 0, "config": 0, "activation": 0, "jobs": 0, "collector": 1,
+                "gilwatch": 1,
                 "kv": 1, "model": 2, "sessions": 3, "fronts": 4, "serve": 5}
 SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\b.+\bINTO|REPLACE\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM|CREATE\s+"
                  r"(TABLE|INDEX|VIEW|TRIGGER)|DROP\s+(TABLE|INDEX|VIEW|TRIGGER)|PRAGMA\s+\w+)\b", re.IGNORECASE | re.DOTALL)
@@ -194,3 +195,33 @@ def test_no_sql_outside_the_store(folder):
         found += [f"{path.relative_to(ROOT)}:{n.lineno}: .{n.attr}" for n in ast.walk(tree)
                   if isinstance(n, ast.Attribute) and (reaches_store(n) or n.attr in ("execute", "executemany"))]
     assert not found, "SQL outside store/:\n" + "\n".join(found)
+
+
+# What lies behind the session manager: the fronts ask it by method (status, a page of sessions, generate, ...).
+BEHIND_MANAGER = {"engine", "store", "thread", "decoder", "entries", "models", "model", "remote", "planner",
+                  "persister", "counters", "collector"}
+# Never reached from a front, through whatever name.
+MODEL_PARTS = {"engine", "thread", "decoder", "planner", "persister"}
+
+
+def reaches_behind_manager(node: ast.Attribute) -> bool:
+    """`manager.<part>`, `m.<part>`, `<...>.manager.<part>` for a part behind the manager, or any `.engine`,
+    `.thread`, `.decoder` and the like."""
+    base = node.value
+    name = base.attr if isinstance(base, ast.Attribute) else base.id if isinstance(base, ast.Name) else ""
+    return node.attr in MODEL_PARTS or (node.attr in BEHIND_MANAGER and name in ("manager", "m"))
+
+
+def test_the_reach_check_sees_a_reach():
+    code = "a = self.manager.engine.model_name\nb = m.store.fsck\nc = req.store\nd = ctx.manager.status()"
+    found = [n.attr for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Attribute) and reaches_behind_manager(n)]
+    assert sorted(found) == ["engine", "store"]
+
+
+def test_the_fronts_ask_the_manager_and_never_reach_behind_it():
+    """A front reads no engine, store, thread or decoder: it asks the session manager (docs/architecture.md)."""
+    found = []
+    for path in sorted((ROOT / "daemon" / "fronts").rglob("*.py")):
+        found += [f"{path.relative_to(ROOT)}:{n.lineno}: .{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(n, ast.Attribute) and reaches_behind_manager(n)]
+    assert not found, "fronts reaching behind the session manager:\n" + "\n".join(found)

@@ -13,6 +13,7 @@ import pytest
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.provider import ModelProvider
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import InvalidParamsError, StorageFullError
@@ -32,8 +33,8 @@ def manager(model_dir, tmp_path):
     store = Store(tmp_path / "store", block_tokens=16)
     thread = EngineThread()
     engine = thread.submit(lambda: Engine(store, tmp_path, model_dir)).result()
-    thread.attach(engine.decoder, engine.planner)  # as serve does: generate calls decode between engine jobs
-    yield SessionManager(engine, thread, Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
+    # as serve does: generate calls decode between engine jobs
+    yield SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     thread.stop()
     engine.close()
     store.close()

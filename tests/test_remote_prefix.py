@@ -115,6 +115,7 @@ async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, w
     from kvwake.daemon.config import Settings
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.thread import EngineThread
+    from kvwake.daemon.model.provider import ModelProvider
     from kvwake.daemon.sessions.manager import SessionManager
     from kvwake.daemon.sessions.remote_tier import RemoteTier
     from testkit.seaweed import BUCKET, KEY_ID, SECRET
@@ -124,7 +125,7 @@ async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, w
                         remote_endpoint=weed.endpoint, remote_access_key_id=KEY_ID, remote_secret_access_key=SECRET)
     store, thread = Store(settings.store_dir, block_tokens=B), EngineThread()
     engine = thread.submit(lambda: Engine(store, tmp_path, make_model_dir(tmp_path / "model"))).result()
-    manager = SessionManager(engine, thread, settings)
+    manager = SessionManager(ModelProvider.of(engine, thread), settings)
     manager.remote = RemoteTier(settings, engine)
     try:
         async with anyio.create_task_group() as tg:

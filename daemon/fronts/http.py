@@ -24,7 +24,7 @@ off, and only on a loopback address. A bare port binds 127.0.0.1.
 Sessions. With `X-Kvwake-Session: ID` (or `kvwake_session` in the body) the
 request runs in that session (created when new); its messages are the whole
 conversation, which replaces the session's, and only tokens past the common
-prefix are prefilled. Without one, fronts/matching.py picks the session. The
+prefix are prefilled. Without one, sessions/matching.py picks the session. The
 session used comes back in the `X-Kvwake-Session` response header and in the
 body's `kvwake` object.
 """
@@ -58,13 +58,13 @@ from starlette.routing import Route
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
-from kvwake.daemon.fronts.matching import Matcher
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
 from kvwake.daemon.fronts.responses_items import item_page
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
 from kvwake.daemon.fronts.sse import AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream
+from kvwake.daemon.sessions.matching import Matcher
 from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
-from kvwake.errors import BusyError, KvwakeError, NotFoundError
+from kvwake.errors import KvwakeError, NotFoundError
 
 __all__ = ["HttpTokenError", "bind", "make_app", "parse_address", "read_token", "run_http"]
 
@@ -72,7 +72,6 @@ log = logging.getLogger("kvwake.http")
 SESSION_HEADER = "x-kvwake-session"
 DISCONNECT_POLL_S = 0.25
 MAX_BODY_BYTES = 32 << 20  # a million-token conversation as JSON fits; a bigger body is a 413, unread
-MATCH_TRIES = 8  # a stateless request whose chosen session another took first is matched again
 
 
 class HttpTokenError(RuntimeError):
@@ -164,9 +163,13 @@ class Api:
         self.keepalive_s, self.hosted = manager.settings.http_keepalive_s, manager.settings.http_hosted_tools
 
     def _names(self) -> list[str]:
-        """The model names served: the loaded model's, then the aliases of it."""
-        name = self.manager.engine.model_name
-        return [name, *(alias for alias, target in self.aliases.items() if target == name)]
+        """The model names served: the loaded models', each followed by its aliases."""
+        return [n for name in self.manager.model_names()
+                for n in (name, *(alias for alias, target in self.aliases.items() if target == name))]
+
+    def _model(self) -> str:
+        """The name replies give: the model every request runs on today (the default)."""
+        return self.manager.model_names()[0]
 
     def _check_model(self, requested: Any) -> None:
         """Any name is served by the loaded model, unless the config has an [aliases] table: then only its names."""
@@ -189,20 +192,20 @@ class Api:
         body = await _body(request)
         self._check_model(body.get("model"))
         req = ChatRequest.parse(body, _header(request))
-        return await self._complete(request, req, OpenAiEvents(Reply(self.manager.engine.model_name, True,
+        return await self._complete(request, req, OpenAiEvents(Reply(self._model(), True,
                                                                      req.one_call), req.include_usage))
 
     async def completions(self, request: Request) -> Response:
         body = await _body(request)
         self._check_model(body.get("model"))
         req = CompletionRequest.parse(body, _header(request))
-        return await self._complete(request, req, OpenAiEvents(Reply(self.manager.engine.model_name, False),
+        return await self._complete(request, req, OpenAiEvents(Reply(self._model(), False),
                                                                req.include_usage))
 
     async def messages(self, request: Request) -> Response:
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
         self._check_model(req.model)
-        return await self._complete(request, req, AnthropicEvents(MessagesReply(self.manager.engine.model_name,
+        return await self._complete(request, req, AnthropicEvents(MessagesReply(self._model(),
                                                                                 req.one_call, req.thinking)))
 
     async def count_tokens(self, request: Request) -> Response:
@@ -222,7 +225,7 @@ class Api:
             before = await self._stored(req.previous_response_id, "previous_response_id")
             earlier = None if before.input_items is None else [*before.input_items, *before.response["output"]]
             req = req.following(before.conversation, before.session_id, before.position, earlier)
-        reply = ResponsesReply(self.manager.engine.model_name, req)
+        reply = ResponsesReply(self._model(), req)
 
         async def keep(response: dict[str, Any], session_id: str, position: int) -> None:
             await self.records.put(ResponseRecord(reply.id, session_id, position, req.recorded(response), response,
@@ -296,38 +299,12 @@ class Api:
 
     async def _start(self, req: Any, on_event: Callable | None, cancelled: Callable[[], bool],
                      on_append: Callable | None = None) -> tuple[dict[str, Any], asyncio.Task]:
-        """Pick the session and start the generation; a session another request took meanwhile is matched
-        again. Parameters are checked first: a refused request makes no session."""
-        m = self.manager
-        m.check_params(req.params, req.inputs().get("tools"))  # a bad schema too: refused before any compute
+        """Check and render the request once (a refused request makes no session), then pick its session and
+        start the generation (sessions/matching.py)."""
         started = time.perf_counter()
-        prompt = await m.render(req.inputs())  # once: it picks the session, then it is what is appended
-        rendered = time.perf_counter()
-        m.engine.check_fits(len(prompt.target))  # a prompt over the context is refused before a session is made
-        for attempt in range(MATCH_TRIES):
-            if req.session_id is not None:
-                await m.create(req.session_id, exist_ok=True)
-                session = {"session_id": req.session_id, "match": "named"}
-            else:
-                match = await self.matcher.find(prompt.target, prompt.mode, getattr(req, "hint", None))
-                session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
-            phases = {"match": session["match"], "render_ms": round((rendered - started) * 1000, 2),
-                      "match_ms": round((time.perf_counter() - rendered) * 1000, 2),
-                      **({} if req.session_id is not None else {"match_store_ms": match.store_ms})}
-            claimed = asyncio.Event()
-            task = asyncio.ensure_future(m.generate(session["session_id"], req.params, on_event, cancelled, prompt,
-                                                    claimed.set, on_append, phases))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
-            # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
-            waiting = asyncio.ensure_future(claimed.wait())
-            try:
-                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiting.cancel()
-            taken = not claimed.is_set() and not task.cancelled() and isinstance(task.exception(), BusyError)
-            if taken and req.session_id is None and attempt < MATCH_TRIES - 1:
-                continue
-            return session, task
+        prepared = await self.manager.prepare(req.inputs(), req.params)
+        return await self.matcher.start(prepared, req.session_id, getattr(req, "hint", None), on_event, cancelled,
+                                        on_append, render_ms=round((time.perf_counter() - started) * 1000, 2))
         raise AssertionError("unreachable")
 
 

@@ -8,18 +8,15 @@ Unknown params are refused too, so a typo never silently does nothing.
 from __future__ import annotations
 
 import os
-import resource
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from anyio import to_thread
 
-import kvwake
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import GRAMMAR_KEYS
+from kvwake.daemon.sessions import reports
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.errors import InvalidParamsError
 from kvwake.protocol import PROTOCOL_VERSION
@@ -84,53 +81,17 @@ async def hello(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     if protocol != PROTOCOL_VERSION:
         raise InvalidParamsError(f"protocol {protocol!r} not supported; this server speaks {PROTOCOL_VERSION}",
                                  supported=[PROTOCOL_VERSION])
-    engine = ctx.manager.engine
-    return {"server": "kvwake", "version": kvwake.__version__, "protocol": PROTOCOL_VERSION,
-            "model": engine.model_name, "bundle_hash": engine.bundle.hash}
+    return reports.hello(ctx.manager)
 
 
 async def status(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
-    m, engine = ctx.manager, ctx.manager.engine
-    hot = len(m.entries.hot)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
-            "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
-            "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(),
-                       "hot_budget_bytes": m.hot_budget(), "kv_room_bytes": engine.kv_room_bytes,
-                       "ram_tier_bytes": engine.hot.bytes, "peak_rss_bytes": rss,
-                       "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
-                       "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,
-                       "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,
-                       "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
-            "store": {"stored_bytes": await to_thread.run_sync(engine.store.stored_bytes),
-                      "path": str(engine.store.root), "codec": engine.store.codec,
-                      "codec_choice": engine.store.codec_choice,
-                      "auto_among": list(engine.store.auto_among) if engine.store.auto_among else None},
-            "persistence": engine.persister.status(),
-            "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
-                           "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,
-                           **engine.decoder.status()},
-            "engine_thread": m.thread.timing(),
-            "gc": m.collector.summary(),
-            "gil": m.gil_watch.summary() if m.gil_watch is not None else None,
-            "turns": list(m.turns),
-            "startup_ms": m.started.ms,
-            "counters": {**m.counters, **engine.counters},
-            **({"remote": m.remote.status()} if m.remote is not None else {})}
+    return await reports.status(ctx.manager)
 
 
 async def stats(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
-    m, c = ctx.manager, ctx.manager.engine.counters
-    blocks = c["blocks_ram"] + c["blocks_disk"]
-    tokens = c["tokens_reused"] + c["tokens_prefilled"]
-    return {"latency": {k: v.summary() for k, v in m.latency.items()},
-            "blocks": {"from_memory": c["blocks_ram"], "from_disk": c["blocks_disk"],
-                       "memory_hit_rate": round(c["blocks_ram"] / blocks, 4) if blocks else None},
-            "tokens": {"reused": c["tokens_reused"], "prefilled": c["tokens_prefilled"],
-                       "reuse_rate": round(c["tokens_reused"] / tokens, 4) if tokens else None},
-            "engine_busy_s": round(m.thread.busy_s, 3), "counters": m.counters}
+    return reports.stats(ctx.manager)
 
 
 async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -143,22 +104,9 @@ LIST_PAGE_MAX = 1000  # sessions one paged session.list returns at most
 
 async def session_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"limit", "after", "origin", "state"})
-    m = ctx.manager
-    if p:
-        return await _session_page(m, p)
-    listed = {"sessions": [_summary(e) for e in m.entries.values()]}
-    if m.remote is not None:  # sessions other daemons published: waking one makes it ours
-        remote, error = await m.remote.sessions()
-        listed["sessions"] += [{"session_id": sid, "state": "remote", "busy": None, "tokens": None}
-                               for sid in remote if sid not in m.entries]
-        listed["remote_error"] = error
-    return listed
-
-
-async def _session_page(m: SessionManager, p: dict[str, Any]) -> dict[str, Any]:
-    """One page of session.list, in id order after `after`: the store names the ids a page at a time (an
-    index range on a worker thread) and the page is filtered here, so no step reads every session."""
-    limit, after, origin, state = p.get("limit", 100), p.get("after"), p.get("origin"), p.get("state")
+    if not p:
+        return await reports.session_list(ctx.manager)
+    limit, state = p.get("limit", 100), p.get("state")
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_PAGE_MAX:
         raise InvalidParamsError(f"limit must be an integer in [1, {LIST_PAGE_MAX}], got {limit!r}", param="limit")
     for name in ("after", "origin"):
@@ -166,42 +114,12 @@ async def _session_page(m: SessionManager, p: dict[str, Any]) -> dict[str, Any]:
             raise InvalidParamsError(f"{name} must be a string, got {p[name]!r}", param=name)
     if state not in (None, "hot", "asleep"):
         raise InvalidParamsError(f'state must be "hot" or "asleep", got {state!r}', param="state")
-    sessions: list[dict[str, Any]] = []
-    while len(sessions) < limit:
-        rows = await to_thread.run_sync(lambda: m.store.session_page(after=after, limit=limit, origin=origin))
-        for row in rows:
-            after, entry = row["id"], m.entries.get(row["id"])
-            if entry is not None and state in (None, "hot" if entry.session is not None else "asleep"):
-                sessions.append({**_summary(entry), "origin": row["origin"]})
-                if len(sessions) == limit:
-                    break
-        if len(rows) < limit:
-            return {"sessions": sessions, "next": None}
-    return {"sessions": sessions, "next": after}
-
-
-def _summary(e: Any) -> dict[str, Any]:
-    s = e.session
-    return {"session_id": e.id, "state": "hot" if s is not None else "asleep", "busy": e.busy,
-            "tokens": len(s.tokens) if s is not None else None}
+    return await reports.session_page(ctx.manager, limit, p.get("after"), p.get("origin"), state)
 
 
 async def session_info(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id"}, {"session_id"})
-    e = ctx.manager.entry(p["session_id"])
-    row = await to_thread.run_sync(ctx.manager.store.session, e.id)
-    snaps = await to_thread.run_sync(ctx.manager.store.snapshots, e.id)
-    info = {**_summary(e), "metadata": row["metadata"], "head": row["head"], "snapshots": len(snaps),
-            # tokens whose KV a crash keeps: the head's (a sleep's, or a persistence checkpoint's)
-            "persisted_tokens": next((s["n_tokens"] for s in snaps if s["id"] == row["head"]), 0)}
-    if e.session is not None:
-        s = e.session
-        info.update(tokens=len(s.tokens), processed=s.processed, mode=s.mode, messages=len(s.messages),
-                    kv_bytes=ctx.manager.engine.cache_bytes(s))
-    elif row["head"] is not None:  # its tokens: the snapshot's KV plus the pending ones it recorded
-        head = await to_thread.run_sync(ctx.manager.store.snapshot_summary, row["head"])
-        info.update(tokens=head["n_tokens"] + len(head["metadata"].get("pending", [])))
-    return info
+    return await reports.session_info(ctx.manager, p["session_id"])
 
 
 async def session_delete(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -262,16 +180,13 @@ async def session_checkpoint(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def snapshot_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"session_id"})
-    sid = p.get("session_id")
-    if sid is not None:
-        ctx.manager.entry(sid)
-    return {"snapshots": await to_thread.run_sync(ctx.manager.store.snapshots, sid)}
+    return {"snapshots": await reports.snapshots(ctx.manager, p.get("session_id"))}
 
 
 async def snapshot_export(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"snapshot_id", "path"}, {"snapshot_id", "path"})
     path = _path(p["path"], "path", ctx, must_exist=False)
-    return await to_thread.run_sync(ctx.manager.store.export, _id(p, "snapshot_id", required=True), path)
+    return await reports.export(ctx.manager, _id(p, "snapshot_id", required=True), path)
 
 
 async def snapshot_import(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -287,22 +202,19 @@ async def prefix_warm(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def store_gc(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, {"remote", "grace_s", "verify"})
-    m = ctx.manager
     if _flag(p, "remote"):  # the shared tier's gc instead (store/remote/gc.py)
         grace = p.get("grace_s", 3600.0)
-        if m.remote is None or isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
             raise InvalidParamsError("remote gc needs a daemon serving with --remote, and grace_s seconds >= 0")
-        return {"remote": await m.remote.gc(float(grace), _flag(p, "verify"))}
+        return {"remote": await reports.remote_gc(ctx.manager, float(grace), _flag(p, "verify"))}
     if set(p) - {"remote"}:
         raise InvalidParamsError("grace_s and verify go with remote: true")
-    report = await to_thread.run_sync(lambda: m.store.gc(budget_bytes=m.settings.store_budget_bytes))
-    return dict(report.__dict__)
+    return await reports.gc(ctx.manager)
 
 
 async def store_fsck(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
-    report = await to_thread.run_sync(ctx.manager.store.fsck)
-    return {**report.__dict__, "ok": report.ok}
+    return await reports.fsck(ctx.manager)
 
 
 async def shutdown(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

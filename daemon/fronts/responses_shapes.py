@@ -17,7 +17,7 @@ tools; OpenAI's built-in ones refused or left out: fronts/responses_tools.py),
 `tool_choice` `auto` or `none`,
 `parallel_tool_calls`, `max_output_tokens` (default 4096), `temperature`
 (default 1), `top_p`, `stream`, `store` (default true), `previous_response_id`,
-`prompt_cache_key` (a lineage hint, fronts/matching.py), `metadata` (repeated
+`prompt_cache_key` (a lineage hint, sessions/matching.py), `metadata` (repeated
 in the response), mlx-lm's extras (`top_k`, `min_p`, `repetition_penalty`,
 `seed`) and `kvwake_session`. Structured output by constrained decoding
 (model/grammar.py), as on the chat completions route: `tool_choice`
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwake.daemon.fronts.matching import Hint
+from kvwake.daemon.sessions.matching import Hint
 from kvwake.daemon.fronts.openai_shapes import DEFAULT_MAX_TOKENS, ApiError, _params, forced_call, response_format
 from kvwake.daemon.fronts.responses_items import bad, input_messages, listed_items, one_system
 from kvwake.daemon.fronts.responses_tools import Tools
@@ -215,7 +215,7 @@ class ResponsesRequest:
 
     @property
     def hint(self) -> Hint:
-        """Where the matcher looks first (fronts/matching.py)."""
+        """Where the matcher looks first (sessions/matching.py)."""
         session_id, position = self.follows or (None, None)
         return Hint(self.lineage, session_id, position)
 

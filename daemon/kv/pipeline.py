@@ -482,8 +482,10 @@ def fill_spans(ctx: KvContext, buffers: fill.Buffers, refs: list[BlockRef], mlx:
     return len(refs)
 
 
-def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx) -> tuple[Session, dict[str, Any]]:
+def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
+         record: SnapshotRecord | None = None) -> tuple[Session, dict[str, Any]]:
     """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return.
+    `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.
@@ -491,8 +493,9 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx) -> 
     started = time.perf_counter()
     before = dict(ctx.counters)
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
-        sid = snapshot_id or ctx.store.latest_snapshot(session_id)
-        record = ctx.record(sid)
+        if record is None:
+            record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
+        sid = record.id
         if record.session_id != session_id:
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)

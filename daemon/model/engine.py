@@ -51,14 +51,12 @@ from kvwake.daemon.session import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "Shared", "ShouldStop", "resolve_model"]
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "ShouldStop", "resolve_model"]
 
 # What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
-# A source of a prefix another session holds in memory: (cache, tokens) for a target, or (None, 0).
-Shared = Callable[[list[int]], tuple[list | None, int]]
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
 ShouldStop = Callable[[], bool] | None
 
@@ -283,9 +281,11 @@ class Engine:
         return Constraint(matcher, grammars.eos_ids, grammars.eos)
 
     def fit(self, params: GenerateParams, tokens: int) -> GenerateParams:
-        """`params` with max_tokens capped to what the context (and memory) has left after `tokens` (not refused)."""
-        self.check_fits(tokens)
+        """`params` with max_tokens capped to what the context (and memory) has left after `tokens`;
+        ContextTooLongError (`check_fits`) when nothing is left."""
         limit = self.max_tokens
+        if limit is not None and tokens >= limit:
+            self.check_fits(tokens)
         room = limit - tokens if limit is not None else params.max_tokens
         return dataclasses.replace(params, max_tokens=room) if params.max_tokens > room else params
 
@@ -295,25 +295,21 @@ class Engine:
 
     def append(self, session: Session, *, messages: Any = None, text: Any = None, tokens: Any = None,
                tools: Any = None, whole: bool = False, prompt: Plan | None = None, mlx: Mlx = direct,
-               shared: Shared | None = None, should_stop: ShouldStop = None,
-               room: Callable[[int], Any] | None = None) -> dict[str, int]:
-        """Add input and prefill it (all but the last token, which stays pending).
+               should_stop: ShouldStop = None) -> dict[str, int]:
+        """Add input and prefill it (all but the last token, which stays pending), in process: plan, check,
+        take a stored prefix, apply. The daemon's session manager runs the same steps itself (with room
+        made and a hot session's prefix offered between them: sessions/manager.py).
 
-        The input is rendered on the caller's thread, not the engine's, so decoding goes on meanwhile
-        (once: `prompt` is one `render` made already), then `room` is told the tokens the session will
-        hold, before anything is restored or prefilled.
-        A session that needs a fresh cache takes the longest prefix `shared` offers (another
-        session's, in memory), else the one the prefix cache holds. Store and codec work run on
-        the caller's thread and the pool, MLX work through `mlx`, one prefill chunk per call.
-        Returns {"tokens": total, "prefilled": n, "reused": n from the prefix cache}. Raises
+        `prompt`: a `render` made already (taken as it is). Store and codec work run on the caller's
+        thread and the pool, MLX work through `mlx`, one prefill chunk per call. Returns {"tokens": total,
+        "prefilled": n, "reused": n from the prefix cache}. Raises ContextTooLongError before any prefill,
         CancelledError when `should_stop` says so between chunks (see `prefill`).
         """
         plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools, whole=whole,
                          prompt=prompt)
-        self.check_fits(len(plan.target))  # before any prefill
-        if room is not None:
-            room(len(plan.target))
-        return self.apply(session, plan, self.prefix_cache(session, plan.target, mlx, shared), mlx, should_stop)
+        self.check_fits(len(plan.target))
+        prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(session, plan.target) else (None, 0)
+        return self.apply(session, plan, prefix, mlx, should_stop)
 
     def _keep(self, session: Session, target: list[int]) -> int:
         """How much of the session's cache stays valid for `target` (at least one token stays pending)."""
@@ -327,19 +323,14 @@ class Engine:
         keep = self._keep(session, target) if keep is None else keep
         return keep < session.processed and not can_trim_prompt_cache(session.cache)
 
-    def prefix_cache(self, session: Session, target: list[int], mlx: Mlx = direct,
-                     shared: Shared | None = None) -> tuple[list | None, int]:
-        """A cache restored for `target` when the session will need a fresh one: from `shared` (a copy
-        of another session's) when it offers one, else from stored blocks (kv/prefixhit.py).
+    def wants_prefix(self, session: Session, target: list[int]) -> bool:
+        """Whether appending `target` starts the session on a fresh cache that a stored or shared prefix
+        could fill: the model's caches can be cut by token, and the session's own cache cannot be kept."""
+        return self.cuttable and len(target) >= 2 and self.needs_fresh_cache(session, target)
 
-        Returns (cache or None, tokens it holds). A bad block shortens the hit; it never fails the append.
-        """
-        if not self.cuttable or len(target) < 2 or not self.needs_fresh_cache(session, target):
-            return None, 0
-        if shared is not None:
-            copied = shared(target)
-            if copied[0] is not None:
-                return copied
+    def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
+        """A cache restored from the longest run of stored blocks that starts `target` (kv/prefixhit.py):
+        (cache, tokens it holds), or (None, 0). A bad block shortens the hit; it never fails the append."""
         return prefixhit.stored_prefix(self.kv, target, mlx)
 
     def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
@@ -458,7 +449,8 @@ class Engine:
                             session.tools, self.opens_thinking(session.tokens))
         if session.cache is None and session.tokens:  # after a failed generation: rebuild from the tokens
             plan = Plan(session.tokens, session.mode or "raw", session.messages, session.tools)
-            self.apply(session, plan, self.prefix_cache(session, plan.target, mlx), mlx, should_stop)
+            prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(session, plan.target) else (None, 0)
+            self.apply(session, plan, prefix, mlx, should_stop)
         if not session.pending:  # rare (every token in the cache): no engine-thread job otherwise
             mlx(lambda: self._ensure_pending(session))
         prompt_tokens = len(session.pending)
@@ -505,10 +497,12 @@ class Engine:
         """Free the session's KV on the engine thread, layer by layer (kv/pipeline.py); its tokens stay."""
         pipeline.release(session, mlx)
 
-    def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct) -> tuple[Session, dict[str, Any]]:
-        """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py)."""
+    def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct, *,
+             record: SnapshotRecord | None = None) -> tuple[Session, dict[str, Any]]:
+        """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py); `record`: the
+        snapshot's verified record, read already (`record`), so it is not read again."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
-        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx)
+        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record)
         self.persister.stored(session_id, session.processed)
         return session, info
 
@@ -535,13 +529,19 @@ class Engine:
                                      "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
 
     def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None, mlx: Mlx = direct,
-             shared: Shared | None = None, scratch: Session | None = None) -> dict[str, Any]:
+             scratch: Session | None = None, prompt: Plan | None = None,
+             prefix: tuple[list | None, int] | None = None) -> dict[str, Any]:
         """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a
-        short block). `scratch`: the throwaway session to prefill in (the daemon keeps it to publish
-        its tokens to the remote tier); `mlx` and `shared` as for append."""
+        short block). `scratch`: the throwaway session to prefill in (the daemon keeps it to publish its
+        tokens to the remote tier); `prompt`: its plan, made already; `prefix`: a cache offered for it (a
+        hot session's copy), else the stored blocks are asked."""
         self.check_warmable()
         scratch = scratch if scratch is not None else Session(id="prefix-warm")
-        self.append(scratch, messages=messages, text=text, tokens=tokens, mlx=mlx, shared=shared)
+        plan = prompt if prompt is not None else self.plan(scratch, messages=messages, text=text, tokens=tokens)
+        self.check_fits(len(plan.target))
+        if prefix is None or prefix[0] is None:
+            prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(scratch, plan.target) else (None, 0)
+        self.apply(scratch, plan, prefix, mlx)
         self.prefill(scratch, len(scratch.tokens), mlx)  # the pending last token too: all of it is stored
         info = pipeline.write_prefix(self.kv, scratch, mlx)
         return {"tokens": len(scratch.tokens), "blocks": scratch.processed // self.block_tokens,

@@ -4,7 +4,7 @@ A `Plan` is the rendered result: the session's whole new token list, its input
 mode and its chat state. `Prompter.plan` makes one from an addition to a
 session; `Prompter.render` from a whole conversation, independent of any
 session, so a front can render a request once, use its tokens to pick the
-session (fronts/matching.py) and hand the same plan to the append.
+session (sessions/matching.py) and hand the same plan to the append.
 """
 
 from __future__ import annotations

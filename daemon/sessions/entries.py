@@ -9,8 +9,6 @@ matching) never walks the asleep thousands.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Any
 
 from kvwake.daemon.session import Session
 

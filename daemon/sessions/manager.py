@@ -8,10 +8,15 @@ Concurrency rules:
   conversation; failing fast beats a hidden queue). Reads (info, list) never wait.
   The one wait: a session lent for a moment to another session's prefix copy
   (`_hot_prefix`, one engine job) is waited for, not BUSY.
-- Append, sleep, wake and warm run the engine's own operation on a worker
-  thread, with `mlx` = the engine thread's `call`: its MLX steps go to the
-  engine thread one short job at a time (other sessions' generation
-  interleaves with them), codec and disk work to the engine's pool.
+- The manager orchestrates, the engine computes. An append is the engine's
+  steps called in order: plan (render, on a worker thread), check, make room
+  (other sessions sleep, on the loop), a prefix (a hot session's copy, else
+  stored blocks), apply. Each step that touches MLX runs on a worker thread with
+  `mlx` = the engine thread's `call`: its MLX steps go to the engine thread one
+  short job at a time (other sessions' generation interleaves with them), codec
+  and disk work to the engine's pool. Sleep, wake and warm likewise.
+- The models come from the `ModelProvider` (model/provider.py); today every
+  session runs on its one model.
 - Generate calls of different sessions decode together, one batched forward
   pass per step (model/decoder.py); prefill runs one chunk per engine job between
   decode steps, so a long prompt delays the others by about one chunk.
@@ -29,17 +34,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
-from anyio import from_thread, to_thread
+from anyio import to_thread
 
 from kvwake.daemon.collector import Collector
 from kvwake.daemon.config import Settings
 from kvwake.daemon.gilwatch import GilWatch
-from kvwake.daemon.model.engine import Engine, Plan, Shared
+from kvwake.daemon.model.engine import Engine, Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.phases import Latency, Phases
 from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
@@ -50,19 +57,28 @@ from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
     from kvwake.daemon.sessions.remote_tier import RemoteTier
 
-__all__ = ["SessionManager"]
+__all__ = ["Prepared", "SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
 TURNS_KEPT = 64  # generate calls whose phases status keeps
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
-class SessionManager:
-    """All session operations the RPC methods call."""
+@dataclass(frozen=True)
+class Prepared:
+    """A request's prompt rendered once and checked once (`SessionManager.prepare`): its params against the
+    model, its length against the context and the memory; `generate` appends it without checking again."""
 
-    def __init__(self, engine: Engine, thread: EngineThread, settings: Settings) -> None:
-        self.engine, self.thread, self.settings = engine, thread, settings
-        self.store = engine.store
+    plan: Plan
+    params: GenerateParams
+
+
+class SessionManager:
+    """All session operations the fronts call (RPC methods, HTTP routes), over the models of `models`."""
+
+    def __init__(self, models: ModelProvider, settings: Settings) -> None:
+        self.models, self.settings = models, settings
+        self.store = self.model.engine.store
         self.entries = Entries()  # its `hot` indexes the hot ones: nothing below walks every session
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
         # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
@@ -76,6 +92,24 @@ class SessionManager:
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
         self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
         self.gil_watch: GilWatch | None = None  # waits for the GIL, when KVWAKE_GIL_WATCH_MS asks (serve.py)
+
+    @property
+    def model(self) -> LoadedModel:
+        """The model sessions run on: the provider's default (every session's, until models are chosen by
+        name: its bundle hash ties each session to it)."""
+        return self.models.get()
+
+    @property
+    def engine(self) -> Engine:
+        return self.model.engine
+
+    @property
+    def thread(self) -> EngineThread:
+        return self.model.thread
+
+    def model_names(self) -> list[str]:
+        """The names of the models served, the default first."""
+        return self.models.names()
 
     async def load(self) -> None:
         """Know every session the store holds (all asleep after a start)."""
@@ -155,12 +189,13 @@ class SessionManager:
                 entry.session = Session(entry.id, metadata=row["metadata"])
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
             snapshot = row["head"]
+        engine = self.engine
+        # Read and verified once (its bundle too, before anyone sleeps for it); the wake takes it as it is.
+        record = await to_thread.run_sync(engine.record, snapshot)
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
-        if self.engine.kv_room_bytes is not None:  # the snapshot's KV must fit beside the hot sessions'
-            tokens = await to_thread.run_sync(lambda: self.store.snapshot_summary(snapshot)["n_tokens"])
-            await self.make_room(entry, tokens)
-        session, info = await to_thread.run_sync(lambda: self.engine.wake(entry.id, snapshot_id, self.thread.call))
+        await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
+        session, info = await to_thread.run_sync(lambda: engine.wake(entry.id, mlx=self.thread.call, record=record))
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)
@@ -293,41 +328,58 @@ class SessionManager:
             stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
             return await self._append(await self.hot(entry), inputs, stop, entry)
 
-    async def _append(self, session: Session, inputs: dict[str, Any] | Plan,
+    async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
                       stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
-        """The engine's append on a worker thread: input as params, or a prompt a front rendered already.
-        Once rendered, before anything is prefilled, other sessions sleep if the memory left for KV would
-        not hold the session's new length beside them (make_room, on the loop: `entry` is the claimed one)."""
-        given = {"prompt": inputs} if isinstance(inputs, Plan) else inputs
-        def room(tokens: int) -> None:  # on the append's worker thread: the loop only when the session grows
-            if entry is not None and self._growth(entry, tokens) > 0:
-                from_thread.run(self.make_room, entry, tokens)
-        return await to_thread.run_sync(lambda: self.engine.append(
-            session, **given, mlx=self.thread.call, shared=self._shared(session), should_stop=stop, room=room))
+        """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
+        checked already), the check, room (other sessions sleep if the memory left for KV would not hold
+        the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
+        then the apply (prefill) on a worker thread."""
+        engine = self.engine
+        if isinstance(inputs, Prepared):
+            plan = inputs.plan
+            session.check_mode(plan.mode)
+        else:
+            plan = await to_thread.run_sync(lambda: engine.plan(session, **inputs))
+            engine.check_fits(len(plan.target))  # before any prefill
+        if entry is not None:
+            await self.make_room(entry, len(plan.target))
+        prefix = await self._prefix(session, plan.target)
+        return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+
+    async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
+        """A front's request before any session is chosen: its params checked against the model (a bad schema
+        refused before any compute), its conversation rendered once (on a worker thread) and its length
+        checked against the context and the memory. `generate` takes it as it is."""
+        self.check_params(params, inputs.get("tools"))
+        plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
+        self.engine.check_fits(len(plan.target))
+        return Prepared(plan, params)
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
-        """A whole conversation (messages, text or tokens; tools) rendered once, on a worker thread: the
-        plan a front matches a session with and then passes to `generate`, which appends it as it is."""
+        """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,
+        no session is made: a token count)."""
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
-    def _shared(self, session: Session) -> Shared:
-        """What a cold start of `session` may take instead of prefilling, before stored blocks (called by
-        Engine.prefix_cache on the worker thread running the append): the remote tier's blocks are
-        fetched into the RAM tier first (on that thread), then another hot session's prefix is copied
-        when one holds at least `engine.min_partial` tokens of it (on the event loop: it claims that
-        session)."""
-        def shared(target: list[int]) -> tuple[list | None, int]:
-            if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-                self.remote.prefetch(target[: len(target) - 1])
-            return from_thread.run(self._hot_prefix, session, target)
-
-        return shared
+    async def _prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
+        """What a fresh cache for `target` starts from instead of prefilling: the remote tier's blocks fetched
+        into the RAM tier first, then another hot session's prefix copied when one holds at least
+        `engine.min_partial` tokens of it, else the longest run of stored blocks; (None, 0) when the session
+        keeps its own cache or the model's caches cannot be cut by token."""
+        engine = self.engine
+        if not engine.wants_prefix(session, target):
+            return None, 0
+        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
+            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
+        copied = await self._hot_prefix(session, target)
+        if copied[0] is not None:
+            return copied
+        return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
 
     async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
         """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
 
-        For a session about to need a fresh cache (its first input; Engine.prefix_cache checks that and
-        that the model's cache can be cut by token before it asks): agents that share a system prompt
+        For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
+        that and that the model's cache can be cut by token): agents that share a system prompt
         while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
         it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
@@ -369,18 +421,19 @@ class SessionManager:
                                      param="logit_bias")
 
     async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
-                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Plan | None = None,
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None = None,
                        on_claim: Callable[[], None] | None = None,
                        on_append: Callable[[dict[str, Any]], None] | None = None,
                        phases: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Generate in the session (after appending `inputs`: params, or a prompt a front rendered).
+        """Generate in the session (after appending `inputs`: params, or a front's `Prepared` prompt).
 
         `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
         `on_append` gets the append's counts once the prompt is in the cache, before the first token:
         {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
         computes (the prefilled ones and the pending last one), as the result's usage will count them.
         """
-        self.check_params(params, inputs.tools if isinstance(inputs, Plan) else (inputs or {}).get("tools"))
+        if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
+            self.check_params(params, (inputs or {}).get("tools"))
         called = time.perf_counter()
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
@@ -441,10 +494,15 @@ class SessionManager:
         return result
 
     async def warm(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin it in the prefix cache (the engine's warm)."""
-        scratch = Session("prefix-warm")
-        info = await to_thread.run_sync(lambda: self.engine.warm(
-            **inputs, mlx=self.thread.call, shared=self._shared(scratch), scratch=scratch))
+        """Prefill a shared prompt once and pin it in the prefix cache (the engine's warm), from a hot
+        session's copy of it or stored blocks where they hold some of it."""
+        engine, scratch = self.engine, Session("prefix-warm")
+        engine.check_warmable()
+        plan = await to_thread.run_sync(lambda: engine.plan(scratch, **inputs))
+        engine.check_fits(len(plan.target))
+        prefix = await self._prefix(scratch, plan.target)
+        info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
+                                                            prefix=prefix))
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
         return info

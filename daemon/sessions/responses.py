@@ -9,7 +9,7 @@ OpenAI does not carry them over), the response object `GET
 {"response": the object, "input_items": [...]}; a record written before input
 items were kept holds the bare object (its `input_items` read as None). Store
 work runs on worker threads.
-Which session a continuation runs in is fronts/matching.py's `Matcher.find`
+Which session a continuation runs in is sessions/matching.py's `Matcher.find`
 with a `Hint`.
 """
 

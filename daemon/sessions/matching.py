@@ -43,10 +43,12 @@ A request may bring a `Hint` (the Responses API):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,8 @@ from anyio import to_thread
 
 from kvwake.daemon.session import common_prefix, new_session_id
 from kvwake.daemon.sessions.entries import Entry
-from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.model.generation import OnEvent
+from kvwake.daemon.sessions.manager import Prepared, SessionManager
 from kvwake.daemon.sessions.responses import ResponseRecords
 from kvwake.errors import BusyError, NotFoundError
 
@@ -68,6 +71,7 @@ ORIGIN = "http"  # the metadata origin of sessions stateless requests made (and 
 LINEAGE = "prompt_cache_key"  # the session metadata key of its lineage
 EXPIRE_PAGE = 256  # stale sessions named per store read while expiring
 LOOKUPS = 4  # store lookups per request while the best heads found are busy or hot (then matched without them)
+MATCH_TRIES = 8  # a stateless request whose chosen session another took first is matched again
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,38 @@ class Matcher:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager = manager
+
+    async def start(self, prepared: Prepared, session_id: str | None, hint: Hint | None, on_event: OnEvent | None,
+                    cancelled: Callable[[], bool], on_append: Callable[[dict[str, Any]], None] | None = None,
+                    render_ms: float = 0.0) -> tuple[dict[str, Any], asyncio.Task]:
+        """Start the generation of a front's prepared request in its session: the one it names (made if new),
+        else the one `find` picks, matched again (up to MATCH_TRIES) when another request claims that one
+        first. Returns ({"session_id", "match", "shared_tokens"?}, the generation's task)."""
+        m, matched, tries = self.manager, time.perf_counter(), 0
+        while True:
+            tries += 1
+            if session_id is not None:
+                await m.create(session_id, exist_ok=True)
+                session = {"session_id": session_id, "match": "named"}
+            else:
+                match = await self.find(prepared.plan.target, prepared.plan.mode, hint)
+                session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
+            phases = {"match": session["match"], "render_ms": render_ms,
+                      "match_ms": round((time.perf_counter() - matched) * 1000, 2),
+                      **({} if session_id is not None else {"match_store_ms": match.store_ms})}
+            claimed = asyncio.Event()
+            task = asyncio.ensure_future(m.generate(session["session_id"], prepared.params, on_event, cancelled,
+                                                    prepared, claimed.set, on_append, phases))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a departed client's: retrieved
+            # Until it holds the session: a claim may wait for a prefix copy, then lose it to another request.
+            waiting = asyncio.ensure_future(claimed.wait())
+            try:
+                await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
+            taken = not claimed.is_set() and not task.cancelled() and isinstance(task.exception(), BusyError)
+            if not (taken and session_id is None and tries < MATCH_TRIES):
+                return session, task
 
     async def find(self, target: list[int], mode: str, hint: Hint | None = None) -> Match:
         """The session `target` (a rendered prompt of `mode` "chat" or "raw") should run in: claimable now, or new."""
