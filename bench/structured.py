@@ -44,7 +44,7 @@ from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.model.grammar import Structure  # noqa: E402
 from kvwake.daemon.model.masks import Constraint  # noqa: E402
-from kvwake.daemon.session import Session  # noqa: E402
+from kvwake.daemon.session_state import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
 WARMUP = 4  # steps left out at the start of each run (joins, first kernels)

@@ -86,7 +86,7 @@ def tokens_of(engine: Any, n: int) -> list[int]:
 
 
 def open_engine(model: str | None, root: Path, codec: str = "planes-zstd") -> Any:
-    from kvwake.daemon.kv.fill import auto_codecs
+    from kvwake.daemon.kv.restore_buffers import auto_codecs
     from kvwake.daemon.model.engine import Engine
     from kvwake.store import Store
 
@@ -140,7 +140,7 @@ def timed_wake(engine: Any, session_id: str) -> tuple[float, float]:
     dropped and MLX's cached buffers freed after (the next round starts as this one did)."""
     import mlx.core as mx
 
-    engine.hot.__init__(engine.hot.budget)
+    engine.ram_tier.__init__(engine.ram_tier.budget)
     t0 = time.perf_counter()
     woken, _ = engine.wake(session_id)
     wake = time.perf_counter() - t0
@@ -179,7 +179,7 @@ def synthetic_session(engine: Any, session: Any, ids: list[int], kv_file: str) -
 def reprefill_first_token_s(engine: Any, ids: list[int]) -> float:
     """A cold prefill of ids + first token. The same tokens would hit the prefix cache (the session's
     own blocks are stored now): a different first token changes every chain key, at equal cost."""
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
 
     cold = Session(f"cold-{len(ids)}")
     unseen = [(ids[0] + 1) % engine.vocab_size, *ids[1:]]
@@ -194,8 +194,8 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from kvwake.daemon.kv import state as kvstate
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.kv import cache_blocks as kvstate
+    from kvwake.daemon.session_state import Session
 
     ids = tokens_of(engine, n)
     mx.reset_peak_memory()
@@ -221,7 +221,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     engine.store.gc()
     with PeakRss() as peak:
         slept = engine.sleep(s)
-    engine.hot.__init__(engine.hot.budget)  # measure the disk path, not the RAM tier
+    engine.ram_tier.__init__(engine.ram_tier.budget)  # measure the disk path, not the RAM tier
     with PeakRss() as wake_peak:
         t0 = time.perf_counter()
         woken, info = engine.wake(s.id)
@@ -245,7 +245,7 @@ def resume_one(engine: Any, n: int, work: Path, synthetic: str | None = None) ->
     raw, cores = slept["raw_bytes"], engine.pool.workers
     return {
         "tokens": n, "kv_bytes": kv_bytes, "kv_bytes_per_token": kv_bytes / n, "codec": engine.store.codec,
-        "workers": cores, "restore_mode": __import__("kvwake.daemon.kv.fill", fromlist=["x"]).restore_mode(),
+        "workers": cores, "restore_mode": __import__("kvwake.daemon.kv.restore_buffers", fromlist=["x"]).restore_mode(),
         "reprefill_first_token_s": reprefill_ft_s, "wake_first_token_s": wake_ft_s,
         "mlx_load_first_token_s": mlx_load_ft_s, "wake_s": wake_s, "mlx_load_s": mlx_load_s,
         "sleep_s": slept["ms"] / 1000, "mlx_save_s": mlx_save_s,
@@ -294,7 +294,7 @@ def bench_resume(model: str | None, sizes: list[int], codec: str = "planes-zstd"
 def bench_storage(model: str | None, sessions: int, system_tokens: int = 1024, own: int = 200) -> dict[str, Any]:
     from mlx_lm.models.cache import save_prompt_cache
 
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = open_engine(model, Path(tmp))

@@ -141,7 +141,7 @@ def serve(opts: Options, **flags: object) -> None:
         listen = listen_socket_from_env()  # systemd socket activation: LISTEN_FDS / LISTEN_PID
     except (ValueError, ActivationError) as exc:
         raise click.ClickException(str(exc)) from None
-    from kvwake.daemon.startup import lighten_imports
+    from kvwake.daemon.imports import lighten_imports
 
     lighten_imports(settings.tuning.import_frameworks)  # before anything imports transformers
     from kvwake.daemon.serve import run

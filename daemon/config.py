@@ -86,7 +86,7 @@ class Tuning:
     gil_watch_ms: float | None = None
     gil_watch_kept: int = 64  # the latest GIL waits `status` keeps
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
-    # scan of its models as it comes (a slower start, for comparison: daemon/startup.py)
+    # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False
 
     def __post_init__(self) -> None:
@@ -122,7 +122,7 @@ class Settings:
     hot_budget_bytes: int | None = None
     idle_timeout_s: float = 600.0  # a session idle this long sleeps
     store_budget_bytes: int | None = 8 << 30  # prefix-cache blocks beyond this are evicted by gc
-    ram_tier_bytes: int = 256 << 20  # decoded hot blocks kept in RAM
+    ram_tier_bytes: int = 256 << 20  # decoded blocks of shared prefixes kept in RAM (the RAM tier)
     # block codec for new blocks: "planes-zstd" (smallest), "raw" (fastest to read), or "auto": the one
     # measured fastest to wake on this machine, once, recorded in the store (store/codecpick.py)
     codec: str = "auto"

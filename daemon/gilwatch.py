@@ -25,7 +25,7 @@ from collections import deque
 from typing import Any
 
 from kvwake.daemon.config import Tuning, load_tuning, tuning_from_environment
-from kvwake.daemon.phases import Latency
+from kvwake.daemon.timing import Latency
 
 __all__ = ["GilWatch", "from_environment", "from_tuning"]
 

@@ -42,12 +42,12 @@ from kvwake.daemon import gilwatch
 from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
-from kvwake.daemon.kv import fill
+from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.model import memory
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread, process_age_s
-from kvwake.daemon.phases import Phases
+from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.paths import default_cache_dir
 from kvwake.store import Store
@@ -174,14 +174,14 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     keep_compiled_kernels()
     store = Store(settings.store_dir, block_tokens=settings.block_tokens, codec=settings.codec,
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
-                  auto_among=fill.auto_codecs(settings.tuning.restore_mode))
+                  auto_among=restore_buffers.auto_codecs(settings.tuning.restore_mode))
     started.mark("store")
     thread = EngineThread(on_exit=_release_mlx_streams, slow_job_ms=settings.tuning.slow_job_ms,
                           slow_jobs_kept=settings.tuning.slow_jobs_kept)
     limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()
     engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
                                           kv_group_size=settings.kv_group_size,
-                                          hot_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
+                                          ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
                                           io_inflight_bytes=settings.io_inflight_bytes,
                                           max_batch=settings.max_batch,
                                           prefill_step=settings.prefill_step, max_context=settings.max_context,

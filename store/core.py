@@ -54,7 +54,7 @@ class StoreCore:
         measured fastest to wake on this machine (codecpick.py), recorded in the index; every
         store reads files of any codec whatever this says.
     auto_among: the codecs "auto" may pick (None: all): the daemon's restores stage only some of
-        them on a GPU (daemon/kv/fill.py, STAGED_CODECS).
+        them on a GPU (daemon/kv/restore_buffers.py, STAGED_CODECS).
     """
 
     def __init__(

@@ -46,7 +46,7 @@ def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, .
     next-token logits bit-identical to one chunk of them all, as a prefix hit and a cold prefill do: true on
     the CPU; MLX on CUDA picks kernels (and kvwake its attention path) by shape, so it may not be: a long
     rest and a rest of a few tokens both. Probed once per engine, on its own prefill path."""
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
 
     if getattr(engine, "plain_prefill", False):
         # CUDA: a chunk's attention path is chosen by costs each engine measures (and by what the

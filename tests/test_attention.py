@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.kv import state as kvstate
+from kvwake.daemon.kv import cache_blocks as kvstate
 from kvwake.daemon.model.attention import PLAIN_MAX_BYTES, plain_attention, plain_prefill
 
 
@@ -133,7 +133,7 @@ def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
 def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_less(model_dir, tmp_path, monkeypatch):
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
@@ -166,7 +166,7 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.scheduler.prefill import PLAIN_BEFORE_BUILD
     from kvwake.daemon.model.generation import GenerateParams
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
@@ -340,7 +340,7 @@ def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape
     # padded to a query bucket over the whole buffer, the next turns of that bucket reuse it.
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
@@ -364,7 +364,7 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
                                                                                      monkeypatch, coarse_capacity):
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
@@ -413,7 +413,7 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, 
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.scheduler import prefill as prefill_mod
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
@@ -466,7 +466,7 @@ def test_a_failed_build_ahead_is_logged_and_the_append_stands(model_dir, tmp_pat
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.scheduler import prefill as prefill_mod
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)
@@ -502,7 +502,7 @@ def test_no_builds_ahead_at_a_capacity_off_the_grid(model_dir, tmp_path, monkeyp
 
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     monkeypatch.setattr(attention, "wanted", lambda: True)

@@ -10,11 +10,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvwake.daemon.model.calls import batch_mode
+from kvwake.daemon.model.decode_calls import batch_mode
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams, RowsSampler, make_sampler
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import CancelledError
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
@@ -460,7 +460,7 @@ def test_a_long_call_among_short_ones_decodes_alone_and_pads_no_short_row(engine
 
 
 def test_rows_live_in_slots_and_a_leaving_calls_slot_goes_to_the_next_call(engine):
-    from kvwake.daemon.model.joining import SLOTS
+    from kvwake.daemon.model.batch_rows import SLOTS
 
     texts = ["The weather today is", "a somewhat longer prompt about tools", "x" * 40, "tell me", "short"]
     limits = [3, 16, 16, 16, 16]
@@ -698,12 +698,12 @@ def test_a_finished_jobs_closure_and_result_are_freed_on_the_engine_thread_witho
 
 def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_and_decode_as_alone(
         engine, monkeypatch):
-    """joining.schedule: after a merge, a placement into a dead slot and a compaction, the batch's caches are
+    """batch_rows.schedule: after a merge, a placement into a dead slot and a compaction, the batch's caches are
     scheduled as work of their own before the next pass (inside it they cost about twice as much), and every
     call gives what it gives alone."""
     import mlx.core as mx
 
-    from kvwake.daemon.model import joining
+    from kvwake.daemon.model import batch_rows
 
     scheduled: list[str] = []
 
@@ -717,7 +717,7 @@ def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_an
             scheduled.append("caches" if flat and all(isinstance(a, tuple) for a in flat) else "tokens")
             mx.async_eval(*args)
 
-    monkeypatch.setattr(joining, "mx", Recording())
+    monkeypatch.setattr(batch_rows, "mx", Recording())
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (3, 10, 10, 10, 6)]
     texts = PROMPTS + ["hi"]

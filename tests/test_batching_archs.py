@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.store import Store
 from tests.test_batching import PROMPTS, Passes, run_together
 from testkit.tinymodel import make_model_dir
@@ -142,16 +142,16 @@ def test_a_leaving_calls_slot_goes_to_the_next_call_whatever_its_layers(engine):
 
 @pytest.mark.parametrize("engine", ["gemma3_text"], indirect=True)
 def test_a_window_takes_a_dead_slot_before_and_after_the_batchs_ring_wraps(engine, monkeypatch):
-    from kvwake.daemon.model import joining
+    from kvwake.daemon.model import batch_rows
 
     placed: list[tuple[bool, int]] = []  # (the ring had wrapped, tokens the joining window held)
-    real = joining._place_ring
+    real = batch_rows._place_ring
 
     def recording(layer, i, own):
-        placed.append((joining._wrapped(layer), own.size()))
+        placed.append((batch_rows._wrapped(layer), own.size()))
         real(layer, i, own)
 
-    monkeypatch.setattr(joining, "_place_ring", recording)
+    monkeypatch.setattr(batch_rows, "_place_ring", recording)
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     inputs = [[40, 41], [50, 51, 52], [60], [61, 62], [70, 71], list(range(80, 90))]
     limits = [1, 18, 18, 18, 4, 4]
@@ -230,7 +230,7 @@ def test_constrained_and_free_calls_share_the_batch_and_each_constrained_one_val
 def test_a_recurrent_state_leaving_the_batch_owns_its_row_not_the_batchs_array():
     # Was (found by a review): mlx-lm extracts an ArraysCache row as a view of the batch's (B, ...) state, so a
     # session that left a batch of 16 kept all 16 rows' state alive, counted as its own one row's.
-    from kvwake.daemon.model.joining import extract_row
+    from kvwake.daemon.model.batch_rows import extract_row
 
     mx.clear_cache()
     before = mx.get_active_memory()

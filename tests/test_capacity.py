@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from kvwake.daemon.kv import capacity
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.store import Store
 from tests.test_engine import engine  # noqa: F401  (the fixture)
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner, Result
 from kvwake.client import Client
 from kvwake.client.cli import main
 from kvwake.client.codecs import codec_advice
-from kvwake.daemon.kv import fill
+from kvwake.daemon.kv import restore_buffers
 from testkit.daemon import REPO, Daemon
 from testkit.tinymodel import make_model_dir
 
@@ -192,7 +192,7 @@ def test_bench(kvwake, daemon):
     assert summary["prefix_reuse_rate"] is not None
     with Client(daemon.socket) as c:  # a daemon whose restores stage (a GPU) says which codecs bench advises among
         store = c.status()["store"]
-    among = fill.auto_codecs()  # None on the CPU (any codec), the staged ones where a GPU computes
+    among = restore_buffers.auto_codecs()  # None on the CPU (any codec), the staged ones where a GPU computes
     assert store["auto_among"] == (list(among) if among else None)
     codecs = report["codecs"]  # measured on the daemon's own blocks and this disk, and a pick among auto's
     assert codecs["blocks"] > 0 and set(codecs["codecs"]) == set(among or ("planes-zstd", "raw", "zstd"))

@@ -73,7 +73,7 @@ def test_auto_picks_among_the_codecs_it_is_given_and_measures_again_when_they_ch
 
 
 def test_a_daemon_whose_restores_stage_never_picks_a_codec_they_do_not_stage(tmp_path, model_dir):
-    from kvwake.daemon.kv.fill import STAGED_CODECS
+    from kvwake.daemon.kv.restore_buffers import STAGED_CODECS
     from testkit.daemon import Daemon
 
     d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": "staged"}).start()  # as on a GPU

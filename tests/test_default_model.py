@@ -8,7 +8,7 @@ import pytest
 from kvwake.daemon.model.convert import ModelNotInstalledError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.store import Store
 
 pytestmark = pytest.mark.slow

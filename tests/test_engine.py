@@ -10,7 +10,7 @@ import pytest
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import BundleMismatchError, InvalidParamsError, StorageFullError
 from kvwake.store import Store
 from tests.capabilities import require_quantized_kv
@@ -106,11 +106,11 @@ def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine, monkeypatch):
     engine.append(first, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "a"}])
     engine.sleep(first)
     _, woken = engine.wake("first")
-    assert woken["blocks_from_disk"] > 0 and woken["blocks_from_memory"] == 0 and len(engine.hot) == 0
+    assert woken["blocks_from_disk"] > 0 and woken["blocks_from_memory"] == 0 and len(engine.ram_tier) == 0
     counts = dict(engine.counters)
     engine.append(Session("second"), messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "b"}])
     shared = engine.counters["blocks_disk"] - counts["blocks_disk"]
-    assert shared > 0 and len(engine.hot) == shared
+    assert shared > 0 and len(engine.ram_tier) == shared
     engine.append(Session("third"), messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "c"}])
     assert engine.counters["blocks_ram"] - counts["blocks_ram"] == shared
     _, again = engine.wake("first")

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session, common_prefix
+from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
 from testkit.tinymodel import ARCHS, TOOLS_CHATML, make_model_dir

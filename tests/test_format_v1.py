@@ -16,7 +16,7 @@ import numpy as np
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.store import Store
 from kvwake.store.format.codec import read_file_header
 from testkit.kvdata import BUNDLE, assert_snapshot_exact

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvwake.daemon.session import common_prefix
+from kvwake.daemon.session_state import common_prefix
 from kvwake.store import heads
 from testkit.kvdata import BUNDLE, OTHER_BUNDLE, write_snapshot
 
@@ -169,7 +169,7 @@ def test_gc_walks_the_store_without_holding_the_index(store, monkeypatch):
 
 
 def test_common_prefix_of_lists_and_arrays_agree_at_every_kind_of_position():
-    from kvwake.daemon.session import PREFIX_PIECE
+    from kvwake.daemon.session_state import PREFIX_PIECE
 
     rng = np.random.default_rng(7)
     base = [int(t) for t in rng.integers(0, 50_000, 3 * PREFIX_PIECE + 17)]

@@ -30,9 +30,9 @@ from mlx_lm.models import falcon_h1, gemma3_text, lfm2, llama, llama4, mamba2, q
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import fill as kvfill
-from kvwake.daemon.kv import state as kvstate
-from kvwake.daemon.kv.state import NotCuttableError, StateMismatchError, UnsupportedCacheError
+from kvwake.daemon.kv import restore_buffers as kvfill
+from kvwake.daemon.kv import cache_blocks as kvstate
+from kvwake.daemon.kv.cache_blocks import NotCuttableError, StateMismatchError, UnsupportedCacheError
 from kvwake.store import Store
 from kvwake.store.format.codec import Tensor, decode, encode
 from tests.capabilities import require_quantized_kv

@@ -18,7 +18,7 @@ FOLDERS = {"kvwake": ROOT / "common", "kvwake.daemon": ROOT / "daemon", "kvwake.
            "kvwake.client": ROOT / "client"}
 # Inside daemon/: a layer imports only those below it. The daemon's root modules: session.py
 # (the shared vocabulary) and config.py, activation.py sit under every layer; serve.py is on top.
-DAEMON_RANKS = {"session": 0, "phases": 0, "startup": 0, "config": 0, "activation": 0, "jobs": 0, "collector": 1,
+DAEMON_RANKS = {"session_state": 0, "timing": 0, "imports": 0, "config": 0, "activation": 0, "jobs": 0, "gcwatch": 1,
                 "gilwatch": 1,
                 "kv": 1, "model": 2, "sessions": 3, "fronts": 4, "serve": 5}
 SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\b.+\bINTO|REPLACE\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM|CREATE\s+"

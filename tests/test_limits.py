@@ -156,7 +156,7 @@ def test_kv_bytes_per_token_plain_and_quantized(tmp_path):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvwake.daemon.kv import state
+    from kvwake.daemon.kv import cache_blocks
 
     from testkit.tinymodel import make_model_dir
 
@@ -165,7 +165,7 @@ def test_kv_bytes_per_token_plain_and_quantized(tmp_path):
     model(mx.array([list(range(20, 60))], dtype=mx.uint32), cache=cache)
     mx.eval([c.state for c in cache])
     plain = memory.kv_token_bytes(model)
-    assert plain == state.bytes_per_token(cache) > 0
+    assert plain == cache_blocks.bytes_per_token(cache) > 0
     for bits, group in ((8, 32), (4, 32)):  # against a real quantized cache's bytes per token (head dim 32)
         quantized = [c.to_quantized(group_size=group, bits=bits) for c in make_prompt_cache(model)]
         # The prefill's own keys and values, quantized as a pass would (not by a quantized attention
@@ -173,4 +173,4 @@ def test_kv_bytes_per_token_plain_and_quantized(tmp_path):
         for layer, q in zip(cache, quantized):
             q.update_and_fetch(layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :])
         mx.eval([c.state for c in quantized])
-        assert memory.kv_token_bytes(model, kv_bits=bits, kv_group_size=group) == state.bytes_per_token(quantized)
+        assert memory.kv_token_bytes(model, kv_bits=bits, kv_group_size=group) == cache_blocks.bytes_per_token(quantized)

@@ -19,7 +19,7 @@ from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.scheduler import pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from tests.test_batching import engine, session  # noqa: F401 - the batched engine fixture
 from tests.test_prefill_slices import LayersOnly
 

@@ -283,7 +283,7 @@ def test_a_checkpoint_reads_a_cache_between_a_prefills_chunks_not_inside_one(tmp
     from kvwake.daemon.kv import pipeline
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.thread import EngineThread
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     store = Store(tmp_path / "store", block_tokens=B)
@@ -329,7 +329,7 @@ def test_a_prefill_stopped_between_slices_drops_its_half_chunk_and_releases_what
     # (the runner of a slice's job raised before running it): the half-computed cache is dropped, as after a
     # failed slice, and the waiter runs.
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
     store = Store(tmp_path / "store", block_tokens=B)

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvwake.daemon.model import pieces as pieces_module
+from kvwake.daemon.model import piece_tokens as pieces_module
 from kvwake.daemon.model.chat import ChatTemplate
-from kvwake.daemon.model.pieces import Pieces
+from kvwake.daemon.model.piece_tokens import Pieces
 from testkit.tinymodel import CHATML, SPECIALS, write_tokenizer
 
 TEXT = ("The agent reads the manual, plans twelve steps and calls its tools. 12345 tokens, 3.14 ms; "

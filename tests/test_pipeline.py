@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon.kv import capacity, state
+from kvwake.daemon.kv import cache_blocks, capacity
 from kvwake.daemon.jobs import direct
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model.engine import Engine
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import CorruptBlockError
 from kvwake.store import Store
 
@@ -134,7 +134,7 @@ def test_on_a_discrete_gpu_host_copies_go_back_to_the_driver_not_to_mlxs_cache(e
     # cache closed (limit 0), and the limit must come back after.
     from kvwake.daemon.kv import pipeline
 
-    monkeypatch.setattr(state, "_discrete", lambda: True)
+    monkeypatch.setattr(cache_blocks, "_discrete", lambda: True)
     deaths: list[tuple[int, str]] = []
     hosted = []
 
@@ -142,14 +142,14 @@ def test_on_a_discrete_gpu_host_copies_go_back_to_the_driver_not_to_mlxs_cache(e
         limit = mx.set_cache_limit(0)
         mx.set_cache_limit(limit)
         deaths.append((limit, thread))
-    real_host = state.Deferred.host
+    real_host = cache_blocks.Deferred.host
 
     def host(self):
         hosted.append(len(self.lazy))
         for a in self.lazy:
             weakref.finalize(a, lambda: peek(threading.current_thread().name))
         return real_host(self)
-    monkeypatch.setattr(state.Deferred, "host", host)
+    monkeypatch.setattr(cache_blocks.Deferred, "host", host)
     limit = mx.set_cache_limit(1 << 30)
     try:
         s = Session("s")
@@ -174,7 +174,7 @@ def test_on_a_discrete_gpu_host_copies_go_back_to_the_driver_not_to_mlxs_cache(e
 
 def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkeypatch):
     def dropped(discrete: bool, fail: bool = False) -> int:
-        monkeypatch.setattr(state, "_discrete", lambda: discrete)
+        monkeypatch.setattr(cache_blocks, "_discrete", lambda: discrete)
         held = [mx.arange(1 << 16)]
         mx.eval(held)
         # On MLX-CUDA an array evaluated a moment ago is still held by MLX's worker thread until it runs the
@@ -192,7 +192,7 @@ def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkey
         limit = mx.set_cache_limit(1 << 30)
         try:
             with contextlib.suppress(OSError):
-                state.drop_hosted(drop)
+                cache_blocks.drop_hosted(drop)
             assert mx.set_cache_limit(1 << 30) == 1 << 30  # given back, even after a failure
         finally:
             mx.set_cache_limit(limit)
@@ -207,7 +207,7 @@ def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeyp
     # path itself is exact on the CPU backend (the tests here run it both ways).
     import mlx.core as mx
 
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # Apple silicon: unified memory, a GPU
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
@@ -220,7 +220,7 @@ def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeyp
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_a_corrupt_block_fails_the_wake_with_facts_and_leaves_the_store_as_it_was(engine, mode, monkeypatch):
     from kvwake.daemon.kv import devplanes
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     # staged: one block per span through a ring of two slots (the discrete-GPU path, on the CPU)
     restores_as(monkeypatch, mode, engine)
@@ -275,7 +275,7 @@ def test_a_sleep_that_fails_in_a_worker_removes_what_it_wrote_and_stays_hot(engi
 def restores_as(monkeypatch, mode: str, engine=None) -> None:
     """Restores fill buffers in `mode` ("direct" or "staged") unless configured otherwise, whatever the backend;
     `engine`: one made already, which took its mode when it was made."""
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     monkeypatch.setattr(kvfill, "restore_mode", lambda configured=None: configured or mode)
     if engine is not None:
@@ -334,7 +334,7 @@ def two_block_spans(monkeypatch) -> tuple[list, list[tuple[int, int]]]:
     """Restores staged (the discrete-GPU path, here on the CPU) through rings of two slots of two blocks each:
     the rings made and the (first, count) of every span joined, recorded."""
     from kvwake.daemon.kv import devplanes
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     restores_as(monkeypatch, "staged")
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
@@ -368,8 +368,8 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         for s in (a, b):
             engine.append(s, tokens=tokens)
         record = engine.store.snapshot(engine.sleep(b)["snapshot_id"])
-        engine.hot.__init__(engine.hot.budget)
-        engine.hot.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
+        engine.ram_tier.__init__(engine.ram_tier.budget)
+        engine.ram_tier.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
         b, info = engine.wake("b")
         assert [(r.span, r.slots) for r in rings] == [(2, 2)]
         assert joined == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
@@ -473,8 +473,8 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
         record = engine.store.snapshot(engine.sleep(b)["snapshot_id"])
         codecs = [read_file_header(engine.store.files.absolute(ref.file).read_bytes())[0] for ref in record.blocks]
         assert codecs[:4] == ["planes-zstd"] * 4 and codecs[4:] == ["raw"] * 5, codecs
-        engine.hot.__init__(engine.hot.budget)
-        engine.hot.put(record.blocks[2].key, engine.store.read_block(record.blocks[2]))
+        engine.ram_tier.__init__(engine.ram_tier.budget)
+        engine.ram_tier.put(record.blocks[2].key, engine.store.read_block(record.blocks[2]))
         joins.update(planes=0, raw=0)
         b, _ = engine.wake("b")
         # span 0: blocks 0-1 planes, 2 from memory, 3 planes, 4-5 raw; span 1: 6-8 raw; the tail raw
@@ -499,7 +499,7 @@ def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir,
         engine.append(a, tokens=tokens)
         before = kv_of(a.cache, 119)
         engine.sleep(a)
-        engine.hot.__init__(engine.hot.budget)  # every block from its file
+        engine.ram_tier.__init__(engine.ram_tier.budget)  # every block from its file
         a, _ = engine.wake("a")
         assert joins["raw"] >= 2 and joins["planes"] == 0, joins  # the spans and the tail, joined on the device
         assert all(np.array_equal(x, y) for pair, again in zip(before, kv_of(a.cache, 119)) for x, y in zip(pair, again))
@@ -543,8 +543,8 @@ def test_staging_mapped_for_the_gpu_is_kept_for_the_next_wake_and_unmapped_befor
 def test_a_block_decoded_anywhere_but_its_place_is_refused(engine):
     # The check that a decode landed in place is by identity with the view `place` handed out (it was
     # np.shares_memory, an overlap solver per tensor: 8% of a wake's decoding threads on the CPU).
-    from kvwake.daemon.kv import fill as kvfill
-    from kvwake.daemon.kv.state import StateMismatchError
+    from kvwake.daemon.kv import restore_buffers as kvfill
+    from kvwake.daemon.kv.cache_blocks import StateMismatchError
 
     s = Session("s")
     engine.append(s, tokens=list(range(40)))
@@ -590,7 +590,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
     # each in the RAM tier, and uploaded them at its end: on the H100, 5.6k tokens of the 8B shape took
     # 1.7 s to decode and 0.9 s to upload, longer than prefilling them. Now its blocks stage and join on
     # the device span by span, as a wake's do; a damaged block ends the hit there (its tokens prefilled).
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     _, joined = two_block_spans(monkeypatch)
     released, real_release = [], kvfill.Buffers.release
@@ -607,7 +607,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
             data = bytearray(path.read_bytes())
             data[-5] ^= 0x40
             path.write_bytes(bytes(data))
-        engine.hot.__init__(engine.hot.budget)
+        engine.ram_tier.__init__(engine.ram_tier.budget)
         b = Session("b")
         got = engine.append(b, tokens=[*tokens[:140], 1, 2, 3])
         blocks = 8 if damaged is None else damaged  # whole blocks of 16 in the 140 shared tokens
@@ -615,7 +615,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
         assert got["reused"] == reused
         assert joined == {None: [(0, 2), (2, 2), (4, 2), (6, 2)], 5: [(0, 2), (2, 2), (4, 1)], 0: []}[damaged]
         assert len(released) == 1  # staging and joined spans go back through release, used or given up
-        staged_hot = [k for k in (r.key for r in record.blocks[:blocks]) if engine.hot.get(k) is not None]
+        staged_hot = [k for k in (r.key for r in record.blocks[:blocks]) if engine.ram_tier.get(k) is not None]
         assert staged_hot == []  # staged blocks are not copied into the RAM tier
         for x, y in zip(kv_of(a.cache, reused), kv_of(b.cache, reused)):  # the reused tokens' KV, bit for bit
             assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
@@ -628,7 +628,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
 def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine, monkeypatch, what):
     # On the H100 a prefix hit of 5.6k tokens (8B shape) moved 0.7 GB from host views to the device in
     # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out tensors for ~UPLOAD_JOB_S.
-    from kvwake.daemon.kv import fill as kvfill
+    from kvwake.daemon.kv import restore_buffers as kvfill
 
     restores_as(monkeypatch, "staged", engine)
     monkeypatch.setattr(kvfill, "UPLOAD_JOB_S", 0)  # one tensor per job

@@ -15,7 +15,7 @@ from kvwake.daemon.model.scheduler import slices as prefillslices
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import CancelledError
 from kvwake.store import Store
 from testkit.tinymodel import make_model_dir

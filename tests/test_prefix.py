@@ -22,7 +22,7 @@ import pytest
 
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.session import Session, common_prefix
+from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.store import ROOT_KEY, Store, chain_keys
 from kvwake.store.format.keys import tokens_to_bytes
 from tests.capabilities import chunked_prefill_is_exact, require_quantized_kv

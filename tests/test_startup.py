@@ -54,7 +54,7 @@ def test_frameworks_are_not_hidden_from_a_process_that_imported_transformers_alr
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
     fake.joinpath("__init__.py").write_text("__version__ = '2.9.0'\n")
-    probe = ("import sys, transformers; from kvwake.daemon.startup import hide_unused_frameworks; "
+    probe = ("import sys, transformers; from kvwake.daemon.imports import hide_unused_frameworks; "
              "hide_unused_frameworks(); print(sys.modules.get('torch', 'absent'))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
     env.pop("KVWAKE_IMPORT_FRAMEWORKS", None)
@@ -94,7 +94,7 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
 def test_the_collectors_runs_are_counted_and_timed_per_generation():
     import gc
 
-    from kvwake.daemon.collector import Collector
+    from kvwake.daemon.gcwatch import Collector
 
     watch = Collector().install()
     try:
@@ -127,7 +127,7 @@ def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, 
 
 SCAN_PROBE = """
 import json, os, sys
-from kvwake.daemon.startup import hide_unused_frameworks, lighten_imports
+from kvwake.daemon.imports import hide_unused_frameworks, lighten_imports
 import_frameworks = os.environ.get("KVWAKE_IMPORT_FRAMEWORKS") == "1"
 if import_frameworks:
     hide_unused_frameworks()  # the scan as transformers ships it, beside the same hidden frameworks
@@ -186,7 +186,7 @@ def scanner(calls: list[str]):
 
 
 def test_a_kept_scan_is_used_only_while_its_folder_is_unchanged(tmp_path):
-    from kvwake.daemon.startup import Scans
+    from kvwake.daemon.imports import Scans
 
     folder = tmp_path / "models"
     (folder / "llama").mkdir(parents=True)

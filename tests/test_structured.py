@@ -20,7 +20,7 @@ from kvwake.client import AsyncClient, Client, openai_config
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams, TextOutput
 from kvwake.daemon.model.grammar import Structure
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
 from testkit.daemon import RpcError, serving_http
@@ -562,7 +562,7 @@ def test_a_forced_call_closes_the_thought_its_prompt_opened(tmp_path):
 
 
 def test_a_failed_matcher_ends_its_call_at_once_and_fails_it_naming_the_error(engine):
-    from kvwake.daemon.model.calls import Call
+    from kvwake.daemon.model.decode_calls import Call
     from kvwake.errors import InternalError
 
     c = engine.constraint(params(Structure.json({"enum": ["ab"]}), 0), None)

@@ -146,7 +146,7 @@ def test_whole_marker_tokens_of_the_scripted_model(tmp_path):
 def test_calls_decoded_together_each_get_their_own_content_and_calls(tmp_path):
     # Content before the call, from the scripted model; two sessions decode in one batch.
     from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session import Session
+    from kvwake.daemon.session_state import Session
     from kvwake.store import Store
     from testkit.tinymodel import make_scripted_model
 

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.jobs import Mlx, direct
 from kvwake.daemon.kv.bundle import Bundle, diff_descriptions
-from kvwake.daemon.kv.hotblocks import HotBlocks
+from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.pool import Pool
 from kvwake.errors import BundleMismatchError, KvwakeError
 from kvwake.store import SnapshotRecord, Store
@@ -64,14 +64,14 @@ class KvContext:
     store: Store
     bundle: Bundle
     model: Any
-    hot: HotBlocks
+    ram_tier: RamTier
     pool: Pool
     vocab_size: int
     cuttable: bool
     kv_bits: int | None = None
     kv_group_size: int = 64
     device_planes: bool = False
-    restore_mode: str | None = None  # "direct" | "staged" (kv/fill.py); None: by the backend
+    restore_mode: str | None = None  # "direct" | "staged" (kv/restore_buffers.py); None: by the backend
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "tokens_reused",
                                                                 "tokens_prefilled", "prefill_packs",
                                                                 "prefill_packed_chunks"))

@@ -90,7 +90,7 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
                count: int) -> tuple[list[mx.array], Callable[[list[np.ndarray]], list[Planed]]] | None:
     """`count` blocks of these [.., tokens, dim] arrays (already sliced to the span) as planed runs:
     the planes, lazy (one array per plane, evaluated on the device), and what makes the runs of their
-    host copies (kv/state.py's `Deferred`).
+    host copies (kv/cache_blocks.py's `Deferred`).
 
     Returns None when they do not share one planar dtype and shape.
     """

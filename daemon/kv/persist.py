@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvwake.daemon.kv import pipeline
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 
 __all__ = ["Persister"]
 

@@ -30,7 +30,7 @@ block files are mapped from the page cache and decoded a piece at a time,
 each piece digested while in cache; on unified memory each piece is joined
 into the final KV buffer (one write per byte); on CUDA the planes go into a
 staging ring in MLX host-visible memory and each span is joined on the GPU as
-soon as it is in, while the pool decodes the next spans (fill.py,
+soon as it is in, while the pool decodes the next spans (restore_buffers.py,
 docs/benchmarks.md "Copies per restored byte").
 """
 
@@ -44,12 +44,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import fill, state
+from kvwake.daemon.kv import cache_blocks, restore_buffers
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
-from kvwake.daemon.phases import Phases
-from kvwake.daemon.session import Session
+from kvwake.daemon.timing import Phases
+from kvwake.daemon.session_state import Session
 from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
@@ -78,14 +78,14 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
     return spans
 
 
-def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> state.Deferred:
-    """Blocks as host arrays (state.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
-    work). `own`: never views of the cache (it goes on growing: state._defer_units)."""
+def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> cache_blocks.Deferred:
+    """Blocks as host arrays (cache_blocks.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
+    work). `own`: never views of the cache (it goes on growing: cache_blocks._defer_units)."""
     if ctx.device_planes and ctx.store.codec == "planes-zstd":
-        planed = state.defer_planed(cache, first, count, ctx.block_tokens)
+        planed = cache_blocks.defer_planed(cache, first, count, ctx.block_tokens)
         if planed is not None:
             return planed
-    return state.defer_blocks(cache, first, count, ctx.block_tokens, own=own)
+    return cache_blocks.defer_blocks(cache, first, count, ctx.block_tokens, own=own)
 
 
 def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], mlx: Mlx, batch: Batch, held: list,
@@ -107,12 +107,12 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
     if not todo:
         return
     def token_bytes() -> int:
-        return state.bytes_per_token(cache())
+        return cache_blocks.bytes_per_token(cache())
     block_bytes = max(1, mlx(token_bytes) * ctx.block_tokens)
     copied = ctx.device_planes or own  # spans of copies, not views: a span's copy is bounded
     per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(todo)
     spans = _spans(todo, per_span)
-    scheduled: dict[int, state.Deferred] = {}
+    scheduled: dict[int, cache_blocks.Deferred] = {}
     held.append(scheduled)
 
     def schedule(k: int) -> None:
@@ -123,7 +123,7 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
         held[:] = [h for h in held if not isinstance(h, tuple) or not all(f.done() for f in h[1])]
 
     def capture(k: int) -> list:  # the span scheduled by the call before; the next one scheduled
-        state.drop_hosted(settle)
+        cache_blocks.drop_hosted(settle)
         schedule(k + 1)
         return scheduled.pop(k).host()
 
@@ -149,15 +149,15 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
 
 
 def _dropping(held: list) -> Callable[[], None]:
-    """The engine-thread job that empties `held` (spans and their host copies: `state.drop_hosted`)."""
+    """The engine-thread job that empties `held` (spans and their host copies: `cache_blocks.drop_hosted`)."""
     def drop_held() -> None:
-        state.drop_hosted(held.clear)
+        cache_blocks.drop_hosted(held.clear)
     return drop_held
 
 
 def _write_tail(ctx: KvContext, w: SnapshotWriter, session: Session, mlx: Mlx, batch: Batch, held: list) -> None:
     """Capture the session's tail (engine thread) and write it (pool); `held` alone keeps its host copies."""
-    tail = mlx(lambda: state.capture_tail(session.cache, session.processed, ctx.block_tokens))
+    tail = mlx(lambda: cache_blocks.capture_tail(session.cache, session.processed, ctx.block_tokens))
     held.append(tail)
     if tail and not batch.failed:
         batch.submit(0, w.set_tail, tail)
@@ -165,7 +165,7 @@ def _write_tail(ctx: KvContext, w: SnapshotWriter, session: Session, mlx: Mlx, b
 
 def _sleep_budget(ctx: KvContext, session: Session) -> int:
     """Bytes a sleep may have in flight: an eighth of the session's KV, at least one block."""
-    per_token = state.bytes_per_token(session.cache) if session.cache is not None else 0
+    per_token = cache_blocks.bytes_per_token(session.cache) if session.cache is not None else 0
     return max(per_token * ctx.block_tokens, per_token * session.processed // SLEEP_SHARE, 1)
 
 
@@ -232,7 +232,7 @@ def _look(ctx: KvContext, session: Session) -> tuple[list[int], dict[str, Any], 
     recorded = session.state()
     recorded.update(messages=list(recorded["messages"]), metadata=dict(recorded["metadata"]),
                     pending=session.tokens[n:])
-    return session.tokens[:n], recorded, state.block_tail(session.cache, n, ctx.block_tokens), session.head
+    return session.tokens[:n], recorded, cache_blocks.block_tail(session.cache, n, ctx.block_tokens), session.head
 
 
 def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | None,
@@ -287,7 +287,7 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
 def _write_short(ctx: KvContext, w: SnapshotWriter, scratch: Session, short: int, mlx: Mlx, batch: Batch,
                  held: list) -> None:
     """Capture the last partial block, `short` (engine thread), and write it (pool); `held` alone keeps it."""
-    arrays = mlx(lambda: state.capture_span(scratch.cache, short * ctx.block_tokens, scratch.processed))
+    arrays = mlx(lambda: cache_blocks.capture_span(scratch.cache, short * ctx.block_tokens, scratch.processed))
     held.append(arrays)
     batch.reserve(0)
     batch.submit(0, w.add_block, short, arrays)
@@ -355,30 +355,30 @@ def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
 # -- wake ----------------------------------------------------------------------
 
 
-def fill_block(ctx: KvContext, buffers: fill.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
-               keep_hot: bool) -> None:
+def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
+               keep_in_ram: bool) -> None:
     """Block k into place: from the RAM tier when it holds it, else decoded from its file."""
     # A block holds block_tokens tokens, except the short last block prefix.warm stores.
     start, count, what = k * ctx.block_tokens, len(ref.token_ids), f"block {k}"
-    hot = ctx.hot.get(ref.key)
+    hot = ctx.ram_tier.get(ref.key)
     if hot is not None:
         buffers.put(start, count, hot, what)
         ctx.counters.add("blocks_ram")
         return
-    stage = None if keep_hot else buffers.stage(k)
+    stage = None if keep_in_ram else buffers.stage(k)
     arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
                                   session_id=record.session_id if record else None,
                                   place=buffers.place(start, count), stage=stage)
     buffers.check(arrays, start, count, what, staged=k in buffers.staged)
     ctx.counters.add("blocks_disk")
-    if keep_hot:
-        ctx.hot.put(ref.key, buffers.block(start, count))
+    if keep_in_ram:
+        ctx.ram_tier.put(ref.key, buffers.block(start, count))
 
 
 def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     """A block's tensor specs, from the RAM tier when it holds the block, else from its file's header."""
-    hot = ctx.hot.get(ref.key)
-    return fill.specs_of(hot) if hot is not None else ctx.store.block_specs(ref)
+    hot = ctx.ram_tier.get(ref.key)
+    return restore_buffers.specs_of(hot) if hot is not None else ctx.store.block_specs(ref)
 
 
 def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
@@ -388,10 +388,10 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
         sample, tokens = block_specs(ctx, record.blocks[0]), ctx.block_tokens
     else:
         sample, tokens = (ctx.store.tail_specs(record) if record.tail else {}), rest
-        if not (rest and fill.has_cut_kv(mlx(ctx.make_blank), sample)):
+        if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
-            return mlx(lambda: fill.finish_empty(ctx.model, n, tail, ctx.block_tokens))
-    buffers = mlx(lambda: fill.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
+            return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
+    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
                                              mode=ctx.restore_mode))
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
@@ -408,13 +408,13 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
             buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
-        while not mlx(lambda: buffers.upload(n, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
+        while not mlx(lambda: buffers.upload(n, restore_buffers.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
             pass
         return mlx(lambda: buffers.finish(n, tail))
 
 
 @contextlib.contextmanager
-def releasing(buffers: fill.Buffers, mlx: Mlx) -> Iterator[fill.Buffers]:
+def releasing(buffers: restore_buffers.Buffers, mlx: Mlx) -> Iterator[restore_buffers.Buffers]:
     """A restore's buffers, released on the engine thread however the restore ends: by `finish`, or here when
     it is given up (a damaged block failing a wake, a prefix hit with nothing usable). Left to die on the
     caller's thread, their staging ring and joined spans would go back to MLX off the engine thread."""
@@ -425,7 +425,7 @@ def releasing(buffers: fill.Buffers, mlx: Mlx) -> Iterator[fill.Buffers]:
             mlx(buffers.release)
 
 
-def fill_spans(ctx: KvContext, buffers: fill.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
+def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
                record: SnapshotRecord | None = None, shorten: bool = False) -> int:
     """Blocks 0 .. len(refs)-1 of a restore into place: decoded a span at a time on the pool while the engine
     thread moves earlier spans to the device. Returns how many blocks are in place, unbroken from 0.
@@ -442,11 +442,11 @@ def fill_spans(ctx: KvContext, buffers: fill.Buffers, refs: list[BlockRef], mlx:
     """
     spans = buffers.spans(len(refs))
     pending: dict[int, list[cf.Future]] = {}
-    keep_hot = shorten and buffers.ring is None
+    keep_in_ram = shorten and buffers.ring is None
 
     def one(k: int, ref: BlockRef) -> bool:
         try:
-            fill_block(ctx, buffers, ref, k, record, keep_hot)
+            fill_block(ctx, buffers, ref, k, record, keep_in_ram)
         except CorruptBlockError as exc:
             if not shorten:
                 raise

@@ -8,7 +8,7 @@ not verify shortens the hit, and those tokens are prefilled instead.
 
 from __future__ import annotations
 
-from kvwake.daemon.kv import fill
+from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
@@ -56,7 +56,7 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     # Where a GPU computes, the whole blocks stage and join on the device a span at a time, as a wake's do
     # (decoding every block and joining its planes with numpy into host views, then uploading them, took
     # longer than prefilling them: docs/decisions.md, "Engine"). The partial piece decodes into host views and goes up with the layout.
-    buffers = mlx(lambda: fill.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
+    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample[0], sample[1], room, ctx.block_tokens,
                                        n_blocks=len(hit.blocks), mode=ctx.restore_mode))
     with releasing(buffers, mlx):
         usable = _fill_all(ctx, buffers, hit.blocks, piece, start, mlx)
@@ -65,7 +65,7 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
             tokens = start + hit.partial.tokens
         if not tokens:
             return None, 0
-        while not mlx(lambda: buffers.upload(tokens, fill.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
+        while not mlx(lambda: buffers.upload(tokens, restore_buffers.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
             pass
         cache = mlx(lambda: buffers.finish(tokens, None))
     if ctx.kv_bits is not None:
@@ -73,7 +73,7 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     return cache, tokens
 
 
-def _fill_all(ctx: KvContext, buffers: fill.Buffers, blocks: list[BlockRef], piece: BlockRef | SnapshotRecord | None,
+def _fill_all(ctx: KvContext, buffers: restore_buffers.Buffers, blocks: list[BlockRef], piece: BlockRef | SnapshotRecord | None,
               start: int, mlx: Mlx) -> int:
     """The hit's blocks (spans, joined on the device as they come in) and its partial piece into place;
     returns how many of blocks + [piece] lead the list unbroken."""
@@ -136,7 +136,7 @@ def _piece_specs(ctx: KvContext, piece: BlockRef | SnapshotRecord) -> tuple[dict
     return specs, _piece_tokens(ctx, piece)
 
 
-def _fill_tail(ctx: KvContext, buffers: fill.Buffers, record: SnapshotRecord, start: int) -> None:
+def _fill_tail(ctx: KvContext, buffers: restore_buffers.Buffers, record: SnapshotRecord, start: int) -> None:
     """A snapshot's tail KV into place at `start` (verified; its other state is not needed for a prefix)."""
     count = _piece_tokens(ctx, record)
     tail = ctx.store.read_tail(record, buffers.place(start, count), None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwake.daemon.model.pieces import Pieces
-from kvwake.daemon.session import tool_arguments
+from kvwake.daemon.model.piece_tokens import Pieces
+from kvwake.daemon.session_state import tool_arguments
 from kvwake.errors import InvalidParamsError
 
 __all__ = ["ChatTemplate", "for_template"]

@@ -62,9 +62,9 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.model.calls import Call, Solo
+from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
-from kvwake.daemon.model.joining import (Row, dead_rows, extract_row, fits, place, retire, rows_batch, schedule,
+from kvwake.daemon.model.batch_rows import (Row, dead_rows, extract_row, fits, place, retire, rows_batch, schedule,
                                         slot_size)
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 

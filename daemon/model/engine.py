@@ -29,31 +29,31 @@ import mlx_lm
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import devplanes, fill, pipeline, prefixhit, state
+from kvwake.daemon.kv import cache_blocks, devplanes, pipeline, prefixhit, restore_buffers
 from kvwake.daemon.kv.bundle import Bundle, describe_bundle
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, Packed, direct, outcome
 from kvwake.daemon.kv.context import KvContext, quantize_cache
-from kvwake.daemon.kv.hotblocks import HotBlocks
+from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, memory, packing
 from kvwake.daemon.model.scheduler import PrefillPlanner, slices
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
-from kvwake.daemon.model.calls import Call, batch_mode
+from kvwake.daemon.model.decode_calls import Call, batch_mode
 from kvwake.daemon.model.decoder import Decoder, run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
-from kvwake.daemon.phases import Phases
-from kvwake.daemon.session import Session, common_prefix
+from kvwake.daemon.timing import Phases
+from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import CancelledError, ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
 __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "ShouldStop", "resolve_model"]
 
-# What a block's payload means (kv/state.py's naming), as the bundle hash records it. Frozen at the
+# What a block's payload means (kv/cache_blocks.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
 # file says its own), so switching codec or file format never orphans a store's snapshots.
 CONTENT_FORMAT = ("planes-zstd+kvstate1", 1)
@@ -100,7 +100,7 @@ class Engine:
         *,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
-        hot_bytes: int = 256 << 20,
+        ram_tier_bytes: int = 256 << 20,
         prefill_step: int = 512,
         io_workers: int | None = None,
         io_inflight_bytes: int = 512 << 20,
@@ -112,7 +112,7 @@ class Engine:
         tuning: Tuning = Tuning(),
     ) -> None:
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
-        self.restore_mode = fill.restore_mode(tuning.restore_mode)
+        self.restore_mode = restore_buffers.restore_mode(tuning.restore_mode)
         self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
@@ -125,20 +125,20 @@ class Engine:
         self.context_length = min(known) if known else None
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
         self.bundle: Bundle = describe_bundle(
-            self.model_path, kv_layout=state.layout(probe, model=self.model), block_tokens=store.block_tokens,
+            self.model_path, kv_layout=cache_blocks.layout(probe, model=self.model), block_tokens=store.block_tokens,
             codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1],
             digest_cache=Path(data_dir) / "digests.json",
             model_name=self.model_name,
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
         self.started.mark("bundle")
-        self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, hot=HotBlocks(hot_bytes),
+        self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, ram_tier=RamTier(ram_tier_bytes),
                             pool=Pool(io_workers, io_inflight_bytes, nice=tuning.pool_nice),
                             vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
-                            cuttable=state.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
+                            cuttable=cache_blocks.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
                             # KV on a discrete GPU: byte planes are made there
                             device_planes=self.restore_mode == "staged")
-        self.hot, self.pool, self.counters, self.cuttable = self.kv.hot, self.kv.pool, self.kv.counters, self.kv.cuttable
+        self.ram_tier, self.pool, self.counters, self.cuttable = self.kv.ram_tier, self.kv.pool, self.kv.counters, self.kv.cuttable
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
@@ -225,7 +225,7 @@ class Engine:
 
     def cache_bytes(self, session: Session) -> int:
         """Bytes of the session's KV in memory (0 while it has none)."""
-        return state.cache_nbytes(session.cache) if session.cache is not None else 0
+        return cache_blocks.cache_nbytes(session.cache) if session.cache is not None else 0
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the KV buffer a session of `tokens` tokens holds (as its growth makes it)."""
@@ -233,7 +233,7 @@ class Engine:
 
     def copy_prefix(self, session: Session, n_tokens: int) -> list:
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
-        return state.copy_prefix(session.cache, n_tokens)
+        return cache_blocks.copy_prefix(session.cache, n_tokens)
 
     # -- input ----------------------------------------------------------------
 

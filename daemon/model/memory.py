@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import state
+from kvwake.daemon.kv import cache_blocks
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHARE", "Limits", "apply_limits",
            "device_memory", "hot_budget", "kv_room", "kv_token_bytes", "session_tokens"]
@@ -74,7 +74,7 @@ def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 
     cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
     mx.eval([c.state for c in cache])
-    plain = state.bytes_per_token(cache)
+    plain = cache_blocks.bytes_per_token(cache)
     if kv_bits is None:
         return plain
     itemsize = next((c.keys.dtype.size for c in cache if getattr(c, "keys", None) is not None), 2)

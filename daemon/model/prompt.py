@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwake.daemon.model.chat import ChatTemplate
-from kvwake.daemon.session import Session, check_json, check_messages
+from kvwake.daemon.session_state import Session, check_json, check_messages
 from kvwake.errors import InvalidParamsError
 
 __all__ = ["Plan", "Prompter"]
@@ -42,7 +42,7 @@ class Prompter:
     """Checks input and renders it with the model's tokenizer and chat template.
 
     On worker threads (an append's, or the one a front renders on), not the engine's, up to
-    `renders_at_once` inputs at once: the kept pieces (model/pieces.py) take their own lock. The
+    `renders_at_once` inputs at once: the kept pieces (model/piece_tokens.py) take their own lock. The
     tokenizer's encode lets the GIL go while it runs, and only reads the tokenizer, as the engine
     thread's detokenizing does meanwhile.
     """

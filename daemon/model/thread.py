@@ -35,7 +35,7 @@ from kvwake.daemon.jobs import unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler.prefill import PrefillPlanner
 from kvwake.daemon.model.scheduler.steps import Job, Scheduler
-from kvwake.daemon.phases import Latency
+from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
 __all__ = ["EngineThread", "process_age_s"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 
 __all__ = ["Entries", "Entry"]
 

@@ -41,17 +41,17 @@ import anyio
 import numpy as np
 from anyio import to_thread
 
-from kvwake.daemon.collector import Collector
+from kvwake.daemon.gcwatch import Collector
 from kvwake.daemon.config import Settings
 from kvwake.daemon.gilwatch import GilWatch
 from kvwake.daemon.model.engine import Engine, Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread
-from kvwake.daemon.phases import Latency, Phases
-from kvwake.daemon.session import Session, check_json, check_session_id, common_prefix
+from kvwake.daemon.timing import Latency, Phases
+from kvwake.daemon.session_state import Session, check_json, check_session_id, common_prefix
 from kvwake.daemon.sessions.entries import Entries, Entry
-from kvwake.daemon.session import new_session_id as make_session_id
+from kvwake.daemon.session_state import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
@@ -142,7 +142,7 @@ class SessionManager:
         finally:
             entry.busy, entry.last_used = None, time.monotonic()
 
-    async def hot(self, entry: Entry) -> Session:
+    async def awake(self, entry: Entry) -> Session:
         """The entry's session, woken first if it sleeps (the caller holds the claim)."""
         if entry.session is None:
             await self._wake(entry, None)
@@ -326,7 +326,7 @@ class SessionManager:
         """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
         async with self.claim(session_id, "append") as entry:
             stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
-            return await self._append(await self.hot(entry), inputs, stop, entry)
+            return await self._append(await self.awake(entry), inputs, stop, entry)
 
     async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
                       stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
@@ -438,7 +438,7 @@ class SessionManager:
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
                 on_claim()
-            session = await self.hot(entry)
+            session = await self.awake(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
             appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}

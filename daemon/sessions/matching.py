@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 from anyio import to_thread
 
-from kvwake.daemon.session import common_prefix, new_session_id
+from kvwake.daemon.session_state import common_prefix, new_session_id
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.model.generation import OnEvent
 from kvwake.daemon.sessions.manager import Prepared, SessionManager

@@ -272,7 +272,7 @@ class RemoteTier:
         await self._run(self.book.set, session_id, lease)  # an fsync: off the event loop
         try:
             head = await self._run(self.remote.head, session_id)
-            result = await self._run(fetch_snapshot, self.remote, self.store, head, session_id, self.engine.hot.put)
+            result = await self._run(fetch_snapshot, self.remote, self.store, head, session_id, self.engine.ram_tier.put)
         except BaseException:
             with contextlib.suppress(Exception):  # give back what we cannot serve
                 await self.release(session_id)
@@ -294,7 +294,7 @@ class RemoteTier:
         deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
             n, partial = fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
-                                      min_partial=self.engine.min_partial, on_block=self.engine.hot.put)
+                                      min_partial=self.engine.min_partial, on_block=self.engine.ram_tier.put)
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0

@@ -44,7 +44,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
             "tuning": dataclasses.asdict(m.settings.tuning),
             "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(),
                        "hot_budget_bytes": m.hot_budget(), "kv_room_bytes": engine.kv_room_bytes,
-                       "ram_tier_bytes": engine.hot.bytes, "peak_rss_bytes": rss,
+                       "ram_tier_bytes": engine.ram_tier.bytes, "peak_rss_bytes": rss,
                        "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
                        "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,
                        "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,

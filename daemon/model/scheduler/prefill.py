@@ -38,7 +38,7 @@ from kvwake.daemon.kv.context import Counters
 from kvwake.daemon.model import attention, packing
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler import slices
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 
 __all__ = ["PrefillPlanner", "pack_groups"]
 

@@ -47,7 +47,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, m
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes
-from kvwake.daemon.kv.state import (
+from kvwake.daemon.kv.cache_blocks import (
     CUTTABLE,
     QPARTS,
     StateMismatchError,

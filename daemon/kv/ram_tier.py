@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from kvwake.store import Tensor
 
-__all__ = ["HotBlocks"]
+__all__ = ["RamTier"]
 
 Arrays = dict[str, Tensor]
 
@@ -23,7 +23,7 @@ def nbytes(arrays: Arrays) -> int:
     return sum(t.array.nbytes for t in arrays.values())
 
 
-class HotBlocks:
+class RamTier:
     """An LRU map chain key -> decoded block arrays, at most `budget_bytes` in total."""
 
     def __init__(self, budget_bytes: int) -> None:

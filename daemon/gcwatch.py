@@ -15,7 +15,7 @@ import gc
 import time
 from typing import Any
 
-from kvwake.daemon.phases import Latency
+from kvwake.daemon.timing import Latency
 
 __all__ = ["Collector"]
 

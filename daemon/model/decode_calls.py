@@ -29,7 +29,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.jobs import unframed
 from kvwake.daemon.model.generation import GenerateResult, TextOutput
 from kvwake.daemon.model.masks import Constraint
-from kvwake.daemon.session import Session
+from kvwake.daemon.session_state import Session
 from kvwake.errors import InternalError
 
 __all__ = ["Call", "Solo", "batch_mode"]
