@@ -5,7 +5,7 @@ kept, with every thread's stack).
 MLX lets the GIL go in every eval, and the engine thread takes it back after: a thread holding it through
 a long native call (a copy that pages managed memory in, a tokenizer's single `encode`, `bytes()` of a
 large buffer) holds every decode step meanwhile, and the engine's record of slow work shows only a long
-step. A sleeping thread that wakes late by more than the switch interval (5 ms) waited for such a call:
+step. A sleeping thread that wakes late by more than Python's switch interval waited for such a call:
 whichever thread held it has just let it go, so its stack, taken at once, shows where (the line of the
 call that held it, or the one after it that let the GIL go). A diagnostic (the watcher takes the GIL a
 thousand times a second), off unless asked for; bench/batching.py's prefill row keeps the waits during

@@ -146,8 +146,8 @@ def hold_daemon_lock(settings: Settings) -> int:
 def _release_mlx_streams() -> None:
     """Run last on the engine thread: MLX's per-thread streams must be destroyed by the thread that
     made them, before the interpreter shuts down, or MLX may abort at exit ("terminate called without
-    an active exception"; ml-explore/mlx#4327). Seen here: 1 daemon stop in a CI run, and on the GPU
-    machine."""
+    an active exception"; ml-explore/mlx#4327; docs/decisions.md, "Leaving the process after a stop
+    (session 7)")."""
     import mlx.core as mx
 
     mx.synchronize()
@@ -213,8 +213,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
 def keep_compiled_kernels() -> None:
     """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
     unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
-    and the first start after one compiled them all again (a tiny model's first forward pass: 8.4 s
-    against 0.4-0.9 s on the H100 machine). Shared by every daemon of the user, as MLX's default is; one
+    and the first start after one compiled them all again, a slow first forward pass (docs/decisions.md,
+    "Daemon"). Shared by every daemon of the user, as MLX's default is; one
     folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
     compiled (MLX reads it once); nothing uses it off CUDA."""
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
@@ -246,7 +246,7 @@ def _http_url(sock: socket.socket) -> str:
 
 def _have_uvloop() -> bool:
     """uvloop where it is installed (Linux, macOS): it halves the loop's share of a round trip
-    (docs/decisions.md, "RPC front"); the stock loop otherwise, with the same behaviour."""
+    (docs/decisions.md, "RPC front (issue 14)"); the stock loop otherwise, with the same behaviour."""
     return importlib.util.find_spec("uvloop") is not None
 
 

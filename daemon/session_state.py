@@ -71,8 +71,10 @@ PREFIX_PIECE = 4096  # tokens two lists are compared by at a time
 def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     """Length of the longest common prefix of two token sequences (lists or integer arrays).
 
-    Two lists are compared as lists, a piece at a time (C-level compares, no conversion: 0.7 ms for
-    75k equal tokens, against 4 ms converting both to arrays); anything else as int64 arrays."""
+    Two lists are compared as lists, a piece at a time (C-level compares, no conversion: converting a
+    long conversation's lists to arrays cost more than comparing them; docs/history/benchmarks-journal.md,
+    "Session 13: turns over 75k tokens share one attention graph; first tokens at 89-128 ms"); anything
+    else as int64 arrays."""
     n = min(len(a), len(b))
     if isinstance(a, list) and isinstance(b, list):
         for start in range(0, n, PREFIX_PIECE):
@@ -112,8 +114,9 @@ class Session:
         """Engine thread: run fn now, or when the chunk in flight ends if one is (`settle`); its Future.
 
         A checkpoint's capture of the cache goes through here: run between two slices of a chunk, it made
-        the chunk's remaining layers its own work (on the H100 a capture job of 60-86 ms, then a slice of
-        77-98 ms waiting for the GPU, beside a decoding neighbour whose step is 7 ms)."""
+        the chunk's remaining layers its own work: one long capture job, then a slice waiting for the GPU,
+        each many of a decoding neighbour's steps (docs/history/benchmarks-journal.md, "Session 12: a
+        checkpoint no longer computes a neighbour's chunk")."""
         done: Future = Future()
         if self.computing:
             self._settled.append((fn, done))
@@ -127,8 +130,8 @@ class Session:
         runs between the chunk's last slice and each, and between them; if the engine stops first, its
         waiter gets the engine's error), else here.
 
-        Here, a checkpoint's capture made the last slice's job its own: 9-17 ms against 1.3-4 ms for a
-        slice of one or two layers without persistence (H100, 8B shape)."""
+        Here, a checkpoint's capture made the last slice's job its own, several times a slice of one or
+        two layers without persistence (docs/decisions.md, "Many agents at once (issue 24)")."""
         self.computing = False
         waiting, self._settled = self._settled, []
         for fn, done in waiting:

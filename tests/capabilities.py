@@ -50,13 +50,13 @@ def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, .
 
     if getattr(engine, "plain_prefill", False):
         # CUDA: a chunk's attention path is chosen by costs each engine measures (and by what the
-        # process built before), so two engines may prefill the same chunk two ways; on the H100 a
-        # warmed prompt's hit passed bit-exact in one run of the suite and not in the next
+        # process built before), so two engines may prefill the same chunk two ways: a warmed prompt's hit
+        # can be bit-exact in one run of the suite and not in the next
         return False
     if id(engine) not in _chunking:
         # and a hit of a whole warmed prompt of `tokens` (warm prefills all but its last token, then that
-        # one) with a few more after it: the tests' own shapes (on the H100 the first probe alone said
-        # exact while such a hit was not)
+        # one) with a few more after it: the tests' own shapes (on CUDA the first probe alone can say
+        # exact while such a hit is not)
         exact = True
         for total, cuts in ((tokens, [(split,) for split in splits]), (tokens + 3, [(tokens,), (tokens - 1, tokens)])):
             ids = [(i * 31 + 11) % 200 + 20 for i in range(total)]

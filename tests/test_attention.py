@@ -94,8 +94,8 @@ def test_a_short_chunk_over_many_keys_runs_plain_in_pieces_of_queries(monkeypatc
     if mx.default_device() == mx.cpu:  # the CPU sums each piece as it sums the whole
         assert mx.allclose(whole, pieces, atol=1e-6).item()
         return
-    # CUDA's float32 matmuls pick kernels (and TF32 paths) by shape: pieces differ from the whole (1e-5 to 2e-4
-    # seen on the H100), so both are held to a float64 reference: the pieces are no less exact than the whole.
+    # CUDA's float32 matmuls pick kernels (and TF32 paths) by shape: pieces differ from the whole in the last
+    # bits, so both are held to a float64 reference: the pieces are no less exact than the whole.
     exact = float64_attention(*(np.array(x, dtype=np.float64) for x in (q, k, v)), 0.125)
     whole_error, pieces_error = (np.abs(np.array(x) - exact).max() for x in (whole, pieces))
     print(f"from float64: pieces {pieces_error:.2e}, the whole {whole_error:.2e}")
@@ -160,8 +160,9 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
 
 def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_it_comes_back(model_dir, tmp_path,
                                                                                            monkeypatch):
-    # On the H100 the first slice of a chunk whose cuDNN graph is new (a (queries, keys, buffer capacity)
-    # this process never ran: after a prefix hit, every chunk) took ~90 ms: a decoding neighbour's gap.
+    # On CUDA the first slice of a chunk whose cuDNN graph is new (a (queries, keys, buffer capacity)
+    # this process never ran: after a prefix hit, every chunk) pays its build: a decoding neighbour's gap
+    # (docs/decisions.md, "Many agents at once (issue 24)").
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.scheduler.prefill import PLAIN_BEFORE_BUILD
@@ -197,8 +198,8 @@ def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_i
 
 def test_the_plain_path_warms_through_the_model_over_a_buffer_larger_than_its_keys_in_several_pieces(model, monkeypatch):
     """As a session's chunk runs it: every layer's attention, in pieces, over keys read from a slice of a
-    larger buffer (strided). Warmed on contiguous tensors alone, a prompt's last chunk still paid 15-22 ms
-    of kernel builds at its first attention on the H100 (session 18)."""
+    larger buffer (strided). Warmed on contiguous tensors alone, a prompt's last chunk still paid kernel
+    builds at its first attention on CUDA (docs/decisions.md, "Many agents at once (issue 24)")."""
     from mlx_lm.models.cache import KVCache
 
     from kvwake.daemon.model import attention
@@ -220,10 +221,11 @@ def test_the_plain_path_warms_through_the_model_over_a_buffer_larger_than_its_ke
 
 
 def test_the_plain_path_is_warmed_aligned_and_unaligned_in_one_two_and_several_pieces():
-    """MLX on CUDA builds kernels per class of shape: warmed at full aligned chunks only, a 318-token chunk
-    over 7,998 keys still took 41-60 ms at its first attention on the H100, and 4.5-5.4 ms warmed at
-    unaligned shapes too (session 18). The attention runs over the cached keys and the chunk's; for the 8B
-    shape (32 heads) the unaligned ones take one, two and three pieces of scores; none past the context."""
+    """MLX on CUDA builds kernels per class of shape: warmed at full aligned chunks only, an unaligned chunk
+    over a long cache still paid kernel builds at its first attention, and none once unaligned shapes were
+    warmed too (docs/decisions.md, "Many agents at once (issue 24)"). The attention runs over the cached
+    keys and the chunk's; for the 8B shape (32 heads) the unaligned ones take one, two and three pieces of
+    scores; none past the context."""
     from kvwake.daemon.model import attention
 
     def pieces(queries: int, cached: int) -> int:
@@ -336,7 +338,7 @@ def test_bucketed_attention_pads_queries_to_a_power_of_two_and_sees_the_whole_bu
 
 def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape(model_dir, tmp_path, monkeypatch,
                                                                                coarse_capacity):
-    # On the H100 a warm turn over 75k keys spent ~57 ms building a cuDNN graph for its new (queries, keys):
+    # On CUDA a warm turn over a long cache built a cuDNN graph for its new (queries, keys), a large part of its turn:
     # padded to a query bucket over the whole buffer, the next turns of that bucket reuse it.
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
@@ -408,8 +410,8 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
 
 
 def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, tmp_path, monkeypatch, coarse_capacity):
-    # On the H100 the first turn after a 75k-token prompt built its bucket (first token 196-245 ms, the
-    # turns after 120-150): a client that sends it at once leaves no idle time to build it in.
+    # On CUDA the first turn after a long prompt built its bucket (its first token later than the turns
+    # after it): a client that sends it at once leaves no idle time to build it in.
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.scheduler import prefill as prefill_mod
@@ -429,8 +431,8 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, 
     long = Session("long")
     engine.append(long, tokens=list(range(1, 141)))  # 139 prefilled (its last chunk, 11: bucket 16), no idle runner
     capacity = long.cache[0].keys.shape[2]
-    # query_buckets(63)[:BUCKETS_AHEAD]: the two likeliest (on the H200 a 131-token turn's 192 was not built ahead
-    # when only the likeliest, 128, was: its first token took 203 ms against 104-137 for the turns after)
+    # query_buckets(63)[:BUCKETS_AHEAD]: the two likeliest (with only the likeliest built ahead, a turn of the
+    # next bucket paid its build in its first token; docs/decisions.md, "Many agents at once (issue 24)")
     assert built == [(64, capacity), (32, capacity)], built
     assert {("bucket", 64, capacity), ("bucket", 32, capacity)} <= engine.planner._fused_shapes
     engine.append(Session("again"), tokens=list(range(1, 141)))  # the same capacity: built already

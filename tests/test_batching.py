@@ -182,8 +182,8 @@ def test_sampling_rows_that_come_and_go_each_draw_what_they_draw_alone(engine, m
     """Six seeded rows in a batch of eight slots: one joins a dead slot while the others stay at their rows
     (the batch's size unchanged, so only the joiner's own key tells the keys must be stacked again), one
     leaves, another takes its slot. Each call's tokens are the ones it samples alone, and the keys were both
-    carried over and stacked again on the way (review of e56bfcd: a check of the first keyed row alone
-    passed the earlier test)."""
+    carried over and stacked again on the way (a check of the first keyed row alone passed a test of
+    rows that stay in place)."""
     seen = {"carried": 0, "stacked": 0}
     carried_keys = RowsSampler._carried_keys
 
@@ -527,7 +527,8 @@ def test_the_plain_path_is_not_warmed_at_a_shape_whose_cache_would_take_half_the
 
 def test_a_lone_sessions_decode_is_warmed_at_whole_capacities_and_the_model_is_left_as_it_was(engine, monkeypatch):
     # On CUDA a lone session's decode step over a buffer of a multiple of 256 tokens builds a cuDNN graph
-    # per capacity (the first ones ~0.8 s on the H100: a decoding neighbour's p99 beside a prefill).
+    # per capacity (a long build: a decoding neighbour's p99 beside a prefill; docs/decisions.md, "Many agents at
+    # once (issue 24)").
     import mlx_lm.models.llama as llama
 
     from kvwake.daemon.model import attention

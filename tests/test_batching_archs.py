@@ -1,4 +1,4 @@
-"""Batched decoding of models whose caches are not all plain KV (issue 24, point 6): sliding windows
+"""Batched decoding of models whose caches are not all plain KV: sliding windows
 (gemma3_text, window 8: every prompt here wraps its ring), recurrent state beside attention (lfm2's conv
 state, qwen3_next's conv and gated-delta state), both in one layer (falcon_h1: a CacheList of a Mamba-2
 state and KV) and recurrent state alone (mamba2). They decode in the batch, give what each call gives
@@ -49,15 +49,15 @@ def fresh(engine: Engine, name: str, text: str | None = None, tokens: list[int] 
     return s
 
 
-# nats: on CUDA a batched row may part from its solo twin only where the model's top two are this close (qwen3_next
-# on the H200: 0.085 at a row's 10th token, 0.0013 at another's 6th; its experts chosen by a router a rounding tips)
+# nats: on CUDA a batched row may part from its solo twin only where the model's top two are this close (qwen3_next's
+# rows part at near ties: its experts are chosen by a router that a rounding tips)
 NEAR_TIE = 0.25
 
 
 def assert_as_alone(engine: Engine, prompts: list[list[int]], got: list[list[int]], alone: list[list[int]]) -> None:
     """Batched rows give what each call gives alone. On the CPU backend exactly (claimed, asserted). On CUDA
-    not always: GEMMs of another batch size round differently (docs/decisions.md, `max_batch`; on the H200
-    qwen3_next's rows parted from their solo twins after 5-9 tokens): there each row must agree with its
+    not always: GEMMs of another batch size round differently (docs/decisions.md, `max_batch`; qwen3_next's
+    rows part from their solo twins within a few tokens): there each row must agree with its
     solo run up to its first difference, and there the two tokens must be the top two of the model over
     that context (one forward pass: on CUDA it may rank them either way, as prefill and decode round
     differently too), within NEAR_TIE of each other (what rounding moves; a wrong state picks anywhere).
@@ -228,7 +228,7 @@ def test_constrained_and_free_calls_share_the_batch_and_each_constrained_one_val
 
 
 def test_a_recurrent_state_leaving_the_batch_owns_its_row_not_the_batchs_array():
-    # Was (found by a review): mlx-lm extracts an ArraysCache row as a view of the batch's (B, ...) state, so a
+    # Was: mlx-lm extracts an ArraysCache row as a view of the batch's (B, ...) state, so a
     # session that left a batch of 16 kept all 16 rows' state alive, counted as its own one row's.
     from kvwake.daemon.model.batch_rows import extract_row
 
@@ -240,7 +240,7 @@ def test_a_recurrent_state_leaving_the_batch_owns_its_row_not_the_batchs_array()
     row = extract_row([CacheList(batched)], 3)
     mx.eval([c.cache for c in row[0].caches])
     del batched
-    mx.synchronize()  # on CUDA a buffer is given back once the stream is done with it (the H200 counted 68 MB here)
+    mx.synchronize()  # on CUDA a buffer is given back once the stream is done with it (else the batch's is counted)
     mx.clear_cache()
     kept = mx.get_active_memory() - before
     assert kept < 8e6, f"{kept / 1e6:.1f} MB kept for one row of 4 MB"

@@ -358,7 +358,7 @@ def test_cache_drops_entries_of_deleted_files(model, tmp_path):
 
 @pytest.fixture(scope="session")
 def default_model(tmp_path_factory) -> Path:
-    """The default model converted once per test session (~6 s), or skip without the wheel."""
+    """The default model converted once per test session (seconds of work), or skip without the wheel."""
     from kvwake.daemon.model.convert import ModelNotInstalledError, ensure_default_model
 
     try:

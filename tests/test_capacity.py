@@ -125,8 +125,8 @@ def _feed_one_at_a_time(layers: list, tokens: int, ahead: bool) -> list[list[int
 
 @pytest.mark.parametrize("rule", ["off_grid", "own_growth"])
 def test_a_decoding_caches_layers_grow_one_a_step_ahead_to_the_same_buffers(rule, request):
-    # Was: every layer grew in the step that met the full buffer (on the H100 that step took 16-37 ms against
-    # 4-7: every prefill row's longest decode step was its talker's token at the 264th). Now one layer a step
+    # Was: every layer grew in the step that met the full buffer (on CUDA that step took several times a
+    # plain one: a prefill row's longest decode step was its talker's growth). Now one layer a step
     # in the steps before; the same sizes in the end, the same tokens in them.
     request.getfixturevalue(rule)
     n_layers, prompt = 6, 250

@@ -276,9 +276,9 @@ def test_a_planed_block_encodes_to_the_same_file_and_decodes_into_staged_planes(
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_a_raw_or_zstd_block_decodes_into_staging_as_a_raw_run(codec):
     # Was: neither was staged, so on a GPU every block went through host arrays the size of the session
-    # (raw: a 32k wake of the 8B shape did not end in 5 minutes) or was decoded on the CPU into the
-    # device's arrays (zstd, which codec "auto" had picked on the H100 machine: over 110 s at 32k). Now a
-    # raw run lands as stored, a zstd run's tensors one after the other: the same bytes either way.
+    # (raw) or was decoded on the CPU into the device's arrays (zstd, which codec "auto" can pick): a long
+    # session's wake took minutes. Now a raw run lands as stored, a zstd run's tensors one after the other:
+    # the same bytes either way.
     rng = np.random.default_rng(5)
     parts = {f"layers.{i}.{p}": rng.integers(0, 1 << 16, (1, 2, 64, 128), dtype=np.uint16) for i in range(3)
              for p in ("keys", "values")}
@@ -319,7 +319,7 @@ def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec):
 
 def test_compressible_planes_larger_than_a_chunk_decode_side_by_side():
     # Was: every plane's zstd stream came from one decompressor; decoded a chunk of each plane in turn,
-    # they corrupted each other ("Data corruption detected", first seen on the H100's tails).
+    # they corrupted each other ("Data corruption detected", on a tail's planes).
     rng = np.random.default_rng(5)
     values = (np.round(rng.standard_normal(3 * CHUNK_BYTES) * 4) / 4).astype(np.float32)  # both planes compress
     keys = (values.view(np.uint32) >> 16).astype(np.uint16).reshape(1, 8, -1, 128)

@@ -54,8 +54,8 @@ def test_auto_measures_once_per_machine_records_it_and_says_why(tmp_path, monkey
 
 
 def test_auto_picks_among_the_codecs_it_is_given_and_measures_again_when_they_change(tmp_path, monkeypatch):
-    # On the H100 machine "auto" picked zstd (the smallest files for its cold disk reads), a codec a
-    # GPU restore does not stage: a 32k-token wake took over 110 s. The daemon now says which may be
+    # On a GPU machine "auto" picked zstd (the smallest files for its cold disk reads), a codec a
+    # GPU restore did not stage: a long wake took minutes. The daemon now says which may be
     # picked there (fill.STAGED_CODECS); a pick recorded among others is measured again.
     real = codecpick.measure
     favour_zstd = lambda *a, **k: {**(r := real(*a, **k)), "recommended": "zstd" if "zstd" in r["codecs"]  # noqa: E731

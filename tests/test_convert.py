@@ -1,6 +1,6 @@
 """Tests for kvwake.daemon.model.convert: GGUF -> mlx-lm folder of the default model.
 
-The real conversion (~6 s on a 2-core CPU) runs once per session into a tmp
+The real conversion (seconds of work) runs once per session into a tmp
 dir; tests marked ``slow`` use it. The rest are fast unit tests.
 """
 

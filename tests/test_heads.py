@@ -133,7 +133,8 @@ def test_sessions_are_paged_by_id_and_stale_ones_by_age(store):
 
 
 def test_stored_bytes_reads_indexes_not_snapshot_rows(store):
-    # Was: a full scan of snapshot rows, each carrying a head's token ids and messages (status: 270 ms at 5,000).
+    # Was: a full scan of snapshot rows, each carrying a head's token ids and messages (status slowed with the
+    # number of sessions).
     write_snapshot(store, "a", list(range(10)), metadata={"mode": "chat"})
     plan = [r["detail"] for r in store.rows(
         "EXPLAIN QUERY PLAN SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM blocks) + "
@@ -183,8 +184,8 @@ def test_common_prefix_of_lists_and_arrays_agree_at_every_kind_of_position():
 
 
 def test_a_lookup_does_not_wait_for_a_commit_under_way_and_sees_the_last_one(store):
-    # Was: the lookup took the index lock, which a checkpoint's transaction holds through its commit (23-51 ms
-    # over a 75k-token conversation: bench/checkpoint_lock.py), so a request's matching waited for it.
+    # Was: the lookup took the index lock, which a checkpoint's transaction holds through its commit (long
+    # over a long conversation), so a request's matching waited for it.
     import threading
     import time
 

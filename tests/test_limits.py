@@ -39,9 +39,9 @@ def test_session_tokens_leave_room_for_the_weights_and_a_prefills_scratch():
 
 
 def test_the_hot_budget_is_half_the_memory_left_for_kv():
-    # Was a fixed 2 GiB: a 75k-token session of the 8B shape (9.8 GB) slept whenever it was idle at a
-    # lifecycle pass, between an agent's turns, and its next turn restored it from the store (1.9 s on the
-    # H100, against ~0.1 s continuing it). Now half of what the memory limit leaves beside the weights and
+    # Was a fixed size: a long session of a large model, larger than that, slept whenever it was idle at a
+    # lifecycle pass, between an agent's turns, and its next turn restored it from the store (far slower
+    # than continuing it). Now half of what the memory limit leaves beside the weights and
     # a prefill's scratch; the other half is room to wake or prefill while others stay hot.
     limits = memory.Limits(memory_bytes=10_000, cache_bytes=0)
     assert memory.hot_budget(limits, weights_bytes=4_000) == 2_500  # (9000 usable - 4000 weights) / 2

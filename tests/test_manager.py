@@ -104,7 +104,7 @@ async def test_an_http_request_renders_its_prompt_once(manager, monkeypatch):
 
 
 async def test_a_prompt_is_rendered_off_the_engine_thread_while_another_session_decodes(manager, monkeypatch):
-    # Was: rendered in an engine job (an 8k-token text's encode took 12-14 ms on the H100 machine), so every
+    # Was: rendered in an engine job (a long text's encode is many decode steps), so every
     # decoding session waited for the template and the tokenizer. Here the render waits for the talker.
     from kvwake.daemon.model.generation import GenerateParams
 
@@ -166,10 +166,10 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
 
 
 async def test_one_prompts_encoding_does_not_hold_up_anothers(manager, monkeypatch):
-    # Was (aae8599): the prompter rendered one input at a time, so an agent's first long render (a new
-    # 30k-token conversation: ~40 ms of encoding here, 100 with the first prompt's whole-encode check)
-    # queued every other request's render behind it. Now a quarter of the cores render at once (two here,
-    # as on 8 cores). Here one render's encoding waits until another's ends.
+    # Was: the prompter rendered one input at a time, so an agent's first long render (a new long
+    # conversation, with the first prompt's whole-encode check) queued every other request's render
+    # behind it. Now several render at once (a quarter of the cores, or the tuning knob renders_at_once).
+    # Here one render's encoding waits until another's ends.
     pieces = manager.engine.template.pieces
     backend, entered, release = pieces.backend, threading.Event(), threading.Event()
 
@@ -323,7 +323,7 @@ async def test_a_sleeping_sessions_kv_is_freed_a_few_layers_per_engine_job(manag
 
 
 async def test_a_delete_the_store_refuses_keeps_the_session_whole(manager, monkeypatch):
-    # Was (a review's finding): the KV was freed before the store's delete, so when the store refused, the
+    # Was: the KV was freed before the store's delete, so when the store refused, the
     # session stayed known and hot without its KV: its next sleep failed, or (persisting) committed a
     # snapshot no wake could restore.
     import sqlite3
@@ -365,8 +365,8 @@ async def test_a_session_without_the_kv_of_its_processed_tokens_is_not_slept(man
 
 
 async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(manager, monkeypatch):
-    # Was: the reply waited for every layer's freeing job, each queued behind a neighbour's decode step (on the
-    # GPU 32 layers, ~0.3 s beside a decoding session). Now the reply goes at the commit; the bytes being freed
+    # Was: the reply waited for every layer's freeing job, each queued behind a neighbour's decode step (one
+    # step per layer beside a decoding session). Now the reply goes at the commit; the bytes being freed
     # count in hot_bytes (and status) until they are gone.
     import threading
     import time

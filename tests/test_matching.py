@@ -1,4 +1,4 @@
-"""Stateless requests find their session by chain key (issue 26): hot, asleep, after a restart, among thousands;
+"""Stateless requests find their session by chain key: hot, asleep, after a restart, among thousands;
 and session.list answers a page at a time, filtered."""
 
 from __future__ import annotations

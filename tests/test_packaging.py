@@ -2,7 +2,7 @@
 
 Run from the root, Python puts the working directory first on sys.path, so a
 top-level folder named `kvwake` there would be imported instead of the
-installed package (docs/decisions.md, "Package layout: no folder named kvwake").
+installed package (docs/decisions.md, "Package layout": no folder named kvwake).
 
 Each case installs a copy of the source tree into a fresh venv, offline: the
 venv has no pip or setuptools of its own and sees this interpreter's

@@ -276,10 +276,10 @@ def test_a_session_whose_whole_prompt_came_from_stored_blocks_is_persisted_too(t
 
 
 def test_a_checkpoint_reads_a_cache_between_a_prefills_chunks_not_inside_one(tmp_path, model_dir, monkeypatch):
-    # On the H100 a checkpoint's capture job landed between two slices of a prefill chunk (the chunk is
+    # On CUDA a checkpoint's capture job landed between two slices of a prefill chunk (the chunk is
     # queued whole, then computed a few layers per job): reading the cache computed the chunk's remaining
-    # layers in the capture's job (60-86 ms), then the next slice waited for them on the GPU (77-98 ms),
-    # a decoding neighbour's worst gaps. Now the capture waits for the chunk's end.
+    # layers in the capture's job, then the next slice waited for them on the GPU, a decoding neighbour's
+    # worst gaps. Now the capture waits for the chunk's end.
     from kvwake.daemon.kv import pipeline
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.thread import EngineThread

@@ -178,9 +178,9 @@ def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkey
         held = [mx.arange(1 << 16)]
         mx.eval(held)
         # On MLX-CUDA an array evaluated a moment ago is still held by MLX's worker thread until it runs the
-        # stream's finished tasks: let go by it after the drop returned, it went to the cache (session 26 on
-        # the H200, bench/drop_probe.py: 0 bytes right after every drop, 256 KiB 100 ms later; settled, 0 both
-        # times). drop_hosted frees what `drop` lets go; the daemon drops a copy after encoding and writing it.
+        # stream's finished tasks: let go by it after the drop returned, it went to the cache (nothing cached
+        # right after a drop, some a moment later; nothing once settled). drop_hosted frees what `drop` lets
+        # go; the daemon drops a copy after encoding and writing it.
         mx.synchronize()
         time.sleep(0.05)
         mx.clear_cache()
@@ -203,7 +203,7 @@ def test_dropping_host_copies_frees_past_the_cache_only_on_a_discrete_gpu(monkey
 
 
 def test_restores_are_staged_where_a_gpu_computes_apple_silicon_included(monkeypatch):
-    # Was "direct" on Metal: numpy joined the byte planes on the CPU there (issue 23, point 4). The staged
+    # Was "direct" on Metal: numpy joined the byte planes on the CPU there. The staged
     # path itself is exact on the CPU backend (the tests here run it both ways).
     import mlx.core as mx
 
@@ -440,7 +440,7 @@ def count_joins(monkeypatch) -> dict[str, int]:
 
 def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(model_dir, tmp_path, monkeypatch):
     # Was: raw blocks were never staged, so on a GPU they went through host arrays the size of the session
-    # and one upload per tensor and block: a 32k wake of the 8B shape on the H100 did not end in 5 minutes.
+    # and one upload per tensor and block: a long session's wake took minutes.
     # Now a raw block stages as stored and joins on the device; one span mixes a planes-zstd block (stored
     # by an earlier store setting), raw ones and one from the RAM tier; the KV must come back bit for bit.
     from kvwake.daemon.kv import devplanes
@@ -486,8 +486,8 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
 
 
 def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir, tmp_path, monkeypatch):
-    # Was: "zstd" blocks were never staged: decoded on the CPU into the device's arrays, an 8k-token wake of
-    # the 8B shape took 6.2 s on the H100 machine (32k: over 110 s), where codec "auto" had picked zstd.
+    # Was: "zstd" blocks were never staged: decoded on the CPU into the device's arrays, a long session's
+    # wake took minutes where codec "auto" had picked zstd.
     restores_as(monkeypatch, "staged")
     joins = count_joins(monkeypatch)
     tokens = [(i * 7) % 256 for i in range(120)]
@@ -587,8 +587,8 @@ def test_a_mapping_is_all_or_nothing_and_its_undoing_tries_both_advices(monkeypa
 def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_shortens_it(
         model_dir, tmp_path, monkeypatch, damaged):
     # Was: a prefix hit decoded every block into host views (numpy joining byte planes on the CPU), kept
-    # each in the RAM tier, and uploaded them at its end: on the H100, 5.6k tokens of the 8B shape took
-    # 1.7 s to decode and 0.9 s to upload, longer than prefilling them. Now its blocks stage and join on
+    # each in the RAM tier, and uploaded them at its end: decoding and uploading took longer than prefilling
+    # them (docs/decisions.md, "Engine"). Now its blocks stage and join on
     # the device span by span, as a wake's do; a damaged block ends the hit there (its tokens prefilled).
     from kvwake.daemon.kv import restore_buffers as kvfill
 
@@ -626,8 +626,8 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
 
 @pytest.mark.parametrize("what", ["prefix hit", "wake"])
 def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine, monkeypatch, what):
-    # On the H100 a prefix hit of 5.6k tokens (8B shape) moved 0.7 GB from host views to the device in
-    # one engine-thread job: a decoding neighbour waited 0.9 s. Now one job lays out tensors for ~UPLOAD_JOB_S.
+    # Was: a prefix hit moved all its KV from host views to the device in one engine-thread job: a decoding
+    # neighbour waited for all of it. Now one job lays out tensors for ~UPLOAD_JOB_S.
     from kvwake.daemon.kv import restore_buffers as kvfill
 
     restores_as(monkeypatch, "staged", engine)
@@ -655,8 +655,8 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
 
 
 def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir, tmp_path, monkeypatch):
-    # On the H100 a daemon's first restore made its ring (fresh managed allocations the CPU writes: ~50 ms per
-    # 128 MiB slot) in an engine-thread job of 246 ms, a decoding neighbour's gap. The warm-up makes the slots
+    # On CUDA a daemon's first restore made its ring (fresh managed allocations the CPU writes, slow to make)
+    # in an engine-thread job, a decoding neighbour's gap. The warm-up makes the slots
     # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none.
     from kvwake.daemon.kv import cudart, devplanes
 

@@ -1,11 +1,11 @@
 """A client that leaves during a long prefill stops it, over RPC and HTTP, as one that leaves mid-generation
 stops its generation; the session stays consistent and continues exactly.
 
-The prompt is about 3,900 tokens (the tiny model's context is 4,096), prefilled in 16-token chunks: about
-2 s of engine work here, 0.7 s on the GPU machine. "Stopped" is read from the daemon's own counter of
+The prompt is about 3,900 tokens (the tiny model's context is 4,096), prefilled in 16-token chunks: seconds
+of engine work on a CPU, less on a GPU. "Stopped" is read from the daemon's own counter of
 prefilled tokens. Each client leaves a fraction of the way into the prefill as this daemon times it
-(`whole`), so the test means the same on either machine (it failed on the GPU machine with fixed delays:
-0.6 s was most of the prefill there).
+(`whole`), so the test means the same on any machine (with fixed delays it failed on a GPU: a delay
+that is a fraction of the prefill on a CPU was most of it there).
 """
 
 from __future__ import annotations

@@ -106,9 +106,9 @@ def test_a_fetch_that_raises_is_logged_not_passed_off_as_missing(tmp_path, weed,
 
 
 async def test_a_cold_append_beside_a_remote_takes_one_worker_thread(tmp_path, weed):
-    # Was (found in review, never landed): the remote prefix lookup awaited a second anyio worker thread
-    # from inside the append's own, so as many cold appends at once as the pool has threads (40) hung the
-    # daemon. With the pool cut to one thread, one cold append is enough to show it.
+    # A remote prefix lookup that awaits a second anyio worker thread from inside the append's own hangs the
+    # daemon once as many cold appends run at once as the pool has threads (40). With the pool cut to one
+    # thread, one cold append is enough to show it.
     import anyio
     from anyio import to_thread
 

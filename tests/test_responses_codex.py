@@ -81,7 +81,7 @@ def post(d: Daemon, body: dict) -> tuple[int, dict]:
 
 
 # These two validate Codex's streams against the SDK's own types, which know namespace tools only in
-# newer `openai` packages (the test extra installs one; the GPU machine's is below 2).
+# newer `openai` packages (the test extra installs one; a machine's own may be older than 2).
 needs_namespace_types = pytest.mark.skipif(
     not hasattr(openai.types.responses, "NamespaceTool"),
     reason=f"openai {openai.__version__} has no NamespaceTool type to validate Codex's events against")

@@ -1,4 +1,4 @@
-"""The daemon's start-up (issue 23, point 6): what it imports, and what it leaves until after it answers."""
+"""The daemon's start-up: what it imports, and what it leaves until after it answers."""
 
 from __future__ import annotations
 
@@ -15,18 +15,18 @@ from testkit.daemon import Daemon
 
 @pytest.mark.parametrize("allowed", [False, True])
 def test_the_daemon_never_imports_an_installed_pytorch(tmp_path, model_dir, allowed):
-    # Was: where PyTorch is installed (the GPU machine, most ML workstations), transformers' tokenizer
-    # imports loaded it and torchvision: 10+ s of a 21 s start there, for a daemon that runs MLX only.
+    # Was: where PyTorch is installed (most ML workstations), transformers' tokenizer imports loaded it
+    # and torchvision: most of the daemon's start there, for a daemon that runs MLX only.
     # A stand-in torch on the path records its import; KVWAKE_IMPORT_FRAMEWORKS=1 is the old behaviour.
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
     marker = tmp_path / "torch-imported"
     fake.joinpath("__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n__version__ = '2.9.0'\n")
-    # and pandas, which sqlite-utils imported (with pyarrow: 0.6 s of a start on the GPU machine)
+    # and pandas, which sqlite-utils imported (with pyarrow: a slow import for nothing the daemon uses)
     (tmp_path / "site" / "pandas").mkdir()
     pandas_marker = tmp_path / "pandas-imported"
     (tmp_path / "site" / "pandas" / "__init__.py").write_text(f"open({str(pandas_marker)!r}, 'w').close()\n")
-    # in front of the path the machine already uses (the GPU machine's packages come by PYTHONPATH)
+    # in front of the path the machine already uses (a machine's packages may come by PYTHONPATH)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)}
     (tmp_path / "d").mkdir()
     if allowed:  # transformers imports it (the stand-in, being no PyTorch, then fails the start)
@@ -144,7 +144,7 @@ print(json.dumps({"misses": scan.cache_info().misses, "table": table}))
 
 def test_transformers_reads_its_models_folder_once_then_from_the_cache(tmp_path):
     # Was: transformers 5 read every file of its models folder twice at each import (its scan's cache
-    # keyed the folder and the folder's __init__.py apart): 0.55-0.7 s of a 1.3 s start here. Now once,
+    # keyed the folder and the folder's __init__.py apart): a large share of a start. Now once,
     # and a later start loads the table kept in the user's cache folder. The same lazy table every way.
     import transformers
 

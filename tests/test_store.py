@@ -349,8 +349,8 @@ def test_gc_waits_for_a_reader_of_a_snapshot_it_would_prune(store):
 
 
 def test_a_writer_holds_no_block_bytes_until_commit(store):
-    # Was: every written block's compressed bytes stayed in the writer until commit (a 4k-token
-    # sleep of the default model grew RSS by 58 MB, 62% of its KV).
+    # Was: every written block's compressed bytes stayed in the writer until commit (a sleep grew RSS by
+    # most of its KV's size).
     import tracemalloc
 
     import numpy as np
@@ -455,7 +455,7 @@ def test_a_snapshot_replaces_the_checkpoint_it_supersedes_only_while_that_is_the
 
 def test_writers_racing_on_a_block_with_other_bytes_both_commit_snapshots_that_verify(store):
     # Was: the losing writer's snapshot digest named its own bytes for the block, the index kept the winner's,
-    # and its wake failed "digest mismatch" (seen on the H100: CUDA's prefill of one prefix is not bit-stable
+    # and its wake failed "digest mismatch" (on CUDA the prefill of one prefix is not bit-stable
     # across chunk shapes, so two sessions' KV for one block differ in the last bits).
     a = store.writer("a", BUNDLE, TOKENS)
     b = store.writer("b", BUNDLE, TOKENS)

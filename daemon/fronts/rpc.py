@@ -15,8 +15,8 @@ waits for each read on a Future that `add_reader` completes with
 `Future.set_result`. A read cancelled in the same loop pass as its socket
 turned readable (every connection at shutdown, under load) made asyncio log
 "Exception in callback Future.set_result(None) ... InvalidStateError", and the
-future, reader registration and writer task per message cost ~5x a bare
-asyncio server's round trip (docs/decisions.md, "RPC front").
+future, reader registration and writer task per message cost several times a
+bare asyncio server's round trip (docs/decisions.md, "RPC front (issue 14)").
 """
 
 from __future__ import annotations

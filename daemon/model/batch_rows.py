@@ -182,7 +182,8 @@ def schedule(batch: GenerationBatch) -> None:
     """Schedule what a batch's next pass needs, once rows joined (merged, placed) or left (compacted): its
     next tokens, then its caches, as work of their own ahead of the pass (the tokens first: a constrained
     row's mask waits for them, not for the copies). Left to the pass, the merge's copies are computed inside
-    it, and there they cost about twice their time apart (docs/decisions.md, "Many agents at once")."""
+    it, and there they cost about twice their time apart (docs/decisions.md, "Many agents at once
+    (issue 24)")."""
     mx.async_eval(batch._next_tokens)
     mx.async_eval([c.state for c in batch.prompt_cache])
 

@@ -8,8 +8,9 @@ its tokens on next use).
 `Solo` decodes one call alone on its session's own cache (mlx-lm's
 `generate_step`, one step at a time). A call that starts while no other call
 decodes or waits goes this way: a batch of one costs more per token than a
-plain forward pass (on the H100 machine, 10.5-13.8 ms against 8.1-9.6 ms per
-token). The decoder (decoder.py) moves it into the batch when company comes.
+plain forward pass (docs/history/benchmarks-journal.md, "Many agents at once:
+batched generation (issue 11)"). The decoder (decoder.py) moves it into the
+batch when company comes.
 
 `batch_mode` says whether a model's calls can decode together at all: quantized
 KV and cache kinds kvwake does not batch decode alone, as does every call when

@@ -177,7 +177,8 @@ class Engine:
         jobs: list[Callable[[], Any]] = []
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
-            # a session decoding alone: cuDNN's decode graphs (their first builds take ~0.5-1 s each)
+            # a session decoding alone: cuDNN's decode graphs, whose first build would stall a first token
+            # (docs/decisions.md, "Many agents at once (issue 24)")
             jobs += [lambda c=c: attention.warm_decode(self.model, c) for c in attention.decode_warm_capacities()]
         if attention.on_cuda() and self.restore_mode == "staged":
             jobs.append(self._warm_staging)
@@ -359,7 +360,7 @@ class Engine:
     def _start_turns(self, jobs: list[Packed]) -> list[Any]:
         """The `_adopt_and_start` of every turn queued at once (a Packed job each, model/thread.py), in one
         job: each cache adopted, then the first chunks queued (the scheduler's `queue_chunks`: in packs). One
-        turn: `_adopt_and_start` itself, as before packing. An item is (tokens reused, the chunk queued or
+        turn: `_adopt_and_start` itself. An item is (tokens reused, the chunk queued or
         None), or the exception of that turn's adoption."""
         if len(jobs) == 1 or not self.planner.pack_prefill:
             return [outcome(lambda job=job: self._adopt_and_start(*job.args)) for job in jobs]

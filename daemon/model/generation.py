@@ -164,13 +164,15 @@ class KeyedSampler:
 class RowsSampler:
     """A batch's rows sampled in one op, each from its own random state: the tokens each row's own
     sampler would draw, bit for bit (its key split as its own call splits it, its Gumbel noise drawn
-    from that key), so a seeded call samples the same tokens alone or batched, as before. For rows
+    from that key), so a seeded call samples the same tokens alone or batched. For rows
     that are greedy or keyed without filters (`fits`); others sample one row at a time, as mlx-lm does.
-    Row by row, a batch of 32 sampling rows was some 200 small device ops per step.
+    Row by row, each sampling row added its own small device ops to every step (docs/decisions.md,
+    "Sampling a batch's rows in one op (session 7)").
 
     While the batch keeps its rows, the keys stay one array from step to step (each row's key is read
     out of it only when its call needs it alone), and the rows' temperatures are made once: a step
-    then adds no operation per row (at 16 rows, 49 of a tiny model's 457; bench/step_graph.py)."""
+    then adds no operation per row (docs/decisions.md, "A sampling batch's keys stay one array from step
+    to step (session 21)")."""
 
     def __init__(self, samplers: list[Callable[[mx.array], mx.array]]) -> None:
         self.samplers = samplers
@@ -216,7 +218,7 @@ _split_rows = mx.vmap(mx.random.split)  # a key per row -> (new key, draw) per r
 def _row_constants(temperatures: tuple[float | None, ...]) -> tuple[mx.array, mx.array]:
     """Per row (None: greedy): the logits' scale, 1 / temperature, as a float32 column; and which rows sample.
     Made from lists, no operation to evaluate: an eval here, inside the step, would wait for the step
-    before (review of e56bfcd)."""
+    before."""
     scale = mx.array([[1.0 / t if t is not None else 1.0] for t in temperatures], dtype=mx.float32)
     mask = mx.array([[t is not None] for t in temperatures])
     return scale, mask

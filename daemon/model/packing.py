@@ -3,8 +3,8 @@
 Sixteen agents that send their next turn at once each prefill a short chunk
 (a message, a tool's result: tens to a few hundred tokens). One at a time,
 that is sixteen forward passes, each reading every weight, and beside a
-decoding call sixteen times the jobs, each waiting for a decode step (on the
-H100, 8B shape: first tokens 1.7-2.9 s, `bench/turns_at_once.py`). Packed,
+decoding call sixteen times the jobs, each waiting for a decode step
+(docs/decisions.md, "Many agents at once (issue 24)"). Packed,
 the chunks are the rows of one batch: the projections and the MLP run once
 over all rows, and each row's attention runs over its own session's cache,
 as its chunk alone would (same function, same shapes).

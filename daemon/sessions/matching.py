@@ -20,7 +20,7 @@ A busy session is never a candidate: another request is continuing it. Sessions
 created over RPC are not candidates either: a request that did not name them
 must not change them (give one `metadata.origin = "http"` to make it one).
 
-How the best is found, whatever the number of sessions (issue 26): asleep
+How the best is found, whatever the number of sessions (matching by chain key): asleep
 sessions are looked up in the store by the chain keys of the request's blocks
 (`Store.deepest_heads`, on a worker thread: a binary search over the keys, then
 the few stored pieces nearest the request's next tokens), so nothing is held

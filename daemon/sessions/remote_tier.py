@@ -7,7 +7,7 @@ stalls another session (invariant 7). Only the decoded blocks' arrays reach
 the engine: fetched blocks go to the RAM tier, so a wake from the remote does
 not decode them twice.
 
-Ownership (the lease rule; docs/decisions.md, "Remote tier"):
+Ownership (the lease rule; docs/decisions.md, "Remote tier (issue 13)"):
 - A session's lease history is a series of create-only objects; the newest is
   its state: "held" by one daemon, or "released".
 - A daemon publishes a session's snapshots only while it holds its lease (checked

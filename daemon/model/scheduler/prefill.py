@@ -17,7 +17,7 @@ once (`queue_chunks`, the `Packed` job of turns that came together); what a chun
 - While calls decode, a chunk is computed a slice of layers per job, each about `slice_of_step` decode steps
   (slices.py); a pack's slice is shared by the sessions on each side (N turns beside D calls: N / D steps).
 
-docs/decisions.md ("Engine", "Many agents at once") holds the measurements behind these.
+docs/decisions.md ("Engine", "Many agents at once (issue 24)") holds the measurements behind these.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ class PrefillPlanner:
         longest = max(end - session.processed for session, end, _ in ends)
         (first, end, _), more = ends[0], [(session, end) for session, end, _ in ends[1:]]
         # A slice's time is shared by the sessions on each side: N turns waiting beside D decoding calls take
-        # slices of N / D steps (at least one). One step each, 16 turns packed beside one talker took 32
-        # slices, 32 steps between them (H100, 8B: first tokens 1.4 s for 3k tokens of prefill work).
+        # slices of N / D steps (at least one). One step each, many turns packed beside one talker waited a
+        # step between every slice, so their first tokens came late (docs/decisions.md, "Many agents at
+        # once (issue 24)").
         share = max(1.0, len(rows) / max(1, self.decoder.running))
         chunk = slices.Chunk(first, end, self.slicer,
                                     self.decoder.step_s * self.slice_of_step * share if sliced else None,
@@ -141,8 +142,8 @@ class PrefillPlanner:
         """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`).
 
         Aligned, every full chunk's key length is a multiple of the step whatever the turn or prefix hit
-        before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (about
-        100 ms each); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
+        before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (each build
+        a stall of its own); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
         """
         step = self.prefill_step
         return min(upto, (processed // step + 1) * step)
@@ -171,8 +172,8 @@ class PrefillPlanner:
         chunk = slices.Chunk(session, end, self.slicer,
                                     self.decoder.step_s * self.slice_of_step if sliced else None,
                                     kind=slices.kind(path, end), later=self.later)
-        if not sliced:  # all of it in this job; sliced, the graph's building is a job of its own (~10-20 ms
-            chunk.step()  # in Python for the 8B shape), and its slices the next ones
+        if not sliced:  # all of it in this job; sliced, the graph's building (host-side Python) is a job of
+            chunk.step()  # its own, and its slices the next ones
         return chunk
 
     def _path(self, session: Session, n: int, end: int, sliced: bool) -> tuple[str, Callable[[Any], Any] | None]:
@@ -182,11 +183,12 @@ class PrefillPlanner:
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
-        # shapes recur (aligned), and beside decoding 128-token chunks over 8k took 3.0 s plain against
-        # 1.5 s fused (model/attention.py) -- unless a neighbour decodes and the graph would be new to
-        # this process: its build (~90 ms on the H100, in the chunk's first slice) is a gap of a dozen
-        # decode steps; plain, the neighbour waits one slice (the prefill itself takes longer). A shape
-        # that comes back (PLAIN_BEFORE_BUILD times plain) is built then: its build pays for itself.
+        # shapes recur (aligned), and over a long context plain ops cost more than a cached graph
+        # (docs/decisions.md, "Engine") -- unless a neighbour decodes and the graph would be new to
+        # this process: its build (in the chunk's first slice) is a gap of many decode steps
+        # (docs/decisions.md, "Many agents at once (issue 24)"); plain, the neighbour waits one slice
+        # (the prefill itself takes longer). A shape that comes back (PLAIN_BEFORE_BUILD times plain) is
+        # built then: its build pays for itself.
         # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
         # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
@@ -241,7 +243,8 @@ class PrefillPlanner:
         likeliest turns' shared shapes at the cache's capacity (BUCKETS_AHEAD of them) built now, one job each
         (a graph build is small beside a prefill of seconds), not by the next turn: a client that sends it at
         once leaves no idle time to build it in, and that turn's first token would pay for the build
-        (docs/decisions.md, "Many agents at once"). Beside a decoding call (a gap) the idle jobs build them."""
+        (docs/decisions.md, "Many agents at once (issue 24)"). Beside a decoding call (a gap) the idle jobs build
+        them."""
         if prefilled < BUCKET_AHEAD_AFTER:
             return
         turn = self._turn_buckets(session.cache, 0)

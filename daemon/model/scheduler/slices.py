@@ -11,7 +11,7 @@ cache is bit-identical to a chunk computed at once, and on CUDA a full chunk
 still meets the cuDNN graph its shape already built.
 
 Why layers and not smaller chunks (docs/decisions.md, "Many agents at
-once"): a smaller chunk is a new (query, key) shape per offset on CUDA,
+once (issue 24)"): a smaller chunk is a new (query, key) shape per offset on CUDA,
 and runs the weights once per chunk; a slice of layers keeps the chunk's
 shape and its weight reads.
 """
@@ -47,9 +47,9 @@ class Slicer:
     Kinds apart: a long prompt's full chunks run fused, and its last, shorter one may run plain (a key
     length new to this process, beside decoding: scheduler/prefill.py), whose layer costs several times a
     fused one over a long cache: sized from the fused chunks' cost, its first slice would be several times
-    its target, the one long gap in a neighbour's stream (docs/decisions.md, "Many agents at once"). A kind
-    not seen yet starts at one layer, measured (a kind is also new at each doubling of the keys: one small
-    slice more per doubling).
+    its target, the one long gap in a neighbour's stream (docs/decisions.md, "Many agents at once
+    (issue 24)"). A kind not seen yet starts at one layer, measured (a kind is also new at each doubling of
+    the keys: one small slice more per doubling).
     """
 
     def __init__(self) -> None:
@@ -78,7 +78,7 @@ class Chunk:
     computes (rows x the longest), what a slice's cost grows with. Its callers step it each through
     `step_job`: the ones queued at a turn make one job. A packed chunk sizes its slices from its own
     slices only, starting at one layer: every pack is its own set of shapes, and their costs per token
-    differ several times from pack to pack (docs/benchmarks.md, "turns at once").
+    differ several times from pack to pack (docs/decisions.md, "Many agents at once (issue 24)").
 
     A slice that raises leaves the cache's state unknown: the session's cache (every packed session's)
     is dropped (the engine rebuilds it from the tokens on next use), as after a failed generation, and

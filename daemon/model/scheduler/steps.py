@@ -37,7 +37,7 @@ __all__ = ["IDLE_AFTER_S", "Job", "Scheduler", "Step"]
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
 # An idle job waits for the queue to stay empty this long: a client that sends its next turn at once leaves
-# the engine quiet for tens of milliseconds between turns (docs/decisions.md, "Many agents at once").
+# the engine quiet for tens of milliseconds between turns (docs/decisions.md, "Many agents at once (issue 24)").
 IDLE_AFTER_S = 0.25
 
 
