@@ -15,7 +15,7 @@ the `Settings` field names as top-level keys, e.g.
     max_batch = 1            # decode every call alone: output bit-identical to a solo run
     max_context = 32768      # refuse prompts beyond this (and below the model's own context)
     mlx_memory_bytes = 48_000_000_000  # MLX's memory limit; sessions whose KV would not fit are refused
-    remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier")
+    remote = "s3://team-kv/agents"           # shared tier (docs/decisions.md, "Remote tier (issue 13)")
     remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
     http = "127.0.0.1:8080"  # the OpenAI and Anthropic APIs (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
     anthropic_drop_system = ["x-anthropic-billing-header:"]  # system blocks left out (the default; [] keeps all)

@@ -32,7 +32,7 @@ __all__ = ["UNUSED_FRAMEWORKS", "ScanOnce", "Scans", "hide_unused_frameworks", "
 # Frameworks the daemon never runs (it runs MLX) that its libraries import when they are installed:
 # transformers' tokenizer imports load PyTorch and torchvision (most of a start where they are installed,
 # bench/startup_spy.sh); sqlite-utils imports pandas, and with it pyarrow, only to name a pandas type
-# (docs/benchmarks.md, "CUDA start-up (issue 23, point 6)").
+# (docs/history/benchmarks-journal.md, "CUDA start-up (issue 23, point 6)").
 UNUSED_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "tensorflow", "flax", "jax", "pandas", "pyarrow")
 
 
@@ -62,7 +62,7 @@ class ScanOnce(importlib.abc.MetaPathFinder):
     (over a thousand files) at each import, and twice: `transformers/__init__.py` asks for the folder,
     `transformers/models/__init__.py` for its `__init__.py`, and the scan's cache (`lru_cache` on
     `create_import_structure_from_path`) keys the two apart: about half of a small daemon's start
-    (docs/benchmarks.md, "CUDA start-up (issue 23, point 6)").
+    (docs/history/benchmarks-journal.md, "CUDA start-up (issue 23, point 6)").
 
     This finder waits for `transformers.utils.import_utils` to load (found by the finders after it, as it
     would have been), then puts a `Scans` front on that function. If the function is not there (another

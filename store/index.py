@@ -120,7 +120,7 @@ def m005_heads(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX sessions_origin ON sessions(origin, updated)")
     db.execute("CREATE INDEX sessions_origin_id ON sessions(origin, id)")
     # status sums stored bytes: over these, not over rows whose pages carry every head's token ids and
-    # messages (docs/benchmarks.md, "Thousands of stateless conversations": status).
+    # messages (docs/history/benchmarks-journal.md, "Thousands of stateless conversations (issue 26)").
     db.execute("CREATE INDEX snapshots_tail_stored ON snapshots(tail_stored)")
     db.execute("CREATE INDEX blocks_stored ON blocks(stored_bytes)")
 

@@ -6,7 +6,7 @@ multiple of 256 tokens (mlx/backend/cuda/scaled_dot_product_attention.cpp,
 `use_cudnn_for_decoding`), and builds one graph per (batch, capacity) the first
 time a step meets it; otherwise it takes its vector kernel, which builds
 nothing. Measured with `bench/decode_attention.py` (docs/decisions.md, "Many agents at once (issue 24)";
-figures in docs/benchmarks.md, "Many agents at once, as fast as mlx-lm's own batch (issue 24)"): a new
+figures in docs/history/benchmarks-journal.md, "Many agents at once, as fast as mlx-lm's own batch (issue 24)"): a new
 capacity's graph stalled a lone session's step for far longer than a step, most below `CUDNN_MIN`; steady,
 the vector kernel was as fast as cuDNN's for short buffers and slower for long ones. A daemon meets every
 capacity of every session's growth, and restores its caches at whole steps: each was a stall.

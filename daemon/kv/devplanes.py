@@ -40,7 +40,8 @@ _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
 # A wake stages at most RING_SLOTS spans of about SPAN_BYTES of raw KV each: while the GPU joins
 # one span, the pool decodes the next ones into the other slots. Enough slots that the decoders
 # never wait for the join (it runs at device speed), few enough that staging stays a few hundred
-# MB whatever the session's size (it was the whole session: docs/benchmarks.md, "Copies per restored byte").
+# MB whatever the session's size (it was the whole session: docs/history/benchmarks-journal.md, "Copies per
+# restored byte").
 # Spans large enough that per-span device work (a join, and one piece per tensor to concatenate
 # at the end) stays a few hundred ops at 32k; small enough that the last span's join, which
 # nothing overlaps, is a small part of a wake.

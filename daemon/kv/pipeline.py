@@ -31,7 +31,7 @@ each piece digested while in cache; on unified memory each piece is joined
 into the final KV buffer (one write per byte); on CUDA the planes go into a
 staging ring in MLX host-visible memory and each span is joined on the GPU as
 soon as it is in, while the pool decodes the next spans (restore_buffers.py,
-docs/benchmarks.md "Copies per restored byte").
+docs/history/benchmarks-journal.md "Copies per restored byte").
 """
 
 from __future__ import annotations
@@ -303,8 +303,8 @@ def release(session: Session, mlx: Mlx) -> None:
     until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without
     `mx.clear_cache`, freed buffers stay in MLX's cache (up to its limit), and on a discrete GPU the
     host-side copies a sleep made stay pinned, until a long session slept and woken twice runs the host
-    out of memory (docs/benchmarks.md, "GPU machine: before and after"). MLX memory goes back on the thread that runs
-    MLX, never the event loop's.
+    out of memory (docs/history/benchmarks-journal.md, "GPU machine: before and after"). MLX memory goes
+    back on the thread that runs MLX, never the event loop's.
     """
     layers = mlx(lambda: _take_cache(session))
     while layers:

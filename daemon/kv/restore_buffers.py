@@ -84,8 +84,8 @@ UPLOAD_JOB_S = 0.004
 # The codecs a store's codec "auto" may pick where restores stage (serve.py): the two whose staged
 # wakes are measured on a GPU. "zstd" blocks once decoded on the CPU into the device's arrays, many times
 # slower than staging; they now stage as raw runs (codec.decode_into), so stores holding them wake staged
-# too, still slower than "planes-zstd" (docs/decisions.md, "Store"; docs/benchmarks.md, "Overlapped restore
-# and codec by machine (issue 23, points 2 and 3)").
+# too, still slower than "planes-zstd" (docs/decisions.md, "Store"; docs/history/benchmarks-journal.md,
+# "Overlapped restore and codec by machine (issue 23, points 2 and 3)").
 STAGED_CODECS = ("planes-zstd", "raw")
 
 
@@ -167,8 +167,8 @@ class Buffers:
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
         if mode == "staged" and blocks and sample_tokens == block_tokens and specs and devplanes.planar(specs):
             # Staging in MLX's own host-visible memory: filled by the decoders, read by the GPU join,
-            # never copied by an mx.array() of a numpy array (slow on a discrete GPU: docs/benchmarks.md,
-            # "GPU machine: before and after").
+            # never copied by an mx.array() of a numpy array (slow on a discrete GPU:
+            # docs/history/benchmarks-journal.md, "GPU machine: before and after").
             # A ring of a few spans, reused span after span: not an allocation the size of the session.
             self.block_shape = next(iter(specs.values()))[1]
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize

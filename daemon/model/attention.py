@@ -49,7 +49,7 @@ __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape"
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
 # thrashing is happening" (mlx/backend/cuda/lru_cache.h, 0.32). A daemon meets a new (query, key) length at
 # most turns, so on CUDA the prefill-cancel tests (prefills stopped at any chunk) failed with it after a
-# few hundred (docs/benchmarks.md, "The test suite on the GPU machine"). Unless set, the daemon allows
+# few hundred (docs/history/benchmarks-journal.md, "The test suite on the GPU machine"). Unless set, the daemon allows
 # 1<<16 graphs (a miss count of 131k before MLX raises); the graphs are plans, kept on the host. Read when
 # MLX first runs attention on a thread: set at import.
 SDPA_GRAPHS = 1 << 16
@@ -93,7 +93,7 @@ def on_cuda() -> bool:
 def cuda_graphs() -> bool | None:
     """Whether MLX records CUDA graphs in this process (`MLX_USE_CUDA_GRAPHS`, read as MLX reads it: C's atoi, so
     "0", "false" or "" is off, unset is on); None where MLX does not run on CUDA. The daemon leaves MLX's
-    default (docs/decisions.md, "MLX's CUDA graphs"); `status().generation.cuda_graphs` says which it runs."""
+    default (docs/decisions.md, "Many agents at once (issue 24)"); `status().generation.cuda_graphs` says which it runs."""
     if not on_cuda():
         return None
     value = os.environ.get("MLX_USE_CUDA_GRAPHS")

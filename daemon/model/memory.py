@@ -1,14 +1,14 @@
 """MLX's memory limits, set from the machine and the daemon's settings, and the tokens one session may hold.
 
-What grew a process to many times its KV resident on a GPU (measured with
-bench/memory.py; docs/decisions.md, "Memory limits (issue 25, point 7)"): MLX's
+What grew a process to many times its KV resident on a GPU (docs/decisions.md,
+"Memory limits (issue 25, point 7)"): MLX's
 buffer cache. A long prefill left more freed buffers cached than it had in use
 (the KV grows in steps and every step is a new, larger buffer; attention's
 scratch comes in ever new sizes). MLX lets its cache grow to its memory limit
 (95% of the GPU's memory on CUDA), and on CUDA its buffers are managed memory,
 which the driver spills to host memory past the GPU's size: two such sessions
-and the kernel's OOM killer ends the daemon. A 4 GiB cache limit held that run
-to its limit with no slower prefill, sleep, wake or first token.
+and the kernel's OOM killer ends the daemon. A cache limit of a few GiB keeps
+it bounded with no slower prefill, sleep, wake or first token (the same section).
 
 So the daemon sets both limits at start (`apply_limits`): the cache limit
 (`mlx_cache_bytes`, default 4 GiB) and the memory limit (`mlx_memory_bytes`,
