@@ -33,24 +33,23 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon.gcwatch import Collector
 from kvwake.daemon.config import Settings
 from kvwake.daemon.gilwatch import GilWatch
-from kvwake.daemon.model.engine import Engine, Plan
-from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.timing import Latency, Phases
-from kvwake.daemon.session_state import Session, check_json, check_session_id, common_prefix
+from kvwake.daemon.session_state import Session, check_json, check_session_id
+from kvwake.daemon.sessions.conversations import Conversations, Prepared
 from kvwake.daemon.sessions.entries import Entries, Entry
+from kvwake.daemon.sessions.room import RoomKeeping
 from kvwake.daemon.session_state import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
@@ -64,16 +63,7 @@ TURNS_KEPT = 64  # generate calls whose phases status keeps
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A request's prompt rendered once and checked once (`SessionManager.prepare`): its params against the
-    model, its length against the context and the memory; `generate` appends it without checking again."""
-
-    plan: Plan
-    params: GenerateParams
-
-
-class SessionManager:
+class SessionManager(Conversations, RoomKeeping):
     """All session operations the fronts call (RPC methods, HTTP routes), over the models of `models`."""
 
     def __init__(self, models: ModelProvider, settings: Settings) -> None:
@@ -190,12 +180,16 @@ class SessionManager:
                 return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
             snapshot = row["head"]
         engine = self.engine
-        # Read and verified once (its bundle too, before anyone sleeps for it); the wake takes it as it is.
+        # Read and verified once (its bundle too, before anyone sleeps for it). The wake takes the head's as it
+        # is: gc never evicts a head, and the claim keeps it the head. A snapshot named by the caller may be
+        # pruned meanwhile: the wake reads that one again under the store's read lock (NOT_FOUND, not a
+        # missing block, if it went).
         record = await to_thread.run_sync(engine.record, snapshot)
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
-        session, info = await to_thread.run_sync(lambda: engine.wake(entry.id, mlx=self.thread.call, record=record))
+        read = record if snapshot_id is None else None
+        session, info = await to_thread.run_sync(lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read))
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)
@@ -249,28 +243,6 @@ class SessionManager:
         log.info("sleep", extra={"session": entry.id, **info})
         return info
 
-    def _release(self, session: Session) -> None:
-        """Free a session's KV (no entry holds it any more) on the engine thread, in short jobs
-        (pipeline.release), not where its last reference happens to drop (the event loop: MLX memory off the
-        engine thread, and a stall of every connection while a big cache is unmapped). In the background: the
-        call that let it go (a sleep, a delete, a wake from another snapshot) replies first; its bytes count
-        in hot_bytes until they are freed, and `released` waits for them."""
-        nbytes = self.engine.cache_bytes(session)
-        task = asyncio.get_running_loop().create_task(
-            to_thread.run_sync(lambda: self.engine.release(session, self.thread.call)))
-        self.releasing[task] = nbytes
-        task.add_done_callback(self._freed)
-
-    def _freed(self, task: asyncio.Task) -> None:
-        self.releasing.pop(task, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("freeing a session's KV failed", extra={"error": repr(task.exception())})
-
-    async def released(self) -> None:
-        """Wait until every KV let go so far is freed."""
-        while self.releasing:
-            await asyncio.wait(list(self.releasing))
-
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
             await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
@@ -319,170 +291,6 @@ class SessionManager:
             reserved.busy = None
         return {"session_id": new_id, "snapshot_id": forked, "from_snapshot": source}
 
-    # -- conversation ---------------------------------------------------------
-
-    async def append(self, session_id: Any, cancelled: Callable[[], bool] | None = None,
-                     **inputs: Any) -> dict[str, Any]:
-        """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
-        async with self.claim(session_id, "append") as entry:
-            stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
-            return await self._append(await self.awake(entry), inputs, stop, entry)
-
-    async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
-                      stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
-        """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
-        checked already), the check, room (other sessions sleep if the memory left for KV would not hold
-        the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
-        then the apply (prefill) on a worker thread."""
-        engine = self.engine
-        if isinstance(inputs, Prepared):
-            plan = inputs.plan
-            session.check_mode(plan.mode)
-        else:
-            plan = await to_thread.run_sync(lambda: engine.plan(session, **inputs))
-            engine.check_fits(len(plan.target))  # before any prefill
-        if entry is not None:
-            await self.make_room(entry, len(plan.target))
-        prefix = await self._prefix(session, plan.target)
-        return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
-
-    async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
-        """A front's request before any session is chosen: its params checked against the model (a bad schema
-        refused before any compute), its conversation rendered once (on a worker thread) and its length
-        checked against the context and the memory. `generate` takes it as it is."""
-        self.check_params(params, inputs.get("tools"))
-        plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
-        self.engine.check_fits(len(plan.target))
-        return Prepared(plan, params)
-
-    async def render(self, inputs: dict[str, Any]) -> Plan:
-        """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,
-        no session is made: a token count)."""
-        return await to_thread.run_sync(lambda: self.engine.render(**inputs))
-
-    async def _prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
-        """What a fresh cache for `target` starts from instead of prefilling: the remote tier's blocks fetched
-        into the RAM tier first, then another hot session's prefix copied when one holds at least
-        `engine.min_partial` tokens of it, else the longest run of stored blocks; (None, 0) when the session
-        keeps its own cache or the model's caches cannot be cut by token."""
-        engine = self.engine
-        if not engine.wants_prefix(session, target):
-            return None, 0
-        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
-        copied = await self._hot_prefix(session, target)
-        if copied[0] is not None:
-            return copied
-        return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
-
-    async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
-        """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
-
-        For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
-        that and that the model's cache can be cut by token): agents that share a system prompt
-        while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
-        it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
-        opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
-        """
-        want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
-        for entry in list(self.entries.hot.values()):
-            s = entry.session
-            if s is None or s is session or entry.busy or s.cache is None or not s.processed:
-                continue
-            shared = common_prefix(s.tokens[: s.processed], want)
-            if shared > best:
-                best, source = shared, entry
-        if source is None or best < self.engine.min_partial:
-            return None, 0
-        try:
-            async with self.claim(source.id, "copy"):
-                src = source.session
-                if src is None or src.cache is None or src.processed < best:
-                    return None, 0
-                cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
-        except BusyError:
-            return None, 0
-        self.counters["prefix_copies"] += 1
-        logging.getLogger("kvwake.matching").info(  # the logger its message always had
-            "prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
-        return cache, best
-
-    def check_params(self, params: GenerateParams, tools: list[dict[str, Any]] | None = None) -> None:
-        """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError.
-
-        A structure is compiled here (and kept), so a bad schema is refused before any compute; a forced
-        tool call without `tools` given is checked against the session's tools when the call starts.
-        """
-        structure = params.structure
-        if structure is not None and (structure.kind != "tool_call" or tools is not None):
-            self.engine.check_structure(params, tools)
-        if any(token >= self.engine.vocab_size for token, _ in params.logit_bias):
-            raise InvalidParamsError(f"logit_bias names a token id outside [0, {self.engine.vocab_size})",
-                                     param="logit_bias")
-
-    async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
-                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None = None,
-                       on_claim: Callable[[], None] | None = None,
-                       on_append: Callable[[dict[str, Any]], None] | None = None,
-                       phases: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Generate in the session (after appending `inputs`: params, or a front's `Prepared` prompt).
-
-        `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
-        `on_append` gets the append's counts once the prompt is in the cache, before the first token:
-        {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
-        computes (the prefilled ones and the pending last one), as the result's usage will count them.
-        """
-        if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
-            self.check_params(params, (inputs or {}).get("tools"))
-        called = time.perf_counter()
-        async with self.claim(session_id, "chat" if inputs else "generate") as entry:
-            if on_claim is not None:
-                on_claim()
-            session = await self.awake(entry)
-            stop = lambda: cancelled() or self.stopping  # noqa: E731
-            started = time.perf_counter()
-            appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}
-            append_ms = (time.perf_counter() - started) * 1000
-            if on_append is not None and inputs:  # a call starts from one pending token at least
-                on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
-            session.reply_start = len(session.tokens)
-            result = await self._decode(session, params, on_event, stop)
-            self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
-            # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
-            usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
-                     "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
-                     "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
-            self.counters["generations"] += 1
-            self.latency["generate_ttft"].add(usage["ttft_ms"])
-            self.turns.append({"session": session.id, "at": round(time.time() - (time.perf_counter() - called), 4),
-                               **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
-                               "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
-                               "prefilled": appended["prefilled"]})
-            return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
-                    "tool_calls": result.tool_calls,
-                    "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
-                    "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence, "usage": usage,
-                    **({"append": appended} if inputs else {})}
-
-    async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
-                      stop: Callable[[], bool]) -> GenerateResult:
-        """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
-        engine, loop = self.engine, asyncio.get_running_loop()
-        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_event, stop, self.thread.call))
-        # The result comes through `post`, after the output the same step posted (streamed pieces first).
-        ended: asyncio.Future[GenerateResult] = loop.create_future()
-        call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
-        await self.thread.run(lambda: engine.decoder.join(call), quick=True)  # calls that come together join together
-        # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
-        # so this wait is not cancelled (a client that leaves stops the call through `stop`).
-        with anyio.CancelScope(shield=True):
-            return await ended
-
-    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-        """Run fn(*args) on `loop`; for fronts' streamed output, called on the engine thread: every call's
-        output of one decode step reaches the loop in one hop, before the calls that step ended return."""
-        self.thread.post(loop, fn, *args)
-
     # -- store-level operations -----------------------------------------------
 
     async def import_snapshot(self, path: Any, session_id: Any = None) -> dict[str, Any]:
@@ -492,99 +300,3 @@ class SessionManager:
         result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
         self.entries.setdefault(result["session_id"], Entry(result["session_id"]))
         return result
-
-    async def warm(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Prefill a shared prompt once and pin it in the prefix cache (the engine's warm), from a hot
-        session's copy of it or stored blocks where they hold some of it."""
-        engine, scratch = self.engine, Session("prefix-warm")
-        engine.check_warmable()
-        plan = await to_thread.run_sync(lambda: engine.plan(scratch, **inputs))
-        engine.check_fits(len(plan.target))
-        prefix = await self._prefix(scratch, plan.target)
-        info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
-                                                            prefix=prefix))
-        if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
-            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
-        return info
-
-    # -- automatic sleep and shutdown -----------------------------------------
-
-    def hot_bytes(self) -> int:
-        """KV in memory: the hot sessions' and what is being freed."""
-        return self.freeing_bytes() + sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values()
-                                          if e.session is not None)
-
-    def hot_budget(self) -> int:
-        """Bytes of hot KV above which LRU sessions sleep: the settings', else the engine's from its memory."""
-        configured = self.settings.hot_budget_bytes
-        return configured if configured is not None else self.engine.hot_budget_bytes
-
-    def freeing_bytes(self) -> int:
-        return sum(self.releasing.values())
-
-    def _growth(self, entry: Entry, tokens: int) -> int:
-        """Bytes of KV the claimed entry's session takes on growing to `tokens` tokens (0 within its buffer, or
-        without a memory limit to keep to)."""
-        if self.engine.kv_room_bytes is None or tokens <= 0:
-            return 0
-        held = self.engine.cache_bytes(entry.session) if entry.session is not None else 0
-        return max(0, self.engine.kv_bytes(tokens) - held)
-
-    async def make_room(self, keep: Entry, tokens: int) -> int:
-        """Before `keep`'s session grows to `tokens` tokens (a wake, a long prompt): sleep the least recently
-        used idle sessions while the hot KV and that growth would not fit the memory left for KV beside the
-        weights (`Engine.kv_room_bytes`); returns how many slept. The budget lets hot sessions hold half of
-        that room, and one session may take all of it (Engine.check_fits), so a big one beside a full budget
-        needs this; without it MLX would go past its limit (on CUDA it spills to host memory)."""
-        room, growth = self.engine.kv_room_bytes, self._growth(keep, tokens)
-        if room is None or growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
-            return 0
-        return await self._sleep_lru(lambda e: self.hot_bytes() + growth > room, "room_sleeps", keep)
-
-    async def enforce_limits(self) -> int:
-        """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
-        now = time.monotonic()
-        return await self._sleep_lru(lambda e: now - e.last_used > self.settings.idle_timeout_s
-                                     or self.hot_bytes() > self.hot_budget(), "auto_sleeps")
-
-    async def _sleep_lru(self, needed: Callable[[Entry], bool], counter: str, keep: Entry | None = None) -> int:
-        """Sleep idle hot sessions (not `keep`), least recently used first, while `needed(entry)` says so;
-        each one's KV is freed before the next is looked at. Returns how many slept (counted in `counter`).
-        A failed sleep is logged (in _sleep too) and the session stays hot: a later pass retries it."""
-        slept = 0
-        for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
-                        key=lambda e: e.last_used):
-            if not needed(e):
-                break
-            with contextlib.suppress(BusyError):
-                try:
-                    await self.sleep(e.id)
-                    await self.released()  # its memory gone before the next is looked at
-                    slept += 1
-                    self.counters[counter] += 1
-                except Exception as exc:
-                    log.warning("sleep for memory failed", extra={"session": e.id, "error": repr(exc),
-                                                                  "why": counter})
-        return slept
-
-    async def sleep_all(self) -> dict[str, Any]:
-        """For shutdown: sleep every hot session; failures are logged and reported, not raised."""
-        results: dict[str, Any] = {}
-        for e in list(self.entries.hot.values()):
-            try:
-                results[e.id] = (await self.sleep(e.id))["snapshot_id"]
-            except Exception as exc:
-                results[e.id] = {"error": repr(exc)}
-        await self.released()  # MLX memory freed on the engine thread before it stops
-        return results
-
-
-def _settle(ended: asyncio.Future, done: Any) -> None:
-    """On the loop: `ended` takes the outcome of the call's `done` (a concurrent future)."""
-    if ended.cancelled():
-        return
-    exc = done.exception()
-    if exc is not None:
-        ended.set_exception(exc)
-    else:
-        ended.set_result(done.result())

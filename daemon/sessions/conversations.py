@@ -1,0 +1,236 @@
+"""A session's conversation in the daemon: input appended, replies generated, shared prompts warmed.
+
+Part of the session manager (`SessionManager` in sessions/manager.py takes these methods), by
+responsibility: here the turns, in manager.py the sessions' lifecycle, in room.py the memory.
+
+The manager orchestrates, the engine computes. An append is the engine's steps called in order:
+plan (rendered on a worker thread), check, make room (other sessions sleep, on the loop), a prefix (a
+hot session's copy, else stored blocks), apply (the prefill, on a worker thread whose MLX steps go to
+the engine thread one short job at a time). A front's request is `prepare`d once (params checked,
+rendered, its length checked) and `generate` takes it as it is. Generate calls of different sessions
+decode together, one batched forward pass per step (model/decoder.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio import to_thread
+
+from kvwake.daemon.model.engine import Plan
+from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.session_state import Session, common_prefix
+from kvwake.daemon.sessions.entries import Entry
+from kvwake.errors import BusyError, InvalidParamsError
+
+__all__ = ["Conversations", "Prepared"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's prompt rendered once and checked once (`SessionManager.prepare`): its params against the
+    model, its length against the context and the memory; `generate` appends it without checking again."""
+
+    plan: Plan
+    params: GenerateParams
+
+
+class Conversations:
+    """The session manager's turns (see the module docstring); `SessionManager` holds the state they use."""
+
+    # -- conversation ---------------------------------------------------------
+
+    async def append(self, session_id: Any, cancelled: Callable[[], bool] | None = None,
+                     **inputs: Any) -> dict[str, Any]:
+        """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
+        async with self.claim(session_id, "append") as entry:
+            stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
+            return await self._append(await self.awake(entry), inputs, stop, entry)
+
+    async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
+                      stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
+        """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
+        checked already), the check, room (other sessions sleep if the memory left for KV would not hold
+        the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
+        then the apply (prefill) on a worker thread."""
+        engine = self.engine
+        if isinstance(inputs, Prepared):
+            plan = inputs.plan
+            session.check_mode(plan.mode)
+        else:
+            plan = await to_thread.run_sync(lambda: engine.plan(session, **inputs))
+            engine.check_fits(len(plan.target))  # before any prefill
+        if entry is not None:
+            await self.make_room(entry, len(plan.target))
+        prefix = await self._prefix(session, plan.target)
+        return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+
+    async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
+        """A front's request before any session is chosen: its params checked against the model (a bad schema
+        refused before any compute), its conversation rendered once (on a worker thread) and its length
+        checked against the context and the memory. `generate` takes it as it is."""
+        self.check_params(params, inputs.get("tools"))
+        plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
+        self.engine.check_fits(len(plan.target))
+        return Prepared(plan, params)
+
+    async def render(self, inputs: dict[str, Any]) -> Plan:
+        """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,
+        no session is made: a token count)."""
+        return await to_thread.run_sync(lambda: self.engine.render(**inputs))
+
+    async def _prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
+        """What a fresh cache for `target` starts from instead of prefilling: the remote tier's blocks fetched
+        into the RAM tier first, then another hot session's prefix copied when one holds at least
+        `engine.min_partial` tokens of it, else the longest run of stored blocks; (None, 0) when the session
+        keeps its own cache or the model's caches cannot be cut by token."""
+        engine = self.engine
+        if not engine.wants_prefix(session, target):
+            return None, 0
+        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
+            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
+        copied = await self._hot_prefix(session, target)
+        if copied[0] is not None:
+            return copied
+        return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
+
+    async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
+        """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
+
+        For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
+        that and that the model's cache can be cut by token): agents that share a system prompt
+        while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
+        it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
+        opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
+        """
+        want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
+        for entry in list(self.entries.hot.values()):
+            s = entry.session
+            if s is None or s is session or entry.busy or s.cache is None or not s.processed:
+                continue
+            shared = common_prefix(s.tokens[: s.processed], want)
+            if shared > best:
+                best, source = shared, entry
+        if source is None or best < self.engine.min_partial:
+            return None, 0
+        try:
+            async with self.claim(source.id, "copy"):
+                src = source.session
+                if src is None or src.cache is None or src.processed < best:
+                    return None, 0
+                cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
+        except BusyError:
+            return None, 0
+        self.counters["prefix_copies"] += 1
+        logging.getLogger("kvwake.matching").info(  # the logger its message always had
+            "prefix copied from a hot session", extra={"session": session.id, "source": source.id, "tokens": best})
+        return cache, best
+
+    def check_params(self, params: GenerateParams, tools: list[dict[str, Any]] | None = None) -> None:
+        """What GenerateParams cannot check alone (it needs the model); raises InvalidParamsError.
+
+        A structure is compiled here (and kept), so a bad schema is refused before any compute; a forced
+        tool call without `tools` given is checked against the session's tools when the call starts.
+        """
+        structure = params.structure
+        if structure is not None and (structure.kind != "tool_call" or tools is not None):
+            self.engine.check_structure(params, tools)
+        if any(token >= self.engine.vocab_size for token, _ in params.logit_bias):
+            raise InvalidParamsError(f"logit_bias names a token id outside [0, {self.engine.vocab_size})",
+                                     param="logit_bias")
+
+    async def generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
+                       cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None = None,
+                       on_claim: Callable[[], None] | None = None,
+                       on_append: Callable[[dict[str, Any]], None] | None = None,
+                       phases: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Generate in the session (after appending `inputs`: params, or a front's `Prepared` prompt).
+
+        `on_claim` is called once the session is claimed: a BusyError before it means nothing was done.
+        `on_append` gets the append's counts once the prompt is in the cache, before the first token:
+        {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
+        computes (the prefilled ones and the pending last one), as the result's usage will count them.
+        """
+        if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
+            self.check_params(params, (inputs or {}).get("tools"))
+        called = time.perf_counter()
+        async with self.claim(session_id, "chat" if inputs else "generate") as entry:
+            if on_claim is not None:
+                on_claim()
+            session = await self.awake(entry)
+            stop = lambda: cancelled() or self.stopping  # noqa: E731
+            started = time.perf_counter()
+            appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}
+            append_ms = (time.perf_counter() - started) * 1000
+            if on_append is not None and inputs:  # a call starts from one pending token at least
+                on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
+            session.reply_start = len(session.tokens)
+            result = await self._decode(session, params, on_event, stop)
+            self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
+            # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
+            usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
+                     "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
+                     "reused_tokens": appended["reused"], "prefilled_tokens": appended["prefilled"]}
+            self.counters["generations"] += 1
+            self.latency["generate_ttft"].add(usage["ttft_ms"])
+            self.turns.append({"session": session.id, "at": round(time.time() - (time.perf_counter() - called), 4),
+                               **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
+                               "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
+                               "prefilled": appended["prefilled"]})
+            return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
+                    "tool_calls": result.tool_calls,
+                    "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
+                    "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence, "usage": usage,
+                    **({"append": appended} if inputs else {})}
+
+    async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
+                      stop: Callable[[], bool]) -> GenerateResult:
+        """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
+        engine, loop = self.engine, asyncio.get_running_loop()
+        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_event, stop, self.thread.call))
+        # The result comes through `post`, after the output the same step posted (streamed pieces first).
+        ended: asyncio.Future[GenerateResult] = loop.create_future()
+        call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
+        await self.thread.run(lambda: engine.decoder.join(call), quick=True)  # calls that come together join together
+        # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
+        # so this wait is not cancelled (a client that leaves stops the call through `stop`).
+        with anyio.CancelScope(shield=True):
+            return await ended
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on `loop`; for fronts' streamed output, called on the engine thread: every call's
+        output of one decode step reaches the loop in one hop, before the calls that step ended return."""
+        self.thread.post(loop, fn, *args)
+
+
+    async def warm(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Prefill a shared prompt once and pin it in the prefix cache (the engine's warm), from a hot
+        session's copy of it or stored blocks where they hold some of it."""
+        engine, scratch = self.engine, Session("prefix-warm")
+        engine.check_warmable()
+        plan = await to_thread.run_sync(lambda: engine.plan(scratch, **inputs))
+        engine.check_fits(len(plan.target))
+        prefix = await self._prefix(scratch, plan.target)
+        info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
+                                                            prefix=prefix))
+        if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
+            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
+        return info
+
+
+def _settle(ended: asyncio.Future, done: Any) -> None:
+    """On the loop: `ended` takes the outcome of the call's `done` (a concurrent future)."""
+    if ended.cancelled():
+        return
+    exc = done.exception()
+    if exc is not None:
+        ended.set_exception(exc)
+    else:
+        ended.set_result(done.result())
