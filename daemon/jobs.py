@@ -5,7 +5,7 @@ it needs there as a runner, `Mlx`: `direct` when the caller is that thread (the
 in-process API tests and bench/ use), `EngineThread.call` when it is another
 thread (the daemon's session manager). What a job may be marked as (`quick`,
 `Packed`) tells the engine thread's scheduler how to order it
-(model/scheduler/queue.py). A job on the engine thread that queues another one
+(model/scheduler/steps.py). A job on the engine thread that queues another one
 behind the waiting ones uses the engine thread's `later`, which the thread
 hands to what needs it when it attaches (None in process: the caller runs it).
 

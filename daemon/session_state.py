@@ -126,7 +126,8 @@ class Session:
 
     def settle(self, later: Callable[[Callable[[], Any]], Future | None] | None = None) -> None:
         """Engine thread: the chunk in flight ended (computed, or failed and its cache dropped); what waited
-        runs, each as a job of its own through `later` when it takes it (kv/context.py: a decode step then
+        runs, each as a job of its own through `later` when it takes it (the engine thread's, handed over in
+        EngineThread.attach: a decode step then
         runs between the chunk's last slice and each, and between them; if the engine stops first, its
         waiter gets the engine's error), else here.
 

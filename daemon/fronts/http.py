@@ -305,7 +305,6 @@ class Api:
         prepared = await self.manager.prepare(req.inputs(), req.params)
         return await self.matcher.start(prepared, req.session_id, getattr(req, "hint", None), on_event, cancelled,
                                         on_append, render_ms=round((time.perf_counter() - started) * 1000, 2))
-        raise AssertionError("unreachable")
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -503,7 +503,7 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
     return out
 
 
-# -- restore helpers (the restore itself is fill.py) -------------------------
+# -- restore helpers (the restore itself is restore_buffers.py) -------------------------
 
 
 def check_meta(tail: dict[str, Tensor], n_tokens: int, block_tokens: int | None) -> None:

@@ -15,7 +15,7 @@ plain KV cache (every cut tensor of one float dtype and one shape):
   the slot takes a later span.
 
 `planar(...)` says whether a cache (or a block's tensor specs) qualifies; the
-others (quantized KV, mixed shapes) take the CPU path in state.py/fill.py.
+others (quantized KV, mixed shapes) take the CPU path in cache_blocks.py/restore_buffers.py.
 """
 
 from __future__ import annotations

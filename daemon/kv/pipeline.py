@@ -332,7 +332,7 @@ def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
 
     The caller has prefilled all of scratch.tokens (the pending last token too). The last partial
     block is stored as a short block (a child of the last full one): a later request that starts
-    with the whole prompt reuses all of it (store/prefix.py finds the short block as a partial
+    with the whole prompt reuses all of it (store/reuse.py finds the short block as a partial
     piece). The scratch cache is dropped on return.
     """
     tokens = scratch.tokens[: scratch.processed]
@@ -360,9 +360,9 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
     """Block k into place: from the RAM tier when it holds it, else decoded from its file."""
     # A block holds block_tokens tokens, except the short last block prefix.warm stores.
     start, count, what = k * ctx.block_tokens, len(ref.token_ids), f"block {k}"
-    hot = ctx.ram_tier.get(ref.key)
-    if hot is not None:
-        buffers.put(start, count, hot, what)
+    cached = ctx.ram_tier.get(ref.key)
+    if cached is not None:
+        buffers.put(start, count, cached, what)
         ctx.counters.add("blocks_ram")
         return
     stage = None if keep_in_ram else buffers.stage(k)
@@ -377,8 +377,8 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
 
 def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     """A block's tensor specs, from the RAM tier when it holds the block, else from its file's header."""
-    hot = ctx.ram_tier.get(ref.key)
-    return restore_buffers.specs_of(hot) if hot is not None else ctx.store.block_specs(ref)
+    cached = ctx.ram_tier.get(ref.key)
+    return restore_buffers.specs_of(cached) if cached is not None else ctx.store.block_specs(ref)
 
 
 def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:

@@ -1,6 +1,6 @@
 """Restoring a prefix-cache hit: whole blocks, then the first k tokens of a partial piece.
 
-The store finds the hit (store/prefix.py); this fills a fresh cache from it, the
+The store finds the hit (store/reuse.py); this fills a fresh cache from it, the
 MLX work through `mlx` (context.py says how), the reading and decoding on the
 pool. Nothing here fails an append: a block or tail that cannot be read or does
 not verify shortens the hit, and those tokens are prefilled instead.

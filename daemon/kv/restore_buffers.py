@@ -1,7 +1,7 @@
 """Restore a prompt cache by filling preallocated per-layer buffers once.
 
 `Buffers` is made on the engine thread from the model and the tensor specs of
-one block (names, dtypes, shapes; see state.py's naming). It allocates, once and
+one block (names, dtypes, shapes; see cache_blocks.py's naming). It allocates, once and
 at its final size, one MLX array per cuttable tensor (`{unit}.keys`,
 `{unit}.values`, or the three parts of quantized KV), with room for
 `capacity` tokens, and exposes a writable host view of each. Worker threads

@@ -12,7 +12,7 @@ are dead (all padding, fed and sampled, never handed out). A call that leaves
 leaves a dead slot, which the next call whose history fits the batch's length
 takes (`place`: its KV copied in, right-aligned, no other row moved).
 
-Three kinds of cache layer batch (calls.batch_mode): plain KV (`BatchKVCache`),
+Three kinds of cache layer batch (decode_calls.batch_mode): plain KV (`BatchKVCache`),
 sliding windows (`BatchRotatingKVCache`) and recurrent state (`ArraysCache`),
 alone or mixed in one model, and each kind takes a row into a dead slot: plain
 KV right-aligned, a recurrent state as it is, a window's tokens as the newest

@@ -1,7 +1,7 @@
 """The decoder: every generate call in flight, advanced one token per step on the engine thread.
 
 Batched mode (models whose cache layers mlx-lm can merge: plain KV, sliding
-windows, recurrent state; calls.batch_mode): calls decode together, one
+windows, recurrent state; decode_calls.batch_mode): calls decode together, one
 forward pass per step, through mlx-lm's `GenerationBatch` over each layer's
 batched form (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache`; shorter
 histories are left-padded and the padding masked).
@@ -15,7 +15,7 @@ finishes: its row is extracted as a plain per-layer cache into its session
 on a session, the session holds a plain cache, and sleep, fork and prefix
 reuse see what they always saw.
 
-Rows live in slots (joining.py): the batch has 1, 2, 4, 8, 16 or 32 rows,
+Rows live in slots (batch_rows.py): the batch has 1, 2, 4, 8, 16 or 32 rows,
 padded with dead rows; a call that leaves leaves a dead slot that the next call
 whose history fits takes, and the batch keeps only its live rows once half its
 slots are dead. On CUDA each size is warmed at start (`warm`).
@@ -27,7 +27,7 @@ batched (one 32k-token session among seven short ones would otherwise pad each
 of them to 32k).
 
 A call that starts while no other call decodes or waits decodes alone (`Solo`,
-calls.py); when a second call arrives, the lone call moves into the batch
+decode_calls.py); when a second call arrives, the lone call moves into the batch
 between two steps (in the same merge), with the token it has sampled but not
 yet fed.
 
@@ -39,7 +39,7 @@ the constrained rows' sampled tokens to `Masks.prefetch`, so the next mask is
 filled on a worker thread while this thread hands tokens out and builds the
 next pass.
 
-Solo mode (`batch_mode`, calls.py, says when and why): every call decodes
+Solo mode (`batch_mode`, decode_calls.py, says when and why): every call decodes
 alone; calls take one step each in turn, so they interleave but never share a
 forward pass.
 
@@ -86,7 +86,7 @@ class Decoder:
         self.batch: GenerationBatch | None = None
         self.rows: dict[int, Call] = {}  # batch uid -> call
         self.fed_only: set[int] = set()  # rows joined this step: the pass feeds their pending token
-        self.dead: set[int] = set()  # batch uids of slots no call holds (joining.py)
+        self.dead: set[int] = set()  # batch uids of slots no call holds (batch_rows.py)
         self._uids = itertools.count()
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}

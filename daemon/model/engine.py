@@ -1,16 +1,20 @@
 """The engine: one loaded MLX model, the sessions it runs, and their sleep and wake.
 
 All MLX work happens on one thread. Every operation takes `mlx`, the runner for
-its MLX steps (kv/context.py): `direct` when the caller is that thread (the
+its MLX steps (daemon/jobs.py): `direct` when the caller is that thread (the
 in-process API tests and bench/ use), `EngineThread.call` when it is a worker
 thread (the daemon's session manager). Either way the operation is this code:
 sleep and wake are `kv/pipeline.py` (codec and disk work on the `Pool`, every
-core by default, bounded by bytes in flight), appends are plan, prefix, apply.
+core by default, bounded by bytes in flight), appends are plan, check, prefix,
+apply (the daemon's session manager calls these steps itself, with room made
+between them); how a prompt is cut into chunks, packs and slices is the
+scheduler's (model/scheduler/).
 
 Prefix reuse: before a cold prefill, the engine asks the store for the longest
 run of stored full blocks that starts the tokens (under this bundle), restores
-them (from the RAM tier when hot, else disk) and prefills only the rest; the
-daemon first offers a hot session's copy (`shared`). Models whose caches cannot
+them (from the RAM tier where it holds them, else disk) and prefills only the
+rest; the daemon's manager first looks for a hot session's copy and hands it to
+`apply`. Models whose caches cannot
 be cut by token (sliding windows, recurrent state) only reuse whole snapshots:
 their prefix reuse is off.
 """

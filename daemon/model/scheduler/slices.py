@@ -30,7 +30,7 @@ from kvwake.daemon.jobs import Packed
 
 __all__ = ["Chunk", "Slicer", "kind"]
 
-Later = Callable[[Callable[[], Any]], Future] | None  # queues a job behind the others (EngineThread.later)
+Later = Callable[[Callable[[], Any]], Future] | None  # queues a job behind the others (the engine thread's submit)
 
 
 def kind(path: str, keys: int) -> str:
