@@ -348,12 +348,14 @@ class Engine(Appending):
              prefix: tuple[list | None, int] | None = None) -> dict[str, Any]:
         """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a
         short block). `scratch`: the throwaway session to prefill in (the daemon keeps it to publish its
-        tokens to the remote tier); `prompt`: its plan, made already; `prefix`: a cache offered for it (a
-        hot session's copy), else the stored blocks are asked."""
+        tokens to the remote tier); `prompt`: its plan, made and checked already; `prefix`: a cache offered
+        for it (a hot session's copy), else the stored blocks are asked."""
         self.check_warmable()
         scratch = scratch if scratch is not None else Session(id="prefix-warm")
-        plan = prompt if prompt is not None else self.plan(scratch, messages=messages, text=text, tokens=tokens)
-        self.check_fits(len(plan.target))
+        plan = prompt
+        if plan is None:  # a prompt given was planned and checked by its caller
+            plan = self.plan(scratch, messages=messages, text=text, tokens=tokens)
+            self.check_fits(len(plan.target))
         if prefix is None or prefix[0] is None:
             prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(scratch, plan.target) else (None, 0)
         self.apply(scratch, plan, prefix, mlx)
