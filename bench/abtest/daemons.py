@@ -23,8 +23,12 @@ __all__ = ["Tree", "Daemon", "CONFIG"]
 # while prefilling (a sleep captures and writes every block), one fixed codec (the "auto" choice is
 # measured at first start and could differ between two daemons), and a hot budget and idle timeout
 # no run reaches (no session sleeps in the middle of a measurement).
+# Both daemons share one GPU: ABTEST_MLX_MEMORY_BYTES gives each its share (unset, each takes MLX's default of
+# most of the device, and two of them growing their sessions run it out of memory).
 CONFIG = ("ram_tier_bytes = 0\npersist = false\ncodec = \"planes-zstd\"\n"
-          f"hot_budget_bytes = {1 << 40}\nidle_timeout_s = 86400.0\n")
+          f"hot_budget_bytes = {1 << 40}\nidle_timeout_s = 86400.0\n"
+          + (f"mlx_memory_bytes = {int(os.environ['ABTEST_MLX_MEMORY_BYTES'])}\n"
+             if os.environ.get("ABTEST_MLX_MEMORY_BYTES") else ""))
 
 
 @dataclass(frozen=True)
