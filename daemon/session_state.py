@@ -102,7 +102,7 @@ class Session:
     last_used: float = 0.0
     reply_start: int | None = None  # where the last generated reply begins in `tokens` (None: no reply yet)
     # Engine-thread state, never recorded: a prefill chunk is queued on `cache` and computed a slice of layers
-    # per job (model/prefillslices.py); until it ends, reading the cache would compute all of it at once.
+    # per job (model/scheduler/slices.py); until it ends, reading the cache would compute all of it at once.
     computing: bool = field(default=False, repr=False, compare=False)
     _settled: list[tuple[Callable[[], Any], Future]] = field(default_factory=list, repr=False, compare=False)
 

@@ -3,8 +3,12 @@ wake's snapshot read once (in process: real engine, real engine thread, real sto
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from kvwake.daemon.fronts.http import Api
+from kvwake.daemon.fronts.openai_shapes import ChatRequest
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.errors import NotFoundError
@@ -20,7 +24,7 @@ def test_the_provider_serves_its_models_by_name_and_the_thread_runs_their_steps(
     assert manager.model_names() == [model.name]
     # attached: the engine thread steps this engine's decoder and takes its planner's jobs
     assert model.thread.scheduler.decoder is model.engine.decoder
-    assert model.engine.planner.idle == model.thread.idle and model.engine.planner.later == model.thread.submit
+    assert model.engine.planner.idle == model.thread.idle and model.engine.planner.later == model.thread.later
     with pytest.raises(NotFoundError, match=f"model 'other' is not loaded; loaded: {model.name}"):
         models.get("other")
     with pytest.raises(ValueError, match="loaded already"):
@@ -73,3 +77,26 @@ async def test_a_wake_reads_its_snapshot_once_and_before_it_makes_room(manager, 
     info = await manager.wake("s")
     assert info["tokens"] > 0 and reads == ["snapshot"], reads
     assert order == [["snapshot"]]  # verified (bundle included) before any session is slept for it
+
+
+async def test_a_warm_looks_up_the_stored_prefix_once(manager, monkeypatch):
+    """Was: the manager's `_prefix` asked the store, and Engine.warm asked it again when that found nothing."""
+    engine, asked = manager.engine, []
+    real = engine.stored_prefix
+    monkeypatch.setattr(engine, "stored_prefix", lambda *a, **k: asked.append(1) or real(*a, **k))
+    info = await manager.warm(CHAT)
+    assert info["tokens"] > 0
+    assert len(asked) == 1, f"the stored prefix was looked up {len(asked)} times for one warm"
+
+
+async def test_an_http_turns_render_ms_is_the_render_alone(manager, monkeypatch):
+    """status.turns' render_ms is the render alone. Was: it held the params check too (a slow grammar's compile
+    read as render time)."""
+    real = manager.check_params
+    monkeypatch.setattr(manager, "check_params", lambda *a, **k: time.sleep(0.3) or real(*a, **k))
+    api = Api(manager)
+    req = ChatRequest.parse({**CHAT, "max_tokens": 2}, None)
+    session, task = await api._start(req, None, lambda: False)
+    await task
+    turn = manager.turns[-1]
+    assert turn["render_ms"] < 250, turn

@@ -95,3 +95,35 @@ def test_the_engine_thread_runs_each_step_in_the_schedulers_order():
         assert order == ["quick 0", "quick 1", "quick 2", "job"]
     finally:
         thread.stop()
+
+
+def test_a_quick_job_queued_while_quick_jobs_run_joins_at_the_same_step():
+    """Was: the step's quick jobs were taken once, so a call joining meanwhile waited for the next job."""
+    thread = EngineThread()
+    gate, order = threading.Event(), []
+    try:
+        thread.submit(gate.wait)
+        job = thread.submit(lambda: order.append("job"))
+
+        def first() -> None:
+            order.append("quick 1")
+            thread.submit(lambda: order.append("quick 2"), quick=True)
+
+        thread.submit(first, quick=True)
+        gate.set()
+        job.result(timeout=10)
+        assert order == ["quick 1", "quick 2", "job"]
+    finally:
+        thread.stop()
+
+
+def test_later_queues_from_the_engine_thread_only():
+    """What waits for a prefill chunk runs as a job of its own when the chunk ran on the engine thread; on any
+    other thread (a caller running MLX itself) its caller runs it. Was: queued from any thread once attached."""
+    thread = EngineThread()
+    try:
+        assert thread.later(lambda: None) is None
+        queued = thread.call(lambda: thread.later(lambda: "ran"))
+        assert queued.result(timeout=10) == "ran"
+    finally:
+        thread.stop()

@@ -301,10 +301,9 @@ class Api:
                      on_append: Callable | None = None) -> tuple[dict[str, Any], asyncio.Task]:
         """Check and render the request once (a refused request makes no session), then pick its session and
         start the generation (sessions/matching.py)."""
-        started = time.perf_counter()
         prepared = await self.manager.prepare(req.inputs(), req.params)
         return await self.matcher.start(prepared, req.session_id, getattr(req, "hint", None), on_event, cancelled,
-                                        on_append, render_ms=round((time.perf_counter() - started) * 1000, 2))
+                                        on_append)
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -67,8 +67,10 @@ class Appending:
         `keep`: `_keep(session, target)` when the caller has it."""
         if session.cache is None:
             return True
+        if can_trim_prompt_cache(session.cache):  # cut back to any length: kept (no token compare, the
+            return False  # manager asks this on its event loop)
         keep = self._keep(session, target) if keep is None else keep
-        return keep < session.processed and not can_trim_prompt_cache(session.cache)
+        return keep < session.processed
 
     def wants_prefix(self, session: Session, target: list[int]) -> bool:
         """Whether appending `target` starts the session on a fresh cache that a stored or shared prefix

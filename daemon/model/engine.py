@@ -348,15 +348,15 @@ class Engine(Appending):
              prefix: tuple[list | None, int] | None = None) -> dict[str, Any]:
         """Prefill a shared prompt once and pin all of it in the prefix cache (its last partial block as a
         short block). `scratch`: the throwaway session to prefill in (the daemon keeps it to publish its
-        tokens to the remote tier); `prompt`: its plan, made and checked already; `prefix`: a cache offered
-        for it (a hot session's copy), else the stored blocks are asked."""
+        tokens to the remote tier); `prompt`: its plan, made and checked already; `prefix`: what its caller
+        found for it (a hot session's copy or stored blocks; (None, 0): nothing), else the store is asked."""
         self.check_warmable()
         scratch = scratch if scratch is not None else Session(id="prefix-warm")
         plan = prompt
         if plan is None:  # a prompt given was planned and checked by its caller
             plan = self.plan(scratch, messages=messages, text=text, tokens=tokens)
             self.check_fits(len(plan.target))
-        if prefix is None or prefix[0] is None:
+        if prefix is None:  # one given was looked for by its caller (a hot copy, then stored blocks)
             prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(scratch, plan.target) else (None, 0)
         self.apply(scratch, plan, prefix, mlx)
         self.prefill(scratch, len(scratch.tokens), mlx)  # the pending last token too: all of it is stored

@@ -89,7 +89,7 @@ class EngineThread:
         def attach() -> None:
             self.scheduler.decoder = decoder
             if prefill is not None:
-                self.scheduler.prefill, prefill.idle, prefill.later = prefill, self.idle, self.submit
+                self.scheduler.prefill, prefill.idle, prefill.later = prefill, self.idle, self.later
         self.submit(attach).result()
 
     def _run(self) -> None:
@@ -98,10 +98,13 @@ class EngineThread:
             if step.stop:
                 break
             start = time.perf_counter()
-            for job in step.quick + self.scheduler.more_quick():
-                began = time.perf_counter()
-                self._do(job)
-                self._spend("job", job[0], began)
+            quick = step.quick
+            while quick:  # until none is left: a call that joins meanwhile joins at this step
+                for job in quick:
+                    began = time.perf_counter()
+                    self._do(job)
+                    self._spend("job", job[0], began)
+                quick = self.scheduler.more_quick()
             began = time.perf_counter()  # the quick jobs counted apart
             if step.pack is not None:
                 self._do_pack(step.pack)
@@ -231,6 +234,12 @@ class EngineThread:
         """Queue fn (Scheduler.submit; `quick`: it does no MLX work to speak of, so it runs before the next
         job, with every other quick job queued, instead of one job per decode step)."""
         return self.scheduler.submit(fn, quick)
+
+    def later(self, fn: Callable[[], Any]) -> Future | None:
+        """From a job on this engine thread: queue `fn` as a job of its own behind those waiting (a decode step
+        runs between), and return its Future (failed if the engine stops first); None on any other thread,
+        whose caller runs it itself (as in process, with `direct`)."""
+        return self.submit(fn) if threading.current_thread() is self._thread else None
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread and wait for it from another thread (the pipeline's `mlx`)."""

@@ -40,6 +40,7 @@ class Prepared:
 
     plan: Plan
     params: GenerateParams
+    render_ms: float = 0.0  # the render alone (status.turns: where a first token's time went)
 
 
 class Conversations:
@@ -77,9 +78,11 @@ class Conversations:
         refused before any compute), its conversation rendered once (on a worker thread) and its length
         checked against the context and the memory. `generate` takes it as it is."""
         self.check_params(params, inputs.get("tools"))
+        started = time.perf_counter()
         plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
+        rendered = time.perf_counter()
         self.engine.check_fits(len(plan.target))
-        return Prepared(plan, params)
+        return Prepared(plan, params, round((rendered - started) * 1000, 2))
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
         """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,

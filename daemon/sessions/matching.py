@@ -113,8 +113,8 @@ class Matcher:
         self.manager = manager
 
     async def start(self, prepared: Prepared, session_id: str | None, hint: Hint | None, on_event: OnEvent | None,
-                    cancelled: Callable[[], bool], on_append: Callable[[dict[str, Any]], None] | None = None,
-                    render_ms: float = 0.0) -> tuple[dict[str, Any], asyncio.Task]:
+                    cancelled: Callable[[], bool],
+                    on_append: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any], asyncio.Task]:
         """Start the generation of a front's prepared request in its session: the one it names (made if new),
         else the one `find` picks, matched again (up to MATCH_TRIES) when another request claims that one
         first. Returns ({"session_id", "match", "shared_tokens"?}, the generation's task)."""
@@ -127,7 +127,7 @@ class Matcher:
             else:
                 match = await self.find(prepared.plan.target, prepared.plan.mode, hint)
                 session = {"session_id": match.session_id, "match": match.how, "shared_tokens": match.shared_tokens}
-            phases = {"match": session["match"], "render_ms": render_ms,
+            phases = {"match": session["match"], "render_ms": prepared.render_ms,
                       "match_ms": round((time.perf_counter() - matched) * 1000, 2),
                       **({} if session_id is not None else {"match_store_ms": match.store_ms})}
             claimed = asyncio.Event()

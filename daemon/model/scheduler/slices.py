@@ -30,7 +30,8 @@ from kvwake.daemon.jobs import Packed
 
 __all__ = ["Chunk", "Slicer", "kind"]
 
-Later = Callable[[Callable[[], Any]], Future] | None  # queues a job behind the others (the engine thread's submit)
+# Queues a job behind the others from the engine thread (EngineThread.later; None elsewhere: run it here)
+Later = Callable[[Callable[[], Any]], Future | None] | None
 
 
 def kind(path: str, keys: int) -> str:
