@@ -100,9 +100,10 @@ def test_the_engine_thread_runs_each_step_in_the_schedulers_order():
 def test_a_quick_job_queued_while_quick_jobs_run_joins_at_the_same_step():
     """Was: the step's quick jobs were taken once, so a call joining meanwhile waited for the next job."""
     thread = EngineThread()
-    gate, order = threading.Event(), []
+    gate, running, order = threading.Event(), threading.Event(), []
     try:
-        thread.submit(gate.wait)
+        thread.submit(lambda: (running.set(), gate.wait()))
+        assert running.wait(10)  # the thread is in a job: what comes next is queued behind it
         job = thread.submit(lambda: order.append("job"))
 
         def first() -> None:
