@@ -89,7 +89,7 @@ class EngineThread:
         def attach() -> None:
             self.scheduler.decoder = decoder
             if prefill is not None:
-                self.scheduler.prefill, prefill.idle, prefill.later = prefill, self.idle, self.later
+                prefill.idle, prefill.later = self.idle, self.later
         self.submit(attach).result()
 
     def _run(self) -> None:
@@ -104,7 +104,7 @@ class EngineThread:
                     began = time.perf_counter()
                     self._do(job)
                     self._spend("job", job[0], began)
-                quick = self.scheduler.more_quick()
+                quick = self.scheduler.quick_jobs()
             began = time.perf_counter()  # the quick jobs counted apart
             if step.pack is not None:
                 self._do_pack(step.pack)

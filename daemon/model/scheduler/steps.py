@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvwake.daemon.model.decoder import Decoder
-from kvwake.daemon.model.scheduler.prefill import PrefillPlanner
 from kvwake.errors import CancelledError
 
 __all__ = ["IDLE_AFTER_S", "Job", "Scheduler", "Step"]
@@ -66,11 +65,12 @@ class Step:
 
 
 class Scheduler:
-    """Decides each step what the engine runs: the queued jobs (quick, plain, packed, idle), the decoder's
-    calls, and, through `prefill`, how every session's prefill is cut into chunks, packs and slices."""
+    """Decides each step what the engine thread runs: the queued jobs (quick, plain, packed, idle), then a step
+    of the attached decoder's calls. How a prefill is cut into those jobs is each model's `PrefillPlanner`
+    (scheduler/prefill.py)."""
 
-    def __init__(self, decoder: Decoder | None = None, prefill: PrefillPlanner | None = None) -> None:
-        self.decoder, self.prefill = decoder, prefill
+    def __init__(self, decoder: Decoder | None = None) -> None:
+        self.decoder = decoder
         self._jobs: queue.SimpleQueue[Job | _PackDue | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up
         self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._idle: deque[Callable[[], Any]] = deque()
@@ -134,18 +134,16 @@ class Scheduler:
                 break
         if item is None:
             return Step([], stop=True)
-        step = Step(self._quick_jobs(), idle=idle, decode=decoding)
+        step = Step(self.quick_jobs(), idle=idle, decode=decoding)
         if isinstance(item, list):
             step.pack = item
         elif item:
             step.job = item
         return step
 
-    def more_quick(self) -> list[Job]:
-        """Quick jobs queued since the step was made (the thread runs them before the step's work)."""
-        return self._quick_jobs()
-
-    def _quick_jobs(self) -> list[Job]:
+    def quick_jobs(self) -> list[Job]:
+        """Every quick job queued now: a step's first, then those queued while they ran (the thread asks until
+        none is left, before the step's work)."""
         jobs = []
         while True:
             try:
