@@ -320,13 +320,15 @@ async def _signals(stop: anyio.Event) -> None:
 
 
 async def _warm(models: ModelProvider) -> None:
-    """Each model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers,
-    one short engine-thread job at a time: a request that comes meanwhile waits for one job, not all."""
+    """Each model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers, as
+    idle jobs one at a time: requests go first (a wake after a restart, a prefill), and one that comes while a
+    warm-up job runs waits for that one alone. A shape a request needs before its warm-up ran is built by
+    the request itself, as it would be unwarmed."""
     for model in models:
         started, jobs = time.perf_counter(), await model.thread.run(model.engine.warm_jobs)
         for job in jobs:
             try:
-                await model.thread.run(job)
+                await model.thread.run_when_idle(job)
             except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
                 log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
                 break

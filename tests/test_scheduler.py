@@ -128,3 +128,48 @@ def test_later_queues_from_the_engine_thread_only():
         assert queued.result(timeout=10) == "ran"
     finally:
         thread.stop()
+
+
+async def test_the_warm_up_runs_as_idle_jobs_and_a_request_goes_first():
+    # Was: the warm-up's jobs were plain jobs queued one after another, and a wake after a restart waited
+    # one warm-up job per job of its own (it finished just after the warm-up).
+    import anyio
+
+    from kvwake.daemon import serve
+
+    thread, order, running = EngineThread(), [], threading.Event()
+
+    def warm_job(i: int) -> None:
+        running.set()
+        order.append(f"warm{i}")
+
+    class Engine:  # a model's face as the warm-up sees it
+        def warm_jobs(self):
+            return [lambda i=i: warm_job(i) for i in range(3)]
+
+    class Model:
+        name, engine = "tiny", Engine()
+
+    Model.thread = thread
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve._warm, [Model()])
+            await anyio.sleep(0.05)  # the warm-up has queued its first job (an idle job: not yet run)
+            await thread.run(lambda: order.append("request"))
+            for _ in range(200):
+                await anyio.sleep(0.05)
+                if len(order) == 4:
+                    break
+        assert order == ["request", "warm0", "warm1", "warm2"]
+    finally:
+        thread.stop()
+
+
+async def test_a_failing_idle_job_run_when_idle_raises_to_its_awaiter():
+    thread = EngineThread()
+    try:
+        assert await thread.run_when_idle(lambda: 7) == 7
+        with pytest.raises(ZeroDivisionError):
+            await thread.run_when_idle(lambda: 1 / 0)
+    finally:
+        thread.stop()

@@ -255,6 +255,14 @@ class EngineThread:
         """
         return await asyncio.wrap_future(self.submit(fn, quick))
 
+    async def run_when_idle(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread as an idle job (once nothing else waits and nothing decodes: Scheduler.idle)
+        and await its result. For work no request may wait behind (the warm-up): a request that comes while
+        such jobs are queued waits for the one running at most."""
+        future: Future[T] = Future()
+        self.idle(lambda: self._do((fn, future)))
+        return await asyncio.wrap_future(future)
+
     def stop(self) -> None:
         self.scheduler.stop()
         self._thread.join(timeout=60)

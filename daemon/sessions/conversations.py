@@ -28,6 +28,7 @@ from kvwake.daemon.model.engine import Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.daemon.sessions.entries import Entry
+from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Prefix
 from kvwake.errors import BusyError, InvalidParamsError
 
 __all__ = ["Conversations", "Prepared"]
@@ -70,8 +71,14 @@ class Conversations:
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:
             await self.make_room(entry, len(plan.target))
-        prefix = await self._prefix(session, plan.target)
-        return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+        prefix, flight = await self._shared_prefix(session, plan.target)
+        if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
+            stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
+        try:
+            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+        finally:
+            if flight is not None:
+                await self._land(flight)
 
     async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
         """A front's request before any session is chosen: its params checked against the model (a bad schema
@@ -89,14 +96,42 @@ class Conversations:
         no session is made: a token count)."""
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
-    async def _prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
-        """What a fresh cache for `target` starts from instead of prefilling: the remote tier's blocks fetched
-        into the RAM tier first, then another hot session's prefix copied when one holds at least
-        `engine.min_partial` tokens of it, else the longest run of stored blocks; (None, 0) when the session
-        keeps its own cache or the model's caches cannot be cut by token."""
+    async def _shared_prefix(self, session: Session, target: list[int]) -> tuple[Prefix, Flight | None]:
+        """What a fresh cache for `target` starts from, and the flight to `_land` once its apply ends when this
+        append leads one (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
+        waited for, else `_prefix` (and others may wait on this one). (NO_PREFIX, None) when the session keeps
+        its own cache or the model's caches cannot be cut by token."""
+        if not self.engine.wants_prefix(session, target):
+            return NO_PREFIX, None
+        waiting = self.shared.wait_for(session, target)
+        if waiting is not None:
+            prefix = await waiting
+            if prefix[0] is not None:
+                self.counters["prefix_waits"] += 1
+                logging.getLogger("kvwake.matching").info(
+                    "prefix taken from a prefill in flight", extra={"session": session.id, "tokens": prefix[1]})
+                return prefix, None
+        flight = self.shared.lead(session, target)
+        try:
+            return await self._prefix(session, target), flight
+        except BaseException:
+            await self._land(flight)
+            raise
+
+    async def _land(self, flight: Flight) -> None:
+        """A flight's prefill ended: its waiters get their copies (one engine job), even while this append's
+        own task is being cancelled."""
+        session, engine = flight.session, self.engine
+        with anyio.CancelScope(shield=True):
+            await self.shared.land(flight, lambda counts: self.thread.run(
+                lambda: [engine.copy_prefix(session, n) for n in counts]))
+
+    async def _prefix(self, session: Session, target: list[int]) -> Prefix:
+        """What a fresh cache for `target` starts from instead of prefilling (the caller asked
+        Engine.wants_prefix): the remote tier's blocks fetched into the RAM tier first, then another hot
+        session's prefix copied when one holds at least `engine.min_partial` tokens of it, else the longest
+        run of stored blocks."""
         engine = self.engine
-        if not engine.wants_prefix(session, target):
-            return None, 0
         if self.remote is not None and session.cache is None:  # the remote may hold its prefix
             await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
         copied = await self._hot_prefix(session, target)
@@ -220,9 +255,13 @@ class Conversations:
         engine.check_warmable()
         plan = await to_thread.run_sync(lambda: engine.plan(scratch, **inputs))
         engine.check_fits(len(plan.target))
-        prefix = await self._prefix(scratch, plan.target)
-        info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
-                                                            prefix=prefix))
+        prefix, flight = await self._shared_prefix(scratch, plan.target)
+        try:
+            info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
+                                                                prefix=prefix))
+        finally:
+            if flight is not None:
+                await self._land(flight)
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
         return info

@@ -50,6 +50,7 @@ from kvwake.daemon.session_state import Session, check_json, check_session_id
 from kvwake.daemon.sessions.conversations import Conversations, Prepared
 from kvwake.daemon.sessions.entries import Entries, Entry
 from kvwake.daemon.sessions.room import RoomKeeping
+from kvwake.daemon.sessions.shared_prefill import SharedPrefills
 from kvwake.daemon.session_state import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
@@ -74,7 +75,9 @@ class SessionManager(Conversations, RoomKeeping):
         # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
         self.turns: deque[dict[str, Any]] = deque(maxlen=TURNS_KEPT)
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "room_sleeps": 0, "sleep_failures": 0,
-                         "generations": 0, "prefix_copies": 0}
+                         "generations": 0, "prefix_copies": 0, "prefix_waits": 0}
+        # Appends prefilling a fresh cache now, and the requests that share their prompt waiting on them
+        self.shared = SharedPrefills(self.engine.min_partial)
         self.stopping = False
         # KV taken from sessions (slept, deleted, replaced by a wake) and being freed on the engine thread: its bytes
         self.releasing: dict[asyncio.Task, int] = {}
