@@ -682,3 +682,42 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
         engine.close()
         store.close()
         devplanes.drop_idle()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_sessions_woken_together_read_each_shared_block_once_and_wake_exactly(engine, monkeypatch, mode):
+    import concurrent.futures as cf
+
+    restores_as(monkeypatch, mode, engine)
+    shared = [(i * 5) % 256 for i in range(64)]  # 4 blocks of 16 both sessions hold
+    sessions = {}
+    for name, own in (("a", [1, 2, 3] * 7), ("b", [4, 5, 6] * 7)):
+        s = Session(name)
+        engine.append(s, tokens=shared + own)
+        sessions[name] = kv_of(s.cache, 80)
+        engine.sleep(s)
+    engine.ram_tier.__init__(engine.ram_tier.budget)
+    # Neither wake reads a block until both have said which blocks they need (they were sent together).
+    both, wanting = threading.Barrier(2, timeout=10), engine.ram_tier.wanting
+
+    @contextlib.contextmanager
+    def wanting_together(keys):
+        with wanting(keys) as wants:
+            both.wait()
+            yield wants
+    monkeypatch.setattr(engine.ram_tier, "wanting", wanting_together)
+    engine_thread = cf.ThreadPoolExecutor(1)  # MLX work on one thread, as the daemon's engine thread
+
+    def on_engine(fn):
+        return engine_thread.submit(fn).result()
+    before = dict(engine.counters)
+    with cf.ThreadPoolExecutor(2) as callers:
+        woken = dict(zip("ab", callers.map(lambda sid: engine.wake(sid, None, on_engine), "ab")))
+    engine_thread.shutdown()
+    read = engine.counters["blocks_disk"] - before["blocks_disk"]
+    taken = engine.counters["blocks_ram"] - before["blocks_ram"]
+    assert (read, taken) == (4 + 1 + 1, 4)  # the shared blocks once, each session's own block once
+    for name, (s, _) in woken.items():
+        for (k, v), (k2, v2) in zip(sessions[name], kv_of(s.cache, 80)):
+            assert np.array_equal(k, k2) and np.array_equal(v, v2)
+    assert not engine.ram_tier._held and not engine.ram_tier._wants  # nothing held once both wakes ended

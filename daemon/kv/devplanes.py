@@ -229,16 +229,33 @@ def release_all(releases: list[Callable[[], None]]) -> None:
         release()
 
 
-def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
-    """Staged planes ([blocks, plane bytes] uint8 each, high first) -> [tensors, *lead, blocks*B, dim]."""
-    unsigned, size, rotate = _bits(dtype)
-    blocks = planes[0].shape[0]
+def _join_words(planes: tuple[mx.array, ...], unsigned: Any, size: int, rotate: bool) -> mx.array:
+    """Byte planes (high first) -> the unsigned words they split, rotated back."""
     x = planes[0].astype(unsigned) << (8 * (size - 1))
     for k, plane in enumerate(planes[1:], start=1):
         x = x | (plane.astype(unsigned) << (8 * (size - 1 - k)))
     if rotate:
         x = (x >> 1) | (x << (size * 8 - 1))
-    return _lay_out(x, blocks, tensors, block_shape).view(PLANAR_DTYPES[dtype][0])
+    return x
+
+
+# One compiled join per dtype: the casts, shifts and ors fuse into one pass over the planes (op by op, each
+# was a pass of its own with a temporary; docs/benchmarks.md, "Wake on the CPU (issue 50, point 7)").
+_JOINS: dict[str, Callable[..., mx.array]] = {}
+
+
+def _joiner(dtype: str) -> Callable[..., mx.array]:
+    fn = _JOINS.get(dtype)
+    if fn is None:
+        unsigned, size, rotate = _bits(dtype)
+        fn = _JOINS[dtype] = mx.compile(lambda *planes: _join_words(planes, unsigned, size, rotate))
+    return fn
+
+
+def join(planes: list[mx.array], dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:
+    """Staged planes ([blocks, plane bytes] uint8 each, high first) -> [tensors, *lead, blocks*B, dim]."""
+    x = _joiner(dtype)(*planes)
+    return _lay_out(x, planes[0].shape[0], tensors, block_shape).view(PLANAR_DTYPES[dtype][0])
 
 
 def join_raw(data: mx.array, dtype: str, tensors: int, block_shape: tuple[int, ...]) -> mx.array:

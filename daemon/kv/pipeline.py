@@ -48,6 +48,7 @@ from kvwake.daemon.kv import cache_blocks, restore_buffers
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
+from kvwake.daemon.kv.ram_tier import Wants
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.session_state import Session
 from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
@@ -357,22 +358,28 @@ def write_prefix(ctx: KvContext, scratch: Session, mlx: Mlx) -> SnapshotInfo:
 
 def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, k: int, record: SnapshotRecord | None,
                keep_in_ram: bool) -> None:
-    """Block k into place: from the RAM tier when it holds it, else decoded from its file."""
+    """Block k into place: from the RAM tier when it holds it (or once another restore reading it lands it),
+    else decoded from its file, and landed in the RAM tier when `keep_in_ram` or another restore wants it."""
     # A block holds block_tokens tokens, except the short last block prefix.warm stores.
     start, count, what = k * ctx.block_tokens, len(ref.token_ids), f"block {k}"
-    cached = ctx.ram_tier.get(ref.key)
+    cached, flight = ctx.ram_tier.take(ref.key)
     if cached is not None:
         buffers.put(start, count, cached, what)
         ctx.counters.add("blocks_ram")
         return
-    stage = None if keep_in_ram else buffers.stage(k)
-    arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
-                                  session_id=record.session_id if record else None,
-                                  place=buffers.place(start, count), stage=stage)
-    buffers.check(arrays, start, count, what, staged=k in buffers.staged)
-    ctx.counters.add("blocks_disk")
-    if keep_in_ram:
-        ctx.ram_tier.put(ref.key, buffers.block(start, count))
+    landed = None
+    try:
+        # Shared: decoded into the host views, not staged, so that its copy is the block's arrays.
+        share = keep_in_ram or ctx.ram_tier.shared(ref.key)
+        arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
+                                      session_id=record.session_id if record else None,
+                                      place=buffers.place(start, count), stage=None if share else buffers.stage(k))
+        buffers.check(arrays, start, count, what, staged=k in buffers.staged)
+        ctx.counters.add("blocks_disk")
+        if share:
+            landed = buffers.block(start, count)
+    finally:
+        ctx.ram_tier.land(ref.key, flight, landed)
 
 
 def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
@@ -439,7 +446,17 @@ def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Bloc
     A prefix hit (`shorten`): a block that cannot be read or does not verify is logged and ends the
     restore there (the hit shortens; its tokens are prefilled). Blocks not staged (direct mode, no ring)
     are kept in the RAM tier when `shorten`: shared prompts are what it is for.
+
+    Reads are single-flight across restores (ram_tier.py): this restore says which blocks it needs
+    for as long as it runs, a block another running restore needs too is read once and landed in the
+    RAM tier for it, and one that restore is reading now is waited for, not read again.
     """
+    with ctx.ram_tier.wanting(ref.key for ref in refs) as wants:
+        return _fill_spans(ctx, buffers, refs, mlx, batch, record, shorten, wants)
+
+
+def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
+                record: SnapshotRecord | None, shorten: bool, wants: Wants) -> int:
     spans = buffers.spans(len(refs))
     pending: dict[int, list[cf.Future]] = {}
     keep_in_ram = shorten and buffers.ring is None
@@ -452,6 +469,8 @@ def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Bloc
                 raise
             ctx.log_unusable(exc)
             return False
+        finally:
+            wants.done(ref.key)
         return True
 
     def submit(s: int) -> None:

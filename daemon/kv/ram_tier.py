@@ -5,16 +5,26 @@ without touching the disk or the decompressor. Entries are the verified,
 decoded arrays the store returned, keyed by chain key (which names the whole
 prefix and the bundle, so an entry can never serve another model). Bounded by
 bytes; a block larger than the whole budget is simply not kept. Thread-safe.
+
+Reads of one block are single-flight. Each restore first says which blocks it
+will need (`wanting`); a block needed by several restores at once is read and
+decoded by one of them (`take` makes it the *flight*), and the others wait for
+it and take its arrays (`land`). Landed arrays stay held for the restores that
+still want them even when the LRU budget is smaller than the shared prefix, and
+go once the last of those has taken them or ended; the LRU keeps them after
+that, within its budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 
 from kvwake.store import Tensor
 
-__all__ = ["RamTier"]
+__all__ = ["Flight", "RamTier", "Wants"]
 
 Arrays = dict[str, Tensor]
 
@@ -23,14 +33,44 @@ def nbytes(arrays: Arrays) -> int:
     return sum(t.array.nbytes for t in arrays.values())
 
 
+class Flight:
+    """One read of a block in progress, that other restores may wait for; `land` ends it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.arrays: Arrays | None = None  # what it landed: None when it failed or kept nothing
+
+
+class Wants:
+    """The blocks one restore still needs (`RamTier.wanting`); `done(key)` once it has one (any thread)."""
+
+    def __init__(self, tier: RamTier, keys: list[str]) -> None:
+        self._tier, self._left, self._lock = tier, set(keys), threading.Lock()
+
+    def done(self, key: str) -> None:
+        with self._lock:
+            if key not in self._left:
+                return
+            self._left.discard(key)
+        self._tier._unwant([key])
+
+    def close(self) -> None:
+        with self._lock:
+            left, self._left = list(self._left), set()
+        self._tier._unwant(left)
+
+
 class RamTier:
-    """An LRU map chain key -> decoded block arrays, at most `budget_bytes` in total."""
+    """An LRU map chain key -> decoded block arrays, at most `budget_bytes` in total, with single-flight reads."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self._items: OrderedDict[str, Arrays] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._flights: dict[str, Flight] = {}
+        self._wants: dict[str, int] = {}  # chain key -> restores that will need it
+        self._held: dict[str, Arrays] = {}  # landed blocks other restores still want, outside the budget
         self.hits = self.misses = 0
 
     @property
@@ -42,24 +82,93 @@ class RamTier:
 
     def get(self, key: str) -> Arrays | None:
         with self._lock:
-            arrays = self._items.get(key)
-            if arrays is None:
-                self.misses += 1
-                return None
+            return self._get(key)
+
+    def _get(self, key: str) -> Arrays | None:
+        arrays = self._items.get(key)
+        if arrays is not None:
             self._items.move_to_end(key)
-            self.hits += 1
-            return arrays
+        else:
+            arrays = self._held.get(key)
+        if arrays is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return arrays
 
     def put(self, key: str, arrays: Arrays) -> None:
         size = nbytes(arrays)
         if size > self.budget:
             return
         with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return
-            self._items[key] = arrays
-            self._bytes += size
-            while self._bytes > self.budget:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= nbytes(old)
+            self._put(key, arrays, size)
+
+    def _put(self, key: str, arrays: Arrays, size: int) -> None:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return
+        self._items[key] = arrays
+        self._bytes += size
+        while self._bytes > self.budget:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= nbytes(old)
+
+    @contextlib.contextmanager
+    def wanting(self, keys: Iterable[str]) -> Iterator[Wants]:
+        """Say that one restore will need these blocks, for as long as it runs (or until `Wants.done`)."""
+        wants = Wants(self, list(dict.fromkeys(keys)))
+        with self._lock:
+            for key in wants._left:
+                self._wants[key] = self._wants.get(key, 0) + 1
+        try:
+            yield wants
+        finally:
+            wants.close()
+
+    def _unwant(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                left = self._wants.get(key, 0) - 1
+                if left > 0:
+                    self._wants[key] = left
+                else:
+                    self._wants.pop(key, None)
+                    self._held.pop(key, None)
+
+    def shared(self, key: str) -> bool:
+        """Whether another running restore wants this block too: its reader should land it for them."""
+        with self._lock:
+            return self._wants.get(key, 0) > 1
+
+    def take(self, key: str) -> tuple[Arrays | None, Flight | None]:
+        """The block's arrays when resident (or once the flight reading it lands): (arrays, None); else
+        (None, flight): the caller reads it, and must `land` the flight whatever happens."""
+        while True:
+            with self._lock:
+                arrays = self._get(key)
+                if arrays is not None:
+                    return arrays, None
+                flight = self._flights.get(key)
+                if flight is None:
+                    flight = self._flights[key] = Flight()
+                    return None, flight
+            flight.done.wait()
+            if flight.arrays is not None:
+                with self._lock:
+                    self.hits += 1
+                return flight.arrays, None
+            # the reader failed or kept nothing: read it here (a damaged block fails with this restore's facts)
+
+    def land(self, key: str, flight: Flight, arrays: Arrays | None) -> None:
+        """End a flight `take` handed out: its arrays (None: nothing to share) go to its waiters, to the
+        restores that still want the block, and to the LRU within its budget."""
+        with self._lock:
+            if arrays is not None:
+                size = nbytes(arrays)
+                if size <= self.budget:
+                    self._put(key, arrays, size)
+                if self._wants.get(key, 0) > 1:
+                    self._held[key] = arrays
+            flight.arrays = arrays
+            self._flights.pop(key, None)
+        flight.done.set()
