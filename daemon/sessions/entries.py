@@ -3,7 +3,8 @@
 An asleep session costs the daemon its `Entry` alone (slots: id, busy, two times; about 200 bytes with
 its id and its place in the map); its tokens stay in the store, where matching finds them by chain key.
 `Entries` indexes the hot ones, so what goes over hot sessions (budget sleeps, prefix copies, status,
-matching) never walks the asleep thousands.
+matching) never walks the asleep thousands; and in `keys` (sessions/hotkeys.py) the idle hot ones by
+the chain keys of their tokens, so matching a request to a hot session never compares every one.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ from __future__ import annotations
 import time
 
 from kvwake.daemon.session_state import Session
+from kvwake.daemon.sessions.hotkeys import HotKeys
 
 __all__ = ["Entries", "Entry"]
 
 
 class Entry:
-    """A session the daemon knows: `session` is None while it sleeps."""
+    """A session the daemon knows: `session` is None while it sleeps; `busy` names the claim on it (None:
+    idle). Both keep the indexes of the Entries holding it."""
 
-    __slots__ = ("id", "_session", "busy", "last_used", "created", "_hot")
+    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner")
 
     def __init__(self, id: str, session: Session | None = None, busy: str | None = None,
                  created: float | None = None) -> None:
-        self.id, self._session, self.busy = id, session, busy
+        self.id, self._session, self._busy = id, session, busy
         self.last_used, self.created = time.monotonic(), time.time() if created is None else created
-        self._hot: dict[str, Entry] | None = None  # the hot index of the Entries holding it
+        self._owner: Entries | None = None  # the Entries holding it
 
     @property
     def session(self) -> Session | None:
@@ -33,24 +36,42 @@ class Entry:
     @session.setter
     def session(self, session: Session | None) -> None:
         self._session = session
-        if self._hot is not None:
+        if self._owner is not None:
             if session is None:
-                self._hot.pop(self.id, None)
+                self._owner.hot.pop(self.id, None)
+                self._owner.keys.forget(self)
             else:
-                self._hot[self.id] = self
+                self._owner.hot[self.id] = self
+                self._owner.keys.stale(self)
+
+    @property
+    def busy(self) -> str | None:
+        return self._busy
+
+    @busy.setter
+    def busy(self, op: str | None) -> None:
+        # A session's tokens change only under a claim: its keys are dropped for the claim, computed again after.
+        self._busy = op
+        if self._owner is not None and self._session is not None:
+            if op is None:
+                self._owner.keys.stale(self)
+            else:
+                self._owner.keys.forget(self)
 
 
 class Entries(dict[str, Entry]):
-    """Session id -> Entry, with `hot`: the entries whose session is hot, kept as sessions wake and sleep."""
+    """Session id -> Entry, with `hot`: the entries whose session is hot, kept as sessions wake and sleep, and
+    `keys`: the idle hot ones by their tokens' chain keys (sessions/hotkeys.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.hot: dict[str, Entry] = {}
+        self.keys = HotKeys()
 
     def __setitem__(self, session_id: str, entry: Entry) -> None:
         self._forget(session_id)
         super().__setitem__(session_id, entry)
-        entry._hot = self.hot
+        entry._owner = self
         entry.session = entry.session  # indexed if hot
 
     def __delitem__(self, session_id: str) -> None:
@@ -69,5 +90,6 @@ class Entries(dict[str, Entry]):
     def _forget(self, session_id: str) -> None:
         old = self.get(session_id)
         if old is not None:
-            old._hot = None
+            old._owner = None
             self.hot.pop(session_id, None)
+            self.keys.forget(old)
