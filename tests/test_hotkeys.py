@@ -1,5 +1,6 @@
 """The hot sessions' chain-key index (sessions/hotkeys.py): the longest shared prefix among many hot
-sessions without comparing each, kept right as sessions are claimed, change, sleep and go."""
+sessions without comparing each, kept right as sessions are claimed, change, sleep and go; and their KV
+bytes (Entries.kv_bytes), measured once per claim."""
 
 from __future__ import annotations
 
@@ -86,3 +87,33 @@ def test_the_levels_agree_with_comparing_every_session():
         assert best(entries, target)[:2] == brute(entries, target), target[:5]
         # Walking every level compares each idle session exactly once.
         assert best(entries, target, stop=False)[2] == sum(1 for e in entries.hot.values() if not e.busy)
+
+
+def test_hot_bytes_are_measured_once_per_claim_and_follow_every_change():
+    entries, sizes, measured = Entries(), {}, []
+
+    def measure(session: Session) -> int:
+        measured.append(session.id)
+        return sizes[session.id]
+
+    for i in range(50):
+        sizes[f"s{i}"] = 100 + i
+        hot(entries, f"s{i}", [1, 2, 3])
+    assert entries.kv_bytes.total(measure) == sum(sizes.values()) and len(measured) == 50
+    measured.clear()
+    assert entries.kv_bytes.total(measure) == sum(sizes.values()) and measured == []  # idle: not measured again
+    e = entries["s3"]
+    e.busy = "chat"
+    sizes["s3"] = 10_000  # grows while claimed: counted at every sum meanwhile
+    assert entries.kv_bytes.total(measure) == sum(sizes.values()) and measured == ["s3"]
+    sizes["s3"] = 20_000
+    e.busy = None
+    assert entries.kv_bytes.total(measure) == sum(sizes.values())
+    e.session = None  # asleep
+    del sizes["s3"]
+    entries.pop("s4")
+    del sizes["s4"]
+    assert entries.kv_bytes.total(measure) == sum(sizes.values())
+    entries["s3"] = Entry("s3", session=Session("s3"))  # woken into a new entry
+    sizes["s3"] = 7
+    assert entries.kv_bytes.total(measure) == sum(sizes.values())
