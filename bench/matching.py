@@ -1,7 +1,7 @@
 """Thousands of stateless conversations: what continuing one costs, the daemon's RSS and start time (issue 26).
 
 usage: python bench/matching.py [--counts 50,500,5000,10000] [--pair 50,5000] [--system-words 2600]
-                                [--requests 12] [--out bench/out]
+                                [--requests 12] [--out bench/out] [--hot 50,800]
 
 Conversations 0 and 1 are real: stateless chats through the `openai` package and `kvwake serve --http`
 on a tiny model (testkit/tinymodel.py: random weights, a real byte-level BPE tokenizer and chat template)
