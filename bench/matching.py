@@ -1,7 +1,7 @@
 """Thousands of stateless conversations: what continuing one costs, the daemon's RSS and start time (issue 26).
 
 usage: python bench/matching.py [--counts 50,500,5000,10000] [--pair 50,5000] [--system-words 2600]
-                                [--requests 12] [--out bench/out]
+                                [--requests 12] [--out bench/out] [--hot 50,800]
 
 Conversations 0 and 1 are real: stateless chats through the `openai` package and `kvwake serve --http`
 on a tiny model (testkit/tinymodel.py: random weights, a real byte-level BPE tokenizer and chat template)
@@ -23,6 +23,14 @@ ready line, against the empty store's), 4 continuing requests, its RSS (VmRSS) b
 a paged session.list and status over RPC. Last, the largest copy restarts with stateless_ttl_s = 1:
 the time until every stateless session has expired, with status answered meanwhile.
 Results: <out>/matching.json (docs/benchmarks.md summarises them).
+
+With --hot SMALL,LARGE (issue 50, point 6) the conversations stay hot instead: two daemons, each fed
+stateless conversations over HTTP one after another (the shared system prompt, then a user turn of its
+own, as an agent host opens them) until one holds SMALL and the other LARGE, none slept (idle timeout
+and hot budget out of the way); then they take turns continuing conversation 0, --requests rounds, as
+above. Reported: the continuing request's ms and the daemon's own phases of it (status.turns: match,
+claim, append, first token), opening a conversation near the start and near the end, RSS and the hot KV
+of each daemon. Results: <out>/matching-hot.json.
 """
 
 from __future__ import annotations
@@ -197,6 +205,65 @@ def expiry(d: Daemon, root: Path) -> dict[str, Any]:
     return row
 
 
+HOT_CONFIG = "idle_timeout_s = 86400\nhot_budget_bytes = 100000000000\n"  # nothing sleeps while measured
+
+
+def opened(api: openai.OpenAI, system: str, i: int) -> tuple[float, str]:
+    """Open stateless conversation i (the shared system prompt, a user turn of its own): its ms and session."""
+    ms, reply = chat(api, [{"role": "system", "content": system}, {"role": "user", "content": f"conversation {i}"}], 2)
+    return ms, reply.model_extra["kvwake"]["session_id"]
+
+
+def last_turn(d: Daemon) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The daemon's record of its last turn (status.turns), and its memory and session counts."""
+    with d.client() as rpc:
+        status = rpc.call("status")
+    return status["turns"][-1], {"rss_bytes": rss_bytes(d.proc.pid), "hot_kv_bytes": status["memory"]["hot_kv_bytes"],
+                                 "sessions": status["sessions"]}
+
+
+def hot(work: Path, model: Path, system: str, pair: tuple[int, int], rounds: int) -> dict[str, Any]:
+    """Two daemons holding `pair` hot stateless conversations take turns continuing conversation 0."""
+    daemons, convs, opening, sid0 = {}, {}, {}, {}
+    for n in pair:
+        root = work / f"hot-{n}"
+        root.mkdir()
+        (root / "none.toml").write_text(HOT_CONFIG)
+        d = daemons[n] = Daemon(root, model, block_tokens=BLOCK, extra=["--http", "0"])
+        d.start(timeout=900)
+        api, t = openai_api(d), time.perf_counter()
+        conv = [{"role": "system", "content": system}, {"role": "user", "content": "conversation 0"}]
+        _, first = chat(api, conv, 10)
+        convs[n] = conv + [{"role": "assistant", "content": first.choices[0].message.content}]
+        sid0[n] = first.model_extra["kvwake"]["session_id"]
+        times = [opened(api, system, i)[0] for i in range(1, n)]
+        opening[n] = {"first_10_ms_median": statistics.median(times[:10]),
+                      "last_10_ms_median": statistics.median(times[-10:]), "all_s": round(time.perf_counter() - t, 1)}
+        print(json.dumps({"opened": n, **opening[n]}), flush=True)
+    times, phases, ok = {n: [] for n in pair}, {n: [] for n in pair}, []
+    for k in range(rounds):
+        for n in (pair if k % 2 == 0 else pair[::-1]):
+            ms, reply = chat(openai_api(daemons[n]), convs[n] + [{"role": "user", "content": f"follow-up {k}"}], 1)
+            convs[n] += [{"role": "user", "content": f"follow-up {k}"},
+                         {"role": "assistant", "content": reply.choices[0].message.content}]
+            ok.append(reply.model_extra["kvwake"]["match"] == "continued"
+                      and reply.model_extra["kvwake"]["session_id"] == sid0[n])
+            times[n].append(round(ms, 2))
+            phases[n].append(last_turn(daemons[n])[0])
+    small, large = pair
+    row: dict[str, Any] = {"pair": list(pair), "request_ms": {str(n): times[n] for n in pair},
+                           "request_ms_median": {str(n): statistics.median(times[n]) for n in pair},
+                           "all_continued_conversation_0": all(ok), "opening": {str(n): opening[n] for n in pair}}
+    row["ratio"] = round(row["request_ms_median"][str(large)] / row["request_ms_median"][str(small)], 3)
+    for n in pair:
+        keys = ("match_ms", "match_store_ms", "claim_ms", "append_ms", "first_token_ms")
+        row[f"phases_{n}_median"] = {key: statistics.median(p.get(key) or 0 for p in phases[n]) for key in keys}
+        row[f"memory_{n}"] = last_turn(daemons[n])[1]
+        assert daemons[n].stop() == 0
+    print(json.dumps({"hot": row}), flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", default="50,500,5000,10000")
@@ -204,12 +271,23 @@ def main() -> None:
     ap.add_argument("--system-words", type=int, default=2600, help="the shared system prompt (~7k tokens)")
     ap.add_argument("--requests", type=int, default=12, help="rounds of the paired measurement")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--hot", default=None, help="SMALL,LARGE: the hot case (issue 50) instead of the stored one")
     a = ap.parse_args()
     from testkit.tinymodel import make_model_dir
 
     counts, pair = [int(c) for c in a.counts.split(",")], tuple(int(c) for c in a.pair.split(","))
     work = Path(tempfile.mkdtemp(prefix="kvwake-matching-"))
     model = make_model_dir(work / "tiny-llama", ascii_replies=True, max_position_embeddings=32768)
+    if a.hot is not None:
+        report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores",
+                  "load_average_at_start": os.getloadavg(), "block_tokens": BLOCK,
+                  "hot": hot(work, model, system_prompt(a.system_words), tuple(int(c) for c in a.hot.split(",")),
+                             a.requests)}
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "matching-hot.json").write_text(json.dumps(report, indent=1))
+        shutil.rmtree(work)
+        return
     root = work / "daemon"
     root.mkdir()
     d = Daemon(root, model, block_tokens=BLOCK, extra=["--http", "0"])

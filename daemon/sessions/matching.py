@@ -57,6 +57,7 @@ from anyio import to_thread
 
 from kvwake.daemon.session_state import common_prefix, new_session_id
 from kvwake.daemon.sessions.entries import Entry
+from kvwake.daemon.sessions.hotkeys import shared_from
 from kvwake.daemon.model.generation import OnEvent
 from kvwake.daemon.sessions.manager import Prepared, SessionManager
 from kvwake.daemon.sessions.responses import ResponseRecords
@@ -153,12 +154,14 @@ class Matcher:
         skip: set[str] = set()  # stored candidates found busy or gone: asked again without them
         store_s = 0.0
         for _ in range(LOOKUPS):
-            hot = list(self.manager.entries.hot.values())  # their stored heads are stale: compared from memory
-            found = [c for c in (self._hot(entry, target, mode) for entry in hot) if c is not None]
+            hot = list(self.manager.entries.hot.values())  # their stored heads are stale: found in memory
+            found = self._hot_candidates(target, mode, hint.lineage)
             exclude = {entry.id for entry in hot} | skip
             asked = time.perf_counter()
+            # Every stored head is then a hot session's: the store would walk each one's rows to leave it out.
+            asleep = len(self.manager.entries) > len(hot)
             stored = await to_thread.run_sync(lambda: self.manager.store.deepest_heads(  # the array: no list walk
-                self.manager.engine.bundle.hash, want, origin=ORIGIN, mode=mode, exclude=exclude))
+                self.manager.engine.bundle.hash, want, origin=ORIGIN, mode=mode, exclude=exclude)) if asleep else []
             store_s += time.perf_counter() - asked
             fresh = [c for c in (self._stored(head, want, skip) for head in stored) if c is not None]
             slept = any(entry.session is None for entry in hot)  # meanwhile: its new head was left out
@@ -209,13 +212,23 @@ class Matcher:
             return dataclasses.replace(c, lineage=self.manager.store.session(c.session_id)["metadata"].get(LINEAGE))
         return c
 
-    def _hot(self, entry: Entry, want: list[int], mode: str) -> Candidate | None:
-        """A hot session as a candidate, compared from memory (their number is bounded by the hot-KV budget)."""
+    def _hot_candidates(self, target: list[int], mode: str, lineage: str | None) -> list[Candidate]:
+        """The idle hot sessions sharing the longest prefix with `target` (by their keys, `entries.keys`), and
+        when a lineage is asked and none of them is of it or of none, the best of it that shares less."""
+        found: list[Candidate] = []
+        for known, level in self.manager.entries.keys.levels(target):
+            found += [c for c in (self._hot(entry, target, mode, known) for entry in level) if c is not None]
+            if any(lineage is None or c.lineage in (None, lineage) for c in found):
+                break  # a later level shares fewer tokens than every candidate of this one
+        return found
+
+    def _hot(self, entry: Entry, want: list[int], mode: str, known: int) -> Candidate | None:
+        """A hot session as a candidate, compared from memory: its first `known` tokens are the request's."""
         s = entry.session
         if s is None or entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
             return None
-        return Candidate(entry.id, common_prefix(s.tokens, want), _start(s.reply_start, len(s.tokens)), entry.created,
-                         s.metadata.get(LINEAGE))
+        return Candidate(entry.id, shared_from(s.tokens, want, known), _start(s.reply_start, len(s.tokens)),
+                         entry.created, s.metadata.get(LINEAGE))
 
     def _stored(self, head: Any, want: np.ndarray, skip: set[str]) -> Candidate | None:
         """A head the store found (a store.heads.HeadMatch) as a candidate, unless its session is busy, hot

@@ -55,9 +55,9 @@ class RoomKeeping:
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        """KV in memory: the hot sessions' and what is being freed."""
-        return self.freeing_bytes() + sum(self.engine.cache_bytes(e.session) for e in self.entries.hot.values()
-                                          if e.session is not None)
+        """KV in memory: the hot sessions' (each measured once per claim: Entries.kv_bytes) and what is being
+        freed."""
+        return self.freeing_bytes() + self.entries.kv_bytes.total(self.engine.cache_bytes)
 
     def hot_budget(self) -> int:
         """Bytes of hot KV above which LRU sessions sleep: the settings', else the engine's from its memory."""
