@@ -81,3 +81,21 @@ def test_spans_cover_the_longest_row_in_about_the_target_blocks() -> None:
     assert paged_attention.split_tokens(rows=1, kv_heads=8, max_tokens=1024) == paged_attention.MIN_SPLIT
     split = paged_attention.split_tokens(rows=32, kv_heads=8, max_tokens=12288)
     assert split % 64 == 0 and 32 * 8 * -(-12288 // split) <= paged_attention.TARGET_BLOCKS
+
+
+def _cuda() -> bool:
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda(), reason="the paged kernel is a CUDA kernel: MLX does not run on CUDA here")
+@pytest.mark.parametrize("dtype,bound", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
+@pytest.mark.parametrize("split", [None, 64])  # one span for short rows, and many
+def test_the_cuda_kernel_agrees_with_the_gather_path(dtype: mx.Dtype, bound: float, split: int | None) -> None:
+    lengths = [1, 37, 8, 64, 13, 0, 300]
+    pool, _ = filled(lengths, dtype, seed=11)
+    queries = mx.random.normal((len(lengths), 8, HEAD_DIM)).astype(dtype)
+    table, sizes = table_of(pool, len(lengths))
+    args = (queries, pool.keys[0], pool.values[0], table, sizes, HEAD_DIM ** -0.5, PAGE)
+    ref = paged_attention.gather_attention(*args).astype(mx.float32)
+    got = paged_attention.kernel_attention(*args, split=split)
+    assert got.dtype == dtype and mx.abs(got.astype(mx.float32) - ref).max().item() <= bound

@@ -31,6 +31,10 @@ __all__ = ["THREADS", "decode_attention", "gather_attention", "kernel_attention"
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
+# A thread's query and accumulator floats (each): fewer registers, more blocks resident per SM (compiled for
+# the 8B shape: 216 registers a thread at 64, 126 at 32 with four tokens in flight).
+REGISTER_FLOATS = 32
+IN_FLIGHT = 4  # tokens a group loads before it uses any (2-byte dtypes; half as many of float32)
 MIN_SPLIT = 128  # a span's partial output is q_heads x head_dim floats: below this it costs a share of the KV
 
 
@@ -66,9 +70,17 @@ __device__ inline void load_raw(const T* src, uint4* raw) {
   for (int i = 0; i < E * (int)sizeof(T) / 16; ++i) raw[i] = reinterpret_cast<const uint4*>(src)[i];
 }
 
+__device__ inline float kvw_float(float x) { return x; }
+__device__ inline float kvw_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float kvw_float(__half x) { return __half2float(x); }
+template <typename T> __device__ inline T kvw_from_float(float x);
+template <> __device__ inline float kvw_from_float<float>(float x) { return x; }
+template <> __device__ inline __nv_bfloat16 kvw_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ inline __half kvw_from_float<__half>(float x) { return __float2half(x); }
+
 template <typename T, int E>
 __device__ inline float element(const uint4* raw, int e) {
-  return static_cast<float>(reinterpret_cast<const T*>(raw)[e]);
+  return kvw_float(reinterpret_cast<const T*>(raw)[e]);
 }
 """
 
@@ -175,7 +187,7 @@ for (int s = 0; s < spans; ++s) {
   weight += w;
   a += w * span_out[(head * spans + s) * D + d];
 }
-out[i] = static_cast<T>(weight > 0.f ? a / weight : 0.f);
+out[i] = kvw_from_float<T>(weight > 0.f ? a / weight : 0.f);
 """
 
 _kernels: dict[str, object] = {}
@@ -190,29 +202,31 @@ def _kernel(name: str) -> object:
                 input_names=["queries", "keys", "values", "page_table", "lengths", "scale", "split"])
         else:
             _kernels[name] = mx.fast.cuda_kernel(
-                name="kvwake_paged_combine", input_names=["span_out", "span_lse"], output_names=["out"],
-                source=_COMBINE)
+                name="kvwake_paged_combine", header=_HEADER, input_names=["span_out", "span_lse"],
+                output_names=["out"], source=_COMBINE)
     return _kernels[name]
 
 
-def _threads_per_token(head_dim: int, group: int, itemsize: int) -> int:
-    """Threads sharing one token: enough that a thread's G x E query and accumulator floats stay about
-    64 each (registers), few enough that each thread loads whole 16-byte pieces."""
-    tpt = 4
-    while tpt < 32 and head_dim * group // tpt > 64 and head_dim // (tpt * 2) * itemsize >= 16:
-        tpt *= 2
-    return tpt
+def _threads_per_token(head_dim: int, group: int, itemsize: int) -> int | None:
+    """Threads sharing one token: the fewest that keep a thread's G x E query and accumulator floats at
+    REGISTER_FLOATS each or less and its share of a token at two 16-byte loads or less (IN_FLIGHT of
+    them wait in registers), among those whose share is whole 16-byte pieces; None if none is."""
+    fits = [t for t in (1, 2, 4, 8, 16, 32) if head_dim % t == 0 and head_dim // t * itemsize % 16 == 0]
+    small = (t for t in fits if head_dim // t * group <= REGISTER_FLOATS and head_dim // t * itemsize <= 32)
+    return next(small, fits[-1] if fits else None)
 
 
 def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, page_table: mx.array,
-                     lengths: mx.array, scale: float, page_tokens: int, split: int | None = None) -> mx.array:
+                     lengths: mx.array, scale: float, page_tokens: int, split: int | None = None,
+                     threads_per_token: int | None = None) -> mx.array:
     """Flash-decoding over pages on CUDA (the module docstring). `split`: tokens per span (default
-    `split_tokens`). Raises ValueError for shapes the kernel does not take (use `gather_attention`)."""
+    `split_tokens`); `threads_per_token` (default: `_threads_per_token`'s). Raises ValueError for shapes
+    the kernel does not take (use `gather_attention`)."""
     rows, q_heads, head_dim = queries.shape
     kv_heads, dtype = keys.shape[0], queries.dtype
     group, itemsize = q_heads // kv_heads, dtype.size
-    tpt = _threads_per_token(head_dim, group, itemsize)
-    if (q_heads % kv_heads or head_dim % tpt or head_dim // tpt * itemsize % 16 or keys.dtype != dtype
+    tpt = threads_per_token or _threads_per_token(head_dim, group, itemsize)
+    if (tpt is None or head_dim % tpt or head_dim // tpt * itemsize % 16 or q_heads % kv_heads or keys.dtype != dtype
             or page_tokens & (page_tokens - 1)):
         raise ValueError(f"no paged kernel for {q_heads} query heads over {kv_heads} KV heads of {head_dim} "
                          f"({dtype}, {keys.dtype} KV, pages of {page_tokens})")
@@ -222,7 +236,7 @@ def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, page_t
     span_out, span_lse = _kernel("spans")(
         inputs=[queries, keys, values, page_table, lengths, mx.array([scale], mx.float32), mx.array([split], mx.int32)],
         template=[("T", dtype), ("D", head_dim), ("G", group), ("P", page_tokens), ("TPT", tpt),
-                  ("THREADS", THREADS), ("U", 2 if itemsize < 4 else 1)],
+                  ("THREADS", THREADS), ("U", IN_FLIGHT if itemsize < 4 else IN_FLIGHT // 2)],
         grid=(spans * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, q_heads, spans, head_dim), (rows, q_heads, spans)],
         output_dtypes=[mx.float32, mx.float32])
