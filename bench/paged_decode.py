@@ -12,9 +12,11 @@ in random order): the time of one decode step's attention, `--layers` calls
   contiguous in one [rows, kv_heads, context, head_dim] batch, with the array
   mask a left-padded batch passes (all true here: the rows are equally long),
   and without a mask;
-beside the bytes the step must read (every row's K and V, every layer) and the
-roofline: those bytes at the copy speed measured in the same run (a large
-array copied, read plus written bytes over time). The calls cycle over enough
+beside the bytes the step must read (every row's K and V, every layer), the
+read rate each path reached, and the roofline: those bytes at the copy speed
+measured in the same run (a large array copied, its read plus written bytes
+over the time). A read-only kernel can pass that rate (docs/benchmarks.md,
+"Paged decode attention (issue 51)"). The calls cycle over enough
 distinct pools that one step's KV does not sit in the GPU's L2 cache.
 
 `--variants`: the kernel at other spans and threads per token (CUDA).
@@ -113,11 +115,13 @@ def measure(rows: int, context: int, args: argparse.Namespace, speed: float) -> 
     t_plain = timed(lambda: padded_step(False), args.repeats)
     del contiguous
     read = 2 * args.layers * rows * context * hkv * d * dtype.size
-    roofline = read / (speed / 2)  # the copy moves read and written bytes; a step reads only
+    roofline = read / speed  # the step's bytes moved at the copy's rate (its read and written bytes together)
     result = {"rows": rows, "context": context, "pools_cycled": n, "bytes_read": read,
               "roofline_ms": round(roofline * 1e3, 3), "paged_ms": round(t_paged * 1e3, 3),
               "padded_masked_ms": round(t_masked * 1e3, 3), "padded_ms": round(t_plain * 1e3, 3),
-              "paged_fraction_of_roofline": round(roofline / t_paged, 3)}
+              "paged_fraction_of_roofline": round(roofline / t_paged, 3),
+              "read_tb_per_s": {"paged": round(read / t_paged / 1e12, 2), "padded_masked": round(read / t_masked / 1e12, 2),
+                                "padded": round(read / t_plain / 1e12, 2)}}
     print(result, flush=True)
     return result
 
