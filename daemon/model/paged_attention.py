@@ -64,6 +64,7 @@ def split_tokens(rows: int, kv_heads: int, max_tokens: int) -> int:
 
 
 _HEADER = """
+#define KVW_NEG_INF (-__int_as_float(0x7f800000))  // MLX's kernel header does not define inf in every version
 template <typename T, int E>
 __device__ inline void load_raw(const T* src, uint4* raw) {
   #pragma unroll
@@ -100,7 +101,7 @@ for (int g = 0; g < G; ++g) {
   load_raw<T, E>(queries + ((long)row * q_heads + h * G + g) * D + sub * E, raw);
   #pragma unroll
   for (int e = 0; e < E; ++e) { q[g][e] = element<T, E>(raw, e) * scale[0]; acc[g][e] = 0.f; }
-  m[g] = -inf; l[g] = 0.f;
+  m[g] = KVW_NEG_INF; l[g] = 0.f;
 }
 const int* table = page_table + (long)row * max_pages;
 const T* k_head = keys + (long)h * slots * D + sub * E;
@@ -143,7 +144,7 @@ __shared__ float warp_m[WARPS][G], warp_l[WARPS][G], warp_acc[WARPS][G][D];
 for (int g = 0; g < G; ++g) {
   float top = m[g];
   for (int o = TPT; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-  const float c = m[g] == -inf ? 0.f : expf(m[g] - top);
+  const float c = m[g] == KVW_NEG_INF ? 0.f : expf(m[g] - top);
   float sum = l[g] * c;
   for (int o = TPT; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
   #pragma unroll
@@ -157,16 +158,16 @@ for (int g = 0; g < G; ++g) {
 __syncthreads();
 for (int i = tid; i < G * D; i += THREADS) {
   const int g = i / D, d = i % D;
-  float top = -inf, sum = 0.f, a = 0.f;
+  float top = KVW_NEG_INF, sum = 0.f, a = 0.f;
   for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][g]);
   for (int w = 0; w < WARPS; ++w) {
-    const float c = warp_m[w][g] == -inf ? 0.f : expf(warp_m[w][g] - top);
+    const float c = warp_m[w][g] == KVW_NEG_INF ? 0.f : expf(warp_m[w][g] - top);
     sum += warp_l[w][g] * c;
     a += warp_acc[w][g][d] * c;
   }
   const long at = ((long)row * q_heads + h * G + g) * spans + span;
   span_out[at * D + d] = sum > 0.f ? a / sum : 0.f;
-  if (d == 0) span_lse[at] = sum > 0.f ? top + logf(sum) : -inf;
+  if (d == 0) span_lse[at] = sum > 0.f ? top + logf(sum) : KVW_NEG_INF;
 }
 """
 
@@ -179,10 +180,10 @@ if (i >= heads * D) return;
 const long head = i / D;
 const int d = i % D;
 const float* lse = span_lse + head * spans;
-float top = -inf, weight = 0.f, a = 0.f;
+float top = KVW_NEG_INF, weight = 0.f, a = 0.f;
 for (int s = 0; s < spans; ++s) top = fmaxf(top, lse[s]);
 for (int s = 0; s < spans; ++s) {
-  if (lse[s] == -inf) continue;
+  if (lse[s] == KVW_NEG_INF) continue;
   const float w = expf(lse[s] - top);
   weight += w;
   a += w * span_out[(head * spans + s) * D + d];
