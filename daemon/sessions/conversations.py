@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import numpy as np
 from anyio import to_thread
 
 from kvwake.daemon.model.engine import Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
-from kvwake.daemon.session_state import Session, common_prefix
+from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.entries import Entry
+from kvwake.daemon.sessions.hotkeys import shared_from
 from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Prefix
 from kvwake.errors import BusyError, InvalidParamsError
 
@@ -147,15 +147,19 @@ class Conversations:
         while the first one is still hot reuse its KV in memory, as the prefix cache would from disk once
         it slept. At least `engine.min_partial` tokens (below that the match is the chat template's
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
+        Only the sessions holding the deepest chain key the prompt shares are compared (`entries.keys`).
         """
-        want, best, source = np.asarray(target[: len(target) - 1], dtype=np.int64), 0, None
-        for entry in list(self.entries.hot.values()):
-            s = entry.session
-            if s is None or s is session or entry.busy or s.cache is None or not s.processed:
-                continue
-            shared = common_prefix(s.tokens[: s.processed], want)
-            if shared > best:
-                best, source = shared, entry
+        want, best, source = target[: len(target) - 1], 0, None
+        for known, level in self.entries.keys.levels(want):  # by chain key (sessions/hotkeys.py), deepest first
+            for entry in level:
+                s = entry.session
+                if s is None or s is session or entry.busy or s.cache is None or not s.processed:
+                    continue
+                shared = min(s.processed, shared_from(s.tokens, want, known))
+                if shared > best:
+                    best, source = shared, entry
+            if best >= known:  # a later level shares fewer than `known` tokens
+                break
         if source is None or best < self.engine.min_partial:
             return None, 0
         try:

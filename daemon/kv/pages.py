@@ -1,0 +1,265 @@
+"""A page pool: the K and V of plain-attention layers in fixed-size pages, shared by chain key.
+
+Layout. Every layer has one keys pool and one values pool, each shaped
+[kv_heads, capacity * page_tokens, head_dim]: a page is `page_tokens`
+consecutive token slots, page p holding slots p * page_tokens ..
+(p + 1) * page_tokens - 1. Head-major, so one head's tokens of one page are a
+contiguous run (what the decode kernel reads, paged_attention.py), and a
+session's KV gathered by its slots is mlx-lm's own [kv_heads, tokens,
+head_dim] for one row. Pools are allocated once at their final size; a write
+is one scatter per layer and part (`write`).
+
+Pages and sessions. A session's page table is the list of its pages in token
+order; its last page may be partial. A page has a reference count: the number
+of tables that list it. A block of the store (`block_tokens`, a whole number of
+pages) is published under its chain key once a session has filled it; from then
+on its pages are shared: a session whose prefix has that key maps them
+(`map_shared`) instead of computing them, and two sessions that computed the
+same block keep one copy (`publish` hands the later one the earlier one's
+pages). Published pages are never written again: a session that writes into a
+page that is published or listed by another table first copies it (copy on
+write: `reserve`). A fork lists the same pages; a page goes back to the free list
+when no table lists it, and its key is forgotten with it.
+
+Everything here runs on the engine thread (MLX's one thread); nothing locks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+__all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages"]
+
+
+class PagePoolFullError(MemoryError):
+    """The pool has fewer free pages than an operation needs."""
+
+
+class PageStateError(ValueError):
+    """An operation does not fit the pages' state (unknown session, a partial page published, a key reused)."""
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The shape of every page: layers, KV heads, head size, dtype, and tokens per page (a divisor of the
+    store's block)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_tokens: int
+    block_tokens: int
+    dtype: mx.Dtype = mx.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.page_tokens < 1 or self.block_tokens % self.page_tokens:
+            raise ValueError(f"a page of {self.page_tokens} tokens does not divide a block of {self.block_tokens}")
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_tokens // self.page_tokens
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers, keys and values."""
+        return 2 * self.layers * self.kv_heads * self.page_tokens * self.head_dim * self.dtype.size
+
+
+@dataclass
+class SessionPages:
+    """A session's page table (page ids in token order) and how many tokens it holds."""
+
+    pages: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+
+class PagePool:
+    """K and V pools of `capacity` pages for `layout`, with free list, reference counts and the chain-key map."""
+
+    def __init__(self, layout: PageLayout, capacity: int) -> None:
+        self.layout, self.capacity = layout, capacity
+        shape = (layout.kv_heads, capacity * layout.page_tokens, layout.head_dim)
+        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
+        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
+        mx.eval(self.keys, self.values)
+        self.refs = [0] * capacity
+        self.free = list(range(capacity - 1, -1, -1))  # popped from the end: page 0 first
+        self.sessions: dict[str, SessionPages] = {}
+        self.shared: dict[bytes, tuple[int, ...]] = {}  # chain key -> its block's pages
+        self.key_of: dict[int, bytes] = {}  # published page -> its block's chain key
+
+    # -- sessions --------------------------------------------------------------
+
+    def open(self, session: str) -> SessionPages:
+        """An empty page table for `session`."""
+        if session in self.sessions:
+            raise PageStateError(f"session {session!r} already has a page table")
+        table = self.sessions[session] = SessionPages()
+        return table
+
+    def table(self, session: str) -> SessionPages:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise PageStateError(f"session {session!r} has no page table") from None
+
+    def fork(self, source: str, session: str) -> SessionPages:
+        """`session` lists the same pages as `source` (the partial last page too: whichever writes first
+        copies it)."""
+        src = self.table(source)
+        table = self.open(session)
+        table.pages, table.tokens = list(src.pages), src.tokens
+        for page in table.pages:
+            self.refs[page] += 1
+        return table
+
+    def free_session(self, session: str) -> None:
+        """Drop `session`'s table; pages no other table lists go back to the free list."""
+        for page in self.table(session).pages:
+            self._release(page)
+        del self.sessions[session]
+
+    def trim(self, session: str, tokens: int) -> None:
+        """Keep the first `tokens` of `session` (a rewind): pages past them are released. A kept partial
+        page that is shared stays shared until written (copied then)."""
+        table = self.table(session)
+        if not 0 <= tokens <= table.tokens:
+            raise PageStateError(f"session {session!r} holds {table.tokens} tokens, cannot trim to {tokens}")
+        keep = -(-tokens // self.layout.page_tokens)
+        for page in table.pages[keep:]:
+            self._release(page)
+        del table.pages[keep:]
+        table.tokens = tokens
+
+    # -- writing ---------------------------------------------------------------
+
+    def reserve(self, session: str, count: int) -> mx.array:
+        """Room for `count` more tokens of `session`: its partial last page copied first when it is not
+        the session's alone, new pages taken as needed. Returns the new tokens' slots (int32 [count]),
+        for `write`. Raises PagePoolFullError (nothing changed) when too few pages are free."""
+        table, p = self.table(session), self.layout.page_tokens
+        partial = table.tokens % p
+        needed = -(-(table.tokens + count) // p) - len(table.pages)
+        copy = partial > 0 and count > 0 and not self._writable(table.pages[-1])
+        if needed + copy > len(self.free):
+            raise PagePoolFullError(f"session {session!r} needs {needed + copy} pages for {count} tokens, "
+                                    f"{len(self.free)} of {self.capacity} are free")
+        if copy:
+            table.pages[-1] = self._copy(table.pages[-1], partial)
+        for _ in range(needed):
+            table.pages.append(self._take())
+        start = table.tokens
+        table.tokens += count
+        return self.slots(table.pages, start, table.tokens)
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K and V ([kv_heads, len(slots), head_dim]) at `slots` (from `reserve`)."""
+        self.keys[layer][:, slots] = keys
+        self.values[layer][:, slots] = values
+
+    def append(self, session: str, keys: list[mx.array], values: list[mx.array]) -> None:
+        """`reserve` and `write` for every layer: keys[l], values[l] are [kv_heads, n, head_dim]."""
+        slots = self.reserve(session, keys[0].shape[1])
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.write(layer, slots, k, v)
+
+    def slots(self, pages: list[int], start: int, stop: int) -> mx.array:
+        """The slots of tokens [start, stop) of a table listing `pages` (int32)."""
+        p = self.layout.page_tokens
+        positions = mx.arange(start, stop, dtype=mx.int32)
+        return mx.array(pages, mx.int32)[positions // p] * p + positions % p
+
+    # -- sharing by chain key ---------------------------------------------------
+
+    def publish(self, session: str, block: int, key: bytes) -> tuple[int, ...]:
+        """Block `block` of `session` (filled) is the block whose chain key is `key`: its pages become
+        shared and read-only. Where `key` already has pages (another session computed the same block),
+        the session's table takes those and its own go back. Returns the block's pages."""
+        table, n = self.table(session), self.layout.pages_per_block
+        first = block * n
+        if (block + 1) * self.layout.block_tokens > table.tokens:
+            raise PageStateError(f"session {session!r} holds {table.tokens} tokens: block {block} is not full")
+        own = tuple(table.pages[first:first + n])
+        known = self.shared.get(key)
+        if known is None:
+            for page in own:
+                if self.key_of.get(page, key) != key:
+                    raise PageStateError(f"page {page} is published under another key than {key.hex()[:16]}")
+            self.shared[key] = own
+            self.key_of.update((page, key) for page in own)
+            return own
+        if known != own:
+            for page in known:
+                self.refs[page] += 1
+            for page in own:
+                self._release(page)
+            table.pages[first:first + n] = known
+        return known
+
+    def map_shared(self, session: str, keys: list[bytes]) -> int:
+        """A prefix hit: append the pages of the blocks named by `keys`, in order, up to the first key no
+        pages hold. `session` must hold whole blocks. Returns how many blocks were mapped."""
+        table = self.table(session)
+        if table.tokens % self.layout.block_tokens or table.tokens != len(table.pages) * self.layout.page_tokens:
+            raise PageStateError(f"session {session!r} holds {table.tokens} tokens, not whole blocks")
+        mapped = 0
+        for key in keys:
+            pages = self.shared.get(key)
+            if pages is None:
+                break
+            for page in pages:
+                self.refs[page] += 1
+            table.pages.extend(pages)
+            table.tokens += self.layout.block_tokens
+            mapped += 1
+        return mapped
+
+    # -- reading and accounting --------------------------------------------------
+
+    def gather(self, session: str, layer: int) -> tuple[mx.array, mx.array]:
+        """`session`'s K and V of `layer` as contiguous [kv_heads, tokens, head_dim] (copies)."""
+        table = self.table(session)
+        slots = self.slots(table.pages, 0, table.tokens)
+        return self.keys[layer][:, slots], self.values[layer][:, slots]
+
+    def pages_held(self) -> int:
+        """Pages some table lists (a shared page once)."""
+        return self.capacity - len(self.free)
+
+    def bytes_held(self) -> int:
+        """Bytes of KV held: every page some table lists, a shared page once."""
+        return self.pages_held() * self.layout.page_bytes
+
+    def session_bytes(self, session: str) -> int:
+        """Bytes of KV `session` lists, shared pages included (what it would hold alone)."""
+        return len(self.table(session).pages) * self.layout.page_bytes
+
+    # -- pages -------------------------------------------------------------------
+
+    def _writable(self, page: int) -> bool:
+        """A page its one table may write into: listed once, never published."""
+        return self.refs[page] == 1 and page not in self.key_of
+
+    def _take(self) -> int:
+        page = self.free.pop()
+        self.refs[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            key = self.key_of.pop(page, None)
+            if key is not None and page in self.shared.get(key, ()):  # the block is no longer whole
+                del self.shared[key]
+            self.free.append(page)
+
+    def _copy(self, page: int, tokens: int) -> int:
+        """A private copy of the first `tokens` of `page` (every layer), replacing one reference to it."""
+        fresh = self._take()
+        p = self.layout.page_tokens
+        for pool in (*self.keys, *self.values):
+            pool[:, fresh * p:fresh * p + tokens] = pool[:, page * p:page * p + tokens]
+        self._release(page)
+        return fresh
