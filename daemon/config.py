@@ -88,6 +88,9 @@ class Tuning:
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
     # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False
+    # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
+    # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
+    row_kernel: bool = True
 
     def __post_init__(self) -> None:
         for name, ok, wanted in _TUNING_RULES:

@@ -52,6 +52,7 @@ the tokens on next use); the decoder itself goes on.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -62,6 +63,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
 from kvwake.daemon.model.batch_rows import (Row, dead_rows, extract_row, fits, place, retire, rows_batch, schedule,
@@ -91,6 +93,7 @@ class Decoder:
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
+        self.row_kernel = False  # batched steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
@@ -337,7 +340,8 @@ class Decoder:
             self.counters["rows_sampled_together"] += 1
         started = time.perf_counter()
         try:
-            responses = self.batch.next()
+            with attention.swapped(self.model, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext():
+                responses = self.batch.next()
         except Exception as exc:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
             self.fed_only.clear()

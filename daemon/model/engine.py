@@ -41,7 +41,7 @@ from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, packing
+from kvwake.daemon.model import attention, memory, packing, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -146,6 +146,7 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
+        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel)
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
         # packing is for where calls batch (the same exactness class)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["THREADS", "decode_attention", "gather_attention", "kernel_attention", "split_tokens"]
+__all__ = ["THREADS", "decode_attention", "gather_attention", "kernel_attention", "row_attention", "split_tokens"]
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
@@ -191,6 +191,17 @@ for (int s = 0; s < spans; ++s) {
 out[i] = kvw_from_float<T>(weight > 0.f ? a / weight : 0.f);
 """
 
+# The same spans over a batch's own buffers, [rows, kv_heads, capacity, head_dim] (mlx-lm's BatchKVCache): row r's
+# tokens are slots starts[r] .. starts[r] + lengths[r] of its buffer (the slots before are its left padding).
+_ROW_SPANS = (_SPANS
+              .replace("const int q_heads = queries_shape[1], max_pages = page_table_shape[1];",
+                       "const int q_heads = queries_shape[1];")
+              .replace("const long slots = keys_shape[1];", "const long slots = keys_shape[2];")
+              .replace("const int* table = page_table + (long)row * max_pages;", "const long first = starts[row];")
+              .replace("keys + (long)h * slots * D", "keys + ((long)row * keys_shape[1] + h) * slots * D")
+              .replace("values + (long)h * slots * D", "values + ((long)row * keys_shape[1] + h) * slots * D")
+              .replace("const long slot = (long)table[t / P] * P + t % P;", "const long slot = first + t;"))
+
 _kernels: dict[str, object] = {}
 
 
@@ -201,6 +212,10 @@ def _kernel(name: str) -> object:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="kvwake_paged_spans", header=_HEADER, source=_SPANS, output_names=["span_out", "span_lse"],
                 input_names=["queries", "keys", "values", "page_table", "lengths", "scale", "split"])
+        elif name == "row_spans":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="kvwake_row_spans", header=_HEADER, source=_ROW_SPANS, output_names=["span_out", "span_lse"],
+                input_names=["queries", "keys", "values", "starts", "lengths", "scale", "split"])
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="kvwake_paged_combine", header=_HEADER, input_names=["span_out", "span_lse"],
@@ -231,12 +246,39 @@ def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, page_t
             or page_tokens & (page_tokens - 1)):
         raise ValueError(f"no paged kernel for {q_heads} query heads over {kv_heads} KV heads of {head_dim} "
                          f"({dtype}, {keys.dtype} KV, pages of {page_tokens})")
-    max_tokens = page_table.shape[1] * page_tokens
+    return _flash_decode("spans", queries, keys, values, page_table, lengths, scale, kv_heads,
+                         page_table.shape[1] * page_tokens, split, tpt, (("P", page_tokens),))
+
+
+def row_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array, lengths: mx.array,
+                  scale: float, max_tokens: int | None = None, split: int | None = None) -> mx.array:
+    """The same flash-decoding on CUDA over a batch's own KV buffers: keys and values [rows, kv_heads,
+    capacity, head_dim] (mlx-lm's BatchKVCache, row-contiguous), row r's tokens at slots starts[r] ..
+    starts[r] + lengths[r] (int32), none past `max_tokens` (default: the capacity): a left-padded batch
+    decoded with no mask and no padded slot read. Raises ValueError for shapes the kernel does not take."""
+    rows, q_heads, head_dim = queries.shape
+    kv_heads, dtype = keys.shape[1], queries.dtype
+    tpt = _threads_per_token(head_dim, q_heads // kv_heads, dtype.size)
+    if tpt is None or q_heads % kv_heads or keys.dtype != dtype or keys.shape[0] != rows:
+        raise ValueError(f"no row kernel for {rows} rows of {q_heads} query heads over {keys.shape} "
+                         f"({dtype}, {keys.dtype} KV)")
+    return _flash_decode("row_spans", queries, keys, values, starts, lengths, scale, kv_heads,
+                         max_tokens or keys.shape[2], split, tpt, ())
+
+
+def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.array, where: mx.array,
+                  lengths: mx.array, scale: float, kv_heads: int, max_tokens: int, split: int | None, tpt: int,
+                  extra: tuple[tuple[str, int], ...]) -> mx.array:
+    """The span kernel (`kernel`: over pages, or over rows' buffers) over the longest row's `max_tokens`,
+    then the combine; `where`: the page table or the rows' first slots."""
+    rows, q_heads, head_dim = queries.shape
+    dtype = queries.dtype
+    group, itemsize = q_heads // kv_heads, dtype.size
     split = split or split_tokens(rows, kv_heads, max_tokens)
     spans = -(-max_tokens // split)
-    span_out, span_lse = _kernel("spans")(
-        inputs=[queries, keys, values, page_table, lengths, mx.array([scale], mx.float32), mx.array([split], mx.int32)],
-        template=[("T", dtype), ("D", head_dim), ("G", group), ("P", page_tokens), ("TPT", tpt),
+    span_out, span_lse = _kernel(kernel)(
+        inputs=[queries, keys, values, where, lengths, mx.array([scale], mx.float32), mx.array([split], mx.int32)],
+        template=[("T", dtype), ("D", head_dim), ("G", group), *extra, ("TPT", tpt),
                   ("THREADS", THREADS), ("U", IN_FLIGHT if itemsize < 4 else IN_FLIGHT // 2)],
         grid=(spans * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, q_heads, spans, head_dim), (rows, q_heads, spans)],

@@ -1,0 +1,48 @@
+"""A batched decode step's attention by the flash-decoding kernel: each row's own tokens, no padding, no mask.
+
+mlx-lm decodes rows of different lengths in a `BatchKVCache`: every row left-padded to the longest and an
+array mask hiding the padding. On CUDA MLX's fused vector kernel takes no array mask, so a masked step runs
+in unfused ops over every row's padded length; at agent-length contexts each row cost about ten times the
+time its KV takes to read (docs/benchmarks.md, "Paged decode attention (issue 51)"). While the decoder steps
+its batch, the model's attention runs `paged_attention.row_attention` over the batch's own buffers instead:
+row r reads slots left_padding[r] .. the batch's end, nothing else, exactly what the mask let through.
+
+Only where it computes what the mask did: plain KV layers (a `BatchKVCache`, not a subclass: a sliding
+window's ring masks differently), one query per row, no attention sinks; anything else takes the fused
+path as before. CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is
+bit-exact against it; a Metal kernel is not written: paged_attention.py says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from kvwake.daemon.model.paged_attention import row_attention
+
+__all__ = ["ragged", "wanted"]
+
+
+def wanted(row_kernel: bool) -> bool:
+    """Whether batched decode steps take the kernel: asked for (tuning `row_kernel`), and on CUDA."""
+    return row_kernel and mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def ragged(fused: Any) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature: the row kernel for a left-padded batch's decode
+    step (module docstring), `fused` for anything else."""
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+        if (queries.shape[2] != 1 or type(cache) is not BatchKVCache or sinks is not None or cache.keys is None
+                or queries.dtype != cache.keys.dtype):
+            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        starts = cache.left_padding.astype(mx.int32)
+        try:
+            out = row_attention(queries[:, :, 0], cache.keys, cache.values, starts, cache._idx - starts, scale,
+                                max_tokens=cache._idx)
+        except ValueError:  # a head shape the kernel does not take
+            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return out[:, :, None]
+    return attention
