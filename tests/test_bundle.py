@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwake.daemon.kv import digests
+from kvwake.daemon.kv import bundle, digests
 from kvwake.daemon.kv.bundle import (
     Bundle, BundleError, describe_bundle, diff_descriptions, hash_description, start_digests,
 )
@@ -459,6 +459,24 @@ def test_a_set_stop_ends_a_read(model):
     stop.set()
     with pytest.raises(digests.DigestsCancelled):
         digests._sha256_file(model / "model-00001-of-00002.safetensors", stop)
+
+
+def test_prestarted_digests_are_taken_by_the_first_start_only(model, tmp_path, count_hashing):
+    from kvwake.daemon.imports import start_digests_early
+
+    assert not start_digests_early(None, tmp_path) and not start_digests_early("org/model-on-the-hub", tmp_path)
+    assert start_digests_early(str(model), tmp_path)  # as the daemon does, before its heavy imports
+    start_digests_early(str(model), tmp_path)  # a second prestart adds nothing
+    other_cache = start_digests(model, digest_cache=tmp_path / "elsewhere.json")  # another cache: not those
+    assert other_cache is not bundle._prestarted[(model.resolve(), (tmp_path / "digests.json").absolute())]
+    early = start_digests(model.resolve(), digest_cache=tmp_path / bundle.DIGEST_CACHE_NAME)  # as the engine
+    assert bundle._prestarted == {}
+    assert describe_bundle(model, **ARGS, digests=early).hash == STORED_HASH
+    assert describe_bundle(model, **ARGS, digests=other_cache).hash == STORED_HASH
+    assert sorted(count_hashing) == sorted(2 * [p.name for p in model.iterdir() if p.name != "kvwake-convert.json"])
+    later = start_digests(model, digest_cache=tmp_path / "digests.json")  # cached now: nothing read again
+    assert later is not early and describe_bundle(model, **ARGS, digests=later).hash == STORED_HASH
+    assert len(count_hashing) == 16
 
 
 # --- the real default model ----------------------------------------------------------

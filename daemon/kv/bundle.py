@@ -33,7 +33,8 @@ hash in any process, folder or machine. File digests are cached on disk
 
 A first start reads every counted file once: `start_digests` hashes them on
 background threads (one file per thread, the largest first) from the moment
-the model folder is known, so the reading overlaps loading the weights, and
+the model folder is known, so the reading overlaps loading the weights (and,
+`prestart_digests`, the daemon's imports before it), and
 `describe_bundle(digests=...)` joins them when the bundle is needed. A file's
 digest is the plain sha256 of its bytes, whatever the threads: the same hash
 as ever, so stores made before keep waking. sha256 cannot be split within one
@@ -57,12 +58,14 @@ from kvwake.daemon.kv.digests import DigestCache, hash_in_background
 
 __all__ = [
     "DESCRIPTION_FORMAT", "Bundle", "BundleError", "PendingDigests",
-    "describe_bundle", "diff_descriptions", "hash_description", "start_digests",
+    "DIGEST_CACHE_NAME", "describe_bundle", "diff_descriptions", "hash_description", "prestart_digests",
+    "start_digests",
 ]
 
 log = logging.getLogger("kvwake.daemon.bundle")  # its name before the layers (logs are read by it)
 
 DESCRIPTION_FORMAT = 1
+DIGEST_CACHE_NAME = "digests.json"  # the daemon's digest cache file, in its data dir
 DISPLAY_KEYS = ("model_name",)  # in the description, never in the hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -172,16 +175,43 @@ class PendingDigests:
         return groups
 
 
+# Digests started before their engine was made (prestart_digests), by (folder, digest cache file)
+_prestarted: dict[tuple[Path, Path | None], PendingDigests] = {}
+_prestarted_lock = threading.Lock()
+
+
+def _key(folder: Path, digest_cache: str | os.PathLike | None) -> tuple[Path, Path | None]:
+    return folder, Path(digest_cache).absolute() if digest_cache is not None else None
+
+
 def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None,
                   workers: int | None = None) -> PendingDigests:
     """Start hashing the counted files of `model_dir` on `workers` threads (default: one per core, at most
-    one per file; the largest files first), for `describe_bundle(digests=...)`.
+    one per file; the largest files first), for `describe_bundle(digests=...)`. The first call for a folder
+    and cache that `prestart_digests` started takes those (and `workers` is theirs).
 
     digest_cache: path of a DigestCache file, as describe_bundle takes it. Raises nothing: a folder that
     cannot be described raises when the digests are joined.
     """
+    folder = Path(model_dir).resolve()
+    with _prestarted_lock:
+        early = _prestarted.pop(_key(folder, digest_cache), None)
+    if early is not None:
+        return early
     cache = DigestCache(digest_cache) if digest_cache is not None else None
-    return PendingDigests(Path(model_dir).resolve(), cache, workers)
+    return PendingDigests(folder, cache, workers)
+
+
+def prestart_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None) -> None:
+    """Start the digests of `model_dir` before what needs them exists (the daemon, before its heavy
+    imports), for the first `start_digests` of the same folder and cache in this process to take. Until
+    taken they run to their end; a second prestart of the same pair adds nothing."""
+    folder = Path(model_dir).resolve()
+    with _prestarted_lock:
+        key = _key(folder, digest_cache)
+        if key not in _prestarted:
+            cache = DigestCache(digest_cache) if digest_cache is not None else None
+            _prestarted[key] = PendingDigests(folder, cache)
 
 
 def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], block_tokens: int,
