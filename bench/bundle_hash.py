@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,11 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvwake.daemon.kv.bundle import describe_bundle, start_digests  # noqa: E402
+from kvwake.daemon.kv.digests import READ_BYTES  # noqa: E402
 
 ARGS = dict(kv_layout=[{"kind": "kv", "kv_heads": 8, "k_head_dim": 128, "v_head_dim": 128, "dtype": "bfloat16",
                         "window": None}] * 32, block_tokens=128, codec="planes-zstd+kvstate1", codec_version=1)
 WRITE_BYTES = 64 << 20
-READ_BYTES = 8 << 20
+
 
 
 def make_folder(folder: Path, shards: int, total: int) -> None:
@@ -94,13 +96,23 @@ def started(folder: Path, cache: Path) -> str:
 
 
 def chunked(folder: Path, chunk: int) -> str:
-    """sha256 over the sha256 of each `chunk` bytes of every file, chunks hashed on every core."""
-    def one(job: tuple[Path, int]) -> bytes:
-        path, offset = job
-        with open(path, "rb", buffering=0) as f:
-            return hashlib.sha256(os.pread(f.fileno(), chunk, offset)).digest()
+    """sha256 over the sha256 of each `chunk` bytes of every file, chunks hashed on every core (each thread
+    reads READ_BYTES at a time into its own buffer, as the digests now do)."""
+    local = threading.local()
 
-    jobs = [(p, o) for p in sorted(folder.glob("*.safetensors")) for o in range(0, p.stat().st_size, chunk)]
+    def one(job: tuple[Path, int, int]) -> bytes:
+        path, start, end = job
+        if not hasattr(local, "view"):
+            local.view = memoryview(bytearray(READ_BYTES))
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while start < end and (n := os.preadv(f.fileno(), [local.view[:min(READ_BYTES, end - start)]], start)):
+                digest.update(local.view[:n])
+                start += n
+        return digest.digest()
+
+    jobs = [(p, o, min(o + chunk, p.stat().st_size))
+            for p in sorted(folder.glob("*.safetensors")) for o in range(0, p.stat().st_size, chunk)]
     with ThreadPoolExecutor(os.cpu_count()) as pool:
         return hashlib.sha256(b"".join(pool.map(one, jobs))).hexdigest()
 

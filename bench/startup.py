@@ -33,15 +33,15 @@ from bench.lib import bench_model  # noqa: E402
 
 
 def in_process(model: Path, top: int, cold: bool) -> dict:
-    if cold:
-        from bench.bundle_hash import evict
-
-        evict(model)
     t0 = time.perf_counter()
     import mlx.core as mx
     import mlx_lm  # noqa: F401
 
     imported = time.perf_counter() - t0
+    if cold:
+        from bench.bundle_hash import evict
+
+        evict(model)
     from kvwake.daemon.model.engine import Engine
     from kvwake.store import Store
 
