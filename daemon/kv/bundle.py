@@ -184,6 +184,10 @@ def _key(folder: Path, digest_cache: str | os.PathLike | None) -> tuple[Path, Pa
     return folder, Path(digest_cache).absolute() if digest_cache is not None else None
 
 
+def _started(folder: Path, digest_cache: str | os.PathLike | None, workers: int | None = None) -> PendingDigests:
+    return PendingDigests(folder, DigestCache(digest_cache) if digest_cache is not None else None, workers)
+
+
 def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None,
                   workers: int | None = None) -> PendingDigests:
     """Start hashing the counted files of `model_dir` on `workers` threads (default: one per core, at most
@@ -196,10 +200,7 @@ def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLi
     folder = Path(model_dir).resolve()
     with _prestarted_lock:
         early = _prestarted.pop(_key(folder, digest_cache), None)
-    if early is not None:
-        return early
-    cache = DigestCache(digest_cache) if digest_cache is not None else None
-    return PendingDigests(folder, cache, workers)
+    return early if early is not None else _started(folder, digest_cache, workers)
 
 
 def prestart_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None) -> None:
@@ -210,8 +211,7 @@ def prestart_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.Pat
     with _prestarted_lock:
         key = _key(folder, digest_cache)
         if key not in _prestarted:
-            cache = DigestCache(digest_cache) if digest_cache is not None else None
-            _prestarted[key] = PendingDigests(folder, cache)
+            _prestarted[key] = _started(folder, digest_cache)
 
 
 def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], block_tokens: int,

@@ -1,7 +1,7 @@
 """File digests: the sha256 of a model's files, cached across restarts, computed on background threads.
 
 The bundle hash (kv/bundle.py) names every counted file by the plain sha256 of its bytes. Reading them is
-a first start's longest step after loading the weights, so it runs on threads beside it
+one of a first start's longest steps, so it runs on threads beside loading the weights
 (`hash_in_background`: one file per thread, the largest first; reads and sha256 updates release the GIL),
 and later starts take the digests from a `DigestCache` file while the files are unchanged.
 """
