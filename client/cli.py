@@ -144,6 +144,9 @@ def serve(opts: Options, **flags: object) -> None:
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports(settings.tuning.import_frameworks)  # before anything imports transformers
+    from kvwake.daemon.imports import start_digests_early
+
+    start_digests_early(settings.model, settings.data_dir)  # the bundle's file reads overlap the imports and the load
     from kvwake.daemon.serve import run
 
     if listen is not None and socket_path(listen) is not None:  # the status file goes next to the socket served

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kvwake.daemon.kv import bundle
+from kvwake.daemon.kv import bundle, digests
 from kvwake.daemon.kv.bundle import (
-    Bundle, BundleError, DigestCache, describe_bundle, diff_descriptions, file_digest,
-    hash_description,
+    Bundle, BundleError, describe_bundle, diff_descriptions, hash_description, start_digests,
 )
+from kvwake.daemon.kv.digests import DigestCache, file_digest
 
 LAYOUT = [{"kind": "kv", "kv_heads": 3, "k_head_dim": 64, "v_head_dim": 64,
            "dtype": "bfloat16", "window": None} for _ in range(4)]
@@ -104,7 +104,7 @@ def test_description_lists_files_by_group(model):
                                       "tokenizer_config.json"]
     assert list(d["chat_template"]) == ["tokenizer_config.json#chat_template"]
     assert list(d["generation_config"]) == ["generation_config.json"]
-    assert d["weights"]["model-00002-of-00002.safetensors"] == bundle._sha256_file(
+    assert d["weights"]["model-00002-of-00002.safetensors"] == digests._sha256_file(
         model / "model-00002-of-00002.safetensors")
     assert "kvwake-convert.json" not in json.dumps(d)
 
@@ -233,13 +233,13 @@ def test_bad_folders_and_arguments_are_refused(model, tmp_path):
 def count_hashing(monkeypatch) -> list[str]:
     """Names of the files actually read by the hashing function."""
     calls: list[str] = []
-    real = bundle._sha256_file
+    real = digests._sha256_file
 
-    def counting(path: Path) -> str:
+    def counting(path: Path, stop=None) -> str:  # noqa: ANN001
         calls.append(Path(path).name)
-        return real(path)
+        return real(path, stop)
 
-    monkeypatch.setattr(bundle, "_sha256_file", counting)
+    monkeypatch.setattr(digests, "_sha256_file", counting)
     return calls
 
 
@@ -327,7 +327,7 @@ def test_concurrent_savers_leave_valid_json(tmp_path):
     entries = json.loads(path.read_bytes())["entries"]
     assert len(entries) >= 10  # last writer wins; merging keeps most
     for name, entry in entries.items():
-        assert entry["sha256"] == bundle._sha256_file(Path(name))
+        assert entry["sha256"] == digests._sha256_file(Path(name))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".digests")]  # no temp litter
 
 
@@ -351,6 +351,132 @@ def test_cache_drops_entries_of_deleted_files(model, tmp_path):
     describe(model, digest_cache=cache)
     names = {Path(p).name for p in json.loads(cache.read_text())["entries"]}
     assert "vocab.json" in names and "model-00002-of-00002.safetensors" not in names
+
+
+# --- hashing beside the weights load ----------------------------------------------------------
+
+
+# The hash the first bundle format gave make_model's folder with ARGS (kvwake 0.1's describe_bundle, one
+# file after another): the hash of stores made then, which must keep waking.
+STORED_HASH = "3fd21bc1f3eace9603141112bfeb8239fba812c0e8b4de594f2d8a9140a8b93a"
+
+
+def test_hash_is_the_one_stores_were_made_with(model):
+    """Every file's plain sha256 in the first format's canonical JSON, computed here by hand."""
+    import hashlib
+
+    def sha(name: str) -> str:
+        return hashlib.sha256((model / name).read_bytes()).hexdigest()
+
+    template = json.loads((model / "tokenizer_config.json").read_text())["chat_template"]
+    by_hand = {
+        "format": 1,
+        "weights": {n: sha(n) for n in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                        "model.safetensors.index.json")},
+        "config": {"config.json": sha("config.json")},
+        "tokenizer": {n: sha(n) for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")},
+        "chat_template": {"tokenizer_config.json#chat_template": hashlib.sha256(template.encode()).hexdigest()},
+        "generation_config": {"generation_config.json": sha("generation_config.json")},
+        **ARGS,
+    }
+    canonical = json.dumps(by_hand, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    assert hashlib.sha256(canonical).hexdigest() == STORED_HASH
+    assert describe(model).hash == STORED_HASH
+    started = start_digests(model, digest_cache=model.parent / "digests.json", workers=3)
+    assert describe_bundle(model, **ARGS, digests=started).hash == STORED_HASH
+
+
+def test_digests_run_in_the_background_one_file_per_thread(model, monkeypatch):
+    """start_digests returns while the files are still being read, and two files are read at once."""
+    both_reading, release = threading.Barrier(2, timeout=10), threading.Event()
+    real, seen = digests._sha256_file, []
+
+    def gated(path: Path, stop=None) -> str:  # noqa: ANN001
+        seen.append(threading.current_thread().name)
+        if Path(path).name.startswith("model-0000"):  # the two largest files: taken first, one per thread
+            both_reading.wait()  # BrokenBarrierError if the other shard is not being read meanwhile
+            assert release.wait(10)
+        return real(path, stop)
+
+    monkeypatch.setattr(digests, "_sha256_file", gated)
+    started = start_digests(model, workers=2)
+    assert not release.is_set()  # back here while both threads wait inside a read
+    release.set()
+    assert describe_bundle(model, **ARGS, digests=started).hash == STORED_HASH
+    assert len(seen) == 8 and threading.current_thread().name not in seen
+
+
+def test_weights_changed_in_place_with_size_and_mtime_kept_are_refused(model, tmp_path):
+    """The cache trusts (size, mtime, ctime, inode): a rewrite that keeps size and mtime moves ctime."""
+    cache = tmp_path / "digests.json"
+    before = describe_bundle(model, **ARGS, digests=start_digests(model, digest_cache=cache))
+    shard = model / "model-00001-of-00002.safetensors"
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # same inode, same size
+        f.seek(200)
+        f.write(b"\x00\x01\x02\x03")
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (shard.stat().st_size, shard.stat().st_mtime_ns, shard.stat().st_ino) == (
+        st.st_size, st.st_mtime_ns, st.st_ino)
+    after = describe_bundle(model, **ARGS, digests=start_digests(model, digest_cache=cache))
+    assert after.hash != before.hash
+    assert diff_descriptions(before.description, after.description) == [f"weights {shard.name} differs"]
+
+
+def test_errors_wait_for_the_join(tmp_path, model):
+    started = start_digests(tmp_path / "nope")  # raises nothing yet
+    with pytest.raises(BundleError, match="does not exist"):
+        describe_bundle(tmp_path / "nope", **ARGS, digests=started)
+    with pytest.raises(ValueError, match="digests of"):
+        describe_bundle(model, **ARGS, digests=start_digests(tmp_path))
+    with pytest.raises(ValueError, match="their own"):
+        describe_bundle(model, **ARGS, digests=start_digests(model), digest_cache=tmp_path / "d.json")
+
+
+def test_dropped_digests_stop_their_threads(model, monkeypatch):
+    """A load that fails drops its digests unjoined: the reads stop instead of running on to the end."""
+    stopped = []
+
+    def waiting(path: Path, stop=None) -> str:  # noqa: ANN001
+        stopped.append(stop.wait(10))
+        raise digests.DigestsCancelled(str(path))
+
+    monkeypatch.setattr(digests, "_sha256_file", waiting)
+    started = start_digests(model, workers=1)
+    del started
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(t.name == "kvwake-digests" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stopped and all(stopped)
+    assert not any(t.name == "kvwake-digests" for t in threading.enumerate())
+
+
+def test_a_set_stop_ends_a_read(model):
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(digests.DigestsCancelled):
+        digests._sha256_file(model / "model-00001-of-00002.safetensors", stop)
+
+
+def test_prestarted_digests_are_taken_by_the_first_start_only(model, tmp_path, count_hashing):
+    from kvwake.daemon.imports import start_digests_early
+
+    assert not start_digests_early(None, tmp_path) and not start_digests_early("org/model-on-the-hub", tmp_path)
+    assert start_digests_early(str(model), tmp_path)  # as the daemon does, before its heavy imports
+    start_digests_early(str(model), tmp_path)  # a second prestart adds nothing
+    other_cache = start_digests(model, digest_cache=tmp_path / "elsewhere.json")  # another cache: not those
+    assert other_cache is not bundle._prestarted[(model.resolve(), (tmp_path / "digests.json").absolute())]
+    early = start_digests(model.resolve(), digest_cache=tmp_path / bundle.DIGEST_CACHE_NAME)  # as the engine
+    assert bundle._prestarted == {}
+    assert describe_bundle(model, **ARGS, digests=early).hash == STORED_HASH
+    assert describe_bundle(model, **ARGS, digests=other_cache).hash == STORED_HASH
+    assert sorted(count_hashing) == sorted(2 * [p.name for p in model.iterdir() if p.name != "kvwake-convert.json"])
+    later = start_digests(model, digest_cache=tmp_path / "digests.json")  # cached now: nothing read again
+    assert later is not early and describe_bundle(model, **ARGS, digests=later).hash == STORED_HASH
+    assert len(count_hashing) == 16
 
 
 # --- the real default model ----------------------------------------------------------

@@ -29,44 +29,49 @@ Canonical JSON is `json.dumps(sort_keys=True, separators=(",", ":"),
 ensure_ascii=True, allow_nan=False)` of the description without "model_name":
 no absolute paths, mtimes or Python `hash()`, so the same bytes give the same
 hash in any process, folder or machine. File digests are cached on disk
-(DigestCache) so a restart does not re-read gigabytes of weights.
+(kv/digests.py, DigestCache) so a restart does not re-read gigabytes of weights.
+
+A first start reads every counted file once: `start_digests` hashes them on
+background threads (one file per thread, the largest first) from the moment
+the model folder is known, so the reading overlaps loading the weights (and,
+`prestart_digests`, the daemon's imports before it), and
+`describe_bundle(digests=...)` joins them when the bundle is needed. A file's
+digest is the plain sha256 of its bytes, whatever the threads: the same hash
+as ever, so stores made before keep waking. sha256 cannot be split within one
+file, so the largest file alone sets the floor of a first start's hashing
+(docs/decisions.md, "First start at the disk's speed").
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
-import tempfile
-import time
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwake.store.files import sync
+from kvwake.daemon.kv.digests import DigestCache, hash_in_background
 
 __all__ = [
-    "DESCRIPTION_FORMAT", "Bundle", "BundleError", "DigestCache",
-    "describe_bundle", "diff_descriptions", "file_digest", "hash_description",
+    "DESCRIPTION_FORMAT", "Bundle", "BundleError", "PendingDigests",
+    "DIGEST_CACHE_NAME", "describe_bundle", "diff_descriptions", "hash_description", "prestart_digests",
+    "start_digests",
 ]
 
 log = logging.getLogger("kvwake.daemon.bundle")  # its name before the layers (logs are read by it)
 
 DESCRIPTION_FORMAT = 1
-CACHE_FORMAT = 1
+DIGEST_CACHE_NAME = "digests.json"  # the daemon's digest cache file, in its data dir
 DISPLAY_KEYS = ("model_name",)  # in the description, never in the hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 TEMPLATE_IN_CONFIG = "tokenizer_config.json#chat_template"
-
-# A file modified this recently may change again within one mtime tick without
-# its (size, mtime) changing (2 s: exFAT/FAT; HFS+ has 1 s); its digest is not
-# cached ("racy git" problem).
-RACY_WINDOW_NS = 2_000_000_000
 
 
 class BundleError(Exception):
@@ -100,114 +105,6 @@ def hash_description(description: dict) -> str:
     return hashlib.sha256(_canonical(hashed)).hexdigest()
 
 
-# --- file digests ------------------------------------------------------------------
-
-
-def _sha256_file(path: Path) -> str:
-    """sha256 hex of a file's bytes, read in chunks (never whole into memory)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _stat_key(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
-
-
-class DigestCache:
-    """sha256 of files, persisted as a small JSON file so restarts skip re-hashing.
-
-    An entry is keyed by the file's resolved path and trusted only while its
-    size, mtime_ns, ctime_ns and inode are unchanged (ctime and inode also catch
-    a file replaced by rename or with its mtime set back). Digests of files
-    modified within RACY_WINDOW_NS of hashing are not recorded. `path=None`
-    keeps the cache in memory only.
-
-    File format: {"format": 1, "entries": {"<resolved path>": {"size": int,
-    "mtime_ns": int, "ctime_ns": int, "ino": int, "sha256": "<hex>"}}}.
-    An unreadable or malformed file is treated as empty. `save()` merges with
-    what is on disk, drops entries of files that no longer exist, and writes a
-    temp file then renames it: two processes saving at once leave valid JSON
-    (the last writer wins any conflicting entry).
-    """
-
-    def __init__(self, path: str | os.PathLike | None = None) -> None:
-        self.path = Path(path) if path is not None else None
-        self._entries: dict[str, dict] = self._read()
-        self._new: dict[str, dict] = {}
-
-    def _read(self) -> dict[str, dict]:
-        if self.path is None:
-            return {}
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-            entries = data["entries"] if data.get("format") == CACHE_FORMAT else {}
-            return {p: e for p, e in entries.items() if _valid_entry(e)}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.warning("digest cache %s unreadable (%s); starting empty", self.path, exc)
-            return {}
-
-    def lookup(self, path: Path, st: os.stat_result) -> str | None:
-        """The cached digest of resolved `path` if `st` matches its entry, else None."""
-        entry = self._entries.get(str(path))
-        if entry and {k: entry[k] for k in _stat_key(st)} == _stat_key(st):
-            return entry["sha256"]
-        return None
-
-    def record(self, path: Path, st: os.stat_result, digest: str) -> None:
-        """Remember `digest` for resolved `path` as it was when stat'ed as `st`."""
-        entry = {**_stat_key(st), "sha256": digest}
-        self._entries[str(path)] = entry
-        self._new[str(path)] = entry
-
-    def save(self) -> None:
-        """Write new entries to disk (no-op if none or in-memory). Raises OSError."""
-        if self.path is None or not self._new:
-            return
-        merged = {**self._read(), **self._new}
-        merged = {p: e for p, e in merged.items() if os.path.exists(p)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_canonical({"format": CACHE_FORMAT, "entries": merged}))
-                f.flush()
-                sync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        self._entries, self._new = merged, {}
-
-
-def _valid_entry(entry: Any) -> bool:
-    return (isinstance(entry, dict)
-            and all(type(entry.get(k)) is int for k in ("size", "mtime_ns", "ctime_ns", "ino"))
-            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64)
-
-
-def file_digest(path: str | os.PathLike, *, cache: DigestCache | None = None) -> str:
-    """sha256 hex of the file at `path` (symlinks followed), via `cache` when it is fresh.
-
-    Raises OSError (FileNotFoundError, IsADirectoryError, ...) from reading.
-    """
-    resolved = Path(path).resolve()
-    before = resolved.stat()
-    if cache is not None and (hit := cache.lookup(resolved, before)) is not None:
-        return hit
-    started = time.time_ns()
-    digest = _sha256_file(resolved)
-    if cache is not None:
-        after = resolved.stat()
-        settled = before.st_mtime_ns < started - RACY_WINDOW_NS
-        if settled and _stat_key(after) == _stat_key(before):
-            cache.record(resolved, before, digest)
-    return digest
-
-
 # --- the description -----------------------------------------------------------------
 
 
@@ -223,32 +120,103 @@ def _template_digest(tokenizer_config: Path) -> str | None:
     return hashlib.sha256(data).hexdigest()
 
 
-def _file_groups(folder: Path, cache: DigestCache | None) -> dict[str, dict[str, str]]:
-    def digests(names: list[str]) -> dict[str, str]:
-        return {n: file_digest(folder / n, cache=cache) for n in names if (folder / n).is_file()}
+def _counted_names(folder: Path) -> dict[str, list[str]]:
+    """The counted files present in `folder`, by group (module doc).
 
+    Raises BundleError for a missing folder, no *.safetensors weights or no config.json."""
+    if not folder.is_dir():
+        raise BundleError(f"model folder {folder} does not exist")
     weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
     if not weights:
         raise BundleError(f"no *.safetensors weights in model folder {folder}")
     if not (folder / "config.json").is_file():
         raise BundleError(f"no config.json in model folder {folder}")
-    groups = {
-        "weights": digests([*weights, "model.safetensors.index.json"]),
-        "config": digests(["config.json"]),
-        "tokenizer": digests(list(TOKENIZER_FILES)),
-        "chat_template": digests(list(TEMPLATE_FILES)),
-        "generation_config": digests(["generation_config.json"]),
+    wanted = {
+        "weights": [*weights, "model.safetensors.index.json"],
+        "config": ["config.json"],
+        "tokenizer": list(TOKENIZER_FILES),
+        "chat_template": list(TEMPLATE_FILES),
+        "generation_config": ["generation_config.json"],
     }
-    if (folder / "tokenizer_config.json").is_file():
-        inner = _template_digest(folder / "tokenizer_config.json")
-        if inner is not None:
-            groups["chat_template"][TEMPLATE_IN_CONFIG] = inner
-    return groups
+    return {group: [n for n in names if (folder / n).is_file()] for group, names in wanted.items()}
+
+
+class PendingDigests:
+    """The digests of a model folder's counted files, computed on background threads from the moment it is
+    made (`start_digests`): `groups()` joins them. Dropped unjoined (a weights load that failed), its threads
+    stop at their next read. Errors (BundleError, OSError) are raised by `groups()`, not at the start."""
+
+    def __init__(self, folder: Path, cache: DigestCache | None, workers: int | None = None) -> None:
+        self.folder, self.cache = folder, cache
+        stop = threading.Event()
+        weakref.finalize(self, stop.set)
+        try:
+            self._names, self._error = _counted_names(folder), None
+        except BundleError as exc:
+            self._names, self._error = {}, exc
+        names = [n for group in self._names.values() for n in group]
+        self._futures = hash_in_background(folder, names, cache, workers or os.cpu_count() or 1, stop)
+
+    def groups(self) -> dict[str, dict[str, str]]:
+        """The description's file groups, once every digest is in (waits); saves the digest cache (a failure
+        to save is logged). Raises BundleError (module doc) or OSError from reading a file."""
+        if self._error is not None:
+            raise self._error
+        groups = {group: {n: self._futures[n].result() for n in names} for group, names in self._names.items()}
+        if "tokenizer_config.json" in groups["tokenizer"]:
+            inner = _template_digest(self.folder / "tokenizer_config.json")
+            if inner is not None:
+                groups["chat_template"][TEMPLATE_IN_CONFIG] = inner
+        if self.cache is not None:
+            try:
+                self.cache.save()
+            except OSError as exc:
+                log.warning("could not save digest cache %s: %s", self.cache.path, exc)
+        return groups
+
+
+# Digests started before their engine was made (prestart_digests), by (folder, digest cache file)
+_prestarted: dict[tuple[Path, Path | None], PendingDigests] = {}
+_prestarted_lock = threading.Lock()
+
+
+def _key(folder: Path, digest_cache: str | os.PathLike | None) -> tuple[Path, Path | None]:
+    return folder, Path(digest_cache).absolute() if digest_cache is not None else None
+
+
+def _started(folder: Path, digest_cache: str | os.PathLike | None, workers: int | None = None) -> PendingDigests:
+    return PendingDigests(folder, DigestCache(digest_cache) if digest_cache is not None else None, workers)
+
+
+def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None,
+                  workers: int | None = None) -> PendingDigests:
+    """Start hashing the counted files of `model_dir` on `workers` threads (default: one per core, at most
+    one per file; the largest files first), for `describe_bundle(digests=...)`. The first call for a folder
+    and cache that `prestart_digests` started takes those (and `workers` is theirs).
+
+    digest_cache: path of a DigestCache file, as describe_bundle takes it. Raises nothing: a folder that
+    cannot be described raises when the digests are joined.
+    """
+    folder = Path(model_dir).resolve()
+    with _prestarted_lock:
+        early = _prestarted.pop(_key(folder, digest_cache), None)
+    return early if early is not None else _started(folder, digest_cache, workers)
+
+
+def prestart_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLike | None = None) -> None:
+    """Start the digests of `model_dir` before what needs them exists (the daemon, before its heavy
+    imports), for the first `start_digests` of the same folder and cache in this process to take. Until
+    taken they run to their end; a second prestart of the same pair adds nothing."""
+    folder = Path(model_dir).resolve()
+    with _prestarted_lock:
+        key = _key(folder, digest_cache)
+        if key not in _prestarted:
+            _prestarted[key] = _started(folder, digest_cache)
 
 
 def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], block_tokens: int,
                     codec: str, codec_version: int, digest_cache: str | os.PathLike | None = None,
-                    model_name: str | None = None) -> Bundle:
+                    model_name: str | None = None, digests: PendingDigests | None = None) -> Bundle:
     """Describe and hash the model bundle in `model_dir` (format: module docstring).
 
     kv_layout: one JSON-able dict per layer (cache kind, kv heads, head dims,
@@ -256,12 +224,13 @@ def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], bloc
     codec/codec_version: the block codec. digest_cache: path of a DigestCache
     file (created if missing; a failure to save it is logged, not raised).
     model_name: shown to users, not hashed; defaults to the folder's name.
+    digests: the files' digests started earlier by `start_digests` for this
+    folder (they carry their own cache: digest_cache must then be None);
+    without them the files are hashed now, in parallel.
     Raises BundleError for a missing folder, no weights, no config.json or an
     unreadable tokenizer_config.json; ValueError/TypeError for bad arguments.
     """
     folder = Path(model_dir).resolve()
-    if not folder.is_dir():
-        raise BundleError(f"model folder {folder} does not exist")
     if type(block_tokens) is not int or block_tokens <= 0:
         raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
     if not isinstance(codec, str) or not codec or type(codec_version) is not int:
@@ -270,23 +239,22 @@ def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], bloc
     if not isinstance(kv_layout, list) or not all(isinstance(x, dict) for x in kv_layout):
         raise ValueError("kv_layout must be a list of one dict per layer")
     kv_layout = json.loads(_canonical(kv_layout))  # a JSON-able, private copy
-    cache = DigestCache(digest_cache) if digest_cache is not None else None
+    if digests is None:
+        digests = start_digests(folder, digest_cache=digest_cache)
+    elif digests.folder != folder or digest_cache is not None:
+        raise ValueError(f"digests of {digests.folder} given for {folder}, or with a digest_cache "
+                         f"({digest_cache!r}): they carry their own")
     if model_name is None:
         model_name = Path(model_dir).name or folder.name
     description = {
         "format": DESCRIPTION_FORMAT,
         "model_name": model_name,
-        **_file_groups(folder, cache),
+        **digests.groups(),
         "kv_layout": kv_layout,
         "block_tokens": block_tokens,
         "codec": codec,
         "codec_version": codec_version,
     }
-    if cache is not None:
-        try:
-            cache.save()
-        except OSError as exc:
-            log.warning("could not save digest cache %s: %s", cache.path, exc)
     return Bundle(hash=hash_description(description), description=description)
 
 

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cache_blocks, devplanes, pipeline, restore_buffers
-from kvwake.daemon.kv.bundle import Bundle, describe_bundle
+from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, start_digests
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
 from kvwake.daemon.kv.context import KvContext, quantize_cache
@@ -117,6 +117,8 @@ class Engine(Appending):
         self.restore_mode = restore_buffers.restore_mode(tuning.restore_mode)
         self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
+        # the bundle's file digests, read on background threads while the weights load (kv/bundle.py)
+        digests = start_digests(self.model_path, digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
@@ -128,9 +130,7 @@ class Engine(Appending):
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
         self.bundle: Bundle = describe_bundle(
             self.model_path, kv_layout=cache_blocks.layout(probe, model=self.model), block_tokens=store.block_tokens,
-            codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1],
-            digest_cache=Path(data_dir) / "digests.json",
-            model_name=self.model_name,
+            codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1], digests=digests, model_name=self.model_name,
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
         self.started.mark("bundle")
