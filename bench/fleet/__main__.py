@@ -31,8 +31,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/, from this checkout
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+# Run as a script, Python puts this folder first on sys.path; the repository root (testkit/, bench/) takes its
+# place, so this package's modules are reached only as bench.fleet.*, never as top-level names.
+sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != HERE)]
 
 from bench.fleet.agents import Fleet, Texts  # noqa: E402
 from bench.fleet.report import compare, summary, table  # noqa: E402
@@ -62,7 +65,7 @@ def one_config(model: Path, fleet: Fleet, apis: list[str], work: Path, gpu: bool
                          if name != "mlx_lm.server"}}
 
 
-def main() -> None:
+def options() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", help="tiny (the test kit's, 64k context, tools template) or a folder")
     ap.add_argument("--agents", default="4", help="agents, or a list: 1,8,16")
@@ -78,6 +81,13 @@ def main() -> None:
                     help="the GPU machine's targets or the looser ones (auto: gpu when MLX runs on one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet"))
     a = ap.parse_args()
+    if not set(a.variants.split(",")) <= {"bf16", "q4"}:
+        ap.error(f"--variants: bf16 or q4, not {a.variants!r}")
+    return a
+
+
+def main() -> None:
+    a = options()
     work = Path(tempfile.mkdtemp(prefix="kvwake-fleet-"))
     given = agent_model(a.model, work)
     where = machine()

@@ -46,26 +46,29 @@ class Turn:
 
 
 class Texts:
-    """Texts of exact token counts in the model's tokenizer (its tokenizer.json)."""
+    """Texts of exact token counts in the model's tokenizer."""
 
     def __init__(self, model: Path) -> None:
-        from tokenizers import Tokenizer
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(model)
 
     def cut(self, head: str, tokens: int, offset: int = 0) -> str:
         """`head`, then words from WORDS (starting at `offset`), `tokens` tokens in all."""
         words = max(tokens, 16)
         while True:
             text = head + " ".join(WORDS[(offset + i) % len(WORDS)] for i in range(words))
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) >= tokens:
                 return self.tokenizer.decode(ids[:tokens])
             words *= 2
 
     def system(self, fleet: Fleet) -> str:
-        """The shared system prompt: with the tool schemas (their JSON's tokens), `fleet.system_tokens`."""
-        schemas = len(self.tokenizer.encode(json.dumps(tools(fleet.tools)), add_special_tokens=False).ids)
+        """The shared system prompt: with the tool schemas as the chat template renders them (a template that
+        leaves them out: none), `fleet.system_tokens`."""
+        messages = [{"role": "user", "content": "."}]
+        schemas = len(self.tokenizer.apply_chat_template(messages, tools=openai_tools(fleet.tools))) - len(
+            self.tokenizer.apply_chat_template(messages))
         return self.cut("You are one of a fleet of careful coding agents. Use the tools. ",
                         max(fleet.system_tokens - schemas, 64))
 

@@ -4,7 +4,6 @@ server restarted and one more round."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +65,12 @@ def one_round(server: Any, agents: list[Any], dialect: str) -> Round:
     return Round(tuple(done), max(t.sent_at + t.wall_s for t in done) - min(t.sent_at for t in done))
 
 
-def run_server(server: Any, dialect: str, fleet: Fleet, texts: Texts, system: str, log: Any = print) -> Run:
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_server(server: Any, dialect: str, fleet: Fleet, texts: Texts, system: str, log: Any = say) -> Run:
+    """`server` (stopped) through the fleet in `dialect`: started, T rounds, restarted, one round, stopped."""
     agents = [DIALECTS[dialect](i, fleet, texts, system) for i in range(fleet.agents)]
     try:
         ready = server.start()
