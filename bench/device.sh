@@ -15,6 +15,9 @@
 #   turns     an agent's turns over the OpenAI chat API, 75k tokens of history with 131-token turns
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
+#   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
+#             mlx_lm.server; fleet-16: 16 agents, 3 turns; fleet-1k: 8 agents over a 1k prompt, 3 turns;
+#             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model)
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
 # Results under $OUT (default bench/out/device), one folder per part.
@@ -93,6 +96,11 @@ old() {
   PYTHONPATH=$OLD_SITE:${PYTHONPATH:-} resume /tmp/oldbench/suite.py old
 }
 
+fleet() {  # $1: the part's name (its results go to $OUT/$1), then bench/fleet's options
+  local part=$1; shift
+  python3 bench/fleet --model "$MODEL" --tools 8 "$@" --out "$OUT/$part" 2>&1 | tail -45
+}
+
 run_part() {
   case "$1" in
     suite)    suite ;;
@@ -107,6 +115,10 @@ run_part() {
                 --modes batched --whole "" --no-batch-generator --out "$OUT/batching" 2>&1 | tail -6 ;;
     startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
                 2>&1 | tail -4 ;;
+    fleet)    model; fleet fleet --agents 8 --system-tokens 10240 --turns 6 ;;
+    fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
+    fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
+    fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
 }

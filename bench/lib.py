@@ -16,6 +16,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,3 +217,50 @@ def engine_work(status: dict[str, Any], began_wall: float, ended_wall: float) ->
     `began_wall` (KVWAKE_SLOW_JOB_MS=0 KVWAKE_SLOW_JOBS_KEPT=20000 in the daemon's environment: all of them)."""
     return [{"what": j["what"], "ms": j["ms"], "at_s": round(j["at"] - began_wall, 3)}
             for j in status["engine_thread"]["slow"] if began_wall <= j["at"] <= ended_wall]
+
+
+# Servers to compare against
+
+def answered(url: str, proc: subprocess.Popen | None = None, timeout: float = 900.0) -> None:
+    """Return once GET `url` answers (any HTTP status: a refusal for want of a token is an answer too);
+    RuntimeError if `proc` exits first or `timeout` passes."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"nothing answered {url} (process exit code: "
+                                   f"{proc.poll() if proc is not None else None})") from None
+            time.sleep(0.05)
+
+
+def start_mlx_server(model: Path, log: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """`mlx_lm.server` on `model` (its defaults, then `args`) at a free port, its output appended to `log`;
+    returns once its /v1/models answers: the process and its OpenAI base URL."""
+    port = free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
+                                 *args], stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}/v1"
+    try:
+        answered(f"{base}/models", proc)
+    except RuntimeError:
+        proc.kill()
+        raise RuntimeError(f"mlx_lm.server did not start; its log ends:\n{log.read_text(errors='replace')[-2000:]}")
+    return proc, base
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """A live process's peak resident set (VmHWM); None where there is no /proc (macOS)."""
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        return None
+    line = next((row for row in status.read_text().splitlines() if row.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else None

@@ -158,6 +158,8 @@ WORKLOADS = (
     Workload("rpc", "suite.py", "the RPC front's round trip against a bare msgpack echo server", ("rpc",)),
     Workload("batching", "batching.py", "many sessions decoding at once, and a long prefill beside decoding"),
     Workload("turns-at-once", "turns_at_once.py", "agents sending their next turn at once beside a decoding session"),
+    Workload("fleet", "fleet/__main__.py", "N agents at once over the openai and anthropic packages against "
+             "mlx_lm.server, a restart, issue 50's targets"),
     Workload("openai-turns", "http_turns.py", "an agent's turns over the OpenAI chat API, a restart mid-way"),
     Workload("responses-turns", "responses_turns.py", "an agent's turns over the Responses API, a restart mid-way"),
     Workload("anthropic-turns", "anthropic_turns.py", "an agent's turns over the Anthropic Messages API, a restart"),

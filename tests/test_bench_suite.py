@@ -15,7 +15,7 @@ def test_list_names_every_registered_benchmark_and_each_script_is_in_bench():
     assert result.exit_code == 0, result.output
     listed = json.loads(result.stdout)
     assert [w["name"] for w in listed] == [w.name for w in WORKLOADS]
-    assert {"resume", "batching", "openai-turns", "responses-turns", "anthropic-turns", "persist", "matching", "load",
+    assert {"resume", "batching", "fleet", "openai-turns", "responses-turns", "anthropic-turns", "persist", "matching", "load",
             "soak", "remote", "structured", "startup", "codec"} <= {w["name"] for w in listed}
     assert all((bench_dir() / w.script).is_file() for w in WORKLOADS)
     text = CliRunner().invoke(main, ["bench", "--list"]).stdout
@@ -38,3 +38,27 @@ def test_the_startup_benchmark_runs_on_the_tiny_model_to_its_report(tmp_path):
     [start] = out["daemon"]
     assert start["ready_s"] > 0 and start["first_request_s"] > 0 and start["second_request_s"] > 0
     assert isinstance(start["startup_ms"], dict) and start["startup_ms"]
+
+
+def test_the_fleet_benchmark_runs_its_smallest_configuration_against_mlx_lm_server_to_its_report(tmp_path):
+    result = CliRunner().invoke(main, ["bench", "fleet", "--agents", "1", "--system-tokens", "256", "--turns", "1",
+                                       "--task-tokens", "32", "--result-tokens", "32", "--reply-tokens", "4",
+                                       "--tools", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    [config] = json.loads((tmp_path / "fleet.json").read_text())["configs"]
+    runs = config["runs"]
+    assert set(runs) == {"mlx_lm.server", "kvwake openai", "kvwake anthropic"}
+    for run in runs.values():
+        assert run["start_s"] > 0 and run["restart_start_s"] > 0
+        assert run["round_1_first_token_p50_s"] > 0 and run["restart_first_token_p50_s"] > 0
+        assert len(run["round_wall_s"]) == 1 and run["generated_tokens"] > 0
+        assert run["prompt_tokens_round_1"] > 256  # the system prompt with the tool schemas, and the task
+        assert run["peak_rss_bytes"] > 0
+    assert runs["kvwake openai"]["mlx_peak_bytes"] > 0
+    for name in ("kvwake openai", "kvwake anthropic"):
+        rows = {r["phase"]: r for r in config["compared"][name]}
+        first = rows["round_1_first_token_p50_s"]
+        assert first["ratio"] == round(runs[name]["round_1_first_token_p50_s"]
+                                       / runs["mlx_lm.server"]["round_1_first_token_p50_s"], 3)
+        assert first["target"] == "<= 0.42x" and isinstance(first["met"], bool)  # the CPU's targets, 1.4x the GPU's
+    assert "kvwake anthropic against mlx_lm.server" in (tmp_path / "fleet.md").read_text()
