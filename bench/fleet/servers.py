@@ -3,6 +3,7 @@ stopped as a whole process, so a start is timed from the process's start and a r
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class Kvwake:
     def __init__(self, root: Path, model: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.daemon = Daemon(root, model, block_tokens=128, extra=["--http", "0"])
-        self.started = 0.0
+        self.started, self.lives = 0.0, 0
 
     def start(self) -> float:
         """Start the process; seconds until its HTTP API answers."""
@@ -58,7 +59,13 @@ class Kvwake:
 
     def stop(self, ready_s: float) -> Life:
         with self.daemon.client() as rpc:
-            memory = rpc.call("status")["memory"]
+            status = rpc.call("status")
+        memory = status["memory"]
+        # Where each turn's first token went (status.turns: render, match, claim, append, first token), the
+        # counters and the start's phases, for docs/benchmarks.md's trace: one file per process
+        self.lives += 1
+        trace = {key: status.get(key) for key in ("turns", "counters", "startup_ms", "engine_thread", "latency", "generation")}
+        (self.daemon.root / f"trace-{self.lives}.json").write_text(json.dumps(trace, indent=1, default=str))
         self.daemon.stop()
         return Life(ready_s, memory["peak_rss_bytes"], memory.get("mlx_peak_bytes"))
 
