@@ -3,6 +3,8 @@ computes against mlx-lm's masked attention over the padded batch (CUDA), and wha
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
@@ -26,20 +28,20 @@ def fused(queries, keys, values, cache, scale, mask, sinks=None):
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def padded_batch(lengths: list[int], dtype: mx.Dtype, cache_type=BatchKVCache) -> tuple[BatchKVCache, mx.array,
-                                                                                            mx.array, mx.array]:
+def padded_batch(lengths: list[int], dtype: mx.Dtype, cache_type=BatchKVCache) -> tuple[Any, ...]:
     """A batch cache whose rows hold `lengths` tokens (left-padded to the longest), its keys and values as
-    mlx-lm's attention gets them after a decode step's update, and that step's queries."""
+    mlx-lm's attention gets them after a decode step's update, that step's queries and its mask."""
     mx.random.seed(3)
     longest = max(lengths)
     cache = cache_type([longest - n for n in lengths]) if cache_type is BatchKVCache else \
         cache_type(max_size=4096, left_padding=[longest - n for n in lengths])
     k, v = (mx.random.normal((len(lengths), KV_HEADS, longest - 1, HEAD_DIM)).astype(dtype) for _ in range(2))
     cache.update_and_fetch(k, v)
+    mask = cache.make_mask(1, return_array=True)  # as the model makes it: before the step's update
     k1, v1 = (mx.random.normal((len(lengths), KV_HEADS, 1, HEAD_DIM)).astype(dtype) for _ in range(2))
     keys, values = cache.update_and_fetch(k1, v1)
     queries = mx.random.normal((len(lengths), Q_HEADS, 1, HEAD_DIM)).astype(dtype)
-    return cache, keys, values, queries
+    return cache, keys, values, queries, mask
 
 
 def test_it_is_wanted_on_cuda_alone_and_when_asked():
@@ -56,7 +58,7 @@ def test_what_the_mask_alone_can_say_takes_the_fused_path(case):
         return mx.zeros((1,))
 
     cache_type = BatchRotatingKVCache if case == "sliding window" else BatchKVCache
-    cache, keys, values, queries = padded_batch([5, 9], mx.float32, cache_type)
+    cache, keys, values, queries, _ = padded_batch([5, 9], mx.float32, cache_type)
     if case == "prefill chunk":
         queries = mx.concatenate([queries, queries], axis=2)
     sinks = mx.zeros((Q_HEADS,)) if case == "sinks" else None
@@ -68,8 +70,7 @@ def test_what_the_mask_alone_can_say_takes_the_fused_path(case):
 @pytest.mark.parametrize("dtype,bound", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
 @pytest.mark.parametrize("lengths", [[1, 7, 300], [4000, 12, 2500, 1]])
 def test_the_row_kernel_agrees_with_masked_attention_over_the_padded_batch(dtype, bound, lengths):
-    cache, keys, values, queries = padded_batch(lengths, dtype)
-    mask = cache.make_mask(1, return_array=True)
+    cache, keys, values, queries, mask = padded_batch(lengths, dtype)
     want = fused(queries, keys, values, cache, 0.125, mask)
     got = ragged_decode.ragged(lambda *a, **k: pytest.fail("took the fused path"))(queries, keys, values, cache,
                                                                                    0.125, mask)
@@ -78,23 +79,33 @@ def test_the_row_kernel_agrees_with_masked_attention_over_the_padded_batch(dtype
 
 
 @pytest.mark.skipif(not _cuda(), reason="the row kernel is a CUDA kernel: MLX does not run on CUDA here")
-def test_batched_decode_with_the_row_kernel_gives_the_tokens_of_the_masked_path(tmp_path):
+def test_with_the_row_kernel_a_call_decodes_the_same_tokens_batched_or_alone(tmp_path):
+    # A row's spans are cut at fixed token counts of its own (ROW_SPLIT): its sums do not depend on its company.
     model_dir = make_model_dir(tmp_path / "tiny")
     prompts = ["short", "a somewhat longer prompt about tools " * 6, "x" * 300]
-    tokens = {}
-    for row_kernel in (False, True):
-        store = Store(tmp_path / f"store{row_kernel}", block_tokens=16)
-        engine = Engine(store, tmp_path, model_dir, max_batch=8, tuning=Tuning(row_kernel=row_kernel))
-        assert engine.decoder.row_kernel is row_kernel
-        sessions = [Session(f"s{i}") for i in range(len(prompts))]
-        for s, text in zip(sessions, prompts):
-            engine.append(s, text=text)
-        calls = [engine.start_call(s, GenerateParams(max_tokens=24)) for s in sessions]
-        for call in calls:
-            engine.decoder.join(call)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, max_batch=8, tuning=Tuning(row_kernel=True))
+    assert engine.decoder.row_kernel
+    params = GenerateParams(max_tokens=24)
+
+    def started(name: str, text: str):
+        s = Session(name)
+        engine.append(s, text=text)
+        return engine.start_call(s, params)
+
+    alone = []
+    for i, text in enumerate(prompts):
+        call = started(f"alone{i}", text)
+        engine.decoder.join(call)
         while engine.decoder.active:
             engine.decoder.step()
-        tokens[row_kernel] = [c.future.result().tokens for c in calls]
-        engine.close()
-        store.close()
-    assert tokens[True] == tokens[False]
+        alone.append(call.future.result().tokens)
+    calls = [started(f"b{i}", text) for i, text in enumerate(prompts)]
+    for call in calls:
+        engine.decoder.join(call)
+    while engine.decoder.active:
+        engine.decoder.step()
+    assert [c.future.result().tokens for c in calls] == alone
+    assert engine.decoder.counters["max_batch_seen"] == 3
+    engine.close()
+    store.close()

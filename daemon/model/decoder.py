@@ -115,7 +115,7 @@ class Decoder:
     def step(self) -> None:
         """Admit waiting calls (in one merge), then one token for every running call."""
         started, waiting = time.perf_counter(), len(self.waiting)
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), self._attention():
             self._admit()
             admitted = time.perf_counter() - started
             self._step_batch()
@@ -128,6 +128,12 @@ class Decoder:
         self.counters["max_batch_seen"] = max(self.counters["max_batch_seen"], n)
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
+
+    def _attention(self) -> contextlib.AbstractContextManager[None]:
+        """A step's attention: by the row kernel for every call, batched or alone (model/ragged_decode.py:
+        a row's result does not depend on its company, so a batched call decodes as it would alone), or
+        as the model computes it."""
+        return attention.swapped(self.model, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext()
 
     def trace(self) -> str:
         """What the last step did beyond a step, for the engine thread's record of slow work: the calls it
@@ -153,7 +159,7 @@ class Decoder:
 
     def warm_size(self, n: int) -> None:
         """One size of `warm`: a batch of its own, so it may run between the live batch's steps."""
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), self._attention():
             batch = dead_rows(self.model, list(range(n)), self.blanks)
             batch.next()
             batch.next()
@@ -340,8 +346,7 @@ class Decoder:
             self.counters["rows_sampled_together"] += 1
         started = time.perf_counter()
         try:
-            with attention.swapped(self.model, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext():
-                responses = self.batch.next()
+            responses = self.batch.next()
         except Exception as exc:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
             self.fed_only.clear()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["THREADS", "decode_attention", "gather_attention", "kernel_attention", "row_attention", "split_tokens"]
+__all__ = ["ROW_SPLIT", "THREADS", "decode_attention", "gather_attention", "kernel_attention", "row_attention", "split_tokens"]
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
@@ -35,6 +35,9 @@ TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks
 # the 8B shape: 216 registers a thread at 64, 126 at 32 with four tokens in flight).
 REGISTER_FLOATS = 32
 IN_FLIGHT = 4  # tokens a group loads before it uses any (2-byte dtypes; half as many of float32)
+# A row's spans over a batch's own buffers (row_attention): a fixed size, so a row's sums run in the same
+# order whatever rows share its step (a call decodes the same tokens batched or alone)
+ROW_SPLIT = 256
 MIN_SPLIT = 128  # a span's partial output is q_heads x head_dim floats: below this it costs a share of the KV
 
 
@@ -263,7 +266,7 @@ def row_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: m
         raise ValueError(f"no row kernel for {rows} rows of {q_heads} query heads over {keys.shape} "
                          f"({dtype}, {keys.dtype} KV)")
     return _flash_decode("row_spans", queries, keys, values, starts, lengths, scale, kv_heads,
-                         max_tokens or keys.shape[2], split, tpt, ())
+                         max_tokens or keys.shape[2], split or ROW_SPLIT, tpt, ())
 
 
 def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.array, where: mx.array,

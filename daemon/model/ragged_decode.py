@@ -7,9 +7,11 @@ time its KV takes to read (docs/benchmarks.md, "Paged decode attention (issue 51
 its batch, the model's attention runs `paged_attention.row_attention` over the batch's own buffers instead:
 row r reads slots left_padding[r] .. the batch's end, nothing else, exactly what the mask let through.
 
-Only where it computes what the mask did: plain KV layers (a `BatchKVCache`, not a subclass: a sliding
-window's ring masks differently), one query per row, no attention sinks; anything else takes the fused
-path as before. CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is
+A call decoding alone (a `KVCache`) takes the same kernel: a row's result does not depend on the other
+rows (the spans are cut at fixed token counts of its own, `paged_attention.ROW_SPLIT`), so a call decodes
+the same tokens batched or alone, as it did with the masked path. Only where it computes what the mask did:
+plain KV layers (`BatchKVCache` or `KVCache` exactly: a sliding window's ring masks differently, quantized
+KV has its own kernel), one query per row, no attention sinks; anything else takes the fused path as before. CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is
 bit-exact against it; a Metal kernel is not written: paged_attention.py says why).
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from kvwake.daemon.model.paged_attention import row_attention
 
@@ -35,13 +37,16 @@ def ragged(fused: Any) -> Any:
     step (module docstring), `fused` for anything else."""
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
-        if (queries.shape[2] != 1 or type(cache) is not BatchKVCache or sinks is not None or cache.keys is None
-                or queries.dtype != cache.keys.dtype):
+        if (queries.shape[2] != 1 or type(cache) not in (BatchKVCache, KVCache) or sinks is not None
+                or cache.keys is None or queries.dtype != cache.keys.dtype):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        starts = cache.left_padding.astype(mx.int32)
+        if type(cache) is BatchKVCache:  # row r: its slots after its left padding, to the batch's end
+            starts, end = cache.left_padding.astype(mx.int32), cache._idx
+        else:  # a call alone: every slot to its offset
+            starts, end = mx.zeros((queries.shape[0],), mx.int32), cache.offset
         try:
-            out = row_attention(queries[:, :, 0], cache.keys, cache.values, starts, cache._idx - starts, scale,
-                                max_tokens=cache._idx)
+            out = row_attention(queries[:, :, 0], cache.keys, cache.values, starts, end - starts, scale,
+                                max_tokens=end)
         except ValueError:  # a head shape the kernel does not take
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return out[:, :, None]
