@@ -63,6 +63,13 @@ for f in raw.iterdir():
     if not f.name.endswith(".safetensors") and f.is_file():
         shutil.copy(f, out / f.name)
 print("sharded:", sorted(p.name for p in out.glob("*.safetensors")))
+# The fleet's agents send tool schemas and tool results: a template that renders them, with a tool-call
+# format mlx-lm knows (json_tools, inferred from it), as the test kit's agent model has
+import json
+sys.path.insert(0, ".")
+from testkit.tinymodel import TOOLS_CHATML
+config = json.loads((out / "tokenizer_config.json").read_text())
+(out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_CHATML}))
 PY
 }
 
@@ -140,6 +147,7 @@ run_part() {
               python3 bench/startup.py --model "$MODEL" --starts 0 --cold 2>&1 | tail -12 ;;
     fleet)    model; fleet fleet --agents 8 --system-tokens 10240 --turns 6 ;;
     fleet-3)  model; fleet fleet-3 --agents 8 --system-tokens 10240 --turns 3 ;;
+    fleet-o)  model; fleet fleet-o --agents 8 --system-tokens 10240 --turns 3 --apis openai ;;
     fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;

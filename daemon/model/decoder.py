@@ -93,7 +93,8 @@ class Decoder:
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
-        self.row_kernel = False  # batched steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
+        self.row_kernel = False  # steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
+        self._attends = model  # whose module's attention the row kernel takes over (self.model may be wrapped)
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
@@ -133,7 +134,7 @@ class Decoder:
         """A step's attention: by the row kernel for every call, batched or alone (model/ragged_decode.py:
         a row's result does not depend on its company, so a batched call decodes as it would alone), or
         as the model computes it."""
-        return attention.swapped(self.model, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext()
+        return attention.swapped(self._attends, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext()
 
     def trace(self) -> str:
         """What the last step did beyond a step, for the engine thread's record of slow work: the calls it
