@@ -716,7 +716,10 @@ def test_sessions_woken_together_read_each_shared_block_once_and_wake_exactly(en
     engine_thread.shutdown()
     read = engine.counters["blocks_disk"] - before["blocks_disk"]
     taken = engine.counters["blocks_ram"] - before["blocks_ram"]
-    assert (read, taken) == (4 + 1 + 1, 4)  # the shared blocks once, each session's own block once
+    if mode == "direct":  # the shared blocks once, each session's own block once
+        assert (read, taken) == (4 + 1 + 1, 4)
+    else:  # staged: each stages its own copy on the device (sharing through host views was slower on a GPU)
+        assert (read, taken) == (5 + 5, 0)
     for name, (s, _) in woken.items():
         for (k, v), (k2, v2) in zip(sessions[name], kv_of(s.cache, 80)):
             assert np.array_equal(k, k2) and np.array_equal(v, v2)

@@ -370,7 +370,7 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
     landed = None
     try:
         # Shared: decoded into the host views, not staged, so that its copy is the block's arrays.
-        share = keep_in_ram or ctx.ram_tier.shared(ref.key)
+        share = keep_in_ram or (buffers.ring is None and ctx.ram_tier.shared(ref.key))
         arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
                                       session_id=record.session_id if record else None,
                                       place=buffers.place(start, count), stage=None if share else buffers.stage(k))
@@ -447,11 +447,14 @@ def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Bloc
     restore there (the hit shortens; its tokens are prefilled). Blocks not staged (direct mode, no ring)
     are kept in the RAM tier when `shorten`: shared prompts are what it is for.
 
-    Reads are single-flight across restores (ram_tier.py): this restore says which blocks it needs
+    Reads are single-flight across restores that decode into host views (ram_tier.py; not staged ones):
+    this restore says which blocks it needs
     for as long as it runs, a block another running restore needs too is read once and landed in the
     RAM tier for it, and one that restore is reading now is waited for, not read again.
     """
-    with ctx.ram_tier.wanting(ref.key for ref in refs) as wants:
+    # Staged (a GPU's ring): not shared. A shared block decoded into host views and uploaded from them took
+    # longer than each restore staging its own copy on the device (docs/benchmarks.md, "fleet").
+    with ctx.ram_tier.wanting([] if buffers.ring is not None else [ref.key for ref in refs]) as wants:
         return _fill_spans(ctx, buffers, refs, mlx, batch, record, shorten, wants)
 
 
