@@ -1,6 +1,6 @@
 """The real Claude Code CLI against kvwake: three turns of `claude -p`, a daemon restart before the third.
 
-usage: python bench/claude_code.py [--version 2.1.330] [--tools ""] [--out bench/out/cpu]
+usage: python bench/claude_code.py [--version 2.1.332] [--tools ""] [--out bench/out/cpu]
 
 Installs `@anthropic-ai/claude-code` from npm once (into ~/.cache/kvwake-bench/claude-code),
 starts `kvwake serve --http` on a scripted tiny model (testkit/tinymodel.py: any prompt is
@@ -64,7 +64,7 @@ def turn(claude: Path, d: Daemon, work: Path, prompt: str, tools: str, more: lis
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--version", default="2.1.330")
+    ap.add_argument("--version", default="2.1.332")
     ap.add_argument("--tools", default="", help='Claude Code\'s --tools ("" turns its built-in tools off)')
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()

@@ -1,7 +1,7 @@
 """The real Codex CLI against kvwake: `codex exec`, then `codex exec resume --last`, then, after a daemon
 restart, `resume --last` again.
 
-usage: python bench/codex_cli.py [--version 0.169.0] [--hosted disabled|omit] [--call exec|namespace]
+usage: python bench/codex_cli.py [--version 0.171.0] [--hosted omit|disabled] [--call exec|namespace]
                                  [--out bench/out/cpu]
 
 Installs `@openai/codex` from npm once (into ~/.cache/kvwake-bench/codex), starts `kvwake serve
@@ -14,9 +14,11 @@ Codex's namespace tool, on an agent that does not exist), and after the tool's o
 with a tab) it answers in words. So every `codex exec` turn is two requests: the call, Codex runs
 the tool and sends its output back, the answer.
 
-`--hosted disabled` (the default) turns Codex's web_search tool off in its config (`web_search =
-"disabled"`); `--hosted omit` leaves Codex as it is and starts the daemon with
-`--http-hosted-tools omit`. Codex runs with `--dangerously-bypass-approvals-and-sandbox` (its
+`--hosted omit` (the default) leaves Codex's config as it is (its web_search tool and all) and the
+daemon's too (it leaves OpenAI's built-in tools out of the prompt: `http_hosted_tools = "omit"`);
+`--hosted disabled` turns Codex's web_search tool off in its config (`web_search = "disabled"`) and
+starts the daemon with `--http-hosted-tools refuse`, so a built-in tool Codex still sent would fail the
+turn. Codex runs with `--dangerously-bypass-approvals-and-sandbox` (its
 bubblewrap sandbox needs user namespaces; the one command is an echo, in a temporary folder).
 Per turn: what Codex printed (`--json` events: the tool run, its output, the answer), its own usage
 (input and cached input tokens, summed over the turn's requests; Codex adds them up over the
@@ -87,8 +89,8 @@ def turn(codex: Path, env: dict[str, str], work: Path, args: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--version", default="0.169.0")
-    ap.add_argument("--hosted", choices=["disabled", "omit"], default="disabled")
+    ap.add_argument("--version", default="0.171.0")
+    ap.add_argument("--hosted", choices=["omit", "disabled"], default="omit")
     ap.add_argument("--call", choices=sorted(CALLS), default="exec")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
     a = ap.parse_args()
@@ -96,7 +98,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvwake-codex-"))
     (work / "project").mkdir()
     model = scripted_model(work / "scripted", a.call)
-    extra = ["--http", "0", *(["--http-hosted-tools", "omit"] if a.hosted == "omit" else [])]
+    extra = ["--http", "0", *(["--http-hosted-tools", "refuse"] if a.hosted == "disabled" else [])]
     d = Daemon(work / "d", model, block_tokens=128, extra=extra)
     (work / "d").mkdir()
     rows = []
