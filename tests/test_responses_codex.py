@@ -2,10 +2,10 @@
 refused by name with `--http-hosted-tools refuse`) and `GET /v1/responses/{id}/input_items`, against a real
 daemon.
 
-tests/fixtures/codex-0.169.0-request.json is the first request Codex CLI 0.169.0 sent for `codex exec
+tests/fixtures/codex-0.171.0-request.json is the first request Codex CLI 0.171.0 sent for `codex exec
 "Say hello"` (with the provider docs/http.md gives), captured on the wire by bench/codex_capture.py: 7
 function tools, the `multi_agent_v1` namespace tool (5 function tools) and `web_search`;
-codex-0.169.0-request-2.json is the request Codex sent next, after it was answered with a call of
+codex-0.171.0-request-2.json is the request Codex sent next, after it was answered with a call of
 `multi_agent_v1`'s `close_agent` and ran it: the same input, then the call (with its `namespace`) and
 Codex's output for it. They are replayed through raw HTTP (the real CLI runs against kvwake in
 bench/codex_cli.py); their long developer texts are cut so the CPU prefill stays short, all else is as
@@ -44,7 +44,7 @@ AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools f
 
 def codex_request(suffix: str = "") -> dict:
     """A captured request, its messages' texts cut to 300 characters."""
-    body = json.loads((FIXTURES / f"codex-0.169.0-request{suffix}.json").read_text())
+    body = json.loads((FIXTURES / f"codex-0.171.0-request{suffix}.json").read_text())
     for item in body["input"]:
         for part in item.get("content") or []:
             part["text"] = part["text"][:300]
