@@ -46,6 +46,7 @@ from kvwake.client import openai_config  # noqa: E402
 from testkit.daemon import Daemon  # noqa: E402
 from testkit.tinymodel import after_tool_template, make_scripted_model  # noqa: E402
 
+VERSION = "0.171.0"  # the current release on npm, tried (docs/http.md)
 CALLS = {"exec": '{"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex-tool"}}',
          "namespace": '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "no-such-agent"}}'}
 ANSWER = ("The tool", " ran; hello", " from kvwake.")
@@ -87,30 +88,24 @@ def turn(codex: Path, env: dict[str, str], work: Path, args: list[str]) -> dict:
             "errors": [e for e in events if e.get("type") in ("error", "turn.failed")]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--version", default="0.171.0")
-    ap.add_argument("--hosted", choices=["omit", "disabled"], default="omit")
-    ap.add_argument("--call", choices=sorted(CALLS), default="exec")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
-    a = ap.parse_args()
-    codex = npm_binary("@openai/codex", "codex", a.version)
-    work = Path(tempfile.mkdtemp(prefix="kvwake-codex-"))
+def run_turns(codex: Path, work: Path, call: str, hosted: str) -> tuple[list[dict], list[str]]:
+    """Three `codex exec` turns in `work` (a fresh folder) against a daemon on the scripted model, the third
+    after a restart: each turn's row, and the daemon's log problems (tests/test_agent_clis.py runs it too)."""
     (work / "project").mkdir()
-    model = scripted_model(work / "scripted", a.call)
-    extra = ["--http", "0", *(["--http-hosted-tools", "refuse"] if a.hosted == "disabled" else [])]
+    model = scripted_model(work / "scripted", call)
+    extra = ["--http", "0", *(["--http-hosted-tools", "refuse"] if hosted == "disabled" else [])]
     d = Daemon(work / "d", model, block_tokens=128, extra=extra)
     (work / "d").mkdir()
-    rows = []
+    rows: list[dict] = []
     try:
         d.start(timeout=120)
-        env = codex_home(work / "codex-home", d, a.hosted)
+        env = codex_home(work / "codex-home", d, hosted)
         for i, args in enumerate([["Say hello"], ["resume", "--last", "Say it again"],
                                   ["resume", "--last", "And once more"]]):
             if i == 2:
                 assert d.stop() == 0
                 d.start(timeout=120)
-                env = codex_home(work / "codex-home", d, a.hosted)  # the port changed
+                env = codex_home(work / "codex-home", d, hosted)  # the port changed
             row = {"turn": i + 1, "args": args, "after_restart": i == 2, **turn(codex, env, work / "project", args)}
             # Codex's usage adds up over the thread: this turn's is the difference.
             before = rows[-1]["usage"] if rows else {}
@@ -121,13 +116,24 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         d.stop()
+    return rows, d.log_problems()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--version", default=VERSION)
+    ap.add_argument("--hosted", choices=["omit", "disabled"], default="omit")
+    ap.add_argument("--call", choices=sorted(CALLS), default="exec")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
+    a = ap.parse_args()
+    codex = npm_binary("@openai/codex", "codex", a.version)
+    rows, problems = run_turns(codex, Path(tempfile.mkdtemp(prefix="kvwake-codex-")), a.call, a.hosted)
     report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores",
               "codex": a.version, "hosted": a.hosted, "call": a.call, "turns": rows,
-              "daemon_log_problems": d.log_problems()}
+              "daemon_log_problems": problems}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"codex_cli_{a.call}_{a.hosted}.json").write_text(json.dumps(report, indent=1))
-
 
 if __name__ == "__main__":
     main()
