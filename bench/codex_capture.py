@@ -71,7 +71,7 @@ def endpoint(bodies: list[bytes]) -> http.server.HTTPServer:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--version", default="0.169.0")
+    ap.add_argument("--version", default="0.171.0")
     ap.add_argument("--out", default=str(ROOT / "tests" / "fixtures"))
     a = ap.parse_args()
     codex = npm_binary("@openai/codex", "codex", a.version)

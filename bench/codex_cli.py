@@ -1,7 +1,7 @@
 """The real Codex CLI against kvwake: `codex exec`, then `codex exec resume --last`, then, after a daemon
 restart, `resume --last` again.
 
-usage: python bench/codex_cli.py [--version 0.169.0] [--hosted disabled|omit] [--call exec|namespace]
+usage: python bench/codex_cli.py [--version 0.171.0] [--hosted omit|disabled] [--call exec|namespace]
                                  [--out bench/out/cpu]
 
 Installs `@openai/codex` from npm once (into ~/.cache/kvwake-bench/codex), starts `kvwake serve
@@ -14,9 +14,11 @@ Codex's namespace tool, on an agent that does not exist), and after the tool's o
 with a tab) it answers in words. So every `codex exec` turn is two requests: the call, Codex runs
 the tool and sends its output back, the answer.
 
-`--hosted disabled` (the default) turns Codex's web_search tool off in its config (`web_search =
-"disabled"`); `--hosted omit` leaves Codex as it is and starts the daemon with
-`--http-hosted-tools omit`. Codex runs with `--dangerously-bypass-approvals-and-sandbox` (its
+`--hosted omit` (the default) leaves Codex's config as it is (its web_search tool and all) and the
+daemon's too (it leaves OpenAI's built-in tools out of the prompt: `http_hosted_tools = "omit"`);
+`--hosted disabled` turns Codex's web_search tool off in its config (`web_search = "disabled"`) and
+starts the daemon with `--http-hosted-tools refuse`, so a built-in tool Codex still sent would fail the
+turn. Codex runs with `--dangerously-bypass-approvals-and-sandbox` (its
 bubblewrap sandbox needs user namespaces; the one command is an echo, in a temporary folder).
 Per turn: what Codex printed (`--json` events: the tool run, its output, the answer), its own usage
 (input and cached input tokens, summed over the turn's requests; Codex adds them up over the
@@ -44,6 +46,7 @@ from kvwake.client import openai_config  # noqa: E402
 from testkit.daemon import Daemon  # noqa: E402
 from testkit.tinymodel import after_tool_template, make_scripted_model  # noqa: E402
 
+VERSION = "0.171.0"  # the current release on npm, tried (docs/http.md)
 CALLS = {"exec": '{"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex-tool"}}',
          "namespace": '{"name": "multi_agent_v1__close_agent", "arguments": {"target": "no-such-agent"}}'}
 ANSWER = ("The tool", " ran; hello", " from kvwake.")
@@ -85,30 +88,24 @@ def turn(codex: Path, env: dict[str, str], work: Path, args: list[str]) -> dict:
             "errors": [e for e in events if e.get("type") in ("error", "turn.failed")]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--version", default="0.169.0")
-    ap.add_argument("--hosted", choices=["disabled", "omit"], default="disabled")
-    ap.add_argument("--call", choices=sorted(CALLS), default="exec")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
-    a = ap.parse_args()
-    codex = npm_binary("@openai/codex", "codex", a.version)
-    work = Path(tempfile.mkdtemp(prefix="kvwake-codex-"))
+def run_turns(codex: Path, work: Path, call: str, hosted: str) -> tuple[list[dict], list[str]]:
+    """Three `codex exec` turns in `work` (a fresh folder) against a daemon on the scripted model, the third
+    after a restart: each turn's row, and the daemon's log problems (tests/test_agent_clis.py runs it too)."""
     (work / "project").mkdir()
-    model = scripted_model(work / "scripted", a.call)
-    extra = ["--http", "0", *(["--http-hosted-tools", "omit"] if a.hosted == "omit" else [])]
+    model = scripted_model(work / "scripted", call)
+    extra = ["--http", "0", *(["--http-hosted-tools", "refuse"] if hosted == "disabled" else [])]
     d = Daemon(work / "d", model, block_tokens=128, extra=extra)
     (work / "d").mkdir()
-    rows = []
+    rows: list[dict] = []
     try:
         d.start(timeout=120)
-        env = codex_home(work / "codex-home", d, a.hosted)
+        env = codex_home(work / "codex-home", d, hosted)
         for i, args in enumerate([["Say hello"], ["resume", "--last", "Say it again"],
                                   ["resume", "--last", "And once more"]]):
             if i == 2:
                 assert d.stop() == 0
                 d.start(timeout=120)
-                env = codex_home(work / "codex-home", d, a.hosted)  # the port changed
+                env = codex_home(work / "codex-home", d, hosted)  # the port changed
             row = {"turn": i + 1, "args": args, "after_restart": i == 2, **turn(codex, env, work / "project", args)}
             # Codex's usage adds up over the thread: this turn's is the difference.
             before = rows[-1]["usage"] if rows else {}
@@ -119,13 +116,24 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         d.stop()
+    return rows, d.log_problems()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--version", default=VERSION)
+    ap.add_argument("--hosted", choices=["omit", "disabled"], default="omit")
+    ap.add_argument("--call", choices=sorted(CALLS), default="exec")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu"))
+    a = ap.parse_args()
+    codex = npm_binary("@openai/codex", "codex", a.version)
+    rows, problems = run_turns(codex, Path(tempfile.mkdtemp(prefix="kvwake-codex-")), a.call, a.hosted)
     report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}, {os.cpu_count()} cores",
               "codex": a.version, "hosted": a.hosted, "call": a.call, "turns": rows,
-              "daemon_log_problems": d.log_problems()}
+              "daemon_log_problems": problems}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"codex_cli_{a.call}_{a.hosted}.json").write_text(json.dumps(report, indent=1))
-
 
 if __name__ == "__main__":
     main()

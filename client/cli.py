@@ -112,9 +112,9 @@ def _tune_flags(pairs: Any) -> dict[str, str]:
               "<data dir>/http-token; `kvwake http` shows it).")
 @click.option("--http-no-token", "http_no_token", is_flag=True,
               help="Ask no bearer token (loopback only): any local user could read every session.")
-@click.option("--http-hosted-tools", type=click.Choice(["refuse", "omit"]),
-              help="OpenAI's built-in tools (web_search, ...) in a Responses request: refused by name (the "
-              "default), or left out of the prompt (omit).")
+@click.option("--http-hosted-tools", type=click.Choice(["omit", "refuse"]),
+              help="OpenAI's built-in tools (web_search, ...) in a Responses request: left out of the prompt "
+              "and named in the X-Kvwake-Omitted-Tools header (omit, the default), or refused by name.")
 @click.option("--tune", "tune", multiple=True, metavar="NAME=VALUE",
               help="A tuning knob (repeatable; env KVWAKE_<NAME>, config [tuning]); docs/service.md lists them.")
 @click.pass_obj

@@ -19,7 +19,7 @@ the `Settings` field names as top-level keys, e.g.
     remote_endpoint = "http://10.0.0.5:8333"  # else AWS_ENDPOINT_URL, else AWS itself
     http = "127.0.0.1:8080"  # the OpenAI and Anthropic APIs (token: KVWAKE_HTTP_TOKEN or <data dir>/http-token)
     anthropic_drop_system = ["x-anthropic-billing-header:"]  # system blocks left out (the default; [] keeps all)
-    http_hosted_tools = "omit"  # OpenAI's built-in tools (web_search, ...) left out, not refused (Codex CLI)
+    http_hosted_tools = "refuse"  # OpenAI's built-in tools (web_search, ...): a 400 naming them (default "omit")
 
     [aliases]                # model names clients may ask for; without the table any name is served
     "claude-sonnet-4-5" = "Qwen3-8B-4bit"    # -> the loaded model's name (its folder name or hub id)
@@ -157,9 +157,10 @@ class Settings:
     http: str | None = None  # [HOST:]PORT of the OpenAI-compatible API (daemon/fronts/http.py); None: off
     http_token: str | None = field(default=None, repr=False)  # None: the one in <data_dir>/http-token
     http_auth: bool = True  # False (`--http-no-token`): no bearer token asked, loopback only
-    # OpenAI's built-in tools (web_search, ...) in a Responses request: "refuse" (a 400 naming them) or
-    # "omit" (left out of the prompt, named in the X-Kvwake-Omitted-Tools header): fronts/responses_tools.py
-    http_hosted_tools: str = "refuse"
+    # OpenAI's built-in tools (web_search, ...) in a Responses request: "omit" (left out of the prompt, named
+    # in the X-Kvwake-Omitted-Tools header and the log), as an agent's default config needs (Codex CLI sends
+    # web_search), or "refuse" (a 400 naming them): fronts/responses_tools.py
+    http_hosted_tools: str = "omit"
     http_keepalive_s: float = 5.0  # a stream with nothing to send this long (a long prefill) gets an SSE comment
     stateless_ttl_s: float | None = 7 * 86400.0  # stateless HTTP sessions unchanged this long are deleted
     # Model names HTTP clients may ask for ([aliases] table: name -> the loaded model's name); empty: any name.

@@ -210,7 +210,7 @@ def test_get_and_delete_a_stored_response(api):
 def test_what_kvwake_cannot_honour_is_refused_by_name(daemon, api):
     image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
     refusals = [
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
+        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type", "'custom'"),  # built-in: left out
         ({"tool_choice": "required"}, "tool_choice", "no tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "'xml'"),

@@ -1,10 +1,11 @@
-"""Codex CLI's requests on the Responses API: namespace tools, OpenAI's built-in tools (refused by default,
-left out with `--http-hosted-tools omit`) and `GET /v1/responses/{id}/input_items`, against a real daemon.
+"""Codex CLI's requests on the Responses API: namespace tools, OpenAI's built-in tools (left out by default,
+refused by name with `--http-hosted-tools refuse`) and `GET /v1/responses/{id}/input_items`, against a real
+daemon.
 
-tests/fixtures/codex-0.169.0-request.json is the first request Codex CLI 0.169.0 sent for `codex exec
+tests/fixtures/codex-0.171.0-request.json is the first request Codex CLI 0.171.0 sent for `codex exec
 "Say hello"` (with the provider docs/http.md gives), captured on the wire by bench/codex_capture.py: 7
 function tools, the `multi_agent_v1` namespace tool (5 function tools) and `web_search`;
-codex-0.169.0-request-2.json is the request Codex sent next, after it was answered with a call of
+codex-0.171.0-request-2.json is the request Codex sent next, after it was answered with a call of
 `multi_agent_v1`'s `close_agent` and ran it: the same input, then the call (with its `namespace`) and
 Codex's output for it. They are replayed through raw HTTP (the real CLI runs against kvwake in
 bench/codex_cli.py); their long developer texts are cut so the CPU prefill stays short, all else is as
@@ -43,7 +44,7 @@ AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools f
 
 def codex_request(suffix: str = "") -> dict:
     """A captured request, its messages' texts cut to 300 characters."""
-    body = json.loads((FIXTURES / f"codex-0.169.0-request{suffix}.json").read_text())
+    body = json.loads((FIXTURES / f"codex-0.171.0-request{suffix}.json").read_text())
     for item in body["input"]:
         for part in item.get("content") or []:
             part["text"] = part["text"][:300]
@@ -65,13 +66,14 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def refusing(tmp_path_factory, model):
-    """The default: OpenAI's built-in tools are refused."""
-    yield from serving(tmp_path_factory.mktemp("refusing"), model)
+    """OpenAI's built-in tools refused by name (`--http-hosted-tools refuse`)."""
+    yield from serving(tmp_path_factory.mktemp("refusing"), model, "--http-hosted-tools", "refuse")
 
 
 @pytest.fixture(scope="module")
 def omitting(tmp_path_factory, model):
-    yield from serving(tmp_path_factory.mktemp("omitting"), model, "--http-hosted-tools", "omit")
+    """The default: OpenAI's built-in tools left out of the prompt (no flag)."""
+    yield from serving(tmp_path_factory.mktemp("omitting"), model)
 
 
 def post(d: Daemon, body: dict) -> tuple[int, dict]:
@@ -80,15 +82,9 @@ def post(d: Daemon, body: dict) -> tuple[int, dict]:
                                                    "Content-Type": "application/json"}, json.dumps(body).encode())
 
 
-# These two validate Codex's streams against the SDK's own types, which know namespace tools only in
-# newer `openai` packages (the test extra installs one; a machine's own may be older than 2).
-needs_namespace_types = pytest.mark.skipif(
-    not hasattr(openai.types.responses, "NamespaceTool"),
-    reason=f"openai {openai.__version__} has no NamespaceTool type to validate Codex's events against")
-
-
-@needs_namespace_types
-def test_codex_clis_request_is_refused_by_default_naming_its_web_search_tool(refusing):
+# Two tests validate Codex's streams against the SDK's own types, which know namespace tools (the test extra
+# pins an `openai` package that has them).
+def test_codex_clis_request_is_refused_with_refuse_naming_its_web_search_tool(refusing):
     status, body = post(refusing, codex_request())
     error = body["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == "tools[8].type"
@@ -101,10 +97,10 @@ def test_codex_clis_request_is_refused_by_default_naming_its_web_search_tool(ref
     assert events[-1].type == "response.completed" and events[-1].response.output[0].namespace == "multi_agent_v1"
 
 
-@needs_namespace_types
 def test_codex_clis_turns_with_a_namespace_call_continue_the_cache(omitting):
-    """Codex's two captured requests: the first, then the next one, which resends the whole input, the call
-    (with its namespace) and Codex's output for it."""
+    """Codex's two captured requests, its default config's web_search and all, to a daemon with its default
+    settings: the first, then the next one, which resends the whole input, the call (with its namespace) and
+    Codex's output for it."""
     request, headers = codex_request(), {}
     events = validated_stream(omitting, request, headers)
     assert headers["x-kvwake-omitted-tools"] == "web_search"
@@ -146,12 +142,14 @@ def test_namespace_tools_through_the_openai_package(omitting):
     assert cached(other) < first.usage.input_tokens + 3
 
 
-def test_built_in_tools_left_out_with_omit_say_so(omitting):
+def test_built_in_tools_left_out_by_default_say_so(omitting):
     api = openai_client(omitting)
     raw = api.responses.with_raw_response.create(model="m", input="Close agent 7", temperature=0, max_output_tokens=20,
                                                  tools=[{"type": "web_search"}, AGENTS, {"type": "file_search",
                                                                                          "vector_store_ids": ["vs_1"]}])
     assert raw.headers["x-kvwake-omitted-tools"] == "web_search, file_search"
+    said = [line for line in omitting.log.read_text().splitlines() if "left out of the prompt" in line]
+    assert said and "web_search, file_search" in said[-1]  # the daemon's log says so too
     made = raw.parse()
     assert [t.type for t in made.tools] == ["namespace"] and made.output[0].namespace == "multi_agent_v1"
     plain = api.responses.with_raw_response.create(model="m", input="hi", tools=[AGENTS], max_output_tokens=4)
@@ -171,8 +169,11 @@ def test_namespace_tools_refused_by_name_where_they_cannot_be_offered():
             ([{**member, "name": "multi_agent_v1__close_agent"}, AGENTS], "tools[1].tools[0].name", "second tool"),
             ([{"type": "web_search_preview"}], "tools[0].type", "built-in")):
         with pytest.raises(ApiError) as bad:
-            ResponsesRequest.parse({"model": "m", "input": "x", "tools": tools}, None)
+            ResponsesRequest.parse({"model": "m", "input": "x", "tools": tools}, None, "refuse")
         assert bad.value.status == 400 and bad.value.param == param and says in bad.value.message, param
+    # Unless refused, a built-in tool is left out and named: what the X-Kvwake-Omitted-Tools header says.
+    kept = ResponsesRequest.parse({"model": "m", "input": "x", "tools": [{"type": "web_search"}, member]}, None)
+    assert kept.offered.omitted == ["web_search"] and [t["name"] for t in kept.offered.echo] == ["close_agent"]
     with pytest.raises(ApiError) as bad:
         ResponsesRequest.parse({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f",
                                                          "arguments": "{}", "namespace": 3}]}, None)
@@ -241,7 +242,7 @@ def test_the_hosted_tools_setting_takes_refuse_or_omit_only(tmp_path):
     from kvwake.daemon.config import load_settings
 
     none = tmp_path / "none.toml"
-    assert load_settings({}, none).http_hosted_tools == "refuse"
-    assert load_settings({"http_hosted_tools": "omit"}, none).http_hosted_tools == "omit"
+    assert load_settings({}, none).http_hosted_tools == "omit"
+    assert load_settings({"http_hosted_tools": "refuse"}, none).http_hosted_tools == "refuse"
     with pytest.raises(ValueError, match="http_hosted_tools must be \"refuse\" or \"omit\", not 'drop'"):
         load_settings({"http_hosted_tools": "drop"}, none)

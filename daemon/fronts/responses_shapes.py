@@ -169,8 +169,8 @@ class ResponsesRequest:
     earlier: list[dict[str, Any]] | None = field(default_factory=list)  # its items, input and output (None: unknown)
 
     @classmethod
-    def parse(cls, body: dict[str, Any], header_session: str | None, hosted: str = "refuse") -> ResponsesRequest:
-        """`hosted`: the http_hosted_tools setting (what OpenAI's built-in tools get: "refuse" or "omit")."""
+    def parse(cls, body: dict[str, Any], header_session: str | None, hosted: str = "omit") -> ResponsesRequest:
+        """`hosted`: the http_hosted_tools setting (what OpenAI's built-in tools get: "omit" or "refuse")."""
         _refused(body)
         offered, tools, one_call, forced = _tools(body, hosted)
         structure, text_format = _text_format(body, bool(tools), one_call)

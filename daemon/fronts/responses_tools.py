@@ -17,9 +17,11 @@ Translation only. Three kinds of tool come in:
   same tokens the model wrote.
 - OpenAI's built-in tools (BUILT_IN: `web_search`, `file_search`, `mcp`,
   `code_interpreter`, ...): kvwake cannot run them and its models cannot
-  call them in their formats. By default (`http_hosted_tools = "refuse"`) a
-  400 names the tool; with `"omit"` they are left out of the prompt and the
-  response says which (the `X-Kvwake-Omitted-Tools` header).
+  call them in their formats. By default (`http_hosted_tools = "omit"`)
+  they are left out of the prompt and the response says which (the
+  `X-Kvwake-Omitted-Tools` header; the HTTP front logs it too): an agent
+  run with its default config (Codex CLI sends `web_search`) is served.
+  With `"refuse"` a 400 names the tool.
 
 Any other type (`custom` tools, unknown ones) is a 400 naming it.
 """
@@ -63,7 +65,7 @@ class Tools:
 
     @classmethod
     def parse(cls, raw: Any, hosted: str) -> Tools:
-        """`tools` of a request; `hosted` is the http_hosted_tools setting ("refuse" or "omit")."""
+        """`tools` of a request; `hosted` is the http_hosted_tools setting ("omit" or "refuse")."""
         if raw is None:
             raw = []
         if not isinstance(raw, list):
@@ -80,7 +82,8 @@ class Tools:
             elif kind in BUILT_IN:
                 raise bad(f"{kind!r} is one of OpenAI's built-in tools, which kvwake cannot run: leave it out of "
                            "the request (Codex CLI: web_search = \"disabled\" in config.toml), or start the daemon "
-                           "with --http-hosted-tools omit to have such tools left out of the prompt", f"{where}.type")
+                           "with --http-hosted-tools omit (the default) to have such tools left out of the "
+                           "prompt", f"{where}.type")
             else:
                 raise bad(f"{kind!r} tools are not supported by kvwake: only function and namespace tools",
                            f"{where}.type")
