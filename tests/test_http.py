@@ -115,7 +115,7 @@ def test_status_says_where_each_turns_first_token_went(daemon, api):
     assert set(phases) >= {"render_ms", "match_ms", "match_store_ms", "claim_ms", "append_ms", "first_token_ms",
                            "prefilled"}
     assert all(phases[k] >= 0 for k in phases if k.endswith("_ms")) and phases["prefilled"] > 0
-    assert 0 < phases["match_store_ms"] <= phases["match_ms"]  # the store was asked, within the finding
+    assert 0 <= phases["match_store_ms"] <= phases["match_ms"]  # the store asked (when a session sleeps), within the finding
     assert phases["append_ms"] > 0 and phases["first_token_ms"] > 0
     # how the matcher found it: a conversation no session had (new, or branched from another test's
     # session on the same system prompt: the daemon is the module's)
