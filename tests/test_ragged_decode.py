@@ -109,3 +109,18 @@ def test_with_the_row_kernel_a_call_decodes_the_same_tokens_batched_or_alone(tmp
     assert engine.decoder.counters["max_batch_seen"] == 3
     engine.close()
     store.close()
+
+
+def test_the_warm_up_builds_the_row_kernel_first_where_steps_take_it(tmp_path):
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, make_model_dir(tmp_path / "tiny"), max_batch=8, warm=False)
+    try:
+        jobs = engine.warm_jobs()
+        assert engine.decoder.row_kernel == _cuda()
+        if _cuda():  # the first job builds it (a batch of dead rows never calls it)
+            assert jobs[0]() is True
+        else:
+            assert jobs == []
+    finally:
+        engine.close()
+        store.close()

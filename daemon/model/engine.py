@@ -178,6 +178,8 @@ class Engine(Appending):
         built (MLX compiles per shape), a lone session's decode graphs at a few cache capacities
         (attention.warm_decode), then the attention paths' costs measured per key length. None elsewhere."""
         jobs: list[Callable[[], Any]] = []
+        if self.decoder.row_kernel:  # first: every decode step takes it (a batch's dead rows do not build it)
+            jobs.append(lambda: ragged_decode.warm(self.model))
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs, whose first build would stall a first token

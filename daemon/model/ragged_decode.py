@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from kvwake.daemon.model.paged_attention import row_attention
 
-__all__ = ["ragged", "wanted"]
+__all__ = ["ragged", "wanted", "warm"]
 
 
 def wanted(row_kernel: bool) -> bool:
@@ -51,3 +52,23 @@ def ragged(fused: Any) -> Any:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return out[:, :, None]
     return attention
+
+
+def warm(model: Any) -> bool:
+    """Build the row kernel for the model's heads and dtype (MLX compiles a custom kernel at its first call,
+    which a first decode step would otherwise wait for). Whether it was built (False: not a shape it takes)."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if heads is None:
+        return False
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                 mx.bfloat16)
+    queries = mx.zeros((2, heads, head_dim), dtype)
+    keys = mx.zeros((2, kv_heads, 64, head_dim), dtype)
+    try:
+        mx.eval(row_attention(queries, keys, keys, mx.array([0, 3], mx.int32), mx.array([64, 61], mx.int32), 1.0))
+    except ValueError:
+        return False
+    return True
