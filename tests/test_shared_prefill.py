@@ -4,6 +4,7 @@ take a copy of its cache (sessions/shared_prefill.py), in-process (real engine t
 from __future__ import annotations
 
 import threading
+import time
 
 import anyio
 import pytest
@@ -140,3 +141,20 @@ def test_a_real_daemon_prefills_a_prompt_shared_by_agents_starting_together_once
     computed = sum(r["prefilled"] for r in results.values())
     # Each agent either waited for the shared prompt or copied it from an idle one: prefilled once in all.
     assert waits >= 1 and computed == len(shared) + 4 * 3, (waits, results)
+
+
+async def test_a_new_session_is_made_while_the_engine_thread_is_busy(manager):
+    # Was: a new session's first (empty) snapshot queued an engine job, so every new conversation's match
+    # waited for the job running then: on the H200, 4.6 s behind a warm-up job for each of eight agents.
+    busy, release = threading.Event(), threading.Event()
+    job = manager.thread.submit(lambda: busy.set() or release.wait(8))
+    assert busy.wait(10)
+    started = time.perf_counter()
+    try:
+        await manager.create("new-while-busy")
+        took = time.perf_counter() - started
+    finally:
+        release.set()
+        job.result(30)
+    assert took < 4, f"the create waited {took:.1f} s for the engine thread's job"
+    assert manager.entry("new-while-busy").session is not None
