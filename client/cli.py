@@ -144,7 +144,7 @@ def serve(opts: Options, **flags: object) -> None:
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports(settings.tuning.import_frameworks)  # before anything imports transformers
-    from kvwake.daemon.imports import start_digests_early
+    from kvwake.daemon.kv.bundle import start_digests_early
 
     start_digests_early(settings.model, settings.data_dir)  # the bundle's file reads overlap the imports and the load
     from kvwake.daemon.serve import run

@@ -7,8 +7,8 @@ Two things, both before MLX, mlx-lm or transformers load, in `lighten_imports()`
   from the user's cache folder (`ScanOnce`, `Scans`).
 
 Neither changes what the daemon computes; both only cut its start. After them, and still before the
-heavy imports, `start_digests_early` starts reading the model's files for its bundle hash, so the reading
-overlaps the imports as well as the weights load. The tuning knob import_frameworks
+heavy imports, `serve` starts reading the model's files for its bundle hash (kv/bundle.py
+`start_digests_early`), so the reading overlaps the imports as well as the weights load. The tuning knob import_frameworks
 (KVWAKE_IMPORT_FRAMEWORKS=1, `--tune import_frameworks=1`) turns both off: `serve` reads its settings
 first, which import nothing heavy.
 """
@@ -29,8 +29,7 @@ from types import ModuleType
 
 from kvwake.paths import default_cache_dir
 
-__all__ = ["UNUSED_FRAMEWORKS", "ScanOnce", "Scans", "hide_unused_frameworks", "lighten_imports",
-           "start_digests_early"]
+__all__ = ["UNUSED_FRAMEWORKS", "ScanOnce", "Scans", "hide_unused_frameworks", "lighten_imports"]
 
 # Frameworks the daemon never runs (it runs MLX) that its libraries import when they are installed:
 # transformers' tokenizer imports load PyTorch and torchvision (most of a start where they are installed,
@@ -58,19 +57,6 @@ def hide_unused_frameworks() -> None:
         return
     for name in UNUSED_FRAMEWORKS:
         sys.modules.setdefault(name, None)  # type: ignore[arg-type]
-
-
-def start_digests_early(model: str | None, data_dir: Path) -> bool:
-    """Start the bundle's file digests of `model` (the settings' model) on background threads, for the
-    engine to take (kv/bundle.py prestart_digests); call it after lighten_imports (the store's imports
-    are light only then). Only a model given as a folder: the default model is converted and a hub id
-    downloaded later, so theirs start with the engine. Says whether it started them."""
-    if model is None or not Path(model).expanduser().is_dir():
-        return False
-    from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, prestart_digests
-
-    prestart_digests(Path(model).expanduser(), digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
-    return True
 
 
 class ScanOnce(importlib.abc.MetaPathFinder):

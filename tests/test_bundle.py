@@ -462,7 +462,7 @@ def test_a_set_stop_ends_a_read(model):
 
 
 def test_prestarted_digests_are_taken_by_the_first_start_only(model, tmp_path, count_hashing):
-    from kvwake.daemon.imports import start_digests_early
+    from kvwake.daemon.kv.bundle import start_digests_early
 
     assert not start_digests_early(None, tmp_path) and not start_digests_early("org/model-on-the-hub", tmp_path)
     assert start_digests_early(str(model), tmp_path)  # as the daemon does, before its heavy imports

@@ -21,8 +21,9 @@ FOLDERS = {"kvwake": ROOT / "common", "kvwake.daemon": ROOT / "daemon", "kvwake.
 DAEMON_RANKS = {"session_state": 0, "timing": 0, "imports": 0, "config": 0, "activation": 0, "jobs": 0, "gcwatch": 1,
                 "gilwatch": 1,
                 "kv": 1, "model": 2, "sessions": 3, "fronts": 4, "serve": 5}
+# (PRAGMA not after "#": a CUDA kernel's source says "#pragma unroll")
 SQL = re.compile(r"\b(SELECT\b.+\bFROM|INSERT\b.+\bINTO|REPLACE\s+INTO|UPDATE\b.+\bSET|DELETE\s+FROM|CREATE\s+"
-                 r"(TABLE|INDEX|VIEW|TRIGGER)|DROP\s+(TABLE|INDEX|VIEW|TRIGGER)|PRAGMA\s+\w+)\b", re.IGNORECASE | re.DOTALL)
+                 r"(TABLE|INDEX|VIEW|TRIGGER)|DROP\s+(TABLE|INDEX|VIEW|TRIGGER)|(?<!#)PRAGMA\s+\w+)\b", re.IGNORECASE | re.DOTALL)
 # The store's own handles on its tables: code above it asks by method instead.
 STORE_INTERNALS = {"index", "rows", "transaction", "locked", "db", "conn", "execute", "executemany", "executescript",
                    "query"}
@@ -175,6 +176,7 @@ def test_the_sql_check_sees_sql():
     code = 'q = f"SELECT {c} FROM t"\nr = "INSERT OR REPLACE " + "INTO t"\ns = self.store.index.rows("x")'
     tree = ast.parse(code)
     assert sum(bool(SQL.search(s)) for _, s in strings(tree)) == 2
+    assert SQL.search("PRAGMA journal_mode=WAL") and not SQL.search("#pragma unroll\nfor (int i = 0; i < 4; ++i)")
     assert [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and reaches_store(n)] == ["index"]
 
 

@@ -59,7 +59,7 @@ from kvwake.daemon.kv.digests import DigestCache, hash_in_background
 __all__ = [
     "DESCRIPTION_FORMAT", "Bundle", "BundleError", "PendingDigests",
     "DIGEST_CACHE_NAME", "describe_bundle", "diff_descriptions", "hash_description", "prestart_digests",
-    "start_digests",
+    "start_digests", "start_digests_early",
 ]
 
 log = logging.getLogger("kvwake.daemon.bundle")  # its name before the layers (logs are read by it)
@@ -212,6 +212,17 @@ def prestart_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.Pat
         key = _key(folder, digest_cache)
         if key not in _prestarted:
             _prestarted[key] = _started(folder, digest_cache)
+
+
+def start_digests_early(model: str | None, data_dir: Path) -> bool:
+    """Start the bundle's file digests of `model` (the settings' model) on background threads, for the
+    engine to take (`prestart_digests`); `serve` calls it after lighten_imports and before its heavy imports
+    (this module imports nothing heavy). Only a model given as a folder: the default model is converted
+    and a hub id downloaded later, so theirs start with the engine. Says whether it started them."""
+    if model is None or not Path(model).expanduser().is_dir():
+        return False
+    prestart_digests(Path(model).expanduser(), digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
+    return True
 
 
 def describe_bundle(model_dir: str | os.PathLike, *, kv_layout: list[dict], block_tokens: int,

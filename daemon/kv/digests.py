@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvwake.store.files import sync
 
 __all__ = ["DigestCache", "DigestsCancelled", "file_digest", "hash_in_background"]
 
@@ -125,6 +124,10 @@ class DigestCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(json.dumps({"format": CACHE_FORMAT, "entries": merged}, separators=(",", ":")).encode())
                 f.flush()
+                # the store's durable sync, imported here: the digests start before the store's imports may
+                # run (client/cli.py serve, before the heavy imports)
+                from kvwake.store.files import sync
+
                 sync(f.fileno())
             os.replace(tmp, self.path)
         except BaseException:

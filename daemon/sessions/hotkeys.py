@@ -22,15 +22,20 @@ takes them as a candidate).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvwake.daemon.session_state import common_prefix
 from kvwake.store.format.keys import chain_keys
 
-if TYPE_CHECKING:
-    from kvwake.daemon.sessions.entries import Entry
-
 __all__ = ["BLOCK", "HotKeys", "shared_from"]
+
+
+class Entry(Protocol):
+    """What the index reads of a session's entry (sessions/entries.py's `Entry`, which imports this module)."""
+
+    id: str
+    session: Any
+    busy: Any
 
 BLOCK = 64  # tokens per key: a smaller block leaves fewer tokens to compare, a larger one fewer keys to hash
 NO_BUNDLE = "0" * 64  # the keys never leave this process: the model's bundle is the same for all of them
