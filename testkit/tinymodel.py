@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -179,7 +180,7 @@ TOOL_SCRIPT = ("<tool_call>", WEATHER_CALL, "</tool_call>")
 
 
 def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, template: str = TOOLS_CHATML,
-                        alpha: float = 4.0, more: Sequence[tuple[str, Sequence[str]]] = ()) -> Path:
+                        alpha: float = 4.0, more: Sequence[tuple[str, Sequence[str]]] = (), **config: Any) -> Path:
     """A model folder whose greedy reply to any chat prompt is "".join(script), then EOS.
 
     A llama (untied embeddings) whose attention and MLP outputs are zero (o_proj, down_proj),
@@ -196,7 +197,11 @@ def make_scripted_model(path: Path, script: Sequence[str] = TOOL_SCRIPT, *, temp
     """
     pieces = [*script, *(p for _, chain in more for p in chain)]
     assert len(set(pieces)) == len(pieces) and all(len(p.encode()) > 1 for p in pieces), pieces
-    make_model_dir(path, template=template, dtype=mx.float32, added=pieces, tie_word_embeddings=False)
+    # One layer: its attention output is zero anyway, and a prefill, which evaluates the cache and no logits,
+    # then computes no attention at all (with a second layer, whose keys take the first one's output, it
+    # did: quadratic in an agent's 30-40k-token prompt; tests/test_agent_clis.py)
+    make_model_dir(path, template=template, dtype=mx.float32, added=pieces, tie_word_embeddings=False,
+                   **{"num_hidden_layers": 1, **config})
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     weights = mx.load(str(path / "model.safetensors"))
     embed = weights["model.embed_tokens.weight"]
