@@ -158,6 +158,10 @@ WORKLOADS = (
     Workload("rpc", "suite.py", "the RPC front's round trip against a bare msgpack echo server", ("rpc",)),
     Workload("batching", "batching.py", "many sessions decoding at once, and a long prefill beside decoding"),
     Workload("turns-at-once", "turns_at_once.py", "agents sending their next turn at once beside a decoding session"),
+    Workload("decode-rows", "decode_rows.py", "the decoder's batched step at rows x context: the row kernel "
+             "against mlx-lm's masked path, the bytes bound beside"),
+    Workload("paged-decode", "paged_decode.py", "decode attention over pages against mlx's over contiguous rows"),
+    Workload("bundle-hash", "bundle_hash.py", "a first start's bundle hash: file digests beside the load"),
     Workload("fleet", "fleet/__main__.py", "N agents at once over the openai and anthropic packages against "
              "mlx_lm.server, a restart, issue 50's targets"),
     Workload("openai-turns", "http_turns.py", "an agent's turns over the OpenAI chat API, a restart mid-way"),
