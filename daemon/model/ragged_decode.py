@@ -11,8 +11,9 @@ A call decoding alone (a `KVCache`) takes the same kernel: a row's result does n
 rows (the spans are cut at fixed token counts of its own, `paged_attention.ROW_SPLIT`), so a call decodes
 the same tokens batched or alone, as it did with the masked path. Only where it computes what the mask did:
 plain KV layers (`BatchKVCache` or `KVCache` exactly: a sliding window's ring masks differently, quantized
-KV has its own kernel), one query per row, no attention sinks; anything else takes the fused path as before. CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is
-bit-exact against it; a Metal kernel is not written: paged_attention.py says why).
+KV has its own kernel), one query per row, no attention sinks; anything else takes the fused path as before.
+CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is bit-exact against
+it; a Metal kernel is not written: paged_attention.py says why).
 """
 
 from __future__ import annotations
