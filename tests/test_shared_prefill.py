@@ -145,7 +145,7 @@ def test_a_real_daemon_prefills_a_prompt_shared_by_agents_starting_together_once
 
 async def test_a_new_session_is_made_while_the_engine_thread_is_busy(manager):
     # Was: a new session's first (empty) snapshot queued an engine job, so every new conversation's match
-    # waited for the job running then: on the H200, 4.6 s behind a warm-up job for each of eight agents.
+    # waited for the job running then (a fleet's first round behind a warm-up job: docs/benchmarks.md, "fleet").
     busy, release = threading.Event(), threading.Event()
     job = manager.thread.submit(lambda: busy.set() or release.wait(8))
     assert busy.wait(10)

@@ -449,9 +449,9 @@ def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Bloc
     are kept in the RAM tier when `shorten`: shared prompts are what it is for.
 
     Reads are single-flight across restores that decode into host views (ram_tier.py; not staged ones):
-    this restore says which blocks it needs
-    for as long as it runs, a block another running restore needs too is read once and landed in the
-    RAM tier for it, and one that restore is reading now is waited for, not read again.
+    this restore says which blocks it needs for as long as it runs, a block another running restore needs
+    too is read once and landed in the RAM tier for it, and one that restore is reading now is waited
+    for, not read again.
     """
     # Staged (a GPU's ring): not shared. A shared block decoded into host views and uploaded from them took
     # longer than each restore staging its own copy on the device (docs/benchmarks.md, "fleet").

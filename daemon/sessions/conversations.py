@@ -14,9 +14,10 @@ decode together, one batched forward pass per step (model/decoder.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,14 +72,10 @@ class Conversations:
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:
             await self.make_room(entry, len(plan.target))
-        prefix, flight = await self._shared_prefix(session, plan.target)
-        if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
-            stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
-        try:
+        async with self._shared_prefix(session, plan.target) as (prefix, flight):
+            if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
+                stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
             return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
-        finally:
-            if flight is not None:
-                await self._land(flight)
 
     async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
         """A front's request before any session is chosen: its params checked against the model (a bad schema
@@ -96,13 +93,16 @@ class Conversations:
         no session is made: a token count)."""
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
-    async def _shared_prefix(self, session: Session, target: list[int]) -> tuple[Prefix, Flight | None]:
-        """What a fresh cache for `target` starts from, and the flight to `_land` once its apply ends when this
-        append leads one (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
-        waited for, else `_prefix` (and others may wait on this one). (NO_PREFIX, None) when the session keeps
-        its own cache or the model's caches cannot be cut by token."""
+    @contextlib.asynccontextmanager
+    async def _shared_prefix(self, session: Session, target: list[int]) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+        """(What a fresh cache for `target` starts from, the flight this append leads or None), for the block
+        that prefills it (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
+        waited for, else `_prefix`, and others may wait on this one: its flight lands (its waiters get their
+        copies) when the block ends, however it ends. (NO_PREFIX, None) when the session keeps its own cache
+        or the model's caches cannot be cut by token."""
         if not self.engine.wants_prefix(session, target):
-            return NO_PREFIX, None
+            yield NO_PREFIX, None
+            return
         waiting = self.shared.wait_for(session, target)
         if waiting is not None:
             prefix = await waiting
@@ -110,13 +110,13 @@ class Conversations:
                 self.counters["prefix_waits"] += 1
                 logging.getLogger("kvwake.matching").info(
                     "prefix taken from a prefill in flight", extra={"session": session.id, "tokens": prefix[1]})
-                return prefix, None
+                yield prefix, None
+                return
         flight = self.shared.lead(session, target)
         try:
-            return await self._prefix(session, target), flight
-        except BaseException:
+            yield await self._prefix(session, target), flight
+        finally:
             await self._land(flight)
-            raise
 
     async def _land(self, flight: Flight) -> None:
         """A flight's prefill ended: its waiters get their copies (one engine job), even while this append's
@@ -259,13 +259,9 @@ class Conversations:
         engine.check_warmable()
         plan = await to_thread.run_sync(lambda: engine.plan(scratch, **inputs))
         engine.check_fits(len(plan.target))
-        prefix, flight = await self._shared_prefix(scratch, plan.target)
-        try:
+        async with self._shared_prefix(scratch, plan.target) as (prefix, _):
             info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
                                                                 prefix=prefix))
-        finally:
-            if flight is not None:
-                await self._land(flight)
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
         return info
