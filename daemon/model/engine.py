@@ -146,7 +146,12 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel)
+        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (seconds; not
+        # from its disk cache), and a decode step or an idle warm-up job building it would hold up every
+        # request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet"). False when the
+        # model's heads are not a shape it takes.
+        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(self.model)
+        self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
         # packing is for where calls batch (the same exactness class)
@@ -178,8 +183,6 @@ class Engine(Appending):
         built (MLX compiles per shape), a lone session's decode graphs at a few cache capacities
         (attention.warm_decode), then the attention paths' costs measured per key length. None elsewhere."""
         jobs: list[Callable[[], Any]] = []
-        if self.decoder.row_kernel:  # first: every decode step takes it (a batch's dead rows do not build it)
-            jobs.append(lambda: ragged_decode.warm(self.model))
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs, whose first build would stall a first token
