@@ -319,11 +319,12 @@ class Engine(Appending):
         pipeline.release(session, mlx)
 
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct, *,
-             record: SnapshotRecord | None = None) -> tuple[Session, dict[str, Any]]:
+             record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py); `record`: the
-        snapshot's verified record, read already (`record`), so it is not read again."""
+        snapshot's verified record, read already (`record`), so it is not read again; `prefix`: its first
+        blocks from another cache holding them (`wakes_share`; pipeline.wake)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
-        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record)
+        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
         self.persister.stored(session_id, session.processed)
         return session, info
 
@@ -337,6 +338,12 @@ class Engine(Appending):
     def forget(self, session_id: str) -> None:
         """A deleted session: wait for its running checkpoint, write nothing more of it."""
         self.persister.forget(session_id)
+
+    @property
+    def wakes_share(self) -> bool:
+        """Whether a wake may take its first blocks from another session's cache (plain KV, not quantized:
+        what a snapshot's blocks hold is what that cache holds)."""
+        return self.cuttable and self.kv.kv_bits is None and all(type(c) is KVCache for c in self.make_cache())
 
     def record(self, snapshot_id: str) -> SnapshotRecord:
         """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""

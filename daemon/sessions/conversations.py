@@ -25,6 +25,7 @@ import anyio
 from anyio import to_thread
 
 from kvwake.daemon.model.engine import Plan
+from kvwake.store import SnapshotRecord
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.entries import Entry
@@ -103,7 +104,8 @@ class Conversations:
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
-        waiting = self.shared.wait_for(session, target)
+        held = target[: len(target) - 1]  # all but the pending last token
+        waiting = self.shared.wait_for(held)
         if waiting is not None:
             prefix = await waiting
             if prefix[0] is not None:
@@ -112,9 +114,38 @@ class Conversations:
                     "prefix taken from a prefill in flight", extra={"session": session.id, "tokens": prefix[1]})
                 yield prefix, None
                 return
-        flight = self.shared.lead(session, target)
+        flight = self.shared.lead(session, held)
         try:
             yield await self._prefix(session, target), flight
+        finally:
+            await self._land(flight)
+
+    @contextlib.asynccontextmanager
+    async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+        """(The first blocks of the entry's wake from `record`, taken from another wake's cache, or NO_PREFIX;
+        the flight this wake leads, or None). Sessions woken together (a restart's agents) share their
+        prompt's blocks: the first wake leads, reads them and lands; the others wait for it and copy its
+        first blocks on the device instead of reading them (pipeline.wake's `prefix`), then read only their
+        own. Only a wake's cache will do: it holds the stored blocks' bytes, so the woken cache is the one
+        reading them would give. Set the flight's session once woken; it lands when the block ends."""
+        engine, bt = self.engine, self.engine.block_tokens
+        held = list(record.token_ids[: len(record.blocks) * bt])  # what another wake's cache may give
+        if not held or not engine.wakes_share:
+            yield NO_PREFIX, None
+            return
+        waiting = self.shared.wait_for(held, align=bt, restored=True)
+        if waiting is not None:
+            cache, tokens = await waiting
+            tokens -= tokens % bt
+            if cache is not None and tokens:
+                self.counters["wake_waits"] += 1
+                logging.getLogger("kvwake.matching").info(
+                    "blocks taken from a wake in flight", extra={"session": entry.id, "tokens": tokens})
+                yield (cache, tokens), None
+                return
+        flight = self.shared.lead(Session(entry.id), list(record.token_ids), restored=True)
+        try:
+            yield NO_PREFIX, flight
         finally:
             await self._land(flight)
 
