@@ -406,8 +406,10 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
+    shared = prefix[1] // ctx.block_tokens if prefix is not None else 0  # blocks adopted, not read
+    # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
-                                             mode=ctx.restore_mode))
+                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
         try:
@@ -416,10 +418,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            shared = 0
             if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.adopt(*prefix))
-                shared = prefix[1] // ctx.block_tokens
                 _count(ctx, buffers, "blocks_shared", shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
