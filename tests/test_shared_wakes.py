@@ -105,3 +105,25 @@ async def test_a_prefix_that_is_not_whole_blocks_of_the_restores_kv_is_refused(m
         manager.thread.call(lambda: buffers().adopt(source, 40))
     with pytest.raises(StateMismatchError, match="is not 64 tokens"):
         manager.thread.call(lambda: buffers().adopt(source[:1], 64))
+
+
+async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_prefilled_ones(manager):
+    await slept(manager)
+    await manager.wake("agent0")  # hot, its prompt's KV the stored blocks' bytes
+    info = await manager.wake("agent1")
+    assert (info["blocks_shared"], info["blocks_from_disk"] + info["blocks_from_memory"]) == (
+        SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), info
+    copied = kv_bytes(manager, "agent1")
+    await manager.sleep("agent1")
+    await manager.sleep("agent0")
+    assert (await manager.wake("agent1"))["blocks_shared"] == 0 and kv_bytes(manager, "agent1") == copied
+    # A session that computed the prompt itself is no source for a wake (only for a prefill's prefix)
+    await manager.sleep("agent1")
+    await manager.create("fresh")
+    await manager.append("fresh", tokens=SHARED + [3, 4, 5])
+    assert manager.entries["fresh"].session.restored == 0
+    assert (await manager.wake("agent2"))["blocks_shared"] == 0
+    # A woken session whose history was cut back below its blocks gives only what it still holds of them
+    await manager.append("agent2", tokens=SHARED[:40] + [9] * 30, whole=True)  # the whole history, resent
+    assert manager.entries["agent2"].session.restored == 40
+    assert (await manager.wake("agent3"))["blocks_shared"] == 2  # its 2 whole blocks of them, not 18

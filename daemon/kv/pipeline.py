@@ -545,6 +545,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     if cache is not None and ctx.kv_bits is not None:
         cache = mlx(lambda: ctx.quantize(cache))
     session.cache = cache
+    session.restored = len(record.blocks) * ctx.block_tokens if cache is not None and ctx.kv_bits is None else 0
     return session, {"snapshot_id": record.id, "tokens": len(session.tokens),
                      "blocks_from_memory": counts["blocks_ram"], "blocks_from_disk": counts["blocks_disk"],
                      "blocks_shared": counts["blocks_shared"],

@@ -127,7 +127,8 @@ class Conversations:
         prompt's blocks: the first wake leads, reads them and lands; the others wait for it and copy its
         first blocks on the device instead of reading them (pipeline.wake's `prefix`), then read only their
         own. Only a wake's cache will do: it holds the stored blocks' bytes, so the woken cache is the one
-        reading them would give. Set the flight's session once woken; it lands when the block ends."""
+        reading them would give. With no wake to wait for, a hot session's blocks that a wake restored
+        (`Session.restored`) will do too. Set the flight's session once woken; it lands when the block ends."""
         engine, bt = self.engine, self.engine.block_tokens
         held = list(record.token_ids[: len(record.blocks) * bt])  # what another wake's cache may give
         if not held or not engine.wakes_share:
@@ -143,9 +144,10 @@ class Conversations:
                     "blocks taken from a wake in flight", extra={"session": entry.id, "tokens": tokens})
                 yield (cache, tokens), None
                 return
-        flight = self.shared.lead(Session(entry.id), list(record.token_ids), restored=True)
-        try:
-            yield NO_PREFIX, flight
+        waking = Session(entry.id)
+        flight = self.shared.lead(waking, list(record.token_ids), restored=True)
+        try:  # else a hot session's blocks a wake restored (a block resident already is not read again)
+            yield await self._hot_prefix(waking, held, align=bt, restored=True), flight
         finally:
             await self._land(flight)
 
@@ -165,13 +167,16 @@ class Conversations:
         engine = self.engine
         if self.remote is not None and session.cache is None:  # the remote may hold its prefix
             await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
-        copied = await self._hot_prefix(session, target)
+        copied = await self._hot_prefix(session, target[: len(target) - 1])
         if copied[0] is not None:
             return copied
         return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
 
-    async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
-        """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
+    async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
+                          restored: bool = False) -> tuple[list | None, int]:
+        """A copy of the longest prefix of `held` (the tokens a cache is wanted for) that another hot, idle
+        session's cache holds; `align`: a whole number of these; `restored`: only tokens a wake restored
+        from the stored blocks (`Session.restored`: for a wake, which must give the stored bytes).
 
         For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
         that and that the model's cache can be cut by token): agents that share a system prompt
@@ -180,13 +185,14 @@ class Conversations:
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
         Only the sessions holding the deepest chain key the prompt shares are compared (`entries.keys`).
         """
-        want, best, source = target[: len(target) - 1], 0, None
+        want, best, source = held, 0, None
         for known, level in self.entries.keys.levels(want):  # by chain key (sessions/hotkeys.py), deepest first
             for entry in level:
                 s = entry.session
                 if s is None or s is session or entry.busy or s.cache is None or not s.processed:
                     continue
-                shared = min(s.processed, shared_from(s.tokens, want, known))
+                shared = min(s.restored if restored else s.processed, shared_from(s.tokens, want, known))
+                shared -= shared % align
                 if shared > best:
                     best, source = shared, entry
             if best >= known:  # a later level shares fewer than `known` tokens
@@ -196,7 +202,7 @@ class Conversations:
         try:
             async with self.claim(source.id, "copy"):
                 src = source.session
-                if src is None or src.cache is None or src.processed < best:
+                if src is None or src.cache is None or (src.restored if restored else src.processed) < best:
                     return None, 0
                 cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
         except BusyError:
