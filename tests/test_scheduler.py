@@ -299,3 +299,31 @@ def test_attach_takes_the_gathering_time_where_the_planner_packs():
         finally:
             thread.stop()
         assert isinstance(decoder.aborted, CancelledError)
+
+
+def test_other_jobs_run_while_a_pack_gathers():
+    """The engine does not idle for a held pack: a job queued meanwhile (a turn's wake, a copy) runs."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    arriving = s.arrive()
+    held = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    plain = s.submit(lambda: "wake")
+    step = s.next_step()
+    assert step.job[1] is plain and step.pack is None
+    arriving.land()
+    assert [f for _, f in s.next_step().pack] == [held]
+
+
+def test_a_turn_set_aside_is_not_waited_for_and_arrives_again_after():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    waiter = s.arrive()  # waits for the other turn's prefill: it cannot queue before that ran
+    with waiter.aside():
+        assert s.arriving() == 0
+        leader = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+        queued = time.monotonic()
+        assert [f for _, f in s.next_step().pack] == [leader]
+        assert time.monotonic() - queued < 1.0
+    assert s.arriving() == 1  # on its way again: its own first job is next
+    waiter.land()
+    with waiter.aside():  # landed: stays landed
+        pass
+    assert s.arriving() == 0

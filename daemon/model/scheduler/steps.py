@@ -18,7 +18,9 @@ The order, and why:
   yet queued), until none is or `gather_s` has passed since it was queued: turns
   sent at once reach the engine milliseconds apart, and the first one taken alone
   would leave the others a pack of their own after it. Never while calls decode:
-  a decode step between two jobs gathers them already.
+  a decode step between two jobs gathers them already. Other jobs queued
+  meanwhile run while it waits (a turn's wake, another session's chunk): the
+  engine does not idle for it (docs/decisions.md, "A fleet of agents (issue 50)").
 - An `idle` job (a graph built ahead) runs only when nothing has been queued for
   IDLE_AFTER_S and nothing decodes: a client's next turn, sent at once, must not
   wait for it.
@@ -26,11 +28,12 @@ The order, and why:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -63,7 +66,7 @@ class _PackDue:
 class Arrival:
     """A turn on its way to the engine (`Scheduler.arrive`): counted as arriving from then until its first
     Packed job is queued with it (`submit(fn, arrival=...)`) or it is `land`ed (the turn failed, or queues
-    no such job). Landing twice is landing once."""
+    no such job), and not while it is `aside`. Landing twice is landing once."""
 
     __slots__ = ("_scheduler",)
 
@@ -73,6 +76,18 @@ class Arrival:
     def land(self) -> None:
         """No longer arriving: packs stop waiting for this turn."""
         self._scheduler._land(self)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Not arriving inside this block, arriving again after it (unless it landed): for a turn that waits
+        for another turn's prefill (a shared prompt's flight) before it can queue anything. Counted meanwhile,
+        it would hold the very pack it waits for up to the gathering time."""
+        was = self._scheduler._land(self)
+        try:
+            yield
+        finally:
+            if was:
+                self._scheduler._add(self)
 
 
 @dataclass
@@ -105,6 +120,7 @@ class Scheduler:
         self._packs_lock = threading.Lock()  # over _packs and _arriving
         self._held: _PackDue | None = None  # a pack that starts turns, waiting for those arriving
         self.holds = Latency(HOLDS_KEPT)  # ms each held pack waited, from its first job queued to taken
+
     # -- what callers queue ---------------------------------------------------
 
     def submit(self, fn: Callable[[], T], quick: bool = False, arrival: Arrival | None = None) -> Future[T]:
@@ -129,16 +145,21 @@ class Scheduler:
     def arrive(self) -> Arrival:
         """A turn on its way: packs that start turns wait for it (up to `gather_s`) until it lands."""
         arrival = Arrival(self)
-        with self._packs_lock:
-            self._arriving.add(arrival)
+        self._add(arrival)
         return arrival
 
-    def _land(self, arrival: Arrival) -> None:
+    def _add(self, arrival: Arrival) -> None:
+        with self._packs_lock:
+            self._arriving.add(arrival)
+
+    def _land(self, arrival: Arrival) -> bool:
+        """Whether `arrival` was arriving (it is not now)."""
         with self._packs_lock:
             if arrival not in self._arriving:
-                return
+                return False
             self._arriving.discard(arrival)
         self._jobs.put(())  # a held pack looks again
+        return True
 
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn once nothing else waits (see the module docstring); one such job between two looks at the
