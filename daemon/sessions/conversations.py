@@ -84,7 +84,7 @@ class Conversations:
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:
             await self.make_room(entry, len(plan.target))
-        async with self._shared_prefix(session, plan.target) as (prefix, flight):
+        async with self._shared_prefix(session, plan.target, arrival) as (prefix, flight):
             if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
                 stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
             return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, mlx, stop))
@@ -110,18 +110,21 @@ class Conversations:
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
     @contextlib.asynccontextmanager
-    async def _shared_prefix(self, session: Session, target: list[int]) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+    async def _shared_prefix(self, session: Session, target: list[int],
+                             arrival: Arrival | None = None) -> AsyncIterator[tuple[Prefix, Flight | None]]:
         """(What a fresh cache for `target` starts from, the flight this append leads or None), for the block
         that prefills it (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
         waited for, else `_prefix`, and others may wait on this one: its flight lands (its waiters get their
         copies) when the block ends, however it ends. (NO_PREFIX, None) when the session keeps its own cache
-        or the model's caches cannot be cut by token."""
+        or the model's caches cannot be cut by token. `arrival`: the turn's, set aside while it waits (the
+        leader's first job must not wait for it)."""
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
         waiting = self.shared.wait_for(session, target)
         if waiting is not None:
-            prefix = await waiting
+            with arrival.aside() if arrival is not None else contextlib.nullcontext():
+                prefix = await waiting
             if prefix[0] is not None:
                 self.counters["prefix_waits"] += 1
                 logging.getLogger("kvwake.matching").info(
