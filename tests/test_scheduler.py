@@ -218,7 +218,7 @@ def test_a_lone_turn_waits_for_one_still_arriving_at_most_the_gathering_time():
     step = s.next_step()
     waited = time.monotonic() - queued
     assert [f for _, f in step.pack] == [future]
-    assert 0.09 <= waited < 0.3
+    assert 0.09 <= waited < 0.5  # the gathering time, and scheduling slack on a loaded machine
 
 
 def test_a_lone_turn_with_nothing_arriving_is_taken_at_once():
