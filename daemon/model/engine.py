@@ -160,7 +160,7 @@ class Engine(Appending):
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=tuning.slice_of_step)
+            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
         self.started.mark("set_up")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")

@@ -27,6 +27,7 @@ from anyio import to_thread
 from kvwake.daemon.model.engine import Plan
 from kvwake.store import SnapshotRecord
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.model.scheduler.steps import Arrival
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.hotkeys import shared_from
@@ -39,11 +40,19 @@ __all__ = ["Conversations", "Prepared"]
 @dataclass(frozen=True)
 class Prepared:
     """A request's prompt rendered once and checked once (`SessionManager.prepare`): its params against the
-    model, its length against the context and the memory; `generate` appends it without checking again."""
+    model, its length against the context and the memory; `generate` appends it without checking again.
+    `arrival`: the turn on its way to the engine from the moment it was prepared (EngineThread.arrive); the
+    `generate` that takes it lands it, and whoever drops it without one lands it (`land`)."""
 
     plan: Plan
     params: GenerateParams
     render_ms: float = 0.0  # the render alone (status.turns: where a first token's time went)
+    arrival: Arrival | None = None
+
+    def land(self) -> None:
+        """The turn is no longer on its way (it failed before its `generate`)."""
+        if self.arrival is not None:
+            self.arrival.land()
 
 
 class Conversations:
@@ -59,12 +68,15 @@ class Conversations:
             return await self._append(await self.awake(entry), inputs, stop, entry)
 
     async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
-                      stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
+                      stop: Callable[[], bool], entry: Entry | None = None,
+                      arrival: Arrival | None = None) -> dict[str, Any]:
         """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
         checked already), the check, room (other sessions sleep if the memory left for KV would not hold
         the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
-        then the apply (prefill) on a worker thread."""
+        then the apply (prefill) on a worker thread; `arrival`: the turn's, landed by its first prefill job
+        (turns that arrive together start as one pack: EngineThread.arrive)."""
         engine = self.engine
+        mlx = self.thread.call if arrival is None else self.thread.calls_of(arrival)
         if isinstance(inputs, Prepared):
             plan = inputs.plan
             session.check_mode(plan.mode)
@@ -73,21 +85,25 @@ class Conversations:
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:
             await self.make_room(entry, len(plan.target))
-        async with self._shared_prefix(session, plan.target) as (prefix, flight):
+        async with self._shared_prefix(session, plan.target, arrival) as (prefix, flight):
             if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
                 stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
-            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, mlx, stop))
 
     async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
         """A front's request before any session is chosen: its params checked against the model (a bad schema
         refused before any compute), its conversation rendered once (on a worker thread) and its length
         checked against the context and the memory. `generate` takes it as it is."""
         self.check_params(params, inputs.get("tools"))
-        started = time.perf_counter()
-        plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
-        rendered = time.perf_counter()
-        self.engine.check_fits(len(plan.target))
-        return Prepared(plan, params, round((rendered - started) * 1000, 2))
+        started, arrival = time.perf_counter(), self.thread.arrive()  # on its way: others' packs wait for it
+        try:
+            plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
+            rendered = time.perf_counter()
+            self.engine.check_fits(len(plan.target))
+        except BaseException:
+            arrival.land()
+            raise
+        return Prepared(plan, params, round((rendered - started) * 1000, 2), arrival)
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
         """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,
@@ -95,19 +111,22 @@ class Conversations:
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
     @contextlib.asynccontextmanager
-    async def _shared_prefix(self, session: Session, target: list[int]) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+    async def _shared_prefix(self, session: Session, target: list[int],
+                             arrival: Arrival | None = None) -> AsyncIterator[tuple[Prefix, Flight | None]]:
         """(What a fresh cache for `target` starts from, the flight this append leads or None), for the block
         that prefills it (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
         waited for, else `_prefix`, and others may wait on this one: its flight lands (its waiters get their
         copies) when the block ends, however it ends. (NO_PREFIX, None) when the session keeps its own cache
-        or the model's caches cannot be cut by token."""
+        or the model's caches cannot be cut by token. `arrival`: the turn's, set aside while it waits (the
+        leader's first job must not wait for it)."""
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
         held = target[: len(target) - 1]  # all but the pending last token
         waiting = self.shared.wait_for(held)
         if waiting is not None:
-            prefix = await waiting
+            with arrival.aside() if arrival is not None else contextlib.nullcontext():
+                prefix = await waiting
             if prefix[0] is not None:
                 self.counters["prefix_waits"] += 1
                 logging.getLogger("kvwake.matching").info(
@@ -239,6 +258,19 @@ class Conversations:
         """
         if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
             self.check_params(params, (inputs or {}).get("tools"))
+        arrival = inputs.arrival if isinstance(inputs, Prepared) else self.thread.arrive() if inputs else None
+        try:
+            return await self._generate(session_id, params, on_event, cancelled, inputs, on_claim, on_append,
+                                        phases, arrival)
+        finally:
+            if arrival is not None:
+                arrival.land()
+
+    async def _generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
+                        cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None,
+                        on_claim: Callable[[], None] | None, on_append: Callable[[dict[str, Any]], None] | None,
+                        phases: dict[str, Any] | None, arrival: Arrival | None) -> dict[str, Any]:
+        """`generate`, its turn's arrival (landed by the caller) given."""
         called = time.perf_counter()
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
@@ -246,7 +278,8 @@ class Conversations:
             session = await self.awake(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
-            appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}
+            appended = await self._append(session, inputs, stop, entry, arrival) if inputs else \
+                {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
