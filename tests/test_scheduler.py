@@ -72,6 +72,23 @@ def test_an_idle_job_runs_only_once_nothing_is_queued_for_a_while(monkeypatch):
     assert s.next_step().idle is None  # never beside decoding calls
 
 
+def test_an_idle_job_waits_while_turns_are_on_their_way(monkeypatch):
+    # Was: a restart's first round, rendered and matched but not yet queued, found the warm-up's idle job
+    # started 16 ms before it and waited for it (docs/benchmarks.md, "fleet", S29 run 1).
+    monkeypatch.setattr(steps, "IDLE_AFTER_S", 0.02)
+    s = Scheduler(decoder=Decoding(active=False))
+    built = lambda: "built"  # noqa: E731
+    s.idle(built)
+    arrival = s.arrive()
+    threading.Timer(0.15, arrival.land).start()
+    started = time.monotonic()
+    step = s.next_step()
+    while step.idle is None:  # empty steps (the landing's wake-up) until the idle job is due
+        assert not step.job and not step.pack and not step.decode
+        step = s.next_step()
+    assert step.idle is built and time.monotonic() - started >= 0.14  # once the turn landed
+
+
 def test_the_stop_ends_the_steps_and_the_jobs_behind_it_are_refused():
     s = Scheduler()
     s.stop()

@@ -22,8 +22,9 @@ The order, and why:
   meanwhile run while it waits (a turn's wake, another session's chunk): the
   engine does not idle for it (docs/decisions.md, "A fleet of agents (issue 50)").
 - An `idle` job (a graph built ahead) runs only when nothing has been queued for
-  IDLE_AFTER_S and nothing decodes: a client's next turn, sent at once, must not
-  wait for it.
+  IDLE_AFTER_S, nothing decodes and no turn is on its way (an `Arrival` not yet
+  landed: a restart's first round being rendered, matched and woken): a client's
+  next turn, sent at once, must not wait for it.
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class Scheduler:
             except queue.Empty:
                 if self._held is not None:
                     continue  # its gathering time is up: released above
+                if not decoding and self._arrivals():
+                    continue  # an idle job would hold up turns on their way (a restart's first round): look again
                 item = ()  # nothing queued: decode, or (not decoding) one idle job
                 idle = None if decoding else self._idle.popleft()
             while item == () and idle is None:  # wake-ups (quick jobs', landings'): not a turn each
@@ -250,12 +253,15 @@ class Scheduler:
             return ()
         return self._pop(item.pack)
 
+    def _arrivals(self) -> bool:
+        """Whether turns are on their way (rendered, matched, waking: Arrival)."""
+        with self._packs_lock:
+            return bool(self._arriving)
+
     def _gathering(self, due: _PackDue | None = None) -> bool:
         """Whether `due` (the held pack) waits on: turns are arriving and its gathering time is not up."""
         due = due or self._held
-        with self._packs_lock:
-            arriving = bool(self._arriving)
-        return arriving and due is not None and time.monotonic() < due.at + self.gather_s
+        return self._arrivals() and due is not None and time.monotonic() < due.at + self.gather_s
 
     def _release(self) -> Any:
         """The held pack's jobs (all of them queued by now), no longer held."""
