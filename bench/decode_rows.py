@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.lib import machine, save  # noqa: E402
-from kvwake.daemon.model import paged_attention, ragged_decode  # noqa: E402
+from kvwake.daemon.model import ragged_decode  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
@@ -89,12 +89,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,12288")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
-    ap.add_argument("--softmax-per-chunk", type=int, choices=(0, 1), default=None,
-                    help="the row kernel's softmax updated per chunk of tokens (1) or per token (0); default: its own")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
-    if a.softmax_per_chunk is not None:
-        paged_attention.SOFTMAX_PER_CHUNK = bool(a.softmax_per_chunk)
     work = Path(tempfile.mkdtemp(prefix="kvwake-decode-rows-"))
     store = Store(work / "store", block_tokens=256)
     engine = Engine(store, work, a.model, max_batch=64, warm=False)
@@ -125,8 +121,7 @@ def main() -> None:
             results.append(row)
     engine.close()
     store.close()
-    save({"machine": machine(), "model": a.model, "steps": a.steps, "softmax_per_chunk": paged_attention.SOFTMAX_PER_CHUNK,
-          "rows": results}, a.out, "decode_rows.json")
+    save({"machine": machine(), "model": a.model, "steps": a.steps, "rows": results}, a.out, "decode_rows.json")
 
 
 if __name__ == "__main__":

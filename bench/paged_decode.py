@@ -19,7 +19,7 @@ over the time). A read-only kernel can pass that rate (docs/benchmarks.md,
 "Paged decode attention (issue 51)"). The calls cycle over enough
 distinct pools that one step's KV does not sit in the GPU's L2 cache.
 
-`--variants`: the kernel at other spans and threads per token, its softmax per token and per chunk (CUDA).
+`--variants`: the kernel at other spans and threads per token (CUDA).
 `--check`: the kernel against the gather path on ragged rows (bf16 and fp32,
 several head shapes): the largest absolute difference of each.
 
@@ -145,11 +145,11 @@ def check() -> list[dict[str, Any]]:
             queries = mx.random.normal((len(lengths), hq, d)).astype(dtype)
             args = (queries, keys, values, mx.array(table, mx.int32), mx.array(lengths, mx.int32), d ** -0.5, page)
             ref = paged_attention.gather_attention(*args).astype(mx.float32)
-            for split, chunked in ((None, False), (64, False), (None, True), (64, True)):
-                got = paged_attention.kernel_attention(*args, split=split, chunked=chunked).astype(mx.float32)
+            for split in (None, 64):
+                got = paged_attention.kernel_attention(*args, split=split).astype(mx.float32)
                 error = mx.abs(got - ref).max().item()
                 row = {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "page": page, "dtype": str(dtype),
-                       "split": split or "auto", "softmax_per_chunk": chunked, "max_abs_error": error}
+                       "split": split or "auto", "max_abs_error": error}
                 print(row, flush=True)
                 out.append(row)
     return out
@@ -166,15 +166,15 @@ def variants(args: argparse.Namespace) -> list[dict[str, Any]]:
         paged = [paged_inputs(rows, context, hkv, d, dtype, rng) for _ in range(n)]
         queries = mx.random.normal((rows, hq, d)).astype(dtype)
         mx.eval(queries, paged)
-        for tpt, split, chunked in [(t, s, c) for c in (False, True) for t in (8, 16) for s in (None, 256, 1024, 4096)]:
-            def step() -> list[mx.array]:
-                return [paged_attention.kernel_attention(queries, *paged[i % n], d ** -0.5, PAGE, split=split,
-                                                         threads_per_token=tpt, chunked=chunked)
-                        for i in range(args.layers)]
-            row = {"rows": rows, "context": context, "threads_per_token": tpt, "split": split or "auto",
-                   "softmax_per_chunk": chunked, "ms": round(timed(step, args.repeats) * 1e3, 3)}
-            print(row, flush=True)
-            out.append(row)
+        for tpt in (8, 16):
+            for split in (None, 256, 1024, 4096):
+                def step() -> list[mx.array]:
+                    return [paged_attention.kernel_attention(queries, *paged[i % n], d ** -0.5, PAGE, split=split,
+                                                             threads_per_token=tpt) for i in range(args.layers)]
+                row = {"rows": rows, "context": context, "threads_per_token": tpt, "split": split or "auto",
+                       "ms": round(timed(step, args.repeats) * 1e3, 3)}
+                print(row, flush=True)
+                out.append(row)
         del paged
     return out
 

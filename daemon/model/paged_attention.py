@@ -39,9 +39,6 @@ IN_FLIGHT = 4  # tokens a group loads before it uses any (2-byte dtypes; half as
 # order whatever rows share its step (a call decodes the same tokens batched or alone)
 ROW_SPLIT = 256
 MIN_SPLIT = 128  # a span's partial output is q_heads x head_dim floats: below this it costs a share of the KV
-# The online softmax updated once per IN_FLIGHT tokens (one rescale of the accumulators, one exp per token and
-# one per update) rather than per token (two exps and a rescale per token)
-SOFTMAX_PER_CHUNK = False
 
 
 def gather_attention(queries: mx.array, keys: mx.array, values: mx.array, page_table: mx.array,
@@ -123,44 +120,6 @@ for (int base = start; base < stop; base += GROUPS * U) {  // the same trips for
       load_raw<T, E>(v_head + slot * D, v_raw[u]);
     }
   }
-  if constexpr (CHUNK) {  // one softmax update per U tokens: one rescale, U + 1 exps (not 2U) per query head
-    float s[U][G];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const bool valid = base + u * GROUPS + group < stop;
-      #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float x = 0.f;
-        if (valid) {
-          #pragma unroll
-          for (int e = 0; e < E; ++e) x += q[g][e] * element<T, E>(k_raw[u], e);
-        }
-        #pragma unroll
-        for (int o = TPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-        s[u][g] = valid ? x : KVW_NEG_INF;
-      }
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float top = m[g];
-      #pragma unroll
-      for (int u = 0; u < U; ++u) top = fmaxf(top, s[u][g]);
-      if (top == KVW_NEG_INF) continue;  // no valid token yet in this group
-      const float c = expf(m[g] - top);
-      float p[U], sum = 0.f;
-      #pragma unroll
-      for (int u = 0; u < U; ++u) { p[u] = expf(s[u][g] - top); sum += p[u]; }
-      l[g] = l[g] * c + sum;
-      #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        float a = acc[g][e] * c;
-        #pragma unroll
-        for (int u = 0; u < U; ++u) if (p[u] > 0.f) a += p[u] * element<T, E>(v_raw[u], e);
-        acc[g][e] = a;
-      }
-      m[g] = top;
-    }
-  } else {
   #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool valid = base + u * GROUPS + group < stop;
@@ -180,7 +139,6 @@ for (int base = start; base < stop; base += GROUPS * U) {  // the same trips for
       for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * c + p * element<T, E>(v_raw[u], e);
       m[g] = top;
     }
-  }
   }
 }
 // The groups of a warp, by shuffles (a lane holds the same dims as its peers TPT apart); then the warps.
@@ -279,10 +237,10 @@ def _threads_per_token(head_dim: int, group: int, itemsize: int) -> int | None:
 
 def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, page_table: mx.array,
                      lengths: mx.array, scale: float, page_tokens: int, split: int | None = None,
-                     threads_per_token: int | None = None, chunked: bool | None = None) -> mx.array:
+                     threads_per_token: int | None = None) -> mx.array:
     """Flash-decoding over pages on CUDA (the module docstring). `split`: tokens per span (default
-    `split_tokens`); `threads_per_token` (default: `_threads_per_token`'s); `chunked`: SOFTMAX_PER_CHUNK's
-    choice. Raises ValueError for shapes the kernel does not take (use `gather_attention`)."""
+    `split_tokens`); `threads_per_token` (default: `_threads_per_token`'s). Raises ValueError for shapes
+    the kernel does not take (use `gather_attention`)."""
     rows, q_heads, head_dim = queries.shape
     kv_heads, dtype = keys.shape[0], queries.dtype
     group, itemsize = q_heads // kv_heads, dtype.size
@@ -292,7 +250,7 @@ def kernel_attention(queries: mx.array, keys: mx.array, values: mx.array, page_t
         raise ValueError(f"no paged kernel for {q_heads} query heads over {kv_heads} KV heads of {head_dim} "
                          f"({dtype}, {keys.dtype} KV, pages of {page_tokens})")
     return _flash_decode("spans", queries, keys, values, page_table, lengths, scale, kv_heads,
-                         page_table.shape[1] * page_tokens, split, tpt, (("P", page_tokens),), chunked)
+                         page_table.shape[1] * page_tokens, split, tpt, (("P", page_tokens),))
 
 
 def row_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array, lengths: mx.array,
@@ -313,7 +271,7 @@ def row_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: m
 
 def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.array, where: mx.array,
                   lengths: mx.array, scale: float, kv_heads: int, max_tokens: int, split: int | None, tpt: int,
-                  extra: tuple[tuple[str, int], ...], chunked: bool | None = None) -> mx.array:
+                  extra: tuple[tuple[str, int], ...]) -> mx.array:
     """The span kernel (`kernel`: over pages, or over rows' buffers) over the longest row's `max_tokens`,
     then the combine; `where`: the page table or the rows' first slots."""
     rows, q_heads, head_dim = queries.shape
@@ -324,8 +282,7 @@ def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.arr
     span_out, span_lse = _kernel(kernel)(
         inputs=[queries, keys, values, where, lengths, mx.array([scale], mx.float32), mx.array([split], mx.int32)],
         template=[("T", dtype), ("D", head_dim), ("G", group), *extra, ("TPT", tpt),
-                  ("THREADS", THREADS), ("U", IN_FLIGHT if itemsize < 4 else IN_FLIGHT // 2),
-                  ("CHUNK", int(SOFTMAX_PER_CHUNK if chunked is None else chunked))],
+                  ("THREADS", THREADS), ("U", IN_FLIGHT if itemsize < 4 else IN_FLIGHT // 2)],
         grid=(spans * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows, q_heads, spans, head_dim), (rows, q_heads, spans)],
         output_dtypes=[mx.float32, mx.float32])
