@@ -67,7 +67,7 @@ def test_a_published_page_is_never_written_in_place() -> None:
     pool.open("a")
     k, v = kv(8, 1)
     pool.append("a", k, v)
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     pool.trim("a", 6)  # a rewind into the published block, the session its only reader
     page = pool.table("a").pages[-1]
     nk, nv = kv(1, 2)
@@ -76,7 +76,7 @@ def test_a_published_page_is_never_written_in_place() -> None:
     assert same(held(pool, "a")[0], cat([x[:, :6] for x in k], nk))
     assert same(held(pool, "a")[1], cat([x[:, :6] for x in v], nv))
     pool.open("b")  # the block's second page went back when a let it go: the block is no longer whole
-    assert pool.map_shared("b", [b"block-0"]) == 0 and pool.pages_held() == 2
+    assert pool.map_shared("b", ["block-0"]) == 0 and pool.pages_held() == 2
 
 
 def test_a_mapped_block_reads_as_it_was_computed() -> None:
@@ -84,9 +84,9 @@ def test_a_mapped_block_reads_as_it_was_computed() -> None:
     pool.open("a")
     k, v = kv(11, 1)
     pool.append("a", k, v)
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     table = pool.open("b")
-    assert pool.map_shared("b", [b"block-0", b"block-1"]) == 1 and table.tokens == 8
+    assert pool.map_shared("b", ["block-0", "block-1"]) == 1 and table.tokens == 8
     bk, bv = kv(2, 2)
     pool.append("b", bk, bv)  # a page of its own after the shared block
     assert same(held(pool, "b")[0], cat([x[:, :8] for x in k], bk))
@@ -101,8 +101,8 @@ def test_a_block_computed_twice_is_held_once() -> None:
         pool.open(session)
         pool.append(session, k, v)
     assert pool.pages_held() == 4
-    first = pool.publish("a", 0, b"block-0")
-    assert pool.publish("b", 0, b"block-0") == first
+    first = pool.publish("a", 0, "block-0")
+    assert pool.publish("b", 0, "block-0") == first
     assert pool.table("b").pages == list(first) and pool.pages_held() == 2
     assert same(held(pool, "b")[0], k)
 
@@ -111,18 +111,18 @@ def test_refcounts_through_fork_and_free() -> None:
     pool = PagePool(LAYOUT, capacity=8)
     pool.open("a")
     pool.append("a", *kv(10, 1))
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     pool.fork("a", "b")
     pool.fork("b", "c")
     assert [pool.refs[p] for p in pool.table("a").pages] == [3, 3, 3]
     pool.free_session("a")
     pool.free_session("b")
     assert [pool.refs[p] for p in pool.table("c").pages] == [1, 1, 1] and pool.pages_held() == 3
-    assert b"block-0" in pool.shared
+    assert "block-0" in pool.shared
     pool.free_session("c")
     assert pool.pages_held() == 0 and pool.refs == [0] * 8 and not pool.shared and not pool.key_of
     fresh = pool.open("d")
-    assert pool.map_shared("d", [b"block-0"]) == 0 and fresh.tokens == 0  # forgotten with its pages
+    assert pool.map_shared("d", ["block-0"]) == 0 and fresh.tokens == 0  # forgotten with its pages
 
 
 def test_bytes_held_by_sessions_sharing_a_prefix_count_it_once() -> None:

@@ -54,7 +54,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv import devplanes, paged_cache
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.store.format.codec import Planed, Tensor
 
 __all__ = [
@@ -87,7 +88,8 @@ __all__ = [
 ]
 
 STATE_FORMAT = 1  # version of the naming scheme above; stored in the tail's "meta"
-KINDS = {KVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
+# A paged layer (kv/paged_cache.py) reads as a KVCache: `keys`, `values` [1, kv_heads, offset, head_dim], `offset`
+KINDS = {KVCache: "kv", PagedKVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
           RotatingKVCache: "rotating", ArraysCache: "arrays", ChunkedKVCache: "chunked", CacheList: "cache_list"}
 CUTTABLE = {"kv", "concat_kv", "quantized_kv"}
 _STRUCTURE = {"quantized_kv": ("bits", "group_size"), "rotating": ("max_size", "keep"), "chunked": ("chunk_size",)}
@@ -233,8 +235,12 @@ def copy_prefix(cache: list, n_tokens: int) -> list:
     """A new cache holding the first `n_tokens` of a cuttable `cache` (which stays as it is).
 
     MLX arrays are values: the copy's slices never see the source's later writes. Evaluated on return
-    (engine thread). Raises NotCuttableError for a layer that cannot be cut by token.
+    (engine thread). Raises NotCuttableError for a layer that cannot be cut by token. A paged cache's copy
+    lists the same pages (no KV copied; kv/paged_cache.fork).
     """
+    if paged_cache.is_paged(cache):
+        return paged_cache.fork(cache, n_tokens)
+
     def cut(c: Any, where: str) -> Any:
         if isinstance(c, CacheList):
             return CacheList(*(cut(m, f"{where}.{j}") for j, m in enumerate(c.caches)))

@@ -21,11 +21,17 @@ page that is published or listed by another table first copies it (copy on
 write: `reserve`). A fork lists the same pages; a page goes back to the free list
 when no table lists it, and its key is forgotten with it.
 
-Everything here runs on the engine thread (MLX's one thread); nothing locks.
+A block's key is the store's chain key of that block (store/format/keys.py), so
+one string names a block on disk and its pages here.
+
+Everything here runs on the engine thread (MLX's one thread); nothing locks. The
+one call from elsewhere is `retire`: a table whose owner is gone (a finalizer,
+kv/paged_cache.py) is queued, and the next call on the engine thread frees it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -87,13 +93,15 @@ class PagePool:
         self.refs = [0] * capacity
         self.free = list(range(capacity - 1, -1, -1))  # popped from the end: page 0 first
         self.sessions: dict[str, SessionPages] = {}
-        self.shared: dict[bytes, tuple[int, ...]] = {}  # chain key -> its block's pages
-        self.key_of: dict[int, bytes] = {}  # published page -> its block's chain key
+        self.shared: dict[str, tuple[int, ...]] = {}  # chain key -> its block's pages
+        self.key_of: dict[int, str] = {}  # published page -> its block's chain key
+        self.retired: deque[str] = deque()  # tables to free, queued from any thread (`retire`)
 
     # -- sessions --------------------------------------------------------------
 
     def open(self, session: str) -> SessionPages:
         """An empty page table for `session`."""
+        self.drain()
         if session in self.sessions:
             raise PageStateError(f"session {session!r} already has a page table")
         table = self.sessions[session] = SessionPages()
@@ -114,6 +122,18 @@ class PagePool:
         for page in table.pages:
             self.refs[page] += 1
         return table
+
+    def retire(self, session: str) -> None:
+        """Free `session`'s table at the pool's next call on the engine thread (safe from any thread: a
+        finalizer may run wherever the last reference to a cache goes)."""
+        self.retired.append(session)
+
+    def drain(self) -> None:
+        """Free the tables `retire` queued."""
+        while self.retired:
+            session = self.retired.popleft()
+            if session in self.sessions:
+                self.free_session(session)
 
     def free_session(self, session: str) -> None:
         """Drop `session`'s table; pages no other table lists go back to the free list."""
@@ -139,6 +159,7 @@ class PagePool:
         """Room for `count` more tokens of `session`: its partial last page copied first when it is not
         the session's alone, new pages taken as needed. Returns the new tokens' slots (int32 [count]),
         for `write`. Raises PagePoolFullError (nothing changed) when too few pages are free."""
+        self.drain()
         table, p = self.table(session), self.layout.page_tokens
         partial = table.tokens % p
         needed = -(-(table.tokens + count) // p) - len(table.pages)
@@ -173,7 +194,7 @@ class PagePool:
 
     # -- sharing by chain key ---------------------------------------------------
 
-    def publish(self, session: str, block: int, key: bytes) -> tuple[int, ...]:
+    def publish(self, session: str, block: int, key: str) -> tuple[int, ...]:
         """Block `block` of `session` (filled) is the block whose chain key is `key`: its pages become
         shared and read-only. Where `key` already has pages (another session computed the same block),
         the session's table takes those and its own go back. Returns the block's pages."""
@@ -186,7 +207,7 @@ class PagePool:
         if known is None:
             for page in own:
                 if self.key_of.get(page, key) != key:
-                    raise PageStateError(f"page {page} is published under another key than {key.hex()[:16]}")
+                    raise PageStateError(f"page {page} is published under another key than {key[:16]}")
             self.shared[key] = own
             self.key_of.update((page, key) for page in own)
             return own
@@ -198,9 +219,10 @@ class PagePool:
             table.pages[first:first + n] = known
         return known
 
-    def map_shared(self, session: str, keys: list[bytes]) -> int:
+    def map_shared(self, session: str, keys: list[str]) -> int:
         """A prefix hit: append the pages of the blocks named by `keys`, in order, up to the first key no
         pages hold. `session` must hold whole blocks. Returns how many blocks were mapped."""
+        self.drain()
         table = self.table(session)
         if table.tokens % self.layout.block_tokens or table.tokens != len(table.pages) * self.layout.page_tokens:
             raise PageStateError(f"session {session!r} holds {table.tokens} tokens, not whole blocks")
@@ -226,6 +248,7 @@ class PagePool:
 
     def pages_held(self) -> int:
         """Pages some table lists (a shared page once)."""
+        self.drain()
         return self.capacity - len(self.free)
 
     def bytes_held(self) -> int:
