@@ -35,7 +35,7 @@ from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
 from kvwake.store.format.keys import chain_keys
 
 __all__ = ["PagedKVCache", "PagedSession", "fill", "fork", "is_paged", "map_prefix", "page_layout", "paged_cache",
-           "publish"]
+           "publish", "state_arrays"]
 
 _names = itertools.count()
 
@@ -199,6 +199,13 @@ def paged_cache(pool: PagePool, blank: list) -> list:
 
 def is_paged(cache: list | None) -> bool:
     return bool(cache) and any(isinstance(c, PagedKVCache) for c in cache)
+
+
+def state_arrays(cache: list) -> list:
+    """What evaluating `cache` evaluates: a paged layer's pools (its `state` would gather a copy), the
+    others' `state`."""
+    return [[c.session.pool.keys[c.layer], c.session.pool.values[c.layer]] if isinstance(c, PagedKVCache)
+            else c.state for c in cache]
 
 
 def fork(cache: list, tokens: int) -> list:
