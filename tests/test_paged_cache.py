@@ -11,7 +11,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.pages import PagePool, PageStateError
-from kvwake.daemon.kv.paged_cache import fill, fork, map_prefix, page_layout, paged_cache, publish
+from kvwake.daemon.kv.paged_cache import (adopt, fill, fork, map_prefix, page_layout, paged_cache, publish,
+                                            resident_prefix)
 from testkit.tinymodel import make_model_dir
 
 BUNDLE = "ab" * 32
@@ -165,3 +166,27 @@ def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) ->
             assert all(mine[n].dtype == theirs[n].dtype and mine[n].array.tobytes() == theirs[n].array.tobytes()
                        for n in mine)
     assert cache_blocks.layout(paged, model=model) == cache_blocks.layout(plain, model=model)  # one bundle hash
+
+
+def test_sessions_adopting_one_restored_prefix_hold_its_blocks_once(model) -> None:
+    ids = tokens(2 * BLOCK + 5, 15)
+    pool, restored = pool_for(model), make_prompt_cache(model)
+    feed(model, restored, ids, [len(ids)])  # what a wake restores: a contiguous cache
+    first = adopt(pool, restored, ids, BUNDLE)
+    held = pool.pages_held()
+    second = adopt(pool, restored, ids, BUNDLE)
+    assert pool.pages_held() == held + 2  # its own partial block only: 5 tokens in two pages
+    assert feed(model, second, [7], [1]) == feed(model, first, [7], [1])
+
+
+def test_a_resident_prefix_is_mapped_whole_blocks_leaving_the_last_token_pending(model) -> None:
+    ids = tokens(3 * BLOCK + 1, 16)  # three blocks and the pending token
+    pool = pool_for(model)
+    assert resident_prefix(pool, make_prompt_cache(model), ids, BUNDLE) == (None, 0)
+    source = paged_cache(pool, make_prompt_cache(model))
+    feed(model, source, ids, [len(ids)])
+    publish(source, ids, BUNDLE)
+    cache, held = resident_prefix(pool, make_prompt_cache(model), ids, BUNDLE)
+    assert held == 3 * BLOCK and cache[0].offset == held
+    cache, held = resident_prefix(pool, make_prompt_cache(model), ids[:-1], BUNDLE)
+    assert held == 2 * BLOCK  # the last token of a target stays pending: two blocks

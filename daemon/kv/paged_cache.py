@@ -32,10 +32,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
-from kvwake.store.format.keys import chain_keys
+from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
-__all__ = ["PagedKVCache", "PagedSession", "fill", "fork", "is_paged", "map_prefix", "page_layout", "paged_cache",
-           "publish", "state_arrays"]
+__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "fork", "is_paged", "map_prefix", "page_layout",
+           "paged_cache", "publish", "resident_prefix", "state_arrays"]
 
 _names = itertools.count()
 
@@ -52,7 +52,8 @@ class PagedSession:
             pool.fork(source.name, self.name)
         weakref.finalize(self, pool.retire, self.name)
         self.offsets = list(source.offsets) if source is not None else [0] * pool.layout.layers
-        self.published = source.published if source is not None else 0  # blocks published, from the first
+        # chain keys of the blocks published, from the first (a fork's: its source's)
+        self.keys: list[str] = list(source.keys) if source is not None else []
         self._reserved: tuple[int, int, mx.array] | None = None  # the last reserve: start, stop, slots
         self._held: mx.array | None = None  # slots of tokens [0, tokens), while the table is unchanged
 
@@ -84,7 +85,7 @@ class PagedSession:
         kept = self.offsets[0]
         if kept < self.tokens and all(offset == kept for offset in self.offsets):
             self.pool.trim(self.name, kept)
-            self.published = min(self.published, kept // self.pool.layout.block_tokens)
+            del self.keys[kept // self.pool.layout.block_tokens:]
             self._reserved = self._held = None
 
     def changed(self) -> None:
@@ -227,12 +228,14 @@ def publish(cache: list, token_ids: list[int], bundle_hash: str) -> int:
     A block another session published first is taken from it (its pages, not these: the same tokens'
     KV, computed once, as a prefix hit restores it). Returns how many blocks were published."""
     session = _whole(cache)
-    keys = chain_keys(bundle_hash, token_ids[: session.tokens], session.pool.layout.block_tokens)
-    for index in range(session.published, len(keys)):
-        session.pool.publish(session.name, index, keys[index])
-    published, session.published = len(keys) - session.published, len(keys)
+    block, done = session.pool.layout.block_tokens, len(session.keys)
+    for index in range(done, session.tokens // block):  # each key from its parent's: new blocks hashed only
+        parent = session.keys[-1] if session.keys else ROOT_KEY
+        key = block_key(parent, bundle_hash, token_ids[index * block : (index + 1) * block])
+        session.pool.publish(session.name, index, key)
+        session.keys.append(key)
     session.changed()
-    return max(0, published)
+    return len(session.keys) - done
 
 
 def map_prefix(cache: list, token_ids: list[int], bundle_hash: str) -> int:
@@ -243,9 +246,32 @@ def map_prefix(cache: list, token_ids: list[int], bundle_hash: str) -> int:
     keys = chain_keys(bundle_hash, token_ids, block)
     session.pool.map_shared(session.name, keys[session.tokens // block:])
     session.offsets = [session.tokens] * len(session.offsets)
-    session.published = session.tokens // block
+    session.keys = keys[: session.tokens // block]
     session.changed()
     return session.tokens
+
+
+def resident_prefix(pool: PagePool, blank: list, target: list[int], bundle_hash: str) -> tuple[list | None, int]:
+    """A prefix hit from memory for a new session: a paged cache (from `blank`, the model's fresh cache)
+    mapping the published blocks that start `target`, at most len(target) - 1 tokens (the last stays
+    pending, as with a stored hit). (None, 0) when no block of it is resident."""
+    block = pool.layout.block_tokens
+    usable = (len(target) - 1) // block * block
+    if not usable or not all(type(c) is KVCache for c in blank):
+        return None, 0
+    cache = paged_cache(pool, blank)
+    tokens = map_prefix(cache, target[:usable], bundle_hash)
+    return (cache, tokens) if tokens else (None, 0)
+
+
+def adopt(pool: PagePool, cache: list, token_ids: list[int], bundle_hash: str) -> list:
+    """A contiguous cache (a wake's, a stored prefix's) moved into pages of `pool`, its full blocks
+    published over `token_ids`: a block another session holds already is taken from it, so sessions
+    woken over one prompt hold it once."""
+    paged = fill(paged_cache(pool, [KVCache() if type(c) is KVCache else c for c in cache]), cache)
+    if all(isinstance(c, PagedKVCache) for c in paged):
+        publish(paged, token_ids, bundle_hash)
+    return paged
 
 
 def fill(cache: list, source: list) -> list:

@@ -1,0 +1,69 @@
+"""The engine's side of paged KV (kv/paging.py) on a tiny llama: a prefix mapped from memory before the store
+is asked, a stored one moved into pages, blocks published after a prefill, a wake's cache adopted."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv.paged_cache import PagedKVCache
+from kvwake.daemon.kv.paging import Pages
+from kvwake.daemon.session_state import Session
+from testkit.tinymodel import make_model_dir
+
+BUNDLE, BLOCK = "cd" * 32, 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    loaded, _ = load(str(make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")))
+    return loaded
+
+
+def pages_for(model) -> Pages:
+    probe = make_prompt_cache(model)
+    pages = Pages.for_model(probe, cache_blocks.layout(probe, model=model), BLOCK, 1 << 20, BUNDLE)
+    assert pages is not None
+    return pages
+
+
+def prefilled(model, pages: Pages, name: str, ids: list[int]) -> Session:
+    s = Session(name, tokens=list(ids), processed=len(ids), cache=pages.make(make_prompt_cache(model)))
+    mx.eval(model(mx.array([ids]), cache=s.cache))
+    return s
+
+
+def test_a_resident_prefix_is_mapped_and_the_store_not_asked(model) -> None:
+    pages, ids = pages_for(model), list(range(40, 40 + 3 * BLOCK + 1))
+    first = prefilled(model, pages, "first", ids[:-1])
+    assert pages.publish(first) == 3 and pages.publish(first) == 0  # each block once
+    asked = []
+    cache, tokens = pages.prefix(lambda: make_prompt_cache(model), ids, lambda: asked.append(1) or (None, 0))
+    assert tokens == 3 * BLOCK and not asked
+    assert pages.pool.table(cache[0].session.name).pages == pages.pool.table(first.cache[0].session.name).pages
+
+
+def test_a_longer_stored_prefix_is_restored_into_pages_and_published(model) -> None:
+    pages, ids = pages_for(model), list(range(60, 60 + 2 * BLOCK + 1))
+    restored = make_prompt_cache(model)
+    mx.eval(model(mx.array([ids[:-1]]), cache=restored))
+    cache, tokens = pages.prefix(lambda: make_prompt_cache(model), ids, lambda: (restored, 2 * BLOCK))
+    assert tokens == 2 * BLOCK and all(isinstance(c, PagedKVCache) for c in cache)
+    assert len(pages.pool.shared) == 2  # published: the next session maps them
+    again, _ = pages.prefix(lambda: make_prompt_cache(model), ids, lambda: pytest.fail("the store was asked"))
+    assert pages.pool.table(again[0].session.name).pages == pages.pool.table(cache[0].session.name).pages
+
+
+def test_woken_sessions_over_one_prompt_hold_its_blocks_once(model) -> None:
+    pages, ids = pages_for(model), list(range(90, 90 + 4 * BLOCK))
+    woken = []
+    for n in range(3):
+        s = Session(f"w{n}", tokens=list(ids), processed=len(ids), cache=make_prompt_cache(model))
+        mx.eval(model(mx.array([ids]), cache=s.cache))  # what a wake restores: a contiguous cache
+        pages.adopt(s)
+        woken.append(s)
+    assert pages.pool.pages_held() == 4
+    assert all(mx.array_equal(w.cache[0].keys, woken[0].cache[0].keys).item() for w in woken)
