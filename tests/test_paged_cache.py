@@ -10,6 +10,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.model import packing
 from kvwake.daemon.kv.pages import PagePool, PageStateError
 from kvwake.daemon.kv.paged_cache import (adopt, fill, fork, map_prefix, page_layout, paged_cache, publish,
                                             resident_prefix)
@@ -134,23 +135,26 @@ def test_a_row_out_of_a_batch_fills_back_into_pages(model) -> None:
 
 
 def test_eight_sessions_over_a_shared_prefix_hold_a_quarter_of_eight_copies(model) -> None:
-    """8 sessions over one long prompt (the fleet's 9.3k-token prompt, scaled to the tiny model), each with
-    its own turn: the shared blocks are held once."""
-    block = 128
-    prefix = tokens(9 * block + 37, 13)  # 9 blocks and a partial one
-    pool = pool_for(model, capacity=256, page=block, block=block)
-    first = paged_cache(pool, make_prompt_cache(model))
-    feed(model, first, prefix, [512, 512, len(prefix) - 1024])
-    publish(first, prefix, BUNDLE)
-    sessions = [first]
-    for n in range(7):
+    """8 sessions over one prompt as long as the fleet's (9.3k tokens; the tiny model's KV shapes, random KV
+    written as the model would), each with its own turn: the prompt's blocks are held once, against
+    mlx-lm's KVCache buffers of the same tokens, one per session."""
+    block, prefix = 128, tokens(9300, 13)  # 72 blocks and a partial one
+    pool = pool_for(model, capacity=128, page=block, block=block)
+    kv = [mx.random.normal((1, pool.layout.kv_heads, 9300 + 20, pool.layout.head_dim)).astype(pool.layout.dtype)
+          for _ in range(pool.layout.layers)]
+    sessions, private = [], 0
+    for n in range(8):
+        turn = tokens(20, 20 + n)
         cache = paged_cache(pool, make_prompt_cache(model))
         done = map_prefix(cache, prefix, BUNDLE)
-        feed(model, cache, prefix[done:], [len(prefix) - done])
+        plain = make_prompt_cache(model)
+        for layer, (c, p) in enumerate(zip(cache, plain, strict=True)):
+            c.update_and_fetch(kv[layer][:, :, done:], kv[layer][:, :, done:])
+            p.update_and_fetch(kv[layer], kv[layer])
+        publish(cache, prefix + turn, BUNDLE)
         sessions.append(cache)
-    for n, cache in enumerate(sessions):
-        feed(model, cache, tokens(20, 20 + n), [20])
-    private = sum(cache_blocks.cache_nbytes(c) for c in sessions)  # each session's pages, as if alone
+        private += cache_blocks.cache_nbytes(plain)
+    assert sessions[1][0].session.keys == sessions[0][0].session.keys[:72]  # the prompt's blocks, mapped
     assert pool.bytes_held() <= 0.25 * private
 
 
@@ -190,3 +194,16 @@ def test_a_resident_prefix_is_mapped_whole_blocks_leaving_the_last_token_pending
     assert held == 3 * BLOCK and cache[0].offset == held
     cache, held = resident_prefix(pool, make_prompt_cache(model), ids[:-1], BUNDLE)
     assert held == 2 * BLOCK  # the last token of a target stays pending: two blocks
+
+
+def test_turns_packed_in_one_pass_write_each_session_s_pages(model) -> None:
+    turns = [tokens(9, 17), tokens(4, 18)]
+    pool = pool_for(model)
+    plain = [make_prompt_cache(model) for _ in turns]
+    paged = [paged_cache(pool, make_prompt_cache(model)) for _ in turns]
+    for caches in (plain, paged):
+        packing.forward(model, list(zip(turns, caches, strict=True)), [lambda fused: fused] * len(turns))
+        mx.eval([c.state for cache in caches for c in cache])
+    for mine, theirs in zip(paged, plain, strict=True):
+        assert all(mx.array_equal(m.keys, t.keys[..., : t.offset, :]).item() and m.offset == t.offset
+                   for m, t in zip(mine, theirs, strict=True))

@@ -135,6 +135,10 @@ class PagedKVCache(_BaseCache):
     def values(self) -> mx.array | None:
         return self._gathered(self.session.pool.values)
 
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        """Both, as `KVCache.keys_and_values` gives them (a layer sharing another's KV reads them so)."""
+        return self.keys, self.values
+
     def size(self) -> int:
         return self.offset
 
