@@ -87,3 +87,17 @@ def test_a_copied_prefix_lists_the_same_pages_and_decodes_as_a_cold_session(engi
 def engine_merged(engine: Engine) -> bool:
     """The calls did decode in a batch (merged into it), not each alone."""
     return engine.decoder.counters["merges"] > 0
+
+
+def test_pages_shared_by_a_copy_outlive_the_session_that_sleeps_and_go_with_the_last(engines):
+    _, engine, pool = engines
+    s = session(engine, "first", PROMPTS[2])
+    before = pool.pages_held()
+    twin = Session("twin", tokens=list(s.tokens), processed=s.processed, cache=engine.copy_prefix(s, s.processed))
+    shared = pool.table(twin.cache[0].session.name).pages
+    kept = [mx.array(c.keys) for c in twin.cache]
+    engine.sleep(s)  # its table is freed; the pages the twin lists stay, as they were
+    assert pool.pages_held() == before and all(pool.refs[p] == 1 for p in shared)
+    assert all(mx.array_equal(k, c.keys).item() for k, c in zip(kept, twin.cache, strict=True))
+    engine.release(twin)
+    assert pool.pages_held() == 0
