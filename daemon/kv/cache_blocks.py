@@ -339,6 +339,9 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
         lazy = {f"{name}.{part}.{k}": a[..., start:stop, :] for part in ("keys", "values")
                 for k, a in enumerate(getattr(c, part))}
         return lazy, {f"{name}.quant": _ints(c.group_size, c.bits, dtype=np.int32)}
+    if isinstance(c, PagedKVCache):  # the span's tokens gathered from its pages, not all the layer holds
+        keys, values = c.span(start, stop)
+        return {f"{name}.keys": keys, f"{name}.values": values}, {}
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
 

@@ -121,10 +121,18 @@ class PagedKVCache(_BaseCache):
         self.session.pool.write(self.layer, slots, keys[0], values[0])
         self.offset += keys.shape[2]
 
-    def _gathered(self, pools: list[mx.array]) -> mx.array | None:
+    def _gathered(self, pools: list[mx.array], start: int = 0, stop: int | None = None) -> mx.array | None:
         if self.offset == 0:
             return None
-        return pools[self.layer][:, self.session.held_slots()[: self.offset]][None]
+        return pools[self.layer][:, self.session.held_slots()[start : self.offset if stop is None else stop]][None]
+
+    def span(self, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Tokens [start, stop) of K and V, [1, kv_heads, stop - start, head_dim]: only they are gathered
+        (a sleep's or a checkpoint's blocks)."""
+        if not 0 <= start <= stop <= self.offset:
+            raise PageStateError(f"layer {self.layer} holds {self.offset} tokens, not [{start}, {stop})")
+        pool = self.session.pool
+        return self._gathered(pool.keys, start, stop), self._gathered(pool.values, start, stop)
 
     @property
     def keys(self) -> mx.array | None:
