@@ -47,12 +47,18 @@ def feed(model, cache: list, ids: list[int], chunks: list[int]) -> list[bytes]:
     return out
 
 
-def test_prefill_chunks_and_decode_give_kvcache_logits_bit_for_bit(model) -> None:
+@pytest.mark.parametrize("one_run", [True, False])
+def test_prefill_chunks_and_decode_give_kvcache_logits_bit_for_bit(model, one_run) -> None:
+    """Pages in one run are read as a slice of the pools, others gathered: both give KVCache's logits."""
     ids = tokens(37, 1)
     chunks = [5, 11, 16, 1, 1, 1, 1, 1]  # prefill chunks across pages and blocks, then decode steps
     plain = feed(model, make_prompt_cache(model), ids, chunks)
-    paged = feed(model, paged_cache(pool_for(model), make_prompt_cache(model)), ids, chunks)
-    assert paged == plain
+    pool = pool_for(model)
+    if not one_run:
+        pool.free.reverse()  # pages taken from the last down: no two in a row
+    cache = paged_cache(pool, make_prompt_cache(model))
+    assert feed(model, cache, ids, chunks) == plain
+    assert (cache[0].session.run_start() is not None) == one_run
 
 
 def test_a_trimmed_paged_cache_rewinds_as_kvcache_does(model) -> None:

@@ -166,3 +166,16 @@ def test_misuse_is_refused_with_the_facts() -> None:
         pool.free_session("nobody")
     with pytest.raises(ValueError, match="a page of 3 tokens does not divide a block of 8"):
         PageLayout(layers=1, kv_heads=1, head_dim=8, page_tokens=3, block_tokens=8)
+
+
+def test_pages_freed_are_taken_again_in_their_order() -> None:
+    """A table's pages go back so that the next table takes them in the same order: one run again (which
+    a paged cache reads as a slice, not a gather)."""
+    pool = PagePool(LAYOUT, capacity=8)
+    pool.open("a")
+    pool.append("a", *kv(12, 1))
+    pages = list(pool.table("a").pages)
+    pool.free_session("a")
+    pool.open("b")
+    pool.append("b", *kv(12, 2))
+    assert pool.table("b").pages == pages == [0, 1, 2]

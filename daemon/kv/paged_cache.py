@@ -56,6 +56,7 @@ class PagedSession:
         self.keys: list[str] = list(source.keys) if source is not None else []
         self._reserved: tuple[int, int, mx.array] | None = None  # the last reserve: start, stop, slots
         self._held: mx.array | None = None  # slots of tokens [0, tokens), while the table is unchanged
+        self._run: int | None = None  # run_start's answer (-1: not one run), while the table is unchanged
 
     @property
     def tokens(self) -> int:
@@ -66,12 +67,21 @@ class PagedSession:
         gets there, the same for the layers after it."""
         if start == self.tokens:
             slots = self.pool.reserve(self.name, count)
-            self._reserved, self._held = (start, start + count, slots), None
+            self._reserved, self._held, self._run = (start, start + count, slots), None, None
             return slots
         if self._reserved is not None and self._reserved[:2] == (start, start + count):
             return self._reserved[2]
         raise PageStateError(f"session {self.name!r} holds {self.tokens} tokens: a layer cannot write "
                              f"tokens [{start}, {start + count}) there")
+
+    def run_start(self) -> int | None:
+        """The first slot of the table when its pages are one run of consecutive pages (a session that
+        shares none, its pages taken in order), else None."""
+        if self._run is None:
+            pages = self.pool.table(self.name).pages
+            one_run = all(b == a + 1 for a, b in zip(pages, pages[1:]))
+            self._run = pages[0] * self.pool.layout.page_tokens if pages and one_run else -1
+        return self._run if self._run >= 0 else None
 
     def held_slots(self) -> mx.array:
         """Slots of every token held, in order (made once per change of the table)."""
@@ -86,11 +96,11 @@ class PagedSession:
         if kept < self.tokens and all(offset == kept for offset in self.offsets):
             self.pool.trim(self.name, kept)
             del self.keys[kept // self.pool.layout.block_tokens:]
-            self._reserved = self._held = None
+            self.changed()
 
     def changed(self) -> None:
-        """The table's pages changed (published or mapped): slots made before are stale."""
-        self._reserved = self._held = None
+        """The table's pages changed (trimmed, published or mapped): slots made before are stale."""
+        self._reserved = self._held = self._run = None
 
 
 class PagedKVCache(_BaseCache):
@@ -108,8 +118,15 @@ class PagedKVCache(_BaseCache):
         self.session.offsets[self.layer] = value
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The new tokens written; every token's K and V for the attention: a slice of the pools (no copy)
+        where the table's pages are one run, else gathered. The slice is for this pass only: held longer,
+        it would keep the pool's buffer from being written in place."""
         self.extend(keys, values)
-        return self.keys, self.values
+        first = self.session.run_start()
+        if first is None:
+            return self.keys, self.values
+        pool, end = self.session.pool, first + self.offset
+        return pool.keys[self.layer][None, :, first:end], pool.values[self.layer][None, :, first:end]
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
         """Write the new tokens' K and V ([1, kv_heads, n, head_dim]) after the layer's own."""

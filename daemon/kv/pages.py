@@ -137,7 +137,7 @@ class PagePool:
 
     def free_session(self, session: str) -> None:
         """Drop `session`'s table; pages no other table lists go back to the free list."""
-        for page in self.table(session).pages:
+        for page in reversed(self.table(session).pages):  # the free stack gives them back in order: a run
             self._release(page)
         del self.sessions[session]
 
@@ -148,7 +148,7 @@ class PagePool:
         if not 0 <= tokens <= table.tokens:
             raise PageStateError(f"session {session!r} holds {table.tokens} tokens, cannot trim to {tokens}")
         keep = -(-tokens // self.layout.page_tokens)
-        for page in table.pages[keep:]:
+        for page in reversed(table.pages[keep:]):
             self._release(page)
         del table.pages[keep:]
         table.tokens = tokens
