@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
-from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
+from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
 from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
 __all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "fork", "is_paged", "map_prefix", "page_layout",
@@ -54,7 +54,7 @@ class PagedSession:
         self.offsets = list(source.offsets) if source is not None else [0] * pool.layout.layers
         # chain keys of the blocks published, from the first (a fork's: its source's)
         self.keys: list[str] = list(source.keys) if source is not None else []
-        self._reserved: tuple[int, int, mx.array] | None = None  # the last reserve: start, stop, slots
+        self._reserved: tuple[int, int, Slots] | None = None  # the last reserve: start, stop, slots
         self._held: mx.array | None = None  # slots of tokens [0, tokens), while the table is unchanged
         self._run: int | None = None  # run_start's answer (-1: not one run), while the table is unchanged
 
@@ -62,7 +62,7 @@ class PagedSession:
     def tokens(self) -> int:
         return self.pool.table(self.name).tokens
 
-    def slots_for(self, start: int, count: int) -> mx.array:
+    def slots_for(self, start: int, count: int) -> Slots:
         """The slots a layer writes tokens [start, start + count) at: reserved by the first layer that
         gets there, the same for the layers after it."""
         if start == self.tokens:
@@ -79,8 +79,8 @@ class PagedSession:
         shares none, its pages taken in order), else None."""
         if self._run is None:
             pages = self.pool.table(self.name).pages
-            one_run = all(b == a + 1 for a, b in zip(pages, pages[1:]))
-            self._run = pages[0] * self.pool.layout.page_tokens if pages and one_run else -1
+            first = self.pool.run(pages, 0, self.tokens)
+            self._run = first if first is not None else -1
         return self._run if self._run >= 0 else None
 
     def held_slots(self) -> mx.array:

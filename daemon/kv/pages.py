@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-__all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages"]
+__all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages", "Slots"]
+
+Slots = int | mx.array  # where a write goes: the first of a run of slots, or each slot (int32)
 
 
 class PagePoolFullError(MemoryError):
@@ -155,10 +157,11 @@ class PagePool:
 
     # -- writing ---------------------------------------------------------------
 
-    def reserve(self, session: str, count: int) -> mx.array:
+    def reserve(self, session: str, count: int) -> Slots:
         """Room for `count` more tokens of `session`: its partial last page copied first when it is not
-        the session's alone, new pages taken as needed. Returns the new tokens' slots (int32 [count]),
-        for `write`. Raises PagePoolFullError (nothing changed) when too few pages are free."""
+        the session's alone, new pages taken as needed. Returns the new tokens' slots for `write`: the
+        first, where they are one run (a decode step's token always is), else all of them (int32 [count]).
+        Raises PagePoolFullError (nothing changed) when too few pages are free."""
         self.drain()
         table, p = self.table(session), self.layout.page_tokens
         partial = table.tokens % p
@@ -173,10 +176,14 @@ class PagePool:
             table.pages.append(self._take())
         start = table.tokens
         table.tokens += count
-        return self.slots(table.pages, start, table.tokens)
+        first = self.run(table.pages, start, table.tokens)
+        return first if first is not None else self.slots(table.pages, start, table.tokens)
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K and V ([kv_heads, len(slots), head_dim]) at `slots` (from `reserve`)."""
+    def write(self, layer: int, slots: Slots, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K and V ([kv_heads, n, head_dim]) at `slots` (from `reserve`): a run of n
+        slots from the first (an update of a slice, cheaper than a scatter), or n slots."""
+        if isinstance(slots, int):
+            slots = slice(slots, slots + keys.shape[1])
         self.keys[layer][:, slots] = keys
         self.values[layer][:, slots] = values
 
@@ -185,6 +192,17 @@ class PagePool:
         slots = self.reserve(session, keys[0].shape[1])
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.write(layer, slots, k, v)
+
+    def run(self, pages: list[int], start: int, stop: int) -> int | None:
+        """The first slot of tokens [start, stop) of a table listing `pages` when their pages follow one
+        another in the pool (their slots one run), else None."""
+        p = self.layout.page_tokens
+        if stop <= start:
+            return None
+        first, last = start // p, (stop - 1) // p
+        if any(pages[i + 1] != pages[i] + 1 for i in range(first, last)):
+            return None
+        return pages[first] * p + start % p
 
     def slots(self, pages: list[int], start: int, stop: int) -> mx.array:
         """The slots of tokens [start, stop) of a table listing `pages` (int32)."""
