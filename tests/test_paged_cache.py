@@ -162,6 +162,9 @@ def test_eight_sessions_over_a_shared_prefix_hold_a_quarter_of_eight_copies(mode
         private += cache_blocks.cache_nbytes(plain)
     assert sessions[1][0].session.keys == sessions[0][0].session.keys[:72]  # the prompt's blocks, mapped
     assert pool.bytes_held() <= 0.25 * private
+    # what the memory accounting sums (each session's cache_nbytes) counts the shared pages once
+    counted = sum(cache_blocks.cache_nbytes(c) for c in sessions)
+    assert pool.bytes_held() - pool.pages_held() * pool.layout.layers <= counted <= pool.bytes_held()
 
 
 def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) -> None:

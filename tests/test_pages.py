@@ -179,3 +179,17 @@ def test_pages_freed_are_taken_again_in_their_order() -> None:
     pool.open("b")
     pool.append("b", *kv(12, 2))
     assert pool.table("b").pages == pages == [0, 1, 2]
+
+
+def test_sessions_shares_of_the_bytes_add_up_to_the_bytes_held() -> None:
+    pool = PagePool(LAYOUT, capacity=8)
+    pool.open("a")
+    pool.append("a", *kv(10, 1))
+    pool.fork("a", "b")
+    pool.fork("a", "c")
+    pool.trim("c", 4)  # lists the first page only
+    pool.append("b", *kv(3, 2))  # its own copy of the partial page
+    shares = [pool.share_bytes(s) for s in "abc"]
+    assert abs(sum(shares) - pool.bytes_held()) < pool.pages_held()
+    assert shares[2] == LAYOUT.page_bytes // 3  # one page among three tables
+    assert pool.share_bytes("c", layers=1) == LAYOUT.page_bytes // LAYOUT.layers // 3

@@ -199,9 +199,9 @@ class PagedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this layer's pages, shared ones included (what the layer would hold alone)."""
-        layout = self.session.pool.layout
-        return len(self.session.pool.table(self.session.name).pages) * layout.page_bytes // layout.layers
+        """This layer's share of its pages' bytes: a page shared by n tables counts 1/n here, so what the
+        memory accounting sums over sessions (kv/cache_blocks.cache_nbytes) counts a shared page once."""
+        return self.session.pool.share_bytes(self.session.name, layers=1)
 
 
 # -- a model's cache, paged ---------------------------------------------------------------------------------

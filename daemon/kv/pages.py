@@ -277,6 +277,13 @@ class PagePool:
         """Bytes of KV `session` lists, shared pages included (what it would hold alone)."""
         return len(self.table(session).pages) * self.layout.page_bytes
 
+    def share_bytes(self, session: str, layers: int | None = None) -> int:
+        """`session`'s share of the bytes held: each page it lists split evenly among the tables listing it
+        (rounded down), so the shares of all sessions add up to `bytes_held` (within a byte a page), a
+        shared page counted once. `layers`: of that many layers' pages (default: all)."""
+        page = self.layout.page_bytes // self.layout.layers * (self.layout.layers if layers is None else layers)
+        return sum(page // self.refs[p] for p in self.table(session).pages)
+
     # -- pages -------------------------------------------------------------------
 
     def _writable(self, page: int) -> bool:
