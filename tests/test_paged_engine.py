@@ -101,3 +101,22 @@ def test_pages_shared_by_a_copy_outlive_the_session_that_sleeps_and_go_with_the_
     assert all(mx.array_equal(k, c.keys).item() for k, c in zip(kept, twin.cache, strict=True))
     engine.release(twin)
     assert pool.pages_held() == 0
+
+
+def test_a_paged_row_that_leaves_the_batch_to_go_on_alone_keeps_its_pages(engines, monkeypatch):
+    from kvwake.daemon.model import decoder as decoder_module
+
+    plain, engine, pool = engines
+    monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=10, logit_bias=no_eos)
+    texts = ["word " * 40, "a short one"] + [f"agent {i}" for i in range(5)]  # the long row is evicted at the join
+    want = [plain.generate(session(plain, f"p{i}", t), params).tokens for i, t in enumerate(texts)]
+    sessions = [session(engine, f"e{i}", t) for i, t in enumerate(texts)]
+    calls = [engine.start_call(s, params) for s in sessions]
+    run_together(engine, calls, join_at={i: 3 for i in range(2, 7)})
+    assert [c.future.result().tokens for c in calls] == want
+    assert engine.decoder.counters["alone_for_length"] >= 1 and not engine.decoder.paged
+    for s in sessions:
+        assert all(isinstance(c, PagedKVCache) for c in s.cache)
+        assert s.cache[0].offset == s.processed == pool.table(s.cache[0].session.name).tokens
