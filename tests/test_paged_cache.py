@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.model import packing
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.kv.pages import PagePool, PageStateError
 from kvwake.daemon.kv.paged_cache import (adopt, fill, fork, map_prefix, page_layout, paged_cache, publish,
                                             resident_prefix)
@@ -216,3 +217,21 @@ def test_turns_packed_in_one_pass_write_each_session_s_pages(model) -> None:
     for mine, theirs in zip(paged, plain, strict=True):
         assert all(mx.array_equal(m.keys, t.keys[..., : t.offset, :]).item() and m.offset == t.offset
                    for m, t in zip(mine, theirs, strict=True))
+
+
+def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:
+    """The engine thread computes; another thread reads the cache's shapes (a sleep's budget reads `keys`):
+    nothing that thread makes may stay in the cache, since MLX evaluates an array only on a thread that has
+    its stream."""
+    thread = EngineThread()
+    try:
+        def prefilled() -> list:
+            cache = paged_cache(pool_for(model), make_prompt_cache(model))  # one run: read as a slice
+            feed(model, cache, tokens(21, 19), [21])
+            return cache
+        cache = thread.submit(prefilled).result()
+        assert cache_blocks.bytes_per_token(cache) > 0
+        tail = thread.submit(lambda: cache_blocks.capture_tail(cache, 21, BLOCK)).result()
+        assert len(tail) > 1
+    finally:
+        thread.stop()

@@ -193,3 +193,19 @@ def test_sessions_shares_of_the_bytes_add_up_to_the_bytes_held() -> None:
     assert abs(sum(shares) - pool.bytes_held()) < pool.pages_held()
     assert shares[2] == LAYOUT.page_bytes // 3  # one page among three tables
     assert pool.share_bytes("c", layers=1) == LAYOUT.page_bytes // LAYOUT.layers // 3
+
+
+def test_the_pools_grow_to_their_limit_keeping_what_they_hold() -> None:
+    pool = PagePool(LAYOUT, 2, limit=8)
+    pool.open("a")
+    k1, v1 = kv(6, 1)
+    pool.append("a", k1, v1)  # two pages: the first allocation
+    k2, v2 = kv(5, 2)
+    pool.append("a", k2, v2)  # three pages: grown to four
+    assert pool.capacity == 4 and pool.table("a").pages == [0, 1, 2]
+    assert same(held(pool, "a")[0], cat(k1, k2)) and same(held(pool, "a")[1], cat(v1, v2))
+    pool.open("b")
+    pool.append("b", *kv(4 * 5, 3))  # five more: grown to the limit
+    assert pool.capacity == 8 and pool.pages_held() == 8
+    with pytest.raises(PagePoolFullError):
+        pool.append("b", *kv(1, 4))

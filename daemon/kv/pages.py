@@ -6,8 +6,9 @@ consecutive token slots, page p holding slots p * page_tokens ..
 (p + 1) * page_tokens - 1. Head-major, so one head's tokens of one page are a
 contiguous run (what the decode kernel reads, paged_attention.py), and a
 session's KV gathered by its slots is mlx-lm's own [kv_heads, tokens,
-head_dim] for one row. Pools are allocated once at their final size; a write
-is one scatter per layer and part (`write`).
+head_dim] for one row. Pools grow by doubling up to their limit (allocated
+whole, an engine's budget would be taken and zeroed at its start); a write is
+one update per layer and part (`write`).
 
 Pages and sessions. A session's page table is the list of its pages in token
 order; its last page may be partial. A page has a reference count: the number
@@ -35,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages", "Slots"]
 
@@ -84,16 +86,17 @@ class SessionPages:
 
 
 class PagePool:
-    """K and V pools of `capacity` pages for `layout`, with free list, reference counts and the chain-key map."""
+    """K and V pools of `capacity` pages for `layout`, with free list, reference counts and the chain-key
+    map. With a `limit` above `capacity`, the pools grow, doubling, up to it when a reservation needs more
+    pages: an engine's whole budget allocated at its start would take (and zero) memory no session uses yet."""
 
-    def __init__(self, layout: PageLayout, capacity: int) -> None:
-        self.layout, self.capacity = layout, capacity
-        shape = (layout.kv_heads, capacity * layout.page_tokens, layout.head_dim)
-        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
-        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
-        mx.eval(self.keys, self.values)
-        self.refs = [0] * capacity
-        self.free = list(range(capacity - 1, -1, -1))  # popped from the end: page 0 first
+    def __init__(self, layout: PageLayout, capacity: int, limit: int | None = None) -> None:
+        self.layout, self.limit, self.capacity = layout, max(capacity, limit or 0), 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.refs: list[int] = []
+        self.free: list[int] = []  # a stack: popped from the end, page 0 first
+        self._grow(capacity)
         self.sessions: dict[str, SessionPages] = {}
         self.shared: dict[str, tuple[int, ...]] = {}  # chain key -> its block's pages
         self.key_of: dict[int, str] = {}  # published page -> its block's chain key
@@ -167,9 +170,11 @@ class PagePool:
         partial = table.tokens % p
         needed = -(-(table.tokens + count) // p) - len(table.pages)
         copy = partial > 0 and count > 0 and not self._writable(table.pages[-1])
+        if needed + copy > len(self.free) and self.capacity < self.limit:
+            self._grow(min(self.limit, max(2 * self.capacity, self.capacity + needed + copy - len(self.free))))
         if needed + copy > len(self.free):
             raise PagePoolFullError(f"session {session!r} needs {needed + copy} pages for {count} tokens, "
-                                    f"{len(self.free)} of {self.capacity} are free")
+                                    f"{len(self.free)} of {self.limit} are free")
         if copy:
             table.pages[-1] = self._copy(table.pages[-1], partial)
         for _ in range(needed):
@@ -205,10 +210,12 @@ class PagePool:
         return pages[first] * p + start % p
 
     def slots(self, pages: list[int], start: int, stop: int) -> mx.array:
-        """The slots of tokens [start, stop) of a table listing `pages` (int32)."""
+        """The slots of tokens [start, stop) of a table listing `pages` (int32). Made on the host: the array
+        holds its values, not an MLX operation, so any thread may use it (MLX evaluates an operation only on
+        a thread that has its stream, and a cache's slots are kept)."""
         p = self.layout.page_tokens
-        positions = mx.arange(start, stop, dtype=mx.int32)
-        return mx.array(pages, mx.int32)[positions // p] * p + positions % p
+        positions = np.arange(start, stop, dtype=np.int64)
+        return mx.array((np.asarray(pages, np.int64)[positions // p] * p + positions % p).astype(np.int32))
 
     # -- sharing by chain key ---------------------------------------------------
 
@@ -289,6 +296,22 @@ class PagePool:
     def _writable(self, page: int) -> bool:
         """A page its one table may write into: listed once, never published."""
         return self.refs[page] == 1 and page not in self.key_of
+
+    def _grow(self, capacity: int) -> None:
+        """Pools of `capacity` pages, the pages held kept (each pool copied, as a KVCache's growth copies its
+        buffer); the new pages go under the free ones, so pages freed before are taken first."""
+        shape = (self.layout.kv_heads, (capacity - self.capacity) * self.layout.page_tokens, self.layout.head_dim)
+        layers = range(self.layout.layers)
+        if self.capacity == 0:
+            self.keys = [mx.zeros(shape, self.layout.dtype) for _ in layers]
+            self.values = [mx.zeros(shape, self.layout.dtype) for _ in layers]
+        else:
+            self.keys = [mx.concatenate([k, mx.zeros(shape, self.layout.dtype)], axis=1) for k in self.keys]
+            self.values = [mx.concatenate([v, mx.zeros(shape, self.layout.dtype)], axis=1) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.refs += [0] * (capacity - self.capacity)
+        self.free[:0] = range(capacity - 1, self.capacity - 1, -1)
+        self.capacity = capacity
 
     def _take(self) -> int:
         page = self.free.pop()

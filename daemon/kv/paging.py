@@ -25,6 +25,7 @@ from kvwake.daemon.session_state import Session
 
 __all__ = ["Pages"]
 
+FIRST_BYTES = 64 << 20  # the pool's first allocation (it grows, doubling, up to the budget)
 Prefix = tuple[list | None, int]  # a cache for a fresh session and the tokens it holds; (None, 0): none
 
 
@@ -37,12 +38,13 @@ class Pages:
     @classmethod
     def for_model(cls, probe: list, kv_layout: list, block_tokens: int, budget_bytes: int,
                   bundle_hash: str) -> Pages | None:
-        """Pages for a model whose fresh cache is `probe` (kv/cache_blocks.layout gives `kv_layout`), as many
-        as `budget_bytes` holds; None for a model with no plain KV layer (nothing to page) or quantized KV."""
+        """Pages for a model whose fresh cache is `probe` (kv/cache_blocks.layout gives `kv_layout`), up to as
+        many as `budget_bytes` holds; None for a model with no plain KV layer (nothing to page) or quantized KV."""
         if not any(type(c) is KVCache for c in probe):
             return None
         layout = paged_cache.page_layout(probe, kv_layout, block_tokens, block_tokens)
-        return cls(PagePool(layout, max(1, budget_bytes // layout.page_bytes)), bundle_hash)
+        limit = max(1, budget_bytes // layout.page_bytes)
+        return cls(PagePool(layout, min(limit, max(16, FIRST_BYTES // layout.page_bytes)), limit), bundle_hash)
 
     def make(self, cache: list) -> list:
         """`cache` (a model's fresh cache) with its plain KV layers paged, in a new table."""
