@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.kv.paging import Pages
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
 from testkit.tinymodel import make_model_dir
 
@@ -67,3 +68,22 @@ def test_woken_sessions_over_one_prompt_hold_its_blocks_once(model) -> None:
         woken.append(s)
     assert pages.pool.pages_held() == 4
     assert all(mx.array_equal(w.cache[0].keys, woken[0].cache[0].keys).item() for w in woken)
+
+
+def test_a_woken_cache_adopted_on_the_engine_thread_reads_on_another(model) -> None:
+    """A restored cache is evaluated on return (callers read it off the engine thread); adopted into pages,
+    it is too: MLX evaluates an operation only on a thread that has its stream."""
+    pages, ids = pages_for(model), list(range(120, 120 + 2 * BLOCK + 3))
+    thread = EngineThread()
+    try:
+        def woken() -> Session:
+            s = Session("w", tokens=list(ids), processed=len(ids), cache=make_prompt_cache(model))
+            mx.eval(model(mx.array([ids]), cache=s.cache))
+            want = [c.keys[..., : c.offset, :] for c in s.cache]
+            mx.eval(want)
+            pages.adopt(s)
+            return s, want
+        s, want = thread.submit(woken).result()
+        assert all(mx.array_equal(w, c.keys).item() for w, c in zip(want, s.cache, strict=True))
+    finally:
+        thread.stop()

@@ -296,10 +296,11 @@ def resident_prefix(pool: PagePool, blank: list, target: list[int], bundle_hash:
 def adopt(pool: PagePool, cache: list, token_ids: list[int], bundle_hash: str) -> list:
     """A contiguous cache (a wake's, a stored prefix's) moved into pages of `pool`, its full blocks
     published over `token_ids`: a block another session holds already is taken from it, so sessions
-    woken over one prompt hold it once."""
+    woken over one prompt hold it once. Evaluated on return, as a restored cache is."""
     paged = fill(paged_cache(pool, [KVCache() if type(c) is KVCache else c for c in cache]), cache)
     if all(isinstance(c, PagedKVCache) for c in paged):
         publish(paged, token_ids, bundle_hash)
+    mx.eval(state_arrays(paged))  # written here, on this (the engine) thread: any thread may read it after
     return paged
 
 

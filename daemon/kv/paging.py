@@ -53,11 +53,11 @@ class Pages:
     def prefix(self, blank: Callable[[], list], target: list[int], stored: Callable[[], Prefix],
                mlx: Mlx = direct) -> Prefix:
         """A fresh cache for `target`: its resident published blocks mapped, unless `stored()` (a restore of
-        the store's blocks, asked only when some whole block of `target` is not resident) holds more;
-        then that, moved into pages and published."""
+        the store's blocks and partial piece, asked unless the resident blocks hold all but the pending
+        token) holds more; then that, moved into pages and published (its blocks that are resident are
+        taken from the pages, so they are held once; they are read all the same)."""
         resident: Prefix = mlx(lambda: paged_cache.resident_prefix(self.pool, blank(), target, self.bundle_hash))
-        block = self.pool.layout.block_tokens
-        if resident[1] >= (len(target) - 1) // block * block:
+        if resident[1] >= len(target) - 1:
             return resident
         cache, tokens = stored()
         if cache is None or tokens <= resident[1]:
