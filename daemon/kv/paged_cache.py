@@ -11,10 +11,17 @@ reads `keys`, `values`, `offset`), evaluate `state` and count `nbytes`.
 One `PagedSession` (a page table) serves every plain layer of a session: the
 first layer a forward pass reaches reserves the new tokens' slots for all (a
 shared partial page is copied there), each layer writes its own pool at those
-slots and reads its tokens back gathered into one contiguous run (the
-reference path: MLX's attention then runs over the same values in the same
-order as over a `KVCache`, bit for bit). Layers' offsets live in the session,
-so a trim of every layer gives the pages back once the last layer is trimmed.
+slots and reads its tokens back: a slice of the pool where the table's pages
+follow one another (as a `KVCache`'s buffer is read), else gathered into one
+contiguous run. Either way MLX's attention runs over the same values in the
+same order as over a `KVCache`, bit for bit (the CPU reference path; batched
+decode over pages in place is the CUDA kernel's, model/paged_attention.py).
+Layers' offsets live in the session, so a trim of every layer gives the pages
+back once the last layer is trimmed.
+
+Threads: everything runs on the engine thread, but other threads read shapes
+(`keys` for a sleep's budget): what the cache keeps is never an MLX operation
+made there (slots are host-made values, kv/pages.py).
 
 Sharing: `publish` names a session's full blocks by their chain keys (the
 store's, store/format/keys.py) so other sessions `map_prefix` them instead of
