@@ -13,8 +13,8 @@ from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.model import packing
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.kv.pages import PagePool, PageStateError
-from kvwake.daemon.kv.paged_cache import (adopt, fill, fork, map_prefix, page_layout, paged_cache, publish,
-                                            resident_prefix)
+from kvwake.daemon.kv.paged_cache import (PagedKVCache, adopt, fill, fork, map_prefix, page_layout, paged_cache,
+                                            publish, resident_prefix)
 from testkit.tinymodel import make_model_dir
 
 BUNDLE = "ab" * 32
@@ -235,3 +235,13 @@ def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> 
         assert len(tail) > 1
     finally:
         thread.stop()
+
+
+def test_a_model_whose_plain_layers_are_paged_beside_windows_cannot_copy_a_prefix(tmp_path) -> None:
+    gemma, _ = load(str(make_model_dir(tmp_path / "gemma", arch="gemma3_text")))
+    pool = pool_for(gemma)
+    cache = paged_cache(pool, make_prompt_cache(gemma))
+    assert sum(isinstance(c, PagedKVCache) for c in cache) == 1  # the global layer; the windows stay rings
+    gemma(mx.array([tokens(12, 21)]), cache=cache)
+    with pytest.raises(cache_blocks.NotCuttableError, match="RotatingKVCache"):
+        cache_blocks.copy_prefix(cache, 8)

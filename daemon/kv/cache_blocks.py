@@ -238,7 +238,10 @@ def copy_prefix(cache: list, n_tokens: int) -> list:
     (engine thread). Raises NotCuttableError for a layer that cannot be cut by token. A paged cache's copy
     lists the same pages (no KV copied; kv/paged_cache.fork).
     """
-    if paged_cache.is_paged(cache):
+    if paged_cache.is_paged(cache):  # a model's plain layers paged beside others cannot be cut by token
+        if not all(isinstance(c, PagedKVCache) for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache if not isinstance(c, PagedKVCache)})
+            raise NotCuttableError(f"a cache with {', '.join(kinds)} layers cannot give its first {n_tokens} tokens")
         return paged_cache.fork(cache, n_tokens)
 
     def cut(c: Any, where: str) -> Any:
