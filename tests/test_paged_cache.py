@@ -173,8 +173,9 @@ def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) ->
     plain, paged = make_prompt_cache(model), paged_cache(pool_for(model), make_prompt_cache(model))
     for cache in (plain, paged):
         feed(model, cache, ids, [9, 12])
-    for got, want in ((cache_blocks.capture_blocks(paged, 0, 2, BLOCK), cache_blocks.capture_blocks(plain, 0, 2, BLOCK)),
-                      ([cache_blocks.capture_tail(paged, 21, BLOCK)], [cache_blocks.capture_tail(plain, 21, BLOCK)])):
+    blocks = [cache_blocks.capture_blocks(c, 0, 2, BLOCK) for c in (paged, plain)]
+    tails = [[cache_blocks.capture_tail(c, 21, BLOCK)] for c in (paged, plain)]
+    for got, want in (blocks, tails):
         for mine, theirs in zip(got, want, strict=True):
             assert mine.keys() == theirs.keys()
             assert all(mine[n].dtype == theirs[n].dtype and mine[n].array.tobytes() == theirs[n].array.tobytes()

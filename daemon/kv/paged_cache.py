@@ -323,7 +323,8 @@ def fill(cache: list, source: list) -> list:
         if theirs.offset < mine.offset:
             raise PageStateError(f"layer {mine.layer}: {theirs.offset} tokens cannot extend {mine.offset}")
         if theirs.offset > mine.offset:
-            mine.extend(theirs.keys[..., mine.offset : theirs.offset, :], theirs.values[..., mine.offset : theirs.offset, :])
+            new = slice(mine.offset, theirs.offset)
+            mine.extend(theirs.keys[..., new, :], theirs.values[..., new, :])
         out.append(mine)
     return out
 
