@@ -20,7 +20,9 @@
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
 #             mlx_lm.server; fleet-16: 16 agents, 3 turns; fleet-1k: 8 agents over a 1k prompt, 3 turns;
-#             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model)
+#             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model);
+#             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
+#   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
 # Results under $OUT (default bench/out/device), one folder per part.
@@ -151,6 +153,8 @@ run_part() {
     fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;
+    fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
+    script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
 }

@@ -66,6 +66,10 @@ class Tuning:
     # turns that come at once prefill packed in one forward pass; False: one by one (each turn's first
     # token waits for the turns before it, for smaller passes)
     pack_prefill: bool = True
+    # while nothing decodes, the first jobs of turns that reach the engine at once wait this long at most for
+    # the turns still on their way (rendered, matched), to prefill as one pack; 0: taken as they come (a
+    # pack of the first turn, then one of the others)
+    pack_gather_ms: float = 50.0
     # a prefill slice's target beside decoding calls, in decode steps: larger, sooner first tokens for the
     # prompt; smaller, shorter gaps between a decoding neighbour's tokens
     slice_of_step: float = 1.0
@@ -107,6 +111,7 @@ class Tuning:
 
 _TUNING_RULES = (
     ("slice_of_step", lambda v: 0 < v < math.inf, "a number above 0"),
+    ("pack_gather_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (never held) or more"),
     ("pool_nice", lambda v: 0 <= v <= 19, "a whole number of nice levels, 0 to 19"),
     ("renders_at_once", lambda v: v >= 1, "a count above 0"),
     ("slow_job_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (every job) or more"),

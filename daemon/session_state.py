@@ -101,6 +101,9 @@ class Session:
     head: str | None = None  # latest snapshot id
     last_used: float = 0.0
     reply_start: int | None = None  # where the last generated reply begins in `tokens` (None: no reply yet)
+    # The first tokens whose KV is the stored blocks' bytes: a wake restored them and no trim has cut into them
+    # since. Another wake may copy them instead of reading those blocks (a prefill's may differ in the last bits).
+    restored: int = field(default=0, compare=False)
     # Engine-thread state, never recorded: a prefill chunk is queued on `cache` and computed a slice of layers
     # per job (model/scheduler/slices.py); until it ends, reading the cache would compute all of it at once.
     computing: bool = field(default=False, repr=False, compare=False)

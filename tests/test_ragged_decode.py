@@ -111,16 +111,21 @@ def test_with_the_row_kernel_a_call_decodes_the_same_tokens_batched_or_alone(tmp
     store.close()
 
 
-def test_the_warm_up_builds_the_row_kernel_first_where_steps_take_it(tmp_path):
+@pytest.mark.parametrize("builds", [True, False])
+def test_the_engine_builds_the_row_kernel_before_it_answers(tmp_path, monkeypatch, builds):
+    # Was the warm-up's first idle job: a restart's first requests, sent as the daemon answered, waited
+    # seconds behind it (the compile runs in every process). Now a step of the engine's start; a model
+    # whose heads the kernel does not take decodes without it.
+    built = []
+    monkeypatch.setattr(ragged_decode, "wanted", lambda asked: asked)
+    monkeypatch.setattr(ragged_decode, "warm", lambda model: built.append(model) or builds)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, make_model_dir(tmp_path / "tiny"), max_batch=8, warm=False)
     try:
-        jobs = engine.warm_jobs()
-        assert engine.decoder.row_kernel == _cuda()
-        if _cuda():  # the first job builds it (a batch of dead rows never calls it)
-            assert jobs[0]() is True
-        else:
-            assert jobs == []
+        assert built == [engine.model] and engine.decoder.row_kernel is builds
+        assert "row_kernel" in engine.started.ms
+        engine.warm_jobs()
+        assert len(built) == 1  # no warm-up job builds it again
     finally:
         engine.close()
         store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -17,7 +18,10 @@ class Decoding:
     """A decoder's face as the scheduler sees it: whether calls are decoding."""
 
     def __init__(self, active: bool) -> None:
-        self.active = active
+        self.active, self.aborted = active, None
+
+    def abort(self, exc: BaseException) -> None:  # the engine thread's stop fails the calls in flight
+        self.aborted = exc
 
 
 def test_quick_jobs_all_come_first_in_one_step_then_one_job():
@@ -66,6 +70,23 @@ def test_an_idle_job_runs_only_once_nothing_is_queued_for_a_while(monkeypatch):
     s.decoder.active = True
     s.idle(built)
     assert s.next_step().idle is None  # never beside decoding calls
+
+
+def test_an_idle_job_waits_while_turns_are_on_their_way(monkeypatch):
+    # Was: a restart's first round, rendered and matched but not yet queued, found the warm-up's idle job
+    # started 16 ms before it and waited for it (docs/benchmarks.md, "fleet", S29 run 1).
+    monkeypatch.setattr(steps, "IDLE_AFTER_S", 0.02)
+    s = Scheduler(decoder=Decoding(active=False))
+    built = lambda: "built"  # noqa: E731
+    s.idle(built)
+    arrival = s.arrive()
+    threading.Timer(0.15, arrival.land).start()
+    started = time.monotonic()
+    step = s.next_step()
+    while step.idle is None:  # empty steps (the landing's wake-up) until the idle job is due
+        assert not step.job and not step.pack and not step.decode
+        step = s.next_step()
+    assert step.idle is built and time.monotonic() - started >= 0.14  # once the turn landed
 
 
 def test_the_stop_ends_the_steps_and_the_jobs_behind_it_are_refused():
@@ -173,3 +194,153 @@ async def test_a_failing_idle_job_run_when_idle_raises_to_its_awaiter():
             await thread.run_when_idle(lambda: 1 / 0)
     finally:
         thread.stop()
+
+
+# -- turns that arrive together start as one pack --------------------------------------------------------
+
+def _sizes(jobs: list[Packed]) -> list[None]:
+    return [None] * len(jobs)
+
+
+def test_turns_queued_20_ms_apart_start_as_one_pack():
+    """Was: the idle engine thread took the first turn's Packed job the moment it was queued (a pack of one),
+    and the turns queued after it a pack of their own."""
+    thread = EngineThread(scheduler=Scheduler(gather_s=0.5))  # no decoder: nothing decodes
+    packs: list[int] = []
+    pack = lambda jobs: packs.append(len(jobs)) or _sizes(jobs)  # noqa: E731
+    arrivals = [thread.arrive() for _ in range(4)]  # all four rendered at once, queued 20 ms apart
+
+    def turn(i: int) -> None:
+        time.sleep(0.02 * i)
+        thread.calls_of(arrivals[i])(Packed(lambda: None, pack, (i,)))
+
+    try:
+        turns = [threading.Thread(target=turn, args=(i,)) for i in range(4)]
+        for t in turns:
+            t.start()
+        for t in turns:
+            t.join(timeout=10)
+        assert packs == [4]
+        assert thread.scheduler.arriving() == 0
+    finally:
+        thread.stop()
+
+
+def test_a_lone_turn_waits_for_one_still_arriving_at_most_the_gathering_time():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=0.1)
+    s.arrive()  # another turn on its way that never comes
+    mine = s.arrive()
+    queued = time.monotonic()
+    future = s.submit(Packed(lambda: None, _sizes), arrival=mine)
+    step = s.next_step()
+    waited = time.monotonic() - queued
+    assert [f for _, f in step.pack] == [future]
+    assert 0.09 <= waited < 0.5  # the gathering time, and scheduling slack on a loaded machine
+
+
+def test_a_lone_turn_with_nothing_arriving_is_taken_at_once():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    future = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    queued = time.monotonic()
+    assert [f for _, f in s.next_step().pack] == [future]
+    assert time.monotonic() - queued < 1.0  # far below the gathering time
+
+
+def test_a_turn_that_lands_without_queuing_lets_the_held_pack_go():
+    """A turn that fails (or queues no Packed job) is landed by its caller: the pack waits no longer."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    failing = s.arrive()
+    future = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    threading.Timer(0.05, failing.land).start()
+    queued = time.monotonic()
+    assert [f for _, f in s.next_step().pack] == [future]
+    assert time.monotonic() - queued < 1.0
+    failing.land()  # again: nothing changes
+    assert s.arriving() == 0
+
+
+def test_no_pack_is_held_while_calls_decode():
+    s = Scheduler(decoder=Decoding(active=True), gather_s=5.0)
+    s.arrive()  # arriving, but a decode step between jobs gathers them already
+    future = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    queued = time.monotonic()
+    step = s.next_step()
+    assert [f for _, f in step.pack] == [future] and step.decode
+    assert time.monotonic() - queued < 1.0
+
+
+def test_a_held_pack_goes_once_a_call_starts_decoding():
+    """A call that joins the decoder (a quick job) while a pack gathers: the pack runs at that step."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    s.arrive()
+    future = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    joined = s.submit(lambda: setattr(s.decoder, "active", True), quick=True)
+    step = s.next_step()  # the join runs first; the pack still gathers (nothing decodes yet)
+    assert [f for _, f in step.quick] == [joined] and step.pack is None
+    step.quick[0][0]()
+    step = s.next_step()
+    assert [f for _, f in step.pack] == [future] and step.decode
+
+
+def test_a_packed_job_that_starts_no_turn_is_not_held():
+    """A later chunk of a long prefill (queued without an arrival) runs at once while turns arrive."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    s.arrive()
+    future = s.submit(Packed(lambda: None, _sizes))
+    queued = time.monotonic()
+    assert [f for _, f in s.next_step().pack] == [future]
+    assert time.monotonic() - queued < 1.0
+
+
+def test_the_stop_refuses_a_held_pack():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    s.arrive()
+    held = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    s.stop()
+    assert s.next_step().stop
+    s.refuse_left()
+    with pytest.raises(CancelledError, match="engine stopped"):
+        held.result(timeout=1)
+
+
+def test_attach_takes_the_gathering_time_where_the_planner_packs():
+    class Planner:  # a prefill planner's face as the engine thread sees it
+        def __init__(self, pack_prefill: bool) -> None:
+            self.gather_s, self.pack_prefill, self.idle, self.later = 0.03, pack_prefill, None, None
+
+    for packs, want in ((True, 0.03), (False, 0.0)):
+        thread, decoder = EngineThread(), Decoding(active=False)
+        try:
+            thread.attach(decoder, Planner(packs))
+            assert thread.scheduler.gather_s == want
+        finally:
+            thread.stop()
+        assert isinstance(decoder.aborted, CancelledError)
+
+
+def test_other_jobs_run_while_a_pack_gathers():
+    """The engine does not idle for a held pack: a job queued meanwhile (a turn's wake, a copy) runs."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    arriving = s.arrive()
+    held = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+    plain = s.submit(lambda: "wake")
+    step = s.next_step()
+    assert step.job[1] is plain and step.pack is None
+    arriving.land()
+    assert [f for _, f in s.next_step().pack] == [held]
+
+
+def test_a_turn_set_aside_is_not_waited_for_and_arrives_again_after():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=5.0)
+    waiter = s.arrive()  # waits for the other turn's prefill: it cannot queue before that ran
+    with waiter.aside():
+        assert s.arriving() == 0
+        leader = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+        queued = time.monotonic()
+        assert [f for _, f in s.next_step().pack] == [leader]
+        assert time.monotonic() - queued < 1.0
+    assert s.arriving() == 1  # on its way again: its own first job is next
+    waiter.land()
+    with waiter.aside():  # landed: stays landed
+        pass
+    assert s.arriving() == 0

@@ -40,16 +40,23 @@ async def start_together(manager, monkeypatch, leader_cancelled=None) -> dict[st
     async def append(sid: str, cancelled=None) -> None:
         results[sid] = await manager.append(sid, cancelled, tokens=SHARED + OWN[sid])
 
+    await lead_then_wait(manager, go, lambda: append("agent0", leader_cancelled),
+                         [lambda sid=sid: append(sid) for sid in list(OWN)[1:]])
+    return results
+
+
+async def lead_then_wait(manager, go: threading.Event, lead, others: list) -> None:
+    """lead() starts and registers a flight; the others start and all wait on it; then the leader goes on
+    (`go`); returns once every call ended."""
     async with anyio.create_task_group() as tg:
-        tg.start_soon(append, "agent0", leader_cancelled)
+        tg.start_soon(lead)
         while len(manager.shared) == 0:
             await anyio.sleep(0.005)
-        for sid in list(OWN)[1:]:
-            tg.start_soon(append, sid)
-        while sum(len(f.waiters) for f in manager.shared._flights) < 3:
+        for other in others:
+            tg.start_soon(other)
+        while sum(len(f.waiters) for f in manager.shared._flights) < len(others):
             await anyio.sleep(0.005)
         go.set()
-    return results
 
 
 async def test_appends_starting_together_prefill_the_shared_prompt_once(manager, monkeypatch):

@@ -64,7 +64,9 @@ class Kvwake:
         # Where each turn's first token went (status.turns: render, match, claim, append, first token), the
         # counters and the start's phases, for docs/benchmarks.md's trace: one file per process
         self.lives += 1
-        trace = {key: status.get(key) for key in ("turns", "counters", "startup_ms", "engine_thread", "latency", "generation")}
+        kept = ("turns", "counters", "startup_ms", "engine_thread", "latency", "generation", "persistence", "gc",
+                "memory", "tuning")
+        trace = {key: status.get(key) for key in kept}
         (self.daemon.root / f"trace-{self.lives}.json").write_text(json.dumps(trace, indent=1, default=str))
         self.daemon.stop()
         return Life(ready_s, memory["peak_rss_bytes"], memory.get("mlx_peak_bytes"))

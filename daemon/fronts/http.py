@@ -302,8 +302,12 @@ class Api:
         """Check and render the request once (a refused request makes no session), then pick its session and
         start the generation (sessions/matching.py)."""
         prepared = await self.manager.prepare(req.inputs(), req.params)
-        return await self.matcher.start(prepared, req.session_id, getattr(req, "hint", None), on_event, cancelled,
-                                        on_append)
+        try:
+            return await self.matcher.start(prepared, req.session_id, getattr(req, "hint", None), on_event,
+                                            cancelled, on_append)
+        except BaseException:  # no generation took the turn: it is not on its way any more
+            prepared.land()
+            raise
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -59,9 +59,9 @@ def staging(shape: tuple[int, ...]) -> tuple[mx.array, np.ndarray, Callable[[], 
     pages; harmless twice)."""
     if STAGING == "device":
         a = mx.zeros(shape, mx.uint8)
-        mx.eval(a)
-    else:
-        a = mx.array(np.zeros(shape, np.uint8))
+    else:  # written by the CPU, in place: no numpy array copied in (a copy of the slot's size, at a few GB/s)
+        a = mx.zeros(shape, mx.uint8, stream=mx.cpu)
+    mx.eval(a)
     view = np.asarray(a)
     ptr, n = view.ctypes.data, view.nbytes
     if STAGING == "mapped" and n and cudart.map_to_device(ptr, n):
@@ -239,8 +239,11 @@ def _join_words(planes: tuple[mx.array, ...], unsigned: Any, size: int, rotate: 
     return x
 
 
-# One compiled join per dtype: the casts, shifts and ors fuse into one pass over the planes (op by op, each
-# was a pass of its own with a temporary; docs/benchmarks.md, "Wake on the CPU (issue 50, point 7)").
+# One join per dtype. On the CPU compiled: the casts, shifts and ors fuse into one pass over the planes (op by op,
+# each was a pass of its own with a temporary; docs/benchmarks.md, "Wake on the CPU (issue 50, point 7)"). On a
+# GPU op by op: each op is a kernel MLX ships, its passes cost little at the device's bandwidth, and a compiled
+# join is a kernel MLX compiles in a fresh cache (seconds on CUDA), which a restart's first wake waited for
+# (docs/benchmarks.md, "fleet", S29).
 _JOINS: dict[str, Callable[..., mx.array]] = {}
 
 
@@ -248,7 +251,8 @@ def _joiner(dtype: str) -> Callable[..., mx.array]:
     fn = _JOINS.get(dtype)
     if fn is None:
         unsigned, size, rotate = _bits(dtype)
-        fn = _JOINS[dtype] = mx.compile(lambda *planes: _join_words(planes, unsigned, size, rotate))
+        fn = lambda *planes: _join_words(planes, unsigned, size, rotate)  # noqa: E731
+        _JOINS[dtype] = fn = mx.compile(fn) if mx.default_device() == mx.cpu else fn
     return fn
 
 

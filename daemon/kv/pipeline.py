@@ -366,7 +366,7 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
     cached, flight = ctx.ram_tier.take(ref.key)
     if cached is not None:
         buffers.put(start, count, cached, what)
-        ctx.counters.add("blocks_ram")
+        _count(ctx, buffers, "blocks_ram")
         return
     landed = None
     try:
@@ -376,11 +376,16 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
                                       session_id=record.session_id if record else None,
                                       place=buffers.place(start, count), stage=None if share else buffers.stage(k))
         buffers.check(arrays, start, count, what, staged=k in buffers.staged)
-        ctx.counters.add("blocks_disk")
+        _count(ctx, buffers, "blocks_disk")
         if share:
             landed = buffers.block(start, count)
     finally:
         ctx.ram_tier.land(ref.key, flight, landed)
+
+
+def _count(ctx: KvContext, buffers: restore_buffers.Buffers, name: str, n: int = 1) -> None:
+    ctx.counters.add(name, n)
+    buffers.counts.add(name, n)
 
 
 def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
@@ -389,7 +394,9 @@ def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     return restore_buffers.specs_of(cached) if cached is not None else ctx.store.block_specs(ref)
 
 
-def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
+def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | None,
+             counts: dict[str, int]) -> list:
+    """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared)."""
     n = len(record.token_ids)
     n_full, rest = divmod(n, ctx.block_tokens)
     if record.blocks:
@@ -399,8 +406,10 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
         if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
+    shared = prefix[1] // ctx.block_tokens if prefix is not None else 0  # blocks adopted, not read
+    # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
-                                             mode=ctx.restore_mode))
+                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
         try:
@@ -409,7 +418,10 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record)
+            if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
+                mlx(lambda: buffers.adopt(*prefix))
+                _count(ctx, buffers, "blocks_shared", shared)
+            fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
         batch.raise_first()
@@ -418,6 +430,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx) -> list:
             buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
         while not mlx(lambda: buffers.upload(n, restore_buffers.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
             pass
+        counts.update(buffers.counts)
         return mlx(lambda: buffers.finish(n, tail))
 
 
@@ -434,9 +447,10 @@ def releasing(buffers: restore_buffers.Buffers, mlx: Mlx) -> Iterator[restore_bu
 
 
 def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
-               record: SnapshotRecord | None = None, shorten: bool = False) -> int:
-    """Blocks 0 .. len(refs)-1 of a restore into place: decoded a span at a time on the pool while the engine
-    thread moves earlier spans to the device. Returns how many blocks are in place, unbroken from 0.
+               record: SnapshotRecord | None = None, shorten: bool = False, first: int = 0) -> int:
+    """Blocks first .. len(refs)-1 of a restore into place (those before `first` were adopted: Buffers.adopt):
+    decoded a span at a time on the pool while the engine thread moves earlier spans to the device. Returns
+    how many blocks are in place, unbroken from 0.
 
     Up to `buffers.slots` spans are decoding at once (the staging ring's slots; on unified memory
     all of them: the decoders write the final buffers, there is nothing to move). Span k is joined
@@ -455,13 +469,13 @@ def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Bloc
     """
     # Staged (a GPU's ring): not shared. A shared block decoded into host views and uploaded from them took
     # longer than each restore staging its own copy on the device (docs/benchmarks.md, "fleet").
-    with ctx.ram_tier.wanting([] if buffers.ring is not None else [ref.key for ref in refs]) as wants:
-        return _fill_spans(ctx, buffers, refs, mlx, batch, record, shorten, wants)
+    with ctx.ram_tier.wanting([] if buffers.ring is not None else [ref.key for ref in refs[first:]]) as wants:
+        return _fill_spans(ctx, buffers, refs, mlx, batch, record, shorten, wants, first)
 
 
 def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
-                record: SnapshotRecord | None, shorten: bool, wants: Wants) -> int:
-    spans = buffers.spans(len(refs))
+                record: SnapshotRecord | None, shorten: bool, wants: Wants, first: int) -> int:
+    spans = buffers.spans(len(refs), first)
     pending: dict[int, list[cf.Future]] = {}
     keep_in_ram = shorten and buffers.ring is None
 
@@ -478,9 +492,9 @@ def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Blo
         return True
 
     def submit(s: int) -> None:
-        first, count = spans[s]
+        start, count = spans[s]
         pending[s] = []
-        for k in range(first, first + count):
+        for k in range(start, start + count):
             ref = refs[k]
             batch.reserve(ref.raw_bytes)
             if batch.failed:
@@ -490,31 +504,33 @@ def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Blo
 
     for s in range(min(buffers.slots, len(spans))):
         submit(s)
-    for s, (first, count) in enumerate(spans):
+    for s, (start, count) in enumerate(spans):
         futures = pending.pop(s, [])
         cf.wait(futures)
         if batch.failed:
-            return first
+            return start
         good = next((i for i, f in enumerate(futures) if not f.result()), count)
         if good:
-            mlx(lambda first=first, good=good: buffers.join_span(first, good))
+            mlx(lambda start=start, good=good: buffers.join_span(start, good))
         if good < count:
-            return first + good
+            return start + good
         if s + buffers.slots < len(spans):
             submit(s + buffers.slots)
     return len(refs)
 
 
 def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
-         record: SnapshotRecord | None = None) -> tuple[Session, dict[str, Any]]:
+         record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
     """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return.
     `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
+    `prefix`: (a plain cache, tokens): another session's cache whose first `tokens` (whole blocks, at most the
+    snapshot's) are this snapshot's first blocks, the same chain keys (a session woken beside it, or hot):
+    those blocks are copied from it on the device, not read (Buffers.adopt).
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.
     """
-    started = time.perf_counter()
-    before = dict(ctx.counters)
+    started, counts = time.perf_counter(), {"blocks_ram": 0, "blocks_disk": 0, "blocks_shared": 0}
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
         if record is None:
             record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
@@ -523,13 +539,14 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         ctx.store.touch([b.key for b in record.blocks])
-        cache = _restore(ctx, record, mlx) if record.token_ids else None
+        cache = _restore(ctx, record, mlx, prefix, counts) if record.token_ids else None
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:
         cache = mlx(lambda: ctx.quantize(cache))
     session.cache = cache
+    session.restored = len(record.blocks) * ctx.block_tokens if cache is not None and ctx.kv_bits is None else 0
     return session, {"snapshot_id": record.id, "tokens": len(session.tokens),
-                     "blocks_from_memory": ctx.counters["blocks_ram"] - before["blocks_ram"],
-                     "blocks_from_disk": ctx.counters["blocks_disk"] - before["blocks_disk"],
+                     "blocks_from_memory": counts["blocks_ram"], "blocks_from_disk": counts["blocks_disk"],
+                     "blocks_shared": counts["blocks_shared"],
                      "raw_bytes": record.raw_bytes, "ms": round((time.perf_counter() - started) * 1000, 3)}

@@ -47,6 +47,7 @@ from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, m
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv.context import Counters
 from kvwake.daemon.kv.cache_blocks import (
     CUTTABLE,
     QPARTS,
@@ -162,6 +163,8 @@ class Buffers:
         self._out: dict[str, mx.array] = {}  # tensors laid out on the device (upload), in order
         self._layout: tuple[int, list[mx.array] | None] | None = None  # (tokens, the joined tail) once begun
         self.released = False  # `release` ran (by `finish`, or for a restore given up)
+        # Where this restore's blocks came from (the context's counters add every restore's at once)
+        self.counts = Counters("blocks_ram", "blocks_disk", "blocks_shared")
         specs = {t: sample[t] for t in self.order}
         blocks = n_blocks if n_blocks is not None else capacity // block_tokens
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
@@ -180,9 +183,35 @@ class Buffers:
                 self._tail_array, self._tail_view = array, view[0]
                 self._tail_release = weakref.finalize(self, release)
 
-    def spans(self, n_blocks: int) -> list[tuple[int, int]]:
-        """(first, count) of the spans blocks are restored in: each is decoded, then joined (join_span)."""
-        return [(first, min(self.span, n_blocks - first)) for first in range(0, n_blocks, self.span)]
+    def spans(self, n_blocks: int, first: int = 0) -> list[tuple[int, int]]:
+        """(first, count) of the spans blocks first .. n_blocks - 1 are restored in: each is decoded, then
+        joined (join_span)."""
+        return [(k, min(self.span, n_blocks - k)) for k in range(first, n_blocks, self.span)]
+
+    def adopt(self, prefix: list, tokens: int) -> None:
+        """Engine thread: the first `tokens` (whole blocks) taken from another cache holding the same blocks
+        (a session woken beside this one, or hot, whose prefix has their chain keys), in place of reading
+        them: laid out on the device as the first joined span (staged), or copied into the host views
+        (direct). Plain KV only; raises StateMismatchError for a cache that is not this restore's shape."""
+        if tokens <= 0 or tokens % self.block_tokens or self.joined:
+            raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
+                                     f"ahead of this restore ({self.joined} blocks joined)")
+        given = {f"{name}.{part}": getattr(c, part) for name, _, _, c in units(prefix) if type(c) is KVCache
+                 for part in ("keys", "values")}
+        for name in self.order:
+            arr = given.get(name)
+            if (arr is None or arr.shape[-2] < tokens or _MX_DTYPE[self.dtypes[name]] != arr.dtype
+                    or arr.shape[:-2] != self.views[name].shape[:-2] or arr.shape[-1] != self.views[name].shape[-1]):
+                raise StateMismatchError(f"{name}: the prefix given ({None if arr is None else arr.shape}) is not "
+                                         f"{tokens} tokens of this restore's {self.dtypes[name]} KV")
+            part = arr[..., :tokens, :]
+            if self.mode == "direct":
+                np.copyto(self.views[name][..., :tokens, :],
+                          np.asarray(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part))
+            else:
+                self.pieces[name].append(part)
+        if self.mode != "direct":
+            self.joined = tokens // self.block_tokens
 
     @property
     def slots(self) -> int:

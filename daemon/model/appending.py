@@ -134,6 +134,7 @@ class Appending:
         elif keep < session.processed:
             trim_prompt_cache(session.cache, session.processed - keep)
             session.processed = keep
+        session.restored = min(session.restored, keep) if session.cache is not None else 0
         reused = 0
         if session.cache is None:
             cache, reused = prefix
@@ -222,6 +223,7 @@ class Appending:
         if session.processed and can_trim_prompt_cache(session.cache):
             trim_prompt_cache(session.cache, 1)
             session.processed -= 1
+            session.restored = min(session.restored, session.processed)
         else:
             raise InvalidParamsError(f"session {session.id} has nothing to generate from: append input first",
                                      session_id=session.id)

@@ -102,7 +102,9 @@ class Decoder:
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
-        self.spent = {"batch_next_s": 0.0, "batch_outputs_s": 0.0, "admit_s": 0.0}
+        # seconds in: the batch's passes, handing out their tokens (of which: finished rows given back to their
+        # sessions, and the batch cut to its live rows), calls joining
+        self.spent = {"batch_next_s": 0.0, "batch_outputs_s": 0.0, "leave_s": 0.0, "compact_s": 0.0, "admit_s": 0.0}
         self.admitted: tuple[int, float] | None = None  # the last step's admission: (calls, seconds), or None
 
     @property
@@ -381,7 +383,9 @@ class Decoder:
                 done.append((i, r.uid, reason))
         fed_only.clear()
         if done:
+            left = time.perf_counter()
             self._leave(done)
+            self.spent["leave_s"] += time.perf_counter() - left
         if self.batch is not None:  # the rows that go on: their next mask, filled while this thread goes on
             self.masks.prefetch(_constraints(self._row_calls()), self.batch._next_tokens)
         self.spent["batch_outputs_s"] += time.perf_counter() - nexted
@@ -399,7 +403,9 @@ class Decoder:
             retire(batch, i)
             self.dead.add(uid)
         if 2 * len(self.dead) >= len(batch.uids):
+            started = time.perf_counter()
             self._compact()
+            self.spent["compact_s"] += time.perf_counter() - started
 
     def _extract(self, uid: int, i: int) -> list:
         """Row i's cache for its session: a plain copy out of the batch, or the pages its call brought,

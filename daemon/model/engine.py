@@ -146,7 +146,12 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel)
+        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (seconds; not
+        # from its disk cache), and a decode step or an idle warm-up job building it would hold up every
+        # request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet"). False when the
+        # model's heads are not a shape it takes.
+        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(self.model)
+        self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
         # packing is for where calls batch (the same exactness class)
@@ -155,7 +160,7 @@ class Engine(Appending):
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=tuning.slice_of_step)
+            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
         self.started.mark("set_up")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")
@@ -178,8 +183,6 @@ class Engine(Appending):
         built (MLX compiles per shape), a lone session's decode graphs at a few cache capacities
         (attention.warm_decode), then the attention paths' costs measured per key length. None elsewhere."""
         jobs: list[Callable[[], Any]] = []
-        if self.decoder.row_kernel:  # first: every decode step takes it (a batch's dead rows do not build it)
-            jobs.append(lambda: ragged_decode.warm(self.model))
         if attention.on_cuda():
             jobs += [lambda n=n: self.decoder.warm_size(n) for n in self.decoder.warm_sizes()]
             # a session decoding alone: cuDNN's decode graphs, whose first build would stall a first token
@@ -316,11 +319,12 @@ class Engine(Appending):
         pipeline.release(session, mlx)
 
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct, *,
-             record: SnapshotRecord | None = None) -> tuple[Session, dict[str, Any]]:
+             record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py); `record`: the
-        snapshot's verified record, read already (`record`), so it is not read again."""
+        snapshot's verified record, read already (`record`), so it is not read again; `prefix`: its first
+        blocks from another cache holding them (`wakes_share`; pipeline.wake)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
-        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record)
+        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
         self.persister.stored(session_id, session.processed)
         return session, info
 
@@ -334,6 +338,12 @@ class Engine(Appending):
     def forget(self, session_id: str) -> None:
         """A deleted session: wait for its running checkpoint, write nothing more of it."""
         self.persister.forget(session_id)
+
+    @property
+    def wakes_share(self) -> bool:
+        """Whether a wake may take its first blocks from another session's cache (plain KV, not quantized:
+        what a snapshot's blocks hold is what that cache holds)."""
+        return self.cuttable and self.kv.kv_bits is None and all(type(c) is KVCache for c in self.make_cache())
 
     def record(self, snapshot_id: str) -> SnapshotRecord:
         """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""

@@ -31,10 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from kvwake.daemon.jobs import unframed
+from kvwake.daemon.jobs import Mlx, unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler.prefill import PrefillPlanner
-from kvwake.daemon.model.scheduler.steps import Job, Scheduler
+from kvwake.daemon.model.scheduler.steps import Arrival, Job, Scheduler
 from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
@@ -85,11 +85,13 @@ class EngineThread:
 
     def attach(self, decoder: Decoder, prefill: PrefillPlanner | None = None) -> None:
         """Step `decoder` between jobs from now on, and let `prefill` queue its jobs here (its idle builds,
-        the jobs that waited for a chunk's end); takes effect on the engine thread, in order."""
+        the jobs that waited for a chunk's end) and say how long a pack of turns gathers (its `gather_s`,
+        where it packs); takes effect on the engine thread, in order."""
         def attach() -> None:
             self.scheduler.decoder = decoder
             if prefill is not None:
                 prefill.idle, prefill.later = self.idle, self.later
+                self.scheduler.gather_s = prefill.gather_s if prefill.pack_prefill else 0.0
         self.submit(attach).result()
 
     def _run(self) -> None:
@@ -180,11 +182,12 @@ class EngineThread:
             self._slow.append({"what": name, "ms": round(took * 1000, 1), "at": round(time.time() - took, 4)})
 
     def timing(self) -> dict[str, Any]:
-        """Seconds spent in jobs, decode steps and handing output over, their counts, and the slow ones
-        (`at`: wall-clock start, seconds since the epoch), oldest first."""
+        """Seconds spent in jobs, decode steps and handing output over, their counts, the waits of packs held
+        for arriving turns (`pack_holds`, ms), and the slow ones (`at`: wall-clock start, seconds since the
+        epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
-        return {**spent, "step_gaps": self._gaps.summary(), "slow_over_ms": self.slow_s * 1000,
-                "slow": list(self._slow)}
+        return {**spent, "step_gaps": self._gaps.summary(), "pack_holds": self.scheduler.holds.summary(),
+                "slow_over_ms": self.slow_s * 1000, "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn on the engine thread once nothing else waits (Scheduler.idle). For what only speeds later
@@ -241,11 +244,22 @@ class EngineThread:
         whose caller runs it itself (as in process, with `direct`)."""
         return self.submit(fn) if threading.current_thread() is self._thread else None
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine thread and wait for it from another thread (the pipeline's `mlx`)."""
+    def call(self, fn: Callable[[], T], arrival: Arrival | None = None) -> T:
+        """Run fn on the engine thread and wait for it from another thread (the pipeline's `mlx`); `arrival`:
+        the turn fn belongs to, landed if fn is its first Packed job (Scheduler.submit)."""
         if threading.current_thread() is self._thread:
             return fn()
-        return self.submit(fn).result()
+        return self.scheduler.submit(fn, arrival=arrival).result()
+
+    def arrive(self) -> Arrival:
+        """A turn on its way to this thread (rendered, matched, not yet queued): the first Packed jobs of the
+        turns before it wait for it while nothing decodes (Scheduler.arrive). Its caller lands it when the
+        turn ends, and runs the turn's MLX steps through `calls_of(arrival)`."""
+        return self.scheduler.arrive()
+
+    def calls_of(self, arrival: Arrival) -> Mlx:
+        """The `mlx` runner of a turn on its way: `call`, its first Packed job landing `arrival`."""
+        return lambda fn: self.call(fn, arrival)
 
     async def run(self, fn: Callable[[], T], quick: bool = False) -> T:
         """Run fn on the engine thread and await its result from the event loop (`quick`: see `submit`).

@@ -25,7 +25,9 @@ import anyio
 from anyio import to_thread
 
 from kvwake.daemon.model.engine import Plan
+from kvwake.store import SnapshotRecord
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
+from kvwake.daemon.model.scheduler.steps import Arrival
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.hotkeys import shared_from
@@ -38,11 +40,19 @@ __all__ = ["Conversations", "Prepared"]
 @dataclass(frozen=True)
 class Prepared:
     """A request's prompt rendered once and checked once (`SessionManager.prepare`): its params against the
-    model, its length against the context and the memory; `generate` appends it without checking again."""
+    model, its length against the context and the memory; `generate` appends it without checking again.
+    `arrival`: the turn on its way to the engine from the moment it was prepared (EngineThread.arrive); the
+    `generate` that takes it lands it, and whoever drops it without one lands it (`land`)."""
 
     plan: Plan
     params: GenerateParams
     render_ms: float = 0.0  # the render alone (status.turns: where a first token's time went)
+    arrival: Arrival | None = None
+
+    def land(self) -> None:
+        """The turn is no longer on its way (it failed before its `generate`)."""
+        if self.arrival is not None:
+            self.arrival.land()
 
 
 class Conversations:
@@ -58,12 +68,15 @@ class Conversations:
             return await self._append(await self.awake(entry), inputs, stop, entry)
 
     async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
-                      stop: Callable[[], bool], entry: Entry | None = None) -> dict[str, Any]:
+                      stop: Callable[[], bool], entry: Entry | None = None,
+                      arrival: Arrival | None = None) -> dict[str, Any]:
         """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
         checked already), the check, room (other sessions sleep if the memory left for KV would not hold
         the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
-        then the apply (prefill) on a worker thread."""
+        then the apply (prefill) on a worker thread; `arrival`: the turn's, landed by its first prefill job
+        (turns that arrive together start as one pack: EngineThread.arrive)."""
         engine = self.engine
+        mlx = self.thread.call if arrival is None else self.thread.calls_of(arrival)
         if isinstance(inputs, Prepared):
             plan = inputs.plan
             session.check_mode(plan.mode)
@@ -72,21 +85,25 @@ class Conversations:
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:
             await self.make_room(entry, len(plan.target))
-        async with self._shared_prefix(session, plan.target) as (prefix, flight):
+        async with self._shared_prefix(session, plan.target, arrival) as (prefix, flight):
             if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
                 stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
-            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, self.thread.call, stop))
+            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, mlx, stop))
 
     async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
         """A front's request before any session is chosen: its params checked against the model (a bad schema
         refused before any compute), its conversation rendered once (on a worker thread) and its length
         checked against the context and the memory. `generate` takes it as it is."""
         self.check_params(params, inputs.get("tools"))
-        started = time.perf_counter()
-        plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
-        rendered = time.perf_counter()
-        self.engine.check_fits(len(plan.target))
-        return Prepared(plan, params, round((rendered - started) * 1000, 2))
+        started, arrival = time.perf_counter(), self.thread.arrive()  # on its way: others' packs wait for it
+        try:
+            plan = await to_thread.run_sync(lambda: self.engine.render(**inputs))
+            rendered = time.perf_counter()
+            self.engine.check_fits(len(plan.target))
+        except BaseException:
+            arrival.land()
+            raise
+        return Prepared(plan, params, round((rendered - started) * 1000, 2), arrival)
 
     async def render(self, inputs: dict[str, Any]) -> Plan:
         """A whole conversation (messages, text or tokens; tools) rendered, on a worker thread (nothing runs,
@@ -94,27 +111,62 @@ class Conversations:
         return await to_thread.run_sync(lambda: self.engine.render(**inputs))
 
     @contextlib.asynccontextmanager
-    async def _shared_prefix(self, session: Session, target: list[int]) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+    async def _shared_prefix(self, session: Session, target: list[int],
+                             arrival: Arrival | None = None) -> AsyncIterator[tuple[Prefix, Flight | None]]:
         """(What a fresh cache for `target` starts from, the flight this append leads or None), for the block
         that prefills it (sessions/shared_prefill.py): a prefix of an append prefilling the same prompt now,
         waited for, else `_prefix`, and others may wait on this one: its flight lands (its waiters get their
         copies) when the block ends, however it ends. (NO_PREFIX, None) when the session keeps its own cache
-        or the model's caches cannot be cut by token."""
+        or the model's caches cannot be cut by token. `arrival`: the turn's, set aside while it waits (the
+        leader's first job must not wait for it)."""
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
-        waiting = self.shared.wait_for(session, target)
+        held = target[: len(target) - 1]  # all but the pending last token
+        waiting = self.shared.wait_for(held)
         if waiting is not None:
-            prefix = await waiting
+            with arrival.aside() if arrival is not None else contextlib.nullcontext():
+                prefix = await waiting
             if prefix[0] is not None:
                 self.counters["prefix_waits"] += 1
                 logging.getLogger("kvwake.matching").info(
                     "prefix taken from a prefill in flight", extra={"session": session.id, "tokens": prefix[1]})
                 yield prefix, None
                 return
-        flight = self.shared.lead(session, target)
+        flight = self.shared.lead(session, held)
         try:
             yield await self._prefix(session, target), flight
+        finally:
+            await self._land(flight)
+
+    @contextlib.asynccontextmanager
+    async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+        """(The first blocks of the entry's wake from `record`, taken from another wake's cache, or NO_PREFIX;
+        the flight this wake leads, or None). Sessions woken together (a restart's agents) share their
+        prompt's blocks: the first wake leads, reads them and lands; the others wait for it and copy its
+        first blocks on the device instead of reading them (pipeline.wake's `prefix`), then read only their
+        own. Only a wake's cache will do: it holds the stored blocks' bytes, so the woken cache is the one
+        reading them would give. With no wake to wait for, a hot session's blocks that a wake restored
+        (`Session.restored`) will do too. Set the flight's session once woken; it lands when the block ends."""
+        engine, bt = self.engine, self.engine.block_tokens
+        held = list(record.token_ids[: len(record.blocks) * bt])  # what another wake's cache may give
+        if not held or not engine.wakes_share:
+            yield NO_PREFIX, None
+            return
+        waiting = self.shared.wait_for(held, align=bt, restored=True)
+        if waiting is not None:
+            cache, tokens = await waiting
+            tokens -= tokens % bt
+            if cache is not None and tokens:
+                self.counters["wake_waits"] += 1
+                logging.getLogger("kvwake.matching").info(
+                    "blocks taken from a wake in flight", extra={"session": entry.id, "tokens": tokens})
+                yield (cache, tokens), None
+                return
+        waking = Session(entry.id)
+        flight = self.shared.lead(waking, list(record.token_ids), restored=True)
+        try:  # else a hot session's blocks a wake restored (a block resident already is not read again)
+            yield await self._hot_prefix(waking, held, align=bt, restored=True), flight
         finally:
             await self._land(flight)
 
@@ -134,13 +186,16 @@ class Conversations:
         engine = self.engine
         if self.remote is not None and session.cache is None:  # the remote may hold its prefix
             await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
-        copied = await self._hot_prefix(session, target)
+        copied = await self._hot_prefix(session, target[: len(target) - 1])
         if copied[0] is not None:
             return copied
         return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
 
-    async def _hot_prefix(self, session: Session, target: list[int]) -> tuple[list | None, int]:
-        """A copy of the longest prefix of `target` that another hot, idle session's cache holds.
+    async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
+                          restored: bool = False) -> tuple[list | None, int]:
+        """A copy of the longest prefix of `held` (the tokens a cache is wanted for) that another hot, idle
+        session's cache holds; `align`: a whole number of these; `restored`: only tokens a wake restored
+        from the stored blocks (`Session.restored`: for a wake, which must give the stored bytes).
 
         For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
         that and that the model's cache can be cut by token): agents that share a system prompt
@@ -149,13 +204,14 @@ class Conversations:
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
         Only the sessions holding the deepest chain key the prompt shares are compared (`entries.keys`).
         """
-        want, best, source = target[: len(target) - 1], 0, None
+        want, best, source = held, 0, None
         for known, level in self.entries.keys.levels(want):  # by chain key (sessions/hotkeys.py), deepest first
             for entry in level:
                 s = entry.session
                 if s is None or s is session or entry.busy or s.cache is None or not s.processed:
                     continue
-                shared = min(s.processed, shared_from(s.tokens, want, known))
+                shared = min(s.restored if restored else s.processed, shared_from(s.tokens, want, known))
+                shared -= shared % align
                 if shared > best:
                     best, source = shared, entry
             if best >= known:  # a later level shares fewer than `known` tokens
@@ -165,7 +221,7 @@ class Conversations:
         try:
             async with self.claim(source.id, "copy"):
                 src = source.session
-                if src is None or src.cache is None or src.processed < best:
+                if src is None or src.cache is None or (src.restored if restored else src.processed) < best:
                     return None, 0
                 cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
         except BusyError:
@@ -202,6 +258,19 @@ class Conversations:
         """
         if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
             self.check_params(params, (inputs or {}).get("tools"))
+        arrival = inputs.arrival if isinstance(inputs, Prepared) else self.thread.arrive() if inputs else None
+        try:
+            return await self._generate(session_id, params, on_event, cancelled, inputs, on_claim, on_append,
+                                        phases, arrival)
+        finally:
+            if arrival is not None:
+                arrival.land()
+
+    async def _generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
+                        cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None,
+                        on_claim: Callable[[], None] | None, on_append: Callable[[dict[str, Any]], None] | None,
+                        phases: dict[str, Any] | None, arrival: Arrival | None) -> dict[str, Any]:
+        """`generate`, its turn's arrival (landed by the caller) given."""
         called = time.perf_counter()
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
@@ -209,7 +278,8 @@ class Conversations:
             session = await self.awake(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
-            appended = await self._append(session, inputs, stop, entry) if inputs else {"prefilled": 0, "reused": 0}
+            appended = await self._append(session, inputs, stop, entry, arrival) if inputs else \
+                {"prefilled": 0, "reused": 0}
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})

@@ -75,7 +75,8 @@ class SessionManager(Conversations, RoomKeeping):
         # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
         self.turns: deque[dict[str, Any]] = deque(maxlen=TURNS_KEPT)
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "room_sleeps": 0, "sleep_failures": 0,
-                         "generations": 0, "prefix_copies": 0, "prefix_waits": 0}
+                         "generations": 0, "prefix_copies": 0, "prefix_waits": 0,
+                         "wake_waits": 0}
         # Appends prefilling a fresh cache now, and the requests that share their prompt waiting on them
         self.shared = SharedPrefills(self.engine.min_partial)
         self.stopping = False
@@ -192,7 +193,12 @@ class SessionManager(Conversations, RoomKeeping):
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
         read = record if snapshot_id is None else None
-        session, info = await to_thread.run_sync(lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read))
+        async with self._wake_prefix(entry, record) as ((cache, tokens), flight):
+            prefix = (cache, tokens) if cache is not None else None
+            session, info = await to_thread.run_sync(
+                lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read, prefix=prefix))
+            if flight is not None:  # those waiting on this wake copy from it when the block ends
+                flight.session = session
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)

@@ -17,7 +17,7 @@ prefills itself. Copies are token-granular here; with paged KV a landing maps th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +33,13 @@ NO_PREFIX: Prefix = (None, 0)
 
 @dataclass(eq=False)
 class Flight:
-    """An append prefilling a fresh cache: its session and the tokens its prefill will hold (all but the
-    pending last), and the waiters (tokens wanted, a future for their prefix) queued on it."""
+    """An append prefilling a fresh cache (or a wake restoring one): its session (a wake's, once woken) and
+    the tokens its cache will hold, and the waiters (tokens wanted, a future for their prefix) queued on it."""
 
     session: Session
     tokens: np.ndarray
     waiters: list[tuple[int, asyncio.Future[Prefix]]] = field(default_factory=list)
+    restored: bool = False  # a wake: its cache is the store's blocks' bytes, not a prefill's
 
     def waited(self) -> bool:
         """Whether anyone still waits on this flight (its prefill must not stop for its own client)."""
@@ -56,15 +57,21 @@ class SharedPrefills:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def wait_for(self, session: Session, target: list[int]) -> asyncio.Future[Prefix] | None:
-        """A future for the prefix of `target` that a flight will hand out, or None when no flight shares
-        enough of it (see the module docstring). Called on the event loop, with no await before `lead`."""
-        want = np.asarray(target[: len(target) - 1], dtype=np.int64)
+    def wait_for(self, held: Sequence[int], align: int = 1, restored: bool = False) -> asyncio.Future[Prefix] | None:
+        """A future for a prefix of `held` (the tokens a cache is wanted for) that a flight will hand out, or
+        None when no flight shares enough of it (see the module docstring); `align`: the prefix wanted is a
+        whole number of these (a wake's blocks); `restored`: only a wake's flight will do (a wake restores
+        the stored blocks' bytes exactly; a prefill may compute them otherwise). Called on the event loop,
+        with no await before `lead`."""
+        want = np.asarray(held, dtype=np.int64)
         best, chosen = 0, None
         for flight in self._flights:
+            if restored and not flight.restored:
+                continue
             shared = common_prefix(flight.tokens, want)
             if shared > best and shared >= len(flight.tokens) - shared:
                 best, chosen = shared, flight
+        best -= best % align
         if chosen is None or best < self.min_tokens:
             return None
         future: asyncio.Future[Prefix] = asyncio.get_running_loop().create_future()
@@ -72,9 +79,10 @@ class SharedPrefills:
         self.waits += 1
         return future
 
-    def lead(self, session: Session, target: list[int]) -> Flight:
-        """Register an append that will prefill a fresh cache for `target`; `land` it when its apply ends."""
-        flight = Flight(session, np.asarray(target[: len(target) - 1], dtype=np.int64))
+    def lead(self, session: Session, held: Sequence[int], restored: bool = False) -> Flight:
+        """Register an append that will prefill a fresh cache holding `held` (`restored`: a wake that will
+        restore one; its session is set once woken); `land` it when its apply (its wake) ends."""
+        flight = Flight(session, np.asarray(held, dtype=np.int64), restored=restored)
         self._flights.append(flight)
         return flight
 

@@ -13,41 +13,82 @@ The order, and why:
   one job, a short one (a prefill chunk is many slice jobs: scheduler/prefill.py).
 - A `Packed` job runs with every job of its pack queued by its turn, as one:
   turns that come at once are one forward pass (model/packing.py) and one job.
+- A pack that starts turns (a job queued with its turn's `Arrival`) is held while
+  the decoder is idle and other turns are still arriving (rendered, matched, not
+  yet queued), until none is or `gather_s` has passed since it was queued: turns
+  sent at once reach the engine milliseconds apart, and the first one taken alone
+  would leave the others a pack of their own after it. Never while calls decode:
+  a decode step between two jobs gathers them already. Other jobs queued
+  meanwhile run while it waits (a turn's wake, another session's chunk): the
+  engine does not idle for it (docs/decisions.md, "A fleet of agents (issue 50)").
 - An `idle` job (a graph built ahead) runs only when nothing has been queued for
-  IDLE_AFTER_S and nothing decodes: a client's next turn, sent at once, must not
-  wait for it.
+  IDLE_AFTER_S, nothing decodes and no turn is on its way (an `Arrival` not yet
+  landed: a restart's first round being rendered, matched and woken): a client's
+  next turn, sent at once, must not wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvwake.daemon.model.decoder import Decoder
+from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
-__all__ = ["IDLE_AFTER_S", "Job", "Scheduler", "Step"]
+__all__ = ["Arrival", "IDLE_AFTER_S", "Job", "Scheduler", "Step"]
 
 T = TypeVar("T")
 Job = tuple[Callable[[], Any], Future]
 # An idle job waits for the queue to stay empty this long: a client that sends its next turn at once leaves
 # the engine quiet for tens of milliseconds between turns (docs/decisions.md, "Many agents at once (issue 24)").
 IDLE_AFTER_S = 0.25
+HOLDS_KEPT = 256  # the latest packs held for arriving turns whose wait `holds` keeps
 
 
 class _PackDue:
-    """In the job queue: a Packed job of `pack` was queued here; the first of these takes all of its jobs
-    queued by then, the others find none (a wake-up, not a turn)."""
+    """In the job queue: a Packed job of `pack` was queued here (at `at`, monotonic seconds); the first of
+    these takes all of its jobs queued by then, the others find none (a wake-up, not a turn). `starts`: the
+    job was its turn's first (it landed an `Arrival`), so the pack may be held for the turns still arriving."""
 
-    __slots__ = ("pack",)
+    __slots__ = ("at", "pack", "starts")
 
-    def __init__(self, pack: Callable[[list[Any]], list[Any]]) -> None:
-        self.pack = pack
+    def __init__(self, pack: Callable[[list[Any]], list[Any]], starts: bool = False) -> None:
+        self.pack, self.starts, self.at = pack, starts, time.monotonic()
+
+
+class Arrival:
+    """A turn on its way to the engine (`Scheduler.arrive`): counted as arriving from then until its first
+    Packed job is queued with it (`submit(fn, arrival=...)`) or it is `land`ed (the turn failed, or queues
+    no such job), and not while it is `aside`. Landing twice is landing once."""
+
+    __slots__ = ("_scheduler",)
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def land(self) -> None:
+        """No longer arriving: packs stop waiting for this turn."""
+        self._scheduler._land(self)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Not arriving inside this block, arriving again after it (unless it landed): for a turn that waits
+        for another turn's prefill (a shared prompt's flight) before it can queue anything. Counted meanwhile,
+        it would hold the very pack it waits for up to the gathering time."""
+        was = self._scheduler._land(self)
+        try:
+            yield
+        finally:
+            if was:
+                self._scheduler._add(self)
 
 
 @dataclass
@@ -69,31 +110,57 @@ class Scheduler:
     of the attached decoder's calls. How a prefill is cut into those jobs is each model's `PrefillPlanner`
     (scheduler/prefill.py)."""
 
-    def __init__(self, decoder: Decoder | None = None) -> None:
+    def __init__(self, decoder: Decoder | None = None, gather_s: float = 0.0) -> None:
         self.decoder = decoder
+        self.gather_s = gather_s  # how long a pack that starts turns waits for turns arriving (0: never)
         self._jobs: queue.SimpleQueue[Job | _PackDue | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up
         self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._idle: deque[Callable[[], Any]] = deque()
         self._packs: dict[Any, list[Job]] = {}  # Packed jobs by pack, queued (a _PackDue each in _jobs)
-        self._packs_lock = threading.Lock()
+        self._arriving: set[Arrival] = set()  # turns arrived and not landed
+        self._packs_lock = threading.Lock()  # over _packs and _arriving
+        self._held: _PackDue | None = None  # a pack that starts turns, waiting for those arriving
+        self.holds = Latency(HOLDS_KEPT)  # ms each held pack waited, from its first job queued to taken
 
     # -- what callers queue ---------------------------------------------------
 
-    def submit(self, fn: Callable[[], T], quick: bool = False) -> Future[T]:
+    def submit(self, fn: Callable[[], T], quick: bool = False, arrival: Arrival | None = None) -> Future[T]:
         """Queue fn; `quick` (or fn marked `jobs.quick`): it does no MLX work to speak of, so it runs before
-        the next job with every other quick job queued; a `jobs.Packed` fn waits for its pack's turn."""
+        the next job with every other quick job queued; a `jobs.Packed` fn waits for its pack's turn, and
+        lands `arrival` (its turn's, still arriving) as it is queued: its pack starts turns."""
         future: Future[T] = Future()
         pack = getattr(fn, "engine_pack", None)
         if quick or getattr(fn, "engine_quick", False):
             self._quick.put((fn, future))
             self._jobs.put(())  # a thread blocked on an empty queue looks again
         elif pack is not None:
-            with self._packs_lock:
+            with self._packs_lock:  # one change: a look never sees the job queued and its turn arriving
                 self._packs.setdefault(pack, []).append((fn, future))
-            self._jobs.put(_PackDue(pack))
+                starts = arrival in self._arriving
+                self._arriving.discard(arrival)
+            self._jobs.put(_PackDue(pack, starts))
         else:
             self._jobs.put((fn, future))
         return future
+
+    def arrive(self) -> Arrival:
+        """A turn on its way: packs that start turns wait for it (up to `gather_s`) until it lands."""
+        arrival = Arrival(self)
+        self._add(arrival)
+        return arrival
+
+    def _add(self, arrival: Arrival) -> None:
+        with self._packs_lock:
+            self._arriving.add(arrival)
+
+    def _land(self, arrival: Arrival) -> bool:
+        """Whether `arrival` was arriving (it is not now)."""
+        with self._packs_lock:
+            if arrival not in self._arriving:
+                return False
+            self._arriving.discard(arrival)
+        self._jobs.put(())  # a held pack looks again
+        return True
 
     def idle(self, fn: Callable[[], Any]) -> None:
         """Run fn once nothing else waits (see the module docstring); one such job between two looks at the
@@ -111,29 +178,51 @@ class Scheduler:
             packed = sum(len(jobs) for jobs in self._packs.values())
         return self._jobs.qsize(), packed
 
+    def arriving(self) -> int:
+        """Turns arrived and not landed (`arrive`): what a held pack waits for."""
+        with self._packs_lock:
+            return len(self._arriving)
+
     # -- what the engine thread runs ------------------------------------------
 
     def next_step(self) -> Step:
-        """The next step; blocks while there is nothing to do (no job, nothing decoding, no idle job due)."""
-        decoding = self.decoder is not None and self.decoder.active
-        idle = None
-        try:
-            if decoding:
-                item = self._take(self._jobs.get_nowait())
-            elif self._idle:  # an idle job once the queue stays empty a while
-                item = self._take(self._jobs.get(timeout=IDLE_AFTER_S))
-            else:
-                item = self._take(self._jobs.get())
-        except queue.Empty:
-            item = ()  # nothing queued: decode, or (not decoding) one idle job
-            idle = None if decoding else self._idle.popleft()
-        while item == () and idle is None:  # quick jobs' wake-ups (they all run first): not a turn each
+        """The next step; blocks while there is nothing to do (no job, nothing decoding, no idle job due, a
+        held pack still gathering its turns)."""
+        while True:
+            decoding = self.decoder is not None and self.decoder.active
+            if self._held is not None and (decoding or not self._gathering()):
+                return self._step(self._release(), decoding)
+            idle = None
             try:
-                item = self._take(self._jobs.get_nowait())
+                item = self._take(self._jobs.get(**self._wait(decoding)), decoding)
             except queue.Empty:
-                break
-        if item is None:
-            return Step([], stop=True)
+                if self._held is not None:
+                    continue  # its gathering time is up: released above
+                if not decoding and self._arrivals():
+                    continue  # an idle job would hold up turns on their way (a restart's first round): look again
+                item = ()  # nothing queued: decode, or (not decoding) one idle job
+                idle = None if decoding else self._idle.popleft()
+            while item == () and idle is None:  # wake-ups (quick jobs', landings'): not a turn each
+                try:
+                    item = self._take(self._jobs.get_nowait(), decoding)
+                except queue.Empty:
+                    break
+            if item is None:
+                return Step([], stop=True)
+            if item == () and idle is None and self._held is not None and self._quick.empty():
+                continue  # a wake-up while a pack gathers: look again
+            return self._step(item, decoding, idle)
+
+    def _wait(self, decoding: bool) -> dict[str, Any]:
+        """How the next look at the job queue waits: not at all beside decoding calls, until a held pack's
+        gathering time is up, IDLE_AFTER_S with an idle job queued, else until something comes."""
+        if decoding:
+            return {"block": False}
+        if self._held is not None:
+            return {"timeout": max(0.0, self._held.at + self.gather_s - time.monotonic())}
+        return {"timeout": IDLE_AFTER_S} if self._idle else {}
+
+    def _step(self, item: Any, decoding: bool, idle: Callable[[], Any] | None = None) -> Step:
         step = Step(self.quick_jobs(), idle=idle, decode=decoding)
         if isinstance(item, list):
             step.pack = item
@@ -151,13 +240,40 @@ class Scheduler:
             except queue.Empty:
                 return jobs
 
-    def _take(self, item: Any) -> Any:
+    def _take(self, item: Any, decoding: bool) -> Any:
         """A queued item as a step takes it: a pack's marker becomes the pack's queued jobs (a list), or a
-        wake-up () when an earlier marker took them."""
+        wake-up () when an earlier marker took them, when its pack is held, or when it is held now (it
+        starts turns, the decoder is idle and other turns are arriving)."""
         if not isinstance(item, _PackDue):
             return item
+        if self._held is not None and item.pack == self._held.pack:
+            return ()  # queued with the held one: taken with it
+        if item.starts and not decoding and self._held is None and self.gather_s > 0 and self._gathering(item):
+            self._held = item
+            return ()
+        return self._pop(item.pack)
+
+    def _arrivals(self) -> bool:
+        """Whether turns are on their way (rendered, matched, waking: Arrival)."""
         with self._packs_lock:
-            jobs = self._packs.pop(item.pack, None)
+            return bool(self._arriving)
+
+    def _gathering(self, due: _PackDue | None = None) -> bool:
+        """Whether `due` (the held pack) waits on: turns are arriving and its gathering time is not up."""
+        due = due or self._held
+        return self._arrivals() and due is not None and time.monotonic() < due.at + self.gather_s
+
+    def _release(self) -> Any:
+        """The held pack's jobs (all of them queued by now), no longer held."""
+        held, self._held = self._held, None
+        if held is None:
+            return ()
+        self.holds.add((time.monotonic() - held.at) * 1000)
+        return self._pop(held.pack)
+
+    def _pop(self, pack: Any) -> Any:
+        with self._packs_lock:
+            jobs = self._packs.pop(pack, None)
         return jobs or ()
 
     def refuse_left(self) -> None:

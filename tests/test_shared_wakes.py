@@ -1,0 +1,129 @@
+"""Sessions woken together read their shared prompt's blocks once: the first wake leads, the others wait for it
+and copy its first blocks on the device (sessions/conversations.py `_wake_prefix`, kv/pipeline.py `wake`'s
+prefix), exactly as reading them would give; in-process (real engine thread, real store)."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.kv.cache_blocks import StateMismatchError
+from tests.test_manager import manager, model_dir  # noqa: F401 - the in-process manager (16-token blocks)
+from tests.test_shared_prefill import lead_then_wait
+
+SHARED = [(i * 37 + 11) % 200 + 20 for i in range(300)]  # 18 whole blocks of 16, and 12 tokens
+OWN = {f"agent{i}": [(i * 7 + k) % 90 + 5 for k in range(40)] for i in range(4)}  # 340 tokens: 21 blocks
+BLOCKS, SHARED_BLOCKS = 340 // 16, 300 // 16
+
+
+async def slept(manager) -> None:
+    for sid in OWN:
+        await manager.create(sid)
+        await manager.append(sid, tokens=SHARED + OWN[sid])
+        await manager.sleep(sid)
+
+
+def kv_bytes(manager, sid: str) -> list[bytes]:
+    session = manager.entries[sid].session
+    return [np.asarray(a[..., : c.offset, :].view(mx.uint16) if a.dtype == mx.bfloat16 else a[..., : c.offset, :]).tobytes()
+            for c in session.cache for a in (c.keys, c.values)]
+
+
+def hold_the_leader(manager, monkeypatch, leader: str, fail: bool = False) -> threading.Event:
+    """The leader's wake waits for the returned event (the others are sure to come while it reads); `fail`:
+    then it raises instead of waking."""
+    go, real = threading.Event(), manager.engine.wake
+
+    def wake(session_id, *args, **kwargs):
+        if session_id == leader:
+            assert go.wait(30)
+            if fail:
+                raise OSError("the leader's disk went away")
+        return real(session_id, *args, **kwargs)
+
+    monkeypatch.setattr(manager.engine, "wake", wake)
+    return go
+
+
+async def wake_together(manager, monkeypatch, fail: bool = False) -> dict[str, dict]:
+    go, results = hold_the_leader(manager, monkeypatch, "agent0", fail), {}
+
+    async def wake(sid: str) -> None:
+        try:
+            results[sid] = await manager.wake(sid)
+        except OSError as exc:
+            results[sid] = {"error": repr(exc)}
+
+    await lead_then_wait(manager, go, lambda: wake("agent0"), [lambda sid=sid: wake(sid) for sid in list(OWN)[1:]])
+    monkeypatch.undo()
+    return results
+
+
+async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_exactly(manager, monkeypatch):
+    await slept(manager)
+    got = await wake_together(manager, monkeypatch)
+    read = {sid: info["blocks_from_disk"] + info["blocks_from_memory"] for sid, info in got.items()}
+    assert read["agent0"] == BLOCKS and got["agent0"]["blocks_shared"] == 0, got["agent0"]
+    for sid in ("agent1", "agent2", "agent3"):  # their prompt's blocks copied from agent0's, their own read
+        assert (got[sid]["blocks_shared"], read[sid]) == (SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), (sid, got[sid])
+    assert manager.counters["wake_waits"] == 3 and len(manager.shared) == 0
+    together = {sid: kv_bytes(manager, sid) for sid in OWN}
+    for sid in OWN:  # each woken alone (nothing to share with): every block read, the same bytes
+        await manager.sleep(sid)
+    for sid in OWN:
+        info = await manager.wake(sid)
+        assert info["blocks_shared"] == 0 and kv_bytes(manager, sid) == together[sid], sid
+        await manager.sleep(sid)
+
+
+async def test_a_leader_that_fails_leaves_the_others_to_read_their_own_blocks(manager, monkeypatch):
+    await slept(manager)
+    got = await wake_together(manager, monkeypatch, fail=True)
+    assert "disk went away" in got["agent0"]["error"]
+    for sid in ("agent1", "agent2", "agent3"):
+        info = got[sid]
+        assert info["blocks_shared"] == 0 and info["blocks_from_disk"] + info["blocks_from_memory"] == BLOCKS, info
+    assert manager.counters["wake_waits"] == 0 and len(manager.shared) == 0
+    assert (await manager.wake("agent0"))["tokens"] == 340  # its own wake, tried again, reads it
+
+
+async def test_a_prefix_that_is_not_whole_blocks_of_the_restores_kv_is_refused(manager):
+    await slept(manager)
+    await manager.wake("agent0")
+    source = manager.entries["agent0"].session.cache
+    engine = manager.engine
+
+    def buffers():
+        sample = engine.store.block_specs(engine.record(engine.store.latest_snapshot("agent1")).blocks[0])
+        return restore_buffers.Buffers(engine.model, sample, 16, 340, 16)
+
+    with pytest.raises(StateMismatchError, match="not whole blocks of 16"):
+        manager.thread.call(lambda: buffers().adopt(source, 40))
+    with pytest.raises(StateMismatchError, match="is not 64 tokens"):
+        manager.thread.call(lambda: buffers().adopt(source[:1], 64))
+
+
+async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_prefilled_ones(manager):
+    await slept(manager)
+    await manager.wake("agent0")  # hot, its prompt's KV the stored blocks' bytes
+    info = await manager.wake("agent1")
+    assert (info["blocks_shared"], info["blocks_from_disk"] + info["blocks_from_memory"]) == (
+        SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), info
+    copied = kv_bytes(manager, "agent1")
+    await manager.sleep("agent1")
+    await manager.sleep("agent0")
+    assert (await manager.wake("agent1"))["blocks_shared"] == 0 and kv_bytes(manager, "agent1") == copied
+    # A session that computed the prompt itself is no source for a wake (only for a prefill's prefix)
+    await manager.sleep("agent1")
+    await manager.create("fresh")
+    await manager.append("fresh", tokens=SHARED + [3, 4, 5])
+    assert manager.entries["fresh"].session.restored == 0
+    assert (await manager.wake("agent2"))["blocks_shared"] == 0
+    # A woken session whose history was cut back below its blocks gives only what it still holds of them
+    await manager.append("agent2", tokens=SHARED[:40] + [9] * 30, whole=True)  # the whole history, resent
+    assert manager.entries["agent2"].session.restored == 40
+    assert (await manager.wake("agent3"))["blocks_shared"] == 2  # its 2 whole blocks of them, not 18
