@@ -67,6 +67,9 @@ def test_woken_sessions_over_one_prompt_hold_its_blocks_once(model) -> None:
         pages.adopt(s)
         woken.append(s)
     assert pages.pool.pages_held() == 4
+    status = pages.status()
+    assert (status["held_pages"], status["shared_pages"], status["published_blocks"]) == (4, 4, 4)
+    assert status["held_bytes"] == 4 * pages.pool.layout.page_bytes
     assert all(mx.array_equal(w.cache[0].keys, woken[0].cache[0].keys).item() for w in woken)
 
 

@@ -76,3 +76,13 @@ class Pages:
         if session.cache is not None and not paged_cache.is_paged(session.cache):
             session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
                                               self.bundle_hash)
+
+    def status(self) -> dict[str, int]:
+        """The pool in numbers, for `status` (read from any thread: counts, nothing changed). `held`: pages
+        some table lists, a shared page once; `shared`: of them, those listed by more than one table."""
+        pool = self.pool
+        held = pool.capacity - len(pool.free)
+        return {"page_tokens": pool.layout.page_tokens, "page_bytes": pool.layout.page_bytes,
+                "allocated_pages": pool.capacity, "limit_pages": pool.limit, "held_pages": held,
+                "held_bytes": held * pool.layout.page_bytes, "shared_pages": sum(r > 1 for r in list(pool.refs)),
+                "published_blocks": len(pool.shared)}
