@@ -95,6 +95,10 @@ class Tuning:
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True
+    # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
+    # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
+    # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves
+    paged_kv: bool = False
 
     def __post_init__(self) -> None:
         for name, ok, wanted in _TUNING_RULES:

@@ -67,7 +67,7 @@ def test_a_published_page_is_never_written_in_place() -> None:
     pool.open("a")
     k, v = kv(8, 1)
     pool.append("a", k, v)
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     pool.trim("a", 6)  # a rewind into the published block, the session its only reader
     page = pool.table("a").pages[-1]
     nk, nv = kv(1, 2)
@@ -76,7 +76,7 @@ def test_a_published_page_is_never_written_in_place() -> None:
     assert same(held(pool, "a")[0], cat([x[:, :6] for x in k], nk))
     assert same(held(pool, "a")[1], cat([x[:, :6] for x in v], nv))
     pool.open("b")  # the block's second page went back when a let it go: the block is no longer whole
-    assert pool.map_shared("b", [b"block-0"]) == 0 and pool.pages_held() == 2
+    assert pool.map_shared("b", ["block-0"]) == 0 and pool.pages_held() == 2
 
 
 def test_a_mapped_block_reads_as_it_was_computed() -> None:
@@ -84,9 +84,9 @@ def test_a_mapped_block_reads_as_it_was_computed() -> None:
     pool.open("a")
     k, v = kv(11, 1)
     pool.append("a", k, v)
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     table = pool.open("b")
-    assert pool.map_shared("b", [b"block-0", b"block-1"]) == 1 and table.tokens == 8
+    assert pool.map_shared("b", ["block-0", "block-1"]) == 1 and table.tokens == 8
     bk, bv = kv(2, 2)
     pool.append("b", bk, bv)  # a page of its own after the shared block
     assert same(held(pool, "b")[0], cat([x[:, :8] for x in k], bk))
@@ -101,8 +101,8 @@ def test_a_block_computed_twice_is_held_once() -> None:
         pool.open(session)
         pool.append(session, k, v)
     assert pool.pages_held() == 4
-    first = pool.publish("a", 0, b"block-0")
-    assert pool.publish("b", 0, b"block-0") == first
+    first = pool.publish("a", 0, "block-0")
+    assert pool.publish("b", 0, "block-0") == first
     assert pool.table("b").pages == list(first) and pool.pages_held() == 2
     assert same(held(pool, "b")[0], k)
 
@@ -111,18 +111,18 @@ def test_refcounts_through_fork_and_free() -> None:
     pool = PagePool(LAYOUT, capacity=8)
     pool.open("a")
     pool.append("a", *kv(10, 1))
-    pool.publish("a", 0, b"block-0")
+    pool.publish("a", 0, "block-0")
     pool.fork("a", "b")
     pool.fork("b", "c")
     assert [pool.refs[p] for p in pool.table("a").pages] == [3, 3, 3]
     pool.free_session("a")
     pool.free_session("b")
     assert [pool.refs[p] for p in pool.table("c").pages] == [1, 1, 1] and pool.pages_held() == 3
-    assert b"block-0" in pool.shared
+    assert "block-0" in pool.shared
     pool.free_session("c")
     assert pool.pages_held() == 0 and pool.refs == [0] * 8 and not pool.shared and not pool.key_of
     fresh = pool.open("d")
-    assert pool.map_shared("d", [b"block-0"]) == 0 and fresh.tokens == 0  # forgotten with its pages
+    assert pool.map_shared("d", ["block-0"]) == 0 and fresh.tokens == 0  # forgotten with its pages
 
 
 def test_bytes_held_by_sessions_sharing_a_prefix_count_it_once() -> None:
@@ -166,3 +166,46 @@ def test_misuse_is_refused_with_the_facts() -> None:
         pool.free_session("nobody")
     with pytest.raises(ValueError, match="a page of 3 tokens does not divide a block of 8"):
         PageLayout(layers=1, kv_heads=1, head_dim=8, page_tokens=3, block_tokens=8)
+
+
+def test_pages_freed_are_taken_again_in_their_order() -> None:
+    """A table's pages go back so that the next table takes them in the same order: one run again (which
+    a paged cache reads as a slice, not a gather)."""
+    pool = PagePool(LAYOUT, capacity=8)
+    pool.open("a")
+    pool.append("a", *kv(12, 1))
+    pages = list(pool.table("a").pages)
+    pool.free_session("a")
+    pool.open("b")
+    pool.append("b", *kv(12, 2))
+    assert pool.table("b").pages == pages == [0, 1, 2]
+
+
+def test_sessions_shares_of_the_bytes_add_up_to_the_bytes_held() -> None:
+    pool = PagePool(LAYOUT, capacity=8)
+    pool.open("a")
+    pool.append("a", *kv(10, 1))
+    pool.fork("a", "b")
+    pool.fork("a", "c")
+    pool.trim("c", 4)  # lists the first page only
+    pool.append("b", *kv(3, 2))  # its own copy of the partial page
+    shares = [pool.share_bytes(s) for s in "abc"]
+    assert abs(sum(shares) - pool.bytes_held()) < pool.pages_held()
+    assert shares[2] == LAYOUT.page_bytes // 3  # one page among three tables
+    assert pool.share_bytes("c", layers=1) == LAYOUT.page_bytes // LAYOUT.layers // 3
+
+
+def test_the_pools_grow_to_their_limit_keeping_what_they_hold() -> None:
+    pool = PagePool(LAYOUT, 2, limit=8)
+    pool.open("a")
+    k1, v1 = kv(6, 1)
+    pool.append("a", k1, v1)  # two pages: the first allocation
+    k2, v2 = kv(5, 2)
+    pool.append("a", k2, v2)  # three pages: grown to four
+    assert pool.capacity == 4 and pool.table("a").pages == [0, 1, 2]
+    assert same(held(pool, "a")[0], cat(k1, k2)) and same(held(pool, "a")[1], cat(v1, v2))
+    pool.open("b")
+    pool.append("b", *kv(4 * 5, 3))  # five more: grown to the limit
+    assert pool.capacity == 8 and pool.pages_held() == 8
+    with pytest.raises(PagePoolFullError):
+        pool.append("b", *kv(1, 4))

@@ -54,7 +54,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv import devplanes, paged_cache
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.store.format.codec import Planed, Tensor
 
 __all__ = [
@@ -87,7 +88,8 @@ __all__ = [
 ]
 
 STATE_FORMAT = 1  # version of the naming scheme above; stored in the tail's "meta"
-KINDS = {KVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
+# A paged layer (kv/paged_cache.py) reads as a KVCache: `keys`, `values` [1, kv_heads, offset, head_dim], `offset`
+KINDS = {KVCache: "kv", PagedKVCache: "kv", ConcatenateKVCache: "concat_kv", QuantizedKVCache: "quantized_kv",
           RotatingKVCache: "rotating", ArraysCache: "arrays", ChunkedKVCache: "chunked", CacheList: "cache_list"}
 CUTTABLE = {"kv", "concat_kv", "quantized_kv"}
 _STRUCTURE = {"quantized_kv": ("bits", "group_size"), "rotating": ("max_size", "keep"), "chunked": ("chunk_size",)}
@@ -233,8 +235,15 @@ def copy_prefix(cache: list, n_tokens: int) -> list:
     """A new cache holding the first `n_tokens` of a cuttable `cache` (which stays as it is).
 
     MLX arrays are values: the copy's slices never see the source's later writes. Evaluated on return
-    (engine thread). Raises NotCuttableError for a layer that cannot be cut by token.
+    (engine thread). Raises NotCuttableError for a layer that cannot be cut by token. A paged cache's copy
+    lists the same pages (no KV copied; kv/paged_cache.fork).
     """
+    if paged_cache.is_paged(cache):  # a model's plain layers paged beside others cannot be cut by token
+        if not all(isinstance(c, PagedKVCache) for c in cache):
+            kinds = sorted({type(c).__name__ for c in cache if not isinstance(c, PagedKVCache)})
+            raise NotCuttableError(f"a cache with {', '.join(kinds)} layers cannot give its first {n_tokens} tokens")
+        return paged_cache.fork(cache, n_tokens)
+
     def cut(c: Any, where: str) -> Any:
         if isinstance(c, CacheList):
             return CacheList(*(cut(m, f"{where}.{j}") for j, m in enumerate(c.caches)))
@@ -333,6 +342,9 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
         lazy = {f"{name}.{part}.{k}": a[..., start:stop, :] for part in ("keys", "values")
                 for k, a in enumerate(getattr(c, part))}
         return lazy, {f"{name}.quant": _ints(c.group_size, c.bits, dtype=np.int32)}
+    if isinstance(c, PagedKVCache):  # the span's tokens gathered from its pages, not all the layer holds
+        keys, values = c.span(start, stop)
+        return {f"{name}.keys": keys, f"{name}.values": values}, {}
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
 

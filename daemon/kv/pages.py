@@ -6,8 +6,9 @@ consecutive token slots, page p holding slots p * page_tokens ..
 (p + 1) * page_tokens - 1. Head-major, so one head's tokens of one page are a
 contiguous run (what the decode kernel reads, paged_attention.py), and a
 session's KV gathered by its slots is mlx-lm's own [kv_heads, tokens,
-head_dim] for one row. Pools are allocated once at their final size; a write
-is one scatter per layer and part (`write`).
+head_dim] for one row. Pools grow by doubling up to their limit (allocated
+whole, an engine's budget would be taken and zeroed at its start); a write is
+one update per layer and part (`write`).
 
 Pages and sessions. A session's page table is the list of its pages in token
 order; its last page may be partial. A page has a reference count: the number
@@ -21,16 +22,25 @@ page that is published or listed by another table first copies it (copy on
 write: `reserve`). A fork lists the same pages; a page goes back to the free list
 when no table lists it, and its key is forgotten with it.
 
-Everything here runs on the engine thread (MLX's one thread); nothing locks.
+A block's key is the store's chain key of that block (store/format/keys.py), so
+one string names a block on disk and its pages here.
+
+Everything here runs on the engine thread (MLX's one thread); nothing locks. The
+one call from elsewhere is `retire`: a table whose owner is gone (a finalizer,
+kv/paged_cache.py) is queued, and the next call on the engine thread frees it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
-__all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages"]
+__all__ = ["PageLayout", "PagePool", "PagePoolFullError", "PageStateError", "SessionPages", "Slots"]
+
+Slots = int | mx.array  # where a write goes: the first of a run of slots, or each slot (int32)
 
 
 class PagePoolFullError(MemoryError):
@@ -76,24 +86,27 @@ class SessionPages:
 
 
 class PagePool:
-    """K and V pools of `capacity` pages for `layout`, with free list, reference counts and the chain-key map."""
+    """K and V pools of `capacity` pages for `layout`, with free list, reference counts and the chain-key
+    map. With a `limit` above `capacity`, the pools grow, doubling, up to it when a reservation needs more
+    pages: an engine's whole budget allocated at its start would take (and zero) memory no session uses yet."""
 
-    def __init__(self, layout: PageLayout, capacity: int) -> None:
-        self.layout, self.capacity = layout, capacity
-        shape = (layout.kv_heads, capacity * layout.page_tokens, layout.head_dim)
-        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
-        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.layers)]
-        mx.eval(self.keys, self.values)
-        self.refs = [0] * capacity
-        self.free = list(range(capacity - 1, -1, -1))  # popped from the end: page 0 first
+    def __init__(self, layout: PageLayout, capacity: int, limit: int | None = None) -> None:
+        self.layout, self.limit, self.capacity = layout, max(capacity, limit or 0), 0
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+        self.refs: list[int] = []
+        self.free: list[int] = []  # a stack: popped from the end, page 0 first
+        self._grow(capacity)
         self.sessions: dict[str, SessionPages] = {}
-        self.shared: dict[bytes, tuple[int, ...]] = {}  # chain key -> its block's pages
-        self.key_of: dict[int, bytes] = {}  # published page -> its block's chain key
+        self.shared: dict[str, tuple[int, ...]] = {}  # chain key -> its block's pages
+        self.key_of: dict[int, str] = {}  # published page -> its block's chain key
+        self.retired: deque[str] = deque()  # tables to free, queued from any thread (`retire`)
 
     # -- sessions --------------------------------------------------------------
 
     def open(self, session: str) -> SessionPages:
         """An empty page table for `session`."""
+        self.drain()
         if session in self.sessions:
             raise PageStateError(f"session {session!r} already has a page table")
         table = self.sessions[session] = SessionPages()
@@ -115,9 +128,21 @@ class PagePool:
             self.refs[page] += 1
         return table
 
+    def retire(self, session: str) -> None:
+        """Free `session`'s table at the pool's next call on the engine thread (safe from any thread: a
+        finalizer may run wherever the last reference to a cache goes)."""
+        self.retired.append(session)
+
+    def drain(self) -> None:
+        """Free the tables `retire` queued."""
+        while self.retired:
+            session = self.retired.popleft()
+            if session in self.sessions:
+                self.free_session(session)
+
     def free_session(self, session: str) -> None:
         """Drop `session`'s table; pages no other table lists go back to the free list."""
-        for page in self.table(session).pages:
+        for page in reversed(self.table(session).pages):  # the free stack gives them back in order: a run
             self._release(page)
         del self.sessions[session]
 
@@ -128,34 +153,42 @@ class PagePool:
         if not 0 <= tokens <= table.tokens:
             raise PageStateError(f"session {session!r} holds {table.tokens} tokens, cannot trim to {tokens}")
         keep = -(-tokens // self.layout.page_tokens)
-        for page in table.pages[keep:]:
+        for page in reversed(table.pages[keep:]):
             self._release(page)
         del table.pages[keep:]
         table.tokens = tokens
 
     # -- writing ---------------------------------------------------------------
 
-    def reserve(self, session: str, count: int) -> mx.array:
+    def reserve(self, session: str, count: int) -> Slots:
         """Room for `count` more tokens of `session`: its partial last page copied first when it is not
-        the session's alone, new pages taken as needed. Returns the new tokens' slots (int32 [count]),
-        for `write`. Raises PagePoolFullError (nothing changed) when too few pages are free."""
+        the session's alone, new pages taken as needed. Returns the new tokens' slots for `write`: the
+        first, where they are one run (a decode step's token always is), else all of them (int32 [count]).
+        Raises PagePoolFullError (nothing changed) when too few pages are free."""
+        self.drain()
         table, p = self.table(session), self.layout.page_tokens
         partial = table.tokens % p
         needed = -(-(table.tokens + count) // p) - len(table.pages)
         copy = partial > 0 and count > 0 and not self._writable(table.pages[-1])
+        if needed + copy > len(self.free) and self.capacity < self.limit:
+            self._grow(min(self.limit, max(2 * self.capacity, self.capacity + needed + copy - len(self.free))))
         if needed + copy > len(self.free):
             raise PagePoolFullError(f"session {session!r} needs {needed + copy} pages for {count} tokens, "
-                                    f"{len(self.free)} of {self.capacity} are free")
+                                    f"{len(self.free)} of {self.limit} are free")
         if copy:
             table.pages[-1] = self._copy(table.pages[-1], partial)
         for _ in range(needed):
             table.pages.append(self._take())
         start = table.tokens
         table.tokens += count
-        return self.slots(table.pages, start, table.tokens)
+        first = self.run(table.pages, start, table.tokens)
+        return first if first is not None else self.slots(table.pages, start, table.tokens)
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store one layer's new K and V ([kv_heads, len(slots), head_dim]) at `slots` (from `reserve`)."""
+    def write(self, layer: int, slots: Slots, keys: mx.array, values: mx.array) -> None:
+        """Store one layer's new K and V ([kv_heads, n, head_dim]) at `slots` (from `reserve`): a run of n
+        slots from the first (an update of a slice, cheaper than a scatter), or n slots."""
+        if isinstance(slots, int):
+            slots = slice(slots, slots + keys.shape[1])
         self.keys[layer][:, slots] = keys
         self.values[layer][:, slots] = values
 
@@ -165,15 +198,28 @@ class PagePool:
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.write(layer, slots, k, v)
 
-    def slots(self, pages: list[int], start: int, stop: int) -> mx.array:
-        """The slots of tokens [start, stop) of a table listing `pages` (int32)."""
+    def run(self, pages: list[int], start: int, stop: int) -> int | None:
+        """The first slot of tokens [start, stop) of a table listing `pages` when their pages follow one
+        another in the pool (their slots one run), else None."""
         p = self.layout.page_tokens
-        positions = mx.arange(start, stop, dtype=mx.int32)
-        return mx.array(pages, mx.int32)[positions // p] * p + positions % p
+        if stop <= start:
+            return None
+        first, last = start // p, (stop - 1) // p
+        if any(pages[i + 1] != pages[i] + 1 for i in range(first, last)):
+            return None
+        return pages[first] * p + start % p
+
+    def slots(self, pages: list[int], start: int, stop: int) -> mx.array:
+        """The slots of tokens [start, stop) of a table listing `pages` (int32). Made on the host: the array
+        holds its values, not an MLX operation, so any thread may use it (MLX evaluates an operation only on
+        a thread that has its stream, and a cache's slots are kept)."""
+        p = self.layout.page_tokens
+        positions = np.arange(start, stop, dtype=np.int64)
+        return mx.array((np.asarray(pages, np.int64)[positions // p] * p + positions % p).astype(np.int32))
 
     # -- sharing by chain key ---------------------------------------------------
 
-    def publish(self, session: str, block: int, key: bytes) -> tuple[int, ...]:
+    def publish(self, session: str, block: int, key: str) -> tuple[int, ...]:
         """Block `block` of `session` (filled) is the block whose chain key is `key`: its pages become
         shared and read-only. Where `key` already has pages (another session computed the same block),
         the session's table takes those and its own go back. Returns the block's pages."""
@@ -186,7 +232,7 @@ class PagePool:
         if known is None:
             for page in own:
                 if self.key_of.get(page, key) != key:
-                    raise PageStateError(f"page {page} is published under another key than {key.hex()[:16]}")
+                    raise PageStateError(f"page {page} is published under another key than {key[:16]}")
             self.shared[key] = own
             self.key_of.update((page, key) for page in own)
             return own
@@ -198,9 +244,10 @@ class PagePool:
             table.pages[first:first + n] = known
         return known
 
-    def map_shared(self, session: str, keys: list[bytes]) -> int:
+    def map_shared(self, session: str, keys: list[str]) -> int:
         """A prefix hit: append the pages of the blocks named by `keys`, in order, up to the first key no
         pages hold. `session` must hold whole blocks. Returns how many blocks were mapped."""
+        self.drain()
         table = self.table(session)
         if table.tokens % self.layout.block_tokens or table.tokens != len(table.pages) * self.layout.page_tokens:
             raise PageStateError(f"session {session!r} holds {table.tokens} tokens, not whole blocks")
@@ -226,6 +273,7 @@ class PagePool:
 
     def pages_held(self) -> int:
         """Pages some table lists (a shared page once)."""
+        self.drain()
         return self.capacity - len(self.free)
 
     def bytes_held(self) -> int:
@@ -236,11 +284,34 @@ class PagePool:
         """Bytes of KV `session` lists, shared pages included (what it would hold alone)."""
         return len(self.table(session).pages) * self.layout.page_bytes
 
+    def share_bytes(self, session: str, layers: int | None = None) -> int:
+        """`session`'s share of the bytes held: each page it lists split evenly among the tables listing it
+        (rounded down), so the shares of all sessions add up to `bytes_held` (within a byte a page), a
+        shared page counted once. `layers`: of that many layers' pages (default: all)."""
+        page = self.layout.page_bytes // self.layout.layers * (self.layout.layers if layers is None else layers)
+        return sum(page // self.refs[p] for p in self.table(session).pages)
+
     # -- pages -------------------------------------------------------------------
 
     def _writable(self, page: int) -> bool:
         """A page its one table may write into: listed once, never published."""
         return self.refs[page] == 1 and page not in self.key_of
+
+    def _grow(self, capacity: int) -> None:
+        """Pools of `capacity` pages, the pages held kept (each pool copied, as a KVCache's growth copies its
+        buffer); the new pages go under the free ones, so pages freed before are taken first."""
+        shape = (self.layout.kv_heads, (capacity - self.capacity) * self.layout.page_tokens, self.layout.head_dim)
+        layers = range(self.layout.layers)
+        if self.capacity == 0:
+            self.keys = [mx.zeros(shape, self.layout.dtype) for _ in layers]
+            self.values = [mx.zeros(shape, self.layout.dtype) for _ in layers]
+        else:
+            self.keys = [mx.concatenate([k, mx.zeros(shape, self.layout.dtype)], axis=1) for k in self.keys]
+            self.values = [mx.concatenate([v, mx.zeros(shape, self.layout.dtype)], axis=1) for v in self.values]
+        mx.eval(self.keys, self.values)
+        self.refs += [0] * (capacity - self.capacity)
+        self.free[:0] = range(capacity - 1, self.capacity - 1, -1)
+        self.capacity = capacity
 
     def _take(self) -> int:
         page = self.free.pop()

@@ -63,6 +63,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvwake.daemon.kv import paged_cache
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
@@ -89,6 +90,9 @@ class Decoder:
         self.rows: dict[int, Call] = {}  # batch uid -> call
         self.fed_only: set[int] = set()  # rows joined this step: the pass feeds their pending token
         self.dead: set[int] = set()  # batch uids of slots no call holds (batch_rows.py)
+        # batch uid -> the paged cache its call brought (kv/paged_cache.py): its tokens stay in their pages
+        # while the batch decodes a copy; the call's new tokens are written after them when it leaves
+        self.paged: dict[int, list] = {}
         self._uids = itertools.count()
         self.counters = {"decode_steps": 0, "decode_tokens": 0, "max_batch_seen": 0, "merges": 0, "slot_reuses": 0,
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
@@ -177,6 +181,7 @@ class Decoder:
         self.rows.clear()
         self.solo.clear()
         self.dead.clear()
+        self.paged.clear()
         self.batch = None
 
     # -- joining ----------------------------------------------------------------
@@ -236,7 +241,7 @@ class Decoder:
             i = next(i for i, uid in enumerate(batch.uids) if self.rows.get(uid) is call)
             uid, token, sampler = batch.uids[i], batch._next_tokens[i : i + 1], batch.samplers[i]
             s, p = call.session, call.output.params
-            s.cache = extract_row(batch.prompt_cache, i)
+            s.cache = self._extract(uid, i)
             del self.rows[uid]
             self.dead.add(uid)
             retire(batch, i)
@@ -305,6 +310,8 @@ class Decoder:
             joined, rows = None, []
         for uid, row in [*placed, *zip(joined.uids if joined else [], rows)]:
             row.call.session.cache = None  # the batch holds the only copy until the call leaves
+            if paged_cache.is_paged(row.cache):
+                self.paged[uid] = row.cache
             self.rows[uid] = row.call
             self.fed_only.add(uid)
         self.counters["merges"] += joined is not None
@@ -354,6 +361,7 @@ class Decoder:
             log.exception("batched decode step failed; failing its %d calls", len(self.rows))
             self.fed_only.clear()
             self.dead.clear()
+            self.paged.clear()
             self.masks.forget([call.constraint for call in self.rows.values()])
             for call in self.rows.values():
                 call.fail(exc)
@@ -389,8 +397,8 @@ class Decoder:
         assert batch is not None
         for i, uid, reason in done:
             call = self.rows.pop(uid)
-            call.session.cache = extract_row(batch.prompt_cache, i)
-            mx.async_eval([c.state for c in call.session.cache])  # queued behind the pass: no stall here
+            call.session.cache = self._extract(uid, i)
+            mx.async_eval(paged_cache.state_arrays(call.session.cache))  # queued behind the pass: no stall here
             call.finish(reason)
             retire(batch, i)
             self.dead.add(uid)
@@ -398,6 +406,13 @@ class Decoder:
             started = time.perf_counter()
             self._compact()
             self.spent["compact_s"] += time.perf_counter() - started
+
+    def _extract(self, uid: int, i: int) -> list:
+        """Row i's cache for its session: a plain copy out of the batch, or the pages its call brought,
+        with the tokens the batch added written after theirs."""
+        row = extract_row(self.batch.prompt_cache, i)
+        paged = self.paged.pop(uid, None)
+        return paged_cache.fill(paged, row) if paged is not None else row
 
     def _compact(self) -> None:
         """The batch keeps only its live rows (cut to the longest of them), at their slot size."""

@@ -1,0 +1,88 @@
+"""The engine's side of paged KV (`--tune paged_kv`): its one page pool, and what it does with sessions' caches.
+
+Four moments, each one call from the engine (kv/paged_cache.py does the work):
+- a new cache (`make`): the model's fresh cache with its plain KV layers paged;
+- a prefix for a fresh cache (`prefix`): the published blocks that start the
+  target, mapped where they are resident (no read, no copy), else the stored
+  prefix the caller restores, moved into pages and published;
+- after a prefill (`publish`): the session's full blocks published under their
+  chain keys, for the sessions that come after it;
+- a wake (`adopt`): the restored cache moved into pages and published, so
+  sessions woken over one prompt hold it once.
+Pool work runs on the engine thread (through `mlx`); the store's lookups on the caller's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mlx_lm.models.cache import KVCache
+
+from kvwake.daemon.jobs import Mlx, direct
+from kvwake.daemon.kv import paged_cache
+from kvwake.daemon.kv.pages import PagePool
+from kvwake.daemon.session_state import Session
+
+__all__ = ["Pages"]
+
+FIRST_BYTES = 64 << 20  # the pool's first allocation (it grows, doubling, up to the budget)
+Prefix = tuple[list | None, int]  # a cache for a fresh session and the tokens it holds; (None, 0): none
+
+
+class Pages:
+    """The pool of a model's plain KV layers, a page per store block, and the bundle its keys are for."""
+
+    def __init__(self, pool: PagePool, bundle_hash: str) -> None:
+        self.pool, self.bundle_hash = pool, bundle_hash
+
+    @classmethod
+    def for_model(cls, probe: list, kv_layout: list, block_tokens: int, budget_bytes: int,
+                  bundle_hash: str) -> Pages | None:
+        """Pages for a model whose fresh cache is `probe` (kv/cache_blocks.layout gives `kv_layout`), up to as
+        many as `budget_bytes` holds; None for a model with no plain KV layer (nothing to page) or quantized KV."""
+        if not any(type(c) is KVCache for c in probe):
+            return None
+        layout = paged_cache.page_layout(probe, kv_layout, block_tokens, block_tokens)
+        limit = max(1, budget_bytes // layout.page_bytes)
+        return cls(PagePool(layout, min(limit, max(16, FIRST_BYTES // layout.page_bytes)), limit), bundle_hash)
+
+    def make(self, cache: list) -> list:
+        """`cache` (a model's fresh cache) with its plain KV layers paged, in a new table."""
+        return paged_cache.paged_cache(self.pool, cache)
+
+    def prefix(self, blank: Callable[[], list], target: list[int], stored: Callable[[], Prefix],
+               mlx: Mlx = direct) -> Prefix:
+        """A fresh cache for `target`: its resident published blocks mapped, unless `stored()` (a restore of
+        the store's blocks and partial piece, asked unless the resident blocks hold all but the pending
+        token) holds more; then that, moved into pages and published (its blocks that are resident are
+        taken from the pages, so they are held once; they are read all the same)."""
+        resident: Prefix = mlx(lambda: paged_cache.resident_prefix(self.pool, blank(), target, self.bundle_hash))
+        if resident[1] >= len(target) - 1:
+            return resident
+        cache, tokens = stored()
+        if cache is None or tokens <= resident[1]:
+            return resident
+        return mlx(lambda: paged_cache.adopt(self.pool, cache, target, self.bundle_hash)), tokens
+
+    def publish(self, session: Session) -> int:
+        """Publish the session's new full blocks (engine thread); a cache not paged whole has none to share."""
+        cache = session.cache
+        if cache is None or not all(isinstance(c, paged_cache.PagedKVCache) for c in cache):
+            return 0
+        return paged_cache.publish(cache, session.tokens[: session.processed], self.bundle_hash)
+
+    def adopt(self, session: Session) -> None:
+        """A woken session's cache moved into pages, its full blocks published (engine thread)."""
+        if session.cache is not None and not paged_cache.is_paged(session.cache):
+            session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
+                                              self.bundle_hash)
+
+    def status(self) -> dict[str, int]:
+        """The pool in numbers, for `status` (read from any thread: counts, nothing changed). `held`: pages
+        some table lists, a shared page once; `shared`: of them, those listed by more than one table."""
+        pool = self.pool
+        held = pool.capacity - len(pool.free)
+        return {"page_tokens": pool.layout.page_tokens, "page_bytes": pool.layout.page_bytes,
+                "allocated_pages": pool.capacity, "limit_pages": pool.limit, "held_pages": held,
+                "held_bytes": held * pool.layout.page_bytes, "shared_pages": sum(r > 1 for r in list(pool.refs)),
+                "published_blocks": len(pool.shared)}

@@ -1,0 +1,248 @@
+"""Paged caches in a tiny model: the same logits as mlx-lm's KVCache, sharing, copy on write, refcounts."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+
+from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.model import packing
+from kvwake.daemon.model.thread import EngineThread
+from kvwake.daemon.kv.pages import PagePool, PageStateError
+from kvwake.daemon.kv.paged_cache import (PagedKVCache, adopt, fill, fork, map_prefix, page_layout, paged_cache,
+                                            publish, resident_prefix)
+from testkit.tinymodel import make_model_dir
+
+BUNDLE = "ab" * 32
+PAGE, BLOCK = 4, 8  # small, so chunks and decode steps cross pages and blocks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    loaded, _ = load(str(make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")))
+    return loaded
+
+
+def pool_for(model, capacity: int = 64, page: int = PAGE, block: int = BLOCK) -> PagePool:
+    blank = make_prompt_cache(model)
+    return PagePool(page_layout(blank, cache_blocks.layout(blank, model=model), page, block), capacity)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    mx.random.seed(seed)
+    return mx.random.randint(0, 256, (n,)).tolist()
+
+
+def feed(model, cache: list, ids: list[int], chunks: list[int]) -> list[bytes]:
+    """Feed `ids` in chunks of the given sizes; each chunk's last logits as bytes."""
+    out, at = [], 0
+    for n in chunks:
+        logits = model(mx.array([ids[at : at + n]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        out.append(bytes(memoryview(logits.astype(mx.float32))))
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("one_run", [True, False])
+def test_prefill_chunks_and_decode_give_kvcache_logits_bit_for_bit(model, one_run) -> None:
+    """Pages in one run are read as a slice of the pools, others gathered: both give KVCache's logits."""
+    ids = tokens(37, 1)
+    chunks = [5, 11, 16, 1, 1, 1, 1, 1]  # prefill chunks across pages and blocks, then decode steps
+    plain = feed(model, make_prompt_cache(model), ids, chunks)
+    pool = pool_for(model)
+    if not one_run:
+        pool.free.reverse()  # pages taken from the last down: no two in a row
+    cache = paged_cache(pool, make_prompt_cache(model))
+    assert feed(model, cache, ids, chunks) == plain
+    assert (cache[0].session.run_start() is not None) == one_run
+
+
+def test_a_trimmed_paged_cache_rewinds_as_kvcache_does(model) -> None:
+    ids, other = tokens(30, 2), tokens(6, 3)
+    plain, pool = make_prompt_cache(model), pool_for(model)
+    paged = paged_cache(pool, make_prompt_cache(model))
+    for cache in (plain, paged):
+        feed(model, cache, ids, [30])
+        trim_prompt_cache(cache, 7)  # back into the middle of a page
+    assert pool.table(paged[0].session.name).tokens == 23
+    assert feed(model, paged, other, [6]) == feed(model, plain, other, [6])
+
+
+def test_two_sessions_diverging_inside_a_shared_block_each_see_their_own(model) -> None:
+    shared, a_tail, b_tail = tokens(13, 4), tokens(3, 5), tokens(3, 6)  # 13: a block, a page and a token
+    pool = pool_for(model)
+    a = paged_cache(pool, make_prompt_cache(model))
+    feed(model, a, shared, [13])
+    publish(a, shared, BUNDLE)
+    b = fork(a, 13)
+    held = pool.pages_held()
+    got_a, got_b = feed(model, a, a_tail, [3]), feed(model, b, b_tail, [3])
+    assert pool.pages_held() == held + 1  # one copy of the shared partial page, the block still shared
+    assert a[0].session.pool.table(a[0].session.name).pages[:2] == b[0].session.pool.table(b[0].session.name).pages[:2]
+    for own, got in ((a_tail, got_a), (b_tail, got_b)):
+        alone = make_prompt_cache(model)
+        assert feed(model, alone, shared + own, [13, 3])[-1] == got[-1]
+
+
+def test_a_session_maps_a_published_prefix_and_decodes_as_if_it_had_computed_it(model) -> None:
+    prefix, rest = tokens(24, 7), tokens(5, 8)
+    pool = pool_for(model)
+    first = paged_cache(pool, make_prompt_cache(model))
+    feed(model, first, prefix, [24])
+    assert publish(first, prefix, BUNDLE) == 3
+    second = paged_cache(pool, make_prompt_cache(model))
+    held = pool.pages_held()
+    assert map_prefix(second, prefix + rest, BUNDLE) == 24 and pool.pages_held() == held  # no page taken
+    assert feed(model, second, rest, [5]) == feed(model, make_prompt_cache(model), prefix + rest, [24, 5])[1:]
+
+
+def test_refcounts_under_fork_trim_and_drop(model) -> None:
+    ids = tokens(20, 9)
+    pool = pool_for(model)
+    a = paged_cache(pool, make_prompt_cache(model))
+    feed(model, a, ids, [20])  # five pages
+    b = fork(a, 20)
+    c = fork(a, 10)  # three pages listed: two full and half of the third
+    table = pool.table(a[0].session.name).pages
+    assert [pool.refs[p] for p in table] == [3, 3, 3, 2, 2] and pool.pages_held() == 5
+    trim_prompt_cache(b, 12)  # b keeps two pages
+    assert [pool.refs[p] for p in table] == [3, 3, 2, 1, 1]
+    del a
+    gc.collect()
+    assert pool.pages_held() == 3  # a's last two pages went back when its cache was dropped
+    del b, c
+    gc.collect()
+    assert pool.pages_held() == 0 and len(pool.free) == pool.capacity
+
+
+def test_a_layer_cannot_write_where_the_table_does_not_end(model) -> None:
+    pool = pool_for(model)
+    cache = paged_cache(pool, make_prompt_cache(model))
+    feed(model, cache, tokens(6, 10), [6])
+    cache[0].trim(2)  # one layer rewound, the other not: the table keeps its tokens
+    k = mx.zeros((1, 2, 1, 16), mx.bfloat16)
+    with pytest.raises(PageStateError, match="cannot write tokens"):
+        cache[0].update_and_fetch(k, k)
+
+
+def test_a_row_out_of_a_batch_fills_back_into_pages(model) -> None:
+    ids, more = tokens(10, 11), tokens(3, 12)
+    pool = pool_for(model)
+    paged, plain = paged_cache(pool, make_prompt_cache(model)), make_prompt_cache(model)
+    feed(model, paged, ids, [10])
+    feed(model, plain, ids + more, [13])
+    refilled = fill(paged, plain)
+    assert refilled[0].offset == 13 and pool.table(refilled[0].session.name).tokens == 13
+    assert all(mx.array_equal(r.keys, p.keys[..., :13, :]).item() for r, p in zip(refilled, plain, strict=True))
+
+
+def test_eight_sessions_over_a_shared_prefix_hold_a_quarter_of_eight_copies(model) -> None:
+    """8 sessions over one prompt as long as the fleet's (9.3k tokens; the tiny model's KV shapes, random KV
+    written as the model would), each with its own turn: the prompt's blocks are held once, against
+    mlx-lm's KVCache buffers of the same tokens, one per session."""
+    block, prefix = 128, tokens(9300, 13)  # 72 blocks and a partial one
+    pool = pool_for(model, capacity=128, page=block, block=block)
+    kv = [mx.random.normal((1, pool.layout.kv_heads, 9300 + 20, pool.layout.head_dim)).astype(pool.layout.dtype)
+          for _ in range(pool.layout.layers)]
+    sessions, private = [], 0
+    for n in range(8):
+        turn = tokens(20, 20 + n)
+        cache = paged_cache(pool, make_prompt_cache(model))
+        done = map_prefix(cache, prefix, BUNDLE)
+        plain = make_prompt_cache(model)
+        for layer, (c, p) in enumerate(zip(cache, plain, strict=True)):
+            c.update_and_fetch(kv[layer][:, :, done:], kv[layer][:, :, done:])
+            p.update_and_fetch(kv[layer], kv[layer])
+        publish(cache, prefix + turn, BUNDLE)
+        sessions.append(cache)
+        private += cache_blocks.cache_nbytes(plain)
+    assert sessions[1][0].session.keys == sessions[0][0].session.keys[:72]  # the prompt's blocks, mapped
+    assert pool.bytes_held() <= 0.25 * private
+    # what the memory accounting sums (each session's cache_nbytes) counts the shared pages once
+    counted = sum(cache_blocks.cache_nbytes(c) for c in sessions)
+    assert pool.bytes_held() - pool.pages_held() * pool.layout.layers <= counted <= pool.bytes_held()
+
+
+def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) -> None:
+    ids = tokens(21, 14)
+    plain, paged = make_prompt_cache(model), paged_cache(pool_for(model), make_prompt_cache(model))
+    for cache in (plain, paged):
+        feed(model, cache, ids, [9, 12])
+    blocks = [cache_blocks.capture_blocks(c, 0, 2, BLOCK) for c in (paged, plain)]
+    tails = [[cache_blocks.capture_tail(c, 21, BLOCK)] for c in (paged, plain)]
+    for got, want in (blocks, tails):
+        for mine, theirs in zip(got, want, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(mine[n].dtype == theirs[n].dtype and mine[n].array.tobytes() == theirs[n].array.tobytes()
+                       for n in mine)
+    assert cache_blocks.layout(paged, model=model) == cache_blocks.layout(plain, model=model)  # one bundle hash
+
+
+def test_sessions_adopting_one_restored_prefix_hold_its_blocks_once(model) -> None:
+    ids = tokens(2 * BLOCK + 5, 15)
+    pool, restored = pool_for(model), make_prompt_cache(model)
+    feed(model, restored, ids, [len(ids)])  # what a wake restores: a contiguous cache
+    first = adopt(pool, restored, ids, BUNDLE)
+    held = pool.pages_held()
+    second = adopt(pool, restored, ids, BUNDLE)
+    assert pool.pages_held() == held + 2  # its own partial block only: 5 tokens in two pages
+    assert feed(model, second, [7], [1]) == feed(model, first, [7], [1])
+
+
+def test_a_resident_prefix_is_mapped_whole_blocks_leaving_the_last_token_pending(model) -> None:
+    ids = tokens(3 * BLOCK + 1, 16)  # three blocks and the pending token
+    pool = pool_for(model)
+    assert resident_prefix(pool, make_prompt_cache(model), ids, BUNDLE) == (None, 0)
+    source = paged_cache(pool, make_prompt_cache(model))
+    feed(model, source, ids, [len(ids)])
+    publish(source, ids, BUNDLE)
+    cache, held = resident_prefix(pool, make_prompt_cache(model), ids, BUNDLE)
+    assert held == 3 * BLOCK and cache[0].offset == held
+    cache, held = resident_prefix(pool, make_prompt_cache(model), ids[:-1], BUNDLE)
+    assert held == 2 * BLOCK  # the last token of a target stays pending: two blocks
+
+
+def test_turns_packed_in_one_pass_write_each_session_s_pages(model) -> None:
+    turns = [tokens(9, 17), tokens(4, 18)]
+    pool = pool_for(model)
+    plain = [make_prompt_cache(model) for _ in turns]
+    paged = [paged_cache(pool, make_prompt_cache(model)) for _ in turns]
+    for caches in (plain, paged):
+        packing.forward(model, list(zip(turns, caches, strict=True)), [lambda fused: fused] * len(turns))
+        mx.eval([c.state for cache in caches for c in cache])
+    for mine, theirs in zip(paged, plain, strict=True):
+        assert all(mx.array_equal(m.keys, t.keys[..., : t.offset, :]).item() and m.offset == t.offset
+                   for m, t in zip(mine, theirs, strict=True))
+
+
+def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:
+    """The engine thread computes; another thread reads the cache's shapes (a sleep's budget reads `keys`):
+    nothing that thread makes may stay in the cache, since MLX evaluates an array only on a thread that has
+    its stream."""
+    thread = EngineThread()
+    try:
+        def prefilled() -> list:
+            cache = paged_cache(pool_for(model), make_prompt_cache(model))  # one run: read as a slice
+            feed(model, cache, tokens(21, 19), [21])
+            return cache
+        cache = thread.submit(prefilled).result()
+        assert cache_blocks.bytes_per_token(cache) > 0
+        tail = thread.submit(lambda: cache_blocks.capture_tail(cache, 21, BLOCK)).result()
+        assert len(tail) > 1
+    finally:
+        thread.stop()
+
+
+def test_a_model_whose_plain_layers_are_paged_beside_windows_cannot_copy_a_prefix(tmp_path) -> None:
+    gemma, _ = load(str(make_model_dir(tmp_path / "gemma", arch="gemma3_text")))
+    pool = pool_for(gemma)
+    cache = paged_cache(pool, make_prompt_cache(gemma))
+    assert sum(isinstance(c, PagedKVCache) for c in cache) == 1  # the global layer; the windows stay rings
+    gemma(mx.array([tokens(12, 21)]), cache=cache)
+    with pytest.raises(cache_blocks.NotCuttableError, match="RotatingKVCache"):
+        cache_blocks.copy_prefix(cache, 8)
