@@ -79,7 +79,11 @@ class Appending:
 
     def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
         """A cache restored from the longest run of stored blocks that starts `target` (kv/prefixhit.py):
-        (cache, tokens it holds), or (None, 0). A bad block shortens the hit; it never fails the append."""
+        (cache, tokens it holds), or (None, 0). A bad block shortens the hit; it never fails the append.
+        With `paged_kv`, blocks resident in pages are mapped first (kv/paging.py)."""
+        if self.pages is not None:
+            return self.pages.prefix(self.kv.make_cache, target,
+                                     lambda: prefixhit.stored_prefix(self.kv, target, mlx), mlx)
         return prefixhit.stored_prefix(self.kv, target, mlx)
 
     def apply(self, session: Session, plan: Plan, prefix: tuple[list | None, int] = (None, 0),
@@ -93,6 +97,8 @@ class Appending:
         reused, chunk = mlx(Packed(self._adopt_and_start, self._start_turns, args) if self.planner.pack_prefill else
                             lambda: self._adopt_and_start(*args))
         prefilled = self.prefill(session, upto, mlx, should_stop, chunk)
+        if self.pages is not None:  # its full blocks shared with the sessions that come after it
+            mlx(lambda: self.pages.publish(session))
         self.persist(session, mlx)  # also when a restored prefix left nothing to prefill
         return {"tokens": len(plan.target), "prefilled": prefilled, "reused": reused}
 

@@ -38,6 +38,7 @@ from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, 
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
 from kvwake.daemon.kv.context import KvContext, quantize_cache
+from kvwake.daemon.kv.paging import Pages
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
@@ -128,8 +129,9 @@ class Engine(Appending):
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
         probe = quantize_cache(make_prompt_cache(self.model), kv_bits, kv_group_size)
+        kv_layout = cache_blocks.layout(probe, model=self.model)
         self.bundle: Bundle = describe_bundle(
-            self.model_path, kv_layout=cache_blocks.layout(probe, model=self.model), block_tokens=store.block_tokens,
+            self.model_path, kv_layout=kv_layout, block_tokens=store.block_tokens,
             codec=CONTENT_FORMAT[0], codec_version=CONTENT_FORMAT[1], digests=digests, model_name=self.model_name,
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
@@ -172,6 +174,11 @@ class Engine(Appending):
         self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
+        # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
+        # KV may take (the hot budget is where sessions start to sleep, not a bound)
+        kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
+        self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
+                                     self.bundle.hash) if tuning.paged_kv else None
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
             for job in self.warm_jobs():
                 job()
@@ -229,8 +236,9 @@ class Engine(Appending):
         return self.kv.min_partial
 
     def make_cache(self) -> list:
-        """A fresh cache; with kv_bits, plain KV layers are quantized (mlx-lm cannot quantize the others)."""
-        return self.kv.make_cache()
+        """A fresh cache; with kv_bits, plain KV layers are quantized (mlx-lm cannot quantize the others);
+        with `paged_kv`, they are paged."""
+        return self.pages.make(self.kv.make_cache()) if self.pages is not None else self.kv.make_cache()
 
     def cache_bytes(self, session: Session) -> int:
         """Bytes of the session's KV in memory (0 while it has none)."""
@@ -325,6 +333,8 @@ class Engine(Appending):
         blocks from another cache holding them (`wakes_share`; pipeline.wake)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
         session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
+        if self.pages is not None:  # its blocks into pages: held once by every session woken over them
+            mlx(lambda: self.pages.adopt(session))
         self.persister.stored(session_id, session.processed)
         return session, info
 

@@ -53,6 +53,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
                       "path": str(store.root), "codec": store.codec, "codec_choice": store.codec_choice,
                       "auto_among": list(store.auto_among) if store.auto_among else None},
             "persistence": engine.persister.status(),
+            **({"pages": engine.pages.status()} if engine.pages is not None else {}),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,
                            **engine.decoder.status()},

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 from kvwake.daemon.jobs import Mlx, Packed, outcome
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv.context import Counters
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.model import attention, packing
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler import slices
@@ -92,9 +93,10 @@ class PrefillPlanner:
         PACK_MIN or more, padding bounded), one forward pass each (model/packing.py), the others alone. An
         item is the chunk (shared by a pack's sessions) or the exception queuing it raised."""
         out: list[Any] = [None] * len(rows)
+        plain = (KVCache, PagedKVCache)  # a paged session's turn packs too: each row's layer writes its own pages
         packs = pack_groups([(i, self.end_of(session, upto) - session.processed)
                              for i, (session, upto) in enumerate(rows)
-                             if session.cache is not None and all(type(c) is KVCache for c in session.cache)])
+                             if session.cache is not None and all(type(c) in plain for c in session.cache)])
         packed = {i for pack in packs for i in pack}
         for i, (session, upto) in enumerate(rows):
             if i not in packed:
