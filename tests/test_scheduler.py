@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
 from kvwake.daemon.jobs import Packed, quick
 from kvwake.daemon.model.scheduler import steps
-from kvwake.daemon.model.scheduler.steps import Scheduler
+from kvwake.daemon.model.scheduler.steps import Scheduler, Step
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import CancelledError
 
@@ -72,21 +73,37 @@ def test_an_idle_job_runs_only_once_nothing_is_queued_for_a_while(monkeypatch):
     assert s.next_step().idle is None  # never beside decoding calls
 
 
-def test_an_idle_job_waits_while_turns_are_on_their_way(monkeypatch):
-    # Was: a restart's first round, rendered and matched but not yet queued, found the warm-up's idle job
-    # started 16 ms before it and waited for it (docs/benchmarks.md, "fleet", S29 run 1).
+def idle_behind_a_turn(monkeypatch) -> tuple[Scheduler, Any, Any]:
+    """A scheduler with nothing decoding, an idle job queued and one turn on its way: (it, the job, the turn)."""
     monkeypatch.setattr(steps, "IDLE_AFTER_S", 0.02)
     s = Scheduler(decoder=Decoding(active=False))
     built = lambda: "built"  # noqa: E731
     s.idle(built)
-    arrival = s.arrive()
-    threading.Timer(0.15, arrival.land).start()
-    started = time.monotonic()
+    return s, built, s.arrive()
+
+
+def first_idle_step(s: Scheduler) -> Step:
     step = s.next_step()
-    while step.idle is None:  # empty steps (the landing's wake-up) until the idle job is due
+    while step.idle is None:  # empty steps (a landing's wake-up) until the idle job is due
         assert not step.job and not step.pack and not step.decode
         step = s.next_step()
-    assert step.idle is built and time.monotonic() - started >= 0.14  # once the turn landed
+    return step
+
+
+def test_an_idle_job_waits_while_turns_are_on_their_way(monkeypatch):
+    # Was: a restart's first round, rendered and matched but not yet queued, found the warm-up's idle job
+    # started just before it and waited for it (docs/benchmarks.md, "fleet").
+    s, built, arrival = idle_behind_a_turn(monkeypatch)
+    threading.Timer(0.15, arrival.land).start()
+    started = time.monotonic()
+    assert first_idle_step(s).idle is built and time.monotonic() - started >= 0.14  # once the turn landed
+
+
+def test_a_turn_on_its_way_too_long_is_let_go(monkeypatch):
+    # A turn dropped between its prepare and its generate never lands: it must not hold idle jobs for good.
+    s, built, lost = idle_behind_a_turn(monkeypatch)
+    lost.at -= steps.ARRIVING_AT_MOST_S + 1
+    assert first_idle_step(s).idle is built
 
 
 def test_the_stop_ends_the_steps_and_the_jobs_behind_it_are_refused():

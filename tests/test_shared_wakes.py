@@ -102,9 +102,9 @@ async def test_a_prefix_that_is_not_whole_blocks_of_the_restores_kv_is_refused(m
         return restore_buffers.Buffers(engine.model, sample, 16, 340, 16)
 
     with pytest.raises(StateMismatchError, match="not whole blocks of 16"):
-        manager.thread.call(lambda: buffers().adopt(source, 40))
+        manager.thread.call(lambda: buffers().take_prefix(source, 40))
     with pytest.raises(StateMismatchError, match="is not 64 tokens"):
-        manager.thread.call(lambda: buffers().adopt(source[:1], 64))
+        manager.thread.call(lambda: buffers().take_prefix(source[:1], 64))
 
 
 async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_prefilled_ones(manager):
@@ -127,3 +127,35 @@ async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_pr
     await manager.append("agent2", tokens=SHARED[:40] + [9] * 30, whole=True)  # the whole history, resent
     assert manager.entries["agent2"].session.restored == 40
     assert (await manager.wake("agent3"))["blocks_shared"] == 2  # its 2 whole blocks of them, not 18
+
+
+def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(model_dir, tmp_path, monkeypatch):
+    # The discrete GPU's path, here: two blocks per span through a ring of two slots. Was: the ring placed a
+    # block by its number from 0, so a restore whose first 3 blocks came from another cache joined a span
+    # from rows its blocks had not been staged in.
+    from kvwake.daemon.kv import cache_blocks
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+    from tests.test_pipeline import two_block_spans
+
+    rings, joined = two_block_spans(monkeypatch)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    try:
+        head = [(i * 7) % 256 for i in range(48)]  # 3 whole blocks in common
+        for name, own in (("a", 11), ("b", 13)):
+            s = Session(name)
+            engine.append(s, tokens=head + [(i * own) % 250 + 3 for i in range(102)])
+            engine.sleep(s)
+        a, _ = engine.wake("a")
+        b_alone, _ = engine.wake("b")
+        alone = [np.asarray(x.view(mx.uint16)).tobytes() for c in b_alone.cache for x in (c.keys, c.values)]
+        joined.clear()
+        b, info = engine.wake("b", prefix=(cache_blocks.copy_prefix(a.cache, 48), 48))
+        assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
+        assert joined == [(3, 2), (5, 2), (7, 2)] and rings[-1].span == 2
+        assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
+    finally:
+        engine.close()
+        store.close()

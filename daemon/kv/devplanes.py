@@ -242,8 +242,8 @@ def _join_words(planes: tuple[mx.array, ...], unsigned: Any, size: int, rotate: 
 # One join per dtype. On the CPU compiled: the casts, shifts and ors fuse into one pass over the planes (op by op,
 # each was a pass of its own with a temporary; docs/benchmarks.md, "Wake on the CPU (issue 50, point 7)"). On a
 # GPU op by op: each op is a kernel MLX ships, its passes cost little at the device's bandwidth, and a compiled
-# join is a kernel MLX compiles in a fresh cache (seconds on CUDA), which a restart's first wake waited for
-# (docs/benchmarks.md, "fleet", S29).
+# join is a kernel MLX compiles in a fresh cache, which a restart's first wake waited for (docs/benchmarks.md,
+# "fleet").
 _JOINS: dict[str, Callable[..., mx.array]] = {}
 
 

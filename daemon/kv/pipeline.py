@@ -419,7 +419,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
             if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
-                mlx(lambda: buffers.adopt(*prefix))
+                mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
@@ -448,7 +448,7 @@ def releasing(buffers: restore_buffers.Buffers, mlx: Mlx) -> Iterator[restore_bu
 
 def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
                record: SnapshotRecord | None = None, shorten: bool = False, first: int = 0) -> int:
-    """Blocks first .. len(refs)-1 of a restore into place (those before `first` were adopted: Buffers.adopt):
+    """Blocks first .. len(refs)-1 of a restore into place (those before `first` were taken from another cache: Buffers.take_prefix):
     decoded a span at a time on the pool while the engine thread moves earlier spans to the device. Returns
     how many blocks are in place, unbroken from 0.
 
@@ -525,7 +525,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
     `prefix`: (a plain cache, tokens): another session's cache whose first `tokens` (whole blocks, at most the
     snapshot's) are this snapshot's first blocks, the same chain keys (a session woken beside it, or hot):
-    those blocks are copied from it on the device, not read (Buffers.adopt).
+    those blocks are copied from it on the device, not read (Buffers.take_prefix).
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.

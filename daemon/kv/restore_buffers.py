@@ -154,6 +154,7 @@ class Buffers:
         # checked by identity (np.shares_memory, an overlap solver, was 8% of a wake's decoding).
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
+        self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
         self.ring: devplanes.Ring | None = None
         self._tail_view: np.ndarray | None = None
         self._tail_array: mx.array | None = None
@@ -188,7 +189,7 @@ class Buffers:
         joined (join_span)."""
         return [(k, min(self.span, n_blocks - k)) for k in range(first, n_blocks, self.span)]
 
-    def adopt(self, prefix: list, tokens: int) -> None:
+    def take_prefix(self, prefix: list, tokens: int) -> None:
         """Engine thread: the first `tokens` (whole blocks) taken from another cache holding the same blocks
         (a session woken beside this one, or hot, whose prefix has their chain keys), in place of reading
         them: laid out on the device as the first joined span (staged), or copied into the host views
@@ -210,8 +211,9 @@ class Buffers:
                           np.asarray(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part))
             else:
                 self.pieces[name].append(part)
+        self.first = tokens // self.block_tokens  # the ring's first slot and row take the next block
         if self.mode != "direct":
-            self.joined = tokens // self.block_tokens
+            self.joined = self.first
 
     @property
     def slots(self) -> int:
@@ -226,7 +228,7 @@ class Buffers:
 
         def where(names: tuple[str, ...], dtype: str, n: int, planes: bool) -> list[np.ndarray] | None:
             size = DTYPES[dtype][0].itemsize
-            rows = self.ring.rows(k, planes) if k is not None else (
+            rows = self.ring.rows(k - self.first, planes) if k is not None else (
                 devplanes.planes_of(self._tail_view, size) if planes else [self._tail_view])
             if names != self.order or dtype != self.dtypes[names[0]] or n * size != self._row_bytes(k):
                 return None
@@ -258,8 +260,8 @@ class Buffers:
             else:
                 runs.append((kind, k, 1))
         wholes = [None if kind is None else
-                  devplanes.join(self.ring.planes(k, n), dtype, tensors, self.block_shape) if kind else
-                  devplanes.join_raw(self.ring.raw(k, n), dtype, tensors, self.block_shape)
+                  devplanes.join(self.ring.planes(k - self.first, n), dtype, tensors, self.block_shape) if kind else
+                  devplanes.join_raw(self.ring.raw(k - self.first, n), dtype, tensors, self.block_shape)
                   for kind, k, n in runs]
         out = [w for w in wholes if w is not None]
         for t, name in enumerate(self.order):

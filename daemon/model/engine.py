@@ -179,6 +179,10 @@ class Engine(Appending):
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
                                      self.bundle.hash) if tuning.paged_kv else None
+        # Whether a wake may take its first blocks from another session's cache: plain contiguous KV, not
+        # quantized (what a snapshot's blocks hold is what that cache holds); paged layers map pages instead
+        self.wakes_share = (self.cuttable and kv_bits is None and self.pages is None
+                            and all(type(c) is KVCache for c in probe))
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
             for job in self.warm_jobs():
                 job()
@@ -349,11 +353,6 @@ class Engine(Appending):
         """A deleted session: wait for its running checkpoint, write nothing more of it."""
         self.persister.forget(session_id)
 
-    @property
-    def wakes_share(self) -> bool:
-        """Whether a wake may take its first blocks from another session's cache (plain KV, not quantized:
-        what a snapshot's blocks hold is what that cache holds)."""
-        return self.cuttable and self.kv.kv_bits is None and all(type(c) is KVCache for c in self.make_cache())
 
     def record(self, snapshot_id: str) -> SnapshotRecord:
         """A snapshot's verified record; BundleMismatchError (with the differences) for another model's."""

@@ -153,7 +153,7 @@ class Conversations:
         if not held or not engine.wakes_share:
             yield NO_PREFIX, None
             return
-        waiting = self.shared.wait_for(held, align=bt, restored=True)
+        waiting = self.shared.wait_for(held, align=bt, woken_only=True)
         if waiting is not None:
             cache, tokens = await waiting
             tokens -= tokens % bt
@@ -164,9 +164,9 @@ class Conversations:
                 yield (cache, tokens), None
                 return
         waking = Session(entry.id)
-        flight = self.shared.lead(waking, list(record.token_ids), restored=True)
+        flight = self.shared.lead(waking, list(record.token_ids), woken=True)
         try:  # else a hot session's blocks a wake restored (a block resident already is not read again)
-            yield await self._hot_prefix(waking, held, align=bt, restored=True), flight
+            yield await self._hot_prefix(waking, held, align=bt, restored_only=True), flight
         finally:
             await self._land(flight)
 
@@ -192,9 +192,9 @@ class Conversations:
         return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
 
     async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
-                          restored: bool = False) -> tuple[list | None, int]:
+                          restored_only: bool = False) -> tuple[list | None, int]:
         """A copy of the longest prefix of `held` (the tokens a cache is wanted for) that another hot, idle
-        session's cache holds; `align`: a whole number of these; `restored`: only tokens a wake restored
+        session's cache holds; `align`: a whole number of these; `restored_only`: only tokens a wake restored
         from the stored blocks (`Session.restored`: for a wake, which must give the stored bytes).
 
         For a session about to need a fresh cache (its first input; `_prefix` asks Engine.wants_prefix first:
@@ -210,7 +210,7 @@ class Conversations:
                 s = entry.session
                 if s is None or s is session or entry.busy or s.cache is None or not s.processed:
                     continue
-                shared = min(s.restored if restored else s.processed, shared_from(s.tokens, want, known))
+                shared = min(s.restored if restored_only else s.processed, shared_from(s.tokens, want, known))
                 shared -= shared % align
                 if shared > best:
                     best, source = shared, entry
@@ -221,7 +221,7 @@ class Conversations:
         try:
             async with self.claim(source.id, "copy"):
                 src = source.session
-                if src is None or src.cache is None or (src.restored if restored else src.processed) < best:
+                if src is None or src.cache is None or (src.restored if restored_only else src.processed) < best:
                     return None, 0
                 cache = await self.thread.run(lambda: self.engine.copy_prefix(src, best))
         except BusyError:

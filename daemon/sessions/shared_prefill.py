@@ -39,7 +39,7 @@ class Flight:
     session: Session
     tokens: np.ndarray
     waiters: list[tuple[int, asyncio.Future[Prefix]]] = field(default_factory=list)
-    restored: bool = False  # a wake: its cache is the store's blocks' bytes, not a prefill's
+    woken: bool = False  # a wake's: its cache is the store's blocks' bytes, not a prefill's
 
     def waited(self) -> bool:
         """Whether anyone still waits on this flight (its prefill must not stop for its own client)."""
@@ -57,16 +57,16 @@ class SharedPrefills:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def wait_for(self, held: Sequence[int], align: int = 1, restored: bool = False) -> asyncio.Future[Prefix] | None:
+    def wait_for(self, held: Sequence[int], align: int = 1, woken_only: bool = False) -> asyncio.Future[Prefix] | None:
         """A future for a prefix of `held` (the tokens a cache is wanted for) that a flight will hand out, or
         None when no flight shares enough of it (see the module docstring); `align`: the prefix wanted is a
-        whole number of these (a wake's blocks); `restored`: only a wake's flight will do (a wake restores
+        whole number of these (a wake's blocks); `woken_only`: only a wake's flight will do (a wake restores
         the stored blocks' bytes exactly; a prefill may compute them otherwise). Called on the event loop,
         with no await before `lead`."""
         want = np.asarray(held, dtype=np.int64)
         best, chosen = 0, None
         for flight in self._flights:
-            if restored and not flight.restored:
+            if woken_only and not flight.woken:
                 continue
             shared = common_prefix(flight.tokens, want)
             if shared > best and shared >= len(flight.tokens) - shared:
@@ -79,10 +79,10 @@ class SharedPrefills:
         self.waits += 1
         return future
 
-    def lead(self, session: Session, held: Sequence[int], restored: bool = False) -> Flight:
-        """Register an append that will prefill a fresh cache holding `held` (`restored`: a wake that will
+    def lead(self, session: Session, held: Sequence[int], woken: bool = False) -> Flight:
+        """Register an append that will prefill a fresh cache holding `held` (`woken`: a wake that will
         restore one; its session is set once woken); `land` it when its apply (its wake) ends."""
-        flight = Flight(session, np.asarray(held, dtype=np.int64), restored=restored)
+        flight = Flight(session, np.asarray(held, dtype=np.int64), woken=woken)
         self._flights.append(flight)
         return flight
 

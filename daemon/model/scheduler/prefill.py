@@ -60,8 +60,9 @@ class PrefillPlanner:
     prefill_step: tokens per full chunk. plain_prefill, bucket_prefill: the CUDA attention paths
     (model/attention.py). pack_prefill: several sessions' chunks in one pass. slice_of_step: a slice's
     target, in decode steps. gather_s: how long the first chunks of turns that come at once wait, while
-    nothing decodes, for the turns still on their way (the engine thread's scheduler holds them). `paths` is set by the warm-up once the attention paths' costs are measured;
-    `idle` and `later` by the engine thread (None in process: shapes are built when first met).
+    nothing decodes, for the turns still on their way (the engine thread's scheduler holds them). `paths` is
+    set by the warm-up once the attention paths' costs are measured; `idle` and `later` by the engine thread
+    (None in process: shapes are built when first met).
     """
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,

@@ -30,6 +30,7 @@ The order, and why:
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,8 @@ from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
+log = logging.getLogger("kvwake.scheduler")
+
 __all__ = ["Arrival", "IDLE_AFTER_S", "Job", "Scheduler", "Step"]
 
 T = TypeVar("T")
@@ -51,6 +54,9 @@ Job = tuple[Callable[[], Any], Future]
 # the engine quiet for tens of milliseconds between turns (docs/decisions.md, "Many agents at once (issue 24)").
 IDLE_AFTER_S = 0.25
 HOLDS_KEPT = 256  # the latest packs held for arriving turns whose wait `holds` keeps
+# A turn on its way longer than this is let go (logged): one dropped without landing (a task cancelled between
+# its prepare and its generate) must not hold idle jobs back, and packs gathering, for good
+ARRIVING_AT_MOST_S = 60.0
 
 
 class _PackDue:
@@ -69,10 +75,11 @@ class Arrival:
     Packed job is queued with it (`submit(fn, arrival=...)`) or it is `land`ed (the turn failed, or queues
     no such job), and not while it is `aside`. Landing twice is landing once."""
 
-    __slots__ = ("_scheduler",)
+    __slots__ = ("_scheduler", "at")
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
+        self.at = time.monotonic()  # when it set out (ARRIVING_AT_MOST_S)
 
     def land(self) -> None:
         """No longer arriving: packs stop waiting for this turn."""
@@ -254,9 +261,15 @@ class Scheduler:
         return self._pop(item.pack)
 
     def _arrivals(self) -> bool:
-        """Whether turns are on their way (rendered, matched, waking: Arrival)."""
+        """Whether turns are on their way (rendered, matched, waking: Arrival; see ARRIVING_AT_MOST_S)."""
+        now = time.monotonic()
         with self._packs_lock:
-            return bool(self._arriving)
+            stale = [a for a in self._arriving if now - a.at > ARRIVING_AT_MOST_S]
+            self._arriving.difference_update(stale)
+            arriving = bool(self._arriving)
+        if stale:
+            log.warning("turns on their way too long, let go", extra={"turns": len(stale), "after_s": ARRIVING_AT_MOST_S})
+        return arriving
 
     def _gathering(self, due: _PackDue | None = None) -> bool:
         """Whether `due` (the held pack) waits on: turns are arriving and its gathering time is not up."""
