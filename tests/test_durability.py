@@ -16,7 +16,7 @@ from kvwake.store.files import TEMP_SUFFIX, write_durable
 from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
-KILLS = 50
+KILLS = 36
 
 
 def writer(root: Path, seed: int, count: int) -> subprocess.Popen:
