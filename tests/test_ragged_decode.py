@@ -114,7 +114,7 @@ def test_with_the_row_kernel_a_call_decodes_the_same_tokens_batched_or_alone(tmp
 @pytest.mark.parametrize("builds", [True, False])
 def test_the_engine_builds_the_row_kernel_before_it_answers(tmp_path, monkeypatch, builds):
     # Was the warm-up's first idle job: a restart's first requests, sent as the daemon answered, waited
-    # seconds behind it (the compile runs in every process). Now a step of the engine's start; a model
+    # behind it (the compile runs in every process). Now a step of the engine's start; a model
     # whose heads the kernel does not take decodes without it.
     built = []
     monkeypatch.setattr(ragged_decode, "wanted", lambda asked: asked)

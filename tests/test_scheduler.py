@@ -82,12 +82,21 @@ def idle_behind_a_turn(monkeypatch) -> tuple[Scheduler, Any, Any]:
     return s, built, s.arrive()
 
 
-def first_idle_step(s: Scheduler) -> Step:
-    step = s.next_step()
-    while step.idle is None:  # empty steps (a landing's wake-up) until the idle job is due
-        assert not step.job and not step.pack and not step.decode
-        step = s.next_step()
-    return step
+def first_idle_step(s: Scheduler, within_s: float = 5.0) -> Step:
+    """The first step that runs the idle job; fails (not hangs) when none comes within `within_s` (the
+    scheduler's look waits on, inside next_step, while it holds the job back)."""
+    steps_seen: list[Step] = []
+
+    def look() -> None:
+        steps_seen.append(s.next_step())
+        while steps_seen[-1].idle is None:  # empty steps (a landing's wake-up) until the idle job is due
+            steps_seen.append(s.next_step())
+    looking = threading.Thread(target=look, daemon=True)
+    looking.start()
+    looking.join(within_s)
+    assert steps_seen and steps_seen[-1].idle is not None, "the idle job never ran: a turn on its way held it"
+    assert not any(step.job or step.pack or step.decode for step in steps_seen)
+    return steps_seen[-1]
 
 
 def test_an_idle_job_waits_while_turns_are_on_their_way(monkeypatch):

@@ -448,9 +448,9 @@ def releasing(buffers: restore_buffers.Buffers, mlx: Mlx) -> Iterator[restore_bu
 
 def fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[BlockRef], mlx: Mlx, batch: Batch,
                record: SnapshotRecord | None = None, shorten: bool = False, first: int = 0) -> int:
-    """Blocks first .. len(refs)-1 of a restore into place (those before `first` were taken from another cache: Buffers.take_prefix):
-    decoded a span at a time on the pool while the engine thread moves earlier spans to the device. Returns
-    how many blocks are in place, unbroken from 0.
+    """Blocks first .. len(refs)-1 of a restore into place (those before `first` were taken from another
+    cache: Buffers.take_prefix): decoded a span at a time on the pool while the engine thread moves earlier
+    spans to the device. Returns how many blocks are in place, unbroken from 0.
 
     Up to `buffers.slots` spans are decoding at once (the staging ring's slots; on unified memory
     all of them: the decoders write the final buffers, there is nothing to move). Span k is joined

@@ -148,8 +148,8 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (seconds; not
-        # from its disk cache), and a decode step or an idle warm-up job building it would hold up every
+        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (a long compile,
+        # not from its disk cache), and a decode step or an idle warm-up job building it would hold up every
         # request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet"). False when the
         # model's heads are not a shape it takes.
         self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(self.model)

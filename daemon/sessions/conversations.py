@@ -25,7 +25,6 @@ import anyio
 from anyio import to_thread
 
 from kvwake.daemon.model.engine import Plan
-from kvwake.store import SnapshotRecord
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.scheduler.steps import Arrival
 from kvwake.daemon.session_state import Session
@@ -33,6 +32,7 @@ from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.hotkeys import shared_from
 from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Prefix
 from kvwake.errors import BusyError, InvalidParamsError
+from kvwake.store import SnapshotRecord
 
 __all__ = ["Conversations", "Prepared"]
 
