@@ -95,6 +95,13 @@ class Tuning:
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True
+    # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
+    # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
+    kernel_warmer: bool = True
+    # CUDA: tokens per prefill chunk while nothing decodes (a multiple of the prefill step; chunks end on its
+    # multiples then); None: the prefill step always. Longer: fewer attention graphs built for a long prompt
+    # and fewer passes, a longer wait for a request that comes during one
+    idle_prefill_step: int | None = 2048
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
     # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
     # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves
@@ -118,6 +125,7 @@ _TUNING_RULES = (
     ("slow_jobs_kept", lambda v: v >= 1, "a count above 0"),
     ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
+    ("idle_prefill_step", lambda v: v >= 1, "a count of tokens above 0"),
 )
 
 

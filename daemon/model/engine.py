@@ -42,7 +42,7 @@ from kvwake.daemon.kv.paging import Pages
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, packing, ragged_decode
+from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -78,6 +78,12 @@ def context_length(model_path: Path) -> int | None:
         return None
     value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
     return int(value) if isinstance(value, int) and value > 1 else None
+
+
+def idle_prefill_step(tokens: int | None, prefill_step: int) -> int:
+    """The idle chunk length (tuning `idle_prefill_step`) on the prefill step's grid: a multiple of it, at least
+    one step, so full chunks' key lengths stay on the step's multiples whichever length a chunk had."""
+    return max(1, (tokens or prefill_step) // prefill_step) * prefill_step
 
 
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
@@ -120,8 +126,11 @@ class Engine(Appending):
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         # the bundle's file digests, read on background threads while the weights load (kv/bundle.py)
         digests = start_digests(self.model_path, digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
+        kernels = None
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
+            # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
+            kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         self.weights_bytes = mx.get_active_memory()
@@ -162,8 +171,12 @@ class Engine(Appending):
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
+            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
+            idle_step=idle_prefill_step(tuning.idle_prefill_step, prefill_step) if attention.on_cuda() else None)
         self.started.mark("set_up")
+        if kernels is not None:  # the first forward pass's kernels, and a compaction's, from the cache
+            kernels.wait()
+            self.started.mark("kernels")
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
         self.started.mark("first_forward")
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).

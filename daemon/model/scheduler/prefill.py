@@ -6,7 +6,9 @@ once (`queue_chunks`, the `Packed` job of turns that came together); what a chun
 `slices.Chunk`, stepped one slice of layers per engine job while calls decode. The choices and why:
 
 - Chunks end on multiples of the prefill step (`chunk_end`), so a full chunk's key length recurs and MLX on
-  CUDA builds one attention graph per (step, multiple).
+  CUDA builds one attention graph per (step, multiple). While nothing decodes, chunks on CUDA end on
+  multiples of the idle step instead (`idle_step`, a multiple of the step): no neighbour waits on a longer
+  chunk, and a long prompt meets a quarter of the graphs, each pass over more tokens at once.
 - A short chunk (a turn's input, a hit's remainder) takes the plain attention ops when those cost less than
   a new fused graph at its key length (`attention.PathCosts`, measured at warm-up), or runs fused at a shared
   query bucket over the whole buffer (`attention.bucketed_attention`) so turns within one capacity share one
@@ -67,8 +69,9 @@ class PrefillPlanner:
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0) -> None:
+                 gather_s: float = 0.0, idle_step: int | None = None) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
+        self.idle_step = idle_step or prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s = slice_of_step, gather_s
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
@@ -144,13 +147,14 @@ class PrefillPlanner:
 
 
     def chunk_end(self, processed: int, upto: int) -> int:
-        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`).
+        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`);
+        of the idle step while nothing decodes.
 
         Aligned, every full chunk's key length is a multiple of the step whatever the turn or prefix hit
         before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (each build
         a stall of its own); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
         """
-        step = self.prefill_step
+        step = self.prefill_step if self.decoder.active else self.idle_step
         return min(upto, (processed // step + 1) * step)
 
     def end_of(self, session: Session, upto: int) -> int:

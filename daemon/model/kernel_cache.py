@@ -1,0 +1,115 @@
+"""MLX's CUDA kernels, compiled once per machine and not on a request's path.
+
+MLX on CUDA compiles many of its kernels at their first use in a process (NVRTC): the gathers a batch's
+compaction runs (`BatchKVCache.filter`), the fused elementwise ops of a forward pass, each a compile of
+seconds. It keeps what it compiled in a disk cache (`MLX_PTX_CACHE_DIR`: `serve` puts it in the user's cache
+folder, daemon/serve.py), so a compile happens once per machine, not once per process. On a machine whose
+cache lacks them, the compiles a first start and a first round would wait for (a compaction's gathers once
+stalled a decode step for seconds mid-round) run in a child process here (`Warmer`), on the model's
+miniature (same kind of model, same dtype, the smallest widths), while the engine loads the weights; the
+engine waits for it before its first forward pass, whose kernels then come from the cache. A process of its
+own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not compile
+for it.
+
+Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
+them out of its disk cache. CUDA only: on the CPU and Metal nothing here runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Warmer", "miniature", "weights_dtype"]
+
+log = logging.getLogger("kvwake.kernels")
+WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
+
+
+def weights_dtype(model_path: Path) -> str:
+    """The dtype name ("bfloat16", "float16", "float32") of the model's norm weights, read from the first
+    safetensors file's header: what its activations and KV are computed in (a quantized model's too)."""
+    names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        kinds = [v["dtype"] for k, v in header.items() if k != "__metadata__" and "norm" in k]
+        if kinds:
+            return names.get(kinds[0], "float32")
+    return "bfloat16"
+
+
+def miniature(config: dict[str, Any]) -> dict[str, Any]:
+    """The model's config at its smallest widths: two query heads over one KV head of the same head size, a
+    small MLP and vocabulary; its layers as many and of the same kinds (hybrid models list them). Its kernels
+    are the model's (MLX names a compiled kernel by its ops, dtypes and constants, not by its sizes)."""
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    hidden = 2 * head_dim
+    # widths named otherwise by some kinds (lfm2's block_dim) are the hidden size's value; MLP widths by name
+    small = {k: hidden if v == config["hidden_size"] and isinstance(v, int) else
+             128 if "intermediate" in k or "ff_dim" in k else v for k, v in config.items()}
+    return {**small, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": hidden,
+            "head_dim": head_dim, "vocab_size": 256, "tie_word_embeddings": True}
+
+
+class Warmer:
+    """The child process that fills MLX's kernel cache for the model (module docstring); `wait` before the
+    engine's first forward pass."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.started = time.perf_counter()
+        self.proc: subprocess.Popen | None = subprocess.Popen(
+            [sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+
+    def wait(self, timeout: float = WAIT_S) -> bool:
+        """Wait for the warmer (at most `timeout`): whether it finished and filled the cache."""
+        if self.proc is None:
+            return False
+        proc, self.proc = self.proc, None
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("kernel warmer still compiling after %.0f s: the engine goes on without it", timeout)
+            return False
+        if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
+            log.warning("kernel warmer exited %s: %s", proc.returncode, err.decode(errors="replace")[-600:])
+            return False
+        log.info("kernel warmer done in %.1f s", time.perf_counter() - self.started)
+        return True
+
+
+def _warm(model_path: Path) -> None:
+    """The child's work: the miniature's prefill and decode step, and a batch's compaction."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.utils import _get_classes
+
+    dtype = getattr(mx, weights_dtype(model_path))
+    config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
+    model_class, args_class = _get_classes(config=config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(dtype)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
+    mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+    # A batch's compaction (model/decoder.py `_compact`): rows taken by index from its KV, offsets and tokens
+    batch = BatchKVCache([0, 0, 0])
+    kv = mx.zeros((3, 1, 8, config["head_dim"]), dtype)
+    batch.update_and_fetch(kv, kv)
+    batch.filter([0, 2])
+    tokens = mx.zeros((3,), mx.uint32)[[0, 2]]
+    mx.eval(batch.keys, batch.values, batch.offset, batch.left_padding, tokens)
+
+
+if __name__ == "__main__":
+    _warm(Path(sys.argv[1]))

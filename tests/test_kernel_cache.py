@@ -1,0 +1,41 @@
+"""The warmer that fills MLX's kernel cache for a model while the weights load (daemon/model/kernel_cache.py).
+
+Here on the CPU the warmer's child runs the same work it runs on CUDA (the miniature's prefill and decode
+step, a batch's compaction), so a model kind it cannot build fails here, not at a GPU machine's start; what
+it saves there (compiles taken off a first start and off a round's decode step) is measured on the GPU
+machine (docs/benchmarks.md, "fleet").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.model import kernel_cache
+from testkit.tinymodel import make_model_dir
+
+
+@pytest.mark.parametrize("arch, dtype, name", [
+    ("llama", mx.bfloat16, "bfloat16"), ("gemma3_text", mx.float16, "float16"), ("lfm2", mx.bfloat16, "bfloat16"),
+                                               ("llama", mx.float32, "float32")])
+def test_the_warmer_builds_the_models_miniature_in_its_dtype_and_exits_cleanly(tmp_path, arch, dtype, name):
+    model = make_model_dir(tmp_path / arch, arch=arch, dtype=dtype)
+    assert kernel_cache.weights_dtype(model) == name
+    config = kernel_cache.miniature(json.loads((model / "config.json").read_text()))
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (2, 1, 256)
+    warmer = kernel_cache.Warmer(model)
+    assert warmer.proc is not None and warmer.proc.args[:3] == [sys.executable, "-m", "kvwake.daemon.model.kernel_cache"]
+    assert warmer.wait(timeout=120) is True
+    assert warmer.wait() is False  # waited for once: nothing left to wait for
+
+
+def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8,
+                                                      "num_attention_heads": 1}))
+    warmer = kernel_cache.Warmer(tmp_path)
+    with caplog.at_level("WARNING", logger="kvwake.kernels"):
+        assert warmer.wait(timeout=120) is False
+    assert "kernel warmer exited 1" in caplog.text and "no_such_model" in caplog.text
