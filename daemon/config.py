@@ -98,10 +98,6 @@ class Tuning:
     # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
     # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
     kernel_warmer: bool = True
-    # CUDA: tokens per prefill chunk while nothing decodes (a multiple of the prefill step; chunks end on its
-    # multiples then); None: the prefill step always. Longer: fewer attention graphs built for a long prompt
-    # and fewer passes, a longer wait for a request that comes during one
-    idle_prefill_step: int | None = 2048
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
     # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
     # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves
@@ -125,7 +121,6 @@ _TUNING_RULES = (
     ("slow_jobs_kept", lambda v: v >= 1, "a count above 0"),
     ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
-    ("idle_prefill_step", lambda v: v >= 1, "a count of tokens above 0"),
 )
 
 
@@ -152,7 +147,7 @@ class Settings:
     persist: bool = True  # write a hot session's full blocks as they fill (kill -9 loses at most the tail)
     kv_bits: int | None = None
     max_batch: int = 32  # generate calls decoded together in one forward pass; 1: each alone (solo-bit-exact)
-    prefill_step: int = 512  # tokens per prefill chunk; chunks end on its multiples
+    prefill_step: int | None = None  # tokens per prefill chunk (chunks end on its multiples); None: 2048 on CUDA, else 512
     max_context: int | None = None  # tokens a session may hold, below the model's own context; None: the model's
     mlx_memory_bytes: int | None = None  # MLX's memory limit; None: 90% of the GPU's memory (CUDA), else of RAM
     mlx_cache_bytes: int = 4 << 30  # freed buffers MLX keeps for reuse (daemon/model/memory.py says why)

@@ -27,7 +27,8 @@ def test_the_warmer_builds_the_models_miniature_in_its_dtype_and_exits_cleanly(t
     config = kernel_cache.miniature(json.loads((model / "config.json").read_text()))
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (2, 1, 256)
     warmer = kernel_cache.Warmer(model)
-    assert warmer.proc is not None and warmer.proc.args[:3] == [sys.executable, "-m", "kvwake.daemon.model.kernel_cache"]
+    assert [p.args[:3] + p.args[4:] for p in warmer.procs] == [
+        [sys.executable, "-m", "kvwake.daemon.model.kernel_cache", part] for part in kernel_cache.PARTS]
     assert warmer.wait(timeout=120) is True
     assert warmer.wait() is False  # waited for once: nothing left to wait for
 
@@ -38,4 +39,4 @@ def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog)
     warmer = kernel_cache.Warmer(tmp_path)
     with caplog.at_level("WARNING", logger="kvwake.kernels"):
         assert warmer.wait(timeout=120) is False
-    assert "kernel warmer exited 1" in caplog.text and "no_such_model" in caplog.text
+    assert "kernel warmer (forward) exited 1" in caplog.text and "no_such_model" in caplog.text

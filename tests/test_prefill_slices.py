@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 import pytest
 
 from kvwake.daemon.model.scheduler import slices as prefillslices
-from kvwake.daemon.model.engine import Engine, idle_prefill_step
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
@@ -55,21 +55,19 @@ def test_chunks_after_a_turn_end_on_multiples_of_the_step(deep):
     assert fed.passes == [(19, 13), (32, 32), (64, 32), (96, 32), (128, 11)]  # each full chunk's keys: a multiple of 32
 
 
-def test_while_nothing_decodes_chunks_end_on_multiples_of_the_idle_step_and_beside_a_call_on_the_steps(deep):
-    deep.planner.idle_step = idle_prefill_step(100, STEP)  # what the engine sets on CUDA: a multiple of the step
-    assert deep.planner.idle_step == 96
-    s = Session("s")
-    deep.append(s, tokens=list(range(1, 21)))
-    deep.model = deep.planner.model = fed = Fed(deep.model)
-    deep.append(s, tokens=list(range(1, 21)) + list(range(30, 230)))  # 239 tokens to reach, nothing decoding
-    assert fed.passes == [(19, 77), (96, 96), (192, 47)]
-    fed.passes.clear()
-    deep.decoder.waiting.append(object())  # a call about to decode: chunks go back to the step's length
+def test_the_prefill_step_is_2048_tokens_on_cuda_and_512_elsewhere(tmp_path, monkeypatch):
+    from kvwake.daemon.model.scheduler import prefill
+    monkeypatch.setattr(prefill.attention, "on_cuda", lambda: True)
+    assert prefill.default_step() == 2048
+    monkeypatch.setattr(prefill.attention, "on_cuda", lambda: False)
+    assert prefill.default_step() == 512
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, make_model_dir(tmp_path / "m"), max_batch=8)  # no step named: the backend's
     try:
-        deep.append(s, tokens=list(range(100, 160)))
+        assert engine.prefill_step == engine.planner.prefill_step == 512
     finally:
-        deep.decoder.waiting.clear()
-    assert fed.passes == [(239, 17), (256, 32), (288, 11)]
+        engine.close()
+        store.close()
 
 
 def cache_arrays(session: Session) -> list[mx.array]:

@@ -44,7 +44,7 @@ from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
-from kvwake.daemon.model.scheduler import PrefillPlanner
+from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
 from kvwake.daemon.model.decode_calls import batch_mode
 from kvwake.daemon.model.decoder import Decoder
@@ -80,12 +80,6 @@ def context_length(model_path: Path) -> int | None:
     return int(value) if isinstance(value, int) and value > 1 else None
 
 
-def idle_prefill_step(tokens: int | None, prefill_step: int) -> int:
-    """The idle chunk length (tuning `idle_prefill_step`) on the prefill step's grid: a multiple of it, at least
-    one step, so full chunks' key lengths stay on the step's multiples whichever length a chunk had."""
-    return max(1, (tokens or prefill_step) // prefill_step) * prefill_step
-
-
 def resolve_model(model: str | Path | None, data_dir: Path) -> tuple[Path, str]:
     """(local model folder, display name); no model means the default, converted once."""
     if model is None:
@@ -110,7 +104,7 @@ class Engine(Appending):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         ram_tier_bytes: int = 256 << 20,
-        prefill_step: int = 512,
+        prefill_step: int | None = None,
         io_workers: int | None = None,
         io_inflight_bytes: int = 512 << 20,
         max_batch: int = 32,
@@ -120,6 +114,7 @@ class Engine(Appending):
         warm: bool = True,
         tuning: Tuning = Tuning(),
     ) -> None:
+        prefill_step = prefill_step or default_step()  # by backend (model/scheduler/prefill.py)
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
         self.restore_mode = restore_buffers.restore_mode(tuning.restore_mode)
         self.started = Phases()  # where the engine's start went (the daemon logs it with "ready")
@@ -171,8 +166,7 @@ class Engine(Appending):
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
-            idle_step=idle_prefill_step(tuning.idle_prefill_step, prefill_step) if attention.on_cuda() else None)
+            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
         self.started.mark("set_up")
         if kernels is not None:  # the first forward pass's kernels, and a compaction's, from the cache
             kernels.wait()

@@ -9,7 +9,8 @@ stalled a decode step for seconds mid-round) run in a child process here (`Warme
 miniature (same kind of model, same dtype, the smallest widths), while the engine loads the weights; the
 engine waits for it before its first forward pass, whose kernels then come from the cache. A process of its
 own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not compile
-for it.
+for it; two of them, each importing as `serve` does (no PyTorch), so a cached machine's warmers end within
+the load.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
 them out of its disk cache. CUDA only: on the CPU and Metal nothing here runs.
@@ -27,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Warmer", "miniature", "weights_dtype"]
+__all__ = ["PARTS", "Warmer", "miniature", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
+PARTS = ("forward", "compaction")
 
 
 def weights_dtype(model_path: Path) -> str:
@@ -62,46 +64,56 @@ def miniature(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class Warmer:
-    """The child process that fills MLX's kernel cache for the model (module docstring); `wait` before the
-    engine's first forward pass."""
+    """The child processes that fill MLX's kernel cache for the model (module docstring), one per part
+    (`PARTS`: each part's compiles are seconds of one core on a fresh machine, so they run side by side);
+    `wait` before the engine's first forward pass."""
 
     def __init__(self, model_path: Path) -> None:
         self.started = time.perf_counter()
-        self.proc: subprocess.Popen | None = subprocess.Popen(
-            [sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+                      for part in PARTS]
 
     def wait(self, timeout: float = WAIT_S) -> bool:
-        """Wait for the warmer (at most `timeout`): whether it finished and filled the cache."""
-        if self.proc is None:
-            return False
-        proc, self.proc = self.proc, None
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("kernel warmer still compiling after %.0f s: the engine goes on without it", timeout)
-            return False
-        if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
-            log.warning("kernel warmer exited %s: %s", proc.returncode, err.decode(errors="replace")[-600:])
-            return False
-        log.info("kernel warmer done in %.1f s", time.perf_counter() - self.started)
-        return True
+        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache."""
+        procs, self.procs, done = self.procs, [], True
+        for part, proc in zip(PARTS, procs):
+            try:
+                _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
+            except subprocess.TimeoutExpired:
+                log.warning("kernel warmer (%s) still compiling after %.0f s: the engine goes on without it", part, timeout)
+                done = False
+                continue
+            if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
+                log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode, err.decode(errors="replace")[-600:])
+                done = False
+        if procs and done:
+            log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
+        return bool(procs) and done
 
 
-def _warm(model_path: Path) -> None:
-    """The child's work: the miniature's prefill and decode step, and a batch's compaction."""
+def _warm(model_path: Path, part: str) -> None:
+    """A child's work: the miniature's prefill and decode step ("forward"), or a batch's compaction."""
+    from kvwake.daemon.imports import lighten_imports
+
+    lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
     import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-    from mlx_lm.utils import _get_classes
 
     dtype = getattr(mx, weights_dtype(model_path))
     config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
-    model_class, args_class = _get_classes(config=config)
-    model = model_class(args_class.from_dict(config))
-    model.set_dtype(dtype)
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
-    mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+    if part == "forward":
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.utils import _get_classes
+
+        model_class, args_class = _get_classes(config=config)
+        model = model_class(args_class.from_dict(config))
+        model.set_dtype(dtype)
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
+        mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+        return
+    from mlx_lm.models.cache import BatchKVCache
+
     # A batch's compaction (model/decoder.py `_compact`): rows taken by index from its KV, offsets and tokens
     batch = BatchKVCache([0, 0, 0])
     kv = mx.zeros((3, 1, 8, config["head_dim"]), dtype)
@@ -112,4 +124,4 @@ def _warm(model_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    _warm(Path(sys.argv[1]))
+    _warm(Path(sys.argv[1]), sys.argv[2])

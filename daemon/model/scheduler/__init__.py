@@ -6,7 +6,7 @@ slices (slices.py); the decoder (model/decoder.py) admits calls into its batch.
 The engine (model/engine.py) executes what these decide.
 """
 
-from kvwake.daemon.model.scheduler.prefill import PrefillPlanner, pack_groups
+from kvwake.daemon.model.scheduler.prefill import PrefillPlanner, default_step, pack_groups
 from kvwake.daemon.model.scheduler.steps import Scheduler, Step
 
-__all__ = ["PrefillPlanner", "Scheduler", "Step", "pack_groups"]
+__all__ = ["PrefillPlanner", "Scheduler", "Step", "default_step", "pack_groups"]

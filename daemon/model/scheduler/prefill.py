@@ -6,9 +6,8 @@ once (`queue_chunks`, the `Packed` job of turns that came together); what a chun
 `slices.Chunk`, stepped one slice of layers per engine job while calls decode. The choices and why:
 
 - Chunks end on multiples of the prefill step (`chunk_end`), so a full chunk's key length recurs and MLX on
-  CUDA builds one attention graph per (step, multiple). While nothing decodes, chunks on CUDA end on
-  multiples of the idle step instead (`idle_step`, a multiple of the step): no neighbour waits on a longer
-  chunk, and a long prompt meets a quarter of the graphs, each pass over more tokens at once.
+  CUDA builds one attention graph per (step, multiple). The step is 2048 tokens on CUDA, 512 elsewhere
+  (`default_step`).
 - A short chunk (a turn's input, a hit's remainder) takes the plain attention ops when those cost less than
   a new fused graph at its key length (`attention.PathCosts`, measured at warm-up), or runs fused at a shared
   query bucket over the whole buffer (`attention.bucketed_attention`) so turns within one capacity share one
@@ -43,7 +42,7 @@ from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler import slices
 from kvwake.daemon.session_state import Session
 
-__all__ = ["PrefillPlanner", "pack_groups"]
+__all__ = ["CUDA_STEP", "STEP", "PrefillPlanner", "default_step", "pack_groups"]
 
 log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
@@ -53,6 +52,19 @@ BUCKETS_AHEAD = 2  # this many of them (the 128 and 192 query buckets: turns of 
 PACK_MIN = 2  # turns whose short chunks come at once prefill in one forward pass from this many
 PACK_PADDING = 2.0  # a pack computes at most this many times its rows' tokens (right-padded to the longest)
 PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decoding this often, then is built
+
+
+STEP = 512  # tokens per full chunk on the CPU and Metal
+CUDA_STEP = 2048  # on CUDA: a long prompt builds a quarter of the attention graphs, each pass over more tokens
+
+
+def default_step() -> int:
+    """Tokens per full prefill chunk where the settings name none. On CUDA a fresh process builds a cuDNN graph
+    for each new (chunk, key length) pair, tens of ms each, and a 512-token chunk over a long prompt costs
+    little more than its graph: longer chunks make a long prompt's prefill several times faster there
+    (docs/benchmarks.md, "fleet"). Beside decoding calls a chunk is sliced by layers all the same. Fixed per
+    process, so a prompt's KV never depends on what else ran at the time."""
+    return CUDA_STEP if attention.on_cuda() else STEP
 
 
 class PrefillPlanner:
@@ -69,9 +81,8 @@ class PrefillPlanner:
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0, idle_step: int | None = None) -> None:
+                 gather_s: float = 0.0) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
-        self.idle_step = idle_step or prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s = slice_of_step, gather_s
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
@@ -147,14 +158,13 @@ class PrefillPlanner:
 
 
     def chunk_end(self, processed: int, upto: int) -> int:
-        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`);
-        of the idle step while nothing decodes.
+        """Where the prefill chunk from `processed` ends: at the next multiple of the prefill step (or `upto`).
 
         Aligned, every full chunk's key length is a multiple of the step whatever the turn or prefix hit
         before it, so MLX on CUDA builds one cuDNN graph per (step, multiple), not one per chunk (each build
         a stall of its own); the short chunk that reaches the boundary is a turn's input or a hit's remainder.
         """
-        step = self.prefill_step if self.decoder.active else self.idle_step
+        step = self.prefill_step
         return min(upto, (processed // step + 1) * step)
 
     def end_of(self, session: Session, upto: int) -> int:
