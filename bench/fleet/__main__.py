@@ -54,16 +54,18 @@ def quantized(model: Path, work: Path) -> Path:
     return out
 
 
-def one_config(model: Path, fleet: Fleet, apis: list[str], work: Path, gpu: bool) -> dict[str, Any]:
-    """Every server of one configuration, mlx_lm.server first; the comparisons per kvwake API."""
+def one_config(model: Path, fleet: Fleet, apis: list[str], work: Path, gpu: bool, baseline: bool = True) -> dict[str, Any]:
+    """Every server of one configuration, mlx_lm.server first (unless `baseline` is off: kvwake's own figures,
+    nothing compared); the comparisons per kvwake API."""
     texts = Texts(model)
     system = texts.system(fleet)
-    runs = {"mlx_lm.server": summary(run_server(MlxServer(work / "mlx", model), "openai", fleet, texts, system))}
+    runs = {"mlx_lm.server": summary(run_server(MlxServer(work / "mlx", model), "openai", fleet, texts, system))} \
+        if baseline else {}
     for api in apis:
         runs[f"kvwake {api}"] = summary(run_server(Kvwake(work / f"kvwake-{api}", model), api, fleet, texts, system))
     return {"fleet": asdict(fleet), "runs": runs,
             "compared": {name: compare(run, runs["mlx_lm.server"], gpu) for name, run in runs.items()
-                         if name != "mlx_lm.server"}}
+                         if name != "mlx_lm.server" and baseline}}
 
 
 def options() -> argparse.Namespace:
@@ -81,6 +83,8 @@ def options() -> argparse.Namespace:
     ap.add_argument("--targets", default="auto", choices=("auto", "gpu", "here"),
                     help="the GPU machine's targets or the looser ones (auto: gpu when MLX runs on one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet"))
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="kvwake alone, mlx_lm.server not run (nothing compared: a probe of kvwake's own phases)")
     a = ap.parse_args()
     if not set(a.variants.split(",")) <= {"bf16", "q4"}:
         ap.error(f"--variants: bf16 or q4, not {a.variants!r}")
@@ -102,7 +106,8 @@ def main() -> None:
             for system_tokens in map(int, a.system_tokens.split(",")):
                 fleet = replace(base, agents=agents, system_tokens=system_tokens)
                 print(f"== {variant}: {agents} agents, {system_tokens}-token system prompt", flush=True)
-                done = one_config(model, fleet, a.apis.split(","), work / f"{variant}-{agents}-{system_tokens}", gpu)
+                done = one_config(model, fleet, a.apis.split(","), work / f"{variant}-{agents}-{system_tokens}", gpu,
+                                  baseline=not a.no_baseline)
                 configs.append({"variant": variant, **done})
                 for name, rows in done["compared"].items():
                     text.append(table(rows, f"{variant}, {agents} agents, {system_tokens}-token prompt, "
