@@ -158,15 +158,6 @@ def test_a_staged_wake_taking_an_odd_number_of_blocks_now_or_later_stages_the_re
         assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
         # Its first blocks handed out later (a wake in flight's): the rest staged and joined first, the same bytes;
         # handed out short (that wake failed): every block read after all
-        expect = restore_buffers.Buffers.expect_prefix
-
-        def tail_staged_first(self, tokens):  # the pool staged the tail before this job ran (it did on the H200)
-            self.staged[-1] = True
-            try:
-                return expect(self, tokens)
-            finally:
-                del self.staged[-1]
-        monkeypatch.setattr(restore_buffers.Buffers, "expect_prefix", tail_staged_first)
         for given, shared in (((cache_blocks.copy_prefix(a.cache, 48), 48), 3), ((None, 0), 0)):
             joined.clear()
             b, info = engine.wake("b", prefix=LaterPrefix(48, lambda given=given: given))

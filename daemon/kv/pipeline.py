@@ -432,14 +432,14 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
         try:
-            if later is not None:  # its first blocks come later: the rest are read meanwhile (before the tail's
-                mlx(lambda: buffers.expect_prefix(later.tokens))  # staging, which may be placed at once)
             if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
                 batch.reserve(record.tail.raw_bytes)
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            if prefix is not None and later is None:  # its first blocks from a cache holding them (wake's docstring)
+            if later is not None:  # its first blocks come later: the rest are read meanwhile
+                mlx(lambda: buffers.expect_prefix(later.tokens))
+            elif prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)

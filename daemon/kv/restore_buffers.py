@@ -194,10 +194,9 @@ class Buffers:
         """Engine thread, before any block is placed: the first `tokens` (whole blocks) will come from another
         cache later (`take_prefix`, once a wake in flight has restored it), so the blocks after them are read
         meanwhile: the ring stages from the block after them."""
-        if tokens <= 0 or tokens % self.block_tokens or self.joined or any(k >= 0 for k in self.staged):
+        if tokens <= 0 or tokens % self.block_tokens or self.joined or self.staged:
             raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
-                                     f"ahead of this restore ({self.joined} blocks joined, "
-                                     f"{sum(k >= 0 for k in self.staged)} staged)")
+                                     f"ahead of this restore ({self.joined} blocks joined)")
         self.first, self.awaited = tokens // self.block_tokens, tokens
         if self.mode != "direct":
             self.joined = self.first
