@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -56,10 +54,9 @@ from kvwake.daemon.session_state import Session
 from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
-__all__ = ["LaterPrefix", "Moved", "PrefixNotGiven", "block_specs", "checkpoint", "fill_block", "fill_spans", "release", "releasing", "sleep", "wake",
+__all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "release", "releasing", "sleep", "wake",
            "write_prefix"]
 
-log = logging.getLogger("kvwake.pipeline")
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
 # host copy (GPU) and its encoded bytes, under twice its raw size, so RSS grows by less than the
@@ -397,24 +394,9 @@ def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     return restore_buffers.specs_of(cached) if cached is not None else ctx.store.block_specs(ref)
 
 
-@dataclass(frozen=True)
-class LaterPrefix:
-    """A wake's first `tokens` (whole blocks) that another wake in flight will hand out: `get()` (on a worker
-    thread) waits for it and gives (that wake's cache, the tokens it holds), or (None, 0) where it failed."""
-
-    tokens: int
-    get: Callable[[], tuple[Any, int]]
-
-
-class PrefixNotGiven(Exception):
-    """The wake a restore waited on for its first blocks handed out fewer than it expected."""
-
-
-def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | LaterPrefix | None,
+def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | None,
              counts: dict[str, int]) -> list:
-    """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared).
-    A `LaterPrefix`: the blocks after it are read while it is restored elsewhere; PrefixNotGiven where it
-    falls short."""
+    """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared)."""
     n = len(record.token_ids)
     n_full, rest = divmod(n, ctx.block_tokens)
     if record.blocks:
@@ -424,8 +406,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
-    later = prefix if isinstance(prefix, LaterPrefix) else None
-    shared = (later.tokens if later else prefix[1]) // ctx.block_tokens if prefix is not None else 0  # not read
+    shared = prefix[1] // ctx.block_tokens if prefix is not None else 0  # blocks adopted, not read
     # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
                                              mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
@@ -437,21 +418,13 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            if later is not None:  # its first blocks come later: the rest are read meanwhile
-                mlx(lambda: buffers.expect_prefix(later.tokens))
-            elif prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
+            if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
         batch.raise_first()
-        if later is not None:
-            given, tokens = later.get()
-            if given is None or tokens < later.tokens:
-                raise PrefixNotGiven(f"snapshot {record.id}: {tokens} of its first {later.tokens} tokens given")
-            mlx(lambda: buffers.take_prefix(given, later.tokens))
-            _count(ctx, buffers, "blocks_shared", shared)
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
             buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
@@ -546,14 +519,13 @@ def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Blo
     return len(refs)
 
 
-def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx, record: SnapshotRecord | None = None,
-         prefix: tuple[list, int] | LaterPrefix | None = None) -> tuple[Session, dict[str, Any]]:
+def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
+         record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
     """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return.
     `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
     `prefix`: (a plain cache, tokens): another session's cache whose first `tokens` (whole blocks, at most the
     snapshot's) are this snapshot's first blocks, the same chain keys (a session woken beside it, or hot):
-    those blocks are copied from it on the device, not read (Buffers.take_prefix); or a `LaterPrefix`, a wake
-    in flight's, taken once it is restored while this one reads the blocks after them (read too if it fails).
+    those blocks are copied from it on the device, not read (Buffers.take_prefix).
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.
@@ -567,11 +539,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx, rec
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         ctx.store.touch([b.key for b in record.blocks])
-        try:
-            cache = _restore(ctx, record, mlx, prefix, counts) if record.token_ids else None
-        except PrefixNotGiven as exc:  # the wake it waited for failed: every block is read after all
-            log.info("%s; reading them", exc)
-            cache = _restore(ctx, record, mlx, None, counts)
+        cache = _restore(ctx, record, mlx, prefix, counts) if record.token_ids else None
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:

@@ -155,7 +155,6 @@ class Buffers:
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
-        self.awaited: int | None = None  # tokens a prefix will bring later (expect_prefix), until it does
         self.ring: devplanes.Ring | None = None
         self._tail_view: np.ndarray | None = None
         self._tail_array: mx.array | None = None
@@ -190,28 +189,14 @@ class Buffers:
         joined (join_span)."""
         return [(k, min(self.span, n_blocks - k)) for k in range(first, n_blocks, self.span)]
 
-    def expect_prefix(self, tokens: int) -> None:
-        """Engine thread, before any block is placed: the first `tokens` (whole blocks) will come from another
-        cache later (`take_prefix`, once a wake in flight has restored it), so the blocks after them are read
-        meanwhile: the ring stages from the block after them."""
-        if tokens <= 0 or tokens % self.block_tokens or self.joined or self.staged:
-            raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
-                                     f"ahead of this restore ({self.joined} blocks joined)")
-        self.first, self.awaited = tokens // self.block_tokens, tokens
-        if self.mode != "direct":
-            self.joined = self.first
-
     def take_prefix(self, prefix: list, tokens: int) -> None:
         """Engine thread: the first `tokens` (whole blocks) taken from another cache holding the same blocks
         (a session woken beside this one, or hot, whose prefix has their chain keys), in place of reading
         them: laid out on the device as the first joined span (staged), or copied into the host views
-        (direct); before any block is placed, or after, as `expect_prefix` said. Plain KV only; raises
-        StateMismatchError for a cache that is not this restore's shape."""
-        unexpected = tokens != self.awaited if self.awaited is not None else self.joined
-        if tokens <= 0 or tokens % self.block_tokens or unexpected:
+        (direct). Plain KV only; raises StateMismatchError for a cache that is not this restore's shape."""
+        if tokens <= 0 or tokens % self.block_tokens or self.joined:
             raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
-                                     f"ahead of this restore ({self.joined} blocks joined, {self.awaited} "
-                                     "tokens awaited)")
+                                     f"ahead of this restore ({self.joined} blocks joined)")
         given = {f"{name}.{part}": getattr(c, part) for name, _, _, c in units(prefix) if type(c) is KVCache
                  for part in ("keys", "values")}
         for name in self.order:
@@ -225,10 +210,10 @@ class Buffers:
                 np.copyto(self.views[name][..., :tokens, :],
                           np.asarray(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part))
             else:
-                self.pieces[name].insert(0, part)  # the first piece, whether spans after it were joined or not
-        self.first, self.awaited = tokens // self.block_tokens, None
+                self.pieces[name].append(part)
+        self.first = tokens // self.block_tokens  # the ring's first slot and row take the next block
         if self.mode != "direct":
-            self.joined = max(self.joined, self.first)
+            self.joined = self.first
 
     @property
     def slots(self) -> int:

@@ -57,9 +57,7 @@ from kvwake.daemon.session_state import Session
 from kvwake.errors import ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
 
-__all__ = ["CONTENT_FORMAT", "Engine", "LaterPrefix", "Plan", "ShouldStop", "resolve_model"]
-
-LaterPrefix = pipeline.LaterPrefix  # a wake's first blocks another wake in flight hands out (Engine.wake)
+__all__ = ["CONTENT_FORMAT", "Engine", "Plan", "ShouldStop", "resolve_model"]
 
 # What a block's payload means (kv/cache_blocks.py's naming), as the bundle hash records it. Frozen at the
 # value kvwake 0.1 hashed: the compression codec and the file format are per file (each block
@@ -340,8 +338,7 @@ class Engine(Appending):
         pipeline.release(session, mlx)
 
     def wake(self, session_id: str, snapshot_id: str | None = None, mlx: Mlx = direct, *,
-             record: SnapshotRecord | None = None,
-             prefix: tuple[list, int] | pipeline.LaterPrefix | None = None) -> tuple[Session, dict[str, Any]]:
+             record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
         """Restore a session from its latest (or a given) snapshot, exactly (kv/pipeline.py); `record`: the
         snapshot's verified record, read already (`record`), so it is not read again; `prefix`: its first
         blocks from another cache holding them (`wakes_share`; pipeline.wake)."""

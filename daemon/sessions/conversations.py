@@ -14,7 +14,6 @@ decode together, one batched forward pass per step (model/decoder.py).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import contextlib
 import logging
 import time
@@ -25,7 +24,7 @@ from typing import Any
 import anyio
 from anyio import to_thread
 
-from kvwake.daemon.model.engine import LaterPrefix, Plan
+from kvwake.daemon.model.engine import Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.scheduler.steps import Arrival
 from kvwake.daemon.session_state import Session
@@ -141,30 +140,33 @@ class Conversations:
             await self._land(flight)
 
     @contextlib.asynccontextmanager
-    async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Any, Flight | None]]:
-        """(The first blocks of the entry's wake from `record`: another wake's, later (`pipeline.LaterPrefix`),
-        a hot session's cache, or None; the flight this wake leads, or None). Sessions woken together (a
-        restart's agents) share their prompt's blocks: the first wake leads, reads them and lands; the others
-        read only their own blocks meanwhile, then copy the leader's first blocks on the device instead of
-        reading them (pipeline.wake's `prefix`). Only a wake's cache will do: it holds the stored blocks' bytes,
-        so the woken cache is the one reading them would give. With no wake to wait for, a hot session's
-        blocks that a wake restored (`Session.restored`) will do too. Set the flight's session once woken; it
-        lands when the block ends."""
+    async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:
+        """(The first blocks of the entry's wake from `record`, taken from another wake's cache, or NO_PREFIX;
+        the flight this wake leads, or None). Sessions woken together (a restart's agents) share their
+        prompt's blocks: the first wake leads, reads them and lands; the others wait for it and copy its
+        first blocks on the device instead of reading them (pipeline.wake's `prefix`), then read only their
+        own. Only a wake's cache will do: it holds the stored blocks' bytes, so the woken cache is the one
+        reading them would give. With no wake to wait for, a hot session's blocks that a wake restored
+        (`Session.restored`) will do too. Set the flight's session once woken; it lands when the block ends."""
         engine, bt = self.engine, self.engine.block_tokens
         held = list(record.token_ids[: len(record.blocks) * bt])  # what another wake's cache may give
         if not held or not engine.wakes_share:
-            yield None, None
+            yield NO_PREFIX, None
             return
-        found = self.shared.wait_for_blocks(held, align=bt)
-        if found is not None:
-            tokens, waiting = found
-            yield LaterPrefix(tokens, _on_worker(waiting)), None  # counted by the manager once taken
-            return
+        waiting = self.shared.wait_for(held, align=bt, woken_only=True)
+        if waiting is not None:
+            cache, tokens = await waiting
+            tokens -= tokens % bt
+            if cache is not None and tokens:
+                self.counters["wake_waits"] += 1
+                logging.getLogger("kvwake.matching").info(
+                    "blocks taken from a wake in flight", extra={"session": entry.id, "tokens": tokens})
+                yield (cache, tokens), None
+                return
         waking = Session(entry.id)
         flight = self.shared.lead(waking, list(record.token_ids), woken=True)
         try:  # else a hot session's blocks a wake restored (a block resident already is not read again)
-            cache, tokens = await self._hot_prefix(waking, held, align=bt, restored_only=True)
-            yield (cache, tokens) if cache is not None else None, flight
+            yield await self._hot_prefix(waking, held, align=bt, restored_only=True), flight
         finally:
             await self._land(flight)
 
@@ -333,14 +335,6 @@ class Conversations:
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
         return info
-
-
-def _on_worker(waiting: asyncio.Future) -> Callable[[], Prefix]:
-    """What a worker thread calls to wait for `waiting` (an event loop's future) and take its prefix:
-    NO_PREFIX where it was cancelled."""
-    done: cf.Future = cf.Future()
-    waiting.add_done_callback(lambda f: done.set_result(NO_PREFIX if f.cancelled() else f.result()))
-    return done.result
 
 
 def _settle(ended: asyncio.Future, done: Any) -> None:

@@ -42,7 +42,7 @@ from anyio import to_thread
 from kvwake.daemon.gcwatch import Collector
 from kvwake.daemon.config import Settings
 from kvwake.daemon.gilwatch import GilWatch
-from kvwake.daemon.model.engine import Engine, LaterPrefix
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.timing import Latency, Phases
@@ -193,14 +193,12 @@ class SessionManager(Conversations, RoomKeeping):
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
         read = record if snapshot_id is None else None
-        async with self._wake_prefix(entry, record) as (prefix, flight):
+        async with self._wake_prefix(entry, record) as ((cache, tokens), flight):
+            prefix = (cache, tokens) if cache is not None else None
             session, info = await to_thread.run_sync(
                 lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read, prefix=prefix))
             if flight is not None:  # those waiting on this wake copy from it when the block ends
                 flight.session = session
-        if isinstance(prefix, LaterPrefix) and info["blocks_shared"]:  # its first blocks from a wake in flight
-            self.counters["wake_waits"] += 1
-            log.info("blocks taken from a wake in flight", extra={"session": entry.id, "blocks": info["blocks_shared"]})
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)

@@ -57,20 +57,12 @@ class SharedPrefills:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def wait_for(self, held: Sequence[int]) -> asyncio.Future[Prefix] | None:
+    def wait_for(self, held: Sequence[int], align: int = 1, woken_only: bool = False) -> asyncio.Future[Prefix] | None:
         """A future for a prefix of `held` (the tokens a cache is wanted for) that a flight will hand out, or
-        None when no flight shares enough of it (see the module docstring). Called on the event loop, with
-        no await before `lead`."""
-        found = self._wait(held, 1, woken_only=False)
-        return found[1] if found is not None else None
-
-    def wait_for_blocks(self, held: Sequence[int], align: int) -> tuple[int, asyncio.Future[Prefix]] | None:
-        """For a wake: (the tokens, whole `align`-token blocks of `held`, that a wake in flight will hand out; a
-        future for them), or None. Only a wake's flight will do: a wake restores the stored blocks' bytes
-        exactly, a prefill may compute them otherwise."""
-        return self._wait(held, align, woken_only=True)
-
-    def _wait(self, held: Sequence[int], align: int, woken_only: bool) -> tuple[int, asyncio.Future[Prefix]] | None:
+        None when no flight shares enough of it (see the module docstring); `align`: the prefix wanted is a
+        whole number of these (a wake's blocks); `woken_only`: only a wake's flight will do (a wake restores
+        the stored blocks' bytes exactly; a prefill may compute them otherwise). Called on the event loop,
+        with no await before `lead`."""
         want = np.asarray(held, dtype=np.int64)
         best, chosen = 0, None
         for flight in self._flights:
@@ -85,7 +77,7 @@ class SharedPrefills:
         future: asyncio.Future[Prefix] = asyncio.get_running_loop().create_future()
         chosen.waiters.append((best, future))
         self.waits += 1
-        return best, future
+        return future
 
     def lead(self, session: Session, held: Sequence[int], woken: bool = False) -> Flight:
         """Register an append that will prefill a fresh cache holding `held` (`woken`: a wake that will
