@@ -41,8 +41,9 @@ from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.paging import Pages
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
+from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, packing, ragged_decode
+from kvwake.daemon.model import attention, memory, packing, piece_tokens, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -174,6 +175,9 @@ class Engine(Appending):
         self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
+        # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
+        self.points = PointTaker(self.kv, probe, tuning.restore_points, piece_tokens.special_ids(self.tokenizer))
+        self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
@@ -220,6 +224,7 @@ class Engine(Appending):
 
     def close(self) -> None:
         self.persister.close()
+        self.points.close()
         self.pool.close()
         devplanes.drop_idle()
 

@@ -54,6 +54,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
                       "auto_among": list(store.auto_among) if store.auto_among else None,
                       **await to_thread.run_sync(store.points_summary)},  # restore points: how many, bytes
             "persistence": engine.persister.status(),
+            "restore_points": engine.points.status(),
             **({"pages": engine.pages.status()} if engine.pages is not None else {}),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,

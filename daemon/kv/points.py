@@ -1,0 +1,158 @@
+"""Restore points: taken while a prefill passes a block boundary, stored with the blocks that lead to them.
+
+A model with sliding-window or recurrent layers cannot cut its cache by token,
+so a stored prefix needs, besides its blocks, the state of those layers at the
+prefix's end: a restore point (store/points.py stores it; docs/decisions.md,
+"Restore points (issue 52)", says where they are taken and why). This module is
+the taking:
+
+- `next_stop`: the planner ends a prefill chunk at the next wanted boundary
+  (model/scheduler/prefill.py asks), so the cache holds exactly that prefix;
+- `take`: after a chunk, on the caller's thread: when the cache stands at a
+  wanted boundary, the blocks the store lacks and the point are copied to the
+  host in one engine-thread job (a point is what a tail holds at a block
+  boundary: cache_blocks.capture_tail), and written on the driver thread (a
+  prefix-only write of the blocks, unpinned, then the point). With `direct`
+  (an in-process engine) the write is done before `take` returns.
+
+Nothing here fails an append: a point that cannot be written is logged and
+counted, and the prefill goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv.context import KvContext, Mlx, direct
+from kvwake.daemon.session_state import Session
+from kvwake.store.writer import SnapshotWriter
+
+__all__ = ["POINT_EVERY", "PointTaker", "stops"]
+
+log = logging.getLogger("kvwake.points")
+
+POINT_EVERY = 16  # a long prefill takes a point every this many blocks, besides its last boundary
+
+
+def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
+          every: int = POINT_EVERY) -> list[int]:
+    """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last
+    one, each multiple of `every` blocks, and the last one at or before each message's start (a token of
+    `marks`, the chat template's special tokens, at or after lo): a system prompt's end is one, so the next
+    conversation that shares it finds a point there."""
+    b = block_tokens
+    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, upto + 1, every * b)}
+    if marks and lo < upto:
+        new = np.asarray(tokens[lo : upto + 1])
+        wanted.update((lo + np.flatnonzero(np.isin(new, list(marks)))) // b * b)
+    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= upto)
+
+
+class PointTaker:
+    """The points of one loaded model: where its prefills stop, the copies, the driver that writes them.
+
+    Enabled for a model whose cache does not cut by token but has plain-attention layers (their blocks
+    lead to a point); a model of recurrent layers alone has no blocks to key a point by.
+    """
+
+    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset()) -> None:
+        """`marks`: the chat template's special token ids (a message starts at one; piece_tokens.special_ids)."""
+        self.ctx, self.marks = ctx, marks
+        self.enabled = enabled and not ctx.cuttable and any(
+            cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
+        self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
+        self._lock = threading.Lock()
+        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0}
+
+    def next_stop(self, session: Session, upto: int) -> int | None:
+        """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
+        there), or None."""
+        later = stops(session.tokens, session.processed + 1, upto, self.ctx.block_tokens, self.marks)
+        return next((w for w in later if w < upto), None)
+
+    def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
+        """After a prefill chunk (caller's thread): take and store the point where the session's cache
+        stands, when a prefill to `upto` wants one there. Returns the write's Future (done already with
+        `direct`), or None when no point is taken."""
+        position = session.processed
+        if not self.enabled or session.cache is None or \
+                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks)[:1]:
+            return None
+        store, bundle = self.ctx.store, self.ctx.bundle.hash
+        tokens = session.tokens[:position]
+        writer = store.writer(None, bundle, tokens)  # which blocks the store lacks; holds the lock to commit
+        key = writer.keys[-1]
+        try:
+            if store.points([key], bundle):
+                writer.abort()
+                return None
+            blocks, point = mlx(lambda: self._capture(session, writer.needed, position))
+        except BaseException:
+            writer.abort()
+            raise
+        self._count("points_taken")
+        work = (writer, blocks, key, position, point)
+        if mlx is direct or self._driver is None:
+            done: Future = Future()
+            done.set_result(self._write(*work))
+            return done
+        return self._driver.submit(self._write, *work)
+
+    def _capture(self, session: Session, needed: list[int], position: int) -> tuple[dict, dict]:
+        """Engine thread: host copies of the needed blocks (the cache goes on growing) and of the point."""
+        b, cache = self.ctx.block_tokens, session.cache
+        blocks: dict[int, dict] = {}
+        for first, count in _runs(needed):
+            span = cache_blocks.defer_blocks(cache, first, count, b, own=True).host()
+            blocks.update({first + k: arrays for k, arrays in enumerate(span)})
+        return blocks, cache_blocks.capture_tail(cache, position, b)
+
+    def _write(self, writer: SnapshotWriter, blocks: dict, key: str, position: int, point: dict) -> bool:
+        """Driver thread: the blocks (a prefix-only commit), then the point; False when it failed (logged)."""
+        try:
+            with writer:
+                for i, arrays in blocks.items():
+                    writer.add_block(i, arrays)
+                info = writer.commit()
+            written = self.ctx.store.write_point(self.ctx.bundle.hash, key, position, point)
+        except Exception as exc:  # a point is an optimisation: the prefill it came from goes on
+            self._count("point_failures")
+            log.warning("restore point not stored", extra={"tokens": position, "error": repr(exc)})
+            return False
+        self._count("point_blocks_written", info.new_blocks)
+        self._count("points_written", int(written))
+        return written
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def flush(self) -> None:
+        """Wait for the points handed to the driver so far."""
+        if self._driver is not None:
+            self._driver.submit(lambda: None).result()
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters}
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.shutdown(wait=True)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted block indices as (first, count) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -1,0 +1,109 @@
+"""Restore points on tiny models whose cache does not cut by token: sliding window (gemma3_text), recurrent
+(lfm2), and mixed (qwen3_next: gated delta and attention; falcon_h1: both in every layer). A prefix hit
+through a point continues bit-identically to a cold prefill of the same tokens; a resent history that parts
+from the stored tokens falls back to the last point before the parting; a damaged point is refused and
+the tokens prefilled."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.kv import points
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.session_state import Session, common_prefix
+from kvwake.store.format.keys import chain_keys
+from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
+
+B = 16
+ARCHS = ["gemma3_text", "lfm2", "qwen3_next", "falcon_h1"]
+SYSTEM = "You are a careful agent. Follow the tool manual and answer briefly. " * 2  # 136 bytes
+GREEDY = GenerateParams(max_tokens=8)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
+def logits_after(engine: Engine, session: Session) -> mx.array:
+    return engine.model(mx.array(session.pending, dtype=mx.uint32)[None], cache=session.cache)[0, -1]
+
+
+def assert_as_cold(engine: Engine, cold: Engine, session: Session) -> None:
+    """The session continues as a cold prefill of its tokens does: the same greedy reply, and a copy of it
+    (the same tokens, through the same restore) the same next logits, bit for bit."""
+    twin, copy, copy_twin = Session("cold-" + session.id), Session("copy"), Session("cold-copy")
+    assert cold.append(twin, tokens=list(session.tokens))["reused"] == 0
+    assert engine.generate(session, GREEDY).tokens == cold.generate(twin, GREEDY).tokens
+    assert engine.append(copy, tokens=list(twin.tokens))["reused"] > 0
+    cold.append(copy_twin, tokens=list(twin.tokens))
+    assert mx.array_equal(logits_after(engine, copy), logits_after(cold, copy_twin)).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(open_engine, arch):
+    engine = open_engine(arch)
+    assert not engine.cuttable and engine.points.enabled
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    assert engine.points.counters["points_written"] == len(taken) >= 2  # the system prompt's end, the last
+    assert engine.store.points_summary()["points"] == len(taken)
+    second = Session("second")
+    plan = engine.plan(second, messages=chat("Pick one tool and say why."))
+    shared = common_prefix(first.tokens, plan.target)
+    got = engine.append(second, messages=chat("Pick one tool and say why."))
+    deepest = max(w for w in taken if w <= shared)
+    assert got["reused"] == deepest >= shared * 0.8 and got["prefilled"] == got["tokens"] - 1 - deepest
+    assert engine.counters["tokens_from_points"] == deepest
+    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+
+
+def test_points_are_taken_at_the_last_boundary_every_few_blocks_and_before_each_message():
+    tokens = [7] * 200
+    assert points.stops(tokens, 0, 150, B, every=4) == [64, 128, 144]
+    tokens[40] = tokens[99] = 1  # two messages start there
+    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4) == [32, 64, 96, 128, 144]
+    assert points.stops(tokens, 65, 150, B, frozenset({1}), every=4) == [96, 128, 144]
+    assert points.stops(tokens, 0, 15, B) == []  # no block boundary yet
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open_engine, arch):
+    engine = open_engine(arch)
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    engine.generate(s, GREEDY)
+    engine.append(s, messages=[{"role": "user", "content": "Now a fourth one, " + "please " * 6}])
+    stored = list(s.tokens)
+    engine.sleep(s)
+    s, _ = engine.wake("named")
+    # the client resends the history with the first reply written otherwise: the tokens part there
+    messages = [*chat("List three tools."), {"role": "assistant", "content": "Hammer, saw, drill."},
+                {"role": "user", "content": "Now a fourth one, " + "please " * 6}, {"role": "user", "content": "ok"}]
+    plan = engine.plan(s, messages=messages, whole=True)
+    parting = next(i for i, (a, b) in enumerate(zip(stored, plan.target)) if a != b)
+    got = engine.append(s, messages=messages, whole=True)
+    keys = chain_keys(engine.bundle.hash, plan.target[:parting], B)
+    stored = engine.store.points(keys, engine.bundle.hash)
+    last_point = max((i + 1) * B for i, key in enumerate(keys) if key in stored)
+    assert parting - last_point < 2 * B and got["reused"] == last_point
+    assert got["prefilled"] == got["tokens"] - 1 - last_point
+    assert_as_cold(engine, open_engine(arch, name="cold"), s)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
+    engine = open_engine(arch)
+    engine.append(Session("first"), messages=chat("a"))
+    for row in engine.store.rows("SELECT file FROM points"):
+        path = engine.store.root / row["file"]
+        data = bytearray(path.read_bytes())
+        data[-2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    second = Session("second")
+    got = engine.append(second, messages=chat("Pick one tool and say why."))
+    assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
+    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    assert not engine.store.fsck().ok
