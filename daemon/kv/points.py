@@ -31,9 +31,10 @@ import numpy as np
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
 from kvwake.daemon.session_state import Session
+from kvwake.store.format.codec import Tensor
 from kvwake.store.writer import SnapshotWriter
 
-__all__ = ["POINT_EVERY", "PointTaker", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -111,7 +112,7 @@ class PointTaker:
         for first, count in _runs(needed):
             span = cache_blocks.defer_blocks(cache, first, count, b, own=True).host()
             blocks.update({first + k: arrays for k, arrays in enumerate(span)})
-        return blocks, cache_blocks.capture_tail(cache, position, b)
+        return blocks, compact_rings(cache_blocks.capture_tail(cache, position, b))
 
     def _write(self, writer: SnapshotWriter, blocks: dict, key: str, position: int, point: dict) -> bool:
         """Driver thread: the blocks (a prefix-only commit), then the point; False when it failed (logged)."""
@@ -145,6 +146,28 @@ class PointTaker:
     def close(self) -> None:
         if self._driver is not None:
             self._driver.shutdown(wait=True)
+
+
+def compact_rings(point: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The point with each ring buffer cut to the rows its next update reads: after a prefill chunk of S
+    tokens mlx-lm's RotatingKVCache holds up to max_size - 1 + S rows in token order (`_idx` = rows); its
+    next update (a chunk, or a decode step) keeps only the `keep` first and the last rows up to max_size,
+    and its masks read no more. So the ring is stored as that update would cut it (`_idx` = max_size, the
+    state `_trim` leaves), a few windows' bytes instead of a chunk's; the state a restore makes of it then
+    updates to the same arrays as the ring it was cut from."""
+    out = dict(point)
+    for name in [n for n in point if n.endswith(".ring")]:
+        unit = name[: -len(".ring")]
+        offset, idx, keep, max_size = (int(x) for x in point[name].array)
+        keys, values = point.get(f"{unit}.keys"), point.get(f"{unit}.values")
+        rows = keys.array.shape[2] if keys is not None else 0
+        if rows <= max_size or idx != rows:
+            continue  # not grown past its size by a chunk (or rotated in place by single tokens): as held
+        for part, t in ((f"{unit}.keys", keys), (f"{unit}.values", values)):
+            cut = np.concatenate([t.array[:, :, :keep], t.array[:, :, rows - (max_size - keep):]], axis=2)
+            out[part] = Tensor(t.dtype, cut)
+        out[name] = Tensor.of(np.array([offset, max_size, keep, max_size], dtype=np.int64))
+    return out
 
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
