@@ -6,6 +6,8 @@ the tokens prefilled."""
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 import pytest
 
@@ -74,6 +76,21 @@ def test_points_are_taken_at_the_last_boundary_every_few_blocks_and_before_each_
     assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4) == [32, 64, 96, 128, 144]
     assert points.stops(tokens, 65, 150, B, frozenset({1}), every=4) == [96, 128, 144]
     assert points.stops(tokens, 0, 15, B) == []  # no block boundary yet
+    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4, limit=96) == [32, 64, 96]
+    assert points.stops(tokens, 96, 150, B, frozenset({1}), every=4, limit=96) == [96]  # a mark in its block
+
+
+def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
+    taker = open_engine("gemma3_text").points
+    rng = random.Random(5)
+    tokens = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) for _ in range(3000)]
+    marks = frozenset({1})
+    taker.marks = marks
+    for processed in (0, 1, 15, 16, 17, 100, 255, 256, 1000, 2047, 2048):
+        for upto in (processed + 1, processed + 17, 2999):
+            later = [w for w in points.stops(tokens, processed + 1, upto, B, marks) if w < upto]
+            assert taker.next_stop(Session("s", tokens=tokens, processed=processed), upto) == \
+                (later[0] if later else None), (processed, upto)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
@@ -114,3 +131,19 @@ def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
     assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
     assert_as_cold(engine, open_engine(arch, name="cold"), second)
     assert not engine.store.fsck().ok
+
+
+def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):
+    # A writer opened on the caller's thread and committed on the driver's left this thread counted as a
+    # holder of the store's shared lock for good (its count is per thread), so its later shared lockers
+    # skipped the gate an exclusive locker (gc) queues at.
+    engine = open_engine("lfm2")
+    on_this_thread = engine.store.files._held
+
+    def engine_thread(fn):  # not `direct`: the points go to the driver thread, as in the daemon
+        return fn()
+
+    engine.append(Session("first"), messages=chat("a"), mlx=engine_thread)
+    engine.points.flush()
+    assert engine.points.counters["points_written"] == engine.points.counters["points_taken"] >= 2
+    assert getattr(on_this_thread, "n", 0) == 0

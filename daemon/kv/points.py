@@ -9,10 +9,12 @@ the taking:
 - `next_stop`: the planner ends a prefill chunk at the next wanted boundary
   (model/scheduler/prefill.py asks), so the cache holds exactly that prefix;
 - `take`: after a chunk, on the caller's thread: when the cache stands at a
-  wanted boundary, the blocks the store lacks and the point are copied to the
-  host in one engine-thread job (a point is what a tail holds at a block
-  boundary: cache_blocks.capture_tail), and written on the driver thread (a
-  prefix-only write of the blocks, unpinned, then the point). With `direct`
+  wanted boundary, the blocks the store lacks (asked of the index there) and
+  the point are copied to the host in one engine-thread job (a point is what
+  a tail holds at a block boundary: cache_blocks.capture_tail), and written
+  on the driver thread (a prefix-only write of the blocks, unpinned, then the
+  point; the writer is opened and committed there: the store's lock is held
+  by one thread). With `direct`
   (an in-process engine) the write is done before `take` returns.
 
 Nothing here fails an append: a point that cannot be written is logged and
@@ -31,8 +33,8 @@ import numpy as np
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
 from kvwake.daemon.session_state import Session
+from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
-from kvwake.store.writer import SnapshotWriter
 
 __all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "stops"]
 
@@ -42,17 +44,19 @@ POINT_EVERY = 16  # a long prefill takes a point every this many blocks, besides
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
-          every: int = POINT_EVERY) -> list[int]:
+          every: int = POINT_EVERY, limit: int | None = None) -> list[int]:
     """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last
-    one, each multiple of `every` blocks, and the last one at or before each message's start (a token of
-    `marks`, the chat template's special tokens, at or after lo): a system prompt's end is one, so the next
-    conversation that shares it finds a point there."""
+    one, each multiple of `every` blocks, and the last one at or before each special token of the chat
+    template (`marks`: a message's start or end) at or after lo: a system prompt's end is one, so the next
+    conversation that shares it finds a point there. `limit`: only those up to it (and only the tokens
+    that can give one read: a long prompt's next stop is looked for a chunk at a time)."""
     b = block_tokens
-    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, upto + 1, every * b)}
+    top = upto if limit is None else min(upto, limit)
+    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, top + 1, every * b)}
     if marks and lo < upto:
-        new = np.asarray(tokens[lo : upto + 1])
+        new = np.asarray(tokens[lo : min(upto, top + b - 1) + 1])  # a mark in a boundary's block gives it
         wanted.update((lo + np.flatnonzero(np.isin(new, list(marks)))) // b * b)
-    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= upto)
+    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= top)
 
 
 class PointTaker:
@@ -74,7 +78,8 @@ class PointTaker:
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
         there), or None."""
-        later = stops(session.tokens, session.processed + 1, upto, self.ctx.block_tokens, self.marks)
+        lo, b = session.processed + 1, self.ctx.block_tokens
+        later = stops(session.tokens, lo, upto, b, self.marks, limit=lo + POINT_EVERY * b)  # a multiple by then
         return next((w for w in later if w < upto), None)
 
     def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
@@ -83,22 +88,18 @@ class PointTaker:
         `direct`), or None when no point is taken."""
         position = session.processed
         if not self.enabled or session.cache is None or \
-                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks)[:1]:
+                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks, limit=position):
             return None
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
-        writer = store.writer(None, bundle, tokens)  # which blocks the store lacks; holds the lock to commit
-        key = writer.keys[-1]
-        try:
-            if store.points([key], bundle):
-                writer.abort()
-                return None
-            blocks, point = mlx(lambda: self._capture(session, writer.needed, position))
-        except BaseException:
-            writer.abort()
-            raise
+        keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
+        if store.points(keys[-1:], bundle):
+            return None
+        usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
+        needed = [i for i, key in enumerate(keys) if key not in usable]
+        blocks, point = mlx(lambda: self._capture(session, needed, position))
         self._count("points_taken")
-        work = (writer, blocks, key, position, point)
+        work = (tokens, blocks, keys[-1], point)
         if mlx is direct or self._driver is None:
             done: Future = Future()
             done.set_result(self._write(*work))
@@ -114,17 +115,22 @@ class PointTaker:
             blocks.update({first + k: arrays for k, arrays in enumerate(span)})
         return blocks, compact_rings(cache_blocks.capture_tail(cache, position, b))
 
-    def _write(self, writer: SnapshotWriter, blocks: dict, key: str, position: int, point: dict) -> bool:
-        """Driver thread: the blocks (a prefix-only commit), then the point; False when it failed (logged)."""
+    def _write(self, tokens: list[int], blocks: dict, key: str, point: dict) -> bool:
+        """Driver thread: the blocks the store lacks (a prefix-only commit), then the point closing `key`;
+        False when it failed (logged: the prefill it came from goes on)."""
+        store, bundle = self.ctx.store, self.ctx.bundle.hash
         try:
-            with writer:
-                for i, arrays in blocks.items():
-                    writer.add_block(i, arrays)
+            with store.writer(None, bundle, tokens) as writer:
+                gone = [i for i in writer.needed if i not in blocks]
+                if gone:  # evicted by gc since the copies were made: the point would close nothing stored
+                    raise LookupError(f"blocks {gone[:4]} of the {len(tokens)} tokens left the store")
+                for i in writer.needed:
+                    writer.add_block(i, blocks[i])
                 info = writer.commit()
-            written = self.ctx.store.write_point(self.ctx.bundle.hash, key, position, point)
-        except Exception as exc:  # a point is an optimisation: the prefill it came from goes on
+            written = store.write_point(bundle, key, len(tokens), point)
+        except Exception as exc:  # a point is an optimisation, not the prefill's result
             self._count("point_failures")
-            log.warning("restore point not stored", extra={"tokens": position, "error": repr(exc)})
+            log.warning("restore point not stored", extra={"tokens": len(tokens), "error": repr(exc)})
             return False
         self._count("point_blocks_written", info.new_blocks)
         self._count("points_written", int(written))
