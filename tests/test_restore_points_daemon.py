@@ -4,10 +4,13 @@ the points, fsck checks them and gc drops them with their blocks."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from kvwake.client.cli import main
 from testkit.daemon import openai_client, serving_http
 from testkit.tinymodel import make_model_dir
 
@@ -54,3 +57,5 @@ def test_a_second_stateless_conversation_is_served_from_the_first_ones_point(dae
         assert counters["tokens_from_points"] == cached
         report = rpc.call("store.fsck")
         assert report["ok"] and report["points_checked"] >= 2
+    text = CliRunner().invoke(main, ["--socket", str(daemon.socket), "status"]).stdout
+    assert re.search(r"store .*, [1-9][0-9]* restore points \(", text), text  # the second conversation's too
