@@ -52,7 +52,7 @@ class Store(StoreCore):
 
     # -- restore points (see points.py) ---------------------------------------
 
-    def points(self, keys: Sequence[str], bundle: str) -> dict[str, points.PointRef]:
+    def point_refs(self, keys: Sequence[str], bundle: str) -> dict[str, points.PointRef]:
         return points.by_key(self, keys, bundle)
 
     def write_point(self, bundle: str, key: str, n_tokens: int, arrays: Mapping[str, Any]) -> bool:

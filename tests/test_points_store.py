@@ -43,11 +43,11 @@ def test_a_point_reads_back_exactly_and_is_stored_once(store):
     key = stored_point(store)
     assert not store.write_point(BUNDLE, key, 8, point_arrays(2))  # deduplicated: nothing written again
     assert len(list((store.root / "points").rglob("*.kvp"))) == 1
-    ref = store.points([key], BUNDLE)[key]
+    ref = store.point_refs([key], BUNDLE)[key]
     got = store.read_point(ref)
     for name, want in point_arrays(2).items():
         assert got[name].dtype == want.dtype and np.array_equal(got[name].array, want.array), name
-    assert store.points([key], "d2" * 32) == {}  # another bundle's points are not this one's
+    assert store.point_refs([key], "d2" * 32) == {}  # another bundle's points are not this one's
     summary = store.points_summary()
     assert summary == {"points": 1, "point_bytes": ref.stored_bytes} and ref.stored_bytes > 0
     assert store.stored_bytes() >= ref.stored_bytes
@@ -55,7 +55,7 @@ def test_a_point_reads_back_exactly_and_is_stored_once(store):
 
 def test_a_damaged_or_swapped_point_is_refused_naming_it(store):
     key = stored_point(store)
-    ref = store.points([key], BUNDLE)[key]
+    ref = store.point_refs([key], BUNDLE)[key]
     path = store.root / ref.file
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
@@ -64,7 +64,7 @@ def test_a_damaged_or_swapped_point_is_refused_naming_it(store):
         store.read_point(ref)
     other = chain_keys(BUNDLE, TOKENS, 4)[0]
     store.write_point(BUNDLE, other, 4, point_arrays(1))
-    path.write_bytes((store.root / store.points([other], BUNDLE)[other].file).read_bytes())  # another point's file
+    path.write_bytes((store.root / store.point_refs([other], BUNDLE)[other].file).read_bytes())  # another point's file
     with pytest.raises(CorruptBlockError):
         store.read_point(ref)
 
@@ -73,11 +73,11 @@ def test_fsck_checks_points_and_drops_a_bad_one(store):
     key = stored_point(store)
     report = store.fsck()
     assert report.ok and report.points_checked == 1
-    ref = store.points([key], BUNDLE)[key]
+    ref = store.point_refs([key], BUNDLE)[key]
     (store.root / ref.file).write_bytes(b"not a point")
     report = store.fsck()
     assert not report.ok and [b["point"] for b in report.bad_points] == [key]
-    assert store.points([key], BUNDLE) == {} and not (store.root / ref.file).exists()
+    assert store.point_refs([key], BUNDLE) == {} and not (store.root / ref.file).exists()
     assert store.fsck().ok  # the bad point is gone; the next prefill there takes it again
 
 
@@ -88,7 +88,7 @@ def test_gc_keeps_a_point_while_its_block_lives_and_drops_it_after(store):
     (store.root / "points" / "ab" / "orphan.kvp").write_bytes(b"x")  # a file no row names
     report = store.gc(budget_bytes=0)
     assert report.points_dropped == 1 and report.orphans_removed == 1
-    assert list(store.points([key], BUNDLE)) == [key]  # its block is referenced by a snapshot
+    assert list(store.point_refs([key], BUNDLE)) == [key]  # its block is referenced by a snapshot
     store.delete_session("s")
     report = store.gc(budget_bytes=0)  # the blocks are evicted, and their point with them
     assert report.blocks_evicted == 3 and report.points_dropped == 1

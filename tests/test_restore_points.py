@@ -57,7 +57,7 @@ def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(
     if arch == "gemma3_text":  # rings grown past the window by a chunk are stored as their next update cuts
         assert taken[0] > ARCH_WINDOW  # them (compact_rings), and restored exactly below
         for row in engine.store.rows("SELECT key FROM points"):
-            point = engine.store.read_point(engine.store.points([row["key"]], engine.bundle.hash)[row["key"]])
+            point = engine.store.read_point(engine.store.point_refs([row["key"]], engine.bundle.hash)[row["key"]])
             assert point["layers.0.keys"].array.shape[2] == ARCH_WINDOW
     second = Session("second")
     plan = engine.plan(second, messages=chat("Pick one tool and say why."))
@@ -110,7 +110,7 @@ def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open
     parting = next(i for i, (a, b) in enumerate(zip(stored, plan.target)) if a != b)
     got = engine.append(s, messages=messages, whole=True)
     keys = chain_keys(engine.bundle.hash, plan.target[:parting], B)
-    stored = engine.store.points(keys, engine.bundle.hash)
+    stored = engine.store.point_refs(keys, engine.bundle.hash)
     last_point = max((i + 1) * B for i, key in enumerate(keys) if key in stored)
     assert parting - last_point < 2 * B and got["reused"] == last_point
     assert got["prefilled"] == got["tokens"] - 1 - last_point

@@ -93,7 +93,7 @@ class PointTaker:
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
         keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
-        if store.points(keys[-1:], bundle):
+        if store.point_refs(keys[-1:], bundle):
             return None
         usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
         needed = [i for i, key in enumerate(keys) if key not in usable]

@@ -82,7 +82,7 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | No
     its last token): (cache, tokens it holds), or (None, 0) when there is none, or a block of its run or
     the point itself does not verify (logged; the request prefills instead)."""
     run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
-    points = ctx.store.points([b.key for b in run], ctx.bundle.hash)
+    points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
     depth = next((k for k in range(len(run), 0, -1) if run[k - 1].key in points), 0)
     if not depth:
         return None, 0
