@@ -69,15 +69,23 @@ def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(
     assert_as_cold(engine, open_engine(arch, name="cold"), second)
 
 
-def test_points_are_taken_at_the_last_boundary_every_few_blocks_and_before_each_message():
+def test_points_are_taken_at_the_last_boundary_at_the_last_messages_and_every_few_blocks():
     tokens = [7] * 200
     assert points.stops(tokens, 0, 150, B, every=4) == [64, 128, 144]
-    tokens[40] = tokens[99] = 1  # two messages start there
-    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4) == [32, 64, 96, 128, 144]
-    assert points.stops(tokens, 65, 150, B, frozenset({1}), every=4) == [96, 128, 144]
+    tokens[40] = tokens[99] = tokens[130] = 1  # a message opens at each
+    # 99 and 130: the last two openers (the last message's, the generation prompt's)
+    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4) == [64, 96, 128, 144]
+    assert points.stops(tokens, 0, 150, B, frozenset({1})) == [96, 128, 144]
+    assert points.stops(tokens, 97, 150, B, frozenset({1})) == [128, 144]  # 96 is behind a prefill from 97
     assert points.stops(tokens, 0, 15, B) == []  # no block boundary yet
-    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4, limit=96) == [32, 64, 96]
-    assert points.stops(tokens, 96, 150, B, frozenset({1}), every=4, limit=96) == [96]  # a mark in its block
+    # a long prompt whose messages open within its first 20 tokens: one point per 64 blocks besides
+    many = points.stops([1] * 20, 0, 10_000 * B, B, frozenset({1}))
+    assert many == [16, *(64 * B * k for k in range(1, 157)), 10_000 * B]
+
+
+def test_the_message_opener_is_read_from_the_template(open_engine):
+    engine = open_engine("gemma3_text")  # the test kit's ChatML
+    assert engine.points.marks == {engine.tokenizer.convert_tokens_to_ids("<|im_start|>")}
 
 
 def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
@@ -87,7 +95,7 @@ def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
     marks = frozenset({1})
     taker.marks = marks
     for processed in (0, 1, 15, 16, 17, 100, 255, 256, 1000, 2047, 2048):
-        for upto in (processed + 1, processed + 17, 2999):
+        for upto in (processed + 1, processed + 17, processed + 300, 2999):
             later = [w for w in points.stops(tokens, processed + 1, upto, B, marks) if w < upto]
             assert taker.next_stop(Session("s", tokens=tokens, processed=processed), upto) == \
                 (later[0] if later else None), (processed, upto)

@@ -40,23 +40,34 @@ __all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
-POINT_EVERY = 16  # a long prefill takes a point every this many blocks, besides its last boundary
+POINT_EVERY = 64  # a long prefill takes a point every this many blocks, besides those `stops` names
+SCAN = 4096  # tokens read at a time, from the end back, for the last message marker
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
-          every: int = POINT_EVERY, limit: int | None = None) -> list[int]:
-    """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last
-    one, each multiple of `every` blocks, and the last one at or before each special token of the chat
-    template (`marks`: a message's start or end) at or after lo: a system prompt's end is one, so the next
-    conversation that shares it finds a point there. `limit`: only those up to it (and only the tokens
-    that can give one read: a long prompt's next stop is looked for a chunk at a time)."""
+          every: int = POINT_EVERY) -> list[int]:
+    """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last one;
+    the ones at or before the last two tokens of `marks` (the chat template's message opener: the last
+    message's and the generation prompt's; for a first request, the one after the system prompt, so the
+    next conversation that shares all but the last message finds a point there); and each multiple of
+    `every` blocks. At most three, and one per `every` blocks: a real model's point weighs as many blocks
+    (docs/decisions.md, "Restore points (issue 52)")."""
     b = block_tokens
-    top = upto if limit is None else min(upto, limit)
-    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, top + 1, every * b)}
-    if marks and lo < upto:
-        new = np.asarray(tokens[lo : min(upto, top + b - 1) + 1])  # a mark in a boundary's block gives it
-        wanted.update((lo + np.flatnonzero(np.isin(new, list(marks)))) // b * b)
-    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= top)
+    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, upto + 1, every * b)}
+    wanted.update(mark // b * b for mark in _last_marks(tokens, lo, upto + 1, marks, 2))
+    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= upto)
+
+
+def _last_marks(tokens: Sequence[int], lo: int, end: int, marks: frozenset[int], count: int) -> list[int]:
+    """The positions of the last `count` tokens of `marks` in tokens[lo:end], read back from the end SCAN at
+    a time (a prompt's last message is near its end)."""
+    wanted, found = np.asarray(sorted(marks)), []
+    while marks and end > lo and len(found) < count:
+        start = max(lo, end - SCAN)
+        at = np.flatnonzero(np.isin(np.asarray(tokens[start:end]), wanted))
+        found += [start + int(i) for i in at[::-1][: count - len(found)]]
+        end = start
+    return found
 
 
 class PointTaker:
@@ -67,7 +78,7 @@ class PointTaker:
     """
 
     def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset()) -> None:
-        """`marks`: the chat template's special token ids (a message starts at one; piece_tokens.special_ids)."""
+        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`)."""
         self.ctx, self.marks = ctx, marks
         self.enabled = enabled and not ctx.cuttable and any(
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
@@ -78,8 +89,7 @@ class PointTaker:
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
         there), or None."""
-        lo, b = session.processed + 1, self.ctx.block_tokens
-        later = stops(session.tokens, lo, upto, b, self.marks, limit=lo + POINT_EVERY * b)  # a multiple by then
+        later = stops(session.tokens, session.processed + 1, upto, self.ctx.block_tokens, self.marks)
         return next((w for w in later if w < upto), None)
 
     def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
@@ -88,7 +98,7 @@ class PointTaker:
         `direct`), or None when no point is taken."""
         position = session.processed
         if not self.enabled or session.cache is None or \
-                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks, limit=position):
+                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks)[:1]:
             return None
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]

@@ -43,7 +43,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, memory, packing, piece_tokens, ragged_decode
+from kvwake.daemon.model import attention, memory, packing, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -176,7 +176,7 @@ class Engine(Appending):
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
-        self.points = PointTaker(self.kv, probe, tuning.restore_points, piece_tokens.special_ids(self.tokenizer))
+        self.points = PointTaker(self.kv, probe, tuning.restore_points, self.template.message_marks())
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)

@@ -143,8 +143,8 @@ def cost(part: str, ids: array) -> int:
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of the tokenizer's special added tokens (a chat template's message markers); empty when its
-    backend cannot say."""
+    """The ids of the tokenizer's special added tokens (a chat template's markers); empty when its backend
+    cannot say."""
     backend = _backend(tokenizer)
     if backend is None:
         return frozenset()
