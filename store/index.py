@@ -128,7 +128,7 @@ def m005_heads(db: sqlite_utils.Database) -> None:
 @migrations()
 def m006_points(db: sqlite_utils.Database) -> None:
     # Restore points (store/points.py), one row each; the key is the chain key of the block a point closes,
-    # not a foreign key: the block may be evicted first, and gc then drops the point (points.drop_orphaned).
+    # not a foreign key: the block may be evicted first, and gc then drops the point (points.drop_unneeded).
     db.execute("""CREATE TABLE points (
         key TEXT PRIMARY KEY, bundle TEXT NOT NULL REFERENCES bundles(hash), n_tokens INTEGER NOT NULL,
         digest TEXT NOT NULL, codec TEXT NOT NULL, raw_bytes INTEGER NOT NULL, stored_bytes INTEGER NOT NULL,

@@ -9,7 +9,8 @@ gc:
   3. deletes orphan files: temp files and block or tail files the index does
      not name (what a crash between file write and commit leaves behind);
   4. drops the restore points whose block step 2 evicted (or that is gone
-     otherwise): a point lives as long as the block it closes (points.py).
+     otherwise), and those of a conversation's older turns that no other
+     session reaches (points.py, `drop_unneeded`).
 Rows go first, in one transaction; files after. A crash in between leaves
 orphans for the next gc, never an index row without its file.
 
@@ -116,7 +117,7 @@ def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
 
 def _drop_points(store: StoreCore) -> list[str]:
     with store.index.write() as db:
-        return points.drop_orphaned(db)
+        return points.drop_unneeded(db)
 
 
 def _orphans(store: StoreCore) -> list[Path]:

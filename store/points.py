@@ -11,9 +11,10 @@ block.
 
 Row and file, as for blocks: the file is written durably first (temp file,
 fsync, rename), then the row; a key already indexed is not written again (the
-second writer's file is deleted). A point lives as long as the block it closes:
-gc deletes the rows (and files) of points whose block is gone (`drop_orphaned`),
-fsck verifies each point and drops a bad one (`check`). docs/decisions.md,
+second writer's file is deleted). A point lives at most as long as the block it
+closes, and gc drops those of a conversation's older turns that no other
+session reaches (`drop_unneeded`); fsck verifies each point and drops a bad
+one (`check`). docs/decisions.md,
 "Restore points (issue 52)", says why.
 """
 
@@ -35,7 +36,7 @@ from kvwake.store.core import StoreCore
 from kvwake.store.files import fsync_dir, write_durable
 from kvwake.store.format.codec import Tensor, encode
 
-__all__ = ["PointRef", "by_key", "check", "drop_orphaned", "read", "summary", "write"]
+__all__ = ["KEEP_PER_HEAD", "PointRef", "by_key", "check", "drop_unneeded", "read", "summary", "write"]
 
 @dataclass(frozen=True)
 class PointRef:
@@ -114,10 +115,31 @@ def read(store: StoreCore, ref: PointRef) -> dict[str, Tensor]:
     return tensors
 
 
-def drop_orphaned(db: sqlite_utils.Database) -> list[str]:
-    """Inside gc's transaction: delete the points whose block is gone; returns their files (to unlink after)."""
-    rows = db.execute("SELECT key, file FROM points WHERE key NOT IN (SELECT key FROM blocks)").fetchall()
-    db.execute("DELETE FROM points WHERE key NOT IN (SELECT key FROM blocks)")
+KEEP_PER_HEAD = 3  # points kept on each conversation's head chain (one turn's: kv/points.py takes at most three)
+
+# The points gc drops: those whose block is gone, and those of a conversation's older turns (their block
+# referenced, not pinned, not reached by a second session's snapshots, and not among the KEEP_PER_HEAD
+# deepest points on its session's head). A point in the prefix cache (its block unreferenced) stays while
+# that block does: the budget evicts the block, then the point goes with it.
+_UNNEEDED = f"""
+WITH head_points AS (
+  SELECT sb.block_key AS key, ROW_NUMBER() OVER (PARTITION BY s.id ORDER BY sb.pos DESC) AS depth
+  FROM sessions s JOIN snapshot_blocks sb ON sb.snapshot_id = s.head JOIN points p ON p.key = sb.block_key),
+shared AS (
+  SELECT sb.block_key AS key FROM snapshot_blocks sb JOIN points p ON p.key = sb.block_key
+  JOIN snapshots sn ON sn.id = sb.snapshot_id GROUP BY sb.block_key HAVING count(DISTINCT sn.session_id) > 1)
+SELECT p.key, p.file FROM points p LEFT JOIN blocks b ON b.key = p.key
+WHERE b.key IS NULL OR (b.refs > 0 AND b.pins = 0
+  AND p.key NOT IN (SELECT key FROM head_points WHERE depth <= {KEEP_PER_HEAD})
+  AND p.key NOT IN (SELECT key FROM shared))
+"""
+
+
+def drop_unneeded(db: sqlite_utils.Database) -> list[str]:
+    """Inside gc's transaction: delete the points no one needs (`_UNNEEDED`); returns their files (to unlink
+    after the commit)."""
+    rows = db.execute(_UNNEEDED).fetchall()
+    db.conn.executemany("DELETE FROM points WHERE key = ?", [(key,) for key, _ in rows])
     return [rel for _, rel in rows]
 
 

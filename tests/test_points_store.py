@@ -94,3 +94,17 @@ def test_gc_keeps_a_point_while_its_block_lives_and_drops_it_after(store):
     assert report.blocks_evicted == 3 and report.points_dropped == 1
     assert store.points_summary() == {"points": 0, "point_bytes": 0}
     assert list((store.root / "points").rglob("*.kvp")) == []
+
+
+def test_gc_keeps_a_conversations_newest_points_and_those_another_session_reaches(store):
+    tokens = list(range(100, 132))  # 8 blocks of 4
+    write_snapshot(store, "a", tokens)
+    keys = chain_keys(BUNDLE, tokens, 4)
+    for k, key in enumerate(keys):  # a point at every boundary: its older turns' and its newest
+        store.write_point(BUNDLE, key, 4 * (k + 1), point_arrays(k))
+    write_snapshot(store, "b", tokens[:8] + [9] * 4)  # another conversation shares the first two blocks
+    report = store.gc(budget_bytes=0)
+    kept = store.point_refs(keys, BUNDLE)
+    assert report.points_dropped == 3 and sorted(kept) == sorted([keys[0], keys[1], *keys[-3:]])
+    store.delete_session("b")  # no one else reaches the shared ones now: "a" keeps its deepest three
+    assert store.gc(budget_bytes=0).points_dropped == 2 and sorted(store.point_refs(keys, BUNDLE)) == sorted(keys[-3:])
