@@ -155,3 +155,16 @@ def test_points_written_in_the_background_leave_the_callers_thread_holding_no_st
     engine.points.flush()
     assert engine.points.counters["points_written"] == engine.points.counters["points_taken"] >= 2
     assert getattr(on_this_thread, "n", 0) == 0
+
+
+def test_a_point_that_cannot_be_taken_leaves_the_prefill_whole(open_engine, monkeypatch):
+    engine = open_engine("gemma3_text")
+
+    def broken(*args):
+        raise MemoryError("no room for the host copies")
+
+    monkeypatch.setattr(engine.points, "_capture", broken)
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    assert got["prefilled"] == got["tokens"] - 1 and first.processed == got["tokens"] - 1
+    assert engine.points.counters["point_failures"] >= 1 and engine.points.counters["points_written"] == 0

@@ -14,8 +14,8 @@ the taking:
   a tail holds at a block boundary: cache_blocks.capture_tail), and written
   on the driver thread (a prefix-only write of the blocks, unpinned, then the
   point; the writer is opened and committed there: the store's lock is held
-  by one thread). With `direct`
-  (an in-process engine) the write is done before `take` returns.
+  by one thread). With `direct` (an in-process engine) the write is done
+  before `take` returns.
 
 Nothing here fails an append: a point that cannot be written is logged and
 counted, and the prefill goes on.
@@ -103,11 +103,15 @@ class PointTaker:
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
         keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
-        if store.point_refs(keys[-1:], bundle):
+        try:
+            if store.point_refs(keys[-1:], bundle):
+                return None
+            usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
+            needed = [i for i, key in enumerate(keys) if key not in usable]
+            blocks, point = mlx(lambda: self._capture(session, needed, position))
+        except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
+            self._failed(position, exc)
             return None
-        usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
-        needed = [i for i, key in enumerate(keys) if key not in usable]
-        blocks, point = mlx(lambda: self._capture(session, needed, position))
         self._count("points_taken")
         work = (tokens, blocks, keys[-1], point)
         if mlx is direct or self._driver is None:
@@ -139,12 +143,15 @@ class PointTaker:
                 info = writer.commit()
             written = store.write_point(bundle, key, len(tokens), point)
         except Exception as exc:  # a point is an optimisation, not the prefill's result
-            self._count("point_failures")
-            log.warning("restore point not stored", extra={"tokens": len(tokens), "error": repr(exc)})
+            self._failed(len(tokens), exc)
             return False
         self._count("point_blocks_written", info.new_blocks)
         self._count("points_written", int(written))
         return written
+
+    def _failed(self, position: int, exc: Exception) -> None:
+        self._count("point_failures")
+        log.warning("restore point not stored", extra={"tokens": position, "error": repr(exc)})
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
