@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -36,34 +37,37 @@ from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
 POINT_EVERY = 64  # a long prefill takes a point every this many blocks, besides those `stops` names
 SCAN = 4096  # tokens read at a time, from the end back, for the last message marker
+MARKS_KEPT = 1024  # sessions whose prefill's last marks are kept (one entry each)
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
-          every: int = POINT_EVERY) -> list[int]:
+          every: int = POINT_EVERY, opened: Sequence[int] | None = None) -> list[int]:
     """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last one;
     the ones at or before the last two tokens of `marks` (the chat template's message opener: the last
     message's and the generation prompt's; for a first request, the one after the system prompt, so the
     next conversation that shares all but the last message finds a point there); and each multiple of
     `every` blocks. At most three, and one per `every` blocks: a real model's point weighs as many blocks
-    (docs/decisions.md, "Restore points (issue 52)")."""
+    (docs/decisions.md, "Restore points (issue 52)"). `opened`: `last_marks(tokens, upto, marks)`, when the
+    caller has it (the same for every chunk of a prefill)."""
     b = block_tokens
     wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, upto + 1, every * b)}
-    wanted.update(mark // b * b for mark in _last_marks(tokens, lo, upto + 1, marks, 2))
+    found = last_marks(tokens, upto, marks) if opened is None else opened
+    wanted.update(mark // b * b for mark in found)
     return sorted(int(w) for w in wanted if 0 < w and lo <= w <= upto)
 
 
-def _last_marks(tokens: Sequence[int], lo: int, end: int, marks: frozenset[int], count: int) -> list[int]:
-    """The positions of the last `count` tokens of `marks` in tokens[lo:end], read back from the end SCAN at
-    a time (a prompt's last message is near its end)."""
-    wanted, found = np.asarray(sorted(marks)), []
-    while marks and end > lo and len(found) < count:
-        start = max(lo, end - SCAN)
+def last_marks(tokens: Sequence[int], upto: int, marks: frozenset[int], count: int = 2) -> list[int]:
+    """The positions of the last `count` tokens of `marks` in tokens[:upto + 1], read back from the end SCAN
+    at a time (a prompt's last message is near its end)."""
+    wanted, found, end = np.asarray(sorted(marks)), [], upto + 1
+    while marks and end > 0 and len(found) < count:
+        start = max(0, end - SCAN)
         at = np.flatnonzero(np.isin(np.asarray(tokens[start:end]), wanted))
         found += [start + int(i) for i in at[::-1][: count - len(found)]]
         end = start
@@ -84,13 +88,27 @@ class PointTaker:
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
+        # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
+        self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
         self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0}
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
         there), or None."""
-        later = stops(session.tokens, session.processed + 1, upto, self.ctx.block_tokens, self.marks)
+        later = self._stops(session, session.processed + 1, upto)
         return next((w for w in later if w < upto), None)
+
+    def _stops(self, session: Session, lo: int, upto: int) -> list[int]:
+        """`stops` of the session's prefill to `upto`, its last marks read once (engine or caller's thread)."""
+        with self._lock:
+            known = self._marks.get(session.id)
+            if known is None or known[0] is not session.tokens or known[1] != upto:
+                known = (session.tokens, upto, last_marks(session.tokens, upto, self.marks))
+                self._marks[session.id] = known
+                self._marks.move_to_end(session.id)
+                while len(self._marks) > MARKS_KEPT:
+                    self._marks.popitem(last=False)
+        return stops(session.tokens, lo, upto, self.ctx.block_tokens, self.marks, opened=known[2])
 
     def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
         """After a prefill chunk (caller's thread): take and store the point where the session's cache
@@ -98,7 +116,7 @@ class PointTaker:
         `direct`), or None when no point is taken."""
         position = session.processed
         if not self.enabled or session.cache is None or \
-                position not in stops(session.tokens, position, upto, self.ctx.block_tokens, self.marks)[:1]:
+                position not in self._stops(session, position, upto)[:1]:
             return None
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
