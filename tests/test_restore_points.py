@@ -67,6 +67,9 @@ def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(
     assert got["reused"] == deepest >= shared * 0.8 and got["prefilled"] == got["tokens"] - 1 - deepest
     assert engine.counters["tokens_from_points"] == deepest
     assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    for row in engine.store.rows("SELECT file FROM points"):  # a point read is kept in the RAM tier
+        (engine.store.root / row["file"]).unlink()
+    assert engine.append(Session("third"), messages=chat("Another one."))["reused"] == deepest
 
 
 def test_points_are_taken_at_the_last_boundary_at_the_last_messages_and_every_few_blocks():
@@ -139,6 +142,19 @@ def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
     assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
     assert_as_cold(engine, open_engine(arch, name="cold"), second)
     assert not engine.store.fsck().ok
+
+
+def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_engine):
+    engine = open_engine("lfm2")
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    keys = chain_keys(engine.bundle.hash, first.tokens, B)
+    deepest = engine.store.point_refs([keys[taken[-1] // B - 1]], engine.bundle.hash)
+    (engine.store.root / next(iter(deepest.values())).file).write_bytes(b"damaged")
+    again = Session("again")  # the same prompt: its deepest point is the damaged one
+    assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
+    assert_as_cold(engine, open_engine("lfm2", name="cold"), again)
 
 
 def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):

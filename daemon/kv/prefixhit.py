@@ -19,9 +19,13 @@ from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
+from kvwake.store.points import PointRef
 from kvwake.store.reuse import PrefixHit
 
-__all__ = ["point_prefix", "restore_prefix", "stored_prefix"]
+__all__ = ["POINT_KEY", "point_prefix", "restore_prefix", "stored_prefix"]
+
+POINT_KEY = "point:"  # a restore point's name in the RAM tier: this, then its chain key (a block's is the key)
+POINT_TRIES = 3  # points a hit tries, deepest first, when one does not verify
 
 
 def stored_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
@@ -78,23 +82,33 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
 
 
 def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
-    """A fresh cache restored through the deepest restore point on target's chain of stored blocks (all but
-    its last token): (cache, tokens it holds), or (None, 0) when there is none, or a block of its run or
-    the point itself does not verify (logged; the request prefills instead)."""
+    """A fresh cache restored through the deepest restore point that verifies on target's chain of stored
+    blocks (all but its last token): (cache, tokens it holds), or (None, 0) when there is none or a block
+    of the run does not verify (logged; the request prefills instead)."""
     run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
     points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
-    depth = next((k for k in range(len(run), 0, -1) if run[k - 1].key in points), 0)
-    if not depth:
-        return None, 0
-    blocks, tokens = run[:depth], depth * ctx.block_tokens
+    for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
+        try:
+            point = _point(ctx, points[run[depth - 1].key])
+        except CorruptBlockError as exc:  # a shallower one may serve
+            ctx.log_unusable(exc)
+            continue
+        return _restore_through(ctx, run[:depth], point, len(target), mlx)
+    return None, 0
+
+
+def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: int,
+                     mlx: Mlx) -> tuple[list | None, int]:
+    """A cache of `blocks` and the restore point that closes them, with room for `room` tokens; (None, 0)
+    when a block does not verify (the point closes the last one: a shorter run has none)."""
+    tokens = len(blocks) * ctx.block_tokens
     try:
-        point = ctx.store.read_point(points[blocks[-1].key])
         sample = block_specs(ctx, blocks[0])
     except CorruptBlockError as exc:
         ctx.log_unusable(exc)
         return None, 0
-    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, ctx.block_tokens, len(target), ctx.block_tokens,
-                                                  n_blocks=depth, mode=ctx.restore_mode))
+    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, ctx.block_tokens, room, ctx.block_tokens,
+                                                  n_blocks=len(blocks), mode=ctx.restore_mode))
     with releasing(buffers, mlx):
         batch = ctx.pool.batch()
         try:
@@ -102,11 +116,22 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | No
         finally:
             batch.join()
         batch.raise_first()
-        if usable < depth:  # the point closes the run's last block: a shorter run has none
+        if usable < len(blocks):
             return None, 0
         cache = _finish(ctx, buffers, tokens, point, mlx)
     ctx.counters.add("tokens_from_points", tokens)
     return cache, tokens
+
+
+def _point(ctx: KvContext, ref: PointRef) -> dict:
+    """A restore point's arrays: from the RAM tier, or read and verified, then kept there (the prompt it
+    closes is a shared one; a restore copies them, never changes them)."""
+    name = POINT_KEY + ref.key
+    arrays = ctx.ram_tier.get(name)
+    if arrays is None:
+        arrays = ctx.store.read_point(ref)
+        ctx.ram_tier.put(name, arrays)
+    return arrays
 
 
 def _finish(ctx: KvContext, buffers: restore_buffers.Buffers, tokens: int, rest: dict | None, mlx: Mlx) -> list:
