@@ -11,10 +11,13 @@ import random
 import mlx.core as mx
 import pytest
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import points
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
+from kvwake.errors import InvalidParamsError
+from kvwake.store import Store
 from kvwake.store.format.keys import chain_keys
 from testkit.tinymodel import ARCHS as ARCHS_CONFIG
 from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
@@ -184,3 +187,15 @@ def test_a_point_that_cannot_be_taken_leaves_the_prefill_whole(open_engine, monk
     got = engine.append(first, messages=chat("a"))
     assert got["prefilled"] == got["tokens"] - 1 and first.processed == got["tokens"] - 1
     assert engine.points.counters["point_failures"] >= 1 and engine.points.counters["points_written"] == 0
+
+
+def test_warm_is_refused_without_restore_points(folders, tmp_path):
+    store = Store(tmp_path / "off", block_tokens=B)
+    engine = Engine(store, tmp_path, folders("gemma3_text"), tuning=Tuning(restore_points=False))
+    try:
+        with pytest.raises(InvalidParamsError, match="takes no restore points"):
+            engine.warm(messages=chat("a")[:1])
+        assert engine.store.snapshots() == []
+    finally:
+        engine.close()
+        store.close()

@@ -366,9 +366,12 @@ class Engine(Appending):
     # -- shared prompts -------------------------------------------------------
 
     def check_warmable(self) -> None:
-        if not self.cuttable:
+        """A prompt can be warmed where its blocks serve a new session: the cache cuts by token, or restore
+        points are taken (kv/points.py: the warm's prefill takes one at the prompt's last block boundary)."""
+        if not (self.cuttable or self.points.enabled):
             raise InvalidParamsError(f"{self.model_name} keeps state that cannot be cut by token (sliding window or "
-                                     "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
+                                     "recurrent layers) and takes no restore points here: prefix blocks cannot be "
+                                     "reused; checkpoint and fork instead")
 
     def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None, mlx: Mlx = direct,
              scratch: Session | None = None, prompt: Plan | None = None,
