@@ -8,8 +8,8 @@ not verify shortens the hit, and those tokens are prefilled instead.
 A model whose cache does not cut by token is served through restore points
 (kv/points.py takes them): the longest run of the request's blocks whose last
 block has a point, the blocks restored and the point in place of a tail; a
-block of the run or the point that does not verify ends the hit (all of it
-is prefilled).
+point that does not verify gives way to a shallower one, a block of the run
+that does not ends the hit (all of it is prefilled).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ POINT_TRIES = 3  # points a hit tries, deepest first, when one does not verify
 
 
 def stored_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
-    """A fresh cache restored from the stored blocks (and partial piece) that start `target`.
+    """A fresh cache restored from the stored blocks (and partial piece) that start `target`; for a model
+    whose cache cannot be cut by token, from the blocks up to a restore point (`point_prefix`).
 
     At most len(target) - 1 tokens: the last one stays pending. Store and codec work on the
-    caller's thread and the pool, MLX work through `mlx`. Returns (cache or None, tokens it
-    holds); (None, 0) for a model whose cache cannot be cut by token.
+    caller's thread and the pool, MLX work through `mlx`. Returns (cache or None, tokens it holds).
     """
     if len(target) < 2:
         return None, 0
