@@ -182,7 +182,7 @@ def test_a_point_that_cannot_be_taken_leaves_the_prefill_whole(open_engine, monk
     def broken(*args):
         raise MemoryError("no room for the host copies")
 
-    monkeypatch.setattr(engine.points, "_capture", broken)
+    monkeypatch.setattr(engine.points, "_copy_blocks", broken)
     first = Session("first")
     got = engine.append(first, messages=chat("a"))
     assert got["prefilled"] == got["tokens"] - 1 and first.processed == got["tokens"] - 1

@@ -10,8 +10,9 @@ the taking:
   (model/scheduler/prefill.py asks), so the cache holds exactly that prefix;
 - `take`: after a chunk, on the caller's thread: when the cache stands at a
   wanted boundary, the blocks the store lacks (asked of the index there) and
-  the point are copied to the host in one engine-thread job (a point is what
-  a tail holds at a block boundary: cache_blocks.capture_tail), and written
+  the point are copied to the host, a span of blocks per engine-thread job
+  and the point in one (what a tail holds at a block boundary:
+  cache_blocks.capture_tail; the prefill waits meanwhile), and written
   on the driver thread (a prefix-only write of the blocks, unpinned, then the
   point; the writer is opened and committed there: the store's lock is held
   by one thread). With `direct` (an in-process engine) the write is done
@@ -44,6 +45,7 @@ log = logging.getLogger("kvwake.points")
 POINT_EVERY = 64  # a long prefill takes a point every this many blocks, besides those `stops` names
 SCAN = 4096  # tokens read at a time, from the end back, for the last message marker
 MARKS_KEPT = 1024  # sessions whose prefill's last marks are kept (one entry each)
+SPAN_BLOCKS = 16  # blocks copied to the host in one engine-thread job
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
@@ -126,7 +128,10 @@ class PointTaker:
                 return None
             usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
             needed = [i for i, key in enumerate(keys) if key not in usable]
-            blocks, point = mlx(lambda: self._capture(session, needed, position))
+            blocks: dict[int, dict] = {}
+            for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
+                blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
+            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens)))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
             self._failed(position, exc)
             return None
@@ -138,14 +143,10 @@ class PointTaker:
             return done
         return self._driver.submit(self._write, *work)
 
-    def _capture(self, session: Session, needed: list[int], position: int) -> tuple[dict, dict]:
-        """Engine thread: host copies of the needed blocks (the cache goes on growing) and of the point."""
-        b, cache = self.ctx.block_tokens, session.cache
-        blocks: dict[int, dict] = {}
-        for first, count in _runs(needed):
-            span = cache_blocks.defer_blocks(cache, first, count, b, own=True).host()
-            blocks.update({first + k: arrays for k, arrays in enumerate(span)})
-        return blocks, compact_rings(cache_blocks.capture_tail(cache, position, b))
+    def _copy_blocks(self, session: Session, first: int, count: int) -> dict[int, dict]:
+        """Engine thread: host copies of blocks first .. first+count-1 (copies: the cache goes on growing)."""
+        span = cache_blocks.defer_blocks(session.cache, first, count, self.ctx.block_tokens, own=True).host()
+        return {first + k: arrays for k, arrays in enumerate(span)}
 
     def _write(self, tokens: list[int], blocks: dict, key: str, point: dict) -> bool:
         """Driver thread: the blocks the store lacks (a prefix-only commit), then the point closing `key`;
@@ -211,11 +212,11 @@ def compact_rings(point: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    """Sorted block indices as (first, count) runs of consecutive ones."""
+def _runs(indices: list[int], most: int) -> list[tuple[int, int]]:
+    """Sorted block indices as (first, count) runs of consecutive ones, each of at most `most`."""
     runs: list[tuple[int, int]] = []
     for i in sorted(indices):
-        if runs and runs[-1][0] + runs[-1][1] == i:
+        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][1] < most:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))
