@@ -176,7 +176,8 @@ class Engine(Appending):
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
-        self.points = PointTaker(self.kv, probe, tuning.restore_points, self.template.message_marks())
+        marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
+        self.points = PointTaker(self.kv, probe, tuning.restore_points, marks)
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
