@@ -61,9 +61,11 @@ class Store(StoreCore):
     def read_point(self, ref: points.PointRef) -> dict[str, Any]:
         return points.read(self, ref)
 
-    def points_summary(self) -> dict[str, int]:
+    def points_summary(self) -> dict[str, Any]:
+        """How many restore points, their bytes on disk, and their share of the store's bytes."""
         with self.locked():
-            return points.summary(self)
+            summary, total = points.summary(self), maintenance.stored_bytes(self)
+        return {**summary, "point_share": round(summary["point_bytes"] / total, 4) if total else 0.0}
 
     # -- sessions -------------------------------------------------------------
 

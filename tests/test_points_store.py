@@ -49,7 +49,8 @@ def test_a_point_reads_back_exactly_and_is_stored_once(store):
         assert got[name].dtype == want.dtype and np.array_equal(got[name].array, want.array), name
     assert store.point_refs([key], "d2" * 32) == {}  # another bundle's points are not this one's
     summary = store.points_summary()
-    assert summary == {"points": 1, "point_bytes": ref.stored_bytes} and ref.stored_bytes > 0
+    assert summary["points"] == 1 and summary["point_bytes"] == ref.stored_bytes > 0
+    assert summary["point_share"] == round(ref.stored_bytes / store.stored_bytes(), 4) > 0
     assert store.stored_bytes() >= ref.stored_bytes
 
 
@@ -92,7 +93,7 @@ def test_gc_keeps_a_point_while_its_block_lives_and_drops_it_after(store):
     store.delete_session("s")
     report = store.gc(budget_bytes=0)  # the blocks are evicted, and their point with them
     assert report.blocks_evicted == 3 and report.points_dropped == 1
-    assert store.points_summary() == {"points": 0, "point_bytes": 0}
+    assert store.points_summary() == {"points": 0, "point_bytes": 0, "point_share": 0.0}
     assert list((store.root / "points").rglob("*.kvp")) == []
 
 
