@@ -187,7 +187,10 @@ def status(opts: Options, as_json: bool) -> None:
         ("memory", f"hot KV {human_bytes(mem.get('hot_kv_bytes'))} of {human_bytes(mem.get('hot_budget_bytes'))}, "
                    f"RAM tier {human_bytes(mem.get('ram_tier_bytes'))}, "
                    f"peak RSS {human_bytes(mem.get('peak_rss_bytes'))}"),
-        ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"),
+        ("store", f"{human_bytes(store.get('stored_bytes'))} in {store.get('path')}"
+                  + (f", {store['points']} restore points ({human_bytes(store.get('point_bytes'))}, "
+                     f"{100 * store.get('point_share', 0):.1f}%)"
+                     if store.get("points") else "")),
         ("persistence", _persistence(state.get("persistence") or {})),
         ("codec", _codec_line(store)),
         ("counters", counters or "-"),

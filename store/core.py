@@ -281,6 +281,12 @@ class StoreCore:
             raise CorruptBlockError(f"{where}: file belongs to bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
         return tensors
 
+    def read_verified(self, rel: str, digest: str, raw_bytes: int, where: str,
+                      facts: dict) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """A file's arrays and metadata, its payload verified against `digest` (a restore point's: points.py);
+        CorruptBlockError, with `where` and `facts`, for a missing, damaged or other file."""
+        return self._read_verified(rel, digest, raw_bytes, where, facts, None, None)
+
     def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
                        place: Place | None, stage: Stage | None) -> tuple[dict[str, Tensor], dict[str, str]]:
         try:

@@ -133,7 +133,8 @@ class StoreFiles:
         self.blocks = root / "blocks"
         self.tails = root / "tails"
         self.quarantine = root / "quarantine"
-        for d in (root, self.blocks, self.tails, self.quarantine):
+        self.points = root / "points"  # restore points (points.py)
+        for d in (root, self.blocks, self.tails, self.quarantine, self.points):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.lock_path = root / "store.lock"
         self.gate_path = root / "store.gate"
@@ -255,8 +256,8 @@ class StoreFiles:
                 os.close(gate)
 
     def walk(self) -> Iterator[Path]:
-        """Every file under blocks/ and tails/ (temp files included)."""
-        for top in (self.blocks, self.tails):
+        """Every file under blocks/, tails/ and points/ (temp files included)."""
+        for top in (self.blocks, self.tails, self.points):
             for dirpath, _, names in os.walk(top):
                 for name in names:
                     yield Path(dirpath) / name

@@ -125,6 +125,17 @@ def m005_heads(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX blocks_stored ON blocks(stored_bytes)")
 
 
+@migrations()
+def m006_points(db: sqlite_utils.Database) -> None:
+    # Restore points (store/points.py), one row each; the key is the chain key of the block a point closes,
+    # not a foreign key: the block may be evicted first, and gc then drops the point (points.drop_unneeded).
+    db.execute("""CREATE TABLE points (
+        key TEXT PRIMARY KEY, bundle TEXT NOT NULL REFERENCES bundles(hash), n_tokens INTEGER NOT NULL,
+        digest TEXT NOT NULL, codec TEXT NOT NULL, raw_bytes INTEGER NOT NULL, stored_bytes INTEGER NOT NULL,
+        file TEXT NOT NULL, created REAL NOT NULL, last_used REAL NOT NULL)""")
+    db.execute("CREATE INDEX points_stored ON points(stored_bytes)")
+
+
 @dataclass(frozen=True)
 class BlockRef:
     """One block's index row (token ids included, so a hit can be checked)."""

@@ -7,12 +7,16 @@ gc:
      used first, until the store fits `budget_bytes` (None: evict them all;
      with a budget they are the prefix cache);
   3. deletes orphan files: temp files and block or tail files the index does
-     not name (what a crash between file write and commit leaves behind).
+     not name (what a crash between file write and commit leaves behind);
+  4. drops the restore points whose block step 2 evicted (or that is gone
+     otherwise), and those of a conversation's older turns that no other
+     session reaches (points.py, `drop_unneeded`).
 Rows go first, in one transaction; files after. A crash in between leaves
 orphans for the next gc, never an index row without its file.
 
 fsck reads and verifies everything, moves bad files to quarantine/ and marks
-their rows, recounts references, and reports. It deletes nothing.
+their rows, recounts references, and reports. It deletes nothing but the rows
+of bad restore points (a prefill takes the point again).
 
 Beside serving (docs/decisions.md, Store: "gc and fsck beside serving"):
 neither holds the store lock for its run. A writer holds the lock shared from its first file to its commit, and counts on the
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwake.errors import KvwakeError, NotFoundError
+from kvwake.store import points
 from kvwake.store.core import StoreCore
 
 __all__ = ["FsckReport", "GcReport", "fsck", "gc"]
@@ -55,6 +60,7 @@ class GcReport:
     orphans_removed: int
     orphan_bytes_freed: int
     bytes_after: int
+    points_dropped: int = 0
 
 
 @dataclass
@@ -66,17 +72,20 @@ class FsckReport:
     refcounts_fixed: list[dict[str, Any]] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     sqlite: list[str] = field(default_factory=list)
+    points_checked: int = 0
+    bad_points: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.bad_blocks or self.damaged_snapshots or self.refcounts_fixed or self.sqlite)
+        return not (self.bad_blocks or self.damaged_snapshots or self.refcounts_fixed or self.sqlite or self.bad_points)
 
 
 def stored_bytes(store: StoreCore) -> int:
-    """Bytes of every indexed block and tail file."""
+    """Bytes of every indexed block, tail and restore point file."""
     row = store.index.one(
         "SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM blocks) + "
-        "(SELECT coalesce(sum(tail_stored), 0) FROM snapshots) AS n"
+        "(SELECT coalesce(sum(tail_stored), 0) FROM snapshots) + "
+        "(SELECT coalesce(sum(stored_bytes), 0) FROM points) AS n"
     )
     return int(row["n"]) if row else 0
 
@@ -106,13 +115,18 @@ def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
     return files, freed
 
 
+def _drop_points(store: StoreCore) -> list[str]:
+    with store.index.write() as db:
+        return points.drop_unneeded(db)
+
+
 def _orphans(store: StoreCore) -> list[Path]:
     """Files no index row names and no writer will (see the module docstring: walked unlocked, decided
     under the exclusive lock)."""
     walked = list(store.files.walk())
     with store.files.lock(exclusive=True), store.locked():
         named = {r["f"] for r in store.index.rows("SELECT file AS f FROM blocks UNION SELECT tail_file FROM snapshots "
-                                                  "WHERE tail_file IS NOT NULL")}
+                                                  "WHERE tail_file IS NOT NULL UNION SELECT file FROM points")}
         unnamed = [p for p in walked if store.files.relative(p) not in named]
     return [p for p in unnamed if p.exists()]  # not a temp file renamed since the walk (no one makes these paths)
 
@@ -124,7 +138,8 @@ def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int |
     with store.files.lock(exclusive=True), store.locked():  # a moment: no writer counts on what is evicted
         pruned = _prune_history(store, keep)
         evicted, freed = _evict(store, budget)
-    for rel in evicted:
+        dropped = _drop_points(store)
+    for rel in evicted + dropped:
         with contextlib.suppress(FileNotFoundError):
             store.files.absolute(rel).unlink()
     orphans = _orphans(store)
@@ -134,7 +149,7 @@ def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int |
             orphan_bytes += path.stat().st_size
             path.unlink()
     with store.locked():
-        return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store))
+        return GcReport(pruned, len(evicted), freed, len(orphans), orphan_bytes, stored_bytes(store), len(dropped))
 
 
 def _quarantine(store: StoreCore, rel: str) -> None:
@@ -220,5 +235,6 @@ def fsck(store: StoreCore, *, progress: Progress = None) -> FsckReport:
     _check_blocks(store, report, progress)
     _check_refcounts(store, report)
     _check_snapshots(store, report)
+    report.points_checked, report.bad_points = points.check(store)
     report.orphans = [store.files.relative(p) for p in _orphans(store)]
     return report

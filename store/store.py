@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvwake.errors import CorruptBlockError, InvalidParamsError, NotFoundError
-from kvwake.store import archive, heads, maintenance, reuse
+from kvwake.store import archive, heads, maintenance, points, reuse
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.responses import StoredResponses
@@ -49,6 +49,23 @@ class Store(StoreCore):
     def stored_bytes(self) -> int:
         with self.locked():
             return maintenance.stored_bytes(self)
+
+    # -- restore points (see points.py) ---------------------------------------
+
+    def point_refs(self, keys: Sequence[str], bundle: str) -> dict[str, points.PointRef]:
+        return points.by_key(self, keys, bundle)
+
+    def write_point(self, bundle: str, key: str, n_tokens: int, arrays: Mapping[str, Any]) -> bool:
+        return points.write(self, bundle, key, n_tokens, arrays)
+
+    def read_point(self, ref: points.PointRef) -> dict[str, Any]:
+        return points.read(self, ref)
+
+    def points_summary(self) -> dict[str, Any]:
+        """How many restore points, their bytes on disk, and their share of the store's bytes."""
+        with self.locked():
+            summary, total = points.summary(self), maintenance.stored_bytes(self)
+        return {**summary, "point_share": round(summary["point_bytes"] / total, 4) if total else 0.0}
 
     # -- sessions -------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
@@ -306,16 +307,18 @@ def test_quantized_kv_partial_hit_matches_cold(tmp_path):
             e.store.close()
 
 
-def test_a_model_whose_cache_does_not_cut_reuses_nothing(tmp_path):
+def test_a_model_whose_cache_does_not_cut_reuses_only_through_restore_points(tmp_path):
     folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text")
-    e = Engine(Store(tmp_path / "store", block_tokens=B), tmp_path, folder)
-    try:
-        assert not e.cuttable
-        first = Session("first")
-        e.append(first, tokens=SHARED + [30, 31, 32, 33, 34])
-        e.sleep(first)
-        got = e.append(Session("second"), tokens=SHARED + [5, 6, 7])
-        assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
-    finally:
-        e.close()
-        e.store.close()
+    for points, want in ((False, 0), (True, 32)):  # 32: the boundary the first prefill (to 44) took a point at
+        e = Engine(Store(tmp_path / f"store-{points}", block_tokens=B), tmp_path, folder,
+                   tuning=Tuning(restore_points=points))
+        try:
+            assert not e.cuttable
+            first = Session("first")
+            e.append(first, tokens=SHARED + [30, 31, 32, 33, 34])
+            e.sleep(first)
+            got = e.append(Session("second"), tokens=SHARED + [5, 6, 7])
+            assert got["reused"] == want and got["prefilled"] == got["tokens"] - 1 - want
+        finally:
+            e.close()
+            e.store.close()

@@ -254,7 +254,7 @@ def test_reopening_keeps_everything_and_migrations_run_once(store, tmp_path):
     again = Store(tmp_path / "store", block_tokens=4)
     assert_snapshot_exact(again, info.id)
     names = [r["name"] for r in again.rows("SELECT name FROM _sqlite_migrations")]
-    assert names == ["m001_initial", "m002_store_meta", "m003_children", "m004_responses", "m005_heads"]
+    assert names == ["m001_initial", "m002_store_meta", "m003_children", "m004_responses", "m005_heads", "m006_points"]
     again.close()
     with pytest.raises(sqlite3.IntegrityError):  # foreign keys are enforced
         conn = sqlite3.connect(tmp_path / "store" / "index.sqlite")

@@ -74,7 +74,7 @@ class KvContext:
     restore_mode: str | None = None  # "direct" | "staged" (kv/restore_buffers.py); None: by the backend
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "blocks_shared",
                                                                 "tokens_reused", "tokens_prefilled", "prefill_packs",
-                                                                "prefill_packed_chunks"))
+                                                                "prefill_packed_chunks", "tokens_from_points"))
 
     @property
     def block_tokens(self) -> int:

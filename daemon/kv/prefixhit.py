@@ -4,6 +4,12 @@ The store finds the hit (store/reuse.py); this fills a fresh cache from it, the
 MLX work through `mlx` (context.py says how), the reading and decoding on the
 pool. Nothing here fails an append: a block or tail that cannot be read or does
 not verify shortens the hit, and those tokens are prefilled instead.
+
+A model whose cache does not cut by token is served through restore points
+(kv/points.py takes them): the longest run of the request's blocks whose last
+block has a point, the blocks restored and the point in place of a tail; a
+point that does not verify gives way to a shallower one, a block of the run
+that does not ends the hit (all of it is prefilled).
 """
 
 from __future__ import annotations
@@ -13,20 +19,26 @@ from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
+from kvwake.store.points import PointRef
 from kvwake.store.reuse import PrefixHit
 
-__all__ = ["restore_prefix", "stored_prefix"]
+__all__ = ["POINT_KEY", "point_prefix", "restore_prefix", "stored_prefix"]
+
+POINT_KEY = "point:"  # a restore point's name in the RAM tier: this, then its chain key (a block's is the key)
+POINT_TRIES = 3  # points a hit tries, deepest first, when one does not verify
 
 
 def stored_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
-    """A fresh cache restored from the stored blocks (and partial piece) that start `target`.
+    """A fresh cache restored from the stored blocks (and partial piece) that start `target`; for a model
+    whose cache cannot be cut by token, from the blocks up to a restore point (`point_prefix`).
 
     At most len(target) - 1 tokens: the last one stays pending. Store and codec work on the
-    caller's thread and the pool, MLX work through `mlx`. Returns (cache or None, tokens it
-    holds); (None, 0) for a model whose cache cannot be cut by token.
+    caller's thread and the pool, MLX work through `mlx`. Returns (cache or None, tokens it holds).
     """
-    if not ctx.cuttable or len(target) < 2:
+    if len(target) < 2:
         return None, 0
+    if not ctx.cuttable:
+        return point_prefix(ctx, target, mlx)
     hit = ctx.store.prefix_hit(ctx.bundle.hash, target[: len(target) - 1], min_partial=ctx.min_partial)
     return restore_prefix(ctx, hit, target, mlx)
 
@@ -65,12 +77,70 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
             tokens = start + hit.partial.tokens
         if not tokens:
             return None, 0
-        while not mlx(lambda: buffers.upload(tokens, restore_buffers.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
-            pass
-        cache = mlx(lambda: buffers.finish(tokens, None))
-    if ctx.kv_bits is not None:
-        cache = mlx(lambda: ctx.quantize(cache))
+        cache = _finish(ctx, buffers, tokens, None, mlx)
     return cache, tokens
+
+
+def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
+    """A fresh cache restored through the deepest restore point that verifies on target's chain of stored
+    blocks (all but its last token): (cache, tokens it holds), or (None, 0) when there is none or a block
+    of the run does not verify (logged; the request prefills instead)."""
+    run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
+    points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
+    for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
+        try:
+            point = _point(ctx, points[run[depth - 1].key])
+        except CorruptBlockError as exc:  # a shallower one may serve
+            ctx.log_unusable(exc)
+            continue
+        return _restore_through(ctx, run[:depth], point, len(target), mlx)
+    return None, 0
+
+
+def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: int,
+                     mlx: Mlx) -> tuple[list | None, int]:
+    """A cache of `blocks` and the restore point that closes them, with room for `room` tokens; (None, 0)
+    when a block does not verify (the point closes the last one: a shorter run has none)."""
+    tokens = len(blocks) * ctx.block_tokens
+    try:
+        sample = block_specs(ctx, blocks[0])
+    except CorruptBlockError as exc:
+        ctx.log_unusable(exc)
+        return None, 0
+    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, ctx.block_tokens, room, ctx.block_tokens,
+                                                  n_blocks=len(blocks), mode=ctx.restore_mode))
+    with releasing(buffers, mlx):
+        batch = ctx.pool.batch()
+        try:
+            usable = fill_spans(ctx, buffers, list(blocks), mlx, batch, shorten=True)
+        finally:
+            batch.join()
+        batch.raise_first()
+        if usable < len(blocks):
+            return None, 0
+        cache = _finish(ctx, buffers, tokens, point, mlx)
+    ctx.counters.add("tokens_from_points", tokens)
+    return cache, tokens
+
+
+def _point(ctx: KvContext, ref: PointRef) -> dict:
+    """A restore point's arrays: from the RAM tier, or read and verified, then kept there (the prompt it
+    closes is a shared one; a restore copies them, never changes them)."""
+    name = POINT_KEY + ref.key
+    arrays = ctx.ram_tier.get(name)
+    if arrays is None:
+        arrays = ctx.store.read_point(ref)
+        ctx.ram_tier.put(name, arrays)
+    return arrays
+
+
+def _finish(ctx: KvContext, buffers: restore_buffers.Buffers, tokens: int, rest: dict | None, mlx: Mlx) -> list:
+    """The restored blocks uploaded (a slice per job: a decoding neighbour waits one) and made the cache, with
+    `rest` (a restore point's state) in the layers that do not cut; quantized when the KV is."""
+    while not mlx(lambda: buffers.upload(tokens, restore_buffers.UPLOAD_JOB_S)):
+        pass
+    cache = mlx(lambda: buffers.finish(tokens, rest))
+    return mlx(lambda: ctx.quantize(cache)) if ctx.kv_bits is not None else cache
 
 
 def _fill_all(ctx: KvContext, buffers: restore_buffers.Buffers, blocks: list[BlockRef], piece: BlockRef | SnapshotRecord | None,

@@ -3,7 +3,9 @@
 Popular prefixes (a system prompt every agent starts with) are served from here
 without touching the disk or the decompressor. Entries are the verified,
 decoded arrays the store returned, keyed by chain key (which names the whole
-prefix and the bundle, so an entry can never serve another model). Bounded by
+prefix and the bundle, so an entry can never serve another model); restore
+points too, under "point:" and the chain key of the block they close
+(kv/prefixhit.py). Bounded by
 bytes; a block larger than the whole budget is simply not kept. Thread-safe.
 
 Reads of one block are single-flight. Each restore first says which blocks it

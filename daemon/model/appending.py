@@ -74,8 +74,9 @@ class Appending:
 
     def wants_prefix(self, session: Session, target: list[int]) -> bool:
         """Whether appending `target` starts the session on a fresh cache that a stored or shared prefix
-        could fill: the model's caches can be cut by token, and the session's own cache cannot be kept."""
-        return self.cuttable and len(target) >= 2 and self.needs_fresh_cache(session, target)
+        could fill: the model's caches can be cut by token (or it takes restore points: kv/points.py), and
+        the session's own cache cannot be kept."""
+        return (self.cuttable or self.points.enabled) and len(target) >= 2 and self.needs_fresh_cache(session, target)
 
     def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
         """A cache restored from the longest run of stored blocks that starts `target` (kv/prefixhit.py):
@@ -180,6 +181,7 @@ class Appending:
                     if not chunk.done:  # a slice's job did not run to its end: nothing may wait on the rest
                         mlx(chunk.abandon)
                 chunk = None
+                self.points.take(session, upto, mlx)  # at a wanted block boundary (the planner stopped there)
                 self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)

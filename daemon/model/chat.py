@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvwake.daemon.model.piece_tokens import Pieces
+from kvwake.daemon.model.piece_tokens import Pieces, special_ids
 from kvwake.daemon.session_state import tool_arguments
 from kvwake.errors import InvalidParamsError
 
@@ -32,6 +32,21 @@ class ChatTemplate:
         except Exception:  # jinja raises TemplateError (or anything) for templates without a system role
             return False
         return "S" in text
+
+    def message_marks(self) -> frozenset[int]:
+        """The special token that opens a message's content in this template (`<|im_start|>`,
+        `<start_of_turn>`, `<|end_header_id|>`): the last special token before the content of a one-message
+        rendering. Empty when the template or tokenizer does not show one (restore points then go by block
+        boundaries alone: kv/points.py)."""
+        specials = special_ids(self.tokenizer)
+        try:
+            ids = self.render([{"role": "user", "content": "kvwake probe"}])
+            content = self.pieces.encode("kvwake probe")
+        except Exception:  # noqa: BLE001 (a template that refuses the probe: no marks, as documented)
+            return frozenset()
+        at = next((i for i in range(len(ids) - len(content) + 1) if ids[i : i + len(content)] == content), None)
+        before = [t for t in ids[:at] if t in specials] if at is not None else []
+        return frozenset(before[-1:])
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the conversation plus the generation prompt."""

@@ -41,6 +41,7 @@ from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.paging import Pages
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
+from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode
 from kvwake.daemon.model.appending import Appending, ShouldStop
@@ -181,6 +182,10 @@ class Engine(Appending):
         self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
         self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
+        # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
+        marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
+        self.points = PointTaker(self.kv, probe, tuning.restore_points, marks)
+        self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
@@ -227,6 +232,7 @@ class Engine(Appending):
 
     def close(self) -> None:
         self.persister.close()
+        self.points.close()
         self.pool.close()
         devplanes.drop_idle()
 
@@ -368,9 +374,12 @@ class Engine(Appending):
     # -- shared prompts -------------------------------------------------------
 
     def check_warmable(self) -> None:
-        if not self.cuttable:
+        """A prompt can be warmed where its blocks serve a new session: the cache cuts by token, or restore
+        points are taken (kv/points.py: the warm's prefill takes one at the prompt's last block boundary)."""
+        if not (self.cuttable or self.points.enabled):
             raise InvalidParamsError(f"{self.model_name} keeps state that cannot be cut by token (sliding window or "
-                                     "recurrent layers): prefix blocks cannot be reused; checkpoint and fork instead")
+                                     "recurrent layers) and takes no restore points here: prefix blocks cannot be "
+                                     "reused; checkpoint and fork instead")
 
     def warm(self, *, messages: Any = None, text: Any = None, tokens: Any = None, mlx: Mlx = direct,
              scratch: Session | None = None, prompt: Plan | None = None,

@@ -39,7 +39,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
-__all__ = ["Pieces"]
+__all__ = ["Pieces", "special_ids"]
 
 log = logging.getLogger("kvwake.pieces")
 
@@ -140,6 +140,15 @@ class Pieces:
 def cost(part: str, ids: array) -> int:
     """Bytes one kept piece takes: its text, its ids and about what the dict entry and array add."""
     return sys.getsizeof(part) + ids.itemsize * len(ids) + 160
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special added tokens (a chat template's markers); empty when its backend
+    cannot say."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        return frozenset()
+    return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
 
 def _backend(tokenizer: Any) -> Any:

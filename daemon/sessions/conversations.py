@@ -122,6 +122,9 @@ class Conversations:
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
+        if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
+            yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), None
+            return
         held = target[: len(target) - 1]  # all but the pending last token
         waiting = self.shared.wait_for(held)
         if waiting is not None:

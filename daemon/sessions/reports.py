@@ -51,8 +51,10 @@ async def status(m: SessionManager) -> dict[str, Any]:
                        "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
             "store": {"stored_bytes": await to_thread.run_sync(store.stored_bytes),
                       "path": str(store.root), "codec": store.codec, "codec_choice": store.codec_choice,
-                      "auto_among": list(store.auto_among) if store.auto_among else None},
+                      "auto_among": list(store.auto_among) if store.auto_among else None,
+                      **await to_thread.run_sync(store.points_summary)},  # restore points: how many, bytes
             "persistence": engine.persister.status(),
+            "restore_points": engine.points.status(),
             **({"pages": engine.pages.status()} if engine.pages is not None else {}),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,

@@ -86,6 +86,9 @@ class PrefillPlanner:
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s = slice_of_step, gather_s
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
+        # (session, upto) -> where a chunk must end before upto, or None: a restore point's block boundary
+        # (kv/points.py; set by the engine for a model that takes them)
+        self.stop_at: Callable[[Session, int], int | None] | None = None
         self.slicer = slices.Slicer()
         self.paths: attention.PathCosts | None = None
         # Runs a job on the engine thread when nothing else waits: the next turns' shared shapes built ahead.
@@ -169,11 +172,13 @@ class PrefillPlanner:
 
     def end_of(self, session: Session, upto: int) -> int:
         """Where the session's next prefill chunk ends: `chunk_end`, or `upto` for a turn's input that runs at
-        one query bucket (no boundary to keep: its graph is the bucket's)."""
+        one query bucket (no boundary to keep: its graph is the bucket's); before either, a restore point's
+        boundary (`stop_at`)."""
         end = self.chunk_end(session.processed, upto)
         if end < upto and self._bucketed(session.cache, upto - session.processed):
             end = upto
-        return end
+        stop = self.stop_at(session, upto) if self.stop_at is not None else None
+        return end if stop is None else min(end, stop)
 
     def chunk(self, session: Session, upto: int) -> slices.Chunk:
         """Queue the next chunk's forward pass and compute all of it, or, while other calls decode, nothing

@@ -1,0 +1,223 @@
+"""Restore points: taken while a prefill passes a block boundary, stored with the blocks that lead to them.
+
+A model with sliding-window or recurrent layers cannot cut its cache by token,
+so a stored prefix needs, besides its blocks, the state of those layers at the
+prefix's end: a restore point (store/points.py stores it; docs/decisions.md,
+"Restore points (issue 52)", says where they are taken and why). This module is
+the taking:
+
+- `next_stop`: the planner ends a prefill chunk at the next wanted boundary
+  (model/scheduler/prefill.py asks), so the cache holds exactly that prefix;
+- `take`: after a chunk, on the caller's thread: when the cache stands at a
+  wanted boundary, the blocks the store lacks (asked of the index there) and
+  the point are copied to the host, a span of blocks per engine-thread job
+  and the point in one (what a tail holds at a block boundary:
+  cache_blocks.capture_tail; the prefill waits meanwhile), and written
+  on the driver thread (a prefix-only write of the blocks, unpinned, then the
+  point; the writer is opened and committed there: the store's lock is held
+  by one thread). With `direct` (an in-process engine) the write is done
+  before `take` returns.
+
+Nothing here fails an append: a point that cannot be written is logged and
+counted, and the prefill goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv.context import KvContext, Mlx, direct
+from kvwake.daemon.session_state import Session
+from kvwake.store import chain_keys
+from kvwake.store.format.codec import Tensor
+
+__all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "last_marks", "stops"]
+
+log = logging.getLogger("kvwake.points")
+
+POINT_EVERY = 64  # a long prefill takes a point every this many blocks, besides those `stops` names
+SCAN = 4096  # tokens read at a time, from the end back, for the last message marker
+MARKS_KEPT = 1024  # sessions whose prefill's last marks are kept (one entry each)
+SPAN_BLOCKS = 16  # blocks copied to the host in one engine-thread job
+
+
+def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
+          every: int = POINT_EVERY, opened: Sequence[int] | None = None) -> list[int]:
+    """The block boundaries in [lo, upto] where a prefill of `tokens` to `upto` takes a point: its last one;
+    the ones at or before the last two tokens of `marks` (the chat template's message opener: the last
+    message's and the generation prompt's; for a first request, the one after the system prompt, so the
+    next conversation that shares all but the last message finds a point there); and each multiple of
+    `every` blocks. At most three, and one per `every` blocks: a real model's point weighs as many blocks
+    (docs/decisions.md, "Restore points (issue 52)"). `opened`: `last_marks(tokens, upto, marks)`, when the
+    caller has it (the same for every chunk of a prefill)."""
+    b = block_tokens
+    wanted = {upto // b * b, *range(-(-lo // (every * b)) * every * b, upto + 1, every * b)}
+    found = last_marks(tokens, upto, marks) if opened is None else opened
+    wanted.update(mark // b * b for mark in found)
+    return sorted(int(w) for w in wanted if 0 < w and lo <= w <= upto)
+
+
+def last_marks(tokens: Sequence[int], upto: int, marks: frozenset[int], count: int = 2) -> list[int]:
+    """The positions of the last `count` tokens of `marks` in tokens[:upto + 1], read back from the end SCAN
+    at a time (a prompt's last message is near its end)."""
+    wanted, found, end = np.asarray(sorted(marks)), [], upto + 1
+    while marks and end > 0 and len(found) < count:
+        start = max(0, end - SCAN)
+        at = np.flatnonzero(np.isin(np.asarray(tokens[start:end]), wanted))
+        found += [start + int(i) for i in at[::-1][: count - len(found)]]
+        end = start
+    return found
+
+
+class PointTaker:
+    """The points of one loaded model: where its prefills stop, the copies, the driver that writes them.
+
+    Enabled for a model whose cache does not cut by token but has plain-attention layers (their blocks
+    lead to a point); a model of recurrent layers alone has no blocks to key a point by.
+    """
+
+    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset()) -> None:
+        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`)."""
+        self.ctx, self.marks = ctx, marks
+        self.enabled = enabled and not ctx.cuttable and any(
+            cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
+        self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
+        self._lock = threading.Lock()
+        # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
+        self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
+        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0}
+
+    def next_stop(self, session: Session, upto: int) -> int | None:
+        """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
+        there), or None."""
+        later = self._stops(session, session.processed + 1, upto)
+        return next((w for w in later if w < upto), None)
+
+    def _stops(self, session: Session, lo: int, upto: int) -> list[int]:
+        """`stops` of the session's prefill to `upto`, its last marks read once (engine or caller's thread)."""
+        with self._lock:
+            known = self._marks.get(session.id)
+            if known is None or known[0] is not session.tokens or known[1] != upto:
+                known = (session.tokens, upto, last_marks(session.tokens, upto, self.marks))
+                self._marks[session.id] = known
+                self._marks.move_to_end(session.id)
+                while len(self._marks) > MARKS_KEPT:
+                    self._marks.popitem(last=False)
+        return stops(session.tokens, lo, upto, self.ctx.block_tokens, self.marks, opened=known[2])
+
+    def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
+        """After a prefill chunk (caller's thread): take and store the point where the session's cache
+        stands, when a prefill to `upto` wants one there. Returns the write's Future (done already with
+        `direct`), or None when no point is taken."""
+        position = session.processed
+        if not self.enabled or session.cache is None or \
+                position not in self._stops(session, position, upto)[:1]:
+            return None
+        store, bundle = self.ctx.store, self.ctx.bundle.hash
+        tokens = session.tokens[:position]
+        keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
+        try:
+            if store.point_refs(keys[-1:], bundle):
+                return None
+            usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
+            needed = [i for i, key in enumerate(keys) if key not in usable]
+            blocks: dict[int, dict] = {}
+            for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
+                blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
+            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens)))
+        except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
+            self._failed(position, exc)
+            return None
+        self._count("points_taken")
+        work = (tokens, blocks, keys[-1], point)
+        if mlx is direct or self._driver is None:
+            done: Future = Future()
+            done.set_result(self._write(*work))
+            return done
+        return self._driver.submit(self._write, *work)
+
+    def _copy_blocks(self, session: Session, first: int, count: int) -> dict[int, dict]:
+        """Engine thread: host copies of blocks first .. first+count-1 (copies: the cache goes on growing)."""
+        span = cache_blocks.defer_blocks(session.cache, first, count, self.ctx.block_tokens, own=True).host()
+        return {first + k: arrays for k, arrays in enumerate(span)}
+
+    def _write(self, tokens: list[int], blocks: dict, key: str, point: dict) -> bool:
+        """Driver thread: the blocks the store lacks (a prefix-only commit), then the point closing `key`;
+        False when it failed (logged: the prefill it came from goes on)."""
+        store, bundle = self.ctx.store, self.ctx.bundle.hash
+        try:
+            with store.writer(None, bundle, tokens) as writer:
+                gone = [i for i in writer.needed if i not in blocks]
+                if gone:  # evicted by gc since the copies were made: the point would close nothing stored
+                    raise LookupError(f"blocks {gone[:4]} of the {len(tokens)} tokens left the store")
+                for i in writer.needed:
+                    writer.add_block(i, blocks[i])
+                info = writer.commit()
+            written = store.write_point(bundle, key, len(tokens), point)
+        except Exception as exc:  # a point is an optimisation, not the prefill's result
+            self._failed(len(tokens), exc)
+            return False
+        self._count("point_blocks_written", info.new_blocks)
+        self._count("points_written", int(written))
+        return written
+
+    def _failed(self, position: int, exc: Exception) -> None:
+        self._count("point_failures")
+        log.warning("restore point not stored", extra={"tokens": position, "error": repr(exc)})
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def flush(self) -> None:
+        """Wait for the points handed to the driver so far."""
+        if self._driver is not None:
+            self._driver.submit(lambda: None).result()
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters}
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.shutdown(wait=True)
+
+
+def compact_rings(point: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The point with each ring buffer cut to the rows its next update reads: after a prefill chunk of S
+    tokens mlx-lm's RotatingKVCache holds up to max_size - 1 + S rows in token order (`_idx` = rows); its
+    next update (a chunk, or a decode step) keeps only the `keep` first and the last rows up to max_size,
+    and its masks read no more. So the ring is stored as that update would cut it (`_idx` = max_size, the
+    state `_trim` leaves), a few windows' bytes instead of a chunk's; the state a restore makes of it then
+    updates to the same arrays as the ring it was cut from."""
+    out = dict(point)
+    for name in [n for n in point if n.endswith(".ring")]:
+        unit = name[: -len(".ring")]
+        offset, idx, keep, max_size = (int(x) for x in point[name].array)
+        keys, values = point.get(f"{unit}.keys"), point.get(f"{unit}.values")
+        rows = keys.array.shape[2] if keys is not None else 0
+        if rows <= max_size or idx != rows:
+            continue  # not grown past its size by a chunk (or rotated in place by single tokens): as held
+        for part, t in ((f"{unit}.keys", keys), (f"{unit}.values", values)):
+            cut = np.concatenate([t.array[:, :, :keep], t.array[:, :, rows - (max_size - keep):]], axis=2)
+            out[part] = Tensor(t.dtype, cut)
+        out[name] = Tensor.of(np.array([offset, max_size, keep, max_size], dtype=np.int64))
+    return out
+
+
+def _runs(indices: list[int], most: int) -> list[tuple[int, int]]:
+    """Sorted block indices as (first, count) runs of consecutive ones, each of at most `most`."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][1] < most:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -1,0 +1,201 @@
+"""Restore points on tiny models whose cache does not cut by token: sliding window (gemma3_text), recurrent
+(lfm2), and mixed (qwen3_next: gated delta and attention; falcon_h1: both in every layer). A prefix hit
+through a point continues bit-identically to a cold prefill of the same tokens; a resent history that parts
+from the stored tokens falls back to the last point before the parting; a damaged point is refused and
+the tokens prefilled."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from kvwake.daemon.config import Tuning
+from kvwake.daemon.kv import points
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.session_state import Session, common_prefix
+from kvwake.errors import InvalidParamsError
+from kvwake.store import Store
+from kvwake.store.format.keys import chain_keys
+from testkit.tinymodel import ARCHS as ARCHS_CONFIG
+from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
+
+B = 16
+ARCHS = ["gemma3_text", "lfm2", "qwen3_next", "falcon_h1"]
+SYSTEM = "You are a careful agent. Follow the tool manual and answer briefly. " * 2  # 136 bytes
+GREEDY = GenerateParams(max_tokens=8)
+ARCH_WINDOW = ARCHS_CONFIG["gemma3_text"]["sliding_window"]
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+
+
+def logits_after(engine: Engine, session: Session) -> mx.array:
+    return engine.model(mx.array(session.pending, dtype=mx.uint32)[None], cache=session.cache)[0, -1]
+
+
+def assert_as_cold(engine: Engine, cold: Engine, session: Session) -> None:
+    """The session continues as a cold prefill of its tokens does: the same greedy reply, and a copy of it
+    (the same tokens, through the same restore) the same next logits, bit for bit."""
+    twin, copy, copy_twin = Session("cold-" + session.id), Session("copy"), Session("cold-copy")
+    assert cold.append(twin, tokens=list(session.tokens))["reused"] == 0
+    assert engine.generate(session, GREEDY).tokens == cold.generate(twin, GREEDY).tokens
+    assert engine.append(copy, tokens=list(twin.tokens))["reused"] > 0
+    cold.append(copy_twin, tokens=list(twin.tokens))
+    assert mx.array_equal(logits_after(engine, copy), logits_after(cold, copy_twin)).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(open_engine, arch):
+    engine = open_engine(arch)
+    assert not engine.cuttable and engine.points.enabled
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    assert engine.points.counters["points_written"] == len(taken) >= 2  # the system prompt's end, the last
+    assert engine.store.points_summary()["points"] == len(taken)
+    if arch == "gemma3_text":  # rings grown past the window by a chunk are stored as their next update cuts
+        assert taken[0] > ARCH_WINDOW  # them (compact_rings), and restored exactly below
+        for row in engine.store.rows("SELECT key FROM points"):
+            point = engine.store.read_point(engine.store.point_refs([row["key"]], engine.bundle.hash)[row["key"]])
+            assert point["layers.0.keys"].array.shape[2] == ARCH_WINDOW
+    second = Session("second")
+    plan = engine.plan(second, messages=chat("Pick one tool and say why."))
+    shared = common_prefix(first.tokens, plan.target)
+    got = engine.append(second, messages=chat("Pick one tool and say why."))
+    deepest = max(w for w in taken if w <= shared)
+    assert got["reused"] == deepest >= shared * 0.8 and got["prefilled"] == got["tokens"] - 1 - deepest
+    assert engine.counters["tokens_from_points"] == deepest
+    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    for row in engine.store.rows("SELECT file FROM points"):  # a point read is kept in the RAM tier
+        (engine.store.root / row["file"]).unlink()
+    assert engine.append(Session("third"), messages=chat("Another one."))["reused"] == deepest
+
+
+def test_points_are_taken_at_the_last_boundary_at_the_last_messages_and_every_few_blocks():
+    tokens = [7] * 200
+    assert points.stops(tokens, 0, 150, B, every=4) == [64, 128, 144]
+    tokens[40] = tokens[99] = tokens[130] = 1  # a message opens at each
+    # 99 and 130: the last two openers (the last message's, the generation prompt's)
+    assert points.stops(tokens, 0, 150, B, frozenset({1}), every=4) == [64, 96, 128, 144]
+    assert points.stops(tokens, 0, 150, B, frozenset({1})) == [96, 128, 144]
+    assert points.stops(tokens, 97, 150, B, frozenset({1})) == [128, 144]  # 96 is behind a prefill from 97
+    assert points.stops(tokens, 0, 15, B) == []  # no block boundary yet
+    # a long prompt whose messages open within its first 20 tokens: one point per 64 blocks besides
+    many = points.stops([1] * 20, 0, 10_000 * B, B, frozenset({1}))
+    assert many == [16, *(64 * B * k for k in range(1, 157)), 10_000 * B]
+
+
+def test_the_message_opener_is_read_from_the_template(open_engine):
+    engine = open_engine("gemma3_text")  # the test kit's ChatML
+    assert engine.points.marks == {engine.tokenizer.convert_tokens_to_ids("<|im_start|>")}
+
+
+def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
+    taker = open_engine("gemma3_text").points
+    rng = random.Random(5)
+    tokens = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) for _ in range(3000)]
+    marks = frozenset({1})
+    taker.marks = marks
+    for processed in (0, 1, 15, 16, 17, 100, 255, 256, 1000, 2047, 2048):
+        for upto in (processed + 1, processed + 17, processed + 300, 2999):
+            later = [w for w in points.stops(tokens, processed + 1, upto, B, marks) if w < upto]
+            assert taker.next_stop(Session("s", tokens=tokens, processed=processed), upto) == \
+                (later[0] if later else None), (processed, upto)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open_engine, arch):
+    engine = open_engine(arch)
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    engine.generate(s, GREEDY)
+    engine.append(s, messages=[{"role": "user", "content": "Now a fourth one, " + "please " * 6}])
+    stored = list(s.tokens)
+    engine.sleep(s)
+    s, _ = engine.wake("named")
+    # the client resends the history with the first reply written otherwise: the tokens part there
+    messages = [*chat("List three tools."), {"role": "assistant", "content": "Hammer, saw, drill."},
+                {"role": "user", "content": "Now a fourth one, " + "please " * 6}, {"role": "user", "content": "ok"}]
+    plan = engine.plan(s, messages=messages, whole=True)
+    parting = next(i for i, (a, b) in enumerate(zip(stored, plan.target)) if a != b)
+    got = engine.append(s, messages=messages, whole=True)
+    keys = chain_keys(engine.bundle.hash, plan.target[:parting], B)
+    stored = engine.store.point_refs(keys, engine.bundle.hash)
+    last_point = max((i + 1) * B for i, key in enumerate(keys) if key in stored)
+    assert parting - last_point < 2 * B and got["reused"] == last_point
+    assert got["prefilled"] == got["tokens"] - 1 - last_point
+    assert_as_cold(engine, open_engine(arch, name="cold"), s)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
+    engine = open_engine(arch)
+    engine.append(Session("first"), messages=chat("a"))
+    for row in engine.store.rows("SELECT file FROM points"):
+        path = engine.store.root / row["file"]
+        data = bytearray(path.read_bytes())
+        data[-2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    second = Session("second")
+    got = engine.append(second, messages=chat("Pick one tool and say why."))
+    assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
+    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    assert not engine.store.fsck().ok
+
+
+def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_engine):
+    engine = open_engine("lfm2")
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    keys = chain_keys(engine.bundle.hash, first.tokens, B)
+    deepest = engine.store.point_refs([keys[taken[-1] // B - 1]], engine.bundle.hash)
+    (engine.store.root / next(iter(deepest.values())).file).write_bytes(b"damaged")
+    again = Session("again")  # the same prompt: its deepest point is the damaged one
+    assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
+    assert_as_cold(engine, open_engine("lfm2", name="cold"), again)
+
+
+def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):
+    # A writer opened on the caller's thread and committed on the driver's left this thread counted as a
+    # holder of the store's shared lock for good (its count is per thread), so its later shared lockers
+    # skipped the gate an exclusive locker (gc) queues at.
+    engine = open_engine("lfm2")
+    on_this_thread = engine.store.files._held
+
+    def engine_thread(fn):  # not `direct`: the points go to the driver thread, as in the daemon
+        return fn()
+
+    engine.append(Session("first"), messages=chat("a"), mlx=engine_thread)
+    engine.points.flush()
+    assert engine.points.counters["points_written"] == engine.points.counters["points_taken"] >= 2
+    assert getattr(on_this_thread, "n", 0) == 0
+
+
+def test_a_point_that_cannot_be_taken_leaves_the_prefill_whole(open_engine, monkeypatch):
+    engine = open_engine("gemma3_text")
+
+    def broken(*args):
+        raise MemoryError("no room for the host copies")
+
+    monkeypatch.setattr(engine.points, "_copy_blocks", broken)
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    assert got["prefilled"] == got["tokens"] - 1 and first.processed == got["tokens"] - 1
+    assert engine.points.counters["point_failures"] >= 1 and engine.points.counters["points_written"] == 0
+
+
+def test_warm_is_refused_without_restore_points(folders, tmp_path):
+    store = Store(tmp_path / "off", block_tokens=B)
+    engine = Engine(store, tmp_path, folders("gemma3_text"), tuning=Tuning(restore_points=False))
+    try:
+        with pytest.raises(InvalidParamsError, match="takes no restore points"):
+            engine.warm(messages=chat("a")[:1])
+        assert engine.store.snapshots() == []
+    finally:
+        engine.close()
+        store.close()

@@ -1,0 +1,61 @@
+"""Restore points in a real daemon on a tiny gemma3_text (sliding window), through the `openai` package: a
+second stateless conversation sharing a system prompt is served from the first one's point, status counts
+the points, fsck checks them and gc drops them with their blocks."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kvwake.client.cli import main
+from testkit.daemon import openai_client, serving_http
+from testkit.tinymodel import make_model_dir
+
+SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 3  # 189 bytes: past one block
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    folder = make_model_dir(tmp_path_factory.mktemp("models") / "gemma", arch="gemma3_text")
+    yield from serving_http(tmp_path_factory.mktemp("points"), folder)
+
+
+def chat(api, user: str):
+    return api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+
+
+def written(daemon) -> dict:
+    """status once the daemon's points driver has written every point taken (it writes in the background)."""
+    deadline = time.monotonic() + 30
+    with daemon.client() as rpc:
+        while True:
+            status = rpc.call("status")
+            taker = status["restore_points"]
+            if taker["points_written"] + taker["point_failures"] >= taker["points_taken"] or time.monotonic() > deadline:
+                return status
+
+
+def test_a_second_stateless_conversation_is_served_from_the_first_ones_point(daemon):
+    api = openai_client(daemon)
+    first = chat(api, "Which tool first?")
+    status = written(daemon)  # at the block boundaries before each message marker, and the prompt's last
+    taker = status["restore_points"]
+    assert taker["enabled"] and taker["points_written"] == taker["points_taken"] >= 2
+    assert status["store"]["points"] == taker["points_written"]
+    assert 0 < status["store"]["point_bytes"] < status["store"]["stored_bytes"]
+    second = chat(api, "And which one after it?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    shared = 1 + len("system\n") + len(SYSTEM) + 2  # ChatML, a token per byte: the system message's tokens
+    assert cached == shared // 16 * 16 and cached >= 0.8 * shared  # the block boundary before the user's
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    with daemon.client() as rpc:
+        counters = rpc.call("status")["counters"]
+        assert counters["tokens_from_points"] == cached
+        report = rpc.call("store.fsck")
+        assert report["ok"] and report["points_checked"] >= 2
+    text = CliRunner().invoke(main, ["--socket", str(daemon.socket), "status"]).stdout
+    assert re.search(r"store .*, [1-9][0-9]* restore points \(", text), text  # the second conversation's too
