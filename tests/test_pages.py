@@ -107,6 +107,32 @@ def test_a_block_computed_twice_is_held_once() -> None:
     assert same(held(pool, "b")[0], k)
 
 
+def test_a_restores_block_replaces_one_a_prefill_computed_and_a_wake_maps_the_stored_bytes() -> None:
+    # On a GPU a prefill of the same tokens may differ from the store's bytes in the last bits: seeds 1 and 2
+    # stand for the two. A restore's pages (stored) become the key's; the prefill's holder keeps its own.
+    pool = PagePool(LAYOUT, capacity=16)
+    computed, stored = kv(8, 1), kv(8, 2)
+    pool.open("prefilled")
+    pool.append("prefilled", *computed)
+    theirs = pool.publish("prefilled", 0, "block-0")
+    pool.open("woken")
+    pool.append("woken", *stored)
+    ours = pool.publish("woken", 0, "block-0", stored=True)
+    assert ours != theirs and pool.shared["block-0"] == ours and "block-0" in pool.stored
+    assert pool.table("prefilled").pages == list(theirs) and same(held(pool, "prefilled")[0], computed[0])
+    pool.open("hit")  # a later prefix hit maps the stored bytes
+    assert pool.map_shared("hit", ["block-0"]) == 1 and same(held(pool, "hit")[0], stored[0])
+    for name, kind in (("woken2", True), ("prefilled2", False)):  # after it, both take the stored pages
+        pool.open(name)
+        pool.append(name, *computed)
+        assert pool.publish(name, 0, "block-0", stored=kind) == ours and same(held(pool, name)[1], stored[1])
+    pool.free_session("prefilled")  # the computed pages go with their last holder
+    assert pool.pages_held() == 2
+    for name in ("woken", "hit", "woken2", "prefilled2"):
+        pool.free_session(name)
+    assert pool.pages_held() == 0 and not pool.shared and not pool.stored
+
+
 def test_refcounts_through_fork_and_free() -> None:
     pool = PagePool(LAYOUT, capacity=8)
     pool.open("a")

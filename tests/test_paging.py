@@ -73,6 +73,23 @@ def test_woken_sessions_over_one_prompt_hold_its_blocks_once(model) -> None:
     assert all(mx.array_equal(w.cache[0].keys, woken[0].cache[0].keys).item() for w in woken)
 
 
+def test_a_wake_gives_the_stored_bytes_not_the_pages_a_prefill_computed(model) -> None:
+    # On a GPU a prefill of the same tokens may differ from the stored bytes in the last bits; here a prefill's
+    # published pages are changed to stand for that. A wake adopted beside them keeps its restored bytes.
+    pages, ids = pages_for(model), list(range(120, 120 + 2 * BLOCK))
+    computed = prefilled(model, pages, "computed", ids)
+    assert pages.publish(computed) == 2
+    for layer in range(len(pages.pool.keys)):  # the prefill's pages, off by a little
+        pages.pool.keys[layer] = pages.pool.keys[layer] + 1e-3
+    s = Session("woken", tokens=list(ids), processed=len(ids), cache=make_prompt_cache(model))
+    mx.eval(model(mx.array([ids]), cache=s.cache))  # what the wake restored from the store
+    restored = [c.keys[..., : len(ids), :] for c in s.cache]
+    pages.adopt(s)
+    assert all(mx.array_equal(c.keys, r).item() for c, r in zip(s.cache, restored))
+    assert not mx.array_equal(computed.cache[0].keys, restored[0]).item()  # the prefill keeps its own
+    assert pages.status()["published_blocks"] == 2 and pages.pool.pages_held() == 4
+
+
 def test_a_woken_cache_adopted_on_the_engine_thread_reads_on_another(model) -> None:
     """A restored cache is evaluated on return (callers read it off the engine thread); adopted into pages,
     it is too: MLX evaluates an operation only on a thread that has its stream."""

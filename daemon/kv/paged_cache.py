@@ -258,17 +258,18 @@ def fork(cache: list, tokens: int) -> list:
     return copied
 
 
-def publish(cache: list, token_ids: list[int], bundle_hash: str) -> int:
+def publish(cache: list, token_ids: list[int], bundle_hash: str, stored: bool = False) -> int:
     """Publish the full blocks of a paged `cache` not yet published, each under the chain key of its
     tokens (`token_ids`: the tokens the cache holds, in order): from now on they are shared, read-only.
     A block another session published first is taken from it (its pages, not these: the same tokens'
-    KV, computed once, as a prefix hit restores it). Returns how many blocks were published."""
+    KV, computed once, as a prefix hit restores it), unless `stored` (the cache holds the store's bytes)
+    and those were computed (PagePool.publish). Returns how many blocks were published."""
     session = _whole(cache)
     block, done = session.pool.layout.block_tokens, len(session.keys)
     for index in range(done, session.tokens // block):  # each key from its parent's: new blocks hashed only
         parent = session.keys[-1] if session.keys else ROOT_KEY
         key = block_key(parent, bundle_hash, token_ids[index * block : (index + 1) * block])
-        session.pool.publish(session.name, index, key)
+        session.pool.publish(session.name, index, key, stored)
         session.keys.append(key)
     session.changed()
     return len(session.keys) - done
@@ -301,12 +302,13 @@ def resident_prefix(pool: PagePool, blank: list, target: list[int], bundle_hash:
 
 
 def adopt(pool: PagePool, cache: list, token_ids: list[int], bundle_hash: str) -> list:
-    """A contiguous cache (a wake's, a stored prefix's) moved into pages of `pool`, its full blocks
-    published over `token_ids`: a block another session holds already is taken from it, so sessions
-    woken over one prompt hold it once. Evaluated on return, as a restored cache is."""
+    """A contiguous cache restored from the store (a wake's, a stored prefix's) moved into pages of `pool`,
+    its full blocks published over `token_ids` as the store's bytes: a block another restore holds already
+    is taken from it, so sessions woken over one prompt hold it once; one a prefill computed is not (a wake
+    gives the stored bytes). Evaluated on return, as a restored cache is."""
     paged = fill(paged_cache(pool, [KVCache() if type(c) is KVCache else c for c in cache]), cache)
     if all(isinstance(c, PagedKVCache) for c in paged):
-        publish(paged, token_ids, bundle_hash)
+        publish(paged, token_ids, bundle_hash, stored=True)
     mx.eval(state_arrays(paged))  # written here, on this (the engine) thread: any thread may read it after
     return paged
 

@@ -100,6 +100,7 @@ class PagePool:
         self.sessions: dict[str, SessionPages] = {}
         self.shared: dict[str, tuple[int, ...]] = {}  # chain key -> its block's pages
         self.key_of: dict[int, str] = {}  # published page -> its block's chain key
+        self.stored: set[str] = set()  # keys whose pages hold the store's bytes (a restore's), not a prefill's
         self.retired: deque[str] = deque()  # tables to free, queued from any thread (`retire`)
 
     # -- sessions --------------------------------------------------------------
@@ -219,22 +220,31 @@ class PagePool:
 
     # -- sharing by chain key ---------------------------------------------------
 
-    def publish(self, session: str, block: int, key: str) -> tuple[int, ...]:
+    def publish(self, session: str, block: int, key: str, stored: bool = False) -> tuple[int, ...]:
         """Block `block` of `session` (filled) is the block whose chain key is `key`: its pages become
         shared and read-only. Where `key` already has pages (another session computed the same block),
-        the session's table takes those and its own go back. Returns the block's pages."""
+        the session's table takes those and its own go back. `stored`: the pages hold the store's bytes
+        (a restore's): they replace pages a prefill computed for the key (on a GPU a prefill of the same
+        tokens may differ in the last bits, and a wake must give the stored bytes); the sessions that
+        hold the computed ones keep them, unshared. Returns the block's pages."""
         table, n = self.table(session), self.layout.pages_per_block
         first = block * n
         if (block + 1) * self.layout.block_tokens > table.tokens:
             raise PageStateError(f"session {session!r} holds {table.tokens} tokens: block {block} is not full")
         own = tuple(table.pages[first:first + n])
         known = self.shared.get(key)
+        if known is not None and stored and key not in self.stored and known != own:
+            for page in known:  # a prefill's: kept by whoever holds them, no longer the key's
+                del self.key_of[page]
+            known = None
         if known is None:
             for page in own:
                 if self.key_of.get(page, key) != key:
                     raise PageStateError(f"page {page} is published under another key than {key[:16]}")
             self.shared[key] = own
             self.key_of.update((page, key) for page in own)
+            if stored:
+                self.stored.add(key)
             return own
         if known != own:
             for page in known:
@@ -324,6 +334,7 @@ class PagePool:
             key = self.key_of.pop(page, None)
             if key is not None and page in self.shared.get(key, ()):  # the block is no longer whole
                 del self.shared[key]
+                self.stored.discard(key)
             self.free.append(page)
 
     def _copy(self, page: int, tokens: int) -> int:
