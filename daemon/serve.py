@@ -108,9 +108,12 @@ def prepare_socket(path: Path) -> None:
     raise DaemonRunningError(f"a kvwake daemon is already serving {path}; stop it first (kvwake status shows its pid)")
 
 
-def write_status(settings: Settings, model: LoadedModel, *, http_url: str | None = None) -> None:
+def write_status(settings: Settings, model: LoadedModel, *, http_url: str | None = None,
+                 models: list[str] | None = None) -> None:
     status = {"pid": os.getpid(), "socket": str(settings.socket), "version": kvwake.__version__,
               "model": model.name, "bundle_hash": model.bundle.hash, "started": time.time()}
+    if models is not None and len(models) > 1:  # the names served, the default first (`kvwake http --env`)
+        status["models"] = models
     if http_url is not None:  # where `kvwake http` and openai_config() find the API (the token stays in its file)
         status["http"] = {"url": http_url, "token_file": str(settings.http_token_file) if settings.http_auth
                           and settings.http_token is None else None, "auth": settings.http_auth}
@@ -250,7 +253,8 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
     listener = await asyncio.get_running_loop().create_unix_server(
         server.protocol, sock=listen_socket if listen_socket is not None else unix_listener(settings.socket))
-    write_status(settings, manager.model, http_url=_http_url(http[0]) if http else None)
+    write_status(settings, manager.model, http_url=_http_url(http[0]) if http else None,
+                 models=manager.model_names())
     http_done = anyio.Event()
     try:
         manager.gil_watch = gilwatch.from_tuning(settings.tuning)  # waits for the GIL (status.gil): a diagnostic, off by default

@@ -73,7 +73,7 @@ def parse_models_table(table: Any, where: str = "[models]") -> dict[str, ModelSp
 
 def _flag(value: str) -> ModelSpec:
     name, sep, source = value.partition("=")
-    if sep and name and source:
+    if sep and name and source and not Path(value).expanduser().is_dir():  # a folder may have "=" in its name
         return ModelSpec(name, source)
     return ModelSpec(_name_of(value), value)
 

@@ -1,0 +1,176 @@
+"""Several models in one daemon (issue 53), with real clients against a real daemon.
+
+Two tiny models of different families (llama "main", gemma3 "small"): the `anthropic` package sending
+Claude Code's two model names under `--max-loaded 1` (the limit never passed, each conversation continued
+from its cache after its model was unloaded and loaded again); a session of each model exact across an
+unload, a reload and a restart; a turn naming another model than its session's refused; `kill -9` during
+a load loses nothing; `kvwake models`, `kvwake sessions` and `kvwake http --env` name the models.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import anthropic
+import pytest
+
+from kvwake.client import openai_config
+from testkit.daemon import REPO, Daemon, RpcError, get, track
+from testkit.tinymodel import make_model_dir
+
+SYSTEM = "You are a careful agent. Answer briefly. " * 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return (make_model_dir(root / "main", arch="llama", ascii_replies=True),
+            make_model_dir(root / "small", arch="gemma3_text", seed=1, ascii_replies=True))
+
+
+def two_models(root, models, extra=(), config=""):
+    """A daemon serving both models (main the default), Claude Code's names routed by alias."""
+    main, small = models
+    (root / "none.toml").write_text(f'{config}\n[models]\nmain = {{path = "{main}", aliases = ["claude-sonnet-*"]}}\n'
+                                    f'small = {{path = "{small}", aliases = ["claude-haiku-*"]}}\n')
+    return Daemon(root, main, extra=list(extra))
+
+
+def chat(c, sid: str, text: str) -> list[int]:
+    return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8)["tokens"]
+
+
+def states(c) -> dict[str, str]:
+    return {m["name"]: m["state"] for m in c.call("model.list")["models"]}
+
+
+def pairs(c) -> dict[str, list[int]]:
+    """A session and its twin on each model, the same input; the twin's continuation (never slept) returned."""
+    expected = {}
+    for model in ("main", "small"):
+        for sid in (f"{model}-s", f"{model}-twin"):
+            c.call("session.create", session_id=sid, system=SYSTEM, model=model)
+            chat(c, sid, f"hello {model}")
+        expected[model] = chat(c, f"{model}-twin", "and then?")
+    return expected
+
+
+def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_restart(tmp_path, models):
+    d = two_models(tmp_path, models).start()
+    with d.client() as c:
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        expected = pairs(c)
+        listed = {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}
+        assert listed == {"main-s": "main", "main-twin": "main", "small-s": "small", "small-twin": "small"}
+        assert c.call("model.unload", name="small") == {"model": "small", "unloaded": True, "slept": 2}
+        assert states(c)["small"] == "unloaded"
+        assert {s["state"] for s in c.call("session.list")["sessions"] if s["model"] == "small"} == {"asleep"}
+        assert chat(c, "small-s", "and then?") == expected["small"]  # loads small again, wakes, exact
+        assert states(c)["small"] == "loaded"
+        with pytest.raises(RpcError) as unknown:
+            c.call("session.create", model="large")
+        assert unknown.value.code == "NOT_FOUND" and "main, small" in unknown.value.message
+        c.call("session.create", session_id="main-s2", system=SYSTEM, model="main")
+        c.call("session.create", session_id="small-s2", system=SYSTEM, model="small")
+        for model in ("main", "small"):
+            chat(c, f"{model}-s2", f"hello {model}")
+    assert d.stop() == 0
+    d.start()  # small is not loaded at start: its session's first turn loads it
+    with d.client() as c:
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        assert {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}["small-s2"] == "small"
+        for model in ("small", "main"):
+            assert chat(c, f"{model}-s2", "and then?") == expected[model]
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
+    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"]).start()
+    api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
+                                    api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
+    seen, done = [], threading.Event()
+
+    def watch() -> None:  # the models loaded (or loading) at every look, while the turns run
+        with d.client() as c:
+            while not done.is_set():
+                seen.append(sum(s in ("loaded", "loading") for s in states(c).values()))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    talks = {name: [{"role": "user", "content": f"Write a title for chat {name}"}] for name in ("sonnet", "haiku")}
+    replies = {}
+    try:
+        for _ in range(2):
+            for name, model in (("sonnet", "claude-sonnet-4-6"), ("haiku", "claude-haiku-4-5")):
+                reply = api.messages.create(model=model, max_tokens=6, system=SYSTEM, messages=talks[name],
+                                            extra_body={"temperature": 0})
+                talks[name] += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
+                replies.setdefault(name, []).append(reply)
+    finally:
+        done.set()
+        watcher.join()
+    assert [r.model for r in replies["sonnet"] + replies["haiku"]] == ["main", "main", "small", "small"]
+    assert max(seen) == 1 and len(seen) > 4  # never two models in memory at once
+    for name in ("sonnet", "haiku"):  # the second turn continued its session, woken after its model came back
+        first, second = replies[name]
+        assert second.model_extra["kvwake"]["session_id"] == first.model_extra["kvwake"]["session_id"]
+        assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        api.messages.create(model="gpt-4o", max_tokens=4, messages=talks["haiku"])
+    assert unknown.value.body["error"]["type"] == "not_found_error"
+    code, listed = get(f"{openai_config(d.socket)['base_url']}/models",
+                       {"authorization": f"Bearer {openai_config(d.socket)['api_key']}"})
+    assert code == 200 and [(m["id"], m["loaded"]) for m in listed["data"]] == [("main", False), ("small", True)]
+    cli = [sys.executable, "-m", "kvwake.client.cli", "--socket", str(d.socket)]
+    env = subprocess.run([*cli, "http", "--env"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "export ANTHROPIC_DEFAULT_SONNET_MODEL=main\n" in env and "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in env
+    out = subprocess.run([*cli, "sessions", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert sorted(s["model"] for s in json.loads(out)) == ["main", "small"]
+    out = subprocess.run([*cli, "models", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert [(m["name"], m["state"], m["sessions"]) for m in json.loads(out)] == [
+        ("main", "unloaded", {"hot": 0, "asleep": 1}), ("small", "loaded", {"hot": 1, "asleep": 0})]
+    # A session asked to continue on another model: refused (after that model loaded), never switched
+    sid = replies["haiku"][0].model_extra["kvwake"]["session_id"]
+    with pytest.raises(anthropic.BadRequestError) as other:
+        api.messages.create(model="claude-sonnet-4-6", max_tokens=4, messages=talks["haiku"],
+                            extra_headers={"x-kvwake-session": sid})
+    assert "belongs to model 'small'" in other.value.body["error"]["message"]
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_kill_9_during_a_load_loses_nothing(tmp_path, models):
+    d = two_models(tmp_path, models).start()
+    with d.client() as c:
+        expected = pairs(c)
+        c.call("model.unload", name="small")
+        for sid in ("main-s", "main-twin"):
+            c.call("session.sleep", session_id=sid)
+    loading = threading.Thread(target=_try, args=(d, "small-s"))
+    looked = []
+    with d.client() as c:
+        loading.start()
+        while not looked or looked[-1] == "unloaded":
+            looked.append(states(c)["small"])
+    d.stop(signal.SIGKILL)
+    loading.join()
+    assert looked[-1] == "loading"  # killed while small's weights were being read
+    d.start()
+    with d.client() as c:
+        for model in ("small", "main"):
+            assert chat(c, f"{model}-s", "and then?") == expected[model]
+        assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def _try(d: Daemon, sid: str) -> None:
+    """A turn of `sid`, which the daemon's kill -9 cuts (as the test expects)."""
+    try:
+        with d.client() as c:
+            chat(c, sid, "and then?")
+    except (ConnectionError, OSError, RpcError):
+        pass
