@@ -42,9 +42,7 @@ def models_load(opts: Options, name: str, as_json: bool) -> None:
 
     Example: kvwake models load small
     """
-    with opts.client() as client, spinner(f"loading {name}"):
-        result = client.load_model(name)
-    echo_json(result) if as_json else fields([(k, v) for k, v in result.items()])
+    _change(opts, "loading", name, as_json)
 
 
 @models.command("unload")
@@ -56,6 +54,11 @@ def models_unload(opts: Options, name: str, as_json: bool) -> None:
 
     Example: kvwake models unload small
     """
-    with opts.client() as client, spinner(f"unloading {name}"):
-        result = client.unload_model(name)
+    _change(opts, "unloading", name, as_json)
+
+
+def _change(opts: Options, doing: str, name: str, as_json: bool) -> None:
+    """Load or unload model `name` (`doing`: "loading" or "unloading"), and show what the daemon did."""
+    with opts.client() as client, spinner(f"{doing} {name}"):
+        result = client.load_model(name) if doing == "loading" else client.unload_model(name)
     echo_json(result) if as_json else fields([(k, v) for k, v in result.items()])

@@ -174,3 +174,50 @@ def _try(d: Daemon, sid: str) -> None:
             chat(c, sid, "and then?")
     except (ConnectionError, OSError, RpcError):
         pass
+
+
+def test_an_idle_model_is_unloaded_after_its_ttl_and_a_pinned_one_never(tmp_path, models):
+    config = "model_ttl_s = 0.3\nlifecycle_interval_s = 0.1\n"
+    d = two_models(tmp_path, models, config=config)
+    toml = (tmp_path / "none.toml").read_text().replace('aliases = ["claude-sonnet-*"]',
+                                                         'aliases = ["claude-sonnet-*"], pinned = true')
+    (tmp_path / "none.toml").write_text(toml)
+    d.start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM, model="small")
+        expected = chat(c, "a", "hi")
+        deadline = time.monotonic() + 30
+        while states(c)["small"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        assert [s["state"] for s in c.call("session.list")["sessions"]] == ["asleep"]
+        with pytest.raises(RpcError) as pinned:
+            c.call("model.unload", name="main")
+        assert pinned.value.code == "INVALID_PARAMS" and "pinned" in pinned.value.message
+        c.call("session.create", session_id="b", system=SYSTEM, model="small")
+        assert chat(c, "b", "hi") == expected  # small loaded again: the same model, the same reply
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_the_registry_resolves_names_as_configured(tmp_path, models):
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.registry import Registry, UnknownModelError
+
+    main, small = models
+    one = Registry.from_settings(Settings(model=str(main)))
+    assert [s.name for s in one] == ["main"] and one.resolve("claude-opus-4-1").name == "main"  # one model: any name
+    several = Registry.from_settings(Settings(model=str(main), more_models=(f"fast={small}",),
+                                              models={"fast": {"path": str(small), "aliases": ["claude-haiku-*"]}},
+                                              aliases={"gpt-4o": "main"}))
+    assert [(s.name, s.aliases) for s in several] == [("main", ()), ("fast", ("claude-haiku-*",))]
+    assert [several.resolve(n).name for n in ("main", "fast", "claude-haiku-4-5", "gpt-4o", None)] == \
+        ["main", "fast", "fast", "main", "main"]
+    with pytest.raises(UnknownModelError, match="'claude-sonnet-4-6' is not served: this daemon serves main, fast"):
+        several.resolve("claude-sonnet-4-6")
+    (tmp_path / "dir" / "x").mkdir(parents=True)
+    (tmp_path / "dir" / "x" / "config.json").write_text("{}")
+    assert [s.name for s in Registry.from_settings(Settings(models_dir=tmp_path / "dir"))] == ["x"]
+    with pytest.raises(ValueError, match="model 'fast' has unknown keys \\['pin'\\]"):
+        Registry.from_settings(Settings(models={"fast": {"path": "p", "pin": True}}))
+    with pytest.raises(ValueError, match="names model 'big', which is not served"):
+        Registry.from_settings(Settings(model=str(main), aliases={"x": "big"}))
