@@ -181,7 +181,7 @@ def test_an_idle_model_is_unloaded_after_its_ttl_and_a_pinned_one_never(tmp_path
     d = two_models(tmp_path, models, config=config)
     toml = (tmp_path / "none.toml").read_text().replace('aliases = ["claude-sonnet-*"]',
                                                          'aliases = ["claude-sonnet-*"], pinned = true')
-    (tmp_path / "none.toml").write_text(toml)
+    (tmp_path / "none.toml").write_text(toml + f'broken = "{tmp_path / "no-such-model"}"\n')
     d.start()
     with d.client() as c:
         c.call("session.create", session_id="a", system=SYSTEM, model="small")
@@ -189,14 +189,20 @@ def test_an_idle_model_is_unloaded_after_its_ttl_and_a_pinned_one_never(tmp_path
         deadline = time.monotonic() + 30
         while states(c)["small"] != "unloaded" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        assert states(c) == {"main": "loaded", "small": "unloaded", "broken": "unloaded"}
         assert [s["state"] for s in c.call("session.list")["sessions"]] == ["asleep"]
         with pytest.raises(RpcError) as pinned:
             c.call("model.unload", name="main")
         assert pinned.value.code == "INVALID_PARAMS" and "pinned" in pinned.value.message
         c.call("session.create", session_id="b", system=SYSTEM, model="small")
         assert chat(c, "b", "hi") == expected  # small loaded again: the same model, the same reply
-    assert d.stop() == 0 and d.log_problems() == []
+        with pytest.raises(RpcError) as broken:
+            c.call("session.create", session_id="c", model="broken")
+        assert broken.value.code == "INTERNAL" and "model 'broken' could not be loaded from" in broken.value.message
+        assert states(c) == {"main": "loaded", "small": "loaded", "broken": "unloaded"}
+        assert chat(c, "b", "hi again")  # the others serve on
+    assert d.stop() == 0
+    assert [line for line in d.log_problems() if '"model load failed"' not in line] == []
 
 
 def test_the_registry_resolves_names_as_configured(tmp_path, models):

@@ -55,7 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvwake.daemon.model.registry import UnknownModelError
+from kvwake.daemon.model.registry import ModelSpec, UnknownModelError
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
@@ -176,11 +176,14 @@ class Api:
         """The request's model, loaded (first, if it is not) and the model of its operations while the block
         runs (sessions/models.py); a 404 in the API's own shape for a name no model served answers to (with one
         model and no aliases configured, every name is that model)."""
+        return self.manager.use(self._spec(requested).name)
+
+    def _spec(self, requested: Any) -> ModelSpec:
+        """The model `requested` names; a 404 (OpenAI's `model_not_found`, Anthropic's `not_found_error`)."""
         try:
-            spec = self.manager.registry.resolve(requested)
+            return self.manager.registry.resolve(requested)
         except UnknownModelError as exc:
             raise ApiError(404, exc.message, param="model", code="model_not_found", kind="not_found_error") from None
-        return self.manager.use(spec.name)
 
     async def models(self, request: Request) -> Response:
         if "anthropic-version" in request.headers:
@@ -190,10 +193,9 @@ class Api:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        async with self._serving(name):
-            pass  # a name that resolves: known (and loaded, as a client asking about it is about to use it)
-        info = model_info(name) if "anthropic-version" in request.headers else _openai_model(name, True)
-        return JSONResponse(info)
+        loaded = self._spec(name).name in self.manager.models  # a 404 for a name not served; nothing loads
+        info = model_info(name) if "anthropic-version" in request.headers else _openai_model(name, loaded)
+        return JSONResponse({**info, "loaded": loaded})
 
     async def chat(self, request: Request) -> Response:
         body = await _body(request)

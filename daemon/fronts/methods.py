@@ -220,8 +220,9 @@ async def snapshot_import(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 
 async def prefix_warm(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, INPUT_KEYS - {"tools"})
-    return await ctx.manager.warm({k: p[k] for k in ("messages", "text", "tokens") if k in p})
+    _check(p, INPUT_KEYS - {"tools"} | {"model"})
+    async with ctx.manager.using(p.get("model")):  # the model whose blocks are stored (None: the default)
+        return await ctx.manager.warm({k: p[k] for k in ("messages", "text", "tokens") if k in p})
 
 
 async def store_gc(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

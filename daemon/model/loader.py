@@ -73,13 +73,14 @@ async def warm_model(model: LoadedModel) -> None:
     requests go first (a wake after a restart, a prefill), and one that comes while a warm-up job runs waits
     for that one alone. A shape a request needs before its warm-up ran is built by the request itself, as
     it would be unwarmed."""
-    started, jobs = time.perf_counter(), await model.thread.run(model.engine.warm_jobs)
-    for job in jobs:
-        try:
+    started = time.perf_counter()
+    try:
+        jobs = await model.thread.run(model.engine.warm_jobs)
+        for job in jobs:
             await model.thread.run_when_idle(job)
-        except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
-            log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
-            return
+    except Exception as exc:  # only speed is at stake (or the model was unloaded meanwhile): serving goes on
+        log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
+        return
     if jobs:
         log.info("warm", extra={"model": model.name, "jobs": len(jobs),
                                 "ms": round((time.perf_counter() - started) * 1000, 1)})

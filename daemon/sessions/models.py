@@ -35,16 +35,20 @@ from kvwake.daemon.model.loader import stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.sessions.entries import Entry
-from kvwake.errors import BusyError, InvalidParamsError
+from kvwake.errors import BusyError, InvalidParamsError, KvwakeError
 from kvwake.store.files import write_durable
 
-__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "weights_bytes"]
+__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError", "weights_bytes"]
 
 log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
 BUNDLES_FILE = "model-bundles.json"
 WAIT_S = 0.01  # how often a load waiting for a model in use, or a use waiting for an unload, looks again
 Starter = Callable[[ModelSpec], tuple[Any, Any]]  # spec -> (engine, engine thread), blocking (model/loader.py)
+
+
+class ModelLoadError(KvwakeError):
+    """A model could not be loaded (INTERNAL: the daemon serves on, its other models unaffected)."""
 
 
 def weights_bytes(model: LoadedModel) -> int:
@@ -63,7 +67,8 @@ class ModelKeeping:
         self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
         self._loading_since: dict[str, float] = {}
         self._unloading: set[str] = set()
-        self._uses: Counter[str] = Counter()
+        self._uses: Counter[str] = Counter()  # operations running on each model
+        self._waits: Counter[str] = Counter()  # operations waiting for each model's load
         self._last_use: dict[str, float] = {}
         self._weights: dict[str, int] = {}  # each model's weights as measured at its last load
         self._admit: asyncio.Lock | None = None  # made on the loop: one load's room-making at a time
@@ -96,8 +101,13 @@ class ModelKeeping:
     @contextlib.asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[LoadedModel]:
         """Model `name` loaded (waiting for its load, or its unload and then a load) and kept loaded while
-        the block runs, the operation's model meanwhile (`CURRENT`)."""
-        model = await self.ensure(name)
+        the block runs, the operation's model meanwhile (`CURRENT`). Counted as waiting from the start, so
+        a model loaded for it is not unloaded for another load before it runs."""
+        self._waits[name] += 1
+        try:
+            model = await self.ensure(name)
+        finally:
+            self._waits[name] -= 1
         self._uses[name] += 1  # no await since `ensure` returned: no unload began in between
         token = CURRENT.set(name)
         self._last_use[name] = time.monotonic()
@@ -151,6 +161,10 @@ class ModelKeeping:
             started = time.perf_counter()
             try:
                 engine, thread = await to_thread.run_sync(self._start, spec)
+            except Exception as exc:  # a bad path, a download that failed, weights that do not load
+                log.error("model load failed", extra={"model": spec.name, "source": spec.source, "error": repr(exc)})
+                raise ModelLoadError(f"model {spec.name!r} could not be loaded from {spec.source or 'the default'}:"
+                                     f" {exc}", model=spec.name, source=spec.source) from exc
             finally:
                 self._loading_since.pop(spec.name, None)
             model = self.models.add(engine, thread, spec.name)
@@ -185,7 +199,9 @@ class ModelKeeping:
         return not (self.registry.spec(name).pinned or remote)
 
     def _in_use(self, name: str) -> bool:
-        return self._uses[name] > 0 or any(e.busy and self.model_of(e) == name for e in self.entries.values())
+        """Whether an operation runs on the model or waits for it, or one of its sessions is claimed."""
+        return self._uses[name] > 0 or self._waits[name] > 0 or \
+            any(e.busy and self.model_of(e) == name for e in self.entries.values())
 
     async def _room_for(self, spec: ModelSpec) -> None:
         """Unload models, least recently used first, until `spec` fits; wait while those that could go are
