@@ -128,7 +128,8 @@ def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
     assert code == 200 and [(m["id"], m["loaded"]) for m in listed["data"]] == [("main", False), ("small", True)]
     cli = [sys.executable, "-m", "kvwake.client.cli", "--socket", str(d.socket)]
     env = subprocess.run([*cli, "http", "--env"], capture_output=True, text=True, check=True, cwd=REPO).stdout
-    assert "export ANTHROPIC_DEFAULT_SONNET_MODEL=main\n" in env and "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in env
+    assert "export ANTHROPIC_DEFAULT_SONNET_MODEL=main\n" in env
+    assert "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in env
     out = subprocess.run([*cli, "sessions", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert sorted(s["model"] for s in json.loads(out)) == ["main", "small"]
     out = subprocess.run([*cli, "models", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout

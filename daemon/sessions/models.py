@@ -276,7 +276,8 @@ class ModelKeeping:
             if state == "loading":
                 row["loading_since"] = self._loading_since[spec.name]
             if state == "loaded":
-                row.update(bundle_hash=self.models.get(spec.name).bundle.hash, weights_bytes=self._weights.get(spec.name))
+                row["bundle_hash"] = self.models.get(spec.name).bundle.hash
+                row["weights_bytes"] = self._weights.get(spec.name)
             states.append(row)
         return states
 
