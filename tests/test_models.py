@@ -228,3 +228,19 @@ def test_the_registry_resolves_names_as_configured(tmp_path, models):
         Registry.from_settings(Settings(models={"fast": {"path": "p", "pin": True}}))
     with pytest.raises(ValueError, match="names model 'big', which is not served"):
         Registry.from_settings(Settings(model=str(main), aliases={"x": "big"}))
+
+
+def test_a_load_past_the_weights_budget_unloads_the_least_recently_used_model_first(tmp_path, models):
+    main, small = models
+    sizes = [(m / "model.safetensors").stat().st_size for m in models]
+    budget = sum(sizes) * 3 // 4  # one model fits, not both
+    assert max(sizes) <= budget
+    d = two_models(tmp_path, models, config=f"models_budget_bytes = {budget}\n").start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM, model="small")  # main unloaded first
+        listed = c.call("model.list")["models"]
+        assert [(m["name"], m["state"]) for m in listed] == [("main", "unloaded"), ("small", "loaded")]
+        assert listed[1]["weights_bytes"] <= budget
+        c.call("session.create", session_id="b", system=SYSTEM)  # the default model: small goes
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+    assert d.stop() == 0 and d.log_problems() == []
