@@ -61,7 +61,7 @@ def pairs(c) -> dict[str, list[int]]:
 
 
 def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_restart(tmp_path, models):
-    d = two_models(tmp_path, models).start()
+    d = two_models(tmp_path, models, ["--http", "0"]).start()
     with d.client() as c:
         assert states(c) == {"main": "loaded", "small": "unloaded"}
         expected = pairs(c)
@@ -86,6 +86,16 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
         assert {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}["small-s2"] == "small"
         for model in ("small", "main"):
             assert chat(c, f"{model}-s2", "and then?") == expected[model]
+    # One conversation sent to each model, both loaded: each continues only its own model's sessions
+    api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
+                                    api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
+    talk = [{"role": "user", "content": "the same question"}]
+    ids = {}
+    for model in ("claude-sonnet-4-6", "claude-haiku-4-5", "claude-sonnet-4-6", "claude-haiku-4-5"):
+        reply = api.messages.create(model=model, max_tokens=4, system=SYSTEM, messages=talk,
+                                    extra_body={"temperature": 0})
+        ids.setdefault(reply.model, set()).add(reply.model_extra["kvwake"]["session_id"])
+    assert len(ids["main"]) == len(ids["small"]) == 1 and ids["main"] != ids["small"]
     assert d.stop() == 0 and d.log_problems() == []
 
 
