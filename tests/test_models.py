@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import anthropic
 import pytest
@@ -100,7 +101,7 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
 
 
 def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
-    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"]).start()
+    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"], config="http_keepalive_s = 0.02").start()
     api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
                                     api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
     seen, done = [], threading.Event()
@@ -145,6 +146,18 @@ def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
     out = subprocess.run([*cli, "models", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert [(m["name"], m["state"], m["sessions"]) for m in json.loads(out)] == [
         ("main", "unloaded", {"hot": 0, "asleep": 1}), ("small", "loaded", {"hot": 1, "asleep": 0})]
+    # Streamed while its model loads (main, unloaded by small's turns): keep-alive comments, then the reply
+    body = {"model": "claude-sonnet-4-6", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "stream"}]}
+    config = openai_config(d.socket)
+    request = urllib.request.Request(f"{config['base_url']}/messages", json.dumps(body).encode(),
+                                     {"x-api-key": config["api_key"], "content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        lines = [line.decode().rstrip("\n") for line in response]
+    assert ": keepalive" in lines[:lines.index("event: message_start")]
+    assert lines[-3:] == ["event: message_stop", 'data: {"type":"message_stop"}', ""]
+    streamed = list(api.messages.create(model="claude-haiku-4-5", max_tokens=4, messages=talks["haiku"], stream=True))
+    assert streamed[0].type == "message_start" and streamed[-1].type == "message_stop"  # the SDK skips them too
     # A session asked to continue on another model: refused (after that model loaded), never switched
     sid = replies["haiku"][0].model_extra["kvwake"]["session_id"]
     with pytest.raises(anthropic.BadRequestError) as other:

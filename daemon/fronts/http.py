@@ -42,7 +42,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,9 @@ from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
 from kvwake.daemon.fronts.responses_items import item_page
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
-from kvwake.daemon.fronts.sse import AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream
+from kvwake.daemon.fronts.sse import (
+    KEEPALIVE, AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream, stream_error,
+)
 from kvwake.daemon.sessions.matching import Matcher
 from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
 from kvwake.errors import KvwakeError, NotFoundError
@@ -178,6 +180,38 @@ class Api:
         model and no aliases configured, every name is that model)."""
         return self.manager.use(self._spec(requested).name)
 
+    async def _on_model(self, spec: ModelSpec, streamed: bool, respond: Callable[[], Awaitable[Response]],
+                        shape: Callable[[], OpenAiEvents | NamedEvents]) -> Response:
+        """`respond()` with `spec`'s model loaded, the model of its operations. A streamed request whose model
+        is not loaded opens its stream at once and sends keep-alive comments while the model loads (as during
+        a long prefill), then the reply's own stream; a failure before that goes in the stream, in the API's
+        shape (`shape().failure`). Such a stream has no X-Kvwake-Session header (its session is chosen after
+        the headers went); the conversation's next request finds its session by matching, as always."""
+        if not streamed or spec.name in self.manager.models:
+            async with self.manager.use(spec.name):
+                return await respond()
+        return StreamingResponse(self._after_load(spec.name, respond, shape), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _after_load(self, name: str, respond: Callable[[], Awaitable[Response]],
+                          shape: Callable[[], OpenAiEvents | NamedEvents]) -> AsyncIterator[str | bytes]:
+        loading = asyncio.ensure_future(self.manager.ensure(name))  # the load itself goes on if the client leaves
+        try:
+            while not loading.done():
+                if not (await asyncio.wait([loading], timeout=self.keepalive_s))[0]:
+                    yield KEEPALIVE
+            loading.result()
+            async with self.manager.use(name):
+                response = await respond()
+        except Exception as exc:  # the stream is open: the failure goes in it
+            for line in shape().failure(exc if isinstance(exc, ApiError) else stream_error(exc)):
+                yield line
+            return
+        finally:
+            loading.cancel()
+        async for chunk in response.body_iterator:  # type: ignore[attr-defined]
+            yield chunk
+
     def _spec(self, requested: Any) -> ModelSpec:
         """The model `requested` names; a 404 (OpenAI's `model_not_found`, Anthropic's `not_found_error`)."""
         try:
@@ -199,23 +233,23 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         body = await _body(request)
-        async with self._serving(body.get("model")):
-            req = ChatRequest.parse(body, _header(request))
-            return await self._complete(request, req, OpenAiEvents(Reply(self._model(), True,
-                                                                         req.one_call), req.include_usage))
+        spec = self._spec(body.get("model"))
+        req = ChatRequest.parse(body, _header(request))
+        shape = lambda: OpenAiEvents(Reply(spec.name, True, req.one_call), req.include_usage)  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def completions(self, request: Request) -> Response:
         body = await _body(request)
-        async with self._serving(body.get("model")):
-            req = CompletionRequest.parse(body, _header(request))
-            return await self._complete(request, req, OpenAiEvents(Reply(self._model(), False),
-                                                                   req.include_usage))
+        spec = self._spec(body.get("model"))
+        req = CompletionRequest.parse(body, _header(request))
+        shape = lambda: OpenAiEvents(Reply(spec.name, False), req.include_usage)  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def messages(self, request: Request) -> Response:
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
-        async with self._serving(req.model):
-            return await self._complete(request, req, AnthropicEvents(MessagesReply(self._model(),
-                                                                                    req.one_call, req.thinking)))
+        spec = self._spec(req.model)
+        shape = lambda: AnthropicEvents(MessagesReply(spec.name, req.one_call, req.thinking))  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, rendered as /v1/messages renders it (nothing runs, no session is made)."""
@@ -225,8 +259,10 @@ class Api:
 
     async def responses(self, request: Request) -> Response:
         body = await _body(request)
-        async with self._serving(body.get("model")):
-            return await self._respond(request, ResponsesRequest.parse(body, _header(request), self.hosted))
+        spec = self._spec(body.get("model"))
+        req = ResponsesRequest.parse(body, _header(request), self.hosted)
+        return await self._on_model(spec, req.stream, lambda: self._respond(request, req),
+                                    lambda: ResponsesEvents(ResponsesReply(spec.name, req)))
 
     async def _respond(self, request: Request, req: ResponsesRequest) -> Response:
         """A Responses request, parsed, under its model's scope."""
