@@ -267,3 +267,33 @@ def test_a_load_past_the_weights_budget_unloads_the_least_recently_used_model_fi
         c.call("session.create", session_id="b", system=SYSTEM)  # the default model: small goes
         assert states(c) == {"main": "loaded", "small": "unloaded"}
     assert d.stop() == 0 and d.log_problems() == []
+
+
+async def test_an_operation_already_on_a_model_goes_on_while_the_model_is_asked_to_unload(tmp_path, models):
+    # Was: an unload waits for the model's operations to end, and an operation's nested use of its own model
+    # (an HTTP turn making its session, a claim inside a request) waited for the unload: neither ended.
+    import asyncio
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path)
+    store = Store(tmp_path / "store", block_tokens=16)
+    try:
+        engine, thread = start_model(settings, store, ModelSpec("main", str(models[0])), None)
+        manager = SessionManager(ModelProvider.of(engine, thread), settings)
+        async with manager.use("main"):
+            unload = asyncio.ensure_future(manager.unload("main"))
+            await asyncio.sleep(0.05)  # the unload waits for this operation
+            created = await asyncio.wait_for(manager.create("s", SYSTEM), 10)  # its own nested use of main
+        assert created == {"session_id": "s", "created": True}
+        assert (await asyncio.wait_for(unload, 30)) == {"model": "main", "unloaded": True, "slept": 1}
+        assert "main" not in manager.models and manager.entries["s"].session is None
+    finally:
+        for model in manager.models:
+            model.thread.stop()
+        store.close()

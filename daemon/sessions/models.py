@@ -42,6 +42,7 @@ __all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError", "weights
 
 log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
+HELD: ContextVar[frozenset[str]] = ContextVar("kvwake_models_held", default=frozenset())  # its `use`s, outer ones
 BUNDLES_FILE = "model-bundles.json"
 WAIT_S = 0.01  # how often a load waiting for a model in use, or a use waiting for an unload, looks again
 Starter = Callable[[ModelSpec], tuple[Any, Any]]  # spec -> (engine, engine thread), blocking (model/loader.py)
@@ -102,19 +103,26 @@ class ModelKeeping:
     async def use(self, name: str) -> AsyncIterator[LoadedModel]:
         """Model `name` loaded (waiting for its load, or its unload and then a load) and kept loaded while
         the block runs, the operation's model meanwhile (`CURRENT`). Counted as waiting from the start, so
-        a model loaded for it is not unloaded for another load before it runs."""
-        self._waits[name] += 1
-        try:
-            model = await self.ensure(name)
-        finally:
-            self._waits[name] -= 1
+        a model loaded for it is not unloaded for another load before it runs. Within a `use` of the same
+        model (an HTTP turn making its session, a claim inside a request) it does not wait: the outer one keeps
+        the model loaded, and an unload asked meanwhile waits for that one, which would wait for this one."""
+        held = HELD.get()
+        if name in held:
+            model = self.models.get(name)
+        else:
+            self._waits[name] += 1
+            try:
+                model = await self.ensure(name)
+            finally:
+                self._waits[name] -= 1
         self._uses[name] += 1  # no await since `ensure` returned: no unload began in between
-        token = CURRENT.set(name)
+        tokens = CURRENT.set(name), HELD.set(held | {name})
         self._last_use[name] = time.monotonic()
         try:
             yield model
         finally:
-            CURRENT.reset(token)
+            CURRENT.reset(tokens[0])
+            HELD.reset(tokens[1])
             self._uses[name] -= 1
             self._last_use[name] = time.monotonic()
 
