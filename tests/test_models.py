@@ -297,3 +297,36 @@ async def test_an_operation_already_on_a_model_goes_on_while_the_model_is_asked_
         for model in manager.models:
             model.thread.stop()
         store.close()
+
+
+def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
+    # Was: a load under --max-loaded waited until the loaded model had no operation at all; agents that
+    # kept it busy (turns back to back) kept the other model from loading for as long as they ran.
+    d = two_models(tmp_path, models, ["--max-loaded", "1"]).start()
+    stop, turns = threading.Event(), []
+
+    def agent(i: int) -> None:  # turns back to back on main
+        with d.client() as c:
+            c.call("session.create", session_id=f"agent{i}", system=SYSTEM, model="main")
+            while not stop.is_set():
+                c.call("session.chat", session_id=f"agent{i}", messages=[{"role": "user", "content": "go"}],
+                       max_tokens=24)
+                turns.append(time.monotonic())
+
+    agents = [threading.Thread(target=agent, args=(i,)) for i in range(3)]
+    for a in agents:
+        a.start()
+    try:
+        while len(turns) < 6:
+            time.sleep(0.02)
+        with d.client() as c:
+            c.call("session.create", session_id="title", model="small")  # loads small: main drains first
+            answered = time.monotonic()
+        while not any(t > answered for t in turns) and agents[0].is_alive():
+            time.sleep(0.02)
+        assert any(t > answered for t in turns)  # main loaded again for the agents afterwards
+    finally:
+        stop.set()
+        for a in agents:
+            a.join(60)
+    assert d.stop() == 0 and d.log_problems() == []

@@ -68,8 +68,10 @@ class ModelKeeping:
         self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
         self._loading_since: dict[str, float] = {}
         self._unloading: set[str] = set()
+        self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
         self._uses: Counter[str] = Counter()  # operations running on each model
         self._waits: Counter[str] = Counter()  # operations waiting for each model's load
+        self._blocked: Counter[str] = Counter()  # of those, the ones held back by its unload or its draining
         self._last_use: dict[str, float] = {}
         self._weights: dict[str, int] = {}  # each model's weights as measured at its last load
         self._admit: asyncio.Lock | None = None  # made on the loop: one load's room-making at a time
@@ -147,8 +149,12 @@ class ModelKeeping:
         """Model `name`, loaded first if it is not (UnknownModelError if it is not served)."""
         spec = self.registry.spec(name)
         while True:
-            if name in self._unloading:
-                await asyncio.sleep(WAIT_S)
+            if name in self._unloading or name in self._draining:
+                self._blocked[name] += 1
+                try:
+                    await asyncio.sleep(WAIT_S)
+                finally:
+                    self._blocked[name] -= 1
             elif name in self.models:
                 return self.models.get(name)
             else:
@@ -157,6 +163,8 @@ class ModelKeeping:
                     load = self._loads[name] = asyncio.get_running_loop().create_task(self._load(spec))
                     load.add_done_callback(lambda _t: self._loads.pop(name, None))
                 await asyncio.shield(load)  # a caller that leaves does not stop the load others wait for
+                if name in self.models:  # loaded for those waiting: they run, even if it drains already
+                    return self.models.get(name)
 
     async def _load(self, spec: ModelSpec) -> None:
         if self._start is None:
@@ -207,24 +215,32 @@ class ModelKeeping:
         return not (self.registry.spec(name).pinned or remote)
 
     def _in_use(self, name: str) -> bool:
-        """Whether an operation runs on the model or waits for it, or one of its sessions is claimed."""
-        return self._uses[name] > 0 or self._waits[name] > 0 or \
+        """Whether an operation runs on the model or is about to (waiting for its load, not held back by its
+        unload or draining), or one of its sessions is claimed."""
+        return self._uses[name] > 0 or self._waits[name] > self._blocked[name] or \
             any(e.busy and self.model_of(e) == name for e in self.entries.values())
 
     async def _room_for(self, spec: ModelSpec) -> None:
-        """Unload models, least recently used first, until `spec` fits; wait while those that could go are
-        in use. BusyError at once if only pinned models stand in the way."""
-        while self._over(spec):
-            candidates = [n for n in self.models.names() if self._unloadable(n)]
-            if not candidates:
-                raise BusyError(f"model {spec.name!r} cannot load: the loaded models "
-                                f"({', '.join(self.models.names())}) are pinned and fill the limit",
-                                model=spec.name, max_loaded=self.settings.max_loaded)
-            idle = [n for n in candidates if not self._in_use(n)]
-            if idle:
-                await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
-            else:
-                await asyncio.sleep(WAIT_S)
+        """Unload models, least recently used first, until `spec` fits. While every one that could go is in
+        use, the least recently used drains: its operations in flight end, new ones wait for its unload (and
+        then load it again), so a model in steady use takes turns with the load instead of starving it.
+        BusyError at once if only pinned models stand in the way."""
+        try:
+            while self._over(spec):
+                candidates = [n for n in self.models.names() if self._unloadable(n)]
+                if not candidates:
+                    raise BusyError(f"model {spec.name!r} cannot load: the loaded models "
+                                    f"({', '.join(self.models.names())}) are pinned and fill the limit",
+                                    model=spec.name, max_loaded=self.settings.max_loaded)
+                idle = [n for n in candidates if not self._in_use(n)]
+                if idle:
+                    await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
+                else:
+                    if not self._draining:  # chosen once: the one that waits longest unused goes
+                        self._draining.add(min(candidates, key=lambda n: self._last_use.get(n, 0.0)))
+                    await asyncio.sleep(WAIT_S)
+        finally:
+            self._draining.clear()  # one room-making at a time (`_admit`): what drains is this one's
 
     # -- unloading -------------------------------------------------------------
 
