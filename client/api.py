@@ -95,18 +95,34 @@ class ClientAPI:
         """Ask the daemon to stop; it sleeps every hot session first."""
         return self._rpc("shutdown", {})
 
+    # -- models ---------------------------------------------------------------
+
+    def models(self) -> Any:
+        """Every model served → [{name, aliases, patterns, pinned, state: loaded|loading|unloaded, sessions}]."""
+        return self._rpc("model.list", {}, _key("models"))
+
+    def load_model(self, name: str) -> Any:
+        """Load a model now (it would load at its first request) → {model, loaded, bundle_hash}."""
+        return self._rpc("model.load", {"name": name})
+
+    def unload_model(self, name: str) -> Any:
+        """Sleep the model's hot sessions and unload it → {model, unloaded, slept}; INVALID_PARAMS if pinned."""
+        return self._rpc("model.unload", {"name": name})
+
     # -- sessions -------------------------------------------------------------
 
     def create_session(self, session_id: str | None = None, *, system: str | None = None,
-                       metadata: dict[str, Any] | None = None, exist_ok: bool = False) -> Any:
-        """Create a session → {session_id, created}. INVALID_PARAMS if it exists and not exist_ok."""
-        params = _given(session_id=session_id, system=system, metadata=metadata)
+                       metadata: dict[str, Any] | None = None, exist_ok: bool = False,
+                       model: str | None = None) -> Any:
+        """Create a session → {session_id, created}, on `model` (a name the daemon serves; None: its default),
+        for good. INVALID_PARAMS if it exists and not exist_ok; NOT_FOUND for a model not served."""
+        params = _given(session_id=session_id, system=system, metadata=metadata, model=model)
         return self._rpc("session.create", {**params, **({"exist_ok": True} if exist_ok else {})})
 
     def session(self, session_id: str | None = None, *, system: str | None = None,
-                metadata: dict[str, Any] | None = None) -> Any:
-        """Create or get a session → `Session`. system/metadata apply only when it is created."""
-        params = _given(session_id=session_id, system=system, metadata=metadata)
+                metadata: dict[str, Any] | None = None, model: str | None = None) -> Any:
+        """Create or get a session → `Session`. system/metadata/model apply only when it is created."""
+        params = _given(session_id=session_id, system=system, metadata=metadata, model=model)
         return self._rpc("session.create", {**params, "exist_ok": True},
                          lambda r: Session(self, r["session_id"], created=r.get("created")))
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from kvwake.client.cli_models import models
 from kvwake.client.cli_store import bench, export_, fsck, gc, import_, warm
 from kvwake.client.options import Options
 from kvwake.client.output import (
@@ -91,7 +92,13 @@ def _tune_flags(pairs: Any) -> dict[str, str]:
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(), help="Unix socket to serve (env KVWAKE_SOCKET).")
 @click.option("--data-dir", type=click.Path(), help="Store and converted models (env KVWAKE_DATA_DIR).")
-@click.option("--model", help="mlx-lm model folder or hub id (env KVWAKE_MODEL); default SmolLM2-135M-Instruct.")
+@click.option("--model", "model_flags", multiple=True, metavar="[NAME=]PATH",
+              help="mlx-lm model folder or hub id (env KVWAKE_MODEL); default SmolLM2-135M-Instruct. Repeatable: "
+              "several models by name, the first the default (docs/models.md).")
+@click.option("--models-dir", type=click.Path(file_okay=False), help="Serve each model folder in it, by folder name.")
+@click.option("--max-loaded", type=click.IntRange(min=1), help="Models loaded at once; the least recently used "
+              "one is unloaded (its sessions slept) to load another.")
+@click.option("--model-ttl", "model_ttl_s", type=float, help="Seconds a model may go unused before it is unloaded.")
 @click.option("--config", "config_file", type=click.Path(), help="TOML config file (env KVWAKE_CONFIG).")
 @click.option("--block-tokens", type=int, help="Tokens per stored block (fixed per store).")
 @click.option("--hot-budget-bytes", type=int, help="KV bytes of hot sessions before LRU ones sleep "
@@ -136,6 +143,8 @@ def serve(opts: Options, **flags: object) -> None:
     flags["http_auth"] = False if flags.pop("http_no_token") else None
     flags["socket"] = flags.pop("socket_path") or (opts.socket if opts else None)
     flags["tuning"] = _tune_flags(flags.pop("tune"))
+    given = flags.pop("model_flags")
+    flags["model"], flags["more_models"] = (given[0], given[1:] or None) if given else (None, None)
     try:
         settings = load_settings(flags, Path(str(config)) if config else None)
         listen = listen_socket_from_env()  # systemd socket activation: LISTEN_FDS / LISTEN_PID
@@ -183,6 +192,7 @@ def status(opts: Options, as_json: bool) -> None:
         ("daemon", f"running, pid {state.get('pid')}, version {data['version']}{up}"),
         ("socket", data["socket"]),
         ("model", f"{state.get('model')} (bundle {short(state.get('bundle_hash'))})"),
+        *([("models", _models_line(state["models"]))] if len(state.get("models") or []) > 1 else []),
         ("sessions", f"{sessions.get('hot', 0)} hot, {sessions.get('asleep', 0)} asleep"),
         ("memory", f"hot KV {human_bytes(mem.get('hot_kv_bytes'))} of {human_bytes(mem.get('hot_budget_bytes'))}, "
                    f"RAM tier {human_bytes(mem.get('ram_tier_bytes'))}, "
@@ -195,6 +205,12 @@ def status(opts: Options, as_json: bool) -> None:
         ("codec", _codec_line(store)),
         ("counters", counters or "-"),
     ])
+
+
+def _models_line(models: list[dict]) -> str:
+    """Every model served: its name, state and sessions (hot/asleep)."""
+    return ", ".join(f"{m['name']} {m['state']} ({m['sessions']['hot']} hot, {m['sessions']['asleep']} asleep)"
+                     for m in models)
 
 
 def _persistence(p: dict) -> str:
@@ -236,6 +252,12 @@ def http_command(opts: Options, as_env: bool, as_json: bool) -> None:
         click.echo(f"export OPENAI_BASE_URL={shlex.quote(config['base_url'])}\nexport OPENAI_API_KEY={key}\n"
                    f"export ANTHROPIC_BASE_URL={shlex.quote(config['base_url'].removesuffix('/v1'))}\n"
                    f"export ANTHROPIC_API_KEY={key}")
+        served = (read_status_file(resolve_socket(opts.socket if opts else None)) or {}).get("models") or []
+        if len(served) > 1:  # Claude Code's main and small model: the default, and the second served
+            main, small = shlex.quote(served[0]), shlex.quote(served[1])
+            click.echo(f"export ANTHROPIC_MODEL={main}\nexport ANTHROPIC_DEFAULT_SONNET_MODEL={main}\n"
+                       f"export ANTHROPIC_DEFAULT_OPUS_MODEL={main}\nexport ANTHROPIC_SMALL_FAST_MODEL={small}\n"
+                       f"export ANTHROPIC_DEFAULT_HAIKU_MODEL={small}")
         return
     fields([("base url", config["base_url"]), ("api key", config["api_key"]),
             ("socket", str(resolve_socket(opts.socket if opts else None)))])
@@ -316,8 +338,8 @@ def _list_sessions(opts: Options, as_json: bool, origin: str | None = None, stat
                     break
     if as_json:
         return echo_json(sessions)
-    table(["SESSION", "STATE", "TOKENS", "BUSY"],
-          [[s["session_id"], s["state"], s.get("tokens"), s.get("busy")] for s in sessions])
+    table(["SESSION", "MODEL", "STATE", "TOKENS", "BUSY"],
+          [[s["session_id"], s.get("model"), s["state"], s.get("tokens"), s.get("busy")] for s in sessions])
 
 
 def list_options(f: Callable) -> Callable:
@@ -377,11 +399,12 @@ def sessions_show(opts: Options, session_id: str, as_json: bool) -> None:
 @sessions.command("new")
 @click.argument("session_id", required=False)
 @click.option("--system", help="System prompt.")
+@click.option("--model", help="The model it runs on, for good (a name the daemon serves; default: its first).")
 @click.option("--metadata", help="Metadata as a JSON object.")
 @json_option
 @click.pass_obj
-def sessions_new(opts: Options, session_id: str | None, system: str | None, metadata: str | None,
-                 as_json: bool) -> None:
+def sessions_new(opts: Options, session_id: str | None, system: str | None, model: str | None,
+                 metadata: str | None, as_json: bool) -> None:
     """Create a session (a new id is made up if none is given); prints its id.
 
     Example: kvwake sessions new agent-1 --system "You are terse." --metadata '{"team": "ops"}'
@@ -393,7 +416,7 @@ def sessions_new(opts: Options, session_id: str | None, system: str | None, meta
         except ValueError as exc:
             raise click.BadParameter(f"not JSON: {exc}", param_hint="--metadata") from None
     with opts.client() as client:
-        result = client.create_session(session_id, system=system, metadata=meta)
+        result = client.create_session(session_id, system=system, metadata=meta, model=model)
     echo_json(result) if as_json else click.echo(result["session_id"])
 
 
@@ -535,6 +558,7 @@ for command in (export_, import_, gc, fsck, warm, bench):
     main.add_command(command)
 # `kvwake service install|uninstall|status` lives in client/service.py (docs/service.md).
 main.add_command(service)
+main.add_command(models)
 main.add_command(demo)
 
 

@@ -21,6 +21,10 @@ the `Settings` field names as top-level keys, e.g.
     anthropic_drop_system = ["x-anthropic-billing-header:"]  # system blocks left out (the default; [] keeps all)
     http_hosted_tools = "refuse"  # OpenAI's built-in tools (web_search, ...): a 400 naming them (default "omit")
 
+    max_loaded = 2           # models loaded at once (LRU unloaded first, sessions slept); also model_ttl_s
+    [models]                 # several models by name (docs/models.md): path, aliases (patterns), pinned
+    small = {path = "~/models/Qwen3-1.7B-4bit", aliases = ["claude-haiku-*"]}
+
     [aliases]                # model names clients may ask for; without the table any name is served
     "claude-sonnet-4-5" = "Qwen3-8B-4bit"    # -> the loaded model's name (its folder name or hub id)
 
@@ -134,6 +138,15 @@ class Settings:
     socket: Path = field(default_factory=default_socket)
     data_dir: Path = field(default_factory=default_data_dir)
     model: str | None = None  # an mlx-lm folder or hub id; None: the default model
+    # Several models (model/registry.py): further `--model`s (PATH, hub id or NAME=PATH), a folder of model
+    # folders, the [models] table; how many may be loaded at once, the weights they may take together, and how
+    # long one may stay unused before it is unloaded (its sessions slept). None: no limit
+    more_models: tuple[str, ...] = ()
+    models_dir: Path | None = None
+    models: dict[str, Any] = field(default_factory=dict)
+    max_loaded: int | None = None
+    models_budget_bytes: int | None = None
+    model_ttl_s: float | None = None
     block_tokens: int = 128
     # KV of hot sessions; LRU sessions sleep above it. None: half the memory the KV may have beside the weights
     # and a prefill's scratch (model/memory.py hot_budget)
@@ -199,8 +212,15 @@ class Settings:
 
 def _coerce(name: str, value: Any) -> Any:
     kind = {f.name: f.type for f in fields(Settings)}[name]
-    if name in ("socket", "data_dir"):
+    if name in ("socket", "data_dir", "models_dir"):
         return Path(str(value)).expanduser()
+    if name == "more_models":
+        return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
+    if name == "models":
+        from kvwake.daemon.model.registry import parse_models_table  # checked here, kept as the table
+
+        parse_models_table(value)
+        return dict(value)
     if name == "allow_uids":
         return tuple(int(v) for v in value)
     if name == "anthropic_drop_system":

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import faulthandler
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
@@ -43,10 +44,10 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import restore_buffers
-from kvwake.daemon.model import memory
-from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.loader import start_model, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
-from kvwake.daemon.model.thread import EngineThread, process_age_s
+from kvwake.daemon.model.registry import Registry
+from kvwake.daemon.model.thread import process_age_s
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.paths import default_cache_dir
@@ -107,9 +108,12 @@ def prepare_socket(path: Path) -> None:
     raise DaemonRunningError(f"a kvwake daemon is already serving {path}; stop it first (kvwake status shows its pid)")
 
 
-def write_status(settings: Settings, model: LoadedModel, *, http_url: str | None = None) -> None:
+def write_status(settings: Settings, model: LoadedModel, *, http_url: str | None = None,
+                 models: list[str] | None = None) -> None:
     status = {"pid": os.getpid(), "socket": str(settings.socket), "version": kvwake.__version__,
               "model": model.name, "bundle_hash": model.bundle.hash, "started": time.time()}
+    if models is not None and len(models) > 1:  # the names served, the default first (`kvwake http --env`)
+        status["models"] = models
     if http_url is not None:  # where `kvwake http` and openai_config() find the API (the token stays in its file)
         status["http"] = {"url": http_url, "token_file": str(settings.http_token_file) if settings.http_auth
                           and settings.http_token is None else None, "auth": settings.http_auth}
@@ -143,17 +147,6 @@ def hold_daemon_lock(settings: Settings) -> int:
     return fd
 
 
-def _release_mlx_streams() -> None:
-    """Run last on the engine thread: MLX's per-thread streams must be destroyed by the thread that
-    made them, before the interpreter shuts down, or MLX may abort at exit ("terminate called without
-    an active exception"; ml-explore/mlx#4327; docs/decisions.md, "Leaving the process after a stop
-    (session 7)")."""
-    import mlx.core as mx
-
-    mx.synchronize()
-    mx.clear_streams()
-
-
 def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> int:
     """Serve until stopped; returns the process exit code."""
     setup_logging(settings.log_level)
@@ -176,20 +169,21 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
                   budget_bytes=settings.store_budget_bytes, keep_history=settings.keep_history,
                   auto_among=restore_buffers.auto_codecs(settings.tuning.restore_mode))
     started.mark("store")
-    thread = EngineThread(on_exit=_release_mlx_streams, slow_job_ms=settings.tuning.slow_job_ms,
-                          slow_jobs_kept=settings.tuning.slow_jobs_kept)
-    limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes, settings.mlx_cache_bytes)).result()
-    engine = thread.submit(lambda: Engine(store, settings.data_dir, settings.model, kv_bits=settings.kv_bits,
-                                          kv_group_size=settings.kv_group_size,
-                                          ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
-                                          io_inflight_bytes=settings.io_inflight_bytes,
-                                          max_batch=settings.max_batch,
-                                          prefill_step=settings.prefill_step, max_context=settings.max_context,
-                                          limits=limits, persist=settings.persist, warm=False,
-                                          tuning=settings.tuning)).result()
+    try:
+        registry = Registry.from_settings(settings)
+    except ValueError as exc:
+        print(f"kvwake serve: {exc}", file=sys.stderr)
+        return 2
+    provider = ModelProvider()
+    engine, thread = start_model(settings, store, registry.default, None)  # MLX's limits set on its thread
+    provider.add(engine, thread, registry.default.name)
+    start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
+    for spec in registry:
+        if spec.pinned and spec is not registry.default:
+            provider.add(*start(spec), spec.name)  # pinned models load before serving
     started.mark("engine")
     started.ms.update({f"engine.{k}": v for k, v in engine.started.ms.items()})
-    manager = SessionManager(ModelProvider.of(engine, thread), settings)
+    manager = SessionManager(provider, settings, registry, start)
     manager.started = started
     if settings.remote is not None:
         from kvwake.daemon.sessions.remote_tier import RemoteTier  # obstore loads only when a remote is configured
@@ -203,9 +197,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             http[0].close()
         if manager.remote is not None:
             manager.remote.close()
-        engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
-        thread.stop()
-        engine.close()
+        for model in manager.models:
+            stop_model(model)  # each model's writes finished while its engine thread runs, then it stops
         store.close()
         os.close(lock_fd)
 
@@ -260,7 +253,8 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
                     out_buffer_bytes=settings.out_buffer_bytes, shutdown=stop.set)
     listener = await asyncio.get_running_loop().create_unix_server(
         server.protocol, sock=listen_socket if listen_socket is not None else unix_listener(settings.socket))
-    write_status(settings, manager.model, http_url=_http_url(http[0]) if http else None)
+    write_status(settings, manager.model, http_url=_http_url(http[0]) if http else None,
+                 models=manager.model_names())
     http_done = anyio.Event()
     try:
         manager.gil_watch = gilwatch.from_tuning(settings.tuning)  # waits for the GIL (status.gil): a diagnostic, off by default
@@ -320,22 +314,10 @@ async def _signals(stop: anyio.Event) -> None:
 
 
 async def _warm(models: ModelProvider) -> None:
-    """Each model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) after the daemon answers, as
-    idle jobs one at a time: requests go first (a wake after a restart, a prefill), and one that comes while a
-    warm-up job runs waits for that one alone. A shape a request needs before its warm-up ran is built by
-    the request itself, as it would be unwarmed."""
+    """Each model's warm-up after the daemon answers, one model at a time (model/loader.py `warm_model`);
+    a model loaded later warms as it loads (sessions/models.py)."""
     for model in models:
-        started, jobs = time.perf_counter(), await model.thread.run(model.engine.warm_jobs)
-        for job in jobs:
-            try:
-                await model.thread.run_when_idle(job)
-            except Exception as exc:  # only speed is at stake: the daemon serves on, unwarmed
-                log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
-                break
-        else:
-            if jobs:
-                log.info("warm", extra={"model": model.name, "jobs": len(jobs),
-                                        "ms": round((time.perf_counter() - started) * 1000, 1)})
+        await warm_model(model)
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
@@ -345,6 +327,7 @@ async def _lifecycle(manager: SessionManager, settings: Settings) -> None:
         await anyio.sleep(settings.lifecycle_interval_s)
         try:
             await manager.enforce_limits()
+            await manager.unload_idle()
             if time.monotonic() - last_gc >= settings.gc_interval_s:
                 last_gc = time.monotonic()
                 if settings.stateless_ttl_s is not None:  # first: their snapshots' blocks become evictable

@@ -42,7 +42,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvwake.daemon.model.registry import ModelSpec, UnknownModelError
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.fronts import anthropic_shapes
 from kvwake.daemon.fronts.anthropic_shapes import MessagesReply, MessagesRequest, model_info
 from kvwake.daemon.fronts.openai_shapes import ApiError, ChatRequest, CompletionRequest, Reply, from_kvwake
 from kvwake.daemon.fronts.responses_items import item_page
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply, ResponsesRequest
-from kvwake.daemon.fronts.sse import AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream
+from kvwake.daemon.fronts.sse import (
+    KEEPALIVE, AnthropicEvents, NamedEvents, OpenAiEvents, ResponsesEvents, stream, stream_error,
+)
 from kvwake.daemon.sessions.matching import Matcher
 from kvwake.daemon.sessions.responses import ResponseRecord, ResponseRecords
 from kvwake.errors import KvwakeError, NotFoundError
@@ -159,65 +162,110 @@ class Api:
 
     def __init__(self, manager: SessionManager) -> None:
         self.manager, self.matcher, self.records = manager, Matcher(manager), ResponseRecords(manager)
-        self.aliases, self.drop_system = manager.settings.aliases, manager.settings.anthropic_drop_system
+        self.drop_system = manager.settings.anthropic_drop_system
         self.keepalive_s, self.hosted = manager.settings.http_keepalive_s, manager.settings.http_hosted_tools
 
-    def _names(self) -> list[str]:
-        """The model names served: the loaded models', each followed by its aliases."""
-        return [n for name in self.manager.model_names()
-                for n in (name, *(alias for alias, target in self.aliases.items() if target == name))]
+    def _names(self) -> list[tuple[str, bool]]:
+        """Every model served, by each of its names (its own, then its aliases), and whether it is loaded."""
+        registry, loaded = self.manager.registry, self.manager.models
+        return [(n, spec.name in loaded) for spec in registry for n in registry.names(spec)]
 
     def _model(self) -> str:
-        """The name replies give: the model every request runs on today (the default)."""
-        return self.manager.model_names()[0]
+        """The name replies give: the model the request runs on (the scope `_serving` opened)."""
+        return self.manager.model_name()
 
-    def _check_model(self, requested: Any) -> None:
-        """Any name is served by the loaded model, unless the config has an [aliases] table: then only its names."""
-        if self.aliases and requested is not None and requested not in self._names():
-            raise ApiError(404, f"model {requested!r} is not served: this daemon serves {', '.join(self._names())}",
-                           param="model", code="model_not_found", kind="not_found_error")
+    def _serving(self, requested: Any) -> Any:
+        """The request's model, loaded (first, if it is not) and the model of its operations while the block
+        runs (sessions/models.py); a 404 in the API's own shape for a name no model served answers to (with one
+        model and no aliases configured, every name is that model)."""
+        return self.manager.use(self._spec(requested).name)
+
+    async def _on_model(self, spec: ModelSpec, streamed: bool, respond: Callable[[], Awaitable[Response]],
+                        shape: Callable[[], OpenAiEvents | NamedEvents]) -> Response:
+        """`respond()` with `spec`'s model loaded, the model of its operations. A streamed request whose model
+        is not loaded opens its stream at once and sends keep-alive comments while the model loads (as during
+        a long prefill), then the reply's own stream; a failure before that goes in the stream, in the API's
+        shape (`shape().failure`). Such a stream has no X-Kvwake-Session header (its session is chosen after
+        the headers went); the conversation's next request finds its session by matching, as always."""
+        if not streamed or spec.name in self.manager.models:
+            async with self.manager.use(spec.name):
+                return await respond()
+        return StreamingResponse(self._after_load(spec.name, respond, shape), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _after_load(self, name: str, respond: Callable[[], Awaitable[Response]],
+                          shape: Callable[[], OpenAiEvents | NamedEvents]) -> AsyncIterator[str | bytes]:
+        loading = asyncio.ensure_future(self.manager.ensure(name))  # the load itself goes on if the client leaves
+        try:
+            while not loading.done():
+                if not (await asyncio.wait([loading], timeout=self.keepalive_s))[0]:
+                    yield KEEPALIVE
+            loading.result()
+            async with self.manager.use(name):
+                response = await respond()
+        except Exception as exc:  # the stream is open: the failure goes in it
+            for line in shape().failure(exc if isinstance(exc, ApiError) else stream_error(exc)):
+                yield line
+            return
+        finally:
+            loading.cancel()
+        async for chunk in response.body_iterator:  # type: ignore[attr-defined]
+            yield chunk
+
+    def _spec(self, requested: Any) -> ModelSpec:
+        """The model `requested` names; a 404 (OpenAI's `model_not_found`, Anthropic's `not_found_error`)."""
+        try:
+            return self.manager.registry.resolve(requested)
+        except UnknownModelError as exc:
+            raise ApiError(404, exc.message, param="model", code="model_not_found", kind="not_found_error") from None
 
     async def models(self, request: Request) -> Response:
         if "anthropic-version" in request.headers:
-            data = [model_info(name) for name in self._names()]
+            data = [{**model_info(name), "loaded": loaded} for name, loaded in self._names()]
             return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]})
-        return JSONResponse({"object": "list", "data": [_openai_model(name) for name in self._names()]})
+        return JSONResponse({"object": "list", "data": [_openai_model(name, loaded) for name, loaded in self._names()]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        self._check_model(name)
-        return JSONResponse(model_info(name) if "anthropic-version" in request.headers else _openai_model(name))
+        loaded = self._spec(name).name in self.manager.models  # a 404 for a name not served; nothing loads
+        info = model_info(name) if "anthropic-version" in request.headers else _openai_model(name, loaded)
+        return JSONResponse({**info, "loaded": loaded})
 
     async def chat(self, request: Request) -> Response:
         body = await _body(request)
-        self._check_model(body.get("model"))
+        spec = self._spec(body.get("model"))
         req = ChatRequest.parse(body, _header(request))
-        return await self._complete(request, req, OpenAiEvents(Reply(self._model(), True,
-                                                                     req.one_call), req.include_usage))
+        shape = lambda: OpenAiEvents(Reply(spec.name, True, req.one_call), req.include_usage)  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def completions(self, request: Request) -> Response:
         body = await _body(request)
-        self._check_model(body.get("model"))
+        spec = self._spec(body.get("model"))
         req = CompletionRequest.parse(body, _header(request))
-        return await self._complete(request, req, OpenAiEvents(Reply(self._model(), False),
-                                                               req.include_usage))
+        shape = lambda: OpenAiEvents(Reply(spec.name, False), req.include_usage)  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def messages(self, request: Request) -> Response:
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system)
-        self._check_model(req.model)
-        return await self._complete(request, req, AnthropicEvents(MessagesReply(self._model(),
-                                                                                req.one_call, req.thinking)))
+        spec = self._spec(req.model)
+        shape = lambda: AnthropicEvents(MessagesReply(spec.name, req.one_call, req.thinking))  # noqa: E731
+        return await self._on_model(spec, req.stream, lambda: self._complete(request, req, shape()), shape)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens, rendered as /v1/messages renders it (nothing runs, no session is made)."""
         req = MessagesRequest.parse(await _body(request), _header(request), self.drop_system, counting=True)
-        self._check_model(req.model)
-        return JSONResponse({"input_tokens": len((await self.manager.render(req.inputs())).target)})
+        async with self._serving(req.model):
+            return JSONResponse({"input_tokens": len((await self.manager.render(req.inputs())).target)})
 
     async def responses(self, request: Request) -> Response:
         body = await _body(request)
-        self._check_model(body.get("model"))
+        spec = self._spec(body.get("model"))
         req = ResponsesRequest.parse(body, _header(request), self.hosted)
+        return await self._on_model(spec, req.stream, lambda: self._respond(request, req),
+                                    lambda: ResponsesEvents(ResponsesReply(spec.name, req)))
+
+    async def _respond(self, request: Request, req: ResponsesRequest) -> Response:
+        """A Responses request, parsed, under its model's scope."""
         if req.offered.omitted:
             log.info("responses: OpenAI's built-in tools left out of the prompt (http_hosted_tools = omit): %s",
                      ", ".join(req.offered.omitted))
@@ -346,8 +394,8 @@ async def _watch(request: Request, waits: list[asyncio.Future], gone: anyio.Even
             gone.set()
 
 
-def _openai_model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvwake"}
+def _openai_model(name: str, loaded: bool) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvwake", "loaded": loaded}
 
 
 def make_app(manager: SessionManager, token: str | None) -> Any:

@@ -95,8 +95,32 @@ async def stats(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 
 async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, {"session_id", "system", "metadata", "exist_ok"})
-    return await ctx.manager.create(p.get("session_id"), p.get("system"), p.get("metadata"), bool(p.get("exist_ok")))
+    _check(p, {"session_id", "system", "metadata", "exist_ok", "model"})
+    async with ctx.manager.using(p.get("model")):  # the session's model for good (None: the default)
+        return await ctx.manager.create(p.get("session_id"), p.get("system"), p.get("metadata"),
+                                        bool(p.get("exist_ok")))
+
+
+async def model_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    _check(p, set())
+    return {"models": ctx.manager.model_states()}
+
+
+def _model_name(ctx: Context, p: dict[str, Any]) -> str:
+    """The `name` param: a model served, by its name or an alias (NOT_FOUND naming those served)."""
+    _check(p, {"name"}, {"name"})
+    return ctx.manager.registry.resolve(p["name"]).name
+
+
+async def model_load(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    name = _model_name(ctx, p)
+    loaded = name in ctx.manager.models
+    model = await ctx.manager.ensure(name)
+    return {"model": name, "loaded": not loaded, "bundle_hash": model.bundle.hash}
+
+
+async def model_unload(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
+    return await ctx.manager.unload(_model_name(ctx, p))
 
 
 LIST_PAGE_MAX = 1000  # sessions one paged session.list returns at most
@@ -196,8 +220,9 @@ async def snapshot_import(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 
 async def prefix_warm(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
-    _check(p, INPUT_KEYS - {"tools"})
-    return await ctx.manager.warm({k: p[k] for k in ("messages", "text", "tokens") if k in p})
+    _check(p, INPUT_KEYS - {"tools"} | {"model"})
+    async with ctx.manager.using(p.get("model")):  # the model whose blocks are stored (None: the default)
+        return await ctx.manager.warm({k: p[k] for k in ("messages", "text", "tokens") if k in p})
 
 
 async def store_gc(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
@@ -230,5 +255,6 @@ METHODS: dict[str, Callable[[Context, dict[str, Any]], Awaitable[dict[str, Any]]
     "session.chat": session_chat, "session.sleep": session_sleep, "session.wake": session_wake,
     "session.fork": session_fork, "session.checkpoint": session_checkpoint,
     "snapshot.list": snapshot_list, "snapshot.export": snapshot_export, "snapshot.import": snapshot_import,
+    "model.list": model_list, "model.load": model_load, "model.unload": model_unload,
     "prefix.warm": prefix_warm, "store.gc": store_gc, "store.fsck": store_fsck, "shutdown": shutdown,
 }

@@ -21,7 +21,7 @@ from kvwake.daemon.fronts.openai_shapes import ApiError, Reply, from_kvwake
 from kvwake.daemon.fronts.responses_shapes import ResponsesReply
 from kvwake.errors import KvwakeError
 
-__all__ = ["KEEPALIVE", "AnthropicEvents", "NamedEvents", "OpenAiEvents", "ResponsesEvents", "stream"]
+__all__ = ["KEEPALIVE", "AnthropicEvents", "NamedEvents", "OpenAiEvents", "ResponsesEvents", "stream", "stream_error"]
 
 log = logging.getLogger("kvwake.http")
 Keep = Callable[[dict[str, Any], str, int], Awaitable[None]]
@@ -133,7 +133,7 @@ async def stream(shape: OpenAiEvents | NamedEvents, first: asyncio.Future, event
         try:
             result = task.result()
         except Exception as exc:  # the stream has begun: the error goes in it
-            for line in shape.failure(_stream_error(exc)):
+            for line in shape.failure(stream_error(exc)):
                 yield line
             return
         lines = shape.closing(result)
@@ -145,7 +145,8 @@ async def stream(shape: OpenAiEvents | NamedEvents, first: asyncio.Future, event
         gone.set()  # the client left (or the stream ended): a running generation stops at its next token
 
 
-def _stream_error(exc: Exception) -> ApiError:
+def stream_error(exc: Exception) -> ApiError:
+    """A failure once a stream is open, as the error its API's shape sends (an unforeseen one logged, a 500)."""
     if isinstance(exc, KvwakeError):
         return from_kvwake(exc)
     log.error("generation failed mid-stream", exc_info=exc)

@@ -6,10 +6,10 @@ the fronts through the manager) asks the provider, as mlx-lm's server asks its
 engine that computes on it and the engine thread its MLX work runs on.
 Nothing else holds a model.
 
-Today the daemon loads one model at start (`serve.py`) and every name resolves
-to it; sessions are tied to it by its bundle hash. Several models by name,
-loaded on demand and unloaded without loss, build on this (docs/decisions.md,
-"One scheduler, one model provider").
+The provider holds what is loaded now; which models may be served and what a
+requested name means is the registry's (model/registry.py), and when a model
+loads or unloads is the session manager's (sessions/models.py): an unload
+sleeps the model's sessions first (docs/decisions.md, "Several models (issue 53)").
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ class LoadedModel:
 
     engine: Engine
     thread: EngineThread
+    served_as: str | None = None  # the registry's name for it (model/registry.py); None: the engine's own
 
     @property
     def name(self) -> str:
-        return self.engine.model_name
+        return self.served_as if self.served_as is not None else self.engine.model_name
 
     @property
     def bundle(self) -> Bundle:
@@ -48,7 +49,7 @@ class LoadedModel:
 
 
 class ModelProvider:
-    """The loaded models by name. `get(None)` is the default model: the first one added."""
+    """The loaded models by name. `get(None)` is the first one loaded of those still loaded."""
 
     def __init__(self) -> None:
         self._models: dict[str, LoadedModel] = {}
@@ -60,10 +61,11 @@ class ModelProvider:
         provider.add(engine, thread)
         return provider
 
-    def add(self, engine: Engine, thread: EngineThread) -> LoadedModel:
-        """Serve `engine`'s model under its name (its folder name or hub id), its MLX work on `thread`: the
-        thread steps the engine's decoder between jobs and takes its prefill planner's jobs from now on."""
-        model = LoadedModel(engine, thread)
+    def add(self, engine: Engine, thread: EngineThread, name: str | None = None) -> LoadedModel:
+        """Serve `engine`'s model under `name` (None: its own, its folder name or hub id), its MLX work on
+        `thread`: the thread steps the engine's decoder between jobs and takes its prefill planner's jobs
+        from now on."""
+        model = LoadedModel(engine, thread, name)
         if model.name in self._models:
             raise ValueError(f"model {model.name!r} is loaded already")
         thread.attach(engine.decoder, engine.planner)
@@ -80,6 +82,18 @@ class ModelProvider:
         if model is None:
             raise NotFoundError(f"model {name!r} is not loaded; loaded: {', '.join(self._models)}", model=name)
         return model
+
+    def remove(self, name: str) -> LoadedModel:
+        """Stop serving `name` (its caller stops its thread and closes its engine: model/loader.py)."""
+        model = self.get(name)
+        del self._models[name]
+        return model
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def __len__(self) -> int:
+        return len(self._models)
 
     def names(self) -> list[str]:
         """The loaded models' names, the default first."""

@@ -207,11 +207,13 @@ class Conversations:
         opening). Returns (cache, tokens) or (None, 0); a source taken meanwhile is skipped, not waited for.
         Only the sessions holding the deepest chain key the prompt shares are compared (`entries.keys`).
         """
-        want, best, source = held, 0, None
+        want, best, source, model = held, 0, None, self.model_name()
         for known, level in self.entries.keys.levels(want):  # by chain key (sessions/hotkeys.py), deepest first
             for entry in level:
                 s = entry.session
                 if s is None or s is session or entry.busy or s.cache is None or not s.processed:
+                    continue
+                if self.model_of(entry) != model:  # another model's KV is no prefix of this one's
                     continue
                 shared = min(s.restored if restored_only else s.processed, shared_from(s.tokens, want, known))
                 shared -= shared % align

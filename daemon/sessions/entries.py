@@ -25,13 +25,14 @@ __all__ = ["Entries", "Entry", "HotBytes"]
 
 class Entry:
     """A session the daemon knows: `session` is None while it sleeps; `busy` names the claim on it (None:
-    idle). Both keep the indexes of the Entries holding it."""
+    idle). Both keep the indexes of the Entries holding it. `model`: the name of the model it runs on
+    (sessions/models.py); None: the default one."""
 
-    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner")
+    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner", "model")
 
     def __init__(self, id: str, session: Session | None = None, busy: str | None = None,
-                 created: float | None = None) -> None:
-        self.id, self._session, self._busy = id, session, busy
+                 created: float | None = None, model: str | None = None) -> None:
+        self.id, self._session, self._busy, self.model = id, session, busy, model
         self.last_used, self.created = time.monotonic(), time.time() if created is None else created
         self._owner: Entries | None = None  # the Entries holding it
 

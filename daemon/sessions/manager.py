@@ -15,8 +15,9 @@ Concurrency rules:
   `mlx` = the engine thread's `call`: its MLX steps go to the engine thread one
   short job at a time (other sessions' generation interleaves with them), codec
   and disk work to the engine's pool. Sleep, wake and warm likewise.
-- The models come from the `ModelProvider` (model/provider.py); today every
-  session runs on its one model.
+- The models come from the `ModelProvider` (model/provider.py); each session runs
+  on its own model, loaded on demand, the operation's model a context variable
+  (sessions/models.py).
 - Generate calls of different sessions decode together, one batched forward
   pass per step (model/decoder.py); prefill runs one chunk per engine job between
   decode steps, so a long prompt delays the others by about one chunk.
@@ -44,11 +45,13 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.gilwatch import GilWatch
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
+from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.timing import Latency, Phases
 from kvwake.daemon.session_state import Session, check_json, check_session_id
 from kvwake.daemon.sessions.conversations import Conversations, Prepared
 from kvwake.daemon.sessions.entries import Entries, Entry
+from kvwake.daemon.sessions.models import CURRENT, ModelKeeping, Starter
 from kvwake.daemon.sessions.room import RoomKeeping
 from kvwake.daemon.sessions.shared_prefill import SharedPrefills
 from kvwake.daemon.session_state import new_session_id as make_session_id
@@ -64,12 +67,14 @@ TURNS_KEPT = 64  # generate calls whose phases status keeps
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
-class SessionManager(Conversations, RoomKeeping):
-    """All session operations the fronts call (RPC methods, HTTP routes), over the models of `models`."""
+class SessionManager(Conversations, RoomKeeping, ModelKeeping):
+    """All session operations the fronts call (RPC methods, HTTP routes), over the models of `models`: those
+    `registry` names (None: the loaded ones), loaded by `start` on demand (None: only those loaded)."""
 
-    def __init__(self, models: ModelProvider, settings: Settings) -> None:
+    def __init__(self, models: ModelProvider, settings: Settings, registry: Registry | None = None,
+                 start: Starter | None = None) -> None:
         self.models, self.settings = models, settings
-        self.store = self.model.engine.store
+        self.store = self.models.get().engine.store  # one store: every model's sessions and blocks (by bundle hash)
         self.entries = Entries()  # its `hot` indexes the hot ones: nothing below walks every session
         self.latency = {"sleep": Latency(), "wake": Latency(), "generate_ttft": Latency()}
         # The latest generate calls' phases, ms each: where a first token's time went (status "turns")
@@ -77,8 +82,8 @@ class SessionManager(Conversations, RoomKeeping):
         self.counters = {"sleeps": 0, "wakes": 0, "auto_sleeps": 0, "room_sleeps": 0, "sleep_failures": 0,
                          "generations": 0, "prefix_copies": 0, "prefix_waits": 0,
                          "wake_waits": 0}
-        # Appends prefilling a fresh cache now, and the requests that share their prompt waiting on them
-        self.shared = SharedPrefills(self.engine.min_partial)
+        # Per model: appends prefilling a fresh cache now, and the requests that share their prompt waiting on them
+        self._shared: dict[str, SharedPrefills] = {}
         self.stopping = False
         # KV taken from sessions (slept, deleted, replaced by a wake) and being freed on the engine thread: its bytes
         self.releasing: dict[asyncio.Task, int] = {}
@@ -86,12 +91,24 @@ class SessionManager(Conversations, RoomKeeping):
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
         self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
         self.gil_watch: GilWatch | None = None  # waits for the GIL, when KVWAKE_GIL_WATCH_MS asks (serve.py)
+        self._init_models(registry or Registry([ModelSpec(m.name, None) for m in models]), start)
 
     @property
     def model(self) -> LoadedModel:
-        """The model sessions run on: the provider's default (every session's, until models are chosen by
-        name: its bundle hash ties each session to it)."""
-        return self.models.get()
+        """The model the operation in hand runs on (sessions/models.py): its scope's, else the default one,
+        else (the default unloaded) the first loaded."""
+        name = CURRENT.get()
+        if name is None and self.registry.default.name in self.models:
+            name = self.registry.default.name
+        return self.models.get(name)
+
+    @property
+    def shared(self) -> SharedPrefills:
+        """The operation's model's prefills in flight (a prompt's KV is shared within one model only)."""
+        name = self.model.name
+        if name not in self._shared:
+            self._shared[name] = SharedPrefills(self.engine.min_partial)
+        return self._shared[name]
 
     @property
     def engine(self) -> Engine:
@@ -102,13 +119,18 @@ class SessionManager(Conversations, RoomKeeping):
         return self.model.thread
 
     def model_names(self) -> list[str]:
-        """The names of the models served, the default first."""
-        return self.models.names()
+        """The names of the models served, the default first (loaded or not)."""
+        return [spec.name for spec in self.registry]
 
     async def load(self) -> None:
-        """Know every session the store holds (all asleep after a start)."""
-        for row in await to_thread.run_sync(self.store.sessions):
-            self.entries[row["id"]] = Entry(row["id"], created=row["created"])
+        """Know every session the store holds (all asleep after a start), each with its model (by its head's
+        bundle, when several are served)."""
+        rows = await to_thread.run_sync(self.store.sessions)
+        bundles = {} if len(self.registry) == 1 else \
+            {r["id"]: r["bundle"] for r in await to_thread.run_sync(self.store.snapshots)}
+        for row in rows:
+            model = self.model_for_bundle(bundles.get(row["head"]))
+            self.entries[row["id"]] = Entry(row["id"], created=row["created"], model=model)
 
     # -- claiming -------------------------------------------------------------
 
@@ -122,19 +144,21 @@ class SessionManager(Conversations, RoomKeeping):
     async def claim(self, session_id: Any, op: str, take_over: bool = False) -> AsyncIterator[Entry]:
         if self.remote is not None and op not in ("delete", "sleep") and check_session_id(session_id) not in self.entries:
             await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
-            self.entries.setdefault(session_id, Entry(session_id))
+            self.entries.setdefault(session_id, Entry(session_id, model=self.registry.default.name))
         entry = self.entry(session_id)
-        with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (_hot_prefix): one engine job
-            while entry.busy == "copy":
-                await anyio.sleep(0.002)
-        if entry.busy:
-            raise BusyError(f"session {entry.id} is busy ({entry.busy}); retry when it is done",
-                            session_id=entry.id, busy_with=entry.busy)
-        entry.busy = op
-        try:
-            yield entry
-        finally:
-            entry.busy, entry.last_used = None, time.monotonic()
+        with self.model_scope(entry, op):  # its model's engine; a turn asked of another model refused
+            async with contextlib.nullcontext() if op in ("sleep", "delete") else self.use(self.model_of(entry)):
+                with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (_hot_prefix): one engine job
+                    while entry.busy == "copy":
+                        await anyio.sleep(0.002)
+                if entry.busy:
+                    raise BusyError(f"session {entry.id} is busy ({entry.busy}); retry when it is done",
+                                    session_id=entry.id, busy_with=entry.busy)
+                entry.busy = op
+                try:
+                    yield entry
+                finally:
+                    entry.busy, entry.last_used = None, time.monotonic()
 
     async def awake(self, entry: Entry) -> Session:
         """The entry's session, woken first if it sleeps (the caller holds the claim)."""
@@ -153,6 +177,11 @@ class SessionManager(Conversations, RoomKeeping):
         check_json(metadata or {}, "metadata")
         if system is not None and not isinstance(system, str):
             raise InvalidParamsError("system must be a string")
+        async with self.use(self.model_name()) as model:  # the request's model (a front's scope), else the default
+            return await self._create(session_id, system, metadata, exist_ok, model.name)
+
+    async def _create(self, session_id: str, system: str | None, metadata: dict | None, exist_ok: bool,
+                      model: str) -> dict[str, Any]:
         if session_id in self.entries:
             if exist_ok:
                 return {"session_id": session_id, "created": False}
@@ -160,7 +189,7 @@ class SessionManager(Conversations, RoomKeeping):
         session = Session(session_id, metadata=dict(metadata or {}))
         if system:
             session.mode, session.messages = "chat", [{"role": "system", "content": system}]
-        entry = self.entries[session_id] = Entry(session_id, session=session, busy="create")
+        entry = self.entries[session_id] = Entry(session_id, session=session, busy="create", model=model)
         try:
             # An empty first snapshot makes the session itself durable: its system prompt and
             # metadata survive a crash before its first sleep.
@@ -254,7 +283,8 @@ class SessionManager(Conversations, RoomKeeping):
 
     async def delete(self, session_id: Any) -> dict[str, Any]:
         async with self.claim(session_id, "delete") as entry:
-            await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
+            if self.model_of(entry) in self.models:  # an unloaded model's writer has no checkpoint in flight
+                await to_thread.run_sync(self.engine.forget, entry.id)  # no checkpoint of it commits after this
             removed = 0
             with contextlib.suppress(NotFoundError):  # a store failure keeps the session known, as it still is
                 removed = await to_thread.run_sync(self.store.delete_session, entry.id)
@@ -286,7 +316,7 @@ class SessionManager(Conversations, RoomKeeping):
             raise InvalidParamsError(f"session {new_id} exists", session_id=new_id)
         # Reserve the new id now: the snapshot below takes a while, and a concurrent
         # session.create of the same id must get "exists", not be overwritten by the fork.
-        reserved = self.entries[new_id] = Entry(new_id, busy="fork")
+        reserved = self.entries[new_id] = Entry(new_id, busy="fork", model=self.model_of(self.entry(session_id)))
         try:
             source = snapshot_id if snapshot_id is not None else await self.snapshot_now(session_id, None)
             record = await to_thread.run_sync(self.store.snapshot, source)
@@ -307,5 +337,5 @@ class SessionManager(Conversations, RoomKeeping):
         if session_id is not None:
             check_session_id(session_id)
         result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
-        self.entries.setdefault(result["session_id"], Entry(result["session_id"]))
+        self.entries.setdefault(result["session_id"], Entry(result["session_id"], model=self.registry.default.name))
         return result

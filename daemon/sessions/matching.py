@@ -227,6 +227,8 @@ class Matcher:
         s = entry.session
         if s is None or entry.busy or s.mode != mode or s.metadata.get("origin") != ORIGIN or not s.tokens:
             return None
+        if self.manager.model_of(entry) != self.manager.model_name():  # the request's model's sessions only
+            return None
         return Candidate(entry.id, shared_from(s.tokens, want, known), _start(s.reply_start, len(s.tokens)),
                          entry.created, s.metadata.get(LINEAGE))
 

@@ -29,19 +29,31 @@ __all__ = ["export", "fsck", "gc", "hello", "remote_gc", "session_info", "sessio
 
 
 def hello(m: SessionManager) -> dict[str, Any]:
-    model = m.model
+    model = m.model if len(m.models) else None  # the default model, else the first loaded
     return {"server": "kvwake", "version": kvwake.__version__, "protocol": PROTOCOL_VERSION,
-            "model": model.name, "bundle_hash": model.bundle.hash}
+            "model": model.name if model is not None else m.model_names()[0],
+            "bundle_hash": model.bundle.hash if model is not None else None}
 
 
 async def status(m: SessionManager) -> dict[str, Any]:
-    engine, thread, store = m.engine, m.thread, m.store
+    """The daemon's state: every model served (`models`: sessions/models.py model_states) and, of the default
+    model (else the first loaded; none loaded: left out), its engine's memory, generation and thread."""
     hot = len(m.entries.hot)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"model": engine.model_name, "bundle_hash": engine.bundle.hash, "pid": os.getpid(),
-            "models": m.models.names(),
-            "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
-            "tuning": dataclasses.asdict(m.settings.tuning),
+    store = m.store
+    report = {"pid": os.getpid(), "models": m.model_states(), "sessions": {"hot": hot, "asleep": len(m.entries) - hot},
+              "tuning": dataclasses.asdict(m.settings.tuning),
+              "store": {"stored_bytes": await to_thread.run_sync(store.stored_bytes),
+                        "path": str(store.root), "codec": store.codec, "codec_choice": store.codec_choice,
+                        "auto_among": list(store.auto_among) if store.auto_among else None,
+                        **await to_thread.run_sync(store.points_summary)},  # restore points: how many, bytes
+              "gc": m.collector.summary(), "gil": m.gil_watch.summary() if m.gil_watch is not None else None,
+              "turns": list(m.turns), "startup_ms": m.started.ms, "counters": dict(m.counters),
+              **({"remote": m.remote.status()} if m.remote is not None else {})}
+    if not len(m.models):
+        return {"model": None, "bundle_hash": None, **report}
+    engine, thread = m.engine, m.thread
+    return {**report, "model": m.model.name, "bundle_hash": engine.bundle.hash,
             "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(),
                        "hot_budget_bytes": m.hot_budget(), "kv_room_bytes": engine.kv_room_bytes,
                        "ram_tier_bytes": engine.ram_tier.bytes, "peak_rss_bytes": rss,
@@ -49,10 +61,6 @@ async def status(m: SessionManager) -> dict[str, Any]:
                        "mlx_cache_limit_bytes": engine.limits.cache_bytes if engine.limits else None,
                        "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,
                        "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
-            "store": {"stored_bytes": await to_thread.run_sync(store.stored_bytes),
-                      "path": str(store.root), "codec": store.codec, "codec_choice": store.codec_choice,
-                      "auto_among": list(store.auto_among) if store.auto_among else None,
-                      **await to_thread.run_sync(store.points_summary)},  # restore points: how many, bytes
             "persistence": engine.persister.status(),
             "restore_points": engine.points.status(),
             **({"pages": engine.pages.status()} if engine.pages is not None else {}),
@@ -60,12 +68,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,
                            **engine.decoder.status()},
             "engine_thread": thread.timing(),
-            "gc": m.collector.summary(),
-            "gil": m.gil_watch.summary() if m.gil_watch is not None else None,
-            "turns": list(m.turns),
-            "startup_ms": m.started.ms,
-            "counters": {**m.counters, **engine.counters},
-            **({"remote": m.remote.status()} if m.remote is not None else {})}
+            "counters": {**m.counters, **engine.counters}}
 
 
 def stats(m: SessionManager) -> dict[str, Any]:
@@ -83,7 +86,7 @@ def stats(m: SessionManager) -> dict[str, Any]:
 def summary(e: Entry) -> dict[str, Any]:
     s = e.session
     return {"session_id": e.id, "state": "hot" if s is not None else "asleep", "busy": e.busy,
-            "tokens": len(s.tokens) if s is not None else None}
+            "tokens": len(s.tokens) if s is not None else None, "model": e.model}
 
 
 async def session_list(m: SessionManager) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""A model's engine and engine thread, started and stopped (one pair per loaded model).
+
+`start_model` blocks its caller until the model is loaded: the weights are read on the model's own new
+engine thread, so the daemon calls it from a worker thread (sessions/models.py), never from the event
+loop or another model's engine thread. `stop_model` undoes it once the model's sessions sleep.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+from kvwake.daemon.config import Settings
+from kvwake.daemon.model import memory
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.provider import LoadedModel
+from kvwake.daemon.model.registry import ModelSpec
+from kvwake.daemon.model.thread import EngineThread
+from kvwake.store import Store
+
+__all__ = ["release_mlx_streams", "start_model", "stop_model", "warm_model"]
+
+log = logging.getLogger("kvwake.models")
+
+
+def release_mlx_streams() -> None:
+    """Run last on an engine thread: MLX's per-thread streams must be destroyed by the thread that
+    made them, before the interpreter shuts down, or MLX may abort at exit ("terminate called without
+    an active exception"; ml-explore/mlx#4327; docs/decisions.md, "Leaving the process after a stop
+    (session 7)")."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.clear_streams()
+
+
+def start_model(settings: Settings, store: Store, spec: ModelSpec,
+                limits: memory.Limits | None) -> tuple[Engine, EngineThread]:
+    """`spec`'s engine, built on a new engine thread of its own (named for the model), and that thread;
+    `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them)."""
+    thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
+                          slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
+    try:
+        if limits is None:  # the first model: MLX's limits (process-wide) set where MLX runs
+            limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes,
+                                                               settings.mlx_cache_bytes)).result()
+        engine = thread.submit(lambda: Engine(
+            store, settings.data_dir, spec.source, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
+            ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
+            io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
+            prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
+            persist=settings.persist, warm=False, tuning=settings.tuning)).result()
+    except BaseException:
+        thread.stop()
+        raise
+    return engine, thread
+
+
+def stop_model(model: LoadedModel) -> None:
+    """Stop a model no session is hot on any more: its writes finished, its thread stopped, its engine
+    closed, its memory let go (blocks until done: from a worker thread)."""
+    started = time.perf_counter()
+    model.engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
+    model.thread.stop()
+    model.engine.close()
+    gc.collect()  # the model's arrays sit in reference cycles (mlx-lm's modules): freed now, not at a later pass
+    log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
+
+
+async def warm_model(model: LoadedModel) -> None:
+    """The model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) as idle jobs one at a time:
+    requests go first (a wake after a restart, a prefill), and one that comes while a warm-up job runs waits
+    for that one alone. A shape a request needs before its warm-up ran is built by the request itself, as
+    it would be unwarmed."""
+    started = time.perf_counter()
+    try:
+        jobs = await model.thread.run(model.engine.warm_jobs)
+        for job in jobs:
+            await model.thread.run_when_idle(job)
+    except Exception as exc:  # only speed is at stake (or the model was unloaded meanwhile): serving goes on
+        log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
+        return
+    if jobs:
+        log.info("warm", extra={"model": model.name, "jobs": len(jobs),
+                                "ms": round((time.perf_counter() - started) * 1000, 1)})

@@ -1,0 +1,326 @@
+"""Several models in one daemon: which one an operation runs on, loads on demand, unloads without loss.
+
+Part of the session manager (`SessionManager` in sessions/manager.py takes these methods); the design is in
+docs/decisions.md, "Several models (issue 53)".
+
+- **The model of an operation** is the context variable `CURRENT`: a front sets it from a request's `model`
+  (`using`), a claim sets it to the claimed session's model (`model_scope`), and the manager's `engine`,
+  `thread` and `model` answer for it. Tasks and worker threads started inside inherit it.
+- **Load on demand:** `use` waits for a model's load (one load per model at a time, shared by whoever
+  asks), which runs `start` on a worker thread: the weights are read on the model's own new engine thread.
+  Before a load, models are unloaded least recently used first while the load would go past
+  `max_loaded` or `models_budget_bytes`; a model in use is waited for; pinned ones are never unloaded.
+- **Unload without loss:** new operations on the model wait; once none is in flight, each of its hot
+  sessions sleeps, then its engine stops. Its sessions stay known, asleep, and wake on its next load.
+- **Sessions know their model** after a restart by their head snapshot's bundle hash, through
+  `<data dir>/model-bundles.json` (bundle hash -> model name), written at each load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+from anyio import to_thread
+
+from kvwake.daemon.model.loader import stop_model, warm_model
+from kvwake.daemon.model.provider import LoadedModel
+from kvwake.daemon.model.registry import ModelSpec, Registry
+from kvwake.daemon.sessions.entries import Entry
+from kvwake.errors import BusyError, InvalidParamsError, KvwakeError
+from kvwake.store.files import write_durable
+
+__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError", "weights_bytes"]
+
+log = logging.getLogger("kvwake.models")
+CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
+HELD: ContextVar[frozenset[str]] = ContextVar("kvwake_models_held", default=frozenset())  # its `use`s, outer ones
+BUNDLES_FILE = "model-bundles.json"
+WAIT_S = 0.01  # how often a load waiting for a model in use, or a use waiting for an unload, looks again
+Starter = Callable[[ModelSpec], tuple[Any, Any]]  # spec -> (engine, engine thread), blocking (model/loader.py)
+
+
+class ModelLoadError(KvwakeError):
+    """A model could not be loaded (INTERNAL: the daemon serves on, its other models unaffected)."""
+
+
+def weights_bytes(model: LoadedModel) -> int:
+    """The bytes of a loaded model's weights (its parameters' arrays), measured apart from any other model."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.engine.model.parameters()))
+
+
+class ModelKeeping:
+    """The session manager's models (see the module docstring); `SessionManager` holds the state."""
+
+    def _init_models(self, registry: Registry, start: Starter | None) -> None:
+        self.registry, self._start = registry, start
+        self._loads: dict[str, asyncio.Task] = {}
+        self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
+        self._loading_since: dict[str, float] = {}
+        self._unloading: set[str] = set()
+        self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
+        self._uses: Counter[str] = Counter()  # operations running on each model
+        self._waits: Counter[str] = Counter()  # operations waiting for each model's load
+        self._blocked: Counter[str] = Counter()  # of those, the ones held back by its unload or its draining
+        self._last_use: dict[str, float] = {}
+        self._weights: dict[str, int] = {}  # each model's weights as measured at its last load
+        self._admit: asyncio.Lock | None = None  # made on the loop: one load's room-making at a time
+        self._bundles_path = Path(self.settings.data_dir) / BUNDLES_FILE
+        self._bundles: dict[str, str] = _read_bundles(self._bundles_path)
+        for model in self.models:
+            self._loaded(model)
+
+    # -- which model ----------------------------------------------------------
+
+    def model_name(self) -> str:
+        """The name of the model the operation in hand runs on: its scope's, else the default one."""
+        return CURRENT.get() or self.registry.default.name
+
+    def model_of(self, entry: Entry) -> str:
+        return entry.model if entry.model is not None else self.registry.default.name
+
+    def model_for_bundle(self, bundle: str | None) -> str:
+        """The model whose bundle hash is `bundle` (a stored session's), else the default one."""
+        name = self._bundles.get(bundle or "")
+        return name if name is not None and name in self.registry.specs else self.registry.default.name
+
+    @contextlib.asynccontextmanager
+    async def using(self, requested: Any) -> AsyncIterator[LoadedModel]:
+        """For a front's request naming `requested` (None: the default model): the model it resolves to,
+        loaded, its operations running on it meanwhile. UnknownModelError if no model answers to it."""
+        async with self.use(self.registry.resolve(requested).name) as model:
+            yield model
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[LoadedModel]:
+        """Model `name` loaded (waiting for its load, or its unload and then a load) and kept loaded while
+        the block runs, the operation's model meanwhile (`CURRENT`). Counted as waiting from the start, so
+        a model loaded for it is not unloaded for another load before it runs. Within a `use` of the same
+        model (an HTTP turn making its session, a claim inside a request) it does not wait: the outer one keeps
+        the model loaded, and an unload asked meanwhile waits for that one, which would wait for this one."""
+        held = HELD.get()
+        if name in held:
+            model = self.models.get(name)
+        else:
+            self._waits[name] += 1
+            try:
+                model = await self.ensure(name)
+            finally:
+                self._waits[name] -= 1
+        self._uses[name] += 1  # no await since `ensure` returned: no unload began in between
+        tokens = CURRENT.set(name), HELD.set(held | {name})
+        self._last_use[name] = time.monotonic()
+        try:
+            yield model
+        finally:
+            CURRENT.reset(tokens[0])
+            HELD.reset(tokens[1])
+            self._uses[name] -= 1
+            self._last_use[name] = time.monotonic()
+
+    @contextlib.contextmanager
+    def model_scope(self, entry: Entry, op: str):  # noqa: ANN201 - a context manager
+        """The claimed entry's model as the operation's; a turn ("chat", "generate", "append") asked under
+        another model's scope (a front's request naming it) is refused, never run on another model."""
+        name, asked = self.model_of(entry), CURRENT.get()
+        if asked is not None and asked != name and op in ("chat", "generate", "append"):
+            raise InvalidParamsError(f"session {entry.id} belongs to model {name!r}, not {asked!r}: a session "
+                                     "continues only on its own model", session_id=entry.id, model=name,
+                                     requested=asked, param="model")
+        token = CURRENT.set(name)
+        try:
+            yield
+        finally:
+            CURRENT.reset(token)
+
+    # -- loading ---------------------------------------------------------------
+
+    async def ensure(self, name: str) -> LoadedModel:
+        """Model `name`, loaded first if it is not (UnknownModelError if it is not served)."""
+        spec = self.registry.spec(name)
+        while True:
+            if name in self._unloading or name in self._draining:
+                self._blocked[name] += 1
+                try:
+                    await asyncio.sleep(WAIT_S)
+                finally:
+                    self._blocked[name] -= 1
+            elif name in self.models:
+                return self.models.get(name)
+            else:
+                load = self._loads.get(name)
+                if load is None:
+                    load = self._loads[name] = asyncio.get_running_loop().create_task(self._load(spec))
+                    load.add_done_callback(lambda _t: self._loads.pop(name, None))
+                await asyncio.shield(load)  # a caller that leaves does not stop the load others wait for
+                if name in self.models:  # loaded for those waiting: they run, even if it drains already
+                    return self.models.get(name)
+
+    async def _load(self, spec: ModelSpec) -> None:
+        if self._start is None:
+            raise InvalidParamsError(f"model {spec.name!r} is not loaded and this manager cannot load models")
+        if self._admit is None:
+            self._admit = asyncio.Lock()
+        async with self._admit:
+            await self._room_for(spec)
+            self._loading_since[spec.name] = time.time()
+            started = time.perf_counter()
+            try:
+                engine, thread = await to_thread.run_sync(self._start, spec)
+            except Exception as exc:  # a bad path, a download that failed, weights that do not load
+                log.error("model load failed", extra={"model": spec.name, "source": spec.source, "error": repr(exc)})
+                raise ModelLoadError(f"model {spec.name!r} could not be loaded from {spec.source or 'the default'}:"
+                                     f" {exc}", model=spec.name, source=spec.source) from exc
+            finally:
+                self._loading_since.pop(spec.name, None)
+            model = self.models.add(engine, thread, spec.name)
+            self._last_use[spec.name] = time.monotonic()
+            await to_thread.run_sync(self._loaded, model)
+        warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
+        self._warming.add(warming)  # held: the loop keeps only weak references to tasks
+        warming.add_done_callback(self._warming.discard)
+        log.info("model loaded", extra={"model": spec.name, "bundle": model.bundle.hash,
+                                        "ms": round((time.perf_counter() - started) * 1000, 1)})
+
+    def _loaded(self, model: LoadedModel) -> None:
+        """Note a model just loaded: its weights' bytes, and its bundle's name in the bundles file."""
+        self._weights[model.name] = weights_bytes(model)
+        if self._bundles.get(model.bundle.hash) != model.name:
+            self._bundles[model.bundle.hash] = model.name
+            write_durable(self._bundles_path, json.dumps(self._bundles, indent=1, sort_keys=True).encode())
+
+    def _over(self, spec: ModelSpec) -> bool:
+        """Whether loading `spec` beside the loaded models would pass max_loaded or models_budget_bytes."""
+        limit, budget = self.settings.max_loaded, self.settings.models_budget_bytes
+        if limit is not None and len(self.models) + 1 > limit:
+            return True
+        if budget is None:
+            return False
+        loaded = sum(self._weights.get(n, 0) for n in self.models.names())
+        return loaded + self._weights.get(spec.name, _folder_bytes(spec)) > budget
+
+    def _unloadable(self, name: str) -> bool:
+        """Never unloaded: pinned models, and the remote tier's (it holds that engine)."""
+        remote = self.remote is not None and self.remote.engine is self.models.get(name).engine
+        return not (self.registry.spec(name).pinned or remote)
+
+    def _in_use(self, name: str) -> bool:
+        """Whether an operation runs on the model or is about to (waiting for its load, not held back by its
+        unload or draining), or one of its sessions is claimed."""
+        return self._uses[name] > 0 or self._waits[name] > self._blocked[name] or \
+            any(e.busy and self.model_of(e) == name for e in self.entries.values())
+
+    async def _room_for(self, spec: ModelSpec) -> None:
+        """Unload models, least recently used first, until `spec` fits. While every one that could go is in
+        use, the least recently used drains: its operations in flight end, new ones wait for its unload (and
+        then load it again), so a model in steady use takes turns with the load instead of starving it.
+        BusyError at once if only pinned models stand in the way."""
+        try:
+            while self._over(spec):
+                candidates = [n for n in self.models.names() if self._unloadable(n)]
+                if not candidates:
+                    raise BusyError(f"model {spec.name!r} cannot load: the loaded models "
+                                    f"({', '.join(self.models.names())}) are pinned and fill the limit",
+                                    model=spec.name, max_loaded=self.settings.max_loaded)
+                idle = [n for n in candidates if not self._in_use(n)]
+                if idle:
+                    await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
+                else:
+                    if not self._draining:  # chosen once: the one that waits longest unused goes
+                        self._draining.add(min(candidates, key=lambda n: self._last_use.get(n, 0.0)))
+                    await asyncio.sleep(WAIT_S)
+        finally:
+            self._draining.clear()  # one room-making at a time (`_admit`): what drains is this one's
+
+    # -- unloading -------------------------------------------------------------
+
+    async def unload(self, name: str, why: str = "asked") -> dict[str, Any]:
+        """Sleep every hot session of model `name`, then stop it. InvalidParamsError for a pinned model; a
+        failed sleep leaves the model loaded and raises."""
+        self.registry.spec(name)
+        if name not in self.models:
+            return {"model": name, "unloaded": False, "slept": 0}
+        if not self._unloadable(name):
+            raise InvalidParamsError(f"model {name!r} is pinned: it is never unloaded", model=name)
+        self._unloading.add(name)
+        slept = 0
+        try:
+            while self._uses[name] > 0:
+                await asyncio.sleep(WAIT_S)
+            while hot := [e for e in self.entries.hot.values() if self.model_of(e) == name]:
+                for entry in hot:
+                    with contextlib.suppress(BusyError):  # claimed now: looked at again once it is done
+                        await self.sleep(entry.id)
+                        slept += 1
+                await asyncio.sleep(0 if slept else WAIT_S)
+            await self.released()
+            model = self.models.remove(name)
+            self._shared.pop(name, None)
+            await to_thread.run_sync(stop_model, model)
+        finally:
+            self._unloading.discard(name)
+        log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
+        return {"model": name, "unloaded": True, "slept": slept}
+
+    async def unload_idle(self) -> list[str]:
+        """Unload the models unused past `model_ttl_s` (the lifecycle task's pass); their names."""
+        ttl = self.settings.model_ttl_s
+        if ttl is None:
+            return []
+        now, gone = time.monotonic(), []
+        for name in self.models.names():
+            if self._unloadable(name) and not self._in_use(name) and now - self._last_use.get(name, now) > ttl:
+                await self.unload(name, why="idle")
+                gone.append(name)
+        return gone
+
+    def model_states(self) -> list[dict[str, Any]]:
+        """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
+        loading its start (seconds since the epoch), when loaded its bundle hash and weights' bytes, and its
+        sessions (hot, asleep)."""
+        counts: Counter[tuple[str, bool]] = Counter((self.model_of(e), e.session is not None)
+                                                    for e in self.entries.values())
+        states = []
+        for spec in self.registry:
+            state = "loaded" if spec.name in self.models else "loading" if spec.name in self._loading_since \
+                else "unloaded"
+            row = {"name": spec.name, "aliases": list(self.registry.names(spec)[1:]), "patterns": list(spec.aliases),
+                   "pinned": spec.pinned, "state": state, "source": spec.source,
+                   "sessions": {"hot": counts[(spec.name, True)], "asleep": counts[(spec.name, False)]}}
+            if state == "loading":
+                row["loading_since"] = self._loading_since[spec.name]
+            if state == "loaded":
+                row["bundle_hash"] = self.models.get(spec.name).bundle.hash
+                row["weights_bytes"] = self._weights.get(spec.name)
+            states.append(row)
+        return states
+
+
+def _folder_bytes(spec: ModelSpec) -> int:
+    """A model not loaded before: its weights files' bytes (0 for a hub id not downloaded)."""
+    folder = Path(spec.source).expanduser() if spec.source is not None else None
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def _read_bundles(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        log.warning("model bundles file unreadable; sessions of other models than the default are attributed "
+                    "to it until their model loads", extra={"path": str(path), "error": repr(exc)})
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}

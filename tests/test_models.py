@@ -1,0 +1,332 @@
+"""Several models in one daemon (issue 53), with real clients against a real daemon.
+
+Two tiny models of different families (llama "main", gemma3 "small"): the `anthropic` package sending
+Claude Code's two model names under `--max-loaded 1` (the limit never passed, each conversation continued
+from its cache after its model was unloaded and loaded again); a session of each model exact across an
+unload, a reload and a restart; a turn naming another model than its session's refused; `kill -9` during
+a load loses nothing; `kvwake models`, `kvwake sessions` and `kvwake http --env` name the models.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import anthropic
+import pytest
+
+from kvwake.client import openai_config
+from testkit.daemon import REPO, Daemon, RpcError, get, track
+from testkit.tinymodel import make_model_dir
+
+SYSTEM = "You are a careful agent. Answer briefly. " * 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return (make_model_dir(root / "main", arch="llama", ascii_replies=True),
+            make_model_dir(root / "small", arch="gemma3_text", seed=1, ascii_replies=True))
+
+
+def two_models(root, models, extra=(), config=""):
+    """A daemon serving both models (main the default), Claude Code's names routed by alias."""
+    main, small = models
+    (root / "none.toml").write_text(f'{config}\n[models]\nmain = {{path = "{main}", aliases = ["claude-sonnet-*"]}}\n'
+                                    f'small = {{path = "{small}", aliases = ["claude-haiku-*"]}}\n')
+    return Daemon(root, main, extra=list(extra))
+
+
+def chat(c, sid: str, text: str) -> list[int]:
+    return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8)["tokens"]
+
+
+def states(c) -> dict[str, str]:
+    return {m["name"]: m["state"] for m in c.call("model.list")["models"]}
+
+
+def pairs(c) -> dict[str, list[int]]:
+    """A session and its twin on each model, the same input; the twin's continuation (never slept) returned."""
+    expected = {}
+    for model in ("main", "small"):
+        for sid in (f"{model}-s", f"{model}-twin"):
+            c.call("session.create", session_id=sid, system=SYSTEM, model=model)
+            chat(c, sid, f"hello {model}")
+        expected[model] = chat(c, f"{model}-twin", "and then?")
+    return expected
+
+
+def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_restart(tmp_path, models):
+    d = two_models(tmp_path, models, ["--http", "0"]).start()
+    with d.client() as c:
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        expected = pairs(c)
+        listed = {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}
+        assert listed == {"main-s": "main", "main-twin": "main", "small-s": "small", "small-twin": "small"}
+        assert c.call("model.unload", name="small") == {"model": "small", "unloaded": True, "slept": 2}
+        assert states(c)["small"] == "unloaded"
+        assert {s["state"] for s in c.call("session.list")["sessions"] if s["model"] == "small"} == {"asleep"}
+        assert chat(c, "small-s", "and then?") == expected["small"]  # loads small again, wakes, exact
+        assert states(c)["small"] == "loaded"
+        with pytest.raises(RpcError) as unknown:
+            c.call("session.create", model="large")
+        assert unknown.value.code == "NOT_FOUND" and "main, small" in unknown.value.message
+        c.call("session.create", session_id="main-s2", system=SYSTEM, model="main")
+        c.call("session.create", session_id="small-s2", system=SYSTEM, model="small")
+        for model in ("main", "small"):
+            chat(c, f"{model}-s2", f"hello {model}")
+    assert d.stop() == 0
+    d.start()  # small is not loaded at start: its session's first turn loads it
+    with d.client() as c:
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+        assert {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}["small-s2"] == "small"
+        for model in ("small", "main"):
+            assert chat(c, f"{model}-s2", "and then?") == expected[model]
+    # One conversation sent to each model, both loaded: each continues only its own model's sessions
+    api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
+                                    api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
+    talk = [{"role": "user", "content": "the same question"}]
+    ids = {}
+    for model in ("claude-sonnet-4-6", "claude-haiku-4-5", "claude-sonnet-4-6", "claude-haiku-4-5"):
+        reply = api.messages.create(model=model, max_tokens=4, system=SYSTEM, messages=talk,
+                                    extra_body={"temperature": 0})
+        ids.setdefault(reply.model, set()).add(reply.model_extra["kvwake"]["session_id"])
+    assert len(ids["main"]) == len(ids["small"]) == 1 and ids["main"] != ids["small"]
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
+    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"], config="http_keepalive_s = 0.02").start()
+    api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
+                                    api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
+    seen, done = [], threading.Event()
+
+    def watch() -> None:  # the models loaded (or loading) at every look, while the turns run
+        with d.client() as c:
+            while not done.is_set():
+                seen.append(sum(s in ("loaded", "loading") for s in states(c).values()))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    talks = {name: [{"role": "user", "content": f"Write a title for chat {name}"}] for name in ("sonnet", "haiku")}
+    replies = {}
+    try:
+        for _ in range(2):
+            for name, model in (("sonnet", "claude-sonnet-4-6"), ("haiku", "claude-haiku-4-5")):
+                reply = api.messages.create(model=model, max_tokens=6, system=SYSTEM, messages=talks[name],
+                                            extra_body={"temperature": 0})
+                talks[name] += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
+                replies.setdefault(name, []).append(reply)
+    finally:
+        done.set()
+        watcher.join()
+    assert [r.model for r in replies["sonnet"] + replies["haiku"]] == ["main", "main", "small", "small"]
+    assert max(seen) == 1 and len(seen) > 4  # never two models in memory at once
+    for name in ("sonnet", "haiku"):  # the second turn continued its session, woken after its model came back
+        first, second = replies[name]
+        assert second.model_extra["kvwake"]["session_id"] == first.model_extra["kvwake"]["session_id"]
+        assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as unknown:
+        api.messages.create(model="gpt-4o", max_tokens=4, messages=talks["haiku"])
+    assert unknown.value.body["error"]["type"] == "not_found_error"
+    code, listed = get(f"{openai_config(d.socket)['base_url']}/models",
+                       {"authorization": f"Bearer {openai_config(d.socket)['api_key']}"})
+    assert code == 200 and [(m["id"], m["loaded"]) for m in listed["data"]] == [("main", False), ("small", True)]
+    cli = [sys.executable, "-m", "kvwake.client.cli", "--socket", str(d.socket)]
+    env = subprocess.run([*cli, "http", "--env"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "export ANTHROPIC_DEFAULT_SONNET_MODEL=main\n" in env
+    assert "export ANTHROPIC_DEFAULT_HAIKU_MODEL=small\n" in env
+    out = subprocess.run([*cli, "sessions", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert sorted(s["model"] for s in json.loads(out)) == ["main", "small"]
+    out = subprocess.run([*cli, "models", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert [(m["name"], m["state"], m["sessions"]) for m in json.loads(out)] == [
+        ("main", "unloaded", {"hot": 0, "asleep": 1}), ("small", "loaded", {"hot": 1, "asleep": 0})]
+    # Streamed while its model loads (main, unloaded by small's turns): keep-alive comments, then the reply
+    body = {"model": "claude-sonnet-4-6", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "stream"}]}
+    config = openai_config(d.socket)
+    request = urllib.request.Request(f"{config['base_url']}/messages", json.dumps(body).encode(),
+                                     {"x-api-key": config["api_key"], "content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        lines = [line.decode().rstrip("\n") for line in response]
+    assert ": keepalive" in lines[:lines.index("event: message_start")]
+    assert lines[-3:] == ["event: message_stop", 'data: {"type":"message_stop"}', ""]
+    streamed = list(api.messages.create(model="claude-haiku-4-5", max_tokens=4, messages=talks["haiku"], stream=True))
+    assert streamed[0].type == "message_start" and streamed[-1].type == "message_stop"  # the SDK skips them too
+    # A session asked to continue on another model: refused (after that model loaded), never switched
+    sid = replies["haiku"][0].model_extra["kvwake"]["session_id"]
+    with pytest.raises(anthropic.BadRequestError) as other:
+        api.messages.create(model="claude-sonnet-4-6", max_tokens=4, messages=talks["haiku"],
+                            extra_headers={"x-kvwake-session": sid})
+    assert "belongs to model 'small'" in other.value.body["error"]["message"]
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_kill_9_during_a_load_loses_nothing(tmp_path, models):
+    d = two_models(tmp_path, models).start()
+    with d.client() as c:
+        expected = pairs(c)
+        c.call("model.unload", name="small")
+        for sid in ("main-s", "main-twin"):
+            c.call("session.sleep", session_id=sid)
+    loading = threading.Thread(target=_try, args=(d, "small-s"))
+    looked = []
+    with d.client() as c:
+        loading.start()
+        while not looked or looked[-1] == "unloaded":
+            looked.append(states(c)["small"])
+    d.stop(signal.SIGKILL)
+    loading.join()
+    assert looked[-1] == "loading"  # killed while small's weights were being read
+    d.start()
+    with d.client() as c:
+        for model in ("small", "main"):
+            assert chat(c, f"{model}-s", "and then?") == expected[model]
+        assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def _try(d: Daemon, sid: str) -> None:
+    """A turn of `sid`, which the daemon's kill -9 cuts (as the test expects)."""
+    try:
+        with d.client() as c:
+            chat(c, sid, "and then?")
+    except (ConnectionError, OSError, RpcError):
+        pass
+
+
+def test_an_idle_model_is_unloaded_after_its_ttl_and_a_pinned_one_never(tmp_path, models):
+    config = "model_ttl_s = 0.3\nlifecycle_interval_s = 0.1\n"
+    d = two_models(tmp_path, models, config=config)
+    toml = (tmp_path / "none.toml").read_text().replace('aliases = ["claude-sonnet-*"]',
+                                                         'aliases = ["claude-sonnet-*"], pinned = true')
+    (tmp_path / "none.toml").write_text(toml + f'broken = "{tmp_path / "no-such-model"}"\n')
+    d.start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM, model="small")
+        expected = chat(c, "a", "hi")
+        deadline = time.monotonic() + 30
+        while states(c)["small"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert states(c) == {"main": "loaded", "small": "unloaded", "broken": "unloaded"}
+        assert [s["state"] for s in c.call("session.list")["sessions"]] == ["asleep"]
+        with pytest.raises(RpcError) as pinned:
+            c.call("model.unload", name="main")
+        assert pinned.value.code == "INVALID_PARAMS" and "pinned" in pinned.value.message
+        c.call("session.create", session_id="b", system=SYSTEM, model="small")
+        assert chat(c, "b", "hi") == expected  # small loaded again: the same model, the same reply
+        with pytest.raises(RpcError) as broken:
+            c.call("session.create", session_id="c", model="broken")
+        assert broken.value.code == "INTERNAL" and "model 'broken' could not be loaded from" in broken.value.message
+        assert states(c) == {"main": "loaded", "small": "loaded", "broken": "unloaded"}
+        assert chat(c, "b", "hi again")  # the others serve on
+    assert d.stop() == 0
+    assert [line for line in d.log_problems() if '"model load failed"' not in line] == []
+
+
+def test_the_registry_resolves_names_as_configured(tmp_path, models):
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.registry import Registry, UnknownModelError
+
+    main, small = models
+    one = Registry.from_settings(Settings(model=str(main)))
+    assert [s.name for s in one] == ["main"] and one.resolve("claude-opus-4-1").name == "main"  # one model: any name
+    several = Registry.from_settings(Settings(model=str(main), more_models=(f"fast={small}",),
+                                              models={"fast": {"path": str(small), "aliases": ["claude-haiku-*"]}},
+                                              aliases={"gpt-4o": "main"}))
+    assert [(s.name, s.aliases) for s in several] == [("main", ()), ("fast", ("claude-haiku-*",))]
+    assert [several.resolve(n).name for n in ("main", "fast", "claude-haiku-4-5", "gpt-4o", None)] == \
+        ["main", "fast", "fast", "main", "main"]
+    with pytest.raises(UnknownModelError, match="'claude-sonnet-4-6' is not served: this daemon serves main, fast"):
+        several.resolve("claude-sonnet-4-6")
+    (tmp_path / "dir" / "x").mkdir(parents=True)
+    (tmp_path / "dir" / "x" / "config.json").write_text("{}")
+    assert [s.name for s in Registry.from_settings(Settings(models_dir=tmp_path / "dir"))] == ["x"]
+    with pytest.raises(ValueError, match="model 'fast' has unknown keys \\['pin'\\]"):
+        Registry.from_settings(Settings(models={"fast": {"path": "p", "pin": True}}))
+    with pytest.raises(ValueError, match="names model 'big', which is not served"):
+        Registry.from_settings(Settings(model=str(main), aliases={"x": "big"}))
+
+
+def test_a_load_past_the_weights_budget_unloads_the_least_recently_used_model_first(tmp_path, models):
+    main, small = models
+    sizes = [(m / "model.safetensors").stat().st_size for m in models]
+    budget = sum(sizes) * 3 // 4  # one model fits, not both
+    assert max(sizes) <= budget
+    d = two_models(tmp_path, models, config=f"models_budget_bytes = {budget}\n").start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM, model="small")  # main unloaded first
+        listed = c.call("model.list")["models"]
+        assert [(m["name"], m["state"]) for m in listed] == [("main", "unloaded"), ("small", "loaded")]
+        assert listed[1]["weights_bytes"] <= budget
+        c.call("session.create", session_id="b", system=SYSTEM)  # the default model: small goes
+        assert states(c) == {"main": "loaded", "small": "unloaded"}
+    assert d.stop() == 0 and d.log_problems() == []
+
+
+async def test_an_operation_already_on_a_model_goes_on_while_the_model_is_asked_to_unload(tmp_path, models):
+    # Was: an unload waits for the model's operations to end, and an operation's nested use of its own model
+    # (an HTTP turn making its session, a claim inside a request) waited for the unload: neither ended.
+    import asyncio
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path)
+    store = Store(tmp_path / "store", block_tokens=16)
+    try:
+        engine, thread = start_model(settings, store, ModelSpec("main", str(models[0])), None)
+        manager = SessionManager(ModelProvider.of(engine, thread), settings)
+        async with manager.use("main"):
+            unload = asyncio.ensure_future(manager.unload("main"))
+            await asyncio.sleep(0.05)  # the unload waits for this operation
+            created = await asyncio.wait_for(manager.create("s", SYSTEM), 10)  # its own nested use of main
+        assert created == {"session_id": "s", "created": True}
+        assert (await asyncio.wait_for(unload, 30)) == {"model": "main", "unloaded": True, "slept": 1}
+        assert "main" not in manager.models and manager.entries["s"].session is None
+    finally:
+        for model in manager.models:
+            model.thread.stop()
+        store.close()
+
+
+def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
+    # Was: a load under --max-loaded waited until the loaded model had no operation at all; agents that
+    # kept it busy (turns back to back) kept the other model from loading for as long as they ran.
+    d = two_models(tmp_path, models, ["--max-loaded", "1"]).start()
+    stop, turns = threading.Event(), []
+
+    def agent(i: int) -> None:  # turns back to back on main
+        with d.client() as c:
+            c.call("session.create", session_id=f"agent{i}", system=SYSTEM, model="main")
+            while not stop.is_set():
+                c.call("session.chat", session_id=f"agent{i}", messages=[{"role": "user", "content": "go"}],
+                       max_tokens=24)
+                turns.append(time.monotonic())
+
+    agents = [threading.Thread(target=agent, args=(i,)) for i in range(3)]
+    for a in agents:
+        a.start()
+    try:
+        while len(turns) < 6:
+            time.sleep(0.02)
+        with d.client() as c:
+            c.call("session.create", session_id="title", model="small")  # loads small: main drains first
+            answered = time.monotonic()
+        while not any(t > answered for t in turns) and agents[0].is_alive():
+            time.sleep(0.02)
+        assert any(t > answered for t in turns)  # main loaded again for the agents afterwards
+    finally:
+        stop.set()
+        for a in agents:
+            a.join(60)
+    assert d.stop() == 0 and d.log_problems() == []
