@@ -45,6 +45,7 @@ store and converted models in the user data dir.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import os
 import tomllib
@@ -54,7 +55,8 @@ from typing import Any, Mapping, get_type_hints
 
 from kvwake.paths import default_config, default_data_dir, default_socket
 
-__all__ = ["Settings", "Tuning", "default_socket", "load_settings", "load_tuning", "tuning_from_environment"]
+__all__ = ["ModelSpec", "Settings", "Tuning", "default_socket", "load_settings", "load_tuning", "parse_models_table",
+           "tuning_from_environment"]
 
 ENV = {"socket": "KVWAKE_SOCKET", "data_dir": "KVWAKE_DATA_DIR", "model": "KVWAKE_MODEL", "remote": "KVWAKE_REMOTE",
        "http_token": "KVWAKE_HTTP_TOKEN",
@@ -217,9 +219,7 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "more_models":
         return (str(value),) if isinstance(value, str) else tuple(str(v) for v in value)
     if name == "models":
-        from kvwake.daemon.model.registry import parse_models_table  # checked here, kept as the table
-
-        parse_models_table(value)
+        parse_models_table(value)  # checked here, kept as the table
         return dict(value)
     if name == "allow_uids":
         return tuple(int(v) for v in value)
@@ -312,3 +312,41 @@ def load_settings(flags: dict[str, Any] | None = None, config_file: Path | None 
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad setting: {exc}") from None
     return dataclasses.replace(settings, tuning=load_tuning(tuning))
+
+
+# -- the [models] table (model/registry.py serves by it) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model the daemon may serve: `source` is an mlx-lm folder or hub id (None: the default model)."""
+
+    name: str
+    source: str | None
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+
+    def answers(self, requested: str) -> bool:
+        """Whether `requested` names this model: its name, or one of its alias patterns."""
+        return requested == self.name or any(fnmatch.fnmatchcase(requested, a) for a in self.aliases)
+
+
+def _spec(name: str, value: Any, where: str) -> ModelSpec:
+    if isinstance(value, str):
+        return ModelSpec(name, value)
+    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str):
+        raise ValueError(f"{where}: model {name!r} must be a path, or a table with a path")
+    unknown = set(value) - {"path", "aliases", "pinned"}
+    if unknown:
+        raise ValueError(f"{where}: model {name!r} has unknown keys {sorted(unknown)} (known: aliases, path, pinned)")
+    aliases = value.get("aliases", ())
+    if isinstance(aliases, str) or not all(isinstance(a, str) for a in aliases):
+        raise ValueError(f"{where}: model {name!r}: aliases must be a list of names or patterns")
+    return ModelSpec(name, value["path"], tuple(aliases), bool(value.get("pinned", False)))
+
+
+def parse_models_table(table: Any, where: str = "[models]") -> dict[str, ModelSpec]:
+    """The config file's `[models]` table as specs by name; ValueError names what is wrong."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"{where} must be a table of name = path (or a table with path, aliases, pinned)")
+    return {str(name): _spec(str(name), value, where) for name, value in table.items()}

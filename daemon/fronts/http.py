@@ -167,8 +167,8 @@ class Api:
 
     def _names(self) -> list[tuple[str, bool]]:
         """Every model served, by each of its names (its own, then its aliases), and whether it is loaded."""
-        registry, loaded = self.manager.registry, self.manager.models
-        return [(n, spec.name in loaded) for spec in registry for n in registry.names(spec)]
+        registry = self.manager.registry
+        return [(n, self.manager.is_loaded(spec.name)) for spec in registry for n in registry.names(spec)]
 
     def _model(self) -> str:
         """The name replies give: the model the request runs on (the scope `_serving` opened)."""
@@ -187,7 +187,7 @@ class Api:
         a long prefill), then the reply's own stream; a failure before that goes in the stream, in the API's
         shape (`shape().failure`). Such a stream has no X-Kvwake-Session header (its session is chosen after
         the headers went); the conversation's next request finds its session by matching, as always."""
-        if not streamed or spec.name in self.manager.models:
+        if not streamed or self.manager.is_loaded(spec.name):
             async with self.manager.use(spec.name):
                 return await respond()
         return StreamingResponse(self._after_load(spec.name, respond, shape), media_type="text/event-stream",
@@ -227,7 +227,7 @@ class Api:
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        loaded = self._spec(name).name in self.manager.models  # a 404 for a name not served; nothing loads
+        loaded = self.manager.is_loaded(self._spec(name).name)  # a 404 for a name not served; nothing loads
         info = model_info(name) if "anthropic-version" in request.headers else _openai_model(name, loaded)
         return JSONResponse({**info, "loaded": loaded})
 

@@ -114,7 +114,7 @@ def _model_name(ctx: Context, p: dict[str, Any]) -> str:
 
 async def model_load(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     name = _model_name(ctx, p)
-    loaded = name in ctx.manager.models
+    loaded = ctx.manager.is_loaded(name)
     model = await ctx.manager.ensure(name)
     return {"model": name, "loaded": not loaded, "bundle_hash": model.bundle.hash}
 

@@ -12,35 +12,19 @@ A name a request gives resolves by: a model's own name, one of its aliases (shel
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvwake.daemon.config import ModelSpec, parse_models_table
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME
 from kvwake.errors import InvalidParamsError, NotFoundError
 
 __all__ = ["ModelSpec", "Registry", "UnknownModelError", "parse_models_table"]
 
 
-
 class UnknownModelError(NotFoundError):
     """A request named a model this daemon does not serve."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model the daemon may serve: `source` is an mlx-lm folder or hub id (None: the default model)."""
-
-    name: str
-    source: str | None
-    aliases: tuple[str, ...] = ()
-    pinned: bool = False
-
-    def answers(self, requested: str) -> bool:
-        """Whether `requested` names this model: its name, or one of its alias patterns."""
-        return requested == self.name or any(fnmatch.fnmatchcase(requested, a) for a in self.aliases)
 
 
 def _name_of(source: str) -> str:
@@ -48,27 +32,6 @@ def _name_of(source: str) -> str:
     names it: model/engine.py resolve_model)."""
     path = Path(source).expanduser()
     return path.name if path.is_dir() else source
-
-
-def _spec(name: str, value: Any, where: str) -> ModelSpec:
-    if isinstance(value, str):
-        return ModelSpec(name, value)
-    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str):
-        raise ValueError(f"{where}: model {name!r} must be a path, or a table with a path")
-    unknown = set(value) - {"path", "aliases", "pinned"}
-    if unknown:
-        raise ValueError(f"{where}: model {name!r} has unknown keys {sorted(unknown)} (known: aliases, path, pinned)")
-    aliases = value.get("aliases", ())
-    if isinstance(aliases, str) or not all(isinstance(a, str) for a in aliases):
-        raise ValueError(f"{where}: model {name!r}: aliases must be a list of names or patterns")
-    return ModelSpec(name, value["path"], tuple(aliases), bool(value.get("pinned", False)))
-
-
-def parse_models_table(table: Any, where: str = "[models]") -> dict[str, ModelSpec]:
-    """The config file's `[models]` table as specs by name; ValueError names what is wrong."""
-    if not isinstance(table, Mapping):
-        raise ValueError(f"{where} must be a table of name = path (or a table with path, aliases, pinned)")
-    return {str(name): _spec(str(name), value, where) for name, value in table.items()}
 
 
 def _flag(value: str) -> ModelSpec:

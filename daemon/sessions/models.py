@@ -62,6 +62,10 @@ def weights_bytes(model: LoadedModel) -> int:
 class ModelKeeping:
     """The session manager's models (see the module docstring); `SessionManager` holds the state."""
 
+    def is_loaded(self, name: str) -> bool:
+        """Whether model `name` is loaded now (a front asks before it waits for a load)."""
+        return name in self.models
+
     def _init_models(self, registry: Registry, start: Starter | None) -> None:
         self.registry, self._start = registry, start
         self._loads: dict[str, asyncio.Task] = {}
