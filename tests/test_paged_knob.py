@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvwake.daemon.config import Tuning
+from kvwake.daemon.config import Settings, Tuning
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.provider import ModelProvider
+from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
+from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.store import Store
 
 BLOCK = 16
@@ -54,3 +57,28 @@ def test_a_paged_session_sleeps_and_wakes_into_pages(engines):
     woken, _ = paged.wake("s")
     assert all(isinstance(c, PagedKVCache) for c in woken.cache)
     assert all((a == c.keys).all().item() for a, c in zip(before, woken.cache))
+
+
+async def test_hot_kv_counts_the_pages_held_once_and_whole_after_a_sharing_session_sleeps(model_dir, tmp_path):
+    # Each session's measure (taken at its claims) counts its share of the pages it lists; once a session that
+    # shared them sleeps, the other's share grows without a claim of its own: hot KV is read from the pool.
+    store = Store(tmp_path / "store", block_tokens=BLOCK)
+    thread = EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, model_dir, tuning=Tuning(paged_kv=True))).result()
+    m = SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
+    try:
+        for sid in ("a", "b"):
+            await m.create(sid)
+            await m.append(sid, text=PROMPT + f" user {sid}: go")
+        b = m.entries["b"].session
+        share = engine.cache_bytes(b)  # b's measure at its claim: half the prompt's pages, all of its own
+        assert m.hot_bytes() == engine.page_bytes() == share + engine.cache_bytes(m.entries["a"].session)
+        await m.sleep("a")
+        await m.released()
+        thread.call(lambda: engine.pages.pool.drain())  # a's table, freed where the engine runs
+        whole = len(engine.pages.pool.table(b.cache[0].session.name).pages) * engine.pages.pool.layout.page_bytes
+        assert m.hot_bytes() == engine.page_bytes() == whole > share  # b holds the prompt's pages alone now
+    finally:
+        thread.stop()
+        engine.close()
+        store.close()

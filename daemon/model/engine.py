@@ -33,7 +33,7 @@ import mlx_lm
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import cache_blocks, devplanes, pipeline, restore_buffers
+from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers
 from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, start_digests
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
@@ -258,8 +258,20 @@ class Engine(Appending):
         return self.pages.make(self.kv.make_cache()) if self.pages is not None else self.kv.make_cache()
 
     def cache_bytes(self, session: Session) -> int:
-        """Bytes of the session's KV in memory (0 while it has none)."""
+        """Bytes of the session's KV in memory (0 while it has none); a paged layer counts its share of the
+        pages it lists (a page listed by n sessions: 1/n)."""
         return cache_blocks.cache_nbytes(session.cache) if session.cache is not None else 0
+
+    def unpaged_bytes(self, session: Session) -> int:
+        """Bytes of the session's KV held outside the page pool (its layers that are not paged)."""
+        if session.cache is None:
+            return 0
+        return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)])
+
+    def page_bytes(self) -> int:
+        """Bytes of KV the page pool holds now, a shared page once (0 without pages); read from any thread (a
+        table a sleep let go counts until the engine thread frees it)."""
+        return self.pages.status()["held_bytes"] if self.pages is not None else 0
 
     def kv_bytes(self, tokens: int) -> int:
         """Bytes of the KV buffer a session of `tokens` tokens holds (as its growth makes it)."""

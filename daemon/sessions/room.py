@@ -55,9 +55,11 @@ class RoomKeeping:
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        """KV in memory: the hot sessions' (each measured once per claim: Entries.kv_bytes) and what is being
-        freed."""
-        return self.freeing_bytes() + self.entries.kv_bytes.total(self.engine.cache_bytes)
+        """KV in memory: the hot sessions' (each measured once per claim: Entries.kv_bytes), the page pool's as
+        it holds them now, and what is being freed. Pages are counted from the pool, not from the sessions'
+        shares: when a session sharing pages sleeps, the others' shares grow without a claim of theirs."""
+        return (self.freeing_bytes() + self.entries.kv_bytes.total(self.engine.unpaged_bytes)
+                + self.engine.page_bytes())
 
     def hot_budget(self) -> int:
         """Bytes of hot KV above which LRU sessions sleep: the settings', else the engine's from its memory."""
