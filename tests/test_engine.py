@@ -225,3 +225,19 @@ def test_quantized_kv_sleeps_and_wakes_exactly(tmp_path):
     assert type(b.cache[0]).__name__ == "QuantizedKVCache"
     assert mx.array_equal(next_logits(e, a), next_logits(e, b))
     e.close()
+
+
+def test_an_engine_counts_its_own_weights_not_what_else_the_process_holds(model_dir, tmp_path):
+    # A second model loaded beside a first (issue 53) counted the first's weights and KV as its own, and its KV
+    # room and longest session with them.
+    from mlx.utils import tree_flatten
+
+    beside = mx.zeros((4 << 20,), mx.float32)  # 16 MiB held by something else in the process (another model)
+    mx.eval(beside)
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model_dir)
+    try:
+        assert e.weights_bytes == sum(v.nbytes for _, v in tree_flatten(e.model.parameters())) < beside.nbytes
+    finally:
+        e.close()
+        store.close()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import mlx_lm
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -129,7 +130,9 @@ class Engine(Appending):
             kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
-        self.weights_bytes = mx.get_active_memory()
+        # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
+        # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
