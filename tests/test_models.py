@@ -330,3 +330,30 @@ def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
         for a in agents:
             a.join(60)
     assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_two_streamed_requests_for_two_unloaded_models_under_max_loaded_1_both_get_replies(tmp_path, models):
+    # Was: a streamed request waited for its model's load before it counted as using it, so the other's load
+    # unloaded it as idle before its turn ran: the two loads unloaded each other's model forever.
+    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"]).start()
+    with d.client() as c:
+        c.call("model.unload", name="main")
+    config = openai_config(d.socket)
+    api = track(anthropic.Anthropic(base_url=config["base_url"].removesuffix("/v1"), api_key=config["api_key"],
+                                    max_retries=0, timeout=60))
+    got = {}
+
+    def streamed(model: str) -> None:
+        events = api.messages.create(model=model, max_tokens=4, stream=True,
+                                     messages=[{"role": "user", "content": model}])
+        got[model] = [e.type for e in events]
+
+    names = ("claude-sonnet-4-6", "claude-haiku-4-5")
+    both = [threading.Thread(target=streamed, args=(m,), daemon=True) for m in names]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(30)  # keep-alive comments hold a starved stream open: the join bounds the wait
+    done = {m: events[-1] for m, events in got.items()}
+    assert d.stop() == 0
+    assert done == {"claude-sonnet-4-6": "message_stop", "claude-haiku-4-5": "message_stop"}
