@@ -357,3 +357,42 @@ def test_two_streamed_requests_for_two_unloaded_models_under_max_loaded_1_both_g
     done = {m: events[-1] for m, events in got.items()}
     assert d.stop() == 0
     assert done == {"claude-sonnet-4-6": "message_stop", "claude-haiku-4-5": "message_stop"}
+
+
+async def test_two_unloads_of_one_model_at_once_both_end_with_it_unloaded(tmp_path, models):
+    # Was: the second unload (the lifecycle's, a load's room-making, model.unload) passed the loaded check
+    # while the first ran, then failed with NotFoundError once the first had removed the model.
+    import asyncio
+
+    manager, store = _manager(tmp_path, models)
+    try:
+        await manager.create("s", SYSTEM)
+        first, second = await asyncio.wait_for(asyncio.gather(manager.unload("main"), manager.unload("main")), 30)
+        assert first == second == {"model": "main", "unloaded": True, "slept": 1}
+        assert "main" not in manager.models and manager.entries["s"].session is None
+    finally:
+        for model in manager.models:
+            model.thread.stop()
+        store.close()
+
+
+def _manager(tmp_path, models, **settings):
+    """A session manager (no daemon) on `main` loaded, loading the others served on demand."""
+    import functools
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec, Registry
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, **settings)
+    store = Store(tmp_path / "store", block_tokens=16)
+    registry = Registry([ModelSpec("main", str(models[0])), ModelSpec("small", str(models[1])),
+                         ModelSpec("third", str(models[0]))])
+    engine, thread = start_model(settings, store, registry.default, None)
+    provider = ModelProvider()
+    provider.add(engine, thread, "main")
+    start = functools.partial(start_model, settings, store, limits=engine.limits)
+    return SessionManager(provider, settings, registry, start), store
