@@ -396,3 +396,43 @@ def _manager(tmp_path, models, **settings):
     provider.add(engine, thread, "main")
     start = functools.partial(start_model, settings, store, limits=engine.limits)
     return SessionManager(provider, settings, registry, start), store
+
+
+async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_is_gone(tmp_path, models):
+    # Was: the model chosen to drain stayed chosen until the whole room-making ended, so after it was
+    # unloaded the next model in use was never drained (its new operations kept it loaded), and the
+    # unloaded one's own operations waited as if it still drained.
+    import asyncio
+    import dataclasses
+
+    manager, store = _manager(tmp_path, models)
+    try:
+        await manager.ensure("small")
+        manager.settings = dataclasses.replace(manager.settings, max_loaded=1)  # both must go for a third
+        release = {name: asyncio.Event() for name in ("main", "small")}
+
+        async def hold(name: str) -> None:
+            async with manager.use(name):
+                await release[name].wait()
+
+        holders = {name: asyncio.ensure_future(hold(name)) for name in release}
+        load = asyncio.ensure_future(manager.ensure("third"))
+        while not manager._draining:
+            await asyncio.sleep(0.01)
+        (first,) = manager._draining
+        release[first].set()
+        second = ({"main", "small"} - {first}).pop()
+        async with asyncio.timeout(10):  # the first unloaded, the second drains next
+            while manager._draining != {second}:
+                await asyncio.sleep(0.01)
+        assert first not in manager.models
+        release[second].set()
+        assert (await asyncio.wait_for(load, 30)).name == "third"
+        await asyncio.gather(*holders.values())
+        assert manager.models.names() == ["third"]
+    finally:
+        for event in release.values():
+            event.set()
+        for model in manager.models:
+            model.thread.stop()
+        store.close()

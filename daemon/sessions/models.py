@@ -239,6 +239,7 @@ class ModelKeeping:
                 idle = [n for n in candidates if not self._in_use(n)]
                 if idle:
                     await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
+                    self._draining.clear()  # gone, if it drained: the next in use drains, its own loads run
                 else:
                     if not self._draining:  # chosen once: the one that waits longest unused goes
                         self._draining.add(min(candidates, key=lambda n: self._last_use.get(n, 0.0)))
