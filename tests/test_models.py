@@ -21,7 +21,7 @@ import anthropic
 import pytest
 
 from kvwake.client import openai_config
-from testkit.daemon import REPO, Daemon, RpcError, get, track
+from testkit.daemon import REPO, Daemon, RpcError, get, openai_client, track
 from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a careful agent. Answer briefly. " * 3
@@ -97,6 +97,13 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
                                     extra_body={"temperature": 0})
         ids.setdefault(reply.model, set()).add(reply.model_extra["kvwake"]["session_id"])
     assert len(ids["main"]) == len(ids["small"]) == 1 and ids["main"] != ids["small"]
+    # A stored response of another model's session, followed: a new session (was: continued, then refused)
+    responses = openai_client(d)
+    first = responses.responses.create(model="main", input="hello", max_output_tokens=4)
+    other = responses.responses.create(model="small", input="and then?", previous_response_id=first.id,
+                                       max_output_tokens=4)
+    assert other.model == "small" and other.model_extra["kvwake"]["match"] == "new"
+    assert other.model_extra["kvwake"]["session_id"] != first.model_extra["kvwake"]["session_id"]
     assert d.stop() == 0 and d.log_problems() == []
 
 
