@@ -21,7 +21,7 @@ import anthropic
 import pytest
 
 from kvwake.client import openai_config
-from testkit.daemon import REPO, Daemon, RpcError, get, track
+from testkit.daemon import REPO, Daemon, RpcError, get, openai_client, track
 from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a careful agent. Answer briefly. " * 3
@@ -97,6 +97,13 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
                                     extra_body={"temperature": 0})
         ids.setdefault(reply.model, set()).add(reply.model_extra["kvwake"]["session_id"])
     assert len(ids["main"]) == len(ids["small"]) == 1 and ids["main"] != ids["small"]
+    # A stored response of another model's session, followed: a new session (was: continued, then refused)
+    responses = openai_client(d)
+    first = responses.responses.create(model="main", input="hello", max_output_tokens=4)
+    other = responses.responses.create(model="small", input="and then?", previous_response_id=first.id,
+                                       max_output_tokens=4)
+    assert other.model == "small" and other.model_extra["kvwake"]["match"] == "new"
+    assert other.model_extra["kvwake"]["session_id"] != first.model_extra["kvwake"]["session_id"]
     assert d.stop() == 0 and d.log_problems() == []
 
 
@@ -330,3 +337,109 @@ def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
         for a in agents:
             a.join(60)
     assert d.stop() == 0 and d.log_problems() == []
+
+
+def test_two_streamed_requests_for_two_unloaded_models_under_max_loaded_1_both_get_replies(tmp_path, models):
+    # Was: a streamed request waited for its model's load before it counted as using it, so the other's load
+    # unloaded it as idle before its turn ran: the two loads unloaded each other's model forever.
+    d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"]).start()
+    with d.client() as c:
+        c.call("model.unload", name="main")
+    config = openai_config(d.socket)
+    api = track(anthropic.Anthropic(base_url=config["base_url"].removesuffix("/v1"), api_key=config["api_key"],
+                                    max_retries=0, timeout=60))
+    got = {}
+
+    def streamed(model: str) -> None:
+        events = api.messages.create(model=model, max_tokens=4, stream=True,
+                                     messages=[{"role": "user", "content": model}])
+        got[model] = [e.type for e in events]
+
+    names = ("claude-sonnet-4-6", "claude-haiku-4-5")
+    both = [threading.Thread(target=streamed, args=(m,), daemon=True) for m in names]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(30)  # keep-alive comments hold a starved stream open: the join bounds the wait
+    done = {m: events[-1] for m, events in got.items()}
+    assert d.stop() == 0
+    assert done == {"claude-sonnet-4-6": "message_stop", "claude-haiku-4-5": "message_stop"}
+
+
+async def test_two_unloads_of_one_model_at_once_both_end_with_it_unloaded(tmp_path, models):
+    # Was: the second unload (the lifecycle's, a load's room-making, model.unload) passed the loaded check
+    # while the first ran, then failed with NotFoundError once the first had removed the model.
+    import asyncio
+
+    manager, store = _manager(tmp_path, models)
+    try:
+        await manager.create("s", SYSTEM)
+        first, second = await asyncio.wait_for(asyncio.gather(manager.unload("main"), manager.unload("main")), 30)
+        assert first == second == {"model": "main", "unloaded": True, "slept": 1}
+        assert "main" not in manager.models and manager.entries["s"].session is None
+    finally:
+        for model in manager.models:
+            model.thread.stop()
+        store.close()
+
+
+def _manager(tmp_path, models, **settings):
+    """A session manager (no daemon) on `main` loaded, loading the others served on demand."""
+    import functools
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec, Registry
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, **settings)
+    store = Store(tmp_path / "store", block_tokens=16)
+    registry = Registry([ModelSpec("main", str(models[0])), ModelSpec("small", str(models[1])),
+                         ModelSpec("third", str(models[0]))])
+    engine, thread = start_model(settings, store, registry.default, None)
+    provider = ModelProvider()
+    provider.add(engine, thread, "main")
+    start = functools.partial(start_model, settings, store, limits=engine.limits)
+    return SessionManager(provider, settings, registry, start), store
+
+
+async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_is_gone(tmp_path, models):
+    # Was: the model chosen to drain stayed chosen until the whole room-making ended, so after it was
+    # unloaded the next model in use was never drained (its new operations kept it loaded), and the
+    # unloaded one's own operations waited as if it still drained.
+    import asyncio
+    import dataclasses
+
+    manager, store = _manager(tmp_path, models)
+    try:
+        await manager.ensure("small")
+        manager.settings = dataclasses.replace(manager.settings, max_loaded=1)  # both must go for a third
+        release = {name: asyncio.Event() for name in ("main", "small")}
+
+        async def hold(name: str) -> None:
+            async with manager.use(name):
+                await release[name].wait()
+
+        holders = {name: asyncio.ensure_future(hold(name)) for name in release}
+        load = asyncio.ensure_future(manager.ensure("third"))
+        while not manager._draining:
+            await asyncio.sleep(0.01)
+        (first,) = manager._draining
+        release[first].set()
+        second = ({"main", "small"} - {first}).pop()
+        async with asyncio.timeout(10):  # the first unloaded, the second drains next
+            while manager._draining != {second}:
+                await asyncio.sleep(0.01)
+        assert first not in manager.models
+        release[second].set()
+        assert (await asyncio.wait_for(load, 30)).name == "third"
+        await asyncio.gather(*holders.values())
+        assert manager.models.names() == ["third"]
+    finally:
+        for event in release.values():
+            event.set()
+        for model in manager.models:
+            model.thread.stop()
+        store.close()

@@ -195,14 +195,16 @@ class Api:
 
     async def _after_load(self, name: str, respond: Callable[[], Awaitable[Response]],
                           shape: Callable[[], OpenAiEvents | NamedEvents]) -> AsyncIterator[str | bytes]:
-        loading = asyncio.ensure_future(self.manager.ensure(name))  # the load itself goes on if the client leaves
+        async def run() -> Response:  # in `use` from the start: counted as waiting, so no other load unloads
+            async with self.manager.use(name):  # its model between its load and its turn
+                return await respond()
+
+        loading = asyncio.ensure_future(run())  # the load itself goes on if the client leaves (`ensure` shields it)
         try:
             while not loading.done():
                 if not (await asyncio.wait([loading], timeout=self.keepalive_s))[0]:
                     yield KEEPALIVE
-            loading.result()
-            async with self.manager.use(name):
-                response = await respond()
+            response = loading.result()
         except Exception as exc:  # the stream is open: the failure goes in it
             for line in shape().failure(exc if isinstance(exc, ApiError) else stream_error(exc)):
                 yield line

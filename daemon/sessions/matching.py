@@ -178,10 +178,10 @@ class Matcher:
         return dataclasses.replace(await self._new(branch, branch > 0, hint.lineage), store_ms=round(store_s * 1000, 2))
 
     async def _follow(self, hint: Hint, want: np.ndarray, mode: str) -> Match:
-        """The session a stored response names, while it still holds that response's state; else a new one
-        branched from it."""
+        """The session a stored response names, while it still holds that response's state and runs on the
+        request's model; else a new one branched from it (a session continues only on its own model)."""
         entry = self.manager.entries.get(hint.session_id or "")
-        if entry is None or entry.busy:
+        if entry is None or entry.busy or self.manager.model_of(entry) != self.manager.model_name():
             return await self._new(0, False, hint.lineage)
         s = entry.session
         if s is not None:

@@ -71,7 +71,7 @@ class ModelKeeping:
         self._loads: dict[str, asyncio.Task] = {}
         self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
         self._loading_since: dict[str, float] = {}
-        self._unloading: set[str] = set()
+        self._unloads: dict[str, asyncio.Task] = {}  # each model's unload in progress, shared by whoever asks
         self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
         self._uses: Counter[str] = Counter()  # operations running on each model
         self._waits: Counter[str] = Counter()  # operations waiting for each model's load
@@ -153,7 +153,7 @@ class ModelKeeping:
         """Model `name`, loaded first if it is not (UnknownModelError if it is not served)."""
         spec = self.registry.spec(name)
         while True:
-            if name in self._unloading or name in self._draining:
+            if name in self._unloads or name in self._draining:
                 self._blocked[name] += 1
                 try:
                     await asyncio.sleep(WAIT_S)
@@ -239,6 +239,7 @@ class ModelKeeping:
                 idle = [n for n in candidates if not self._in_use(n)]
                 if idle:
                     await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
+                    self._draining.clear()  # gone, if it drained: the next in use drains, its own loads run
                 else:
                     if not self._draining:  # chosen once: the one that waits longest unused goes
                         self._draining.add(min(candidates, key=lambda n: self._last_use.get(n, 0.0)))
@@ -250,13 +251,19 @@ class ModelKeeping:
 
     async def unload(self, name: str, why: str = "asked") -> dict[str, Any]:
         """Sleep every hot session of model `name`, then stop it. InvalidParamsError for a pinned model; a
-        failed sleep leaves the model loaded and raises."""
+        failed sleep leaves the model loaded and raises. An unload asked while one runs waits for that one
+        and answers as it does (the lifecycle, a load making room and `model.unload` may ask at once)."""
         self.registry.spec(name)
-        if name not in self.models:
-            return {"model": name, "unloaded": False, "slept": 0}
-        if not self._unloadable(name):
-            raise InvalidParamsError(f"model {name!r} is pinned: it is never unloaded", model=name)
-        self._unloading.add(name)
+        unloading = self._unloads.get(name)
+        if unloading is None:
+            if name not in self.models:
+                return {"model": name, "unloaded": False, "slept": 0}
+            if not self._unloadable(name):
+                raise InvalidParamsError(f"model {name!r} is pinned: it is never unloaded", model=name)
+            unloading = self._unloads[name] = asyncio.get_running_loop().create_task(self._unload(name, why))
+        return await asyncio.shield(unloading)  # a caller that leaves does not stop the unload others wait for
+
+    async def _unload(self, name: str, why: str) -> dict[str, Any]:
         slept = 0
         try:
             while self._uses[name] > 0:
@@ -272,7 +279,7 @@ class ModelKeeping:
             self._shared.pop(name, None)
             await to_thread.run_sync(stop_model, model)
         finally:
-            self._unloading.discard(name)
+            self._unloads.pop(name, None)
         log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
         return {"model": name, "unloaded": True, "slept": slept}
 
