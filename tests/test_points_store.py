@@ -127,9 +127,9 @@ def test_gc_counts_a_blocks_point_as_freed_and_drops_older_turns_points_before_i
     assert (report.blocks_evicted, report.points_dropped) == (1, 1) and len(store.point_refs(cached, BUNDLE)) == 2
     tokens = list(range(200, 232))  # a conversation of 8 blocks, a point at each: 5 of its older turns'
     write_snapshot(store, "a", tokens)
-    for k, key in enumerate(chain_keys(BUNDLE, tokens, 4)):
+    turns = chain_keys(BUNDLE, tokens, 4)
+    for k, key in enumerate(turns):
         store.write_point(BUNDLE, key, 4 * (k + 1), point_arrays(k))
-    older = store.points_summary()["point_bytes"] - sum(r.stored_bytes for r in store.point_refs(cached, BUNDLE).values())
-    older -= sum(r.stored_bytes for r in store.point_refs(chain_keys(BUNDLE, tokens, 4)[-3:], BUNDLE).values())
+    older = sum(r.stored_bytes for r in store.point_refs(turns[:-3], BUNDLE).values())
     report = store.gc(budget_bytes=store.stored_bytes() - older)  # dropping them is enough
     assert (report.blocks_evicted, report.points_dropped) == (0, 5) and len(store.point_refs(cached, BUNDLE)) == 2
