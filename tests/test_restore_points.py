@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kvwake.daemon.config import Tuning
@@ -18,6 +19,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
+from kvwake.store.format.codec import Tensor
 from kvwake.store.format.keys import chain_keys
 from testkit.tinymodel import ARCHS as ARCHS_CONFIG
 from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
@@ -188,6 +190,28 @@ def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_
     again = Session("again")  # the same prompt: its deepest point is the damaged one
     assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
     assert_as_cold(engine, plain_engine("lfm2"), again, "lfm2")
+
+
+def test_a_point_that_verifies_but_does_not_fit_the_cache_gives_way_to_a_shallower_one(open_engine, plain_engine,
+                                                                                     caplog):
+    # Its arrays verify (the digest is of what was written) but are not this model's cache: restoring it
+    # raised StateMismatchError out of the append.
+    engine = open_engine("gemma3_text")
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    key = chain_keys(engine.bundle.hash, first.tokens, B)[taken[-1] // B - 1]
+    ref = engine.store.point_refs([key], engine.bundle.hash)[key]
+    arrays = dict(engine.store.read_point(ref))
+    keys = arrays["layers.0.keys"]  # a ring whose keys hold one row fewer than its values
+    arrays["layers.0.keys"] = Tensor(keys.dtype, np.ascontiguousarray(keys.array[:, :, 1:]))
+    with engine.store.transaction() as db:
+        db.execute("DELETE FROM points WHERE key = ?", (key,))
+    assert engine.store.write_point(engine.bundle.hash, key, ref.n_tokens, arrays)
+    again = Session("again")  # the same prompt: its deepest point is the one that does not fit
+    assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
+    assert f"restore point {key[:16]} ({ref.n_tokens} tokens) does not fit the cache" in caplog.text
+    assert_as_cold(engine, plain_engine("gemma3_text"), again, "gemma3_text")
 
 
 def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):
