@@ -82,6 +82,24 @@ def test_fsck_checks_points_and_drops_a_bad_one(store):
     assert store.fsck().ok  # the bad point is gone; the next prefill there takes it again
 
 
+def test_fsck_skips_a_point_gc_dropped_after_fsck_listed_the_points(store, monkeypatch):
+    # fsck listed the point rows once and verified each from that list: a point gc dropped meanwhile (its
+    # file deleted) was reported bad.
+    stored_point(store)
+    listed, dropped = store.rows, []
+
+    def gc_after_the_list(sql, params=()):
+        rows = listed(sql, params)
+        if "FROM points" in sql and not dropped:
+            store.delete_session("s")
+            dropped.append(store.gc(budget_bytes=0).points_dropped)  # its block evicted: the point with it
+        return rows
+
+    monkeypatch.setattr(store, "rows", gc_after_the_list)
+    report = store.fsck()
+    assert dropped == [1] and report.ok and report.points_checked == 0 and report.bad_points == []
+
+
 def test_gc_keeps_a_point_while_its_block_lives_and_drops_it_after(store):
     key = stored_point(store)
     store.write_point(BUNDLE, chain_keys(BUNDLE, [7] * 8, 4)[1], 8, point_arrays(3))  # its block never stored
