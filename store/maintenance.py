@@ -3,14 +3,15 @@
 gc:
   1. prunes unlabeled snapshots beyond `keep_history` per session (the head
      and labeled checkpoints always stay);
-  2. evicts blocks no snapshot references and nothing pinned, least recently
+  2. drops the restore points of a conversation's older turns that no other
+     session reaches, and those whose block is gone (points.py,
+     `drop_unneeded`), before it evicts: the budget counts points;
+  3. evicts blocks no snapshot references and nothing pinned, least recently
      used first, until the store fits `budget_bytes` (None: evict them all;
-     with a budget they are the prefix cache);
-  3. deletes orphan files: temp files and block or tail files the index does
-     not name (what a crash between file write and commit leaves behind);
-  4. drops the restore points whose block step 2 evicted (or that is gone
-     otherwise), and those of a conversation's older turns that no other
-     session reaches (points.py, `drop_unneeded`).
+     with a budget they are the prefix cache); a block's point counts as
+     freed with it, and is dropped after;
+  4. deletes orphan files: temp files and block or tail files the index does
+     not name (what a crash between file write and commit leaves behind).
 Rows go first, in one transaction; files after. A crash in between leaves
 orphans for the next gc, never an index row without its file.
 
@@ -22,8 +23,8 @@ Beside serving (docs/decisions.md, Store: "gc and fsck beside serving"):
 neither holds the store lock for its run. A writer holds the lock shared from its first file to its commit, and counts on the
 blocks it reuses staying (they may be unreferenced: the prefix cache); a
 reader holds it shared while it reads a snapshot's files. So gc takes the lock
-exclusively only for what those two rely on, each time for a moment: (1) and
-(2)'s row deletions, then the orphan decision (the folders are walked before,
+exclusively only for what those two rely on, each time for a moment: (1) to
+(3)'s row deletions, then the orphan decision (the folders are walked before,
 unlocked; a file walked, not named by the index in that moment, and still
 there is an orphan: no writer is between its first file and its commit then,
 and a writer after it only makes files the walk did not see). Files are
@@ -101,18 +102,23 @@ def _prune_history(store: StoreCore, keep: int) -> int:
 
 
 def _evict(store: StoreCore, budget: int | None) -> tuple[list[str], int]:
+    """Evict unreferenced, unpinned blocks, least recently used first, until the store fits `budget`;
+    returns their files and their bytes. A block's point goes with it (`_drop_points` after), so its
+    bytes count as freed too: the budget counts them."""
     total = stored_bytes(store)
-    files, freed = [], 0
+    files, block_bytes, freed = [], 0, 0
     with store.index.write() as db:
-        rows = db.execute("SELECT key, file, stored_bytes FROM blocks WHERE refs = 0 AND pins = 0 "
-                          "ORDER BY last_used, key").fetchall()
-        for key, rel, size in rows:
+        rows = db.execute("SELECT b.key, b.file, b.stored_bytes, coalesce(p.stored_bytes, 0) FROM blocks b "
+                          "LEFT JOIN points p ON p.key = b.key WHERE b.refs = 0 AND b.pins = 0 "
+                          "ORDER BY b.last_used, b.key").fetchall()
+        for key, rel, size, point_size in rows:
             if budget is not None and total - freed <= budget:
                 break
             db.execute("DELETE FROM blocks WHERE key = ?", (key,))
             files.append(rel)
-            freed += size
-    return files, freed
+            block_bytes += size
+            freed += size + point_size
+    return files, block_bytes
 
 
 def _drop_points(store: StoreCore) -> list[str]:
@@ -137,8 +143,9 @@ def gc(store: StoreCore, *, budget_bytes: int | None = None, keep_history: int |
     keep = store.keep_history if keep_history is None else keep_history
     with store.files.lock(exclusive=True), store.locked():  # a moment: no writer counts on what is evicted
         pruned = _prune_history(store, keep)
+        dropped = _drop_points(store)  # older turns' points first: the budget counts what they free
         evicted, freed = _evict(store, budget)
-        dropped = _drop_points(store)
+        dropped += _drop_points(store)  # the evicted blocks' points
     for rel in evicted + dropped:
         with contextlib.suppress(FileNotFoundError):
             store.files.absolute(rel).unlink()

@@ -13,8 +13,9 @@ Row and file, as for blocks: the file is written durably first (temp file,
 fsync, rename), then the row; a key already indexed is not written again (the
 second writer's file is deleted). A point lives at most as long as the block it
 closes, and gc drops those of a conversation's older turns that no other
-session reaches (`drop_unneeded`); fsck verifies each point and drops a bad
-one (`check`). docs/decisions.md,
+session reaches (`drop_unneeded`); fsck verifies each point, its row looked up
+again under the shared lock (one gc dropped meanwhile is skipped), and drops a
+bad one (`check`). docs/decisions.md,
 "Restore points (issue 52)", says why.
 """
 
@@ -147,22 +148,30 @@ def check(store: StoreCore) -> tuple[int, list[dict[str, Any]]]:
     """fsck's part: verify every point; a bad one's file goes to quarantine/ and its row is deleted (the
     next prefill there takes it again). Returns (points checked, the bad ones)."""
     bad: list[dict[str, Any]] = []
-    rows = store.rows("SELECT * FROM points ORDER BY key")
-    for row in rows:
-        ref = PointRef.from_row(row)
-        with store.reading():
-            try:
-                read(store, ref)
-                continue
-            except KvwakeError as exc:
-                bad.append({"point": ref.key, "file": ref.file, "reason": exc.message})
-            src = store.files.absolute(ref.file)
-            if src.exists():
-                src.replace(store.files.quarantine / src.name)
-                fsync_dir(store.files.quarantine)
-        with store.transaction() as db:
-            db.execute("DELETE FROM points WHERE key = ? AND file = ?", (ref.key, ref.file))
-    return len(rows), bad
+    keys = [row["key"] for row in store.rows("SELECT key FROM points ORDER BY key")]
+    return sum(_check_one(store, key, bad) for key in keys), bad
+
+
+def _check_one(store: StoreCore, key: str, bad: list[dict[str, Any]]) -> bool:
+    """Verify point `key` as it is now, its row looked up again under the shared lock; False when it is
+    gone (gc dropped it since fsck listed the points: its file may be deleted, and it is not bad)."""
+    with store.reading():
+        rows = store.rows("SELECT * FROM points WHERE key = ?", (key,))
+        if not rows:
+            return False
+        ref = PointRef.from_row(rows[0])
+        try:
+            read(store, ref)
+            return True
+        except KvwakeError as exc:
+            bad.append({"point": ref.key, "file": ref.file, "reason": exc.message})
+        src = store.files.absolute(ref.file)
+        if src.exists():
+            src.replace(store.files.quarantine / src.name)
+            fsync_dir(store.files.quarantine)
+    with store.transaction() as db:
+        db.execute("DELETE FROM points WHERE key = ? AND file = ?", (ref.key, ref.file))
+    return True
 
 
 def summary(store: StoreCore) -> dict[str, int]:

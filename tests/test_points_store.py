@@ -82,6 +82,24 @@ def test_fsck_checks_points_and_drops_a_bad_one(store):
     assert store.fsck().ok  # the bad point is gone; the next prefill there takes it again
 
 
+def test_fsck_skips_a_point_gc_dropped_after_fsck_listed_the_points(store, monkeypatch):
+    # fsck listed the point rows once and verified each from that list: a point gc dropped meanwhile (its
+    # file deleted) was reported bad.
+    stored_point(store)
+    listed, dropped = store.rows, []
+
+    def gc_after_the_list(sql, params=()):
+        rows = listed(sql, params)
+        if "FROM points" in sql and not dropped:
+            store.delete_session("s")
+            dropped.append(store.gc(budget_bytes=0).points_dropped)  # its block evicted: the point with it
+        return rows
+
+    monkeypatch.setattr(store, "rows", gc_after_the_list)
+    report = store.fsck()
+    assert dropped == [1] and report.ok and report.points_checked == 0 and report.bad_points == []
+
+
 def test_gc_keeps_a_point_while_its_block_lives_and_drops_it_after(store):
     key = stored_point(store)
     store.write_point(BUNDLE, chain_keys(BUNDLE, [7] * 8, 4)[1], 8, point_arrays(3))  # its block never stored
@@ -109,3 +127,27 @@ def test_gc_keeps_a_conversations_newest_points_and_those_another_session_reache
     assert report.points_dropped == 3 and sorted(kept) == sorted([keys[0], keys[1], *keys[-3:]])
     store.delete_session("b")  # no one else reaches the shared ones now: "a" keeps its deepest three
     assert store.gc(budget_bytes=0).points_dropped == 2 and sorted(store.point_refs(keys, BUNDLE)) == sorted(keys[-3:])
+
+
+def test_gc_counts_a_blocks_point_as_freed_and_drops_older_turns_points_before_it_evicts(store):
+    # The budget counts points; eviction counted only a block's own bytes freed, and older turns' points
+    # were dropped after it: gc evicted far more of the prefix cache than the budget asked.
+    cached = chain_keys(BUNDLE, TOKENS, 4)
+    write_snapshot(store, "cache", TOKENS)
+    for k, key in enumerate(cached):  # a point outweighs its block (a window's rows, a recurrent state)
+        state = np.random.default_rng(k).standard_normal((1, 3, 512)).astype(np.float32)
+        store.write_point(BUNDLE, key, 4 * (k + 1), {**point_arrays(k), "layers.1.arrays.0": Tensor.of(state)})
+    store.delete_session("cache")  # its blocks and points are the prefix cache now
+    block = store.index.one("SELECT stored_bytes AS n FROM blocks WHERE key = ?", (cached[0],))["n"]
+    one = block + store.point_refs([cached[0]], BUNDLE)[cached[0]].stored_bytes
+    assert block < one // 2
+    report = store.gc(budget_bytes=store.stored_bytes() - one // 2)  # half a block and its point too many
+    assert (report.blocks_evicted, report.points_dropped) == (1, 1) and len(store.point_refs(cached, BUNDLE)) == 2
+    tokens = list(range(200, 232))  # a conversation of 8 blocks, a point at each: 5 of its older turns'
+    write_snapshot(store, "a", tokens)
+    turns = chain_keys(BUNDLE, tokens, 4)
+    for k, key in enumerate(turns):
+        store.write_point(BUNDLE, key, 4 * (k + 1), point_arrays(k))
+    older = sum(r.stored_bytes for r in store.point_refs(turns[:-3], BUNDLE).values())
+    report = store.gc(budget_bytes=store.stored_bytes() - older)  # dropping them is enough
+    assert (report.blocks_evicted, report.points_dropped) == (0, 5) and len(store.point_refs(cached, BUNDLE)) == 2

@@ -1,14 +1,15 @@
 """Restore points on tiny models whose cache does not cut by token: sliding window (gemma3_text), recurrent
 (lfm2), and mixed (qwen3_next: gated delta and attention; falcon_h1: both in every layer). A prefix hit
-through a point continues bit-identically to a cold prefill of the same tokens; a resent history that parts
-from the stored tokens falls back to the last point before the parting; a damaged point is refused and
-the tokens prefilled."""
+through a point continues as a plain prefill (no points) of the same tokens does: bit for bit, except
+falcon_h1 within a measured bound; a resent history that parts from the stored tokens falls back to the
+last point before the parting; a damaged point is refused and the tokens prefilled."""
 
 from __future__ import annotations
 
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from kvwake.daemon.config import Tuning
@@ -18,6 +19,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
+from kvwake.store.format.codec import Tensor
 from kvwake.store.format.keys import chain_keys
 from testkit.tinymodel import ARCHS as ARCHS_CONFIG
 from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
@@ -37,19 +39,49 @@ def logits_after(engine: Engine, session: Session) -> mx.array:
     return engine.model(mx.array(session.pending, dtype=mx.uint32)[None], cache=session.cache)[0, -1]
 
 
-def assert_as_cold(engine: Engine, cold: Engine, session: Session) -> None:
-    """The session continues as a cold prefill of its tokens does: the same greedy reply, and a copy of it
-    (the same tokens, through the same restore) the same next logits, bit for bit."""
+# falcon_h1's mamba2 layers (mlx-lm's SSD scan) are not bit-exact across prefill splits on the CPU: a prefill
+# stopped at a block boundary differs from one run through it in the last bits. Its greedy replies match;
+# its logits are held to this bound (measured: docs/decisions.md, "Restore points (issue 52)").
+SPLIT_INEXACT = {"falcon_h1": 5e-4}
+
+
+@pytest.fixture
+def plain_engine(folders, tmp_path):
+    """plain_engine(arch): an Engine without restore points: the reference a hit through a point is held
+    to is a prefill that runs through every boundary, not one that stops where the points are."""
+    opened = []
+
+    def open_(arch: str) -> Engine:
+        store = Store(tmp_path / "plain", block_tokens=B)
+        opened.append((Engine(store, tmp_path, folders(arch), tuning=Tuning(restore_points=False)), store))
+        return opened[-1][0]
+
+    yield open_
+    for engine, store in opened:
+        engine.close()
+        store.close()
+
+
+def assert_as_cold(engine: Engine, cold: Engine, session: Session, arch: str) -> None:
+    """The session continues as a plain prefill of its tokens does: the same greedy reply, and a copy of it
+    (the same tokens, through the same restore) the same next logits: bit for bit, or within the arch's
+    bound where its prefill is not exact across splits."""
+    assert not cold.points.enabled
     twin, copy, copy_twin = Session("cold-" + session.id), Session("copy"), Session("cold-copy")
     assert cold.append(twin, tokens=list(session.tokens))["reused"] == 0
     assert engine.generate(session, GREEDY).tokens == cold.generate(twin, GREEDY).tokens
     assert engine.append(copy, tokens=list(twin.tokens))["reused"] > 0
     cold.append(copy_twin, tokens=list(twin.tokens))
-    assert mx.array_equal(logits_after(engine, copy), logits_after(cold, copy_twin)).item()
+    got, want = logits_after(engine, copy), logits_after(cold, copy_twin)
+    assert mx.argmax(got).item() == mx.argmax(want).item()
+    if arch in SPLIT_INEXACT:
+        assert mx.abs(got - want).max().item() <= SPLIT_INEXACT[arch]
+    else:
+        assert mx.array_equal(got, want).item()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(open_engine, arch):
+def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(open_engine, plain_engine, arch):
     engine = open_engine(arch)
     assert not engine.cuttable and engine.points.enabled
     first = Session("first")
@@ -69,7 +101,7 @@ def test_a_second_conversation_sharing_a_system_prompt_restores_through_a_point(
     deepest = max(w for w in taken if w <= shared)
     assert got["reused"] == deepest >= shared * 0.8 and got["prefilled"] == got["tokens"] - 1 - deepest
     assert engine.counters["tokens_from_points"] == deepest
-    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    assert_as_cold(engine, plain_engine(arch), second, arch)
     for row in engine.store.rows("SELECT file FROM points"):  # a point read is kept in the RAM tier
         (engine.store.root / row["file"]).unlink()
     assert engine.append(Session("third"), messages=chat("Another one."))["reused"] == deepest
@@ -107,8 +139,8 @@ def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
                 (later[0] if later else None), (processed, upto)
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
-def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open_engine, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open_engine, plain_engine, arch):
     engine = open_engine(arch)
     s = Session("named")
     engine.append(s, messages=chat("List three tools."))
@@ -128,11 +160,11 @@ def test_a_resent_history_that_parts_falls_back_to_the_last_point_before_it(open
     last_point = max((i + 1) * B for i, key in enumerate(keys) if key in stored)
     assert parting - last_point < 2 * B and got["reused"] == last_point
     assert got["prefilled"] == got["tokens"] - 1 - last_point
-    assert_as_cold(engine, open_engine(arch, name="cold"), s)
+    assert_as_cold(engine, plain_engine(arch), s, arch)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
-def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
+def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, plain_engine, arch):
     engine = open_engine(arch)
     engine.append(Session("first"), messages=chat("a"))
     for row in engine.store.rows("SELECT file FROM points"):
@@ -143,11 +175,11 @@ def test_a_damaged_point_is_refused_and_the_prompt_prefilled(open_engine, arch):
     second = Session("second")
     got = engine.append(second, messages=chat("Pick one tool and say why."))
     assert got["reused"] == 0 and got["prefilled"] == got["tokens"] - 1
-    assert_as_cold(engine, open_engine(arch, name="cold"), second)
+    assert_as_cold(engine, plain_engine(arch), second, arch)
     assert not engine.store.fsck().ok
 
 
-def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_engine):
+def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_engine, plain_engine):
     engine = open_engine("lfm2")
     first = Session("first")
     got = engine.append(first, messages=chat("a"))
@@ -157,7 +189,29 @@ def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_
     (engine.store.root / next(iter(deepest.values())).file).write_bytes(b"damaged")
     again = Session("again")  # the same prompt: its deepest point is the damaged one
     assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
-    assert_as_cold(engine, open_engine("lfm2", name="cold"), again)
+    assert_as_cold(engine, plain_engine("lfm2"), again, "lfm2")
+
+
+def test_a_point_that_verifies_but_does_not_fit_the_cache_gives_way_to_a_shallower_one(open_engine, plain_engine,
+                                                                                     caplog):
+    # Its arrays verify (the digest is of what was written) but are not this model's cache: restoring it
+    # raised StateMismatchError out of the append.
+    engine = open_engine("gemma3_text")
+    first = Session("first")
+    got = engine.append(first, messages=chat("a"))
+    taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
+    key = chain_keys(engine.bundle.hash, first.tokens, B)[taken[-1] // B - 1]
+    ref = engine.store.point_refs([key], engine.bundle.hash)[key]
+    arrays = dict(engine.store.read_point(ref))
+    keys = arrays["layers.0.keys"]  # a ring whose keys hold one row fewer than its values
+    arrays["layers.0.keys"] = Tensor(keys.dtype, np.ascontiguousarray(keys.array[:, :, 1:]))
+    with engine.store.transaction() as db:
+        db.execute("DELETE FROM points WHERE key = ?", (key,))
+    assert engine.store.write_point(engine.bundle.hash, key, ref.n_tokens, arrays)
+    again = Session("again")  # the same prompt: its deepest point is the one that does not fit
+    assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
+    assert f"restore point {key[:16]} ({ref.n_tokens} tokens) does not fit the cache" in caplog.text
+    assert_as_cold(engine, plain_engine("gemma3_text"), again, "gemma3_text")
 
 
 def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):

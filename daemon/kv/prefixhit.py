@@ -8,14 +8,16 @@ not verify shortens the hit, and those tokens are prefilled instead.
 A model whose cache does not cut by token is served through restore points
 (kv/points.py takes them): the longest run of the request's blocks whose last
 block has a point, the blocks restored and the point in place of a tail; a
-point that does not verify gives way to a shallower one, a block of the run
-that does not ends the hit (all of it is prefilled).
+point that does not verify, or verifies but does not fit the model's cache,
+gives way to a shallower one; a block of the run that does not verify ends
+the hit (all of it is prefilled).
 """
 
 from __future__ import annotations
 
 from kvwake.daemon.kv import restore_buffers
-from kvwake.daemon.kv.context import KvContext, Mlx
+from kvwake.daemon.kv.cache_blocks import StateMismatchError
+from kvwake.daemon.kv.context import KvContext, Mlx, log
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
@@ -83,17 +85,22 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
 
 def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
     """A fresh cache restored through the deepest restore point that verifies on target's chain of stored
-    blocks (all but its last token): (cache, tokens it holds), or (None, 0) when there is none or a block
-    of the run does not verify (logged; the request prefills instead)."""
+    blocks (all but its last token) and fits the cache: (cache, tokens it holds), or (None, 0) when there is
+    none or a block of the run does not verify (logged; the request prefills instead)."""
     run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
     points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
     for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
+        ref = points[run[depth - 1].key]
         try:
-            point = _point(ctx, points[run[depth - 1].key])
+            point = _point(ctx, ref)
         except CorruptBlockError as exc:  # a shallower one may serve
             ctx.log_unusable(exc)
             continue
-        return _restore_through(ctx, run[:depth], point, len(target), mlx)
+        try:
+            return _restore_through(ctx, run[:depth], point, len(target), mlx)
+        except StateMismatchError as exc:  # it verified, yet is not this model's cache: a shallower one may be
+            log.warning("restore point %s (%d tokens) does not fit the cache, trying a shallower one: %s",
+                        ref.key[:16], ref.n_tokens, exc)
     return None, 0
 
 
