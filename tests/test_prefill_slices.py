@@ -63,10 +63,12 @@ def test_the_prefill_step_is_2048_tokens_on_cuda_and_512_elsewhere(tmp_path, mon
     assert prefill.default_step() == 2048
     monkeypatch.setattr(prefill.attention, "on_cuda", lambda: False)
     assert prefill.default_step() == 512
+    from kvwake.daemon.model import engine as engine_module
+    monkeypatch.setattr(engine_module, "default_step", lambda: 64)  # the backend's, whatever it is
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, make_model_dir(tmp_path / "m"), max_batch=8)  # no step named: the backend's
     try:
-        assert engine.prefill_step == engine.planner.prefill_step == 512
+        assert engine.prefill_step == engine.planner.prefill_step == 64
     finally:
         engine.close()
         store.close()

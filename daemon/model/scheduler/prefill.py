@@ -60,10 +60,10 @@ CUDA_STEP = 2048  # on CUDA: a long prompt builds a quarter of the attention gra
 
 def default_step() -> int:
     """Tokens per full prefill chunk where the settings name none. On CUDA a fresh process builds a cuDNN graph
-    for each new (chunk, key length) pair, tens of ms each, and a 512-token chunk over a long prompt costs
-    little more than its graph: longer chunks make a long prompt's prefill several times faster there
-    (docs/benchmarks.md, "fleet"). Beside decoding calls a chunk is sliced by layers all the same. Fixed per
-    process, so a prompt's KV never depends on what else ran at the time."""
+    for each new (chunk, key length) pair, and over a long prompt a 512-token chunk costs little more than its
+    graph: longer chunks build fewer graphs and make fewer passes (docs/benchmarks.md, "fleet"). Beside
+    decoding calls a chunk is sliced by layers all the same. Fixed per process, so a prompt's KV never depends
+    on what else ran at the time."""
     return CUDA_STEP if attention.on_cuda() else STEP
 
 
