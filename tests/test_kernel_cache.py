@@ -40,3 +40,36 @@ def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog)
     with caplog.at_level("WARNING", logger="kvwake.kernels"):
         assert warmer.wait(timeout=120) is False
     assert "kernel warmer (forward) exited 1" in caplog.text and "no_such_model" in caplog.text
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", mx.bfloat16), ("gemma3_text", mx.float16), ("lfm2", mx.bfloat16)])
+def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built_twice(tmp_path, monkeypatch, arch,
+                                                                                      dtype):
+    """The thread builds the kernel for the heads and dtype the config and weights name; the engine, once the
+    weights are in, takes it as built when the loaded model's shape is the same (here on the CPU the build is
+    recorded, not compiled: the kernel is CUDA's)."""
+    from mlx_lm import load
+
+    from kvwake.daemon.model import ragged_decode
+
+    built = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape: built.append(shape) or True)
+    path = make_model_dir(tmp_path / arch, arch=arch, dtype=dtype)
+    shape = kernel_cache.RowKernelBuild(path).result()
+    model, _ = load(str(path))
+    assert shape == ragged_decode.shape_of(model) and shape[3] == dtype and built == [shape]
+    assert ragged_decode.warm(model, built=shape) is True and built == [shape]  # not built again
+    assert ragged_decode.warm(model, built=None) is True and built == [shape, shape]  # no build beside: built now
+
+
+def test_a_row_kernel_build_that_fails_leaves_the_engine_to_build_it(tmp_path, monkeypatch, caplog):
+    from kvwake.daemon.model import ragged_decode
+
+    def fails(*shape):
+        raise RuntimeError("nvrtc: out of resources")
+
+    monkeypatch.setattr(ragged_decode, "build", fails)
+    path = make_model_dir(tmp_path / "llama", arch="llama")
+    with caplog.at_level("WARNING", logger="kvwake.kernels"):
+        assert kernel_cache.RowKernelBuild(path).result() is None
+    assert "row kernel not built beside the load" in caplog.text and "out of resources" in caplog.text

@@ -123,11 +123,14 @@ class Engine(Appending):
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         # the bundle's file digests, read on background threads while the weights load (kv/bundle.py)
         digests = start_digests(self.model_path, digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
-        kernels = None
+        kernels = row_kernel = None
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
-            # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
+            # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
+            # (model/kernel_cache.py)
             kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
+            if tuning.kernel_warmer and ragged_decode.wanted(tuning.row_kernel):
+                row_kernel = kernel_cache.RowKernelBuild(self.model_path)
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
@@ -156,11 +159,12 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (a long compile,
-        # not from its disk cache), and a decode step or an idle warm-up job building it would hold up every
-        # request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet"). False when the
-        # model's heads are not a shape it takes.
-        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(self.model)
+        # Built before the daemon answers (beside the load, or now): MLX compiles a custom kernel in every process
+        # (a long compile, not from its disk cache), and a decode step or an idle warm-up job building it would
+        # hold up every request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet").
+        # False when the model's heads are not a shape it takes.
+        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(
+            self.model, built=row_kernel.result() if row_kernel is not None else None)
         self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);

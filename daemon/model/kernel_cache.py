@@ -13,7 +13,9 @@ for it; two of them, each importing as `serve` does (no PyTorch), so a cached ma
 the load.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
-them out of its disk cache. CUDA only: on the CPU and Metal nothing here runs.
+them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load instead
+(`RowKernelBuild`): MLX keeps a custom kernel for the process whichever thread's stream compiled it, and the
+compile releases the GIL. CUDA only: on the CPU and Metal nothing here runs.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "Warmer", "miniature", "weights_dtype"]
+__all__ = ["PARTS", "RowKernelBuild", "Warmer", "miniature", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -90,6 +93,41 @@ class Warmer:
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
         return bool(procs) and done
+
+
+class RowKernelBuild:
+    """The row kernel (model/ragged_decode.py) compiled on a thread of its own while the weights load, for the
+    heads and dtype the model's config and weights name; `result` after the load: the shape it was built for,
+    which the engine compares with the loaded model's (a config that names its heads otherwise: the engine
+    builds the kernel itself, as without this)."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.shape: tuple[int, int, int, Any] | None = None
+        self.thread = threading.Thread(target=self._build, args=(Path(model_path),), name="kvwake-row-kernel",
+                                       daemon=True)
+        self.thread.start()
+
+    def _build(self, model_path: Path) -> None:
+        import mlx.core as mx
+
+        from kvwake.daemon.model import ragged_decode
+
+        try:
+            config = json.loads((model_path / "config.json").read_text())
+            heads = config["num_attention_heads"]
+            shape = (heads, config.get("num_key_value_heads") or heads,
+                     config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
+            if ragged_decode.build(*shape):
+                self.shape = shape
+        except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
+            log.warning("row kernel not built beside the load: %r", exc)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
+
+    def result(self) -> tuple[int, int, int, Any] | None:
+        self.thread.join()
+        return self.shape
 
 
 def _warm(model_path: Path, part: str) -> None:

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from kvwake.daemon.model.paged_attention import row_attention
 
-__all__ = ["ragged", "wanted", "warm"]
+__all__ = ["build", "ragged", "shape_of", "wanted", "warm"]
 
 
 def wanted(row_kernel: bool) -> bool:
@@ -55,17 +55,24 @@ def ragged(fused: Any) -> Any:
     return attention
 
 
-def warm(model: Any) -> bool:
-    """Build the row kernel for the model's heads and dtype (MLX compiles a custom kernel at its first call,
-    which a first decode step would otherwise wait for). Whether it was built (False: not a shape it takes)."""
+def shape_of(model: Any) -> tuple[int, int, int, Any] | None:
+    """(query heads, KV heads, head size, dtype) of the model's attention as the row kernel is built for
+    them; None for a model whose arguments do not name its heads."""
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     if heads is None:
-        return False
+        return None
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
                  mx.bfloat16)
+    return heads, kv_heads, head_dim, dtype
+
+
+def build(heads: int, kv_heads: int, head_dim: int, dtype: Any) -> bool:
+    """Compile the row kernel for these heads and dtype (MLX compiles a custom kernel at its first call, which a
+    first decode step would otherwise wait for; MLX keeps it for the process, whichever thread built it).
+    Whether it was built (False: not a shape it takes)."""
     queries = mx.zeros((2, heads, head_dim), dtype)
     keys = mx.zeros((2, kv_heads, 64, head_dim), dtype)
     try:
@@ -73,3 +80,12 @@ def warm(model: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def warm(model: Any, built: tuple[int, int, int, Any] | None = None) -> bool:
+    """The row kernel ready for the model (`build`), unless it was built already for its shape (`built`: the
+    shape a build beside the weights' load took, model/kernel_cache.py). Whether the model takes it."""
+    shape = shape_of(model)
+    if shape is None:
+        return False
+    return shape == built or build(*shape)

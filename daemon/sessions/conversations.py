@@ -280,6 +280,7 @@ class Conversations:
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
                 on_claim()
+            woke, entry.woke = entry.session is None, None
             session = await self.awake(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
@@ -300,7 +301,9 @@ class Conversations:
             self.turns.append({"session": session.id, "at": round(time.time() - (time.perf_counter() - called), 4),
                                **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
                                "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
-                               "prefilled": appended["prefilled"]})
+                               "prefilled": appended["prefilled"],
+                               **({"wake_ms": entry.woke["ms"], "wake_phases_ms": entry.woke["phases_ms"]}
+                                  if woke and entry.woke else {})})
             return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
                     "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,

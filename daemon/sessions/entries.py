@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.hotkeys import HotKeys
@@ -28,13 +29,14 @@ class Entry:
     idle). Both keep the indexes of the Entries holding it. `model`: the name of the model it runs on
     (sessions/models.py); None: the default one."""
 
-    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner", "model")
+    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner", "model", "woke")
 
     def __init__(self, id: str, session: Session | None = None, busy: str | None = None,
                  created: float | None = None, model: str | None = None) -> None:
         self.id, self._session, self._busy, self.model = id, session, busy, model
         self.last_used, self.created = time.monotonic(), time.time() if created is None else created
         self._owner: Entries | None = None  # the Entries holding it
+        self.woke: dict[str, Any] | None = None  # its last wake's result
 
     @property
     def session(self) -> Session | None:

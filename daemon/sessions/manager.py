@@ -210,7 +210,8 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
             row = await to_thread.run_sync(self.store.session, entry.id)
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
-                return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
+                return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0,
+                        "phases_ms": {}}
             snapshot = row["head"]
         engine = self.engine
         # Read and verified once (its bundle too, before anyone sleeps for it). The wake takes the head's as it
@@ -232,6 +233,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)
         self.latency["wake"].add(info["ms"])
+        entry.woke = info  # the turn that woke it traces it (conversations.py)
         self.counters["wakes"] += 1
         log.info("wake", extra={"session": entry.id, **info})
         return info
