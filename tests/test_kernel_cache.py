@@ -55,7 +55,7 @@ def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built
     built = []
     monkeypatch.setattr(ragged_decode, "build", lambda *shape: built.append(shape) or True)
     path = make_model_dir(tmp_path / arch, arch=arch, dtype=dtype)
-    shape = kernel_cache.RowKernelBuild(path).result()
+    shape = kernel_cache.BesideLoad(path, True, None).result()
     model, _ = load(str(path))
     assert shape == ragged_decode.shape_of(model) and shape[3] == dtype and built == [shape]
     assert ragged_decode.warm(model, built=shape) is True and built == [shape]  # not built again
@@ -71,5 +71,28 @@ def test_a_row_kernel_build_that_fails_leaves_the_engine_to_build_it(tmp_path, m
     monkeypatch.setattr(ragged_decode, "build", fails)
     path = make_model_dir(tmp_path / "llama", arch="llama")
     with caplog.at_level("WARNING", logger="kvwake.kernels"):
-        assert kernel_cache.RowKernelBuild(path).result() is None
-    assert "row kernel not built beside the load" in caplog.text and "out of resources" in caplog.text
+        assert kernel_cache.BesideLoad(path, True, None).result() is None
+    assert "row kernel or staging not made beside the load" in caplog.text and "out of resources" in caplog.text
+
+
+@pytest.mark.parametrize("arch, staged", [("llama", True), ("gemma3_text", False), ("lfm2", False)])
+def test_a_wakes_staging_ring_is_made_beside_the_load_for_a_plain_model_only(tmp_path, monkeypatch, arch, staged):
+    """A plain model's ring (every layer's K and V, the store's block) is made beside the load, so a restart's
+    first wake does not make it; a hybrid model's rings have another shape: none is made for it from the
+    config (here on the CPU the call is recorded: rings are kept only where staging is mapped for a GPU)."""
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.model import ragged_decode
+
+    made = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape: True)
+    monkeypatch.setattr(devplanes, "warm", lambda kv, tensors, block_tokens: made.append(
+        (kv.shape, kv.dtype, tensors, block_tokens)) or True)
+    path = make_model_dir(tmp_path / arch, arch=arch)
+    config = json.loads((path / "config.json").read_text())
+    kernel_cache.BesideLoad(path, False, 128).result()
+    want = [((1, config.get("num_key_value_heads") or config["num_attention_heads"], 1,
+              config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
+             getattr(mx, kernel_cache.weights_dtype(path)), 2 * config["num_hidden_layers"], 128)]
+    assert made == (want if staged else [])
+    kernel_cache.BesideLoad(path, False, None).result()
+    assert len(made) == (1 if staged else 0)  # no staging asked for (a direct restore): none made

@@ -129,8 +129,9 @@ class Engine(Appending):
             # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
             # (model/kernel_cache.py)
             kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
-            if tuning.kernel_warmer and ragged_decode.wanted(tuning.row_kernel):
-                row_kernel = kernel_cache.RowKernelBuild(self.model_path)
+            if tuning.kernel_warmer:
+                row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
+                                                     store.block_tokens if self.restore_mode == "staged" else None)
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would

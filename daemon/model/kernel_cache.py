@@ -13,9 +13,10 @@ for it; two of them, each importing as `serve` does (no PyTorch), so a cached ma
 the load.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
-them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load instead
-(`RowKernelBuild`): MLX keeps a custom kernel for the process whichever thread's stream compiled it, and the
-compile releases the GIL. CUDA only: on the CPU and Metal nothing here runs.
+them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load
+instead (`BesideLoad`, which makes a wake's staging ring too): MLX keeps a custom kernel for the process
+whichever thread's stream compiled it, and the compile releases the GIL. CUDA only: on the CPU and Metal
+nothing here runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "RowKernelBuild", "Warmer", "miniature", "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "miniature", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -95,21 +96,30 @@ class Warmer:
         return bool(procs) and done
 
 
-class RowKernelBuild:
-    """The row kernel (model/ragged_decode.py) compiled on a thread of its own while the weights load, for the
-    heads and dtype the model's config and weights name; `result` after the load: the shape it was built for,
-    which the engine compares with the loaded model's (a config that names its heads otherwise: the engine
-    builds the kernel itself, as without this)."""
+# Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
+# wake stages only its plain layers, in rings of another shape than the config's layer count gives
+NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_idxs", "hybrid_override_pattern",
+             "block_types", "attn_layer_indices")
 
-    def __init__(self, model_path: Path) -> None:
+
+class BesideLoad:
+    """What a thread of its own makes while the weights load, from the model's config (module docstring):
+    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, and, given
+    `staging_tokens` (the store's block), a wake's staging ring kept for the first wake (kv/devplanes.py:
+    pinned host memory, a few hundred ms a restart's first wake would wait for). `result` after the load:
+    the shape the kernel was built for, which the engine compares with the loaded model's (a config that
+    names its heads otherwise: the engine builds the kernel itself, as without this)."""
+
+    def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
-        self.thread = threading.Thread(target=self._build, args=(Path(model_path),), name="kvwake-row-kernel",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._build, args=(Path(model_path), row_kernel, staging_tokens),
+                                       name="kvwake-beside-load", daemon=True)
         self.thread.start()
 
-    def _build(self, model_path: Path) -> None:
+    def _build(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
         import mlx.core as mx
 
+        from kvwake.daemon.kv import devplanes
         from kvwake.daemon.model import ragged_decode
 
         try:
@@ -117,10 +127,13 @@ class RowKernelBuild:
             heads = config["num_attention_heads"]
             shape = (heads, config.get("num_key_value_heads") or heads,
                      config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
-            if ragged_decode.build(*shape):
+            if row_kernel and ragged_decode.build(*shape):
                 self.shape = shape
+            if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
+                kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
+                devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
         except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
-            log.warning("row kernel not built beside the load: %r", exc)
+            log.warning("row kernel or staging not made beside the load: %r", exc)
         finally:
             mx.synchronize()
             mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
