@@ -177,11 +177,12 @@ class Engine(Appending):
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
             slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
         self.started.mark("set_up")
-        if kernels is not None:  # the first forward pass's kernels, and a compaction's, from the cache
-            kernels.wait()
-            self.started.mark("kernels")
-        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
-        self.started.mark("first_forward")
+        # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
+        # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,
+        # and what needs no kernel (renders, matching, a wake's reads) goes on while they compile
+        self.kernels = kernels
+        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # shapes: nothing runs
+        self.started.mark("token_bytes")
         # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
         self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits
@@ -204,9 +205,19 @@ class Engine(Appending):
         self.wakes_share = (self.cuttable and kv_bits is None and self.pages is None
                             and all(type(c) is KVCache for c in probe))
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
+            self.wait_kernels()
             for job in self.warm_jobs():
                 job()
             self.started.mark("warm")
+
+    def wait_kernels(self) -> None:
+        """Engine thread, before its first forward pass (the daemon's first job on it, model/loader.py): the
+        kernel warmers' compiles into MLX's disk cache finished, so the pass loads them rather than compiling
+        them itself (a wait that long is in the engine thread's slow jobs; nothing to wait for off CUDA or
+        once waited)."""
+        kernels, self.kernels = self.kernels, None
+        if kernels is not None:
+            kernels.wait()
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once

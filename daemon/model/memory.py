@@ -68,12 +68,13 @@ def apply_limits(memory_bytes: int | None = None, cache_bytes: int = DEFAULT_CAC
 
 def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """Bytes one more token adds to a session's KV (the cuttable layers'; windows and recurrent state do not
-    grow), from a one-token forward pass through a fresh cache. Quantized KV (`kv_bits`) is counted from the
-    plain cache's: `kv_bits` per value plus a scale and a bias (16 bits each) per group, not measured by a
-    quantized pass (mlx-cuda has no quantized kernels for some shapes, and the engine must still start)."""
+    grow), from the shapes a one-token forward pass gives a fresh cache: the pass is built, never run (MLX
+    knows an array's shape before computing it), so no kernel is compiled or run for it at a start.
+    Quantized KV (`kv_bits`) is counted from the plain cache's: `kv_bits` per value plus a scale and a bias
+    (16 bits each) per group, not measured by a quantized pass (mlx-cuda has no quantized kernels for some
+    shapes, and the engine must still start)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-    mx.eval([c.state for c in cache])
     plain = cache_blocks.bytes_per_token(cache)
     if kv_bits is None:
         return plain
