@@ -44,13 +44,13 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 from kvwake.daemon.model.loader import start_model, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.registry import Registry
 from kvwake.daemon.model.thread import process_age_s
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
-from kvwake.paths import default_cache_dir
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 
@@ -201,16 +201,6 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             stop_model(model)  # each model's writes finished while its engine thread runs, then it stops
         store.close()
         os.close(lock_fd)
-
-
-def keep_compiled_kernels() -> None:
-    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
-    unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
-    and the first start after one compiled them all again, a slow first forward pass (docs/decisions.md,
-    "Daemon"). Shared by every daemon of the user, as MLX's default is; one
-    folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
-    compiled (MLX reads it once); nothing uses it off CUDA."""
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
 
 
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:

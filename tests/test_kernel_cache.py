@@ -96,3 +96,23 @@ def test_a_wakes_staging_ring_is_made_beside_the_load_for_a_plain_model_only(tmp
     assert made == (want if staged else [])
     kernel_cache.BesideLoad(path, False, None).result()
     assert len(made) == (1 if staged else 0)  # no staging asked for (a direct restore): none made
+
+
+def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_cuda(tmp_path, monkeypatch):
+    # `serve` starts a folder model's warmers before its heavy imports (CUDA only); the engine's start takes
+    # them rather than starting its own, and a second engine of the same folder starts new ones
+    path = make_model_dir(tmp_path / "llama", arch="llama")
+    assert kernel_cache.start_early(str(path)) is False  # this machine's MLX is not on CUDA
+    assert kernel_cache.start_early(None) is False and kernel_cache.start_early(str(tmp_path / "no-such")) is False
+    assert kernel_cache._early == {}
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start at once
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    assert kernel_cache.start_early(str(path), kernel_warmer=False) is False  # tuned off
+    assert kernel_cache.start_early(str(path)) is True
+    early = kernel_cache._early[path.resolve()]
+    assert kernel_cache.start_early(str(path)) is True and kernel_cache._early[path.resolve()] is early  # once
+    assert kernel_cache.Warmer.for_model(path) is early and kernel_cache._early == {}
+    later = kernel_cache.Warmer.for_model(path)
+    assert later is not early
+    assert early.wait(timeout=120) and later.wait(timeout=120)

@@ -115,7 +115,7 @@ def test_the_collectors_runs_are_counted_and_timed_per_generation():
 def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, monkeypatch):
     import mlx.core as mx
 
-    from kvwake.daemon.serve import keep_compiled_kernels
+    from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 
     monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # platformdirs' user cache folder on Linux

@@ -128,7 +128,7 @@ class Engine(Appending):
             kvcapacity.install()
             # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
             # (model/kernel_cache.py)
-            kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
+            kernels = kernel_cache.Warmer.for_model(self.model_path) if tuning.kernel_warmer else None
             if tuning.kernel_warmer:
                 row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                      store.block_tokens if self.restore_mode == "staged" else None)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "miniature", "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -67,10 +67,51 @@ def miniature(config: dict[str, Any]) -> dict[str, Any]:
             "head_dim": head_dim, "vocab_size": 256, "tie_word_embeddings": True}
 
 
+def keep_compiled_kernels() -> None:
+    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
+    unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
+    and the first start after one compiled them all again, a slow first forward pass (docs/decisions.md,
+    "Daemon"). Shared by every daemon of the user, as MLX's default is; one
+    folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
+    compiled (MLX reads it once) and before a warmer starts (it inherits it); nothing uses it off CUDA."""
+    import mlx.core as mx
+
+    from kvwake.paths import default_cache_dir
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
+
+
+# Warmers started before their engine was made (`start_early`), by model folder
+_early: dict[Path, Warmer] = {}
+
+
+def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
+    """Start the warmers of `model` (the settings' model) before the daemon's heavy imports, for the engine
+    to take (`Warmer.for_model`): on a fresh machine their compiles, not the weights, end a first start's
+    work, and they began only once the imports were done. Only a model given as a folder, and on CUDA (this
+    imports MLX's core alone). Says whether it started them."""
+    if not kernel_warmer or model is None or not Path(model).expanduser().is_dir():
+        return False
+    import mlx.core as mx
+
+    if not (mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return False
+    keep_compiled_kernels()
+    path = Path(model).expanduser().resolve()
+    if path not in _early:
+        _early[path] = Warmer(path)
+    return True
+
+
 class Warmer:
     """The child processes that fill MLX's kernel cache for the model (module docstring), one per part
     (`PARTS`: each part's compiles are seconds of one core on a fresh machine, so they run side by side);
     `wait` before the engine's first forward pass."""
+
+    @classmethod
+    def for_model(cls, model_path: Path) -> Warmer:
+        """The warmers `start_early` started for this model folder, else new ones."""
+        return _early.pop(Path(model_path).resolve(), None) or cls(model_path)
 
     def __init__(self, model_path: Path) -> None:
         self.started = time.perf_counter()
