@@ -678,6 +678,14 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
         a, b = slept_and_woken(engine, [(i * 5) % 256 for i in range(100)])
         assert [m for m in made if m == shape] == []  # the ring's slots were the warm-up's
         assert_same_kv_and_continuation(engine, a, b, 99)
+        # wakes running together (a restart's) each take a ring of kept slots: none is made for them
+        rings = [devplanes.Ring(devplanes.KEEP_SLOTS * shape[0], 2, block_bytes // 2, block_bytes)
+                 for _ in range(devplanes.KEEP_SLOTS // devplanes.RING_SLOTS)]
+        assert sum(r.slots for r in rings) == devplanes.KEEP_SLOTS > devplanes.RING_SLOTS
+        assert [m for m in made if m == shape] == []
+        for ring in rings:
+            ring.close()
+        assert len(devplanes._idle[1]) == devplanes.KEEP_SLOTS
     finally:
         engine.close()
         store.close()
