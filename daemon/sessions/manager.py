@@ -337,5 +337,5 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if session_id is not None:
             check_session_id(session_id)
         result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
-        self.entries.setdefault(result["session_id"], Entry(result["session_id"], model=self.registry.default.name))
+        await self.bind_imported(result["session_id"], result["snapshot_id"])  # on its bundle's model
         return result
