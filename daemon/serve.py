@@ -351,7 +351,7 @@ async def _drain(manager: SessionManager) -> list[str]:
     """Stop generations, wait for operations in flight, sleep every hot session."""
     manager.stopping = True
     with anyio.move_on_after(SHUTDOWN_WAIT_S):
-        while any(e.busy for e in manager.entries.values()):
+        while manager.entries.models.claims():
             await anyio.sleep(0.02)
     results: dict[str, Any] = await manager.sleep_all()
     failed = [sid for sid, r in results.items() if isinstance(r, dict)]

@@ -119,3 +119,30 @@ async def test_an_imported_snapshot_belongs_to_the_model_its_bundle_names(tmp_pa
         assert woken["tokens"] == slept["tokens"] + slept["pending"]
     finally:
         stop_manager(manager, store)
+
+
+async def test_each_models_sessions_are_counted_without_walking_every_session(tmp_path, models):
+    # Was: status's counts per model and the in-use check before an unload walked every session known.
+    from kvwake.daemon.sessions.entries import Entry
+
+    manager, store = manager_on(tmp_path, models)
+    try:
+        async with manager.use("small"):
+            await manager.create("a", SYSTEM)
+        await manager.create("b", SYSTEM)
+        await manager.create("c", SYSTEM)
+        await manager.sleep("c")
+        for i in range(2000):  # stored conversations of small, asleep, as a start knows them
+            manager.entries[f"old{i}"] = Entry(f"old{i}", model="small")
+        manager.entries.values = manager.entries.items = None  # a walk of every session fails from here
+        sessions = {m["name"]: m["sessions"] for m in manager.model_states()}
+        assert sessions == {"main": {"hot": 1, "asleep": 1}, "small": {"hot": 1, "asleep": 2000},
+                            "third": {"hot": 0, "asleep": 0}}
+        assert not manager._in_use("small")
+        async with manager.claim("old7", "sleep"):  # a claim of an asleep session, outside any use of small
+            assert manager._in_use("small") and not manager._in_use("main")
+        assert not manager._in_use("small")
+        await manager.delete("old8")
+        assert manager.model_states()[1]["sessions"] == {"hot": 1, "asleep": 1999}
+    finally:
+        stop_manager(manager, store)

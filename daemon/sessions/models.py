@@ -221,7 +221,7 @@ class ModelKeeping(ModelRoom):
         """Whether an operation runs on the model or is about to (waiting for its load, not held back by its
         unload or draining), or one of its sessions is claimed."""
         return self._uses[name] > 0 or self._waits[name] > self._blocked[name] or \
-            any(e.busy and self.model_of(e) == name for e in self.entries.values())
+            self._of_model(self.entries.models.busy, name) > 0
 
     # -- unloading -------------------------------------------------------------
 
@@ -272,19 +272,23 @@ class ModelKeeping(ModelRoom):
                 gone.append(name)
         return gone
 
+    def _of_model(self, counts: Counter[str | None], name: str) -> int:
+        """`name`'s count in one of `Entries.models`' counters (entries of no model name are the default's)."""
+        return counts[name] + (counts[None] if name == self.registry.default.name else 0)
+
     def model_states(self) -> list[dict[str, Any]]:
         """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
         loading its start (seconds since the epoch), when loaded its bundle hash and weights' bytes, and its
         sessions (hot, asleep)."""
-        counts: Counter[tuple[str, bool]] = Counter((self.model_of(e), e.session is not None)
-                                                    for e in self.entries.values())
+        hot = Counter(self.model_of(e) for e in self.entries.hot.values())  # hot ones: as few as memory holds
         states = []
         for spec in self.registry:
             state = "loaded" if spec.name in self.models else "loading" if spec.name in self._loading_since \
                 else "unloaded"
             row = {"name": spec.name, "aliases": list(self.registry.names(spec)[1:]), "patterns": list(spec.aliases),
                    "pinned": spec.pinned, "state": state, "source": spec.source,
-                   "sessions": {"hot": counts[(spec.name, True)], "asleep": counts[(spec.name, False)]}}
+                   "sessions": {"hot": hot[spec.name],
+                                "asleep": self._of_model(self.entries.models.known, spec.name) - hot[spec.name]}}
             if state == "loading":
                 row["loading_since"] = self._loading_since[spec.name]
             if state == "loaded":
