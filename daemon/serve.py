@@ -229,7 +229,7 @@ def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
     """
     if settings.http is None:
         return None
-    from kvwake.daemon.fronts.http import bind, is_loopback, parse_address, read_token
+    from kvwake.daemon.fronts.http_access import bind, is_loopback, parse_address, read_token
 
     host, port = parse_address(settings.http)
     if not settings.http_auth and not is_loopback(host):
