@@ -104,15 +104,21 @@ def test_a_pinned_set_over_the_budget_fails_the_start_with_the_figures(tmp_path,
     assert f"small {budget.gb(sizes[1])} = " in said and f"of weights > {budget.gb(limit)}" in said
 
 
+async def exported_small_session(manager, path) -> dict:
+    """Session "s" made on small, one message appended, slept and exported to `path`: its sleep's reply."""
+    async with manager.use("small"):
+        await manager.create("s", SYSTEM)
+    await manager.append("s", messages=[{"role": "user", "content": "hello"}])
+    slept = await manager.sleep("s")
+    manager.store.export(slept["snapshot_id"], path)
+    return slept
+
+
 async def test_an_imported_snapshot_belongs_to_the_model_its_bundle_names(tmp_path, models):
     # Was: an imported session was attributed to the default model until a restart read its bundle.
     manager, store = manager_on(tmp_path, models)
     try:
-        async with manager.use("small"):
-            await manager.create("s", SYSTEM)
-        await manager.append("s", messages=[{"role": "user", "content": "hello"}])
-        slept = await manager.sleep("s")
-        store.export(slept["snapshot_id"], tmp_path / "s.kvwake")
+        slept = await exported_small_session(manager, tmp_path / "s.kvwake")
         await manager.import_snapshot(str(tmp_path / "s.kvwake"), "copy")
         assert manager.model_of(manager.entries["copy"]) == "small"
         woken = await manager.wake("copy")  # on small: no bundle mismatch
@@ -144,5 +150,26 @@ async def test_each_models_sessions_are_counted_without_walking_every_session(tm
         assert not manager._in_use("small")
         await manager.delete("old8")
         assert manager.model_states()[1]["sessions"] == {"hot": 1, "asleep": 1999}
+    finally:
+        stop_manager(manager, store)
+
+
+async def test_an_imported_session_of_a_model_not_loaded_here_yet_moves_to_it_at_its_first_load(tmp_path, models):
+    # Was: a snapshot whose bundle no model had had here stayed the default model's (its wake refused) for good.
+    there, there_store = manager_on(tmp_path / "there", models)
+    try:
+        slept = await exported_small_session(there, tmp_path / "s.kvwake")
+    finally:
+        stop_manager(there, there_store)
+    manager, store = manager_on(tmp_path / "here", models)  # small never loaded here
+    try:
+        await manager.import_snapshot(str(tmp_path / "s.kvwake"), "s")
+        assert manager.model_of(manager.entries["s"]) == "main"  # its bundle unknown here until small loads
+        await asyncio.wait_for(manager.ensure("small"), 60)
+        assert manager.model_of(manager.entries["s"]) == "small"
+        assert {m["name"]: m["sessions"]["asleep"] for m in manager.model_states()} == {"main": 0, "small": 1,
+                                                                                        "third": 0}
+        woken = await manager.wake("s")
+        assert woken["tokens"] == slept["tokens"] + slept["pending"]
     finally:
         stop_manager(manager, store)

@@ -139,6 +139,12 @@ class Entries(dict[str, Entry]):
             self[session_id] = entry
         return self[session_id]
 
+    def rebind(self, entry: Entry, model: str) -> None:
+        """Move an asleep entry to `model` (its bundle's model, known only now: sessions/models.py)."""
+        self.models.remove(entry)
+        entry.model = model
+        self.models.add(entry)
+
     def _forget(self, session_id: str) -> None:
         old = self.get(session_id)
         if old is not None:

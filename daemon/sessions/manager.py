@@ -129,7 +129,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         bundles = {} if len(self.registry) == 1 else \
             {r["id"]: r["bundle"] for r in await to_thread.run_sync(self.store.snapshots)}
         for row in rows:
-            model = self.model_for_bundle(bundles.get(row["head"]))
+            model = self.model_for_stored(row["id"], bundles.get(row["head"]))
             self.entries[row["id"]] = Entry(row["id"], created=row["created"], model=model)
 
     # -- claiming -------------------------------------------------------------

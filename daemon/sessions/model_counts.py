@@ -2,7 +2,8 @@
 
 So what asks about one model's sessions (status's counts per model, whether a model is in use before it is
 unloaded) reads two counters instead of walking every session known: thousands of asleep conversations
-are a supported scale. Counted by `Entry.model`, fixed once the entry is made (None: the default model).
+are a supported scale. Counted by `Entry.model` (None: the default model), which changes only through
+`Entries.rebind`.
 """
 
 from __future__ import annotations

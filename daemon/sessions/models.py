@@ -78,6 +78,7 @@ class ModelKeeping(ModelRoom):
         self._limits = self.models.get().engine.limits  # MLX's, process-wide: every model's engine has them
         self._bundles_path = Path(self.settings.data_dir) / BUNDLES_FILE
         self._bundles: dict[str, str] = _read_bundles(self._bundles_path)
+        self._unbound: dict[str, set[str]] = {}  # bundle no model has had here -> its sessions (model_for_stored)
         for model in self.models:
             self._loaded(model)
         self.fit_rooms()
@@ -96,11 +97,31 @@ class ModelKeeping(ModelRoom):
         name = self._bundles.get(bundle or "")
         return name if name is not None and name in self.registry.specs else self.registry.default.name
 
+    def model_for_stored(self, session_id: str, bundle: str | None) -> str:
+        """The model of stored session `session_id`, its head's bundle `bundle` (`model_for_bundle`). A bundle
+        no model has had here yet (an imported snapshot's, say) is noted: its sessions, attributed to the
+        default model meanwhile, move to the model that first loads with it (`_bind_noted`)."""
+        if bundle is not None and bundle not in self._bundles:
+            self._unbound.setdefault(bundle, set()).add(session_id)
+        return self.model_for_bundle(bundle)
+
     async def bind_imported(self, session_id: str, snapshot_id: str) -> Entry:
         """The entry of a session an import made known (asleep), on the model its snapshot's bundle names
-        (else the default one, as after a start); a session known already keeps its entry."""
+        (`model_for_stored`); a session known already keeps its entry."""
         bundle = (await to_thread.run_sync(self.store.snapshot_summary, snapshot_id))["bundle"]
-        return self.entries.setdefault(session_id, Entry(session_id, model=self.model_for_bundle(bundle)))
+        if session_id not in self.entries:
+            self.entries[session_id] = Entry(session_id, model=self.model_for_stored(session_id, bundle))
+        return self.entries[session_id]
+
+    def _bind_noted(self, model: LoadedModel) -> None:
+        """On the loop, a model just loaded: the sessions noted with its bundle move to it (asleep and idle
+        ones; one claimed now keeps its model, and stays noted for a later load)."""
+        for sid in self._unbound.pop(model.bundle.hash, set()):
+            entry = self.entries.get(sid)
+            if entry is not None and (entry.busy or entry.session is not None):
+                self._unbound.setdefault(model.bundle.hash, set()).add(sid)
+            elif entry is not None and entry.model != model.name:
+                self.entries.rebind(entry, model.name)
 
     @contextlib.asynccontextmanager
     async def using(self, requested: Any) -> AsyncIterator[LoadedModel]:
@@ -198,6 +219,7 @@ class ModelKeeping(ModelRoom):
             model = self.models.add(engine, thread, spec.name)
             self._last_use[spec.name] = time.monotonic()
             await to_thread.run_sync(self._loaded, model)
+            self._bind_noted(model)
             self.fit_rooms()
         warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
         self._warming.add(warming)  # held: the loop keeps only weak references to tasks
