@@ -83,7 +83,7 @@ async def test_a_model_bigger_than_the_whole_budget_is_refused_naming_both(tmp_p
         small_weights = budget.weights_on_disk(str(models[1]), tmp_path)
         manager.settings = dataclasses.replace(manager.settings, models_budget_bytes=small_weights - 1)
         with pytest.raises(ModelsBudgetError, match=r"model 'small''s weights do not fit the memory budget: "
-                                                    r"small [0-9.]+ [kMG]?B = [0-9.]+ [kMG]?B of weights > "):
+                                                    r"small [0-9.]+ [kMG]?B of weights > "):
             await manager.ensure("small")
         assert manager.models.names() == ["main"]  # nothing unloaded for a load that cannot fit
     finally:

@@ -64,8 +64,8 @@ def check_fits_budget(weights: Iterable[tuple[str, int]], budget: int | None, wh
     weights = list(weights)
     total = sum(n for _, n in weights)
     if budget is not None and total > budget:
-        each = " + ".join(f"{name} {gb(n)}" for name, n in weights)
-        raise ModelsBudgetError(f"{what} do not fit the memory budget: {each} = {gb(total)} of weights > "
+        each = " + ".join(f"{name} {gb(n)}" for name, n in weights) + (f" = {gb(total)}" if len(weights) > 1 else "")
+        raise ModelsBudgetError(f"{what} do not fit the memory budget: {each} of weights > "
                                 f"{gb(budget)} (models_budget_bytes, or what MLX's memory limit leaves beside "
                                 "a prefill's scratch)", weights=dict(weights), budget_bytes=budget)
 
