@@ -183,13 +183,8 @@ class Engine(Appending):
         self.kernels = kernels
         self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # shapes: nothing runs
         self.started.mark("token_bytes")
-        # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
-        self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
         self.limits = limits
-        # What hot sessions' KV may hold when the settings name no budget (model/memory.py hot_budget), and
-        # what all of it may hold: a wake or a prefill that would pass it sleeps others first (SessionManager)
-        self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
-        self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
+        self.set_kv_room(memory.kv_room(limits, self.weights_bytes) if limits else None)
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
@@ -218,6 +213,15 @@ class Engine(Appending):
         kernels, self.kernels = self.kernels, None
         if kernels is not None:
             kernels.wait()
+
+    def set_kv_room(self, room: int | None) -> None:
+        """What all KV may hold (None: no limit kept), and from it the most tokens one session may hold and
+        what hot sessions may hold when the settings name no budget (model/memory.py); a wake or a prefill
+        that would pass it sleeps others first (SessionManager). Set again as other models load and unload
+        beside this one: the room is what their weights leave (model/budget.py)."""
+        self.kv_room_bytes = room
+        self.session_tokens = memory.tokens_in(room, self.token_bytes) if room is not None else None
+        self.hot_budget_bytes = int(memory.HOT_SHARE * room) if room is not None else memory.DEFAULT_HOT_BUDGET
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once

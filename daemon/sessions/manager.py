@@ -129,7 +129,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         bundles = {} if len(self.registry) == 1 else \
             {r["id"]: r["bundle"] for r in await to_thread.run_sync(self.store.snapshots)}
         for row in rows:
-            model = self.model_for_bundle(bundles.get(row["head"]))
+            model = self.model_for_stored(row["id"], bundles.get(row["head"]))
             self.entries[row["id"]] = Entry(row["id"], created=row["created"], model=model)
 
     # -- claiming -------------------------------------------------------------
@@ -339,5 +339,5 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if session_id is not None:
             check_session_id(session_id)
         result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
-        self.entries.setdefault(result["session_id"], Entry(result["session_id"], model=self.registry.default.name))
+        await self.bind_imported(result["session_id"], result["snapshot_id"])  # on its bundle's model
         return result
