@@ -14,6 +14,7 @@ import pytest
 
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import points
+from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
@@ -192,26 +193,36 @@ def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_
     assert_as_cold(engine, plain_engine("lfm2"), again, "lfm2")
 
 
+def short_by_one(arrays: dict[str, Tensor], arch: str) -> None:
+    """A point's arrays made not this model's cache, in place: gemma3_text's first ring with one row fewer in
+    its keys than its values; lfm2's first conv state one column short (the forward pass's concatenate
+    raised a ValueError out of the append: mlx-lm's ArraysCache does not know its shapes)."""
+    name = "layers.0.keys" if arch == "gemma3_text" else min(n for n in arrays if ".arrays." in n)
+    t = arrays[name]
+    axis = 2 if arch == "gemma3_text" else t.array.ndim - 1
+    arrays[name] = Tensor(t.dtype, np.ascontiguousarray(np.delete(t.array, 0, axis=axis)))
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
 def test_a_point_that_verifies_but_does_not_fit_the_cache_gives_way_to_a_shallower_one(open_engine, plain_engine,
-                                                                                     caplog):
+                                                                                     caplog, arch):
     # Its arrays verify (the digest is of what was written) but are not this model's cache: restoring it
-    # raised StateMismatchError out of the append.
-    engine = open_engine("gemma3_text")
+    # raised StateMismatchError (a ring) or a ValueError in the forward pass (a recurrent state) out of the append.
+    engine = open_engine(arch)
     first = Session("first")
     got = engine.append(first, messages=chat("a"))
     taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
     key = chain_keys(engine.bundle.hash, first.tokens, B)[taken[-1] // B - 1]
     ref = engine.store.point_refs([key], engine.bundle.hash)[key]
     arrays = dict(engine.store.read_point(ref))
-    keys = arrays["layers.0.keys"]  # a ring whose keys hold one row fewer than its values
-    arrays["layers.0.keys"] = Tensor(keys.dtype, np.ascontiguousarray(keys.array[:, :, 1:]))
+    short_by_one(arrays, arch)
     with engine.store.transaction() as db:
         db.execute("DELETE FROM points WHERE key = ?", (key,))
     assert engine.store.write_point(engine.bundle.hash, key, ref.n_tokens, arrays)
     again = Session("again")  # the same prompt: its deepest point is the one that does not fit
     assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
     assert f"restore point {key[:16]} ({ref.n_tokens} tokens) does not fit the cache" in caplog.text
-    assert_as_cold(engine, plain_engine("gemma3_text"), again, "gemma3_text")
+    assert_as_cold(engine, plain_engine(arch), again, arch)
 
 
 def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):
@@ -253,3 +264,26 @@ def test_warm_is_refused_without_restore_points(folders, tmp_path):
     finally:
         engine.close()
         store.close()
+
+
+def test_a_points_state_is_checked_against_the_models_layout():
+    layout = [{"kind": "cache_list", "caches": [
+                  {"kind": "arrays", "arrays": [{"shape": [1, 3, 8], "dtype": "bfloat16"},
+                                                {"shape": [1, 2, 4, 4], "dtype": "float32"}]},
+                  {"kind": "kv", "kv_heads": 2, "k_head_dim": 4, "v_head_dim": 4, "dtype": "float32"}]},
+              {"kind": "rotating", "kv_heads": 2, "k_head_dim": 4, "v_head_dim": 4, "dtype": "float32"}]
+    ring = Tensor.of(np.zeros((1, 2, 5, 4), np.float32))
+    fits = {"layers.0.0.arrays.0": Tensor("BF16", np.zeros((1, 3, 8), np.uint16)),
+            "layers.0.0.arrays.1": Tensor.of(np.zeros((1, 2, 4, 4), np.float32)),
+            "layers.1.keys": ring, "layers.1.values": ring}
+    points.check_fits(fits, layout)  # a ring's rows are the prefill's: any count fits
+    bad = {"layers.0.0.arrays.1": Tensor.of(np.zeros((1, 2, 4, 3), np.float32)),  # a state one column short
+           "layers.0.0.arrays.0": Tensor.of(np.zeros((1, 3, 8), np.float16)),  # of another dtype
+           "layers.1.values": Tensor.of(np.zeros((1, 1, 5, 4), np.float32))}  # a ring of other heads
+    for name, wrong in bad.items():
+        with pytest.raises(StateMismatchError, match=name.replace(".", r"\.")):
+            points.check_fits({**fits, name: wrong}, layout)
+    missing = dict(fits)
+    del missing["layers.0.0.arrays.1"]  # restored, the layer would start from a zero state
+    with pytest.raises(StateMismatchError, match="nothing is not"):
+        points.check_fits(missing, layout)

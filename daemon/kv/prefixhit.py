@@ -19,6 +19,7 @@ from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, log
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
+from kvwake.daemon.kv.points import check_fits
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.points import PointRef
@@ -92,12 +93,9 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | No
     for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
         ref = points[run[depth - 1].key]
         try:
-            point = _point(ctx, ref)
+            return _restore_through(ctx, run[:depth], _point(ctx, ref), len(target), mlx)
         except CorruptBlockError as exc:  # a shallower one may serve
             ctx.log_unusable(exc)
-            continue
-        try:
-            return _restore_through(ctx, run[:depth], point, len(target), mlx)
         except StateMismatchError as exc:  # it verified, yet is not this model's cache: a shallower one may be
             log.warning("restore point %s (%d tokens) does not fit the cache, trying a shallower one: %s",
                         ref.key[:16], ref.n_tokens, exc)
@@ -131,12 +129,14 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
 
 
 def _point(ctx: KvContext, ref: PointRef) -> dict:
-    """A restore point's arrays: from the RAM tier, or read and verified, then kept there (the prompt it
-    closes is a shared one; a restore copies them, never changes them)."""
+    """A restore point's arrays: from the RAM tier, or read, verified and checked against the model's cache
+    shapes (StateMismatchError), then kept there (the prompt it closes is a shared one; a restore copies
+    them, never changes them)."""
     name = POINT_KEY + ref.key
     arrays = ctx.ram_tier.get(name)
     if arrays is None:
         arrays = ctx.store.read_point(ref)
+        check_fits(arrays, ctx.bundle.description["kv_layout"])
         ctx.ram_tier.put(name, arrays)
     return arrays
 
