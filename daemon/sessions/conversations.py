@@ -123,6 +123,7 @@ class Conversations:
             yield NO_PREFIX, None
             return
         if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
+            await self._prefetch(session, target)  # the remote's blocks and points first
             yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), None
             return
         held = target[: len(target) - 1]  # all but the pending last token
@@ -187,12 +188,17 @@ class Conversations:
         session's prefix copied when one holds at least `engine.min_partial` tokens of it, else the longest
         run of stored blocks."""
         engine = self.engine
-        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
+        await self._prefetch(session, target)
         copied = await self._hot_prefix(session, target[: len(target) - 1])
         if copied[0] is not None:
             return copied
         return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
+
+    async def _prefetch(self, session: Session, target: list[int]) -> None:
+        """The remote tier's blocks of `target` (and restore points) into the store and RAM tier, for a
+        session about to start a fresh cache."""
+        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
+            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
 
     async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
                           restored_only: bool = False) -> tuple[list | None, int]:

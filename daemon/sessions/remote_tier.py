@@ -282,8 +282,9 @@ class RemoteTier:
         return result
 
     def prefetch(self, tokens: list[int]) -> int:
-        """Remote blocks continuing the local prefix of `tokens`, then a published partial piece, under
-        the deadline, into the RAM tier; returns the whole blocks added (0 when unhealthy).
+        """Remote blocks continuing the local prefix of `tokens`, then a published partial piece (for a
+        model served through restore points: the run's points instead), under the deadline, into the RAM
+        tier (points: into the store); returns the whole blocks added (0 when unhealthy).
 
         Blocking, on the calling worker thread (an append's, which is waiting for this anyway): it takes
         no second worker thread, so any number of cold appends at once cannot starve anyio's pool.
@@ -294,7 +295,8 @@ class RemoteTier:
         deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
             n, partial = fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
-                                      min_partial=self.engine.min_partial, on_block=self.engine.ram_tier.put)
+                                      min_partial=self.engine.min_partial, on_block=self.engine.ram_tier.put,
+                                      with_points=self.engine.points.enabled)
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0
