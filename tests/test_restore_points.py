@@ -17,6 +17,7 @@ from kvwake.daemon.kv import points
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.model.reply_points import reply_boundary
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
@@ -287,3 +288,60 @@ def test_a_points_state_is_checked_against_the_models_layout():
     del missing["layers.0.0.arrays.1"]  # restored, the layer would start from a zero state
     with pytest.raises(StateMismatchError, match="nothing is not"):
         points.check_fits(missing, layout)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_resend_that_parts_inside_the_reply_falls_back_to_a_point_in_the_reply(open_engine, plain_engine, arch):
+    # A reply is decoded and took no point: a resend parting inside it fell back to the prompt's last point.
+    engine = open_engine(arch)
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    prompt_end = len(s.tokens)
+    reply = engine.generate(s, GenerateParams(max_tokens=3 * B + 5))
+    assert reply.finish_reason == "length"
+    # one point for the reply, at the last boundary its cache crossed: re-prefilled from the prompt's last point
+    assert engine.reply_points.counters["reply_points"] == 1
+    at = s.processed // B * B
+    assert at > (prompt_end - 1) // B * B
+    keys = chain_keys(engine.bundle.hash, s.tokens[:at], B)
+    assert keys[-1] in engine.store.point_refs(keys, engine.bundle.hash)
+    engine.sleep(s)
+    s, _ = engine.wake("named")
+    # the client resends the history with the reply's last words written otherwise
+    messages = [*chat("List three tools."), {"role": "assistant", "content": reply.text[:-2] + " and so on."},
+                {"role": "user", "content": "Now a fourth one."}]
+    plan = engine.plan(s, messages=messages, whole=True)
+    parting = next(i for i, (a, b) in enumerate(zip(s.tokens, plan.target)) if a != b)
+    assert at <= parting
+    got = engine.append(s, messages=messages, whole=True)
+    assert got["reused"] == at and got["prefilled"] == got["tokens"] - 1 - at
+    assert_as_cold(engine, plain_engine(arch), s, arch)
+
+
+def test_a_reply_point_is_wanted_at_the_last_boundary_the_reply_crossed():
+    assert reply_boundary(40, 47, B) is None  # the prompt's prefill reached 32: no boundary since
+    assert reply_boundary(40, 48, B) == 48
+    assert reply_boundary(40, 90, B) == 80  # one point, at the last boundary
+    assert reply_boundary(33, 40, B) is None and reply_boundary(32, 40, B) == 32  # prompt of 31 cached: 16 was its last
+    assert reply_boundary(None, 90, B) is None  # no reply
+
+
+def test_closing_gives_up_a_reply_point_job_that_a_stopped_engine_thread_will_never_run(open_engine):
+    # The daemon stops a model's engine thread, then closes its engine: a reply point's job queued behind the
+    # stop would never run, and close (which waits for the reply points' thread) would wait for ever.
+    import threading
+    from concurrent.futures import Future
+
+    class Stopped:  # an engine thread that has stopped: a job queued now never runs
+        def submit(self, fn):
+            return Future()
+
+    engine = open_engine("gemma3_text")
+    first = Session("first")
+    engine.append(first, messages=chat("a"))
+    s = Session("s", tokens=[*first.tokens, *[ord("x")] * 2 * B], processed=len(first.tokens) + 2 * B - 1)
+    job = engine.reply_points.offer(s, len(first.tokens), Stopped())
+    closing = threading.Thread(target=engine.reply_points.close)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive() and job.result(timeout=1) is False

@@ -84,16 +84,17 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     return cache, tokens
 
 
-def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
+def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx, counted: bool = True) -> tuple[list | None, int]:
     """A fresh cache restored through the deepest restore point that verifies on target's chain of stored
     blocks (all but its last token) and fits the cache: (cache, tokens it holds), or (None, 0) when there is
-    none or a block of the run does not verify (logged; the request prefills instead)."""
+    none or a block of the run does not verify (logged; the request prefills instead). `counted`: in
+    `tokens_from_points` (a request's reuse; not the engine's own re-prefill: model/reply_points.py)."""
     run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
     points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
     for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
         ref = points[run[depth - 1].key]
         try:
-            return _restore_through(ctx, run[:depth], _point(ctx, ref), len(target), mlx)
+            return _restore_through(ctx, run[:depth], _point(ctx, ref), len(target), mlx, counted)
         except CorruptBlockError as exc:  # a shallower one may serve
             ctx.log_unusable(exc)
         except StateMismatchError as exc:  # it verified, yet is not this model's cache: a shallower one may be
@@ -103,7 +104,7 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | No
 
 
 def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: int,
-                     mlx: Mlx) -> tuple[list | None, int]:
+                     mlx: Mlx, counted: bool) -> tuple[list | None, int]:
     """A cache of `blocks` and the restore point that closes them, with room for `room` tokens; (None, 0)
     when a block does not verify (the point closes the last one: a shorter run has none)."""
     tokens = len(blocks) * ctx.block_tokens
@@ -124,7 +125,8 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
         if usable < len(blocks):
             return None, 0
         cache = _finish(ctx, buffers, tokens, point, mlx)
-    ctx.counters.add("tokens_from_points", tokens)
+    if counted:
+        ctx.counters.add("tokens_from_points", tokens)
     return cache, tokens
 
 

@@ -297,6 +297,7 @@ class Conversations:
             session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_event, stop)
             self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
+            self.engine.reply_points.offer(session, session.reply_start, self.thread)  # a point in it
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
                      "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
