@@ -6,6 +6,8 @@ last point before the parting; a damaged point is refused and the tokens prefill
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import mlx.core as mx
@@ -24,6 +26,8 @@ from kvwake.store import Store
 from kvwake.store.format.codec import Tensor
 from kvwake.store.format.keys import chain_keys
 from testkit.tinymodel import ARCHS as ARCHS_CONFIG
+from tests.capabilities import chunked_prefill_is_exact
+from tests.test_prefix import CHUNKED_LOGIT_BOUND, EXACTNESS_LOG, assert_diverges_only_at_a_tie
 from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
 
 B = 16
@@ -45,6 +49,11 @@ def logits_after(engine: Engine, session: Session) -> mx.array:
 # stopped at a block boundary differs from one run through it in the last bits. Its greedy replies match;
 # its logits are held to this bound (measured: docs/decisions.md, "Restore points (issue 52)").
 SPLIT_INEXACT = {"falcon_h1": 5e-4}
+# Where chunked prefill is not bit-stable for any model (probed: MLX on CUDA picks kernels by shape), a hit
+# through a point is held to the bound a prefix hit is (test_prefix: relative to the largest logit; greedy
+# replies may part only at a near tie). Not yet measured for restore points on the GPU: a run with
+# KVWAKE_EXACTNESS_LOG set writes each test's difference there (docs/benchmarks.md, "Restore points").
+POINT_LOGIT_BOUND = CHUNKED_LOGIT_BOUND
 
 
 @pytest.fixture
@@ -66,20 +75,30 @@ def plain_engine(folders, tmp_path):
 
 def assert_as_cold(engine: Engine, cold: Engine, session: Session, arch: str) -> None:
     """The session continues as a plain prefill of its tokens does: the same greedy reply, and a copy of it
-    (the same tokens, through the same restore) the same next logits: bit for bit, or within the arch's
-    bound where its prefill is not exact across splits."""
+    (the same tokens, through the same restore) the same next logits: bit for bit; within the arch's
+    bound on the CPU where its prefill is not exact across splits (SPLIT_INEXACT); within POINT_LOGIT_BOUND,
+    greedy replies parting only at a near tie, where no chunked prefill is (probed on `cold`: CUDA)."""
     assert not cold.points.enabled
+    tokens = list(session.tokens)
     twin, copy, copy_twin = Session("cold-" + session.id), Session("copy"), Session("cold-copy")
-    assert cold.append(twin, tokens=list(session.tokens))["reused"] == 0
-    assert engine.generate(session, GREEDY).tokens == cold.generate(twin, GREEDY).tokens
+    assert cold.append(twin, tokens=tokens)["reused"] == 0
+    ours, theirs = engine.generate(session, GREEDY).tokens, cold.generate(twin, GREEDY).tokens
     assert engine.append(copy, tokens=list(twin.tokens))["reused"] > 0
     cold.append(copy_twin, tokens=list(twin.tokens))
     got, want = logits_after(engine, copy), logits_after(cold, copy_twin)
-    assert mx.argmax(got).item() == mx.argmax(want).item()
-    if arch in SPLIT_INEXACT:
-        assert mx.abs(got - want).max().item() <= SPLIT_INEXACT[arch]
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    scale = mx.abs(want.astype(mx.float32)).max().item()
+    if EXACTNESS_LOG:  # what the GPU run measures, for the bound's record
+        with open(EXACTNESS_LOG, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "arch": arch,
+                                "device": str(mx.default_device()), "max_diff": diff, "max_logit": scale}) + "\n")
+    if arch in SPLIT_INEXACT and mx.default_device() == mx.cpu:
+        assert ours == theirs and mx.argmax(got).item() == mx.argmax(want).item() and diff <= SPLIT_INEXACT[arch]
+    elif chunked_prefill_is_exact(cold):
+        assert ours == theirs and mx.array_equal(got, want).item()
     else:
-        assert mx.array_equal(got, want).item()
+        assert diff <= POINT_LOGIT_BOUND * scale, f"max logit diff {diff} > {POINT_LOGIT_BOUND} x {scale}"
+        assert_diverges_only_at_a_tie(cold, tokens, ours, theirs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
