@@ -198,7 +198,8 @@ class Conversations:
         """The remote tier's blocks of `target` (and restore points) into the store and RAM tier, for a
         session about to start a fresh cache."""
         if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
+            engine = self.engine  # the request's model: its namespace on the remote
+            await to_thread.run_sync(lambda: self.remote.prefetch(target[: len(target) - 1], engine))
 
     async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
                           restored_only: bool = False) -> tuple[list | None, int]:
@@ -345,7 +346,7 @@ class Conversations:
             info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
                                                                 prefix=prefix))
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
-            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
+            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed], engine.bundle.hash)
         return info
 
 
