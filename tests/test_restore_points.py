@@ -19,7 +19,7 @@ from kvwake.daemon.kv import points
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.model.reply_points import reply_boundary
+from kvwake.daemon.model.reply_points import MAX_WAITING, reply_boundary
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
@@ -347,19 +347,23 @@ def test_a_reply_point_is_wanted_at_the_last_boundary_the_reply_crossed():
 
 def test_closing_gives_up_a_reply_point_job_that_a_stopped_engine_thread_will_never_run(open_engine):
     # The daemon stops a model's engine thread, then closes its engine: a reply point's job queued behind the
-    # stop would never run, and close (which waits for the reply points' thread) would wait for ever.
+    # stop would never run, and close (which waits for the reply points' thread) would wait for ever. And
+    # replies whose points wait for the engine's idle time are bounded.
     import threading
-    from concurrent.futures import Future
 
     class Stopped:  # an engine thread that has stopped: a job queued now never runs
-        def submit(self, fn):
-            return Future()
+        def idle(self, fn):
+            pass
 
     engine = open_engine("gemma3_text")
     first = Session("first")
     engine.append(first, messages=chat("a"))
     s = Session("s", tokens=[*first.tokens, *[ord("x")] * 2 * B], processed=len(first.tokens) + 2 * B - 1)
     job = engine.reply_points.offer(s, len(first.tokens), Stopped())
+    for _ in range(MAX_WAITING - 1):  # replies waiting for idle time: bounded
+        assert engine.reply_points.offer(s, len(first.tokens), Stopped()) is not None
+    assert engine.reply_points.offer(s, len(first.tokens), Stopped()) is None
+    assert engine.reply_points.status()["reply_points_skipped"] == 1
     closing = threading.Thread(target=engine.reply_points.close)
     closing.start()
     closing.join(timeout=10)

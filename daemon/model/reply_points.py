@@ -11,10 +11,13 @@ through the point is held to a plain prefill of the same tokens, and a prefill c
 computes.
 
 The bound: one point per reply, at its last boundary (none when the reply crossed none, or the store
-has that point already), and a re-prefill of at most `MAX_SPAN_BLOCKS` blocks (a longer reply takes
-none; the prompt's points still serve). In the daemon it runs on a thread of its own, its MLX work as
-ordinary engine jobs, one chunk each (as a request's prefill); in process (`direct`) before the call
-returns. Nothing here fails a call: a point that cannot be taken is logged.
+has that point already), a re-prefill of at most `MAX_SPAN_BLOCKS` blocks (a longer reply takes none;
+the prompt's points still serve), and at most `MAX_WAITING` replies waiting for theirs (more are
+skipped, counted). In the daemon it runs on a thread of its own, its MLX work as idle jobs of the
+engine thread (a restore's upload slices, then a prefill chunk each: they run while nothing else
+waits or decodes, so a request waits for one of them at most, and a daemon kept busy takes its reply
+points in its pauses); in process (no engine thread) before the call returns. Nothing here fails a
+call: a point that cannot be taken is logged.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = ["MAX_SPAN_BLOCKS", "ReplyPoints", "reply_boundary"]
 log = logging.getLogger("kvwake.points")
 
 MAX_SPAN_BLOCKS = POINT_EVERY  # the most blocks re-prefilled for one reply's point
+MAX_WAITING = 64  # replies whose points wait for the engine's idle time; more are skipped
 _scratch_ids = itertools.count()
 
 
@@ -58,7 +62,7 @@ class ReplyPoints:
         self.engine = engine
         self.enabled = engine.points.enabled
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvwake-reply-points") if self.enabled else None
-        self._closed = threading.Event()
+        self._closed, self._lock, self._waiting = threading.Event(), threading.Lock(), 0
         self.counters = {"reply_points": 0, "reply_point_tokens": 0, "reply_points_skipped": 0}
 
     def offer(self, session: Session, reply_start: int | None, engine_thread: Any = None) -> Future | None:
@@ -73,13 +77,27 @@ class ReplyPoints:
             done: Future = Future()
             done.set_result(self._take(session.id, tokens, at, direct))
             return done
+        with self._lock:
+            if self._waiting >= MAX_WAITING:
+                self.counters["reply_points_skipped"] += 1
+                return None
+            self._waiting += 1
         return self._thread.submit(self._take, session.id, tokens, at, self._jobs_of(engine_thread))
 
     def _jobs_of(self, engine_thread: Any) -> Mlx:
-        """The runner of this thread's MLX work: a job of the engine thread each, given up once `close` was
-        called and the job has not started (an engine thread stopped first would leave it queued for ever)."""
+        """The runner of this thread's MLX work: an idle job of the engine thread each, given up once `close`
+        was called and the job has not started (an engine thread stopped first never runs it)."""
         def run(fn: Any) -> Any:
-            future = engine_thread.submit(fn)
+            future: Future = Future()
+
+            def job() -> None:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - raised to the waiting thread
+                        future.set_exception(exc)
+
+            engine_thread.idle(job)
             while True:
                 try:
                     return future.result(timeout=0.1)
@@ -95,6 +113,10 @@ class ReplyPoints:
         except Exception as exc:  # a point is an optimisation: the reply it came after is whole
             log.warning("reply point not taken", extra={"session": session_id, "tokens": at, "error": repr(exc)})
             return False
+        finally:
+            if mlx is not direct:
+                with self._lock:
+                    self._waiting -= 1
 
     def take(self, session_id: str, tokens: list[int], at: int, mlx: Mlx) -> bool:
         """Store the point at block boundary `at` of `tokens`: restore the deepest stored point before it,
@@ -118,10 +140,12 @@ class ReplyPoints:
         return True
 
     def _count(self, name: str, n: int = 1) -> None:
-        self.counters[name] += n  # one thread writes them (or the caller's, in process)
+        with self._lock:
+            self.counters[name] += n
 
     def status(self) -> dict[str, int]:
-        return dict(self.counters)
+        with self._lock:
+            return {**self.counters, "reply_points_waiting": self._waiting}
 
     def close(self) -> None:
         self._closed.set()
