@@ -19,7 +19,8 @@ from kvwake.daemon.kv import points
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
-from kvwake.daemon.model.reply_points import MAX_WAITING, reply_boundary
+from kvwake.daemon.jobs import direct
+from kvwake.daemon.model.reply_points import MAX_SPAN_BLOCKS, MAX_WAITING, reply_boundary
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
@@ -368,3 +369,15 @@ def test_closing_gives_up_a_reply_point_job_that_a_stopped_engine_thread_will_ne
     closing.start()
     closing.join(timeout=10)
     assert not closing.is_alive() and job.result(timeout=1) is False
+
+
+def test_a_reply_point_further_than_its_span_from_any_stored_point_is_skipped(open_engine):
+    engine = open_engine("lfm2")
+    first = Session("first")
+    engine.append(first, messages=chat("a"))
+    tokens = [*first.tokens, *[ord("x")] * (MAX_SPAN_BLOCKS + 2) * B]  # a reply longer than the span
+    at = (len(tokens) - 1) // B * B
+    before = {k: engine.counters[k] for k in ("tokens_prefilled", "blocks_ram", "blocks_disk")}
+    assert not engine.reply_points.take("first", tokens[: at + 1], at, direct)
+    assert engine.reply_points.counters["reply_points_skipped"] == 1
+    assert {k: engine.counters[k] for k in before} == before  # nothing restored or prefilled for it

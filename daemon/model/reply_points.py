@@ -125,7 +125,12 @@ class ReplyPoints:
         engine, b = self.engine, self.engine.block_tokens
         bundle = engine.bundle.hash
         engine.points.flush()  # the prompt's points, handed to the driver as it was prefilled: written now
-        if engine.store.point_refs(chain_keys(bundle, tokens[:at], b)[-1:], bundle):
+        keys = chain_keys(bundle, tokens[:at], b)
+        near = engine.store.point_refs(keys[-MAX_SPAN_BLOCKS:], bundle)
+        if keys[-1] in near:
+            return False
+        if not near:  # none to start from within the span: not worth a restore
+            self._count("reply_points_skipped")
             return False
         cache, held = prefixhit.point_prefix(engine.kv, tokens, mlx, counted=False)
         if cache is None or at - held > MAX_SPAN_BLOCKS * b:
