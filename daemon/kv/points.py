@@ -16,7 +16,9 @@ the taking:
   on the driver thread (a prefix-only write of the blocks, unpinned, then the
   point; the writer is opened and committed there: the store's lock is held
   by one thread). With `direct` (an in-process engine) the write is done
-  before `take` returns.
+  before `take` returns;
+- `check_fits`: before a point is used (kv/prefixhit.py), its state against
+  the shapes and dtypes of the model's cache.
 
 Nothing here fails an append: a point that cannot be written is logged and
 counted, and the prefill goes on.
