@@ -54,6 +54,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
+from kvwake.daemon.model.reply_points import ReplyPoints
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.session_state import Session
 from kvwake.errors import ContextTooLongError, InvalidParamsError
@@ -190,6 +191,7 @@ class Engine(Appending):
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
         self.points = PointTaker(self.kv, probe, tuning.restore_points, marks)
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
+        self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
@@ -255,6 +257,7 @@ class Engine(Appending):
 
     def close(self) -> None:
         self.persister.close()
+        self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()
         self.pool.close()
         devplanes.drop_idle()

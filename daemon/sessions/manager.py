@@ -143,8 +143,10 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
     @contextlib.asynccontextmanager
     async def claim(self, session_id: Any, op: str, take_over: bool = False) -> AsyncIterator[Entry]:
         if self.remote is not None and op not in ("delete", "sleep") and check_session_id(session_id) not in self.entries:
-            await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
-            self.entries.setdefault(session_id, Entry(session_id, model=self.registry.default.name))
+            name = self.model_name()  # published by another daemon: ours now, of the request's model
+            async with self.use(name) as model:
+                await self.remote.adopt(session_id, take_over=take_over, engine=model.engine)
+            self.entries.setdefault(session_id, Entry(session_id, model=name))
         entry = self.entry(session_id)
         with self.model_scope(entry, op):  # its model's engine; a turn asked of another model refused
             async with contextlib.nullcontext() if op in ("sleep", "delete") else self.use(self.model_of(entry)):
@@ -204,7 +206,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
 
     async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False) -> dict[str, Any]:
         if self.remote is not None and self.remote.needs_lease(entry.id):  # released or taken over: take it back
-            await self.remote.adopt(entry.id, take_over=take_over)
+            await self.remote.adopt(entry.id, take_over=take_over, engine=self.engine)
         snapshot = snapshot_id
         if snapshot is None:
             row = await to_thread.run_sync(self.store.session, entry.id)
