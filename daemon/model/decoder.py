@@ -63,7 +63,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.kv import paged_cache
+from kvwake.daemon.kv import paged_batch, paged_cache
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
@@ -99,6 +99,9 @@ class Decoder:
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.row_kernel = False  # steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
         self._attends = model  # whose module's attention the row kernel takes over (self.model may be wrapped)
+        # paged sessions decode in a batch over their own pages (kv/paged_batch.py); off: their KV is merged
+        # into a BatchKVCache as other caches' is (benchmarks). Only where the model's attention can be swapped.
+        self.in_pages = attention.attention_module(model) is not None
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
@@ -138,9 +141,20 @@ class Decoder:
 
     def _attention(self) -> contextlib.AbstractContextManager[None]:
         """A step's attention: by the row kernel for every call, batched or alone (model/ragged_decode.py:
-        a row's result does not depend on its company, so a batched call decodes as it would alone), or
-        as the model computes it."""
-        return attention.swapped(self._attends, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext()
+        a row's result does not depend on its company, so a batched call decodes as it would alone), over
+        pages for a paged batch (and for paged calls alone where the kernel runs), or as the model computes
+        it."""
+        if not (self.row_kernel or self._over_pages()):
+            return contextlib.nullcontext()
+        kernel = self.row_kernel
+        return attention.swapped(self._attends, lambda fused: ragged_decode.paged(
+            ragged_decode.ragged(fused) if kernel else fused, kernel))
+
+    def _over_pages(self) -> bool:
+        """Whether this step may run a batch over pages: one runs, or a waiting call's cache is paged."""
+        if self.batch is not None:
+            return paged_batch.in_pages(self.batch.prompt_cache)
+        return self.in_pages and any(paged_batch.takes(call.session.cache) for call in self.waiting)
 
     def trace(self) -> str:
         """What the last step did beyond a step, for the engine thread's record of slow work: the calls it
@@ -221,6 +235,9 @@ class Decoder:
         alone): the batch pads every row to its longest, so while the padding would be more than the
         tokens themselves (and more than PAD_SLACK tokens), the longest decodes alone (one 32k session
         among short ones would otherwise pad each of them to 32k)."""
+        paged = self._paged_split(calls)
+        if paged is not None:
+            return paged
         pool = sorted([*self.rows.values(), *calls], key=_length)
         alone: list[Call] = []
         while len(pool) > 1:
@@ -230,6 +247,16 @@ class Decoder:
             alone.append(pool.pop())
         joining = {id(call) for call in calls}
         return [call for call in pool if id(call) in joining], alone
+
+    def _paged_split(self, calls: list[Call]) -> tuple[list[Call], list[Call]] | None:
+        """`_bounded` for a batch over pages (running, or to be made of `calls`, each paged whole): it pads
+        nothing, so every call paged whole joins and any other decodes alone. None: the batch merges KV."""
+        if not self.in_pages or (self.batch is not None and not paged_batch.in_pages(self.batch.prompt_cache)):
+            return None
+        whole = [call for call in calls if paged_batch.takes(_cache(call)) is not None]
+        if self.batch is None and len(whole) < len(calls):
+            return None
+        return whole, [call for call in calls if all(call is not w for w in whole)]
 
     def _evict(self, calls: list[Call]) -> None:
         """Batch rows that go on alone (their history pads the batch too much): each takes its cache
@@ -302,8 +329,10 @@ class Decoder:
                 placed.append((uid, row))
                 self.counters["slot_reuses"] += 1
             rows = [r for r in rows if all(r is not p for _, p in placed)]
+        in_pages = paged_batch.in_pages(batch.prompt_cache) if batch is not None else \
+            self.in_pages and all(paged_batch.takes(r.cache) is not None for r in rows)
         try:
-            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows) if rows else None
+            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows, in_pages) if rows else None
         except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
             for row in rows:
                 row.call.fail(exc)
@@ -330,7 +359,7 @@ class Decoder:
         size = slot_size(n, max(self.max_batch, n))
         if size > n:
             uids = [next(self._uids) for _ in range(size - n)]
-            batch.extend(dead_rows(self.model, uids, self.blanks))
+            batch.extend(dead_rows(self.model, uids, self.blanks, like=batch.prompt_cache))
             self.dead.update(uids)
 
     # -- stepping ---------------------------------------------------------------
@@ -464,6 +493,11 @@ class Decoder:
 
 def _constraints(calls: list[Call | None]) -> list[Constraint | None]:
     return [call.constraint if call is not None else None for call in calls]
+
+
+def _cache(call: Call) -> list | None:
+    """The cache a call decodes on: its lone decode's, else its session's."""
+    return call.solo.cache if call.solo is not None else call.session.cache
 
 
 def _length(call: Call) -> int:

@@ -14,6 +14,13 @@ plain KV layers (`BatchKVCache` or `KVCache` exactly: a sliding window's ring ma
 KV has its own kernel), one query per row, no attention sinks; anything else takes the fused path as before.
 CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is bit-exact against
 it; a Metal kernel is not written: paged_attention.py says why).
+
+A batch over pages (kv/paged_batch.py: `PagedBatchKVCache`, rows' page tables, nothing merged) always
+takes `paged`: its rows' tokens are in their sessions' pages, where no fused attention reads them. On CUDA
+with the kernel wanted: `paged_attention.kernel_attention` over the page table, spans of ROW_SPLIT tokens,
+and a paged call decoding alone (a `PagedKVCache`) takes the same kernel over its own table, so it decodes
+the same tokens batched or alone; elsewhere the gather reference (`paged_attention.gather_rows`: each row
+gathered, then MLX's fused attention, as a paged call alone computes it).
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from kvwake.daemon.model.paged_attention import row_attention
+from kvwake.daemon.kv.paged_batch import PagedBatchKVCache
+from kvwake.daemon.kv.paged_cache import PagedKVCache
+from kvwake.daemon.kv.pages import PageStateError
+from kvwake.daemon.model.paged_attention import ROW_SPLIT, gather_rows, kernel_attention, row_attention
 
-__all__ = ["ragged", "wanted", "warm"]
+__all__ = ["paged", "ragged", "wanted", "warm"]
 
 
 def wanted(row_kernel: bool) -> bool:
@@ -53,6 +63,44 @@ def ragged(fused: Any) -> Any:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return out[:, :, None]
     return attention
+
+
+def paged(inner: Any, kernel: bool) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature: a paged batch's decode step over its rows' pages,
+    and (`kernel`: on CUDA) a paged call alone by the same kernel (module docstring); `inner` for anything
+    else. Raises PageStateError for what a paged batch cannot compute (more than one query, sinks)."""
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+        if isinstance(cache, PagedBatchKVCache):
+            if queries.shape[2] != 1 or sinks is not None:
+                raise PageStateError("a paged batch decodes one query a row, without attention sinks")
+            rows = cache.rows
+            out = _kernel(queries, cache.pool, cache.layer, rows.page_table(), rows.after, scale) if kernel else None
+            if out is None:
+                pool = cache.pool
+                out = gather_rows(queries[:, :, 0], pool.keys[cache.layer], pool.values[cache.layer],
+                                  rows.row_slots(), scale)[:, :, None]
+            return out
+        if (kernel and type(cache) is PagedKVCache and queries.shape[0] == queries.shape[2] == 1
+                and sinks is None and queries.dtype == cache.session.pool.layout.dtype):
+            out = _kernel(queries, cache.session.pool, cache.layer, cache.session.page_table(),
+                          mx.array([cache.offset], mx.int32), scale)
+            if out is not None:
+                return out
+        return inner(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return attention
+
+
+def _kernel(queries: mx.array, pool: Any, layer: int, table: mx.array, lengths: mx.array,
+            scale: float) -> mx.array | None:
+    """The paged kernel over `layer`'s pools in spans of ROW_SPLIT tokens ([rows, heads, 1, head_dim]);
+    None for shapes it does not take (the caller gathers instead)."""
+    try:
+        out = kernel_attention(queries[:, :, 0], pool.keys[layer], pool.values[layer], table, lengths, scale,
+                               pool.layout.page_tokens, split=ROW_SPLIT)
+    except ValueError:
+        return None
+    return out[:, :, None]
 
 
 def warm(model: Any) -> bool:

@@ -1,0 +1,139 @@
+"""A decoding batch over its rows' own pages (kv/paged_batch.py), on the CPU's gather reference: each row's
+logits bit-identical to the same session decoding alone; joins and leaves move no KV; dead slots write
+nowhere; the engine's decoder runs it for paged sessions."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from kvwake.daemon.kv import cache_blocks, paged_batch, paged_cache
+from kvwake.daemon.kv.pages import PagePool, PageStateError
+from kvwake.daemon.model import attention, ragged_decode
+from kvwake.daemon.model.generation import GenerateParams
+from tests.test_batching import run_together, session
+from tests.test_paged_engine import engines, paged  # noqa: F401 - the fixture and its helper
+
+PAGE = 16
+LENGTHS = (5, 37, 16, 60)  # a partial page, several, exactly one, a long one
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    model, _ = load(str(model_dir))
+    return model
+
+
+def pool_for(model, pages: int = 64) -> PagePool:
+    blank = make_prompt_cache(model)
+    return PagePool(paged_cache.page_layout(blank, cache_blocks.layout(blank, model=model), PAGE, PAGE), pages)
+
+
+def prefilled(model, pool: PagePool, lengths=LENGTHS) -> list[list]:
+    mx.random.seed(0)
+    caches = []
+    for n in lengths:
+        cache = paged_cache.paged_cache(pool, make_prompt_cache(model))
+        model(mx.random.randint(0, 200, (1, n)), cache=cache)
+        mx.eval(paged_cache.state_arrays(cache))
+        caches.append(cache)
+    return caches
+
+
+def batched_step(model, layers: list, fed: mx.array) -> mx.array:
+    with attention.swapped(model, lambda fused: ragged_decode.paged(fused, False)):
+        return model(fed[:, None], cache=layers)[:, -1]
+
+
+def test_each_row_of_a_paged_batch_gives_the_logits_it_gives_alone(tiny):
+    pool = pool_for(tiny)
+    layers = paged_batch.merged(prefilled(tiny, pool))
+    fed = mx.array([3, 7, 11, 13])
+    for step in range(3):  # a row's fork shares its partial page: whichever writes first copies it
+        alone = [tiny(fed[i : i + 1, None], cache=_fork_of_row(layers, i))[0, -1] for i in range(len(LENGTHS))]
+        out = batched_step(tiny, layers, fed)
+        assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
+        fed = out.argmax(axis=-1).astype(mx.uint32)
+
+
+def _fork_of_row(layers: list, i: int) -> list:
+    """A cache of its own holding what row i holds (sharing its pages)."""
+    own = [layer.extract(i) for layer in layers]
+    return paged_cache.fork(own, own[0].offset)
+
+
+def test_a_join_and_a_leave_move_no_kv_and_a_row_comes_back_as_its_own_pages(tiny):
+    pool = pool_for(tiny)
+    caches = prefilled(tiny, pool, (20, 9))
+    tables = [list(pool.table(c[0].session.name).pages) for c in caches]
+    pools = [id(k) for k in pool.keys]
+    layers = paged_batch.merged(caches)
+    assert [id(k) for k in pool.keys] == pools and sum(layer.nbytes for layer in layers) == 0
+    batched_step(tiny, layers, mx.array([1, 2]))
+    back = [layer.extract(1) for layer in layers]
+    layers[0].rows.vacate(1)
+    assert back[0].session is caches[1][0].session and [c.offset for c in back] == [10] * len(back)
+    assert pool.table(back[0].session.name).pages == tables[1]  # written in place: same pages, one token more
+    batched_step(tiny, layers, mx.array([4, 5]))  # the dead row is written nowhere
+    assert pool.table(back[0].session.name).tokens == 10
+    assert pool.table(caches[0][0].session.name).tokens == 22
+
+
+def test_a_dead_slot_takes_a_row_and_rows_extend_and_filter_together(tiny):
+    pool = pool_for(tiny)
+    a, b, c = prefilled(tiny, pool, (12, 30, 7))
+    layers = paged_batch.merged([a])
+    for layer, dead in zip(layers, paged_batch.dead(layers, 2), strict=True):
+        layer.extend(dead)
+    layers[0].rows.place(2, paged_batch.takes(b))
+    with pytest.raises(PageStateError):
+        layers[0].rows.place(2, paged_batch.takes(c))
+    for layer in layers:
+        layer.filter([0, 2])
+    assert [s.name for s in layers[0].rows.sessions] == [a[0].session.name, b[0].session.name]
+    want = [tiny(mx.array([[t]]), cache=paged_cache.fork(x, x[0].offset))[0, -1] for t, x in ((6, a), (8, b))]
+    out = batched_step(tiny, layers, mx.array([6, 8]))
+    assert mx.array_equal(out[0], want[0]).item() and mx.array_equal(out[1], want[1]).item()
+
+
+def test_only_a_cache_paged_whole_at_its_length_joins_a_paged_batch(tiny):
+    pool = pool_for(tiny)
+    (cache,) = prefilled(tiny, pool, (10,))
+    assert paged_batch.takes(cache) is cache[0].session
+    assert paged_batch.takes(make_prompt_cache(tiny)) is None
+    cache[0].trim(2)  # one layer shorter than the table
+    assert paged_batch.takes(cache) is None
+    with pytest.raises(PageStateError):
+        paged_batch.merged([cache])
+
+
+@pytest.mark.parametrize("in_pages", [True, False])
+def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):  # noqa: F811
+    plain, engine, pool = engines
+    engine.decoder.in_pages = in_pages
+    no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+    params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (4, 12, 9, 12, 6)]
+    texts = ["word " * 40, "a short one", "agent 1", "agent two speaks", "x" * 30]
+    want = [plain.generate(session(plain, f"p{i}", t), p).tokens for i, (t, p) in enumerate(zip(texts, params))]
+    sessions = [session(engine, f"e{i}", t) for i, t in enumerate(texts)]
+    calls = [engine.start_call(s, p) for s, p in zip(sessions, params, strict=True)]
+    seen = []
+    original = engine.decoder._step_batch
+
+    def step() -> None:
+        if engine.decoder.batch is not None:
+            seen.append(paged_batch.in_pages(engine.decoder.batch.prompt_cache))
+        original()
+
+    engine.decoder._step_batch = step
+    run_together(engine, calls, join_at={3: 5, 4: 6})  # 4 takes the dead slot the first call left
+    assert [c.future.result().tokens for c in calls] == want
+    assert seen and all(s is in_pages for s in seen)
+    assert engine.decoder.counters["alone_for_length"] == 0
+    if in_pages:  # any row fits a dead slot: a paged batch pads none (a merged one fits shorter histories only)
+        assert engine.decoder.counters["slot_reuses"] >= 1
+    for s in sessions:
+        assert all(isinstance(c, paged_cache.PagedKVCache) for c in s.cache)
+        assert s.cache[0].offset == s.processed == pool.table(s.cache[0].session.name).tokens
