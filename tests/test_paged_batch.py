@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from kvwake.daemon.kv import cache_blocks, paged_batch, paged_cache
-from kvwake.daemon.kv.pages import PagePool, PageStateError
+from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.generation import GenerateParams
 from tests.test_batching import run_together, session
@@ -42,20 +42,53 @@ def prefilled(model, pool: PagePool, lengths=LENGTHS) -> list[list]:
     return caches
 
 
-def batched_step(model, layers: list, fed: mx.array) -> mx.array:
-    with attention.swapped(model, lambda fused: ragged_decode.paged(fused, False)):
-        return model(fed[:, None], cache=layers)[:, -1]
+def _cuda() -> bool:
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
-def test_each_row_of_a_paged_batch_gives_the_logits_it_gives_alone(tiny):
+ON_CUDA = pytest.mark.skipif(not _cuda(), reason="the paged kernel is a CUDA kernel: MLX does not run on CUDA here")
+
+
+def batched_step(model, layers: list, fed: mx.array, kernel: bool = False) -> mx.array:
+    return forward(model, fed[:, None], layers, kernel)
+
+
+def forward(model, fed: mx.array, cache: list, kernel: bool) -> mx.array:
+    """The model's last logits for `fed`, attention swapped as the decoder swaps it (`kernel`: on CUDA)."""
+    with attention.swapped(model, lambda fused: ragged_decode.paged(fused, kernel)):
+        return model(fed, cache=cache)[:, -1]
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=ON_CUDA)])
+def test_each_row_of_a_paged_batch_gives_the_logits_it_gives_alone(tiny, kernel):
     pool = pool_for(tiny)
     layers = paged_batch.merged(prefilled(tiny, pool))
     fed = mx.array([3, 7, 11, 13])
     for step in range(3):  # a row's fork shares its partial page: whichever writes first copies it
-        alone = [tiny(fed[i : i + 1, None], cache=_fork_of_row(layers, i))[0, -1] for i in range(len(LENGTHS))]
-        out = batched_step(tiny, layers, fed)
+        alone = [forward(tiny, fed[i : i + 1, None], _fork_of_row(layers, i), kernel)[0]
+                 for i in range(len(LENGTHS))]
+        out = batched_step(tiny, layers, fed, kernel)
         assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
         fed = out.argmax(axis=-1).astype(mx.uint32)
+
+
+@ON_CUDA
+@pytest.mark.parametrize("dtype,bound", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
+def test_the_paged_kernel_over_a_batch_agrees_with_the_gather_reference(dtype, bound):
+    pool = PagePool(PageLayout(layers=1, kv_heads=2, head_dim=64, page_tokens=PAGE, block_tokens=PAGE, dtype=dtype), 128)
+    caches = []
+    for n in (300, 1, 45, 700):
+        cache = paged_cache.paged_cache(pool, [KVCache()])
+        cache[0].extend(*(mx.random.normal((1, 2, n, 64)).astype(dtype) for _ in range(2)))
+        caches.append(cache)
+    layer = paged_batch.merged(caches)[0]
+    layer.rows.vacate(1)  # a dead row among them: zeros on both paths
+    queries = mx.random.normal((4, 8, 1, 64)).astype(dtype)
+    refused = lambda *a, **k: pytest.fail("took the fused path")  # noqa: E731
+    got, want = (ragged_decode.paged(refused, kernel)(queries, None, None, layer, 0.125, None) for kernel in (True, False))
+    assert got.shape == want.shape == queries.shape and got.dtype == want.dtype
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < bound
+    assert not got[1].any().item()
 
 
 def _fork_of_row(layers: list, i: int) -> list:

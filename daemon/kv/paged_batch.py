@@ -53,7 +53,7 @@ class PagedRows:
         self.slots: mx.array | None = None  # the step's new tokens' slots, live rows in order
         self.live: mx.array | None = None  # the live rows' indices, None when every row is live
         self._table: mx.array | None = None
-        self._row_slots: list[mx.array | None] | None = None
+        self._row_slots: list[slice | mx.array | None] | None = None
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -84,10 +84,16 @@ class PagedRows:
             self._table = mx.array(table)
         return self._table
 
-    def row_slots(self) -> list[mx.array | None]:
-        """Each row's slots in token order (None: a dead row), for the gather path; made once a step."""
+    def row_slots(self) -> list[slice | mx.array | None]:
+        """Where each row's tokens are in the pools, for the gather path (made once a step): a slice where
+        its pages follow one another (read in place, as a `PagedKVCache` alone reads them), else its slots
+        in token order; None for a dead row."""
         if self._row_slots is None:
-            self._row_slots = [s.held_slots() if s else None for s in self.sessions]
+            self._row_slots = []
+            for s, held in zip(self.sessions, self.held.tolist(), strict=True):
+                first = self.pool.run(self.pool.table(s.name).pages, 0, held) if s else None
+                self._row_slots.append(slice(first, first + held) if first is not None else
+                                       s.held_slots() if s else None)
         return self._row_slots
 
     # -- rows joining and leaving ----------------------------------------------------------------------

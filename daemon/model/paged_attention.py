@@ -52,13 +52,13 @@ def gather_attention(queries: mx.array, keys: mx.array, values: mx.array, page_t
     return gather_rows(queries, keys, values, slots, scale)
 
 
-def gather_rows(queries: mx.array, keys: mx.array, values: mx.array, slots: list[mx.array | None],
+def gather_rows(queries: mx.array, keys: mx.array, values: mx.array, slots: list[slice | mx.array | None],
                 scale: float) -> mx.array:
-    """Row r's attention over the pools' `slots[r]` (its tokens' slots in order), gathered contiguous,
-    through MLX's fused attention; a row with no slots (None or empty) gives zeros."""
+    """Row r's attention over the pools' `slots[r]` (its tokens' slots in order, gathered contiguous; or a
+    slice, read in place) through MLX's fused attention; a row with no slots (None or empty) gives zeros."""
     rows = []
     for r, row in enumerate(slots):
-        if row is None or row.size == 0:
+        if row is None or (isinstance(row, mx.array) and row.size == 0):
             rows.append(mx.zeros(queries.shape[1:], queries.dtype))
             continue
         out = mx.fast.scaled_dot_product_attention(queries[r][None, :, None], keys[:, row][None],
