@@ -12,18 +12,21 @@ the step's cost does not depend on the values), all decoding at once in the engi
   kernel on CUDA, the gather reference elsewhere.
 Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
 KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them; and a join's
-cost: the last session joins the others' running batch, and the step it joins in is timed against the
-steady steps after it (`<mode>_join_ms`: that step's extra wall time; a merged batch copies the row's KV
-into a slot, a paged one takes its page table). With one row there is no batch to join (none reported).
+cost: the last session joins the others' running batch `--joins` times, each time for 3 tokens, and the
+steps it runs in are timed against as many steady steps (`<mode>_join_ms`: the median extra wall time of a
+join and a leave; a merged batch copies the row's KV in and out, a paged one takes its page table and gives
+it back). With one row there is no batch to join (none reported).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,6 +44,7 @@ from kvwake.daemon.session_state import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
 WARM_STEPS = 6
+JOINER_TOKENS = 3  # tokens a joining call decodes before it leaves
 
 
 def filled_session(engine: Engine, name: str, context: int, pool: PagePool | None = None) -> Session:
@@ -66,54 +70,56 @@ def layer_shape(engine: Engine) -> tuple[int, int]:
     return heads, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
-def page_pool(engine: Engine, rows: int, context: int, steps: int) -> PagePool:
-    """A pool of the store's block per page with room for `rows` sessions of `context` tokens and their steps."""
+def page_pool(engine: Engine, rows: int, context: int, tokens: int) -> PagePool:
+    """A pool of the store's block per page with room for `rows` sessions of `context` + `tokens` tokens."""
     blank = engine.kv.make_cache()
     layout = paged_cache.page_layout(blank, cache_blocks.layout(blank, model=engine.model),
                                      engine.store.block_tokens, engine.store.block_tokens)
-    pages = rows * -(-(context + 2 * WARM_STEPS + steps + 4) // layout.page_tokens)
-    return PagePool(layout, pages)
+    return PagePool(layout, (rows + 1) * -(-(context + tokens) // layout.page_tokens))
 
 
-def timed(engine: Engine, steps: int) -> float:
-    """ms per decoder step over `steps` steps, the device waited for before and after."""
+def timed(engine: Engine, steps: int, until: Any = None) -> tuple[float, int]:
+    """(ms of `steps` decoder steps, or of the steps until `until()`, the device waited for before and after;
+    the steps taken)."""
     mx.synchronize()
-    began = time.perf_counter()
-    for _ in range(steps):
+    began, taken = time.perf_counter(), 0
+    while (taken < steps) if until is None else not until():
         engine.decoder.step()
+        taken += 1
     mx.synchronize()
-    return (time.perf_counter() - began) * 1000 / steps
+    return (time.perf_counter() - began) * 1000, taken
 
 
-def step_ms(engine: Engine, rows: int, context: int, steps: int, mode: str) -> tuple[float, float | None]:
-    """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the extra ms
-    of the step the last session joins the others' batch in, None with one row)."""
+def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str) -> tuple[float, float | None]:
+    """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median
+    extra ms a call costs the batch to join it and let it go, None with one row). A call that joins runs
+    JOINER_TOKENS tokens; its steps' time less as many steady steps is its extra."""
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     engine.decoder.in_pages = mode == "paged"
-    pool = page_pool(engine, rows, context, steps) if mode == "paged" else None
+    tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
+    pool = page_pool(engine, rows, context, tokens) if mode == "paged" else None
     sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows)]
     no_end = tuple((int(t), -1e4) for t in engine.tokenizer.eos_token_ids)  # every row runs every step
-    calls = [engine.start_call(s, GenerateParams(max_tokens=2 * WARM_STEPS + steps + 2, logit_bias=no_end))
-             for s in sessions]
-    for call in calls[:-1] if rows > 1 else calls:
+    calls = [engine.start_call(s, GenerateParams(max_tokens=tokens, logit_bias=no_end))
+             for s in (sessions if rows == 1 else sessions[:-1])]
+    for call in calls:
         engine.decoder.join(call)
-    for _ in range(WARM_STEPS):
-        engine.decoder.step()
-    joining = None
-    if rows > 1:
-        engine.decoder.join(calls[-1])
-        joining = timed(engine, 1)
-        timed(engine, WARM_STEPS - 1)
-    ms = timed(engine, steps)
+    timed(engine, WARM_STEPS)
+    wall, _ = timed(engine, steps)
+    ms, extras = wall / steps, []
+    for _ in range(joins if rows > 1 else 0):  # the last session joins, decodes a few tokens, leaves
+        joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
+        engine.decoder.join(joiner)
+        wall, taken = timed(engine, 0, joiner.future.done)
+        extras.append(wall - taken * ms)
     failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
     if failed:
         raise failed[0]
-    while engine.decoder.active:
-        engine.decoder.step()
+    engine.decoder.abort(RuntimeError("the benchmark is done with these calls"))
     for s in sessions:
         s.cache = None
     mx.clear_cache()
-    return ms, None if joining is None else round(joining - ms, 2)
+    return ms, round(statistics.median(extras), 2) if extras else None
 
 
 def main() -> None:
@@ -122,6 +128,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--contexts", default="1024,12288")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--joins", type=int, default=4, help="calls that join the running batch and leave, timed")
     ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
     ap.add_argument("--out", default="bench/out")
@@ -139,7 +146,7 @@ def main() -> None:
             modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
-                    ms, join = step_ms(engine, rows, context, a.steps, mode)
+                    ms, join = step_ms(engine, rows, context, a.steps, a.joins, mode)
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)

@@ -25,6 +25,7 @@ gathered, then MLX's fused attention, as a paged call alone computes it).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import mlx.core as mx
@@ -103,9 +104,11 @@ def _kernel(queries: mx.array, pool: Any, layer: int, table: mx.array, lengths: 
     return out[:, :, None]
 
 
-def warm(model: Any) -> bool:
+def warm(model: Any, page_tokens: int | None = None) -> bool:
     """Build the row kernel for the model's heads and dtype (MLX compiles a custom kernel at its first call,
-    which a first decode step would otherwise wait for). Whether it was built (False: not a shape it takes)."""
+    which a first decode step would otherwise wait for), and with `page_tokens` the paged kernel for pages
+    of that many tokens (a paged batch's). Whether the row kernel was built (False: not a shape it takes;
+    a paged batch over a shape the paged kernel does not take gathers instead)."""
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     if heads is None:
@@ -120,4 +123,9 @@ def warm(model: Any) -> bool:
         mx.eval(row_attention(queries, keys, keys, mx.array([0, 3], mx.int32), mx.array([64, 61], mx.int32), 1.0))
     except ValueError:
         return False
+    if page_tokens:
+        pools = mx.zeros((kv_heads, 2 * page_tokens, head_dim), dtype)
+        with contextlib.suppress(ValueError):
+            mx.eval(kernel_attention(queries, pools, pools, mx.array([[0], [1]], mx.int32),
+                                     mx.array([page_tokens, 3], mx.int32), 1.0, page_tokens, split=ROW_SPLIT))
     return True
