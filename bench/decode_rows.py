@@ -12,10 +12,12 @@ the step's cost does not depend on the values), all decoding at once in the engi
   kernel on CUDA, the gather reference elsewhere.
 Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
 KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them; and a join's
-cost: the last session joins the others' running batch `--joins` times, each time for 3 tokens, and the
-steps it runs in are timed against as many steady steps (`<mode>_join_ms`: the median extra wall time of a
-join and a leave; a merged batch copies the row's KV in and out, a paged one takes its page table and gives
-it back). With one row there is no batch to join (none reported).
+cost and a leave's: the last session joins the others' running batch `--joins` times, each time for 3
+tokens. `<mode>_join_ms`: the median time of its admission (the decoder's, between two steps), the copies it
+makes waited for (a merged batch copies the row's KV into a slot, a paged one takes its page table);
+`<mode>_leave_ms`: the median extra wall time of the steps it then runs against as many steady steps (its
+leave: a merged batch copies the row out, a paged one gives its table back). With one row there is no
+batch to join (none reported).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.lib import machine, save  # noqa: E402
+from mlx_lm.generate import generation_stream  # noqa: E402
+
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import ragged_decode  # noqa: E402
@@ -90,10 +94,25 @@ def timed(engine: Engine, steps: int, until: Any = None) -> tuple[float, int]:
     return (time.perf_counter() - began) * 1000, taken
 
 
-def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str) -> tuple[float, float | None]:
-    """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median
-    extra ms a call costs the batch to join it and let it go, None with one row). A call that joins runs
-    JOINER_TOKENS tokens; its steps' time less as many steady steps is its extra."""
+def admitted(engine: Engine, call: Any) -> float:
+    """ms to admit `call` into the running batch (the decoder's admission, no pass), the copies it makes
+    waited for: a merged batch copies the row's KV into a slot, a paged one takes its page table."""
+    decoder = engine.decoder
+    mx.synchronize()
+    began = time.perf_counter()
+    decoder.join(call)
+    with mx.stream(generation_stream), decoder._attention():
+        decoder._admit()
+    mx.eval([c.state for c in decoder.batch.prompt_cache], decoder.batch._next_tokens)
+    return (time.perf_counter() - began) * 1000
+
+
+def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int,
+            mode: str) -> tuple[float, float | None, float | None]:
+    """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median ms
+    of a call's admission into the running batch, and the median extra ms of the steps it then runs, its
+    leave included, against as many steady steps; None, None with one row). A joining call runs
+    JOINER_TOKENS tokens."""
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     engine.decoder.in_pages = mode == "paged"
     tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
@@ -106,10 +125,10 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
         engine.decoder.join(call)
     timed(engine, WARM_STEPS)
     wall, _ = timed(engine, steps)
-    ms, extras = wall / steps, []
+    ms, joined, extras = wall / steps, [], []
     for _ in range(joins if rows > 1 else 0):  # the last session joins, decodes a few tokens, leaves
         joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
-        engine.decoder.join(joiner)
+        joined.append(admitted(engine, joiner))
         wall, taken = timed(engine, 0, joiner.future.done)
         extras.append(wall - taken * ms)
     failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
@@ -119,7 +138,9 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     for s in sessions:
         s.cache = None
     mx.clear_cache()
-    return ms, round(statistics.median(extras), 2) if extras else None
+    if not joined:
+        return ms, None, None
+    return ms, round(statistics.median(joined), 2), round(statistics.median(extras), 2)
 
 
 def main() -> None:
@@ -146,10 +167,11 @@ def main() -> None:
             modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
-                    ms, join = step_ms(engine, rows, context, a.steps, a.joins, mode)
+                    ms, join, leave = step_ms(engine, rows, context, a.steps, a.joins, mode)
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)
+                        row.setdefault(f"{mode}_leave_ms", []).append(leave)
             except Exception as exc:  # noqa: BLE001 - out of memory at the largest shapes: say so, go on
                 row["error"] = repr(exc)[:200]
             nbytes = weights + rows * context * kv_per_token
