@@ -10,9 +10,11 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from kvwake.daemon.kv import cache_blocks, paged_batch, paged_cache
-from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
+from kvwake.daemon.kv.pages import PageLayout, PagePool, PagePoolFullError, PageStateError
 from kvwake.daemon.model import attention, ragged_decode
+from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.store import Store
 from tests.test_batching import run_together, session
 from tests.test_paged_engine import engines, paged  # noqa: F401 - the fixture and its helper
 
@@ -170,3 +172,45 @@ def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):
     for s in sessions:
         assert all(isinstance(c, paged_cache.PagedKVCache) for c in s.cache)
         assert s.cache[0].offset == s.processed == pool.table(s.cache[0].session.name).tokens
+
+
+def test_a_row_the_pool_has_no_page_for_is_left_out_of_the_step(tiny):
+    pool = pool_for(tiny, pages=2)
+    full, room = prefilled(tiny, pool, (PAGE, 5))  # the first needs a new page for its next token
+    layers = paged_batch.merged([full, room])
+    rows = layers[0].rows
+    assert rows.begin_step() == [0]
+    assert rows.sessions[0] is None and pool.table(full[0].session.name).tokens == PAGE
+    want = tiny(mx.array([[9]]), cache=prefilled(tiny, pool_for(tiny), (PAGE, 5))[1])[0, -1]  # the same KV
+    out = batched_step(tiny, layers, mx.array([0, 9]))  # the step the decoder began: its layers write
+    assert mx.array_equal(out[1], want).item() and pool.table(room[0].session.name).tokens == 6
+
+
+def test_the_pass_raises_when_it_finds_the_pool_full(tiny):
+    pool = pool_for(tiny, pages=1)
+    layers = paged_batch.merged(prefilled(tiny, pool, (PAGE,)))
+    with pytest.raises(PagePoolFullError):
+        batched_step(tiny, layers, mx.array([1]))
+
+
+def test_a_call_the_pool_cannot_grow_fails_alone_and_the_batch_goes_on(model_dir, tmp_path):
+    stores = [Store(tmp_path / name, block_tokens=PAGE) for name in ("plain", "paged")]
+    plain, engine = (Engine(s, tmp_path, model_dir, max_batch=8) for s in stores)
+    try:
+        params = GenerateParams(max_tokens=6, logit_bias=tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids))
+        extra = len(session(plain, "n", "x" * 40).tokens) - 40  # the template's tokens
+        # caches of 2 pages exactly (the next token needs a third) and of 2 pages and 4 tokens (room for 12)
+        texts = ["x" * (2 * PAGE + 1 - extra), "y" * (2 * PAGE + 5 - extra)]
+        want = plain.generate(session(plain, "p1", texts[1]), params).tokens
+        pages = 5
+        pool = paged(engine, capacity=pages)
+        sessions = [session(engine, f"e{i}", t) for i, t in enumerate(texts)]
+        calls = [engine.start_call(s, params) for s in sessions]
+        run_together(engine, calls)
+        assert isinstance(calls[0].future.exception(), PagePoolFullError)
+        assert calls[1].future.result().tokens == want and pool.pages_held() <= pages
+    finally:
+        for e in (plain, engine):
+            e.close()
+        for s in stores:
+            s.close()

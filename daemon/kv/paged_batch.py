@@ -5,8 +5,8 @@ Over paged sessions (kv/paged_cache.py) that object is a `PagedBatchKVCache`:
 it holds no KV of its own, only the rows' page tables (`PagedRows`, one for all
 of the batch's layers, as one `PagedSession` serves all of a session's
 layers). A step writes each row's new token's K and V into that row's pages
-(one write per layer and part, at slots the first layer reserves for every
-row) and the attention reads every row's pages where they are
+(one write per layer and part, at slots reserved for every row before the
+pass, or by the first layer) and the attention reads every row's pages where they are
 (model/ragged_decode.py: the CUDA kernel over the page table, or the gather
 reference). Rows are ragged: no left padding, no mask, and a dead slot (a row
 no call holds, None here) is written nowhere and attends over nothing.
@@ -30,7 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import _BaseCache
 
 from kvwake.daemon.kv.paged_cache import PagedKVCache, PagedSession
-from kvwake.daemon.kv.pages import PagePool, PageStateError
+from kvwake.daemon.kv.pages import PagePool, PagePoolFullError, PageStateError
 
 __all__ = ["PagedBatchKVCache", "PagedRows", "dead", "in_pages", "merged", "takes"]
 
@@ -58,21 +58,32 @@ class PagedRows:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def begin_step(self) -> None:
-        """Room for one token in every live row (copy on write and new pages: PagePool.reserve). Raises
-        PagePoolFullError from the pool: the step fails (the decoder fails its calls)."""
+    def begin_step(self) -> list[int]:
+        """Room for one token in every live row (copy on write and new pages: PagePool.reserve). A row the
+        pool has no page for (PagePoolFullError) is left out of the step: vacated, its table as it was.
+        Returns those rows (the decoder fails their calls; the model's pass, which calls this from its first
+        layer when the decoder has not, raises instead)."""
         self.before = self.after
-        slots, live = [], []
+        slots, live, full = [], [], []
         for r, session in enumerate(self.sessions):
-            if session is not None:
+            if session is None:
+                continue
+            try:
                 slots.append(self.pool.reserve(session.name, 1))  # one token: one slot, an int
-                live.append(r)
-                self.held[r] += 1
+            except PagePoolFullError:
+                full.append(r)
+                continue
+            live.append(r)
+            self.held[r] += 1
+        for r in full:
+            self.sessions[r] = None
+            self.held[r] = 0
         self.after = mx.array(self.held)
         self.slots = mx.array(np.asarray(slots, np.int32))
         self.live = None if len(live) == len(self.sessions) else mx.array(np.asarray(live, np.int32))
         self._table = self._row_slots = None
         self.epoch += 1
+        return full
 
     def page_table(self) -> mx.array:
         """[rows, most pages] int32: each row's pages in token order (a dead row's: none)."""
@@ -106,11 +117,12 @@ class PagedRows:
         self._settle()
 
     def vacate(self, i: int) -> PagedSession | None:
-        """Row i's session leaves (the slot is dead from now on, written nowhere); it is handed back."""
+        """Row i's session leaves (the slot is dead from now on, written nowhere); it is handed back. Between
+        steps; a row `begin_step` left out is dead already (nothing done: the step's slots stand)."""
         session, self.sessions[i] = self.sessions[i], None
         if session is not None:
             _release(session)
-        self._settle()
+            self._settle()
         return session
 
     def _filter(self, keep: list[int]) -> None:
@@ -158,8 +170,8 @@ class PagedBatchKVCache(_BaseCache):
         if keys.shape[0] != len(self.rows) or keys.shape[2] != 1 or keys.dtype != layout.dtype:
             raise PageStateError(f"layer {self.layer}: a paged batch of {len(self.rows)} rows decodes one token "
                                  f"a row in {layout.dtype}, not keys {tuple(keys.shape)} in {keys.dtype}")
-        if self._leads():
-            self.rows.begin_step()
+        if self._leads() and self.rows.begin_step():
+            raise PagePoolFullError(f"the page pool has no page for a row of the batch ({self.pool.limit} pages)")
         self.epoch = self.rows.epoch
         if self.rows.slots is not None and self.rows.slots.size:
             k, v = keys[:, :, 0], values[:, :, 0]

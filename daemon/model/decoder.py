@@ -64,6 +64,7 @@ from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvwake.daemon.kv import paged_batch, paged_cache
+from kvwake.daemon.kv.pages import PagePoolFullError
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
@@ -384,6 +385,8 @@ class Decoder:
             self.batch.samplers = [RowsSampler(samplers)] * len(samplers)
             self.counters["rows_sampled_together"] += 1
         started = time.perf_counter()
+        if paged_batch.in_pages(self.batch.prompt_cache):
+            self._reserve_pages()
         try:
             responses = self.batch.next()
         except Exception as exc:
@@ -418,6 +421,21 @@ class Decoder:
         if self.batch is not None:  # the rows that go on: their next mask, filled while this thread goes on
             self.masks.prefetch(_constraints(self._row_calls()), self.batch._next_tokens)
         self.spent["batch_outputs_s"] += time.perf_counter() - nexted
+
+    def _reserve_pages(self) -> None:
+        """A paged batch's room for the step's tokens, taken before its pass: a row the pool has no page for
+        fails alone (PagePoolFullError), its slot dead; the other rows decode."""
+        batch = self.batch
+        for i in batch.prompt_cache[0].rows.begin_step():
+            uid = batch.uids[i]
+            call = self.rows.pop(uid)
+            self.paged.pop(uid, None)
+            self.fed_only.discard(uid)
+            self.dead.add(uid)
+            retire(batch, i)
+            self.masks.forget([call.constraint])
+            call.fail(PagePoolFullError(f"session {call.session.id}: no page left for its next token "
+                                        f"({batch.prompt_cache[0].pool.limit} pages, all held)"))
 
     def _leave(self, done: list[tuple[int, int, str]]) -> None:
         """Give finished rows back to their sessions as plain caches; their slots stay, dead, for the
