@@ -1,7 +1,7 @@
 """The decoder's batched step at agent-length contexts: rows x context, three paths in one process.
 
 usage: python bench/decode_rows.py --model PATH [--rows 1,8,16,32] [--contexts 1024,12288] [--steps 24]
-                                   [--modes masked,kernel,paged] [--out bench/out]
+                                   [--modes masked,kernel,paged] [--joins 4] [--join-rows 8] [--out bench/out]
 
 For each (rows, context): that many sessions whose caches hold `context` tokens of random KV (no prefill:
 the step's cost does not depend on the values), all decoding at once in the engine's decoder, greedy, for
@@ -12,17 +12,18 @@ the step's cost does not depend on the values), all decoding at once in the engi
   kernel on CUDA, the gather reference elsewhere.
 Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
 KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them; and a join's
-cost and a leave's: the last session joins the others' running batch `--joins` times, each time for 3
-tokens. `<mode>_join_ms`: the median time of its admission (the decoder's, between two steps), the copies it
-makes waited for (a merged batch copies the row's KV into a slot, a paged one takes its page table);
-`<mode>_leave_ms`: the median extra wall time of the steps it then runs against as many steady steps (its
-leave: a merged batch copies the row out, a paged one gives its table back). With one row there is no
-batch to join (none reported).
+cost: one more session joins the running batch `--joins` times (for 3 tokens each time; up to `--join-rows`
+rows), and `<mode>_join_ms` is the median time of its admission (the decoder's, between two steps), the
+copies it makes waited for. At a slot size's end (1, 2, 4, 8, ... rows) a merged batch then grows to the
+next size, copying every row's KV (and compacts back, copying again, when the call has left); a paged one
+takes the row's page table. (A leave is not timed apart: it happens inside a step, and a merged batch's
+copies out are queued behind the pass.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
@@ -37,8 +38,6 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.lib import machine, save  # noqa: E402
-from mlx_lm.generate import generation_stream  # noqa: E402
-
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import ragged_decode  # noqa: E402
@@ -101,46 +100,39 @@ def admitted(engine: Engine, call: Any) -> float:
     mx.synchronize()
     began = time.perf_counter()
     decoder.join(call)
-    with mx.stream(generation_stream), decoder._attention():
-        decoder._admit()
+    decoder.admit()
     mx.eval([c.state for c in decoder.batch.prompt_cache], decoder.batch._next_tokens)
     return (time.perf_counter() - began) * 1000
 
 
-def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int,
-            mode: str) -> tuple[float, float | None, float | None]:
+def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str) -> tuple[float, float | None]:
     """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median ms
-    of a call's admission into the running batch, and the median extra ms of the steps it then runs, its
-    leave included, against as many steady steps; None, None with one row). A joining call runs
-    JOINER_TOKENS tokens."""
+    of another call's admission into that batch, None when `joins` is 0). The joining call runs
+    JOINER_TOKENS tokens and leaves before it joins again."""
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     engine.decoder.in_pages = mode == "paged"
     tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
-    pool = page_pool(engine, rows, context, tokens) if mode == "paged" else None
-    sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows)]
+    pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
+    sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows + (joins > 0))]
     no_end = tuple((int(t), -1e4) for t in engine.tokenizer.eos_token_ids)  # every row runs every step
-    calls = [engine.start_call(s, GenerateParams(max_tokens=tokens, logit_bias=no_end))
-             for s in (sessions if rows == 1 else sessions[:-1])]
+    calls = [engine.start_call(s, GenerateParams(max_tokens=tokens, logit_bias=no_end)) for s in sessions[:rows]]
     for call in calls:
         engine.decoder.join(call)
     timed(engine, WARM_STEPS)
     wall, _ = timed(engine, steps)
-    ms, joined, extras = wall / steps, [], []
-    for _ in range(joins if rows > 1 else 0):  # the last session joins, decodes a few tokens, leaves
+    joined, joiner = [], None
+    for _ in range(joins):  # one more session joins, decodes a few tokens, leaves
         joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
         joined.append(admitted(engine, joiner))
-        wall, taken = timed(engine, 0, joiner.future.done)
-        extras.append(wall - taken * ms)
+        timed(engine, 0, joiner.future.done)
     failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
     if failed:
         raise failed[0]
     engine.decoder.abort(RuntimeError("the benchmark is done with these calls"))
-    for s in sessions:
-        s.cache = None
+    del sessions, calls, joiner, pool  # the caches and the pool go before MLX's cache is cleared
+    gc.collect()
     mx.clear_cache()
-    if not joined:
-        return ms, None, None
-    return ms, round(statistics.median(joined), 2), round(statistics.median(extras), 2)
+    return wall / steps, round(statistics.median(joined), 2) if joined else None
 
 
 def main() -> None:
@@ -149,7 +141,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--contexts", default="1024,12288")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--joins", type=int, default=4, help="calls that join the running batch and leave, timed")
+    ap.add_argument("--joins", type=int, default=4, help="times one more call joins the batch and leaves, timed")
+    ap.add_argument("--join-rows", type=int, default=8,
+                    help="the most rows whose batch a call joins (a merged batch's join copies every row: memory)")
     ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
     ap.add_argument("--out", default="bench/out")
@@ -167,11 +161,11 @@ def main() -> None:
             modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
-                    ms, join, leave = step_ms(engine, rows, context, a.steps, a.joins, mode)
+                    joins = a.joins if rows <= a.join_rows else 0
+                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode)
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)
-                        row.setdefault(f"{mode}_leave_ms", []).append(leave)
             except Exception as exc:  # noqa: BLE001 - out of memory at the largest shapes: say so, go on
                 row["error"] = repr(exc)[:200]
             nbytes = weights + rows * context * kv_per_token

@@ -140,6 +140,12 @@ class Decoder:
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
 
+    def admit(self) -> None:
+        """Admit the waiting calls now, without a pass: what a step does first (a benchmark times a join
+        alone)."""
+        with mx.stream(generation_stream), self._attention():
+            self._admit()
+
     def _attention(self) -> contextlib.AbstractContextManager[None]:
         """A step's attention: by the row kernel for every call, batched or alone (model/ragged_decode.py:
         a row's result does not depend on its company, so a batched call decodes as it would alone), over
