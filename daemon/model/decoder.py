@@ -15,6 +15,13 @@ finishes: its row is extracted as a plain per-layer cache into its session
 on a session, the session holds a plain cache, and sleep, fork and prefix
 reuse see what they always saw.
 
+Paged sessions (every layer in a page pool, kv/paged_cache.py) batch over their
+own pages instead (kv/paged_batch.py, `in_pages`): a join puts the session's
+page table in a row and a leave takes it back, no KV merged or copied; the
+step's pages are reserved before its pass (a row the pool cannot grow fails
+alone); nothing is padded, so no call decodes alone for its length, and a
+dead slot takes any paged call.
+
 Rows live in slots (batch_rows.py): the batch has 1, 2, 4, 8, 16 or 32 rows,
 padded with dead rows; a call that leaves leaves a dead slot that the next call
 whose history fits takes, and the batch keeps only its live rows once half its
