@@ -70,7 +70,12 @@ def test_each_row_of_a_paged_batch_gives_the_logits_it_gives_alone(tiny, kernel)
         alone = [forward(tiny, fed[i : i + 1, None], _fork_of_row(layers, i), kernel)[0]
                  for i in range(len(LENGTHS))]
         out = batched_step(tiny, layers, fed, kernel)
-        assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
+        if not kernel:  # the CPU: bit for bit
+            assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
+        else:  # CUDA: the attention's spans are the same batched or alone, but the projections' matmuls of
+            # four rows and of one may round apart: the same greedy tokens, logits within a bf16 step or two
+            assert [int(a.argmax()) for a in alone] == out.argmax(axis=-1).tolist(), step
+            assert max(mx.abs(out[i] - alone[i]).max().item() for i in range(len(LENGTHS))) < 2e-2, step
         fed = out.argmax(axis=-1).astype(mx.uint32)
 
 
