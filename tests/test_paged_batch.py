@@ -11,7 +11,7 @@ from mlx_lm.utils import load
 
 from kvwake.daemon.kv import cache_blocks, paged_batch, paged_cache
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PagePoolFullError, PageStateError
-from kvwake.daemon.model import attention, ragged_decode
+from kvwake.daemon.model import attention, paged_attention, ragged_decode
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.store import Store
@@ -76,6 +76,28 @@ def test_each_row_of_a_paged_batch_gives_the_logits_it_gives_alone(tiny, kernel)
             # four rows and of one may round apart: the same greedy tokens, logits within a bf16 step or two
             assert [int(a.argmax()) for a in alone] == out.argmax(axis=-1).tolist(), step
             assert max(mx.abs(out[i] - alone[i]).max().item() for i in range(len(LENGTHS))) < 2e-2, step
+        fed = out.argmax(axis=-1).astype(mx.uint32)
+
+
+def test_the_kernels_inputs_name_each_rows_pages_and_length(tiny, monkeypatch):
+    # On the CPU the paged kernel's reference stands in for it (same inputs: the page table and lengths the
+    # batch builds, or a paged call alone): it must give what the gather path gives, bit for bit.
+    def reference(queries, keys, values, table, lengths, scale, page_tokens, split=None):
+        assert split == paged_attention.ROW_SPLIT
+        return paged_attention.gather_attention(queries, keys, values, table, lengths, scale, page_tokens)
+
+    pool = pool_for(tiny)
+    layers = paged_batch.merged(prefilled(tiny, pool))
+    fed = mx.array([3, 7, 11, 13])
+    for step in range(2):
+        alone = [forward(tiny, fed[i : i + 1, None], _fork_of_row(layers, i), False)[0] for i in range(len(LENGTHS))]
+        with monkeypatch.context() as patched:
+            patched.setattr(ragged_decode, "kernel_attention", reference)
+            kernel_alone = [forward(tiny, fed[i : i + 1, None], _fork_of_row(layers, i), True)[0]
+                            for i in range(len(LENGTHS))]
+            out = batched_step(tiny, layers, fed, kernel=True)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(alone, kernel_alone, strict=True)), step
+        assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
         fed = out.argmax(axis=-1).astype(mx.uint32)
 
 
