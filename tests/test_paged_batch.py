@@ -241,3 +241,27 @@ def test_a_call_the_pool_cannot_grow_fails_alone_and_the_batch_goes_on(model_dir
             e.close()
         for s in stores:
             s.close()
+
+
+def test_a_merged_row_whose_tokens_find_no_page_as_it_leaves_fails_alone(model_dir, tmp_path):
+    # A merged batch (a paged batch turned off here; a hybrid model's plain layers) writes a row's new
+    # tokens into its pages as it leaves: a full pool there failed every call in flight.
+    stores = [Store(tmp_path / name, block_tokens=PAGE) for name in ("plain", "paged")]
+    plain, engine = (Engine(s, tmp_path, model_dir, max_batch=8) for s in stores)
+    try:
+        engine.decoder.in_pages = False
+        params = GenerateParams(max_tokens=6, logit_bias=tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids))
+        extra = len(session(plain, "n", "x" * 40).tokens) - 40
+        texts = ["x" * (2 * PAGE + 1 - extra), "y" * (2 * PAGE + 5 - extra)]  # 2 pages full; 2 and 4 tokens
+        want = plain.generate(session(plain, "p1", texts[1]), params).tokens
+        paged(engine, capacity=5)
+        calls = [engine.start_call(session(engine, f"e{i}", t), params) for i, t in enumerate(texts)]
+        run_together(engine, calls)
+        assert engine.decoder.counters["merges"] == 1
+        assert isinstance(calls[0].future.exception(), PagePoolFullError) and calls[0].session.cache is None
+        assert calls[1].future.result().tokens == want
+    finally:
+        for e in (plain, engine):
+            e.close()
+        for s in stores:
+            s.close()

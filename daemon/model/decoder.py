@@ -282,10 +282,12 @@ class Decoder:
             i = next(i for i, uid in enumerate(batch.uids) if self.rows.get(uid) is call)
             uid, token, sampler = batch.uids[i], batch._next_tokens[i : i + 1], batch.samplers[i]
             s, p = call.session, call.output.params
-            s.cache = self._extract(uid, i)
+            extracted = self._extract(uid, i, call)
             del self.rows[uid]
             self.dead.add(uid)
             retire(batch, i)
+            if not extracted:
+                continue
             self.counters["decode_tokens"] += 1  # a token handed out, not a step of its own
             reason = call.output.add(int(token.item()))
             try:
@@ -457,9 +459,9 @@ class Decoder:
         assert batch is not None
         for i, uid, reason in done:
             call = self.rows.pop(uid)
-            call.session.cache = self._extract(uid, i)
-            mx.async_eval(paged_cache.state_arrays(call.session.cache))  # queued behind the pass: no stall here
-            call.finish(reason)
+            if self._extract(uid, i, call):
+                mx.async_eval(paged_cache.state_arrays(call.session.cache))  # queued behind the pass: no stall
+                call.finish(reason)
             retire(batch, i)
             self.dead.add(uid)
         if 2 * len(self.dead) >= len(batch.uids):
@@ -467,12 +469,21 @@ class Decoder:
             self._compact()
             self.spent["compact_s"] += time.perf_counter() - started
 
-    def _extract(self, uid: int, i: int) -> list:
-        """Row i's cache for its session: a plain copy out of the batch, or the pages its call brought,
-        with the tokens the batch added written after theirs."""
+    def _extract(self, uid: int, i: int, call: Call) -> bool:
+        """Row i's cache back to `call`'s session: a plain copy out of the batch, or the pages its call
+        brought, with the tokens the batch added written after theirs. False when those tokens find no page
+        (PagePoolFullError, a merged row of paged layers): the call fails alone, its session's cache dropped
+        (rebuilt from its tokens on next use)."""
         row = extract_row(self.batch.prompt_cache, i)
         paged = self.paged.pop(uid, None)
-        return paged_cache.fill(paged, row) if paged is not None else row
+        try:
+            call.session.cache = paged_cache.fill(paged, row) if paged is not None else row
+        except PagePoolFullError as exc:
+            call.session.cache = None
+            self.masks.forget([call.constraint])
+            call.fail(exc)
+            return False
+        return True
 
     def _compact(self) -> None:
         """The batch keeps only its live rows (cut to the longest of them), at their slot size."""
