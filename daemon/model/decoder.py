@@ -393,6 +393,8 @@ class Decoder:
     def _step_batch(self) -> None:
         if self.batch is None:
             return
+        if paged_batch.in_pages(self.batch.prompt_cache):  # first: a row left out is out of its masks too
+            self._reserve_pages()
         # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
         self.batch.model = self._model(self._row_calls(), self.batch._next_tokens)
         samplers = self.batch.samplers
@@ -400,8 +402,6 @@ class Decoder:
             self.batch.samplers = [RowsSampler(samplers)] * len(samplers)
             self.counters["rows_sampled_together"] += 1
         started = time.perf_counter()
-        if paged_batch.in_pages(self.batch.prompt_cache):
-            self._reserve_pages()
         try:
             responses = self.batch.next()
         except Exception as exc:
