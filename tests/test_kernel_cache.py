@@ -53,7 +53,7 @@ def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built
     from kvwake.daemon.model import ragged_decode
 
     built = []
-    monkeypatch.setattr(ragged_decode, "build", lambda *shape: built.append(shape) or True)
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append(shape) or True)
     path = make_model_dir(tmp_path / arch, arch=arch, dtype=dtype)
     shape = kernel_cache.BesideLoad(path, True, None).result()
     model, _ = load(str(path))
