@@ -15,7 +15,8 @@
 #   turns     an agent's turns over the OpenAI chat API, 75k tokens of history with 131-token turns
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
-#   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts, row kernel against masked (decode_rows)
+#   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts: masked (BatchGenerator's path), row
+#             kernel and paged, with a join's cost (decode_rows)
 #   bundle    the bundle hash of the sharded model and of the one-file model, then a daemon's cold first start
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
