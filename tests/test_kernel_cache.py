@@ -102,7 +102,8 @@ def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_
     # `serve` starts a folder model's warmers before its heavy imports (CUDA only); the engine's start takes
     # them rather than starting its own, and a second engine of the same folder starts new ones
     path = make_model_dir(tmp_path / "llama", arch="llama")
-    assert kernel_cache.start_early(str(path)) is False  # this machine's MLX is not on CUDA
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)  # as off CUDA (the CPU, Metal): none started
+    assert kernel_cache.start_early(str(path)) is False
     assert kernel_cache.start_early(None) is False and kernel_cache.start_early(str(tmp_path / "no-such")) is False
     assert kernel_cache._early == {}
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start at once
