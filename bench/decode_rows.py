@@ -1,23 +1,35 @@
-"""The decoder's batched step at agent-length contexts: rows x context, the row kernel against mlx-lm's masked path.
+"""The decoder's batched step at agent-length contexts: rows x context, three paths in one process.
 
 usage: python bench/decode_rows.py --model PATH [--rows 1,8,16,32] [--contexts 1024,12288] [--steps 24]
-                                   [--out bench/out]
+                                   [--modes masked,kernel,paged] [--joins 4] [--join-rows 8] [--out bench/out]
 
 For each (rows, context): that many sessions whose caches hold `context` tokens of random KV (no prefill:
 the step's cost does not depend on the values), all decoding at once in the engine's decoder, greedy, for
-`steps` steps after 6 to warm up. Reported: ms per step and tokens/s with the row kernel
-(model/ragged_decode.py) and with it off (mlx-lm's `BatchKVCache` attention with its array mask, the path
-mlx-lm's `BatchGenerator` takes), same process, alternating; the bytes a step must read (the weights once and
-every row's KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them.
+`steps` steps after 6 to warm up. The paths (`--modes`), alternating, best of two each:
+- masked: mlx-lm's `BatchKVCache` attention with its array mask (the path mlx-lm's `BatchGenerator` takes);
+- kernel: the same merged batch, its attention by the row kernel (model/ragged_decode.py; CUDA only);
+- paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
+  kernel on CUDA, the gather reference elsewhere.
+Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
+KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them; and a join's
+cost: one more session joins the running batch `--joins` times (for 3 tokens each time; up to `--join-rows`
+rows), and `<mode>_join_ms` is the median time of its admission (the decoder's, between two steps), the
+copies it makes waited for. At a slot size's end (1, 2, 4, 8, ... rows) a merged batch then grows to the
+next size, copying every row's KV (and compacts back, copying again, when the call has left); a paged one
+takes the row's page table. (A leave is not timed apart: it happens inside a step, and a merged batch's
+copies out are queued behind the pass.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,6 +38,8 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.lib import machine, save  # noqa: E402
+from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
+from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import ragged_decode  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
@@ -33,14 +47,19 @@ from kvwake.daemon.session_state import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
 WARM_STEPS = 6
+JOINER_TOKENS = 3  # tokens a joining call decodes before it leaves
 
 
-def filled_session(engine: Engine, name: str, context: int) -> Session:
-    """A session whose cache holds `context` tokens of random KV, one pending token after them."""
-    session, cache = Session(name), engine.make_cache()
+def filled_session(engine: Engine, name: str, context: int, pool: PagePool | None = None) -> Session:
+    """A session whose cache holds `context` tokens of random KV, one pending token after them (in `pool`'s
+    pages when given)."""
+    session, cache = Session(name), engine.kv.make_cache()
+    if pool is not None:
+        cache = paged_cache.paged_cache(pool, cache)
     for layer in cache:
         heads, dim = layer_shape(engine)
-        k, v = (mx.random.normal((1, heads, context, dim)).astype(mx.bfloat16) * 0.5 for _ in range(2))
+        dtype = pool.layout.dtype if pool is not None else mx.bfloat16
+        k, v = (mx.random.normal((1, heads, context, dim)).astype(dtype) * 0.5 for _ in range(2))
         layer.update_and_fetch(k, v)
     mx.eval([c.state for c in cache])
     session.cache, session.processed = cache, context
@@ -54,32 +73,66 @@ def layer_shape(engine: Engine) -> tuple[int, int]:
     return heads, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
-def step_ms(engine: Engine, rows: int, context: int, steps: int, row_kernel: bool) -> float:
-    """ms per batched step of `rows` sessions at `context`, after WARM_STEPS."""
-    engine.decoder.row_kernel = row_kernel
-    sessions = [filled_session(engine, f"r{i}", context) for i in range(rows)]
-    no_end = tuple((int(t), -1e4) for t in engine.tokenizer.eos_token_ids)  # every row runs every step
-    calls = [engine.start_call(s, GenerateParams(max_tokens=WARM_STEPS + steps + 2, logit_bias=no_end))
-             for s in sessions]
-    for call in calls:
-        engine.decoder.join(call)
-    for _ in range(WARM_STEPS):
+def page_pool(engine: Engine, rows: int, context: int, tokens: int) -> PagePool:
+    """A pool of the store's block per page with room for `rows` sessions of `context` + `tokens` tokens."""
+    blank = engine.kv.make_cache()
+    layout = paged_cache.page_layout(blank, cache_blocks.layout(blank, model=engine.model),
+                                     engine.store.block_tokens, engine.store.block_tokens)
+    return PagePool(layout, (rows + 1) * -(-(context + tokens) // layout.page_tokens))
+
+
+def timed(engine: Engine, steps: int, until: Any = None) -> tuple[float, int]:
+    """(ms of `steps` decoder steps, or of the steps until `until()`, the device waited for before and after;
+    the steps taken)."""
+    mx.synchronize()
+    began, taken = time.perf_counter(), 0
+    while (taken < steps) if until is None else not until():
         engine.decoder.step()
+        taken += 1
+    mx.synchronize()
+    return (time.perf_counter() - began) * 1000, taken
+
+
+def admitted(engine: Engine, call: Any) -> float:
+    """ms to admit `call` into the running batch (the decoder's admission, no pass), the copies it makes
+    waited for: a merged batch copies the row's KV into a slot, a paged one takes its page table."""
+    decoder = engine.decoder
     mx.synchronize()
     began = time.perf_counter()
-    for _ in range(steps):
-        engine.decoder.step()
-    mx.synchronize()
-    ms = (time.perf_counter() - began) * 1000 / steps
+    decoder.join(call)
+    decoder.admit()
+    mx.eval([c.state for c in decoder.batch.prompt_cache], decoder.batch._next_tokens)
+    return (time.perf_counter() - began) * 1000
+
+
+def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str) -> tuple[float, float | None]:
+    """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median ms
+    of another call's admission into that batch, None when `joins` is 0). The joining call runs
+    JOINER_TOKENS tokens and leaves before it joins again."""
+    engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
+    engine.decoder.in_pages = mode == "paged"
+    tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
+    pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
+    sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows + (joins > 0))]
+    no_end = tuple((int(t), -1e4) for t in engine.tokenizer.eos_token_ids)  # every row runs every step
+    calls = [engine.start_call(s, GenerateParams(max_tokens=tokens, logit_bias=no_end)) for s in sessions[:rows]]
+    for call in calls:
+        engine.decoder.join(call)
+    timed(engine, WARM_STEPS)
+    wall, _ = timed(engine, steps)
+    joined, joiner = [], None
+    for _ in range(joins):  # one more session joins, decodes a few tokens, leaves
+        joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
+        joined.append(admitted(engine, joiner))
+        timed(engine, 0, joiner.future.done)
     failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
     if failed:
         raise failed[0]
-    while engine.decoder.active:
-        engine.decoder.step()
-    for s in sessions:
-        s.cache = None
+    engine.decoder.abort(RuntimeError("the benchmark is done with these calls"))
+    del sessions, calls, joiner, pool  # the caches and the pool go before MLX's cache is cleared
+    gc.collect()
     mx.clear_cache()
-    return ms
+    return wall / steps, round(statistics.median(joined), 2) if joined else None
 
 
 def main() -> None:
@@ -88,6 +141,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--contexts", default="1024,12288")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--joins", type=int, default=4, help="times one more call joins the batch and leaves, timed")
+    ap.add_argument("--join-rows", type=int, default=8,
+                    help="the most rows whose batch a call joins (a merged batch's join copies every row: memory)")
+    ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
@@ -101,22 +158,24 @@ def main() -> None:
     for context in [int(c) for c in a.contexts.split(",")]:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
+            modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
             try:
-                kernel = ragged_decode.wanted(True)  # CUDA only: elsewhere the masked path alone
-                for on in (False, True, False, True) if kernel else (False, False):  # alternating: drift shows
-                    row.setdefault("kernel_ms" if on else "masked_ms", []).append(
-                        round(step_ms(engine, rows, context, a.steps, on), 2))
+                for mode in modes * 2:  # alternating: drift shows
+                    joins = a.joins if rows <= a.join_rows else 0
+                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode)
+                    row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
+                    if join is not None:
+                        row.setdefault(f"{mode}_join_ms", []).append(join)
             except Exception as exc:  # noqa: BLE001 - out of memory at the largest shapes: say so, go on
                 row["error"] = repr(exc)[:200]
             nbytes = weights + rows * context * kv_per_token
             row["bytes_gb"] = round(nbytes / 1e9, 2)
             row["bound_ms"] = round(nbytes / (a.copy_gbs * 1e9) * 1000, 2)
-            for key in ("kernel_ms", "masked_ms"):
-                if row.get(key):
-                    best = min(row[key])
-                    row[key.replace("_ms", "_tok_s")] = round(rows * 1000 / best, 1)
-            if row.get("kernel_ms") and row.get("masked_ms"):
-                row["speedup"] = round(min(row["masked_ms"]) / min(row["kernel_ms"]), 2)
+            for mode in modes:
+                if row.get(f"{mode}_ms"):
+                    row[f"{mode}_tok_s"] = round(rows * 1000 / min(row[f"{mode}_ms"]), 1)
+                    if mode != "masked" and row.get("masked_ms"):
+                        row[f"{mode}_speedup"] = round(min(row["masked_ms"]) / min(row[f"{mode}_ms"]), 2)
             print(row, flush=True)
             results.append(row)
     engine.close()

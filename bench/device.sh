@@ -15,13 +15,18 @@
 #   turns     an agent's turns over the OpenAI chat API, 75k tokens of history with 131-token turns
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
-#   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts, row kernel against masked (decode_rows)
+#   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts: masked (BatchGenerator's path), row
+#             kernel and paged, with a join's cost (decode_rows)
 #   bundle    the bundle hash of the sharded model and of the one-file model, then a daemon's cold first start
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
 #             mlx_lm.server; fleet-16: 16 agents, 3 turns; fleet-1k: 8 agents over a 1k prompt, 3 turns;
 #             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model);
 #             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
+#   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
+#             loads, an unloaded model's first turn, MLX's peak against the budget
+#   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
+#             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -154,6 +159,12 @@ run_part() {
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
+    models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
+              python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 600 \
+                --alone-tokens 150 --context 10000 --out "$OUT/models" 2>&1 | tail -4 ;;
+    hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
+              python3 bench/fleet --model /tmp/g4 --tools 8 --agents 8 --system-tokens 10240 --turns 3 \
+                --apis openai --no-baseline --out "$OUT/hybrid" 2>&1 | tail -12 ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac

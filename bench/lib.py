@@ -156,8 +156,9 @@ def system_prompt(words: int) -> str:
 class Stream:
     """One streamed generate call: piece arrival times, then its tokens; gaps tied to tokens."""
 
-    def __init__(self, client: RawClient, session_id: str, max_tokens: int) -> None:
+    def __init__(self, client: RawClient, session_id: str, max_tokens: int, params: dict | None = None) -> None:
         self.client, self.session_id, self.max_tokens = client, session_id, max_tokens
+        self.params = params or {}  # more of session.generate's params (temperature, logit_bias)
         self.pieces: list[tuple[float, str]] = []
         self.result: dict[str, Any] = {}
         self.started = self.ended = 0.0
@@ -166,7 +167,7 @@ class Stream:
         c = self.client
         self.started = time.perf_counter()
         msgid = c.send("session.generate", {"session_id": self.session_id, "max_tokens": self.max_tokens,
-                                            "stream": True})
+                                            "stream": True, **self.params})
         while not self.result:
             data = c.sock.recv(1 << 16)
             if not data:

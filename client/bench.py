@@ -176,6 +176,8 @@ WORKLOADS = (
     Workload("remote", "remote.py", "remote wake against local wake (a real SeaweedFS on loopback)"),
     Workload("structured", "structured.py", "decode speed under a JSON schema against without"),
     Workload("startup", "startup.py", "where the daemon's start goes, and its first requests"),
+    Workload("models", "models.py", "two models in one daemon: decoding while the other loads, an unloaded "
+             "model's first turn, MLX's peak against the memory budget"),
     Workload("codec", "codec_bench.py", "the block codecs' ratio and speed on real KV (bench/capture_kv.py's file)"),
 )
 

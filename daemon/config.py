@@ -141,8 +141,9 @@ class Settings:
     data_dir: Path = field(default_factory=default_data_dir)
     model: str | None = None  # an mlx-lm folder or hub id; None: the default model
     # Several models (model/registry.py): further `--model`s (PATH, hub id or NAME=PATH), a folder of model
-    # folders, the [models] table; how many may be loaded at once, the weights they may take together, and how
-    # long one may stay unused before it is unloaded (its sessions slept). None: no limit
+    # folders, the [models] table; how many may be loaded at once, the bytes their weights and hot KV may take
+    # together (model/budget.py; at most what MLX's memory limit leaves), and how long one may stay unused
+    # before it is unloaded (its sessions slept). None: no limit
     more_models: tuple[str, ...] = ()
     models_dir: Path | None = None
     models: dict[str, Any] = field(default_factory=dict)

@@ -44,13 +44,14 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.model.budget import ModelsBudgetError, check_pinned
+from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 from kvwake.daemon.model.loader import start_model, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.registry import Registry
 from kvwake.daemon.model.thread import process_age_s
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
-from kvwake.paths import default_cache_dir
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 
@@ -178,6 +179,13 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     engine, thread = start_model(settings, store, registry.default, None)  # MLX's limits set on its thread
     provider.add(engine, thread, registry.default.name)
     start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
+    try:  # pinned models are never unloaded: together they must fit the memory budget (model/budget.py)
+        check_pinned(registry, settings, engine.weights_bytes, engine.limits)
+    except ModelsBudgetError as exc:
+        stop_model(LoadedModel(engine, thread, registry.default.name))
+        store.close()
+        print(f"kvwake serve: {exc}", file=sys.stderr)
+        return 2
     for spec in registry:
         if spec.pinned and spec is not registry.default:
             provider.add(*start(spec), spec.name)  # pinned models load before serving
@@ -203,16 +211,6 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         os.close(lock_fd)
 
 
-def keep_compiled_kernels() -> None:
-    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
-    unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
-    and the first start after one compiled them all again, a slow first forward pass (docs/decisions.md,
-    "Daemon"). Shared by every daemon of the user, as MLX's default is; one
-    folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
-    compiled (MLX reads it once); nothing uses it off CUDA."""
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
-
-
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
     """The HTTP API's listening socket and bearer token, when `--http` is set (daemon/fronts/http.py).
 
@@ -221,7 +219,7 @@ def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:
     """
     if settings.http is None:
         return None
-    from kvwake.daemon.fronts.http import bind, is_loopback, parse_address, read_token
+    from kvwake.daemon.fronts.http_access import bind, is_loopback, parse_address, read_token
 
     host, port = parse_address(settings.http)
     if not settings.http_auth and not is_loopback(host):
@@ -343,7 +341,7 @@ async def _drain(manager: SessionManager) -> list[str]:
     """Stop generations, wait for operations in flight, sleep every hot session."""
     manager.stopping = True
     with anyio.move_on_after(SHUTDOWN_WAIT_S):
-        while any(e.busy for e in manager.entries.values()):
+        while manager.entries.models.claims():
             await anyio.sleep(0.02)
     results: dict[str, Any] = await manager.sleep_all()
     failed = [sid for sid, r in results.items() if isinstance(r, dict)]

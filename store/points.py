@@ -35,9 +35,10 @@ import sqlite_utils
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store.core import StoreCore
 from kvwake.store.files import fsync_dir, write_durable
-from kvwake.store.format.codec import Tensor, encode
+from kvwake.store.format.codec import Encoded, Tensor, encode
 
-__all__ = ["KEEP_PER_HEAD", "PointRef", "by_key", "check", "drop_unneeded", "read", "summary", "write"]
+__all__ = ["KEEP_PER_HEAD", "PointRef", "by_key", "check", "drop_unneeded", "read", "summary", "write",
+           "write_encoded"]
 
 @dataclass(frozen=True)
 class PointRef:
@@ -84,7 +85,12 @@ def write(store: StoreCore, bundle: str, key: str, n_tokens: int, arrays: Mappin
     if by_key(store, [key], bundle):
         return False
     meta = {"kvwake.kind": "point", "kvwake.key": key, "kvwake.bundle": bundle, "kvwake.tokens": str(n_tokens)}
-    encoded = encode(arrays, metadata=meta, codec=store.codec)
+    return write_encoded(store, bundle, key, n_tokens, encode(arrays, metadata=meta, codec=store.codec))
+
+
+def write_encoded(store: StoreCore, bundle: str, key: str, n_tokens: int, encoded: Encoded) -> bool:
+    """Store a point's file as encoded (`write`'s, or one fetched from the remote tier and verified there
+    against its key, bundle and tokens); False when the index has it already. Durable as `write` says."""
     path = _path(store, key)
     with store.files.lock(exclusive=False):  # gc's orphan sweep waits: the file is named before it looks
         store.files.ensure_parent(path)

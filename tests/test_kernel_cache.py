@@ -40,3 +40,79 @@ def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog)
     with caplog.at_level("WARNING", logger="kvwake.kernels"):
         assert warmer.wait(timeout=120) is False
     assert "kernel warmer (forward) exited 1" in caplog.text and "no_such_model" in caplog.text
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", mx.bfloat16), ("gemma3_text", mx.float16), ("lfm2", mx.bfloat16)])
+def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built_twice(tmp_path, monkeypatch, arch,
+                                                                                      dtype):
+    """The thread builds the kernel for the heads and dtype the config and weights name; the engine, once the
+    weights are in, takes it as built when the loaded model's shape is the same (here on the CPU the build is
+    recorded, not compiled: the kernel is CUDA's)."""
+    from mlx_lm import load
+
+    from kvwake.daemon.model import ragged_decode
+
+    built = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append(shape) or True)
+    path = make_model_dir(tmp_path / arch, arch=arch, dtype=dtype)
+    shape = kernel_cache.BesideLoad(path, True, None).result()
+    model, _ = load(str(path))
+    assert shape == ragged_decode.shape_of(model) and shape[3] == dtype and built == [shape]
+    assert ragged_decode.warm(model, built=shape) is True and built == [shape]  # not built again
+    assert ragged_decode.warm(model, built=None) is True and built == [shape, shape]  # no build beside: built now
+
+
+def test_a_row_kernel_build_that_fails_leaves_the_engine_to_build_it(tmp_path, monkeypatch, caplog):
+    from kvwake.daemon.model import ragged_decode
+
+    def fails(*shape):
+        raise RuntimeError("nvrtc: out of resources")
+
+    monkeypatch.setattr(ragged_decode, "build", fails)
+    path = make_model_dir(tmp_path / "llama", arch="llama")
+    with caplog.at_level("WARNING", logger="kvwake.kernels"):
+        assert kernel_cache.BesideLoad(path, True, None).result() is None
+    assert "row kernel or staging not made beside the load" in caplog.text and "out of resources" in caplog.text
+
+
+@pytest.mark.parametrize("arch, staged", [("llama", True), ("gemma3_text", False), ("lfm2", False)])
+def test_a_wakes_staging_ring_is_made_beside_the_load_for_a_plain_model_only(tmp_path, monkeypatch, arch, staged):
+    """A plain model's ring (every layer's K and V, the store's block) is made beside the load, so a restart's
+    first wake does not make it; a hybrid model's rings have another shape: none is made for it from the
+    config (here on the CPU the call is recorded: rings are kept only where staging is mapped for a GPU)."""
+    from kvwake.daemon.kv import devplanes
+    from kvwake.daemon.model import ragged_decode
+
+    made = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape: True)
+    monkeypatch.setattr(devplanes, "warm", lambda kv, tensors, block_tokens: made.append(
+        (kv.shape, kv.dtype, tensors, block_tokens)) or True)
+    path = make_model_dir(tmp_path / arch, arch=arch)
+    config = json.loads((path / "config.json").read_text())
+    kernel_cache.BesideLoad(path, False, 128).result()
+    want = [((1, config.get("num_key_value_heads") or config["num_attention_heads"], 1,
+              config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
+             getattr(mx, kernel_cache.weights_dtype(path)), 2 * config["num_hidden_layers"], 128)]
+    assert made == (want if staged else [])
+    kernel_cache.BesideLoad(path, False, None).result()
+    assert len(made) == (1 if staged else 0)  # no staging asked for (a direct restore): none made
+
+
+def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_cuda(tmp_path, monkeypatch):
+    # `serve` starts a folder model's warmers before its heavy imports (CUDA only); the engine's start takes
+    # them rather than starting its own, and a second engine of the same folder starts new ones
+    path = make_model_dir(tmp_path / "llama", arch="llama")
+    assert kernel_cache.start_early(str(path)) is False  # this machine's MLX is not on CUDA
+    assert kernel_cache.start_early(None) is False and kernel_cache.start_early(str(tmp_path / "no-such")) is False
+    assert kernel_cache._early == {}
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start at once
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    assert kernel_cache.start_early(str(path), kernel_warmer=False) is False  # tuned off
+    assert kernel_cache.start_early(str(path)) is True
+    early = kernel_cache._early[path.resolve()]
+    assert kernel_cache.start_early(str(path)) is True and kernel_cache._early[path.resolve()] is early  # once
+    assert kernel_cache.Warmer.for_model(path) is early and kernel_cache._early == {}
+    later = kernel_cache.Warmer.for_model(path)
+    assert later is not early
+    assert early.wait(timeout=120) and later.wait(timeout=120)

@@ -22,16 +22,14 @@ import pytest
 
 from kvwake.client import openai_config
 from testkit.daemon import REPO, Daemon, RpcError, get, openai_client, track
-from testkit.tinymodel import make_model_dir
+from testkit.models import manager_on, stop_manager, two_tiny_models
 
 SYSTEM = "You are a careful agent. Answer briefly. " * 3
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return (make_model_dir(root / "main", arch="llama", ascii_replies=True),
-            make_model_dir(root / "small", arch="gemma3_text", seed=1, ascii_replies=True))
+    return two_tiny_models(tmp_path_factory.mktemp("models"))
 
 
 def two_models(root, models, extra=(), config=""):
@@ -371,38 +369,14 @@ async def test_two_unloads_of_one_model_at_once_both_end_with_it_unloaded(tmp_pa
     # while the first ran, then failed with NotFoundError once the first had removed the model.
     import asyncio
 
-    manager, store = _manager(tmp_path, models)
+    manager, store = manager_on(tmp_path, models)
     try:
         await manager.create("s", SYSTEM)
         first, second = await asyncio.wait_for(asyncio.gather(manager.unload("main"), manager.unload("main")), 30)
         assert first == second == {"model": "main", "unloaded": True, "slept": 1}
         assert "main" not in manager.models and manager.entries["s"].session is None
     finally:
-        for model in manager.models:
-            model.thread.stop()
-        store.close()
-
-
-def _manager(tmp_path, models, **settings):
-    """A session manager (no daemon) on `main` loaded, loading the others served on demand."""
-    import functools
-
-    from kvwake.daemon.config import Settings
-    from kvwake.daemon.model.loader import start_model
-    from kvwake.daemon.model.provider import ModelProvider
-    from kvwake.daemon.model.registry import ModelSpec, Registry
-    from kvwake.daemon.sessions.manager import SessionManager
-    from kvwake.store import Store
-
-    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, **settings)
-    store = Store(tmp_path / "store", block_tokens=16)
-    registry = Registry([ModelSpec("main", str(models[0])), ModelSpec("small", str(models[1])),
-                         ModelSpec("third", str(models[0]))])
-    engine, thread = start_model(settings, store, registry.default, None)
-    provider = ModelProvider()
-    provider.add(engine, thread, "main")
-    start = functools.partial(start_model, settings, store, limits=engine.limits)
-    return SessionManager(provider, settings, registry, start), store
+        stop_manager(manager, store)
 
 
 async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_is_gone(tmp_path, models):
@@ -412,7 +386,7 @@ async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_i
     import asyncio
     import dataclasses
 
-    manager, store = _manager(tmp_path, models)
+    manager, store = manager_on(tmp_path, models)
     try:
         await manager.ensure("small")
         manager.settings = dataclasses.replace(manager.settings, max_loaded=1)  # both must go for a third
@@ -440,6 +414,4 @@ async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_i
     finally:
         for event in release.values():
             event.set()
-        for model in manager.models:
-            model.thread.stop()
-        store.close()
+        stop_manager(manager, store)

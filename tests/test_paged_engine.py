@@ -104,9 +104,11 @@ def test_pages_shared_by_a_copy_outlive_the_session_that_sleeps_and_go_with_the_
 
 
 def test_a_paged_row_that_leaves_the_batch_to_go_on_alone_keeps_its_pages(engines, monkeypatch):
+    """(A merged batch's: one over pages pads nothing, so no row leaves it for its length.)"""
     from kvwake.daemon.model import decoder as decoder_module
 
     plain, engine, pool = engines
+    engine.decoder.in_pages = False
     monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = GenerateParams(max_tokens=10, logit_bias=no_eos)

@@ -678,6 +678,14 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
         a, b = slept_and_woken(engine, [(i * 5) % 256 for i in range(100)])
         assert [m for m in made if m == shape] == []  # the ring's slots were the warm-up's
         assert_same_kv_and_continuation(engine, a, b, 99)
+        # wakes running together (a restart's) each take a ring of kept slots: none is made for them
+        rings = [devplanes.Ring(devplanes.KEEP_SLOTS * shape[0], 2, block_bytes // 2, block_bytes)
+                 for _ in range(devplanes.KEEP_SLOTS // devplanes.RING_SLOTS)]
+        assert sum(r.slots for r in rings) == devplanes.KEEP_SLOTS > devplanes.RING_SLOTS
+        assert [m for m in made if m == shape] == []
+        for ring in rings:
+            ring.close()
+        assert len(devplanes._idle[1]) == devplanes.KEEP_SLOTS
     finally:
         engine.close()
         store.close()
@@ -724,3 +732,44 @@ def test_sessions_woken_together_read_each_shared_block_once_and_wake_exactly(en
         for (k, v), (k2, v2) in zip(sessions[name], kv_of(s.cache, 80)):
             assert np.array_equal(k, k2) and np.array_equal(v, v2)
     assert not engine.ram_tier._held and not engine.ram_tier._wants  # nothing held once both wakes ended
+
+
+def test_staged_restores_running_together_clear_mlxs_cache_once_the_last_of_them_ends(model_dir, tmp_path,
+                                                                                      monkeypatch):
+    # A restart's wakes run together: each clearing MLX's cache as it ended made the next one allocate its
+    # buffers afresh (and cleared gigabytes with a device sync per wake, on CUDA); the last one clears it.
+    import gc
+
+    from kvwake.daemon.kv import pipeline
+    from kvwake.daemon.kv import restore_buffers as kvfill
+
+    restores_as(monkeypatch, "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=2, warm=False)
+    try:
+        a = Session("a")
+        engine.append(a, tokens=[(i * 5) % 256 for i in range(150)])
+        record = engine.store.snapshot(engine.sleep(a)["snapshot_id"])
+        sample = pipeline.block_specs(engine.kv, record.blocks[0])
+        cleared: list[int] = []
+        monkeypatch.setattr(kvfill.mx, "clear_cache", lambda: cleared.append(1))
+
+        def make() -> kvfill.Buffers:
+            return kvfill.Buffers(engine.model, sample, 16, 150, 16, mode="staged", n_blocks=9)
+        first, second = make(), make()
+        first.release()
+        assert cleared == []  # the second still runs
+        second.release()
+        assert cleared == [1]
+        given_up = make()  # a restore dropped without its release does not keep the cache from clearing
+        del given_up
+        gc.collect()
+        last = make()
+        last.release()
+        assert cleared == [1, 1]
+        direct = kvfill.Buffers(engine.model, sample, 16, 150, 16, mode="direct", n_blocks=9)
+        direct.release()
+        assert cleared == [1, 1]  # direct restores (the CPU's, unified memory's) never cleared it
+    finally:
+        engine.close()
+        store.close()

@@ -118,7 +118,7 @@ def test_the_engine_builds_the_row_kernel_before_it_answers(tmp_path, monkeypatc
     # whose heads the kernel does not take decodes without it.
     built = []
     monkeypatch.setattr(ragged_decode, "wanted", lambda asked: asked)
-    monkeypatch.setattr(ragged_decode, "warm", lambda model: built.append(model) or builds)
+    monkeypatch.setattr(ragged_decode, "warm", lambda model, **kw: built.append(model) or builds)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, make_model_dir(tmp_path / "tiny"), max_batch=8, warm=False)
     try:

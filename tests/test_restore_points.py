@@ -6,6 +6,8 @@ last point before the parting; a damaged point is refused and the tokens prefill
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import mlx.core as mx
@@ -14,14 +16,19 @@ import pytest
 
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import points
+from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
+from kvwake.daemon.jobs import direct
+from kvwake.daemon.model.reply_points import MAX_SPAN_BLOCKS, MAX_WAITING, reply_boundary
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.errors import InvalidParamsError
 from kvwake.store import Store
 from kvwake.store.format.codec import Tensor
 from kvwake.store.format.keys import chain_keys
 from testkit.tinymodel import ARCHS as ARCHS_CONFIG
+from tests.capabilities import chunked_prefill_is_exact
+from tests.test_prefix import CHUNKED_LOGIT_BOUND, EXACTNESS_LOG, assert_diverges_only_at_a_tie
 from tests.test_engine_archs import folders, open_engine  # noqa: F401 (fixtures: an Engine per arch, block 16)
 
 B = 16
@@ -43,6 +50,11 @@ def logits_after(engine: Engine, session: Session) -> mx.array:
 # stopped at a block boundary differs from one run through it in the last bits. Its greedy replies match;
 # its logits are held to this bound (measured: docs/decisions.md, "Restore points (issue 52)").
 SPLIT_INEXACT = {"falcon_h1": 5e-4}
+# Where chunked prefill is not bit-stable for any model (probed: MLX on CUDA picks kernels by shape), a hit
+# through a point is held to the bound a prefix hit is (test_prefix: relative to the largest logit; greedy
+# replies may part only at a near tie). Not yet measured for restore points on the GPU: a run with
+# KVWAKE_EXACTNESS_LOG set writes each test's difference there (docs/benchmarks.md, "Restore points").
+POINT_LOGIT_BOUND = CHUNKED_LOGIT_BOUND
 
 
 @pytest.fixture
@@ -64,20 +76,30 @@ def plain_engine(folders, tmp_path):
 
 def assert_as_cold(engine: Engine, cold: Engine, session: Session, arch: str) -> None:
     """The session continues as a plain prefill of its tokens does: the same greedy reply, and a copy of it
-    (the same tokens, through the same restore) the same next logits: bit for bit, or within the arch's
-    bound where its prefill is not exact across splits."""
+    (the same tokens, through the same restore) the same next logits: bit for bit; within the arch's
+    bound on the CPU where its prefill is not exact across splits (SPLIT_INEXACT); within POINT_LOGIT_BOUND,
+    greedy replies parting only at a near tie, where no chunked prefill is (probed on `cold`: CUDA)."""
     assert not cold.points.enabled
+    tokens = list(session.tokens)
     twin, copy, copy_twin = Session("cold-" + session.id), Session("copy"), Session("cold-copy")
-    assert cold.append(twin, tokens=list(session.tokens))["reused"] == 0
-    assert engine.generate(session, GREEDY).tokens == cold.generate(twin, GREEDY).tokens
+    assert cold.append(twin, tokens=tokens)["reused"] == 0
+    ours, theirs = engine.generate(session, GREEDY).tokens, cold.generate(twin, GREEDY).tokens
     assert engine.append(copy, tokens=list(twin.tokens))["reused"] > 0
     cold.append(copy_twin, tokens=list(twin.tokens))
     got, want = logits_after(engine, copy), logits_after(cold, copy_twin)
-    assert mx.argmax(got).item() == mx.argmax(want).item()
-    if arch in SPLIT_INEXACT:
-        assert mx.abs(got - want).max().item() <= SPLIT_INEXACT[arch]
+    diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+    scale = mx.abs(want.astype(mx.float32)).max().item()
+    if EXACTNESS_LOG:  # what the GPU run measures, for the bound's record
+        with open(EXACTNESS_LOG, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "arch": arch,
+                                "device": str(mx.default_device()), "max_diff": diff, "max_logit": scale}) + "\n")
+    if arch in SPLIT_INEXACT and mx.default_device() == mx.cpu:
+        assert ours == theirs and mx.argmax(got).item() == mx.argmax(want).item() and diff <= SPLIT_INEXACT[arch]
+    elif chunked_prefill_is_exact(cold):
+        assert ours == theirs and mx.array_equal(got, want).item()
     else:
-        assert mx.array_equal(got, want).item()
+        assert diff <= POINT_LOGIT_BOUND * scale, f"max logit diff {diff} > {POINT_LOGIT_BOUND} x {scale}"
+        assert_diverges_only_at_a_tie(cold, tokens, ours, theirs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -192,26 +214,36 @@ def test_a_hit_falls_back_to_a_shallower_point_when_the_deepest_is_damaged(open_
     assert_as_cold(engine, plain_engine("lfm2"), again, "lfm2")
 
 
+def short_by_one(arrays: dict[str, Tensor], arch: str) -> None:
+    """A point's arrays made not this model's cache, in place: gemma3_text's first ring with one row fewer in
+    its keys than its values; lfm2's first conv state one column short (the forward pass's concatenate
+    raised a ValueError out of the append: mlx-lm's ArraysCache does not know its shapes)."""
+    name = "layers.0.keys" if arch == "gemma3_text" else min(n for n in arrays if ".arrays." in n)
+    t = arrays[name]
+    axis = 2 if arch == "gemma3_text" else t.array.ndim - 1
+    arrays[name] = Tensor(t.dtype, np.ascontiguousarray(np.delete(t.array, 0, axis=axis)))
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
 def test_a_point_that_verifies_but_does_not_fit_the_cache_gives_way_to_a_shallower_one(open_engine, plain_engine,
-                                                                                     caplog):
+                                                                                     caplog, arch):
     # Its arrays verify (the digest is of what was written) but are not this model's cache: restoring it
-    # raised StateMismatchError out of the append.
-    engine = open_engine("gemma3_text")
+    # raised StateMismatchError (a ring) or a ValueError in the forward pass (a recurrent state) out of the append.
+    engine = open_engine(arch)
     first = Session("first")
     got = engine.append(first, messages=chat("a"))
     taken = points.stops(first.tokens, 0, got["tokens"] - 1, B, engine.points.marks)
     key = chain_keys(engine.bundle.hash, first.tokens, B)[taken[-1] // B - 1]
     ref = engine.store.point_refs([key], engine.bundle.hash)[key]
     arrays = dict(engine.store.read_point(ref))
-    keys = arrays["layers.0.keys"]  # a ring whose keys hold one row fewer than its values
-    arrays["layers.0.keys"] = Tensor(keys.dtype, np.ascontiguousarray(keys.array[:, :, 1:]))
+    short_by_one(arrays, arch)
     with engine.store.transaction() as db:
         db.execute("DELETE FROM points WHERE key = ?", (key,))
     assert engine.store.write_point(engine.bundle.hash, key, ref.n_tokens, arrays)
     again = Session("again")  # the same prompt: its deepest point is the one that does not fit
     assert engine.append(again, tokens=list(first.tokens))["reused"] == taken[-2]
     assert f"restore point {key[:16]} ({ref.n_tokens} tokens) does not fit the cache" in caplog.text
-    assert_as_cold(engine, plain_engine("gemma3_text"), again, "gemma3_text")
+    assert_as_cold(engine, plain_engine(arch), again, arch)
 
 
 def test_points_written_in_the_background_leave_the_callers_thread_holding_no_store_lock(open_engine):
@@ -253,3 +285,99 @@ def test_warm_is_refused_without_restore_points(folders, tmp_path):
     finally:
         engine.close()
         store.close()
+
+
+def test_a_points_state_is_checked_against_the_models_layout():
+    layout = [{"kind": "cache_list", "caches": [
+                  {"kind": "arrays", "arrays": [{"shape": [1, 3, 8], "dtype": "bfloat16"},
+                                                {"shape": [1, 2, 4, 4], "dtype": "float32"}]},
+                  {"kind": "kv", "kv_heads": 2, "k_head_dim": 4, "v_head_dim": 4, "dtype": "float32"}]},
+              {"kind": "rotating", "kv_heads": 2, "k_head_dim": 4, "v_head_dim": 4, "dtype": "float32"}]
+    ring = Tensor.of(np.zeros((1, 2, 5, 4), np.float32))
+    fits = {"layers.0.0.arrays.0": Tensor("BF16", np.zeros((1, 3, 8), np.uint16)),
+            "layers.0.0.arrays.1": Tensor.of(np.zeros((1, 2, 4, 4), np.float32)),
+            "layers.1.keys": ring, "layers.1.values": ring}
+    points.check_fits(fits, layout)  # a ring's rows are the prefill's: any count fits
+    bad = {"layers.0.0.arrays.1": Tensor.of(np.zeros((1, 2, 4, 3), np.float32)),  # a state one column short
+           "layers.0.0.arrays.0": Tensor.of(np.zeros((1, 3, 8), np.float16)),  # of another dtype
+           "layers.1.values": Tensor.of(np.zeros((1, 1, 5, 4), np.float32))}  # a ring of other heads
+    for name, wrong in bad.items():
+        with pytest.raises(StateMismatchError, match=name.replace(".", r"\.")):
+            points.check_fits({**fits, name: wrong}, layout)
+    missing = dict(fits)
+    del missing["layers.0.0.arrays.1"]  # restored, the layer would start from a zero state
+    with pytest.raises(StateMismatchError, match="nothing is not"):
+        points.check_fits(missing, layout)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_resend_that_parts_inside_the_reply_falls_back_to_a_point_in_the_reply(open_engine, plain_engine, arch):
+    # A reply is decoded and took no point: a resend parting inside it fell back to the prompt's last point.
+    engine = open_engine(arch)
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    prompt_end = len(s.tokens)
+    reply = engine.generate(s, GenerateParams(max_tokens=3 * B + 5))
+    assert reply.finish_reason == "length"
+    # one point for the reply, at the last boundary its cache crossed: re-prefilled from the prompt's last point
+    assert engine.reply_points.counters["reply_points"] == 1
+    at = s.processed // B * B
+    assert at > (prompt_end - 1) // B * B
+    keys = chain_keys(engine.bundle.hash, s.tokens[:at], B)
+    assert keys[-1] in engine.store.point_refs(keys, engine.bundle.hash)
+    engine.sleep(s)
+    s, _ = engine.wake("named")
+    # the client resends the history with the reply's last words written otherwise
+    messages = [*chat("List three tools."), {"role": "assistant", "content": reply.text[:-2] + " and so on."},
+                {"role": "user", "content": "Now a fourth one."}]
+    plan = engine.plan(s, messages=messages, whole=True)
+    parting = next(i for i, (a, b) in enumerate(zip(s.tokens, plan.target)) if a != b)
+    assert at <= parting
+    got = engine.append(s, messages=messages, whole=True)
+    assert got["reused"] == at and got["prefilled"] == got["tokens"] - 1 - at
+    assert_as_cold(engine, plain_engine(arch), s, arch)
+
+
+def test_a_reply_point_is_wanted_at_the_last_boundary_the_reply_crossed():
+    assert reply_boundary(40, 47, B) is None  # the prompt's prefill reached 32: no boundary since
+    assert reply_boundary(40, 48, B) == 48
+    assert reply_boundary(40, 90, B) == 80  # one point, at the last boundary
+    assert reply_boundary(33, 40, B) is None and reply_boundary(32, 40, B) == 32  # prompt of 31 cached: 16 was its last
+    assert reply_boundary(None, 90, B) is None  # no reply
+
+
+def test_closing_gives_up_a_reply_point_job_that_a_stopped_engine_thread_will_never_run(open_engine):
+    # The daemon stops a model's engine thread, then closes its engine: a reply point's job queued behind the
+    # stop would never run, and close (which waits for the reply points' thread) would wait for ever. And
+    # replies whose points wait for the engine's idle time are bounded.
+    import threading
+
+    class Stopped:  # an engine thread that has stopped: a job queued now never runs
+        def idle(self, fn):
+            pass
+
+    engine = open_engine("gemma3_text")
+    first = Session("first")
+    engine.append(first, messages=chat("a"))
+    s = Session("s", tokens=[*first.tokens, *[ord("x")] * 2 * B], processed=len(first.tokens) + 2 * B - 1)
+    job = engine.reply_points.offer(s, len(first.tokens), Stopped())
+    for _ in range(MAX_WAITING - 1):  # replies waiting for idle time: bounded
+        assert engine.reply_points.offer(s, len(first.tokens), Stopped()) is not None
+    assert engine.reply_points.offer(s, len(first.tokens), Stopped()) is None
+    assert engine.reply_points.status()["reply_points_skipped"] == 1
+    closing = threading.Thread(target=engine.reply_points.close)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive() and job.result(timeout=1) is False
+
+
+def test_a_reply_point_further_than_its_span_from_any_stored_point_is_skipped(open_engine):
+    engine = open_engine("lfm2")
+    first = Session("first")
+    engine.append(first, messages=chat("a"))
+    tokens = [*first.tokens, *[ord("x")] * (MAX_SPAN_BLOCKS + 2) * B]  # a reply longer than the span
+    at = (len(tokens) - 1) // B * B
+    before = {k: engine.counters[k] for k in ("tokens_prefilled", "blocks_ram", "blocks_disk")}
+    assert not engine.reply_points.take("first", tokens[: at + 1], at, direct)
+    assert engine.reply_points.counters["reply_points_skipped"] == 1
+    assert {k: engine.counters[k] for k in before} == before  # nothing restored or prefilled for it

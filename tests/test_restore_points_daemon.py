@@ -1,6 +1,7 @@
 """Restore points in a real daemon on a tiny gemma3_text (sliding window), through the `openai` package: a
 second stateless conversation sharing a system prompt is served from the first one's point, status counts
-the points, fsck checks them and gc drops them with their blocks."""
+the points, fsck checks them and gc drops them with their blocks; a resend that parts inside a reply is
+served from the point taken in that reply."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ SYSTEM = "You are a careful agent. Answer briefly and name your sources. " * 3  
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    folder = make_model_dir(tmp_path_factory.mktemp("models") / "gemma", arch="gemma3_text")
+    # replies re-render to the tokens generated (a resent history parts where the client changed it)
+    folder = make_model_dir(tmp_path_factory.mktemp("models") / "gemma", arch="gemma3_text", ascii_replies=True)
     yield from serving_http(tmp_path_factory.mktemp("points"), folder)
 
 
@@ -59,3 +61,22 @@ def test_a_second_stateless_conversation_is_served_from_the_first_ones_point(dae
         assert report["ok"] and report["points_checked"] >= 2
     text = CliRunner().invoke(main, ["--socket", str(daemon.socket), "status"]).stdout
     assert re.search(r"store .*, [1-9][0-9]* restore points \(", text), text  # the second conversation's too
+
+
+def test_a_resend_parting_inside_the_reply_is_served_from_a_point_in_the_reply(daemon):
+    api = openai_client(daemon)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three tools."}]
+    first = api.chat.completions.create(model="any", max_tokens=40, temperature=0, messages=messages)
+    reply = first.choices[0].message.content
+    assert first.usage.completion_tokens == 40
+    deadline = time.monotonic() + 30
+    with daemon.client() as rpc:  # the reply's point is taken in the background
+        while rpc.call("status")["restore_points"]["reply_points"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    resent = [*messages, {"role": "assistant", "content": reply[:-2] + " and so on."},
+              {"role": "user", "content": "Now a fourth."}]
+    second = api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    prompt_point = (first.usage.prompt_tokens - 1) // 16 * 16  # the first prompt's last point
+    parting = first.usage.prompt_tokens + len(reply) - 2  # a token a byte
+    assert prompt_point < cached <= parting and cached % 16 == 0 and parting - cached < 16

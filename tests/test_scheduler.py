@@ -127,6 +127,24 @@ def test_the_stop_ends_the_steps_and_the_jobs_behind_it_are_refused():
             future.result(timeout=1)
 
 
+def test_a_job_submitted_after_the_engine_stopped_is_refused_not_left_waiting():
+    # A model unloaded while a slept session's KV was still being released: the release's next job came after
+    # the thread had refused what was queued, and its caller (a worker thread) waited for ever, which held
+    # the process's exit.
+    s = Scheduler()
+    s.stop()
+    assert s.next_step().stop
+    s.refuse_left()
+    for job in (s.submit(lambda: "late"), s.submit(quick(lambda: "late")),
+                s.submit(Packed(lambda: None, lambda jobs: [None] * len(jobs)))):
+        with pytest.raises(CancelledError, match="engine stopped"):
+            job.result(timeout=1)
+    thread = EngineThread("kvwake-engine-test")
+    thread.stop()
+    with pytest.raises(CancelledError, match="engine stopped"):
+        thread.call(lambda: "late")
+
+
 def test_the_engine_thread_runs_each_step_in_the_schedulers_order():
     """The thread executes: quick jobs queued behind a running job all run before the next plain job."""
     thread = EngineThread()

@@ -70,7 +70,7 @@ def test_frameworks_are_not_hidden_from_a_process_that_imported_transformers_alr
 
 def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     # `status` and the "ready" log line carry the start's phases in ms: the process before serve ran
-    # (Python and the imports), the store, the engine (its weights, its first forward pass), ...
+    # (Python and the imports), the store, the engine (its weights, its KV per token), ...
     d = Daemon(tmp_path, model_dir).start()
     try:
         c = d.client()
@@ -79,7 +79,7 @@ def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
         c.close()
     finally:
         assert d.stop() == 0
-    names = ["lock", "store", "engine", "engine.weights", "engine.bundle", "engine.first_forward", "sessions", "listen"]
+    names = ["lock", "store", "engine", "engine.weights", "engine.bundle", "engine.token_bytes", "sessions", "listen"]
     if sys.platform == "linux":  # the process's age comes from /proc
         names.append("process")
         assert phases["process"] > 100  # Python and MLX's imports take more than 0.1 s anywhere
@@ -115,7 +115,7 @@ def test_the_collectors_runs_are_counted_and_timed_per_generation():
 def test_compiled_kernels_are_kept_in_the_users_cache_per_mlx_version(tmp_path, monkeypatch):
     import mlx.core as mx
 
-    from kvwake.daemon.serve import keep_compiled_kernels
+    from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 
     monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # platformdirs' user cache folder on Linux

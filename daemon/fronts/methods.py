@@ -103,7 +103,9 @@ async def session_create(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
 
 async def model_list(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     _check(p, set())
-    return {"models": ctx.manager.model_states()}
+    m = ctx.manager  # and the one memory budget they share (model/budget.py)
+    return {"models": m.model_states(), "memory": {"budget_bytes": m.budget(), "weights_bytes": m.weights_loaded(),
+                                                   "hot_kv_bytes": m.hot_bytes()}}
 
 
 def _model_name(ctx: Context, p: dict[str, Any]) -> str:

@@ -162,8 +162,11 @@ class Ring:
 
 # Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
 # slot is a fresh managed allocation the CPU writes zeros into, a fixed cost a small wake
-# notices), still mapped; `drop_idle` releases them (the engine's close).
-KEEP_SLOTS = RING_SLOTS
+# notices), still mapped; `drop_idle` releases them (the engine's close). Enough for the rings of a few
+# wakes at once: a restart's agents wake together, and each ring made afresh was an engine-thread job of
+# about 150 ms on the H200 (256 MB written and pinned) that every other wake and decode step waited behind.
+# Pinned host memory: 4 rings of 3 slots of SPAN_BYTES are 1.5 GB.
+KEEP_SLOTS = 4 * RING_SLOTS
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
 _idle: tuple[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] | None = None
 
@@ -191,8 +194,8 @@ def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, C
 
 
 def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
-    """Make a wake's ring slots for blocks of `tensors` tensors like `kv` (one layer's keys: [.., tokens, dim])
-    and keep them idle, and join a block from them both ways (planes, raw): a first restore then neither
+    """Make the ring slots of a few wakes (KEEP_SLOTS) for blocks of `tensors` tensors like `kv` (one layer's
+    keys: [.., tokens, dim]) and keep them idle, and join a block from them both ways (planes, raw): a first restore then neither
     makes staging (a fresh managed allocation the CPU writes, a long job for a first restore:
     docs/decisions.md, "Engine", the ring's slots kept between wakes) nor compiles the joins. False
     (nothing kept) where staging is not mapped (no CUDA) or the dtype is not planar."""
@@ -202,11 +205,15 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     block_shape = (*kv.shape[:-2], block_tokens, kv.shape[-1])
     size = PLANAR_DTYPES[dtype][1].size
     block_bytes = tensors * math.prod(block_shape) * size
-    ring = Ring(max(1, SPAN_BYTES // block_bytes) * RING_SLOTS, size, block_bytes // size, block_bytes)
-    try:
+    rings: list[Ring] = []
+    try:  # KEEP_SLOTS slots made (or taken idle), then all kept idle
+        while len(rings) * RING_SLOTS < KEEP_SLOTS:
+            rings.append(Ring(max(1, SPAN_BYTES // block_bytes) * RING_SLOTS, size, block_bytes // size, block_bytes))
+        ring = rings[0]
         mx.eval(join(ring.planes(0, 1), dtype, tensors, block_shape), join_raw(ring.raw(0, 1), dtype, tensors, block_shape))
     finally:
-        ring.close()
+        for ring in rings:
+            ring.close()
     return cudart.active()
 
 

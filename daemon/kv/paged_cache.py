@@ -36,6 +36,7 @@ import weakref
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
@@ -64,6 +65,7 @@ class PagedSession:
         self._reserved: tuple[int, int, Slots] | None = None  # the last reserve: start, stop, slots
         self._held: mx.array | None = None  # slots of tokens [0, tokens), while the table is unchanged
         self._run: int | None = None  # run_start's answer (-1: not one run), while the table is unchanged
+        self._table: mx.array | None = None  # page_table's answer, while the table is unchanged
 
     @property
     def tokens(self) -> int:
@@ -74,7 +76,7 @@ class PagedSession:
         gets there, the same for the layers after it."""
         if start == self.tokens:
             slots = self.pool.reserve(self.name, count)
-            self._reserved, self._held, self._run = (start, start + count, slots), None, None
+            self._reserved, self._held, self._run, self._table = (start, start + count, slots), None, None, None
             return slots
         if self._reserved is not None and self._reserved[:2] == (start, start + count):
             return self._reserved[2]
@@ -97,6 +99,13 @@ class PagedSession:
             self._held = self.pool.slots(table.pages, 0, table.tokens)
         return self._held
 
+    def page_table(self) -> mx.array:
+        """[1, pages] int32: the table's pages in token order, as the paged kernel reads a row's (made on the
+        host, once per change of the table)."""
+        if self._table is None:
+            self._table = mx.array(np.asarray([self.pool.table(self.name).pages or [0]], np.int32))
+        return self._table
+
     def settle(self) -> None:
         """After a layer's trim: once every layer is trimmed to one length, the table is too."""
         kept = self.offsets[0]
@@ -107,7 +116,7 @@ class PagedSession:
 
     def changed(self) -> None:
         """The table's pages changed (trimmed, published or mapped): slots made before are stale."""
-        self._reserved = self._held = self._run = None
+        self._reserved = self._held = self._run = self._table = None
 
 
 class PagedKVCache(_BaseCache):

@@ -395,8 +395,11 @@ def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
 
 
 def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | None,
-             counts: dict[str, int]) -> list:
-    """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared)."""
+             counts: dict[str, int], phases: dict[str, float]) -> list:
+    """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared),
+    `phases` the milliseconds each step of it took, waits for the engine thread included (the wake's log and
+    the turns' trace carry them: where a restart's wakes go)."""
+    clock = _Clock(phases)
     n = len(record.token_ids)
     n_full, rest = divmod(n, ctx.block_tokens)
     if record.blocks:
@@ -410,6 +413,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
                                              mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
+    clock.lap("buffers")
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []
         try:
@@ -421,17 +425,34 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
             if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
+                clock.lap("prefix")
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
         batch.raise_first()
+        clock.lap("blocks")
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
             buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
         while not mlx(lambda: buffers.upload(n, restore_buffers.UPLOAD_JOB_S)):  # a decoding neighbour waits a slice
             pass
+        clock.lap("upload")
         counts.update(buffers.counts)
-        return mlx(lambda: buffers.finish(n, tail))
+        cache = mlx(lambda: buffers.finish(n, tail))
+        clock.lap("finish")
+        return cache
+
+
+class _Clock:
+    """Laps of a restore into `phases` (ms, summed by name)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases, self.last = phases, time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(self.phases.get(name, 0.0) + (now - self.last) * 1000, 2)
+        self.last = now
 
 
 @contextlib.contextmanager
@@ -531,6 +552,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     InvalidParamsError for a snapshot of another session.
     """
     started, counts = time.perf_counter(), {"blocks_ram": 0, "blocks_disk": 0, "blocks_shared": 0}
+    phases: dict[str, float] = {}
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
         if record is None:
             record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
@@ -539,7 +561,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         ctx.store.touch([b.key for b in record.blocks])
-        cache = _restore(ctx, record, mlx, prefix, counts) if record.token_ids else None
+        cache = _restore(ctx, record, mlx, prefix, counts, phases) if record.token_ids else None
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:
@@ -549,4 +571,5 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     return session, {"snapshot_id": record.id, "tokens": len(session.tokens),
                      "blocks_from_memory": counts["blocks_ram"], "blocks_from_disk": counts["blocks_disk"],
                      "blocks_shared": counts["blocks_shared"],
-                     "raw_bytes": record.raw_bytes, "ms": round((time.perf_counter() - started) * 1000, 3)}
+                     "raw_bytes": record.raw_bytes, "ms": round((time.perf_counter() - started) * 1000, 3),
+                     "phases_ms": phases}

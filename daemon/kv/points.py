@@ -16,7 +16,9 @@ the taking:
   on the driver thread (a prefix-only write of the blocks, unpinned, then the
   point; the writer is opened and committed there: the store's lock is held
   by one thread). With `direct` (an in-process engine) the write is done
-  before `take` returns.
+  before `take` returns;
+- `check_fits`: before a point is used (kv/prefixhit.py), its state against
+  the shapes and dtypes of the model's cache.
 
 Nothing here fails an append: a point that cannot be written is logged and
 counted, and the prefill goes on.
@@ -33,12 +35,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
 from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "compact_rings", "last_marks", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "check_fits", "compact_rings", "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -210,6 +213,46 @@ def compact_rings(point: dict[str, Tensor]) -> dict[str, Tensor]:
             out[part] = Tensor(t.dtype, cut)
         out[name] = Tensor.of(np.array([offset, max_size, keep, max_size], dtype=np.int64))
     return out
+
+
+def check_fits(point: dict[str, Tensor], kv_layout: list[dict]) -> None:
+    """Raise StateMismatchError, naming the array, when a point's state is not of the shapes and dtypes the
+    model's cache holds (`kv_layout`: the bundle's, cache_blocks.layout with the model). A restore checks a
+    ring's structure, but mlx-lm's ArraysCache knows no shapes: a recurrent state of another shape restored
+    and then failed the forward pass, or ran with a state the model never made. Rows of a ring vary with
+    the prefill; its heads, head dims and dtype do not."""
+    for name, facts in _layout_units(kv_layout):
+        if facts["kind"] == "arrays":
+            for k, want in enumerate(facts.get("arrays") or []):
+                got = point.get(f"{name}.arrays.{k}")
+                if (want is None) != (got is None) or (got is not None and (
+                        list(got.array.shape) != want["shape"] or _dtype_name(got) != want["dtype"])):
+                    raise StateMismatchError(f"{name}.arrays.{k}: {_spec(got)} is not the model's {want}")
+        elif facts["kind"] in ("rotating", "chunked") and f"{name}.keys" in point:
+            for part, dim in (("keys", "k_head_dim"), ("values", "v_head_dim")):
+                got = point.get(f"{name}.{part}")
+                if got is None or got.array.ndim != 4 or _dtype_name(got) != facts["dtype"] or \
+                        (got.array.shape[1], got.array.shape[3]) != (facts["kv_heads"], facts[dim]):
+                    raise StateMismatchError(f"{name}.{part}: {_spec(got)} is not KV of the model's "
+                                             f"{facts['kv_heads']} heads of {facts[dim]} {facts['dtype']}")
+
+
+def _layout_units(kv_layout: list[dict]) -> list[tuple[str, dict]]:
+    """(unit name, its layout facts) in cache_blocks.units' naming: layers.i, or layers.i.j in a CacheList."""
+    out = []
+    for i, facts in enumerate(kv_layout):
+        members = facts.get("caches") if facts["kind"] == "cache_list" else None
+        out += [(f"layers.{i}.{j}", m) for j, m in enumerate(members)] if members else [(f"layers.{i}", facts)]
+    return out
+
+
+def _dtype_name(t: Tensor) -> str:
+    """A stored array's dtype as MLX names it (the layout's names)."""
+    return "bfloat16" if t.dtype == "BF16" else t.array.dtype.name
+
+
+def _spec(t: Tensor | None) -> str:
+    return "nothing" if t is None else f"{_dtype_name(t)}{list(t.array.shape)}"
 
 
 def _runs(indices: list[int], most: int) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, log
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
+from kvwake.daemon.kv.points import check_fits
 from kvwake.errors import CorruptBlockError, KvwakeError
 from kvwake.store import ROOT_KEY, BlockRef, SnapshotRecord
 from kvwake.store.points import PointRef
@@ -83,21 +84,19 @@ def restore_prefix(ctx: KvContext, hit: PrefixHit, target: list[int], mlx: Mlx) 
     return cache, tokens
 
 
-def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | None, int]:
+def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx, counted: bool = True) -> tuple[list | None, int]:
     """A fresh cache restored through the deepest restore point that verifies on target's chain of stored
     blocks (all but its last token) and fits the cache: (cache, tokens it holds), or (None, 0) when there is
-    none or a block of the run does not verify (logged; the request prefills instead)."""
+    none or a block of the run does not verify (logged; the request prefills instead). `counted`: in
+    `tokens_from_points` (a request's reuse; not the engine's own re-prefill: model/reply_points.py)."""
     run = ctx.store.longest_prefix(ctx.bundle.hash, target[: len(target) - 1])
     points = ctx.store.point_refs([b.key for b in run], ctx.bundle.hash)
     for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
         ref = points[run[depth - 1].key]
         try:
-            point = _point(ctx, ref)
+            return _restore_through(ctx, run[:depth], _point(ctx, ref), len(target), mlx, counted)
         except CorruptBlockError as exc:  # a shallower one may serve
             ctx.log_unusable(exc)
-            continue
-        try:
-            return _restore_through(ctx, run[:depth], point, len(target), mlx)
         except StateMismatchError as exc:  # it verified, yet is not this model's cache: a shallower one may be
             log.warning("restore point %s (%d tokens) does not fit the cache, trying a shallower one: %s",
                         ref.key[:16], ref.n_tokens, exc)
@@ -105,7 +104,7 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx) -> tuple[list | No
 
 
 def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: int,
-                     mlx: Mlx) -> tuple[list | None, int]:
+                     mlx: Mlx, counted: bool) -> tuple[list | None, int]:
     """A cache of `blocks` and the restore point that closes them, with room for `room` tokens; (None, 0)
     when a block does not verify (the point closes the last one: a shorter run has none)."""
     tokens = len(blocks) * ctx.block_tokens
@@ -126,17 +125,20 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
         if usable < len(blocks):
             return None, 0
         cache = _finish(ctx, buffers, tokens, point, mlx)
-    ctx.counters.add("tokens_from_points", tokens)
+    if counted:
+        ctx.counters.add("tokens_from_points", tokens)
     return cache, tokens
 
 
 def _point(ctx: KvContext, ref: PointRef) -> dict:
-    """A restore point's arrays: from the RAM tier, or read and verified, then kept there (the prompt it
-    closes is a shared one; a restore copies them, never changes them)."""
+    """A restore point's arrays: from the RAM tier, or read, verified and checked against the model's cache
+    shapes (StateMismatchError), then kept there (the prompt it closes is a shared one; a restore copies
+    them, never changes them)."""
     name = POINT_KEY + ref.key
     arrays = ctx.ram_tier.get(name)
     if arrays is None:
         arrays = ctx.store.read_point(ref)
+        check_fits(arrays, ctx.bundle.description["kv_layout"])
         ctx.ram_tier.put(name, arrays)
     return arrays
 

@@ -117,6 +117,13 @@ def _slot_parts(name: str, slot: Any, specs: Specs) -> tuple[str, ...]:
     return tuple(f"{name}.{p}" for p in parts)
 
 
+# Staged restores not yet released (engine thread). MLX's cache of freed buffers is cleared when the last of
+# them ends: restores running together (a restart's wakes) reuse each other's freed buffers of the same sizes
+# instead of each clearing MLX's cache (cudaFree of gigabytes, a device sync) and allocating them afresh; what
+# stays cached meanwhile is bounded by MLX's cache limit (model/memory.py).
+_staged_open: weakref.WeakSet[Buffers] = weakref.WeakSet()
+
+
 class Buffers:
     """Preallocated KV buffers for one restore, their host views, and the cache they become.
 
@@ -166,6 +173,8 @@ class Buffers:
         self.released = False  # `release` ran (by `finish`, or for a restore given up)
         # Where this restore's blocks came from (the context's counters add every restore's at once)
         self.counts = Counters("blocks_ram", "blocks_disk", "blocks_shared")
+        if mode == "staged":
+            _staged_open.add(self)
         specs = {t: sample[t] for t in self.order}
         blocks = n_blocks if n_blocks is not None else capacity // block_tokens
         self.span = max(1, blocks)  # blocks decoded before the engine thread takes them (join_span)
@@ -424,8 +433,9 @@ class Buffers:
         """Engine thread: drop every reference to MLX memory but the cache's (the object itself may die
         elsewhere): the ring's slots go back (kept mapped for the next wake: devplanes.drop_idle frees
         them), staging leaves the host before MLX may reuse it for a kernel's output, joined spans and
-        temporaries go back rather than stay cached. `finish` ends with it; a restore given up calls it
-        (`pipeline.releasing`). Once is enough: `released` says whether it ran."""
+        temporaries go back rather than stay cached once no other staged restore runs (`_staged_open`).
+        `finish` ends with it; a restore given up calls it (`pipeline.releasing`). Once is enough: `released`
+        says whether it ran."""
         self.released = True
         if self.ring is not None:
             self.ring.close()
@@ -434,7 +444,8 @@ class Buffers:
         self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
         self.pieces = {name: [] for name in self.order}
         self._out, self._layout = {}, None
-        if self.mode == "staged":
+        _staged_open.discard(self)
+        if self.mode == "staged" and not _staged_open:
             mx.clear_cache()
 
     def _unit_cache(self, unit: str, slot: Any, buffers: dict[str, mx.array], n_tokens: int) -> Any:

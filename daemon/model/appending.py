@@ -191,8 +191,12 @@ class Appending:
 
     def generate(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
                  should_stop: Callable[[], bool] | None = None) -> GenerateResult:
-        """Generate from the session's pending tokens, alone; the reply becomes part of the session."""
-        return run_alone(self.decoder, self.start_call(session, params, on_event, should_stop))
+        """Generate from the session's pending tokens, alone; the reply becomes part of the session (and a
+        restore point where it crossed a block boundary: model/reply_points.py)."""
+        reply_start = len(session.tokens)
+        result = run_alone(self.decoder, self.start_call(session, params, on_event, should_stop))
+        self.reply_points.offer(session, reply_start)
+        return result
 
     def start_call(self, session: Session, params: GenerateParams, on_event: OnEvent | None = None,
                    should_stop: Callable[[], bool] | None = None, mlx: Mlx = direct) -> Call:

@@ -30,6 +30,7 @@ from mlx_lm.generate import GenerationBatch, StopSequences, TokenBuffer
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList
 from mlx_lm.sample_utils import greedy_sampler
 
+from kvwake.daemon.kv import paged_batch
 from kvwake.daemon.model.generation import make_processors
 
 __all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "place", "retire", "rows_batch",
@@ -51,25 +52,33 @@ class Row:
     sampler: Any
 
 
-def rows_batch(model: Any, uids: list[int], rows: list[Row]) -> GenerationBatch:
-    """A GenerationBatch of `rows` that has taken no step: their caches merged in one go, each row's
-    next token to feed its own. mlx-lm's constructor would run the first pass itself (a forward pass
-    of these rows alone, evaluated); this sets the state that constructor sets before that pass
-    (mlx-lm 0.32's fields, pinned in pyproject), so the running batch's next pass feeds them."""
-    caches = [first.merge([r.cache[i] for r in rows]) for i, first in enumerate(rows[0].cache)]
+def rows_batch(model: Any, uids: list[int], rows: list[Row], in_pages: bool = False) -> GenerationBatch:
+    """A GenerationBatch of `rows` that has taken no step: their caches merged in one go (`in_pages`: each
+    row's page table taken as it is, kv/paged_batch.py, nothing merged), each row's next token to feed its
+    own. mlx-lm's constructor would run the first pass itself (a forward pass of these rows alone,
+    evaluated); this sets the state that constructor sets before that pass (mlx-lm 0.32's fields, pinned
+    in pyproject), so the running batch's next pass feeds them."""
+    if in_pages:
+        caches = paged_batch.merged([r.cache for r in rows])
+    else:
+        caches = [first.merge([r.cache[i] for r in rows]) for i, first in enumerate(rows[0].cache)]
     tokens = [_history(r) for r in rows]
     return _unstepped(model, uids, caches, tokens, [r.sampler for r in rows],
                       [make_processors(r.call.output.params) for r in rows],
                       mx.concatenate([_token(r) for r in rows]))
 
 
-def dead_rows(model: Any, uids: list[int], blanks: list) -> GenerationBatch:
+def dead_rows(model: Any, uids: list[int], blanks: list, like: list | None = None) -> GenerationBatch:
     """Rows that hold nothing (all padding once they extend a batch): places for calls to come. They
     are fed and sample like any row (greedy, token 0 first); their tokens are never handed out.
     `blanks`: the model's fresh cache (one empty layer of each layer's kind): each layer's batched form
-    is merged from n of them (an empty merge holds no KV, only each row's padding)."""
+    is merged from n of them (an empty merge holds no KV, only each row's padding). `like`: the caches of
+    the batch they extend; a paged batch's dead rows are rows with no page table."""
     n = len(uids)
-    caches = [blank.merge([blank] * n) for blank in blanks]
+    if like is not None and paged_batch.in_pages(like):
+        caches = paged_batch.dead(like, n)
+    else:
+        caches = [blank.merge([blank] * n) for blank in blanks]
     return _unstepped(model, uids, caches, [[] for _ in uids], [greedy_sampler] * n, [() for _ in uids],
                       mx.zeros((n,), dtype=mx.uint32))
 
@@ -77,8 +86,12 @@ def dead_rows(model: Any, uids: list[int], blanks: list) -> GenerationBatch:
 def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
     """Put `row` in the batch's slot i (a dead row's): its KV right-aligned to the batch's length, the
     rest of the slot masked as padding, its recurrent state in the slot's, its sampling state in the
-    slot's. It must fit (`fits`)."""
+    slot's (a paged batch: its page table in the slot, kv/paged_batch.py). It must fit (`fits`)."""
+    if paged_batch.in_pages(batch.prompt_cache):
+        batch.prompt_cache[0].rows.place(i, paged_batch.takes(row.cache))
     for layer, own in zip(_leaves(batch.prompt_cache), _leaves(row.cache)):
+        if isinstance(layer, paged_batch.PagedBatchKVCache):
+            continue
         if isinstance(layer, ArraysCache):
             _place_arrays(layer, i, own)
         elif isinstance(layer, BatchRotatingKVCache):
@@ -97,7 +110,10 @@ def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
 
 def fits(batch: GenerationBatch, row: Row) -> bool:
     """Whether the row's history fits the batch's length in every layer (a longer one would need every
-    row re-padded); a wrapped window's ring holds any row's window, a recurrent state has no length."""
+    row re-padded); a wrapped window's ring holds any row's window, a recurrent state has no length; a
+    paged batch takes any row paged whole (it pads none)."""
+    if paged_batch.in_pages(batch.prompt_cache):
+        return paged_batch.takes(row.cache) is not None
     for layer, own in zip(_leaves(batch.prompt_cache), _leaves(row.cache)):
         if isinstance(layer, BatchKVCache) and own.offset > layer._idx:
             return False
@@ -174,8 +190,11 @@ def _leaves(cache: list) -> Iterator[Any]:
 
 
 def retire(batch: GenerationBatch, i: int) -> None:
-    """Slot i's row has left: it samples greedily, without processors, until a call takes the slot."""
+    """Slot i's row has left: it samples greedily, without processors, until a call takes the slot (in a
+    paged batch the slot's page table goes: nothing is written for it)."""
     batch.samplers[i], batch.logits_processors[i] = greedy_sampler, ()
+    if paged_batch.in_pages(batch.prompt_cache):
+        batch.prompt_cache[0].rows.vacate(i)
 
 
 def schedule(batch: GenerationBatch) -> None:

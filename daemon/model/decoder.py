@@ -15,6 +15,13 @@ finishes: its row is extracted as a plain per-layer cache into its session
 on a session, the session holds a plain cache, and sleep, fork and prefix
 reuse see what they always saw.
 
+Paged sessions (every layer in a page pool, kv/paged_cache.py) batch over their
+own pages instead (kv/paged_batch.py, `in_pages`): a join puts the session's
+page table in a row and a leave takes it back, no KV merged or copied; the
+step's pages are reserved before its pass (a row the pool cannot grow fails
+alone); nothing is padded, so no call decodes alone for its length, and a
+dead slot takes any paged call.
+
 Rows live in slots (batch_rows.py): the batch has 1, 2, 4, 8, 16 or 32 rows,
 padded with dead rows; a call that leaves leaves a dead slot that the next call
 whose history fits takes, and the batch keeps only its live rows once half its
@@ -63,7 +70,8 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvwake.daemon.kv import paged_cache
+from kvwake.daemon.kv import paged_batch, paged_cache
+from kvwake.daemon.kv.pages import PagePoolFullError
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
@@ -99,6 +107,9 @@ class Decoder:
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.row_kernel = False  # steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
         self._attends = model  # whose module's attention the row kernel takes over (self.model may be wrapped)
+        # paged sessions decode in a batch over their own pages (kv/paged_batch.py); off: their KV is merged
+        # into a BatchKVCache as other caches' is (benchmarks). Only where the model's attention can be swapped.
+        self.in_pages = attention.attention_module(model) is not None
         self.step_s = 0.0  # moving average of one step's wall time
         # Where batched steps' time goes: mlx-lm's step (the pass queued, the step before waited for) and
         # the host work on its tokens (outputs, leaving rows, the next masks); seconds, summed.
@@ -136,11 +147,28 @@ class Decoder:
         self.step_s = 0.9 * self.step_s + 0.1 * (time.perf_counter() - started) if self.step_s else \
             time.perf_counter() - started
 
+    def admit(self) -> None:
+        """Admit the waiting calls now, without a pass: what a step does first (a benchmark times a join
+        alone)."""
+        with mx.stream(generation_stream), self._attention():
+            self._admit()
+
     def _attention(self) -> contextlib.AbstractContextManager[None]:
         """A step's attention: by the row kernel for every call, batched or alone (model/ragged_decode.py:
-        a row's result does not depend on its company, so a batched call decodes as it would alone), or
-        as the model computes it."""
-        return attention.swapped(self._attends, ragged_decode.ragged) if self.row_kernel else contextlib.nullcontext()
+        a row's result does not depend on its company, so a batched call decodes as it would alone), over
+        pages for a paged batch (and for paged calls alone where the kernel runs), or as the model computes
+        it."""
+        if not (self.row_kernel or self._over_pages()):
+            return contextlib.nullcontext()
+        kernel = self.row_kernel
+        return attention.swapped(self._attends, lambda fused: ragged_decode.paged(
+            ragged_decode.ragged(fused) if kernel else fused, kernel))
+
+    def _over_pages(self) -> bool:
+        """Whether this step may run a batch over pages: one runs, or a waiting call's cache is paged."""
+        if self.batch is not None:
+            return paged_batch.in_pages(self.batch.prompt_cache)
+        return self.in_pages and any(paged_batch.takes(call.session.cache) for call in self.waiting)
 
     def trace(self) -> str:
         """What the last step did beyond a step, for the engine thread's record of slow work: the calls it
@@ -221,6 +249,9 @@ class Decoder:
         alone): the batch pads every row to its longest, so while the padding would be more than the
         tokens themselves (and more than PAD_SLACK tokens), the longest decodes alone (one 32k session
         among short ones would otherwise pad each of them to 32k)."""
+        paged = self._paged_split(calls)
+        if paged is not None:
+            return paged
         pool = sorted([*self.rows.values(), *calls], key=_length)
         alone: list[Call] = []
         while len(pool) > 1:
@@ -230,6 +261,16 @@ class Decoder:
             alone.append(pool.pop())
         joining = {id(call) for call in calls}
         return [call for call in pool if id(call) in joining], alone
+
+    def _paged_split(self, calls: list[Call]) -> tuple[list[Call], list[Call]] | None:
+        """`_bounded` for a batch over pages (running, or to be made of `calls`, each paged whole): it pads
+        nothing, so every call paged whole joins and any other decodes alone. None: the batch merges KV."""
+        if not self.in_pages or (self.batch is not None and not paged_batch.in_pages(self.batch.prompt_cache)):
+            return None
+        whole = [call for call in calls if paged_batch.takes(_cache(call)) is not None]
+        if self.batch is None and len(whole) < len(calls):
+            return None
+        return whole, [call for call in calls if all(call is not w for w in whole)]
 
     def _evict(self, calls: list[Call]) -> None:
         """Batch rows that go on alone (their history pads the batch too much): each takes its cache
@@ -241,10 +282,12 @@ class Decoder:
             i = next(i for i, uid in enumerate(batch.uids) if self.rows.get(uid) is call)
             uid, token, sampler = batch.uids[i], batch._next_tokens[i : i + 1], batch.samplers[i]
             s, p = call.session, call.output.params
-            s.cache = self._extract(uid, i)
+            extracted = self._extract(uid, i, call)
             del self.rows[uid]
             self.dead.add(uid)
             retire(batch, i)
+            if not extracted:
+                continue
             self.counters["decode_tokens"] += 1  # a token handed out, not a step of its own
             reason = call.output.add(int(token.item()))
             try:
@@ -302,8 +345,10 @@ class Decoder:
                 placed.append((uid, row))
                 self.counters["slot_reuses"] += 1
             rows = [r for r in rows if all(r is not p for _, p in placed)]
+        in_pages = paged_batch.in_pages(batch.prompt_cache) if batch is not None else \
+            self.in_pages and all(paged_batch.takes(r.cache) is not None for r in rows)
         try:
-            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows) if rows else None
+            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows, in_pages) if rows else None
         except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
             for row in rows:
                 row.call.fail(exc)
@@ -330,7 +375,7 @@ class Decoder:
         size = slot_size(n, max(self.max_batch, n))
         if size > n:
             uids = [next(self._uids) for _ in range(size - n)]
-            batch.extend(dead_rows(self.model, uids, self.blanks))
+            batch.extend(dead_rows(self.model, uids, self.blanks, like=batch.prompt_cache))
             self.dead.update(uids)
 
     # -- stepping ---------------------------------------------------------------
@@ -348,6 +393,8 @@ class Decoder:
     def _step_batch(self) -> None:
         if self.batch is None:
             return
+        if paged_batch.in_pages(self.batch.prompt_cache):  # first: a row left out is out of its masks too
+            self._reserve_pages()
         # mlx-lm's GenerationBatch feeds `_next_tokens`, sampled (and scheduled) by its step before.
         self.batch.model = self._model(self._row_calls(), self.batch._next_tokens)
         samplers = self.batch.samplers
@@ -390,6 +437,21 @@ class Decoder:
             self.masks.prefetch(_constraints(self._row_calls()), self.batch._next_tokens)
         self.spent["batch_outputs_s"] += time.perf_counter() - nexted
 
+    def _reserve_pages(self) -> None:
+        """A paged batch's room for the step's tokens, taken before its pass: a row the pool has no page for
+        fails alone (PagePoolFullError), its slot dead; the other rows decode."""
+        batch = self.batch
+        for i in batch.prompt_cache[0].rows.begin_step():
+            uid = batch.uids[i]
+            call = self.rows.pop(uid)
+            self.paged.pop(uid, None)
+            self.fed_only.discard(uid)
+            self.dead.add(uid)
+            retire(batch, i)
+            self.masks.forget([call.constraint])
+            call.fail(PagePoolFullError(f"session {call.session.id}: no page left for its next token "
+                                        f"({batch.prompt_cache[0].pool.limit} pages, all held)"))
+
     def _leave(self, done: list[tuple[int, int, str]]) -> None:
         """Give finished rows back to their sessions as plain caches; their slots stay, dead, for the
         next calls, until half the batch is dead: then it keeps only its live rows (at a slot size)."""
@@ -397,9 +459,9 @@ class Decoder:
         assert batch is not None
         for i, uid, reason in done:
             call = self.rows.pop(uid)
-            call.session.cache = self._extract(uid, i)
-            mx.async_eval(paged_cache.state_arrays(call.session.cache))  # queued behind the pass: no stall here
-            call.finish(reason)
+            if self._extract(uid, i, call):
+                mx.async_eval(paged_cache.state_arrays(call.session.cache))  # queued behind the pass: no stall
+                call.finish(reason)
             retire(batch, i)
             self.dead.add(uid)
         if 2 * len(self.dead) >= len(batch.uids):
@@ -407,12 +469,21 @@ class Decoder:
             self._compact()
             self.spent["compact_s"] += time.perf_counter() - started
 
-    def _extract(self, uid: int, i: int) -> list:
-        """Row i's cache for its session: a plain copy out of the batch, or the pages its call brought,
-        with the tokens the batch added written after theirs."""
+    def _extract(self, uid: int, i: int, call: Call) -> bool:
+        """Row i's cache back to `call`'s session: a plain copy out of the batch, or the pages its call
+        brought, with the tokens the batch added written after theirs. False when those tokens find no page
+        (PagePoolFullError, a merged row of paged layers): the call fails alone, its session's cache dropped
+        (rebuilt from its tokens on next use)."""
         row = extract_row(self.batch.prompt_cache, i)
         paged = self.paged.pop(uid, None)
-        return paged_cache.fill(paged, row) if paged is not None else row
+        try:
+            call.session.cache = paged_cache.fill(paged, row) if paged is not None else row
+        except PagePoolFullError as exc:
+            call.session.cache = None
+            self.masks.forget([call.constraint])
+            call.fail(exc)
+            return False
+        return True
 
     def _compact(self) -> None:
         """The batch keeps only its live rows (cut to the longest of them), at their slot size."""
@@ -464,6 +535,11 @@ class Decoder:
 
 def _constraints(calls: list[Call | None]) -> list[Constraint | None]:
     return [call.constraint if call is not None else None for call in calls]
+
+
+def _cache(call: Call) -> list | None:
+    """The cache a call decodes on: its lone decode's, else its session's."""
+    return call.solo.cache if call.solo is not None else call.session.cache
 
 
 def _length(call: Call) -> int:

@@ -54,6 +54,7 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.grammar import Grammars
 from kvwake.daemon.model.masks import Constraint
 from kvwake.daemon.model.prompt import Plan, Prompter
+from kvwake.daemon.model.reply_points import ReplyPoints
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.session_state import Session
 from kvwake.errors import ContextTooLongError, InvalidParamsError
@@ -123,11 +124,15 @@ class Engine(Appending):
         self.model_path, self.model_name = resolve_model(model, Path(data_dir))
         # the bundle's file digests, read on background threads while the weights load (kv/bundle.py)
         digests = start_digests(self.model_path, digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
-        kernels = None
+        kernels = row_kernel = None
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
-            # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
-            kernels = kernel_cache.Warmer(self.model_path) if tuning.kernel_warmer else None
+            # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
+            # (model/kernel_cache.py)
+            kernels = kernel_cache.Warmer.for_model(self.model_path) if tuning.kernel_warmer else None
+            if tuning.kernel_warmer:
+                row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
+                                                     store.block_tokens if self.restore_mode == "staged" else None)
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
@@ -156,11 +161,13 @@ class Engine(Appending):
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
-        # Built now, before the daemon answers: MLX compiles a custom kernel in every process (a long compile,
-        # not from its disk cache), and a decode step or an idle warm-up job building it would hold up every
-        # request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet"). False when the
-        # model's heads are not a shape it takes.
-        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(self.model)
+        # Built before the daemon answers (beside the load, or now): MLX compiles a custom kernel in every process
+        # (a long compile, not from its disk cache), and a decode step or an idle warm-up job building it would
+        # hold up every request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet").
+        # False when the model's heads are not a shape it takes.
+        self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(
+            self.model, built=row_kernel.result() if row_kernel is not None else None,
+            page_tokens=store.block_tokens if tuning.paged_kv else None)
         self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
@@ -172,23 +179,20 @@ class Engine(Appending):
             pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
             slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
         self.started.mark("set_up")
-        if kernels is not None:  # the first forward pass's kernels, and a compaction's, from the cache
-            kernels.wait()
-            self.started.mark("kernels")
-        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # the first forward pass
-        self.started.mark("first_forward")
-        # The most tokens one session may hold: its KV must fit the memory limit (model/memory.py).
-        self.session_tokens = memory.session_tokens(limits, self.weights_bytes, self.token_bytes) if limits else None
+        # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
+        # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,
+        # and what needs no kernel (renders, matching, a wake's reads) goes on while they compile
+        self.kernels = kernels
+        self.token_bytes = memory.kv_token_bytes(self.model, kv_bits, kv_group_size)  # shapes: nothing runs
+        self.started.mark("token_bytes")
         self.limits = limits
-        # What hot sessions' KV may hold when the settings name no budget (model/memory.py hot_budget), and
-        # what all of it may hold: a wake or a prefill that would pass it sleeps others first (SessionManager)
-        self.hot_budget_bytes = memory.hot_budget(limits, self.weights_bytes) if limits else memory.DEFAULT_HOT_BUDGET
-        self.kv_room_bytes = memory.kv_room(limits, self.weights_bytes) if limits else None
+        self.set_kv_room(memory.kv_room(limits, self.weights_bytes) if limits else None)
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
         self.points = PointTaker(self.kv, probe, tuning.restore_points, marks)
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
+        self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
@@ -199,9 +203,28 @@ class Engine(Appending):
         self.wakes_share = (self.cuttable and kv_bits is None and self.pages is None
                             and all(type(c) is KVCache for c in probe))
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
+            self.wait_kernels()
             for job in self.warm_jobs():
                 job()
             self.started.mark("warm")
+
+    def wait_kernels(self) -> None:
+        """Engine thread, before its first forward pass (the daemon's first job on it, model/loader.py): the
+        kernel warmers' compiles into MLX's disk cache finished, so the pass loads them rather than compiling
+        them itself (a wait that long is in the engine thread's slow jobs; nothing to wait for off CUDA or
+        once waited)."""
+        kernels, self.kernels = self.kernels, None
+        if kernels is not None:
+            kernels.wait()
+
+    def set_kv_room(self, room: int | None) -> None:
+        """What all KV may hold (None: no limit kept), and from it the most tokens one session may hold and
+        what hot sessions may hold when the settings name no budget (model/memory.py); a wake or a prefill
+        that would pass it sleeps others first (SessionManager). Set again as other models load and unload
+        beside this one: the room is what their weights leave (model/budget.py)."""
+        self.kv_room_bytes = room
+        self.session_tokens = memory.tokens_in(room, self.token_bytes) if room is not None else None
+        self.hot_budget_bytes = int(memory.HOT_SHARE * room) if room is not None else memory.DEFAULT_HOT_BUDGET
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
@@ -235,6 +258,7 @@ class Engine(Appending):
 
     def close(self) -> None:
         self.persister.close()
+        self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()
         self.pool.close()
         devplanes.drop_idle()

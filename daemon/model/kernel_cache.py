@@ -13,7 +13,10 @@ for it; two of them, each importing as `serve` does (no PyTorch), so a cached ma
 the load.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
-them out of its disk cache. CUDA only: on the CPU and Metal nothing here runs.
+them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load
+instead (`BesideLoad`, which makes a wake's staging ring too): MLX keeps a custom kernel for the process
+whichever thread's stream compiled it, and the compile releases the GIL. CUDA only: on the CPU and Metal
+nothing here runs.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "Warmer", "miniature", "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -63,10 +67,51 @@ def miniature(config: dict[str, Any]) -> dict[str, Any]:
             "head_dim": head_dim, "vocab_size": 256, "tie_word_embeddings": True}
 
 
+def keep_compiled_kernels() -> None:
+    """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
+    unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
+    and the first start after one compiled them all again, a slow first forward pass (docs/decisions.md,
+    "Daemon"). Shared by every daemon of the user, as MLX's default is; one
+    folder per MLX version (the cache is keyed by kernel name only). Set before the first kernel is
+    compiled (MLX reads it once) and before a warmer starts (it inherits it); nothing uses it off CUDA."""
+    import mlx.core as mx
+
+    from kvwake.paths import default_cache_dir
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(default_cache_dir() / f"mlx-{mx.__version__}" / "ptx"))
+
+
+# Warmers started before their engine was made (`start_early`), by model folder
+_early: dict[Path, Warmer] = {}
+
+
+def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
+    """Start the warmers of `model` (the settings' model) before the daemon's heavy imports, for the engine
+    to take (`Warmer.for_model`): on a fresh machine their compiles, not the weights, end a first start's
+    work, and they began only once the imports were done. Only a model given as a folder, and on CUDA (this
+    imports MLX's core alone). Says whether it started them."""
+    if not kernel_warmer or model is None or not Path(model).expanduser().is_dir():
+        return False
+    import mlx.core as mx
+
+    if not (mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return False
+    keep_compiled_kernels()
+    path = Path(model).expanduser().resolve()
+    if path not in _early:
+        _early[path] = Warmer(path)
+    return True
+
+
 class Warmer:
     """The child processes that fill MLX's kernel cache for the model (module docstring), one per part
     (`PARTS`: each part's compiles are seconds of one core on a fresh machine, so they run side by side);
     `wait` before the engine's first forward pass."""
+
+    @classmethod
+    def for_model(cls, model_path: Path) -> Warmer:
+        """The warmers `start_early` started for this model folder, else new ones."""
+        return _early.pop(Path(model_path).resolve(), None) or cls(model_path)
 
     def __init__(self, model_path: Path) -> None:
         self.started = time.perf_counter()
@@ -90,6 +135,53 @@ class Warmer:
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
         return bool(procs) and done
+
+
+# Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
+# wake stages only its plain layers, in rings of another shape than the config's layer count gives
+NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_idxs", "hybrid_override_pattern",
+             "block_types", "attn_layer_indices")
+
+
+class BesideLoad:
+    """What a thread of its own makes while the weights load, from the model's config (module docstring):
+    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, and, given
+    `staging_tokens` (the store's block), a wake's staging ring kept for the first wake (kv/devplanes.py:
+    pinned host memory, a few hundred ms a restart's first wake would wait for). `result` after the load:
+    the shape the kernel was built for, which the engine compares with the loaded model's (a config that
+    names its heads otherwise: the engine builds the kernel itself, as without this)."""
+
+    def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
+        self.shape: tuple[int, int, int, Any] | None = None
+        self.thread = threading.Thread(target=self._build, args=(Path(model_path), row_kernel, staging_tokens),
+                                       name="kvwake-beside-load", daemon=True)
+        self.thread.start()
+
+    def _build(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
+        import mlx.core as mx
+
+        from kvwake.daemon.kv import devplanes
+        from kvwake.daemon.model import ragged_decode
+
+        try:
+            config = json.loads((model_path / "config.json").read_text())
+            heads = config["num_attention_heads"]
+            shape = (heads, config.get("num_key_value_heads") or heads,
+                     config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
+            if row_kernel and ragged_decode.build(*shape):
+                self.shape = shape
+            if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
+                kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
+                devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
+        except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
+            log.warning("row kernel or staging not made beside the load: %r", exc)
+        finally:
+            mx.synchronize()
+            mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
+
+    def result(self) -> tuple[int, int, int, Any] | None:
+        self.thread.join()
+        return self.shape
 
 
 def _warm(model_path: Path, part: str) -> None:

@@ -51,6 +51,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec,
             io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
             prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
             persist=settings.persist, warm=False, tuning=settings.tuning)).result()
+        thread.submit(engine.wait_kernels)  # its first job: whatever runs the model after it finds the kernels
     except BaseException:
         thread.stop()
         raise

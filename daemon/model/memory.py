@@ -32,7 +32,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cache_blocks
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHARE", "Limits", "apply_limits",
-           "device_memory", "hot_budget", "kv_room", "kv_token_bytes", "session_tokens"]
+           "device_memory", "hot_budget", "kv_room", "kv_token_bytes", "session_tokens", "tokens_in"]
 
 DEFAULT_CACHE_BYTES = 4 << 30
 MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
@@ -68,12 +68,13 @@ def apply_limits(memory_bytes: int | None = None, cache_bytes: int = DEFAULT_CAC
 
 def kv_token_bytes(model: Any, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
     """Bytes one more token adds to a session's KV (the cuttable layers'; windows and recurrent state do not
-    grow), from a one-token forward pass through a fresh cache. Quantized KV (`kv_bits`) is counted from the
-    plain cache's: `kv_bits` per value plus a scale and a bias (16 bits each) per group, not measured by a
-    quantized pass (mlx-cuda has no quantized kernels for some shapes, and the engine must still start)."""
+    grow), from the shapes a one-token forward pass gives a fresh cache: the pass is built, never run (MLX
+    knows an array's shape before computing it), so no kernel is compiled or run for it at a start.
+    Quantized KV (`kv_bits`) is counted from the plain cache's: `kv_bits` per value plus a scale and a bias
+    (16 bits each) per group, not measured by a quantized pass (mlx-cuda has no quantized kernels for some
+    shapes, and the engine must still start)."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-    mx.eval([c.state for c in cache])
     plain = cache_blocks.bytes_per_token(cache)
     if kv_bits is None:
         return plain
@@ -98,9 +99,14 @@ def hot_budget(limits: Limits, weights_bytes: int) -> int:
 def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:
     """The most tokens one session's KV may hold under `limits`, beside the weights and a prefill's scratch;
     None when a token costs nothing that grows."""
+    return tokens_in(kv_room(limits, weights_bytes), token_bytes)
+
+
+def tokens_in(room: int, token_bytes: int) -> int | None:
+    """The most tokens one session's KV may hold in `room` bytes; None when a token costs nothing that grows."""
     if token_bytes <= 0:
         return None
-    tokens = kv_room(limits, weights_bytes) // token_bytes
+    tokens = room // token_bytes
     if kvcapacity.installed() and tokens > kvcapacity.CUDNN_MIN:
         # Past CUDNN_MIN a buffer holds up to a sixteenth more than its tokens (kv/capacity.py): the most
         # tokens whose buffer fits, not the most tokens (it would eat the prefill's scratch share).

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["ROW_SPLIT", "THREADS", "decode_attention", "gather_attention", "kernel_attention", "row_attention", "split_tokens"]
+__all__ = ["ROW_SPLIT", "THREADS", "decode_attention", "gather_attention", "gather_rows", "kernel_attention", "row_attention", "split_tokens"]
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
@@ -45,16 +45,24 @@ def gather_attention(queries: mx.array, keys: mx.array, values: mx.array, page_t
                      lengths: mx.array, scale: float, page_tokens: int) -> mx.array:
     """Each row's attention over its pages, gathered contiguous, through MLX's fused attention (the
     reference). A row of length 0 gives zeros."""
+    slots = []
+    for pages, length in zip(page_table.tolist(), lengths.tolist(), strict=True):
+        pages = mx.array(pages[:-(-length // page_tokens)], mx.int32)
+        slots.append((pages[:, None] * page_tokens + mx.arange(page_tokens, dtype=mx.int32)).reshape(-1)[:length])
+    return gather_rows(queries, keys, values, slots, scale)
+
+
+def gather_rows(queries: mx.array, keys: mx.array, values: mx.array, slots: list[slice | mx.array | None],
+                scale: float) -> mx.array:
+    """Row r's attention over the pools' `slots[r]` (its tokens' slots in order, gathered contiguous; or a
+    slice, read in place) through MLX's fused attention; a row with no slots (None or empty) gives zeros."""
     rows = []
-    table, sizes = page_table.tolist(), lengths.tolist()
-    for r, length in enumerate(sizes):
-        if length == 0:
+    for r, row in enumerate(slots):
+        if row is None or (isinstance(row, mx.array) and row.size == 0):
             rows.append(mx.zeros(queries.shape[1:], queries.dtype))
             continue
-        pages = mx.array(table[r][:-(-length // page_tokens)], mx.int32)
-        slots = (pages[:, None] * page_tokens + mx.arange(page_tokens, dtype=mx.int32)).reshape(-1)[:length]
-        k, v = keys[:, slots][None], values[:, slots][None]
-        out = mx.fast.scaled_dot_product_attention(queries[r][None, :, None], k, v, scale=scale)
+        out = mx.fast.scaled_dot_product_attention(queries[r][None, :, None], keys[:, row][None],
+                                                   values[:, row][None], scale=scale)
         rows.append(out[0, :, 0])
     return mx.stack(rows)
 

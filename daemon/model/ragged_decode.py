@@ -14,19 +14,30 @@ plain KV layers (`BatchKVCache` or `KVCache` exactly: a sliding window's ring ma
 KV has its own kernel), one query per row, no attention sinks; anything else takes the fused path as before.
 CUDA only (`wanted`): on the CPU and Metal the fused path stays (the CPU's reference is bit-exact against
 it; a Metal kernel is not written: paged_attention.py says why).
+
+A batch over pages (kv/paged_batch.py: `PagedBatchKVCache`, rows' page tables, nothing merged) always
+takes `paged`: its rows' tokens are in their sessions' pages, where no fused attention reads them. On CUDA
+with the kernel wanted: `paged_attention.kernel_attention` over the page table, spans of ROW_SPLIT tokens,
+and a paged call decoding alone (a `PagedKVCache`) takes the same kernel over its own table, so it decodes
+the same tokens batched or alone; elsewhere the gather reference (`paged_attention.gather_rows`: each row
+gathered, then MLX's fused attention, as a paged call alone computes it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from kvwake.daemon.model.paged_attention import row_attention
+from kvwake.daemon.kv.paged_batch import PagedBatchKVCache
+from kvwake.daemon.kv.paged_cache import PagedKVCache
+from kvwake.daemon.kv.pages import PageStateError
+from kvwake.daemon.model.paged_attention import ROW_SPLIT, gather_rows, kernel_attention, row_attention
 
-__all__ = ["ragged", "wanted", "warm"]
+__all__ = ["build", "paged", "ragged", "shape_of", "wanted", "warm"]
 
 
 def wanted(row_kernel: bool) -> bool:
@@ -55,21 +66,87 @@ def ragged(fused: Any) -> Any:
     return attention
 
 
-def warm(model: Any) -> bool:
-    """Build the row kernel for the model's heads and dtype (MLX compiles a custom kernel at its first call,
-    which a first decode step would otherwise wait for). Whether it was built (False: not a shape it takes)."""
+def paged(inner: Any, kernel: bool) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature: a paged batch's decode step over its rows' pages,
+    and (`kernel`: on CUDA) a paged call alone by the same kernel (module docstring); `inner` for anything
+    else. Raises PageStateError for what a paged batch cannot compute (more than one query, sinks)."""
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+        if isinstance(cache, PagedBatchKVCache):
+            if queries.shape[2] != 1 or sinks is not None:
+                raise PageStateError("a paged batch decodes one query a row, without attention sinks")
+            rows = cache.rows
+            out = _kernel(queries, cache.pool, cache.layer, rows.page_table(), rows.after, scale) if kernel else None
+            if out is None:
+                pool = cache.pool
+                out = gather_rows(queries[:, :, 0], pool.keys[cache.layer], pool.values[cache.layer],
+                                  rows.row_slots(), scale)[:, :, None]
+            return out
+        if (kernel and type(cache) is PagedKVCache and queries.shape[0] == queries.shape[2] == 1
+                and sinks is None and queries.dtype == cache.session.pool.layout.dtype):
+            out = _kernel(queries, cache.session.pool, cache.layer, cache.session.page_table(),
+                          mx.array([cache.offset], mx.int32), scale)
+            if out is not None:
+                return out
+        return inner(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+    return attention
+
+
+def _kernel(queries: mx.array, pool: Any, layer: int, table: mx.array, lengths: mx.array,
+            scale: float) -> mx.array | None:
+    """The paged kernel over `layer`'s pools in spans of ROW_SPLIT tokens ([rows, heads, 1, head_dim]);
+    None for shapes it does not take (the caller gathers instead)."""
+    try:
+        out = kernel_attention(queries[:, :, 0], pool.keys[layer], pool.values[layer], table, lengths, scale,
+                               pool.layout.page_tokens, split=ROW_SPLIT)
+    except ValueError:
+        return None
+    return out[:, :, None]
+
+
+def shape_of(model: Any) -> tuple[int, int, int, Any] | None:
+    """(query heads, KV heads, head size, dtype) of the model's attention as the row kernel is built for
+    them; None for a model whose arguments do not name its heads."""
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     if heads is None:
-        return False
+        return None
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
                  mx.bfloat16)
+    return heads, kv_heads, head_dim, dtype
+
+
+def build(heads: int, kv_heads: int, head_dim: int, dtype: Any, page_tokens: int | None = None,
+          row: bool = True) -> bool:
+    """Compile the row kernel for these heads and dtype (`row`), and with `page_tokens` the paged kernel for
+    pages of that many tokens (a paged batch's): MLX compiles a custom kernel at its first call, which a first
+    decode step would otherwise wait for, and keeps it for the process, whichever thread built it. Whether
+    the row kernel takes the shape (False: not a shape it takes; a paged batch over a shape the paged kernel
+    does not take gathers instead)."""
     queries = mx.zeros((2, heads, head_dim), dtype)
     keys = mx.zeros((2, kv_heads, 64, head_dim), dtype)
     try:
-        mx.eval(row_attention(queries, keys, keys, mx.array([0, 3], mx.int32), mx.array([64, 61], mx.int32), 1.0))
+        if row:
+            mx.eval(row_attention(queries, keys, keys, mx.array([0, 3], mx.int32), mx.array([64, 61], mx.int32), 1.0))
     except ValueError:
         return False
+    if page_tokens:
+        pools = mx.zeros((kv_heads, 2 * page_tokens, head_dim), dtype)
+        with contextlib.suppress(ValueError):
+            mx.eval(kernel_attention(queries, pools, pools, mx.array([[0], [1]], mx.int32),
+                                     mx.array([page_tokens, 3], mx.int32), 1.0, page_tokens, split=ROW_SPLIT))
     return True
+
+
+def warm(model: Any, built: tuple[int, int, int, Any] | None = None, page_tokens: int | None = None) -> bool:
+    """The row kernel ready for the model (`build`), unless it was built already for its shape (`built`: the
+    shape a build beside the weights' load took, model/kernel_cache.py), and the paged kernel for pages of
+    `page_tokens` when given. Whether the model takes the row kernel."""
+    shape = shape_of(model)
+    if shape is None:
+        return False
+    if shape == built and not page_tokens:
+        return True
+    return build(*shape, page_tokens=page_tokens, row=shape != built)

@@ -123,6 +123,7 @@ class Conversations:
             yield NO_PREFIX, None
             return
         if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
+            await self._prefetch(session, target)  # the remote's blocks and points first
             yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), None
             return
         held = target[: len(target) - 1]  # all but the pending last token
@@ -187,12 +188,18 @@ class Conversations:
         session's prefix copied when one holds at least `engine.min_partial` tokens of it, else the longest
         run of stored blocks."""
         engine = self.engine
-        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
-            await to_thread.run_sync(self.remote.prefetch, target[: len(target) - 1])
+        await self._prefetch(session, target)
         copied = await self._hot_prefix(session, target[: len(target) - 1])
         if copied[0] is not None:
             return copied
         return await to_thread.run_sync(lambda: engine.stored_prefix(target, self.thread.call))
+
+    async def _prefetch(self, session: Session, target: list[int]) -> None:
+        """The remote tier's blocks of `target` (and restore points) into the store and RAM tier, for a
+        session about to start a fresh cache."""
+        if self.remote is not None and session.cache is None:  # the remote may hold its prefix
+            engine = self.engine  # the request's model: its namespace on the remote
+            await to_thread.run_sync(lambda: self.remote.prefetch(target[: len(target) - 1], engine))
 
     async def _hot_prefix(self, session: Session, held: list[int], align: int = 1,
                           restored_only: bool = False) -> tuple[list | None, int]:
@@ -280,6 +287,7 @@ class Conversations:
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
             if on_claim is not None:
                 on_claim()
+            woke, entry.woke = entry.session is None, None
             session = await self.awake(entry)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
@@ -291,6 +299,7 @@ class Conversations:
             session.reply_start = len(session.tokens)
             result = await self._decode(session, params, on_event, stop)
             self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
+            self.engine.reply_points.offer(session, session.reply_start, self.thread)  # a point in it
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
             usage = {**result.usage, "prompt_tokens": result.usage["prompt_tokens"] + appended["prefilled"],
                      "ttft_ms": round(result.usage["ttft_ms"] + append_ms, 3),
@@ -300,7 +309,9 @@ class Conversations:
             self.turns.append({"session": session.id, "at": round(time.time() - (time.perf_counter() - called), 4),
                                **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
                                "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
-                               "prefilled": appended["prefilled"]})
+                               "prefilled": appended["prefilled"],
+                               **({"wake_ms": entry.woke["ms"], "wake_phases_ms": entry.woke["phases_ms"]}
+                                  if woke and entry.woke else {})})
             return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
                     "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,
@@ -338,7 +349,7 @@ class Conversations:
             info = await to_thread.run_sync(lambda: engine.warm(mlx=self.thread.call, scratch=scratch, prompt=plan,
                                                                 prefix=prefix))
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
-            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed])
+            self.remote.enqueue_prefix(scratch.tokens[: scratch.processed], engine.bundle.hash)
         return info
 
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.hotkeys import HotKeys
+from kvwake.daemon.sessions.model_counts import ModelCounts
 
 __all__ = ["Entries", "Entry", "HotBytes"]
 
@@ -28,13 +30,14 @@ class Entry:
     idle). Both keep the indexes of the Entries holding it. `model`: the name of the model it runs on
     (sessions/models.py); None: the default one."""
 
-    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner", "model")
+    __slots__ = ("id", "_session", "_busy", "last_used", "created", "_owner", "model", "woke")
 
     def __init__(self, id: str, session: Session | None = None, busy: str | None = None,
                  created: float | None = None, model: str | None = None) -> None:
         self.id, self._session, self._busy, self.model = id, session, busy, model
         self.last_used, self.created = time.monotonic(), time.time() if created is None else created
         self._owner: Entries | None = None  # the Entries holding it
+        self.woke: dict[str, Any] | None = None  # its last wake's result
 
     @property
     def session(self) -> Session | None:
@@ -61,7 +64,9 @@ class Entry:
     def busy(self, op: str | None) -> None:
         # Tokens and cache change only under a claim: its keys are dropped for the claim, computed again after;
         # its bytes are measured at each sum while claimed, once after.
-        self._busy = op
+        was, self._busy = self._busy, op
+        if self._owner is not None:
+            self._owner.models.claimed(self, was, op)
         if self._owner is not None and self._session is not None:
             self._owner.kv_bytes.changing(self)
             if op is None:
@@ -114,11 +119,13 @@ class Entries(dict[str, Entry]):
         self.hot: dict[str, Entry] = {}
         self.keys = HotKeys()
         self.kv_bytes = HotBytes()
+        self.models = ModelCounts()  # each model's sessions known and claimed (sessions/model_counts.py)
 
     def __setitem__(self, session_id: str, entry: Entry) -> None:
         self._forget(session_id)
         super().__setitem__(session_id, entry)
         entry._owner = self
+        self.models.add(entry)
         entry.session = entry.session  # indexed if hot
 
     def __delitem__(self, session_id: str) -> None:
@@ -134,10 +141,17 @@ class Entries(dict[str, Entry]):
             self[session_id] = entry
         return self[session_id]
 
+    def rebind(self, entry: Entry, model: str) -> None:
+        """Move an asleep entry to `model` (its bundle's model, known only now: sessions/models.py)."""
+        self.models.remove(entry)
+        entry.model = model
+        self.models.add(entry)
+
     def _forget(self, session_id: str) -> None:
         old = self.get(session_id)
         if old is not None:
             old._owner = None
+            self.models.remove(old)
             self.hot.pop(session_id, None)
             self.keys.forget(old)
             self.kv_bytes.forget(old)

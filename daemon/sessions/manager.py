@@ -129,7 +129,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         bundles = {} if len(self.registry) == 1 else \
             {r["id"]: r["bundle"] for r in await to_thread.run_sync(self.store.snapshots)}
         for row in rows:
-            model = self.model_for_bundle(bundles.get(row["head"]))
+            model = self.model_for_stored(row["id"], bundles.get(row["head"]))
             self.entries[row["id"]] = Entry(row["id"], created=row["created"], model=model)
 
     # -- claiming -------------------------------------------------------------
@@ -143,8 +143,10 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
     @contextlib.asynccontextmanager
     async def claim(self, session_id: Any, op: str, take_over: bool = False) -> AsyncIterator[Entry]:
         if self.remote is not None and op not in ("delete", "sleep") and check_session_id(session_id) not in self.entries:
-            await self.remote.adopt(session_id, take_over=take_over)  # published by another daemon: ours now
-            self.entries.setdefault(session_id, Entry(session_id, model=self.registry.default.name))
+            name = self.model_name()  # published by another daemon: ours now, of the request's model
+            async with self.use(name) as model:
+                await self.remote.adopt(session_id, take_over=take_over, engine=model.engine)
+            self.entries.setdefault(session_id, Entry(session_id, model=name))
         entry = self.entry(session_id)
         with self.model_scope(entry, op):  # its model's engine; a turn asked of another model refused
             async with contextlib.nullcontext() if op in ("sleep", "delete") else self.use(self.model_of(entry)):
@@ -204,13 +206,14 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
 
     async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False) -> dict[str, Any]:
         if self.remote is not None and self.remote.needs_lease(entry.id):  # released or taken over: take it back
-            await self.remote.adopt(entry.id, take_over=take_over)
+            await self.remote.adopt(entry.id, take_over=take_over, engine=self.engine)
         snapshot = snapshot_id
         if snapshot is None:
             row = await to_thread.run_sync(self.store.session, entry.id)
             if row["head"] is None:  # a session with no snapshot yet starts empty, it is not missing
                 entry.session = Session(entry.id, metadata=row["metadata"])
-                return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0}
+                return {"snapshot_id": None, "tokens": 0, "blocks_from_memory": 0, "blocks_from_disk": 0, "ms": 0.0,
+                        "phases_ms": {}}
             snapshot = row["head"]
         engine = self.engine
         # Read and verified once (its bundle too, before anyone sleeps for it). The wake takes the head's as it
@@ -232,6 +235,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)
         self.latency["wake"].add(info["ms"])
+        entry.woke = info  # the turn that woke it traces it (conversations.py)
         self.counters["wakes"] += 1
         log.info("wake", extra={"session": entry.id, **info})
         return info
@@ -337,5 +341,5 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if session_id is not None:
             check_session_id(session_id)
         result = await to_thread.run_sync(lambda: self.store.import_(path, session_id=session_id))
-        self.entries.setdefault(result["session_id"], Entry(result["session_id"], model=self.registry.default.name))
+        await self.bind_imported(result["session_id"], result["snapshot_id"])  # on its bundle's model
         return result

@@ -8,8 +8,10 @@ docs/decisions.md, "Several models (issue 53)".
   `thread` and `model` answer for it. Tasks and worker threads started inside inherit it.
 - **Load on demand:** `use` waits for a model's load (one load per model at a time, shared by whoever
   asks), which runs `start` on a worker thread: the weights are read on the model's own new engine thread.
-  Before a load, models are unloaded least recently used first while the load would go past
-  `max_loaded` or `models_budget_bytes`; a model in use is waited for; pinned ones are never unloaded.
+  Before a load, room is made (sessions/model_room.py) while the load would go past `max_loaded` or the
+  memory budget (model/budget.py: every loaded model's weights and hot KV): idle sessions sleep, models are
+  unloaded least recently used first; a model in use is waited for; pinned ones are never unloaded. After
+  each load and unload every engine's KV room is what the budget leaves beside all the loaded weights.
 - **Unload without loss:** new operations on the model wait; once none is in flight, each of its hot
   sessions sleeps, then its engine stops. Its sessions stay known, asleep, and wake on its next load.
 - **Sessions know their model** after a restart by their head snapshot's bundle hash, through
@@ -31,20 +33,21 @@ from typing import Any
 
 from anyio import to_thread
 
+from kvwake.daemon.model.budget import ModelsBudgetError
 from kvwake.daemon.model.loader import stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.sessions.entries import Entry
+from kvwake.daemon.sessions.model_room import WAIT_S, ModelRoom
 from kvwake.errors import BusyError, InvalidParamsError, KvwakeError
 from kvwake.store.files import write_durable
 
-__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError", "weights_bytes"]
+__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError"]
 
 log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
 HELD: ContextVar[frozenset[str]] = ContextVar("kvwake_models_held", default=frozenset())  # its `use`s, outer ones
 BUNDLES_FILE = "model-bundles.json"
-WAIT_S = 0.01  # how often a load waiting for a model in use, or a use waiting for an unload, looks again
 Starter = Callable[[ModelSpec], tuple[Any, Any]]  # spec -> (engine, engine thread), blocking (model/loader.py)
 
 
@@ -52,14 +55,7 @@ class ModelLoadError(KvwakeError):
     """A model could not be loaded (INTERNAL: the daemon serves on, its other models unaffected)."""
 
 
-def weights_bytes(model: LoadedModel) -> int:
-    """The bytes of a loaded model's weights (its parameters' arrays), measured apart from any other model."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.engine.model.parameters()))
-
-
-class ModelKeeping:
+class ModelKeeping(ModelRoom):
     """The session manager's models (see the module docstring); `SessionManager` holds the state."""
 
     def is_loaded(self, name: str) -> bool:
@@ -79,10 +75,13 @@ class ModelKeeping:
         self._last_use: dict[str, float] = {}
         self._weights: dict[str, int] = {}  # each model's weights as measured at its last load
         self._admit: asyncio.Lock | None = None  # made on the loop: one load's room-making at a time
+        self._limits = self.models.get().engine.limits  # MLX's, process-wide: every model's engine has them
         self._bundles_path = Path(self.settings.data_dir) / BUNDLES_FILE
         self._bundles: dict[str, str] = _read_bundles(self._bundles_path)
+        self._unbound: dict[str, set[str]] = {}  # bundle no model has had here -> its sessions (model_for_stored)
         for model in self.models:
             self._loaded(model)
+        self.fit_rooms()
 
     # -- which model ----------------------------------------------------------
 
@@ -97,6 +96,32 @@ class ModelKeeping:
         """The model whose bundle hash is `bundle` (a stored session's), else the default one."""
         name = self._bundles.get(bundle or "")
         return name if name is not None and name in self.registry.specs else self.registry.default.name
+
+    def model_for_stored(self, session_id: str, bundle: str | None) -> str:
+        """The model of stored session `session_id`, its head's bundle `bundle` (`model_for_bundle`). A bundle
+        no model has had here yet (an imported snapshot's, say) is noted: its sessions, attributed to the
+        default model meanwhile, move to the model that first loads with it (`_bind_noted`)."""
+        if bundle is not None and bundle not in self._bundles:
+            self._unbound.setdefault(bundle, set()).add(session_id)
+        return self.model_for_bundle(bundle)
+
+    async def bind_imported(self, session_id: str, snapshot_id: str) -> Entry:
+        """The entry of a session an import made known (asleep), on the model its snapshot's bundle names
+        (`model_for_stored`); a session known already keeps its entry."""
+        bundle = (await to_thread.run_sync(self.store.snapshot_summary, snapshot_id))["bundle"]
+        if session_id not in self.entries:
+            self.entries[session_id] = Entry(session_id, model=self.model_for_stored(session_id, bundle))
+        return self.entries[session_id]
+
+    def _bind_noted(self, model: LoadedModel) -> None:
+        """On the loop, a model just loaded: the sessions noted with its bundle move to it (asleep and idle
+        ones; one claimed now keeps its model, and stays noted for a later load)."""
+        for sid in self._unbound.pop(model.bundle.hash, set()):
+            entry = self.entries.get(sid)
+            if entry is not None and (entry.busy or entry.session is not None):
+                self._unbound.setdefault(model.bundle.hash, set()).add(sid)
+            elif entry is not None and entry.model != model.name:
+                self.entries.rebind(entry, model.name)
 
     @contextlib.asynccontextmanager
     async def using(self, requested: Any) -> AsyncIterator[LoadedModel]:
@@ -173,23 +198,29 @@ class ModelKeeping:
     async def _load(self, spec: ModelSpec) -> None:
         if self._start is None:
             raise InvalidParamsError(f"model {spec.name!r} is not loaded and this manager cannot load models")
+        try:
+            need = await self.weights_needed(spec)  # a hub id downloaded first: not while holding `_admit`
+        except ModelsBudgetError:
+            raise
+        except Exception as exc:  # a bad path, a download that failed
+            raise _load_failed(spec, exc) from exc
         if self._admit is None:
             self._admit = asyncio.Lock()
         async with self._admit:
-            await self._room_for(spec)
+            await self._room_for(spec, need)
             self._loading_since[spec.name] = time.time()
             started = time.perf_counter()
             try:
                 engine, thread = await to_thread.run_sync(self._start, spec)
-            except Exception as exc:  # a bad path, a download that failed, weights that do not load
-                log.error("model load failed", extra={"model": spec.name, "source": spec.source, "error": repr(exc)})
-                raise ModelLoadError(f"model {spec.name!r} could not be loaded from {spec.source or 'the default'}:"
-                                     f" {exc}", model=spec.name, source=spec.source) from exc
+            except Exception as exc:  # weights or a tokenizer that do not load
+                raise _load_failed(spec, exc) from exc
             finally:
                 self._loading_since.pop(spec.name, None)
             model = self.models.add(engine, thread, spec.name)
             self._last_use[spec.name] = time.monotonic()
             await to_thread.run_sync(self._loaded, model)
+            self._bind_noted(model)
+            self.fit_rooms()
         warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
         self._warming.add(warming)  # held: the loop keeps only weak references to tasks
         warming.add_done_callback(self._warming.discard)
@@ -198,20 +229,10 @@ class ModelKeeping:
 
     def _loaded(self, model: LoadedModel) -> None:
         """Note a model just loaded: its weights' bytes, and its bundle's name in the bundles file."""
-        self._weights[model.name] = weights_bytes(model)
+        self._weights[model.name] = model.engine.weights_bytes
         if self._bundles.get(model.bundle.hash) != model.name:
             self._bundles[model.bundle.hash] = model.name
             write_durable(self._bundles_path, json.dumps(self._bundles, indent=1, sort_keys=True).encode())
-
-    def _over(self, spec: ModelSpec) -> bool:
-        """Whether loading `spec` beside the loaded models would pass max_loaded or models_budget_bytes."""
-        limit, budget = self.settings.max_loaded, self.settings.models_budget_bytes
-        if limit is not None and len(self.models) + 1 > limit:
-            return True
-        if budget is None:
-            return False
-        loaded = sum(self._weights.get(n, 0) for n in self.models.names())
-        return loaded + self._weights.get(spec.name, _folder_bytes(spec)) > budget
 
     def _unloadable(self, name: str) -> bool:
         """Never unloaded: pinned models, and the remote tier's (it holds that engine)."""
@@ -222,30 +243,7 @@ class ModelKeeping:
         """Whether an operation runs on the model or is about to (waiting for its load, not held back by its
         unload or draining), or one of its sessions is claimed."""
         return self._uses[name] > 0 or self._waits[name] > self._blocked[name] or \
-            any(e.busy and self.model_of(e) == name for e in self.entries.values())
-
-    async def _room_for(self, spec: ModelSpec) -> None:
-        """Unload models, least recently used first, until `spec` fits. While every one that could go is in
-        use, the least recently used drains: its operations in flight end, new ones wait for its unload (and
-        then load it again), so a model in steady use takes turns with the load instead of starving it.
-        BusyError at once if only pinned models stand in the way."""
-        try:
-            while self._over(spec):
-                candidates = [n for n in self.models.names() if self._unloadable(n)]
-                if not candidates:
-                    raise BusyError(f"model {spec.name!r} cannot load: the loaded models "
-                                    f"({', '.join(self.models.names())}) are pinned and fill the limit",
-                                    model=spec.name, max_loaded=self.settings.max_loaded)
-                idle = [n for n in candidates if not self._in_use(n)]
-                if idle:
-                    await self.unload(min(idle, key=lambda n: self._last_use.get(n, 0.0)), why="room")
-                    self._draining.clear()  # gone, if it drained: the next in use drains, its own loads run
-                else:
-                    if not self._draining:  # chosen once: the one that waits longest unused goes
-                        self._draining.add(min(candidates, key=lambda n: self._last_use.get(n, 0.0)))
-                    await asyncio.sleep(WAIT_S)
-        finally:
-            self._draining.clear()  # one room-making at a time (`_admit`): what drains is this one's
+            self._of_model(self.entries.models.busy, name) > 0
 
     # -- unloading -------------------------------------------------------------
 
@@ -278,6 +276,7 @@ class ModelKeeping:
             model = self.models.remove(name)
             self._shared.pop(name, None)
             await to_thread.run_sync(stop_model, model)
+            self.fit_rooms()  # its weights gone: the others' KV room grows by them
         finally:
             self._unloads.pop(name, None)
         log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
@@ -295,19 +294,23 @@ class ModelKeeping:
                 gone.append(name)
         return gone
 
+    def _of_model(self, counts: Counter[str | None], name: str) -> int:
+        """`name`'s count in one of `Entries.models`' counters (entries of no model name are the default's)."""
+        return counts[name] + (counts[None] if name == self.registry.default.name else 0)
+
     def model_states(self) -> list[dict[str, Any]]:
         """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
         loading its start (seconds since the epoch), when loaded its bundle hash and weights' bytes, and its
         sessions (hot, asleep)."""
-        counts: Counter[tuple[str, bool]] = Counter((self.model_of(e), e.session is not None)
-                                                    for e in self.entries.values())
+        hot = Counter(self.model_of(e) for e in self.entries.hot.values())  # hot ones: as few as memory holds
         states = []
         for spec in self.registry:
             state = "loaded" if spec.name in self.models else "loading" if spec.name in self._loading_since \
                 else "unloaded"
             row = {"name": spec.name, "aliases": list(self.registry.names(spec)[1:]), "patterns": list(spec.aliases),
                    "pinned": spec.pinned, "state": state, "source": spec.source,
-                   "sessions": {"hot": counts[(spec.name, True)], "asleep": counts[(spec.name, False)]}}
+                   "sessions": {"hot": hot[spec.name],
+                                "asleep": self._of_model(self.entries.models.known, spec.name) - hot[spec.name]}}
             if state == "loading":
                 row["loading_since"] = self._loading_since[spec.name]
             if state == "loaded":
@@ -317,12 +320,10 @@ class ModelKeeping:
         return states
 
 
-def _folder_bytes(spec: ModelSpec) -> int:
-    """A model not loaded before: its weights files' bytes (0 for a hub id not downloaded)."""
-    folder = Path(spec.source).expanduser() if spec.source is not None else None
-    if folder is None or not folder.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+def _load_failed(spec: ModelSpec, exc: Exception) -> ModelLoadError:
+    log.error("model load failed", extra={"model": spec.name, "source": spec.source, "error": repr(exc)})
+    return ModelLoadError(f"model {spec.name!r} could not be loaded from {spec.source or 'the default'}: {exc}",
+                          model=spec.name, source=spec.source)
 
 
 def _read_bundles(path: Path) -> dict[str, str]:

@@ -22,17 +22,22 @@ Ownership (the lease rule; docs/decisions.md, "Remote tier (issue 13)"):
   the session again until it takes the lease back.
 This daemon's view of its leases is kept in `<data dir>/remote/leases.json`, so
 it survives a restart and a session it holds wakes without asking the remote.
+
+Every model's sessions and prompts go to their own bundle's namespace
+(store/remote/client.py: `v1/<bundle>/`), a `Remote` each, connected when first
+used: a snapshot's upload by its bundle, a prefix lookup and an adoption by the
+model of the request, a release where the session's lease was taken; listing
+and gc cover the namespaces this daemon has used since it started (the default
+model's always). `remote` is the default model's, whose health `status` shows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import secrets
+import threading
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -40,8 +45,8 @@ from anyio import from_thread, to_thread
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.sessions.remote_leases import LeaseBook, daemon_id
 from kvwake.errors import BusyError, KvwakeError, NotFoundError, RemoteUnavailableError
-from kvwake.store.files import write_durable
 from kvwake.store.format.keys import chain_keys
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.gc import collect
@@ -56,33 +61,6 @@ log = logging.getLogger("kvwake.remote")
 RETRY_MAX_S = 5.0
 
 
-class LeaseBook:
-    """This daemon's leases, by session id, persisted (`state` "lost": another daemon took it over)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.leases: dict[str, Lease] = {}
-        if path.exists():
-            self.leases = {sid: Lease(**v) for sid, v in json.loads(path.read_text()).items()}
-
-    def get(self, session_id: str) -> Lease | None:
-        return self.leases.get(session_id)
-
-    def set(self, session_id: str, lease: Lease) -> None:
-        self.leases[session_id] = lease
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_durable(self.path, json.dumps({k: asdict(v) for k, v in self.leases.items()}).encode())
-
-
-def daemon_id(folder: Path) -> str:
-    """This daemon's stable name in lease objects (made once per data dir)."""
-    path = folder / "daemon-id"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        write_durable(path, f"d-{secrets.token_hex(8)}".encode())
-    return path.read_text().strip()
-
-
 class RemoteTier:
     """Everything the session manager asks of the shared tier."""
 
@@ -90,27 +68,64 @@ class RemoteTier:
         assert settings.remote is not None
         self.engine, self.store, self.settings = engine, engine.store, settings
         folder = settings.data_dir / "remote"
-        config = RemoteConfig(settings.remote, settings.remote_endpoint, settings.remote_access_key_id,
-                              settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
-        self.remote = Remote(config, engine.bundle.hash, daemon_id(folder))
-        self.remote.health.slow_s = settings.remote_prefix_deadline_s  # slower than a prefix lookup waits: "slow"
-        self.remote.keep_history = settings.keep_history  # the remote gc keeps as much of our sessions' history
+        self.config = RemoteConfig(settings.remote, settings.remote_endpoint, settings.remote_access_key_id,
+                                   settings.remote_secret_access_key, settings.remote_region, settings.remote_timeout_s)
+        self.daemon_id = daemon_id(folder)
+        self.remote = self._open(engine.bundle.hash)
+        self.remotes = {engine.bundle.hash: self.remote}  # bundle hash -> its namespace's Remote (connected)
+        self.homes: dict[str, str] = {}  # session id -> the bundle whose namespace holds its lease
+        self._opening = threading.Lock()
         self.book = LeaseBook(folder / "leases.json")
         self.ready = anyio.Event()
-        # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`)
+        # (session id, snapshot id) of a snapshot, or (None, last chain key) of a warmed prefix (`prefixes`:
+        # its bundle and tokens)
         self._send, self._receive = anyio.create_memory_object_stream[tuple[str | None, str]](settings.remote_queue)
         self.taken: tuple[str | None, str] | None = None  # the upload `run` took from the queue and has not finished
-        self.prefixes: dict[str, list[int]] = {}
+        self.prefixes: dict[str, tuple[str, list[int]]] = {}
         self.uploaded: dict[str, anyio.Event] = {}
         self.failed: dict[str, tuple[KvwakeError, float]] = {}  # snapshot id -> (why its last upload failed, when)
         self.counters = {"upload_queue_full": 0, "upload_failures": 0, "prefix_blocks": 0, "prefix_partial_tokens": 0,
                          "prefix_lookups_late": 0,
                          "uploaded_prefixes": 0, "adopted": 0}
 
+    def _open(self, bundle: str) -> Remote:
+        remote = Remote(self.config, bundle, self.daemon_id)
+        remote.health.slow_s = self.settings.remote_prefix_deadline_s  # slower than a prefix lookup waits: "slow"
+        remote.keep_history = self.settings.keep_history  # the remote gc keeps as much of our sessions' history
+        return remote
+
+    def remote_for(self, bundle: str) -> Remote:
+        """The namespace of model bundle `bundle`, its identity checked (connected) at its first use
+        (blocking: a worker thread's). RemoteUnavailableError, InvalidParamsError as `Remote.connect`."""
+        with self._opening:
+            remote = self.remotes.get(bundle)
+            if remote is None:
+                remote = self._open(bundle)
+                try:
+                    remote.connect(self.store.block_tokens, self.store.bundle(bundle) or {})
+                except BaseException:
+                    remote.close()
+                    raise
+                self.remotes[bundle] = remote
+        return remote
+
+    def _home(self, session_id: str) -> Remote:
+        """The namespace of a session's lease: where it was taken, else its head snapshot's bundle's (after a
+        restart), else the default model's (blocking)."""
+        bundle = self.homes.get(session_id)
+        if bundle is None:
+            try:
+                head = self.store.session(session_id)["head"]
+            except NotFoundError:
+                head = None
+            bundle = self.store.snapshot(head).bundle if head else self.remote.bundle
+        return self.remote_for(bundle)
+
     def close(self) -> None:
         self._send.close()  # the upload queue: whatever is still queued is uploaded at the next start
         self._receive.close()
-        self.remote.close()
+        for remote in list(self.remotes.values()):
+            remote.close()
 
     def status(self) -> dict[str, Any]:
         h = self.remote.health
@@ -121,7 +136,9 @@ class RemoteTier:
                 "error": h.error, "since": h.since, "last_ok": h.last_ok, "last_call_s": h.last_call_s,
                 "daemon": self.remote.daemon_id,
                 "queued": self._send.statistics().current_buffer_used,
-                "uploading": self.taken[1] if self.taken is not None else None, **self.remote.counters, **self.counters}
+                "uploading": self.taken[1] if self.taken is not None else None,
+                **{k: sum(r.counters[k] for r in list(self.remotes.values())) for k in self.remote.counters},
+                **self.counters}
 
     @property
     def healthy(self) -> bool:
@@ -154,12 +171,13 @@ class RemoteTier:
             await self._upload_retrying(*item)
             self.taken = None
 
-    def enqueue_prefix(self, tokens: list[int]) -> None:
-        """Queue a warmed prefix's blocks, its short last one too, for upload under a prefix manifest
-        (store/remote/shared_prompts.py)."""
-        keys = chain_keys(self.remote.bundle, tokens, self.store.block_tokens, partial=True)
+    def enqueue_prefix(self, tokens: list[int], bundle: str | None = None) -> None:
+        """Queue a warmed prefix of model bundle `bundle` (None: the default model's): its blocks, its short
+        last one too, for upload under a prefix manifest (store/remote/shared_prompts.py)."""
+        bundle = bundle or self.remote.bundle
+        keys = chain_keys(bundle, tokens, self.store.block_tokens, partial=True)
         if keys:
-            self.prefixes[keys[-1]] = list(tokens)
+            self.prefixes[keys[-1]] = (bundle, list(tokens))
             self.enqueue(None, keys[-1])
 
     def enqueue(self, session_id: str | None, snapshot_id: str) -> None:
@@ -190,15 +208,18 @@ class RemoteTier:
 
     async def _upload(self, session_id: str | None, snapshot_id: str) -> None:
         if session_id is None:  # a warmed prefix: no session, no lease; its manifest keeps its blocks
-            info = await self._run(upload_prefix, self.remote, self.store, self.prefixes[snapshot_id])
+            bundle, tokens = self.prefixes[snapshot_id]
+            info = await self._run(lambda: upload_prefix(self.remote_for(bundle), self.store, tokens))
             self.counters["uploaded_prefixes"] += 1
             self.uploaded[snapshot_id].set()
             log.info("uploaded prefix", extra=info or {})
             return
+        remote = await self._run(lambda: self.remote_for(self.store.snapshot(snapshot_id).bundle))  # its model's
+        self.homes[session_id] = remote.bundle
         lease = self.book.get(session_id)
         if lease is None:  # a session this daemon made: its lease is taken at the first upload, if nobody has one
             try:
-                lease = await self._run(lambda: self.remote.acquire(session_id, only_new=True))
+                lease = await self._run(lambda: remote.acquire(session_id, only_new=True))
             except BusyError:
                 await self._run(self.book.set, session_id, Lease(0, self.remote.daemon_id, "lost", time.time()))
                 raise
@@ -207,7 +228,7 @@ class RemoteTier:
             raise LostLeaseError(f"session {session_id} is not held by this daemon (lease {lease.state}); "
                                  f"snapshot {snapshot_id} stays local", session_id=session_id)
         try:
-            info = await self._run(upload_snapshot, self.remote, self.store, snapshot_id, lease)
+            info = await self._run(upload_snapshot, remote, self.store, snapshot_id, lease)
         except LostLeaseError:
             await self._run(self.book.set, session_id, Lease(lease.epoch, lease.daemon, "lost", lease.time))
             raise
@@ -240,7 +261,8 @@ class RemoteTier:
         lease = self.book.get(session_id)
         if lease is None or lease.state != "held":
             return False
-        if await self._run(self.remote.release, session_id, lease):
+        remote = await self._run(self._home, session_id)
+        if await self._run(remote.release, session_id, lease):
             await self._run(self.book.set, session_id, Lease(lease.epoch + 1, lease.daemon, "released", lease.time))
             return True
         return False
@@ -258,21 +280,25 @@ class RemoteTier:
         lease = self.book.get(session_id)
         return lease is not None and lease.state != "held"
 
-    async def adopt(self, session_id: str, *, take_over: bool = False) -> dict[str, Any]:
-        """Take the session's lease and bring its newest remote snapshot into the local store.
+    async def adopt(self, session_id: str, *, take_over: bool = False, engine: Engine | None = None) -> dict[str, Any]:
+        """Take the session's lease and bring its newest remote snapshot into the local store, from the
+        namespace of `engine`'s model (None: the default model's).
 
         Raises NotFoundError (no such remote session), BusyError (another daemon holds it),
         CorruptBlockError (refused, nothing kept), RemoteUnavailableError.
         """
         self._check_ready()
-        if await self._run(self.remote.head, session_id) is None:
-            raise NotFoundError(f"no session {session_id!r} here or on remote {self.settings.remote}",
-                                session_id=session_id)
-        lease = await self._run(lambda: self.remote.acquire(session_id, take_over=take_over))
+        engine = engine or self.engine
+        remote = await self._run(self.remote_for, engine.bundle.hash)
+        if await self._run(remote.head, session_id) is None:
+            raise NotFoundError(f"no session {session_id!r} of model {engine.model_name} here or on remote "
+                                f"{self.settings.remote}", session_id=session_id)
+        lease = await self._run(lambda: remote.acquire(session_id, take_over=take_over))
+        self.homes[session_id] = remote.bundle
         await self._run(self.book.set, session_id, lease)  # an fsync: off the event loop
         try:
-            head = await self._run(self.remote.head, session_id)
-            result = await self._run(fetch_snapshot, self.remote, self.store, head, session_id, self.engine.ram_tier.put)
+            head = await self._run(remote.head, session_id)
+            result = await self._run(fetch_snapshot, remote, self.store, head, session_id, engine.ram_tier.put)
         except BaseException:
             with contextlib.suppress(Exception):  # give back what we cannot serve
                 await self.release(session_id)
@@ -281,20 +307,24 @@ class RemoteTier:
         log.info("adopted", extra={"session": session_id, "epoch": lease.epoch, **result})
         return result
 
-    def prefetch(self, tokens: list[int]) -> int:
-        """Remote blocks continuing the local prefix of `tokens`, then a published partial piece, under
-        the deadline, into the RAM tier; returns the whole blocks added (0 when unhealthy).
+    def prefetch(self, tokens: list[int], engine: Engine | None = None) -> int:
+        """Remote blocks continuing the local prefix of `tokens`, then a published partial piece (for a
+        model served through restore points: the run's points instead), under the deadline, into the RAM
+        tier (points: into the store); `engine`: the request's model (None: the default one). Returns the
+        whole blocks added (0 when unhealthy).
 
         Blocking, on the calling worker thread (an append's, which is waiting for this anyway): it takes
         no second worker thread, so any number of cold appends at once cannot starve anyio's pool.
         The counters are updated on the event loop.
         """
-        if not self.healthy or len(tokens) < self.engine.min_partial:
+        engine = engine or self.engine
+        if not self.healthy or len(tokens) < engine.min_partial:
             return 0
         deadline, began = self.settings.remote_prefix_deadline_s, time.monotonic()
         try:
-            n, partial = fetch_prefix(self.remote, self.store, tokens, deadline_s=deadline,
-                                      min_partial=self.engine.min_partial, on_block=self.engine.ram_tier.put)
+            n, partial = fetch_prefix(self.remote_for(engine.bundle.hash), self.store, tokens, deadline_s=deadline,
+                                      min_partial=engine.min_partial, on_block=engine.ram_tier.put,
+                                      with_points=engine.points.enabled)
         except KvwakeError as exc:  # a prefix lookup never fails an append: it prefills instead
             log.warning("remote prefix lookup failed; prefilling", extra={"error": exc.message})
             return 0
@@ -311,18 +341,25 @@ class RemoteTier:
         self.counters["prefix_partial_tokens"] += partial
 
     async def gc(self, grace_s: float, verify: bool) -> dict[str, Any]:
-        """One remote gc run (store/remote/gc.py); this daemon's store puts back what it can of damaged objects."""
+        """One remote gc run (store/remote/gc.py) in the default model's namespace, and one in each other
+        namespace this daemon has used (under "namespaces": their bundle hash and report); this daemon's store
+        puts back what it can of damaged objects."""
         self._check_ready()
-        report = await self._run(lambda: collect(self.remote, self.store, grace_s=grace_s, verify=verify))
-        log.info("remote gc", extra=asdict(report))
-        return asdict(report)
+        reports = []
+        for remote in list(self.remotes.values()):
+            report = await self._run(lambda remote=remote: collect(remote, self.store, grace_s=grace_s, verify=verify))
+            log.info("remote gc", extra={"bundle": remote.bundle, **asdict(report)})
+            reports.append({"bundle": remote.bundle, **asdict(report)})
+        first = {k: v for k, v in reports[0].items() if k != "bundle"}
+        return {**first, "namespaces": reports[1:]} if len(reports) > 1 else first
 
     async def sessions(self) -> tuple[list[str], str | None]:
         """Remote session ids, and an error when they could not be listed (never raises)."""
         if not self.ready.is_set() or not self.healthy:
             return [], self.remote.health.error or "remote not connected"
         try:
-            return await self._run(self.remote.sessions), None
+            listed = [await self._run(remote.sessions) for remote in list(self.remotes.values())]
+            return sorted({sid for ids in listed for sid in ids}), None
         except KvwakeError as exc:
             return [], exc.message
 

@@ -62,7 +62,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
                        "weights_bytes": engine.weights_bytes, "kv_bytes_per_token": engine.token_bytes,
                        "max_session_tokens": engine.max_tokens, **engine.mlx_memory()},
             "persistence": engine.persister.status(),
-            "restore_points": engine.points.status(),
+            "restore_points": {**engine.points.status(), **engine.reply_points.status()},
             **({"pages": engine.pages.status()} if engine.pages is not None else {}),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,

@@ -55,11 +55,16 @@ class RoomKeeping:
     # -- automatic sleep and shutdown -----------------------------------------
 
     def hot_bytes(self) -> int:
-        """KV in memory: the hot sessions' (each measured once per claim: Entries.kv_bytes), the page pool's as
-        it holds them now, and what is being freed. Pages are counted from the pool, not from the sessions'
-        shares: when a session sharing pages sleeps, the others' shares grow without a claim of theirs."""
-        return (self.freeing_bytes() + self.entries.kv_bytes.total(self.engine.unpaged_bytes)
-                + self.engine.page_bytes())
+        """KV in memory, every loaded model's: the hot sessions' (each measured once per claim:
+        Entries.kv_bytes), the page pools' as they hold them now, and what is being freed. Pages are counted
+        from the pools, not from the sessions' shares: when a session sharing pages sleeps, the others'
+        shares grow without a claim of theirs. One sum for every model, held against one room (model/budget.py)."""
+        loaded = list(self.models)
+        if not loaded:  # no model, no hot session
+            return self.freeing_bytes()
+        # a session's unpaged bytes are its own cache's: any engine measures them alike
+        return (self.freeing_bytes() + self.entries.kv_bytes.total(loaded[0].engine.unpaged_bytes)
+                + sum(m.engine.page_bytes() for m in loaded))
 
     def hot_budget(self) -> int:
         """Bytes of hot KV above which LRU sessions sleep: the settings', else the engine's from its memory."""

@@ -10,6 +10,8 @@ Layout under `s3://BUCKET/PREFIX/` (format 1, `LAYOUT`):
     v1/<bundle>/identity.json                 create-only; compared at start
     v1/<bundle>/blocks/<chain key>            one block object (below), create-only
     v1/<bundle>/tails/<snapshot id>           a snapshot's tail object, create-only
+    v1/<bundle>/points/<chain key>            a restore point object (store/remote/points.py), keyed
+                                              by the chain key of the block it closes, create-only
     v1/<bundle>/snapshots/<sid>/<epoch:012d>-<snapshot id>.json
                                               the manifest, written last: the commit point
     v1/<bundle>/leases/<sid>/<epoch:012d>.json
@@ -34,7 +36,10 @@ keeps for the session, named by its head; store/remote/gc.py). A session's head 
 {"format": "kvwake-prefix", "version": 1, "bundle", "block_tokens",
 "n_tokens", "last_tokens" (the last piece's token ids), "blocks": [{"key",
 "digest", "raw_bytes"}]}; its last block may be short (fewer than
-block_tokens tokens, keyed by the same layout).
+block_tokens tokens, keyed by the same layout). Both kinds of manifest may
+name restore points, `"points": [{"key", "digest", "raw_bytes", "n_tokens"}]`:
+those the uploader held closing the manifest's blocks (the remote gc keeps
+them while a manifest names them).
 
 Objects are deleted only by the remote gc (store/remote/gc.py), which never
 removes what a snapshot or prefix manifest names.
@@ -83,7 +88,7 @@ class Remote:
         self.health = Health()
         self.keep_history: int | None = None  # named in our manifests: how much history the remote gc keeps
         self.counters = {"uploaded_blocks": 0, "uploaded_snapshots": 0, "fetched_blocks": 0,
-                         "fetched_snapshots": 0, "refused_objects": 0}
+                         "fetched_snapshots": 0, "refused_objects": 0, "uploaded_points": 0, "fetched_points": 0}
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwake-s3")
 
     def close(self) -> None:
@@ -122,6 +127,22 @@ class Remote:
             return bytes(self.call(f"GET {key}", lambda: self.s3.get(key).bytes()))
         except MISSING:
             return None
+
+    def refused(self, what: str, why: str, **facts: Any) -> CorruptBlockError:
+        """The error for a remote object that does not check out (counted)."""
+        self.counters["refused_objects"] += 1
+        return CorruptBlockError(f"remote {what} refused: {why}", remote=self.config.url, **facts)
+
+    def get_checked(self, key: str, check: Callable[[bytes], T], what: str, **facts: Any) -> T:
+        """`check(bytes)` of the object at `key`: KeyError when it does not exist; CorruptBlockError naming
+        `what` (and `facts`) when `check` raises ValueError."""
+        data = self.get(key)
+        if data is None:
+            raise KeyError(key)
+        try:
+            return check(data)
+        except ValueError as exc:
+            raise self.refused(what, str(exc), **facts) from None
 
     def put_new(self, key: str, data: bytes) -> bool:
         """Create-only put (If-None-Match: *); False if the key already exists."""
@@ -164,6 +185,9 @@ class Remote:
 
     def block_key(self, key: str) -> str:
         return f"{self.ns}/blocks/{key}"
+
+    def point_key(self, key: str) -> str:
+        return f"{self.ns}/points/{key}"
 
     def tail_key(self, snapshot_id: str) -> str:
         return f"{self.ns}/tails/{snapshot_id}"

@@ -1,10 +1,10 @@
 """The remote gc: the only code that deletes objects from the shared tier (`kvwake gc --remote`).
 
 What it removes, in one bundle's namespace:
-- block and tail objects that no manifest names (snapshot manifests under
-  `snapshots/`, prefix manifests under `prefixes/`), once their last-modified
-  time is older than `grace_s`: the leftovers of uploads cut off before their
-  manifest;
+- block, tail and restore point objects that no manifest names (snapshot
+  manifests under `snapshots/`, prefix manifests under `prefixes/`), once
+  their last-modified time is older than `grace_s`: the leftovers of uploads
+  cut off before their manifest, and the points of manifests pruned;
 - with `verify`, also named block and tail objects that fail verification on
   two reads in a row (a damaged object can never be replaced by a create-only
   put, so it must go). The daemon running the gc then puts back a verified
@@ -59,6 +59,8 @@ from kvwake.errors import BusyError, CorruptBlockError
 from kvwake.store.core import StoreCore
 from kvwake.store.index import BlockRef
 from kvwake.store.remote.client import Remote
+from kvwake.store import points
+from kvwake.store.remote.points import check_point_object, put_point
 from kvwake.store.remote.snapshots import check_block_object, check_tail_object, put_block, put_tail
 
 __all__ = ["RemoteGcReport", "collect"]
@@ -76,8 +78,10 @@ class RemoteGcReport:
     pruned_manifests: int = 0  # old snapshot manifests removed by history pruning
     blocks: int = 0
     tails: int = 0
+    points: int = 0
     removed_blocks: int = 0
     removed_tails: int = 0
+    removed_points: int = 0
     removed_bytes: int = 0
     kept_young: int = 0  # unreferenced, but younger than the grace period
     verified: int = 0
@@ -151,16 +155,20 @@ def _prune(remote: Remote, manifests: dict[str, dict], until: float, report: Rem
     report.pruned_manifests = len(gone)
 
 
-def _references(manifests: dict[str, dict]) -> tuple[dict[str, dict], dict[str, str]]:
-    """Every block the manifests name (key -> its manifest entry) and every tail (snapshot id -> digest)."""
+def _references(manifests: dict[str, dict]) -> tuple[dict[str, dict], dict[str, str], dict[str, dict]]:
+    """Every block the manifests name (key -> its manifest entry), every tail (snapshot id -> digest) and
+    every restore point (key -> its manifest entry)."""
     blocks: dict[str, dict] = {}
     tails: dict[str, str] = {}
+    named_points: dict[str, dict] = {}
     for m in manifests.values():
         for entry in m["blocks"]:
             blocks[str(entry["key"])] = entry
         if m.get("tail"):
             tails[str(m["snapshot"]["id"])] = str(m["tail"]["digest"])
-    return blocks, tails
+        for entry in m.get("points") or []:
+            named_points[str(entry["key"])] = {**entry, "n_tokens": int(entry["n_tokens"])}
+    return blocks, tails, named_points
 
 
 def _objects(remote: Remote, kind: str) -> dict[str, dict]:
@@ -201,6 +209,20 @@ def _check_twice(remote: Remote, key: str, check: Any) -> bool:
     return True
 
 
+def _checked(remote: Remote, path: str, present: bool, check: Any, until: float, put_back: Any) -> Any:
+    """One named object's verification outcome: "ok", "late" (past the deadline), or ("corrupt" (removed:
+    it failed twice) | "missing", whether `put_back()` put this daemon's copy back)."""
+    if time.time() > until:
+        return "late"
+    outcome = "missing"
+    if present:
+        if not _check_twice(remote, path, check):
+            return "ok"
+        remote.delete(path)
+        outcome = "corrupt"
+    return outcome, put_back()
+
+
 def _local_block(store: StoreCore | None, key: str) -> BlockRef | None:
     rows = store.rows("SELECT * FROM blocks WHERE key = ? AND quarantined = 0", (key,)) if store else []
     return BlockRef.from_row(rows[0]) if rows else None
@@ -215,37 +237,50 @@ def _verify(remote: Remote, store: StoreCore | None, blocks: dict[str, dict], ta
     """
     def block(key: str) -> Any:
         entry = blocks[key]
-        if time.time() > until:
-            return "late"
-        outcome = "missing"
-        if key in found_blocks:
-            if not _check_twice(remote, remote.block_key(key), lambda data: check_block_object(
-                    remote, key, data, entry.get("digest"), entry.get("raw_bytes"))):
-                return "ok"
-            remote.delete(remote.block_key(key))
-            outcome = "corrupt"
-        ref = _local_block(store, key)
-        return outcome, bool(ref is not None and ref.digest == entry.get("digest") and put_block(remote, store, ref))
+
+        def put_back() -> bool:
+            ref = _local_block(store, key)
+            return bool(ref is not None and ref.digest == entry.get("digest") and put_block(remote, store, ref))
+
+        return _checked(remote, remote.block_key(key), key in found_blocks, lambda data: check_block_object(
+            remote, key, data, entry.get("digest"), entry.get("raw_bytes")), until, put_back)
 
     def tail(sid: str) -> Any:
-        if time.time() > until:
-            return "late"
-        outcome = "missing"
-        if sid in found_tails:
-            if not _check_twice(remote, remote.tail_key(sid), lambda data: check_tail_object(remote, sid, data, tails[sid])):
-                return "ok"
-            remote.delete(remote.tail_key(sid))
-            outcome = "corrupt"
-        record = store.snapshot(sid) if store and store.rows("SELECT id FROM snapshots WHERE id = ?", (sid,)) else None
-        return outcome, bool(record is not None and record.tail is not None and record.tail.digest == tails[sid]
-                             and put_tail(remote, store, record))
+        def put_back() -> bool:
+            record = store.snapshot(sid) if store and store.rows("SELECT id FROM snapshots WHERE id = ?", (sid,)) else None
+            return bool(record is not None and record.tail is not None and record.tail.digest == tails[sid]
+                        and put_tail(remote, store, record))
 
-    outcomes = remote.parallel(block, list(blocks)) + remote.parallel(tail, list(tails))
+        return _checked(remote, remote.tail_key(sid), sid in found_tails,
+                        lambda data: check_tail_object(remote, sid, data, tails[sid]), until, put_back)
+
+    _count(report, remote.parallel(block, list(blocks)) + remote.parallel(tail, list(tails)))
+
+
+def _count(report: RemoteGcReport, outcomes: list[Any]) -> None:
+    """Add verification outcomes ("ok", "late", or (what was wrong, whether it was put back)) to the report."""
     report.verified += sum(1 for o in outcomes if o == "ok" or o[0] == "corrupt")
     report.corrupt_removed += sum(1 for o in outcomes if isinstance(o, tuple) and o[0] == "corrupt")
     report.missing += sum(1 for o in outcomes if isinstance(o, tuple) and o[0] == "missing")
     report.repaired += sum(1 for o in outcomes if isinstance(o, tuple) and o[1])
     report.incomplete |= "late" in outcomes
+
+
+def _verify_points(remote: Remote, store: StoreCore | None, named: dict[str, dict], found: dict, until: float,
+                   report: RemoteGcReport) -> None:
+    """Remove named point objects that fail verification twice; put back missing or removed ones from
+    `store` (`_verify`'s rules, for points)."""
+    def point(key: str) -> Any:
+        entry = named[key]
+
+        def put_back() -> bool:
+            ref = points.by_key(store, [key], remote.bundle).get(key) if store is not None else None
+            return bool(ref is not None and ref.digest == entry.get("digest") and put_point(remote, store, ref))
+
+        return _checked(remote, remote.point_key(key), key in found, lambda data: check_point_object(
+            remote, key, data, entry["n_tokens"], entry.get("digest"), entry.get("raw_bytes")), until, put_back)
+
+    _count(report, remote.parallel(point, list(named)))
 
 
 def collect(remote: Remote, store: StoreCore | None = None, *, grace_s: float = 3600.0, verify: bool = False,
@@ -260,14 +295,17 @@ def collect(remote: Remote, store: StoreCore | None = None, *, grace_s: float = 
     report = RemoteGcReport(epoch=epoch)
     try:
         found_blocks, found_tails = _objects(remote, "blocks"), _objects(remote, "tails")
+        found_points = _objects(remote, "points")
         manifests = _manifests(remote, report)  # listed after the objects: a manifest newer than them counts
         _prune(remote, manifests, until, report)
-        blocks, tails = _references(manifests)
-        report.blocks, report.tails = len(found_blocks), len(found_tails)
+        blocks, tails, named_points = _references(manifests)
+        report.blocks, report.tails, report.points = len(found_blocks), len(found_tails), len(found_points)
         report.removed_blocks = _sweep(remote, found_blocks, blocks, remote.block_key, grace_s, until, report)
         report.removed_tails = _sweep(remote, found_tails, tails, remote.tail_key, grace_s, until, report)
+        report.removed_points = _sweep(remote, found_points, named_points, remote.point_key, grace_s, until, report)
         if verify:
             _verify(remote, store, blocks, tails, found_blocks, found_tails, until, report)
+            _verify_points(remote, store, named_points, found_points, until, report)
     finally:
         report.ms = round((time.monotonic() - began) * 1000, 3)
         end = {"epoch": report.epoch, "daemon": remote.daemon_id, "time": time.time(), "report": asdict(report)}

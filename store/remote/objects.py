@@ -1,7 +1,7 @@
 """What the shared tier's pieces look like: its configuration, its health, block and tail objects,
 gc runs and lease steps (store/remote/client.py makes the calls; the layout is in its docstring).
 
-Block and tail objects (`ObjectHeader`, version 1):
+Block, tail and restore point objects (`ObjectHeader`, version 1):
 
     offset  size  field
     0       4     magic b"KVWO"
@@ -10,7 +10,8 @@ Block and tail objects (`ObjectHeader`, version 1):
     8       4     u32 LE length n of the header JSON
     12      n     header JSON, UTF-8: {"kind": "block"|"tail", "bundle", "digest",
                   "codec", "raw_bytes", "stored_bytes", and for blocks "key",
-                  "parent", "token_ids" (list of ints); for tails "snapshot_id"}
+                  "parent", "token_ids" (list of ints); for tails "snapshot_id";
+                  for restore points (kind "point") "key" and "n_tokens"}
     12+n    ...   the block file (store/format/codec.py), stored_bytes long
 
 A reader trusts none of it: the chain key is recomputed from parent, bundle
@@ -102,7 +103,7 @@ class Health:
 
 @dataclass(frozen=True)
 class ObjectHeader:
-    """The header of a block or tail object (layout in the module docstring)."""
+    """The header of a block, tail or restore point object (layout in the module docstring)."""
 
     kind: str
     bundle: str
@@ -114,6 +115,7 @@ class ObjectHeader:
     parent: str | None = None
     token_ids: tuple[int, ...] | None = None
     snapshot_id: str | None = None
+    n_tokens: int | None = None  # a restore point's: the tokens of the prefix its key names
 
     def pack(self, file: bytes | memoryview) -> bytes:
         head = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}

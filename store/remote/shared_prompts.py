@@ -41,6 +41,7 @@ from kvwake.store.core import StoreCore
 from kvwake.store.format.keys import ROOT_KEY, chain_keys, tokens_to_bytes
 from kvwake.store.reuse import common_length, longest_prefix, partial_candidate
 from kvwake.store.remote.client import Remote
+from kvwake.store.remote.points import fetch_points, upload_points
 from kvwake.store.remote.snapshots import OnBlock, as_encoded, commit_manifest, fenced, fetch_block, upload_blocks
 from kvwake.store.writer import SnapshotWriter
 
@@ -62,15 +63,18 @@ def upload_prefix(remote: Remote, store: StoreCore, token_ids: list[int]) -> dic
     if remote.exists(key):
         return {"prefix": key, "blocks": len(refs), "new_blocks": 0, "existed": True}
     written: list[int] = []
+    named: list[list[dict[str, Any]]] = []
 
     def put_objects() -> None:
         with store.reading():
             written.append(upload_blocks(remote, store, refs))
+            named.append(upload_points(remote, store, [r.key for r in refs]))
 
     run = fenced(remote, put_objects)
     manifest = {"format": "kvwake-prefix", "version": 1, "bundle": remote.bundle, "block_tokens": store.block_tokens,
                 "n_tokens": sum(len(r.token_ids) for r in refs), "last_tokens": list(last.token_ids),
-                "blocks": [{"key": r.key, "digest": r.digest, "raw_bytes": r.raw_bytes} for r in refs]}
+                "blocks": [{"key": r.key, "digest": r.digest, "raw_bytes": r.raw_bytes} for r in refs],
+                "points": named[-1]}
     commit_manifest(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)
     return {"prefix": key, "blocks": len(refs), "new_blocks": sum(written), "existed": False}
 
@@ -174,13 +178,18 @@ def _partial_piece(remote: Remote, store: StoreCore, token_ids: list[int], have:
 
 
 def fetch_prefix(remote: Remote, store: StoreCore, token_ids: list[int], *, deadline_s: float, batch: int = 8,
-                 min_partial: int = 1, on_block: OnBlock = None) -> tuple[int, int]:
+                 min_partial: int = 1, on_block: OnBlock = None, with_points: bool = False) -> tuple[int, int]:
     """Bring the remote's blocks that continue the local longest prefix of `token_ids` into the local
     store, then the published piece that continues them furthest (module docstring), all under the
-    deadline. Returns (whole blocks added, tokens the partial piece serves).
+    deadline; `with_points` (a model whose cache does not cut by token): the restore points of the run
+    instead of a partial piece (store/remote/points.py). Returns (whole blocks added, tokens the partial
+    piece serves).
 
     Raises CorruptBlockError for a refused partial piece (the whole blocks fetched before it stay).
     """
     ends = time.monotonic() + deadline_s
     have, parent_key, added = _whole_blocks(remote, store, token_ids, ends, batch, on_block)
+    if with_points:  # a partial piece serves no such model: it restores whole blocks up to a point
+        fetch_points(remote, store, token_ids, have, ends)
+        return added, 0
     return added, _partial_piece(remote, store, token_ids, have, parent_key, min_partial, ends)

@@ -12,7 +12,9 @@ the remote gc (`fenced`, `commit_manifest`; the rule is in store/remote/gc.py).
 Download: every object is checked as an import file is (store/archive.py):
 its chain key recomputed, its bundle, its decoded payload's digest against
 the manifest, then the snapshot digest, before one local commit. Blocks the
-local store already holds are not fetched. Nothing here imports mlx.
+local store already holds are not fetched. The restore points a snapshot's
+blocks close go up with them and come back with it (store/remote/points.py).
+Nothing here imports mlx.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvwake.store.format.keys import block_key
 from kvwake.store.index import BlockRef, SnapshotRecord
 from kvwake.store.remote.client import Remote
 from kvwake.store.remote.objects import GcRun, Lease, ObjectHeader
+from kvwake.store.remote.points import fetch_named, upload_points
 from kvwake.store.archive import check_encoded, import_verified, parse_manifest, snapshot_manifest
 from kvwake.store.writer import SnapshotWriter
 
@@ -120,12 +123,14 @@ def upload_snapshot(remote: Remote, store: StoreCore, snapshot_id: str, lease: L
     if remote.exists(key):
         return {"snapshot_id": record.id, "manifest": key, "new_blocks": 0, "existed": True}
     written: list[int] = []
+    named: list[list[dict[str, Any]]] = []
 
     def put_objects() -> None:
         with store.reading():
             written.append(upload_blocks(remote, store, list(record.blocks)))
             if record.tail is not None:
                 put_tail(remote, store, record)
+            named.append(upload_points(remote, store, [b.key for b in record.blocks]))  # after their blocks
 
     run = fenced(remote, put_objects)
     current = remote.current_lease(record.session_id)
@@ -137,6 +142,7 @@ def upload_snapshot(remote: Remote, store: StoreCore, snapshot_id: str, lease: L
                              owner=current.daemon if current else None)
     manifest["remote"] = {"epoch": lease.epoch, "daemon": remote.daemon_id,
                           **({"keep_history": remote.keep_history} if remote.keep_history is not None else {})}
+    manifest["points"] = named[-1]
     commit_manifest(remote, key, json.dumps(manifest, indent=1).encode(), run, put_objects)  # the commit point
     remote.counters["uploaded_snapshots"] += 1
     return {"snapshot_id": record.id, "manifest": key, "new_blocks": sum(written), "existed": False}
@@ -146,8 +152,7 @@ def upload_snapshot(remote: Remote, store: StoreCore, snapshot_id: str, lease: L
 
 
 def _refused(remote: Remote, what: str, why: str, **facts: Any) -> CorruptBlockError:
-    remote.counters["refused_objects"] += 1
-    return CorruptBlockError(f"remote {what} refused: {why}", remote=remote.config.url, **facts)
+    return remote.refused(what, why, **facts)
 
 
 def check_block_object(remote: Remote, key: str, data: bytes, digest: str | None = None,
@@ -174,13 +179,8 @@ def fetch_block(remote: Remote, key: str, digest: str | None, raw_bytes: int | N
 
     Raises CorruptBlockError for anything that does not check out, KeyError when it is missing.
     """
-    data = remote.get(remote.block_key(key))
-    if data is None:
-        raise KeyError(key)
-    try:
-        found = check_block_object(remote, key, data, digest, raw_bytes, tokens)
-    except ValueError as exc:
-        raise _refused(remote, f"block {key[:16]}", str(exc), block=key) from None
+    found = remote.get_checked(remote.block_key(key), lambda data: check_block_object(
+        remote, key, data, digest, raw_bytes, tokens), f"block {key[:16]}", block=key)
     remote.counters["fetched_blocks"] += 1
     return found
 
@@ -247,5 +247,6 @@ def fetch_snapshot(remote: Remote, store: StoreCore, manifest_key: str, session_
         raise _refused(remote, f"manifest {manifest_key}", "it names another bundle or session", session_id=session_id)
     result = import_verified(store, m, session_id, lambda w: _fill_from_remote(remote, m, w, on_block),
                              lambda why: _refused(remote, f"manifest {manifest_key}", why, session_id=session_id))
+    result["points"] = fetch_named(remote, store, m.get("points") or [])
     remote.counters["fetched_snapshots"] += 1
     return result

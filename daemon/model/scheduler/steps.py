@@ -128,6 +128,10 @@ class Scheduler:
         self._packs_lock = threading.Lock()  # over _packs and _arriving
         self._held: _PackDue | None = None  # a pack that starts turns, waiting for those arriving
         self.holds = Latency(HOLDS_KEPT)  # ms each held pack waited, from its first job queued to taken
+        # Set once the thread refused what was left (`refuse_left`): a job submitted after it would wait for
+        # ever, so it is refused at once. The lock keeps a submit from queueing between the flag and the drain.
+        self._closed = False
+        self._open_lock = threading.Lock()
 
     # -- what callers queue ---------------------------------------------------
 
@@ -136,6 +140,14 @@ class Scheduler:
         the next job with every other quick job queued; a `jobs.Packed` fn waits for its pack's turn, and
         lands `arrival` (its turn's, still arriving) as it is queued: its pack starts turns."""
         future: Future[T] = Future()
+        with self._open_lock:
+            if self._closed:
+                future.set_exception(CancelledError("the engine stopped before this job ran"))
+                return future
+            self._queue(fn, future, quick, arrival)
+        return future
+
+    def _queue(self, fn: Callable[[], T], future: Future[T], quick: bool, arrival: Arrival | None) -> None:
         pack = getattr(fn, "engine_pack", None)
         if quick or getattr(fn, "engine_quick", False):
             self._quick.put((fn, future))
@@ -148,7 +160,6 @@ class Scheduler:
             self._jobs.put(_PackDue(pack, starts))
         else:
             self._jobs.put((fn, future))
-        return future
 
     def arrive(self) -> Arrival:
         """A turn on its way: packs that start turns wait for it (up to `gather_s`) until it lands."""
@@ -290,7 +301,10 @@ class Scheduler:
         return jobs or ()
 
     def refuse_left(self) -> None:
-        """Fail the jobs queued behind the stop: their waiters get CancelledError instead of waiting for ever."""
+        """Fail the jobs queued behind the stop, and any submitted later: their waiters get CancelledError
+        instead of waiting for ever."""
+        with self._open_lock:
+            self._closed = True
         for jobs in (self._quick, self._jobs):
             while True:
                 try:

@@ -1,0 +1,44 @@
+"""Two tiny models of different families and a session manager on them, with no daemon (issue 53's tests)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from testkit.tinymodel import make_model_dir
+
+__all__ = ["manager_on", "stop_manager", "two_tiny_models"]
+
+
+def two_tiny_models(root: Path) -> tuple[Path, Path]:
+    """A llama "main" and a gemma3 "small" model folder under `root`."""
+    return (make_model_dir(root / "main", arch="llama", ascii_replies=True),
+            make_model_dir(root / "small", arch="gemma3_text", seed=1, ascii_replies=True))
+
+
+def manager_on(tmp_path: Path, models: tuple[Path, Path], **settings: Any):  # noqa: ANN201 - (manager, store)
+    """A session manager (no daemon) on `main` loaded, loading the others served ("small", and "third": main's
+    files again) on demand; `settings`: Settings fields. Returns (manager, store): stop_manager ends both."""
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec, Registry
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, **settings)
+    store = Store(tmp_path / "store", block_tokens=16)
+    registry = Registry([ModelSpec("main", str(models[0])), ModelSpec("small", str(models[1])),
+                         ModelSpec("third", str(models[0]))])
+    engine, thread = start_model(settings, store, registry.default, None)
+    provider = ModelProvider()
+    provider.add(engine, thread, "main")
+    start = functools.partial(start_model, settings, store, limits=engine.limits)
+    return SessionManager(provider, settings, registry, start), store
+
+
+def stop_manager(manager: Any, store: Any) -> None:
+    for model in manager.models:
+        model.thread.stop()
+    store.close()

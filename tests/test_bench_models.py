@@ -1,0 +1,33 @@
+"""`kvwake bench models` (bench/models.py) runs on two tiny models at small sizes to its one-line report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from testkit.daemon import REPO
+from testkit.models import two_tiny_models
+
+
+def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
+    main_dir, small_dir = two_tiny_models(tmp_path / "models")
+    result = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "bench", "models", "--main", str(main_dir),
+                             "--small", str(small_dir), "--sessions", "2", "--decode-tokens", "100",
+                             "--alone-tokens", "30", "--context", "400", "--out", str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "models.json").read_text())
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == report  # the one JSON line printed
+    load = report["load"]
+    assert load["loaded"] and load["load_s"] > 0 and load["sessions"] == 2
+    assert load["gap_samples"]["alone"] > 0 and load["gap_alone_p50_ms"] > 0
+    assert load["p99_during_over_p50_alone"] is None or load["met"] == (load["p99_during_over_p50_alone"] <= 2.0)
+    turn = report["unloaded"]
+    assert turn["tokens"] > 300 and turn["wake_tokens"] == turn["tokens"]  # slept whole, woken whole
+    assert turn["first_turn_s"] > 0 and turn["bound_s"] == round(turn["load_s"] + 1.2 * turn["wake_s"], 3)
+    assert turn["first_turn_usage"]["generated_tokens"] == 1 and turn["first_turn_usage"]["reused_tokens"] == 0
+    memory = report["memory"]
+    assert set(memory["weights_by_model"]) == {"main", "small"} and memory["mlx_peak_bytes"] > 0
+    assert memory["weights_bytes"] == sum(memory["weights_by_model"].values()) and memory["within_budget"]
+    assert report["daemon_exit"] == 0 and report["log_problems"] == []
