@@ -135,6 +135,7 @@ class RawClient:
         self.unpacker = msgpack.Unpacker(raw=False)
         self.msgid = 0
         self.streamed: dict[int, list[dict[str, Any]]] = {}
+        self.answered: dict[int, list] = {}  # responses read while waiting for something else
 
     def close(self) -> None:
         self.sock.close()
@@ -151,18 +152,39 @@ class RawClient:
         return self.msgid
 
     def receive(self, msgid: int) -> Any:
-        while True:
-            for message in self.unpacker:
-                if message[0] == 2 and message[1] == "stream":
-                    self.streamed.setdefault(message[2]["msgid"], []).append(message[2])
-                elif message[0] == 1 and message[1] == msgid:
-                    if message[2] is not None:
-                        raise RpcError(message[2])
-                    return message[3]
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("daemon closed the connection")
-            self.unpacker.feed(data)
+        while msgid not in self.answered:
+            self._read()
+        message = self.answered.pop(msgid)
+        if message[2] is not None:
+            raise RpcError(message[2])
+        return message[3]
+
+    def until_streaming(self, msgid: int) -> None:
+        """Read until request `msgid` has streamed its first piece: it is under way (its session held)."""
+        while msgid not in self.streamed and msgid not in self.answered:
+            self._read()
+        assert msgid in self.streamed, f"request {msgid} was answered without streaming: {self.answered[msgid]}"
+
+    def _read(self) -> None:
+        """Take the messages already fed to the unpacker, or else read the socket and take those."""
+        if self._take():
+            return
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("daemon closed the connection")
+        self.unpacker.feed(data)
+        self._take()
+
+    def _take(self) -> bool:
+        """Stream notifications and responses are kept by their request's id; False if there were none."""
+        took = False
+        for message in self.unpacker:
+            took = True
+            if message[0] == 2 and message[1] == "stream":
+                self.streamed.setdefault(message[2]["msgid"], []).append(message[2])
+            elif message[0] == 1:
+                self.answered[message[1]] = message
+        return took
 
     def call(self, method: str, **params: Any) -> Any:
         return self.receive(self.send(method, params))

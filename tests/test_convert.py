@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -36,24 +38,35 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="session")
-def gguf_path() -> Path:
+# gguf_path and converted (the real conversion, once per session) are tests/conftest.py's.
+
+
+@pytest.fixture(scope="module")
+def gguf_reader(gguf_path):
+    """One reader of the GGUF file for the tests that read it: building one parses every field."""
+    import gguf
+
+    return gguf.GGUFReader(gguf_path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def converted_again(tmp_path_factory):
+    """A second conversion of the default model, in a process of its own, started as the module starts: it
+    runs beside the module's other tests, on a core of its own where there is one, and
+    test_conversion_is_deterministic waits for it. None where the wheel is not installed."""
     try:
-        return find_default_gguf()
-    except ModelNotInstalledError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory, gguf_path) -> Path:
-    """The default model converted once per session; records progress calls."""
-    out = tmp_path_factory.mktemp("convert-a") / DEFAULT_MODEL_NAME
-    calls: list[tuple[int, int]] = []
-    start = time.perf_counter()
-    convert_gguf(gguf_path, out, progress=lambda done, total: calls.append((done, total)))
-    elapsed = time.perf_counter() - start
-    (out.parent / "progress.json").write_text(json.dumps({"calls": calls, "seconds": elapsed}))
-    return out
+        source = find_default_gguf()
+    except ModelNotInstalledError:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("convert-b") / DEFAULT_MODEL_NAME
+    code = "import sys; from kvwake.daemon.model.convert import convert_gguf; convert_gguf(sys.argv[1], sys.argv[2])"
+    with open(out.parent / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(source), str(out)], stderr=stderr)
+    yield proc, out
+    if proc.poll() is None:  # the module ended before the test that waits for it (deselected, or failed first)
+        proc.kill()
+    proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +136,7 @@ def test_mlx_lm_generates_paris(loaded):
 
 
 @pytest.mark.slow
-def test_qk_rows_match_llama_cpp_rope_convention(converted, loaded, gguf_path):
+def test_qk_rows_match_llama_cpp_rope_convention(converted, loaded, gguf_reader):
     """Our HF-layout Q/K with half-split rope compute what llama.cpp computes
     from the GGUF's own Q/K rows with interleaved ("traditional") rope.
 
@@ -138,7 +151,7 @@ def test_qk_rows_match_llama_cpp_rope_convention(converted, loaded, gguf_path):
     model, tokenizer = loaded
     llama_cpp_style, _ = load(str(converted), model_config={"rope_traditional": True})
     raw_rows = []
-    for tensor in gguf.GGUFReader(gguf_path).tensors:
+    for tensor in gguf_reader.tensors:
         layer, _, kind = tensor.name.removeprefix("blk.").partition(".")
         if kind in ("attn_q.weight", "attn_k.weight"):
             rows = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -207,15 +220,13 @@ def test_tokenizer_known_splits(converted):
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_reference_bpe(converted, gguf_path):
+def test_tokenizer_matches_reference_bpe(converted, gguf_reader):
     """tokenizer.json agrees with a plain re-implementation of llama.cpp's
     "smollm" pre-tokenizer + GPT-2 byte-level BPE over the GGUF's merges."""
-    import gguf
     from tokenizers import Tokenizer
 
-    reader = gguf.GGUFReader(gguf_path)
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    tokens = gguf_reader.fields["tokenizer.ggml.tokens"].contents()
+    merges = gguf_reader.fields["tokenizer.ggml.merges"].contents()
     reference = ReferenceBPE(tokens, merges)
     tok = Tokenizer.from_file(str(converted / "tokenizer.json"))
     texts = [
@@ -229,8 +240,9 @@ def test_tokenizer_matches_reference_bpe(converted, gguf_path):
 
 
 @pytest.mark.slow
-def test_conversion_is_deterministic(converted, gguf_path, tmp_path):
-    again = convert_gguf(gguf_path, tmp_path / "again")
+def test_conversion_is_deterministic(converted, converted_again):
+    proc, again = converted_again  # another process: another hash seed, nothing shared but the files
+    assert proc.wait(600) == 0, (again.parent / "stderr.txt").read_text()[-3000:]
     for name in FILES:
         assert sha256(again / name) == sha256(converted / name), name
 

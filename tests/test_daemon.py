@@ -27,11 +27,13 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@pytest.fixture
-def daemon(tmp_path, model_dir):
-    d = Daemon(tmp_path, model_dir).start()
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, model_dir):
+    """One daemon for the tests that only talk to it, each on sessions of its own; tests that stop, kill or
+    restart a daemon start their own."""
+    d = Daemon(tmp_path_factory.mktemp("daemon"), model_dir).start()
     yield d
-    d.stop()
+    assert d.stop() == 0
 
 
 def chat(c: RawClient, sid: str, text: str, **kw):
@@ -140,8 +142,8 @@ def test_busy_session_and_errors_name_what_failed(daemon):
     with daemon.client() as a, daemon.client() as b:
         a.call("session.create", session_id="s", system=SYSTEM)
         first = a.send("session.chat", {"session_id": "s", "messages": [{"role": "user", "content": "go"}],
-                                        "max_tokens": 3000})
-        time.sleep(0.3)
+                                        "max_tokens": 400, "stream": True})
+        a.until_streaming(first)  # its first piece is out: the chat holds the session
         with pytest.raises(RpcError) as err:
             chat(b, "s", "me too")
         assert err.value.code == "BUSY" and err.value.data["busy_with"] == "chat"
@@ -162,22 +164,17 @@ def test_busy_session_and_errors_name_what_failed(daemon):
 
 def test_disconnect_mid_stream_cancels_and_leaves_the_session_consistent(daemon):
     c = daemon.client()
-    c.call("session.create", session_id="s", system=SYSTEM)
-    c.send("session.chat", {"session_id": "s", "messages": [{"role": "user", "content": "talk"}],
-                            "max_tokens": 100000, "stream": True})
-    while not c.streamed:
-        c.unpacker.feed(c.sock.recv(1 << 16))
-        for m in c.unpacker:
-            if m[0] == 2:
-                c.streamed.setdefault(m[2]["msgid"], []).append(m[2])
+    c.call("session.create", session_id="left", system=SYSTEM)
+    c.until_streaming(c.send("session.chat", {"session_id": "left", "max_tokens": 100000, "stream": True,
+                                              "messages": [{"role": "user", "content": "talk"}]}))
     c.close()
     with daemon.client() as d:
         deadline = time.monotonic() + 30
-        while d.call("session.info", session_id="s")["busy"] and time.monotonic() < deadline:
+        while d.call("session.info", session_id="left")["busy"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        info = d.call("session.info", session_id="s")
+        info = d.call("session.info", session_id="left")
         assert info["busy"] is None and info["tokens"] < 100000
-        assert chat(d, "s", "are you there?")["tokens"]
+        assert chat(d, "left", "are you there?")["tokens"]
 
 
 def test_socket_is_private_and_a_second_daemon_refuses_to_start(daemon, model_dir):
@@ -279,8 +276,8 @@ def _start_state(d: Daemon) -> str:
 
 def test_chat_usage_counts_the_prefill_of_its_messages(daemon):
     # Was: prompt_tokens 1 and ttft_ms without the prefill (append prefills all but the last token).
-    with daemon.client() as c:
-        c.call("session.create", session_id="u", system=SYSTEM)
+    with daemon.client() as c:  # a system prompt of its own: no other test's stored blocks shorten its prefill
+        c.call("session.create", session_id="u", system="You count every token you are given. " * 3)
         reply = chat(c, "u", "count me")
         usage, append = reply["usage"], reply["append"]
         assert usage["prompt_tokens"] == append["prefilled"] + 1 == append["tokens"] - append["reused"]

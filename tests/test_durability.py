@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import random
 import stat
 import subprocess
@@ -13,10 +14,15 @@ from pathlib import Path
 
 from kvwake.store import Store
 from kvwake.store.files import TEMP_SUFFIX, write_durable
+from tests.helpers import store_writer
 from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = 36
+# Killed writers are forked from one warm process, the store's modules already imported: each round's
+# writer is ready at once, not after a fresh interpreter's imports.
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload([store_writer.__name__])
 
 
 def writer(root: Path, seed: int, count: int) -> subprocess.Popen:
@@ -24,6 +30,17 @@ def writer(root: Path, seed: int, count: int) -> subprocess.Popen:
         [sys.executable, "-m", "tests.helpers.store_writer", str(root), str(seed), str(count)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+def forked_writer(root: Path, seed: int) -> multiprocessing.Process:
+    """A writer writing until killed, started from the warm forkserver; returns once its store is open."""
+    ours, theirs = FORKS.Pipe(duplex=False)
+    proc = FORKS.Process(target=store_writer.write_until_killed, args=(str(root), seed, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    with ours:
+        assert ours.poll(60) and ours.recv() == "ready", f"writer {seed} exited {proc.exitcode} before it was ready"
+    return proc
 
 
 def visible(store: Store) -> dict[str, str]:
@@ -36,11 +53,11 @@ def test_kill_9_at_random_points_never_loses_a_committed_snapshot(tmp_path):
     verified: set[str] = set()
     orphans_seen = 0
     for round_ in range(KILLS):
-        proc = writer(root, round_, -1)
-        assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+        proc = forked_writer(root, round_)
         time.sleep(rng.uniform(0.0, 0.12))
         proc.kill()
-        proc.communicate()
+        proc.join()
+        assert proc.exitcode == -9
         with Store(root, block_tokens=4, keep_history=1000) as store:
             now = visible(store)
             lost = {k: v for k, v in previous.items() if now.get(k) != v}

@@ -94,21 +94,25 @@ def test_max_context_refuses_longer_prompts_and_caps_replies(tmp_path, model_dir
         d.stop()
 
 
-def limit_for_tokens(tmp_path, model_dir, tokens: float) -> int:  # noqa: ANN001
-    """A memory limit that leaves room for the tiny model's weights and the KV of `tokens` tokens (after the
-    prefill's scratch), from what a probe daemon measured."""
-    (tmp_path / "probe").mkdir()
-    d = Daemon(tmp_path / "probe", model_dir).start()
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, model_dir) -> dict:
+    """What a probe daemon measured of the tiny model (status' memory): its weights, its KV per token."""
+    d = Daemon(tmp_path_factory.mktemp("probe"), model_dir).start()
     try:
         with d.client() as rpc:
-            facts = rpc.call("status")["memory"]
+            return rpc.call("status")["memory"]
     finally:
         d.stop()
-    return int((facts["weights_bytes"] + tokens * facts["kv_bytes_per_token"]) / (1 - memory.WORKSPACE_SHARE))
 
 
-def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir):
-    limit = limit_for_tokens(tmp_path, model_dir, 120.5)  # ~120 tokens of KV
+def limit_for_tokens(measured: dict, tokens: float) -> int:
+    """A memory limit that leaves room for the tiny model's weights and the KV of `tokens` tokens (after the
+    prefill's scratch)."""
+    return int((measured["weights_bytes"] + tokens * measured["kv_bytes_per_token"]) / (1 - memory.WORKSPACE_SHARE))
+
+
+def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, model_dir, measured):
+    limit = limit_for_tokens(measured, 120.5)  # ~120 tokens of KV
     (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\n")  # the config file testkit.daemon names
     d = Daemon(tmp_path, model_dir).start()
     try:
@@ -127,10 +131,10 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
         d.stop()
 
 
-def test_a_long_prompt_beside_hot_sessions_sleeps_them_to_fit_the_memory_left_for_kv(tmp_path, model_dir):
+def test_a_long_prompt_beside_hot_sessions_sleeps_them_to_fit_the_memory_left_for_kv(tmp_path, model_dir, measured):
     # Room for the KV of ~700 tokens: a 200-token session (a 256-token buffer) and a 300-token one (512) do
     # not fit together, though each fits alone and the hot budget (half the room) is never looked at here.
-    limit = limit_for_tokens(tmp_path, model_dir, 700.5)
+    limit = limit_for_tokens(measured, 700.5)
     (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\nlifecycle_interval_s = 3600\n")
     d = Daemon(tmp_path, model_dir).start()
     try:

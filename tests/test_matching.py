@@ -4,6 +4,7 @@ and session.list answers a page at a time, filtered."""
 from __future__ import annotations
 
 import json
+import os
 
 import openai
 import pytest
@@ -71,19 +72,26 @@ def test_a_conversation_is_continued_hot_asleep_woken_and_after_a_restart(tmp_pa
     assert d.stop() == 0 and d.log_problems() == []
 
 
-def test_among_thousands_of_stored_conversations_the_right_one_continues(tmp_path, model_dir):
+def test_among_thousands_of_stored_conversations_the_right_one_continues(tmp_path, model_dir, monkeypatch):
     # Made cheaply: 2,000 other agents that asked the same first question, as forks of one stored
-    # conversation (their blocks shared, their KV real), written into the store with the daemon stopped.
+    # conversation (their blocks shared, their KV real), written into the store with the daemon stopped:
+    # the store's writer, as a fork writes, from the tail read once; unsynced, as what is asserted is the answer.
     d = Daemon(tmp_path, model_dir, extra=["--http", "0"]).start()
     api = client_for(d)
     base = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
     first = chat(api, base)
     assert d.stop() == 0
-    with Store(d.data_dir / "store", block_tokens=16) as store:
-        store.index.db.execute("PRAGMA synchronous=OFF")  # cheap to make; what is asserted is the answer
-        head = store.latest_snapshot(kv(first)["session_id"])
+    with Store(d.data_dir / "store", block_tokens=16) as store, monkeypatch.context() as unsynced:
+        store.index.db.execute("PRAGMA synchronous=OFF")
+        unsynced.setattr(os, "fsync", lambda fd: None)
+        head = store.snapshot(store.latest_snapshot(kv(first)["session_id"]))
+        tail = store.read_tail(head) if head.tail else None
         for i in range(2000):
-            store.fork(head, f"http-other-{i:05d}")
+            with store.writer(f"http-other-{i:05d}", head.bundle, head.token_ids, parent=head.id,
+                              metadata=head.metadata) as fork:
+                if tail is not None:
+                    fork.set_tail(tail)
+                fork.commit()
             store.ensure_session(f"http-other-{i:05d}", {"origin": "http"})
     d.start()
     api = client_for(d)

@@ -160,7 +160,8 @@ def test_persisted_blocks_serve_a_prefix_while_their_session_is_still_hot_and_bu
         other.call("session.create", session_id="busy")
         other.call("session.append", session_id="busy", tokens=shared)
         wait_persisted(other, "busy", 192)
-        long = c.send("session.generate", {"session_id": "busy", "max_tokens": 4000, "temperature": 0.0})
+        # Long enough to outlast what follows (asserted below: still decoding), not to hold up the test.
+        long = c.send("session.generate", {"session_id": "busy", "max_tokens": 800, "temperature": 0.0})
         while other.call("session.info", session_id="busy")["busy"] is None:
             time.sleep(0.005)
         other.call("session.create", session_id="late")

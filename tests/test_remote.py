@@ -19,7 +19,7 @@ DOC = "".join(f"Section {i}: the quick brown fox jumps over the lazy dog {i * 7 
 def weed(tmp_path_factory):
     server = Seaweed(tmp_path_factory.mktemp("seaweed")).start()
     yield server
-    server.stop()
+    server.kill()  # nothing of it is kept: no graceful stop (seconds) to wait for
 
 
 def remote_daemon(root, model_dir, weed: Seaweed, prefix: str, **env: str) -> Daemon:
