@@ -82,3 +82,18 @@ async def test_hot_kv_counts_the_pages_held_once_and_whole_after_a_sharing_sessi
         thread.stop()
         engine.close()
         store.close()
+
+
+def test_the_page_pools_bound_follows_the_kv_room_as_other_models_load_and_unload(engines):
+    # A second model's weights shrink this one's KV room (model/budget.py): the pool must not grow past the
+    # new room; unloaded, it may grow again. Pages allocated already stay (a pool does not shrink).
+    _, paged = engines
+    pool, page = paged.pages.pool, paged.pages.pool.layout.page_bytes
+    turn(paged, "s", PROMPT)
+    allocated = pool.capacity
+    paged.set_kv_room((allocated + 40) * page + page // 2)
+    assert pool.limit == allocated + 40
+    paged.set_kv_room(1)  # less than what is allocated: no further growth
+    assert pool.limit == allocated
+    paged.set_kv_room(4 * allocated * page)
+    assert pool.limit == 4 * allocated

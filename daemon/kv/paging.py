@@ -46,6 +46,12 @@ class Pages:
         limit = max(1, budget_bytes // layout.page_bytes)
         return cls(PagePool(layout, min(limit, max(16, FIRST_BYTES // layout.page_bytes)), limit), bundle_hash)
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """The most bytes of pages the pool may grow to, set again when what all KV may hold changes (another
+        model loaded or unloaded beside this one): pages allocated already stay, the pool grows no further
+        than the new bound."""
+        self.pool.limit = max(self.pool.capacity, 1, budget_bytes // self.pool.layout.page_bytes)
+
     def make(self, cache: list) -> list:
         """`cache` (a model's fresh cache) with its plain KV layers paged, in a new table."""
         return paged_cache.paged_cache(self.pool, cache)

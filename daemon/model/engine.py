@@ -225,6 +225,9 @@ class Engine(Appending):
         self.kv_room_bytes = room
         self.session_tokens = memory.tokens_in(room, self.token_bytes) if room is not None else None
         self.hot_budget_bytes = int(memory.HOT_SHARE * room) if room is not None else memory.DEFAULT_HOT_BUDGET
+        pages = getattr(self, "pages", None)  # made after the first room is set (the pool is bounded by it)
+        if pages is not None:
+            pages.set_budget(room if room is not None else self.hot_budget_bytes)
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
