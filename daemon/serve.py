@@ -176,7 +176,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
     provider = ModelProvider()
-    engine, thread = start_model(settings, store, registry.default, None)  # MLX's limits set on its thread
+    engine, thread = start_model(settings, store, registry.default, None,  # MLX's limits set on its thread
+                                 neighbours=list(registry))
     provider.add(engine, thread, registry.default.name)
     start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
     try:  # pinned models are never unloaded: together they must fit the memory budget (model/budget.py)

@@ -117,3 +117,44 @@ def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_
     later = kernel_cache.Warmer.for_model(path)
     assert later is not early
     assert early.wait(timeout=120) and later.wait(timeout=120)
+
+
+def test_the_first_start_builds_the_other_configured_models_row_kernels_each_shape_once(tmp_path, monkeypatch):
+    """A second model's row kernel compiled at its load stalled the first model's decoding for the compile (MLX
+    compiles under a lock every kernel launch takes: docs/benchmarks.md, "Several models"): the first start
+    builds the kernels of the other configured models' folders too, each shape once; a folder that is not a
+    model of the kind is passed over."""
+    from kvwake.daemon.model import ragged_decode
+
+    built = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append(shape) or True)
+    main = make_model_dir(tmp_path / "main", arch="llama")
+    twin = make_model_dir(tmp_path / "twin", arch="llama", seed=1)  # the same heads: nothing more to build
+    other = make_model_dir(tmp_path / "other", arch="gemma3_text", dtype=mx.float16)
+    (tmp_path / "empty").mkdir()
+    beside = kernel_cache.BesideLoad(main, True, None, others=[twin, tmp_path / "empty", other])
+    shape = beside.result()
+    assert built == beside.built and built[0] == shape and len(built) == 2
+    assert built[1] != shape and built[1][3] == mx.float16  # its dtype: a kernel of its own
+    assert kernel_cache.BesideLoad(main, False, None, others=[other]).result() is None and len(built) == 2
+
+
+def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_makes_nothing_beside(tmp_path,
+                                                                                                      monkeypatch):
+    from types import SimpleNamespace
+
+    from kvwake.daemon.config import ModelSpec, Settings
+    from kvwake.daemon.model import loader
+
+    made = []
+    engine = SimpleNamespace(wait_kernels=lambda: None)
+    monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
+    folder = tmp_path / "small"
+    folder.mkdir()
+    main, small, hub = ModelSpec("main", str(tmp_path)), ModelSpec("small", str(folder)), ModelSpec("hub", "org/m")
+    settings = Settings(data_dir=tmp_path)
+    _, thread = loader.start_model(settings, None, main, None, neighbours=[main, small, hub])
+    thread.stop()
+    _, thread = loader.start_model(settings, None, small, object(), neighbours=[main, small, hub])
+    thread.stop()
+    assert [(kw["kernels_for"], kw["staging_beside_load"]) for kw in made] == [([folder], True), ([], False)]

@@ -580,7 +580,7 @@ def test_a_mapping_is_all_or_nothing_and_its_undoing_tries_both_advices(monkeypa
     ring = devplanes.Ring(2, 2, 64, 128)
     assert ring.arrays[0].shape == (2, 128)
     ring.close()
-    assert devplanes._idle is None
+    assert devplanes._idle == {}
 
 
 @pytest.mark.parametrize("damaged", [None, 5, 0])
@@ -667,7 +667,7 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
     engine = Engine(store, tmp_path, model_dir, io_workers=3)
     try:
         assert engine._warm_staging()
-        shape, idle = devplanes._idle
+        ((shape, idle),) = devplanes._idle.items()
         args = engine.model.args
         kv_heads, dim = args.num_key_value_heads, args.hidden_size // args.num_attention_heads
         block_bytes = 2 * args.num_hidden_layers * kv_heads * 16 * dim * 2  # keys and values, bf16
@@ -685,7 +685,13 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
         assert [m for m in made if m == shape] == []
         for ring in rings:
             ring.close()
-        assert len(devplanes._idle[1]) == devplanes.KEEP_SLOTS
+        assert len(devplanes._idle[shape]) == devplanes.KEEP_SLOTS
+        # another model's rings (another shape) are kept beside these, not in their place
+        other = (shape[0] * 2, block_bytes // 2)
+        devplanes.Ring(devplanes.RING_SLOTS * other[0], 2, other[1] // 2, other[1]).close()
+        assert len(devplanes._idle[shape]) == devplanes.KEEP_SLOTS and len(devplanes._idle[other]) == devplanes.RING_SLOTS
+        devplanes.drop_idle(other)
+        assert list(devplanes._idle) == [shape]
     finally:
         engine.close()
         store.close()

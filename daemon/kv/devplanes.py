@@ -168,28 +168,27 @@ class Ring:
 # Pinned host memory: 4 rings of 3 slots of SPAN_BYTES are 1.5 GB.
 KEEP_SLOTS = 4 * RING_SLOTS
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
-_idle: tuple[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] | None = None
+# Kept slots by shape: one shape per model's KV (two models loaded take turns on the device, and one
+# model's rings must not push out the other's)
+_idle: dict[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] = {}
 
 
 def _take_slot(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray, Callable[[], None]]:
     with _idle_lock:
-        if _idle is not None and _idle[0] == shape and _idle[1]:
-            return _idle[1].pop()
+        if _idle.get(shape):
+            return _idle[shape].pop()
     return staging(shape)
 
 
 def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]]) -> None:
-    global _idle
     if not cudart.active():  # nothing mapped, nothing worth keeping
         release_all([release for _, _, release in slots])
         return
     with _idle_lock:
-        stale = []
-        if _idle is None or _idle[0] != shape:
-            stale, _idle = (_idle[1] if _idle else []), (shape, [])
-        room = max(0, KEEP_SLOTS - len(_idle[1]))
-        _idle[1].extend(slots[:room])
-        stale += slots[room:]
+        kept = _idle.setdefault(shape, [])
+        room = max(0, KEEP_SLOTS - len(kept))
+        kept.extend(slots[:room])
+        stale = slots[room:]
     release_all([release for _, _, release in stale])
 
 
@@ -217,11 +216,10 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     return cudart.active()
 
 
-def drop_idle() -> None:
-    """Release the slots kept between wakes (their memory goes back to MLX)."""
-    global _idle
+def drop_idle(shape: tuple[int, int] | None = None) -> None:
+    """Release the slots kept between wakes (their memory goes back to MLX): of one shape, or all."""
     with _idle_lock:
-        stale, _idle = (_idle[1] if _idle else []), None
+        stale = [slot for key in ([shape] if shape is not None else list(_idle)) for slot in _idle.pop(key, [])]
     release_all([release for _, _, release in stale])
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,8 @@ class Engine(Appending):
         persist: bool = False,
         warm: bool = True,
         tuning: Tuning = Tuning(),
+        kernels_for: Sequence[Path] = (),
+        staging_beside_load: bool = True,
     ) -> None:
         prefill_step = prefill_step or default_step()  # by backend (model/scheduler/prefill.py)
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
@@ -130,9 +132,10 @@ class Engine(Appending):
             # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
             # (model/kernel_cache.py)
             kernels = kernel_cache.Warmer.for_model(self.model_path) if tuning.kernel_warmer else None
-            if tuning.kernel_warmer:
+            if tuning.kernel_warmer:  # `kernels_for`: other models' folders, whose row kernels are built now
+                staged = staging_beside_load and self.restore_mode == "staged"
                 row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
-                                                     store.block_tokens if self.restore_mode == "staged" else None)
+                                                     store.block_tokens if staged else None, others=kernels_for)
         self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
         mx.eval(self.model.parameters())
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would

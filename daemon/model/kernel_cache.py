@@ -21,6 +21,7 @@ nothing here runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,35 +151,65 @@ class BesideLoad:
     `staging_tokens` (the store's block), a wake's staging ring kept for the first wake (kv/devplanes.py:
     pinned host memory, a few hundred ms a restart's first wake would wait for). `result` after the load:
     the shape the kernel was built for, which the engine compares with the loaded model's (a config that
-    names its heads otherwise: the engine builds the kernel itself, as without this)."""
+    names its heads otherwise: the engine builds the kernel itself, as without this).
 
-    def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
+    `others`: the folders of other models this daemon may load later, whose row kernels are built here too
+    (each shape once). MLX compiles a custom kernel holding a process-wide lock that every kernel launch's
+    lookup takes as well, so a second model's compile at its load stalled the first model's decoding for the
+    whole compile (4.7 s on the H200, docs/benchmarks.md, "Several models"); at the first start nothing
+    decodes yet."""
+
+    def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
+                 others: Sequence[Path] = ()) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
-        self.thread = threading.Thread(target=self._build, args=(Path(model_path), row_kernel, staging_tokens),
-                                       name="kvwake-beside-load", daemon=True)
+        self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
+        self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
+                                       args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
 
-    def _build(self, model_path: Path, row_kernel: bool, staging_tokens: int | None) -> None:
+    def _build(self, model_path: Path, row_kernel: bool, staging_tokens: int | None, others: list[Path]) -> None:
         import mlx.core as mx
 
         from kvwake.daemon.kv import devplanes
-        from kvwake.daemon.model import ragged_decode
 
         try:
             config = json.loads((model_path / "config.json").read_text())
-            heads = config["num_attention_heads"]
-            shape = (heads, config.get("num_key_value_heads") or heads,
-                     config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
-            if row_kernel and ragged_decode.build(*shape):
+            shape = self._build_row(model_path, config, row_kernel)
+            if row_kernel and shape is not None:
                 self.shape = shape
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
-                kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
+                heads = config["num_attention_heads"]
+                kv = mx.zeros((1, config.get("num_key_value_heads") or heads, 1,
+                               config.get("head_dim") or config["hidden_size"] // heads),
+                              getattr(mx, weights_dtype(model_path)))
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
+            for other in others if row_kernel else ():
+                with contextlib.suppress(OSError, ValueError, KeyError):  # not a local model folder of the kind
+                    self._build_row(other, json.loads((other / "config.json").read_text()), True)
         except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
             log.warning("row kernel or staging not made beside the load: %r", exc)
         finally:
             mx.synchronize()
             mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
+
+    def _build_row(self, model_path: Path, config: dict[str, Any], row_kernel: bool
+                   ) -> tuple[int, int, int, Any] | None:
+        """The row kernel for the heads and dtype `config` and the weights name, unless built already here;
+        its shape (None: not built, or not a shape it takes)."""
+        import mlx.core as mx
+
+        from kvwake.daemon.model import ragged_decode
+
+        heads = config["num_attention_heads"]
+        shape = (heads, config.get("num_key_value_heads") or heads,
+                 config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
+        if not row_kernel:
+            return None
+        if shape not in self.built and not ragged_decode.build(*shape):
+            return None
+        if shape not in self.built:
+            self.built.append(shape)
+        return shape
 
     def result(self) -> tuple[int, int, int, Any] | None:
         self.thread.join()

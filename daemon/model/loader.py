@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model import memory
@@ -35,10 +37,16 @@ def release_mlx_streams() -> None:
     mx.clear_streams()
 
 
-def start_model(settings: Settings, store: Store, spec: ModelSpec,
-                limits: memory.Limits | None) -> tuple[Engine, EngineThread]:
+def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memory.Limits | None,
+                neighbours: Sequence[ModelSpec] = ()) -> tuple[Engine, EngineThread]:
     """`spec`'s engine, built on a new engine thread of its own (named for the model), and that thread;
-    `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them)."""
+    `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
+    The first model's start makes what a later load must not make while another model decodes: the row
+    kernels of `neighbours` (the other models configured, those given as folders) and a wake's staging ring
+    beside its load (model/kernel_cache.py BesideLoad)."""
+    first = limits is None
+    others = [Path(s.source).expanduser() for s in neighbours
+              if s is not spec and s.source is not None and Path(s.source).expanduser().is_dir()] if first else []
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
                           slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
     try:
@@ -50,7 +58,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec,
             ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
             io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
             prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
-            persist=settings.persist, warm=False, tuning=settings.tuning)).result()
+            persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
+            staging_beside_load=first)).result()
         thread.submit(engine.wait_kernels)  # its first job: whatever runs the model after it finds the kernels
     except BaseException:
         thread.stop()
