@@ -129,3 +129,31 @@ def test_the_engine_builds_the_row_kernel_before_it_answers(tmp_path, monkeypatc
     finally:
         engine.close()
         store.close()
+
+
+def test_a_call_alones_lengths_and_the_kernels_constants_are_made_once_not_per_layer(monkeypatch):
+    # Each layer of each step made its own small arrays from host memory (the kernel's scale and span length,
+    # a call alone's starts and lengths): on CUDA each a move the kernel waited for. Made once now: the
+    # layers of a step share them (here on the CPU the kernel's inputs are recorded, not run).
+    from mlx_lm.models.cache import KVCache
+
+    from kvwake.daemon.model import paged_attention
+
+    seen = []
+    monkeypatch.setattr(ragged_decode, "row_attention", lambda q, k, v, starts, lengths, scale, max_tokens:
+                        seen.append((starts, lengths, max_tokens)) or mx.zeros(q.shape, q.dtype))
+    attention = ragged_decode.ragged(fused)
+    queries = mx.zeros((1, Q_HEADS, 1, HEAD_DIM), mx.bfloat16)
+    layers = [KVCache() for _ in range(3)]
+    for step, n in enumerate((40, 41)):
+        for cache in layers:
+            kv = mx.ones((1, KV_HEADS, n - cache.offset, HEAD_DIM), mx.bfloat16)
+            cache.update_and_fetch(kv, kv)
+            attention(queries, cache.keys, cache.values, cache, 0.125, None)
+    first, second = seen[:3], seen[3:]
+    assert all(s[0] is first[0][0] and s[1] is first[0][1] for s in first)  # one pair for a step's layers
+    assert second[0][1] is not first[0][1] and all(s[1] is second[0][1] for s in second)
+    assert [s[1].tolist() for s in (first[0], second[0])] == [[40], [41]] and first[0][0].tolist() == [0]
+    assert paged_attention.constant(0.125, mx.float32) is paged_attention.constant(0.125, mx.float32)
+    assert paged_attention.constant(256, mx.int32).tolist() == [256]
+    assert paged_attention.constant(0.5, mx.float32) is not paged_attention.constant(0.125, mx.float32)

@@ -25,9 +25,11 @@ A Metal kernel is not written: it could not be verified here (docs/decisions.md,
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 
-__all__ = ["ROW_SPLIT", "THREADS", "decode_attention", "gather_attention", "gather_rows", "kernel_attention", "row_attention", "split_tokens"]
+__all__ = ["ROW_SPLIT", "THREADS", "constant", "decode_attention", "gather_attention", "gather_rows", "kernel_attention", "row_attention", "split_tokens"]
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
@@ -288,7 +290,7 @@ def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.arr
     split = split or split_tokens(rows, kv_heads, max_tokens)
     spans = -(-max_tokens // split)
     span_out, span_lse = _kernel(kernel)(
-        inputs=[queries, keys, values, where, lengths, mx.array([scale], mx.float32), mx.array([split], mx.int32)],
+        inputs=[queries, keys, values, where, lengths, constant(scale, mx.float32), constant(split, mx.int32)],
         template=[("T", dtype), ("D", head_dim), ("G", group), *extra, ("TPT", tpt),
                   ("THREADS", THREADS), ("U", IN_FLIGHT if itemsize < 4 else IN_FLIGHT // 2)],
         grid=(spans * THREADS, kv_heads, rows), threadgroup=(THREADS, 1, 1),
@@ -299,6 +301,25 @@ def _flash_decode(kernel: str, queries: mx.array, keys: mx.array, values: mx.arr
         grid=(rows * q_heads * head_dim, 1, 1), threadgroup=(128, 1, 1),
         output_shapes=[(rows, q_heads, head_dim)], output_dtypes=[dtype])
     return out
+
+
+_constants = threading.local()  # per thread: an engine thread's arrays, made on its stream
+CONSTANTS_KEPT = 64
+
+
+def constant(value: float | int, dtype: mx.Dtype) -> mx.array:
+    """A one-element array of `value`, made once per value (and thread) and kept: the kernel's scale and span
+    length, which a call made afresh for every layer of every step (two small arrays made from host memory
+    per layer, each a host-to-device move before the kernel could read it). At most CONSTANTS_KEPT kept."""
+    kept = getattr(_constants, "kept", None)
+    if kept is None:
+        kept = _constants.kept = {}
+    made = kept.get((value, dtype))
+    if made is None:
+        if len(kept) >= CONSTANTS_KEPT:
+            kept.clear()
+        made = kept[value, dtype] = mx.array([value], dtype)  # from host memory: there at once, nothing to run
+    return made
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, page_table: mx.array,

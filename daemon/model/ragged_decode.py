@@ -26,6 +26,7 @@ gathered, then MLX's fused attention, as a paged call alone computes it).
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -55,15 +56,31 @@ def ragged(fused: Any) -> Any:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         if type(cache) is BatchKVCache:  # row r: its slots after its left padding, to the batch's end
             starts, end = cache.left_padding.astype(mx.int32), cache._idx
-        else:  # a call alone: every slot to its offset
-            starts, end = mx.zeros((queries.shape[0],), mx.int32), cache.offset
+        else:  # a call alone: every slot to its offset (the same for every layer of a step: made once)
+            end = cache.offset
+            starts, lengths = _alone(queries.shape[0], end)
         try:
-            out = row_attention(queries[:, :, 0], cache.keys, cache.values, starts, end - starts, scale,
-                                max_tokens=end)
+            out = row_attention(queries[:, :, 0], cache.keys, cache.values, starts,
+                                end - starts if type(cache) is BatchKVCache else lengths, scale, max_tokens=end)
         except ValueError:  # a head shape the kernel does not take
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return out[:, :, None]
     return attention
+
+
+_last_alone = threading.local()  # per engine thread: the last (rows, offset) and its arrays
+
+
+def _alone(rows: int, offset: int) -> tuple[mx.array, mx.array]:
+    """(starts, lengths) of `rows` rows alone holding `offset` tokens each: made once for the step's layers,
+    which all ask for the same (made per layer, each was two small arrays a layer the kernel waited for)."""
+    last = getattr(_last_alone, "made", None)
+    if last is None or last[0] != (rows, offset):
+        # lazy (computed once, in the first layer's pass): an eval here would wait for the queued steps
+        starts = mx.zeros((rows,), mx.int32)
+        lengths = mx.full((rows,), offset, mx.int32)
+        last = _last_alone.made = ((rows, offset), starts, lengths)
+    return last[1], last[2]
 
 
 def paged(inner: Any, kernel: bool) -> Any:
