@@ -158,3 +158,26 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     _, thread = loader.start_model(settings, None, small, object(), neighbours=[main, small, hub])
     thread.stop()
     assert [(kw["kernels_for"], kw["staging_beside_load"]) for kw in made] == [([folder], True), ([], False)]
+
+
+def test_an_engine_closed_before_its_first_forward_pass_reaps_its_kernel_warmers(model_dir, tmp_path, monkeypatch):
+    # The warmers are waited for by the engine thread's first job; an engine closed before one (an in-process
+    # engine made with warm=False) left them running, unreaped, their pipes open (found as a ResourceWarning)
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)  # as on CUDA: the warmers start with the engine
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, warm=False)
+    try:
+        procs = list(engine.kernels.procs)
+        assert len(procs) == len(kernel_cache.PARTS)
+    finally:
+        engine.close()
+        store.close()
+        from kvwake.daemon.kv import capacity
+
+        capacity.uninstall()
+    assert engine.kernels is None and all(p.returncode is not None for p in procs)
+    assert all(p.stderr.closed for p in procs)

@@ -263,6 +263,9 @@ class Engine(Appending):
         return devplanes.warm(cache[0].keys, 2 * len(cache), self.block_tokens)
 
     def close(self) -> None:
+        if self.kernels is not None:  # never waited for (no forward pass ran): their processes go too
+            self.kernels.stop()
+            self.kernels = None
         self.persister.close()
         self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()

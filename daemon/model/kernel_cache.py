@@ -138,6 +138,14 @@ class Warmer:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
         return bool(procs) and done
 
+    def stop(self) -> None:
+        """Kill the warmers not waited for (an engine closed before its first forward pass) and reap them."""
+        procs, self.procs = self.procs, []
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
 # wake stages only its plain layers, in rings of another shape than the config's layer count gives
