@@ -101,6 +101,10 @@ class ClientAPI:
         """Every model served → [{name, aliases, patterns, pinned, state: loaded|loading|unloaded, sessions}]."""
         return self._rpc("model.list", {}, _key("models"))
 
+    def models_memory(self) -> Any:
+        """The models' one memory budget as the daemon counts it → {budget_bytes, weights_bytes, hot_kv_bytes}."""
+        return self._rpc("model.list", {}, _key("memory"))
+
     def load_model(self, name: str) -> Any:
         """Load a model now (it would load at its first request) → {model, loaded, bundle_hash}."""
         return self._rpc("model.load", {"name": name})

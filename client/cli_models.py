@@ -25,12 +25,17 @@ def models(ctx: click.Context, as_json: bool) -> None:
         return
     with ctx.obj.client() as client:
         listed = client.models()
+        memory = None if as_json else client.models_memory()
     if as_json:
         return echo_json(listed)
     table(["MODEL", "STATE", "HOT", "ASLEEP", "WEIGHTS", "BUNDLE", "PINNED", "ALIASES"],
           [[m["name"], m["state"], m["sessions"]["hot"], m["sessions"]["asleep"], human_bytes(m.get("weights_bytes")),
             short(m.get("bundle_hash")), "yes" if m["pinned"] else "", ", ".join(m["aliases"] + m["patterns"])]
            for m in listed])
+    if memory:  # the one budget every loaded model's weights and hot KV share (docs/models.md)
+        click.echo(f"memory: {human_bytes(memory.get('weights_bytes'))} of weights and "
+                   f"{human_bytes(memory.get('hot_kv_bytes'))} of hot KV, of a budget of "
+                   f"{human_bytes(memory.get('budget_bytes'))}")
 
 
 @models.command("load")

@@ -151,6 +151,11 @@ def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
     out = subprocess.run([*cli, "models", "--json"], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert [(m["name"], m["state"], m["sessions"]) for m in json.loads(out)] == [
         ("main", "unloaded", {"hot": 0, "asleep": 1}), ("small", "loaded", {"hot": 1, "asleep": 0})]
+    out = subprocess.run([*cli, "models"], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    with d.client() as c:
+        memory = c.call("model.list")["memory"]
+    assert memory["weights_bytes"] > 0 and memory["budget_bytes"] > memory["weights_bytes"]
+    assert out.splitlines()[-1].startswith("memory: ") and "of weights and" in out and "of a budget of" in out
     # Streamed while its model loads (main, unloaded by small's turns): keep-alive comments, then the reply
     body = {"model": "claude-sonnet-4-6", "max_tokens": 4, "stream": True,
             "messages": [{"role": "user", "content": "stream"}]}
