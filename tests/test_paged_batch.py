@@ -64,7 +64,7 @@ def forward(model, fed: mx.array, cache: list, kernel: bool) -> mx.array:
 def assert_as_alone(out: mx.array, alone: list, step: int) -> None:
     """A batched step's rows against each row alone: bit for bit on the CPU. On CUDA (gather path or kernel)
     the attention is the same batched or alone, but the projections' matmuls of four rows and of one may round
-    apart (found on the H200): the same greedy tokens, logits within a bf16 step or two."""
+    apart: the same greedy tokens, logits within a bf16 step or two."""
     if not _cuda():
         assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
         return

@@ -163,9 +163,9 @@ class Ring:
 # Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
 # slot is a fresh managed allocation the CPU writes zeros into, a fixed cost a small wake
 # notices), still mapped; `drop_idle` releases them (the engine's close). Enough for the rings of a few
-# wakes at once: a restart's agents wake together, and each ring made afresh was an engine-thread job of
-# about 150 ms on the H200 (256 MB written and pinned) that every other wake and decode step waited behind.
-# Pinned host memory: 4 rings of 3 slots of SPAN_BYTES are 1.5 GB.
+# wakes at once: a restart's agents wake together, and each ring made afresh is a long engine-thread job
+# (its slots written and pinned) that every other wake and decode step waits behind (docs/decisions.md,
+# "First start at the disk's speed"). The cost: KEEP_SLOTS x SPAN_BYTES of pinned host memory per model.
 KEEP_SLOTS = 4 * RING_SLOTS
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
 # Kept slots by shape: one shape per model's KV (two models loaded take turns on the device, and one

@@ -382,8 +382,8 @@ class Buffers:
             # One tensor at a time. The joined spans hold every tensor, so they go once the last
             # tensor is laid out: at that moment the device holds the KV twice, no more.
             # Queued, not waited for one by one: the job waits once for all it laid out. A wait per tensor
-            # made a wake's upload a job per tensor, each a device sync and a thread hop, and a restart's
-            # waking sessions, taking turns on the engine thread, each spent about 0.6 s in them on the H200.
+            # made a wake's upload a job per tensor, each a device sync and a thread hop, which a restart's
+            # waking sessions, taking turns on the engine thread, paid one after another (docs/decisions.md).
             self._out[name] = out = mx.concatenate(pieces, axis=-2)
             mx.async_eval(out)
             made.append(out)

@@ -163,7 +163,8 @@ class Decoder:
             return contextlib.nullcontext()
         kernel = self.row_kernel
         # Pages are read by the gather path for now, on CUDA too: the paged kernel over a paged batch's
-        # tables made an illegal memory access on the H200 (test_paged_batch, session 31), not found yet
+        # tables made an illegal memory access (test_paged_batch, a dead row among the rows), not found yet
+        # (docs/decisions.md, "Batched decode over pages")
         return attention.swapped(self._attends, lambda fused: ragged_decode.paged(
             ragged_decode.ragged(fused) if kernel else fused, kernel and PAGED_KERNEL))
 

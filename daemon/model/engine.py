@@ -227,7 +227,7 @@ class Engine(Appending):
         beside this one: the room is what their weights leave (model/budget.py)."""
         self.kv_room_bytes = room
         self.session_tokens = memory.tokens_in(room, self.token_bytes) if room is not None else None
-        self.hot_budget_bytes = int(memory.HOT_SHARE * room) if room is not None else memory.DEFAULT_HOT_BUDGET
+        self.hot_budget_bytes = memory.hot_budget_in(room) if room is not None else memory.DEFAULT_HOT_BUDGET
         pages = getattr(self, "pages", None)  # made after the first room is set (the pool is bounded by it)
         if pages is not None:
             pages.set_budget(room if room is not None else self.hot_budget_bytes)

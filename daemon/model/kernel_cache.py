@@ -163,9 +163,8 @@ class BesideLoad:
 
     `others`: the folders of other models this daemon may load later, whose row kernels are built here too
     (each shape once). MLX compiles a custom kernel holding a process-wide lock that every kernel launch's
-    lookup takes as well, so a second model's compile at its load stalled the first model's decoding for the
-    whole compile (4.7 s on the H200, docs/benchmarks.md, "Several models"); at the first start nothing
-    decodes yet."""
+    lookup takes as well, so a second model's compile at its load stalls the first model's decoding for the
+    whole compile (docs/benchmarks.md, "Several models"); at the first start nothing decodes yet."""
 
     def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
                  others: Sequence[Path] = ()) -> None:
@@ -182,46 +181,44 @@ class BesideLoad:
 
         try:
             config = json.loads((model_path / "config.json").read_text())
-            shape = self._build_row(model_path, config, row_kernel)
-            if row_kernel and shape is not None:
+            shape = _heads(model_path, config)
+            if row_kernel and self._build_row(shape):
                 self.shape = shape
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
-                heads = config["num_attention_heads"]
-                kv = mx.zeros((1, config.get("num_key_value_heads") or heads, 1,
-                               config.get("head_dim") or config["hidden_size"] // heads),
-                              getattr(mx, weights_dtype(model_path)))
+                kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
             for other in others if row_kernel else ():
                 with contextlib.suppress(OSError, ValueError, KeyError):  # not a local model folder of the kind
-                    self._build_row(other, json.loads((other / "config.json").read_text()), True)
+                    self._build_row(_heads(other, json.loads((other / "config.json").read_text())))
         except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
             log.warning("row kernel or staging not made beside the load: %r", exc)
         finally:
             mx.synchronize()
             mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
 
-    def _build_row(self, model_path: Path, config: dict[str, Any], row_kernel: bool
-                   ) -> tuple[int, int, int, Any] | None:
-        """The row kernel for the heads and dtype `config` and the weights name, unless built already here;
-        its shape (None: not built, or not a shape it takes)."""
-        import mlx.core as mx
-
+    def _build_row(self, shape: tuple[int, int, int, Any]) -> bool:
+        """The row kernel for `shape`, unless built already here; whether it is (False: not a shape it takes)."""
         from kvwake.daemon.model import ragged_decode
 
-        heads = config["num_attention_heads"]
-        shape = (heads, config.get("num_key_value_heads") or heads,
-                 config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
-        if not row_kernel:
-            return None
-        if shape not in self.built and not ragged_decode.build(*shape):
-            return None
         if shape not in self.built:
+            if not ragged_decode.build(*shape):
+                return False
             self.built.append(shape)
-        return shape
+        return True
 
     def result(self) -> tuple[int, int, int, Any] | None:
         self.thread.join()
         return self.shape
+
+
+def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any]:
+    """(query heads, KV heads, head size, dtype) as `config` and the weights name them: what the row kernel is
+    built for (ragged_decode.shape_of gives the same from a loaded model)."""
+    import mlx.core as mx
+
+    heads = config["num_attention_heads"]
+    return (heads, config.get("num_key_value_heads") or heads,
+            config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
 
 
 def _warm(model_path: Path, part: str) -> None:

@@ -32,7 +32,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cache_blocks
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_HOT_BUDGET", "HOT_SHARE", "MEMORY_SHARE", "Limits", "apply_limits",
-           "device_memory", "hot_budget", "kv_room", "kv_token_bytes", "session_tokens", "tokens_in"]
+           "device_memory", "hot_budget", "hot_budget_in", "kv_room", "kv_token_bytes", "session_tokens", "tokens_in"]
 
 DEFAULT_CACHE_BYTES = 4 << 30
 MEMORY_SHARE = 0.9  # of the device's memory, when no limit is configured
@@ -93,7 +93,12 @@ def hot_budget(limits: Limits, weights_bytes: int) -> int:
     room for a session to wake or prefill while others stay hot. A fixed budget smaller than one long session
     put it to sleep between an agent's turns, so its next turn restored it instead of continuing it
     (docs/decisions.md, "Memory limits (issue 25, point 7)")."""
-    return int(HOT_SHARE * kv_room(limits, weights_bytes))
+    return hot_budget_in(kv_room(limits, weights_bytes))
+
+
+def hot_budget_in(room: int) -> int:
+    """The hot sessions' budget when none is configured, of `room` bytes all KV may hold (`hot_budget`)."""
+    return int(HOT_SHARE * room)
 
 
 def session_tokens(limits: Limits, weights_bytes: int, token_bytes: int) -> int | None:
