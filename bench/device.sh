@@ -24,9 +24,11 @@
 #             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model);
 #             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
 #   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
-#             loads, an unloaded model's first turn, MLX's peak against the budget
+#             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
+#             peak against the budget
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
-#             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store
+#             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
+#             same on its plain-attention cousin (--plain), the target's reference
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -160,11 +162,14 @@ run_part() {
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
-              python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 600 \
+              python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
                 --alone-tokens 150 --context 10000 --out "$OUT/models" 2>&1 | tail -4 ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
-              python3 bench/fleet --model /tmp/g4 --tools 8 --agents 8 --system-tokens 10240 --turns 3 \
-                --apis openai --no-baseline --out "$OUT/hybrid" 2>&1 | tail -12 ;;
+              [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
+              for m in g4 g4p; do  # the hybrid model, then its plain-attention cousin (the target's reference)
+                python3 bench/fleet --model /tmp/$m --tools 8 --agents 8 --system-tokens 10240 --turns 3 \
+                  --apis openai --no-baseline --out "$OUT/hybrid-$m" 2>&1 | tail -12
+              done ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
