@@ -388,3 +388,53 @@ def test_a_turn_set_aside_is_not_waited_for_and_arrives_again_after():
     with waiter.aside():  # landed: stays landed
         pass
     assert s.arriving() == 0
+
+
+class Stepping(Decoding):
+    """A decoder whose calls decode for `steps` steps of `step_s` seconds each, noted in `order`; its first step
+    also waits for `gate` (the test queues its jobs meanwhile)."""
+
+    def __init__(self, order: list, steps: int, step_s: float) -> None:
+        super().__init__(active=True)
+        self.order, self.left, self.step_s, self.gate = order, steps, step_s, threading.Event()
+
+    def step(self) -> None:
+        time.sleep(self.step_s)
+        self.gate.wait()
+        self.order.append("step")
+        self.left -= 1
+        self.active = self.left > 0
+
+
+def test_the_next_plain_jobs_come_in_the_same_step_and_anything_else_waits_for_the_next():
+    s = Scheduler(decoder=Decoding(active=True))
+    first, second = s.submit(lambda: "a"), s.submit(lambda: "b")
+    pack = lambda jobs: [None] * len(jobs)  # noqa: E731
+    packed = s.submit(Packed(lambda: None, pack, (0,)))
+    third = s.submit(lambda: "c")
+    step = s.next_step()
+    assert step.job[1] is first and s.another()[1] is second
+    assert s.another() is None  # the pack is next: kept for the next step, not run in this one
+    assert s.waiting() == (2, 1)
+    step = s.next_step()
+    assert [f for _, f in step.pack] == [packed] and s.another()[1] is third and s.another() is None
+
+
+def test_short_jobs_queued_beside_decoding_calls_run_in_one_step_a_long_one_ends_it():
+    """Was: one job a step while calls decoded, so a restart's wakes (a few ms a job) each waited a decode
+    step per job behind a decoding session (docs/decisions.md, "A fleet of agents (issue 50)")."""
+    thread, order = EngineThread(), []
+    decoder = Stepping(order, steps=6, step_s=0.03)
+    try:
+        thread.attach(decoder)  # type: ignore[arg-type]
+        # The thread is in its first decode step (waiting for the gate): these queue behind it.
+        futures = [thread.submit(lambda i=i: order.append(f"short {i}")) for i in range(4)]
+        futures.append(thread.submit(lambda: (order.append("long"), time.sleep(0.06))))
+        futures.append(thread.submit(lambda: order.append("after")))
+        decoder.gate.set()
+        for f in futures:
+            f.result(timeout=10)
+        assert order[:6] == ["step", *(f"short {i}" for i in range(4)), "long"], order
+        assert order[6] == "step" and order.index("after") > 6, order
+    finally:
+        thread.stop()

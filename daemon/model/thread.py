@@ -81,6 +81,7 @@ class EngineThread:
         # the engine's side of the gap a streaming client sees (a job between two steps is in it)
         self._gaps = Latency(GAPS_KEPT)
         self._handed: float | None = None
+        self._step_s = 0.0  # the last decode step's seconds: what a step's jobs may take (_more_jobs)
         self._thread.start()
 
     def attach(self, decoder: Decoder, prefill: PrefillPlanner | None = None) -> None:
@@ -114,6 +115,7 @@ class EngineThread:
             elif step.job is not None:
                 self._do(step.job)
                 self._spend("job", step.job[0], began)
+                self._more_jobs(step, began)
             elif step.idle is not None:
                 self._do_idle(step.idle)
                 self._spend("job", "idle " + _name(step.idle), began)
@@ -126,6 +128,7 @@ class EngineThread:
                     log.exception("decode step failed; failing every call in flight")
                     decoder.abort(unframed(exc))
                 self._spend("step", decoder.step, stepped)
+                self._step_s = time.perf_counter() - stepped
             flushed = time.perf_counter()
             self._flush()
             end = time.perf_counter()
@@ -143,6 +146,19 @@ class EngineThread:
         self.scheduler.refuse_left()
         if self._on_exit is not None:
             self._on_exit()
+
+    def _more_jobs(self, step: Any, began: float) -> None:
+        """Beside decoding calls: plain jobs queued next, while the step's jobs have taken less than the last
+        decode step (at most the slow mark), so short jobs do not each wait for a decode step
+        (scheduler/steps.py)."""
+        budget = min(self._step_s, self.slow_s)
+        while step.decode and time.perf_counter() - began < budget:
+            job = self.scheduler.another()
+            if job is None:
+                return
+            more = time.perf_counter()
+            self._do(job)
+            self._spend("job", job[0], more)
 
     @staticmethod
     def _do_pack(jobs: list[Job]) -> None:

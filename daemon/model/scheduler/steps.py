@@ -9,8 +9,15 @@ The order, and why:
 - `quick` jobs (bookkeeping with no MLX work: a call joining the decoder) all
   run before the next job, not one per step: calls that come at once join the
   batch at one step.
-- One job (or one pack) per step while calls decode: a decoding neighbour waits
-  one job, a short one (a prefill chunk is many slice jobs: scheduler/prefill.py).
+- While calls decode, a step's jobs take about one decode step's time at most:
+  one job (or one pack), then more plain jobs queued next while the step's jobs
+  have taken less than the last decode step did (`another`). A decoding
+  neighbour waits about one step of jobs; a short one (a prefill chunk is many
+  slice jobs, each about a step: scheduler/prefill.py) is one job. Short jobs
+  (a wake's buffers, spans and upload slices, a few milliseconds each) run
+  several to a step: one a step, a restart's wakes beside a decoding session
+  each waited a decode step per job (docs/decisions.md, "A fleet of agents
+  (issue 50)").
 - A `Packed` job runs with every job of its pack queued by its turn, as one:
   turns that come at once are one forward pass (model/packing.py) and one job.
 - A pack that starts turns (a job queued with its turn's `Arrival`) is held while
@@ -127,6 +134,8 @@ class Scheduler:
         self._arriving: set[Arrival] = set()  # turns arrived and not landed
         self._packs_lock = threading.Lock()  # over _packs and _arriving
         self._held: _PackDue | None = None  # a pack that starts turns, waiting for those arriving
+        # An item `another` took off the queue and did not run (not a plain job): the next look takes it first.
+        self._ahead: list[Any] = []
         self.holds = Latency(HOLDS_KEPT)  # ms each held pack waited, from its first job queued to taken
         # Set once the thread refused what was left (`refuse_left`): a job submitted after it would wait for
         # ever, so it is refused at once. The lock keeps a submit from queueing between the flag and the drain.
@@ -194,7 +203,7 @@ class Scheduler:
         """(items in the job queue, jobs waiting for their pack's turn): what a look from outside sees."""
         with self._packs_lock:
             packed = sum(len(jobs) for jobs in self._packs.values())
-        return self._jobs.qsize(), packed
+        return self._jobs.qsize() + len(self._ahead), packed
 
     def arriving(self) -> int:
         """Turns arrived and not landed (`arrive`): what a held pack waits for."""
@@ -212,7 +221,7 @@ class Scheduler:
                 return self._step(self._release(), decoding)
             idle = None
             try:
-                item = self._take(self._jobs.get(**self._wait(decoding)), decoding)
+                item = self._take(self._get(**self._wait(decoding)), decoding)
             except queue.Empty:
                 if self._held is not None:
                     continue  # its gathering time is up: released above
@@ -222,7 +231,7 @@ class Scheduler:
                 idle = None if decoding else self._idle.popleft()
             while item == () and idle is None:  # wake-ups (quick jobs', landings'): not a turn each
                 try:
-                    item = self._take(self._jobs.get_nowait(), decoding)
+                    item = self._take(self._get(block=False), decoding)
                 except queue.Empty:
                     break
             if item is None:
@@ -230,6 +239,25 @@ class Scheduler:
             if item == () and idle is None and self._held is not None and self._quick.empty():
                 continue  # a wake-up while a pack gathers: look again
             return self._step(item, decoding, idle)
+
+    def _get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The next queued item: the one `another` put back first (raises queue.Empty as the queue does)."""
+        if self._ahead:
+            return self._ahead.pop()
+        return self._jobs.get(block=block, timeout=timeout)
+
+    def another(self) -> Job | None:
+        """A plain job queued next, for the engine thread to run in the step it is in (while the step's jobs are
+        within their time: module docstring); None when nothing is queued or the next item is not a plain job
+        (a pack, a wake-up, the stop: kept for the next step, in order)."""
+        try:
+            item = self._get(block=False)
+        except queue.Empty:
+            return None
+        if isinstance(item, tuple) and item:
+            return item
+        self._ahead.append(item)
+        return None
 
     def _wait(self, decoding: bool) -> dict[str, Any]:
         """How the next look at the job queue waits: not at all beside decoding calls, until a held pack's
@@ -305,6 +333,10 @@ class Scheduler:
         instead of waiting for ever."""
         with self._open_lock:
             self._closed = True
+        for job in self._ahead:
+            if isinstance(job, tuple) and job:
+                job[1].set_exception(CancelledError("the engine stopped before this job ran"))
+        self._ahead = []
         for jobs in (self._quick, self._jobs):
             while True:
                 try:
