@@ -10,8 +10,8 @@ load        --sessions sessions of main decode at once, streamed (greedy, EOS ba
             each; once the first stream has --alone-tokens pieces, `model.load` loads small. Reported:
             main's gaps between tokens (as its clients receive them, bench/lib.py Stream) before the load
             (p50, p99), while it loads (p50, p99, max) and after it (p50, p99: small's warm-up jobs run
-            then), the load's time, and the p99 during the load over the median alone (the issue's
-            target: <= 2x).
+            then), the load's time, the p99 during the load over the median alone (the issue's
+            target: <= 2x), and main's engine-thread jobs and steps over the slow mark during the load.
 unloaded    a conversation of --context tokens on main sleeps and wakes once (a plain wake, timed by
             the client); then it sleeps, main is unloaded (`model.unload`), and the conversation's next
             turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Then main
@@ -81,9 +81,12 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
     while len(streams[0].pieces) < args.alone_tokens and threads[0].is_alive():
         time.sleep(0.005)
     with client(d) as c:
-        began = time.perf_counter()
+        began, began_wall = time.perf_counter(), time.time()
         loaded = c.call("model.load", name=small)
         ended = time.perf_counter()
+        # what main's engine thread did slowly meanwhile (a step or a job over the slow mark, by name)
+        slow = [j for j in c.call("status")["engine_thread"]["slow"]
+                if began_wall <= j["at"] <= began_wall + (ended - began)]
     for t in threads:
         t.join()
     for c in clients:
@@ -98,7 +101,7 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             "gap_during_max_ms": round(max(inside), 3) if inside else None,
             "gap_after_p50_ms": pct(after, 0.5), "gap_after_p99_ms": pct(after, 0.99),
             "gap_samples": {"alone": len(alone), "during": len(inside), "after": len(after)},
-            "streams_past_the_load": sum(s.ended > ended for s in streams),
+            "streams_past_the_load": sum(s.ended > ended for s in streams), "main_slow_during": slow,
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None,
             "target": "<= 2.0", "met": bool(p99 and median and p99 <= 2 * median)}
 
