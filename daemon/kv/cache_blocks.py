@@ -137,13 +137,6 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _tensor(a: mx.array) -> Tensor:
-    # np.array copies just the (possibly strided) slice: nothing else is materialized.
-    if a.dtype == mx.bfloat16:
-        return Tensor("BF16", np.ascontiguousarray(np.array(a.view(mx.uint16))))
-    return Tensor.of(np.array(a))
-
-
 def array_of(t: Tensor) -> mx.array:
     a = mx.array(t.array)
     return a.view(mx.bfloat16) if t.dtype == "BF16" else a
@@ -471,29 +464,48 @@ def capture_block(cache: list, index: int, block_tokens: int) -> dict[str, Tenso
     return capture_blocks(cache, index, 1, block_tokens)[0]
 
 
-def _whole(name: str, kind: str, c: Any) -> dict[str, Tensor]:
-    """The whole state of one non-cuttable unit, meta state as small int arrays."""
-    out: dict[str, Tensor] = {}
+def _whole(name: str, kind: str, c: Any, rings_cut: bool = False) -> dict[str, Tensor | mx.array]:
+    """The whole state of one non-cuttable unit, meta state as small int arrays; its arrays lazy (`_to_host`
+    evaluates every unit's at once, then copies them).
+    `rings_cut`: a ring grown past its size by a prefill chunk is cut on the device to the rows its next
+    update reads (points.compact_rings says which), so only those move to the host."""
+    out: dict[str, Tensor | mx.array] = {}
     if kind == "rotating":
-        out[f"{name}.ring"] = _ints(c.offset, c._idx, c.keep, c.max_size)
-        if c.keys is not None:  # the ring as held: capacity and rotation both matter
-            out.update({f"{name}.keys": _tensor(c.keys), f"{name}.values": _tensor(c.values)})
+        keys, values, idx = c.keys, c.values, c._idx
+        if rings_cut and keys is not None and keys.shape[2] > c.max_size and idx == keys.shape[2]:
+            rows, keep = keys.shape[2], c.keep
+            keys, values = (mx.concatenate([a[:, :, :keep], a[:, :, rows - (c.max_size - keep):]], axis=2)
+                            for a in (keys, values))
+            idx = c.max_size
+        out[f"{name}.ring"] = _ints(c.offset, idx, c.keep, c.max_size)
+        if keys is not None:  # the ring as held: capacity and rotation both matter
+            out.update({f"{name}.keys": keys, f"{name}.values": values})
     elif kind == "chunked":
         out[f"{name}.chunk"] = _ints(c.offset, c.start_position, c.chunk_size)
         if c.keys is not None:
             k, v = c.keys_and_values()
-            out.update({f"{name}.keys": _tensor(k), f"{name}.values": _tensor(v)})
+            out.update({f"{name}.keys": k, f"{name}.values": v})
     else:  # arrays
-        out.update({f"{name}.arrays.{k}": _tensor(a) for k, a in enumerate(c.cache) if a is not None})
+        out.update({f"{name}.arrays.{k}": a for k, a in enumerate(c.cache) if a is not None})
         for attr in ("left_padding", "lengths"):
             if getattr(c, attr) is not None:
-                out[f"{name}.{attr}"] = _tensor(getattr(c, attr))
+                out[f"{name}.{attr}"] = getattr(c, attr)
     return out
 
 
-def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Tensor]:
+def _to_host(state: dict[str, Tensor | mx.array]) -> dict[str, Tensor]:
+    """`state`'s arrays evaluated together (one wait, not one per layer), then copied to the host: numpy's
+    copy of just each (possibly strided) array, bf16 as its uint16 bits (numpy has no bfloat16)."""
+    bits = {k: _host_bits(a) for k, a in state.items() if isinstance(a, mx.array)}
+    mx.eval(list(bits.values()))
+    return {k: a if k not in bits else Tensor("BF16", np.ascontiguousarray(np.array(bits[k])))
+            if a.dtype == mx.bfloat16 else Tensor.of(np.array(bits[k])) for k, a in state.items()}
+
+
+def capture_tail(cache: list, n_tokens: int, block_tokens: int, rings_cut: bool = False) -> dict[str, Tensor]:
     """Everything not in full blocks: the partial block of cuttable units, the whole
     state of the others, and the meta state restore needs (names in the module docstring).
+    `rings_cut`: rings as a point keeps them (`_whole`).
 
     Raises StateMismatchError when a unit that counts tokens does not hold n_tokens.
     """
@@ -506,12 +518,14 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int) -> dict[str, Ten
     out = {"meta": _ints(STATE_FORMAT, n_tokens, block_tokens)}
     if full < n_tokens:
         out.update(_cut_units(cache, full, n_tokens))
+    whole: dict[str, Tensor | mx.array] = {}
     for name, _, _, c in units(cache):
         kind = kind_of(c, name)
         if kind in CUTTABLE:
             out[f"{name}.offset"] = _ints(c.offset)
         else:
-            out.update(_whole(name, kind, c))
+            whole.update(_whole(name, kind, c, rings_cut))
+    out.update(_to_host(whole))
     return out
 
 

@@ -134,7 +134,8 @@ class PointTaker:
             blocks: dict[int, dict] = {}
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
                 blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
-            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens)))
+            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
+                                                                          rings_cut=True)))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
             self._failed(position, exc)
             return None
