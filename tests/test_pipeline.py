@@ -308,7 +308,7 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False)
-    calls = count_calls(monkeypatch, split="split_span", join="join")
+    calls = count_calls(monkeypatch, engine, split="split_span", join="join")
     try:
         a, b = slept_and_woken(engine, [(i * 11) % 256 for i in range(150)])
         # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
@@ -320,13 +320,14 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         store.close()
 
 
-def two_block_spans(monkeypatch) -> tuple[list, list[tuple[int, int]]]:
-    """Restores staged (restores_as "staged" before the engine is made) through rings of two slots of two blocks
-    each, from now on: the rings made and the (first, count) of every span joined, recorded. Call it once the
-    engine is made, as count_calls."""
+def two_block_spans(monkeypatch, engine) -> tuple[list, list[tuple[int, int]]]:
+    """`engine`'s restores staged (the discrete-GPU path, here on the CPU) through rings of two slots of two
+    blocks each from now on (as count_calls): the rings made and the (first, count) of every span joined,
+    recorded."""
     from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import restore_buffers as kvfill
 
+    assert_stages(engine)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
@@ -351,7 +352,7 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
-    rings, joined = two_block_spans(monkeypatch)
+    rings, joined = two_block_spans(monkeypatch, engine)
     try:
         a, b = Session("a"), Session("b")
         tokens = [(i * 7) % 256 for i in range(150)]
@@ -415,12 +416,18 @@ def kv_of(cache: list, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
             for c in cache]
 
 
-def count_calls(monkeypatch, **kinds: str) -> dict[str, int]:
-    """Calls of devplanes' functions (kind=function name), counted from now on. Start counting once the engine
-    is made: on CUDA its start makes a wake's staging and runs each join once beside the weights' load
-    (kernel_cache.BesideLoad, warm=False or not), which is not the restore a test counts."""
+def assert_stages(engine) -> None:
+    """`engine` (made) restores staged: restores_as(monkeypatch, "staged") ran before it was made."""
+    assert engine.restore_mode == engine.kv.restore_mode == "staged" and engine.kv.device_planes
+
+
+def count_calls(monkeypatch, engine, **kinds: str) -> dict[str, int]:
+    """Calls of devplanes' functions (kind=function name) by `engine`'s restores, counted from now on: once the
+    engine is made, for on CUDA its start makes a wake's staging and runs each join once beside the weights'
+    load (kernel_cache.BesideLoad, warm=False or not), which is not the restore a test counts."""
     from kvwake.daemon.kv import devplanes
 
+    assert_stages(engine)
     calls = dict.fromkeys(kinds, 0)
     for kind, name in kinds.items():
         def counted(*args, _real=getattr(devplanes, name), _kind=kind, **kwargs):
@@ -430,9 +437,9 @@ def count_calls(monkeypatch, **kinds: str) -> dict[str, int]:
     return calls
 
 
-def count_joins(monkeypatch) -> dict[str, int]:
+def count_joins(monkeypatch, engine) -> dict[str, int]:
     """Spans joined on the device from byte planes and from raw runs, counted from now on (as count_calls)."""
-    return count_calls(monkeypatch, planes="join", raw="join_raw")
+    return count_calls(monkeypatch, engine, planes="join", raw="join_raw")
 
 
 def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(model_dir, tmp_path, monkeypatch):
@@ -455,7 +462,7 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     store = Store(tmp_path / "store", block_tokens=16, codec="raw")
     engine = Engine(store, tmp_path, model_dir, warm=False)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)  # from here on, as count_calls
-    real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch)
+    real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch, engine)
 
     def ring(self, blocks, size, plane_bytes, block_bytes):
         monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
@@ -487,7 +494,7 @@ def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir,
     tokens = [(i * 7) % 256 for i in range(120)]
     store = Store(tmp_path / "store", block_tokens=16, codec="zstd")
     engine = Engine(store, tmp_path, model_dir, warm=False)
-    joins = count_joins(monkeypatch)
+    joins = count_joins(monkeypatch, engine)
     try:
         a = Session("a")
         engine.append(a, tokens=tokens)
@@ -591,7 +598,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
     monkeypatch.setattr(kvfill.Buffers, "release", lambda self: released.append(self) or real_release(self))
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
-    _, joined = two_block_spans(monkeypatch)
+    _, joined = two_block_spans(monkeypatch, engine)
     try:
         tokens = [(i * 7) % 256 for i in range(150)]
         a = Session("a")
