@@ -422,7 +422,7 @@ def assert_stages(engine) -> None:
 
 
 def count_calls(monkeypatch, engine, **kinds: str) -> dict[str, int]:
-    """Calls of devplanes' functions (kind=function name) by `engine`'s restores, counted from now on: once the
+    """Calls of devplanes' functions (kind=function name) by `engine`'s sleeps and restores, from now on: once the
     engine is made, for on CUDA its start makes a wake's staging and runs each join once beside the weights'
     load (kernel_cache.BesideLoad, warm=False or not), which is not the restore a test counts."""
     from kvwake.daemon.kv import devplanes
