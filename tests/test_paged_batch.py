@@ -17,9 +17,16 @@ from kvwake.daemon.model.generation import GenerateParams
 from kvwake.store import Store
 from tests.test_batching import run_together, session
 from tests.test_paged_engine import engines, paged  # noqa: F401 - the fixture and its helper
+from tests.test_prefix import CHUNKED_LOGIT_BOUND, assert_diverges_only_at_a_tie
 
 PAGE = 16
 LENGTHS = (5, 37, 16, 60)  # a partial page, several, exactly one, a long one
+# On CUDA a batched step's row and the same row alone are not bit-identical: MLX picks its matmul kernels by
+# shape, so the projections over four rows and over one round apart. Their logits are bf16, whose step grows
+# with the logits' magnitude: an absolute bound fails on one rounding of a large logit. Held as a chunked
+# prefill's hit is (tests/test_prefix.py): the largest logit difference relative to the row's largest logit,
+# greedy tokens the same. Bit for bit on the CPU.
+ROWS_LOGIT_BOUND = CHUNKED_LOGIT_BOUND
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +71,16 @@ def forward(model, fed: mx.array, cache: list, kernel: bool) -> mx.array:
 def assert_as_alone(out: mx.array, alone: list, step: int) -> None:
     """A batched step's rows against each row alone: bit for bit on the CPU. On CUDA (gather path or kernel)
     the attention is the same batched or alone, but the projections' matmuls of four rows and of one may round
-    apart: the same greedy tokens, logits within a bf16 step or two."""
+    apart: the same greedy tokens, each row's logits within ROWS_LOGIT_BOUND of its largest."""
     if not _cuda():
         assert all(mx.array_equal(out[i], alone[i]).item() for i in range(len(LENGTHS))), step
         return
     assert [int(a.argmax()) for a in alone] == out.argmax(axis=-1).tolist(), step
-    assert max(mx.abs(out[i] - alone[i]).max().item() for i in range(len(LENGTHS))) < 2e-2, step
+    for i, want in enumerate(alone):
+        got, want = out[i].astype(mx.float32), want.astype(mx.float32)
+        diff, scale = mx.abs(got - want).max().item(), mx.abs(want).max().item()
+        assert diff <= ROWS_LOGIT_BOUND * scale, f"step {step}, row {i}: max logit diff {diff} " \
+            f"> {ROWS_LOGIT_BOUND} x max logit {scale}"
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=ON_CUDA)])
@@ -184,7 +195,9 @@ def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (4, 12, 9, 12, 6)]
     texts = ["word " * 40, "a short one", "agent 1", "agent two speaks", "x" * 30]
-    want = [plain.generate(session(plain, f"p{i}", t), p).tokens for i, (t, p) in enumerate(zip(texts, params))]
+    alone = [session(plain, f"p{i}", t) for i, t in enumerate(texts)]
+    prompts = [list(s.tokens) for s in alone]
+    want = [plain.generate(s, p).tokens for s, p in zip(alone, params, strict=True)]
     sessions = [session(engine, f"e{i}", t) for i, t in enumerate(texts)]
     calls = [engine.start_call(s, p) for s, p in zip(sessions, params, strict=True)]
     seen = []
@@ -197,7 +210,14 @@ def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):
 
     engine.decoder._step_batch = step
     run_together(engine, calls, join_at={3: 5, 4: 6})  # 4 takes the dead slot the first call left
-    assert [c.future.result().tokens for c in calls] == want
+    got = [c.future.result().tokens for c in calls]
+    if not _cuda():
+        assert got == want
+    else:  # a paged batch's attention (gathered over its rows' pages) and projections (over several rows)
+        # round apart from a plain session's alone (fused attention, one row): its tokens may part from the
+        # plain ones only where the plain run's top two logits nearly tie (assert_diverges_only_at_a_tie)
+        for prompt, ours, theirs in zip(prompts, got, want, strict=True):
+            assert_diverges_only_at_a_tie(plain, prompt, ours, theirs)
     assert seen and all(s is in_pages for s in seen)
     assert engine.decoder.counters["alone_for_length"] == 0
     if in_pages:  # any row fits a dead slot: a paged batch pads none (a merged one fits shorter histories only)

@@ -305,20 +305,10 @@ def assert_same_kv_and_continuation(engine, a: Session, b: Session, n: int) -> N
 def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(model_dir, tmp_path, monkeypatch):
     # What runs on CUDA (KV in device memory), run here on MLX's CPU device: sleep splits byte planes
     # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
-    from kvwake.daemon.kv import devplanes
-
-    calls = {"split": 0, "join": 0}
-    for name in calls:
-        real = getattr(devplanes, name if name == "join" else "split_span")
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(devplanes, name if name == "join" else "split_span", counted)
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False)
+    calls = count_calls(monkeypatch, engine, split="split_span", join="join")
     try:
         a, b = slept_and_woken(engine, [(i * 11) % 256 for i in range(150)])
         # Once per span of blocks (here one span: the blocks are tiny) for every tensor at once, and once
@@ -330,13 +320,14 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
         store.close()
 
 
-def two_block_spans(monkeypatch) -> tuple[list, list[tuple[int, int]]]:
-    """Restores staged (the discrete-GPU path, here on the CPU) through rings of two slots of two blocks each:
-    the rings made and the (first, count) of every span joined, recorded."""
+def two_block_spans(monkeypatch, engine) -> tuple[list, list[tuple[int, int]]]:
+    """`engine`'s restores staged (the discrete-GPU path, here on the CPU) through rings of two slots of two
+    blocks each from now on (as count_calls): the rings made and the (first, count) of every span joined,
+    recorded."""
     from kvwake.daemon.kv import devplanes
     from kvwake.daemon.kv import restore_buffers as kvfill
 
-    restores_as(monkeypatch, "staged")
+    assert_stages(engine)
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
@@ -358,10 +349,10 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         model_dir, tmp_path, monkeypatch):
     # Two blocks per span and two slots: nine blocks go through the ring in five spans, each slot
     # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
-    rings, joined = two_block_spans(monkeypatch)
+    restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    rings, joined = two_block_spans(monkeypatch, engine)
     try:
         a, b = Session("a"), Session("b")
         tokens = [(i * 7) % 256 for i in range(150)]
@@ -425,17 +416,30 @@ def kv_of(cache: list, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
             for c in cache]
 
 
-def count_joins(monkeypatch) -> dict[str, int]:
-    """Spans joined on the device from byte planes and from raw runs, counted as restores run."""
+def assert_stages(engine) -> None:
+    """`engine` (made) restores staged: restores_as(monkeypatch, "staged") ran before it was made."""
+    assert engine.restore_mode == engine.kv.restore_mode == "staged" and engine.kv.device_planes
+
+
+def count_calls(monkeypatch, engine, **kinds: str) -> dict[str, int]:
+    """Calls of devplanes' functions (kind=function name) by `engine`'s sleeps and restores, from now on: once the
+    engine is made, for on CUDA its start makes a wake's staging and runs each join once beside the weights'
+    load (kernel_cache.BesideLoad, warm=False or not), which is not the restore a test counts."""
     from kvwake.daemon.kv import devplanes
 
-    joins = {"planes": 0, "raw": 0}
-    for name, kind in (("join", "planes"), ("join_raw", "raw")):
-        def counted(*args, _real=getattr(devplanes, name), _kind=kind):
-            joins[_kind] += 1
-            return _real(*args)
+    assert_stages(engine)
+    calls = dict.fromkeys(kinds, 0)
+    for kind, name in kinds.items():
+        def counted(*args, _real=getattr(devplanes, name), _kind=kind, **kwargs):
+            calls[_kind] += 1
+            return _real(*args, **kwargs)
         monkeypatch.setattr(devplanes, name, counted)
-    return joins
+    return calls
+
+
+def count_joins(monkeypatch, engine) -> dict[str, int]:
+    """Spans joined on the device from byte planes and from raw runs, counted from now on (as count_calls)."""
+    return count_calls(monkeypatch, engine, planes="join", raw="join_raw")
 
 
 def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(model_dir, tmp_path, monkeypatch):
@@ -447,16 +451,8 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     from kvwake.store.format.codec import read_file_header
 
     restores_as(monkeypatch, "staged")
-    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)
-    real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch)
-
-    def ring(self, blocks, size, plane_bytes, block_bytes):
-        monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
-        real_ring(self, blocks, size, plane_bytes, block_bytes)
-    monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     tokens = [(i * 5) % 256 for i in range(150)]
     store = Store(tmp_path / "store", block_tokens=16, codec="planes-zstd")
-    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, warm=False)
     a = Session("a")
     engine.append(a, tokens=tokens[:70])
@@ -464,8 +460,14 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     engine.close()
     store.close()
     store = Store(tmp_path / "store", block_tokens=16, codec="raw")
-    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, warm=False)
+    monkeypatch.setattr(devplanes, "RING_SLOTS", 2)  # from here on, as count_calls
+    real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch, engine)
+
+    def ring(self, blocks, size, plane_bytes, block_bytes):
+        monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes)
+    monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     try:
         b = Session("b")
         engine.append(b, tokens=tokens)
@@ -475,7 +477,7 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
         assert codecs[:4] == ["planes-zstd"] * 4 and codecs[4:] == ["raw"] * 5, codecs
         engine.ram_tier.__init__(engine.ram_tier.budget)
         engine.ram_tier.put(record.blocks[2].key, engine.store.read_block(record.blocks[2]))
-        joins.update(planes=0, raw=0)
+        joins.update(planes=0, raw=0)  # b's append joined "a"'s blocks (a prefix hit): the wake's alone
         b, _ = engine.wake("b")
         # span 0: blocks 0-1 planes, 2 from memory, 3 planes, 4-5 raw; span 1: 6-8 raw; the tail raw
         assert joins == {"planes": 2, "raw": 3}, joins
@@ -489,11 +491,10 @@ def test_the_discrete_gpu_path_stages_zstd_blocks_as_raw_runs_exactly(model_dir,
     # Was: "zstd" blocks were never staged: decoded on the CPU into the device's arrays, a long session's
     # wake took minutes where codec "auto" had picked zstd.
     restores_as(monkeypatch, "staged")
-    joins = count_joins(monkeypatch)
     tokens = [(i * 7) % 256 for i in range(120)]
     store = Store(tmp_path / "store", block_tokens=16, codec="zstd")
-    # warm=False: on CUDA the warm-up makes a ring and joins once, which would count here
     engine = Engine(store, tmp_path, model_dir, warm=False)
+    joins = count_joins(monkeypatch, engine)
     try:
         a = Session("a")
         engine.append(a, tokens=tokens)
@@ -592,11 +593,12 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
     # the device span by span, as a wake's do; a damaged block ends the hit there (its tokens prefilled).
     from kvwake.daemon.kv import restore_buffers as kvfill
 
-    _, joined = two_block_spans(monkeypatch)
+    restores_as(monkeypatch, "staged")
     released, real_release = [], kvfill.Buffers.release
     monkeypatch.setattr(kvfill.Buffers, "release", lambda self: released.append(self) or real_release(self))
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    _, joined = two_block_spans(monkeypatch, engine)
     try:
         tokens = [(i * 7) % 256 for i in range(150)]
         a = Session("a")

@@ -137,11 +137,12 @@ def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(mo
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session_state import Session
     from kvwake.store import Store
-    from tests.test_pipeline import two_block_spans
+    from tests.test_pipeline import restores_as, two_block_spans
 
-    rings, joined = two_block_spans(monkeypatch)
+    restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    rings, joined = two_block_spans(monkeypatch, engine)
     try:
         head = [(i * 7) % 256 for i in range(48)]  # 3 whole blocks in common
         for name, own in (("a", 11), ("b", 13)):
