@@ -80,3 +80,28 @@ def test_a_resend_parting_inside_the_reply_is_served_from_a_point_in_the_reply(d
     prompt_point = (first.usage.prompt_tokens - 1) // 16 * 16  # the first prompt's last point
     parting = first.usage.prompt_tokens + len(reply) - 2  # a token a byte
     assert prompt_point < cached <= parting and cached % 16 == 0 and parting - cached < 16
+
+
+def test_conversations_starting_together_prefill_their_shared_system_prompt_once(daemon):
+    """Was: on a model cut by restore points each of them prefilled the whole prompt (a hot cache cannot be
+    cut to share): now they wait for the first one's prefill and its points, and restore from them."""
+    import concurrent.futures as cf
+
+    system = "".join(f"Tool {i}: looks up record {i * 7} and returns its fields as JSON. " for i in range(48))
+    api = openai_client(daemon)
+    with daemon.client() as rpc:
+        waits = rpc.call("status")["counters"]["prefix_waits"]
+
+    def agent(i: int):
+        return api.chat.completions.create(model="any", max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": f"Agent {i}: start task {i}."}])
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(agent, range(4)))
+    prompt = replies[0].usage.prompt_tokens
+    prefilled = sum(r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens for r in replies)
+    with daemon.client() as rpc:
+        waited = rpc.call("status")["counters"]["prefix_waits"] - waits
+    # the system prompt (~3.2k tokens) once, then each agent's own part and the rest of the block it parts in
+    assert prefilled < prompt + 3 * 64, (prefilled, prompt, waited)
+    assert waited >= 1

@@ -123,8 +123,9 @@ class Conversations:
             yield NO_PREFIX, None
             return
         if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
-            await self._prefetch(session, target)  # the remote's blocks and points first
-            yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), None
+            async with self._point_flight(session, target, arrival) as flight:
+                await self._prefetch(session, target)  # the remote's blocks and points first
+                yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), flight
             return
         held = target[: len(target) - 1]  # all but the pending last token
         waiting = self.shared.wait_for(held)
@@ -142,6 +143,29 @@ class Conversations:
             yield await self._prefix(session, target), flight
         finally:
             await self._land(flight)
+
+    @contextlib.asynccontextmanager
+    async def _point_flight(self, session: Session, target: list[int],
+                            arrival: Arrival | None) -> AsyncIterator[Flight | None]:
+        """The flight of an append whose model cuts by restore points (a hot cache cannot be cut to share), or
+        None. One that shares enough of a prompt another append is prefilling now waits for that prefill to
+        end and its points to be written (the leader takes one where its system prompt ends: points.stops),
+        then restores from the store as any append does; else it leads, and its waiters go on once its points
+        are written, however it ends."""
+        waiting = self.shared.wait_for(target[: len(target) - 1], align=self.engine.block_tokens)
+        if waiting is not None:
+            with arrival.aside() if arrival is not None else contextlib.nullcontext():
+                await waiting
+            self.counters["prefix_waits"] += 1
+            yield None
+            return
+        flight = self.shared.lead(session, target[: len(target) - 1])
+        try:
+            yield flight
+        finally:
+            with anyio.CancelScope(shield=True):
+                await to_thread.run_sync(self.engine.points.flush)
+                await self.shared.land(flight, lambda counts: _nothing(len(counts)))
 
     @contextlib.asynccontextmanager
     async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:
@@ -362,3 +386,8 @@ def _settle(ended: asyncio.Future, done: Any) -> None:
         ended.set_exception(exc)
     else:
         ended.set_result(done.result())
+
+
+async def _nothing(n: int) -> list[None]:
+    """No copies for a flight's waiters (`_point_flight`: they restore from the store)."""
+    return [None] * n
