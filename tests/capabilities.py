@@ -48,8 +48,8 @@ def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, .
     rest and a rest of a few tokens both. Probed once per engine, on its own prefill path."""
     from kvwake.daemon.session_state import Session
 
-    if getattr(engine, "plain_prefill", False):
-        # CUDA: a chunk's attention path is chosen by costs each engine measures (and by what the
+    if getattr(getattr(engine, "planner", None), "plain_prefill", False):
+        # CUDA: a chunk's attention path is chosen by costs each engine's planner measures (and by what the
         # process built before), so two engines may prefill the same chunk two ways: a warmed prompt's hit
         # can be bit-exact in one run of the suite and not in the next
         return False

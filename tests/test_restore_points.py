@@ -52,8 +52,9 @@ def logits_after(engine: Engine, session: Session) -> mx.array:
 SPLIT_INEXACT = {"falcon_h1": 5e-4}
 # Where chunked prefill is not bit-stable for any model (probed: MLX on CUDA picks kernels by shape), a hit
 # through a point is held to the bound a prefix hit is (test_prefix: relative to the largest logit; greedy
-# replies may part only at a near tie). Not yet measured for restore points on the GPU: a run with
-# KVWAKE_EXACTNESS_LOG set writes each test's difference there (docs/benchmarks.md, "Restore points").
+# replies may part only at a near tie, which the sampler's rounding of log-probabilities widens for tiny
+# models: docs/decisions.md, "Restore points (issue 52)"). A run with KVWAKE_EXACTNESS_LOG set writes each
+# test's difference and each parting's margin there (docs/benchmarks.md, "Restore points (issue 52)").
 POINT_LOGIT_BOUND = CHUNKED_LOGIT_BOUND
 
 
