@@ -213,7 +213,7 @@ def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):
     got = [c.future.result().tokens for c in calls]
     if not _cuda():
         assert got == want
-    else:  # a paged batch's attention (the paged kernel over its rows' pages) and projections (several rows)
+    else:  # a paged batch's attention (gathered over its rows' pages) and projections (over several rows)
         # round apart from a plain session's alone (fused attention, one row): its tokens may part from the
         # plain ones only where the plain run's top two logits nearly tie (assert_diverges_only_at_a_tie)
         for prompt, ours, theirs in zip(prompts, got, want, strict=True):

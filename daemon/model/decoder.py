@@ -83,7 +83,7 @@ __all__ = ["Decoder", "run_alone"]
 
 log = logging.getLogger("kvwake.decoder")
 PAD_SLACK = 4096  # padding tokens a batch may hold whatever its rows' lengths (a long row decodes alone past it)
-PAGED_KERNEL = True  # a paged batch's attention by the paged kernel on CUDA (see `_attention`); else gathered
+PAGED_KERNEL = False  # a paged batch's attention by the paged kernel on CUDA (see `_attention`); else gathered
 
 
 class Decoder:
