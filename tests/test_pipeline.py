@@ -541,6 +541,32 @@ def test_staging_mapped_for_the_gpu_is_kept_for_the_next_wake_and_unmapped_befor
     assert sorted(unmapped) == sorted(mapped)
 
 
+def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_slots(monkeypatch):
+    """Was: every ring made the slots the idle ones could not give; a restart's eight wakes at once made five
+    slots afresh, each a long engine-thread job the other wakes waited behind (docs/benchmarks.md, "fleet")."""
+    from kvwake.daemon.kv import cudart, devplanes
+
+    devplanes.drop_idle()
+    mapped: list = []
+    monkeypatch.setattr(cudart, "map_to_device", lambda ptr, n: mapped.append((ptr, n)) or True)
+    monkeypatch.setattr(cudart, "unmap", lambda ptr, n: True)
+    monkeypatch.setattr(cudart, "active", lambda: True)
+    monkeypatch.setattr(devplanes, "SPAN_BYTES", 8 * 128)  # spans of 8 blocks of 128 bytes: 3 slots for 24
+    try:
+        alone = devplanes.Ring(24, 2, 64, 128)
+        assert alone.slots == 1 and len(mapped) == 1  # nothing idle: its first slot made, no more
+        alone.close()
+        devplanes.warm(mx.zeros((1, 2, 32, 1), mx.bfloat16), tensors=1, block_tokens=32)  # 2 x 32 x 2 = 128 bytes
+        assert len(mapped) == devplanes.KEEP_SLOTS  # the start's slots: the one made before and the rest
+        rings = [devplanes.Ring(24, 2, 64, 128) for _ in range(devplanes.KEEP_SLOTS // 3 + 2)]
+        assert [r.slots for r in rings] == [3] * (devplanes.KEEP_SLOTS // 3) + [1, 1]
+        assert len(mapped) == devplanes.KEEP_SLOTS + 2  # the two wakes past the idle slots made one each
+        for r in rings:
+            r.close()
+    finally:
+        devplanes.drop_idle()
+
+
 def test_a_block_decoded_anywhere_but_its_place_is_refused(engine):
     # The check that a decode landed in place is by identity with the view `place` handed out (it was
     # np.shares_memory, an overlap solver per tensor: 8% of a wake's decoding threads on the CPU).
@@ -688,10 +714,11 @@ def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir
         for ring in rings:
             ring.close()
         assert len(devplanes._idle[shape]) == devplanes.KEEP_SLOTS
-        # another model's rings (another shape) are kept beside these, not in their place
+        # another model's rings (another shape) are kept beside these, not in their place (none of its shape
+        # idle: the ring makes its first slot only)
         other = (shape[0] * 2, block_bytes // 2)
         devplanes.Ring(devplanes.RING_SLOTS * other[0], 2, other[1] // 2, other[1]).close()
-        assert len(devplanes._idle[shape]) == devplanes.KEEP_SLOTS and len(devplanes._idle[other]) == devplanes.RING_SLOTS
+        assert len(devplanes._idle[shape]) == devplanes.KEEP_SLOTS and len(devplanes._idle[other]) == 1
         devplanes.drop_idle(other)
         assert list(devplanes._idle) == [shape]
     finally:

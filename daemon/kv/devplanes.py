@@ -133,15 +133,22 @@ class Ring:
         self.size, self.plane_bytes = size, plane_bytes
         # Mapped for a discrete GPU, slots of whole spans are kept for the next wake (made once); elsewhere
         # (Metal's shared memory, the CPU) each wake makes slots of its own size and lets them go.
+        # Where slots are kept, a ring's slots past its first are idle ones or none: a wake short of idle slots
+        # decodes fewer spans ahead rather than make a slot (a long engine-thread job that a restart's other
+        # wakes and every decoding call wait behind), so wakes at once make one slot each at most.
         keep = STAGING == "mapped" and cudart.active()
         shape = (rows if keep else self.span, size * plane_bytes)
         made: list[tuple[mx.array, np.ndarray, Callable[[], None]]] = []
         try:
             for _ in range(self.slots):
-                made.append(_take_slot(shape))
+                slot = _take_slot(shape, make=not (keep and made))
+                if slot is None:
+                    break
+                made.append(slot)
         except BaseException:
             _give_back(shape, made)
             raise
+        self.slots = len(made)
         self.arrays = [a for a, _, _ in made]
         self.views = [v for _, v, _ in made]
         self.close = weakref.finalize(self, _give_back, shape, made)
@@ -173,11 +180,12 @@ _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a 
 _idle: dict[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] = {}
 
 
-def _take_slot(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray, Callable[[], None]]:
+def _take_slot(shape: tuple[int, int], make: bool = True) -> tuple[mx.array, np.ndarray, Callable[[], None]] | None:
+    """An idle slot of `shape`, else a new one (`make`), else None."""
     with _idle_lock:
         if _idle.get(shape):
             return _idle[shape].pop()
-    return staging(shape)
+    return staging(shape) if make else None
 
 
 def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]]) -> None:
@@ -204,15 +212,15 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     block_shape = (*kv.shape[:-2], block_tokens, kv.shape[-1])
     size = PLANAR_DTYPES[dtype][1].size
     block_bytes = tensors * math.prod(block_shape) * size
-    rings: list[Ring] = []
+    shape = (max(1, SPAN_BYTES // block_bytes), block_bytes)  # a kept slot's, as Ring makes it
+    slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]] = []
     try:  # KEEP_SLOTS slots made (or taken idle), then all kept idle
-        while len(rings) * RING_SLOTS < KEEP_SLOTS:
-            rings.append(Ring(max(1, SPAN_BYTES // block_bytes) * RING_SLOTS, size, block_bytes // size, block_bytes))
-        ring = rings[0]
-        mx.eval(join(ring.planes(0, 1), dtype, tensors, block_shape), join_raw(ring.raw(0, 1), dtype, tensors, block_shape))
+        while len(slots) < KEEP_SLOTS:
+            slots.append(_take_slot(shape))
+        first = slots[0][0][0:1]
+        mx.eval(join(planes_of(first, size), dtype, tensors, block_shape), join_raw(first, dtype, tensors, block_shape))
     finally:
-        for ring in rings:
-            ring.close()
+        _give_back(shape, slots)
     return cudart.active()
 
 
