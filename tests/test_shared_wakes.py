@@ -80,6 +80,39 @@ async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_ex
         await manager.sleep(sid)
 
 
+async def test_the_waiting_wakes_read_their_own_blocks_while_the_leader_still_wakes(manager, monkeypatch):
+    """Was: a wake waiting on another's started once that one had woken, so a restart's agents woke one after
+    the other (docs/benchmarks.md, "fleet", S32): now each reads its own blocks meanwhile."""
+    import anyio
+
+    from kvwake.daemon.kv import pipeline
+
+    await slept(manager)
+    go, read, real = hold_the_leader(manager, monkeypatch, "agent0"), [], pipeline.fill_block
+    monkeypatch.setattr(pipeline, "fill_block", lambda *a, **k: read.append(1) or real(*a, **k))
+    results: dict[str, dict] = {}
+
+    async def wake(sid: str) -> None:
+        results[sid] = await manager.wake(sid)
+
+    own = 3 * (BLOCKS - SHARED_BLOCKS)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wake, "agent0")
+        while len(manager.shared) == 0:
+            await anyio.sleep(0.005)
+        for sid in list(OWN)[1:]:
+            tg.start_soon(wake, sid)
+        with anyio.move_on_after(20):
+            while len(read) < own:
+                await anyio.sleep(0.01)
+        before_the_leader = len(read)
+        go.set()
+    assert before_the_leader == own  # every waiter's own blocks, none of the leader's, before it woke
+    for sid in ("agent1", "agent2", "agent3"):
+        assert results[sid]["blocks_shared"] == SHARED_BLOCKS, results[sid]
+    assert manager.counters["wake_waits"] == 3
+
+
 async def test_a_leader_that_fails_leaves_the_others_to_read_their_own_blocks(manager, monkeypatch):
     await slept(manager)
     got = await wake_together(manager, monkeypatch, fail=True)
@@ -156,6 +189,53 @@ def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(mo
         b, info = engine.wake("b", prefix=(cache_blocks.copy_prefix(a.cache, 48), 48))
         assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
         assert joined == [(3, 2), (5, 2), (7, 2)] and rings[-1].span == 2
+        assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
+    finally:
+        engine.close()
+        store.close()
+
+
+class Coming:
+    """A prefix still coming (sessions/shared_prefill.Pending's face, its result ready at once)."""
+
+    def __init__(self, cache, tokens: int) -> None:
+        self.given = (cache, tokens)
+
+    def result(self, timeout_s=None):
+        return self.given
+
+
+@pytest.mark.parametrize("given", [48, 32, None])
+def test_a_staged_wake_takes_a_prefix_that_comes_after_its_own_blocks_exactly(model_dir, tmp_path, monkeypatch, given):
+    # The discrete GPU's path with the prefix taken last (a restart's waiting wake): its pieces go first; given
+    # short (or nothing), the wake reads every block itself, the same bytes.
+    from kvwake.daemon.kv import cache_blocks
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+    from tests.test_pipeline import restores_as, two_block_spans
+
+    restores_as(monkeypatch, "staged")
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    rings, joined = two_block_spans(monkeypatch, engine)
+    try:
+        head = [(i * 7) % 256 for i in range(48)]  # 3 whole blocks in common
+        for name, own in (("a", 11), ("b", 13)):
+            s = Session(name)
+            engine.append(s, tokens=head + [(i * own) % 250 + 3 for i in range(102)])
+            engine.sleep(s)
+        a, _ = engine.wake("a")
+        b_alone, _ = engine.wake("b")
+        alone = [np.asarray(x.view(mx.uint16)).tobytes() for c in b_alone.cache for x in (c.keys, c.values)]
+        joined.clear()
+        coming = Coming(cache_blocks.copy_prefix(a.cache, given) if given else None, given or 0)
+        b, info = engine.wake("b", prefix=(coming, 48))
+        if given == 48:
+            assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
+            assert joined == [(3, 2), (5, 2), (7, 2)]
+        else:
+            assert info["blocks_shared"] == 0 and info["blocks_from_disk"] + info["blocks_from_memory"] == 9, info
         assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
     finally:
         engine.close()

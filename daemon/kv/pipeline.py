@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,9 +55,12 @@ from kvwake.daemon.session_state import Session
 from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
+log = logging.getLogger("kvwake.pipeline")
+
 __all__ = ["Moved", "block_specs", "checkpoint", "fill_block", "fill_spans", "release", "releasing", "sleep", "wake",
            "write_prefix"]
 
+PREFIX_WAIT_S = 600.0  # a wake in flight that has not landed by then is not waited for: every block read
 SPAN_SHARE = 4  # a sleep stages at most 1/SPAN_SHARE of the byte budget per engine-thread call
 # A sleep keeps at most 1/SLEEP_SHARE of the session's KV in flight: a block in flight holds its
 # host copy (GPU) and its encoded bytes, under twice its raw size, so RSS grows by less than the
@@ -394,6 +398,10 @@ def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     return restore_buffers.specs_of(cached) if cached is not None else ctx.store.block_specs(ref)
 
 
+class PrefixGone(Exception):
+    """A wake's prefix still coming came short (or not at all): the wake reads every block instead."""
+
+
 def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | None,
              counts: dict[str, int], phases: dict[str, float]) -> list:
     """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared),
@@ -409,7 +417,9 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
-    shared = prefix[1] // ctx.block_tokens if prefix is not None else 0  # blocks adopted, not read
+    # blocks adopted, not read: from a cache given, or from one still coming (`pending`: the wake's docstring)
+    pending = None if prefix is None or isinstance(prefix[0], list) else prefix[0]
+    shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
     # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
                                              mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
@@ -422,15 +432,27 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            if prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
+            if prefix is not None and pending is None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
                 clock.lap("prefix")
+            elif pending is not None:
+                buffers.expect_prefix(shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
         batch.raise_first()
         clock.lap("blocks")
+        if pending is not None:  # the leader's blocks, once it woke (its wake ran beside this one's reads)
+            try:
+                cache, tokens = pending.result(PREFIX_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - the leader's copy failed, or it never landed
+                raise PrefixGone(f"the wake in flight gave nothing: {exc!r}") from exc
+            if cache is None or tokens < shared * ctx.block_tokens:
+                raise PrefixGone(f"the wake in flight gave {tokens} of the {shared * ctx.block_tokens} tokens waited for")
+            mlx(lambda: buffers.take_prefix(cache, shared * ctx.block_tokens))
+            _count(ctx, buffers, "blocks_shared", shared)
+            clock.lap("prefix")
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
             buffers.check(buffers.take(tail), n_full * ctx.block_tokens, rest, "tail", staged=-1 in buffers.staged)
@@ -546,7 +568,10 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
     `prefix`: (a plain cache, tokens): another session's cache whose first `tokens` (whole blocks, at most the
     snapshot's) are this snapshot's first blocks, the same chain keys (a session woken beside it, or hot):
-    those blocks are copied from it on the device, not read (Buffers.take_prefix).
+    those blocks are copied from it on the device, not read (Buffers.take_prefix). In place of the cache, a
+    prefix still coming (a `result(timeout_s)` giving (cache, tokens): a wake in flight, sessions/
+    shared_prefill.Pending): the wake reads its own blocks meanwhile and takes the first ones once it comes
+    (a restart's waiting wakes no longer wait to start); given less than `tokens`, it reads them all.
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.
@@ -561,7 +586,13 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
             raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
                                      "use fork", session_id=session_id, snapshot_id=sid)
         ctx.store.touch([b.key for b in record.blocks])
-        cache = _restore(ctx, record, mlx, prefix, counts, phases) if record.token_ids else None
+        try:
+            cache = _restore(ctx, record, mlx, prefix, counts, phases) if record.token_ids else None
+        except PrefixGone as gone:  # the leader failed or gave less: every block read here after all
+            log.info("the wake in flight gave no prefix: reading every block", extra={"session": session_id,
+                                                                                     "why": str(gone)})
+            phases.clear()
+            cache = _restore(ctx, record, mlx, None, counts, phases)
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:

@@ -162,6 +162,7 @@ class Buffers:
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
+        self._expected: int | None = None  # blocks a prefix still coming will give (expect_prefix)
         self.ring: devplanes.Ring | None = None
         self._tail_view: np.ndarray | None = None
         self._tail_array: mx.array | None = None
@@ -198,14 +199,26 @@ class Buffers:
         joined (join_span)."""
         return [(k, min(self.span, n_blocks - k)) for k in range(first, n_blocks, self.span)]
 
+    def expect_prefix(self, blocks: int) -> None:
+        """The first `blocks` will be taken from another cache once it comes (`take_prefix`, after this
+        restore's own blocks are in): the ring stages from the one after them."""
+        if self.joined or blocks <= 0:
+            raise StateMismatchError(f"a prefix of {blocks} blocks expected after {self.joined} blocks were joined")
+        self.first = self._expected = blocks
+
     def take_prefix(self, prefix: list, tokens: int) -> None:
         """Engine thread: the first `tokens` (whole blocks) taken from another cache holding the same blocks
         (a session woken beside this one, or hot, whose prefix has their chain keys), in place of reading
         them: laid out on the device as the first joined span (staged), or copied into the host views
-        (direct). Plain KV only; raises StateMismatchError for a cache that is not this restore's shape."""
-        if tokens <= 0 or tokens % self.block_tokens or self.joined:
+        (direct). Before the restore's own blocks, or after them where it was expected (`expect_prefix`:
+        then the pieces go first). Plain KV only; raises StateMismatchError for a cache that is not this
+        restore's shape."""
+        late = self._expected is not None
+        if tokens <= 0 or tokens % self.block_tokens or (self.joined and not late) or \
+                (late and tokens != self._expected * self.block_tokens):
             raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
-                                     f"ahead of this restore ({self.joined} blocks joined)")
+                                     f"ahead of this restore ({self.joined} blocks joined, "
+                                     f"{self._expected} expected)")
         given = {f"{name}.{part}": getattr(c, part) for name, _, _, c in units(prefix) if type(c) is KVCache
                  for part in ("keys", "values")}
         for name in self.order:
@@ -219,10 +232,11 @@ class Buffers:
                 np.copyto(self.views[name][..., :tokens, :],
                           np.asarray(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part))
             else:
-                self.pieces[name].append(part)
+                self.pieces[name].insert(0, part)  # the first tokens, whether own spans are in already or not
         self.first = tokens // self.block_tokens  # the ring's first slot and row take the next block
+        self._expected = None
         if self.mode != "direct":
-            self.joined = self.first
+            self.joined = max(self.joined, self.first)  # own spans joined already cover from it on
 
     @property
     def slots(self) -> int:

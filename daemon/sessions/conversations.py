@@ -30,7 +30,7 @@ from kvwake.daemon.model.scheduler.steps import Arrival
 from kvwake.daemon.session_state import Session
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.hotkeys import shared_from
-from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Prefix
+from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Pending, Prefix
 from kvwake.errors import BusyError, InvalidParamsError
 from kvwake.store import SnapshotRecord
 
@@ -174,23 +174,21 @@ class Conversations:
         prompt's blocks: the first wake leads, reads them and lands; the others wait for it and copy its
         first blocks on the device instead of reading them (pipeline.wake's `prefix`), then read only their
         own. Only a wake's cache will do: it holds the stored blocks' bytes, so the woken cache is the one
-        reading them would give. With no wake to wait for, a hot session's blocks that a wake restored
-        (`Session.restored`) will do too. Set the flight's session once woken; it lands when the block ends."""
+        reading them would give. A waiter reads its own blocks while the leader wakes and takes the leader's
+        once it lands (`Pending`: pipeline.wake). With no wake to wait for, a hot session's blocks that a
+        wake restored (`Session.restored`) will do too. Set the flight's session once woken; it lands when
+        the block ends."""
         engine, bt = self.engine, self.engine.block_tokens
         held = list(record.token_ids[: len(record.blocks) * bt])  # what another wake's cache may give
         if not held or not engine.wakes_share:
             yield NO_PREFIX, None
             return
-        waiting = self.shared.wait_for(held, align=bt, woken_only=True)
-        if waiting is not None:
-            cache, tokens = await waiting
-            tokens -= tokens % bt
-            if cache is not None and tokens:
-                self.counters["wake_waits"] += 1
-                logging.getLogger("kvwake.matching").info(
-                    "blocks taken from a wake in flight", extra={"session": entry.id, "tokens": tokens})
-                yield (cache, tokens), None
-                return
+        found = self.shared.waits_on(held, align=bt, woken_only=True)
+        if found is not None:  # its own blocks read while the leader wakes; the leader's taken once it lands
+            logging.getLogger("kvwake.matching").info(
+                "blocks to take from a wake in flight", extra={"session": entry.id, "tokens": found[1]})
+            yield (Pending(*found), found[1]), None
+            return
         waking = Session(entry.id)
         flight = self.shared.lead(waking, list(record.token_ids), woken=True)
         try:  # else a hot session's blocks a wake restored (a block resident already is not read again)

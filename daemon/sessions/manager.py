@@ -231,6 +231,8 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
                 lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read, prefix=prefix))
             if flight is not None:  # those waiting on this wake copy from it when the block ends
                 flight.session = session
+            elif prefix is not None and not isinstance(cache, list) and info["blocks_shared"]:
+                self.counters["wake_waits"] += 1  # it took blocks from a wake in flight (Pending)
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)

@@ -17,6 +17,7 @@ prefills itself. Copies are token-granular here; with paged KV a landing maps th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvwake.daemon.session_state import Session, common_prefix
 
-__all__ = ["Flight", "SharedPrefills"]
+__all__ = ["Flight", "Pending", "SharedPrefills"]
 
 Prefix = tuple[Any, int]  # (a cache or None, the tokens it holds): what Engine.apply adopts
 NO_PREFIX: Prefix = (None, 0)
@@ -46,6 +47,29 @@ class Flight:
         return any(not future.done() for _, future in self.waiters)
 
 
+class Pending:
+    """A flight's prefix still to come, for a wake that reads its own blocks meanwhile (kv/pipeline.py): the
+    whole blocks of `tokens` it wants, and `result()`, which a worker thread blocks on (the leader lands on
+    the event loop). Made on the loop, from the waiter's future."""
+
+    def __init__(self, waiting: asyncio.Future[Prefix], tokens: int) -> None:
+        self.tokens = tokens
+        self._done: cf.Future[Prefix] = cf.Future()
+        waiting.add_done_callback(self._landed)
+
+    def _landed(self, waiting: asyncio.Future[Prefix]) -> None:
+        if waiting.cancelled():
+            self._done.set_result(NO_PREFIX)
+        elif waiting.exception() is not None:
+            self._done.set_exception(waiting.exception())
+        else:
+            self._done.set_result(waiting.result())
+
+    def result(self, timeout_s: float | None = None) -> Prefix:
+        """(cache, tokens) the leader handed out, or NO_PREFIX; waits for it to land (worker thread)."""
+        return self._done.result(timeout_s)
+
+
 class SharedPrefills:
     """The appends prefilling a fresh cache now (flights), and the requests waiting on them."""
 
@@ -63,6 +87,12 @@ class SharedPrefills:
         whole number of these (a wake's blocks); `woken_only`: only a wake's flight will do (a wake restores
         the stored blocks' bytes exactly; a prefill may compute them otherwise). Called on the event loop,
         with no await before `lead`."""
+        found = self.waits_on(held, align, woken_only)
+        return found[0] if found is not None else None
+
+    def waits_on(self, held: Sequence[int], align: int = 1,
+                 woken_only: bool = False) -> tuple[asyncio.Future[Prefix], int] | None:
+        """`wait_for`'s future and the tokens it waits for (a whole number of `align`), or None."""
         want = np.asarray(held, dtype=np.int64)
         best, chosen = 0, None
         for flight in self._flights:
@@ -77,7 +107,7 @@ class SharedPrefills:
         future: asyncio.Future[Prefix] = asyncio.get_running_loop().create_future()
         chosen.waiters.append((best, future))
         self.waits += 1
-        return future
+        return future, best
 
     def lead(self, session: Session, held: Sequence[int], woken: bool = False) -> Flight:
         """Register an append that will prefill a fresh cache holding `held` (`woken`: a wake that will
