@@ -162,11 +162,11 @@ async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_pr
     assert (await manager.wake("agent3"))["blocks_shared"] == 2  # its 2 whole blocks of them, not 18
 
 
-def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(model_dir, tmp_path, monkeypatch):
-    # The discrete GPU's path, here: two blocks per span through a ring of two slots. Was: the ring placed a
-    # block by its number from 0, so a restore whose first 3 blocks came from another cache joined a span
-    # from rows its blocks had not been staged in.
-    from kvwake.daemon.kv import cache_blocks
+@pytest.fixture
+def staged_pair(model_dir, tmp_path, monkeypatch):
+    """The discrete GPU's path, here (two blocks per span through a ring of two slots): an engine holding "a"
+    and "b" asleep, 3 whole blocks in common, "a" awake; yields (engine, a's session, b's KV woken alone
+    as bytes, the joins made from then on)."""
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session_state import Session
     from kvwake.store import Store
@@ -177,22 +177,34 @@ def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(mo
     engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
     rings, joined = two_block_spans(monkeypatch, engine)
     try:
-        head = [(i * 7) % 256 for i in range(48)]  # 3 whole blocks in common
+        head = [(i * 7) % 256 for i in range(48)]
         for name, own in (("a", 11), ("b", 13)):
             s = Session(name)
             engine.append(s, tokens=head + [(i * own) % 250 + 3 for i in range(102)])
             engine.sleep(s)
         a, _ = engine.wake("a")
         b_alone, _ = engine.wake("b")
-        alone = [np.asarray(x.view(mx.uint16)).tobytes() for c in b_alone.cache for x in (c.keys, c.values)]
         joined.clear()
-        b, info = engine.wake("b", prefix=(cache_blocks.copy_prefix(a.cache, 48), 48))
-        assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
-        assert joined == [(3, 2), (5, 2), (7, 2)] and rings[-1].span == 2
-        assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
+        yield engine, a, kv_of(b_alone), joined, rings
     finally:
         engine.close()
         store.close()
+
+
+def kv_of(session) -> list[bytes]:
+    return [np.asarray(x.view(mx.uint16)).tobytes() for c in session.cache for x in (c.keys, c.values)]
+
+
+def test_a_staged_wake_taking_an_odd_number_of_blocks_stages_the_rest_exactly(staged_pair):
+    # Was: the ring placed a block by its number from 0, so a restore whose first 3 blocks came from another
+    # cache joined a span from rows its blocks had not been staged in.
+    from kvwake.daemon.kv import cache_blocks
+
+    engine, a, alone, joined, rings = staged_pair
+    b, info = engine.wake("b", prefix=(cache_blocks.copy_prefix(a.cache, 48), 48))
+    assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
+    assert joined == [(3, 2), (5, 2), (7, 2)] and rings[-1].span == 2
+    assert kv_of(b) == alone
 
 
 class Coming:
@@ -206,37 +218,17 @@ class Coming:
 
 
 @pytest.mark.parametrize("given", [48, 32, None])
-def test_a_staged_wake_takes_a_prefix_that_comes_after_its_own_blocks_exactly(model_dir, tmp_path, monkeypatch, given):
-    # The discrete GPU's path with the prefix taken last (a restart's waiting wake): its pieces go first; given
-    # short (or nothing), the wake reads every block itself, the same bytes.
+def test_a_staged_wake_takes_a_prefix_that_comes_after_its_own_blocks_exactly(staged_pair, given):
+    # The prefix taken last (a restart's waiting wake): its pieces go first; given short (or nothing), the wake
+    # reads every block itself, the same bytes.
     from kvwake.daemon.kv import cache_blocks
-    from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session_state import Session
-    from kvwake.store import Store
-    from tests.test_pipeline import restores_as, two_block_spans
 
-    restores_as(monkeypatch, "staged")
-    store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
-    rings, joined = two_block_spans(monkeypatch, engine)
-    try:
-        head = [(i * 7) % 256 for i in range(48)]  # 3 whole blocks in common
-        for name, own in (("a", 11), ("b", 13)):
-            s = Session(name)
-            engine.append(s, tokens=head + [(i * own) % 250 + 3 for i in range(102)])
-            engine.sleep(s)
-        a, _ = engine.wake("a")
-        b_alone, _ = engine.wake("b")
-        alone = [np.asarray(x.view(mx.uint16)).tobytes() for c in b_alone.cache for x in (c.keys, c.values)]
-        joined.clear()
-        coming = Coming(cache_blocks.copy_prefix(a.cache, given) if given else None, given or 0)
-        b, info = engine.wake("b", prefix=(coming, 48))
-        if given == 48:
-            assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
-            assert joined == [(3, 2), (5, 2), (7, 2)]
-        else:
-            assert info["blocks_shared"] == 0 and info["blocks_from_disk"] + info["blocks_from_memory"] == 9, info
-        assert [np.asarray(x.view(mx.uint16)).tobytes() for c in b.cache for x in (c.keys, c.values)] == alone
-    finally:
-        engine.close()
-        store.close()
+    engine, a, alone, joined, _ = staged_pair
+    coming = Coming(cache_blocks.copy_prefix(a.cache, given) if given else None, given or 0)
+    b, info = engine.wake("b", prefix=(coming, 48))
+    if given == 48:
+        assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
+        assert joined == [(3, 2), (5, 2), (7, 2)]
+    else:
+        assert info["blocks_shared"] == 0 and info["blocks_from_disk"] + info["blocks_from_memory"] == 9, info
+    assert kv_of(b) == alone
