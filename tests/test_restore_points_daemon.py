@@ -105,3 +105,42 @@ def test_conversations_starting_together_prefill_their_shared_system_prompt_once
     # the system prompt (~3.2k tokens) once, then each agent's own part and the rest of the block it parts in
     assert prefilled < prompt + 3 * 64, (prefilled, prompt, waited)
     assert waited >= 1
+
+
+async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writes(tmp_path):
+    """Was (this session's first cut): every append that led a flight waited for the points writer to finish
+    everything handed to it, a fsync'd write per point, before its first token; only its waiters need to."""
+    import threading
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.thread import EngineThread
+    from kvwake.daemon.sessions.manager import SessionManager
+    from kvwake.store import Store
+
+    folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text", ascii_replies=True)
+    store, thread = Store(tmp_path / "store", block_tokens=16), EngineThread()
+    engine = thread.submit(lambda: Engine(store, tmp_path, folder)).result()
+    manager = SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
+    gate, written, real = threading.Event(), threading.Event(), engine.points._write
+
+    def stalled(*args):  # the writer waits for the test (at most 20 s: the append it held returns then)
+        gate.wait(20)
+        try:
+            return real(*args)
+        finally:
+            written.set()
+
+    engine.points._write = stalled
+    try:
+        await manager.create("lone")
+        got = await manager.append("lone", tokens=[(i * 7) % 200 + 20 for i in range(200)])
+        assert not written.is_set()  # it returned with its points still in the writer's hands
+        assert got["prefilled"] == 199 and engine.points.status()["points_taken"] >= 1
+    finally:
+        gate.set()
+        engine.points.flush()
+        thread.stop()
+        engine.close()
+        store.close()

@@ -80,6 +80,27 @@ async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_ex
         await manager.sleep(sid)
 
 
+async def behind_a_held_leader(manager, meanwhile, release) -> dict[str, dict]:
+    """agent0's wake leads (held by the caller until `release()`); agent1-3 wake once its flight is up;
+    `meanwhile()` is awaited before the release. Returns each wake's result."""
+    import anyio
+
+    results: dict[str, dict] = {}
+
+    async def wake(sid: str) -> None:
+        results[sid] = await manager.wake(sid)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wake, "agent0")
+        while len(manager.shared) == 0:
+            await anyio.sleep(0.005)
+        for sid in list(OWN)[1:]:
+            tg.start_soon(wake, sid)
+        await meanwhile()
+        release()
+    return results
+
+
 async def test_the_waiting_wakes_read_their_own_blocks_while_the_leader_still_wakes(manager, monkeypatch):
     """Was: a wake waiting on another's started once that one had woken, so a restart's agents woke one after
     the other (docs/benchmarks.md, "fleet", S32): now each reads its own blocks meanwhile."""
@@ -90,26 +111,48 @@ async def test_the_waiting_wakes_read_their_own_blocks_while_the_leader_still_wa
     await slept(manager)
     go, read, real = hold_the_leader(manager, monkeypatch, "agent0"), [], pipeline.fill_block
     monkeypatch.setattr(pipeline, "fill_block", lambda *a, **k: read.append(1) or real(*a, **k))
-    results: dict[str, dict] = {}
+    own, seen = 3 * (BLOCKS - SHARED_BLOCKS), []
 
-    async def wake(sid: str) -> None:
-        results[sid] = await manager.wake(sid)
-
-    own = 3 * (BLOCKS - SHARED_BLOCKS)
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(wake, "agent0")
-        while len(manager.shared) == 0:
-            await anyio.sleep(0.005)
-        for sid in list(OWN)[1:]:
-            tg.start_soon(wake, sid)
+    async def own_blocks_read() -> None:
         with anyio.move_on_after(20):
             while len(read) < own:
                 await anyio.sleep(0.01)
-        before_the_leader = len(read)
-        go.set()
-    assert before_the_leader == own  # every waiter's own blocks, none of the leader's, before it woke
+        seen.append(len(read))
+
+    results = await behind_a_held_leader(manager, own_blocks_read, go.set)
+    assert seen == [own]  # every waiter's own blocks, none of the leader's, before it woke
     for sid in ("agent1", "agent2", "agent3"):
         assert results[sid]["blocks_shared"] == SHARED_BLOCKS, results[sid]
+    assert manager.counters["wake_waits"] == 3
+
+
+async def test_waiting_wakes_leave_the_worker_threads_to_their_leader(manager, monkeypatch):
+    """Was (this session's first cut): a waiting wake held a default worker thread while it waited for its
+    leader, so waiters that came before the leader took its thread (one thread here) and it could not wake."""
+    import anyio
+
+    from kvwake.daemon.kv import pipeline
+
+    await slept(manager)
+    monkeypatch.setattr(pipeline, "PREFIX_WAIT_S", 5.0)  # a waiter that gives up reads every block itself
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    monkeypatch.setattr(limiter, "total_tokens", 1)
+    go, real = anyio.Event(), manager._hot_prefix
+
+    async def held(session, *args, **kwargs):  # the leader awaits before it asks for a thread
+        if session.id == "agent0":
+            await go.wait()
+        return await real(session, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "_hot_prefix", held)
+
+    async def waiters_started() -> None:
+        while sum(len(f.waiters) for f in manager.shared._flights) < 3:
+            await anyio.sleep(0.005)
+        await anyio.sleep(0.2)  # the waiters take their threads
+
+    results = await behind_a_held_leader(manager, waiters_started, go.set)
+    assert [results[sid]["blocks_shared"] for sid in ("agent1", "agent2", "agent3")] == [SHARED_BLOCKS] * 3
     assert manager.counters["wake_waits"] == 3
 
 

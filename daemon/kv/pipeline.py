@@ -417,8 +417,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
             tail = ctx.store.read_tail(record)
             return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
-    # blocks adopted, not read: from a cache given, or from one still coming (`pending`: the wake's docstring)
-    pending = None if prefix is None or isinstance(prefix[0], list) else prefix[0]
+    # blocks adopted, not read: from a cache given, or from one still coming (`coming`: the wake's docstring)
+    coming = prefix[0] if prefix is not None and hasattr(prefix[0], "result") else None
     shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
     # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
@@ -432,26 +432,19 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            if prefix is not None and pending is None:  # its first blocks from a cache holding them (wake's docstring)
+            if prefix is not None and coming is None:  # its first blocks from a cache holding them (wake's docstring)
                 mlx(lambda: buffers.take_prefix(*prefix))
                 _count(ctx, buffers, "blocks_shared", shared)
                 clock.lap("prefix")
-            elif pending is not None:
+            elif coming is not None:
                 buffers.expect_prefix(shared)
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
         batch.raise_first()
         clock.lap("blocks")
-        if pending is not None:  # the leader's blocks, once it woke (its wake ran beside this one's reads)
-            try:
-                cache, tokens = pending.result(PREFIX_WAIT_S)
-            except Exception as exc:  # noqa: BLE001 - the leader's copy failed, or it never landed
-                raise PrefixGone(f"the wake in flight gave nothing: {exc!r}") from exc
-            if cache is None or tokens < shared * ctx.block_tokens:
-                raise PrefixGone(f"the wake in flight gave {tokens} of the {shared * ctx.block_tokens} tokens waited for")
-            mlx(lambda: buffers.take_prefix(cache, shared * ctx.block_tokens))
-            _count(ctx, buffers, "blocks_shared", shared)
+        if coming is not None:
+            _take_coming(ctx, buffers, coming, shared, mlx)
             clock.lap("prefix")
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
@@ -463,6 +456,22 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         cache = mlx(lambda: buffers.finish(n, tail))
         clock.lap("finish")
         return cache
+
+
+def _take_coming(ctx: KvContext, buffers: restore_buffers.Buffers, coming: Any, blocks: int, mlx: Mlx) -> None:
+    """A wake's first `blocks` from a prefix still coming (the wake's docstring), once its own blocks are in:
+    its staging given back first (a waiting wake holds no ring slot another wake could use), then the
+    leader's cache when it lands. Raises PrefixGone when it comes short or not at all."""
+    mlx(buffers.drop_ring)
+    tokens_wanted = blocks * ctx.block_tokens
+    try:
+        cache, tokens = coming.result(PREFIX_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - the leader's copy failed, or it never landed
+        raise PrefixGone(f"the wake in flight gave nothing: {exc!r}") from exc
+    if cache is None or tokens < tokens_wanted:
+        raise PrefixGone(f"the wake in flight gave {tokens} of the {tokens_wanted} tokens waited for")
+    mlx(lambda: buffers.take_prefix(cache, tokens_wanted))
+    _count(ctx, buffers, "blocks_shared", blocks)
 
 
 class _Clock:

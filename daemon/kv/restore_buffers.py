@@ -206,6 +206,12 @@ class Buffers:
             raise StateMismatchError(f"a prefix of {blocks} blocks expected after {self.joined} blocks were joined")
         self.first = self._expected = blocks
 
+    def drop_ring(self) -> None:
+        """Engine thread, once every staged span is joined: the ring's slots go back for other wakes."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
     def take_prefix(self, prefix: list, tokens: int) -> None:
         """Engine thread: the first `tokens` (whole blocks) taken from another cache holding the same blocks
         (a session woken beside this one, or hot, whose prefix has their chain keys), in place of reading

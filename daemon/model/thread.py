@@ -256,7 +256,7 @@ class EngineThread:
 
     def later(self, fn: Callable[[], Any]) -> Future | None:
         """From a job on this engine thread: queue `fn` as a job of its own behind those waiting (a decode step
-        runs between), and return its Future (failed if the engine stops first); None on any other thread,
+        may run between: Scheduler.another), and return its Future (failed if the engine stops first); None on any other thread,
         whose caller runs it itself (as in process, with `direct`)."""
         return self.submit(fn) if threading.current_thread() is self._thread else None
 

@@ -123,9 +123,12 @@ class Conversations:
             yield NO_PREFIX, None
             return
         if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
-            async with self._point_flight(session, target, arrival) as flight:
+            async with self._point_flight(session, target, arrival) as (flight, waited):
                 await self._prefetch(session, target)  # the remote's blocks and points first
-                yield await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call)), flight
+                prefix = await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call))
+                if waited and prefix[1]:
+                    self.counters["prefix_waits"] += 1
+                yield prefix, flight
             return
         held = target[: len(target) - 1]  # all but the pending last token
         waiting = self.shared.wait_for(held)
@@ -146,25 +149,26 @@ class Conversations:
 
     @contextlib.asynccontextmanager
     async def _point_flight(self, session: Session, target: list[int],
-                            arrival: Arrival | None) -> AsyncIterator[Flight | None]:
-        """The flight of an append whose model cuts by restore points (a hot cache cannot be cut to share), or
-        None. One that shares enough of a prompt another append is prefilling now waits for that prefill to
-        end and its points to be written (the leader takes one where its system prompt ends: points.stops),
-        then restores from the store as any append does; else it leads, and its waiters go on once its points
-        are written, however it ends."""
+                            arrival: Arrival | None) -> AsyncIterator[tuple[Flight | None, bool]]:
+        """(The flight this append leads or None, whether it waited for one), for an append whose model cuts
+        by restore points (a hot cache cannot be cut to share). One that shares enough of a prompt another
+        append is prefilling now waits for that prefill to end, then for the points it handed to the writer
+        (the leader takes one where its system prompt ends: points.stops), then restores from the store as
+        any append does; else it leads, and its waiters go on when it ends, however it ends. The leader never
+        waits for its points' writes: its waiters do."""
         waiting = self.shared.wait_for(target[: len(target) - 1], align=self.engine.block_tokens)
         if waiting is not None:
             with arrival.aside() if arrival is not None else contextlib.nullcontext():
                 await waiting
-            self.counters["prefix_waits"] += 1
-            yield None
+                with contextlib.suppress(RuntimeError):  # the writer stopped (the engine closing): the store as is
+                    await to_thread.run_sync(self.engine.points.flush)
+            yield None, True
             return
         flight = self.shared.lead(session, target[: len(target) - 1])
         try:
-            yield flight
+            yield flight, False
         finally:
             with anyio.CancelScope(shield=True):
-                await to_thread.run_sync(self.engine.points.flush)
                 await self.shared.land(flight, lambda counts: _nothing(len(counts)))
 
     @contextlib.asynccontextmanager
@@ -187,7 +191,7 @@ class Conversations:
         if found is not None:  # its own blocks read while the leader wakes; the leader's taken once it lands
             logging.getLogger("kvwake.matching").info(
                 "blocks to take from a wake in flight", extra={"session": entry.id, "tokens": found[1]})
-            yield (Pending(*found), found[1]), None
+            yield (Pending(found[0]), found[1]), None
             return
         waking = Session(entry.id)
         flight = self.shared.lead(waking, list(record.token_ids), woken=True)

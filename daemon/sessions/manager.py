@@ -53,7 +53,7 @@ from kvwake.daemon.sessions.conversations import Conversations, Prepared
 from kvwake.daemon.sessions.entries import Entries, Entry
 from kvwake.daemon.sessions.models import CURRENT, ModelKeeping, Starter
 from kvwake.daemon.sessions.room import RoomKeeping
-from kvwake.daemon.sessions.shared_prefill import SharedPrefills
+from kvwake.daemon.sessions.shared_prefill import Pending, SharedPrefills
 from kvwake.daemon.session_state import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
@@ -64,6 +64,7 @@ __all__ = ["Prepared", "SessionManager"]
 
 log = logging.getLogger("kvwake.sessions")
 TURNS_KEPT = 64  # generate calls whose phases status keeps
+WAITING_WAKES = 256  # threads for wakes waiting on a wake in flight (SessionManager.waiting_wakes)
 COPY_WAIT_S = 10.0  # a call waits this long for a session lent to another's prefix copy, then is BUSY
 
 
@@ -84,6 +85,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
                          "wake_waits": 0}
         # Per model: appends prefilling a fresh cache now, and the requests that share their prompt waiting on them
         self._shared: dict[str, SharedPrefills] = {}
+        self._waiting_wakes: anyio.CapacityLimiter | None = None  # made on the event loop (`waiting_wakes`)
         self.stopping = False
         # KV taken from sessions (slept, deleted, replaced by a wake) and being freed on the engine thread: its bytes
         self.releasing: dict[asyncio.Task, int] = {}
@@ -227,12 +229,14 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         read = record if snapshot_id is None else None
         async with self._wake_prefix(entry, record) as ((cache, tokens), flight):
             prefix = (cache, tokens) if cache is not None else None
+            waits = isinstance(cache, Pending)  # its thread waits for a wake in flight once its own blocks are in
             session, info = await to_thread.run_sync(
-                lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read, prefix=prefix))
+                lambda: engine.wake(entry.id, snapshot, self.thread.call, record=read, prefix=prefix),
+                limiter=self.waiting_wakes() if waits else None)
             if flight is not None:  # those waiting on this wake copy from it when the block ends
                 flight.session = session
-            elif prefix is not None and not isinstance(cache, list) and info["blocks_shared"]:
-                self.counters["wake_waits"] += 1  # it took blocks from a wake in flight (Pending)
+            elif waits and info["blocks_shared"]:
+                self.counters["wake_waits"] += 1  # it took blocks from a wake in flight
         replaced, entry.session = entry.session, session
         if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
             self._release(replaced)
@@ -241,6 +245,13 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         self.counters["wakes"] += 1
         log.info("wake", extra={"session": entry.id, **info})
         return info
+
+    def waiting_wakes(self) -> anyio.CapacityLimiter:
+        """The threads of wakes that wait for a wake in flight (shared_prefill.Pending), apart from the default
+        worker threads: waiters never take the threads that renders, sleeps and their own leader need."""
+        if self._waiting_wakes is None:
+            self._waiting_wakes = anyio.CapacityLimiter(WAITING_WAKES)
+        return self._waiting_wakes
 
     async def wake(self, session_id: Any, snapshot_id: Any = None, take_over: bool = False) -> dict[str, Any]:
         async with self.claim(session_id, "wake", take_over) as entry:

@@ -48,12 +48,11 @@ class Flight:
 
 
 class Pending:
-    """A flight's prefix still to come, for a wake that reads its own blocks meanwhile (kv/pipeline.py): the
-    whole blocks of `tokens` it wants, and `result()`, which a worker thread blocks on (the leader lands on
-    the event loop). Made on the loop, from the waiter's future."""
+    """A flight's prefix still to come, for a wake that reads its own blocks meanwhile (kv/pipeline.py):
+    `result()`, which a worker thread blocks on while the leader lands on the event loop. Made on the loop,
+    from the waiter's future."""
 
-    def __init__(self, waiting: asyncio.Future[Prefix], tokens: int) -> None:
-        self.tokens = tokens
+    def __init__(self, waiting: asyncio.Future[Prefix]) -> None:
         self._done: cf.Future[Prefix] = cf.Future()
         waiting.add_done_callback(self._landed)
 

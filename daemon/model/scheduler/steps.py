@@ -9,15 +9,14 @@ The order, and why:
 - `quick` jobs (bookkeeping with no MLX work: a call joining the decoder) all
   run before the next job, not one per step: calls that come at once join the
   batch at one step.
-- While calls decode, a step's jobs take about one decode step's time at most:
-  one job (or one pack), then more plain jobs queued next while the step's jobs
-  have taken less than the last decode step did (`another`). A decoding
-  neighbour waits about one step of jobs; a short one (a prefill chunk is many
-  slice jobs, each about a step: scheduler/prefill.py) is one job. Short jobs
-  (a wake's buffers, spans and upload slices, a few milliseconds each) run
-  several to a step: one a step, a restart's wakes beside a decoding session
-  each waited a decode step per job (docs/decisions.md, "A fleet of agents
-  (issue 50)").
+- While calls decode, a step runs one job (or one pack), then more plain jobs
+  queued next while the step's jobs have taken less than the last decode step
+  did (`another`): a decoding neighbour waits at most about one decode step of
+  jobs plus the job that crossed it. A prefill chunk is many slice jobs, each
+  about a step (scheduler/prefill.py): one a step. A wake is many short jobs
+  (buffers, spans, upload slices): several a step, so wakes beside a decoding
+  session do not each wait a decode step per job (docs/decisions.md, "A fleet
+  of agents (issue 50)").
 - A `Packed` job runs with every job of its pack queued by its turn, as one:
   turns that come at once are one forward pass (model/packing.py) and one job.
 - A pack that starts turns (a job queued with its turn's `Arrival`) is held while
