@@ -332,9 +332,9 @@ def two_block_spans(monkeypatch, engine) -> tuple[list, list[tuple[int, int]]]:
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
 
-    def ring(self, blocks, size, plane_bytes, block_bytes):
+    def ring(self, blocks, size, plane_bytes, block_bytes, most=None):
         monkeypatch.setattr(devplanes, "SPAN_BYTES", 2 * block_bytes)
-        real_ring(self, blocks, size, plane_bytes, block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes, most)
         rings.append(self)
 
     def join_span(self, first, count):
@@ -464,9 +464,9 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)  # from here on, as count_calls
     real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch, engine)
 
-    def ring(self, blocks, size, plane_bytes, block_bytes):
+    def ring(self, blocks, size, plane_bytes, block_bytes, most=None):
         monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
-        real_ring(self, blocks, size, plane_bytes, block_bytes)
+        real_ring(self, blocks, size, plane_bytes, block_bytes, most)
     monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     try:
         b = Session("b")

@@ -266,12 +266,13 @@ def test_a_staged_wake_takes_a_prefix_that_comes_after_its_own_blocks_exactly(st
     # reads every block itself, the same bytes.
     from kvwake.daemon.kv import cache_blocks
 
-    engine, a, alone, joined, _ = staged_pair
+    engine, a, alone, joined, rings = staged_pair
     coming = Coming(cache_blocks.copy_prefix(a.cache, given) if given else None, given or 0)
     b, info = engine.wake("b", prefix=(coming, 48))
     if given == 48:
         assert info["blocks_shared"] == 3 and info["blocks_from_disk"] + info["blocks_from_memory"] == 6, info
         assert joined == [(3, 2), (5, 2), (7, 2)]
+        assert rings[-1].slots == 1  # a waiting wake stages through one slot: its leader finds the rest idle
     else:
         assert info["blocks_shared"] == 0 and info["blocks_from_disk"] + info["blocks_from_memory"] == 9, info
     assert kv_of(b) == alone

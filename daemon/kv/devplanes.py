@@ -126,10 +126,11 @@ class Ring:
     MLX), read by the GPU join through `planes` and `raw`. Made and dropped on the engine thread.
     """
 
-    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int) -> None:
+    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int, most: int | None = None) -> None:
+        """`most`: slots at most (default RING_SLOTS)."""
         rows = max(1, SPAN_BYTES // max(1, block_bytes))
         self.span = min(blocks, rows) if blocks else 1
-        self.slots = max(1, min(RING_SLOTS, -(-blocks // self.span)))
+        self.slots = max(1, min(most or RING_SLOTS, -(-blocks // self.span)))
         self.size, self.plane_bytes = size, plane_bytes
         # Mapped for a discrete GPU, slots of whole spans are kept for the next wake (made once); elsewhere
         # (Metal's shared memory, the CPU) each wake makes slots of its own size and lets them go.

@@ -421,8 +421,11 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     coming = prefix[0] if prefix is not None and hasattr(prefix[0], "result") else None
     shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
     # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
+    # a wake waiting for a leader stages through one slot: the leader, whose blocks every waiter waits for,
+    # finds the kept slots it stages through idle (docs/decisions.md, "A waiting wake reads its own blocks")
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
-                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared))
+                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared,
+                                             ring_slots=1 if coming is not None else None))
     clock.lap("buffers")
     with releasing(buffers, mlx):
         batch, tail_box = ctx.pool.batch(), []

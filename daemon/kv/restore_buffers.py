@@ -133,7 +133,8 @@ class Buffers:
     """
 
     def __init__(self, model: Any, sample: Specs, sample_tokens: int, capacity: int, block_tokens: int, *,
-                 mode: str | None = None, n_blocks: int | None = None, tail_tokens: int = 0) -> None:
+                 mode: str | None = None, n_blocks: int | None = None, tail_tokens: int = 0,
+                 ring_slots: int | None = None) -> None:
         self.cache = make_prompt_cache(model)
         mode = mode or restore_mode()
         self.block_tokens, self.mode = block_tokens, mode
@@ -187,7 +188,8 @@ class Buffers:
             self.block_shape = next(iter(specs.values()))[1]
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
             per_token = len(self.order) * math.prod(self.block_shape) // block_tokens
-            self.ring = devplanes.Ring(blocks, size, per_token * block_tokens, size * per_token * block_tokens)
+            self.ring = devplanes.Ring(blocks, size, per_token * block_tokens, size * per_token * block_tokens,
+                                       most=ring_slots)
             self.span = self.ring.span
             if tail_tokens:
                 array, view, release = devplanes.staging((1, size * per_token * tail_tokens))
