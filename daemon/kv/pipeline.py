@@ -410,19 +410,15 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     clock = _Clock(phases)
     n = len(record.token_ids)
     n_full, rest = divmod(n, ctx.block_tokens)
-    if record.blocks:
-        sample, tokens = block_specs(ctx, record.blocks[0]), ctx.block_tokens
-    else:
-        sample, tokens = (ctx.store.tail_specs(record) if record.tail else {}), rest
-        if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
-            tail = ctx.store.read_tail(record)
-            return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
+    sample, tokens = _sample(ctx, record, rest, mlx)
+    if sample is None:
+        tail = ctx.store.read_tail(record)
+        return mlx(lambda: restore_buffers.finish_empty(ctx.model, n, tail, ctx.block_tokens))
     # blocks adopted, not read: from a cache given, or from one still coming (`coming`: the wake's docstring)
     coming = prefix[0] if prefix is not None and hasattr(prefix[0], "result") else None
     shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
-    # staging for the blocks it reads: a wake sharing its prompt's blocks makes a ring of a few slots
-    # a wake waiting for a leader stages through one slot: the leader, whose blocks every waiter waits for,
-    # finds the kept slots it stages through idle (docs/decisions.md, "A waiting wake reads its own blocks")
+    # staging for the blocks it reads: a ring of a few slots; one for a wake waiting for a leader, so that the
+    # leader, whom every waiter waits for, finds the kept slots idle (docs/decisions.md, "A waiting wake ...")
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
                                              mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared,
                                              ring_slots=1 if coming is not None else None))
@@ -435,12 +431,11 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                 place = buffers.place(n_full * ctx.block_tokens, rest)
                 batch.submit(record.tail.raw_bytes,
                              lambda: tail_box.append(ctx.store.read_tail(record, place, buffers.stage(None))))
-            if prefix is not None and coming is None:  # its first blocks from a cache holding them (wake's docstring)
-                mlx(lambda: buffers.take_prefix(*prefix))
-                _count(ctx, buffers, "blocks_shared", shared)
-                clock.lap("prefix")
-            elif coming is not None:
+            if coming is not None:
                 buffers.expect_prefix(shared)
+            elif prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
+                _take_given(ctx, buffers, prefix, mlx)
+                clock.lap("prefix")
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
             batch.join()
@@ -459,6 +454,23 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         cache = mlx(lambda: buffers.finish(n, tail))
         clock.lap("finish")
         return cache
+
+
+def _sample(ctx: KvContext, record: SnapshotRecord, rest: int, mlx: Mlx) -> tuple[dict | None, int]:
+    """(Specs of the tensors a restore's buffers are made for, the tokens they cover): a block's, or the tail's
+    when the snapshot has no full block; (None, 0) when there is no cut KV to restore (the tail alone)."""
+    if record.blocks:
+        return block_specs(ctx, record.blocks[0]), ctx.block_tokens
+    sample = ctx.store.tail_specs(record) if record.tail else {}
+    if not (rest and restore_buffers.has_cut_kv(mlx(ctx.make_blank), sample)):
+        return None, 0
+    return sample, rest
+
+
+def _take_given(ctx: KvContext, buffers: restore_buffers.Buffers, prefix: tuple[list, int], mlx: Mlx) -> None:
+    """A wake's first blocks from a cache holding them (the wake's docstring), before its own are read."""
+    mlx(lambda: buffers.take_prefix(*prefix))
+    _count(ctx, buffers, "blocks_shared", prefix[1] // ctx.block_tokens)
 
 
 def _take_coming(ctx: KvContext, buffers: restore_buffers.Buffers, coming: Any, blocks: int, mlx: Mlx) -> None:
