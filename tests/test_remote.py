@@ -186,4 +186,4 @@ def test_server_killed_mid_upload_then_back_the_upload_finishes(tmp_path, model_
             ca.call("session.sleep", session_id="long", release=True)  # waits for the retried upload
             assert cb.call("session.generate", session_id="long", max_tokens=8)["tokens"] == expected
     finally:
-        weed.kill()  # a SeaweedFS restarted under load takes its whole 30 s grace to stop: nothing here needs it
+        weed.kill()  # a SeaweedFS restarted under load takes its whole grace to stop: nothing here needs it

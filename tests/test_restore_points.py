@@ -382,3 +382,27 @@ def test_a_reply_point_further_than_its_span_from_any_stored_point_is_skipped(op
     assert not engine.reply_points.take("first", tokens[: at + 1], at, direct)
     assert engine.reply_points.counters["reply_points_skipped"] == 1
     assert {k: engine.counters[k] for k in before} == before  # nothing restored or prefilled for it
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_points_rings_cut_on_the_device_are_the_arrays_the_host_cut_gives(keep):
+    # capture_tail(rings_cut=True) cuts a ring grown past its size by a chunk on the device; the point must
+    # hold what compact_rings makes of the ring as held, array for array (and a ring not grown stays as held).
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from kvwake.daemon.kv import cache_blocks
+    from kvwake.daemon.kv.points import compact_rings
+
+    mx.random.seed(3)
+    grown, small, plain = RotatingKVCache(max_size=32, keep=keep), RotatingKVCache(max_size=32, keep=keep), KVCache()
+    for c, chunks in ((grown, (31, 40)), (small, (20,)), (plain, (71,))):
+        for n in chunks:
+            k = mx.random.normal((1, 2, n, 8)).astype(mx.bfloat16)
+            c.update_and_fetch(k, k + 1)
+    small.update_and_fetch(*(mx.random.normal((1, 2, 51, 8)).astype(mx.bfloat16) for _ in range(2)))
+    cache = [grown, small, plain]
+    assert grown.keys.shape[2] > 32
+    held, cut = compact_rings(cache_blocks.capture_tail(cache, 71, 16)), cache_blocks.capture_tail(cache, 71, 16, rings_cut=True)
+    assert held.keys() == cut.keys()
+    assert all(held[k].dtype == cut[k].dtype and np.array_equal(held[k].array, cut[k].array) for k in held)
+    assert cut["layers.0.ring"].array.tolist() == [71, 32, keep, 32] and cut["layers.0.keys"].array.shape[2] == 32

@@ -108,7 +108,7 @@ def test_conversations_starting_together_prefill_their_shared_system_prompt_once
 
 
 async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writes(tmp_path):
-    """Was (this session's first cut): every append that led a flight waited for the points writer to finish
+    """Was: every append that led a flight waited for the points writer to finish
     everything handed to it, a fsync'd write per point, before its first token; only its waiters need to."""
     import threading
 

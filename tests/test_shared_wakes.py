@@ -103,7 +103,7 @@ async def behind_a_held_leader(manager, meanwhile, release) -> dict[str, dict]:
 
 async def test_the_waiting_wakes_read_their_own_blocks_while_the_leader_still_wakes(manager, monkeypatch):
     """Was: a wake waiting on another's started once that one had woken, so a restart's agents woke one after
-    the other (docs/benchmarks.md, "fleet", S32): now each reads its own blocks meanwhile."""
+    the other (docs/benchmarks.md, "fleet"): now each reads its own blocks meanwhile."""
     import anyio
 
     from kvwake.daemon.kv import pipeline
@@ -127,7 +127,7 @@ async def test_the_waiting_wakes_read_their_own_blocks_while_the_leader_still_wa
 
 
 async def test_waiting_wakes_leave_the_worker_threads_to_their_leader(manager, monkeypatch):
-    """Was (this session's first cut): a waiting wake held a default worker thread while it waited for its
+    """Was: a waiting wake held a default worker thread while it waited for its
     leader, so waiters that came before the leader took its thread (one thread here) and it could not wake."""
     import anyio
 
