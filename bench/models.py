@@ -2,7 +2,8 @@
 conversation whose model was unloaded, and MLX's peak memory against the models' memory budget (issue 53).
 
 usage: python bench/models.py --main PATH --small PATH [--sessions 4] [--decode-tokens 600]
-                              [--alone-tokens 150] [--context 10000] [--budget BYTES] [--out bench/out]
+                              [--alone-tokens 150] [--context 10000] [--budget BYTES] [--gil-watch-ms MS]
+                              [--out bench/out]
 
 One real `kvwake serve` serving both model folders by their folder names (main the default, loaded at
 start; small loaded on demand), in one run:
@@ -11,7 +12,8 @@ load        --sessions sessions of main decode at once, streamed (greedy, EOS ba
             main's gaps between tokens (as its clients receive them, bench/lib.py Stream) before the load
             (p50, p99), while it loads (p50, p99, max) and after it (p50, p99: small's warm-up jobs run
             then), the load's time, the p99 during the load over the median alone (the issue's
-            target: <= 2x), and main's engine-thread jobs and steps over the slow mark during the load.
+            target: <= 2x), main's engine-thread jobs and steps over the slow mark during the load, and with
+            --gil-watch-ms the daemon's waits for the GIL during the load (status.gil: what held it).
 unloaded    a conversation of --context tokens on main sleeps and wakes once (a plain wake, timed by
             the client); then it sleeps, main is unloaded (`model.unload`), and the conversation's next
             turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Then main
@@ -46,12 +48,25 @@ BLOCK = 128
 UNIT = "The archive holds notes, plans and tool output from many earlier runs. "
 
 
-def start(root: Path, main: Path, small: Path, budget: int | None) -> Daemon:
+def start(root: Path, main: Path, small: Path, budget: int | None, gil_watch_ms: float | None) -> Daemon:
     root.mkdir(parents=True, exist_ok=True)
     # No session sleeps for idleness mid-run; the memory budget is the daemon's own unless --budget names one.
     (root / "none.toml").write_text("idle_timeout_s = 100000.0\n"
-                                    + (f"models_budget_bytes = {budget}\n" if budget is not None else ""))
+                                    + (f"models_budget_bytes = {budget}\n" if budget is not None else "")
+                                    + (f"[tuning]\ngil_watch_ms = {gil_watch_ms}\ngil_watch_kept = 256\n"
+                                       if gil_watch_ms else ""))
     return Daemon(root, main, block_tokens=BLOCK, extra=["--model", str(small)]).start(timeout=900)
+
+
+def gil_waits(status: dict[str, Any], window: tuple[float, float]) -> dict[str, Any] | None:
+    """The daemon's waits for the GIL (status.gil, when --gil-watch-ms is on) that ended within `window`
+    (Unix times), longest first, each with the innermost frames of the threads that could have held it."""
+    gil = status.get("gil")
+    if gil is None:
+        return None
+    waits = sorted((w for w in gil["waits"] if window[0] <= w["at"] <= window[1]), key=lambda w: -w["late_ms"])
+    return {"over_ms": gil["over_ms"], "late": gil["late"], "count": len(waits),
+            "total_ms": round(sum(w["late_ms"] for w in waits), 1), "waits": waits[:24]}
 
 
 def client(d: Daemon) -> RawClient:
@@ -84,9 +99,10 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
         began, began_wall = time.perf_counter(), time.time()
         loaded = c.call("model.load", name=small)
         ended = time.perf_counter()
+        status = c.call("status")
+        window = (began_wall, began_wall + (ended - began))
         # what main's engine thread did slowly meanwhile (a step or a job over the slow mark, by name)
-        slow = [j for j in c.call("status")["engine_thread"]["slow"]
-                if began_wall <= j["at"] <= began_wall + (ended - began)]
+        slow = [j for j in status["engine_thread"]["slow"] if window[0] <= j["at"] <= window[1]]
     for t in threads:
         t.join()
     for c in clients:
@@ -102,6 +118,7 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             "gap_after_p50_ms": pct(after, 0.5), "gap_after_p99_ms": pct(after, 0.99),
             "gap_samples": {"alone": len(alone), "during": len(inside), "after": len(after)},
             "streams_past_the_load": sum(s.ended > ended for s in streams), "main_slow_during": slow,
+            "gil_during": gil_waits(status, window),
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None,
             "target": "<= 2.0", "met": bool(p99 and median and p99 <= 2 * median)}
 
@@ -162,13 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alone-tokens", type=int, default=150, help="pieces the first stream gets before the load")
     ap.add_argument("--context", type=int, default=10000, help="tokens of the conversation whose model unloads")
     ap.add_argument("--budget", type=int, default=None, help="models_budget_bytes (default: the daemon's own)")
+    ap.add_argument("--gil-watch-ms", type=float, default=None,
+                    help="keep the daemon's waits for the GIL of this many ms or more (status.gil) and report "
+                         "those during the load, with what held it (a diagnostic: its watcher takes the GIL "
+                         "a thousand times a second)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
     main_dir, small_dir = args.main.expanduser().resolve(), args.small.expanduser().resolve()
     if main_dir.name == small_dir.name:
         ap.error("--main and --small are served by their folder names: give folders named apart")
     with tempfile.TemporaryDirectory(prefix="kvwake-models-") as work:
-        d = start(Path(work), main_dir, small_dir, args.budget)
+        d = start(Path(work), main_dir, small_dir, args.budget, args.gil_watch_ms)
         try:
             report = {"machine": machine(), "main": str(main_dir), "small": str(small_dir),
                       "load": during_load(d, main_dir, small_dir.name, args),

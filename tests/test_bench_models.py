@@ -14,7 +14,7 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     main_dir, small_dir = two_tiny_models(tmp_path / "models")
     result = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "bench", "models", "--main", str(main_dir),
                              "--small", str(small_dir), "--sessions", "2", "--decode-tokens", "100",
-                             "--alone-tokens", "30", "--context", "400", "--out", str(tmp_path / "out")],
+                             "--alone-tokens", "30", "--context", "400", "--gil-watch-ms", "1", "--out", str(tmp_path / "out")],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "models.json").read_text())
@@ -23,6 +23,10 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     assert load["loaded"] and load["load_s"] > 0 and load["sessions"] == 2
     assert load["gap_samples"]["alone"] > 0 and load["gap_alone_p50_ms"] > 0
     assert load["p99_during_over_p50_alone"] is None or load["met"] == (load["p99_during_over_p50_alone"] <= 2.0)
+    gil = load["gil_during"]  # the daemon's GIL watch on: its waits during the load, longest first
+    assert gil["over_ms"] == 1.0 and gil["late"]["count"] > 0 and gil["count"] >= len(gil["waits"])
+    assert all(w["late_ms"] >= 1.0 and w["threads"] for w in gil["waits"])
+    assert [w["late_ms"] for w in gil["waits"]] == sorted((w["late_ms"] for w in gil["waits"]), reverse=True)
     turn = report["unloaded"]
     assert turn["tokens"] > 300 and turn["wake_tokens"] == turn["tokens"]  # slept whole, woken whole
     assert turn["first_turn_s"] > 0 and turn["bound_s"] == round(turn["load_s"] + 1.2 * turn["wake_s"], 3)

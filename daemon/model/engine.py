@@ -30,7 +30,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-import mlx_lm
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
@@ -44,7 +43,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode
+from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode, weights
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -136,8 +135,7 @@ class Engine(Appending):
                 staged = staging_beside_load and self.restore_mode == "staged"
                 row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                      store.block_tokens if staged else None, others=kernels_for)
-        self.model, self.tokenizer = mlx_lm.load(str(self.model_path))
-        mx.eval(self.model.parameters())
+        self.model, self.tokenizer = weights.load(str(self.model_path))
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

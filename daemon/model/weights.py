@@ -1,0 +1,44 @@
+"""A model's weights read in pieces, so a load lets the other models' engine threads run.
+
+`mlx_lm.load` evaluates every parameter in one `mx.eval`, and reading the weights holds the GIL for long
+stretches of that call: while a second model loads, the first one's engine thread waits for the GIL at each
+step (status.gil showed the loading thread inside that one eval at every long wait, up to 0.2 s at a time).
+Evaluated a piece at a time, the GIL is let go between pieces, so a wait is at most one piece's read. The
+pieces are whole tensors grouped up to PIECE_BYTES (a tensor larger than that is a piece of its own).
+docs/decisions.md, "Several models (issue 53)", says what was measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten
+
+__all__ = ["PIECE_BYTES", "load", "pieces"]
+
+PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor (32 MiB), a few ms of reading
+
+
+def load(path: str, most: int = PIECE_BYTES) -> tuple[Any, Any]:
+    """mlx-lm's (model, tokenizer) of the model folder `path`, its weights evaluated piece by piece."""
+    model, tokenizer = mlx_lm.load(path, lazy=True)
+    for piece in pieces([v for _, v in tree_flatten(model.parameters())], most):
+        mx.eval(piece)
+    return model, tokenizer
+
+
+def pieces(arrays: list[mx.array], most: int = PIECE_BYTES) -> Iterator[list[mx.array]]:
+    """`arrays` in order, grouped while a group's bytes stay within `most` (one larger array: a group alone)."""
+    group: list[mx.array] = []
+    size = 0
+    for a in arrays:
+        if group and size + a.nbytes > most:
+            yield group
+            group, size = [], 0
+        group.append(a)
+        size += a.nbytes
+    if group:
+        yield group
