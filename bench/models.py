@@ -77,6 +77,20 @@ def gaps_ms(streams: list[Stream], tokenizer: Any, window: tuple[float, float]) 
     return [g for s in streams for g in s.gaps(tokenizer, window)]
 
 
+def largest_gaps(streams: list[Stream], tokenizer: Any, window: tuple[float, float], began: float,
+                 kept: int = 12) -> list[dict[str, Any]]:
+    """The `kept` longest gaps within `window` (perf_counter times), each with its stream and when it ended,
+    seconds from `began`: which stalls every stream shared, and where in the load they fell."""
+    gaps = []
+    for i, s in enumerate(streams):
+        last = None
+        for k, when in s.arrivals(tokenizer):
+            if last is not None and k == last[0] + 1 and window[0] < when < window[1]:
+                gaps.append({"stream": i, "ended_s": round(when - began, 3), "ms": round((when - last[1]) * 1000, 1)})
+            last = (k, when)
+    return sorted(gaps, key=lambda g: -g["ms"])[:kept]
+
+
 def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> dict[str, Any]:
     """Main's sessions decoding, small loaded once the first stream is past --alone-tokens pieces."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -119,6 +133,10 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             "gap_samples": {"alone": len(alone), "during": len(inside), "after": len(after)},
             "streams_past_the_load": sum(s.ended > ended for s in streams), "main_slow_during": slow,
             "gil_during": gil_waits(status, window),
+            # the engine thread's own intervals between steps' hand-overs (its latest 512: the load's), against
+            # the gaps clients saw: a stall seen only by clients lies between the engine and the socket
+            "main_step_gaps": status["engine_thread"]["step_gaps"],
+            "largest_gaps_during": largest_gaps(streams, tokenizer, (began, ended), began),
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None,
             "target": "<= 2.0", "met": bool(p99 and median and p99 <= 2 * median)}
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon.kv import cache_blocks, capacity
+from kvwake.daemon.kv import cache_blocks, capacity, cudart, devplanes
 from kvwake.daemon.jobs import direct
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model.engine import Engine
@@ -362,7 +362,10 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
         engine.ram_tier.__init__(engine.ram_tier.budget)
         engine.ram_tier.put(record.blocks[4].key, engine.store.read_block(record.blocks[4]))
         b, info = engine.wake("b")
-        assert [(r.span, r.slots) for r in rings] == [(2, 2)]
+        # where slots are kept (mapped for a discrete GPU) a ring's slots past its first are idle ones or none:
+        # none of this test's span is idle, so it stages through one
+        kept = devplanes.STAGING == "mapped" and cudart.active()
+        assert [(r.span, r.slots) for r in rings] == [(2, 1 if kept else 2)]
         assert joined == [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1)]
         assert info["blocks_from_memory"] == 1 and info["blocks_from_disk"] == 8
         assert_same_kv_and_continuation(engine, a, b, 149)
