@@ -147,7 +147,7 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     from kvwake.daemon.model import loader
 
     made = []
-    engine = SimpleNamespace(wait_kernels=lambda: None)
+    engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
     folder = tmp_path / "small"
     folder.mkdir()

@@ -309,6 +309,35 @@ async def test_an_operation_already_on_a_model_goes_on_while_the_model_is_asked_
         store.close()
 
 
+def test_adding_a_loaded_model_does_not_wait_for_its_first_job(tmp_path, models, monkeypatch):
+    # Was: the provider attached the new model's decoder on the event loop, by a job queued behind the model's
+    # first one (its kernels' wait, a second and more on CUDA): the event loop waited that long, and every other
+    # model's streamed tokens with it.
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.provider import ModelProvider
+    from kvwake.daemon.model.registry import ModelSpec
+    from kvwake.store import Store
+
+    first_job_may_end = threading.Event()
+    monkeypatch.setattr(Engine, "wait_kernels", lambda self: first_job_may_end.wait(30))
+    settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine, thread = start_model(settings, store, ModelSpec("small", str(models[1])), None)
+    try:
+        added = threading.Thread(target=lambda: ModelProvider().add(engine, thread, "small"), daemon=True)
+        added.start()
+        added.join(5)
+        assert not added.is_alive(), "adding the model waited for its first job (the kernels' wait)"
+        assert thread.attached(engine.decoder)
+    finally:
+        first_job_may_end.set()
+        thread.stop()
+        engine.close()
+        store.close()
+
+
 def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
     # Was: a load under --max-loaded waited until the loaded model had no operation at all; agents that
     # kept it busy (turns back to back) kept the other model from loading for as long as they ran.

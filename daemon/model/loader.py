@@ -60,6 +60,10 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
             prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
             persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
             staging_beside_load=first)).result()
+        # The decoder attached before that first job, here on the caller's worker thread: attached later (as the
+        # provider adds the model, on the event loop) it waited behind the kernels' wait, and the event loop with
+        # it, so every other model's streamed tokens stopped for that long (docs/decisions.md, "Several models").
+        thread.attach(engine.decoder, engine.planner)
         thread.submit(engine.wait_kernels)  # its first job: whatever runs the model after it finds the kernels
     except BaseException:
         thread.stop()

@@ -68,7 +68,8 @@ class ModelProvider:
         model = LoadedModel(engine, thread, name)
         if model.name in self._models:
             raise ValueError(f"model {model.name!r} is loaded already")
-        thread.attach(engine.decoder, engine.planner)
+        if not thread.attached(engine.decoder):  # model/loader.py attaches a model's before its first job
+            thread.attach(engine.decoder, engine.planner)
         self._models[model.name] = model
         return model
 

@@ -95,6 +95,10 @@ class EngineThread:
                 self.scheduler.gather_s = prefill.gather_s if prefill.pack_prefill else 0.0
         self.submit(attach).result()
 
+    def attached(self, decoder: Decoder) -> bool:
+        """Whether `decoder` is the one this thread steps (attached and taken effect)."""
+        return self.scheduler.decoder is decoder
+
     def _run(self) -> None:
         while True:
             step = self.scheduler.next_step()
