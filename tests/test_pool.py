@@ -81,3 +81,49 @@ def test_a_daemon_asked_runs_its_pool_workers_nicer_and_one_not_asked_does_not(t
             assert set(nicer) == {min(19, base + nice)} and 1 <= len(nicer) <= os.cpu_count(), seen
         else:
             assert nicer == [], seen
+
+
+def test_a_yielding_batch_submits_only_once_the_other_batches_tasks_are_done():
+    # A wake waiting for its leader's shared blocks reads its own after the leader's reads, not among them.
+    pool = Pool(workers=4)
+    try:
+        release, order = threading.Event(), []
+        first = pool.batch()
+        first.submit(0, lambda: (release.wait(10), order.append("first")))
+        waiting = pool.batch(yields=True)
+        submitted = threading.Event()
+        waiter = threading.Thread(target=lambda: (waiting.submit(0, lambda: order.append("yielded")),
+                                                  submitted.set()))
+        waiter.start()
+        assert not submitted.wait(0.2), "the yielding batch submitted while another batch's task ran"
+        release.set()
+        waiter.join(5)
+        first.join()
+        waiting.join()
+        assert order == ["first", "yielded"]
+    finally:
+        pool.close()
+
+
+def test_a_yielding_batch_waits_its_yield_time_at_most_in_all(monkeypatch):
+    import time
+
+    from kvwake.daemon.kv import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "YIELD_S", 0.2)
+    pool = Pool(workers=2)
+    try:
+        release = threading.Event()
+        busy = pool.batch()
+        busy.submit(0, lambda: release.wait(10))  # a neighbour's writes that outlast the yield
+        waiting = pool.batch(yields=True)
+        started = time.monotonic()
+        for _ in range(3):
+            waiting.submit(0, lambda: None)
+        waiting.join()
+        took = time.monotonic() - started
+        assert 0.15 < took < 2.0, f"three tasks of a yielding batch took {took:.2f} s against a yield of 0.2 s"
+        release.set()
+        busy.join()
+    finally:
+        pool.close()

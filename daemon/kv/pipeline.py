@@ -424,7 +424,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
                                              ring_slots=1 if coming is not None else None))
     clock.lap("buffers")
     with releasing(buffers, mlx):
-        batch, tail_box = ctx.pool.batch(), []
+        # a wake waiting for a leader reads its own blocks after the leader's reads (Pool.batch's `yields`)
+        batch, tail_box = ctx.pool.batch(yields=coming is not None), []
         try:
             if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
                 batch.reserve(record.tail.raw_bytes)

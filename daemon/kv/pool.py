@@ -21,12 +21,15 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Batch", "Pool"]
+__all__ = ["YIELD_S", "Batch", "Pool"]
 
 log = logging.getLogger("kvwake.pool")
+
+YIELD_S = 0.5  # the longest a yielding batch holds its tasks back, in all (a busy daemon's writes never end)
 
 
 class Pool:
@@ -43,10 +46,15 @@ class Pool:
         self.nice = nice
         self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io",
                                                initializer=_lower_priority, initargs=(self.nice,))
+        self._turns = _Turns()
 
-    def batch(self, budget: int | None = None) -> Batch:
-        """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes)."""
-        return Batch(self._executor, min(budget or self.inflight_bytes, self.inflight_bytes))
+    def batch(self, budget: int | None = None, yields: bool = False) -> Batch:
+        """A batch bounded by `budget` bytes in flight (at most the pool's inflight_bytes). `yields`: its tasks
+        are submitted only while no other batch's task is queued or running (waiting YIELD_S at most in all):
+        a wake that waits for a leader's shared blocks reads its own after the leader's reads, not among
+        them, since every waiter waits for the leader (docs/decisions.md, "A waiting wake reads its own
+        blocks after its leader's")."""
+        return Batch(self._executor, min(budget or self.inflight_bytes, self.inflight_bytes), self._turns, yields)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -64,6 +72,30 @@ def _lower_priority(nice: int) -> None:
         log.warning("pool worker left at its priority: %r", exc)
 
 
+class _Turns:
+    """The tasks of batches that do not yield, queued or running; yielding batches wait for none to be."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._first = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._first += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._first -= 1
+            if not self._first:
+                self._cond.notify_all()
+
+    def wait_none(self, until: float) -> None:
+        """Until no task of a batch that does not yield is queued or running, or the monotonic time `until`."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._first or time.monotonic() >= until,
+                                max(0.0, until - time.monotonic()))
+
+
 class Batch:
     """Tasks on the pool, admitted while their bytes fit the budget; the first failure stops the rest.
 
@@ -73,8 +105,10 @@ class Batch:
     failure as itself.
     """
 
-    def __init__(self, executor: cf.Executor, budget: int) -> None:
+    def __init__(self, executor: cf.Executor, budget: int, turns: _Turns | None = None, yields: bool = False) -> None:
         self._executor, self.budget = executor, budget
+        self._turns, self._yields = turns, yields
+        self._until = time.monotonic() + YIELD_S  # a yielding batch's tasks wait until then at most
         self._cond = threading.Condition()
         self._used = 0
         self._futures: list[cf.Future] = []
@@ -101,11 +135,16 @@ class Batch:
         The task lets go of `args` before its future is done: whoever waits for it then holds the last
         references (the executor's work item would hold them a moment longer, on the pool's thread,
         where MLX memory must not be freed)."""
-        future = self._executor.submit(self._run, nbytes, fn, [args])
+        counted = self._turns is not None and not self._yields
+        if self._turns is not None and self._yields:
+            self._turns.wait_none(self._until)
+        elif counted:
+            self._turns.enter()
+        future = self._executor.submit(self._run, nbytes, fn, [args], counted)
         self._futures.append(future)
         return future
 
-    def _run(self, nbytes: int, fn: Callable[..., Any], boxed: list[tuple]) -> Any:
+    def _run(self, nbytes: int, fn: Callable[..., Any], boxed: list[tuple], counted: bool = False) -> Any:
         args = boxed.pop()
         try:
             if self.error is None:  # after a failure, tasks not yet started do nothing
@@ -117,6 +156,8 @@ class Batch:
             raise
         finally:
             self.release(nbytes)
+            if counted:
+                self._turns.leave()
         return None
 
     def join(self) -> None:
