@@ -146,9 +146,10 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     from kvwake.daemon.config import ModelSpec, Settings
     from kvwake.daemon.model import loader
 
-    made = []
+    made, warmed = [], []
     engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
+    monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on: warmed.append((model, on)))
     folder = tmp_path / "small"
     folder.mkdir()
     main, small, hub = ModelSpec("main", str(tmp_path)), ModelSpec("small", str(folder)), ModelSpec("hub", "org/m")
@@ -158,6 +159,7 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     _, thread = loader.start_model(settings, None, small, object(), neighbours=[main, small, hub])
     thread.stop()
     assert [(kw["kernels_for"], kw["staging_beside_load"]) for kw in made] == [([folder], True), ([], False)]
+    assert warmed == [(str(folder), True)]  # the other folder's warmers at the first start, none at the later load
 
 
 def test_an_engine_closed_before_its_first_forward_pass_reaps_its_kernel_warmers(model_dir, tmp_path, monkeypatch):

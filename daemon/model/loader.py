@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvwake.daemon.config import Settings
-from kvwake.daemon.model import memory
+from kvwake.daemon.model import kernel_cache, memory
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec
@@ -42,11 +42,14 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     """`spec`'s engine, built on a new engine thread of its own (named for the model), and that thread;
     `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
     The first model's start makes what a later load must not make while another model decodes: the row
-    kernels of `neighbours` (the other models configured, those given as folders) and a wake's staging ring
-    beside its load (model/kernel_cache.py BesideLoad)."""
+    kernels of `neighbours` (the other models configured, those given as folders) and their kernel warmers'
+    compiles, and a wake's staging ring beside its load (model/kernel_cache.py BesideLoad, Warmer)."""
     first = limits is None
     others = [Path(s.source).expanduser() for s in neighbours
               if s is not spec and s.source is not None and Path(s.source).expanduser().is_dir()] if first else []
+    for folder in others:  # their kernel warmers now, while nothing decodes: a later load takes them done
+        # (Warmer.for_model) instead of starting two processes on the GPU beside the models decoding then
+        kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer)
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
                           slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
     try:
