@@ -1,0 +1,180 @@
+"""Sliding-window layers' K and V stored by token in blocks, so a restore point over them is a marker.
+
+A token's K and V in a sliding-window layer depend only on the tokens before it,
+as in a global layer; only the ring buffer that holds them forgets. So the rows
+a ring holds at a restore point can be stored in the blocks of their tokens,
+named as a cuttable unit's are (`{unit}.keys`, `{unit}.values`: [batch,
+kv_heads, block_tokens, head_dim]), and the point keeps, for that unit, only
+its ring's meta state and where its rows lie:
+
+    {unit}.ring             int64 [offset, _idx, keep, max_size]   as a point holds it today
+    {unit}.rows_in_blocks   int64 [first_token, rows]              the ring's rows: tokens [first, first + rows)
+
+A hit rebuilds the ring from those tokens' rows in token order, which is the
+ring `points.compact_rings` stores (`_idx` = rows, `max_size` rows once the
+window is full): the same arrays, so a hit through a marker is as exact as one
+through a point holding the ring. docs/decisions.md, "Restore points (issue
+52)", "Sliding-window rows in blocks", says why and what is left.
+
+Only rings with `keep` = 0 (Gemma's) held in token order (grown by a prefill
+chunk, or rotated all the way round) become markers; any other ring, and a
+window whose blocks the store holds without rows, keep the whole ring in the
+point as before. Blocks without rows (a store written before, or blocks out of
+every point's window) are read as they always were: their readers ignore
+window rows they find (restore_buffers.Buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
+from kvwake.store.format.codec import Tensor
+
+__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marker", "spans",
+           "window_names"]
+
+MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
+
+
+class WindowSpan:
+    """Where one ring's rows lie at a point: the unit, its tokens [first, first + rows), and the ring."""
+
+    __slots__ = ("name", "first", "rows", "ring")
+
+    def __init__(self, name: str, first: int, rows: int, ring: Any) -> None:
+        self.name, self.first, self.rows, self.ring = name, first, rows, ring
+
+
+def window_names(cache: list) -> frozenset[str]:
+    """The names window rows take in a block of this model (the rotating units' keys and values)."""
+    return frozenset(f"{name}.{part}" for name, _, _, c in cache_blocks.units(cache)
+                     if cache_blocks.kind_of(c, name) == "rotating" for part in ("keys", "values"))
+
+
+def _held(c: Any) -> tuple[int, int] | None:
+    """(first token, rows) a ring holds in token order (row r: token first + r), or None when it does not:
+    `keep` set, rotated part way, or step-allocated rows past its tokens (mlx-lm's in-place growth)."""
+    if c.keys is None or c.keep or c._idx != c.keys.shape[2]:
+        return None
+    rows = c.keys.shape[2]
+    if rows < c.max_size and rows != c.offset:  # a ring not yet full holds every token since the first
+        return None
+    return c.offset - rows, rows
+
+
+def spans(cache: list, position: int, block_tokens: int) -> list[WindowSpan] | None:
+    """Where each ring's kept rows lie when the cache stands at `position` (a block boundary), or None when
+    a ring cannot be a marker there: not in token order, or not holding every row of the blocks its kept
+    rows start in (a block carries all of its tokens' rows)."""
+    out = []
+    for name, _, _, c in cache_blocks.units(cache):
+        if cache_blocks.kind_of(c, name) != "rotating":
+            continue
+        held = _held(c)
+        if held is None or c.offset != position:
+            return None
+        kept = min(position, c.max_size)  # the rows compact_rings keeps: the ring's next update reads no more
+        first = position - kept
+        if first // block_tokens * block_tokens < held[0]:
+            return None
+        out.append(WindowSpan(name, first, kept, c))
+    return out or None
+
+
+def held_blocks(cache: list, block_tokens: int) -> tuple[list[WindowSpan], list[int]]:
+    """Every ring's rows as held in token order, and the blocks whose rows all of them hold whole (none when
+    a ring is not in token order): what a prefill chunk leaves that a later one forgets."""
+    window = []
+    for name, _, _, c in cache_blocks.units(cache):
+        if cache_blocks.kind_of(c, name) == "rotating":
+            held = _held(c)
+            if held is None:
+                return [], []
+            window.append(WindowSpan(name, held[0], held[1], c))
+    if not window:
+        return [], []
+    lo = max(-(-s.first // block_tokens) for s in window)
+    hi = min((s.first + s.rows) // block_tokens for s in window)
+    return window, list(range(lo, hi))
+
+
+def blocks_of(window: list[WindowSpan], block_tokens: int) -> list[int]:
+    """The blocks that hold the rows of every span, in order."""
+    first = min(s.first for s in window) // block_tokens
+    last = max(s.first + s.rows for s in window) // block_tokens
+    return list(range(first, last))
+
+
+def defer_rows(window: list[WindowSpan], blocks: list[int], block_tokens: int) -> Deferred:
+    """Engine thread: the rings' rows of `blocks`, as copies (the cache goes on growing), deferred:
+    `host()` gives {block: {"{unit}.keys": Tensor, "{unit}.values": Tensor}}."""
+    lazy, names = [], []
+    for k in blocks:
+        for s in window:
+            start = k * block_tokens - (s.ring.offset - s.ring.keys.shape[2])  # the ring's row of the block's first token
+            for part in ("keys", "values"):
+                a = getattr(s.ring, part)[..., start : start + block_tokens, :]
+                lazy.append(mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
+                names.append((k, f"{s.name}.{part}", "BF16" if a.dtype == mx.bfloat16 else None))
+
+    def make(host: list[np.ndarray]) -> dict[int, dict[str, Tensor]]:
+        out: dict[int, dict[str, Tensor]] = {k: {} for k in blocks}
+        for (k, name, bf16), h in zip(names, host):
+            out[k][name] = Tensor("BF16", np.array(h)) if bf16 else Tensor.of(np.array(h))
+        return out
+
+    return Deferred(lazy, make)
+
+
+def marker(point: dict[str, Tensor], window: list[WindowSpan]) -> dict[str, Tensor]:
+    """The point with each span's ring rows left to the blocks: its keys and values out, its span in."""
+    out = dict(point)
+    for s in window:
+        offset, idx, _, max_size = (int(x) for x in point[f"{s.name}.ring"].array)
+        if idx != s.rows or offset != s.first + s.rows:  # the ring compact_rings kept is not these rows
+            raise StateMismatchError(f"{s.name}: a ring of {idx} rows at {offset} is not tokens "
+                                     f"[{s.first}, {s.first + s.rows})")
+        out.pop(f"{s.name}.keys", None)
+        out.pop(f"{s.name}.values", None)
+        out[f"{s.name}.{MARK}"] = Tensor.of(np.array([s.first, s.rows], dtype=np.int64))
+    return out
+
+
+def carries_rows(names: Mapping[str, Any] | frozenset[str], wanted: frozenset[str]) -> bool:
+    """Whether a block's tensors (names or specs) hold every window row this model's points need."""
+    return wanted <= set(names)
+
+
+def assemble(point: dict[str, Tensor], block_tokens: int,
+             rows_of: Callable[[int], Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """A marker point made whole: each marked ring's keys and values joined, in token order, from the rows
+    `rows_of(k)` gives for block k (a block's tensors). A point with no marker is returned as it is.
+    Raises StateMismatchError, naming the block and the unit, when a block lacks the rows."""
+    marked = {name[: -len(MARK) - 1]: name for name in point if name.endswith("." + MARK)}
+    if not marked:
+        return point
+    out, blocks = dict(point), {}
+    for unit, name in marked.items():
+        first, rows = (int(x) for x in out.pop(name).array)
+        lo, hi = first // block_tokens, -(-(first + rows) // block_tokens)
+        for part in ("keys", "values"):
+            pieces = []
+            for k in range(lo, hi):
+                if k not in blocks:
+                    blocks[k] = rows_of(k)
+                t = blocks[k].get(f"{unit}.{part}")
+                if t is None:
+                    raise StateMismatchError(f"block {k} holds no rows of {unit}.{part} for the point's ring")
+                pieces.append(t)
+            if len({t.dtype for t in pieces}) != 1:
+                raise StateMismatchError(f"{unit}.{part}: the blocks' rows are of dtypes {[t.dtype for t in pieces]}")
+            joined = np.concatenate([t.array for t in pieces], axis=2)
+            start = first - lo * block_tokens
+            out[f"{unit}.{part}"] = Tensor(pieces[0].dtype, np.ascontiguousarray(joined[:, :, start : start + rows]))
+    return out
