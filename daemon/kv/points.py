@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv import cache_blocks, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
 from kvwake.daemon.session_state import Session
@@ -86,9 +86,13 @@ class PointTaker:
     lead to a point); a model of recurrent layers alone has no blocks to key a point by.
     """
 
-    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset()) -> None:
-        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`)."""
+    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset(),
+                 window_blocks: bool = False) -> None:
+        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`);
+        `window_blocks`: sliding-window rings' rows stored in the blocks, a point over them a marker
+        (kv/window_rows.py)."""
         self.ctx, self.marks = ctx, marks
+        self.window_names = window_rows.window_names(probe) if window_blocks else frozenset()
         self.enabled = enabled and not ctx.cuttable and any(
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
@@ -134,8 +138,13 @@ class PointTaker:
             blocks: dict[int, dict] = {}
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
                 blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
-            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
-                                                                          rings_cut=True)))
+            window = self._window(session, position, keys, usable)
+            if window:  # the rings' rows go in the blocks the store lacks; the point is a marker over them
+                for k, rows in mlx(lambda: window_rows.defer_rows(
+                        window, [k for k in window_rows.blocks_of(window, self.ctx.block_tokens) if k in blocks],
+                        self.ctx.block_tokens).host()).items():
+                    blocks[k] = {**blocks[k], **rows}
+            point = mlx(lambda: self._point(session, position, window))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
             self._failed(position, exc)
             return None
@@ -146,6 +155,27 @@ class PointTaker:
             done.set_result(self._write(*work))
             return done
         return self._driver.submit(self._write, *work)
+
+    def _window(self, session: Session, position: int, keys: list[str], usable: dict) -> list | None:
+        """The rings' spans when the point at `position` can be a marker (kv/window_rows.py): the rings hold
+        their blocks' rows, and the blocks of them the store holds already carry theirs; else None."""
+        if not self.window_names:
+            return None
+        window = window_rows.spans(session.cache, position, self.ctx.block_tokens)
+        if window is None:
+            return None
+        for k in window_rows.blocks_of(window, self.ctx.block_tokens):
+            ref = usable.get(keys[k])
+            if ref is not None and not window_rows.carries_rows(self.ctx.store.block_specs(ref), self.window_names):
+                return None  # stored without them (a sleep's, or before): the point keeps its rings
+        return window
+
+    def _point(self, session: Session, position: int, window: list | None) -> dict[str, Tensor]:
+        """Engine thread: the point's state on the host; its rings' rows left out where `window` marks them."""
+        elsewhere = frozenset(s.name for s in window or ())
+        point = compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
+                                                        rings_cut=True, rows_elsewhere=elsewhere))
+        return window_rows.marker(point, window) if window else point
 
     def _copy_blocks(self, session: Session, first: int, count: int) -> dict[int, dict]:
         """Engine thread: host copies of blocks first .. first+count-1 (copies: the cache goes on growing)."""

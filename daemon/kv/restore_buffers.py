@@ -46,7 +46,7 @@ import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv import devplanes, window_rows
 from kvwake.daemon.kv.context import Counters
 from kvwake.daemon.kv.cache_blocks import (
     CUTTABLE,
@@ -143,6 +143,9 @@ class Buffers:
         self.quantized = {name: parts[0].endswith(".0") for name, parts in self.parts.items()}
         self.expected = {t for parts in self.parts.values() for t in parts}
         self.expected |= {f"{name}.quant" for name, q in self.quantized.items() if q}
+        self.window = window_rows.window_names(self.cache)  # rows a block may carry for a point's rings: not ours
+        self.keep_rows: set[int] = set()  # blocks whose window rows a marker point joins: kept as decoded
+        self.rows: dict[int, dict[str, Tensor]] = {}
         self.quant: dict[str, list[int]] = {}
         self.dtypes: dict[str, str] = {}
         self.buffers: dict[str, mx.array] = {}
@@ -328,6 +331,10 @@ class Buffers:
     def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str, staged: bool = False) -> None:
         """After a decode: every tensor went where it belongs (or, staged, into the planes), and
         quantization agrees across blocks."""
+        if self.window:
+            if start // self.block_tokens in self.keep_rows:
+                self.rows[start // self.block_tokens] = {n: t for n, t in arrays.items() if n in self.window}
+            arrays = {name: t for name, t in arrays.items() if name not in self.window}
         if staged:
             if set(arrays) != self.expected - set(self.order):
                 raise StateMismatchError(f"{what} holds {sorted(arrays)} besides the staged KV")

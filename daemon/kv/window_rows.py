@@ -36,7 +36,7 @@ from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marker", "spans",
+__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "marked_blocks", "carries_rows", "defer_rows", "held_blocks", "marker", "spans",
            "window_names"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
@@ -149,6 +149,16 @@ def marker(point: dict[str, Tensor], window: list[WindowSpan]) -> dict[str, Tens
 def carries_rows(names: Mapping[str, Any] | frozenset[str], wanted: frozenset[str]) -> bool:
     """Whether a block's tensors (names or specs) hold every window row this model's points need."""
     return wanted <= set(names)
+
+
+def marked_blocks(point: Mapping[str, Tensor], block_tokens: int) -> set[int]:
+    """The blocks whose rows a marker point's rings are joined from (none for a point holding its rings)."""
+    out: set[int] = set()
+    for name, t in point.items():
+        if name.endswith("." + MARK):
+            first, rows = (int(x) for x in t.array)
+            out.update(range(first // block_tokens, -(-(first + rows) // block_tokens)))
+    return out
 
 
 def assemble(point: dict[str, Tensor], block_tokens: int,
