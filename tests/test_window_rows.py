@@ -203,3 +203,19 @@ def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engin
     twin = Session("twin")
     plain.append(twin, tokens=list(woken.tokens))
     assert engine.generate(woken, GREEDY).tokens == plain.generate(twin, GREEDY).tokens
+
+
+def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
+    # A block the RAM tier holds is a restore's copy of the plain layers' KV, without window rows (agents
+    # starting together share blocks that way): the rows are read from the block's file. Was: its empty rows
+    # were taken for the block's, every point refused and the whole prompt prefilled.
+    engine = engines("gemma3_text", 40)
+    first, second = Session("first"), Session("second")
+    engine.append(first, messages=chat("a"))
+    for ref in engine.store.longest_prefix(engine.bundle.hash, first.tokens):
+        arrays = engine.store.read_block(ref)
+        engine.kv.ram_tier.put(ref.key, {n: t for n, t in arrays.items() if n not in engine.points.window_names})
+    shared = common_prefix(first.tokens, engine.plan(second, messages=chat(OTHER)).target)
+    got = engine.append(second, messages=chat(OTHER))
+    assert got["reused"] == shared // B * B and engine.counters["blocks_ram"] > 0
+    assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)

@@ -332,7 +332,7 @@ class Buffers:
         """After a decode: every tensor went where it belongs (or, staged, into the planes), and
         quantization agrees across blocks."""
         if self.window:
-            if start // self.block_tokens in self.keep_rows:
+            if start // self.block_tokens in self.keep_rows and self.window <= set(arrays):  # not the RAM tier's
                 self.rows[start // self.block_tokens] = {n: t for n, t in arrays.items() if n in self.window}
             arrays = {name: t for name, t in arrays.items() if name not in self.window}
         if staged:
