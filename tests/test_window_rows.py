@@ -140,15 +140,17 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     stored = stored_points(engine)
     assert len(stored) == len(taken) >= 2
     rings = sorted(engine.points.window_names)
-    if arch == "gemma3_text":  # every point a marker: no ring rows of its own, its last window's blocks hold them
-        assert rings and all(not set(rings) & set(p) and f"layers.0.{window_rows.MARK}" in p for p in stored)
+    marked = [any(n.endswith(window_rows.MARK) for n in p) for p in stored]
+    if arch == "gemma3_text" and window:  # every point a marker: its last window's blocks hold its rings' rows
+        assert rings and all(marked) and all(not set(rings) & set(p) for p in stored)
         names = block_names(engine, first.tokens)
         for at in taken:
-            span = min(at, window or ARCH_WINDOW)
-            for k in range((at - span) // B, at // B):
+            for k in range((at - min(at, window)) // B, at // B):
                 assert set(rings) <= names[k], (at, k)
+    elif arch == "gemma3_text":  # a window shorter than a block: a point's ring is smaller than a block's rows
+        assert ARCH_WINDOW < B and not any(marked) and all("layers.0.keys" in p for p in stored)
     else:  # no ring: the points hold the recurrent state as before
-        assert not rings and all(not any(n.endswith(window_rows.MARK) for n in p) for p in stored)
+        assert not rings and not any(marked)
     second = Session("second")
     shared = common_prefix(first.tokens, engine.plan(second, messages=chat(OTHER)).target)
     got = engine.append(second, messages=chat(OTHER))

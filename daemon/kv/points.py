@@ -162,7 +162,7 @@ class PointTaker:
         if not self.window_names:
             return None
         window = window_rows.spans(session.cache, position, self.ctx.block_tokens)
-        if window is None:
+        if window is None or not window_rows.worth_it(window, self.ctx.block_tokens):
             return None
         for k in window_rows.blocks_of(window, self.ctx.block_tokens):
             ref = usable.get(keys[k])

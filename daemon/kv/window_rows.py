@@ -17,7 +17,9 @@ through a point holding the ring. docs/decisions.md, "Restore points (issue
 52)", "Sliding-window rows in blocks", says why and what is left.
 
 Only rings with `keep` = 0 (Gemma's) held in token order (grown by a prefill
-chunk, or rotated all the way round) become markers; any other ring, and a
+chunk, or rotated all the way round), of a window no shorter than a block,
+become markers (a shorter window's ring is smaller than the block rows that
+would replace it); any other ring, and a
 window whose blocks the store holds without rows, keep the whole ring in the
 point as before. Blocks without rows (a store written before, or blocks out of
 every point's window) are read as they always were: their readers ignore
@@ -36,8 +38,8 @@ from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "marked_blocks", "carries_rows", "defer_rows", "held_blocks", "marker", "spans",
-           "window_names"]
+__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
+           "marker", "spans", "window_names", "worth_it"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
 
@@ -102,6 +104,12 @@ def held_blocks(cache: list, block_tokens: int) -> tuple[list[WindowSpan], list[
     lo = max(-(-s.first // block_tokens) for s in window)
     hi = min((s.first + s.rows) // block_tokens for s in window)
     return window, list(range(lo, hi))
+
+
+def worth_it(window: list[WindowSpan], block_tokens: int) -> bool:
+    """Whether the blocks' rows cost less than the rings they replace: not for a window shorter than a
+    block (a block carries all its tokens' rows, a point only the window's)."""
+    return all(s.ring.max_size >= block_tokens for s in window)
 
 
 def blocks_of(window: list[WindowSpan], block_tokens: int) -> list[int]:
