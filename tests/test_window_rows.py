@@ -5,6 +5,8 @@ plain prefill does, bit for bit on the CPU."""
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -221,3 +223,30 @@ def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
     got = engine.append(second, messages=chat(OTHER))
     assert got["reused"] == shared // B * B and engine.counters["blocks_ram"] > 0
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)
+
+
+def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stored_whole(engines, monkeypatch):
+    # Between a take and its write another writer (a point without markers, a sleep) may store window blocks
+    # the take copied with rows: ours are not written. Was: the point stayed a marker over blocks without
+    # rows, and every hit through it gave way.
+    old = engines("gemma3_text", 40, window_blocks=False)
+    old.append(Session("first"), messages=chat("a"))  # the system prompt's blocks, without rows
+    old.close()
+    engine = engines("gemma3_text", 40)
+    theirs = {int(p["layers.0.ring"].array[0]) for p in stored_points(engine)}
+    usable = engine.store.usable_blocks
+
+    def not_yet(keys, tokens):  # at the take the blocks are not stored yet; at the write they are
+        return {} if sys._getframe(1).f_code.co_name == "take" else usable(keys, tokens)
+
+    monkeypatch.setattr(engine.store, "usable_blocks", not_yet)
+    second = Session("second")
+    engine.append(second, messages=chat(OTHER))
+    monkeypatch.undo()
+    ours = [p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) not in theirs]
+    assert ours and all("layers.0.keys" in p and f"layers.0.{window_rows.MARK}" not in p for p in ours)
+    assert engine.points.counters["point_failures"] == 0
+    again = Session("again")
+    got = engine.append(again, tokens=list(second.tokens))
+    assert got["reused"] == (len(second.tokens) - 1) // B * B
+    assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), again)

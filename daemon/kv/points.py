@@ -194,13 +194,29 @@ class PointTaker:
                 for i in writer.needed:
                     writer.add_block(i, blocks[i])
                 info = writer.commit()
-            written = store.write_point(bundle, key, len(tokens), point)
+                late = [k for k in window_rows.marked_blocks(point, self.ctx.block_tokens)
+                        if k in blocks and k not in writer.needed]
+            written = store.write_point(bundle, key, len(tokens), self._settled(tokens, blocks, point, late))
         except Exception as exc:  # a point is an optimisation, not the prefill's result
             self._failed(len(tokens), exc)
             return False
         self._count("point_blocks_written", info.new_blocks)
         self._count("points_written", int(written))
         return written
+
+    def _settled(self, tokens: list[int], blocks: dict, point: dict, late: list[int]) -> dict:
+        """Driver thread: the point as it can be stored. A marker's window blocks that another writer stored
+        after the take (`late`: ours were not written) may lack the rows; then the point is made whole from
+        the rows we copied and those the store holds (StateMismatchError when neither has them)."""
+        store, b = self.ctx.store, self.ctx.block_tokens
+        keys = chain_keys(self.ctx.bundle.hash, tokens, b)
+        refs = store.usable_blocks([keys[k] for k in late], tokens) if late else {}
+        if all(keys[k] in refs and window_rows.carries_rows(store.block_specs(refs[keys[k]]), self.window_names)
+               for k in late):
+            return point
+        stored = store.usable_blocks(keys, tokens)
+        return window_rows.assemble(point, b, lambda k: blocks[k] if window_rows.carries_rows(
+            blocks.get(k, {}), self.window_names) else store.read_block(stored[keys[k]]))
 
     def _failed(self, position: int, exc: Exception) -> None:
         self._count("point_failures")
