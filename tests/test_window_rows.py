@@ -145,12 +145,14 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     marked = [any(n.endswith(window_rows.MARK) for n in p) for p in stored]
     if arch == "gemma3_text" and window:  # every point a marker: its last window's blocks hold its rings' rows
         assert rings and all(marked) and all(not set(rings) & set(p) for p in stored)
+        assert engine.points.counters["points_marked"] == len(taken)
         names = block_names(engine, first.tokens)
         for at in taken:
             for k in range((at - min(at, window)) // B, at // B):
                 assert set(rings) <= names[k], (at, k)
     elif arch == "gemma3_text":  # a window shorter than a block: a point's ring is smaller than a block's rows
         assert ARCH_WINDOW < B and not any(marked) and all("layers.0.keys" in p for p in stored)
+        assert engine.points.counters["points_marked"] == 0
     else:  # no ring: the points hold the recurrent state as before
         assert not rings and not any(marked)
     second = Session("second")

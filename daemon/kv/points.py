@@ -99,7 +99,8 @@ class PointTaker:
         self._lock = threading.Lock()
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
         self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
-        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0}
+        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0,
+                         "points_marked": 0}
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
@@ -149,6 +150,7 @@ class PointTaker:
             self._failed(position, exc)
             return None
         self._count("points_taken")
+        self._count("points_marked", int(bool(window)))
         work = (tokens, blocks, keys[-1], point)
         if mlx is direct or self._driver is None:
             done: Future = Future()
