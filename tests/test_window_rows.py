@@ -133,7 +133,7 @@ def block_names(engine: Engine, tokens: list[int]) -> list[set[str]]:
     return [set(engine.store.block_specs(ref)) for ref in refs]
 
 
-@pytest.mark.parametrize("arch,window", [("gemma3_text", None), ("gemma3_text", 40), ("lfm2", None)])
+@pytest.mark.parametrize("arch,window", [("gemma3_text", None), ("gemma3_text", 40), ("gemma3_text", 32), ("lfm2", None)])
 def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch, window):
     engine = engines(arch, window)
     first = Session("first")

@@ -116,7 +116,10 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], ref: PointRef, room
         return None, 0
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, ctx.block_tokens, room, ctx.block_tokens,
                                                   n_blocks=len(blocks), mode=ctx.restore_mode))
-    buffers.keep_rows = window_rows.marked_blocks(point, ctx.block_tokens)
+    marked = window_rows.marked_blocks(point, ctx.block_tokens)
+    if marked:  # the window blocks' rows decode into one array a name (the last block is in every window)
+        lo, hi = min(marked), max(marked) + 1
+        buffers.held = window_rows.Held(lo, hi - lo, ctx.block_tokens, buffers.window, block_specs(ctx, blocks[hi - 1]))
     with releasing(buffers, mlx):
         batch = ctx.pool.batch()
         try:
@@ -126,8 +129,8 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], ref: PointRef, room
         batch.raise_first()
         if usable < len(blocks):
             return None, 0
-        if buffers.keep_rows:
-            point = _joined(ctx, ref, point, blocks, buffers.rows)
+        if buffers.held is not None:
+            point = _joined(ctx, ref, point, blocks, buffers.held)
         cache = _finish(ctx, buffers, tokens, point, mlx)
     if counted:
         ctx.counters.add("tokens_from_points", tokens)
@@ -149,12 +152,12 @@ def _point(ctx: KvContext, ref: PointRef) -> dict:
     return arrays
 
 
-def _joined(ctx: KvContext, ref: PointRef, point: dict, blocks: list[BlockRef], rows: dict[int, dict]) -> dict:
-    """A marker point made whole from the window rows its blocks carry: as the restore decoded them (`rows`),
+def _joined(ctx: KvContext, ref: PointRef, point: dict, blocks: list[BlockRef], held: window_rows.Held) -> dict:
+    """A marker point made whole from the window rows its blocks carry: as the restore decoded them (`held`),
     or read again (a block the RAM tier gave holds none); checked and kept in the RAM tier as `_point` does.
     StateMismatchError when a block lacks them (stored before, or by another writer)."""
     whole = window_rows.assemble(point, ctx.block_tokens,
-                                 lambda k: rows[k] if k in rows else ctx.store.read_block(blocks[k]))
+                                 lambda k: held.rows_of(k) or ctx.store.read_block(blocks[k]), held.span)
     check_fits(whole, ctx.bundle.description["kv_layout"])
     ctx.ram_tier.put(POINT_KEY + ref.key, whole)
     return whole

@@ -144,8 +144,7 @@ class Buffers:
         self.expected = {t for parts in self.parts.values() for t in parts}
         self.expected |= {f"{name}.quant" for name, q in self.quantized.items() if q}
         self.window = window_rows.window_names(self.cache)  # rows a block may carry for a point's rings: not ours
-        self.keep_rows: set[int] = set()  # blocks whose window rows a marker point joins: kept as decoded
-        self.rows: dict[int, dict[str, Tensor]] = {}
+        self.held: window_rows.Held | None = None  # where a marker point's window rows decode (prefixhit.py)
         self.quant: dict[str, list[int]] = {}
         self.dtypes: dict[str, str] = {}
         self.buffers: dict[str, mx.array] = {}
@@ -323,7 +322,7 @@ class Buffers:
         def where(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
             view = self.views.get(name)
             if view is None:
-                return None
+                return self.held.where(name, start) if self.held is not None and name in self.window else None
             self._placed[name, start] = placed = view[..., start : start + count, :]
             return placed
         return where
@@ -332,8 +331,8 @@ class Buffers:
         """After a decode: every tensor went where it belongs (or, staged, into the planes), and
         quantization agrees across blocks."""
         if self.window:
-            if start // self.block_tokens in self.keep_rows and self.window <= set(arrays):  # not the RAM tier's
-                self.rows[start // self.block_tokens] = {n: t for n, t in arrays.items() if n in self.window}
+            if self.held is not None:
+                self.held.took(arrays, start)
             arrays = {name: t for name, t in arrays.items() if name not in self.window}
         if staged:
             if set(arrays) != self.expected - set(self.order):

@@ -36,9 +36,9 @@ import numpy as np
 
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
-from kvwake.store.format.codec import Tensor
+from kvwake.store.format.codec import DTYPES, Tensor
 
-__all__ = ["MARK", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
+__all__ = ["MARK", "Held", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
            "marker", "spans", "window_names", "worth_it"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
@@ -169,10 +169,59 @@ def marked_blocks(point: Mapping[str, Tensor], block_tokens: int) -> set[int]:
     return out
 
 
-def assemble(point: dict[str, Tensor], block_tokens: int,
-             rows_of: Callable[[int], Mapping[str, Tensor]]) -> dict[str, Tensor]:
+class Held:
+    """A marker point's window rows as a restore decodes its blocks [first, first + count): into one host
+    array per name (`where`), so that a ring whose rows start on a block is joined with no copy (`span`);
+    rows a block decoded elsewhere (its specs not these) are kept as they came (`took`). A block the RAM
+    tier gave holds none: `rows_of` says so, and the caller reads its file."""
+
+    def __init__(self, first: int, count: int, block_tokens: int, names: frozenset[str],
+                 specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        self.first, self.count, self.b = first, count, block_tokens
+        self.names = names
+        self.dtypes = {n: specs[n][0] for n in names if n in specs}
+        self.arrays = {n: np.empty((*specs[n][1][:-2], count * block_tokens, specs[n][1][-1]), DTYPES[d][0])
+                       for n, d in self.dtypes.items()} if len(self.dtypes) == len(names) else {}
+        self._placed: dict[tuple[str, int], np.ndarray] = {}
+        self.filled: set[int] = set()  # blocks whose rows went where `where` said
+        self.rows: dict[int, dict[str, Tensor]] = {}  # blocks whose rows came otherwise
+
+    def where(self, name: str, start: int) -> np.ndarray | None:
+        k = start // self.b - self.first
+        if name not in self.arrays or not 0 <= k < self.count:
+            return None
+        self._placed[name, k] = view = self.arrays[name][..., k * self.b : (k + 1) * self.b, :]
+        return view
+
+    def took(self, arrays: Mapping[str, Tensor], start: int) -> None:
+        """After block start // B decoded (a pool thread): where its window rows are, if it has them."""
+        k = start // self.b - self.first
+        if not 0 <= k < self.count or not self.names <= set(arrays):
+            return
+        if all(arrays[n].array is self._placed.get((n, k)) for n in self.names):
+            self.filled.add(k)
+        else:
+            self.rows[k] = {n: arrays[n] for n in self.names}
+
+    def rows_of(self, block: int) -> Mapping[str, Tensor] | None:
+        k = block - self.first
+        if k in self.filled:
+            return {n: Tensor(self.dtypes[n], a[..., k * self.b : (k + 1) * self.b, :]) for n, a in self.arrays.items()}
+        return self.rows.get(k)
+
+    def span(self, name: str, lo: int, hi: int) -> Tensor | None:
+        """Blocks lo .. hi - 1's rows of `name` as one array, when they all went where `where` said."""
+        if name not in self.arrays or not set(range(lo - self.first, hi - self.first)) <= self.filled:
+            return None
+        a = self.arrays[name][..., (lo - self.first) * self.b : (hi - self.first) * self.b, :]
+        return Tensor(self.dtypes[name], a)
+
+
+def assemble(point: dict[str, Tensor], block_tokens: int, rows_of: Callable[[int], Mapping[str, Tensor]],
+             span_of: Callable[[str, int, int], Tensor | None] = lambda name, lo, hi: None) -> dict[str, Tensor]:
     """A marker point made whole: each marked ring's keys and values joined, in token order, from the rows
-    `rows_of(k)` gives for block k (a block's tensors). A point with no marker is returned as it is.
+    `rows_of(k)` gives for block k (a block's tensors), or taken whole from `span_of(name, lo, hi)` where it
+    has them. A point with no marker is returned as it is.
     Raises StateMismatchError, naming the block and the unit, when a block lacks the rows."""
     marked = {name[: -len(MARK) - 1]: name for name in point if name.endswith("." + MARK)}
     if not marked:
@@ -181,7 +230,12 @@ def assemble(point: dict[str, Tensor], block_tokens: int,
     for unit, name in marked.items():
         first, rows = (int(x) for x in out.pop(name).array)
         lo, hi = first // block_tokens, -(-(first + rows) // block_tokens)
+        start = first - lo * block_tokens
         for part in ("keys", "values"):
+            whole = span_of(f"{unit}.{part}", lo, hi)
+            if whole is not None:
+                out[f"{unit}.{part}"] = Tensor(whole.dtype, np.ascontiguousarray(whole.array[:, :, start : start + rows]))
+                continue
             pieces = []
             for k in range(lo, hi):
                 if k not in blocks:
@@ -193,6 +247,5 @@ def assemble(point: dict[str, Tensor], block_tokens: int,
             if len({t.dtype for t in pieces}) != 1:
                 raise StateMismatchError(f"{unit}.{part}: the blocks' rows are of dtypes {[t.dtype for t in pieces]}")
             joined = np.concatenate([t.array for t in pieces], axis=2)
-            start = first - lo * block_tokens
             out[f"{unit}.{part}"] = Tensor(pieces[0].dtype, np.ascontiguousarray(joined[:, :, start : start + rows]))
     return out
