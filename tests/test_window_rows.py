@@ -110,9 +110,9 @@ def engines(model_dirs, tmp_path):
     opened = []
 
     def open_(arch: str, window: int | None = None, window_blocks: bool = True, store: str = "store",
-              points: bool = True) -> Engine:
+              points: bool = True, restore_mode: str | None = None) -> Engine:
         s = Store(tmp_path / store, block_tokens=B)
-        tuning = Tuning(window_blocks=window_blocks, restore_points=points)
+        tuning = Tuning(window_blocks=window_blocks, restore_points=points, restore_mode=restore_mode)
         opened.append((Engine(s, tmp_path, model_dirs(arch, window), tuning=tuning), s))
         return opened[-1][0]
 
@@ -161,6 +161,18 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     deepest = max(w for w in taken if w <= shared)
     assert got["reused"] == deepest >= shared * 0.8
     assert_as_plain(engine, engines(arch, window, window_blocks=False, store="plain", points=False), second)
+
+
+def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines):
+    # Staged (a GPU's way, run on the CPU): a block carrying window rows is not staged (its tensors are not
+    # the plain layers' alone) but decoded into the host views; the hit is exact all the same.
+    engine = engines("gemma3_text", 32, restore_mode="staged")
+    first, second = Session("first"), Session("second")
+    engine.append(first, messages=chat("a"))
+    assert engine.points.counters["points_marked"] >= 2
+    got = engine.append(second, messages=chat(OTHER))
+    assert got["reused"] >= common_prefix(first.tokens, second.tokens) // B * B - B > 0
+    assert_as_plain(engine, engines("gemma3_text", 32, window_blocks=False, store="plain", points=False), second)
 
 
 def test_points_with_their_rings_in_an_older_store_are_still_served(engines):
