@@ -7,7 +7,7 @@ named as a cuttable unit's are (`{unit}.keys`, `{unit}.values`: [batch,
 kv_heads, block_tokens, head_dim]), and the point keeps, for that unit, only
 its ring's meta state and where its rows lie:
 
-    {unit}.ring             int64 [offset, _idx, keep, max_size]   as a point holds it today
+    {unit}.ring             int64 [offset, _idx, keep, max_size]   as in a point that holds its ring
     {unit}.rows_in_blocks   int64 [first_token, rows]              the ring's rows: tokens [first, first + rows)
 
 A hit rebuilds the ring from those tokens' rows in token order, which is the
@@ -19,9 +19,8 @@ through a point holding the ring. docs/decisions.md, "Restore points (issue
 Only rings with `keep` = 0 (Gemma's) held in token order (grown by a prefill
 chunk, or rotated all the way round), of a window no shorter than a block,
 become markers (a shorter window's ring is smaller than the block rows that
-would replace it); any other ring, and a
-window whose blocks the store holds without rows, keep the whole ring in the
-point as before. Blocks without rows (a store written before, or blocks out of
+would replace it); any other ring, and a window whose blocks the store holds
+without rows, keep the whole ring in the point as before. Blocks without rows (a store written before, or blocks out of
 every point's window) are read as they always were: their readers ignore
 window rows they find (restore_buffers.Buffers).
 """
@@ -120,24 +119,33 @@ def blocks_of(window: list[WindowSpan], block_tokens: int) -> list[int]:
 
 
 def defer_rows(window: list[WindowSpan], blocks: list[int], block_tokens: int) -> Deferred:
-    """Engine thread: the rings' rows of `blocks`, as copies (the cache goes on growing), deferred:
-    `host()` gives {block: {"{unit}.keys": Tensor, "{unit}.values": Tensor}}."""
-    lazy, names = [], []
+    """Engine thread: the rings' rows of `blocks`, copied (the cache goes on growing), deferred: `host()` gives
+    {block: {"{unit}.keys": Tensor, "{unit}.values": Tensor}}. One copy per dtype and shape, the slices
+    stacked, as cache_blocks copies blocks: on CUDA each copy is a host allocation and a transfer of its own."""
+    lazy: dict[tuple[int, str], mx.array] = {}
+    bf16: set[tuple[int, str]] = set()  # moved as their uint16 bits (numpy has no bfloat16)
     for k in blocks:
         for s in window:
-            start = k * block_tokens - (s.ring.offset - s.ring.keys.shape[2])  # the ring's row of the block's first token
+            start = k * block_tokens - (s.ring.offset - s.ring.keys.shape[2])  # the ring's row of token k * B
             for part in ("keys", "values"):
                 a = getattr(s.ring, part)[..., start : start + block_tokens, :]
-                lazy.append(mx.contiguous(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a))
-                names.append((k, f"{s.name}.{part}", "BF16" if a.dtype == mx.bfloat16 else None))
+                if a.dtype == mx.bfloat16:
+                    a = a.view(mx.uint16)
+                    bf16.add((k, f"{s.name}.{part}"))
+                lazy[k, f"{s.name}.{part}"] = a
+    kinds: dict[tuple, list[tuple[int, str]]] = {}
+    for key, a in lazy.items():
+        kinds.setdefault((a.dtype, tuple(a.shape)), []).append(key)
+    groups = list(kinds.values())
 
     def make(host: list[np.ndarray]) -> dict[int, dict[str, Tensor]]:
         out: dict[int, dict[str, Tensor]] = {k: {} for k in blocks}
-        for (k, name, bf16), h in zip(names, host):
-            out[k][name] = Tensor("BF16", np.array(h)) if bf16 else Tensor.of(np.array(h))
+        for group, h in zip(groups, host):
+            for i, (k, name) in enumerate(group):  # views of the stacked copy, which nothing else holds
+                out[k][name] = Tensor("BF16", h[i]) if (k, name) in bf16 else Tensor.of(h[i])
         return out
 
-    return Deferred(lazy, make)
+    return Deferred([mx.stack([lazy[key] for key in group]) for group in groups], make)
 
 
 def marker(point: dict[str, Tensor], window: list[WindowSpan]) -> dict[str, Tensor]:
