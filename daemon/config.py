@@ -111,6 +111,9 @@ class Tuning:
     # a model with sliding-window or recurrent layers takes restore points while it prefills, so its
     # prefixes are reused (kv/points.py); False: such a model reuses only whole snapshots
     restore_points: bool = True
+    # sliding-window layers' rows at a restore point stored by token in the blocks, the point over them a
+    # marker (kv/window_rows.py); False: a point holds its rings whole
+    window_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name, ok, wanted in _TUNING_RULES:

@@ -464,11 +464,13 @@ def capture_block(cache: list, index: int, block_tokens: int) -> dict[str, Tenso
     return capture_blocks(cache, index, 1, block_tokens)[0]
 
 
-def _whole(name: str, kind: str, c: Any, rings_cut: bool = False) -> dict[str, Tensor | mx.array]:
+def _whole(name: str, kind: str, c: Any, rings_cut: bool = False, rows_elsewhere: bool = False
+           ) -> dict[str, Tensor | mx.array]:
     """The whole state of one non-cuttable unit, meta state as small int arrays; its arrays lazy (`_to_host`
     evaluates every unit's at once, then copies them).
     `rings_cut`: a ring grown past its size by a prefill chunk is cut on the device to the rows its next
-    update reads (points.compact_rings says which), so only those move to the host."""
+    update reads (points.compact_rings says which), so only those move to the host.
+    `rows_elsewhere`: a ring's meta state only, its rows left out (a point's marker: kv/window_rows.py)."""
     out: dict[str, Tensor | mx.array] = {}
     if kind == "rotating":
         keys, values, idx = c.keys, c.values, c._idx
@@ -478,7 +480,7 @@ def _whole(name: str, kind: str, c: Any, rings_cut: bool = False) -> dict[str, T
                             for a in (keys, values))
             idx = c.max_size
         out[f"{name}.ring"] = _ints(c.offset, idx, c.keep, c.max_size)
-        if keys is not None:  # the ring as held: capacity and rotation both matter
+        if keys is not None and not rows_elsewhere:  # the ring as held: capacity and rotation both matter
             out.update({f"{name}.keys": keys, f"{name}.values": values})
     elif kind == "chunked":
         out[f"{name}.chunk"] = _ints(c.offset, c.start_position, c.chunk_size)
@@ -502,10 +504,11 @@ def _to_host(state: dict[str, Tensor | mx.array]) -> dict[str, Tensor]:
             if a.dtype == mx.bfloat16 else Tensor.of(np.array(bits[k])) for k, a in state.items()}
 
 
-def capture_tail(cache: list, n_tokens: int, block_tokens: int, rings_cut: bool = False) -> dict[str, Tensor]:
+def capture_tail(cache: list, n_tokens: int, block_tokens: int, rings_cut: bool = False,
+                 rows_elsewhere: frozenset[str] = frozenset()) -> dict[str, Tensor]:
     """Everything not in full blocks: the partial block of cuttable units, the whole
     state of the others, and the meta state restore needs (names in the module docstring).
-    `rings_cut`: rings as a point keeps them (`_whole`).
+    `rings_cut`: rings as a point keeps them; `rows_elsewhere`: units whose ring rows are left out (`_whole`).
 
     Raises StateMismatchError when a unit that counts tokens does not hold n_tokens.
     """
@@ -524,7 +527,7 @@ def capture_tail(cache: list, n_tokens: int, block_tokens: int, rings_cut: bool 
         if kind in CUTTABLE:
             out[f"{name}.offset"] = _ints(c.offset)
         else:
-            whole.update(_whole(name, kind, c, rings_cut))
+            whole.update(_whole(name, kind, c, rings_cut, name in rows_elsewhere))
     out.update(_to_host(whole))
     return out
 

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from kvwake.daemon.kv import cache_blocks
+from kvwake.daemon.kv import cache_blocks, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
 from kvwake.daemon.session_state import Session
@@ -86,16 +86,21 @@ class PointTaker:
     lead to a point); a model of recurrent layers alone has no blocks to key a point by.
     """
 
-    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset()) -> None:
-        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`)."""
+    def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset(),
+                 window_blocks: bool = False) -> None:
+        """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`);
+        `window_blocks`: sliding-window rings' rows stored in the blocks, a point over them a marker
+        (kv/window_rows.py)."""
         self.ctx, self.marks = ctx, marks
+        self.window_names = window_rows.window_names(probe) if window_blocks else frozenset()
         self.enabled = enabled and not ctx.cuttable and any(
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
         self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
-        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0}
+        self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0,
+                         "points_marked": 0}
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
@@ -134,18 +139,45 @@ class PointTaker:
             blocks: dict[int, dict] = {}
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
                 blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
-            point = mlx(lambda: compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
-                                                                          rings_cut=True)))
+            window = self._window(session, position, keys, usable)
+            if window:  # the rings' rows go in the blocks the store lacks; the point is a marker over them
+                for k, rows in mlx(lambda: window_rows.defer_rows(
+                        window, [k for k in window_rows.blocks_of(window, self.ctx.block_tokens) if k in blocks],
+                        self.ctx.block_tokens).host()).items():
+                    blocks[k] = {**blocks[k], **rows}
+            point = mlx(lambda: self._point(session, position, window))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
             self._failed(position, exc)
             return None
         self._count("points_taken")
+        self._count("points_marked", int(bool(window)))
         work = (tokens, blocks, keys[-1], point)
         if mlx is direct or self._driver is None:
             done: Future = Future()
             done.set_result(self._write(*work))
             return done
         return self._driver.submit(self._write, *work)
+
+    def _window(self, session: Session, position: int, keys: list[str], usable: dict) -> list | None:
+        """The rings' spans when the point at `position` can be a marker (kv/window_rows.py): the rings hold
+        their blocks' rows, and the blocks of them the store holds already carry theirs; else None."""
+        if not self.window_names:
+            return None
+        window = window_rows.spans(session.cache, position, self.ctx.block_tokens)
+        if window is None or not window_rows.worth_it(window, self.ctx.block_tokens):
+            return None
+        for k in window_rows.blocks_of(window, self.ctx.block_tokens):
+            ref = usable.get(keys[k])
+            if ref is not None and not window_rows.carries_rows(self.ctx.store.block_specs(ref), self.window_names):
+                return None  # stored without them (a sleep's, or before): the point keeps its rings
+        return window
+
+    def _point(self, session: Session, position: int, window: list | None) -> dict[str, Tensor]:
+        """Engine thread: the point's state on the host; its rings' rows left out where `window` marks them."""
+        elsewhere = frozenset(s.name for s in window or ())
+        point = compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
+                                                        rings_cut=True, rows_elsewhere=elsewhere))
+        return window_rows.marker(point, window) if window else point
 
     def _copy_blocks(self, session: Session, first: int, count: int) -> dict[int, dict]:
         """Engine thread: host copies of blocks first .. first+count-1 (copies: the cache goes on growing)."""
@@ -164,13 +196,29 @@ class PointTaker:
                 for i in writer.needed:
                     writer.add_block(i, blocks[i])
                 info = writer.commit()
-            written = store.write_point(bundle, key, len(tokens), point)
+                late = [k for k in window_rows.marked_blocks(point, self.ctx.block_tokens)
+                        if k in blocks and k not in writer.needed]
+            written = store.write_point(bundle, key, len(tokens), self._settled(tokens, blocks, point, late))
         except Exception as exc:  # a point is an optimisation, not the prefill's result
             self._failed(len(tokens), exc)
             return False
         self._count("point_blocks_written", info.new_blocks)
         self._count("points_written", int(written))
         return written
+
+    def _settled(self, tokens: list[int], blocks: dict, point: dict, late: list[int]) -> dict:
+        """Driver thread: the point as it can be stored. A marker's window blocks that another writer stored
+        after the take (`late`: ours were not written) may lack the rows; then the point is made whole from
+        the rows we copied and those the store holds (StateMismatchError when neither has them)."""
+        store, b = self.ctx.store, self.ctx.block_tokens
+        keys = chain_keys(self.ctx.bundle.hash, tokens, b)
+        refs = store.usable_blocks([keys[k] for k in late], tokens) if late else {}
+        if all(keys[k] in refs and window_rows.carries_rows(store.block_specs(refs[keys[k]]), self.window_names)
+               for k in late):
+            return point
+        stored = store.usable_blocks(keys, tokens)
+        return window_rows.assemble(point, b, lambda k: blocks[k] if window_rows.carries_rows(
+            blocks.get(k, {}), self.window_names) else store.read_block(stored[keys[k]]))
 
     def _failed(self, position: int, exc: Exception) -> None:
         self._count("point_failures")

@@ -15,7 +15,7 @@ the hit (all of it is prefilled).
 
 from __future__ import annotations
 
-from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.kv import restore_buffers, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, log
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
@@ -94,7 +94,7 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx, counted: bool = Tr
     for depth in [k for k in range(len(run), 0, -1) if run[k - 1].key in points][:POINT_TRIES]:
         ref = points[run[depth - 1].key]
         try:
-            return _restore_through(ctx, run[:depth], _point(ctx, ref), len(target), mlx, counted)
+            return _restore_through(ctx, run[:depth], ref, len(target), mlx, counted)
         except CorruptBlockError as exc:  # a shallower one may serve
             ctx.log_unusable(exc)
         except StateMismatchError as exc:  # it verified, yet is not this model's cache: a shallower one may be
@@ -103,10 +103,11 @@ def point_prefix(ctx: KvContext, target: list[int], mlx: Mlx, counted: bool = Tr
     return None, 0
 
 
-def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: int,
+def _restore_through(ctx: KvContext, blocks: list[BlockRef], ref: PointRef, room: int,
                      mlx: Mlx, counted: bool) -> tuple[list | None, int]:
-    """A cache of `blocks` and the restore point that closes them, with room for `room` tokens; (None, 0)
+    """A cache of `blocks` and the restore point `ref` that closes them, with room for `room` tokens; (None, 0)
     when a block does not verify (the point closes the last one: a shorter run has none)."""
+    point = _point(ctx, ref)
     tokens = len(blocks) * ctx.block_tokens
     try:
         sample = block_specs(ctx, blocks[0])
@@ -115,6 +116,10 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
         return None, 0
     buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, ctx.block_tokens, room, ctx.block_tokens,
                                                   n_blocks=len(blocks), mode=ctx.restore_mode))
+    marked = window_rows.marked_blocks(point, ctx.block_tokens)
+    if marked:  # the window blocks' rows decode into one array a name (the last block is in every window)
+        lo, hi = min(marked), max(marked) + 1
+        buffers.held = window_rows.Held(lo, hi - lo, ctx.block_tokens, buffers.window, block_specs(ctx, blocks[hi - 1]))
     with releasing(buffers, mlx):
         batch = ctx.pool.batch()
         try:
@@ -124,6 +129,8 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
         batch.raise_first()
         if usable < len(blocks):
             return None, 0
+        if buffers.held is not None:
+            point = _joined(ctx, ref, point, blocks, buffers.held)
         cache = _finish(ctx, buffers, tokens, point, mlx)
     if counted:
         ctx.counters.add("tokens_from_points", tokens)
@@ -133,14 +140,27 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], point: dict, room: 
 def _point(ctx: KvContext, ref: PointRef) -> dict:
     """A restore point's arrays: from the RAM tier, or read, verified and checked against the model's cache
     shapes (StateMismatchError), then kept there (the prompt it closes is a shared one; a restore copies
-    them, never changes them)."""
+    them, never changes them). A marker point (kv/window_rows.py) is kept once its rings are joined
+    (`_joined`)."""
     name = POINT_KEY + ref.key
     arrays = ctx.ram_tier.get(name)
     if arrays is None:
         arrays = ctx.store.read_point(ref)
-        check_fits(arrays, ctx.bundle.description["kv_layout"])
-        ctx.ram_tier.put(name, arrays)
+        if not window_rows.marked_blocks(arrays, ctx.block_tokens):
+            check_fits(arrays, ctx.bundle.description["kv_layout"])
+            ctx.ram_tier.put(name, arrays)
     return arrays
+
+
+def _joined(ctx: KvContext, ref: PointRef, point: dict, blocks: list[BlockRef], held: window_rows.Held) -> dict:
+    """A marker point made whole from the window rows its blocks carry: as the restore decoded them (`held`),
+    or read again (a block the RAM tier gave holds none); checked and kept in the RAM tier as `_point` does.
+    StateMismatchError when a block lacks them (stored before, or by another writer)."""
+    whole = window_rows.assemble(point, ctx.block_tokens,
+                                 lambda k: held.rows_of(k) or ctx.store.read_block(blocks[k]), held.span)
+    check_fits(whole, ctx.bundle.description["kv_layout"])
+    ctx.ram_tier.put(POINT_KEY + ref.key, whole)
+    return whole
 
 
 def _finish(ctx: KvContext, buffers: restore_buffers.Buffers, tokens: int, rest: dict | None, mlx: Mlx) -> list:

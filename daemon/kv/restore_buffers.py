@@ -46,7 +46,7 @@ import numpy as np
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import devplanes
+from kvwake.daemon.kv import devplanes, window_rows
 from kvwake.daemon.kv.context import Counters
 from kvwake.daemon.kv.cache_blocks import (
     CUTTABLE,
@@ -143,6 +143,8 @@ class Buffers:
         self.quantized = {name: parts[0].endswith(".0") for name, parts in self.parts.items()}
         self.expected = {t for parts in self.parts.values() for t in parts}
         self.expected |= {f"{name}.quant" for name, q in self.quantized.items() if q}
+        self.window = window_rows.window_names(self.cache)  # rows a block may carry for a point's rings: not ours
+        self.held: window_rows.Held | None = None  # where a marker point's window rows decode (prefixhit.py)
         self.quant: dict[str, list[int]] = {}
         self.dtypes: dict[str, str] = {}
         self.buffers: dict[str, mx.array] = {}
@@ -320,7 +322,7 @@ class Buffers:
         def where(name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
             view = self.views.get(name)
             if view is None:
-                return None
+                return self.held.where(name, start) if self.held is not None and name in self.window else None
             self._placed[name, start] = placed = view[..., start : start + count, :]
             return placed
         return where
@@ -328,6 +330,10 @@ class Buffers:
     def check(self, arrays: Mapping[str, Tensor], start: int, count: int, what: str, staged: bool = False) -> None:
         """After a decode: every tensor went where it belongs (or, staged, into the planes), and
         quantization agrees across blocks."""
+        if self.window:
+            if self.held is not None:
+                self.held.took(arrays, start)
+            arrays = {name: t for name, t in arrays.items() if name not in self.window}
         if staged:
             if set(arrays) != self.expected - set(self.order):
                 raise StateMismatchError(f"{what} holds {sorted(arrays)} besides the staged KV")
