@@ -23,6 +23,8 @@ the test process only through it.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -162,7 +164,7 @@ def warm_parent() -> WarmParent:
 
 def can_fork(argv: list[str], env: dict[str, str]) -> bool:
     """Whether a daemon of these arguments and environment may be forked from the warm parent."""
-    if not _FORKING[0] or platform.system() != "Linux":
+    if not _FORKING[0] or platform.system() != "Linux" or _cuda_installed():
         return False
     config = Path(env["KVWAKE_CONFIG"]) if env.get("KVWAKE_CONFIG") else None
     if any("import_frameworks" in a for a in argv) or "KVWAKE_IMPORT_FRAMEWORKS" in env or (
@@ -174,11 +176,21 @@ def can_fork(argv: list[str], env: dict[str, str]) -> bool:
     return _read_at_import(env, parent.set_by_imports) == _read_at_import(parent.env, parent.set_by_imports)
 
 
+@functools.cache
+def _cuda_installed() -> bool:
+    """Whether MLX's CUDA backend (mlx-cuda-12, mlx-cuda-13, ...) is installed: MLX then runs on the GPU.
+    Asked of the package metadata, so that no warm parent is started only to make a CUDA context."""
+    return any((dist.metadata["Name"] or "").lower().startswith("mlx-cuda") for dist in importlib.metadata.distributions())
+
+
 def _read_at_import(env: dict[str, str], set_by_imports: dict[str, str]) -> dict[str, str]:
-    """The environment a daemon's imports may read: all but what is read at its start (KVWAKE_*; MLX's
-    kernel cache folder, which `serve` sets before MLX compiles a kernel), pytest's name of the running
-    test, and what the imports set themselves (an in-process test leaves it in this process's environment)."""
-    later = {"PYTEST_CURRENT_TEST", "MLX_PTX_CACHE_DIR", *set_by_imports}
+    """The environment a daemon's imports may read: all but what is read at its start (the settings':
+    KVWAKE_* and the AWS keys of the shared tier; MLX's kernel cache folder, which `serve` sets before MLX
+    compiles a kernel), pytest's name of the running test, and what the imports set themselves (an
+    in-process test leaves it in this process's environment)."""
+    from kvwake.daemon.config import ENV as SETTINGS_ENV
+
+    later = {"PYTEST_CURRENT_TEST", "MLX_PTX_CACHE_DIR", *SETTINGS_ENV.values(), *set_by_imports}
     return {k: v for k, v in env.items() if not k.startswith("KVWAKE_") and k not in later}
 
 

@@ -21,6 +21,7 @@ def test_a_daemon_is_forked_only_where_its_imports_would_see_the_same(tmp_path):
     env = {**os.environ, "KVWAKE_CONFIG": str(tmp_path / "none.toml")}
     assert can_fork(["--model", "m"], env)  # settings are read at the start, not at import
     assert can_fork(["--model", "m"], {**env, "PYTEST_CURRENT_TEST": "another test"})
+    assert can_fork(["--remote", "s3://b/p"], {**env, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})  # the settings'
     for key, value in warm_parent().set_by_imports.items():  # what the imports set themselves
         assert can_fork(["--model", "m"], {**env, key: value})
         assert not can_fork(["--model", "m"], {**env, key: value + "0"})
