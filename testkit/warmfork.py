@@ -49,8 +49,8 @@ class WarmParentError(RuntimeError):
 class WarmParent:
     """The test process's side: starts the warm parent, sends it requests, keeps its children's exits."""
 
-    def __init__(self) -> None:
-        self.env = dict(os.environ)  # what its imports saw
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env  # what its imports see
         self.proc = subprocess.Popen([sys.executable, "-m", "testkit.warmfork"], cwd=REPO, env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         hello = self._line()
@@ -136,18 +136,21 @@ class ForkedProcess:
 
 
 _PARENT: list[WarmParent] = []
-_FORKING: list[bool] = [False]
+_FORKING: dict[str, dict[str, str]] = {}  # "env": the warm parent's environment, while forking is on
 
 
 def fork_daemons() -> None:
     """Fork this process's daemons from a warm parent from now on, where `can_fork` allows: tests/conftest.py
-    turns it on; bench/ never does, since it measures daemons' starts and their memory."""
-    _FORKING[0] = os.environ.get("TESTKIT_FRESH_DAEMONS") != "1"
+    turns it on; bench/ never does, since it measures daemons' starts and their memory. The warm parent,
+    started at the first daemon, gets this moment's environment: not that of the test it starts in, which
+    may have changed it for a while (its daemons, and only those, would then differ from the warm parent)."""
+    if os.environ.get("TESTKIT_FRESH_DAEMONS") != "1":
+        _FORKING["env"] = dict(os.environ)
 
 
 def stop_forking() -> None:
     """The warm parent, if started, leaves (its input closed) and is waited for; its children stay."""
-    _FORKING[0] = False
+    _FORKING.clear()
     while _PARENT:
         parent = _PARENT.pop()
         parent.proc.stdin.close()
@@ -158,13 +161,13 @@ def stop_forking() -> None:
 def warm_parent() -> WarmParent:
     """This test process's warm parent, started at the first call."""
     if not _PARENT:
-        _PARENT.append(WarmParent())
+        _PARENT.append(WarmParent(_FORKING["env"]))
     return _PARENT[0]
 
 
 def can_fork(argv: list[str], env: dict[str, str]) -> bool:
     """Whether a daemon of these arguments and environment may be forked from the warm parent."""
-    if not _FORKING[0] or platform.system() != "Linux" or _cuda_installed():
+    if "env" not in _FORKING or platform.system() != "Linux" or _cuda_installed():
         return False
     config = Path(env["KVWAKE_CONFIG"]) if env.get("KVWAKE_CONFIG") else None
     if any("import_frameworks" in a for a in argv) or "KVWAKE_IMPORT_FRAMEWORKS" in env or (
