@@ -17,6 +17,15 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.environ.get("TESTK
                                 reason="daemons are forked on Linux only, unless TESTKIT_FRESH_DAEMONS=1")
 
 
+def test_the_warm_parent_has_the_runs_environment_not_that_of_the_test_that_starts_it(monkeypatch, tmp_path):
+    # Was: it took the environment of the test whose daemon started it (first in a module run alone, as
+    # here), and every later daemon, whose test had not changed it, started fresh.
+    monkeypatch.setenv("TESTKIT_ONLY_THIS_TEST", "1")
+    assert "TESTKIT_ONLY_THIS_TEST" not in warm_parent().env
+    monkeypatch.delenv("TESTKIT_ONLY_THIS_TEST")
+    assert can_fork(["--model", "m"], {**os.environ, "KVWAKE_CONFIG": str(tmp_path / "none.toml")})
+
+
 def test_a_daemon_is_forked_only_where_its_imports_would_see_the_same(tmp_path):
     env = {**os.environ, "KVWAKE_CONFIG": str(tmp_path / "none.toml")}
     assert can_fork(["--model", "m"], env)  # settings are read at the start, not at import
