@@ -36,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ForkedProcess", "WarmParent", "can_fork", "fork_daemons", "stop_forking", "warm_parent"]
+__all__ = ["Children", "ForkedProcess", "WarmParent", "can_fork", "fork_daemons", "stop_forking", "warm_parent"]
 
 REPO = Path(__file__).resolve().parent.parent
 PRELOAD = ("kvwake.client.cli", "kvwake.daemon.serve")
@@ -44,6 +44,24 @@ PRELOAD = ("kvwake.client.cli", "kvwake.daemon.serve")
 
 class WarmParentError(RuntimeError):
     """The warm parent exited or answered out of turn."""
+
+
+class Children:
+    """The warm parent's children by the order of their forks, not by pid: a pid is reused once its process
+    is reaped, which may happen within a run (the pid space is shared with every thread of the machine)."""
+
+    def __init__(self) -> None:
+        self.forks = 0
+        self.holder: dict[int, int] = {}  # pid: the fork that has it now
+        self.exits: dict[int, int] = {}  # fork: its exit code
+
+    def started(self, pid: int) -> int:
+        self.forks += 1
+        self.holder[pid] = self.forks
+        return self.forks
+
+    def exited(self, pid: int, code: int) -> None:
+        self.exits[self.holder[pid]] = code  # its "started" came first, and no later child has the pid yet
 
 
 class WarmParent:
@@ -55,8 +73,8 @@ class WarmParent:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         hello = self._line()
         self.ready, self.why, self.set_by_imports = hello["ready"], hello["why"], hello["set_by_imports"]
-        self.exits: dict[int, int] = {}
-        self.started: list[int] = []
+        self.children = Children()
+        self.started: list[tuple[int, int]] = []  # (pid, fork) answered, not yet taken
         self.changed = threading.Condition()
         self.lock = threading.Lock()  # one request at a time: answers come in order
         threading.Thread(target=self._read, name="warmfork-reader", daemon=True).start()
@@ -77,9 +95,9 @@ class WarmParent:
                 return
             with self.changed:
                 if "exited" in message:
-                    self.exits[message["exited"]] = message["code"]
+                    self.children.exited(message["exited"], message["code"])
                 else:
-                    self.started.append(message["started"])
+                    self.started.append((message["started"], self.children.started(message["started"])))
                 self.changed.notify_all()
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> ForkedProcess:
@@ -93,32 +111,34 @@ class WarmParent:
                     raise WarmParentError("the warm parent did not answer a fork in 60 s")
                 if not self.started:
                     raise WarmParentError(f"the warm parent exited ({self.proc.returncode})")
-                return ForkedProcess(self, self.started.pop(0), argv)
+                return ForkedProcess(self, *self.started.pop(0), argv)
 
-    def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """`pid`'s exit code, waiting up to `timeout` seconds for it (None: for ever; 0: not at all)."""
+    def exit_code(self, fork: int, timeout: float | None) -> int | None:
+        """The exit code of the `fork`th child, waiting up to `timeout` seconds for it (None: for ever; 0: not
+        at all)."""
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.exits or self.proc.poll() is not None, timeout=timeout)
-            if pid not in self.exits and self.proc.poll() is not None:
-                raise WarmParentError(f"the warm parent exited ({self.proc.returncode}) before child {pid}")
-            return self.exits.get(pid)
+            exits = self.children.exits
+            self.changed.wait_for(lambda: fork in exits or self.proc.poll() is not None, timeout=timeout)
+            if fork not in exits and self.proc.poll() is not None:
+                raise WarmParentError(f"the warm parent exited ({self.proc.returncode}) before its child {fork}")
+            return exits.get(fork)
 
 
 class ForkedProcess:
     """A forked daemon, with Popen's pid, returncode, poll, wait, send_signal, terminate and kill."""
 
-    def __init__(self, parent: WarmParent, pid: int, args: list[str]) -> None:
-        self.parent, self.pid, self.args = parent, pid, args
+    def __init__(self, parent: WarmParent, pid: int, fork: int, args: list[str]) -> None:
+        self.parent, self.pid, self.fork, self.args = parent, pid, fork, args
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self.parent.exit_code(self.pid, timeout=0)
+            self.returncode = self.parent.exit_code(self.fork, timeout=0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.parent.exit_code(self.pid, timeout)
+            self.returncode = self.parent.exit_code(self.fork, timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from testkit.daemon import Daemon
-from testkit.warmfork import ForkedProcess, can_fork, warm_parent
+from testkit.warmfork import Children, ForkedProcess, can_fork, warm_parent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.environ.get("TESTKIT_FRESH_DAEMONS") == "1",
                                 reason="daemons are forked on Linux only, unless TESTKIT_FRESH_DAEMONS=1")
@@ -52,3 +52,14 @@ def test_a_forked_daemon_answers_as_a_popen_and_exits_with_its_own_code(tmp_path
     d.proc.kill()  # its exit is known: no signal goes to a pid that may be another's by now
     again = Daemon(tmp_path, model_dir).start()  # on the same data dir, as a restart after kill -9
     assert again.stop() == 0 and "Traceback" not in again.log.read_text()
+
+
+def test_a_reused_pid_is_another_child_whose_exit_is_its_own():
+    # Was: exits were kept by pid, so a daemon given the pid of one that had exited looked exited at once.
+    children = Children()
+    first = children.started(4242)
+    children.exited(4242, -9)
+    second = children.started(4242)  # reaped, its pid given to a later fork
+    assert children.exits == {first: -9} and second != first
+    children.exited(4242, 0)
+    assert children.exits == {first: -9, second: 0}
