@@ -18,7 +18,7 @@ Wire (the test process's pipes to the warm parent): one JSON object a line each 
 `{"argv", "env", "cwd", "log"}`; answers: `{"ready", "why", "set_by_imports"}` once at the start,
 `{"started": pid}` for each request in order, `{"exited": pid, "code": code}` when a child ends (Popen's
 returncode: negative for a signal). The warm parent reaps its children, so a child's exit code reaches
-the test process only through it.
+the test process only through it; the test process keeps them by fork (`Children`), since pids are reused.
 """
 
 from __future__ import annotations
