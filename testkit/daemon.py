@@ -21,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from testkit.warmfork import ForkedProcess, can_fork, warm_parent
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,22 +49,26 @@ class Daemon:
     """A `kvwake serve` process with its own socket and data dir."""
 
     def __init__(self, root: Path, model_dir: Path, *, block_tokens: int = 16, extra: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.root, self.model_dir = root, model_dir
+                 env: dict[str, str] | None = None, fresh: bool = False) -> None:
+        """fresh: always start as a new interpreter, never forked from the warm parent (testkit/warmfork.py),
+        for a test of the start itself."""
+        self.root, self.model_dir, self.fresh = root, model_dir, fresh
         self.socket = root / "run" / "kvwake.sock"
         self.data_dir = root / "data"
         self.log = root / "daemon.log"
         self.args = ["--socket", str(self.socket), "--data-dir", str(self.data_dir), "--model", str(model_dir),
                      "--block-tokens", str(block_tokens), *(extra or [])]
         self.env = {**os.environ, "KVWAKE_CONFIG": str(root / "none.toml"), **(env or {})}
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def start(self, timeout: float = 60.0) -> Daemon:
         offset = self.log.stat().st_size if self.log.exists() else 0  # earlier runs' lines don't count
-        log = open(self.log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvwake.client.cli", "serve", *self.args],
-                                     cwd=REPO, env=self.env, stdout=log, stderr=log)
-        log.close()
+        with open(self.log, "ab") as log:
+            if not self.fresh and can_fork(self.args, self.env):  # the same process, without a fresh interpreter's imports
+                self.proc = warm_parent().fork(["kvwake", "serve", *self.args], self.env, REPO, self.log)
+            else:
+                self.proc = subprocess.Popen([sys.executable, "-m", "kvwake.client.cli", "serve", *self.args],
+                                             cwd=REPO, env=self.env, stdout=log, stderr=log)
         if not any(d is self for d in STARTED):  # a restart keeps its place (module-scoped daemons too)
             STARTED.append(self)
         deadline = time.monotonic() + timeout

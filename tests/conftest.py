@@ -11,6 +11,20 @@ from testkit.kvdata import BUNDLE, OTHER_BUNDLE
 from testkit.tinymodel import make_model_dir
 
 
+def pytest_configure(config):
+    """Test daemons are forked from a warm process, not started as fresh interpreters (testkit/warmfork.py);
+    TESTKIT_FRESH_DAEMONS=1 starts every one fresh."""
+    from testkit.warmfork import fork_daemons
+
+    fork_daemons()
+
+
+def pytest_unconfigure(config):
+    from testkit.warmfork import stop_forking
+
+    stop_forking()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random-weight llama folder (modules that need another model define their own)."""

@@ -71,7 +71,7 @@ def test_frameworks_are_not_hidden_from_a_process_that_imported_transformers_alr
 def test_the_daemon_says_where_its_start_went(tmp_path, model_dir):
     # `status` and the "ready" log line carry the start's phases in ms: the process before serve ran
     # (Python and the imports), the store, the engine (its weights, its KV per token), ...
-    d = Daemon(tmp_path, model_dir).start()
+    d = Daemon(tmp_path, model_dir, fresh=True).start()  # its whole start, imports too
     try:
         c = d.client()
         status = c.call("status")
