@@ -7,8 +7,10 @@ Four moments, each one call from the engine (kv/paged_cache.py does the work):
   prefix the caller restores, moved into pages and published;
 - after a prefill (`publish`): the session's full blocks published under their
   chain keys, for the sessions that come after it;
-- a wake (`adopt`): the restored cache moved into pages and published, so
-  sessions woken over one prompt hold it once.
+- a wake: its first blocks resident as the store's bytes mapped (`wake_prefix`),
+  and only the rest read; the restored cache moved into pages and published
+  (`adopt`, or pipeline.wake for a mapped prefix), so sessions woken over one
+  prompt hold it once.
 Pool work runs on the engine thread (through `mlx`); the store's lookups on the caller's.
 """
 
@@ -19,9 +21,10 @@ from collections.abc import Callable
 from mlx_lm.models.cache import KVCache
 
 from kvwake.daemon.jobs import Mlx, direct
-from kvwake.daemon.kv import paged_cache
+from kvwake.daemon.kv import paged_cache, paged_wake
 from kvwake.daemon.kv.pages import PagePool
 from kvwake.daemon.session_state import Session
+from kvwake.store import SnapshotRecord
 
 __all__ = ["Pages"]
 
@@ -69,6 +72,17 @@ class Pages:
         if cache is None or tokens <= resident[1]:
             return resident
         return mlx(lambda: paged_cache.adopt(self.pool, cache, target, self.bundle_hash)), tokens
+
+    def wake_prefix(self, blank: Callable[[], list], record: SnapshotRecord, given: Prefix | None,
+                    mlx: Mlx = direct) -> Prefix | None:
+        """The first blocks of a wake from `record`: those whose pages are resident as the store's bytes, mapped
+        (kv/paged_wake.py), unless `given` (a copy of another session's cache, or one still coming: pipeline.wake's
+        `prefix`) holds more; None for neither."""
+        keys = [ref.key for ref in record.blocks]
+        cache, tokens = mlx(lambda: paged_wake.resident(self.pool, blank(), keys)) if keys else (None, 0)
+        if cache is None or (given is not None and given[1] > tokens):
+            return given
+        return cache, tokens
 
     def publish(self, session: Session) -> int:
         """Publish the session's new full blocks (engine thread); a cache not paged whole has none to share."""

@@ -201,10 +201,9 @@ class Engine(Appending):
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
                                      self.bundle.hash) if tuning.paged_kv else None
-        # Whether a wake may take its first blocks from another session's cache: plain contiguous KV, not
-        # quantized (what a snapshot's blocks hold is what that cache holds); paged layers map pages instead
-        self.wakes_share = (self.cuttable and kv_bits is None and self.pages is None
-                            and all(type(c) is KVCache for c in probe))
+        # Whether a wake may take its first blocks from another session's cache: plain KV, not quantized (what
+        # a snapshot's blocks hold is what that cache holds); paged, it maps that cache's pages (kv/paged_wake.py)
+        self.wakes_share = self.cuttable and kv_bits is None and all(type(c) is KVCache for c in probe)
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
             self.wait_kernels()
             for job in self.warm_jobs():
@@ -397,6 +396,9 @@ class Engine(Appending):
         snapshot's verified record, read already (`record`), so it is not read again; `prefix`: its first
         blocks from another cache holding them (`wakes_share`; pipeline.wake)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
+        if self.pages is not None:  # its blocks resident as the store's bytes are mapped, not read
+            record = record or self.record(snapshot_id or self.store.latest_snapshot(session_id))
+            prefix = self.pages.wake_prefix(self.kv.make_cache, record, prefix, mlx)
         session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
         if self.pages is not None:  # its blocks into pages: held once by every session woken over them
             mlx(lambda: self.pages.adopt(session))
