@@ -126,3 +126,40 @@ async def test_paged_wakes_over_one_prompt_share_a_flight_and_hold_its_pages_onc
         info = await m.wake(sid)
         assert info["blocks_shared"] == 0 and kv_of(m.entries[sid].session) == together[sid], sid
         await m.sleep(sid)
+
+
+def test_a_kill_9_after_paged_wakes_leaves_a_store_whose_wakes_count_their_pages_again(tmp_path, model_dir):
+    # Reference counts live in memory: a daemon killed while woken sessions map one another's pages restarts
+    # with none, wakes them reading the prompt once and mapping it after, gives every page back once they
+    # sleep again, and its store checks clean.
+    import signal
+    import time
+
+    from testkit.daemon import Daemon
+
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_PAGED_KV": "true"}).start()
+    sids = ["s0", "s1", "s2", "s3"]
+    with d.client() as c:
+        for sid in sids:
+            c.call("session.create", session_id=sid)
+            c.call("session.append", session_id=sid, tokens=SHARED + EIGHT[sid])
+        for sid in sids[1:]:
+            c.call("session.sleep", session_id=sid)
+        assert c.call("session.wake", session_id="s1")["blocks_shared"] == SHARED_BLOCKS  # s0's pages mapped
+    d.stop(signal.SIGKILL)
+    d.start()
+    with d.client() as c:
+        woken = [c.call("session.wake", session_id=sid) for sid in sids[1:]]
+        assert [(w["blocks_shared"], reads(w)) for w in woken] == [(0, BLOCKS)] + 2 * [
+            (SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS)], woken
+        pages = c.call("status")["pages"]
+        assert (pages["held_pages"], pages["shared_pages"]) == (SHARED_BLOCKS + 3 * OWN_PAGES, SHARED_BLOCKS)
+        for sid in sids[1:]:
+            c.call("session.sleep", session_id=sid)
+        deadline = time.monotonic() + 30  # a sleep's KV is freed in the background, after its reply
+        while c.call("status")["memory"]["freeing_kv_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.call("status")["pages"]["held_pages"] == 0
+        assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+    assert d.log_problems() == []

@@ -317,15 +317,19 @@ def release(session: Session, mlx: Mlx) -> None:
 
     The cache leaves the session in the first job (what runs after sees none; `processed` still says what
     the snapshot holds, and a sleep refuses such a session); each job then frees layers, one at a time,
-    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without
+    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own); a paged cache's
+    table is freed last (the pages no other session lists go back to the pool). Without
     `mx.clear_cache`, freed buffers stay in MLX's cache (up to its limit), and on a discrete GPU the
     host-side copies a sleep made stay pinned, until a long session slept and woken twice runs the host
     out of memory (docs/history/benchmarks-journal.md, "GPU machine: before and after"). MLX memory goes
     back on the thread that runs MLX, never the event loop's.
     """
     layers = mlx(lambda: _take_cache(session))
+    pools = {id(c.session.pool): c.session.pool for c in layers if isinstance(c, paged_cache.PagedKVCache)}
     while layers:
         mlx(lambda: _free_layers(layers, RELEASE_JOB_S))
+    for pool in pools.values():  # the table the last layer's finalizer queued, freed now: its pages count no more
+        mlx(pool.drain)
 
 
 def _take_cache(session: Session) -> list:
