@@ -310,6 +310,11 @@ class PagePool:
         """Bytes of KV `session` lists, shared pages included (what it would hold alone)."""
         return len(self.table(session).pages) * self.layout.page_bytes
 
+    def own_bytes(self, session: str) -> int:
+        """Bytes of the pages only `session` lists: what freeing its table gives back."""
+        refs = self.refs
+        return sum(refs[p] == 1 for p in self.table(session).pages) * self.layout.page_bytes
+
     def share_bytes(self, session: str, layers: int | None = None) -> int:
         """`session`'s share of the bytes held: each page it lists split evenly among the tables listing it
         (rounded down), so the shares of all sessions add up to `bytes_held` (within a byte a page), a

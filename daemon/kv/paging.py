@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvwake.daemon.jobs import Mlx, direct
 from kvwake.daemon.kv import paged_cache, paged_wake
-from kvwake.daemon.kv.pages import PagePool
+from kvwake.daemon.kv.pages import PagePool, PageStateError
 from kvwake.daemon.session_state import Session
 from kvwake.store import SnapshotRecord
 
@@ -96,6 +96,24 @@ class Pages:
         if session.cache is not None and not paged_cache.is_paged(session.cache):
             session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
                                               self.bundle_hash)
+
+    def most_tokens(self) -> int:
+        """The most tokens one session's paged layers may hold: every page the pool may have (its free pages,
+        those it may grow by, and those other sessions hold, which they give back by sleeping: the manager
+        makes room before a session grows). A shared page counts whole here: the session lists it."""
+        return self.pool.limit * self.pool.layout.page_tokens
+
+    def frees(self, cache: list | None) -> tuple[int, int]:
+        """(Bytes of pages freeing `cache` gives back: those no other session lists; bytes of pages it lists,
+        shared ones whole: what it would hold alone). Read from any thread, as `status` is (counts)."""
+        layer = next((c for c in cache or () if isinstance(c, paged_cache.PagedKVCache)), None)
+        if layer is None:
+            return 0, 0
+        name = layer.session.name
+        try:
+            return self.pool.own_bytes(name), self.pool.session_bytes(name)
+        except PageStateError:  # its table freed meanwhile (a release running on the engine thread)
+            return 0, 0
 
     def status(self) -> dict[str, int]:
         """The pool in numbers, for `status` (read from any thread: counts, nothing changed). `held`: pages

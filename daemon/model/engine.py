@@ -303,6 +303,13 @@ class Engine(Appending):
             return 0
         return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)])
 
+    def sleep_frees(self, session: Session) -> tuple[int, int]:
+        """(Bytes a sleep of the session frees: its unpaged layers' and the pages no other session lists; bytes
+        it holds, its shared pages whole). Equal unless it shares pages (kv/paging.Pages.frees)."""
+        unpaged = self.unpaged_bytes(session)
+        freed, held = self.pages.frees(session.cache) if self.pages is not None else (0, 0)
+        return unpaged + freed, unpaged + held
+
     def page_bytes(self) -> int:
         """Bytes of KV the page pool holds now, a shared page once (0 without pages); read from any thread (a
         table a sleep let go counts until the engine thread frees it)."""
@@ -330,9 +337,11 @@ class Engine(Appending):
 
     @property
     def max_tokens(self) -> int | None:
-        """The most tokens a session may hold: the model's context (or `max_context`), and what its KV
-        may take of the memory limit, whichever is less; None when neither is known."""
-        known = [n for n in (self.context_length, self.session_tokens) if n is not None]
+        """The most tokens a session may hold: the model's context (or `max_context`), what its KV may take of
+        the memory limit, and what the page pool may hold (`paged_kv`), whichever is least; None when none is
+        known."""
+        paged = self.pages.most_tokens() if self.pages is not None else None
+        known = [n for n in (self.context_length, self.session_tokens, paged) if n is not None]
         return min(known) if known else None
 
     def check_fits(self, tokens: int) -> None:
@@ -342,8 +351,10 @@ class Engine(Appending):
         if limit is None or tokens < limit:
             return
         by_memory = limit != self.context_length  # the least of the two, and not the context's: memory's
-        why = (f" (the KV of {limit} tokens is what fits the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB "
-               f"beside the weights)") if by_memory else ""
+        by_pages = by_memory and limit != self.session_tokens  # the page pool's bound (kv/paging.py)
+        why = (f" (the KV of {limit} tokens is what the page pool may hold: {self.pages.pool.limit} pages)" if by_pages
+               else f" (the KV of {limit} tokens is what fits the memory limit of "
+                    f"{self.limits.memory_bytes / 2**30:.1f} GiB beside the weights)" if by_memory else "")
         raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
                                   tokens=tokens, limit=limit, bound="memory" if by_memory else "context")
 
