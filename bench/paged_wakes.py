@@ -1,6 +1,6 @@
 """Sessions sharing a long prompt with `paged_kv` on and off: the KV bytes they hold and the blocks their wakes read.
 
-usage: python bench/paged_wakes.py [--shared 9300] [--own 450] [--sessions 8] [--block 128] [--out bench/out]
+usage: kvwake bench paged-wakes (or python bench/paged_wakes.py) [--shared 9300] [--own 450] [--sessions 8] [--block 128] [--out bench/out]
 
 A random-weight llama (testkit.tinymodel, its context widened to hold the prompt), one engine per mode
 (`--tune paged_kv` off, on), each with a store of its own and the daemon's session manager, in process on
