@@ -126,6 +126,7 @@ async def test_paged_wakes_over_one_prompt_share_a_flight_and_hold_its_pages_onc
         info = await m.wake(sid)
         assert info["blocks_shared"] == 0 and kv_of(m.entries[sid].session) == together[sid], sid
         await m.sleep(sid)
+        await m.released()  # its pages gone (until then a wake may map them: they are the store's bytes)
 
 
 def test_a_kill_9_after_paged_wakes_leaves_a_store_whose_wakes_count_their_pages_again(tmp_path, model_dir):
