@@ -352,9 +352,10 @@ class Engine(Appending):
             return
         by_memory = limit != self.context_length  # the least of the two, and not the context's: memory's
         by_pages = by_memory and limit != self.session_tokens  # the page pool's bound (kv/paging.py)
-        why = (f" (the KV of {limit} tokens is what the page pool may hold: {self.pages.pool.limit} pages)" if by_pages
-               else f" (the KV of {limit} tokens is what fits the memory limit of "
-                    f"{self.limits.memory_bytes / 2**30:.1f} GiB beside the weights)" if by_memory else "")
+        room = (f"the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB beside the weights"
+                if self.limits is not None else "the hot budget")
+        why = (f" (the KV of {limit} tokens is what the page pool may hold: {self.pages.pool.limit} pages, of {room})"
+               if by_pages else f" (the KV of {limit} tokens is what fits {room})" if by_memory else "")
         raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
                                   tokens=tokens, limit=limit, bound="memory" if by_memory else "context")
 
