@@ -164,3 +164,25 @@ def test_a_kill_9_after_paged_wakes_leaves_a_store_whose_wakes_count_their_pages
         assert c.call("store.fsck")["ok"]
     assert d.stop() == 0
     assert d.log_problems() == []
+
+
+def test_a_paged_prefix_that_comes_after_the_wakes_own_blocks_is_mapped_exactly(engines):
+    # A waiting wake's prefix (a leader's copy: a fork of its pages) comes once the wake's own blocks are in:
+    # staged, the rows left for it go before the joined spans.
+    from kvwake.daemon.kv import cache_blocks
+    from tests.test_shared_wakes import Coming
+
+    _, paged = engines
+    a, b = Session("a"), Session("b")
+    paged.append(a, tokens=SHARED + EIGHT["s1"])
+    paged.append(b, tokens=SHARED + EIGHT["s2"])
+    before = kv_of(b)
+    paged.sleep(b)
+    paged.pages.pool.stored.clear()  # nothing resident to map: the prefix comes from the leader
+    coming = Coming(cache_blocks.copy_prefix(a.cache, SHARED_BLOCKS * BLOCK), SHARED_BLOCKS * BLOCK)
+    woken, info = paged.wake("b", prefix=(coming, SHARED_BLOCKS * BLOCK))
+    assert (info["blocks_shared"], reads(info)) == (SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), info
+    assert kv_of(woken) == before
+    pool = paged.pages.pool
+    assert pool.table(woken.cache[0].session.name).pages[:SHARED_BLOCKS] == \
+        pool.table(a.cache[0].session.name).pages[:SHARED_BLOCKS]  # a's pages listed, not copied
