@@ -118,6 +118,7 @@ class SnapshotWriter:
         self._dropped: list[str] = []  # the tail file of the snapshot this one replaced
         self._dirs: set[Path] = set()
         self._done = False
+        self._lost: set[str] = set()  # files of blocks another writer indexed first (commit)
 
     def __enter__(self) -> SnapshotWriter:
         return self
@@ -187,12 +188,17 @@ class SnapshotWriter:
         except BaseException:
             self.abort()
             raise
-        self._done = True
+        self._done, self._lost = True, set(losers)
         self._stack.close()
         for rel in losers + self._dropped:  # duplicates of blocks another writer indexed first; a replaced tail
             with contextlib.suppress(FileNotFoundError):
                 self.store.files.absolute(rel).unlink()
         return self._info(losers)
+
+    def own_blocks(self) -> dict[int, str]:
+        """After `commit`: index -> key of the blocks whose stored bytes are this writer's (written here and
+        indexed, not another writer's indexed first)."""
+        return {i: self.keys[i] for i, w in self._new.items() if w.file not in self._lost}
 
     def _index(self) -> list[str]:
         """Index everything this writer made durable, in one transaction.

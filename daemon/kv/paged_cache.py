@@ -42,7 +42,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attent
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
 from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
-__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "fork", "is_paged", "map_prefix", "page_layout",
+__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "fork", "is_paged", "map_keys", "map_prefix", "page_layout",
            "paged_cache", "publish", "resident_prefix", "state_arrays"]
 
 _names = itertools.count()
@@ -288,8 +288,13 @@ def map_prefix(cache: list, token_ids: list[int], bundle_hash: str) -> int:
     """A prefix hit from memory: the blocks of `token_ids` that some session published, in order from
     the cache's end (it holds whole blocks) to the first not resident, mapped into the cache (no KV read
     or copied). Returns the tokens the cache holds now."""
+    return map_keys(cache, chain_keys(bundle_hash, token_ids, cache[0].session.pool.layout.block_tokens))
+
+
+def map_keys(cache: list, keys: list[str]) -> int:
+    """`map_prefix` by chain keys: `keys` name the cache's blocks and the blocks after them, in order; those
+    after are mapped up to the first not resident. Returns the tokens the cache holds now."""
     session, block = _whole(cache), cache[0].session.pool.layout.block_tokens
-    keys = chain_keys(bundle_hash, token_ids, block)
     session.pool.map_shared(session.name, keys[session.tokens // block:])
     session.offsets = [session.tokens] * len(session.offsets)
     session.keys = keys[: session.tokens // block]
@@ -310,12 +315,15 @@ def resident_prefix(pool: PagePool, blank: list, target: list[int], bundle_hash:
     return (cache, tokens) if tokens else (None, 0)
 
 
-def adopt(pool: PagePool, cache: list, token_ids: list[int], bundle_hash: str) -> list:
+def adopt(pool: PagePool, cache: list, token_ids: list[int], bundle_hash: str, prefix: list | None = None) -> list:
     """A contiguous cache restored from the store (a wake's, a stored prefix's) moved into pages of `pool`,
     its full blocks published over `token_ids` as the store's bytes: a block another restore holds already
     is taken from it, so sessions woken over one prompt hold it once; one a prefill computed is not (a wake
-    gives the stored bytes). Evaluated on return, as a restored cache is."""
-    paged = fill(paged_cache(pool, [KVCache() if type(c) is KVCache else c for c in cache]), cache)
+    gives the stored bytes). `prefix`: a paged cache (of `pool`, every layer paged) holding the first tokens
+    already, as pages that hold the store's bytes (kv/paged_wake.py): `cache`'s tokens past them go after
+    them, its first ones are not read. Evaluated on return, as a restored cache is."""
+    blank = [KVCache() if type(c) is KVCache else c for c in cache]
+    paged = fill(prefix if prefix is not None else paged_cache(pool, blank), cache)
     if all(isinstance(c, PagedKVCache) for c in paged):
         publish(paged, token_ids, bundle_hash, stored=True)
     mx.eval(state_arrays(paged))  # written here, on this (the engine) thread: any thread may read it after

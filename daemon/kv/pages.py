@@ -254,6 +254,22 @@ class PagePool:
             table.pages[first:first + n] = known
         return known
 
+    def mark_stored(self, session: str, block: int, key: str) -> bool:
+        """The store's block `key` was written from block `block` of `session`: where those pages are still the
+        key's, they hold the store's bytes from now on (a wake may map them). Returns whether they are."""
+        n = self.layout.pages_per_block
+        own = tuple(self.table(session).pages[block * n:(block + 1) * n])
+        if len(own) < n or self.shared.get(key) != own:
+            return False
+        self.stored.add(key)
+        return True
+
+    def stored_run(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, name blocks whose pages hold the store's bytes (a wake maps
+        those and reads the rest)."""
+        self.drain()
+        return next((i for i, key in enumerate(keys) if key not in self.stored or key not in self.shared), len(keys))
+
     def map_shared(self, session: str, keys: list[str]) -> int:
         """A prefix hit: append the pages of the blocks named by `keys`, in order, up to the first key no
         pages hold. `session` must hold whole blocks. Returns how many blocks were mapped."""
@@ -293,6 +309,11 @@ class PagePool:
     def session_bytes(self, session: str) -> int:
         """Bytes of KV `session` lists, shared pages included (what it would hold alone)."""
         return len(self.table(session).pages) * self.layout.page_bytes
+
+    def own_bytes(self, session: str) -> int:
+        """Bytes of the pages only `session` lists: what freeing its table gives back."""
+        refs = self.refs
+        return sum(refs[p] == 1 for p in self.table(session).pages) * self.layout.page_bytes
 
     def share_bytes(self, session: str, layers: int | None = None) -> int:
         """`session`'s share of the bytes held: each page it lists split evenly among the tables listing it

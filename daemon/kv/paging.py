@@ -7,8 +7,10 @@ Four moments, each one call from the engine (kv/paged_cache.py does the work):
   prefix the caller restores, moved into pages and published;
 - after a prefill (`publish`): the session's full blocks published under their
   chain keys, for the sessions that come after it;
-- a wake (`adopt`): the restored cache moved into pages and published, so
-  sessions woken over one prompt hold it once.
+- a wake: its first blocks resident as the store's bytes mapped (`wake_prefix`),
+  and only the rest read; the restored cache moved into pages and published
+  (`adopt`, or pipeline.wake for a mapped prefix), so sessions woken over one
+  prompt hold it once.
 Pool work runs on the engine thread (through `mlx`); the store's lookups on the caller's.
 """
 
@@ -19,9 +21,10 @@ from collections.abc import Callable
 from mlx_lm.models.cache import KVCache
 
 from kvwake.daemon.jobs import Mlx, direct
-from kvwake.daemon.kv import paged_cache
-from kvwake.daemon.kv.pages import PagePool
+from kvwake.daemon.kv import paged_cache, paged_wake
+from kvwake.daemon.kv.pages import PagePool, PageStateError
 from kvwake.daemon.session_state import Session
+from kvwake.store import SnapshotRecord
 
 __all__ = ["Pages"]
 
@@ -70,6 +73,17 @@ class Pages:
             return resident
         return mlx(lambda: paged_cache.adopt(self.pool, cache, target, self.bundle_hash)), tokens
 
+    def wake_prefix(self, blank: Callable[[], list], record: SnapshotRecord, given: Prefix | None,
+                    mlx: Mlx = direct) -> Prefix | None:
+        """The first blocks of a wake from `record`: those whose pages are resident as the store's bytes, mapped
+        (kv/paged_wake.py), unless `given` (a copy of another session's cache, or one still coming: pipeline.wake's
+        `prefix`) holds more; None for neither."""
+        keys = [ref.key for ref in record.blocks]
+        cache, tokens = mlx(lambda: paged_wake.resident(self.pool, blank(), keys)) if keys else (None, 0)
+        if cache is None or (given is not None and given[1] > tokens):
+            return given
+        return cache, tokens
+
     def publish(self, session: Session) -> int:
         """Publish the session's new full blocks (engine thread); a cache not paged whole has none to share."""
         cache = session.cache
@@ -82,6 +96,24 @@ class Pages:
         if session.cache is not None and not paged_cache.is_paged(session.cache):
             session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
                                               self.bundle_hash)
+
+    def most_tokens(self) -> int:
+        """The most tokens one session's paged layers may hold: every page the pool may have (its free pages,
+        those it may grow by, and those other sessions hold, which they give back by sleeping: the manager
+        makes room before a session grows). A shared page counts whole here: the session lists it."""
+        return self.pool.limit * self.pool.layout.page_tokens
+
+    def frees(self, cache: list | None) -> tuple[int, int]:
+        """(Bytes of pages freeing `cache` gives back: those no other session lists; bytes of pages it lists,
+        shared ones whole: what it would hold alone). Read from any thread, as `status` is (counts)."""
+        layer = next((c for c in cache or () if isinstance(c, paged_cache.PagedKVCache)), None)
+        if layer is None:
+            return 0, 0
+        name = layer.session.name
+        try:
+            return self.pool.own_bytes(name), self.pool.session_bytes(name)
+        except PageStateError:  # its table freed meanwhile (a release running on the engine thread)
+            return 0, 0
 
     def status(self) -> dict[str, int]:
         """The pool in numbers, for `status` (read from any thread: counts, nothing changed). `held`: pages

@@ -45,7 +45,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import cache_blocks, restore_buffers
+from kvwake.daemon.kv import cache_blocks, paged_cache, paged_wake, restore_buffers
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
@@ -211,6 +211,7 @@ def sleep(ctx: KvContext, session: Session, mlx: Mlx, *, label: str | None = Non
         phases.mark("written")
         batch.raise_first()
         info = w.commit()
+        _mark_stored(session, w, mlx)
         phases.mark("commit")
         session.head = info.id
         result = {"snapshot_id": info.id, "tokens": info.n_tokens, "pending": len(session.pending),
@@ -287,7 +288,17 @@ def checkpoint(ctx: KvContext, session: Session, mlx: Mlx, *, supersede: str | N
         batch.raise_first()
         if tokens:  # a snapshot of no KV has no tail, as a new session's first one
             w.set_tail(tail)  # meta state and offsets: a few bytes
-        return w.commit()
+        info = w.commit()
+        _mark_stored(session, w, mlx)
+        return info
+
+
+def _mark_stored(session: Session, w: SnapshotWriter, mlx: Mlx) -> None:
+    """After a commit: the pages the writer's own blocks were written from hold the store's bytes (a paged
+    session's; kv/paged_wake.py), so a wake may map them."""
+    written = w.own_blocks()
+    if written and paged_cache.is_paged(session.cache):
+        mlx(quick(lambda: paged_wake.mark_stored(session.cache, written)))
 
 
 def _write_short(ctx: KvContext, w: SnapshotWriter, scratch: Session, short: int, mlx: Mlx, batch: Batch,
@@ -306,15 +317,19 @@ def release(session: Session, mlx: Mlx) -> None:
 
     The cache leaves the session in the first job (what runs after sees none; `processed` still says what
     the snapshot holds, and a sleep refuses such a session); each job then frees layers, one at a time,
-    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own). Without
+    until it has run RELEASE_JOB_S (at least one layer: a big layer is a job of its own); a paged cache's
+    table is freed last (the pages no other session lists go back to the pool). Without
     `mx.clear_cache`, freed buffers stay in MLX's cache (up to its limit), and on a discrete GPU the
     host-side copies a sleep made stay pinned, until a long session slept and woken twice runs the host
     out of memory (docs/history/benchmarks-journal.md, "GPU machine: before and after"). MLX memory goes
     back on the thread that runs MLX, never the event loop's.
     """
     layers = mlx(lambda: _take_cache(session))
+    pools = {id(c.session.pool): c.session.pool for c in layers if isinstance(c, paged_cache.PagedKVCache)}
     while layers:
         mlx(lambda: _free_layers(layers, RELEASE_JOB_S))
+    for pool in pools.values():  # the table the last layer's finalizer queued, freed now: its pages count no more
+        mlx(pool.drain)
 
 
 def _take_cache(session: Session) -> list:
@@ -425,7 +440,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     clock.lap("buffers")
     with releasing(buffers, mlx):
         # a wake waiting for a leader reads its own blocks after the leader's reads (Pool.batch's `yields`)
-        batch, tail_box = ctx.pool.batch(yields=coming is not None), []
+        batch, tail_box, paged = ctx.pool.batch(yields=coming is not None), [], None
         try:
             if record.tail is not None:  # first: it decodes beside the first blocks, not after the last span
                 batch.reserve(record.tail.raw_bytes)
@@ -435,7 +450,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
             if coming is not None:
                 buffers.expect_prefix(shared)
             elif prefix is not None:  # its first blocks from a cache holding them (wake's docstring)
-                _take_given(ctx, buffers, prefix, mlx)
+                paged = _take_given(ctx, buffers, prefix, mlx)
                 clock.lap("prefix")
             fill_spans(ctx, buffers, list(record.blocks), mlx, batch, record, first=shared)
         finally:
@@ -443,7 +458,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         batch.raise_first()
         clock.lap("blocks")
         if coming is not None:
-            _take_coming(ctx, buffers, coming, shared, mlx)
+            paged = _take_coming(ctx, buffers, coming, shared, mlx)
             clock.lap("prefix")
         tail = dict(tail_box[0]) if tail_box else {}
         if rest:
@@ -453,6 +468,9 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         clock.lap("upload")
         counts.update(buffers.counts)
         cache = mlx(lambda: buffers.finish(n, tail))
+        if paged is not None:  # the rows left for the mapped pages: the rest go after them, into pages
+            cache = mlx(lambda: paged_cache.adopt(paged[0].session.pool, cache, list(record.token_ids),
+                                                  ctx.bundle.hash, prefix=paged))
         clock.lap("finish")
         return cache
 
@@ -468,13 +486,28 @@ def _sample(ctx: KvContext, record: SnapshotRecord, rest: int, mlx: Mlx) -> tupl
     return sample, rest
 
 
-def _take_given(ctx: KvContext, buffers: restore_buffers.Buffers, prefix: tuple[list, int], mlx: Mlx) -> None:
-    """A wake's first blocks from a cache holding them (the wake's docstring), before its own are read."""
-    mlx(lambda: buffers.take_prefix(*prefix))
+def _take_given(ctx: KvContext, buffers: restore_buffers.Buffers, prefix: tuple[list, int],
+                mlx: Mlx) -> list | None:
+    """A wake's first blocks from a cache holding them (the wake's docstring), before its own are read;
+    returns the prefix when it is paged (`_take`)."""
+    paged = mlx(lambda: _take(buffers, *prefix))
     _count(ctx, buffers, "blocks_shared", prefix[1] // ctx.block_tokens)
+    return paged
 
 
-def _take_coming(ctx: KvContext, buffers: restore_buffers.Buffers, coming: Any, blocks: int, mlx: Mlx) -> None:
+def _take(buffers: restore_buffers.Buffers, cache: list, tokens: int) -> list | None:
+    """Engine thread: a prefix's first `tokens` into a restore. A paged cache's pages are not copied: the
+    restore leaves their rows, and the cache, kept to those tokens, is returned (the restored tokens after
+    them go into its pages: kv/paged_wake.py); a plain cache's are copied (None returned)."""
+    if paged_cache.is_paged(cache):
+        buffers.leave_prefix(tokens)
+        return paged_wake.cut(cache, tokens)
+    buffers.take_prefix(cache, tokens)
+    return None
+
+
+def _take_coming(ctx: KvContext, buffers: restore_buffers.Buffers, coming: Any, blocks: int,
+                 mlx: Mlx) -> list | None:
     """A wake's first `blocks` from a prefix still coming (the wake's docstring), once its own blocks are in:
     its staging given back first (a waiting wake holds no ring slot another wake could use), then the
     leader's cache when it lands. Raises PrefixGone when it comes short or not at all."""
@@ -486,8 +519,9 @@ def _take_coming(ctx: KvContext, buffers: restore_buffers.Buffers, coming: Any, 
         raise PrefixGone(f"the wake in flight gave nothing: {exc!r}") from exc
     if cache is None or tokens < tokens_wanted:
         raise PrefixGone(f"the wake in flight gave {tokens} of the {tokens_wanted} tokens waited for")
-    mlx(lambda: buffers.take_prefix(cache, tokens_wanted))
+    paged = mlx(lambda: _take(buffers, cache, tokens_wanted))
     _count(ctx, buffers, "blocks_shared", blocks)
+    return paged
 
 
 class _Clock:

@@ -223,12 +223,7 @@ class Buffers:
         (direct). Before the restore's own blocks, or after them where it was expected (`expect_prefix`:
         then the pieces go first). Plain KV only; raises StateMismatchError for a cache that is not this
         restore's shape."""
-        late = self._expected is not None
-        if tokens <= 0 or tokens % self.block_tokens or (self.joined and not late) or \
-                (late and tokens != self._expected * self.block_tokens):
-            raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
-                                     f"ahead of this restore ({self.joined} blocks joined, "
-                                     f"{self._expected} expected)")
+        self._check_prefix(tokens)
         given = {f"{name}.{part}": getattr(c, part) for name, _, _, c in units(prefix) if type(c) is KVCache
                  for part in ("keys", "values")}
         for name in self.order:
@@ -243,6 +238,29 @@ class Buffers:
                           np.asarray(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part))
             else:
                 self.pieces[name].insert(0, part)  # the first tokens, whether own spans are in already or not
+        self._prefix_taken(tokens)
+
+    def leave_prefix(self, tokens: int) -> None:
+        """Engine thread: the first `tokens` (whole blocks) are not this restore's: its caller maps them (a paged
+        wake: pages already resident, kv/paged_cache.adopt's `prefix`). Their rows stay as allocated (zeros);
+        the restore's own blocks go after them, as after `take_prefix`, with no copy of the prefix."""
+        self._check_prefix(tokens)
+        if self.mode != "direct":
+            for name in self.order:
+                view = self.views[name]
+                self.pieces[name].insert(0, mx.zeros((*view.shape[:-2], tokens, view.shape[-1]),
+                                                     _MX_DTYPE[self.dtypes[name]]))
+        self._prefix_taken(tokens)
+
+    def _check_prefix(self, tokens: int) -> None:
+        late = self._expected is not None
+        if tokens <= 0 or tokens % self.block_tokens or (self.joined and not late) or \
+                (late and tokens != self._expected * self.block_tokens):
+            raise StateMismatchError(f"a prefix of {tokens} tokens is not whole blocks of {self.block_tokens} "
+                                     f"ahead of this restore ({self.joined} blocks joined, "
+                                     f"{self._expected} expected)")
+
+    def _prefix_taken(self, tokens: int) -> None:
         self.first = tokens // self.block_tokens  # the ring's first slot and row take the next block
         self._expected = None
         if self.mode != "direct":

@@ -199,10 +199,9 @@ class Engine(Appending):
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
                                      self.bundle.hash) if tuning.paged_kv else None
-        # Whether a wake may take its first blocks from another session's cache: plain contiguous KV, not
-        # quantized (what a snapshot's blocks hold is what that cache holds); paged layers map pages instead
-        self.wakes_share = (self.cuttable and kv_bits is None and self.pages is None
-                            and all(type(c) is KVCache for c in probe))
+        # Whether a wake may take its first blocks from another session's cache: plain KV, not quantized (what
+        # a snapshot's blocks hold is what that cache holds); paged, it maps that cache's pages (kv/paged_wake.py)
+        self.wakes_share = self.cuttable and kv_bits is None and all(type(c) is KVCache for c in probe)
         if warm:  # last: a warm-up's caches are sized against the room the limits leave
             self.wait_kernels()
             for job in self.warm_jobs():
@@ -302,6 +301,13 @@ class Engine(Appending):
             return 0
         return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)])
 
+    def sleep_frees(self, session: Session) -> tuple[int, int]:
+        """(Bytes a sleep of the session frees: its unpaged layers' and the pages no other session lists; bytes
+        it holds, its shared pages whole). Equal unless it shares pages (kv/paging.Pages.frees)."""
+        unpaged = self.unpaged_bytes(session)
+        freed, held = self.pages.frees(session.cache) if self.pages is not None else (0, 0)
+        return unpaged + freed, unpaged + held
+
     def page_bytes(self) -> int:
         """Bytes of KV the page pool holds now, a shared page once (0 without pages); read from any thread (a
         table a sleep let go counts until the engine thread frees it)."""
@@ -329,9 +335,11 @@ class Engine(Appending):
 
     @property
     def max_tokens(self) -> int | None:
-        """The most tokens a session may hold: the model's context (or `max_context`), and what its KV
-        may take of the memory limit, whichever is less; None when neither is known."""
-        known = [n for n in (self.context_length, self.session_tokens) if n is not None]
+        """The most tokens a session may hold: the model's context (or `max_context`), what its KV may take of
+        the memory limit, and what the page pool may hold (`paged_kv`), whichever is least; None when none is
+        known."""
+        paged = self.pages.most_tokens() if self.pages is not None else None
+        known = [n for n in (self.context_length, self.session_tokens, paged) if n is not None]
         return min(known) if known else None
 
     def check_fits(self, tokens: int) -> None:
@@ -341,8 +349,11 @@ class Engine(Appending):
         if limit is None or tokens < limit:
             return
         by_memory = limit != self.context_length  # the least of the two, and not the context's: memory's
-        why = (f" (the KV of {limit} tokens is what fits the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB "
-               f"beside the weights)") if by_memory else ""
+        by_pages = by_memory and limit != self.session_tokens  # the page pool's bound (kv/paging.py)
+        room = (f"the memory limit of {self.limits.memory_bytes / 2**30:.1f} GiB beside the weights"
+                if self.limits is not None else "the hot budget")
+        why = (f" (the KV of {limit} tokens is what the page pool may hold: {self.pages.pool.limit} pages, of {room})"
+               if by_pages else f" (the KV of {limit} tokens is what fits {room})" if by_memory else "")
         raise ContextTooLongError(f"prompt is too long: {tokens} tokens > {limit - 1} maximum{why}",
                                   tokens=tokens, limit=limit, bound="memory" if by_memory else "context")
 
@@ -395,6 +406,9 @@ class Engine(Appending):
         snapshot's verified record, read already (`record`), so it is not read again; `prefix`: its first
         blocks from another cache holding them (`wakes_share`; pipeline.wake)."""
         self.persister.forget(session_id)  # a hot session woken from another snapshot: its old self writes no more
+        if self.pages is not None:  # its blocks resident as the store's bytes are mapped, not read
+            record = record or self.record(snapshot_id or self.store.latest_snapshot(session_id))
+            prefix = self.pages.wake_prefix(self.kv.make_cache, record, prefix, mlx)
         session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
         if self.pages is not None:  # its blocks into pages: held once by every session woken over them
             mlx(lambda: self.pages.adopt(session))

@@ -91,21 +91,40 @@ class RoomKeeping:
         room, growth = self.engine.kv_room_bytes, self._growth(keep, tokens)
         if room is None or growth == 0 or self.hot_bytes() + growth <= room:  # the common case: nothing to sort
             return 0
-        return await self._sleep_lru(lambda e: self.hot_bytes() + growth > room, "room_sleeps", keep)
+        return await self._sleep_lru(lambda e: self.hot_bytes() + growth > room, "room_sleeps", keep,
+                                     by_freed=True)
 
     async def enforce_limits(self) -> int:
-        """Sleep idle sessions, then LRU ones while hot KV exceeds its budget; returns how many slept."""
+        """Sleep idle sessions, then, while hot KV exceeds its budget, those whose sleep frees most of what they
+        hold, least recently used first (`_sleep_lru`); returns how many slept."""
         now = time.monotonic()
-        return await self._sleep_lru(lambda e: now - e.last_used > self.settings.idle_timeout_s
-                                     or self.hot_bytes() > self.hot_budget(), "auto_sleeps")
+        idle = await self._sleep_lru(lambda e: now - e.last_used > self.settings.idle_timeout_s, "auto_sleeps")
+        return idle + await self._sleep_lru(lambda e: self.hot_bytes() > self.hot_budget(), "auto_sleeps",
+                                            by_freed=True)
 
-    async def _sleep_lru(self, needed: Callable[[Entry], bool], counter: str, keep: Entry | None = None) -> int:
+    def _frees_little(self, e: Entry) -> bool:
+        """Whether a sleep of `e`'s session frees less than half of what it holds: most of its pages are listed
+        by other sessions too, and stay (Engine.sleep_frees)."""
+        engine = next((m.engine for m in self.models if m.name == self.model_of(e)), None)
+        if engine is None or e.session is None:
+            return False
+        freed, held = engine.sleep_frees(e.session)
+        return 2 * freed < held
+
+    async def _sleep_lru(self, needed: Callable[[Entry], bool], counter: str, keep: Entry | None = None,
+                         by_freed: bool = False) -> int:
         """Sleep idle hot sessions (not `keep`), least recently used first, while `needed(entry)` says so;
-        each one's KV is freed before the next is looked at. Returns how many slept (counted in `counter`).
-        A failed sleep is logged (in _sleep too) and the session stays hot: a later pass retries it."""
-        slept = 0
-        for e in sorted((e for e in self.entries.hot.values() if not e.busy and e is not keep),
-                        key=lambda e: e.last_used):
+        each one's KV is freed before the next is looked at. `by_freed` (a sleep for memory): sessions whose
+        sleep frees little (`_frees_little`: their pages shared) go after the others, looked at again after
+        each sleep (the last session listing shared pages frees them). Returns how many slept (counted in
+        `counter`). A failed sleep is logged (in _sleep too) and the session stays hot: a later pass retries it."""
+        slept, tried = 0, set()
+        while True:
+            candidates = [e for e in self.entries.hot.values() if not e.busy and e is not keep and e.id not in tried]
+            if not candidates:
+                break
+            e = min(candidates, key=lambda e: (by_freed and self._frees_little(e), e.last_used))
+            tried.add(e.id)
             if not needed(e):
                 break
             with contextlib.suppress(BusyError):

@@ -1,0 +1,114 @@
+"""Sessions sharing a long prompt with `paged_kv` on and off: the KV bytes they hold and the blocks their wakes read.
+
+usage: kvwake bench paged-wakes (or python bench/paged_wakes.py) [--shared 9300] [--own 450] [--sessions 8] [--block 128] [--out bench/out]
+
+A random-weight llama (testkit.tinymodel, its context widened to hold the prompt), one engine per mode
+(`--tune paged_kv` off, on), each with a store of its own and the daemon's session manager, in process on
+this machine (a wake beside a hot woken session takes its blocks, as the daemon's does). In each:
+1. `--sessions` sessions, each the shared prompt of `--shared` tokens and `--own` tokens of its own, appended
+   one after another (off: the others copy the first's prompt from its cache; on: they map its published
+   pages); the hot KV then (what `status` reports as `memory.hot_kv_bytes`: the sessions' unpaged KV and the
+   page pool's pages, a shared page once);
+2. all but the first sleep and wake one by one, the first hot: each wake's blocks read (from disk or the RAM
+   tier) and mapped or taken (`blocks_shared`), and its time;
+3. all sleep, then all wake one by one (a restart's wakes, none hot): the same counts; the hot KV after.
+Results go to <out>/paged_wakes.json; docs/benchmarks.md ("Paged wakes and the bytes of a shared prompt
+(issue 51)") holds the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+
+from kvwake.daemon.config import Settings, Tuning  # noqa: E402
+from kvwake.daemon.model.engine import Engine  # noqa: E402
+from kvwake.daemon.model.provider import ModelProvider  # noqa: E402
+from kvwake.daemon.model.thread import EngineThread  # noqa: E402
+from kvwake.daemon.sessions.manager import SessionManager  # noqa: E402
+from kvwake.store import Store  # noqa: E402
+from testkit.tinymodel import make_model_dir  # noqa: E402
+
+
+async def wakes(m: SessionManager, names: list[str]) -> dict[str, float]:
+    """Wake `names` one by one: blocks read, blocks mapped or taken, and ms, summed."""
+    read = shared = 0
+    started = time.perf_counter()
+    for name in names:
+        info = await m.wake(name)
+        read += info["blocks_from_disk"] + info["blocks_from_memory"]
+        shared += info["blocks_shared"]
+    return {"blocks_read": read, "blocks_shared": shared, "ms": round((time.perf_counter() - started) * 1000, 1)}
+
+
+async def hot_kv(m: SessionManager) -> int:
+    """`status`'s `memory.hot_kv_bytes` once what was let go is freed."""
+    await m.released()
+    m.thread.call(lambda: m.engine.pages.pool.drain() if m.engine.pages is not None else None)
+    return m.hot_bytes()
+
+
+async def steps(m: SessionManager, prompts: list[list[int]]) -> dict:
+    names = [f"s{i}" for i in range(len(prompts))]
+    started = time.perf_counter()
+    for name, ids in zip(names, prompts):
+        await m.create(name)
+        await m.append(name, tokens=ids)
+    out = {"append_ms": round((time.perf_counter() - started) * 1000, 1), "hot_kv_bytes": await hot_kv(m)}
+    for name in names[1:]:
+        await m.sleep(name)
+    out["woken_beside_one_hot"] = {**await wakes(m, names[1:]), "hot_kv_bytes": await hot_kv(m)}
+    for name in names:
+        await m.sleep(name)
+    out["woken_none_hot"] = {**await wakes(m, names), "hot_kv_bytes": await hot_kv(m)}
+    return out
+
+
+def run_mode(model_dir: Path, root: Path, paged: bool, prompts: list[list[int]], block: int) -> dict:
+    """One engine on a thread of its own and its session manager, in process (as the daemon runs them)."""
+    folder = root / ("paged" if paged else "plain")
+    store, thread = Store(folder / "store", block_tokens=block), EngineThread()
+    engine = thread.submit(lambda: Engine(store, folder, model_dir, tuning=Tuning(paged_kv=paged), warm=False)).result()
+    m = SessionManager(ModelProvider.of(engine, thread), Settings(socket=folder / "s.sock", data_dir=folder))
+    try:
+        return {**anyio.run(steps, m, prompts), "blocks_per_session": (len(prompts[0]) - 1) // block}
+    finally:
+        thread.stop()
+        engine.close()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shared", type=int, default=9300)
+    parser.add_argument("--own", type=int, default=450)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = parser.parse_args(argv)
+    shared = [(i * 37 + 11) % 200 + 20 for i in range(args.shared)]
+    prompts = [shared + [(i * 7 + k) % 90 + 5 for k in range(args.own)] for i in range(args.sessions)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = make_model_dir(root / "model", max_position_embeddings=2 * (args.shared + args.own))
+        result = {"shared": args.shared, "own": args.own, "sessions": args.sessions, "block": args.block,
+                  **{("on" if paged else "off"): run_mode(model_dir, root, paged, prompts, args.block)
+                     for paged in (False, True)}}
+    result["hot_kv_ratio"] = round(result["on"]["hot_kv_bytes"] / result["off"]["hot_kv_bytes"], 4)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "paged_wakes.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

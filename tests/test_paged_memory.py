@@ -1,0 +1,64 @@
+"""Memory counted by pages with `paged_kv` on (tiny llama, CPU): a sleep for memory picks by the bytes it frees,
+and a prompt longer than the page pool may hold is CONTEXT_TOO_LONG before any prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvwake.daemon.config import Tuning
+from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.session_state import Session
+from kvwake.errors import ContextTooLongError
+from kvwake.store import Store
+from tests.test_paged_wakes import paged_manager  # noqa: F401 - an in-process manager, paged_kv on
+from tests.test_shared_wakes import SHARED
+
+BLOCK = 16
+
+
+async def test_over_the_budget_the_session_whose_sleep_frees_most_sleeps_not_the_lru_sharing_one(paged_manager):
+    # "a" and "b" share a long prompt (least recently used), "c" holds a prompt of its own. Sleeping "a" would
+    # free only its own last pages (the prompt's stay, "b" lists them); sleeping "c" frees all it holds.
+    m = paged_manager
+    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
+        await m.create(sid)
+        await m.append(sid, tokens=tokens)
+    engine = m.engine
+    frees = {sid: engine.sleep_frees(m.entries[sid].session) for sid in "abc"}
+    assert frees["a"][0] < frees["a"][1] // 2 and frees["c"][0] == frees["c"][1]
+    m.settings = dataclasses.replace(m.settings, hot_budget_bytes=m.hot_bytes() - frees["c"][0])
+    assert await m.enforce_limits() == 1
+    assert set(m.entries.hot) == {"a", "b"}  # was: "a" and then "b" slept, least recently used first
+
+
+async def test_sessions_sharing_all_their_pages_still_sleep_when_nothing_else_frees_enough(paged_manager):
+    m = paged_manager
+    for sid in ("a", "b"):
+        await m.create(sid)
+        await m.append(sid, tokens=SHARED + [5] * 20)
+    m.settings = dataclasses.replace(m.settings, hot_budget_bytes=1)
+    assert await m.enforce_limits() == 2 and not m.entries.hot
+    assert m.thread.call(m.engine.pages.pool.pages_held) == 0
+
+
+def test_a_prompt_longer_than_the_page_pool_may_hold_is_too_long_before_any_prefill(model_dir, tmp_path, monkeypatch):
+    # Was: the memory bound counted the room by tokens, not by whole pages: a prompt in the last page's worth
+    # passed the check, and the pool, full mid-prefill, raised PagePoolFullError (INTERNAL to a client).
+    from kvwake.daemon.kv import paging
+
+    monkeypatch.setattr(paging, "FIRST_BYTES", 0)  # the pool starts small: its bound is what the room sets
+    store = Store(tmp_path / "store", block_tokens=BLOCK)
+    engine = Engine(store, tmp_path, model_dir, tuning=Tuning(paged_kv=True), warm=False)
+    try:
+        layout = engine.pages.pool.layout
+        engine.set_kv_room(20 * layout.page_bytes + 15 * engine.token_bytes)  # 20 pages and 15 tokens
+        assert (engine.session_tokens, engine.pages.pool.limit, engine.max_tokens) == (335, 20, 320)
+        with pytest.raises(ContextTooLongError, match="page pool may hold: 20 pages") as raised:
+            engine.append(Session("long"), tokens=[(i * 7) % 250 + 5 for i in range(330)])
+        assert (raised.value.data["bound"], raised.value.data["limit"]) == ("memory", 320)
+        engine.append(Session("fits"), tokens=[(i * 7) % 250 + 5 for i in range(300)])
+    finally:
+        engine.close()
+        store.close()
