@@ -291,3 +291,18 @@ def test_a_merged_row_whose_tokens_find_no_page_as_it_leaves_fails_alone(model_d
             e.close()
         for s in stores:
             s.close()
+
+
+def test_on_cuda_the_fused_attention_reads_a_copy_of_a_slice_of_the_pool(monkeypatch):
+    # On the H200, MLX's fused attention over a bfloat16 slice of the pool read in place gave NaN and wrong rows
+    # (the agreement test above failed on its reference, not on the kernel: a copy and the kernel agreed). Both
+    # places that hand it such a slice (a paged batch's gather, a paged cache alone) give it a copy on CUDA.
+    copied = []
+    monkeypatch.setattr(paged_cache.mx, "contiguous", lambda a: copied.append(a.shape) or a)
+    monkeypatch.setattr(paged_cache.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(paged_cache.mx, "cuda", type("Cuda", (), {"is_available": staticmethod(lambda: True)}),
+                        raising=False)
+    pools = mx.zeros((2, 64, 8))
+    assert paged_cache.for_fused(pools[:, 3:20]) is not None and copied == [(2, 17, 8)]
+    monkeypatch.undo()
+    assert paged_cache.for_fused(pools[:, 3:20]).shape == (2, 17, 8)  # on the CPU: read in place, as it was

@@ -42,11 +42,20 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attent
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
 from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
-__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "fork", "is_paged", "map_keys", "map_prefix", "page_layout",
+__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "for_fused", "fork", "is_paged", "map_keys", "map_prefix", "page_layout",
            "paged_cache", "publish", "resident_prefix", "state_arrays"]
 
 _names = itertools.count()
 
+
+def for_fused(kv: mx.array) -> mx.array:
+    """A slice of a pool's tokens as MLX's fused attention is given it: in place, except on CUDA, where the
+    fused attention misread such a slice (bfloat16 K and V strided by the pool's slots: NaN and wrong rows,
+    measured on the H200; float32 and a copy were right), so it gets a copy there (docs/decisions.md,
+    "Paged KV on CUDA: a slice of the pool copied for the fused attention")."""
+    if mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available():
+        return mx.contiguous(kv)
+    return kv
 
 class PagedSession:
     """A page table in `pool` for one session, and the offset of each of its paged layers."""
@@ -142,7 +151,8 @@ class PagedKVCache(_BaseCache):
         if first is None:
             return self.keys, self.values
         pool, end = self.session.pool, first + self.offset
-        return pool.keys[self.layer][None, :, first:end], pool.values[self.layer][None, :, first:end]
+        return (for_fused(pool.keys[self.layer][None, :, first:end]),
+                for_fused(pool.values[self.layer][None, :, first:end]))
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
         """Write the new tokens' K and V ([1, kv_heads, n, head_dim]) after the layer's own."""

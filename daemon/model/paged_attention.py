@@ -29,6 +29,8 @@ import threading
 
 import mlx.core as mx
 
+from kvwake.daemon.kv.paged_cache import for_fused
+
 __all__ = ["ROW_SPLIT", "THREADS", "constant", "decode_attention", "gather_attention", "gather_rows", "kernel_attention", "row_attention", "split_tokens"]
 
 THREADS = 128  # threads per block of the span kernel: four warps
@@ -63,8 +65,8 @@ def gather_rows(queries: mx.array, keys: mx.array, values: mx.array, slots: list
         if row is None or (isinstance(row, mx.array) and row.size == 0):
             rows.append(mx.zeros(queries.shape[1:], queries.dtype))
             continue
-        out = mx.fast.scaled_dot_product_attention(queries[r][None, :, None], keys[:, row][None],
-                                                   values[:, row][None], scale=scale)
+        out = mx.fast.scaled_dot_product_attention(queries[r][None, :, None], for_fused(keys[:, row][None]),
+                                                   for_fused(values[:, row][None]), scale=scale)
         rows.append(out[0, :, 0])
     return mx.stack(rows)
 
