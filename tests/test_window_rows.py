@@ -244,14 +244,9 @@ def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stored_whole(engines, monkeypatch):
-    # Between a take and its write another writer (a point without markers, a sleep) may store window blocks
-    # the take copied with rows: ours are not written. Was: the point stayed a marker over blocks without
-    # rows, and every hit through it gave way.
-    old = engines("gemma3_text", 40, window_blocks=False)
-    old.append(Session("first"), messages=chat("a"))  # the system prompt's blocks, without rows
-    old.close()
-    engine = engines("gemma3_text", 40)
+def append_stored_meanwhile(engine: Engine, monkeypatch) -> tuple[Session, list[dict]]:
+    """A second conversation over the stored system prompt, its takes finding no block stored (another
+    writer stores them between each take and its write): the session, and the points it stored."""
     theirs = {int(p["layers.0.ring"].array[0]) for p in stored_points(engine)}
     usable = engine.store.usable_blocks
 
@@ -262,9 +257,35 @@ def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stor
     second = Session("second")
     engine.append(second, messages=chat(OTHER))
     monkeypatch.undo()
-    ours = [p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) not in theirs]
+    return second, [p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) not in theirs]
+
+
+def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stored_whole(engines, monkeypatch):
+    # Between a take and its write another writer (a point without markers, a sleep) may store window blocks
+    # the take copied with rows: ours are not written. Was: the point stayed a marker over blocks without
+    # rows, and every hit through it gave way.
+    old = engines("gemma3_text", 40, window_blocks=False)
+    old.append(Session("first"), messages=chat("a"))  # the system prompt's blocks, without rows
+    old.close()
+    engine = engines("gemma3_text", 40)
+    second, ours = append_stored_meanwhile(engine, monkeypatch)
     assert ours and all("layers.0.keys" in p and f"layers.0.{window_rows.MARK}" not in p for p in ours)
-    assert engine.points.counters["point_failures"] == 0
+    assert engine.points.counters["points_joined"] == len(ours) and engine.points.counters["point_failures"] == 0
+    again = Session("again")
+    got = engine.append(again, tokens=list(second.tokens))
+    assert got["reused"] == (len(second.tokens) - 1) // B * B
+    assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), again)
+
+
+def test_a_marker_whose_window_blocks_an_earlier_marker_stored_meanwhile_stays_a_marker(engines, monkeypatch):
+    # Points taken before the previous ones are written (a prefill's successive points, agents starting
+    # together) copy window blocks that the earlier writes store with rows first. Was: the stored blocks were
+    # looked up with the tokens of the prefix's first blocks, not found, and the point was stored whole.
+    engine = engines("gemma3_text", 40)
+    engine.append(Session("first"), messages=chat("a"))
+    second, ours = append_stored_meanwhile(engine, monkeypatch)
+    assert ours and all(f"layers.0.{window_rows.MARK}" in p and "layers.0.keys" not in p for p in ours)
+    assert engine.points.counters["points_joined"] == 0 and engine.points.counters["point_failures"] == 0
     again = Session("again")
     got = engine.append(again, tokens=list(second.tokens))
     assert got["reused"] == (len(second.tokens) - 1) // B * B
