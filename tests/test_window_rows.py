@@ -168,15 +168,21 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     assert_as_plain(engine, engines(arch, window, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines):
-    # Staged (a GPU's way, run on the CPU): a block carrying window rows is not staged (its tensors are not
-    # the plain layers' alone) but decoded into the host views; the hit is exact all the same.
+def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch):
+    # Staged (a GPU's way, run on the CPU): a block carrying window rows stages its plain part through the
+    # ring as other blocks do, and only the window rows the marker wants are joined on the host (was: the
+    # whole block decoded into host views and uploaded). The hit is exact all the same.
     engine = engines("gemma3_text", 32, restore_mode="staged")
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     assert engine.points.counters["points_marked"] >= 2
+    finish, joined = window_rows.WindowRun.finish, []
+    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: joined.append(
+        (start, set(out := finish(run, held, start)))) or out)
     got = engine.append(second, messages=chat(OTHER))
     assert got["reused"] >= common_prefix(first.tokens, second.tokens) // B * B - B > 0
+    window = -(-32 // B)  # the blocks of the deepest point's window: staged, and their rows joined
+    assert len(joined) >= window and all(names == engine.points.window_names for _, names in joined[-window:])
     assert_as_plain(engine, engines("gemma3_text", 32, window_blocks=False, store="plain", points=False), second)
 
 
@@ -212,14 +218,21 @@ def test_a_marker_whose_blocks_lack_the_rows_gives_way_and_the_prompt_is_prefill
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engines):
-    engine = engines("gemma3_text", 40)
+@pytest.mark.parametrize("mode", [None, "staged"])
+def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engines, mode, monkeypatch):
+    # staged: the blocks' plain parts go through the ring; their window rows, which a wake does not read, are
+    # decompressed and verified, not joined
+    engine = engines("gemma3_text", 40, restore_mode=mode)
+    finish, runs = window_rows.WindowRun.finish, []
+    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: runs.append(
+        out := finish(run, held, start)) or out)
     s = Session("named")
     engine.append(s, messages=chat("List three tools."))
     assert any(engine.points.window_names <= names for names in block_names(engine, s.tokens))
     held = [np.array(a.view(mx.uint16)) for c in s.cache for a in c.state if isinstance(a, mx.array)]
     engine.sleep(s)
     woken, _ = engine.wake("named")
+    assert (len(runs) > 0 and not any(runs)) if mode else not runs
     again = [np.array(a.view(mx.uint16)) for c in woken.cache for a in c.state if isinstance(a, mx.array)]
     assert len(held) == len(again) and all(np.array_equal(a, b) for a, b in zip(held, again))
     plain = engines("gemma3_text", 40, window_blocks=False, store="plain", points=False)
