@@ -111,12 +111,13 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture
 def engines(model_dirs, tmp_path):
-    """engines(arch, window=None, window_blocks=True, store="store", points=True): an Engine (block 16)."""
+    """engines(arch, window=None, window_blocks=True, store="store", points=True, restore_mode=None, codec=None):
+    an Engine (block 16)."""
     opened = []
 
     def open_(arch: str, window: int | None = None, window_blocks: bool = True, store: str = "store",
-              points: bool = True, restore_mode: str | None = None) -> Engine:
-        s = Store(tmp_path / store, block_tokens=B)
+              points: bool = True, restore_mode: str | None = None, codec: str | None = None) -> Engine:
+        s = Store(tmp_path / store, block_tokens=B, **({"codec": codec} if codec else {}))
         tuning = Tuning(window_blocks=window_blocks, restore_points=points, restore_mode=restore_mode)
         opened.append((Engine(s, tmp_path, model_dirs(arch, window), tuning=tuning), s))
         return opened[-1][0]
@@ -168,11 +169,12 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     assert_as_plain(engine, engines(arch, window, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch):
+@pytest.mark.parametrize("codec", ["planes-zstd", "raw"])
+def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch, codec):
     # Staged (a GPU's way, run on the CPU): a block carrying window rows stages its plain part through the
     # ring as other blocks do, and only the window rows the marker wants are joined on the host (was: the
     # whole block decoded into host views and uploaded). The hit is exact all the same.
-    engine = engines("gemma3_text", 32, restore_mode="staged")
+    engine = engines("gemma3_text", 32, restore_mode="staged", codec=codec)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     assert engine.points.counters["points_marked"] >= 2
