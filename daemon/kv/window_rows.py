@@ -303,15 +303,21 @@ class WindowRun:
         for row, section in zip(self.rows, self.sections):
             np.copyto(row, section[:cut])
         out: dict[str, Tensor] = {}
-        n = math.prod(self.shape)
-        for i, name in enumerate(self.names):
-            dest = held.where(name, start) if held is not None else None
-            if dest is None:
-                continue
-            lo = self.plain + i * n
-            if self.planes:
-                join_into([s[lo : lo + n] for s in self.sections], self.rotate, dest.view(f"<u{self.size}"))
-            else:
-                np.copyto(dest, self.sections[0][lo * self.size : (lo + n) * self.size].view(dest.dtype).reshape(dest.shape))
-            out[name] = Tensor(held.dtypes[name], dest)
+        if held is None or set(self.names) - set(held.arrays):
+            return out  # nothing wants them (a wake), or they are not the rows a marker reads
+        lo = self.plain
+        for name in self.names:  # each at its own size, in the run's order
+            n = held.arrays[name].size // held.count
+            dest = held.where(name, start)
+            if dest is not None:
+                if self.planes:
+                    join_into([s[lo : lo + n] for s in self.sections], self.rotate, dest.view(f"<u{self.size}"))
+                else:
+                    np.copyto(dest, self.sections[0][lo * self.size : (lo + n) * self.size].view(dest.dtype)
+                              .reshape(dest.shape))
+                out[name] = Tensor(held.dtypes[name], dest)
+            lo += n
+        if lo != self.plain + len(self.names) * math.prod(self.shape):
+            raise StateMismatchError(f"block at token {start}: window rows of {lo - self.plain} values where the "
+                                     f"run holds {len(self.names) * math.prod(self.shape)}")
         return out
