@@ -111,12 +111,13 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture
 def engines(model_dirs, tmp_path):
-    """engines(arch, window=None, window_blocks=True, store="store", points=True): an Engine (block 16)."""
+    """engines(arch, window=None, window_blocks=True, store="store", points=True, restore_mode=None, codec=None):
+    an Engine (block 16)."""
     opened = []
 
     def open_(arch: str, window: int | None = None, window_blocks: bool = True, store: str = "store",
-              points: bool = True, restore_mode: str | None = None) -> Engine:
-        s = Store(tmp_path / store, block_tokens=B)
+              points: bool = True, restore_mode: str | None = None, codec: str | None = None) -> Engine:
+        s = Store(tmp_path / store, block_tokens=B, **({"codec": codec} if codec else {}))
         tuning = Tuning(window_blocks=window_blocks, restore_points=points, restore_mode=restore_mode)
         opened.append((Engine(s, tmp_path, model_dirs(arch, window), tuning=tuning), s))
         return opened[-1][0]
@@ -168,15 +169,22 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
     assert_as_plain(engine, engines(arch, window, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines):
-    # Staged (a GPU's way, run on the CPU): a block carrying window rows is not staged (its tensors are not
-    # the plain layers' alone) but decoded into the host views; the hit is exact all the same.
-    engine = engines("gemma3_text", 32, restore_mode="staged")
+@pytest.mark.parametrize("codec", ["planes-zstd", "raw"])
+def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch, codec):
+    # Staged (a GPU's way, run on the CPU): a block carrying window rows stages its plain part through the
+    # ring as other blocks do, and only the window rows the marker wants are joined on the host (was: the
+    # whole block decoded into host views and uploaded). The hit is exact all the same.
+    engine = engines("gemma3_text", 32, restore_mode="staged", codec=codec)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     assert engine.points.counters["points_marked"] >= 2
+    finish, joined = window_rows.WindowRun.finish, []
+    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: joined.append(
+        (start, set(out := finish(run, held, start)))) or out)
     got = engine.append(second, messages=chat(OTHER))
     assert got["reused"] >= common_prefix(first.tokens, second.tokens) // B * B - B > 0
+    window = -(-32 // B)  # the blocks of the deepest point's window: staged, and their rows joined
+    assert len(joined) >= window and all(names == engine.points.window_names for _, names in joined[-window:])
     assert_as_plain(engine, engines("gemma3_text", 32, window_blocks=False, store="plain", points=False), second)
 
 
@@ -212,14 +220,21 @@ def test_a_marker_whose_blocks_lack_the_rows_gives_way_and_the_prompt_is_prefill
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engines):
-    engine = engines("gemma3_text", 40)
+@pytest.mark.parametrize("mode", [None, "staged"])
+def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engines, mode, monkeypatch):
+    # staged: the blocks' plain parts go through the ring; their window rows, which a wake does not read, are
+    # decompressed and verified, not joined
+    engine = engines("gemma3_text", 40, restore_mode=mode)
+    finish, runs = window_rows.WindowRun.finish, []
+    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: runs.append(
+        out := finish(run, held, start)) or out)
     s = Session("named")
     engine.append(s, messages=chat("List three tools."))
     assert any(engine.points.window_names <= names for names in block_names(engine, s.tokens))
     held = [np.array(a.view(mx.uint16)) for c in s.cache for a in c.state if isinstance(a, mx.array)]
     engine.sleep(s)
     woken, _ = engine.wake("named")
+    assert (len(runs) > 0 and not any(runs)) if mode else not runs
     again = [np.array(a.view(mx.uint16)) for c in woken.cache for a in c.state if isinstance(a, mx.array)]
     assert len(held) == len(again) and all(np.array_equal(a, b) for a, b in zip(held, again))
     plain = engines("gemma3_text", 40, window_blocks=False, store="plain", points=False)
@@ -244,14 +259,9 @@ def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), second)
 
 
-def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stored_whole(engines, monkeypatch):
-    # Between a take and its write another writer (a point without markers, a sleep) may store window blocks
-    # the take copied with rows: ours are not written. Was: the point stayed a marker over blocks without
-    # rows, and every hit through it gave way.
-    old = engines("gemma3_text", 40, window_blocks=False)
-    old.append(Session("first"), messages=chat("a"))  # the system prompt's blocks, without rows
-    old.close()
-    engine = engines("gemma3_text", 40)
+def append_stored_meanwhile(engine: Engine, monkeypatch) -> tuple[Session, list[dict]]:
+    """A second conversation over the stored system prompt, its takes finding no block stored (another
+    writer stores them between each take and its write): the session, and the points it stored."""
     theirs = {int(p["layers.0.ring"].array[0]) for p in stored_points(engine)}
     usable = engine.store.usable_blocks
 
@@ -262,9 +272,35 @@ def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stor
     second = Session("second")
     engine.append(second, messages=chat(OTHER))
     monkeypatch.undo()
-    ours = [p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) not in theirs]
+    return second, [p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) not in theirs]
+
+
+def test_a_marker_whose_window_blocks_another_writer_stored_without_rows_is_stored_whole(engines, monkeypatch):
+    # Between a take and its write another writer (a point without markers, a sleep) may store window blocks
+    # the take copied with rows: ours are not written. Was: the point stayed a marker over blocks without
+    # rows, and every hit through it gave way.
+    old = engines("gemma3_text", 40, window_blocks=False)
+    old.append(Session("first"), messages=chat("a"))  # the system prompt's blocks, without rows
+    old.close()
+    engine = engines("gemma3_text", 40)
+    second, ours = append_stored_meanwhile(engine, monkeypatch)
     assert ours and all("layers.0.keys" in p and f"layers.0.{window_rows.MARK}" not in p for p in ours)
-    assert engine.points.counters["point_failures"] == 0
+    assert engine.points.counters["points_joined"] == len(ours) and engine.points.counters["point_failures"] == 0
+    again = Session("again")
+    got = engine.append(again, tokens=list(second.tokens))
+    assert got["reused"] == (len(second.tokens) - 1) // B * B
+    assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), again)
+
+
+def test_a_marker_whose_window_blocks_an_earlier_marker_stored_meanwhile_stays_a_marker(engines, monkeypatch):
+    # Points taken before the previous ones are written (a prefill's successive points, agents starting
+    # together) copy window blocks that the earlier writes store with rows first. Was: the stored blocks were
+    # looked up with the tokens of the prefix's first blocks, not found, and the point was stored whole.
+    engine = engines("gemma3_text", 40)
+    engine.append(Session("first"), messages=chat("a"))
+    second, ours = append_stored_meanwhile(engine, monkeypatch)
+    assert ours and all(f"layers.0.{window_rows.MARK}" in p and "layers.0.keys" not in p for p in ours)
+    assert engine.points.counters["points_joined"] == 0 and engine.points.counters["point_failures"] == 0
     again = Session("again")
     got = engine.append(again, tokens=list(second.tokens))
     assert got["reused"] == (len(second.tokens) - 1) // B * B

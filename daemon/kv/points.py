@@ -100,7 +100,7 @@ class PointTaker:
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
         self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
         self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0,
-                         "points_marked": 0}
+                         "points_marked": 0, "points_joined": 0}
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
@@ -210,13 +210,15 @@ class PointTaker:
         """Driver thread: the point as it can be stored. A marker's window blocks that another writer stored
         after the take (`late`: ours were not written) may lack the rows; then the point is made whole from
         the rows we copied and those the store holds (StateMismatchError when neither has them)."""
+        if not late:
+            return point
         store, b = self.ctx.store, self.ctx.block_tokens
         keys = chain_keys(self.ctx.bundle.hash, tokens, b)
-        refs = store.usable_blocks([keys[k] for k in late], tokens) if late else {}
-        if all(keys[k] in refs and window_rows.carries_rows(store.block_specs(refs[keys[k]]), self.window_names)
+        stored = store.usable_blocks(keys, tokens)  # all the keys: a block's tokens are found by its place
+        if all(keys[k] in stored and window_rows.carries_rows(store.block_specs(stored[keys[k]]), self.window_names)
                for k in late):
             return point
-        stored = store.usable_blocks(keys, tokens)
+        self._count("points_joined")
         return window_rows.assemble(point, b, lambda k: blocks[k] if window_rows.carries_rows(
             blocks.get(k, {}), self.window_names) else store.read_block(stored[keys[k]]))
 

@@ -145,6 +145,7 @@ class Buffers:
         self.expected |= {f"{name}.quant" for name, q in self.quantized.items() if q}
         self.window = window_rows.window_names(self.cache)  # rows a block may carry for a point's rings: not ours
         self.held: window_rows.Held | None = None  # where a marker point's window rows decode (prefixhit.py)
+        self._window_runs: dict[int, window_rows.WindowRun] = {}  # staged blocks carrying window rows, till checked
         self.quant: dict[str, list[int]] = {}
         self.dtypes: dict[str, str] = {}
         self.buffers: dict[str, mx.array] = {}
@@ -281,11 +282,23 @@ class Buffers:
             size = DTYPES[dtype][0].itemsize
             rows = self.ring.rows(k - self.first, planes) if k is not None else (
                 devplanes.planes_of(self._tail_view, size) if planes else [self._tail_view])
+            if names != self.order and k is not None and self.window and dtype == self.dtypes[self.order[0]]:
+                return self._stage_window(k, names, dtype, n, rows, planes)  # its plain part staged like a block's
             if names != self.order or dtype != self.dtypes[names[0]] or n * size != self._row_bytes(k):
                 return None
             self.staged[k if k is not None else -1] = planes
             return rows
         return where
+
+    def _stage_window(self, k: int, names: tuple[str, ...], dtype: str, n: int, rows: list[np.ndarray],
+                      planes: bool) -> list[np.ndarray] | None:
+        """A block carrying window rows (kv/window_rows.py): its run decodes into scratch, and `check` stages
+        its plain part into the ring's rows (`WindowRun`)."""
+        run = window_rows.WindowRun.of(names, self.order, self.window, dtype, n, self.block_shape, rows, planes)
+        if run is None:
+            return None
+        self.staged[k], self._window_runs[k] = planes, run
+        return run.sections
 
     def _row_bytes(self, k: int | None) -> int:
         return self.ring.size * self.ring.plane_bytes if k is not None else self._tail_view.size
@@ -349,6 +362,9 @@ class Buffers:
         """After a decode: every tensor went where it belongs (or, staged, into the planes), and
         quantization agrees across blocks."""
         if self.window:
+            run = self._window_runs.pop(start // self.block_tokens, None) if staged else None
+            if run is not None:
+                arrays = {**arrays, **run.finish(self.held, start)}
             if self.held is not None:
                 self.held.took(arrays, start)
             arrays = {name: t for name, t in arrays.items() if name not in self.window}

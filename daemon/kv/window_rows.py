@@ -27,6 +27,7 @@ window rows they find (restore_buffers.Buffers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,8 +37,9 @@ import numpy as np
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
 from kvwake.store.format.codec import DTYPES, Tensor
+from kvwake.store.format.planes import join_into, scratch
 
-__all__ = ["MARK", "Held", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
+__all__ = ["MARK", "Held", "WindowRun", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
            "marker", "spans", "window_names", "worth_it"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
@@ -257,3 +259,65 @@ def assemble(point: dict[str, Tensor], block_tokens: int, rows_of: Callable[[int
             joined = np.concatenate([t.array for t in pieces], axis=2)
             out[f"{unit}.{part}"] = Tensor(pieces[0].dtype, np.ascontiguousarray(joined[:, :, start : start + rows]))
     return out
+
+
+class WindowRun:
+    """A staged block whose run holds window rows after the plain tensors a restore stages (its `order`).
+
+    The run's sections decode whole into this thread's scratch (`sections`: a planes run's byte planes, or a
+    raw run's bytes); then `finish` (the same pool thread, before its next decode) copies the plain part of
+    each section into the block's ring rows, the first values of each plane, and joins only the window rows
+    a marker point wants (`Held.where`) on the host; a wake wants none and joins none. So the block's plain
+    KV reaches the device as staged blocks' does, with the span, and the window rows cost their
+    decompression and digest alone where nothing reads them.
+    """
+
+    __slots__ = ("names", "plain", "size", "rotate", "shape", "rows", "planes", "sections")
+
+    def __init__(self, names: tuple[str, ...], plain: int, dtype: str, shape: tuple[int, ...],
+                 rows: list[np.ndarray], planes: bool) -> None:
+        self.names, self.plain, self.shape, self.rows, self.planes = names, plain, shape, rows, planes
+        holder, self.rotate = DTYPES[dtype]
+        self.size = holder.itemsize
+        values = plain + len(names) * math.prod(shape)
+        buf = scratch(np.dtype(np.uint8), (self.size * values,), "window_run")
+        self.sections = [buf[p * values : (p + 1) * values] for p in range(self.size)] if planes else [buf]
+
+    @classmethod
+    def of(cls, names: tuple[str, ...], order: tuple[str, ...], window: frozenset[str], dtype: str, values: int,
+           shape: tuple[int, ...], rows: list[np.ndarray], planes: bool) -> WindowRun | None:
+        """The run `names` of `values` values as the plain tensors `order` (each of `shape`, staged into
+        `rows`) followed by window rows of the same shape; None when it is not that."""
+        extra = names[len(order):]
+        if names[: len(order)] != order or not extra or not set(extra) <= window:
+            return None
+        plain = len(order) * math.prod(shape)
+        if values != plain + len(extra) * math.prod(shape) or len(rows) != (DTYPES[dtype][0].itemsize if planes else 1):
+            return None
+        return cls(extra, plain, dtype, shape, rows, planes)
+
+    def finish(self, held: Held | None, start: int) -> dict[str, Tensor]:
+        """The plain part into the ring's rows; the window rows `held` places, joined there (returned, as a
+        decode returns placed tensors, for `Held.took`)."""
+        cut = self.plain if self.planes else self.plain * self.size
+        for row, section in zip(self.rows, self.sections):
+            np.copyto(row, section[:cut])
+        out: dict[str, Tensor] = {}
+        if held is None or set(self.names) - set(held.arrays):
+            return out  # nothing wants them (a wake), or they are not the rows a marker reads
+        lo = self.plain
+        for name in self.names:  # each at its own size, in the run's order
+            n = held.arrays[name].size // held.count
+            dest = held.where(name, start)
+            if dest is not None:
+                if self.planes:
+                    join_into([s[lo : lo + n] for s in self.sections], self.rotate, dest.view(f"<u{self.size}"))
+                else:
+                    np.copyto(dest, self.sections[0][lo * self.size : (lo + n) * self.size].view(dest.dtype)
+                              .reshape(dest.shape))
+                out[name] = Tensor(held.dtypes[name], dest)
+            lo += n
+        if lo != self.plain + len(self.names) * math.prod(self.shape):
+            raise StateMismatchError(f"block at token {start}: window rows of {lo - self.plain} values where the "
+                                     f"run holds {len(self.names) * math.prod(self.shape)}")
+        return out
