@@ -195,10 +195,14 @@ class Stream:
 
     def gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[float]:
         """ms between pieces completed by consecutive tokens (optionally arriving within a window)."""
+        return [ms for _, ms in self.timed_gaps(tokenizer, within)]
+
+    def timed_gaps(self, tokenizer: Any, within: tuple[float, float] | None = None) -> list[tuple[float, float]]:
+        """`gaps`, each with when it ended (perf_counter time): (when, ms)."""
         out, last = [], None
         for k, when in self.arrivals(tokenizer):
             if last is not None and k == last[0] + 1 and (within is None or within[0] < when < within[1]):
-                out.append((when - last[1]) * 1000)
+                out.append((when, (when - last[1]) * 1000))
             last = (k, when)
         return out
 

@@ -81,13 +81,8 @@ def largest_gaps(streams: list[Stream], tokenizer: Any, window: tuple[float, flo
                  kept: int = 12) -> list[dict[str, Any]]:
     """The `kept` longest gaps within `window` (perf_counter times), each with its stream and when it ended,
     seconds from `began`: which stalls every stream shared, and where in the load they fell."""
-    gaps = []
-    for i, s in enumerate(streams):
-        last = None
-        for k, when in s.arrivals(tokenizer):
-            if last is not None and k == last[0] + 1 and window[0] < when < window[1]:
-                gaps.append({"stream": i, "ended_s": round(when - began, 3), "ms": round((when - last[1]) * 1000, 1)})
-            last = (k, when)
+    gaps = [{"stream": i, "ended_s": round(when - began, 3), "ms": round(ms, 1)}
+            for i, s in enumerate(streams) for when, ms in s.timed_gaps(tokenizer, window)]
     return sorted(gaps, key=lambda g: -g["ms"])[:kept]
 
 

@@ -311,7 +311,7 @@ async def test_an_operation_already_on_a_model_goes_on_while_the_model_is_asked_
 
 def test_adding_a_loaded_model_does_not_wait_for_its_first_job(tmp_path, models, monkeypatch):
     # Was: the provider attached the new model's decoder on the event loop, by a job queued behind the model's
-    # first one (its kernels' wait, a second and more on CUDA): the event loop waited that long, and every other
+    # first one (the kernel warmers' wait, long on CUDA): the event loop waited that long, and every other
     # model's streamed tokens with it.
     from kvwake.daemon.config import Settings
     from kvwake.daemon.model.engine import Engine

@@ -294,7 +294,7 @@ def test_a_merged_row_whose_tokens_find_no_page_as_it_leaves_fails_alone(model_d
 
 
 def test_on_cuda_the_fused_attention_reads_a_copy_of_a_slice_of_the_pool(monkeypatch):
-    # On the H200, MLX's fused attention over a bfloat16 slice of the pool read in place gave NaN and wrong rows
+    # On CUDA, MLX's fused attention over a bfloat16 slice of the pool read in place gave NaN and wrong rows
     # (the agreement test above failed on its reference, not on the kernel: a copy and the kernel agreed). Both
     # places that hand it such a slice (a paged batch's gather, a paged cache alone) give it a copy on CUDA.
     copied = []
@@ -304,5 +304,15 @@ def test_on_cuda_the_fused_attention_reads_a_copy_of_a_slice_of_the_pool(monkeyp
                         raising=False)
     pools = mx.zeros((2, 64, 8))
     assert paged_cache.for_fused(pools[:, 3:20]) is not None and copied == [(2, 17, 8)]
+    copied.clear()  # the batch's gather: a row whose pages are one run is a slice
+    paged_attention.gather_rows(mx.zeros((1, 4, 8)), pools, pools, [slice(3, 20)], 0.5)
+    assert copied == [(1, 2, 17, 8)] * 2
+    copied.clear()  # a paged cache alone: its pages one run, read as a slice
+    pool = PagePool(PageLayout(layers=1, kv_heads=2, head_dim=8, page_tokens=PAGE, block_tokens=PAGE,
+                               dtype=mx.float32), 8)
+    layer = paged_cache.paged_cache(pool, [KVCache()])[0]
+    kv = mx.ones((1, 2, 20, 8))
+    layer.update_and_fetch(kv, kv)
+    assert copied == [(1, 2, 20, 8)] * 2
     monkeypatch.undo()
     assert paged_cache.for_fused(pools[:, 3:20]).shape == (2, 17, 8)  # on the CPU: read in place, as it was

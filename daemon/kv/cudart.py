@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["active", "map_to_device", "unmap"]
+__all__ = ["active", "map_to_device", "on_cuda", "unmap"]
 
 log = logging.getLogger("kvwake.cudart")
 
@@ -91,6 +91,13 @@ def _call(pairs: list[tuple[int, int, int]], ptr: int, nbytes: int) -> bool:
             log.debug("cudaMemAdvise refused", extra={"advice": advice, "error": err})
             return False
     return True
+
+
+def on_cuda() -> bool:
+    """MLX runs on CUDA here (its default device the GPU, and its CUDA backend there)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def active() -> bool:

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, _BaseCache, create_attention_mask
 
+from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
 from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
@@ -50,12 +51,13 @@ _names = itertools.count()
 
 def for_fused(kv: mx.array) -> mx.array:
     """A slice of a pool's tokens as MLX's fused attention is given it: in place, except on CUDA, where the
-    fused attention misread such a slice (bfloat16 K and V strided by the pool's slots: NaN and wrong rows,
-    measured on the H200; float32 and a copy were right), so it gets a copy there (docs/decisions.md,
-    "Paged KV on CUDA: a slice of the pool copied for the fused attention")."""
-    if mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available():
+    fused attention misreads such a slice (bfloat16 K and V strided by the pool's slots: NaN and wrong rows,
+    where float32 and a copy were right), so it gets a copy there (docs/decisions.md, "Paged KV on CUDA: a
+    slice of the pool copied for the fused attention")."""
+    if cudart.on_cuda():
         return mx.contiguous(kv)
     return kv
+
 
 class PagedSession:
     """A page table in `pool` for one session, and the offset of each of its paged layers."""

@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
+from kvwake.daemon.kv import cudart
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities",
            "plain_warm_shapes", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
@@ -87,7 +88,7 @@ def bucket_wanted() -> bool:
 
 def on_cuda() -> bool:
     """MLX runs on CUDA here (where it builds kernels and attention graphs per shape)."""
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+    return cudart.on_cuda()
 
 
 def cuda_graphs() -> bool | None:

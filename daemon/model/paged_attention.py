@@ -29,6 +29,7 @@ import threading
 
 import mlx.core as mx
 
+from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_cache import for_fused
 
 __all__ = ["ROW_SPLIT", "THREADS", "constant", "decode_attention", "gather_attention", "gather_rows", "kernel_attention", "row_attention", "split_tokens"]
@@ -327,6 +328,6 @@ def constant(value: float | int, dtype: mx.Dtype) -> mx.array:
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, page_table: mx.array,
                      lengths: mx.array, scale: float, page_tokens: int) -> mx.array:
     """The kernel on CUDA, the gather path elsewhere (CPU, Metal)."""
-    if mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available():
+    if cudart.on_cuda():
         return kernel_attention(queries, keys, values, page_table, lengths, scale, page_tokens)
     return gather_attention(queries, keys, values, page_table, lengths, scale, page_tokens)

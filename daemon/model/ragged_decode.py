@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_batch import PagedBatchKVCache
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.kv.pages import PageStateError
@@ -43,7 +44,7 @@ __all__ = ["build", "paged", "ragged", "shape_of", "wanted", "warm"]
 
 def wanted(row_kernel: bool) -> bool:
     """Whether batched decode steps take the kernel: asked for (tuning `row_kernel`), and on CUDA."""
-    return row_kernel and mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+    return row_kernel and cudart.on_cuda()
 
 
 def ragged(fused: Any) -> Any:

@@ -2,7 +2,7 @@
 
 `mlx_lm.load` evaluates every parameter in one `mx.eval`, and reading the weights holds the GIL for long
 stretches of that call: while a second model loads, the first one's engine thread waits for the GIL at each
-step (status.gil showed the loading thread inside that one eval at every long wait, up to 0.2 s at a time).
+step (status.gil showed the loading thread inside that one eval at every long wait).
 Evaluated a piece at a time, the GIL is let go between pieces, so a wait is at most one piece's read. The
 pieces are whole tensors grouped up to PIECE_BYTES (a tensor larger than that is a piece of its own).
 docs/decisions.md, "Several models (issue 53)", says what was measured.
@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 
 __all__ = ["PIECE_BYTES", "load", "pieces"]
 
-PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor (32 MiB), a few ms of reading
+PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its pieces are mostly one tensor each
 
 
 def load(path: str, most: int = PIECE_BYTES) -> tuple[Any, Any]:

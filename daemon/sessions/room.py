@@ -106,7 +106,7 @@ class RoomKeeping:
         """Whether a sleep of `e`'s session frees less than half of what it holds: most of its pages are listed
         by other sessions too, and stay (Engine.sleep_frees)."""
         engine = next((m.engine for m in self.models if m.name == self.model_of(e)), None)
-        if engine is None or e.session is None:
+        if engine is None or e.session is None or engine.pages is None:  # no pages: a sleep frees what it holds
             return False
         freed, held = engine.sleep_frees(e.session)
         return 2 * freed < held
