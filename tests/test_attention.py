@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import mlx_lm
 import numpy as np
 import pytest
@@ -218,6 +219,21 @@ def test_the_plain_path_warms_through_the_model_over_a_buffer_larger_than_its_ke
     assert all(capacity > 612 for *_, capacity in seen[-layers:])  # keys a slice of a larger buffer
     assert len(pieces) == layers * -(-100 // rows) > layers and all(keys == 612 for _, keys in pieces)
     assert sum(n for n, _ in pieces) == 100 * layers
+
+
+def test_a_plain_warm_up_computes_the_first_layer_and_leaves_the_others_unevaluated(model, monkeypatch):
+    """Every layer has one shape, so one builds the kernels of all. Was: the warm-up evaluated every layer's
+    cache, a whole chunk's forward pass (the 8B shape's first plain warm-up took most of 0.3 s on a GPU, and
+    a restart's first wake waited behind it)."""
+    from kvwake.daemon.model import attention
+
+    evaluated = []
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: evaluated.append(a) or real(*a))
+    assert attention.warm_plain(model, 100, 512)
+    arrays = [x for _, x in tree_flatten(list(evaluated[-1])) if isinstance(x, mx.array)]
+    # one layer's keys and values (the second's: the first layer's output), of all
+    assert len(model.layers) >= 2 and len(arrays) == 2, [a.shape for a in arrays]
 
 
 def test_the_plain_path_is_warmed_aligned_and_unaligned_in_one_two_and_several_pieces():

@@ -390,6 +390,78 @@ def test_a_turn_set_aside_is_not_waited_for_and_arrives_again_after():
     assert s.arriving() == 0
 
 
+def _woken(s: Scheduler, wake_s: float) -> Any:
+    """A turn whose session woke, its wake taking `wake_s` (the clock moved back instead of waiting)."""
+    arrival = s.arrive()
+    with arrival.wake():
+        pass
+    arrival.woken_s = wake_s
+    return arrival
+
+
+def test_a_woken_turn_waits_past_the_gathering_time_for_turns_waking_with_it():
+    """A restart's round: the first session woken does not start its turn alone while the others still wake."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
+    other = s.arrive()
+    waking = other.wake()
+    waking.__enter__()  # its session is waking
+    held = s.submit(Packed(lambda: None, _sizes), arrival=_woken(s, 5.0))
+
+    def woke_then_queued() -> None:
+        waking.__exit__(None, None, None)
+        s.submit(Packed(lambda: None, _sizes), arrival=other)
+
+    threading.Timer(0.3, woke_then_queued).start()
+    queued = time.monotonic()
+    step = s.next_step()
+    while step.pack is None:
+        step = s.next_step()
+    waited = time.monotonic() - queued
+    assert len(step.pack) == 2 and step.pack[0][1] is held  # one pack: the two turns' first jobs
+    assert 0.25 <= waited < 2.0  # past the 50 ms gathering time, until the other woke and queued
+
+
+def test_a_woken_turn_waits_for_others_waking_at_most_its_own_wake_time():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
+    other = s.arrive()
+    with other.wake():
+        held = s.submit(Packed(lambda: None, _sizes), arrival=_woken(s, 0.2))
+        queued = time.monotonic()
+        step = s.next_step()
+        while step.pack is None:
+            step = s.next_step()
+        waited = time.monotonic() - queued
+    assert [f for _, f in step.pack] == [held]
+    assert 0.18 <= waited < 1.0  # its own wake's 0.2 s, not the other's whole wake
+
+
+def test_a_turn_that_did_not_wake_waits_only_the_gathering_time_for_a_waking_one():
+    s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
+    other = s.arrive()
+    with other.wake():
+        held = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
+        queued = time.monotonic()
+        step = s.next_step()
+        while step.pack is None:
+            step = s.next_step()
+        waited = time.monotonic() - queued
+    assert [f for _, f in step.pack] == [held]
+    assert waited < 0.15
+
+
+def test_a_woken_turn_waits_only_the_gathering_time_for_turns_not_waking():
+    """Turns merely rendering (hot sessions) are no reason for a woken turn to wait past the gathering time."""
+    s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
+    s.arrive()
+    held = s.submit(Packed(lambda: None, _sizes), arrival=_woken(s, 5.0))
+    queued = time.monotonic()
+    step = s.next_step()
+    while step.pack is None:
+        step = s.next_step()
+    assert [f for _, f in step.pack] == [held]
+    assert time.monotonic() - queued < 0.15
+
+
 class Stepping(Decoding):
     """A decoder whose calls decode for `steps` steps of `step_s` seconds each, noted in `order`; its first step
     also waits for `gate` (the test queues its jobs meanwhile)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.model import kernel_cache, memory
@@ -90,14 +91,23 @@ async def warm_model(model: LoadedModel) -> None:
     requests go first (a wake after a restart, a prefill), and one that comes while a warm-up job runs waits
     for that one alone. A shape a request needs before its warm-up ran is built by the request itself, as
     it would be unwarmed."""
-    started = time.perf_counter()
+    started, took = time.perf_counter(), []
     try:
         jobs = await model.thread.run(model.engine.warm_jobs)
         for job in jobs:
-            await model.thread.run_when_idle(job)
+            took.append(await model.thread.run_when_idle(_timed(job)))
     except Exception as exc:  # only speed is at stake (or the model was unloaded meanwhile): serving goes on
         log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
         return
-    if jobs:
-        log.info("warm", extra={"model": model.name, "jobs": len(jobs),
+    if jobs:  # each job's ms, in Engine.warm_jobs' order: a long one is what a request may have waited for
+        log.info("warm", extra={"model": model.name, "jobs": len(jobs), "jobs_ms": took,
                                 "ms": round((time.perf_counter() - started) * 1000, 1)})
+
+
+def _timed(job: Callable[[], Any]) -> Callable[[], float]:
+    """`job` as a job that returns the milliseconds it ran."""
+    def run() -> float:
+        started = time.perf_counter()
+        job()
+        return round((time.perf_counter() - started) * 1000, 1)
+    return run

@@ -314,7 +314,8 @@ class Conversations:
             if on_claim is not None:
                 on_claim()
             woke, entry.woke = entry.session is None, None
-            session = await self.awake(entry)
+            with arrival.wake() if woke and arrival is not None else contextlib.nullcontext():
+                session = await self.awake(entry)  # woken: its pack waits for turns waking with it (scheduler)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
             appended = await self._append(session, inputs, stop, entry, arrival) if inputs else \

@@ -27,6 +27,11 @@ The order, and why:
   a decode step between two jobs gathers them already. Other jobs queued
   meanwhile run while it waits (a turn's wake, another session's chunk): the
   engine does not idle for it (docs/decisions.md, "A fleet of agents (issue 50)").
+  A turn whose session woke (`Arrival.waking`) waits longer for turns still
+  waking or woken: as long as its own wake took, at most WOKEN_GATHER_AT_MOST_S.
+  Sessions woken together (a restart's round) land hundreds of milliseconds
+  apart; the first one's prefill and decode steps taken alone would sit between
+  the others' wake jobs, and their appends would come in passes of their own.
 - An `idle` job (a graph built ahead) runs only when nothing has been queued for
   IDLE_AFTER_S, nothing decodes and no turn is on its way (an `Arrival` not yet
   landed: a restart's first round being rendered, matched and woken): a client's
@@ -63,6 +68,9 @@ HOLDS_KEPT = 256  # the latest packs held for arriving turns whose wait `holds` 
 # A turn on its way longer than this is let go (logged): one dropped without landing (a task cancelled between
 # its prepare and its generate) must not hold idle jobs back, and packs gathering, for good
 ARRIVING_AT_MOST_S = 60.0
+# The longest a woken turn's pack waits for turns still waking with it: a wake that reads from a slow disk
+# must not keep a woken neighbour from its first token for long.
+WOKEN_GATHER_AT_MOST_S = 1.0
 
 
 class _PackDue:
@@ -70,10 +78,11 @@ class _PackDue:
     these takes all of its jobs queued by then, the others find none (a wake-up, not a turn). `starts`: the
     job was its turn's first (it landed an `Arrival`), so the pack may be held for the turns still arriving."""
 
-    __slots__ = ("at", "pack", "starts")
+    __slots__ = ("at", "pack", "starts", "woken_s")
 
-    def __init__(self, pack: Callable[[list[Any]], list[Any]], starts: bool = False) -> None:
+    def __init__(self, pack: Callable[[list[Any]], list[Any]], starts: bool = False, woken_s: float = 0.0) -> None:
         self.pack, self.starts, self.at = pack, starts, time.monotonic()
+        self.woken_s = woken_s  # its turn's session woke, taking this long: it waits so long for others waking
 
 
 class Arrival:
@@ -81,15 +90,27 @@ class Arrival:
     Packed job is queued with it (`submit(fn, arrival=...)`) or it is `land`ed (the turn failed, or queues
     no such job), and not while it is `aside`. Landing twice is landing once."""
 
-    __slots__ = ("_scheduler", "at")
+    __slots__ = ("_scheduler", "at", "waking", "woken_s")
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self.at = time.monotonic()  # when it set out (ARRIVING_AT_MOST_S)
+        self.waking = False  # its session is waking now
+        self.woken_s = 0.0  # how long its session's wake took (0: it did not wake)
 
     def land(self) -> None:
         """No longer arriving: packs stop waiting for this turn."""
         self._scheduler._land(self)
+
+    @contextlib.contextmanager
+    def wake(self) -> Iterator[None]:
+        """Inside this block the turn's session wakes: a woken turn's pack waits for it (module docstring)."""
+        started, self.waking = time.monotonic(), True
+        try:
+            yield
+        finally:
+            self.waking, self.woken_s = False, max(time.monotonic() - started, 1e-6)
+            self._scheduler._jobs.put(())  # a held pack waiting for this wake looks again
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
@@ -165,7 +186,7 @@ class Scheduler:
                 self._packs.setdefault(pack, []).append((fn, future))
                 starts = arrival in self._arriving
                 self._arriving.discard(arrival)
-            self._jobs.put(_PackDue(pack, starts))
+            self._jobs.put(_PackDue(pack, starts, arrival.woken_s if starts and arrival is not None else 0.0))
         else:
             self._jobs.put((fn, future))
 
@@ -264,7 +285,9 @@ class Scheduler:
         if decoding:
             return {"block": False}
         if self._held is not None:
-            return {"timeout": max(0.0, self._held.at + self.gather_s - time.monotonic())}
+            waited = time.monotonic() - self._held.at  # up to the gathering time, then (woken) up to its own wake's
+            until = self.gather_s if waited < self.gather_s else self._holds_for(self._held)
+            return {"timeout": max(0.0, until - waited)}
         return {"timeout": IDLE_AFTER_S} if self._idle else {}
 
     def _step(self, item: Any, decoding: bool, idle: Callable[[], Any] | None = None) -> Step:
@@ -298,21 +321,32 @@ class Scheduler:
             return ()
         return self._pop(item.pack)
 
-    def _arrivals(self) -> bool:
-        """Whether turns are on their way (rendered, matched, waking: Arrival; see ARRIVING_AT_MOST_S)."""
+    def _arrivals(self, woken: bool = False) -> bool:
+        """Whether turns are on their way (rendered, matched, waking: Arrival; see ARRIVING_AT_MOST_S); with
+        `woken`, turns whose session is waking or woke."""
         now = time.monotonic()
         with self._packs_lock:
             stale = [a for a in self._arriving if now - a.at > ARRIVING_AT_MOST_S]
             self._arriving.difference_update(stale)
-            arriving = bool(self._arriving)
+            arriving = any(a.waking or a.woken_s for a in self._arriving) if woken else bool(self._arriving)
         if stale:
             log.warning("turns on their way too long, let go", extra={"turns": len(stale), "after_s": ARRIVING_AT_MOST_S})
         return arriving
 
+    def _holds_for(self, due: _PackDue) -> float:
+        """The longest `due` may be held: the gathering time, or for a woken turn its own wake's time."""
+        return max(self.gather_s, min(due.woken_s, WOKEN_GATHER_AT_MOST_S))
+
     def _gathering(self, due: _PackDue | None = None) -> bool:
-        """Whether `due` (the held pack) waits on: turns are arriving and its gathering time is not up."""
+        """Whether `due` (the held pack) waits on: turns are arriving and its gathering time is not up; past
+        it, a woken turn's pack while turns waking or woken are (up to its own wake's time)."""
         due = due or self._held
-        return self._arrivals() and due is not None and time.monotonic() < due.at + self.gather_s
+        if due is None:
+            return False
+        waited = time.monotonic() - due.at
+        if waited < self.gather_s:
+            return self._arrivals()
+        return waited < self._holds_for(due) and self._arrivals(woken=True)
 
     def _release(self) -> Any:
         """The held pack's jobs (all of them queued by now), no longer held."""
