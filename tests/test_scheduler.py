@@ -399,6 +399,15 @@ def _woken(s: Scheduler, wake_s: float) -> Any:
     return arrival
 
 
+def _pack_after(s: Scheduler) -> tuple[list, float]:
+    """The next step's pack (steps without one taken meanwhile) and the seconds until it came."""
+    queued = time.monotonic()
+    step = s.next_step()
+    while step.pack is None:
+        step = s.next_step()
+    return step.pack, time.monotonic() - queued
+
+
 def test_a_woken_turn_waits_past_the_gathering_time_for_turns_waking_with_it():
     """A restart's round: the first session woken does not start its turn alone while the others still wake."""
     s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
@@ -412,12 +421,8 @@ def test_a_woken_turn_waits_past_the_gathering_time_for_turns_waking_with_it():
         s.submit(Packed(lambda: None, _sizes), arrival=other)
 
     threading.Timer(0.3, woke_then_queued).start()
-    queued = time.monotonic()
-    step = s.next_step()
-    while step.pack is None:
-        step = s.next_step()
-    waited = time.monotonic() - queued
-    assert len(step.pack) == 2 and step.pack[0][1] is held  # one pack: the two turns' first jobs
+    pack, waited = _pack_after(s)
+    assert len(pack) == 2 and pack[0][1] is held  # one pack: the two turns' first jobs
     assert 0.25 <= waited < 2.0  # past the 50 ms gathering time, until the other woke and queued
 
 
@@ -426,12 +431,8 @@ def test_a_woken_turn_waits_for_others_waking_at_most_its_own_wake_time():
     other = s.arrive()
     with other.wake():
         held = s.submit(Packed(lambda: None, _sizes), arrival=_woken(s, 0.2))
-        queued = time.monotonic()
-        step = s.next_step()
-        while step.pack is None:
-            step = s.next_step()
-        waited = time.monotonic() - queued
-    assert [f for _, f in step.pack] == [held]
+        pack, waited = _pack_after(s)
+    assert [f for _, f in pack] == [held]
     assert 0.18 <= waited < 1.0  # its own wake's 0.2 s, not the other's whole wake
 
 
@@ -440,12 +441,8 @@ def test_a_turn_that_did_not_wake_waits_only_the_gathering_time_for_a_waking_one
     other = s.arrive()
     with other.wake():
         held = s.submit(Packed(lambda: None, _sizes), arrival=s.arrive())
-        queued = time.monotonic()
-        step = s.next_step()
-        while step.pack is None:
-            step = s.next_step()
-        waited = time.monotonic() - queued
-    assert [f for _, f in step.pack] == [held]
+        pack, waited = _pack_after(s)
+    assert [f for _, f in pack] == [held]
     assert waited < 0.15
 
 
@@ -454,12 +451,9 @@ def test_a_woken_turn_waits_only_the_gathering_time_for_turns_not_waking():
     s = Scheduler(decoder=Decoding(active=False), gather_s=0.05)
     s.arrive()
     held = s.submit(Packed(lambda: None, _sizes), arrival=_woken(s, 5.0))
-    queued = time.monotonic()
-    step = s.next_step()
-    while step.pack is None:
-        step = s.next_step()
-    assert [f for _, f in step.pack] == [held]
-    assert time.monotonic() - queued < 0.15
+    pack, waited = _pack_after(s)
+    assert [f for _, f in pack] == [held]
+    assert waited < 0.15
 
 
 class Stepping(Decoding):
