@@ -95,6 +95,9 @@ class Tuning:
     # the watcher wakes often, which a busy daemon pays for
     gil_watch_ms: float | None = None
     gil_watch_kept: int = 64  # the latest GIL waits `status` keeps
+    # Python's switch interval (ms) while a model loads (model/switching.py): a decoding model's engine thread
+    # gets the GIL back from the loader's Python this soon; 0: Python's own (5 ms)
+    load_switch_ms: float = 0.5
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
     # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False
@@ -133,6 +136,7 @@ _TUNING_RULES = (
     ("slow_jobs_kept", lambda v: v >= 1, "a count above 0"),
     ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
+    ("load_switch_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (Python's own) or more"),
 )
 
 

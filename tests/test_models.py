@@ -338,6 +338,42 @@ def test_adding_a_loaded_model_does_not_wait_for_its_first_job(tmp_path, models,
         store.close()
 
 
+def test_a_model_loads_with_a_short_switch_interval_and_python_gets_its_own_back(tmp_path, models, monkeypatch):
+    # Was: a load ran Python (modules, tokenizer, template) at Python's 5 ms switch interval, and each time the
+    # decoding model's engine thread took the GIL back from it, it waited that long (model/switching.py).
+    from kvwake.daemon.config import Settings, Tuning
+    from kvwake.daemon.model import engine as engine_module
+    from kvwake.daemon.model.loader import start_model
+    from kvwake.daemon.model.registry import ModelSpec
+    from kvwake.store import Store
+
+    seen, real = [], engine_module.Engine.__init__
+    monkeypatch.setattr(engine_module.Engine, "__init__",
+                        lambda self, *a, **kw: seen.append(sys.getswitchinterval()) or real(self, *a, **kw))
+    before = sys.getswitchinterval()
+    store = Store(tmp_path / "store", block_tokens=16)
+    try:
+        for ms, want in ((0.5, 0.0005), (0, before)):  # the knob at 0: Python's own
+            settings = Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, tuning=Tuning(load_switch_ms=ms))
+            engine, thread = start_model(settings, store, ModelSpec("small", str(models[1])), None)
+            thread.stop()
+            engine.close()
+            assert seen[-1] == pytest.approx(want) and sys.getswitchinterval() == before
+    finally:
+        store.close()
+
+
+def test_loads_that_overlap_keep_the_short_interval_until_the_last_ends():
+    from kvwake.daemon.model.switching import while_loading
+
+    before = sys.getswitchinterval()
+    with while_loading(1.0):
+        with while_loading(1.0):
+            assert sys.getswitchinterval() == pytest.approx(0.001)
+        assert sys.getswitchinterval() == pytest.approx(0.001)  # the other load still runs
+    assert sys.getswitchinterval() == before
+
+
 def test_a_load_takes_its_turn_with_a_model_in_steady_use(tmp_path, models):
     # Was: a load under --max-loaded waited until the loaded model had no operation at all; agents that
     # kept it busy (turns back to back) kept the other model from loading for as long as they ran.

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwake.daemon.config import Settings
-from kvwake.daemon.model import kernel_cache, memory
+from kvwake.daemon.model import kernel_cache, memory, switching
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec
@@ -57,13 +57,14 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
         if limits is None:  # the first model: MLX's limits (process-wide) set where MLX runs
             limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes,
                                                                settings.mlx_cache_bytes)).result()
-        engine = thread.submit(lambda: Engine(
-            store, settings.data_dir, spec.source, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
-            ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
-            io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
-            prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
-            persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
-            staging_beside_load=first)).result()
+        with switching.while_loading(settings.tuning.load_switch_ms):  # other models decode meanwhile
+            engine = thread.submit(lambda: Engine(
+                store, settings.data_dir, spec.source, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
+                ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
+                io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
+                prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
+                persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
+                staging_beside_load=first)).result()
         # The decoder attached before that first job, here on the caller's worker thread: attached later (as the
         # provider adds the model, on the event loop) it waited behind the kernels' wait, and the event loop with
         # it, so every other model's streamed tokens stopped for that long (docs/decisions.md, "Several models").
