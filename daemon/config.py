@@ -111,6 +111,9 @@ class Tuning:
     # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
     # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves
     paged_kv: bool = False
+    # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
+    # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention
+    paged_kernel: bool = False
     # a model with sliding-window or recurrent layers takes restore points while it prefills, so its
     # prefixes are reused (kv/points.py); False: such a model reuses only whole snapshots
     restore_points: bool = True

@@ -83,7 +83,6 @@ __all__ = ["Decoder", "run_alone"]
 
 log = logging.getLogger("kvwake.decoder")
 PAD_SLACK = 4096  # padding tokens a batch may hold whatever its rows' lengths (a long row decodes alone past it)
-PAGED_KERNEL = False  # a paged batch's attention by the paged kernel on CUDA (see `_attention`); else gathered
 
 
 class Decoder:
@@ -107,6 +106,7 @@ class Decoder:
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.row_kernel = False  # steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
+        self.paged_kernel = False  # with it, a paged batch's by the paged kernel on CUDA, else gathered (the engine's)
         self._attends = model  # whose module's attention the row kernel takes over (self.model may be wrapped)
         # paged sessions decode in a batch over their own pages (kv/paged_batch.py); off: their KV is merged
         # into a BatchKVCache as other caches' is (benchmarks). Only where the model's attention can be swapped.
@@ -162,11 +162,10 @@ class Decoder:
         if not (self.row_kernel or self._over_pages()):
             return contextlib.nullcontext()
         kernel = self.row_kernel
-        # Pages are read by the gather path for now, on CUDA too: the paged kernel over a paged batch's
-        # tables made an illegal memory access (test_paged_batch, a dead row among the rows), not found yet
-        # (docs/decisions.md, "Batched decode over pages")
+        # Pages read in place by the paged kernel where the engine turned it on (Tuning.paged_kernel), else
+        # gathered (docs/decisions.md, "Batched decode over pages")
         return attention.swapped(self._attends, lambda fused: ragged_decode.paged(
-            ragged_decode.ragged(fused) if kernel else fused, kernel and PAGED_KERNEL))
+            ragged_decode.ragged(fused) if kernel else fused, kernel and self.paged_kernel))
 
     def _over_pages(self) -> bool:
         """Whether this step may run a batch over pages: one runs, or a waiting call's cache is paged."""

@@ -169,6 +169,7 @@ class Engine(Appending):
         self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(
             self.model, built=row_kernel.result() if row_kernel is not None else None,
             page_tokens=store.block_tokens if tuning.paged_kv else None)
+        self.decoder.paged_kernel = tuning.paged_kernel
         self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
