@@ -19,11 +19,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from anyio import to_thread
 
+from kvwake.daemon.model.decode_calls import Call
 from kvwake.daemon.model.engine import Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.scheduler.steps import Arrival
@@ -35,6 +36,8 @@ from kvwake.errors import BusyError, InvalidParamsError
 from kvwake.store import SnapshotRecord
 
 __all__ = ["Conversations", "Prepared"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,18 @@ class Conversations:
         """Append input; `cancelled` (the client left) stops its prefill between chunks (CANCELLED)."""
         async with self.claim(session_id, "append") as entry:
             stop = lambda: (cancelled is not None and cancelled()) or self.stopping  # noqa: E731
-            return await self._append(await self.awake(entry), inputs, stop, entry)
+            return (await self._append(await self.awake(entry), inputs, stop, entry))[0]
 
     async def _append(self, session: Session, inputs: dict[str, Any] | Prepared,
                       stop: Callable[[], bool], entry: Entry | None = None,
-                      arrival: Arrival | None = None) -> dict[str, Any]:
+                      arrival: Arrival | None = None, then: Callable[[], T] | None = None) -> tuple[dict[str, Any], T | None]:
         """The engine's append, step by step: the plan (rendered on a worker thread, or a prepared prompt
         checked already), the check, room (other sessions sleep if the memory left for KV would not hold
         the session's new length beside them: `entry` is the claimed one), a prefix for a fresh cache,
         then the apply (prefill) on a worker thread; `arrival`: the turn's, landed by its first prefill job
-        (turns that arrive together start as one pack: EngineThread.arrive)."""
+        (turns that arrive together start as one pack: EngineThread.arrive). (The apply's counts, what
+        `then` returned): `then` runs on the apply's worker thread after it (a turn's call made there, not
+        after a hop back to the event loop and out to another worker thread)."""
         engine = self.engine
         mlx = self.thread.call if arrival is None else self.thread.calls_of(arrival)
         if isinstance(inputs, Prepared):
@@ -88,7 +93,7 @@ class Conversations:
         async with self._shared_prefix(session, plan.target, arrival) as (prefix, flight):
             if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
                 stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731
-            return await to_thread.run_sync(lambda: engine.apply(session, plan, prefix, mlx, stop))
+            return await to_thread.run_sync(lambda: _and_then(engine.apply(session, plan, prefix, mlx, stop), then))
 
     async def prepare(self, inputs: dict[str, Any], params: GenerateParams) -> Prepared:
         """A front's request before any session is chosen: its params checked against the model (a bad schema
@@ -318,13 +323,13 @@ class Conversations:
                 session = await self.awake(entry)  # woken: its pack waits for turns waking with it (scheduler)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
-            appended = await self._append(session, inputs, stop, entry, arrival) if inputs else \
-                {"prefilled": 0, "reused": 0}
+            appended, call = await self._append(session, inputs, stop, entry, arrival,
+                                                then=lambda: self._call_for(session, params, on_event, stop)) \
+                if inputs else ({"prefilled": 0, "reused": 0}, None)
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
-            session.reply_start = len(session.tokens)
-            result = await self._decode(session, params, on_event, stop)
+            result = await self._decode(session, params, on_event, stop, call)
             self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
             self.engine.reply_points.offer(session, session.reply_start, self.thread)  # a point in it
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
@@ -345,11 +350,20 @@ class Conversations:
                     "finish_reason": result.finish_reason, "stop_sequence": result.stop_sequence, "usage": usage,
                     **({"append": appended} if inputs else {})}
 
+    def _call_for(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
+               stop: Callable[[], bool]) -> Call:
+        """A turn's call, its reply starting after the session's tokens now (a worker thread: the pending
+        tokens are prefilled through the engine thread)."""
+        session.reply_start = len(session.tokens)
+        return self.engine.start_call(session, params, on_event, stop, self.thread.call)
+
     async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
-                      stop: Callable[[], bool]) -> GenerateResult:
-        """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls."""
+                      stop: Callable[[], bool], call: Call | None = None) -> GenerateResult:
+        """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls;
+        `call`: made already (`_call_for`, after the append)."""
         engine, loop = self.engine, asyncio.get_running_loop()
-        call = await to_thread.run_sync(lambda: engine.start_call(session, params, on_event, stop, self.thread.call))
+        if call is None:
+            call = await to_thread.run_sync(lambda: self._call_for(session, params, on_event, stop))
         # The result comes through `post`, after the output the same step posted (streamed pieces first).
         ended: asyncio.Future[GenerateResult] = loop.create_future()
         call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
@@ -378,6 +392,10 @@ class Conversations:
         if self.remote is not None:  # a warmed prompt serves every daemon sharing the remote
             self.remote.enqueue_prefix(scratch.tokens[: scratch.processed], engine.bundle.hash)
         return info
+
+
+def _and_then(result: Any, then: Callable[[], T] | None) -> tuple[Any, T | None]:
+    return result, then() if then is not None else None
 
 
 def _settle(ended: asyncio.Future, done: Any) -> None:
