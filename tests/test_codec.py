@@ -6,9 +6,11 @@ import hashlib
 import struct
 
 
+import blake3
 import numpy as np
 import pytest
 import safetensors
+import xxhash
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,9 +38,9 @@ def tensors(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
-def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
-    encoded = encode(arrays, metadata={"k": "v"}, codec=codec)
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())), version=st.sampled_from([2, 3]))
+def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec, version):
+    encoded = encode(arrays, metadata={"k": "v"}, codec=codec, version=version)
     got, meta, digest = decode(encoded.data)
     assert meta == {"k": "v"} and digest == encoded.digest and encoded.codec == codec
     assert list(got) == list(arrays)
@@ -47,13 +49,16 @@ def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
         assert got[name].array.tobytes() == t.array.tobytes()
 
 
+SECTION_HASH = {2: lambda b: blake3.blake3(b).digest(), 3: lambda b: xxhash.xxh3_128(b).digest()}
+
+
 @settings(max_examples=60, deadline=None)
-@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
-def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arrays, codec):
-    encoded = encode(arrays, metadata={"kvwake.kind": "block"}, codec=codec)
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())), version=st.sampled_from([2, 3]))
+def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arrays, codec, version):
+    encoded = encode(arrays, metadata={"kvwake.kind": "block"}, codec=codec, version=version)
     raw = payload(arrays, metadata={"kvwake.kind": "block"})
     header_len = 8 + struct.unpack("<Q", raw[:8])[0]
-    contents = [raw[:8], raw[8:header_len]]  # format 2: BLAKE3 over each section's decoded content
+    contents = [raw[:8], raw[8:header_len]]  # a digest of each section's decoded content, then BLAKE3 of those
     if codec == "zstd":
         contents += [t.array.tobytes() for t in arrays.values()]
     else:  # one run per stretch of one dtype: its payload ("raw") or its byte planes ("planes-zstd")
@@ -65,8 +70,9 @@ def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arra
             holder, rotate = HOLDERS[run[0].dtype]
             unsigned = data.view(f"<u{holder.itemsize}") if holder.itemsize > 1 else data.view(np.uint8)
             contents += [data.tobytes()] if codec == "raw" else [p.tobytes() for p in split(unsigned, rotate)]
-    assert section_digest(contents) == encoded.digest and len(raw) == encoded.raw_bytes
-    assert encoded.data[4] == FORMAT_VERSION == 2
+    expected = blake3.blake3(b"".join(SECTION_HASH[version](c) for c in contents)).hexdigest()
+    assert section_digest(contents, version) == expected == encoded.digest and len(raw) == encoded.raw_bytes
+    assert encoded.data[4] == version and FORMAT_VERSION == 3
     assert decode(encoded.data)[2] == encoded.digest
     parsed = dict(safetensors.deserialize(raw))
     assert set(parsed) == set(arrays)

@@ -6,8 +6,8 @@ header order). The store never keeps the payload itself: it keeps a *block file*
 
     offset  size  field
     0       4     magic b"KVWB"
-    4       1     file format version: 1 or 2
-    5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2)
+    4       1     file format version: 1, 2 or 3
+    5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2 or later)
     6       2     reserved, zero
     8       8     raw size: bytes of the safetensors payload (u64 LE)
     16      32    digest (below)
@@ -19,20 +19,21 @@ the JSON. The tensor data follows:
 
 - format 1 (kvwake 0.1, still read): one section per tensor ("zstd") or one
   per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
-- format 2 (written now): tensors are coded in *runs* of consecutive tensors of
+- format 2 (still read) and 3 (written now): tensors are coded in *runs* of consecutive tensors of
   one dtype (a plain KV block is one run). "planes-zstd": one section per byte
   plane of the whole run, each tensor's bytes ending a zstd block (store/format/planes.py);
   "raw": one uncompressed section with the run's payload; "zstd": one section per
-  tensor. Digest = BLAKE3 of the concatenated BLAKE3 digests of every section's
+  tensor. Digest = BLAKE3 of the concatenated digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
-  or data). It is checked before any byte is transformed, so a reader may join
+  or data): BLAKE3 digests in format 2, XXH3-128 in format 3, the two formats'
+  only difference (store/format/blockdigest.py). It is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
   the payload as surely as a digest of the payload itself: the planes are a
-  bijection of it. BLAKE3, not sha256: a third of the cost (docs/decisions.md).
+  bijection of it. Not sha256: BLAKE3 is a third of its cost, XXH3 less again (docs/decisions.md).
 
 Decoding writes each tensor straight into a destination the caller chooses
-(`decode_into`): a view into a preallocated KV buffer, or (format 2) a staging
-buffer for a run's planes. A format-2 run is decoded a chunk of tensors at a
+(`decode_into`): a view into a preallocated KV buffer, or (formats 2, 3) a staging
+buffer for a run's planes. A run is decoded a chunk of tensors at a
 time: each section's piece is decompressed (or read where it lies), digested
 and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
 never go through memory whole. It never produces more than the recorded raw size
@@ -50,10 +51,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
 import zstandard
 
+from kvwake.store.format.blockdigest import BlockDigest, NoDigest
 from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
                                         join_into, scratch, split, whole_section)
 
@@ -77,7 +78,8 @@ __all__ = [
     "section_digest",
 ]
 
-FORMAT_VERSION = 2  # what writers write; both versions are read
+FORMAT_VERSION = 3  # what writers write; every version is read
+VERSIONS = (1, 2, 3)
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -114,7 +116,7 @@ STAGE_PIECE_BYTES = 2 << 20
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
-# Staging for a format-2 run as stored: given (names, dtype name, values in the run, planes), for a
+# Staging for a format-2 or 3 run as stored: given (names, dtype name, values in the run, planes), for a
 # "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each,
 # for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
 # run decoded into place.
@@ -169,51 +171,9 @@ class Encoded:
         return sum(as_bytes(p).nbytes for p in self.parts)
 
 
-class _Digest:
-    """The block digest being computed: format 2's tree of section digests, or format 1's sha256."""
-
-    enabled = True
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self._sha = hashlib.sha256() if version == 1 else None
-        self._sections: list[bytes] = []
-
-    def section(self, *contents: Any) -> None:
-        """Digest one section's decoded content (format 2), given as buffers in order."""
-        h = blake3.blake3()
-        for c in contents:
-            h.update(as_bytes(c))
-        self._sections.append(h.digest())
-
-    def section_digest(self, digest: bytes) -> None:
-        self._sections.append(digest)
-
-    def payload(self, data: Any) -> None:
-        """Digest payload bytes (format 1)."""
-        self._sha.update(data)
-
-    def hexdigest(self) -> str:
-        if self._sha is not None:
-            return self._sha.hexdigest()
-        return blake3.blake3(b"".join(self._sections)).hexdigest()
-
-
-class _NoDigest(_Digest):
-    """For benchmarks of the codec alone (decode(..., digest=False))."""
-
-    enabled = False
-
-    def section(self, *contents: Any) -> None:
-        pass
-
-    def payload(self, data: Any) -> None:
-        pass
-
-
-def section_digest(contents: list[bytes]) -> str:
-    """The format-2 digest of a block whose sections decode to `contents` (for tests and tools)."""
-    d = _Digest(2)
+def section_digest(contents: list[bytes], version: int = FORMAT_VERSION) -> str:
+    """The digest (format 2 or 3) of a block whose sections decode to `contents` (for tests and tools)."""
+    d = BlockDigest(version)
     for c in contents:
         d.section(c)
     return d.hexdigest()
@@ -288,14 +248,14 @@ class Planed:
     planes: tuple[np.ndarray, ...]
 
 
-def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: _Digest) -> list[Any]:
+def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: BlockDigest) -> list[Any]:
     """Buffers of one run's sections: one per byte plane ("planes-zstd"), or its payload ("raw")."""
     dtype = run[0][1].dtype
     holder, rotate = DTYPES[dtype]
     sizes = [t.array.size for _, t in run]
     count = holder.itemsize if codec == "planes-zstd" else 1
     sinks = [PlaneSink(compressor(k) if codec == "planes-zstd" else None, sum(sizes) * holder.itemsize // count,
-                       SECTION) for k in range(count)]
+                       SECTION, digest.hasher()) for k in range(count)]
     for first, stop in _chunks(sizes, holder.itemsize):
         tensors = [t for _, t in run[first:stop]]
         if len(tensors) == 1 and tensors[0].array.flags.c_contiguous:
@@ -314,7 +274,7 @@ def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: _Digest) -> l
     return _finish_sinks(sinks, digest)
 
 
-def _finish_sinks(sinks: list[PlaneSink], digest: _Digest) -> list[Any]:
+def _finish_sinks(sinks: list[PlaneSink], digest: BlockDigest) -> list[Any]:
     out = []
     for sink in sinks:
         out.extend(sink.sections())
@@ -322,10 +282,10 @@ def _finish_sinks(sinks: list[PlaneSink], digest: _Digest) -> list[Any]:
     return out
 
 
-def _encode_planed(block: Planed, digest: _Digest) -> list[Any]:
+def _encode_planed(block: Planed, digest: BlockDigest) -> list[Any]:
     sizes = [math.prod(shape) for shape in block.shapes]
     total = sum(sizes)
-    sinks = [PlaneSink(compressor(k), total, SECTION) for k in range(len(block.planes))]
+    sinks = [PlaneSink(compressor(k), total, SECTION, digest.hasher()) for k in range(len(block.planes))]
     for first, stop in _chunks(sizes, len(block.planes)):
         lo, hi = sum(sizes[:first]), sum(sizes[:stop])
         for sink, plane in zip(sinks, block.planes):
@@ -338,15 +298,19 @@ def encode(
     *,
     metadata: Mapping[str, str] | None = None,
     codec: str = DEFAULT_CODEC,
+    version: int = FORMAT_VERSION,
 ) -> Encoded:
-    """Encode named arrays (or one already planed run) into block-file bytes, format 2.
+    """Encode named arrays (or one already planed run) into block-file bytes, format 3
+    (`version=2`: the previous format, whose only difference is its section digests; for tests).
 
     Arrays may be strided views; they are read in place. Returns the file's
     buffers with digest and raw size. Raises TypeError for dtypes safetensors
-    cannot name, ValueError for an unknown codec or a Planed block with another codec.
+    cannot name, ValueError for an unknown codec or version or a Planed block with another codec.
     """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; known: {sorted(CODEC_IDS)}")
+    if version not in (2, 3):
+        raise ValueError(f"block format {version} is read, not written; written: 2, 3")
     if isinstance(arrays, Planed):
         if codec != "planes-zstd":
             raise ValueError(f"a planed block is coded with planes-zstd, not {codec}")
@@ -355,7 +319,7 @@ def encode(
         tensors = {name: Tensor.of(a) for name, a in arrays.items()}
         specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
     header = _payload_header(specs, metadata or {})
-    digest = _Digest(FORMAT_VERSION)
+    digest = BlockDigest(version)
     zc = zstandard.ZstdCompressor(compression_params=PLANES_PARAMS if codec != "zstd" else _ZSTD)
     sections: list[Any] = []
     for part in (header[:8], header[8:]):  # the length prefix alone first: a reader knows how much header to expect
@@ -372,7 +336,7 @@ def encode(
             sections.extend(_encode_run(run, codec, digest))
     raw_bytes = len(header) + sum(math.prod(shape) * DTYPES[dtype][0].itemsize for _, dtype, shape in specs)
     digest_hex = digest.hexdigest()
-    head = FILE_HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec], 0, raw_bytes, bytes.fromhex(digest_hex))
+    head = FILE_HEADER.pack(MAGIC, version, CODEC_IDS[codec], 0, raw_bytes, bytes.fromhex(digest_hex))
     return Encoded((head, *sections), digest_hex, raw_bytes, codec)
 
 
@@ -390,7 +354,7 @@ def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
     magic, version, codec_id, _, raw_bytes, digest = FILE_HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BlockFormatError(f"bad magic {magic!r}; not a kvwake block file")
-    if version not in (1, 2) or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
+    if version not in VERSIONS or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
         raise BlockFormatError(f"unsupported block format version {version}, codec id {codec_id}")
     return CODECS[codec_id], raw_bytes, digest.hex(), version
 
@@ -444,10 +408,10 @@ class _Pieces:
     (BLAKE3) as it is produced, while it is in the CPU's cache: one pass over the bytes, not a
     decompression into memory and a second read to hash it."""
 
-    def __init__(self, reader: _Reader, expect: int, slot: str, hashed: bool = True) -> None:
+    def __init__(self, reader: _Reader, expect: int, slot: str, digest: BlockDigest) -> None:
         self.mode, self.body, self.start = reader.next_section()
         self.expect, self.slot, self.got = expect, slot, 0
-        self.hasher = blake3.blake3() if hashed else None
+        self.hasher = digest.hasher()
         self.stream: Any = None
         if self.mode == 0 and len(self.body) != expect:
             raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
@@ -572,8 +536,8 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
 
 
 def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
-                   digest: _Digest) -> Tensor:
-    """One tensor coded alone: every format-1 tensor, and format-2 "zstd"."""
+                   digest: BlockDigest) -> Tensor:
+    """One tensor coded alone: every format-1 tensor, and formats 2 and 3 "zstd"."""
     name, dtype, shape = entry
     holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
@@ -597,8 +561,8 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
 
 
 def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
-                stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 run: its sections read (into `stage`'s buffers when it takes the run), digested,
+                stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
+    """A format-2 or 3 run: its sections read (into `stage`'s buffers when it takes the run), digested,
     then joined a chunk of tensors at a time straight into place."""
     dtype = run[0][1]
     holder, rotate = DTYPES[dtype]
@@ -606,9 +570,9 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
     total = sum(sizes)
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
-        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest.enabled)]
+        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest)]
     else:
-        sections = [_Pieces(reader, total, f"plane{k}", digest.enabled) for k in range(holder.itemsize)]
+        sections = [_Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
     if staged is not None:
         for section, plane in zip(sections, staged):
             if plane.size != section.expect:
@@ -640,8 +604,8 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
 
 
 def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
-                     stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 "zstd" run: one section per tensor. When `stage` takes the run, its tensors' bytes are
+                     stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
+    """A "zstd" run (formats 2, 3): one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
     joins it: decoding each into the device's arrays from the CPU made a long wake many times slower,
     docs/decisions.md, Store: `codec = "auto"` is the default); else each tensor into place."""
@@ -658,7 +622,7 @@ def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]
         raise BlockFormatError(f"staging of {plane.size} bytes for a run of {sum(sizes) * holder.itemsize}")
     lo = 0
     for n in sizes:
-        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest.enabled), n * holder.itemsize
+        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
         for off in range(0, nbytes, STAGE_PIECE_BYTES):
             k = min(STAGE_PIECE_BYTES, nbytes - off)
             section.take(k, plane[lo + off : lo + off + k])
@@ -672,7 +636,7 @@ def decode_into(
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    stage(names, dtype, values, planes): for a format-2 run, where to read
+    stage(names, dtype, values, planes): for a format-2 or 3 run, where to read
     its sections as stored (`Stage`): a "planes-zstd" run's byte planes left
     unjoined, a "raw" run's bytes as they are, a "zstd" run's tensors
     decompressed one after the other (the layout of a raw run) (the run's
@@ -687,7 +651,7 @@ def decode_into(
     """
     view = memoryview(data)
     codec, version, reader, header_raw, specs, metadata = _open(view, max_raw_bytes)
-    hasher = _Digest(version) if digest else _NoDigest(version)
+    hasher = BlockDigest(version) if digest else NoDigest(version)
     if version == 1:
         hasher.payload(header_raw)
     else:

@@ -10,8 +10,8 @@ A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
 compressible plane is one streamed zstd frame in which each tensor's bytes end
 a zstd block (so each tensor gets Huffman tables of its own); a plane whose
 first chunk's sample does not shrink by 3% (mantissas) is stored raw; a small
-one is decided whole. Each sink digests the content it is given (BLAKE3), in
-order, for the block digest (codec.py).
+one is decided whole. Each sink digests the content it is given, in order, for
+the block digest (blockdigest.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import math
 import threading
 from typing import Any
 
-import blake3
 import numpy as np
 import zstandard
 
@@ -140,11 +139,12 @@ def whole_section(data: Any, zc: zstandard.ZstdCompressor | None, mode_struct: A
 class PlaneSink:
     """One section of a run (a plane, or a raw payload), fed chunk by chunk; see the module docstring."""
 
-    def __init__(self, zc: zstandard.ZstdCompressor | None, total: int, mode_struct: Any) -> None:
+    def __init__(self, zc: zstandard.ZstdCompressor | None, total: int, mode_struct: Any, hasher: Any) -> None:
+        """hasher: the section digest's (update/digest), given by the block format (blockdigest.py)."""
         self.zc, self.total, self.mode_struct = zc, total, mode_struct
         self.parts: list[Any] = []
         self.obj: Any = None
-        self.hasher = blake3.blake3()
+        self.hasher = hasher
         self.mode = "raw" if zc is None else ("stream" if total >= 4 * SAMPLE_BYTES else "whole")
 
     def add(self, chunk: np.ndarray, bounds: list[int], owned: bool) -> None:
