@@ -43,8 +43,6 @@ implies, checked before anything is allocated.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -55,6 +53,7 @@ import numpy as np
 import zstandard
 
 from kvwake.store.format.blockdigest import BlockDigest, NoDigest
+from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
 from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
                                         join_into, scratch, split, whole_section)
 
@@ -89,22 +88,6 @@ SECTION = struct.Struct("<BQ")
 MAX_HEADER_BYTES = 16 << 20
 _ZSTD = zstandard.ZstdCompressionParameters.from_level(3)  # "zstd": plain level 3, the baseline
 
-# safetensors dtype name -> (numpy dtype used to hold it, rotate before planes)
-DTYPES: dict[str, tuple[np.dtype, bool]] = {
-    "BF16": (np.dtype("<u2"), True),
-    "F16": (np.dtype("<f2"), False),
-    "F32": (np.dtype("<f4"), True),
-    "F64": (np.dtype("<f8"), False),
-    "U8": (np.dtype("u1"), False),
-    "I8": (np.dtype("i1"), False),
-    "U16": (np.dtype("<u2"), False),
-    "I16": (np.dtype("<i2"), False),
-    "U32": (np.dtype("<u4"), False),
-    "I32": (np.dtype("<i4"), False),
-    "U64": (np.dtype("<u8"), False),
-    "I64": (np.dtype("<i8"), False),
-    "BOOL": (np.dtype("?"), False),
-}
 _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF16"}
 
 # A staged section is read (decompressed or copied) and digested this many bytes at a time: each
@@ -121,10 +104,6 @@ Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
 # for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
 # run decoded into place.
 Stage = Callable[[tuple[str, ...], str, int, bool], "list[np.ndarray] | None"]
-
-
-class BlockFormatError(ValueError):
-    """Bytes that are not a valid block file (wrong magic, sizes, header, codec)."""
 
 
 @dataclass(frozen=True)
@@ -191,18 +170,6 @@ def pieces(array: np.ndarray) -> Iterator[memoryview]:
         lead += 1
     for index in np.ndindex(*array.shape[:lead]):
         yield memoryview(array[index + (...,)].reshape(-1).view(np.uint8))
-
-
-def _payload_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> bytes:
-    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-    offset = 0
-    for name, dtype, shape in specs:
-        nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
 
 
 def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
@@ -318,7 +285,7 @@ def encode(
     else:
         tensors = {name: Tensor.of(a) for name, a in arrays.items()}
         specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
-    header = _payload_header(specs, metadata or {})
+    header = payload_header(specs, metadata or {})
     digest = BlockDigest(version)
     zc = zstandard.ZstdCompressor(compression_params=PLANES_PARAMS if codec != "zstd" else _ZSTD)
     sections: list[Any] = []
@@ -344,7 +311,7 @@ def payload(arrays: Mapping[str, Tensor | np.ndarray], *, metadata: Mapping[str,
     """The uncompressed safetensors payload a block file decodes to (for tests and tools)."""
     tensors = {name: Tensor.of(a) for name, a in arrays.items()}
     specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
-    return _payload_header(specs, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
+    return payload_header(specs, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
 
 
 def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
@@ -463,48 +430,8 @@ class _Pieces:
         return self.hasher.digest() if self.hasher is not None else b""
 
 
-# (dtype, shape, types of its dims) -> bytes, for tensor specs already checked: every block of a model
-# has the same few, and checking them afresh per block was a large share of a wake (GIL-bound;
-# docs/decisions.md, "Figures behind the store's comments").
-_SPEC_BYTES: dict[tuple, int] = {}
-
-
-def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[str, str]]:
-    try:
-        header = json.loads(bytes(raw[8:]))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise BlockFormatError(f"safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise BlockFormatError("safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise BlockFormatError("safetensors __metadata__ is not a map of strings")
-    offset = len(raw)
-    for name, spec in header.items():
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            if type(shape) is not list or type(begin) is not int or type(end) is not int:
-                raise TypeError("shape or offsets of the wrong type")
-            key = (dtype, tuple(shape), tuple(map(type, shape)))  # exact: 128.0 or true is not 128
-            nbytes = _SPEC_BYTES.get(key)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BlockFormatError(f"tensor {name!r}: malformed header entry ({exc})") from None
-        if nbytes is None:
-            if not isinstance(dtype, str) or dtype not in DTYPES or not all(type(s) is int and s >= 0 for s in shape):
-                raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
-            nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
-            if len(_SPEC_BYTES) < 1024:
-                _SPEC_BYTES[key] = nbytes
-        if begin + len(raw) != offset or end - begin != nbytes:
-            raise BlockFormatError(f"tensor {name!r}: data offsets {begin}..{end} do not follow its shape")
-        offset = end + len(raw)
-    if offset != raw_bytes:
-        raise BlockFormatError(f"tensors end at byte {offset}, file header says payload is {raw_bytes}")
-    return header, metadata
-
-
-def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, dict, dict[str, str]]:
-    """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, specs, metadata)."""
+def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, Layout, dict[str, str]]:
+    """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, layout, metadata)."""
     codec, raw_bytes, _, version = read_file_header(view)
     if max_raw_bytes is not None and raw_bytes > max_raw_bytes:
         raise BlockFormatError(f"payload claims {raw_bytes} bytes, more than the {max_raw_bytes} recorded")
@@ -514,14 +441,13 @@ def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reade
     if not 0 < header_len <= min(MAX_HEADER_BYTES, raw_bytes - 8):
         raise BlockFormatError(f"safetensors header length {header_len} out of range")
     header_raw = bytes(prefix) + bytes(reader.section(header_len))
-    specs, metadata = _parse_header(header_raw, raw_bytes)
-    return codec, version, reader, header_raw, specs, metadata
+    layout, metadata = parse_header(header_raw, raw_bytes)
+    return codec, version, reader, header_raw, layout, metadata
 
 
 def read_specs(data: bytes | memoryview) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor, from the header alone (not verified: decoding verifies)."""
-    specs = _open(memoryview(data), None)[4]
-    return {name: (spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()}
+    return {name: (dtype, shape) for name, dtype, shape in _open(memoryview(data), None)[4].entries}
 
 
 def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -586,17 +512,16 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
     for first, stop in _chunks(sizes, holder.itemsize):
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         lo, hi = starts[first], starts[stop]
-        if len(dests) == 1:  # a large tensor: joined straight into its destination
-            target = dests[0]
-        else:  # small tensors: joined together, then copied into place
-            target = scratch(holder, (hi - lo,), "join")
+        target = dests[0] if len(dests) == 1 else scratch(holder, (hi - lo,), "join")  # a large tensor: in place
+        spans = [(starts[k] - lo, starts[k + 1] - lo, d) for k, d in zip(range(first, stop), dests)]
         if codec == "raw":
-            np.copyto(target, sections[0].take((hi - lo) * holder.itemsize).view(holder).reshape(target.shape))
-        else:  # each plane's piece decompressed, digested and joined while it is in cache
-            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target))
-        if len(dests) > 1:
-            for dest, k in zip(dests, range(first, stop)):
-                np.copyto(dest, target[starts[k] - lo : starts[k + 1] - lo].reshape(dest.shape))
+            raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
+            for a, b, dest in spans:
+                np.copyto(dest, raw[a:b].reshape(dest.shape))
+        else:  # each plane's piece decompressed, digested and joined while it is in cache; small tensors
+            # joined together, the join's last pass writing each into its place
+            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for a, b, d in spans]
+            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
         for (name, _, _), dest in zip(run[first:stop], dests):
             tensors[name] = Tensor(dtype, dest)
     for section in sections:
@@ -650,7 +575,7 @@ def decode_into(
     not fit its destination. A destination may be partly written when that happens.
     """
     view = memoryview(data)
-    codec, version, reader, header_raw, specs, metadata = _open(view, max_raw_bytes)
+    codec, version, reader, header_raw, layout, metadata = _open(view, max_raw_bytes)
     hasher = BlockDigest(version) if digest else NoDigest(version)
     if version == 1:
         hasher.payload(header_raw)
@@ -658,7 +583,7 @@ def decode_into(
         hasher.section(header_raw[:8])
         hasher.section(header_raw[8:])
     tensors: dict[str, Tensor] = {}
-    entries = [(name, spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()]
+    entries = list(layout.entries)
     if version == 1:
         for entry in entries:
             tensors[entry[0]] = _decode_tensor(reader, codec, entry, place, hasher)

@@ -87,12 +87,17 @@ def split(array: np.ndarray, rotate: bool) -> list[np.ndarray]:
     return [np.ascontiguousarray(b[:, i]) for i in reversed(range(size))]
 
 
-def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray) -> None:
-    """Join byte planes (high first) into `dest` (unsigned ints of their count in bytes, any strides)."""
+def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray,
+              parts: list[tuple[int, int, np.ndarray]] | None = None) -> None:
+    """Join byte planes (high first) into `dest` (unsigned ints of their count in bytes, any strides).
+
+    parts: (start, stop, destination) spans of a flat `dest`, each of which belongs in a destination
+    of its own (unsigned ints, any strides, stop - start values): the join's last pass writes them
+    there instead of into `dest`, so no copy follows it (`dest` is then scratch, partly written)."""
     size = dest.dtype.itemsize
     shape = dest.shape
     if size == 1:
-        np.copyto(dest, planes[0].reshape(shape))
+        _last(np.copyto, dest, planes[0].reshape(shape), None, parts)
         return
     np.left_shift(planes[0].reshape(shape), 8 * (size - 1), out=dest, dtype=dest.dtype)
     for k, plane in enumerate(planes[1:], start=2):
@@ -101,12 +106,28 @@ def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray) -> None:
             low = scratch(dest.dtype, shape, "rotate")
             np.left_shift(shifted, 8 * (size - k), out=low, dtype=dest.dtype)
             shifted = low
-        np.bitwise_or(dest, shifted, out=dest)
+        if k == size and not rotate:
+            _last(np.bitwise_or, dest, dest, shifted, parts)
+        else:
+            np.bitwise_or(dest, shifted, out=dest)
     if rotate:
         low = scratch(dest.dtype, shape, "rotate")
         np.right_shift(dest, 1, out=low)
         np.left_shift(dest, size * 8 - 1, out=dest)
-        np.bitwise_or(dest, low, out=dest)
+        _last(np.bitwise_or, dest, dest, low, parts)
+
+
+def _last(op: Any, dest: np.ndarray, x: np.ndarray, y: np.ndarray | None,
+          parts: list[tuple[int, int, np.ndarray]] | None) -> None:
+    """A join's last pass, `op(x, y) -> dest` (np.copyto: `x -> dest`), whole or a part at a time."""
+    if parts is None:
+        op(dest, x) if y is None else op(x, y, out=dest)
+        return
+    for lo, hi, out in parts:
+        if y is None:
+            op(out, x[lo:hi].reshape(out.shape))
+        else:
+            op(x[lo:hi].reshape(out.shape), y[lo:hi].reshape(out.shape), out=out)
 
 
 def as_bytes(x: Any) -> memoryview:
