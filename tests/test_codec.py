@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 from kvwake.store.format.codec import DTYPES as HOLDERS
 from kvwake.store.format.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
                                 decode, decode_into, encode, payload, section_digest)
-from kvwake.store.format.planes import CHUNK_BYTES, split
+from kvwake.store.format.planes import CHUNK_BYTES, JOIN_BYTES, split
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 
@@ -310,17 +310,20 @@ def test_a_raw_or_zstd_block_decodes_into_staging_as_a_raw_run(codec):
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS.values()))
-def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec):
+@pytest.mark.parametrize("tokens", [256, 2 * JOIN_BYTES // (4 * 128 * 2) + 64])  # 256 KiB, and more than a join
+def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec, tokens):
     # Was: "raw" copied a whole run's payload into the first large tensor (seen on the 8B shape).
     rng = np.random.default_rng(4)
-    source = {f"layers.{i}.keys": rng.integers(0, 1 << 16, (1, 4, 512, 128), dtype=np.uint16) for i in range(3)}
-    block = {n: Tensor("BF16", a[..., 128:384, :]) for n, a in source.items()}  # 256 KiB each
+    source = {f"layers.{i}.keys": rng.integers(0, 1 << 16, (1, 4, tokens + 256, 128), dtype=np.uint16)
+              for i in range(3)}
+    source["layers.1.keys"][..., ::2] &= 0x7F7F  # compressible planes as well as incompressible ones
+    block = {n: Tensor("BF16", a[..., 128 : 128 + tokens, :]) for n, a in source.items()}
     encoded = encode(block, codec=codec)
     targets = {n: np.zeros_like(a) for n, a in source.items()}
-    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: targets[name][..., 128:384, :])
+    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: targets[name][..., 128 : 128 + tokens, :])
     assert digest == encoded.digest
     for n, a in source.items():
-        assert np.array_equal(targets[n][..., 128:384, :], a[..., 128:384, :]), n
+        assert np.array_equal(targets[n], np.pad(a[..., 128 : 128 + tokens, :], ((0, 0), (0, 0), (128, 128), (0, 0)))), n
 
 
 def test_compressible_planes_larger_than_a_chunk_decode_side_by_side():

@@ -56,3 +56,12 @@ def test_a_second_metadata_key_is_read_as_a_full_parse_reads_it():
         layout, meta = parse_header(_raw(text), len(_raw(text)) + 4)
         assert meta == {"k": "last"} and layout.entries == (("x", "U8", (4,)),)
     assert not H._LAYOUTS
+
+
+def test_a_header_without_metadata_is_remembered_whole_and_apart_from_one_with_metadata():
+    bare = payload_header(SPECS, {})
+    layout, meta = parse_header(bare, len(bare) + DATA)
+    assert meta == {} and len(H._LAYOUTS) == 1
+    assert parse_header(bare, len(bare) + DATA) == (layout, {})
+    with_meta = payload_header(SPECS, {"k": "v"})
+    assert parse_header(with_meta, len(with_meta) + DATA) == (layout, {"k": "v"}) and len(H._LAYOUTS) == 2

@@ -54,7 +54,7 @@ import zstandard
 
 from kvwake.store.format.blockdigest import BlockDigest, NoDigest
 from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
-from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
+from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
                                         join_into, scratch, split, whole_section)
 
 __all__ = [
@@ -183,12 +183,12 @@ def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
     return runs
 
 
-def _chunks(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
-    """(first, stop) index ranges of tensors grouped to about CHUNK_BYTES of payload each."""
+def _chunks(sizes: list[int], itemsize: int, limit: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """(first, stop) index ranges of tensors grouped to about `limit` bytes of payload each."""
     groups, first, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n * itemsize
-        if acc >= CHUNK_BYTES or i == len(sizes) - 1:
+        if acc >= limit or i == len(sizes) - 1:
             groups.append((first, i + 1))
             first, acc = i + 1, 0
     return groups
@@ -482,18 +482,45 @@ def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int
     return Tensor(dtype, dest)
 
 
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
 def _unsigned(a: np.ndarray) -> np.ndarray:
-    return a.view(f"<u{a.dtype.itemsize}") if a.dtype.itemsize > 1 else a.view(np.uint8)
+    return a.view(_UNSIGNED[a.dtype.itemsize])
 
 
-def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
+@dataclass(frozen=True)
+class _RunPlan:
+    """How a run of a layout is decoded: its entries, values per tensor, their bounds, and the
+    (first, stop) groups of tensors read and joined together (JOIN_BYTES each)."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...]
+    groups: tuple[tuple[int, int], ...]
+
+
+def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
+    """The layout's runs, planned once per layout (kept in its memo)."""
+    plan = layout.memo.get("runs")
+    if plan is None:
+        plan = []
+        for run in _runs(list(layout.entries), lambda e: e[1]):
+            sizes = [math.prod(shape) for _, _, shape in run]
+            groups = _chunks(sizes, DTYPES[run[0][1]][0].itemsize, JOIN_BYTES)
+            plan.append(_RunPlan(tuple(run), tuple(sizes), tuple(_bounds(sizes)), tuple(groups)))
+        plan = layout.memo["runs"] = tuple(plan)
+    return plan
+
+
+def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None,
                 stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
     """A format-2 or 3 run: its sections read (into `stage`'s buffers when it takes the run), digested,
-    then joined a chunk of tensors at a time straight into place."""
+    then joined a group of tensors at a time straight into place."""
+    run, starts = plan.entries, plan.starts
     dtype = run[0][1]
     holder, rotate = DTYPES[dtype]
-    sizes = [math.prod(shape) for _, _, shape in run]
-    total = sum(sizes)
+    total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
         sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest)]
@@ -508,8 +535,7 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
                 section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
         return
-    starts = _bounds(sizes)
-    for first, stop in _chunks(sizes, holder.itemsize):
+    for first, stop in plan.groups:
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         lo, hi = starts[first], starts[stop]
         target = dests[0] if len(dests) == 1 else scratch(holder, (hi - lo,), "join")  # a large tensor: in place
@@ -583,15 +609,14 @@ def decode_into(
         hasher.section(header_raw[:8])
         hasher.section(header_raw[8:])
     tensors: dict[str, Tensor] = {}
-    entries = list(layout.entries)
     if version == 1:
-        for entry in entries:
+        for entry in layout.entries:
             tensors[entry[0]] = _decode_tensor(reader, codec, entry, place, hasher)
     elif codec == "zstd":
-        for run in _runs(entries, lambda e: e[1]):
-            _decode_zstd_run(reader, run, place, stage, hasher, tensors)
+        for run in _plan(layout):
+            _decode_zstd_run(reader, list(run.entries), place, stage, hasher, tensors)
     else:
-        for run in _runs(entries, lambda e: e[1]):
+        for run in _plan(layout):
             _decode_run(reader, codec, run, place, stage, hasher, tensors)
     if reader.pos != len(view):
         raise BlockFormatError(f"{len(view) - reader.pos} trailing bytes after the last section")

@@ -3,7 +3,7 @@
 The header is an 8-byte little-endian length, then JSON padded with spaces to 8 bytes:
 `{"__metadata__": {...}, name: {"dtype", "shape", "data_offsets"}, ...}`. Every block of a model has
 the same tensors; only the metadata (the block's key) differs. So a header whose text after the
-metadata object was parsed and checked before is not parsed again: its `Layout` is taken from
+metadata object (all of it, if it has none) was parsed and checked before is not parsed again: its `Layout` is taken from
 `_LAYOUTS`, and only the metadata object and the total size are read (the metadata first: a
 JSON object is whole once its closing brace is read, so what follows it is the same text it was).
 """
@@ -14,7 +14,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,10 +48,13 @@ class BlockFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    """The tensors a payload holds, in order: (name, dtype name, shape); data_bytes: their bytes in all."""
+    """The tensors a payload holds, in order: (name, dtype name, shape); data_bytes: their bytes in all.
+
+    memo: what a reader works out from the layout alone (codec.py's decoding plan), kept with it."""
 
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
     data_bytes: int
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # text after the metadata object (less the padding) -> its layout, checked (bounded: a daemon sees a few shapes)
@@ -82,7 +85,7 @@ def parse_header(raw: bytes, raw_bytes: int) -> tuple[Layout, dict[str, str]]:
         raise BlockFormatError(f"safetensors header is not JSON: {exc}") from None
     layout, metadata = _remembered(text)
     if layout is None:
-        layout, metadata, rest = _parsed(text, len(raw))
+        layout, metadata, rest = _parsed(text)
         if rest is not None and len(_LAYOUTS) < _LAYOUTS_MAX:
             _LAYOUTS[rest] = layout
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -94,14 +97,16 @@ def parse_header(raw: bytes, raw_bytes: int) -> tuple[Layout, dict[str, str]]:
 
 
 def _metadata(text: str) -> tuple[object, str] | None:
-    """(metadata object, the text after it) of a header that begins as payload_header writes, else None."""
+    """(metadata object, the text after it) of a header that begins as payload_header writes it, or
+    ({}, the whole text) of one that has no metadata; None for any other."""
     if not text.startswith(_META_START):
-        return None
-    try:
-        metadata, end = _DECODER.raw_decode(text, len(_META_START))
-    except ValueError:
-        return None
-    rest = text[end:].rstrip(" ")  # the padding: its length follows the metadata's
+        metadata, rest = {}, text.rstrip(" ")  # begins with "{", where a text after metadata never does
+    else:
+        try:
+            metadata, end = _DECODER.raw_decode(text, len(_META_START))
+        except ValueError:
+            return None
+        rest = text[end:].rstrip(" ")  # the padding: its length follows the metadata's
     return (metadata, rest) if '"__metadata__"' not in rest else None  # a second one would win in a parse
 
 
@@ -111,7 +116,7 @@ def _remembered(text: str) -> tuple[Layout | None, object]:
     return (layout, found[0] or {}) if layout is not None else (None, None)  # as json.loads's result is read
 
 
-def _parsed(text: str, header_bytes: int) -> tuple[Layout, object, str | None]:
+def _parsed(text: str) -> tuple[Layout, object, str | None]:
     """Parse and check the whole header: (layout, metadata, the text to remember the layout by or None)."""
     try:
         header = json.loads(text)
