@@ -491,13 +491,13 @@ def _unsigned(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _RunPlan:
-    """How a run of a layout is decoded: its entries, values per tensor, their bounds, and the
-    (first, stop) groups of tensors read and joined together (JOIN_BYTES each)."""
+    """How a run of a layout is decoded: its entries, their bounds in values, and the groups of
+    tensors read and joined together (JOIN_BYTES each): (first, stop, start value, stop value,
+    each tensor's (start, stop) in the group's values)."""
 
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
-    sizes: tuple[int, ...]
     starts: tuple[int, ...]
-    groups: tuple[tuple[int, int], ...]
+    groups: tuple[tuple[int, int, int, int, tuple[tuple[int, int], ...]], ...]
 
 
 def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
@@ -507,8 +507,11 @@ def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
         plan = []
         for run in _runs(list(layout.entries), lambda e: e[1]):
             sizes = [math.prod(shape) for _, _, shape in run]
-            groups = _chunks(sizes, DTYPES[run[0][1]][0].itemsize, JOIN_BYTES)
-            plan.append(_RunPlan(tuple(run), tuple(sizes), tuple(_bounds(sizes)), tuple(groups)))
+            starts = _bounds(sizes)
+            groups = tuple((a, b, starts[a], starts[b], tuple((starts[k] - starts[a], starts[k + 1] - starts[a])
+                                                             for k in range(a, b)))
+                           for a, b in _chunks(sizes, DTYPES[run[0][1]][0].itemsize, JOIN_BYTES))
+            plan.append(_RunPlan(tuple(run), tuple(starts), groups))
         plan = layout.memo["runs"] = tuple(plan)
     return plan
 
@@ -535,21 +538,18 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
                 section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
         return
-    for first, stop in plan.groups:
+    for first, stop, lo, hi, spans in plan.groups:
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
-        lo, hi = starts[first], starts[stop]
         target = dests[0] if len(dests) == 1 else scratch(holder, (hi - lo,), "join")  # a large tensor: in place
-        spans = [(starts[k] - lo, starts[k + 1] - lo, d) for k, d in zip(range(first, stop), dests)]
         if codec == "raw":
             raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
-            for a, b, dest in spans:
+            for (a, b), dest in zip(spans, dests):
                 np.copyto(dest, raw[a:b].reshape(dest.shape))
         else:  # each plane's piece decompressed, digested and joined while it is in cache; small tensors
             # joined together, the join's last pass writing each into its place
-            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for a, b, d in spans]
+            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
             join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
-        for (name, _, _), dest in zip(run[first:stop], dests):
-            tensors[name] = Tensor(dtype, dest)
+        tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
     for section in sections:
         digest.section_digest(section.finish())
 
