@@ -6,9 +6,11 @@ import hashlib
 import struct
 
 
+import blake3
 import numpy as np
 import pytest
 import safetensors
+import xxhash
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 from kvwake.store.format.codec import DTYPES as HOLDERS
 from kvwake.store.format.codec import (CODECS, FILE_HEADER, FORMAT_VERSION, SECTION, BlockFormatError, Planed, Tensor,
                                 decode, decode_into, encode, payload, section_digest)
-from kvwake.store.format.planes import CHUNK_BYTES, split
+from kvwake.store.format.planes import CHUNK_BYTES, JOIN_BYTES, split
 
 DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "U32": np.uint32, "I32": np.int32, "U8": np.uint8}
 
@@ -36,9 +38,9 @@ def tensors(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
-def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
-    encoded = encode(arrays, metadata={"k": "v"}, codec=codec)
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())), version=st.sampled_from([2, 3]))
+def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec, version):
+    encoded = encode(arrays, metadata={"k": "v"}, codec=codec, version=version)
     got, meta, digest = decode(encoded.data)
     assert meta == {"k": "v"} and digest == encoded.digest and encoded.codec == codec
     assert list(got) == list(arrays)
@@ -47,13 +49,16 @@ def test_round_trip_is_lossless_for_any_dtype_and_shape(arrays, codec):
         assert got[name].array.tobytes() == t.array.tobytes()
 
 
+SECTION_HASH = {2: lambda b: blake3.blake3(b).digest(), 3: lambda b: xxhash.xxh3_128(b).digest()}
+
+
 @settings(max_examples=60, deadline=None)
-@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())))
-def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arrays, codec):
-    encoded = encode(arrays, metadata={"kvwake.kind": "block"}, codec=codec)
+@given(arrays=tensors(), codec=st.sampled_from(sorted(CODECS.values())), version=st.sampled_from([2, 3]))
+def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arrays, codec, version):
+    encoded = encode(arrays, metadata={"kvwake.kind": "block"}, codec=codec, version=version)
     raw = payload(arrays, metadata={"kvwake.kind": "block"})
     header_len = 8 + struct.unpack("<Q", raw[:8])[0]
-    contents = [raw[:8], raw[8:header_len]]  # format 2: BLAKE3 over each section's decoded content
+    contents = [raw[:8], raw[8:header_len]]  # a digest of each section's decoded content, then BLAKE3 of those
     if codec == "zstd":
         contents += [t.array.tobytes() for t in arrays.values()]
     else:  # one run per stretch of one dtype: its payload ("raw") or its byte planes ("planes-zstd")
@@ -65,8 +70,9 @@ def test_digest_covers_every_decoded_section_and_the_payload_is_safetensors(arra
             holder, rotate = HOLDERS[run[0].dtype]
             unsigned = data.view(f"<u{holder.itemsize}") if holder.itemsize > 1 else data.view(np.uint8)
             contents += [data.tobytes()] if codec == "raw" else [p.tobytes() for p in split(unsigned, rotate)]
-    assert section_digest(contents) == encoded.digest and len(raw) == encoded.raw_bytes
-    assert encoded.data[4] == FORMAT_VERSION == 2
+    expected = blake3.blake3(b"".join(SECTION_HASH[version](c) for c in contents)).hexdigest()
+    assert section_digest(contents, version) == expected == encoded.digest and len(raw) == encoded.raw_bytes
+    assert encoded.data[4] == version and FORMAT_VERSION == 3
     assert decode(encoded.data)[2] == encoded.digest
     parsed = dict(safetensors.deserialize(raw))
     assert set(parsed) == set(arrays)
@@ -304,17 +310,20 @@ def test_a_raw_or_zstd_block_decodes_into_staging_as_a_raw_run(codec):
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS.values()))
-def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec):
+@pytest.mark.parametrize("tokens", [256, 2 * JOIN_BYTES // (4 * 128 * 2) + 64])  # 256 KiB, and more than a join
+def test_tensors_larger_than_a_chunk_round_trip_into_strided_views(codec, tokens):
     # Was: "raw" copied a whole run's payload into the first large tensor (seen on the 8B shape).
     rng = np.random.default_rng(4)
-    source = {f"layers.{i}.keys": rng.integers(0, 1 << 16, (1, 4, 512, 128), dtype=np.uint16) for i in range(3)}
-    block = {n: Tensor("BF16", a[..., 128:384, :]) for n, a in source.items()}  # 256 KiB each
+    source = {f"layers.{i}.keys": rng.integers(0, 1 << 16, (1, 4, tokens + 256, 128), dtype=np.uint16)
+              for i in range(3)}
+    source["layers.1.keys"][..., ::2] &= 0x7F7F  # compressible planes as well as incompressible ones
+    block = {n: Tensor("BF16", a[..., 128 : 128 + tokens, :]) for n, a in source.items()}
     encoded = encode(block, codec=codec)
     targets = {n: np.zeros_like(a) for n, a in source.items()}
-    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: targets[name][..., 128:384, :])
+    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: targets[name][..., 128 : 128 + tokens, :])
     assert digest == encoded.digest
     for n, a in source.items():
-        assert np.array_equal(targets[n][..., 128:384, :], a[..., 128:384, :]), n
+        assert np.array_equal(targets[n], np.pad(a[..., 128 : 128 + tokens, :], ((0, 0), (0, 0), (128, 128), (0, 0)))), n
 
 
 def test_compressible_planes_larger_than_a_chunk_decode_side_by_side():

@@ -33,7 +33,7 @@ def test_format_1_blocks_read_back_exactly(tmp_path):
         assert_snapshot_exact(store, FACTS["arrays_snapshot"])
 
 
-def test_a_format_1_session_wakes_bit_exactly_and_sleeps_again_in_format_2(tmp_path):
+def test_a_format_1_session_wakes_bit_exactly_and_sleeps_again_in_the_current_format(tmp_path):
     shutil.copytree(FIXTURE, tmp_path / "v1")
     store = Store(tmp_path / "v1" / "data" / "store", block_tokens=16)
     engine = Engine(store, tmp_path / "v1" / "data", tmp_path / "v1" / "tiny-llama")

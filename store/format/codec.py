@@ -6,8 +6,8 @@ header order). The store never keeps the payload itself: it keeps a *block file*
 
     offset  size  field
     0       4     magic b"KVWB"
-    4       1     file format version: 1 or 2
-    5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2)
+    4       1     file format version: 1, 2 or 3
+    5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2 or later)
     6       2     reserved, zero
     8       8     raw size: bytes of the safetensors payload (u64 LE)
     16      32    digest (below)
@@ -19,20 +19,21 @@ the JSON. The tensor data follows:
 
 - format 1 (kvwake 0.1, still read): one section per tensor ("zstd") or one
   per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
-- format 2 (written now): tensors are coded in *runs* of consecutive tensors of
+- format 2 (still read) and 3 (written now): tensors are coded in *runs* of consecutive tensors of
   one dtype (a plain KV block is one run). "planes-zstd": one section per byte
   plane of the whole run, each tensor's bytes ending a zstd block (store/format/planes.py);
   "raw": one uncompressed section with the run's payload; "zstd": one section per
-  tensor. Digest = BLAKE3 of the concatenated BLAKE3 digests of every section's
+  tensor. Digest = BLAKE3 of the concatenated digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
-  or data). It is checked before any byte is transformed, so a reader may join
+  or data): BLAKE3 digests in format 2, XXH3-128 in format 3, the two formats'
+  only difference (store/format/blockdigest.py). It is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
   the payload as surely as a digest of the payload itself: the planes are a
-  bijection of it. BLAKE3, not sha256: a third of the cost (docs/decisions.md).
+  bijection of it. Not sha256: BLAKE3 is a third of its cost, XXH3 less again (docs/decisions.md).
 
 Decoding writes each tensor straight into a destination the caller chooses
-(`decode_into`): a view into a preallocated KV buffer, or (format 2) a staging
-buffer for a run's planes. A format-2 run is decoded a chunk of tensors at a
+(`decode_into`): a view into a preallocated KV buffer, or (formats 2, 3) a staging
+buffer for a run's planes. A run is decoded a chunk of tensors at a
 time: each section's piece is decompressed (or read where it lies), digested
 and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
 never go through memory whole. It never produces more than the recorded raw size
@@ -42,19 +43,18 @@ implies, checked before anything is allocated.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
 import zstandard
 
-from kvwake.store.format.planes import (CHUNK_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
+from kvwake.store.format.blockdigest import BlockDigest, NoDigest
+from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
+from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
                                         join_into, scratch, split, whole_section)
 
 __all__ = [
@@ -77,7 +77,8 @@ __all__ = [
     "section_digest",
 ]
 
-FORMAT_VERSION = 2  # what writers write; both versions are read
+FORMAT_VERSION = 3  # what writers write; every version is read
+VERSIONS = (1, 2, 3)
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -87,22 +88,6 @@ SECTION = struct.Struct("<BQ")
 MAX_HEADER_BYTES = 16 << 20
 _ZSTD = zstandard.ZstdCompressionParameters.from_level(3)  # "zstd": plain level 3, the baseline
 
-# safetensors dtype name -> (numpy dtype used to hold it, rotate before planes)
-DTYPES: dict[str, tuple[np.dtype, bool]] = {
-    "BF16": (np.dtype("<u2"), True),
-    "F16": (np.dtype("<f2"), False),
-    "F32": (np.dtype("<f4"), True),
-    "F64": (np.dtype("<f8"), False),
-    "U8": (np.dtype("u1"), False),
-    "I8": (np.dtype("i1"), False),
-    "U16": (np.dtype("<u2"), False),
-    "I16": (np.dtype("<i2"), False),
-    "U32": (np.dtype("<u4"), False),
-    "I32": (np.dtype("<i4"), False),
-    "U64": (np.dtype("<u8"), False),
-    "I64": (np.dtype("<i8"), False),
-    "BOOL": (np.dtype("?"), False),
-}
 _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF16"}
 
 # A staged section is read (decompressed or copied) and digested this many bytes at a time: each
@@ -114,15 +99,11 @@ STAGE_PIECE_BYTES = 2 << 20
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
-# Staging for a format-2 run as stored: given (names, dtype name, values in the run, planes), for a
+# Staging for a format-2 or 3 run as stored: given (names, dtype name, values in the run, planes), for a
 # "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each,
 # for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
 # run decoded into place.
 Stage = Callable[[tuple[str, ...], str, int, bool], "list[np.ndarray] | None"]
-
-
-class BlockFormatError(ValueError):
-    """Bytes that are not a valid block file (wrong magic, sizes, header, codec)."""
 
 
 @dataclass(frozen=True)
@@ -169,51 +150,9 @@ class Encoded:
         return sum(as_bytes(p).nbytes for p in self.parts)
 
 
-class _Digest:
-    """The block digest being computed: format 2's tree of section digests, or format 1's sha256."""
-
-    enabled = True
-
-    def __init__(self, version: int) -> None:
-        self.version = version
-        self._sha = hashlib.sha256() if version == 1 else None
-        self._sections: list[bytes] = []
-
-    def section(self, *contents: Any) -> None:
-        """Digest one section's decoded content (format 2), given as buffers in order."""
-        h = blake3.blake3()
-        for c in contents:
-            h.update(as_bytes(c))
-        self._sections.append(h.digest())
-
-    def section_digest(self, digest: bytes) -> None:
-        self._sections.append(digest)
-
-    def payload(self, data: Any) -> None:
-        """Digest payload bytes (format 1)."""
-        self._sha.update(data)
-
-    def hexdigest(self) -> str:
-        if self._sha is not None:
-            return self._sha.hexdigest()
-        return blake3.blake3(b"".join(self._sections)).hexdigest()
-
-
-class _NoDigest(_Digest):
-    """For benchmarks of the codec alone (decode(..., digest=False))."""
-
-    enabled = False
-
-    def section(self, *contents: Any) -> None:
-        pass
-
-    def payload(self, data: Any) -> None:
-        pass
-
-
-def section_digest(contents: list[bytes]) -> str:
-    """The format-2 digest of a block whose sections decode to `contents` (for tests and tools)."""
-    d = _Digest(2)
+def section_digest(contents: list[bytes], version: int = FORMAT_VERSION) -> str:
+    """The digest (format 2 or 3) of a block whose sections decode to `contents` (for tests and tools)."""
+    d = BlockDigest(version)
     for c in contents:
         d.section(c)
     return d.hexdigest()
@@ -233,18 +172,6 @@ def pieces(array: np.ndarray) -> Iterator[memoryview]:
         yield memoryview(array[index + (...,)].reshape(-1).view(np.uint8))
 
 
-def _payload_header(specs: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> bytes:
-    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
-    offset = 0
-    for name, dtype, shape in specs:
-        nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
     """Consecutive items of one dtype, in order."""
     runs: list[list] = []
@@ -256,12 +183,12 @@ def _runs(items: list, dtype_of: Callable[[Any], str]) -> list[list]:
     return runs
 
 
-def _chunks(sizes: list[int], itemsize: int) -> list[tuple[int, int]]:
-    """(first, stop) index ranges of tensors grouped to about CHUNK_BYTES of payload each."""
+def _chunks(sizes: list[int], itemsize: int, limit: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """(first, stop) index ranges of tensors grouped to about `limit` bytes of payload each."""
     groups, first, acc = [], 0, 0
     for i, n in enumerate(sizes):
         acc += n * itemsize
-        if acc >= CHUNK_BYTES or i == len(sizes) - 1:
+        if acc >= limit or i == len(sizes) - 1:
             groups.append((first, i + 1))
             first, acc = i + 1, 0
     return groups
@@ -288,14 +215,14 @@ class Planed:
     planes: tuple[np.ndarray, ...]
 
 
-def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: _Digest) -> list[Any]:
+def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: BlockDigest) -> list[Any]:
     """Buffers of one run's sections: one per byte plane ("planes-zstd"), or its payload ("raw")."""
     dtype = run[0][1].dtype
     holder, rotate = DTYPES[dtype]
     sizes = [t.array.size for _, t in run]
     count = holder.itemsize if codec == "planes-zstd" else 1
     sinks = [PlaneSink(compressor(k) if codec == "planes-zstd" else None, sum(sizes) * holder.itemsize // count,
-                       SECTION) for k in range(count)]
+                       SECTION, digest.hasher()) for k in range(count)]
     for first, stop in _chunks(sizes, holder.itemsize):
         tensors = [t for _, t in run[first:stop]]
         if len(tensors) == 1 and tensors[0].array.flags.c_contiguous:
@@ -314,7 +241,7 @@ def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: _Digest) -> l
     return _finish_sinks(sinks, digest)
 
 
-def _finish_sinks(sinks: list[PlaneSink], digest: _Digest) -> list[Any]:
+def _finish_sinks(sinks: list[PlaneSink], digest: BlockDigest) -> list[Any]:
     out = []
     for sink in sinks:
         out.extend(sink.sections())
@@ -322,10 +249,10 @@ def _finish_sinks(sinks: list[PlaneSink], digest: _Digest) -> list[Any]:
     return out
 
 
-def _encode_planed(block: Planed, digest: _Digest) -> list[Any]:
+def _encode_planed(block: Planed, digest: BlockDigest) -> list[Any]:
     sizes = [math.prod(shape) for shape in block.shapes]
     total = sum(sizes)
-    sinks = [PlaneSink(compressor(k), total, SECTION) for k in range(len(block.planes))]
+    sinks = [PlaneSink(compressor(k), total, SECTION, digest.hasher()) for k in range(len(block.planes))]
     for first, stop in _chunks(sizes, len(block.planes)):
         lo, hi = sum(sizes[:first]), sum(sizes[:stop])
         for sink, plane in zip(sinks, block.planes):
@@ -338,15 +265,19 @@ def encode(
     *,
     metadata: Mapping[str, str] | None = None,
     codec: str = DEFAULT_CODEC,
+    version: int = FORMAT_VERSION,
 ) -> Encoded:
-    """Encode named arrays (or one already planed run) into block-file bytes, format 2.
+    """Encode named arrays (or one already planed run) into block-file bytes, format 3
+    (`version=2`: the previous format, whose only difference is its section digests; for tests).
 
     Arrays may be strided views; they are read in place. Returns the file's
     buffers with digest and raw size. Raises TypeError for dtypes safetensors
-    cannot name, ValueError for an unknown codec or a Planed block with another codec.
+    cannot name, ValueError for an unknown codec or version or a Planed block with another codec.
     """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; known: {sorted(CODEC_IDS)}")
+    if version not in (2, 3):
+        raise ValueError(f"block format {version} is read, not written; written: 2, 3")
     if isinstance(arrays, Planed):
         if codec != "planes-zstd":
             raise ValueError(f"a planed block is coded with planes-zstd, not {codec}")
@@ -354,8 +285,8 @@ def encode(
     else:
         tensors = {name: Tensor.of(a) for name, a in arrays.items()}
         specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
-    header = _payload_header(specs, metadata or {})
-    digest = _Digest(FORMAT_VERSION)
+    header = payload_header(specs, metadata or {})
+    digest = BlockDigest(version)
     zc = zstandard.ZstdCompressor(compression_params=PLANES_PARAMS if codec != "zstd" else _ZSTD)
     sections: list[Any] = []
     for part in (header[:8], header[8:]):  # the length prefix alone first: a reader knows how much header to expect
@@ -372,7 +303,7 @@ def encode(
             sections.extend(_encode_run(run, codec, digest))
     raw_bytes = len(header) + sum(math.prod(shape) * DTYPES[dtype][0].itemsize for _, dtype, shape in specs)
     digest_hex = digest.hexdigest()
-    head = FILE_HEADER.pack(MAGIC, FORMAT_VERSION, CODEC_IDS[codec], 0, raw_bytes, bytes.fromhex(digest_hex))
+    head = FILE_HEADER.pack(MAGIC, version, CODEC_IDS[codec], 0, raw_bytes, bytes.fromhex(digest_hex))
     return Encoded((head, *sections), digest_hex, raw_bytes, codec)
 
 
@@ -380,7 +311,7 @@ def payload(arrays: Mapping[str, Tensor | np.ndarray], *, metadata: Mapping[str,
     """The uncompressed safetensors payload a block file decodes to (for tests and tools)."""
     tensors = {name: Tensor.of(a) for name, a in arrays.items()}
     specs = [(n, t.dtype, tuple(t.array.shape)) for n, t in tensors.items()]
-    return _payload_header(specs, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
+    return payload_header(specs, metadata or {}) + b"".join(t.array.tobytes() for t in tensors.values())
 
 
 def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
@@ -390,7 +321,7 @@ def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
     magic, version, codec_id, _, raw_bytes, digest = FILE_HEADER.unpack_from(data)
     if magic != MAGIC:
         raise BlockFormatError(f"bad magic {magic!r}; not a kvwake block file")
-    if version not in (1, 2) or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
+    if version not in VERSIONS or codec_id not in CODECS or (codec_id == CODEC_IDS["raw"] and version < 2):
         raise BlockFormatError(f"unsupported block format version {version}, codec id {codec_id}")
     return CODECS[codec_id], raw_bytes, digest.hex(), version
 
@@ -444,10 +375,10 @@ class _Pieces:
     (BLAKE3) as it is produced, while it is in the CPU's cache: one pass over the bytes, not a
     decompression into memory and a second read to hash it."""
 
-    def __init__(self, reader: _Reader, expect: int, slot: str, hashed: bool = True) -> None:
+    def __init__(self, reader: _Reader, expect: int, slot: str, digest: BlockDigest) -> None:
         self.mode, self.body, self.start = reader.next_section()
         self.expect, self.slot, self.got = expect, slot, 0
-        self.hasher = blake3.blake3() if hashed else None
+        self.hasher = digest.hasher()
         self.stream: Any = None
         if self.mode == 0 and len(self.body) != expect:
             raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
@@ -499,48 +430,8 @@ class _Pieces:
         return self.hasher.digest() if self.hasher is not None else b""
 
 
-# (dtype, shape, types of its dims) -> bytes, for tensor specs already checked: every block of a model
-# has the same few, and checking them afresh per block was a large share of a wake (GIL-bound;
-# docs/decisions.md, "Figures behind the store's comments").
-_SPEC_BYTES: dict[tuple, int] = {}
-
-
-def _parse_header(raw: bytes | memoryview, raw_bytes: int) -> tuple[dict, dict[str, str]]:
-    try:
-        header = json.loads(bytes(raw[8:]))
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise BlockFormatError(f"safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise BlockFormatError("safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise BlockFormatError("safetensors __metadata__ is not a map of strings")
-    offset = len(raw)
-    for name, spec in header.items():
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
-            if type(shape) is not list or type(begin) is not int or type(end) is not int:
-                raise TypeError("shape or offsets of the wrong type")
-            key = (dtype, tuple(shape), tuple(map(type, shape)))  # exact: 128.0 or true is not 128
-            nbytes = _SPEC_BYTES.get(key)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BlockFormatError(f"tensor {name!r}: malformed header entry ({exc})") from None
-        if nbytes is None:
-            if not isinstance(dtype, str) or dtype not in DTYPES or not all(type(s) is int and s >= 0 for s in shape):
-                raise BlockFormatError(f"tensor {name!r}: bad dtype or shape {dtype} {shape}")
-            nbytes = math.prod(shape) * DTYPES[dtype][0].itemsize
-            if len(_SPEC_BYTES) < 1024:
-                _SPEC_BYTES[key] = nbytes
-        if begin + len(raw) != offset or end - begin != nbytes:
-            raise BlockFormatError(f"tensor {name!r}: data offsets {begin}..{end} do not follow its shape")
-        offset = end + len(raw)
-    if offset != raw_bytes:
-        raise BlockFormatError(f"tensors end at byte {offset}, file header says payload is {raw_bytes}")
-    return header, metadata
-
-
-def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, dict, dict[str, str]]:
-    """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, specs, metadata)."""
+def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, Layout, dict[str, str]]:
+    """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, layout, metadata)."""
     codec, raw_bytes, _, version = read_file_header(view)
     if max_raw_bytes is not None and raw_bytes > max_raw_bytes:
         raise BlockFormatError(f"payload claims {raw_bytes} bytes, more than the {max_raw_bytes} recorded")
@@ -550,14 +441,13 @@ def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reade
     if not 0 < header_len <= min(MAX_HEADER_BYTES, raw_bytes - 8):
         raise BlockFormatError(f"safetensors header length {header_len} out of range")
     header_raw = bytes(prefix) + bytes(reader.section(header_len))
-    specs, metadata = _parse_header(header_raw, raw_bytes)
-    return codec, version, reader, header_raw, specs, metadata
+    layout, metadata = parse_header(header_raw, raw_bytes)
+    return codec, version, reader, header_raw, layout, metadata
 
 
 def read_specs(data: bytes | memoryview) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) of every tensor, from the header alone (not verified: decoding verifies)."""
-    specs = _open(memoryview(data), None)[4]
-    return {name: (spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()}
+    return {name: (dtype, shape) for name, dtype, shape in _open(memoryview(data), None)[4].entries}
 
 
 def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -572,8 +462,8 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
 
 
 def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
-                   digest: _Digest) -> Tensor:
-    """One tensor coded alone: every format-1 tensor, and format-2 "zstd"."""
+                   digest: BlockDigest) -> Tensor:
+    """One tensor coded alone: every format-1 tensor, and formats 2 and 3 "zstd"."""
     name, dtype, shape = entry
     holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
@@ -592,23 +482,53 @@ def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int
     return Tensor(dtype, dest)
 
 
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
 def _unsigned(a: np.ndarray) -> np.ndarray:
-    return a.view(f"<u{a.dtype.itemsize}") if a.dtype.itemsize > 1 else a.view(np.uint8)
+    return a.view(_UNSIGNED[a.dtype.itemsize])
 
 
-def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
-                stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 run: its sections read (into `stage`'s buffers when it takes the run), digested,
-    then joined a chunk of tensors at a time straight into place."""
+@dataclass(frozen=True)
+class _RunPlan:
+    """How a run of a layout is decoded: its entries, their bounds in values, and the groups of
+    tensors read and joined together (JOIN_BYTES each): (first, stop, start value, stop value,
+    each tensor's (start, stop) in the group's values)."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+    starts: tuple[int, ...]
+    groups: tuple[tuple[int, int, int, int, tuple[tuple[int, int], ...]], ...]
+
+
+def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
+    """The layout's runs, planned once per layout (kept in its memo)."""
+    plan = layout.memo.get("runs")
+    if plan is None:
+        plan = []
+        for run in _runs(list(layout.entries), lambda e: e[1]):
+            sizes = [math.prod(shape) for _, _, shape in run]
+            starts = _bounds(sizes)
+            groups = tuple((a, b, starts[a], starts[b], tuple((starts[k] - starts[a], starts[k + 1] - starts[a])
+                                                             for k in range(a, b)))
+                           for a, b in _chunks(sizes, DTYPES[run[0][1]][0].itemsize, JOIN_BYTES))
+            plan.append(_RunPlan(tuple(run), tuple(starts), groups))
+        plan = layout.memo["runs"] = tuple(plan)
+    return plan
+
+
+def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None,
+                stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
+    """A format-2 or 3 run: its sections read (into `stage`'s buffers when it takes the run), digested,
+    then joined a group of tensors at a time straight into place."""
+    run, starts = plan.entries, plan.starts
     dtype = run[0][1]
     holder, rotate = DTYPES[dtype]
-    sizes = [math.prod(shape) for _, _, shape in run]
-    total = sum(sizes)
+    total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
-        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest.enabled)]
+        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest)]
     else:
-        sections = [_Pieces(reader, total, f"plane{k}", digest.enabled) for k in range(holder.itemsize)]
+        sections = [_Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
     if staged is not None:
         for section, plane in zip(sections, staged):
             if plane.size != section.expect:
@@ -618,30 +538,25 @@ def _decode_run(reader: _Reader, codec: str, run: list[tuple[str, str, tuple[int
                 section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
         return
-    starts = _bounds(sizes)
-    for first, stop in _chunks(sizes, holder.itemsize):
+    for first, stop, lo, hi, spans in plan.groups:
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
-        lo, hi = starts[first], starts[stop]
-        if len(dests) == 1:  # a large tensor: joined straight into its destination
-            target = dests[0]
-        else:  # small tensors: joined together, then copied into place
-            target = scratch(holder, (hi - lo,), "join")
+        target = dests[0] if len(dests) == 1 else scratch(holder, (hi - lo,), "join")  # a large tensor: in place
         if codec == "raw":
-            np.copyto(target, sections[0].take((hi - lo) * holder.itemsize).view(holder).reshape(target.shape))
-        else:  # each plane's piece decompressed, digested and joined while it is in cache
-            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target))
-        if len(dests) > 1:
-            for dest, k in zip(dests, range(first, stop)):
-                np.copyto(dest, target[starts[k] - lo : starts[k + 1] - lo].reshape(dest.shape))
-        for (name, _, _), dest in zip(run[first:stop], dests):
-            tensors[name] = Tensor(dtype, dest)
+            raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
+            for (a, b), dest in zip(spans, dests):
+                np.copyto(dest, raw[a:b].reshape(dest.shape))
+        else:  # each plane's piece decompressed, digested and joined while it is in cache; small tensors
+            # joined together, the join's last pass writing each into its place
+            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
+            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
+        tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
     for section in sections:
         digest.section_digest(section.finish())
 
 
 def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
-                     stage: Stage | None, digest: _Digest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 "zstd" run: one section per tensor. When `stage` takes the run, its tensors' bytes are
+                     stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
+    """A "zstd" run (formats 2, 3): one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
     joins it: decoding each into the device's arrays from the CPU made a long wake many times slower,
     docs/decisions.md, Store: `codec = "auto"` is the default); else each tensor into place."""
@@ -658,7 +573,7 @@ def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]
         raise BlockFormatError(f"staging of {plane.size} bytes for a run of {sum(sizes) * holder.itemsize}")
     lo = 0
     for n in sizes:
-        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest.enabled), n * holder.itemsize
+        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
         for off in range(0, nbytes, STAGE_PIECE_BYTES):
             k = min(STAGE_PIECE_BYTES, nbytes - off)
             section.take(k, plane[lo + off : lo + off + k])
@@ -672,7 +587,7 @@ def decode_into(
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    stage(names, dtype, values, planes): for a format-2 run, where to read
+    stage(names, dtype, values, planes): for a format-2 or 3 run, where to read
     its sections as stored (`Stage`): a "planes-zstd" run's byte planes left
     unjoined, a "raw" run's bytes as they are, a "zstd" run's tensors
     decompressed one after the other (the layout of a raw run) (the run's
@@ -686,23 +601,22 @@ def decode_into(
     not fit its destination. A destination may be partly written when that happens.
     """
     view = memoryview(data)
-    codec, version, reader, header_raw, specs, metadata = _open(view, max_raw_bytes)
-    hasher = _Digest(version) if digest else _NoDigest(version)
+    codec, version, reader, header_raw, layout, metadata = _open(view, max_raw_bytes)
+    hasher = BlockDigest(version) if digest else NoDigest(version)
     if version == 1:
         hasher.payload(header_raw)
     else:
         hasher.section(header_raw[:8])
         hasher.section(header_raw[8:])
     tensors: dict[str, Tensor] = {}
-    entries = [(name, spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()]
     if version == 1:
-        for entry in entries:
+        for entry in layout.entries:
             tensors[entry[0]] = _decode_tensor(reader, codec, entry, place, hasher)
     elif codec == "zstd":
-        for run in _runs(entries, lambda e: e[1]):
-            _decode_zstd_run(reader, run, place, stage, hasher, tensors)
+        for run in _plan(layout):
+            _decode_zstd_run(reader, list(run.entries), place, stage, hasher, tensors)
     else:
-        for run in _runs(entries, lambda e: e[1]):
+        for run in _plan(layout):
             _decode_run(reader, codec, run, place, stage, hasher, tensors)
     if reader.pos != len(view):
         raise BlockFormatError(f"{len(view) - reader.pos} trailing bytes after the last section")

@@ -10,8 +10,8 @@ A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
 compressible plane is one streamed zstd frame in which each tensor's bytes end
 a zstd block (so each tensor gets Huffman tables of its own); a plane whose
 first chunk's sample does not shrink by 3% (mantissas) is stored raw; a small
-one is decided whole. Each sink digests the content it is given (BLAKE3), in
-order, for the block digest (codec.py).
+one is decided whole. Each sink digests the content it is given, in order, for
+the block digest (blockdigest.py).
 """
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ import math
 import threading
 from typing import Any
 
-import blake3
 import numpy as np
 import zstandard
 
-__all__ = ["CHUNK_BYTES", "PLANES_PARAMS", "PlaneSink", "as_bytes", "compressor", "join_into", "scratch", "split",
+__all__ = ["CHUNK_BYTES", "JOIN_BYTES", "PLANES_PARAMS", "PlaneSink", "as_bytes", "compressor", "join_into", "scratch", "split",
            "whole_section"]
 
 RAW_IF_RATIO_ABOVE = 0.97
 SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample of their first chunk
-# Tensors are processed CHUNK_BYTES of payload at a time: few, large numpy/zstd/BLAKE3 calls.
+# Tensors are processed CHUNK_BYTES of payload at a time: few, large numpy/zstd/digest calls.
 CHUNK_BYTES = 256 << 10
+# A run is read and joined JOIN_BYTES of payload at a time: larger pieces leave the CPU's cache
+# between the passes, smaller ones pay the calls' own cost more often; this size read fastest
+# (docs/benchmarks.md, "One core's verified read (h-vr)").
+JOIN_BYTES = 1 << 20
 # Level 1, min_match 7, and a 64-entry match table searched once. On real bf16 KV exponent planes
 # are almost all literals: the matches zstd finds there are short and spurious and disturb the
 # literal statistics Huffman codes from. A higher level compresses worse; shrinking the match search
@@ -88,26 +91,54 @@ def split(array: np.ndarray, rotate: bool) -> list[np.ndarray]:
     return [np.ascontiguousarray(b[:, i]) for i in reversed(range(size))]
 
 
-def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray) -> None:
-    """Join byte planes (high first) into `dest` (unsigned ints of their count in bytes, any strides)."""
+def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray,
+              parts: list[tuple[int, int, np.ndarray]] | None = None) -> None:
+    """Join byte planes (high first) into `dest` (unsigned ints of their count in bytes, any strides).
+
+    parts: (start, stop, destination) spans of a flat `dest`, each of which belongs in a destination
+    of its own (unsigned ints, any strides, stop - start values): the join's last pass writes them
+    there instead of into `dest`, so no copy follows it (`dest` is then scratch, partly written)."""
     size = dest.dtype.itemsize
     shape = dest.shape
     if size == 1:
-        np.copyto(dest, planes[0].reshape(shape))
+        _last(None, dest, planes[0].reshape(shape), None, parts)
         return
-    np.left_shift(planes[0].reshape(shape), 8 * (size - 1), out=dest, dtype=dest.dtype)
-    for k, plane in enumerate(planes[1:], start=2):
-        shifted = plane.reshape(shape)
-        if k < size:
-            low = scratch(dest.dtype, shape, "rotate")
-            np.left_shift(shifted, 8 * (size - k), out=low, dtype=dest.dtype)
-            shifted = low
-        np.bitwise_or(dest, shifted, out=dest)
+    # Each plane's bits land where no other plane's do, so adding is or-ing; a product by a power
+    # of two (wrapping) is the shift that numpy does fastest with the widening from bytes in one
+    # pass. Rotated right by one bit (`rotate`), a plane moves one bit less far up; the last one
+    # moves down by one, its lowest bit to the top.
+    bits, unsigned = 8 * size, dest.dtype.type
+    for k, plane in enumerate(planes[:-1]):
+        shift = bits - 8 * (k + 1) - rotate
+        if k == 0:
+            np.multiply(plane.reshape(shape), unsigned(1 << shift), out=dest, dtype=dest.dtype)
+        else:
+            up = scratch(dest.dtype, shape, "rotate")
+            np.multiply(plane.reshape(shape), unsigned(1 << shift), out=up, dtype=dest.dtype)
+            np.add(dest, up, out=dest)
+    last = planes[-1].reshape(shape)
     if rotate:
-        low = scratch(dest.dtype, shape, "rotate")
-        np.right_shift(dest, 1, out=low)
-        np.left_shift(dest, size * 8 - 1, out=dest)
-        np.bitwise_or(dest, low, out=dest)
+        np.add(dest, np.right_shift(last, 1, out=scratch(np.dtype(np.uint8), shape, "half")), out=dest,
+               dtype=dest.dtype)
+        top = scratch(dest.dtype, shape, "rotate")
+        np.multiply(last, unsigned(1 << (bits - 1)), out=top, dtype=dest.dtype)
+        last = top
+    _last(np.add, dest, dest, last, parts)
+
+
+def _last(op: Any, dest: np.ndarray, x: np.ndarray, y: np.ndarray | None,
+          parts: list[tuple[int, int, np.ndarray]] | None) -> None:
+    """A join's last pass, `op(x, y) -> dest` (op None: `x -> dest`), whole or a part at a time."""
+    if parts is None:  # dest may be strided here: no flat views of it
+        np.copyto(dest, x) if op is None else op(x, y, out=dest, dtype=dest.dtype)
+        return
+    x = x.reshape(-1)
+    y = y.reshape(-1) if y is not None else None
+    for lo, hi, out in parts:
+        if op is None:
+            np.copyto(out, x[lo:hi].reshape(out.shape))
+        else:
+            op(x[lo:hi].reshape(out.shape), y[lo:hi].reshape(out.shape), out=out, dtype=out.dtype)
 
 
 def as_bytes(x: Any) -> memoryview:
@@ -140,11 +171,12 @@ def whole_section(data: Any, zc: zstandard.ZstdCompressor | None, mode_struct: A
 class PlaneSink:
     """One section of a run (a plane, or a raw payload), fed chunk by chunk; see the module docstring."""
 
-    def __init__(self, zc: zstandard.ZstdCompressor | None, total: int, mode_struct: Any) -> None:
+    def __init__(self, zc: zstandard.ZstdCompressor | None, total: int, mode_struct: Any, hasher: Any) -> None:
+        """hasher: the section digest's (update/digest), given by the block format (blockdigest.py)."""
         self.zc, self.total, self.mode_struct = zc, total, mode_struct
         self.parts: list[Any] = []
         self.obj: Any = None
-        self.hasher = blake3.blake3()
+        self.hasher = hasher
         self.mode = "raw" if zc is None else ("stream" if total >= 4 * SAMPLE_BYTES else "whole")
 
     def add(self, chunk: np.ndarray, bounds: list[int], owned: bool) -> None:
