@@ -140,10 +140,8 @@ class PointTaker:
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
                 blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
             window = self._window(session, position, keys, usable)
-            if window:  # the rings' rows go in the blocks the store lacks; the point is a marker over them
-                for k, rows in mlx(lambda: window_rows.defer_rows(
-                        window, [k for k in window_rows.blocks_of(window, self.ctx.block_tokens) if k in blocks],
-                        self.ctx.block_tokens).host()).items():
+            if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
+                for k, rows in mlx(lambda: self._window_rows(session, blocks)).items():
                     blocks[k] = {**blocks[k], **rows}
             point = mlx(lambda: self._point(session, position, window))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
@@ -171,6 +169,16 @@ class PointTaker:
             if ref is not None and not window_rows.carries_rows(self.ctx.store.block_specs(ref), self.window_names):
                 return None  # stored without them (a sleep's, or before): the point keeps its rings
         return window
+
+    def _window_rows(self, session: Session, blocks: dict[int, dict]) -> dict[int, dict]:
+        """Engine thread: the rings' rows of every block to be written whose rows they all hold, on the host:
+        the marker's window and any block before it the chunk still holds, so a later point whose window
+        reaches back into these blocks finds them with rows (none for a window shorter than a block)."""
+        held, ks = window_rows.held_blocks(session.cache, self.ctx.block_tokens)
+        ks = [k for k in ks if k in blocks]
+        if not ks or not window_rows.worth_it(held, self.ctx.block_tokens):
+            return {}
+        return window_rows.defer_rows(held, ks, self.ctx.block_tokens).host()
 
     def _point(self, session: Session, position: int, window: list | None) -> dict[str, Tensor]:
         """Engine thread: the point's state on the host; its rings' rows left out where `window` marks them."""

@@ -155,7 +155,7 @@ class Engine(Appending):
                             vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
                             cuttable=cache_blocks.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
                             # KV on a discrete GPU: byte planes are made there
-                            device_planes=self.restore_mode == "staged")
+                            device_planes=self.restore_mode == "staged", window_blocks=tuning.window_blocks)
         self.ram_tier, self.pool, self.counters, self.cuttable = self.kv.ram_tier, self.kv.pool, self.kv.counters, self.kv.cuttable
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
