@@ -14,7 +14,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.utils import load
 
 from kvwake.daemon.config import Tuning
-from kvwake.daemon.kv import cache_blocks, points, window_rows
+from kvwake.daemon.kv import cache_blocks, points, window_rows, window_stage
 from kvwake.daemon.kv.points import compact_rings
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
@@ -174,21 +174,24 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
 @pytest.mark.parametrize("codec", ["planes-zstd", "raw"])
 def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch, codec):
     # Staged (a GPU's way, run on the CPU): a block carrying window rows stages its plain part through the
-    # ring as other blocks do, and only the window rows the marker wants are joined on the host (was: the
-    # whole block decoded into host views and uploaded). The hit is exact all the same.
+    # ring as other blocks do, and the window rows the marker wants are staged as their runs hold them and
+    # joined on the device (kv/window_stage.py; was: joined on the host into one array a name, then
+    # uploaded as a point's rings). The hit is exact all the same.
     engine = engines("gemma3_text", 32, restore_mode="staged", codec=codec)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     assert engine.points.counters["points_marked"] >= 2
-    finish, joined = window_rows.WindowRun.finish, []
-    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: joined.append(
-        (start, set(out := finish(run, held, start)))) or out)
+    staged, rings = [], []
+    stage_run, joined = window_stage.StagedRows.stage_run, window_stage.StagedRows.rings
+    monkeypatch.setattr(window_stage.StagedRows, "stage_run", lambda held, start, run: staged.append(
+        (start, held.first * B <= start < (held.first + held.count) * B)) or stage_run(held, start, run))
+    monkeypatch.setattr(window_stage.StagedRows, "rings", lambda held, point: rings.append(
+        out := joined(held, point)) or out)
     got = engine.append(second, messages=chat(OTHER))
     assert got["reused"] >= common_prefix(first.tokens, second.tokens) // B * B - B > 0
-    # every block carrying rows is staged; only the deepest point's window's rows are joined
     window = set(range((got["reused"] - 32) // B * B, got["reused"], B))
-    assert {start for start, names in joined if names} == window
-    assert all(names == engine.points.window_names for start, names in joined if start in window)
+    assert {start for start, wanted in staged if wanted} == window
+    assert len(rings) == 1 and all(isinstance(rings[0][n], mx.array) for n in engine.points.window_names)
     assert_as_plain(engine, engines("gemma3_text", 32, window_blocks=False, store="plain", points=False), second)
 
 
@@ -247,11 +250,13 @@ def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engin
     assert engine.generate(woken, GREEDY).tokens == plain.generate(twin, GREEDY).tokens
 
 
-def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
+@pytest.mark.parametrize("mode", [None, "staged"])
+def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines, mode):
     # A block the RAM tier holds is a restore's copy of the plain layers' KV, without window rows (agents
     # starting together share blocks that way): the rows are read from the block's file. Was: its empty rows
-    # were taken for the block's, every point refused and the whole prompt prefilled.
-    engine = engines("gemma3_text", 40)
+    # were taken for the block's, every point refused and the whole prompt prefilled. Staged, such a block
+    # was not staged with its rows: the host path joins them.
+    engine = engines("gemma3_text", 40, restore_mode=mode)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     for ref in engine.store.longest_prefix(engine.bundle.hash, first.tokens):

@@ -137,7 +137,10 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def array_of(t: Tensor) -> mx.array:
+def array_of(t: Tensor | mx.array) -> mx.array:
+    """A stored array on the device (a device array as it is: a ring joined there, kv/window_stage.py)."""
+    if isinstance(t, mx.array):
+        return t
     a = mx.array(t.array)
     return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
@@ -557,9 +560,12 @@ def restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_token
     """Fill one non-cuttable unit in place from the tail, popping its names."""
     def both() -> tuple[mx.array, mx.array]:
         k, v = tail.pop(f"{name}.keys", None), tail.pop(f"{name}.values", None)
-        if k is None or v is None or k.array.shape[:-1] != v.array.shape[:-1]:
-            raise StateMismatchError(f"{name}: keys/values missing or of different lengths")
-        return array_of(k), array_of(v)
+        if k is None or v is None:
+            raise StateMismatchError(f"{name}: keys/values missing")
+        keys, values = array_of(k), array_of(v)
+        if keys.shape[:-1] != values.shape[:-1]:
+            raise StateMismatchError(f"{name}: keys/values of different lengths")
+        return keys, values
 
     if kind == "rotating":
         offset, idx, keep, max_size = take_ints(tail, f"{name}.ring", 4)

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import mlx.core as mx
 import numpy as np
 
 from kvwake.daemon.kv import cache_blocks, window_rows
@@ -290,8 +291,8 @@ def check_fits(point: dict[str, Tensor], kv_layout: list[dict]) -> None:
         elif facts["kind"] in ("rotating", "chunked") and f"{name}.keys" in point:
             for part, dim in (("keys", "k_head_dim"), ("values", "v_head_dim")):
                 got = point.get(f"{name}.{part}")
-                if got is None or got.array.ndim != 4 or _dtype_name(got) != facts["dtype"] or \
-                        (got.array.shape[1], got.array.shape[3]) != (facts["kv_heads"], facts[dim]):
+                if got is None or _array(got).ndim != 4 or _dtype_name(got) != facts["dtype"] or \
+                        (_array(got).shape[1], _array(got).shape[3]) != (facts["kv_heads"], facts[dim]):
                     raise StateMismatchError(f"{name}.{part}: {_spec(got)} is not KV of the model's "
                                              f"{facts['kv_heads']} heads of {facts[dim]} {facts['dtype']}")
 
@@ -305,13 +306,19 @@ def _layout_units(kv_layout: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
-def _dtype_name(t: Tensor) -> str:
-    """A stored array's dtype as MLX names it (the layout's names)."""
+def _dtype_name(t: Tensor | mx.array) -> str:
+    """A stored array's dtype as MLX names it (the layout's names); a device array's (a ring joined there)."""
+    if isinstance(t, mx.array):
+        return str(t.dtype).rsplit(".", 1)[-1]
     return "bfloat16" if t.dtype == "BF16" else t.array.dtype.name
 
 
-def _spec(t: Tensor | None) -> str:
-    return "nothing" if t is None else f"{_dtype_name(t)}{list(t.array.shape)}"
+def _array(t: Tensor | mx.array) -> np.ndarray | mx.array:
+    return t if isinstance(t, mx.array) else t.array
+
+
+def _spec(t: Tensor | mx.array | None) -> str:
+    return "nothing" if t is None else f"{_dtype_name(t)}{list(_array(t).shape)}"
 
 
 def _runs(indices: list[int], most: int) -> list[tuple[int, int]]:

@@ -244,15 +244,18 @@ class Held:
     """A marker point's window rows as a restore decodes its blocks [first, first + count): into one host
     array per name (`where`), so that a ring whose rows start on a block is joined with no copy (`span`);
     rows a block decoded elsewhere (its specs not these) are kept as they came (`took`). A block the RAM
-    tier gave holds none: `rows_of` says so, and the caller reads its file."""
+    tier gave holds none: `rows_of` says so, and the caller reads its file. `host`: False for a staged
+    restore's (kv/window_stage.py), which places nothing on the host."""
+
+    staged = False  # rows staged as their runs hold them, joined on the device (kv/window_stage.py)
 
     def __init__(self, first: int, count: int, block_tokens: int, names: frozenset[str],
-                 specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+                 specs: Mapping[str, tuple[str, tuple[int, ...]]], host: bool = True) -> None:
         self.first, self.count, self.b = first, count, block_tokens
         self.names = names
         self.dtypes = {n: specs[n][0] for n in names if n in specs}
         self.arrays = {n: np.empty((*specs[n][1][:-2], count * block_tokens, specs[n][1][-1]), DTYPES[d][0])
-                       for n, d in self.dtypes.items()} if len(self.dtypes) == len(names) else {}
+                       for n, d in self.dtypes.items()} if host and len(self.dtypes) == len(names) else {}
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.filled: set[int] = set()  # blocks whose rows went where `where` said
         self.rows: dict[int, dict[str, Tensor]] = {}  # blocks whose rows came otherwise
@@ -364,6 +367,9 @@ class WindowRun:
         for row, section in zip(self.rows, self.sections):
             np.copyto(row, section[:cut])
         out: dict[str, Tensor] = {}
+        if held is not None and held.staged:  # kept as planes for the device's join
+            held.stage_run(start, self)  # type: ignore[attr-defined]
+            return out
         if held is None or set(self.names) - set(held.arrays):
             return out  # nothing wants them (a wake), or they are not the rows a marker reads
         lo = self.plain
