@@ -21,8 +21,9 @@ take the host path (`window_rows.assemble`): the same arrays, slower.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +32,31 @@ from kvwake.daemon.kv import cache_blocks, devplanes
 from kvwake.daemon.kv.window_rows import MARK, Held, WindowRun
 from kvwake.store.format.codec import DTYPES
 
-__all__ = ["StagedRows", "window_order"]
+__all__ = ["KEEP_STAGING", "StagedRows", "window_order"]
+
+# Staging arrays of one shape kept idle between hits (mapped for the GPU once: a fresh one is an allocation
+# the CPU writes zeros into, and on CUDA a registration of its pages): agents starting together restore
+# through the same marker one after another. Each is a window's rows (a Gemma-3-4B window's: 116 MiB).
+KEEP_STAGING = 2
+_idle: dict[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] = {}
+_idle_lock = threading.Lock()
+
+
+def _take_staging(shape: tuple[int, int]) -> tuple[mx.array, np.ndarray, Callable[[], None]]:
+    with _idle_lock:
+        kept = _idle.get(shape)
+        if kept:
+            return kept.pop()
+    return devplanes.staging(shape)
+
+
+def _give_staging(shape: tuple[int, int], slot: tuple[mx.array, np.ndarray, Callable[[], None]]) -> None:
+    with _idle_lock:
+        kept = _idle.setdefault(shape, [])
+        if len(kept) < KEEP_STAGING:
+            kept.append(slot)
+            return
+    slot[2]()  # not kept: its mapping goes before MLX may reuse the memory
 
 
 def window_order(cache: list, names: frozenset[str]) -> tuple[str, ...]:
@@ -53,9 +78,10 @@ class StagedRows(Held):
         self.dtype, self.shape = specs[order[0]]
         self.size = DTYPES[self.dtype][0].itemsize
         self.values = len(order) * math.prod(self.shape)  # a block's window values
-        self.array, view, release = devplanes.staging((count, self.size * self.values))
-        self.view = view
-        self._release = weakref.finalize(self, release)
+        shape = (count, self.size * self.values)
+        slot = _take_staging(shape)
+        self.array, self.view = slot[0], slot[1]
+        self._release = weakref.finalize(self, _give_staging, shape, slot)  # once: after the join, or when dropped
         self.kinds: dict[int, bool] = {}  # block (from first) -> staged as planes (True) or raw (False)
 
     @classmethod
@@ -101,5 +127,5 @@ class StagedRows(Held):
             for part in ("keys", "values"):  # its own buffer: a slice would hold the whole join
                 out[f"{unit}.{part}"] = mx.contiguous(joined[f"{unit}.{part}"][..., start : start + rows, :])
         mx.eval([a for a in out.values() if isinstance(a, mx.array)])
-        self._release()  # the join is done: the staging leaves the host mapping before MLX reuses it
+        self._release()  # the join is done: the staging is free for the next hit
         return out
