@@ -32,7 +32,7 @@ from kvwake.daemon.kv import cache_blocks, devplanes
 from kvwake.daemon.kv.window_rows import MARK, Held, WindowRun
 from kvwake.store.format.codec import DTYPES
 
-__all__ = ["KEEP_STAGING", "StagedRows", "window_order"]
+__all__ = ["KEEP_STAGING", "StagedRows", "drop_idle", "window_order"]
 
 # Staging arrays of one shape kept idle between hits (mapped for the GPU once: a fresh one is an allocation
 # the CPU writes zeros into, and on CUDA a registration of its pages): agents starting together restore
@@ -57,6 +57,15 @@ def _give_staging(shape: tuple[int, int], slot: tuple[mx.array, np.ndarray, Call
             kept.append(slot)
             return
     slot[2]()  # not kept: its mapping goes before MLX may reuse the memory
+
+
+def drop_idle() -> None:
+    """Release the staging kept between hits (its memory goes back to MLX): the engine's close."""
+    with _idle_lock:
+        stale = [slot for kept in _idle.values() for slot in kept]
+        _idle.clear()
+    for _, _, release in stale:
+        release()
 
 
 def window_order(cache: list, names: frozenset[str]) -> tuple[str, ...]:

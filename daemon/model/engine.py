@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers
+from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers, window_stage
 from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, start_digests
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
@@ -268,6 +268,7 @@ class Engine(Appending):
         self.points.close()
         self.pool.close()
         devplanes.drop_idle()
+        window_stage.drop_idle()
 
     def _vocab_size(self) -> int:
         args = getattr(self.model, "args", None)
