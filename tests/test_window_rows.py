@@ -10,12 +10,14 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.utils import load
 
 from kvwake.daemon.config import Tuning
-from kvwake.daemon.kv import cache_blocks, points, window_rows
+from kvwake.daemon.kv import cache_blocks, points, window_rows, window_stage
 from kvwake.daemon.kv.points import compact_rings
 from kvwake.daemon.model.engine import Engine
+from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session, common_prefix
 from kvwake.store import Store
 from testkit.tinymodel import TOOLS_CHATML, make_model_dir
@@ -172,19 +174,24 @@ def test_a_hit_through_a_marker_point_continues_as_a_plain_prefill(engines, arch
 @pytest.mark.parametrize("codec", ["planes-zstd", "raw"])
 def test_a_hit_through_a_marker_point_restores_staged_as_a_gpu_does(engines, monkeypatch, codec):
     # Staged (a GPU's way, run on the CPU): a block carrying window rows stages its plain part through the
-    # ring as other blocks do, and only the window rows the marker wants are joined on the host (was: the
-    # whole block decoded into host views and uploaded). The hit is exact all the same.
+    # ring as other blocks do, and the window rows the marker wants are staged as their runs hold them and
+    # joined on the device (kv/window_stage.py; was: joined on the host into one array a name, then
+    # uploaded as a point's rings). The hit is exact all the same.
     engine = engines("gemma3_text", 32, restore_mode="staged", codec=codec)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     assert engine.points.counters["points_marked"] >= 2
-    finish, joined = window_rows.WindowRun.finish, []
-    monkeypatch.setattr(window_rows.WindowRun, "finish", lambda run, held, start: joined.append(
-        (start, set(out := finish(run, held, start)))) or out)
+    staged, rings = [], []
+    stage_run, joined = window_stage.StagedRows.stage_run, window_stage.StagedRows.rings
+    monkeypatch.setattr(window_stage.StagedRows, "stage_run", lambda held, start, run: staged.append(
+        (start, held.first * B <= start < (held.first + held.count) * B)) or stage_run(held, start, run))
+    monkeypatch.setattr(window_stage.StagedRows, "rings", lambda held, point: rings.append(
+        out := joined(held, point)) or out)
     got = engine.append(second, messages=chat(OTHER))
     assert got["reused"] >= common_prefix(first.tokens, second.tokens) // B * B - B > 0
-    window = -(-32 // B)  # the blocks of the deepest point's window: staged, and their rows joined
-    assert len(joined) >= window and all(names == engine.points.window_names for _, names in joined[-window:])
+    window = set(range((got["reused"] - 32) // B * B, got["reused"], B))
+    assert {start for start, wanted in staged if wanted} == window
+    assert len(rings) == 1 and all(isinstance(rings[0][n], mx.array) for n in engine.points.window_names)
     assert_as_plain(engine, engines("gemma3_text", 32, window_blocks=False, store="plain", points=False), second)
 
 
@@ -243,11 +250,13 @@ def test_a_session_whose_blocks_carry_window_rows_sleeps_and_wakes_exactly(engin
     assert engine.generate(woken, GREEDY).tokens == plain.generate(twin, GREEDY).tokens
 
 
-def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines):
+@pytest.mark.parametrize("mode", [None, "staged"])
+def test_a_marker_joins_its_rings_when_the_ram_tier_gives_its_blocks(engines, mode):
     # A block the RAM tier holds is a restore's copy of the plain layers' KV, without window rows (agents
     # starting together share blocks that way): the rows are read from the block's file. Was: its empty rows
-    # were taken for the block's, every point refused and the whole prompt prefilled.
-    engine = engines("gemma3_text", 40)
+    # were taken for the block's, every point refused and the whole prompt prefilled. Staged, such a block
+    # was not staged with its rows: the host path joins them.
+    engine = engines("gemma3_text", 40, restore_mode=mode)
     first, second = Session("first"), Session("second")
     engine.append(first, messages=chat("a"))
     for ref in engine.store.longest_prefix(engine.bundle.hash, first.tokens):
@@ -304,4 +313,58 @@ def test_a_marker_whose_window_blocks_an_earlier_marker_stored_meanwhile_stays_a
     again = Session("again")
     got = engine.append(again, tokens=list(second.tokens))
     assert got["reused"] == (len(second.tokens) - 1) // B * B
+    assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), again)
+
+
+def test_span_rows_reads_a_ring_in_token_order_however_it_is_rotated():
+    ring = RotatingKVCache(max_size=40)
+    rng = np.random.default_rng(5)
+    kv = mx.array(rng.standard_normal((1, 2, 400, 4)).astype(np.float32))
+    ring.update_and_fetch(kv[:, :, :23], kv[:, :, :23])  # a prefill chunk, then single tokens
+    seen = set()
+    for t in range(23, 200):
+        for first in range(0, t // B):
+            rows = window_rows.span_rows([ring], first, 1, B)
+            held = first * B >= t - (40 if t > 40 else t) and (first + 1) * B <= t
+            assert bool(rows) == held, (t, first)
+            if rows:
+                seen.add(ring._idx)
+                assert np.array_equal(np.array(rows["layers.0.keys"]), np.array(kv[:, :, first * B : (first + 1) * B]))
+        assert window_rows.first_held([ring], B) == -(-max(0, t - 40) // B)
+        ring.update_and_fetch(kv[:, :, t : t + 1], kv[:, :, t : t + 1])
+    assert len(seen) > 20  # read at many rotations, wrapping round the ring's end too
+
+
+@pytest.mark.parametrize("mode", [None, "staged"])
+def test_a_sleep_stores_the_window_rows_its_ring_holds_so_a_later_point_over_them_is_a_marker(engines, mode):
+    # A sleep writes the blocks a reply filled, its ring rotated by decoding. Was: without rows, so a later
+    # point whose window reached into them was stored whole (a ring's bytes, not a marker's). Staged: the
+    # rows are split into byte planes on the device with the blocks (pipeline.defer_blocks).
+    engine = engines("gemma3_text", 40, restore_mode=mode)
+    engine.reply_points.enabled = False  # the reply's blocks are written by the sleep alone
+    s = Session("named")
+    engine.append(s, messages=chat("a"))
+    stored = len(engine.store.longest_prefix(engine.bundle.hash, s.tokens))
+    engine.generate(s, GenerateParams(max_tokens=40))
+    rings = {name: (c.offset - 40, np.array(c._temporal_order(c.keys).view(mx.uint16)))
+             for name, _, _, c in cache_blocks.units(s.cache) if cache_blocks.kind_of(c, name) == "rotating"}
+    assert rings and all(c._idx < c.keys.shape[2] for c in s.cache if hasattr(c, "_idx"))  # rotated
+    engine.sleep(s)
+    refs = engine.store.longest_prefix(engine.bundle.hash, s.tokens)
+    held = [k for k in range(stored, len(refs)) if k * B >= s.processed - 40]
+    assert held and len(refs) > stored
+    for k in range(stored, len(refs)):
+        arrays = engine.store.read_block(refs[k])
+        assert (k in held) == (engine.points.window_names <= set(arrays)), k
+        for name, (first, keys) in rings.items() if k in held else ():
+            want = keys[:, :, k * B - first : (k + 1) * B - first]
+            assert np.array_equal(arrays[f"{name}.keys"].array, want), (k, name)
+    later = Session("later")
+    got = engine.append(later, tokens=[*s.tokens, *s.pending, *range(60, 90)])
+    at = (len(later.tokens) - 1) // B * B
+    assert (at - 40) // B * B < len(refs) * B  # the last point's window reaches into the sleep's blocks
+    point = next(p for p in stored_points(engine) if int(p["layers.0.ring"].array[0]) == at)
+    assert f"layers.0.{window_rows.MARK}" in point and engine.points.counters["points_joined"] == 0
+    again = Session("again")
+    assert engine.append(again, tokens=list(later.tokens))["reused"] == at > got["reused"]
     assert_as_plain(engine, engines("gemma3_text", 40, window_blocks=False, store="plain", points=False), again)

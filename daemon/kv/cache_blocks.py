@@ -137,7 +137,10 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def array_of(t: Tensor) -> mx.array:
+def array_of(t: Tensor | mx.array) -> mx.array:
+    """A stored array on the device (a device array as it is: a ring joined there, kv/window_stage.py)."""
+    if isinstance(t, mx.array):
+        return t
     a = mx.array(t.array)
     return a.view(mx.bfloat16) if t.dtype == "BF16" else a
 
@@ -341,14 +344,16 @@ def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.ar
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
 
-def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool = False) -> Deferred:
+def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool = False,
+                 extra: dict[str, mx.array] | None = None) -> Deferred:
     """Tokens [start, stop) of every cuttable unit (or of `only`): host arrays once `host()` runs.
 
     On unified memory (CPU, Apple silicon) they are views of the cache's buffers, unless `own`. While a
     view lives MLX cannot update that buffer in place and copies all of it at the cache's next update,
     so a cache that goes on growing is copied (`own`). On CUDA they are always copies: reading a slice
     of the cache itself would move its whole buffer to host memory. Copies are made one per dtype and
-    shape (the tensors stacked): on CUDA each is a managed allocation and a transfer of its own."""
+    shape (the tensors stacked): on CUDA each is a managed allocation and a transfer of its own.
+    `extra`: more lazy arrays of these tokens, named, after the units' (window rows: kv/window_rows.py)."""
     lazy: dict[str, mx.array] = {}
     facts: dict[str, Tensor] = {}
     order: list[str] = []  # units in order, each unit's parts, then its quantization
@@ -358,6 +363,8 @@ def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool
             lazy.update(slices)
             facts.update(small)
             order += [*slices, *small]
+    lazy.update(extra or {})
+    order += list(extra or {})
     bits = {n: _host_bits(a) for n, a in lazy.items()}
     stacked = own or _discrete()
     if stacked:  # one copy per dtype and shape, not one per tensor: on CUDA one host allocation and transfer
@@ -389,10 +396,12 @@ _NP = {mx.float16: np.float16, mx.float32: np.float32, mx.uint32: np.uint32, mx.
        mx.uint8: np.uint8, mx.int8: np.int8, mx.uint16: np.uint16, mx.int16: np.int16}
 
 
-def defer_blocks(cache: list, first: int, count: int, block_tokens: int, own: bool = False) -> Deferred:
+def defer_blocks(cache: list, first: int, count: int, block_tokens: int, own: bool = False,
+                 extra: dict[str, mx.array] | None = None) -> Deferred:
     """Blocks first .. first+count-1 of every cuttable unit (names in the module docstring), deferred:
-    `host()` gives what `capture_blocks` returns (`own`: as copies, see `_defer_units`)."""
-    span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens, own=own)
+    `host()` gives what `capture_blocks` returns (`own`: as copies; `extra`: more arrays of the span's
+    tokens; see `_defer_units`)."""
+    span = _defer_units(cache, first * block_tokens, (first + count) * block_tokens, own=own, extra=extra)
     cut = span.make
 
     def make(host: list[np.ndarray]) -> list[dict[str, Tensor]]:
@@ -414,9 +423,11 @@ def capture_blocks(cache: list, first: int, count: int, block_tokens: int) -> li
     return defer_blocks(cache, first, count, block_tokens).host()
 
 
-def defer_planed(cache: list, first: int, count: int, block_tokens: int) -> Deferred | None:
+def defer_planed(cache: list, first: int, count: int, block_tokens: int,
+                 extra: dict[str, mx.array] | None = None) -> Deferred | None:
     """Blocks first .. first+count-1 as byte planes made on the device (devplanes.py), deferred, or None
-    when the cache is not plain KV of one dtype and shape (quantized, mixed heads)."""
+    when the cache is not plain KV of one dtype and shape (quantized, mixed heads); `extra` as for
+    `defer_blocks`, of that dtype and shape too."""
     start, stop = first * block_tokens, (first + count) * block_tokens
     names, arrays = [], []
     for name, _, _, c in units(cache):
@@ -428,6 +439,8 @@ def defer_planed(cache: list, first: int, count: int, block_tokens: int) -> Defe
             raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
         names += [f"{name}.keys", f"{name}.values"]
         arrays += [c.keys[..., start:stop, :], c.values[..., start:stop, :]]
+    names += list(extra or {})
+    arrays += list((extra or {}).values())
     split = devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
     return Deferred(*split) if split is not None else None
 
@@ -547,9 +560,12 @@ def restore_whole(name: str, kind: str, c: Any, tail: dict[str, Tensor], n_token
     """Fill one non-cuttable unit in place from the tail, popping its names."""
     def both() -> tuple[mx.array, mx.array]:
         k, v = tail.pop(f"{name}.keys", None), tail.pop(f"{name}.values", None)
-        if k is None or v is None or k.array.shape[:-1] != v.array.shape[:-1]:
-            raise StateMismatchError(f"{name}: keys/values missing or of different lengths")
-        return array_of(k), array_of(v)
+        if k is None or v is None:
+            raise StateMismatchError(f"{name}: keys/values missing")
+        keys, values = array_of(k), array_of(v)
+        if keys.shape[:-1] != values.shape[:-1]:
+            raise StateMismatchError(f"{name}: keys/values of different lengths")
+        return keys, values
 
     if kind == "rotating":
         offset, idx, keep, max_size = take_ints(tail, f"{name}.ring", 4)

@@ -72,6 +72,7 @@ class KvContext:
     kv_group_size: int = 64
     device_planes: bool = False
     restore_mode: str | None = None  # "direct" | "staged" (kv/restore_buffers.py); None: by the backend
+    window_blocks: bool = False  # every writer stores sliding-window rows in the blocks (kv/window_rows.py)
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "blocks_shared",
                                                                 "tokens_reused", "tokens_prefilled", "prefill_packs",
                                                                 "prefill_packed_chunks", "tokens_from_points"))

@@ -45,7 +45,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import cache_blocks, paged_cache, paged_wake, restore_buffers
+from kvwake.daemon.kv import cache_blocks, paged_cache, paged_wake, restore_buffers, window_rows
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pool import Batch
@@ -72,11 +72,11 @@ RELEASE_JOB_S = 0.004  # a release's engine-thread job frees layers until it has
 # -- sleep ---------------------------------------------------------------------
 
 
-def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
-    """(first, count) runs of consecutive block indices, at most per_span long."""
+def _spans(needed: list[int], per_span: int, cut: int | None = None) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive block indices, at most per_span long, none across block `cut`."""
     spans: list[tuple[int, int]] = []
     for i in needed:
-        if spans and spans[-1][0] + spans[-1][1] == i and spans[-1][1] < per_span:
+        if spans and spans[-1][0] + spans[-1][1] == i and spans[-1][1] < per_span and i != cut:
             spans[-1] = (spans[-1][0], spans[-1][1] + 1)
         else:
             spans.append((i, 1))
@@ -85,12 +85,14 @@ def _spans(needed: list[int], per_span: int) -> list[tuple[int, int]]:
 
 def defer_blocks(ctx: KvContext, cache: list, first: int, count: int, own: bool = False) -> cache_blocks.Deferred:
     """Blocks as host arrays (cache_blocks.py), or, KV on a discrete GPU, as byte planes made there, once hosted (MLX
-    work). `own`: never views of the cache (it goes on growing: cache_blocks._defer_units)."""
+    work). `own`: never views of the cache (it goes on growing: cache_blocks._defer_units). With
+    `window_blocks`, the sliding-window rows the rings hold of these blocks go with them (kv/window_rows.py)."""
+    rows = window_rows.span_rows(cache, first, count, ctx.block_tokens) if ctx.window_blocks else None
     if ctx.device_planes and ctx.store.codec == "planes-zstd":
-        planed = cache_blocks.defer_planed(cache, first, count, ctx.block_tokens)
+        planed = cache_blocks.defer_planed(cache, first, count, ctx.block_tokens, extra=rows)
         if planed is not None:
             return planed
-    return cache_blocks.defer_blocks(cache, first, count, ctx.block_tokens, own=own)
+    return cache_blocks.defer_blocks(cache, first, count, ctx.block_tokens, own=own, extra=rows)
 
 
 def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], mlx: Mlx, batch: Batch, held: list,
@@ -111,12 +113,14 @@ def _write_blocks(ctx: KvContext, w: SnapshotWriter, cache: Callable[[], list], 
     todo = [i for i in w.needed if i != skip]
     if not todo:
         return
-    def token_bytes() -> int:
-        return cache_blocks.bytes_per_token(cache())
-    block_bytes = max(1, mlx(token_bytes) * ctx.block_tokens)
+    def token_bytes() -> tuple[int, int | None]:  # and where the blocks with window rows start: a span's own
+        c = cache()
+        return cache_blocks.bytes_per_token(c), window_rows.first_held(c, ctx.block_tokens) if ctx.window_blocks else None
+    per_token, rows_from = mlx(token_bytes)
+    block_bytes = max(1, per_token * ctx.block_tokens)
     copied = ctx.device_planes or own  # spans of copies, not views: a span's copy is bounded
     per_span = max(1, batch.budget // SPAN_SHARE // block_bytes) if copied else len(todo)
-    spans = _spans(todo, per_span)
+    spans = _spans(todo, per_span, rows_from)
     scheduled: dict[int, cache_blocks.Deferred] = {}
     held.append(scheduled)
 

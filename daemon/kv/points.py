@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import mlx.core as mx
 import numpy as np
 
 from kvwake.daemon.kv import cache_blocks, window_rows
@@ -140,10 +141,8 @@ class PointTaker:
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
                 blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
             window = self._window(session, position, keys, usable)
-            if window:  # the rings' rows go in the blocks the store lacks; the point is a marker over them
-                for k, rows in mlx(lambda: window_rows.defer_rows(
-                        window, [k for k in window_rows.blocks_of(window, self.ctx.block_tokens) if k in blocks],
-                        self.ctx.block_tokens).host()).items():
+            if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
+                for k, rows in mlx(lambda: self._window_rows(session, blocks)).items():
                     blocks[k] = {**blocks[k], **rows}
             point = mlx(lambda: self._point(session, position, window))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
@@ -171,6 +170,16 @@ class PointTaker:
             if ref is not None and not window_rows.carries_rows(self.ctx.store.block_specs(ref), self.window_names):
                 return None  # stored without them (a sleep's, or before): the point keeps its rings
         return window
+
+    def _window_rows(self, session: Session, blocks: dict[int, dict]) -> dict[int, dict]:
+        """Engine thread: the rings' rows of every block to be written whose rows they all hold, on the host:
+        the marker's window and any block before it the chunk still holds, so a later point whose window
+        reaches back into these blocks finds them with rows (none for a window shorter than a block)."""
+        held, ks = window_rows.held_blocks(session.cache, self.ctx.block_tokens)
+        ks = [k for k in ks if k in blocks]
+        if not ks or not window_rows.worth_it(held, self.ctx.block_tokens):
+            return {}
+        return window_rows.defer_rows(held, ks, self.ctx.block_tokens).host()
 
     def _point(self, session: Session, position: int, window: list | None) -> dict[str, Tensor]:
         """Engine thread: the point's state on the host; its rings' rows left out where `window` marks them."""
@@ -282,8 +291,8 @@ def check_fits(point: dict[str, Tensor], kv_layout: list[dict]) -> None:
         elif facts["kind"] in ("rotating", "chunked") and f"{name}.keys" in point:
             for part, dim in (("keys", "k_head_dim"), ("values", "v_head_dim")):
                 got = point.get(f"{name}.{part}")
-                if got is None or got.array.ndim != 4 or _dtype_name(got) != facts["dtype"] or \
-                        (got.array.shape[1], got.array.shape[3]) != (facts["kv_heads"], facts[dim]):
+                if got is None or _array(got).ndim != 4 or _dtype_name(got) != facts["dtype"] or \
+                        (_array(got).shape[1], _array(got).shape[3]) != (facts["kv_heads"], facts[dim]):
                     raise StateMismatchError(f"{name}.{part}: {_spec(got)} is not KV of the model's "
                                              f"{facts['kv_heads']} heads of {facts[dim]} {facts['dtype']}")
 
@@ -297,13 +306,19 @@ def _layout_units(kv_layout: list[dict]) -> list[tuple[str, dict]]:
     return out
 
 
-def _dtype_name(t: Tensor) -> str:
-    """A stored array's dtype as MLX names it (the layout's names)."""
+def _dtype_name(t: Tensor | mx.array) -> str:
+    """A stored array's dtype as MLX names it (the layout's names); a device array's (a ring joined there)."""
+    if isinstance(t, mx.array):
+        return str(t.dtype).rsplit(".", 1)[-1]
     return "bfloat16" if t.dtype == "BF16" else t.array.dtype.name
 
 
-def _spec(t: Tensor | None) -> str:
-    return "nothing" if t is None else f"{_dtype_name(t)}{list(t.array.shape)}"
+def _array(t: Tensor | mx.array) -> np.ndarray | mx.array:
+    return t if isinstance(t, mx.array) else t.array
+
+
+def _spec(t: Tensor | mx.array | None) -> str:
+    return "nothing" if t is None else f"{_dtype_name(t)}{list(_array(t).shape)}"
 
 
 def _runs(indices: list[int], most: int) -> list[tuple[int, int]]:

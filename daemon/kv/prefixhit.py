@@ -15,7 +15,7 @@ the hit (all of it is prefilled).
 
 from __future__ import annotations
 
-from kvwake.daemon.kv import restore_buffers, window_rows
+from kvwake.daemon.kv import restore_buffers, window_rows, window_stage
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, log
 from kvwake.daemon.kv.pipeline import block_specs, fill_block, fill_spans, releasing
@@ -119,7 +119,10 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], ref: PointRef, room
     marked = window_rows.marked_blocks(point, ctx.block_tokens)
     if marked:  # the window blocks' rows decode into one array a name (the last block is in every window)
         lo, hi = min(marked), max(marked) + 1
-        buffers.held = window_rows.Held(lo, hi - lo, ctx.block_tokens, buffers.window, block_specs(ctx, blocks[hi - 1]))
+        specs = block_specs(ctx, blocks[hi - 1])
+        staged = mlx(lambda: window_stage.StagedRows.of(lo, hi - lo, ctx.block_tokens, window_stage.window_order(
+            buffers.cache, buffers.window), specs)) if buffers.ring is not None else None
+        buffers.held = staged or window_rows.Held(lo, hi - lo, ctx.block_tokens, buffers.window, specs)
     with releasing(buffers, mlx):
         batch = ctx.pool.batch()
         try:
@@ -130,7 +133,7 @@ def _restore_through(ctx: KvContext, blocks: list[BlockRef], ref: PointRef, room
         if usable < len(blocks):
             return None, 0
         if buffers.held is not None:
-            point = _joined(ctx, ref, point, blocks, buffers.held)
+            point = _joined(ctx, ref, point, blocks, buffers.held, mlx)
         cache = _finish(ctx, buffers, tokens, point, mlx)
     if counted:
         ctx.counters.add("tokens_from_points", tokens)
@@ -152,10 +155,18 @@ def _point(ctx: KvContext, ref: PointRef) -> dict:
     return arrays
 
 
-def _joined(ctx: KvContext, ref: PointRef, point: dict, blocks: list[BlockRef], held: window_rows.Held) -> dict:
-    """A marker point made whole from the window rows its blocks carry: as the restore decoded them (`held`),
-    or read again (a block the RAM tier gave holds none); checked and kept in the RAM tier as `_point` does.
-    StateMismatchError when a block lacks them (stored before, or by another writer)."""
+def _joined(ctx: KvContext, ref: PointRef, point: dict, blocks: list[BlockRef], held: window_rows.Held,
+            mlx: Mlx) -> dict:
+    """A marker point made whole from the window rows its blocks carry: joined on the device where the
+    restore staged them (kv/window_stage.py: not kept in the RAM tier, which holds host arrays), else as
+    the restore decoded them (`held`) or read again (a block the RAM tier gave holds none), checked and kept
+    in the RAM tier as `_point` does. StateMismatchError when a block lacks them (stored before, or by
+    another writer)."""
+    if held.staged:
+        rings = mlx(lambda: held.rings(point))  # type: ignore[attr-defined]
+        if rings is not None:
+            check_fits(rings, ctx.bundle.description["kv_layout"])
+            return rings
     whole = window_rows.assemble(point, ctx.block_tokens,
                                  lambda k: held.rows_of(k) or ctx.store.read_block(blocks[k]), held.span)
     check_fits(whole, ctx.bundle.description["kv_layout"])

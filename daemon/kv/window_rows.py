@@ -39,8 +39,8 @@ from kvwake.daemon.kv.cache_blocks import Deferred, StateMismatchError
 from kvwake.store.format.codec import DTYPES, Tensor
 from kvwake.store.format.planes import join_into, scratch
 
-__all__ = ["MARK", "Held", "WindowRun", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "held_blocks", "marked_blocks",
-           "marker", "spans", "window_names", "worth_it"]
+__all__ = ["MARK", "Held", "WindowRun", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "first_held",
+           "held_blocks", "marked_blocks", "marker", "span_rows", "spans", "window_names", "worth_it"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
 
@@ -88,6 +88,67 @@ def spans(cache: list, position: int, block_tokens: int) -> list[WindowSpan] | N
             return None
         out.append(WindowSpan(name, first, kept, c))
     return out or None
+
+
+def _ring_order(c: Any) -> tuple[int, int, int] | None:
+    """(first token, rows, row of the first token) a ring holds in token order from that row on, wrapping
+    round; None when it holds none or is not one read here (`keep` set). Unlike `_held`, a ring rotated by
+    decoding counts: its oldest row is at `_idx` (a sleep's ring)."""
+    if c.keys is None or c.keep:
+        return None
+    n, idx = c.keys.shape[2], c._idx
+    if idx == n or idx == c.offset:  # in token order: rows [0, idx) are tokens [offset - idx, offset)
+        if idx < c.max_size and idx != c.offset:  # not full, yet not every token since the first
+            return None
+        return c.offset - idx, idx, 0
+    if n == c.max_size and idx < c.offset:  # rotated: rows [idx, n) then [0, idx), in token order
+        return c.offset - n, n, idx
+    return None
+
+
+def _ring_rows(c: Any, start: int, stop: int) -> tuple[mx.array, mx.array] | None:
+    """Lazy keys and values of tokens [start, stop) as a ring holds them, in token order, or None when it
+    does not hold them all."""
+    order = _ring_order(c)
+    if order is None or start < order[0] or stop > order[0] + order[1]:
+        return None
+    n = c.keys.shape[2]
+    lo = (order[2] + start - order[0]) % n
+    hi = lo + stop - start
+
+    def cut(a: mx.array) -> mx.array:
+        return a[..., lo:hi, :] if hi <= n else mx.concatenate([a[..., lo:, :], a[..., : hi - n, :]], axis=2)
+    return cut(c.keys), cut(c.values)
+
+
+def first_held(cache: list, block_tokens: int) -> int | None:
+    """The first block whose rows every ring of a window no shorter than a block holds (through the cache's
+    end), or None when a ring holds none or is not one `_ring_rows` reads."""
+    firsts = []
+    for name, _, _, c in cache_blocks.units(cache):
+        if cache_blocks.kind_of(c, name) != "rotating":
+            continue
+        order = _ring_order(c) if c.max_size >= block_tokens else None
+        if order is None:
+            return None
+        firsts.append(-(-order[0] // block_tokens))
+    return max(firsts) if firsts else None
+
+
+def span_rows(cache: list, first: int, count: int, block_tokens: int) -> dict[str, mx.array]:
+    """Lazy window rows of blocks [first, first + count), named as a block's (`{unit}.keys`, `.values`), for a
+    writer to store beside the plain layers' KV (a sleep's, a warm's: pipeline.defer_blocks); empty when a
+    ring does not hold them all or its window is shorter than a block (`worth_it`)."""
+    out: dict[str, mx.array] = {}
+    for name, _, _, c in cache_blocks.units(cache):
+        if cache_blocks.kind_of(c, name) != "rotating":
+            continue
+        rows = _ring_rows(c, first * block_tokens, (first + count) * block_tokens) \
+            if c.max_size >= block_tokens else None
+        if rows is None:
+            return {}
+        out[f"{name}.keys"], out[f"{name}.values"] = rows
+    return out
 
 
 def held_blocks(cache: list, block_tokens: int) -> tuple[list[WindowSpan], list[int]]:
@@ -183,15 +244,18 @@ class Held:
     """A marker point's window rows as a restore decodes its blocks [first, first + count): into one host
     array per name (`where`), so that a ring whose rows start on a block is joined with no copy (`span`);
     rows a block decoded elsewhere (its specs not these) are kept as they came (`took`). A block the RAM
-    tier gave holds none: `rows_of` says so, and the caller reads its file."""
+    tier gave holds none: `rows_of` says so, and the caller reads its file. `host`: False for a staged
+    restore's (kv/window_stage.py), which places nothing on the host."""
+
+    staged = False  # rows staged as their runs hold them, joined on the device (kv/window_stage.py)
 
     def __init__(self, first: int, count: int, block_tokens: int, names: frozenset[str],
-                 specs: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+                 specs: Mapping[str, tuple[str, tuple[int, ...]]], host: bool = True) -> None:
         self.first, self.count, self.b = first, count, block_tokens
         self.names = names
         self.dtypes = {n: specs[n][0] for n in names if n in specs}
         self.arrays = {n: np.empty((*specs[n][1][:-2], count * block_tokens, specs[n][1][-1]), DTYPES[d][0])
-                       for n, d in self.dtypes.items()} if len(self.dtypes) == len(names) else {}
+                       for n, d in self.dtypes.items()} if host and len(self.dtypes) == len(names) else {}
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.filled: set[int] = set()  # blocks whose rows went where `where` said
         self.rows: dict[int, dict[str, Tensor]] = {}  # blocks whose rows came otherwise
@@ -303,6 +367,9 @@ class WindowRun:
         for row, section in zip(self.rows, self.sections):
             np.copyto(row, section[:cut])
         out: dict[str, Tensor] = {}
+        if held is not None and held.staged:  # kept as planes for the device's join
+            held.stage_run(start, self)  # type: ignore[attr-defined]
+            return out
         if held is None or set(self.names) - set(held.arrays):
             return out  # nothing wants them (a wake), or they are not the rows a marker reads
         lo = self.plain

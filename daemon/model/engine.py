@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers
+from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers, window_stage
 from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, start_digests
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
@@ -155,7 +155,7 @@ class Engine(Appending):
                             vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
                             cuttable=cache_blocks.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
                             # KV on a discrete GPU: byte planes are made there
-                            device_planes=self.restore_mode == "staged")
+                            device_planes=self.restore_mode == "staged", window_blocks=tuning.window_blocks)
         self.ram_tier, self.pool, self.counters, self.cuttable = self.kv.ram_tier, self.kv.pool, self.kv.counters, self.kv.cuttable
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
@@ -269,6 +269,7 @@ class Engine(Appending):
         self.points.close()
         self.pool.close()
         devplanes.drop_idle()
+        window_stage.drop_idle()
 
     def _vocab_size(self) -> int:
         args = getattr(self.model, "args", None)
