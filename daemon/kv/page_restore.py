@@ -2,27 +2,31 @@
 
 A restore into contiguous buffers (kv/restore_buffers.py) holds the session's
 KV whole while it runs, and `paged_cache.adopt` then copies it into pages.
-`PageRestore` is that restore with the buffers gone: the decoders fill rows of
-a small ring (a few spans of blocks and one row for the partial block), and
-as each span is in, the engine thread writes it into pages it takes for it
-(`join_span`: one update per layer and part), so the ring's rows take a later
-span. `finish` writes the partial block, places the restore's pages after the
-prefix it mapped (`PagePool.splice`), and publishes the blocks under their
-chain keys as the store's bytes, as `adopt` did. Pages are taken as spans land
-(what the wake holds is counted by pages from its first span), and a restore
-given up gives its pages back (`release`).
+`PageRestore` is that restore with the buffers gone: the decoders fill host
+rows of a small ring (a few spans of blocks and one row for the partial
+block), and as each span is in, the engine thread writes it into pages it
+takes for it (`join_span`), so the ring's rows take a later span. `finish`
+writes the partial block, places the restore's pages after the prefix it
+mapped (`PagePool.splice`), and publishes the blocks under their chain keys
+as the store's bytes, as `adopt` did. Pages are taken as spans land (what the
+wake holds is counted by pages from its first span), and a restore given up
+gives its pages back (`release`).
 
 Why a ring and not the pages themselves: a decoder runs on a pool thread while
-the engine thread writes other sessions' tokens into the same pool arrays.
-MLX writes an array in place only when nothing else holds its buffer; a
-numpy view of a bfloat16 pool (through `view(mx.uint16)`) holds it, so every
-other write would copy the whole layer, and a pool that grows is a new array:
-bytes decoded into the old one would be lost. So the pool is written only by
-MLX, on the engine thread, and a byte is still written twice on the CPU
-(decoder -> ring, ring -> page), but the session-sized buffer is gone
-(docs/decisions.md, "Paged wakes straight into pages"). Staged (a GPU), the
-ring is the pipeline's own staging (devplanes.Ring), and a span joined on the
-device goes into pages instead of into a piece kept until the end.
+the engine thread runs other sessions' steps, which write their tokens into
+the same pool arrays. MLX updates an array in place only when nothing else
+holds its buffer: a decoder's numpy view of a pool (a bfloat16 one through
+`view(mx.uint16)`) would make every such write copy the whole layer; and a
+pool that grows, or a write that copies, puts the pool in a new buffer, so
+bytes decoded into the old one would be lost (or land in freed memory). So the
+pool is written on the engine thread only, and a read byte is still written
+twice (decoder -> ring, ring -> page), but no buffer the session's size is
+held, and the second write overlaps the decoding of later spans instead of
+following all of it (docs/decisions.md, "Paged wakes straight into pages").
+Direct (the CPU: the pool's memory is the host's), a span is copied into the
+pages by numpy within the engine thread's job; staged (a GPU), the ring is the
+pipeline's own staging (devplanes.Ring), and a span joined on the device goes
+into pages (MLX's update) instead of into a piece kept until the end.
 """
 
 from __future__ import annotations
@@ -116,16 +120,10 @@ class PageRestore(restore_buffers.Buffers):
             self.span = max(1, min(blocks, SPAN_BLOCKS, fit))
             self._slots = max(1, min(options.get("ring_slots") or SLOTS, -(-blocks // self.span)))
         self.ring_blocks = min(self._slots * self.span, blocks)  # rows of blocks; then one for the partial block
-        self.buffers, self.arrays = {}, {}  # the empty ones `_allocate` made go; MLX's rows (direct)
+        self.buffers = {}  # the empty ones `_allocate` made
         for name in self.order:
             shape = (*sample[name][1][:-2], (self.ring_blocks + 1) * block_tokens, sample[name][1][-1])
-            if self.mode == "direct":  # MLX's memory, which the engine thread writes into pages as it is
-                self.arrays[name] = rows = mx.zeros(shape, _MX_DTYPE[self.dtypes[name]])
-                mx.eval(rows)
-                host = np.asarray(rows.view(mx.uint16) if rows.dtype == mx.bfloat16 else rows)
-            else:  # blocks not staged (the RAM tier's), uploaded with their span as Buffers does
-                host = np.empty(shape, DTYPES[self.dtypes[name]][0])
-            self.views[name] = _Rows(self, host)
+            self.views[name] = _Rows(self, np.empty(shape, DTYPES[self.dtypes[name]][0]))
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         super()._allocate(name, dtype, shape, tokens, 0)  # checked, nothing the session's size: rows are the ring's
@@ -158,19 +156,30 @@ class PageRestore(restore_buffers.Buffers):
         self._prefix_taken(tokens)
 
     def join_span(self, first: int, count: int) -> None:
-        """Engine thread, once blocks [first, first + count) are in: into pages taken for them (staged: joined on
-        the device first, `Buffers.join_span`), evaluated, so their rows take a later span."""
-        b = self.block_tokens
+        """Engine thread, once blocks [first, first + count) are in: into pages taken for them, so their rows
+        take a later span. Direct: copied on the host; staged: joined on the device (`Buffers.join_span`)."""
         if self.mode == "direct":
-            r = self.row(first) * b
-            parts = [self.arrays[name][..., r : r + count * b, :] for name in self.order]
-        else:
-            super().join_span(first, count)
-            parts = [self.pieces[name].pop() for name in self.order]
-        self._write(parts)
+            self._copy(self.row(first) * self.block_tokens, count * self.block_tokens)
+            return
+        super().join_span(first, count)
+        self._write([self.pieces[name].pop() for name in self.order])
+
+    def _copy(self, row: int, tokens: int) -> None:
+        """Direct (the pool's memory is the host's): ring rows [row, row + tokens) appended to the restore's
+        pages by numpy, on the engine thread, where nothing else writes the pool meanwhile (faster than MLX's
+        update here: docs/benchmarks.md, "Paged wakes straight into pages (h-pw)")."""
+        slots = self.pool.reserve(self.own.name, tokens)
+        where = slice(slots, slots + tokens) if isinstance(slots, int) else np.asarray(slots)
+        for t, name in enumerate(self.order):
+            pool = (self.pool.keys if t % 2 == 0 else self.pool.values)[t // 2]
+            target = np.asarray(pool.view(mx.uint16) if pool.dtype == mx.bfloat16 else pool)
+            target[:, where] = self.views[name].host[0, :, row : row + tokens]
+            del target  # a view of the pool held on would keep MLX from updating it in place
+        self.own.changed()
 
     def _write(self, parts: list[mx.array]) -> None:
-        """Append tokens to the restore's pages: `parts` in `order` (each layer's keys, then values)."""
+        """Staged: device arrays (in `order`: each layer's keys, then values) appended to the restore's pages,
+        evaluated."""
         slots = self.pool.reserve(self.own.name, parts[0].shape[-2])
         for layer in range(len(parts) // 2):
             self.pool.write(layer, slots, parts[2 * layer][0], parts[2 * layer + 1][0])
@@ -192,8 +201,7 @@ class PageRestore(restore_buffers.Buffers):
                 raise StateMismatchError(f"{unit}: tail says {offset} tokens, restore asked for {n_tokens}")
         if rest:
             raise StateMismatchError(f"tail holds arrays this model's cache has no place for: {sorted(rest)}")
-        if n_tokens % self.block_tokens:
-            self._write(self._partial(n_tokens))
+        self._partial(n_tokens)
         head = prefix if prefix is not None else self.head
         held = head[0].session.tokens if head is not None else 0
         if held + self.own.tokens != n_tokens:
@@ -210,16 +218,17 @@ class PageRestore(restore_buffers.Buffers):
         self.release()
         return cache
 
-    def _partial(self, n_tokens: int) -> list[mx.array]:
-        """The partial block's tensors, in `order`: joined on the device where it was staged, else its row."""
+    def _partial(self, n_tokens: int) -> None:
+        """The partial block into pages: from its row, or joined on the device where it was staged."""
+        rest, row = n_tokens % self.block_tokens, self.row(self.n_full) * self.block_tokens
         joined = self._tail_join(n_tokens)
         if joined is not None:
-            return joined
-        rest, r = n_tokens % self.block_tokens, self.row(self.n_full) * self.block_tokens
-        if self.mode == "direct":
-            return [self.arrays[name][..., r : r + rest, :] for name in self.order]
-        hosted = [mx.array(self.views[name].host[..., r : r + rest, :]) for name in self.order]
-        return [a.view(_MX_DTYPE[self.dtypes[name]]) for a, name in zip(hosted, self.order)]
+            self._write(joined)
+        elif rest and self.mode == "direct":
+            self._copy(row, rest)
+        elif rest:
+            hosted = [mx.array(self.views[name].host[..., row : row + rest, :]) for name in self.order]
+            self._write([a.view(_MX_DTYPE[self.dtypes[name]]) for a, name in zip(hosted, self.order)])
 
     def release(self) -> None:
         """Engine thread: `Buffers.release`, the ring's rows, and the pages of a restore given up."""
@@ -229,5 +238,4 @@ class PageRestore(restore_buffers.Buffers):
         if self.head is not None:
             self.pool.free_session(self.head[0].session.name)
             self.head = None
-        self.arrays = {}
         super().release()
