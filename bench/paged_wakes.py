@@ -1,10 +1,11 @@
 """Sessions sharing a long prompt with `paged_kv` on and off: the KV bytes they hold and the blocks their wakes read.
 
-usage: kvwake bench paged-wakes (or python bench/paged_wakes.py) [--shared 9300] [--own 450] [--sessions 8] [--block 128] [--out bench/out]
+usage: kvwake bench paged-wakes (or python bench/paged_wakes.py) [--shared 9300] [--own 450] [--sessions 8]
+       [--block 128] [--wide] [--out bench/out]
 
-A random-weight llama (testkit.tinymodel, its context widened to hold the prompt), one engine per mode
-(`--tune paged_kv` off, on), each with a store of its own and the daemon's session manager, in process on
-this machine (a wake beside a hot woken session takes its blocks, as the daemon's does). In each:
+A random-weight llama (testkit.tinymodel, its context widened to hold the prompt; `--wide`: more and wider KV
+layers), one engine per mode (`--tune paged_kv` off, on), each with a store of its own and the daemon's
+session manager, in process on this machine (a wake beside a hot woken session takes its blocks, as the daemon's does). In each:
 1. `--sessions` sessions, each the shared prompt of `--shared` tokens and `--own` tokens of its own, appended
    one after another (off: the others copy the first's prompt from its cache; on: they map its published
    pages); the hot KV then (what `status` reports as `memory.hot_kv_bytes`: the sessions' unpaged KV and the
@@ -14,9 +15,10 @@ this machine (a wake beside a hot woken session takes its blocks, as the daemon'
    what it held before;
 3. all sleep, then all wake one by one (a restart's wakes, none hot): the same counts; the hot KV after;
 4. (paged, into pages) all asleep, the first woken alone and put back to sleep, ROUNDS times by each path
-   by turns (straight into pages, through buffers): every block read; median ms and the largest peak.
+   by turns (straight into pages, through buffers): every block read; median ms, and the bytes MLX and the
+   host (tracemalloc) held at most above what they held, in one more wake by each path.
 With `paged_kv` on it runs twice: wakes restoring straight into pages (kv/page_restore.py, "on") and through
-contiguous buffers copied into pages after (the path that replaced, "on_through_buffers").
+contiguous buffers copied into pages after (the path it replaced, "on_through_buffers").
 Results go to <out>/paged_wakes.json; docs/benchmarks.md ("Paged wakes and the bytes of a shared prompt
 (issue 51)", "Paged wakes straight into pages (h-pw)") holds the numbers.
 """
@@ -29,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,40 +51,56 @@ from kvwake.store import Store  # noqa: E402
 from testkit.tinymodel import make_model_dir  # noqa: E402
 
 ROUNDS = 7  # wakes alone by each path, taken by turns
+WIDE = {"num_hidden_layers": 8, "num_key_value_heads": 8, "num_attention_heads": 8, "hidden_size": 512,
+        "intermediate_size": 256}  # `--wide`: KV bytes that a wake's copies cost more than its per-block work
 
 
-async def wakes(m: SessionManager, names: list[str]) -> dict[str, float]:
+async def wakes(m: SessionManager, names: list[str], host: bool = False) -> dict[str, float]:
     """Wake `names` one by one: blocks read, blocks mapped or taken, ms summed, and the most bytes MLX held
-    during the wakes above what it held before them (`peak_over_bytes`: the restores' buffers, staging and
-    the pages they took)."""
+    during the wakes above what it held before them (`mlx_peak_over_bytes`: the restores' MLX buffers and
+    staging, and the pages they took where the pool grew). `host`: also the most bytes Python and numpy
+    allocated meanwhile above what they held (`host_peak_over_bytes`, tracemalloc's: host rows, decoders'
+    scratch), which slows the wakes (their ms are not comparable with untraced ones)."""
     read = shared = 0
     await m.released()
+    if host:
+        tracemalloc.start()
     before = m.thread.call(lambda: (mx.reset_peak_memory(), mx.get_active_memory())[1])
     started = time.perf_counter()
     for name in names:
         info = await m.wake(name)
         read += info["blocks_from_disk"] + info["blocks_from_memory"]
         shared += info["blocks_shared"]
-    return {"blocks_read": read, "blocks_shared": shared, "ms": round((time.perf_counter() - started) * 1000, 1),
-            "peak_over_bytes": m.thread.call(mx.get_peak_memory) - before}
+    out = {"blocks_read": read, "blocks_shared": shared, "ms": round((time.perf_counter() - started) * 1000, 1),
+           "mlx_peak_over_bytes": m.thread.call(mx.get_peak_memory) - before}
+    if host:
+        out["host_peak_over_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return out
 
 
 async def alone(m: SessionManager, names: list[str], rounds: int) -> dict[str, dict]:
-    """All asleep, `names[0]` woken alone (every block read) and put back to sleep `rounds` times, through
-    contiguous buffers and straight into pages by turns: the median ms and the largest `peak_over_bytes`."""
+    """All asleep, `names[0]` woken alone (every block read) and put back to sleep `rounds` times untraced and
+    once traced (`wakes`' `host`), through contiguous buffers and straight into pages by turns: the median
+    and every ms, and the peaks over (MLX's, the host's, their sum)."""
     for name in names:
         await m.sleep(name)
     seen: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(rounds):
+    for r in range(rounds + 1):
         for into_pages in (False, True):
             page_restore.ENABLED = into_pages
-            seen[into_pages].append(await wakes(m, names[:1]))
+            seen[into_pages].append(await wakes(m, names[:1], host=r == rounds))
             await m.sleep(names[0])
     page_restore.ENABLED = True
-    return {("into_pages" if into_pages else "through_buffers"): {
-        "blocks_read": runs[0]["blocks_read"], "ms_median": statistics.median(r["ms"] for r in runs),
-        "ms_all": [r["ms"] for r in runs], "peak_over_bytes": max(r["peak_over_bytes"] for r in runs)}
-        for into_pages, runs in seen.items()}
+    out = {}
+    for into_pages, runs in seen.items():
+        traced, timed = runs[-1], runs[:-1]
+        out["into_pages" if into_pages else "through_buffers"] = {
+            "blocks_read": traced["blocks_read"], "ms_median": statistics.median(r["ms"] for r in timed),
+            "ms_all": [r["ms"] for r in timed], "mlx_peak_over_bytes": traced["mlx_peak_over_bytes"],
+            "host_peak_over_bytes": traced["host_peak_over_bytes"],
+            "peak_over_bytes": traced["mlx_peak_over_bytes"] + traced["host_peak_over_bytes"]}
+    return out
 
 
 async def hot_kv(m: SessionManager) -> int:
@@ -133,13 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    parser.add_argument("--wide", action="store_true",
+                        help="8 layers of 8 KV heads of 64 (16 KiB of KV a token) in place of the tiny shape")
     args = parser.parse_args(argv)
     shared = [(i * 37 + 11) % 200 + 20 for i in range(args.shared)]
     prompts = [shared + [(i * 7 + k) % 90 + 5 for k in range(args.own)] for i in range(args.sessions)]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = make_model_dir(root / "model", max_position_embeddings=2 * (args.shared + args.own))
+        model_dir = make_model_dir(root / "model", max_position_embeddings=2 * (args.shared + args.own),
+                                   **(WIDE if args.wide else {}))
         result = {"shared": args.shared, "own": args.own, "sessions": args.sessions, "block": args.block,
+                  "wide": args.wide,
                   "off": run_mode(model_dir, root, False, prompts, args.block),
                   "on_through_buffers": run_mode(model_dir, root, True, prompts, args.block, into_pages=False),
                   "on": run_mode(model_dir, root, True, prompts, args.block)}
