@@ -188,11 +188,11 @@ def test_a_paged_prefix_that_comes_after_the_wakes_own_blocks_is_mapped_exactly(
         pool.table(a.cache[0].session.name).pages[:SHARED_BLOCKS]  # a's pages listed, not copied
 
 
-def asleep(paged: Engine, sid: str, own: list[int]) -> tuple[list[bytes], str]:
-    """A session of the prompt and `own` put to sleep, its pages freed and none resident (a wake reads every
-    block): its KV before the sleep, and its snapshot."""
+def asleep(paged: Engine, sid: str, tokens: list[int]) -> tuple[list[bytes], str]:
+    """A session of `tokens` put to sleep, its pages freed and none resident (a wake reads every block): its KV
+    before the sleep, and its snapshot."""
     s = Session(sid)
-    paged.append(s, tokens=SHARED + own)
+    paged.append(s, tokens=tokens)
     before = kv_of(s)
     snapshot = paged.sleep(s)["snapshot_id"]
     paged.release(s)
@@ -216,7 +216,7 @@ def test_a_paged_wake_restores_into_pages_without_a_buffer_of_the_sessions_size(
     _, paged = engines
     monkeypatch.setattr(page_restore, "SPAN_BLOCKS", 4)  # direct: a ring of 3 x 4 blocks for 21 (staged: 2 x 2)
     pool = paged.pages.pool
-    before, _ = asleep(paged, "s", EIGHT["s1"])
+    before, _ = asleep(paged, "s", SHARED + EIGHT["s1"])
     peaks = {}
     for into_pages in (False, True):
         monkeypatch.setattr(page_restore, "ENABLED", into_pages)
@@ -243,7 +243,7 @@ def test_a_failed_paged_wake_gives_back_the_pages_it_took(engines, monkeypatch):
     monkeypatch.setattr(page_restore.PageRestore, "join_span",
                         lambda self, first, count: joined.append(first) or real_join(self, first, count))
     pool = paged.pages.pool
-    before, snapshot = asleep(paged, "s", EIGHT["s1"])
+    before, snapshot = asleep(paged, "s", SHARED + EIGHT["s1"])
     held = pool.pages_held()
     path = paged.store.files.absolute(paged.store.snapshot(snapshot).blocks[-1].file)
     data = bytearray(path.read_bytes())
@@ -266,7 +266,7 @@ def test_a_paged_wake_exact_while_the_pool_grows_and_after_a_plain_prefix(engine
     plain, paged = engines
     a = Session("a")
     plain.append(a, tokens=SHARED + EIGHT["s1"])
-    before, _ = asleep(paged, "b", EIGHT["s2"])
+    before, _ = asleep(paged, "b", SHARED + EIGHT["s2"])
     paged.pages.pool = small = PagePool(paged.pages.pool.layout, 16, 64)
     woken, info = paged.wake("b")
     assert small.capacity == 32 and kv_of(woken) == before and reads(info) == BLOCKS, info
@@ -276,3 +276,10 @@ def test_a_paged_wake_exact_while_the_pool_grows_and_after_a_plain_prefix(engine
     woken, info = paged.wake("b", prefix=(a.cache, shared))
     assert (info["blocks_shared"], reads(info)) == (SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), info
     assert kv_of(woken) == before and paged_cache.is_paged(woken.cache)
+
+
+def test_a_paged_wake_of_less_than_a_block_restores_its_partial_page(engines):
+    _, paged = engines
+    before, _ = asleep(paged, "short", SHARED[: BLOCK - 3])
+    woken, _ = paged.wake("short")
+    assert kv_of(woken) == before and woken.cache[0].session.tokens == BLOCK - 4  # the last token pending

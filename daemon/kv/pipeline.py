@@ -435,7 +435,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
     # staging for the blocks it reads: a ring of a few slots; one for a wake waiting for a leader, so that the
     # leader, whom every waiter waits for, finds the kept slots idle (docs/decisions.md, "A waiting wake ...")
-    # (with `pages`, straight into them: kv/page_restore.py)
+    # (with `pages`, straight into them, unless quantized after: kv/page_restore.py)
+    pages = pages if ctx.kv_bits is None else None
     buffers = mlx(lambda: page_restore.make(pages, ctx.model, sample, tokens, n, ctx.block_tokens,
                                             list(record.token_ids), ctx.bundle.hash, tail_tokens=rest,
                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared,
