@@ -258,18 +258,22 @@ def test_a_failed_paged_wake_gives_back_the_pages_it_took(engines, monkeypatch):
 
 
 def test_a_paged_wake_exact_while_the_pool_grows_and_after_a_plain_prefix(engines):
-    # A pool of 16 pages grows while the wake's spans go into it; a plain cache's first blocks given as the
-    # prefix (not pages: written into pages of their own) go before the blocks read.
+    # A pool of 16 pages grows while the wake's spans go into it, one block coming from the RAM tier (staged:
+    # uploaded from its host rows beside staged ones); a plain cache's first blocks given as the prefix (not
+    # pages: written into pages of their own) go before the blocks read.
     from kvwake.daemon.kv import paged_cache
     from kvwake.daemon.kv.pages import PagePool
 
     plain, paged = engines
     a = Session("a")
     plain.append(a, tokens=SHARED + EIGHT["s1"])
-    before, _ = asleep(paged, "b", SHARED + EIGHT["s2"])
+    before, snapshot = asleep(paged, "b", SHARED + EIGHT["s2"])
     paged.pages.pool = small = PagePool(paged.pages.pool.layout, 16, 64)
+    block = paged.store.snapshot(snapshot).blocks[5]
+    paged.ram_tier.put(block.key, paged.store.read_block(block))
     woken, info = paged.wake("b")
-    assert small.capacity == 32 and kv_of(woken) == before and reads(info) == BLOCKS, info
+    assert (info["blocks_from_memory"], info["blocks_from_disk"]) == (1, BLOCKS - 1), info
+    assert small.capacity == 32 and kv_of(woken) == before, info
     woken.cache = None
     small.stored.clear()
     shared = SHARED_BLOCKS * BLOCK
