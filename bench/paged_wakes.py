@@ -5,7 +5,8 @@ usage: kvwake bench paged-wakes (or python bench/paged_wakes.py) [--shared 9300]
 
 A random-weight llama (testkit.tinymodel, its context widened to hold the prompt; `--wide`: more and wider KV
 layers), one engine per mode (`--tune paged_kv` off, on), each with a store of its own and the daemon's
-session manager, in process on this machine (a wake beside a hot woken session takes its blocks, as the daemon's does). In each:
+session manager, in process on this machine (a wake beside a hot woken session takes its blocks, as the
+daemon's does). In each:
 1. `--sessions` sessions, each the shared prompt of `--shared` tokens and `--own` tokens of its own, appended
    one after another (off: the others copy the first's prompt from its cache; on: they map its published
    pages); the hot KV then (what `status` reports as `memory.hot_kv_bytes`: the sessions' unpaged KV and the
@@ -52,7 +53,7 @@ from testkit.tinymodel import make_model_dir  # noqa: E402
 
 ROUNDS = 7  # wakes alone by each path, taken by turns
 WIDE = {"num_hidden_layers": 8, "num_key_value_heads": 8, "num_attention_heads": 8, "hidden_size": 512,
-        "intermediate_size": 256}  # `--wide`: KV bytes that a wake's copies cost more than its per-block work
+        "intermediate_size": 256}  # `--wide`: enough KV a token that a wake's copies weigh more than its per-block work
 
 
 async def wakes(m: SessionManager, names: list[str], host: bool = False) -> dict[str, float]:
