@@ -162,7 +162,7 @@ WORKLOADS = (
              "against mlx-lm's masked path, the bytes bound beside"),
     Workload("paged-decode", "paged_decode.py", "decode attention over pages against mlx's over contiguous rows"),
     Workload("paged-wakes", "paged_wakes.py", "sessions sharing a long prompt, paged_kv off and on: hot KV bytes, "
-             "blocks read at wake"),
+             "blocks read at wake, wakes into pages against through buffers (ms, peak bytes)"),
     Workload("bundle-hash", "bundle_hash.py", "a first start's bundle hash: file digests beside the load"),
     Workload("fleet", "fleet/__main__.py", "N agents at once over the openai and anthropic packages against "
              "mlx_lm.server, a restart, issue 50's targets"),

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from kvwake.daemon.kv import cache_blocks
 from kvwake.daemon.model import packing
 from kvwake.daemon.model.thread import EngineThread
-from kvwake.daemon.kv.pages import PagePool, PageStateError
+from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError
 from kvwake.daemon.kv.paged_cache import (PagedKVCache, adopt, fill, fork, map_prefix, page_layout, paged_cache,
                                             publish, resident_prefix)
 from testkit.tinymodel import make_model_dir
@@ -118,6 +118,19 @@ def test_refcounts_under_fork_trim_and_drop(model) -> None:
     del b, c
     gc.collect()
     assert pool.pages_held() == 0 and len(pool.free) == pool.capacity
+
+
+def test_a_splice_moves_pages_behind_whole_pages_without_counting_them_again() -> None:
+    pool = PagePool(PageLayout(layers=1, kv_heads=1, head_dim=2, page_tokens=PAGE, block_tokens=BLOCK), 8)
+    for name, n in (("head", 8), ("partial", 6), ("rest", 6)):
+        pool.open(name)
+        pool.reserve(name, n)
+    own = list(pool.table("rest").pages)
+    with pytest.raises(PageStateError, match="not whole pages"):
+        pool.splice("partial", "rest")
+    pool.splice("head", "rest")
+    assert pool.table("head").pages[2:] == own and pool.table("head").tokens == 14
+    assert "rest" not in pool.sessions and [pool.refs[p] for p in own] == [1, 1] and pool.pages_held() == 6
 
 
 def test_a_layer_cannot_write_where_the_table_does_not_end(model) -> None:

@@ -186,3 +186,104 @@ def test_a_paged_prefix_that_comes_after_the_wakes_own_blocks_is_mapped_exactly(
     pool = paged.pages.pool
     assert pool.table(woken.cache[0].session.name).pages[:SHARED_BLOCKS] == \
         pool.table(a.cache[0].session.name).pages[:SHARED_BLOCKS]  # a's pages listed, not copied
+
+
+def asleep(paged: Engine, sid: str, tokens: list[int]) -> tuple[list[bytes], str]:
+    """A session of `tokens` put to sleep, its pages freed and none resident (a wake reads every block): its KV
+    before the sleep, and its snapshot."""
+    s = Session(sid)
+    paged.append(s, tokens=tokens)
+    before = kv_of(s)
+    snapshot = paged.sleep(s)["snapshot_id"]
+    paged.release(s)
+    paged.pages.pool.drain()
+    paged.pages.pool.stored.clear()
+    return before, snapshot
+
+
+def peak_over(run) -> int:
+    """The most bytes MLX held while `run()` ran above what it held before."""
+    before = (mx.reset_peak_memory(), mx.get_active_memory())[1]
+    run()
+    return mx.get_peak_memory() - before
+
+
+def test_a_paged_wake_restores_into_pages_without_a_buffer_of_the_sessions_size(engines, monkeypatch):
+    # Every block read: straight into pages, the wake holds a ring of a few blocks beside the pages; through a
+    # contiguous buffer (the path it replaced) it held the session's KV once more.
+    from kvwake.daemon.kv import page_restore
+
+    _, paged = engines
+    monkeypatch.setattr(page_restore, "SPAN_BLOCKS", 4)  # direct: a ring of 3 x 4 blocks for 21 (staged: 2 x 2)
+    pool = paged.pages.pool
+    before, _ = asleep(paged, "s", SHARED + EIGHT["s1"])
+    peaks = {}
+    for into_pages in (False, True):
+        monkeypatch.setattr(page_restore, "ENABLED", into_pages)
+        box = []
+        peaks[into_pages] = peak_over(lambda: box.append(paged.wake("s")))
+        woken, info = box[0]
+        assert (info["blocks_shared"], reads(info)) == (0, BLOCKS), info
+        table = pool.table(woken.cache[0].session.name)
+        assert kv_of(woken) == before and len(table.pages) == BLOCKS + 1
+        woken.cache = box[0] = None
+        pool.drain()
+        pool.stored.clear()
+    # the pool's pages are allocated already: what a wake adds is its buffer (the session's KV) or its ring
+    assert peaks[False] >= pool.layout.page_bytes * (BLOCKS + 1) > peaks[True], peaks
+
+
+def test_a_failed_paged_wake_gives_back_the_pages_it_took(engines, monkeypatch):
+    from kvwake.daemon.kv import page_restore
+    from kvwake.errors import CorruptBlockError
+
+    _, paged = engines
+    monkeypatch.setattr(page_restore, "SPAN_BLOCKS", 4)  # the last block is read once spans went into pages
+    joined, real_join = [], page_restore.PageRestore.join_span
+    monkeypatch.setattr(page_restore.PageRestore, "join_span",
+                        lambda self, first, count: joined.append(first) or real_join(self, first, count))
+    pool = paged.pages.pool
+    before, snapshot = asleep(paged, "s", SHARED + EIGHT["s1"])
+    held = pool.pages_held()
+    path = paged.store.files.absolute(paged.store.snapshot(snapshot).blocks[-1].file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptBlockError):
+        paged.wake("s")
+    assert joined and pool.pages_held() == held and len(pool.sessions) == 0  # spans went into pages, and back
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert kv_of(paged.wake("s")[0]) == before
+
+
+def test_a_paged_wake_exact_while_the_pool_grows_and_after_a_plain_prefix(engines):
+    # A pool of 16 pages grows while the wake's spans go into it, one block coming from the RAM tier (staged:
+    # uploaded from its host rows beside staged ones); a plain cache's first blocks given as the prefix (not
+    # pages: written into pages of their own) go before the blocks read.
+    from kvwake.daemon.kv import paged_cache
+    from kvwake.daemon.kv.pages import PagePool
+
+    plain, paged = engines
+    a = Session("a")
+    plain.append(a, tokens=SHARED + EIGHT["s1"])
+    before, snapshot = asleep(paged, "b", SHARED + EIGHT["s2"])
+    paged.pages.pool = small = PagePool(paged.pages.pool.layout, 16, 64)
+    block = paged.store.snapshot(snapshot).blocks[5]
+    paged.ram_tier.put(block.key, paged.store.read_block(block))
+    woken, info = paged.wake("b")
+    assert (info["blocks_from_memory"], info["blocks_from_disk"]) == (1, BLOCKS - 1), info
+    assert small.capacity == 32 and kv_of(woken) == before, info
+    woken.cache = None
+    small.stored.clear()
+    shared = SHARED_BLOCKS * BLOCK
+    woken, info = paged.wake("b", prefix=(a.cache, shared))
+    assert (info["blocks_shared"], reads(info)) == (SHARED_BLOCKS, BLOCKS - SHARED_BLOCKS), info
+    assert kv_of(woken) == before and paged_cache.is_paged(woken.cache)
+
+
+def test_a_paged_wake_of_less_than_a_block_restores_its_partial_page(engines):
+    _, paged = engines
+    before, _ = asleep(paged, "short", SHARED[: BLOCK - 3])
+    woken, _ = paged.wake("short")
+    assert kv_of(woken) == before and woken.cache[0].session.tokens == BLOCK - 4  # the last token pending

@@ -5,8 +5,8 @@ the keys the page pool publishes pages under (kv/pages.py). A wake maps, from
 its first block on, every block whose pages hold the store's bytes
 (`PagePool.stored`: a restore published them, or a sleep or a checkpoint wrote
 the store's block from them: `mark_stored`), shared and counted by reference,
-and reads only the blocks after them (kv/pipeline.py, a paged `prefix`:
-`Buffers.leave_prefix`, then `paged_cache.adopt`'s `prefix`). Only the store's
+and reads only the blocks after them (kv/pipeline.py, a paged `prefix`),
+straight into pages placed after the mapped ones (kv/page_restore.py). Only the store's
 bytes will do: on a GPU a prefill of the same tokens may differ from them in
 the last bits, and a wake gives the stored bytes (docs/decisions.md, "A paged
 wake maps resident pages (issue 51)").

@@ -129,6 +129,17 @@ class PagePool:
             self.refs[page] += 1
         return table
 
+    def splice(self, session: str, source: str) -> None:
+        """`source`'s pages appended to `session`'s table, in order, and `source`'s table dropped: no page
+        copied, no count changed (a restore's own pages placed after the prefix it mapped). `session` must
+        hold whole pages."""
+        table, moved = self.table(session), self.table(source)
+        if table.tokens != len(table.pages) * self.layout.page_tokens:
+            raise PageStateError(f"session {session!r} holds {table.tokens} tokens, not whole pages")
+        table.pages += moved.pages
+        table.tokens += moved.tokens
+        del self.sessions[source]
+
     def retire(self, session: str) -> None:
         """Free `session`'s table at the pool's next call on the engine thread (safe from any thread: a
         finalizer may run wherever the last reference to a cache goes)."""

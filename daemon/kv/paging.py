@@ -8,9 +8,10 @@ Four moments, each one call from the engine (kv/paged_cache.py does the work):
 - after a prefill (`publish`): the session's full blocks published under their
   chain keys, for the sessions that come after it;
 - a wake: its first blocks resident as the store's bytes mapped (`wake_prefix`),
-  and only the rest read; the restored cache moved into pages and published
-  (`adopt`, or pipeline.wake for a mapped prefix), so sessions woken over one
-  prompt hold it once.
+  and only the rest read, straight into pages (pipeline.wake's `pages`:
+  kv/page_restore.py), published, so sessions woken over one prompt hold it
+  once; a cache restored otherwise (a model with layers of other kinds) is
+  moved into pages after (`adopt`).
 Pool work runs on the engine thread (through `mlx`); the store's lookups on the caller's.
 """
 

@@ -45,9 +45,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import cache_blocks, paged_cache, paged_wake, restore_buffers, window_rows
+from kvwake.daemon.kv import cache_blocks, page_restore, paged_cache, paged_wake, restore_buffers, window_rows
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
+from kvwake.daemon.kv.pages import PagePool
 from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.kv.ram_tier import Wants
 from kvwake.daemon.timing import Phases
@@ -422,7 +423,7 @@ class PrefixGone(Exception):
 
 
 def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[list, int] | None,
-             counts: dict[str, int], phases: dict[str, float]) -> list:
+             counts: dict[str, int], phases: dict[str, float], pages: PagePool | None = None) -> list:
     """The snapshot's cache; `counts` gets where its blocks came from (blocks_ram, blocks_disk, blocks_shared),
     `phases` the milliseconds each step of it took, waits for the engine thread included (the wake's log and
     the turns' trace carry them: where a restart's wakes go)."""
@@ -438,9 +439,12 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
     shared = prefix[1] // ctx.block_tokens if prefix is not None else 0
     # staging for the blocks it reads: a ring of a few slots; one for a wake waiting for a leader, so that the
     # leader, whom every waiter waits for, finds the kept slots idle (docs/decisions.md, "A waiting wake ...")
-    buffers = mlx(lambda: restore_buffers.Buffers(ctx.model, sample, tokens, n, ctx.block_tokens, tail_tokens=rest,
-                                             mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared,
-                                             ring_slots=1 if coming is not None else None))
+    # (with `pages`, straight into them, unless quantized after: kv/page_restore.py)
+    pages = pages if ctx.kv_bits is None else None
+    buffers = mlx(lambda: page_restore.make(pages, ctx.model, sample, tokens, n, ctx.block_tokens,
+                                            list(record.token_ids), ctx.bundle.hash, tail_tokens=rest,
+                                            mode=ctx.restore_mode, n_blocks=len(record.blocks) - shared,
+                                            ring_slots=1 if coming is not None else None))
     clock.lap("buffers")
     with releasing(buffers, mlx):
         # a wake waiting for a leader reads its own blocks after the leader's reads (Pool.batch's `yields`)
@@ -471,10 +475,8 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
             pass
         clock.lap("upload")
         counts.update(buffers.counts)
-        cache = mlx(lambda: buffers.finish(n, tail))
-        if paged is not None:  # the rows left for the mapped pages: the rest go after them, into pages
-            cache = mlx(lambda: paged_cache.adopt(paged[0].session.pool, cache, list(record.token_ids),
-                                                  ctx.bundle.hash, prefix=paged))
+        # the rows left for the mapped pages (`paged`): the rest go after them, into pages
+        cache = mlx(lambda: page_restore.finish(buffers, n, tail, paged, list(record.token_ids), ctx.bundle.hash))
         clock.lap("finish")
         return cache
 
@@ -626,7 +628,8 @@ def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Blo
 
 
 def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
-         record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None) -> tuple[Session, dict[str, Any]]:
+         record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None,
+         pages: PagePool | None = None) -> tuple[Session, dict[str, Any]]:
     """Restore a session from its latest (or a given) snapshot, exactly; the cache is evaluated on return.
     `record`: the snapshot's record as `ctx.record` verified it (its bundle checked), read by the caller.
     `prefix`: (a plain cache, tokens): another session's cache whose first `tokens` (whole blocks, at most the
@@ -635,6 +638,7 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     prefix still coming (a `result(timeout_s)` giving (cache, tokens): a wake in flight, sessions/
     shared_prefill.Pending): the wake reads its own blocks meanwhile and takes the first ones once it comes
     (a restart's waiting wakes no longer wait to start); given less than `tokens`, it reads them all.
+    `pages`: a page pool (`--tune paged_kv`) the blocks read are restored into (kv/page_restore.py).
 
     Raises NotFoundError, BundleMismatchError (naming the differences), CorruptBlockError, and
     InvalidParamsError for a snapshot of another session.
@@ -650,12 +654,12 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
                                      "use fork", session_id=session_id, snapshot_id=sid)
         ctx.store.touch([b.key for b in record.blocks])
         try:
-            cache = _restore(ctx, record, mlx, prefix, counts, phases) if record.token_ids else None
+            cache = _restore(ctx, record, mlx, prefix, counts, phases, pages) if record.token_ids else None
         except PrefixGone as gone:  # the leader failed or gave less: every block read here after all
             log.info("the wake in flight gave no prefix: reading every block", extra={"session": session_id,
                                                                                      "why": str(gone)})
             phases.clear()
-            cache = _restore(ctx, record, mlx, None, counts, phases)
+            cache = _restore(ctx, record, mlx, None, counts, phases, pages)
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:

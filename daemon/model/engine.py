@@ -411,7 +411,8 @@ class Engine(Appending):
         if self.pages is not None:  # its blocks resident as the store's bytes are mapped, not read
             record = record or self.record(snapshot_id or self.store.latest_snapshot(session_id))
             prefix = self.pages.wake_prefix(self.kv.make_cache, record, prefix, mlx)
-        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix)
+        session, info = pipeline.wake(self.kv, session_id, snapshot_id, mlx, record=record, prefix=prefix,
+                                      pages=self.pages.pool if self.pages is not None else None)
         if self.pages is not None:  # its blocks into pages: held once by every session woken over them
             mlx(lambda: self.pages.adopt(session))
         self.persister.stored(session_id, session.processed)
