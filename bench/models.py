@@ -132,6 +132,8 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             # the gaps clients saw: a stall seen only by clients lies between the engine and the socket
             "main_step_gaps": status["engine_thread"]["step_gaps"],
             "largest_gaps_during": largest_gaps(streams, tokenizer, (began, ended), began),
+            # the load's own phases (ms each, in order), to line the largest gaps' `ended_s` up against
+            "load_phases_ms": loaded["phases_ms"],
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None,
             "target": "<= 2.0", "met": bool(p99 and median and p99 <= 2 * median)}
 

@@ -106,7 +106,7 @@ class ClientAPI:
         return self._rpc("model.list", {}, _key("memory"))
 
     def load_model(self, name: str) -> Any:
-        """Load a model now (it would load at its first request) → {model, loaded, bundle_hash}."""
+        """Load a model now (it would load at its first request) → {model, loaded, bundle_hash, phases_ms}."""
         return self._rpc("model.load", {"name": name})
 
     def unload_model(self, name: str) -> Any:

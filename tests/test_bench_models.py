@@ -28,6 +28,7 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     assert all(w["late_ms"] >= 1.0 and w["threads"] for w in gil["waits"])
     assert [w["late_ms"] for w in gil["waits"]] == sorted((w["late_ms"] for w in gil["waits"]), reverse=True)
     assert load["main_step_gaps"]["count"] > 0
+    assert list(load["load_phases_ms"])[:3] == ["modules", "weights", "bundle"] and all(ms >= 0 for ms in load["load_phases_ms"].values())
     assert all(g["ms"] > 0 and g["stream"] in (0, 1) for g in load["largest_gaps_during"])
     turn = report["unloaded"]
     assert turn["tokens"] > 300 and turn["wake_tokens"] == turn["tokens"]  # slept whole, woken whole

@@ -135,7 +135,7 @@ class Engine(Appending):
                 staged = staging_beside_load and self.restore_mode == "staged"
                 row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                      store.block_tokens if staged else None, others=kernels_for)
-        self.model, self.tokenizer = weights.load(str(self.model_path))
+        self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started)
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

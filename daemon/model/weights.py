@@ -17,14 +17,19 @@ import mlx.core as mx
 import mlx_lm
 from mlx.utils import tree_flatten
 
+from kvwake.daemon.timing import Phases
+
 __all__ = ["PIECE_BYTES", "load", "pieces"]
 
 PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its pieces are mostly one tensor each
 
 
-def load(path: str, most: int = PIECE_BYTES) -> tuple[Any, Any]:
-    """mlx-lm's (model, tokenizer) of the model folder `path`, its weights evaluated piece by piece."""
+def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None) -> tuple[Any, Any]:
+    """mlx-lm's (model, tokenizer) of the model folder `path`, its weights evaluated piece by piece; `phases`
+    gets "modules" (the model built lazily, its tokenizer read) marked before the weights are read."""
     model, tokenizer = mlx_lm.load(path, lazy=True)
+    if phases is not None:
+        phases.mark("modules")
     for piece in pieces([v for _, v in tree_flatten(model.parameters())], most):
         mx.eval(piece)
     return model, tokenizer
