@@ -32,12 +32,11 @@ def kv_of(session: Session) -> list[bytes]:
 
 @pytest.fixture(params=["direct", "staged"])
 def engines(request, model_dir, tmp_path, monkeypatch):
-    """A plain engine and a paged one, each with its own store; "staged": a discrete GPU's restore path
-    (a ring of two-block spans), here."""
+    """A plain engine and a paged one, each with its own store, restoring in the mode named whatever the
+    backend; "staged": a discrete GPU's restore path (a ring of two-block spans), here too."""
     from tests.test_pipeline import restores_as, two_block_spans
 
-    if request.param == "staged":
-        restores_as(monkeypatch, "staged")
+    restores_as(monkeypatch, request.param)  # "direct" too: a CUDA engine's default is staged
     made = [Engine(Store(tmp_path / n, block_tokens=BLOCK), tmp_path, model_dir, max_batch=8, warm=False,
                    tuning=Tuning(paged_kv=n == "paged")) for n in ("plain", "paged")]
     if request.param == "staged":
