@@ -96,8 +96,9 @@ class Tuning:
     gil_watch_ms: float | None = None
     gil_watch_kept: int = 64  # the latest GIL waits `status` keeps
     # Python's switch interval (ms) while a model loads (model/switching.py): a decoding model's engine thread
-    # gets the GIL back from the loader's Python this soon; 0: Python's own (5 ms)
-    load_switch_ms: float = 0.5
+    # gets the GIL back from the loader's Python this soon; 0: Python's own (5 ms). Off until a run shows it
+    # helps (docs/benchmarks.md, "Several models")
+    load_switch_ms: float = 0.0
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
     # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False

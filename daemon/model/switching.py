@@ -5,10 +5,11 @@ a decode step does that a few times, and the event loop that streams its
 tokens takes it too. A model loading beside it runs Python for a while (the
 model's modules built, its tokenizer and chat template read), and a thread
 that wants the GIL back from running Python waits out the switch interval
-(5 ms by default) each time, so the steps of a decoding model grow by a few
-intervals while another model loads (docs/benchmarks.md, "Several models").
-While any model loads, the interval is `load_switch_ms`; the loader gives
-the GIL up that much more often, which costs it little.
+(5 ms by default) each time, so the steps of a decoding model may grow by a
+few intervals while another model loads. While any model loads, the interval
+is `load_switch_ms` where it is set (off by default: no run has shown it
+helps yet; docs/benchmarks.md, "Several models"); the loader then gives the
+GIL up that much more often, which costs it little.
 """
 
 from __future__ import annotations
