@@ -47,6 +47,11 @@ class LoadedModel:
     def tokenizer(self):  # noqa: ANN201 - mlx-lm's TokenizerWrapper
         return self.engine.tokenizer
 
+    @property
+    def started_ms(self) -> dict[str, float]:
+        """Where its engine's start (its load) went: ms by phase, in order."""
+        return dict(self.engine.started.ms)
+
 
 class ModelProvider:
     """The loaded models by name. `get(None)` is the first one loaded of those still loaded."""
