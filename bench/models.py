@@ -134,6 +134,8 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             "largest_gaps_during": largest_gaps(streams, tokenizer, (began, ended), began),
             # the load's own phases (ms each, in order), to line the largest gaps' `ended_s` up against
             "load_phases_ms": loaded["phases_ms"],
+            # the garbage collector's runs so far, by generation (a full one pauses every thread: daemon/gcwatch.py)
+            "gc": status.get("gc"),
             "p99_during_over_p50_alone": round(p99 / median, 2) if p99 and median else None,
             "target": "<= 2.0", "met": bool(p99 and median and p99 <= 2 * median)}
 

@@ -5,8 +5,10 @@ daemon holds tens of thousands of them, and a full collection of that many runs 
 allocation tripped it: on the engine thread, one decode step longer by that much. Suspected of the long
 gaps a decoding neighbour saw during a prefill, it was measured there instead (bench/batching.py's
 prefill row; docs/decisions.md, "Batched generation (issue 11)"): only short generation-0 runs, no
-full one, and freezing the start's objects out of reach (`gc.freeze()`) changed nothing, so the daemon
-does not freeze. `status.gc` keeps the question answerable on any machine.
+full one, and freezing the start's objects out of reach (`gc.freeze()`) changed nothing there. A model's
+load is where a full collection does run (its allocations trip it, and every thread waits): the collector
+is off while a model loads and what the process holds is frozen after (model/switching.py). `status.gc`
+keeps the question answerable on any machine.
 """
 
 from __future__ import annotations

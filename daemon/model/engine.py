@@ -157,11 +157,14 @@ class Engine(Appending):
                             # KV on a discrete GPU: byte planes are made there
                             device_planes=self.restore_mode == "staged", window_blocks=tuning.window_blocks)
         self.ram_tier, self.pool, self.counters, self.cuttable = self.kv.ram_tier, self.kv.pool, self.kv.counters, self.kv.cuttable
+        self.started.mark("kv")
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
+        self.started.mark("prompter")
         self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
+        self.started.mark("decoder")
         # Built before the daemon answers (beside the load, or now): MLX compiles a custom kernel in every process
         # (a long compile, not from its disk cache), and a decode step or an idle warm-up job building it would
         # hold up every request that comes meanwhile (a restart's first round: docs/benchmarks.md, "fleet").

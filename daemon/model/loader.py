@@ -57,7 +57,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
         if limits is None:  # the first model: MLX's limits (process-wide) set where MLX runs
             limits = thread.submit(lambda: memory.apply_limits(settings.mlx_memory_bytes,
                                                                settings.mlx_cache_bytes)).result()
-        with switching.while_loading(settings.tuning.load_switch_ms):  # other models decode meanwhile
+        # other models decode meanwhile: no full collection stops them (model/switching.py)
+        with switching.while_loading(settings.tuning.load_switch_ms):
             engine = thread.submit(lambda: Engine(
                 store, settings.data_dir, spec.source, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
                 ram_tier_bytes=settings.ram_tier_bytes, io_workers=settings.io_workers,
@@ -83,7 +84,12 @@ def stop_model(model: LoadedModel) -> None:
     model.engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
     model.thread.stop()
     model.engine.close()
-    gc.collect()  # the model's arrays sit in reference cycles (mlx-lm's modules): freed now, not at a later pass
+    # The model's arrays sit in reference cycles (mlx-lm's modules): freed now, not at a later pass. Its objects
+    # were frozen after its load (model/switching.py): back within the collector's reach for this one pass, then
+    # what the other models hold is frozen again.
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
     log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 

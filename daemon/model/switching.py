@@ -1,20 +1,26 @@
-"""Python's switch interval while a model loads beside other models' decoding.
+"""The interpreter while a model loads beside other models' decoding: its collector, its switch interval.
+
+A load builds a model's modules, its tokenizer and its template: tens of
+thousands of Python objects at once. Allocating them trips a full collection
+of the garbage collector (generation 2), which walks every tracked object
+of the process while every thread waits: a decoding model's streams all
+stopped for that long, once a load (docs/benchmarks.md, "Several models").
+So while any model loads the collector is off, and when the last load ends
+what the process holds then is frozen (`gc.freeze`: the model's objects,
+which live as long as it is loaded, moved where no later collection walks
+them) before the collector is on again. What is garbage at that moment stays
+with them (a load's reference cycles, once per load).
 
 MLX lets the GIL go in every eval and the engine thread takes it back after;
-a decode step does that a few times, and the event loop that streams its
-tokens takes it too. A model loading beside it runs Python for a while (the
-model's modules built, its tokenizer and chat template read), and a thread
-that wants the GIL back from running Python waits out the switch interval
-(5 ms by default) each time, so the steps of a decoding model may grow by a
-few intervals while another model loads. While any model loads, the interval
-is `load_switch_ms` where it is set (off by default: no run has shown it
-helps yet; docs/benchmarks.md, "Several models"); the loader then gives the
-GIL up that much more often, which costs it little.
+a thread that wants it back from running Python waits out the switch interval
+(5 ms by default) each time. `load_switch_ms` sets the interval while a model
+loads (off by default: no run has shown it helps).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,22 +28,22 @@ from collections.abc import Iterator
 __all__ = ["while_loading"]
 
 _lock = threading.Lock()
-_loading = 0  # loads in progress (the interval is set while any is)
+_loading = 0  # loads in progress (the collector is off, the interval set, while any is)
 _before = 0.005  # the interval before the first of them
+_collecting = True  # whether the collector was on before the first of them
 
 
 @contextlib.contextmanager
-def while_loading(switch_ms: float) -> Iterator[None]:
-    """Inside: Python's switch interval is `switch_ms` (0: left as it is), restored after the last load
-    that set it ends."""
-    global _loading, _before
-    if not switch_ms:
-        yield
-        return
+def while_loading(switch_ms: float = 0.0) -> Iterator[None]:
+    """Inside: the collector off, Python's switch interval `switch_ms` (0: left as it is); after the last load
+    in progress ends, the process's objects frozen and both as they were."""
+    global _loading, _before, _collecting
     with _lock:
         if _loading == 0:
-            _before = sys.getswitchinterval()
-            sys.setswitchinterval(switch_ms / 1000)
+            _before, _collecting = sys.getswitchinterval(), gc.isenabled()
+            gc.disable()
+            if switch_ms:
+                sys.setswitchinterval(switch_ms / 1000)
         _loading += 1
     try:
         yield
@@ -45,4 +51,7 @@ def while_loading(switch_ms: float) -> Iterator[None]:
         with _lock:
             _loading -= 1
             if _loading == 0:
+                gc.freeze()
+                if _collecting:
+                    gc.enable()
                 sys.setswitchinterval(_before)
