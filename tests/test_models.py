@@ -339,7 +339,7 @@ def test_adding_a_loaded_model_does_not_wait_for_its_first_job(tmp_path, models,
 
 
 def test_a_model_loads_with_the_collector_off_then_frozen_and_python_gets_its_own_back(tmp_path, models, monkeypatch):
-    # Was: a load's allocations tripped a full collection (every thread stopped: here 90-99 ms, once a load;
+    # Was: a load's allocations tripped a full collection (every thread stopped, once a load;
     # model/switching.py); the switch interval is the tuning knob's while it loads.
     import gc
     from kvwake.daemon.config import Settings, Tuning

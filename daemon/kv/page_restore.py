@@ -54,7 +54,6 @@ ENABLED = True
 SPAN_BLOCKS = 16
 SPAN_BYTES = 8 << 20
 SLOTS = 3
-_MX_DTYPE = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}  # the dtypes pages hold
 
 
 def make(pool: PagePool | None, model: Any, sample: restore_buffers.Specs, sample_tokens: int, capacity: int,
@@ -65,7 +64,7 @@ def make(pool: PagePool | None, model: Any, sample: restore_buffers.Specs, sampl
     kv = [dtype for name, (dtype, _) in sample.items() if name.endswith((".keys", ".values", ".keys.0"))]
     fits = (ENABLED and pool is not None and all(type(c) is KVCache for c in blank)
             and pool.layout.layers == len(blank)
-            and all(_MX_DTYPE.get(dtype) == pool.layout.dtype for dtype in kv))  # quantized parts: not KV dtypes
+            and all(restore_buffers.MX_DTYPES.get(dtype) == pool.layout.dtype for dtype in kv))  # quantized parts: not KV dtypes
     if not fits:
         return restore_buffers.Buffers(model, sample, sample_tokens, capacity, block_tokens, **options)
     return PageRestore(pool, token_ids, bundle_hash, model, sample, sample_tokens, capacity, block_tokens, **options)
@@ -228,7 +227,7 @@ class PageRestore(restore_buffers.Buffers):
             self._copy(row, rest)
         elif rest:
             hosted = [mx.array(self.views[name].host[..., row : row + rest, :]) for name in self.order]
-            self._write([a.view(_MX_DTYPE[self.dtypes[name]]) for a, name in zip(hosted, self.order)])
+            self._write([a.view(restore_buffers.MX_DTYPES[self.dtypes[name]]) for a, name in zip(hosted, self.order)])
 
     def release(self) -> None:
         """Engine thread: `Buffers.release`, the ring's rows, and the pages of a restore given up."""

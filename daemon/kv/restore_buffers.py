@@ -62,11 +62,11 @@ from kvwake.daemon.kv.cache_blocks import (
 )
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
+__all__ = ["MX_DTYPES", "STAGED_CODECS", "UPLOAD_JOB_S", "auto_codecs", "Buffers", "Specs", "finish_empty", "has_cut_kv", "restore_arrays", "restore_mode", "specs_of",
            "unified_memory"]
 
 Specs = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape of one block)
-_MX_DTYPE = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
+MX_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "I32": mx.int32,
              "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I64": mx.int64, "U64": mx.uint64}
 
 
@@ -229,7 +229,7 @@ class Buffers:
                  for part in ("keys", "values")}
         for name in self.order:
             arr = given.get(name)
-            if (arr is None or arr.shape[-2] < tokens or _MX_DTYPE[self.dtypes[name]] != arr.dtype
+            if (arr is None or arr.shape[-2] < tokens or MX_DTYPES[self.dtypes[name]] != arr.dtype
                     or arr.shape[:-2] != self.views[name].shape[:-2] or arr.shape[-1] != self.views[name].shape[-1]):
                 raise StateMismatchError(f"{name}: the prefix given ({None if arr is None else arr.shape}) is not "
                                          f"{tokens} tokens of this restore's {self.dtypes[name]} KV")
@@ -250,7 +250,7 @@ class Buffers:
             for name in self.order:
                 view = self.views[name]
                 self.pieces[name].insert(0, mx.zeros((*view.shape[:-2], tokens, view.shape[-1]),
-                                                     _MX_DTYPE[self.dtypes[name]]))
+                                                     MX_DTYPES[self.dtypes[name]]))
         self._prefix_taken(tokens)
 
     def _check_prefix(self, tokens: int) -> None:
@@ -339,12 +339,12 @@ class Buffers:
         self.joined = first + count
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
-        if len(shape) < 2 or shape[-2] != tokens or dtype not in _MX_DTYPE:
+        if len(shape) < 2 or shape[-2] != tokens or dtype not in MX_DTYPES:
             raise StateMismatchError(f"{name}: {dtype}{list(shape)} is not KV of {tokens} tokens")
         full = (*shape[:-2], rows, shape[-1])
         self.dtypes[name] = dtype
         if self.mode == "direct":
-            self.buffers[name] = mx.zeros(full, _MX_DTYPE[dtype])
+            self.buffers[name] = mx.zeros(full, MX_DTYPES[dtype])
         else:
             self.views[name] = np.empty(full, DTYPES[dtype][0])
 
@@ -440,7 +440,7 @@ class Buffers:
             # Always a new array of its own (the padding may be empty): a slice of a joined array
             # would share its buffer, and mlx-lm's first in-place update would copy the whole layer.
             pieces.append(mx.zeros((*view.shape[:-2], view.shape[-2] - n_tokens, view.shape[-1]),
-                                   _MX_DTYPE[self.dtypes[name]]))
+                                   MX_DTYPES[self.dtypes[name]]))
             # One tensor at a time. The joined spans hold every tensor, so they go once the last
             # tensor is laid out: at that moment the device holds the KV twice, no more.
             # Queued, not waited for one by one: the job waits once for all it laid out. A wait per tensor

@@ -36,7 +36,7 @@ __all__ = ["KEEP_STAGING", "StagedRows", "drop_idle", "window_order"]
 
 # Staging arrays of one shape kept idle between hits (mapped for the GPU once: a fresh one is an allocation
 # the CPU writes zeros into, and on CUDA a registration of its pages): agents starting together restore
-# through the same marker one after another. Each is a window's rows (a Gemma-3-4B window's: 116 MiB).
+# through the same marker one after another. Each is a window's rows (docs/benchmarks.md gives a model's size).
 KEEP_STAGING = 2
 _idle: dict[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] = {}
 _idle_lock = threading.Lock()
