@@ -15,9 +15,10 @@ Two paths compute it:
 - `kernel_attention`, on CUDA: flash-decoding in two `mx.fast.cuda_kernel`s.
   The first splits each row's context into spans of `split` tokens; a block of
   threads per (span, KV head, row) reads the span's K and V once for all the
-  query heads of that KV head, keeps an online softmax per head and writes the
-  span's normalized output and its log-sum-exp (float32). The second combines
-  a row's spans, weighted by their sums. So a long row spreads over many blocks
+  query heads of that KV head, keeps an online softmax per head (updated once
+  per tile of tokens, in base 2) and writes the span's normalized output and
+  its log-sum-exp (float32, base 2). The second combines a row's spans,
+  weighted by their sums. So a long row spreads over many blocks
   and a short one wastes none: no row is padded to the longest.
 A Metal kernel is not written: it could not be verified here (docs/decisions.md,
 "Paged KV (issue 51): pages and the decode kernel"); Metal takes the gather path.
@@ -36,10 +37,11 @@ __all__ = ["ROW_SPLIT", "THREADS", "constant", "decode_attention", "gather_atten
 
 THREADS = 128  # threads per block of the span kernel: four warps
 TARGET_BLOCKS = 2048  # spans x KV heads x rows the split aims at: enough blocks to keep every SM busy
-# A thread's query and accumulator floats (each): fewer registers, more blocks resident per SM (compiled for
-# the 8B shape: 216 registers a thread at 64, 126 at 32 with four tokens in flight).
+# A thread's query and accumulator floats (each): fewer registers, more blocks resident per SM.
 REGISTER_FLOATS = 32
-IN_FLIGHT = 4  # tokens a group loads before it uses any (2-byte dtypes; half as many of float32)
+# Tokens in a group's tile (2-byte dtypes; half as many of float32): one softmax rescale a tile, and the next
+# tile's loads in flight under this one's arithmetic. Two or four were measured (docs/benchmarks.md).
+IN_FLIGHT = 4
 # A row's spans over a batch's own buffers (row_attention): a fixed size, so a row's sums run in the same
 # order whatever rows share its step (a call decodes the same tokens batched or alone)
 ROW_SPLIT = 256
@@ -102,57 +104,99 @@ __device__ inline float element(const uint4* raw, int e) {
 """
 
 # One block per (span, KV head, row); groups of TPT threads take one token each, a thread E = D / TPT of
-# its dims; U tokens per group are loaded before any is used (loads in flight, not one at a time).
+# its dims. A group's tokens come in tiles of U: the tile's scores first, then one softmax update for the tile
+# (a rescale of the accumulators a tile, not a token), then its values. The next tile's keys are loaded while
+# this tile's scores are summed and its values used, and its values while the next scores are computed: the
+# loads stay in flight under the arithmetic. Scores are in base 2 (the queries carry scale * log2 e), so
+# each exponential is one exp2f; the span's log-sum-exp is written in base 2 too, and the combine reads it so.
 _SPANS = """
 constexpr int E = D / TPT, GROUPS = THREADS / TPT, WARPS = THREADS / 32, RAW = E * (int)sizeof(T) / 16;
+constexpr int STEP = GROUPS * U;
 const int span = blockIdx.x, h = blockIdx.y, row = blockIdx.z, spans = gridDim.x;
 const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, group = tid / TPT, sub = tid % TPT;
 const int q_heads = queries_shape[1], max_pages = page_table_shape[1];
 const long slots = keys_shape[1];
 const int start = span * split[0], stop = min(lengths[row], start + split[0]);
+const float q_scale = scale[0] * 1.4426950408889634f;
 float q[G][E], acc[G][E], m[G], l[G];
 #pragma unroll
 for (int g = 0; g < G; ++g) {
   uint4 raw[RAW];
   load_raw<T, E>(queries + ((long)row * q_heads + h * G + g) * D + sub * E, raw);
   #pragma unroll
-  for (int e = 0; e < E; ++e) { q[g][e] = element<T, E>(raw, e) * scale[0]; acc[g][e] = 0.f; }
+  for (int e = 0; e < E; ++e) { q[g][e] = element<T, E>(raw, e) * q_scale; acc[g][e] = 0.f; }
   m[g] = KVW_NEG_INF; l[g] = 0.f;
 }
 const int* table = page_table + (long)row * max_pages;
 const T* k_head = keys + (long)h * slots * D + sub * E;
 const T* v_head = values + (long)h * slots * D + sub * E;
-for (int base = start; base < stop; base += GROUPS * U) {  // the same trips for every thread: shuffles meet
-  uint4 k_raw[U][RAW], v_raw[U][RAW];
+auto slot_of = [&](int t) -> long { return (long)table[t / P] * P + t % P; };
+uint4 k_raw[U][RAW], v_raw[U][RAW];
+auto load_tile = [&](uint4 (&raw)[U][RAW], const T* head, int base) {
   #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int t = base + u * GROUPS + group;
-    if (t < stop) {
-      const long slot = (long)table[t / P] * P + t % P;
-      load_raw<T, E>(k_head + slot * D, k_raw[u]);
-      load_raw<T, E>(v_head + slot * D, v_raw[u]);
+    if (t < stop) load_raw<T, E>(head + slot_of(t) * D, raw[u]);
+    else {
+      #pragma unroll
+      for (int i = 0; i < RAW; ++i) raw[u][i] = uint4{0u, 0u, 0u, 0u};  // a token past the span: zeros
+    }
+  }
+};
+if (start < stop) { load_tile(k_raw, k_head, start); load_tile(v_raw, v_head, start); }
+for (int base = start; base < stop; base += STEP) {  // the same trips for every thread: shuffles meet
+  float s[U][G];
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float k[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) k[e] = element<T, E>(k_raw[u], e);
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float d = 0.f;
+      #pragma unroll
+      for (int e = 0; e < E; ++e) d += q[g][e] * k[e];
+      s[u][g] = d;
+    }
+  }
+  const bool more = base + STEP < stop;
+  if (more) load_tile(k_raw, k_head, base + STEP);
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      #pragma unroll
+      for (int o = TPT / 2; o > 0; o >>= 1) s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], o);
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float top = m[g];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) if (base + u * GROUPS + group < stop) top = fmaxf(top, s[u][g]);
+    const float c = top == KVW_NEG_INF ? 1.f : exp2f(m[g] - top);
+    l[g] *= c;
+    #pragma unroll
+    for (int e = 0; e < E; ++e) acc[g][e] *= c;
+    m[g] = top;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      s[u][g] = base + u * GROUPS + group < stop ? exp2f(s[u][g] - top) : 0.f;  // now the token's weight
+      l[g] += s[u][g];
     }
   }
   #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const bool valid = base + u * GROUPS + group < stop;
+    float v[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = element<T, E>(v_raw[u], e);
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float s = 0.f;
-      if (valid) {
-        #pragma unroll
-        for (int e = 0; e < E; ++e) s += q[g][e] * element<T, E>(k_raw[u], e);
-      }
       #pragma unroll
-      for (int o = TPT / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-      if (!valid) continue;
-      const float top = fmaxf(m[g], s), c = expf(m[g] - top), p = expf(s - top);
-      l[g] = l[g] * c + p;
-      #pragma unroll
-      for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * c + p * element<T, E>(v_raw[u], e);
-      m[g] = top;
+      for (int e = 0; e < E; ++e) acc[g][e] += s[u][g] * v[e];
     }
   }
+  if (more) load_tile(v_raw, v_head, base + STEP);
 }
 // The groups of a warp, by shuffles (a lane holds the same dims as its peers TPT apart); then the warps.
 __shared__ float warp_m[WARPS][G], warp_l[WARPS][G], warp_acc[WARPS][G][D];
@@ -160,7 +204,7 @@ __shared__ float warp_m[WARPS][G], warp_l[WARPS][G], warp_acc[WARPS][G][D];
 for (int g = 0; g < G; ++g) {
   float top = m[g];
   for (int o = TPT; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-  const float c = m[g] == KVW_NEG_INF ? 0.f : expf(m[g] - top);
+  const float c = m[g] == KVW_NEG_INF ? 0.f : exp2f(m[g] - top);
   float sum = l[g] * c;
   for (int o = TPT; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
   #pragma unroll
@@ -177,17 +221,17 @@ for (int i = tid; i < G * D; i += THREADS) {
   float top = KVW_NEG_INF, sum = 0.f, a = 0.f;
   for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_m[w][g]);
   for (int w = 0; w < WARPS; ++w) {
-    const float c = warp_m[w][g] == KVW_NEG_INF ? 0.f : expf(warp_m[w][g] - top);
+    const float c = warp_m[w][g] == KVW_NEG_INF ? 0.f : exp2f(warp_m[w][g] - top);
     sum += warp_l[w][g] * c;
     a += warp_acc[w][g][d] * c;
   }
   const long at = ((long)row * q_heads + h * G + g) * spans + span;
   span_out[at * D + d] = sum > 0.f ? a / sum : 0.f;
-  if (d == 0) span_lse[at] = sum > 0.f ? top + logf(sum) : KVW_NEG_INF;
+  if (d == 0) span_lse[at] = sum > 0.f ? top + log2f(sum) : KVW_NEG_INF;
 }
 """
 
-# One thread per (row, query head, dim): a row's spans weighted by exp(lse - max lse).
+# One thread per (row, query head, dim): a row's spans weighted by 2^(lse - max lse) (base 2, as the spans wrote).
 _COMBINE = """
 const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
 const int spans = span_lse_shape[2];
@@ -200,7 +244,7 @@ float top = KVW_NEG_INF, weight = 0.f, a = 0.f;
 for (int s = 0; s < spans; ++s) top = fmaxf(top, lse[s]);
 for (int s = 0; s < spans; ++s) {
   if (lse[s] == KVW_NEG_INF) continue;
-  const float w = expf(lse[s] - top);
+  const float w = exp2f(lse[s] - top);
   weight += w;
   a += w * span_out[(head * spans + s) * D + d];
 }
@@ -214,9 +258,10 @@ _ROW_SPANS = (_SPANS
                        "const int q_heads = queries_shape[1];")
               .replace("const long slots = keys_shape[1];", "const long slots = keys_shape[2];")
               .replace("const int* table = page_table + (long)row * max_pages;", "const long first = starts[row];")
+              .replace("return (long)table[t / P] * P + t % P;", "return first + t;")
               .replace("keys + (long)h * slots * D", "keys + ((long)row * keys_shape[1] + h) * slots * D")
               .replace("values + (long)h * slots * D", "values + ((long)row * keys_shape[1] + h) * slots * D")
-              .replace("const long slot = (long)table[t / P] * P + t % P;", "const long slot = first + t;"))
+              )
 
 _kernels: dict[str, object] = {}
 
