@@ -5,6 +5,7 @@ served from the point taken in that reply."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -107,9 +108,10 @@ def test_conversations_starting_together_prefill_their_shared_system_prompt_once
     assert waited >= 1
 
 
-async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writes(tmp_path):
-    """Was: every append that led a flight waited for the points writer to finish
-    everything handed to it, a fsync'd write per point, before its first token; only its waiters need to."""
+@contextlib.contextmanager
+def stalled_writes(tmp_path):
+    """An in-process session manager on a tiny gemma3_text whose points writer waits for `gate` (at most 20 s:
+    an append it holds returns then) and sets `written` after a write; yields (manager, engine, gate, written)."""
     import threading
 
     from kvwake.daemon.config import Settings
@@ -125,7 +127,7 @@ async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writ
     manager = SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     gate, written, real = threading.Event(), threading.Event(), engine.points._write
 
-    def stalled(*args):  # the writer waits for the test (at most 20 s: the append it held returns then)
+    def stalled(*args):
         gate.wait(20)
         try:
             return real(*args)
@@ -134,13 +136,49 @@ async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writ
 
     engine.points._write = stalled
     try:
-        await manager.create("lone")
-        got = await manager.append("lone", tokens=[(i * 7) % 200 + 20 for i in range(200)])
-        assert not written.is_set()  # it returned with its points still in the writer's hands
-        assert got["prefilled"] == 199 and engine.points.status()["points_taken"] >= 1
+        yield manager, engine, gate, written
     finally:
         gate.set()
         engine.points.flush()
         thread.stop()
         engine.close()
         store.close()
+
+
+PROMPT = [(i * 7) % 200 + 20 for i in range(200)]
+
+
+async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writes(tmp_path):
+    """Was: every append that led a flight waited for the points writer to finish
+    everything handed to it, a fsync'd write per point, before its first token; only its waiters need to."""
+    with stalled_writes(tmp_path) as (manager, engine, _, written):
+        await manager.create("lone")
+        got = await manager.append("lone", tokens=PROMPT)
+        assert not written.is_set()  # it returned with its points still in the writer's hands
+        assert got["prefilled"] == 199 and engine.points.status()["points_taken"] >= 1
+
+
+async def test_status_counts_in_the_store_every_point_it_says_written(tmp_path):
+    """Was: status read the store's points, then the points written, and a write that landed between the two
+    reads showed a point written that the store did not count (the first test above failed so, now and then).
+    Here the writes land right after the store's count, every time."""
+    from kvwake.daemon.sessions import reports
+
+    with stalled_writes(tmp_path) as (manager, engine, gate, _):
+        await manager.create("lone")
+        await manager.append("lone", tokens=PROMPT)
+        counted = manager.store.points_summary
+
+        def count_then_write():
+            summary = counted()
+            gate.set()
+            engine.points.flush()
+            return summary
+
+        manager.store.points_summary = count_then_write
+        raced = await reports.status(manager)
+        assert raced["store"]["points"] >= raced["restore_points"]["points_written"]
+        manager.store.points_summary = counted
+        settled = (await reports.status(manager))["restore_points"]
+        assert settled["points_written"] == settled["points_taken"] >= 1
+        assert (await reports.status(manager))["store"]["points"] == settled["points_written"]
