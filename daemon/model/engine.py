@@ -128,13 +128,14 @@ class Engine(Appending):
         kernels = row_kernel = None
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
-            # MLX's kernels compiled beside the load, once per machine, and the row kernel, once per process
-            # (model/kernel_cache.py)
+            # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
             kernels = kernel_cache.Warmer.for_model(self.model_path) if tuning.kernel_warmer else None
-            if tuning.kernel_warmer:  # `kernels_for`: other models' folders, whose row kernels are built now
-                staged = staging_beside_load and self.restore_mode == "staged"
-                row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
-                                                     store.block_tokens if staged else None, others=kernels_for)
+            # and the row kernel, once per process, whatever the warmer's knob: built on this engine's thread,
+            # its compile would stop every other model's decode steps for its length
+            # (`kernels_for`: other models' folders, whose row kernels are built now)
+            staged = staging_beside_load and self.restore_mode == "staged"
+            row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
+                                                 store.block_tokens if staged else None, others=kernels_for)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started)
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
