@@ -6,7 +6,7 @@ header order). The store never keeps the payload itself: it keeps a *block file*
 
     offset  size  field
     0       4     magic b"KVWB"
-    4       1     file format version: 1, 2 or 3
+    4       1     file format version: 1, 2, 3 or 4
     5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2 or later)
     6       2     reserved, zero
     8       8     raw size: bytes of the safetensors payload (u64 LE)
@@ -19,14 +19,15 @@ the JSON. The tensor data follows:
 
 - format 1 (kvwake 0.1, still read): one section per tensor ("zstd") or one
   per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
-- format 2 (still read) and 3 (written now): tensors are coded in *runs* of consecutive tensors of
+- formats 2, 3 (still read) and 4 (written now): tensors are coded in *runs* of consecutive tensors of
   one dtype (a plain KV block is one run). "planes-zstd": one section per byte
   plane of the whole run, each tensor's bytes ending a zstd block (store/format/planes.py);
   "raw": one uncompressed section with the run's payload; "zstd": one section per
   tensor. Digest = BLAKE3 of the concatenated digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
-  or data): BLAKE3 digests in format 2, XXH3-128 in format 3, the two formats'
-  only difference (store/format/blockdigest.py). It is checked before any byte is transformed, so a reader may join
+  or data): BLAKE3 digests in format 2, XXH3-128 in formats 3 and 4
+  (store/format/blockdigest.py). Formats 2 and 3 rotate bf16 and f32 values left
+  one bit before their planes; format 4 splits every value as it is (planes.py says why). It is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
   the payload as surely as a digest of the payload itself: the planes are a
   bijection of it. Not sha256: BLAKE3 is a third of its cost, XXH3 less again (docs/decisions.md).
@@ -55,7 +56,7 @@ import zstandard
 from kvwake.store.format.blockdigest import BlockDigest, NoDigest
 from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
 from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
-                                        join_into, scratch, split, whole_section)
+                                        join_into, scratch, split, unrotate, whole_section)
 
 __all__ = [
     "CODECS",
@@ -77,8 +78,8 @@ __all__ = [
     "section_digest",
 ]
 
-FORMAT_VERSION = 3  # what writers write; every version is read
-VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # what writers write; every version is read
+VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
@@ -99,8 +100,9 @@ STAGE_PIECE_BYTES = 2 << 20
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
-# Staging for a format-2 or 3 run as stored: given (names, dtype name, values in the run, planes), for a
-# "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each,
+# Staging for a format-2, 3 or 4 run: given (names, dtype name, values in the run, planes), for a
+# "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each
+# (given format 4's planes whatever the block's format: an older block's are unrotated there),
 # for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
 # run decoded into place.
 Stage = Callable[[tuple[str, ...], str, int, bool], "list[np.ndarray] | None"]
@@ -206,7 +208,8 @@ class Planed:
     """A block that is one run already split into byte planes (by the GPU, say): what encode would make.
 
     names/shapes: its tensors in order; dtype: theirs (one); planes: one contiguous uint8
-    array per byte, high first, each the run's bytes of that plane in tensor order.
+    array per byte, high first, each the run's bytes of that plane in tensor order (format 4's
+    planes: the values as they are, never rotated).
     """
 
     names: tuple[str, ...]
@@ -215,10 +218,15 @@ class Planed:
     planes: tuple[np.ndarray, ...]
 
 
+def _rotated(dtype: str, version: int) -> bool:
+    """Whether a block of this format rotates this dtype's values before splitting them into planes."""
+    return DTYPES[dtype][1] and version < 4
+
+
 def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: BlockDigest) -> list[Any]:
     """Buffers of one run's sections: one per byte plane ("planes-zstd"), or its payload ("raw")."""
     dtype = run[0][1].dtype
-    holder, rotate = DTYPES[dtype]
+    holder, rotate = DTYPES[dtype][0], _rotated(dtype, digest.version)
     sizes = [t.array.size for _, t in run]
     count = holder.itemsize if codec == "planes-zstd" else 1
     sinks = [PlaneSink(compressor(k) if codec == "planes-zstd" else None, sum(sizes) * holder.itemsize // count,
@@ -267,20 +275,21 @@ def encode(
     codec: str = DEFAULT_CODEC,
     version: int = FORMAT_VERSION,
 ) -> Encoded:
-    """Encode named arrays (or one already planed run) into block-file bytes, format 3
-    (`version=2`: the previous format, whose only difference is its section digests; for tests).
+    """Encode named arrays (or one already planed run) into block-file bytes, format 4
+    (`version=2` or `3`: the formats before, for tests of their reads).
 
     Arrays may be strided views; they are read in place. Returns the file's
     buffers with digest and raw size. Raises TypeError for dtypes safetensors
-    cannot name, ValueError for an unknown codec or version or a Planed block with another codec.
+    cannot name, ValueError for an unknown codec or version or a Planed block with another codec
+    or format.
     """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; known: {sorted(CODEC_IDS)}")
-    if version not in (2, 3):
-        raise ValueError(f"block format {version} is read, not written; written: 2, 3")
+    if version not in (2, 3, 4):
+        raise ValueError(f"block format {version} is read, not written; written: 2, 3, 4")
     if isinstance(arrays, Planed):
-        if codec != "planes-zstd":
-            raise ValueError(f"a planed block is coded with planes-zstd, not {codec}")
+        if codec != "planes-zstd" or version != FORMAT_VERSION:
+            raise ValueError(f"a planed block is format {FORMAT_VERSION} planes-zstd, not format {version} {codec}")
         specs = [(n, arrays.dtype, tuple(s)) for n, s in zip(arrays.names, arrays.shapes)]
     else:
         tensors = {name: Tensor.of(a) for name, a in arrays.items()}
@@ -518,11 +527,11 @@ def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
 
 def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None,
                 stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 or 3 run: its sections read (into `stage`'s buffers when it takes the run), digested,
+    """A format-2, 3 or 4 run: its sections read (into `stage`'s buffers when it takes the run), digested,
     then joined a group of tensors at a time straight into place."""
     run, starts = plan.entries, plan.starts
     dtype = run[0][1]
-    holder, rotate = DTYPES[dtype]
+    holder, rotate = DTYPES[dtype][0], _rotated(dtype, digest.version)
     total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
@@ -537,6 +546,8 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
             for lo in range(0, plane.size, step):
                 section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
+        if rotate and codec != "raw":
+            unrotate(staged)
         return
     for first, stop, lo, hi, spans in plan.groups:
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
@@ -587,9 +598,9 @@ def decode_into(
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    stage(names, dtype, values, planes): for a format-2 or 3 run, where to read
+    stage(names, dtype, values, planes): for a format-2, 3 or 4 run, where to read
     its sections as stored (`Stage`): a "planes-zstd" run's byte planes left
-    unjoined, a "raw" run's bytes as they are, a "zstd" run's tensors
+    unjoined (format 4's), a "raw" run's bytes as they are, a "zstd" run's tensors
     decompressed one after the other (the layout of a raw run) (the run's
     tensors are then not in the result), or None.
     Returns (tensors, metadata, digest hex); `tensors` holds every tensor not

@@ -1,10 +1,12 @@
 """The byte-plane filter of the "planes-zstd" codec, and the per-plane writers of format 2.
 
-16- and 32-bit floats are rotated left by one bit (sign to the bottom, so the
-exponent fills the top byte), then split into byte planes, high byte first.
-Integers are split without rotation. `split` and `join_into` are the two
-directions on the CPU; the daemon does the same on the GPU when the KV lives
-there (daemon/kv/devplanes.py), producing and consuming exactly these bytes.
+Values are split into byte planes, high byte first. Block format 4 (written now) splits them as
+they are; formats 1-3 rotated 16- and 32-bit floats left by one bit first (sign to the bottom, so
+the exponent filled the top byte), which compressed bf16 KV 0.7% better but cost numpy's join
+three more passes per value (docs/decisions.md, issue 50 point 7: "Block format 4"). `split` and
+`join_into` are the two directions on the CPU; the daemon does the same on the GPU when the KV
+lives there (daemon/kv/devplanes.py), producing and consuming format 4's planes; `unrotate` turns
+an older block's planes into them.
 
 A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
 compressible plane is one streamed zstd frame in which each tensor's bytes end
@@ -24,7 +26,7 @@ import numpy as np
 import zstandard
 
 __all__ = ["CHUNK_BYTES", "JOIN_BYTES", "PLANES_PARAMS", "PlaneSink", "as_bytes", "compressor", "join_into", "scratch", "split",
-           "whole_section"]
+           "unrotate", "whole_section"]
 
 RAW_IF_RATIO_ABOVE = 0.97
 SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample of their first chunk
@@ -139,6 +141,25 @@ def _last(op: Any, dest: np.ndarray, x: np.ndarray, y: np.ndarray | None,
             np.copyto(out, x[lo:hi].reshape(out.shape))
         else:
             op(x[lo:hi].reshape(out.shape), y[lo:hi].reshape(out.shape), out=out, dtype=out.dtype)
+
+
+def unrotate(planes: list[np.ndarray]) -> None:
+    """Byte planes (high first, contiguous uint8) of values rotated left one bit (formats 1-3), made in
+    place the planes of the values as they are (format 4's), a piece at a time.
+
+    Rotated right, each byte takes the bits above its lowest from itself and its top bit from the
+    lowest bit of the byte above it (the top byte: of the lowest byte)."""
+    n = planes[0].size
+    for lo in range(0, n, CHUNK_BYTES):
+        hi = min(n, lo + CHUNK_BYTES)
+        carry = np.left_shift(planes[-1][lo:hi], 7, out=scratch(np.dtype(np.uint8), (hi - lo,), "carry"))
+        spare = scratch(np.dtype(np.uint8), (hi - lo,), "carry_next")
+        for plane in planes:
+            piece = plane[lo:hi]
+            np.left_shift(piece, 7, out=spare)  # its lowest bit, for the byte below it (the last one's: taken)
+            np.right_shift(piece, 1, out=piece)
+            np.bitwise_or(piece, carry, out=piece)
+            carry, spare = spare, carry
 
 
 def as_bytes(x: Any) -> memoryview:
