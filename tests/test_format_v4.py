@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvwake.store import Store
 from kvwake.store import writer as store_writer
+from kvwake.store.format import codec
 from kvwake.store.format.codec import FORMAT_VERSION, Tensor, decode_into, encode, read_file_header
 from kvwake.store.format.planes import CHUNK_BYTES, split, unrotate
 from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
@@ -130,3 +131,22 @@ def test_a_store_of_format_3_blocks_reads_exactly_beside_format_4_ones(tmp_path,
         assert_snapshot_exact(store, old.id)
         assert_snapshot_exact(store, new.id)
         assert store.fsck().ok
+
+
+@pytest.mark.parametrize("whole_bytes", [0, 1 << 30])  # every section a piece at a time, or each whole
+def test_sections_read_whole_or_a_piece_at_a_time_decode_the_same(whole_bytes, monkeypatch):
+    monkeypatch.setattr(codec, "WHOLE_SECTION_BYTES", whole_bytes)
+    block = _kv_block(layers=12, tokens=512)  # planes of 2.4 MB: several join groups
+    encoded = encode({n: Tensor("BF16", a) for n, a in block.items()})
+    buffers = {n: np.zeros((1, 3, 640, 64), np.uint16) for n in block}
+    _, _, digest = decode_into(encoded.data, lambda name, dtype, shape: buffers[name][..., 64:576, :])
+    assert digest == encoded.digest
+    for name, a in block.items():
+        assert np.array_equal(buffers[name][..., 64:576, :], a), name
+    damaged = bytearray(encoded.data)
+    damaged[20_000] ^= 0x08  # inside the compressed top plane (the header is a few KB)
+    try:
+        wrong = decode_into(bytes(damaged), lambda name, dtype, shape: buffers[name][..., 64:576, :])[2]
+    except ValueError:
+        wrong = None
+    assert wrong != encoded.digest

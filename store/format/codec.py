@@ -96,6 +96,11 @@ _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF1
 # CPU's cache and larger ones take the GIL less often (docs/decisions.md, Engine: "Staged sections are
 # read and digested 2 MiB at a time").
 STAGE_PIECE_BYTES = 2 << 20
+# A compressed section up to this size is decompressed whole at its first piece, into this thread's
+# scratch: zstd then decodes straight into it, where a piece at a time goes through the decoder's own
+# window and a copy (docs/benchmarks.md, "One core's verified read, again (h-vr2)"). Larger ones (a
+# large model's block) are read a piece at a time, so a thread's scratch stays a few MB.
+WHOLE_SECTION_BYTES = 4 << 20
 
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
@@ -380,15 +385,15 @@ def _check_declared(body: memoryview, expect: int, start: int) -> None:
 
 
 class _Pieces:
-    """The next section's content (`expect` bytes) taken a piece at a time, each piece digested
-    (BLAKE3) as it is produced, while it is in the CPU's cache: one pass over the bytes, not a
-    decompression into memory and a second read to hash it."""
+    """The next section's content (`expect` bytes) taken a piece at a time, each piece digested as
+    it is taken, while it is in the CPU's cache, just before the join reads it."""
 
     def __init__(self, reader: _Reader, expect: int, slot: str, digest: BlockDigest) -> None:
         self.mode, self.body, self.start = reader.next_section()
         self.expect, self.slot, self.got = expect, slot, 0
         self.hasher = digest.hasher()
         self.stream: Any = None
+        self.whole: np.ndarray | None = None
         if self.mode == 0 and len(self.body) != expect:
             raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
         if self.mode == 1:
@@ -408,21 +413,29 @@ class _Pieces:
             if into is not None:
                 np.copyto(into, piece)
                 piece = into
+        elif into is None and self.expect <= WHOLE_SECTION_BYTES:
+            if self.whole is None:
+                self.whole = scratch(np.dtype(np.uint8), (self.expect,), self.slot)
+                self._read(self.whole)
+            piece = self.whole[self.got : self.got + n]
         else:
             piece = into if into is not None else scratch(np.dtype(np.uint8), (n,), self.slot)
-            view, got = memoryview(piece), 0
-            try:
-                while got < n and (k := self.stream.readinto(view[got:])):
-                    got += k
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            if got != n:
-                raise BlockFormatError(f"section at byte {self.start} holds {self.got + got} bytes, "
-                                       f"header says {self.expect}")
+            self._read(piece)
         if self.hasher is not None:
             self.hasher.update(piece)
         self.got += n
         return piece
+
+    def _read(self, piece: np.ndarray) -> None:
+        view, got = memoryview(piece), 0
+        try:
+            while got < len(view) and (k := self.stream.readinto(view[got:])):
+                got += k
+        except zstandard.ZstdError as exc:
+            raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
+        if got != len(view):
+            raise BlockFormatError(f"section at byte {self.start} holds {self.got + got} bytes, "
+                                   f"header says {self.expect}")
 
     def finish(self) -> bytes:
         """The section's digest, once all of it was taken and nothing follows it."""
@@ -495,7 +508,8 @@ _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: n
 
 
 def _unsigned(a: np.ndarray) -> np.ndarray:
-    return a.view(_UNSIGNED[a.dtype.itemsize])
+    unsigned = _UNSIGNED[a.dtype.itemsize]
+    return a if a.dtype == unsigned else a.view(unsigned)
 
 
 @dataclass(frozen=True)

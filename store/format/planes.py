@@ -130,17 +130,21 @@ def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray,
 
 def _last(op: Any, dest: np.ndarray, x: np.ndarray, y: np.ndarray | None,
           parts: list[tuple[int, int, np.ndarray]] | None) -> None:
-    """A join's last pass, `op(x, y) -> dest` (op None: `x -> dest`), whole or a part at a time."""
-    if parts is None:  # dest may be strided here: no flat views of it
-        np.copyto(dest, x) if op is None else op(x, y, out=dest, dtype=dest.dtype)
-        return
-    x = x.reshape(-1)
-    y = y.reshape(-1) if y is not None else None
-    for lo, hi, out in parts:
+    """A join's last pass, `op(x, y) -> dest` (op None: `x -> dest`), then each part copied to its place.
+
+    The op runs once over the whole (contiguous) group, then plain copies place the parts: an op that
+    widens bytes costs numpy a buffered cast set up per call, several times a copy's cost for a
+    tensor of a block (docs/benchmarks.md, "One core's verified read, again (h-vr2)")."""
+    if op is not None:
+        op(x, y, out=dest, dtype=dest.dtype)  # dest may be strided when there are no parts
+        x = dest
+    if parts is None:
         if op is None:
-            np.copyto(out, x[lo:hi].reshape(out.shape))
-        else:
-            op(x[lo:hi].reshape(out.shape), y[lo:hi].reshape(out.shape), out=out, dtype=out.dtype)
+            np.copyto(dest, x)
+        return
+    flat = x.reshape(-1)
+    for lo, hi, out in parts:
+        out[...] = flat[lo:hi].reshape(out.shape)
 
 
 def unrotate(planes: list[np.ndarray]) -> None:
