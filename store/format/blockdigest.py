@@ -41,7 +41,7 @@ def section_hasher(version: int) -> SectionHasher:
 
 
 class BlockDigest:
-    """The block digest being computed: format 2 or 3's tree of section digests, or format 1's sha256."""
+    """The block digest being computed: formats 2-4's tree of section digests, or format 1's sha256."""
 
     enabled = True
 
@@ -55,7 +55,7 @@ class BlockDigest:
         return section_hasher(self.version)
 
     def section(self, *contents: Any) -> None:
-        """Digest one section's decoded content (formats 2 and 3), given as buffers in order."""
+        """Digest one section's decoded content (formats 2-4), given as buffers in order."""
         h = section_hasher(self.version)
         for c in contents:
             h.update(c)

@@ -27,17 +27,18 @@ the JSON. The tensor data follows:
   decoded content, in file order (header length, header JSON, then the planes
   or data): BLAKE3 digests in format 2, XXH3-128 in formats 3 and 4
   (store/format/blockdigest.py). Formats 2 and 3 rotate bf16 and f32 values left
-  one bit before their planes; format 4 splits every value as it is (planes.py says why). It is checked before any byte is transformed, so a reader may join
+  one bit before their planes; format 4 splits every value as it is (planes.py says why).
+  The digest is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
   the payload as surely as a digest of the payload itself: the planes are a
   bijection of it. Not sha256: BLAKE3 is a third of its cost, XXH3 less again (docs/decisions.md).
 
 Decoding writes each tensor straight into a destination the caller chooses
-(`decode_into`): a view into a preallocated KV buffer, or (formats 2, 3) a staging
+(`decode_into`): a view into a preallocated KV buffer, or (formats 2-4) a staging
 buffer for a run's planes. A run is decoded a chunk of tensors at a
-time: each section's piece is decompressed (or read where it lies), digested
-and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
-never go through memory whole. It never produces more than the recorded raw size
+time: each section's piece is digested and joined while it is in the CPU's
+cache (`_Pieces`), read where it lies (raw) or decompressed (a section up to
+`WHOLE_SECTION_BYTES` whole at its first piece). It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
 implies, checked before anything is allocated.
 """
@@ -158,7 +159,7 @@ class Encoded:
 
 
 def section_digest(contents: list[bytes], version: int = FORMAT_VERSION) -> str:
-    """The digest (format 2 or 3) of a block whose sections decode to `contents` (for tests and tools)."""
+    """The digest (formats 2-4) of a block whose sections decode to `contents` (for tests and tools)."""
     d = BlockDigest(version)
     for c in contents:
         d.section(c)
@@ -485,7 +486,7 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
 
 def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
                    digest: BlockDigest) -> Tensor:
-    """One tensor coded alone: every format-1 tensor, and formats 2 and 3 "zstd"."""
+    """One tensor coded alone: every format-1 tensor, and formats 2-4 "zstd"."""
     name, dtype, shape = entry
     holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
@@ -570,8 +571,8 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
             raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
             for (a, b), dest in zip(spans, dests):
                 np.copyto(dest, raw[a:b].reshape(dest.shape))
-        else:  # each plane's piece decompressed, digested and joined while it is in cache; small tensors
-            # joined together, the join's last pass writing each into its place
+        else:  # each plane's piece digested and joined while it is in cache (decompressed with it, or
+            # whole at the first: _Pieces); small tensors joined together, then each copied into its place
             parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
             join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
         tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
@@ -581,7 +582,7 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
 
 def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
                      stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
-    """A "zstd" run (formats 2, 3): one section per tensor. When `stage` takes the run, its tensors' bytes are
+    """A "zstd" run (formats 2-4): one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
     joins it: decoding each into the device's arrays from the CPU made a long wake many times slower,
     docs/decisions.md, Store: `codec = "auto"` is the default); else each tensor into place."""
