@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvwake.store import Store
 from kvwake.store import writer as store_writer
-from kvwake.store.format import codec
+from kvwake.store.format import sections
 from kvwake.store.format.codec import FORMAT_VERSION, Tensor, decode_into, encode, read_file_header
 from kvwake.store.format.planes import CHUNK_BYTES, split, unrotate
 from testkit.kvdata import BUNDLE, assert_snapshot_exact, write_snapshot
@@ -135,7 +135,7 @@ def test_a_store_of_format_3_blocks_reads_exactly_beside_format_4_ones(tmp_path,
 
 @pytest.mark.parametrize("whole_bytes", [0, 1 << 30])  # every section a piece at a time, or each whole
 def test_sections_read_whole_or_a_piece_at_a_time_decode_the_same(whole_bytes, monkeypatch):
-    monkeypatch.setattr(codec, "WHOLE_SECTION_BYTES", whole_bytes)
+    monkeypatch.setattr(sections, "WHOLE_SECTION_BYTES", whole_bytes)
     block = _kv_block(layers=12, tokens=512)  # planes of 2.4 MB: several join groups
     encoded = encode({n: Tensor("BF16", a) for n, a in block.items()})
     buffers = {n: np.zeros((1, 3, 640, 64), np.uint16) for n in block}

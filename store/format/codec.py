@@ -37,7 +37,7 @@ Decoding writes each tensor straight into a destination the caller chooses
 (`decode_into`): a view into a preallocated KV buffer, or (formats 2-4) a staging
 buffer for a run's planes. A run is decoded a chunk of tensors at a
 time: each section's piece is digested and joined while it is in the CPU's
-cache (`_Pieces`), read where it lies (raw) or decompressed (a section up to
+cache (`sections.Pieces`), read where it lies (raw) or decompressed (a section up to
 `WHOLE_SECTION_BYTES` whole at its first piece). It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
 implies, checked before anything is allocated.
@@ -56,8 +56,9 @@ import zstandard
 
 from kvwake.store.format.blockdigest import BlockDigest, NoDigest
 from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
-from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
-                                        join_into, scratch, split, unrotate, whole_section)
+from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into,
+                                        scratch, split, unrotate, whole_section)
+from kvwake.store.format.sections import SECTION, Pieces, Reader
 
 __all__ = [
     "CODECS",
@@ -86,7 +87,6 @@ CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
 DEFAULT_CODEC = "planes-zstd"
 FILE_HEADER = struct.Struct("<4sBBHQ32s")
-SECTION = struct.Struct("<BQ")
 MAX_HEADER_BYTES = 16 << 20
 _ZSTD = zstandard.ZstdCompressionParameters.from_level(3)  # "zstd": plain level 3, the baseline
 
@@ -97,11 +97,6 @@ _NAME_OF = {holder: name for name, (holder, _) in DTYPES.items() if name != "BF1
 # CPU's cache and larger ones take the GIL less often (docs/decisions.md, Engine: "Staged sections are
 # read and digested 2 MiB at a time").
 STAGE_PIECE_BYTES = 2 << 20
-# A compressed section up to this size is decompressed whole at its first piece, into this thread's
-# scratch: zstd then decodes straight into it, where a piece at a time goes through the decoder's own
-# window and a copy (docs/benchmarks.md, "One core's verified read, again (h-vr2)"). Larger ones (a
-# large model's block) are read a piece at a time, so a thread's scratch stays a few MB.
-WHOLE_SECTION_BYTES = 4 << 20
 
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
@@ -341,124 +336,12 @@ def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
     return CODECS[codec_id], raw_bytes, digest.hex(), version
 
 
-class _Reader:
-    """Walks the sections of a block file, never producing more than it is told."""
-
-    def __init__(self, data: memoryview, pos: int) -> None:
-        self.data, self.pos = data, pos
-        self.dctx = zstandard.ZstdDecompressor()
-
-    def next_section(self) -> tuple[int, memoryview, int]:
-        """(mode, stored bytes, offset of those bytes) of the next section; the reader moves past it."""
-        if self.pos + SECTION.size > len(self.data):
-            raise BlockFormatError(f"truncated block file: section header at byte {self.pos}")
-        mode, length = SECTION.unpack_from(self.data, self.pos)
-        start, self.pos = self.pos + SECTION.size, self.pos + SECTION.size + length
-        if self.pos > len(self.data):
-            raise BlockFormatError(f"truncated block file: section of {length} bytes at byte {start}")
-        if mode not in (0, 1):
-            raise BlockFormatError(f"unknown section mode {mode} at byte {start - SECTION.size}")
-        return mode, self.data[start : self.pos], start
-
-    def section(self, expect: int) -> bytes | memoryview:
-        """The next section's content, `expect` bytes: a view of the file (raw) or new bytes."""
-        mode, body, start = self.next_section()
-        if mode == 0:
-            if len(body) != expect:
-                raise BlockFormatError(f"section at byte {start} holds {len(body)} bytes, header says {expect}")
-            return body
-        try:
-            _check_declared(body, expect, start)
-            out = self.dctx.decompress(body, max_output_size=expect)
-        except zstandard.ZstdError as exc:
-            raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
-        if len(out) != expect:
-            raise BlockFormatError(f"section at byte {start} holds {len(out)} bytes, header says {expect}")
-        return out
-
-
-def _check_declared(body: memoryview, expect: int, start: int) -> None:
-    # max_output_size is ignored when a frame declares its size, so check the declaration
-    # first: a frame claiming gigabytes is refused before anything is allocated.
-    declared = zstandard.frame_content_size(body)
-    if declared != expect:
-        raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
-
-
-class _Pieces:
-    """The next section's content (`expect` bytes) taken a piece at a time, each piece digested as
-    it is taken, while it is in the CPU's cache, just before the join reads it."""
-
-    def __init__(self, reader: _Reader, expect: int, slot: str, digest: BlockDigest) -> None:
-        self.mode, self.body, self.start = reader.next_section()
-        self.expect, self.slot, self.got = expect, slot, 0
-        self.hasher = digest.hasher()
-        self.stream: Any = None
-        self.whole: np.ndarray | None = None
-        if self.mode == 0 and len(self.body) != expect:
-            raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
-        if self.mode == 1:
-            try:
-                _check_declared(self.body, expect, self.start)
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            self.stream = decompressor(slot).stream_reader(self.body)  # its own: sections interleave
-
-    def take(self, n: int, into: np.ndarray | None = None) -> np.ndarray:
-        """The next n bytes (uint8): a view of the file (raw section), else decompressed into `into`
-        (contiguous, n bytes) or this thread's scratch for the section (valid until the next take)."""
-        if self.got + n > self.expect:
-            raise BlockFormatError(f"section at byte {self.start}: {self.got + n} bytes asked of {self.expect}")
-        if self.mode == 0:
-            piece = np.frombuffer(self.body[self.got : self.got + n], np.uint8)
-            if into is not None:
-                np.copyto(into, piece)
-                piece = into
-        elif into is None and self.expect <= WHOLE_SECTION_BYTES:
-            if self.whole is None:
-                self.whole = scratch(np.dtype(np.uint8), (self.expect,), self.slot)
-                self._read(self.whole)
-            piece = self.whole[self.got : self.got + n]
-        else:
-            piece = into if into is not None else scratch(np.dtype(np.uint8), (n,), self.slot)
-            self._read(piece)
-        if self.hasher is not None:
-            self.hasher.update(piece)
-        self.got += n
-        return piece
-
-    def _read(self, piece: np.ndarray) -> None:
-        view, got = memoryview(piece), 0
-        try:
-            while got < len(view) and (k := self.stream.readinto(view[got:])):
-                got += k
-        except zstandard.ZstdError as exc:
-            raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-        if got != len(view):
-            raise BlockFormatError(f"section at byte {self.start} holds {self.got + got} bytes, "
-                                   f"header says {self.expect}")
-
-    def finish(self) -> bytes:
-        """The section's digest, once all of it was taken and nothing follows it."""
-        if self.got != self.expect:
-            raise BlockFormatError(f"section at byte {self.start}: {self.got} of {self.expect} bytes taken")
-        if self.stream is not None:
-            try:
-                extra = self.stream.read(1)
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            if extra:
-                raise BlockFormatError(f"zstd section at byte {self.start} holds more than {self.expect} bytes")
-            self.stream.close()
-        return self.hasher.digest() if self.hasher is not None else b""
-
-
-def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, Layout, dict[str, str]]:
+def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, Reader, bytes, Layout, dict[str, str]]:
     """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, layout, metadata)."""
     codec, raw_bytes, _, version = read_file_header(view)
     if max_raw_bytes is not None and raw_bytes > max_raw_bytes:
         raise BlockFormatError(f"payload claims {raw_bytes} bytes, more than the {max_raw_bytes} recorded")
-    reader = _Reader(view, FILE_HEADER.size)
+    reader = Reader(view, FILE_HEADER.size)
     prefix = reader.section(8)
     (header_len,) = struct.unpack("<Q", prefix[:8]) if len(prefix) == 8 else (0,)
     if not 0 < header_len <= min(MAX_HEADER_BYTES, raw_bytes - 8):
@@ -484,7 +367,7 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
     return dest
 
 
-def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
+def _decode_tensor(reader: Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
                    digest: BlockDigest) -> Tensor:
     """One tensor coded alone: every format-1 tensor, and formats 2-4 "zstd"."""
     name, dtype, shape = entry
@@ -540,7 +423,7 @@ def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
     return plan
 
 
-def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None,
+def _decode_run(reader: Reader, codec: str, plan: _RunPlan, place: Place | None,
                 stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
     """A format-2, 3 or 4 run: its sections read (into `stage`'s buffers when it takes the run), digested,
     then joined a group of tensors at a time straight into place."""
@@ -550,9 +433,9 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
     total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
-        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest)]
+        sections = [Pieces(reader, total * holder.itemsize, "plane0", digest)]
     else:
-        sections = [_Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
+        sections = [Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
     if staged is not None:
         for section, plane in zip(sections, staged):
             if plane.size != section.expect:
@@ -572,7 +455,7 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
             for (a, b), dest in zip(spans, dests):
                 np.copyto(dest, raw[a:b].reshape(dest.shape))
         else:  # each plane's piece digested and joined while it is in cache (decompressed with it, or
-            # whole at the first: _Pieces); small tensors joined together, then each copied into its place
+            # whole at the first: Pieces); small tensors joined together, then each copied into its place
             parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
             join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
         tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
@@ -580,7 +463,7 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
         digest.section_digest(section.finish())
 
 
-def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
+def _decode_zstd_run(reader: Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
                      stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
     """A "zstd" run (formats 2-4): one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
@@ -599,7 +482,7 @@ def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]
         raise BlockFormatError(f"staging of {plane.size} bytes for a run of {sum(sizes) * holder.itemsize}")
     lo = 0
     for n in sizes:
-        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
+        section, nbytes = Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
         for off in range(0, nbytes, STAGE_PIECE_BYTES):
             k = min(STAGE_PIECE_BYTES, nbytes - off)
             section.take(k, plane[lo + off : lo + off + k])
