@@ -32,7 +32,7 @@ class Reader:
 
     def __init__(self, data: memoryview, pos: int) -> None:
         self.data, self.pos = data, pos
-        self.dctx = zstandard.ZstdDecompressor()
+        self.dctx = decompressor("whole")  # this thread's: a fresh context costs more than a small section
 
     def next_section(self) -> tuple[int, memoryview, int]:
         """(mode, stored bytes, offset of those bytes) of the next section; the reader moves past it."""
