@@ -430,6 +430,7 @@ def _decode_run(reader: Reader, codec: str, plan: _RunPlan, place: Place | None,
     run, starts = plan.entries, plan.starts
     dtype = run[0][1]
     holder, rotate = DTYPES[dtype][0], _rotated(dtype, digest.version)
+    unsigned = _UNSIGNED[holder.itemsize]
     total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
@@ -456,9 +457,11 @@ def _decode_run(reader: Reader, codec: str, plan: _RunPlan, place: Place | None,
                 np.copyto(dest, raw[a:b].reshape(dest.shape))
         else:  # each plane's piece digested and joined while it is in cache (decompressed with it, or
             # whole at the first: Pieces); small tensors joined together, then each copied into its place
-            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
-            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
-        tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
+            views = dests if holder == unsigned else [d.view(unsigned) for d in dests]
+            parts = None if len(dests) == 1 else [(a, b, v) for (a, b), v in zip(spans, views)]
+            join_into([section.take(hi - lo) for section in sections], rotate, target.view(unsigned), parts)
+        for (name, _, _), dest in zip(run[first:stop], dests):
+            tensors[name] = Tensor(dtype, dest)
     for section in sections:
         digest.section_digest(section.finish())
 
