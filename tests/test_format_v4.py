@@ -150,3 +150,43 @@ def test_sections_read_whole_or_a_piece_at_a_time_decode_the_same(whole_bytes, m
     except ValueError:
         wrong = None
     assert wrong != encoded.digest
+
+
+def test_a_format_3_session_wakes_exactly_where_restores_stage_planes(model_dir, tmp_path, monkeypatch):
+    # A GPU's path (here on MLX's CPU device): a format-3 block's rotated planes are staged, made format 4's
+    # by the codec after their digest, and joined by devplanes, which knows format 4's form alone.
+    import mlx.core as mx
+
+    from kvwake.daemon.kv import restore_buffers
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.generation import GenerateParams
+    from kvwake.daemon.session_state import Session
+
+    tokens = [(i * 7) % 256 for i in range(150)]
+    mode = {"now": "direct"}
+    monkeypatch.setattr(restore_buffers, "restore_mode", lambda configured=None: configured or mode["now"])
+    with Store(tmp_path / "store", block_tokens=16) as store:
+        writer = Engine(store, tmp_path, model_dir, io_workers=2, warm=False)
+        try:
+            with monkeypatch.context() as m:  # a sleep as the format-3 code wrote it
+                m.setattr(store_writer, "encode", functools.partial(encode, version=3))
+                slept = Session("b")
+                writer.append(slept, tokens=tokens)
+                record = store.snapshot(writer.sleep(slept)["snapshot_id"])
+        finally:
+            writer.close()
+        assert {read_file_header(store.files.absolute(b.file).read_bytes())[3] for b in record.blocks} == {3}
+        mode["now"] = "staged"
+        engine = Engine(store, tmp_path, model_dir, io_workers=2, warm=False)
+        try:
+            assert engine.restore_mode == "staged"
+            hot = Session("a")
+            engine.append(hot, tokens=tokens)
+            woken = engine.wake("b")[0]
+            for x, y in zip(hot.cache, woken.cache):
+                assert mx.array_equal(x.keys[..., :149, :], y.keys[..., :149, :]).item()
+                assert mx.array_equal(x.values[..., :149, :], y.values[..., :149, :]).item()
+            params = GenerateParams(max_tokens=6)
+            assert engine.generate(hot, params).tokens == engine.generate(woken, params).tokens
+        finally:
+            engine.close()
