@@ -10,9 +10,10 @@ plain KV cache (every cut tensor of one float dtype and one shape):
   tensor, then the tensor's C order), and the host receives one array per
   plane; the pool only compresses, digests and writes (`codec.Planed`).
 - wake: the pool decompresses and verifies each block's planes into a slot of
-  a staging ring (an older block's planes made format 4's by the codec) (`Ring`, `codec.decode_into(stage=...)`); as soon as a span of
-  blocks is in, the GPU joins it and lays it out per tensor in one pass, and
-  the slot takes a later span.
+  a staging ring (`Ring`, `codec.decode_into(stage=...)`; an older block's
+  planes are made format 4's by the codec); as soon as a span of blocks is in,
+  the GPU joins it and lays it out per tensor in one pass, and the slot takes
+  a later span.
 
 `planar(...)` says whether a cache (or a block's tensor specs) qualifies; the
 others (quantized KV, mixed shapes) take the CPU path in cache_blocks.py/restore_buffers.py.
