@@ -26,7 +26,7 @@ the JSON. The tensor data follows:
   tensor. Digest = BLAKE3 of the concatenated digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
   or data): BLAKE3 digests in format 2, XXH3-128 in formats 3 and 4
-  (store/format/blockdigest.py). Formats 2 and 3 rotate bf16 and f32 values left
+  (store/format/blockdigest.py). Formats 1-3 rotate bf16 and f32 values left
   one bit before their planes; format 4 splits every value as it is (planes.py says why).
   The digest is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
