@@ -180,7 +180,9 @@ class StoreFiles:
         For verified reads of block and tail files: decoding reads each byte where the kernel
         keeps it (raw sections are copied once, into place or staging; compressed ones are
         decompressed from there), instead of first copying the whole file into a buffer.
-        MAP_POPULATE maps every page up front (one call, not a fault per page). Block files are
+        Pages are mapped as the decode first reads them (Linux maps a fault's neighbours with it);
+        MAP_POPULATE, which maps every page first, made a verified read slower (docs/benchmarks.md,
+        "One core's verified read, again (h-vr2)"). Block files are
         never written in place (temp, fsync, rename), so what is mapped does not change; a file
         another program truncates while it is mapped would fault the process (SIGBUS), which
         `read` would not.
@@ -190,8 +192,7 @@ class StoreFiles:
             if not size:
                 yield memoryview(b"")
                 return
-            m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                          prot=mmap.PROT_READ)
+            m = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         view = memoryview(m)
         try:
             yield view

@@ -58,12 +58,12 @@ def test_a_flipped_byte_in_a_format_2_block_is_a_corrupt_block_naming_it(old_sto
     assert [b["block"] for b in old_store.fsck().bad_blocks] == [ref.key]
 
 
-def test_new_snapshots_beside_format_2_blocks_reuse_them_and_write_format_3(old_store):
+def test_new_snapshots_beside_format_2_blocks_reuse_them_and_write_format_4(old_store):
     old = FACTS["snapshots"]["planes-zstd"]
     info = write_snapshot(old_store, "next", old["tokens"] + [5, 6, 7, 8, 9, 10])
     assert info.reused_blocks == 2 and info.new_blocks == 2
     record = old_store.snapshot(info.id, bundle=BUNDLE)
     versions = [read_file_header(old_store.files.absolute(b.file).read_bytes())[3] for b in record.blocks]
-    assert versions == [2, 2, FORMAT_VERSION, FORMAT_VERSION] and FORMAT_VERSION == 3
+    assert versions == [2, 2, FORMAT_VERSION, FORMAT_VERSION] and FORMAT_VERSION == 4
     assert_snapshot_exact(old_store, info.id)
     assert old_store.fsck().ok

@@ -5,14 +5,15 @@ do not scale across threads: docs/decisions.md, "Engine"), and the GPU does
 them at memory speed. So for a
 plain KV cache (every cut tensor of one float dtype and one shape):
 
-- sleep: the GPU rotates and splits a span of blocks into byte planes laid out
-  exactly as a format-2 "planes-zstd" run stores them (block-major, then
+- sleep: the GPU splits a span of blocks into byte planes laid out
+  exactly as a format-4 "planes-zstd" run stores them (block-major, then
   tensor, then the tensor's C order), and the host receives one array per
   plane; the pool only compresses, digests and writes (`codec.Planed`).
 - wake: the pool decompresses and verifies each block's planes into a slot of
-  a staging ring (`Ring`, `codec.decode_into(stage=...)`); as soon as a span of
-  blocks is in, the GPU joins it and lays it out per tensor in one pass, and
-  the slot takes a later span.
+  a staging ring (`Ring`, `codec.decode_into(stage=...)`; an older block's
+  planes are made format 4's by the codec); as soon as a span of blocks is in,
+  the GPU joins it and lays it out per tensor in one pass, and the slot takes
+  a later span.
 
 `planar(...)` says whether a cache (or a block's tensor specs) qualifies; the
 others (quantized KV, mixed shapes) take the CPU path in cache_blocks.py/restore_buffers.py.
@@ -30,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvwake.daemon.kv import cudart
-from kvwake.store.format.codec import DTYPES, Planed
+from kvwake.store.format.codec import Planed
 
 __all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "drop_idle", "join", "join_raw", "planar",
            "planes_of", "release_all", "split_span", "staging", "warm"]
@@ -81,10 +82,9 @@ def planar(specs: dict[str, tuple[str, tuple[int, ...]]]) -> bool:
     return len(kinds) == 1 and next(iter(kinds))[0] in PLANAR_DTYPES
 
 
-def _bits(dtype: str) -> tuple[Any, int, bool]:
+def _bits(dtype: str) -> tuple[Any, int]:
     _, unsigned = PLANAR_DTYPES[dtype]
-    size = 2 if unsigned == mx.uint16 else 4
-    return unsigned, size, DTYPES[dtype][1]
+    return unsigned, 2 if unsigned == mx.uint16 else 4
 
 
 def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
@@ -99,13 +99,11 @@ def split_span(names: list[str], arrays: list[mx.array], block_tokens: int,
     shape = tuple(arrays[0].shape)
     if dtype is None or any(a.dtype != arrays[0].dtype or tuple(a.shape) != shape for a in arrays):
         return None
-    unsigned, size, rotate = _bits(dtype)
+    unsigned, size = _bits(dtype)
     lead, dim = shape[:-2], shape[-1]
     x = mx.stack(arrays).view(unsigned)  # [tensors, *lead, count*B, dim]
     x = x.reshape(len(arrays), *lead, count, block_tokens, dim)
     x = mx.moveaxis(x, len(lead) + 1, 0)  # [count, tensors, *lead, B, dim]: each block's run in payload order
-    if rotate:
-        x = (x << 1) | (x >> (size * 8 - 1))
     planes = [((x >> (8 * (size - 1 - k))) & 0xFF).astype(mx.uint8).reshape(count, -1) for k in range(size)]
     block_shape = (*lead, block_tokens, dim)
 
@@ -243,13 +241,11 @@ def release_all(releases: list[Callable[[], None]]) -> None:
         release()
 
 
-def _join_words(planes: tuple[mx.array, ...], unsigned: Any, size: int, rotate: bool) -> mx.array:
-    """Byte planes (high first) -> the unsigned words they split, rotated back."""
+def _join_words(planes: tuple[mx.array, ...], unsigned: Any, size: int) -> mx.array:
+    """Byte planes (high first) -> the unsigned words they split."""
     x = planes[0].astype(unsigned) << (8 * (size - 1))
     for k, plane in enumerate(planes[1:], start=1):
         x = x | (plane.astype(unsigned) << (8 * (size - 1 - k)))
-    if rotate:
-        x = (x >> 1) | (x << (size * 8 - 1))
     return x
 
 
@@ -264,8 +260,8 @@ _JOINS: dict[str, Callable[..., mx.array]] = {}
 def _joiner(dtype: str) -> Callable[..., mx.array]:
     fn = _JOINS.get(dtype)
     if fn is None:
-        unsigned, size, rotate = _bits(dtype)
-        fn = lambda *planes: _join_words(planes, unsigned, size, rotate)  # noqa: E731
+        unsigned, size = _bits(dtype)
+        fn = lambda *planes: _join_words(planes, unsigned, size)  # noqa: E731
         _JOINS[dtype] = fn = mx.compile(fn) if mx.default_device() == mx.cpu else fn
     return fn
 

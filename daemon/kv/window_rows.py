@@ -336,13 +336,12 @@ class WindowRun:
     decompression and digest alone where nothing reads them.
     """
 
-    __slots__ = ("names", "plain", "size", "rotate", "shape", "rows", "planes", "sections")
+    __slots__ = ("names", "plain", "size", "shape", "rows", "planes", "sections")
 
     def __init__(self, names: tuple[str, ...], plain: int, dtype: str, shape: tuple[int, ...],
                  rows: list[np.ndarray], planes: bool) -> None:
         self.names, self.plain, self.shape, self.rows, self.planes = names, plain, shape, rows, planes
-        holder, self.rotate = DTYPES[dtype]
-        self.size = holder.itemsize
+        self.size = DTYPES[dtype][0].itemsize
         values = plain + len(names) * math.prod(shape)
         buf = scratch(np.dtype(np.uint8), (self.size * values,), "window_run")
         self.sections = [buf[p * values : (p + 1) * values] for p in range(self.size)] if planes else [buf]
@@ -378,7 +377,8 @@ class WindowRun:
             dest = held.where(name, start)
             if dest is not None:
                 if self.planes:
-                    join_into([s[lo : lo + n] for s in self.sections], self.rotate, dest.view(f"<u{self.size}"))
+                    # staged planes are format 4's whatever the block's format (codec.Stage): never rotated
+                    join_into([s[lo : lo + n] for s in self.sections], False, dest.view(f"<u{self.size}"))
                 else:
                     np.copyto(dest, self.sections[0][lo * self.size : (lo + n) * self.size].view(dest.dtype)
                               .reshape(dest.shape))

@@ -3,9 +3,10 @@
 - format 1: sha256 of the safetensors payload.
 - format 2: BLAKE3 over the concatenated BLAKE3 digests (32 bytes each) of every section's decoded
   content, in file order.
-- format 3 (written now): the same tree with XXH3-128 section digests (16 bytes each); the root is
-  still BLAKE3 over their concatenation, so a block digest stays 32 bytes (64 hex characters)
-  wherever the index, the snapshot digest and the S3 tier's objects record one.
+- formats 3 and 4 (4 written now; it differs from 3 in its planes alone, codec.py): the same tree
+  with XXH3-128 section digests (16 bytes each); the root is still BLAKE3 over their
+  concatenation, so a block digest stays 32 bytes (64 hex characters) wherever the index, the
+  snapshot digest and the S3 tier's objects record one.
 
 The sections' digests are the only per-byte hashing a verified read does; XXH3-128 runs about ten
 times as fast per core as BLAKE3 here (docs/benchmarks.md, "One core's verified read (h-vr)").
@@ -31,8 +32,8 @@ class SectionHasher(Protocol):
 
 
 def section_hasher(version: int) -> SectionHasher:
-    """A new hasher of one section's decoded content, for block format `version` (2 or 3)."""
-    if version == 3:
+    """A new hasher of one section's decoded content, for block format `version` (2, 3 or 4)."""
+    if version in (3, 4):
         return xxhash.xxh3_128()
     if version == 2:
         return blake3.blake3()
@@ -40,7 +41,7 @@ def section_hasher(version: int) -> SectionHasher:
 
 
 class BlockDigest:
-    """The block digest being computed: format 2 or 3's tree of section digests, or format 1's sha256."""
+    """The block digest being computed: formats 2-4's tree of section digests, or format 1's sha256."""
 
     enabled = True
 
@@ -54,7 +55,7 @@ class BlockDigest:
         return section_hasher(self.version)
 
     def section(self, *contents: Any) -> None:
-        """Digest one section's decoded content (formats 2 and 3), given as buffers in order."""
+        """Digest one section's decoded content (formats 2-4), given as buffers in order."""
         h = section_hasher(self.version)
         for c in contents:
             h.update(c)

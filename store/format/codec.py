@@ -6,7 +6,7 @@ header order). The store never keeps the payload itself: it keeps a *block file*
 
     offset  size  field
     0       4     magic b"KVWB"
-    4       1     file format version: 1, 2 or 3
+    4       1     file format version: 1, 2, 3 or 4
     5       1     codec id (1 = "zstd", 2 = "planes-zstd", 3 = "raw"; raw needs version 2 or later)
     6       2     reserved, zero
     8       8     raw size: bytes of the safetensors payload (u64 LE)
@@ -19,24 +19,26 @@ the JSON. The tensor data follows:
 
 - format 1 (kvwake 0.1, still read): one section per tensor ("zstd") or one
   per byte plane of each tensor ("planes-zstd"); digest = sha256 of the payload.
-- format 2 (still read) and 3 (written now): tensors are coded in *runs* of consecutive tensors of
+- formats 2, 3 (still read) and 4 (written now): tensors are coded in *runs* of consecutive tensors of
   one dtype (a plain KV block is one run). "planes-zstd": one section per byte
   plane of the whole run, each tensor's bytes ending a zstd block (store/format/planes.py);
   "raw": one uncompressed section with the run's payload; "zstd": one section per
   tensor. Digest = BLAKE3 of the concatenated digests of every section's
   decoded content, in file order (header length, header JSON, then the planes
-  or data): BLAKE3 digests in format 2, XXH3-128 in format 3, the two formats'
-  only difference (store/format/blockdigest.py). It is checked before any byte is transformed, so a reader may join
+  or data): BLAKE3 digests in format 2, XXH3-128 in formats 3 and 4
+  (store/format/blockdigest.py). Formats 1-3 rotate bf16 and f32 values left
+  one bit before their planes; format 4 splits every value as it is (planes.py says why).
+  The digest is checked before any byte is transformed, so a reader may join
   the planes wherever it likes (numpy here, the GPU in the daemon), and it pins
   the payload as surely as a digest of the payload itself: the planes are a
   bijection of it. Not sha256: BLAKE3 is a third of its cost, XXH3 less again (docs/decisions.md).
 
 Decoding writes each tensor straight into a destination the caller chooses
-(`decode_into`): a view into a preallocated KV buffer, or (formats 2, 3) a staging
+(`decode_into`): a view into a preallocated KV buffer, or (formats 2-4) a staging
 buffer for a run's planes. A run is decoded a chunk of tensors at a
-time: each section's piece is decompressed (or read where it lies), digested
-and joined while it is in the CPU's cache (`_Pieces`), so the decoded planes
-never go through memory whole. It never produces more than the recorded raw size
+time: each section's piece is digested and joined while it is in the CPU's
+cache (`sections.Pieces`), read where it lies (raw) or decompressed (a section up to
+`WHOLE_SECTION_BYTES` whole at its first piece). It never produces more than the recorded raw size
 (bomb guard): every section is decompressed with the exact length the header
 implies, checked before anything is allocated.
 """
@@ -54,8 +56,9 @@ import zstandard
 
 from kvwake.store.format.blockdigest import BlockDigest, NoDigest
 from kvwake.store.format.header import DTYPES, BlockFormatError, Layout, parse_header, payload_header
-from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, decompressor,
-                                        join_into, scratch, split, whole_section)
+from kvwake.store.format.planes import (CHUNK_BYTES, JOIN_BYTES, PLANES_PARAMS, PlaneSink, as_bytes, compressor, join_into,
+                                        scratch, split, unrotate, whole_section)
+from kvwake.store.format.sections import SECTION, Pieces, Reader
 
 __all__ = [
     "CODECS",
@@ -77,14 +80,13 @@ __all__ = [
     "section_digest",
 ]
 
-FORMAT_VERSION = 3  # what writers write; every version is read
-VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # what writers write; every version is read
+VERSIONS = (1, 2, 3, 4)
 MAGIC = b"KVWB"
 CODECS = {1: "zstd", 2: "planes-zstd", 3: "raw"}
 CODEC_IDS = {name: cid for cid, name in CODECS.items()}
 DEFAULT_CODEC = "planes-zstd"
 FILE_HEADER = struct.Struct("<4sBBHQ32s")
-SECTION = struct.Struct("<BQ")
 MAX_HEADER_BYTES = 16 << 20
 _ZSTD = zstandard.ZstdCompressionParameters.from_level(3)  # "zstd": plain level 3, the baseline
 
@@ -99,8 +101,9 @@ STAGE_PIECE_BYTES = 2 << 20
 # A destination for one tensor: given (name, dtype name, shape), an array of the
 # holder dtype and that shape to decode into (any strides), or None for a new one.
 Place = Callable[[str, str, tuple[int, ...]], "np.ndarray | None"]
-# Staging for a format-2 or 3 run as stored: given (names, dtype name, values in the run, planes), for a
-# "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each,
+# Staging for a format-2, 3 or 4 run: given (names, dtype name, values in the run, planes), for a
+# "planes-zstd" run (planes true) one contiguous uint8 array per byte plane of `values` bytes each
+# (given format 4's planes whatever the block's format: an older block's are unrotated there),
 # for a "raw" run one of values * itemsize bytes (the tensors' bytes in order), or None to have the
 # run decoded into place.
 Stage = Callable[[tuple[str, ...], str, int, bool], "list[np.ndarray] | None"]
@@ -151,7 +154,7 @@ class Encoded:
 
 
 def section_digest(contents: list[bytes], version: int = FORMAT_VERSION) -> str:
-    """The digest (format 2 or 3) of a block whose sections decode to `contents` (for tests and tools)."""
+    """The digest (formats 2-4) of a block whose sections decode to `contents` (for tests and tools)."""
     d = BlockDigest(version)
     for c in contents:
         d.section(c)
@@ -206,7 +209,8 @@ class Planed:
     """A block that is one run already split into byte planes (by the GPU, say): what encode would make.
 
     names/shapes: its tensors in order; dtype: theirs (one); planes: one contiguous uint8
-    array per byte, high first, each the run's bytes of that plane in tensor order.
+    array per byte, high first, each the run's bytes of that plane in tensor order (format 4's
+    planes: the values as they are, never rotated).
     """
 
     names: tuple[str, ...]
@@ -215,10 +219,15 @@ class Planed:
     planes: tuple[np.ndarray, ...]
 
 
+def _rotated(dtype: str, version: int) -> bool:
+    """Whether a block of this format rotates this dtype's values before splitting them into planes."""
+    return DTYPES[dtype][1] and version < 4
+
+
 def _encode_run(run: list[tuple[str, Tensor]], codec: str, digest: BlockDigest) -> list[Any]:
     """Buffers of one run's sections: one per byte plane ("planes-zstd"), or its payload ("raw")."""
     dtype = run[0][1].dtype
-    holder, rotate = DTYPES[dtype]
+    holder, rotate = DTYPES[dtype][0], _rotated(dtype, digest.version)
     sizes = [t.array.size for _, t in run]
     count = holder.itemsize if codec == "planes-zstd" else 1
     sinks = [PlaneSink(compressor(k) if codec == "planes-zstd" else None, sum(sizes) * holder.itemsize // count,
@@ -267,20 +276,21 @@ def encode(
     codec: str = DEFAULT_CODEC,
     version: int = FORMAT_VERSION,
 ) -> Encoded:
-    """Encode named arrays (or one already planed run) into block-file bytes, format 3
-    (`version=2`: the previous format, whose only difference is its section digests; for tests).
+    """Encode named arrays (or one already planed run) into block-file bytes, format 4
+    (`version=2` or `3`: the formats before, for tests of their reads).
 
     Arrays may be strided views; they are read in place. Returns the file's
     buffers with digest and raw size. Raises TypeError for dtypes safetensors
-    cannot name, ValueError for an unknown codec or version or a Planed block with another codec.
+    cannot name, ValueError for an unknown codec or version or a Planed block with another codec
+    or format.
     """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r}; known: {sorted(CODEC_IDS)}")
-    if version not in (2, 3):
-        raise ValueError(f"block format {version} is read, not written; written: 2, 3")
+    if version not in (2, 3, 4):
+        raise ValueError(f"block format {version} is read, not written; written: 2, 3, 4")
     if isinstance(arrays, Planed):
-        if codec != "planes-zstd":
-            raise ValueError(f"a planed block is coded with planes-zstd, not {codec}")
+        if codec != "planes-zstd" or version != FORMAT_VERSION:
+            raise ValueError(f"a planed block is format {FORMAT_VERSION} planes-zstd, not format {version} {codec}")
         specs = [(n, arrays.dtype, tuple(s)) for n, s in zip(arrays.names, arrays.shapes)]
     else:
         tensors = {name: Tensor.of(a) for name, a in arrays.items()}
@@ -326,116 +336,12 @@ def read_file_header(data: bytes | memoryview) -> tuple[str, int, str, int]:
     return CODECS[codec_id], raw_bytes, digest.hex(), version
 
 
-class _Reader:
-    """Walks the sections of a block file, never producing more than it is told."""
-
-    def __init__(self, data: memoryview, pos: int) -> None:
-        self.data, self.pos = data, pos
-        self.dctx = zstandard.ZstdDecompressor()
-
-    def next_section(self) -> tuple[int, memoryview, int]:
-        """(mode, stored bytes, offset of those bytes) of the next section; the reader moves past it."""
-        if self.pos + SECTION.size > len(self.data):
-            raise BlockFormatError(f"truncated block file: section header at byte {self.pos}")
-        mode, length = SECTION.unpack_from(self.data, self.pos)
-        start, self.pos = self.pos + SECTION.size, self.pos + SECTION.size + length
-        if self.pos > len(self.data):
-            raise BlockFormatError(f"truncated block file: section of {length} bytes at byte {start}")
-        if mode not in (0, 1):
-            raise BlockFormatError(f"unknown section mode {mode} at byte {start - SECTION.size}")
-        return mode, self.data[start : self.pos], start
-
-    def section(self, expect: int) -> bytes | memoryview:
-        """The next section's content, `expect` bytes: a view of the file (raw) or new bytes."""
-        mode, body, start = self.next_section()
-        if mode == 0:
-            if len(body) != expect:
-                raise BlockFormatError(f"section at byte {start} holds {len(body)} bytes, header says {expect}")
-            return body
-        try:
-            _check_declared(body, expect, start)
-            out = self.dctx.decompress(body, max_output_size=expect)
-        except zstandard.ZstdError as exc:
-            raise BlockFormatError(f"zstd section at byte {start}: {exc}") from None
-        if len(out) != expect:
-            raise BlockFormatError(f"section at byte {start} holds {len(out)} bytes, header says {expect}")
-        return out
-
-
-def _check_declared(body: memoryview, expect: int, start: int) -> None:
-    # max_output_size is ignored when a frame declares its size, so check the declaration
-    # first: a frame claiming gigabytes is refused before anything is allocated.
-    declared = zstandard.frame_content_size(body)
-    if declared != expect:
-        raise BlockFormatError(f"zstd section at byte {start} declares {declared} bytes, header says {expect}")
-
-
-class _Pieces:
-    """The next section's content (`expect` bytes) taken a piece at a time, each piece digested
-    (BLAKE3) as it is produced, while it is in the CPU's cache: one pass over the bytes, not a
-    decompression into memory and a second read to hash it."""
-
-    def __init__(self, reader: _Reader, expect: int, slot: str, digest: BlockDigest) -> None:
-        self.mode, self.body, self.start = reader.next_section()
-        self.expect, self.slot, self.got = expect, slot, 0
-        self.hasher = digest.hasher()
-        self.stream: Any = None
-        if self.mode == 0 and len(self.body) != expect:
-            raise BlockFormatError(f"section at byte {self.start} holds {len(self.body)} bytes, header says {expect}")
-        if self.mode == 1:
-            try:
-                _check_declared(self.body, expect, self.start)
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            self.stream = decompressor(slot).stream_reader(self.body)  # its own: sections interleave
-
-    def take(self, n: int, into: np.ndarray | None = None) -> np.ndarray:
-        """The next n bytes (uint8): a view of the file (raw section), else decompressed into `into`
-        (contiguous, n bytes) or this thread's scratch for the section (valid until the next take)."""
-        if self.got + n > self.expect:
-            raise BlockFormatError(f"section at byte {self.start}: {self.got + n} bytes asked of {self.expect}")
-        if self.mode == 0:
-            piece = np.frombuffer(self.body[self.got : self.got + n], np.uint8)
-            if into is not None:
-                np.copyto(into, piece)
-                piece = into
-        else:
-            piece = into if into is not None else scratch(np.dtype(np.uint8), (n,), self.slot)
-            view, got = memoryview(piece), 0
-            try:
-                while got < n and (k := self.stream.readinto(view[got:])):
-                    got += k
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            if got != n:
-                raise BlockFormatError(f"section at byte {self.start} holds {self.got + got} bytes, "
-                                       f"header says {self.expect}")
-        if self.hasher is not None:
-            self.hasher.update(piece)
-        self.got += n
-        return piece
-
-    def finish(self) -> bytes:
-        """The section's digest, once all of it was taken and nothing follows it."""
-        if self.got != self.expect:
-            raise BlockFormatError(f"section at byte {self.start}: {self.got} of {self.expect} bytes taken")
-        if self.stream is not None:
-            try:
-                extra = self.stream.read(1)
-            except zstandard.ZstdError as exc:
-                raise BlockFormatError(f"zstd section at byte {self.start}: {exc}") from None
-            if extra:
-                raise BlockFormatError(f"zstd section at byte {self.start} holds more than {self.expect} bytes")
-            self.stream.close()
-        return self.hasher.digest() if self.hasher is not None else b""
-
-
-def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, _Reader, bytes, Layout, dict[str, str]]:
+def _open(view: memoryview, max_raw_bytes: int | None) -> tuple[str, int, Reader, bytes, Layout, dict[str, str]]:
     """Check the fixed header and read the safetensors header: (codec, version, reader, header bytes, layout, metadata)."""
     codec, raw_bytes, _, version = read_file_header(view)
     if max_raw_bytes is not None and raw_bytes > max_raw_bytes:
         raise BlockFormatError(f"payload claims {raw_bytes} bytes, more than the {max_raw_bytes} recorded")
-    reader = _Reader(view, FILE_HEADER.size)
+    reader = Reader(view, FILE_HEADER.size)
     prefix = reader.section(8)
     (header_len,) = struct.unpack("<Q", prefix[:8]) if len(prefix) == 8 else (0,)
     if not 0 < header_len <= min(MAX_HEADER_BYTES, raw_bytes - 8):
@@ -461,9 +367,9 @@ def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, .
     return dest
 
 
-def _decode_tensor(reader: _Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
+def _decode_tensor(reader: Reader, codec: str, entry: tuple[str, str, tuple[int, ...]], place: Place | None,
                    digest: BlockDigest) -> Tensor:
-    """One tensor coded alone: every format-1 tensor, and formats 2 and 3 "zstd"."""
+    """One tensor coded alone: every format-1 tensor, and formats 2-4 "zstd"."""
     name, dtype, shape = entry
     holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
@@ -486,7 +392,8 @@ _UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: n
 
 
 def _unsigned(a: np.ndarray) -> np.ndarray:
-    return a.view(_UNSIGNED[a.dtype.itemsize])
+    unsigned = _UNSIGNED[a.dtype.itemsize]
+    return a if a.dtype == unsigned else a.view(unsigned)
 
 
 @dataclass(frozen=True)
@@ -516,19 +423,20 @@ def _plan(layout: Layout) -> tuple[_RunPlan, ...]:
     return plan
 
 
-def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None,
+def _decode_run(reader: Reader, codec: str, plan: _RunPlan, place: Place | None,
                 stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
-    """A format-2 or 3 run: its sections read (into `stage`'s buffers when it takes the run), digested,
+    """A format-2, 3 or 4 run: its sections read (into `stage`'s buffers when it takes the run), digested,
     then joined a group of tensors at a time straight into place."""
     run, starts = plan.entries, plan.starts
     dtype = run[0][1]
-    holder, rotate = DTYPES[dtype]
+    holder, rotate = DTYPES[dtype][0], _rotated(dtype, digest.version)
+    unsigned = _UNSIGNED[holder.itemsize]
     total = starts[-1]
     staged = stage(tuple(name for name, _, _ in run), dtype, total, codec != "raw") if stage is not None else None
     if codec == "raw":
-        sections = [_Pieces(reader, total * holder.itemsize, "plane0", digest)]
+        sections = [Pieces(reader, total * holder.itemsize, "plane0", digest)]
     else:
-        sections = [_Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
+        sections = [Pieces(reader, total, f"plane{k}", digest) for k in range(holder.itemsize)]
     if staged is not None:
         for section, plane in zip(sections, staged):
             if plane.size != section.expect:
@@ -537,6 +445,8 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
             for lo in range(0, plane.size, step):
                 section.take(min(step, plane.size - lo), plane[lo : lo + step])
             digest.section_digest(section.finish())
+        if rotate and codec != "raw":
+            unrotate(staged)
         return
     for first, stop, lo, hi, spans in plan.groups:
         dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
@@ -545,18 +455,20 @@ def _decode_run(reader: _Reader, codec: str, plan: _RunPlan, place: Place | None
             raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
             for (a, b), dest in zip(spans, dests):
                 np.copyto(dest, raw[a:b].reshape(dest.shape))
-        else:  # each plane's piece decompressed, digested and joined while it is in cache; small tensors
-            # joined together, the join's last pass writing each into its place
-            parts = None if len(dests) == 1 else [(a, b, _unsigned(d)) for (a, b), d in zip(spans, dests)]
-            join_into([section.take(hi - lo) for section in sections], rotate, _unsigned(target), parts)
-        tensors.update((name, Tensor(dtype, dest)) for (name, _, _), dest in zip(run[first:stop], dests))
+        else:  # each plane's piece digested and joined while it is in cache (decompressed with it, or
+            # whole at the first: Pieces); small tensors joined together, then each copied into its place
+            views = dests if holder == unsigned else [d.view(unsigned) for d in dests]
+            parts = None if len(dests) == 1 else [(a, b, v) for (a, b), v in zip(spans, views)]
+            join_into([section.take(hi - lo) for section in sections], rotate, target.view(unsigned), parts)
+        for (name, _, _), dest in zip(run[first:stop], dests):
+            tensors[name] = Tensor(dtype, dest)
     for section in sections:
         digest.section_digest(section.finish())
 
 
-def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
+def _decode_zstd_run(reader: Reader, run: list[tuple[str, str, tuple[int, ...]]], place: Place | None,
                      stage: Stage | None, digest: BlockDigest, tensors: dict[str, Tensor]) -> None:
-    """A "zstd" run (formats 2, 3): one section per tensor. When `stage` takes the run, its tensors' bytes are
+    """A "zstd" run (formats 2-4): one section per tensor. When `stage` takes the run, its tensors' bytes are
     decompressed one after the other into the staged buffer, a raw run's layout (on a GPU the device
     joins it: decoding each into the device's arrays from the CPU made a long wake many times slower,
     docs/decisions.md, Store: `codec = "auto"` is the default); else each tensor into place."""
@@ -573,7 +485,7 @@ def _decode_zstd_run(reader: _Reader, run: list[tuple[str, str, tuple[int, ...]]
         raise BlockFormatError(f"staging of {plane.size} bytes for a run of {sum(sizes) * holder.itemsize}")
     lo = 0
     for n in sizes:
-        section, nbytes = _Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
+        section, nbytes = Pieces(reader, n * holder.itemsize, "plane0", digest), n * holder.itemsize
         for off in range(0, nbytes, STAGE_PIECE_BYTES):
             k = min(STAGE_PIECE_BYTES, nbytes - off)
             section.take(k, plane[lo + off : lo + off + k])
@@ -587,9 +499,9 @@ def decode_into(
 ) -> tuple[dict[str, Tensor], dict[str, str], str]:
     """Decode block-file bytes, each tensor into `place(name, dtype, shape)` or a new array.
 
-    stage(names, dtype, values, planes): for a format-2 or 3 run, where to read
+    stage(names, dtype, values, planes): for a format-2, 3 or 4 run, where to read
     its sections as stored (`Stage`): a "planes-zstd" run's byte planes left
-    unjoined, a "raw" run's bytes as they are, a "zstd" run's tensors
+    unjoined (format 4's), a "raw" run's bytes as they are, a "zstd" run's tensors
     decompressed one after the other (the layout of a raw run) (the run's
     tensors are then not in the result), or None.
     Returns (tensors, metadata, digest hex); `tensors` holds every tensor not

@@ -1,10 +1,12 @@
 """The byte-plane filter of the "planes-zstd" codec, and the per-plane writers of format 2.
 
-16- and 32-bit floats are rotated left by one bit (sign to the bottom, so the
-exponent fills the top byte), then split into byte planes, high byte first.
-Integers are split without rotation. `split` and `join_into` are the two
-directions on the CPU; the daemon does the same on the GPU when the KV lives
-there (daemon/kv/devplanes.py), producing and consuming exactly these bytes.
+Values are split into byte planes, high byte first. Block format 4 (written now) splits them as
+they are; formats 1-3 rotated 16- and 32-bit floats left by one bit first (sign to the bottom, so
+the exponent filled the top byte), which compressed bf16 KV 0.7% better but cost numpy's join
+three more passes per value (docs/decisions.md, issue 50 point 7: "Block format 4"). `split` and
+`join_into` are the two directions on the CPU; the daemon does the same on the GPU when the KV
+lives there (daemon/kv/devplanes.py), producing and consuming format 4's planes; `unrotate` turns
+an older block's planes into them.
 
 A `PlaneSink` is one section of a format-2 run fed a chunk at a time: a large
 compressible plane is one streamed zstd frame in which each tensor's bytes end
@@ -24,7 +26,7 @@ import numpy as np
 import zstandard
 
 __all__ = ["CHUNK_BYTES", "JOIN_BYTES", "PLANES_PARAMS", "PlaneSink", "as_bytes", "compressor", "join_into", "scratch", "split",
-           "whole_section"]
+           "unrotate", "whole_section"]
 
 RAW_IF_RATIO_ABOVE = 0.97
 SAMPLE_BYTES = 16 << 10  # planes larger than 4x this are judged by a sample of their first chunk
@@ -128,17 +130,53 @@ def join_into(planes: list[np.ndarray], rotate: bool, dest: np.ndarray,
 
 def _last(op: Any, dest: np.ndarray, x: np.ndarray, y: np.ndarray | None,
           parts: list[tuple[int, int, np.ndarray]] | None) -> None:
-    """A join's last pass, `op(x, y) -> dest` (op None: `x -> dest`), whole or a part at a time."""
-    if parts is None:  # dest may be strided here: no flat views of it
-        np.copyto(dest, x) if op is None else op(x, y, out=dest, dtype=dest.dtype)
-        return
-    x = x.reshape(-1)
-    y = y.reshape(-1) if y is not None else None
-    for lo, hi, out in parts:
+    """A join's last pass, `op(x, y) -> dest` (op None: `x -> dest`), then each part copied to its place.
+
+    The op runs once over the whole (contiguous) group, then plain copies place the parts: an op that
+    widens bytes costs numpy a buffered cast set up per call, several times a copy's cost for a
+    tensor of a block (docs/benchmarks.md, "One core's verified read, again (h-vr2)")."""
+    if op is not None:
+        op(x, y, out=dest, dtype=dest.dtype)  # dest may be strided when there are no parts
+        x = dest
+    if parts is None:
         if op is None:
-            np.copyto(out, x[lo:hi].reshape(out.shape))
-        else:
-            op(x[lo:hi].reshape(out.shape), y[lo:hi].reshape(out.shape), out=out, dtype=out.dtype)
+            np.copyto(dest, x)
+        return
+    flat = x.reshape(-1)
+    for lo, hi, out in parts:
+        out[...] = flat[lo:hi].reshape(out.shape)
+
+
+def unrotate(planes: list[np.ndarray]) -> None:
+    """Byte planes (high first, contiguous uint8) of values rotated left one bit (formats 1-3), made in
+    place the planes of the values as they are (format 4's), a piece at a time.
+
+    Rotated right, each byte takes the bits above its lowest from itself and its top bit from the
+    lowest bit of the byte above it (the top byte: of the lowest byte). Eight bytes are worked on
+    at once as one uint64 (masks keep each byte's bits in it): numpy does not vectorize shifts of
+    bytes, and a byte at a time this cost more than a whole decode (docs/benchmarks.md, "One core's
+    verified read, again (h-vr2)")."""
+    n = planes[0].size
+    for lo in range(0, n, CHUNK_BYTES):
+        hi = min(n, lo + CHUNK_BYTES)
+        whole = lo + (hi - lo) // 8 * 8
+        _unrotate_piece([p[lo:whole].view(np.uint64) for p in planes], 0x7F7F7F7F7F7F7F7F, "words")
+        _unrotate_piece([p[whole:hi] for p in planes], 0x7F, "bytes")
+
+
+def _unrotate_piece(pieces: list[np.ndarray], low7: int, slot: str) -> None:
+    """unrotate's step on one piece of every plane, as unsigned words of whole bytes."""
+    kind = pieces[0].dtype.type
+    low7, top = kind(low7), kind(low7 ^ ((1 << (8 * pieces[0].itemsize)) - 1))  # each byte's 0x7F, 0x80
+    n = pieces[0].size
+    carry = scratch(pieces[0].dtype, (n,), slot + "_carry")
+    np.bitwise_and(np.left_shift(pieces[-1], kind(7), out=carry), top, out=carry)
+    spare = scratch(pieces[0].dtype, (n,), slot + "_spare")
+    for piece in pieces:
+        np.bitwise_and(np.left_shift(piece, kind(7), out=spare), top, out=spare)  # its lowest bits, for below
+        np.bitwise_and(np.right_shift(piece, kind(1), out=piece), low7, out=piece)
+        np.bitwise_or(piece, carry, out=piece)
+        carry, spare = spare, carry
 
 
 def as_bytes(x: Any) -> memoryview:
