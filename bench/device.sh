@@ -21,7 +21,8 @@
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
 #             mlx_lm.server; fleet-16: 16 agents, 3 turns; fleet-1k: 8 agents over a 1k prompt, 3 turns;
-#             fleet-q4: 8 agents over 10k, 3 turns, 4-bit weights (`mlx_lm convert -q` of the model);
+#             fleet-q4: 8 agents over 10k, 3 turns, openai, 4-bit weights (`mlx_lm convert -q` of the model, kept in
+#             /tmp: part `q4` makes it, a call of its own, so the fleet fits the next);
 #             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
 #   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
 #             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
@@ -159,7 +160,8 @@ run_part() {
     fleet-o)  model; fleet fleet-o --agents 8 --system-tokens 10240 --turns 3 --apis openai ;;
     fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
-    fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --variants q4 ;;
+    q4)       model; python3 -m mlx_lm convert --hf-path "$MODEL" --mlx-path "/tmp/$(basename "$MODEL")-q4" -q 2>&1 | tail -2 ;;
+    fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
               python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \

@@ -80,6 +80,9 @@ def options() -> argparse.Namespace:
     ap.add_argument("--tools", type=int, default=2, help="tool schemas (~485 tokens each on the tiny model)")
     ap.add_argument("--apis", default="openai,anthropic", help="kvwake's APIs to run: openai, anthropic")
     ap.add_argument("--variants", default="bf16", help="bf16 (the model as given), q4 (its 4-bit conversion): bf16,q4")
+    ap.add_argument("--q4-dir", default=None,
+                    help="where the q4 conversion is kept (MODEL-q4 there is taken as it is if present; default: this "
+                         "run's temporary folder)")
     ap.add_argument("--targets", default="auto", choices=("auto", "gpu", "here"),
                     help="the GPU machine's targets or the looser ones (auto: gpu when MLX runs on one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "fleet"))
@@ -101,7 +104,7 @@ def main() -> None:
                  reply_tokens=a.reply_tokens, tools=a.tools)
     configs, text = [], []
     for variant in a.variants.split(","):
-        model = given if variant == "bf16" else quantized(given, work)
+        model = given if variant == "bf16" else quantized(given, Path(a.q4_dir) if a.q4_dir else work)
         for agents in map(int, a.agents.split(",")):
             for system_tokens in map(int, a.system_tokens.split(",")):
                 fleet = replace(base, agents=agents, system_tokens=system_tokens)
