@@ -30,6 +30,8 @@
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
 #             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
 #             same on its plain-attention cousin (--plain), the target's reference
+#   cpuwake   issue 50, point 7 on a many-core host: `resume` at 4k tokens with MLX on the CPU (a 1B-shaped model):
+#             the wake against the host's cores x one core's verified read
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -172,6 +174,8 @@ run_part() {
                 python3 bench/fleet --model /tmp/$m --tools 8 --agents 8 --system-tokens 10240 --turns 3 \
                   --apis openai --no-baseline --out "$OUT/hybrid-$m" 2>&1 | tail -12
               done ;;
+    cpuwake)  [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
+              python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac

@@ -398,8 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="planes-zstd", help="block codec of the resume run's store")
     parser.add_argument("--synthetic", metavar="KV.npz", help="resume: tile this real KV (bench/capture_kv.py) "
                         "instead of prefilling; re-prefill is then not measured")
+    parser.add_argument("--device", choices=["default", "cpu"], default="default",
+                        help="cpu: MLX on the CPU where a GPU is (a many-core host's CPU wake against its cores)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = parser.parse_args(argv)
+    if args.device == "cpu":  # before any engine: the restore mode and the kernels follow the default device
+        import mlx.core as mx
+
+        mx.set_default_device(mx.cpu)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
