@@ -12,6 +12,12 @@ are dead (all padding, fed and sampled, never handed out). A call that leaves
 leaves a dead slot, which the next call whose history fits the batch's length
 takes (`place`: its KV copied in, right-aligned, no other row moved).
 
+Rows that join a running batch (and the dead rows that round it up to its slot size) are laid into one new
+buffer a plain KV layer (`joined`): mlx-lm's way merged them into a buffer of their own, appended that and
+then the dead rows to the batch (a copy of every row each), and the next step grew the buffer that had no
+room left (a copy again). Here each row's KV is copied once, beside room for the steps to come; the bytes
+up to the batch's length are the ones mlx-lm's way makes, so the step computes the same.
+
 Three kinds of cache layer batch (decode_calls.batch_mode): plain KV (`BatchKVCache`),
 sliding windows (`BatchRotatingKVCache`) and recurrent state (`ArraysCache`),
 alone or mixed in one model, and each kind takes a row into a dead slot: plain
@@ -21,19 +27,19 @@ of the batch's ring, wherever its rotation has got to.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, StopSequences, TokenBuffer
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache
 from mlx_lm.sample_utils import greedy_sampler
 
 from kvwake.daemon.kv import paged_batch
 from kvwake.daemon.model.generation import make_processors
 
-__all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "place", "retire", "rows_batch",
+__all__ = ["SLOTS", "UNLIMITED", "Row", "dead_rows", "extract_row", "fits", "joined", "place", "retire", "rows_batch",
            "schedule", "slot_size"]
 
 UNLIMITED = 1 << 62  # GenerationBatch's own max_tokens: TextOutput decides when a call ends
@@ -66,6 +72,76 @@ def rows_batch(model: Any, uids: list[int], rows: list[Row], in_pages: bool = Fa
     return _unstepped(model, uids, caches, tokens, [r.sampler for r in rows],
                       [make_processors(r.call.output.params) for r in rows],
                       mx.concatenate([_token(r) for r in rows]))
+
+
+def joined(model: Any, batch: GenerationBatch | None, uids: list[int], rows: list[Row], dead: list[int],
+           blanks: list) -> GenerationBatch:
+    """`batch` (None: none yet) with `rows` appended, then `dead` dead rows (their uids): the batch a merge and
+    `dead_rows` extending it make, each plain KV layer laid out once with room for the steps to come (module
+    docstring); other layers merged and extended as mlx-lm does. Not for a batch over pages."""
+    more = _unstepped(model, uids, [], [_history(r) for r in rows], [r.sampler for r in rows],
+                      [make_processors(r.call.output.params) for r in rows], mx.concatenate([_token(r) for r in rows]))
+    if dead:
+        more.extend(_unstepped(model, dead, [], [[] for _ in dead], [greedy_sampler] * len(dead),
+                               [() for _ in dead], mx.zeros((len(dead),), dtype=mx.uint32)))
+    old = batch.prompt_cache if batch is not None else [None] * len(blanks)
+    # every layer made before any of the batch's changes: a cache that cannot be merged fails these rows alone
+    made = [_layer(o, [r.cache[i] for r in rows], len(dead), blanks[i]) for i, o in enumerate(old)]
+    more.prompt_cache = [m() for m in made]
+    if batch is None:
+        return more
+    batch.prompt_cache = []  # mlx-lm's extend then takes the joined layers as they are
+    batch.extend(more)
+    return batch
+
+
+def _layer(old: Any, new: list, dead: int, blank: Any) -> Callable[[], Any]:
+    """One layer of a joined batch, `old` (the batch's, or None) with the rows' `new` layers and `dead` dead rows,
+    made; returned as what puts it together (a plain layer is a new one; another kind extends `old`)."""
+    if ((old is None or type(old) is BatchKVCache) and all(type(c) is KVCache for c in new)
+            and ((old is not None and old.keys is not None) or any(c.keys is not None and c.offset for c in new))):
+        layer = _laid_out(old, new, dead)
+        return lambda: layer
+    merged = type(new[0]).merge(new)
+    blanks = blank.merge([blank] * dead) if dead else None
+
+    def put_together() -> Any:
+        layer = merged
+        if old is not None:
+            old.extend(merged)
+            layer = old
+        if blanks is not None:
+            layer.extend(blanks)
+        return layer
+    return put_together
+
+
+def _laid_out(old: BatchKVCache | None, new: list[KVCache], dead: int) -> BatchKVCache:
+    """A plain layer's batch of `old`'s rows, `new`'s and `dead` dead ones, right-aligned to the longest, in one
+    buffer (zeros, each row's KV copied once) with a step's room past it, so the next step does not grow it."""
+    held = [old] if old is not None and old.keys is not None else []
+    pieces = [c for c in new if c.keys is not None and c.offset]
+    like = (held or pieces)[0].keys
+    top = max([old._idx if old is not None else 0, *(c.offset for c in new)])
+    b0 = old.offset.shape[0] if old is not None else 0
+    rows, (_, heads, _, dk), dv = b0 + len(new) + dead, like.shape, (held or pieces)[0].values.shape[3]
+    size = top + BatchKVCache.step
+    keys, values = mx.zeros((rows, heads, size, dk), like.dtype), mx.zeros((rows, heads, size, dv), like.dtype)
+    if held:  # the batch's rows as they are up to its length (their padding too), shifted to the new length
+        keys[:b0, :, top - old._idx : top, :] = old.keys[..., : old._idx, :]
+        values[:b0, :, top - old._idx : top, :] = old.values[..., : old._idx, :]
+    for j, c in enumerate(new):
+        if c.keys is not None and c.offset:
+            keys[b0 + j : b0 + j + 1, :, top - c.offset : top, :] = c.keys[..., : c.offset, :]
+            values[b0 + j : b0 + j + 1, :, top - c.offset : top, :] = c.values[..., : c.offset, :]
+    pads = [top - c.offset for c in new] + [top] * dead
+    layer = BatchKVCache([0] * rows)
+    layer.left_padding = mx.concatenate([*([old.left_padding + (top - old._idx)] if old is not None else []),
+                                         mx.array(pads)])
+    layer.offset = mx.concatenate([*([old.offset] if old is not None else []),
+                                   mx.array([c.offset for c in new] + [0] * dead)])
+    layer.keys, layer.values, layer._idx = keys, values, top
+    return layer
 
 
 def dead_rows(model: Any, uids: list[int], blanks: list, like: list | None = None) -> GenerationBatch:

@@ -6,7 +6,8 @@ forward pass per step, through mlx-lm's `GenerationBatch` over each layer's
 batched form (`BatchKVCache`, `BatchRotatingKVCache`, `ArraysCache`; shorter
 histories are left-padded and the padding masked).
 Calls join between steps, all those waiting at once: their sessions' plain
-caches are merged in one go and appended to the batch with the token each
+caches are laid out with the batch's rows in one go (batch_rows.joined: one
+new buffer a plain layer, room for the steps to come) with the token each
 feeds next, and the step's one forward pass feeds them beside the others (no
 pass of their own; the token a row's first pass feeds is its prompt's last,
 or one already handed out, so it is not output). A call leaves when it
@@ -75,8 +76,8 @@ from kvwake.daemon.kv.pages import PagePoolFullError
 from kvwake.daemon.model import attention, ragged_decode
 from kvwake.daemon.model.decode_calls import Call, Solo
 from kvwake.daemon.model.generation import GenerateResult, RowsSampler, make_processors, make_sampler
-from kvwake.daemon.model.batch_rows import (Row, dead_rows, extract_row, fits, place, retire, rows_batch, schedule,
-                                        slot_size)
+from kvwake.daemon.model.batch_rows import (Row, dead_rows, extract_row, fits, joined, place, retire, rows_batch,
+                                        schedule, slot_size)
 from kvwake.daemon.model.masks import Constraint, MaskedModel, Masks
 
 __all__ = ["Decoder", "run_alone"]
@@ -350,23 +351,30 @@ class Decoder:
             rows = [r for r in rows if all(r is not p for _, p in placed)]
         in_pages = paged_batch.in_pages(batch.prompt_cache) if batch is not None else \
             self.in_pages and all(paged_batch.takes(r.cache) is not None for r in rows)
+        uids = [next(self._uids) for _ in rows]
         try:
-            joined = rows_batch(self.model, [next(self._uids) for _ in rows], rows, in_pages) if rows else None
+            if rows and not in_pages:  # laid out with the dead rows that round the batch up, in one go
+                n = (len(batch.uids) if batch is not None else 0) + len(rows)
+                dead = [next(self._uids) for _ in range(slot_size(n, max(self.max_batch, n)) - n)]
+                self.batch = joined(self.model, batch, uids, rows, dead, self.blanks)
+                self.dead.update(dead)
+            elif rows:
+                paged = rows_batch(self.model, uids, rows, in_pages)
+                if batch is not None:
+                    batch.extend(paged)
+                else:
+                    self.batch = paged
         except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
             for row in rows:
                 row.call.fail(exc)
-            joined, rows = None, []
-        for uid, row in [*placed, *zip(joined.uids if joined else [], rows)]:
+            rows = []
+        for uid, row in [*placed, *zip(uids, rows)]:
             row.call.session.cache = None  # the batch holds the only copy until the call leaves
             if paged_cache.is_paged(row.cache):
                 self.paged[uid] = row.cache
             self.rows[uid] = row.call
             self.fed_only.add(uid)
-        self.counters["merges"] += joined is not None
-        if joined is not None and batch is not None:
-            batch.extend(joined)
-        elif joined is not None:
-            self.batch = joined
+        self.counters["merges"] += bool(rows)
         if self.batch is not None:
             self._fill_slots()
             schedule(self.batch)  # before the pass (MaskedModel waits on the tokens)
