@@ -162,7 +162,8 @@ run_part() {
     fleet-o)  model; fleet fleet-o --agents 8 --system-tokens 10240 --turns 3 --apis openai ;;
     fleet-16) model; fleet fleet-16 --agents 16 --system-tokens 10240 --turns 3 ;;
     fleet-1k) model; fleet fleet-1k --agents 8 --system-tokens 1024 --turns 3 ;;
-    q4)       model; python3 -m mlx_lm convert --hf-path "$MODEL" --mlx-path "/tmp/$(basename "$MODEL")-q4" -q 2>&1 | tail -2 ;;
+    q4)       model; q4="/tmp/$(basename "$MODEL")-q4"  # a conversion cut short (no config.json) is made again
+              [ -f "$q4/config.json" ] || { rm -rf "$q4"; python3 -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$q4" -q 2>&1 | tail -2; } ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1

@@ -49,6 +49,7 @@ def quantized(model: Path, work: Path) -> Path:
     """`mlx_lm convert -q` of `model` (4-bit weights), into `work`."""
     out = work / f"{model.name}-q4"
     if not (out / "config.json").exists():
+        shutil.rmtree(out, ignore_errors=True)  # a conversion cut short: mlx_lm convert refuses an existing folder
         subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(model), "--mlx-path", str(out),
                         "-q"], check=True, capture_output=True)
     return out

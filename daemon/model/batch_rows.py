@@ -75,45 +75,59 @@ def rows_batch(model: Any, uids: list[int], rows: list[Row], in_pages: bool = Fa
 
 
 def joined(model: Any, batch: GenerationBatch | None, uids: list[int], rows: list[Row], dead: list[int],
-           blanks: list) -> GenerationBatch:
-    """`batch` (None: none yet) with `rows` appended, then `dead` dead rows (their uids): the batch a merge and
-    `dead_rows` extending it make, each plain KV layer laid out once with room for the steps to come (module
-    docstring); other layers merged and extended as mlx-lm does. Not for a batch over pages."""
+           blanks: list) -> Callable[[], GenerationBatch]:
+    """`batch` (None: none yet) with `rows` appended, then `dead` dead rows (their uids), as a merge and
+    `dead_rows` extending it make it, each plain KV layer laid out once with room for the steps to come
+    (module docstring), other kinds merged and extended as mlx-lm does. In two phases: this call makes the
+    joining rows' layers and changes nothing of `batch` (what raises here concerns these rows alone); the
+    function it returns puts them together, changing `batch` (what raises there is the batch's, as mlx-lm's
+    extend is). Not for a batch over pages."""
+    assert batch is None or not paged_batch.in_pages(batch.prompt_cache), "a batch over pages merges no KV"
     more = _unstepped(model, uids, [], [_history(r) for r in rows], [r.sampler for r in rows],
                       [make_processors(r.call.output.params) for r in rows], mx.concatenate([_token(r) for r in rows]))
     if dead:
         more.extend(_unstepped(model, dead, [], [[] for _ in dead], [greedy_sampler] * len(dead),
                                [() for _ in dead], mx.zeros((len(dead),), dtype=mx.uint32)))
     old = batch.prompt_cache if batch is not None else [None] * len(blanks)
-    # every layer made before any of the batch's changes: a cache that cannot be merged fails these rows alone
-    made = [_layer(o, [r.cache[i] for r in rows], len(dead), blanks[i]) for i, o in enumerate(old)]
-    more.prompt_cache = [m() for m in made]
-    if batch is None:
-        return more
-    batch.prompt_cache = []  # mlx-lm's extend then takes the joined layers as they are
-    batch.extend(more)
-    return batch
+    made = [_made(o, [r.cache[i] for r in rows], len(dead), blanks[i]) for i, o in enumerate(old)]
 
-
-def _layer(old: Any, new: list, dead: int, blank: Any) -> Callable[[], Any]:
-    """One layer of a joined batch, `old` (the batch's, or None) with the rows' `new` layers and `dead` dead rows,
-    made; returned as what puts it together (a plain layer is a new one; another kind extends `old`)."""
-    if ((old is None or type(old) is BatchKVCache) and all(type(c) is KVCache for c in new)
-            and ((old is not None and old.keys is not None) or any(c.keys is not None and c.offset for c in new))):
-        layer = _laid_out(old, new, dead)
-        return lambda: layer
-    merged = type(new[0]).merge(new)
-    blanks = blank.merge([blank] * dead) if dead else None
-
-    def put_together() -> Any:
-        layer = merged
-        if old is not None:
-            old.extend(merged)
-            layer = old
-        if blanks is not None:
-            layer.extend(blanks)
-        return layer
+    def put_together() -> GenerationBatch:
+        more.prompt_cache = [_put(o, *part) for o, part in zip(old, made)]
+        if batch is None:
+            return more
+        batch.prompt_cache = []  # mlx-lm's extend then takes the joined layers as they are
+        batch.extend(more)
+        return batch
     return put_together
+
+
+def _lays_out(old: Any, new: list) -> bool:
+    """Whether a layer joins laid out (`_laid_out`): plain KV throughout, and some KV to lay out (an empty
+    one merges as mlx-lm merges it: padding only)."""
+    return ((old is None or type(old) is BatchKVCache) and all(type(c) is KVCache for c in new)
+            and ((old is not None and old.keys is not None) or any(c.keys is not None and c.offset for c in new)))
+
+
+def _made(old: Any, new: list, dead: int, blank: Any) -> tuple[Any, Any, Any]:
+    """One layer's joining part, `old` unchanged: (the whole layer laid out, None, None), or (None, the rows'
+    merge, the dead rows' merge or None) for `_put` to append to `old`."""
+    if _lays_out(old, new):
+        return _laid_out(old, new, dead), None, None
+    return None, type(new[0]).merge(new), blank.merge([blank] * dead) if dead else None
+
+
+def _put(old: Any, laid: Any, merged: Any, dead: Any) -> Any:
+    """A layer of the joined batch from `_made`'s part: the laid-out layer as it is; else `old` (when there
+    is one) extended by the rows' merge, then by the dead rows'."""
+    if laid is not None:
+        return laid
+    layer = merged
+    if old is not None:
+        old.extend(merged)
+        layer = old
+    if dead is not None:
+        layer.extend(dead)
+    return layer
 
 
 def _laid_out(old: BatchKVCache | None, new: list[KVCache], dead: int) -> BatchKVCache:
@@ -124,7 +138,9 @@ def _laid_out(old: BatchKVCache | None, new: list[KVCache], dead: int) -> BatchK
     like = (held or pieces)[0].keys
     top = max([old._idx if old is not None else 0, *(c.offset for c in new)])
     b0 = old.offset.shape[0] if old is not None else 0
-    rows, (_, heads, _, dk), dv = b0 + len(new) + dead, like.shape, (held or pieces)[0].values.shape[3]
+    rows = b0 + len(new) + dead
+    _, heads, _, dk = like.shape
+    dv = (held or pieces)[0].values.shape[3]
     size = top + BatchKVCache.step
     keys, values = mx.zeros((rows, heads, size, dk), like.dtype), mx.zeros((rows, heads, size, dv), like.dtype)
     if held:  # the batch's rows as they are up to its length (their padding too), shifted to the new length

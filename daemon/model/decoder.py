@@ -65,6 +65,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -353,21 +354,18 @@ class Decoder:
             self.in_pages and all(paged_batch.takes(r.cache) is not None for r in rows)
         uids = [next(self._uids) for _ in rows]
         try:
-            if rows and not in_pages:  # laid out with the dead rows that round the batch up, in one go
-                n = (len(batch.uids) if batch is not None else 0) + len(rows)
-                dead = [next(self._uids) for _ in range(slot_size(n, max(self.max_batch, n)) - n)]
-                self.batch = joined(self.model, batch, uids, rows, dead, self.blanks)
-                self.dead.update(dead)
-            elif rows:
-                paged = rows_batch(self.model, uids, rows, in_pages)
-                if batch is not None:
-                    batch.extend(paged)
-                else:
-                    self.batch = paged
+            put_together = self._joining(batch, uids, rows, in_pages) if rows else None
         except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
             for row in rows:
                 row.call.fail(exc)
-            rows = []
+            rows, put_together = [], None
+        if put_together is not None:
+            try:
+                self.batch = put_together()
+            except Exception as exc:  # the batch's own failure: the step's handler fails the calls in it
+                for row in rows:
+                    row.call.fail(exc)
+                raise
         for uid, row in [*placed, *zip(uids, rows)]:
             row.call.session.cache = None  # the batch holds the only copy until the call leaves
             if paged_cache.is_paged(row.cache):
@@ -378,6 +376,28 @@ class Decoder:
         if self.batch is not None:
             self._fill_slots()
             schedule(self.batch)  # before the pass (MaskedModel waits on the tokens)
+
+    def _joining(self, batch: GenerationBatch | None, uids: list[int], rows: list[Row],
+                 in_pages: bool) -> Callable[[], GenerationBatch]:
+        """The joining rows' part made (what raises concerns them alone), and what puts it into the batch: laid
+        out with the dead rows that round the batch up to its slot size (batch_rows.joined), or over pages."""
+        if not in_pages:
+            n = (len(batch.uids) if batch is not None else 0) + len(rows)
+            dead = [next(self._uids) for _ in range(slot_size(n, max(self.max_batch, n)) - n)]
+            put = joined(self.model, batch, uids, rows, dead, self.blanks)
+
+            def put_laid_out() -> GenerationBatch:
+                self.dead.update(dead)
+                return put()
+            return put_laid_out
+        paged = rows_batch(self.model, uids, rows, in_pages)
+        if batch is None:
+            return lambda: paged
+
+        def put_paged() -> GenerationBatch:
+            batch.extend(paged)
+            return batch
+        return put_paged
 
     def _fill_slots(self) -> None:
         """Dead rows up to the batch's slot size, so it has one of a few sizes."""

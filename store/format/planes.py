@@ -2,7 +2,7 @@
 
 Values are split into byte planes, high byte first. Block format 4 (written now) splits them as
 they are; formats 1-3 rotated 16- and 32-bit floats left by one bit first (sign to the bottom, so
-the exponent filled the top byte), which compressed bf16 KV 0.7% better but cost numpy's join
+the exponent filled the top byte), which compressed bf16 KV slightly better but cost numpy's join
 three more passes per value (docs/decisions.md, issue 50 point 7: "Block format 4"). `split` and
 `join_into` are the two directions on the CPU; the daemon does the same on the GPU when the KV
 lives there (daemon/kv/devplanes.py), producing and consuming format 4's planes; `unrotate` turns
