@@ -32,6 +32,8 @@
 #             same on its plain-attention cousin (--plain), the target's reference
 #   cpuwake   issue 50, point 7 on a many-core host: `resume` at 4k tokens with MLX on the CPU (a 1B-shaped model):
 #             the wake against the host's cores x one core's verified read
+#   hybrid-prefill  mlx-lm's own prefill of 10,709 tokens on the hybrid shape and on its cousin (no kvwake):
+#             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -177,6 +179,9 @@ run_part() {
               done ;;
     cpuwake)  [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
               python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;
+    hybrid-prefill) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
+              [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
+              python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
