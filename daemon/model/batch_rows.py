@@ -68,10 +68,7 @@ def rows_batch(model: Any, uids: list[int], rows: list[Row], in_pages: bool = Fa
         caches = paged_batch.merged([r.cache for r in rows])
     else:
         caches = [first.merge([r.cache[i] for r in rows]) for i, first in enumerate(rows[0].cache)]
-    tokens = [_history(r) for r in rows]
-    return _unstepped(model, uids, caches, tokens, [r.sampler for r in rows],
-                      [make_processors(r.call.output.params) for r in rows],
-                      mx.concatenate([_token(r) for r in rows]))
+    return _rows_unstepped(model, uids, rows, caches)
 
 
 def joined(model: Any, batch: GenerationBatch | None, uids: list[int], rows: list[Row], dead: list[int],
@@ -83,11 +80,9 @@ def joined(model: Any, batch: GenerationBatch | None, uids: list[int], rows: lis
     function it returns puts them together, changing `batch` (what raises there is the batch's, as mlx-lm's
     extend is). Not for a batch over pages."""
     assert batch is None or not paged_batch.in_pages(batch.prompt_cache), "a batch over pages merges no KV"
-    more = _unstepped(model, uids, [], [_history(r) for r in rows], [r.sampler for r in rows],
-                      [make_processors(r.call.output.params) for r in rows], mx.concatenate([_token(r) for r in rows]))
+    more = _rows_unstepped(model, uids, rows, [])  # the caches are put in below
     if dead:
-        more.extend(_unstepped(model, dead, [], [[] for _ in dead], [greedy_sampler] * len(dead),
-                               [() for _ in dead], mx.zeros((len(dead),), dtype=mx.uint32)))
+        more.extend(_dead_unstepped(model, dead, []))
     old = batch.prompt_cache if batch is not None else [None] * len(blanks)
     made = [_made(o, [r.cache[i] for r in rows], len(dead), blanks[i]) for i, o in enumerate(old)]
 
@@ -171,8 +166,7 @@ def dead_rows(model: Any, uids: list[int], blanks: list, like: list | None = Non
         caches = paged_batch.dead(like, n)
     else:
         caches = [blank.merge([blank] * n) for blank in blanks]
-    return _unstepped(model, uids, caches, [[] for _ in uids], [greedy_sampler] * n, [() for _ in uids],
-                      mx.zeros((n,), dtype=mx.uint32))
+    return _dead_unstepped(model, uids, caches)
 
 
 def place(batch: GenerationBatch, i: int, uid: int, row: Row) -> None:
@@ -313,6 +307,19 @@ def _token(row: Row) -> mx.array:
     if isinstance(row.token, mx.array):
         return row.token.astype(mx.uint32).reshape(1)
     return mx.array([row.token], dtype=mx.uint32)
+
+
+def _rows_unstepped(model: Any, uids: list[int], rows: list[Row], caches: list) -> GenerationBatch:
+    """`rows` as an unstepped batch over `caches`: each row's history, sampler, processors and next token."""
+    return _unstepped(model, uids, caches, [_history(r) for r in rows], [r.sampler for r in rows],
+                      [make_processors(r.call.output.params) for r in rows], mx.concatenate([_token(r) for r in rows]))
+
+
+def _dead_unstepped(model: Any, uids: list[int], caches: list) -> GenerationBatch:
+    """Dead rows as an unstepped batch over `caches`: no history, greedy, token 0 first."""
+    n = len(uids)
+    return _unstepped(model, uids, caches, [[] for _ in uids], [greedy_sampler] * n, [() for _ in uids],
+                      mx.zeros((n,), dtype=mx.uint32))
 
 
 def _unstepped(model: Any, uids: list[int], caches: list, tokens: list[list[int]], samplers: list,

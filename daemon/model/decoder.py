@@ -352,9 +352,9 @@ class Decoder:
             rows = [r for r in rows if all(r is not p for _, p in placed)]
         in_pages = paged_batch.in_pages(batch.prompt_cache) if batch is not None else \
             self.in_pages and all(paged_batch.takes(r.cache) is not None for r in rows)
-        uids = [next(self._uids) for _ in rows]
+        uids, dead = [next(self._uids) for _ in rows], []
         try:
-            put_together = self._joining(batch, uids, rows, in_pages) if rows else None
+            put_together, dead = self._joining(batch, uids, rows, in_pages) if rows else (None, [])
         except Exception as exc:  # a cache that cannot be merged: these calls fail, the batch goes on
             for row in rows:
                 row.call.fail(exc)
@@ -366,6 +366,7 @@ class Decoder:
                 for row in rows:
                     row.call.fail(exc)
                 raise
+            self.dead.update(dead)
         for uid, row in [*placed, *zip(uids, rows)]:
             row.call.session.cache = None  # the batch holds the only copy until the call leaves
             if paged_cache.is_paged(row.cache):
@@ -378,26 +379,22 @@ class Decoder:
             schedule(self.batch)  # before the pass (MaskedModel waits on the tokens)
 
     def _joining(self, batch: GenerationBatch | None, uids: list[int], rows: list[Row],
-                 in_pages: bool) -> Callable[[], GenerationBatch]:
-        """The joining rows' part made (what raises concerns them alone), and what puts it into the batch: laid
-        out with the dead rows that round the batch up to its slot size (batch_rows.joined), or over pages."""
+                 in_pages: bool) -> tuple[Callable[[], GenerationBatch], list[int]]:
+        """The joining rows' part made (what raises concerns them alone): what puts it into the batch, and the
+        dead rows' uids it adds. Laid out with the dead rows that round the batch up to its slot size
+        (batch_rows.joined), or over pages (dead rows then come from `_fill_slots`)."""
         if not in_pages:
             n = (len(batch.uids) if batch is not None else 0) + len(rows)
             dead = [next(self._uids) for _ in range(slot_size(n, max(self.max_batch, n)) - n)]
-            put = joined(self.model, batch, uids, rows, dead, self.blanks)
-
-            def put_laid_out() -> GenerationBatch:
-                self.dead.update(dead)
-                return put()
-            return put_laid_out
+            return joined(self.model, batch, uids, rows, dead, self.blanks), dead
         paged = rows_batch(self.model, uids, rows, in_pages)
         if batch is None:
-            return lambda: paged
+            return (lambda: paged), []
 
         def put_paged() -> GenerationBatch:
             batch.extend(paged)
             return batch
-        return put_paged
+        return put_paged, []
 
     def _fill_slots(self) -> None:
         """Dead rows up to the batch's slot size, so it has one of a few sizes."""
