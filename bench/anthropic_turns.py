@@ -26,16 +26,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
-import anthropic  # noqa: E402
-
 from bench.lib import agent_model, each_turn, start_http, system_prompt  # noqa: E402
 from kvwake.client import openai_config  # noqa: E402
 from testkit.daemon import Daemon  # noqa: E402
+
+if TYPE_CHECKING:
+    import anthropic
 
 
 def tools(n: int) -> list[dict[str, Any]]:
@@ -47,6 +48,10 @@ def tools(n: int) -> list[dict[str, Any]]:
 
 
 def api_of(d: Daemon) -> anthropic.Anthropic:
+    # imported here: the fleet imports this module's tools without the anthropic package where it runs the
+    # OpenAI API only (the GPU machine's anthropic 2.x needs httpx2, which it lacks)
+    import anthropic
+
     config = openai_config(d.socket)
     return anthropic.Anthropic(base_url=config["base_url"].removesuffix("/v1"), api_key=config["api_key"],
                                max_retries=0, timeout=3600)

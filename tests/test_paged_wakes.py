@@ -221,10 +221,12 @@ def test_a_paged_wake_restores_into_pages_without_a_buffer_of_the_sessions_size(
     monkeypatch.setattr(page_restore, "SPAN_BLOCKS", 4)  # direct: a ring of 3 x 4 blocks for 21 (staged: 2 x 2)
     pool = paged.pages.pool
     before, _ = asleep(paged, "s", SHARED + EIGHT["s1"])
-    warm, _ = paged.wake("s")  # what a first wake makes and keeps (a GPU's staging ring) is not a wake's to count
-    warm.cache = None
-    pool.drain()
-    pool.stored.clear()
+    for into_pages in (False, True):  # what a first wake of each path makes and keeps (a GPU's staging ring's
+        monkeypatch.setattr(page_restore, "ENABLED", into_pages)  # slots, of each path's shape) is not a wake's
+        warm, _ = paged.wake("s")  # to count
+        warm.cache = None
+        pool.drain()
+        pool.stored.clear()
     peaks = {}
     for into_pages in (False, True):
         monkeypatch.setattr(page_restore, "ENABLED", into_pages)
