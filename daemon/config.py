@@ -118,6 +118,10 @@ class Tuning:
     # a model with sliding-window or recurrent layers takes restore points while it prefills, so its
     # prefixes are reused (kv/points.py); False: such a model reuses only whole snapshots
     restore_points: bool = True
+    # a session keeps a device copy of its latest restore point's window and recurrent state (those layers'
+    # bytes once more): a resent history that parts from its tokens goes back there without reading the store;
+    # False: such a resend restores the point and its blocks from the store
+    held_points: bool = True
     # sliding-window layers' rows at a restore point stored by token in the blocks, the point over them a
     # marker (kv/window_rows.py); False: a point holds its rings whole
     window_blocks: bool = False

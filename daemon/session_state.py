@@ -104,6 +104,10 @@ class Session:
     # The first tokens whose KV is the stored blocks' bytes: a wake restored them and no trim has cut into them
     # since. Another wake may copy them instead of reading those blocks (a prefill's may differ in the last bits).
     restored: int = field(default=0, compare=False)
+    # (position, a device copy of each layer that no token cut rewinds, None for the others): the state at this
+    # session's latest restore point (kv/points.py `hold`). A resend that parts from its tokens after there goes
+    # back to it, the plain layers trimmed, instead of reading the point and its blocks from the store.
+    held_point: tuple[int, list] | None = field(default=None, repr=False, compare=False)
     # Engine-thread state, never recorded: a prefill chunk is queued on `cache` and computed a slice of layers
     # per job (model/scheduler/slices.py); until it ends, reading the cache would compute all of it at once.
     computing: bool = field(default=False, repr=False, compare=False)

@@ -16,7 +16,7 @@ import pytest
 
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import points
-from kvwake.daemon.kv.cache_blocks import StateMismatchError
+from kvwake.daemon.kv.cache_blocks import StateMismatchError, cache_nbytes
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.jobs import direct
@@ -406,3 +406,43 @@ def test_a_points_rings_cut_on_the_device_are_the_arrays_the_host_cut_gives(keep
     assert held.keys() == cut.keys()
     assert all(held[k].dtype == cut[k].dtype and np.array_equal(held[k].array, cut[k].array) for k in held)
     assert cut["layers.0.ring"].array.tolist() == [71, 32, keep, 32] and cut["layers.0.keys"].array.shape[2] == 32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_hot_session_resent_with_its_reply_written_otherwise_goes_back_to_its_held_point(open_engine, plain_engine,
+                                                                                           arch):
+    # A client resends the conversation each turn and its rendering of the reply parts from the generated tokens:
+    # the session, still hot, goes back to its latest point from its own device copy, and nothing is read.
+    engine = open_engine(arch)
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    held = s.held_point[0]
+    assert held > 0 and engine.cache_bytes(s) > cache_nbytes(s.cache)  # the copy counts as the session's
+    engine.generate(s, GREEDY)
+    messages = [*chat("List three tools."), {"role": "assistant", "content": "Hammer, saw, drill."},
+                {"role": "user", "content": "ok"}]
+    target = engine.plan(s, messages=messages, whole=True).target
+    assert held <= common_prefix(s.tokens, target) < s.processed
+    before = dict(engine.counters)
+    got = engine.append(s, messages=messages, whole=True)
+    assert (engine.points.counters["held_points_used"], engine.points.counters["held_point_tokens"]) == (1, held)
+    assert got["reused"] == held and got["prefilled"] == got["tokens"] - 1 - held
+    assert engine.counters["tokens_from_points"] == before["tokens_from_points"]  # no point restored from the store
+    assert_as_cold(engine, plain_engine(arch), s, arch)
+
+
+def test_a_held_point_is_not_gone_back_to_when_the_tokens_part_before_it_and_is_freed_with_the_cache(
+        open_engine, plain_engine):
+    engine = open_engine("gemma3_text")
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    first = s.held_point[0]
+    engine.generate(s, GREEDY)
+    messages = chat("Something else entirely, " + "please " * 20)
+    assert common_prefix(s.tokens, engine.plan(s, messages=messages, whole=True).target) < first
+    engine.append(s, messages=messages, whole=True)
+    assert engine.points.counters["held_points_used"] == 0  # the point's tokens are not the new ones'
+    assert_as_cold(engine, plain_engine("gemma3_text"), s, "gemma3_text")
+    assert s.held_point is not None
+    engine.release(s)
+    assert s.cache is None and s.held_point is None and engine.cache_bytes(s) == 0

@@ -339,6 +339,9 @@ def release(session: Session, mlx: Mlx) -> None:
 
 def _take_cache(session: Session) -> list:
     layers, session.cache = list(session.cache or []), None
+    if session.held_point is not None:  # its copies freed with the layers
+        layers += [c for c in session.held_point[1] if c is not None]
+        session.held_point = None
     return layers
 
 

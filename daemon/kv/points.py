@@ -26,6 +26,7 @@ counted, and the prefill goes on.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -34,15 +35,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvwake.daemon.kv import cache_blocks, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
 from kvwake.daemon.kv.context import KvContext, Mlx, direct
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "check_fits", "compact_rings", "last_marks", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "held_bytes", "hold", "last_marks",
+           "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -88,11 +92,11 @@ class PointTaker:
     """
 
     def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset(),
-                 window_blocks: bool = False) -> None:
+                 window_blocks: bool = False, held: bool = True) -> None:
         """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`);
         `window_blocks`: sliding-window rings' rows stored in the blocks, a point over them a marker
-        (kv/window_rows.py)."""
-        self.ctx, self.marks = ctx, marks
+        (kv/window_rows.py); `held`: each session keeps its latest point on the device too (`hold`)."""
+        self.ctx, self.marks, self.held = ctx, marks, held
         self.window_names = window_rows.window_names(probe) if window_blocks else frozenset()
         self.enabled = enabled and not ctx.cuttable and any(
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
@@ -101,7 +105,7 @@ class PointTaker:
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
         self._marks: OrderedDict[str, tuple[list[int], int, list[int]]] = OrderedDict()
         self.counters = {"points_taken": 0, "points_written": 0, "point_blocks_written": 0, "point_failures": 0,
-                         "points_marked": 0, "points_joined": 0}
+                         "points_marked": 0, "points_joined": 0, "held_points_used": 0, "held_point_tokens": 0}
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
@@ -129,6 +133,8 @@ class PointTaker:
         if not self.enabled or session.cache is None or \
                 position not in self._stops(session, position, upto)[:1]:
             return None
+        if self.held:
+            mlx(lambda: hold(session, position))
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
         keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
@@ -239,6 +245,21 @@ class PointTaker:
         with self._lock:
             self.counters[name] += n
 
+    def stored_after(self, tokens: list[int], after: int, upto: int) -> bool:
+        """Whether the store holds a point of `tokens` closing a block past `after` and at most `upto` (a reply's
+        point, model/reply_points.py: deeper than a session's held point, so a resend parting after it is
+        served from the store, as before held points)."""
+        b = self.ctx.block_tokens
+        if upto // b <= after // b:
+            return False
+        keys = chain_keys(self.ctx.bundle.hash, tokens[: upto // b * b], b)[after // b :]
+        return bool(self.ctx.store.point_refs(keys, self.ctx.bundle.hash))
+
+    def count_held(self, tokens: int) -> None:
+        """A session went back to its held point of `tokens` (Appending._adopt)."""
+        self._count("held_points_used")
+        self._count("held_point_tokens", tokens)
+
     def flush(self) -> None:
         """Wait for the points handed to the driver so far."""
         if self._driver is not None:
@@ -251,6 +272,60 @@ class PointTaker:
     def close(self) -> None:
         if self._driver is not None:
             self._driver.shutdown(wait=True)
+
+
+# Layers whose trim rewinds them to any token (a ring trims only until it wraps: it is copied, as recurrent
+# layers are)
+ALWAYS_TRIMMED = (KVCache, QuantizedKVCache, PagedKVCache)
+
+
+def hold(session: Session, position: int) -> None:
+    """Engine thread, the session's cache at `position` (a restore point, just taken): keep a device copy of each
+    layer no token cut rewinds (sliding-window rings, recurrent states; None for the others) as the session's
+    `held_point`, replacing the one before. The copies are evaluated here, so the cache's next update finds
+    its buffers referenced by it alone (updated in place, not copied)."""
+    arrays: list[mx.array] = []
+    layers = [None if type(c) in ALWAYS_TRIMMED else _copied(c, arrays) for c in session.cache]
+    mx.eval(arrays)
+    session.held_point = (position, layers)
+
+
+def back_to_held(session: Session) -> int:
+    """Engine thread: the session's cache set back to its `held_point` (taken: the copies become the cache's
+    layers, the others trimmed to its position); returns that position."""
+    position, layers = session.held_point
+    session.held_point = None
+    for i, layer in enumerate(layers):
+        if layer is None:
+            session.cache[i].trim(session.processed - position)
+        else:
+            session.cache[i] = layer
+    session.processed = position
+    return position
+
+
+def held_bytes(session: Session) -> int:
+    """Bytes of the session's held point (0 when it holds none)."""
+    if session.held_point is None:
+        return 0
+    return cache_blocks.cache_nbytes([c for c in session.held_point[1] if c is not None])
+
+
+def _copied(value, arrays: list[mx.array]):
+    """A copy of a cache layer (or of one of its attributes) whose arrays are new buffers (`* 1`: every bit kept),
+    each added to `arrays`; mlx-lm's cache objects (a CacheList's layers too) copied attribute by attribute."""
+    if isinstance(value, mx.array):
+        made = (value * 1).astype(value.dtype)
+        arrays.append(made)
+        return made
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v, arrays) for v in value)
+    if hasattr(value, "is_trimmable"):  # a cache layer
+        made = copy.copy(value)
+        for name, v in vars(value).items():
+            setattr(made, name, _copied(v, arrays))
+        return made
+    return value
 
 
 def compact_rings(point: dict[str, Tensor]) -> dict[str, Tensor]:

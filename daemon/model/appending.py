@@ -17,7 +17,7 @@ from typing import Any
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from kvwake.daemon.jobs import Mlx, Packed, direct, outcome
-from kvwake.daemon.kv import prefixhit
+from kvwake.daemon.kv import points, prefixhit
 from kvwake.daemon.model.decode_calls import Call
 from kvwake.daemon.model.decoder import run_alone
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent, TextOutput
@@ -76,7 +76,18 @@ class Appending:
         """Whether appending `target` starts the session on a fresh cache that a stored or shared prefix
         could fill: the model's caches can be cut by token (or it takes restore points: kv/points.py), and
         the session's own cache cannot be kept."""
-        return (self.cuttable or self.points.enabled) and len(target) >= 2 and self.needs_fresh_cache(session, target)
+        return (self.cuttable or self.points.enabled) and len(target) >= 2 and self.needs_fresh_cache(session, target) \
+            and not self._goes_back_to_held(session, target)
+
+    def _goes_back_to_held(self, session: Session, target: list[int], keep: int | None = None) -> bool:
+        """Whether appending `target` takes the session back to its held point (kv/points.py `hold`): it holds
+        one, at or before what its cache keeps for `target` (`keep`: `_keep` when the caller has it), and the
+        store holds no deeper point before there (a reply's)."""
+        held = session.held_point
+        if held is None or session.cache is None:
+            return False
+        keep = self._keep(session, target) if keep is None else keep
+        return 0 < held[0] <= keep and not self.points.stored_after(target, held[0], keep)
 
     def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
         """A cache restored from the longest run of stored blocks that starts `target` (kv/prefixhit.py):
@@ -136,13 +147,20 @@ class Appending:
     def _adopt(self, session: Session, plan: Plan, prefix: tuple[list | None, int]) -> int:
         """Cut the session's cache back to what plan.target keeps (or take `prefix`); returns tokens reused."""
         target, keep = plan.target, self._keep(session, plan.target)
+        if session.held_point is not None and session.held_point[0] > keep:  # tokens it was taken over part
+            session.held_point = None
+        reused = 0
         if self.needs_fresh_cache(session, target, keep):
-            session.cache, session.processed = None, 0  # recurrent or wrapped ring state cannot be rewound
+            if prefix[0] is None and self._goes_back_to_held(session, target, keep):  # its copies: nothing read
+                reused = points.back_to_held(session)  # reused from a point, as a stored one's tokens are
+                self.points.count_held(reused)
+                self.counters.add("tokens_reused", reused)
+            else:
+                session.cache, session.processed, session.held_point = None, 0, None  # cannot be rewound
         elif keep < session.processed:
             trim_prompt_cache(session.cache, session.processed - keep)
             session.processed = keep
-        session.restored = min(session.restored, keep) if session.cache is not None else 0
-        reused = 0
+        session.restored = min(session.restored, keep, session.processed) if session.cache is not None else 0
         if session.cache is None:
             cache, reused = prefix
             session.cache = cache if cache is not None else self.make_cache()

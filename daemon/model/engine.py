@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvwake.daemon.kv import capacity as kvcapacity
-from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, restore_buffers, window_stage
+from kvwake.daemon.kv import cache_blocks, devplanes, paged_cache, pipeline, points, restore_buffers, window_stage
 from kvwake.daemon.kv.bundle import DIGEST_CACHE_NAME, Bundle, describe_bundle, start_digests
 from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Mlx, direct
@@ -196,7 +196,8 @@ class Engine(Appending):
         self.persister = Persister(self.kv, persist)  # full blocks written as they fill (kv/persist.py)
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
-        self.points = PointTaker(self.kv, probe, tuning.restore_points, marks, tuning.window_blocks)
+        self.points = PointTaker(self.kv, probe, tuning.restore_points, marks, tuning.window_blocks,
+                                 tuning.held_points)
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
@@ -299,13 +300,16 @@ class Engine(Appending):
     def cache_bytes(self, session: Session) -> int:
         """Bytes of the session's KV in memory (0 while it has none); a paged layer counts its share of the
         pages it lists (a page listed by n sessions: 1/n)."""
-        return cache_blocks.cache_nbytes(session.cache) if session.cache is not None else 0
-
-    def unpaged_bytes(self, session: Session) -> int:
-        """Bytes of the session's KV held outside the page pool (its layers that are not paged)."""
         if session.cache is None:
             return 0
-        return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)])
+        return cache_blocks.cache_nbytes(session.cache) + points.held_bytes(session)
+
+    def unpaged_bytes(self, session: Session) -> int:
+        """Bytes of the session's KV held outside the page pool (its layers that are not paged, its held point)."""
+        if session.cache is None:
+            return 0
+        return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)]) \
+            + points.held_bytes(session)
 
     def sleep_frees(self, session: Session) -> tuple[int, int]:
         """(Bytes a sleep of the session frees: its unpaged layers' and the pages no other session lists; bytes
