@@ -108,6 +108,9 @@ class Session:
     # session's latest restore point (kv/points.py `hold`). A resend that parts from its tokens after there goes
     # back to it, the plain layers trimmed, instead of reading the point and its blocks from the store.
     held_point: tuple[int, list] | None = field(default=None, repr=False, compare=False)
+    # While it leads a shared prefill (sessions/conversations.py `_point_flight`): every point it holds as it
+    # prefills, the latest TRAIL_KEPT, for the appends waiting on it to copy on the device; None otherwise.
+    point_trail: list[tuple[int, list]] | None = field(default=None, repr=False, compare=False)
     # Engine-thread state, never recorded: a prefill chunk is queued on `cache` and computed a slice of layers
     # per job (model/scheduler/slices.py); until it ends, reading the cache would compute all of it at once.
     computing: bool = field(default=False, repr=False, compare=False)

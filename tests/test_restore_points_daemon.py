@@ -9,6 +9,7 @@ import contextlib
 import re
 import time
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
@@ -182,3 +183,44 @@ async def test_status_counts_in_the_store_every_point_it_says_written(tmp_path):
         settled = (await reports.status(manager))["restore_points"]
         assert settled["points_written"] == settled["points_taken"] >= 1
         assert (await reports.status(manager))["store"]["points"] == settled["points_written"]
+
+
+async def test_a_shared_prefills_waiter_copies_the_leaders_held_point_without_waiting_for_its_writes(tmp_path):
+    """Was: on a model cut by restore points a waiter waited for the leader's points to be written (encoded,
+    fsync'd) and then restored them and their blocks from the store. Now it copies the leader's state at its
+    deepest point within their shared tokens on the device: done while the writes are still held back, and
+    the same state the store's point gives."""
+    import asyncio
+
+    with stalled_writes(tmp_path) as (manager, engine, gate, written):
+        await manager.create("leader")
+        await manager.create("waiter")
+        system = {"role": "system", "content": "".join(f"Tool {i}: looks up record {i}. " for i in range(24))}
+        first, second = ([system, {"role": "user", "content": f"Agent {i}: start task {i}."}] for i in (1, 2))
+        leader = asyncio.create_task(manager.append("leader", messages=first))
+        await asyncio.sleep(0)  # the leader's flight first
+        got = await manager.append("waiter", messages=second)
+        await leader
+        assert not written.is_set()  # nothing written yet: the waiter did not wait for it
+        assert got["reused"] >= 160 and got["reused"] % 16 == 0, got
+        assert engine.counters["tokens_from_points"] == 0  # nothing restored from the store
+        waiter = manager.entry("waiter").session
+        gate.set()
+        engine.points.flush()
+        from kvwake.daemon.config import Tuning
+        from kvwake.daemon.model.engine import Engine
+        from kvwake.daemon.session_state import Session
+        from kvwake.store import Store
+
+        # the waiter continues as a cold prefill of its tokens does (no points: one pass through every boundary)
+        plain_store = Store(tmp_path / "plain", block_tokens=16)
+        plain = Engine(plain_store, tmp_path, tmp_path / "gemma", tuning=Tuning(restore_points=False))
+        try:
+            cold = Session("cold")
+            plain.append(cold, tokens=list(waiter.tokens))
+            ours, theirs = (e.model(mx.array(s.pending, dtype=mx.uint32)[None], cache=s.cache)[0, -1]
+                            for e, s in ((engine, waiter), (plain, cold)))
+            assert mx.array_equal(ours, theirs).item()
+        finally:
+            plain.close()
+            plain_store.close()

@@ -342,6 +342,10 @@ def _take_cache(session: Session) -> list:
     if session.held_point is not None:  # its copies freed with the layers
         layers += [c for c in session.held_point[1] if c is not None]
         session.held_point = None
+    for _, held in session.point_trail or ():
+        layers += [c for c in held if c is not None and all(c is not k for k in layers)]
+    if session.point_trail is not None:
+        session.point_trail = []
     return layers
 
 

@@ -45,8 +45,8 @@ from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "held_bytes", "hold", "last_marks",
-           "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "held_bytes", "held_copy", "hold",
+           "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -274,6 +274,7 @@ class PointTaker:
             self._driver.shutdown(wait=True)
 
 
+TRAIL_KEPT = 8  # points a shared prefill's leader holds for its waiters (a 10k-token prompt takes 3 or 4)
 # Layers whose trim rewinds them to any token (a ring trims only until it wraps: it is copied, as recurrent
 # layers are)
 ALWAYS_TRIMMED = (KVCache, QuantizedKVCache, PagedKVCache)
@@ -288,6 +289,24 @@ def hold(session: Session, position: int) -> None:
     layers = [None if type(c) in ALWAYS_TRIMMED else _copied(c, arrays) for c in session.cache]
     mx.eval(arrays)
     session.held_point = (position, layers)
+    if session.point_trail is not None:  # it leads a shared prefill: its waiters copy from these
+        session.point_trail.append((position, layers))
+        del session.point_trail[:-TRAIL_KEPT]
+
+
+def held_copy(session: Session, n_tokens: int) -> tuple[list | None, int]:
+    """Engine thread: (a new cache holding the session's state at the deepest point of its trail within its first
+    `n_tokens`: the plain layers' tokens and the held layers copied, evaluated; that point's tokens), or
+    (None, 0) when its trail holds none there. The session keeps its own."""
+    trail = [p for p in session.point_trail or () if p[0] <= min(n_tokens, session.processed)]
+    if session.cache is None or not trail:
+        return None, 0
+    position, layers = max(trail, key=lambda p: p[0])
+    arrays: list[mx.array] = []
+    cache = [cache_blocks.copy_prefix([c], position)[0] if layer is None else _copied(layer, arrays)
+             for c, layer in zip(session.cache, layers, strict=True)]
+    mx.eval(arrays)
+    return cache, position
 
 
 def back_to_held(session: Session) -> int:
@@ -295,6 +314,8 @@ def back_to_held(session: Session) -> int:
     layers, the others trimmed to its position); returns that position."""
     position, layers = session.held_point
     session.held_point = None
+    if session.point_trail:  # its copies become the cache's: no waiter may copy them from here on
+        session.point_trail = [p for p in session.point_trail if p[1] is not layers]
     for i, layer in enumerate(layers):
         if layer is None:
             session.cache[i].trim(session.processed - position)
@@ -305,10 +326,10 @@ def back_to_held(session: Session) -> int:
 
 
 def held_bytes(session: Session) -> int:
-    """Bytes of the session's held point (0 when it holds none)."""
-    if session.held_point is None:
-        return 0
-    return cache_blocks.cache_nbytes([c for c in session.held_point[1] if c is not None])
+    """Bytes of the session's held point and of its trail's others (0 when it holds none)."""
+    held = [session.held_point] if session.held_point is not None else []
+    kept = {id(layers): layers for _, layers in [*held, *(session.point_trail or ())]}
+    return sum(cache_blocks.cache_nbytes([c for c in layers if c is not None]) for layers in kept.values())
 
 
 def _copied(value, arrays: list[mx.array]):

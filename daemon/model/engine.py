@@ -331,6 +331,11 @@ class Engine(Appending):
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
         return cache_blocks.copy_prefix(session.cache, n_tokens)
 
+    def copy_point_prefix(self, session: Session, n_tokens: int) -> tuple[list | None, int]:
+        """(A new cache holding the session's state at its deepest held point within n_tokens, that point's
+        tokens), or (None, 0): what a shared prefill's waiter takes on a model cut by restore points (MLX work)."""
+        return points.held_copy(session, n_tokens)
+
     # -- input ----------------------------------------------------------------
 
     def render(self, **inputs: Any) -> Plan:

@@ -127,10 +127,13 @@ class Conversations:
         if not self.engine.wants_prefix(session, target):
             yield NO_PREFIX, None
             return
-        if not self.engine.cuttable:  # restore points: a stored prefix only (a hot cache cannot be cut to share)
-            async with self._point_flight(session, target, arrival) as (flight, waited):
-                await self._prefetch(session, target)  # the remote's blocks and points first
-                prefix = await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call))
+        if not self.engine.cuttable:  # restore points: the leader's held ones, else a stored prefix
+            async with self._point_flight(session, target, arrival) as (flight, waited, handed):
+                if handed[0] is not None:
+                    prefix = handed
+                else:
+                    await self._prefetch(session, target)  # the remote's blocks and points first
+                    prefix = await to_thread.run_sync(lambda: self.engine.stored_prefix(target, self.thread.call))
                 if waited and prefix[1]:
                     self.counters["prefix_waits"] += 1
                 yield prefix, flight
@@ -154,27 +157,36 @@ class Conversations:
 
     @contextlib.asynccontextmanager
     async def _point_flight(self, session: Session, target: list[int],
-                            arrival: Arrival | None) -> AsyncIterator[tuple[Flight | None, bool]]:
-        """(The flight this append leads or None, whether it waited for one), for an append whose model cuts
-        by restore points (a hot cache cannot be cut to share). One that shares enough of a prompt another
-        append is prefilling now waits for that prefill to end, then for the points it handed to the writer
-        (the leader takes one where its system prompt ends: points.stops), then restores from the store as
-        any append does; else it leads, and its waiters go on when it ends, however it ends. The leader never
-        waits for its points' writes: its waiters do."""
+                            arrival: Arrival | None) -> AsyncIterator[tuple[Flight | None, bool, Prefix]]:
+        """(The flight this append leads or None, whether it waited for one, the prefix its leader handed it or
+        NO_PREFIX), for an append whose model cuts by restore points (a hot cache cannot be cut to share). One
+        that shares enough of a prompt another append is prefilling now waits for that prefill to end and takes
+        a copy of the leader's state at its deepest point within the shared tokens (the leader holds the
+        points it takes while it leads: points.hold; one where its system prompt ends, points.stops), on the
+        device; failing that (the leader failed, or held none there), it waits for the points the leader handed
+        to the writer and restores from the store as any append does. Else it leads, and its waiters go on
+        when it ends, however it ends. The leader never waits for its points' writes."""
         waiting = self.shared.wait_for(target[: len(target) - 1], align=self.engine.block_tokens)
         if waiting is not None:
             with arrival.aside() if arrival is not None else contextlib.nullcontext():
-                await waiting
-                with contextlib.suppress(RuntimeError):  # the writer stopped (the engine closing): the store as is
-                    await to_thread.run_sync(self.engine.points.flush)
-            yield None, True
+                handed = await waiting
+                if handed[0] is None:
+                    with contextlib.suppress(RuntimeError):  # the writer stopped (the engine closing): the store
+                        await to_thread.run_sync(self.engine.points.flush)
+            yield None, True, handed
             return
         flight = self.shared.lead(session, target[: len(target) - 1])
+        engine = self.engine
+        session.point_trail = [] if engine.points.held else None
         try:
-            yield flight, False
+            yield flight, False, NO_PREFIX
         finally:
             with anyio.CancelScope(shield=True):
-                await self.shared.land(flight, lambda counts: _nothing(len(counts)))
+                try:
+                    await self.shared.land(flight, lambda counts: self.thread.run(
+                        lambda: [engine.copy_point_prefix(session, n) for n in counts]))
+                finally:
+                    session.point_trail = None
 
     @contextlib.asynccontextmanager
     async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:
@@ -211,7 +223,7 @@ class Conversations:
         session, engine = flight.session, self.engine
         with anyio.CancelScope(shield=True):
             await self.shared.land(flight, lambda counts: self.thread.run(
-                lambda: [engine.copy_prefix(session, n) for n in counts]))
+                lambda: [(engine.copy_prefix(session, n), n) for n in counts]))
 
     async def _prefix(self, session: Session, target: list[int]) -> Prefix:
         """What a fresh cache for `target` starts from instead of prefilling (the caller asked
@@ -409,6 +421,3 @@ def _settle(ended: asyncio.Future, done: Any) -> None:
         ended.set_result(done.result())
 
 
-async def _nothing(n: int) -> list[None]:
-    """No copies for a flight's waiters (`_point_flight`: they restore from the store)."""
-    return [None] * n

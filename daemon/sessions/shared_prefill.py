@@ -115,9 +115,11 @@ class SharedPrefills:
         self._flights.append(flight)
         return flight
 
-    async def land(self, flight: Flight, copy: Callable[[list[int]], Awaitable[list[Any]]]) -> None:
+    async def land(self, flight: Flight, copy: Callable[[list[int]], Awaitable[list[Prefix]]]) -> None:
         """The flight's prefill ended (or failed): every waiter gets a copy of the tokens it wants that the
-        leader's cache holds (`copy(counts)`: one engine job for all), or NO_PREFIX; the flight is gone."""
+        leader's cache holds (`copy(counts)`: one engine job for all, a (cache, tokens) each: as many tokens as
+        counted, or fewer where the leader can give no more, as at a restore point), or NO_PREFIX; the flight
+        is gone."""
         self._flights.remove(flight)
         session, waiting = flight.session, [(n, f) for n, f in flight.waiters if not f.done()]
         counts = [min(n, session.processed) if session.cache is not None else 0 for n, _ in waiting]
@@ -127,7 +129,7 @@ class SharedPrefills:
         except BaseException:
             _settle(waiting, {})
             raise
-        _settle(waiting, {id(f): (cache, n) for (n, f), cache in zip(usable, caches)})
+        _settle(waiting, {id(f): prefix for (_, f), prefix in zip(usable, caches)})
 
 
 def _settle(waiting: list[tuple[int, asyncio.Future[Prefix]]], given: dict[int, Prefix]) -> None:
