@@ -224,3 +224,25 @@ async def test_a_shared_prefills_waiter_copies_the_leaders_held_point_without_wa
         finally:
             plain.close()
             plain_store.close()
+
+
+def test_a_sleeping_conversation_resent_with_its_reply_written_otherwise_wakes_to_its_point_only(daemon):
+    """Was: the wake restored the whole snapshot, and the resend, parting inside the last reply, then restored
+    the point before the parting from the store again (two restores a turn after a restart, a hybrid's). Now
+    the wake restores that point only."""
+    api = openai_client(daemon)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three tools, slowly."}]
+    first = api.chat.completions.create(model="any", max_tokens=24, temperature=0, messages=messages)
+    written(daemon)
+    with daemon.client() as rpc:
+        sid = rpc.call("status")["turns"][-1]["session"]
+        rpc.call("session.sleep", session_id=sid)
+    reply = first.choices[0].message.content
+    resent = [*messages, {"role": "assistant", "content": reply[:-3] + " etc."}, {"role": "user", "content": "ok"}]
+    second = api.chat.completions.create(model="any", max_tokens=2, temperature=0, messages=resent)
+    with daemon.client() as rpc:
+        turn = rpc.call("status")["turns"][-1]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert turn["session"] == sid and "wake_tokens" in turn, turn  # it continued the conversation, woken
+    snapshot = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # what a whole wake restores
+    assert 0 < turn["wake_tokens"] == cached < snapshot and cached % 16 == 0, (turn, cached, snapshot)

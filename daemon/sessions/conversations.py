@@ -332,7 +332,8 @@ class Conversations:
                 on_claim()
             woke, entry.woke = entry.session is None, None
             with arrival.wake() if woke and arrival is not None else contextlib.nullcontext():
-                session = await self.awake(entry)  # woken: its pack waits for turns waking with it (scheduler)
+                session = await self.awake(  # woken: its pack waits for turns waking with it (scheduler)
+                    entry, inputs.plan.target if isinstance(inputs, Prepared) else None)
             stop = lambda: cancelled() or self.stopping  # noqa: E731
             started = time.perf_counter()
             appended, call = await self._append(session, inputs, stop, entry, arrival,
@@ -354,8 +355,8 @@ class Conversations:
                                **(phases or {}), "claim_ms": round((started - called) * 1000, 2),
                                "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
                                "prefilled": appended["prefilled"],
-                               **({"wake_ms": entry.woke["ms"], "wake_phases_ms": entry.woke["phases_ms"]}
-                                  if woke and entry.woke else {})})
+                               **({"wake_ms": entry.woke["ms"], "wake_phases_ms": entry.woke["phases_ms"],
+                                   "wake_tokens": entry.woke["tokens"]} if woke and entry.woke else {})})
             return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
                     "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,

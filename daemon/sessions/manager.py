@@ -48,7 +48,7 @@ from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.timing import Latency, Phases
-from kvwake.daemon.session_state import Session, check_json, check_session_id
+from kvwake.daemon.session_state import Session, check_json, check_session_id, common_prefix
 from kvwake.daemon.sessions.conversations import Conversations, Prepared
 from kvwake.daemon.sessions.entries import Entries, Entry
 from kvwake.daemon.sessions.models import CURRENT, ModelKeeping, Starter
@@ -164,10 +164,11 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
                 finally:
                     entry.busy, entry.last_used = None, time.monotonic()
 
-    async def awake(self, entry: Entry) -> Session:
-        """The entry's session, woken first if it sleeps (the caller holds the claim)."""
+    async def awake(self, entry: Entry, target: list[int] | None = None) -> Session:
+        """The entry's session, woken first if it sleeps (the caller holds the claim); `target`: the tokens the
+        turn that wakes it will hold, when known (a front's prepared prompt: `_wake`)."""
         if entry.session is None:
-            await self._wake(entry, None)
+            await self._wake(entry, None, target=target)
         assert entry.session is not None
         return entry.session
 
@@ -206,7 +207,13 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
             entry.busy = None
         return {"session_id": session_id, "created": True}
 
-    async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False) -> dict[str, Any]:
+    async def _wake(self, entry: Entry, snapshot_id: str | None, take_over: bool = False,
+                    target: list[int] | None = None) -> dict[str, Any]:
+        """Wake the entry's session from its head (or `snapshot_id`). `target`: the tokens of the turn that wakes
+        it. On a model cut by restore points, a turn whose tokens part from the head's before its end (a client
+        re-rendering the last reply) cannot keep what a wake restores: the session is woken to the deepest
+        stored point at or before the parting instead (`_wake_to_point`), one restore, not a whole wake and then
+        the append's restore of that point."""
         if self.remote is not None and self.remote.needs_lease(entry.id):  # released or taken over: take it back
             await self.remote.adopt(entry.id, take_over=take_over, engine=self.engine)
         snapshot = snapshot_id
@@ -226,7 +233,40 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
-        read = record if snapshot_id is None else None
+        parting = common_prefix(record.token_ids, target) if target is not None and not engine.cuttable \
+            and engine.points.enabled and snapshot_id is None else len(record.token_ids)
+        if parting < len(record.token_ids):
+            session, info = await self._wake_to_point(entry, record, target, parting)
+        else:
+            session, info = await self._wake_whole(entry, snapshot, record, snapshot_id is None)
+        replaced, entry.session = entry.session, session
+        if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
+            self._release(replaced)
+        self.latency["wake"].add(info["ms"])
+        entry.woke = info  # the turn that woke it traces it (conversations.py)
+        self.counters["wakes"] += 1
+        log.info("wake", extra={"session": entry.id, **info})
+        return info
+
+    async def _wake_to_point(self, entry: Entry, record: Any, target: list[int],
+                             parting: int) -> tuple[Session, dict[str, Any]]:
+        """(The entry's session with its head's state and tokens, its cache restored to the deepest stored
+        point within the first `parting` tokens of `target` (kv/prefixhit.py), or none; what the wake did)."""
+        engine, started = self.engine, time.perf_counter()
+        cache, tokens = await to_thread.run_sync(
+            lambda: engine.stored_prefix(list(target[: parting + 1]), self.thread.call))
+        session = Session.from_state(entry.id, list(record.token_ids), record.metadata, record.id,
+                                     engine.kv.vocab_size)
+        session.cache, session.processed = cache, tokens if cache is not None else 0
+        return session, {"snapshot_id": record.id, "tokens": session.processed, "to_point": True,
+                         "parting": parting, "ms": round((time.perf_counter() - started) * 1000, 3), "phases_ms": {}}
+
+    async def _wake_whole(self, entry: Entry, snapshot: str, record: Any,
+                          head: bool) -> tuple[Session, dict[str, Any]]:
+        """(The entry's session restored from `snapshot` whole, its wake's result): blocks another wake in flight
+        shares are copied from it (`_wake_prefix`). `head`: the snapshot is the head, read as `record`."""
+        engine = self.engine
+        read = record if head else None
         async with self._wake_prefix(entry, record) as ((cache, tokens), flight):
             prefix = (cache, tokens) if cache is not None else None
             waits = isinstance(cache, Pending)  # its thread waits for a wake in flight once its own blocks are in
@@ -237,14 +277,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
                 flight.session = session
             elif waits and info["blocks_shared"]:
                 self.counters["wake_waits"] += 1  # it took blocks from a wake in flight
-        replaced, entry.session = entry.session, session
-        if replaced is not None:  # a hot session woken from another snapshot: its KV freed where MLX runs
-            self._release(replaced)
-        self.latency["wake"].add(info["ms"])
-        entry.woke = info  # the turn that woke it traces it (conversations.py)
-        self.counters["wakes"] += 1
-        log.info("wake", extra={"session": entry.id, **info})
-        return info
+        return session, info
 
     def waiting_wakes(self) -> anyio.CapacityLimiter:
         """The threads of wakes that wait for a wake in flight (shared_prefill.Pending), apart from the default
