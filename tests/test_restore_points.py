@@ -431,6 +431,65 @@ def test_a_hot_session_resent_with_its_reply_written_otherwise_goes_back_to_its_
     assert_as_cold(engine, plain_engine(arch), s, arch)
 
 
+def test_a_held_point_is_gone_back_to_even_when_a_deeper_point_lands_in_the_store_after_the_choice(open_engine,
+                                                                                                    monkeypatch):
+    # A reply's point is written in the background: one landing between the choice (off the event loop) and the
+    # adoption (the engine thread) must not make the adoption drop the whole cache.
+    engine = open_engine("gemma3_text")
+    s = Session("named")
+    engine.append(s, messages=chat("List three tools."))
+    held = s.held_point[0]
+    engine.generate(s, GREEDY)
+    messages = [*chat("List three tools."), {"role": "assistant", "content": "Hammer, saw, drill."},
+                {"role": "user", "content": "ok"}]
+    plan = engine.plan(s, messages=messages, whole=True)
+    chosen = engine.held_serves(s, plan.target)
+    assert chosen and not engine.wants_prefix(s, plan.target, chosen)
+    monkeypatch.setattr(engine.points, "stored_after", lambda *_: True)  # the reply's point lands now
+    assert engine.apply(s, plan, (None, 0))["reused"] == held
+
+
+def test_held_copies_keep_every_bit_and_leave_a_cache_lists_attention_to_its_trim(open_engine):
+    arrays: list = []
+    nan = mx.array([0x7FC1, 0xFFFF, 0x0001, 0x8000], dtype=mx.uint16).view(mx.bfloat16)  # NaN payloads, -0
+    assert mx.array_equal(points._copied(nan, arrays).view(mx.uint16), nan.view(mx.uint16)).item()
+    engine = open_engine("falcon_h1")  # attention and a recurrent state in each layer (CacheList)
+    s = Session("s")
+    engine.append(s, messages=chat("List three tools."))
+    assert 0 < points.held_bytes(s) < cache_nbytes(s.cache) / 2  # the recurrent members alone, not the KV
+
+
+def test_a_paged_leaders_held_point_is_copied_for_a_waiter_whatever_its_paged_layers(tmp_path, plain_engine):
+    # A paged model's plain layers share one page table: copied layer by layer, each copy's table held every
+    # token of the leader's, and the waiter's first chunk was refused (6 layers: 2 paged).
+    from testkit.tinymodel import TOOLS_CHATML, make_model_dir
+
+    folder = make_model_dir(tmp_path / "g6", arch="gemma3_text", template=TOOLS_CHATML, num_hidden_layers=6)
+    store = Store(tmp_path / "store6", block_tokens=B)
+    engine = Engine(store, tmp_path, folder, tuning=Tuning(paged_kv=True))
+    cold_store = Store(tmp_path / "cold6", block_tokens=B)
+    cold = Engine(cold_store, tmp_path, folder, tuning=Tuning(restore_points=False))
+    try:
+        leader = Session("leader")
+        leader.point_trail = []
+        engine.append(leader, messages=chat("List three tools."))
+        waiter, twin = Session("waiter"), Session("twin")
+        plan = engine.plan(waiter, messages=chat("Something else."))
+        shared = common_prefix(leader.tokens, plan.target) // B * B  # what a flight's waiter counts
+        cache, tokens = engine.copy_point_prefix(leader, shared)
+        got = engine.apply(waiter, plan, (cache, tokens))
+        assert got["reused"] == tokens > 0
+        cold.append(twin, tokens=list(waiter.tokens))
+        ours, theirs = (e.model(mx.array(x.pending, dtype=mx.uint32)[None], cache=x.cache)[0, -1]
+                        for e, x in ((engine, waiter), (cold, twin)))
+        assert mx.array_equal(ours, theirs).item() if chunked_prefill_is_exact(cold) else \
+            mx.abs(ours - theirs).max().item() <= POINT_LOGIT_BOUND * mx.abs(theirs).max().item()
+    finally:
+        for e, st in ((engine, store), (cold, cold_store)):
+            e.close()
+            st.close()
+
+
 def test_a_held_point_is_not_gone_back_to_when_the_tokens_part_before_it_and_is_freed_with_the_cache(
         open_engine, plain_engine):
     engine = open_engine("gemma3_text")

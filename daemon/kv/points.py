@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from kvwake.daemon.kv import cache_blocks, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
@@ -45,8 +45,8 @@ from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "held_bytes", "held_copy", "hold",
-           "last_marks", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "end_trail", "held_bytes", "held_copy",
+           "hold", "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -133,12 +133,12 @@ class PointTaker:
         if not self.enabled or session.cache is None or \
                 position not in self._stops(session, position, upto)[:1]:
             return None
-        if self.held:
-            mlx(lambda: hold(session, position))
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
         keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
         try:
+            if self.held:
+                mlx(lambda: hold(session, position))
             if store.point_refs(keys[-1:], bundle):
                 return None
             usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
@@ -278,20 +278,34 @@ TRAIL_KEPT = 8  # points a shared prefill's leader holds for its waiters (a 10k-
 # Layers whose trim rewinds them to any token (a ring trims only until it wraps: it is copied, as recurrent
 # layers are)
 ALWAYS_TRIMMED = (KVCache, QuantizedKVCache, PagedKVCache)
+_UNSIGNED = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+class _Members(list):
+    """A CacheList's held members (falcon_h1: attention and a recurrent state in one layer): None for those
+    trimmed, a copy for the others."""
 
 
 def hold(session: Session, position: int) -> None:
     """Engine thread, the session's cache at `position` (a restore point, just taken): keep a device copy of each
     layer no token cut rewinds (sliding-window rings, recurrent states; None for the others) as the session's
-    `held_point`, replacing the one before. The copies are evaluated here, so the cache's next update finds
-    its buffers referenced by it alone (updated in place, not copied)."""
+    `held_point`, replacing the one before; while it leads a shared prefill, in its trail too. The copies are
+    evaluated here, so the cache's next update finds its buffers referenced by it alone (updated in place)."""
     arrays: list[mx.array] = []
-    layers = [None if type(c) in ALWAYS_TRIMMED else _copied(c, arrays) for c in session.cache]
+    layers = [_held(c, arrays) for c in session.cache]
     mx.eval(arrays)
     session.held_point = (position, layers)
     if session.point_trail is not None:  # it leads a shared prefill: its waiters copy from these
         session.point_trail.append((position, layers))
         del session.point_trail[:-TRAIL_KEPT]
+
+
+def _held(c, arrays: list[mx.array]):
+    if type(c) in ALWAYS_TRIMMED:
+        return None
+    if isinstance(c, CacheList):
+        return _Members(_held(m, arrays) for m in c.caches)
+    return _copied(c, arrays)
 
 
 def held_copy(session: Session, n_tokens: int) -> tuple[list | None, int]:
@@ -302,11 +316,25 @@ def held_copy(session: Session, n_tokens: int) -> tuple[list | None, int]:
     if session.cache is None or not trail:
         return None, 0
     position, layers = max(trail, key=lambda p: p[0])
+    cut = [i for i, layer in enumerate(layers) if layer is None]  # cut together: a paged cache's layers share
+    plain = dict(zip(cut, cache_blocks.copy_prefix([session.cache[i] for i in cut], position)))  # one table
     arrays: list[mx.array] = []
-    cache = [cache_blocks.copy_prefix([c], position)[0] if layer is None else _copied(layer, arrays)
-             for c, layer in zip(session.cache, layers, strict=True)]
+
+    def copy_of(c, layer):
+        if isinstance(layer, _Members):
+            return CacheList(*(cache_blocks.copy_prefix([m], position)[0] if h is None else _copied(h, arrays)
+                               for m, h in zip(c.caches, layer, strict=True)))
+        return _copied(layer, arrays)
+
+    cache = [plain[i] if layer is None else copy_of(c, layer)
+             for i, (c, layer) in enumerate(zip(session.cache, layers, strict=True))]
     mx.eval(arrays)
     return cache, position
+
+
+def end_trail(session: Session) -> None:
+    """Engine thread: the session leads no shared prefill any more: the copies only its trail held are freed."""
+    session.point_trail = None
 
 
 def back_to_held(session: Session) -> int:
@@ -316,9 +344,18 @@ def back_to_held(session: Session) -> int:
     session.held_point = None
     if session.point_trail:  # its copies become the cache's: no waiter may copy them from here on
         session.point_trail = [p for p in session.point_trail if p[1] is not layers]
+    drop = session.processed - position
     for i, layer in enumerate(layers):
         if layer is None:
-            session.cache[i].trim(session.processed - position)
+            session.cache[i].trim(drop)
+        elif isinstance(layer, _Members):
+            members = list(session.cache[i].caches)
+            for j, held in enumerate(layer):
+                if held is None:
+                    members[j].trim(drop)
+                else:
+                    members[j] = held
+            session.cache[i] = CacheList(*members)
         else:
             session.cache[i] = layer
     session.processed = position
@@ -329,14 +366,18 @@ def held_bytes(session: Session) -> int:
     """Bytes of the session's held point and of its trail's others (0 when it holds none)."""
     held = [session.held_point] if session.held_point is not None else []
     kept = {id(layers): layers for _, layers in [*held, *(session.point_trail or ())]}
-    return sum(cache_blocks.cache_nbytes([c for c in layers if c is not None]) for layers in kept.values())
+    copies = [c for layers in kept.values() for layer in layers if layer is not None
+              for c in (layer if isinstance(layer, _Members) else [layer]) if c is not None]
+    return cache_blocks.cache_nbytes(copies)
 
 
 def _copied(value, arrays: list[mx.array]):
-    """A copy of a cache layer (or of one of its attributes) whose arrays are new buffers (`* 1`: every bit kept),
-    each added to `arrays`; mlx-lm's cache objects (a CacheList's layers too) copied attribute by attribute."""
+    """A copy of a cache layer (or of one of its attributes) whose arrays are new buffers holding the same bits
+    (copied as unsigned integers of their width: a float's NaN payload kept too), each added to `arrays`;
+    mlx-lm's cache objects copied attribute by attribute."""
     if isinstance(value, mx.array):
-        made = (value * 1).astype(value.dtype)
+        bits = _UNSIGNED[value.dtype.size]
+        made = (value.view(bits) * 1).view(value.dtype)
         arrays.append(made)
         return made
     if isinstance(value, (list, tuple)):

@@ -55,7 +55,8 @@ class Appending:
         plan = self.plan(session, messages=messages, text=text, tokens=tokens, tools=tools, whole=whole,
                          prompt=prompt)
         self.check_fits(len(plan.target))
-        prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(session, plan.target) else (None, 0)
+        held = self.held_serves(session, plan.target)
+        prefix = self.stored_prefix(plan.target, mlx) if self.wants_prefix(session, plan.target, held) else (None, 0)
         return self.apply(session, plan, prefix, mlx, should_stop)
 
     def _keep(self, session: Session, target: list[int]) -> int:
@@ -72,21 +73,22 @@ class Appending:
         keep = self._keep(session, target) if keep is None else keep
         return keep < session.processed
 
-    def wants_prefix(self, session: Session, target: list[int]) -> bool:
+    def wants_prefix(self, session: Session, target: list[int], held: bool = False) -> bool:
         """Whether appending `target` starts the session on a fresh cache that a stored or shared prefix
         could fill: the model's caches can be cut by token (or it takes restore points: kv/points.py), and
         the session's own cache cannot be kept."""
         return (self.cuttable or self.points.enabled) and len(target) >= 2 and self.needs_fresh_cache(session, target) \
-            and not self._goes_back_to_held(session, target)
+            and not held
 
-    def _goes_back_to_held(self, session: Session, target: list[int], keep: int | None = None) -> bool:
-        """Whether appending `target` takes the session back to its held point (kv/points.py `hold`): it holds
-        one, at or before what its cache keeps for `target` (`keep`: `_keep` when the caller has it), and the
-        store holds no deeper point before there (a reply's)."""
+    def held_serves(self, session: Session, target: list[int]) -> bool:
+        """Whether appending `target` can go back to the session's held point (kv/points.py `hold`) rather than
+        look in the store (`wants_prefix`'s `held`): it holds one, at or before what its cache keeps for
+        `target`, and the store holds no deeper point before there (a reply's, model/reply_points.py). Reads
+        the store: off the event loop and the engine thread."""
         held = session.held_point
         if held is None or session.cache is None:
             return False
-        keep = self._keep(session, target) if keep is None else keep
+        keep = self._keep(session, target)
         return 0 < held[0] <= keep and not self.points.stored_after(target, held[0], keep)
 
     def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
@@ -150,8 +152,11 @@ class Appending:
         if session.held_point is not None and session.held_point[0] > keep:  # tokens it was taken over part
             session.held_point = None
         reused = 0
+        held = session.held_point
         if self.needs_fresh_cache(session, target, keep):
-            if prefix[0] is None and self._goes_back_to_held(session, target, keep):  # its copies: nothing read
+            # back to the held point unless a stored prefix restored more (wants_prefix chose: the store's point was
+            # deeper; it may have given less after all, a point that did not verify)
+            if held is not None and session.cache is not None and 0 < held[0] <= keep and prefix[1] < held[0]:
                 reused = points.back_to_held(session)  # reused from a point, as a stored one's tokens are
                 self.points.count_held(reused)
                 self.counters.add("tokens_reused", reused)

@@ -300,16 +300,13 @@ class Engine(Appending):
     def cache_bytes(self, session: Session) -> int:
         """Bytes of the session's KV in memory (0 while it has none); a paged layer counts its share of the
         pages it lists (a page listed by n sessions: 1/n)."""
-        if session.cache is None:
-            return 0
-        return cache_blocks.cache_nbytes(session.cache) + points.held_bytes(session)
+        kv = cache_blocks.cache_nbytes(session.cache) if session.cache is not None else 0
+        return kv + points.held_bytes(session)  # held while a batch holds its KV, or a failure dropped it
 
     def unpaged_bytes(self, session: Session) -> int:
         """Bytes of the session's KV held outside the page pool (its layers that are not paged, its held point)."""
-        if session.cache is None:
-            return 0
-        return cache_blocks.cache_nbytes([c for c in session.cache if not isinstance(c, paged_cache.PagedKVCache)]) \
-            + points.held_bytes(session)
+        kv = [c for c in session.cache or () if not isinstance(c, paged_cache.PagedKVCache)]
+        return cache_blocks.cache_nbytes(kv) + points.held_bytes(session)
 
     def sleep_frees(self, session: Session) -> tuple[int, int]:
         """(Bytes a sleep of the session frees: its unpaged layers' and the pages no other session lists; bytes
@@ -335,6 +332,14 @@ class Engine(Appending):
         """(A new cache holding the session's state at its deepest held point within n_tokens, that point's
         tokens), or (None, 0): what a shared prefill's waiter takes on a model cut by restore points (MLX work)."""
         return points.held_copy(session, n_tokens)
+
+    def end_trail(self, session: Session) -> None:
+        """The session led a shared prefill: what it held for its waiters alone is freed (MLX work)."""
+        points.end_trail(session)
+
+    def held_point_bytes(self, session: Session) -> int:
+        """Bytes of the session's held restore points (kv/points.py `hold`), counted in `cache_bytes` too."""
+        return points.held_bytes(session)
 
     # -- input ----------------------------------------------------------------
 

@@ -124,7 +124,9 @@ class Conversations:
         copies) when the block ends, however it ends. (NO_PREFIX, None) when the session keeps its own cache
         or the model's caches cannot be cut by token. `arrival`: the turn's, set aside while it waits (the
         leader's first job must not wait for it)."""
-        if not self.engine.wants_prefix(session, target):
+        engine = self.engine
+        held = session.held_point is not None and await to_thread.run_sync(lambda: engine.held_serves(session, target))
+        if not engine.wants_prefix(session, target, held):  # its cache kept, or set back to its held point
             yield NO_PREFIX, None
             return
         if not self.engine.cuttable:  # restore points: the leader's held ones, else a stored prefix
@@ -170,6 +172,9 @@ class Conversations:
         if waiting is not None:
             with arrival.aside() if arrival is not None else contextlib.nullcontext():
                 handed = await waiting
+                if handed[0] is not None and await to_thread.run_sync(  # the store holds more of its own tokens
+                        lambda: self.engine.points.stored_after(target, handed[1], len(target) - 1)):
+                    handed = NO_PREFIX  # (its own conversation's, stored before): that, not the copy
                 if handed[0] is None:
                     with contextlib.suppress(RuntimeError):  # the writer stopped (the engine closing): the store
                         await to_thread.run_sync(self.engine.points.flush)
@@ -185,8 +190,8 @@ class Conversations:
                 try:
                     await self.shared.land(flight, lambda counts: self.thread.run(
                         lambda: [engine.copy_point_prefix(session, n) for n in counts]))
-                finally:
-                    session.point_trail = None
+                finally:  # the copies only the trail held freed where MLX runs
+                    await self.thread.run(lambda: engine.end_trail(session))
 
     @contextlib.asynccontextmanager
     async def _wake_prefix(self, entry: Entry, record: SnapshotRecord) -> AsyncIterator[tuple[Prefix, Flight | None]]:

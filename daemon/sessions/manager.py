@@ -253,10 +253,10 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         """(The entry's session with its head's state and tokens, its cache restored to the deepest stored
         point within the first `parting` tokens of `target` (kv/prefixhit.py), or none; what the wake did)."""
         engine, started = self.engine, time.perf_counter()
+        session = Session.from_state(entry.id, list(record.token_ids), record.metadata, record.id,  # checked first
+                                     engine.kv.vocab_size)
         cache, tokens = await to_thread.run_sync(
             lambda: engine.stored_prefix(list(target[: parting + 1]), self.thread.call))
-        session = Session.from_state(entry.id, list(record.token_ids), record.metadata, record.id,
-                                     engine.kv.vocab_size)
         session.cache, session.processed = cache, tokens if cache is not None else 0
         return session, {"snapshot_id": record.id, "tokens": session.processed, "to_point": True,
                          "parting": parting, "ms": round((time.perf_counter() - started) * 1000, 3), "phases_ms": {}}

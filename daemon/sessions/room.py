@@ -79,7 +79,8 @@ class RoomKeeping:
         without a memory limit to keep to)."""
         if self.engine.kv_room_bytes is None or tokens <= 0:
             return 0
-        held = self.engine.cache_bytes(entry.session) if entry.session is not None else 0
+        s = entry.session
+        held = self.engine.cache_bytes(s) - self.engine.held_point_bytes(s) if s is not None else 0  # its KV alone
         return max(0, self.engine.kv_bytes(tokens) - held)
 
     async def make_room(self, keep: Entry, tokens: int) -> int:
