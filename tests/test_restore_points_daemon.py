@@ -66,21 +66,42 @@ def test_a_second_stateless_conversation_is_served_from_the_first_ones_point(dae
 
 
 def test_a_resend_parting_inside_the_reply_is_served_from_a_point_in_the_reply(daemon):
+    """Asleep, the session is woken to the reply's point (the deepest before the parting); hot, it goes back to
+    its held point, the prompt's last (a few blocks short of the reply's: a prefill of them costs less than the
+    store's restore of every block)."""
     api = openai_client(daemon)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List three tools."}]
-    first = api.chat.completions.create(model="any", max_tokens=40, temperature=0, messages=messages)
-    reply = first.choices[0].message.content
-    assert first.usage.completion_tokens == 40
-    deadline = time.monotonic() + 30
-    with daemon.client() as rpc:  # the reply's point is taken in the background
-        while rpc.call("status")["restore_points"]["reply_points"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-    resent = [*messages, {"role": "assistant", "content": reply[:-2] + " and so on."},
-              {"role": "user", "content": "Now a fourth."}]
-    second = api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent)
-    cached = second.usage.prompt_tokens_details.cached_tokens
+
+    def replied(user: str):  # (messages, the first reply, its session, the resend parting inside the reply)
+        with daemon.client() as rpc:
+            points = rpc.call("status")["restore_points"]["reply_points"]
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
+        first = api.chat.completions.create(model="any", max_tokens=40, temperature=0, messages=messages)
+        reply = first.choices[0].message.content
+        assert first.usage.completion_tokens == 40
+        deadline = time.monotonic() + 30
+        with daemon.client() as rpc:  # the reply's point is taken in the background
+            while rpc.call("status")["restore_points"]["reply_points"] <= points and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sid = rpc.call("status")["turns"][-1]["session"]
+        resent = [*messages, {"role": "assistant", "content": reply[:-2] + " and so on."},
+                  {"role": "user", "content": "Now a fourth."}]
+        return first, sid, resent, first.usage.prompt_tokens + len(reply) - 2  # a token a byte
+
+    first, _, resent, parting = replied("List three tools.")
+    with daemon.client() as rpc:
+        held = rpc.call("status")["restore_points"]["held_points_used"]
+    hot = api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent)
     prompt_point = (first.usage.prompt_tokens - 1) // 16 * 16  # the first prompt's last point
-    parting = first.usage.prompt_tokens + len(reply) - 2  # a token a byte
+    assert hot.usage.prompt_tokens_details.cached_tokens == prompt_point  # hot: its held point
+    with daemon.client() as rpc:
+        assert rpc.call("status")["restore_points"]["held_points_used"] == held + 1
+
+    first, sid, resent, parting = replied("List three tools, please.")
+    with daemon.client() as rpc:
+        rpc.call("session.sleep", session_id=sid)
+    asleep = api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent)
+    cached = asleep.usage.prompt_tokens_details.cached_tokens  # woken to the reply's point
+    prompt_point = (first.usage.prompt_tokens - 1) // 16 * 16
     assert prompt_point < cached <= parting and cached % 16 == 0 and parting - cached < 16
 
 

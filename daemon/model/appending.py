@@ -28,6 +28,12 @@ from kvwake.errors import CancelledError, InvalidParamsError
 
 __all__ = ["Appending", "ShouldStop"]
 
+# A stored point at most this many tokens past a session's held one is not worth its restore: the held point and
+# a prefill of those tokens (a reply's, on the GPU tens of ms) come sooner than reading and uploading every block
+# before the stored one (a 10k-token prefix: hundreds of ms). A resend parting inside the last reply after a
+# pause, when the reply's point was taken in the idle time, goes back to the held point.
+HELD_LEAD = 512
+
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
 ShouldStop = Callable[[], bool] | None
 THINK_LOOKBACK = 64  # tokens at a prompt's end where a template's opened thinking span is looked for
@@ -83,13 +89,13 @@ class Appending:
     def held_serves(self, session: Session, target: list[int]) -> bool:
         """Whether appending `target` can go back to the session's held point (kv/points.py `hold`) rather than
         look in the store (`wants_prefix`'s `held`): it holds one, at or before what its cache keeps for
-        `target`, and the store holds no deeper point before there (a reply's, model/reply_points.py). Reads
-        the store: off the event loop and the engine thread."""
+        `target`, and the store holds no point before there deeper than HELD_LEAD tokens past it (a reply's,
+        model/reply_points.py). Reads the store: off the event loop and the engine thread."""
         held = session.held_point
         if held is None or session.cache is None:
             return False
         keep = self._keep(session, target)
-        return 0 < held[0] <= keep and not self.points.stored_after(target, held[0], keep)
+        return 0 < held[0] <= keep and not self.points.stored_after(target, held[0] + HELD_LEAD, keep)
 
     def stored_prefix(self, target: list[int], mlx: Mlx = direct) -> tuple[list | None, int]:
         """A cache restored from the longest run of stored blocks that starts `target` (kv/prefixhit.py):
