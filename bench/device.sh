@@ -34,6 +34,10 @@
 #             the wake against the host's cores x one core's verified read
 #   hybrid-prefill  mlx-lm's own prefill of 10,709 tokens on the hybrid shape and on its cousin (no kvwake):
 #             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
+#   parts     where a batched decode step's time goes (bench/step_parts.py): the step, its graph's building,
+#             the linear layers, attention, MLP, norms and head apart, at 1-32 rows x 1k and 12k (issue 51's 1k steps)
+#   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on) with held points on, then off
+#             (`KVWAKE_HELD_POINTS`), then the plain cousin: the three in one machine
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -182,6 +186,15 @@ run_part() {
     hybrid-prefill) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
+    parts)    model; python3 bench/step_parts.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 12 \
+                --out "$OUT/step_parts.jsonl" ;;
+    hybrid-held) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
+              [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
+              for run in g4:true g4:false g4p:true; do  # the first run compiles the kernels (round 1 pays for it)
+                KVWAKE_WINDOW_BLOCKS=true KVWAKE_HELD_POINTS=${run#*:} python3 bench/fleet --model /tmp/${run%:*} \
+                  --tools 8 --agents 8 --system-tokens 10240 --turns 3 --apis openai --no-baseline \
+                  --out "$OUT/hybrid-held-${run/:/-}" 2>&1 | tail -8
+              done ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac

@@ -160,6 +160,8 @@ WORKLOADS = (
     Workload("turns-at-once", "turns_at_once.py", "agents sending their next turn at once beside a decoding session"),
     Workload("decode-rows", "decode_rows.py", "the decoder's batched step at rows x context: the row kernel "
              "against mlx-lm's masked path, the bytes bound beside"),
+    Workload("step-parts", "step_parts.py", "where a batched decode step's time goes: the step, its graph's "
+             "building, linear layers, attention, MLP, norms and head apart, at rows x context"),
     Workload("paged-decode", "paged_decode.py", "decode attention over pages against mlx's over contiguous rows"),
     Workload("paged-wakes", "paged_wakes.py", "sessions sharing a long prompt, paged_kv off and on: hot KV bytes, "
              "blocks read at wake, wakes into pages against through buffers (ms, peak bytes)"),

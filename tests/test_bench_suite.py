@@ -62,3 +62,17 @@ def test_the_fleet_benchmark_runs_its_smallest_configuration_against_mlx_lm_serv
                                        / runs["mlx_lm.server"]["round_1_first_token_p50_s"], 3)
         assert first["target"] == "<= 0.42x" and isinstance(first["met"], bool)  # the CPU's targets, 1.4x the GPU's
     assert "kvwake anthropic against mlx_lm.server" in (tmp_path / "fleet.md").read_text()
+
+
+def test_the_step_parts_benchmark_runs_on_a_tiny_model_to_its_report(tmp_path):
+    from testkit.tinymodel import make_model_dir
+
+    folder = make_model_dir(tmp_path / "llama")
+    out = tmp_path / "parts.jsonl"
+    result = CliRunner().invoke(main, ["bench", "step-parts", "--model", str(folder), "--rows", "1,2",
+                                       "--contexts", "64", "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    assert [r["rows"] for r in rows] == [1, 2]
+    assert all(r[k] > 0 for r in rows for k in ("step_ms", "build_ms", "linears_ms", "attention_ms", "mlp_ms",
+                                                 "norms_ms", "head_ms"))
