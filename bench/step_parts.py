@@ -14,9 +14,8 @@ kvwake's masked path hold them). Timed, each evaluated alone and best of `--step
 - mlp, norms, head: the rest of a layer's parts and the output head with the pick.
 The parts are evaluated apart, so they add up to more than a step (each pays a launch and a wait); their
 proportions say which part is far from its bytes. Prints one JSON line per (rows, context) (and writes them to
-`--out`). Issue 51's 1k-token
-steps (20-22 ms at 8 and 16 rows on the H200, against 6 ms of bytes and 7.6-9.4 ms of linear layers) are what
-it is for (docs/benchmarks.md, "decode_rows").
+`--out`). Issue 51's short-context steps, far from their bytes where the linear layers are not, are what it is for
+(docs/benchmarks.md, "decode_rows").
 """
 
 from __future__ import annotations

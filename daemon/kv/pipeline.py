@@ -339,11 +339,10 @@ def release(session: Session, mlx: Mlx) -> None:
 
 def _take_cache(session: Session) -> list:
     layers, session.cache = list(session.cache or []), None
-    if session.held_point is not None:  # its copies freed with the layers
-        layers += [c for c in session.held_point[1] if c is not None]
-        session.held_point = None
-    for _, held in session.point_trail or ():
-        layers += [c for c in held if c is not None and all(c is not k for k in layers)]
+    held = [session.held_point] if session.held_point is not None else []
+    for _, copies in {id(p[1]): p for p in [*held, *(session.point_trail or ())]}.values():
+        layers += [c for c in copies if c is not None]  # its held copies freed with the layers, each once
+    session.held_point = None
     if session.point_trail is not None:
         session.point_trail = []
     return layers

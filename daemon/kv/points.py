@@ -364,6 +364,8 @@ def back_to_held(session: Session) -> int:
 
 def held_bytes(session: Session) -> int:
     """Bytes of the session's held point and of its trail's others (0 when it holds none)."""
+    if session.held_point is None and not session.point_trail:  # every session of a cuttable model: asked often
+        return 0
     held = [session.held_point] if session.held_point is not None else []
     kept = {id(layers): layers for _, layers in [*held, *(session.point_trail or ())]}
     copies = [c for layers in kept.values() for layer in layers if layer is not None

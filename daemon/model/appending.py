@@ -28,10 +28,10 @@ from kvwake.errors import CancelledError, InvalidParamsError
 
 __all__ = ["Appending", "ShouldStop"]
 
-# A stored point at most this many tokens past a session's held one is not worth its restore: the held point and
-# a prefill of those tokens (a reply's, on the GPU tens of ms) come sooner than reading and uploading every block
-# before the stored one (a 10k-token prefix: hundreds of ms). A resend parting inside the last reply after a
-# pause, when the reply's point was taken in the idle time, goes back to the held point.
+# A stored point at most this many tokens past a session's held one is not worth its restore: the held point and a
+# prefill of those few tokens come sooner than reading and uploading every block before the stored one (the whole
+# prefix). A resend parting inside the last reply after a pause, when the reply's point was taken in the idle
+# time, goes back to the held point (docs/decisions.md, "Restore points": the figures).
 HELD_LEAD = 512
 
 # Asked between prefill chunks: True when the caller is gone (a client that left, a daemon stopping).
