@@ -90,9 +90,10 @@ def test_a_resend_parting_inside_the_reply_is_served_from_a_point_in_the_reply(d
     first, _, resent, parting = replied("List three tools.")
     with daemon.client() as rpc:
         held = rpc.call("status")["restore_points"]["held_points_used"]
-    hot = api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent)
+    hot = [c.usage for c in api.chat.completions.create(model="any", max_tokens=4, temperature=0, messages=resent,
+                                                          stream=True, stream_options={"include_usage": True})]
     prompt_point = (first.usage.prompt_tokens - 1) // 16 * 16  # the first prompt's last point
-    assert hot.usage.prompt_tokens_details.cached_tokens == prompt_point  # hot: its held point
+    assert hot[-1].prompt_tokens_details.cached_tokens == prompt_point  # hot: its held point (streamed)
     with daemon.client() as rpc:
         assert rpc.call("status")["restore_points"]["held_points_used"] == held + 1
 
@@ -250,20 +251,24 @@ async def test_a_shared_prefills_waiter_copies_the_leaders_held_point_without_wa
 def test_a_sleeping_conversation_resent_with_its_reply_written_otherwise_wakes_to_its_point_only(daemon):
     """Was: the wake restored the whole snapshot, and the resend, parting inside the last reply, then restored
     the point before the parting from the store again (two restores a turn after a restart, a hybrid's). Now
-    the wake restores that point only."""
+    the wake restores that point only. The daemon restarts between the turns; the resend is streamed."""
     api = openai_client(daemon)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three tools, slowly."}]
     first = api.chat.completions.create(model="any", max_tokens=24, temperature=0, messages=messages)
     written(daemon)
     with daemon.client() as rpc:
         sid = rpc.call("status")["turns"][-1]["session"]
-        rpc.call("session.sleep", session_id=sid)
+    assert daemon.stop() == 0
+    daemon.start()
     reply = first.choices[0].message.content
     resent = [*messages, {"role": "assistant", "content": reply[:-3] + " etc."}, {"role": "user", "content": "ok"}]
-    second = api.chat.completions.create(model="any", max_tokens=2, temperature=0, messages=resent)
+    chunks = list(openai_client(daemon).chat.completions.create(
+        model="any", max_tokens=2, temperature=0, messages=resent, stream=True, stream_options={"include_usage": True}))
+    usage = next(c.usage for c in chunks if c.usage is not None)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)  # it answered
     with daemon.client() as rpc:
         turn = rpc.call("status")["turns"][-1]
-    cached = second.usage.prompt_tokens_details.cached_tokens
+    cached = usage.prompt_tokens_details.cached_tokens
     assert turn["session"] == sid and "wake_tokens" in turn, turn  # it continued the conversation, woken
     snapshot = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # what a whole wake restores
     assert 0 < turn["wake_tokens"] == cached < snapshot and cached % 16 == 0, (turn, cached, snapshot)
