@@ -29,20 +29,40 @@ TURNS = [" now fix the failing test", " next", " and then a longer message about
 
 
 def held(cache: list) -> list[mx.array]:
-    """Every layer's keys and values up to its offset: what the cache stands for."""
-    return [a[..., : layer.offset, :] for layer in cache for a in (layer.keys, layer.values)]
+    """Every layer's keys and values up to its offset (a ring's whole buffer, with where it stands): what
+    the cache stands for."""
+    out = []
+    for layer in cache:
+        if hasattr(layer, "max_size"):
+            out += [layer.keys, layer.values, mx.array([layer.offset, layer._idx])]
+        else:
+            out += [a[..., : layer.offset, :] for a in (layer.keys, layer.values)]
+    return out
 
 
 def same(a: list, b: list) -> bool:
     return all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(held(a), held(b), strict=True))
 
 
-def test_a_packed_pass_leaves_each_cache_as_its_own_prefill_would(model_dir):
-    model, tokenizer = load(str(model_dir))
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    from testkit.tinymodel import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("packing") / "gemma3_text", arch="gemma3_text")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_packed_pass_leaves_each_cache_as_its_own_prefill_would(arch, model_dir, gemma_dir):
+    """gemma3_text (window 8, every history past it): each ring's chunk attends under its window's array mask,
+    a one-token row under none, beside the global layers' plain KV."""
+    model, tokenizer = load(str(model_dir if arch == "llama" else gemma_dir))
     assert packing.packable_model(model)
     histories = [tokenizer.encode(h) for h in HISTORIES]
     news = [tokenizer.encode(t) for t in TURNS]
     assert len(news[3]) == 1  # a one-token row among longer ones
+    if arch == "gemma3_text":
+        window = model.args.sliding_window
+        assert any(len(n) > window for n in news) and any(1 < len(n) < window for n in news)
     for path in (lambda fused: fused, lambda fused: attention.plain_attention(fused)):
         alone, packed = [], []
         for history, new in zip(histories, news):
@@ -149,6 +169,47 @@ def test_turns_that_come_at_once_prefill_in_one_pass_and_continue_as_each_alone(
         assert same(a.cache, b.cache), f"{b.id}: its cache differs from the same turn prefilled alone"
         params = GenerateParams(max_tokens=8)
         assert engine.generate(a, params).tokens == engine.generate(b, params).tokens
+
+
+def test_a_sliding_window_models_turns_pack_stop_at_their_restore_points_and_continue_as_each_alone(gemma_dir,
+                                                                                                  tmp_path):
+    """Gemma 3's turns that come at once pack (rings and plain layers in one pass), each row's chunk ending at its
+    own restore point's boundary where it has one. Two engines on two stores, so that neither prefix reaches the
+    other: the same turns prefilled one at a time on the first, at once on the second."""
+    from kvwake.store import Store
+
+    made = []
+    for name in ("alone", "together"):
+        store = Store(tmp_path / name, block_tokens=16)
+        made.append((store, Engine(store, tmp_path / f"{name}-state", gemma_dir, max_batch=8)))
+    (_, first), (_, second) = made
+    try:
+        assert second.planner.pack_prefill and second.points.enabled
+        alone = [session(first, f"s{i}", h) for i, h in enumerate(HISTORIES)]
+        taken_before = first.points.counters["points_taken"]
+        for s, t in zip(alone, TURNS):
+            first.append(s, text=t)
+        together = [session(second, f"s{i}", h) for i, h in enumerate(HISTORIES)]
+        points = second.points.counters["points_taken"]
+        thread = EngineThread()
+        try:
+            turns_at_once(second, thread, together, TURNS)
+        finally:
+            thread.stop()
+        assert second.counters["prefill_packs"] >= 2, second.counters  # the short two, the long two
+        assert first.counters["prefill_packs"] == 0
+        for a, b in zip(alone, together):
+            assert (a.processed, a.tokens) == (b.processed, b.tokens) and not b.computing
+            assert same(a.cache, b.cache), f"{b.id}: its cache differs from the same turn prefilled alone"
+            params = GenerateParams(max_tokens=8)
+            assert first.generate(a, params).tokens == second.generate(b, params).tokens
+        # the turns' points, taken where their rows stopped, as the lone turns' were
+        taken = second.points.counters["points_taken"] - points
+        assert taken > 0 and taken == first.points.counters["points_taken"] - taken_before
+    finally:
+        for store, e in made:
+            e.close()
+            store.close()
 
 
 def test_a_turn_that_fits_no_pack_goes_alone_beside_it(engine):

@@ -20,7 +20,11 @@ positions compute numbers nothing reads: no cache holds them.
 
 Only for models whose attention is mlx-lm's standard shape (`PACKABLE`:
 rotary offsets from `cache.offset`, keys and values passed from the cache's
-update to the module's attention unchanged) and plain `KVCache` layers.
+update to the module's attention unchanged), over plain `KVCache` layers and
+the ring buffers of sliding-window ones (Gemma 3: a ring's chunk is fed and
+masked as it is alone, the mask made from the ring before its update, as the
+model makes it). Recurrent layers never pack: a right-padded row would run its
+padding through the state.
 Exactness: each row's attention is its solo computation; the projections
 and the MLP run at another matrix shape, whose kernels may round
 differently, as batched decoding's do (docs/decisions.md).
@@ -35,13 +39,15 @@ import mlx.core as mx
 
 from kvwake.daemon.model import attention
 
-__all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model"]
+__all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model", "row_mask"]
 
 # mlx-lm model modules whose attention rotates by `cache.offset`, then passes `cache.update_and_fetch`'s keys
 # and values to the module's `scaled_dot_product_attention` as they are (read in mlx-lm 0.32); mistral and
 # the SmolLM family load as llama.
+# gemma3_text too: its layers rotate by `cache.offset` and make their masks from the first layer of each kind
+# (a ring's window mask, the global layers' causal one), which RowsLayer makes per row
 PACKABLE = frozenset(f"mlx_lm.models.{name}" for name in
-                     ("llama", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "granite"))
+                     ("llama", "qwen2", "qwen3", "phi3", "olmo2", "starcoder2", "granite", "gemma3_text"))
 
 Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention signature
 
@@ -64,21 +70,36 @@ class RowsLayer:
     """One layer's caches of the packed rows, standing in for one cache in the model's forward pass.
 
     `offset`: every row's, for RoPE. `update_and_fetch` feeds row b's first `lengths[b]` keys and values to
-    its own cache and keeps what that cache returns (`fetched`) for the swapped attention; the model gets its
-    input back, so whatever shape code follows still runs."""
+    its own cache and keeps what that cache returns (`fetched`) for the swapped attention, with the mask its
+    chunk alone would get (`masks`); the model gets its input back, so whatever shape code follows still
+    runs."""
 
     def __init__(self, layers: Sequence[Any], lengths: Sequence[int]) -> None:
         self.layers, self.lengths = list(layers), list(lengths)
         self.fetched: list[tuple[mx.array, mx.array]] = []
+        self.masks: list[Any] = []
 
     @property
     def offset(self) -> mx.array:
         return mx.array([layer.offset for layer in self.layers])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # before the update, as the model makes a mask before its layers run: a ring's window mask (an array
+        # once the chunk reaches past what the ring holds, mlx-lm's RotatingKVCache.make_mask), a plain
+        # layer's causal one
+        self.masks = [row_mask(layer, n) for layer, n in zip(self.layers, self.lengths)]
         self.fetched = [layer.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
                         for b, (layer, n) in enumerate(zip(self.layers, self.lengths))]
         return keys, values
+
+
+def row_mask(layer: Any, n: int) -> Any:
+    """The mask a chunk of n tokens fed alone to `layer` is attended with: a ring's over its window (Gemma 3
+    makes its sliding layers' mask from its first ring, window = the ring's size), else causal (None for one
+    token)."""
+    if hasattr(layer, "max_size"):
+        return layer.make_mask(n, window_size=layer.max_size)
+    return "causal" if n > 1 else None
 
 
 def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
@@ -91,9 +112,9 @@ def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         length = queries.shape[2]
         out = []
-        for b, ((k, v), n, layer, path) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows)):
-            row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask="causal" if n > 1 else None,
-                       sinks=sinks)
+        for b, ((k, v), n, layer, path, row_mask) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows,
+                                                                    cache.masks)):
+            row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask=row_mask, sinks=sinks)
             if n < length:
                 row = mx.concatenate([row, mx.zeros((1, row.shape[1], length - n, row.shape[3]), row.dtype)], axis=2)
             out.append(row)
@@ -103,7 +124,7 @@ def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
 
 def forward(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[Any]]],
             paths: Sequence[Callable[[Attention], Attention]]) -> None:
-    """Queue (lazily) one forward pass feeding row b's `tokens` to its `cache` (a list of plain KVCache layers),
+    """Queue (lazily) one forward pass feeding row b's `tokens` to its `cache` (a list of KVCache and ring layers),
     its attention made by `paths[b]` from the module's fused one. The caches hold the result once their state
     is evaluated; the logits are never computed (nothing evaluates them)."""
     length = max(len(tokens) for tokens, _ in rows)

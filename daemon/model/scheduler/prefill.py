@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvwake.daemon.jobs import Mlx, Packed, outcome
 from kvwake.daemon.kv import capacity as kvcapacity
@@ -111,10 +111,11 @@ class PrefillPlanner:
         PACK_MIN or more, padding bounded), one forward pass each (model/packing.py), the others alone. An
         item is the chunk (shared by a pack's sessions) or the exception queuing it raised."""
         out: list[Any] = [None] * len(rows)
-        plain = (KVCache, PagedKVCache)  # a paged session's turn packs too: each row's layer writes its own pages
+        # a paged session's turn packs too (each row's layer writes its own pages), and a ring's (packing.row_mask)
+        packable = (KVCache, PagedKVCache, RotatingKVCache)
         packs = pack_groups([(i, self.end_of(session, upto) - session.processed)
                              for i, (session, upto) in enumerate(rows)
-                             if session.cache is not None and all(type(c) in plain for c in session.cache)])
+                             if session.cache is not None and all(type(c) in packable for c in session.cache)])
         packed = {i for pack in packs for i in pack}
         for i, (session, upto) in enumerate(rows):
             if i not in packed:
