@@ -36,8 +36,9 @@
 #             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
 #   parts     where a batched decode step's time goes (bench/step_parts.py): the step, its graph's building,
 #             the linear layers, attention, MLP, norms and head apart, at 1-32 rows x 1k and 12k (issue 51's 1k steps)
-#   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on) with held points off, then on
-#             (`KVWAKE_HELD_POINTS`), then the plain cousin: the three in one machine
+#   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on, held points) with its chunks stopped at
+#             each restore point, then with the points cut from the chunks (`KVWAKE_CUT_POINTS`), then the plain
+#             cousin: the three in one machine
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -190,10 +191,10 @@ run_part() {
                 --out "$OUT/step_parts.jsonl" ;;
     hybrid-held) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
-              # the store's path first: it compiles the kernels on a fresh machine (its round 1 pays for it), so
-              # the held run's round 1 (the device hand-over) is timed as on a machine that served before
+              # points stopping the chunks first: it compiles the kernels on a fresh machine (its round 1 pays for
+              # it), so the default's round 1 is timed as on a machine that served before
               for run in g4:false g4:true g4p:true; do
-                KVWAKE_WINDOW_BLOCKS=true KVWAKE_HELD_POINTS=${run#*:} python3 bench/fleet --model /tmp/${run%:*} \
+                KVWAKE_WINDOW_BLOCKS=true KVWAKE_CUT_POINTS=${run#*:} python3 bench/fleet --model /tmp/${run%:*} \
                   --tools 8 --agents 8 --system-tokens 10240 --turns 3 --apis openai --no-baseline \
                   --out "$OUT/hybrid-held-${run/:/-}" 2>&1 | tail -3
                 python3 -c 'import json, sys  # the phases the target reads, one line a run

@@ -150,7 +150,12 @@ def test_the_message_opener_is_read_from_the_template(open_engine):
 
 
 def test_the_next_stop_is_the_first_of_the_stops_after_the_cache(open_engine):
-    taker = open_engine("gemma3_text").points
+    """A model with a recurrent layer stops its chunks at its points; Gemma's rings cut theirs from the chunks
+    (`cut_at`): nothing stops them."""
+    gemma = open_engine("gemma3_text", name="gemma").points
+    assert gemma.cuts and gemma.next_stop(Session("s", tokens=[1] * 300, processed=0), 299) is None
+    taker = open_engine("lfm2").points
+    assert not taker.cuts
     rng = random.Random(5)
     tokens = [rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]) for _ in range(3000)]
     marks = frozenset({1})
@@ -505,3 +510,52 @@ def test_a_held_point_is_not_gone_back_to_when_the_tokens_part_before_it_and_is_
     assert s.held_point is not None
     engine.release(s)
     assert s.cache is None and s.held_point is None and engine.cache_bytes(s) == 0
+
+
+def test_a_point_cut_from_a_chunk_that_passed_it_is_the_point_a_chunk_stopped_there_takes(folders, tmp_path):
+    """Gemma's rings (window 8) with `cut_points`: the prompt's chunks run past its boundaries, and each point and
+    its blocks are those an engine stopping its chunks there takes, bit for bit on the CPU (the ring a chunk grew
+    holds every window it passed: `points.cut_at`); the held point holds the same window (its rows from that
+    window's block on, not the chunk's) and both continue alike."""
+    made = []
+    for name, cut in (("stopped", False), ("cut", True)):
+        store = Store(tmp_path / name, block_tokens=B)
+        made.append((store, Engine(store, tmp_path / f"{name}-state", folders("gemma3_text"),
+                                   tuning=Tuning(cut_points=cut))))
+    (_, stopped), (_, cut) = made
+    try:
+        assert cut.points.cuts and not stopped.points.cuts
+        sessions = []
+        for e in (stopped, cut):
+            s = Session("s")
+            e.append(s, messages=chat("Name the tools you would use, and in which order."))
+            e.points.flush()
+            sessions.append(s)
+        taken = points.stops(sessions[0].tokens, 0, len(sessions[0].tokens) - 1, B, stopped.points.marks)
+        assert len(taken) >= 2 and taken[0] > ARCH_WINDOW  # rings wrapped before the first point
+        for e in (stopped, cut):
+            assert e.points.counters["points_written"] == len(taken), e.points.counters
+        assert stopped.counters["tokens_prefilled"] == cut.counters["tokens_prefilled"]
+        keys = chain_keys(stopped.bundle.hash, sessions[0].tokens[: taken[-1]], B)
+        for at in taken:
+            key = keys[at // B - 1]
+            want, got = (e.store.read_point(e.store.point_refs([key], e.bundle.hash)[key]) for e in (stopped, cut))
+            assert sorted(want) == sorted(got), at
+            for name in want:
+                assert want[name].array.shape == got[name].array.shape and \
+                    np.array_equal(want[name].array.view(np.uint8), got[name].array.view(np.uint8)), (at, name)
+        (p1, held1), (p2, held2) = sessions[0].held_point, sessions[1].held_point
+        assert p1 == p2 == taken[-1]
+        for a, b in zip(held1, held2, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.offset == b.offset and (a._idx, b._idx) == (a.keys.shape[2], b.keys.shape[2])
+                assert ARCH_WINDOW <= b._idx < ARCH_WINDOW + B  # from the window's block on
+                for x, y in ((a.keys, b.keys), (a.values, b.values)):
+                    assert mx.array_equal(x[..., -ARCH_WINDOW:, :], y[..., -ARCH_WINDOW:, :]).item()
+        replies = [e.generate(s, GREEDY).tokens for e, s in zip((stopped, cut), sessions)]
+        assert replies[0] == replies[1]
+    finally:
+        for store, e in made:
+            e.close()
+            store.close()

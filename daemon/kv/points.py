@@ -8,8 +8,12 @@ the taking:
 
 - `next_stop`: the planner ends a prefill chunk at the next wanted boundary
   (model/scheduler/prefill.py asks), so the cache holds exactly that prefix;
+  except where every layer but the plain ones is a sliding window's ring
+  (Gemma's): a chunk runs on past the boundaries, and the cache there is cut
+  from the chunk's (`cut_at`: a ring grown by a chunk still holds the window
+  of every boundary the chunk passed);
 - `take`: after a chunk, on the caller's thread: when the cache stands at a
-  wanted boundary, the blocks the store lacks (asked of the index there) and
+  wanted boundary (or passed it, cut), the blocks the store lacks (asked of the index there) and
   the point are copied to the host, a span of blocks per engine-thread job
   and the point in one (what a tail holds at a block boundary:
   cache_blocks.capture_tail; the prefill waits meanwhile), and written
@@ -35,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvwake.daemon.kv import cache_blocks, window_rows
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
@@ -45,8 +49,8 @@ from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "end_trail", "held_bytes", "held_copy",
-           "hold", "last_marks", "stops"]
+__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "cut_at", "end_trail", "held_bytes",
+           "held_copy", "hold", "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
 
@@ -92,14 +96,18 @@ class PointTaker:
     """
 
     def __init__(self, ctx: KvContext, probe: list, enabled: bool = True, marks: frozenset[int] = frozenset(),
-                 window_blocks: bool = False, held: bool = True) -> None:
+                 window_blocks: bool = False, held: bool = True, cut: bool = True) -> None:
         """`marks`: the chat template's message opener (model/chat.py, `ChatTemplate.message_marks`);
         `window_blocks`: sliding-window rings' rows stored in the blocks, a point over them a marker
-        (kv/window_rows.py); `held`: each session keeps its latest point on the device too (`hold`)."""
+        (kv/window_rows.py); `held`: each session keeps its latest point on the device too (`hold`); `cut`:
+        a model whose only uncuttable layers are rings takes its points from chunks that ran past them
+        (`cut_at`) rather than stopping its chunks there."""
         self.ctx, self.marks, self.held = ctx, marks, held
         self.window_names = window_rows.window_names(probe) if window_blocks else frozenset()
         self.enabled = enabled and not ctx.cuttable and any(
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
+        self.cuts = self.enabled and cut and all(type(c) is KVCache or (type(c) is RotatingKVCache and not c.keep)
+                                                 for c in probe)
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
@@ -109,7 +117,9 @@ class PointTaker:
 
     def next_stop(self, session: Session, upto: int) -> int | None:
         """The first wanted boundary after the session's processed tokens and before `upto` (a chunk ends
-        there), or None."""
+        there), or None (always, where points are cut from the chunks that pass them)."""
+        if self.cuts:
+            return None
         later = self._stops(session, session.processed + 1, upto)
         return next((w for w in later if w < upto), None)
 
@@ -125,32 +135,46 @@ class PointTaker:
                     self._marks.popitem(last=False)
         return stops(session.tokens, lo, upto, self.ctx.block_tokens, self.marks, opened=known[2])
 
-    def take(self, session: Session, upto: int, mlx: Mlx) -> Future | None:
+    def take(self, session: Session, upto: int, mlx: Mlx, since: int | None = None) -> Future | None:
         """After a prefill chunk (caller's thread): take and store the point where the session's cache
-        stands, when a prefill to `upto` wants one there. Returns the write's Future (done already with
-        `direct`), or None when no point is taken."""
-        position = session.processed
-        if not self.enabled or session.cache is None or \
-                position not in self._stops(session, position, upto)[:1]:
+        stands, when a prefill to `upto` wants one there; where points are cut (`cuts`), each wanted boundary
+        the chunk from `since` passed, in order (the last one held). Returns the last write's Future (done
+        already with `direct`), or None when no point is taken."""
+        if not self.enabled or session.cache is None:
             return None
+        position = session.processed
+        if not self.cuts or since is None:
+            if position not in self._stops(session, position, upto)[:1]:
+                return None
+            return self._take(session, session.cache, position, mlx)
+        done = None
+        for at in self._stops(session, since + 1, min(position, upto)):
+            cut = mlx(lambda at=at: cut_at(session.cache, at, self.ctx.block_tokens))
+            if cut is None:  # a ring not in token order (a one-token chunk rotates it in place): no point there
+                continue
+            done = self._take(session, cut, at, mlx) or done
+        return done
+
+    def _take(self, session: Session, cache: list, position: int, mlx: Mlx) -> Future | None:
+        """Take and store the point of `cache` (the session's, or cut from it) standing at `position`."""
         store, bundle = self.ctx.store, self.ctx.bundle.hash
         tokens = session.tokens[:position]
         keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
         try:
             if self.held:
-                mlx(lambda: hold(session, position))
+                mlx(lambda: hold(session, position, cache))
             if store.point_refs(keys[-1:], bundle):
                 return None
             usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
             needed = [i for i, key in enumerate(keys) if key not in usable]
             blocks: dict[int, dict] = {}
             for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
-                blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(session, first, count)))
-            window = self._window(session, position, keys, usable)
+                blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(cache, first, count)))
+            window = self._window(cache, position, keys, usable)
             if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
-                for k, rows in mlx(lambda: self._window_rows(session, blocks)).items():
+                for k, rows in mlx(lambda: self._window_rows(cache, blocks)).items():
                     blocks[k] = {**blocks[k], **rows}
-            point = mlx(lambda: self._point(session, position, window))
+            point = mlx(lambda: self._point(cache, position, window))
         except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
             self._failed(position, exc)
             return None
@@ -163,12 +187,12 @@ class PointTaker:
             return done
         return self._driver.submit(self._write, *work)
 
-    def _window(self, session: Session, position: int, keys: list[str], usable: dict) -> list | None:
+    def _window(self, cache: list, position: int, keys: list[str], usable: dict) -> list | None:
         """The rings' spans when the point at `position` can be a marker (kv/window_rows.py): the rings hold
         their blocks' rows, and the blocks of them the store holds already carry theirs; else None."""
         if not self.window_names:
             return None
-        window = window_rows.spans(session.cache, position, self.ctx.block_tokens)
+        window = window_rows.spans(cache, position, self.ctx.block_tokens)
         if window is None or not window_rows.worth_it(window, self.ctx.block_tokens):
             return None
         for k in window_rows.blocks_of(window, self.ctx.block_tokens):
@@ -177,26 +201,26 @@ class PointTaker:
                 return None  # stored without them (a sleep's, or before): the point keeps its rings
         return window
 
-    def _window_rows(self, session: Session, blocks: dict[int, dict]) -> dict[int, dict]:
+    def _window_rows(self, cache: list, blocks: dict[int, dict]) -> dict[int, dict]:
         """Engine thread: the rings' rows of every block to be written whose rows they all hold, on the host:
         the marker's window and any block before it the chunk still holds, so a later point whose window
         reaches back into these blocks finds them with rows (none for a window shorter than a block)."""
-        held, ks = window_rows.held_blocks(session.cache, self.ctx.block_tokens)
+        held, ks = window_rows.held_blocks(cache, self.ctx.block_tokens)
         ks = [k for k in ks if k in blocks]
         if not ks or not window_rows.worth_it(held, self.ctx.block_tokens):
             return {}
         return window_rows.defer_rows(held, ks, self.ctx.block_tokens).host()
 
-    def _point(self, session: Session, position: int, window: list | None) -> dict[str, Tensor]:
+    def _point(self, cache: list, position: int, window: list | None) -> dict[str, Tensor]:
         """Engine thread: the point's state on the host; its rings' rows left out where `window` marks them."""
         elsewhere = frozenset(s.name for s in window or ())
-        point = compact_rings(cache_blocks.capture_tail(session.cache, position, self.ctx.block_tokens,
+        point = compact_rings(cache_blocks.capture_tail(cache, position, self.ctx.block_tokens,
                                                         rings_cut=True, rows_elsewhere=elsewhere))
         return window_rows.marker(point, window) if window else point
 
-    def _copy_blocks(self, session: Session, first: int, count: int) -> dict[int, dict]:
+    def _copy_blocks(self, cache: list, first: int, count: int) -> dict[int, dict]:
         """Engine thread: host copies of blocks first .. first+count-1 (copies: the cache goes on growing)."""
-        span = cache_blocks.defer_blocks(session.cache, first, count, self.ctx.block_tokens, own=True).host()
+        span = cache_blocks.defer_blocks(cache, first, count, self.ctx.block_tokens, own=True).host()
         return {first + k: arrays for k, arrays in enumerate(span)}
 
     def _write(self, tokens: list[int], blocks: dict, key: str, point: dict) -> bool:
@@ -286,13 +310,14 @@ class _Members(list):
     trimmed, a copy for the others."""
 
 
-def hold(session: Session, position: int) -> None:
-    """Engine thread, the session's cache at `position` (a restore point, just taken): keep a device copy of each
+def hold(session: Session, position: int, cache: list | None = None) -> None:
+    """Engine thread, the session's cache at `position` (a restore point, just taken; `cache`: that cache cut
+    from the session's, `cut_at`): keep a device copy of each
     layer no token cut rewinds (sliding-window rings, recurrent states; None for the others) as the session's
     `held_point`, replacing the one before; while it leads a shared prefill, in its trail too. The copies are
     evaluated here, so the cache's next update finds its buffers referenced by it alone (updated in place)."""
     arrays: list[mx.array] = []
-    layers = [_held(c, arrays) for c in session.cache]
+    layers = [_held(c, arrays) for c in (session.cache if cache is None else cache)]
     mx.eval(arrays)
     session.held_point = (position, layers)
     if session.point_trail is not None:  # it leads a shared prefill: its waiters copy from these
@@ -306,6 +331,42 @@ def _held(c, arrays: list[mx.array]):
     if isinstance(c, CacheList):
         return _Members(_held(m, arrays) for m in c.caches)
     return _copied(c, arrays)
+
+
+def cut_at(cache: list, position: int, block_tokens: int) -> list | None:
+    """Engine thread: the cache as it stood at `position` (a boundary a prefill chunk passed), as views of the
+    session's arrays (nothing copied, nothing evaluated), or None when a ring does not hold it.
+
+    A plain layer is the same buffer up to `position`. A ring that a chunk grew (mlx-lm's RotatingKVCache:
+    `_update_concat` keeps the window's last rows before the chunk, in token order, and appends the chunk's)
+    holds every row from the window before the chunk's start to its end. Cut, it holds its rows up to
+    `position` from the start of the block of the window's first token there (what a point's rows in blocks
+    read, kv/window_rows.py), in token order (`_idx` the rows held): the state a chunk stopped at `position`
+    leaves, but for rows before the window, which no update reads (its next one keeps the window's last rows,
+    as `compact_rings` says) -- so a chunk's whole length is not held again in each held point. Only Gemma's
+    kind of ring (`keep` 0, in token order) is cut; a model with a recurrent layer stops its chunks at the
+    boundaries instead (`PointTaker.cuts`)."""
+    out = []
+    for c in cache:
+        if type(c) is KVCache:
+            if c.offset < position:
+                return None
+            made = copy.copy(c)
+            made.offset = position
+        elif type(c) is RotatingKVCache and not c.keep:
+            held = window_rows.token_rows(c)  # (first token, rows), row r holding token first + r
+            # the rows up to `position` must hold a full window before it (or every token from the first), as
+            # a chunk stopped there would: a ring holding fewer would grow wrongly at its next update
+            if held is None or held[0] > max(0, position - c.max_size) or position > c.offset:
+                return None
+            lo = max(held[0], max(0, position - c.max_size) // block_tokens * block_tokens) - held[0]
+            made = copy.copy(c)
+            made.keys, made.values = c.keys[..., lo : position - held[0], :], c.values[..., lo : position - held[0], :]
+            made.offset, made._idx = position, position - held[0] - lo
+        else:
+            return None
+        out.append(made)
+    return out
 
 
 def held_copy(session: Session, n_tokens: int) -> tuple[list | None, int]:

@@ -40,7 +40,7 @@ from kvwake.store.format.codec import DTYPES, Tensor
 from kvwake.store.format.planes import join_into, scratch
 
 __all__ = ["MARK", "Held", "WindowRun", "WindowSpan", "assemble", "blocks_of", "carries_rows", "defer_rows", "first_held",
-           "held_blocks", "marked_blocks", "marker", "span_rows", "spans", "window_names", "worth_it"]
+           "held_blocks", "marked_blocks", "marker", "span_rows", "spans", "token_rows", "window_names", "worth_it"]
 
 MARK = "rows_in_blocks"  # a point's name, after its unit's, for a ring whose rows are in the blocks
 
@@ -60,7 +60,7 @@ def window_names(cache: list) -> frozenset[str]:
                      if cache_blocks.kind_of(c, name) == "rotating" for part in ("keys", "values"))
 
 
-def _held(c: Any) -> tuple[int, int] | None:
+def token_rows(c: Any) -> tuple[int, int] | None:
     """(first token, rows) a ring holds in token order (row r: token first + r), or None when it does not:
     `keep` set, rotated part way, or step-allocated rows past its tokens (mlx-lm's in-place growth)."""
     if c.keys is None or c.keep or c._idx != c.keys.shape[2]:
@@ -79,7 +79,7 @@ def spans(cache: list, position: int, block_tokens: int) -> list[WindowSpan] | N
     for name, _, _, c in cache_blocks.units(cache):
         if cache_blocks.kind_of(c, name) != "rotating":
             continue
-        held = _held(c)
+        held = token_rows(c)
         if held is None or c.offset != position:
             return None
         kept = min(position, c.max_size)  # the rows compact_rings keeps: the ring's next update reads no more
@@ -92,7 +92,7 @@ def spans(cache: list, position: int, block_tokens: int) -> list[WindowSpan] | N
 
 def _ring_order(c: Any) -> tuple[int, int, int] | None:
     """(first token, rows, row of the first token) a ring holds in token order from that row on, wrapping
-    round; None when it holds none or is not one read here (`keep` set). Unlike `_held`, a ring rotated by
+    round; None when it holds none or is not one read here (`keep` set). Unlike `token_rows`, a ring rotated by
     decoding counts: its oldest row is at `_idx` (a sleep's ring)."""
     if c.keys is None or c.keep:
         return None
@@ -157,7 +157,7 @@ def held_blocks(cache: list, block_tokens: int) -> tuple[list[WindowSpan], list[
     window = []
     for name, _, _, c in cache_blocks.units(cache):
         if cache_blocks.kind_of(c, name) == "rotating":
-            held = _held(c)
+            held = token_rows(c)
             if held is None:
                 return [], []
             window.append(WindowSpan(name, held[0], held[1], c))

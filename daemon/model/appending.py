@@ -203,6 +203,7 @@ class Appending:
                     planner = self.planner
                     chunk = mlx(Packed(planner.chunk, planner.next_chunks, (session, upto)) if planner.pack_prefill
                                 else lambda: planner.chunk(session, upto))
+                since = chunk.start_of(session)
                 try:
                     while not chunk.done:
                         mlx(chunk.step_job)  # a packed chunk's callers: one job for those queued together
@@ -210,7 +211,8 @@ class Appending:
                     if not chunk.done:  # a slice's job did not run to its end: nothing may wait on the rest
                         mlx(chunk.abandon)
                 chunk = None
-                self.points.take(session, upto, mlx)  # at a wanted block boundary (the planner stopped there)
+                # at a wanted block boundary: the planner stopped there, or (rings alone) the chunk passed it
+                self.points.take(session, upto, mlx, since)
                 self.persist(session, mlx)
         finally:
             self.counters.add("tokens_prefilled", session.processed - start)

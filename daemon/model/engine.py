@@ -197,7 +197,7 @@ class Engine(Appending):
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
         self.points = PointTaker(self.kv, probe, tuning.restore_points, marks, tuning.window_blocks,
-                                 tuning.held_points)
+                                 tuning.held_points, tuning.cut_points and not tuning.paged_kv)  # cut_at: plain KVCache
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
