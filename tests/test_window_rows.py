@@ -276,7 +276,7 @@ def append_stored_meanwhile(engine: Engine, monkeypatch) -> tuple[Session, list[
     usable = engine.store.usable_blocks
 
     def not_yet(keys, tokens):  # at the take the blocks are not stored yet; at the write they are
-        return {} if sys._getframe(1).f_code.co_name == "_take" else usable(keys, tokens)
+        return {} if sys._getframe(1).f_code.co_name == "_plan" else usable(keys, tokens)
 
     monkeypatch.setattr(engine.store, "usable_blocks", not_yet)
     second = Session("second")

@@ -108,6 +108,8 @@ class PointTaker:
             cache_blocks.kind_of(c, name) in cache_blocks.CUTTABLE for name, _, _, c in cache_blocks.units(probe))
         self.cuts = self.enabled and cut and all(type(c) is KVCache or (type(c) is RotatingKVCache and not c.keep)
                                                  for c in probe)
+        # the longest window: the blocks before a point its marker's rows may lie in
+        self.window_tokens = max((c.max_size for c in probe if type(c) is RotatingKVCache), default=0)
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
@@ -139,66 +141,93 @@ class PointTaker:
         """After a prefill chunk (caller's thread): take and store the point where the session's cache
         stands, when a prefill to `upto` wants one there; where points are cut (`cuts`), each wanted boundary
         the chunk from `since` passed, in order (the last one held). Returns the last write's Future (done
-        already with `direct`), or None when no point is taken."""
+        already with `direct`), or None when no point is taken.
+
+        The store is asked on this thread; the device work of every point of the chunk (the cuts, the held
+        copies, the blocks the store lacks and the points on the host) is one engine job, after one job per
+        span of a long prompt's first blocks: eight turns that come at once each wait one job for their
+        points, not one a step for each of their copies (a decoding neighbour's step comes between jobs)."""
         if not self.enabled or session.cache is None:
             return None
-        position = session.processed
-        if not self.cuts or since is None:
-            if position not in self._stops(session, position, upto)[:1]:
-                return None
-            return self._take(session, session.cache, position, mlx)
-        done = None
-        for at in self._stops(session, since + 1, min(position, upto)):
-            cut = mlx(lambda at=at: cut_at(session.cache, at, self.ctx.block_tokens))
-            if cut is None:  # a ring not in token order (a one-token chunk rotates it in place): no point there
-                continue
-            done = self._take(session, cut, at, mlx) or done
-        return done
-
-    def _take(self, session: Session, cache: list, position: int, mlx: Mlx) -> Future | None:
-        """Take and store the point of `cache` (the session's, or cut from it) standing at `position`."""
-        store, bundle = self.ctx.store, self.ctx.bundle.hash
-        tokens = session.tokens[:position]
-        keys = chain_keys(bundle, tokens, self.ctx.block_tokens)
+        position, cut = session.processed, self.cuts and since is not None
+        if cut:
+            ats = self._stops(session, since + 1, min(position, upto))
+        else:
+            ats = [position] if position in self._stops(session, position, upto)[:1] else []
+        if not ats:
+            return None
+        store, bundle, b = self.ctx.store, self.ctx.bundle.hash, self.ctx.block_tokens
         try:
-            if self.held:
-                mlx(lambda: hold(session, position, cache))
-            if store.point_refs(keys[-1:], bundle):
-                return None
-            usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
-            needed = [i for i, key in enumerate(keys) if key not in usable]
-            blocks: dict[int, dict] = {}
-            for first, count in _runs(needed, SPAN_BLOCKS):  # a job a span: a decoding neighbour waits one
-                blocks.update(mlx(lambda first=first, count=count: self._copy_blocks(cache, first, count)))
-            window = self._window(cache, position, keys, usable)
-            if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
-                for k, rows in mlx(lambda: self._window_rows(cache, blocks)).items():
-                    blocks[k] = {**blocks[k], **rows}
-            point = mlx(lambda: self._point(cache, position, window))
-        except Exception as exc:  # the index or the copies failed: the prefill goes on without this point
+            plans = [self._plan(session.tokens[:at]) for at in ats]
+            needed = sorted({k for plan in plans if plan is not None for k in plan[2]})
+            copied: dict[int, dict] = {}  # plain layers' blocks: the same in the session's cache as in a cut
+            for first, count in _runs(needed[:-SPAN_BLOCKS], SPAN_BLOCKS):  # a job a span: a neighbour waits one
+                copied.update(mlx(lambda first=first, count=count: self._copy_blocks(session.cache, first, count)))
+            taken = mlx(lambda: [self._take_at(session, at, plan, copied, cut) for at, plan in zip(ats, plans)])
+        except Exception as exc:  # the index or the copies failed: the prefill goes on without these points
             self._failed(position, exc)
             return None
-        self._count("points_taken")
-        self._count("points_marked", int(bool(window)))
-        work = (tokens, blocks, keys[-1], point)
-        if mlx is direct or self._driver is None:
-            done: Future = Future()
-            done.set_result(self._write(*work))
-            return done
-        return self._driver.submit(self._write, *work)
+        done = None
+        for at, plan, got in zip(ats, plans, taken):
+            if plan is None or got is None:  # stored already (held all the same), or a ring that holds it not
+                continue
+            blocks, window, point = got
+            self._count("points_taken")
+            self._count("points_marked", int(bool(window)))
+            work = (session.tokens[:at], blocks, plan[0][-1], point)
+            if mlx is direct or self._driver is None:
+                done = Future()
+                done.set_result(self._write(*work))
+            else:
+                done = self._driver.submit(self._write, *work)
+        return done
 
-    def _window(self, cache: list, position: int, keys: list[str], usable: dict) -> list | None:
+    def _plan(self, tokens: list[int]) -> tuple[list[str], dict, list[int], frozenset[int]] | None:
+        """Caller's thread, for a point closing `tokens`: (their chain keys, the blocks the store holds, the
+        blocks it lacks, those it holds without window rows near the end), or None when the point is stored."""
+        store, bundle, b = self.ctx.store, self.ctx.bundle.hash, self.ctx.block_tokens
+        keys = chain_keys(bundle, tokens, b)
+        if store.point_refs(keys[-1:], bundle):
+            return None
+        usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
+        needed = [i for i, key in enumerate(keys) if key not in usable]
+        near = range(max(0, len(keys) - self.window_tokens // b - 2), len(keys))  # a marker's window's blocks
+        bare = frozenset(k for k in near if self.window_names and keys[k] in usable and not window_rows.carries_rows(
+            store.block_specs(usable[keys[k]]), self.window_names))
+        return keys, usable, needed, bare
+
+    def _take_at(self, session: Session, position: int, plan: tuple | None, copied: dict[int, dict],
+                 cut: bool) -> tuple[dict, list | None, dict] | None:
+        """Engine thread: the point at `position` (the cache cut there, or standing there) held, and, when
+        `plan` says the store lacks it, (its blocks the store lacks, its marker's window, the point) on the host."""
+        cache = cut_at(session.cache, position, self.ctx.block_tokens) if cut else session.cache
+        if cache is None:  # a ring not in token order (a one-token chunk rotates it in place): no point there
+            return None
+        if self.held:
+            hold(session, position, cache)
+        if plan is None:
+            return None
+        keys, _, needed, bare = plan
+        for first, count in _runs([k for k in needed if k not in copied], SPAN_BLOCKS):
+            copied.update(self._copy_blocks(cache, first, count))
+        blocks = {k: copied[k] for k in needed}
+        window = self._window(cache, position, bare)
+        if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
+            for k, rows in self._window_rows(cache, blocks).items():
+                blocks[k] = {**blocks[k], **rows}
+        return blocks, window, self._point(cache, position, window)
+
+    def _window(self, cache: list, position: int, bare: frozenset[int]) -> list | None:
         """The rings' spans when the point at `position` can be a marker (kv/window_rows.py): the rings hold
-        their blocks' rows, and the blocks of them the store holds already carry theirs; else None."""
+        their blocks' rows, and the blocks of them the store holds already carry theirs (`bare`: those that
+        do not); else None."""
         if not self.window_names:
             return None
         window = window_rows.spans(cache, position, self.ctx.block_tokens)
         if window is None or not window_rows.worth_it(window, self.ctx.block_tokens):
             return None
-        for k in window_rows.blocks_of(window, self.ctx.block_tokens):
-            ref = usable.get(keys[k])
-            if ref is not None and not window_rows.carries_rows(self.ctx.store.block_specs(ref), self.window_names):
-                return None  # stored without them (a sleep's, or before): the point keeps its rings
+        if any(k in bare for k in window_rows.blocks_of(window, self.ctx.block_tokens)):
+            return None  # stored without them (a sleep's, or before): the point keeps its rings
         return window
 
     def _window_rows(self, cache: list, blocks: dict[int, dict]) -> dict[int, dict]:
