@@ -193,7 +193,7 @@ run_part() {
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               # points stopping the chunks first: it compiles the kernels on a fresh machine (its round 1 pays for
               # it), so the default's round 1 is timed as on a machine that served before
-              for run in g4:false g4:true g4p:true; do
+              for run in ${HYBRID_RUNS:-g4:false g4:true g4p:true}; do
                 KVWAKE_WINDOW_BLOCKS=true KVWAKE_CUT_POINTS=${run#*:} python3 bench/fleet --model /tmp/${run%:*} \
                   --tools 8 --agents 8 --system-tokens 10240 --turns 3 --apis openai --no-baseline \
                   --out "$OUT/hybrid-held-${run/:/-}" 2>&1 | tail -3
