@@ -33,13 +33,15 @@ def chat(api, user: str):
 
 
 def written(daemon) -> dict:
-    """status once the daemon's points driver has written every point taken (it writes in the background)."""
+    """status once the daemon's points driver has written every point taken (it writes in the background, a cut
+    point once the engine is idle: `points_waiting`)."""
     deadline = time.monotonic() + 30
     with daemon.client() as rpc:
         while True:
             status = rpc.call("status")
             taker = status["restore_points"]
-            if taker["points_written"] + taker["point_failures"] >= taker["points_taken"] or time.monotonic() > deadline:
+            done = taker["points_written"] + taker["point_failures"] >= taker["points_taken"] and not taker["points_waiting"]
+            if done or time.monotonic() > deadline:
                 return status
 
 
@@ -178,7 +180,8 @@ async def test_a_lone_append_on_a_hybrid_model_does_not_wait_for_its_points_writ
         await manager.create("lone")
         got = await manager.append("lone", tokens=PROMPT)
         assert not written.is_set()  # it returned with its points still in the writer's hands
-        assert got["prefilled"] == 199 and engine.points.status()["points_taken"] >= 1
+        taker = engine.points.status()  # cut from the prefill: held, their copies waiting for idle time
+        assert got["prefilled"] == 199 and taker["points_taken"] + taker["points_waiting"] >= 1
 
 
 async def test_status_counts_in_the_store_every_point_it_says_written(tmp_path):
@@ -272,3 +275,25 @@ def test_a_sleeping_conversation_resent_with_its_reply_written_otherwise_wakes_t
     assert turn["session"] == sid and "wake_tokens" in turn, turn  # it continued the conversation, woken
     snapshot = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # what a whole wake restores
     assert 0 < turn["wake_tokens"] == cached < snapshot and cached % 16 == 0, (turn, cached, snapshot)
+
+async def test_cut_points_wait_for_idle_time_and_a_sleep_stores_them_while_a_turn_is_on_its_way(tmp_path):
+    """A gemma3_text prefill's points are cut from its chunk: held at once, their host copies left for the engine's
+    idle time (`points_waiting`), so turns that come together reach their first tokens first. A turn on its way
+    holds idle jobs back; a sleep then (a wake making room, a shutdown) makes the copies itself (`hurry`) and
+    its snapshot goes with the points. Was: it waited for idle time that the turn on its way held off (60 s)."""
+    with stalled_writes(tmp_path) as (manager, engine, gate, written):
+        gate.set()  # writes go through at once here
+        arrival = manager.thread.arrive()  # a turn on its way: no idle job runs until it lands
+        try:
+            await manager.create("s")
+            await manager.append("s", tokens=PROMPT)
+            taker = engine.points.status()
+            assert engine.points.cuts and taker["points_waiting"] >= 1 and taker["points_written"] == 0
+            started = time.monotonic()
+            await manager.sleep("s")
+            assert time.monotonic() - started < 10
+            taker = engine.points.status()
+            assert taker["points_waiting"] == 0 and taker["points_written"] == taker["points_taken"] >= 1
+            assert engine.store.points_summary()["points"] == taker["points_written"]
+        finally:
+            arrival.land()

@@ -20,7 +20,9 @@ the taking:
   on the driver thread (a prefix-only write of the blocks, unpinned, then the
   point; the writer is opened and committed there: the store's lock is held
   by one thread). With `direct` (an in-process engine) the write is done
-  before `take` returns;
+  before `take` returns. Points cut from a chunk are held at once and copied
+  to the host later, in the engine's idle time (`_take_later`): eight turns
+  that come at once reach their first tokens before any point's copies;
 - `check_fits`: before a point is used (kv/prefixhit.py), its state against
   the shapes and dtypes of the model's cache.
 
@@ -34,8 +36,10 @@ import copy
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitedOut
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -58,6 +62,7 @@ POINT_EVERY = 64  # a long prefill takes a point every this many blocks, besides
 SCAN = 4096  # tokens read at a time, from the end back, for the last message marker
 MARKS_KEPT = 1024  # sessions whose prefill's last marks are kept (one entry each)
 SPAN_BLOCKS = 16  # blocks copied to the host in one engine-thread job
+MAX_DEFERRED = 64  # cut points whose host copies wait for the engine's idle time; more are copied at once
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
@@ -110,6 +115,11 @@ class PointTaker:
                                                  for c in probe)
         # the longest window: the blocks before a point its marker's rows may lie in
         self.window_tokens = max((c.max_size for c in probe if type(c) is RotatingKVCache), default=0)
+        # the engine thread's idle-job runner once it runs the model (None in process): cut points' host copies
+        self.idle_of: Callable[[], Callable[[Callable[[], Any]], None] | None] = lambda: None
+        self._deferred = 0  # points whose host copies wait for an idle job
+        self._pending: dict[int, Callable[[], None]] = {}  # those jobs, for `hurry`
+        self._closed = threading.Event()
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
         # session id -> (its token list, upto, the last marks): read once a prefill, not once a chunk
@@ -156,9 +166,11 @@ class PointTaker:
             ats = [position] if position in self._stops(session, position, upto)[:1] else []
         if not ats:
             return None
-        store, bundle, b = self.ctx.store, self.ctx.bundle.hash, self.ctx.block_tokens
+        idle = self.idle_of() if cut and mlx is not direct and self._driver is not None else None
         try:
             plans = [self._plan(session.tokens[:at]) for at in ats]
+            if idle is not None:
+                return self._take_later(session, ats, plans, mlx, idle)
             needed = sorted({k for plan in plans if plan is not None for k in plan[2]})
             copied: dict[int, dict] = {}  # plain layers' blocks: the same in the session's cache as in a cut
             for first, count in _runs(needed[:-SPAN_BLOCKS], SPAN_BLOCKS):  # a job a span: a neighbour waits one
@@ -171,16 +183,90 @@ class PointTaker:
         for at, plan, got in zip(ats, plans, taken):
             if plan is None or got is None:  # stored already (held all the same), or a ring that holds it not
                 continue
-            blocks, window, point = got
-            self._count("points_taken")
-            self._count("points_marked", int(bool(window)))
-            work = (session.tokens[:at], blocks, plan[0][-1], point)
+            work = (session.tokens[:at], plan[0][-1], got)
             if mlx is direct or self._driver is None:
                 done = Future()
-                done.set_result(self._write(*work))
+                done.set_result(self._handed(*work))
             else:
-                done = self._driver.submit(self._write, *work)
+                done = self._driver.submit(self._handed, *work)
         return done
+
+    def _take_later(self, session: Session, ats: list[int], plans: list, mlx: Mlx,
+                    idle: Callable[[Callable[[], Any]], None]) -> Future | None:
+        """`take` in the daemon, where points are cut: the cuts and the held copies now, in one job (on the
+        device: the next turn may go back to them); each point's host copies later, an idle job of the engine
+        thread each (once nothing decodes: every turn of a round reached its first token and its reply), then
+        written. The cuts are views that keep the arrays they read alive meanwhile; MLX's arrays do not change
+        under them, and a session's cache is not updated in place while its call decodes in a batch. More than
+        MAX_DEFERRED waiting: taken at once, as in process."""
+        try:
+            cuts = mlx(lambda: [self._hold_at(session, at, True) for at in ats])
+        except Exception as exc:  # the cuts or the copies failed: the prefill goes on without these points
+            self._failed(session.processed, exc)
+            return None
+        done = None
+        for at, plan, cache in zip(ats, plans, cuts):
+            if plan is None or cache is None:
+                continue
+            tokens = session.tokens[:at]
+            with self._lock:
+                later = self._deferred < MAX_DEFERRED
+                self._deferred += int(later)
+            if later:
+                done = self._driver.submit(self._later, tokens, at, plan, self._defer(cache, at, plan, idle))
+                continue
+            try:
+                got = mlx(lambda at=at, plan=plan, cache=cache: self._copies(cache, at, plan, {}))
+            except Exception as exc:
+                self._failed(at, exc)
+                continue
+            done = self._driver.submit(self._handed, tokens, plan[0][-1], got)
+        return done
+
+    def _defer(self, cache: list, position: int, plan: tuple, idle: Callable[[Callable[[], None]], None]) -> Future:
+        """Caller's thread: the point's host copies queued as an idle job of the engine thread (and kept for
+        `hurry`, which may run them sooner); the Future of (blocks, window, point)."""
+        future: Future = Future()
+
+        def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
+            if not (future.running() or future.done()) and future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._copies(cache, position, plan, {}))
+                except BaseException as exc:  # noqa: BLE001 - raised on the driver thread
+                    future.set_exception(exc)
+                finally:
+                    with self._lock:
+                        self._pending.pop(id(future), None)
+
+        with self._lock:
+            self._pending[id(future)] = job
+        idle(job)
+        return future
+
+    def _later(self, tokens: list[int], position: int, plan: tuple, copies: Future) -> bool:
+        """Driver thread: a deferred point's write, once its copies are made (`_defer`); given up (False) once
+        `close` was called and its job has not started (a stopped engine thread never runs it)."""
+        try:
+            while True:
+                try:
+                    got = copies.result(timeout=0.1)
+                    break
+                except WaitedOut:
+                    if self._closed.is_set() and copies.cancel():
+                        return False
+            return self._handed(tokens, plan[0][-1], got)
+        except Exception as exc:  # a point is an optimisation, not the prefill's result
+            self._failed(position, exc)
+            return False
+        finally:
+            with self._lock:
+                self._deferred -= 1
+                self._pending.pop(id(copies), None)
+
+    def _handed(self, tokens: list[int], key: str, got: tuple[dict, list | None, dict]) -> bool:
+        """Driver thread (or the caller's, in process): a point copied to the host (`_copies`), written."""
+        blocks, _, point = got
+        return self._write(tokens, blocks, key, point)
 
     def _plan(self, tokens: list[int]) -> tuple[list[str], dict, list[int], frozenset[int]] | None:
         """Caller's thread, for a point closing `tokens`: (their chain keys, the blocks the store holds, the
@@ -200,13 +286,20 @@ class PointTaker:
                  cut: bool) -> tuple[dict, list | None, dict] | None:
         """Engine thread: the point at `position` (the cache cut there, or standing there) held, and, when
         `plan` says the store lacks it, (its blocks the store lacks, its marker's window, the point) on the host."""
+        cache = self._hold_at(session, position, cut)
+        return None if cache is None or plan is None else self._copies(cache, position, plan, copied)
+
+    def _hold_at(self, session: Session, position: int, cut: bool) -> list | None:
+        """Engine thread: the cache at `position` (cut there, or the session's standing there), held when
+        points are held; None where a ring does not hold it (a one-token chunk rotates it in place)."""
         cache = cut_at(session.cache, position, self.ctx.block_tokens) if cut else session.cache
-        if cache is None:  # a ring not in token order (a one-token chunk rotates it in place): no point there
-            return None
-        if self.held:
+        if cache is not None and self.held:
             hold(session, position, cache)
-        if plan is None:
-            return None
+        return cache
+
+    def _copies(self, cache: list, position: int, plan: tuple, copied: dict[int, dict]) -> tuple[dict, list | None, dict]:
+        """Engine thread: (the blocks of `plan` the store lacks, the marker's window, the point) of `cache` standing at
+        `position`, on the host; `copied`: blocks copied already (taken from there)."""
         keys, _, needed, bare = plan
         for first, count in _runs([k for k in needed if k not in copied], SPAN_BLOCKS):
             copied.update(self._copy_blocks(cache, first, count))
@@ -215,7 +308,10 @@ class PointTaker:
         if self.window_names:  # the rings' rows go in the blocks the store lacks; a point is a marker over them
             for k, rows in self._window_rows(cache, blocks).items():
                 blocks[k] = {**blocks[k], **rows}
-        return blocks, window, self._point(cache, position, window)
+        point = self._point(cache, position, window)
+        self._count("points_taken")
+        self._count("points_marked", int(bool(window)))
+        return blocks, window, point
 
     def _window(self, cache: list, position: int, bare: frozenset[int]) -> list | None:
         """The rings' spans when the point at `position` can be a marker (kv/window_rows.py): the rings hold
@@ -313,16 +409,31 @@ class PointTaker:
         self._count("held_points_used")
         self._count("held_point_tokens", tokens)
 
+    def hurry(self, mlx: Mlx) -> None:
+        """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
+        (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
+        its session's prefills took (the remote tier sends them together)."""
+        while True:  # until none is left: a turn may cut more meanwhile
+            with self._lock:
+                jobs = list(self._pending.values())
+            if not jobs:
+                break
+            for job in jobs:
+                mlx(job)
+        self.flush()
+
     def flush(self) -> None:
-        """Wait for the points handed to the driver so far."""
+        """Wait for the points handed to the driver so far (cut points' copies wait for the engine's idle time:
+        nothing decoding)."""
         if self._driver is not None:
             self._driver.submit(lambda: None).result()
 
     def status(self) -> dict[str, object]:
         with self._lock:
-            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters}
+            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters, "points_waiting": self._deferred}
 
     def close(self) -> None:
+        self._closed.set()  # points still waiting for an idle job are given up: the engine thread has stopped
         if self._driver is not None:
             self._driver.shutdown(wait=True)
 

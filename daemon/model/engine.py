@@ -199,6 +199,7 @@ class Engine(Appending):
         self.points = PointTaker(self.kv, probe, tuning.restore_points, marks, tuning.window_blocks,
                                  tuning.held_points, tuning.cut_points and not tuning.paged_kv)  # cut_at: plain KVCache
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
+        self.points.idle_of = lambda: self.planner.idle  # the engine thread's, once attached (model/thread.py)
         self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
@@ -408,6 +409,7 @@ class Engine(Appending):
 
         Its running persistence checkpoint is waited for and replaced: the blocks it wrote are reused."""
         phases = Phases()
+        self.points.hurry(mlx)  # restore points whose copies wait for idle time: stored before the snapshot
         supersede = self.persister.settle(session.id)
         phases.mark("settle")  # its running checkpoint waited for
         info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=supersede)

@@ -175,9 +175,9 @@ class Conversations:
                 if handed[0] is not None and await to_thread.run_sync(  # the store holds more of its own tokens
                         lambda: self.engine.points.stored_after(target, handed[1], len(target) - 1)):
                     handed = NO_PREFIX  # (its own conversation's, stored before): that, not the copy
-                if handed[0] is None:
+                if handed[0] is None:  # the points' copies made now (not in idle time: this turn is on its way)
                     with contextlib.suppress(RuntimeError):  # the writer stopped (the engine closing): the store
-                        await to_thread.run_sync(self.engine.points.flush)
+                        await to_thread.run_sync(lambda: self.engine.points.hurry(self.thread.call))
             yield None, True, handed
             return
         flight = self.shared.lead(session, target[: len(target) - 1])
