@@ -577,3 +577,24 @@ def test_the_points_a_chunk_passed_are_taken_in_one_engine_job(open_engine):
     taken = points.stops(s.tokens, 0, len(s.tokens) - 1, B, engine.points.marks)
     assert engine.points.counters["points_taken"] == len(taken) >= 2 and len(s.tokens) // B < 16
     assert sum(q.startswith("PointTaker.take") for q in jobs) == 1, jobs
+
+
+def test_a_cut_keeps_what_it_read_when_the_cache_is_trimmed_and_written_over_after_it():
+    """A cut point's copies may be made later (in idle time); meanwhile its session may trim its cache back and
+    write other tokens over the cut's. Was: the cut shared the KVCache's array objects, which mlx-lm updates in
+    place, so the deferred copy read the new tokens' KV under the old tokens' keys."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    mx.random.seed(3)
+    plain, ring = KVCache(), RotatingKVCache(max_size=8)
+    for c in (plain, ring):
+        c.update_and_fetch(mx.random.normal((1, 2, 32, 4)), mx.random.normal((1, 2, 32, 4)))
+    cut = points.cut_at([plain, ring], 16, 4)
+    assert cut is not None and [c.offset for c in cut] == [16, 16]
+    want = [mx.array(a) for c in cut for a in (c.keys, c.values)]
+    mx.eval(want)
+    plain.trim(24)  # back to 8 tokens, then 16 others written over 8..24
+    plain.update_and_fetch(mx.random.normal((1, 2, 16, 4)), mx.random.normal((1, 2, 16, 4)))
+    ring.update_and_fetch(mx.random.normal((1, 2, 1, 4)), mx.random.normal((1, 2, 1, 4)))
+    got = [a for c in cut for a in (c.keys, c.values)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))

@@ -492,7 +492,10 @@ def cut_at(cache: list, position: int, block_tokens: int) -> list | None:
             if c.offset < position:
                 return None
             made = copy.copy(c)
-            made.offset = position
+            # slices, not the session's arrays themselves: mlx-lm updates a KVCache's array object in place
+            # (`keys[..., a:b, :] = ...`), and a later turn that trims this cache and writes over these tokens
+            # would change what a deferred point copies (a slice keeps the array it read)
+            made.keys, made.values, made.offset = c.keys[..., :position, :], c.values[..., :position, :], position
         elif type(c) is RotatingKVCache and not c.keep:
             held = window_rows.token_rows(c)  # (first token, rows), row r holding token first + r
             # the rows up to `position` must hold a full window before it (or every token from the first), as
