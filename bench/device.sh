@@ -39,6 +39,8 @@
 #   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on, held points) with its chunks stopped at
 #             each restore point, then with the points cut from the chunks (`KVWAKE_CUT_POINTS`), then the plain
 #             cousin: the three in one machine
+#   hybrid-server  issue 52, point 6: the hybrid fleet (window rows on) against mlx_lm.server on the same model,
+#             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -205,6 +207,10 @@ for c in json.load(open(sys.argv[1]))["configs"]:
                   "$OUT/hybrid-held-${run/:/-}/fleet.json" "$run"
               done  # one archive: a call brings back a few files only
               tar czf "$OUT/hybrid-held.tgz" -C "$OUT" $(cd "$OUT" && ls -d hybrid-held-*) && rm -rf "$OUT"/hybrid-held-*/ ;;
+    hybrid-server) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
+              KVWAKE_WINDOW_BLOCKS=true python3 bench/fleet --model /tmp/g4 --tools 8 --agents 8 --system-tokens 10240 \
+                --turns 3 --apis openai --out "$OUT/hybrid-server" 2>&1 | tail -12
+              tar czf "$OUT/hybrid-server.tgz" -C "$OUT" hybrid-server && rm -rf "$OUT/hybrid-server" ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
