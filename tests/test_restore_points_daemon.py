@@ -297,3 +297,27 @@ async def test_cut_points_wait_for_idle_time_and_a_sleep_stores_them_while_a_tur
             assert engine.store.points_summary()["points"] == taker["points_written"]
         finally:
             arrival.land()
+
+
+async def test_cut_points_wait_only_while_the_arrays_they_keep_alive_stay_within_their_share(tmp_path):
+    """The cuts of points waiting for idle time keep the arrays they read alive: counted (`points_waiting_bytes`),
+    and past the engine's bound (an eighth of what KV may take) a point is copied at once instead."""
+    with stalled_writes(tmp_path) as (manager, engine, gate, written):
+        gate.set()
+        arrival = manager.thread.arrive()  # no idle job runs meanwhile
+        try:
+            assert engine.points.defer_bytes > 0
+            await manager.create("a")
+            await manager.append("a", tokens=PROMPT)
+            taker = engine.points.status()
+            assert taker["points_waiting"] >= 1 and taker["points_waiting_bytes"] > 0
+            engine.points.defer_bytes = taker["points_waiting_bytes"]  # full: the next ones are copied at once
+            taken = taker["points_taken"]
+            await manager.create("b")
+            await manager.append("b", tokens=[t + 1 for t in PROMPT])
+            after = engine.points.status()
+            assert after["points_waiting"] == taker["points_waiting"] and after["points_taken"] > taken
+        finally:
+            arrival.land()
+        await manager.sleep("a")  # and the waiting ones, stored at once
+        assert engine.points.status()["points_waiting_bytes"] == 0

@@ -53,7 +53,7 @@ from kvwake.daemon.session_state import Session
 from kvwake.store import chain_keys
 from kvwake.store.format.codec import Tensor
 
-__all__ = ["POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "cut_at", "end_trail", "held_bytes",
+__all__ = ["DEFERRED_SHARE", "POINT_EVERY", "PointTaker", "back_to_held", "check_fits", "compact_rings", "cut_at", "end_trail", "held_bytes",
            "held_copy", "hold", "last_marks", "stops"]
 
 log = logging.getLogger("kvwake.points")
@@ -63,6 +63,7 @@ SCAN = 4096  # tokens read at a time, from the end back, for the last message ma
 MARKS_KEPT = 1024  # sessions whose prefill's last marks are kept (one entry each)
 SPAN_BLOCKS = 16  # blocks copied to the host in one engine-thread job
 MAX_DEFERRED = 64  # cut points whose host copies wait for the engine's idle time; more are copied at once
+DEFERRED_SHARE = 8  # and the arrays they keep alive meanwhile at most this share of what KV may take (1/8)
 
 
 def stops(tokens: Sequence[int], lo: int, upto: int, block_tokens: int, marks: frozenset[int] = frozenset(),
@@ -118,6 +119,9 @@ class PointTaker:
         # the engine thread's idle-job runner once it runs the model (None in process): cut points' host copies
         self.idle_of: Callable[[], Callable[[Callable[[], Any]], None] | None] = lambda: None
         self._deferred = 0  # points whose host copies wait for an idle job
+        self._deferred_bytes = 0  # the bytes of the arrays their cuts keep alive (at most, counted as they were cut)
+        self._pinned: dict[int, int] = {}  # each waiting point's share of them
+        self.defer_bytes: int | None = None  # the most they may keep alive (the engine sets it from its KV room)
         self._pending: dict[int, Callable[[], None]] = {}  # those jobs, for `hurry`
         self._closed = threading.Event()
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
@@ -198,9 +202,9 @@ class PointTaker:
         thread each (once nothing decodes: every turn of a round reached its first token and its reply), then
         written. The cuts are views that keep the arrays they read alive meanwhile; MLX's arrays do not change
         under them, and a session's cache is not updated in place while its call decodes in a batch. More than
-        MAX_DEFERRED waiting: taken at once, as in process."""
+        MAX_DEFERRED waiting, or their arrays past `defer_bytes`: taken at once, as in process."""
         try:
-            cuts = mlx(lambda: [self._hold_at(session, at, True) for at in ats])
+            cuts, pinned = mlx(lambda: ([self._hold_at(session, at, True) for at in ats], _array_bytes(session.cache)))
         except Exception as exc:  # the cuts or the copies failed: the prefill goes on without these points
             self._failed(session.processed, exc)
             return None
@@ -209,11 +213,18 @@ class PointTaker:
             if plan is None or cache is None:
                 continue
             tokens = session.tokens[:at]
-            with self._lock:
-                later = self._deferred < MAX_DEFERRED
-                self._deferred += int(later)
+            with self._lock:  # the cuts of one chunk keep the same arrays alive: counted with its first
+                later = self._deferred < MAX_DEFERRED and (
+                    self.defer_bytes is None or self._deferred_bytes + pinned <= self.defer_bytes)
+                if later:
+                    self._deferred += 1
+                    self._deferred_bytes += pinned
             if later:
-                done = self._driver.submit(self._later, tokens, at, plan, self._defer(cache, at, plan, idle))
+                copies = self._defer(cache, at, plan, idle)
+                with self._lock:
+                    self._pinned[id(copies)] = pinned
+                pinned = 0
+                done = self._driver.submit(self._later, tokens, at, plan, copies)
                 continue
             try:
                 got = mlx(lambda at=at, plan=plan, cache=cache: self._copies(cache, at, plan, {}))
@@ -261,6 +272,7 @@ class PointTaker:
         finally:
             with self._lock:
                 self._deferred -= 1
+                self._deferred_bytes -= self._pinned.pop(id(copies), 0)
                 self._pending.pop(id(copies), None)
 
     def _handed(self, tokens: list[int], key: str, got: tuple[dict, list | None, dict]) -> bool:
@@ -430,7 +442,8 @@ class PointTaker:
 
     def status(self) -> dict[str, object]:
         with self._lock:
-            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters, "points_waiting": self._deferred}
+            return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters, "points_waiting": self._deferred,
+                    "points_waiting_bytes": self._deferred_bytes}
 
     def close(self) -> None:
         self._closed.set()  # points still waiting for an idle job are given up: the engine thread has stopped
@@ -471,6 +484,12 @@ def _held(c, arrays: list[mx.array]):
     if isinstance(c, CacheList):
         return _Members(_held(m, arrays) for m in c.caches)
     return _copied(c, arrays)
+
+
+def _array_bytes(cache: list) -> int:
+    """Bytes of the keys and values a cache's KV layers hold: what a cut of it may keep alive while it waits."""
+    return sum(a.nbytes for c in cache for a in (getattr(c, "keys", None), getattr(c, "values", None))
+               if isinstance(a, mx.array))
 
 
 def cut_at(cache: list, position: int, block_tokens: int) -> list | None:
