@@ -51,17 +51,28 @@ def gemma_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("packing") / "gemma3_text", arch="gemma3_text")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_a_packed_pass_leaves_each_cache_as_its_own_prefill_would(arch, model_dir, gemma_dir):
+@pytest.fixture(scope="module")
+def gemma_wrapped_dir(tmp_path_factory):
+    """Gemma 3's 4B, 12B and 27B checkpoints: mlx-lm's gemma3, a multimodal wrapper around a gemma3_text model."""
+    from testkit.tinymodel import ARCHS, make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("packing") / "gemma3", arch="gemma3_text", model_type="gemma3",
+                          text_config=dict(ARCHS["gemma3_text"]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gemma3"])
+def test_a_packed_pass_leaves_each_cache_as_its_own_prefill_would(arch, model_dir, gemma_dir, gemma_wrapped_dir):
     """gemma3_text (window 8, every history past it): each ring's chunk attends under its window's array mask,
-    a one-token row under none, beside the global layers' plain KV."""
-    model, tokenizer = load(str(model_dir if arch == "llama" else gemma_dir))
+    a one-token row under none, beside the global layers' plain KV. gemma3: the same through its wrapper (was:
+    not packed, and no attention path swapped, its module being the wrapper's)."""
+    model, tokenizer = load(str({"llama": model_dir, "gemma3_text": gemma_dir, "gemma3": gemma_wrapped_dir}[arch]))
     assert packing.packable_model(model)
+    assert attention.attention_module(model) is not None
     histories = [tokenizer.encode(h) for h in HISTORIES]
     news = [tokenizer.encode(t) for t in TURNS]
     assert len(news[3]) == 1  # a one-token row among longer ones
-    if arch == "gemma3_text":
-        window = model.args.sliding_window
+    if arch != "llama":
+        window = attention.text_model(model).args.sliding_window
         assert any(len(n) > window for n in news) and any(1 < len(n) < window for n in news)
     for path in (lambda fused: fused, lambda fused: attention.plain_attention(fused)):
         alone, packed = [], []

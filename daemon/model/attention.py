@@ -37,14 +37,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 
-__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "bucket_shape", "bucket_wanted", "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities",
-           "plain_warm_shapes", "warm_plain", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "fused_shape", "key_ladder", "on_cuda",
-           "plain_attention", "plain_prefill", "query_bucket", "swapped", "attention_module", "query_buckets", "warm_bucket", "warm_decode", "wanted"]
+__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES",
+           "PathCosts", "attention_module", "bucket_shape", "bucket_wanted", "bucketed_attention",
+           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "key_ladder", "on_cuda",
+           "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
+           "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -338,10 +341,18 @@ def bucketed_prefill(model: Any) -> contextlib.AbstractContextManager[None]:
     return swapped(model, bucketed_attention)
 
 
+def text_model(model: Any) -> Any:
+    """The model whose layers run the text: `model` itself, or the language model a multimodal wrapper forwards
+    to (mlx-lm's gemma3, the model type of Gemma 3's 4B, 12B and 27B checkpoints: `language_model`, a
+    gemma3_text model)."""
+    inner = getattr(model, "language_model", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def attention_module(model: Any) -> Any:
-    """The module of `model`'s class if it takes `scaled_dot_product_attention` from mlx-lm's base (what
-    the plain and bucketed paths swap), else None."""
-    module = sys.modules.get(type(model).__module__)
+    """The module of `model`'s text model's class if it takes `scaled_dot_product_attention` from mlx-lm's base
+    (what the plain and bucketed paths swap), else None."""
+    module = sys.modules.get(type(text_model(model)).__module__)
     return module if getattr(module, "scaled_dot_product_attention", None) is not None else None
 
 

@@ -58,9 +58,10 @@ ROW_ROPES = frozenset({"RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "Propor
 
 
 def packable_model(model: Any) -> bool:
-    """Whether `model`'s forward pass can take packed rows: its module is in PACKABLE and each of its RoPE
-    modules takes one offset per row (ROW_ROPES)."""
-    if type(model).__module__ not in PACKABLE or attention.attention_module(model) is None:
+    """Whether `model`'s forward pass can take packed rows: its text model's module is in PACKABLE (Gemma 3's
+    multimodal wrapper forwards to gemma3_text) and each of its RoPE modules takes one offset per row
+    (ROW_ROPES)."""
+    if type(attention.text_model(model)).__module__ not in PACKABLE or attention.attention_module(model) is None:
         return False
     ropes = {type(m).__name__ for _, m in model.named_modules() if type(m).__name__.endswith("RoPE")}
     return ropes <= ROW_ROPES
