@@ -217,3 +217,22 @@ def test_the_row_kernel_is_built_beside_the_load_with_the_warmer_off_too(model_d
     finally:
         store.close()
         capacity.uninstall()
+
+
+def test_gemma3s_multimodal_wrapper_is_warmed_and_its_row_kernel_shaped_from_its_text_model(tmp_path):
+    """Gemma 3's 4B, 12B and 27B checkpoints (mlx-lm's gemma3) name their heads in `text_config`. Was: the warmer's
+    miniature and the row kernel's shape read the top-level config (a KeyError in the child), and the loaded
+    model's shape (its wrapper's args) was None, so the decoder took no row kernel."""
+    from mlx_lm import load
+
+    from kvwake.daemon.model import ragged_decode
+    from testkit.tinymodel import ARCHS
+
+    path = make_model_dir(tmp_path / "gemma3", arch="gemma3_text", model_type="gemma3",
+                          text_config=dict(ARCHS["gemma3_text"]))
+    config = json.loads((path / "config.json").read_text())
+    small = kernel_cache.miniature(config)
+    assert small["model_type"] == "gemma3" and small["text_config"]["num_attention_heads"] == 2
+    assert kernel_cache.Warmer(path).wait(timeout=120) is True
+    model, _ = load(str(path))
+    assert ragged_decode.shape_of(model) == kernel_cache._heads(path, config) == (4, 2, 16, mx.bfloat16)

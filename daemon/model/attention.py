@@ -415,7 +415,7 @@ class PathCosts:
 
     @staticmethod
     def _shape(model: Any) -> tuple[int, int, int, int, Any] | None:
-        args = getattr(model, "args", None)
+        args = getattr(text_model(model), "args", None)
         heads = getattr(args, "num_attention_heads", None)
         hidden = getattr(args, "hidden_size", None)
         layers = getattr(args, "num_hidden_layers", None) or len(getattr(model, "layers", []))

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "text_config",
+           "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -55,10 +56,19 @@ def weights_dtype(model_path: Path) -> str:
     return "bfloat16"
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the model that runs the text: `config`, or a multimodal wrapper's `text_config` (Gemma 3's
+    4B, 12B and 27B checkpoints), with the wrapper's vocabulary where it names none."""
+    inner = config.get("text_config")
+    return {"vocab_size": config.get("vocab_size"), **inner} if isinstance(inner, dict) else config
+
+
 def miniature(config: dict[str, Any]) -> dict[str, Any]:
     """The model's config at its smallest widths: two query heads over one KV head of the same head size, a
     small MLP and vocabulary; its layers as many and of the same kinds (hybrid models list them). Its kernels
     are the model's (MLX names a compiled kernel by its ops, dtypes and constants, not by its sizes)."""
+    if isinstance(config.get("text_config"), dict):  # a wrapper: its text model made small, the rest as it is
+        return {**config, "text_config": miniature(text_config(config)), "vocab_size": 256}
     heads = config.get("num_attention_heads") or 1
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     hidden = 2 * head_dim
@@ -184,6 +194,7 @@ class BesideLoad:
             shape = _heads(model_path, config)
             if row_kernel and self._build_row(shape):
                 self.shape = shape
+            config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
@@ -216,6 +227,7 @@ def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any
     built for (ragged_decode.shape_of gives the same from a loaded model)."""
     import mlx.core as mx
 
+    config = text_config(config)
     heads = config["num_attention_heads"]
     return (heads, config.get("num_key_value_heads") or heads,
             config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
@@ -245,7 +257,7 @@ def _warm(model_path: Path, part: str) -> None:
 
     # A batch's compaction (model/decoder.py `_compact`): rows taken by index from its KV, offsets and tokens
     batch = BatchKVCache([0, 0, 0])
-    kv = mx.zeros((3, 1, 8, config["head_dim"]), dtype)
+    kv = mx.zeros((3, 1, 8, text_config(config)["head_dim"]), dtype)
     batch.update_and_fetch(kv, kv)
     batch.filter([0, 2])
     tokens = mx.zeros((3,), mx.uint32)[[0, 2]]

@@ -37,6 +37,7 @@ from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_batch import PagedBatchKVCache
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.kv.pages import PageStateError
+from kvwake.daemon.model import attention
 from kvwake.daemon.model.paged_attention import ROW_SPLIT, gather_rows, kernel_attention, row_attention
 
 __all__ = ["build", "paged", "ragged", "shape_of", "wanted", "warm"]
@@ -125,7 +126,7 @@ def _kernel(queries: mx.array, pool: Any, layer: int, table: mx.array, lengths: 
 def shape_of(model: Any) -> tuple[int, int, int, Any] | None:
     """(query heads, KV heads, head size, dtype) of the model's attention as the row kernel is built for
     them; None for a model whose arguments do not name its heads."""
-    args = getattr(model, "args", None)
+    args = getattr(attention.text_model(model), "args", None)  # Gemma 3's wrapper: its text model's
     heads = getattr(args, "num_attention_heads", None)
     if heads is None:
         return None
