@@ -165,7 +165,8 @@ class PointTaker:
             return None
         position, cut = session.processed, self.cuts and since is not None
         if cut:
-            ats = self._stops(session, since + 1, min(position, upto))
+            # the prefill's wanted boundaries (asked with its `upto`: a chunk's end is not its last) the chunk passed
+            ats = [at for at in self._stops(session, since + 1, upto) if at <= position]
         else:
             ats = [position] if position in self._stops(session, position, upto)[:1] else []
         if not ats:
@@ -238,19 +239,27 @@ class PointTaker:
         """Caller's thread: the point's host copies queued as an idle job of the engine thread (and kept for
         `hurry`, which may run them sooner); the Future of (blocks, window, point)."""
         future: Future = Future()
+        key = id(future)
+        # let go once run: the idle queue keeps a hurried job until idle time, and with it the cut's arrays and
+        # the copies (the Future's result) unless the job drops them
+        held: dict[str, Any] = {"cut": cache, "future": future}
 
         def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
-            if not (future.running() or future.done()) and future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(self._copies(cache, position, plan, {}))
-                except BaseException as exc:  # noqa: BLE001 - raised on the driver thread
-                    future.set_exception(exc)
-                finally:
-                    with self._lock:
-                        self._pending.pop(id(future), None)
+            if not held:
+                return
+            cut, made = held.pop("cut"), held.pop("future")
+            try:
+                if made.set_running_or_notify_cancel():  # False: cancelled (`close`)
+                    try:
+                        made.set_result(self._copies(cut, position, plan, {}))
+                    except BaseException as exc:  # noqa: BLE001 - raised on the driver thread
+                        made.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._pending.pop(key, None)
 
         with self._lock:
-            self._pending[id(future)] = job
+            self._pending[key] = job
         idle(job)
         return future
 
@@ -424,15 +433,16 @@ class PointTaker:
     def hurry(self, mlx: Mlx) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
-        its session's prefills took (the remote tier sends them together)."""
-        while True:  # until none is left: a turn may cut more meanwhile
-            with self._lock:
-                jobs = list(self._pending.values())
-            if not jobs:
-                break
-            for job in jobs:
-                mlx(job)
-        self.flush()
+        its session's prefills took (the remote tier sends them together). Waits for the points handed to the
+        driver before the call, not those a turn cuts meanwhile (their writes wait for their idle jobs)."""
+        if self._driver is None:
+            return
+        written = self._driver.submit(lambda: None)  # behind every point handed to the driver so far
+        with self._lock:  # theirs among them: a point's job is kept here before it is handed (`_defer`)
+            jobs = list(self._pending.values())
+        for job in jobs:
+            mlx(job)
+        written.result()
 
     def flush(self) -> None:
         """Wait for the points handed to the driver so far (cut points' copies wait for the engine's idle time:
@@ -445,8 +455,13 @@ class PointTaker:
             return {"enabled": self.enabled, "every_blocks": POINT_EVERY, **self.counters, "points_waiting": self._deferred,
                     "points_waiting_bytes": self._deferred_bytes}
 
+    def give_up(self) -> None:
+        """The engine thread has stopped: points still waiting for an idle job are given up (their writes end, and
+        so do the waits for them: a reply point's `flush`)."""
+        self._closed.set()
+
     def close(self) -> None:
-        self._closed.set()  # points still waiting for an idle job are given up: the engine thread has stopped
+        self.give_up()
         if self._driver is not None:
             self._driver.shutdown(wait=True)
 

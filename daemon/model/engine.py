@@ -275,6 +275,7 @@ class Engine(Appending):
             self.kernels.stop()
             self.kernels = None
         self.persister.close()
+        self.points.give_up()  # first: a reply point's thread may wait for a point whose idle job never runs
         self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()
         self.pool.close()
@@ -413,7 +414,8 @@ class Engine(Appending):
 
         Its running persistence checkpoint is waited for and replaced: the blocks it wrote are reused."""
         phases = Phases()
-        self.points.hurry(mlx)  # restore points whose copies wait for idle time: stored before the snapshot
+        if session.processed:  # restore points whose copies wait for idle time: stored before the snapshot (an
+            self.points.hurry(mlx)  # empty one, a new session's, goes with none: its turn does not wait for them)
         supersede = self.persister.settle(session.id)
         phases.mark("settle")  # its running checkpoint waited for
         info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=supersede)

@@ -82,7 +82,7 @@ def stop_model(model: LoadedModel) -> None:
     closed, its memory let go (blocks until done: from a worker thread)."""
     started = time.perf_counter()
     model.engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
-    model.engine.points.flush()  # and the points whose copies wait for its idle time (nothing decodes now)
+    model.engine.points.hurry(model.thread.call)  # and the points whose copies wait for its idle time: made now
     model.thread.stop()
     model.engine.close()
     # The model's arrays sit in reference cycles (mlx-lm's modules): freed now, not at a later pass. Its objects
