@@ -276,6 +276,7 @@ def test_a_sleeping_conversation_resent_with_its_reply_written_otherwise_wakes_t
     snapshot = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # what a whole wake restores
     assert 0 < turn["wake_tokens"] == cached < snapshot and cached % 16 == 0, (turn, cached, snapshot)
 
+
 async def test_cut_points_wait_for_idle_time_and_a_sleep_stores_them_while_a_turn_is_on_its_way(tmp_path):
     """A gemma3_text prefill's points are cut from its chunk: held at once, their host copies left for the engine's
     idle time (`points_waiting`), so turns that come together reach their first tokens first. A turn on its way

@@ -201,9 +201,9 @@ class PointTaker:
         """`take` in the daemon, where points are cut: the cuts and the held copies now, in one job (on the
         device: the next turn may go back to them); each point's host copies later, an idle job of the engine
         thread each (once nothing decodes: every turn of a round reached its first token and its reply), then
-        written. The cuts are views that keep the arrays they read alive meanwhile; MLX's arrays do not change
-        under them, and a session's cache is not updated in place while its call decodes in a batch. More than
-        MAX_DEFERRED waiting, or their arrays past `defer_bytes`: taken at once, as in process."""
+        written. The cuts are slices of the session's arrays (`cut_at`): what they read stays as it was, and
+        alive, meanwhile. More than MAX_DEFERRED waiting, or their arrays past `defer_bytes`: taken at once, as in
+        process. The Future returned is the last point's write, done once its idle job ran."""
         try:
             cuts, pinned = mlx(lambda: ([self._hold_at(session, at, True) for at in ats], _array_bytes(session.cache)))
         except Exception as exc:  # the cuts or the copies failed: the prefill goes on without these points
@@ -433,7 +433,8 @@ class PointTaker:
     def hurry(self, mlx: Mlx) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
-        its session's prefills took (the remote tier sends them together). Waits for the points handed to the
+        its session's prefills took (the remote tier sends them together; every session's waiting points are
+        made, not its own alone). Waits for the points handed to the
         driver before the call, not those a turn cuts meanwhile (their writes wait for their idle jobs)."""
         if self._driver is None:
             return

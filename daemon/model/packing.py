@@ -113,9 +113,9 @@ def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         length = queries.shape[2]
         out = []
-        for b, ((k, v), n, layer, path, row_mask) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows,
-                                                                    cache.masks)):
-            row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask=row_mask, sinks=sinks)
+        for b, ((k, v), n, layer, path, masked) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows,
+                                                                  cache.masks)):
+            row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask=masked, sinks=sinks)
             if n < length:
                 row = mx.concatenate([row, mx.zeros((1, row.shape[1], length - n, row.shape[3]), row.dtype)], axis=2)
             out.append(row)

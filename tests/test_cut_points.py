@@ -1,4 +1,6 @@
-"""Review h-rev37: failing demonstrations of suspected bugs in cut points (S37)."""
+"""Restore points cut from the prefill chunks that passed them (kv/points.py `cut_at`, `_take_later`, `hurry`): the
+points a long prompt's chunks take are the prefill's, a sleep or a model's stop waits for no idle time it cannot
+get, a hurried copy lets its cut go, and an engine closes while a point still waits."""
 
 from __future__ import annotations
 
