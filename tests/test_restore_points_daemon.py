@@ -322,3 +322,25 @@ async def test_cut_points_wait_only_while_the_arrays_they_keep_alive_stay_within
             arrival.land()
         await manager.sleep("a")  # and the waiting ones, stored at once
         assert engine.points.status()["points_waiting_bytes"] == 0
+
+
+async def test_a_sleep_makes_its_own_sessions_waiting_points_and_no_others(tmp_path):
+    """A sleep on a turn's path (the room a wake makes) waits for its own session's points alone: another session's
+    copies stay for idle time, and their writes are not in its way (the driver holds only ready writes)."""
+    with stalled_writes(tmp_path) as (manager, engine, gate, written):
+        gate.set()
+        arrival = manager.thread.arrive()  # no idle job runs meanwhile
+        try:
+            for name, tokens in (("a", PROMPT), ("b", [t + 1 for t in PROMPT])):
+                await manager.create(name)
+                await manager.append(name, tokens=tokens)
+            before = engine.points.status()
+            assert before["points_waiting"] >= 2 and before["points_written"] == 0
+            await manager.sleep("a")
+            after = engine.points.status()
+            assert 0 < after["points_written"] < before["points_waiting"] and after["points_waiting"] >= 1
+            assert after["points_waiting"] + after["points_written"] == before["points_waiting"]
+        finally:
+            arrival.land()
+        await manager.sleep("b")
+        assert engine.points.status()["points_waiting"] == 0

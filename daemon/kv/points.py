@@ -38,7 +38,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as WaitedOut
 from typing import Any
 
 import mlx.core as mx
@@ -120,9 +119,9 @@ class PointTaker:
         self.idle_of: Callable[[], Callable[[Callable[[], Any]], None] | None] = lambda: None
         self._deferred = 0  # points whose host copies wait for an idle job
         self._deferred_bytes = 0  # the bytes of the arrays their cuts keep alive (at most, counted as they were cut)
-        self._pinned: dict[int, int] = {}  # each waiting point's share of them
         self.defer_bytes: int | None = None  # the most they may keep alive (the engine sets it from its KV room)
-        self._pending: dict[int, Callable[[], None]] = {}  # those jobs, for `hurry`
+        # those points, until written: (the session, the copies' job, what gives it up, the write's Future)
+        self._pending: dict[int, tuple[str, Callable[[], None], Callable[[], None], Future]] = {}
         self._closed = threading.Event()
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
@@ -215,17 +214,14 @@ class PointTaker:
                 continue
             tokens = session.tokens[:at]
             with self._lock:  # the cuts of one chunk keep the same arrays alive: counted with its first
-                later = self._deferred < MAX_DEFERRED and (
+                later = self._deferred < MAX_DEFERRED and not self._closed.is_set() and (
                     self.defer_bytes is None or self._deferred_bytes + pinned <= self.defer_bytes)
                 if later:
                     self._deferred += 1
                     self._deferred_bytes += pinned
             if later:
-                copies = self._defer(cache, at, plan, idle)
-                with self._lock:
-                    self._pinned[id(copies)] = pinned
+                done = self._defer(session.id, tokens, at, plan, cache, pinned, idle)
                 pinned = 0
-                done = self._driver.submit(self._later, tokens, at, plan, copies)
                 continue
             try:
                 got = mlx(lambda at=at, plan=plan, cache=cache: self._copies(cache, at, plan, {}))
@@ -235,54 +231,59 @@ class PointTaker:
             done = self._driver.submit(self._handed, tokens, plan[0][-1], got)
         return done
 
-    def _defer(self, cache: list, position: int, plan: tuple, idle: Callable[[Callable[[], None]], None]) -> Future:
-        """Caller's thread: the point's host copies queued as an idle job of the engine thread (and kept for
-        `hurry`, which may run them sooner); the Future of (blocks, window, point)."""
-        future: Future = Future()
-        key = id(future)
-        # let go once run: the idle queue keeps a hurried job until idle time, and with it the cut's arrays and
-        # the copies (the Future's result) unless the job drops them
-        held: dict[str, Any] = {"cut": cache, "future": future}
+    def _defer(self, owner: str, tokens: list[int], position: int, plan: tuple, cut: list, pinned: int,
+               idle: Callable[[Callable[[], None]], None]) -> Future:
+        """Caller's thread: the point's host copies queued as an idle job of the engine thread (kept for `hurry`,
+        which may run them sooner, the session `owner`'s or all), handed to the driver once made: the driver
+        holds only writes that are ready, so waiting for one point's write waits for no other's idle job. The
+        Future of its write (False: given up, or failed)."""
+        written: Future = Future()
+        key = id(written)
+        held = {"cut": cut}  # dropped by whichever runs first: the job, or `give_up`
 
-        def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
-            if not held:
-                return
-            cut, made = held.pop("cut"), held.pop("future")
-            try:
-                if made.set_running_or_notify_cancel():  # False: cancelled (`close`)
-                    try:
-                        made.set_result(self._copies(cut, position, plan, {}))
-                    except BaseException as exc:  # noqa: BLE001 - raised on the driver thread
-                        made.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._pending.pop(key, None)
-
-        with self._lock:
-            self._pending[key] = job
-        idle(job)
-        return future
-
-    def _later(self, tokens: list[int], position: int, plan: tuple, copies: Future) -> bool:
-        """Driver thread: a deferred point's write, once its copies are made (`_defer`); given up (False) once
-        `close` was called and its job has not started (a stopped engine thread never runs it)."""
-        try:
-            while True:
-                try:
-                    got = copies.result(timeout=0.1)
-                    break
-                except WaitedOut:
-                    if self._closed.is_set() and copies.cancel():
-                        return False
-            return self._handed(tokens, plan[0][-1], got)
-        except Exception as exc:  # a point is an optimisation, not the prefill's result
-            self._failed(position, exc)
-            return False
-        finally:
+        def release() -> bool:
+            """Let the cut go (once): its arrays no longer count as waiting."""
+            if held.pop("cut", None) is None:
+                return False
             with self._lock:
                 self._deferred -= 1
-                self._deferred_bytes -= self._pinned.pop(id(copies), 0)
-                self._pending.pop(id(copies), None)
+                self._deferred_bytes -= pinned
+            return True
+
+        def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
+            cache = held.get("cut")
+            if cache is None:
+                return
+            try:
+                got = self._copies(cache, position, plan, {})
+            except Exception as exc:  # a point is an optimisation, not the prefill's result
+                self._failed(position, exc)
+                got = None
+            if not release():
+                return
+            try:
+                handed = self._driver.submit(self._handed, tokens, plan[0][-1], got) if got is not None else None
+            except RuntimeError:  # the driver has shut down: the engine is closing
+                handed = None
+            if handed is None:
+                written.set_result(False)
+            else:
+                handed.add_done_callback(lambda f: written.set_result(
+                    not f.cancelled() and f.exception() is None and bool(f.result())))
+
+        def drop() -> None:  # `give_up`: the engine thread has stopped, the job will never run
+            if release():
+                written.set_result(False)
+
+        with self._lock:
+            self._pending[key] = (owner, job, drop, written)
+        written.add_done_callback(lambda _: self._forget(key))
+        idle(job)
+        return written
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
 
     def _handed(self, tokens: list[int], key: str, got: tuple[dict, list | None, dict]) -> bool:
         """Driver thread (or the caller's, in process): a point copied to the host (`_copies`), written."""
@@ -430,24 +431,32 @@ class PointTaker:
         self._count("held_points_used")
         self._count("held_point_tokens", tokens)
 
-    def hurry(self, mlx: Mlx) -> None:
+    def hurry(self, mlx: Mlx, owner: str | None = None) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
-        its session's prefills took (the remote tier sends them together; every session's waiting points are
-        made, not its own alone). Waits for the points handed to the
+        its session's prefills took (the remote tier sends them together). `owner`: that session's points alone
+        (a sleep's: another session's copies are not its wait), else every waiting point and every write
+        handed before the call. Waits for the points handed to the
         driver before the call, not those a turn cuts meanwhile (their writes wait for their idle jobs)."""
         if self._driver is None:
             return
-        written = self._driver.submit(lambda: None)  # behind every point handed to the driver so far
-        with self._lock:  # theirs among them: a point's job is kept here before it is handed (`_defer`)
-            jobs = list(self._pending.values())
-        for job in jobs:
+        with self._lock:
+            waiting = [(job, written) for who, job, _, written in self._pending.values() if owner in (None, who)]
+        handed = self._driver.submit(lambda: None) if owner is None else None  # behind every write ready now
+        for job, _ in waiting:
             mlx(job)
-        written.result()
+        for _, written in waiting:
+            written.result()
+        if handed is not None:
+            handed.result()
 
     def flush(self) -> None:
-        """Wait for the points handed to the driver so far (cut points' copies wait for the engine's idle time:
-        nothing decoding)."""
+        """Wait for the points handed to the driver so far, and for those waiting for the engine's idle time (cut
+        points' copies: nothing decoding; a caller on a turn's way uses `hurry`)."""
+        with self._lock:
+            waiting = [written for _, _, _, written in self._pending.values()]
+        for written in waiting:
+            written.result()
         if self._driver is not None:
             self._driver.submit(lambda: None).result()
 
@@ -460,6 +469,10 @@ class PointTaker:
         """The engine thread has stopped: points still waiting for an idle job are given up (their writes end, and
         so do the waits for them: a reply point's `flush`)."""
         self._closed.set()
+        with self._lock:
+            drops = [drop for _, _, drop, _ in self._pending.values()]
+        for drop in drops:
+            drop()
 
     def close(self) -> None:
         self.give_up()
