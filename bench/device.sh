@@ -41,6 +41,8 @@
 #             cousin: the three in one machine
 #   hybrid-server  issue 52, point 6: the hybrid fleet (window rows on) against mlx_lm.server on the same model,
 #             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
+#   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
+#             the cut, the held copy, the blocks, the rings' rows, the point), rings whole and in blocks
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -211,6 +213,10 @@ for c in json.load(open(sys.argv[1]))["configs"]:
               KVWAKE_WINDOW_BLOCKS=true python3 bench/fleet --model /tmp/g4 --tools 8 --agents 8 --system-tokens 10240 \
                 --turns 3 --apis openai --out "$OUT/hybrid-server" 2>&1 | tail -12
               tar czf "$OUT/hybrid-server.tgz" -C "$OUT" hybrid-server && rm -rf "$OUT/hybrid-server" ;;
+    point-copies) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
+              for wb in "" --window-blocks; do
+                python3 bench/point_copies.py /tmp/g4 --tokens 10709 --turn 500 $wb | tee -a "$OUT/point-copies.jsonl"
+              done ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
