@@ -159,7 +159,9 @@ class PointTaker:
         The store is asked on this thread; the device work of every point of the chunk (the cuts, the held
         copies, the blocks the store lacks and the points on the host) is one engine job, after one job per
         span of a long prompt's first blocks: eight turns that come at once each wait one job for their
-        points, not one a step for each of their copies (a decoding neighbour's step comes between jobs)."""
+        points, not one a step for each of their copies (a decoding neighbour's step comes between jobs). In the
+        daemon, points cut from a chunk wait for none of the copies: held at once, copied in idle time
+        (`_take_later`)."""
         if not self.enabled or session.cache is None:
             return None
         position, cut = session.processed, self.cuts and since is not None
