@@ -38,7 +38,8 @@
 #             the linear layers, attention, MLP, norms and head apart, at 1-32 rows x 1k and 12k (issue 51's 1k steps)
 #   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on, held points) with its chunks stopped at
 #             each restore point, then with the points cut from the chunks (`KVWAKE_CUT_POINTS`), then the plain
-#             cousin: the three in one machine
+#             cousin: the three in one machine ($HYBRID_RUNS picks others: MODEL:CUT, MODEL g4, g4p the cousin,
+#             g4w the hybrid in Gemma 3's multimodal wrapper, as its 4B-27B checkpoints load)
 #   hybrid-server  issue 52, point 6: the hybrid fleet (window rows on) against mlx_lm.server on the same model,
 #             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
 #   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
@@ -193,8 +194,10 @@ run_part() {
               python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
     parts)    model; python3 bench/step_parts.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 12 \
                 --out "$OUT/step_parts.jsonl" ;;
-    hybrid-held) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
-              [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
+    hybrid-held) for run in ${HYBRID_RUNS:-g4:false g4:true g4p:true}; do  # each run's model, made once
+                m=${run%:*}; flag=$(case $m in g4p) echo --plain ;; g4w) echo --wrapped ;; esac)
+                [ -f /tmp/$m/config.json ] || python3 bench/hybrid_model.py /tmp/$m $flag >>"$OUT/hybrid-model.txt" 2>&1
+              done
               # points stopping the chunks first: it compiles the kernels on a fresh machine (its round 1 pays for
               # it), so the default's round 1 is timed as on a machine that served before
               for run in ${HYBRID_RUNS:-g4:false g4:true g4p:true}; do

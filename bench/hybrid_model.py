@@ -1,7 +1,7 @@
 """Write a random-weight mlx-lm model folder of Gemma 3's shape, or its plain-attention cousin (issue 52's
 fleet benchmark on the GPU machine: timings are real, the text is noise).
 
-usage: python3 bench/hybrid_model.py OUT_DIR [--shape gemma3-4b|gemma3-12b|tiny] [--plain] [--seed N]
+usage: python3 bench/hybrid_model.py OUT_DIR [--shape gemma3-4b|gemma3-12b|tiny] [--plain] [--wrapped] [--seed N]
 
 Gemma 3 (`gemma3_text`): five sliding-window layers (a 1024-token window, mlx-lm's RotatingKVCache) to one
 global layer (KVCache), head dim 256.
@@ -13,6 +13,8 @@ global layer (KVCache), head dim 256.
               320 MiB (40 blocks); about 21 GB of weights. A fleet's points fill tens of GB of store: mind
               the machine's disk.
   tiny:       6 layers (1 global), a 16-token window: for the tests here.
+--wrapped: as Gemma 3's 4B, 12B and 27B checkpoints come, mlx-lm's `gemma3` (a multimodal wrapper, its text model
+in `language_model`, its config in `text_config`), the same weights under that prefix: what users load.
 --plain: the cousin, every layer global (sliding_window_pattern 1): the same parameters (the same seed
 gives the same weights), only the attention span differs, so the two runs compare restore points against
 plain blocks. The tokenizer is a small byte-level BPE, as ../shared/gpu/make_model.py's, with the test kit's
@@ -28,7 +30,7 @@ import pathlib
 import sys
 
 import mlx.core as mx
-from mlx_lm.models import gemma3_text
+from mlx_lm.models import gemma3, gemma3_text
 from mlx_lm.utils import save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -80,14 +82,19 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shape", default="gemma3-4b", choices=SHAPES)
     ap.add_argument("--plain", action="store_true", help="the cousin: every layer global attention")
+    ap.add_argument("--wrapped", action="store_true", help="as Gemma 3's 4B-27B checkpoints: mlx-lm's gemma3 wrapper")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config_of(a.shape, a.plain, write_tokenizer(out, GEMMA3["max_position_embeddings"]))
+    if a.wrapped:
+        cfg = {"model_type": "gemma3", "text_config": cfg, "vocab_size": cfg["vocab_size"],
+               "eos_token_id": cfg["eos_token_id"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     mx.random.seed(a.seed)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
+    model = gemma3.Model(gemma3.ModelArgs.from_dict(cfg)) if a.wrapped else \
+        gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     save_model(out, model, donate_model=True)

@@ -26,13 +26,14 @@ TOOL = {"type": "function", "function": {"name": "read_file", "description": "Re
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """{"hybrid": folder, "plain": folder}, written by the script as the device runs it."""
+    """{"hybrid": folder, "plain": folder, "wrapped": folder}, written by the script as the device runs it."""
     root = tmp_path_factory.mktemp("hybrid")
-    folders = {"hybrid": root / "hybrid", "plain": root / "plain"}
+    folders = {"hybrid": root / "hybrid", "plain": root / "plain", "wrapped": root / "wrapped"}
     argv = sys.argv
     try:
         for name, folder in folders.items():  # run as the device runs it (its __main__), in this process
-            sys.argv = ["hybrid_model.py", str(folder), "--shape", "tiny", *(["--plain"] if name == "plain" else [])]
+            sys.argv = ["hybrid_model.py", str(folder), "--shape", "tiny", *({"plain": ["--plain"],
+                                                                             "wrapped": ["--wrapped"]}.get(name, []))]
             runpy.run_path(str(ROOT / "bench" / "hybrid_model.py"), run_name="__main__")
     finally:
         sys.argv = argv
@@ -55,12 +56,14 @@ def test_the_folders_load_in_mlx_lm_as_gemma3_and_its_plain_cousin(made):
     assert logits.dtype == mx.bfloat16 and mx.isfinite(logits).all().item()
 
 
-@pytest.mark.parametrize("name", ["hybrid", "plain"])
+@pytest.mark.parametrize("name", ["hybrid", "plain", "wrapped"])
 def test_kvwake_serves_the_hybrid_through_restore_points_and_cuts_the_cousin(made, tmp_path, name):
+    """The wrapped hybrid (Gemma 3's 4B-27B checkpoints' structure) as the hybrid: points, cut, packed."""
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, made[name])
     try:
-        assert engine.cuttable == (name == "plain") and engine.points.enabled == (name == "hybrid")
+        assert engine.cuttable == (name == "plain") and engine.points.enabled == (name != "plain")
+        assert engine.points.cuts == (name != "plain") and engine.planner.pack_prefill
     finally:
         engine.close()
         store.close()
