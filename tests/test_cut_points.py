@@ -137,3 +137,22 @@ def test_an_engine_closes_while_a_reply_point_waits_for_a_point_whose_idle_job_n
     closing.join(5)
     assert not closing.is_alive(), "Engine.close waits for ever"
     store.close()
+
+
+@pytest.mark.parametrize("leading", [False, True], ids=["alone", "leading a shared prefill"])
+def test_a_chunk_that_passes_several_points_holds_only_its_deepest_unless_it_leads(open_engine, monkeypatch, leading):
+    """A session goes back to its latest point alone: a chunk that passes several holds one copy of the rings, its
+    deepest point's; a session leading a shared prefill holds each (its waiters copy whichever lies within their
+    tokens). Was: every point of the chunk copied the rings on the device, each replaced by the next."""
+    engine = open_engine("gemma3_text")
+    held: list[int] = []
+    real = points.hold
+    monkeypatch.setattr(points, "hold", lambda session, position, cache=None: (held.append(position),
+                                                                               real(session, position, cache)))
+    s = Session("s")
+    s.point_trail = [] if leading else None
+    engine.append(s, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go."}])
+    taken = points.stops(s.tokens, 0, len(s.tokens) - 1, B, engine.points.marks)
+    assert len(taken) >= 2 and engine.points.cuts
+    assert held == (taken if leading else taken[-1:]) and s.held_point[0] == taken[-1]
+    assert [p for p, _ in s.point_trail] == taken if leading else s.point_trail is None

@@ -174,14 +174,16 @@ class PointTaker:
             return None
         idle = self.idle_of() if cut and mlx is not direct and self._driver is not None else None
         try:
-            plans = [self._plan(session.tokens[:at]) for at in ats]
+            keys = chain_keys(self.ctx.bundle.hash, session.tokens[: ats[-1]], self.ctx.block_tokens)
+            plans = [self._plan(session.tokens[:at], keys[: at // self.ctx.block_tokens]) for at in ats]
             if idle is not None:
                 return self._take_later(session, ats, plans, mlx, idle)
             needed = sorted({k for plan in plans if plan is not None for k in plan[2]})
             copied: dict[int, dict] = {}  # plain layers' blocks: the same in the session's cache as in a cut
             for first, count in _runs(needed[:-SPAN_BLOCKS], SPAN_BLOCKS):  # a job a span: a neighbour waits one
                 copied.update(mlx(lambda first=first, count=count: self._copy_blocks(session.cache, first, count)))
-            taken = mlx(lambda: [self._take_at(session, at, plan, copied, cut) for at, plan in zip(ats, plans)])
+            taken = mlx(lambda: [self._take_at(session, at, plan, copied, cut, self._holds(session, at, ats))
+                                 for at, plan in zip(ats, plans)])
         except Exception as exc:  # the index or the copies failed: the prefill goes on without these points
             self._failed(position, exc)
             return None
@@ -206,7 +208,8 @@ class PointTaker:
         alive, meanwhile. More than MAX_DEFERRED waiting, or their arrays past `defer_bytes`: taken at once, as in
         process. The Future returned is the last point's write, done once its idle job ran."""
         try:
-            cuts, pinned = mlx(lambda: ([self._hold_at(session, at, True) for at in ats], _array_bytes(session.cache)))
+            cuts, pinned = mlx(lambda: ([self._hold_at(session, at, True, self._holds(session, at, ats)) for at in ats],
+                                        _array_bytes(session.cache)))
         except Exception as exc:  # the cuts or the copies failed: the prefill goes on without these points
             self._failed(session.processed, exc)
             return None
@@ -292,11 +295,11 @@ class PointTaker:
         blocks, _, point = got
         return self._write(tokens, blocks, key, point)
 
-    def _plan(self, tokens: list[int]) -> tuple[list[str], dict, list[int], frozenset[int]] | None:
-        """Caller's thread, for a point closing `tokens`: (their chain keys, the blocks the store holds, the
-        blocks it lacks, those it holds without window rows near the end), or None when the point is stored."""
+    def _plan(self, tokens: list[int], keys: list[str]) -> tuple[list[str], dict, list[int], frozenset[int]] | None:
+        """Caller's thread, for a point closing `tokens` (`keys`: their chain keys, a chunk's deepest point's cut
+        to these): (the keys, the blocks the store holds, the blocks it lacks, those it holds without window rows
+        near the end), or None when the point is stored."""
         store, bundle, b = self.ctx.store, self.ctx.bundle.hash, self.ctx.block_tokens
-        keys = chain_keys(bundle, tokens, b)
         if store.point_refs(keys[-1:], bundle):
             return None
         usable = store.usable_blocks(keys, tokens)  # the blocks the store holds are not copied
@@ -307,17 +310,24 @@ class PointTaker:
         return keys, usable, needed, bare
 
     def _take_at(self, session: Session, position: int, plan: tuple | None, copied: dict[int, dict],
-                 cut: bool) -> tuple[dict, list | None, dict] | None:
-        """Engine thread: the point at `position` (the cache cut there, or standing there) held, and, when
-        `plan` says the store lacks it, (its blocks the store lacks, its marker's window, the point) on the host."""
-        cache = self._hold_at(session, position, cut)
+                 cut: bool, held: bool) -> tuple[dict, list | None, dict] | None:
+        """Engine thread: the point at `position` (the cache cut there, or standing there), held when `held`, and,
+        when `plan` says the store lacks it, (its blocks the store lacks, its marker's window, the point) on the
+        host."""
+        cache = self._hold_at(session, position, cut, held)
         return None if cache is None or plan is None else self._copies(cache, position, plan, copied)
 
-    def _hold_at(self, session: Session, position: int, cut: bool) -> list | None:
-        """Engine thread: the cache at `position` (cut there, or the session's standing there), held when
-        points are held; None where a ring does not hold it (a one-token chunk rotates it in place)."""
+    def _holds(self, session: Session, position: int, ats: list[int]) -> bool:
+        """Whether the point at `position`, one of a chunk's `ats`, is held: points are held, and it is the chunk's
+        deepest (a session holds its latest alone), or the session leads a shared prefill (its waiters copy
+        whichever lies within their tokens)."""
+        return self.held and (position == ats[-1] or session.point_trail is not None)
+
+    def _hold_at(self, session: Session, position: int, cut: bool, held: bool) -> list | None:
+        """Engine thread: the cache at `position` (cut there, or the session's standing there), held when `held`;
+        None where a ring does not hold it (a one-token chunk rotates it in place)."""
         cache = cut_at(session.cache, position, self.ctx.block_tokens) if cut else session.cache
-        if cache is not None and self.held:
+        if cache is not None and held:
             hold(session, position, cache)
         return cache
 
@@ -438,8 +448,7 @@ class PointTaker:
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
         its session's prefills took (the remote tier sends them together). `owner`: that session's points alone
         (a sleep's: another session's copies are not its wait), else every waiting point and every write
-        handed before the call. Waits for the points handed to the
-        driver before the call, not those a turn cuts meanwhile (their writes wait for their idle jobs)."""
+        handed before the call; not the points a turn cuts meanwhile."""
         if self._driver is None:
             return
         with self._lock:

@@ -204,7 +204,7 @@ class Engine(Appending):
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
-        self.points.defer_bytes = kv_bound // DEFERRED_SHARE  # and again as the room moves (set_kv_room)
+        self.points.defer_bytes = kv_bound // DEFERRED_SHARE  # the share set_kv_room keeps as the room moves
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
                                      self.bundle.hash) if tuning.paged_kv else None
         # Whether a wake may take its first blocks from another session's cache: plain KV, not quantized (what
@@ -237,7 +237,7 @@ class Engine(Appending):
         if pages is not None:
             pages.set_budget(room if room is not None else self.hot_budget_bytes)
         points = getattr(self, "points", None)  # the arrays cut points keep alive while their copies wait: a share
-        if points is not None:
+        if points is not None:  # (made after the first room is set, and given its share then)
             points.defer_bytes = (room if room is not None else self.hot_budget_bytes) // DEFERRED_SHARE
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
