@@ -2,9 +2,9 @@
 
 usage: python3 bench/point_copies.py MODEL [--tokens 10709] [--turn 500] [--repeats 5] [--window-blocks]
 
-Issue 52's hybrid fleet on the H200 (docs/benchmarks.md, "Restore points", S37) showed a turn's point copies
-taking 58-103 ms on the engine thread for a few blocks, far from those bytes' time at the copy speed, so they
-were moved to the engine's idle time. This cuts one such point apart, in process: an Engine on MODEL prefills a
+Issue 52's hybrid fleet on the GPU machine showed a turn's point copies taking far longer on the engine thread
+than their few blocks' bytes take at the copy speed (docs/benchmarks.md, "Restore points"), so they were moved
+to the engine's idle time. This cuts one such point apart, in process: an Engine on MODEL prefills a
 prompt of `--tokens`, then a turn of `--turn` more in one chunk that passes a block boundary; at that boundary
 the cut (`points.cut_at`), the held copy (`points.hold`), the blocks the store lacks (`_copy_blocks`), the rings'
 rows (`_window_rows`, with `--window-blocks`) and the point itself (`_point`) are each timed alone, best of

@@ -562,8 +562,8 @@ def test_a_point_cut_from_a_chunk_that_passed_it_is_the_point_a_chunk_stopped_th
 
 
 def test_the_points_a_chunk_passed_are_taken_in_one_engine_job(open_engine):
-    """Eight turns at once each waited a decode step for each of their points' copies (H200: appends of 0.7-0.9 s
-    against the cousin's 0.39): now a chunk's points, held and copied, are one job (a long prompt's first blocks
+    """Eight turns at once each waited a decode step for each of their points' copies (docs/benchmarks.md,
+    "Restore points"): now a chunk's points, held and copied, are one job (a long prompt's first blocks
     a job a span before it)."""
     engine = open_engine("gemma3_text")
     jobs: list[str] = []
