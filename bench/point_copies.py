@@ -28,7 +28,7 @@ from kvwake.daemon.config import Tuning  # noqa: E402
 from kvwake.daemon.kv import points  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
-from kvwake.store import Store  # noqa: E402
+from kvwake.store import Store, chain_keys  # noqa: E402
 
 
 def host_bytes(value) -> int:
@@ -79,7 +79,7 @@ def main() -> None:
             session.processed = len(tokens) - 1
             at = session.processed // b * b
             taker = engine.points
-            plan = taker._plan(tokens[:at])
+            plan = taker._plan(tokens[:at], chain_keys(taker.ctx.bundle.hash, tokens[:at], b))
             if plan is None:
                 raise SystemExit(f"the store holds the point at {at} already: nothing to copy")
             parts = {}

@@ -20,6 +20,7 @@ from kvwake.daemon.model.scheduler import pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
+from kvwake.store import Store
 from tests.test_batching import engine, session  # noqa: F401 - the batched engine fixture
 from tests.test_prefill_slices import LayersOnly
 
@@ -241,7 +242,18 @@ def test_a_turn_that_fits_no_pack_goes_alone_beside_it(engine):
         assert a.processed == b.processed and same(a.cache, b.cache)
 
 
-def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine):
+@pytest.fixture
+def engine512(model_dir, tmp_path):
+    """The CPU's chunk size on every backend (CUDA's 2048 would take these prompts in one chunk)."""
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model_dir, max_batch=8, prefill_step=512)
+    yield e
+    e.close()
+    store.close()
+
+
+def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine512):
+    engine = engine512
     prompts = ["the archive holds notes and plans " * 40, "tool output, line after line " * 45]
     alone = [session(engine, f"alone{i}", p) for i, p in enumerate(prompts)]
     together = []
