@@ -134,21 +134,24 @@ def test_conversations_starting_together_prefill_their_shared_system_prompt_once
 
 
 @contextlib.contextmanager
-def stalled_writes(tmp_path):
+def stalled_writes(tmp_path, window: int | None = None):
     """An in-process session manager on a tiny gemma3_text whose points writer waits for `gate` (at most 20 s:
-    an append it holds returns then) and sets `written` after a write; yields (manager, engine, gate, written)."""
+    an append it holds returns then) and sets `written` after a write; yields (manager, engine, gate, written).
+    `window`: the model's sliding window, the rings' rows then stored in blocks (`window_blocks`)."""
     import threading
 
-    from kvwake.daemon.config import Settings
+    from kvwake.daemon.config import Settings, Tuning
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.provider import ModelProvider
     from kvwake.daemon.model.thread import EngineThread
     from kvwake.daemon.sessions.manager import SessionManager
     from kvwake.store import Store
 
-    folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text", ascii_replies=True)
+    folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text", ascii_replies=True,
+                            **({"sliding_window": window} if window else {}))
     store, thread = Store(tmp_path / "store", block_tokens=16), EngineThread()
-    engine = thread.submit(lambda: Engine(store, tmp_path, folder)).result()
+    tuning = Tuning(window_blocks=window is not None)
+    engine = thread.submit(lambda: Engine(store, tmp_path, folder, tuning=tuning)).result()
     manager = SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     gate, written, real = threading.Event(), threading.Event(), engine.points._write
 
@@ -344,3 +347,32 @@ async def test_a_sleep_makes_its_own_sessions_waiting_points_and_no_others(tmp_p
             arrival.land()
         await manager.sleep("b")
         assert engine.points.status()["points_waiting"] == 0
+
+
+@pytest.mark.parametrize("first", ["sleep", "idle"])
+async def test_waiting_points_that_write_the_same_blocks_are_stored_shallowest_first(tmp_path, first):
+    """Window rows in blocks: a block stored without the rows a point's marker reads makes that point whole
+    (`points_joined`). A point's cut holds rows from its own window on, so the first writer of a block should
+    be the shallowest point past it. A sleep first stores the waiting points that write its blocks, whoever
+    took them, shallowest first; an idle job first makes the shallower waiting points that write its blocks.
+    Was: `a`'s own point (at 256, its cut holding rows from 224 on) wrote the shared block 9 without rows, at
+    `a`'s sleep or as the first idle job, and `b`'s point over it was stored whole (the H200 fleet: 2 of 42
+    points, 8% of the store)."""
+    shared = [(i * 7) % 200 + 20 for i in range(160)]
+    with stalled_writes(tmp_path, window=32) as (manager, engine, gate, written):
+        gate.set()
+        arrival = manager.thread.arrive()  # no idle job runs meanwhile: every point waits
+        try:
+            for name, own in (("a", 100), ("b", 20)):  # a's point at 256 waits first, b's at 176 (and 160) after
+                await manager.create(name)
+                await manager.append(name, tokens=shared + [(i * 11) % 190 + 30 + len(name) for i in range(own)])
+            assert engine.points.window_names and engine.points.status()["points_waiting"] >= 2
+            if first == "sleep":
+                await manager.sleep("a")
+        finally:
+            arrival.land()
+        engine.points.flush()  # the idle jobs, in the order they were queued: a's first
+        await manager.sleep("b")
+        taker = engine.points.status()
+        assert taker["points_waiting"] == 0 and taker["points_written"] == taker["points_taken"] >= 2
+        assert taker["points_marked"] == taker["points_taken"] and taker["points_joined"] == 0, taker

@@ -38,7 +38,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -120,8 +120,8 @@ class PointTaker:
         self._deferred = 0  # points whose host copies wait for an idle job
         self._deferred_bytes = 0  # the bytes of the arrays their cuts keep alive (at most, counted as they were cut)
         self.defer_bytes: int | None = None  # the most they may keep alive (the engine sets it from its KV room)
-        # those points, until written: (the session, the copies' job, what gives it up, the write's Future)
-        self._pending: dict[int, tuple[str, Callable[[], None], Callable[[], None], Future]] = {}
+        # those points, until written
+        self._pending: dict[int, _Waiting] = {}
         self._closed = threading.Event()
         self._driver = ThreadPoolExecutor(1, thread_name_prefix="kvwake-points") if self.enabled else None
         self._lock = threading.Lock()
@@ -255,7 +255,13 @@ class PointTaker:
                 self._deferred_bytes -= pinned
             return True
 
+        writes = frozenset(plan[0][i] for i in plan[2])
+
         def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
+            if held.get("cut") is None:
+                return
+            for w in self._shallower(position, writes):  # their blocks written first, with their rows (`hurry`)
+                w.job()
             cache = held.get("cut")
             if cache is None:
                 return
@@ -281,10 +287,16 @@ class PointTaker:
                 written.set_result(False)
 
         with self._lock:
-            self._pending[key] = (owner, job, drop, written)
+            self._pending[key] = _Waiting(owner, position, job, drop, written, writes)
         written.add_done_callback(lambda _: self._forget(key))
         idle(job)
         return written
+
+    def _shallower(self, position: int, writes: frozenset[str]) -> list[_Waiting]:
+        """The waiting points before `position` that write one of the blocks `writes`, shallowest first."""
+        with self._lock:
+            return sorted((w for w in self._pending.values() if w.position < position and not w.writes.isdisjoint(writes)),
+                          key=lambda w: w.position)
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -443,16 +455,28 @@ class PointTaker:
         self._count("held_points_used")
         self._count("held_point_tokens", tokens)
 
-    def hurry(self, mlx: Mlx, owner: str | None = None) -> None:
+    def hurry(self, mlx: Mlx, owner: str | None = None, tokens: list[int] | None = None) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
-        its session's prefills took (the remote tier sends them together). `owner`: that session's points alone
-        (a sleep's: another session's copies are not its wait), else every waiting point and every write
-        handed before the call; not the points a turn cuts meanwhile."""
+        its session's prefills took (the remote tier sends them together). `owner`: that session's points (a
+        sleep's: another session's copies are not its wait), and with `tokens` (what the sleep writes) every
+        other point that writes one of their blocks: a window block the sleep stored first would carry only the
+        rows its ring still holds, and a marker over it would be stored whole (`_settled`; the fleet's agents,
+        sleeping one after another at a shutdown, stored 2 of 42 points so). Else every waiting point and every
+        write handed before the call; not the points a turn cuts meanwhile.
+
+        Made and written from the shallowest point on: the first to write a block is then the shallowest point
+        past it, whose window is the likeliest to hold the block's rows (a deeper one's cut holds only its own
+        window's)."""
         if self._driver is None:
             return
         with self._lock:
-            waiting = [(job, written) for who, job, _, written in self._pending.values() if owner in (None, who)]
+            pending = sorted(self._pending.values(), key=lambda w: w.position)
+        shared: set[str] = set()
+        if owner is not None and tokens and any(w.owner != owner for w in pending):
+            b = self.ctx.block_tokens
+            shared = set(chain_keys(self.ctx.bundle.hash, tokens[: len(tokens) // b * b], b))
+        waiting = [(w.job, w.written) for w in pending if owner in (None, w.owner) or not w.writes.isdisjoint(shared)]
         handed = self._driver.submit(lambda: None) if owner is None else None  # behind every write ready now
         for job, _ in waiting:
             mlx(job)
@@ -465,7 +489,7 @@ class PointTaker:
         """Wait for the points handed to the driver so far, and for those waiting for the engine's idle time (cut
         points' copies: nothing decoding; a caller on a turn's way uses `hurry`)."""
         with self._lock:
-            waiting = [written for _, _, _, written in self._pending.values()]
+            waiting = [w.written for w in self._pending.values()]
         for written in waiting:
             written.result()
         if self._driver is not None:
@@ -481,7 +505,7 @@ class PointTaker:
         so do the waits for them: a reply point's `flush`)."""
         self._closed.set()
         with self._lock:
-            drops = [drop for _, _, drop, _ in self._pending.values()]
+            drops = [w.drop for w in self._pending.values()]
         for drop in drops:
             drop()
 
@@ -496,6 +520,17 @@ TRAIL_KEPT = 8  # points a shared prefill's leader holds for its waiters (a 10k-
 # layers are)
 ALWAYS_TRIMMED = (KVCache, QuantizedKVCache, PagedKVCache)
 _UNSIGNED = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+class _Waiting(NamedTuple):
+    """A point whose host copies wait for the engine's idle time (`PointTaker._defer`)."""
+
+    owner: str  # the session whose prefill took it
+    position: int
+    job: Callable[[], None]  # its copies, then its write handed to the driver
+    drop: Callable[[], None]  # gives it up (the engine thread has stopped)
+    written: Future  # its write's
+    writes: frozenset[str]  # the chain keys of the blocks it writes (those the store lacked at its take)
 
 
 class _Members(list):
