@@ -124,7 +124,7 @@ class Tuning:
     held_points: bool = True
     # sliding-window layers' rows at a restore point stored by token in the blocks, the point over them a
     # marker (kv/window_rows.py); False: a point holds its rings whole
-    window_blocks: bool = False
+    window_blocks: bool = True
     # a model whose only uncuttable layers are sliding windows' rings (Gemma 3) takes its restore points from
     # the prefill chunks that ran past them (kv/points.py `cut_at`); False: its chunks stop at each point, as a
     # model with recurrent layers' do

@@ -356,8 +356,8 @@ async def test_waiting_points_that_write_the_same_blocks_are_stored_shallowest_f
     be the shallowest point past it. A sleep first stores the waiting points that write its blocks, whoever
     took them, shallowest first; an idle job first makes the shallower waiting points that write its blocks.
     Was: `a`'s own point (at 256, its cut holding rows from 224 on) wrote the shared block 9 without rows, at
-    `a`'s sleep or as the first idle job, and `b`'s point over it was stored whole (the H200 fleet: 2 of 42
-    points, 8% of the store)."""
+    `a`'s sleep or as the first idle job, and `b`'s point over it was stored whole (the H200
+    fleet: its 42 points 8% of the store)."""
     shared = [(i * 7) % 200 + 20 for i in range(160)]
     with stalled_writes(tmp_path, window=32) as (manager, engine, gate, written):
         gate.set()

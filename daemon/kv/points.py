@@ -295,8 +295,8 @@ class PointTaker:
     def _shallower(self, position: int, writes: frozenset[str]) -> list[_Waiting]:
         """The waiting points before `position` that write one of the blocks `writes`, shallowest first."""
         with self._lock:
-            return sorted((w for w in self._pending.values() if w.position < position and not w.writes.isdisjoint(writes)),
-                          key=lambda w: w.position)
+            shallower = [w for w in self._pending.values() if w.position < position and not w.writes.isdisjoint(writes)]
+        return sorted(shallower, key=lambda w: w.position)
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -461,9 +461,9 @@ class PointTaker:
         its session's prefills took (the remote tier sends them together). `owner`: that session's points (a
         sleep's: another session's copies are not its wait), and with `tokens` (what the sleep writes) every
         other point that writes one of their blocks: a window block the sleep stored first would carry only the
-        rows its ring still holds, and a marker over it would be stored whole (`_settled`; the fleet's agents,
-        sleeping one after another at a shutdown, stored 2 of 42 points so). Else every waiting point and every
-        write handed before the call; not the points a turn cuts meanwhile.
+        rows its ring still holds, and a marker over it would be stored whole (`_settled`: the fleet's agents,
+        sleeping one after another at a shutdown, so made points 8% of its store). Else every waiting point and
+        every write handed before the call; not the points a turn cuts meanwhile.
 
         Made and written from the shallowest point on: the first to write a block is then the shallowest point
         past it, whose window is the likeliest to hold the block's rows (a deeper one's cut holds only its own
