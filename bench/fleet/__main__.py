@@ -40,7 +40,7 @@ sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p or ".").resolve() != H
 
 from bench.fleet.agents import Fleet, Texts  # noqa: E402
 from bench.fleet.report import compare, summary, table  # noqa: E402
-from bench.fleet.run import run_server  # noqa: E402
+from bench.fleet.run import TurnFailed, run_server  # noqa: E402
 from bench.fleet.servers import Kvwake, MlxServer  # noqa: E402
 from bench.lib import agent_model, machine  # noqa: E402
 
@@ -57,11 +57,17 @@ def quantized(model: Path, work: Path) -> Path:
 
 def one_config(model: Path, fleet: Fleet, apis: list[str], work: Path, gpu: bool, baseline: bool = True) -> dict[str, Any]:
     """Every server of one configuration, mlx_lm.server first (unless `baseline` is off: kvwake's own figures,
-    nothing compared); the comparisons per kvwake API."""
+    nothing compared); the comparisons per kvwake API. A baseline whose turns failed is reported as failed
+    (`failed`: why), and kvwake's runs go on, their figures beside no ratio."""
     texts = Texts(model)
     system = texts.system(fleet)
-    runs = {"mlx_lm.server": summary(run_server(MlxServer(work / "mlx", model), "openai", fleet, texts, system))} \
-        if baseline else {}
+    runs: dict[str, Any] = {}
+    if baseline:
+        try:
+            runs["mlx_lm.server"] = summary(run_server(MlxServer(work / "mlx", model), "openai", fleet, texts, system))
+        except TurnFailed as exc:  # the H200's 8 agents over 25k tokens: "generation thread died" in round 2
+            print(f"mlx_lm.server failed: {exc}", flush=True)
+            runs["mlx_lm.server"] = {"server": "mlx_lm.server", "failed": str(exc)}
     for api in apis:
         runs[f"kvwake {api}"] = summary(run_server(Kvwake(work / f"kvwake-{api}", model), api, fleet, texts, system))
     return {"fleet": asdict(fleet), "runs": runs,
@@ -113,9 +119,11 @@ def main() -> None:
                 done = one_config(model, fleet, a.apis.split(","), work / f"{variant}-{agents}-{system_tokens}", gpu,
                                   baseline=not a.no_baseline)
                 configs.append({"variant": variant, **done})
+                failed = done["runs"].get("mlx_lm.server", {}).get("failed")
                 for name, rows in done["compared"].items():
                     text.append(table(rows, f"{variant}, {agents} agents, {system_tokens}-token prompt, "
-                                            f"{a.turns} turns: {name} against mlx_lm.server"))
+                                            f"{a.turns} turns: {name} against mlx_lm.server"
+                                            + (f" (mlx_lm.server failed: {failed})" if failed else "")))
                     print(text[-1], flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
