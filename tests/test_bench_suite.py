@@ -100,7 +100,7 @@ def test_the_fleet_goes_on_and_reports_kvwake_alone_when_mlx_lm_servers_turns_fa
     fleet = Fleet(agents=1, system_tokens=256, turns=1, task_tokens=32, result_tokens=32, reply_tokens=4, tools=1)
     done = fleet_main.one_config(agent_model("tiny", tmp_path), fleet, ["openai"], tmp_path / "run", gpu=True)
     failed = done["runs"]["mlx_lm.server"]
-    assert failed["server"] == "mlx_lm.server" and failed["failed"].endswith("generation thread died")
+    assert failed["server"] == "mlx_lm.server" and "generation thread died" in failed["failed"]
     ours = done["runs"]["kvwake openai"]
     assert ours["round_1_first_token_p50_s"] > 0 and ours["restart_first_token_p50_s"] > 0
     rows = {r["phase"]: r for r in done["compared"]["kvwake openai"]}

@@ -143,10 +143,10 @@ def test_conversations_starting_together_prefill_their_shared_system_prompt_once
 def stalled_writes(tmp_path, window: int | None = None):
     """An in-process session manager on a tiny gemma3_text whose points writer waits for `gate` (at most 20 s:
     an append it holds returns then) and sets `written` after a write; yields (manager, engine, gate, written).
-    `window`: the model's sliding window, the rings' rows then stored in blocks (`window_blocks`)."""
+    `window`: the model's sliding window (the test kit's, shorter than a block, keeps each point whole)."""
     import threading
 
-    from kvwake.daemon.config import Settings, Tuning
+    from kvwake.daemon.config import Settings
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.model.provider import ModelProvider
     from kvwake.daemon.model.thread import EngineThread
@@ -156,8 +156,7 @@ def stalled_writes(tmp_path, window: int | None = None):
     folder = make_model_dir(tmp_path / "gemma", arch="gemma3_text", ascii_replies=True,
                             **({"sliding_window": window} if window else {}))
     store, thread = Store(tmp_path / "store", block_tokens=16), EngineThread()
-    tuning = Tuning(window_blocks=window is not None)
-    engine = thread.submit(lambda: Engine(store, tmp_path, folder, tuning=tuning)).result()
+    engine = thread.submit(lambda: Engine(store, tmp_path, folder)).result()
     manager = SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     gate, written, real = threading.Event(), threading.Event(), engine.points._write
 
@@ -361,17 +360,16 @@ async def test_a_sleep_makes_its_own_sessions_waiting_points_and_no_others(tmp_p
 async def test_waiting_points_that_write_the_same_blocks_are_stored_shallowest_first(tmp_path, first):
     """Window rows in blocks: a block stored without the rows a point's marker reads makes that point whole
     (`points_joined`). A point's cut holds rows from its own window on, so the first writer of a block should
-    be the shallowest point past it. A sleep first stores the waiting points that write its blocks, whoever
-    took them, shallowest first; an idle job first makes the shallower waiting points that write its blocks.
-    Was: `a`'s own point (at 256, its cut holding rows from 224 on) wrote the shared block 9 without rows, at
-    `a`'s sleep or as the first idle job, and `b`'s point over it was stored whole (the H200
-    fleet: its 42 points 8% of the store)."""
+    be the shallowest point past it. A point's copies (a sleep's `hurry` of its own points) make the shallower
+    waiting points that write one of its blocks first, whoever took them; an idle job goes behind them. Was:
+    `a`'s own point (at 256, its cut holding rows from 224 on) wrote the shared block 9 without rows, at `a`'s
+    sleep or as the first idle job, and `b`'s point over it was stored whole."""
     shared = [(i * 7) % 200 + 20 for i in range(160)]
     with stalled_writes(tmp_path, window=32) as (manager, engine, gate, written):
         gate.set()
         arrival = manager.thread.arrive()  # no idle job runs meanwhile: every point waits
         try:
-            for name, own in (("a", 100), ("b", 20)):  # a's point at 256 waits first, b's at 176 (and 160) after
+            for name, own in (("a", 100), ("b", 20)):  # a's point at 256 waits first, b's at 176 after
                 await manager.create(name)
                 await manager.append(name, tokens=shared + [(i * 11) % 190 + 30 + len(name) for i in range(own)])
             assert engine.points.window_names and engine.points.status()["points_waiting"] >= 2
@@ -384,3 +382,28 @@ async def test_waiting_points_that_write_the_same_blocks_are_stored_shallowest_f
         taker = engine.points.status()
         assert taker["points_waiting"] == 0 and taker["points_written"] == taker["points_taken"] >= 2
         assert taker["points_marked"] == taker["points_taken"] and taker["points_joined"] == 0, taker
+
+
+async def test_a_point_copied_at_once_past_the_deferrals_bound_makes_the_shallower_waiting_ones_first(tmp_path):
+    """Past the deferral's bound a point's copies are made at once, on the turn's path; the waiting points
+    shallower than it that write one of its blocks are made and written first, so the deeper one does not store
+    their window blocks without rows (the review's case: `b`'s point was stored whole, `points_joined` 1)."""
+    shared = [(i * 7) % 200 + 20 for i in range(160)]
+    with stalled_writes(tmp_path, window=32) as (manager, engine, gate, written):
+        gate.set()
+        arrival = manager.thread.arrive()  # no idle job runs meanwhile
+        try:
+            await manager.create("b")
+            await manager.append("b", tokens=shared + [(i * 11) % 190 + 31 for i in range(20)])
+            waiting = engine.points.status()
+            assert waiting["points_waiting"] == 1 and waiting["points_written"] == 0
+            engine.points.defer_bytes = waiting["points_waiting_bytes"]  # full: a's point is copied at once
+            await manager.create("a")
+            await manager.append("a", tokens=shared + [(i * 11) % 190 + 32 for i in range(100)])
+            taker = engine.points.status()
+            assert taker["points_waiting"] == 0 and taker["points_taken"] == 2  # b's made first, then a's
+        finally:
+            arrival.land()
+        engine.points.flush()
+        taker = engine.points.status()
+        assert taker["points_written"] == 2 and taker["points_marked"] == 2 and taker["points_joined"] == 0, taker

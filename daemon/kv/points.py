@@ -229,7 +229,7 @@ class PointTaker:
                 pinned = 0
                 continue
             try:
-                got = mlx(lambda at=at, plan=plan, cache=cache: self._copies(cache, at, plan, {}))
+                got = mlx(lambda at=at, plan=plan, cache=cache: self._copies_after_shallower(cache, at, plan))
             except Exception as exc:
                 self._failed(at, exc)
                 continue
@@ -255,9 +255,9 @@ class PointTaker:
                 self._deferred_bytes -= pinned
             return True
 
-        writes = frozenset(plan[0][i] for i in plan[2])
+        writes = _writes(plan)
 
-        def job() -> None:  # on the engine thread, once: as an idle job, or through `hurry`
+        def job() -> None:  # on the engine thread, once: through `hurry`, a deeper point's job, or `later`
             if held.get("cut") is None:
                 return
             for w in self._shallower(position, writes):  # their blocks written first, with their rows (`hurry`)
@@ -282,21 +282,43 @@ class PointTaker:
                 handed.add_done_callback(lambda f: written.set_result(
                     not f.cancelled() and f.exception() is None and bool(f.result())))
 
+        def later() -> None:
+            """The idle job: a shallower waiting point that writes one of its blocks goes first, as an idle job
+            of its own (each idle job one point's copies: a turn that comes meanwhile waits for one alone), this
+            one queued again behind it."""
+            if held.get("cut") is None:
+                return
+            if self._shallower(position, writes):
+                idle(later)
+                return
+            job()
+
         def drop() -> None:  # `give_up`: the engine thread has stopped, the job will never run
             if release():
                 written.set_result(False)
 
         with self._lock:
-            self._pending[key] = _Waiting(owner, position, job, drop, written, writes)
+            self._pending[key] = _Waiting(owner, position, job, drop, written, writes, held)
         written.add_done_callback(lambda _: self._forget(key))
-        idle(job)
+        idle(later)
         return written
 
     def _shallower(self, position: int, writes: frozenset[str]) -> list[_Waiting]:
-        """The waiting points before `position` that write one of the blocks `writes`, shallowest first."""
+        """The waiting points before `position` whose copies are still to be made and that write one of the
+        blocks `writes`, shallowest first. A point's cut holds a ring's rows from its own window on, so a block's
+        first writer should be the shallowest point past it: a block stored without the rows a marker reads makes
+        that point whole (`_settled`)."""
         with self._lock:
-            shallower = [w for w in self._pending.values() if w.position < position and not w.writes.isdisjoint(writes)]
+            shallower = [w for w in self._pending.values() if w.position < position and "cut" in w.held
+                         and not w.writes.isdisjoint(writes)]
         return sorted(shallower, key=lambda w: w.position)
+
+    def _copies_after_shallower(self, cache: list, position: int, plan: tuple) -> tuple[dict, list | None, dict]:
+        """Engine thread: `_copies` of a point taken at once (past the deferral's bounds), the waiting points
+        shallower than it that write one of its blocks made and handed to the driver first."""
+        for w in self._shallower(position, _writes(plan)):
+            w.job()
+        return self._copies(cache, position, plan, {})
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -455,28 +477,18 @@ class PointTaker:
         self._count("held_points_used")
         self._count("held_point_tokens", tokens)
 
-    def hurry(self, mlx: Mlx, owner: str | None = None, tokens: list[int] | None = None) -> None:
+    def hurry(self, mlx: Mlx, owner: str | None = None) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`
         (a job each), and every point handed to the driver written: a sleep's snapshot goes with the points
-        its session's prefills took (the remote tier sends them together). `owner`: that session's points (a
-        sleep's: another session's copies are not its wait), and with `tokens` (what the sleep writes) every
-        other point that writes one of their blocks: a window block the sleep stored first would carry only the
-        rows its ring still holds, and a marker over it would be stored whole (`_settled`: the fleet's agents,
-        sleeping one after another at a shutdown, so made points 8% of its store). Else every waiting point and
-        every write handed before the call; not the points a turn cuts meanwhile.
-
-        Made and written from the shallowest point on: the first to write a block is then the shallowest point
-        past it, whose window is the likeliest to hold the block's rows (a deeper one's cut holds only its own
-        window's)."""
+        its session's prefills took (the remote tier sends them together). `owner`: that session's points alone
+        (a sleep's: another session's copies are not its wait, but for those shallower than its own that write
+        one of their blocks, made first: `_shallower`), else every waiting point and every write handed before
+        the call; not the points a turn cuts meanwhile. Made from the shallowest point on."""
         if self._driver is None:
             return
         with self._lock:
             pending = sorted(self._pending.values(), key=lambda w: w.position)
-        shared: set[str] = set()
-        if owner is not None and tokens and any(w.owner != owner for w in pending):
-            b = self.ctx.block_tokens
-            shared = set(chain_keys(self.ctx.bundle.hash, tokens[: len(tokens) // b * b], b))
-        waiting = [(w.job, w.written) for w in pending if owner in (None, w.owner) or not w.writes.isdisjoint(shared)]
+        waiting = [(w.job, w.written) for w in pending if owner in (None, w.owner)]
         handed = self._driver.submit(lambda: None) if owner is None else None  # behind every write ready now
         for job, _ in waiting:
             mlx(job)
@@ -527,10 +539,17 @@ class _Waiting(NamedTuple):
 
     owner: str  # the session whose prefill took it
     position: int
-    job: Callable[[], None]  # its copies, then its write handed to the driver
+    job: Callable[[], None]  # its copies (the shallower points' first), then its write handed to the driver
     drop: Callable[[], None]  # gives it up (the engine thread has stopped)
     written: Future  # its write's
     writes: frozenset[str]  # the chain keys of the blocks it writes (those the store lacked at its take)
+    held: dict  # its cut under "cut" until its copies are made or it is given up
+
+
+def _writes(plan: tuple) -> frozenset[str]:
+    """The chain keys of the blocks a point's plan (`PointTaker._plan`) writes: those the store lacked."""
+    keys, _, needed, _ = plan
+    return frozenset(keys[i] for i in needed)
 
 
 class _Members(list):

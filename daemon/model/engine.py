@@ -414,9 +414,8 @@ class Engine(Appending):
 
         Its running persistence checkpoint is waited for and replaced: the blocks it wrote are reused."""
         phases = Phases()
-        if session.processed:  # its restore points whose copies wait for idle time, and those of others that
-            # write its blocks: stored before the snapshot (an empty one, a new session's, has none)
-            self.points.hurry(mlx, session.id, session.tokens[: session.processed])
+        if session.processed:  # its restore points whose copies wait for idle time: stored before the snapshot
+            self.points.hurry(mlx, session.id)  # (an empty one, a new session's, has none)
         supersede = self.persister.settle(session.id)
         phases.mark("settle")  # its running checkpoint waited for
         info = pipeline.sleep(self.kv, session, mlx, label=label, free=free, supersede=supersede)
