@@ -11,7 +11,8 @@ load        --sessions sessions of main decode at once, streamed (greedy, EOS ba
             each; once the first stream has --alone-tokens pieces, `model.load` loads small. Reported:
             main's gaps between tokens (as its clients receive them, bench/lib.py Stream) before the load
             (p50, p99), while it loads (p50, p99, max) and after it (p50, p99: small's warm-up jobs run
-            then), the load's time, the p99 during the load over the median alone (the issue's
+            then), the load's time, the longest gaps during it each with the small model's weight pieces
+            read meanwhile (`model.load`'s `weight_pieces`), the p99 during the load over the median alone (the issue's
             target: <= 2x), main's engine-thread jobs and steps over the slow mark during the load, and with
             --gil-watch-ms the daemon's waits for the GIL during the load (status.gil: what held it).
 unloaded    a conversation of --context tokens on main sleeps and wakes once (a plain wake, timed by
@@ -86,6 +87,25 @@ def largest_gaps(streams: list[Stream], tokenizer: Any, window: tuple[float, flo
     return sorted(gaps, key=lambda g: -g["ms"])[:kept]
 
 
+def with_pieces(gaps: list[dict[str, Any]], pieces: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Each gap with the pieces of the load's weights read while it lasted (their `at_ms` counts from the
+    loading engine's start, a hop after the call that `ended_s` counts from: lined up within that hop)."""
+    out = []
+    for g in gaps:
+        end = g["ended_s"] * 1000
+        start = end - g["ms"]
+        out.append({**g, "pieces": [p for p in pieces if p["at_ms"] < end and p["at_ms"] + p["ms"] > start]})
+    return out
+
+
+def pieces_summary(pieces: list[dict[str, float]]) -> dict[str, Any]:
+    """How many pieces the weights were read in, their bytes, and their times (ms): p50, p99, max, the longest."""
+    times = [p["ms"] for p in pieces]
+    return {"count": len(pieces), "bytes": sum(p["bytes"] for p in pieces), "ms_p50": pct(times, 0.5),
+            "ms_p99": pct(times, 0.99), "ms_max": max(times) if times else None,
+            "longest": sorted(pieces, key=lambda p: -p["ms"])[:5]}
+
+
 def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> dict[str, Any]:
     """Main's sessions decoding, small loaded once the first stream is past --alone-tokens pieces."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -131,7 +151,10 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
             # the engine thread's own intervals between steps' hand-overs (its latest 512: the load's), against
             # the gaps clients saw: a stall seen only by clients lies between the engine and the socket
             "main_step_gaps": status["engine_thread"]["step_gaps"],
-            "largest_gaps_during": largest_gaps(streams, tokenizer, (began, ended), began),
+            # each with the small model's weight pieces read during it: the next probe of the gaps (issue 53)
+            "largest_gaps_during": with_pieces(largest_gaps(streams, tokenizer, (began, ended), began),
+                                               loaded["weight_pieces"]),
+            "weight_pieces": pieces_summary(loaded["weight_pieces"]),
             # the load's own phases (ms each, in order), to line the largest gaps' `ended_s` up against
             "load_phases_ms": loaded["phases_ms"],
             # the garbage collector's runs so far, by generation (a full one pauses every thread: daemon/gcwatch.py)

@@ -16,7 +16,12 @@ class Phases:
 
     def __init__(self, since: float | None = None) -> None:
         self._last = time.perf_counter() if since is None else since
+        self.origin = self._last  # the first span's start (what `elapsed_ms` counts from)
         self.ms: dict[str, float] = {}
+
+    def elapsed_ms(self, at: float) -> float:
+        """`at` (a `time.perf_counter()` reading) in ms from the first span's start."""
+        return round((at - self.origin) * 1000, 1)
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()

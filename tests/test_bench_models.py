@@ -10,6 +10,10 @@ from testkit.daemon import REPO
 from testkit.models import two_tiny_models
 
 
+def memory_of(report: dict, name: str) -> int:
+    return report["memory"]["weights_by_model"][name]
+
+
 def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     main_dir, small_dir = two_tiny_models(tmp_path / "models")
     result = subprocess.run([sys.executable, "-m", "kvwake.client.cli", "bench", "models", "--main", str(main_dir),
@@ -30,6 +34,12 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     assert load["main_step_gaps"]["count"] > 0
     assert list(load["load_phases_ms"])[:3] == ["modules", "weights", "bundle"] and all(ms >= 0 for ms in load["load_phases_ms"].values())
     assert all(g["ms"] > 0 and g["stream"] in (0, 1) for g in load["largest_gaps_during"])
+    pieces = load["weight_pieces"]  # the small model's weights, read a piece at a time, each timed
+    assert pieces["count"] > 0 and pieces["bytes"] == memory_of(report, "small") and pieces["ms_max"] > 0
+    assert all(p["ms"] >= 0 and p["bytes"] > 0 for p in pieces["longest"])
+    for g in load["largest_gaps_during"]:  # the pieces read while a gap lasted lie within it
+        end = g["ended_s"] * 1000
+        assert all(p["at_ms"] < end and p["at_ms"] + p["ms"] > end - g["ms"] for p in g["pieces"])
     turn = report["unloaded"]
     assert turn["tokens"] > 300 and turn["wake_tokens"] == turn["tokens"]  # slept whole, woken whole
     assert turn["first_turn_s"] > 0 and turn["bound_s"] == round(turn["load_s"] + 1.2 * turn["wake_s"], 3)

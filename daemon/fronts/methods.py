@@ -120,7 +120,8 @@ async def model_load(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:
     model = await ctx.manager.ensure(name)
     # where the load went (the engine's start, by phase): what a neighbour's stream saw during it lines up
     return {"model": name, "loaded": not loaded, "bundle_hash": model.bundle.hash,
-            "phases_ms": model.started_ms if not loaded else {}}
+            "phases_ms": model.started_ms if not loaded else {},
+            "weight_pieces": model.weight_pieces if not loaded else []}
 
 
 async def model_unload(ctx: Context, p: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,9 @@ class Engine(Appending):
             staged = staging_beside_load and self.restore_mode == "staged"
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for)
-        self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started)
+        self.weight_pieces: list[dict[str, float]] = []  # each piece of the weights' read (model/weights.py)
+        self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
+                                                  timeline=self.weight_pieces)
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

@@ -52,6 +52,11 @@ class LoadedModel:
         """Where its engine's start (its load) went: ms by phase, in order."""
         return dict(self.engine.started.ms)
 
+    @property
+    def weight_pieces(self) -> list[dict[str, float]]:
+        """Each piece of its weights' read: `at_ms` from its engine's start, `ms`, `bytes` (model/weights.py)."""
+        return list(self.engine.weight_pieces)
+
 
 class ModelProvider:
     """The loaded models by name. `get(None)` is the first one loaded of those still loaded."""

@@ -10,6 +10,7 @@ docs/decisions.md, "Several models (issue 53)", says what was measured.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,14 +25,22 @@ __all__ = ["PIECE_BYTES", "load", "pieces"]
 PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its pieces are mostly one tensor each
 
 
-def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None) -> tuple[Any, Any]:
+def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
+         timeline: list[dict[str, float]] | None = None) -> tuple[Any, Any]:
     """mlx-lm's (model, tokenizer) of the model folder `path`, its weights evaluated piece by piece; `phases`
-    gets "modules" (the model built lazily, its tokenizer read) marked before the weights are read."""
+    gets "modules" (the model built lazily, its tokenizer read) marked before the weights are read, and
+    `timeline` each piece: `at_ms` (from `phases`' start, else from this call), `ms`, `bytes` -- to line the
+    pieces up against what other models' clients saw meanwhile (bench/models.py)."""
+    clock = phases if phases is not None else Phases()
     model, tokenizer = mlx_lm.load(path, lazy=True)
     if phases is not None:
         phases.mark("modules")
     for piece in pieces([v for _, v in tree_flatten(model.parameters())], most):
+        began = time.perf_counter()
         mx.eval(piece)
+        if timeline is not None:
+            timeline.append({"at_ms": clock.elapsed_ms(began), "ms": round((time.perf_counter() - began) * 1000, 2),
+                             "bytes": sum(a.nbytes for a in piece)})
     return model, tokenizer
 
 
