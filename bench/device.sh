@@ -36,10 +36,13 @@
 #             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
 #   parts     where a batched decode step's time goes (bench/step_parts.py): the step, its graph's building,
 #             the linear layers, attention, MLP, norms and head apart, at 1-32 rows x 1k and 12k (issue 51's 1k steps)
-#   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on, held points) with its chunks stopped at
-#             each restore point, then with the points cut from the chunks (`KVWAKE_CUT_POINTS`), then the plain
-#             cousin: the three in one machine ($HYBRID_RUNS picks others: MODEL:CUT, MODEL g4, g4p the cousin,
-#             g4w the hybrid in Gemma 3's multimodal wrapper, as its 4B-27B checkpoints load)
+#   hybrid-held  issue 52: the hybrid fleet (as `hybrid`, window rows on, held points), its points cut from the
+#             chunks (`KVWAKE_CUT_POINTS`), then the plain cousin, then the hybrid again (the first run compiles
+#             the kernels on a fresh machine: its round 1 is not the one to read); $HYBRID_RUNS picks others:
+#             MODEL:CUT, MODEL g4, g4p the cousin, g4w the hybrid in Gemma 3's multimodal wrapper (as its 4B-27B
+#             checkpoints load), CUT false to stop the chunks at each point
+#   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
+#             restart's trace, `wake_phases_ms`, is what to read)
 #   hybrid-server  issue 52, point 6: the hybrid fleet (window rows on) against mlx_lm.server on the same model,
 #             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
 #   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
@@ -178,6 +181,7 @@ run_part() {
               [ -f "$q4/config.json" ] || { rm -rf "$q4"; python3 -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$q4" -q 2>&1 | tail -2; } ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
+    fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
     models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
               python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
                 --alone-tokens 150 --context 10000 --out "$OUT/models" 2>&1 | tail -4 ;;
@@ -194,13 +198,13 @@ run_part() {
               python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
     parts)    model; python3 bench/step_parts.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 12 \
                 --out "$OUT/step_parts.jsonl" ;;
-    hybrid-held) for run in ${HYBRID_RUNS:-g4:false g4:true g4p:true}; do  # each run's model, made once
+    hybrid-held) for run in ${HYBRID_RUNS:-g4:true g4p:true g4:true}; do  # each run's model, made once
                 m=${run%:*}; flag=$(case $m in g4p) echo --plain ;; g4w) echo --wrapped ;; esac)
                 [ -f /tmp/$m/config.json ] || python3 bench/hybrid_model.py /tmp/$m $flag >>"$OUT/hybrid-model.txt" 2>&1
               done
-              # points stopping the chunks first: it compiles the kernels on a fresh machine (its round 1 pays for
-              # it), so the default's round 1 is timed as on a machine that served before
-              for run in ${HYBRID_RUNS:-g4:false g4:true g4p:true}; do
+              # the first run compiles the kernels on a fresh machine (its round 1 pays for it): the last one's
+              # round 1 is timed as on a machine that served before (a run again overwrites its folder)
+              for run in ${HYBRID_RUNS:-g4:true g4p:true g4:true}; do
                 KVWAKE_WINDOW_BLOCKS=true KVWAKE_CUT_POINTS=${run#*:} python3 bench/fleet --model /tmp/${run%:*} \
                   --tools 8 --agents 8 --system-tokens 10240 --turns 3 --apis openai --no-baseline \
                   --out "$OUT/hybrid-held-${run/:/-}" 2>&1 | tail -3
