@@ -24,13 +24,18 @@ from testkit.tinymodel import make_model_dir
 PROMPTS = ["short", "a somewhat longer prompt about tools " * 3, "x" * 150, "The weather today is"]
 
 
-@pytest.fixture
-def engine(model_dir, tmp_path):
+def batched_engine(model_dir, tmp_path, **options):
+    """The batched engine of these tests over a fresh 16-token-block store, closed with it after the yield."""
     store = Store(tmp_path / "store", block_tokens=16)
-    e = Engine(store, tmp_path, model_dir, max_batch=8)
+    e = Engine(store, tmp_path, model_dir, max_batch=8, **options)
     yield e
     e.close()
     store.close()
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    yield from batched_engine(model_dir, tmp_path)
 
 
 def session(engine: Engine, name: str, text: str) -> Session:

@@ -20,8 +20,7 @@ from kvwake.daemon.model.scheduler import pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
-from kvwake.store import Store
-from tests.test_batching import engine, session  # noqa: F401 - the batched engine fixture
+from tests.test_batching import batched_engine, engine, session  # noqa: F401 - the batched engine fixture
 from tests.test_prefill_slices import LayersOnly
 
 HISTORIES = ["the first agent read the tests " * 3, "a short one", "x" * 90, "the weather in the harbour " * 5]
@@ -245,11 +244,7 @@ def test_a_turn_that_fits_no_pack_goes_alone_beside_it(engine):
 @pytest.fixture
 def engine512(model_dir, tmp_path):
     """The CPU's chunk size on every backend (CUDA's 2048 would take these prompts in one chunk)."""
-    store = Store(tmp_path / "store", block_tokens=16)
-    e = Engine(store, tmp_path, model_dir, max_batch=8, prefill_step=512)
-    yield e
-    e.close()
-    store.close()
+    yield from batched_engine(model_dir, tmp_path, prefill_step=512)
 
 
 def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine512):

@@ -119,7 +119,7 @@ class PointTaker:
         self.idle_of: Callable[[], Callable[[Callable[[], Any]], None] | None] = lambda: None
         self._deferred = 0  # points whose host copies wait for an idle job
         self._deferred_bytes = 0  # the bytes of the arrays their cuts keep alive (at most, counted as they were cut)
-        self.defer_bytes: int | None = None  # the most they may keep alive (the engine sets it from its KV room)
+        self.defer_bytes: int | None = None  # the most they may keep alive (`set_room`)
         # those points, until written
         self._pending: dict[int, _Waiting] = {}
         self._closed = threading.Event()
@@ -258,13 +258,10 @@ class PointTaker:
         writes = _writes(plan)
 
         def job() -> None:  # on the engine thread, once: through `hurry`, a deeper point's job, or `later`
-            if held.get("cut") is None:
-                return
-            for w in self._shallower(position, writes):  # their blocks written first, with their rows (`hurry`)
-                w.job()
             cache = held.get("cut")
             if cache is None:
                 return
+            self._make_shallower(position, writes)  # their blocks written first, with their rows
             try:
                 got = self._copies(cache, position, plan, {})
             except Exception as exc:  # a point is an optimisation, not the prefill's result
@@ -313,11 +310,16 @@ class PointTaker:
                          and not w.writes.isdisjoint(writes)]
         return sorted(shallower, key=lambda w: w.position)
 
-    def _copies_after_shallower(self, cache: list, position: int, plan: tuple) -> tuple[dict, list | None, dict]:
-        """Engine thread: `_copies` of a point taken at once (past the deferral's bounds), the waiting points
-        shallower than it that write one of its blocks made and handed to the driver first."""
-        for w in self._shallower(position, _writes(plan)):
+    def _make_shallower(self, position: int, writes: frozenset[str]) -> None:
+        """Engine thread: the waiting points `_shallower` names, made and handed to the driver (it writes in
+        order), before the point at `position` is."""
+        for w in self._shallower(position, writes):
             w.job()
+
+    def _copies_after_shallower(self, cache: list, position: int, plan: tuple) -> tuple[dict, list | None, dict]:
+        """Engine thread: `_copies` of a point taken at once (past the deferral's bounds), the shallower waiting
+        points that write one of its blocks made first."""
+        self._make_shallower(position, _writes(plan))
         return self._copies(cache, position, plan, {})
 
     def _forget(self, key: int) -> None:
@@ -476,6 +478,11 @@ class PointTaker:
         """A session went back to its held point of `tokens` (Appending._adopt)."""
         self._count("held_points_used")
         self._count("held_point_tokens", tokens)
+
+    def set_room(self, kv_bytes: int) -> None:
+        """What KV may take now (the engine's room): the cuts of waiting points keep at most DEFERRED_SHARE of it
+        alive."""
+        self.defer_bytes = kv_bytes // DEFERRED_SHARE
 
     def hurry(self, mlx: Mlx, owner: str | None = None) -> None:
         """Caller's thread: the copies of the points waiting for the engine's idle time made now, through `mlx`

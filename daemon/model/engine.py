@@ -41,7 +41,7 @@ from kvwake.daemon.kv.context import KvContext, quantize_cache
 from kvwake.daemon.kv.paging import Pages
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
-from kvwake.daemon.kv.points import DEFERRED_SHARE, PointTaker
+from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
 from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode, weights
 from kvwake.daemon.model.appending import Appending, ShouldStop
@@ -206,7 +206,7 @@ class Engine(Appending):
         # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
-        self.points.defer_bytes = kv_bound // DEFERRED_SHARE  # the share set_kv_room keeps as the room moves
+        self.points.set_room(kv_bound)  # and again as the room moves (set_kv_room)
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
                                      self.bundle.hash) if tuning.paged_kv else None
         # Whether a wake may take its first blocks from another session's cache: plain KV, not quantized (what
@@ -240,7 +240,7 @@ class Engine(Appending):
             pages.set_budget(room if room is not None else self.hot_budget_bytes)
         points = getattr(self, "points", None)  # the arrays cut points keep alive while their copies wait: a share
         if points is not None:  # (made after the first room is set, and given its share then)
-            points.defer_bytes = (room if room is not None else self.hot_budget_bytes) // DEFERRED_SHARE
+            points.set_room(room if room is not None else self.hot_budget_bytes)
 
     def warm_jobs(self) -> list[Callable[[], Any]]:
         """What makes the first requests fast on CUDA, as short jobs for the engine thread (run at once
