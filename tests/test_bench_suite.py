@@ -79,10 +79,10 @@ def test_the_step_parts_benchmark_runs_on_a_tiny_model_to_its_report(tmp_path):
 
 
 def test_the_fleet_goes_on_and_reports_kvwake_alone_when_mlx_lm_servers_turns_fail(tmp_path, monkeypatch):
-    """mlx_lm.server can fail a fleet kvwake serves (the H200's 8 agents over 25k tokens: "generation thread died"
-    in round 2, and the benchmark ended with no figure at all). Its failure is reported, kvwake's run goes on and
-    its figures stand beside no ratio, judged by no ratio target. The failing baseline is faked here (a real
-    mlx_lm.server does not fail on this machine's sizes); kvwake's run is real."""
+    """mlx_lm.server can fail a fleet kvwake serves ("generation thread died" at a long prompt: docs/benchmarks.md,
+    "fleet"), and the benchmark then ended with no figure at all. Its failure is reported, kvwake's run goes on
+    and its figures stand beside no ratio, judged by no ratio target. The failing baseline is faked here (a real
+    mlx_lm.server does not fail at the sizes the suite runs); kvwake's run is real."""
     from bench.fleet import __main__ as fleet_main
     from bench.fleet.agents import Fleet
     from bench.fleet.report import table
