@@ -100,6 +100,10 @@ config = json.loads((out / "tokenizer_config.json").read_text())
 PY
 }
 
+small() {  # the 1B-shaped model beside the 8B one (issue 53)
+  [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
+}
+
 unpack() {
   mkdir -p "$WEED_DIR" && python3 - "$WEED_DIR" <<'PY'
 import glob, pathlib, sys, zipfile
@@ -182,8 +186,7 @@ run_part() {
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
-    models)   model; [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
-              python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
+    models)   model; small; python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
                 --alone-tokens 150 --context 10000 --out "$OUT/models" 2>&1 | tail -4 ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
