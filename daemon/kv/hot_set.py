@@ -14,8 +14,8 @@ Elsewhere (the CPU: decoders write the cache's own memory), the block's decoded 
 a shared prompt's.
 
 It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
-read waits for that read, a block a wake is reading is not read again here, and no block is read twice. A
-block is held while a snapshot planned with it has not woken (`RamTier.claim`, `woken`); what no wake took
+read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
+threads (half the cores) run below the daemon's priority (READER_NICE). A block is held while a snapshot planned with it has not woken (`RamTier.claim`, `woken`); what no wake took
 within KEEP_S goes. `stop` ends it between blocks.
 """
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwake.daemon.kv.pool import lower_priority
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.errors import KvwakeError
 from kvwake.store import BlockRef, SnapshotRecord, Store
@@ -42,6 +43,9 @@ log = logging.getLogger("kvwake.hot_set")
 
 WINDOW_S = 120.0  # heads made this long before the newest one are not part of the hot set
 KEEP_S = 300.0  # blocks read ahead that no wake took by this long after the reading ended are dropped
+# The reader's threads run this many nice levels below the daemon (Linux): where cores are short, the model's
+# load and a request's work get them first, and the reading takes what is left
+READER_NICE = 10
 
 
 def available_memory() -> int:
@@ -186,6 +190,7 @@ class HotSet:
         take = threading.Lock()
 
         def work() -> None:
+            lower_priority(READER_NICE)
             while not self._stop.is_set():
                 with take:
                     item = next(todo, None)
