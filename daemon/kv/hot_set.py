@@ -15,8 +15,9 @@ a shared prompt's.
 
 It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
 read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
-threads (half the cores) run below the daemon's priority (READER_NICE). A block is held while a snapshot planned with it has not woken (`RamTier.claim`, `woken`); what no wake took
-within KEEP_S goes. `stop` ends it between blocks.
+threads (a few) run below the daemon's priority (READER_NICE). A block is held while a snapshot
+planned with it has not woken (`RamTier.claim`, `woken`); what no wake took within KEEP_S goes. `stop` ends
+it between blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ KEEP_S = 300.0  # blocks read ahead that no wake took by this long after the rea
 # The reader's threads run this many nice levels below the daemon (Linux): where cores are short, the model's
 # load and a request's work get them first, and the reading takes what is left
 READER_NICE = 10
+# Threads that read: a quarter of the cores, at most this many. The reading has the whole load's time, so a few
+# threads finish it in time, and each reader takes the GIL between its decodes, which the load's own Python then
+# waits for (docs/benchmarks.md, "fleet", S39)
+READERS = 4
 
 
 def available_memory() -> int:
@@ -111,7 +116,7 @@ class HotSet:
     def __init__(self, store: Store, tier: RamTier, *, staged: bool, budget_bytes: int,
                  workers: int | None = None) -> None:
         self.store, self.tier, self.staged, self.budget = store, tier, staged, budget_bytes
-        self.workers = workers or max(1, (os.cpu_count() or 2) // 2)  # half the cores: the model loads beside it
+        self.workers = workers or max(1, min(READERS, (os.cpu_count() or 1) // 4))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -138,8 +143,7 @@ class HotSet:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"state": self.state, "staged": self.staged, "ms": self.ms, "budget_bytes": self.budget,
-                    "workers": self.workers,
-                    "held_bytes": self.tier.prefetched_bytes, **self.counts}
+                    "workers": self.workers, "held_bytes": self.tier.prefetched_bytes, **self.counts}
 
     def _run(self) -> None:
         started = time.perf_counter()
