@@ -194,6 +194,25 @@ def test_a_stop_while_reading_ends_it_between_blocks_and_drops_what_it_read(stor
     store.close()  # nothing of the reader still reads it
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_damaged_block_is_not_read_ahead_and_a_wake_then_meets_it_itself(store, staged):
+    (info,) = shared_sessions(store, n=1)
+    record = store.snapshot(info.id)
+    bad = record.blocks[2]
+    path = store.files.absolute(bad.file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=staged, budget_bytes=1 << 30, workers=2).start()
+    wait_done(hot)
+    assert hot.counts["blocks_failed"] == 1 and hot.counts["blocks_read"] == len(record.blocks) - 1
+    arrays, flight = tier.take(bad.key)  # nothing held: the wake reads it (and fails with its own facts)
+    assert arrays is None and flight is not None
+    tier.land(bad.key, flight, None)
+    hot.stop()
+
+
 def test_a_staged_image_fills_staging_as_the_decoder_would(store):
     (info,) = shared_sessions(store, n=1)
     record = store.snapshot(info.id)
