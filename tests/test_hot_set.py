@@ -63,14 +63,15 @@ def sessions_then_restart(d: Daemon) -> tuple[dict[str, list[int]], int]:
     return expected, blocks
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "direct+paged", "staged+paged"])
 def test_after_a_restart_the_hot_sessions_wake_from_memory_exactly_each_block_read_once(tmp_path, model_dir, mode):
-    d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": mode}).start()
+    env = {"KVWAKE_RESTORE_MODE": mode.split("+")[0], "KVWAKE_PAGED_KV": str(mode.endswith("paged"))}
+    d = Daemon(tmp_path, model_dir, env=env).start()
     expected, blocks = sessions_then_restart(d)
     with d.client() as c:
         read = held(c)
         assert read is not None, "nothing was read ahead"
-        assert read["state"] == "held" and read["staged"] == (mode == "staged"), read
+        assert read["state"] == "held" and read["staged"] == mode.startswith("staged"), read
         # each block of the hot set read once: as many reads as distinct blocks, none skipped or failed
         assert (read["blocks_read"], read["blocks_planned"], read["blocks_failed"]) == (blocks, blocks, 0), read
         for i in range(SESSIONS):  # and the wakes read none of them again
