@@ -3,6 +3,7 @@ memory, exactly, each block read once; a stop while it reads is clean; switched 
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -105,6 +106,27 @@ def test_a_stop_soon_after_a_restart_is_clean(tmp_path, model_dir):
     d.start()
     with d.client() as c:
         assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def test_after_a_kill_9_the_sessions_persisted_wake_from_memory(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    with d.client() as c:
+        for i in range(SESSIONS):
+            c.call("session.create", session_id=f"k{i}", system=SYSTEM)
+            chat(c, f"k{i}", f"question {i}: which files changed?")
+        deadline = time.monotonic() + 30
+        while (p := c.call("status")["persistence"])["queued"] or p["running"]:  # their full blocks committed
+            assert time.monotonic() < deadline, p
+            time.sleep(0.05)
+    d.stop(signal.SIGKILL)  # no stop's sleeps: the heads are persistence's checkpoints
+    d.start()
+    with d.client() as c:
+        read = held(c)
+        assert read is not None and read["blocks_read"] > 0 and read["blocks_failed"] == 0, read
+        for i in range(SESSIONS):
+            woken = c.call("session.wake", session_id=f"k{i}")
+            assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
     assert d.stop() == 0
 
 
