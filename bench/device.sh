@@ -43,6 +43,9 @@
 #             checkpoints load), CUT false to stop the chunks at each point
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
+#   fleet-16-prefetch  the same with the hot set read during start-up on and off (KVWAKE_RESTART_PREFETCH), in
+#             turn ($PREFETCH_RUNS, default "true false true false"), then one line a run of where its restart went
+#             (bench/restart_phases.py: first token, the woken turns' phases, blocks from memory / disk, the reader)
 #   hybrid-server  issue 52, point 6: the hybrid fleet (window rows on) against mlx_lm.server on the same model,
 #             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
 #   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
@@ -186,6 +189,13 @@ run_part() {
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
+    fleet-16-prefetch) model; n=0
+              for v in ${PREFETCH_RUNS:-true false true false}; do
+                n=$((n + 1))
+                KVWAKE_RESTART_PREFETCH=$v fleet "fleet-16-prefetch-$n-$v" --agents 16 --system-tokens 10240 --turns 3 \
+                  --apis openai --no-baseline | tail -2
+              done
+              python3 bench/restart_phases.py "$OUT"/fleet-16-prefetch-*/ | tee "$OUT/fleet-16-prefetch.jsonl" ;;
     models)   model; small; python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
                 --alone-tokens 150 --context 10000 --out "$OUT/models" 2>&1 | tail -4 ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1

@@ -129,6 +129,13 @@ class Tuning:
     # the prefill chunks that ran past them (kv/points.py `cut_at`); False: its chunks stop at each point, as a
     # model with recurrent layers' do
     cut_points: bool = True
+    # while the model loads, the blocks of the sessions touched last before the stop are read and verified into
+    # memory (kv/hot_set.py), so the wakes right after the start take them from there; False: each wake reads its
+    # own from the store
+    restart_prefetch: bool = True
+    # bytes those blocks may take in memory until their sessions wake; None: a quarter of the memory available
+    # at the start
+    restart_prefetch_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name, ok, wanted in _TUNING_RULES:
@@ -149,6 +156,7 @@ _TUNING_RULES = (
     ("gil_watch_ms", lambda v: 0 < v < math.inf, "a number of ms above 0"),
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
     ("load_switch_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (Python's own) or more"),
+    ("restart_prefetch_bytes", lambda v: v >= 0, "a number of bytes, 0 or more"),
 )
 
 

@@ -44,6 +44,8 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.kv.hot_set import HotSet, available_memory
+from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.model.budget import ModelsBudgetError, check_pinned
 from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 from kvwake.daemon.model.loader import start_model, stop_model, warm_model
@@ -175,14 +177,17 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     except ValueError as exc:
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
+    hot_set = read_hot_set(settings, store)  # beside the model's load
     provider = ModelProvider()
     engine, thread = start_model(settings, store, registry.default, None,  # MLX's limits set on its thread
-                                 neighbours=list(registry))
+                                 neighbours=list(registry), ram_tier=hot_set.tier if hot_set else None)
     provider.add(engine, thread, registry.default.name)
     start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
     try:  # pinned models are never unloaded: together they must fit the memory budget (model/budget.py)
         check_pinned(registry, settings, engine.weights_bytes, engine.limits)
     except ModelsBudgetError as exc:
+        if hot_set is not None:
+            hot_set.stop()
         stop_model(LoadedModel(engine, thread, registry.default.name))
         store.close()
         print(f"kvwake serve: {exc}", file=sys.stderr)
@@ -193,7 +198,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     started.mark("engine")
     started.ms.update({f"engine.{k}": v for k, v in engine.started.ms.items()})
     manager = SessionManager(provider, settings, registry, start)
-    manager.started = started
+    manager.started, manager.hot_set = started, hot_set
     if settings.remote is not None:
         from kvwake.daemon.sessions.remote_tier import RemoteTier  # obstore loads only when a remote is configured
 
@@ -206,10 +211,25 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             http[0].close()
         if manager.remote is not None:
             manager.remote.close()
+        if hot_set is not None:  # its reads end before the store closes
+            hot_set.stop()
         for model in manager.models:
             stop_model(model)  # each model's writes finished while its engine thread runs, then it stops
         store.close()
         os.close(lock_fd)
+
+
+def read_hot_set(settings: Settings, store: Store) -> HotSet | None:
+    """The reader of the hot set (kv/hot_set.py), started, filling the RAM tier the default model's engine will
+    take; None where the tuning switches it off. Blocks are kept in the form this machine's wakes take fastest:
+    staged images where restores stage (plain KV), else their arrays."""
+    tuning = settings.tuning
+    if not tuning.restart_prefetch:
+        return None
+    staged = restore_buffers.restore_mode(tuning.restore_mode) == "staged" and settings.kv_bits is None
+    budget = tuning.restart_prefetch_bytes
+    return HotSet(store, RamTier(settings.ram_tier_bytes), staged=staged,
+                  budget_bytes=available_memory() // 4 if budget is None else budget).start()
 
 
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:

@@ -110,6 +110,17 @@ class Store(StoreCore):
                  "token_ids": np.frombuffer(r["token_ids"], dtype="<u4").astype(np.int64),  # stored as u32 LE
                  "state": json.loads(r["state"])} for r in rows]
 
+    def recent_heads(self, window_s: float) -> list[str]:
+        """The head snapshots of the sessions touched last, newest first: those made within `window_s`
+        seconds of the newest head (a daemon's stop sleeps every hot session within moments; a kill -9
+        leaves their latest checkpoints). Unverified: the reader verifies what it reads."""
+        with self.locked():
+            rows = self.index.rows("SELECT p.id FROM sessions s JOIN snapshots p ON p.id = s.head "
+                                   "WHERE p.created >= (SELECT max(q.created) FROM sessions t "
+                                   "JOIN snapshots q ON q.id = t.head) - ? ORDER BY p.created DESC, p.id",
+                                   (window_s,))
+        return [r["id"] for r in rows]
+
     def session_page(self, *, after: str | None = None, limit: int = 100, origin: str | None = None) -> list[dict[str, Any]]:
         """At most `limit` sessions in id order after the id `after` (None: from the first), of `origin`
         (their metadata's) when given: {"id", "created", "updated", "origin", "head"}. One index range."""

@@ -65,7 +65,8 @@ class Kvwake:
         # counters and the start's phases, for docs/benchmarks.md's trace: one file per process
         self.lives += 1
         kept = ("turns", "counters", "startup_ms", "engine_thread", "latency", "generation", "persistence", "gc",
-                "memory", "tuning", "gil", "store", "restore_points")  # store.point_share: issue 52's share
+                "memory", "tuning", "gil", "store", "restore_points",  # store.point_share: issue 52's share
+                "restart_prefetch")  # the hot set read during start-up: what it read, and when
         trace = {key: status.get(key) for key in kept}
         (self.daemon.root / f"trace-{self.lives}.json").write_text(json.dumps(trace, indent=1, default=str))
         self.daemon.stop()

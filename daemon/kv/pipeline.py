@@ -394,8 +394,7 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
     # A block holds block_tokens tokens, except the short last block prefix.warm stores.
     start, count, what = k * ctx.block_tokens, len(ref.token_ids), f"block {k}"
     cached, flight = ctx.ram_tier.take(ref.key)
-    if cached is not None:
-        buffers.put(start, count, cached, what)
+    if cached is not None and _put_cached(buffers, k, start, count, cached, what):
         _count(ctx, buffers, "blocks_ram")
         return
     landed = None
@@ -410,7 +409,20 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
         if share:
             landed = buffers.block(start, count)
     finally:
-        ctx.ram_tier.land(ref.key, flight, landed)
+        if flight is not None:  # None: read here after a staged image that did not fit (_put_cached)
+            ctx.ram_tier.land(ref.key, flight, landed)
+
+
+def _put_cached(buffers: restore_buffers.Buffers, k: int, start: int, count: int, cached: Any, what: str) -> bool:
+    """Block k from memory: arrays copied into place, or a staged image (kv/hot_set.py) copied into the ring as
+    its decode would have written it. False when the image does not fit this restore's staging."""
+    if isinstance(cached, dict):
+        buffers.put(start, count, cached, what)
+        return True
+    if not cached.stage_into(buffers.stage(k)):
+        return False
+    buffers.check(dict(cached.rest), start, count, what, staged=k in buffers.staged)
+    return True
 
 
 def _count(ctx: KvContext, buffers: restore_buffers.Buffers, name: str, n: int = 1) -> None:
@@ -421,7 +433,7 @@ def _count(ctx: KvContext, buffers: restore_buffers.Buffers, name: str, n: int =
 def block_specs(ctx: KvContext, ref: BlockRef) -> dict:
     """A block's tensor specs, from the RAM tier when it holds the block, else from its file's header."""
     cached = ctx.ram_tier.get(ref.key)
-    return restore_buffers.specs_of(cached) if cached is not None else ctx.store.block_specs(ref)
+    return restore_buffers.specs_of(cached) if isinstance(cached, dict) else ctx.store.block_specs(ref)
 
 
 class PrefixGone(Exception):
@@ -633,6 +645,23 @@ def _fill_spans(ctx: KvContext, buffers: restore_buffers.Buffers, refs: list[Blo
     return len(refs)
 
 
+def _wake_cache(ctx: KvContext, session_id: str, record: SnapshotRecord, mlx: Mlx,
+                prefix: tuple[list, int] | None, counts: dict[str, int], phases: dict[str, float],
+                pages: PagePool | None) -> list | None:
+    """The snapshot's cache (None: it holds no tokens), for `wake`, under its store read."""
+    if record.session_id != session_id:
+        raise InvalidParamsError(f"snapshot {record.id} belongs to session {record.session_id}, not {session_id}; "
+                                 "use fork", session_id=session_id, snapshot_id=record.id)
+    ctx.store.touch([b.key for b in record.blocks])
+    try:
+        return _restore(ctx, record, mlx, prefix, counts, phases, pages) if record.token_ids else None
+    except PrefixGone as gone:  # the leader failed or gave less: every block read here after all
+        log.info("the wake in flight gave no prefix: reading every block", extra={"session": session_id,
+                                                                                 "why": str(gone)})
+        phases.clear()
+        return _restore(ctx, record, mlx, None, counts, phases, pages)
+
+
 def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
          record: SnapshotRecord | None = None, prefix: tuple[list, int] | None = None,
          pages: PagePool | None = None) -> tuple[Session, dict[str, Any]]:
@@ -654,18 +683,10 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
         if record is None:
             record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
-        sid = record.id
-        if record.session_id != session_id:
-            raise InvalidParamsError(f"snapshot {sid} belongs to session {record.session_id}, not {session_id}; "
-                                     "use fork", session_id=session_id, snapshot_id=sid)
-        ctx.store.touch([b.key for b in record.blocks])
         try:
-            cache = _restore(ctx, record, mlx, prefix, counts, phases, pages) if record.token_ids else None
-        except PrefixGone as gone:  # the leader failed or gave less: every block read here after all
-            log.info("the wake in flight gave no prefix: reading every block", extra={"session": session_id,
-                                                                                     "why": str(gone)})
-            phases.clear()
-            cache = _restore(ctx, record, mlx, None, counts, phases, pages)
+            cache = _wake_cache(ctx, session_id, record, mlx, prefix, counts, phases, pages)
+        finally:  # the blocks read ahead for this snapshot are not held for it any more (kv/hot_set.py)
+            ctx.ram_tier.woken(record.id)
     session = Session.from_state(record.session_id, list(record.token_ids), record.metadata, record.id,
                                  ctx.vocab_size)
     if cache is not None and ctx.kv_bits is not None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["YIELD_S", "Batch", "Pool"]
+__all__ = ["YIELD_S", "Batch", "Pool", "lower_priority"]
 
 log = logging.getLogger("kvwake.pool")
 
@@ -45,7 +45,7 @@ class Pool:
         self.inflight_bytes = inflight_bytes
         self.nice = nice
         self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="kvwake-io",
-                                               initializer=_lower_priority, initargs=(self.nice,))
+                                               initializer=lower_priority, initargs=(self.nice,))
         self._turns = _Turns()
 
     def batch(self, budget: int | None = None, yields: bool = False) -> Batch:
@@ -60,7 +60,7 @@ class Pool:
         self._executor.shutdown(wait=True)
 
 
-def _lower_priority(nice: int) -> None:
+def lower_priority(nice: int) -> None:
     """A worker's first act: lower its own CPU priority by `nice` levels (Linux, where a thread is a task of
     its own; elsewhere, or when refused, it stays as it is)."""
     if nice <= 0:
@@ -69,7 +69,7 @@ def _lower_priority(nice: int) -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except (AttributeError, OSError) as exc:
-        log.warning("pool worker left at its priority: %r", exc)
+        log.warning("worker left at its priority: %r", exc)
 
 
 class _Turns:

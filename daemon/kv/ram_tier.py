@@ -15,6 +15,14 @@ it and take its arrays (`land`). Landed arrays stay held for the restores that
 still want them even when the LRU budget is smaller than the shared prefix, and
 go once the last of those has taken them or ended; the LRU keeps them after
 that, within its budget.
+
+Blocks read ahead (kv/hot_set.py: the hot set read during start-up) land
+outside the LRU budget too, each held for the snapshots planned to wake with
+it (`claim`) until they have woken (`woken`) or the reader gives up on them
+(`drop_prefetched`); such an entry may be a block's staged image
+(hot_set.StagedImage) rather than its arrays. Its reads go through the same
+flights (`begin`), so a wake that needs a block being read ahead waits for
+that read, and a block a wake is reading is not read ahead again.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
+from typing import Any
+
 from kvwake.store import Tensor
 
 __all__ = ["Flight", "RamTier", "Wants"]
@@ -31,7 +41,10 @@ __all__ = ["Flight", "RamTier", "Wants"]
 Arrays = dict[str, Tensor]
 
 
-def nbytes(arrays: Arrays) -> int:
+def nbytes(arrays: Arrays | Any) -> int:
+    """Bytes of a block's arrays, or of an entry read ahead that says its own (`nbytes`)."""
+    if not isinstance(arrays, dict):
+        return arrays.nbytes
     return sum(t.array.nbytes for t in arrays.values())
 
 
@@ -73,6 +86,10 @@ class RamTier:
         self._flights: dict[str, Flight] = {}
         self._wants: dict[str, int] = {}  # chain key -> restores that will need it
         self._held: dict[str, Arrays] = {}  # landed blocks other restores still want, outside the budget
+        self._prefetched: dict[str, Any] = {}  # blocks read ahead, outside the budget, while claimed
+        self._claims: dict[str, list[str]] = {}  # snapshot id -> the keys read ahead for it
+        self._claimed: dict[str, int] = {}  # chain key -> snapshots still to wake with it
+        self.prefetched_bytes = 0
         self.hits = self.misses = 0
 
     @property
@@ -92,6 +109,8 @@ class RamTier:
             self._items.move_to_end(key)
         else:
             arrays = self._held.get(key)
+            if arrays is None:
+                arrays = self._prefetched.get(key)
         if arrays is None:
             self.misses += 1
             return None
@@ -174,3 +193,67 @@ class RamTier:
             flight.arrays = arrays
             self._flights.pop(key, None)
         flight.done.set()
+
+    # -- blocks read ahead (kv/hot_set.py) ---------------------------------------------------------------
+
+    def claim(self, snapshot_id: str, keys: Iterable[str]) -> None:
+        """The blocks to be read ahead for one snapshot: held once read until it wakes (`woken`)."""
+        keys = list(dict.fromkeys(keys))
+        with self._lock:
+            self._claims.setdefault(snapshot_id, []).extend(keys)
+            for key in keys:
+                self._claimed[key] = self._claimed.get(key, 0) + 1
+
+    def claimed(self, key: str) -> bool:
+        """Whether a snapshot not yet woken still wants this block read ahead."""
+        with self._lock:
+            return self._claimed.get(key, 0) > 0
+
+    def begin(self, key: str) -> Flight | None:
+        """A flight for reading the block ahead, to end with `land_prefetched`; None when it is resident or
+        being read (by a restore, or another reader): it is not read twice."""
+        with self._lock:
+            if key in self._items or key in self._held or key in self._prefetched or key in self._flights:
+                return None
+            flight = self._flights[key] = Flight()
+            return flight
+
+    def land_prefetched(self, key: str, flight: Flight, entry: Any | None) -> None:
+        """End a `begin` flight: its entry (None: the read failed) goes to the restores waiting for it, and is
+        held while a snapshot not yet woken claims it."""
+        with self._lock:
+            if entry is not None and self._claimed.get(key, 0) > 0 and key not in self._prefetched:
+                self._prefetched[key] = entry
+                self.prefetched_bytes += nbytes(entry)
+            flight.arrays = entry
+            self._flights.pop(key, None)
+        flight.done.set()
+
+    def woken(self, snapshot_id: str) -> None:
+        """A snapshot's wake ended (whatever came of it): the blocks read ahead for it and no other snapshot
+        go; those that are arrays stay in the LRU within its budget."""
+        with self._lock:
+            for key in self._claims.pop(snapshot_id, ()):
+                left = self._claimed.get(key, 0) - 1
+                if left > 0:
+                    self._claimed[key] = left
+                    continue
+                self._claimed.pop(key, None)
+                self._unprefetch(key)
+
+    def drop_prefetched(self) -> None:
+        """Every block read ahead goes (the reader's time to hold them is up, or the daemon stops)."""
+        with self._lock:
+            self._claims.clear()
+            self._claimed.clear()
+            for key in list(self._prefetched):
+                self._unprefetch(key)
+
+    def _unprefetch(self, key: str) -> None:
+        entry = self._prefetched.pop(key, None)
+        if entry is None:
+            return
+        size = nbytes(entry)
+        self.prefetched_bytes -= size
+        if isinstance(entry, dict) and size <= self.budget:
+            self._put(key, entry, size)

@@ -117,6 +117,7 @@ class Engine(Appending):
         tuning: Tuning = Tuning(),
         kernels_for: Sequence[Path] = (),
         staging_beside_load: bool = True,
+        ram_tier: RamTier | None = None,
     ) -> None:
         prefill_step = prefill_step or default_step()  # by backend (model/scheduler/prefill.py)
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
@@ -153,7 +154,8 @@ class Engine(Appending):
         )
         store.register_bundle(self.bundle.hash, self.bundle.description)
         self.started.mark("bundle")
-        self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, ram_tier=RamTier(ram_tier_bytes),
+        tier = ram_tier if ram_tier is not None else RamTier(ram_tier_bytes)
+        self.kv = KvContext(store=store, bundle=self.bundle, model=self.model, ram_tier=tier,
                             pool=Pool(io_workers, io_inflight_bytes, nice=tuning.pool_nice),
                             vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
                             cuttable=cache_blocks.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,

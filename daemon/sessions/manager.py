@@ -91,6 +91,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         self.releasing: dict[asyncio.Task, int] = {}
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
+        self.hot_set: Any = None  # the hot set's reader (kv/hot_set.py), when serve.py started one
         self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
         self.gil_watch: GilWatch | None = None  # waits for the GIL, when KVWAKE_GIL_WATCH_MS asks (serve.py)
         self._init_models(registry or Registry([ModelSpec(m.name, None) for m in models]), start)

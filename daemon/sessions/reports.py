@@ -53,6 +53,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
                         **await to_thread.run_sync(store.points_summary)},  # restore points: how many, bytes
               "gc": m.collector.summary(), "gil": m.gil_watch.summary() if m.gil_watch is not None else None,
               "turns": list(m.turns), "startup_ms": m.started.ms, "counters": dict(m.counters),
+              "restart_prefetch": m.hot_set.status() if m.hot_set is not None else None,
               **({"remote": m.remote.status()} if m.remote is not None else {})}
     if model is None:
         return {"model": None, "bundle_hash": None, **report}

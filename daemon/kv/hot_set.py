@@ -1,0 +1,234 @@
+"""The hot set read during start-up: the stored blocks of the sessions touched last before a stop, read and
+verified into the RAM tier while the model loads, so the wakes that come right after "ready" take them from
+memory (docs/decisions.md, "The hot set read during start-up").
+
+Which sessions: the heads made within WINDOW_S of the newest one, newest first (`Store.recent_heads`): a stop
+sleeps every hot session within moments, and a kill -9 leaves their latest checkpoints; nothing else is
+recorded. Their blocks, each once, in the order the snapshots list them, until `budget_bytes`.
+
+In what form: the form the wake here takes fastest. Where restores stage (a GPU), a block's runs as its ring
+rows receive them, decompressed and verified (`StagedImage`): the wake copies them into its ring and joins
+them on the device as if it had decoded them. A RAM-tier block's arrays would be copied into host views and
+uploaded from there, which took a staged wake longer than decoding the block itself (pipeline.fill_spans).
+Elsewhere (the CPU: decoders write the cache's own memory), the block's decoded arrays, as the RAM tier holds
+a shared prompt's.
+
+It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
+read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
+threads (a few) run below the daemon's priority (READER_NICE). A block is held while a snapshot
+planned with it has not woken (`RamTier.claim`, `woken`); what no wake took within KEEP_S goes. `stop` ends
+it between blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvwake.daemon.kv.pool import lower_priority
+from kvwake.daemon.kv.ram_tier import RamTier
+from kvwake.errors import KvwakeError
+from kvwake.store import BlockRef, SnapshotRecord, Store
+from kvwake.store.format.codec import DTYPES, Stage, Tensor
+
+__all__ = ["KEEP_S", "WINDOW_S", "HotSet", "StagedImage", "available_memory", "read_image"]
+
+log = logging.getLogger("kvwake.hot_set")
+
+WINDOW_S = 120.0  # heads made this long before the newest one are not part of the hot set
+KEEP_S = 300.0  # blocks read ahead that no wake took by this long after the reading ended are dropped
+# The reader's threads run this many nice levels below the daemon (Linux): where cores are short, the model's
+# load and a request's work get them first, and the reading takes what is left
+READER_NICE = 10
+# Threads that read: a quarter of the cores, at most this many. The reading has the whole load's time, so a few
+# threads finish it in time, and each reader takes the GIL between its decodes, which the load's own Python then
+# waits for (docs/benchmarks.md, "fleet", S39)
+READERS = 4
+
+
+def available_memory() -> int:
+    """Bytes of RAM the machine could give now: Linux's MemAvailable, else all of it (the default budget's base)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class StagedImage:
+    """One block as a staged restore's ring rows receive it: each run's (names, dtype, values, planes) as the
+    codec asked its `Stage` for them, with the bytes it wrote there (verified), and the tensors not staged."""
+
+    runs: list[tuple[tuple[str, ...], str, int, bool, list[np.ndarray]]]
+    rest: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row.nbytes for *_, rows in self.runs for row in rows)
+
+    def stage_into(self, stage: Stage | None) -> bool:
+        """Copy every run into the rows `stage` gives it; False (nothing copied) when it takes one not
+        as it was read (another layout, or no ring): the caller reads the block instead."""
+        if stage is None or not self.runs:
+            return False
+        pairs = []
+        for names, dtype, values, planes, rows in self.runs:
+            dest = stage(names, dtype, values, planes)
+            if dest is None or [d.size for d in dest] != [r.size for r in rows]:
+                return False
+            pairs += zip(dest, rows)
+        for dest, row in pairs:
+            np.copyto(dest, row)
+        return True
+
+
+def read_image(store: Store, ref: BlockRef, record: SnapshotRecord) -> StagedImage | dict[str, Tensor]:
+    """The block read and verified into staging of its own (a StagedImage); its arrays when no run of it
+    stages (a format-1 file)."""
+    runs: list[tuple[tuple[str, ...], str, int, bool, list[np.ndarray]]] = []
+
+    def stage(names: tuple[str, ...], dtype: str, values: int, planes: bool) -> list[np.ndarray]:
+        size = DTYPES[dtype][0].itemsize
+        row = np.empty(values * size, np.uint8)  # one ring row's bytes: planes one after another, or the run
+        rows = [row[p * values : (p + 1) * values] for p in range(size)] if planes else [row]
+        runs.append((names, dtype, values, planes, rows))
+        return rows
+
+    rest = store.read_block(ref, snapshot_id=record.id, session_id=record.session_id, stage=stage)
+    return StagedImage(runs, rest) if runs else rest
+
+
+class HotSet:
+    """The background reader: `start` once the store is open, `stop` before it closes (any time: it ends
+    between blocks). `staged`: keep StagedImages (restores stage here), else decoded arrays."""
+
+    def __init__(self, store: Store, tier: RamTier, *, staged: bool, budget_bytes: int,
+                 workers: int | None = None) -> None:
+        self.store, self.tier, self.staged, self.budget = store, tier, staged, budget_bytes
+        self.workers = workers or max(1, min(READERS, (os.cpu_count() or 1) // 4))
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.counts = {"sessions": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0, "bytes_read": 0,
+                       "blocks_skipped": 0, "blocks_failed": 0}
+        self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
+        self.ms: float | None = None  # start to the last read
+        self.state = "idle"
+
+    def start(self) -> HotSet:
+        self.state = "planning"
+        driver = threading.Thread(target=self._run, name="kvwake-hot-set", daemon=True)
+        self._threads.append(driver)
+        driver.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the reading (the reads under way finish), and drop what it read."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout_s)
+        self.tier.drop_prefetched()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"state": self.state, "staged": self.staged, "ms": self.ms, "budget_bytes": self.budget,
+                    "workers": self.workers, "held_bytes": self.tier.prefetched_bytes, **self.counts}
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            with self.store.reading():  # gc cannot evict the files meanwhile
+                plan = self._plan()
+                self.state = "reading"
+                self._read_all(plan)
+        except Exception:  # noqa: BLE001 - the hot set is an optimization: the wakes read what it did not
+            log.exception("reading the hot set failed")
+        self.ms = round((time.perf_counter() - started) * 1000, 1)
+        self.state = "stopped" if self._stop.is_set() else "held"
+        log.info("hot set read", extra=self.status())
+        if not self._stop.wait(KEEP_S):
+            self.state = "dropped"
+            self.tier.drop_prefetched()
+
+    def _plan(self) -> list[tuple[BlockRef, SnapshotRecord]]:
+        """Each block of the hot set once, with the first snapshot naming it; claims registered."""
+        plan: list[tuple[BlockRef, SnapshotRecord]] = []
+        seen: set[str] = set()
+        total = 0
+        for snapshot_id in self.store.recent_heads(WINDOW_S):
+            if self._stop.is_set() or total >= self.budget:
+                break
+            try:
+                record = self.store.snapshot(snapshot_id)  # its digest and chain verified
+            except KvwakeError as exc:  # its wake will say so, with the same facts
+                log.info("hot set: snapshot skipped", extra={"snapshot": snapshot_id, "why": str(exc)})
+                continue
+            keys = []
+            for ref in record.blocks:
+                if ref.key not in seen:
+                    if total + ref.raw_bytes > self.budget:
+                        total = self.budget
+                        break
+                    seen.add(ref.key)
+                    plan.append((ref, record))
+                    total += ref.raw_bytes
+                keys.append(ref.key)
+            self.tier.claim(record.id, keys)
+            self.counts["sessions"] += 1
+        self.counts["blocks_planned"], self.counts["bytes_planned"] = len(plan), sum(r.raw_bytes for r, _ in plan)
+        return plan
+
+    def _read_all(self, plan: list[tuple[BlockRef, SnapshotRecord]]) -> None:
+        todo: Iterator[tuple[BlockRef, SnapshotRecord]] = iter(plan)
+        take = threading.Lock()
+
+        def work() -> None:
+            lower_priority(READER_NICE)
+            while not self._stop.is_set():
+                with take:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                self._read(*item)
+
+        readers = [threading.Thread(target=work, name=f"kvwake-hot-set-{i}", daemon=True)
+                   for i in range(self.workers)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+
+    def _read(self, ref: BlockRef, record: SnapshotRecord) -> None:
+        flight = self.tier.begin(ref.key) if self.tier.claimed(ref.key) else None
+        if flight is None:  # resident, being read by a wake, or its snapshots woke already
+            self._add("blocks_skipped")
+            return
+        entry = None
+        try:
+            entry = read_image(self.store, ref, record) if self.staged else \
+                self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
+        except Exception as exc:  # noqa: BLE001 - the wake reads it and fails with these facts, as it would have
+            self._add("blocks_failed")
+            log.info("hot set: block not read", extra={"block": ref.key, "why": repr(exc)})
+        finally:
+            self.tier.land_prefetched(ref.key, flight, entry)
+        if entry is not None:
+            with self._lock:
+                self.counts["blocks_read"] += 1
+                self.counts["bytes_read"] += ref.raw_bytes
+                self.read_keys.append(ref.key)
+
+    def _add(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1

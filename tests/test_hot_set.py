@@ -1,0 +1,259 @@
+"""The hot set read during start-up (kv/hot_set.py): after a restart, the sessions touched last wake from
+memory, exactly, each block read once; a stop while it reads is clean; switched off, nothing is read ahead."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvwake.daemon.kv.hot_set import WINDOW_S, HotSet, StagedImage, read_image
+from kvwake.daemon.kv.ram_tier import RamTier
+from kvwake.store import Store, Tensor
+from kvwake.store.format.codec import DTYPES
+from testkit.daemon import Daemon, RawClient
+from testkit.kvdata import write_snapshot
+from testkit.tinymodel import make_model_dir
+
+SYSTEM = "You are a terse agent that uses tools; answer in one line. " * 4
+SESSIONS = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def chat(c: RawClient, sid: str, text: str) -> list[int]:
+    return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8)["tokens"]
+
+
+def held(c: RawClient, timeout: float = 30.0) -> dict:
+    """The reader's status once it has read all it planned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = c.call("status")["restart_prefetch"]
+        if status is None or status["state"] in ("held", "dropped", "stopped") or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+def sessions_then_restart(d: Daemon) -> tuple[dict[str, list[int]], int]:
+    """SESSIONS sessions over one system prompt, each with a never-slept twin whose follow-up is the reference;
+    then a stop (every hot session slept) and a start. Returns the twins' follow-ups by session, and how many
+    distinct blocks the stopped daemon's hot set holds (its sessions' heads)."""
+    expected = {}
+    with d.client() as c:
+        for i in range(SESSIONS):
+            for sid in (f"s{i}", f"twin{i}"):
+                c.call("session.create", session_id=sid, system=SYSTEM)
+                chat(c, sid, f"question {i}: which files changed?")
+            expected[f"s{i}"] = chat(c, f"twin{i}", "and then?")
+    assert d.stop() == 0
+    store = Store(d.data_dir / "store", block_tokens=16)
+    try:
+        heads = store.recent_heads(WINDOW_S)
+        assert len(heads) == 2 * SESSIONS  # every session slept at the stop
+        blocks = len({ref.key for h in heads for ref in store.snapshot(h).blocks})
+    finally:
+        store.close()
+    d.start()
+    return expected, blocks
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged", "direct+paged", "staged+paged"])
+def test_after_a_restart_the_hot_sessions_wake_from_memory_exactly_each_block_read_once(tmp_path, model_dir, mode):
+    env = {"KVWAKE_RESTORE_MODE": mode.split("+")[0], "KVWAKE_PAGED_KV": str(mode.endswith("paged"))}
+    d = Daemon(tmp_path, model_dir, env=env).start()
+    expected, blocks = sessions_then_restart(d)
+    with d.client() as c:
+        read = held(c)
+        assert read is not None, "nothing was read ahead"
+        assert read["state"] == "held" and read["staged"] == mode.startswith("staged"), read
+        # each block of the hot set read once: as many reads as distinct blocks, none skipped or failed
+        assert (read["blocks_read"], read["blocks_planned"], read["blocks_failed"]) == (blocks, blocks, 0), read
+        for i in range(SESSIONS):  # and the wakes read none of them again
+            woken = c.call("session.wake", session_id=f"s{i}")
+            assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
+        for i in range(SESSIONS):
+            assert chat(c, f"s{i}", "and then?") == expected[f"s{i}"]
+        after = c.call("status")["restart_prefetch"]
+        assert after["blocks_read"] == read["blocks_read"]  # read once: never again after the wakes
+    assert d.stop() == 0
+    assert d.log_problems() == []
+
+
+def test_switched_off_nothing_is_read_ahead_and_wakes_read_the_store(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTART_PREFETCH": "false"}).start()
+    expected, _ = sessions_then_restart(d)
+    with d.client() as c:
+        status = c.call("status")
+        assert status["restart_prefetch"] is None and status["tuning"]["restart_prefetch"] is False
+        woken = c.call("session.wake", session_id="s0")
+        assert woken["blocks_from_memory"] == 0 and woken["blocks_from_disk"] > 0, woken
+        assert chat(c, "s0", "and then?") == expected["s0"]
+    assert d.stop() == 0
+
+
+def test_a_stop_soon_after_a_restart_is_clean(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    sessions_then_restart(d)
+    assert d.stop() == 0  # at once: the reader may still be reading
+    assert d.log_problems() == []
+    d.start()
+    with d.client() as c:
+        assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def test_after_a_kill_9_the_sessions_persisted_wake_from_memory(tmp_path, model_dir):
+    d = Daemon(tmp_path, model_dir).start()
+    with d.client() as c:
+        for i in range(SESSIONS):
+            c.call("session.create", session_id=f"k{i}", system=SYSTEM)
+            chat(c, f"k{i}", f"question {i}: which files changed?")
+        deadline = time.monotonic() + 30
+        while (p := c.call("status")["persistence"])["queued"] or p["running"]:  # their full blocks committed
+            assert time.monotonic() < deadline, p
+            time.sleep(0.05)
+    d.stop(signal.SIGKILL)  # no stop's sleeps: the heads are persistence's checkpoints
+    d.start()
+    with d.client() as c:
+        read = held(c)
+        assert read is not None and read["blocks_read"] > 0 and read["blocks_failed"] == 0, read
+        for i in range(SESSIONS):
+            woken = c.call("session.wake", session_id=f"k{i}")
+            assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
+    assert d.stop() == 0
+
+
+# -- the reader alone, on a store with no model ---------------------------------------------------------
+
+
+def shared_sessions(store, n: int = 4, blocks: int = 6) -> list:
+    """n sessions whose snapshots share their first half; their SnapshotInfos."""
+    b = store.block_tokens
+    shared = list(range(blocks // 2 * b))
+    return [write_snapshot(store, f"a{i}", shared + [1000 + 100 * i + t for t in range(blocks // 2 * b + 1)])
+            for i in range(n)]
+
+
+def wait_done(hot: HotSet, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while hot.state not in ("held", "stopped", "dropped") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_the_reader_reads_each_block_once_and_holds_it_until_its_snapshots_wake(store, staged):
+    infos = shared_sessions(store)
+    records = [store.snapshot(i.id) for i in infos]
+    keys = {ref.key for r in records for ref in r.blocks}
+    tier = RamTier(0)  # no LRU room: what is held is what was read ahead
+    hot = HotSet(store, tier, staged=staged, budget_bytes=1 << 30, workers=3).start()
+    wait_done(hot)
+    assert hot.state == "held" and sorted(hot.read_keys) == sorted(keys)  # each once
+    for ref in records[0].blocks:
+        entry = tier.get(ref.key)
+        assert isinstance(entry, StagedImage if staged else dict)
+        if not staged:  # the store's own arrays
+            got = store.read_block(ref)
+            assert all(np.array_equal(entry[n].array, t.array) for n, t in got.items())
+    for r in records[:-1]:
+        tier.woken(r.id)
+    assert all(tier.get(ref.key) is not None for ref in records[-1].blocks)  # the last one's still held
+    tier.woken(records[-1].id)
+    assert tier.prefetched_bytes == 0 and all(tier.get(k) is None for k in keys)
+    hot.stop()
+
+
+def test_the_budget_bounds_what_is_read_ahead(store):
+    infos = shared_sessions(store)
+    one = store.snapshot(infos[0].id).blocks[0].raw_bytes
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=False, budget_bytes=4 * one, workers=1).start()
+    wait_done(hot)
+    assert hot.counts["blocks_read"] == 4 and tier.prefetched_bytes <= 4 * one
+    hot.stop()
+
+
+def test_a_wake_needing_a_block_being_read_ahead_waits_for_that_read():
+    tier, entry = RamTier(0), {"layers.0.keys": Tensor("U16", np.ones((1, 2, 4, 8), np.uint16))}
+    tier.claim("snap", ["k"])
+    flight = tier.begin("k")
+    assert flight is not None and tier.begin("k") is None  # being read: not read again
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(taken=tier.take("k")))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()  # waiting for the read, not reading it
+    tier.land_prefetched("k", flight, entry)
+    waiter.join(5)
+    assert got["taken"] == (entry, None) and tier.begin("k") is None  # resident now
+
+
+def test_a_stop_while_reading_ends_it_between_blocks_and_drops_what_it_read(store, monkeypatch):
+    for i in range(6):
+        write_snapshot(store, f"many{i}", [5000 * i + t for t in range(10 * store.block_tokens)])
+    read_block = store.read_block
+
+    def slow(*args, **kwargs):  # a disk slower than the stop
+        time.sleep(0.02)
+        return read_block(*args, **kwargs)
+    monkeypatch.setattr(store, "read_block", slow)
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=True, budget_bytes=1 << 30, workers=2).start()
+    deadline = time.monotonic() + 10
+    while not hot.counts["blocks_read"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    hot.stop()
+    assert hot.state == "stopped" and not any(t.is_alive() for t in hot._threads)
+    assert 0 < hot.counts["blocks_read"] < hot.counts["blocks_planned"] == 60
+    assert tier.prefetched_bytes == 0 and not tier._flights and not tier._prefetched  # no flight left hanging
+    assert len(set(hot.read_keys)) == len(hot.read_keys)
+    store.close()  # nothing of the reader still reads it
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_damaged_block_is_not_read_ahead_and_a_wake_then_meets_it_itself(store, staged):
+    (info,) = shared_sessions(store, n=1)
+    record = store.snapshot(info.id)
+    bad = record.blocks[2]
+    path = store.files.absolute(bad.file)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=staged, budget_bytes=1 << 30, workers=2).start()
+    wait_done(hot)
+    assert hot.counts["blocks_failed"] == 1 and hot.counts["blocks_read"] == len(record.blocks) - 1
+    arrays, flight = tier.take(bad.key)  # nothing held: the wake reads it (and fails with its own facts)
+    assert arrays is None and flight is not None
+    tier.land(bad.key, flight, None)
+    hot.stop()
+
+
+def test_a_staged_image_fills_staging_as_the_decoder_would(store):
+    (info,) = shared_sessions(store, n=1)
+    record = store.snapshot(info.id)
+    ref = record.blocks[0]
+    image = read_image(store, ref, record)
+    assert isinstance(image, StagedImage) and image.runs
+
+    def rows_into(out: list):  # a ring's rows for each run, as Buffers.stage hands them out
+        def stage(names, dtype, values, planes):
+            size = DTYPES[dtype][0].itemsize
+            rows = [np.full(values, 0xAA, np.uint8) for _ in range(size)] if planes else \
+                [np.full(values * size, 0xAA, np.uint8)]
+            out.extend(rows)
+            return rows
+        return stage
+
+    decoded, copied = [], []
+    store.read_block(ref, stage=rows_into(decoded))
+    assert image.stage_into(rows_into(copied))
+    assert len(copied) == len(decoded) and all(np.array_equal(a, b) for a, b in zip(copied, decoded))
+    assert not image.stage_into(None) and not image.stage_into(lambda *run: None)  # no ring: read instead
