@@ -170,6 +170,18 @@ def test_the_reader_reads_each_block_once_and_holds_it_until_its_snapshots_wake(
     hot.stop()
 
 
+def test_the_wakes_ahead_are_the_sessions_the_reader_planned(store):
+    """The model's load makes a staging slot for each session the hot set will wake (devplanes.warm's `wakes`):
+    the count is the plan's, and an empty store's is 0."""
+    empty = HotSet(store, RamTier(0), staged=True, budget_bytes=1 << 30, workers=1).start()
+    assert empty.wakes_ahead() == 0
+    empty.stop()
+    shared_sessions(store, n=5)
+    hot = HotSet(store, RamTier(0), staged=True, budget_bytes=1 << 30, workers=1).start()
+    assert hot.wakes_ahead() == 5
+    hot.stop()
+
+
 def test_the_budget_bounds_what_is_read_ahead(store):
     infos = shared_sessions(store)
     one = store.snapshot(infos[0].id).blocks[0].raw_bytes

@@ -544,9 +544,10 @@ def test_staging_mapped_for_the_gpu_is_kept_for_the_next_wake_and_unmapped_befor
     assert sorted(unmapped) == sorted(mapped)
 
 
-def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_slots(monkeypatch):
-    """Was: every ring made the slots the idle ones could not give; a restart's eight wakes at once made five
-    slots afresh, each a long engine-thread job the other wakes waited behind (docs/benchmarks.md, "fleet")."""
+@pytest.fixture
+def mapped_staging(monkeypatch):
+    """Staging "mapped" as on CUDA (the mapping stood in), nothing idle, spans of 8 blocks of 128 bytes (3 slots
+    for 24); the slots mapped so far, a list the tests read."""
     from kvwake.daemon.kv import cudart, devplanes
 
     devplanes.drop_idle()
@@ -554,7 +555,16 @@ def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_s
     monkeypatch.setattr(cudart, "map_to_device", lambda ptr, n: mapped.append((ptr, n)) or True)
     monkeypatch.setattr(cudart, "unmap", lambda ptr, n: True)
     monkeypatch.setattr(cudart, "active", lambda: True)
-    monkeypatch.setattr(devplanes, "SPAN_BYTES", 8 * 128)  # spans of 8 blocks of 128 bytes: 3 slots for 24
+    monkeypatch.setattr(devplanes, "SPAN_BYTES", 8 * 128)
+    return mapped
+
+
+def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_slots(mapped_staging):
+    """Was: every ring made the slots the idle ones could not give; a restart's eight wakes at once made five
+    slots afresh, each a long engine-thread job the other wakes waited behind (docs/benchmarks.md, "fleet")."""
+    from kvwake.daemon.kv import devplanes
+
+    mapped = mapped_staging
     try:
         alone = devplanes.Ring(24, 2, 64, 128)
         assert alone.slots == 1 and len(mapped) == 1  # nothing idle: its first slot made, no more
@@ -568,6 +578,33 @@ def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_s
             r.close()
     finally:
         devplanes.drop_idle()
+
+
+def test_a_start_told_of_the_wakes_ahead_makes_a_slot_for_each_and_they_make_none(mapped_staging):
+    """Was: the slots made beside the load were KEEP_SLOTS whatever was to wake; a restart's sixteen wakes (a
+    leader's ring of RING_SLOTS, one slot each for the fifteen waiting for it) made five afresh, ~100 ms
+    engine-thread jobs the leader's upload waited between (docs/benchmarks.md, "fleet", S39)."""
+    from kvwake.daemon.kv import devplanes
+
+    mapped = mapped_staging
+    wakes = devplanes.KEEP_SLOTS + 4
+    try:
+        devplanes.warm(mx.zeros((1, 2, 32, 1), mx.bfloat16), tensors=1, block_tokens=32, wakes=wakes)
+        assert len(mapped) == wakes - 1 + devplanes.RING_SLOTS
+        leader = devplanes.Ring(24, 2, 64, 128)
+        waiters = [devplanes.Ring(24, 2, 64, 128, most=1) for _ in range(wakes - 1)]
+        assert leader.slots == devplanes.RING_SLOTS and [r.slots for r in waiters] == [1] * (wakes - 1)
+        assert len(mapped) == wakes - 1 + devplanes.RING_SLOTS  # none made for them
+        for r in [leader, *waiters]:
+            r.close()
+        # a later warm-up naming no wakes keeps them; more than MOST_KEPT are never made
+        devplanes.warm(mx.zeros((1, 2, 32, 1), mx.bfloat16), tensors=1, block_tokens=32)
+        assert len(next(iter(devplanes._idle.values()))) == wakes - 1 + devplanes.RING_SLOTS
+        devplanes.warm(mx.zeros((1, 2, 32, 1), mx.bfloat16), tensors=1, block_tokens=32, wakes=1000)
+        assert len(next(iter(devplanes._idle.values()))) == devplanes.MOST_KEPT
+    finally:
+        devplanes.drop_idle()
+    assert devplanes._keep == devplanes.KEEP_SLOTS  # dropped with the engine: the next start counts afresh
 
 
 def test_a_block_decoded_anywhere_but_its_place_is_refused(engine):

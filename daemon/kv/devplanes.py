@@ -173,6 +173,13 @@ class Ring:
 # (its slots written and pinned) that every other wake and decode step waits behind (docs/decisions.md,
 # "First start at the disk's speed"). The cost: KEEP_SLOTS x SPAN_BYTES of pinned host memory per model.
 KEEP_SLOTS = 4 * RING_SLOTS
+# A start that knows how many sessions will wake at once (the hot set read during start-up: kv/hot_set.py)
+# makes a slot for each beside the load, as many as a leader's ring and one for each wake waiting for it take,
+# up to MOST_KEPT: a restart's sixteen wakes once made five slots afresh, one after the other on the engine
+# thread, while the leader every other wake waited for uploaded its blocks between them (docs/benchmarks.md,
+# "fleet", S39). Kept for the process's life as KEEP_SLOTS' are: MOST_KEPT x SPAN_BYTES of pinned memory at most
+MOST_KEPT = 32
+_keep = KEEP_SLOTS  # the slots of one shape kept idle: KEEP_SLOTS, or more once `warm` was told of wakes ahead
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off
 # Kept slots by shape: one shape per model's KV (two models loaded take turns on the device, and one
 # model's rings must not push out the other's)
@@ -193,14 +200,15 @@ def _give_back(shape: tuple[int, int], slots: list[tuple[mx.array, np.ndarray, C
         return
     with _idle_lock:
         kept = _idle.setdefault(shape, [])
-        room = max(0, KEEP_SLOTS - len(kept))
+        room = max(0, _keep - len(kept))
         kept.extend(slots[:room])
         stale = slots[room:]
     release_all([release for _, _, release in stale])
 
 
-def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
-    """Make the ring slots of a few wakes (KEEP_SLOTS) for blocks of `tensors` tensors like `kv` (one layer's
+def warm(kv: mx.array, tensors: int, block_tokens: int, wakes: int = 0) -> bool:
+    """Make the ring slots of a few wakes (KEEP_SLOTS; `wakes` sessions waking at once: a slot each past the
+    first's ring, up to MOST_KEPT) for blocks of `tensors` tensors like `kv` (one layer's
     keys: [.., tokens, dim]) and keep them idle, and join a block from them both ways (planes, raw): a first restore then neither
     makes staging (a fresh managed allocation the CPU writes, a long job for a first restore:
     docs/decisions.md, "Engine", the ring's slots kept between wakes) nor compiles the joins. False
@@ -212,9 +220,13 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
     size = PLANAR_DTYPES[dtype][1].size
     block_bytes = tensors * math.prod(block_shape) * size
     shape = (max(1, SPAN_BYTES // block_bytes), block_bytes)  # a kept slot's, as Ring makes it
+    global _keep
+    with _idle_lock:  # never fewer than before: a later warm-up (the engine's, after "ready") names no wakes
+        _keep = max(_keep, min(MOST_KEPT, wakes - 1 + RING_SLOTS))
+        want = _keep
     slots: list[tuple[mx.array, np.ndarray, Callable[[], None]]] = []
-    try:  # KEEP_SLOTS slots made (or taken idle), then all kept idle
-        while len(slots) < KEEP_SLOTS:
+    try:  # the slots made (or taken idle), then all kept idle
+        while len(slots) < want:
             slots.append(_take_slot(shape))
         first = slots[0][0][0:1]
         mx.eval(join(planes_of(first, size), dtype, tensors, block_shape), join_raw(first, dtype, tensors, block_shape))
@@ -224,9 +236,13 @@ def warm(kv: mx.array, tensors: int, block_tokens: int) -> bool:
 
 
 def drop_idle(shape: tuple[int, int] | None = None) -> None:
-    """Release the slots kept between wakes (their memory goes back to MLX): of one shape, or all."""
+    """Release the slots kept between wakes (their memory goes back to MLX): of one shape, or all (and the
+    count kept goes back to KEEP_SLOTS)."""
+    global _keep
     with _idle_lock:
         stale = [slot for key in ([shape] if shape is not None else list(_idle)) for slot in _idle.pop(key, [])]
+        if shape is None:
+            _keep = KEEP_SLOTS
     release_all([release for _, _, release in stale])
 
 

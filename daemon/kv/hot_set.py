@@ -47,6 +47,7 @@ KEEP_S = 300.0  # blocks read ahead that no wake took by this long after the rea
 # The reader's threads run this many nice levels below the daemon (Linux): where cores are short, the model's
 # load and a request's work get them first, and the reading takes what is left
 READER_NICE = 10
+PLAN_WAIT_S = 2.0  # `wakes_ahead` waits this long at most for the plan (SQLite reads: milliseconds)
 # Threads that read: a quarter of the cores, at most this many. The reading has the whole load's time, so a few
 # threads finish it in time, and each reader takes the GIL between its decodes, which the load's own Python then
 # waits for (docs/benchmarks.md, "fleet", S39)
@@ -125,6 +126,7 @@ class HotSet:
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
         self.ms: float | None = None  # start to the last read
         self.state = "idle"
+        self._planned = threading.Event()  # the sessions to read are counted (`wakes_ahead`)
 
     def start(self) -> HotSet:
         self.state = "planning"
@@ -140,6 +142,11 @@ class HotSet:
             thread.join(timeout_s)
         self.tier.drop_prefetched()
 
+    def wakes_ahead(self, timeout_s: float = PLAN_WAIT_S) -> int:
+        """How many sessions the hot set holds, the wakes that may come at once after the start (the model's
+        load makes a staging slot for each: devplanes.warm); 0 when its plan is not made within `timeout_s`."""
+        return self.counts["sessions"] if self._planned.wait(timeout_s) else 0
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"state": self.state, "staged": self.staged, "ms": self.ms, "budget_bytes": self.budget,
@@ -149,7 +156,10 @@ class HotSet:
         started = time.perf_counter()
         try:
             with self.store.reading():  # gc cannot evict the files meanwhile
-                plan = self._plan()
+                try:
+                    plan = self._plan()
+                finally:
+                    self._planned.set()
                 self.state = "reading"
                 self._read_all(plan)
         except Exception:  # noqa: BLE001 - the hot set is an optimization: the wakes read what it did not

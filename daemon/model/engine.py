@@ -118,6 +118,7 @@ class Engine(Appending):
         kernels_for: Sequence[Path] = (),
         staging_beside_load: bool = True,
         ram_tier: RamTier | None = None,
+        wakes_ahead: Callable[[], int] | None = None,
     ) -> None:
         prefill_step = prefill_step or default_step()  # by backend (model/scheduler/prefill.py)
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
@@ -136,7 +137,8 @@ class Engine(Appending):
             # (`kernels_for`: other models' folders, whose row kernels are built now)
             staged = staging_beside_load and self.restore_mode == "staged"
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
-                                                 store.block_tokens if staged else None, others=kernels_for)
+                                                 store.block_tokens if staged else None, others=kernels_for,
+                                                 wakes=wakes_ahead)
         self.weight_pieces: list[dict[str, float]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
                                                   timeline=self.weight_pieces)

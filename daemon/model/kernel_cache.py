@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,9 +177,10 @@ class BesideLoad:
     whole compile (docs/benchmarks.md, "Several models"); at the first start nothing decodes yet."""
 
     def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
-                 others: Sequence[Path] = ()) -> None:
+                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
+        self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
         self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
                                        args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
@@ -197,7 +198,8 @@ class BesideLoad:
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
-                devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens)
+                devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens,
+                               wakes=self.wakes() if self.wakes is not None else 0)
             for other in others if row_kernel else ():
                 with contextlib.suppress(OSError, ValueError, KeyError):  # not a local model folder of the kind
                     self._build_row(_heads(other, json.loads((other / "config.json").read_text())))

@@ -40,13 +40,15 @@ def release_mlx_streams() -> None:
 
 
 def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memory.Limits | None,
-                neighbours: Sequence[ModelSpec] = (), ram_tier: RamTier | None = None) -> tuple[Engine, EngineThread]:
+                neighbours: Sequence[ModelSpec] = (), ram_tier: RamTier | None = None,
+                wakes_ahead: Callable[[], int] | None = None) -> tuple[Engine, EngineThread]:
     """`spec`'s engine, built on a new engine thread of its own (named for the model), and that thread;
     `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
     The first model's start makes what a later load must not make while another model decodes: the row
     kernels of `neighbours` (the other models configured, those given as folders) and their kernel warmers'
     compiles, and a wake's staging ring beside its load (model/kernel_cache.py BesideLoad, Warmer). `ram_tier`:
-    the RAM tier its engine takes, filling already (kv/hot_set.py); None: a new one."""
+    the RAM tier its engine takes, filling already (kv/hot_set.py); None: a new one. `wakes_ahead`: how many
+    sessions will wake at once after the start (the hot set's), a staging slot made beside the load for each."""
     first = limits is None
     others = [Path(s.source).expanduser() for s in neighbours
               if s is not spec and s.source is not None and Path(s.source).expanduser().is_dir()] if first else []
@@ -67,7 +69,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
                 io_inflight_bytes=settings.io_inflight_bytes, max_batch=settings.max_batch,
                 prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
                 persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
-                staging_beside_load=first, ram_tier=ram_tier)).result()
+                staging_beside_load=first, ram_tier=ram_tier, wakes_ahead=wakes_ahead)).result()
         # The decoder attached before that first job, here on the caller's worker thread: attached later (as the
         # provider adds the model, on the event loop) it waited behind the kernels' wait, and the event loop with
         # it, so every other model's streamed tokens stopped for that long (docs/decisions.md, "Several models").
