@@ -33,6 +33,31 @@ def test_the_warmer_builds_the_models_miniature_in_its_dtype_and_exits_cleanly(t
     assert warmer.wait() is False  # waited for once: nothing left to wait for
 
 
+def test_a_quantized_models_warmer_runs_its_quantized_products_in_each_row_range(tmp_path):
+    """A 4-bit model's first prefill and first batched decode step each waited ~50 s on the H200 for MLX's
+    compiles of its quantized matmul kernels, which a warmer running an unquantized miniature never made
+    (docs/benchmarks.md, "fleet", S39). Here: the parts, the miniature quantized as the config says, and
+    every part's child ending cleanly (the compiles themselves are CUDA's)."""
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    model = make_model_dir(tmp_path / "q")
+    assert kernel_cache.parts_for(model) == kernel_cache.PARTS  # unquantized: as before
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    parts = kernel_cache.parts_for(model)
+    assert parts == kernel_cache.PARTS + tuple(f"quantized-{r}" for r in kernel_cache.QUANTIZED_ROWS)
+    small = kernel_cache.miniature(json.loads((model / "config.json").read_text()))
+    model_class, args_class = _get_classes(config=small)
+    mini = model_class(args_class.from_dict(small))
+    kernel_cache.quantize_miniature(mini, small["quantization"])
+    linears = [m for _, m in mini.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert linears and all((m.bits, m.group_size) == (4, 32) for m in linears)
+    warmer = kernel_cache.Warmer(model)
+    assert [p.args[-1] for p in warmer.procs] == list(parts)
+    assert warmer.wait(timeout=120) is True
+
+
 def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8,
                                                       "num_attention_heads": 1}))
@@ -85,14 +110,15 @@ def test_a_wakes_staging_ring_is_made_beside_the_load_for_a_plain_model_only(tmp
 
     made = []
     monkeypatch.setattr(ragged_decode, "build", lambda *shape: True)
-    monkeypatch.setattr(devplanes, "warm", lambda kv, tensors, block_tokens: made.append(
-        (kv.shape, kv.dtype, tensors, block_tokens)) or True)
+    monkeypatch.setattr(devplanes, "warm", lambda kv, tensors, block_tokens, wakes=0: made.append(
+        (kv.shape, kv.dtype, tensors, block_tokens, wakes)) or True)
     path = make_model_dir(tmp_path / arch, arch=arch)
     config = json.loads((path / "config.json").read_text())
-    kernel_cache.BesideLoad(path, False, 128).result()
+    # the hot set's sessions (kv/hot_set.py `wakes_ahead`): a slot made for each
+    kernel_cache.BesideLoad(path, False, 128, wakes=lambda: 7).result()
     want = [((1, config.get("num_key_value_heads") or config["num_attention_heads"], 1,
               config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
-             getattr(mx, kernel_cache.weights_dtype(path)), 2 * config["num_hidden_layers"], 128)]
+             getattr(mx, kernel_cache.weights_dtype(path)), 2 * config["num_hidden_layers"], 128, 7)]
     assert made == (want if staged else [])
     kernel_cache.BesideLoad(path, False, None).result()
     assert len(made) == (1 if staged else 0)  # no staging asked for (a direct restore): none made
@@ -197,7 +223,7 @@ def test_the_row_kernel_is_built_beside_the_load_with_the_warmer_off_too(model_d
     built = []
 
     class Beside:
-        def __init__(self, model_path, row_kernel, staging_tokens, others=()):
+        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None):
             built.append(model_path)
 
         def result(self):

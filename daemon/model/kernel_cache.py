@@ -34,12 +34,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "text_config",
+__all__ = ["PARTS", "QUANTIZED_ROWS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "parts_for",
+           "quantize_miniature", "start_early", "text_config",
            "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
 PARTS = ("forward", "compaction")
+# A quantized model's matmuls: MLX compiles each of its CUDA kernels for them (CuTe templates, NVRTC) at first
+# use, one per tile shape, which it picks by the rows of the product; a compile of that kind took a 4-bit 8B
+# model's first prefill and first batched decode step about 50 s each on a fresh machine (docs/benchmarks.md,
+# "fleet", S39). One row count in each of its ranges (16, 32, 64, 128, more; 1 row: its vector kernel), each
+# a part of its own, so the compiles run side by side
+QUANTIZED_ROWS = (1, 16, 32, 64, 128, 256)
 
 
 def weights_dtype(model_path: Path) -> str:
@@ -54,6 +61,22 @@ def weights_dtype(model_path: Path) -> str:
         if kinds:
             return names.get(kinds[0], "float32")
     return "bfloat16"
+
+
+def parts_for(model_path: Path) -> tuple[str, ...]:
+    """The warmer's parts for the model folder: PARTS, and for a quantized model a part per row range of its
+    quantized matmuls (QUANTIZED_ROWS)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return PARTS
+    return PARTS + tuple(f"quantized-{rows}" for rows in QUANTIZED_ROWS) if _quantization(config) else PARTS
+
+
+def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:
+    """mlx-lm's `quantization` of a config (its group size and bits, as `mlx_lm convert -q` writes them)."""
+    q = config.get("quantization") or text_config(config).get("quantization")
+    return q if isinstance(q, dict) and "group_size" in q and "bits" in q else None
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -127,14 +150,15 @@ class Warmer:
 
     def __init__(self, model_path: Path) -> None:
         self.started = time.perf_counter()
+        self.parts = parts_for(model_path)
         self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
-                      for part in PARTS]
+                      for part in self.parts]
 
     def wait(self, timeout: float = WAIT_S) -> bool:
         """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache."""
         procs, self.procs, done = self.procs, [], True
-        for part, proc in zip(PARTS, procs):
+        for part, proc in zip(self.parts, procs):
             try:
                 _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
             except subprocess.TimeoutExpired:
@@ -224,6 +248,17 @@ class BesideLoad:
         return self.shape
 
 
+def quantize_miniature(model: Any, quantization: dict[str, Any] | None) -> None:
+    """The miniature quantized as the model is (group size, bits, mode), each layer that can be at its widths."""
+    import mlx.nn as nn
+
+    if quantization is None:
+        raise ValueError("the model's config names no quantization (group_size, bits)")
+    size = quantization["group_size"]
+    nn.quantize(model, group_size=size, bits=quantization["bits"], mode=quantization.get("mode", "affine"),
+                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % size == 0)
+
+
 def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any]:
     """(query heads, KV heads, head size, dtype) as `config` and the weights name them: what the row kernel is
     built for (ragged_decode.shape_of gives the same from a loaded model)."""
@@ -236,7 +271,8 @@ def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any
 
 
 def _warm(model_path: Path, part: str) -> None:
-    """A child's work: the miniature's prefill and decode step ("forward"), or a batch's compaction."""
+    """A child's work: the miniature's prefill and decode step ("forward"), a batch's compaction, or the
+    quantized miniature's products of one row range ("quantized-ROWS")."""
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
@@ -244,16 +280,24 @@ def _warm(model_path: Path, part: str) -> None:
 
     dtype = getattr(mx, weights_dtype(model_path))
     config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
-    if part == "forward":
+    if part == "forward" or part.startswith("quantized-"):
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import _get_classes
 
         model_class, args_class = _get_classes(config=config)
         model = model_class(args_class.from_dict(config))
         model.set_dtype(dtype)
-        cache = make_prompt_cache(model)
-        mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
-        mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+        if part == "forward":
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
+            mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+            return
+        quantize_miniature(model, _quantization(config))
+        rows = int(part.removeprefix("quantized-"))
+        # a prefill of `rows` tokens: products of that many rows (one: the vector kernel a call alone decodes by)
+        mx.eval(model(mx.arange(rows, dtype=mx.uint32)[None], cache=make_prompt_cache(model)))
+        if rows == QUANTIZED_ROWS[1]:  # a batch's decode step: a row each, as a product of that range
+            mx.eval(model(mx.zeros((2, 1), dtype=mx.uint32), cache=make_prompt_cache(model)))
         return
     from mlx_lm.models.cache import BatchKVCache
 
