@@ -257,3 +257,23 @@ def test_a_staged_image_fills_staging_as_the_decoder_would(store):
     assert image.stage_into(rows_into(copied))
     assert len(copied) == len(decoded) and all(np.array_equal(a, b) for a, b in zip(copied, decoded))
     assert not image.stage_into(None) and not image.stage_into(lambda *run: None)  # no ring: read instead
+
+
+def test_a_gc_during_the_reading_waits_for_a_block_not_for_the_whole_read(store, monkeypatch):
+    # gc takes the store lock exclusively, and every wake and sleep queues behind it: held shared for the whole
+    # read, the reader would stall them all until it had read everything
+    for i in range(6):
+        write_snapshot(store, f"many{i}", [5000 * i + t for t in range(10 * store.block_tokens)])
+    read_block = store.read_block
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return read_block(*args, **kwargs)
+    monkeypatch.setattr(store, "read_block", slow)
+    hot = HotSet(store, RamTier(0), staged=False, budget_bytes=1 << 30, workers=1).start()
+    deadline = time.monotonic() + 10
+    while not hot.counts["blocks_read"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    store.gc()
+    assert hot.state == "reading" and hot.counts["blocks_read"] < hot.counts["blocks_planned"], hot.status()
+    hot.stop()

@@ -148,10 +148,12 @@ class HotSet:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            with self.store.reading():  # gc cannot evict the files meanwhile
+            # The store lock is held shared while planning and around each block's read, never across the whole
+            # reading: gc waits for it exclusively, and every wake and sleep queues behind gc (StoreFiles.lock)
+            with self.store.reading():
                 plan = self._plan()
-                self.state = "reading"
-                self._read_all(plan)
+            self.state = "reading"
+            self._read_all(plan)
         except Exception:  # noqa: BLE001 - the hot set is an optimization: the wakes read what it did not
             log.exception("reading the hot set failed")
         self.ms = round((time.perf_counter() - started) * 1000, 1)
@@ -216,8 +218,9 @@ class HotSet:
             return
         entry = None
         try:
-            entry = read_image(self.store, ref, record) if self.staged else \
-                self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
+            with self.store.reading():  # gc cannot evict the file meanwhile
+                entry = read_image(self.store, ref, record) if self.staged else \
+                    self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
         except Exception as exc:  # noqa: BLE001 - the wake reads it and fails with these facts, as it would have
             self._add("blocks_failed")
             log.info("hot set: block not read", extra={"block": ref.key, "why": repr(exc)})
