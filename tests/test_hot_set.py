@@ -277,3 +277,17 @@ def test_a_gc_during_the_reading_waits_for_a_block_not_for_the_whole_read(store,
     store.gc()
     assert hot.state == "reading" and hot.counts["blocks_read"] < hot.counts["blocks_planned"], hot.status()
     hot.stop()
+
+
+def test_a_fault_in_the_reader_itself_is_logged_as_an_error_not_taken_for_a_damaged_block(store, monkeypatch,
+                                                                                            caplog):
+    (info,) = shared_sessions(store, n=1)
+
+    def broken(*args, **kwargs):  # not the store's verdict on a block: a fault of the reader's own
+        raise TypeError("read_block() got an unexpected keyword argument")
+    monkeypatch.setattr(store, "read_block", broken)
+    hot = HotSet(store, RamTier(0), staged=False, budget_bytes=1 << 30, workers=1).start()
+    wait_done(hot)
+    assert hot.counts["blocks_failed"] == len(store.snapshot(info.id).blocks)
+    assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records if r.name == "kvwake.hot_set")
+    hot.stop()

@@ -123,6 +123,7 @@ class HotSet:
         self.counts = {"sessions": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0, "bytes_read": 0,
                        "blocks_skipped": 0, "blocks_failed": 0}
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
+        self._faulted = False  # a read failed for a reason of the reader's own (logged once, with its trace)
         self.ms: float | None = None  # start to the last read
         self.state = "idle"
 
@@ -221,9 +222,15 @@ class HotSet:
             with self.store.reading():  # gc cannot evict the file meanwhile
                 entry = read_image(self.store, ref, record) if self.staged else \
                     self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
-        except Exception as exc:  # noqa: BLE001 - the wake reads it and fails with these facts, as it would have
+        except KvwakeError as exc:  # the store's verdict on the block: the wake reads it and fails with these facts
             self._add("blocks_failed")
             log.info("hot set: block not read", extra={"block": ref.key, "why": repr(exc)})
+        except Exception:  # noqa: BLE001 - a fault of the reader's own: shown (once), the wakes read the blocks
+            self._add("blocks_failed")
+            with self._lock:
+                first, self._faulted = not self._faulted, True
+            if first:
+                log.exception("hot set: reading a block failed", extra={"block": ref.key})
         finally:
             self.tier.land_prefetched(ref.key, flight, entry)
         if entry is not None:
