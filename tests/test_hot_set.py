@@ -14,7 +14,7 @@ from kvwake.daemon.kv.hot_set import WINDOW_S, HotSet, StagedImage, read_image
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
-from testkit.daemon import Daemon, RawClient
+from testkit.daemon import Daemon, RawClient, RpcError
 from testkit.kvdata import write_snapshot
 from testkit.tinymodel import make_model_dir
 
@@ -106,6 +106,26 @@ def test_a_stop_soon_after_a_restart_is_clean(tmp_path, model_dir):
     d.start()
     with d.client() as c:
         assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def test_a_wake_refused_for_another_sessions_snapshot_leaves_that_sessions_blocks_held(tmp_path, model_dir):
+    # staged: a block let go is dropped, not kept in the LRU (which would hide it)
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": "staged"}).start()
+    with d.client() as c:
+        for sid in ("a", "b"):  # each with blocks of its own after the shared system prompt
+            c.call("session.create", session_id=sid, system=SYSTEM)
+            chat(c, sid, f"{sid}: " + "which files changed, and in which order, and why? " * 6)
+    assert d.stop() == 0
+    d.start()
+    with d.client() as c:
+        assert held(c)["state"] == "held"
+        b_head = c.call("session.info", session_id="b")["head"]
+        with pytest.raises(RpcError) as err:  # b's snapshot named for a's wake: refused, and b not woken by it
+            c.call("session.wake", session_id="a", snapshot_id=b_head)
+        assert err.value.code == "INVALID_PARAMS"
+        woken = c.call("session.wake", session_id="b")
+        assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
     assert d.stop() == 0
 
 
