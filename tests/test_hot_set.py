@@ -14,7 +14,7 @@ from kvwake.daemon.kv.hot_set import WINDOW_S, HotSet, StagedImage, read_image
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
-from testkit.daemon import Daemon, RawClient
+from testkit.daemon import Daemon, RawClient, RpcError
 from testkit.kvdata import write_snapshot
 from testkit.tinymodel import make_model_dir
 
@@ -106,6 +106,26 @@ def test_a_stop_soon_after_a_restart_is_clean(tmp_path, model_dir):
     d.start()
     with d.client() as c:
         assert c.call("store.fsck")["ok"]
+    assert d.stop() == 0
+
+
+def test_a_wake_refused_for_another_sessions_snapshot_leaves_that_sessions_blocks_held(tmp_path, model_dir):
+    # staged: a block let go is dropped, not kept in the LRU (which would hide it)
+    d = Daemon(tmp_path, model_dir, env={"KVWAKE_RESTORE_MODE": "staged"}).start()
+    with d.client() as c:
+        for sid in ("a", "b"):  # each with blocks of its own after the shared system prompt
+            c.call("session.create", session_id=sid, system=SYSTEM)
+            chat(c, sid, f"{sid}: " + "which files changed, and in which order, and why? " * 6)
+    assert d.stop() == 0
+    d.start()
+    with d.client() as c:
+        assert held(c)["state"] == "held"
+        b_head = c.call("session.info", session_id="b")["head"]
+        with pytest.raises(RpcError) as err:  # b's snapshot named for a's wake: refused, and b not woken by it
+            c.call("session.wake", session_id="a", snapshot_id=b_head)
+        assert err.value.code == "INVALID_PARAMS"
+        woken = c.call("session.wake", session_id="b")
+        assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
     assert d.stop() == 0
 
 
@@ -269,3 +289,37 @@ def test_a_staged_image_fills_staging_as_the_decoder_would(store):
     assert image.stage_into(rows_into(copied))
     assert len(copied) == len(decoded) and all(np.array_equal(a, b) for a, b in zip(copied, decoded))
     assert not image.stage_into(None) and not image.stage_into(lambda *run: None)  # no ring: read instead
+
+
+def test_a_gc_during_the_reading_waits_for_a_block_not_for_the_whole_read(store, monkeypatch):
+    # gc takes the store lock exclusively, and every wake and sleep queues behind it: held shared for the whole
+    # read, the reader would stall them all until it had read everything
+    for i in range(6):
+        write_snapshot(store, f"many{i}", [5000 * i + t for t in range(10 * store.block_tokens)])
+    read_block = store.read_block
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return read_block(*args, **kwargs)
+    monkeypatch.setattr(store, "read_block", slow)
+    hot = HotSet(store, RamTier(0), staged=False, budget_bytes=1 << 30, workers=1).start()
+    deadline = time.monotonic() + 10
+    while not hot.counts["blocks_read"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    store.gc()
+    assert hot.state == "reading" and hot.counts["blocks_read"] < hot.counts["blocks_planned"], hot.status()
+    hot.stop()
+
+
+def test_a_fault_in_the_reader_itself_is_logged_as_an_error_not_taken_for_a_damaged_block(store, monkeypatch,
+                                                                                            caplog):
+    (info,) = shared_sessions(store, n=1)
+
+    def broken(*args, **kwargs):  # not the store's verdict on a block: a fault of the reader's own
+        raise TypeError("read_block() got an unexpected keyword argument")
+    monkeypatch.setattr(store, "read_block", broken)
+    hot = HotSet(store, RamTier(0), staged=False, budget_bytes=1 << 30, workers=1).start()
+    wait_done(hot)
+    assert hot.counts["blocks_failed"] == len(store.snapshot(info.id).blocks)
+    assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records if r.name == "kvwake.hot_set")
+    hot.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvwake.daemon.config import load_settings
-from kvwake.daemon.kv.pool import Pool
+from kvwake.daemon.kv.pool import Pool, lower_priority
 from testkit.daemon import Daemon
 from testkit.tinymodel import make_model_dir
 
@@ -35,6 +35,17 @@ def test_workers_run_nice_levels_below_their_maker_only_when_asked():
         finally:
             pool.close()
     assert own_nice() == mine  # the caller's own priority is left alone
+
+
+def test_elsewhere_than_linux_a_worker_asks_the_os_nothing(monkeypatch, caplog):
+    # there a thread's id is no process id: setpriority would refuse it (a warning each start: the hot set's
+    # readers lower theirs by default) or renice whatever process has that number
+    asked = []
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(os, "getpriority", lambda *a: asked.append(("get", *a)) or 0)
+    monkeypatch.setattr(os, "setpriority", lambda *a: asked.append(("set", *a)))
+    lower_priority(10)
+    assert asked == [] and not [r for r in caplog.records if r.name == "kvwake.pool"]
 
 
 def test_the_knob_reads_whole_levels_and_refuses_the_rest_naming_it(monkeypatch, tmp_path):

@@ -124,6 +124,7 @@ class HotSet:
         self.counts = {"sessions": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0, "bytes_read": 0,
                        "blocks_skipped": 0, "blocks_failed": 0}
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
+        self._faulted = False  # a read failed for a reason of the reader's own (logged once, with its trace)
         self.ms: float | None = None  # start to the last read
         self.state = "idle"
         self._planned = threading.Event()  # the sessions to read are counted (`wakes_ahead`)
@@ -155,13 +156,15 @@ class HotSet:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            with self.store.reading():  # gc cannot evict the files meanwhile
+            # The store lock is held shared while planning and around each block's read, never across the whole
+            # reading: gc waits for it exclusively, and every wake and sleep queues behind gc (StoreFiles.lock)
+            with self.store.reading():
                 try:
                     plan = self._plan()
                 finally:
                     self._planned.set()
-                self.state = "reading"
-                self._read_all(plan)
+            self.state = "reading"
+            self._read_all(plan)
         except Exception:  # noqa: BLE001 - the hot set is an optimization: the wakes read what it did not
             log.exception("reading the hot set failed")
         self.ms = round((time.perf_counter() - started) * 1000, 1)
@@ -226,11 +229,18 @@ class HotSet:
             return
         entry = None
         try:
-            entry = read_image(self.store, ref, record) if self.staged else \
-                self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
-        except Exception as exc:  # noqa: BLE001 - the wake reads it and fails with these facts, as it would have
+            with self.store.reading():  # gc cannot evict the file meanwhile
+                entry = read_image(self.store, ref, record) if self.staged else \
+                    self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
+        except KvwakeError as exc:  # the store's verdict on the block: the wake reads it and fails with these facts
             self._add("blocks_failed")
             log.info("hot set: block not read", extra={"block": ref.key, "why": repr(exc)})
+        except Exception:  # noqa: BLE001 - a fault of the reader's own: shown (once), the wakes read the blocks
+            self._add("blocks_failed")
+            with self._lock:
+                first, self._faulted = not self._faulted, True
+            if first:
+                log.exception("hot set: reading a block failed", extra={"block": ref.key})
         finally:
             self.tier.land_prefetched(ref.key, flight, entry)
         if entry is not None:

@@ -649,9 +649,6 @@ def _wake_cache(ctx: KvContext, session_id: str, record: SnapshotRecord, mlx: Ml
                 prefix: tuple[list, int] | None, counts: dict[str, int], phases: dict[str, float],
                 pages: PagePool | None) -> list | None:
     """The snapshot's cache (None: it holds no tokens), for `wake`, under its store read."""
-    if record.session_id != session_id:
-        raise InvalidParamsError(f"snapshot {record.id} belongs to session {record.session_id}, not {session_id}; "
-                                 "use fork", session_id=session_id, snapshot_id=record.id)
     ctx.store.touch([b.key for b in record.blocks])
     try:
         return _restore(ctx, record, mlx, prefix, counts, phases, pages) if record.token_ids else None
@@ -683,6 +680,9 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
         if record is None:
             record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
+        if record.session_id != session_id:  # refused before its blocks read ahead are let go: not this wake's
+            raise InvalidParamsError(f"snapshot {record.id} belongs to session {record.session_id}, not "
+                                     f"{session_id}; use fork", session_id=session_id, snapshot_id=record.id)
         try:
             cache = _wake_cache(ctx, session_id, record, mlx, prefix, counts, phases, pages)
         finally:  # the blocks read ahead for this snapshot are not held for it any more (kv/hot_set.py)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -63,7 +64,7 @@ class Pool:
 def lower_priority(nice: int) -> None:
     """A worker's first act: lower its own CPU priority by `nice` levels (Linux, where a thread is a task of
     its own; elsewhere, or when refused, it stays as it is)."""
-    if nice <= 0:
+    if nice <= 0 or not sys.platform.startswith("linux"):  # elsewhere a thread's id names no task of its own
         return
     tid = threading.get_native_id()
     try:
