@@ -103,6 +103,16 @@ class Daemon:
         return [line for line in self.log.read_text(errors="replace").splitlines() if any(b in line for b in bad)]
 
 
+def hot_set_read(c: RawClient, timeout: float = 30.0) -> dict | None:
+    """The start's hot set reader's status (kv/hot_set.py) once it has read all it planned (None: switched off)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = c.call("status")["restart_prefetch"]
+        if status is None or status["state"] in ("held", "dropped", "stopped") or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
 def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
     """A raw HTTP request (what the API client packages would not send): status and JSON body."""
     request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")

@@ -14,7 +14,7 @@ from kvwake.daemon.kv.hot_set import WINDOW_S, HotSet, StagedImage, read_image
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
-from testkit.daemon import Daemon, RawClient, RpcError
+from testkit.daemon import Daemon, RawClient, RpcError, hot_set_read
 from testkit.kvdata import write_snapshot
 from testkit.tinymodel import make_model_dir
 
@@ -29,16 +29,6 @@ def model_dir(tmp_path_factory):
 
 def chat(c: RawClient, sid: str, text: str) -> list[int]:
     return c.call("session.chat", session_id=sid, messages=[{"role": "user", "content": text}], max_tokens=8)["tokens"]
-
-
-def held(c: RawClient, timeout: float = 30.0) -> dict:
-    """The reader's status once it has read all it planned."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = c.call("status")["restart_prefetch"]
-        if status is None or status["state"] in ("held", "dropped", "stopped") or time.monotonic() > deadline:
-            return status
-        time.sleep(0.05)
 
 
 def sessions_then_restart(d: Daemon) -> tuple[dict[str, list[int]], int]:
@@ -70,7 +60,7 @@ def test_after_a_restart_the_hot_sessions_wake_from_memory_exactly_each_block_re
     d = Daemon(tmp_path, model_dir, env=env).start()
     expected, blocks = sessions_then_restart(d)
     with d.client() as c:
-        read = held(c)
+        read = hot_set_read(c)
         assert read is not None, "nothing was read ahead"
         assert read["state"] == "held" and read["staged"] == mode.startswith("staged"), read
         # each block of the hot set read once: as many reads as distinct blocks, none skipped or failed
@@ -119,7 +109,7 @@ def test_a_wake_refused_for_another_sessions_snapshot_leaves_that_sessions_block
     assert d.stop() == 0
     d.start()
     with d.client() as c:
-        assert held(c)["state"] == "held"
+        assert hot_set_read(c)["state"] == "held"
         b_head = c.call("session.info", session_id="b")["head"]
         with pytest.raises(RpcError) as err:  # b's snapshot named for a's wake: refused, and b not woken by it
             c.call("session.wake", session_id="a", snapshot_id=b_head)
@@ -142,7 +132,7 @@ def test_after_a_kill_9_the_sessions_persisted_wake_from_memory(tmp_path, model_
     d.stop(signal.SIGKILL)  # no stop's sleeps: the heads are persistence's checkpoints
     d.start()
     with d.client() as c:
-        read = held(c)
+        read = hot_set_read(c)
         assert read is not None and read["blocks_read"] > 0 and read["blocks_failed"] == 0, read
         for i in range(SESSIONS):
             woken = c.call("session.wake", session_id=f"k{i}")
