@@ -54,6 +54,7 @@ from kvwake.daemon.model.registry import Registry
 from kvwake.daemon.model.thread import process_age_s
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
+from kvwake.daemon.sessions.models import BUNDLES_FILE, read_bundles
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 
@@ -177,7 +178,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
     except ValueError as exc:
         print(f"kvwake serve: {exc}", file=sys.stderr)
         return 2
-    hot_set = read_hot_set(settings, store)  # beside the model's load
+    hot_set = read_hot_set(settings, store, registry.default.name)  # beside the model's load
     provider = ModelProvider()
     engine, thread = start_model(settings, store, registry.default, None,  # MLX's limits set on its thread
                                  neighbours=list(registry), ram_tier=hot_set.tier if hot_set else None,
@@ -220,16 +221,19 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         os.close(lock_fd)
 
 
-def read_hot_set(settings: Settings, store: Store) -> HotSet | None:
+def read_hot_set(settings: Settings, store: Store, model_name: str) -> HotSet | None:
     """The reader of the hot set (kv/hot_set.py), started, filling the RAM tier the default model's engine will
-    take; None where the tuning switches it off. Blocks are kept in the form this machine's wakes take fastest:
-    staged images where restores stage (plain KV), else their arrays."""
+    take (`model_name`'s: the sessions of bundles other models had here are left out); None where the tuning
+    switches it off. Blocks are kept in the form this machine's wakes take fastest: staged images where
+    restores stage (plain KV), else their arrays."""
     tuning = settings.tuning
     if not tuning.restart_prefetch:
         return None
     staged = restore_buffers.restore_mode(tuning.restore_mode) == "staged" and settings.kv_bits is None
     budget = tuning.restart_prefetch_bytes
-    return HotSet(store, RamTier(settings.ram_tier_bytes), staged=staged,
+    others = frozenset(b for b, name in read_bundles(Path(settings.data_dir) / BUNDLES_FILE).items()
+                       if name != model_name)
+    return HotSet(store, RamTier(settings.ram_tier_bytes), staged=staged, other_bundles=others,
                   budget_bytes=available_memory() // 4 if budget is None else budget).start()
 
 

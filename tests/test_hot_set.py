@@ -15,7 +15,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
 from testkit.daemon import Daemon, RawClient, RpcError, hot_set_read
-from testkit.kvdata import write_snapshot
+from testkit.kvdata import OTHER_BUNDLE, write_snapshot
 from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a terse agent that uses tools; answer in one line. " * 4
@@ -189,6 +189,37 @@ def test_the_wakes_ahead_are_the_sessions_the_reader_planned(store):
     shared_sessions(store, n=5)
     hot = HotSet(store, RamTier(0), staged=True, budget_bytes=1 << 30, workers=1).start()
     assert hot.wakes_ahead() == 5
+    hot.stop()
+
+
+def test_the_sessions_of_another_models_bundle_are_not_read(store):
+    """A daemon of several models reads only its default model's sessions at start: another's wake on that
+    model, loaded later if ever, and its blocks held here would take this one's memory for nothing."""
+    ours = shared_sessions(store, n=2)
+    b = store.block_tokens
+    theirs = write_snapshot(store, "other-model", [7000 + t for t in range(2 * b + 1)], bundle=OTHER_BUNDLE)
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=False, budget_bytes=1 << 30, workers=1,
+                 other_bundles=frozenset({OTHER_BUNDLE})).start()
+    wait_done(hot)
+    assert hot.counts["sessions"] == 2 and hot.counts["other_models"] == 1
+    mine = {ref.key for i in ours for ref in store.snapshot(i.id).blocks}
+    assert sorted(hot.read_keys) == sorted(mine)
+    assert not {ref.key for ref in store.snapshot(theirs.id).blocks} & set(hot.read_keys)
+    hot.stop()
+
+
+def test_the_daemon_leaves_out_the_bundles_its_other_models_had(store, tmp_path):
+    import json
+
+    from kvwake.daemon.config import Settings
+    from kvwake.daemon.serve import read_hot_set
+    from kvwake.daemon.sessions.models import BUNDLES_FILE
+    from testkit.kvdata import BUNDLE
+
+    (tmp_path / BUNDLES_FILE).write_text(json.dumps({BUNDLE: "main", OTHER_BUNDLE: "small"}))
+    hot = read_hot_set(Settings(socket=tmp_path / "s.sock", data_dir=tmp_path), store, "main")
+    assert hot is not None and hot.other_bundles == {OTHER_BUNDLE}
     hot.stop()
 
 

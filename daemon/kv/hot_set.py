@@ -4,7 +4,9 @@ memory (docs/decisions.md, "The hot set read during start-up").
 
 Which sessions: the heads made within WINDOW_S of the newest one, newest first (`Store.recent_heads`): a stop
 sleeps every hot session within moments, and a kill -9 leaves their latest checkpoints; nothing else is
-recorded. Their blocks, each once, in the order the snapshots list them, until `budget_bytes`.
+recorded. Not those of another model of the daemon (`other_bundles`: the bundles the data dir's
+model-bundles.json gives other names; a bundle it does not know is read). Their blocks, each once, in the
+order the snapshots list them, until `budget_bytes`.
 
 In what form: the form the wake here takes fastest. Where restores stage (a GPU), a block's runs as its ring
 rows receive them, decompressed and verified (`StagedImage`): the wake copies them into its ring and joins
@@ -115,14 +117,17 @@ class HotSet:
     between blocks). `staged`: keep StagedImages (restores stage here), else decoded arrays."""
 
     def __init__(self, store: Store, tier: RamTier, *, staged: bool, budget_bytes: int,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, other_bundles: frozenset[str] = frozenset()) -> None:
         self.store, self.tier, self.staged, self.budget = store, tier, staged, budget_bytes
+        # the bundles other models of this daemon had here: their sessions wake on those models, loaded later
+        # (or never), so their blocks are not read into this model's memory
+        self.other_bundles = other_bundles
         self.workers = workers or max(1, min(READERS, (os.cpu_count() or 1) // 4))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self.counts = {"sessions": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0, "bytes_read": 0,
-                       "blocks_skipped": 0, "blocks_failed": 0}
+        self.counts = {"sessions": 0, "other_models": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0,
+                       "bytes_read": 0, "blocks_skipped": 0, "blocks_failed": 0}
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
         self._faulted = False  # a read failed for a reason of the reader's own (logged once, with its trace)
         self.ms: float | None = None  # start to the last read
@@ -186,6 +191,9 @@ class HotSet:
                 record = self.store.snapshot(snapshot_id)  # its digest and chain verified
             except KvwakeError as exc:  # its wake will say so, with the same facts
                 log.info("hot set: snapshot skipped", extra={"snapshot": snapshot_id, "why": str(exc)})
+                continue
+            if record.bundle in self.other_bundles:
+                self.counts["other_models"] += 1
                 continue
             keys = []
             for ref in record.blocks:

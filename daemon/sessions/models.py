@@ -42,7 +42,7 @@ from kvwake.daemon.sessions.model_room import WAIT_S, ModelRoom
 from kvwake.errors import BusyError, InvalidParamsError, KvwakeError
 from kvwake.store.files import write_durable
 
-__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError"]
+__all__ = ["CURRENT", "BUNDLES_FILE", "ModelKeeping", "ModelLoadError", "read_bundles"]
 
 log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
@@ -77,7 +77,7 @@ class ModelKeeping(ModelRoom):
         self._admit: asyncio.Lock | None = None  # made on the loop: one load's room-making at a time
         self._limits = self.models.get().engine.limits  # MLX's, process-wide: every model's engine has them
         self._bundles_path = Path(self.settings.data_dir) / BUNDLES_FILE
-        self._bundles: dict[str, str] = _read_bundles(self._bundles_path)
+        self._bundles: dict[str, str] = read_bundles(self._bundles_path)
         self._unbound: dict[str, set[str]] = {}  # bundle no model has had here -> its sessions (model_for_stored)
         for model in self.models:
             self._loaded(model)
@@ -326,7 +326,7 @@ def _load_failed(spec: ModelSpec, exc: Exception) -> ModelLoadError:
                           model=spec.name, source=spec.source)
 
 
-def _read_bundles(path: Path) -> dict[str, str]:
+def read_bundles(path: Path) -> dict[str, str]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
