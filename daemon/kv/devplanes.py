@@ -175,9 +175,9 @@ class Ring:
 KEEP_SLOTS = 4 * RING_SLOTS
 # A start that knows how many sessions will wake at once (the hot set read during start-up: kv/hot_set.py)
 # makes a slot for each beside the load, as many as a leader's ring and one for each wake waiting for it take,
-# up to MOST_KEPT: a restart's sixteen wakes once made five slots afresh, one after the other on the engine
-# thread, while the leader every other wake waited for uploaded its blocks between them (docs/benchmarks.md,
-# "fleet", S39). Kept for the process's life as KEEP_SLOTS' are: MOST_KEPT x SPAN_BYTES of pinned memory at most
+# up to MOST_KEPT: past KEEP_SLOTS, the waiting wakes made theirs afresh on the engine thread, between the
+# leader's upload slices that every one of them waited for (docs/decisions.md, "The hot set read during
+# start-up"). Kept for the process's life as KEEP_SLOTS' are: MOST_KEPT x SPAN_BYTES of pinned memory at most
 MOST_KEPT = 32
 _keep = KEEP_SLOTS  # the slots of one shape kept idle: KEEP_SLOTS, or more once `warm` was told of wakes ahead
 _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a locked section set off

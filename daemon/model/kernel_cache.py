@@ -42,10 +42,10 @@ log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
 PARTS = ("forward", "compaction")
 # A quantized model's matmuls: MLX compiles each of its CUDA kernels for them (CuTe templates, NVRTC) at first
-# use, one per tile shape, which it picks by the rows of the product; a compile of that kind took a 4-bit 8B
-# model's first prefill and first batched decode step about 50 s each on a fresh machine (docs/benchmarks.md,
-# "fleet", S39). One row count in each of its ranges (16, 32, 64, 128, more; 1 row: its vector kernel), each
-# a part of its own, so the compiles run side by side
+# use, one per tile shape, which it picks by the rows of the product, and each is a long compile a request
+# would wait for (docs/decisions.md, "a quantized model's warmers run its quantized products"). One row count in
+# each of its ranges (16, 32, 64, 128, more; 1 row: its vector kernel), each a part of its own, so the compiles
+# run side by side
 QUANTIZED_ROWS = (1, 16, 32, 64, 128, 256)
 
 
