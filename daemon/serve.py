@@ -180,9 +180,14 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
         return 2
     hot_set = read_hot_set(settings, store, registry.default.name)  # beside the model's load
     provider = ModelProvider()
-    engine, thread = start_model(settings, store, registry.default, None,  # MLX's limits set on its thread
-                                 neighbours=list(registry), ram_tier=hot_set.tier if hot_set else None,
-                                 wakes_ahead=hot_set.wakes_ahead if hot_set else None)
+    try:
+        engine, thread = start_model(settings, store, registry.default, None,  # MLX's limits set on its thread
+                                     neighbours=list(registry), ram_tier=hot_set.tier if hot_set else None,
+                                     wakes_ahead=hot_set.wakes_ahead if hot_set else None)
+    except BaseException:  # a model that does not load: the reading ends (its threads read the store) first
+        if hot_set is not None:
+            hot_set.stop()
+        raise
     provider.add(engine, thread, registry.default.name)
     start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
     try:  # pinned models are never unloaded: together they must fit the memory budget (model/budget.py)

@@ -223,6 +223,29 @@ def test_the_daemon_leaves_out_the_bundles_its_other_models_had(store, tmp_path)
     hot.stop()
 
 
+def test_a_model_that_does_not_load_ends_the_reading(tmp_path, model_dir, monkeypatch):
+    """Was: a first model's load that raised left the reader's threads reading the store as the daemon ended."""
+    from kvwake.daemon import serve
+    from kvwake.daemon.config import Settings
+
+    readers = []
+
+    def reading(*args):
+        readers.append(real(*args))
+        return readers[-1]
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("the weights do not load")
+
+    real = serve.read_hot_set
+    monkeypatch.setattr(serve, "read_hot_set", reading)
+    monkeypatch.setattr(serve, "start_model", refused)
+    with pytest.raises(RuntimeError, match="do not load"):
+        serve.run(Settings(socket=tmp_path / "s.sock", data_dir=tmp_path, model=str(model_dir)))
+    assert len(readers) == 1 and readers[0]._stop.is_set()
+    assert not any(t.is_alive() for t in readers[0]._threads)
+
+
 def test_the_budget_bounds_what_is_read_ahead(store):
     infos = shared_sessions(store)
     one = store.snapshot(infos[0].id).blocks[0].raw_bytes

@@ -52,7 +52,7 @@ READER_NICE = 10
 PLAN_WAIT_S = 2.0  # `wakes_ahead` waits this long at most for the plan (SQLite reads: milliseconds)
 # Threads that read: a quarter of the cores, at most this many. The reading has the whole load's time, so a few
 # threads finish it in time, and each reader takes the GIL between its decodes, which the load's own Python then
-# waits for (docs/benchmarks.md, "fleet", S39)
+# waits for (docs/benchmarks.md, "fleet": the hot set read during start-up, here)
 READERS = 4
 
 

@@ -58,6 +58,7 @@ from kvwake.daemon.session_state import new_session_id as make_session_id
 from kvwake.errors import BusyError, InvalidParamsError, NotFoundError
 
 if TYPE_CHECKING:  # the remote tier (and obstore) load only when serve has --remote
+    from kvwake.daemon.kv.hot_set import HotSet
     from kvwake.daemon.sessions.remote_tier import RemoteTier
 
 __all__ = ["Prepared", "SessionManager"]
@@ -91,7 +92,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         self.releasing: dict[asyncio.Task, int] = {}
         self.remote: RemoteTier | None = None  # the shared tier, when serve has --remote
         self.started = Phases()  # where the daemon's start went (serve.py marks it)
-        self.hot_set: Any = None  # the hot set's reader (kv/hot_set.py), when serve.py started one
+        self.hot_set: HotSet | None = None  # the hot set's reader (kv/hot_set.py), when serve.py started one
         self.collector = Collector()  # the garbage collector's runs (serve.py installs it)
         self.gil_watch: GilWatch | None = None  # waits for the GIL, when KVWAKE_GIL_WATCH_MS asks (serve.py)
         self._init_models(registry or Registry([ModelSpec(m.name, None) for m in models]), start)
