@@ -31,7 +31,6 @@ import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-
 from typing import Any
 
 from kvwake.store import Tensor
