@@ -58,6 +58,30 @@ def test_a_quantized_models_warmer_runs_its_quantized_products_in_each_row_range
     assert warmer.wait(timeout=120) is True
 
 
+def test_a_quantized_part_runs_the_miniature_quantized_as_the_config_says(tmp_path, monkeypatch):
+    """A part's child quantizes the miniature before its products: unquantized it compiles none of the kernels
+    it is there for. In this process (the child's import lightening stood in: it would hide frameworks here)."""
+    import mlx.nn as nn
+
+    from kvwake.daemon import imports
+
+    model = make_model_dir(tmp_path / "q")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    monkeypatch.setattr(imports, "lighten_imports", lambda: None)
+    seen = []
+    real = kernel_cache.quantize_miniature
+
+    def quantize(mini, quantization):
+        real(mini, quantization)
+        seen.append((quantization, [m for _, m in mini.named_modules() if isinstance(m, nn.QuantizedLinear)]))
+
+    monkeypatch.setattr(kernel_cache, "quantize_miniature", quantize)
+    kernel_cache._warm(model, "quantized-16")
+    ((quantization, linears),) = seen
+    assert quantization == {"group_size": 32, "bits": 4} and linears
+
+
 def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8,
                                                       "num_attention_heads": 1}))
