@@ -51,6 +51,7 @@
 #   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
 #             the cut, the held copy, the blocks, the rings' rows, the point), rings whole and in blocks
 #   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
+#   probe     the same without making the model (bench/q4_kernels.py needs none)
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
 # Results under $OUT (default bench/out/device), one folder per part.
@@ -238,6 +239,7 @@ for c in json.load(open(sys.argv[1]))["configs"]:
                 python3 bench/point_copies.py /tmp/g4 --tokens 10709 --turn 500 $wb | tee -a "$OUT/point-copies.jsonl"
               done ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
+    probe)    bash -c "$SCRIPT" 2>&1 | tail -80 ;;  # as `script`, without the model
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac
 }

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.model import kernel_cache
+from kvwake.daemon.model import kernel_cache, quantized
 from testkit.tinymodel import make_model_dir
 
 
@@ -55,7 +56,30 @@ def test_a_quantized_models_warmer_runs_its_quantized_products_in_each_row_range
     assert linears and all((m.bits, m.group_size) == (4, 32) for m in linears)
     warmer = kernel_cache.Warmer(model)
     assert [p.args[-1] for p in warmer.procs] == list(parts)
-    assert warmer.wait(timeout=120) is True
+    tiles = [{"dtype": "bfloat16", "bits": 4, "group_size": 32, "tile": t} for t in kernel_cache.QUANTIZED_ROWS]
+    assert quantized.compiling() == tiles  # until each tile's child ends, its products go dequantized
+    tile_procs = [p for p in warmer.procs if p.args[-1].startswith("quantized-")]
+    assert warmer.wait(timeout=120) is True  # the engine waits for the others only
+    deadline = time.monotonic() + 120
+    while quantized.compiling() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert quantized.compiling() == []
+    assert [p.returncode for p in tile_procs] == [0] * len(tiles)
+
+
+def test_a_stopped_quantized_warmer_leaves_no_tile_compiling(tmp_path):
+    """An engine closed while its tiles compile: the children killed, their tiles no longer counted compiling
+    (MLX compiles a tile at its first use then, as with no warmer)."""
+    model = make_model_dir(tmp_path / "q")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    warmer = kernel_cache.Warmer(model)
+    assert len(quantized.compiling()) == len(kernel_cache.QUANTIZED_ROWS)
+    warmer.stop()
+    deadline = time.monotonic() + 30
+    while quantized.compiling() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert quantized.compiling() == []
 
 
 def test_a_quantized_part_runs_the_miniature_quantized_as_the_config_says(tmp_path, monkeypatch):

@@ -132,6 +132,9 @@ def main() -> None:
     for trace in work.glob("**/trace-*.json"):  # kvwake's status per process (servers.py): where turns went
         (out / "traces").mkdir(exist_ok=True)
         shutil.copy(trace, out / "traces" / f"{trace.parent.parent.name}-{trace.parent.name}-{trace.name}")
+    for log in work.glob("**/daemon.log"):  # kvwake's own log (its warmers, slow jobs), its last 64 KB
+        (out / "traces").mkdir(exist_ok=True)
+        (out / "traces" / f"{log.parent.parent.name}-{log.parent.name}-daemon.log").write_bytes(log.read_bytes()[-65536:])
     (out / "fleet.md").write_text("\n\n".join(text) + "\n")
     print(f"results: {out / 'fleet.json'}, {out / 'fleet.md'}")
 

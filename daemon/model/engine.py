@@ -43,7 +43,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, kernel_cache, memory, packing, ragged_decode, weights
+from kvwake.daemon.model import attention, kernel_cache, memory, packing, quantized, ragged_decode, weights
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -145,6 +145,8 @@ class Engine(Appending):
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        # a quantized model's products by their rows, never waiting for MLX's compiles (model/quantized.py)
+        self.quantized_layers = quantized.install(self.model) if attention.on_cuda() else 0
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
@@ -230,6 +232,14 @@ class Engine(Appending):
         kernels, self.kernels = self.kernels, None
         if kernels is not None:
             kernels.wait()
+
+    def quantized_status(self) -> dict[str, Any] | None:
+        """A quantized model's products by their rows (model/quantized.py); None for other models or off CUDA.
+        The counts and tiles are the process's (every model's)."""
+        if not self.quantized_layers:
+            return None
+        return {"layers": self.quantized_layers, "dequantize_rows": quantized.DEQUANTIZE_ROWS,
+                "products": quantized.counts(), "compiling": quantized.compiling()}
 
     def set_kv_room(self, room: int | None) -> None:
         """What all KV may hold (None: no limit kept), and from it the most tokens one session may hold and

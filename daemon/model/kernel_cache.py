@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvwake.daemon.model import quantized
+
 __all__ = ["PARTS", "QUANTIZED_ROWS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "parts_for",
            "quantize_miniature", "start_early", "text_config",
            "weights_dtype"]
@@ -41,12 +43,10 @@ __all__ = ["PARTS", "QUANTIZED_ROWS", "BesideLoad", "Warmer", "keep_compiled_ker
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
 PARTS = ("forward", "compaction")
-# A quantized model's matmuls: MLX compiles each of its CUDA kernels for them (CuTe templates, NVRTC) at first
-# use, one per tile shape, which it picks by the rows of the product, and each is a long compile a request
-# would wait for (docs/decisions.md, "a quantized model's warmers run its quantized products"). One row count in
-# each of its ranges (16, 32, 64, 128, more; 1 row: its vector kernel), each a part of its own, so the compiles
-# run side by side
-QUANTIZED_ROWS = (1, 16, 32, 64, 128, 256)
+# A quantized model's products: MLX compiles a CUDA kernel for each tile of rows at first use (CuTe templates,
+# NVRTC, about 30 s each), so a part per tile compiles them side by side; until a part ends, products of its
+# tile's rows go dequantized (model/quantized.py), so nothing waits for these parts
+QUANTIZED_ROWS = quantized.TILES
 
 
 def weights_dtype(model_path: Path) -> str:
@@ -140,8 +140,8 @@ def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
 
 class Warmer:
     """The child processes that fill MLX's kernel cache for the model (module docstring), one per part
-    (`PARTS`: each part's compiles are seconds of one core on a fresh machine, so they run side by side);
-    `wait` before the engine's first forward pass."""
+    (`PARTS`, and a quantized model's tiles: each part's compiles are seconds of one core on a fresh machine, so
+    they run side by side); `wait` before the engine's first forward pass (for all but the tiles)."""
 
     @classmethod
     def for_model(cls, model_path: Path) -> Warmer:
@@ -154,11 +154,38 @@ class Warmer:
         self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
                       for part in self.parts]
+        # the quantized parts are not waited for: a thread marks each tile compiled as its part ends
+        tiles = [(part, proc) for part, proc in zip(self.parts, self.procs) if part.startswith("quantized-")]
+        if tiles:
+            q = _quantization(json.loads((Path(model_path) / "config.json").read_text()))
+            key = (weights_dtype(model_path), q["bits"], q["group_size"])
+            for part, _ in tiles:
+                quantized.starting(*key, int(part.removeprefix("quantized-")))
+            threading.Thread(target=self._watch, args=(tiles, key), name="kvwake-quantized-warmers",
+                             daemon=True).start()
+
+    def _watch(self, tiles: list[tuple[str, subprocess.Popen[bytes]]], key: tuple[str, int, int]) -> None:
+        """Each quantized part to its end, then its tile counted compiled (model/quantized.py)."""
+        for part, proc in tiles:
+            try:
+                _, err = proc.communicate()
+                if proc.returncode != 0:  # killed by `stop`, or failed: MLX compiles the tile at first use
+                    log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
+                                err.decode(errors="replace")[-600:])
+                else:
+                    log.info("kernel warmer (%s) done in %.1f s", part, time.perf_counter() - self.started)
+            finally:
+                quantized.done(*key, int(part.removeprefix("quantized-")))
 
     def wait(self, timeout: float = WAIT_S) -> bool:
-        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache."""
-        procs, self.procs, done = self.procs, [], True
-        for part, proc in zip(self.parts, procs):
+        """Wait for the warmers but the quantized ones (at most `timeout` in all): whether every one finished
+        and filled the cache."""
+        pairs = list(zip(self.parts, self.procs))
+        waited = [(part, proc) for part, proc in pairs if not part.startswith("quantized-")]
+        self.parts, self.procs = [p for p, _ in pairs if p.startswith("quantized-")], [
+            q for p, q in pairs if p.startswith("quantized-")]  # what `stop` may still kill
+        done = True
+        for part, proc in waited:
             try:
                 _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
             except subprocess.TimeoutExpired:
@@ -168,17 +195,20 @@ class Warmer:
             if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
                 log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode, err.decode(errors="replace")[-600:])
                 done = False
-        if procs and done:
+        if waited and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
-        return bool(procs) and done
+        return bool(waited) and done
 
     def stop(self) -> None:
-        """Kill the warmers not waited for (an engine closed before its first forward pass) and reap them."""
-        procs, self.procs = self.procs, []
-        for proc in procs:
+        """Kill the warmers still running (an engine closed before they ended) and reap them (a quantized
+        part: its watcher does)."""
+        pairs, self.parts, self.procs = list(zip(self.parts, self.procs)), [], []
+        for _, proc in pairs:
             if proc.poll() is None:
                 proc.kill()
-            proc.communicate()
+        for part, proc in pairs:
+            if not part.startswith("quantized-"):
+                proc.communicate()
 
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
@@ -294,10 +324,8 @@ def _warm(model_path: Path, part: str) -> None:
             return
         quantize_miniature(model, _quantization(config))
         rows = int(part.removeprefix("quantized-"))
-        # a prefill of `rows` tokens: products of that many rows (one: the vector kernel a call alone decodes by)
+        # a prefill of `rows` tokens: products of that many rows, MLX's tile kernel for them
         mx.eval(model(mx.arange(rows, dtype=mx.uint32)[None], cache=make_prompt_cache(model)))
-        if rows == QUANTIZED_ROWS[1]:  # a batch's decode step: a row each, as a product of that range
-            mx.eval(model(mx.zeros((2, 1), dtype=mx.uint32), cache=make_prompt_cache(model)))
         return
     from mlx_lm.models.cache import BatchKVCache
 

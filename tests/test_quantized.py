@@ -1,0 +1,118 @@
+"""A quantized model's products by their rows (daemon/model/quantized.py).
+
+The engine installs them on CUDA only, where MLX's tile kernels are compiled at first use; the choice and the
+numbers are the same code here, so the rows' paths, the tiles being compiled and the results against MLX's own
+layer are checked on the CPU. What it saves on the GPU (a first round's compiles, prefill's products) is
+measured there (docs/benchmarks.md, "4-bit products").
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from kvwake.daemon.model import quantized
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.QuantizedLinear.from_linear(nn.Linear(256, 128, bias=True), group_size=64, bits=4)
+        self.down = nn.QuantizedLinear.from_linear(nn.Linear(128, 256, bias=False), group_size=64, bits=4)
+        self.plain = nn.Linear(256, 256)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.plain(self.down(self.up(x)))
+
+
+def _delta(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in quantized.counts().items() if v != before[k]}
+
+
+def test_install_gives_the_quantized_layers_the_products_by_rows_and_leaves_their_parameters():
+    model = Two()
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    assert quantized.install(model) == 2
+    assert type(model.up) is quantized.ByRows and type(model.down) is quantized.ByRows
+    assert type(model.plain) is nn.Linear
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    assert quantized.install(model) == 0  # once
+
+
+@pytest.mark.parametrize("rows, way", [(1, "vector"), (7, "vector"), (8, "tile"), (100, "tile"), (255, "tile"),
+                                       (256, "dequantized"), (600, "dequantized")])
+def test_each_products_rows_take_their_way_and_give_what_mlxs_layer_gives(rows, way):
+    reference = Two()
+    model = Two()
+    model.update(reference.parameters())
+    quantized.install(model)
+    x = mx.random.normal((1, rows, 256))
+    before = quantized.counts()
+    out, want = model(x), reference(x)
+    assert _delta(before) == {way: 2}  # both quantized layers of the pass
+    # float32: MLX's quantized product and the dequantized one differ by the sums' order only
+    assert mx.abs(out - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+
+
+def test_rows_of_a_tile_being_compiled_go_dequantized_until_its_warmer_ends():
+    model = Two()
+    quantized.install(model)
+    quantized.starting("float32", 4, 64, 16)
+    try:
+        assert quantized.compiling() == [{"dtype": "float32", "bits": 4, "group_size": 64, "tile": 16}]
+        before = quantized.counts()
+        model(mx.random.normal((1, 10, 256)))  # tile 16: compiling
+        model(mx.random.normal((1, 20, 256)))  # tile 32: not
+        model.up(mx.random.normal((1, 10, 256)).astype(mx.bfloat16))  # another dtype's tile 16: not
+        assert _delta(before) == {"cold": 2, "tile": 3}
+    finally:
+        quantized.done("float32", 4, 64, 16)
+    assert quantized.compiling() == []
+    before = quantized.counts()
+    model(mx.random.normal((1, 10, 256)))
+    assert _delta(before) == {"tile": 2}
+
+
+def test_two_warmers_of_one_tile_keep_it_compiling_until_both_end():
+    quantized.starting("bfloat16", 4, 64, 32)
+    quantized.starting("bfloat16", 4, 64, 32)
+    quantized.done("bfloat16", 4, 64, 32)
+    assert [t["tile"] for t in quantized.compiling()] == [32]
+    quantized.done("bfloat16", 4, 64, 32)
+    assert quantized.compiling() == []
+
+
+def test_tiles_are_mlxs_by_rows():
+    assert [quantized.tile_of(r) for r in (8, 16, 17, 32, 33, 64, 65, 255)] == [16, 16, 32, 32, 64, 64, 64, 64]
+
+
+def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
+    """A real daemon on a 4-bit model (`mlx_lm convert -q` of the tiny one): on CUDA its quantized layers take
+    the products by rows and status counts them (a 300-token append dequantized, a lone call's decode steps
+    by the vector kernel); elsewhere the layers are MLX's own and status says null."""
+    from mlx_lm import convert
+
+    from kvwake.daemon.model import attention
+    from testkit.daemon import Daemon
+    from testkit.tinymodel import make_model_dir
+
+    convert(hf_path=str(make_model_dir(tmp_path / "src")), mlx_path=str(tmp_path / "q4"), quantize=True,
+            q_group_size=64, q_bits=4)
+    (tmp_path / "d").mkdir()
+    d = Daemon(tmp_path / "d", tmp_path / "q4").start()
+    try:
+        with d.client() as c:
+            c.call("session.create", session_id="q")
+            c.call("session.append", session_id="q", tokens=[10 + i % 240 for i in range(300)])
+            assert len(c.call("session.generate", session_id="q", max_tokens=4)["tokens"]) == 4
+            q = c.call("status")["generation"]["quantized"]
+        if not attention.on_cuda():
+            assert q is None
+        else:
+            # 7 quantized products a layer (q, k, v, o, gate, up, down) and the head's, tied here: an embedding
+            assert q["layers"] == 2 * 7 and q["dequantize_rows"] == quantized.DEQUANTIZE_ROWS
+            assert q["products"]["dequantized"] >= q["layers"] and q["products"]["vector"] >= 3 * q["layers"]
+    finally:
+        assert d.stop() == 0
