@@ -64,6 +64,8 @@ log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
 HTTP_GRACE_S = 10.0  # at stop, open HTTP responses get this long to end
 REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
+WARM_HOLD_S = 10.0  # after a restart, the warm-up waits this long at most for the hot set's sessions to wake
+WARM_POLL_S = 0.05
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -292,7 +294,7 @@ async def _serve(settings: Settings, manager: SessionManager, listen_socket: soc
         async with anyio.create_task_group() as services:
             services.start_soon(_signals, stop)
             services.start_soon(_lifecycle, manager, settings)
-            services.start_soon(_warm, manager.models)
+            services.start_soon(_warm, manager.models, manager.hot_set)
             if manager.remote is not None:  # connects (retrying) and uploads in the background
                 services.start_soon(manager.remote.run)
             if http is not None:
@@ -342,9 +344,14 @@ async def _signals(stop: anyio.Event) -> None:
             return
 
 
-async def _warm(models: ModelProvider) -> None:
+async def _warm(models: ModelProvider, hot_set: HotSet | None) -> None:
     """Each model's warm-up after the daemon answers, one model at a time (model/loader.py `warm_model`);
-    a model loaded later warms as it loads (sessions/models.py)."""
+    a model loaded later warms as it loads (sessions/models.py). After a restart with a hot set, the warm-up
+    first waits for its sessions' wakes (at most WARM_HOLD_S): their agents come back at once, and a warm-up
+    job that began just before them (one is a few hundred ms on the GPU, not to be cut) held their wakes."""
+    held = time.monotonic()
+    while hot_set is not None and hot_set.wakes_left() and time.monotonic() - held < WARM_HOLD_S:
+        await anyio.sleep(WARM_POLL_S)
     for model in models:
         await warm_model(model)
 

@@ -153,10 +153,16 @@ class HotSet:
         load makes a staging slot for each: devplanes.warm); 0 when its plan is not made within `timeout_s`."""
         return self.counts["sessions"] if self._planned.wait(timeout_s) else 0
 
+    def wakes_left(self) -> int:
+        """Sessions of the hot set not yet woken (0 once their blocks were dropped: KEEP_S, or `stop`); while
+        it is still planning, 1 (some may be)."""
+        return self.tier.claims_left() if self._planned.is_set() else 1
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"state": self.state, "staged": self.staged, "ms": self.ms, "budget_bytes": self.budget,
-                    "workers": self.workers, "held_bytes": self.tier.prefetched_bytes, **self.counts}
+                    "workers": self.workers, "held_bytes": self.tier.prefetched_bytes,
+                    "wakes_left": self.wakes_left(), **self.counts}
 
     def _run(self) -> None:
         started = time.perf_counter()

@@ -203,6 +203,11 @@ class RamTier:
             for key in keys:
                 self._claimed[key] = self._claimed.get(key, 0) + 1
 
+    def claims_left(self) -> int:
+        """Snapshots claiming blocks read ahead that have not woken."""
+        with self._lock:
+            return len(self._claims)
+
     def claimed(self, key: str) -> bool:
         """Whether a snapshot not yet woken still wants this block read ahead."""
         with self._lock:
