@@ -41,6 +41,7 @@
 #             the kernels on a fresh machine: its round 1 is not the one to read); $HYBRID_RUNS picks others:
 #             MODEL:CUT, MODEL g4, g4p the cousin, g4w the hybrid in Gemma 3's multimodal wrapper (as its 4B-27B
 #             checkpoints load), CUT false to stop the chunks at each point
+#   fleet-q4-alone  the 4-bit fleet (after `q4`), kvwake alone: its restart's trace
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
 #   fleet-16-prefetch  the same with the hot set read during start-up on and off (KVWAKE_RESTART_PREFETCH), in
@@ -188,6 +189,8 @@ run_part() {
     q4)       model; q4="/tmp/$(basename "$MODEL")-q4"  # a conversion cut short (no config.json) is made again
               [ -f "$q4/config.json" ] || { rm -rf "$q4"; python3 -m mlx_lm convert --hf-path "$MODEL" --mlx-path "$q4" -q 2>&1 | tail -2; } ;;
     fleet-q4) model; fleet fleet-q4 --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 --q4-dir /tmp ;;
+    fleet-q4-alone) model; fleet fleet-q4-alone --agents 8 --system-tokens 10240 --turns 3 --apis openai --variants q4 \
+                --q4-dir /tmp --no-baseline ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
     fleet-16-prefetch) model; n=0
