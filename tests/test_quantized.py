@@ -22,9 +22,10 @@ class Two(nn.Module):
         self.up = nn.QuantizedLinear.from_linear(nn.Linear(256, 128, bias=True), group_size=64, bits=4)
         self.down = nn.QuantizedLinear.from_linear(nn.Linear(128, 256, bias=False), group_size=64, bits=4)
         self.plain = nn.Linear(256, 256)
+        self.embed = nn.QuantizedEmbedding.from_embedding(nn.Embedding(64, 256), group_size=64, bits=4)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.plain(self.down(self.up(x)))
+        return self.embed.as_linear(self.plain(self.down(self.up(x))))  # a tied head's logits
 
 
 def _delta(before: dict[str, int]) -> dict[str, int]:
@@ -34,9 +35,9 @@ def _delta(before: dict[str, int]) -> dict[str, int]:
 def test_install_gives_the_quantized_layers_the_products_by_rows_and_leaves_their_parameters():
     model = Two()
     names = [k for k, _ in tree_flatten(model.parameters())]
-    assert quantized.install(model) == 2
+    assert quantized.install(model) == 3
     assert type(model.up) is quantized.ByRows and type(model.down) is quantized.ByRows
-    assert type(model.plain) is nn.Linear
+    assert type(model.embed) is quantized.EmbeddingByRows and type(model.plain) is nn.Linear
     assert [k for k, _ in tree_flatten(model.parameters())] == names
     assert quantized.install(model) == 0  # once
 
@@ -51,7 +52,7 @@ def test_each_products_rows_take_their_way_and_give_what_mlxs_layer_gives(rows, 
     x = mx.random.normal((1, rows, 256))
     before = quantized.counts()
     out, want = model(x), reference(x)
-    assert _delta(before) == {way: 2}  # both quantized layers of the pass
+    assert _delta(before) == {way: 3}  # the pass's quantized layers and its tied head
     # float32: MLX's quantized product and the dequantized one differ by the sums' order only
     assert mx.abs(out - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
 
@@ -66,13 +67,13 @@ def test_rows_of_a_tile_being_compiled_go_dequantized_until_its_warmer_ends():
         model(mx.random.normal((1, 10, 256)))  # tile 16: compiling
         model(mx.random.normal((1, 20, 256)))  # tile 32: not
         model.up(mx.random.normal((1, 10, 256)).astype(mx.bfloat16))  # another dtype's tile 16: not
-        assert _delta(before) == {"cold": 2, "tile": 3}
+        assert _delta(before) == {"cold": 3, "tile": 4}
     finally:
         quantized.done("float32", 4, 64, 16)
     assert quantized.compiling() == []
     before = quantized.counts()
     model(mx.random.normal((1, 10, 256)))
-    assert _delta(before) == {"tile": 2}
+    assert _delta(before) == {"tile": 3}
 
 
 def test_two_warmers_of_one_tile_keep_it_compiling_until_both_end():
@@ -111,8 +112,8 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
         if not attention.on_cuda():
             assert q is None
         else:
-            # 7 quantized products a layer (q, k, v, o, gate, up, down) and the head's, tied here: an embedding
-            assert q["layers"] == 2 * 7 and q["dequantize_rows"] == quantized.DEQUANTIZE_ROWS
+            # 7 quantized products a layer (q, k, v, o, gate, up, down), and the embedding (tied: the head)
+            assert q["layers"] == 2 * 7 + 1 and q["dequantize_rows"] == quantized.DEQUANTIZE_ROWS
             assert q["products"]["dequantized"] >= q["layers"] and q["products"]["vector"] >= 3 * q["layers"]
     finally:
         assert d.stop() == 0

@@ -7,7 +7,8 @@ one per tile (16, 32 or 64 rows), each compile about 30 s of one core. Measured 
 dequantizing the weight and multiplying in its own dtype (cuBLAS) once the rows are many: a prefill chunk's
 product of 2,048 rows by a 14,336 x 4,096 weight takes 2.3 ms through it and 0.7 ms dequantized.
 
-So a quantized layer here (`install`) takes, by its product's rows:
+So a quantized layer here (`install`; a quantized embedding too, as the output head a tied model makes of it)
+takes, by its product's rows:
 - fewer than VECTOR_ROWS: MLX's own call (its vector kernel);
 - DEQUANTIZE_ROWS or more (prefill chunks, packed turns): the weight dequantized, then a plain product;
 - between: MLX's own call (its tile kernel) once that tile's kernel is in MLX's disk cache, else dequantized
@@ -28,8 +29,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["DEQUANTIZE_ROWS", "TILES", "VECTOR_ROWS", "ByRows", "compiling", "counts", "done", "install",
-           "starting", "tile_of"]
+__all__ = ["DEQUANTIZE_ROWS", "TILES", "VECTOR_ROWS", "ByRows", "EmbeddingByRows", "compiling", "counts", "done",
+           "install", "product", "starting", "tile_of"]
 
 VECTOR_ROWS = 8  # below: MLX's vector kernel, in its library
 DEQUANTIZE_ROWS = 256  # from here dequantized: about where the tile kernel's time passes a dequantize's
@@ -74,34 +75,57 @@ def counts() -> dict[str, int]:
     return {k: _counts[k] for k in ("vector", "tile", "dequantized", "cold")}
 
 
+def product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    """`x` times the layer's quantized weight (transposed), the way its rows call for (module docstring)."""
+    rows = x.size // x.shape[-1]
+    if rows < VECTOR_ROWS:
+        _counts["vector"] += 1
+        way = "mlx"
+    elif rows >= DEQUANTIZE_ROWS:
+        _counts["dequantized"] += 1
+        way = "dequantize"
+    elif not _compiling or (str(x.dtype).removeprefix("mlx.core."), layer.bits, layer.group_size,
+                            tile_of(rows)) not in _compiling:
+        _counts["tile"] += 1
+        way = "mlx"
+    else:
+        _counts["cold"] += 1
+        way = "dequantize"
+    if way == "mlx":
+        return mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
+                                   transpose=True, group_size=layer.group_size, bits=layer.bits, mode=layer.mode)
+    weight = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), group_size=layer.group_size,
+                           bits=layer.bits, mode=layer.mode).astype(x.dtype)
+    return x @ weight.T
+
+
 class ByRows(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose product goes by its rows (module docstring). `install` gives a loaded layer
-    this class; its parameters and their names stay as they are."""
+    """nn.QuantizedLinear whose product goes by its rows (`product`). `install` gives a loaded layer this
+    class; its parameters and their names stay as they are."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows < VECTOR_ROWS:
-            _counts["vector"] += 1
-            return super().__call__(x)
-        if rows < DEQUANTIZE_ROWS:
-            if not _compiling or (str(x.dtype).removeprefix("mlx.core."), self.bits, self.group_size,
-                                  tile_of(rows)) not in _compiling:
-                _counts["tile"] += 1
-                return super().__call__(x)
-            _counts["cold"] += 1
-        else:
-            _counts["dequantized"] += 1
-        weight = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                               bits=self.bits, mode=self.mode).astype(x.dtype)
-        out = x @ weight.T
+        out = product(self, x)
         return out + self["bias"] if "bias" in self else out
 
 
+class EmbeddingByRows(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose `as_linear` (the output head of a model that ties it to its embedding: a
+    batch's logits are a product of its rows) goes by its rows too."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return product(self, x)
+
+
 def install(model: nn.Module) -> int:
-    """Give every affine nn.QuantizedLinear of `model` the products by rows (`ByRows`); how many layers."""
+    """Give every affine quantized linear layer of `model`, and a quantized embedding's use as the output head,
+    the products by rows (`ByRows`, `EmbeddingByRows`); how many layers. (A mixture of experts' quantized
+    layers take MLX's gathered products: left as they are.)"""
     n = 0
     for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear and module.mode == "affine":
-            module.__class__ = ByRows
+        if module.__class__ in _BY_ROWS and module.mode == "affine":
+            module.__class__ = _BY_ROWS[module.__class__]
             n += 1
     return n
+
+
+_BY_ROWS: dict[type, type] = {nn.QuantizedLinear: ByRows, nn.QuantizedEmbedding: EmbeddingByRows}
