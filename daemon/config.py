@@ -70,8 +70,9 @@ class Tuning:
     their values come from. None, where allowed, leaves the choice to the machine."""
 
     # turns that come at once prefill packed in one forward pass; False: one turn at a time, each to its
-    # first token before the next starts (a pass's cost per turn against its tokens' cost)
-    pack_prefill: bool = True
+    # first token before the next starts (a pass's cost per turn against its tokens' cost); None: packed where
+    # a GPU computes, one at a time on the CPU (model/packing.py `wanted`)
+    pack_prefill: bool | None = None
     # while nothing decodes, the first jobs of turns that reach the engine at once wait this long at most for
     # the turns still on their way (rendered, matched), to prefill as one pack; 0: taken as they come (a
     # pack of the first turn, then one of the others)

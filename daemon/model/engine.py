@@ -188,7 +188,8 @@ class Engine(Appending):
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
-            pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
+            pack_prefill=packing.wanted(tuning.pack_prefill) and self.decode_mode == "batched" and
+            packing.packable_model(self.model),
             slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
             first_s=tuning.prefill_first_ms / 1000)
         self.started.mark("set_up")
