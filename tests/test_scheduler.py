@@ -574,15 +574,29 @@ def test_a_call_that_joined_gets_its_first_token_before_the_next_turns_job():
 
 
 def test_decoding_calls_wait_for_the_turns_prefill_one_step_at_least_every_first_s():
-    s = turns_scheduler(decoding=True, first_s=0.2)
+    s = turns_scheduler(decoding=True, first_s=0.3)
     a = s.arrive()
     s.submit(lambda: "a1", arrival=a)
     assert s.next_step().decode  # none for first_s before it
     s.submit(lambda: "a2", arrival=a)
     assert not s.next_step().decode
     started = time.monotonic()
-    step = s.next_step()  # the turn between two jobs: waited for, until the decoding calls are due a step
-    assert step.decode and step.job is None and time.monotonic() - started >= 0.15
-    s.turns.first_s = 0.0  # Tuning.prefill_first_ms = 0: a step between every two jobs
+    step = s.next_step()  # the turn between two jobs: waited for its hop, not for first_s (busy elsewhere)
+    assert step.decode and step.job is None and turns.HOP_S * 0.9 <= time.monotonic() - started < 0.25
     s.submit(lambda: "a3", arrival=a)
+    assert not s.next_step().decode
+    time.sleep(0.3)
+    s.submit(lambda: "a4", arrival=a)
+    assert s.next_step().decode  # first_s since the last step: one now
+    s.turns.first_s = 0.0  # Tuning.prefill_first_ms = 0: a step between every two jobs
+    s.submit(lambda: "a5", arrival=a)
     assert s.next_step().decode
+
+
+def test_a_quiet_turn_keeps_its_place_while_no_other_turn_waits(monkeypatch):
+    monkeypatch.setattr(turns, "QUIET_S", 0.01)
+    order, a = TurnOrder(), Scheduler().arrive()
+    assert order.put(a, "a1") and order.take() == "a1"
+    assert order.take() is None
+    time.sleep(0.02)
+    assert order.take() is None and order.current is a and order.status()["let_go"] == 0

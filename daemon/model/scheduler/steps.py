@@ -293,14 +293,13 @@ class Scheduler:
         """Where turns go one at a time and turns' jobs are queued: the quick jobs queued (a call joining), else
         a decode step while calls that joined have no first token yet (it comes before any turn's next job),
         else the next turn's job (TurnOrder.take); None when no turn's job is due."""
-        if not self.turns.count():
-            return None
-        quick = self.quick_jobs()
-        if quick:
-            return Step(quick, decode=decoding)
-        if self.decoder is not None and self.decoder.starting:
-            return self._decoded(Step([], decode=True))
-        job = self.turns.take()
+        if self.turns.count():
+            quick = self.quick_jobs()
+            if quick:
+                return Step(quick, decode=decoding)
+            if self.decoder is not None and self.decoder.starting:
+                return self._decoded(Step([], decode=True))
+        job = self.turns.take()  # none: the current turn's quiet time starts
         if job is None:
             return None
         # other calls' decode steps wait for the turns' prefill, one step at least every `first_s`
@@ -316,14 +315,14 @@ class Scheduler:
     def _turn_wait(self, decoding: bool) -> float | None:
         """Where turns go one at a time and no turn's job is due: how long to wait for the current turn's next
         job (or its end) before looking again, or None (do as without turns). Other turns' jobs wait for its
-        quiet time (TurnOrder.wait_s); decoding calls, for their next step once `first_s` is up (a call
-        that has no first token yet, not at all)."""
+        quiet time (TurnOrder.wait_s); decoding calls, for their next step until `first_s` is up or the turn
+        has been between two jobs for its hop (HOP_S), and a call that has no first token yet not at all."""
         quiet = self.turns.wait_s()
         if not decoding or self.turns.current is None:
             return quiet
         if self.decoder.starting:  # a call that joined: its first token now
             return None
-        due = self.turns.first_s - (time.monotonic() - self._decoded_at)
+        due = min(self.turns.first_s - (time.monotonic() - self._decoded_at), self.turns.hop_left_s())
         if due <= 0:
             return None
         return due if quiet is None else min(due, quiet)

@@ -29,6 +29,10 @@ __all__ = ["QUIET_S", "TurnOrder"]
 # of a few ms, and between its last job and its call's join one through the event loop, which on two busy cores
 # took over 50 ms now and then (docs/decisions.md, "Turns one at a time where a pass costs its tokens")
 QUIET_S = 0.25
+# Calls decoding meanwhile wait for the current turn's next job this long at most (its worker's hop, 3.6 ms at most in
+# the fleet's rounds): a turn busy elsewhere (a grammar compiled for its call, the store asked between two chunks)
+# does not hold their steps up to `first_s`
+HOP_S = 0.02
 QUIETS_KEPT = 256  # the latest quiet times `quiet` keeps
 
 
@@ -66,9 +70,9 @@ class TurnOrder:
             return list(self._queued.pop(turn, ()))
 
     def take(self) -> Any:
-        """The next job to run: the current turn's; or, when it is over or quiet for QUIET_S, the first queued
-        of the turn whose first job came first. None when there is none, or the current turn is between two
-        jobs (see `wait_s`)."""
+        """The next job to run: the current turn's; or, when it is over or quiet for QUIET_S while other turns'
+        jobs wait, the first queued of the turn whose first job came first. None when there is none, or the
+        current turn is between two jobs (see `wait_s`)."""
         with self._lock:
             if self.current is not None:
                 jobs = self._queued.get(self.current)
@@ -77,7 +81,7 @@ class TurnOrder:
                     return jobs.popleft()
                 now = time.monotonic()
                 self._quiet_since = self._quiet_since or now
-                if now - self._quiet_since < QUIET_S:
+                if now - self._quiet_since < QUIET_S or not self._others_wait():
                     return None
                 self._queued.pop(self.current, None)  # its place lost; a later job queues it again, last
                 self._quieted()
@@ -101,11 +105,21 @@ class TurnOrder:
         with self._lock:
             return {"quiet": self.quiet.summary(), "let_go": self.let_go}
 
+    def _others_wait(self) -> bool:
+        """Whether other turns than the current one have jobs queued (the lock held)."""
+        return any(jobs for turn, jobs in self._queued.items() if turn is not self.current)
+
+    def hop_left_s(self) -> float:
+        """How much longer calls decoding meanwhile wait for the current turn's next job (HOP_S from the moment it
+        was found with nothing queued; `take` starts that)."""
+        with self._lock:
+            return HOP_S - (0.0 if self._quiet_since is None else time.monotonic() - self._quiet_since)
+
     def wait_s(self) -> float | None:
         """How long the engine thread may wait for a job before looking here again: the current turn's quiet
         time left while other turns' jobs wait; None when nothing waits here."""
         with self._lock:
-            if not any(jobs for turn, jobs in self._queued.items() if turn is not self.current):
+            if not self._others_wait():
                 return None
             if self._quiet_since is None:
                 return 0.0
