@@ -69,13 +69,18 @@ class Tuning:
     """Knobs that trade one cost for another, or switch on a diagnostic; the module docstring says where
     their values come from. None, where allowed, leaves the choice to the machine."""
 
-    # turns that come at once prefill packed in one forward pass; False: one by one (each turn's first
-    # token waits for the turns before it, for smaller passes)
-    pack_prefill: bool = True
+    # turns that come at once prefill packed in one forward pass; False: one turn at a time, each to its
+    # first token before the next starts (a pass's cost per turn against its tokens' cost); None: packed where
+    # a GPU computes, one at a time on the CPU (model/packing.py `wanted`)
+    pack_prefill: bool | None = None
     # while nothing decodes, the first jobs of turns that reach the engine at once wait this long at most for
     # the turns still on their way (rendered, matched), to prefill as one pack; 0: taken as they come (a
     # pack of the first turn, then one of the others)
     pack_gather_ms: float = 50.0
+    # where turns go one at a time (pack_prefill off), the waiting turns' prefill runs before other calls' decode
+    # steps for at most this long between two of them: sooner first tokens, longer gaps in the streams of the
+    # calls decoding meanwhile; 0: a decode step between every two jobs (the turns' chunks sliced beside them)
+    prefill_first_ms: float = 1000.0
     # a prefill slice's target beside decoding calls, in decode steps: larger, sooner first tokens for the
     # prompt; smaller, shorter gaps between a decoding neighbour's tokens
     slice_of_step: float = 1.0
@@ -149,6 +154,7 @@ class Tuning:
 _TUNING_RULES = (
     ("slice_of_step", lambda v: 0 < v < math.inf, "a number above 0"),
     ("pack_gather_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (never held) or more"),
+    ("prefill_first_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (a step between every two jobs) or more"),
     ("pool_nice", lambda v: 0 <= v <= 19, "a whole number of nice levels, 0 to 19"),
     ("renders_at_once", lambda v: v >= 1, "a count above 0"),
     ("slow_job_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (every job) or more"),

@@ -10,9 +10,16 @@ import time
 
 import pytest
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.errors import BusyError
-from tests.test_manager import SYSTEM, manager, model_dir  # noqa: F401 - fixtures
+from tests.test_manager import SYSTEM, managed, model_dir  # noqa: F401 - fixtures
+
+
+@pytest.fixture
+def manager(model_dir, tmp_path):  # noqa: F811
+    """Turns that pack (the GPU's default: model/packing.py `wanted`): what arrivals gather for."""
+    yield from managed(model_dir, tmp_path, Tuning(pack_prefill=True))
 
 
 def chat(i: int) -> dict:
@@ -28,7 +35,7 @@ async def test_turns_prepared_together_prefill_as_one_pack(manager):
     """Was: the first turn's prefill job was taken the moment it was queued (a pack of one), and the turn
     queued after it ran alone too."""
     scheduler, counters = manager.thread.scheduler, manager.engine.counters
-    assert manager.engine.planner.pack_prefill and scheduler.gather_s > 0  # the default: packs gather
+    assert manager.engine.planner.pack_prefill and scheduler.gather_s > 0  # packs gather
     params, replies = GenerateParams(max_tokens=2), []
     for i in range(2):  # each session's first turn, one after the other: both keep their caches
         await manager.create(f"s{i}", SYSTEM)

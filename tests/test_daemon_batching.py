@@ -148,7 +148,8 @@ def test_chat_turns_sent_at_once_prefill_in_one_pass_and_reply_as_with_packing_o
     names = [f"agent{i}" for i in range(6)]
     replies: dict[str, list[dict[str, list[int]]]] = {}
     packed: dict[str, int] = {}
-    for mode, env in (("packed", {}), ("off", {"KVWAKE_PACK_PREFILL": "0"})):
+    # packing on (the GPU's default), and off (the CPU's: turns one at a time, model/scheduler/turns.py)
+    for mode, env in (("packed", {"KVWAKE_PACK_PREFILL": "1"}), ("off", {"KVWAKE_PACK_PREFILL": "0"})):
         (tmp_path / mode).mkdir()
         d = Daemon(tmp_path / mode, model_dir, env=env).start()
         try:

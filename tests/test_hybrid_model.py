@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.engine import Engine
 from kvwake.store import Store
 
@@ -58,9 +59,10 @@ def test_the_folders_load_in_mlx_lm_as_gemma3_and_its_plain_cousin(made):
 
 @pytest.mark.parametrize("name", ["hybrid", "plain", "wrapped"])
 def test_kvwake_serves_the_hybrid_through_restore_points_and_cuts_the_cousin(made, tmp_path, name):
-    """The wrapped hybrid (Gemma 3's 4B-27B checkpoints' structure) as the hybrid: points, cut, packed."""
+    """The wrapped hybrid (Gemma 3's 4B-27B checkpoints' structure) as the hybrid: points, cut, packed (where
+    turns pack: the GPU's default)."""
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, made[name])
+    engine = Engine(store, tmp_path, made[name], tuning=Tuning(pack_prefill=True))
     try:
         assert engine.cuttable == (name == "plain") and engine.points.enabled == (name != "plain")
         assert engine.points.cuts == (name != "plain") and engine.planner.pack_prefill

@@ -11,7 +11,7 @@ import time
 import anyio
 import pytest
 
-from kvwake.daemon.config import Settings
+from kvwake.daemon.config import Settings, Tuning
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import ModelProvider
 from kvwake.daemon.sessions.manager import SessionManager
@@ -28,16 +28,21 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@pytest.fixture
-def manager(model_dir, tmp_path):
+def managed(model_dir, tmp_path, tuning: Tuning = Tuning()):
+    """A session manager over the tiny model on a fresh 16-token-block store, closed after the yield."""
     store = Store(tmp_path / "store", block_tokens=16)
     thread = EngineThread()
-    engine = thread.submit(lambda: Engine(store, tmp_path, model_dir)).result()
+    engine = thread.submit(lambda: Engine(store, tmp_path, model_dir, tuning=tuning)).result()
     # as serve does: generate calls decode between engine jobs
     yield SessionManager(ModelProvider.of(engine, thread), Settings(socket=tmp_path / "s.sock", data_dir=tmp_path))
     thread.stop()
     engine.close()
     store.close()
+
+
+@pytest.fixture
+def manager(model_dir, tmp_path):
+    yield from managed(model_dir, tmp_path)
 
 
 async def test_a_full_disk_during_sleep_is_storage_full_and_the_session_stays_hot(manager, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.jobs import Packed
 from kvwake.daemon.model import attention, packing
 from kvwake.daemon.model.scheduler import slices as prefillslices
@@ -20,12 +21,19 @@ from kvwake.daemon.model.scheduler import pack_groups
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.daemon.session_state import Session
-from tests.test_batching import batched_engine, engine, session  # noqa: F401 - the batched engine fixture
+from tests.test_batching import batched_engine, session
 from tests.test_prefill_slices import LayersOnly
 
 HISTORIES = ["the first agent read the tests " * 3, "a short one", "x" * 90, "the weather in the harbour " * 5]
 TURNS = [" now fix the failing test", " next", " and then a longer message about the module and its tools " * 3,
          "!"]
+PACKS = Tuning(pack_prefill=True)  # the GPU's default (model/packing.py `wanted`); the CPU's is turns one at a time
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    """The batched engine of test_batching, packing the turns that come at once."""
+    yield from batched_engine(model_dir, tmp_path, tuning=PACKS)
 
 
 def held(cache: list) -> list[mx.array]:
@@ -192,7 +200,7 @@ def test_a_sliding_window_models_turns_pack_stop_at_their_restore_points_and_con
     made = []
     for name in ("alone", "together"):
         store = Store(tmp_path / name, block_tokens=16)
-        made.append((store, Engine(store, tmp_path / f"{name}-state", gemma_dir, max_batch=8)))
+        made.append((store, Engine(store, tmp_path / f"{name}-state", gemma_dir, max_batch=8, tuning=PACKS)))
     (_, first), (_, second) = made
     try:
         assert second.planner.pack_prefill and second.points.enabled
@@ -244,7 +252,7 @@ def test_a_turn_that_fits_no_pack_goes_alone_beside_it(engine):
 @pytest.fixture
 def engine512(model_dir, tmp_path):
     """The CPU's chunk size on every backend (CUDA's 2048 would take these prompts in one chunk)."""
-    yield from batched_engine(model_dir, tmp_path, prefill_step=512)
+    yield from batched_engine(model_dir, tmp_path, prefill_step=512, tuning=PACKS)
 
 
 def test_long_prompts_chunks_queued_together_are_packed_chunk_by_chunk(engine512):
@@ -412,3 +420,10 @@ def test_with_packing_off_a_turns_jobs_are_plain_ones(engine, monkeypatch):
 
     engine.append(s, text=TURNS[2], mlx=mlx)
     assert kinds[0] == "function", kinds  # the turn's first job: a plain one (packed, it would pull others forward)
+
+
+def test_turns_pack_where_a_gpu_computes_and_go_one_at_a_time_on_the_cpu():
+    """A pack of n turns costs about one pass on a GPU and what its tokens cost on the CPU (docs/decisions.md,
+    "Turns one at a time where a pass costs its tokens"): the knob, when set, decides."""
+    assert packing.wanted(True) and not packing.wanted(False)
+    assert packing.wanted() == (mx.default_device() != mx.cpu)

@@ -9,17 +9,18 @@ from typing import Any
 import pytest
 
 from kvwake.daemon.jobs import Packed, quick
-from kvwake.daemon.model.scheduler import steps
+from kvwake.daemon.model.scheduler import steps, turns
 from kvwake.daemon.model.scheduler.steps import Scheduler, Step
+from kvwake.daemon.model.scheduler.turns import TurnOrder
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.errors import CancelledError
 
 
 class Decoding:
-    """A decoder's face as the scheduler sees it: whether calls are decoding."""
+    """A decoder's face as the scheduler sees it: whether calls are decoding, whether some wait for a first token."""
 
     def __init__(self, active: bool) -> None:
-        self.active, self.aborted = active, None
+        self.active, self.aborted, self.starting = active, None, False
 
     def abort(self, exc: BaseException) -> None:  # the engine thread's stop fails the calls in flight
         self.aborted = exc
@@ -350,13 +351,14 @@ def test_the_stop_refuses_a_held_pack():
 def test_attach_takes_the_gathering_time_where_the_planner_packs():
     class Planner:  # a prefill planner's face as the engine thread sees it
         def __init__(self, pack_prefill: bool) -> None:
-            self.gather_s, self.pack_prefill, self.idle, self.later = 0.03, pack_prefill, None, None
+            self.gather_s, self.pack_prefill, self.idle, self.later, self.first_s = 0.03, pack_prefill, None, None, 1.0
 
     for packs, want in ((True, 0.03), (False, 0.0)):
         thread, decoder = EngineThread(), Decoding(active=False)
         try:
             thread.attach(decoder, Planner(packs))
             assert thread.scheduler.gather_s == want
+            assert (thread.scheduler.turns is None) == packs  # turns that do not pack go one at a time
         finally:
             thread.stop()
         assert isinstance(decoder.aborted, CancelledError)
@@ -504,3 +506,97 @@ def test_short_jobs_queued_beside_decoding_calls_run_in_one_step_a_long_one_ends
         assert order[6] == "step" and order.index("after") > 6, order
     finally:
         thread.stop()
+
+
+def turns_scheduler(decoding: bool = False, first_s: float = 0.0) -> Scheduler:
+    """A scheduler whose turns go one at a time (where they do not pack: scheduler/turns.py)."""
+    s = Scheduler(decoder=Decoding(active=decoding))
+    s.turns = TurnOrder(first_s)
+    return s
+
+
+def test_where_turns_do_not_pack_a_turns_next_job_runs_before_the_next_turns_first():
+    """Was: jobs ran as they were queued, so four turns' first chunks ran back to back, then their second ones:
+    every turn's first token waited for all four prefills."""
+    s = turns_scheduler()
+    a, b = s.arrive(), s.arrive()
+    a1 = s.submit(lambda: "a1", arrival=a)
+    b1 = s.submit(lambda: "b1", arrival=b)
+    plain = s.submit(lambda: "plain")
+    assert s.next_step().job[1] is a1
+    assert s.next_step().job[1] is plain  # a's worker is between two jobs: a plain job runs meanwhile, not b's
+    a2: list = []
+    threading.Timer(0.05, lambda: a2.append(s.submit(lambda: "a2", arrival=a))).start()
+    started = time.monotonic()
+    step = s.next_step()  # waits for a's next job rather than take b's
+    assert a2 and step.job[1] is a2[0] and time.monotonic() - started < turns.QUIET_S
+    a.land()  # its call joined the decoder: over
+    late = s.submit(lambda: "late", arrival=a)  # a job of a turn that is over (its blocks' capture): a plain one
+    assert s.next_step().job[1] is b1
+    assert s.next_step().job[1] is late
+    assert s.turns.status()["let_go"] == 0
+
+
+def test_a_turn_that_queues_nothing_for_the_quiet_time_loses_its_place(monkeypatch):
+    monkeypatch.setattr(turns, "QUIET_S", 0.05)
+    s = turns_scheduler()
+    a, b = s.arrive(), s.arrive()
+    s.submit(lambda: "a1", arrival=a)
+    b1 = s.submit(lambda: "b1", arrival=b)
+    s.next_step()
+    started = time.monotonic()
+    assert s.next_step().job[1] is b1 and time.monotonic() - started >= 0.04
+    assert s.turns.status()["let_go"] == 1
+    a2 = s.submit(lambda: "a2", arrival=a)  # it queues again, after the turn that took its place
+    b.land()
+    assert s.next_step().job[1] is a2
+
+
+def test_a_call_that_joined_gets_its_first_token_before_the_next_turns_job():
+    """A batch's new row gets its first token at the step after the one that admits it: both come before the
+    next turn's prefill, not after it."""
+    s = turns_scheduler(decoding=True, first_s=10.0)
+    a, b = s.arrive(), s.arrive()
+    s.submit(lambda: "a1", arrival=a)
+    b1 = s.submit(lambda: "b1", arrival=b)
+    s.next_step()
+    joined = s.submit(lambda: "join", quick=True)
+    step = s.next_step()
+    assert [job[1] for job in step.quick] == [joined] and step.job is None  # the join alone
+    a.land()
+    s.decoder.starting = True  # admitted, no first token yet
+    for _ in range(2):
+        step = s.next_step()
+        assert step.decode and step.job is None
+    s.decoder.starting = False
+    step = s.next_step()
+    assert step.job[1] is b1 and not step.decode  # decoding calls wait for the turn's prefill (first_s)
+
+
+def test_decoding_calls_wait_for_the_turns_prefill_one_step_at_least_every_first_s():
+    s = turns_scheduler(decoding=True, first_s=0.3)
+    a = s.arrive()
+    s.submit(lambda: "a1", arrival=a)
+    assert s.next_step().decode  # none for first_s before it
+    s.submit(lambda: "a2", arrival=a)
+    assert not s.next_step().decode
+    started = time.monotonic()
+    step = s.next_step()  # the turn between two jobs: waited for its hop, not for first_s (busy elsewhere)
+    assert step.decode and step.job is None and turns.HOP_S * 0.9 <= time.monotonic() - started < 0.25
+    s.submit(lambda: "a3", arrival=a)
+    assert not s.next_step().decode
+    time.sleep(0.3)
+    s.submit(lambda: "a4", arrival=a)
+    assert s.next_step().decode  # first_s since the last step: one now
+    s.turns.first_s = 0.0  # Tuning.prefill_first_ms = 0: a step between every two jobs
+    s.submit(lambda: "a5", arrival=a)
+    assert s.next_step().decode
+
+
+def test_a_quiet_turn_keeps_its_place_while_no_other_turn_waits(monkeypatch):
+    monkeypatch.setattr(turns, "QUIET_S", 0.01)
+    order, a = TurnOrder(), Scheduler().arrive()
+    assert order.put(a, "a1") and order.take() == "a1"
+    assert order.take() is None
+    time.sleep(0.02)
+    assert order.take() is None and order.current is a and order.status()["let_go"] == 0

@@ -19,7 +19,7 @@ def test_defaults_are_the_benchmarks_choices(no_config, monkeypatch):
         monkeypatch.delenv(f"KVWAKE_{f.name.upper()}", raising=False)
     tuning = load_settings({}, no_config).tuning
     assert tuning == Tuning()
-    assert tuning.pack_prefill is True and tuning.slice_of_step == 1.0 and tuning.restore_mode is None
+    assert tuning.pack_prefill is None and tuning.slice_of_step == 1.0 and tuning.restore_mode is None
     assert (tuning.pool_nice, tuning.renders_at_once, tuning.gil_watch_ms) == (0, None, None)
     assert (tuning.slow_job_ms, tuning.slow_jobs_kept, tuning.gil_watch_kept) == (50.0, 64, 64)
 

@@ -129,6 +129,15 @@ class Decoder:
     def active(self) -> bool:
         return bool(self.waiting or self.rows or self.solo)
 
+    @property
+    def starting(self) -> bool:
+        """Calls whose first token has not come yet: waiting with a place free, or admitted and not yet given
+        one (a batch's new row is fed its pending token at the step that admits it, and given its first token
+        at the step after)."""
+        if self.waiting and self.running < self.max_batch:
+            return True
+        return any(call.output.first is None for call in (*self.rows.values(), *self.solo))
+
     def join(self, call: Call) -> None:
         """Queue a call; it starts at the next step with a free place."""
         self.waiting.append(call)

@@ -190,8 +190,10 @@ class Engine(Appending):
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
-            pack_prefill=tuning.pack_prefill and self.decode_mode == "batched" and packing.packable_model(self.model),
-            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000)
+            pack_prefill=packing.wanted(tuning.pack_prefill) and self.decode_mode == "batched" and
+            packing.packable_model(self.model),
+            slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
+            first_s=tuning.prefill_first_ms / 1000)
         self.started.mark("set_up")
         # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
         # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,

@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from kvwake.daemon.model import attention
 
-__all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model", "row_mask"]
+__all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model", "row_mask", "wanted"]
 
 # mlx-lm model modules whose attention rotates by `cache.offset`, then passes `cache.update_and_fetch`'s keys
 # and values to the module's `scaled_dot_product_attention` as they are (read in mlx-lm 0.32); mistral and
@@ -55,6 +55,15 @@ Attention = Callable[..., mx.array]  # mlx-lm's scaled_dot_product_attention sig
 # RoPE classes that rotate each batch row from its own offset (an array offset): mlx-lm's DynamicNTKScalingRoPE
 # takes its base from a Python int offset (it raises on an array, and would scale by the padded length)
 ROW_ROPES = frozenset({"RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE"})
+
+
+def wanted(configured: bool | None = None) -> bool:
+    """Whether turns that come at once pack: `configured` (the tuning knob pack_prefill) when given, else where a
+    GPU computes (CUDA, Metal). There a pass's cost is mostly per pass (every weight read, launches, Python):
+    a pack of n turns costs about one turn's pass. On the CPU a pass costs what its tokens cost, so a pack
+    only makes each turn's first token wait for the others' prefill, and turns go one at a time instead
+    (scheduler/turns.py; docs/decisions.md, "Turns one at a time where a pass costs its tokens")."""
+    return configured if configured is not None else mx.default_device() != mx.cpu
 
 
 def packable_model(model: Any) -> bool:

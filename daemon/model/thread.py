@@ -35,6 +35,7 @@ from kvwake.daemon.jobs import Mlx, unframed
 from kvwake.daemon.model.decoder import Decoder
 from kvwake.daemon.model.scheduler.prefill import PrefillPlanner
 from kvwake.daemon.model.scheduler.steps import Arrival, Job, Scheduler
+from kvwake.daemon.model.scheduler.turns import TurnOrder
 from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
@@ -87,12 +88,15 @@ class EngineThread:
     def attach(self, decoder: Decoder, prefill: PrefillPlanner | None = None) -> None:
         """Step `decoder` between jobs from now on, and let `prefill` queue its jobs here (its idle builds,
         the jobs that waited for a chunk's end) and say how long a pack of turns gathers (its `gather_s`,
-        where it packs); takes effect on the engine thread, in order."""
+        where it packs), or that turns go one at a time (where it does not); takes effect on the engine
+        thread, in order."""
         def attach() -> None:
             self.scheduler.decoder = decoder
             if prefill is not None:
                 prefill.idle, prefill.later = self.idle, self.later
                 self.scheduler.gather_s = prefill.gather_s if prefill.pack_prefill else 0.0
+                # turns that do not pack go one at a time (scheduler/turns.py)
+                self.scheduler.turns = None if prefill.pack_prefill else TurnOrder(prefill.first_s)
         self.submit(attach).result()
 
     def attached(self, decoder: Decoder) -> bool:
@@ -118,7 +122,7 @@ class EngineThread:
                 self._spend("job", getattr(step.pack[0][0], "fn", step.pack[0][0]), began, len(step.pack))
             elif step.job is not None:
                 self._do(step.job)
-                self._spend("job", step.job[0], began)
+                self._spend("job", getattr(step.job[0], "fn", step.job[0]), began)  # a Packed job: by its fn
                 self._more_jobs(step, began)
             elif step.idle is not None:
                 self._do_idle(step.idle)
@@ -203,10 +207,13 @@ class EngineThread:
 
     def timing(self) -> dict[str, Any]:
         """Seconds spent in jobs, decode steps and handing output over, their counts, the waits of packs held
-        for arriving turns (`pack_holds`, ms), and the slow ones (`at`: wall-clock start, seconds since the
+        for arriving turns (`pack_holds`, ms), where turns go one at a time their quiet times (`turns`:
+        TurnOrder.status), and the slow ones (`at`: wall-clock start, seconds since the
         epoch), oldest first."""
         spent = {k: round(v, 4) if isinstance(v, float) else v for k, v in self._spent.items()}
+        turns = self.scheduler.turns
         return {**spent, "step_gaps": self._gaps.summary(), "pack_holds": self.scheduler.holds.summary(),
+                **({"turns": turns.status()} if turns is not None else {}),
                 "slow_over_ms": self.slow_s * 1000, "slow": list(self._slow)}
 
     def idle(self, fn: Callable[[], Any]) -> None:

@@ -347,7 +347,7 @@ class Conversations:
             append_ms = (time.perf_counter() - started) * 1000
             if on_append is not None and inputs:  # a call starts from one pending token at least
                 on_append({**appended, "computed": appended["prefilled"] + max(len(session.pending), 1)})
-            result = await self._decode(session, params, on_event, stop, call)
+            result = await self._decode(session, params, on_event, stop, call, arrival)
             self.engine.persist(session, self.thread.call, turn=True)  # the reply, in the background
             self.engine.reply_points.offer(session, session.reply_start, self.thread)  # a point in it
             # A chat's prompt is the appended input too: its prefill counts in prompt tokens and time to first token.
@@ -376,9 +376,11 @@ class Conversations:
         return self.engine.start_call(session, params, on_event, stop, self.thread.call)
 
     async def _decode(self, session: Session, params: GenerateParams, on_event: OnEvent | None,
-                      stop: Callable[[], bool], call: Call | None = None) -> GenerateResult:
+                      stop: Callable[[], bool], call: Call | None = None,
+                      arrival: Arrival | None = None) -> GenerateResult:
         """Prefill the pending tokens (chunked), then decode in the engine's decoder, batched with other calls;
-        `call`: made already (`_call_for`, after the append)."""
+        `call`: made already (`_call_for`, after the append); `arrival`: the turn's, landed once its call
+        joined (where turns go one at a time, the next turn's prefill starts then: scheduler/turns.py)."""
         engine, loop = self.engine, asyncio.get_running_loop()
         if call is None:
             call = await to_thread.run_sync(lambda: self._call_for(session, params, on_event, stop))
@@ -386,6 +388,8 @@ class Conversations:
         ended: asyncio.Future[GenerateResult] = loop.create_future()
         call.future.add_done_callback(lambda f: self.thread.post(loop, _settle, ended, f))
         await self.thread.run(lambda: engine.decoder.join(call), quick=True)  # calls that come together join together
+        if arrival is not None:  # its first token comes with the step that admits it, before any turn's next job
+            arrival.land()
         # The session's cache belongs to the decoder until the call ends: the claim must outlive it,
         # so this wait is not cancelled (a client that leaves stops the call through `stop`).
         with anyio.CancelScope(shield=True):

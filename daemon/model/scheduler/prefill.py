@@ -74,17 +74,19 @@ class PrefillPlanner:
     prefill_step: tokens per full chunk. plain_prefill, bucket_prefill: the CUDA attention paths
     (model/attention.py). pack_prefill: several sessions' chunks in one pass. slice_of_step: a slice's
     target, in decode steps. gather_s: how long the first chunks of turns that come at once wait, while
-    nothing decodes, for the turns still on their way (the engine thread's scheduler holds them). `paths` is
+    nothing decodes, for the turns still on their way (the engine thread's scheduler holds them). first_s:
+    where turns do not pack, how long at most their prefill goes before other calls' decode steps (the
+    scheduler's TurnOrder). `paths` is
     set by the warm-up once the attention paths' costs are measured; `idle` and `later` by the engine thread
     (None in process: shapes are built when first met).
     """
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0) -> None:
+                 gather_s: float = 0.0, first_s: float = 0.0) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
-        self.slice_of_step, self.gather_s = slice_of_step, gather_s
+        self.slice_of_step, self.gather_s, self.first_s = slice_of_step, gather_s, first_s
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
         # (session, upto) -> where a chunk must end before upto, or None: a restore point's block boundary
         # (kv/points.py; set by the engine for a model that takes them)

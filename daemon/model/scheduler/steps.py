@@ -32,6 +32,14 @@ The order, and why:
   Sessions woken together (a restart's round) land hundreds of milliseconds
   apart; the first one's prefill and decode steps taken alone would sit between
   the others' wake jobs, and their appends would come in passes of their own.
+- Where turns do not pack (`turns` set: a pass costs what its tokens cost, the
+  CPU), a turn's jobs (queued with its `Arrival`) run one turn at a time
+  (scheduler/turns.py): the current turn's first, the next turn's once its call
+  joined the decoder, and a call that joined gets its first token before any
+  turn's next job. While turns' jobs wait, other calls' decode steps wait for
+  them, one step at least every `TurnOrder.first_s` (Tuning.prefill_first_ms);
+  plain jobs run while the current turn is between two jobs (docs/decisions.md,
+  "Turns one at a time where a pass costs its tokens").
 - An `idle` job (a graph built ahead) runs only when nothing has been queued for
   IDLE_AFTER_S, nothing decodes and no turn is on its way (an `Arrival` not yet
   landed: a restart's first round being rendered, matched and woken): a client's
@@ -52,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvwake.daemon.model.decoder import Decoder
+from kvwake.daemon.model.scheduler.turns import TurnOrder
 from kvwake.daemon.timing import Latency
 from kvwake.errors import CancelledError
 
@@ -88,19 +97,22 @@ class _PackDue:
 class Arrival:
     """A turn on its way to the engine (`Scheduler.arrive`): counted as arriving from then until its first
     Packed job is queued with it (`submit(fn, arrival=...)`) or it is `land`ed (the turn failed, or queues
-    no such job), and not while it is `aside`. Landing twice is landing once."""
+    no such job), and not while it is `aside`. Landing twice is landing once. Where turns go one at a time
+    (`Scheduler.turns`), a landed turn is `over`: the next turn's jobs run."""
 
-    __slots__ = ("_scheduler", "at", "waking", "woken_s")
+    __slots__ = ("_scheduler", "at", "over", "waking", "woken_s")
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
         self.at = time.monotonic()  # when it set out (ARRIVING_AT_MOST_S)
         self.waking = False  # its session is waking now
         self.woken_s = 0.0  # how long its session's wake took (0: it did not wake)
+        self.over = False  # landed where turns go one at a time (TurnOrder): its later jobs are plain ones
 
     def land(self) -> None:
-        """No longer arriving: packs stop waiting for this turn."""
-        self._scheduler._land(self)
+        """No longer arriving: packs stop waiting for this turn; where turns go one at a time, the next turn's
+        jobs run (its call joined the decoder, or it failed)."""
+        self._scheduler._land(self, over=True)
 
     @contextlib.contextmanager
     def wake(self) -> Iterator[None]:
@@ -147,6 +159,8 @@ class Scheduler:
     def __init__(self, decoder: Decoder | None = None, gather_s: float = 0.0) -> None:
         self.decoder = decoder
         self.gather_s = gather_s  # how long a pack that starts turns waits for turns arriving (0: never)
+        self.turns: TurnOrder | None = None  # set where turns go one at a time (they do not pack)
+        self._decoded_at = 0.0  # when the last step with a decode step was handed out (monotonic)
         self._jobs: queue.SimpleQueue[Job | _PackDue | tuple[()] | None] = queue.SimpleQueue()  # (): a wake-up
         self._quick: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._idle: deque[Callable[[], Any]] = deque()
@@ -167,7 +181,8 @@ class Scheduler:
     def submit(self, fn: Callable[[], T], quick: bool = False, arrival: Arrival | None = None) -> Future[T]:
         """Queue fn; `quick` (or fn marked `jobs.quick`): it does no MLX work to speak of, so it runs before
         the next job with every other quick job queued; a `jobs.Packed` fn waits for its pack's turn, and
-        lands `arrival` (its turn's, still arriving) as it is queued: its pack starts turns."""
+        lands `arrival` (its turn's, still arriving) as it is queued: its pack starts turns. Where turns go one
+        at a time (`turns`), a job with `arrival` (Packed too: a pack of one) waits for its turn instead."""
         future: Future[T] = Future()
         with self._open_lock:
             if self._closed:
@@ -178,7 +193,9 @@ class Scheduler:
 
     def _queue(self, fn: Callable[[], T], future: Future[T], quick: bool, arrival: Arrival | None) -> None:
         pack = getattr(fn, "engine_pack", None)
-        if quick or getattr(fn, "engine_quick", False):
+        if arrival is not None and self.turns is not None and not quick and self.turns.put(arrival, (fn, future)):
+            self._jobs.put(())  # a turn's job, a Packed one as a pack of one: a thread blocked on the queue looks again
+        elif quick or getattr(fn, "engine_quick", False):
             self._quick.put((fn, future))
             self._jobs.put(())  # a thread blocked on an empty queue looks again
         elif pack is not None:
@@ -200,8 +217,12 @@ class Scheduler:
         with self._packs_lock:
             self._arriving.add(arrival)
 
-    def _land(self, arrival: Arrival) -> bool:
-        """Whether `arrival` was arriving (it is not now)."""
+    def _land(self, arrival: Arrival, over: bool = False) -> bool:
+        """Whether `arrival` was arriving (it is not now); `over`: its turn is over (TurnOrder.end)."""
+        if over and self.turns is not None:
+            for job in self.turns.end(arrival):  # none normally: a turn ends after its last job
+                self._jobs.put(job)
+            self._jobs.put(())  # the next turn's jobs: a thread waiting for this one looks again
         with self._packs_lock:
             if arrival not in self._arriving:
                 return False
@@ -223,7 +244,8 @@ class Scheduler:
         """(items in the job queue, jobs waiting for their pack's turn): what a look from outside sees."""
         with self._packs_lock:
             packed = sum(len(jobs) for jobs in self._packs.values())
-        return self._jobs.qsize() + len(self._ahead), packed
+        turns = self.turns.count() if self.turns is not None else 0
+        return self._jobs.qsize() + len(self._ahead) + turns, packed
 
     def arriving(self) -> int:
         """Turns arrived and not landed (`arrive`): what a held pack waits for."""
@@ -239,12 +261,18 @@ class Scheduler:
             decoding = self.decoder is not None and self.decoder.active
             if self._held is not None and (decoding or not self._gathering()):
                 return self._step(self._release(), decoding)
+            turn_wait = None
+            if self.turns is not None:
+                if (step := self._turn_step(decoding)) is not None:
+                    return step
+                turn_wait = self._turn_wait(decoding)
+                decoding = decoding and turn_wait is None  # waiting for the current turn's next job
             idle = None
             try:
-                item = self._take(self._get(**self._wait(decoding)), decoding)
+                item = self._take(self._get(**self._wait(decoding, turn_wait)), decoding)
             except queue.Empty:
-                if self._held is not None:
-                    continue  # its gathering time is up: released above
+                if self._held is not None or turn_wait is not None:
+                    continue  # its gathering time is up: released above; a turn's wait is up: looked at again
                 if not decoding and self._arrivals():
                     continue  # an idle job would hold up turns on their way (a restart's first round): look again
                 item = ()  # nothing queued: decode, or (not decoding) one idle job
@@ -256,9 +284,48 @@ class Scheduler:
                     break
             if item is None:
                 return Step([], stop=True)
-            if item == () and idle is None and self._held is not None and self._quick.empty():
-                continue  # a wake-up while a pack gathers: look again
+            if item == () and idle is None and self._quick.empty() and \
+                    (self._held is not None or (not decoding and self.turns is not None)):
+                continue  # a wake-up while a pack gathers, or a turn's job queued: look again
             return self._step(item, decoding, idle)
+
+    def _turn_step(self, decoding: bool) -> Step | None:
+        """Where turns go one at a time and turns' jobs are queued: the quick jobs queued (a call joining), else
+        a decode step while calls that joined have no first token yet (it comes before any turn's next job),
+        else the next turn's job (TurnOrder.take); None when no turn's job is due."""
+        if self.turns.count():
+            quick = self.quick_jobs()
+            if quick:
+                return Step(quick, decode=decoding)
+            if self.decoder is not None and self.decoder.starting:
+                return self._decoded(Step([], decode=True))
+        job = self.turns.take()  # none: the current turn's quiet time starts
+        if job is None:
+            return None
+        # other calls' decode steps wait for the turns' prefill, one step at least every `first_s`
+        decode = decoding and time.monotonic() - self._decoded_at >= self.turns.first_s
+        return self._decoded(Step([], job=job, decode=decode))
+
+    def _decoded(self, step: Step) -> Step:
+        """`step`, its decode step's time kept when it takes one (TurnOrder.first_s)."""
+        if step.decode:
+            self._decoded_at = time.monotonic()
+        return step
+
+    def _turn_wait(self, decoding: bool) -> float | None:
+        """Where turns go one at a time and no turn's job is due: how long to wait for the current turn's next
+        job (or its end) before looking again, or None (do as without turns). Other turns' jobs wait for its
+        quiet time (TurnOrder.wait_s); decoding calls, for their next step until `first_s` is up or the turn
+        has been between two jobs for its hop (HOP_S), and a call that has no first token yet not at all."""
+        quiet = self.turns.wait_s()
+        if not decoding or self.turns.current is None:
+            return quiet
+        if self.decoder.starting:  # a call that joined: its first token now
+            return None
+        due = min(self.turns.first_s - (time.monotonic() - self._decoded_at), self.turns.hop_left_s())
+        if due <= 0:
+            return None
+        return due if quiet is None else min(due, quiet)
 
     def _get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The next queued item: the one `another` put back first (raises queue.Empty as the queue does)."""
@@ -279,9 +346,12 @@ class Scheduler:
         self._ahead.append(item)
         return None
 
-    def _wait(self, decoding: bool) -> dict[str, Any]:
-        """How the next look at the job queue waits: not at all beside decoding calls, until a held pack's
-        gathering time is up, IDLE_AFTER_S with an idle job queued, else until something comes."""
+    def _wait(self, decoding: bool, turn_wait: float | None = None) -> dict[str, Any]:
+        """How the next look at the job queue waits: `turn_wait` (seconds, Scheduler._turn_wait) when given, not
+        at all beside decoding calls, until a held pack's gathering time is up, IDLE_AFTER_S with an idle job
+        queued, else until something comes."""
+        if turn_wait is not None:
+            return {"timeout": turn_wait}
         if decoding:
             return {"block": False}
         if self._held is not None:
@@ -296,7 +366,7 @@ class Scheduler:
             step.pack = item
         elif item:
             step.job = item
-        return step
+        return self._decoded(step)
 
     def quick_jobs(self) -> list[Job]:
         """Every quick job queued now: a step's first, then those queued while they ran (the thread asks until
@@ -370,6 +440,8 @@ class Scheduler:
             if isinstance(job, tuple) and job:
                 job[1].set_exception(CancelledError("the engine stopped before this job ran"))
         self._ahead = []
+        for job in self.turns.drain() if self.turns is not None else ():
+            job[1].set_exception(CancelledError("the engine stopped before this job ran"))
         for jobs in (self._quick, self._jobs):
             while True:
                 try:
