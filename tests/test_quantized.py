@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from kvwake.daemon.model import quantized
+from kvwake.daemon.model import attention, quantized
 
 
 class Two(nn.Module):
@@ -53,8 +53,10 @@ def test_each_products_rows_take_their_way_and_give_what_mlxs_layer_gives(rows, 
     before = quantized.counts()
     out, want = model(x), reference(x)
     assert _delta(before) == {way: 3}  # the pass's quantized layers and its tied head
-    # float32: MLX's quantized product and the dequantized one differ by the sums' order only
-    assert mx.abs(out - want).max().item() <= 1e-4 * max(1.0, mx.abs(want).max().item())
+    # float32: MLX's quantized product and the dequantized one differ by the sums' order only; on CUDA MLX's
+    # float32 product rounds its inputs to TF32 (10 bits of mantissa: seen 5e-4 on the H200)
+    tolerance = 2e-3 if attention.on_cuda() else 1e-4
+    assert mx.abs(out - want).max().item() <= tolerance * max(1.0, mx.abs(want).max().item())
 
 
 def test_rows_of_a_tile_being_compiled_go_dequantized_until_its_warmer_ends():
@@ -95,7 +97,6 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
     by the vector kernel); elsewhere the layers are MLX's own and status says null."""
     from mlx_lm import convert
 
-    from kvwake.daemon.model import attention
     from testkit.daemon import Daemon
     from testkit.tinymodel import make_model_dir
 

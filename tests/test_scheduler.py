@@ -219,7 +219,7 @@ async def test_the_warm_up_runs_as_idle_jobs_and_a_request_goes_first():
     Model.thread = thread
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve._warm, [Model()])
+            tg.start_soon(serve._warm, [Model()], None)  # no hot set: at once
             await anyio.sleep(0.05)  # the warm-up has queued its first job (an idle job: not yet run)
             await thread.run(lambda: order.append("request"))
             for _ in range(200):
