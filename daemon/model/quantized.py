@@ -38,7 +38,9 @@ TILES = (16, 32, 64)  # MLX's tile kernels by rows: up to 16, up to 32, more
 
 _lock = threading.Lock()
 _compiling: Counter[tuple[str, int, int, int]] = Counter()  # (dtype, bits, group size, tile): warmers at work
-_counts: Counter[str] = Counter()  # products taken each way, for status
+# products taken each way, for status: counted without the lock (a product is on an engine thread's hot path, and
+# two models' threads racing on a count lose one now and then, no more)
+_counts: Counter[str] = Counter()
 
 
 def tile_of(rows: int) -> int:
