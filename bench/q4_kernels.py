@@ -3,7 +3,7 @@ and whether a miniature's products (the kernel warmer's) fill the cache the full
 
 Each stage runs in a process of its own (MLX reads MLX_PTX_CACHE_DIR once): `mini` runs the products at the
 miniature's widths, `full` at the 8B shape's, `fresh` the full widths on an empty cache, `rows` the full widths
-at the rows where a product's way changes (model/quantized.py's DEQUANTIZE_ROWS); $STAGES picks them (default
+at the rows where the tile kernel's time meets a dequantized product's; $STAGES picks them (default
 "mini full fresh"). Prints one JSON line a product: rows, widths, first and second call ms, steady ms of MLX's
 quantized product and of the weight dequantized then multiplied, the modules new in the cache after it."""
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.model import kernel_cache, quantized
+from kvwake.daemon.model import kernel_cache
 from testkit.tinymodel import make_model_dir
 
 
@@ -34,76 +33,15 @@ def test_the_warmer_builds_the_models_miniature_in_its_dtype_and_exits_cleanly(t
     assert warmer.wait() is False  # waited for once: nothing left to wait for
 
 
-def test_a_quantized_models_warmer_runs_its_quantized_products_in_each_row_range(tmp_path):
-    """A 4-bit model's first prefill and first batched decode step each waited ~50 s on the H200 for MLX's
-    compiles of its quantized matmul kernels, which a warmer running an unquantized miniature never made
-    (docs/benchmarks.md, "fleet", S39). Here: the parts, the miniature quantized as the config says, and
-    every part's child ending cleanly (the compiles themselves are CUDA's)."""
-    import mlx.nn as nn
-    from mlx_lm.utils import _get_classes
-
-    model = make_model_dir(tmp_path / "q")
-    assert kernel_cache.parts_for(model) == kernel_cache.PARTS  # unquantized: as before
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
-    parts = kernel_cache.parts_for(model)
-    assert parts == kernel_cache.PARTS + tuple(f"quantized-{r}" for r in kernel_cache.QUANTIZED_ROWS)
-    small = kernel_cache.miniature(json.loads((model / "config.json").read_text()))
-    model_class, args_class = _get_classes(config=small)
-    mini = model_class(args_class.from_dict(small))
-    kernel_cache.quantize_miniature(mini, small["quantization"])
-    linears = [m for _, m in mini.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert linears and all((m.bits, m.group_size) == (4, 32) for m in linears)
-    warmer = kernel_cache.Warmer(model)
-    assert [p.args[-1] for p in warmer.procs] == list(parts)
-    tiles = [{"dtype": "bfloat16", "bits": 4, "group_size": 32, "tile": t} for t in kernel_cache.QUANTIZED_ROWS]
-    assert quantized.compiling() == tiles  # until each tile's child ends, its products go dequantized
-    tile_procs = [p for p in warmer.procs if p.args[-1].startswith("quantized-")]
-    assert warmer.wait(timeout=120) is True  # the engine waits for the others only
-    deadline = time.monotonic() + 120
-    while quantized.compiling() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert quantized.compiling() == []
-    assert [p.returncode for p in tile_procs] == [0] * len(tiles)
-
-
-def test_a_stopped_quantized_warmer_leaves_no_tile_compiling(tmp_path):
-    """An engine closed while its tiles compile: the children killed, their tiles no longer counted compiling
-    (MLX compiles a tile at its first use then, as with no warmer)."""
+def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):
+    """A quantized model's products compile nothing (model/quantized.py dequantizes where MLX would compile a
+    tile kernel), so its warmer has the same parts as any model's, and ends cleanly."""
     model = make_model_dir(tmp_path / "q")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
     warmer = kernel_cache.Warmer(model)
-    assert len(quantized.compiling()) == len(kernel_cache.QUANTIZED_ROWS)
-    warmer.stop()
-    deadline = time.monotonic() + 30
-    while quantized.compiling() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert quantized.compiling() == []
-
-
-def test_a_quantized_part_runs_the_miniature_quantized_as_the_config_says(tmp_path, monkeypatch):
-    """A part's child quantizes the miniature before its products: unquantized it compiles none of the kernels
-    it is there for. In this process (the child's import lightening stood in: it would hide frameworks here)."""
-    import mlx.nn as nn
-
-    from kvwake.daemon import imports
-
-    model = make_model_dir(tmp_path / "q")
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
-    monkeypatch.setattr(imports, "lighten_imports", lambda: None)
-    seen = []
-    real = kernel_cache.quantize_miniature
-
-    def quantize(mini, quantization):
-        real(mini, quantization)
-        seen.append((quantization, [m for _, m in mini.named_modules() if isinstance(m, nn.QuantizedLinear)]))
-
-    monkeypatch.setattr(kernel_cache, "quantize_miniature", quantize)
-    kernel_cache._warm(model, "quantized-16")
-    ((quantization, linears),) = seen
-    assert quantization == {"group_size": 32, "bits": 4} and linears
+    assert [p.args[-1] for p in warmer.procs] == list(kernel_cache.PARTS)
+    assert warmer.wait(timeout=120) is True
 
 
 def test_a_warmer_that_fails_is_reported_and_the_start_goes_on(tmp_path, caplog):

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from kvwake.daemon.config import Tuning
+from kvwake.daemon.model import packing
 from kvwake.daemon.model.generation import GenerateParams, TextOutput
 from kvwake.daemon.model.scheduler import slices
 from kvwake.daemon.model.decoder import Decoder
 from tests.test_arrivals import chat
-from tests.test_manager import SYSTEM, manager, model_dir  # noqa: F401 - fixtures
+from tests.test_manager import SYSTEM, managed, model_dir  # noqa: F401 - fixtures
 
 TURNS = 4
+
+
+@pytest.fixture
+def manager(model_dir, tmp_path):  # noqa: F811 - turns one at a time on any machine (the CPU's default)
+    yield from managed(model_dir, tmp_path, Tuning(pack_prefill=False))
 
 
 def record_engine(monkeypatch) -> list[tuple[str, str]]:
@@ -46,7 +55,7 @@ async def test_turns_that_come_together_each_reach_their_first_token_before_the_
                                                                                                 monkeypatch):
     """Was: the engine took the turns' jobs as they were queued, the first chunk of every turn, then the rest
     of every turn (or, packed, one pass for all four): every first token came after all four prefills."""
-    assert manager.thread.scheduler.turns is not None  # the CPU: turns do not pack, they go one at a time
+    assert manager.thread.scheduler.turns is not None  # turns do not pack: they go one at a time
     params, replies = GenerateParams(max_tokens=4), []
     for i in range(TURNS):  # each session's first turn alone: each keeps its cache
         await manager.create(f"s{i}", SYSTEM)
@@ -94,3 +103,16 @@ async def test_a_turn_that_fails_before_its_call_lets_the_next_turn_go(manager, 
     assert sum(isinstance(r, dict) and bool(r["tokens"]) for r in results) == 1
     turns = manager.thread.timing()["turns"]
     assert turns["let_go"] == 0, turns  # the failed turn ended by landing, not by its quiet time
+
+
+def test_a_model_that_cannot_pack_where_packing_pays_keeps_its_turns_as_they_come(model_dir, tmp_path,  # noqa: F811
+                                                                                  monkeypatch):
+    """One at a time is for where a pass costs its tokens (packing.wanted false), not for a model that cannot
+    pack on a GPU (a recurrent one): there its turns' jobs stay as they come, and no decoding stream waits for
+    another turn's prefill. Was: any model whose turns did not pack went one at a time."""
+    monkeypatch.setattr(packing, "wanted", lambda configured=None: True if configured is None else configured)
+    monkeypatch.setattr(packing, "packable_model", lambda model: False)
+    for m in managed(model_dir, tmp_path, Tuning()):
+        assert m.engine.planner.pack_prefill is False and m.thread.scheduler.turns is None
+    for m in managed(model_dir, tmp_path / "off", Tuning(pack_prefill=False)):  # asked for: one at a time
+        assert m.thread.scheduler.turns is not None

@@ -145,7 +145,7 @@ class Engine(Appending):
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        # a quantized model's products by their rows, never waiting for MLX's compiles (model/quantized.py)
+        # a quantized model's products by their rows: none waits for a compile of MLX's (model/quantized.py)
         self.quantized_layers = quantized.install(self.model) if attention.on_cuda() else 0
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
@@ -193,7 +193,10 @@ class Engine(Appending):
             pack_prefill=packing.wanted(tuning.pack_prefill) and self.decode_mode == "batched" and
             packing.packable_model(self.model),
             slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
-            first_s=tuning.prefill_first_ms / 1000)
+            first_s=tuning.prefill_first_ms / 1000,
+            # one at a time where packing would not pay (the CPU), not where a model cannot pack (a GPU keeps
+            # its turns' jobs as they come there)
+            one_at_a_time=not packing.wanted(tuning.pack_prefill))
         self.started.mark("set_up")
         # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
         # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,
@@ -237,11 +240,11 @@ class Engine(Appending):
 
     def quantized_status(self) -> dict[str, Any] | None:
         """A quantized model's products by their rows (model/quantized.py); None for other models or off CUDA.
-        The counts and tiles are the process's (every model's)."""
+        The counts are the process's (every model's)."""
         if not self.quantized_layers:
             return None
-        return {"layers": self.quantized_layers, "dequantize_rows": quantized.DEQUANTIZE_ROWS,
-                "products": quantized.counts(), "compiling": quantized.compiling()}
+        return {"layers": self.quantized_layers, "dequantize_rows": quantized.VECTOR_ROWS,
+                "products": quantized.counts()}
 
     def set_kv_room(self, room: int | None) -> None:
         """What all KV may hold (None: no limit kept), and from it the most tokens one session may hold and

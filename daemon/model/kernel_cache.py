@@ -34,19 +34,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvwake.daemon.model import quantized
-
-__all__ = ["PARTS", "QUANTIZED_ROWS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "parts_for",
-           "quantize_miniature", "start_early", "text_config",
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "text_config",
            "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
 PARTS = ("forward", "compaction")
-# A quantized model's products: MLX compiles a CUDA kernel for each tile of rows at first use (CuTe templates,
-# NVRTC, about 30 s each), so a part per tile compiles them side by side; until a part ends, products of its
-# tile's rows go dequantized (model/quantized.py), so nothing waits for these parts
-QUANTIZED_ROWS = quantized.TILES
+# (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
 
 
 def weights_dtype(model_path: Path) -> str:
@@ -61,22 +55,6 @@ def weights_dtype(model_path: Path) -> str:
         if kinds:
             return names.get(kinds[0], "float32")
     return "bfloat16"
-
-
-def parts_for(model_path: Path) -> tuple[str, ...]:
-    """The warmer's parts for the model folder: PARTS, and for a quantized model a part per row range of its
-    quantized matmuls (QUANTIZED_ROWS)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return PARTS
-    return PARTS + tuple(f"quantized-{rows}" for rows in QUANTIZED_ROWS) if _quantization(config) else PARTS
-
-
-def _quantization(config: dict[str, Any]) -> dict[str, Any] | None:
-    """mlx-lm's `quantization` of a config (its group size and bits, as `mlx_lm convert -q` writes them)."""
-    q = config.get("quantization") or text_config(config).get("quantization")
-    return q if isinstance(q, dict) and "group_size" in q and "bits" in q else None
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +118,8 @@ def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
 
 class Warmer:
     """The child processes that fill MLX's kernel cache for the model (module docstring), one per part
-    (`PARTS`, and a quantized model's tiles: each part's compiles are seconds of one core on a fresh machine, so
-    they run side by side); `wait` before the engine's first forward pass (for all but the tiles)."""
+    (`PARTS`: each part's compiles are seconds of one core on a fresh machine, so they run side by side);
+    `wait` before the engine's first forward pass."""
 
     @classmethod
     def for_model(cls, model_path: Path) -> Warmer:
@@ -150,42 +128,14 @@ class Warmer:
 
     def __init__(self, model_path: Path) -> None:
         self.started = time.perf_counter()
-        self.parts = parts_for(model_path)
         self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
-                      for part in self.parts]
-        # the quantized parts are not waited for: a thread marks each tile compiled as its part ends
-        tiles = [(part, proc) for part, proc in zip(self.parts, self.procs) if part.startswith("quantized-")]
-        if tiles:
-            q = _quantization(json.loads((Path(model_path) / "config.json").read_text()))
-            key = (weights_dtype(model_path), q["bits"], q["group_size"])
-            for part, _ in tiles:
-                quantized.starting(*key, int(part.removeprefix("quantized-")))
-            threading.Thread(target=self._watch, args=(tiles, key), name="kvwake-quantized-warmers",
-                             daemon=True).start()
-
-    def _watch(self, tiles: list[tuple[str, subprocess.Popen[bytes]]], key: tuple[str, int, int]) -> None:
-        """Each quantized part to its end, then its tile counted compiled (model/quantized.py)."""
-        for part, proc in tiles:
-            try:
-                _, err = proc.communicate()
-                if proc.returncode != 0:  # killed by `stop`, or failed: MLX compiles the tile at first use
-                    log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
-                                err.decode(errors="replace")[-600:])
-                else:
-                    log.info("kernel warmer (%s) done in %.1f s", part, time.perf_counter() - self.started)
-            finally:
-                quantized.done(*key, int(part.removeprefix("quantized-")))
+                      for part in PARTS]
 
     def wait(self, timeout: float = WAIT_S) -> bool:
-        """Wait for the warmers but the quantized ones (at most `timeout` in all): whether every one finished
-        and filled the cache."""
-        pairs = list(zip(self.parts, self.procs))
-        waited = [(part, proc) for part, proc in pairs if not part.startswith("quantized-")]
-        self.parts, self.procs = [p for p, _ in pairs if p.startswith("quantized-")], [
-            q for p, q in pairs if p.startswith("quantized-")]  # what `stop` may still kill
-        done = True
-        for part, proc in waited:
+        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache."""
+        procs, self.procs, done = self.procs, [], True
+        for part, proc in zip(PARTS, procs):
             try:
                 _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
             except subprocess.TimeoutExpired:
@@ -195,20 +145,17 @@ class Warmer:
             if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
                 log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode, err.decode(errors="replace")[-600:])
                 done = False
-        if waited and done:
+        if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
-        return bool(waited) and done
+        return bool(procs) and done
 
     def stop(self) -> None:
-        """Kill the warmers still running (an engine closed before they ended) and reap them (a quantized
-        part: its watcher does)."""
-        pairs, self.parts, self.procs = list(zip(self.parts, self.procs)), [], []
-        for _, proc in pairs:
+        """Kill the warmers not waited for (an engine closed before its first forward pass) and reap them."""
+        procs, self.procs = self.procs, []
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        for part, proc in pairs:
-            if not part.startswith("quantized-"):
-                proc.communicate()
+            proc.communicate()
 
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
@@ -278,17 +225,6 @@ class BesideLoad:
         return self.shape
 
 
-def quantize_miniature(model: Any, quantization: dict[str, Any] | None) -> None:
-    """The miniature quantized as the model is (group size, bits, mode), each layer that can be at its widths."""
-    import mlx.nn as nn
-
-    if quantization is None:
-        raise ValueError("the model's config names no quantization (group_size, bits)")
-    size = quantization["group_size"]
-    nn.quantize(model, group_size=size, bits=quantization["bits"], mode=quantization.get("mode", "affine"),
-                class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % size == 0)
-
-
 def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any]:
     """(query heads, KV heads, head size, dtype) as `config` and the weights name them: what the row kernel is
     built for (ragged_decode.shape_of gives the same from a loaded model)."""
@@ -301,8 +237,7 @@ def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any
 
 
 def _warm(model_path: Path, part: str) -> None:
-    """A child's work: the miniature's prefill and decode step ("forward"), a batch's compaction, or the
-    quantized miniature's products of one row range ("quantized-ROWS")."""
+    """A child's work: the miniature's prefill and decode step ("forward"), or a batch's compaction."""
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
@@ -310,22 +245,16 @@ def _warm(model_path: Path, part: str) -> None:
 
     dtype = getattr(mx, weights_dtype(model_path))
     config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
-    if part == "forward" or part.startswith("quantized-"):
+    if part == "forward":
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import _get_classes
 
         model_class, args_class = _get_classes(config=config)
         model = model_class(args_class.from_dict(config))
         model.set_dtype(dtype)
-        if part == "forward":
-            cache = make_prompt_cache(model)
-            mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
-            mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
-            return
-        quantize_miniature(model, _quantization(config))
-        rows = int(part.removeprefix("quantized-"))
-        # a prefill of `rows` tokens: products of that many rows, MLX's tile kernel for them
-        mx.eval(model(mx.arange(rows, dtype=mx.uint32)[None], cache=make_prompt_cache(model)))
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
+        mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
         return
     from mlx_lm.models.cache import BatchKVCache
 

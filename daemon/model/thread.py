@@ -95,8 +95,8 @@ class EngineThread:
             if prefill is not None:
                 prefill.idle, prefill.later = self.idle, self.later
                 self.scheduler.gather_s = prefill.gather_s if prefill.pack_prefill else 0.0
-                # turns that do not pack go one at a time (scheduler/turns.py)
-                self.scheduler.turns = None if prefill.pack_prefill else TurnOrder(prefill.first_s)
+                # turns one at a time where packing would not pay (scheduler/turns.py)
+                self.scheduler.turns = TurnOrder(prefill.first_s) if prefill.one_at_a_time else None
         self.submit(attach).result()
 
     def attached(self, decoder: Decoder) -> bool:

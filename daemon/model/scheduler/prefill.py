@@ -75,18 +75,20 @@ class PrefillPlanner:
     (model/attention.py). pack_prefill: several sessions' chunks in one pass. slice_of_step: a slice's
     target, in decode steps. gather_s: how long the first chunks of turns that come at once wait, while
     nothing decodes, for the turns still on their way (the engine thread's scheduler holds them). first_s:
-    where turns do not pack, how long at most their prefill goes before other calls' decode steps (the
-    scheduler's TurnOrder). `paths` is
+    where turns go one at a time, how long at most their prefill goes before other calls' decode steps.
+    one_at_a_time: turns go one at a time, each to its first token (the scheduler's TurnOrder): where a pass
+    costs its tokens (packing.wanted false), not merely where a model cannot pack. `paths` is
     set by the warm-up once the attention paths' costs are measured; `idle` and `later` by the engine thread
     (None in process: shapes are built when first met).
     """
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0, first_s: float = 0.0) -> None:
+                 gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s, self.first_s = slice_of_step, gather_s, first_s
+        self.one_at_a_time = one_at_a_time and not pack_prefill
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
         # (session, upto) -> where a chunk must end before upto, or None: a restore point's block boundary
         # (kv/points.py; set by the engine for a model that takes them)
