@@ -348,7 +348,7 @@ async def _warm(models: ModelProvider, hot_set: HotSet | None) -> None:
     """Each model's warm-up after the daemon answers, one model at a time (model/loader.py `warm_model`);
     a model loaded later warms as it loads (sessions/models.py). After a restart with a hot set, the warm-up
     first waits for its sessions' wakes (at most WARM_HOLD_S): their agents come back at once, and a warm-up
-    job that began just before them (one is a few hundred ms on the GPU, not to be cut) held their wakes."""
+    job that began just before them (a job is not cut) held their wakes (docs/benchmarks.md, "fleet")."""
     held = time.monotonic()
     while hot_set is not None and hot_set.wakes_left() and time.monotonic() - held < WARM_HOLD_S:
         await anyio.sleep(WARM_POLL_S)

@@ -372,9 +372,9 @@ def test_a_fault_in_the_reader_itself_is_logged_as_an_error_not_taken_for_a_dama
 
 
 def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s(monkeypatch):
-    """After a restart a warm-up job that began just before the agents came back held their wakes (on the H200
-    a 260 ms job began 78 ms before a 4-bit fleet's restart round, docs/benchmarks.md "4-bit products"): the
-    warm-up starts once the hot set's sessions woke, or after WARM_HOLD_S; with no hot set, at once."""
+    """After a restart a warm-up job that began just before the agents came back held their wakes
+    (docs/benchmarks.md, "fleet"): the warm-up starts once the hot set's sessions woke, or after WARM_HOLD_S;
+    with no hot set, at once."""
     import anyio
 
     from kvwake.daemon import serve
@@ -413,3 +413,33 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
     started.clear()
     anyio.run(serve._warm, ["m"], None)
     assert len(started) == 1
+
+
+def test_a_wake_refused_for_its_snapshots_bundle_lets_its_blocks_read_ahead_go():
+    """A session of another model's bundle (one model-bundles.json does not name) is read ahead like any other;
+    its wake is refused before a record comes back. Was: its claim stayed, its blocks held outside the RAM
+    tier's budget until the reader's time was up, and the warm-up waited for a wake that had ended."""
+    import contextlib
+
+    from kvwake.daemon.kv import pipeline
+    from kvwake.errors import BundleMismatchError
+
+    tier = RamTier(0)
+    tier.claim("snap-1", ["k1", "k2"])
+
+    class Store:
+        def reading(self):
+            return contextlib.nullcontext()
+
+        def latest_snapshot(self, session_id: str) -> str:
+            return "snap-1"
+
+    class Ctx:
+        store, ram_tier = Store(), tier
+
+        def record(self, snapshot_id: str):
+            raise BundleMismatchError("computed with another model", snapshot_id=snapshot_id)
+
+    with pytest.raises(BundleMismatchError):
+        pipeline.wake(Ctx(), "s", None, mlx=None)
+    assert tier.claims_left() == 0 and not tier.claimed("k1")

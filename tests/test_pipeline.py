@@ -582,8 +582,8 @@ def test_a_ring_short_of_idle_slots_decodes_fewer_spans_ahead_rather_than_make_s
 
 def test_a_start_told_of_the_wakes_ahead_makes_a_slot_for_each_and_they_make_none(mapped_staging):
     """Was: the slots made beside the load were KEEP_SLOTS whatever was to wake; a restart's sixteen wakes (a
-    leader's ring of RING_SLOTS, one slot each for the fifteen waiting for it) made five afresh, ~100 ms
-    engine-thread jobs the leader's upload waited between (docs/benchmarks.md, "fleet", S39)."""
+    leader's ring of RING_SLOTS, one slot each for the fifteen waiting for it) made five afresh, long
+    engine-thread jobs the leader's upload waited between (docs/benchmarks.md, "fleet")."""
     from kvwake.daemon.kv import devplanes
 
     mapped = mapped_staging

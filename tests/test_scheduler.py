@@ -352,6 +352,7 @@ def test_attach_takes_the_gathering_time_where_the_planner_packs():
     class Planner:  # a prefill planner's face as the engine thread sees it
         def __init__(self, pack_prefill: bool) -> None:
             self.gather_s, self.pack_prefill, self.idle, self.later, self.first_s = 0.03, pack_prefill, None, None, 1.0
+            self.one_at_a_time = not pack_prefill  # where packing would not pay (PrefillPlanner)
 
     for packs, want in ((True, 0.03), (False, 0.0)):
         thread, decoder = EngineThread(), Decoding(active=False)
@@ -526,10 +527,13 @@ def test_where_turns_do_not_pack_a_turns_next_job_runs_before_the_next_turns_fir
     assert s.next_step().job[1] is a1
     assert s.next_step().job[1] is plain  # a's worker is between two jobs: a plain job runs meanwhile, not b's
     a2: list = []
-    threading.Timer(0.05, lambda: a2.append(s.submit(lambda: "a2", arrival=a))).start()
+    timer = threading.Timer(0.05, lambda: a2.append(s.submit(lambda: "a2", arrival=a)))
+    timer.start()
     started = time.monotonic()
     step = s.next_step()  # waits for a's next job rather than take b's
-    assert a2 and step.job[1] is a2[0] and time.monotonic() - started < turns.QUIET_S
+    waited = time.monotonic() - started
+    timer.join()  # the job can be taken before the timer's thread has kept its future
+    assert a2 and step.job[1] is a2[0] and waited < turns.QUIET_S
     a.land()  # its call joined the decoder: over
     late = s.submit(lambda: "late", arrival=a)  # a job of a turn that is over (its blocks' capture): a plain one
     assert s.next_step().job[1] is b1

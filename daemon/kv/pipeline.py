@@ -53,7 +53,7 @@ from kvwake.daemon.kv.pool import Batch
 from kvwake.daemon.kv.ram_tier import Wants
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.session_state import Session
-from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError
+from kvwake.errors import CorruptBlockError, InternalError, InvalidParamsError, KvwakeError
 from kvwake.store import BlockRef, SnapshotInfo, SnapshotRecord, SnapshotWriter
 
 log = logging.getLogger("kvwake.pipeline")
@@ -679,7 +679,12 @@ def wake(ctx: KvContext, session_id: str, snapshot_id: str | None, mlx: Mlx,
     phases: dict[str, float] = {}
     with ctx.store.reading():  # gc cannot evict this snapshot's files while they are read
         if record is None:
-            record = ctx.record(snapshot_id or ctx.store.latest_snapshot(session_id))
+            wanted = snapshot_id or ctx.store.latest_snapshot(session_id)
+            try:
+                record = ctx.record(wanted)
+            except KvwakeError:  # refused (another model's bundle, gone): nothing holds its blocks for it any more
+                ctx.ram_tier.woken(wanted)
+                raise
         if record.session_id != session_id:  # refused before its blocks read ahead are let go: not this wake's
             raise InvalidParamsError(f"snapshot {record.id} belongs to session {record.session_id}, not "
                                      f"{session_id}; use fork", session_id=session_id, snapshot_id=record.id)

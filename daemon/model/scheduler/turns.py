@@ -25,12 +25,12 @@ from kvwake.daemon.timing import Latency
 
 __all__ = ["QUIET_S", "TurnOrder"]
 
-# A current turn that queues nothing for this long loses its place. Between two jobs its worker thread makes a hop
-# of a few ms, and between its last job and its call's join one through the event loop, which on two busy cores
-# took over 50 ms now and then (docs/decisions.md, "Turns one at a time where a pass costs its tokens")
+# A current turn that queues nothing for this long loses its place. Between two jobs its worker thread makes a hop,
+# and between its last job and its call's join one through the event loop, which a busy machine can make long
+# (docs/decisions.md, "Turns one at a time where a pass costs its tokens", has the figures)
 QUIET_S = 0.25
-# Calls decoding meanwhile wait for the current turn's next job this long at most (its worker's hop, 3.6 ms at most in
-# the fleet's rounds): a turn busy elsewhere (a grammar compiled for its call, the store asked between two chunks)
+# Calls decoding meanwhile wait for the current turn's next job this long at most (its worker's hop, well under it:
+# docs/decisions.md): a turn busy elsewhere (a grammar compiled for its call, the store asked between two chunks)
 # does not hold their steps up to `first_s`
 HOP_S = 0.02
 QUIETS_KEPT = 256  # the latest quiet times `quiet` keeps
