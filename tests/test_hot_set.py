@@ -443,3 +443,35 @@ def test_a_wake_refused_for_its_snapshots_bundle_lets_its_blocks_read_ahead_go()
     with pytest.raises(BundleMismatchError):
         pipeline.wake(Ctx(), "s", None, mlx=None)
     assert tier.claims_left() == 0 and not tier.claimed("k1")
+
+
+def test_a_staged_image_that_fits_in_part_leaves_no_staging_recorded_for_its_block():
+    """An image whose first run fits this restore's staging and a later one does not: it is refused and the
+    block is read instead, whose check must not find the first run recorded as staged. Was: the record
+    stayed, and the read's check (staged=True for a block decoded unstaged) failed the wake."""
+    from kvwake.daemon.kv import pipeline
+
+    first = np.arange(4, dtype=np.uint8)
+    image = StagedImage(runs=[(("k",), "bf16", 2, False, [first]), (("v",), "bf16", 2, False, [first])])
+
+    class Buffers:  # a restore's staging as pipeline._put_cached uses it: the first run fits, the second not
+        def __init__(self) -> None:
+            self.staged: dict[int, bool] = {}
+
+        def stage(self, k: int):
+            def where(names, dtype, values, planes):
+                if names == ("v",):
+                    return None
+                self.staged[k] = planes
+                return [np.empty(4, np.uint8)]
+            return where
+
+        def unstage(self, k: int) -> None:
+            from kvwake.daemon.kv.restore_buffers import Buffers as Real
+
+            Real.unstage(self, k)
+
+    buffers = Buffers()
+    buffers._window_runs = {}
+    assert pipeline._put_cached(buffers, 3, 0, 16, image, "block 3") is False
+    assert 3 not in buffers.staged

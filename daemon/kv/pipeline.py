@@ -420,6 +420,7 @@ def _put_cached(buffers: restore_buffers.Buffers, k: int, start: int, count: int
         buffers.put(start, count, cached, what)
         return True
     if not cached.stage_into(buffers.stage(k)):
+        buffers.unstage(k)  # runs it staged before one did not fit were recorded: the read that follows is not
         return False
     buffers.check(dict(cached.rest), start, count, what, staged=k in buffers.staged)
     return True

@@ -290,6 +290,12 @@ class Buffers:
             return rows
         return where
 
+    def unstage(self, k: int) -> None:
+        """Block k is not staged after all: a staged image whose first runs fit and a later one did not
+        (pipeline._put_cached) left its record here, and the block's read that follows is checked by it."""
+        self.staged.pop(k, None)
+        self._window_runs.pop(k, None)
+
     def _stage_window(self, k: int, names: tuple[str, ...], dtype: str, n: int, rows: list[np.ndarray],
                       planes: bool) -> list[np.ndarray] | None:
         """A block carrying window rows (kv/window_rows.py): its run decodes into scratch, and `check` stages
