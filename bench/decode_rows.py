@@ -1,15 +1,13 @@
 """The decoder's batched step at agent-length contexts: rows x context, three paths in one process.
 
 usage: python bench/decode_rows.py --model PATH [--rows 1,8,16,32] [--contexts 1024,12288] [--steps 24]
-                                   [--modes masked,kernel,rows] [--joins 4] [--join-rows 8] [--out bench/out]
+                                   [--modes masked,kernel,paged] [--joins 4] [--join-rows 8] [--out bench/out]
 
 For each (rows, context): that many sessions whose caches hold `context` tokens of random KV (no prefill:
 the step's cost does not depend on the values), all decoding at once in the engine's decoder, greedy, for
 `steps` steps after 6 to warm up. The paths (`--modes`), alternating, best of two each:
 - masked: mlx-lm's `BatchKVCache` attention with its array mask (the path mlx-lm's `BatchGenerator` takes);
 - kernel: the same merged batch, its attention by the row kernel (model/ragged_decode.py; CUDA only);
-- rows: as kernel, and the linear layers' products by the few-rows kernel (model/few_rows.py; CUDA only: what
-  the daemon runs there); masked and kernel take MLX's products, as mlx-lm does;
 - paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
   kernel on CUDA, the gather reference elsewhere.
 Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
@@ -42,7 +40,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.lib import machine, save  # noqa: E402
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
-from kvwake.daemon.model import few_rows, ragged_decode  # noqa: E402
+from kvwake.daemon.model import ragged_decode  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
@@ -112,10 +110,6 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     of another call's admission into that batch, None when `joins` is 0). The joining call runs
     JOINER_TOKENS tokens and leaves before it joins again."""
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
-    if mode == "rows":
-        few_rows.install(engine.model)
-    else:
-        few_rows.uninstall(engine.model)
     engine.decoder.in_pages = mode == "paged"
     tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
     pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
@@ -150,7 +144,7 @@ def main() -> None:
     ap.add_argument("--joins", type=int, default=4, help="times one more call joins the batch and leaves, timed")
     ap.add_argument("--join-rows", type=int, default=8,
                     help="the most rows whose batch a call joins (a merged batch's join copies every row: memory)")
-    ap.add_argument("--modes", default="masked,kernel,rows", help="paths to time (kernel, rows: CUDA only)")
+    ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
@@ -164,14 +158,11 @@ def main() -> None:
     for context in [int(c) for c in a.contexts.split(",")]:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
-            modes = [m for m in a.modes.split(",") if m not in ("kernel", "rows") or ragged_decode.wanted(True)]
+            modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
                     joins = a.joins if rows <= a.join_rows else 0
-                    before = few_rows.counts()
                     ms, join = step_ms(engine, rows, context, a.steps, joins, mode)
-                    if mode == "rows":  # the kernel's launches against the layers' products it made
-                        row["rows_products"] = {k: v - before[k] for k, v in few_rows.counts().items()}
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)

@@ -16,8 +16,7 @@
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
 #   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts: masked (BatchGenerator's path), row
-#             kernel, and row kernel with the few-rows linears (the daemon's path), with a join's cost (decode_rows)
-#   linears   the few-rows kernel against MLX's products on the 8B shape's weights (bench/few_rows.py, no model)
+#             kernel and paged, with a join's cost (decode_rows)
 #   bundle    the bundle hash of the sharded model and of the one-file model, then a daemon's cold first start
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
@@ -243,7 +242,6 @@ for c in json.load(open(sys.argv[1]))["configs"]:
                 python3 bench/point_copies.py /tmp/g4 --tokens 10709 --turn 500 $wb | tee -a "$OUT/point-copies.jsonl"
               done ;;
     script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
-    linears)  python3 bench/few_rows.py --sweep --out "$OUT/linears" 2>&1 | grep "^{" ;;
     probe)    bash -c "$SCRIPT" 2>&1 | tail -80 ;;  # as `script`, without the model
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac

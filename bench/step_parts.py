@@ -1,7 +1,7 @@
 """Where a batched decode step's time goes: mlx-lm's model over `BatchKVCache`, one part of the step at a time.
 
 usage: python3 bench/step_parts.py --model PATH [--rows 1,8,16,32] [--contexts 1024,12288] [--steps 12]
-                                   [--ways mlx] [--out FILE]
+                                   [--out FILE]
 
 A Llama-shaped model (mlx-lm's `llama`: `model.model.layers`, each with `self_attn`, `mlp` and two norms) decodes
 `rows` rows whose caches hold `context` tokens of random KV (mlx-lm's `BatchKVCache`, as `BatchGenerator` and
@@ -12,8 +12,7 @@ kvwake's masked path hold them). Timed, each evaluated alone and best of `--step
 - linears: every layer's q, k, v, o, gate, up and down projections and the head, on the step's shapes;
 - attention: every layer's `self_attn` (its projections, RoPE, the cache's update and the masked attention);
 - mlp, norms, head: the rest of a layer's parts and the output head with the pick.
-`--ways mlx,few_rows`: each (rows, context) with MLX's products, then with the linear layers' products by
-model/few_rows.py's kernel (CUDA), in turn. The parts are evaluated apart, so they add up to more than a step (each pays a launch and a wait); their
+The parts are evaluated apart, so they add up to more than a step (each pays a launch and a wait); their
 proportions say which part is far from its bytes. Prints one JSON line per (rows, context) (and writes them to
 `--out`). Issue 51's short-context steps, far from their bytes where the linear layers are not, are what it is for
 (docs/benchmarks.md, "decode_rows").
@@ -36,7 +35,6 @@ from mlx_lm.utils import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib import machine  # noqa: E402
-from kvwake.daemon.model import few_rows  # noqa: E402
 
 
 def filled(model: Any, rows: int, context: int) -> list[BatchKVCache]:
@@ -122,7 +120,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32")
     ap.add_argument("--contexts", default="1024,12288")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--ways", default="mlx", help="mlx, few_rows: the linear layers' products (CUDA for few_rows)")
     ap.add_argument("--out", type=Path, help="a file for the JSON lines too")
     a = ap.parse_args()
     lines = [{"machine": machine()}]
@@ -130,15 +127,9 @@ def main() -> None:
     model, _ = load_model(Path(a.model))
     for context in (int(c) for c in a.contexts.split(",")):
         for rows in (int(r) for r in a.rows.split(",")):
-            for way in a.ways.split(","):
-                if way == "few_rows":
-                    few_rows.install(model)
-                before = few_rows.counts()
-                lines.append({"way": way, **parts(model, rows, context, a.steps)})
-                lines[-1]["products"] = {k: v - before[k] for k, v in few_rows.counts().items()}
-                few_rows.uninstall(model)
-                print(json.dumps(lines[-1]), flush=True)
-                mx.clear_cache()
+            lines.append(parts(model, rows, context, a.steps))
+            print(json.dumps(lines[-1]), flush=True)
+            mx.clear_cache()
     if a.out is not None:
         a.out.write_text("".join(json.dumps(line) + "\n" for line in lines))
 

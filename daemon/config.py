@@ -110,9 +110,6 @@ class Tuning:
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True
-    # CUDA: a plain (bf16, fp16) model's linear layers multiply up to 32 rows (a batch decoding) by kvwake's
-    # tensor-core kernel (model/few_rows.py); off: slower than MLX's products in a decode step (docs/benchmarks.md)
-    few_rows: bool = False
     # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
     # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
     kernel_warmer: bool = True

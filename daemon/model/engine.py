@@ -43,7 +43,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, few_rows, kernel_cache, memory, packing, quantized, ragged_decode, weights
+from kvwake.daemon.model import attention, kernel_cache, memory, packing, quantized, ragged_decode, weights
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -138,7 +138,7 @@ class Engine(Appending):
             staged = staging_beside_load and self.restore_mode == "staged"
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for,
-                                                 wakes=wakes_ahead, linears=few_rows.wanted(tuning.few_rows))
+                                                 wakes=wakes_ahead)
         self.weight_pieces: list[dict[str, float]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
                                                   timeline=self.weight_pieces)
@@ -147,9 +147,6 @@ class Engine(Appending):
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         # a quantized model's products by their rows: none waits for a compile of MLX's (model/quantized.py)
         self.quantized_layers = quantized.install(self.model) if attention.on_cuda() else 0
-        # a plain model's products of a few rows (a batch decoding) by one kernel that reads each weight once
-        # (model/few_rows.py; its variants compiled beside the load)
-        self.few_rows_layers = few_rows.install(self.model) if few_rows.wanted(tuning.few_rows) else 0
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
@@ -240,13 +237,6 @@ class Engine(Appending):
         kernels, self.kernels = self.kernels, None
         if kernels is not None:
             kernels.wait()
-
-    def few_rows_status(self) -> dict[str, Any] | None:
-        """The linear layers' products by the few-rows kernel (model/few_rows.py); None where it is not installed
-        (off CUDA, a quantized model, `few_rows` off)."""
-        if not self.few_rows_layers:
-            return None
-        return {"layers": self.few_rows_layers, "rows": few_rows.ROWS, "products": few_rows.counts()}
 
     def quantized_status(self) -> dict[str, Any] | None:
         """A quantized model's products by their rows (model/quantized.py); None for other models or off CUDA.

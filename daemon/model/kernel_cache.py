@@ -12,8 +12,8 @@ own, because MLX evaluates on the thread that holds its stream: a thread beside 
 for it; two of them, each importing as `serve` does (no PyTorch), so a cached machine's warmers end within
 the load.
 
-Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py, model/few_rows.py) are compiled in every
-process: MLX keeps them out of its disk cache. The row kernel and the few-rows kernel, seconds of NVRTC, are compiled on a thread beside the load
+Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
+them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load
 instead (`BesideLoad`, which makes a wake's staging ring too): MLX keeps a custom kernel for the process
 whichever thread's stream compiled it, and the compile releases the GIL. CUDA only: on the CPU and Metal
 nothing here runs.
@@ -166,8 +166,7 @@ NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_id
 
 class BesideLoad:
     """What a thread of its own makes while the weights load, from the model's config (module docstring):
-    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, with `linears`
-    the few-rows kernel (model/few_rows.py) for a plain model's dtype, and, given
+    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, and, given
     `staging_tokens` (the store's block), a wake's staging ring kept for the first wake (kv/devplanes.py:
     pinned host memory, a few hundred ms a restart's first wake would wait for). `result` after the load:
     the shape the kernel was built for, which the engine compares with the loaded model's (a config that
@@ -179,11 +178,10 @@ class BesideLoad:
     whole compile (docs/benchmarks.md, "Several models"); at the first start nothing decodes yet."""
 
     def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
-                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None, linears: bool = False) -> None:
+                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
-        self.linears = linears  # the few-rows kernel's variants too (model/few_rows.py), for a plain model
         self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
                                        args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
@@ -198,10 +196,6 @@ class BesideLoad:
             shape = _heads(model_path, config)
             if row_kernel and self._build_row(shape):
                 self.shape = shape
-            if self.linears and not config.get("quantization"):
-                from kvwake.daemon.model import few_rows
-
-                few_rows.build(shape[3])
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])

@@ -71,8 +71,7 @@ async def status(m: SessionManager) -> dict[str, Any]:
             **({"pages": engine.pages.status()} if engine.pages is not None else {}),
             "generation": {"mode": engine.decode_mode, "reason": engine.decode_reason,
                            "max_batch": engine.decoder.max_batch, "cuda_graphs": engine.cuda_graphs,
-                           "quantized": engine.quantized_status(),
-                           "few_rows": engine.few_rows_status(), **engine.decoder.status()},
+                           "quantized": engine.quantized_status(), **engine.decoder.status()},
             "engine_thread": thread.timing(),
             "counters": {**m.counters, **engine.counters}}
 
