@@ -1,13 +1,14 @@
 """A quantized model's products on CUDA: MLX's vector kernel for a few rows, the weight dequantized for more.
 
 MLX on CUDA multiplies by affine-quantized weights two ways, by the rows of the product: fewer than 8 rows by
-its vector kernel (built into its library), more by tile kernels it compiles with NVRTC at first use, each a
-compile of tens of seconds that a request would wait for (a fresh machine's first prefill, a batch's first
+its vector kernel (built into its library; it reads the weight once a row), more by tile kernels it compiles
+with NVRTC at first use, each a compile of tens of seconds that a request would wait for (a fresh machine's first prefill, a batch's first
 decode step). Those tile kernels are also slower than dequantizing the weight and multiplying in the
 activations' dtype (cuBLAS) once the rows are many (docs/benchmarks.md, "4-bit products").
 
 So a quantized layer here (`install`; a quantized embedding too, as the output head a tied model makes of it)
-takes MLX's own call below VECTOR_ROWS rows, and from there the weight dequantized, then a plain product:
+takes MLX's own call below VECTOR_ROWS rows (fewer than the 8 MLX gives its vector kernel: from 6 rows a dequantized
+product costs less), and from there the weight dequantized, then a plain product:
 nothing is ever compiled for it, and which way a product goes depends on its rows only, as MLX's own choice
 does (a session decoding alone, one row, takes the same kernel as before).
 
@@ -25,7 +26,9 @@ import mlx.nn as nn
 
 __all__ = ["VECTOR_ROWS", "ByRows", "EmbeddingByRows", "counts", "install", "product"]
 
-VECTOR_ROWS = 8  # below: MLX's vector kernel, in its library; from here: dequantized
+# below: MLX's vector kernel, in its library, which reads the weight once a row; from here: dequantized, whose
+# cost is the same whatever the rows (the two meet at 6 rows on the 8B shape: docs/benchmarks.md, "4-bit products")
+VECTOR_ROWS = 6
 # products taken each way, for status: counted without a lock (a product is on an engine thread's hot path, and
 # two models' threads racing on a count lose one now and then, no more)
 _counts: Counter[str] = Counter()
