@@ -67,6 +67,7 @@ class ModelKeeping(ModelRoom):
         self._loads: dict[str, asyncio.Task] = {}
         self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
         self._loading_since: dict[str, float] = {}
+        self._load_ms: dict[str, float] = {}  # each model's last load on demand: its start to its serving, ms
         self._unloads: dict[str, asyncio.Task] = {}  # each model's unload in progress, shared by whoever asks
         self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
         self._uses: Counter[str] = Counter()  # operations running on each model
@@ -221,11 +222,12 @@ class ModelKeeping(ModelRoom):
             await to_thread.run_sync(self._loaded, model)
             self._bind_noted(model)
             self.fit_rooms()
+            self._load_ms[spec.name] = round((time.perf_counter() - started) * 1000, 1)
         warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
         self._warming.add(warming)  # held: the loop keeps only weak references to tasks
         warming.add_done_callback(self._warming.discard)
         log.info("model loaded", extra={"model": spec.name, "bundle": model.bundle.hash,
-                                        "ms": round((time.perf_counter() - started) * 1000, 1)})
+                                        "ms": self._load_ms[spec.name]})
 
     def _loaded(self, model: LoadedModel) -> None:
         """Note a model just loaded: its weights' bytes, and its bundle's name in the bundles file."""
@@ -300,8 +302,9 @@ class ModelKeeping(ModelRoom):
 
     def model_states(self) -> list[dict[str, Any]]:
         """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
-        loading its start (seconds since the epoch), when loaded its bundle hash and weights' bytes, and its
-        sessions (hot, asleep)."""
+        loading its start (seconds since the epoch), when loaded its bundle hash, weights' bytes and its load
+        (`load_ms`: the load on demand that serves it now, None for one loaded at the daemon's start;
+        `load_phases_ms`: its engine's start by phase), and its sessions (hot, asleep)."""
         hot = Counter(self.model_of(e) for e in self.entries.hot.values())  # hot ones: as few as memory holds
         states = []
         for spec in self.registry:
@@ -316,6 +319,8 @@ class ModelKeeping(ModelRoom):
             if state == "loaded":
                 row["bundle_hash"] = self.models.get(spec.name).bundle.hash
                 row["weights_bytes"] = self._weights.get(spec.name)
+                row["load_ms"] = self._load_ms.get(spec.name)
+                row["load_phases_ms"] = self.models.get(spec.name).started_ms
             states.append(row)
         return states
 
