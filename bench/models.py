@@ -17,9 +17,11 @@ load        --sessions sessions of main decode at once, streamed (greedy, EOS ba
             --gil-watch-ms the daemon's waits for the GIL during the load (status.gil: what held it).
 unloaded    a conversation of --context tokens on main sleeps and wakes once (a plain wake, timed by
             the client); then it sleeps, main is unloaded (`model.unload`), and the conversation's next
-            turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Then main
-            is unloaded and loaded again by hand, timed (its load alone). Reported: that first turn
-            against the load + 1.2x the plain wake (the issue's target: <=).
+            turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Reported:
+            that first turn against the load that served it (as the daemon measured it) + 1.2x the plain
+            wake (the issue's target: <=), and the turn's wake (`status` turns: its blocks from memory and
+            from disk). Then main is unloaded and loaded again by hand (its load alone: `separate_load`,
+            with the bound it gives; `unloaded_turn` says why it is not the bound's).
 memory      MLX's peak bytes over the whole run (`status` memory) against the models' memory budget and
             MLX's memory limit (`model.list` memory, `status` memory).
 
@@ -169,9 +171,21 @@ def timed(c: RawClient, method: str, **params: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, result
 
 
+def model_row(c: RawClient, name: str) -> dict[str, Any]:
+    """Model `name`'s row of `model.list`: its state, and while loaded its last load (`load_ms`, `load_phases_ms`)."""
+    return next(m for m in c.call("model.list")["models"] if m["name"] == name)
+
+
 def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, Any]:
     """A --context-token conversation: its plain wake, then its next turn with its model unloaded, then
-    the model's load alone."""
+    the model's load alone.
+
+    The bound is the turn's own load + 1.2x the plain wake: the load that served the turn, as the daemon
+    measured it (`model.list` `load_ms`: its start to its serving). Timed apart, by a second `model.load`
+    after the turn, two loads of the same model differ by more than the margin the target leaves
+    (docs/benchmarks.md, "Several models"), so that second load's noise decided met or missed. It stays
+    reported (`separate_load`: timed by the client, and as the daemon measured it), with its own bound and
+    ratio."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     sid, turn, name = "long", [{"role": "user", "content": "And the next step?"}], main.name
@@ -185,17 +199,28 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         c.call("session.sleep", session_id=sid)
         c.call("model.unload", name=name)
         turn_s, reply = timed(c, "session.chat", session_id=sid, messages=turn, max_tokens=1, temperature=0)
+        served = model_row(c, name)  # the load that served the turn, and the turn's wake (status turns)
+        traced = next(t for t in reversed(c.call("status")["turns"]) if t["session"] == sid)
         c.call("model.unload", name=name)
-        load_s, _ = timed(c, "model.load", name=name)
+        separate_s, _ = timed(c, "model.load", name=name)
+        separate = model_row(c, name)
     # from the figures as reported (ms), so that the report's bound is its load + 1.2x its wake exactly
-    load_s, wake_s, turn_s = round(load_s, 3), round(wake_s, 3), round(turn_s, 3)
-    bound = load_s + 1.2 * wake_s
-    return {"tokens": appended["tokens"], "wake_s": round(wake_s, 3), "wake_tokens": woken["tokens"],
+    load_s, wake_s, turn_s = round(served["load_ms"] / 1000, 3), round(wake_s, 3), round(turn_s, 3)
+    separate_s = round(separate_s, 3)
+    bound, bound_separate = load_s + 1.2 * wake_s, separate_s + 1.2 * wake_s
+    return {"tokens": appended["tokens"], "wake_s": wake_s, "wake_tokens": woken["tokens"],
             "wake_blocks": {"memory": woken.get("blocks_from_memory"), "disk": woken.get("blocks_from_disk")},
-            "first_turn_s": round(turn_s, 3), "first_turn_usage": reply.get("usage"),
-            "load_s": round(load_s, 3), "bound_s": round(bound, 3),
+            "first_turn_s": turn_s, "first_turn_usage": reply.get("usage"),
+            "first_turn_wake": {"ms": traced.get("wake_ms"), "tokens": traced.get("wake_tokens"),
+                                "blocks": {"memory": traced.get("wake_blocks_from_memory"),
+                                           "disk": traced.get("wake_blocks_from_disk")}},
+            "load_s": load_s, "load_phases_ms": served["load_phases_ms"], "bound_s": round(bound, 3),
             "first_turn_over_bound": round(turn_s / bound, 3), "target": "<= load + 1.2x wake",
-            "met": turn_s <= bound}
+            "met": turn_s <= bound,
+            "separate_load": {"client_s": separate_s, "daemon_s": round(separate["load_ms"] / 1000, 3),
+                              "bound_s": round(bound_separate, 3),
+                              "first_turn_over_bound": round(turn_s / bound_separate, 3),
+                              "met": turn_s <= bound_separate}}
 
 
 def memory(d: Daemon) -> dict[str, Any]:

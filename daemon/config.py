@@ -139,8 +139,12 @@ class Tuning:
     # own from the store
     restart_prefetch: bool = True
     # bytes those blocks may take in memory until their sessions wake; None: a quarter of the memory available
-    # at the start
+    # at the start. Bounds a load's read-ahead too (`load_prefetch`), a quarter of what is available then
     restart_prefetch_bytes: int | None = None
+    # while a model loads on demand for operations on sessions of it that sleep, their blocks are read and verified
+    # into the memory its engine will take (sessions/read_ahead.py), so their wakes after the load take them from
+    # there; False: each wake reads its own from the store
+    load_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name, ok, wanted in _TUNING_RULES:

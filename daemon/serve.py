@@ -44,8 +44,7 @@ from kvwake.daemon.config import Settings
 from kvwake.daemon.sessions.matching import expire
 from kvwake.daemon.fronts.rpc import Server, default_allow, unix_listener
 from kvwake.daemon.kv import restore_buffers
-from kvwake.daemon.kv.hot_set import HotSet, available_memory
-from kvwake.daemon.kv.ram_tier import RamTier
+from kvwake.daemon.kv.hot_set import HotSet
 from kvwake.daemon.model.budget import ModelsBudgetError, check_pinned
 from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
 from kvwake.daemon.model.loader import start_model, stop_model, warm_model
@@ -55,6 +54,7 @@ from kvwake.daemon.model.thread import process_age_s
 from kvwake.daemon.timing import Phases
 from kvwake.daemon.sessions.manager import SessionManager
 from kvwake.daemon.sessions.models import BUNDLES_FILE, read_bundles
+from kvwake.daemon.sessions.read_ahead import new_reader
 from kvwake.store import Store
 from kvwake.store.files import write_durable
 
@@ -222,6 +222,7 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             manager.remote.close()
         if hot_set is not None:  # its reads end before the store closes
             hot_set.stop()
+        manager.read_ahead.close()  # and those of the loads' readers
         for model in manager.models:
             stop_model(model)  # each model's writes finished while its engine thread runs, then it stops
         store.close()
@@ -230,18 +231,13 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
 
 def read_hot_set(settings: Settings, store: Store, model_name: str) -> HotSet | None:
     """The reader of the hot set (kv/hot_set.py), started, filling the RAM tier the default model's engine will
-    take (`model_name`'s: the sessions of bundles other models had here are left out); None where the tuning
-    switches it off. Blocks are kept in the form this machine's wakes take fastest: staged images where
-    restores stage (plain KV), else their arrays."""
-    tuning = settings.tuning
-    if not tuning.restart_prefetch:
+    take (`model_name`'s: the sessions of bundles other models had here are left out; sessions/read_ahead.py
+    `new_reader`); None where the tuning switches it off."""
+    if not settings.tuning.restart_prefetch:
         return None
-    staged = restore_buffers.restore_mode(tuning.restore_mode) == "staged" and settings.kv_bits is None
-    budget = tuning.restart_prefetch_bytes
     others = frozenset(b for b, name in read_bundles(Path(settings.data_dir) / BUNDLES_FILE).items()
                        if name != model_name)
-    return HotSet(store, RamTier(settings.ram_tier_bytes), staged=staged, other_bundles=others,
-                  budget_bytes=available_memory() // 4 if budget is None else budget).start()
+    return new_reader(settings, store, other_bundles=others).start()
 
 
 def open_http(settings: Settings) -> tuple[socket.socket, str | None] | None:

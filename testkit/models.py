@@ -39,6 +39,12 @@ def manager_on(tmp_path: Path, models: tuple[Path, Path], **settings: Any):  # n
 
 
 def stop_manager(manager: Any, store: Any) -> None:
+    """Stop the manager's models as the daemon's stop does (their writes and restore points' work ended, then
+    their threads), and the store: a reply point waiting for an engine thread's idle time otherwise held
+    the test process's exit."""
+    from kvwake.daemon.model.loader import stop_model
+
+    manager.read_ahead.close()  # the loads' readers read the store
     for model in manager.models:
-        model.thread.stop()
+        stop_model(model)
     store.close()

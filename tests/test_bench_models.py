@@ -44,6 +44,16 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     assert turn["tokens"] > 300 and turn["wake_tokens"] == turn["tokens"]  # slept whole, woken whole
     assert turn["first_turn_s"] > 0 and turn["bound_s"] == round(turn["load_s"] + 1.2 * turn["wake_s"], 3)
     assert turn["first_turn_usage"]["generated_tokens"] == 1 and turn["first_turn_usage"]["reused_tokens"] == 0
+    # the bound's load is the one that served the turn, as the daemon measured it; the load timed apart after
+    # it stays reported beside it, with its own bound
+    assert turn["load_s"] > 0 and list(turn["load_phases_ms"])[:3] == ["modules", "weights", "bundle"]
+    apart = turn["separate_load"]
+    assert apart["client_s"] > 0 and apart["daemon_s"] > 0
+    assert apart["bound_s"] == round(apart["client_s"] + 1.2 * turn["wake_s"], 3)
+    assert apart["met"] == (turn["first_turn_s"] <= apart["bound_s"])
+    woke = turn["first_turn_wake"]  # the turn's own wake, from status turns: every block, from memory or disk
+    assert woke["tokens"] == turn["tokens"] and woke["ms"] > 0
+    assert woke["blocks"]["memory"] + woke["blocks"]["disk"] == turn["wake_blocks"]["memory"] + turn["wake_blocks"]["disk"] > 0
     memory = report["memory"]
     assert set(memory["weights_by_model"]) == {"main", "small"} and memory["mlx_peak_bytes"] > 0
     assert memory["weights_bytes"] == sum(memory["weights_by_model"].values()) and memory["within_budget"]

@@ -71,6 +71,12 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
         assert {s["state"] for s in c.call("session.list")["sessions"] if s["model"] == "small"} == {"asleep"}
         assert chat(c, "small-s", "and then?") == expected["small"]  # loads small again, wakes, exact
         assert states(c)["small"] == "loaded"
+        rows = {m["name"]: m for m in c.call("model.list")["models"]}  # the load that serves it, as measured
+        assert rows["small"]["load_ms"] > 0 and "weights" in rows["small"]["load_phases_ms"]
+        assert rows["main"]["load_ms"] is None and "weights" in rows["main"]["load_phases_ms"]  # loaded at start
+        turn = c.call("status")["turns"][-1]  # the turn's wake: where its blocks came from
+        assert turn["session"] == "small-s" and turn["wake_tokens"] > 0
+        assert turn["wake_blocks_from_memory"] + turn["wake_blocks_from_disk"] > 0
         with pytest.raises(RpcError) as unknown:
             c.call("session.create", model="large")
         assert unknown.value.code == "NOT_FOUND" and "main, small" in unknown.value.message

@@ -1,6 +1,8 @@
 """The hot set read during start-up: the stored blocks of the sessions touched last before a stop, read and
 verified into the RAM tier while the model loads, so the wakes that come right after "ready" take them from
-memory (docs/decisions.md, "The hot set read during start-up").
+memory (docs/decisions.md, "The hot set read during start-up"). The same reader serves a model's load on
+demand: there it reads the heads of the sessions whose operations wait for that load (`sessions`, more
+`add`ed while it reads; sessions/read_ahead.py).
 
 Which sessions: the heads made within WINDOW_S of the newest one, newest first (`Store.recent_heads`): a stop
 sleeps every hot session within moments, and a kill -9 leaves their latest checkpoints; nothing else is
@@ -18,7 +20,8 @@ a shared prompt's.
 It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
 read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
 threads (a few) run below the daemon's priority (READER_NICE). A block is held while a snapshot
-planned with it has not woken (`RamTier.claim`, `woken`); what no wake took within KEEP_S goes. `stop` ends
+planned with it has not woken (`RamTier.claim`, `woken`), or until its session's operation ends without
+waking it (`let_go`: a session is not planned after that); what no wake took within KEEP_S goes. `stop` ends
 it between blocks.
 """
 
@@ -28,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,7 @@ import numpy as np
 
 from kvwake.daemon.kv.pool import lower_priority
 from kvwake.daemon.kv.ram_tier import RamTier
-from kvwake.errors import KvwakeError
+from kvwake.errors import KvwakeError, NotFoundError
 from kvwake.store import BlockRef, SnapshotRecord, Store
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
@@ -114,14 +117,22 @@ def read_image(store: Store, ref: BlockRef, record: SnapshotRecord) -> StagedIma
 
 class HotSet:
     """The background reader: `start` once the store is open, `stop` before it closes (any time: it ends
-    between blocks). `staged`: keep StagedImages (restores stage here), else decoded arrays."""
+    between blocks). `staged`: keep StagedImages (restores stage here), else decoded arrays. `sessions`: read
+    the heads of these sessions, and of those `add`ed while it reads; None: the recent heads."""
 
     def __init__(self, store: Store, tier: RamTier, *, staged: bool, budget_bytes: int,
-                 workers: int | None = None, other_bundles: frozenset[str] = frozenset()) -> None:
+                 workers: int | None = None, other_bundles: frozenset[str] = frozenset(),
+                 sessions: Iterable[str] | None = None) -> None:
         self.store, self.tier, self.staged, self.budget = store, tier, staged, budget_bytes
         # the bundles other models of this daemon had here: their sessions wake on those models, loaded later
         # (or never), so their blocks are not read into this model's memory
         self.other_bundles = other_bundles
+        self._sessions = list(sessions) if sessions is not None else None  # to plan next (None: the recent heads)
+        self._open = sessions is not None  # whether `add` still gives it sessions (until it runs out of them)
+        self._claims: dict[str, str] = {}  # session id -> the snapshot whose blocks are claimed for it
+        self._gone: set[str] = set()  # sessions let go (`let_go`): not planned any more
+        self._seen: set[str] = set()  # the blocks planned, of every round
+        self._total = 0  # their bytes
         self.workers = workers or max(1, min(READERS, (os.cpu_count() or 1) // 4))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -148,6 +159,26 @@ class HotSet:
             thread.join(timeout_s)
         self.tier.drop_prefetched()
 
+    def add(self, session_id: str) -> bool:
+        """Read the head of `session_id` too (an operation on it waits for the same load); False when the reading
+        has ended (its wake reads its blocks itself)."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._gone.discard(session_id)
+            self._sessions.append(session_id)
+            return True
+
+    def let_go(self, session_id: str) -> None:
+        """`session_id`'s operation ended: its wake let its blocks go already, or none came (its model's load
+        failed, the session was deleted, the operation did not wake it). What was read ahead for it and no other
+        session goes; it is not planned any more."""
+        with self._lock:
+            self._gone.add(session_id)
+            snapshot = self._claims.pop(session_id, None)
+        if snapshot is not None:
+            self.tier.woken(snapshot)
+
     def wakes_ahead(self, timeout_s: float = PLAN_WAIT_S) -> int:
         """How many sessions the hot set holds, the wakes that may come at once after the start (the model's
         load makes a staging slot for each: devplanes.warm); 0 when its plan is not made within `timeout_s`."""
@@ -171,13 +202,19 @@ class HotSet:
             # reading: gc waits for it exclusively, and every wake and sleep queues behind gc (StoreFiles.lock)
             with self.store.reading():
                 try:
-                    plan = self._plan()
+                    plan = self._plan(self._heads(self._take()))
                 finally:
                     self._planned.set()
             self.state = "reading"
             self._read_all(plan)
+            while (more := self._take()) and not self._stop.is_set():  # sessions added while it read
+                with self.store.reading():
+                    plan = self._plan(self._heads(more))
+                self._read_all(plan)
         except Exception:  # noqa: BLE001 - the hot set is an optimization: the wakes read what it did not
             log.exception("reading the hot set failed")
+        with self._lock:
+            self._open = False
         self.ms = round((time.perf_counter() - started) * 1000, 1)
         self.state = "stopped" if self._stop.is_set() else "held"
         log.info("hot set read", extra=self.status())
@@ -185,13 +222,37 @@ class HotSet:
             self.state = "dropped"
             self.tier.drop_prefetched()
 
-    def _plan(self) -> list[tuple[BlockRef, SnapshotRecord]]:
-        """Each block of the hot set once, with the first snapshot naming it; claims registered."""
+    def _take(self) -> list[str] | None:
+        """The sessions to plan next: None (once) for the recent heads; [] when none is left, and from then on
+        `add` refuses."""
+        with self._lock:
+            if self._sessions is None:
+                self._sessions = []
+                return None
+            taken, self._sessions = self._sessions, []
+            self._open = self._open and bool(taken)
+            return taken
+
+    def _heads(self, sessions: list[str] | None) -> list[str]:
+        """The snapshots to read: the recent heads, or the heads of `sessions` (one with none, or gone, left out)."""
+        if sessions is None:
+            return self.store.recent_heads(WINDOW_S)
+        heads = []
+        for session_id in sessions:
+            try:
+                head = self.store.session(session_id)["head"]
+            except NotFoundError:  # deleted meanwhile
+                continue
+            if head is not None:
+                heads.append(head)
+        return heads
+
+    def _plan(self, heads: list[str]) -> list[tuple[BlockRef, SnapshotRecord]]:
+        """Each block of the snapshots `heads` not planned before, with the first snapshot naming it, within the
+        budget; claims registered (none for a session let go)."""
         plan: list[tuple[BlockRef, SnapshotRecord]] = []
-        seen: set[str] = set()
-        total = 0
-        for snapshot_id in self.store.recent_heads(WINDOW_S):
-            if self._stop.is_set() or total >= self.budget:
+        for snapshot_id in heads:
+            if self._stop.is_set() or self._total >= self.budget:
                 break
             try:
                 record = self.store.snapshot(snapshot_id)  # its digest and chain verified
@@ -201,19 +262,26 @@ class HotSet:
             if record.bundle in self.other_bundles:
                 self.counts["other_models"] += 1
                 continue
-            keys = []
+            keys, fresh, size = [], [], 0
             for ref in record.blocks:
-                if ref.key not in seen:
-                    if total + ref.raw_bytes > self.budget:
-                        total = self.budget
+                if ref.key not in self._seen:
+                    if self._total + size + ref.raw_bytes > self.budget:
+                        size = self.budget - self._total  # spent: no later snapshot is planned
                         break
-                    seen.add(ref.key)
-                    plan.append((ref, record))
-                    total += ref.raw_bytes
+                    fresh.append((ref, record))
+                    size += ref.raw_bytes
                 keys.append(ref.key)
-            self.tier.claim(record.id, keys)
+            with self._lock:
+                if record.session_id in self._gone:
+                    continue
+                self.tier.claim(record.id, keys)
+                self._claims[record.session_id] = record.id
+            self._seen.update(ref.key for ref, _ in fresh)
+            self._total += size
+            plan += fresh
             self.counts["sessions"] += 1
-        self.counts["blocks_planned"], self.counts["bytes_planned"] = len(plan), sum(r.raw_bytes for r, _ in plan)
+        self.counts["blocks_planned"] += len(plan)
+        self.counts["bytes_planned"] += sum(r.raw_bytes for r, _ in plan)
         return plan
 
     def _read_all(self, plan: list[tuple[BlockRef, SnapshotRecord]]) -> None:

@@ -361,7 +361,10 @@ class Conversations:
                                "append_ms": round(append_ms, 2), "first_token_ms": round(result.usage["ttft_ms"], 2),
                                "prefilled": appended["prefilled"],
                                **({"wake_ms": entry.woke["ms"], "wake_phases_ms": entry.woke["phases_ms"],
-                                   "wake_tokens": entry.woke["tokens"]} if woke and entry.woke else {})})
+                                   "wake_tokens": entry.woke["tokens"],
+                                   "wake_blocks_from_memory": entry.woke.get("blocks_from_memory"),
+                                   "wake_blocks_from_disk": entry.woke.get("blocks_from_disk")}
+                                  if woke and entry.woke else {})})
             return {"text": result.text, "content": result.content, "reasoning": result.reasoning,
                     "tool_calls": result.tool_calls,
                     "tool_call_errors": result.tool_call_errors, "tokens": result.tokens,

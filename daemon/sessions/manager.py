@@ -152,7 +152,8 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
                 await self.remote.adopt(session_id, take_over=take_over, engine=model.engine)
             self.entries.setdefault(session_id, Entry(session_id, model=name))
         entry = self.entry(session_id)
-        with self.model_scope(entry, op):  # its model's engine; a turn asked of another model refused
+        # its model's engine (a turn asked of another model refused); its blocks read while its model loads
+        with self.model_scope(entry, op), self.reading_ahead(entry, op):
             async with contextlib.nullcontext() if op in ("sleep", "delete") else self.use(self.model_of(entry)):
                 with anyio.move_on_after(COPY_WAIT_S):  # lent for a prefix copy (_hot_prefix): one engine job
                     while entry.busy == "copy":

@@ -8,6 +8,8 @@ docs/decisions.md, "Several models (issue 53)".
   `thread` and `model` answer for it. Tasks and worker threads started inside inherit it.
 - **Load on demand:** `use` waits for a model's load (one load per model at a time, shared by whoever
   asks), which runs `start` on a worker thread: the weights are read on the model's own new engine thread.
+  Meanwhile the blocks of the asleep sessions whose operations wait for it are read into the RAM tier its
+  engine takes (sessions/read_ahead.py), so their wakes after the load take them from memory.
   Before a load, room is made (sessions/model_room.py) while the load would go past `max_loaded` or the
   memory budget (model/budget.py: every loaded model's weights and hot KV): idle sessions sleep, models are
   unloaded least recently used first; a model in use is waited for; pinned ones are never unloaded. After
@@ -39,6 +41,7 @@ from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.model_room import WAIT_S, ModelRoom
+from kvwake.daemon.sessions.read_ahead import WAKING_OPS, ReadAhead
 from kvwake.errors import BusyError, InvalidParamsError, KvwakeError
 from kvwake.store.files import write_durable
 
@@ -48,7 +51,8 @@ log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
 HELD: ContextVar[frozenset[str]] = ContextVar("kvwake_models_held", default=frozenset())  # its `use`s, outer ones
 BUNDLES_FILE = "model-bundles.json"
-Starter = Callable[[ModelSpec], tuple[Any, Any]]  # spec -> (engine, engine thread), blocking (model/loader.py)
+# (spec, ram_tier=the RAM tier its engine takes or None) -> (engine, engine thread), blocking (model/loader.py)
+Starter = Callable[..., tuple[Any, Any]]
 
 
 class ModelLoadError(KvwakeError):
@@ -67,6 +71,7 @@ class ModelKeeping(ModelRoom):
         self._loads: dict[str, asyncio.Task] = {}
         self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
         self._loading_since: dict[str, float] = {}
+        self._load_ms: dict[str, float] = {}  # each model's last load on demand: its start to its serving, ms
         self._unloads: dict[str, asyncio.Task] = {}  # each model's unload in progress, shared by whoever asks
         self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
         self._uses: Counter[str] = Counter()  # operations running on each model
@@ -79,6 +84,7 @@ class ModelKeeping(ModelRoom):
         self._bundles_path = Path(self.settings.data_dir) / BUNDLES_FILE
         self._bundles: dict[str, str] = read_bundles(self._bundles_path)
         self._unbound: dict[str, set[str]] = {}  # bundle no model has had here -> its sessions (model_for_stored)
+        self.read_ahead = ReadAhead(self.store)  # the blocks of the sessions a load waits for
         for model in self.models:
             self._loaded(model)
         self.fit_rooms()
@@ -157,6 +163,15 @@ class ModelKeeping(ModelRoom):
             self._uses[name] -= 1
             self._last_use[name] = time.monotonic()
 
+    def reading_ahead(self, entry: Entry, op: str) -> contextlib.AbstractContextManager:
+        """For a claim of `entry` for `op`: where the operation wakes the session (asleep) after its model's load
+        (not loaded, or going), its blocks are read beside the load while it waits (sessions/read_ahead.py)."""
+        name = self.model_of(entry)
+        staying = name in self.models and name not in self._unloads and name not in self._draining
+        if op not in WAKING_OPS or entry.session is not None or staying:
+            return contextlib.nullcontext()
+        return self.read_ahead.waiting(name, entry.id)
+
     @contextlib.contextmanager
     def model_scope(self, entry: Entry, op: str):  # noqa: ANN201 - a context manager
         """The claimed entry's model as the operation's; a turn ("chat", "generate", "append") asked under
@@ -209,10 +224,13 @@ class ModelKeeping(ModelRoom):
         async with self._admit:
             await self._room_for(spec, need)
             self._loading_since[spec.name] = time.time()
+            reader = self.read_ahead.begin(spec.name, self.settings)  # the waiting sessions' blocks, beside it
             started = time.perf_counter()
             try:
-                engine, thread = await to_thread.run_sync(self._start, spec)
+                engine, thread = await to_thread.run_sync(
+                    lambda: self._start(spec, ram_tier=reader.tier if reader is not None else None))
             except Exception as exc:  # weights or a tokenizer that do not load
+                await self._drop_reader(spec.name)  # no wake takes what it read
                 raise _load_failed(spec, exc) from exc
             finally:
                 self._loading_since.pop(spec.name, None)
@@ -221,11 +239,18 @@ class ModelKeeping(ModelRoom):
             await to_thread.run_sync(self._loaded, model)
             self._bind_noted(model)
             self.fit_rooms()
+            self._load_ms[spec.name] = round((time.perf_counter() - started) * 1000, 1)
         warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
         self._warming.add(warming)  # held: the loop keeps only weak references to tasks
         warming.add_done_callback(self._warming.discard)
         log.info("model loaded", extra={"model": spec.name, "bundle": model.bundle.hash,
-                                        "ms": round((time.perf_counter() - started) * 1000, 1)})
+                                        "ms": self._load_ms[spec.name]})
+
+    async def _drop_reader(self, name: str) -> None:
+        """The reader of model `name`'s load stopped (on a worker thread), what it holds dropped."""
+        reader = self.read_ahead.end(name)
+        if reader is not None:
+            await to_thread.run_sync(reader.stop)
 
     def _loaded(self, model: LoadedModel) -> None:
         """Note a model just loaded: its weights' bytes, and its bundle's name in the bundles file."""
@@ -275,6 +300,7 @@ class ModelKeeping(ModelRoom):
             await self.released()
             model = self.models.remove(name)
             self._shared.pop(name, None)
+            await self._drop_reader(name)
             await to_thread.run_sync(stop_model, model)
             self.fit_rooms()  # its weights gone: the others' KV room grows by them
         finally:
@@ -300,8 +326,10 @@ class ModelKeeping(ModelRoom):
 
     def model_states(self) -> list[dict[str, Any]]:
         """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
-        loading its start (seconds since the epoch), when loaded its bundle hash and weights' bytes, and its
-        sessions (hot, asleep)."""
+        loading its start (seconds since the epoch), when loaded its bundle hash, weights' bytes and its load
+        (`load_ms`: the load on demand that serves it now, None for one loaded at the daemon's start;
+        `load_phases_ms`: its engine's start by phase), loading or loaded the reader of its load's sessions'
+        blocks (`read_ahead`, None when none waited), and its sessions (hot, asleep)."""
         hot = Counter(self.model_of(e) for e in self.entries.hot.values())  # hot ones: as few as memory holds
         states = []
         for spec in self.registry:
@@ -311,11 +339,15 @@ class ModelKeeping(ModelRoom):
                    "pinned": spec.pinned, "state": state, "source": spec.source,
                    "sessions": {"hot": hot[spec.name],
                                 "asleep": self._of_model(self.entries.models.known, spec.name) - hot[spec.name]}}
+            if state != "unloaded":  # the reader of its load's sessions' blocks (sessions/read_ahead.py)
+                row["read_ahead"] = self.read_ahead.status(spec.name)
             if state == "loading":
                 row["loading_since"] = self._loading_since[spec.name]
             if state == "loaded":
                 row["bundle_hash"] = self.models.get(spec.name).bundle.hash
                 row["weights_bytes"] = self._weights.get(spec.name)
+                row["load_ms"] = self._load_ms.get(spec.name)
+                row["load_phases_ms"] = self.models.get(spec.name).started_ms
             states.append(row)
         return states
 
