@@ -9,7 +9,10 @@ the step's cost does not depend on the values), all decoding at once in the engi
 - masked: mlx-lm's `BatchKVCache` attention with its array mask (the path mlx-lm's `BatchGenerator` takes);
 - kernel: the same merged batch, its attention by the row kernel (model/ragged_decode.py; CUDA only);
 - paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
-  kernel on CUDA, the gather reference elsewhere.
+  kernel on CUDA, the gather reference elsewhere;
+- qkernel: with `--quantize` (the model quantized to 4 bits in the process, as `mlx_lm convert -q` does), as
+  kernel with the products of up to 32 rows by kvwake's 4-bit kernel (model/quantized_kernel.py); masked and
+  kernel then take model/quantized.py's other ways (MLX's vector kernel, a dequantized product).
 Reported: ms per step and tokens/s for each; the bytes a step must read (the weights once and every row's
 KV) and that read at `--copy-gbs` (the GPU's measured copy speed) as the bound beside them; and a join's
 cost: one more session joins the running batch `--joins` times (for 3 tokens each time; up to `--join-rows`
@@ -40,7 +43,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.lib import machine, save  # noqa: E402
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
-from kvwake.daemon.model import ragged_decode  # noqa: E402
+from kvwake.daemon.model import quantized, ragged_decode  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
@@ -105,11 +108,14 @@ def admitted(engine: Engine, call: Any) -> float:
     return (time.perf_counter() - began) * 1000
 
 
-def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str) -> tuple[float, float | None]:
+def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str,
+            quantize: bool = False) -> tuple[float, float | None]:
     """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median ms
     of another call's admission into that batch, None when `joins` is 0). The joining call runs
     JOINER_TOKENS tokens and leaves before it joins again."""
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
+    if quantize:
+        quantized.install(engine.model, kernel=mode == "qkernel")
     engine.decoder.in_pages = mode == "paged"
     tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
     pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
@@ -146,11 +152,17 @@ def main() -> None:
                     help="the most rows whose batch a call joins (a merged batch's join copies every row: memory)")
     ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
+    ap.add_argument("--quantize", action="store_true", help="the model quantized to 4 bits (group 64) in the process")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-decode-rows-"))
     store = Store(work / "store", block_tokens=256)
     engine = Engine(store, work, a.model, max_batch=64, warm=False)
+    if a.quantize:
+        import mlx.nn as nn
+
+        nn.quantize(engine.model, group_size=64, bits=4)
+        mx.eval(engine.model.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(engine.model.parameters()))
     heads, dim = layer_shape(engine)
     kv_per_token = 2 * len(engine.make_cache()) * heads * dim * 2
@@ -158,11 +170,11 @@ def main() -> None:
     for context in [int(c) for c in a.contexts.split(",")]:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
-            modes = [m for m in a.modes.split(",") if m != "kernel" or ragged_decode.wanted(True)]
+            modes = [m for m in a.modes.split(",") if m not in ("kernel", "qkernel") or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
                     joins = a.joins if rows <= a.join_rows else 0
-                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode)
+                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode, a.quantize)
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)

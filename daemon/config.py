@@ -110,6 +110,10 @@ class Tuning:
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True
+    # CUDA: a 4-bit model's products of up to 32 rows (a batch decoding) by kvwake's kernel, which reads the
+    # weight once and dequantizes it in registers (model/quantized_kernel.py); False: MLX's vector kernel or a
+    # dequantized product (model/quantized.py)
+    quantized_kernel: bool = True
     # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
     # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
     kernel_warmer: bool = True

@@ -209,7 +209,7 @@ def test_the_row_kernel_is_built_beside_the_load_with_the_warmer_off_too(model_d
     built = []
 
     class Beside:
-        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None):
+        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None, quantized=False):
             built.append(model_path)
 
         def result(self):

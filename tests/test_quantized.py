@@ -13,7 +13,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from kvwake.daemon.model import attention, quantized
+from kvwake.daemon.model import attention, quantized, quantized_kernel
 
 
 class Two(nn.Module):
@@ -81,7 +81,10 @@ def test_from_vector_rows_mlxs_quantized_product_is_never_called(monkeypatch):
 def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
     """A real daemon on a 4-bit model (`mlx_lm convert -q` of the tiny one): on CUDA its quantized layers take
     the products by rows and status counts them (a 300-token append dequantized, a lone call's decode steps
-    by the vector kernel); elsewhere the layers are MLX's own and status says null."""
+    by the vector kernel, two calls decoding together by kvwake's kernel where it takes the layer: the down
+    projections, of an inner size of 128); elsewhere the layers are MLX's own and status says null."""
+    import threading
+
     from mlx_lm import convert
 
     from testkit.daemon import Daemon
@@ -96,12 +99,98 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
             c.call("session.create", session_id="q")
             c.call("session.append", session_id="q", tokens=[10 + i % 240 for i in range(300)])
             assert len(c.call("session.generate", session_id="q", max_tokens=4)["tokens"]) == 4
+            c.call("session.fork", session_id="q", new_session_id="r")
+        together = threading.Barrier(2)
+
+        def generate(sid: str) -> None:
+            with d.client() as c:
+                together.wait()
+                assert len(c.call("session.generate", session_id=sid, max_tokens=24)["tokens"]) == 24
+
+        threads = [threading.Thread(target=generate, args=(sid,)) for sid in ("q", "r")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with d.client() as c:
             q = c.call("status")["generation"]["quantized"]
         if not attention.on_cuda():
             assert q is None
         else:
             # 7 quantized products a layer (q, k, v, o, gate, up, down), and the embedding (tied: the head)
             assert q["layers"] == 2 * 7 + 1 and q["dequantize_rows"] == quantized.VECTOR_ROWS
-            assert q["products"]["dequantized"] >= q["layers"] and q["products"]["vector"] >= 3 * q["layers"]
+            assert q["kernel_rows"] == quantized_kernel.ROWS
+            products = q["products"]
+            assert products["dequantized"] >= q["layers"] and products["vector"] >= 3 * q["layers"]
+            assert products["kernel"] >= 2  # the two down projections of a step of two rows, at least once
     finally:
         assert d.stop() == 0
+
+
+class Wide(nn.Module):
+    """Layers the kernel takes (inner sizes of 128 and 256) beside one it does not (64)."""
+
+    def __init__(self, group_size: int = 64) -> None:
+        super().__init__()
+        self.up = nn.QuantizedLinear.from_linear(nn.Linear(128, 256, bias=True), group_size=group_size, bits=4)
+        self.down = nn.QuantizedLinear.from_linear(nn.Linear(256, 64, bias=False), group_size=group_size, bits=4)
+        self.narrow = nn.QuantizedLinear.from_linear(nn.Linear(64, 128), group_size=group_size, bits=4)
+        self.set_dtype(mx.bfloat16)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.narrow(self.down(self.up(x)))
+
+
+def test_with_the_kernel_up_to_its_rows_go_to_it_where_it_takes_the_layer_and_installing_again_switches_it(monkeypatch):
+    calls = []
+
+    def kernel(x, weight, scales, biases, nt=None, warps=quantized_kernel.WARPS):  # stands in for the CUDA kernel
+        calls.append((x.size // x.shape[-1], x.shape[-1]))
+        return x @ mx.dequantize(weight, scales, biases, group_size=64, bits=4).astype(x.dtype).T
+
+    monkeypatch.setattr(quantized_kernel, "kernel_product", kernel)
+    model = Wide()
+    assert quantized.install(model, kernel=True) == 3
+    for rows in (1, 2, 32, 33):
+        mx.eval(model(mx.random.normal((1, rows, 128)).astype(mx.bfloat16)))
+    # up (128) and down (256) to the kernel from 2 to 32 rows; the narrow layer (64), 1 and 33 rows the old ways
+    assert calls == [(2, 128), (2, 256), (32, 128), (32, 256)]
+    assert quantized.install(model, kernel=False) == 0  # installed already: only the kernel's switch
+    mx.eval(model(mx.random.normal((1, 2, 128)).astype(mx.bfloat16)))
+    assert len(calls) == 4
+
+
+def test_the_kernel_takes_4_bit_affine_bf16_or_fp16_rows_up_to_its_rows_over_whole_pieces():
+    w, s, b = mx.quantize(mx.zeros((16, 256), mx.bfloat16), group_size=64, bits=4)
+    x = mx.zeros((3, 256), mx.bfloat16)
+    assert quantized_kernel.takes(x, w, s, b, 64, 4)
+    assert not quantized_kernel.takes(x[:1], w, s, b, 64, 4)  # one row: MLX's vector kernel
+    assert not quantized_kernel.takes(mx.zeros((33, 256), mx.bfloat16), w, s, b, 64, 4)
+    assert not quantized_kernel.takes(x.astype(mx.float32), w, s, b, 64, 4)
+    assert not quantized_kernel.takes(x, w, s, None, 64, 4)
+    w8, s8, b8 = mx.quantize(mx.zeros((16, 256), mx.bfloat16), group_size=64, bits=8)
+    assert not quantized_kernel.takes(x, w8, s8, b8, 64, 8)
+    w64, s64, b64 = mx.quantize(mx.zeros((16, 64), mx.bfloat16), group_size=64, bits=4)
+    assert not quantized_kernel.takes(mx.zeros((3, 64), mx.bfloat16), w64, s64, b64, 64, 4)  # not whole pieces
+
+
+@pytest.mark.skipif(not attention.on_cuda(), reason="the kernel is CUDA's")
+@pytest.mark.parametrize("n, k, group_size, dtype", [(1024, 4096, 64, mx.bfloat16), (4096, 14336, 64, mx.bfloat16),
+                                                    (14336, 4096, 64, mx.bfloat16), (1000, 4096, 32, mx.bfloat16),
+                                                    (20, 256, 128, mx.float16)])
+def test_the_kernel_gives_the_dequantized_products_rounding_and_a_rows_result_whatever_the_other_rows(n, k, group_size,
+                                                                                                      dtype):
+    mx.random.seed(n + k)
+    w, s, b = mx.quantize((mx.random.normal((n, k)) * 0.02).astype(dtype), group_size=group_size, bits=4)
+    x = mx.random.normal((quantized_kernel.ROWS, k)).astype(dtype)
+    dense = mx.dequantize(w, s, b, group_size=group_size, bits=4)
+    reference = x.astype(mx.float32) @ dense.astype(mx.float32).T
+    full = quantized_kernel.kernel_product(x, w, s, b)
+    mlx = x @ dense.astype(dtype).T
+    gap = float(mx.abs(mlx.astype(mx.float32) - reference).max())
+    assert float(mx.abs(full.astype(mx.float32) - reference).max()) <= 2 * gap + 1e-6
+    for rows in (1, 2, 7, 16, 17):  # one row too: the kernel computes it so, the layers give it to MLX
+        assert mx.array_equal(quantized_kernel.kernel_product(x[:rows], w, s, b), full[:rows]), rows
+    assert mx.array_equal(quantized_kernel.kernel_product(x[None, 31:], w, s, b)[0, 0], full[31])
+    for nt in (2, 4):  # the column runs a block: the same bits
+        assert mx.array_equal(quantized_kernel.kernel_product(x, w, s, b, nt=nt), full)

@@ -43,7 +43,8 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import attention, kernel_cache, memory, packing, quantized, ragged_decode, weights
+from kvwake.daemon.model import (attention, kernel_cache, memory, packing, quantized, quantized_kernel, ragged_decode,
+                                 weights)
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -138,7 +139,7 @@ class Engine(Appending):
             staged = staging_beside_load and self.restore_mode == "staged"
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for,
-                                                 wakes=wakes_ahead)
+                                                 wakes=wakes_ahead, quantized=tuning.quantized_kernel)
         self.weight_pieces: list[dict[str, float]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
                                                   timeline=self.weight_pieces)
@@ -146,7 +147,7 @@ class Engine(Appending):
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         # a quantized model's products by their rows: none waits for a compile of MLX's (model/quantized.py)
-        self.quantized_layers = quantized.install(self.model) if attention.on_cuda() else 0
+        self.quantized_layers = quantized.install(self.model, kernel=tuning.quantized_kernel) if attention.on_cuda() else 0
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
@@ -244,6 +245,7 @@ class Engine(Appending):
         if not self.quantized_layers:
             return None
         return {"layers": self.quantized_layers, "dequantize_rows": quantized.VECTOR_ROWS,
+                "kernel_rows": quantized_kernel.ROWS if self.tuning.quantized_kernel else 0,
                 "products": quantized.counts()}
 
     def set_kv_room(self, room: int | None) -> None:

@@ -12,8 +12,9 @@ own, because MLX evaluates on the thread that holds its stream: a thread beside 
 for it; two of them, each importing as `serve` does (no PyTorch), so a cached machine's warmers end within
 the load.
 
-Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py) are compiled in every process: MLX keeps
-them out of its disk cache. The row kernel, seconds of NVRTC, is compiled on a thread beside the load
+Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py, model/quantized_kernel.py) are compiled in every
+process: MLX keeps them out of its disk cache. The row kernel and a 4-bit model's kernel, seconds of NVRTC, are
+compiled on a thread beside the load
 instead (`BesideLoad`, which makes a wake's staging ring too): MLX keeps a custom kernel for the process
 whichever thread's stream compiled it, and the compile releases the GIL. CUDA only: on the CPU and Metal
 nothing here runs.
@@ -166,7 +167,8 @@ NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_id
 
 class BesideLoad:
     """What a thread of its own makes while the weights load, from the model's config (module docstring):
-    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, and, given
+    the row kernel (model/ragged_decode.py) for the heads and dtype the config and weights name, with
+    `quantized` a 4-bit model's kernel (model/quantized_kernel.py), and, given
     `staging_tokens` (the store's block), a wake's staging ring kept for the first wake (kv/devplanes.py:
     pinned host memory, a few hundred ms a restart's first wake would wait for). `result` after the load:
     the shape the kernel was built for, which the engine compares with the loaded model's (a config that
@@ -178,10 +180,11 @@ class BesideLoad:
     whole compile (docs/benchmarks.md, "Several models"); at the first start nothing decodes yet."""
 
     def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
-                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None) -> None:
+                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None, quantized: bool = False) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
+        self.quantized = quantized  # a 4-bit model's kernel too (model/quantized_kernel.py)
         self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
                                        args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
@@ -196,6 +199,10 @@ class BesideLoad:
             shape = _heads(model_path, config)
             if row_kernel and self._build_row(shape):
                 self.shape = shape
+            if self.quantized and (config.get("quantization") or {}).get("bits") == 4:
+                from kvwake.daemon.model import quantized_kernel
+
+                quantized_kernel.build(shape[3])
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])

@@ -2,15 +2,17 @@
 
 MLX on CUDA multiplies by affine-quantized weights two ways, by the rows of the product: fewer than 8 rows by
 its vector kernel (built into its library; it reads the weight once a row), more by tile kernels it compiles
-with NVRTC at first use, each a compile of tens of seconds that a request would wait for (a fresh machine's first prefill, a batch's first
-decode step). Those tile kernels are also slower than dequantizing the weight and multiplying in the
+with NVRTC at first use, each a compile of tens of seconds that a request would wait for (a fresh machine's
+first prefill, a batch's first decode step). Those tile kernels are also slower than dequantizing the weight and multiplying in the
 activations' dtype (cuBLAS) once the rows are many (docs/benchmarks.md, "4-bit products").
 
 So a quantized layer here (`install`; a quantized embedding too, as the output head a tied model makes of it)
-takes MLX's own call below VECTOR_ROWS rows (fewer than the 8 MLX gives its vector kernel: from 6 rows a dequantized
-product costs less), and from there the weight dequantized, then a plain product:
-nothing is ever compiled for it, and which way a product goes depends on its rows only, as MLX's own choice
-does (a session decoding alone, one row, takes the same kernel as before).
+takes, with the kernel asked for (tuning `quantized_kernel`), up to 32 rows (a batch decoding) by kvwake's kernel,
+which reads the 4-bit weight once and dequantizes it in registers (model/quantized_kernel.py); otherwise MLX's
+own call below VECTOR_ROWS rows (fewer than the 8 MLX gives its vector kernel: from 6 rows a dequantized product
+costs less), and from there the weight dequantized, then a plain product. Nothing is ever compiled for it at a
+request (the kernel is built beside the load), and which way a product goes depends on its rows and the layer
+only: a row's result through the kernel is the same alone or among others.
 
 Only the affine mode (what `mlx_lm convert -q` writes); CUDA only (Metal has its own kernels; on the CPU the
 layers are left as they are). The numbers differ from MLX's own call by the products' rounding, as they
@@ -24,6 +26,8 @@ from collections import Counter
 import mlx.core as mx
 import mlx.nn as nn
 
+from kvwake.daemon.model import quantized_kernel
+
 __all__ = ["VECTOR_ROWS", "ByRows", "EmbeddingByRows", "counts", "install", "product"]
 
 # below: MLX's vector kernel, in its library, which reads the weight once a row; from here: dequantized, whose
@@ -35,12 +39,17 @@ _counts: Counter[str] = Counter()
 
 
 def counts() -> dict[str, int]:
-    """Products taken each way since the start: `vector` (MLX's call), `dequantized`."""
-    return {k: _counts[k] for k in ("vector", "dequantized")}
+    """Products taken each way since the start: `kernel` (model/quantized_kernel.py), `vector` (MLX's call),
+    `dequantized`."""
+    return {k: _counts[k] for k in ("kernel", "vector", "dequantized")}
 
 
 def product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     """`x` times the layer's quantized weight (transposed), the way its rows call for (module docstring)."""
+    if getattr(layer, "_kernel", False) and quantized_kernel.takes(
+            x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits):
+        _counts["kernel"] += 1
+        return quantized_kernel.kernel_product(x, layer["weight"], layer["scales"], layer["biases"])
     if x.size // x.shape[-1] < VECTOR_ROWS:
         _counts["vector"] += 1
         return mx.quantized_matmul(x, layer["weight"], scales=layer["scales"], biases=layer.get("biases"),
@@ -68,15 +77,19 @@ class EmbeddingByRows(nn.QuantizedEmbedding):
         return product(self, x)
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, kernel: bool = False) -> int:
     """Give every affine quantized linear layer of `model`, and a quantized embedding's use as the output head,
-    the products by rows (`ByRows`, `EmbeddingByRows`); how many layers. (A mixture of experts' quantized
-    layers take MLX's gathered products: left as they are.)"""
+    the products by rows (`ByRows`, `EmbeddingByRows`); with `kernel`, up to quantized_kernel.ROWS rows by
+    kvwake's kernel where it takes the layer (CUDA only: the caller's to know). How many layers were new to it
+    (installed again, a layer only takes the new `kernel`). (A mixture of experts' quantized layers take MLX's
+    gathered products: left as they are.)"""
     n = 0
     for _, module in model.named_modules():
         if module.__class__ in _BY_ROWS and module.mode == "affine":
             module.__class__ = _BY_ROWS[module.__class__]
             n += 1
+        if module.__class__ in _BY_ROWS.values():
+            object.__setattr__(module, "_kernel", kernel)  # not a parameter nor a child
     return n
 
 
