@@ -49,8 +49,6 @@ def test_the_turn_after_an_unload_wakes_its_blocks_from_memory_read_beside_the_l
             c.call("session.create", session_id=sid, system=SYSTEM, model=model)
             chat(c, sid, QUESTION)
         expected = chat(c, "twin", "and then?")  # never slept
-        c.call("model.load", name="small")  # loaded throughout: with no model loaded at all a turn is refused
-        # before its claim (NOT_FOUND, `thread.arrive` asks for the default model), another matter
         assert c.call("model.unload", name=model)["slept"] == 2
         assert chat(c, "s", "and then?") == expected  # loads the model again, wakes s: exact
         turn = c.call("status")["turns"][-1]

@@ -111,6 +111,23 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
     assert d.stop() == 0 and d.log_problems() == []
 
 
+def test_a_turn_with_no_model_loaded_loads_its_sessions_model(tmp_path, models):
+    """With every model unloaded, a turn on an asleep session loads its model and answers, exactly as its twin
+    continues (it was refused NOT_FOUND "no model is loaded": the turn's arrival asked for the default model's
+    engine thread before the claim loaded any); then a turn of the other model, with only this one loaded."""
+    d = two_models(tmp_path, models).start()
+    with d.client() as c:
+        expected = pairs(c)
+        for model in ("main", "small"):
+            c.call("model.unload", name=model)
+        assert set(states(c).values()) == {"unloaded"}
+        assert chat(c, "small-s", "and then?") == expected["small"]  # loads small only
+        assert states(c) == {"main": "unloaded", "small": "loaded"}
+        assert chat(c, "main-s", "and then?") == expected["main"]  # main's turn, small loaded beside it
+        assert states(c)["main"] == "loaded"
+    assert d.stop() == 0 and d.log_problems() == []
+
+
 def test_claude_codes_two_model_names_under_max_loaded_1(tmp_path, models):
     d = two_models(tmp_path, models, ["--http", "0", "--max-loaded", "1"], config="http_keepalive_s = 0.02").start()
     api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),

@@ -318,13 +318,23 @@ class Conversations:
         """
         if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
             self.check_params(params, (inputs or {}).get("tools"))
-        arrival = inputs.arrival if isinstance(inputs, Prepared) else self.thread.arrive() if inputs else None
+        arrival = inputs.arrival if isinstance(inputs, Prepared) else self._arrival(session_id) if inputs else None
         try:
             return await self._generate(session_id, params, on_event, cancelled, inputs, on_claim, on_append,
                                         phases, arrival)
         finally:
             if arrival is not None:
                 arrival.land()
+
+    def _arrival(self, session_id: Any) -> Arrival | None:
+        """A turn on its way to its session's model's engine thread (EngineThread.arrive); None while that model
+        is not loaded: the turn waits for its load first (it was asked of the default model's thread, and with no
+        model loaded the turn was refused before its claim could load one)."""
+        entry = self.entries.get(session_id)
+        name = self.model_of(entry) if entry is not None else None
+        if name is None:
+            return self.thread.arrive() if self.models else None
+        return self.models.get(name).thread.arrive() if name in self.models else None
 
     async def _generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                         cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None,
