@@ -34,7 +34,7 @@ from kvwake.daemon.kv import cudart
 from kvwake.store.format.codec import Planed
 
 __all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "drop_idle", "join", "join_raw", "planar",
-           "planes_of", "release_all", "split_span", "staging", "warm"]
+           "planes_of", "release_all", "slot_shape", "split_span", "staging", "warm"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
@@ -168,7 +168,7 @@ class Ring:
 
 # Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
 # slot is a fresh managed allocation the CPU writes zeros into, a fixed cost a small wake
-# notices), still mapped; `drop_idle` releases them (the engine's close). Enough for the rings of a few
+# notices), still mapped; `drop_idle` releases them (an engine's close: its shape's, but a ring's worth). Enough for the rings of a few
 # wakes at once: a restart's agents wake together, and each ring made afresh is a long engine-thread job
 # (its slots written and pinned) that every other wake and decode step waits behind (docs/decisions.md,
 # "First start at the disk's speed"). The cost: KEEP_SLOTS x SPAN_BYTES of pinned host memory per model.
@@ -218,8 +218,7 @@ def warm(kv: mx.array, tensors: int, block_tokens: int, wakes: int = 0) -> bool:
         return False
     block_shape = (*kv.shape[:-2], block_tokens, kv.shape[-1])
     size = PLANAR_DTYPES[dtype][1].size
-    block_bytes = tensors * math.prod(block_shape) * size
-    shape = (max(1, SPAN_BYTES // block_bytes), block_bytes)  # a kept slot's, as Ring makes it
+    shape = slot_shape(kv, tensors, block_tokens)
     global _keep
     with _idle_lock:  # never fewer than before: a later warm-up (the engine's, after "ready") names no wakes
         _keep = max(_keep, min(MOST_KEPT, wakes - 1 + RING_SLOTS))
@@ -235,14 +234,26 @@ def warm(kv: mx.array, tensors: int, block_tokens: int, wakes: int = 0) -> bool:
     return cudart.active()
 
 
-def drop_idle(shape: tuple[int, int] | None = None) -> None:
-    """Release the slots kept between wakes (their memory goes back to MLX): of one shape, or all (and the
-    count kept goes back to KEEP_SLOTS)."""
+def slot_shape(kv: mx.array, tensors: int, block_tokens: int) -> tuple[int, int]:
+    """The shape of a kept slot (as Ring makes it) for blocks of `tensors` tensors like `kv` (one layer's keys:
+    [.., tokens, dim])."""
+    block_bytes = tensors * math.prod((*kv.shape[:-2], block_tokens, kv.shape[-1])) * kv.dtype.size
+    return (max(1, SPAN_BYTES // block_bytes), block_bytes)
+
+
+def drop_idle(shape: tuple[int, int] | None = None, keep: int = 0) -> None:
+    """Release the slots kept between wakes (their memory goes back to MLX): of one shape but `keep` of them,
+    or all (and the count kept goes back to KEEP_SLOTS)."""
     global _keep
     with _idle_lock:
-        stale = [slot for key in ([shape] if shape is not None else list(_idle)) for slot in _idle.pop(key, [])]
         if shape is None:
+            stale = [slot for key in list(_idle) for slot in _idle.pop(key)]
             _keep = KEEP_SLOTS
+        else:
+            kept = _idle.pop(shape, [])
+            stale = kept[keep:]
+            if kept[:keep]:
+                _idle[shape] = kept[:keep]
     release_all([release for _, _, release in stale])
 
 

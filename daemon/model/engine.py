@@ -302,8 +302,24 @@ class Engine(Appending):
         self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()
         self.pool.close()
-        devplanes.drop_idle()
+        # Its wakes' kept staging slots go but a ring's worth, and other models' stay: a model unloaded and
+        # loaded again for its sessions finds its first wake's ring made (one made afresh is a long job, and a
+        # ring with no idle slot decodes one span ahead), and closing one model's engine once dropped every
+        # model's slots (docs/decisions.md, "Several models")
+        shape = self._staging_shape()
+        if shape is not None:
+            devplanes.drop_idle(shape, keep=devplanes.RING_SLOTS)
         window_stage.drop_idle()
+
+    def _staging_shape(self) -> tuple[int, int] | None:
+        """The shape of the staging slots this engine's wakes keep (devplanes.slot_shape), for plain KV caches;
+        None for others."""
+        cache = self.make_cache()
+        heads = ragged_decode.shape_of(self.model)
+        if not cache or heads is None or not all(type(c) is KVCache for c in cache):
+            return None
+        _, kv_heads, head_dim, dtype = heads
+        return devplanes.slot_shape(mx.zeros((1, kv_heads, 1, head_dim), dtype), 2 * len(cache), self.block_tokens)
 
     def _vocab_size(self) -> int:
         args = getattr(self.model, "args", None)
