@@ -1,4 +1,4 @@
-"""Probe: a 4-bit model's products of 1-48 rows (a batch decoding) three ways, on the 8B shape (CUDA).
+"""Probe: a 4-bit model's products of 1-32 rows (a batch decoding) three ways, on the 8B shape (CUDA).
 
 For each weight of the 8B shape and each count of rows: ms a product by MLX's vector kernel (in pieces of up
 to 7 rows from 8 rows: the kernel takes fewer than 8), dequantized (model/quantized.py's way from VECTOR_ROWS),

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -28,6 +30,12 @@ QUESTION = "which files changed, in which order, and why did each change? " * 8 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    # The manager-level tests stop models as the daemon does, with a full collection (model/loader.py): it
+    # would collect what earlier modules left in reference cycles (a client's sockets, once) and report their
+    # ResourceWarnings here, as errors; collected before this module instead
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
     return two_tiny_models(tmp_path_factory.mktemp("models"))
 
 
@@ -56,10 +64,12 @@ def test_the_turn_after_an_unload_wakes_its_blocks_from_memory_read_beside_the_l
         assert turn["session"] == "s" and turn["wake_tokens"] > 4 * 16
         if not prefetch:  # each wake reads its own blocks
             assert turn["wake_blocks_from_memory"] == 0 and turn["wake_blocks_from_disk"] > 4 and read is None
-        else:  # read beside the load, each once; the wake took every block from memory, then let them go
-            assert turn["wake_blocks_from_disk"] == 0 and turn["wake_blocks_from_memory"] > 4, turn
+        else:  # read beside the load, each once, the wake taking them from memory, then letting them go (a
+            # block the reader, below the daemon's priority, had not begun when the wake came is the wake's to
+            # read: the manager-level tests hold the load back until the reader is done and see none of those)
+            assert turn["wake_blocks_from_memory"] > 0, turn
             assert read["sessions"] == 1 and read["blocks_failed"] == 0
-            assert read["blocks_read"] == read["blocks_planned"] == turn["wake_blocks_from_memory"], read
+            assert read["blocks_read"] == turn["wake_blocks_from_memory"], read
             assert read["held_bytes"] == 0 and read["wakes_left"] == 0
     assert d.stop() == 0 and d.log_problems() == []
 
@@ -100,6 +110,17 @@ def readers_of(manager) -> list[HotSet]:
     return started
 
 
+def done_reading(manager, readers: list[HotSet], start):
+    """`start` once the latest load's reader is done (its blocks held): a tiny model's load is shorter than the
+    reading, which runs below the daemon's priority, so a wake could otherwise come before a block is read."""
+    def waits(spec, **kwargs):
+        deadline = time.monotonic() + 30
+        while not (readers and readers[-1].state in ("held", "stopped", "dropped")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return start(spec, **kwargs)
+    return waits
+
+
 def held(reader: HotSet) -> tuple[int, int]:
     """(snapshots still claiming blocks, bytes held for them) in the reader's RAM tier."""
     return reader.tier.claims_left(), reader.tier.prefetched_bytes
@@ -123,7 +144,7 @@ async def test_a_load_that_fails_lets_go_what_it_read_and_the_next_load_reads_ag
         (failed,) = readers
         assert failed.counts["blocks_read"] > 4 and not any(t.is_alive() for t in failed._threads)
         assert held(failed) == (0, 0) and manager.read_ahead.status("small") is None
-        manager._start = start
+        manager._start = done_reading(manager, readers, start)
         await turn(manager, "s", "and then?")
         assert manager.turns[-1]["wake_blocks_from_disk"] == 0
         assert manager.turns[-1]["wake_blocks_from_memory"] == failed.counts["blocks_read"]
@@ -158,6 +179,36 @@ async def test_a_session_deleted_while_its_model_loads_lets_its_blocks_go(tmp_pa
         stop_manager(manager, store)
 
 
+async def test_a_turn_refused_busy_meanwhile_leaves_the_blocks_to_the_turn_that_wakes_the_session(tmp_path, models):
+    """Two turns on the asleep session wait for its model's load; one is refused BUSY once it is loaded. Its end
+    let the session's read-ahead go before the other's wake took it, which then read every block from disk
+    (with no RAM tier to keep them in)."""
+    manager, store = manager_on(tmp_path, models)
+    try:
+        expected = await asleep_on_small(manager, twin=True)
+        manager.settings = dataclasses.replace(manager.settings, ram_tier_bytes=0)  # a block let go is gone
+        readers, start, go = readers_of(manager), manager._start, threading.Event()
+
+        def held_back(spec, **kwargs):  # until both turns wait and the blocks are read
+            go.wait(30)
+            return start(spec, **kwargs)
+
+        manager._start = held_back
+        turns = [asyncio.create_task(turn(manager, "s", "and then?")) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while not (readers and readers[0].state == "held") and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        go.set()
+        results = await asyncio.gather(*turns, return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["BusyError", "list"], results
+        assert next(r for r in results if isinstance(r, list)) == expected
+        woke = manager.turns[-1]
+        assert woke["wake_blocks_from_disk"] == 0
+        assert woke["wake_blocks_from_memory"] == readers[0].counts["blocks_read"]
+    finally:
+        stop_manager(manager, store)
+
+
 async def test_the_budget_bounds_what_a_load_reads_and_the_wake_reads_the_rest_exactly(tmp_path, models):
     manager, store = manager_on(tmp_path, models)
     try:
@@ -166,6 +217,7 @@ async def test_the_budget_bounds_what_a_load_reads_and_the_wake_reads_the_rest_e
         budget = blocks[0].raw_bytes + blocks[1].raw_bytes  # two blocks of the session's
         manager.settings = dataclasses.replace(manager.settings, tuning=Tuning(restart_prefetch_bytes=budget))
         readers = readers_of(manager)
+        manager._start = done_reading(manager, readers, manager._start)
         assert await turn(manager, "s", "and then?") == expected  # as the never-slept twin
         assert readers[0].counts["blocks_read"] == 2 and readers[0].counts["bytes_read"] <= budget
         woke = manager.turns[-1]

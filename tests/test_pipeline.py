@@ -332,9 +332,9 @@ def two_block_spans(monkeypatch, engine) -> tuple[list, list[tuple[int, int]]]:
     rings, joined = [], []
     real_ring, real_join = devplanes.Ring.__init__, kvfill.Buffers.join_span
 
-    def ring(self, blocks, size, plane_bytes, block_bytes, most=None):
+    def ring(self, blocks, size, plane_bytes, block_bytes, most=None, owner=None):
         monkeypatch.setattr(devplanes, "SPAN_BYTES", 2 * block_bytes)
-        real_ring(self, blocks, size, plane_bytes, block_bytes, most)
+        real_ring(self, blocks, size, plane_bytes, block_bytes, most, owner)
         rings.append(self)
 
     def join_span(self, first, count):
@@ -467,9 +467,9 @@ def test_the_discrete_gpu_path_stages_raw_and_planed_blocks_in_one_span_exactly(
     monkeypatch.setattr(devplanes, "RING_SLOTS", 2)  # from here on, as count_calls
     real_ring, joins = devplanes.Ring.__init__, count_joins(monkeypatch, engine)
 
-    def ring(self, blocks, size, plane_bytes, block_bytes, most=None):
+    def ring(self, blocks, size, plane_bytes, block_bytes, most=None, owner=None):
         monkeypatch.setattr(devplanes, "SPAN_BYTES", 6 * block_bytes)
-        real_ring(self, blocks, size, plane_bytes, block_bytes, most)
+        real_ring(self, blocks, size, plane_bytes, block_bytes, most, owner)
     monkeypatch.setattr(devplanes.Ring, "__init__", ring)
     try:
         b = Session("b")
@@ -850,25 +850,34 @@ def test_staged_restores_running_together_clear_mlxs_cache_once_the_last_of_them
         store.close()
 
 
-def test_an_engines_close_keeps_a_ring_of_its_own_slots_and_every_other_models(mapped_staging, tmp_path, model_dir):
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_an_engines_close_keeps_a_ring_of_its_own_slots_and_every_other_models(mapped_staging, tmp_path, monkeypatch,
+                                                                              arch):
     """Was: closing an engine (a model's unload) dropped every model's kept slots, and its own to the last, so a
     model loaded again for its sessions made its first wake's slot afresh (a long job) and staged one span ahead
-    (the H200's unloaded model's first turn: a wake of 431 ms from memory against 239 ms from disk)."""
+    (docs/decisions.md, "A load reads its sessions' blocks ahead"). A model with sliding-window layers stages its
+    plain ones through the same rings: their slots are its own too."""
     from kvwake.daemon.kv import devplanes
+    from testkit.tinymodel import make_model_dir
 
-    mapped = mapped_staging
+    restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, warm=False)
-    mine = engine._staging_shape()
-    other = mx.zeros((1, 2, 32, 1), mx.bfloat16)  # another model's KV, its slots of another shape
+    engine = Engine(store, tmp_path, make_model_dir(tmp_path / arch, arch=arch), warm=False)
+    other = devplanes.slot_shape((1, 2, 32, 1), 2, 1, 32)  # another model's KV, its slots of another shape
     try:
-        devplanes.warm(other, tensors=1, block_tokens=32)
-        assert devplanes._idle[devplanes.slot_shape(other, 1, 32)] and len(mapped) == devplanes.KEEP_SLOTS
-        devplanes._give_back(mine, [devplanes.staging(mine) for _ in range(devplanes.KEEP_SLOTS)])  # its wakes'
-        assert len(devplanes._idle[mine]) == devplanes.KEEP_SLOTS
+        a = Session("a")
+        engine.append(a, tokens=[(i * 7) % 200 for i in range(70)])
+        engine.sleep(a)
+        engine.wake("a")
+        (mine,) = devplanes._owned[id(engine.model)]
+        assert devplanes._idle[mine]  # its wake's ring's, kept
+        devplanes._give_back(mine, [devplanes.staging(mine) for _ in range(devplanes.KEEP_SLOTS)])
+        devplanes.warm(mx.zeros((1, 2, 32, 1), mx.bfloat16), tensors=1, block_tokens=32)
+        assert len(devplanes._idle[other]) == devplanes.KEEP_SLOTS
         engine.close()
         assert len(devplanes._idle[mine]) == devplanes.RING_SLOTS  # a ring's worth of its own
-        assert len(devplanes._idle[devplanes.slot_shape(other, 1, 32)]) == devplanes.KEEP_SLOTS  # the other's all
+        assert len(devplanes._idle[other]) == devplanes.KEEP_SLOTS  # the other model's, all
+        assert id(engine.model) not in devplanes._owned
     finally:
         store.close()
         devplanes.drop_idle()

@@ -100,18 +100,23 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
             c.call("session.append", session_id="q", tokens=[10 + i % 240 for i in range(300)])
             assert len(c.call("session.generate", session_id="q", max_tokens=4)["tokens"]) == 4
             c.call("session.fork", session_id="q", new_session_id="r")
-        together = threading.Barrier(2)
+            c.call("session.wake", session_id="r")  # awake: the two decode together from their first steps
+        together, failed = threading.Barrier(2, timeout=60), []
 
         def generate(sid: str) -> None:
-            with d.client() as c:
-                together.wait()
-                assert len(c.call("session.generate", session_id=sid, max_tokens=24)["tokens"]) == 24
+            try:
+                with d.client() as c:
+                    together.wait()
+                    assert len(c.call("session.generate", session_id=sid, max_tokens=48)["tokens"]) == 48
+            except BaseException as exc:  # noqa: BLE001 - asserted on the test's own thread
+                failed.append(exc)
 
         threads = [threading.Thread(target=generate, args=(sid,)) for sid in ("q", "r")]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        assert failed == []
         with d.client() as c:
             q = c.call("status")["generation"]["quantized"]
         if not attention.on_cuda():
@@ -194,3 +199,37 @@ def test_the_kernel_gives_the_dequantized_products_rounding_and_a_rows_result_wh
     assert mx.array_equal(quantized_kernel.kernel_product(x[None, 31:], w, s, b)[0, 0], full[31])
     for nt in (2, 4):  # the column runs a block: the same bits
         assert mx.array_equal(quantized_kernel.kernel_product(x, w, s, b, nt=nt), full)
+
+
+def test_the_loading_thread_builds_the_4_bit_kernel_for_a_4_bit_affine_model_only_and_says_whether_it_did(
+        tmp_path, monkeypatch):
+    """The engine takes the kernel only where the thread beside the load built it: a GPU that cannot run it
+    (its compile fails) keeps MLX's products rather than failing every batched step."""
+    import json
+
+    from kvwake.daemon.model import kernel_cache
+    from testkit.tinymodel import make_model_dir
+
+    built = []
+    monkeypatch.setattr(quantized_kernel, "build", lambda dtype: built.append(dtype) or True)
+    path = make_model_dir(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+
+    def beside(quantization=None, asked=True) -> bool:
+        (path / "config.json").write_text(json.dumps({**config, **({"quantization": quantization}
+                                                                    if quantization else {})}))
+        load = kernel_cache.BesideLoad(path, False, None, quantized=asked)
+        load.result()
+        return load.quantized_built
+
+    assert not beside() and built == []  # not quantized
+    assert not beside({"group_size": 64, "bits": 8}) and built == []
+    assert not beside({"group_size": 32, "bits": 4, "mode": "mxfp4"}) and built == []
+    assert not beside({"group_size": 64, "bits": 4}, asked=False) and built == []  # tuning off
+    assert beside({"group_size": 64, "bits": 4}) and built == [mx.bfloat16]
+
+    def fails(dtype):
+        raise RuntimeError("nvrtc: mma with .bf16 requires sm_80 or higher")
+
+    monkeypatch.setattr(quantized_kernel, "build", fails)
+    assert not beside({"group_size": 64, "bits": 4})

@@ -34,7 +34,7 @@ from kvwake.daemon.kv import cudart
 from kvwake.store.format.codec import Planed
 
 __all__ = ["PLANAR_DTYPES", "RING_SLOTS", "SPAN_BYTES", "STAGING", "Ring", "drop_idle", "join", "join_raw", "planar",
-           "planes_of", "release_all", "slot_shape", "split_span", "staging", "warm"]
+           "drop_owned", "note_owner", "planes_of", "release_all", "slot_shape", "split_span", "staging", "warm"]
 
 PLANAR_DTYPES = {"BF16": (mx.bfloat16, mx.uint16), "F16": (mx.float16, mx.uint16), "F32": (mx.float32, mx.uint32)}
 _MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32"}
@@ -124,8 +124,9 @@ class Ring:
     MLX), read by the GPU join through `planes` and `raw`. Made and dropped on the engine thread.
     """
 
-    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int, most: int | None = None) -> None:
-        """`most`: slots at most (default RING_SLOTS)."""
+    def __init__(self, blocks: int, size: int, plane_bytes: int, block_bytes: int, most: int | None = None,
+                 owner: int | None = None) -> None:
+        """`most`: slots at most (default RING_SLOTS); `owner`: whose wakes kept slots are (`drop_owned`)."""
         rows = max(1, SPAN_BYTES // max(1, block_bytes))
         self.span = min(blocks, rows) if blocks else 1
         self.slots = max(1, min(most or RING_SLOTS, -(-blocks // self.span)))
@@ -137,6 +138,8 @@ class Ring:
         # wakes and every decoding call wait behind), so wakes at once make one slot each at most.
         keep = STAGING == "mapped" and cudart.active()
         shape = (rows if keep else self.span, size * plane_bytes)
+        if keep and owner is not None:
+            note_owner(owner, shape)
         made: list[tuple[mx.array, np.ndarray, Callable[[], None]]] = []
         try:
             for _ in range(self.slots):
@@ -168,7 +171,9 @@ class Ring:
 
 # Idle slots of one shape kept between wakes where staging is mapped for a discrete GPU (made once: a
 # slot is a fresh managed allocation the CPU writes zeros into, a fixed cost a small wake
-# notices), still mapped; `drop_idle` releases them (an engine's close: its shape's, but a ring's worth). Enough for the rings of a few
+# notices), still mapped; an engine's close releases those of its shapes but a ring's worth (`drop_owned`: a
+# model loaded again finds its first wake's ring made; RING_SLOTS x SPAN_BYTES of host memory a shape stay
+# after an unload), `drop_idle` releases any. Enough for the rings of a few
 # wakes at once: a restart's agents wake together, and each ring made afresh is a long engine-thread job
 # (its slots written and pinned) that every other wake and decode step waits behind (docs/decisions.md,
 # "First start at the disk's speed"). The cost: KEEP_SLOTS x SPAN_BYTES of pinned host memory per model.
@@ -184,6 +189,7 @@ _idle_lock = threading.RLock()  # a finalizer may run _give_back in a GC that a 
 # Kept slots by shape: one shape per model's KV (two models loaded take turns on the device, and one
 # model's rings must not push out the other's)
 _idle: dict[tuple[int, int], list[tuple[mx.array, np.ndarray, Callable[[], None]]]] = {}
+_owned: dict[int, set[tuple[int, int]]] = {}  # by owner (an engine's model, by id): the shapes its wakes kept
 
 
 def _take_slot(shape: tuple[int, int], make: bool = True) -> tuple[mx.array, np.ndarray, Callable[[], None]] | None:
@@ -218,7 +224,7 @@ def warm(kv: mx.array, tensors: int, block_tokens: int, wakes: int = 0) -> bool:
         return False
     block_shape = (*kv.shape[:-2], block_tokens, kv.shape[-1])
     size = PLANAR_DTYPES[dtype][1].size
-    shape = slot_shape(kv, tensors, block_tokens)
+    shape = slot_shape(kv.shape, kv.dtype.size, tensors, block_tokens)
     global _keep
     with _idle_lock:  # never fewer than before: a later warm-up (the engine's, after "ready") names no wakes
         _keep = max(_keep, min(MOST_KEPT, wakes - 1 + RING_SLOTS))
@@ -234,11 +240,25 @@ def warm(kv: mx.array, tensors: int, block_tokens: int, wakes: int = 0) -> bool:
     return cudart.active()
 
 
-def slot_shape(kv: mx.array, tensors: int, block_tokens: int) -> tuple[int, int]:
-    """The shape of a kept slot (as Ring makes it) for blocks of `tensors` tensors like `kv` (one layer's keys:
-    [.., tokens, dim])."""
-    block_bytes = tensors * math.prod((*kv.shape[:-2], block_tokens, kv.shape[-1])) * kv.dtype.size
+def slot_shape(kv_shape: tuple[int, ...], itemsize: int, tensors: int, block_tokens: int) -> tuple[int, int]:
+    """The shape of a kept slot (as Ring makes it) for blocks of `tensors` tensors shaped as one layer's keys
+    (`kv_shape`: [.., tokens, dim]) of `itemsize` bytes a value."""
+    block_bytes = tensors * math.prod((*kv_shape[:-2], block_tokens, kv_shape[-1])) * itemsize
     return (max(1, SPAN_BYTES // block_bytes), block_bytes)
+
+
+def note_owner(owner: int, shape: tuple[int, int]) -> None:
+    """Slots of `shape` are kept for `owner`'s wakes (an engine's model, by its id): `drop_owned` lets them go."""
+    with _idle_lock:
+        _owned.setdefault(owner, set()).add(shape)
+
+
+def drop_owned(owner: int, keep: int = 0) -> None:
+    """Release the idle slots of every shape `owner`'s wakes kept but `keep` of each (an engine's close)."""
+    with _idle_lock:
+        shapes = _owned.pop(owner, set())
+    for shape in shapes:
+        drop_idle(shape, keep)
 
 
 def drop_idle(shape: tuple[int, int] | None = None, keep: int = 0) -> None:

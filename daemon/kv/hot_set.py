@@ -166,7 +166,8 @@ class HotSet:
             if not self._open:
                 return False
             self._gone.discard(session_id)
-            self._sessions.append(session_id)
+            if session_id not in self._claims and session_id not in self._sessions:  # not planned twice
+                self._sessions.append(session_id)
             return True
 
     def let_go(self, session_id: str) -> None:

@@ -192,7 +192,7 @@ class Buffers:
             size = DTYPES[self.dtypes[self.order[0]]][0].itemsize
             per_token = len(self.order) * math.prod(self.block_shape) // block_tokens
             self.ring = devplanes.Ring(blocks, size, per_token * block_tokens, size * per_token * block_tokens,
-                                       most=ring_slots)
+                                       most=ring_slots, owner=id(model))
             self.span = self.ring.span
             if tail_tokens:
                 array, view, release = devplanes.staging((1, size * per_token * tail_tokens))

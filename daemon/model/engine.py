@@ -147,7 +147,9 @@ class Engine(Appending):
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         # a quantized model's products by their rows: none waits for a compile of MLX's (model/quantized.py)
-        self.quantized_layers = quantized.install(self.model, kernel=tuning.quantized_kernel) if attention.on_cuda() else 0
+        # (kvwake's 4-bit kernel taken below, once it is built)
+        self.quantized_layers = quantized.install(self.model) if attention.on_cuda() else 0
+        self.quantized_kernel = False
         self.started.mark("weights")
         known = [n for n in (context_length(self.model_path), max_context) if n]
         self.context_length = min(known) if known else None
@@ -183,6 +185,10 @@ class Engine(Appending):
             self.model, built=row_kernel.result() if row_kernel is not None else None,
             page_tokens=store.block_tokens if tuning.paged_kv else None)
         self.decoder.paged_kernel = tuning.paged_kernel
+        if self.quantized_layers and row_kernel is not None and row_kernel.quantized_built:
+            # built beside the load (not where the GPU cannot run it: before sm_80's tensor-core products)
+            quantized.install(self.model, kernel=True)
+            self.quantized_kernel = True
         self.started.mark("row_kernel")
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
@@ -245,7 +251,7 @@ class Engine(Appending):
         if not self.quantized_layers:
             return None
         return {"layers": self.quantized_layers, "dequantize_rows": quantized.VECTOR_ROWS,
-                "kernel_rows": quantized_kernel.ROWS if self.tuning.quantized_kernel else 0,
+                "kernel_rows": quantized_kernel.ROWS if self.quantized_kernel else 0,
                 "products": quantized.counts()}
 
     def set_kv_room(self, room: int | None) -> None:
@@ -306,20 +312,21 @@ class Engine(Appending):
         # loaded again for its sessions finds its first wake's ring made (one made afresh is a long job, and a
         # ring with no idle slot decodes one span ahead), and closing one model's engine once dropped every
         # model's slots (docs/decisions.md, "Several models")
-        shape = self._staging_shape()
+        shape = self._staging_shape()  # those made beside its load, which no wake may have taken yet
         if shape is not None:
-            devplanes.drop_idle(shape, keep=devplanes.RING_SLOTS)
+            devplanes.note_owner(id(self.model), shape)
+        devplanes.drop_owned(id(self.model), keep=devplanes.RING_SLOTS)
         window_stage.drop_idle()
 
     def _staging_shape(self) -> tuple[int, int] | None:
-        """The shape of the staging slots this engine's wakes keep (devplanes.slot_shape), for plain KV caches;
-        None for others."""
+        """The shape of the staging slots made beside this engine's load (devplanes.slot_shape), for plain KV
+        caches; None for others."""
         cache = self.make_cache()
         heads = ragged_decode.shape_of(self.model)
         if not cache or heads is None or not all(type(c) is KVCache for c in cache):
             return None
         _, kv_heads, head_dim, dtype = heads
-        return devplanes.slot_shape(mx.zeros((1, kv_heads, 1, head_dim), dtype), 2 * len(cache), self.block_tokens)
+        return devplanes.slot_shape((1, kv_heads, 1, head_dim), dtype.size, 2 * len(cache), self.block_tokens)
 
     def _vocab_size(self) -> int:
         args = getattr(self.model, "args", None)

@@ -185,6 +185,7 @@ class BesideLoad:
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
         self.quantized = quantized  # a 4-bit model's kernel too (model/quantized_kernel.py)
+        self.quantized_built = False  # and whether it was built (the engine takes it only then)
         self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
                                        args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
@@ -199,10 +200,6 @@ class BesideLoad:
             shape = _heads(model_path, config)
             if row_kernel and self._build_row(shape):
                 self.shape = shape
-            if self.quantized and (config.get("quantization") or {}).get("bits") == 4:
-                from kvwake.daemon.model import quantized_kernel
-
-                quantized_kernel.build(shape[3])
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
@@ -213,6 +210,14 @@ class BesideLoad:
                     self._build_row(_heads(other, json.loads((other / "config.json").read_text())))
         except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
             log.warning("row kernel or staging not made beside the load: %r", exc)
+        try:  # last, apart: the engine takes the 4-bit kernel only where it was built here
+            quantization = json.loads((model_path / "config.json").read_text()).get("quantization") or {}
+            if self.quantized and quantization.get("bits") == 4 and quantization.get("mode", "affine") == "affine":
+                from kvwake.daemon.model import quantized_kernel
+
+                self.quantized_built = quantized_kernel.build(getattr(mx, weights_dtype(model_path)))
+        except Exception as exc:  # a GPU without the tensor cores' bf16 products (before sm_80), say
+            log.warning("the 4-bit kernel was not built, a quantized model's products stay MLX's: %r", exc)
         finally:
             mx.synchronize()
             mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)

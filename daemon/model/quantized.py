@@ -3,16 +3,19 @@
 MLX on CUDA multiplies by affine-quantized weights two ways, by the rows of the product: fewer than 8 rows by
 its vector kernel (built into its library; it reads the weight once a row), more by tile kernels it compiles
 with NVRTC at first use, each a compile of tens of seconds that a request would wait for (a fresh machine's
-first prefill, a batch's first decode step). Those tile kernels are also slower than dequantizing the weight and multiplying in the
-activations' dtype (cuBLAS) once the rows are many (docs/benchmarks.md, "4-bit products").
+first prefill, a batch's first decode step). Those tile kernels are also slower than dequantizing the weight
+and multiplying in the activations' dtype (cuBLAS) once the rows are many (docs/benchmarks.md, "4-bit
+products").
 
 So a quantized layer here (`install`; a quantized embedding too, as the output head a tied model makes of it)
-takes, with the kernel asked for (tuning `quantized_kernel`), up to 32 rows (a batch decoding) by kvwake's kernel,
-which reads the 4-bit weight once and dequantizes it in registers (model/quantized_kernel.py); otherwise MLX's
-own call below VECTOR_ROWS rows (fewer than the 8 MLX gives its vector kernel: from 6 rows a dequantized product
-costs less), and from there the weight dequantized, then a plain product. Nothing is ever compiled for it at a
-request (the kernel is built beside the load), and which way a product goes depends on its rows and the layer
-only: a row's result through the kernel is the same alone or among others.
+takes, with the kernel (`install(kernel=True)`: the engine asks for it once it is built, tuning
+`quantized_kernel`), products of 2 to 32 rows (a batch decoding, a prefill chunk that short) by kvwake's
+kernel, which reads the 4-bit weight once and dequantizes it in registers (model/quantized_kernel.py);
+otherwise MLX's own call below VECTOR_ROWS rows (fewer than the 8 MLX gives its vector kernel: from 6 rows a
+dequantized product costs less), and from there the weight dequantized, then a plain product. Nothing is ever
+compiled for it at a request (the kernel is built beside the load), and which way a product goes depends on
+its rows and the layer only: a row's result through the kernel is the same in any batch of 2 to 32 rows (a
+row alone takes MLX's vector kernel).
 
 Only the affine mode (what `mlx_lm convert -q` writes); CUDA only (Metal has its own kernels; on the CPU the
 layers are left as they are). The numbers differ from MLX's own call by the products' rounding, as they
@@ -31,7 +34,7 @@ from kvwake.daemon.model import quantized_kernel
 __all__ = ["VECTOR_ROWS", "ByRows", "EmbeddingByRows", "counts", "install", "product"]
 
 # below: MLX's vector kernel, in its library, which reads the weight once a row; from here: dequantized, whose
-# cost is the same whatever the rows (the two meet at 6 rows on the 8B shape: docs/benchmarks.md, "4-bit products")
+# cost is the same whatever the rows (where the two meet: docs/benchmarks.md, "4-bit products")
 VECTOR_ROWS = 6
 # products taken each way, for status: counted without a lock (a product is on an engine thread's hot path, and
 # two models' threads racing on a count lose one now and then, no more)

@@ -2,12 +2,12 @@
 
 A batch decoding multiplies a few rows by every weight of the model. For a 4-bit model MLX has two ways, both
 far from the weight's bytes: its vector kernel reads the weight once a row, and a dequantized product writes
-the weight out in bf16 and reads it back, each product (docs/benchmarks.md, "4-bit products": a decode step's
-products 7.9 ms at one row and about 4.3 ms more a row by the first, 27-30 ms at any rows by the second, where
-the 4-bit weights are 4.5 GB). Here (`product`, taken by model/quantized.py for up to ROWS rows) one kernel
-reads each packed row of the weight once with its scales and biases, dequantizes it in registers to the
-activations' dtype, and multiplies it with the rows by the tensor cores (`mma.sync` m16n8k16, the rows as the
-A operand padded to 16 or 32, float accumulators).
+the weight out in bf16 and reads it back, each product (docs/benchmarks.md, "4-bit products"). Here
+(`kernel_product`, taken by model/quantized.py for MIN_ROWS to ROWS rows) one kernel reads each packed row of
+the weight once with its scales and biases, dequantizes it in registers to the activations' dtype, and
+multiplies it with the rows by the tensor cores (`mma.sync` m16n8k16, the rows as the A operand padded to 16
+or 32, float accumulators): sm_80 or later, which the build beside the load finds out (a GPU without them
+fails it, and its products stay MLX's).
 
 Layout: a block takes 8 x NT output columns; its WARPS warps take every WARPS-th piece of 128 elements of
 the weight's rows; in a piece a lane (g = lane / 4, q = lane % 4) reads 32 consecutive elements of column
@@ -19,10 +19,11 @@ they go. The warps' sums are added in a fixed order through shared memory.
 
 A row's result depends on that row, the weight and WARPS only, not on the other rows nor on how many there
 are: a session decodes the same bits in any batch of MIN_ROWS to ROWS rows (alone, one row, it takes MLX's
-vector kernel, the faster there). The numbers differ from MLX's products
-by rounding (the weight dequantized to the activations' dtype as MLX's dequantize gives it, then products in
-float). Affine mode, 4 bits, groups of 32, 64 or 128, bf16 or fp16 activations, the inner size a multiple of
-128 (`takes`); anything else is model/quantized.py's. CUDA only.
+vector kernel, the faster there). The numbers differ from MLX's products by rounding: each weight is
+dequantized in float (scale times value plus bias) and rounded once to the activations' dtype, where MLX's
+dequantize may round twice, then the products are summed in float in the kernel's order. Affine mode, 4 bits,
+groups of 32, 64 or 128, bf16 or fp16 activations, the inner size a multiple of 128 (`takes`); anything else is
+model/quantized.py's. CUDA only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import mlx.core as mx
 __all__ = ["MIN_ROWS", "ROWS", "WARPS", "build", "kernel_product", "takes"]
 
 ROWS = 32  # the most rows it takes: two m16 tiles of the tensor cores' product
-# the fewest: one row decodes faster through MLX's vector kernel (a step 7.0 against 8.2 ms: docs/benchmarks.md)
+# the fewest: one row decodes faster through MLX's vector kernel (docs/benchmarks.md, "4-bit products")
 MIN_ROWS = 2
 WARPS = 4  # warps a block, each taking every WARPS-th piece of a weight row (their sums added in a fixed order)
 PIECE = 128  # weight elements four lanes take at a time (32 each: one 16-byte load of nibbles)
@@ -207,9 +208,13 @@ def takes(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | No
     """Whether the kernel takes this product: MIN_ROWS to ROWS rows of bf16 or fp16, a 4-bit affine weight (biases
     given, scales of the activations' dtype) in groups of 32, 64 or 128, the inner size a multiple of PIECE."""
     k = x.shape[-1]
+    groups = (weight.shape[0], k // group_size) if weight.ndim == 2 else None
+    # (x's rows are read 16 bytes at a time: MLX hands a row-contiguous view over as it is, whose offset, a
+    # whole number of rows of K elements, keeps them aligned)
     return (bits == 4 and group_size in (32, 64, 128) and biases is not None and x.dtype in _TYPE
             and scales.dtype == x.dtype and biases.dtype == x.dtype and weight.dtype == mx.uint32
-            and weight.ndim == 2 and weight.shape[1] * 8 == k and k % PIECE == 0 and MIN_ROWS <= x.size // k <= ROWS)
+            and weight.ndim == 2 and weight.shape[1] * 8 == k and k % PIECE == 0
+            and scales.shape == groups and biases.shape == groups and MIN_ROWS <= x.size // k <= ROWS)
 
 
 def kernel_product(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, nt: int | None = None,

@@ -28,7 +28,7 @@ from kvwake.daemon.model.decode_calls import Call
 from kvwake.daemon.model.engine import Plan
 from kvwake.daemon.model.generation import GenerateParams, GenerateResult, OnEvent
 from kvwake.daemon.model.scheduler.steps import Arrival
-from kvwake.daemon.session_state import Session
+from kvwake.daemon.session_state import Session, check_session_id
 from kvwake.daemon.sessions.entries import Entry
 from kvwake.daemon.sessions.hotkeys import shared_from
 from kvwake.daemon.sessions.shared_prefill import NO_PREFIX, Flight, Pending, Prefix
@@ -316,33 +316,43 @@ class Conversations:
         {"tokens", "prefilled", "reused", "computed"}, where "computed" is the prompt tokens this call
         computes (the prefilled ones and the pending last one), as the result's usage will count them.
         """
-        if not isinstance(inputs, Prepared):  # a prepared one was checked as it was prepared
-            self.check_params(params, (inputs or {}).get("tools"))
-        arrival = inputs.arrival if isinstance(inputs, Prepared) else self._arrival(session_id) if inputs else None
+        # A turn on an asleep session whose model is not loaded (or going) waits for its claim to load it: its
+        # params are checked then, against its model (the default model's were asked: with none loaded the turn
+        # was refused, with another loaded it was checked against another vocabulary), and no engine thread of
+        # another model is told it comes
+        own = None if isinstance(inputs, Prepared) else self._staying_model(session_id)
+        if own is not None:
+            with self.scoped(own):
+                self.check_params(params, (inputs or {}).get("tools"))
+        arrival = inputs.arrival if isinstance(inputs, Prepared) else \
+            self.models.get(own).thread.arrive() if own is not None and inputs else None
         try:
             return await self._generate(session_id, params, on_event, cancelled, inputs, on_claim, on_append,
-                                        phases, arrival)
+                                        phases, arrival, checked=own is not None or isinstance(inputs, Prepared))
         finally:
             if arrival is not None:
                 arrival.land()
 
-    def _arrival(self, session_id: Any) -> Arrival | None:
-        """A turn on its way to its session's model's engine thread (EngineThread.arrive); None while that model
-        is not loaded: the turn waits for its load first (it was asked of the default model's thread, and with no
-        model loaded the turn was refused before its claim could load one)."""
-        entry = self.entries.get(session_id)
+    def _staying_model(self, session_id: Any) -> str | None:
+        """The model of known session `session_id` where it is loaded and staying (not being unloaded); None for
+        an unknown id (its claim says so) or a model not loaded or going."""
+        try:
+            entry = self.entries.get(check_session_id(session_id))
+        except InvalidParamsError:
+            return None
         name = self.model_of(entry) if entry is not None else None
-        if name is None:
-            return self.thread.arrive() if self.models else None
-        return self.models.get(name).thread.arrive() if name in self.models else None
+        return name if name is not None and self.staying(name) else None
 
     async def _generate(self, session_id: Any, params: GenerateParams, on_event: OnEvent | None,
                         cancelled: Callable[[], bool], inputs: dict[str, Any] | Prepared | None,
                         on_claim: Callable[[], None] | None, on_append: Callable[[dict[str, Any]], None] | None,
-                        phases: dict[str, Any] | None, arrival: Arrival | None) -> dict[str, Any]:
-        """`generate`, its turn's arrival (landed by the caller) given."""
+                        phases: dict[str, Any] | None, arrival: Arrival | None,
+                        checked: bool = True) -> dict[str, Any]:
+        """`generate`, its turn's arrival (landed by the caller) given; `checked`: its params were checked."""
         called = time.perf_counter()
         async with self.claim(session_id, "chat" if inputs else "generate") as entry:
+            if not checked:  # its model loaded by the claim, the operation's model now
+                self.check_params(params, (inputs or {}).get("tools"))
             if on_claim is not None:
                 on_claim()
             woke, entry.woke = entry.session is None, None

@@ -163,12 +163,24 @@ class ModelKeeping(ModelRoom):
             self._uses[name] -= 1
             self._last_use[name] = time.monotonic()
 
+    def staying(self, name: str) -> bool:
+        """Whether model `name` is loaded and not being unloaded."""
+        return name in self.models and name not in self._unloads and name not in self._draining
+
+    @contextlib.contextmanager
+    def scoped(self, name: str):  # noqa: ANN201 - a context manager
+        """Inside: model `name` is the operation's (`engine`, `thread` and `model` answer for it)."""
+        token = CURRENT.set(name)
+        try:
+            yield
+        finally:
+            CURRENT.reset(token)
+
     def reading_ahead(self, entry: Entry, op: str) -> contextlib.AbstractContextManager:
         """For a claim of `entry` for `op`: where the operation wakes the session (asleep) after its model's load
         (not loaded, or going), its blocks are read beside the load while it waits (sessions/read_ahead.py)."""
         name = self.model_of(entry)
-        staying = name in self.models and name not in self._unloads and name not in self._draining
-        if op not in WAKING_OPS or entry.session is not None or staying:
+        if op not in WAKING_OPS or entry.session is not None or self.staying(name):
             return contextlib.nullcontext()
         return self.read_ahead.waiting(name, entry.id)
 
@@ -181,11 +193,8 @@ class ModelKeeping(ModelRoom):
             raise InvalidParamsError(f"session {entry.id} belongs to model {name!r}, not {asked!r}: a session "
                                      "continues only on its own model", session_id=entry.id, model=name,
                                      requested=asked, param="model")
-        token = CURRENT.set(name)
-        try:
+        with self.scoped(name):
             yield
-        finally:
-            CURRENT.reset(token)
 
     # -- loading ---------------------------------------------------------------
 

@@ -70,12 +70,15 @@ class ReadAhead:
             yield
         finally:
             waiting[session_id] -= 1
-            if waiting[session_id] <= 0:
+            last = waiting[session_id] <= 0
+            if last:
                 del waiting[session_id]
             if not waiting and self._waiting.get(model) is waiting:
                 del self._waiting[model]
             reader = self._readers.get(model)
-            if reader is not None:
+            # only the last operation on it lets it go: another refused BUSY meanwhile ends first, and its end
+            # must not take away what the one that claimed it will wake from
+            if reader is not None and last:
                 reader.let_go(session_id)
 
     def begin(self, model: str, settings: Settings) -> HotSet | None:
