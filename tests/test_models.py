@@ -125,6 +125,15 @@ def test_a_turn_with_no_model_loaded_loads_its_sessions_model(tmp_path, models):
         assert states(c) == {"main": "unloaded", "small": "loaded"}
         assert chat(c, "main-s", "and then?") == expected["main"]  # main's turn, small loaded beside it
         assert states(c)["main"] == "loaded"
+        c.call("model.unload", name="small")
+        # params that need the model (a logit bias's token ids) checked once the claim loaded it: they were
+        # asked of the default model's engine, refused NOT_FOUND with none loaded
+        c.call("model.unload", name="main")
+        assert len(c.call("session.chat", session_id="small-twin", messages=[{"role": "user", "content": "more"}],
+                          max_tokens=4, logit_bias={"7": 5.0})["tokens"]) == 4
+        with pytest.raises(RpcError, match="INVALID_PARAMS.*logit_bias"):  # and still refused when out of range
+            c.call("session.chat", session_id="small-twin", messages=[{"role": "user", "content": "more"}],
+                   max_tokens=4, logit_bias={"100000000": 5.0})
     assert d.stop() == 0 and d.log_problems() == []
 
 
