@@ -191,6 +191,8 @@ def run(settings: Settings, *, listen_socket: socket.socket | None = None) -> in
             hot_set.stop()
         raise
     provider.add(engine, thread, registry.default.name)
+    if hot_set is not None:  # sessions of the model's name whose snapshots another bundle made cannot wake on it
+        hot_set.keep_bundle(engine.bundle.hash)
     start = functools.partial(start_model, settings, store, limits=engine.limits)  # later loads: the same limits
     try:  # pinned models are never unloaded: together they must fit the memory budget (model/budget.py)
         check_pinned(registry, settings, engine.weights_bytes, engine.limits)

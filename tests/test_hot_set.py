@@ -121,6 +121,31 @@ def test_a_wake_refused_for_another_sessions_snapshot_leaves_that_sessions_block
     assert d.stop() == 0
 
 
+def test_a_restart_lets_go_what_it_read_for_a_snapshot_its_engine_cannot_wake(tmp_path, model_dir):
+    """A session of the model's own name whose last snapshot another bundle made (as after the model's weights
+    changed): read ahead as any other while the model loads, let go once its bundle is known. Was: held until
+    KEEP_S, the warm-up waiting for its wake."""
+    d = Daemon(tmp_path, model_dir).start()
+    with d.client() as c:
+        c.call("session.create", session_id="a", system=SYSTEM)
+        chat(c, "a", "which files changed?")
+    assert d.stop() == 0
+    store = Store(d.data_dir / "store", block_tokens=16)
+    try:
+        store.register_bundle(OTHER_BUNDLE, {"model": "the same name, other weights"})
+        write_snapshot(store, "stale", list(range(3 * 16 + 1)), bundle=OTHER_BUNDLE)
+    finally:
+        store.close()
+    d.start()
+    with d.client() as c:
+        read = hot_set_read(c)
+        assert read["other_bundles"] == 1 and read["wakes_left"] == 1, read  # a's wake only
+        woken = c.call("session.wake", session_id="a")
+        assert woken["blocks_from_disk"] == 0, woken
+        assert c.call("status")["restart_prefetch"]["wakes_left"] == 0
+    assert d.stop() == 0 and d.log_problems() == []
+
+
 def test_after_a_kill_9_the_sessions_persisted_wake_from_memory(tmp_path, model_dir):
     d = Daemon(tmp_path, model_dir).start()
     with d.client() as c:
@@ -209,6 +234,36 @@ def test_the_sessions_of_another_models_bundle_are_not_read(store):
     assert sorted(hot.read_keys) == sorted(mine)
     assert not {ref.key for ref in store.snapshot(theirs.id).blocks} & set(hot.read_keys)
     hot.stop()
+
+
+def test_once_the_engines_bundle_is_known_the_snapshots_of_another_go_and_none_is_planned(store):
+    """Sessions of the model's own name whose snapshots another bundle made (its weights changed since) cannot
+    wake on the loaded engine. Was: their blocks were read and held until KEEP_S, and the warm-up waited for
+    their wakes (up to WARM_HOLD_S) before it ran."""
+    from testkit.kvdata import BUNDLE
+
+    ours = shared_sessions(store, n=2)
+    b = store.block_tokens
+    stale = write_snapshot(store, "stale", [7000 + t for t in range(2 * b + 1)], bundle=OTHER_BUNDLE)
+    tier = RamTier(0)
+    hot = HotSet(store, tier, staged=False, budget_bytes=1 << 30, workers=1).start()
+    wait_done(hot)
+    assert hot.counts["sessions"] == 3 and hot.wakes_left() == 3  # read as any other: its model's name is ours
+    held = tier.prefetched_bytes
+    hot.keep_bundle(BUNDLE)
+    assert hot.wakes_left() == 2 and hot.counts["other_bundles"] == 1
+    assert 0 < tier.prefetched_bytes < held  # its blocks let go, ours held
+    assert not any(tier.claimed(r.key) for r in store.snapshot(stale.id).blocks)
+    assert all(tier.claimed(r.key) for i in ours for r in store.snapshot(i.id).blocks)
+    assert hot.add("stale") is False  # the reading has ended
+    hot.stop()
+    # told before it plans (a load's reader, sessions given): a stale one is never claimed
+    reader = HotSet(store, RamTier(0), staged=False, budget_bytes=1 << 30, workers=1, sessions=["stale", "a0"])
+    reader.keep_bundle(BUNDLE)
+    reader.start()
+    wait_done(reader)
+    assert reader.counts["sessions"] == 1 and reader.counts["other_bundles"] == 1 and reader.wakes_left() == 1
+    reader.stop()
 
 
 def test_the_daemon_leaves_out_the_bundles_its_other_models_had(store, tmp_path):

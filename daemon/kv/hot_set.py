@@ -129,7 +129,8 @@ class HotSet:
         self.other_bundles = other_bundles
         self._sessions = list(sessions) if sessions is not None else None  # to plan next (None: the recent heads)
         self._open = sessions is not None  # whether `add` still gives it sessions (until it runs out of them)
-        self._claims: dict[str, str] = {}  # session id -> the snapshot whose blocks are claimed for it
+        self._claims: dict[str, tuple[str, str]] = {}  # session id -> (the snapshot claimed for it, its bundle)
+        self.bundle: str | None = None  # the loaded engine's, once known (`keep_bundle`): no other is planned
         self._gone: set[str] = set()  # sessions let go (`let_go`): not planned any more
         self._seen: set[str] = set()  # the blocks planned, of every round
         self._total = 0  # their bytes
@@ -137,8 +138,8 @@ class HotSet:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self.counts = {"sessions": 0, "other_models": 0, "blocks_planned": 0, "bytes_planned": 0, "blocks_read": 0,
-                       "bytes_read": 0, "blocks_skipped": 0, "blocks_failed": 0}
+        self.counts = {"sessions": 0, "other_models": 0, "other_bundles": 0, "blocks_planned": 0, "bytes_planned": 0,
+                       "blocks_read": 0, "bytes_read": 0, "blocks_skipped": 0, "blocks_failed": 0}
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
         self._faulted = False  # a read failed for a reason of the reader's own (logged once, with its trace)
         self.ms: float | None = None  # start to the last read
@@ -176,9 +177,23 @@ class HotSet:
         session goes; it is not planned any more."""
         with self._lock:
             self._gone.add(session_id)
-            snapshot = self._claims.pop(session_id, None)
-        if snapshot is not None:
+            claim = self._claims.pop(session_id, None)
+        if claim is not None:
+            self.tier.woken(claim[0])
+
+    def keep_bundle(self, bundle: str) -> None:
+        """The engine that takes the tier loaded with `bundle`: a snapshot of another (of the same model's name,
+        its weights changed since) cannot wake on it, so what was read ahead for it goes and none is planned
+        from now on. (Its wake would be refused, and its blocks held until KEEP_S, the warm-up waiting for it.)"""
+        with self._lock:
+            self.bundle = bundle
+            stale = [(sid, snapshot) for sid, (snapshot, b) in self._claims.items() if b != bundle]
+            for sid, _ in stale:
+                del self._claims[sid]
+                self._gone.add(sid)
+        for _, snapshot in stale:
             self.tier.woken(snapshot)
+        self.counts["other_bundles"] += len(stale)
 
     def wakes_ahead(self, timeout_s: float = PLAN_WAIT_S) -> int:
         """How many sessions the hot set holds, the wakes that may come at once after the start (the model's
@@ -275,8 +290,11 @@ class HotSet:
             with self._lock:
                 if record.session_id in self._gone:
                     continue
+                if self.bundle is not None and record.bundle != self.bundle:  # `keep_bundle`: it cannot wake
+                    self.counts["other_bundles"] += 1
+                    continue
                 self.tier.claim(record.id, keys)
-                self._claims[record.session_id] = record.id
+                self._claims[record.session_id] = (record.id, record.bundle)
             self._seen.update(ref.key for ref, _ in fresh)
             self._total += size
             plan += fresh

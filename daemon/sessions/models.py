@@ -244,6 +244,8 @@ class ModelKeeping(ModelRoom):
             finally:
                 self._loading_since.pop(spec.name, None)
             model = self.models.add(engine, thread, spec.name)
+            if reader is not None:  # what it read for snapshots of another bundle cannot wake on this engine
+                reader.keep_bundle(engine.bundle.hash)
             self._last_use[spec.name] = time.monotonic()
             await to_thread.run_sync(self._loaded, model)
             self._bind_noted(model)
