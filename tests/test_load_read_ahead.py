@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import threading
 import time
-import warnings
 
 import pytest
 
@@ -30,12 +28,6 @@ QUESTION = "which files changed, in which order, and why did each change? " * 8 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    # The manager-level tests stop models as the daemon does, with a full collection (model/loader.py): it
-    # would collect what earlier modules left in reference cycles (a client's sockets, once) and report their
-    # ResourceWarnings here, as errors; collected before this module instead
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
     return two_tiny_models(tmp_path_factory.mktemp("models"))
 
 
