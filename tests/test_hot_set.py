@@ -205,6 +205,7 @@ def test_the_reader_reads_each_block_once_and_holds_it_until_its_snapshots_wake(
     tier.woken(records[-1].id)
     assert tier.prefetched_bytes == 0 and all(tier.get(k) is None for k in keys)
     hot.stop()
+    assert hot.state == "stopped"  # it said "held" after a stop that came once the reading had ended
 
 
 def test_the_wakes_ahead_are_the_sessions_the_reader_planned(store):

@@ -159,6 +159,8 @@ class HotSet:
         for thread in self._threads:
             thread.join(timeout_s)
         self.tier.drop_prefetched()
+        if not any(thread.is_alive() for thread in self._threads):
+            self.state = "stopped"  # what it held is gone (a reading that had ended still said "held")
 
     def add(self, session_id: str) -> bool:
         """Read the head of `session_id` too (an operation on it waits for the same load); False when the reading
