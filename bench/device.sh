@@ -211,7 +211,7 @@ run_part() {
               done ;;
     cpuwake)  [ -f /tmp/m1b/config.json ] || python3 "$STAGE/make_model.py" /tmp/m1b --shape llama1b >/tmp/m1b.log 2>&1
               # the KV of a short prefill on the GPU, tiled: a 4k prefill on the CPU (and its re-prefill) took
-              # the whole call in S41; the wake and the cores' decode are what the target reads
+              # a whole device call (docs/benchmarks.md); the wake and the cores' decode are what the target reads
               python3 bench/capture_kv.py /tmp/m1b --tokens 256 --out /tmp/m1b-kv.npz >/dev/null 2>&1
               python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096,16384 --synthetic /tmp/m1b-kv.npz \
                 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;

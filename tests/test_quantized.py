@@ -167,16 +167,19 @@ def test_with_the_kernel_up_to_its_rows_go_to_it_where_it_takes_the_layer_and_in
 
 def test_the_kernel_takes_4_bit_affine_bf16_or_fp16_rows_up_to_its_rows_over_whole_pieces():
     w, s, b = mx.quantize(mx.zeros((16, 256), mx.bfloat16), group_size=64, bits=4)
-    x = mx.zeros((3, 256), mx.bfloat16)
-    assert quantized_kernel.takes(x, w, s, b, 64, 4)
-    assert not quantized_kernel.takes(x[:1], w, s, b, 64, 4)  # one row: MLX's vector kernel
-    assert not quantized_kernel.takes(mx.zeros((33, 256), mx.bfloat16), w, s, b, 64, 4)
-    assert not quantized_kernel.takes(x.astype(mx.float32), w, s, b, 64, 4)
-    assert not quantized_kernel.takes(x, w, s, None, 64, 4)
+    assert quantized_kernel.takes(w, s, b, 64, 4)
+    assert not quantized_kernel.takes(w, s, None, 64, 4)
+    assert not quantized_kernel.takes(w, s.astype(mx.float32), b.astype(mx.float32), 64, 4)
+    assert not quantized_kernel.takes(w, s[:, :2], b[:, :2], 64, 4)  # scales of another shape
     w8, s8, b8 = mx.quantize(mx.zeros((16, 256), mx.bfloat16), group_size=64, bits=8)
-    assert not quantized_kernel.takes(x, w8, s8, b8, 64, 8)
+    assert not quantized_kernel.takes(w8, s8, b8, 64, 8)
     w64, s64, b64 = mx.quantize(mx.zeros((16, 64), mx.bfloat16), group_size=64, bits=4)
-    assert not quantized_kernel.takes(mx.zeros((3, 64), mx.bfloat16), w64, s64, b64, 64, 4)  # not whole pieces
+    assert not quantized_kernel.takes(w64, s64, b64, 64, 4)  # not whole pieces
+    assert quantized_kernel.takes_rows(mx.zeros((3, 256), mx.bfloat16), mx.bfloat16)
+    assert quantized_kernel.takes_rows(mx.zeros((4, 8, 256), mx.bfloat16), mx.bfloat16)  # 32 rows
+    assert not quantized_kernel.takes_rows(mx.zeros((1, 256), mx.bfloat16), mx.bfloat16)  # one: MLX's kernel
+    assert not quantized_kernel.takes_rows(mx.zeros((33, 256), mx.bfloat16), mx.bfloat16)
+    assert not quantized_kernel.takes_rows(mx.zeros((3, 256), mx.float32), mx.bfloat16)
 
 
 @pytest.mark.skipif(not attention.on_cuda(), reason="the kernel is CUDA's")

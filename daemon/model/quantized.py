@@ -49,8 +49,7 @@ def counts() -> dict[str, int]:
 
 def product(layer: nn.QuantizedLinear | nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     """`x` times the layer's quantized weight (transposed), the way its rows call for (module docstring)."""
-    if getattr(layer, "_kernel", False) and quantized_kernel.takes(
-            x, layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits):
+    if getattr(layer, "_kernel", False) and quantized_kernel.takes_rows(x, layer["scales"].dtype):
         _counts["kernel"] += 1
         return quantized_kernel.kernel_product(x, layer["weight"], layer["scales"], layer["biases"])
     if x.size // x.shape[-1] < VECTOR_ROWS:
@@ -91,8 +90,10 @@ def install(model: nn.Module, kernel: bool = False) -> int:
         if module.__class__ in _BY_ROWS and module.mode == "affine":
             module.__class__ = _BY_ROWS[module.__class__]
             n += 1
-        if module.__class__ in _BY_ROWS.values():
-            object.__setattr__(module, "_kernel", kernel)  # not a parameter nor a child
+        if module.__class__ in _BY_ROWS.values():  # whether the kernel takes its weight, asked once here
+            taken = kernel and quantized_kernel.takes(module["weight"], module["scales"], module.get("biases"),
+                                                      module.group_size, module.bits)
+            object.__setattr__(module, "_kernel", taken)  # not a parameter nor a child
     return n
 
 

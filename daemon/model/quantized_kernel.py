@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["MIN_ROWS", "ROWS", "WARPS", "build", "kernel_product", "takes"]
+__all__ = ["MIN_ROWS", "ROWS", "WARPS", "build", "kernel_product", "takes", "takes_rows"]
 
 ROWS = 32  # the most rows it takes: two m16 tiles of the tensor cores' product
 # the fewest: one row decodes faster through MLX's vector kernel (docs/benchmarks.md, "4-bit products")
@@ -203,18 +203,23 @@ def _kernel(kind: str) -> Any:
     return _kernels[kind]
 
 
-def takes(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
-          bits: int) -> bool:
-    """Whether the kernel takes this product: MIN_ROWS to ROWS rows of bf16 or fp16, a 4-bit affine weight (biases
-    given, scales of the activations' dtype) in groups of 32, 64 or 128, the inner size a multiple of PIECE."""
-    k = x.shape[-1]
-    groups = (weight.shape[0], k // group_size) if weight.ndim == 2 else None
-    # (x's rows are read 16 bytes at a time: MLX hands a row-contiguous view over as it is, whose offset, a
-    # whole number of rows of K elements, keeps them aligned)
-    return (bits == 4 and group_size in (32, 64, 128) and biases is not None and x.dtype in _TYPE
-            and scales.dtype == x.dtype and biases.dtype == x.dtype and weight.dtype == mx.uint32
-            and weight.ndim == 2 and weight.shape[1] * 8 == k and k % PIECE == 0
-            and scales.shape == groups and biases.shape == groups and MIN_ROWS <= x.size // k <= ROWS)
+def takes(weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int) -> bool:
+    """Whether the kernel takes a layer's weight (asked once, as it is installed): 4-bit affine (biases given) in
+    groups of 32, 64 or 128, scales and biases of bf16 or fp16 (the activations' dtype), an inner size that is
+    a multiple of PIECE. Its products then go to it by their rows (`takes_rows`)."""
+    if weight.ndim != 2 or weight.dtype != mx.uint32 or biases is None:
+        return False
+    k = weight.shape[1] * 8
+    groups = (weight.shape[0], k // group_size)
+    return (bits == 4 and group_size in (32, 64, 128) and scales.dtype in _TYPE and biases.dtype == scales.dtype
+            and k % PIECE == 0 and scales.shape == groups and biases.shape == groups)
+
+
+def takes_rows(x: mx.array, dtype: mx.Dtype) -> bool:
+    """Whether a product of `x` by a weight the kernel takes (`takes`), its activations' dtype `dtype`, goes to
+    it: MIN_ROWS to ROWS rows of that dtype. (x's rows are read 16 bytes at a time: MLX hands a row-contiguous
+    view over as it is, whose offset, a whole number of rows of K elements, keeps them aligned.)"""
+    return x.dtype == dtype and MIN_ROWS <= x.size // x.shape[-1] <= ROWS
 
 
 def kernel_product(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, nt: int | None = None,
