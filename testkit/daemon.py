@@ -86,8 +86,13 @@ class Daemon:
             self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:  # hung: SIGABRT makes its faulthandler write every thread's stack
+            self.proc.send_signal(signal.SIGABRT)  # into the log, shown here with the failure
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            print(f"daemon did not stop in {timeout:.0f} s; its log ends:\n{self.log.read_text(errors='replace')[-12000:]}")
             raise
         if code != 0 and sig != signal.SIGKILL:  # shown by pytest when the test then fails
             print(f"daemon exited {code}; its log ends:\n{self.log.read_text(errors='replace')[-4000:]}")
