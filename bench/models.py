@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvwake-models-") as work:
         d = start(Path(work), main_dir, small_dir, args.budget, args.gil_watch_ms)
         try:
-            report = {"machine": machine(), "main": str(main_dir), "small": str(small_dir),
+            with d.client() as c:  # how the weights were read (tuning `weights_read`; null: by the backend)
+                weights_read = c.call("status")["tuning"].get("weights_read")
+            report = {"machine": machine(), "main": str(main_dir), "small": str(small_dir), "weights_read": weights_read,
                       "load": during_load(d, main_dir, small_dir.name, args),
                       "unloaded": unloaded_turn(d, main_dir, args), "memory": memory(d)}
         finally:

@@ -104,6 +104,10 @@ class Tuning:
     # gets the GIL back from the loader's Python this soon; 0: Python's own (5 ms). Off until a run shows it
     # helps (docs/benchmarks.md, "Several models")
     load_switch_ms: float = 0.0
+    # how a model's weights are read (model/weights.py): "mapped" (through a staging slot the GPU copies from in
+    # place: CUDA's, the others' decode steps barely slowed) or "mlx" (MLX's own load, in pieces); None: by the
+    # backend (mapped on CUDA, MLX's where memory is unified or on the CPU)
+    weights_read: str | None = None
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
     # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False
@@ -155,6 +159,8 @@ class Tuning:
             value = getattr(self, name)
             if value is not None and not ok(value):
                 raise ValueError(f"tuning {name} must be {wanted}, not {value!r}")
+        if self.weights_read not in (None, "mapped", "mlx"):
+            raise ValueError(f"tuning weights_read must be \"mapped\" or \"mlx\", not {self.weights_read!r}")
         if self.restore_mode not in (None, "direct", "staged"):
             raise ValueError(f"tuning restore_mode must be \"direct\" or \"staged\", not {self.restore_mode!r}")
 

@@ -1,11 +1,16 @@
-"""A model's weights read piece by piece (model/weights.py): the same weights as mlx-lm's own load, and no
-`mx.eval` of the load larger than a piece, so a load lets another model's engine thread take the GIL."""
+"""A model's weights read piece by piece (model/weights.py): the same weights as mlx-lm's own load, read either
+way: MLX's in pieces (no `mx.eval` of the load larger than a piece, so a load lets another model's engine thread
+take the GIL), or through the mapped staging slots (every file tensor as stored; anything the model's sanitize
+changed, MLX's way)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm
+import pytest
 from mlx.utils import tree_flatten
+from mlx_lm import convert
+from mlx_lm.models import llama
 
 from kvwake.daemon.model import weights
 from testkit.tinymodel import make_model_dir
@@ -31,7 +36,7 @@ def test_a_load_evaluates_its_weights_in_pieces_and_matches_mlx_lm(tmp_path, mon
         return real_eval(*args)
 
     monkeypatch.setattr(weights.mx, "eval", counted)  # mlx.core's own: any eval of the load is counted
-    model, tokenizer = weights.load(str(folder), most=most)
+    model, tokenizer = weights.load(str(folder), most=most, read="mlx")
     monkeypatch.undo()
     got = dict(tree_flatten(model.parameters()))
     assert len(evals) > 1 and max(evals) <= most, f"evals of {evals} bytes, a piece at most {most}"
@@ -40,3 +45,63 @@ def test_a_load_evaluates_its_weights_in_pieces_and_matches_mlx_lm(tmp_path, mon
     for name, value in want.items():
         assert mx.array_equal(got[name], value).item(), f"{name} differs from mlx_lm.load's"
     assert tokenizer.encode("hello") == want_tokenizer.encode("hello")
+
+
+def same_bits(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        g = got[name]
+        assert (g.dtype, g.shape) == (value.dtype, value.shape), name
+        assert mx.array_equal(g.view(mx.uint8), value.view(mx.uint8)).item(), f"{name} differs from mlx_lm.load's"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text", "llama-4bit"])
+def test_a_mapped_read_gives_mlx_lms_weights_bit_for_bit_each_file_tensor_read_through_the_slots(tmp_path, kind,
+                                                                                                 monkeypatch):
+    """A plain model, one whose sanitize drops and ties tensors (gemma3), a 4-bit one (uint32 weights, bf16
+    scales and biases); the slots made small, so a tensor larger than one is read in chunks joined on the
+    device."""
+    folder = make_model_dir(tmp_path / "m", arch=kind.split("-")[0])
+    if kind.endswith("4bit"):
+        convert(hf_path=str(folder), mlx_path=str(tmp_path / "q"), quantize=True, q_group_size=64, q_bits=4)
+        folder = tmp_path / "q"
+    want_model, want_tokenizer = mlx_lm.load(str(folder))
+    want = dict(tree_flatten(want_model.parameters()))
+    monkeypatch.setattr(weights, "SLOT_BYTES", 4096)
+    assert max(v.nbytes for v in want.values()) > 4096  # some tensor is read in chunks
+    timeline: list[dict] = []
+    model, tokenizer = weights.load(str(folder), read="mapped", timeline=timeline)
+    assert type(model) is type(want_model)  # its own class back, not the load's hook
+    same_bits(dict(tree_flatten(model.parameters())), want)
+    mapped = sum(p["bytes"] for p in timeline if p["read"] == "mapped")
+    assert mapped == sum(v.nbytes for v in want.values()), "every parameter is a file tensor: all read mapped"
+    assert all(p["bytes"] <= 4096 for p in timeline)
+    assert tokenizer.encode("hello") == want_tokenizer.encode("hello")
+
+
+def test_a_tensor_the_models_sanitize_changed_is_evaluated_mlxs_way_not_read_from_its_file(tmp_path, monkeypatch):
+    folder = make_model_dir(tmp_path / "m")
+    plain = llama.Model.sanitize
+
+    def doubled(self, w):
+        w = plain(self, w)
+        return {**w, "model.norm.weight": w["model.norm.weight"] * 2}
+
+    monkeypatch.setattr(llama.Model, "sanitize", doubled)
+    want = dict(tree_flatten(mlx_lm.load(str(folder))[0].parameters()))
+    timeline: list[dict] = []
+    model, _ = weights.load(str(folder), read="mapped", timeline=timeline)
+    got = dict(tree_flatten(model.parameters()))
+    same_bits(got, want)
+    norm = want["model.norm.weight"].nbytes
+    assert sum(p["bytes"] for p in timeline if p["read"] == "mlx") == norm
+    assert sum(p["bytes"] for p in timeline if p["read"] == "mapped") == sum(v.nbytes for v in want.values()) - norm
+
+
+def test_weights_read_is_mapped_or_mlx(tmp_path):
+    from kvwake.daemon.config import Tuning
+
+    with pytest.raises(ValueError, match="weights_read"):
+        Tuning(weights_read="mmap")
+    with pytest.raises(ValueError, match="mapped or mlx"):
+        weights.load(str(make_model_dir(tmp_path / "m")), read="mmap")

@@ -140,9 +140,9 @@ class Engine(Appending):
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for,
                                                  wakes=wakes_ahead, quantized=tuning.quantized_kernel)
-        self.weight_pieces: list[dict[str, float]] = []  # each piece of the weights' read (model/weights.py)
+        self.weight_pieces: list[dict[str, Any]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
-                                                  timeline=self.weight_pieces)
+                                                  timeline=self.weight_pieces, read=tuning.weights_read)
         # its own parameters' bytes, not the process's memory: a second model loaded beside the first would
         # count the first's weights and KV as its own (and its KV room, budget and longest session with them)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))

@@ -15,7 +15,7 @@ sleeps the model's sessions first (docs/decisions.md, "Several models (issue 53)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvwake.errors import NotFoundError
 
@@ -53,7 +53,7 @@ class LoadedModel:
         return dict(self.engine.started.ms)
 
     @property
-    def weight_pieces(self) -> list[dict[str, float]]:
+    def weight_pieces(self) -> list[dict[str, Any]]:
         """Each piece of its weights' read: `at_ms` from its engine's start, `ms`, `bytes` (model/weights.py)."""
         return list(self.engine.weight_pieces)
 

@@ -1,47 +1,210 @@
-"""A model's weights read in pieces, so a load lets the other models' engine threads run.
+"""A model's weights read so that a load lets the other models' engine threads run: off the GIL, and on CUDA
+without slowing their decode steps.
 
 `mlx_lm.load` evaluates every parameter in one `mx.eval`, and reading the weights holds the GIL for long
 stretches of that call: while a second model loads, the first one's engine thread waits for the GIL at each
-step (status.gil showed the loading thread inside that one eval at every long wait).
-Evaluated a piece at a time, the GIL is let go between pieces, so a wait is at most one piece's read. The
-pieces are whole tensors grouped up to PIECE_BYTES (a tensor larger than that is a piece of its own).
+step. Here the model is built lazily and its weights are read a piece at a time, two ways (`READS`):
+
+- "mapped" (CUDA's default): each tensor kvwake finds in the model's safetensors files as it is stored is read
+  by this module into a staging slot of managed memory kept on the host and mapped for the GPU (kv/devplanes.py's
+  staging, as a wake's ring), and a GPU op copies it into the tensor's device memory, reading the slot in place.
+  MLX's own load reads into pageable memory and copies it with `cudaMemcpyAsync`: beside another model's decode
+  steps that copy made their slow steps 2.5-2.9x their median, a copy from managed memory the GPU faults in
+  4.5-4.9x, the mapped slot 1.2x, about what the file's reading alone costs them (bench/load_interference.py;
+  docs/benchmarks.md, "Several models"). It is also the faster read.
+- "mlx": MLX's own, evaluated in pieces of whole tensors up to PIECE_BYTES (a tensor larger than that is a piece
+  of its own), so a GIL wait is at most one piece's read. Elsewhere than CUDA it is the default: on unified
+  memory (Metal) or the CPU, MLX reads the file into the array's memory once, where a slot would copy twice.
+
+Which tensors the mapped way reads is found by identity, not by name: mlx-lm's `load_model` hands the arrays
+its `mx.load` made to the model class's `sanitize` (hooked here for that call) and then to the model; a
+parameter that is still one of those objects is that file tensor's bytes, unchanged. Anything `sanitize` made
+or changed, and any tensor of a dtype this module does not map, is evaluated MLX's way.
 docs/decisions.md, "Several models (issue 53)", says what was measured.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
 from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, load_tokenizer
 
+from kvwake.daemon.kv import cudart, devplanes
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "load", "pieces"]
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces"]
 
 PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its pieces are mostly one tensor each
+# a mapped read's staging slot (two, so the file's next chunk is read while the GPU copies the last); a larger
+# tensor is read in chunks of this size, joined on the device
+SLOT_BYTES = 32 << 20
+READS = ("mapped", "mlx")
+# safetensors' dtypes as MLX's (the ones a model folder holds; any other tensor is read MLX's way)
+_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "I8": mx.int8, "U8": mx.uint8,
+           "I16": mx.int16, "U16": mx.uint16, "I32": mx.int32, "U32": mx.uint32, "I64": mx.int64,
+           "U64": mx.uint64, "BOOL": mx.bool_}
+_UNITS = ((4, mx.uint32), (2, mx.uint16), (1, mx.uint8))  # the widest unit a chunk's copy moves
+
+
+def default_read() -> str:
+    """The way weights are read here: "mapped" where MLX runs on CUDA, else "mlx" (module docstring)."""
+    return "mapped" if cudart.on_cuda() else "mlx"
 
 
 def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
-         timeline: list[dict[str, float]] | None = None) -> tuple[Any, Any]:
-    """mlx-lm's (model, tokenizer) of the model folder `path`, its weights evaluated piece by piece; `phases`
-    gets "modules" (the model built lazily, its tokenizer read) marked before the weights are read, and
-    `timeline` each piece: `at_ms` (from `phases`' start, else from this call), `ms`, `bytes` -- to line the
-    pieces up against what other models' clients saw meanwhile (bench/models.py)."""
+         timeline: list[dict[str, Any]] | None = None, read: str | None = None) -> tuple[Any, Any]:
+    """mlx-lm's (model, tokenizer) of the model folder `path`, its weights read `read`'s way (READS; None: by
+    the backend, `default_read`); `phases` gets "modules" (the model built lazily, its tokenizer read) marked
+    before the weights are read, and `timeline` each piece: `at_ms` (from `phases`' start, else from this
+    call), `ms`, `bytes`, `read` (its way) -- to line the pieces up against what other models' clients saw
+    meanwhile (bench/models.py). A piece of the mapped way is a chunk of a file's bytes."""
+    read = read or default_read()
+    if read not in READS:
+        raise ValueError(f"weights are read {' or '.join(READS)}, not {read!r}")
     clock = phases if phases is not None else Phases()
-    model, tokenizer = mlx_lm.load(path, lazy=True)
+    stored: dict[int, tuple[str, mx.array]] = {}  # what mlx-lm's mx.load made: id -> (its name, the array)
+    model_path = Path(path)
+    model, config = load_model(model_path, lazy=True, get_model_classes=_recording(stored))
+    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
     if phases is not None:
         phases.mark("modules")
-    for piece in pieces([v for _, v in tree_flatten(model.parameters())], most):
+    model.__class__ = getattr(type(model), "_kvwake_plain", type(model))  # its own class back
+    params = tree_flatten(model.parameters())
+    rest = [v for _, v in params]
+    if read == "mapped" and stored:
+        rest = _read_mapped(model, params, stored, _index(model_path), clock, timeline)
+    stored.clear()
+    for piece in pieces(rest, most):
         began = time.perf_counter()
         mx.eval(piece)
         if timeline is not None:
             timeline.append({"at_ms": clock.elapsed_ms(began), "ms": round((time.perf_counter() - began) * 1000, 2),
-                             "bytes": sum(a.nbytes for a in piece)})
+                             "bytes": sum(a.nbytes for a in piece), "read": "mlx"})
     return model, tokenizer
+
+
+def _recording(stored: dict[int, tuple[str, mx.array]]) -> Any:
+    """mlx-lm's model classes for a config, the model class's `sanitize` first noting every array it is handed
+    (mx.load's, by name) in `stored`; the model's own class given back once it is built (`load`)."""
+    from mlx_lm.utils import _get_classes  # noqa: PLC0415 - load_model's default, the one mlx_lm.load uses
+
+    def classes(config: dict) -> tuple[type, type]:
+        model_class, args_class = _get_classes(config=config)
+
+        def sanitize(self: Any, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            stored.update({id(v): (k, v) for k, v in weights.items()})
+            plain = super(recording, self)
+            return plain.sanitize(weights) if hasattr(plain, "sanitize") else weights
+
+        recording = type(model_class.__name__, (model_class,), {"sanitize": sanitize, "_kvwake_plain": model_class})
+        return recording, args_class
+
+    return classes
+
+
+def _index(model_path: Path) -> dict[str, tuple[Path, int, int, Any, tuple[int, ...]]]:
+    """Every tensor of the folder's safetensors files: name -> (file, offset, bytes, MLX dtype or None,
+    shape), from their headers."""
+    index = {}
+    for file in sorted(model_path.glob("model*.safetensors")):
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, t in header.items():
+            if name != "__metadata__":
+                first, end = t["data_offsets"]
+                index[name] = (file, 8 + size + first, end - first, _DTYPES.get(t["dtype"]), tuple(t["shape"]))
+    return index
+
+
+def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.array]],
+                 index: dict, clock: Phases, timeline: list[dict[str, Any]] | None) -> list[mx.array]:
+    """Read the parameters that are file tensors as stored through the slots and put them in the model. The
+    other parameters, to evaluate MLX's way."""
+    by_id: dict[int, list[str]] = {}
+    tensors: dict[int, tuple] = {}
+    rest = []
+    for key, v in params:
+        name = stored.get(id(v), (None,))[0]
+        t = index.get(name) if name is not None else None
+        if t is not None and t[3] == v.dtype and t[4] == tuple(v.shape) and t[2] == v.nbytes:
+            by_id.setdefault(id(v), []).append(key)
+            tensors[id(v)] = t
+        else:
+            rest.append(v)
+    if not tensors:
+        return rest
+    order = sorted(tensors, key=lambda i: (str(tensors[i][0]), tensors[i][1]))  # each file front to back
+    read = _Reader(clock, timeline)
+    try:
+        loaded = [(key, a) for i in order for a in [read(*tensors[i])] for key in by_id[i]]
+    finally:
+        read.close()
+    model.load_weights(loaded, strict=False)
+    return rest
+
+
+class _Reader:
+    """Two staging slots and the open file: a tensor's bytes read into a slot (the GIL let go), copied by the
+    GPU into a new array (queued, not waited for: the other slot takes the next chunk meanwhile)."""
+
+    def __init__(self, clock: Phases, timeline: list[dict[str, Any]] | None) -> None:
+        self.clock, self.timeline = clock, timeline
+        self.slots = [devplanes.staging((SLOT_BYTES,)) for _ in range(2)]
+        self.pending: list[mx.array | None] = [None, None]  # each slot's copy not yet waited for
+        self.turn = 0
+        self.file: Any = None
+        self.path: Path | None = None
+
+    def __call__(self, path: Path, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> mx.array:
+        if path != self.path:
+            if self.file is not None:
+                self.file.close()
+            self.file, self.path = open(path, "rb", buffering=0), path
+        if nbytes == 0:
+            return mx.zeros(shape, dtype)
+        _, unit = next(u for u in _UNITS if nbytes % u[0] == 0)
+        parts = []
+        for at in range(0, nbytes, SLOT_BYTES):
+            n = min(SLOT_BYTES, nbytes - at)
+            parts.append(self._chunk(offset + at, n, unit))
+        flat = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        return flat.view(dtype).reshape(shape)
+
+    def _chunk(self, offset: int, n: int, unit: Any) -> mx.array:
+        began = time.perf_counter()
+        slot, view, _ = self.slots[self.turn]
+        if self.pending[self.turn] is not None:
+            mx.eval(self.pending[self.turn])  # the slot's last copy done before the slot is written again
+        self.file.seek(offset)
+        got, into = 0, memoryview(view)[:n]
+        while got < n:
+            k = self.file.readinto(into[got:])
+            if not k:
+                raise OSError(f"{self.path}: {n - got} bytes short at offset {offset + got} (the file was cut?)")
+            got += k
+        out = slot[:n].view(unit) | 0  # the GPU's copy of the slot into the tensor's own memory
+        mx.async_eval(out)
+        self.pending[self.turn] = out
+        self.turn ^= 1
+        if self.timeline is not None:
+            self.timeline.append({"at_ms": self.clock.elapsed_ms(began),
+                                  "ms": round((time.perf_counter() - began) * 1000, 2), "bytes": n, "read": "mapped"})
+        return out
+
+    def close(self) -> None:
+        mx.eval([p for p in self.pending if p is not None])  # every copy done before the slots go
+        for _, _, release in self.slots:
+            release()
+        self.slots.clear()
+        if self.file is not None:
+            self.file.close()
 
 
 def pieces(arrays: list[mx.array], most: int = PIECE_BYTES) -> Iterator[list[mx.array]]:
