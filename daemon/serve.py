@@ -47,6 +47,7 @@ from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.hot_set import HotSet
 from kvwake.daemon.model.budget import ModelsBudgetError, check_pinned
 from kvwake.daemon.model.kernel_cache import keep_compiled_kernels
+from kvwake.daemon.model import loader
 from kvwake.daemon.model.loader import start_model, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel, ModelProvider
 from kvwake.daemon.model.registry import Registry
@@ -64,8 +65,6 @@ log = logging.getLogger("kvwake.daemon")
 SHUTDOWN_WAIT_S = 120.0
 HTTP_GRACE_S = 10.0  # at stop, open HTTP responses get this long to end
 REMOTE_FLUSH_S = 30.0  # at stop, queued uploads get this long (they stay local either way)
-WARM_HOLD_S = 10.0  # after a restart, the warm-up waits this long at most for the hot set's sessions to wake
-WARM_POLL_S = 0.05
 _STD_ATTRS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -345,13 +344,12 @@ async def _signals(stop: anyio.Event) -> None:
 async def _warm(models: ModelProvider, hot_set: HotSet | None) -> None:
     """Each model's warm-up after the daemon answers, one model at a time (model/loader.py `warm_model`);
     a model loaded later warms as it loads (sessions/models.py). After a restart with a hot set, the warm-up
-    first waits for its sessions' wakes (at most WARM_HOLD_S): their agents come back at once, and a warm-up
-    job that began just before them (a job is not cut) held their wakes (docs/benchmarks.md, "fleet")."""
+    first waits for its sessions' wakes (at most loader.WARM_HOLD_S in all): their agents come back at once, and
+    a warm-up job that began just before them (a job is not cut) held their wakes (docs/benchmarks.md, "fleet")."""
     held = time.monotonic()
-    while hot_set is not None and hot_set.wakes_left() and time.monotonic() - held < WARM_HOLD_S:
-        await anyio.sleep(WARM_POLL_S)
+    left = (lambda: hot_set.wakes_left() and time.monotonic() - held < loader.WARM_HOLD_S) if hot_set else None
     for model in models:
-        await warm_model(model)
+        await warm_model(model, left)
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:

@@ -430,17 +430,23 @@ def test_a_fault_in_the_reader_itself_is_logged_as_an_error_not_taken_for_a_dama
 def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s(monkeypatch):
     """After a restart a warm-up job that began just before the agents came back held their wakes
     (docs/benchmarks.md, "fleet"): the warm-up starts once the hot set's sessions woke, or after WARM_HOLD_S;
-    with no hot set, at once."""
+    with no hot set, at once. (The real warm-up, over a model whose engine thread notes when it is asked for
+    the warm-up's jobs.)"""
+    from types import SimpleNamespace
+
     import anyio
 
     from kvwake.daemon import serve
+    from kvwake.daemon.model import loader
 
     started: list[float] = []
 
-    async def warm(model: str) -> None:
-        started.append(time.monotonic())
+    class Thread:
+        async def run(self, fn):
+            started.append(time.monotonic())
+            return []
 
-    monkeypatch.setattr(serve, "warm_model", warm)
+    model = SimpleNamespace(name="m", thread=Thread(), engine=SimpleNamespace(warm_jobs=list))
 
     class Hot:
         def __init__(self, left: int) -> None:
@@ -453,7 +459,7 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
 
     async def wakes_come() -> float:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve._warm, ["m"], hot)
+            tg.start_soon(serve._warm, [model], hot)
             await anyio.sleep(0.3)
             assert started == []  # two sessions still to wake
             hot.left = 0
@@ -462,12 +468,12 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
     woke = anyio.run(wakes_come)
     assert len(started) == 1 and started[0] >= woke
     started.clear()
-    monkeypatch.setattr(serve, "WARM_HOLD_S", 0.2)
+    monkeypatch.setattr(loader, "WARM_HOLD_S", 0.2)
     began = time.monotonic()
-    anyio.run(serve._warm, ["m"], Hot(1))  # a session that never wakes holds it WARM_HOLD_S at most
+    anyio.run(serve._warm, [model], Hot(1))  # a session that never wakes holds it WARM_HOLD_S at most
     assert len(started) == 1 and 0.2 <= started[0] - began < 5
     started.clear()
-    anyio.run(serve._warm, ["m"], None)
+    anyio.run(serve._warm, [model], None)
     assert len(started) == 1
 
 

@@ -260,3 +260,34 @@ def test_a_loads_reader_reads_its_sessions_those_added_while_it_reads_and_none_l
     assert all(tier.get(k) is not None for k in keys["b"])
     reader.stop()
     assert tier.prefetched_bytes == 0
+
+
+async def test_a_models_warm_up_after_a_load_on_demand_waits_for_the_turn_that_loaded_it(tmp_path, models,
+                                                                                       monkeypatch):
+    """A job of the warm-up is not cut: one that began as the load ended held the reloaded model's first wake
+    (H200: its wake 720 ms against 209 ms, docs/benchmarks.md, "Several models"). The warm-up now waits while
+    operations on the model run or wait for it (model/loader.py `warm_model`'s `until_idle`)."""
+    from kvwake.daemon.sessions import models as keeping
+
+    asked, began = [], []
+
+    async def warm(model, until_idle=None):
+        asked.append(until_idle is not None and bool(until_idle()))
+        while until_idle is not None and until_idle():
+            await asyncio.sleep(0.005)
+        began.append(time.monotonic())
+
+    manager, store = manager_on(tmp_path, models)
+    try:
+        await asleep_on_small(manager)
+        monkeypatch.setattr(keeping, "warm_model", warm)
+        await turn(manager, "s", "and then?")
+        ended = time.monotonic()
+        for _ in range(200):
+            if began:
+                break
+            await asyncio.sleep(0.01)
+        assert asked == [True], "the turn that waited for the load was in use as the warm-up began"
+        assert began and began[0] >= ended - 0.05, "the warm-up went on before the turn was done"
+    finally:
+        stop_manager(manager, store)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from kvwake.daemon.config import Settings
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.model import kernel_cache, memory, switching
@@ -23,7 +25,7 @@ from kvwake.daemon.model.registry import ModelSpec
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 
-__all__ = ["release_mlx_streams", "start_model", "stop_model", "warm_model"]
+__all__ = ["WARM_HOLD_S", "WARM_POLL_S", "release_mlx_streams", "start_model", "stop_model", "warm_model"]
 
 log = logging.getLogger("kvwake.models")
 
@@ -98,11 +100,21 @@ def stop_model(model: LoadedModel) -> None:
     log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
-async def warm_model(model: LoadedModel) -> None:
+# a warm-up waits this long at most for the requests it would hold back (`warm_model`'s `until_idle`)
+WARM_HOLD_S = 10.0
+WARM_POLL_S = 0.05
+
+
+async def warm_model(model: LoadedModel, until_idle: Callable[[], Any] | None = None) -> None:
     """The model's warm-up (CUDA: batch sizes' kernels, attention paths' costs) as idle jobs one at a time:
     requests go first (a wake after a restart, a prefill), and one that comes while a warm-up job runs waits
     for that one alone. A shape a request needs before its warm-up ran is built by the request itself, as
-    it would be unwarmed."""
+    it would be unwarmed. `until_idle`: the warm-up first waits while it returns true, WARM_HOLD_S at most (the
+    requests that came with the start or the load: a job is not cut, so one that began just before them would
+    hold them, as a restart's wakes were, docs/benchmarks.md, "fleet", and a reloaded model's first wake)."""
+    held = time.monotonic()
+    while until_idle is not None and until_idle() and time.monotonic() - held < WARM_HOLD_S:
+        await anyio.sleep(WARM_POLL_S)
     started, took = time.perf_counter(), []
     try:
         jobs = await model.thread.run(model.engine.warm_jobs)

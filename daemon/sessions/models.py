@@ -251,7 +251,9 @@ class ModelKeeping(ModelRoom):
             self._bind_noted(model)
             self.fit_rooms()
             self._load_ms[spec.name] = round((time.perf_counter() - started) * 1000, 1)
-        warming = asyncio.get_running_loop().create_task(warm_model(model))  # as the start's models warm
+        # as the start's models warm, once the operations that waited for the load have run (a reloaded model's
+        # first wake waited for a warm-up job that began just before it)
+        warming = asyncio.get_running_loop().create_task(warm_model(model, lambda: self._in_use(spec.name)))
         self._warming.add(warming)  # held: the loop keeps only weak references to tasks
         warming.add_done_callback(self._warming.discard)
         log.info("model loaded", extra={"model": spec.name, "bundle": model.bundle.hash,
