@@ -81,8 +81,10 @@ def test_from_vector_rows_mlxs_quantized_product_is_never_called(monkeypatch):
 def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
     """A real daemon on a 4-bit model (`mlx_lm convert -q` of the tiny one): on CUDA its quantized layers take
     the products by rows and status counts them (a 300-token append dequantized, a lone call's decode steps
-    by the vector kernel, two calls decoding together by kvwake's kernel where it takes the layer: the down
-    projections, of an inner size of 128); elsewhere the layers are MLX's own and status says null."""
+    by the vector kernel, two calls decoding together by kvwake's kernel, which takes every layer of a hidden
+    size of 128); elsewhere the layers are MLX's own and status says null. (Not the tests' hidden size of 64:
+    MLX 0.32.4's own product of two rows by a 4-bit weight with 64 inputs never ends on CUDA, mlx-lm's
+    BatchGenerator included: bench/q4_hang.py, docs/benchmarks.md "4-bit products".)"""
     import threading
 
     from mlx_lm import convert
@@ -90,8 +92,8 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
     from testkit.daemon import Daemon
     from testkit.tinymodel import make_model_dir
 
-    convert(hf_path=str(make_model_dir(tmp_path / "src")), mlx_path=str(tmp_path / "q4"), quantize=True,
-            q_group_size=64, q_bits=4)
+    convert(hf_path=str(make_model_dir(tmp_path / "src", hidden_size=128, intermediate_size=256)),
+            mlx_path=str(tmp_path / "q4"), quantize=True, q_group_size=64, q_bits=4)
     (tmp_path / "d").mkdir()
     d = Daemon(tmp_path / "d", tmp_path / "q4").start()
     try:
@@ -127,7 +129,7 @@ def test_a_quantized_models_daemon_says_how_its_products_went(tmp_path):
             assert q["kernel_rows"] == quantized_kernel.ROWS
             products = q["products"]
             assert products["dequantized"] >= q["layers"] and products["vector"] >= 3 * q["layers"]
-            assert products["kernel"] >= 2  # the two down projections of a step of two rows, at least once
+            assert products["kernel"] >= q["layers"]  # every layer's product of a step of two rows, at least once
     finally:
         assert d.stop() == 0
 
