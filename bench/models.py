@@ -216,6 +216,9 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
                                 "blocks": {"memory": traced.get("wake_blocks_from_memory"),
                                            "disk": traced.get("wake_blocks_from_disk")},
                                 "phases_ms": traced.get("wake_phases_ms")},
+            # the load's reader of the turn's blocks (sessions/read_ahead.py): how long its reading took against
+            # the load, what it read (a wake waits for a block still in its flight)
+            "read_ahead": served.get("read_ahead"),
             "load_s": load_s, "load_phases_ms": served["load_phases_ms"], "bound_s": round(bound, 3),
             "first_turn_over_bound": round(turn_s / bound, 3), "target": "<= load + 1.2x wake",
             "met": turn_s <= bound,
