@@ -33,6 +33,8 @@
 #   cpuwake   issue 50, point 7 on a many-core host: `resume` at 4k and 16k tokens with MLX on the CPU (a 1B-shaped
 #             model, its KV a short prefill's tiled):
 #             the wake against the host's cores x one core's verified read
+#   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory, read, mapped, and a plain copy
+#             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
 #   hybrid-prefill  mlx-lm's own prefill of 10,709 tokens on the hybrid shape and on its cousin (no kvwake):
 #             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
 #   parts     where a batched decode step's time goes (bench/step_parts.py): the step, its graph's building,
@@ -219,6 +221,7 @@ run_part() {
               python3 bench/capture_kv.py /tmp/m1b --tokens 256 --out /tmp/m1b-kv.npz >/dev/null 2>&1
               python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096,16384 --synthetic /tmp/m1b-kv.npz \
                 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;
+    cpuscale) python3 bench/cpu_scaling.py --rounds 3 | tee "$OUT/cpu_scaling.jsonl" ;;
     hybrid-prefill) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
