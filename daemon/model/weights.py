@@ -159,6 +159,7 @@ class _Reader:
         self.slots = [devplanes.staging((SLOT_BYTES,)) for _ in range(2)]
         self.pending: list[mx.array | None] = [None, None]  # each slot's copy not yet waited for
         self.turn = 0
+        self.outs: list[mx.array] = []  # every tensor read, evaluated by `close`
         self.file: Any = None
         self.path: Path | None = None
 
@@ -174,8 +175,10 @@ class _Reader:
         for at in range(0, nbytes, SLOT_BYTES):
             n = min(SLOT_BYTES, nbytes - at)
             parts.append(self._chunk(offset + at, n, unit))
-        flat = parts[0] if len(parts) == 1 else mx.concatenate(parts)
-        return flat.view(dtype).reshape(shape)
+        out = (parts[0] if len(parts) == 1 else mx.concatenate(parts)).view(dtype).reshape(shape)
+        mx.async_eval(out)  # a large tensor's join queued now: its chunks freed as it runs, not at a first forward
+        self.outs.append(out)
+        return out
 
     def _chunk(self, offset: int, n: int, unit: Any) -> mx.array:
         began = time.perf_counter()
@@ -199,7 +202,7 @@ class _Reader:
         return out
 
     def close(self) -> None:
-        mx.eval([p for p in self.pending if p is not None])  # every copy done before the slots go
+        mx.eval(self.outs, [p for p in self.pending if p is not None])  # every copy done before the slots go
         for _, _, release in self.slots:
             release()
         self.slots.clear()
