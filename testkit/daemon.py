@@ -6,8 +6,10 @@ not depend on the client library they would otherwise be testing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -87,7 +89,9 @@ class Daemon:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:  # hung: SIGABRT makes its faulthandler write every thread's stack
-            self.proc.send_signal(signal.SIGABRT)  # into the log, shown here with the failure
+            with contextlib.suppress(OSError, AttributeError):  # into the log, shown here with the failure; no core
+                resource.prlimit(self.proc.pid, resource.RLIMIT_CORE, (0, 0))  # file of a process holding GPU memory
+            self.proc.send_signal(signal.SIGABRT)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

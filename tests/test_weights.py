@@ -105,3 +105,49 @@ def test_weights_read_is_mapped_or_mlx(tmp_path):
         Tuning(weights_read="mmap")
     with pytest.raises(ValueError, match="mapped or mlx"):
         weights.load(str(make_model_dir(tmp_path / "m")), read="mmap")
+
+
+def test_a_tensor_its_sanitize_changed_in_place_is_not_read_from_its_file(tmp_path):
+    """An in-place operator keeps the Python object mlx.load made: falcon_h1's sanitize scales its weights by
+    the config's multipliers with `*=` when a checkpoint comes in the hub's layout (conv weights [C, 1, K]).
+    Those tensors are evaluated MLX's way (weights._bare_load), the others still read mapped."""
+    import json
+
+    folder = make_model_dir(tmp_path / "m", arch="falcon_h1")
+    file = next(folder.glob("model*.safetensors"))
+    hub = {k: (v.transpose(0, 2, 1) if "conv1d.weight" in k else v) for k, v in mx.load(str(file)).items()}
+    mx.save_safetensors(str(file), hub, metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "embedding_multiplier": 3.0, "lm_head_multiplier": 0.5}))
+    want = dict(tree_flatten(mlx_lm.load(str(folder))[0].parameters()))
+    timeline: list[dict] = []
+    model, _ = weights.load(str(folder), read="mapped", timeline=timeline)
+    same_bits(dict(tree_flatten(model.parameters())), want)
+    assert {p["read"] for p in timeline} == {"mapped", "mlx"}  # the scaled ones MLX's, the rest mapped
+
+
+def test_the_readers_slots_and_file_are_let_go_when_its_wait_fails(tmp_path, monkeypatch):
+    from kvwake.daemon.kv import devplanes
+
+    released = []
+    staging = devplanes.staging
+
+    def noted(shape):
+        a, view, release = staging(shape)
+        return a, view, lambda: (released.append(shape), release())
+
+    monkeypatch.setattr(devplanes, "staging", noted)
+    folder = make_model_dir(tmp_path / "m")
+    reader = weights._Reader(weights.Phases(), None)
+    name, (path, offset, nbytes, dtype, shape) = next(iter(weights._index(folder).items()))
+    reader(path, offset, nbytes, dtype, shape)
+    file = reader.file
+
+    def fails(*args):
+        raise RuntimeError("the device is gone")
+
+    monkeypatch.setattr(weights.mx, "eval", fails)
+    with pytest.raises(RuntimeError, match="gone"):
+        reader.close()
+    monkeypatch.undo()
+    assert len(released) == 2 and file.closed and reader.slots == []

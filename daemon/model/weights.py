@@ -18,16 +18,19 @@ step. Here the model is built lazily and its weights are read a piece at a time,
 
 Which tensors the mapped way reads is found by identity, not by name: mlx-lm's `load_model` hands the arrays
 its `mx.load` made to the model class's `sanitize` (hooked here for that call) and then to the model; a
-parameter that is still one of those objects is that file tensor's bytes, unchanged. Anything `sanitize` made
-or changed, and any tensor of a dtype this module does not map, is evaluated MLX's way.
+parameter that is still one of those objects, and still nothing but mx.load's read (an in-place operator keeps
+the object: `_bare_load`), is that file tensor's bytes, unchanged. Anything `sanitize` made or changed, and any
+tensor of a dtype this module does not map, is evaluated MLX's way.
 docs/decisions.md, "Several models (issue 53)", says what was measured.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +136,7 @@ def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[in
     for key, v in params:
         name = stored.get(id(v), (None,))[0]
         t = index.get(name) if name is not None else None
-        if t is not None and t[3] == v.dtype and t[4] == tuple(v.shape) and t[2] == v.nbytes:
+        if t is not None and t[3] == v.dtype and t[4] == tuple(v.shape) and t[2] == v.nbytes and _bare_load(v):
             by_id.setdefault(id(v), []).append(key)
             tensors[id(v)] = t
         else:
@@ -150,18 +153,34 @@ def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[in
     return rest
 
 
+def _bare_load(a: mx.array) -> bool:
+    """Whether `a` is still nothing but mx.load's read of its file tensor: an in-place operator of a `sanitize`
+    (`w *= scale`: falcon_h1's multipliers) keeps the Python object and puts another graph behind it. Read from
+    MLX's graph export (a few microseconds); a graph it does not recognize as one Load is evaluated MLX's way."""
+    graph = io.StringIO()
+    mx.export_to_dot(graph, a)
+    return re.findall(r'label ="([^"]*)"', graph.getvalue()) == ["Load"]
+
+
 class _Reader:
     """Two staging slots and the open file: a tensor's bytes read into a slot (the GIL let go), copied by the
     GPU into a new array (queued, not waited for: the other slot takes the next chunk meanwhile)."""
 
     def __init__(self, clock: Phases, timeline: list[dict[str, Any]] | None) -> None:
         self.clock, self.timeline = clock, timeline
-        self.slots = [devplanes.staging((SLOT_BYTES,)) for _ in range(2)]
         self.pending: list[mx.array | None] = [None, None]  # each slot's copy not yet waited for
         self.turn = 0
         self.outs: list[mx.array] = []  # every tensor read, evaluated by `close`
         self.file: Any = None
         self.path: Path | None = None
+        # (a slot is kept alive here while its copies run: the copy's output never takes the slot's memory over)
+        self.slots: list[tuple[mx.array, Any, Callable[[], None]]] = []
+        try:
+            for _ in range(2):
+                self.slots.append(devplanes.staging((SLOT_BYTES,)))
+        except BaseException:
+            self._release()
+            raise
 
     def __call__(self, path: Path, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> mx.array:
         if path != self.path:
@@ -202,12 +221,18 @@ class _Reader:
         return out
 
     def close(self) -> None:
-        mx.eval(self.outs, [p for p in self.pending if p is not None])  # every copy done before the slots go
+        try:
+            mx.eval(self.outs, [p for p in self.pending if p is not None])  # every copy done before the slots go
+        finally:  # (a failed wait too: the slots' memory must not go back to MLX still mapped to the host)
+            self._release()
+
+    def _release(self) -> None:
         for _, _, release in self.slots:
             release()
         self.slots.clear()
         if self.file is not None:
             self.file.close()
+            self.file = None
 
 
 def pieces(arrays: list[mx.array], most: int = PIECE_BYTES) -> Iterator[list[mx.array]]:
