@@ -1,4 +1,5 @@
-"""Plain-ops prefill attention (daemon/model/attention.py): the same numbers as the fused kernel, swapped in and out."""
+"""Plain-ops prefill attention (daemon/model/attention.py): the same numbers as the fused kernel, swapped in and out;
+and the host path (numpy, the CPU's) as exact as the fused kernel."""
 
 from __future__ import annotations
 
@@ -559,3 +560,83 @@ def test_a_bucket_is_built_for_the_layers_own_kv_dtype_and_shape(model, monkeypa
     like = mx.zeros((1, 2, 512, 32), mx.float16)
     assert attention.warm_bucket(model, 64, 512, like=like)
     assert seen[-1] == ((1, 2, 512, 32), mx.float16, mx.float16)
+
+
+# -- the host path: a prefill chunk's attention by numpy on the CPU ----------------------------------------
+
+
+@pytest.mark.parametrize("q_len,mask", [(2, "causal"), (35, "causal"), (200, None)])
+def test_host_attention_is_as_exact_as_the_fused_kernel(q_len, mask):
+    from kvwake.daemon.model.attention import host_attention
+
+    shapes = {"q": (1, 8, q_len, 64), "k": (1, 2, 700, 64), "v": (1, 2, 700, 64)}
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(mx.bfloat16) for i, s in enumerate(shapes.values()))
+    scale = 64 ** -0.5
+    q64, k64, v64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+    if mask is None:  # unmasked: every query sees every key
+        rep = 8 // 2
+        scores = (q64 * scale) @ np.repeat(k64, rep, axis=1).swapaxes(-1, -2)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = (probs / probs.sum(-1, keepdims=True)) @ np.repeat(v64, rep, axis=1)
+    else:
+        exact = float64_attention(q64, k64, v64, scale)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    host = host_attention(None)(q, k, v, None, scale, mask)
+    fused_error, host_error = (np.abs(np.array(x.astype(mx.float32)) - exact).max() for x in (fused, host))
+    assert host.dtype == mx.bfloat16 and host.shape == fused.shape
+    assert host_error <= fused_error * 1.1 + 1e-6, (host_error, fused_error)
+
+
+def test_host_attention_goes_in_pieces_of_queries_and_leaves_what_it_does_not_take_to_the_fused_kernel(monkeypatch):
+    from kvwake.daemon.model import attention
+
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(mx.bfloat16)
+               for i, s in enumerate([(1, 4, 40, 16), (1, 2, 300, 16), (1, 2, 300, 16)]))
+    whole = attention.host_attention(None)(q, k, v, None, 0.25, "causal")
+    monkeypatch.setattr(attention, "HOST_MAX_BYTES", 4 * 300 * 4 * 3)  # pieces of 3 queries
+    pieces = attention.host_attention(None)(q, k, v, None, 0.25, "causal")
+    assert mx.array_equal(whole, pieces).item()
+    fused_calls = []
+
+    def fused(*args, **kwargs):
+        fused_calls.append(args[0].shape[2])
+        return mx.fast.scaled_dot_product_attention(args[0], args[1], args[2], scale=kwargs["scale"], mask=kwargs["mask"])
+
+    host = attention.host_attention(fused)
+    host(q[:, :, :1], k, v, None, 0.25, None)  # one query: the decode kernel
+    host(q, k, v, None, 0.25, mx.ones((40, 300), dtype=mx.bool_))  # an array mask (a window, a pack)
+    host(q, k, v, None, 0.25, "causal", sinks=mx.zeros((4,)))  # attention sinks
+    assert fused_calls == [1, 40, 40]
+
+
+def test_the_engine_takes_the_host_path_on_the_cpu_and_beside_decoding_only_for_a_small_chunk(model_dir, tmp_path,
+                                                                                              monkeypatch):
+    """Whole chunks (nobody decodes) take it; beside a decoding call a chunk runs whole on the host only where its
+    attention's work is at most HOST_BESIDE_FLOPS (numpy cannot be sliced by layers), else MLX's way, sliced.
+    (It is the CPU's default: every exact sleep-and-wake test here prefills through it.)"""
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.generation import GenerateParams
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=32)
+    assert engine.planner.host_prefill == (mx.default_device() == mx.cpu)
+    engine.planner.host_prefill = True
+    used, real = [], attention.host_attention
+    monkeypatch.setattr(attention, "host_attention", lambda f: used.append(1) or real(f))
+    engine.append(Session("alone"), tokens=list(range(1, 80)))  # chunks of 32, 32, 14
+    assert len(used) == 3
+    talker = Session("talker")
+    engine.append(talker, tokens=[5, 6, 7])
+    engine.decoder.join(engine.start_call(talker, GenerateParams(max_tokens=4)))  # a call decodes from now on
+    used.clear()
+    engine.append(Session("small"), tokens=list(range(1, 20)))
+    assert len(used) == 1  # the tiny model's chunk is far below the bound
+    monkeypatch.setattr(attention, "HOST_BESIDE_FLOPS", 0.0)
+    used.clear()
+    engine.append(Session("sliced"), tokens=list(range(1, 20)))
+    assert used == []
+    engine.close()
+    store.close()
