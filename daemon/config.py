@@ -111,9 +111,6 @@ class Tuning:
     # True: `serve` leaves PyTorch and the other frameworks it never runs importable, and transformers'
     # scan of its models as it comes (a slower start, for comparison: daemon/imports.py)
     import_frameworks: bool = False
-    # a prefill chunk's attention computed by numpy (BLAS, float32) where MLX computes on the CPU, whose own
-    # kernels run it element by element (model/attention.py `host_attention`); None: on the CPU backend only
-    host_prefill: bool | None = None
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True

@@ -21,12 +21,9 @@ the duration of one prefill chunk on the engine thread (the only thread that
 runs MLX). Scores, softmax and the weighted sum are float32 (the scores take
 H x L x K x 4 bytes), as the fused kernels compute them: above `PLAIN_MAX_BYTES`
 the fused kernel runs as before, as it does for quantized KV, attention sinks
-and array masks. Only where MLX would build cuDNN graphs (CUDA): Metal's
+and array masks. Only where MLX would build cuDNN graphs (CUDA): on the CPU
+MLX already runs attention in plain ops (in the input dtype), and Metal's
 kernels are not built per shape.
-
-On the CPU a chunk's attention goes to numpy instead (`host_attention`, tuning
-`host_prefill`): MLX's CPU backend computes attention, fused or in plain ops,
-element by element, where numpy's products are BLAS and its exp vectorized.
 """
 
 from __future__ import annotations
@@ -41,17 +38,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 
-__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "HOST_BESIDE_FLOPS", "HOST_MAX_BYTES", "LIKELY_BUCKETS", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES",
+__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES",
            "PathCosts", "attention_module", "bucket_shape", "bucket_wanted", "bucketed_attention",
-           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "host_attention",
-           "host_flops", "host_wanted",
-           "key_ladder", "on_cuda",
+           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "key_ladder", "on_cuda",
            "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
            "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
 
@@ -143,74 +137,6 @@ def plain_attention(fused: Any, max_queries: int = PLAIN_MAX_QUERIES) -> Any:
             pieces.append(mx.softmax(scores, axis=-1) @ v32)  # float32 throughout
         out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2)
         return out.reshape(b, heads, q_len, -1).astype(values.dtype)
-    return attention
-
-
-# a host chunk's float32 scores per piece of its queries (all heads): a 512-token chunk over 32k keys and 32
-# heads goes in pieces of 64 queries
-HOST_MAX_BYTES = 256 << 20
-
-
-def host_wanted(setting: bool | None = None) -> bool:
-    """Whether prefill chunks take `host_attention` (tuning `host_prefill`; None: where MLX computes on the CPU)."""
-    return mx.default_device() == mx.cpu if setting is None else setting
-
-
-# beside a decoding neighbour a chunk runs whole on the host (numpy evaluates as the graph is built: it cannot
-# be sliced by layers), so only where its attention's work is a few of the neighbour's steps at most; larger,
-# it runs MLX's way, sliced
-HOST_BESIDE_FLOPS = 2e9
-
-
-def host_flops(model: Any, queries: int, keys: int) -> float:
-    """The attention work (multiply-adds of scores and sums, times two) of a chunk of `queries` over `keys` in
-    every layer of `model`; infinite where its shape is not known."""
-    args = getattr(text_model(model), "args", None)
-    layers = getattr(args, "num_hidden_layers", None)
-    heads = getattr(args, "num_attention_heads", None)
-    dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // heads if heads else None)
-    if not (layers and heads and dim):
-        return float("inf")
-    return 4.0 * layers * heads * dim * queries * keys
-
-
-def host_attention(fused: Any) -> Any:
-    """mlx-lm's `scaled_dot_product_attention` signature: a prefill chunk's attention by numpy, on the CPU.
-
-    MLX's CPU backend computes attention element by element (its fused kernel, and its matmul and exp in
-    plain ops: about 1-2 GFLOP/s on this project's Linux machine), where numpy's matrix products are BLAS and
-    its exp vectorized: a 380-token chunk over 2,500 keys of the test kit's model took 150 ms a layer fused,
-    14 ms here (docs/benchmarks.md, "fleet", S42). Scores, softmax and the weighted sum in float32 (as the fused
-    kernels of a GPU keep them; MLX's CPU kernel works in the inputs' dtype), grouped-query heads by reshape, the
-    queries in pieces whose scores take HOST_MAX_BYTES at most. Causal or unmasked chunks of 2 or more queries
-    over plain KV; anything else (one query, quantized KV, attention sinks, an array mask: a sliding window, a
-    packed batch) runs `fused`."""
-    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
-                  mask: Any, sinks: mx.array | None = None) -> mx.array:
-        b, heads, q_len, dim = queries.shape
-        causal = isinstance(mask, str) and mask == "causal"
-        if (q_len < 2 or hasattr(cache, "bits") or not isinstance(keys, mx.array) or sinks is not None
-                or not (mask is None or causal) or keys.shape[2] < q_len):
-            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        k_len = keys.shape[2]
-        kv_heads = keys.shape[1]
-        group = heads // kv_heads
-        q = np.asarray(queries.astype(mx.float32)).reshape(b, kv_heads, group, q_len, dim) * np.float32(scale)
-        k = np.asarray(keys.astype(mx.float32))[:, :, None].swapaxes(-1, -2)  # [b, kv, 1, dim, k_len]
-        v = np.asarray(values.astype(mx.float32))[:, :, None]
-        out = np.empty((b, kv_heads, group, q_len, v.shape[-1]), np.float32)
-        rows = max(1, HOST_MAX_BYTES // (heads * k_len * 4))
-        for start in range(0, q_len, rows):
-            end = min(q_len, start + rows)
-            scores = q[..., start:end, :] @ k
-            if causal:  # query i sits at key position k_len - q_len + i and sees keys up to it
-                at = np.arange(k_len - q_len + start, k_len - q_len + end)[:, None]
-                scores[..., np.arange(k_len)[None] > at] = -np.inf
-            scores -= scores.max(-1, keepdims=True)
-            np.exp(scores, out=scores)
-            scores /= scores.sum(-1, keepdims=True)
-            np.matmul(scores, v, out=out[..., start:end, :])
-        return mx.array(out.reshape(b, heads, q_len, -1)).astype(values.dtype)
     return attention
 
 

@@ -196,8 +196,6 @@ class Engine(Appending):
         self.planner = PrefillPlanner(
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
-            # the CPU: numpy's attention, not MLX's (where the plain path is taken, CUDA's, it is not)
-            host_prefill=attention.host_wanted(tuning.host_prefill) and not attention.wanted(),
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
             pack_prefill=packing.wanted(tuning.pack_prefill) and self.decode_mode == "batched" and
             packing.packable_model(self.model),

@@ -84,11 +84,9 @@ class PrefillPlanner:
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False,
-                 host_prefill: bool = False) -> None:
+                 gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
-        self.host_prefill = host_prefill  # the CPU: a chunk's attention by numpy (attention.host_attention)
         self.slice_of_step, self.gather_s, self.first_s = slice_of_step, gather_s, first_s
         self.one_at_a_time = one_at_a_time and not pack_prefill
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
@@ -208,14 +206,9 @@ class PrefillPlanner:
         return chunk
 
     def _path(self, session: Session, n: int, end: int, sliced: bool) -> tuple[str, Callable[[Any], Any] | None]:
-        """The attention path of a chunk of n tokens of the session's (to `end`): ("host" | "plain" | "bucket" |
+        """The attention path of a chunk of n tokens of the session's (to `end`): ("plain" | "bucket" |
         "fused", what makes its attention from the model's fused one; None: the fused one itself). Records
         the shapes run fused, and those run plain beside decoding."""
-        # On the CPU numpy's BLAS computes a chunk's attention ten times as fast as MLX's CPU kernels; beside
-        # a decoding neighbour only a chunk short enough to run whole (attention.HOST_BESIDE_FLOPS)
-        if self.host_prefill and n >= 2 and (not sliced or
-                                             attention.host_flops(self.model, n, end) <= attention.HOST_BESIDE_FLOPS):
-            return "host", attention.host_attention
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
