@@ -475,6 +475,10 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
     started.clear()
     anyio.run(serve._warm, [model], None)
     assert len(started) == 1
+    started.clear()
+    model.thread.alive = False  # a model unloaded while its warm-up waited: no job asked of its stopped thread
+    anyio.run(serve._warm, [model], None)
+    assert started == []
 
 
 def test_a_wake_refused_for_its_snapshots_bundle_lets_its_blocks_read_ahead_go():

@@ -115,6 +115,8 @@ async def warm_model(model: LoadedModel, until_idle: Callable[[], Any] | None = 
     held = time.monotonic()
     while until_idle is not None and until_idle() and time.monotonic() - held < WARM_HOLD_S:
         await anyio.sleep(WARM_POLL_S)
+    if not getattr(model.thread, "alive", True):  # unloaded while it waited: nothing to warm, nothing failed
+        return
     started, took = time.perf_counter(), []
     try:
         jobs = await model.thread.run(model.engine.warm_jobs)

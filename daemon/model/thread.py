@@ -308,6 +308,11 @@ class EngineThread:
         self.scheduler.stop()
         self._thread.join(timeout=60)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs jobs (not stopped: its model not unloaded)."""
+        return self._thread.is_alive()
+
 
 def _name(fn: Callable[..., Any]) -> str:
     """A job's name from its function: `Engine.prefill` for a lambda made in Engine.prefill."""
