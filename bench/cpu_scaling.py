@@ -1,8 +1,8 @@
 """Probe: why a wake's verified reads stop scaling on many cores (issue 50, point 7).
 
-On the GPU machine's 16-core host (S42, device part `cpuwake`) the bench's decode of a session's blocks reached 2.0-2.2
-GB/s on 16 threads against 0.70-0.94 on one. This times the same block work on 1, 2, 4, ... threads, several ways, so
-the part that does not scale shows: each block a file of a 1B-shaped block (16 layers of K and V, 8 heads x 64, 128
+On a many-core host the resume bench's decode of a session's blocks over every core reached a few times one core's
+rate, not the cores' count (docs/benchmarks.md, "Wake on the CPU"). This times the same block work on 1, 2, 4, ...
+threads, several ways, so the part that does not scale shows: each block a file of a 1B-shaped block (16 layers of K and V, 8 heads x 64, 128
 tokens, bf16: 4 MiB raw), planes-zstd, verified, decoded into each thread's own arrays:
 
 - `memory`: `decode_into` from bytes already in memory (the codec alone: zstd, the planes' join, BLAKE3, Python);

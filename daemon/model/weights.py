@@ -8,10 +8,10 @@ step. Here the model is built lazily and its weights are read a piece at a time,
 - "mapped" (CUDA's default): each tensor kvwake finds in the model's safetensors files as it is stored is read
   by this module into a staging slot of managed memory kept on the host and mapped for the GPU (kv/devplanes.py's
   staging, as a wake's ring), and a GPU op copies it into the tensor's device memory, reading the slot in place.
-  MLX's own load reads into pageable memory and copies it with `cudaMemcpyAsync`: beside another model's decode
-  steps that copy made their slow steps 2.5-2.9x their median, a copy from managed memory the GPU faults in
-  4.5-4.9x, the mapped slot 1.2x, about what the file's reading alone costs them (bench/load_interference.py;
-  docs/benchmarks.md, "Several models"). It is also the faster read.
+  MLX's own load reads into pageable memory and copies it with `cudaMemcpyAsync`, and beside another model's
+  decode steps those copies slowed the steps several times over; a copy from managed memory the GPU faults in,
+  more; the mapped slot about as little as reading the file alone (bench/load_interference.py; docs/benchmarks.md,
+  "Several models"). It is also the faster read.
 - "mlx": MLX's own, evaluated in pieces of whole tensors up to PIECE_BYTES (a tensor larger than that is a piece
   of its own), so a GIL wait is at most one piece's read. Elsewhere than CUDA it is the default: on unified
   memory (Metal) or the CPU, MLX reads the file into the array's memory once, where a slot would copy twice.
