@@ -25,11 +25,13 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from kvwake.daemon.kv import devplanes
+from kvwake.daemon.model.kernel_cache import safetensors_header
 
 PIECE = 32 << 20
 
@@ -41,12 +43,9 @@ def make_file(path: str, gib: float) -> list[tuple[str, int, int]]:
         tensors = {f"t{i}": mx.random.normal((PIECE // 2 // 4096, 4096)).astype(mx.bfloat16) for i in range(n)}
         mx.save_safetensors(path, tensors)
         del tensors
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    base = 8 + size
+    header, base = safetensors_header(Path(path))
     return sorted(((k, base + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
-                   for k, v in header.items() if k != "__metadata__"), key=lambda t: t[1])
+                   for k, v in header.items()), key=lambda t: t[1])
 
 
 def drop_cache(path: str) -> None:

@@ -47,6 +47,16 @@ def test_a_load_evaluates_its_weights_in_pieces_and_matches_mlx_lm(tmp_path, mon
     assert tokenizer.encode("hello") == want_tokenizer.encode("hello")
 
 
+def ops_behind(a: mx.array) -> list[str]:
+    """The operations MLX still has to run to compute `a` (none once it is evaluated)."""
+    import io
+    import re
+
+    graph = io.StringIO()
+    mx.export_to_dot(graph, a)
+    return re.findall(r'label ="([^"]*)"', graph.getvalue())
+
+
 def same_bits(got: dict, want: dict) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
@@ -72,7 +82,10 @@ def test_a_mapped_read_gives_mlx_lms_weights_bit_for_bit_each_file_tensor_read_t
     timeline: list[dict] = []
     model, tokenizer = weights.load(str(folder), read="mapped", timeline=timeline)
     assert type(model) is type(want_model)  # its own class back, not the load's hook
-    same_bits(dict(tree_flatten(model.parameters())), want)
+    got = dict(tree_flatten(model.parameters()))
+    # every parameter evaluated by the load (a chunked tensor's join too), none left for the first forward
+    assert all(ops_behind(v) == [] for v in got.values()), [k for k, v in got.items() if ops_behind(v)]
+    same_bits(got, want)
     mapped = sum(p["bytes"] for p in timeline if p["read"] == "mapped")
     assert mapped == sum(v.nbytes for v in want.values()), "every parameter is a file tensor: all read mapped"
     assert all(p["bytes"] <= 4096 for p in timeline)

@@ -26,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -35,8 +34,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "start_early", "text_config",
-           "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "safetensors_header",
+           "start_early", "text_config", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -44,15 +43,23 @@ PARTS = ("forward", "compaction")
 # (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
 
 
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (its tensors by name, "__metadata__" left out) and where its data begins (read
+    here, where the warmer's early start imports nothing heavy; model/weights.py reads the tensors by it)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def weights_dtype(model_path: Path) -> str:
     """The dtype name ("bfloat16", "float16", "float32") of the model's norm weights, read from the first
     safetensors file's header: what its activations and KV are computed in (a quantized model's too)."""
     names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     for path in sorted(Path(model_path).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        kinds = [v["dtype"] for k, v in header.items() if k != "__metadata__" and "norm" in k]
+        header, _ = safetensors_header(path)
+        kinds = [v["dtype"] for k, v in header.items() if "norm" in k]
         if kinds:
             return names.get(kinds[0], "float32")
     return "bfloat16"

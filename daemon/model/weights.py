@@ -27,7 +27,6 @@ docs/decisions.md, "Several models (issue 53)", says what was measured.
 from __future__ import annotations
 
 import io
-import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, load_tokenizer
 
 from kvwake.daemon.kv import cudart, devplanes
+from kvwake.daemon.kv.restore_buffers import MX_DTYPES
+from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
 __all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces"]
@@ -48,10 +49,6 @@ PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its p
 # tensor is read in chunks of this size, joined on the device
 SLOT_BYTES = 32 << 20
 READS = ("mapped", "mlx")
-# safetensors' dtypes as MLX's (the ones a model folder holds; any other tensor is read MLX's way)
-_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "I8": mx.int8, "U8": mx.uint8,
-           "I16": mx.int16, "U16": mx.uint16, "I32": mx.int32, "U32": mx.uint32, "I64": mx.int64,
-           "U64": mx.uint64, "BOOL": mx.bool_}
 _UNITS = ((4, mx.uint32), (2, mx.uint16), (1, mx.uint8))  # the widest unit a chunk's copy moves
 
 
@@ -112,17 +109,14 @@ def _recording(stored: dict[int, tuple[str, mx.array]]) -> Any:
 
 
 def _index(model_path: Path) -> dict[str, tuple[Path, int, int, Any, tuple[int, ...]]]:
-    """Every tensor of the folder's safetensors files: name -> (file, offset, bytes, MLX dtype or None,
-    shape), from their headers."""
+    """Every tensor of the folder's safetensors files: name -> (file, offset, bytes, MLX dtype or None (one the
+    store does not name: read MLX's way), shape), from their headers."""
     index = {}
     for file in sorted(model_path.glob("model*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
+        header, base = safetensors_header(file)
         for name, t in header.items():
-            if name != "__metadata__":
-                first, end = t["data_offsets"]
-                index[name] = (file, 8 + size + first, end - first, _DTYPES.get(t["dtype"]), tuple(t["shape"]))
+            first, end = t["data_offsets"]
+            index[name] = (file, base + first, end - first, MX_DTYPES.get(t["dtype"]), tuple(t["shape"]))
     return index
 
 
