@@ -265,7 +265,7 @@ def test_a_loads_reader_reads_its_sessions_those_added_while_it_reads_and_none_l
 async def test_a_models_warm_up_after_a_load_on_demand_waits_for_the_turn_that_loaded_it(tmp_path, models,
                                                                                        monkeypatch):
     """A job of the warm-up is not cut: one that began as the load ended held the reloaded model's first wake
-    (docs/benchmarks.md, "Several models", S42). The warm-up now waits while
+    (docs/benchmarks.md, "Several models"). The warm-up now waits while
     operations on the model run or wait for it (model/loader.py `warm_model`'s `until_idle`)."""
     from kvwake.daemon.sessions import models as keeping
 
