@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from kvwake.daemon.config import Tuning
-from kvwake.daemon.kv import restore_buffers
+from kvwake.daemon.kv import cudart, restore_buffers
 from kvwake.daemon.kv.hot_set import HotSet
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.model.generation import GenerateParams
@@ -72,7 +72,11 @@ def test_the_turn_after_an_unload_wakes_its_blocks_from_memory_read_beside_the_l
             assert turn["wake_blocks_from_memory"] > 0, turn
             assert read["sessions"] == 1 and read["blocks_failed"] == 0
             assert read["blocks_read"] == turn["wake_blocks_from_memory"], read
-            assert read["blocks_on_device"] == 0, read  # the device's share is a mapped GPU's (tested below)
+            # staged on CUDA: each block copied to the device as it was read (the default share is a discrete
+            # GPU's; the CPU's path is asked for below)
+            on_device = mode == "staged" and cudart.on_cuda()
+            assert (read["device_budget_bytes"] > 0) == on_device, read
+            assert read["blocks_on_device"] == (read["blocks_read"] if on_device else 0), read
             assert read["held_bytes"] == 0 and read["wakes_left"] == 0
     assert d.stop() == 0 and d.log_problems() == []
 

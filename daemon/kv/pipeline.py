@@ -490,6 +490,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
             batch.join()
         batch.raise_first()
         clock.lap("blocks")
+        phases["joins"] = round(buffers.join_s * 1000, 2)  # of `blocks`, the device's joins (engine thread)
         if coming is not None:
             paged = _take_coming(ctx, buffers, coming, shared, mlx)
             clock.lap("prefix")

@@ -166,6 +166,7 @@ class Buffers:
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.adopted: dict[int, mx.array] = {}  # staged blocks whose row is on the device already (`adopt`)
+        self.join_s = 0.0  # the engine thread's time in `join_span` (a wake's `joins` phase: within `blocks`)
         self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
         self._expected: int | None = None  # blocks a prefix still coming will give (expect_prefix)
         self.ring: devplanes.Ring | None = None
@@ -333,6 +334,7 @@ class Buffers:
         """
         if self.mode == "direct" or not self.order:
             return
+        started = time.perf_counter()
         b = self.block_tokens
         dtype, tensors = self.dtypes[self.order[0]], len(self.order)
         # Runs of blocks staged alike (planes, raw, or not staged: RAM tier, another layout; in the ring or on
@@ -365,6 +367,7 @@ class Buffers:
             out.append(piece)
         mx.eval(out)
         self.joined = first + count
+        self.join_s += time.perf_counter() - started
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in MX_DTYPES:
