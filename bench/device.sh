@@ -27,7 +27,8 @@
 #   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
 #             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
 #             peak against the budget; $WEIGHTS_READS (e.g. "mapped mlx") runs it once per way of reading weights,
-#             $DEVICE_SHARES (e.g. "default 0") once per share of the blocks read ahead onto the device
+#             $DEVICE_SHARES (e.g. "default 0") once per share of the blocks read ahead onto the device;
+#             $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5")
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
 #             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
 #             same on its plain-attention cousin (--plain), the target's reference
@@ -219,7 +220,7 @@ run_part() {
                   [ "$read" = default ] && unset KVWAKE_WEIGHTS_READ || export KVWAKE_WEIGHTS_READ=$read
                   [ "$share" = default ] && unset KVWAKE_PREFETCH_DEVICE_BYTES || export KVWAKE_PREFETCH_DEVICE_BYTES=$share
                   python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
-                    --alone-tokens 150 --context 10000 --out "$OUT/models-$read-$share" 2>&1 | tail -4
+                    --alone-tokens 150 --context 10000 ${MODELS_ARGS:-} --out "$OUT/models-$read-$share" 2>&1 | tail -4
                 done
               done; unset KVWAKE_WEIGHTS_READ KVWAKE_PREFETCH_DEVICE_BYTES ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1

@@ -1,7 +1,8 @@
 """Why a wake's joins of blocks read ahead onto the device took longer than joins of the same blocks from a
 ring in host memory (docs/benchmarks.md, "Several models", S43): the join of a span of 8B-shaped blocks timed
 on one thread, its rows made (a) by that thread, (b) by reader threads that have ended, (c) by reader threads
-still alive, and (d) read from a mapped staging slot as a wake's ring holds them.
+still alive; (d) on a thread that never ran MLX before (a reloaded model's engine thread is a new one), twice;
+and (e) read from a mapped staging slot as a wake's ring holds them.
 
 usage: python bench/device_image_probe.py [--blocks 80] [--span 8] [--readers 4]
 
@@ -100,6 +101,20 @@ def main() -> None:
         for h in holds:
             h.set()
         del rows
+    # a thread that never ran MLX before (as a reloaded model's new engine thread), its joins twice
+    rows = make_rows(n)
+    on_new: list[tuple[str, list[float]]] = []
+
+    def fresh() -> None:
+        on_new.append(("a new thread's first joins", join_spans(rows, n, span)))
+        on_new.append(("the new thread's joins again", join_spans(rows, n, span)))
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    for way, times in on_new:
+        report(way, times, n)
+    del rows
     array, view, release = devplanes.staging((span, ROW))  # a ring's slot: the GPU reads the host's memory
     view[:] = 7
     report("mapped slot (a ring)", join_spans(None, n, span, array), n)

@@ -198,9 +198,16 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         wake_s, woken = timed(c, "session.wake", session_id=sid)
         c.call("session.sleep", session_id=sid)
         c.call("model.unload", name=name)
+        turn_wall = time.time()
         turn_s, reply = timed(c, "session.chat", session_id=sid, messages=turn, max_tokens=1, temperature=0)
         served = model_row(c, name)  # the load that served the turn, and the turn's wake (status turns)
-        traced = next(t for t in reversed(c.call("status")["turns"]) if t["session"] == sid)
+        status = c.call("status")
+        traced = next(t for t in reversed(status["turns"]) if t["session"] == sid)
+        # the engine thread's slow jobs during the turn, and with --gil-watch-ms the GIL's waits then: where a
+        # reloaded engine's first wake goes, beside the phases
+        window = (turn_wall, turn_wall + turn_s)
+        slow = [j for j in status["engine_thread"]["slow"] if window[0] <= j["at"] <= window[1]]
+        gil = gil_waits(status, window)
         c.call("model.unload", name=name)
         separate_s, _ = timed(c, "model.load", name=name)
         separate = model_row(c, name)
@@ -219,6 +226,7 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
             # the load's reader of the turn's blocks (sessions/read_ahead.py): how long its reading took against
             # the load, what it read (a wake waits for a block still in its flight)
             "read_ahead": served.get("read_ahead"),
+            "slow_jobs_during_turn": slow, "gil_during_turn": gil,
             "load_s": load_s, "load_phases_ms": served["load_phases_ms"], "bound_s": round(bound, 3),
             "first_turn_over_bound": round(turn_s / bound, 3), "target": "<= load + 1.2x wake",
             "met": turn_s <= bound,

@@ -491,6 +491,7 @@ def _restore(ctx: KvContext, record: SnapshotRecord, mlx: Mlx, prefix: tuple[lis
         batch.raise_first()
         clock.lap("blocks")
         phases["joins"] = round(buffers.join_s * 1000, 2)  # of `blocks`, the device's joins (engine thread)
+        phases["joins_eval"] = round(buffers.join_eval_s * 1000, 2)  # of those, waiting for the device
         if coming is not None:
             paged = _take_coming(ctx, buffers, coming, shared, mlx)
             clock.lap("prefix")

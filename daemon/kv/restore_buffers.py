@@ -167,6 +167,7 @@ class Buffers:
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
         self.adopted: dict[int, mx.array] = {}  # staged blocks whose row is on the device already (`adopt`)
         self.join_s = 0.0  # the engine thread's time in `join_span` (a wake's `joins` phase: within `blocks`)
+        self.join_eval_s = 0.0  # of it, waiting for the device's joins (`joins_eval`)
         self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
         self._expected: int | None = None  # blocks a prefix still coming will give (expect_prefix)
         self.ring: devplanes.Ring | None = None
@@ -365,9 +366,11 @@ class Buffers:
             piece = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
             self.pieces[name].append(piece)
             out.append(piece)
+        evaluated = time.perf_counter()
         mx.eval(out)
         self.joined = first + count
         self.join_s += time.perf_counter() - started
+        self.join_eval_s += time.perf_counter() - evaluated
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in MX_DTYPES:
