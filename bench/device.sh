@@ -26,8 +26,7 @@
 #             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
 #   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
 #             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
-#             peak against the budget; $WEIGHTS_READS (e.g. "mapped mlx") runs it once per way of reading weights,
-#             $DEVICE_SHARES (e.g. "default 0") once per share of the blocks read ahead onto the device;
+#             peak against the budget; $WEIGHTS_READS (e.g. "mapped mlx") runs it once per way of reading weights;
 #             $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5")
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
 #             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
@@ -49,8 +48,6 @@
 #   fleet-q4-alone  the 4-bit fleet (after `q4`), kvwake alone: its restart's trace
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
-#   fleet-16-device  the same with the restart's blocks read ahead onto the device and kept on the host, in turn
-#             ($DEVICE_SHARES, default "default 0": KVWAKE_PREFETCH_DEVICE_BYTES), then bench/restart_phases.py's lines
 #   fleet-16-prefetch  the same with the hot set read during start-up on and off (KVWAKE_RESTART_PREFETCH), in
 #             turn ($PREFETCH_RUNS, default "true false true false"), then one line a run of where its restart went
 #             (bench/restart_phases.py: first token, the woken turns' phases, blocks from memory / disk, the reader)
@@ -200,13 +197,6 @@ run_part() {
                 --q4-dir /tmp --no-baseline ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
-    fleet-16-device) model; n=0  # the restart's blocks read ahead onto the device (default) or kept on the host (0)
-              for v in ${DEVICE_SHARES:-default 0}; do
-                n=$((n + 1))
-                [ "$v" = default ] && unset KVWAKE_PREFETCH_DEVICE_BYTES || export KVWAKE_PREFETCH_DEVICE_BYTES=$v
-                fleet "fleet-16-device-$n-$v" --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline | tail -2
-              done; unset KVWAKE_PREFETCH_DEVICE_BYTES
-              python3 bench/restart_phases.py "$OUT"/fleet-16-device-*/ | tee "$OUT/fleet-16-device.jsonl" ;;
     fleet-16-prefetch) model; n=0
               for v in ${PREFETCH_RUNS:-true false true false}; do
                 n=$((n + 1))
@@ -214,15 +204,12 @@ run_part() {
                   --apis openai --no-baseline | tail -2
               done
               python3 bench/restart_phases.py "$OUT"/fleet-16-prefetch-*/ | tee "$OUT/fleet-16-prefetch.jsonl" ;;
-    models)   model; small  # $WEIGHTS_READS, $DEVICE_SHARES: runs in turn, each way of reading weights with each share
+    models)   model; small  # $WEIGHTS_READS: runs in turn, each with its weights read that way (`weights_read`)
               for read in ${WEIGHTS_READS:-default}; do
-                for share in ${DEVICE_SHARES:-default}; do
-                  [ "$read" = default ] && unset KVWAKE_WEIGHTS_READ || export KVWAKE_WEIGHTS_READ=$read
-                  [ "$share" = default ] && unset KVWAKE_PREFETCH_DEVICE_BYTES || export KVWAKE_PREFETCH_DEVICE_BYTES=$share
-                  python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
-                    --alone-tokens 150 --context 10000 ${MODELS_ARGS:-} --out "$OUT/models-$read-$share" 2>&1 | tail -4
-                done
-              done; unset KVWAKE_WEIGHTS_READ KVWAKE_PREFETCH_DEVICE_BYTES ;;
+                [ "$read" = default ] && unset KVWAKE_WEIGHTS_READ || export KVWAKE_WEIGHTS_READ=$read
+                python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
+                  --alone-tokens 150 --context 10000 ${MODELS_ARGS:-} --out "$OUT/models-$read" 2>&1 | tail -4
+              done; unset KVWAKE_WEIGHTS_READ ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               for m in g4 g4p; do  # the hybrid model, then its plain-attention cousin (the target's reference)

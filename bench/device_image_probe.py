@@ -1,5 +1,6 @@
-"""Why a wake's joins of blocks read ahead onto the device took longer than joins of the same blocks from a
-ring in host memory (docs/benchmarks.md, "Several models", S43): the join of a span of 8B-shaped blocks timed
+"""Why a reloaded model's first wake joined blocks read ahead onto the device (tried in S43, reverted) no faster
+than from a ring in host memory (docs/decisions.md, "Blocks read ahead onto the device: tried, reverted"): the
+join of a span of 8B-shaped blocks timed
 on one thread, its rows made (a) by that thread, (b) by reader threads that have ended, (c) by reader threads
 still alive; (d) on a thread that never ran MLX before (a reloaded model's engine thread is a new one), twice;
 and (e) read from a mapped staging slot as a wake's ring holds them.

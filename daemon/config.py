@@ -149,10 +149,6 @@ class Tuning:
     # bytes those blocks may take in memory until their sessions wake; None: a quarter of the memory available
     # at the start. Bounds a load's read-ahead too (`load_prefetch`), a quarter of what is available then
     restart_prefetch_bytes: int | None = None
-    # of those, the bytes that may wait on the device (a GPU whose wakes stage), copied there as they are read, so a
-    # wake after the start or a load joins them there with nothing left to copy (kv/hot_set.py); None: an eighth
-    # of the device's memory on a discrete GPU (CUDA), none elsewhere; 0: every block waits on the host
-    prefetch_device_bytes: int | None = None
     # while a model loads on demand for operations on sessions of it that sleep, their blocks are read and verified
     # into the memory its engine will take (sessions/read_ahead.py), so their wakes after the load take them from
     # there; False: each wake reads its own from the store
@@ -181,7 +177,6 @@ _TUNING_RULES = (
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
     ("load_switch_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (Python's own) or more"),
     ("restart_prefetch_bytes", lambda v: v >= 0, "a number of bytes, 0 or more"),
-    ("prefetch_device_bytes", lambda v: v >= 0, "a number of bytes, 0 or more"),
 )
 
 

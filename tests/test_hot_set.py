@@ -7,12 +7,10 @@ import signal
 import threading
 import time
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvwake.daemon.kv import restore_buffers
-from kvwake.daemon.kv.hot_set import WINDOW_S, DeviceImage, HotSet, StagedImage, read_image
+from kvwake.daemon.kv.hot_set import WINDOW_S, HotSet, StagedImage, read_image
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
@@ -56,20 +54,15 @@ def sessions_then_restart(d: Daemon) -> tuple[dict[str, list[int]], int]:
     return expected, blocks
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged", "staged+host", "direct+paged", "staged+paged"])
+@pytest.mark.parametrize("mode", ["direct", "staged", "direct+paged", "staged+paged"])
 def test_after_a_restart_the_hot_sessions_wake_from_memory_exactly_each_block_read_once(tmp_path, model_dir, mode):
-    # staged: the blocks wait on the device (DeviceImage: CUDA's default, asked for here); "host": with no device
-    # share, as staged images
-    env = {"KVWAKE_RESTORE_MODE": mode.split("+")[0], "KVWAKE_PAGED_KV": str(mode.endswith("paged")),
-           "KVWAKE_PREFETCH_DEVICE_BYTES": "0" if mode.endswith("host") else str(1 << 30)}
+    env = {"KVWAKE_RESTORE_MODE": mode.split("+")[0], "KVWAKE_PAGED_KV": str(mode.endswith("paged"))}
     d = Daemon(tmp_path, model_dir, env=env).start()
     expected, blocks = sessions_then_restart(d)
     with d.client() as c:
         read = hot_set_read(c)
         assert read is not None, "nothing was read ahead"
         assert read["state"] == "held" and read["staged"] == mode.startswith("staged"), read
-        on_device = blocks if mode.startswith("staged") and not mode.endswith("host") else 0
-        assert read["blocks_on_device"] == on_device, read
         # each block of the hot set read once: as many reads as distinct blocks, none skipped or failed
         assert (read["blocks_read"], read["blocks_planned"], read["blocks_failed"]) == (blocks, blocks, 0), read
         assert read["wakes_left"] == 2 * SESSIONS  # the sessions and their twins: the warm-up waits for them
@@ -191,28 +184,21 @@ def wait_done(hot: HotSet, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("staged", [False, "host", "device"])
+@pytest.mark.parametrize("staged", [False, True])
 def test_the_reader_reads_each_block_once_and_holds_it_until_its_snapshots_wake(store, staged):
     infos = shared_sessions(store)
     records = [store.snapshot(i.id) for i in infos]
     keys = {ref.key for r in records for ref in r.blocks}
     tier = RamTier(0)  # no LRU room: what is held is what was read ahead
-    hot = HotSet(store, tier, staged=bool(staged), budget_bytes=1 << 30, workers=3,
-                 device_bytes=(1 << 30) if staged == "device" else 0).start()
+    hot = HotSet(store, tier, staged=staged, budget_bytes=1 << 30, workers=3).start()
     wait_done(hot)
     assert hot.state == "held" and sorted(hot.read_keys) == sorted(keys)  # each once
-    assert hot.counts["blocks_on_device"] == (len(keys) if staged == "device" else 0)
     for ref in records[0].blocks:
         entry = tier.get(ref.key)
-        assert isinstance(entry, {False: dict, "host": StagedImage, "device": DeviceImage}[staged])
+        assert isinstance(entry, StagedImage if staged else dict)
         if not staged:  # the store's own arrays
             got = store.read_block(ref)
             assert all(np.array_equal(entry[n].array, t.array) for n, t in got.items())
-        if staged == "device":  # each run's row on the device holds what the host image's rows hold
-            host = read_image(store, ref, records[0])
-            assert [run[:4] for run in entry.runs] == [run[:4] for run in host.runs]
-            for (*_, data), (*_, rows) in zip(entry.runs, host.runs):
-                assert np.array_equal(np.array(data), np.concatenate(rows))
     for r in records[:-1]:
         tier.woken(r.id)
     assert all(tier.get(ref.key) is not None for ref in records[-1].blocks)  # the last one's still held
@@ -326,76 +312,6 @@ def test_the_budget_bounds_what_is_read_ahead(store):
     wait_done(hot)
     assert hot.counts["blocks_read"] == 4 and tier.prefetched_bytes <= 4 * one
     hot.stop()
-
-
-def test_the_device_share_bounds_what_waits_on_the_device_the_rest_waits_on_the_host(store):
-    infos = shared_sessions(store)
-    one = store.snapshot(infos[0].id).blocks[0].raw_bytes
-    tier = RamTier(0)
-    hot = HotSet(store, tier, staged=True, budget_bytes=1 << 30, workers=2, device_bytes=3 * one).start()
-    wait_done(hot)
-    entries = [tier.get(key) for key in hot.read_keys]
-    assert sum(isinstance(e, DeviceImage) for e in entries) == hot.counts["blocks_on_device"] == 3
-    assert all(isinstance(e, DeviceImage | StagedImage) for e in entries)
-    assert hot.status()["bytes_on_device"] == sum(e.nbytes for e in entries if isinstance(e, DeviceImage))
-    hot.stop()
-
-
-def test_a_run_larger_than_the_reader_slot_keeps_the_block_on_the_host_with_rows_of_its_own(store):
-    """A slot too small for a block's runs (raw_bytes bounds them: not met by a real block) leaves it a
-    StagedImage whose rows are not the slot's, which the next block is read into."""
-    (info,) = shared_sessions(store, n=1)
-    record = store.snapshot(info.id)
-    ref = record.blocks[0]
-    array, view = mx.zeros((16,), mx.uint8), np.zeros(16, np.uint8)
-    image = read_image(store, ref, record, (array, view))
-    assert isinstance(image, StagedImage)
-    assert not any(np.shares_memory(row, view) for *_, rows in image.runs for row in rows)
-    assert all(np.array_equal(np.concatenate(a[4]), np.concatenate(b[4]))
-               for a, b in zip(image.runs, read_image(store, ref, record).runs))
-
-
-@pytest.mark.parametrize("stages", [True, False])
-def test_a_device_image_not_a_row_of_the_restores_ring_is_staged_from_the_host_or_read(stages):
-    """An image on the device that the restore cannot join where it is (a block carrying window rows: another
-    run than the ring's row) is copied back and staged as its decode would have; where it does not stage either,
-    the block is read, and nothing is recorded for it."""
-    from kvwake.daemon.kv import pipeline
-
-    data = np.arange(8, dtype=np.uint8)
-    image = DeviceImage(runs=[(("k", "v", "w"), "BF16", 4, True, mx.array(data))])
-
-    class Ring:
-        size, plane_bytes = 2, 4  # a row of 8 bytes, for the run of ("k", "v") only
-
-    class Buffers:
-        ring, window, order, dtypes = Ring(), ("w",), ("k", "v"), {"k": "BF16", "v": "BF16", "w": "BF16"}
-        _row_bytes = restore_buffers.Buffers._row_bytes
-        adopt = restore_buffers.Buffers.adopt
-        unstage = restore_buffers.Buffers.unstage
-
-        def __init__(self) -> None:
-            self.staged, self.adopted, self._window_runs, self.rows = {}, {}, {}, []
-
-        def stage(self, k: int):
-            def where(names, dtype, values, planes):
-                if not stages:
-                    return None
-                self.staged[k] = planes
-                self.rows = [np.zeros(values, np.uint8) for _ in range(2)]
-                return self.rows
-            return where
-
-        def check(self, arrays, start, count, what, staged=False) -> None:
-            assert staged and arrays == {}
-
-    buffers = Buffers()
-    assert pipeline._put_cached(buffers, 2, 0, 16, image, "block 2") is stages
-    assert buffers.adopted == {}
-    if stages:  # the planes as read: the device's row split back
-        assert buffers.staged == {2: True} and np.array_equal(np.concatenate(buffers.rows), data)
-    else:
-        assert buffers.staged == {}
 
 
 def test_a_wake_needing_a_block_being_read_ahead_waits_for_that_read():

@@ -15,7 +15,6 @@ import warnings
 import pytest
 
 from kvwake.daemon.config import Tuning
-from kvwake.daemon.kv import cudart, restore_buffers
 from kvwake.daemon.kv.hot_set import HotSet
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.model.generation import GenerateParams
@@ -72,11 +71,6 @@ def test_the_turn_after_an_unload_wakes_its_blocks_from_memory_read_beside_the_l
             assert turn["wake_blocks_from_memory"] > 0, turn
             assert read["sessions"] == 1 and read["blocks_failed"] == 0
             assert read["blocks_read"] == turn["wake_blocks_from_memory"], read
-            # staged on CUDA: each block copied to the device as it was read (the default share is a discrete
-            # GPU's; the CPU's path is asked for below)
-            on_device = mode == "staged" and cudart.on_cuda()
-            assert (read["device_budget_bytes"] > 0) == on_device, read
-            assert read["blocks_on_device"] == (read["blocks_read"] if on_device else 0), read
             assert read["held_bytes"] == 0 and read["wakes_left"] == 0
     assert d.stop() == 0 and d.log_problems() == []
 
@@ -229,32 +223,6 @@ async def test_the_budget_bounds_what_a_load_reads_and_the_wake_reads_the_rest_e
         assert readers[0].counts["blocks_read"] == 2 and readers[0].counts["bytes_read"] <= budget
         woke = manager.turns[-1]
         assert (woke["wake_blocks_from_memory"], woke["wake_blocks_from_disk"]) == (2, len(blocks) - 2)
-        assert held(readers[0]) == (0, 0)
-    finally:
-        stop_manager(manager, store)
-
-
-async def test_blocks_read_onto_the_device_and_on_the_host_wake_together_exactly(tmp_path, models, monkeypatch):
-    """Staged wakes (a GPU's), two of the session's blocks within the device's share: the wake joins those where
-    they wait (restore_buffers.Buffers.adopt) and stages the rest from the host, spans of both kinds, exactly."""
-    manager, store = manager_on(tmp_path, models, tuning=Tuning(restore_mode="staged"))  # its engines' too
-    try:
-        expected = await asleep_on_small(manager, twin=True)
-        blocks = store.snapshot(store.session("s")["head"]).blocks
-        device = blocks[0].raw_bytes + blocks[1].raw_bytes
-        tuning = Tuning(restore_mode="staged", prefetch_device_bytes=device)
-        manager.settings = dataclasses.replace(manager.settings, tuning=tuning)  # the reader's
-        readers, adopted = readers_of(manager), []
-        adopt = restore_buffers.Buffers.adopt
-        monkeypatch.setattr(restore_buffers.Buffers, "adopt",
-                            lambda self, k, image: adopted.append((k, adopt(self, k, image))) or adopted[-1][1])
-        manager._start = done_reading(manager, readers, manager._start)
-        assert await turn(manager, "s", "and then?") == expected  # as the never-slept twin
-        assert len(adopted) == 2 and all(ok for _, ok in adopted), adopted  # joined where they waited
-        counts = readers[0].counts
-        assert (counts["blocks_read"], counts["blocks_on_device"]) == (len(blocks), 2), counts
-        woke = manager.turns[-1]
-        assert (woke["wake_blocks_from_memory"], woke["wake_blocks_from_disk"]) == (len(blocks), 0), woke
         assert held(readers[0]) == (0, 0)
     finally:
         stop_manager(manager, store)

@@ -160,8 +160,12 @@ class Ring:
         row = self.views[(k // self.span) % self.slots][k % self.span]
         return planes_of(row, self.size) if planes else [row]
 
+    def planes(self, first: int, count: int) -> list[mx.array]:
+        """Blocks [first, first + count) of one span as planes ([count, plane bytes] each), to join."""
+        return planes_of(self.raw(first, count), self.size)
+
     def raw(self, first: int, count: int) -> mx.array:
-        """Blocks [first, first + count) of one span as staged ([count, row bytes]: planes_of splits a planes row)."""
+        """Blocks [first, first + count) of one span as stored by the raw codec ([count, run bytes])."""
         return self.arrays[(first // self.span) % self.slots][first % self.span : first % self.span + count]
 
 

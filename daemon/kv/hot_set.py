@@ -11,13 +11,11 @@ model-bundles.json gives other names; a bundle it does not know is read). Their 
 order the snapshots list them, until `budget_bytes`.
 
 In what form: the form the wake here takes fastest. Where restores stage (a GPU), a block's runs as its ring
-rows receive them, decompressed and verified, and then copied to the device (`DeviceImage`, within
-`device_bytes`): the wake joins them there with its span as if it had staged them, and the host-to-device copy,
-the largest part of a wake from memory, is done beside the load (docs/decisions.md, "Blocks read ahead onto
-the device"). Past `device_bytes` they stay on the host (`StagedImage`): the wake copies them into its ring.
-A RAM-tier block's arrays would be copied into host views and uploaded from there, which took a staged wake
-longer than decoding the block itself (pipeline.fill_spans). Elsewhere (the CPU: decoders write the cache's own
-memory), the block's decoded arrays, as the RAM tier holds a shared prompt's.
+rows receive them, decompressed and verified (`StagedImage`): the wake copies them into its ring and joins
+them on the device as if it had decoded them. A RAM-tier block's arrays would be copied into host views and
+uploaded from there, which took a staged wake longer than decoding the block itself (pipeline.fill_spans).
+Elsewhere (the CPU: decoders write the cache's own memory), the block's decoded arrays, as the RAM tier holds
+a shared prompt's.
 
 It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
 read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
@@ -37,17 +35,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from kvwake.daemon.kv import devplanes
 from kvwake.daemon.kv.pool import lower_priority
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.errors import KvwakeError, NotFoundError
 from kvwake.store import BlockRef, SnapshotRecord, Store
 from kvwake.store.format.codec import DTYPES, Stage, Tensor
 
-__all__ = ["KEEP_S", "WINDOW_S", "DeviceImage", "HotSet", "StagedImage", "available_memory", "read_image"]
+__all__ = ["KEEP_S", "WINDOW_S", "HotSet", "StagedImage", "available_memory", "read_image"]
 
 log = logging.getLogger("kvwake.hot_set")
 
@@ -103,85 +99,20 @@ class StagedImage:
         return True
 
 
-@dataclass
-class DeviceImage:
-    """One block's runs as a ring row holds them (`StagedImage`), copied to the device: each run's (names,
-    dtype, values, planes, its row's bytes as a uint8 device array), and the tensors not staged. A wake joins
-    them with its span (restore_buffers.Buffers.adopt), never copies them."""
-
-    runs: list[tuple[tuple[str, ...], str, int, bool, mx.array]]
-    rest: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(data.nbytes for *_, data in self.runs)
-
-    def on_host(self) -> StagedImage:
-        """Its runs copied back to the host, as read (a restore that cannot join it where it is stages it)."""
-        runs = []
-        for names, dtype, values, planes, data in self.runs:
-            row = np.array(data)
-            size = DTYPES[dtype][0].itemsize
-            runs.append((names, dtype, values, planes,
-                         [row[p * values : (p + 1) * values] for p in range(size)] if planes else [row]))
-        return StagedImage(runs, self.rest)
-
-
-class _Slot:
-    """One reader thread's staging for the block it reads onto the device: host memory the GPU reads in place
-    (devplanes.staging), grown to the largest block met, released as the thread ends."""
-
-    def __init__(self) -> None:
-        self.array: mx.array | None = None
-        self.view: np.ndarray | None = None
-        self.release = lambda: None
-
-    def fit(self, nbytes: int) -> tuple[mx.array, np.ndarray]:
-        if self.view is None or self.view.size < nbytes:
-            self.close()
-            self.array, self.view, self.release = devplanes.staging((nbytes,))
-        return self.array, self.view
-
-    def close(self) -> None:
-        self.release()
-        self.array = self.view = None
-        self.release = lambda: None
-
-
-def read_image(store: Store, ref: BlockRef, record: SnapshotRecord,
-               slot: tuple[mx.array, np.ndarray] | None = None) -> StagedImage | DeviceImage | dict[str, Tensor]:
+def read_image(store: Store, ref: BlockRef, record: SnapshotRecord) -> StagedImage | dict[str, Tensor]:
     """The block read and verified into staging of its own (a StagedImage); its arrays when no run of it
-    stages (a format-1 file). With `slot` (host memory the device reads, and its numpy view): read into it and
-    copied to the device (a DeviceImage), unless a run did not fit in it (then a StagedImage)."""
+    stages (a format-1 file)."""
     runs: list[tuple[tuple[str, ...], str, int, bool, list[np.ndarray]]] = []
-    offsets: list[int | None] = []  # each run's place in the slot (None: its own memory)
-    used = 0
 
     def stage(names: tuple[str, ...], dtype: str, values: int, planes: bool) -> list[np.ndarray]:
-        nonlocal used
         size = DTYPES[dtype][0].itemsize
-        if slot is not None and used + values * size <= slot[1].size:
-            row = slot[1][used : used + values * size]
-            offsets.append(used)
-            used += values * size
-        else:
-            row = np.empty(values * size, np.uint8)  # one ring row's bytes: planes one after another, or the run
-            offsets.append(None)
+        row = np.empty(values * size, np.uint8)  # one ring row's bytes: planes one after another, or the run
         rows = [row[p * values : (p + 1) * values] for p in range(size)] if planes else [row]
         runs.append((names, dtype, values, planes, rows))
         return rows
 
     rest = store.read_block(ref, snapshot_id=record.id, session_id=record.session_id, stage=stage)
-    if not runs:
-        return rest
-    if slot is None:
-        return StagedImage(runs, rest)
-    if None in offsets:  # the slot's rows are the next block's: this one keeps copies of its own
-        return StagedImage([(*run[:4], [row.copy() for row in run[4]]) for run in runs], rest)
-    # the GPU's copy of each run out of the slot, into memory of its own, done before the slot is read into again
-    datas = [slot[0][off : off + run[2] * DTYPES[run[1]][0].itemsize] | 0 for run, off in zip(runs, offsets)]
-    mx.eval(datas)
-    return DeviceImage([(*run[:4], data) for run, data in zip(runs, datas)], rest)
+    return StagedImage(runs, rest) if runs else rest
 
 
 class HotSet:
@@ -191,11 +122,8 @@ class HotSet:
 
     def __init__(self, store: Store, tier: RamTier, *, staged: bool, budget_bytes: int,
                  workers: int | None = None, other_bundles: frozenset[str] = frozenset(),
-                 sessions: Iterable[str] | None = None, device_bytes: int = 0) -> None:
+                 sessions: Iterable[str] | None = None) -> None:
         self.store, self.tier, self.staged, self.budget = store, tier, staged, budget_bytes
-        # staged: of the budget, the bytes that may be held on the device (DeviceImage), the rest on the host
-        self.device_budget = device_bytes if staged else 0
-        self._on_device = 0  # bytes reserved for blocks read onto the device
         # the bundles other models of this daemon had here: their sessions wake on those models, loaded later
         # (or never), so their blocks are not read into this model's memory
         self.other_bundles = other_bundles
@@ -211,8 +139,7 @@ class HotSet:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self.counts = {"sessions": 0, "other_models": 0, "other_bundles": 0, "blocks_planned": 0, "bytes_planned": 0,
-                       "blocks_read": 0, "bytes_read": 0, "blocks_skipped": 0, "blocks_failed": 0,
-                       "blocks_on_device": 0, "bytes_on_device": 0}
+                       "blocks_read": 0, "bytes_read": 0, "blocks_skipped": 0, "blocks_failed": 0}
         self.read_keys: list[str] = []  # every block read here, in order (tests: none twice)
         self._faulted = False  # a read failed for a reason of the reader's own (logged once, with its trace)
         self.ms: float | None = None  # start to the last read
@@ -283,7 +210,6 @@ class HotSet:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"state": self.state, "staged": self.staged, "ms": self.ms, "budget_bytes": self.budget,
-                    "device_budget_bytes": self.device_budget,
                     "workers": self.workers, "held_bytes": self.tier.prefetched_bytes,
                     "wakes_left": self.wakes_left(), **self.counts}
 
@@ -385,16 +311,12 @@ class HotSet:
 
         def work() -> None:
             lower_priority(READER_NICE)
-            slot = _Slot()
-            try:
-                while not self._stop.is_set():
-                    with take:
-                        item = next(todo, None)
-                    if item is None:
-                        return
-                    self._read(*item, slot)
-            finally:
-                slot.close()
+            while not self._stop.is_set():
+                with take:
+                    item = next(todo, None)
+                if item is None:
+                    return
+                self._read(*item)
 
         readers = [threading.Thread(target=work, name=f"kvwake-hot-set-{i}", daemon=True)
                    for i in range(self.workers)]
@@ -403,25 +325,16 @@ class HotSet:
         for reader in readers:
             reader.join()
 
-    def _device_room(self, nbytes: int) -> bool:
-        """Reserve `nbytes` of the device's share for a block about to be read (False: none left for it)."""
-        with self._lock:
-            if self._on_device + nbytes > self.device_budget:
-                return False
-            self._on_device += nbytes
-            return True
-
-    def _read(self, ref: BlockRef, record: SnapshotRecord, slot: _Slot) -> None:
+    def _read(self, ref: BlockRef, record: SnapshotRecord) -> None:
         flight = self.tier.begin(ref.key) if self.tier.claimed(ref.key) else None
         if flight is None:  # resident, being read by a wake, or its snapshots woke already
             self._add("blocks_skipped")
             return
         entry = None
-        device = self.staged and self._device_room(ref.raw_bytes)  # raw_bytes: at least its staged runs' bytes
         try:
             with self.store.reading():  # gc cannot evict the file meanwhile
-                entry = read_image(self.store, ref, record, slot.fit(ref.raw_bytes) if device else None) \
-                    if self.staged else self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
+                entry = read_image(self.store, ref, record) if self.staged else \
+                    self.store.read_block(ref, snapshot_id=record.id, session_id=record.session_id)
         except KvwakeError as exc:  # the store's verdict on the block: the wake reads it and fails with these facts
             self._add("blocks_failed")
             log.info("hot set: block not read", extra={"block": ref.key, "why": repr(exc)})
@@ -433,15 +346,10 @@ class HotSet:
                 log.exception("hot set: reading a block failed", extra={"block": ref.key})
         finally:
             self.tier.land_prefetched(ref.key, flight, entry)
-        on_device = isinstance(entry, DeviceImage)
-        with self._lock:
-            if device and not on_device:
-                self._on_device -= ref.raw_bytes  # kept on the host after all (or not read): its share back
-            if entry is not None:
+        if entry is not None:
+            with self._lock:
                 self.counts["blocks_read"] += 1
                 self.counts["bytes_read"] += ref.raw_bytes
-                self.counts["blocks_on_device"] += on_device
-                self.counts["bytes_on_device"] += entry.nbytes if on_device else 0
                 self.read_keys.append(ref.key)
 
     def _add(self, name: str) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvwake.daemon.kv import cache_blocks, hot_set, page_restore, paged_cache, paged_wake, restore_buffers, window_rows
+from kvwake.daemon.kv import cache_blocks, page_restore, paged_cache, paged_wake, restore_buffers, window_rows
 from kvwake.daemon.jobs import quick, unframed
 from kvwake.daemon.kv.context import KvContext, Mlx
 from kvwake.daemon.kv.pages import PagePool
@@ -414,17 +414,11 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
 
 
 def _put_cached(buffers: restore_buffers.Buffers, k: int, start: int, count: int, cached: Any, what: str) -> bool:
-    """Block k from memory: arrays copied into place, a staged image (kv/hot_set.py) copied into the ring as
-    its decode would have written it, or one on the device already joined with its span (else copied back and
-    staged). False when the image does not fit this restore's staging."""
+    """Block k from memory: arrays copied into place, or a staged image (kv/hot_set.py) copied into the ring as
+    its decode would have written it. False when the image does not fit this restore's staging."""
     if isinstance(cached, dict):
         buffers.put(start, count, cached, what)
         return True
-    if isinstance(cached, hot_set.DeviceImage):
-        if buffers.adopt(k, cached):
-            buffers.check(dict(cached.rest), start, count, what, staged=True)
-            return True
-        cached = cached.on_host()  # not a row of this restore's ring (window rows, no ring): staged from the host
     if not cached.stage_into(buffers.stage(k)):
         buffers.unstage(k)  # runs it staged before one did not fit were recorded: the read that follows is not
         return False

@@ -165,7 +165,6 @@ class Buffers:
         # checked by identity (np.shares_memory, an overlap solver, was 8% of a wake's decoding).
         self._placed: dict[tuple[str, int], np.ndarray] = {}
         self.staged: dict[int, bool] = {}  # block (-1: the tail) -> staged as planes (True) or raw (False)
-        self.adopted: dict[int, mx.array] = {}  # staged blocks whose row is on the device already (`adopt`)
         self.join_s = 0.0  # the engine thread's time in `join_span` (a wake's `joins` phase: within `blocks`)
         self.join_eval_s = 0.0  # of it, waiting for the device's joins (`joins_eval`)
         self.first = 0  # blocks taken from another cache (take_prefix): the ring stages from the one after
@@ -293,19 +292,6 @@ class Buffers:
             return rows
         return where
 
-    def adopt(self, k: int, image: Any) -> bool:
-        """Block k's row already on the device (a hot_set.DeviceImage read ahead): joined with its span as a ring
-        row would be, never copied here. False (nothing recorded) when it is not a row of this restore's ring
-        (another layout, several runs, window rows, no ring): the caller stages it from the host instead."""
-        if self.ring is None or len(image.runs) != 1:
-            return False
-        names, dtype, values, planes, data = image.runs[0]
-        if names != self.order or dtype != self.dtypes[names[0]] or \
-                values * DTYPES[dtype][0].itemsize != self._row_bytes(k) or data.size != self._row_bytes(k):
-            return False  # a block carrying window rows too (kv/window_rows.py), another layout
-        self.staged[k], self.adopted[k] = planes, data
-        return True
-
     def unstage(self, k: int) -> None:
         """Block k is not staged after all: a staged image whose first runs fit and a later one did not
         (pipeline._put_cached) left its record here, and the block's read that follows is checked by it."""
@@ -338,26 +324,18 @@ class Buffers:
         started = time.perf_counter()
         b = self.block_tokens
         dtype, tensors = self.dtypes[self.order[0]], len(self.order)
-        # Runs of blocks staged alike (planes, raw, or not staged: RAM tier, another layout; in the ring or on
-        # the device already: `adopt`), in order.
-        runs: list[tuple[tuple[bool | None, bool], int, int]] = []
+        # Runs of blocks staged alike (planes, raw, or not staged: RAM tier, another layout), in order.
+        runs: list[tuple[bool | None, int, int]] = []
         for k in range(first, first + count):
-            kind = (self.staged.get(k), k in self.adopted)
+            kind = self.staged.get(k)
             if runs and runs[-1][0] == kind:
                 runs[-1] = (kind, runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((kind, k, 1))
-        size = DTYPES[dtype][0].itemsize
-
-        def rows(k: int, n: int, adopted: bool) -> mx.array:  # [n, row bytes]: from the ring, or the device's
-            if not adopted:
-                return self.ring.raw(k - self.first, n)
-            return mx.stack([self.adopted.pop(j) for j in range(k, k + n)])
-
-        wholes = [None if planes is None else
-                  devplanes.join(devplanes.planes_of(rows(k, n, adopted), size), dtype, tensors, self.block_shape)
-                  if planes else devplanes.join_raw(rows(k, n, adopted), dtype, tensors, self.block_shape)
-                  for (planes, adopted), k, n in runs]
+        wholes = [None if kind is None else
+                  devplanes.join(self.ring.planes(k - self.first, n), dtype, tensors, self.block_shape) if kind else
+                  devplanes.join_raw(self.ring.raw(k - self.first, n), dtype, tensors, self.block_shape)
+                  for kind, k, n in runs]
         out = [w for w in wholes if w is not None]
         for t, name in enumerate(self.order):
             parts = [whole[t] if whole is not None else
@@ -543,7 +521,6 @@ class Buffers:
             self.ring.close()
         self._tail_release()
         self._placed.clear()
-        self.adopted.clear()
         self.buffers, self.views, self.ring, self._tail_array, self._tail_view = {}, {}, None, None, None
         self.pieces = {name: [] for name in self.order}
         self._out, self._layout = {}, None

@@ -26,41 +26,27 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvwake.daemon.config import Settings
-from kvwake.daemon.kv import cudart, restore_buffers
+from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.hot_set import HotSet, available_memory
 from kvwake.daemon.kv.ram_tier import RamTier
-from kvwake.daemon.model import memory
 from kvwake.store import Store
 
 __all__ = ["WAKING_OPS", "ReadAhead", "new_reader"]
 
 WAKING_OPS = ("append", "chat", "generate", "wake")  # claims whose operation wakes an asleep session first
-# Blocks read ahead wait on the device within this share of its memory by default: they are about to be
-# sessions' KV, which the hot budget holds (half of what the weights leave), and until their wakes come they
-# sit beside the weights being loaded
-DEVICE_SHARE = 8
 
 
 def new_reader(settings: Settings, store: Store, *, sessions: Iterable[str] | None = None,
                other_bundles: frozenset[str] = frozenset()) -> HotSet:
     """A reader (not started) filling a new RAM tier for an engine about to load: `sessions`' heads, else the
     recent heads (the restart's hot set) but those of `other_bundles`. Blocks are kept in the form this machine's
-    wakes take fastest: staged images where restores stage (plain KV), on the device within
-    `prefetch_device_bytes` (`default_device_bytes`), else their arrays; within
+    wakes take fastest: staged images where restores stage (plain KV), else their arrays; within
     `restart_prefetch_bytes`, by default a quarter of the memory available now."""
     tuning = settings.tuning
     staged = restore_buffers.restore_mode(tuning.restore_mode) == "staged" and settings.kv_bits is None
-    budget, device = tuning.restart_prefetch_bytes, tuning.prefetch_device_bytes
+    budget = tuning.restart_prefetch_bytes
     return HotSet(store, RamTier(settings.ram_tier_bytes), staged=staged, other_bundles=other_bundles,
-                  sessions=sessions, budget_bytes=available_memory() // 4 if budget is None else budget,
-                  device_bytes=default_device_bytes() if device is None else device)
-
-
-def default_device_bytes() -> int:
-    """The device's share of blocks read ahead by default: DEVICE_SHARE of its memory where wakes stage from
-    memory mapped for a discrete GPU (CUDA); elsewhere none (the device's memory is the host's: a copy gains
-    nothing)."""
-    return memory.device_memory() // DEVICE_SHARE if cudart.on_cuda() else 0
+                  sessions=sessions, budget_bytes=available_memory() // 4 if budget is None else budget)
 
 
 class ReadAhead:
