@@ -26,8 +26,9 @@
 #             fleet-25k: 8 agents over a 25k prompt, 3 turns, openai
 #   models    issue 53: the 8B model and a 1B one in one daemon (bench/models.py): decoding while the small one
 #             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
-#             peak against the budget; $WEIGHTS_READS (e.g. "mapped mlx") runs it once per way of reading weights;
-#             $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5")
+#             peak against the budget; $MODELS_ENVS runs it once per item, each comma-separated settings (e.g.
+#             "default KVWAKE_KERNEL_WARMER=false"; $WEIGHTS_READS="mapped mlx" adds KVWAKE_WEIGHTS_READ=mapped and
+#             =mlx); $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5")
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
 #             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
 #             same on its plain-attention cousin (--plain), the target's reference
@@ -204,12 +205,15 @@ run_part() {
                   --apis openai --no-baseline | tail -2
               done
               python3 bench/restart_phases.py "$OUT"/fleet-16-prefetch-*/ | tee "$OUT/fleet-16-prefetch.jsonl" ;;
-    models)   model; small  # $WEIGHTS_READS: runs in turn, each with its weights read that way (`weights_read`)
-              for read in ${WEIGHTS_READS:-default}; do
-                [ "$read" = default ] && unset KVWAKE_WEIGHTS_READ || export KVWAKE_WEIGHTS_READ=$read
-                python3 bench/models.py --main "$MODEL" --small /tmp/m1b --sessions 4 --decode-tokens 2500 \
-                  --alone-tokens 150 --context 10000 ${MODELS_ARGS:-} --out "$OUT/models-$read" 2>&1 | tail -4
-              done; unset KVWAKE_WEIGHTS_READ ;;
+    models)   model; small  # $MODELS_ENVS: runs in turn, each with its settings (`default`: none)
+              envs=${MODELS_ENVS:-}
+              for read in ${WEIGHTS_READS:-}; do envs="$envs KVWAKE_WEIGHTS_READ=$read"; done
+              for run in ${envs:-default}; do
+                name=${run//[=,]/-}
+                env $( [ "$run" = default ] || echo "${run//,/ }") python3 bench/models.py --main "$MODEL" \
+                  --small /tmp/m1b --sessions 4 --decode-tokens 2500 --alone-tokens 150 --context 10000 \
+                  ${MODELS_ARGS:-} --out "$OUT/models-$name" 2>&1 | tail -4
+              done ;;
     hybrid)   [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               for m in g4 g4p; do  # the hybrid model, then its plain-attention cousin (the target's reference)
