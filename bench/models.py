@@ -20,7 +20,8 @@ unloaded    a conversation of --context tokens on main sleeps and wakes once (a 
             turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Reported:
             that first turn against the load that served it (as the daemon measured it) + 1.2x the plain
             wake (the issue's target: <=), and the turn's wake (`status` turns: its blocks from memory and
-            from disk), then the same wake again on the reloaded engine (`wake_after_turn`). Then main is
+            from disk), then the same wake again on the reloaded engine (`wake_after_turn`) and a turn like the
+            first on it (`warm_turn_usage`: its first token on a warm engine). Then main is
             unloaded and loaded again by hand (its load alone: `separate_load`, with the bound it gives;
             `unloaded_turn` says why it is not the bound's), and a second after that load the session wakes
             (`separate_load.wake_a_second_after`: a reloaded engine's first wake, apart from its load).
@@ -214,6 +215,8 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         # stays with the reloaded engine or passes with the moments after its load
         c.call("session.sleep", session_id=sid)
         again_s, again = timed(c, "session.wake", session_id=sid)
+        # and a turn like the first on the woken session: the first token a warm engine gives it
+        warm_reply = c.call("session.chat", session_id=sid, messages=turn, max_tokens=1, temperature=0)
         c.call("model.unload", name=name)
         separate_s, _ = timed(c, "model.load", name=name)
         separate = model_row(c, name)
@@ -237,6 +240,7 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
             # the load, what it read (a wake waits for a block still in its flight)
             "read_ahead": served.get("read_ahead"),
             "slow_jobs_during_turn": slow, "gil_during_turn": gil,
+            "warm_turn_usage": warm_reply.get("usage"),
             "wake_after_turn": {"s": round(again_s, 3), "phases_ms": again.get("phases_ms"),
                                 "blocks": {"memory": again.get("blocks_from_memory"),
                                            "disk": again.get("blocks_from_disk")}},
