@@ -69,6 +69,10 @@ def test_after_a_restart_the_hot_sessions_wake_from_memory_exactly_each_block_re
         for i in range(SESSIONS):  # and the wakes read none of them again
             woken = c.call("session.wake", session_id=f"s{i}")
             assert woken["blocks_from_disk"] == 0 and woken["blocks_from_memory"] > 0, woken
+            # the joins on the device are a part of the blocks' phase (none where restores decode in place)
+            phases = woken["phases_ms"]
+            assert 0 <= phases["joins_eval"] <= phases["joins"] <= phases["blocks"], phases
+            assert (phases["joins"] > 0) == mode.startswith("staged"), phases
         assert c.call("status")["restart_prefetch"]["wakes_left"] == SESSIONS
         for i in range(SESSIONS):
             assert chat(c, f"s{i}", "and then?") == expected[f"s{i}"]
