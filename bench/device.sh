@@ -37,6 +37,8 @@
 #             the wake against the host's cores x one core's verified read
 #   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory, read, mapped, and a plain copy
 #             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
+#   reload    issue 53: a reloaded engine's first wake in one process, with each of the unload's and load's steps
+#             left out in turn (bench/reload_probe.py; $RELOAD_ARGS, e.g. "--variants none,settle")
 #   hybrid-prefill  mlx-lm's own prefill of 10,709 tokens on the hybrid shape and on its cousin (no kvwake):
 #             whether the hybrid fleet's first prefill (ten times the cousin's) is MLX's attention
 #   parts     where a batched decode step's time goes (bench/step_parts.py): the step, its graph's building,
@@ -227,6 +229,7 @@ run_part() {
               python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096,16384 --synthetic /tmp/m1b-kv.npz \
                 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;
     cpuscale) python3 bench/cpu_scaling.py --rounds 3 | tee "$OUT/cpu_scaling.jsonl" ;;
+    reload)   model; python3 bench/reload_probe.py --model "$MODEL" --tokens 10000 ${RELOAD_ARGS:-} | tee "$OUT/reload.jsonl" ;;
     hybrid-prefill) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
               [ -f /tmp/g4p/config.json ] || python3 bench/hybrid_model.py /tmp/g4p --plain >>"$OUT/hybrid-model.txt" 2>&1
               python3 bench/hybrid_prefill.py /tmp/g4 /tmp/g4p | tee "$OUT/hybrid-prefill.jsonl" ;;
