@@ -8,6 +8,9 @@ tokens, bf16: 4 MiB raw), planes-zstd, verified, decoded into each thread's own 
 - `memory`: `decode_into` from bytes already in memory (the codec alone: zstd, the planes' join, BLAKE3, Python);
 - `mmap`: the file mapped, decoded, unmapped (the store's `Files.mapped`: a wake's way);
 - `read`: the file read into each thread's own buffer, then decoded (no mapping);
+- `kept`: every file mapped once beforehand, decoded where it is mapped (a block's map, page faults and unmap left
+  out: what `mmap` pays beyond it is their share, which grows with the threads if the faults' and the unmaps' page-
+  table work does; a wake reads each block once, so it would keep the faults even with its files kept mapped);
 - `copy`: a numpy copy of the block's raw bytes (what memory alone allows a thread).
 
 GB/s of raw block bytes, best of `--rounds`; one JSON line per way and thread count, with its speed-up over one thread.
@@ -55,7 +58,7 @@ def main() -> None:
     ap.add_argument("--folder", type=Path, default=Path("/tmp/kvwake-cpu-scaling"))
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--threads", default=f"1,2,4,8,{os.cpu_count()}")
-    ap.add_argument("--ways", default="copy,memory,read,mmap")
+    ap.add_argument("--ways", default="copy,memory,read,mmap,kept")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     paths = make_blocks(args.folder, args.blocks)
@@ -97,7 +100,18 @@ def main() -> None:
             view.release()
             m.close()
 
-    ways = {"copy": way_copy, "memory": way_memory, "read": way_read, "mmap": way_mmap}
+    kept: list[memoryview] = []  # every file mapped once, for `kept` (mapped here, before any thread decodes)
+    if "kept" in args.ways.split(","):
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                kept.append(memoryview(mmap.mmap(f.fileno(), os.fstat(f.fileno()).st_size, flags=mmap.MAP_SHARED,
+                                                 prot=mmap.PROT_READ)))
+
+    def way_kept(i: int) -> None:
+        mine()
+        codec.decode_into(kept[i], place)
+
+    ways = {"copy": way_copy, "memory": way_memory, "read": way_read, "mmap": way_mmap, "kept": way_kept}
     for way in args.ways.split(","):
         one = None
         for n in [int(t) for t in args.threads.split(",")]:
