@@ -58,7 +58,7 @@
 #             in one run (kvwake first: its round 1 compiles the kernels on a fresh machine)
 #   point-copies  issue 52: where a restore point's host copies go on the Gemma-3-4B shape (bench/point_copies.py:
 #             the cut, the held copy, the blocks, the rings' rows, the point), rings whole and in blocks
-#   script    the shell command in $SCRIPT, the model ready ($MODEL, $RAW set): a probe's one-off run
+#   script    the shell command in $SCRIPT, the model ready ($MODEL set): a probe's one-off run
 #   probe     the same without making the model (bench/q4_kernels.py needs none)
 #   old       the `resume` part again on the tree in .gpu/old (a `git archive` of the tree before): before and
 #             after from one machine in one run
@@ -66,7 +66,7 @@
 set -uo pipefail
 
 STAGE=${STAGE:-/tmp/stage}          # what .gpu/a/stage.sh unpacked: setup.sh, env.sh, make_model.py
-RAW=${RAW:-/tmp/m8b}                # the 8B-shaped random model as make_model.py writes it: one 16 GB file
+RAW=${RAW:-/tmp/m8b}                # the same model as make_model.py writes it, one 16 GB file (the bundle part's)
 MODEL=${MODEL:-/tmp/m8s}            # the same in 5 GB shards, as mlx-lm saves a model (what users hold)
 SHAPE=${SHAPE:-llama8b}
 OLD_SITE=${OLD_SITE:-/tmp/old}      # where the `old` part installs .gpu/old
@@ -89,27 +89,13 @@ set_up() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
 
-model() {
-  [ -f "$RAW/config.json" ] || python3 "$STAGE/make_model.py" "$RAW" --shape "$SHAPE" >"$OUT/model.txt" 2>&1
-  [ -f "$MODEL/config.json" ] || python3 - "$RAW" "$MODEL" <<'PY'
-import shutil, sys
-from pathlib import Path
-from mlx_lm.utils import load_model, save_model
-raw, out = Path(sys.argv[1]), Path(sys.argv[2])
-model, _ = load_model(raw, lazy=True)
-save_model(out, model, donate_model=True)
-for f in raw.iterdir():
-    if not f.name.endswith(".safetensors") and f.is_file():
-        shutil.copy(f, out / f.name)
-print("sharded:", sorted(p.name for p in out.glob("*.safetensors")))
-# The fleet's agents send tool schemas and tool results: a template that renders them, with a tool-call
-# format mlx-lm knows (json_tools, inferred from it), as the test kit's agent model has
-import json
-sys.path.insert(0, ".")
-from testkit.tinymodel import TOOLS_CHATML
-config = json.loads((out / "tokenizer_config.json").read_text())
-(out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_CHATML}))
-PY
+model() {  # the 8B-shaped model as mlx-lm shards, written in one pass (bench/make_sharded.py)
+  [ -f "$MODEL/config.json" ] || python3 bench/make_sharded.py "$STAGE/make_model.py" "$MODEL" --shape "$SHAPE" \
+    >"$OUT/model.txt" 2>&1
+}
+
+raw() {  # the same weights as make_model.py writes them, one 16 GB file (the bundle part's one-file model)
+  [ -f "$RAW/config.json" ] || python3 "$STAGE/make_model.py" "$RAW" --shape "$SHAPE" >>"$OUT/model.txt" 2>&1
 }
 
 small() {  # the 1B-shaped model beside the 8B one (issue 53)
@@ -185,7 +171,7 @@ run_part() {
                 2>&1 | tail -4 ;;
     rows)     model; python3 bench/decode_rows.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 16 \
                 --out "$OUT/rows" 2>&1 | grep "^{" ;;
-    bundle)   model; python3 bench/bundle_hash.py --model "$MODEL" --repeat 1 2>&1 | tail -8
+    bundle)   model; raw; python3 bench/bundle_hash.py --model "$MODEL" --repeat 1 2>&1 | tail -8
               python3 bench/bundle_hash.py --model "$RAW" --repeat 1 2>&1 | tail -8
               python3 bench/startup.py --model "$MODEL" --starts 0 --cold 2>&1 | tail -12 ;;
     fleet)    model; fleet fleet --agents 8 --system-tokens 10240 --turns 6 ;;
@@ -261,7 +247,7 @@ for c in json.load(open(sys.argv[1]))["configs"]:
               for wb in "" --window-blocks; do
                 python3 bench/point_copies.py /tmp/g4 --tokens 10709 --turn 500 $wb | tee -a "$OUT/point-copies.jsonl"
               done ;;
-    script)   model; MODEL=$MODEL RAW=$RAW bash -c "$SCRIPT" 2>&1 | tail -80 ;;
+    script)   model; MODEL=$MODEL bash -c "$SCRIPT" 2>&1 | tail -80 ;;
     probe)    bash -c "$SCRIPT" 2>&1 | tail -80 ;;  # as `script`, without the model
     *)        echo "no part named $1 (the parts are listed at the top of bench/device.sh)"; return 2 ;;
   esac

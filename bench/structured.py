@@ -17,7 +17,7 @@ fill    the mask fill alone (Masks.fill): 1 and N rows at each token of a sample
         (`--fill-only`: this part only; the default model's bfloat16 decode is too slow on a small CPU).
 
 `--model tiny` is the tests' tiny llama (byte vocabulary), `default` the default model
-(SmolLM2-135M, 49k vocabulary). On the GPU machine: `--model /tmp/m8b` (bench/device.sh makes it),
+(SmolLM2-135M, 49k vocabulary). On the GPU machine: `--model /tmp/m8s` (bench/device.sh makes it),
 whose 512-token vocabulary makes masks cheap; `--vocab-from DIR` first writes a copy of the model
 beside it with DIR's tokenizer (e.g. the default model's, 49k tokens) and embeddings and lm_head
 of that size (random), so the mask costs what a real vocabulary costs.
