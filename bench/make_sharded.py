@@ -4,8 +4,8 @@ index, as `mlx_lm.utils.save_model` writes a model users hold) in one pass, with
 usage: python bench/make_sharded.py MAKE_MODEL_PY OUT [--shape llama8b]
 
 make_model.py writes one file of the weights; the device parts that serve a model read shards, which were made by
-loading that file and saving it again (a second 16 GB written and read on every fresh machine: about a minute of
-device time). Here make_model.py's own `main` runs with its one `mx.save_safetensors` of the weights written as
+loading that file and saving it again (16 GB read and written a second time on every fresh machine: S43's model
+builds took 60-70 s of a call, not timed apart). Here make_model.py's own `main` runs with its one `mx.save_safetensors` of the weights written as
 `save_model`'s shards instead: the same weights (its seed), the same shard files and index.
 """
 
