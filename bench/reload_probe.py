@@ -80,11 +80,14 @@ class Lane:
         self.thread.join()
 
 
-def open_engine(store: Any, root: Path, model: str, warmer: bool) -> Any:
+def open_engine(store: Any, root: Path, model: str, warmer: bool, limits: Any, first: bool) -> Any:
+    """An engine as `start_model` makes one: MLX's limits the first model set, staging made beside the load by the
+    first model only (a model loaded on demand makes none)."""
     from kvwake.daemon.config import Tuning
     from kvwake.daemon.model.engine import Engine
 
-    return Engine(store, root, model, warm=False, tuning=Tuning(kernel_warmer=warmer))
+    return Engine(store, root, model, warm=False, tuning=Tuning(kernel_warmer=warmer), limits=limits,
+                  staging_beside_load=first)
 
 
 def wake(engine: Any, sid: str) -> dict[str, Any]:
@@ -121,6 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench.suite import tokens_of
     from kvwake.daemon.kv.restore_buffers import auto_codecs
+    from kvwake.daemon.model import memory
     from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
@@ -128,7 +132,8 @@ def main() -> None:
         root = Path(work)
         store = Store(root / "store", block_tokens=128, auto_among=auto_codecs())
         lane = Lane()
-        engine = lane.run(lambda: open_engine(store, root, args.model, True))
+        limits = lane.run(memory.apply_limits)  # the daemon's: its cache limit bounds what MLX keeps of freed buffers
+        engine = lane.run(lambda: open_engine(store, root, args.model, True, limits, True))
         lane.run(engine.wait_kernels)
         session = Session("long")
 
@@ -144,7 +149,7 @@ def main() -> None:
             kept = lane if variant == "streams" else None  # the old engine's thread, alive to the end
             lane = lane if variant == "thread" else Lane()
             t0 = time.perf_counter()
-            engine = lane.run(lambda: open_engine(store, root, args.model, variant != "warmer"))
+            engine = lane.run(lambda: open_engine(store, root, args.model, variant != "warmer", limits, False))
             load_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             lane.run(engine.wait_kernels)  # the daemon's first job on a new engine thread: the warmers' compiles
