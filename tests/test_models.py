@@ -91,6 +91,14 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
         assert {s["session_id"]: s["model"] for s in c.call("session.list")["sessions"]}["small-s2"] == "small"
         for model in ("small", "main"):
             assert chat(c, f"{model}-s2", "and then?") == expected[model]
+    # An unload frees the model's weights with it (were: kept until the next unload, a reload beside them)
+    with d.client() as c:
+        weights = next(m for m in c.call("model.list")["models"] if m["name"] == "small")["weights_bytes"]
+        for sid in ("small-s", "small-s2"):
+            c.call("session.sleep", session_id=sid)
+        active = c.call("status")["memory"]["mlx_active_bytes"]
+        assert c.call("model.unload", name="small") == {"model": "small", "unloaded": True, "slept": 0}
+        assert active - c.call("status")["memory"]["mlx_active_bytes"] >= weights > 0
     # One conversation sent to each model, both loaded: each continues only its own model's sessions
     api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),
                                     api_key=openai_config(d.socket)["api_key"], max_retries=0, timeout=300))
@@ -525,4 +533,24 @@ async def test_a_load_that_unloads_two_models_drains_the_second_once_the_first_i
     finally:
         for event in release.values():
             event.set()
+        stop_manager(manager, store)
+
+
+async def test_an_unloaded_models_weights_and_engine_are_freed_with_the_unload(tmp_path, models):
+    # Was: stop_model's full collection ran while the unload still held the model, then froze what it found:
+    # the engine and its weights, in reference cycles, moved where no later collection looked, and stayed
+    # allocated until the next unload's collection (a reload held the old weights beside the new ones).
+    import gc
+    import weakref
+
+    manager, store = manager_on(tmp_path, models)
+    try:
+        loaded = await manager.ensure("small")
+        model, engine = weakref.ref(loaded.engine.model), weakref.ref(loaded.engine)
+        weights = loaded.engine.weights_bytes
+        del loaded
+        assert (await manager.unload("small"))["unloaded"]
+        assert model() is None and engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())][:8]
+        assert "small" not in manager.models and weights > 0
+    finally:
         stop_manager(manager, store)

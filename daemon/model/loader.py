@@ -25,7 +25,8 @@ from kvwake.daemon.model.registry import ModelSpec
 from kvwake.daemon.model.thread import EngineThread
 from kvwake.store import Store
 
-__all__ = ["WARM_HOLD_S", "WARM_POLL_S", "release_mlx_streams", "start_model", "stop_model", "warm_model"]
+__all__ = ["WARM_HOLD_S", "WARM_POLL_S", "free_stopped", "release_mlx_streams", "start_model", "stop_model",
+           "warm_model"]
 
 log = logging.getLogger("kvwake.models")
 
@@ -85,19 +86,25 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
 
 def stop_model(model: LoadedModel) -> None:
     """Stop a model no session is hot on any more: its writes finished, its thread stopped, its engine
-    closed, its memory let go (blocks until done: from a worker thread)."""
+    closed (blocks until done: from a worker thread). Its memory goes once the caller lets go of it too:
+    `free_stopped` then."""
     started = time.perf_counter()
     model.engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
     model.engine.points.hurry(model.thread.call)  # and the points whose copies wait for its idle time: made now
     model.thread.stop()
     model.engine.close()
-    # The model's arrays sit in reference cycles (mlx-lm's modules): freed now, not at a later pass. Its objects
-    # were frozen after its load (model/switching.py): back within the collector's reach for this one pass, then
-    # what the other models hold is frozen again.
+    log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
+
+
+def free_stopped() -> None:
+    """Free what stopped models left, once nothing refers to them any more (from a worker thread). Their arrays sit
+    in reference cycles (mlx-lm's modules), which only a full collection frees; and their objects were frozen after
+    their load (model/switching.py), out of the collector's reach: back within it for this one pass, then what the
+    other models hold is frozen again. Run while the caller still held a stopped model, the pass found it alive and
+    froze it again, weights and all, until the next unload's pass (a reload held the old weights beside the new)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-    log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
 # a warm-up waits this long at most for the requests it would hold back (`warm_model`'s `until_idle`)

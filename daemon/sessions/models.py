@@ -36,7 +36,7 @@ from typing import Any
 from anyio import to_thread
 
 from kvwake.daemon.model.budget import ModelsBudgetError
-from kvwake.daemon.model.loader import stop_model, warm_model
+from kvwake.daemon.model.loader import free_stopped, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec, Registry
 from kvwake.daemon.sessions.entries import Entry
@@ -315,6 +315,8 @@ class ModelKeeping(ModelRoom):
             self._shared.pop(name, None)
             await self._drop_reader(name)
             await to_thread.run_sync(stop_model, model)
+            del model  # the last reference: its weights go with the pass that follows
+            await to_thread.run_sync(free_stopped)
             self.fit_rooms()  # its weights gone: the others' KV room grows by them
         finally:
             self._unloads.pop(name, None)
