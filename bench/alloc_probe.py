@@ -1,7 +1,6 @@
-"""What a fresh device allocation costs MLX on this machine, against one its buffer cache serves: a wake after a
-model's reload found the join of its blocks and its cache's layout 2-5x slower than the same wake before the
-unload (docs/decisions.md, "Blocks read ahead onto the device: tried, reverted"), with `mx.clear_cache()` run
-between them by the unload.
+"""What a fresh device allocation costs MLX on this machine, against one its buffer cache serves: whether a wake
+after a model's reload, whose joins and layout wait longer on the device than before the unload (docs/decisions.md,
+"Blocks read ahead onto the device: tried, reverted"), pays for allocating afresh.
 
 usage: python bench/alloc_probe.py [--gib 3] [--rounds 2]
 

@@ -35,7 +35,8 @@
 #   cpuwake   issue 50, point 7 on a many-core host: `resume` at 4k and 16k tokens with MLX on the CPU (a 1B-shaped
 #             model, its KV a short prefill's tiled):
 #             the wake against the host's cores x one core's verified read
-#   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory, read, mapped, and a plain copy
+#   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory, read, mapped per block, every file
+#             mapped beforehand (kept), and a plain copy
 #             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
 #   reload    issue 53: a reloaded engine's first wake in one process, with each of the unload's and load's steps
 #             left out in turn (bench/reload_probe.py; $RELOAD_ARGS, e.g. "--variants none,settle")
@@ -89,9 +90,12 @@ set_up() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 }
 
-model() {  # the 8B-shaped model as mlx-lm shards, written in one pass (bench/make_sharded.py)
-  [ -f "$MODEL/config.json" ] || python3 bench/make_sharded.py "$STAGE/make_model.py" "$MODEL" --shape "$SHAPE" \
-    >"$OUT/model.txt" 2>&1
+model() {  # the 8B-shaped model as mlx-lm shards, written in one pass (bench/make_sharded.py), then moved into place:
+  # a build cut short by a part's timeout leaves no folder that passes for the model
+  [ -f "$MODEL/config.json" ] && return
+  rm -rf "$MODEL.part"
+  python3 bench/make_sharded.py "$STAGE/make_model.py" "$MODEL.part" --shape "$SHAPE" >"$OUT/model.txt" 2>&1 \
+    && mv "$MODEL.part" "$MODEL"
 }
 
 raw() {  # the same weights as make_model.py writes them, one 16 GB file (the bundle part's one-file model)
@@ -195,7 +199,9 @@ run_part() {
               python3 bench/restart_phases.py "$OUT"/fleet-16-prefetch-*/ | tee "$OUT/fleet-16-prefetch.jsonl" ;;
     models)   model; small  # $MODELS_ENVS: runs in turn, each with its settings (`default`: none)
               envs=${MODELS_ENVS:-}
-              for read in ${WEIGHTS_READS:-}; do envs="$envs KVWAKE_WEIGHTS_READ=$read"; done
+              for read in ${WEIGHTS_READS:-}; do
+                [ "$read" = default ] && envs="$envs default" || envs="$envs KVWAKE_WEIGHTS_READ=$read"
+              done
               for run in ${envs:-default}; do
                 name=${run//[=,]/-}
                 env $( [ "$run" = default ] || echo "${run//,/ }") python3 bench/models.py --main "$MODEL" \

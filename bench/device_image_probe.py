@@ -1,9 +1,8 @@
-"""Why a reloaded model's first wake joined blocks read ahead onto the device (tried in S43, reverted) no faster
-than from a ring in host memory (docs/decisions.md, "Blocks read ahead onto the device: tried, reverted"): the
-join of a span of 8B-shaped blocks timed
-on one thread, its rows made (a) by that thread, (b) by reader threads that have ended, (c) by reader threads
-still alive; (d) on a thread that never ran MLX before (a reloaded model's engine thread is a new one), twice;
-and (e) read from a mapped staging slot as a wake's ring holds them.
+"""Whether a span's join on the device depends on where and by which thread its rows were made (docs/decisions.md,
+"Blocks read ahead onto the device: tried, reverted"): the join of a span of 8B-shaped blocks timed on one thread,
+its rows made (a) by that thread, (b) by reader threads that have ended, (c) by reader threads still alive; (d) on a
+thread that never ran MLX before (a reloaded model's engine thread is a new one), twice; and (e) read from a mapped
+staging slot as a wake's ring holds them.
 
 usage: python bench/device_image_probe.py [--blocks 80] [--span 8] [--readers 4]
 
@@ -22,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvwake.daemon.kv import devplanes
+from kvwake.daemon.model.loader import release_mlx_streams
 
 TENSORS, LEAD, B, DIM = 64, (1, 8), 128, 128  # the 8B shape's blocks: 32 layers' keys and values
 ROW = TENSORS * 8 * B * DIM * 2  # a bf16 block's bytes (its planes one after another)
@@ -54,6 +54,7 @@ def by_readers(n: int, readers: int, keep_alive: bool) -> tuple[list[mx.array], 
         done[i].set()
         if keep_alive:
             hold.wait()
+        release_mlx_streams()  # a thread's MLX streams go with it, by it (model/loader.py)
 
     threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(readers)]
     for t in threads:
@@ -109,6 +110,7 @@ def main() -> None:
     def fresh() -> None:
         on_new.append(("a new thread's first joins", join_spans(rows, n, span)))
         on_new.append(("the new thread's joins again", join_spans(rows, n, span)))
+        release_mlx_streams()
 
     t = threading.Thread(target=fresh)
     t.start()

@@ -4,9 +4,9 @@ index, as `mlx_lm.utils.save_model` writes a model users hold) in one pass, with
 usage: python bench/make_sharded.py MAKE_MODEL_PY OUT [--shape llama8b]
 
 make_model.py writes one file of the weights; the device parts that serve a model read shards, which were made by
-loading that file and saving it again (16 GB read and written a second time on every fresh machine: S43's model
-builds took 60-70 s of a call, not timed apart). Here make_model.py's own `main` runs with its one `mx.save_safetensors` of the weights written as
-`save_model`'s shards instead: the same weights (its seed), the same shard files and index.
+loading that file and saving it again (the weights read and written a second time on every fresh machine). Here
+make_model.py's own `main` runs with its one `mx.save_safetensors` of the weights written as `save_model`'s shards
+instead: the same weights (its seed), the same shard files and index (docs/benchmarks.md, "The device parts' model").
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from mlx_lm.utils import make_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+SAVE = mx.save_safetensors  # MLX's own, which the shards are written with while make_model.py's call is replaced
 
 
 def save_sharded(path: str, weights: dict, metadata: dict | None = None) -> None:
@@ -38,9 +40,6 @@ def save_sharded(path: str, weights: dict, metadata: dict | None = None) -> None
     index = {"metadata": {"total_size": total, "total_parameters": params},
              "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-
-
-SAVE = mx.save_safetensors
 
 
 def main() -> None:

@@ -54,6 +54,15 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     woke = turn["first_turn_wake"]  # the turn's own wake, from status turns: every block, from memory or disk
     assert woke["tokens"] == turn["tokens"] and woke["ms"] > 0
     assert woke["blocks"]["memory"] + woke["blocks"]["disk"] == turn["wake_blocks"]["memory"] + turn["wake_blocks"]["disk"] > 0
+    # the reloaded engine's wakes apart from the turn: again after it, and a second after a load by hand; a warm
+    # turn's first token; the turn's slow jobs and GIL waits
+    blocks = woke["blocks"]["memory"] + woke["blocks"]["disk"]
+    for again in (turn["wake_after_turn"], apart["wake_a_second_after"]):
+        assert again["s"] > 0 and "blocks" in again["phases_ms"] and again["phases_ms"]["joins"] >= 0
+        assert again["blocks"]["memory"] + again["blocks"]["disk"] >= blocks  # the turn's block, and any after it
+    assert isinstance(apart["wake_a_second_after"]["slow_jobs"], list)
+    assert turn["warm_turn_usage"]["generated_tokens"] == 1 and turn["warm_turn_usage"]["ttft_ms"] > 0
+    assert all(j["ms"] > 0 for j in turn["slow_jobs_during_turn"]) and turn["gil_during_turn"]["over_ms"] == 1.0
     memory = report["memory"]
     assert set(memory["weights_by_model"]) == {"main", "small"} and memory["mlx_peak_bytes"] > 0
     assert memory["weights_bytes"] == sum(memory["weights_by_model"].values()) and memory["within_budget"]

@@ -347,8 +347,9 @@ class Buffers:
         evaluated = time.perf_counter()
         mx.eval(out)
         self.joined = first + count
-        self.join_s += time.perf_counter() - started
-        self.join_eval_s += time.perf_counter() - evaluated
+        now = time.perf_counter()
+        self.join_s += now - started
+        self.join_eval_s += now - evaluated
 
     def _allocate(self, name: str, dtype: str, shape: tuple[int, ...], tokens: int, rows: int) -> None:
         if len(shape) < 2 or shape[-2] != tokens or dtype not in MX_DTYPES:
