@@ -18,7 +18,7 @@ Elsewhere (the CPU: decoders write the cache's own memory), the block's decoded 
 a shared prompt's.
 
 It yields: each block is read through a RAM-tier flight (`RamTier.begin`), so a wake that needs a block being
-read waits for that read, a block a wake is reading is not read again here, and no block is read twice; its
+read waits for that read, a block a wake is reading or has read is not read again here, and no block is read twice; its
 threads (a few) run below the daemon's priority (READER_NICE). A block is held while a snapshot
 planned with it has not woken (`RamTier.claim`, `woken`), or until its session's operation ends without
 waking it (`let_go`: a session is not planned after that); what no wake took within KEEP_S goes. `stop` ends

@@ -22,7 +22,7 @@ it (`claim`) until they have woken (`woken`) or the reader gives up on them
 (`drop_prefetched`); such an entry may be a block's staged image
 (hot_set.StagedImage) rather than its arrays. Its reads go through the same
 flights (`begin`), so a wake that needs a block being read ahead waits for
-that read, and a block a wake is reading is not read ahead again.
+that read, and a block a wake is reading, or has read, is not read ahead again.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ class RamTier:
         self._prefetched: dict[str, Any] = {}  # blocks read ahead, outside the budget, while claimed
         self._claims: dict[str, list[str]] = {}  # snapshot id -> the keys read ahead for it
         self._claimed: dict[str, int] = {}  # chain key -> snapshots still to wake with it
+        self._read_here: set[str] = set()  # claimed blocks a restore read itself first: not read ahead after it
         self.prefetched_bytes = 0
         self.hits = self.misses = 0
 
@@ -189,6 +190,8 @@ class RamTier:
                     self._put(key, arrays, size)
                 if self._wants.get(key, 0) > 1:
                     self._held[key] = arrays
+            if self._claimed.get(key, 0) > 0:  # the reader ahead had not begun it: it is not read a second time
+                self._read_here.add(key)
             flight.arrays = arrays
             self._flights.pop(key, None)
         flight.done.set()
@@ -214,10 +217,11 @@ class RamTier:
             return self._claimed.get(key, 0) > 0
 
     def begin(self, key: str) -> Flight | None:
-        """A flight for reading the block ahead, to end with `land_prefetched`; None when it is resident or
-        being read (by a restore, or another reader): it is not read twice."""
+        """A flight for reading the block ahead, to end with `land_prefetched`; None when it is resident, being
+        read (by a restore, or another reader) or was read by a restore already: it is not read twice."""
         with self._lock:
-            if key in self._items or key in self._held or key in self._prefetched or key in self._flights:
+            if key in self._items or key in self._held or key in self._prefetched or key in self._flights or \
+                    key in self._read_here:
                 return None
             flight = self._flights[key] = Flight()
             return flight
@@ -243,6 +247,7 @@ class RamTier:
                     self._claimed[key] = left
                     continue
                 self._claimed.pop(key, None)
+                self._read_here.discard(key)
                 self._unprefetch(key)
 
     def drop_prefetched(self) -> None:
@@ -250,6 +255,7 @@ class RamTier:
         with self._lock:
             self._claims.clear()
             self._claimed.clear()
+            self._read_here.clear()
             for key in list(self._prefetched):
                 self._unprefetch(key)
 
