@@ -129,6 +129,11 @@ def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_
     later = kernel_cache.Warmer.for_model(path)
     assert later is not early
     assert early.wait(timeout=120) and later.wait(timeout=120)
+    # once they filled the cache, a model of the folder loaded again in this process starts none (a reload's
+    # first job waited for them); another folder's still start
+    assert kernel_cache.Warmer.for_model(path) is None
+    other = kernel_cache.Warmer.for_model(make_model_dir(tmp_path / "other", arch="llama"))
+    assert other is not None and other.wait(timeout=120)
 
 
 def test_the_first_start_builds_the_other_configured_models_row_kernels_each_shape_once(tmp_path, monkeypatch):

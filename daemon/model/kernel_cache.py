@@ -104,6 +104,11 @@ def keep_compiled_kernels() -> None:
 
 # Warmers started before their engine was made (`start_early`), by model folder
 _early: dict[Path, Warmer] = {}
+# Model folders whose warmers ended with the cache filled in this process: the process has loaded those kernels
+# too, so a model loaded again (an unload, then a turn for its sessions) starts none. Two processes importing MLX
+# and running the miniature on the GPU can outlast a reload's weights, now read in seconds, and the new engine
+# thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models")
+_done: set[Path] = set()
 
 
 def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
@@ -130,11 +135,16 @@ class Warmer:
     `wait` before the engine's first forward pass."""
 
     @classmethod
-    def for_model(cls, model_path: Path) -> Warmer:
-        """The warmers `start_early` started for this model folder, else new ones."""
-        return _early.pop(Path(model_path).resolve(), None) or cls(model_path)
+    def for_model(cls, model_path: Path) -> Warmer | None:
+        """The warmers `start_early` started for this model folder, else new ones; None when this process's warmers
+        of the folder filled the cache already (`_done`)."""
+        path = Path(model_path).resolve()
+        if path in _done:
+            return None
+        return _early.pop(path, None) or cls(model_path)
 
     def __init__(self, model_path: Path) -> None:
+        self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
         self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
@@ -155,6 +165,7 @@ class Warmer:
                 done = False
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
+            _done.add(self.path)
         return bool(procs) and done
 
     def stop(self) -> None:
