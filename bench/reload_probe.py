@@ -10,8 +10,9 @@ engine, and probes of the join alone did not (docs/benchmarks.md, "Several model
   again       the same wake once more on the reloaded engine
 
 Variants: `none` (the daemon's way), `kept` (the old model still referred to while the new one loads and wakes,
-and freed after: the daemon's way before its unload freed the old weights), `warmer` (no kernel warmer processes
-at the load), `settle` (the wake 2 s after the load rather than at once).
+and freed after: the daemon's way before its unload freed the old weights), `warmer` (kernel warmer processes
+started again at the load, as before a reload started none: model/kernel_cache.py `_done`), `settle` (the wake 2 s
+after the load rather than at once).
 
 usage: python bench/reload_probe.py --model PATH [--tokens 10000] [--variants none,kept,warmer,settle]
                                     [--restore-mode staged|direct]
@@ -57,6 +58,7 @@ def main() -> None:
     from bench.suite import tokens_of
     from kvwake.daemon.config import ModelSpec, Settings, Tuning
     from kvwake.daemon.kv.restore_buffers import auto_codecs
+    from kvwake.daemon.model import kernel_cache
     from kvwake.daemon.model.loader import free_stopped, start_model, stop_model
     from kvwake.daemon.model.provider import LoadedModel
     from kvwake.daemon.session_state import Session
@@ -66,12 +68,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvwake-reload-") as work:
         root = Path(work)
 
-        def settings(warmer: bool) -> Settings:
-            return Settings(socket=root / "s.sock", data_dir=root, model=spec.source,
-                            tuning=Tuning(kernel_warmer=warmer, restore_mode=args.restore_mode))
+        settings = Settings(socket=root / "s.sock", data_dir=root, model=spec.source,
+                            tuning=Tuning(restore_mode=args.restore_mode))
 
         store = Store(root / "store", block_tokens=128, auto_among=auto_codecs(args.restore_mode))
-        model = LoadedModel(*start_model(settings(True), store, spec, None), "main")  # sets MLX's limits
+        model = LoadedModel(*start_model(settings, store, spec, None), "main")  # sets MLX's limits
         limits = model.engine.limits
         session = Session("long")
 
@@ -88,8 +89,10 @@ def main() -> None:
             del model
             if old is None:
                 free_stopped()
+            if variant == "warmer":
+                kernel_cache._done.clear()  # as before: the reload starts the folder's warmers again
             t0 = time.perf_counter()
-            engine, thread = start_model(settings(variant != "warmer"), store, spec, limits)
+            engine, thread = start_model(settings, store, spec, limits)
             thread.call(engine.wait_kernels)  # the daemon's first job on a new engine thread (model/loader.py)
             load_s = time.perf_counter() - t0
             model = LoadedModel(engine, thread, "main")
