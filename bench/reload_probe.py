@@ -67,10 +67,8 @@ def main() -> None:
     spec = ModelSpec("main", str(Path(args.model).expanduser().resolve()))
     with tempfile.TemporaryDirectory(prefix="kvwake-reload-") as work:
         root = Path(work)
-
         settings = Settings(socket=root / "s.sock", data_dir=root, model=spec.source,
                             tuning=Tuning(restore_mode=args.restore_mode))
-
         store = Store(root / "store", block_tokens=128, auto_among=auto_codecs(args.restore_mode))
         model = LoadedModel(*start_model(settings, store, spec, None), "main")  # sets MLX's limits
         limits = model.engine.limits
