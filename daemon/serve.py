@@ -348,8 +348,9 @@ async def _warm(models: ModelProvider, hot_set: HotSet | None) -> None:
     a warm-up job that began just before them (a job is not cut) held their wakes (docs/benchmarks.md, "fleet")."""
     held = time.monotonic()
     left = (lambda: hot_set.wakes_left() and time.monotonic() - held < loader.WARM_HOLD_S) if hot_set else None
-    for model in models:
-        await warm_model(model, left)
+    for name in models.names():  # each taken at its turn: one unloaded meanwhile is not held here (its memory
+        if name in models:  # goes with its unload's collection) and not warmed
+            await warm_model(models.get(name), left)
 
 
 async def _lifecycle(manager: SessionManager, settings: Settings) -> None:

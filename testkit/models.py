@@ -8,7 +8,15 @@ from typing import Any
 
 from testkit.tinymodel import make_model_dir
 
-__all__ = ["manager_on", "stop_manager", "two_tiny_models"]
+__all__ = ["Served", "manager_on", "stop_manager", "two_tiny_models"]
+
+
+class Served(dict):
+    """Models as the daemon's warm-up reads its ModelProvider (serve._warm): name -> model, `names()` in order;
+    for tests whose models are stand-ins."""
+
+    def names(self) -> list[str]:
+        return list(self)
 
 
 def two_tiny_models(root: Path) -> tuple[Path, Path]:

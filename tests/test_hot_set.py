@@ -16,6 +16,7 @@ from kvwake.store import Store, Tensor
 from kvwake.store.format.codec import DTYPES
 from testkit.daemon import Daemon, RawClient, RpcError, hot_set_read
 from testkit.kvdata import OTHER_BUNDLE, write_snapshot
+from testkit.models import Served
 from testkit.tinymodel import make_model_dir
 
 SYSTEM = "You are a terse agent that uses tools; answer in one line. " * 4
@@ -320,18 +321,24 @@ def test_the_budget_bounds_what_is_read_ahead(store):
 
 def test_a_block_a_wake_read_itself_is_not_read_ahead_after_it():
     """A wake that comes before the reader reaches a claimed block reads it itself; the reader, coming to it after,
-    skips it. Was: read a second time and held until the snapshot's wake ended (seen as a flaky count in
-    test_load_read_ahead: a block read ahead that no wake took)."""
+    skips it where no other snapshot claims it. Was: read a second time and held until the snapshot's wake ended
+    (seen as a flaky count in test_load_read_ahead: a block read ahead that no wake took)."""
     tier = RamTier(0)
     tier.claim("snap", ["k", "j"])
+    tier.claim("other", ["j", "i"])
     cached, flight = tier.take("k")  # the wake's own read
     assert cached is None and flight is not None
-    tier.land("k", flight, None)  # staged or placed: nothing kept
+    tier.land("k", flight, None, read_for="snap")  # staged or placed: nothing kept
     assert tier.begin("k") is None  # the reader skips it
-    ahead = tier.begin("j")  # a block no wake read is read ahead as before
+    for key, read_for in (("j", "snap"), ("i", None)):  # claimed by another snapshot too; read by no wake of its
+        _, flight = tier.take(key)
+        tier.land(key, flight, None, read_for=read_for)
+    assert tier.begin("i") is not None  # a restore that is not a claiming snapshot's wake (a prefix hit) stops nothing
+    ahead = tier.begin("j")  # still read ahead for "other", which claims it too
     assert ahead is not None
     tier.land_prefetched("j", ahead, {"x": Tensor("U8", np.zeros(4, np.uint8))})
     tier.woken("snap")
+    tier.woken("other")
     assert tier.claims_left() == 0 and tier.begin("k") is not None  # its claim gone, the mark with it
 
 
@@ -480,7 +487,7 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
 
     async def wakes_come() -> float:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve._warm, [model], hot)
+            tg.start_soon(serve._warm, Served(m=model), hot)
             await anyio.sleep(0.3)
             assert started == []  # two sessions still to wake
             hot.left = 0
@@ -491,14 +498,14 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
     started.clear()
     monkeypatch.setattr(loader, "WARM_HOLD_S", 0.2)
     began = time.monotonic()
-    anyio.run(serve._warm, [model], Hot(1))  # a session that never wakes holds it WARM_HOLD_S at most
+    anyio.run(serve._warm, Served(m=model), Hot(1))  # a session that never wakes holds it WARM_HOLD_S at most
     assert len(started) == 1 and 0.2 <= started[0] - began < 5
     started.clear()
-    anyio.run(serve._warm, [model], None)
+    anyio.run(serve._warm, Served(m=model), None)
     assert len(started) == 1
     started.clear()
     model.thread.alive = False  # a model unloaded while its warm-up waited: no job asked of its stopped thread
-    anyio.run(serve._warm, [model], None)
+    anyio.run(serve._warm, Served(m=model), None)
     assert started == []
 
 

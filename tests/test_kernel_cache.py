@@ -132,8 +132,13 @@ def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_
     # once they filled the cache, a model of the folder loaded again in this process starts none (a reload's
     # first job waited for them); another folder's still start
     assert kernel_cache.Warmer.for_model(path) is None
+    assert kernel_cache.start_early(str(path)) is True and kernel_cache._early == {}  # none started early either
     other = kernel_cache.Warmer.for_model(make_model_dir(tmp_path / "other", arch="llama"))
     assert other is not None and other.wait(timeout=120)
+    config = json.loads((path / "config.json").read_text())  # the folder's model changed in place: warmed again
+    (path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    again = kernel_cache.Warmer.for_model(path)
+    assert again is not None and again.wait(timeout=120)
 
 
 def test_the_first_start_builds_the_other_configured_models_row_kernels_each_shape_once(tmp_path, monkeypatch):

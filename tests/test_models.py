@@ -554,3 +554,41 @@ async def test_an_unloaded_models_weights_and_engine_are_freed_with_the_unload(t
         assert "small" not in manager.models and weights > 0
     finally:
         stop_manager(manager, store)
+
+
+async def test_a_model_unloaded_during_its_warm_up_is_freed_and_its_warm_up_ends(tmp_path, models, monkeypatch):
+    # Was: the warm-up of a model loaded on demand awaited idle jobs that its stopped engine thread never ran: the
+    # task waited for good, holding the model, and the unload's collection found it alive (its weights kept).
+    import asyncio
+    import gc
+    import threading
+    import weakref
+
+    from kvwake.daemon.model.engine import Engine
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_jobs(self):  # a warm-up of three jobs, the first one running when the unload comes
+        def job() -> None:
+            started.set()
+            release.wait(10)
+        return [job, job, job]
+
+    monkeypatch.setattr(Engine, "warm_jobs", slow_jobs)
+    manager, store = manager_on(tmp_path, models)
+    try:
+        loaded = await manager.ensure("small")
+        engine = weakref.ref(loaded.engine)
+        del loaded
+        while not started.is_set():  # its warm-up is under way: a job running, two queued
+            await asyncio.sleep(0.01)
+        warming = weakref.ref(manager._warming["small"])  # not held here: a task holds its model until it goes
+        unloading = asyncio.ensure_future(manager.unload("small"))
+        await asyncio.sleep(0.2)
+        release.set()  # the running job ends; the queued ones never run on the stopped thread
+        assert (await asyncio.wait_for(unloading, 30))["unloaded"]
+        assert "small" not in manager._warming and (warming() is None or warming().done())
+        assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())][:8]
+    finally:
+        release.set()
+        stop_manager(manager, store)

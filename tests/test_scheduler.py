@@ -13,6 +13,7 @@ from kvwake.daemon.model.scheduler import steps, turns
 from kvwake.daemon.model.scheduler.steps import Scheduler, Step
 from kvwake.daemon.model.scheduler.turns import TurnOrder
 from kvwake.daemon.model.thread import EngineThread
+from testkit.models import Served
 from kvwake.errors import CancelledError
 
 
@@ -219,7 +220,7 @@ async def test_the_warm_up_runs_as_idle_jobs_and_a_request_goes_first():
     Model.thread = thread
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(serve._warm, [Model()], None)  # no hot set: at once
+            tg.start_soon(serve._warm, Served(tiny=Model()), None)  # no hot set: at once
             await anyio.sleep(0.05)  # the warm-up has queued its first job (an idle job: not yet run)
             await thread.run(lambda: order.append("request"))
             for _ in range(200):
@@ -239,6 +240,31 @@ async def test_a_failing_idle_job_run_when_idle_raises_to_its_awaiter():
             await thread.run_when_idle(lambda: 1 / 0)
     finally:
         thread.stop()
+
+
+async def test_idle_jobs_a_stopped_thread_never_ran_fail_their_awaiters_and_later_ones_at_once():
+    # Was: an idle job queued when the thread stopped was never answered, and its awaiter (a model's warm-up,
+    # holding the model) waited for good
+    import asyncio
+
+    from kvwake.errors import CancelledError
+
+    thread = EngineThread()
+    running, release = threading.Event(), threading.Event()
+    busy = asyncio.ensure_future(thread.run(lambda: (running.set(), release.wait(10))))
+    while not running.is_set():
+        await asyncio.sleep(0.01)
+    queued = asyncio.ensure_future(thread.run_when_idle(lambda: 7))  # behind the running job
+    await asyncio.sleep(0.05)
+    stopping = asyncio.ensure_future(asyncio.to_thread(thread.stop))
+    await asyncio.sleep(0.05)
+    release.set()
+    await busy
+    await stopping
+    with pytest.raises(CancelledError):
+        await asyncio.wait_for(queued, 5)
+    with pytest.raises(CancelledError):  # asked after the stop: refused at once, not queued for no one
+        await asyncio.wait_for(thread.run_when_idle(lambda: 8), 5)
 
 
 # -- turns that arrive together start as one pack --------------------------------------------------------

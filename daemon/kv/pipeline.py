@@ -397,7 +397,7 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
     if cached is not None and _put_cached(buffers, k, start, count, cached, what):
         _count(ctx, buffers, "blocks_ram")
         return
-    landed = None
+    landed, read_for = None, None
     try:
         # Shared: decoded into the host views, not staged, so that its copy is the block's arrays.
         share = keep_in_ram or (buffers.ring is None and ctx.ram_tier.shared(ref.key))
@@ -408,9 +408,10 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
         _count(ctx, buffers, "blocks_disk")
         if share:
             landed = buffers.block(start, count)
+        read_for = record.id if record is not None else None  # read and verified for this snapshot's wake
     finally:
         if flight is not None:  # None: read here after a staged image that did not fit (_put_cached)
-            ctx.ram_tier.land(ref.key, flight, landed)
+            ctx.ram_tier.land(ref.key, flight, landed, read_for)
 
 
 def _put_cached(buffers: restore_buffers.Buffers, k: int, start: int, count: int, cached: Any, what: str) -> bool:

@@ -180,9 +180,11 @@ class RamTier:
                 return flight.arrays, None
             # the reader failed or kept nothing: read it here (a damaged block fails with this restore's facts)
 
-    def land(self, key: str, flight: Flight, arrays: Arrays | None) -> None:
+    def land(self, key: str, flight: Flight, arrays: Arrays | None, read_for: str | None = None) -> None:
         """End a flight `take` handed out: its arrays (None: nothing to share) go to its waiters, to the
-        restores that still want the block, and to the LRU within its budget."""
+        restores that still want the block, and to the LRU within its budget. `read_for`: the snapshot whose wake
+        read the block (and verified it): where that snapshot is the last to claim it, the reader ahead, which had
+        not begun it, will not read it now (a block other claimants still wait for is read ahead for them)."""
         with self._lock:
             if arrays is not None:
                 size = nbytes(arrays)
@@ -190,8 +192,8 @@ class RamTier:
                     self._put(key, arrays, size)
                 if self._wants.get(key, 0) > 1:
                     self._held[key] = arrays
-            if self._claimed.get(key, 0) > 0:  # the reader ahead had not begun it: it is not read a second time
-                self._read_here.add(key)
+            if read_for is not None and self._claimed.get(key, 0) == 1 and key in self._claims.get(read_for, ()):
+                self._read_here.add(key)  # the reader ahead had not begun it: not read a second time for no one
             flight.arrays = arrays
             self._flights.pop(key, None)
         flight.done.set()

@@ -108,7 +108,20 @@ _early: dict[Path, Warmer] = {}
 # too, so a model loaded again (an unload, then a turn for its sessions) starts none. Two processes importing MLX
 # and running the miniature on the GPU can outlast a reload's weights, now read in seconds, and the new engine
 # thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models")
-_done: set[Path] = set()
+_done: set[tuple[Path, str, str]] = set()  # (folder, its config's digest, its weights' dtype): `_warmed_key`
+
+
+def _warmed_key(path: Path) -> tuple[Path, str, str]:
+    """What a folder's warmers compiled for: the folder, its config and its weights' dtype (a folder whose model
+    changed in place is warmed again)."""
+    import hashlib
+
+    try:
+        config = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+        dtype = weights_dtype(path)
+    except (OSError, ValueError, KeyError):
+        config = dtype = ""
+    return path, config, dtype
 
 
 def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
@@ -124,7 +137,7 @@ def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
         return False
     keep_compiled_kernels()
     path = Path(model).expanduser().resolve()
-    if path not in _early:
+    if path not in _early and _warmed_key(path) not in _done:
         _early[path] = Warmer(path)
     return True
 
@@ -139,9 +152,12 @@ class Warmer:
         """The warmers `start_early` started for this model folder, else new ones; None when this process's warmers
         of the folder filled the cache already (`_done`)."""
         path = Path(model_path).resolve()
-        if path in _done:
+        early = _early.pop(path, None)
+        if _warmed_key(path) in _done:
+            if early is not None:  # started for a model already warmed here: its processes go
+                early.stop()
             return None
-        return _early.pop(path, None) or cls(model_path)
+        return early or cls(model_path)
 
     def __init__(self, model_path: Path) -> None:
         self.path = Path(model_path).resolve()
@@ -165,7 +181,7 @@ class Warmer:
                 done = False
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
-            _done.add(self.path)
+            _done.add(_warmed_key(self.path))
         return bool(procs) and done
 
     def stop(self) -> None:

@@ -121,6 +121,8 @@ async def warm_model(model: LoadedModel, until_idle: Callable[[], Any] | None = 
     hold them, as a restart's wakes were, docs/benchmarks.md, "fleet", and a reloaded model's first wake)."""
     held = time.monotonic()
     while until_idle is not None and until_idle() and time.monotonic() - held < WARM_HOLD_S:
+        if not getattr(model.thread, "alive", True):
+            break
         await anyio.sleep(WARM_POLL_S)
     if not getattr(model.thread, "alive", True):  # unloaded while it waited: nothing to warm, nothing failed
         return
@@ -129,8 +131,9 @@ async def warm_model(model: LoadedModel, until_idle: Callable[[], Any] | None = 
         jobs = await model.thread.run(model.engine.warm_jobs)
         for job in jobs:
             took.append(await model.thread.run_when_idle(_timed(job)))
-    except Exception as exc:  # only speed is at stake (or the model was unloaded meanwhile): serving goes on
-        log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
+    except Exception as exc:  # only speed is at stake: serving goes on
+        if getattr(model.thread, "alive", True):  # else unloaded meanwhile (its jobs refused): nothing failed
+            log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
         return
     if jobs:  # each job's ms, in Engine.warm_jobs' order: a long one is what a request may have waited for
         log.info("warm", extra={"model": model.name, "jobs": len(jobs), "jobs_ms": took,

@@ -78,6 +78,7 @@ class EngineThread:
         self.slow_s = slow_job_ms / 1000
         self._spent = {"jobs": 0, "job_s": 0.0, "steps": 0, "step_s": 0.0, "flush_s": 0.0}
         self._slow: deque[dict[str, Any]] = deque(maxlen=slow_jobs_kept)
+        self._idle_waits: set[Future] = set()  # `run_when_idle`'s futures not yet resolved (failed by `stop`)
         # seconds between one decode step's output handed over and the next's, while decoding without a pause:
         # the engine's side of the gap a streaming client sees (a job between two steps is in it)
         self._gaps = Latency(GAPS_KEPT)
@@ -301,12 +302,25 @@ class EngineThread:
         and await its result. For work no request may wait behind (the warm-up): a request that comes while
         such jobs are queued waits for the one running at most."""
         future: Future[T] = Future()
+        self._idle_waits.add(future)
+        future.add_done_callback(self._idle_waits.discard)
         self.idle(lambda: self._do((fn, future)))
+        if not self.alive and self._thread.ident is not None:  # stopped meanwhile: no thread will run it
+            self._refuse_idle()
         return await asyncio.wrap_future(future)
 
     def stop(self) -> None:
         self.scheduler.stop()
         self._thread.join(timeout=60)
+        if not self.alive:
+            self._refuse_idle()
+
+    def _refuse_idle(self) -> None:
+        """Fail the idle jobs the stopped thread never ran: their waiters (a model's warm-up) get CancelledError
+        instead of waiting for ever, holding the model (its weights were never freed after an unload)."""
+        for future in list(self._idle_waits):
+            if not future.done():
+                future.set_exception(CancelledError("the engine stopped before this idle job ran"))
 
     @property
     def alive(self) -> bool:

@@ -69,7 +69,7 @@ class ModelKeeping(ModelRoom):
     def _init_models(self, registry: Registry, start: Starter | None) -> None:
         self.registry, self._start = registry, start
         self._loads: dict[str, asyncio.Task] = {}
-        self._warming: set[asyncio.Task] = set()  # warm-ups of models loaded on demand
+        self._warming: dict[str, asyncio.Task] = {}  # warm-ups of models loaded on demand, by model
         self._loading_since: dict[str, float] = {}
         self._load_ms: dict[str, float] = {}  # each model's last load on demand: its start to its serving, ms
         self._unloads: dict[str, asyncio.Task] = {}  # each model's unload in progress, shared by whoever asks
@@ -254,8 +254,9 @@ class ModelKeeping(ModelRoom):
         # as the start's models warm, once the operations that waited for the load have run (a reloaded model's
         # first wake waited for a warm-up job that began just before it)
         warming = asyncio.get_running_loop().create_task(warm_model(model, lambda: self._in_use(spec.name)))
-        self._warming.add(warming)  # held: the loop keeps only weak references to tasks
-        warming.add_done_callback(self._warming.discard)
+        self._warming[spec.name] = warming  # held: the loop keeps only weak references to tasks
+        warming.add_done_callback(lambda done, name=spec.name: self._warming.pop(name, None)
+                                  if self._warming.get(name) is done else None)
         log.info("model loaded", extra={"model": spec.name, "bundle": model.bundle.hash,
                                         "ms": self._load_ms[spec.name]})
 
@@ -314,14 +315,27 @@ class ModelKeeping(ModelRoom):
             model = self.models.remove(name)
             self._shared.pop(name, None)
             await self._drop_reader(name)
-            await to_thread.run_sync(stop_model, model)
-            del model  # the last reference: its weights go with the pass that follows
-            await to_thread.run_sync(free_stopped)
+            await self._end_warm_up(name)
+            try:
+                await to_thread.run_sync(stop_model, model)
+            finally:
+                del model  # the last reference: its weights go with the pass that follows
+                await to_thread.run_sync(free_stopped)
             self.fit_rooms()  # its weights gone: the others' KV room grows by them
         finally:
             self._unloads.pop(name, None)
         log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
         return {"model": name, "unloaded": True, "slept": slept}
+
+    async def _end_warm_up(self, name: str) -> None:
+        """Cancel model `name`'s warm-up (one still holding or queued holds the model: an idle job on a stopped
+        thread was never answered, and the task kept the model, weights and all, for good) and let the task go:
+        even cancelled, its traceback holds the model."""
+        warming = self._warming.pop(name, None)
+        if warming is not None:
+            warming.cancel()
+            await asyncio.wait([warming])
+            del warming
 
     async def unload_idle(self) -> list[str]:
         """Unload the models unused past `model_ttl_s` (the lifecycle task's pass); their names."""
