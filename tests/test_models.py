@@ -592,3 +592,30 @@ async def test_a_model_unloaded_during_its_warm_up_is_freed_and_its_warm_up_ends
     finally:
         release.set()
         stop_manager(manager, store)
+
+
+async def test_a_model_unloaded_while_its_warm_up_holds_is_freed(tmp_path, models, monkeypatch):
+    # The warm-up of a model loaded on demand first holds while the model is in use, polling: unloaded then, the
+    # model is freed by the unload's collection because the unload ends that task first (a poll still asleep
+    # held the model past the collection, which froze it)
+    import asyncio
+    import gc
+    import weakref
+
+    from kvwake.daemon.model import loader
+    from kvwake.daemon.sessions.models import ModelKeeping
+
+    monkeypatch.setattr(loader, "WARM_POLL_S", 5.0)  # the hold's poll asleep across the whole unload
+    in_use = {"small": True}
+    monkeypatch.setattr(ModelKeeping, "_in_use", lambda self, name: in_use.get(name, False))
+    manager, store = manager_on(tmp_path, models)
+    try:
+        loaded = await manager.ensure("small")
+        engine = weakref.ref(loaded.engine)
+        del loaded
+        await asyncio.sleep(0.1)  # its warm-up holds
+        assert "small" in manager._warming
+        assert (await asyncio.wait_for(manager.unload("small"), 30))["unloaded"]
+        assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())][:8]
+    finally:
+        stop_manager(manager, store)
