@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,8 +31,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kvwake.daemon.kv import devplanes
-from kvwake.daemon.model.kernel_cache import safetensors_header
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bench/lib.py, from this checkout
+
+from bench.lib import pct  # noqa: E402
+from kvwake.daemon.kv import devplanes  # noqa: E402
+from kvwake.daemon.model.kernel_cache import safetensors_header  # noqa: E402
 
 PIECE = 32 << 20
 
@@ -113,9 +118,7 @@ def steps(weights: list[tuple[mx.array, mx.array]], rows: int, stop: threading.E
 def summary(ms: list[float]) -> dict[str, float]:
     if not ms:
         return {}
-    s = sorted(ms)
-    return {"n": len(s), "p50": round(statistics.median(s), 2), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 2),
-            "max": round(s[-1], 2)}
+    return {"n": len(ms), "p50": round(statistics.median(ms), 2), "p99": pct(ms, 0.99), "max": round(max(ms), 2)}
 
 
 def main() -> None:
