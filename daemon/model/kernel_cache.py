@@ -23,6 +23,7 @@ nothing here runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -114,8 +115,6 @@ _done: set[tuple[Path, str, str]] = set()  # (folder, its config's digest, its w
 def _warmed_key(path: Path) -> tuple[Path, str, str]:
     """What a folder's warmers compiled for: the folder, its config and its weights' dtype (a folder whose model
     changed in place is warmed again)."""
-    import hashlib
-
     try:
         config = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
         dtype = weights_dtype(path)
