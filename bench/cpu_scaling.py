@@ -11,7 +11,9 @@ tokens, bf16: 4 MiB raw), planes-zstd, verified, decoded into each thread's own 
 - `kept`: every file mapped once beforehand, decoded where it is mapped (a block's map, page faults and unmap left
   out: what `mmap` pays beyond it is their share, which grows with the threads if the faults' and the unmaps' page-
   table work does; a wake reads each block once, so it would keep the faults even with its files kept mapped);
-- `copy`: a numpy copy of the block's raw bytes (what memory alone allows a thread).
+- `copy`: a numpy copy of the block's raw bytes (what memory alone allows a thread);
+- `procs`: `memory` in processes instead of threads (forked, each with its own arrays): the same work without
+  the GIL, whose hand-overs between a block's many C calls are what threads share.
 
 GB/s of raw block bytes, best of `--rounds`; one JSON line per way and thread count, with its speed-up over one thread.
 """
@@ -22,6 +24,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import mmap
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -53,16 +56,26 @@ def make_blocks(folder: Path, count: int) -> list[Path]:
     return paths
 
 
+_PROC: dict = {}  # a `procs` worker's blocks and arrays (forked from the parent's blocks)
+
+
+def _proc_decode(i: int) -> None:
+    if "dest" not in _PROC:
+        _PROC["dest"] = {n: np.empty(SHAPE, np.uint16) for n in NAMES}
+    codec.decode_into(_PROC["datas"][i], lambda name, dtype, shape: _PROC["dest"][name])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--folder", type=Path, default=Path("/tmp/kvwake-cpu-scaling"))
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--threads", default=f"1,2,4,8,{os.cpu_count()}")
-    ap.add_argument("--ways", default="copy,memory,read,mmap,kept")
+    ap.add_argument("--ways", default="copy,memory,procs,read,mmap,kept")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     paths = make_blocks(args.folder, args.blocks)
     datas = [p.read_bytes() for p in paths]
+    _PROC["datas"] = datas
     local = threading.local()
 
     def mine() -> threading.local:
@@ -115,12 +128,16 @@ def main() -> None:
     for way in args.ways.split(","):
         one = None
         for n in [int(t) for t in args.threads.split(",")]:
-            with cf.ThreadPoolExecutor(n) as pool:
-                list(pool.map(ways[way], range(len(paths))))  # each thread's arrays made, the files cached
+            procs = way == "procs"
+            with cf.ProcessPoolExecutor(n, mp_context=mp.get_context("fork")) if procs else \
+                    cf.ThreadPoolExecutor(n) as pool:
+                run = (lambda ids: list(pool.map(_proc_decode, ids, chunksize=4))) if procs else \
+                    (lambda ids: list(pool.map(ways[way], ids)))
+                run(list(range(len(paths))) * 2)  # each worker's arrays made, the files cached
                 best = 0.0
                 for _ in range(args.rounds):
                     began = time.perf_counter()
-                    list(pool.map(ways[way], list(range(len(paths))) * 4))
+                    run(list(range(len(paths))) * 4)
                     best = max(best, 4 * len(paths) * RAW / (time.perf_counter() - began) / 1e9)
             one = one or best
             print(json.dumps({"way": way, "threads": n, "GBps": round(best, 3), "over_one": round(best / one, 2)}),

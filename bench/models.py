@@ -230,6 +230,7 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         again_s, again = timed(c, "session.wake", session_id=sid)
         # and a turn like the first on the woken session: the first token a warm engine gives it
         warm_reply = c.call("session.chat", session_id=sid, messages=turn, max_tokens=1, temperature=0)
+        warm_traced = next(t for t in reversed(c.call("status")["turns"]) if t["session"] == sid)
         c.call("model.unload", name=name)
         separate_s, _ = timed(c, "model.load", name=name)
         separate = model_row(c, name)
@@ -251,12 +252,16 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
             "first_turn_wake": {"ms": traced.get("wake_ms"), "tokens": traced.get("wake_tokens"),
                                 "blocks": {"memory": traced.get("wake_blocks_from_memory"),
                                            "disk": traced.get("wake_blocks_from_disk")},
-                                "phases_ms": traced.get("wake_phases_ms")},
+                                "phases_ms": traced.get("wake_phases_ms"),
+                                # the rest of the turn after its claim (the wake within it): its input's
+                                # prefill and the first token
+                                **{k: traced.get(k) for k in ("claim_ms", "append_ms", "first_token_ms")}},
             # the load's reader of the turn's blocks (sessions/read_ahead.py): how long its reading took against
             # the load, what it read (a wake waits for a block still in its flight)
             "read_ahead": served.get("read_ahead"),
             "slow_jobs_during_turn": slow, "gil_during_turn": gil,
             "warm_turn_usage": warm_reply.get("usage"),
+            "warm_turn_ms": {k: warm_traced.get(k) for k in ("claim_ms", "append_ms", "first_token_ms")},
             "wake_after_turn": wake_row(again_s, again),
             "load_s": load_s, "load_phases_ms": served["load_phases_ms"], "bound_s": round(bound, 3),
             "first_turn_over_bound": round(turn_s / bound, 3), "target": "<= load + 1.2x wake",
