@@ -1,7 +1,7 @@
 """What a pack of turns costs against the same turns apart: whether gathering turns into one pack pays here.
 
-usage: python bench/pack_cost.py [--model tiny|default|PATH] [--rows 4] [--history 2900] [--new 380]
-                                 [--repeats 3] [--out bench/out]
+usage: python bench/pack_cost.py [--model tiny|default|PATH] [--rows 4] [--history 2900] [--spread 0] [--new 380]
+                                 [--repeats 3] [--shapes pack,...] [--by-rows] [--out bench/out]
 
 Each of --rows sessions holds --history tokens; each turn feeds it --new more. Timed, in turn, --repeats
 times: every turn in one pack (model/packing.py, the engine's packed prefill), the first turn alone and
@@ -68,9 +68,17 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=380)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--spread", type=int, default=0, help="row i holds --history + i x this many tokens")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="which of pack, '1 + pack', apart to time")
+    ap.add_argument("--by-rows", action="store_true",
+                    help="a quantized model's products as the daemon takes them (model/quantized.py: a prefill's "
+                         "weights dequantized, then multiplied), not MLX's tile kernels")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:  # the tiny model's folder lives while it is read
         model, _ = load(str(bench_model(a.model, Path(work))))
+        if a.by_rows:
+            from kvwake.daemon.model import quantized
+            print("layers by rows:", quantized.install(model), flush=True)
         report = measure(model, a)
     save({"bench": "pack_cost", "machine": machine(), "model": a.model, **report}, a.out, "pack_cost.json")
 
@@ -78,14 +86,18 @@ def main() -> None:
 def measure(model: Any, a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     tokens = lambda n: [rng.randrange(100, 250) for _ in range(n)]  # noqa: E731 - ids every test vocabulary has
-    histories, news = [tokens(a.history) for _ in range(a.rows)], [tokens(a.new) for _ in range(a.rows)]
-    ms: dict[str, list[float]] = {name: [] for name in SHAPES}
+    # --spread: row i holds i x spread more tokens, as agents' histories differ (each row's attention then has
+    # a shape of its own)
+    histories = [tokens(a.history + i * a.spread) for i in range(a.rows)]
+    news = [tokens(a.new) for _ in range(a.rows)]
+    shapes = {name: SHAPES[name] for name in a.shapes.split(",")}
+    ms: dict[str, list[float]] = {name: [] for name in shapes}
     for _ in range(a.repeats):  # alternated: a machine's drift falls on every shape alike
-        for name, groups in SHAPES.items():
+        for name, groups in shapes.items():
             ms[name].append(round(timed(model, histories, news, groups(a.rows)) * 1000, 1))
             print(name, ms[name][-1], "ms", flush=True)
     one = {f"over {n} tokens": round(timed(model, [tokens(n)], [news[0]], [[0]]) * 1000, 1) for n in (0, a.history)}
-    return {"rows": a.rows, "history": a.history, "new": a.new, "ms": ms, "one_turn_ms": one}
+    return {"rows": a.rows, "history": a.history, "spread": a.spread, "new": a.new, "ms": ms, "one_turn_ms": one}
 
 if __name__ == "__main__":
     main()
