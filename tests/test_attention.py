@@ -559,3 +559,65 @@ def test_a_bucket_is_built_for_the_layers_own_kv_dtype_and_shape(model, monkeypa
     like = mx.zeros((1, 2, 512, 32), mx.float16)
     assert attention.warm_bucket(model, 64, 512, like=like)
     assert seen[-1] == ((1, 2, 512, 32), mx.float16, mx.float16)
+
+
+def test_padded_attention_pads_queries_and_keys_to_shared_buckets_and_stays_exact(monkeypatch):
+    # On CUDA each row of a pack of agents' turns (300-500 tokens each over its own history) built a cuDNN graph
+    # for its own (queries, keys), ~65 ms a row on the H200: padded to buckets, turns of one bucket share it.
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 256)
+    seen = []
+    real = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, scale, mask: seen.append((q.shape, k.shape, mask.shape)) or real(q, k, v, scale=scale, mask=mask))
+    shapes = {"q": (1, 4, 300, 64), "k": (1, 2, 700, 64), "v": (1, 2, 700, 64)}
+    q, k, v = (mx.random.normal(s, key=mx.random.key(i)).astype(mx.bfloat16) for i, s in enumerate(shapes.values()))
+    out = attention.padded_attention(None)(q, k, v, None, 0.125, "causal")
+    assert attention.query_bucket(300) == 320 and attention.key_bucket(700) == 768
+    assert seen == [((1, 4, 320, 64), (1, 2, 768, 64), (1, 1, 320, 768))] and out.shape == (1, 4, 300, 64)
+    exact = float64_attention(*(np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v)), 0.125)
+    assert np.abs(np.array(out.astype(mx.float32)) - exact).max() < 2e-2
+    # at most an eighth more keys past KEY_BUCKET_MIN's first steps
+    assert [attention.key_bucket(n) for n in (300, 12000, 12300, 40000)] == [512, 12288, 13312, 40960]
+    fused = []  # what it leaves to the fused kernel as it was: one query, another mask, quantized KV
+    for args in ((q[:, :, :1], k, v, None, 0.125, None), (q, k, v, None, 0.125, mx.zeros((300, 700), mx.bool_))):
+        attention.padded_attention(lambda *a, **kw: fused.append(1))(*args)
+    assert fused == [1, 1] and len(seen) == 1
+
+
+def test_the_engine_runs_longer_turns_of_several_sessions_at_one_padded_shape_with_the_models_logits(
+        model, model_dir, tmp_path, monkeypatch):
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(attention, "PLAIN_MAX_QUERIES", 8)  # turns of 9 to 63 tokens: longer than plain ops take
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
+    used, real = [], attention.padded_attention  # made once per chunk that runs padded
+    monkeypatch.setattr(attention, "padded_attention", lambda f: used.append(1) or real(f))
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
+    histories = {"a": list(range(1, 130)), "b": list(range(3, 132))}  # 128 to prefill each: full chunks, fused
+    sessions = {sid: Session(sid) for sid in histories}
+    for sid, tokens in histories.items():
+        engine.append(sessions[sid], tokens=tokens)
+    assert used == [] and not any(s[0] == "padded" for s in engine.planner._fused_shapes)
+    turns = {"a": list(range(40, 60)), "b": list(range(70, 100))}  # 20 and 30 new: keys 148 and 158 (bucket 192)
+    for sid, turn in turns.items():
+        engine.append(sessions[sid], tokens=turn)
+    padded = {s for s in engine.planner._fused_shapes if s[0] == "padded"}
+    assert len(used) == 2 and padded == {("padded", 32, 192)}, (used, padded)  # one graph for both turns
+    for sid, turn in turns.items():  # the next token's logits as the model alone gives them (bf16 rounding apart)
+        whole = mx.array(histories[sid] + turn)
+        assert sessions[sid].processed == len(whole) - 1  # the last token waits for the next call
+        after = whole[-1:]
+        alone = logits_after(model, whole[:-1], after, plain=False)
+        ours = engine.model(after[None], cache=sessions[sid].cache).astype(mx.float32)
+        assert mx.allclose(ours, alone, atol=2e-2, rtol=2e-2).item(), mx.abs(ours - alone).max().item()
+        assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
+    engine.close()
+    store.close()

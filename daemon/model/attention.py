@@ -44,8 +44,8 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES",
-           "PathCosts", "attention_module", "bucket_shape", "bucket_wanted", "bucketed_attention",
-           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "key_ladder", "on_cuda",
+           "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted", "bucketed_attention",
+           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "key_bucket", "key_ladder", "on_cuda", "padded_attention", "padded_shape",
            "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
            "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
 
@@ -68,6 +68,10 @@ def decode_warm_capacities() -> tuple[int, ...]:
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
+# A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at least
+# KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
+KEY_BUCKET_MIN = 1024
+KEY_BUCKET_SHARE = 8
 
 
 def key_ladder(context: int | None) -> list[int]:
@@ -201,6 +205,49 @@ def bucketed_attention(fused: Any) -> Any:
                 or not _own_keys(queries, keys, values, cache)):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return _bucketed(queries, cache.keys, cache.values, keys.shape[2], scale, causal, masks)
+    return attention
+
+
+def key_bucket(keys: int) -> int:
+    """The key length a turn's chunk pads its keys to (`padded_attention`): the next multiple of the largest
+    power of two <= keys / KEY_BUCKET_SHARE, at least KEY_BUCKET_MIN (at most an eighth more keys)."""
+    step = max(KEY_BUCKET_MIN, 1 << max(0, (keys // KEY_BUCKET_SHARE).bit_length() - 1))
+    return -(-keys // step) * step
+
+
+def padded_shape(cache: list, tokens: int) -> tuple[int, int] | None:
+    """The cuDNN graph a chunk of `tokens` fed to `cache` runs on through `padded_attention`: (its query
+    bucket, its key bucket). None where the first layer is not a plain KVCache."""
+    from mlx_lm.models.cache import KVCache
+
+    c = cache[0] if cache else None
+    if type(c) is not KVCache:
+        return None
+    return query_bucket(tokens), key_bucket(c.offset + tokens)
+
+
+def padded_attention(fused: Any) -> Any:
+    """mlx-lm's `scaled_dot_product_attention` signature: a turn's chunk of more queries than plain ops take,
+    fused at a shape other turns share: its queries padded to `query_bucket`, its keys and values copied
+    into zeros of `key_bucket` length, an additive mask hiding the padding.
+
+    Such a chunk (a tool's result, a user's message: 257 to 2,047 tokens on CUDA) over a cache below
+    CUDNN_MIN ran fused at its own (queries, keys), a cuDNN graph built for it alone: about 65 ms a row on the
+    H200, eight of them in a pack of eight agents' turns (docs/benchmarks.md, "fleet": the pack's cost).
+    The copy (the row's keys and values once per layer, a few MB) is what sharing costs; padded keys weigh
+    exactly 0. Causal or unmasked chunks of plain (non-quantized) KV without sinks; anything else runs
+    `fused`."""
+    masks: dict[tuple[int, int, int, bool, Any], mx.array] = {}  # one per row shape: every layer shares it
+
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                  mask: Any, sinks: mx.array | None = None) -> mx.array:
+        causal = isinstance(mask, str) and mask == "causal"
+        if (queries.shape[2] < 2 or sinks is not None or hasattr(cache, "bits") or not (mask is None or causal)
+                or not queries.dtype == keys.dtype == values.dtype):
+            return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        k_len = keys.shape[2]
+        pad = [(0, 0), (0, 0), (0, key_bucket(k_len) - k_len), (0, 0)]
+        return _bucketed(queries, mx.pad(keys, pad), mx.pad(values, pad), k_len, scale, causal, masks)
     return attention
 
 

@@ -220,9 +220,13 @@ class PrefillPlanner:
         # built then: its build pays for itself.
         # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
         # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
+        # A turn's chunk of more queries than plain ops take runs fused at a padded shape turns share
+        # (attention.padded_attention): at its own shape each row of a pack of agents' turns built a graph.
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
         bucket = self._bucketed(session.cache, n)
-        shape = ("bucket", *bucket) if bucket else attention.fused_shape(session.cache, n) if self.plain_prefill else None
+        padded = None if bucket else self._padded(session.cache, n)
+        shape = ("bucket", *bucket) if bucket else ("padded", *padded) if padded else \
+            attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
         short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket))
         new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
@@ -234,7 +238,17 @@ class PrefillPlanner:
         if plain:
             queries = max(n, attention.PLAIN_MAX_QUERIES)
             return "plain", lambda fused: attention.plain_attention(fused, queries)
-        return ("bucket", attention.bucketed_attention) if bucket else ("fused", None)
+        if bucket:
+            return "bucket", attention.bucketed_attention
+        return ("padded", attention.padded_attention) if padded else ("fused", None)
+
+    def _padded(self, cache: list, n: int) -> tuple[int, int] | None:
+        """The shared shape a turn's chunk of n tokens fed to `cache` would run on (attention.padded_shape): a
+        chunk of more than PLAIN_MAX_QUERIES tokens and below the prefill step while bucketed prefill is on;
+        else None."""
+        if not (self.bucket_prefill and attention.PLAIN_MAX_QUERIES < n < self.prefill_step):
+            return None
+        return attention.padded_shape(cache, n)
 
     def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
         """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a

@@ -35,7 +35,7 @@ Later = Callable[[Callable[[], Any]], Future | None] | None
 
 
 def kind(path: str, keys: int) -> str:
-    """A chunk's kind for the Slicer's costs: its attention path ("fused", "plain", "bucket") and its key
+    """A chunk's kind for the Slicer's costs: its attention path ("fused", "plain", "bucket", "padded") and its key
     length to a power of two (attention's share of a layer grows with the keys: plain's most)."""
     return f"{path}@{keys.bit_length()}"
 
