@@ -35,8 +35,8 @@
 #   cpuwake   issue 50, point 7 on a many-core host: `resume` at 4k and 16k tokens with MLX on the CPU (a 1B-shaped
 #             model, its KV a short prefill's tiled):
 #             the wake against the host's cores x one core's verified read
-#   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory, read, mapped per block, every file
-#             mapped beforehand (kept), and a plain copy
+#   cpuscale  issue 50, point 7: a block's verified read on 1 to all cores, from memory (threads, and processes:
+#             without the GIL), read, mapped per block, every file mapped beforehand (kept), and a plain copy
 #             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
 #   reload    issue 53: a reloaded engine's first wake in one process, with each of the unload's and load's steps
 #             left out in turn (bench/reload_probe.py; $RELOAD_ARGS, e.g. "--variants none,settle")
@@ -202,8 +202,9 @@ run_part() {
               for read in ${WEIGHTS_READS:-}; do
                 [ "$read" = default ] && envs="$envs default" || envs="$envs KVWAKE_WEIGHTS_READ=$read"
               done
+              n=0
               for run in ${envs:-default}; do
-                name=${run//[=,]/-}
+                n=$((n + 1)); name=$n-${run//[=,]/-}  # numbered: an item given twice keeps both runs' results
                 env $( [ "$run" = default ] || echo "${run//,/ }") python3 bench/models.py --main "$MODEL" \
                   --small /tmp/m1b --sessions 4 --decode-tokens 2500 --alone-tokens 150 --context 10000 \
                   ${MODELS_ARGS:-} --out "$OUT/models-$name" 2>&1 | tail -4
