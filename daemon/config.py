@@ -73,6 +73,11 @@ class Tuning:
     # first token before the next starts (a pass's cost per turn against its tokens' cost); None: packed where
     # a GPU computes, one at a time on the CPU (model/packing.py `wanted`)
     pack_prefill: bool | None = None
+    # where MLX computes on the CPU, threads that run turns that come at once apart, each its own pass (the
+    # engine's among them: a pass there keeps one core busy), packed unless pack_prefill is false; 1: turns one
+    # at a time (model/parallel_rows.py; no gain measured on two vCPUs, docs/decisions.md, "Turns apart on the
+    # CPU's cores"). A GPU runs a pack in one pass whatever this says
+    prefill_threads: int = 1
     # while nothing decodes, the first jobs of turns that reach the engine at once wait this long at most for
     # the turns still on their way (rendered, matched), to prefill as one pack; 0: taken as they come (a
     # pack of the first turn, then one of the others)
@@ -177,6 +182,7 @@ _TUNING_RULES = (
     ("gil_watch_kept", lambda v: v >= 1, "a count above 0"),
     ("load_switch_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (Python's own) or more"),
     ("restart_prefetch_bytes", lambda v: v >= 0, "a number of bytes, 0 or more"),
+    ("prefill_threads", lambda v: v >= 1, "a count above 0"),
 )
 
 

@@ -27,7 +27,7 @@ from tests.test_prefill_slices import LayersOnly
 HISTORIES = ["the first agent read the tests " * 3, "a short one", "x" * 90, "the weather in the harbour " * 5]
 TURNS = [" now fix the failing test", " next", " and then a longer message about the module and its tools " * 3,
          "!"]
-PACKS = Tuning(pack_prefill=True)  # the GPU's default (model/packing.py `wanted`); the CPU's is turns one at a time
+PACKS = Tuning(pack_prefill=True, prefill_threads=1)  # one pass, the GPU's way (model/packing.py); model/parallel_rows.py apart
 
 
 @pytest.fixture
@@ -427,3 +427,86 @@ def test_turns_pack_where_a_gpu_computes_and_go_one_at_a_time_on_the_cpu():
     "Turns one at a time where a pass costs its tokens"): the knob, when set, decides."""
     assert packing.wanted(True) and not packing.wanted(False)
     assert packing.wanted() == (mx.default_device() != mx.cpu)
+
+
+class ThreadsSeen:
+    """The model, recording the thread of every call (a pack's rows apart run on the rows' threads)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.threads = model, []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture
+def apart(model_dir, tmp_path):
+    """An engine whose packs run their rows apart on two threads (model/parallel_rows.py: prefill_threads = 2)."""
+    yield from batched_engine(model_dir, tmp_path, tuning=Tuning(prefill_threads=2))
+
+
+def test_turns_that_come_at_once_on_the_cpu_run_apart_on_threads_and_continue_bit_exact_as_each_alone(apart):
+    # On the CPU a pass keeps one core busy, so a pack in one pass cost what its turns cost one at a time: its
+    # rows apart on threads of their own cost the longest row where cores suffice.
+    engine = apart
+    assert engine.planner.pack_prefill and not engine.planner.one_at_a_time and engine.prefill_rows.threads == 2
+    alone = [session(engine, f"alone{i}", h) for i, h in enumerate(HISTORIES)]
+    for s, t in zip(alone, TURNS):
+        engine.append(s, text=t)
+    packs = engine.counters["prefill_packs"]
+    together = [session(engine, f"together{i}", h) for i, h in enumerate(HISTORIES)]
+    seen = engine.planner.model = ThreadsSeen(engine.planner.model)
+    thread = EngineThread()
+    try:
+        turns_at_once(engine, thread, together, TURNS)
+    finally:
+        thread.stop()
+    engine.planner.model = seen.model
+    assert engine.counters["prefill_packs"] == packs + 2  # the short two, the long two
+    assert any(name.startswith("kvwake-rows") for name in seen.threads), seen.threads  # a row on a worker
+    assert len(set(seen.threads)) == 2, seen.threads  # and one on the engine thread
+    for a, b in zip(alone, together):
+        assert (a.processed, a.tokens) == (b.processed, b.tokens) and not b.computing
+        assert same(a.cache, b.cache), f"{b.id}: its cache differs from the same turn prefilled alone"
+        params = GenerateParams(max_tokens=8)
+        assert engine.generate(a, params).tokens == engine.generate(b, params).tokens
+
+
+def test_a_row_that_fails_apart_drops_every_sessions_cache_once_the_others_are_done_and_fails_each_turn(apart):
+    engine = apart
+    together = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:2])]  # their turns: one pack
+    model, failing = engine.planner.model, together[1].cache
+
+    def broken(tokens, cache):
+        if cache is failing:
+            raise RuntimeError("row failed")
+        return model(tokens, cache=cache)
+
+    engine.planner.model = broken
+    jobs = []
+    for s, t in zip(together, TURNS):
+        plan = engine.plan(s, text=t)
+        jobs.append(Packed(engine._adopt_and_start, engine._start_turns, (s, plan, (None, 0), len(plan.target) - 1, None)))
+    try:
+        errors = engine._start_turns(jobs)
+    finally:
+        engine.planner.model = model
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) and "row failed" in str(e) for e in errors), errors
+    assert all(s.cache is None and s.processed == 0 for s in together)
+    for s in together:  # usable again: the next append rebuilds from the tokens
+        assert engine.append(s, text=" again")["prefilled"] > 0 and s.cache is not None
+
+
+def test_the_cpu_packs_apart_with_prefill_threads_and_takes_turns_one_at_a_time_by_default(model_dir, tmp_path):
+    from kvwake.daemon.model import parallel_rows
+
+    assert parallel_rows.threads_wanted() == 1 and parallel_rows.threads_wanted(3) == 3  # MLX on the CPU here
+    for tuning, packed in ((Tuning(), False), (Tuning(pack_prefill=False, prefill_threads=2), False),
+                           (Tuning(prefill_threads=2), True), (Tuning(pack_prefill=True, prefill_threads=1), True)):
+        for engine in batched_engine(model_dir, tmp_path / str(id(tuning)), tuning=tuning):
+            assert engine.planner.pack_prefill is packed and engine.planner.one_at_a_time is not packed
+            assert (engine.prefill_rows is not None) == (packed and tuning.prefill_threads != 1), tuning

@@ -43,8 +43,8 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.persist import Persister
 from kvwake.daemon.kv.points import PointTaker
 from kvwake.daemon.kv.pool import Pool
-from kvwake.daemon.model import (attention, kernel_cache, memory, packing, quantized, quantized_kernel, ragged_decode,
-                                 weights)
+from kvwake.daemon.model import (attention, kernel_cache, memory, packing, parallel_rows, quantized, quantized_kernel,
+                                 ragged_decode, weights)
 from kvwake.daemon.model.appending import Appending, ShouldStop
 from kvwake.daemon.model.scheduler import PrefillPlanner, default_step
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME, ensure_default_model
@@ -193,17 +193,22 @@ class Engine(Appending):
         self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
         # packing is for where calls batch (the same exactness class)
+        # Where a pass costs its tokens (the CPU) packs pay only with their rows apart on several cores
+        # (model/parallel_rows.py, tuning prefill_threads): packed then unless pack_prefill says otherwise
+        threads = parallel_rows.threads_wanted(tuning.prefill_threads)
+        pack = packing.wanted(tuning.pack_prefill) if tuning.pack_prefill is not None or threads == 1 else True
+        pack_prefill = pack and self.decode_mode == "batched" and packing.packable_model(self.model)
+        self.prefill_rows = parallel_rows.ParallelRows(threads) if pack_prefill and threads > 1 else None
         self.planner = PrefillPlanner(
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape
             bucket_prefill=attention.bucket_wanted(),  # a short chunk over a long cache: a shared shape
-            pack_prefill=packing.wanted(tuning.pack_prefill) and self.decode_mode == "batched" and
-            packing.packable_model(self.model),
+            pack_prefill=pack_prefill,
             slice_of_step=tuning.slice_of_step, gather_s=tuning.pack_gather_ms / 1000,
             first_s=tuning.prefill_first_ms / 1000,
-            # one at a time where packing would not pay (the CPU), not where a model cannot pack (a GPU keeps
+            # one at a time where packing would not pay (one core), not where a model cannot pack (a GPU keeps
             # its turns' jobs as they come there)
-            one_at_a_time=not packing.wanted(tuning.pack_prefill))
+            one_at_a_time=not pack, parallel=self.prefill_rows)
         self.started.mark("set_up")
         # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
         # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,
@@ -304,6 +309,8 @@ class Engine(Appending):
             self.kernels.stop()
             self.kernels = None
         self.persister.close()
+        if self.prefill_rows is not None:
+            self.prefill_rows.close()
         self.points.give_up()  # first: a reply point's thread may wait for a point whose idle job never runs
         self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()

@@ -39,6 +39,7 @@ from kvwake.daemon.kv.context import Counters
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.model import attention, packing
 from kvwake.daemon.model.decoder import Decoder
+from kvwake.daemon.model.parallel_rows import ParallelRows
 from kvwake.daemon.model.scheduler import slices
 from kvwake.daemon.session_state import Session
 
@@ -84,11 +85,15 @@ class PrefillPlanner:
 
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
-                 gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False) -> None:
+                 gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False,
+                 parallel: ParallelRows | None = None) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s, self.first_s = slice_of_step, gather_s, first_s
         self.one_at_a_time = one_at_a_time and not pack_prefill
+        # where a pass costs its tokens (the CPU), a pack's rows each on a thread of its own, not one pass
+        # (model/parallel_rows.py); None: one pass (model/packing.py)
+        self.parallel = parallel
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
         # (session, upto) -> where a chunk must end before upto, or None: a restore point's block boundary
         # (kv/points.py; set by the engine for a model that takes them)
@@ -137,9 +142,18 @@ class PrefillPlanner:
         sliced = self.slice_prefill and self.decoder.active
         ends = [(session, self.end_of(session, upto), upto) for session, upto in rows]
         paths = [self._path(session, end - session.processed, end, sliced)[1] or _fused for session, end, _ in ends]
+        # Apart on threads when nothing decodes (beside decoding calls the pack goes in slices of layers) and every
+        # row runs MLX's own attention (the CUDA paths swap the model module's: one model, one swap at a time)
+        # and no row's layers share a pool (paged KV: its pages' allocation is one thread's)
+        apart = self.parallel is not None and not sliced and all(path is _fused for path in paths) and \
+            not any(isinstance(c, PagedKVCache) for session, _, _ in ends for c in session.cache)
         try:
-            packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
-                                         for session, end, _ in ends], paths)
+            if apart:
+                self.parallel.run(self.model, [(session.tokens[session.processed : end], session.cache)
+                                               for session, end, _ in ends])
+            else:
+                packing.forward(self.model, [(session.tokens[session.processed : end], session.cache)
+                                             for session, end, _ in ends], paths)
         except BaseException:  # caches part-fed (their offsets moved layer by layer): rebuilt from tokens on next use
             for session, _, _ in ends:
                 session.cache, session.processed = None, 0
@@ -156,7 +170,8 @@ class PrefillPlanner:
         share = max(1.0, len(rows) / max(1, self.decoder.running))
         chunk = slices.Chunk(first, end, self.slicer,
                                     self.decoder.step_s * self.slice_of_step * share if sliced else None,
-                                    kind=slices.kind("packed", max(end for _, end, _ in ends)),
+                                    kind=slices.kind("apart" if apart else "packed",
+                                                     max(end for _, end, _ in ends)),
                                     more=more, padded=len(rows) * longest, later=self.later)
         self.counters.add("prefill_packs", 1)
         self.counters.add("prefill_packed_chunks", len(rows))
