@@ -580,10 +580,18 @@ def test_padded_attention_pads_queries_and_keys_to_shared_buckets_and_stays_exac
     assert np.abs(np.array(out.astype(mx.float32)) - exact).max() < 2e-2
     # at most an eighth more keys past KEY_BUCKET_MIN's first steps
     assert [attention.key_bucket(n) for n in (300, 12000, 12300, 40000)] == [512, 12288, 13312, 40960]
-    fused = []  # what it leaves to the fused kernel as it was: one query, another mask, quantized KV
-    for args in ((q[:, :, :1], k, v, None, 0.125, None), (q, k, v, None, 0.125, mx.zeros((300, 700), mx.bool_))):
-        attention.padded_attention(lambda *a, **kw: fused.append(1))(*args)
-    assert fused == [1, 1] and len(seen) == 1
+    fused = []  # what it leaves to the fused kernel as it was: one query, another mask, quantized KV, sinks, dtypes
+
+    class Quantized:
+        bits = 4
+
+    for args, kw in (((q[:, :, :1], k, v, None, 0.125, None), {}),
+                     ((q, k, v, None, 0.125, mx.zeros((300, 700), mx.bool_)), {}),
+                     ((q, k, v, Quantized(), 0.125, "causal"), {}),
+                     ((q, k, v, None, 0.125, "causal"), {"sinks": mx.zeros((4,))}),
+                     ((q.astype(mx.float32), k, v, None, 0.125, "causal"), {})):
+        attention.padded_attention(lambda *a, **kw: fused.append(1))(*args, **kw)
+    assert fused == [1] * 5 and len(seen) == 1
 
 
 def test_the_engine_runs_longer_turns_of_several_sessions_at_one_padded_shape_with_the_models_logits(
@@ -598,6 +606,10 @@ def test_the_engine_runs_longer_turns_of_several_sessions_at_one_padded_shape_wi
     monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
     used, real = [], attention.padded_attention  # made once per chunk that runs padded
     monkeypatch.setattr(attention, "padded_attention", lambda f: used.append(1) or real(f))
+    ran, sdpa = [], mx.fast.scaled_dot_product_attention  # the shapes the fused kernel ran at, with an array mask
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None, **kw: (
+        ran.append((q.shape[2], k.shape[2])) if not isinstance(mask, str) and mask is not None else None) or
+        sdpa(q, k, v, scale=scale, mask=mask, **kw))
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64)
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
@@ -611,12 +623,60 @@ def test_the_engine_runs_longer_turns_of_several_sessions_at_one_padded_shape_wi
         engine.append(sessions[sid], tokens=turn)
     padded = {s for s in engine.planner._fused_shapes if s[0] == "padded"}
     assert len(used) == 2 and padded == {("padded", 32, 192)}, (used, padded)  # one graph for both turns
+    assert set(ran) == {(32, 192)} and len(ran) == 2 * len(engine.model.layers), ran  # as recorded, every layer
     for sid, turn in turns.items():  # the next token's logits as the model alone gives them (bf16 rounding apart)
         whole = mx.array(histories[sid] + turn)
         assert sessions[sid].processed == len(whole) - 1  # the last token waits for the next call
         after = whole[-1:]
         alone = logits_after(model, whole[:-1], after, plain=False)
         ours = engine.model(after[None], cache=sessions[sid].cache).astype(mx.float32)
+        assert mx.allclose(ours, alone, atol=2e-2, rtol=2e-2).item(), mx.abs(ours - alone).max().item()
+        assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
+    engine.close()
+    store.close()
+
+
+def test_a_pack_of_longer_turns_runs_each_row_at_the_shared_padded_shape_with_the_models_logits(
+        model, model_dir, tmp_path, monkeypatch):
+    # The case the padded path is for: agents' turns that come at once, each row of the pack over its own history
+    from kvwake.daemon.config import Tuning
+    from kvwake.daemon.jobs import Packed
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(attention, "PLAIN_MAX_QUERIES", 8)
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, max_batch=8,
+                    tuning=Tuning(pack_prefill=True, prefill_threads=1, restore_points=False))
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    histories = {"a": list(range(1, 130)), "b": list(range(3, 132))}
+    turns = {"a": list(range(40, 60)), "b": list(range(70, 100))}  # keys 148 and 158: one shape (32, 192)
+    sessions = {sid: Session(sid) for sid in histories}
+    for sid, tokens in histories.items():
+        engine.append(sessions[sid], tokens=tokens)
+    ran, sdpa = [], mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None, **kw: (
+        ran.append((q.shape[2], k.shape[2])) if not isinstance(mask, str) and mask is not None else None) or
+        sdpa(q, k, v, scale=scale, mask=mask, **kw))
+    packs = engine.counters["prefill_packs"]
+    jobs = []
+    for sid, turn in turns.items():
+        plan = engine.plan(sessions[sid], tokens=turn)
+        jobs.append(Packed(engine._adopt_and_start, engine._start_turns,
+                           (sessions[sid], plan, (None, 0), len(plan.target) - 1, None)))
+    assert not any(isinstance(e, BaseException) for e in engine._start_turns(jobs))
+    assert engine.counters["prefill_packs"] == packs + 1  # one pass for both
+    assert ran == [(32, 192)] * (2 * len(engine.model.layers)), ran  # each row, every layer, at the shared shape
+    monkeypatch.undo()
+    for sid, turn in turns.items():
+        whole = mx.array(histories[sid] + turn)
+        assert sessions[sid].processed == len(whole) - 1
+        alone = logits_after(model, whole[:-1], whole[-1:], plain=False)
+        ours = engine.model(whole[-1:][None], cache=sessions[sid].cache).astype(mx.float32)
         assert mx.allclose(ours, alone, atol=2e-2, rtol=2e-2).item(), mx.abs(ours - alone).max().item()
         assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
     engine.close()

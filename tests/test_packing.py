@@ -430,13 +430,15 @@ def test_turns_pack_where_a_gpu_computes_and_go_one_at_a_time_on_the_cpu():
 
 
 class ThreadsSeen:
-    """The model, recording the thread of every call (a pack's rows apart run on the rows' threads)."""
+    """The model, recording the thread of every call; each call waits (30 s at most) until a second thread's is
+    in too: two rows of a pack run at once, or the wait breaks."""
 
     def __init__(self, model) -> None:
-        self.model, self.threads = model, []
+        self.model, self.threads, self.together = model, [], threading.Barrier(2, timeout=30)
 
     def __call__(self, *args, **kwargs):
         self.threads.append(threading.current_thread().name)
+        self.together.wait()
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -467,8 +469,8 @@ def test_turns_that_come_at_once_on_the_cpu_run_apart_on_threads_and_continue_bi
         thread.stop()
     engine.planner.model = seen.model
     assert engine.counters["prefill_packs"] == packs + 2  # the short two, the long two
-    assert any(name.startswith("kvwake-rows") for name in seen.threads), seen.threads  # a row on a worker
-    assert len(set(seen.threads)) == 2, seen.threads  # and one on the engine thread
+    # every pack's two rows at once (the barrier), one on a worker and one on the engine thread
+    assert len(seen.threads) == 4 and sum(name.startswith("kvwake-rows") for name in seen.threads) == 2, seen.threads
     for a, b in zip(alone, together):
         assert (a.processed, a.tokens) == (b.processed, b.tokens) and not b.computing
         assert same(a.cache, b.cache), f"{b.id}: its cache differs from the same turn prefilled alone"
@@ -510,3 +512,44 @@ def test_the_cpu_packs_apart_with_prefill_threads_and_takes_turns_one_at_a_time_
         for engine in batched_engine(model_dir, tmp_path / str(id(tuning)), tuning=tuning):
             assert engine.planner.pack_prefill is packed and engine.planner.one_at_a_time is not packed
             assert (engine.prefill_rows is not None) == (packed and tuning.prefill_threads != 1), tuning
+            if engine.prefill_rows is not None:  # its threads start at its first pack, not with the engine
+                assert engine.prefill_rows._workers == []
+
+
+def test_turns_stay_one_at_a_time_with_prefill_threads_for_a_model_that_cannot_pack(tmp_path):
+    # Was: prefill_threads turned the CPU's turn order to the GPU's (as they come) before asking whether the
+    # model packs; a model that cannot (a rotary embedding with one offset) lost its one-at-a-time turns.
+    from testkit.tinymodel import make_model_dir
+
+    unpackable = make_model_dir(tmp_path / "ntk", rope_scaling={"type": "dynamic", "factor": 2.0})
+    for engine in batched_engine(unpackable, tmp_path, tuning=Tuning(prefill_threads=2)):
+        assert not engine.planner.pack_prefill and engine.planner.one_at_a_time and engine.prefill_rows is None
+
+
+def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_dir):
+    # Was: a run after close queued rows for workers that had gone, and waited for them for good.
+    from kvwake.daemon.model import parallel_rows
+
+    model, _ = load(str(model_dir))
+    rows = parallel_rows.ParallelRows(3, "kvwake-rows-test")
+    caches = [make_prompt_cache(model) for _ in range(4)]
+    rows.run(model, [([5, 6, 7, i + 1], c) for i, c in enumerate(caches)])
+    assert [c[0].offset for c in caches] == [4] * 4 and len(rows._workers) == 2
+    rows.close()
+    assert rows._workers == [] and not any(t.name.startswith("kvwake-rows-test") for t in threading.enumerate())
+    later = [make_prompt_cache(model) for _ in range(2)]
+    done = threading.Thread(target=rows.run, args=(model, [([1, 2], c) for c in later]))
+    done.start()
+    done.join(30)
+    assert not done.is_alive() and [c[0].offset for c in later] == [2, 2]  # fed by the caller alone
+
+    def failing(tokens, cache):
+        if cache is caches[1]:
+            raise ValueError("row 1")
+        return model(tokens, cache=cache)
+
+    again = parallel_rows.ParallelRows(2)
+    with pytest.raises(ValueError, match="row 1"):
+        again.run(failing, [([9], c) for c in caches])
+    assert caches[0][0].offset == caches[2][0].offset == caches[3][0].offset == 5  # the others all fed
+    again.close()

@@ -217,11 +217,13 @@ def key_bucket(keys: int) -> int:
 
 def padded_shape(cache: list, tokens: int) -> tuple[int, int] | None:
     """The cuDNN graph a chunk of `tokens` fed to `cache` runs on through `padded_attention`: (its query
-    bucket, its key bucket). None where the first layer is not a plain KVCache."""
+    bucket, its key bucket). None where the first layer is not a plain KVCache, or from CUDNN_MIN keys on: a
+    copy of a long cache's keys per layer (400 MB a layer at 100k for the 8B shape) and its mask are not worth a
+    graph's build there."""
     from mlx_lm.models.cache import KVCache
 
     c = cache[0] if cache else None
-    if type(c) is not KVCache:
+    if type(c) is not KVCache or c.offset + tokens >= kvcapacity.CUDNN_MIN:
         return None
     return query_bucket(tokens), key_bucket(c.offset + tokens)
 

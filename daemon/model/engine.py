@@ -196,9 +196,12 @@ class Engine(Appending):
         # Where a pass costs its tokens (the CPU) packs pay only with their rows apart on several cores
         # (model/parallel_rows.py, tuning prefill_threads): packed then unless pack_prefill says otherwise
         threads = parallel_rows.threads_wanted(tuning.prefill_threads)
-        pack = packing.wanted(tuning.pack_prefill) if tuning.pack_prefill is not None or threads == 1 else True
-        pack_prefill = pack and self.decode_mode == "batched" and packing.packable_model(self.model)
-        self.prefill_rows = parallel_rows.ParallelRows(threads) if pack_prefill and threads > 1 else None
+        packable = self.decode_mode == "batched" and packing.packable_model(self.model)
+        pack = packing.wanted(tuning.pack_prefill) or (tuning.pack_prefill is None and threads > 1 and packable)
+        pack_prefill = pack and packable
+        # its threads start at its first pack (none left behind by an engine whose start fails after this)
+        self.prefill_rows = parallel_rows.ParallelRows(threads, f"kvwake-rows-{self.model_name}") \
+            if pack_prefill and threads > 1 else None
         self.planner = PrefillPlanner(
             self.model, self.decoder, self.counters, prefill_step=prefill_step,
             plain_prefill=attention.wanted(),  # CUDA: no cuDNN graph build per new chunk shape

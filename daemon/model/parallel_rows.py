@@ -21,6 +21,7 @@ cores"); a host with many cores is where it is meant to pay, not measured yet.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -47,25 +48,40 @@ def threads_wanted(configured: int = 1) -> int:
 
 
 class ParallelRows:
-    """`threads - 1` worker threads (the caller's is the last) that feed rows of a pack to the model at once."""
+    """`threads - 1` worker threads (the caller's is the last) that feed rows of a pack to the model at once,
+    started at the first `run` (an engine whose start fails later leaves none behind)."""
 
     def __init__(self, threads: int, name: str = "kvwake-rows") -> None:
-        self.threads = threads
+        self.threads, self.name = threads, name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._workers = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads - 1)]
-        for worker in self._workers:
-            worker.start()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def _work(self) -> None:
-        stream = mx.new_stream(mx.cpu)  # its own: ops of two threads on one stream would queue one behind the other
+        try:  # its own: ops of two threads on one stream would queue one behind the other
+            stream = mx.new_stream(mx.cpu)
+        except Exception:  # noqa: BLE001 - the default stream still computes; never a worker that takes no job
+            stream = None
         try:
-            with mx.stream(stream):
+            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
                 while (job := self._jobs.get()) is not None:
                     job()
         finally:  # as model/loader.py's release_mlx_streams (not imported: the loader imports the engine)
-            mx.synchronize()
+            mx.synchronize(stream) if stream is not None else mx.synchronize()
             mx.clear_streams()
+
+    def _helpers(self, rows: int) -> int:
+        """How many workers take rows of a pack of `rows` (started now if none were): 0 once closed."""
+        with self._lock:
+            if self._closed:
+                return 0
+            if not self._workers:
+                self._workers = [threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
+                                 for i in range(self.threads - 1)]
+                for worker in self._workers:
+                    worker.start()
+            return min(len(self._workers), rows - 1)
 
     def run(self, model: Any, rows: Sequence[tuple[Sequence[int], list]]) -> None:
         """Feed each row's tokens to its cache (`model(tokens, cache=cache)`), the rows at once, and evaluate the
@@ -91,20 +107,20 @@ class ParallelRows:
             finally:
                 done.release()
 
-        helpers = min(len(self._workers), len(rows) - 1)
+        helpers = self._helpers(len(rows))
         for _ in range(helpers):
             self._jobs.put(feed)
         feed()
-        for _ in range(helpers):
+        for _ in range(helpers + 1):  # each helper's feed and the caller's own
             done.acquire()
-        done.acquire()  # the caller's own
         if failed:
             raise failed[0]
 
     def close(self) -> None:
-        """Stop the workers (each lets its stream go on its own thread)."""
-        for _ in self._workers:
+        """Stop the workers (each lets its stream go on its own thread); a later `run` feeds every row itself."""
+        with self._lock:
+            self._closed, workers, self._workers = True, self._workers, []
+        for _ in workers:
             self._jobs.put(None)
-        for worker in self._workers:
+        for worker in workers:
             worker.join()
-        self._workers = []

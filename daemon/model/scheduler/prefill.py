@@ -105,7 +105,8 @@ class PrefillPlanner:
         # Queues a job from a job on the engine thread (a chunk's end lets what waited on it run).
         self.later: Callable[[Callable[[], Any]], Future] | None = None
         self._bucket_warming: set[tuple[Any, ...]] = set()
-        # chunks' shapes run fused: attention.fused_shape, or ("bucket", *attention.bucket_shape)
+        # chunks' shapes run fused: attention.fused_shape, ("bucket", *attention.bucket_shape) or
+        # ("padded", *attention.padded_shape)
         self._fused_shapes: set[tuple[Any, ...]] = set()
         self._plain_shapes: dict[tuple[Any, ...], int] = {}  # new ones run plain beside decoding, how often
 
