@@ -78,6 +78,9 @@ class Tuning:
     # at a time (model/parallel_rows.py; no gain measured on two vCPUs, docs/decisions.md, "Turns apart on the
     # CPU's cores"). A GPU runs a pack in one pass whatever this says
     prefill_threads: int = 1
+    # on CUDA, a turn's chunk longer than plain ops take (257 to 2,047 tokens) runs fused at a padded shape other
+    # turns share (model/attention.py `padded_attention`); false: at its own shape, a cuDNN graph built for each
+    padded_prefill: bool = True
     # while nothing decodes, the first jobs of turns that reach the engine at once wait this long at most for
     # the turns still on their way (rendered, matched), to prefill as one pack; 0: taken as they come (a
     # pack of the first turn, then one of the others)

@@ -681,3 +681,24 @@ def test_a_pack_of_longer_turns_runs_each_row_at_the_shared_padded_shape_with_th
         assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
     engine.close()
     store.close()
+
+
+def test_padded_prefill_false_runs_a_turns_longer_chunk_at_its_own_shape(model_dir, tmp_path, monkeypatch):
+    from kvwake.daemon.config import Tuning
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(attention, "PLAIN_MAX_QUERIES", 8)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=Tuning(padded_prefill=False))
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
+    s = Session("s")
+    engine.append(s, tokens=list(range(1, 130)))
+    engine.append(s, tokens=list(range(40, 60)))  # 20 new: fused at (20, 148), its own graph
+    assert not any(shape[0] == "padded" for shape in engine.planner._fused_shapes)
+    assert (20, 148, s.cache[0].keys.shape[2]) in engine.planner._fused_shapes
+    engine.close()
+    store.close()

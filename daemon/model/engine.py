@@ -211,7 +211,7 @@ class Engine(Appending):
             first_s=tuning.prefill_first_ms / 1000,
             # one at a time where packing would not pay (one core), not where a model cannot pack (a GPU keeps
             # its turns' jobs as they come there)
-            one_at_a_time=not pack, parallel=self.prefill_rows)
+            one_at_a_time=not pack, parallel=self.prefill_rows, padded_prefill=tuning.padded_prefill)
         self.started.mark("set_up")
         # MLX's kernels the warmers compile (model/kernel_cache.py): waited for by the first forward pass
         # (`wait_kernels`), not by the start: on a fresh machine the daemon answers once the weights are in,

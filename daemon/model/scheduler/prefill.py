@@ -86,7 +86,7 @@ class PrefillPlanner:
     def __init__(self, model: Any, decoder: Decoder, counters: Counters, *, prefill_step: int,
                  plain_prefill: bool, bucket_prefill: bool, pack_prefill: bool, slice_of_step: float = 1.0,
                  gather_s: float = 0.0, first_s: float = 0.0, one_at_a_time: bool = False,
-                 parallel: ParallelRows | None = None) -> None:
+                 parallel: ParallelRows | None = None, padded_prefill: bool = True) -> None:
         self.model, self.decoder, self.counters, self.prefill_step = model, decoder, counters, prefill_step
         self.plain_prefill, self.bucket_prefill, self.pack_prefill = plain_prefill, bucket_prefill, pack_prefill
         self.slice_of_step, self.gather_s, self.first_s = slice_of_step, gather_s, first_s
@@ -94,6 +94,7 @@ class PrefillPlanner:
         # where a pass costs its tokens (the CPU), a pack's rows each on a thread of its own, not one pass
         # (model/parallel_rows.py); None: one pass (model/packing.py)
         self.parallel = parallel
+        self.padded_prefill = padded_prefill  # a turn's longer chunk at a shared padded shape (`_padded`)
         self.slice_prefill = True  # off: whole chunks beside decoding too (the prefill_slices bench compares)
         # (session, upto) -> where a chunk must end before upto, or None: a restore point's block boundary
         # (kv/points.py; set by the engine for a model that takes them)
@@ -260,9 +261,9 @@ class PrefillPlanner:
 
     def _padded(self, cache: list, n: int) -> tuple[int, int] | None:
         """The shared shape a turn's chunk of n tokens fed to `cache` would run on (attention.padded_shape): a
-        chunk of more than PLAIN_MAX_QUERIES tokens and below the prefill step while bucketed prefill is on;
-        else None."""
-        if not (self.bucket_prefill and attention.PLAIN_MAX_QUERIES < n < self.prefill_step):
+        chunk of more than PLAIN_MAX_QUERIES tokens and below the prefill step while bucketed and padded
+        prefill are on; else None."""
+        if not (self.padded_prefill and self.bucket_prefill and attention.PLAIN_MAX_QUERIES < n < self.prefill_step):
             return None
         return attention.padded_shape(cache, n)
 
