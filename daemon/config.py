@@ -95,6 +95,11 @@ class Tuning:
     # how a wake lays blocks out: "direct" (decoders write MLX's memory) or "staged" (a ring the device
     # joins); None: by the backend (staged where a GPU computes)
     restore_mode: str | None = None
+    # where a wake fills MLX's memory from the CPU ("direct"), block files are decoded and verified by this many
+    # worker processes (store/decode_procs.py) and each tensor copied into place by the pool's threads; 0: by
+    # the threads themselves. A prototype, off until a many-core host measures it (docs/decisions.md, "Wake on
+    # the CPU: the GIL, measured")
+    decode_processes: int = 0
     # Linux: the codec and disk workers run this many nice levels below the daemon (0 to 19; 0: at its
     # priority): cores yielded to the engine thread, sleeps and wakes slower where cores are short
     pool_nice: int = 0
@@ -186,6 +191,7 @@ _TUNING_RULES = (
     ("load_switch_ms", lambda v: 0 <= v < math.inf, "a number of ms, 0 (Python's own) or more"),
     ("restart_prefetch_bytes", lambda v: v >= 0, "a number of bytes, 0 or more"),
     ("prefill_threads", lambda v: v >= 1, "a count above 0"),
+    ("decode_processes", lambda v: v >= 0, "a count, 0 (threads decode) or more"),
 )
 
 

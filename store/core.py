@@ -30,6 +30,7 @@ import sqlite_utils
 
 from kvwake.errors import BundleMismatchError, CorruptBlockError, InvalidParamsError, NotFoundError
 from kvwake.store import codecpick
+from kvwake.store.decode_procs import DecodeProcs, OtherPayloadError
 from kvwake.store.files import StoreFiles
 from kvwake.store.format.codec import (CODEC_IDS, DEFAULT_CODEC, BlockFormatError, Place, Stage, Tensor, decode_into,
                                        read_file_header, read_specs)
@@ -251,11 +252,13 @@ class StoreCore:
                                     f"(index says {r.digest[:12]}, rows give {digest[:12]})", **facts)
 
     def read_block(self, ref: BlockRef, *, snapshot_id: str | None = None, session_id: str | None = None,
-                   place: Place | None = None, stage: Stage | None = None) -> dict[str, Tensor]:
+                   place: Place | None = None, stage: Stage | None = None,
+                   procs: DecodeProcs | None = None) -> dict[str, Tensor]:
         """Read, decode and verify one block; CorruptBlockError names what failed.
 
         place, stage: where tensors (or a run's planes) are decoded to (codec.decode_into);
-        by default new arrays.
+        by default new arrays. procs: decoded and digested by a worker process, then copied into
+        place (decode_procs.py; not with `stage`); the same checks, the same errors.
         """
         facts = {"block": ref.key, "snapshot_id": snapshot_id, "session_id": session_id, "file": ref.file}
         where = f"block {ref.key[:16]} of snapshot {snapshot_id} (session {session_id})"
@@ -263,7 +266,7 @@ class StoreCore:
             raise CorruptBlockError(f"{where} is quarantined", **facts)
         if block_key(ref.parent, ref.bundle, ref.token_ids) != ref.key:
             raise CorruptBlockError(f"{where}: index row does not hash to its key", **facts)
-        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts, place, stage)
+        tensors, meta = self._read_verified(ref.file, ref.digest, ref.raw_bytes, where, facts, place, stage, procs)
         if meta.get("kvwake.key") != ref.key or meta.get("kvwake.bundle") != ref.bundle:
             raise CorruptBlockError(f"{where}: file holds block {meta.get('kvwake.key', '?')[:16]} "
                                     f"of bundle {meta.get('kvwake.bundle', '?')[:12]}", **facts)
@@ -288,12 +291,21 @@ class StoreCore:
         return self._read_verified(rel, digest, raw_bytes, where, facts, None, None)
 
     def _read_verified(self, rel: str, digest: str, raw_bytes: int, where: str, facts: dict,
-                       place: Place | None, stage: Stage | None) -> tuple[dict[str, Tensor], dict[str, str]]:
+                       place: Place | None, stage: Stage | None,
+                       procs: DecodeProcs | None = None) -> tuple[dict[str, Tensor], dict[str, str]]:
+        def other() -> CorruptBlockError:
+            return CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
         try:
-            with self.files.mapped(rel) as data:
-                if read_file_header(data)[2] != digest:
-                    raise CorruptBlockError(f"{where}: file {rel} holds another payload than indexed", **facts)
-                tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
+            if procs is not None and stage is None:
+                try:
+                    tensors, meta, actual = procs.decode(self.files.absolute(rel), digest, raw_bytes, place)
+                except OtherPayloadError:
+                    raise other() from None
+            else:
+                with self.files.mapped(rel) as data:
+                    if read_file_header(data)[2] != digest:
+                        raise other()
+                    tensors, meta, actual = decode_into(data, place, stage=stage, max_raw_bytes=raw_bytes)
         except FileNotFoundError:
             raise CorruptBlockError(f"{where}: file {rel} is missing", **facts) from None
         except BlockFormatError as exc:

@@ -25,6 +25,7 @@ from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.kv.pool import Pool
 from kvwake.errors import BundleMismatchError, KvwakeError
 from kvwake.store import SnapshotRecord, Store
+from kvwake.store.decode_procs import DecodeProcs
 
 __all__ = ["Counters", "KvContext", "Mlx", "direct", "quantize_cache"]
 
@@ -73,6 +74,8 @@ class KvContext:
     device_planes: bool = False
     restore_mode: str | None = None  # "direct" | "staged" (kv/restore_buffers.py); None: by the backend
     window_blocks: bool = False  # every writer stores sliding-window rows in the blocks (kv/window_rows.py)
+    # direct restores' block files decoded by worker processes (tuning decode_processes; store/decode_procs.py)
+    procs: DecodeProcs | None = None
     counters: Counters = field(default_factory=lambda: Counters("blocks_ram", "blocks_disk", "blocks_shared",
                                                                 "tokens_reused", "tokens_prefilled", "prefill_packs",
                                                                 "prefill_packed_chunks", "tokens_from_points"))

@@ -403,7 +403,8 @@ def fill_block(ctx: KvContext, buffers: restore_buffers.Buffers, ref: BlockRef, 
         share = keep_in_ram or (buffers.ring is None and ctx.ram_tier.shared(ref.key))
         arrays = ctx.store.read_block(ref, snapshot_id=record.id if record else None,
                                       session_id=record.session_id if record else None,
-                                      place=buffers.place(start, count), stage=None if share else buffers.stage(k))
+                                      place=buffers.place(start, count), stage=None if share else buffers.stage(k),
+                                      procs=ctx.procs if buffers.mode == "direct" else None)
         buffers.check(arrays, start, count, what, staged=k in buffers.staged)
         _count(ctx, buffers, "blocks_disk")
         if share:

@@ -59,6 +59,7 @@ from kvwake.daemon.timing import Phases
 from kvwake.daemon.session_state import Session
 from kvwake.errors import ContextTooLongError, InvalidParamsError
 from kvwake.store import SnapshotRecord, Store
+from kvwake.store.decode_procs import DecodeProcs
 
 __all__ = ["CONTENT_FORMAT", "Engine", "Plan", "ShouldStop", "resolve_model"]
 
@@ -167,7 +168,9 @@ class Engine(Appending):
                             vocab_size=self._vocab_size(), restore_mode=self.restore_mode,
                             cuttable=cache_blocks.cuttable(probe), kv_bits=kv_bits, kv_group_size=kv_group_size,
                             # KV on a discrete GPU: byte planes are made there
-                            device_planes=self.restore_mode == "staged", window_blocks=tuning.window_blocks)
+                            device_planes=self.restore_mode == "staged", window_blocks=tuning.window_blocks,
+                            procs=DecodeProcs(tuning.decode_processes)
+                            if tuning.decode_processes and self.restore_mode == "direct" else None)
         self.ram_tier, self.pool, self.counters, self.cuttable = self.kv.ram_tier, self.kv.pool, self.kv.counters, self.kv.cuttable
         self.started.mark("kv")
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
@@ -318,6 +321,8 @@ class Engine(Appending):
         self.reply_points.close()  # before the points: its prefills hand their writes to them
         self.points.close()
         self.pool.close()
+        if self.kv.procs is not None:  # after the pool: no read is left to ask them
+            self.kv.procs.close()
         # Its wakes' kept staging slots go but a ring's worth, and other models' stay: a model unloaded and
         # loaded again for its sessions finds its first wake's ring made (one made afresh is a long job, and a
         # ring with no idle slot decodes one span ahead), and closing one model's engine once dropped every

@@ -71,6 +71,7 @@ __all__ = [
     "Tensor",
     "decode",
     "decode_into",
+    "destination",
     "encode",
     "Planed",
     "Stage",
@@ -356,7 +357,8 @@ def read_specs(data: bytes | memoryview) -> dict[str, tuple[str, tuple[int, ...]
     return {name: (dtype, shape) for name, dtype, shape in _open(memoryview(data), None)[4].entries}
 
 
-def _destination(place: Place | None, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+def destination(place: Place | None, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Where tensor `name` decodes: `place`'s array, checked to fit (BlockFormatError), or a new one."""
     dest = place(name, dtype, shape) if place is not None else None
     holder = DTYPES[dtype][0]
     if dest is None:
@@ -373,7 +375,7 @@ def _decode_tensor(reader: Reader, codec: str, entry: tuple[str, str, tuple[int,
     name, dtype, shape = entry
     holder, rotate = DTYPES[dtype]
     n = math.prod(shape)
-    dest = _destination(place, name, dtype, shape)
+    dest = destination(place, name, dtype, shape)
     if codec == "planes-zstd":  # format 1 only
         planes = [np.frombuffer(reader.section(n), np.uint8) for _ in range(holder.itemsize)]
         join_into(planes, rotate, _unsigned(dest))
@@ -449,7 +451,7 @@ def _decode_run(reader: Reader, codec: str, plan: _RunPlan, place: Place | None,
             unrotate(staged)
         return
     for first, stop, lo, hi, spans in plan.groups:
-        dests = [_destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
+        dests = [destination(place, name, dtype, shape) for name, _, shape in run[first:stop]]
         target = dests[0] if len(dests) == 1 else scratch(holder, (hi - lo,), "join")  # a large tensor: in place
         if codec == "raw":
             raw = sections[0].take((hi - lo) * holder.itemsize).view(holder)
