@@ -51,7 +51,7 @@ def wakes(tokens: int, n_procs: int, rounds: int, folder: Path) -> None:
     model = folder / "model"
     if not (model / "config.json").exists():  # 16 layers of 8 KV heads x 64: a 1B model's KV, 4 MiB a block
         make_model_dir(model, hidden_size=256, num_attention_heads=8, num_key_value_heads=8, head_dim=64,
-                       num_hidden_layers=16, intermediate_size=256)
+                       num_hidden_layers=16, intermediate_size=256, max_position_embeddings=32768)
     store = Store(folder / f"store-{tokens}", block_tokens=128, codec="planes-zstd")
     engines = {n: Engine(store, folder, model, warm=False, tuning=Tuning(restore_mode="direct", decode_processes=n))
                for n in (0, n_procs)}
