@@ -40,6 +40,9 @@
 #             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
 #   cpurows   MLX on the host's CPU: a round of 8 agents' turns one at a time, in one pass, and apart on 2-16 threads
 #             (bench/rows_apart.py; tuning prefill_threads: docs/decisions.md, "Turns apart on the CPU's cores")
+#   cpuprocs  issue 50, point 7: a block's verified read by the pool's threads against worker processes (tuning
+#             decode_processes; bench/decode_procs.py), 1-16 threads, 0-16 processes, then whole 16k-token wakes on
+#             MLX's CPU with 16 processes and none
 #   reload    issue 53: a reloaded engine's first wake in one process, with each of the unload's and load's steps
 #             left out in turn (bench/reload_probe.py; $RELOAD_ARGS, e.g. "--variants none,settle")
 #   hybrid-prefill  mlx-lm's own prefill of 10,709 tokens on the hybrid shape and on its cousin (no kvwake):
@@ -224,6 +227,8 @@ run_part() {
               python3 bench/suite.py resume --device cpu --model /tmp/m1b --sizes 4096,16384 --synthetic /tmp/m1b-kv.npz \
                 --out "$OUT/cpuwake" 2>&1 | tail -30 ;;
     cpuscale) python3 bench/cpu_scaling.py --rounds 3 | tee "$OUT/cpu_scaling.jsonl" ;;
+    cpuprocs) python3 bench/decode_procs.py --threads 1,4,8,16 --procs 0,4,8,16 --rounds 3 | tee "$OUT/decode_procs.jsonl"
+              python3 bench/decode_procs.py --procs 0,16 --wake 16384 --rounds 3 | tee -a "$OUT/decode_procs.jsonl" ;;
     cpurows)  python3 bench/rows_apart.py --rows 8 --threads 2,4,8,16 --rounds 1 2>&1 | grep "^{" | tee "$OUT/rows_apart.jsonl" ;;
     reload)   model; python3 bench/reload_probe.py --model "$MODEL" --tokens 10000 ${RELOAD_ARGS:-} | tee "$OUT/reload.jsonl" ;;
     hybrid-prefill) [ -f /tmp/g4/config.json ] || python3 bench/hybrid_model.py /tmp/g4 >"$OUT/hybrid-model.txt" 2>&1
