@@ -40,6 +40,9 @@
 #             (bench/cpu_scaling.py: which part stops scaling; no GPU used)
 #   cpurows   MLX on the host's CPU: a round of 8 agents' turns one at a time, in one pass, and apart on 2-16 threads
 #             (bench/rows_apart.py; tuning prefill_threads: docs/decisions.md, "Turns apart on the CPU's cores")
+#   padded-q4 the padded path's before/after on one machine: the 4-bit fleet (8 agents over 10k, 3 turns, openai,
+#             kvwake alone; after `q4`) with KVWAKE_PADDED_PREFILL=true, false, true, false, then each run's figures
+#             and its restart's pack (bench/restart_phases.py); padded-16: the same with the bf16 16-agent fleet
 #   cpuprocs  issue 50, point 7: a block's verified read by the pool's threads against worker processes (tuning
 #             decode_processes; bench/decode_procs.py), 1-16 threads, 0-16 processes, then whole 16k-token wakes on
 #             MLX's CPU with 16 processes and none
@@ -195,6 +198,21 @@ run_part() {
                 --q4-dir /tmp --no-baseline ;;
     fleet-25k) model; fleet fleet-25k --agents 8 --system-tokens 25600 --turns 3 --apis openai ;;
     fleet-16-alone) model; fleet fleet-16-alone --agents 16 --system-tokens 10240 --turns 3 --apis openai --no-baseline ;;
+    padded-q4|padded-16) model; n=0
+              what=$([ "$1" = padded-q4 ] && echo "--agents 8 --variants q4 --q4-dir /tmp" || echo "--agents 16")
+              for v in true false true false; do
+                n=$((n + 1))
+                KVWAKE_PADDED_PREFILL=$v fleet "$1-$n-$v" $what --system-tokens 10240 --turns 3 --apis openai \
+                  --no-baseline | tail -2
+              done
+              python3 bench/restart_phases.py "$OUT/$1"-*/ | tee "$OUT/$1.jsonl"
+              for f in "$OUT/$1"-*/fleet.json; do python3 -c 'import json, sys  # the turns each run, beside the restart
+for c in json.load(open(sys.argv[1]))["configs"]:
+    for name, r in c["runs"].items():
+        print(json.dumps({"run": sys.argv[1].split("/")[-2], "server": name, **{k: r.get(k) for k in ("round_1_first_token_p50_s",
+              "turns_2_on_first_token_p50_s", "turns_2_on_first_token_p95_s", "restart_first_token_p50_s",
+              "rounds_wall_s")}}))' "$f"; done | tee -a "$OUT/$1.jsonl"
+              tar czf "$OUT/$1.tgz" -C "$OUT" $(cd "$OUT" && ls -d "$1"-*/) && rm -rf "$OUT/$1"-*/ ;;
     fleet-16-prefetch) model; n=0
               for v in ${PREFETCH_RUNS:-true false true false}; do
                 n=$((n + 1))
