@@ -594,51 +594,12 @@ def test_padded_attention_pads_queries_and_keys_to_shared_buckets_and_stays_exac
     assert fused == [1] * 5 and len(seen) == 1
 
 
-def test_the_engine_runs_longer_turns_of_several_sessions_at_one_padded_shape_with_the_models_logits(
-        model, model_dir, tmp_path, monkeypatch):
-    from kvwake.daemon.model import attention
-    from kvwake.daemon.model.engine import Engine
-    from kvwake.daemon.session_state import Session
-    from kvwake.store import Store
-
-    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
-    monkeypatch.setattr(attention, "PLAIN_MAX_QUERIES", 8)  # turns of 9 to 63 tokens: longer than plain ops take
-    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
-    used, real = [], attention.padded_attention  # made once per chunk that runs padded
-    monkeypatch.setattr(attention, "padded_attention", lambda f: used.append(1) or real(f))
-    ran, sdpa = [], mx.fast.scaled_dot_product_attention  # the shapes the fused kernel ran at, with an array mask
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None, **kw: (
-        ran.append((q.shape[2], k.shape[2])) if not isinstance(mask, str) and mask is not None else None) or
-        sdpa(q, k, v, scale=scale, mask=mask, **kw))
-    store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
-    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
-    histories = {"a": list(range(1, 130)), "b": list(range(3, 132))}  # 128 to prefill each: full chunks, fused
-    sessions = {sid: Session(sid) for sid in histories}
-    for sid, tokens in histories.items():
-        engine.append(sessions[sid], tokens=tokens)
-    assert used == [] and not any(s[0] == "padded" for s in engine.planner._fused_shapes)
-    turns = {"a": list(range(40, 60)), "b": list(range(70, 100))}  # 20 and 30 new: keys 148 and 158 (bucket 192)
-    for sid, turn in turns.items():
-        engine.append(sessions[sid], tokens=turn)
-    padded = {s for s in engine.planner._fused_shapes if s[0] == "padded"}
-    assert len(used) == 2 and padded == {("padded", 32, 192)}, (used, padded)  # one graph for both turns
-    assert set(ran) == {(32, 192)} and len(ran) == 2 * len(engine.model.layers), ran  # as recorded, every layer
-    for sid, turn in turns.items():  # the next token's logits as the model alone gives them (bf16 rounding apart)
-        whole = mx.array(histories[sid] + turn)
-        assert sessions[sid].processed == len(whole) - 1  # the last token waits for the next call
-        after = whole[-1:]
-        alone = logits_after(model, whole[:-1], after, plain=False)
-        ours = engine.model(after[None], cache=sessions[sid].cache).astype(mx.float32)
-        assert mx.allclose(ours, alone, atol=2e-2, rtol=2e-2).item(), mx.abs(ours - alone).max().item()
-        assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
-    engine.close()
-    store.close()
-
-
-def test_a_pack_of_longer_turns_runs_each_row_at_the_shared_padded_shape_with_the_models_logits(
-        model, model_dir, tmp_path, monkeypatch):
-    # The case the padded path is for: agents' turns that come at once, each row of the pack over its own history
+@pytest.mark.parametrize("alike", [False, True], ids=["rows at two shapes", "rows at one shape"])
+def test_a_pack_of_longer_turns_runs_its_rows_at_a_shared_padded_shape_where_theirs_differ(
+        model, model_dir, tmp_path, monkeypatch, alike):
+    # The case the padded path is for: agents' turns that come at once, each row of the pack over its own history,
+    # each at a shape of its own (a graph built for each). Rows at one shape build one graph as they are, and a
+    # lone turn keeps its own shape (never measured to gain from the padding).
     from kvwake.daemon.config import Tuning
     from kvwake.daemon.jobs import Packed
     from kvwake.daemon.model import attention
@@ -655,6 +616,8 @@ def test_a_pack_of_longer_turns_runs_each_row_at_the_shared_padded_shape_with_th
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     histories = {"a": list(range(1, 130)), "b": list(range(3, 132))}
     turns = {"a": list(range(40, 60)), "b": list(range(70, 100))}  # keys 148 and 158: one shape (32, 192)
+    if alike:
+        turns["b"] = list(range(70, 90))  # 20 new as "a": both rows at (20, 148)
     sessions = {sid: Session(sid) for sid in histories}
     for sid, tokens in histories.items():
         engine.append(sessions[sid], tokens=tokens)
@@ -670,7 +633,16 @@ def test_a_pack_of_longer_turns_runs_each_row_at_the_shared_padded_shape_with_th
                            (sessions[sid], plan, (None, 0), len(plan.target) - 1, None)))
     assert not any(isinstance(e, BaseException) for e in engine._start_turns(jobs))
     assert engine.counters["prefill_packs"] == packs + 1  # one pass for both
-    assert ran == [(32, 192)] * (2 * len(engine.model.layers)), ran  # each row, every layer, at the shared shape
+    padded = {shape for shape in engine.planner._fused_shapes if shape[0] == "padded"}
+    if alike:  # their own (causal) shape, one graph for both
+        assert ran == [] and padded == set(), (ran, padded)
+    else:  # each row, every layer, at the shared shape
+        assert ran == [(32, 192)] * (2 * len(engine.model.layers)) and padded == {("padded", 32, 192)}, ran
+    # a lone turn after them keeps its own shape
+    lone = Session("lone")
+    engine.append(lone, tokens=histories["a"])
+    engine.append(lone, tokens=list(range(120, 145)))
+    assert len(ran) == (0 if alike else 2 * len(engine.model.layers))
     monkeypatch.undo()
     for sid, turn in turns.items():
         whole = mx.array(histories[sid] + turn)

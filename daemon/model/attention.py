@@ -235,7 +235,8 @@ def padded_attention(fused: Any) -> Any:
 
     Such a chunk (a tool's result, a user's message: 257 to 2,047 tokens on CUDA) over a cache below
     CUDNN_MIN ran fused at its own (queries, keys), a cuDNN graph built for it alone: about 65 ms a row on the
-    H200, eight of them in a pack of eight agents' turns (docs/benchmarks.md, "fleet": the pack's cost).
+    H200, eight of them in a pack of eight agents' turns (docs/benchmarks.md, "fleet": the pack's cost). The
+    planner pads the rows of such a pack only (scheduler/prefill.py `_pack_chunk`).
     The copy (the row's keys and values once per layer, a few MB) is what sharing costs; padded keys weigh
     exactly 0. Causal or unmasked chunks of plain (non-quantized) KV without sinks; anything else runs
     `fused`."""

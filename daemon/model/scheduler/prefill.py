@@ -143,7 +143,15 @@ class PrefillPlanner:
         decodes, else a slice of layers per step (a Chunk of several sessions)."""
         sliced = self.slice_prefill and self.decoder.active
         ends = [(session, self.end_of(session, upto), upto) for session, upto in rows]
-        paths = [self._path(session, end - session.processed, end, sliced)[1] or _fused for session, end, _ in ends]
+        # Rows at two or more shapes no graph was built for: each would build its own (65-80 ms a row on the
+        # H200, docs/benchmarks.md, "fleet", S44), so those rows run at padded shapes they share. A pack of one
+        # shape (agents alike) builds one graph as it is, and a lone turn keeps its own shape: neither was
+        # measured to gain from the padding's copy and its masked kernel.
+        exact = [attention.fused_shape(session.cache, end - session.processed) for session, end, _ in ends]
+        new = [shape is not None and shape not in self._fused_shapes for shape in exact]
+        pad = len({shape for shape, fresh in zip(exact, new) if fresh}) > 1
+        paths = [self._path(session, end - session.processed, end, sliced, pad=pad and fresh)[1] or _fused
+                 for (session, end, _), fresh in zip(ends, new)]
         # Apart on threads when nothing decodes (beside decoding calls the pack goes in slices of layers) and every
         # row runs MLX's own attention (the CUDA paths swap the model module's: one model, one swap at a time)
         # and no row's layers share a pool (paged KV: its pages' allocation is one thread's)
@@ -222,10 +230,12 @@ class PrefillPlanner:
             chunk.step()  # its own, and its slices the next ones
         return chunk
 
-    def _path(self, session: Session, n: int, end: int, sliced: bool) -> tuple[str, Callable[[Any], Any] | None]:
+    def _path(self, session: Session, n: int, end: int, sliced: bool,
+              pad: bool = False) -> tuple[str, Callable[[Any], Any] | None]:
         """The attention path of a chunk of n tokens of the session's (to `end`): ("plain" | "bucket" |
-        "fused", what makes its attention from the model's fused one; None: the fused one itself). Records
-        the shapes run fused, and those run plain beside decoding."""
+        "padded" | "fused", what makes its attention from the model's fused one; None: the fused one itself).
+        Records the shapes run fused, and those run plain beside decoding. `pad`: a turn's longer chunk may run
+        at a padded shape (`_pack_chunk` says which)."""
         # A chunk shorter than the step (a turn's input, a prompt's last piece) has a key length nothing
         # computed before: plain attention spares it a cuDNN graph build, where plain ops cost less than
         # the build at this key length (measured: attention.PathCosts). Full chunks stay fused: their
@@ -237,11 +247,11 @@ class PrefillPlanner:
         # built then: its build pays for itself.
         # Past CUDNN_MIN such a chunk runs fused at its query bucket over the whole buffer: turns within
         # one capacity share its graph (attention.bucketed_attention), built once, not once per turn.
-        # A turn's chunk of more queries than plain ops take runs fused at a padded shape turns share
-        # (attention.padded_attention): at its own shape each row of a pack of agents' turns built a graph.
+        # In a pack whose rows would each build a graph of their own, a turn's chunk of more queries than plain
+        # ops take runs fused at a padded shape the rows share (attention.padded_attention, `_pack_chunk`).
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
         bucket = self._bucketed(session.cache, n)
-        padded = None if bucket else self._padded(session.cache, n)
+        padded = None if bucket or not pad else self._padded(session.cache, n)
         shape = ("bucket", *bucket) if bucket else ("padded", *padded) if padded else \
             attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
