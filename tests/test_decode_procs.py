@@ -189,3 +189,53 @@ def test_staging_a_killed_daemon_left_is_removed_by_the_next(tmp_path, monkeypat
     finally:
         p.close()
     assert not list(tmp_path.glob(f"{decode_procs.PREFIX}*"))
+
+
+def decode_workers(parent: int) -> list[int]:
+    """Pids of the decode worker processes whose parent is `parent` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"kvwake.store.decode_worker" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads a process's children from Linux's /proc")
+def test_a_real_daemon_wakes_through_worker_processes_exactly_and_its_workers_go_when_it_is_killed(model_dir, tmp_path):
+    import signal
+    import time
+
+    from testkit.daemon import Daemon
+
+    d = Daemon(tmp_path, model_dir, extra=["--tune", "decode_processes=2"]).start()
+    try:
+        text = "a long document about the harbour and its ships. " * 30
+        with d.client() as c:
+            for sid in ("slept", "never"):
+                c.call("session.create", session_id=sid)
+                c.call("session.append", session_id=sid, text=text)
+            c.call("session.sleep", session_id="slept")
+            woken = c.call("session.wake", session_id="slept")
+            assert woken["blocks_from_disk"] > 0, woken
+            assert c.call("status")["tuning"]["decode_processes"] == 2
+            replies = [c.call("session.generate", session_id=sid, max_tokens=12, temperature=0)["tokens"]
+                       for sid in ("slept", "never")]
+        assert replies[0] == replies[1]  # woken through the workers, as if never slept
+        workers = decode_workers(d.proc.pid)
+        assert len(workers) == 2, workers
+    finally:
+        d.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() and
+                                               b"decode_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                                               for pid in workers):
+        time.sleep(0.1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                and b"decode_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()], "workers outlived the daemon"
