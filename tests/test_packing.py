@@ -553,3 +553,43 @@ def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_di
         again.run(failing, [([9], c) for c in caches])
     assert caches[0][0].offset == caches[2][0].offset == caches[3][0].offset == 5  # the others all fed
     again.close()
+
+
+def test_a_real_daemon_with_prefill_threads_packs_turns_that_come_at_once_apart_and_answers_as_one_at_a_time(
+        model_dir, tmp_path):
+    from testkit.daemon import Daemon
+
+    d = Daemon(tmp_path, model_dir, extra=["--tune", "prefill_threads=2", "--tune", "pack_gather_ms=500"]).start()
+    try:
+        with d.client() as c:
+            for group in ("together", "alone"):
+                for i, h in enumerate(HISTORIES):
+                    c.call("session.create", session_id=f"{group}{i}")
+                    c.call("session.append", session_id=f"{group}{i}", text=h)
+            assert c.call("status")["tuning"]["prefill_threads"] == 2
+            for i, t in enumerate(TURNS):  # one after another
+                c.call("session.append", session_id=f"alone{i}", text=t)
+            packs = c.call("status")["counters"]["prefill_packs"]
+        errors: list[BaseException] = []
+
+        def turn(i: int) -> None:
+            try:
+                with d.client() as own:
+                    own.call("session.append", session_id=f"together{i}", text=TURNS[i])
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        workers = [threading.Thread(target=turn, args=(i,)) for i in range(len(TURNS))]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not errors, errors
+        with d.client() as c:
+            assert c.call("status")["counters"]["prefill_packs"] > packs  # they came at once: packed
+            for i in range(len(TURNS)):  # and each continues as the same turn prefilled alone
+                a, b = (c.call("session.generate", session_id=f"{g}{i}", max_tokens=8, temperature=0)["tokens"]
+                        for g in ("alone", "together"))
+                assert a == b, (i, a, b)
+    finally:
+        d.stop()
