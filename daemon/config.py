@@ -75,7 +75,7 @@ class Tuning:
     pack_prefill: bool | None = None
     # where MLX computes on the CPU, threads that run turns that come at once apart, each its own pass (the
     # engine's among them: a pass there keeps one core busy), packed unless pack_prefill is false; 1: turns one
-    # at a time (model/parallel_rows.py; no gain measured on two vCPUs, docs/decisions.md, "Turns apart on the
+    # at a time (model/parallel_rows.py; measured no gain on two cores: docs/decisions.md, "Turns apart on the
     # CPU's cores"). A GPU runs a pack in one pass whatever this says
     prefill_threads: int = 1
     # on CUDA, a turn's chunk longer than plain ops take (257 to 2,047 tokens) runs fused at a padded shape other

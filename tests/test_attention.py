@@ -563,7 +563,7 @@ def test_a_bucket_is_built_for_the_layers_own_kv_dtype_and_shape(model, monkeypa
 
 def test_padded_attention_pads_queries_and_keys_to_shared_buckets_and_stays_exact(monkeypatch):
     # On CUDA each row of a pack of agents' turns (300-500 tokens each over its own history) built a cuDNN graph
-    # for its own (queries, keys), ~65 ms a row on the H200: padded to buckets, turns of one bucket share it.
+    # for its own (queries, keys): padded to buckets, turns of one bucket share it.
     from kvwake.daemon.model import attention
 
     monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 256)

@@ -555,7 +555,7 @@ def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_di
     again.close()
 
 
-def test_a_real_daemon_with_prefill_threads_packs_turns_that_come_at_once_apart_and_answers_as_one_at_a_time(
+def test_a_real_daemon_with_prefill_threads_packs_turns_that_come_at_once_and_answers_as_one_at_a_time(
         model_dir, tmp_path):
     from testkit.daemon import Daemon
 

@@ -43,9 +43,10 @@ from mlx.utils import tree_flatten
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 
-__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "LIKELY_BUCKETS", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES",
-           "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted", "bucketed_attention",
-           "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape", "key_bucket", "key_ladder", "on_cuda", "padded_attention", "padded_shape",
+__all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "LIKELY_BUCKETS",
+           "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
+           "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape",
+           "key_bucket", "key_ladder", "on_cuda", "padded_attention", "padded_shape",
            "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
            "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
 
@@ -68,8 +69,8 @@ def decode_warm_capacities() -> tuple[int, ...]:
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
-# A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at least
-# KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
+# A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at
+# least KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
 KEY_BUCKET_MIN = 1024
 KEY_BUCKET_SHARE = 8
 
@@ -234,9 +235,9 @@ def padded_attention(fused: Any) -> Any:
     into zeros of `key_bucket` length, an additive mask hiding the padding.
 
     Such a chunk (a tool's result, a user's message: 257 to 2,047 tokens on CUDA) over a cache below
-    CUDNN_MIN ran fused at its own (queries, keys), a cuDNN graph built for it alone: about 65 ms a row on the
-    H200, eight of them in a pack of eight agents' turns (docs/benchmarks.md, "fleet": the pack's cost). The
-    planner pads the rows of such a pack only (scheduler/prefill.py `_pack_chunk`).
+    CUDNN_MIN ran fused at its own (queries, keys), a cuDNN graph built for it alone, one for each row of a pack
+    of agents' turns whose histories differ (docs/benchmarks.md, "fleet": the pack's cost). The planner pads
+    the rows of such a pack only (scheduler/prefill.py `_pack_chunk`).
     The copy (the row's keys and values once per layer, a few MB) is what sharing costs; padded keys weigh
     exactly 0. Causal or unmasked chunks of plain (non-quantized) KV without sinks; anything else runs
     `fused`."""

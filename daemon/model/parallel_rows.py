@@ -1,22 +1,22 @@
 """Several sessions' prefill chunks at once on the CPU, each on a thread of its own: where a pass costs its tokens.
 
-MLX on the CPU runs a forward pass's ops on one core, its stream's (measured here: a 1024 x 1024 matmul keeps
-1.00 core busy; two threads, each on a CPU stream of its own, keep 1.98), so a pack of N turns in one pass costs
+MLX on the CPU runs a forward pass's ops on one core, its stream's (two threads, each on a CPU stream of its
+own, keep two busy: docs/decisions.md, "Turns apart on the CPU's cores"), so a pack of N turns in one pass costs
 what N passes apart cost (bench/pack_cost.py) and the CPU took its turns one at a time (docs/decisions.md,
 "Turns one at a time where a pass costs its tokens"). Run apart on threads of their own, N turns' chunks cost
 what N / cores passes cost: four agents' turns on two cores reach their first tokens after two passes, not
 four (one at a time, after one, two, three and four).
 
 `ParallelRows` keeps `workers` threads, each with a CPU stream it made (streams belong to their thread: MLX
-must destroy them on it, as model/loader.py `release_mlx_streams` says). `run` feeds each row's tokens to its cache in
-the model, as the chunk alone would be fed (the same call, shapes and kind of stream: bit-exact against it),
+must destroy them on it, as model/loader.py `release_mlx_streams` says). `run` feeds each row's tokens to its
+cache in the model, as the chunk alone would be fed (the same call, shapes and kind of stream: bit-exact against it),
 the rows taken in turn by the workers and the calling thread (the engine's), and returns once every row's
 cache is evaluated. Only the CPU: a GPU's pass is bound by reading the weights, and packs share them
 (model/packing.py).
 
-Off by default (tuning prefill_threads = 1): on this project's 2-vCPU machine two rows apart took 250 ms each
-against 175 ms alone, and the fleet's turns were no sooner (docs/decisions.md, "Turns apart on the CPU's
-cores"); a host with many cores is where it is meant to pay, not measured yet.
+Off by default (tuning prefill_threads = 1): on two cores the fleet's turns came no sooner (two rows at once
+each ran slower than one alone: docs/decisions.md, "Turns apart on the CPU's cores"); a host with many cores
+is where it is meant to pay, not measured yet.
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ class PrefillPlanner:
         decodes, else a slice of layers per step (a Chunk of several sessions)."""
         sliced = self.slice_prefill and self.decoder.active
         ends = [(session, self.end_of(session, upto), upto) for session, upto in rows]
-        # Rows at two or more shapes no graph was built for: each would build its own (65-80 ms a row on the
-        # H200, docs/benchmarks.md, "fleet", S44), so those rows run at padded shapes they share. A pack of one
+        # Rows at two or more shapes no graph was built for: each would build its own (docs/benchmarks.md,
+        # "fleet": the 4-bit restart's pack), so those rows run at padded shapes they share. A pack of one
         # shape (agents alike) builds one graph as it is, and a lone turn keeps its own shape: neither was
         # measured to gain from the padding's copy and its masked kernel.
         exact = [attention.fused_shape(session.cache, end - session.processed) for session, end, _ in ends]
