@@ -542,6 +542,7 @@ def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_di
     done.start()
     done.join(30)
     assert not done.is_alive() and [c[0].offset for c in later] == [2, 2]  # fed by the caller alone
+    assert not any(t.name.startswith("kvwake-rows-test") for t in threading.enumerate())  # no worker started again
 
     def failing(tokens, cache):
         if cache is caches[1]:
