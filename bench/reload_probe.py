@@ -9,7 +9,8 @@ engine, and probes of the join alone did not (docs/benchmarks.md, "Several model
   reloaded    the first wake on the engine loaded after that one was unloaded
   again       the same wake once more on the reloaded engine
 
-Variants: `none` (the daemon's way), `kept` (the old model still referred to while the new one loads and wakes,
+Variants: `none` (the daemon's way), `cached` (the unload's pass leaving MLX's cache as the stopped model left it:
+the daemon's way before session 45), `kept` (the old model still referred to while the new one loads and wakes,
 and freed after: the daemon's way before its unload freed the old weights), `warmer` (kernel warmer processes
 started again at the load, as before a reload started none: model/kernel_cache.py `_done`), `settle` (the wake 2 s
 after the load rather than at once).
@@ -34,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("none", "kept", "warmer", "settle")
+VARIANTS = ("none", "cached", "kept", "warmer", "settle")
 
 
 def wake(engine: Any, sid: str) -> dict[str, Any]:
@@ -55,6 +56,8 @@ def main() -> None:
     ap.add_argument("--restore-mode", choices=("staged", "direct"), default=None,
                     help="how restores fill buffers (tuning restore_mode; default: the machine's)")
     args = ap.parse_args()
+    import mlx.core as mx
+
     from bench.suite import tokens_of
     from kvwake.daemon.config import ModelSpec, Settings, Tuning
     from kvwake.daemon.kv.restore_buffers import auto_codecs
@@ -86,7 +89,8 @@ def main() -> None:
             old = model if variant == "kept" else None
             del model
             if old is None:
-                free_stopped()
+                free_stopped(clear=variant != "cached")
+            cached_bytes = mx.get_cache_memory()  # what the next engine's arrays may be handed
             if variant == "warmer":
                 kernel_cache._done.clear()  # as before: the reload starts the folder's warmers again
             t0 = time.perf_counter()
@@ -97,12 +101,14 @@ def main() -> None:
             del engine, thread
             if variant == "settle":
                 time.sleep(2.0)
+            at_wake = mx.get_cache_memory()
             reloaded = model.thread.call(lambda: wake(model.engine, session.id))
             again = model.thread.call(lambda: wake(model.engine, session.id))
             if old is not None:
                 del old
                 free_stopped()
-            print(json.dumps({"variant": variant, "load_s": round(load_s, 2), "warm": warm, "reloaded": reloaded,
+            print(json.dumps({"variant": variant, "load_s": round(load_s, 2), "cached_bytes": cached_bytes,
+                              "cached_bytes_at_wake": at_wake, "warm": warm, "reloaded": reloaded,
                               "again": again}), flush=True)
         stop_model(model)
         store.close()

@@ -96,15 +96,26 @@ def stop_model(model: LoadedModel) -> None:
     log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
-def free_stopped() -> None:
+def free_stopped(clear: bool = True) -> None:
     """Free what stopped models left, once nothing refers to them any more (from a worker thread). Their arrays sit
     in reference cycles (mlx-lm's modules), which only a full collection frees; and their objects were frozen after
     their load (model/switching.py), out of the collector's reach: back within it for this one pass, then what the
     other models hold is frozen again. Run while the caller still held a stopped model, the pass found it alive and
-    froze it again, weights and all, until the next unload's pass (a reload held the old weights beside the new)."""
+    froze it again, weights and all, until the next unload's pass (a reload held the old weights beside the new).
+
+    Then MLX's cache of freed buffers is emptied (`clear`): what the stopped model freed went there (up to its
+    limit) and MLX hands a cached buffer to the next request of its size whatever memory it is. On CUDA a host
+    array (a wake's image, a sleep's copy) is managed memory and a kernel's output device memory, and a buffer
+    of one kind reused as the other is migrated or copied whole at its first use: the next model's first wake
+    and turn would pay for the last one's leftovers (docs/decisions.md, "Several models", session 45). False
+    only to measure that (bench/reload_probe.py)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    if clear:
+        import mlx.core as mx
+
+        mx.clear_cache()
 
 
 # a warm-up waits this long at most for the requests it would hold back (`warm_model`'s `until_idle`)
