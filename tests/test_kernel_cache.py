@@ -33,6 +33,24 @@ def test_the_warmer_builds_the_models_miniature_in_its_dtype_and_exits_cleanly(t
     assert warmer.wait() is False  # waited for once: nothing left to wait for
 
 
+@pytest.mark.parametrize("dtype, tol", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
+def test_the_warmers_padded_chunk_is_the_padded_path_and_agrees_with_the_chunk_at_its_own_shape(monkeypatch, dtype,
+                                                                                               tol):
+    """The forward part also runs a chunk the way a pack pads it (its kernels compiled before a round needs them):
+    through `padded_attention`, at a key bucket longer than its keys, and equal to the chunk at its own shape."""
+    from kvwake.daemon.model import attention
+
+    seen = []
+    bucketed = attention._bucketed
+    monkeypatch.setattr(attention, "_bucketed", lambda q, k, *rest: seen.append((q.shape, k.shape)) or
+                        bucketed(q, k, *rest))
+    padded, own = kernel_cache.padded_chunk(dtype, 64, mx.random.key(3))
+    n = attention.PLAIN_MAX_QUERIES + 1
+    assert seen == [((1, 2, n, 64), (1, 1, attention.key_bucket(n + 8), 64))] and attention.key_bucket(n + 8) > n + 8
+    assert padded.shape == own.shape == (1, 2, n, 64) and padded.dtype == dtype
+    assert mx.abs(padded.astype(mx.float32) - own.astype(mx.float32)).max().item() < tol
+
+
 def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):
     """A quantized model's products compile nothing (model/quantized.py dequantizes where MLX would compile a
     tile kernel), so its warmer has the same parts as any model's, and ends cleanly."""

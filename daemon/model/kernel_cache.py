@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "safetensors_header",
-           "start_early", "text_config", "weights_dtype"]
+__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "padded_chunk",
+           "safetensors_header", "start_early", "text_config", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -281,8 +281,28 @@ def _heads(model_path: Path, config: dict[str, Any]) -> tuple[int, int, int, Any
             config.get("head_dim") or config["hidden_size"] // heads, getattr(mx, weights_dtype(model_path)))
 
 
+def padded_chunk(dtype: Any, head_dim: int, key: Any) -> tuple[Any, Any]:
+    """A pack's turn chunk at a padded shape (model/attention.py `padded_attention`: its keys padded, its
+    additive mask, the masked fused kernel) on two query heads over one KV head, random by `key`, and the same
+    chunk at its own shape: (padded, own). The miniature's prefill never takes that path, and on a machine
+    whose cache lacked its kernels a fleet's first pack of turns at two shapes compiled them mid-round
+    (docs/benchmarks.md, "fleet", S45)."""
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    from kvwake.daemon.model import attention
+
+    n = attention.PLAIN_MAX_QUERIES + 1  # the shortest chunk that path takes
+    q, k, v = (mx.random.normal((1, heads, length, head_dim), key=part).astype(dtype) for heads, length, part in
+               zip((2, 1, 1), (n, n + 8, n + 8), mx.random.split(key, 3)))
+    scale = head_dim ** -0.5
+    padded = attention.padded_attention(scaled_dot_product_attention)(q, k, v, None, scale=scale, mask="causal")
+    return padded, scaled_dot_product_attention(q, k, v, None, scale=scale, mask="causal")
+
+
 def _warm(model_path: Path, part: str) -> None:
-    """A child's work: the miniature's prefill and decode step ("forward"), or a batch's compaction."""
+    """A child's work: the miniature's prefill and decode step and a padded chunk ("forward"), or a batch's
+    compaction."""
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
@@ -300,6 +320,7 @@ def _warm(model_path: Path, part: str) -> None:
         cache = make_prompt_cache(model)
         mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
         mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
+        mx.eval(padded_chunk(dtype, text_config(config)["head_dim"], mx.random.key(0)))
         return
     from mlx_lm.models.cache import BatchKVCache
 
