@@ -76,6 +76,20 @@ def test_a_plain_kv_model_decodes_batched_and_quantized_kv_alone(engine, model_d
         store.close()
 
 
+def test_a_model_whose_rope_takes_one_offset_decodes_its_calls_alone(tmp_path):
+    # Was: "batched", and a batch's step (two calls at once; on CUDA the warm-up of every batch size, so the
+    # engine did not start) raised in mlx-lm's DynamicNTKScalingRoPE, which takes an int offset, not the rows'.
+    ntk = make_model_dir(tmp_path / "ntk", rope_scaling={"type": "dynamic", "factor": 2.0})
+    for e in batched_engine(ntk, tmp_path):
+        assert e.decode_mode == "solo" and "DynamicNTKScalingRoPE" in e.decode_reason
+        assert e.decoder.warm() == []  # no batch to build kernels for
+        params = GenerateParams(max_tokens=6)
+        alone = [solo_tokens(e, f"alone{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
+        calls = [e.start_call(session(e, f"b{i}", p), params) for i, p in enumerate(PROMPTS[:2])]
+        run_together(e, calls)  # taking turns, one token each
+        assert [c.future.result().tokens for c in calls] == alone
+
+
 def test_batched_calls_match_the_same_calls_decoded_alone(engine):
     params = GenerateParams(max_tokens=24)
     alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS)]

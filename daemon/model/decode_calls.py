@@ -13,8 +13,9 @@ batched generation (issue 11)"). The decoder (decoder.py) moves it into the
 batch when company comes.
 
 `batch_mode` says whether a model's calls can decode together at all: quantized
-KV and cache kinds kvwake does not batch decode alone, as does every call when
-`max_batch` is 1 (for users who need output bit-identical to decoding alone).
+KV, cache kinds kvwake does not batch and rotary embeddings that take one offset
+for every row decode alone, as does every call when `max_batch` is 1 (for users
+who need output bit-identical to decoding alone).
 """
 
 from __future__ import annotations
@@ -99,8 +100,14 @@ class Solo:
         return int(current.item())
 
 
-def batch_mode(cache: list, kv_bits: int | None, max_batch: int) -> tuple[str, str]:
-    """("batched" | "solo", why) for a model whose fresh cache is `cache`."""
+# RoPE modules that rotate by a Python int offset: mlx-lm's DynamicNTKScalingRoPE takes its base from the offset
+# and raises on the array of row offsets a batch's cache gives it (model/packing.py's ROW_ROPES take one)
+ONE_OFFSET_ROPES = frozenset({"DynamicNTKScalingRoPE"})
+
+
+def batch_mode(cache: list, kv_bits: int | None, max_batch: int, model: Any = None) -> tuple[str, str]:
+    """("batched" | "solo", why) for a model whose fresh cache is `cache` (and whose modules, when `model` is
+    given, are asked for a RoPE that takes one offset for every row)."""
     if max_batch <= 1:
         return "solo", "max_batch is 1: every call decodes alone"
     if kv_bits is not None or any(isinstance(c, QuantizedKVCache) for c in cache):
@@ -108,6 +115,9 @@ def batch_mode(cache: list, kv_bits: int | None, max_batch: int) -> tuple[str, s
     kinds = sorted({type(c).__name__ for c in cache if not _batchable(c)})
     if kinds:
         return "solo", f"cache layers mlx-lm cannot batch: {', '.join(kinds)}"
+    ropes = sorted({type(m).__name__ for _, m in model.named_modules()} & ONE_OFFSET_ROPES) if model is not None else []
+    if ropes:
+        return "solo", f"rotary embeddings that take one offset for every row: {', '.join(ropes)}"
     return "batched", f"up to {max_batch} calls per forward pass"
 
 

@@ -176,7 +176,7 @@ class Engine(Appending):
         self.prompter = Prompter(self.tokenizer, self.kv.vocab_size, self.model_name, tuning.renders_at_once)
         self.template = self.prompter.template
         self.started.mark("prompter")
-        self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch)
+        self.decode_mode, self.decode_reason = batch_mode(probe, kv_bits, max_batch, self.model)
         self.cuda_graphs = attention.cuda_graphs()  # fixed for the process: MLX reads the variable once
         self.decoder = Decoder(self.model, self.decode_mode, max_batch, self.kv.vocab_size)
         self.started.mark("decoder")
