@@ -429,6 +429,11 @@ def test_turns_pack_where_a_gpu_computes_and_go_one_at_a_time_on_the_cpu():
     assert packing.wanted() == (mx.default_device() != mx.cpu)
 
 
+# prefill_threads is the CPU's (model/parallel_rows.py `threads_wanted`): where a GPU computes, a pack is one pass
+ON_CPU = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="prefill_threads runs a pack's rows apart on the "
+                            "CPU only: MLX computes on a GPU here")
+
+
 class ThreadsSeen:
     """The model, recording the thread of every call; each call waits (30 s at most) until a second thread's is
     in too: two rows of a pack run at once, or the wait breaks."""
@@ -451,6 +456,7 @@ def apart(model_dir, tmp_path):
     yield from batched_engine(model_dir, tmp_path, tuning=Tuning(prefill_threads=2))
 
 
+@ON_CPU
 def test_turns_that_come_at_once_on_the_cpu_run_apart_on_threads_and_continue_bit_exact_as_each_alone(apart):
     # On the CPU a pass keeps one core busy, so a pack in one pass cost what its turns cost one at a time: its
     # rows apart on threads of their own cost the longest row where cores suffice.
@@ -478,6 +484,7 @@ def test_turns_that_come_at_once_on_the_cpu_run_apart_on_threads_and_continue_bi
         assert engine.generate(a, params).tokens == engine.generate(b, params).tokens
 
 
+@ON_CPU
 def test_a_row_that_fails_apart_drops_every_sessions_cache_once_the_others_are_done_and_fails_each_turn(apart):
     engine = apart
     together = [session(engine, f"s{i}", h) for i, h in enumerate(HISTORIES[:2])]  # their turns: one pack
@@ -503,6 +510,7 @@ def test_a_row_that_fails_apart_drops_every_sessions_cache_once_the_others_are_d
         assert engine.append(s, text=" again")["prefilled"] > 0 and s.cache is not None
 
 
+@ON_CPU
 def test_the_cpu_packs_apart_with_prefill_threads_and_takes_turns_one_at_a_time_by_default(model_dir, tmp_path):
     from kvwake.daemon.model import parallel_rows
 
@@ -523,7 +531,8 @@ def test_turns_stay_one_at_a_time_with_prefill_threads_for_a_model_that_cannot_p
 
     unpackable = make_model_dir(tmp_path / "ntk", rope_scaling={"type": "dynamic", "factor": 2.0})
     for engine in batched_engine(unpackable, tmp_path, tuning=Tuning(prefill_threads=2)):
-        assert not engine.planner.pack_prefill and engine.planner.one_at_a_time and engine.prefill_rows is None
+        assert not engine.planner.pack_prefill and engine.prefill_rows is None
+        assert engine.planner.one_at_a_time is (mx.default_device() == mx.cpu)  # a GPU keeps turns as they come
 
 
 def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_dir):
@@ -531,12 +540,18 @@ def test_parallel_rows_run_every_row_once_closed_and_carry_a_rows_error(model_di
     from kvwake.daemon.model import parallel_rows
 
     model, _ = load(str(model_dir))
+    device = mx.default_device()
     rows = parallel_rows.ParallelRows(3, "kvwake-rows-test")
     caches = [make_prompt_cache(model) for _ in range(4)]
     rows.run(model, [([5, 6, 7, i + 1], c) for i, c in enumerate(caches)])
     assert [c[0].offset for c in caches] == [4] * 4 and len(rows._workers) == 2
+    # Was: each worker's `with mx.stream(cpu stream)` set MLX's default device, the process's: the CPU while a
+    # worker lived, and after two ended in another order than they began, for good (on CUDA, later tests'
+    # kernels then ran on the CPU)
+    assert mx.default_device() == device
     rows.close()
     assert rows._workers == [] and not any(t.name.startswith("kvwake-rows-test") for t in threading.enumerate())
+    assert mx.default_device() == device
     later = [make_prompt_cache(model) for _ in range(2)]
     done = threading.Thread(target=rows.run, args=(model, [([1, 2], c) for c in later]))
     done.start()

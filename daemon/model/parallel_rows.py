@@ -21,7 +21,6 @@ is where it is meant to pay, not measured yet.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -61,12 +60,14 @@ class ParallelRows:
     def _work(self) -> None:
         try:  # its own: ops of two threads on one stream would queue one behind the other
             stream = mx.new_stream(mx.cpu)
+            # this thread's default stream, not `with mx.stream(...)`: that sets MLX's default device, which
+            # is the process's, and workers that end in another order than they began leave it on the CPU
+            mx.set_default_stream(stream)
         except Exception:  # noqa: BLE001 - the default stream still computes; never a worker that takes no job
             stream = None
         try:
-            with mx.stream(stream) if stream is not None else contextlib.nullcontext():
-                while (job := self._jobs.get()) is not None:
-                    job()
+            while (job := self._jobs.get()) is not None:
+                job()
         finally:  # as model/loader.py's release_mlx_streams (not imported: the loader imports the engine)
             mx.synchronize(stream) if stream is not None else mx.synchronize()
             mx.clear_streams()
