@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.model import budget, memory
 from kvwake.daemon.model.budget import ModelsBudgetError
 from testkit.daemon import Daemon
@@ -41,7 +42,10 @@ async def test_the_first_models_kv_room_shrinks_by_the_seconds_weights_and_grows
         both = whole - main.weights_bytes - small.weights_bytes
         assert main.kv_room_bytes == small.kv_room_bytes == both < alone[0]
         assert main.hot_budget_bytes == int(memory.HOT_SHARE * both) < alone[1]
-        assert main.session_tokens == memory.tokens_in(both, main.token_bytes) < alone[2]
+        assert main.session_tokens == memory.tokens_in(both, main.token_bytes)
+        # on CUDA the most tokens whose buffer fits: a buffer grows in steps of up to a sixteenth of its tokens
+        # (kv/capacity.py), one a tiny model's weights may not cross (the H200's room: 419430400 tokens either way)
+        assert main.session_tokens < alone[2] or kvcapacity.installed() and main.session_tokens == alone[2]
         await asyncio.wait_for(manager.unload("small"), 60)
         assert rooms(manager)["main"] == alone
     finally:

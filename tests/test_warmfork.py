@@ -11,12 +11,15 @@ import sys
 import pytest
 
 from testkit.daemon import Daemon
-from testkit.warmfork import Children, ForkedProcess, can_fork, warm_parent
+from testkit.warmfork import Children, ForkedProcess, _cuda_installed, can_fork, warm_parent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.environ.get("TESTKIT_FRESH_DAEMONS") == "1",
                                 reason="daemons are forked on Linux only, unless TESTKIT_FRESH_DAEMONS=1")
+# where MLX's CUDA backend is installed every daemon starts fresh (a GPU context does not survive a fork)
+forks = pytest.mark.skipif(_cuda_installed(), reason="MLX runs on CUDA here: no daemon is forked")
 
 
+@forks
 def test_the_warm_parent_has_the_runs_environment_not_that_of_the_test_that_starts_it(monkeypatch, tmp_path):
     # Was: it took the environment of the test whose daemon started it (first in a module run alone, as
     # here), and every later daemon, whose test had not changed it, started fresh.
@@ -26,6 +29,7 @@ def test_the_warm_parent_has_the_runs_environment_not_that_of_the_test_that_star
     assert can_fork(["--model", "m"], {**os.environ, "KVWAKE_CONFIG": str(tmp_path / "none.toml")})
 
 
+@forks
 def test_a_daemon_is_forked_only_where_its_imports_would_see_the_same(tmp_path):
     env = {**os.environ, "KVWAKE_CONFIG": str(tmp_path / "none.toml")}
     assert can_fork(["--model", "m"], env)  # settings are read at the start, not at import
@@ -41,6 +45,7 @@ def test_a_daemon_is_forked_only_where_its_imports_would_see_the_same(tmp_path):
     assert not can_fork(["--model", "m"], env)
 
 
+@forks
 def test_a_forked_daemon_answers_as_a_popen_and_exits_with_its_own_code(tmp_path, model_dir):
     d = Daemon(tmp_path, model_dir).start()
     assert isinstance(d.proc, ForkedProcess)
