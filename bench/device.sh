@@ -126,9 +126,11 @@ print("weed:", target)
 PY
 }
 
-pytest_here() {  # pytest with the suite's settings; Node and the agent frameworks' clients are not on the device
+pytest_here() {  # pytest with the suite's settings; Node (npm: the agent CLIs) and the agent frameworks' clients
+  # are not on the device
   python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEs --durations=15 \
-    --ignore=tests/test_structured_frameworks.py --deselect tests/test_interop.py::test_node_msgpack_client "$@"
+    --ignore=tests/test_structured_frameworks.py --ignore=tests/test_agent_clis.py \
+    --deselect tests/test_interop.py::test_node_msgpack_client "$@"
 }
 
 suite() {
@@ -136,8 +138,8 @@ suite() {
   if [ -x "$WEED_DIR/weed" ]; then export PATH="$WEED_DIR:$PATH"
   else
     echo "no weed binary (run the unpack part first): the remote-tier tests are left out"
-    remote=(--ignore=tests/test_remote.py --ignore=tests/test_remote_faults.py --ignore=tests/test_remote_gc.py
-            --ignore=tests/test_remote_prefix.py)
+    local f
+    for f in tests/test_remote*.py; do remote+=(--ignore="$f"); done  # each one's server is tests/test_remote.py's weed
   fi
   model &
   local made=$!
