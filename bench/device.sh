@@ -91,7 +91,7 @@ set_up() {
     touch "$STAGE/.set-up"
   fi
   source "$STAGE/env.sh"
-  if ! python3 -c 'import llguidance, anthropic, xxhash, httpx2, jsonschema' 2>/dev/null; then  # the test clients' wheels: .gpu/c (bench/device_wheels.sh)
+  if ! python3 -c 'import llguidance, anthropic, xxhash, httpx2, jsonschema, opentelemetry' 2>/dev/null; then  # the test clients' wheels: .gpu/c (bench/device_wheels.sh)
     ls .gpu/c/*.whl >/dev/null 2>&1 || { echo "no .gpu/c wheels here: carry .gpu/c in this call"; exit 5; }
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/c/*.whl >/dev/null 2>&1
   fi
