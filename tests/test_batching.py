@@ -90,6 +90,24 @@ def test_a_model_whose_rope_takes_one_offset_decodes_its_calls_alone(tmp_path):
         assert [c.future.result().tokens for c in calls] == alone
 
 
+# gpt_bigcode's positions: numpy's arange from its first layer's offset, a Python int (mlx-lm 0.32)
+BIGCODE = dict(model_type="gpt_bigcode", n_embd=64, n_layer=2, n_inner=128, n_head=4, n_positions=1024,
+               layer_norm_epsilon=1e-5, multi_query=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+
+
+def test_a_model_whose_batched_pass_cannot_be_built_decodes_its_calls_alone(tmp_path):
+    # Was: "batched" (its caches are plain KV, its RoPE none of ONE_OFFSET_ROPES), and two calls at once raised
+    # in the model's own use of the batch's row offsets.
+    bigcode = make_model_dir(tmp_path / "bigcode", **BIGCODE)
+    for e in batched_engine(bigcode, tmp_path):
+        assert e.decode_mode == "solo" and "batched pass" in e.decode_reason, e.decode_reason
+        params = GenerateParams(max_tokens=6)
+        alone = [solo_tokens(e, f"alone{i}", p, params) for i, p in enumerate(PROMPTS[:2])]
+        calls = [e.start_call(session(e, f"b{i}", p), params) for i, p in enumerate(PROMPTS[:2])]
+        run_together(e, calls)
+        assert [c.future.result().tokens for c in calls] == alone
+
+
 def test_batched_calls_match_the_same_calls_decoded_alone(engine):
     params = GenerateParams(max_tokens=24)
     alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS)]

@@ -13,9 +13,10 @@ batched generation (issue 11)"). The decoder (decoder.py) moves it into the
 batch when company comes.
 
 `batch_mode` says whether a model's calls can decode together at all: quantized
-KV, cache kinds kvwake does not batch and rotary embeddings that take one offset
-for every row decode alone, as does every call when `max_batch` is 1 (for users
-who need output bit-identical to decoding alone).
+KV, cache kinds kvwake does not batch, rotary embeddings that take one offset
+for every row and models whose batched pass cannot be built decode alone, as
+does every call when `max_batch` is 1 (for users who need output bit-identical
+to decoding alone).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ ONE_OFFSET_ROPES = frozenset({"DynamicNTKScalingRoPE"})
 
 
 def batch_mode(cache: list, kv_bits: int | None, max_batch: int, model: Any = None) -> tuple[str, str]:
-    """("batched" | "solo", why) for a model whose fresh cache is `cache` (and whose modules, when `model` is
-    given, are asked for a RoPE that takes one offset for every row)."""
+    """("batched" | "solo", why) for a model whose fresh cache is `cache` (and, when `model` is given, whose
+    modules are asked for a RoPE that takes one offset for every row and whose batched pass is built once)."""
     if max_batch <= 1:
         return "solo", "max_batch is 1: every call decodes alone"
     if kv_bits is not None or any(isinstance(c, QuantizedKVCache) for c in cache):
@@ -118,7 +119,21 @@ def batch_mode(cache: list, kv_bits: int | None, max_batch: int, model: Any = No
     ropes = sorted({type(m).__name__ for _, m in model.named_modules()} & ONE_OFFSET_ROPES) if model is not None else []
     if ropes:
         return "solo", f"rotary embeddings that take one offset for every row: {', '.join(ropes)}"
+    refused = _batched_pass_refused(model, cache) if model is not None else None
+    if refused:
+        return "solo", f"a batched pass cannot be built: {refused}"
     return "batched", f"up to {max_batch} calls per forward pass"
+
+
+def _batched_pass_refused(model: Any, cache: list) -> str | None:
+    """What building (never running) a one-token pass of two rows raises, if anything. Some models use the
+    cache's offset as a Python int outside their RoPE (mlx-lm's gpt_bigcode numbers its positions with numpy's
+    arange) and raise on a batch's array of row offsets as the pass is built, before any kernel runs."""
+    try:
+        model(mx.zeros((2, 1), dtype=mx.uint32), cache=[layer.merge([layer] * 2) for layer in cache])
+    except Exception as exc:  # noqa: BLE001 - any of them: the batched step would raise it for every call
+        return repr(exc)
+    return None
 
 
 def _batchable(layer: Any) -> bool:
