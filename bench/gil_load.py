@@ -80,6 +80,8 @@ def run(decode: Path, shape: str, interval_ms: float, seconds: float, every_ms: 
             if cache[0].offset > 2048:  # keep the step's cost flat
                 for c in cache:
                     c.trim(c.offset - 64)
+        mx.synchronize()
+        mx.clear_streams()  # this thread's stream, destroyed by it (model/loader.py `release_mlx_streams`)
 
     def loading() -> None:
         build(shape)  # imports and classes warm before the measured builds

@@ -320,7 +320,10 @@ def _warm(model_path: Path, part: str) -> None:
         cache = make_prompt_cache(model)
         mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
         mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
-        mx.eval(padded_chunk(dtype, text_config(config)["head_dim"], mx.random.key(0)))
+        from kvwake.daemon.model.packing import packable_model
+
+        if packable_model(model):  # only a pack's rows pad (scheduler/prefill.py `_pack_chunk`)
+            mx.eval(padded_chunk(dtype, text_config(config)["head_dim"], mx.random.key(0)))
         return
     from mlx_lm.models.cache import BatchKVCache
 
