@@ -108,6 +108,19 @@ def test_a_model_whose_batched_pass_cannot_be_built_decodes_its_calls_alone(tmp_
         assert [c.future.result().tokens for c in calls] == alone
 
 
+def test_a_packable_models_batched_pass_is_not_built_at_its_start(tmp_path, monkeypatch):
+    """Models whose packs take each row's offset are batched without the build (Python at a load's end, where
+    another model's steps wait for the GIL); another kind is built once."""
+    from kvwake.daemon.model import decode_calls
+
+    built = []
+    monkeypatch.setattr(decode_calls, "_batched_pass_refused", lambda model, cache: built.append(model) and None)
+    for e in batched_engine(make_model_dir(tmp_path / "llama"), tmp_path):
+        assert e.decode_mode == "batched" and built == []
+    for e in batched_engine(make_model_dir(tmp_path / "bigcode", **BIGCODE), tmp_path / "b"):
+        assert len(built) == 1
+
+
 def test_batched_calls_match_the_same_calls_decoded_alone(engine):
     params = GenerateParams(max_tokens=24)
     alone = [solo_tokens(engine, f"alone{i}", p, params) for i, p in enumerate(PROMPTS)]

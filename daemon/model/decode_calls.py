@@ -32,6 +32,7 @@ from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.jobs import unframed
 from kvwake.daemon.model.generation import GenerateResult, TextOutput
 from kvwake.daemon.model.masks import Constraint
+from kvwake.daemon.model.packing import packable_model
 from kvwake.daemon.session_state import Session
 from kvwake.errors import InternalError
 
@@ -119,7 +120,9 @@ def batch_mode(cache: list, kv_bits: int | None, max_batch: int, model: Any = No
     ropes = sorted({type(m).__name__ for _, m in model.named_modules()} & ONE_OFFSET_ROPES) if model is not None else []
     if ropes:
         return "solo", f"rotary embeddings that take one offset for every row: {', '.join(ropes)}"
-    refused = _batched_pass_refused(model, cache) if model is not None else None
+    # built only for models outside packing's list: those take each row's offset by design, and the build is
+    # 7-13 ms of Python (an 8B shape) at a load's end, where another model's decode steps wait for the GIL
+    refused = _batched_pass_refused(model, cache) if model is not None and not packable_model(model) else None
     if refused:
         return "solo", f"a batched pass cannot be built: {refused}"
     return "batched", f"up to {max_batch} calls per forward pass"
