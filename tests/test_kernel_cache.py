@@ -201,6 +201,8 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     _, thread = loader.start_model(settings, None, small, object(), neighbours=[main, small, hub])
     thread.stop()
     assert [(kw["kernels_for"], kw["staging_beside_load"]) for kw in made] == [([folder], True), ([], False)]
+    # llguidance's tokenizer (0.2 s and more of the GIL) built in the first start only: a later load has neighbours
+    assert [kw["eager_grammars"] for kw in made] == [True, False]
     assert warmed == [(str(folder), True)]  # the other folder's warmers at the first start, none at the later load
 
 

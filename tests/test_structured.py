@@ -167,6 +167,42 @@ def test_a_forced_tool_call_parses_and_its_arguments_validate(engine):
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
 
 
+def test_a_model_loaded_on_demand_builds_llguidances_tokenizer_at_its_first_structure_once(tools_model, tmp_path,
+                                                                                          engine, monkeypatch):
+    """Any model but the daemon's first loads with `eager_grammars` off (model/loader.py): llguidance's tokenizer,
+    whose build holds the GIL for 0.2 s and more, is not built in the load, where another model decodes. The
+    first structure builds it, once among threads, and constrains as the eager engine does."""
+    import threading
+
+    from kvwake.daemon.model import grammar
+
+    store = Store(tmp_path / "store", block_tokens=16)
+    lazy = Engine(store, tmp_path, tools_model, max_batch=8, eager_grammars=False)
+    built, real = [], grammar.llg.LLTokenizer
+    monkeypatch.setattr(grammar.llg, "LLTokenizer", lambda *a, **k: built.append(1) or real(*a, **k))
+    try:
+        assert not lazy.grammars.built and engine.grammars.built
+        tools = [WEATHER, TIME]
+        forced = params(Structure("tool_call", "get_time", one=True), 4)
+        schema = params(Structure.json(SCHEMAS["enum"]), 5)
+        got = [generate(lazy, "weather?", forced, tools), generate(lazy, "json", schema)]
+        assert lazy.grammars.built and built == [1]
+        eager = [generate(engine, "weather?", forced, tools), generate(engine, "json", schema)]
+        assert [(r.tokens, [c["function"] for c in r.tool_calls]) for r in got] == [
+            (r.tokens, [c["function"] for c in r.tool_calls]) for r in eager]
+        assert got[0].tool_calls and got[0].finish_reason == "tool_calls"
+        fresh = grammar.Grammars(lazy.tokenizer, lazy.kv.vocab_size, eager=False)  # threads asking at once
+        threads = [threading.Thread(target=lambda: fresh.tokenizer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert built == [1, 1]
+    finally:
+        lazy.close()
+        store.close()
+
+
 def test_required_may_make_several_calls_each_valid(engine):
     result = generate(engine, "several", params(Structure("tool_call"), 7, max_tokens=300), [WEATHER, TIME])
     # A random model may go on calling until max_tokens: then only the last call, cut, fails to parse.

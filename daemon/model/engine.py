@@ -121,6 +121,7 @@ class Engine(Appending):
         staging_beside_load: bool = True,
         ram_tier: RamTier | None = None,
         wakes_ahead: Callable[[], int] | None = None,
+        eager_grammars: bool = True,
     ) -> None:
         prefill_step = prefill_step or default_step()  # by backend (model/scheduler/prefill.py)
         self.store, self.prefill_step, self.tuning = store, prefill_step, tuning
@@ -193,7 +194,7 @@ class Engine(Appending):
             quantized.install(self.model, kernel=True)
             self.quantized_kernel = True
         self.started.mark("row_kernel")
-        self.grammars = Grammars(self.tokenizer, self.kv.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.kv.vocab_size, eager=eager_grammars)
         # Where each session's prefill is cut into chunks, packs and slices (model/scheduler/prefill.py);
         # packing is for where calls batch (the same exactness class)
         # Where a pass costs its tokens (the CPU) packs pay only with their rows apart on several cores

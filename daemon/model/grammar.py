@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,8 @@ def _tool_schemas(tools: list[dict[str, Any]] | None, name: str) -> list[tuple[s
 class ToolFormat:
     """The model's tool-call format, as mlx-lm's tokenizer names it, written as Lark pieces."""
 
-    def __init__(self, tokenizer: Any, llt: llg.LLTokenizer | None = None) -> None:
+    def __init__(self, tokenizer: Any, llt: Callable[[], llg.LLTokenizer] | None = None) -> None:
+        # `llt`: gives llguidance's tokenizer, asked for only when a marker might be one special token
         self.tokenizer, self.llt = tokenizer, llt
         parser = getattr(tokenizer, "tool_parser", None) if getattr(tokenizer, "has_tool_calling", False) else None
         self.name = getattr(parser, "__module__", "").rsplit(".", 1)[-1] if parser is not None else None
@@ -126,7 +128,7 @@ class ToolFormat:
         """A marker in Lark: its token when it is one added token (`<[id]>`: llguidance matches added
         tokens, `<tool_call>` and `</think>` in Qwen's vocabulary, only as themselves), else the quoted text."""
         token = getattr(self.tokenizer, "vocab", {}).get(marker)
-        if token is not None and self.llt is not None and self.llt.is_special_token(token):
+        if token is not None and self.llt is not None and self.llt().is_special_token(token):
             return f"<[{token}]>"
         return json.dumps(marker)
 
@@ -174,24 +176,47 @@ class Grammars:
 
     Thread-safe: the HTTP and RPC fronts check a request's structure on their threads, the
     engine compiles on its own; a compile drops the GIL.
+
+    llguidance's tokenizer (`tokenizer`) is built at the first structure that needs it unless `eager`: its build
+    holds the GIL for 0.2-0.3 s over a 49k vocabulary on this project's CPUs (longer for 128k), and built in a
+    load it stopped every other loaded model's decode steps for that long (docs/decisions.md, "Several models",
+    session 45). The daemon builds it eagerly for the model it starts with (nothing decodes yet), lazily for a
+    model loaded on demand.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = CACHED) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = CACHED, eager: bool = True) -> None:
         backend = getattr(tokenizer._tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise InvalidParamsError("structured output needs a fast (Rust) Hugging Face tokenizer")
-        # n_vocab: the logits' width, which may exceed the tokenizer's: masks cover every logit. One EOS id
-        # for llguidance (a list needs llguidance 1.7+): the mask gives the others its bit (masks.py).
+        # One EOS id for llguidance (a list needs llguidance 1.7+): the mask gives the others its bit (masks.py).
         eos = sorted(tokenizer.eos_token_ids)
         self.eos = tokenizer.eos_token_id if tokenizer.eos_token_id in eos else eos[0]
         self.eos_ids = set(eos)
-        self.tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=max(vocab_size, len(tokenizer.vocab)),
-                                         eos_token=self.eos)
-        self.tools = ToolFormat(tokenizer, self.tokenizer)
+        self._hf, self._backend, self._vocab_size = tokenizer, backend, vocab_size
+        self._llt: llg.LLTokenizer | None = None
+        self._building = threading.Lock()
+        self.tools = ToolFormat(tokenizer, lambda: self.tokenizer)
         self.capacity = capacity
         self.compiled: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()
         self.counters = {"grammar_compiles": 0, "grammar_cache_hits": 0}
+        if eager:
+            self.tokenizer  # noqa: B018 - built now
+
+    @property
+    def tokenizer(self) -> llg.LLTokenizer:
+        """llguidance's view of the model's tokenizer, built once (by whichever thread asks first)."""
+        with self._building:
+            if self._llt is None:
+                # n_vocab: the logits' width, which may exceed the tokenizer's: masks cover every logit
+                self._llt = llg.LLTokenizer(self._backend.to_str(), eos_token=self.eos,
+                                            n_vocab=max(self._vocab_size, len(self._hf.vocab)))
+            return self._llt
+
+    @property
+    def built(self) -> bool:
+        """Whether llguidance's tokenizer is built yet."""
+        return self._llt is not None
 
     def opened_thought(self, prompt: list[int]) -> bool:
         """Whether the prompt ends inside a thought the template opened (the reply begins thinking)."""
