@@ -36,7 +36,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Children", "ForkedProcess", "WarmParent", "can_fork", "fork_daemons", "stop_forking", "warm_parent"]
+__all__ = ["Children", "ForkedProcess", "WarmParent", "can_fork", "cuda_installed", "fork_daemons", "stop_forking",
+           "warm_parent"]
 
 REPO = Path(__file__).resolve().parent.parent
 PRELOAD = ("kvwake.client.cli", "kvwake.daemon.serve")
@@ -187,7 +188,7 @@ def warm_parent() -> WarmParent:
 
 def can_fork(argv: list[str], env: dict[str, str]) -> bool:
     """Whether a daemon of these arguments and environment may be forked from the warm parent."""
-    if "env" not in _FORKING or platform.system() != "Linux" or _cuda_installed():
+    if "env" not in _FORKING or platform.system() != "Linux" or cuda_installed():
         return False
     config = Path(env["KVWAKE_CONFIG"]) if env.get("KVWAKE_CONFIG") else None
     if any("import_frameworks" in a for a in argv) or "KVWAKE_IMPORT_FRAMEWORKS" in env or (
@@ -200,7 +201,7 @@ def can_fork(argv: list[str], env: dict[str, str]) -> bool:
 
 
 @functools.cache
-def _cuda_installed() -> bool:
+def cuda_installed() -> bool:
     """Whether MLX's CUDA backend (mlx-cuda-12, mlx-cuda-13, ...) is installed: MLX then runs on the GPU.
     Asked of the package metadata, so that no warm parent is started only to make a CUDA context."""
     return any((dist.metadata["Name"] or "").lower().startswith("mlx-cuda") for dist in importlib.metadata.distributions())

@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from testkit.daemon import Daemon
-from testkit.warmfork import Children, ForkedProcess, _cuda_installed, can_fork, warm_parent
+from testkit.warmfork import Children, ForkedProcess, cuda_installed, can_fork, warm_parent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or os.environ.get("TESTKIT_FRESH_DAEMONS") == "1",
                                 reason="daemons are forked on Linux only, unless TESTKIT_FRESH_DAEMONS=1")
 # where MLX's CUDA backend is installed every daemon starts fresh (a GPU context does not survive a fork)
-forks = pytest.mark.skipif(_cuda_installed(), reason="MLX runs on CUDA here: no daemon is forked")
+forks = pytest.mark.skipif(cuda_installed(), reason="MLX runs on CUDA here: no daemon is forked")
 
 
 @forks
