@@ -192,6 +192,8 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
     monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on: warmed.append((model, on)))
+    preloaded = []
+    monkeypatch.setattr(loader.weights, "preload_tokenizers", preloaded.append)
     folder = tmp_path / "small"
     folder.mkdir()
     main, small, hub = ModelSpec("main", str(tmp_path)), ModelSpec("small", str(folder)), ModelSpec("hub", "org/m")
@@ -203,6 +205,7 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     assert [(kw["kernels_for"], kw["staging_beside_load"]) for kw in made] == [([folder], True), ([], False)]
     # llguidance's tokenizer (0.2 s and more of the GIL) built in the first start only: a later load has neighbours
     assert [kw["eager_grammars"] for kw in made] == [True, False]
+    assert preloaded == [[folder], []]  # the other folder's tokenizer read ahead at the first start only
     assert warmed == [(str(folder), True)]  # the other folder's warmers at the first start, none at the later load
 
 

@@ -164,3 +164,42 @@ def test_the_readers_slots_and_file_are_let_go_when_its_wait_fails(tmp_path, mon
         reader.close()
     monkeypatch.undo()
     assert len(released) == 2 and file.closed and reader.slots == []
+
+
+def test_a_folders_tokenizer_is_read_once_for_the_process_until_its_files_change(tmp_path, monkeypatch):
+    """Reading a tokenizer holds the GIL for long stretches (model/weights.py `tokenizer_of`): a load of a model
+    whose tokenizer was read before (a reload, or read ahead at the first start) takes it as it is."""
+    import os
+
+    read = []
+    real = weights.load_tokenizer
+    monkeypatch.setattr(weights, "load_tokenizer", lambda path, **kw: read.append(path) or real(path, **kw))
+    monkeypatch.setattr(weights, "_tokenizers", {})
+    model = make_model_dir(tmp_path / "m")
+    first = weights.load(str(model))[1]
+    assert weights.load(str(model))[1] is first and weights.tokenizer_of(model, [0]) is not first  # other eos ids
+    assert len(read) == 2
+    config = model / "tokenizer_config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    again = weights.load(str(model))[1]
+    assert again is not first and len(read) == 3
+    assert again.encode("same text") == first.encode("same text")
+
+
+def test_the_first_start_reads_the_other_models_tokenizers_ahead_and_a_bad_folder_is_left_to_its_load(
+        tmp_path, monkeypatch, caplog):
+    import json
+
+    monkeypatch.setattr(weights, "_tokenizers", {})
+    model = make_model_dir(tmp_path / "m")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no tokenizer
+    with caplog.at_level("INFO", logger="kvwake.models"):
+        weights.preload_tokenizers([bad, model]).join(timeout=60)
+    assert [r.model for r in caplog.records if r.message == "tokenizer not read ahead"] == [str(bad)]
+    eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
+    read = []
+    monkeypatch.setattr(weights, "load_tokenizer", lambda *a, **kw: read.append(a))
+    assert weights.tokenizer_of(model, eos) is not None and read == []  # read ahead: not read again
+    assert weights.preload_tokenizers([]) is None

@@ -18,7 +18,7 @@ import anyio
 
 from kvwake.daemon.config import Settings
 from kvwake.daemon.kv.ram_tier import RamTier
-from kvwake.daemon.model import kernel_cache, memory, switching
+from kvwake.daemon.model import kernel_cache, memory, switching, weights
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec
@@ -48,8 +48,10 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     """`spec`'s engine, built on a new engine thread of its own (named for the model), and that thread;
     `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
     The first model's start makes what a later load must not make while another model decodes: the row
-    kernels of `neighbours` (the other models configured, those given as folders) and their kernel warmers'
-    compiles, and a wake's staging ring beside its load (model/kernel_cache.py BesideLoad, Warmer). `ram_tier`:
+    kernels of `neighbours` (the other models configured, those given as folders), their kernel warmers'
+    compiles and their tokenizers (model/weights.py `tokenizer_of`), and a wake's staging ring beside its load
+    (model/kernel_cache.py BesideLoad, Warmer); its llguidance tokenizer too (a later load's is built at its
+    first structure: model/grammar.py). `ram_tier`:
     the RAM tier its engine takes, filling already (kv/hot_set.py); None: a new one. `wakes_ahead`: how many
     sessions will wake at once after the start (the hot set's), a staging slot made beside the load for each."""
     first = limits is None
@@ -58,6 +60,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     for folder in others:  # their kernel warmers now, while nothing decodes: a later load takes them done
         # (Warmer.for_model) instead of starting two processes on the GPU beside the models decoding then
         kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer)
+    weights.preload_tokenizers(others)  # and their tokenizers, whose reading holds the GIL (model/weights.py)
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
                           slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
     try:

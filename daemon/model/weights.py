@@ -27,7 +27,10 @@ docs/decisions.md, "Several models (issue 53)", says what was measured.
 from __future__ import annotations
 
 import io
+import json
+import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +45,10 @@ from kvwake.daemon.kv.restore_buffers import MX_DTYPES
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces"]
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload_tokenizers",
+           "tokenizer_of"]
+
+log = logging.getLogger("kvwake.models")
 
 PIECE_BYTES = 32 << 20  # a piece's bytes: a 1B model's largest tensor, so its pieces are mostly one tensor each
 # a mapped read's staging slot (two, so the file's next chunk is read while the GPU copies the last); a larger
@@ -71,7 +77,7 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
     stored: dict[int, tuple[str, mx.array]] = {}  # what mlx-lm's mx.load made: id -> (its name, the array)
     model_path = Path(path)
     model, config = load_model(model_path, lazy=True, get_model_classes=_recording(stored))
-    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id", None))
+    tokenizer = tokenizer_of(model_path, config.get("eos_token_id", None))
     if phases is not None:
         phases.mark("modules")
     model.__class__ = getattr(type(model), "_kvwake_plain", type(model))  # its own class back
@@ -87,6 +93,55 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
             timeline.append({"at_ms": clock.elapsed_ms(began), "ms": round((time.perf_counter() - began) * 1000, 2),
                              "bytes": sum(a.nbytes for a in piece), "read": "mlx"})
     return model, tokenizer
+
+
+# Tokenizers read, kept for the process: (folder, eos ids) -> (its tokenizer files' sizes and times, tokenizer)
+_tokenizers: dict[tuple[str, str], tuple[tuple, Any]] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
+    """mlx-lm's tokenizer of the model folder `path`, read once for the process while its files stay as they are.
+    Reading one holds the GIL for long stretches (a 49k vocabulary: 0.38 s here, its vocabulary listed three times
+    and its JSON parsed in Python), and done in a load it stopped every other loaded model's decode steps (docs/
+    decisions.md, "Several models", session 45): kept, a reload reads none, and the first start reads the other
+    configured models' (`preload_tokenizers`) while nothing decodes. The engine only reads a tokenizer (each call
+    takes a fresh detokenizer), so one object serves every load of its model."""
+    key, files = (str(Path(path).resolve()), repr(eos_token_ids)), _tokenizer_files(Path(path))
+    with _tokenizers_lock:
+        kept = _tokenizers.get(key)
+    if kept is not None and kept[0] == files:
+        return kept[1]
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
+    with _tokenizers_lock:
+        _tokenizers[key] = (files, tokenizer)
+    return tokenizer
+
+
+def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
+    """Read the tokenizers of the model folders `paths` (each as its load will ask: the config's eos ids) on a
+    thread of its own, the daemon's first start going on meanwhile; that thread, None when there is none to read.
+    A folder that fails is left to its load, which reports it."""
+    if not paths:
+        return None
+
+    def read() -> None:
+        for path in paths:
+            try:
+                config = json.loads((path / "config.json").read_text())
+                tokenizer_of(path, config.get("eos_token_id", None))
+            except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
+                log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
+
+    thread = threading.Thread(target=read, name="kvwake-tokenizers", daemon=True)
+    thread.start()
+    return thread
+
+
+def _tokenizer_files(path: Path) -> tuple:
+    """What says a folder's tokenizer may have changed: its files' names, sizes and times (the weights aside)."""
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir())
+                 if f.is_file() and not f.name.endswith(".safetensors"))
 
 
 def _recording(stored: dict[int, tuple[str, mx.array]]) -> Any:
