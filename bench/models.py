@@ -3,7 +3,12 @@ conversation whose model was unloaded, and MLX's peak memory against the models'
 
 usage: python bench/models.py --main PATH --small PATH [--sessions 4] [--decode-tokens 600]
                               [--alone-tokens 150] [--context 10000] [--budget BYTES] [--gil-watch-ms MS]
-                              [--out bench/out]
+                              [--small-tokenizer DIR] [--out bench/out]
+
+--small-tokenizer: the small model loaded with DIR's tokenizer files (a real vocabulary: the shapes' own
+tokenizer has 512 tokens, and reading a real one, or building llguidance's view of it, holds the GIL for
+hundreds of ms: docs/benchmarks.md, "Several models", S45): a folder made of small's weights (linked) and DIR's
+tokenizer files, named as small. Its replies are never decoded here (the load alone is measured with it).
 
 One real `kvwake serve` serving both model folders by their folder names (main the default, loaded at
 start; small loaded on demand), in one run:
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -286,6 +292,23 @@ def memory(d: Daemon) -> dict[str, Any]:
             "within_budget": budget is None or peak <= budget, "within_limit": limit is None or peak <= limit}
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def with_tokenizer(model: Path, tokenizer: Path, under: Path) -> Path:
+    """A folder `under`/<model's name>: `model`'s files linked, its tokenizer files replaced by `tokenizer`'s."""
+    folder = under / model.name
+    folder.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.name not in TOKENIZER_FILES:
+            (folder / f.name).symlink_to(f)
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copyfile(tokenizer / name, folder / name)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--main", type=Path, required=True, help="the main model's folder (the default, loaded at start)")
@@ -299,12 +322,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the daemon's waits for the GIL of this many ms or more (status.gil) and report "
                          "those during the load, with what held it (a diagnostic: its watcher takes the GIL "
                          "a thousand times a second)")
+    ap.add_argument("--small-tokenizer", type=Path, default=None,
+                    help="a folder whose tokenizer files the small model loads with (a real vocabulary)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
     main_dir, small_dir = args.main.expanduser().resolve(), args.small.expanduser().resolve()
     if main_dir.name == small_dir.name:
         ap.error("--main and --small are served by their folder names: give folders named apart")
     with tempfile.TemporaryDirectory(prefix="kvwake-models-") as work:
+        if args.small_tokenizer is not None:
+            small_dir = with_tokenizer(small_dir, args.small_tokenizer.expanduser().resolve(), Path(work) / "small")
         d = start(Path(work), main_dir, small_dir, args.budget, args.gil_watch_ms)
         try:
             with d.client() as c:  # how the weights were read (tuning `weights_read`; null: by the backend)

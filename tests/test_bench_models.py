@@ -67,3 +67,20 @@ def test_the_models_benchmark_runs_on_two_tiny_models_to_its_report(tmp_path):
     assert set(memory["weights_by_model"]) == {"main", "small"} and memory["mlx_peak_bytes"] > 0
     assert memory["weights_bytes"] == sum(memory["weights_by_model"].values()) and memory["within_budget"]
     assert report["daemon_exit"] == 0 and report["log_problems"] == []
+
+
+def test_the_small_model_can_load_with_a_real_tokenizer(tmp_path):
+    """`--small-tokenizer`: a folder of the small model's weights (linked) with another folder's tokenizer files,
+    named as the small model, which loads with that tokenizer."""
+    from bench.models import with_tokenizer
+    from kvwake.daemon.model import weights
+    from testkit.tinymodel import make_model_dir
+
+    main_dir, small_dir = two_tiny_models(tmp_path / "models")
+    other = make_model_dir(tmp_path / "other", added=["<kvwake-added>"])  # a vocabulary one token larger
+    made = with_tokenizer(small_dir, other, tmp_path / "work")
+    assert made.name == small_dir.name and (made / "model.safetensors").resolve() == small_dir / "model.safetensors"
+    assert (made / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
+    assert not (made / "tokenizer.json").is_symlink()
+    _, tokenizer = weights.load(str(made))
+    assert len(tokenizer.vocab) == len(weights.load(str(other))[1].vocab) == len(weights.load(str(small_dir))[1].vocab) + 1
