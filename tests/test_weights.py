@@ -203,3 +203,20 @@ def test_the_first_start_reads_the_other_models_tokenizers_ahead_and_a_bad_folde
     monkeypatch.setattr(weights, "load_tokenizer", lambda *a, **kw: read.append(a))
     assert weights.tokenizer_of(model, eos) is not None and read == []  # read ahead: not read again
     assert weights.preload_tokenizers([]) is None
+
+
+def test_a_tokenizer_read_ahead_serves_the_load_when_generation_config_names_other_eos_ids(tmp_path, monkeypatch):
+    """mlx-lm's load_config takes eos_token_id from generation_config.json over config.json's (Llama 3, Qwen 2.5
+    instruct models): read ahead by config.json's alone, the tokenizer was kept under other eos ids than the
+    load asks for, and the load read it again, beside other models' decoding."""
+    import json
+
+    monkeypatch.setattr(weights, "_tokenizers", {})
+    model = make_model_dir(tmp_path / "m")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))  # config.json's: none
+    weights.preload_tokenizers([model]).join(timeout=60)
+    read = []
+    real = weights.load_tokenizer
+    monkeypatch.setattr(weights, "load_tokenizer", lambda path, **kw: read.append(path) or real(path, **kw))
+    tokenizer = weights.load(str(model))[1]
+    assert read == [] and {1, 2} <= set(tokenizer.eos_token_ids)

@@ -27,7 +27,6 @@ docs/decisions.md, "Several models (issue 53)", says what was measured.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import re
 import threading
@@ -38,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from kvwake.daemon.kv import cudart, devplanes
 from kvwake.daemon.kv.restore_buffers import MX_DTYPES
@@ -119,7 +118,8 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
 
 
 def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
-    """Read the tokenizers of the model folders `paths` (each as its load will ask: the config's eos ids) on a
+    """Read the tokenizers of the model folders `paths` (each as its load will ask: the eos ids of mlx-lm's
+    `load_config`, which takes generation_config.json's over config.json's, as `load_model` does) on a
     thread of its own, the daemon's first start going on meanwhile; that thread, None when there is none to read.
     A folder that fails is left to its load, which reports it."""
     if not paths:
@@ -128,8 +128,7 @@ def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
     def read() -> None:
         for path in paths:
             try:
-                config = json.loads((path / "config.json").read_text())
-                tokenizer_of(path, config.get("eos_token_id", None))
+                tokenizer_of(path, load_config(path).get("eos_token_id", None))
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
 
