@@ -220,3 +220,34 @@ def test_a_tokenizer_read_ahead_serves_the_load_when_generation_config_names_oth
     monkeypatch.setattr(weights, "load_tokenizer", lambda path, **kw: read.append(path) or real(path, **kw))
     tokenizer = weights.load(str(model))[1]
     assert read == [] and {1, 2} <= set(tokenizer.eos_token_ids)
+
+
+def test_a_load_of_a_folder_whose_tokenizer_is_being_read_ahead_waits_for_that_read(tmp_path, monkeypatch):
+    """The first start reads the other folders' tokenizers on a thread (`preload_tokenizers`) while its own model
+    loads, which may be one of them under another name, and a model asked for early loads beside that thread:
+    a second read of the same folder at once (0.38 s of the GIL for SmolLM2) is waited for, not done again."""
+    import threading
+
+    monkeypatch.setattr(weights, "_tokenizers", {})
+    model = make_model_dir(tmp_path / "m")
+    entered, release, read = threading.Event(), threading.Event(), []
+    real = weights.load_tokenizer
+
+    def slow(path, **kw):
+        read.append(path)
+        entered.set()
+        release.wait(10)
+        return real(path, **kw)
+
+    monkeypatch.setattr(weights, "load_tokenizer", slow)
+    got = []
+    ahead = threading.Thread(target=lambda: got.append(weights.tokenizer_of(model)))
+    ahead.start()
+    assert entered.wait(10)
+    load = threading.Thread(target=lambda: got.append(weights.tokenizer_of(model)))
+    load.start()
+    load.join(0.3)
+    release.set()
+    ahead.join(10)
+    load.join(10)
+    assert len(read) == 1 and len(got) == 2 and got[0] is got[1]

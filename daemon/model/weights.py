@@ -97,6 +97,7 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
 # Tokenizers read, kept for the process: (folder, eos ids) -> (its tokenizer files' sizes and times, tokenizer)
 _tokenizers: dict[tuple[str, str], tuple[tuple, Any]] = {}
 _tokenizers_lock = threading.Lock()
+_reading: dict[tuple[str, str], threading.Lock] = {}  # per key: held while its tokenizer is checked or read
 
 
 def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
@@ -105,16 +106,21 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
     and its JSON parsed in Python), and done in a load it stopped every other loaded model's decode steps (docs/
     decisions.md, "Several models", session 45): kept, a reload reads none, and the first start reads the other
     configured models' (`preload_tokenizers`) while nothing decodes. The engine only reads a tokenizer (each call
-    takes a fresh detokenizer), so one object serves every load of its model."""
-    key, files = (str(Path(path).resolve()), repr(eos_token_ids)), _tokenizer_files(Path(path))
+    takes a fresh detokenizer), so one object serves every load of its model. A read of the same folder under way
+    (read ahead while it loads) is waited for, not done twice."""
+    key = (str(Path(path).resolve()), repr(eos_token_ids))
     with _tokenizers_lock:
-        kept = _tokenizers.get(key)
-    if kept is not None and kept[0] == files:
-        return kept[1]
-    tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
-    with _tokenizers_lock:
-        _tokenizers[key] = (files, tokenizer)
-    return tokenizer
+        reading = _reading.setdefault(key, threading.Lock())
+    with reading:
+        files = _tokenizer_files(Path(path))
+        with _tokenizers_lock:
+            kept = _tokenizers.get(key)
+        if kept is not None and kept[0] == files:
+            return kept[1]
+        tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
+        with _tokenizers_lock:
+            _tokenizers[key] = (files, tokenizer)
+        return tokenizer
 
 
 def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
