@@ -191,13 +191,22 @@ def test_a_model_loaded_on_demand_builds_llguidances_tokenizer_at_its_first_stru
         assert [(r.tokens, [c["function"] for c in r.tool_calls]) for r in got] == [
             (r.tokens, [c["function"] for c in r.tool_calls]) for r in eager]
         assert got[0].tool_calls and got[0].finish_reason == "tool_calls"
-        fresh = grammar.Grammars(lazy.tokenizer, lazy.kv.vocab_size, eager=False)  # threads asking at once
-        threads = [threading.Thread(target=lambda: fresh.tokenizer) for _ in range(4)]
+        # threads asking at once, a build slow enough for all four to ask during it: one build, one object
+        import time
+
+        monkeypatch.setattr(grammar.llg, "LLTokenizer", lambda *a, **k: built.append(1) or time.sleep(0.2) or object())
+        fresh, gate, got_back = grammar.Grammars(lazy.tokenizer, lazy.kv.vocab_size, eager=False), threading.Barrier(4), []
+
+        def ask() -> None:
+            gate.wait()
+            got_back.append(fresh.tokenizer)
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert built == [1, 1]
+        assert built == [1, 1] and len(got_back) == 4 and len({id(x) for x in got_back}) == 1
     finally:
         lazy.close()
         store.close()
