@@ -587,10 +587,12 @@ def test_a_real_daemon_with_prefill_threads_packs_turns_that_come_at_once_and_an
                 c.call("session.append", session_id=f"alone{i}", text=t)
             packs = c.call("status")["counters"]["prefill_packs"]
         errors: list[BaseException] = []
+        connected = threading.Barrier(len(TURNS))  # connections made first: the turns then come within the gather
 
         def turn(i: int) -> None:
             try:
                 with d.client() as own:
+                    connected.wait(60)
                     own.call("session.append", session_id=f"together{i}", text=TURNS[i])
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
