@@ -198,6 +198,7 @@ def test_the_first_start_reads_the_other_models_tokenizers_ahead_and_a_bad_folde
     with caplog.at_level("INFO", logger="kvwake.models"):
         weights.preload_tokenizers([bad, model]).join(timeout=60)
     assert [r.model for r in caplog.records if r.message == "tokenizer not read ahead"] == [str(bad)]
+    assert [r.models for r in caplog.records if r.message == "tokenizers read ahead"] == [1]  # with its time
     eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
     read = []
     monkeypatch.setattr(weights, "load_tokenizer", lambda *a, **kw: read.append(a))
