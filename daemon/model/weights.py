@@ -132,16 +132,16 @@ def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
         return None
 
     def read() -> None:
-        started, read = time.perf_counter(), 0
+        started, done = time.perf_counter(), 0
         for path in paths:
             try:
                 tokenizer_of(path, load_config(path).get("eos_token_id", None))
-                read += 1
+                done += 1
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
         # how long: past the start's own load, this thread held the GIL beside the first requests
         ms = round((time.perf_counter() - started) * 1000, 1)
-        log.info("tokenizers read ahead", extra={"models": read, "ms": ms})
+        log.info("tokenizers read ahead", extra={"models": done, "ms": ms})
 
     thread = threading.Thread(target=read, name="kvwake-tokenizers", daemon=True)
     thread.start()
