@@ -28,7 +28,10 @@
 #             loads (streams long enough to span the load), an unloaded model's first turn (10k tokens), MLX's
 #             peak against the budget; $MODELS_ENVS runs it once per item, each comma-separated settings (e.g.
 #             "default KVWAKE_KERNEL_WARMER=false"; $WEIGHTS_READS="mapped mlx" adds KVWAKE_WEIGHTS_READ=mapped and
-#             =mlx); $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5")
+#             =mlx); $MODELS_ARGS: more of bench/models.py's options (e.g. "--gil-watch-ms 5", or
+#             "--small-tokenizer .gpu/f/tok-smollm2" with .gpu/f carried: the small model with a real vocabulary's
+#             tokenizer, the files of the default model as kvwake converts it, `<data dir>/models/models/
+#             SmolLM2-135M-Instruct/{tokenizer.json,tokenizer_config.json,special_tokens_map.json}`)
 #   hybrid    issue 52: the fleet (8 agents, 10k, 3 turns, openai) on a random Gemma-3-4B-shaped model
 #             (bench/hybrid_model.py), kvwake alone: restore points' reuse and share of the store; then the
 #             same on its plain-attention cousin (--plain), the target's reference
