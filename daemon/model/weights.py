@@ -102,9 +102,9 @@ _reading: dict[tuple[str, str], threading.Lock] = {}  # per key: held while its 
 
 def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
     """mlx-lm's tokenizer of the model folder `path`, read once for the process while its files stay as they are.
-    Reading one holds the GIL for long stretches (a 49k vocabulary: 0.38 s here, its vocabulary listed three times
-    and its JSON parsed in Python), and done in a load it stopped every other loaded model's decode steps (docs/
-    decisions.md, "Several models", session 45): kept, a reload reads none, and the first start reads the other
+    Reading one holds the GIL for long stretches (its vocabulary listed three times, its JSON parsed in Python),
+    and done in a load it stopped every other loaded model's decode steps (docs/decisions.md, "Several models",
+    session 45): kept, a reload reads none, and the first start reads the other
     configured models' (`preload_tokenizers`) while nothing decodes. The engine only reads a tokenizer (each call
     takes a fresh detokenizer), so one object serves every load of its model. A read of the same folder under way
     (read ahead while it loads) is waited for, not done twice."""
