@@ -121,7 +121,7 @@ def batch_mode(cache: list, kv_bits: int | None, max_batch: int, model: Any = No
     if ropes:
         return "solo", f"rotary embeddings that take one offset for every row: {', '.join(ropes)}"
     # built only for models outside packing's list: those take each row's offset by design, and the build is
-    # 7-13 ms of Python (an 8B shape) at a load's end, where another model's decode steps wait for the GIL
+    # Python at a load's end, where another model's decode steps wait for the GIL (docs/decisions.md)
     refused = _batched_pass_refused(model, cache) if model is not None and not packable_model(model) else None
     if refused:
         return "solo", f"a batched pass cannot be built: {refused}"

@@ -178,9 +178,8 @@ class Grammars:
     engine compiles on its own; a compile drops the GIL.
 
     llguidance's tokenizer (`tokenizer`) is built at the first structure that needs it unless `eager`: its build
-    holds the GIL for 0.2-0.3 s over a 49k vocabulary on this project's CPUs (longer for 128k), and built in a
-    load it stopped every other loaded model's decode steps for that long (docs/decisions.md, "Several models",
-    session 45). The daemon builds it eagerly for the model it starts with (nothing decodes yet), lazily for a
+    holds the GIL throughout, longer the larger the vocabulary, and built in a load it stopped every other
+    loaded model's decode steps for that long (docs/decisions.md, "Several models", session 45). The daemon builds it eagerly for the model it starts with (nothing decodes yet), lazily for a
     model loaded on demand: there the first structured request pays it, on the thread that checks its
     structure first (a request's check runs on the event loop: sessions/conversations.py `prepare`), and since
     the build holds the GIL, everything in the process waits that once wherever it runs.

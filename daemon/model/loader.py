@@ -76,7 +76,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
                 prefill_step=settings.prefill_step, max_context=settings.max_context, limits=limits,
                 persist=settings.persist, warm=False, tuning=settings.tuning, kernels_for=others,
                 staging_beside_load=first, ram_tier=ram_tier, wakes_ahead=wakes_ahead,
-                # llguidance's tokenizer (0.2 s and more holding the GIL) built now only while nothing decodes
+                # llguidance's tokenizer (its build holds the GIL) built now only while nothing decodes
                 eager_grammars=first)).result()
         # The decoder attached before that first job, here on the caller's worker thread: attached later (as the
         # provider adds the model, on the event loop) it waited behind the kernels' wait, and the event loop with
