@@ -53,6 +53,19 @@ def test_the_warmers_padded_chunk_is_the_padded_path_and_agrees_with_the_chunk_a
     assert mx.abs(padded.astype(mx.float32) - own.astype(mx.float32)).max().item() < tol
 
 
+@pytest.mark.parametrize("arch, pads", [("llama", True), ("lfm2", False)])
+def test_the_warmers_forward_part_pads_a_chunk_for_a_model_whose_packs_pad_only(tmp_path, monkeypatch, arch, pads):
+    """The forward part (run here in process, as its child runs it) compiles the padded path only where a pack's
+    rows pad (packing.packable_model: llama's kind yes, lfm2's no)."""
+    from kvwake.daemon import imports
+
+    padded = []
+    monkeypatch.setattr(imports, "lighten_imports", lambda: None)  # the child's cut, not this test process's
+    monkeypatch.setattr(kernel_cache, "padded_chunk", lambda *a: padded.append(a) or mx.zeros((1,)))
+    kernel_cache._warm(make_model_dir(tmp_path / arch, arch=arch), "forward")
+    assert len(padded) == (1 if pads else 0)
+
+
 def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):
     """A quantized model's products compile nothing (model/quantized.py dequantizes where MLX would compile a
     tile kernel), so its warmer has the same parts as any model's, and ends cleanly."""
