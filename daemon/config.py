@@ -134,6 +134,9 @@ class Tuning:
     # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
     # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
     kernel_warmer: bool = True
+    # the first start hashes the other configured models' files into the digest cache, one file at a time on a
+    # thread of its own, so that their loads find their bundle's digests cached (kv/bundle.py digests_ahead)
+    digests_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
     # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
     # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves

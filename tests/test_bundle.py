@@ -479,6 +479,54 @@ def test_prestarted_digests_are_taken_by_the_first_start_only(model, tmp_path, c
     assert len(count_hashing) == 16
 
 
+
+def test_digests_made_ahead_are_found_cached_by_the_load_and_a_file_changed_since_is_hashed_again(
+        model, tmp_path, count_hashing, caplog):
+    """The first start hashes the other configured models' files ahead (`digests_ahead`): their loads find them in
+    the digest cache and hash nothing, and a file changed after that is hashed again by its load (the tie holds)."""
+    cache = tmp_path / bundle.DIGEST_CACHE_NAME
+    broken = tmp_path / "broken"
+    broken.mkdir()  # no config.json: left to its load
+    with caplog.at_level("INFO", logger="kvwake.daemon.bundle"):
+        bundle.digests_ahead([broken, model], cache).join(timeout=60)
+    assert [r.model for r in caplog.records if r.message == "digests not made ahead"] == [str(broken)]
+    assert [r.models for r in caplog.records if r.message == "digests made ahead"] == [1]  # with its time
+    assert bundle._prestarted == {} and bundle.digests_ahead([], cache) is None
+    counted = sorted(p.name for p in model.iterdir() if p.name != "kvwake-convert.json")
+    assert sorted(count_hashing) == counted
+    count_hashing.clear()
+    assert describe_bundle(model, **ARGS, digests=start_digests(model, digest_cache=cache)).hash == STORED_HASH
+    assert count_hashing == []  # the load's: all cached
+    shard = model / "model-00002-of-00002.safetensors"
+    flip_byte(shard)
+    os.utime(shard, ns=(HOUR_AGO_NS, HOUR_AGO_NS))
+    assert describe_bundle(model, **ARGS, digests=start_digests(model, digest_cache=cache)).hash != STORED_HASH
+    assert count_hashing == [shard.name]
+
+
+def test_a_load_during_the_digests_made_ahead_takes_them_under_way(model, tmp_path, monkeypatch):
+    """A model asked for while its files are being hashed ahead takes those digests rather than hashing the same
+    files again beside them; what it took is its own (the ahead thread does not take it back)."""
+    cache = tmp_path / bundle.DIGEST_CACHE_NAME
+    entered, release, calls = threading.Event(), threading.Event(), []
+    real = digests._sha256_file
+
+    def slow(path, stop=None):
+        calls.append(path.name)
+        entered.set()
+        release.wait(10)
+        return real(path, stop)
+
+    monkeypatch.setattr(digests, "_sha256_file", slow)
+    ahead = bundle.digests_ahead([model], cache)
+    assert entered.wait(10)
+    taken = start_digests(model, digest_cache=cache)  # the load's, under way
+    assert bundle._prestarted == {}
+    release.set()
+    assert describe_bundle(model, **ARGS, digests=taken).hash == STORED_HASH
+    ahead.join(timeout=60)
+    assert sorted(calls) == sorted(p.name for p in model.iterdir() if p.name != "kvwake-convert.json")  # once each
+
 # --- the real default model ----------------------------------------------------------
 
 

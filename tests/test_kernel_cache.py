@@ -198,15 +198,16 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
                                                                                                       monkeypatch):
     from types import SimpleNamespace
 
-    from kvwake.daemon.config import ModelSpec, Settings
+    from kvwake.daemon.config import ModelSpec, Settings, Tuning
     from kvwake.daemon.model import loader
 
     made, warmed = [], []
     engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
     monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on: warmed.append((model, on)))
-    preloaded = []
+    preloaded, hashed = [], []
     monkeypatch.setattr(loader.weights, "preload_tokenizers", preloaded.append)
+    monkeypatch.setattr(loader.bundle, "digests_ahead", lambda folders, cache: hashed.append((folders, made[:])))
     folder = tmp_path / "small"
     folder.mkdir()
     main, small, hub = ModelSpec("main", str(tmp_path)), ModelSpec("small", str(folder)), ModelSpec("hub", "org/m")
@@ -220,6 +221,11 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     assert [kw["eager_grammars"] for kw in made] == [True, False]
     assert preloaded == [[folder], []]  # the other folder's tokenizer read ahead at the first start only
     assert warmed == [(str(folder), True)]  # the other folder's warmers at the first start, none at the later load
+    # and its files hashed into the digest cache, once the first model's engine is made (not beside its load)
+    assert [(folders, len(before)) for folders, before in hashed] == [([folder], 1)]
+    loader.start_model(Settings(data_dir=tmp_path, tuning=Tuning(digests_ahead=False)), None, main, None,
+                       neighbours=[main, small])[1].stop()
+    assert len(hashed) == 1  # the knob off: none
 
 
 def test_an_engine_closed_before_its_first_forward_pass_reaps_its_kernel_warmers(model_dir, tmp_path, monkeypatch):

@@ -252,3 +252,25 @@ def test_a_load_of_a_folder_whose_tokenizer_is_being_read_ahead_waits_for_that_r
     ahead.join(10)
     load.join(10)
     assert len(read) == 1 and len(got) == 2 and got[0] is got[1]
+
+
+def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_engines_prompter(tmp_path, monkeypatch):
+    """A chat template's probes (the template rendered, the system role tried) held the GIL in a load beside other
+    models' decode steps: made once per tokenizer (`ChatTemplate.of`), at the first start for the other models
+    (`preload_tokenizers`), and every Prompter of that tokenizer (a reload's, two names of one folder) takes it."""
+    from kvwake.daemon.model import chat
+    from kvwake.daemon.model.prompt import Prompter
+
+    monkeypatch.setattr(weights, "_tokenizers", {})
+    made = []
+    real = chat.ChatTemplate.__init__
+    monkeypatch.setattr(chat.ChatTemplate, "__init__", lambda self, tok: made.append(tok) or real(self, tok))
+    model = make_model_dir(tmp_path / "m")
+    weights.preload_tokenizers([model]).join(timeout=60)
+    assert len(made) == 1
+    tokenizer = weights.load(str(model))[1]
+    assert made == [tokenizer]  # the load's tokenizer is the one read ahead, its template made with it
+    first, second = Prompter(tokenizer, 512, "m"), Prompter(tokenizer, 512, "m2")
+    assert first.template is second.template is chat.ChatTemplate.of(tokenizer) and len(made) == 1
+    messages = [{"role": "user", "content": "hello"}]
+    assert first.render(messages=messages).target == chat.ChatTemplate(tokenizer).render(messages)  # as a fresh one

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 
 from kvwake.daemon.config import Settings
+from kvwake.daemon.kv import bundle
 from kvwake.daemon.kv.ram_tier import RamTier
 from kvwake.daemon.model import kernel_cache, memory, switching, weights
 from kvwake.daemon.model.engine import Engine
@@ -49,7 +50,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
     The first model's start makes what a later load must not make while another model decodes: the row
     kernels of `neighbours` (the other models configured, those given as folders), their kernel warmers'
-    compiles and their tokenizers (model/weights.py `tokenizer_of`), and a wake's staging ring beside its load
+    compiles, their tokenizers (model/weights.py `tokenizer_of`) and, once it is loaded, their files' digests
+    (kv/bundle.py `digests_ahead`), and a wake's staging ring beside its load
     (model/kernel_cache.py BesideLoad, Warmer); its llguidance tokenizer too (a later load's is built at its
     first structure: model/grammar.py). `ram_tier`:
     the RAM tier its engine takes, filling already (kv/hot_set.py); None: a new one. `wakes_ahead`: how many
@@ -83,6 +85,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
         # it, so every other model's streamed tokens stopped for that long (docs/decisions.md, "Several models").
         thread.attach(engine.decoder, engine.planner)
         thread.submit(engine.wait_kernels)  # its first job: whatever runs the model after it finds the kernels
+        if others and settings.tuning.digests_ahead:  # once this model is in: their reads do not slow its load
+            bundle.digests_ahead(others, Path(settings.data_dir) / bundle.DIGEST_CACHE_NAME)
     except BaseException:
         thread.stop()
         raise

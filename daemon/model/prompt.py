@@ -49,7 +49,7 @@ class Prompter:
 
     def __init__(self, tokenizer: Any, vocab_size: int, model_name: str, renders_at_once: int | None = None) -> None:
         self.tokenizer, self.vocab_size, self.model_name = tokenizer, vocab_size, model_name
-        self.template = ChatTemplate(tokenizer)
+        self.template = ChatTemplate.of(tokenizer)  # made once per tokenizer (model/chat.py)
         self.at_once = threading.BoundedSemaphore(_renders_at_once(renders_at_once))
 
     def render(self, *, messages: Any = None, text: Any = None, tokens: Any = None, tools: Any = None) -> Plan:

@@ -41,6 +41,7 @@ from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from kvwake.daemon.kv import cudart, devplanes
 from kvwake.daemon.kv.restore_buffers import MX_DTYPES
+from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
@@ -125,7 +126,8 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
 
 def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
     """Read the tokenizers of the model folders `paths` (each as its load will ask: the eos ids of mlx-lm's
-    `load_config`, which takes generation_config.json's over config.json's, as `load_model` does) on a
+    `load_config`, which takes generation_config.json's over config.json's, as `load_model` does), and make
+    their chat templates (`ChatTemplate.of`), on a
     thread of its own, the daemon's first start going on meanwhile; that thread, None when there is none to read.
     A folder that fails is left to its load, which reports it."""
     if not paths:
@@ -135,7 +137,8 @@ def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
         started, done = time.perf_counter(), 0
         for path in paths:
             try:
-                tokenizer_of(path, load_config(path).get("eos_token_id", None))
+                # and its chat template's probes (model/chat.py), which a load made beside the decoding too
+                ChatTemplate.of(tokenizer_of(path, load_config(path).get("eos_token_id", None)))
                 done += 1
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
