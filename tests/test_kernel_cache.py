@@ -18,6 +18,16 @@ from kvwake.daemon.model import kernel_cache
 from testkit.tinymodel import make_model_dir
 
 
+@pytest.fixture(autouse=True)
+def rows_built_here():
+    """Each test's row kernels built by its own `ragged_decode.build` (the process keeps what it built)."""
+    saved = dict(kernel_cache._rows)
+    kernel_cache._rows.clear()
+    yield
+    kernel_cache._rows.clear()
+    kernel_cache._rows.update(saved)
+
+
 @pytest.mark.parametrize("arch, dtype, name", [
     ("llama", mx.bfloat16, "bfloat16"), ("gemma3_text", mx.float16, "float16"), ("lfm2", mx.bfloat16, "bfloat16"),
                                                ("llama", mx.float32, "float32")])
@@ -192,6 +202,28 @@ def test_the_first_start_builds_the_other_configured_models_row_kernels_each_sha
     assert built == beside.built and built[0] == shape and len(built) == 2
     assert built[1] != shape and built[1][3] == mx.float16  # its dtype: a kernel of its own
     assert kernel_cache.BesideLoad(main, False, None, others=[other]).result() is None and len(built) == 2
+
+
+def test_a_later_load_whose_row_kernels_were_built_runs_nothing_on_mlx_beside(tmp_path, monkeypatch):
+    """MLX keeps a custom kernel for the process: a later load of a shape built already (at the first start,
+    as another configured model's) builds nothing again, and its thread makes no stream of its own to let go
+    of (one made and let go of at once beside another model's decoding cost that model's steps)."""
+    from kvwake.daemon.model import ragged_decode
+
+    built, streams = [], []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append(shape) or True)
+    monkeypatch.setattr(mx, "clear_streams", lambda: streams.append("cleared"))
+    main = make_model_dir(tmp_path / "main", arch="llama")
+    small = make_model_dir(tmp_path / "small", arch="gemma3_text", dtype=mx.float16)
+    first = kernel_cache.BesideLoad(main, True, None, others=[small])
+    assert first.result() is not None and len(built) == 2 and streams == ["cleared"]
+    later = kernel_cache.BesideLoad(small, True, None)
+    assert later.result() == built[1] and later.built == [built[1]]  # the shape the engine compares with
+    assert len(built) == 2 and streams == ["cleared"]  # nothing built, no stream made and let go of
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append(shape) or False)
+    odd = make_model_dir(tmp_path / "odd", arch="llama", head_dim=48)
+    assert kernel_cache.BesideLoad(odd, True, None).result() is None and len(built) == 3  # not a shape it takes
+    assert kernel_cache.BesideLoad(odd, True, None).result() is None and len(built) == 3  # known: not tried again
 
 
 def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_makes_nothing_beside(tmp_path,
