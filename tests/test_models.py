@@ -622,3 +622,44 @@ async def test_a_model_unloaded_while_its_warm_up_holds_is_freed(tmp_path, model
         assert engine() is None, [type(r).__name__ for r in gc.get_referrers(engine())][:8]
     finally:
         stop_manager(manager, store)
+
+
+async def test_a_model_unloaded_while_its_kernel_warmers_compile_kills_them_instead_of_waiting(tmp_path, models,
+                                                                                               monkeypatch):
+    # Was (CUDA): the engine thread's first job waits for the kernel warmers a load starts, and a model unloaded
+    # before its first forward pass (loaded, then let go, or drained by a load making room) waited for their
+    # compiles too, its thread's stop queued behind that job: tens of seconds on a busy GPU, and the load with it
+    import asyncio
+    import subprocess
+
+    from kvwake.daemon.model import kernel_cache
+    from kvwake.daemon.model.engine import Engine
+
+    procs: list[subprocess.Popen] = []
+
+    class Compiling(kernel_cache.Warmer):  # warmers that would outlast the test's wait
+        def _start(self, part: str) -> subprocess.Popen:
+            procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"],
+                                          stderr=subprocess.PIPE))
+            return procs[-1]
+
+    made = Engine.__init__
+
+    def with_warmers(self, *args, **kwargs) -> None:  # as on CUDA (Warmer.for_model), here for "small" alone
+        made(self, *args, **kwargs)
+        if self.model_path.name == "small":
+            self.kernels = Compiling(self.model_path)
+
+    monkeypatch.setattr(Engine, "__init__", with_warmers)
+    manager, store = manager_on(tmp_path, models)
+    try:
+        await manager.ensure("small")
+        assert len(procs) == len(kernel_cache.PARTS) and all(p.poll() is None for p in procs)
+        started = time.monotonic()
+        assert (await asyncio.wait_for(manager.unload("small"), 10))["unloaded"]
+        assert time.monotonic() - started < 5
+        assert all(p.returncode is not None and p.stderr.closed for p in procs)  # killed and reaped
+    finally:
+        for proc in procs:
+            proc.kill()
+        stop_manager(manager, store)

@@ -252,10 +252,20 @@ class Engine(Appending):
         """Engine thread, before its first forward pass (the daemon's first job on it, model/loader.py): the
         kernel warmers' compiles into MLX's disk cache finished, so the pass loads them rather than compiling
         them itself (a wait that long is in the engine thread's slow jobs; nothing to wait for off CUDA or
-        once waited)."""
-        kernels, self.kernels = self.kernels, None
+        once waited or stopped)."""
+        kernels = self.kernels
         if kernels is not None:
             kernels.wait()
+            self.kernels = None
+
+    def stop_kernels(self) -> None:
+        """Any thread: the kernel warmers still compiling killed, whether the engine thread's first job waits for
+        them (it returns then) or none ran yet. A model stopped before its first forward pass (an unload, a load
+        making room by one, the daemon's stop) otherwise waited for their compiles, kernel_cache.WAIT_S at most,
+        a stop being queued behind that job."""
+        kernels, self.kernels = self.kernels, None
+        if kernels is not None:
+            kernels.stop()
 
     def quantized_status(self) -> dict[str, Any] | None:
         """A quantized model's products by their rows (model/quantized.py); None for other models or off CUDA.
@@ -312,9 +322,7 @@ class Engine(Appending):
         return devplanes.warm(cache[0].keys, 2 * len(cache), self.block_tokens)
 
     def close(self) -> None:
-        if self.kernels is not None:  # never waited for (no forward pass ran): their processes go too
-            self.kernels.stop()
-            self.kernels = None
+        self.stop_kernels()  # still compiling (no forward pass ran, or its wait cut short): their processes go too
         self.persister.close()
         if self.prefill_rows is not None:
             self.prefill_rows.close()

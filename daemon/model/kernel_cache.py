@@ -161,13 +161,22 @@ class Warmer:
     def __init__(self, model_path: Path) -> None:
         self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
-        self.procs = [subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model_path), part],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
-                      for part in PARTS]
+        self._lock = threading.Lock()  # over `procs`, `_waited` and `stopped`: `stop` comes from another thread
+        self._waited: list[subprocess.Popen] = []  # the processes a `wait` reaps (`stop` kills them for it)
+        self.stopped = False
+        self.procs = [self._start(part) for part in PARTS]
+
+    def _start(self, part: str) -> subprocess.Popen:
+        """One part's warmer: this module, run in a child process on the model's miniature (`__main__`)."""
+        return subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(self.path), part],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
 
     def wait(self, timeout: float = WAIT_S) -> bool:
-        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache."""
-        procs, self.procs, done = self.procs, [], True
+        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache. A
+        `stop` from another thread meanwhile ends the wait once its processes are killed (False)."""
+        with self._lock:
+            procs, self.procs, done = self.procs, [], True
+            self._waited = procs
         for part, proc in zip(PARTS, procs):
             try:
                 _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
@@ -176,7 +185,9 @@ class Warmer:
                 done = False
                 continue
             if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
-                log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode, err.decode(errors="replace")[-600:])
+                if not self.stopped:
+                    log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
+                                err.decode(errors="replace")[-600:])
                 done = False
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
@@ -184,8 +195,14 @@ class Warmer:
         return bool(procs) and done
 
     def stop(self) -> None:
-        """Kill the warmers not waited for (an engine closed before its first forward pass) and reap them."""
-        procs, self.procs = self.procs, []
+        """Kill the warmers still compiling, from any thread: those not waited for (an engine closed before its
+        first forward pass) are reaped here, those a `wait` waits for (a model stopped while its engine thread's
+        first job waits for them) by that wait, which then returns."""
+        with self._lock:
+            self.stopped = True
+            procs, self.procs = self.procs, []
+            for proc in self._waited:  # not reaped here: two threads reading one process's pipe
+                proc.kill()  # nothing once it exited
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()

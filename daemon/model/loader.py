@@ -98,6 +98,7 @@ def stop_model(model: LoadedModel) -> None:
     closed (blocks until done: from a worker thread). Its memory goes once the caller lets go of it too:
     `free_stopped` then."""
     started = time.perf_counter()
+    model.engine.stop_kernels()  # a thread whose first job still waits for them ends now, not once they compiled
     model.engine.persister.close()  # while the engine thread still runs the checkpoint it may be in
     model.engine.points.hurry(model.thread.call)  # and the points whose copies wait for its idle time: made now
     model.thread.stop()
