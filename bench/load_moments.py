@@ -81,6 +81,7 @@ class Steps:
         self.model, _ = load(str(path))
         heads, kv_heads, head_dim, dtype = ragged_decode.shape_of(self.model)
         q, k = mx.zeros((2, heads, head_dim), dtype), mx.zeros((2, kv_heads, 64, head_dim), dtype)
+        mx.eval(q, k)  # made here, used on the stepping thread: MLX on CUDA evaluates on the maker's stream only
         self.row = (lambda: row_attention(q, k, k, mx.array([0, 3], mx.int32), mx.array([64, 61], mx.int32), 1.0)) \
             if cudart.on_cuda() and ragged_decode.build(heads, kv_heads, head_dim, dtype) else (lambda: mx.zeros((1,)))
         self.cache = make_prompt_cache(self.model)

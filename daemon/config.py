@@ -137,6 +137,10 @@ class Tuning:
     # the first start hashes the other configured models' files into the digest cache, one file at a time on a
     # thread of its own, so that their loads find their bundle's digests cached (kv/bundle.py digests_ahead)
     digests_ahead: bool = True
+    # the first start builds the other configured models' modules (lazily, nothing read) where weights are read
+    # the mapped way, for their loads to take instead of building them beside the decoding (model/weights.py
+    # prepare)
+    modules_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
     # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
     # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves

@@ -196,14 +196,14 @@ def test_the_first_start_reads_the_other_models_tokenizers_ahead_and_a_bad_folde
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no tokenizer
     with caplog.at_level("INFO", logger="kvwake.models"):
-        weights.preload_tokenizers([bad, model]).join(timeout=60)
+        weights.preload([bad, model]).join(timeout=60)
     assert [r.model for r in caplog.records if r.message == "tokenizer not read ahead"] == [str(bad)]
     assert [r.models for r in caplog.records if r.message == "tokenizers read ahead"] == [1]  # with its time
     eos = json.loads((model / "config.json").read_text()).get("eos_token_id")
     read = []
     monkeypatch.setattr(weights, "load_tokenizer", lambda *a, **kw: read.append(a))
     assert weights.tokenizer_of(model, eos) is not None and read == []  # read ahead: not read again
-    assert weights.preload_tokenizers([]) is None
+    assert weights.preload([]) is None
 
 
 def test_a_tokenizer_read_ahead_serves_the_load_when_generation_config_names_other_eos_ids(tmp_path, monkeypatch):
@@ -215,7 +215,7 @@ def test_a_tokenizer_read_ahead_serves_the_load_when_generation_config_names_oth
     monkeypatch.setattr(weights, "_tokenizers", {})
     model = make_model_dir(tmp_path / "m")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))  # config.json's: none
-    weights.preload_tokenizers([model]).join(timeout=60)
+    weights.preload([model]).join(timeout=60)
     read = []
     real = weights.load_tokenizer
     monkeypatch.setattr(weights, "load_tokenizer", lambda path, **kw: read.append(path) or real(path, **kw))
@@ -224,7 +224,7 @@ def test_a_tokenizer_read_ahead_serves_the_load_when_generation_config_names_oth
 
 
 def test_a_load_of_a_folder_whose_tokenizer_is_being_read_ahead_waits_for_that_read(tmp_path, monkeypatch):
-    """The first start reads the other folders' tokenizers on a thread (`preload_tokenizers`) while its own model
+    """The first start reads the other folders' tokenizers on a thread (`preload`) while its own model
     loads, which may be one of them under another name, and a model asked for early loads beside that thread:
     a second read of the same folder at once (0.38 s of the GIL for SmolLM2) is waited for, not done again."""
     import threading
@@ -257,7 +257,7 @@ def test_a_load_of_a_folder_whose_tokenizer_is_being_read_ahead_waits_for_that_r
 def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_engines_prompter(tmp_path, monkeypatch):
     """A chat template's probes (the template rendered, the system role tried) held the GIL in a load beside other
     models' decode steps: made once per tokenizer (`ChatTemplate.of`), at the first start for the other models
-    (`preload_tokenizers`), and every Prompter of that tokenizer (a reload's, two names of one folder) takes it."""
+    (`preload`), and every Prompter of that tokenizer (a reload's, two names of one folder) takes it."""
     from kvwake.daemon.model import chat
     from kvwake.daemon.model.prompt import Prompter
 
@@ -266,7 +266,7 @@ def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_en
     real = chat.ChatTemplate.__init__
     monkeypatch.setattr(chat.ChatTemplate, "__init__", lambda self, tok: made.append(tok) or real(self, tok))
     model = make_model_dir(tmp_path / "m")
-    weights.preload_tokenizers([model]).join(timeout=60)
+    weights.preload([model]).join(timeout=60)
     assert len(made) == 1
     tokenizer = weights.load(str(model))[1]
     assert made == [tokenizer]  # the load's tokenizer is the one read ahead, its template made with it
@@ -274,3 +274,67 @@ def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_en
     assert first.template is second.template is chat.ChatTemplate.of(tokenizer) and len(made) == 1
     messages = [{"role": "user", "content": "hello"}]
     assert first.render(messages=messages).target == chat.ChatTemplate(tokenizer).render(messages)  # as a fresh one
+
+
+def _graph(a: mx.array) -> list[str]:
+    """The primitives behind `a` (none once it is evaluated)."""
+    import io
+    import re
+
+    out = io.StringIO()
+    mx.export_to_dot(out, a)
+    return re.findall(r'label ="([^"]*)"', out.getvalue())
+
+
+def test_a_model_built_ahead_is_taken_once_by_its_mapped_load_with_its_other_arrays_evaluated(tmp_path, monkeypatch):
+    """The first start builds the other configured models' modules (`prepare`, in `preload`) where weights are
+    read the mapped way (CUDA; here the mapped path on the CPU): their load takes them instead of building them
+    beside the other models' decoding, once; the arrays the modules hold besides their parameters (a Llama 3
+    RoPE's frequencies) are evaluated by the thread that built them (MLX on CUDA evaluates an array only on its
+    own thread's stream), and the load reads the same weights as a plain one."""
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    model = make_model_dir(tmp_path / "m", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256})
+    weights.preload([model]).join(timeout=60)
+    (built, _, _), = [b for _, b in weights._prepared.values()]
+    freqs = [v for k, v in tree_flatten(built.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array))))
+             if k.endswith("_freqs")]
+    assert freqs and all(_graph(f) == [] for f in freqs)  # evaluated where they were made
+    made = []
+    real = weights.load_model
+    monkeypatch.setattr(weights, "load_model", lambda *a, **kw: made.append(a) or real(*a, **kw))
+    taken = weights.load(str(model), read="mapped")[0]
+    assert taken is built and made == [] and weights._prepared == {}
+    again = weights.load(str(model), read="mapped")[0]  # taken once: a later load builds its own
+    assert again is not built and len(made) == 1
+    plain = mlx_lm.load(str(model))[0]
+    for (name, a), (_, b) in zip(tree_flatten(taken.parameters()), tree_flatten(plain.parameters())):
+        assert mx.array_equal(a, b).item(), name
+    tokens = mx.array([[1, 2, 3, 4]])
+    assert mx.array_equal(taken(tokens), plain(tokens)).item()
+
+
+def test_a_model_built_ahead_is_not_taken_once_its_files_changed_or_a_parameter_would_be_left_unread(
+        tmp_path, monkeypatch, caplog):
+    """A folder changed since its model was built ahead is built again by its load (its weights may be others);
+    so is a model whose mapped reads would leave a parameter to evaluate (made on the building thread's stream,
+    which the engine thread has not on CUDA); where weights are not read the mapped way, nothing is built ahead."""
+    import os
+
+    monkeypatch.setattr(weights, "_prepared", {})
+    model = make_model_dir(tmp_path / "m")
+    assert weights.prepare(model) is False and weights._prepared == {}  # read MLX's way here
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    assert weights.prepare(model)
+    config = model / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    with caplog.at_level("INFO", logger="kvwake.models"):
+        loaded = weights.load(str(model), read="mapped")[0]
+    assert [r.model for r in caplog.records if r.message == "model built ahead not taken"] == [str(model)]
+    weights.prepare(model)
+    (built, _, stored), = [b for _, b in weights._prepared.values()]
+    stored.pop(next(iter(stored)))  # one parameter the reads would not find as stored
+    assert weights.load(str(model), read="mapped")[0] is not built
+    assert loaded is not built

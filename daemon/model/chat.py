@@ -30,7 +30,7 @@ class ChatTemplate:
         """The template of `tokenizer`, made once for the process while that tokenizer object lives (model/weights.py
         keeps one per model folder). Made at a load, its probes (the template rendered, the system role tried)
         held the GIL beside the other models' decode steps: a reload takes it made, and the first start makes the
-        other configured models' (`weights.preload_tokenizers`). Its kept pieces have their own lock, so engines
+        other configured models' (`weights.preload`). Its kept pieces have their own lock, so engines
         of one tokenizer share it."""
         with cls._kept_lock:
             made = cls._kept.get(tokenizer)

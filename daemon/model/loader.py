@@ -50,7 +50,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     `limits`: MLX's memory limits as the first model set them (None: this is the first, it sets them).
     The first model's start makes what a later load must not make while another model decodes: the row
     kernels of `neighbours` (the other models configured, those given as folders), their kernel warmers'
-    compiles, their tokenizers (model/weights.py `tokenizer_of`) and, once it is loaded, their files' digests
+    compiles, their tokenizers and modules (model/weights.py `preload`) and, once it is loaded, their files' digests
     (kv/bundle.py `digests_ahead`), and a wake's staging ring beside its load
     (model/kernel_cache.py BesideLoad, Warmer); its llguidance tokenizer too (a later load's is built at its
     first structure: model/grammar.py). `ram_tier`:
@@ -62,7 +62,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
     for folder in others:  # their kernel warmers now, while nothing decodes: a later load takes them done
         # (Warmer.for_model) instead of starting two processes on the GPU beside the models decoding then
         kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer)
-    weights.preload_tokenizers(others)  # and their tokenizers, whose reading holds the GIL (model/weights.py)
+    # their tokenizers and modules, whose making held the GIL beside the decoding at their load (model/weights.py)
+    weights.preload(others, modules=settings.tuning.modules_ahead)
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
                           slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
     try:

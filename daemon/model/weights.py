@@ -45,7 +45,7 @@ from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload_tokenizers",
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload", "prepare",
            "tokenizer_of"]
 
 log = logging.getLogger("kvwake.models")
@@ -69,22 +69,25 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
     the backend, `default_read`); `phases` gets "modules" (the model built lazily, its tokenizer read) marked
     before the weights are read, and `timeline` each piece: `at_ms` (from `phases`' start, else from this
     call), `ms`, `bytes`, `read` (its way) -- to line the pieces up against what other models' clients saw
-    meanwhile (bench/models.py). A piece of the mapped way is a chunk of a file's bytes."""
+    meanwhile (bench/models.py). A piece of the mapped way is a chunk of a file's bytes. Read the mapped way,
+    a model the first start built ahead (`prepare`) is taken instead of built, while its files are unchanged."""
     read = read or default_read()
     if read not in READS:
         raise ValueError(f"weights are read {' or '.join(READS)}, not {read!r}")
     clock = phases if phases is not None else Phases()
-    stored: dict[int, tuple[str, mx.array]] = {}  # what mlx-lm's mx.load made: id -> (its name, the array)
     model_path = Path(path)
-    model, config = load_model(model_path, lazy=True, get_model_classes=_recording(stored))
+    index = _index(model_path) if read == "mapped" else {}
+    built = _take_prepared(model_path, index) if read == "mapped" else None
+    if built is None:
+        built = _build(model_path)
+    model, config, stored = built  # stored: what mlx-lm's mx.load made, id -> (its name, the array)
     tokenizer = tokenizer_of(model_path, config.get("eos_token_id", None))
     if phases is not None:
         phases.mark("modules")
-    model.__class__ = getattr(type(model), "_kvwake_plain", type(model))  # its own class back
     params = tree_flatten(model.parameters())
     rest = [v for _, v in params]
     if read == "mapped" and stored:
-        rest = _read_mapped(model, params, stored, _index(model_path), clock, timeline)
+        rest = _read_mapped(model, params, stored, index, clock, timeline)
     stored.clear()
     for piece in pieces(rest, most):
         began = time.perf_counter()
@@ -93,6 +96,62 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
             timeline.append({"at_ms": clock.elapsed_ms(began), "ms": round((time.perf_counter() - began) * 1000, 2),
                              "bytes": sum(a.nbytes for a in piece), "read": "mlx"})
     return model, tokenizer
+
+
+def _build(model_path: Path) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]]:
+    """mlx-lm's model of the folder built lazily (nothing read), its config, and what its mx.load made."""
+    stored: dict[int, tuple[str, mx.array]] = {}
+    model, config = load_model(model_path, lazy=True, get_model_classes=_recording(stored))
+    model.__class__ = getattr(type(model), "_kvwake_plain", type(model))  # its own class back
+    return model, config, stored
+
+
+# Models built ahead (`prepare`), each taken by one load: folder -> (its files' names, sizes and times, the built)
+_prepared: dict[str, tuple[tuple, tuple[Any, dict, dict[int, tuple[str, mx.array]]]]] = {}
+_prepared_lock = threading.Lock()
+
+
+def prepare(path: Path) -> bool:
+    """Build the model of folder `path` now (mlx-lm's modules, lazily: nothing read) for its next load to take,
+    where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of the GIL and of
+    mx.load's headers beside the other models' decoding, which stopped every stream of theirs for ~20-27 ms at
+    the load's start (docs/benchmarks.md, "Several models", S46); the first start builds the other configured
+    models' ahead (`preload`), while nothing decodes. MLX evaluates an array on the stream of the thread that
+    made it, and on CUDA no other thread has that stream: the arrays the modules hold besides their parameters
+    (a RoPE's frequencies) are evaluated here, and the load takes the model only if its reads replace every
+    parameter (`_take_prepared`). Whether it was built (False: not read the mapped way here)."""
+    if default_read() != "mapped":
+        return False
+    files = _folder_files(Path(path))
+    built = _build(Path(path))
+    model = built[0]
+    params = {id(v) for _, v in tree_flatten(model.parameters())}
+    held = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array)))
+    mx.eval([v for _, v in tree_flatten(held) if isinstance(v, mx.array) and id(v) not in params])
+    with _prepared_lock:
+        _prepared[str(Path(path).resolve())] = (files, built)
+    return True
+
+
+def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]] | None:
+    """The model `prepare` built for this folder, taken (once), if its files are as they were then and the mapped
+    reads replace every parameter it holds (one left would be evaluated on the engine thread, on the stream of
+    the thread that built it: refused on CUDA); else None (built again by the load)."""
+    with _prepared_lock:
+        kept = _prepared.pop(str(model_path.resolve()), None)
+    if kept is None:
+        return None
+    files, built = kept
+    model, _, stored = built
+    if files != _folder_files(model_path) or _mapped(tree_flatten(model.parameters()), stored, index)[2]:
+        log.info("model built ahead not taken", extra={"model": str(model_path)})
+        return None
+    return built
+
+
+def _folder_files(path: Path) -> tuple:
+    """What says a model folder may have changed: its files' names, sizes and times."""
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file())
 
 
 # Tokenizers read, kept for the process: (folder, eos ids) -> (its tokenizer files' sizes and times, tokenizer)
@@ -106,7 +165,7 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
     Reading one holds the GIL for long stretches (its vocabulary listed three times, its JSON parsed in Python),
     and done in a load it stopped every other loaded model's decode steps (docs/decisions.md, "Several models",
     session 45): kept, a reload reads none, and the first start reads the other
-    configured models' (`preload_tokenizers`) while nothing decodes. The engine only reads a tokenizer (each call
+    configured models' (`preload`) while nothing decodes. The engine only reads a tokenizer (each call
     takes a fresh detokenizer), so one object serves every load of its model. A read of the same folder under way
     (read ahead while it loads) is waited for, not done twice."""
     key = (str(Path(path).resolve()), repr(eos_token_ids))
@@ -124,27 +183,28 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
         return tokenizer
 
 
-def preload_tokenizers(paths: list[Path]) -> threading.Thread | None:
+def preload(paths: list[Path], modules: bool = True) -> threading.Thread | None:
     """Read the tokenizers of the model folders `paths` (each as its load will ask: the eos ids of mlx-lm's
-    `load_config`, which takes generation_config.json's over config.json's, as `load_model` does), and make
-    their chat templates (`ChatTemplate.of`), on a
-    thread of its own, the daemon's first start going on meanwhile; that thread, None when there is none to read.
-    A folder that fails is left to its load, which reports it."""
+    `load_config`, which takes generation_config.json's over config.json's, as `load_model` does), make their
+    chat templates (`ChatTemplate.of`) and, with `modules` where weights are read the mapped way, build their
+    models (`prepare`), on a thread of its own, the daemon's first start going on meanwhile; that thread, None when
+    there is none to read. A folder that fails is left to its load, which reports it."""
     if not paths:
         return None
 
     def read() -> None:
-        started, done = time.perf_counter(), 0
+        started, done, built = time.perf_counter(), 0, 0
         for path in paths:
             try:
                 # and its chat template's probes (model/chat.py), which a load made beside the decoding too
                 ChatTemplate.of(tokenizer_of(path, load_config(path).get("eos_token_id", None)))
                 done += 1
+                built += modules and prepare(path)
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
         # how long: past the start's own load, this thread held the GIL beside the first requests
         ms = round((time.perf_counter() - started) * 1000, 1)
-        log.info("tokenizers read ahead", extra={"models": done, "ms": ms})
+        log.info("tokenizers read ahead", extra={"models": done, "built": built, "ms": ms})
 
     thread = threading.Thread(target=read, name="kvwake-tokenizers", daemon=True)
     thread.start()
@@ -188,10 +248,9 @@ def _index(model_path: Path) -> dict[str, tuple[Path, int, int, Any, tuple[int, 
     return index
 
 
-def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.array]],
-                 index: dict, clock: Phases, timeline: list[dict[str, Any]] | None) -> list[mx.array]:
-    """Read the parameters that are file tensors as stored through the slots and put them in the model. The
-    other parameters, to evaluate MLX's way."""
+def _mapped(params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.array]],
+            index: dict) -> tuple[dict[int, list[str]], dict[int, tuple], list[mx.array]]:
+    """Which parameters are file tensors as stored: by id, their keys and their file tensor; and the others."""
     by_id: dict[int, list[str]] = {}
     tensors: dict[int, tuple] = {}
     rest = []
@@ -203,6 +262,14 @@ def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[in
             tensors[id(v)] = t
         else:
             rest.append(v)
+    return by_id, tensors, rest
+
+
+def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.array]],
+                 index: dict, clock: Phases, timeline: list[dict[str, Any]] | None) -> list[mx.array]:
+    """Read the parameters that are file tensors as stored through the slots and put them in the model. The
+    other parameters, to evaluate MLX's way."""
+    by_id, tensors, rest = _mapped(params, stored, index)
     if not tensors:
         return rest
     order = sorted(tensors, key=lambda i: (str(tensors[i][0]), tensors[i][1]))  # each file front to back
