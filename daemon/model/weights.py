@@ -202,6 +202,9 @@ def preload(paths: list[Path], modules: bool = True) -> threading.Thread | None:
                 built += modules and prepare(path)
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
+        if built:  # its stream let go of by the thread that made it (model/loader.py release_mlx_streams)
+            mx.synchronize()
+            mx.clear_streams()
         # how long: past the start's own load, this thread held the GIL beside the first requests
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("tokenizers read ahead", extra={"models": done, "built": built, "ms": ms})
