@@ -147,10 +147,12 @@ async def test_prompts_rendered_at_once_on_worker_threads_are_each_their_own(man
     # start (none of these texts seen), each must get what a renderer of its own gives it, and the
     # whole-encode check of the first real prompt must run once (a racing countdown would go below 0 and
     # check every prompt from then on).
+    from kvwake.daemon.model.chat import ChatTemplate
     from kvwake.daemon.model.prompt import Prompter
 
     prompter = manager.engine.prompter
     own = Prompter(prompter.tokenizer, prompter.vocab_size, prompter.model_name)
+    own.template = ChatTemplate(prompter.tokenizer)  # pieces of its own (a Prompter takes its tokenizer's template)
     prompter.at_once = threading.BoundedSemaphore(4)  # a machine of 16 cores
     inputs = [{"messages": [{"role": "system", "content": f"{SYSTEM} Desk {i}."},
                             {"role": "user", "content": f"turn {i} " * i}]} for i in range(1, 13)]
