@@ -663,3 +663,55 @@ async def test_a_model_unloaded_while_its_kernel_warmers_compile_kills_them_inst
         for proc in procs:
             proc.kill()
         stop_manager(manager, store)
+
+
+async def test_an_unloaded_models_modules_are_built_again_once_no_model_is_in_use_and_its_reload_takes_them(
+        tmp_path, models, monkeypatch):
+    # A reload built its modules beside the other models' decoding (every stream of theirs stalled at the load's
+    # start on the H200); where weights are read the mapped way (CUDA; that read runs here too) an unloaded model's
+    # are built again once no model is in use, for its reload to take, and not once it is asked for first
+    import asyncio
+
+    import mlx.core as mx
+    import mlx_lm
+
+    from kvwake.daemon.model import weights
+    from kvwake.daemon.sessions import models as keeping
+    from kvwake.daemon.sessions.models import ModelKeeping
+
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(keeping, "BUILD_POLL_S", 0.01)
+    built = []
+    real_build = weights.load_model
+    monkeypatch.setattr(weights, "load_model", lambda *a, **kw: built.append(a[0]) or real_build(*a, **kw))
+    busy = {"main": True}
+    real_in_use = ModelKeeping._in_use
+    monkeypatch.setattr(ModelKeeping, "_in_use", lambda self, name: busy.get(name, False) or real_in_use(self, name))
+    manager, store = manager_on(tmp_path, models)
+    small = models[1].resolve()
+    try:
+        await manager.ensure("small")
+        before = len(built)
+        await manager.unload("small")
+        await asyncio.sleep(0.2)
+        assert not weights.prepared(small) and len(built) == before  # main in use: nothing built beside it
+        busy["main"] = False
+        async with asyncio.timeout(30):
+            while not weights.prepared(small):
+                await asyncio.sleep(0.01)
+        assert len(built) == before + 1
+        reloaded = await manager.ensure("small")
+        assert len(built) == before + 1 and not weights.prepared(small)  # the reload took them
+        plain, tokens = mlx_lm.load(str(small))[0], mx.array([[1, 2, 3, 4, 5]])  # with the same weights
+        assert mx.array_equal(reloaded.engine.model(tokens), plain(tokens)).item()
+        del reloaded
+        busy["main"] = True
+        await manager.unload("small")
+        await manager.ensure("small")  # asked for before any idle moment: its load builds its own
+        assert len(built) == before + 2
+        busy["main"] = False
+        await asyncio.sleep(0.1)
+        assert not weights.prepared(small) and manager._building == {}
+    finally:
+        stop_manager(manager, store)

@@ -45,7 +45,7 @@ from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload", "prepare",
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload", "prepare", "prepared",
            "tokenizer_of"]
 
 log = logging.getLogger("kvwake.models")
@@ -131,6 +131,12 @@ def prepare(path: Path) -> bool:
     with _prepared_lock:
         _prepared[str(Path(path).resolve())] = (files, built)
     return True
+
+
+def prepared(path: Path) -> bool:
+    """Whether a model of folder `path` built ahead waits for its load."""
+    with _prepared_lock:
+        return str(Path(path).resolve()) in _prepared
 
 
 def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]] | None:

@@ -36,6 +36,7 @@ from typing import Any
 from anyio import to_thread
 
 from kvwake.daemon.model.budget import ModelsBudgetError
+from kvwake.daemon.model import weights
 from kvwake.daemon.model.loader import free_stopped, stop_model, warm_model
 from kvwake.daemon.model.provider import LoadedModel
 from kvwake.daemon.model.registry import ModelSpec, Registry
@@ -51,6 +52,7 @@ log = logging.getLogger("kvwake.models")
 CURRENT: ContextVar[str | None] = ContextVar("kvwake_model", default=None)  # the model of the operation in hand
 HELD: ContextVar[frozenset[str]] = ContextVar("kvwake_models_held", default=frozenset())  # its `use`s, outer ones
 BUNDLES_FILE = "model-bundles.json"
+BUILD_POLL_S = 0.25  # how often an unloaded model's modules, to build ahead, look for no model in use
 # (spec, ram_tier=the RAM tier its engine takes or None) -> (engine, engine thread), blocking (model/loader.py)
 Starter = Callable[..., tuple[Any, Any]]
 
@@ -73,6 +75,7 @@ class ModelKeeping(ModelRoom):
         self._loading_since: dict[str, float] = {}
         self._load_ms: dict[str, float] = {}  # each model's last load on demand: its start to its serving, ms
         self._unloads: dict[str, asyncio.Task] = {}  # each model's unload in progress, shared by whoever asks
+        self._building: dict[str, asyncio.Task] = {}  # unloaded models' modules waiting to be built ahead
         self._draining: set[str] = set()  # the model a waiting load unloads next: new operations on it wait
         self._uses: Counter[str] = Counter()  # operations running on each model
         self._waits: Counter[str] = Counter()  # operations waiting for each model's load
@@ -322,10 +325,39 @@ class ModelKeeping(ModelRoom):
                 del model  # the last reference: its weights go with the pass that follows
                 await to_thread.run_sync(free_stopped)
             self.fit_rooms()  # its weights gone: the others' KV room grows by them
+            self._build_ahead_later(name)
         finally:
             self._unloads.pop(name, None)
         log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
         return {"model": name, "unloaded": True, "slept": slept}
+
+    def _build_ahead_later(self, name: str) -> None:
+        """Model `name`'s modules built again for its next load (model/weights.py `prepare`, where weights are read
+        the mapped way and the model is a folder) once no model is in use. The first start built them once; a
+        reload built its own beside the other models' decoding, which stalled every stream of theirs at the
+        load's start (docs/benchmarks.md, "Several models", S46). Given up once the model is asked for again."""
+        spec = self.registry.spec(name)
+        folder = Path(spec.source).expanduser() if spec.source is not None else None
+        if not self.settings.tuning.modules_ahead or folder is None or not folder.is_dir() \
+                or weights.default_read() != "mapped" or name in self._building:
+            return
+        task = asyncio.get_running_loop().create_task(self._build_ahead(name, folder))
+        self._building[name] = task  # held: the loop keeps only weak references to tasks
+        task.add_done_callback(lambda done: self._building.pop(name, None) if self._building.get(name) is done
+                               else None)
+
+    async def _build_ahead(self, name: str, folder: Path) -> None:
+        while True:
+            if name in self.models or name in self._loading_since or self._waits[name] > 0:
+                return  # asked for first: its load builds them
+            if not any(self._in_use(n) for n in self.models.names()):
+                break
+            await asyncio.sleep(BUILD_POLL_S)
+        started = time.perf_counter()
+        await to_thread.run_sync(weights.preload([folder]).join)  # its tokenizer and template kept: the modules
+        if weights.prepared(folder):
+            log.info("model built ahead", extra={"model": name,
+                                                 "ms": round((time.perf_counter() - started) * 1000, 1)})
 
     async def _end_warm_up(self, name: str) -> None:
         """Cancel model `name`'s warm-up (one still holding or queued holds the model: an idle job on a stopped
