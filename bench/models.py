@@ -22,6 +22,9 @@ load        --sessions sessions of main decode at once, streamed (greedy, EOS ba
             read meanwhile (`model.load`'s `weight_pieces`), the p99 during the load over the median alone (the issue's
             target: <= 2x), main's engine-thread jobs and steps over the slow mark during the load, and with
             --gil-watch-ms the daemon's waits for the GIL during the load (status.gil: what held it).
+reload      once `load`'s streams end, small is unloaded, its modules built again while nothing decodes (tuning
+            modules_ahead, on CUDA: `built_ahead_ms`, waited for), and `load` runs again with new sessions of
+            main: the same figures for a reload.
 unloaded    a conversation of --context tokens on main sleeps and wakes once (a plain wake, timed by
             the client); then it sleeps, main is unloaded (`model.unload`), and the conversation's next
             turn is sent (`session.chat`, one token): it loads main and wakes the conversation. Reported:
@@ -135,22 +138,51 @@ def pieces_summary(pieces: list[dict[str, float]]) -> dict[str, Any]:
             "longest": sorted(pieces, key=lambda p: -p["ms"])[:5]}
 
 
-def digests_made_ahead(d: Daemon, timeout: float = 600.0) -> float | None:
-    """Wait for the daemon's first start to have hashed small's files ahead (tuning digests_ahead, kv/bundle.py),
-    so that main's gaps alone are not measured beside that thread; its ms, None where the knob is off."""
-    if os.environ.get("KVWAKE_DIGESTS_AHEAD", "").lower() in ("0", "false", "no", "off"):
-        return None
+def logged(d: Daemon, event: str, after: int = 0, timeout: float = 600.0) -> dict[str, Any]:
+    """The daemon's first log line of `event` past byte `after` of its log, waited for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in d.log.read_text(errors="replace").splitlines():
-            if '"digests made ahead"' in line:
-                return json.loads(line).get("ms")
+        for line in d.log.read_bytes()[after:].decode(errors="replace").splitlines():
+            if f'"event": "{event}"' in line:
+                return json.loads(line)
         time.sleep(0.2)
-    raise TimeoutError("the daemon did not log \"digests made ahead\"")
+    raise TimeoutError(f"the daemon did not log {event!r}")
 
 
-def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Main's sessions decoding, small loaded once the first stream is past --alone-tokens pieces."""
+def tuned_off(knob: str) -> bool:
+    """Whether the environment turns the daemon's tuning knob off (KVWAKE_<KNOB>=false)."""
+    return os.environ.get(f"KVWAKE_{knob.upper()}", "").lower() in ("0", "false", "no", "off")
+
+
+def digests_made_ahead(d: Daemon) -> float | None:
+    """Wait for the daemon's first start to have hashed small's files ahead (tuning digests_ahead, kv/bundle.py),
+    so that main's gaps alone are not measured beside that thread; its ms, None where the knob is off."""
+    return None if tuned_off("digests_ahead") else logged(d, "digests made ahead").get("ms")
+
+
+def during_reload(d: Daemon, main: Path, small: str, args: argparse.Namespace, ahead: bool) -> dict[str, Any]:
+    """small unloaded once `load`'s streams ended, its modules built again while nothing decodes (`ahead`: tuning
+    modules_ahead on, where weights are read the mapped way; sessions/models.py: waited for by its log line),
+    then loaded again as `load` loads it, beside new streams of main."""
+    after = d.log.stat().st_size
+    with client(d) as c:
+        c.call("model.unload", name=small)
+    built = logged(d, "model built ahead", after, timeout=120).get("ms") if ahead else None
+    return {"built_ahead_ms": built, **during_load(d, main, small, args, prefix="again")}
+
+
+def builds_ahead(weights_read: str | None) -> bool:
+    """Whether the daemon builds an unloaded model's modules ahead here: the knob on, weights read the mapped way
+    (the default on CUDA)."""
+    import mlx.core as mx
+
+    mapped = weights_read == "mapped" or (weights_read is None and mx.cuda.is_available())
+    return mapped and not tuned_off("modules_ahead")
+
+
+def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace, prefix: str = "decoder") -> dict[str, Any]:
+    """Main's sessions decoding (named `prefix` and a number), small loaded once the first stream is past
+    --alone-tokens pieces."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     tokenizer = load_tokenizer(main)
@@ -158,7 +190,7 @@ def during_load(d: Daemon, main: Path, small: str, args: argparse.Namespace) -> 
     clients = [client(d) for _ in range(args.sessions)]
     streams = []
     for i, c in enumerate(clients):
-        sid = f"decoder{i}"
+        sid = f"{prefix}{i}"
         c.call("session.create", session_id=sid)
         c.call("session.append", session_id=sid, text=f"Agent {i}: " + UNIT * 4)
         streams.append(Stream(c, sid, args.decode_tokens, greedy))
@@ -356,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             report = {"machine": machine(), "main": str(main_dir), "small": str(small_dir), "weights_read": weights_read,
                       "digests_ahead_ms": digests_made_ahead(d),
                       "load": during_load(d, main_dir, small_dir.name, args),
+                      "reload": during_reload(d, main_dir, small_dir.name, args, builds_ahead(weights_read)),
                       "unloaded": unloaded_turn(d, main_dir, args), "memory": memory(d)}
         finally:
             code = d.stop()

@@ -238,7 +238,7 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
     monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on: warmed.append((model, on)))
     preloaded, hashed = [], []
-    monkeypatch.setattr(loader.weights, "preload", lambda paths, modules: preloaded.append(paths))
+    monkeypatch.setattr(loader.weights, "preload", lambda paths, modules, read: preloaded.append(paths))
     monkeypatch.setattr(loader.bundle, "digests_ahead", lambda folders, cache: hashed.append((folders, made[:])))
     folder = tmp_path / "small"
     folder.mkdir()

@@ -63,7 +63,7 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
         # (Warmer.for_model) instead of starting two processes on the GPU beside the models decoding then
         kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer)
     # their tokenizers and modules, whose making held the GIL beside the decoding at their load (model/weights.py)
-    weights.preload(others, modules=settings.tuning.modules_ahead)
+    weights.preload(others, modules=settings.tuning.modules_ahead, read=settings.tuning.weights_read)
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
                           slow_job_ms=settings.tuning.slow_job_ms, slow_jobs_kept=settings.tuning.slow_jobs_kept)
     try:

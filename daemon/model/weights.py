@@ -111,7 +111,7 @@ _prepared: dict[str, tuple[tuple, tuple[Any, dict, dict[int, tuple[str, mx.array
 _prepared_lock = threading.Lock()
 
 
-def prepare(path: Path) -> bool:
+def prepare(path: Path, read: str | None = None) -> bool:
     """Build the model of folder `path` now (mlx-lm's modules, lazily: nothing read) for its next load to take,
     where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of the GIL and of
     mx.load's headers beside the other models' decoding, which stopped every stream of theirs for ~20-27 ms at
@@ -119,8 +119,8 @@ def prepare(path: Path) -> bool:
     models' ahead (`preload`), while nothing decodes. MLX evaluates an array on the stream of the thread that
     made it, and on CUDA no other thread has that stream: the arrays the modules hold besides their parameters
     (a RoPE's frequencies) are evaluated here, and the load takes the model only if its reads replace every
-    parameter (`_take_prepared`). Whether it was built (False: not read the mapped way here)."""
-    if default_read() != "mapped":
+    parameter (`_take_prepared`). Whether it was built (False: not read the mapped way, `read` or by the backend)."""
+    if (read or default_read()) != "mapped":
         return False
     files = _folder_files(Path(path))
     built = _build(Path(path))
@@ -189,23 +189,23 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
         return tokenizer
 
 
-def preload(paths: list[Path], modules: bool = True) -> threading.Thread | None:
+def preload(paths: list[Path], modules: bool = True, read: str | None = None) -> threading.Thread | None:
     """Read the tokenizers of the model folders `paths` (each as its load will ask: the eos ids of mlx-lm's
     `load_config`, which takes generation_config.json's over config.json's, as `load_model` does), make their
-    chat templates (`ChatTemplate.of`) and, with `modules` where weights are read the mapped way, build their
-    models (`prepare`), on a thread of its own, the daemon's first start going on meanwhile; that thread, None when
+    chat templates (`ChatTemplate.of`) and, with `modules` where weights are read the mapped way (`read`, else by
+    the backend), build their models (`prepare`), on a thread of its own, the daemon's first start going on meanwhile; that thread, None when
     there is none to read. A folder that fails is left to its load, which reports it."""
     if not paths:
         return None
 
-    def read() -> None:
+    def make() -> None:
         started, done, built = time.perf_counter(), 0, 0
         for path in paths:
             try:
                 # and its chat template's probes (model/chat.py), which a load made beside the decoding too
                 ChatTemplate.of(tokenizer_of(path, load_config(path).get("eos_token_id", None)))
                 done += 1
-                built += modules and prepare(path)
+                built += modules and prepare(path, read)
             except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
                 log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
         if built:  # its stream let go of by the thread that made it (model/loader.py release_mlx_streams)
@@ -215,7 +215,7 @@ def preload(paths: list[Path], modules: bool = True) -> threading.Thread | None:
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("tokenizers read ahead", extra={"models": done, "built": built, "ms": ms})
 
-    thread = threading.Thread(target=read, name="kvwake-tokenizers", daemon=True)
+    thread = threading.Thread(target=make, name="kvwake-tokenizers", daemon=True)
     thread.start()
     return thread
 

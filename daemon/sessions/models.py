@@ -339,7 +339,7 @@ class ModelKeeping(ModelRoom):
         spec = self.registry.spec(name)
         folder = Path(spec.source).expanduser() if spec.source is not None else None
         if not self.settings.tuning.modules_ahead or folder is None or not folder.is_dir() \
-                or weights.default_read() != "mapped" or name in self._building:
+                or (self.settings.tuning.weights_read or weights.default_read()) != "mapped" or name in self._building:
             return
         task = asyncio.get_running_loop().create_task(self._build_ahead(name, folder))
         self._building[name] = task  # held: the loop keeps only weak references to tasks
@@ -354,7 +354,8 @@ class ModelKeeping(ModelRoom):
                 break
             await asyncio.sleep(BUILD_POLL_S)
         started = time.perf_counter()
-        await to_thread.run_sync(weights.preload([folder]).join)  # its tokenizer and template kept: the modules
+        # its tokenizer and template kept: the modules
+        await to_thread.run_sync(weights.preload([folder], read=self.settings.tuning.weights_read).join)
         if weights.prepared(folder):
             log.info("model built ahead", extra={"model": name,
                                                  "ms": round((time.perf_counter() - started) * 1000, 1)})
