@@ -334,3 +334,40 @@ def test_gemma3s_multimodal_wrapper_is_warmed_and_its_row_kernel_shaped_from_its
     assert kernel_cache.Warmer(path).wait(timeout=120) is True
     model, _ = load(str(path))
     assert ragged_decode.shape_of(model) == kernel_cache._heads(path, config) == (4, 2, 16, mx.bfloat16)
+
+
+def test_a_warmer_asked_to_stop_leaves_between_two_kernels_not_inside_one(tmp_path):
+    """MLX writes a compiled kernel into its disk cache in place: a warmer killed inside that write would leave it
+    broken for every later process. A warmer asked to stop (SIGTERM) leaves once the call in hand returns, and a
+    stop from another thread ends a wait for it (a model unloaded before its first forward pass)."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    script = ("import time; from kvwake.daemon.model import kernel_cache as k; k._leave_on_term(); "
+              "print('ready', flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    assert child.stdout.readline() == b"ready\n"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=10) == kernel_cache.TERM_EXIT
+    child.stdout.close()
+
+    class Sleeping(kernel_cache.Warmer):
+        def _start(self, part):
+            return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    warmer = Sleeping(tmp_path)
+    for proc in warmer.procs:
+        assert proc.stdout.readline() == b"ready\n"
+    waited = []
+    waiting = threading.Thread(target=lambda: waited.append(warmer.wait(timeout=60)))
+    waiting.start()
+    time.sleep(0.2)
+    began = time.monotonic()
+    warmer.stop()
+    waiting.join(timeout=20)
+    assert waited == [False] and time.monotonic() - began < kernel_cache.STOP_GRACE_S
+    assert [p.returncode for p in warmer._waited] == [kernel_cache.TERM_EXIT] * len(kernel_cache.PARTS)
+    for proc in warmer._waited:
+        proc.stdout.close()

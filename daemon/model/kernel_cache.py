@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -195,18 +196,45 @@ class Warmer:
         return bool(procs) and done
 
     def stop(self) -> None:
-        """Kill the warmers still compiling, from any thread: those not waited for (an engine closed before its
-        first forward pass) are reaped here, those a `wait` waits for (a model stopped while its engine thread's
-        first job waits for them) by that wait, which then returns."""
+        """End the warmers still compiling, from any thread: each is asked to stop (SIGTERM: it leaves between two
+        kernels, `_leave_on_term`, never inside MLX's write of a kernel into its disk cache, which is not atomic and
+        a kill there would leave broken for every later process) and killed only if it is still there STOP_GRACE_S
+        later. Those not waited for (an engine closed before its first forward pass) are reaped here, those a
+        `wait` waits for (a model stopped while its engine thread's first job waits for them) by that wait, which
+        then returns."""
         with self._lock:
             self.stopped = True
             procs, self.procs = self.procs, []
             for proc in self._waited:  # not reaped here: two threads reading one process's pipe
-                proc.kill()  # nothing once it exited
+                if proc.poll() is None:
+                    proc.terminate()
+                    killer = threading.Timer(STOP_GRACE_S, _kill, args=(proc,))
+                    killer.daemon = True
+                    killer.start()
         for proc in procs:
             if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-            proc.communicate()
+                proc.communicate()
+
+
+# How long a warmer asked to stop has to leave before it is killed (one kernel's compile, most often less)
+STOP_GRACE_S = 5.0
+TERM_EXIT = 3  # a warmer's exit code when it left on SIGTERM
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _leave_on_term() -> None:
+    """A warmer's SIGTERM handler: Python runs it between two bytecodes of the main thread, so after MLX's compile
+    and write of the kernel in hand, never inside them; the process then leaves at once."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(TERM_EXIT))
 
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
@@ -375,4 +403,5 @@ def _warm(model_path: Path, part: str) -> None:
 
 
 if __name__ == "__main__":
+    _leave_on_term()
     _warm(Path(sys.argv[1]), sys.argv[2])
