@@ -506,7 +506,8 @@ def test_digests_made_ahead_are_found_cached_by_the_load_and_a_file_changed_sinc
 
 def test_a_load_during_the_digests_made_ahead_takes_them_under_way(model, tmp_path, monkeypatch):
     """A model asked for while its files are being hashed ahead takes those digests rather than hashing the same
-    files again beside them; what it took is its own (the ahead thread does not take it back)."""
+    files again beside them, the files still waiting then hashed on as many threads as its own start would use;
+    what it took is its own (the ahead thread does not take it back)."""
     cache = tmp_path / bundle.DIGEST_CACHE_NAME
     entered, release, calls = threading.Event(), threading.Event(), []
     real = digests._sha256_file
@@ -520,8 +521,14 @@ def test_a_load_during_the_digests_made_ahead_takes_them_under_way(model, tmp_pa
     monkeypatch.setattr(digests, "_sha256_file", slow)
     ahead = bundle.digests_ahead([model], cache)
     assert entered.wait(10)
-    taken = start_digests(model, digest_cache=cache)  # the load's, under way
+    time.sleep(0.2)
+    assert len(calls) == 1  # ahead: one file at a time
+    taken = start_digests(model, digest_cache=cache, workers=3)  # the load's, under way
     assert bundle._prestarted == {}
+    deadline = time.monotonic() + 10
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 3  # two more files at once beside the first, still held
     release.set()
     assert describe_bundle(model, **ARGS, digests=taken).hash == STORED_HASH
     ahead.join(timeout=60)

@@ -225,6 +225,14 @@ def test_a_later_load_whose_row_kernels_were_built_runs_nothing_on_mlx_beside(tm
     assert kernel_cache.BesideLoad(odd, True, None).result() is None and len(built) == 3  # not a shape it takes
     assert kernel_cache.BesideLoad(odd, True, None).result() is None and len(built) == 3  # known: not tried again
 
+    def fails(*shape, **kw):
+        raise RuntimeError("nvrtc: out of resources")  # after its thread made a stream
+
+    monkeypatch.setattr(ragged_decode, "build", fails)
+    third, before = make_model_dir(tmp_path / "third", arch="llama", head_dim=32), len(streams)
+    assert kernel_cache.BesideLoad(third, True, None).result() is None
+    assert len(streams) == before + 1  # let go of all the same
+
 
 def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_makes_nothing_beside(tmp_path,
                                                                                                       monkeypatch):

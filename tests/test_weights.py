@@ -262,6 +262,7 @@ def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_en
     from kvwake.daemon.model.prompt import Prompter
 
     monkeypatch.setattr(weights, "_tokenizers", {})
+    monkeypatch.setattr(chat.ChatTemplate, "_kept", {})
     made = []
     real = chat.ChatTemplate.__init__
     monkeypatch.setattr(chat.ChatTemplate, "__init__", lambda self, tok: made.append(tok) or real(self, tok))
@@ -274,6 +275,14 @@ def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_en
     assert first.template is second.template is chat.ChatTemplate.of(tokenizer) and len(made) == 1
     messages = [{"role": "user", "content": "hello"}]
     assert first.render(messages=messages).target == chat.ChatTemplate(tokenizer).render(messages)  # as a fresh one
+    import json
+    import os
+
+    config = model / "tokenizer_config.json"  # its files changed: read again, the old template let go
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    again = weights.tokenizer_of(model, json.loads((model / "config.json").read_text()).get("eos_token_id"))
+    assert again is not tokenizer and id(tokenizer) not in chat.ChatTemplate._kept
+    assert chat.ChatTemplate.of(again) is not first.template
 
 
 def _graph(a: mx.array) -> list[str]:
@@ -338,3 +347,48 @@ def test_a_model_built_ahead_is_not_taken_once_its_files_changed_or_a_parameter_
     stored.pop(next(iter(stored)))  # one parameter the reads would not find as stored
     assert weights.load(str(model), read="mapped")[0] is not built
     assert loaded is not built
+
+
+def test_a_model_built_ahead_while_its_folder_loads_is_not_kept_and_one_not_taken_lets_go_of_its_arrays(
+        tmp_path, monkeypatch):
+    """A `prepare` during which a load of its folder began (that load built its own) keeps nothing, and a model
+    built ahead that its load refuses drops its arrays (its lazily loaded ones keep their files open)."""
+    import os
+
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    model = make_model_dir(tmp_path / "m")
+    real = weights._build
+
+    def build_with_a_load_meanwhile(path):
+        built = real(path)
+        assert weights._take_prepared(model, {}) is None  # a load of the folder begins while this one builds
+        return built
+
+    monkeypatch.setattr(weights, "_build", build_with_a_load_meanwhile)
+    assert weights.prepare(model) is False and not weights.prepared(model)
+    monkeypatch.setattr(weights, "_build", real)
+    assert weights.prepare(model) and weights.prepared(model)
+    (built, _, stored), = [b for _, b in weights._prepared.values()]
+    config = model / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    assert weights.load(str(model), read="mapped")[0] is not built
+    assert tree_flatten(built.parameters()) == [] and stored == {}  # let go of
+
+
+def test_the_preload_thread_lets_go_of_its_mlx_stream_even_when_a_build_ahead_fails(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    cleared = []
+    monkeypatch.setattr(weights.mx, "clear_streams", lambda: cleared.append(True))
+
+    def fails(path, read=None):
+        raise ValueError("a shape the weights do not have")
+
+    monkeypatch.setattr(weights, "prepare", fails)
+    model = make_model_dir(tmp_path / "m")
+    with caplog.at_level("INFO", logger="kvwake.models"):
+        weights.preload([model]).join(timeout=60)
+    assert cleared == [True]
+    assert [r.model for r in caplog.records if r.message == "model not built ahead"] == [str(model)]
+    assert [r.models for r in caplog.records if r.message == "tokenizers read ahead"] == [1]  # its tokenizer was

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvwake.daemon.kv.digests import DigestCache, hash_in_background
+from kvwake.daemon.kv.digests import DigestCache, Hashing
 
 __all__ = [
     "DESCRIPTION_FORMAT", "Bundle", "BundleError", "PendingDigests",
@@ -156,7 +156,13 @@ class PendingDigests:
         except BundleError as exc:
             self._names, self._error = {}, exc
         names = [n for group in self._names.values() for n in group]
-        self._futures = hash_in_background(folder, names, cache, workers or os.cpu_count() or 1, stop)
+        self._hashing = Hashing(folder, names, cache, workers or os.cpu_count() or 1, stop)
+        self._futures = self._hashing.futures
+
+    def hurry(self, workers: int | None = None) -> None:
+        """Hash on up to `workers` threads from now on (default: one per core), the files still waiting: a load
+        that takes digests made ahead on one thread (`digests_ahead`) waits for no slower hashing than its own."""
+        self._hashing.add_workers(workers or os.cpu_count() or 1)
 
     def groups(self) -> dict[str, dict[str, str]]:
         """The description's file groups, once every digest is in (waits); saves the digest cache (a failure
@@ -193,7 +199,8 @@ def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLi
                   workers: int | None = None) -> PendingDigests:
     """Start hashing the counted files of `model_dir` on `workers` threads (default: one per core, at most
     one per file; the largest files first), for `describe_bundle(digests=...)`. The first call for a folder
-    and cache that `prestart_digests` started takes those (and `workers` is theirs).
+    and cache that `prestart_digests` or `digests_ahead` started takes those, hashing what is left on up to
+    `workers` threads from then on.
 
     digest_cache: path of a DigestCache file, as describe_bundle takes it. Raises nothing: a folder that
     cannot be described raises when the digests are joined.
@@ -201,17 +208,20 @@ def start_digests(model_dir: str | os.PathLike, *, digest_cache: str | os.PathLi
     folder = Path(model_dir).resolve()
     with _prestarted_lock:
         early = _prestarted.pop(_key(folder, digest_cache), None)
-    return early if early is not None else _started(folder, digest_cache, workers)
+    if early is None:
+        return _started(folder, digest_cache, workers)
+    early.hurry(workers)  # made ahead on one thread: the rest as fast as a load's own
+    return early
 
 
 def digests_ahead(folders: list[Path], digest_cache: str | os.PathLike) -> threading.Thread | None:
     """Hash the counted files of `folders` (the other configured models, at the daemon's first start) into the
     digest cache, one file at a time on one thread of its own, for their loads to find cached: an uncached load's
-    bundle waited for its digests (a 1B model's 2.5 GB: ~2 s of a 3 s load on the H200), every file hashed
-    beside the other models' decoding. Once per machine and per changed file: the cache keeps them (by size,
-    times and inode, so a file changed since is hashed again by its load, and the model tie holds). A load that
-    comes while its folder is being hashed takes those digests under way (`start_digests`) rather than hashing
-    it again beside them. That thread, None when there is none to hash; a folder that fails is left to its
+    bundle waited for its digests (most of a small model's load: docs/benchmarks.md, "Several models"), every
+    file hashed beside the other models' decoding. Once per machine and per changed file: the cache keeps them
+    (by size, times and inode, so a file changed since is hashed again by its load, and the model tie holds). A
+    load that comes while its folder is being hashed takes those digests under way (`start_digests`, which
+    hashes the rest on its own threads) rather than hashing it again beside them. That thread, None when there is none to hash; a folder that fails is left to its
     load, which reports it."""
     if not folders:
         return None

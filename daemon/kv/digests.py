@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 
-__all__ = ["DigestCache", "DigestsCancelled", "file_digest", "hash_in_background"]
+__all__ = ["DigestCache", "DigestsCancelled", "Hashing", "file_digest", "hash_in_background", "stat_key"]
 
 log = logging.getLogger("kvwake.daemon.bundle")  # the bundle's name: its logs are read by it
 
@@ -57,7 +57,7 @@ def _sha256_file(path: Path, stop: threading.Event | None = None) -> str:
     return digest.hexdigest()
 
 
-def _stat_key(st: os.stat_result) -> dict[str, int]:
+def stat_key(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
 
@@ -102,13 +102,13 @@ class DigestCache:
     def lookup(self, path: Path, st: os.stat_result) -> str | None:
         """The cached digest of resolved `path` if `st` matches its entry, else None."""
         entry = self._entries.get(str(path))
-        if entry and {k: entry[k] for k in _stat_key(st)} == _stat_key(st):
+        if entry and {k: entry[k] for k in stat_key(st)} == stat_key(st):
             return entry["sha256"]
         return None
 
     def record(self, path: Path, st: os.stat_result, digest: str) -> None:
         """Remember `digest` for resolved `path` as it was when stat'ed as `st`."""
-        entry = {**_stat_key(st), "sha256": digest}
+        entry = {**stat_key(st), "sha256": digest}
         self._entries[str(path)] = entry
         self._new[str(path)] = entry
 
@@ -159,7 +159,7 @@ def file_digest(path: str | os.PathLike, *, cache: DigestCache | None = None,
     if cache is not None:
         after = resolved.stat()
         settled = before.st_mtime_ns < started - RACY_WINDOW_NS
-        if settled and _stat_key(after) == _stat_key(before):
+        if settled and stat_key(after) == stat_key(before):
             cache.record(resolved, before, digest)
     return digest
 
@@ -193,10 +193,26 @@ def hash_in_background(folder: Path, names: list[str], cache: DigestCache | None
     """A future of each file's digest (`file_digest` of `folder / name`), computed on up to `workers`
     daemon threads, the largest files first (the longest one starts at once). Setting `stop` ends the
     threads at their next read (their futures then hold DigestsCancelled)."""
-    futures: dict[str, Future] = {name: Future() for name in names}
-    jobs = sorted(futures.items(), key=lambda job: _size(folder / job[0]))  # popped from the end: largest first
-    lock = threading.Lock()
-    for _ in range(min(len(jobs), workers)):
-        threading.Thread(target=_hash_files, args=(folder, jobs, lock, cache, stop),
-                         name="kvwake-digests", daemon=True).start()
-    return futures
+    return Hashing(folder, names, cache, workers, stop).futures
+
+
+class Hashing:
+    """`hash_in_background`'s work, with workers that can be added while it runs (`add_workers`)."""
+
+    def __init__(self, folder: Path, names: list[str], cache: DigestCache | None, workers: int,
+                 stop: threading.Event) -> None:
+        self.futures: dict[str, Future] = {name: Future() for name in names}
+        # popped from the end: largest first
+        self._jobs = sorted(self.futures.items(), key=lambda job: _size(folder / job[0]))
+        self._lock = threading.Lock()
+        self._args = (folder, self._jobs, self._lock, cache, stop)
+        self.workers = 0
+        self.add_workers(workers)
+
+    def add_workers(self, workers: int) -> None:
+        """Hash on up to `workers` threads in all from now on (more than it had, one per file still waiting)."""
+        with self._lock:
+            more = min(len(self._jobs), workers - self.workers)
+            self.workers += max(0, more)
+        for _ in range(more):
+            threading.Thread(target=_hash_files, args=self._args, name="kvwake-digests", daemon=True).start()

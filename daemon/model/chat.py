@@ -9,7 +9,6 @@ template renders a copy in the form mlx-lm's server gives it (`for_template`).
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 from kvwake.daemon.model.piece_tokens import Pieces, special_ids
@@ -22,21 +21,29 @@ __all__ = ["ChatTemplate", "for_template"]
 class ChatTemplate:
     """Renders messages to token ids with the tokenizer's chat template."""
 
-    _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its template (`of`)
+    _kept: dict[int, ChatTemplate] = {}  # id of a tokenizer -> its template (which holds it: the id stays its)
     _kept_lock = threading.Lock()
 
     @classmethod
     def of(cls, tokenizer: Any) -> ChatTemplate:
-        """The template of `tokenizer`, made once for the process while that tokenizer object lives (model/weights.py
-        keeps one per model folder). Made at a load, its probes (the template rendered, the system role tried)
-        held the GIL beside the other models' decode steps: a reload takes it made, and the first start makes the
-        other configured models' (`weights.preload`). Its kept pieces have their own lock, so engines
-        of one tokenizer share it."""
+        """The template of `tokenizer`, made once for the process and kept (model/weights.py keeps one tokenizer
+        per model folder, and forgets a template with the tokenizer it replaces: `forget`). Made at a load, its
+        probes (the template rendered, the system role tried) held the GIL beside the other models' decode steps:
+        a reload takes it made, and the first start makes the other configured models' (`weights.preload`). Its
+        kept pieces have their own lock, so engines of one tokenizer share them, across unloads too."""
         with cls._kept_lock:
-            made = cls._kept.get(tokenizer)
+            made = cls._kept.get(id(tokenizer))
             if made is None:
-                made = cls._kept[tokenizer] = cls(tokenizer)
+                made = cls._kept[id(tokenizer)] = cls(tokenizer)
             return made
+
+    @classmethod
+    def forget(cls, tokenizer: Any) -> None:
+        """Let `tokenizer`'s template go (its tokenizer replaced: its files changed)."""
+        with cls._kept_lock:
+            made = cls._kept.get(id(tokenizer))
+            if made is not None and made.tokenizer is tokenizer:
+                del cls._kept[id(tokenizer)]
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

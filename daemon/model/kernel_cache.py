@@ -269,6 +269,7 @@ class BesideLoad:
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
         self.quantized = quantized  # a 4-bit model's kernel too (model/quantized_kernel.py)
         self.quantized_built = False  # and whether it was built (the engine takes it only then)
+        self.ran = False  # whether its thread ran anything on MLX (made a stream of its own, to let go of at the end)
         self.thread = threading.Thread(target=self._build, name="kvwake-beside-load", daemon=True,
                                        args=(Path(model_path), row_kernel, staging_tokens, list(others)))
         self.thread.start()
@@ -278,24 +279,20 @@ class BesideLoad:
 
         from kvwake.daemon.kv import devplanes
 
-        ran = False  # whether this thread ran anything on MLX (made a stream of its own, to let go of at the end)
         try:
             config = json.loads((model_path / "config.json").read_text())
             shape = _heads(model_path, config)
-            if row_kernel:
-                made, ok = self._build_row(shape)
-                ran |= made
-                if ok:
-                    self.shape = shape
+            if row_kernel and self._build_row(shape):
+                self.shape = shape
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
-                ran = True
+                self.ran = True
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens,
                                wakes=self.wakes() if self.wakes is not None else 0)
             for other in others if row_kernel else ():
                 with contextlib.suppress(OSError, ValueError, KeyError):  # not a local model folder of the kind
-                    ran |= self._build_row(_heads(other, json.loads((other / "config.json").read_text())))[0]
+                    self._build_row(_heads(other, json.loads((other / "config.json").read_text())))
         except Exception as exc:  # only the start's speed is at stake: the engine builds it itself
             log.warning("row kernel or staging not made beside the load: %r", exc)
         try:  # last, apart: the engine takes the 4-bit kernel only where it was built here
@@ -303,19 +300,20 @@ class BesideLoad:
             if self.quantized and quantization.get("bits") == 4 and quantization.get("mode", "affine") == "affine":
                 from kvwake.daemon.model import quantized_kernel
 
-                ran = True
+                self.ran = True
                 self.quantized_built = quantized_kernel.build(getattr(mx, weights_dtype(model_path)))
         except Exception as exc:  # a GPU without the tensor cores' bf16 products (before sm_80), say
             log.warning("the 4-bit kernel was not built, a quantized model's products stay MLX's: %r", exc)
         finally:
-            if ran:  # a later load whose kernels were all built makes no stream here (one made and let go at once
-                # beside another model's decoding cost that model's steps: docs/benchmarks.md, "Several models")
+            if self.ran:  # a later load whose kernels were all built makes no stream here (one made and let go of
+                # at once beside another model's decoding cost that model's steps: docs/benchmarks.md, "Several
+                # models")
                 mx.synchronize()
                 mx.clear_streams()  # this thread's stream, let go by the thread that made it (model/loader.py)
 
-    def _build_row(self, shape: tuple[int, int, int, Any]) -> tuple[bool, bool]:
+    def _build_row(self, shape: tuple[int, int, int, Any]) -> bool:
         """The row kernel for `shape`, unless built already in this process (MLX keeps a custom kernel for the
-        process, whichever thread built it): (whether it ran now, whether the kernel takes the shape)."""
+        process, whichever thread built it); whether the kernel takes the shape."""
         from kvwake.daemon.model import ragged_decode
 
         with _rows_lock:
@@ -323,13 +321,14 @@ class BesideLoad:
         if known is not None:
             if known and shape not in self.built:
                 self.built.append(shape)
-            return False, known
+            return known
+        self.ran = True  # before the build: one that raises has made this thread's stream too
         ok = bool(ragged_decode.build(*shape))
         with _rows_lock:
             _rows[shape] = ok
         if ok:
             self.built.append(shape)
-        return True, ok
+        return ok
 
     def result(self) -> tuple[int, int, int, Any] | None:
         self.thread.join()

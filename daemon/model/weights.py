@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from kvwake.daemon.kv import cudart, devplanes
+from kvwake.daemon.kv.digests import stat_key
 from kvwake.daemon.kv.restore_buffers import MX_DTYPES
 from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
@@ -109,19 +111,26 @@ def _build(model_path: Path) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]
 # Models built ahead (`prepare`), each taken by one load: folder -> (its files' names, sizes and times, the built)
 _prepared: dict[str, tuple[tuple, tuple[Any, dict, dict[int, tuple[str, mx.array]]]]] = {}
 _prepared_lock = threading.Lock()
+_loads: Counter[str] = Counter()  # loads begun per folder (mapped): a `prepare` that saw one begin keeps nothing
 
 
 def prepare(path: Path, read: str | None = None) -> bool:
     """Build the model of folder `path` now (mlx-lm's modules, lazily: nothing read) for its next load to take,
-    where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of the GIL and of
-    mx.load's headers beside the other models' decoding, which stopped every stream of theirs for ~20-27 ms at
-    the load's start (docs/benchmarks.md, "Several models", S46); the first start builds the other configured
-    models' ahead (`preload`), while nothing decodes. MLX evaluates an array on the stream of the thread that
-    made it, and on CUDA no other thread has that stream: the arrays the modules hold besides their parameters
-    (a RoPE's frequencies) are evaluated here, and the load takes the model only if its reads replace every
-    parameter (`_take_prepared`). Whether it was built (False: not read the mapped way, `read` or by the backend)."""
+    where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of Python and of
+    mx.load's headers beside the other models' decoding, which stalled every stream of theirs at the load's start
+    (docs/benchmarks.md, "Several models", S46); the first start builds the other configured models' ahead
+    (`preload`), while nothing decodes, and an unloaded model's are built again while no model is in use
+    (sessions/models.py). MLX evaluates an array on the stream of the thread that made it, and on CUDA no other
+    thread has that stream: the arrays the modules hold besides their parameters (a RoPE's frequencies) are
+    evaluated here, and the load takes the model only if its reads replace every parameter (`_take_prepared`).
+    Not kept when a load of the folder began meanwhile (that load built its own: this one would hold the files
+    open for nothing until the next). Whether it was built (False: not read the mapped way, `read` or by the
+    backend)."""
     if (read or default_read()) != "mapped":
         return False
+    key = str(Path(path).resolve())
+    with _prepared_lock:
+        began = _loads[key]
     files = _folder_files(Path(path))
     built = _build(Path(path))
     model = built[0]
@@ -129,8 +138,14 @@ def prepare(path: Path, read: str | None = None) -> bool:
     held = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array)))
     mx.eval([v for _, v in tree_flatten(held) if isinstance(v, mx.array) and id(v) not in params])
     with _prepared_lock:
-        _prepared[str(Path(path).resolve())] = (files, built)
-    return True
+        if _loads[key] != began:
+            kept = False
+        else:
+            _prepared[key] = (files, built)
+            kept = True
+    if not kept:
+        _let_go(built)
+    return kept
 
 
 def prepared(path: Path) -> bool:
@@ -142,22 +157,36 @@ def prepared(path: Path) -> bool:
 def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]] | None:
     """The model `prepare` built for this folder, taken (once), if its files are as they were then and the mapped
     reads replace every parameter it holds (one left would be evaluated on the engine thread, on the stream of
-    the thread that built it: refused on CUDA); else None (built again by the load)."""
+    the thread that built it: refused on CUDA); else None (built again by the load). Either way the folder's
+    load has begun: a `prepare` under way keeps nothing."""
+    key = str(model_path.resolve())
     with _prepared_lock:
-        kept = _prepared.pop(str(model_path.resolve()), None)
+        _loads[key] += 1
+        kept = _prepared.pop(key, None)
     if kept is None:
         return None
     files, built = kept
     model, _, stored = built
     if files != _folder_files(model_path) or _mapped(tree_flatten(model.parameters()), stored, index)[2]:
         log.info("model built ahead not taken", extra={"model": str(model_path)})
+        _let_go(built)
         return None
     return built
 
 
+def _let_go(built: tuple[Any, dict, dict[int, tuple[str, mx.array]]]) -> None:
+    """Drop what a model built ahead and not taken holds: its lazily loaded arrays keep their files open, and its
+    modules sit in reference cycles that only a full collection would free (which a load's frozen objects escape)."""
+    model, _, stored = built
+    stored.clear()
+    for module in model.modules():
+        module.clear()
+
+
 def _folder_files(path: Path) -> tuple:
-    """What says a model folder may have changed: its files' names, sizes and times."""
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir()) if f.is_file())
+    """What says a model folder may have changed: its files' names, sizes, times and inodes (what the digest cache
+    checks, kv/digests.py)."""
+    return tuple((f.name, tuple(stat_key(f.stat()).values())) for f in sorted(path.iterdir()) if f.is_file())
 
 
 # Tokenizers read, kept for the process: (folder, eos ids) -> (its tokenizer files' sizes and times, tokenizer)
@@ -186,6 +215,8 @@ def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
         tokenizer = load_tokenizer(Path(path), eos_token_ids=eos_token_ids)
         with _tokenizers_lock:
             _tokenizers[key] = (files, tokenizer)
+        if kept is not None:  # replaced: its template (and the pieces it keeps) go with it
+            ChatTemplate.forget(kept[1])
         return tokenizer
 
 
@@ -198,19 +229,27 @@ def preload(paths: list[Path], modules: bool = True, read: str | None = None) ->
     if not paths:
         return None
 
+    building = modules and (read or default_read()) == "mapped"
+
     def make() -> None:
         started, done, built = time.perf_counter(), 0, 0
-        for path in paths:
-            try:
-                # and its chat template's probes (model/chat.py), which a load made beside the decoding too
-                ChatTemplate.of(tokenizer_of(path, load_config(path).get("eos_token_id", None)))
-                done += 1
-                built += modules and prepare(path, read)
-            except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
-                log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
-        if built:  # its stream let go of by the thread that made it (model/loader.py release_mlx_streams)
-            mx.synchronize()
-            mx.clear_streams()
+        try:
+            for path in paths:
+                try:
+                    # and its chat template's probes (model/chat.py), which a load made beside the decoding too
+                    ChatTemplate.of(tokenizer_of(path, load_config(path).get("eos_token_id", None)))
+                    done += 1
+                except Exception as exc:  # noqa: BLE001 - its load reads it again and says what is wrong
+                    log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
+                    continue
+                try:
+                    built += building and prepare(path, read)
+                except Exception as exc:  # noqa: BLE001 - its load builds it and says what is wrong
+                    log.info("model not built ahead", extra={"model": str(path), "error": repr(exc)})
+        finally:
+            if building:  # its stream let go of by the thread that made it (model/loader.py release_mlx_streams)
+                mx.synchronize()
+                mx.clear_streams()
         # how long: past the start's own load, this thread held the GIL beside the first requests
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("tokenizers read ahead", extra={"models": done, "built": built, "ms": ms})
