@@ -624,8 +624,8 @@ async def test_a_model_unloaded_while_its_warm_up_holds_is_freed(tmp_path, model
         stop_manager(manager, store)
 
 
-async def test_a_model_unloaded_while_its_kernel_warmers_compile_kills_them_instead_of_waiting(tmp_path, models,
-                                                                                               monkeypatch):
+async def test_a_model_unloaded_while_its_kernel_warmers_compile_does_not_wait_for_them(tmp_path, models,
+                                                                                         monkeypatch):
     # Was (CUDA): the engine thread's first job waits for the kernel warmers a load starts, and a model unloaded
     # before its first forward pass (loaded, then let go, or drained by a load making room) waited for their
     # compiles too, its thread's stop queued behind that job: tens of seconds on a busy GPU, and the load with it
@@ -639,7 +639,7 @@ async def test_a_model_unloaded_while_its_kernel_warmers_compile_kills_them_inst
 
     class Compiling(kernel_cache.Warmer):  # warmers that would outlast the test's wait
         def _start(self, part: str) -> subprocess.Popen:
-            procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"],
+            procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(8)"],
                                           stderr=subprocess.PIPE))
             return procs[-1]
 
@@ -658,7 +658,11 @@ async def test_a_model_unloaded_while_its_kernel_warmers_compile_kills_them_inst
         started = time.monotonic()
         assert (await asyncio.wait_for(manager.unload("small"), 10))["unloaded"]
         assert time.monotonic() - started < 5
-        assert all(p.returncode is not None and p.stderr.closed for p in procs)  # killed and reaped
+        assert all(p.poll() is None for p in procs)  # not killed: left to end on their own (a kill could cut
+        deadline = time.monotonic() + 30  # MLX's write of a kernel into its disk cache), then reaped
+        while any(p.returncode is None for p in procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert [p.returncode for p in procs] == [0] * len(procs)
     finally:
         for proc in procs:
             proc.kill()

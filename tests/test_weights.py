@@ -392,3 +392,28 @@ def test_the_preload_thread_lets_go_of_its_mlx_stream_even_when_a_build_ahead_fa
     assert cleared == [True]
     assert [r.model for r in caplog.records if r.message == "model not built ahead"] == [str(model)]
     assert [r.models for r in caplog.records if r.message == "tokenizers read ahead"] == [1]  # its tokenizer was
+
+
+def test_a_build_ahead_asked_for_before_a_load_began_keeps_nothing_and_a_newer_one_replaces_an_older(
+        tmp_path, monkeypatch):
+    """`preload` notes each folder's loads as it is asked: a load that begins while its thread still reads the
+    tokenizer (before the build itself) built its own, so the build keeps nothing; and a model built ahead again
+    before any load took the first lets the first go."""
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    model = make_model_dir(tmp_path / "m")
+    real = weights.tokenizer_of
+
+    def with_a_load_meanwhile(path, eos=None):
+        assert weights._take_prepared(model, {}) is None  # a load of the folder begins meanwhile
+        return real(path, eos)
+
+    monkeypatch.setattr(weights, "tokenizer_of", with_a_load_meanwhile)
+    weights.preload([model]).join(timeout=60)
+    assert not weights.prepared(model)
+    monkeypatch.setattr(weights, "tokenizer_of", real)
+    assert weights.prepare(model)
+    (older, _, _), = [b for _, b in weights._prepared.values()]
+    assert weights.prepare(model)
+    (newer, _, _), = [b for _, b in weights._prepared.values()]
+    assert newer is not older and tree_flatten(older.parameters()) == []  # the older let go of

@@ -27,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -162,10 +161,13 @@ class Warmer:
     def __init__(self, model_path: Path) -> None:
         self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
-        self._lock = threading.Lock()  # over `procs`, `_waited` and `stopped`: `stop` comes from another thread
-        self._waited: list[subprocess.Popen] = []  # the processes a `wait` reaps (`stop` kills them for it)
-        self.stopped = False
+        self._lock = threading.Lock()  # over `procs`: `stop` comes from another thread
+        self._stop = threading.Event()  # set by `stop`: a `wait` under way returns
         self.procs = [self._start(part) for part in PARTS]
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def _start(self, part: str) -> subprocess.Popen:
         """One part's warmer: this module, run in a child process on the model's miniature (`__main__`)."""
@@ -174,21 +176,25 @@ class Warmer:
 
     def wait(self, timeout: float = WAIT_S) -> bool:
         """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache. A
-        `stop` from another thread meanwhile ends the wait once its processes are killed (False)."""
+        `stop` from another thread meanwhile ends the wait at once (False); a warmer not waited for to its end is
+        left to end on its own (`_reap_later`)."""
         with self._lock:
             procs, self.procs, done = self.procs, [], True
-            self._waited = procs
         for part, proc in zip(PARTS, procs):
-            try:
-                _, err = proc.communicate(timeout=max(0.0, timeout - (time.perf_counter() - self.started)))
-            except subprocess.TimeoutExpired:
-                log.warning("kernel warmer (%s) still compiling after %.0f s: the engine goes on without it", part, timeout)
+            deadline = self.started + timeout
+            while proc.poll() is None and not self._stop.is_set() and time.perf_counter() < deadline:
+                self._stop.wait(WAIT_POLL_S)
+            if proc.poll() is None:
+                if not self._stop.is_set():
+                    log.warning("kernel warmer (%s) still compiling after %.0f s: the engine goes on without it",
+                                part, timeout)
+                _reap_later(proc)
                 done = False
                 continue
+            _, err = proc.communicate()
             if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
-                if not self.stopped:
-                    log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
-                                err.decode(errors="replace")[-600:])
+                log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
+                            err.decode(errors="replace")[-600:])
                 done = False
         if procs and done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
@@ -196,45 +202,24 @@ class Warmer:
         return bool(procs) and done
 
     def stop(self) -> None:
-        """End the warmers still compiling, from any thread: each is asked to stop (SIGTERM: it leaves between two
-        kernels, `_leave_on_term`, never inside MLX's write of a kernel into its disk cache, which is not atomic and
-        a kill there would leave broken for every later process) and killed only if it is still there STOP_GRACE_S
-        later. Those not waited for (an engine closed before its first forward pass) are reaped here, those a
-        `wait` waits for (a model stopped while its engine thread's first job waits for them) by that wait, which
-        then returns."""
+        """Stop waiting for the warmers, from any thread: a `wait` under way returns (a model stopped while its
+        engine thread's first job waits for them), and those not waited for (an engine closed before its first
+        forward pass) are left to end on their own and reaped then. Not killed: MLX writes each compiled kernel
+        into its disk cache in place, and a warmer killed inside that write would leave it broken for every later
+        process, while one left to finish only compiles for a few seconds more."""
         with self._lock:
-            self.stopped = True
+            self._stop.set()
             procs, self.procs = self.procs, []
-            for proc in self._waited:  # not reaped here: two threads reading one process's pipe
-                if proc.poll() is None:
-                    proc.terminate()
-                    killer = threading.Timer(STOP_GRACE_S, _kill, args=(proc,))
-                    killer.daemon = True
-                    killer.start()
         for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-            try:
-                proc.communicate(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+            _reap_later(proc)
 
 
-# How long a warmer asked to stop has to leave before it is killed (one kernel's compile, most often less)
-STOP_GRACE_S = 5.0
-TERM_EXIT = 3  # a warmer's exit code when it left on SIGTERM
+WAIT_POLL_S = 0.01  # how often a wait for the warmers looks whether they ended or it was stopped
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-
-
-def _leave_on_term() -> None:
-    """A warmer's SIGTERM handler: Python runs it between two bytecodes of the main thread, so after MLX's compile
-    and write of the kernel in hand, never inside them; the process then leaves at once."""
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(TERM_EXIT))
+def _reap_later(proc: subprocess.Popen) -> None:
+    """Collect a warmer once it ends (its stderr read, its exit status taken), on a thread of its own."""
+    threading.Thread(target=proc.communicate, name="kvwake-warmer-reaper", daemon=True).start()
 
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
@@ -402,5 +387,4 @@ def _warm(model_path: Path, part: str) -> None:
 
 
 if __name__ == "__main__":
-    _leave_on_term()
     _warm(Path(sys.argv[1]), sys.argv[2])

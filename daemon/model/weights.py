@@ -47,8 +47,8 @@ from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "pieces", "preload", "prepare", "prepared",
-           "tokenizer_of"]
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "load_count", "pieces", "preload",
+           "prepare", "prepared", "tokenizer_of"]
 
 log = logging.getLogger("kvwake.models")
 
@@ -114,7 +114,7 @@ _prepared_lock = threading.Lock()
 _loads: Counter[str] = Counter()  # loads begun per folder (mapped): a `prepare` that saw one begin keeps nothing
 
 
-def prepare(path: Path, read: str | None = None) -> bool:
+def prepare(path: Path, read: str | None = None, began: int | None = None) -> bool:
     """Build the model of folder `path` now (mlx-lm's modules, lazily: nothing read) for its next load to take,
     where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of Python and of
     mx.load's headers beside the other models' decoding, which stalled every stream of theirs at the load's start
@@ -123,14 +123,15 @@ def prepare(path: Path, read: str | None = None) -> bool:
     (sessions/models.py). MLX evaluates an array on the stream of the thread that made it, and on CUDA no other
     thread has that stream: the arrays the modules hold besides their parameters (a RoPE's frequencies) are
     evaluated here, and the load takes the model only if its reads replace every parameter (`_take_prepared`).
-    Not kept when a load of the folder began meanwhile (that load built its own: this one would hold the files
-    open for nothing until the next). Whether it was built (False: not read the mapped way, `read` or by the
+    Not kept when a load of the folder began meanwhile, since `began` (its count of loads begun, `load_count`,
+    taken when the build was asked for; default: now): that load built its own, and this one would hold the
+    files open for nothing until the next. Whether it was built (False: not read the mapped way, `read` or by the
     backend)."""
     if (read or default_read()) != "mapped":
         return False
     key = str(Path(path).resolve())
-    with _prepared_lock:
-        began = _loads[key]
+    if began is None:
+        began = load_count(path)
     files = _folder_files(Path(path))
     built = _build(Path(path))
     model = built[0]
@@ -138,14 +139,21 @@ def prepare(path: Path, read: str | None = None) -> bool:
     held = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array)))
     mx.eval([v for _, v in tree_flatten(held) if isinstance(v, mx.array) and id(v) not in params])
     with _prepared_lock:
-        if _loads[key] != began:
-            kept = False
-        else:
+        kept = _loads[key] == began
+        replaced = _prepared.pop(key, None) if kept else None
+        if kept:
             _prepared[key] = (files, built)
-            kept = True
     if not kept:
         _let_go(built)
+    if replaced is not None:  # built before and not taken: this one, newer, takes its place
+        _let_go(replaced[1])
     return kept
+
+
+def load_count(path: Path) -> int:
+    """How many loads of folder `path` the mapped way began in this process (`prepare`'s `began`)."""
+    with _prepared_lock:
+        return _loads[str(Path(path).resolve())]
 
 
 def prepared(path: Path) -> bool:
@@ -230,6 +238,7 @@ def preload(paths: list[Path], modules: bool = True, read: str | None = None) ->
         return None
 
     building = modules and (read or default_read()) == "mapped"
+    began = {path: load_count(path) for path in paths} if building else {}  # as asked: a load from now on wins
 
     def make() -> None:
         started, done, built = time.perf_counter(), 0, 0
@@ -243,7 +252,7 @@ def preload(paths: list[Path], modules: bool = True, read: str | None = None) ->
                     log.info("tokenizer not read ahead", extra={"model": str(path), "error": repr(exc)})
                     continue
                 try:
-                    built += building and prepare(path, read)
+                    built += building and prepare(path, read, began[path])
                 except Exception as exc:  # noqa: BLE001 - its load builds it and says what is wrong
                     log.info("model not built ahead", extra={"model": str(path), "error": repr(exc)})
         finally:
