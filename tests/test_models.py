@@ -717,5 +717,11 @@ async def test_an_unloaded_models_modules_are_built_again_once_no_model_is_in_us
         busy["main"] = False
         await asyncio.sleep(0.1)
         assert not weights.prepared(small) and manager._building == {}
+        busy["main"] = True
+        await manager.unload("small")
+        manager.stopping = True  # the daemon stops while the build waits for an idle moment: none is made
+        busy["main"] = False
+        await asyncio.sleep(0.1)
+        assert not weights.prepared(small) and manager._building == {}
     finally:
         stop_manager(manager, store)

@@ -348,6 +348,8 @@ class ModelKeeping(ModelRoom):
 
     async def _build_ahead(self, name: str, folder: Path) -> None:
         while True:
+            if self.stopping:  # the daemon stops: nothing to build for
+                return
             if name in self.models or name in self._loads or name in self._loading_since \
                     or self._waits[name] > 0:
                 return  # asked for first: its load builds them
