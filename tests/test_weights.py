@@ -417,3 +417,16 @@ def test_a_build_ahead_asked_for_before_a_load_began_keeps_nothing_and_a_newer_o
     assert weights.prepare(model)
     (newer, _, _), = [b for _, b in weights._prepared.values()]
     assert newer is not older and tree_flatten(older.parameters()) == []  # the older let go of
+
+
+def test_a_model_built_ahead_with_an_array_left_unevaluated_beside_its_parameters_is_not_taken(tmp_path, monkeypatch):
+    """Anything a model's modules hold besides their parameters must hold its values when a load takes the model
+    (on CUDA the engine thread could not evaluate it: another thread's stream): one left with a graph behind it
+    (here a tuple member made after the build) has the load build its own."""
+    monkeypatch.setattr(weights, "_prepared", {})
+    monkeypatch.setattr(weights, "default_read", lambda: "mapped")
+    model = make_model_dir(tmp_path / "m")
+    assert weights.prepare(model)
+    (built, _, _), = [b for _, b in weights._prepared.values()]
+    built.model.layers[0]._pair = (mx.ones((2,)) * 2, mx.zeros((1,)))  # lazy: made and never evaluated
+    assert weights.load(str(model), read="mapped")[0] is not built

@@ -134,10 +134,7 @@ def prepare(path: Path, read: str | None = None, began: int | None = None) -> bo
         began = load_count(path)
     files = _folder_files(Path(path))
     built = _build(Path(path))
-    model = built[0]
-    params = {id(v) for _, v in tree_flatten(model.parameters())}
-    held = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array)))
-    mx.eval([v for _, v in tree_flatten(held) if isinstance(v, mx.array) and id(v) not in params])
+    mx.eval(_held_besides_parameters(built[0]))
     with _prepared_lock:
         kept = _loads[key] == began
         replaced = _prepared.pop(key, None) if kept else None
@@ -175,11 +172,25 @@ def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, 
         return None
     files, built = kept
     model, _, stored = built
-    if files != _folder_files(model_path) or _mapped(tree_flatten(model.parameters()), stored, index)[2]:
+    if files != _folder_files(model_path) or _mapped(tree_flatten(model.parameters()), stored, index)[2] \
+            or not all(_evaluated(a) for a in _held_besides_parameters(model)):
         log.info("model built ahead not taken", extra={"model": str(model_path)})
         _let_go(built)
         return None
     return built
+
+
+def _held_besides_parameters(model: Any) -> list[mx.array]:
+    """The arrays a model's modules hold that are not its parameters (a RoPE's frequencies: in dicts, lists and
+    tuples too)."""
+    params = {id(v) for _, v in tree_flatten(model.parameters())}
+    held = model.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, tuple, mx.array)))
+    return [v for _, v in tree_flatten(held) if isinstance(v, mx.array) and id(v) not in params]
+
+
+def _evaluated(a: mx.array) -> bool:
+    """Whether `a` holds its values, no graph left behind it."""
+    return _primitives(a) == []
 
 
 def _let_go(built: tuple[Any, dict, dict[int, tuple[str, mx.array]]]) -> None:
@@ -343,9 +354,14 @@ def _bare_load(a: mx.array) -> bool:
     """Whether `a` is still nothing but mx.load's read of its file tensor: an in-place operator of a `sanitize`
     (`w *= scale`: falcon_h1's multipliers) keeps the Python object and puts another graph behind it. Read from
     MLX's graph export (a few microseconds); a graph it does not recognize as one Load is evaluated MLX's way."""
+    return _primitives(a) == ["Load"]
+
+
+def _primitives(a: mx.array) -> list[str]:
+    """The primitives of the graph behind `a`, from MLX's graph export (none once it is evaluated)."""
     graph = io.StringIO()
     mx.export_to_dot(graph, a)
-    return re.findall(r'label ="([^"]*)"', graph.getvalue()) == ["Load"]
+    return re.findall(r'label ="([^"]*)"', graph.getvalue())
 
 
 class _Reader:
