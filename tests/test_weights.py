@@ -285,16 +285,6 @@ def test_a_tokenizers_chat_template_is_made_once_read_ahead_and_taken_by_each_en
     assert chat.ChatTemplate.of(again) is not first.template
 
 
-def _graph(a: mx.array) -> list[str]:
-    """The primitives behind `a` (none once it is evaluated)."""
-    import io
-    import re
-
-    out = io.StringIO()
-    mx.export_to_dot(out, a)
-    return re.findall(r'label ="([^"]*)"', out.getvalue())
-
-
 def test_a_model_built_ahead_is_taken_once_by_its_mapped_load_with_its_other_arrays_evaluated(tmp_path, monkeypatch):
     """The first start builds the other configured models' modules (`prepare`, in `preload`) where weights are
     read the mapped way (CUDA; here the mapped path on the CPU): their load takes them instead of building them
@@ -310,7 +300,7 @@ def test_a_model_built_ahead_is_taken_once_by_its_mapped_load_with_its_other_arr
     (built, _, _), = [b for _, b in weights._prepared.values()]
     freqs = [v for k, v in tree_flatten(built.filter_and_map(lambda _m, _k, v: isinstance(v, (dict, list, mx.array))))
              if k.endswith("_freqs")]
-    assert freqs and all(_graph(f) == [] for f in freqs)  # evaluated where they were made
+    assert freqs and all(weights._primitives(f) == [] for f in freqs)  # evaluated where they were made
     made = []
     real = weights.load_model
     monkeypatch.setattr(weights, "load_model", lambda *a, **kw: made.append(a) or real(*a, **kw))

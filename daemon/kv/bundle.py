@@ -221,8 +221,8 @@ def digests_ahead(folders: list[Path], digest_cache: str | os.PathLike) -> threa
     file hashed beside the other models' decoding. Once per machine and per changed file: the cache keeps them
     (by size, times and inode, so a file changed since is hashed again by its load, and the model tie holds). A
     load that comes while its folder is being hashed takes those digests under way (`start_digests`, which
-    hashes the rest on its own threads) rather than hashing it again beside them. That thread, None when there is none to hash; a folder that fails is left to its
-    load, which reports it."""
+    hashes the rest on its own threads) rather than hashing it again beside them. That thread, None when there
+    is none to hash; a folder that fails is left to its load, which reports it."""
     if not folders:
         return None
 

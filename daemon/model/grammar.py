@@ -179,7 +179,7 @@ class Grammars:
 
     llguidance's tokenizer (`tokenizer`) is built at the first structure that needs it unless `eager`: its build
     holds the GIL throughout, longer the larger the vocabulary, and built in a load it stopped every other
-    loaded model's decode steps for that long (docs/decisions.md, "Several models", session 45). The daemon
+    loaded model's decode steps for that long (docs/decisions.md, "Several models"). The daemon
     builds it eagerly for the model it starts with (nothing decodes yet), lazily for a model loaded on demand:
     there the first structured request pays it, on the thread that checks its structure first (a request's
     check runs on the event loop: sessions/conversations.py `prepare`), and since the build holds the GIL,

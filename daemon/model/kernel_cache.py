@@ -161,65 +161,63 @@ class Warmer:
     def __init__(self, model_path: Path) -> None:
         self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
-        self._lock = threading.Lock()  # over `procs`: `stop` comes from another thread
-        self._stop = threading.Event()  # set by `stop`: a `wait` under way returns
         self.procs = [self._start(part) for part in PARTS]
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
+        # each warmer collected on a thread of its own as it ends (its stderr read, its exit status taken): a `wait`
+        # only waits for their notes, and a `stop` from another thread ends it at once
+        self._ended = threading.Condition()
+        self._errors: dict[int, bytes] = {}  # index of a warmer that ended -> its stderr
+        self.stopped = False
+        self.waited = False
+        for i, proc in enumerate(self.procs):
+            threading.Thread(target=self._collect, args=(i, proc), name="kvwake-warmer-reaper", daemon=True).start()
 
     def _start(self, part: str) -> subprocess.Popen:
         """One part's warmer: this module, run in a child process on the model's miniature (`__main__`)."""
         return subprocess.Popen([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(self.path), part],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
 
+    def _collect(self, i: int, proc: subprocess.Popen) -> None:
+        _, err = proc.communicate()
+        with self._ended:
+            self._errors[i] = err or b""
+            self._ended.notify_all()
+
     def wait(self, timeout: float = WAIT_S) -> bool:
-        """Wait for the warmers (at most `timeout` in all): whether every one finished and filled the cache. A
-        `stop` from another thread meanwhile ends the wait at once (False); a warmer not waited for to its end is
-        left to end on its own (`_reap_later`)."""
-        with self._lock:
-            procs, self.procs, done = self.procs, [], True
-        for part, proc in zip(PARTS, procs):
-            deadline = self.started + timeout
-            while proc.poll() is None and not self._stop.is_set() and time.perf_counter() < deadline:
-                self._stop.wait(WAIT_POLL_S)
-            if proc.poll() is None:
-                if not self._stop.is_set():
+        """Wait for the warmers (at most `timeout` from their start): whether every one finished and filled the
+        cache. A `stop` from another thread meanwhile ends the wait at once (False); a warmer not waited for to
+        its end ends on its own."""
+        with self._ended:
+            if self.waited:  # once: the engine thread's first job
+                return False
+            self.waited = True
+            self._ended.wait_for(lambda: self.stopped or len(self._errors) == len(self.procs),
+                                 timeout=max(0.0, self.started + timeout - time.perf_counter()))
+            errors, stopped = dict(self._errors), self.stopped
+        done = bool(self.procs) and not stopped
+        for i, part in enumerate(PARTS):
+            if i not in errors:
+                if not stopped:
                     log.warning("kernel warmer (%s) still compiling after %.0f s: the engine goes on without it",
                                 part, timeout)
-                _reap_later(proc)
                 done = False
-                continue
-            _, err = proc.communicate()
-            if proc.returncode != 0:  # the engine compiles what it needs itself, as without a warmer
-                log.warning("kernel warmer (%s) exited %s: %s", part, proc.returncode,
-                            err.decode(errors="replace")[-600:])
+            elif self.procs[i].returncode != 0:  # the engine compiles what it needs itself, as without a warmer
+                log.warning("kernel warmer (%s) exited %s: %s", part, self.procs[i].returncode,
+                            errors[i].decode(errors="replace")[-600:])
                 done = False
-        if procs and done:
+        if done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
             _done.add(_warmed_key(self.path))
-        return bool(procs) and done
+        return done
 
     def stop(self) -> None:
         """Stop waiting for the warmers, from any thread: a `wait` under way returns (a model stopped while its
-        engine thread's first job waits for them), and those not waited for (an engine closed before its first
-        forward pass) are left to end on their own and reaped then. Not killed: MLX writes each compiled kernel
-        into its disk cache in place, and a warmer killed inside that write would leave it broken for every later
-        process, while one left to finish only compiles for a few seconds more."""
-        with self._lock:
-            self._stop.set()
-            procs, self.procs = self.procs, []
-        for proc in procs:
-            _reap_later(proc)
-
-
-WAIT_POLL_S = 0.01  # how often a wait for the warmers looks whether they ended or it was stopped
-
-
-def _reap_later(proc: subprocess.Popen) -> None:
-    """Collect a warmer once it ends (its stderr read, its exit status taken), on a thread of its own."""
-    threading.Thread(target=proc.communicate, name="kvwake-warmer-reaper", daemon=True).start()
+        engine thread's first job waits for them), and none is waited for later. Not killed: MLX writes each
+        compiled kernel into its disk cache in place, and a warmer killed inside that write would leave it broken
+        for every later process, while one left to finish only compiles for a few seconds more (each is reaped
+        as it ends)."""
+        with self._ended:
+            self.stopped = True
+            self._ended.notify_all()
 
 
 # Config keys that name layers other than plain attention (a sliding window, recurrent blocks): such a model's
@@ -336,7 +334,7 @@ def padded_chunk(dtype: Any, head_dim: int, key: Any) -> tuple[Any, Any]:
     additive mask, the masked fused kernel) on two query heads over one KV head, random by `key`, and the same
     chunk at its own shape: (padded, own). The miniature's prefill never takes that path, and on a machine
     whose cache lacked its kernels a fleet's first pack of turns at two shapes compiled them mid-round
-    (docs/benchmarks.md, "fleet", S45)."""
+    (docs/benchmarks.md, "fleet")."""
     import mlx.core as mx
     from mlx_lm.models.base import scaled_dot_product_attention
 

@@ -118,7 +118,7 @@ def free_stopped(clear: bool = True) -> None:
     limit) and MLX hands a cached buffer to the next request of its size whatever memory it is. On CUDA a host
     array (a wake's image, a sleep's copy) is managed memory and a kernel's output device memory, and a buffer
     of one kind reused as the other is migrated or copied whole at its first use: the next model's first wake
-    and turn would pay for the last one's leftovers (docs/decisions.md, "Several models", session 45). False
+    and turn would pay for the last one's leftovers (docs/decisions.md, "Several models"). False
     only to measure that (bench/reload_probe.py)."""
     gc.unfreeze()
     gc.collect()

@@ -47,8 +47,8 @@ from kvwake.daemon.model.chat import ChatTemplate
 from kvwake.daemon.model.kernel_cache import safetensors_header
 from kvwake.daemon.timing import Phases
 
-__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "default_read", "load", "load_count", "pieces", "preload",
-           "prepare", "prepared", "tokenizer_of"]
+__all__ = ["PIECE_BYTES", "READS", "SLOT_BYTES", "builds_ahead", "default_read", "load", "load_count", "pieces",
+           "preload", "prepare", "prepared", "tokenizer_of"]
 
 log = logging.getLogger("kvwake.models")
 
@@ -79,9 +79,8 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
     clock = phases if phases is not None else Phases()
     model_path = Path(path)
     index = _index(model_path) if read == "mapped" else {}
-    built = _take_prepared(model_path, index) if read == "mapped" else None
-    if built is None:
-        built = _build(model_path)
+    taken = _take_prepared(model_path, index) if read == "mapped" else None
+    built, plan = taken if taken is not None else (_build(model_path), None)
     model, config, stored = built  # stored: what mlx-lm's mx.load made, id -> (its name, the array)
     tokenizer = tokenizer_of(model_path, config.get("eos_token_id", None))
     if phases is not None:
@@ -89,7 +88,7 @@ def load(path: str, most: int = PIECE_BYTES, phases: Phases | None = None,
     params = tree_flatten(model.parameters())
     rest = [v for _, v in params]
     if read == "mapped" and stored:
-        rest = _read_mapped(model, params, stored, index, clock, timeline)
+        rest = _read_mapped(model, plan or _mapped(params, stored, index), clock, timeline)
     stored.clear()
     for piece in pieces(rest, most):
         began = time.perf_counter()
@@ -114,11 +113,17 @@ _prepared_lock = threading.Lock()
 _loads: Counter[str] = Counter()  # loads begun per folder (mapped): a `prepare` that saw one begin keeps nothing
 
 
+def builds_ahead(read: str | None = None) -> bool:
+    """Whether models are built ahead where weights are read `read`'s way (None: by the backend): the mapped way
+    only, where every parameter is read anew by the engine thread (`prepare`)."""
+    return (read or default_read()) == "mapped"
+
+
 def prepare(path: Path, read: str | None = None, began: int | None = None) -> bool:
     """Build the model of folder `path` now (mlx-lm's modules, lazily: nothing read) for its next load to take,
     where weights are read the mapped way (CUDA). Built at a load, its modules were tens of ms of Python and of
     mx.load's headers beside the other models' decoding, which stalled every stream of theirs at the load's start
-    (docs/benchmarks.md, "Several models", S46); the first start builds the other configured models' ahead
+    (docs/benchmarks.md, "Several models"); the first start builds the other configured models' ahead
     (`preload`), while nothing decodes, and an unloaded model's are built again while no model is in use
     (sessions/models.py). MLX evaluates an array on the stream of the thread that made it, and on CUDA no other
     thread has that stream: the arrays the modules hold besides their parameters (a RoPE's frequencies) are
@@ -127,7 +132,7 @@ def prepare(path: Path, read: str | None = None, began: int | None = None) -> bo
     taken when the build was asked for; default: now): that load built its own, and this one would hold the
     files open for nothing until the next. Whether it was built (False: not read the mapped way, `read` or by the
     backend)."""
-    if (read or default_read()) != "mapped":
+    if not builds_ahead(read):
         return False
     key = str(Path(path).resolve())
     if began is None:
@@ -159,11 +164,12 @@ def prepared(path: Path) -> bool:
         return str(Path(path).resolve()) in _prepared
 
 
-def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, tuple[str, mx.array]]] | None:
-    """The model `prepare` built for this folder, taken (once), if its files are as they were then and the mapped
-    reads replace every parameter it holds (one left would be evaluated on the engine thread, on the stream of
-    the thread that built it: refused on CUDA); else None (built again by the load). Either way the folder's
-    load has begun: a `prepare` under way keeps nothing."""
+def _take_prepared(model_path: Path, index: dict) -> tuple[tuple[Any, dict, dict[int, tuple[str, mx.array]]],
+                                                          tuple] | None:
+    """The model `prepare` built for this folder, taken (once), with its mapped reads' plan (`_mapped`), if its
+    files are as they were then and those reads replace every parameter it holds (one left would be evaluated on
+    the engine thread, on the stream of the thread that built it: refused on CUDA); else None (built again by
+    the load). Either way the folder's load has begun: a `prepare` under way keeps nothing."""
     key = str(model_path.resolve())
     with _prepared_lock:
         _loads[key] += 1
@@ -172,12 +178,12 @@ def _take_prepared(model_path: Path, index: dict) -> tuple[Any, dict, dict[int, 
         return None
     files, built = kept
     model, _, stored = built
-    if files != _folder_files(model_path) or _mapped(tree_flatten(model.parameters()), stored, index)[2] \
-            or not all(_evaluated(a) for a in _held_besides_parameters(model)):
+    plan = _mapped(tree_flatten(model.parameters()), stored, index)
+    if files != _folder_files(model_path) or plan[2] or not all(_evaluated(a) for a in _held_besides_parameters(model)):
         log.info("model built ahead not taken", extra={"model": str(model_path)})
         _let_go(built)
         return None
-    return built
+    return built, plan
 
 
 def _held_besides_parameters(model: Any) -> list[mx.array]:
@@ -202,10 +208,11 @@ def _let_go(built: tuple[Any, dict, dict[int, tuple[str, mx.array]]]) -> None:
         module.clear()
 
 
-def _folder_files(path: Path) -> tuple:
-    """What says a model folder may have changed: its files' names, sizes, times and inodes (what the digest cache
-    checks, kv/digests.py)."""
-    return tuple((f.name, tuple(stat_key(f.stat()).values())) for f in sorted(path.iterdir()) if f.is_file())
+def _folder_files(path: Path, weights: bool = True) -> tuple:
+    """What says a model folder (without `weights`: its files but the safetensors) may have changed: its files'
+    names, sizes, times and inodes (what the digest cache checks, kv/digests.py)."""
+    return tuple((f.name, tuple(stat_key(f.stat()).values())) for f in sorted(path.iterdir())
+                 if f.is_file() and (weights or not f.name.endswith(".safetensors")))
 
 
 # Tokenizers read, kept for the process: (folder, eos ids) -> (its tokenizer files' sizes and times, tokenizer)
@@ -217,16 +224,16 @@ _reading: dict[tuple[str, str], threading.Lock] = {}  # per key: held while its 
 def tokenizer_of(path: Path, eos_token_ids: Any = None) -> Any:
     """mlx-lm's tokenizer of the model folder `path`, read once for the process while its files stay as they are.
     Reading one holds the GIL for long stretches (its vocabulary listed three times, its JSON parsed in Python),
-    and done in a load it stopped every other loaded model's decode steps (docs/decisions.md, "Several models",
-    session 45): kept, a reload reads none, and the first start reads the other
-    configured models' (`preload`) while nothing decodes. The engine only reads a tokenizer (each call
+    and done in a load it stopped every other loaded model's decode steps (docs/decisions.md, "Several
+    models"): kept, a reload reads none, and the first start reads the other configured models' (`preload`)
+    while nothing decodes. The engine only reads a tokenizer (each call
     takes a fresh detokenizer), so one object serves every load of its model. A read of the same folder under way
     (read ahead while it loads) is waited for, not done twice."""
     key = (str(Path(path).resolve()), repr(eos_token_ids))
     with _tokenizers_lock:
         reading = _reading.setdefault(key, threading.Lock())
     with reading:
-        files = _tokenizer_files(Path(path))
+        files = _folder_files(Path(path), weights=False)
         with _tokenizers_lock:
             kept = _tokenizers.get(key)
         if kept is not None and kept[0] == files:
@@ -243,12 +250,13 @@ def preload(paths: list[Path], modules: bool = True, read: str | None = None) ->
     """Read the tokenizers of the model folders `paths` (each as its load will ask: the eos ids of mlx-lm's
     `load_config`, which takes generation_config.json's over config.json's, as `load_model` does), make their
     chat templates (`ChatTemplate.of`) and, with `modules` where weights are read the mapped way (`read`, else by
-    the backend), build their models (`prepare`), on a thread of its own, the daemon's first start going on meanwhile; that thread, None when
-    there is none to read. A folder that fails is left to its load, which reports it."""
+    the backend), build their models (`prepare`), on a thread of its own, the daemon's first start going on
+    meanwhile; that thread, None when there is none to read. A folder that fails is left to its load, which
+    reports it."""
     if not paths:
         return None
 
-    building = modules and (read or default_read()) == "mapped"
+    building = modules and builds_ahead(read)
     began = {path: load_count(path) for path in paths} if building else {}  # as asked: a load from now on wins
 
     def make() -> None:
@@ -274,15 +282,9 @@ def preload(paths: list[Path], modules: bool = True, read: str | None = None) ->
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("tokenizers read ahead", extra={"models": done, "built": built, "ms": ms})
 
-    thread = threading.Thread(target=make, name="kvwake-tokenizers", daemon=True)
+    thread = threading.Thread(target=make, name="kvwake-preload", daemon=True)
     thread.start()
     return thread
-
-
-def _tokenizer_files(path: Path) -> tuple:
-    """What says a folder's tokenizer may have changed: its files' names, sizes and times (the weights aside)."""
-    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.iterdir())
-                 if f.is_file() and not f.name.endswith(".safetensors"))
 
 
 def _recording(stored: dict[int, tuple[str, mx.array]]) -> Any:
@@ -333,11 +335,11 @@ def _mapped(params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.
     return by_id, tensors, rest
 
 
-def _read_mapped(model: Any, params: list[tuple[str, mx.array]], stored: dict[int, tuple[str, mx.array]],
-                 index: dict, clock: Phases, timeline: list[dict[str, Any]] | None) -> list[mx.array]:
-    """Read the parameters that are file tensors as stored through the slots and put them in the model. The
-    other parameters, to evaluate MLX's way."""
-    by_id, tensors, rest = _mapped(params, stored, index)
+def _read_mapped(model: Any, plan: tuple[dict[int, list[str]], dict[int, tuple], list[mx.array]],
+                 clock: Phases, timeline: list[dict[str, Any]] | None) -> list[mx.array]:
+    """Read the parameters that are file tensors as stored (`plan`: `_mapped`'s) through the slots and put them in
+    the model. The other parameters, to evaluate MLX's way."""
+    by_id, tensors, rest = plan
     if not tensors:
         return rest
     order = sorted(tensors, key=lambda i: (str(tensors[i][0]), tensors[i][1]))  # each file front to back

@@ -335,11 +335,11 @@ class ModelKeeping(ModelRoom):
         """Model `name`'s modules built again for its next load (model/weights.py `prepare`, where weights are read
         the mapped way and the model is a folder) once no model is in use. The first start built them once; a
         reload built its own beside the other models' decoding, which stalled every stream of theirs at the
-        load's start (docs/benchmarks.md, "Several models", S46). Given up once the model is asked for again."""
+        load's start (docs/benchmarks.md, "Several models"). Given up once the model is asked for again."""
         spec = self.registry.spec(name)
         folder = Path(spec.source).expanduser() if spec.source is not None else None
         if not self.settings.tuning.modules_ahead or folder is None or not folder.is_dir() \
-                or (self.settings.tuning.weights_read or weights.default_read()) != "mapped" or name in self._building:
+                or not weights.builds_ahead(self.settings.tuning.weights_read) or name in self._building:
             return
         task = asyncio.get_running_loop().create_task(self._build_ahead(name, folder))
         self._building[name] = task  # held: the loop keeps only weak references to tasks
