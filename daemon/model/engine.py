@@ -259,10 +259,10 @@ class Engine(Appending):
             self.kernels = None
 
     def stop_kernels(self) -> None:
-        """Any thread: the kernel warmers still compiling killed, whether the engine thread's first job waits for
-        them (it returns then) or none ran yet. A model stopped before its first forward pass (an unload, a load
-        making room by one, the daemon's stop) otherwise waited for their compiles, kernel_cache.WAIT_S at most,
-        a stop being queued behind that job."""
+        """Any thread: the kernel warmers still compiling no longer waited for, whether the engine thread's first
+        job waits for them (it returns then) or none ran yet; they end on their own (kernel_cache.Warmer.stop). A
+        model stopped before its first forward pass (an unload, a load making room by one, the daemon's stop)
+        otherwise waited for their compiles, kernel_cache.WAIT_S at most, a stop being queued behind that job."""
         kernels, self.kernels = self.kernels, None
         if kernels is not None:
             kernels.stop()
@@ -322,7 +322,7 @@ class Engine(Appending):
         return devplanes.warm(cache[0].keys, 2 * len(cache), self.block_tokens)
 
     def close(self) -> None:
-        self.stop_kernels()  # still compiling (no forward pass ran, or its wait cut short): their processes go too
+        self.stop_kernels()  # still compiling (no forward pass ran, or its wait cut short): not waited for
         self.persister.close()
         if self.prefill_rows is not None:
             self.prefill_rows.close()
