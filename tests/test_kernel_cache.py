@@ -357,16 +357,24 @@ def test_a_stopped_warmer_is_left_to_end_on_its_own_and_a_wait_for_it_returns_at
     import threading
     import time
 
-    script = "import time; print('ready', flush=True); time.sleep(1.5)"
+    # each child notes that it runs in a file of its own (its pipes are the warmer's to read)
+    script = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(1.5)"
+    started = []
 
     class Compiling(kernel_cache.Warmer):
         def _start(self, part):
-            return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            started.append(tmp_path / f"running-{len(started)}")
+            return subprocess.Popen([sys.executable, "-c", script, str(started[-1])], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE)
+
+    def running() -> None:
+        deadline = time.monotonic() + 20
+        while not all(f.exists() for f in started) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     waited_for = Compiling(tmp_path)
     procs = list(waited_for.procs)
-    for proc in procs:
-        assert proc.stdout.readline() == b"ready\n"
+    running()
     waited = []
     waiting = threading.Thread(target=lambda: waited.append(waited_for.wait(timeout=60)))
     waiting.start()
@@ -385,5 +393,3 @@ def test_a_stopped_warmer_is_left_to_end_on_its_own_and_a_wait_for_it_returns_at
     while any(p.returncode is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p.returncode for p in procs] == [0] * len(procs)  # each ended on its own, reaped
-    for proc in procs:
-        proc.stdout.close()
