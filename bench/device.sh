@@ -63,6 +63,9 @@
 #   fleet-q4-alone  the 4-bit fleet (after `q4`), kvwake alone: its restart's trace
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
+#   paged-ab  issue 51: the fleet (8 agents over 10k, 3 turns, openai; $PAGED_AGENTS others) with paged KV and its
+#             kernel on and off in turn ($PAGED_RUNS, default "true false true false"), kvwake alone; one line a run
+#             (bench/fleet_runs.py: the phases, the hot KV and the pool at the rounds' end), then the restarts' phases
 #   fleet-16-prefetch  the same with the hot set read during start-up on and off (KVWAKE_RESTART_PREFETCH), in
 #             turn ($PREFETCH_RUNS, default "true false true false"), then one line a run of where its restart went
 #             (bench/restart_phases.py: first token, the woken turns' phases, blocks from memory / disk, the reader)
@@ -218,6 +221,15 @@ for c in json.load(open(sys.argv[1]))["configs"]:
               "turns_2_on_first_token_p50_s", "turns_2_on_first_token_p95_s", "restart_first_token_p50_s",
               "rounds_wall_s")}}))' "$f"; done | tee -a "$OUT/$1.jsonl"
               tar czf "$OUT/$1.tgz" -C "$OUT" $(cd "$OUT" && ls -d "$1"-*/) && rm -rf "$OUT/$1"-*/ ;;
+    paged-ab) model; n=0  # issue 51: paged KV (and its kernel) on and off in turn ($PAGED_RUNS), kvwake alone
+              for v in ${PAGED_RUNS:-true false true false}; do
+                n=$((n + 1))
+                KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v fleet "paged-ab-$n-$v" --agents "${PAGED_AGENTS:-8}" \
+                  --system-tokens 10240 --turns 3 --apis openai --no-baseline | tail -2
+              done
+              python3 bench/fleet_runs.py "$OUT"/paged-ab-*/ | tee "$OUT/paged-ab.jsonl"
+              python3 bench/restart_phases.py "$OUT"/paged-ab-*/ | tee -a "$OUT/paged-ab.jsonl"
+              tar czf "$OUT/paged-ab.tgz" -C "$OUT" $(cd "$OUT" && ls -d paged-ab-*/) && rm -rf "$OUT"/paged-ab-*/ ;;
     fleet-16-prefetch) model; n=0
               for v in ${PREFETCH_RUNS:-true false true false}; do
                 n=$((n + 1))

@@ -89,6 +89,25 @@ def test_two_sessions_diverging_inside_a_shared_block_each_see_their_own(model) 
         assert feed(model, alone, shared + own, [13, 3])[-1] == got[-1]
 
 
+def test_a_copy_on_write_copies_a_page_not_the_pool(model) -> None:
+    """A shared partial page copied for its writer: the page, not every layer's pool (its source was a pending
+    read of the pool being updated: the update copied the pool whole)."""
+    shared = tokens(13, 4)
+    pool = pool_for(model, capacity=1 << 15)  # 8 MiB a layer's keys or values
+    a = paged_cache(pool, make_prompt_cache(model))
+    feed(model, a, shared, [13])
+    b = fork(a, 13)
+    mx.eval(pool.keys, pool.values)
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    pages = pool.pages_held()
+    slots = b[0].session.slots_for(13, 1)  # b writes into the partial page a lists too: copied first
+    mx.eval(pool.keys, pool.values, slots if isinstance(slots, mx.array) else [])
+    grew, one_pool = mx.get_peak_memory() - held, pool.keys[0].nbytes
+    assert pool.pages_held() == pages + 1
+    assert grew < one_pool // 4, f"a page's copy took {grew} bytes; one pool is {one_pool}"
+
+
 def test_a_session_maps_a_published_prefix_and_decodes_as_if_it_had_computed_it(model) -> None:
     prefix, rest = tokens(24, 7), tokens(5, 8)
     pool = pool_for(model)
@@ -231,6 +250,22 @@ def test_turns_packed_in_one_pass_write_each_session_s_pages(model) -> None:
     for mine, theirs in zip(paged, plain, strict=True):
         assert all(mx.array_equal(m.keys, t.keys[..., : t.offset, :]).item() and m.offset == t.offset
                    for m, t in zip(mine, theirs, strict=True))
+
+
+def test_turns_packed_into_one_pool_write_it_in_place(model) -> None:
+    """A pack's rows all write the pool before any reads it: a read still pending when the next row wrote made
+    that write copy the layer's whole pool, once per row and layer (MLX's peak grew by pools, not by rows)."""
+    turns = [tokens(9, 21 + i) for i in range(4)]
+    pool = pool_for(model, capacity=1 << 15)  # 32 MiB of pages in all, 8 MiB a layer's keys or values
+    paged = [paged_cache(pool, make_prompt_cache(model)) for _ in turns]
+    one_pool = pool.keys[0].nbytes
+    mx.eval(pool.keys, pool.values)
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    packing.forward(model, list(zip(turns, paged, strict=True)), [lambda fused: fused] * len(turns))
+    mx.eval([c.state for cache in paged for c in cache])
+    grew = mx.get_peak_memory() - held
+    assert grew < one_pool // 4, f"a pack of {len(turns)} rows took {grew} bytes more; one pool is {one_pool}"
 
 
 def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:

@@ -233,5 +233,6 @@ def test_the_pools_grow_to_their_limit_keeping_what_they_hold() -> None:
     pool.open("b")
     pool.append("b", *kv(4 * 5, 3))  # five more: grown to the limit
     assert pool.capacity == 8 and pool.pages_held() == 8
+    assert pool.grows == 2 and pool.grow_s > 0  # counted for status: each growth copies every pool
     with pytest.raises(PagePoolFullError):
         pool.append("b", *kv(1, 4))

@@ -66,7 +66,8 @@ class Kvwake:
         self.lives += 1
         kept = ("turns", "counters", "startup_ms", "engine_thread", "latency", "generation", "persistence", "gc",
                 "memory", "tuning", "gil", "store", "restore_points",  # store.point_share: issue 52's share
-                "restart_prefetch")  # the hot set read during start-up: what it read, and when
+                "restart_prefetch",  # the hot set read during start-up: what it read, and when
+                "pages")  # paged KV's pool (with paged_kv on): pages held, shared, the pool's growths
         trace = {key: status.get(key) for key in kept}
         (self.daemon.root / f"trace-{self.lives}.json").write_text(json.dumps(trace, indent=1, default=str))
         self.daemon.stop()

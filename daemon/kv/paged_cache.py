@@ -145,10 +145,15 @@ class PagedKVCache(_BaseCache):
         self.session.offsets[self.layer] = value
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The new tokens written; every token's K and V for the attention: a slice of the pools (no copy)
-        where the table's pages are one run, else gathered. The slice is for this pass only: held longer,
-        it would keep the pool's buffer from being written in place."""
+        """The new tokens written (`extend`), then every token's K and V for the attention (`fetch`)."""
         self.extend(keys, values)
+        return self.fetch()
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """Every token's K and V for the attention: a slice of the pools (no copy) where the table's pages are
+        one run, else gathered. The slice is for this pass only: held longer, it would keep the pool's buffer
+        from being written in place. So a pass that writes several sessions' rows into one pool (a packed
+        prefill) writes them all before it fetches any (model/packing.py)."""
         first = self.session.run_start()
         if first is None:
             return self.keys, self.values

@@ -32,6 +32,7 @@ kv/paged_cache.py) is queued, and the next call on the engine thread frees it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -102,6 +103,7 @@ class PagePool:
         self.key_of: dict[int, str] = {}  # published page -> its block's chain key
         self.stored: set[str] = set()  # keys whose pages hold the store's bytes (a restore's), not a prefill's
         self.retired: deque[str] = deque()  # tables to free, queued from any thread (`retire`)
+        self.grows, self.grow_s = 0, 0.0  # growths past the first allocation, and their time (copies included)
 
     # -- sessions --------------------------------------------------------------
 
@@ -342,6 +344,7 @@ class PagePool:
     def _grow(self, capacity: int) -> None:
         """Pools of `capacity` pages, the pages held kept (each pool copied, as a KVCache's growth copies its
         buffer); the new pages go under the free ones, so pages freed before are taken first."""
+        began = time.perf_counter()
         shape = (self.layout.kv_heads, (capacity - self.capacity) * self.layout.page_tokens, self.layout.head_dim)
         layers = range(self.layout.layers)
         if self.capacity == 0:
@@ -351,6 +354,9 @@ class PagePool:
             self.keys = [mx.concatenate([k, mx.zeros(shape, self.layout.dtype)], axis=1) for k in self.keys]
             self.values = [mx.concatenate([v, mx.zeros(shape, self.layout.dtype)], axis=1) for v in self.values]
         mx.eval(self.keys, self.values)
+        if self.capacity:
+            self.grows += 1
+            self.grow_s += time.perf_counter() - began
         self.refs += [0] * (capacity - self.capacity)
         self.free[:0] = range(capacity - 1, self.capacity - 1, -1)
         self.capacity = capacity
@@ -373,7 +379,13 @@ class PagePool:
         """A private copy of the first `tokens` of `page` (every layer), replacing one reference to it."""
         fresh = self._take()
         p = self.layout.page_tokens
-        for pool in (*self.keys, *self.values):
-            pool[:, fresh * p:fresh * p + tokens] = pool[:, page * p:page * p + tokens]
+        pools = (*self.keys, *self.values)
+        # Gathered (a copy, never a view) and evaluated before the writes: a pool's update whose source is still
+        # a pending read of that pool copies the whole pool instead of writing in place
+        rows = mx.arange(page * p, page * p + tokens, dtype=mx.int32)
+        sources = [pool[:, rows] for pool in pools]
+        mx.eval(sources)
+        for pool, source in zip(pools, sources, strict=True):
+            pool[:, fresh * p:fresh * p + tokens] = source
         self._release(page)
         return fresh

@@ -124,4 +124,4 @@ class Pages:
         return {"page_tokens": pool.layout.page_tokens, "page_bytes": pool.layout.page_bytes,
                 "allocated_pages": pool.capacity, "limit_pages": pool.limit, "held_pages": held,
                 "held_bytes": held * pool.layout.page_bytes, "shared_pages": sum(r > 1 for r in list(pool.refs)),
-                "published_blocks": len(pool.shared)}
+                "published_blocks": len(pool.shared), "grows": pool.grows, "grow_ms": round(pool.grow_s * 1e3, 1)}

@@ -37,6 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.model import attention
 
 __all__ = ["PACKABLE", "RowsLayer", "forward", "packable_model", "row_mask", "wanted"]
@@ -98,7 +99,15 @@ class RowsLayer:
         # once the chunk reaches past what the ring holds, mlx-lm's RotatingKVCache.make_mask), a plain
         # layer's causal one
         self.masks = [row_mask(layer, n) for layer, n in zip(self.layers, self.lengths)]
-        self.fetched = [layer.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
+        # Paged rows share a pool: every row writes before any reads. A read of the pool still pending when the
+        # next row writes it would make that write copy the layer's whole pool (MLX updates an array in place
+        # only when nothing else will read it), once per row and layer.
+        paged = [isinstance(layer, PagedKVCache) for layer in self.layers]
+        for b, (layer, n) in enumerate(zip(self.layers, self.lengths)):
+            if paged[b]:
+                layer.extend(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
+        self.fetched = [layer.fetch() if paged[b] else layer.update_and_fetch(keys[b : b + 1, :, :n],
+                                                                              values[b : b + 1, :, :n])
                         for b, (layer, n) in enumerate(zip(self.layers, self.lengths))]
         return keys, values
 
