@@ -16,7 +16,8 @@
 #   batching  1, 8 and 16 sessions decoding at once, alternating rounds
 #   startup   the daemon's start on the tiny model, three starts
 #   rows      the decoder's batched step at 1-32 rows x 1k and 12k contexts: masked (BatchGenerator's path), row
-#             kernel and paged, with a join's cost (decode_rows)
+#             kernel and paged, with a join's cost (decode_rows); $ROWS_ARGS: more of its options (e.g. "--modes
+#             kernel,paged --rows 8,32")
 #   bundle    the bundle hash of the sharded model and of the one-file model, then a daemon's cold first start
 #   fleet-3   the fleet part with 3 turns (fits one call with both APIs)
 #   fleet     issue 50's fleet: 8 agents over a 10k-token prompt with 8 tools, 6 turns, a restart, against
@@ -190,7 +191,7 @@ run_part() {
     startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
                 2>&1 | tail -4 ;;
     rows)     model; python3 bench/decode_rows.py --model "$MODEL" --rows 1,8,16,32 --contexts 1024,12288 --steps 16 \
-                --out "$OUT/rows" 2>&1 | grep "^{" ;;
+                ${ROWS_ARGS:-} --out "$OUT/rows" 2>&1 | grep "^{" ;;
     bundle)   model; raw; python3 bench/bundle_hash.py --model "$MODEL" --repeat 1 2>&1 | tail -8
               python3 bench/bundle_hash.py --model "$RAW" --repeat 1 2>&1 | tail -8
               python3 bench/startup.py --model "$MODEL" --starts 0 --cold 2>&1 | tail -12 ;;

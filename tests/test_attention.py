@@ -594,12 +594,14 @@ def test_padded_attention_pads_queries_and_keys_to_shared_buckets_and_stays_exac
     assert fused == [1] * 5 and len(seen) == 1
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["kvcache", "paged"])
 @pytest.mark.parametrize("alike", [False, True], ids=["rows at two shapes", "rows at one shape"])
 def test_a_pack_of_longer_turns_runs_its_rows_at_a_shared_padded_shape_where_theirs_differ(
-        model, model_dir, tmp_path, monkeypatch, alike):
+        model, model_dir, tmp_path, monkeypatch, alike, paged):
     # The case the padded path is for: agents' turns that come at once, each row of the pack over its own history,
     # each at a shape of its own (a graph built for each). Rows at one shape build one graph as they are, and a
-    # lone turn keeps its own shape (never measured to gain from the padding).
+    # lone turn keeps its own shape (never measured to gain from the padding). Paged rows too: they ran fused at
+    # their own shapes, a graph each (the paged fleet's packs 1.8x slower on the H200).
     from kvwake.daemon.config import Tuning
     from kvwake.daemon.jobs import Packed
     from kvwake.daemon.model import attention
@@ -612,7 +614,7 @@ def test_a_pack_of_longer_turns_runs_its_rows_at_a_shared_padded_shape_where_the
     monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
     store = Store(tmp_path / "store", block_tokens=16)
     engine = Engine(store, tmp_path, model_dir, prefill_step=64, max_batch=8,
-                    tuning=Tuning(pack_prefill=True, prefill_threads=1, restore_points=False))
+                    tuning=Tuning(pack_prefill=True, prefill_threads=1, restore_points=False, paged_kv=paged))
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     histories = {"a": list(range(1, 130)), "b": list(range(3, 132))}
     turns = {"a": list(range(40, 60)), "b": list(range(70, 100))}  # keys 148 and 158: one shape (32, 192)
@@ -621,6 +623,7 @@ def test_a_pack_of_longer_turns_runs_its_rows_at_a_shared_padded_shape_where_the
     sessions = {sid: Session(sid) for sid in histories}
     for sid, tokens in histories.items():
         engine.append(sessions[sid], tokens=tokens)
+    assert all(type(sessions[sid].cache[0]).__name__ == ("PagedKVCache" if paged else "KVCache") for sid in sessions)
     ran, sdpa = [], mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, k, v, scale, mask=None, **kw: (
         ran.append((q.shape[2], k.shape[2])) if not isinstance(mask, str) and mask is not None else None) or

@@ -42,6 +42,7 @@ from mlx.utils import tree_flatten
 
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
+from kvwake.daemon.kv.paged_cache import PagedKVCache
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "LIKELY_BUCKETS",
            "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
@@ -218,13 +219,17 @@ def key_bucket(keys: int) -> int:
 
 def padded_shape(cache: list, tokens: int) -> tuple[int, int] | None:
     """The cuDNN graph a chunk of `tokens` fed to `cache` runs on through `padded_attention`: (its query
-    bucket, its key bucket). None where the first layer is not a plain KVCache, or from CUDNN_MIN keys on: a
-    copy of a long cache's keys per layer (400 MB a layer at 100k for the 8B shape) and its mask are not worth a
-    graph's build there."""
+    bucket, its key bucket). None where the first layer is not a plain KVCache or a paged one, or, for a KVCache,
+    from CUDNN_MIN keys on: a copy of a long cache's keys per layer (400 MB a layer at 100k for the 8B shape) and
+    its mask are not worth a graph's build there, where its chunks share the whole buffer's shape instead
+    (`bucket_shape`). A paged layer has no buffer to share, and its attention reads a copy of its pages anyway
+    (kv/paged_cache.py `fetch`): its chunks pad at every length (without it, each row of a pack of agents' turns
+    built a graph of its own: docs/benchmarks.md, "Paged KV in the fleet")."""
     from mlx_lm.models.cache import KVCache
 
     c = cache[0] if cache else None
-    if type(c) is not KVCache or c.offset + tokens >= kvcapacity.CUDNN_MIN:
+    paged = type(c) is PagedKVCache
+    if not (type(c) is KVCache or paged) or (not paged and c.offset + tokens >= kvcapacity.CUDNN_MIN):
         return None
     return query_bucket(tokens), key_bucket(c.offset + tokens)
 
@@ -308,10 +313,13 @@ def warm_bucket(model: Any, bucket: int, capacity: int, like: mx.array | None = 
 def fused_shape(cache: list, tokens: int) -> tuple[int, int, int] | None:
     """What MLX's cuDNN graph for a chunk of `tokens` fed to `cache` is built for: (queries, keys, the
     buffer's capacity once grown for them; cuDNN's cache key holds the keys' strides, so a buffer of
-    another capacity is another graph). None when the first layer is not a plain KVCache."""
+    another capacity is another graph; a paged layer's attention reads a copy of its tokens, no longer than
+    them). None when the first layer is neither a plain KVCache nor a paged one."""
     from mlx_lm.models.cache import KVCache
 
     c = cache[0] if cache else None
+    if type(c) is PagedKVCache:
+        return tokens, c.offset + tokens, c.offset + tokens
     if type(c) is not KVCache:
         return None
     return tokens, c.offset + tokens, kvcapacity.grown(c, tokens)
