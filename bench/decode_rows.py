@@ -117,6 +117,7 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     if quantize:
         quantized.install(engine.model, kernel=mode == "qkernel")
     engine.decoder.in_pages = mode == "paged"
+    engine.decoder.paged_kernel = mode == "paged" and ragged_decode.wanted(True)  # the pages read in place on CUDA
     tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
     pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
     sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows + (joins > 0))]

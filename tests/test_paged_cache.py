@@ -268,6 +268,38 @@ def test_turns_packed_into_one_pool_write_it_in_place(model) -> None:
     assert grew < one_pool // 4, f"a pack of {len(turns)} rows took {grew} bytes more; one pool is {one_pool}"
 
 
+@pytest.mark.parametrize("one_run", [True, False])
+def test_a_padded_chunk_over_pages_gathered_whole_gives_the_zero_padded_result_bit_for_bit(model, one_run,
+                                                                                         monkeypatch) -> None:
+    """`padded` gathers whole pages to the padded length (the pages past the table stand in for padding, masked):
+    the attention gives what the tokens gathered and padded with zeros give."""
+    from kvwake.daemon.kv import paged_cache as module
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 16)
+    pool = pool_for(model)
+    if not one_run:
+        pool.free.reverse()
+    other = paged_cache(pool, make_prompt_cache(model))
+    feed(model, other, tokens(7, 30), [7])  # a page left partly written by another session, before ours
+    cache = paged_cache(pool, make_prompt_cache(model))
+    feed(model, cache, tokens(21, 31), [21])
+    layer = cache[0]
+    heads, dim = layer.fetch()[0].shape[1], layer.fetch()[0].shape[3]
+    queries = mx.random.normal((1, heads * 2, 3, dim)).astype(mx.bfloat16)
+    k, v = layer.fetch()
+    got = []
+    for whole in (True, False):
+        monkeypatch.setattr(module, "PAGE_GATHER", whole)
+        assert (layer.padded(attention.key_bucket(layer.offset)) is not None) == whole
+        got.append(attention.padded_attention(lambda *a, **kw: None)(queries, k, v, layer, 0.125, "causal"))
+    mx.eval(got)
+    assert mx.array_equal(got[0], got[1]).item()
+    monkeypatch.setattr(module, "PAGE_GATHER", True)
+    assert layer.padded(attention.key_bucket(layer.offset) + 1) is None  # not whole pages
+    assert layer.padded(layer.offset - 1 - (layer.offset - 1) % PAGE) is None  # short of the tokens held
+
+
 def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:
     """The engine thread computes; another thread reads the cache's shapes (a sleep's budget reads `keys`):
     nothing that thread makes may stay in the cache, since MLX evaluates an array only on a thread that has

@@ -46,6 +46,8 @@ from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 __all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "for_fused", "fork", "is_paged", "map_keys", "map_prefix", "page_layout",
            "paged_cache", "publish", "resident_prefix", "state_arrays"]
 
+# a padded chunk's K and V gathered by whole pages (`PagedKVCache.padded`); False: gathered by token, then padded
+PAGE_GATHER = True
 _names = itertools.count()
 
 
@@ -170,6 +172,22 @@ class PagedKVCache(_BaseCache):
         slots = self.session.slots_for(self.offset, keys.shape[2])
         self.session.pool.write(self.layer, slots, keys[0], values[0])
         self.offset += keys.shape[2]
+
+    def padded(self, length: int) -> tuple[mx.array, mx.array] | None:
+        """Every token's K and V and more, `length` tokens ([1, kv_heads, length, head_dim], a copy): the table's
+        pages gathered whole, in one gather each, and then pages past them up to `length` (the table's first,
+        standing in for padding: the caller masks every key past `offset`). For a chunk's attention at a
+        padded shape (model/attention.py `padded_attention`): one copy where a gather by token and a pad were
+        two. None where `length` is not whole pages or falls short of the tokens held."""
+        pool, p = self.session.pool, self.session.pool.layout.page_tokens
+        pages = pool.table(self.session.name).pages
+        if not PAGE_GATHER or length % p or length < self.offset or not pages:
+            return None
+        held = -(-self.offset // p)
+        index = mx.array(np.asarray(pages[:held] + [pages[0]] * (length // p - held), np.int32))
+        heads, _, dim = pool.keys[self.layer].shape
+        return tuple(part[self.layer].reshape(heads, -1, p, dim)[:, index].reshape(1, heads, length, dim)
+                     for part in (pool.keys, pool.values))
 
     def _gathered(self, pools: list[mx.array], start: int = 0, stop: int | None = None) -> mx.array | None:
         if self.offset == 0:

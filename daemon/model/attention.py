@@ -255,6 +255,11 @@ def padded_attention(fused: Any) -> Any:
                 or not queries.dtype == keys.dtype == values.dtype):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         k_len = keys.shape[2]
+        # a paged layer's pages gathered straight to the padded length (the keys it was passed, a gather by token,
+        # then go unevaluated), else the keys padded with zeros
+        whole = cache.padded(key_bucket(k_len)) if type(cache) is PagedKVCache and cache.offset == k_len else None
+        if whole is not None:
+            return _bucketed(queries, *whole, k_len, scale, causal, masks)
         pad = [(0, 0), (0, 0), (0, key_bucket(k_len) - k_len), (0, 0)]
         return _bucketed(queries, mx.pad(keys, pad), mx.pad(values, pad), k_len, scale, causal, masks)
     return attention
