@@ -300,6 +300,18 @@ def test_a_padded_chunk_over_pages_gathered_whole_gives_the_zero_padded_result_b
     assert layer.padded(layer.offset - 1 - (layer.offset - 1) % PAGE) is None  # short of the tokens held
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_pages_gathered_whole_are_the_pools_pages_in_order(dtype) -> None:
+    """`gather_pages` (a kernel on CUDA, MLX's gather elsewhere) against the pages sliced out one by one."""
+    from kvwake.daemon.kv.paged_cache import gather_pages
+
+    pool = mx.random.normal((3, 6 * 16, 64)).astype(dtype)
+    order = [4, 0, 5, 4]
+    got = gather_pages(pool, mx.array(order, mx.int32), 16)
+    want = mx.concatenate([pool[:, p * 16 : (p + 1) * 16] for p in order], axis=1)[None]
+    assert got.shape == (1, 3, 64, 64) and mx.array_equal(got, want).item()
+
+
 def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:
     """The engine thread computes; another thread reads the cache's shapes (a sleep's budget reads `keys`):
     nothing that thread makes may stay in the cache, since MLX evaluates an array only on a thread that has

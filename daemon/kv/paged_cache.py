@@ -43,7 +43,7 @@ from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.pages import PageLayout, PagePool, PageStateError, Slots
 from kvwake.store.format.keys import ROOT_KEY, block_key, chain_keys
 
-__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "for_fused", "fork", "is_paged", "map_keys", "map_prefix", "page_layout",
+__all__ = ["PagedKVCache", "PagedSession", "adopt", "fill", "for_fused", "fork", "gather_pages", "is_paged", "map_keys", "map_prefix", "page_layout",
            "paged_cache", "publish", "resident_prefix", "state_arrays"]
 
 # a padded chunk's K and V gathered by whole pages (`PagedKVCache.padded`); False: gathered by token, then padded
@@ -185,9 +185,7 @@ class PagedKVCache(_BaseCache):
             return None
         held = -(-self.offset // p)
         index = mx.array(np.asarray(pages[:held] + [pages[0]] * (length // p - held), np.int32))
-        heads, _, dim = pool.keys[self.layer].shape
-        return tuple(part[self.layer].reshape(heads, -1, p, dim)[:, index].reshape(1, heads, length, dim)
-                     for part in (pool.keys, pool.values))
+        return tuple(gather_pages(part[self.layer], index, p) for part in (pool.keys, pool.values))
 
     def _gathered(self, pools: list[mx.array], start: int = 0, stop: int | None = None) -> mx.array | None:
         if self.offset == 0:
@@ -253,6 +251,38 @@ class PagedKVCache(_BaseCache):
         """This layer's share of its pages' bytes: a page shared by n tables counts 1/n here, so what the
         memory accounting sums over sessions (kv/cache_blocks.cache_nbytes) counts a shared page once."""
         return self.session.pool.share_bytes(self.session.name, layers=1)
+
+
+# -- pages copied out ---------------------------------------------------------------------------------------
+
+# One block per (page, KV head): the page's P x D values copied in 16-byte pieces. MLX's gather, element by element,
+# read a fleet's pages at a few hundred GB/s on the H200 (docs/benchmarks.md, "Paged KV in the fleet").
+_PAGE_COPY = """
+const int j = blockIdx.x, h = blockIdx.y;
+const long slots = pool_shape[1], pages = index_shape[0];
+constexpr int PIECES = P * D * (int)sizeof(T) / 16;
+const uint4* src = reinterpret_cast<const uint4*>(pool + ((long)h * slots + (long)index[j] * P) * D);
+uint4* dst = reinterpret_cast<uint4*>(out + ((long)h * pages + j) * P * D);
+for (int i = threadIdx.x; i < PIECES; i += blockDim.x) dst[i] = src[i];
+"""
+_page_copy: list = []
+COPY_THREADS = 256
+
+
+def gather_pages(pool: mx.array, index: mx.array, page_tokens: int) -> mx.array:
+    """Pages `index` (int32 [n]) of one pool ([kv_heads, slots, head_dim]) in order, [1, kv_heads, n x page_tokens,
+    head_dim] (a copy): on CUDA by a kernel that copies whole pages, elsewhere by MLX's gather."""
+    heads, _, dim = pool.shape
+    n = index.shape[0]
+    if not cudart.on_cuda() or (page_tokens * dim * pool.dtype.size) % 16:
+        return pool.reshape(heads, -1, page_tokens, dim)[:, index].reshape(1, heads, n * page_tokens, dim)
+    if not _page_copy:
+        _page_copy.append(mx.fast.cuda_kernel(name="kvwake_page_copy", input_names=["pool", "index"],
+                                              output_names=["out"], source=_PAGE_COPY))
+    (out,) = _page_copy[0](inputs=[pool, index], template=[("T", pool.dtype), ("P", page_tokens), ("D", dim)],
+                           grid=(n * COPY_THREADS, heads, 1), threadgroup=(COPY_THREADS, 1, 1),
+                           output_shapes=[(1, heads, n * page_tokens, dim)], output_dtypes=[pool.dtype])
+    return out
 
 
 # -- a model's cache, paged ---------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from kvwake.daemon.kv import cudart
+from kvwake.daemon.kv import cudart, paged_cache
 from kvwake.daemon.kv.paged_batch import PagedBatchKVCache
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 from kvwake.daemon.kv.pages import PageStateError
@@ -156,6 +156,7 @@ def build(heads: int, kv_heads: int, head_dim: int, dtype: Any, page_tokens: int
         with contextlib.suppress(ValueError):
             mx.eval(kernel_attention(queries, pools, pools, mx.array([[0], [1]], mx.int32),
                                      mx.array([page_tokens, 3], mx.int32), 1.0, page_tokens, split=ROW_SPLIT))
+        mx.eval(paged_cache.gather_pages(pools, mx.array([1, 0], mx.int32), page_tokens))  # a padded chunk's copy
     return True
 
 
