@@ -11,12 +11,14 @@ do). Then `repeat` packs of `turn` new tokens a row, each row's attention at the
 pack whose rows' shapes differ (model/attention.py `padded_attention`). Timed apart, per mode: the pack, and
 reading every row's K and V of every layer as the pack's attention is given them (a slice of a KVCache's buffer;
 `paged`: a gather of a table's tokens, then padded; `pages`: its pages gathered whole to the padded length),
-evaluated alone. The modes alternate, twice.
+evaluated alone; and writing every row's next turn of K and V alone, with how far MLX's peak rose meanwhile (an
+update not made in place copies its whole buffer or pool). The modes alternate, twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +38,7 @@ from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
 BUNDLE = "ab" * 32
+SETTLE_S = float(os.environ.get("PAGED_PACK_SETTLE_S", "0"))
 
 
 def random_kv(engine: Engine, tokens: int) -> list[tuple[mx.array, mx.array]]:
@@ -67,16 +70,18 @@ def caches(engine: Engine, mode: str, sessions: int, shared: int, own: int, room
     return made
 
 
-def pack_ms(engine: Engine, rows: list[list], turn: int) -> float:
+def pack_ms(engine: Engine, rows: list[list], turn: int) -> tuple[float, float]:
+    """(ms of the pack, of which building its graph on the host: the Python of every row's every layer)."""
     tokens = [mx.random.randint(10, 1000, (turn,)).tolist() for _ in rows]
     paths = [attention.padded_attention if attention.padded_shape(cache, turn) else (lambda fused: fused)
              for cache in rows]
     mx.synchronize()
     began = time.perf_counter()
     packing.forward(engine.model, list(zip(tokens, rows, strict=True)), paths)
+    built = time.perf_counter()
     mx.eval([c.state for cache in rows for c in cache])
     mx.synchronize()
-    return (time.perf_counter() - began) * 1000
+    return (time.perf_counter() - began) * 1000, (built - began) * 1000
 
 
 def fetch_ms(rows: list[list], turn: int) -> float:
@@ -94,6 +99,24 @@ def fetch_ms(rows: list[list], turn: int) -> float:
     mx.eval(out)
     mx.synchronize()
     return (time.perf_counter() - began) * 1000
+
+
+def writes_ms(engine: Engine, rows: list[list], turn: int) -> tuple[float, float]:
+    """Every row's `turn` new tokens of K and V written alone (a KVCache's buffer, a paged table's pages), evaluated:
+    (ms, MB that MLX's peak rose by: an update that is not in place copies the whole buffer or pool)."""
+    kv = [random_kv(engine, turn) for _ in rows]
+    mx.eval(kv)
+    mx.synchronize()
+    time.sleep(SETTLE_S)  # the readers of the pools before (kept alive to their kernels' end) let go
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    began = time.perf_counter()
+    for cache, parts in zip(rows, kv, strict=True):
+        for layer, (k, v) in zip(cache, parts, strict=True):
+            layer.extend(k, v) if hasattr(layer, "extend") else layer.update_and_fetch(k, v)
+    mx.eval([c.state for cache in rows for c in cache])
+    mx.synchronize()
+    return (time.perf_counter() - began) * 1000, (mx.get_peak_memory() - held) / 2**20
 
 
 def main() -> None:
@@ -118,8 +141,13 @@ def main() -> None:
             paged_cache.PAGE_GATHER = mode == "pages"
             got["fetch_ms"].append(fetch_ms(rows, a.turn))
             for _ in range(a.repeat):
-                got["pack_ms"].append(pack_ms(engine, rows, a.turn))
+                ms, build = pack_ms(engine, rows, a.turn)
+                got["pack_ms"].append(ms)
+                got.setdefault("pack_build_ms", []).append(build)
             got["fetch_ms"].append(fetch_ms(rows, a.turn))
+            ms, mb = writes_ms(engine, rows, a.turn)
+            got.setdefault("writes_ms", []).append(ms)
+            got.setdefault("writes_peak_mb", []).append(mb)
             del rows
             mx.clear_cache()
         engine.close()
