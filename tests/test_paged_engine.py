@@ -122,3 +122,17 @@ def test_a_paged_row_that_leaves_the_batch_to_go_on_alone_keeps_its_pages(engine
     for s in sessions:
         assert all(isinstance(c, PagedKVCache) for c in s.cache)
         assert s.cache[0].offset == s.processed == pool.table(s.cache[0].session.name).tokens
+
+
+def test_a_paged_sessions_prefill_and_turns_never_gather_what_it_holds(engines, monkeypatch):
+    """The engine evaluates a paged layer's pools after a chunk, not its `state` (a gathered copy of every token
+    it holds: the whole session's KV per layer and chunk; eight agents' turns gathered 11 GB a pack on the H200)."""
+    _, engine, _ = engines
+    gathered = []
+    state = PagedKVCache.state
+    monkeypatch.setattr(PagedKVCache, "state", property(lambda c: gathered.append(c.layer) or state.fget(c),
+                                                        state.fset))
+    s = session(engine, "s", PROMPTS[2] * 6)  # a prefill of several chunks
+    engine.append(s, tokens=list(range(40, 75)))  # and a turn after it
+    engine.generate(s, GenerateParams(max_tokens=4))
+    assert s.processed > 6 * len(PROMPTS[2]) and gathered == []

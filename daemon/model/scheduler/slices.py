@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvwake.daemon.jobs import Packed
+from kvwake.daemon.kv import paged_cache
 
 __all__ = ["Chunk", "Slicer", "kind"]
 
@@ -151,7 +152,9 @@ class Chunk:
         started = time.perf_counter()
         self.last = (self.computed, n)
         try:
-            mx.eval([c.state for layer in self.layers[self.computed : self.computed + n] for c in layer])
+            # a paged layer's pools, not its `state` (a gathered copy of every token it holds: a pack of eight turns
+            # over 10k tokens gathered 11 GB on the 8B shape, docs/benchmarks.md "Paged KV in the fleet")
+            mx.eval([paged_cache.state_arrays(layer) for layer in self.layers[self.computed : self.computed + n]])
         except BaseException as exc:
             self.failed = repr(exc)
             self._drop()
