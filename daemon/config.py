@@ -142,8 +142,9 @@ class Tuning:
     # prepare)
     modules_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
-    # off until batched decode reads the pages and memory is counted by them (docs/decisions.md, "Sessions'
-    # caches in pages"): today each step gathers every row's KV, which costs the CPU more than it saves
+    # off until it is no slower: on the CPU each step gathers every row's pages, and on CUDA a fleet's turns and
+    # decode steps still run slower over pages than over per-session buffers (docs/benchmarks.md, "Paged KV in
+    # the fleet")
     paged_kv: bool = False
     # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
     # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention

@@ -255,8 +255,8 @@ class PagedKVCache(_BaseCache):
 
 # -- pages copied out ---------------------------------------------------------------------------------------
 
-# One block per (page, KV head): the page's P x D values copied in 16-byte pieces. MLX's gather, element by element,
-# read a fleet's pages at a few hundred GB/s on the H200 (docs/benchmarks.md, "Paged KV in the fleet").
+# One block per (page, KV head): the page's P x D values copied in 16-byte pieces, where MLX's gather goes element by
+# element, far below the memory's speed (docs/benchmarks.md, "Paged KV in the fleet").
 _PAGE_COPY = """
 const int j = blockIdx.x, h = blockIdx.y;
 const long slots = pool_shape[1], pages = index_shape[0];

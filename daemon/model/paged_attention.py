@@ -130,7 +130,7 @@ for (int g = 0; g < G; ++g) {
 }
 const int* table = page_table + (long)row * max_pages;
 // The span's pages into shared memory once: a token's address then waits on no load of the table (a table read
-// before each token's KV load put two dependent loads in its way: the paged step 1.35x the row kernel's at 12k).
+// before each token's KV load put two dependent loads in its way: docs/benchmarks.md, "Paged KV in the fleet").
 __shared__ int span_pages[SPAN_PAGES];
 const int first_page = start / P;
 for (int i = tid; start < stop && i <= (stop - 1) / P - first_page; i += THREADS) span_pages[i] = table[first_page + i];

@@ -152,8 +152,8 @@ class Chunk:
         started = time.perf_counter()
         self.last = (self.computed, n)
         try:
-            # a paged layer's pools, not its `state` (a gathered copy of every token it holds: a pack of eight turns
-            # over 10k tokens gathered 11 GB on the 8B shape, docs/benchmarks.md "Paged KV in the fleet")
+            # a paged layer's pools, not its `state`: that is a gathered copy of every token the session holds, made
+            # per layer and chunk for nothing (docs/benchmarks.md, "Paged KV in the fleet")
             mx.eval([paged_cache.state_arrays(layer) for layer in self.layers[self.computed : self.computed + n]])
         except BaseException as exc:
             self.failed = repr(exc)
