@@ -1,6 +1,6 @@
 """Decode attention over pages, alone: the paged kernel beside MLX's fused attention over a padded batch.
 
-usage: python bench/paged_decode.py [--rows 1,8,16,32] [--contexts 1024,12288,32768] [--check] [--variants]
+usage: python bench/paged_decode.py [--rows 1,8,16,32] [--contexts 1024,12288,32768] [--check] [--variants] [--decoder]
                                    [--out bench/out]
 
 For each rows x context (every row that long, its pages scattered over the pool
@@ -20,6 +20,8 @@ over the time). A read-only kernel can pass that rate (docs/benchmarks.md,
 distinct pools that one step's KV does not sit in the GPU's L2 cache.
 
 `--variants`: the kernel at other spans and threads per token (CUDA).
+`--decoder` (CUDA): the paged kernel as the decoder calls it (spans of ROW_SPLIT, each row's pages in order, as a
+session takes them) and the row kernel (`row_attention`, the decoder's default path) over the same KV held per row.
 `--check`: the kernel against the gather path on ragged rows (bf16 and fp32,
 several head shapes): the largest absolute difference of each.
 
@@ -101,6 +103,14 @@ def measure(rows: int, context: int, args: argparse.Namespace, speed: float) -> 
         return [paged_attention.decode_attention(queries, *paged[i % n], scale, PAGE) for i in range(args.layers)]
 
     t_paged = timed(paged_step, args.repeats)
+    extra: dict[str, float] = {}
+    if args.decoder:  # as the decoder calls them: spans of ROW_SPLIT, a row's pages in order as sessions take them
+        ordered = [(k, v, mx.arange(rows * t.shape[1], dtype=mx.int32).reshape(rows, -1), lengths)
+                   for k, v, t, lengths in paged]
+        extra["paged_decoder_ms"] = timed(lambda: [paged_attention.kernel_attention(
+            queries, *ordered[i % n], scale, PAGE, split=paged_attention.ROW_SPLIT) for i in range(args.layers)],
+            args.repeats)
+        del ordered
     del paged
     contiguous = [tuple(mx.random.normal((rows, hkv, context, d)).astype(dtype) for _ in range(2)) for _ in range(n)]
     mask = mx.ones((rows, 1, 1, context), mx.bool_)
@@ -113,6 +123,10 @@ def measure(rows: int, context: int, args: argparse.Namespace, speed: float) -> 
 
     t_masked = timed(lambda: padded_step(True), args.repeats)
     t_plain = timed(lambda: padded_step(False), args.repeats)
+    if args.decoder:  # the row kernel over the same KV held per row (the decoder's default path)
+        starts, full = mx.zeros((rows,), mx.int32), mx.full((rows,), context, mx.int32)
+        extra["row_ms"] = timed(lambda: [paged_attention.row_attention(queries, *contiguous[i % n], starts, full, scale)
+                                         for i in range(args.layers)], args.repeats)
     del contiguous
     read = 2 * args.layers * rows * context * hkv * d * dtype.size
     roofline = read / speed  # the step's bytes moved at the copy's rate (its read and written bytes together)
@@ -120,6 +134,7 @@ def measure(rows: int, context: int, args: argparse.Namespace, speed: float) -> 
               "roofline_ms": round(roofline * 1e3, 3), "paged_ms": round(t_paged * 1e3, 3),
               "padded_masked_ms": round(t_masked * 1e3, 3), "padded_ms": round(t_plain * 1e3, 3),
               "paged_fraction_of_roofline": round(roofline / t_paged, 3),
+              **{k: round(v * 1e3, 3) for k, v in extra.items()},
               "read_tb_per_s": {"paged": round(read / t_paged / 1e12, 2), "padded_masked": round(read / t_masked / 1e12, 2),
                                 "padded": round(read / t_plain / 1e12, 2)}}
     print(result, flush=True)
@@ -190,6 +205,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--variants", action="store_true", help="also the kernel at other spans and threads per token")
+    parser.add_argument("--decoder", action="store_true", help="also the paged kernel as the decoder calls it (spans "
+                        "of ROW_SPLIT, pages in order) and the row kernel over the same KV per row (CUDA)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = parser.parse_args()
     report: dict[str, Any] = {"machine": machine(), "shape": {k: getattr(args, k) for k in
