@@ -285,6 +285,9 @@ def test_a_padded_chunk_over_pages_gathered_whole_gives_the_zero_padded_result_b
     cache = paged_cache(pool, make_prompt_cache(model))
     feed(model, cache, tokens(21, 31), [21])
     layer = cache[0]
+    last = pool.table(layer.session.name).pages[-1]
+    for part in (pool.keys[0], pool.values[0]):  # what a rewind or the page's earlier owner may leave past the tokens
+        part[:, last * PAGE + layer.offset % PAGE : (last + 1) * PAGE] = mx.array(float("inf"), part.dtype)
     heads, dim = layer.fetch()[0].shape[1], layer.fetch()[0].shape[3]
     queries = mx.random.normal((1, heads * 2, 3, dim)).astype(mx.bfloat16)
     k, v = layer.fetch()
@@ -294,7 +297,7 @@ def test_a_padded_chunk_over_pages_gathered_whole_gives_the_zero_padded_result_b
         assert (layer.padded(attention.key_bucket(layer.offset)) is not None) == whole
         got.append(attention.padded_attention(lambda *a, **kw: None)(queries, k, v, layer, 0.125, "causal"))
     mx.eval(got)
-    assert mx.array_equal(got[0], got[1]).item()
+    assert mx.array_equal(got[0], got[1]).item() and not mx.isnan(got[0]).any().item()
     monkeypatch.setattr(module, "PAGE_GATHER", True)
     assert layer.padded(attention.key_bucket(layer.offset) + 1) is None  # not whole pages
     assert layer.padded(layer.offset - 1 - (layer.offset - 1) % PAGE) is None  # short of the tokens held
@@ -306,10 +309,12 @@ def test_pages_gathered_whole_are_the_pools_pages_in_order(dtype) -> None:
     from kvwake.daemon.kv.paged_cache import gather_pages
 
     pool = mx.random.normal((3, 6 * 16, 64)).astype(dtype)
+    pool[:, 5 * 16] = mx.array(float("inf"), dtype)  # what a page's earlier owner may have left in it
     order = [4, 0, 5, 4]
-    got = gather_pages(pool, mx.array(order, mx.int32), 16)
+    got = gather_pages(pool, mx.array(order, mx.int32), 16, mx.array([37], mx.int32))
     want = mx.concatenate([pool[:, p * 16 : (p + 1) * 16] for p in order], axis=1)[None]
-    assert got.shape == (1, 3, 64, 64) and mx.array_equal(got, want).item()
+    assert got.shape == (1, 3, 64, 64) and mx.array_equal(got[:, :, :37], want[:, :, :37]).item()
+    assert not got[:, :, 37:].any().item()  # every token from the held ones' end on: zeros, the inf too
 
 
 def test_a_paged_cache_read_on_another_thread_still_sleeps_on_its_own(model) -> None:
@@ -338,3 +343,17 @@ def test_a_model_whose_plain_layers_are_paged_beside_windows_cannot_copy_a_prefi
     gemma(mx.array([tokens(12, 21)]), cache=cache)
     with pytest.raises(cache_blocks.NotCuttableError, match="RotatingKVCache"):
         cache_blocks.copy_prefix(cache, 8)
+
+
+def test_a_paged_chunk_pads_while_its_mask_stays_within_the_bound(model, monkeypatch) -> None:
+    """A paged layer pads at any length (it has no buffer whose shape to share), but not to a mask of more than
+    PADDED_MASK_BYTES: a padded row's mask is held for its pass, GBs across a pack at long contexts."""
+    from kvwake.daemon.model import attention
+
+    cache = paged_cache(pool_for(model), make_prompt_cache(model))
+    feed(model, cache, tokens(21, 40), [21])
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 16)
+    shape = attention.padded_shape(cache, 5)
+    assert shape == (attention.query_bucket(5), attention.key_bucket(26))
+    monkeypatch.setattr(attention, "PADDED_MASK_BYTES", shape[0] * shape[1] * 2 - 1)
+    assert attention.padded_shape(cache, 5) is None

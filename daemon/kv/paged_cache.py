@@ -79,6 +79,7 @@ class PagedSession:
         self._held: mx.array | None = None  # slots of tokens [0, tokens), while the table is unchanged
         self._run: int | None = None  # run_start's answer (-1: not one run), while the table is unchanged
         self._table: mx.array | None = None  # page_table's answer, while the table is unchanged
+        self._padded: tuple[int, int, tuple[mx.array, mx.array]] | None = None  # padded_pages' (tokens, length, answer)
 
     @property
     def tokens(self) -> int:
@@ -90,6 +91,7 @@ class PagedSession:
         if start == self.tokens:
             slots = self.pool.reserve(self.name, count)
             self._reserved, self._held, self._run, self._table = (start, start + count, slots), None, None, None
+            self._padded = None
             return slots
         if self._reserved is not None and self._reserved[:2] == (start, start + count):
             return self._reserved[2]
@@ -119,6 +121,17 @@ class PagedSession:
             self._table = mx.array(np.asarray([self.pool.table(self.name).pages or [0]], np.int32))
         return self._table
 
+    def padded_pages(self, tokens: int, length: int) -> tuple[mx.array, mx.array]:
+        """(The pages holding tokens [0, tokens) in order, then the table's first page again up to `length` tokens
+        of whole pages; `tokens`), int32 arrays made on the host once per change of the table, for every layer of a
+        pass (`gather_pages`' arguments)."""
+        if self._padded is None or self._padded[:2] != (tokens, length):
+            p, pages = self.pool.layout.page_tokens, self.pool.table(self.name).pages
+            held = -(-tokens // p)
+            index = mx.array(np.asarray(pages[:held] + [pages[0]] * (length // p - held), np.int32))
+            self._padded = (tokens, length, (index, mx.array(np.asarray([tokens], np.int32))))
+        return self._padded[2]
+
     def settle(self) -> None:
         """After a layer's trim: once every layer is trimmed to one length, the table is too."""
         kept = self.offsets[0]
@@ -129,7 +142,7 @@ class PagedSession:
 
     def changed(self) -> None:
         """The table's pages changed (trimmed, published or mapped): slots made before are stale."""
-        self._reserved = self._held = self._run = self._table = None
+        self._reserved = self._held = self._run = self._table = self._padded = None
 
 
 class PagedKVCache(_BaseCache):
@@ -174,18 +187,17 @@ class PagedKVCache(_BaseCache):
         self.offset += keys.shape[2]
 
     def padded(self, length: int) -> tuple[mx.array, mx.array] | None:
-        """Every token's K and V and more, `length` tokens ([1, kv_heads, length, head_dim], a copy): the table's
-        pages gathered whole, in one gather each, and then pages past them up to `length` (the table's first,
-        standing in for padding: the caller masks every key past `offset`). For a chunk's attention at a
-        padded shape (model/attention.py `padded_attention`): one copy where a gather by token and a pad were
-        two. None where `length` is not whole pages or falls short of the tokens held."""
+        """Every token's K and V and zeros after them, `length` tokens ([1, kv_heads, length, head_dim], a copy):
+        the table's pages gathered whole, in one gather each, then pages standing in for the padding, every slot
+        past `offset` written as zeros. For a chunk's attention at a padded shape (model/attention.py
+        `padded_attention`): one copy where a gather by token and a pad were two. None where `length` is not
+        whole pages or falls short of the tokens held."""
         pool, p = self.session.pool, self.session.pool.layout.page_tokens
         pages = pool.table(self.session.name).pages
         if not PAGE_GATHER or length % p or length < self.offset or not pages:
             return None
-        held = -(-self.offset // p)
-        index = mx.array(np.asarray(pages[:held] + [pages[0]] * (length // p - held), np.int32))
-        return tuple(gather_pages(part[self.layer], index, p) for part in (pool.keys, pool.values))
+        index, tokens = self.session.padded_pages(self.offset, length)
+        return tuple(gather_pages(part[self.layer], index, p, tokens) for part in (pool.keys, pool.values))
 
     def _gathered(self, pools: list[mx.array], start: int = 0, stop: int | None = None) -> mx.array | None:
         if self.offset == 0:
@@ -256,30 +268,36 @@ class PagedKVCache(_BaseCache):
 # -- pages copied out ---------------------------------------------------------------------------------------
 
 # One block per (page, KV head): the page's P x D values copied in 16-byte pieces, where MLX's gather goes element by
-# element, far below the memory's speed (docs/benchmarks.md, "Paged KV in the fleet").
+# element, far below the memory's speed (docs/benchmarks.md, "Paged KV in the fleet"). A token at or past `tokens`
+# is written as zeros: its slot may hold what a page's earlier owner or a rewind left, and a masked key weighs
+# exactly 0 only while it is finite (an inf there would give NaN).
 _PAGE_COPY = """
 const int j = blockIdx.x, h = blockIdx.y;
 const long slots = pool_shape[1], pages = index_shape[0];
-constexpr int PIECES = P * D * (int)sizeof(T) / 16;
+constexpr int PIECES = P * D * (int)sizeof(T) / 16, PER_TOKEN = D * (int)sizeof(T) / 16;
+const int held = tokens[0] - j * P;  // this page's tokens that are held (none past them)
 const uint4* src = reinterpret_cast<const uint4*>(pool + ((long)h * slots + (long)index[j] * P) * D);
 uint4* dst = reinterpret_cast<uint4*>(out + ((long)h * pages + j) * P * D);
-for (int i = threadIdx.x; i < PIECES; i += blockDim.x) dst[i] = src[i];
+for (int i = threadIdx.x; i < PIECES; i += blockDim.x) dst[i] = i / PER_TOKEN < held ? src[i] : uint4{0u, 0u, 0u, 0u};
 """
 _page_copy: list = []
 COPY_THREADS = 256
 
 
-def gather_pages(pool: mx.array, index: mx.array, page_tokens: int) -> mx.array:
+def gather_pages(pool: mx.array, index: mx.array, page_tokens: int, tokens: mx.array) -> mx.array:
     """Pages `index` (int32 [n]) of one pool ([kv_heads, slots, head_dim]) in order, [1, kv_heads, n x page_tokens,
-    head_dim] (a copy): on CUDA by a kernel that copies whole pages, elsewhere by MLX's gather."""
+    head_dim] (a copy), every token from `tokens` (int32 [1]) on zeros: on CUDA by a kernel that copies whole pages,
+    elsewhere by MLX's gather."""
     heads, _, dim = pool.shape
     n = index.shape[0]
-    if not cudart.on_cuda() or (page_tokens * dim * pool.dtype.size) % 16:
-        return pool.reshape(heads, -1, page_tokens, dim)[:, index].reshape(1, heads, n * page_tokens, dim)
+    if not cudart.on_cuda() or (dim * pool.dtype.size) % 16:
+        whole = pool.reshape(heads, -1, page_tokens, dim)[:, index].reshape(1, heads, n * page_tokens, dim)
+        held = (mx.arange(n * page_tokens, dtype=mx.int32) < tokens)[:, None]
+        return mx.where(held, whole, mx.zeros((), pool.dtype))
     if not _page_copy:
-        _page_copy.append(mx.fast.cuda_kernel(name="kvwake_page_copy", input_names=["pool", "index"],
+        _page_copy.append(mx.fast.cuda_kernel(name="kvwake_page_copy", input_names=["pool", "index", "tokens"],
                                               output_names=["out"], source=_PAGE_COPY))
-    (out,) = _page_copy[0](inputs=[pool, index], template=[("T", pool.dtype), ("P", page_tokens), ("D", dim)],
+    (out,) = _page_copy[0](inputs=[pool, index, tokens], template=[("T", pool.dtype), ("P", page_tokens), ("D", dim)],
                            grid=(n * COPY_THREADS, heads, 1), threadgroup=(COPY_THREADS, 1, 1),
                            output_shapes=[(1, heads, n * page_tokens, dim)], output_dtypes=[pool.dtype])
     return out

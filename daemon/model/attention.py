@@ -45,7 +45,7 @@ from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_cache import PagedKVCache
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "LIKELY_BUCKETS",
-           "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
+           "PADDED_MASK_BYTES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
            "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape",
            "key_bucket", "key_ladder", "on_cuda", "padded_attention", "padded_shape",
            "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
@@ -73,6 +73,7 @@ PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are fa
 # A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at
 # least KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
 KEY_BUCKET_MIN = 1024
+PADDED_MASK_BYTES = 64 << 20  # the largest additive mask a paged row pads to (`padded_shape`)
 KEY_BUCKET_SHARE = 8
 
 
@@ -223,15 +224,20 @@ def padded_shape(cache: list, tokens: int) -> tuple[int, int] | None:
     from CUDNN_MIN keys on: a copy of a long cache's keys per layer (400 MB a layer at 100k for the 8B shape) and
     its mask are not worth a graph's build there, where its chunks share the whole buffer's shape instead
     (`bucket_shape`). A paged layer has no buffer to share, and its attention reads a copy of its pages anyway
-    (kv/paged_cache.py `fetch`): its chunks pad at every length (without it, each row of a pack of agents' turns
-    built a graph of its own: docs/benchmarks.md, "Paged KV in the fleet")."""
+    (kv/paged_cache.py `fetch`): its chunks pad at any length whose mask stays within PADDED_MASK_BYTES (without
+    it, each row of a pack of agents' turns built a graph of its own: docs/benchmarks.md, "Paged KV in the
+    fleet")."""
     from mlx_lm.models.cache import KVCache
 
     c = cache[0] if cache else None
     paged = type(c) is PagedKVCache
     if not (type(c) is KVCache or paged) or (not paged and c.offset + tokens >= kvcapacity.CUDNN_MIN):
         return None
-    return query_bucket(tokens), key_bucket(c.offset + tokens)
+    shape = query_bucket(tokens), key_bucket(c.offset + tokens)
+    # a padded row's additive mask is held for its whole pass: a long context's would take GBs across a pack
+    if paged and shape[0] * shape[1] * c.session.pool.layout.dtype.size > PADDED_MASK_BYTES:
+        return None
+    return shape
 
 
 def padded_attention(fused: Any) -> Any:

@@ -156,7 +156,8 @@ def build(heads: int, kv_heads: int, head_dim: int, dtype: Any, page_tokens: int
         with contextlib.suppress(ValueError):
             mx.eval(kernel_attention(queries, pools, pools, mx.array([[0], [1]], mx.int32),
                                      mx.array([page_tokens, 3], mx.int32), 1.0, page_tokens, split=ROW_SPLIT))
-        mx.eval(paged_cache.gather_pages(pools, mx.array([1, 0], mx.int32), page_tokens))  # a padded chunk's copy
+        mx.eval(paged_cache.gather_pages(pools, mx.array([1, 0], mx.int32), page_tokens,  # a padded chunk's copy
+                                         mx.array([page_tokens + 3], mx.int32)))
     return True
 
 
