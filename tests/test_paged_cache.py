@@ -357,3 +357,28 @@ def test_a_paged_chunk_pads_while_its_mask_stays_within_the_bound(model, monkeyp
     assert shape == (attention.query_bucket(5), attention.key_bucket(26))
     monkeypatch.setattr(attention, "PADDED_MASK_BYTES", shape[0] * shape[1] * 2 - 1)
     assert attention.padded_shape(cache, 5) is None
+
+
+def test_a_pack_of_paged_rows_at_padded_shapes_gathers_no_row_by_token(model, monkeypatch) -> None:
+    """Rows whose path reads their pages itself (`padded_attention`) are not fetched (a gather by token each, built
+    and never read); the pack leaves each cache as the rows fed one at a time do."""
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 16)
+    history, turns = [tokens(13, 50), tokens(21, 51)], [tokens(6, 52), tokens(9, 53)]
+    pool = pool_for(model)
+    paged = [paged_cache(pool, make_prompt_cache(model)) for _ in turns]
+    alone = [paged_cache(pool, make_prompt_cache(model)) for _ in turns]
+    for cache, ids in zip(paged + alone, history * 2, strict=True):
+        feed(model, cache, ids, [len(ids)])
+    fetched = []
+    fetch = PagedKVCache.fetch
+    monkeypatch.setattr(PagedKVCache, "fetch", lambda c: fetched.append(c.layer) or fetch(c))
+    packing.forward(model, list(zip(turns, paged, strict=True)), [attention.padded_attention] * len(turns))
+    mx.eval([c.session.pool.keys for c in paged[0]])
+    assert fetched == []
+    for cache, turn in zip(alone, turns, strict=True):
+        packing.forward(model, [(turn, cache)], [attention.padded_attention])
+    for mine, theirs in zip(paged, alone, strict=True):
+        assert all(mx.array_equal(m.keys, t.keys).item() and m.offset == t.offset
+                   for m, t in zip(mine, theirs, strict=True))

@@ -254,20 +254,26 @@ def padded_attention(fused: Any) -> Any:
     `fused`."""
     masks: dict[tuple[int, int, int, bool, Any], mx.array] = {}  # one per row shape: every layer shares it
 
-    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+    def attention(queries: mx.array, keys: mx.array | None, values: mx.array | None, cache: Any, scale: float,
                   mask: Any, sinks: mx.array | None = None) -> mx.array:
         causal = isinstance(mask, str) and mask == "causal"
-        if (queries.shape[2] < 2 or sinks is not None or hasattr(cache, "bits") or not (mask is None or causal)
-                or not queries.dtype == keys.dtype == values.dtype):
+        simple = queries.shape[2] >= 2 and sinks is None and not hasattr(cache, "bits") and (mask is None or causal)
+        if type(cache) is PagedKVCache:
+            # a paged layer's pages gathered straight to the padded length; the keys passed (a gather by token), or
+            # None from a pack (model/packing.py: `reads_pages`), then are not read
+            k_len = cache.offset
+            whole = cache.padded(key_bucket(k_len)) if simple and queries.dtype == cache.session.pool.layout.dtype \
+                and (keys is None or keys.shape[2] == k_len) else None
+            if whole is not None:
+                return _bucketed(queries, *whole, k_len, scale, causal, masks)
+            if keys is None:
+                keys, values = cache.fetch()
+        if not (simple and queries.dtype == keys.dtype == values.dtype):
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         k_len = keys.shape[2]
-        # a paged layer's pages gathered straight to the padded length (the keys it was passed, a gather by token,
-        # then go unevaluated), else the keys padded with zeros
-        whole = cache.padded(key_bucket(k_len)) if type(cache) is PagedKVCache and cache.offset == k_len else None
-        if whole is not None:
-            return _bucketed(queries, *whole, k_len, scale, causal, masks)
         pad = [(0, 0), (0, 0), (0, key_bucket(k_len) - k_len), (0, 0)]
         return _bucketed(queries, mx.pad(keys, pad), mx.pad(values, pad), k_len, scale, causal, masks)
+    attention.reads_pages = True  # a pack's paged rows need not fetch their keys for it
     return attention
 
 

@@ -102,12 +102,13 @@ class RowsLayer:
         # Paged rows share a pool: every row writes before any reads. A read of the pool still pending when the
         # next row writes it would make that write copy the layer's whole pool (MLX updates an array in place
         # only when nothing else will read it), once per row and layer.
+        # A paged row's K and V are fetched by its attention (None here): a path that reads the pages itself
+        # (`reads_pages`) then builds no gather of them.
         paged = [isinstance(layer, PagedKVCache) for layer in self.layers]
         for b, (layer, n) in enumerate(zip(self.layers, self.lengths)):
             if paged[b]:
                 layer.extend(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
-        self.fetched = [layer.fetch() if paged[b] else layer.update_and_fetch(keys[b : b + 1, :, :n],
-                                                                              values[b : b + 1, :, :n])
+        self.fetched = [None if paged[b] else layer.update_and_fetch(keys[b : b + 1, :, :n], values[b : b + 1, :, :n])
                         for b, (layer, n) in enumerate(zip(self.layers, self.lengths))]
         return keys, values
 
@@ -131,8 +132,10 @@ def packed_attention(fused: Attention, rows: Sequence[Attention]) -> Attention:
             return fused(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         length = queries.shape[2]
         out = []
-        for b, ((k, v), n, layer, path, masked) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows,
-                                                                  cache.masks)):
+        for b, (fetched, n, layer, path, masked) in enumerate(zip(cache.fetched, cache.lengths, cache.layers, rows,
+                                                                   cache.masks)):
+            # a paged row: its keys and values for the path, or None where the path reads the pages itself
+            k, v = fetched or ((None, None) if getattr(path, "reads_pages", False) else layer.fetch())
             row = path(queries[b : b + 1, :, :n], k, v, layer, scale=scale, mask=masked, sinks=sinks)
             if n < length:
                 row = mx.concatenate([row, mx.zeros((1, row.shape[1], length - n, row.shape[3]), row.dtype)], axis=2)
