@@ -601,7 +601,7 @@ def test_a_pack_of_longer_turns_runs_its_rows_at_a_shared_padded_shape_where_the
     # The case the padded path is for: agents' turns that come at once, each row of the pack over its own history,
     # each at a shape of its own (a graph built for each). Rows at one shape build one graph as they are, and a
     # lone turn keeps its own shape (never measured to gain from the padding). Paged rows too: they ran fused at
-    # their own shapes, a graph each (the paged fleet's packs 1.8x slower on the H200).
+    # their own shapes, a graph each (docs/benchmarks.md, "Paged KV in the fleet").
     from kvwake.daemon.config import Tuning
     from kvwake.daemon.jobs import Packed
     from kvwake.daemon.model import attention

@@ -126,7 +126,7 @@ def test_a_paged_row_that_leaves_the_batch_to_go_on_alone_keeps_its_pages(engine
 
 def test_a_paged_sessions_prefill_and_turns_never_gather_what_it_holds(engines, monkeypatch):
     """The engine evaluates a paged layer's pools after a chunk, not its `state` (a gathered copy of every token
-    it holds: the whole session's KV per layer and chunk; eight agents' turns gathered 11 GB a pack on the H200)."""
+    it holds: the whole session's KV per layer and chunk; docs/benchmarks.md, "Paged KV in the fleet")."""
     _, engine, _ = engines
     gathered = []
     state = PagedKVCache.state
