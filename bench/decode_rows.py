@@ -10,6 +10,7 @@ the step's cost does not depend on the values), all decoding at once in the engi
 - kernel: the same merged batch, its attention by the row kernel (model/ragged_decode.py; CUDA only);
 - paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
   kernel on CUDA, the gather reference elsewhere;
+- paged-nowrite (a probe): paged with the pool's writes skipped (the step's KV written nowhere; its time only);
 - qkernel: with `--quantize` (the model quantized to 4 bits in the process, as `mlx_lm convert -q` does), as
   kernel with the products of up to 32 rows by kvwake's 4-bit kernel (model/quantized_kernel.py); masked and
   kernel then take model/quantized.py's other ways (MLX's vector kernel, a dequantized product).
@@ -21,6 +22,11 @@ copies it makes waited for. At a slot size's end (1, 2, 4, 8, ... rows) a merged
 next size, copying every row's KV (and compacts back, copying again, when the call has left); a paged one
 takes the row's page table. (A leave is not timed apart: it happens inside a step, and a merged batch's
 copies out are queued behind the pass.)
+
+`--probe`: where a step's time goes, per mode: `<mode>_build_ms` (the model's pass building the step's graph on
+the host, median), `<mode>_encode_ms` (MLX's `async_eval` of it: the kernels launched, median) and `<mode>_sync_ms`
+(a step with the device waited for after it: host and device one after the other). A step well over build +
+encode is the device's; a step near them is the host's.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from bench.lib import machine, save  # noqa: E402
+import importlib  # noqa: E402
+
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import quantized, ragged_decode  # noqa: E402
@@ -50,6 +58,7 @@ from kvwake.daemon.session_state import Session  # noqa: E402
 from kvwake.store import Store  # noqa: E402
 
 WARM_STEPS = 6
+GENERATE = importlib.import_module("mlx_lm.generate")  # the module (the package's `generate` is its function)
 JOINER_TOKENS = 3  # tokens a joining call decodes before it leaves
 
 
@@ -96,6 +105,71 @@ def timed(engine: Engine, steps: int, until: Any = None) -> tuple[float, int]:
     return (time.perf_counter() - began) * 1000, taken
 
 
+class Probe:
+    """The host's share of each step (`--probe`): the model's pass (graph built) and MLX's `async_eval` of the
+    step (kernels launched), timed around the decoder's own calls."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.build, self.encode = engine, [], []
+        self.model = engine.decoder._model
+        self.async_eval = GENERATE.mx.async_eval
+
+    def __enter__(self) -> Probe:
+        probe = self
+
+        class Timed:  # the decoder's model for the step, its pass timed
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                began = time.perf_counter()
+                out = self.inner(*args, **kwargs)
+                probe.build.append(time.perf_counter() - began)
+                return out
+
+        def async_eval(*arrays: Any) -> None:
+            began = time.perf_counter()
+            self.async_eval(*arrays)
+            self.encode.append(time.perf_counter() - began)
+
+        self.engine.decoder._model = lambda *a: Timed(self.model(*a))
+        GENERATE.mx = _Module(GENERATE.mx, async_eval=async_eval)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.engine.decoder._model  # the class's method again
+        GENERATE.mx = GENERATE.mx.inner
+
+    def report(self, mode: str) -> dict[str, float]:
+        return {f"{mode}_build_ms": round(statistics.median(self.build) * 1000, 2),
+                f"{mode}_encode_ms": round(statistics.median(self.encode) * 1000, 2)}
+
+
+class _Module:
+    """A module with some of its attributes replaced (mlx_lm.generate's `mx`, its async_eval timed)."""
+
+    def __init__(self, inner: Any, **replaced: Any) -> None:
+        self.inner, self.replaced = inner, replaced
+
+    def __getattr__(self, name: str) -> Any:
+        return self.replaced.get(name) or getattr(self.inner, name)
+
+
+def synced(engine: Engine, steps: int) -> float:
+    """ms of one decoder step with the device waited for after each (host and device in turn), median."""
+    times = []
+    for _ in range(steps):
+        mx.synchronize()
+        began = time.perf_counter()
+        engine.decoder.step()
+        mx.synchronize()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times) * 1000
+
+
 def admitted(engine: Engine, call: Any) -> float:
     """ms to admit `call` into the running batch (the decoder's admission, no pass), the copies it makes
     waited for: a merged batch copies the row's KV into a slot, a paged one takes its page table."""
@@ -109,16 +183,19 @@ def admitted(engine: Engine, call: Any) -> float:
 
 
 def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mode: str,
-            quantize: bool = False) -> tuple[float, float | None]:
+            quantize: bool = False, probe: dict | None = None) -> tuple[float, float | None]:
     """(ms per batched step of `rows` sessions at `context` on `mode`'s path, after WARM_STEPS; the median ms
     of another call's admission into that batch, None when `joins` is 0). The joining call runs
-    JOINER_TOKENS tokens and leaves before it joins again."""
+    JOINER_TOKENS tokens and leaves before it joins again. With `probe` (a dict), the host's share of the steps
+    and a synced step's time go in it (`Probe`, `synced`)."""
+    no_write = mode == "paged-nowrite"
+    mode = "paged" if no_write else mode
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     if quantize:
         quantized.install(engine.model, kernel=mode == "qkernel")
     engine.decoder.in_pages = mode == "paged"
     engine.decoder.paged_kernel = mode == "paged" and ragged_decode.wanted(True)  # the pages read in place on CUDA
-    tokens = WARM_STEPS + steps + joins * (JOINER_TOKENS + 2) + 8
+    tokens = WARM_STEPS + steps * (3 if probe is not None else 1) + joins * (JOINER_TOKENS + 2) + 8
     pool = page_pool(engine, rows + 1, context, tokens) if mode == "paged" else None
     sessions = [filled_session(engine, f"r{i}", context, pool) for i in range(rows + (joins > 0))]
     no_end = tuple((int(t), -1e4) for t in engine.tokenizer.eos_token_ids)  # every row runs every step
@@ -126,7 +203,17 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     for call in calls:
         engine.decoder.join(call)
     timed(engine, WARM_STEPS)
+    if no_write:  # the probe's variant: the step's K and V written nowhere
+        pool.write = lambda *args: None
     wall, _ = timed(engine, steps)
+    if probe is not None:
+        label = "paged-nowrite" if no_write else mode
+        with Probe(engine) as p:
+            timed(engine, steps)
+        probe.update(p.report(label))
+        probe[f"{label}_sync_ms"] = round(synced(engine, steps), 2)
+    if no_write:
+        del pool.write
     joined, joiner = [], None
     for _ in range(joins):  # one more session joins, decodes a few tokens, leaves
         joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
@@ -153,6 +240,7 @@ def main() -> None:
                     help="the most rows whose batch a call joins (a merged batch's join copies every row: memory)")
     ap.add_argument("--modes", default="masked,kernel,paged", help="paths to time (kernel: CUDA only)")
     ap.add_argument("--copy-gbs", type=float, default=2470.0, help="the GPU's measured copy speed, GB/s")
+    ap.add_argument("--probe", action="store_true", help="also each step's host share and a synced step's time")
     ap.add_argument("--quantize", action="store_true", help="the model quantized to 4 bits (group 64) in the process")
     ap.add_argument("--out", default="bench/out")
     a = ap.parse_args()
@@ -171,11 +259,15 @@ def main() -> None:
     for context in [int(c) for c in a.contexts.split(",")]:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
-            modes = [m for m in a.modes.split(",") if m not in ("kernel", "qkernel") or ragged_decode.wanted(True)]
+            modes = [m for m in a.modes.split(",")
+                     if m not in ("kernel", "qkernel", "paged-nowrite") or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
                     joins = a.joins if rows <= a.join_rows else 0
-                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode, a.quantize)
+                    probe: dict | None = {} if a.probe else None
+                    ms, join = step_ms(engine, rows, context, a.steps, joins, mode, a.quantize, probe)
+                    for key, value in (probe or {}).items():
+                        row.setdefault(key, []).append(value)
                     row.setdefault(f"{mode}_ms", []).append(round(ms, 2))
                     if join is not None:
                         row.setdefault(f"{mode}_join_ms", []).append(join)
