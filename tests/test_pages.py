@@ -236,3 +236,27 @@ def test_the_pools_grow_to_their_limit_keeping_what_they_hold() -> None:
     assert pool.grows == 2 and pool.grow_s > 0  # counted for status: each growth copies every pool
     with pytest.raises(PagePoolFullError):
         pool.append("b", *kv(1, 4))
+
+
+def test_a_write_at_slots_is_one_scatter_along_them() -> None:
+    """A batch's decode step writes one slot a row: one scatter along the slots (ScatterAxis). Written as
+    `pool[:, slots] = keys` MLX built index arrays for the heads too (an arange, casts and a general scatter),
+    four kernels a write, 64 writes a step of an 8B model (docs/benchmarks.md, "Paged KV in the fleet")."""
+    import io
+    import re
+
+    pool = PagePool(LAYOUT, capacity=8)
+    for name in ("a", "b"):
+        pool.open(name)
+        pool.append(name, *kv(5, len(name)))
+    slots = mx.array([pool.reserve("a", 1), pool.reserve("b", 1)], mx.int32)
+    k, v = kv(2, 9)
+    mx.eval(k, v, slots, pool.keys, pool.values)  # the graph below is the write's alone
+    pool.write(1, slots, k[0], v[0])
+    dot = io.StringIO()
+    mx.export_to_dot(dot, pool.keys[1], pool.values[1])
+    labels = re.findall(r'label ="([^"]+)"', dot.getvalue())
+    assert labels.count("ScatterAxis") == 2 and not {"Arange", "AsType", "Scatter"} & set(labels), labels
+    for name, row in (("a", 0), ("b", 1)):
+        keys, values = pool.gather(name, 1)
+        assert same([keys[:, -1]], [k[0][:, row]]) and same([values[:, -1]], [v[0][:, row]]), name

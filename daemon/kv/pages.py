@@ -200,11 +200,18 @@ class PagePool:
 
     def write(self, layer: int, slots: Slots, keys: mx.array, values: mx.array) -> None:
         """Store one layer's new K and V ([kv_heads, n, head_dim]) at `slots` (from `reserve`): a run of n
-        slots from the first (an update of a slice, cheaper than a scatter), or n slots."""
+        slots from the first (an update of a slice, cheaper than a scatter), or n slots (a batch's step: one
+        slot a row). Those go by `put_along_axis`, one scatter along the slots: the same update written as
+        `pool[:, slots] = keys` makes MLX build index arrays for the heads too, 12x the host's time a write
+        (docs/benchmarks.md, "Paged KV in the fleet"), 64 times a decode step of an 8B model."""
         if isinstance(slots, int):
             slots = slice(slots, slots + keys.shape[1])
-        self.keys[layer][:, slots] = keys
-        self.values[layer][:, slots] = values
+            self.keys[layer][:, slots] = keys
+            self.values[layer][:, slots] = values
+            return
+        at = slots[None, :, None]
+        self.keys[layer] = mx.put_along_axis(self.keys[layer], at, keys, axis=1)
+        self.values[layer] = mx.put_along_axis(self.values[layer], at, values, axis=1)
 
     def append(self, session: str, keys: list[mx.array], values: list[mx.array]) -> None:
         """`reserve` and `write` for every layer: keys[l], values[l] are [kv_heads, n, head_dim]."""
