@@ -11,6 +11,7 @@ the step's cost does not depend on the values), all decoding at once in the engi
 - paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
   kernel on CUDA, the gather reference elsewhere;
 - paged-nowrite (a probe): paged with the pool's writes skipped (the step's KV written nowhere; its time only);
+- <mode>-wait: as <mode>, each pass waiting for the step before (`--tune decode_pipeline=false`);
 - qkernel: with `--quantize` (the model quantized to 4 bits in the process, as `mlx_lm convert -q` does), as
   kernel with the products of up to 32 rows by kvwake's 4-bit kernel (model/quantized_kernel.py); masked and
   kernel then take model/quantized.py's other ways (MLX's vector kernel, a dequantized product).
@@ -25,8 +26,10 @@ copies out are queued behind the pass.)
 
 `--probe`: where a step's time goes, per mode: `<mode>_build_ms` (the model's pass building the step's graph on
 the host, median), `<mode>_encode_ms` (MLX's `async_eval` of it: the kernels launched, median) and `<mode>_sync_ms`
-(a step with the device waited for after it: host and device one after the other). A step well over build +
-encode is the device's; a step near them is the host's.
+(a step with the device waited for after it: host and device one after the other), and MLX's peak memory over
+what was held before the steps, pipelined (`<mode>_peak_over_mb`) and synced (`<mode>_sync_peak_over_mb`): a
+KV buffer's update that cannot reuse the buffer in place (MLX holds a buffer until the kernels that read it have
+run) copies it whole, and shows there as a buffer's bytes or more.
 """
 
 from __future__ import annotations
@@ -188,8 +191,10 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     of another call's admission into that batch, None when `joins` is 0). The joining call runs
     JOINER_TOKENS tokens and leaves before it joins again. With `probe` (a dict), the host's share of the steps
     and a synced step's time go in it (`Probe`, `synced`)."""
-    no_write = mode == "paged-nowrite"
-    mode = "paged" if no_write else mode
+    label = mode
+    no_write, wait = mode == "paged-nowrite", mode.endswith("-wait")
+    mode = "paged" if no_write else mode.removesuffix("-wait")
+    engine.decoder.pipeline = not wait
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     if quantize:
         quantized.install(engine.model, kernel=mode == "qkernel")
@@ -207,11 +212,15 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
         pool.write = lambda *args: None
     wall, _ = timed(engine, steps)
     if probe is not None:
-        label = "paged-nowrite" if no_write else mode
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
         with Probe(engine) as p:
             timed(engine, steps)
         probe.update(p.report(label))
+        probe[f"{label}_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
+        mx.reset_peak_memory()
         probe[f"{label}_sync_ms"] = round(synced(engine, steps), 2)
+        probe[f"{label}_sync_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
     if no_write:
         del pool.write
     joined, joiner = [], None
@@ -260,7 +269,8 @@ def main() -> None:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
             modes = [m for m in a.modes.split(",")
-                     if m not in ("kernel", "qkernel", "paged-nowrite") or ragged_decode.wanted(True)]
+                     if m.removesuffix("-wait") not in ("kernel", "qkernel", "paged-nowrite")
+                     or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
                     joins = a.joins if rows <= a.join_rows else 0

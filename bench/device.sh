@@ -65,7 +65,8 @@
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
 #   paged-ab  issue 51: the fleet (8 agents over 10k, 3 turns, openai; $PAGED_AGENTS others) with paged KV and its
-#             kernel on and off in turn ($PAGED_RUNS, default "true false true false"), kvwake alone; one line a run
+#             kernel on and off in turn ($PAGED_RUNS, default "true false true false"; an item may add settings:
+#             "true:KVWAKE_DECODE_PIPELINE=false,KVWAKE_X=y"), kvwake alone; one line a run
 #             (bench/fleet_runs.py: the phases, the hot KV and the pool at the rounds' end), then the restarts' phases
 #   fleet-16-prefetch  the same with the hot set read during start-up on and off (KVWAKE_RESTART_PREFETCH), in
 #             turn ($PREFETCH_RUNS, default "true false true false"), then one line a run of where its restart went
@@ -223,10 +224,13 @@ for c in json.load(open(sys.argv[1]))["configs"]:
               "rounds_wall_s")}}))' "$f"; done | tee -a "$OUT/$1.jsonl"
               tar czf "$OUT/$1.tgz" -C "$OUT" $(cd "$OUT" && ls -d "$1"-*/) && rm -rf "$OUT/$1"-*/ ;;
     paged-ab) model; n=0  # issue 51: paged KV (and its kernel) on and off in turn ($PAGED_RUNS), kvwake alone
-              for v in ${PAGED_RUNS:-true false true false}; do
-                n=$((n + 1))
-                KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v fleet "paged-ab-$n-$v" --agents "${PAGED_AGENTS:-8}" \
-                  --system-tokens 10240 --turns 3 --apis openai --no-baseline | tail -2
+              for item in ${PAGED_RUNS:-true false true false}; do  # an item: true|false[:VAR=value[,VAR=value]]
+                n=$((n + 1)); v=${item%%:*}; extra=""
+                [ "$item" != "$v" ] && extra=${item#*:}
+                name=paged-ab-$n-$v${extra:+-${extra//[^a-zA-Z0-9]/_}}
+                env ${extra//,/ } KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/fleet --model "$MODEL" --tools 8 \
+                  --agents "${PAGED_AGENTS:-8}" --system-tokens 10240 --turns 3 --apis openai --no-baseline \
+                  --out "$OUT/$name" 2>&1 | tail -2
               done
               python3 bench/fleet_runs.py "$OUT"/paged-ab-*/ | tee "$OUT/paged-ab.jsonl"
               python3 bench/restart_phases.py "$OUT"/paged-ab-*/ | tee -a "$OUT/paged-ab.jsonl"

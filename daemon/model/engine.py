@@ -189,6 +189,7 @@ class Engine(Appending):
             self.model, built=row_kernel.result() if row_kernel is not None else None,
             page_tokens=store.block_tokens if tuning.paged_kv else None)
         self.decoder.paged_kernel = tuning.paged_kernel
+        self.decoder.pipeline = tuning.decode_pipeline
         if self.quantized_layers and row_kernel is not None and row_kernel.quantized_built:
             # built beside the load (not where the GPU cannot run it: before sm_80's tensor-core products)
             quantized.install(self.model, kernel=True)
