@@ -11,7 +11,6 @@ the step's cost does not depend on the values), all decoding at once in the engi
 - paged: the sessions' caches in a page pool and the batch over their pages (kv/paged_batch.py): the paged
   kernel on CUDA, the gather reference elsewhere;
 - paged-nowrite (a probe): paged with the pool's writes skipped (the step's KV written nowhere; its time only);
-- <mode>-wait: as <mode>, each pass waiting for the step before (`--tune decode_pipeline=false`);
 - qkernel: with `--quantize` (the model quantized to 4 bits in the process, as `mlx_lm convert -q` does), as
   kernel with the products of up to 32 rows by kvwake's 4-bit kernel (model/quantized_kernel.py); masked and
   kernel then take model/quantized.py's other ways (MLX's vector kernel, a dequantized product).
@@ -192,9 +191,8 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     JOINER_TOKENS tokens and leaves before it joins again. With `probe` (a dict), the host's share of the steps
     and a synced step's time go in it (`Probe`, `synced`)."""
     label = mode
-    no_write, wait = mode == "paged-nowrite", mode.endswith("-wait")
-    mode = "paged" if no_write else mode.removesuffix("-wait")
-    engine.decoder.pipeline = not wait
+    no_write = mode == "paged-nowrite"
+    mode = "paged" if no_write else mode
     engine.decoder.row_kernel = mode != "masked" and ragged_decode.wanted(True)
     if quantize:
         quantized.install(engine.model, kernel=mode == "qkernel")
@@ -269,8 +267,7 @@ def main() -> None:
         for rows in [int(r) for r in a.rows.split(",")]:
             row = {"rows": rows, "context": context}
             modes = [m for m in a.modes.split(",")
-                     if m.removesuffix("-wait") not in ("kernel", "qkernel", "paged-nowrite")
-                     or ragged_decode.wanted(True)]
+                     if m not in ("kernel", "qkernel", "paged-nowrite") or ragged_decode.wanted(True)]
             try:
                 for mode in modes * 2:  # alternating: drift shows
                     joins = a.joins if rows <= a.join_rows else 0

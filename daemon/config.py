@@ -127,11 +127,6 @@ class Tuning:
     # CUDA: a batched decode step's attention by the flash-decoding kernel over each row's own tokens
     # (model/ragged_decode.py); False: mlx-lm's masked attention over the padded batch (for comparison)
     row_kernel: bool = True
-    # a batched decode step's kernels are launched while the step before still runs (mlx-lm's pipelining);
-    # False: each pass, once built, waits for the step before to have run first. MLX holds a KV buffer until the
-    # kernels that read it have run, and an update launched before then copies the buffer whole instead of
-    # writing in place (docs/benchmarks.md, "Paged KV in the fleet")
-    decode_pipeline: bool = True
     # CUDA: a 4-bit model's products of up to 32 rows (a batch decoding) by kvwake's kernel, which reads the
     # weight once and dequantizes it in registers (model/quantized_kernel.py); False: MLX's vector kernel or a
     # dequantized product (model/quantized.py)

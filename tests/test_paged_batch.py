@@ -188,11 +188,10 @@ def test_only_a_cache_paged_whole_at_its_length_joins_a_paged_batch(tiny):
         paged_batch.merged([cache])
 
 
-@pytest.mark.parametrize(("in_pages", "pipeline"), [(True, True), (False, True), (True, False)])
-def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages, pipeline):  # noqa: F811
-    """Also with `decode_pipeline` off (each pass waiting for the step before): the same tokens."""
+@pytest.mark.parametrize("in_pages", [True, False])
+def test_the_decoder_batches_paged_sessions_over_their_pages(engines, in_pages):  # noqa: F811
     plain, engine, pool = engines
-    engine.decoder.in_pages, engine.decoder.pipeline = in_pages, pipeline
+    engine.decoder.in_pages = in_pages
     no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
     params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (4, 12, 9, 12, 6)]
     texts = ["word " * 40, "a short one", "agent 1", "agent two speaks", "x" * 30]

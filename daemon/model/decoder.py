@@ -108,7 +108,6 @@ class Decoder:
                          "compactions": 0, "alone_for_length": 0, "rows_sampled_together": 0}
         self.rows_sampling = True  # sampling rows sample in one op (RowsSampler); off: row by row (benchmarks)
         self.row_kernel = False  # steps' attention by the row kernel (model/ragged_decode.py; the engine sets it)
-        self.pipeline = True  # a step's kernels launched while the step before runs (Tuning.decode_pipeline)
         self.paged_kernel = False  # with it, a paged batch's by the paged kernel on CUDA, else gathered (the engine's)
         self._attends = model  # whose module's attention the row kernel takes over (self.model may be wrapped)
         # paged sessions decode in a batch over their own pages (kv/paged_batch.py); off: their KV is merged
@@ -423,8 +422,7 @@ class Decoder:
         masked when any is constrained. `fed` must be the array the step before scheduled (or a
         constant), so waiting for its values never waits for this pass."""
         constraints = _constraints(calls)
-        model = self.model if self.pipeline else AfterStep(self.model)
-        return MaskedModel(model, constraints, self.masks, fed) if any(constraints) else model
+        return MaskedModel(self.model, constraints, self.masks, fed) if any(constraints) else self.model
 
     def _row_calls(self) -> list[Call | None]:
         return [self.rows.get(uid) for uid in self.batch.uids] if self.batch is not None else []
@@ -592,19 +590,3 @@ def run_alone(decoder: Decoder, call: Call) -> GenerateResult:
     while not call.future.done():
         decoder.step()
     return call.future.result()
-
-
-class AfterStep:
-    """The model for a batched pass whose kernels wait for the step before (Tuning.decode_pipeline off): its
-    graph is built while that step runs, then the stream is waited for before anything of it is launched.
-    MLX holds every buffer a kernel reads until that kernel's batch has run; an update of a KV buffer (a row's
-    slot, a page) launched before then cannot write in place and copies the buffer whole (docs/benchmarks.md,
-    "Paged KV in the fleet")."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        logits = self.model(inputs, cache=cache)
-        mx.synchronize(generation_stream)  # the step before run, and MLX's hold on what it read let go
-        return logits
