@@ -116,6 +116,29 @@ def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built
     assert ragged_decode.warm(model, built=None) is True and built == [shape, shape]  # no build beside: built now
 
 
+def test_a_paged_engines_kernels_are_built_beside_the_load_not_after_it(tmp_path, monkeypatch):
+    """With pages (`paged_kv`), the paged kernel and the page copy are built beside the load with the row kernel,
+    once a process, and the engine builds nothing after the load. Was: built by the engine once the weights were
+    in, which held a paged daemon's every start for 3.3-4.8 s on the H200 (docs/benchmarks.md, "Paged KV in the
+    fleet")."""
+    from mlx_lm import load
+
+    from kvwake.daemon.model import ragged_decode
+
+    built = []
+    monkeypatch.setattr(ragged_decode, "build", lambda *shape, **kw: built.append((shape, kw)) or True)
+    path = make_model_dir(tmp_path / "llama", arch="llama")
+    beside = kernel_cache.BesideLoad(path, True, None, page_tokens=64)
+    shape = beside.result()
+    assert built == [(shape, {}), (shape, {"page_tokens": 64, "row": False})] and beside.paged == (shape, 64)
+    model, _ = load(str(path))
+    assert ragged_decode.warm(model, built=shape, page_tokens=64, paged=beside.paged) is True
+    assert len(built) == 2  # nothing built after the load
+    again = kernel_cache.BesideLoad(path, True, None, page_tokens=64)
+    assert again.result() == shape and again.paged == (shape, 64) and len(built) == 2  # once a process
+    assert ragged_decode.warm(model, built=shape, page_tokens=128, paged=beside.paged) is True
+    assert built[-1] == (shape, {"page_tokens": 128, "row": False})  # other pages: built by the engine
+
 def test_a_row_kernel_build_that_fails_leaves_the_engine_to_build_it(tmp_path, monkeypatch, caplog):
     from kvwake.daemon.model import ragged_decode
 
@@ -308,7 +331,10 @@ def test_the_row_kernel_is_built_beside_the_load_with_the_warmer_off_too(model_d
     built = []
 
     class Beside:
-        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None, quantized=False):
+        paged = None
+
+        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None, quantized=False,
+                     page_tokens=None):
             built.append(model_path)
 
         def result(self):

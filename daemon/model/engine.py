@@ -141,7 +141,8 @@ class Engine(Appending):
             staged = staging_beside_load and self.restore_mode == "staged"
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for,
-                                                 wakes=wakes_ahead, quantized=tuning.quantized_kernel)
+                                                 wakes=wakes_ahead, quantized=tuning.quantized_kernel,
+                                                 page_tokens=store.block_tokens if tuning.paged_kv else None)
         self.weight_pieces: list[dict[str, Any]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
                                                   timeline=self.weight_pieces, read=tuning.weights_read)
@@ -187,9 +188,9 @@ class Engine(Appending):
         # False when the model's heads are not a shape it takes.
         self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(
             self.model, built=row_kernel.result() if row_kernel is not None else None,
-            page_tokens=store.block_tokens if tuning.paged_kv else None)
+            page_tokens=store.block_tokens if tuning.paged_kv else None,
+            paged=row_kernel.paged if row_kernel is not None else None)
         self.decoder.paged_kernel = tuning.paged_kernel
-        self.decoder.pipeline = tuning.decode_pipeline
         if self.quantized_layers and row_kernel is not None and row_kernel.quantized_built:
             # built beside the load (not where the GPU cannot run it: before sm_80's tensor-core products)
             quantized.install(self.model, kernel=True)

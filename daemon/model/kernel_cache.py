@@ -229,6 +229,7 @@ NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_id
 # Row kernel shapes built in this process (`BesideLoad`): shape -> whether the kernel takes it
 _rows: dict[tuple[int, int, int, Any], bool] = {}
 _rows_lock = threading.Lock()
+_paged: set[tuple[tuple[int, int, int, Any], int]] = set()  # (shape, page tokens) whose paged kernel was built
 
 
 class BesideLoad:
@@ -246,8 +247,13 @@ class BesideLoad:
     whole compile (docs/benchmarks.md, "Several models"); at the first start nothing decodes yet."""
 
     def __init__(self, model_path: Path, row_kernel: bool, staging_tokens: int | None,
-                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None, quantized: bool = False) -> None:
+                 others: Sequence[Path] = (), wakes: Callable[[], int] | None = None, quantized: bool = False,
+                 page_tokens: int | None = None) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
+        # with `page_tokens` (a paged engine's pages), the paged kernel and the page copy for the model's shape too:
+        # built after the load, they held a paged daemon's start for 3.3-4.8 s (docs/benchmarks.md, "Paged KV in
+        # the fleet"); `paged` the (shape, page tokens) built, which the engine compares with its own
+        self.page_tokens, self.paged = page_tokens, None
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
         self.quantized = quantized  # a 4-bit model's kernel too (model/quantized_kernel.py)
@@ -267,6 +273,8 @@ class BesideLoad:
             shape = _heads(model_path, config)
             if row_kernel and self._build_row(shape):
                 self.shape = shape
+                if self.page_tokens:
+                    self._build_paged(shape, self.page_tokens)
             config = text_config(config)
             if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 self.ran = True
@@ -312,6 +320,19 @@ class BesideLoad:
         if ok:
             self.built.append(shape)
         return ok
+
+    def _build_paged(self, shape: tuple[int, int, int, Any], page_tokens: int) -> None:
+        """The paged kernel and the page copy for `shape` and pages of `page_tokens`, once a process."""
+        from kvwake.daemon.model import ragged_decode
+
+        with _rows_lock:
+            known = (shape, page_tokens) in _paged
+        if not known:
+            self.ran = True
+            ragged_decode.build(*shape, page_tokens=page_tokens, row=False)
+            with _rows_lock:
+                _paged.add((shape, page_tokens))
+        self.paged = (shape, page_tokens)
 
     def result(self) -> tuple[int, int, int, Any] | None:
         self.thread.join()

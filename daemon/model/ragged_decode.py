@@ -161,13 +161,17 @@ def build(heads: int, kv_heads: int, head_dim: int, dtype: Any, page_tokens: int
     return True
 
 
-def warm(model: Any, built: tuple[int, int, int, Any] | None = None, page_tokens: int | None = None) -> bool:
+def warm(model: Any, built: tuple[int, int, int, Any] | None = None, page_tokens: int | None = None,
+         paged: tuple[tuple[int, int, int, Any], int] | None = None) -> bool:
     """The row kernel ready for the model (`build`), unless it was built already for its shape (`built`: the
     shape a build beside the weights' load took, model/kernel_cache.py), and the paged kernel for pages of
-    `page_tokens` when given. Whether the model takes the row kernel."""
+    `page_tokens` when given, unless built beside the load too (`paged`: its shape and pages). Whether the
+    model takes the row kernel."""
     shape = shape_of(model)
     if shape is None:
         return False
+    if paged == (shape, page_tokens):
+        page_tokens = None
     if shape == built and not page_tokens:
         return True
     return build(*shape, page_tokens=page_tokens, row=shape != built)
