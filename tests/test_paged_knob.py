@@ -97,3 +97,45 @@ def test_the_page_pools_bound_follows_the_kv_room_as_other_models_load_and_unloa
     assert pool.limit == allocated
     paged.set_kv_room(4 * allocated * page)
     assert pool.limit == 4 * allocated
+
+
+def test_paged_kv_by_default_on_cuda_for_a_plain_attention_model_only(tmp_path, monkeypatch):
+    """`paged_kv` unset: on where the paged kernel reads the pages in place (CUDA) for a model whose cache is plain
+    KV throughout, the paged kernel built beside the load; off for a sliding-window model (it keeps its cut
+    restore points) and on the CPU (each step would gather); a setting given wins."""
+    from kvwake.daemon.kv import capacity
+    from kvwake.daemon.model import attention, kernel_cache
+    from testkit.tinymodel import make_model_dir
+
+    beside = []
+
+    class Beside:  # what the engine asks to be built beside the load (a CUDA kernel: not built here)
+        paged = None
+
+        def __init__(self, model_path, row_kernel, staging_tokens, others=(), wakes=None, quantized=False,
+                     page_tokens=None):
+            beside.append(page_tokens)
+
+        def result(self):
+            return None
+
+    def made(arch: str, tuning: Tuning) -> tuple[bool, bool, bool]:
+        store = Store(tmp_path / f"store-{len(beside)}-{arch}", block_tokens=BLOCK)
+        try:
+            engine = Engine(store, tmp_path, make_model_dir(tmp_path / arch, arch=arch), warm=False, tuning=tuning)
+            try:
+                return engine.paged_kv, engine.pages is not None, engine.decoder.paged_kernel
+            finally:
+                engine.close()
+        finally:
+            store.close()
+            capacity.uninstall()
+
+    assert made("llama", Tuning()) == (False, False, False)  # the CPU
+    monkeypatch.setattr(attention, "on_cuda", lambda: True)  # as on CUDA
+    monkeypatch.setattr(kernel_cache, "BesideLoad", Beside)
+    quiet = Tuning(kernel_warmer=False)
+    assert made("llama", quiet) == (True, True, True) and beside == [BLOCK]
+    assert made("gemma3_text", quiet) == (False, False, False) and beside[-1] is None
+    assert made("llama", Tuning(kernel_warmer=False, paged_kv=False)) == (False, False, False)
+    assert made("llama", Tuning(kernel_warmer=False, paged_kernel=False)) == (True, True, False)
