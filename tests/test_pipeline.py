@@ -722,19 +722,23 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
     assert_same_kv_and_continuation(engine, hot, cold, 192)
 
 
-def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir, tmp_path, monkeypatch, paged):
     # On CUDA a daemon's first restore made its ring (fresh managed allocations the CPU writes, slow to make)
     # in an engine-thread job, a decoding neighbour's gap. The warm-up makes the slots
-    # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none.
+    # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none. Paged (the
+    # default on CUDA), the wake joins its spans into pages through the same ring: the warm-up made none for it
+    # (its sample was the engine's paged cache), so a restart's first paged wake made the ring itself.
+    from kvwake.daemon.config import Tuning
     from kvwake.daemon.kv import cudart, devplanes
 
     restores_as(monkeypatch, "staged")
     monkeypatch.setattr(cudart, "_advise", lambda ptr, n, advice, kind, ident: 0)  # mapping "works" (as on CUDA)
     devplanes.drop_idle()
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, tuning=Tuning(paged_kv=paged))
     try:
-        assert engine._warm_staging()
+        assert engine._warm_staging() and (engine.pages is not None) is paged
         ((shape, idle),) = devplanes._idle.items()
         args = engine.model.args
         kv_heads, dim = args.num_key_value_heads, args.hidden_size // args.num_attention_heads

@@ -325,8 +325,11 @@ class Engine(Appending):
         return jobs
 
     def _warm_staging(self) -> bool:
-        """A wake's staging ring made and kept, its joins compiled (devplanes.warm), for plain KV caches."""
-        cache = self.make_cache()
+        """A wake's staging ring made and kept, its joins compiled (devplanes.warm), for plain KV caches: a
+        paged wake's too (kv/page_restore.py: a staged one joins its spans through the same ring), so the
+        sample is the model's plain cache, not a paged one (with paged KV on, the first wake after a start made
+        the ring and compiled its joins itself)."""
+        cache = self.kv.make_cache()
         if not cache or not all(type(c) is KVCache for c in cache):
             return False
         mx.eval(self.model(mx.array([[0]], dtype=mx.uint32), cache=cache))
