@@ -142,14 +142,13 @@ class Tuning:
     # prepare)
     modules_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
-    # None: by the backend and the model, on CUDA for a model whose every layer is plain attention with plain KV
-    # (the paged kernel reads the pages in place: 8 and 16 agents over a 10k prompt decode as fast and hold
-    # 0.25x and 0.19x the KV), off elsewhere (on the CPU and Metal each step would gather every row's pages; a
-    # sliding-window model keeps its cut restore points): docs/benchmarks.md, "Paged KV in the fleet"
-    paged_kv: bool | None = None
-    # with paged_kv: a paged batch's attention by the paged kernel (CUDA), reading every row's pages in place
-    # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention; None: with paged_kv
-    paged_kernel: bool | None = None
+    # off until it is no slower: on the CPU each step gathers every row's pages, and on CUDA a fleet's turns and
+    # decode steps still run slower over pages than over per-session buffers (docs/benchmarks.md, "Paged KV in
+    # the fleet")
+    paged_kv: bool = False
+    # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
+    # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention
+    paged_kernel: bool = False
     # a model with sliding-window or recurrent layers takes restore points while it prefills, so its
     # prefixes are reused (kv/points.py); False: such a model reuses only whole snapshots
     restore_points: bool = True

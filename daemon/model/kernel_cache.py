@@ -226,25 +226,6 @@ NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_id
              "block_types", "attn_layer_indices")
 
 
-def model_config(model_path: Path) -> dict[str, Any]:
-    """The text model's config in `model_path` (`text_config`); {} where there is none to read."""
-    try:
-        return text_config(json.loads((Path(model_path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def plain_config(config: dict[str, Any]) -> bool:
-    """Whether a (text) config names only plain attention layers: no sliding windows (a `sliding_window` that
-    `use_sliding_window: false` turns off, as Qwen's configs do, is none; `layer_types` all full attention is
-    plain) and no recurrent or hybrid layers. A guess before the load (the loaded model's cache decides)."""
-    if any(config.get(k) for k in NOT_PLAIN if k not in ("sliding_window", "layer_types")):
-        return False
-    if any(kind not in ("full_attention", "attention") for kind in config.get("layer_types") or ()):
-        return False
-    return not config.get("sliding_window") or config.get("use_sliding_window") is False
-
-
 # Row kernel shapes built in this process (`BesideLoad`): shape -> whether the kernel takes it
 _rows: dict[tuple[int, int, int, Any], bool] = {}
 _rows_lock = threading.Lock()
@@ -295,7 +276,7 @@ class BesideLoad:
                 if self.page_tokens:
                     self._build_paged(shape, self.page_tokens)
             config = text_config(config)
-            if staging_tokens and plain_config(config):
+            if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
                 self.ran = True
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens,
