@@ -141,10 +141,12 @@ class Tuning:
     # the mapped way, for their loads to take instead of building them beside the decoding (model/weights.py
     # prepare)
     modules_ahead: bool = True
-    # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py);
-    # off until it is no slower: on the CPU each step gathers every row's pages, and on CUDA a fleet's turns and
-    # decode steps still run slower over pages than over per-session buffers (docs/benchmarks.md, "Paged KV in
-    # the fleet")
+    # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py). Off:
+    # on the CPU each step gathers every row's pages. On CUDA (with paged_kernel) 8 and 16 agents over a 10k
+    # prompt run as fast as over per-session buffers and hold 0.25x and 0.19x the KV, but a start takes ~2.4 s
+    # more (the paged kernels' compile), a lone short turn past CUDNN_MIN keys loses the shared bucketed graph
+    # (not measured), and the CUDA suite has not run with it on (docs/decisions.md, "Paged KV in the fleet,
+    # again")
     paged_kv: bool = False
     # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
     # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention
