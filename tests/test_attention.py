@@ -457,6 +457,49 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, 
     store.close()
 
 
+
+def test_a_paged_sessions_short_turns_past_cudnn_min_share_a_padded_shape_built_ahead(model, model_dir, tmp_path,
+                                                                                     monkeypatch, coarse_capacity):
+    """Over pages a lone short turn past CUDNN_MIN ran at its own shape, new every turn (each one plain ops or a
+    graph of its own): a paged cache has no buffer for `bucketed_attention` to share. It now runs at its query
+    and key buckets (`padded_attention`), which the next turns share, and a long prefill builds the likeliest
+    turns' shapes ahead, as over a KVCache (docs/decisions.md, "Paged KV in the fleet, again")."""
+    from kvwake.daemon.config import Tuning
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.daemon.model.scheduler import prefill as prefill_mod
+    from kvwake.daemon.session_state import Session
+    from kvwake.store import Store
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(attention, "KEY_BUCKET_MIN", 64)
+    monkeypatch.setattr(prefill_mod, "BUCKET_AHEAD_AFTER", 100)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=Tuning(paged_kv=True))
+    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
+    built, warm = [], attention.warm_bucket
+    monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or warm(m, b, c, like))
+    used, padded = [], attention.padded_attention
+    monkeypatch.setattr(attention, "padded_attention", lambda f: used.append(1) or padded(f))
+    session = Session("agent")
+    history = list(range(1, 130))
+    engine.append(session, tokens=history)  # 128 prefilled: full chunks at their own shapes, then the likeliest turns'
+    assert type(session.cache[0]).__name__ == "PagedKVCache" and used == []
+    ahead = [("padded", b, attention.key_bucket(128 + b)) for b in (64, 32)]
+    assert built == [shape[1:] for shape in ahead] and set(ahead) <= engine.planner._fused_shapes, built
+    turns = [list(range(1, 10)), list(range(1, 14))]  # 9 then 13 new: query bucket 16, keys 137 and 150 (192)
+    for turn in turns:
+        engine.append(session, tokens=turn)
+    assert len(used) == 2 and ("padded", 16, 192) in engine.planner._fused_shapes, (used, engine.planner._fused_shapes)
+    monkeypatch.undo()
+    tokens = mx.array(history + turns[0] + turns[1])
+    alone = logits_after(model, tokens[:-1], tokens[-1:], plain=False)
+    ours = engine.model(tokens[-1:][None], cache=session.cache).astype(mx.float32)
+    assert mx.argmax(ours[0, -1]).item() == mx.argmax(alone[0, -1]).item()
+    assert mx.allclose(ours, alone, atol=2e-2, rtol=2e-2).item(), mx.abs(ours - alone).max().item()
+    engine.close()
+    store.close()
+
 def test_bucketed_attention_runs_the_fused_kernel_on_keys_the_model_changed_after_the_cache(monkeypatch):
     # mlx-lm's plamo tiles the KV heads after the cache's update, stablelm casts to float32: the whole
     # buffer would not stand for what they pass (a review finding).

@@ -205,7 +205,8 @@ class PrefillPlanner:
         one query bucket (no boundary to keep: its graph is the bucket's); before either, a restore point's
         boundary (`stop_at`)."""
         end = self.chunk_end(session.processed, upto)
-        if end < upto and self._bucketed(session.cache, upto - session.processed):
+        if end < upto and (self._bucketed(session.cache, upto - session.processed)
+                           or self._paged_turn(session.cache, upto - session.processed)):
             end = upto
         stop = self.stop_at(session, upto) if self.stop_at is not None else None
         return end if stop is None else min(end, stop)
@@ -251,7 +252,7 @@ class PrefillPlanner:
         # ops take runs fused at a padded shape the rows share (attention.padded_attention, `_pack_chunk`).
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
         bucket = self._bucketed(session.cache, n)
-        padded = None if bucket or not pad else self._padded(session.cache, n)
+        padded = None if bucket else self._padded(session.cache, n) if pad else self._paged_turn(session.cache, n)
         shape = ("bucket", *bucket) if bucket else ("padded", *padded) if padded else \
             attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
@@ -277,6 +278,17 @@ class PrefillPlanner:
             return None
         return attention.padded_shape(cache, n)
 
+    def _paged_turn(self, cache: list, n: int) -> tuple[int, int] | None:
+        """The shared shape a lone turn's chunk of n tokens over a paged cache past CUDNN_MIN keys runs on
+        (attention.padded_shape: its query bucket, its key bucket), what a KVCache's short chunk there gets from
+        its buffer (`_bucketed`). A paged cache has no buffer: at its own shape, new every turn, each turn ran
+        plain ops or built a graph (docs/decisions.md, "Paged KV in the fleet, again"). None otherwise."""
+        c = cache[0] if cache else None
+        if not (self.bucket_prefill and type(c) is PagedKVCache and 2 <= n < self.prefill_step
+                and c.offset + n >= kvcapacity.CUDNN_MIN):
+            return None
+        return attention.padded_shape(cache, n)
+
     def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
         """The shared shape a chunk of n tokens fed to `cache` would run on (attention.bucket_shape), for a
         short chunk (2 tokens to below the prefill step and PLAIN_MAX_QUERIES: one query takes the decode
@@ -285,25 +297,32 @@ class PrefillPlanner:
             return None
         return attention.bucket_shape(cache, n)
 
-    def _turn_buckets(self, cache: list, n: int) -> tuple[int, list[int]] | None:
-        """(the capacity `cache` has once fed n more tokens, every query bucket of a turn there, likeliest
-        first), or None when no later turn would share those graphs: bucketed prefill off, not a plain
-        KVCache past CUDNN_MIN, or a buffer off the capacity grid (a batch's or a copy's, trimmed; its
-        next growth puts it back on the grid)."""
+    def _turn_shapes(self, cache: list, n: int) -> list[tuple[Any, ...]]:
+        """The shapes a next turn's chunk over `cache` once fed n more tokens runs on, likeliest first: over a
+        KVCache ("bucket", every query bucket, the capacity it then has), over a paged cache ("padded", the
+        query bucket, the key bucket of its keys with that many queries: `_paged_turn`); none where no later
+        turn would share those graphs: bucketed prefill off, neither cache past CUDNN_MIN, or a buffer off the
+        capacity grid (a batch's or a copy's, trimmed; its next growth puts it back on the grid)."""
+        buckets = attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))
+        c = cache[0] if cache else None
+        if type(c) is PagedKVCache:
+            if not (self.bucket_prefill and c.offset + n >= kvcapacity.CUDNN_MIN):
+                return []
+            size = c.session.pool.layout.dtype.size
+            return [("padded", b, attention.key_bucket(c.offset + n + b)) for b in buckets
+                    if b * attention.key_bucket(c.offset + n + b) * size <= attention.PADDED_MASK_BYTES]
         if not self.bucket_prefill or not cache or attention.bucket_shape(cache, max(n, 1)) is None:
-            return None
-        capacity = kvcapacity.grown(cache[0], n)
+            return []
+        capacity = kvcapacity.grown(c, n)
         if kvcapacity.capacity(capacity) != capacity:
-            return None
-        return capacity, attention.query_buckets(min(attention.PLAIN_MAX_QUERIES, self.prefill_step - 1))
+            return []
+        return [("bucket", bucket, capacity) for bucket in buckets]
 
     def _warm_buckets(self, session: Session, n: int) -> None:
         """The shared shapes of the next turns over the session's cache once fed n more tokens, built as
         idle jobs: when nothing else waits. Built ones and queued ones are skipped; so is one whose
         session holds another capacity by its turn (grown, or gone)."""
-        turn = self._turn_buckets(session.cache, n) if self.idle is not None else None
-        for bucket in turn[1] if turn else ():
-            shape = ("bucket", bucket, turn[0])
+        for shape in self._turn_shapes(session.cache, n) if self.idle is not None else ():
             if shape not in self._fused_shapes and shape not in self._bucket_warming:
                 self._bucket_warming.add(shape)
                 self.idle(lambda shape=shape, ref=weakref.ref(session): self._warm_bucket(shape, ref))
@@ -317,9 +336,7 @@ class PrefillPlanner:
         them."""
         if prefilled < BUCKET_AHEAD_AFTER:
             return
-        turn = self._turn_buckets(session.cache, 0)
-        for bucket in turn[1][:BUCKETS_AHEAD] if turn else ():
-            shape = ("bucket", bucket, turn[0])
+        for shape in self._turn_shapes(session.cache, 0)[:BUCKETS_AHEAD]:
             if shape not in self._fused_shapes:
                 mlx(lambda shape=shape: self.decoder.active or self._warm_bucket(shape, weakref.ref(session)))
 
@@ -329,11 +346,18 @@ class PrefillPlanner:
         self._bucket_warming.discard(shape)
         s = session()
         layer = s.cache[0] if s is not None and s.cache else None
-        if shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
+        if shape[0] == "padded":  # a paged cache's: the graph its padded turn runs (`_bucketed` at those lengths)
+            if shape in self._fused_shapes or type(layer) is not PagedKVCache:
+                return  # built meanwhile, or its session's cache is gone
+            layout = layer.session.pool.layout
+            like = mx.zeros((1, layout.kv_heads, 1, layout.head_dim), layout.dtype)
+        elif shape in self._fused_shapes or type(layer) is not KVCache or layer.keys is None or \
                 layer.keys.shape[2] != shape[2]:
             return  # built meanwhile, or its session's cache is gone or holds another capacity now
+        else:
+            like = layer.keys
         try:
-            if attention.warm_bucket(self.model, shape[1], shape[2], like=layer.keys):
+            if attention.warm_bucket(self.model, shape[1], shape[2], like=like):
                 self._fused_shapes.add(shape)
         except Exception as exc:  # noqa: BLE001
             log.warning("building a turn's attention graph ahead failed",
