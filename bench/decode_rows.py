@@ -53,7 +53,7 @@ import importlib  # noqa: E402
 
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
-from kvwake.daemon.model import quantized, ragged_decode  # noqa: E402
+from kvwake.daemon.model import decode_calls, quantized, ragged_decode  # noqa: E402
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
@@ -138,16 +138,20 @@ class Probe:
             self.encode.append(time.perf_counter() - began)
 
         self.engine.decoder._model = lambda *a: Timed(self.model(*a))
-        GENERATE.mx = _Module(GENERATE.mx, async_eval=async_eval)
+        # a batch's steps launch in mlx-lm's GenerationBatch, a lone call's in decode_calls (its pass not timed)
+        for module in (GENERATE, decode_calls):
+            module.mx = _Module(module.mx, async_eval=async_eval)
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.engine.decoder._model  # the class's method again
-        GENERATE.mx = GENERATE.mx.inner
+        for module in (GENERATE, decode_calls):
+            module.mx = module.mx.inner
 
-    def report(self, mode: str) -> dict[str, float]:
-        return {f"{mode}_build_ms": round(statistics.median(self.build) * 1000, 2),
-                f"{mode}_encode_ms": round(statistics.median(self.encode) * 1000, 2)}
+    def report(self, mode: str) -> dict[str, float | None]:
+        """Medians in ms; None for what no step timed (a lone call's pass)."""
+        return {f"{mode}_{name}_ms": round(statistics.median(times) * 1000, 2) if times else None
+                for name, times in (("build", self.build), ("encode", self.encode))}
 
 
 class _Module:
@@ -205,34 +209,36 @@ def step_ms(engine: Engine, rows: int, context: int, steps: int, joins: int, mod
     calls = [engine.start_call(s, GenerateParams(max_tokens=tokens, logit_bias=no_end)) for s in sessions[:rows]]
     for call in calls:
         engine.decoder.join(call)
-    timed(engine, WARM_STEPS)
-    if no_write:  # the probe's variant: the step's K and V written nowhere
-        pool.write = lambda *args: None
-    wall, _ = timed(engine, steps)
-    if probe is not None:
-        held = mx.get_active_memory()
-        mx.reset_peak_memory()
-        with Probe(engine) as p:
-            timed(engine, steps)
-        probe.update(p.report(label))
-        probe[f"{label}_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
-        mx.reset_peak_memory()
-        probe[f"{label}_sync_ms"] = round(synced(engine, steps), 2)
-        probe[f"{label}_sync_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
-    if no_write:
-        del pool.write
     joined, joiner = [], None
-    for _ in range(joins):  # one more session joins, decodes a few tokens, leaves
-        joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
-        joined.append(admitted(engine, joiner))
-        timed(engine, 0, joiner.future.done)
-    failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
-    if failed:
-        raise failed[0]
-    engine.decoder.abort(RuntimeError("the benchmark is done with these calls"))
-    del sessions, calls, joiner, pool  # the caches and the pool go before MLX's cache is cleared
-    gc.collect()
-    mx.clear_cache()
+    try:  # whatever fails, the calls end here: a next measure must not find them decoding beside its own
+        timed(engine, WARM_STEPS)
+        if no_write:  # the probe's variant: the step's K and V written nowhere
+            pool.write = lambda *args: None
+        wall, _ = timed(engine, steps)
+        if probe is not None:
+            held = mx.get_active_memory()
+            mx.reset_peak_memory()
+            with Probe(engine) as p:
+                timed(engine, steps)
+            probe.update(p.report(label))
+            probe[f"{label}_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
+            mx.reset_peak_memory()
+            probe[f"{label}_sync_ms"] = round(synced(engine, steps), 2)
+            probe[f"{label}_sync_peak_over_mb"] = round((mx.get_peak_memory() - held) / 1e6, 1)
+        if no_write:
+            del pool.write
+        for _ in range(joins):  # one more session joins, decodes a few tokens, leaves
+            joiner = engine.start_call(sessions[-1], GenerateParams(max_tokens=JOINER_TOKENS, logit_bias=no_end))
+            joined.append(admitted(engine, joiner))
+            timed(engine, 0, joiner.future.done)
+        failed = [c.future.exception() for c in calls if c.future.done() and c.future.exception()]
+        if failed:
+            raise failed[0]
+    finally:
+        engine.decoder.abort(RuntimeError("the benchmark is done with these calls"))
+        del sessions, calls, joiner, pool  # the caches and the pool go before MLX's cache is cleared
+        gc.collect()
+        mx.clear_cache()
     return wall / steps, round(statistics.median(joined), 2) if joined else None
 
 

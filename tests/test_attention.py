@@ -491,6 +491,14 @@ def test_a_paged_sessions_short_turns_past_cudnn_min_share_a_padded_shape_built_
     for turn in turns:
         engine.append(session, tokens=turn)
     assert len(used) == 2 and ("padded", 16, 192) in engine.planner._fused_shapes, (used, engine.planner._fused_shapes)
+    # and in a pack that pads its rows (a review's finding: there the short paged turn ran at its own shape)
+    assert engine.planner._path(session, 10, session.processed + 10, False, pad=True)[0] == "padded"
+    engine.planner.padded_prefill = False  # a longer turn then keeps its own shape, as a KVCache's does
+    assert engine.planner._paged_turn(session.cache, 10) == (16, 192)
+    with monkeypatch.context() as m:
+        m.setattr(attention, "PLAIN_MAX_QUERIES", 8)
+        assert engine.planner._paged_turn(session.cache, 10) is None
+    engine.planner.padded_prefill = True
     monkeypatch.undo()
     tokens = mx.array(history + turns[0] + turns[1])
     alone = logits_after(model, tokens[:-1], tokens[-1:], plain=False)

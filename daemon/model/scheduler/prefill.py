@@ -252,11 +252,15 @@ class PrefillPlanner:
         # ops take runs fused at a padded shape the rows share (attention.padded_attention, `_pack_chunk`).
         is_short = n < self.prefill_step and n <= attention.PLAIN_MAX_QUERIES
         bucket = self._bucketed(session.cache, n)
-        padded = None if bucket else self._padded(session.cache, n) if pad else self._paged_turn(session.cache, n)
+        padded = None if bucket else (self._padded(session.cache, n) if pad else None)
+        # a paged turn past CUDNN_MIN pads alone as in a pack (where `_padded` takes only the longer turns)
+        paged_turn = None if bucket or padded else self._paged_turn(session.cache, n)
+        padded = padded or paged_turn
         shape = ("bucket", *bucket) if bucket else ("padded", *padded) if padded else \
             attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
-        short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket))
+        # costed at the shape the fused kernel runs it at: a bucket's, a paged turn's padded one
+        short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket or paged_turn))
         new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
         if new_beside:
             self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
@@ -285,8 +289,8 @@ class PrefillPlanner:
         plain ops or built a graph (docs/decisions.md, "Paged KV in the fleet, again"). None otherwise."""
         c = cache[0] if cache else None
         if not (self.bucket_prefill and type(c) is PagedKVCache and 2 <= n < self.prefill_step
-                and c.offset + n >= kvcapacity.CUDNN_MIN):
-            return None
+                and (n <= attention.PLAIN_MAX_QUERIES or self.padded_prefill) and c.offset + n >= kvcapacity.CUDNN_MIN):
+            return None  # a longer turn pads as a KVCache's does: while padded prefill is on
         return attention.padded_shape(cache, n)
 
     def _bucketed(self, cache: list, n: int) -> tuple[int, int] | None:
