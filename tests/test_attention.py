@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import cache_blocks as kvstate
 from kvwake.daemon.model.attention import PLAIN_MAX_BYTES, plain_attention, plain_prefill
 
@@ -17,6 +18,11 @@ from kvwake.daemon.model.attention import PLAIN_MAX_BYTES, plain_attention, plai
 @pytest.fixture(scope="module")
 def model(model_dir):
     return mlx_lm.load(str(model_dir))[0]
+
+
+# A KVCache's buckets over its buffer, whatever the default: a paged cache has no buffer, its turns pad instead
+# (`test_a_paged_sessions_short_turns_past_cudnn_min_share_a_padded_shape_built_ahead`)
+BUFFERS = Tuning(paged_kv=False)
 
 
 def logits_after(model, prefix: mx.array, chunk: mx.array, plain: bool) -> mx.array:
@@ -363,7 +369,7 @@ def test_the_engine_runs_short_turns_over_a_long_cache_at_one_shared_fused_shape
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=BUFFERS)
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
     used, real = [], attention.bucketed_attention  # made once per chunk that runs bucketed
     monkeypatch.setattr(attention, "bucketed_attention", lambda f: used.append(1) or real(f))
@@ -387,7 +393,7 @@ def test_a_short_turn_over_a_boundary_is_one_chunk_and_its_buckets_are_built_whi
 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=BUFFERS)
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])  # fused is cheaper, new or built
     idle: list = []
     engine.planner.idle = idle.append
@@ -437,7 +443,7 @@ def test_a_long_prefill_ends_by_building_the_likeliest_turns_buckets(model_dir, 
     monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
     monkeypatch.setattr(prefill_mod, "BUCKET_AHEAD_AFTER", 100)
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=BUFFERS)
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     built, real = [], attention.warm_bucket
     monkeypatch.setattr(attention, "warm_bucket", lambda m, b, c, like=None: built.append((b, c)) or real(m, b, c, like))
@@ -576,7 +582,7 @@ def test_no_builds_ahead_at_a_capacity_off_the_grid(model_dir, tmp_path, monkeyp
 
     monkeypatch.setattr(attention, "wanted", lambda: True)
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=64)
+    engine = Engine(store, tmp_path, model_dir, prefill_step=64, tuning=BUFFERS)
     engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.1, 0.001, 0.05)])
     idle: list = []
     engine.planner.idle = idle.append

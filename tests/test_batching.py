@@ -38,6 +38,16 @@ def engine(model_dir, tmp_path):
     yield from batched_engine(model_dir, tmp_path)
 
 
+@pytest.fixture
+def merging(model_dir, tmp_path):
+    """`engine` with its KV out of pages whatever the default: for a merged batch's own ways (a plain cache back
+    to each session, a long row leaving for its padding, the caches scheduled ahead of the pass), which a batch
+    over pages does not have (docs/decisions.md, "Paged KV in the fleet, again")."""
+    from kvwake.daemon.config import Tuning
+
+    yield from batched_engine(model_dir, tmp_path, tuning=Tuning(paged_kv=False))
+
+
 def session(engine: Engine, name: str, text: str) -> Session:
     s = Session(name)
     engine.append(s, text=text)
@@ -132,7 +142,8 @@ def test_batched_calls_match_the_same_calls_decoded_alone(engine):
     assert engine.decoder.counters["decode_tokens"] > engine.decoder.counters["decode_steps"]
 
 
-def test_after_a_batched_call_the_session_holds_a_plain_cache_that_sleeps_and_wakes_exactly(engine):
+def test_after_a_batched_call_the_session_holds_a_plain_cache_that_sleeps_and_wakes_exactly(merging):
+    engine = merging
     sessions = [session(engine, f"s{i}", p) for i, p in enumerate(PROMPTS[:3])]
     calls = [engine.start_call(s, GenerateParams(max_tokens=n)) for s, n in zip(sessions, (5, 17, 9))]
     run_together(engine, calls)
@@ -488,7 +499,8 @@ def test_calls_arriving_together_join_in_one_merge_with_no_pass_of_their_own(eng
     assert passes.sizes == sorted(passes.sizes, reverse=True)
 
 
-def test_a_long_call_among_short_ones_decodes_alone_and_pads_no_short_row(engine, monkeypatch):
+def test_a_long_call_among_short_ones_decodes_alone_and_pads_no_short_row(merging, monkeypatch):
+    engine = merging
     from kvwake.daemon.model import decoder as decoder_module
 
     monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
@@ -631,7 +643,8 @@ def test_a_long_row_already_batched_goes_on_alone_when_short_calls_join(engine, 
     assert engine.decoder.counters["max_batch_seen"] == 7
 
 
-def test_the_long_row_leaves_the_batch_at_the_join_and_the_batch_is_cut_to_the_short_rows(engine, monkeypatch):
+def test_the_long_row_leaves_the_batch_at_the_join_and_the_batch_is_cut_to_the_short_rows(merging, monkeypatch):
+    engine = merging
     from kvwake.daemon.model import decoder as decoder_module
 
     monkeypatch.setattr(decoder_module, "PAD_SLACK", 64)
@@ -748,13 +761,15 @@ def test_a_finished_jobs_closure_and_result_are_freed_on_the_engine_thread_witho
 
 
 def test_rows_that_join_or_stay_have_their_caches_scheduled_ahead_of_the_pass_and_decode_as_alone(
-        engine, monkeypatch):
+        merging, monkeypatch):
     """batch_rows.schedule: after a merge, a placement into a dead slot and a compaction, the batch's caches are
     scheduled as work of their own before the next pass (inside it they cost about twice as much), and every
     call gives what it gives alone."""
     import mlx.core as mx
 
     from kvwake.daemon.model import batch_rows
+
+    engine = merging
 
     scheduled: list[str] = []
 

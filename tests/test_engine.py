@@ -31,6 +31,20 @@ def engine(model_dir, tmp_path):
     store.close()
 
 
+@pytest.fixture
+def unpaged_engine(model_dir, tmp_path):
+    """`engine` with its KV out of pages whatever the default: for what a wake reads from the store beside a hot
+    session holding the same blocks, which a paged engine maps instead (docs/decisions.md, "Paged KV in the
+    fleet, again")."""
+    from kvwake.daemon.config import Tuning
+
+    store = Store(tmp_path / "store", block_tokens=16)
+    e = Engine(store, tmp_path, model_dir, tuning=Tuning(paged_kv=False))
+    yield e
+    e.close()
+    store.close()
+
+
 def chat(engine, session, text, params=GREEDY):
     engine.append(session, messages=[{"role": "user", "content": text}])
     return engine.generate(session, params)
@@ -57,7 +71,8 @@ def twins(engine, sleep_between: bool):
     return a, b
 
 
-def test_wake_continues_token_for_token_and_logits_bit_identical(engine):
+def test_wake_continues_token_for_token_and_logits_bit_identical(unpaged_engine):
+    engine = unpaged_engine
     a, b = twins(engine, sleep_between=True)
     assert (a.tokens, a.processed, a.messages) == (b.tokens, b.processed, b.messages)
     for s in (a, b):
@@ -95,7 +110,8 @@ def test_prefix_cache_serves_a_second_session_and_matches_cold_prefill(engine, m
     cold_engine.close()
 
 
-def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(engine, monkeypatch):
+def test_ram_tier_keeps_shared_prefixes_and_wakes_use_it(unpaged_engine, monkeypatch):
+    engine = unpaged_engine
     # Decoded blocks are kept in RAM when a prefix hit reads them (shared prompts are what the
     # tier is for), not on every wake (that would cost each wake a second copy of its KV). Where
     # restores stage (a GPU) a hit's blocks join on the device and are not kept (test_pipeline.py).

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.kv import cache_blocks, capacity, cudart, devplanes
 from kvwake.daemon.jobs import direct
 from kvwake.daemon.kv.pool import Pool
@@ -101,11 +102,17 @@ def test_the_first_failure_stops_the_tasks_not_yet_started_and_is_raised_as_itse
 
 
 
+# The contiguous buffers' restore, direct and staged, whatever the default: a paged engine restores into pages
+# (kv/page_restore.py, tested in test_paged_wakes.py) and maps blocks a hot session holds (docs/decisions.md, "Paged
+# KV in the fleet, again")
+UNPAGED = Tuning(paged_kv=False)
+
+
 @pytest.fixture
 def engine(model_dir, tmp_path):
     store = Store(tmp_path / "store", block_tokens=16)
     # A small budget: the sleep below is cut into many spans, the wake into many admissions.
-    e = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=4096)
+    e = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=4096, tuning=UNPAGED)
     yield e
     e.close()
     store.close()
@@ -307,7 +314,7 @@ def test_the_discrete_gpu_path_makes_and_joins_planes_on_the_device_exactly(mode
     # with MLX ops, wake stages verified planes on the host and joins them with MLX ops.
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=8192, warm=False, tuning=UNPAGED)
     calls = count_calls(monkeypatch, engine, split="split_span", join="join")
     try:
         a, b = slept_and_woken(engine, [(i * 11) % 256 for i in range(150)])
@@ -351,7 +358,7 @@ def test_the_discrete_gpu_path_restores_span_by_span_through_a_ring_smaller_than
     # reused, a block from the RAM tier beside a staged one in one span; the KV must come back bit for bit.
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False, tuning=UNPAGED)
     rings, joined = two_block_spans(monkeypatch, engine)
     try:
         a, b = Session("a"), Session("b")
@@ -663,7 +670,7 @@ def test_a_staged_prefix_hit_joins_span_by_span_on_the_device_and_a_bad_block_sh
     released, real_release = [], kvfill.Buffers.release
     monkeypatch.setattr(kvfill.Buffers, "release", lambda self: released.append(self) or real_release(self))
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False, tuning=UNPAGED)
     _, joined = two_block_spans(monkeypatch, engine)
     try:
         tokens = [(i * 7) % 256 for i in range(150)]
@@ -726,10 +733,9 @@ def test_a_staged_restore_lays_its_kv_out_a_slice_per_engine_job_exactly(engine,
 def test_a_warmed_engine_wakes_through_staging_made_before_the_request(model_dir, tmp_path, monkeypatch, paged):
     # On CUDA a daemon's first restore made its ring (fresh managed allocations the CPU writes, slow to make)
     # in an engine-thread job, a decoding neighbour's gap. The warm-up makes the slots
-    # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none. Paged (the
-    # default on CUDA), the wake joins its spans into pages through the same ring: the warm-up made none for it
+    # (kept mapped, idle) and runs both joins once; a wake then takes those slots and makes none. Paged
+    # (`paged_kv`), the wake joins its spans into pages through the same ring: the warm-up made none for it
     # (its sample was the engine's paged cache), so a restart's first paged wake made the ring itself.
-    from kvwake.daemon.config import Tuning
     from kvwake.daemon.kv import cudart, devplanes
 
     restores_as(monkeypatch, "staged")

@@ -215,9 +215,13 @@ def staged_pair(model_dir, tmp_path, monkeypatch):
     from kvwake.store import Store
     from tests.test_pipeline import restores_as, two_block_spans
 
+    from kvwake.daemon.config import Tuning
+
     restores_as(monkeypatch, "staged")
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False)
+    # out of pages whatever the default: a paged wake maps the blocks a hot session holds, and joins into pages
+    # (docs/decisions.md, "Paged KV in the fleet, again")
+    engine = Engine(store, tmp_path, model_dir, io_workers=3, warm=False, tuning=Tuning(paged_kv=False))
     rings, joined = two_block_spans(monkeypatch, engine)
     try:
         head = [(i * 7) % 256 for i in range(48)]

@@ -91,6 +91,20 @@ def engine(tools_model, tmp_path_factory):
     store.close()
 
 
+@pytest.fixture(scope="module")
+def merging(tools_model, tmp_path_factory):
+    """`engine` with its KV out of pages whatever the default: for a long row leaving a merged batch for its
+    padding, which a batch over pages does not have (docs/decisions.md, "Paged KV in the fleet, again")."""
+    from kvwake.daemon.config import Tuning
+
+    root = tmp_path_factory.mktemp("merging")
+    store = Store(root / "store", block_tokens=16)
+    e = Engine(store, root, tools_model, max_batch=8, tuning=Tuning(paged_kv=False))
+    yield e
+    e.close()
+    store.close()
+
+
 def params(structure: Structure | None, seed: int, **more) -> GenerateParams:
     return GenerateParams(**{"max_tokens": 160, "temperature": 1.0, "seed": seed, "structure": structure, **more})
 
@@ -675,7 +689,8 @@ def finish_valid(engine, calls: list) -> None:
         jsonschema.validate(json.loads(result.text), SCHEMAS["nested objects"])
 
 
-def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engine, monkeypatch):
+def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(merging, monkeypatch):
+    engine = merging
     """The long constrained call goes on alone when the short calls join: its grammar state moves with it
     (decoder._evict)."""
     calls = two_then_five(engine, monkeypatch, "evict", constrained=1)
@@ -683,7 +698,8 @@ def test_a_constrained_row_that_leaves_the_batch_for_its_length_stays_valid(engi
     finish_valid(engine, calls[:1])
 
 
-def test_a_long_row_leaves_the_batch_beside_another_constrained_row_and_both_stay_valid(engine, monkeypatch):
+def test_a_long_row_leaves_the_batch_beside_another_constrained_row_and_both_stay_valid(merging, monkeypatch):
+    engine = merging
     """A long constrained row is taken out of the batch while another constrained row decodes in it: their
     next masks were being filled together (Masks.prefetch), and the row that stays is fed its token once
     (it was fed twice, a grammar error, before the masks remembered what work settled elsewhere fed)."""
