@@ -156,8 +156,11 @@ def test_a_join_that_fails_putting_the_batch_together_fails_its_calls_not_hangs_
     from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
+    from kvwake.daemon.config import Tuning
+
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, max_batch=8, warm=False)
+    # a merged batch's assembly, whatever the default (a batch over pages merges nothing)
+    engine = Engine(store, tmp_path, model_dir, max_batch=8, warm=False, tuning=Tuning(paged_kv=False))
     try:
         sessions = [Session(f"s{i}") for i in range(3)]
         for i, s in enumerate(sessions):

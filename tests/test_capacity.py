@@ -12,7 +12,14 @@ from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
 from kvwake.daemon.session_state import Session
 from kvwake.store import Store
-from tests.test_engine import engine  # noqa: F401  (the fixture)
+from tests.test_engine import unpaged_engine  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def engine(unpaged_engine):  # noqa: F811
+    """test_engine's engine out of pages whatever the default: these tests grow a KVCache's buffers, which a paged
+    cache does not have (docs/decisions.md, "Paged KV in the fleet, again")."""
+    return unpaged_engine
 
 
 @pytest.fixture

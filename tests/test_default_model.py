@@ -8,6 +8,7 @@ import shutil
 import mlx.core as mx
 import pytest
 
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.convert import DEFAULT_MODEL_NAME
 from kvwake.daemon.model.engine import Engine
 from kvwake.daemon.model.generation import GenerateParams
@@ -24,7 +25,9 @@ def engine(tmp_path_factory, converted):
     # keeps the default model: the engine finds it made, as after its first start, and converts nothing.
     shutil.copytree(converted, data / "models" / DEFAULT_MODEL_NAME, copy_function=os.link)
     store = Store(data / "store", block_tokens=16)
-    e = Engine(store, data)  # no model: the default (where the wheel is not installed, `converted` skips)
+    # no model: the default (where the wheel is not installed, `converted` skips); out of pages whatever the
+    # default: the wake below counts the blocks read beside its hot twin, which a paged wake maps
+    e = Engine(store, data, tuning=Tuning(paged_kv=False))
     yield e
     e.close()
     store.close()
