@@ -214,8 +214,10 @@ def test_a_real_daemon_wakes_through_worker_processes_exactly_and_its_workers_go
 
     from testkit.daemon import Daemon
 
-    # direct restores, as the engine tests above: the workers decode for those alone (a GPU's default is staged)
-    d = Daemon(tmp_path, model_dir, extra=["--tune", "decode_processes=2", "--tune", "restore_mode=direct"]).start()
+    # direct restores, as the engine tests above: the workers decode for those alone (a GPU's default is staged);
+    # out of pages whatever the default: a paged wake maps the blocks its hot twin holds and reads none
+    d = Daemon(tmp_path, model_dir, extra=["--tune", "decode_processes=2", "--tune", "restore_mode=direct",
+                                           "--tune", "paged_kv=false"]).start()
     try:
         text = "a long document about the harbour and its ships. " * 30
         with d.client() as c:
