@@ -64,6 +64,10 @@
 #   fleet-q4-alone  the 4-bit fleet (after `q4`), kvwake alone: its restart's trace
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
+#   turns-ab  issue 51: a lone agent's short turns over ~20k tokens (bench/http_turns.py, the turns part), paged KV on
+#             and off in turn ($TURNS_RUNS, default "false true false true")
+#   paged-suite  the test suite with paged KV forced on (KVWAKE_PAGED_KV=true -p testkit.tuned; the remote tier's tests
+#             left out), into $OUT/paged-suite.txt: what fails before paged KV may be the default on CUDA
 #   paged-ab  issue 51: the fleet (8 agents over 10k, 3 turns, openai; $PAGED_AGENTS others) with paged KV and its
 #             kernel on and off in turn ($PAGED_RUNS, default "true false true false"; an item may add settings:
 #             "true:KVWAKE_DECODE_PIPELINE=false,KVWAKE_X=y"), kvwake alone; one line a run
@@ -187,6 +191,18 @@ run_part() {
     persist)  model; python3 bench/persist.py --model "$MODEL" --tokens 32768 --out "$OUT/persist" 2>&1 | tail -2 ;;
     turns)    model; python3 bench/http_turns.py --model "$MODEL" --system-words 15000 --turns 8 --turn-words 10 \
                 --parts turns --out "$OUT/turns" 2>&1 | tail -6 ;;
+    turns-ab) model; n=0  # issue 51: a lone agent's short turns over ~20k tokens, paged KV on and off in turn
+              for v in ${TURNS_RUNS:-false true false true}; do
+                n=$((n + 1))
+                KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
+                  --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
+              done ;;
+    paged-suite) model &  # the suite with paged KV forced on in every engine and daemon (testkit.tuned)
+              made=$!
+              KVWAKE_PAGED_KV=true KVWAKE_PAGED_KERNEL=true pytest_here -p testkit.tuned --ignore-glob='tests/test_remote*.py' \
+                >"$OUT/paged-suite.txt" 2>&1
+              grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/paged-suite.txt" | tail -40
+              wait $made ;;
     batching) model; python3 bench/batching.py --model "$MODEL" --sessions 1,8,16 --tokens 256 --alternate 3 \
                 --modes batched --whole "" --no-batch-generator --out "$OUT/batching" 2>&1 | tail -6 ;;
     startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
