@@ -7,7 +7,7 @@ Per step, for every layer, as the decoder's two paths do it:
 - `pool`: each row's new token's K and V written into its page's slot (`PagePool.write`: an update of the pools
   [kv_heads, slots, head_dim] at an int32 array of slots, one scatter along the slots), the pool holding the
   rows' pages and a fifth more (as a pool does); `setitem`: the same written as `pool[:, slots] = k` (what
-  `PagePool.write` did before session 48: MLX builds index arrays for the heads too);
+  `PagePool.write` did before: MLX builds index arrays for the heads too);
 - `batch`: the same tokens written into a merged batch's buffers [rows, kv_heads, capacity, head_dim] at one
   slot (mlx-lm's `BatchKVCache`: an update of a slice);
 each alone (`*_write`) and followed by the layer's attention over what it wrote (`*_step`: the paged kernel over

@@ -142,10 +142,10 @@ class Tuning:
     # prepare)
     modules_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py). Off:
-    # on the CPU each step gathers every row's pages. On CUDA (with paged_kernel) 8 and 16 agents over a 10k
-    # prompt run as fast as over per-session buffers and hold 0.25x and 0.19x the KV, but a start takes ~2.4 s
-    # more (the paged kernels' compile), a lone turn past CUDNN_MIN keys now at a padded shape is not measured
-    # there, and the CUDA suite has not run with it on (docs/decisions.md, "Paged KV in the fleet, again")
+    # on the CPU each step gathers every row's pages. On CUDA (with paged_kernel) a fleet over a shared prompt
+    # runs as fast over pages and holds a fraction of the KV, but a start compiles the paged kernels, a lone turn
+    # past CUDNN_MIN keys at a padded shape is not measured there, and the CUDA suite has not run with it on
+    # (docs/decisions.md, "Paged KV in the fleet, again")
     paged_kv: bool = False
     # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
     # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention

@@ -119,7 +119,7 @@ def test_the_row_kernel_built_beside_the_load_is_the_loaded_models_and_not_built
 def test_a_paged_engines_kernels_are_built_beside_the_load_not_after_it(tmp_path, monkeypatch):
     """With pages (`paged_kv`), the paged kernel and the page copy are built beside the load with the row kernel,
     once a process, and the engine builds nothing after the load. Was: built by the engine once the weights were
-    in, which held a paged daemon's every start for 3.3-4.8 s on the H200 (docs/benchmarks.md, "Paged KV in the
+    in, which held up a paged daemon's every start (docs/benchmarks.md, "Paged KV in the
     fleet")."""
     from mlx_lm import load
 

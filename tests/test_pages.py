@@ -246,9 +246,10 @@ def test_a_write_at_slots_is_one_scatter_along_them() -> None:
     import re
 
     pool = PagePool(LAYOUT, capacity=8)
-    for name in ("a", "b"):
+    held = {name: kv(5, seed) for name, seed in (("a", 1), ("b", 2))}
+    for name, (keys, values) in held.items():
         pool.open(name)
-        pool.append(name, *kv(5, len(name)))
+        pool.append(name, keys, values)
     slots = mx.array([pool.reserve("a", 1), pool.reserve("b", 1)], mx.int32)
     k, v = kv(2, 9)
     mx.eval(k, v, slots, pool.keys, pool.values)  # the graph below is the write's alone
@@ -260,3 +261,5 @@ def test_a_write_at_slots_is_one_scatter_along_them() -> None:
     for name, row in (("a", 0), ("b", 1)):
         keys, values = pool.gather(name, 1)
         assert same([keys[:, -1]], [k[0][:, row]]) and same([values[:, -1]], [v[0][:, row]]), name
+        # each session's earlier tokens as they were: the write touched its two slots alone
+        assert same([keys[:, :5], values[:, :5]], [held[name][0][1], held[name][1][1]]), name

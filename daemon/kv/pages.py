@@ -202,8 +202,9 @@ class PagePool:
         """Store one layer's new K and V ([kv_heads, n, head_dim]) at `slots` (from `reserve`): a run of n
         slots from the first (an update of a slice, cheaper than a scatter), or n slots (a batch's step: one
         slot a row). Those go by `put_along_axis`, one scatter along the slots: the same update written as
-        `pool[:, slots] = keys` makes MLX build index arrays for the heads too, 12x the host's time a write
-        (docs/benchmarks.md, "Paged KV in the fleet"), 64 times a decode step of an 8B model."""
+        `pool[:, slots] = keys` makes MLX build index arrays for the heads too (an arange and casts, each a kernel
+        the host launches), at every layer's write of every decode step (docs/benchmarks.md, "Paged KV in the fleet,
+        again")."""
         if isinstance(slots, int):
             slots = slice(slots, slots + keys.shape[1])
             self.keys[layer][:, slots] = keys

@@ -251,8 +251,9 @@ class BesideLoad:
                  page_tokens: int | None = None) -> None:
         self.shape: tuple[int, int, int, Any] | None = None
         # with `page_tokens` (a paged engine's pages), the paged kernel and the page copy for the model's shape too:
-        # built after the load, they held a paged daemon's start for 3.3-4.8 s (docs/benchmarks.md, "Paged KV in
-        # the fleet"); `paged` the (shape, page tokens) built, which the engine compares with its own
+        # MLX compiles a custom kernel in every process, and built after the load they held up a paged daemon's
+        # start (docs/benchmarks.md, "Paged KV in the fleet, again"); `paged` the (shape, page tokens) built, which
+        # the engine compares with its own
         self.page_tokens, self.paged = page_tokens, None
         self.built: list[tuple[int, int, int, Any]] = []  # every shape built, the model's first
         self.wakes = wakes  # how many sessions will wake at once after the start (a slot each: devplanes.warm)
