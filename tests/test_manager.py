@@ -45,6 +45,13 @@ def manager(model_dir, tmp_path):
     yield from managed(model_dir, tmp_path)
 
 
+@pytest.fixture(params=[False, True], ids=["buffers", "pages"])
+def either(model_dir, tmp_path, request):
+    """A manager whose engine keeps KV in per-session buffers, then one whose engine keeps it in pages (the
+    default on CUDA for a plain-attention model: the budget's and the room's counts hold both ways)."""
+    yield from managed(model_dir, tmp_path, Tuning(paged_kv=request.param))
+
+
 async def test_a_full_disk_during_sleep_is_storage_full_and_the_session_stays_hot(manager, monkeypatch):
     # Was: the block writes' task group wrapped StorageFullError in an ExceptionGroup: INTERNAL for clients.
     await manager.create("s", SYSTEM)
@@ -371,10 +378,12 @@ async def test_a_session_without_the_kv_of_its_processed_tokens_is_not_slept(man
     assert manager.store.session("n")["head"] == head
 
 
-async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(manager, monkeypatch):
+async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(either, monkeypatch):
     # Was: the reply waited for every layer's freeing job, each queued behind a neighbour's decode step (one
     # step per layer beside a decoding session). Now the reply goes at the commit; the bytes being freed
-    # count in hot_bytes (and status) until they are gone.
+    # count in hot_bytes (and status) until they are gone. Paged, the pool counts the session's pages until
+    # its table is freed: they were counted twice meanwhile (the pool's and the freeing's).
+    manager = either
     import threading
     import time
 
@@ -386,13 +395,14 @@ async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(manager,
     await manager.create("f", SYSTEM)
     await manager.append("f", messages=[{"role": "user", "content": "hi"}])
     session = manager.entry("f").session
-    nbytes = manager.engine.cache_bytes(session)
+    nbytes, unpaged = manager.engine.cache_bytes(session), manager.engine.unpaged_bytes(session)
+    assert unpaged == (0 if manager.engine.pages is not None else nbytes)
     where = freed_where(session)
     started = time.monotonic()
     info = await manager.sleep("f")
     assert time.monotonic() - started < 5, "the sleep waited for its KV's freeing"
     assert info["snapshot_id"] and manager.entry("f").session is None
-    assert manager.freeing_bytes() == nbytes > 0 and manager.hot_bytes() == nbytes and where == []
+    assert manager.freeing_bytes() == unpaged and manager.hot_bytes() == nbytes > 0 and where == []
     go.set()
     await manager.released()
     assert manager.freeing_bytes() == 0 and manager.hot_bytes() == 0
@@ -401,21 +411,24 @@ async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(manager,
     assert manager.entry("f").session.processed == session.processed
 
 
-async def test_an_auto_sleep_over_the_budget_waits_for_the_kv_it_frees(manager):
+async def test_an_auto_sleep_over_the_budget_waits_for_the_kv_it_frees(either):
     # enforce_limits looks at hot_bytes again after each sleep: the slept session's KV must be gone by then,
-    # or one session over the budget would put every other one to sleep too.
+    # or one session over the budget would put every other one to sleep too. (Each session's turn its own:
+    # paged, sessions of the same tokens share every page, and a sleep of one of them frees none.)
+    manager = either
     for name in ("a", "b", "c"):
         await manager.create(name, SYSTEM)
-        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+        await manager.append(name, messages=[{"role": "user", "content": f"hi, I am {name}"}])
     manager.settings = dataclasses.replace(manager.settings, hot_budget_bytes=manager.hot_bytes() - 1)  # one over
     assert await manager.enforce_limits() == 1
     assert manager.freeing_bytes() == 0 and len(manager.entries.hot) == 2
 
 
-async def test_with_no_budget_configured_the_engines_own_decides_what_sleeps(manager):
+async def test_with_no_budget_configured_the_engines_own_decides_what_sleeps(either):
+    manager = either
     for name in ("a", "b"):
         await manager.create(name, SYSTEM)
-        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+        await manager.append(name, messages=[{"role": "user", "content": f"hi, I am {name}"}])
     manager.settings = dataclasses.replace(manager.settings, hot_budget_bytes=None)
     manager.engine.hot_budget_bytes = manager.hot_bytes()  # both fit
     assert manager.hot_budget() == manager.hot_bytes() and await manager.enforce_limits() == 0
@@ -425,9 +438,10 @@ async def test_with_no_budget_configured_the_engines_own_decides_what_sleeps(man
     assert manager.hot_budget() == 1 << 40
 
 
-async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recently_used_first(manager):
+async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recently_used_first(either):
     # The budget lets hot sessions hold half the room for KV and one session may take all of it: a wake
     # beside a full budget must make room first, or MLX goes past its limit (on CUDA it spills to the host).
+    manager = either
     tokens = [(i * 7) % 200 + 20 for i in range(600)]
     await manager.create("big")
     await manager.append("big", tokens=tokens)
@@ -435,7 +449,7 @@ async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recent
     await manager.released()
     for name in ("a", "b"):
         await manager.create(name, SYSTEM)
-        await manager.append(name, messages=[{"role": "user", "content": "hi"}])
+        await manager.append(name, messages=[{"role": "user", "content": f"hi, I am {name}"}])
     big = manager.engine.kv_bytes(600)
     manager.engine.kv_room_bytes = manager.hot_bytes() + big  # both stay: it fits
     await manager.wake("big")

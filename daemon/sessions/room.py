@@ -35,8 +35,10 @@ class RoomKeeping:
         (pipeline.release), not where its last reference happens to drop (the event loop: MLX memory off the
         engine thread, and a stall of every connection while a big cache is unmapped). In the background: the
         call that let it go (a sleep, a delete, a wake from another snapshot) replies first; its bytes count
-        in hot_bytes until they are freed, and `released` waits for them."""
-        nbytes = self.engine.cache_bytes(session)
+        in hot_bytes until they are freed, and `released` waits for them. Its pages are not counted here: the
+        page pool counts them (hot_bytes) until the release drains its table, so counting them here too would
+        count them twice while they go."""
+        nbytes = self.engine.unpaged_bytes(session)
         task = asyncio.get_running_loop().create_task(
             to_thread.run_sync(lambda: self.engine.release(session, self.thread.call)))
         self.releasing[task] = nbytes
