@@ -140,7 +140,8 @@ PY
 
 pytest_here() {  # pytest with the suite's settings; Node (npm: the agent CLIs) and the agent frameworks' clients
   # are not on the device
-  python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEs --durations=15 \
+  # stopped by SIGINT before the part's own timeout: pytest then still prints the failures it has seen
+  timeout -s INT --kill-after=15 "${PYTEST_S:-$((${PART_LEFT:-570} - 40))}" python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEs --durations=15 \
     --ignore=tests/test_structured_frameworks.py --ignore=tests/test_agent_clis.py \
     --deselect tests/test_interop.py::test_node_msgpack_client "$@"
 }
@@ -197,12 +198,11 @@ run_part() {
                 KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
                   --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
               done ;;
-    paged-suite) model &  # the suite with paged KV forced on in every engine and daemon (testkit.tuned)
-              made=$!
+    paged-suite)  # the suite with paged KV forced on in every engine and daemon (testkit.tuned); no model made: its
+              # build would take the cores the tests run on
               KVWAKE_PAGED_KV=true KVWAKE_PAGED_KERNEL=true pytest_here -p testkit.tuned --ignore-glob='tests/test_remote*.py' \
                 >"$OUT/paged-suite.txt" 2>&1
-              grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/paged-suite.txt" | tail -40
-              wait $made ;;
+              grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/paged-suite.txt" | tail -40 ;;
     batching) model; python3 bench/batching.py --model "$MODEL" --sessions 1,8,16 --tokens 256 --alternate 3 \
                 --modes batched --whole "" --no-batch-generator --out "$OUT/batching" 2>&1 | tail -6 ;;
     startup)  python3 bench/startup.py --model tiny --starts 3 --importtime --top 40 --json "$OUT/startup.json" \
@@ -332,5 +332,5 @@ for part in "$@"; do
   left=$((BUDGET_S - SECONDS))
   [ $left -gt 30 ] || { echo "== $part: skipped, ${left} s left"; continue; }
   echo "== $part ($left s left)"
-  timeout $left bash "$0" --part "$part"
+  PART_LEFT=$left timeout $left bash "$0" --part "$part"
 done

@@ -77,10 +77,11 @@ def test_a_worker_refuses_what_the_codec_refuses(procs, tmp_path):
 
 @pytest.fixture
 def engines(model_dir, tmp_path):
-    """Two engines on one store: worker processes decoding (2) and the pool's threads (0)."""
+    """Two engines on one store: worker processes decoding (2) and the pool's threads (0); KV in buffers (paged,
+    CUDA's default, a wake would map its hot twin's pages and read nothing)."""
     store = Store(tmp_path / "store", block_tokens=16)
     made = [Engine(store, tmp_path, model_dir, io_workers=3, io_inflight_bytes=4096, warm=False,
-                   tuning=Tuning(restore_mode="direct", decode_processes=n)) for n in (2, 0)]
+                   tuning=Tuning(restore_mode="direct", decode_processes=n, paged_kv=False)) for n in (2, 0)]
     yield made
     for e in made:
         e.close()

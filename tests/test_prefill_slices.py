@@ -31,8 +31,10 @@ def deep(tmp_path, request):
     store = Store(tmp_path / "store", block_tokens=16)
     more = {"num_hidden_layers": 6} if request.param == "llama" else {}
     model = make_model_dir(tmp_path / "deep", arch=request.param, **more)
-    # no restore points: a second prefill of a prompt is a prefill here, not a hit through the first one's point
-    engine = Engine(store, tmp_path, model, prefill_step=STEP, max_batch=8, tuning=Tuning(restore_points=False))
+    # no restore points nor pages (CUDA's default for llama): a second prefill of a prompt is a prefill here, not
+    # a hit through the first one's point or its mapped pages
+    engine = Engine(store, tmp_path, model, prefill_step=STEP, max_batch=8,
+                    tuning=Tuning(restore_points=False, paged_kv=False))
     yield engine
     engine.close()
     store.close()
