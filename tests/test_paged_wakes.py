@@ -297,3 +297,22 @@ def test_a_paged_wake_of_less_than_a_block_restores_its_partial_page(engines):
     before, _ = asleep(paged, "short", SHARED[: BLOCK - 3])
     woken, _ = paged.wake("short")
     assert kv_of(woken) == before and woken.cache[0].session.tokens == BLOCK - 4  # the last token pending
+
+
+def test_a_prefix_hit_over_pages_computes_its_tail_as_the_first_prefill_did(model_dir, tmp_path):
+    """A second session over the same tokens maps the first's pages and computes only the tail past them: its
+    KV is the first's bit for bit. An engine as the daemon makes it (warmed: on CUDA its prefill paths are
+    measured and chosen then). On CUDA the tail has differed from the cold prefill's in the second layer, not
+    in every run (docs/benchmarks.md, "The paged default on the GPU's suite (issue 51)")."""
+    store = Store(tmp_path / "store", block_tokens=BLOCK)
+    engine = Engine(store, tmp_path, model_dir, tuning=Tuning(paged_kv=True))
+    try:
+        tokens = [(i * 5) % 256 for i in range(100)]
+        first, second = Session("first"), Session("second")
+        engine.append(first, tokens=tokens)
+        info = engine.append(second, tokens=tokens)
+        assert info["reused"] == 96 and second.processed == first.processed == 99, info  # six whole blocks
+        assert kv_of(second) == kv_of(first)
+    finally:
+        engine.close()
+        store.close()
