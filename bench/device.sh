@@ -64,7 +64,7 @@
 #   fleet-q4-alone  the 4-bit fleet (after `q4`), kvwake alone: its restart's trace
 #   fleet-16-alone  issue 50's restart: 16 agents over 10k, 3 turns, openai, kvwake alone (a call's worth: its
 #             restart's trace, `wake_phases_ms`, is what to read)
-#   turns-ab  issue 51: a lone agent's short turns over ~20k tokens (bench/http_turns.py, the turns part), paged KV on
+#   turns-ab  issue 51: a lone agent's short turns over ~75k tokens (bench/http_turns.py, the turns part), paged KV on
 #             and off in turn ($TURNS_RUNS, default "false true false true")
 #   paged-suite  the test suite with paged KV forced on (KVWAKE_PAGED_KV=true -p testkit.tuned; the remote tier's tests
 #             left out), into $OUT/paged-suite.txt: what fails before paged KV may be the default on CUDA
@@ -192,7 +192,7 @@ run_part() {
     persist)  model; python3 bench/persist.py --model "$MODEL" --tokens 32768 --out "$OUT/persist" 2>&1 | tail -2 ;;
     turns)    model; python3 bench/http_turns.py --model "$MODEL" --system-words 15000 --turns 8 --turn-words 10 \
                 --parts turns --out "$OUT/turns" 2>&1 | tail -6 ;;
-    turns-ab) model; n=0  # issue 51: a lone agent's short turns over ~20k tokens, paged KV on and off in turn
+    turns-ab) model; n=0  # issue 51: a lone agent's short turns over ~75k tokens, paged KV on and off in turn
               for v in ${TURNS_RUNS:-false true false true}; do
                 n=$((n + 1))
                 KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
