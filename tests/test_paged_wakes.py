@@ -301,9 +301,14 @@ def test_a_paged_wake_of_less_than_a_block_restores_its_partial_page(engines):
 
 def test_a_prefix_hit_over_pages_computes_its_tail_as_the_first_prefill_did(model_dir, tmp_path):
     """A second session over the same tokens maps the first's pages and computes only the tail past them: its
-    KV is the first's bit for bit. An engine as the daemon makes it (warmed: on CUDA its prefill paths are
-    measured and chosen then). On CUDA the tail has differed from the cold prefill's in the second layer, not
-    in every run (docs/benchmarks.md, "The paged default on the GPU's suite (issue 51)")."""
+    KV is the first's bit for bit where chunked prefill is bit-stable (the CPU), else its next logits are within
+    the bound a hit is held to (test_prefix's). An engine as the daemon makes it (warmed: on CUDA its prefill
+    paths are measured and chosen then). Over pages such a hit happens where buffers would prefill cold: on
+    CUDA the tail then differs from the cold prefill's in its second layer, not in every run (docs/decisions.md,
+    "The paged default on the GPU's suite")."""
+    from tests.capabilities import chunked_prefill_is_exact
+    from tests.test_prefix import CHUNKED_LOGIT_BOUND, logits_after
+
     store = Store(tmp_path / "store", block_tokens=BLOCK)
     engine = Engine(store, tmp_path, model_dir, tuning=Tuning(paged_kv=True))
     try:
@@ -312,7 +317,12 @@ def test_a_prefix_hit_over_pages_computes_its_tail_as_the_first_prefill_did(mode
         engine.append(first, tokens=tokens)
         info = engine.append(second, tokens=tokens)
         assert info["reused"] == 96 and second.processed == first.processed == 99, info  # six whole blocks
-        assert kv_of(second) == kv_of(first)
+        if chunked_prefill_is_exact(engine):
+            assert kv_of(second) == kv_of(first)
+        else:
+            want, got = (logits_after(engine, s).astype(mx.float32) for s in (first, second))
+            diff, scale = mx.abs(got - want).max().item(), mx.abs(want).max().item()
+            assert diff <= CHUNKED_LOGIT_BOUND * scale, f"hit of 96 tokens: max logit diff {diff}, max logit {scale}"
     finally:
         engine.close()
         store.close()
