@@ -316,3 +316,45 @@ def test_on_cuda_the_fused_attention_reads_a_copy_of_a_slice_of_the_pool(monkeyp
     assert copied == [(1, 2, 20, 8)] * 2
     monkeypatch.undo()
     assert paged_cache.for_fused(pools[:, 3:20]).shape == (2, 17, 8)  # on the CPU: read in place, as it was
+
+
+def test_the_decoder_feeds_the_kernel_each_rows_table_and_length_through_a_leave_and_a_join(model_dir, tmp_path,
+                                                                                              monkeypatch):
+    # The decoder's own wiring of the kernel path (a paged call alone and a batch's rows, as on CUDA), run here
+    # with the kernel's reference in its place: the first call leaves after its second token, a call with one
+    # token and no KV takes its slot; every call decodes the tokens it decodes alone. On CUDA this scenario
+    # once parted at a row's 7th token with the real kernel (docs/decisions.md, "The paged default on the GPU's
+    # suite"): these inputs are not why.
+    from kvwake.daemon.config import Tuning
+    from kvwake.daemon.session_state import Session
+
+    fed = []
+
+    def reference(queries, keys, values, table, lengths, scale, page_tokens, split=None):
+        assert split == paged_attention.ROW_SPLIT
+        fed.append(queries.shape[0])
+        return paged_attention.gather_attention(queries, keys, values, table, lengths, scale, page_tokens)
+
+    monkeypatch.setattr(ragged_decode, "kernel_attention", reference)
+    store = Store(tmp_path / "store", block_tokens=16)
+    engine = Engine(store, tmp_path, model_dir, max_batch=8, warm=False, tuning=Tuning(paged_kv=True))
+    try:
+        engine.decoder.row_kernel = engine.decoder.paged_kernel = True  # the kernel path, as on CUDA
+        no_eos = tuple((t, -100.0) for t in engine.tokenizer.eos_token_ids)
+        params = [GenerateParams(max_tokens=n, logit_bias=no_eos) for n in (2, 12, 12, 12, 8)]
+        inputs = [[40, 41, 42], [50, 51, 52, 53], [60, 61], [70, 71, 72, 73, 74], [99]]  # the last: no KV
+
+        def fresh(name, tokens):
+            s = Session(name)
+            engine.append(s, tokens=tokens)
+            return s
+
+        alone = [engine.generate(fresh(f"alone{i}", t), p).tokens for i, (t, p) in enumerate(zip(inputs, params))]
+        assert fed and set(fed) == {1}  # each alone by the kernel's path
+        calls = [engine.start_call(fresh(f"o{i}", t), p) for i, (t, p) in enumerate(zip(inputs, params))]
+        run_together(engine, calls, join_at={4: 5})
+        assert [c.future.result().tokens for c in calls] == alone
+        assert max(fed) == 4  # then batched
+    finally:
+        engine.close()
+        store.close()
