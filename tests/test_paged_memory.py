@@ -62,3 +62,23 @@ def test_a_prompt_longer_than_the_page_pool_may_hold_is_too_long_before_any_pref
     finally:
         engine.close()
         store.close()
+
+
+async def test_a_wake_over_resident_pages_makes_room_only_for_the_pages_it_adds(paged_manager):
+    # "a" and "b" share a long prompt, "c" holds one of its own; "b" sleeps. Its wake maps the prompt's pages,
+    # which "a" still lists, and adds only its own: with room for those beside the hot KV, nobody sleeps for it.
+    # Was: the room was made for b's whole KV as a buffer would hold it, and "a" and "c" slept for a wake that
+    # needed two pages.
+    m = paged_manager
+    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
+        await m.create(sid)
+        await m.append(sid, tokens=tokens)
+    await m.sleep("b")
+    await m.released()
+    layout = m.engine.pages.pool.layout
+    shared_blocks = len(SHARED) // BLOCK  # whole blocks of the prompt, listed by "a"
+    own = -(-(len(SHARED) + 20 - 1) // layout.page_tokens) - shared_blocks * layout.pages_per_block
+    m.engine.kv_room_bytes = m.hot_bytes() + own * layout.page_bytes
+    await m.wake("b")
+    assert set(m.entries.hot) == {"a", "b", "c"} and m.counters["room_sleeps"] == 0
+    assert m.hot_bytes() <= m.engine.kv_room_bytes  # and the wake took no more than that

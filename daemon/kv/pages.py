@@ -289,6 +289,11 @@ class PagePool:
         """How many of `keys`, from the first, name blocks whose pages hold the store's bytes (a wake maps
         those and reads the rest)."""
         self.drain()
+        return self.resident_run(keys)
+
+    def resident_run(self, keys: list[str]) -> int:
+        """`stored_run` without draining first: read from any thread (the room a wake needs, counted before it
+        runs; a table that waits to be drained may still hold a page counted here)."""
         return next((i for i, key in enumerate(keys) if key not in self.stored or key not in self.shared), len(keys))
 
     def map_shared(self, session: str, keys: list[str]) -> int:

@@ -98,6 +98,14 @@ class Pages:
             session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
                                               self.bundle_hash)
 
+    def wake_bytes(self, record: SnapshotRecord) -> int:
+        """Bytes of pages a wake from `record` adds to the pool: its tokens' pages less those of its first blocks
+        resident as the store's bytes, which it maps (`wake_prefix`). Read from any thread (sessions/room.py)."""
+        layout = self.pool.layout
+        resident = self.pool.resident_run([ref.key for ref in record.blocks])
+        pages = -(-len(record.token_ids) // layout.page_tokens) - resident * layout.pages_per_block
+        return max(0, pages) * layout.page_bytes
+
     def most_tokens(self) -> int:
         """The most tokens one session's paged layers may hold: every page the pool may have (its free pages,
         those it may grow by, and those other sessions hold, which they give back by sleeping: the manager

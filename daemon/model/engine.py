@@ -405,6 +405,17 @@ class Engine(Appending):
         """Bytes of the KV buffer a session of `tokens` tokens holds (as its growth makes it)."""
         return kvcapacity.capacity(tokens) * self.token_bytes if tokens > 0 else 0
 
+    def wake_bytes(self, record: SnapshotRecord) -> int | None:
+        """Bytes of KV a paged wake from `record` adds: the pages it does not map from those resident (another
+        session lists them) and its layers that are not paged, as a buffer holds them; None without pages (the
+        room counts a buffer's growth itself). Read from any thread: the room a wake needs (sessions/room.py)."""
+        tokens = len(record.token_ids)
+        if self.pages is None:
+            return None
+        layout = self.pages.pool.layout
+        unpaged = max(0, self.token_bytes - layout.page_bytes // layout.page_tokens)  # a token's, layers not paged
+        return self.pages.wake_bytes(record) + (kvcapacity.capacity(tokens) * unpaged if unpaged and tokens else 0)
+
     def copy_prefix(self, session: Session, n_tokens: int) -> list:
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
         return cache_blocks.copy_prefix(session.cache, n_tokens)

@@ -235,7 +235,8 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         record = await to_thread.run_sync(engine.record, snapshot)
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
-        await self.make_room(entry, len(record.token_ids))  # the snapshot's KV must fit beside the hot sessions'
+        # the snapshot's KV must fit beside the hot sessions' (paged: the pages it adds, not those it maps)
+        await self.make_room(entry, len(record.token_ids), added=engine.wake_bytes(record))
         parting = common_prefix(record.token_ids, target) if target is not None and not engine.cuttable \
             and engine.points.enabled and snapshot_id is None else len(record.token_ids)
         if parting < len(record.token_ids):
