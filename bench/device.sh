@@ -195,7 +195,7 @@ run_part() {
     turns-ab) model; n=0  # issue 51: a lone agent's short turns over ~75k tokens, paged KV on and off in turn
               for v in ${TURNS_RUNS:-false true false true}; do
                 n=$((n + 1))
-                KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
+                KVWAKE_SLOW_JOBS_KEPT=4096 KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
                   --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
               done ;;
     paged-suite)  # the suite with paged KV forced on in every engine and daemon (testkit.tuned); no model made: its

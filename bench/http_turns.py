@@ -17,8 +17,9 @@ shared      a second agent with the same ~200-token system prompt, three ways: s
 mlx-server  (--mlx-server) the same conversation through `mlx_lm.server` (its in-memory prompt
             cache), restarted after turn 5 as kvwake is: time to first token per turn.
 Each kvwake turn also lists `waited_on`: the engine thread's jobs and steps slower than KVWAKE_SLOW_JOB_MS
-(50 ms unless set) that ran while the turn waited for its first token, and `phases`: the daemon's own
-account of it (status "turns": rendering, matching a session, claiming it, the append, the first token).
+(50 ms unless set) that ran while the turn waited for its first token, `slow_before`: those that ran from the
+turn before's first token to this turn's request (its reply's decode, and what went on beside it), by name, and `phases`: the daemon's own account of it (status "turns": rendering, matching a
+session, claiming it, the append, the first token).
 Results: <out>/http_turns.json (docs/benchmarks.md summarises them).
 """
 
@@ -75,20 +76,37 @@ def daemon_side(d: Daemon, since: float, until: float) -> tuple[list[list[Any]],
             {k: v for k, v in turns[-1].items() if k.endswith("_ms") or k == "match"} if turns else None)
 
 
+def between(d: Daemon, since: float, until: float) -> dict[str, list[float]]:
+    """The engine thread's slow jobs (over KVWAKE_SLOW_JOB_MS) that ran from `since` to `until` (wall clock),
+    by name: [how many, their ms in all, the longest]. Between two turns' first tokens: the work a turn may find
+    still running (continuous persistence's captures, builds ahead). The daemon keeps the latest KVWAKE_SLOW_JOBS_KEPT."""
+    with d.client() as rpc:
+        slow = rpc.call("status")["engine_thread"]["slow"]
+    out: dict[str, list[float]] = {}
+    for s in slow:
+        if since <= s["at"] < until:
+            n, total, longest = out.get(s["what"], [0, 0.0, 0.0])
+            out[s["what"]] = [n + 1, round(total + s["ms"], 1), max(longest, s["ms"])]
+    return out
+
+
 def conversation(work: Path, model: Path, system: str, turns: int, reply_tokens: int,
                  turn_words: int = 0) -> tuple[list, list]:
     d = start_http(work / "a", model)
     messages, rows, requests = [{"role": "system", "content": system}], [], []
     try:
+        ended = time.time()  # the previous turn's first token: the jobs since then ran before this turn's
         for turn in each_turn(d, turns):
             extra = " " + " ".join(WORDS[(turn + i) % len(WORDS)] for i in range(turn_words)) if turn_words else ""
             messages.append({"role": "user", "content": f"Turn {turn}: what is the next step?{extra}"})
             requests.append(list(messages))
             sent = time.time()
+            before = between(d, ended, sent) if turn else {}
             row = timed_chat(openai_api(d), messages, reply_tokens)
             waited_on, phases = daemon_side(d, sent, sent + row["ttft_ms"] / 1000)
+            ended = sent + row["ttft_ms"] / 1000
             rows.append({"turn": turn + 1, "after_restart": turn == 5, **{k: v for k, v in row.items() if k != "text"},
-                         "phases": phases, "waited_on": waited_on})
+                         "phases": phases, "waited_on": waited_on, "slow_before": before})
             messages.append({"role": "assistant", "content": row["text"]})
             print(json.dumps(rows[-1]), flush=True)
     finally:
