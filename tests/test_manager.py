@@ -445,14 +445,13 @@ async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recent
     tokens = [(i * 7) % 200 + 20 for i in range(600)]
     await manager.create("big")
     await manager.append("big", tokens=tokens)
-    await manager.sleep("big")
+    snapshot = (await manager.sleep("big"))["snapshot_id"]
     await manager.released()
     for name in ("a", "b"):
         await manager.create(name, SYSTEM)
         await manager.append(name, messages=[{"role": "user", "content": f"hi, I am {name}"}])
     engine = manager.engine  # what big's wake adds: its buffer, or paged, its pages (none of them resident)
-    big = engine.kv_bytes(600) if engine.pages is None else \
-        -(-600 // engine.pages.pool.layout.page_tokens) * engine.pages.pool.layout.page_bytes
+    big = engine.kv_bytes(600) if engine.pages is None else engine.wake_bytes(engine.record(snapshot))
     manager.engine.kv_room_bytes = manager.hot_bytes() + big  # both stay: it fits
     await manager.wake("big")
     assert set(manager.entries.hot) == {"a", "b", "big"} and manager.counters["room_sleeps"] == 0

@@ -82,3 +82,40 @@ async def test_a_wake_over_resident_pages_makes_room_only_for_the_pages_it_adds(
     await m.wake("b")
     assert set(m.entries.hot) == {"a", "b", "c"} and m.counters["room_sleeps"] == 0
     assert m.hot_bytes() <= m.engine.kv_room_bytes  # and the wake took no more than that
+
+
+async def test_a_wake_whose_room_sleeps_the_prompts_last_holder_counts_the_prompts_pages_again(paged_manager):
+    # As above, but the room is short by more than "a"'s own pages: sleeping "a", the least recently used and the
+    # last session listing the prompt's pages, frees them, so "b"'s wake must read them again, not map them. The
+    # room is counted again after each sleep (was: once before them, so the wake went past the room).
+    m = paged_manager
+    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
+        await m.create(sid)
+        await m.append(sid, tokens=tokens)
+    await m.sleep("b")
+    await m.released()
+    page = m.engine.pages.pool.layout.page_bytes
+    m.engine.kv_room_bytes = m.hot_bytes() - 2 * page  # the wake's own two pages and two more must be freed
+    await m.wake("b")
+    assert m.counters["room_sleeps"] >= 1 and "b" in m.entries.hot
+    assert m.hot_bytes() <= m.engine.kv_room_bytes
+
+
+async def test_a_paged_wakes_room_counts_its_layers_that_are_not_paged_as_a_buffer_holds_them(paged_manager,
+                                                                                                monkeypatch):
+    # A model whose cache mixes paged layers and others (a KVCache inside a CacheList, a concatenating cache):
+    # the wake adds its pages and the other layers' buffer. The tiny llama pages every layer: more bytes a token
+    # than its pages hold stand for such layers.
+    from kvwake.daemon.kv import capacity
+
+    m = paged_manager
+    await m.create("b")
+    await m.append("b", tokens=SHARED + [9] * 20)
+    snapshot = (await m.sleep("b"))["snapshot_id"]
+    await m.released()
+    engine, layout = m.engine, m.engine.pages.pool.layout
+    record = engine.record(snapshot)
+    pages = engine.wake_bytes(record)  # nothing resident: every page of its tokens
+    assert pages == -(-len(record.token_ids) // layout.page_tokens) * layout.page_bytes
+    monkeypatch.setattr(engine, "token_bytes", engine.token_bytes + 10)
+    assert engine.wake_bytes(record) == pages + capacity.capacity(len(record.token_ids)) * 10

@@ -98,11 +98,12 @@ class Pages:
             session.cache = paged_cache.adopt(self.pool, session.cache, session.tokens[: session.processed],
                                               self.bundle_hash)
 
-    def wake_bytes(self, record: SnapshotRecord) -> int:
+    def wake_bytes(self, record: SnapshotRecord, maps: bool = True) -> int:
         """Bytes of pages a wake from `record` adds to the pool: its tokens' pages less those of its first blocks
-        resident as the store's bytes, which it maps (`wake_prefix`). Read from any thread (sessions/room.py)."""
+        resident as the store's bytes, which it maps (`wake_prefix`; `maps`: whether this model's wakes map any,
+        kv/paged_wake.py `resident`). Read from any thread (sessions/room.py)."""
         layout = self.pool.layout
-        resident = self.pool.resident_run([ref.key for ref in record.blocks])
+        resident = self.pool.resident_run([ref.key for ref in record.blocks]) if maps else 0
         pages = -(-len(record.token_ids) // layout.page_tokens) - resident * layout.pages_per_block
         return max(0, pages) * layout.page_bytes
 

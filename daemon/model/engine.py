@@ -414,7 +414,8 @@ class Engine(Appending):
             return None
         layout = self.pages.pool.layout
         unpaged = max(0, self.token_bytes - layout.page_bytes // layout.page_tokens)  # a token's, layers not paged
-        return self.pages.wake_bytes(record) + (kvcapacity.capacity(tokens) * unpaged if unpaged and tokens else 0)
+        return (self.pages.wake_bytes(record, maps=self.wakes_share)  # a wake maps resident pages where it shares
+                + (kvcapacity.capacity(tokens) * unpaged if unpaged and tokens else 0))
 
     def copy_prefix(self, session: Session, n_tokens: int) -> list:
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
