@@ -69,12 +69,7 @@ async def test_a_wake_over_resident_pages_makes_room_only_for_the_pages_it_adds(
     # which "a" still lists, and adds only its own: with room for those beside the hot KV, nobody sleeps for it.
     # Was: the room was made for b's whole KV as a buffer would hold it, and "a" and "c" slept for a wake that
     # needed two pages.
-    m = paged_manager
-    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
-        await m.create(sid)
-        await m.append(sid, tokens=tokens)
-    await m.sleep("b")
-    await m.released()
+    m = await b_asleep_beside_a_and_c(paged_manager)
     layout = m.engine.pages.pool.layout
     shared_blocks = len(SHARED) // BLOCK  # whole blocks of the prompt, listed by "a"
     own = -(-(len(SHARED) + 20 - 1) // layout.page_tokens) - shared_blocks * layout.pages_per_block
@@ -88,12 +83,7 @@ async def test_a_wake_whose_room_sleeps_the_prompts_last_holder_counts_the_promp
     # As above, but the room is short by more than "a"'s own pages: sleeping "a", the least recently used and the
     # last session listing the prompt's pages, frees them, so "b"'s wake must read them again, not map them. The
     # room is counted again after each sleep (was: once before them, so the wake went past the room).
-    m = paged_manager
-    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
-        await m.create(sid)
-        await m.append(sid, tokens=tokens)
-    await m.sleep("b")
-    await m.released()
+    m = await b_asleep_beside_a_and_c(paged_manager)
     page = m.engine.pages.pool.layout.page_bytes
     m.engine.kv_room_bytes = m.hot_bytes() - 2 * page  # the wake's own two pages and two more must be freed
     await m.wake("b")
@@ -119,3 +109,13 @@ async def test_a_paged_wakes_room_counts_its_layers_that_are_not_paged_as_a_buff
     assert pages == -(-len(record.token_ids) // layout.page_tokens) * layout.page_bytes
     monkeypatch.setattr(engine, "token_bytes", engine.token_bytes + 10)
     assert engine.wake_bytes(record) == pages + capacity.capacity(len(record.token_ids)) * 10
+
+
+async def b_asleep_beside_a_and_c(m):
+    """"a" and "b" over one long prompt and "c" over its own, hot; then "b" asleep, its KV freed."""
+    for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):
+        await m.create(sid)
+        await m.append(sid, tokens=tokens)
+    await m.sleep("b")
+    await m.released()
+    return m
