@@ -113,9 +113,10 @@ def gaps_ms(streams: list[Stream], tokenizer: Any, window: tuple[float, float]) 
 def largest_gaps(streams: list[Stream], tokenizer: Any, window: tuple[float, float], began: float,
                  kept: int = 12) -> list[dict[str, Any]]:
     """The `kept` longest gaps within `window` (perf_counter times), each with its stream and when it ended,
-    seconds from `began`: which stalls every stream shared, and where in the load they fell."""
+    seconds from `began`: which stalls every stream shared, and where in the load they fell. Gaps that round to
+    0.0 ms are none (tokens that came in one read): a short window on a tiny model may have fewer than `kept`."""
     gaps = [{"stream": i, "ended_s": round(when - began, 3), "ms": round(ms, 1)}
-            for i, s in enumerate(streams) for when, ms in s.timed_gaps(tokenizer, window)]
+            for i, s in enumerate(streams) for when, ms in s.timed_gaps(tokenizer, window) if round(ms, 1) > 0]
     return sorted(gaps, key=lambda g: -g["ms"])[:kept]
 
 

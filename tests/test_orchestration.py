@@ -73,7 +73,7 @@ async def test_a_wake_reads_its_snapshot_once_and_before_it_makes_room(manager, 
         real = getattr(store, name)
         monkeypatch.setattr(store, name, lambda *a, _n=name, _r=real, **k: reads.append(_n) or _r(*a, **k))
     real_room = manager.make_room
-    monkeypatch.setattr(manager, "make_room", lambda *a: order.append(list(reads)) or real_room(*a))
+    monkeypatch.setattr(manager, "make_room", lambda *a, **k: order.append(list(reads)) or real_room(*a, **k))
     info = await manager.wake("s")
     assert info["tokens"] > 0 and reads == ["snapshot"], reads
     assert order == [["snapshot"]]  # verified (bundle included) before any session is slept for it
