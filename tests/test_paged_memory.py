@@ -111,6 +111,27 @@ async def test_a_paged_wakes_room_counts_its_layers_that_are_not_paged_as_a_buff
     assert engine.wake_bytes(record) == pages + capacity.capacity(len(record.token_ids)) * 10
 
 
+
+async def test_a_new_conversation_over_resident_pages_makes_room_only_for_the_pages_it_adds(paged_manager):
+    # A new session over the prompt "a" holds maps its published pages (a prefix hit from memory) and computes
+    # only its own: with room for those beside the hot KV, nobody sleeps for it. Was: the room was made for its
+    # whole KV as a buffer would hold it, and "a" and "c" slept.
+    m = await b_asleep_beside_a_and_c(paged_manager)
+    layout = m.engine.pages.pool.layout
+    tokens = SHARED + [5] * 20  # its KV: all but the pending last token
+    own = -(-(len(tokens) - 1) // layout.page_tokens) - len(SHARED) // BLOCK * layout.pages_per_block
+    m.engine.kv_room_bytes = m.hot_bytes() + own * layout.page_bytes
+    await m.create("n")
+    info = await m.append("n", tokens=tokens)
+    assert info["reused"] >= len(SHARED) // BLOCK * BLOCK  # the prompt's pages mapped (and more from the store)
+    assert set(m.entries.hot) == {"a", "c", "n"} and m.counters["room_sleeps"] == 0
+    assert m.hot_bytes() <= m.engine.kv_room_bytes
+    # and a turn of a session that holds its pages counts only the pages past them
+    m.engine.kv_room_bytes = m.hot_bytes() + 2 * layout.page_bytes
+    await m.append("n", tokens=[6] * 20)
+    assert m.counters["room_sleeps"] == 0 and m.hot_bytes() <= m.engine.kv_room_bytes
+
+
 async def b_asleep_beside_a_and_c(m):
     """"a" and "b" over one long prompt and "c" over its own, hot; then "b" asleep, its KV freed."""
     for sid, tokens in (("a", SHARED + [7] * 20), ("b", SHARED + [9] * 20), ("c", [(i * 3) % 200 + 11 for i in range(300)])):

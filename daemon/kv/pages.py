@@ -296,6 +296,11 @@ class PagePool:
         runs; a table that waits to be drained may still hold a page counted here)."""
         return next((i for i, key in enumerate(keys) if key not in self.stored or key not in self.shared), len(keys))
 
+    def shared_run(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, name published blocks (`map_shared` would map them); read from any
+        thread, without draining (the room a new session's prefix hit needs, counted before it runs)."""
+        return next((i for i, key in enumerate(keys) if key not in self.shared), len(keys))
+
     def map_shared(self, session: str, keys: list[str]) -> int:
         """A prefix hit: append the pages of the blocks named by `keys`, in order, up to the first key no
         pages hold. `session` must hold whole blocks. Returns how many blocks were mapped."""

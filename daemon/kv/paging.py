@@ -25,7 +25,7 @@ from kvwake.daemon.jobs import Mlx, direct
 from kvwake.daemon.kv import paged_cache, paged_wake
 from kvwake.daemon.kv.pages import PagePool, PageStateError
 from kvwake.daemon.session_state import Session
-from kvwake.store import SnapshotRecord
+from kvwake.store import SnapshotRecord, chain_keys
 
 __all__ = ["Pages"]
 
@@ -106,6 +106,22 @@ class Pages:
         resident = self.pool.resident_run([ref.key for ref in record.blocks]) if maps else 0
         pages = -(-len(record.token_ids) // layout.page_tokens) - resident * layout.pages_per_block
         return max(0, pages) * layout.page_bytes
+
+    def append_bytes(self, cache: list | None, target: list[int], maps: bool = True) -> int:
+        """Bytes of pages growing `cache` (None: a new session's) to hold `target` but its pending last token
+        adds: its pages past those its table lists and, for a session holding none yet, past the published blocks
+        that start `target`, which it maps (`prefix`; `maps`: whether this model's prompts map any). Read from
+        any thread (sessions/room.py)."""
+        layout = self.pool.layout
+        layer = next((c for c in cache or () if isinstance(c, paged_cache.PagedKVCache)), None)
+        table = self.pool.sessions.get(layer.session.name) if layer is not None else None
+        listed = len(table.pages) if table is not None else 0
+        if not listed and maps and self.pool.shared:  # a new session maps the resident blocks of its prompt (their
+            # keys hashed here, on the event loop, once per new session and only while some block is published)
+            usable = (len(target) - 1) // layout.block_tokens * layout.block_tokens
+            keys = chain_keys(self.bundle_hash, target[:usable], layout.block_tokens) if usable else []
+            listed = self.pool.shared_run(keys) * layout.pages_per_block
+        return max(0, -(-(len(target) - 1) // layout.page_tokens) - listed) * layout.page_bytes
 
     def most_tokens(self) -> int:
         """The most tokens one session's paged layers may hold: every page the pool may have (its free pages,

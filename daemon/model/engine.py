@@ -409,13 +409,26 @@ class Engine(Appending):
         """Bytes of KV a paged wake from `record` adds: the pages it does not map from those resident (another
         session lists them) and its layers that are not paged, as a buffer holds them; None without pages (the
         room counts a buffer's growth itself). Read from any thread: the room a wake needs (sessions/room.py)."""
-        tokens = len(record.token_ids)
         if self.pages is None:
             return None
-        layout = self.pages.pool.layout
-        unpaged = max(0, self.token_bytes - layout.page_bytes // layout.page_tokens)  # a token's, layers not paged
         return (self.pages.wake_bytes(record, maps=self.wakes_share)  # a wake maps resident pages where it shares
-                + (kvcapacity.capacity(tokens) * unpaged if unpaged and tokens else 0))
+                + self._unpaged_growth(len(record.token_ids), 0))
+
+    def append_bytes(self, session: Session, target: list[int]) -> int | None:
+        """Bytes of KV a paged append growing `session` to `target` adds: its pages past those it lists (a new
+        session's past the published blocks that start `target`, which it maps) and its layers that are not
+        paged, as a buffer grows; None without pages. Read from any thread: the room a turn needs."""
+        if self.pages is None:
+            return None
+        return (self.pages.append_bytes(session.cache, target, maps=self.wakes_share)
+                + self._unpaged_growth(len(target), self.unpaged_bytes(session)))
+
+    def _unpaged_growth(self, tokens: int, held: int) -> int:
+        """Bytes a paged engine's layers that are not paged (none for a model paged whole) take at `tokens`
+        tokens, as a buffer holds them, past the `held` bytes they hold already."""
+        layout = self.pages.pool.layout
+        per_token = max(0, self.token_bytes - layout.page_bytes // layout.page_tokens)
+        return max(0, kvcapacity.capacity(tokens) * per_token - held) if per_token and tokens > 0 else 0
 
     def copy_prefix(self, session: Session, n_tokens: int) -> list:
         """A new cache holding the first n_tokens of the session's (MLX work); the session keeps its own."""
