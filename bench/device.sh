@@ -66,6 +66,9 @@
 #             restart's trace, `wake_phases_ms`, is what to read)
 #   turns-ab  issue 51: a lone agent's short turns over ~75k tokens (bench/http_turns.py, the turns part), paged KV on
 #             and off in turn ($TURNS_RUNS, default "false true false true")
+#   capture   issue 51: continuous persistence's capture of a session's blocks from pages against from a buffer, its
+#             parts timed (bench/paged_capture.py: 32 layers of the 8B shape's heads, 32k tokens, spans of 16-256
+#             blocks; no model made): why a paged lone agent's turns wait on captures
 #   paged-suite  the test suite with paged KV forced on (KVWAKE_PAGED_KV=true -p testkit.tuned; the remote tier's tests
 #             left out), into $OUT/paged-suite.txt: what fails before paged KV may be the default on CUDA
 #   paged-ab  issue 51: the fleet (8 agents over 10k, 3 turns, openai; $PAGED_AGENTS others) with paged KV and its
@@ -198,6 +201,8 @@ run_part() {
                 KVWAKE_SLOW_JOBS_KEPT=4096 KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
                   --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
               done ;;
+    capture)  python3 bench/paged_capture.py --layers 32 --tokens 32768 --spans 16,64,256 --out "$OUT/capture" 2>&1 \
+                | grep "^{'blocks" ;;
     paged-suite)  # the suite with paged KV forced on in every engine and daemon (testkit.tuned); no model made: its
               # build would take the cores the tests run on
               KVWAKE_PAGED_KV=true KVWAKE_PAGED_KERNEL=true pytest_here -p testkit.tuned --ignore-glob='tests/test_remote*.py' \

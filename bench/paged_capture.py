@@ -1,0 +1,96 @@
+"""Continuous persistence's capture of a session's blocks, from pages against from a buffer.
+
+usage: python bench/paged_capture.py [--layers 32] [--tokens 16384] [--spans 16,64] [--rounds 8] [--out bench/out]
+
+A probe for why a paged lone agent's turns waited on `checkpoint.capture_span` jobs of 54-63 ms on the H200 where
+the unpaged ones waited on none (docs/benchmarks.md, "The paged default on the GPU's suite"). One session's KV of
+`--tokens` tokens (the 8B shape's heads: 8 x 128, bf16, `--layers` layers, random) is held twice: in a page pool
+(`PagedKVCache`, its pages one run, as a cold prefill leaves them) and in per-layer buffers (`KVCache`). Spans of
+blocks are then captured one after another as continuous persistence does (`cache_blocks.defer_blocks(...,
+own=True).host()`: each layer's span sliced or gathered, stacked, evaluated and copied to host memory), and the
+parts timed apart: `lazy_ms` (building the span's arrays), `eval_ms` (evaluating them on the device) and
+`host_ms` (their copy to host memory). Reported: ms per span (median of `--rounds` spans) for each source and span
+size, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.lib import machine, save  # noqa: E402
+from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
+from kvwake.daemon.kv.pages import PageLayout, PagePool  # noqa: E402
+
+HEADS, DIM, BLOCK, CHUNK = 8, 128, 16, 2048
+
+
+def caches(layers: int, tokens: int) -> tuple[list, list]:
+    """The same random KV of `tokens` tokens in pages and in buffers (written a chunk at a time, every layer)."""
+    layout = PageLayout(layers=layers, kv_heads=HEADS, head_dim=DIM, page_tokens=BLOCK, block_tokens=BLOCK,
+                        dtype=mx.bfloat16)
+    pages = -(-tokens // BLOCK) + 8
+    pool = PagePool(layout, pages, pages)
+    paged = paged_cache.paged_cache(pool, [KVCache() for _ in range(layers)])
+    plain = [KVCache() for _ in range(layers)]
+    for start in range(0, tokens, CHUNK):
+        n = min(CHUNK, tokens - start)
+        for paged_layer, plain_layer in zip(paged, plain, strict=True):
+            k, v = (mx.random.normal((1, HEADS, n, DIM)).astype(mx.bfloat16) for _ in range(2))
+            paged_layer.extend(k, v)
+            plain_layer.update_and_fetch(k, v)
+        mx.eval(pool.keys, pool.values, [c.keys for c in plain], [c.values for c in plain])
+    return paged, plain
+
+
+def capture(cache: list, first: int, span: int) -> dict[str, float]:
+    """One span's capture, its parts timed (module docstring)."""
+    t0 = time.perf_counter()
+    deferred = cache_blocks.defer_blocks(cache, first, span, BLOCK, own=True)
+    t1 = time.perf_counter()
+    mx.eval(deferred.lazy)
+    t2 = time.perf_counter()
+    deferred.host()
+    t3 = time.perf_counter()
+    return {"lazy_ms": (t1 - t0) * 1000, "eval_ms": (t2 - t1) * 1000, "host_ms": (t3 - t2) * 1000,
+            "ms": (t3 - t0) * 1000}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--spans", default="16,64", help="blocks per span, comma-separated")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    args = ap.parse_args()
+    paged, plain = caches(args.layers, args.tokens)
+    rows: list[dict[str, Any]] = []
+    for span in (int(s) for s in args.spans.split(",")):
+        if span * args.rounds * BLOCK > args.tokens:
+            raise SystemExit(f"{args.rounds} spans of {span} blocks need {span * args.rounds * BLOCK} tokens")
+        timed: dict[str, list[dict[str, float]]] = {"paged": [], "plain": []}
+        for r in range(args.rounds):  # the two sources in turn, span after span
+            for name, cache in (("plain", plain), ("paged", paged)):
+                timed[name].append(capture(cache, r * span, span))
+        row: dict[str, Any] = {"blocks": span, "bytes": 2 * args.layers * HEADS * DIM * 2 * span * BLOCK}
+        for name, runs in timed.items():
+            row[name] = {k: round(statistics.median(run[k] for run in runs), 3) for k in runs[0]}
+        row["paged_over_plain"] = round(row["paged"]["ms"] / row["plain"]["ms"], 3)
+        rows.append(row)
+        print(row, flush=True)
+    save({"machine": machine(), "layers": args.layers, "tokens": args.tokens,
+          "heads": [HEADS, DIM], "rows": rows}, args.out, "paged_capture.json")
+
+
+if __name__ == "__main__":
+    main()
