@@ -9,17 +9,20 @@ the unpaged ones waited on none (docs/benchmarks.md, "The paged default on the G
 blocks are then captured one after another as continuous persistence does (`cache_blocks.defer_blocks(...,
 own=True).host()`: each layer's span sliced or gathered, stacked, evaluated and copied to host memory), and the
 parts timed apart: `lazy_ms` (building the span's arrays), `eval_ms` (evaluating them on the device) and
-`host_ms` (their copy to host memory). Reported: ms per span (median of `--rounds` spans) for each source and span
-size, and their ratio.
+`host_ms` (their copy to host memory). The paged span is taken as the capture takes it (a slice of the pool where
+its pages are one run) and, `paged_gather`, gathered by token as it was before. Reported: ms per span (median of
+`--rounds` spans) for each source and span size, and their ratios to the buffer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -52,6 +55,19 @@ def caches(layers: int, tokens: int) -> tuple[list, list]:
     return paged, plain
 
 
+@contextlib.contextmanager
+def gathered(on: bool) -> Iterator[None]:
+    """With `on`, a paged span gathered by token even where its pages are one run (`PagedKVCache.span`'s way
+    before it read such a span as a slice of the pool): the before of the same run."""
+    real = paged_cache.PagedKVCache.span
+    if on:
+        paged_cache.PagedKVCache.span = lambda self, start, stop, view=False: real(self, start, stop)
+    try:
+        yield
+    finally:
+        paged_cache.PagedKVCache.span = real
+
+
 def capture(cache: list, first: int, span: int) -> dict[str, float]:
     """One span's capture, its parts timed (module docstring)."""
     t0 = time.perf_counter()
@@ -78,14 +94,16 @@ def main() -> None:
     for span in (int(s) for s in args.spans.split(",")):
         if span * args.rounds * BLOCK > args.tokens:
             raise SystemExit(f"{args.rounds} spans of {span} blocks need {span * args.rounds * BLOCK} tokens")
-        timed: dict[str, list[dict[str, float]]] = {"paged": [], "plain": []}
-        for r in range(args.rounds):  # the two sources in turn, span after span
-            for name, cache in (("plain", plain), ("paged", paged)):
-                timed[name].append(capture(cache, r * span, span))
+        timed: dict[str, list[dict[str, float]]] = {"paged": [], "paged_gather": [], "plain": []}
+        for r in range(args.rounds):  # the sources in turn, span after span
+            for name, cache in (("plain", plain), ("paged", paged), ("paged_gather", paged)):
+                with gathered(name == "paged_gather"):
+                    timed[name].append(capture(cache, r * span, span))
         row: dict[str, Any] = {"blocks": span, "bytes": 2 * args.layers * HEADS * DIM * 2 * span * BLOCK}
         for name, runs in timed.items():
             row[name] = {k: round(statistics.median(run[k] for run in runs), 3) for k in runs[0]}
         row["paged_over_plain"] = round(row["paged"]["ms"] / row["plain"]["ms"], 3)
+        row["gather_over_plain"] = round(row["paged_gather"]["ms"] / row["plain"]["ms"], 3)
         rows.append(row)
         print(row, flush=True)
     save({"machine": machine(), "layers": args.layers, "tokens": args.tokens,

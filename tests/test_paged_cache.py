@@ -200,6 +200,30 @@ def test_eight_sessions_over_a_shared_prefix_hold_a_quarter_of_eight_copies(mode
     assert pool.bytes_held() - pool.pages_held() * pool.layout.layers <= counted <= pool.bytes_held()
 
 
+@pytest.mark.parametrize("one_run", [True, False])
+def test_a_span_copied_before_it_is_held_is_a_slice_of_the_pool_where_its_pages_are_one_run(model, one_run,
+                                                                                             monkeypatch) -> None:
+    # A checkpoint's capture (copied: `own`, or CUDA's stacked copy) read a paged span by a gather by token; where
+    # the span's pages follow one another it now reads them as a slice of the pool, the same bits. A capture that
+    # keeps views (unified memory, not `own`) still gathers: a view of the pool held would make its next write
+    # copy it whole.
+    pool = pool_for(model)
+    if not one_run:
+        pool.free.reverse()  # pages taken from the last down: no two in a row
+    paged, plain = paged_cache(pool, make_prompt_cache(model)), make_prompt_cache(model)
+    for cache in (paged, plain):
+        feed(model, cache, tokens(40, 15), [17, 23])
+    gathers = []
+    real = PagedKVCache._gathered
+    monkeypatch.setattr(PagedKVCache, "_gathered", lambda self, *a: gathers.append(a[1:]) or real(self, *a))
+    for own in (True, False):
+        gathers.clear()
+        got, want = (cache_blocks.defer_blocks(c, 1, 3, BLOCK, own=own).host() for c in (paged, plain))
+        assert [{n: t.array.tobytes() for n, t in b.items()} for b in got] == \
+            [{n: t.array.tobytes() for n, t in b.items()} for b in want]
+        assert (gathers == []) == (own and one_run), (own, one_run, gathers)
+
+
 def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) -> None:
     ids = tokens(21, 14)
     plain, paged = make_prompt_cache(model), paged_cache(pool_for(model), make_prompt_cache(model))

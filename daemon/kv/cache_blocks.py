@@ -330,16 +330,18 @@ def _host_bits(a: mx.array) -> mx.array:
     return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
 
 
-def _lazy_cut(name: str, c: Any, start: int, stop: int) -> tuple[dict[str, mx.array], dict[str, Tensor]]:
-    """Tokens [start, stop) of one cuttable unit: its lazy slices, and its small facts (quantization)."""
+def _lazy_cut(name: str, c: Any, start: int, stop: int, copied: bool = False) -> tuple[dict[str, mx.array],
+                                                                                     dict[str, Tensor]]:
+    """Tokens [start, stop) of one cuttable unit: its lazy slices, and its small facts (quantization). `copied`:
+    the slices are copied before anything holds them (a view of a page pool may then be taken)."""
     if stop > c.offset:
         raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
     if isinstance(c, QuantizedKVCache):
         lazy = {f"{name}.{part}.{k}": a[..., start:stop, :] for part in ("keys", "values")
                 for k, a in enumerate(getattr(c, part))}
         return lazy, {f"{name}.quant": _ints(c.group_size, c.bits, dtype=np.int32)}
-    if isinstance(c, PagedKVCache):  # the span's tokens gathered from its pages, not all the layer holds
-        keys, values = c.span(start, stop)
+    if isinstance(c, PagedKVCache):  # the span's tokens from its pages, not all the layer holds
+        keys, values = c.span(start, stop, view=copied)
         return {f"{name}.keys": keys, f"{name}.values": values}, {}
     return {f"{name}.keys": c.keys[..., start:stop, :], f"{name}.values": c.values[..., start:stop, :]}, {}
 
@@ -357,16 +359,16 @@ def _defer_units(cache: list, start: int, stop: int, only: Any = None, own: bool
     lazy: dict[str, mx.array] = {}
     facts: dict[str, Tensor] = {}
     order: list[str] = []  # units in order, each unit's parts, then its quantization
+    stacked = own or _discrete()
     for name, _, _, c in units(cache):
         if kind_of(c, name) in CUTTABLE and (only is None or c is only):
-            slices, small = _lazy_cut(name, c, start, stop)
+            slices, small = _lazy_cut(name, c, start, stop, copied=stacked)
             lazy.update(slices)
             facts.update(small)
             order += [*slices, *small]
     lazy.update(extra or {})
     order += list(extra or {})
     bits = {n: _host_bits(a) for n, a in lazy.items()}
-    stacked = own or _discrete()
     if stacked:  # one copy per dtype and shape, not one per tensor: on CUDA one host allocation and transfer
         kinds: dict[tuple, list[str]] = {}
         for n, a in bits.items():

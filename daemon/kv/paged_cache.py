@@ -204,12 +204,18 @@ class PagedKVCache(_BaseCache):
             return None
         return pools[self.layer][:, self.session.held_slots()[start : self.offset if stop is None else stop]][None]
 
-    def span(self, start: int, stop: int) -> tuple[mx.array, mx.array]:
+    def span(self, start: int, stop: int, view: bool = False) -> tuple[mx.array, mx.array]:
         """Tokens [start, stop) of K and V, [1, kv_heads, stop - start, head_dim]: only they are gathered
-        (a sleep's or a checkpoint's blocks)."""
+        (a sleep's or a checkpoint's blocks). `view`: where their pages follow one another in the pool, a slice
+        of it, read in place (a gather by token reads far below the memory's speed); only for a caller that
+        copies it before holding it (a view held on unified memory would keep MLX from updating the pool in
+        place: the pool's next write would copy it whole)."""
         if not 0 <= start <= stop <= self.offset:
             raise PageStateError(f"layer {self.layer} holds {self.offset} tokens, not [{start}, {stop})")
         pool = self.session.pool
+        first = pool.run(pool.table(self.session.name).pages, start, stop) if view else None
+        if first is not None:
+            return tuple(part[self.layer][:, first : first + stop - start][None] for part in (pool.keys, pool.values))
         return self._gathered(pool.keys, start, stop), self._gathered(pool.values, start, stop)
 
     @property
