@@ -2,8 +2,8 @@
 
 usage: python bench/paged_capture.py [--layers 32] [--tokens 16384] [--spans 16,64] [--rounds 8] [--out bench/out]
 
-A probe for why a paged lone agent's turns waited on `checkpoint.capture_span` jobs of 54-63 ms on the H200 where
-the unpaged ones waited on none (docs/benchmarks.md, "The paged default on the GPU's suite"). One session's KV of
+A probe for why a paged lone agent's turns waited on `checkpoint.capture_span` jobs where the unpaged ones waited
+on none (docs/benchmarks.md, "The paged default on the GPU's suite"). One session's KV of
 `--tokens` tokens (the 8B shape's heads: 8 x 128, bf16, `--layers` layers, random) is held twice: in a page pool
 (`PagedKVCache`, its pages one run, as a cold prefill leaves them) and in per-layer buffers (`KVCache`). Spans of
 blocks are then captured one after another as continuous persistence does (`cache_blocks.defer_blocks(...,

@@ -89,8 +89,7 @@ class Conversations:
             plan = await to_thread.run_sync(lambda: engine.plan(session, **inputs))
             engine.check_fits(len(plan.target))  # before any prefill
         if entry is not None:  # paged: the pages it adds, not those it lists or maps
-            added = (lambda: engine.append_bytes(session, plan.target)) if engine.pages is not None else None
-            await self.make_room(entry, len(plan.target), added=added)
+            await self.make_room(entry, len(plan.target), added=lambda: engine.append_bytes(session, plan.target))
         async with self._shared_prefix(session, plan.target, arrival) as (prefix, flight):
             if flight is not None:  # others wait on this prefill: its own client leaving does not stop it
                 stop = lambda own=stop: self.stopping or (own() and not flight.waited())  # noqa: E731

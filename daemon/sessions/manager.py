@@ -236,8 +236,7 @@ class SessionManager(Conversations, RoomKeeping, ModelKeeping):
         if self.releasing and self.hot_bytes() > self.hot_budget():
             await self.released()  # over the budget until KV being freed is gone: wait for it before adding more
         # the snapshot's KV must fit beside the hot sessions' (paged: the pages it adds, not those it maps)
-        added = (lambda: engine.wake_bytes(record)) if engine.pages is not None else None
-        await self.make_room(entry, len(record.token_ids), added=added)
+        await self.make_room(entry, len(record.token_ids), added=lambda: engine.wake_bytes(record))
         parting = common_prefix(record.token_ids, target) if target is not None and not engine.cuttable \
             and engine.points.enabled and snapshot_id is None else len(record.token_ids)
         if parting < len(record.token_ids):

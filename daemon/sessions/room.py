@@ -85,19 +85,24 @@ class RoomKeeping:
         held = self.engine.cache_bytes(s) - self.engine.held_point_bytes(s) if s is not None else 0  # its KV alone
         return max(0, self.engine.kv_bytes(tokens) - held)
 
-    async def make_room(self, keep: Entry, tokens: int, added: Callable[[], int] | None = None) -> int:
+    async def make_room(self, keep: Entry, tokens: int, added: Callable[[], int | None] | None = None) -> int:
         """Before `keep`'s session grows to `tokens` tokens (a wake, a long prompt): sleep the least recently
         used idle sessions while the hot KV and that growth would not fit the memory left for KV beside the
         weights (`Engine.kv_room_bytes`); returns how many slept. The budget lets hot sessions hold half of
         that room, and one session may take all of it (Engine.check_fits), so a big one beside a full budget
         needs this; without it MLX would go past its limit (on CUDA it spills to host memory). `added`: the
-        bytes the growth adds where the caller counts them better (a paged wake maps the resident pages of its
-        first blocks: `Engine.wake_bytes`), counted again after each sleep: the last session listing those
-        pages frees them by sleeping, and the wake then reads them."""
+        engine's count of the bytes the growth adds (paged, the pages it adds, not those it lists or maps:
+        `Engine.wake_bytes`, `append_bytes`), None where it has none (a buffer's growth, counted here), taken
+        again after each sleep: the last session listing a prompt's pages frees them by sleeping, and the wake
+        then reads them."""
         room = self.engine.kv_room_bytes
         if room is None or tokens <= 0:
             return 0
-        growth = added if added is not None else lambda: self._growth(keep, tokens)
+
+        def growth() -> int:
+            counted = added() if added is not None else None
+            return counted if counted is not None else self._growth(keep, tokens)
+
         first = growth()
         if first == 0 or self.hot_bytes() + first <= room:  # the common case: nothing to sort
             return 0
