@@ -583,7 +583,9 @@ def test_a_real_daemon_with_prefill_threads_packs_turns_that_come_at_once_and_an
         model_dir, tmp_path):
     from testkit.daemon import Daemon
 
-    d = Daemon(tmp_path, model_dir, extra=["--tune", "prefill_threads=2", "--tune", "pack_gather_ms=500"]).start()
+    # a gather long enough for four turns released together to land on a loaded machine (fresh connections and
+    # renders on two shared cores); the turns wait for the others only while some are still on their way
+    d = Daemon(tmp_path, model_dir, extra=["--tune", "prefill_threads=2", "--tune", "pack_gather_ms=2000"]).start()
     try:
         with d.client() as c:
             for group in ("together", "alone"):
