@@ -202,7 +202,7 @@ run_part() {
                   --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
               done ;;
     capture)  python3 bench/paged_capture.py --layers 32 --tokens 32768 --spans 16,64,256 --out "$OUT/capture" 2>&1 \
-                | grep "^{'blocks" ;;
+                | grep "^{'form" ;;
     paged-suite)  # the suite with paged KV forced on in every engine and daemon (testkit.tuned); no model made: its
               # build would take the cores the tests run on
               KVWAKE_PAGED_KV=true KVWAKE_PAGED_KERNEL=true pytest_here -p testkit.tuned --ignore-glob='tests/test_remote*.py' \

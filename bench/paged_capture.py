@@ -6,12 +6,15 @@ A probe for why a paged lone agent's turns waited on `checkpoint.capture_span` j
 on none (docs/benchmarks.md, "The paged default on the GPU's suite"). One session's KV of
 `--tokens` tokens (the 8B shape's heads: 8 x 128, bf16, `--layers` layers, random) is held twice: in a page pool
 (`PagedKVCache`, its pages one run, as a cold prefill leaves them) and in per-layer buffers (`KVCache`). Spans of
-blocks are then captured one after another as continuous persistence does (`cache_blocks.defer_blocks(...,
-own=True).host()`: each layer's span sliced or gathered, stacked, evaluated and copied to host memory), and the
-parts timed apart: `lazy_ms` (building the span's arrays), `eval_ms` (evaluating them on the device) and
-`host_ms` (their copy to host memory). The paged span is taken as the capture takes it (a slice of the pool where
-its pages are one run) and, `paged_gather`, gathered by token as it was before. Reported: ms per span (median of
-`--rounds` spans) for each source and span size, and their ratios to the buffer's.
+blocks are then captured one after another as continuous persistence does, in each of `--forms`: `blocks`
+(`cache_blocks.defer_blocks(..., own=True).host()`: each layer's span sliced or gathered, stacked, evaluated and
+copied to host memory) and `planes` (`cache_blocks.defer_planed`: the same span made into byte planes on the
+device, what a checkpoint takes on CUDA), and the parts timed apart: `lazy_ms` (building the span's arrays),
+`eval_ms` (evaluating them on the device) and `host_ms` (their copy to host memory). The paged span is taken as the
+capture takes it (a slice of the pool where its pages are one run); `paged_gather`, gathered by token as `blocks`
+took it before; `paged_whole`, every token of the layer gathered and the span sliced from it, as `planes` took it
+before. Reported: ms per span (median of `--rounds` spans) for each form, source and span size, and their ratios to
+the buffer's.
 """
 
 from __future__ import annotations
@@ -56,22 +59,27 @@ def caches(layers: int, tokens: int) -> tuple[list, list]:
 
 
 @contextlib.contextmanager
-def gathered(on: bool) -> Iterator[None]:
-    """With `on`, a paged span gathered by token even where its pages are one run (`PagedKVCache.span`'s way
-    before it read such a span as a slice of the pool): the before of the same run."""
+def taken(how: str) -> Iterator[None]:
+    """A paged span taken `how`: "paged", as the capture takes it; "paged_gather", gathered by token even where its
+    pages are one run (`PagedKVCache.span` before it read such a span as a slice of the pool); "paged_whole", the
+    layer's every token gathered and the span sliced (`defer_planed` before it took the span alone)."""
     real = paged_cache.PagedKVCache.span
-    if on:
+    if how == "paged_gather":
         paged_cache.PagedKVCache.span = lambda self, start, stop, view=False: real(self, start, stop)
+    elif how == "paged_whole":
+        paged_cache.PagedKVCache.span = lambda self, start, stop, view=False: (self.keys[..., start:stop, :],
+                                                                               self.values[..., start:stop, :])
     try:
         yield
     finally:
         paged_cache.PagedKVCache.span = real
 
 
-def capture(cache: list, first: int, span: int) -> dict[str, float]:
-    """One span's capture, its parts timed (module docstring)."""
+def capture(cache: list, first: int, span: int, form: str) -> dict[str, float]:
+    """One span's capture in `form`, its parts timed (module docstring)."""
     t0 = time.perf_counter()
-    deferred = cache_blocks.defer_blocks(cache, first, span, BLOCK, own=True)
+    deferred = (cache_blocks.defer_planed(cache, first, span, BLOCK) if form == "planes"
+                else cache_blocks.defer_blocks(cache, first, span, BLOCK, own=True))
     t1 = time.perf_counter()
     mx.eval(deferred.lazy)
     t2 = time.perf_counter()
@@ -87,23 +95,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--spans", default="16,64", help="blocks per span, comma-separated")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--forms", default="blocks,planes", help="capture forms, comma-separated (module docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = ap.parse_args()
     paged, plain = caches(args.layers, args.tokens)
     rows: list[dict[str, Any]] = []
-    for span in (int(s) for s in args.spans.split(",")):
+    for form, span in ((f, int(s)) for f in args.forms.split(",") for s in args.spans.split(",")):
         if span * args.rounds * BLOCK > args.tokens:
             raise SystemExit(f"{args.rounds} spans of {span} blocks need {span * args.rounds * BLOCK} tokens")
-        timed: dict[str, list[dict[str, float]]] = {"paged": [], "paged_gather": [], "plain": []}
+        before = "paged_whole" if form == "planes" else "paged_gather"
+        timed: dict[str, list[dict[str, float]]] = {"paged": [], before: [], "plain": []}
         for r in range(args.rounds):  # the sources in turn, span after span
-            for name, cache in (("plain", plain), ("paged", paged), ("paged_gather", paged)):
-                with gathered(name == "paged_gather"):
-                    timed[name].append(capture(cache, r * span, span))
-        row: dict[str, Any] = {"blocks": span, "bytes": 2 * args.layers * HEADS * DIM * 2 * span * BLOCK}
+            for name, cache in (("plain", plain), ("paged", paged), (before, paged)):
+                with taken(name):
+                    timed[name].append(capture(cache, r * span, span, form))
+        row: dict[str, Any] = {"form": form, "blocks": span, "bytes": 2 * args.layers * HEADS * DIM * 2 * span * BLOCK}
         for name, runs in timed.items():
             row[name] = {k: round(statistics.median(run[k] for run in runs), 3) for k in runs[0]}
         row["paged_over_plain"] = round(row["paged"]["ms"] / row["plain"]["ms"], 3)
-        row["gather_over_plain"] = round(row["paged_gather"]["ms"] / row["plain"]["ms"], 3)
+        row["before_over_plain"] = round(row[before]["ms"] / row["plain"]["ms"], 3)
         rows.append(row)
         print(row, flush=True)
     save({"machine": machine(), "layers": args.layers, "tokens": args.tokens,

@@ -200,13 +200,9 @@ def test_eight_sessions_over_a_shared_prefix_hold_a_quarter_of_eight_copies(mode
     assert pool.bytes_held() - pool.pages_held() * pool.layout.layers <= counted <= pool.bytes_held()
 
 
-@pytest.mark.parametrize("one_run", [True, False])
-def test_a_span_copied_before_it_is_held_is_a_slice_of_the_pool_where_its_pages_are_one_run(model, one_run,
-                                                                                             monkeypatch) -> None:
-    # A checkpoint's capture (copied: `own`, or CUDA's stacked copy) read a paged span by a gather by token; where
-    # the span's pages follow one another it now reads them as a slice of the pool, the same bits. A capture that
-    # keeps views (unified memory, not `own`) still gathers: a view of the pool held would make its next write
-    # copy it whole.
+def twins_watched(model, one_run: bool, monkeypatch) -> tuple[list, list, list]:
+    """The same 40 tokens' KV in pages (one run of them, or none in a row) and in buffers, and the list every
+    paged gather from now on appends its (start, stop) to (() for a layer's every token)."""
     pool = pool_for(model)
     if not one_run:
         pool.free.reverse()  # pages taken from the last down: no two in a row
@@ -216,12 +212,36 @@ def test_a_span_copied_before_it_is_held_is_a_slice_of_the_pool_where_its_pages_
     gathers = []
     real = PagedKVCache._gathered
     monkeypatch.setattr(PagedKVCache, "_gathered", lambda self, *a: gathers.append(a[1:]) or real(self, *a))
+    return paged, plain, gathers
+
+
+@pytest.mark.parametrize("one_run", [True, False])
+def test_a_span_copied_before_it_is_held_is_a_slice_of_the_pool_where_its_pages_are_one_run(model, one_run,
+                                                                                             monkeypatch) -> None:
+    # A checkpoint's capture (copied: `own`, or CUDA's stacked copy) read a paged span by a gather by token; where
+    # the span's pages follow one another it now reads them as a slice of the pool, the same bits. A capture that
+    # keeps views (unified memory, not `own`) still gathers: a view of the pool held would make its next write
+    # copy it whole.
+    paged, plain, gathers = twins_watched(model, one_run, monkeypatch)
     for own in (True, False):
         gathers.clear()
         got, want = (cache_blocks.defer_blocks(c, 1, 3, BLOCK, own=own).host() for c in (paged, plain))
         assert [{n: t.array.tobytes() for n, t in b.items()} for b in got] == \
             [{n: t.array.tobytes() for n, t in b.items()} for b in want]
         assert (gathers == []) == (own and one_run), (own, one_run, gathers)
+
+
+@pytest.mark.parametrize("one_run", [True, False])
+def test_a_span_made_into_byte_planes_reads_only_its_own_tokens_of_the_pages(model, one_run, monkeypatch) -> None:
+    # CUDA's checkpoints capture spans as byte planes made on the device (`defer_planed`). Over pages that took each
+    # layer's `keys` and `values`, a gather of every token the session holds, and then sliced the span: at 75k tokens
+    # each 64-block span gathered the whole session, 55-69 ms of the engine thread a span (docs/benchmarks.md).
+    paged, plain, gathers = twins_watched(model, one_run, monkeypatch)
+    got, want = (cache_blocks.defer_planed(c, 1, 3, BLOCK).host() for c in (paged, plain))
+    assert [(p.names, [x.tobytes() for x in p.planes]) for p in got] == \
+        [(p.names, [x.tobytes() for x in p.planes]) for p in want]  # the same bytes
+    span = (BLOCK, 4 * BLOCK)
+    assert all(g == span for g in gathers) and (gathers == []) == one_run, (one_run, gathers)
 
 
 def test_a_paged_cache_sleeps_into_the_blocks_and_tail_a_kvcache_gives(model) -> None:

@@ -437,10 +437,10 @@ def defer_planed(cache: list, first: int, count: int, block_tokens: int,
             continue
         if isinstance(c, QuantizedKVCache):
             return None
-        if stop > c.offset:
-            raise StateMismatchError(f"{name}: tokens [{start}, {stop}) asked, the cache holds {c.offset}")
-        names += [f"{name}.keys", f"{name}.values"]
-        arrays += [c.keys[..., start:stop, :], c.values[..., start:stop, :]]
+        # the planes are copies: a paged span may be read in place (a layer's `keys` would gather all it holds)
+        slices, _ = _lazy_cut(name, c, start, stop, copied=True)
+        names += list(slices)
+        arrays += list(slices.values())
     names += list(extra or {})
     arrays += list((extra or {}).values())
     split = devplanes.split_span(names, arrays, block_tokens, count) if arrays else None
