@@ -163,7 +163,9 @@ def test_a_fleet_killed_between_rounds_continues_every_turn_exactly_and_apart(tm
     killed, kept = fleet(tmp_path / "killed", model_dir, kill=True)
     # Nothing lost: every turn after the restart is the reference's, token for token.
     for agent in range(AGENTS):
-        assert [t.reply for t in killed[agent]] == [t.reply for t in reference[agent]], agent
+        assert [t.reply for t in killed[agent]] == [t.reply for t in reference[agent]], (
+            agent, [(t.session, t.prompt_tokens, t.cached_tokens) for t in reference[agent]],
+            [(t.session, t.prompt_tokens, t.cached_tokens) for t in killed[agent]])
     for history in (reference, killed):
         # Nothing mixed: one session per agent; replies differ where the contexts do.
         for r in range(ROUNDS):

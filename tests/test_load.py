@@ -28,4 +28,4 @@ def test_load_with_faults_loses_no_acknowledged_sleep_and_never_fails_internally
     assert result["internal"] == 0 and result["unexpected"] == {}
     assert result["acknowledged_sleeps"] > 0 and result["woke"] == result["acknowledged_sleeps"]
     assert result["fsck_ok"] and result["stop_exit"] == 0 and result["log_problems"] == []
-    assert {"rpc chat", "rpc tool", "rpc sleep", "http chat", "http tool"} <= set(result["latency"])
+    assert {"rpc chat", "rpc tool", "rpc sleep", "http chat", "http tool"} <= set(result["latency"]), result
