@@ -76,6 +76,32 @@ def test_the_warmers_forward_part_pads_a_chunk_for_a_model_whose_packs_pad_only(
     assert len(padded) == (1 if pads else 0)
 
 
+def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_path, monkeypatch):
+    """A paged engine's pool writes and gathers are kernels of their own: its warmers run the miniature over a
+    pool of pages as well (a part of its own, where pages are asked for or, unset, guessed from the config:
+    plain attention only), so a paged daemon's first turns do not compile them."""
+    from kvwake.daemon import imports
+    from kvwake.daemon.kv.pages import PagePool
+
+    monkeypatch.setattr(imports, "lighten_imports", lambda: None)  # the child's cut, not this test process's
+    writes = []
+    real = PagePool.write
+    monkeypatch.setattr(PagePool, "write", lambda self, *a, **k: writes.append(a[0]) or real(self, *a, **k))
+    llama, lfm2 = (make_model_dir(tmp_path / arch, arch=arch) for arch in ("llama", "lfm2"))
+    kernel_cache._warm(llama, kernel_cache.PAGED_PART)  # in process, as its child runs it
+    assert writes  # its KV went into pages
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start early
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    for path, paged, parts in ((llama, False, kernel_cache.PARTS), (llama, None, kernel_cache.PARTS + ("paged",)),
+                               (lfm2, None, kernel_cache.PARTS), (lfm2, True, kernel_cache.PARTS + ("paged",))):
+        assert kernel_cache.start_early(str(path), paged=paged)
+        warmer = kernel_cache._early.pop(path.resolve())
+        assert [p.args[-1] for p in warmer.procs] == list(parts) == list(warmer.parts), (path.name, paged)
+        assert warmer.wait(timeout=120) is True, (path.name, paged)  # lfm2's paged part pages its attention layers
+        kernel_cache._done.clear()
+
+
 def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):
     """A quantized model's products compile nothing (model/quantized.py dequantizes where MLX would compile a
     tile kernel), so its warmer has the same parts as any model's, and ends cleanly."""
@@ -267,7 +293,7 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     made, warmed = [], []
     engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
-    monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on: warmed.append((model, on)))
+    monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on, paged=False: warmed.append((model, on)))
     preloaded, hashed = [], []
     monkeypatch.setattr(loader.weights, "preload", lambda paths, modules, read: preloaded.append(paths))
     monkeypatch.setattr(loader.bundle, "digests_ahead", lambda folders, cache: hashed.append((folders, made[:])))

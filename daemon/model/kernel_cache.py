@@ -7,7 +7,8 @@ folder, daemon/serve.py), so a compile happens once per machine, not once per pr
 cache lacks them, the compiles a first start and a first round would wait for (a compaction's gathers once
 stalled a decode step for seconds mid-round) run in a child process here (`Warmer`), on the model's
 miniature (same kind of model, same dtype, the smallest widths), while the engine loads the weights; the
-engine waits for it before its first forward pass, whose kernels then come from the cache. A process of its
+engine waits for it before its first forward pass, whose kernels then come from the cache. A paged engine's
+warmers run the miniature over a pool of pages too (its writes and gathers are kernels of their own). A process of its
 own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not compile
 for it; two of them, each importing as `serve` does (no PyTorch), so a cached machine's warmers end within
 the load.
@@ -41,6 +42,9 @@ __all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature"
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
 PARTS = ("forward", "compaction")
+# a paged engine's (kv/paged_cache.py) too: its pool's writes and gathers are kernels of their own, compiled at a
+# paged daemon's first turns where no warmer ran them (a loaded GPU's first chats waited seconds for them)
+PAGED_PART = "paged"
 # (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
 
 
@@ -123,11 +127,12 @@ def _warmed_key(path: Path) -> tuple[Path, str, str]:
     return path, config, dtype
 
 
-def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
+def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | None = False) -> bool:
     """Start the warmers of `model` (the settings' model) before the daemon's heavy imports, for the engine
     to take (`Warmer.for_model`): on a fresh machine their compiles, not the weights, end a first start's
     work, and they began only once the imports were done. Only a model given as a folder, and on CUDA (this
-    imports MLX's core alone). Says whether it started them."""
+    imports MLX's core alone). `paged`: the engine will keep its KV in pages (None: where the config names plain
+    attention only, `plain_config`). Says whether it started them."""
     if not kernel_warmer or model is None or not Path(model).expanduser().is_dir():
         return False
     import mlx.core as mx
@@ -137,7 +142,7 @@ def start_early(model: str | None, kernel_warmer: bool = True) -> bool:
     keep_compiled_kernels()
     path = Path(model).expanduser().resolve()
     if path not in _early and _warmed_key(path) not in _done:
-        _early[path] = Warmer(path)
+        _early[path] = Warmer(path, paged=plain_config(model_config(path)) if paged is None else paged)
     return True
 
 
@@ -147,21 +152,22 @@ class Warmer:
     `wait` before the engine's first forward pass."""
 
     @classmethod
-    def for_model(cls, model_path: Path) -> Warmer | None:
-        """The warmers `start_early` started for this model folder, else new ones; None when this process's warmers
-        of the folder filled the cache already (`_done`)."""
+    def for_model(cls, model_path: Path, paged: bool = False) -> Warmer | None:
+        """The warmers `start_early` started for this model folder, else new ones (`paged`: a paged engine's part
+        too); None when this process's warmers of the folder filled the cache already (`_done`)."""
         path = Path(model_path).resolve()
         early = _early.pop(path, None)
         if _warmed_key(path) in _done:
             if early is not None:  # started for a model already warmed here: its processes go
                 early.stop()
             return None
-        return early or cls(model_path)
+        return early or cls(model_path, paged=paged)
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, paged: bool = False) -> None:
         self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
-        self.procs = [self._start(part) for part in PARTS]
+        self.parts = PARTS + (PAGED_PART,) if paged else PARTS
+        self.procs = [self._start(part) for part in self.parts]
         # each warmer collected on a thread of its own as it ends (its stderr read, its exit status taken): a `wait`
         # only waits for their notes, and a `stop` from another thread ends it at once
         self._ended = threading.Condition()
@@ -194,7 +200,7 @@ class Warmer:
                                  timeout=max(0.0, self.started + timeout - time.perf_counter()))
             errors, stopped = dict(self._errors), self.stopped
         done = bool(self.procs) and not stopped
-        for i, part in enumerate(PARTS):
+        for i, part in enumerate(self.parts):
             if i not in errors:
                 if not stopped:
                     log.warning("kernel warmer (%s) still compiling after %.0f s: the engine goes on without it",
@@ -224,6 +230,25 @@ class Warmer:
 # wake stages only its plain layers, in rings of another shape than the config's layer count gives
 NOT_PLAIN = ("sliding_window", "layer_types", "layers_block_type", "full_attn_idxs", "hybrid_override_pattern",
              "block_types", "attn_layer_indices")
+
+
+def model_config(model_path: Path) -> dict[str, Any]:
+    """The text model's config in `model_path` (`text_config`); {} where there is none to read."""
+    try:
+        return text_config(json.loads((Path(model_path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def plain_config(config: dict[str, Any]) -> bool:
+    """Whether a (text) config names only plain attention layers: no sliding windows (a `sliding_window` that
+    `use_sliding_window: false` turns off, as Qwen's configs do, is none; `layer_types` all full attention is
+    plain) and no recurrent or hybrid layers. A guess before the load (the loaded model's cache decides)."""
+    if any(config.get(k) for k in NOT_PLAIN if k not in ("sliding_window", "layer_types")):
+        return False
+    if any(kind not in ("full_attention", "attention") for kind in config.get("layer_types") or ()):
+        return False
+    return not config.get("sliding_window") or config.get("use_sliding_window") is False
 
 
 # Row kernel shapes built in this process (`BesideLoad`): shape -> whether the kernel takes it
@@ -277,7 +302,7 @@ class BesideLoad:
                 if self.page_tokens:
                     self._build_paged(shape, self.page_tokens)
             config = text_config(config)
-            if staging_tokens and not any(config.get(k) for k in NOT_PLAIN):
+            if staging_tokens and plain_config(config):
                 self.ran = True
                 kv = mx.zeros((1, shape[1], 1, shape[2]), shape[3])
                 devplanes.warm(kv, 2 * config["num_hidden_layers"], staging_tokens,
@@ -371,8 +396,8 @@ def padded_chunk(dtype: Any, head_dim: int, key: Any) -> tuple[Any, Any]:
 
 
 def _warm(model_path: Path, part: str) -> None:
-    """A child's work: the miniature's prefill and decode step and a padded chunk ("forward"), or a batch's
-    compaction."""
+    """A child's work: the miniature's prefill and decode step and a padded chunk ("forward"), the same over a
+    pool of pages ("paged"), or a batch's compaction."""
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
@@ -394,6 +419,24 @@ def _warm(model_path: Path, part: str) -> None:
 
         if packable_model(model):  # only a pack's rows pad (scheduler/prefill.py `_pack_chunk`)
             mx.eval(padded_chunk(dtype, text_config(config)["head_dim"], mx.random.key(0)))
+        return
+    if part == PAGED_PART:  # as a paged engine prefills and decodes (kv/paging.py `Pages`): pages of 16 tokens
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.utils import _get_classes
+
+        from kvwake.daemon.kv import cache_blocks, paged_cache
+        from kvwake.daemon.kv.pages import PagePool
+
+        model_class, args_class = _get_classes(config=config)
+        model = model_class(args_class.from_dict(config))
+        model.set_dtype(dtype)
+        blank = make_prompt_cache(model)
+        if not any(type(c) is KVCache for c in blank):  # nothing a paged engine would page
+            return
+        pool = PagePool(paged_cache.page_layout(blank, cache_blocks.layout(blank, model=model), 16, 16), 8)
+        cache = paged_cache.paged_cache(pool, blank)
+        mx.eval(model(mx.arange(24, dtype=mx.uint32)[None], cache=cache))  # a page and a half: a page's write
+        mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache), paged_cache.state_arrays(cache))
         return
     from mlx_lm.models.cache import BatchKVCache
 
