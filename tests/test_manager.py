@@ -463,12 +463,14 @@ async def test_a_wake_that_would_not_fit_the_room_for_kv_sleeps_the_least_recent
     assert manager.hot_bytes() <= manager.engine.kv_room_bytes
 
 
-async def test_an_append_of_text_makes_room_once_its_tokens_are_known(manager):
+async def test_an_append_of_text_makes_room_once_its_tokens_are_known(either):
+    manager = either
     # text (and messages) over RPC are tokenized by the append itself: the room is made then, before the prefill
     await manager.create("a", SYSTEM)
     await manager.append("a", messages=[{"role": "user", "content": "hi"}])
     text = " ".join(f"note {i}" for i in range(45))
-    manager.engine.kv_room_bytes = manager.hot_bytes() + manager.engine.kv_bytes(300) - 1  # a 512-token buffer
+    # less than the text's own tokens take (more than 256): neither their 512-token buffer nor their pages fit
+    manager.engine.kv_room_bytes = manager.hot_bytes() + manager.engine.kv_bytes(256) - 1
     await manager.create("long")
     got = await manager.append("long", text=text)
     assert 256 < got["tokens"] <= 512, got  # what the room was sized for
