@@ -125,6 +125,28 @@ def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape
     assert all(plain > 0 and fused > 0 and extra >= 0 for _, plain, fused, extra in measured.table)
 
 
+def test_the_attention_paths_are_measured_once_a_process_and_every_engine_of_the_shape_takes_that(model, monkeypatch):
+    # MLX keeps a fused graph for the process: a second engine of the shape (a twin, a model reloaded after an
+    # unload) measured no build at the probe's new shape, which the first had built, and chose the fused kernel
+    # where the first chose plain ops, so the same chunk ran on another path in each, to other bits (the H200,
+    # session 50: test_packing's twin engines). Measured once, every engine of the shape decides alike.
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setattr(attention, "_measured", {})
+    timed = []
+
+    def fake(heads, kv_heads, head_dim, dtype, queries, keys, repeats):
+        timed.append((dtype, keys))
+        return 0.001, 0.0005, 0.1 if len(timed) <= 2 else 0.0  # a build, then (graphs kept) none
+
+    monkeypatch.setattr(attention, "_timed_paths", fake)
+    first, second = (attention.PathCosts.measure(model, [256, 1024], queries=16, repeats=1) for _ in range(2))
+    assert first.table == second.table == [(256, 0.001, 0.0005, 0.1), (1024, 0.001, 0.0005, 0.1)]
+    assert len(timed) == 2 and second.layers == len(model.layers)  # the second engine measured nothing
+    other = attention.PathCosts.measure(model, [256], queries=16, repeats=1)  # another probe: measured
+    assert len(timed) == 3 and other.table == [(256, 0.001, 0.0005, 0.0)]
+
+
 def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):
     tokens = mx.random.randint(0, 256, (90,), key=mx.random.key(5)).astype(mx.uint32)
     cache = make_prompt_cache(model)

@@ -32,6 +32,7 @@ import contextlib
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -447,6 +448,11 @@ def swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
         module.scaled_dot_product_attention = fused
 
 
+# PathCosts' tables measured in this process, by attention shape and probe (`PathCosts.steps`)
+_measured: dict[tuple[Any, ...], list[tuple[int, float, float, float]]] = {}
+_measured_lock = threading.Lock()
+
+
 class PathCosts:
     """Which path a prefill chunk's attention should take, from measured costs at its key length.
 
@@ -475,17 +481,30 @@ class PathCosts:
     def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any], queries: int = 128,
               repeats: int = 2) -> list[Callable[[], None]]:
         """`measure` as short jobs, one per key length (each a few of the fused kernel's graph builds); the
-        last calls done(costs). Run in order, on the thread that runs the model."""
+        last calls done(costs). Run in order, on the thread that runs the model.
+
+        Once per process for an attention shape (`_measured`): MLX keeps a fused graph for the process, so a
+        second engine of the shape (a twin, a model reloaded after an unload) measured no build at the probe's
+        new shape, which the first had built, and took the fused kernel where the first took plain ops: the
+        same chunk then ran on another path in each, to other bits (docs/decisions.md, "One measure of the
+        attention paths per process")."""
         shape = cls._shape(model)
         if shape is None:
             return [lambda: done(None)]
         layers, heads, kv_heads, head_dim, dtype = shape
+        key = (heads, kv_heads, head_dim, dtype, queries, repeats, tuple(key_lengths))
+        with _measured_lock:
+            known = _measured.get(key)
+        if known is not None:
+            return [lambda: done(cls(layers, queries, known))]
         table: list[tuple[int, float, float, float]] = []
 
         def one(k: int, last: bool) -> None:
             table.append((k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats)))
             if last:
-                done(cls(layers, queries, table))
+                with _measured_lock:  # two engines measuring at once: the first to finish is every one's
+                    kept = _measured.setdefault(key, table)
+                done(cls(layers, queries, kept))
         return [lambda k=k, last=i == len(key_lengths) - 1: one(k, last) for i, k in enumerate(key_lengths)] or \
             [lambda: done(cls(layers, queries, table))]
 
