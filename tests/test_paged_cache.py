@@ -108,6 +108,26 @@ def test_a_copy_on_write_copies_a_page_not_the_pool(model) -> None:
     assert grew < one_pool // 4, f"a page's copy took {grew} bytes; one pool is {one_pool}"
 
 
+def test_on_cuda_a_copy_on_write_waits_for_the_streams_finished_tasks_before_it_writes(model, monkeypatch) -> None:
+    # On CUDA the page's gathers keep the pools held by the stream's worker until it runs their finished tasks, and
+    # the write then copied the pools whole (the test above, on the H200 in session 50): the copy synchronizes
+    # first. (Here, off CUDA, only the order is seen; the test above holds it to the bytes on a GPU.)
+    from kvwake.daemon.kv import cudart
+
+    shared = tokens(13, 4)
+    pool = pool_for(model)
+    a = paged_cache(pool, make_prompt_cache(model))
+    feed(model, a, shared, [13])
+    b = fork(a, 13)
+    events = []
+    monkeypatch.setattr(cudart, "on_cuda", lambda: True)
+    monkeypatch.setattr(mx, "synchronize", lambda *_: events.append("synchronize"))
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *args: events.append("eval") or real(*args))
+    b[0].session.slots_for(13, 1)  # b writes into the partial page a lists too: copied first
+    assert events[:2] == ["eval", "synchronize"], events
+
+
 def test_a_session_maps_a_published_prefix_and_decodes_as_if_it_had_computed_it(model) -> None:
     prefix, rest = tokens(24, 7), tokens(5, 8)
     pool = pool_for(model)
