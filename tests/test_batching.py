@@ -557,6 +557,7 @@ def test_the_warm_up_is_short_jobs_the_daemon_runs_after_it_answers(engine, monk
     from tests.test_pipeline import restores_as
 
     monkeypatch.setattr(attention, "on_cuda", lambda: True)
+    monkeypatch.setattr(attention, "_measured", {})  # the process's first measure (a later one is a job: its table)
     restores_as(monkeypatch, "staged", engine)
     engine.planner.plain_prefill, engine.context_length, engine.planner.paths = True, 4096, None
     engine.decoder.model = passes = Passes(engine.decoder.model)
