@@ -144,8 +144,9 @@ PY
 
 pytest_here() {  # pytest with the suite's settings; Node (npm: the agent CLIs) and the agent frameworks' clients
   # are not on the device
-  # stopped by SIGINT before the part's own timeout: pytest then still prints the failures it has seen
-  timeout -s INT --kill-after=15 "${PYTEST_S:-$((${PART_LEFT:-570} - 40))}" python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEs --durations=15 \
+  # stopped by SIGINT before the part's own timeout: pytest then still prints the failures it has seen, and (-rp)
+  # the tests that passed, so a cut run says which files it reached
+  timeout -s INT --kill-after=15 "${PYTEST_S:-$((${PART_LEFT:-570} - 40))}" python3 -m pytest -n "${WORKERS:-14}" -p no:benchmark -p no:cacheprovider -q -rfEsp --durations=15 \
     --ignore=tests/test_structured_frameworks.py --ignore=tests/test_agent_clis.py \
     --deselect tests/test_interop.py::test_node_msgpack_client "$@"
 }
