@@ -7,6 +7,8 @@
 # (../shared/gpu/README.md has the staging recipe.) Exit 3: the machine is fresh: stage it again.
 #
 # Parts:
+#   paged-turn  issue 51: a lone turn's attention at 75k tokens over pages against over a buffer (bench/paged_turn.py):
+#             the chunk's, the pages' copy alone, a decode step's
 #   suite     the whole test suite (remote tier too once `weed` is unpacked; no Node, no framework clients);
 #             suite-1, suite-2: every other test file from the first or the second, a call each
 #   tests     the test files named in $TESTS, with the suite's settings
@@ -209,6 +211,8 @@ run_part() {
                 KVWAKE_SLOW_JOBS_KEPT=4096 KVWAKE_PAGED_KV=$v KVWAKE_PAGED_KERNEL=$v python3 bench/http_turns.py --model "$MODEL" --system-words 15000 \
                   --turns 8 --turn-words 10 --parts turns --out "$OUT/turns-ab-$n-$v" 2>&1 | tail -4
               done ;;
+    paged-turn) python3 bench/paged_turn.py --layers 32 --tokens 75000 --queries 131 --block 128 --rounds 5 \
+                --out "$OUT/paged-turn" 2>&1 | grep "^{'tokens" ;;
     capture)  python3 bench/paged_capture.py --layers 32 --tokens 32768 --spans 16,64,256 --out "$OUT/capture" 2>&1 \
                 | grep "^{'form" ;;
     paged-suite)  # the suite with paged KV forced on in every engine and daemon (testkit.tuned); no model made: its

@@ -40,11 +40,12 @@ from kvwake.daemon.kv.pages import PageLayout, PagePool  # noqa: E402
 HEADS, DIM, BLOCK, CHUNK = 8, 128, 16, 2048
 
 
-def caches(layers: int, tokens: int) -> tuple[list, list]:
-    """The same random KV of `tokens` tokens in pages and in buffers (written a chunk at a time, every layer)."""
-    layout = PageLayout(layers=layers, kv_heads=HEADS, head_dim=DIM, page_tokens=BLOCK, block_tokens=BLOCK,
+def caches(layers: int, tokens: int, block: int = BLOCK) -> tuple[list, list]:
+    """The same random KV of `tokens` tokens in pages of `block` tokens (one run, as a cold prefill leaves them) and
+    in buffers (written a chunk at a time, every layer)."""
+    layout = PageLayout(layers=layers, kv_heads=HEADS, head_dim=DIM, page_tokens=block, block_tokens=block,
                         dtype=mx.bfloat16)
-    pages = -(-tokens // BLOCK) + 8
+    pages = -(-tokens // block) + 8
     pool = PagePool(layout, pages, pages)
     paged = paged_cache.paged_cache(pool, [KVCache() for _ in range(layers)])
     plain = [KVCache() for _ in range(layers)]
