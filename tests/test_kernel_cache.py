@@ -78,20 +78,31 @@ def test_the_warmers_forward_part_pads_a_chunk_for_a_model_whose_packs_pad_only(
 
 
 def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_path, monkeypatch):
-    """A paged engine's pool writes and gathers are kernels of their own: its warmers run the miniature over a
-    pool of pages as well (a part of its own, where pages are asked for or, unset, guessed from the config:
+    """A paged engine's pool writes, gathers and page copies are kernels of their own: its warmers run the miniature
+    over a pool of pages as well (a part of its own, where pages are asked for or, unset, guessed from the config:
     plain attention only), so a paged daemon's first turns do not compile them."""
     from kvwake.daemon import imports
+    from kvwake.daemon.kv import paged_cache
     from kvwake.daemon.kv.pages import PagePool
 
     monkeypatch.setattr(imports, "lighten_imports", lambda: None)  # the child's cut, not this test process's
-    writes = []
-    real = PagePool.write
-    monkeypatch.setattr(PagePool, "write", lambda self, *a, **k: writes.append(a[0]) or real(self, *a, **k))
+    seen: list[str] = []
+
+    def watched(cls, name, kind):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, **k: seen.append(kind(a)) or real(self, *a, **k))
+
+    watched(PagePool, "write", lambda a: "write a run" if isinstance(a[1], int) else "scatter")
+    watched(PagePool, "_copy", lambda a: "page copied")
+    watched(paged_cache.PagedKVCache, "_gathered", lambda a: "gathered")
     llama, lfm2 = (make_model_dir(tmp_path / arch, arch=arch) for arch in ("llama", "lfm2"))
     kernel_cache._warm(llama, kernel_cache.PAGED_PART)  # in process, as its child runs it
-    assert writes  # its KV went into pages
+    assert {"write a run", "scatter", "page copied", "gathered"} <= set(seen), seen
+    seen.clear()
     kernel_cache._warm(lfm2, kernel_cache.PAGED_PART)  # a hybrid asked for pages: its attention layers paged
+    assert "write a run" in seen and "scatter" in seen, seen
+    monkeypatch.setattr(kernel_cache, "_done", {})
+    monkeypatch.setattr(kernel_cache, "_early", {})
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start early
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
@@ -99,13 +110,27 @@ def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_p
     # beside the suite; the parts themselves ran above, and the other tests here run whole warmers)
     monkeypatch.setattr(kernel_cache.Warmer, "_start",
                         lambda self, part: subprocess.Popen([sys.executable, "-c", "pass", part], stderr=subprocess.PIPE))
-    for path, paged, parts in ((llama, False, kernel_cache.PARTS), (llama, None, kernel_cache.PARTS + ("paged",)),
-                               (lfm2, None, kernel_cache.PARTS), (lfm2, True, kernel_cache.PARTS + ("paged",))):
-        assert kernel_cache.start_early(str(path), paged=paged)
+    paged = kernel_cache.PARTS + ("paged",)
+    for path, pages, parts in ((llama, False, kernel_cache.PARTS), (llama, None, paged), (lfm2, None, kernel_cache.PARTS),
+                               (lfm2, True, paged)):
+        assert kernel_cache.start_early(str(path), paged=pages)
         warmer = kernel_cache._early.pop(path.resolve())
-        assert [p.args[-1] for p in warmer.procs] == list(parts) == list(warmer.parts), (path.name, paged)
-        assert warmer.wait(timeout=120) is True, (path.name, paged)
+        assert [p.args[-1] for p in warmer.procs] == list(parts) == list(warmer.parts), (path.name, pages)
+        assert warmer.wait(timeout=120) is True, (path.name, pages)
         kernel_cache._done.clear()
+    # By the parts done: a folder warmed for an engine over buffers, then one over pages (a bench's second engine)
+    # warms the paged part alone; then neither starts any
+    first = kernel_cache.Warmer.for_model(llama)
+    assert first.parts == kernel_cache.PARTS and first.wait(timeout=120)
+    second = kernel_cache.Warmer.for_model(llama, paged=True)
+    assert second.parts == ("paged",) and second.wait(timeout=120)
+    assert kernel_cache.Warmer.for_model(llama) is None and kernel_cache.Warmer.for_model(llama, paged=True) is None
+    assert kernel_cache.start_early(str(llama), paged=True) and kernel_cache._early == {}  # none started early
+    kernel_cache._done.clear()  # early warmers for buffers, then an engine over pages: new ones, the paged part too
+    assert kernel_cache.start_early(str(llama), paged=False)
+    early = kernel_cache._early[llama.resolve()]
+    third = kernel_cache.Warmer.for_model(llama, paged=True)
+    assert third is not early and early.stopped and third.parts == paged and third.wait(timeout=120)
 
 
 def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):

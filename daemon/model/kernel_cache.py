@@ -8,10 +8,10 @@ cache lacks them, the compiles a first start and a first round would wait for (a
 stalled a decode step for seconds mid-round) run in a child process here (`Warmer`), on the model's
 miniature (same kind of model, same dtype, the smallest widths), while the engine loads the weights; the
 engine waits for it before its first forward pass, whose kernels then come from the cache. A paged engine's
-warmers run the miniature over a pool of pages too (its writes and gathers are kernels of their own). A process of its
-own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not compile
-for it; two of them, each importing as `serve` does (no PyTorch), so a cached machine's warmers end within
-the load.
+warmers run the miniature over a pool of pages too (its writes, gathers and copies are kernels of their own). A
+process of its own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not
+compile for it; one a part (two, three with pages), each importing as `serve` does (no PyTorch), so a cached
+machine's warmers end within the load.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py, model/quantized_kernel.py) are compiled in every
 process: MLX keeps them out of its disk cache. The row kernel and a 4-bit model's kernel, seconds of NVRTC, are
@@ -113,7 +113,9 @@ _early: dict[Path, Warmer] = {}
 # too, so a model loaded again (an unload, then a turn for its sessions) starts none. Two processes importing MLX
 # and running the miniature on the GPU can outlast a reload's weights, now read in seconds, and the new engine
 # thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models")
-_done: set[tuple[Path, str, str]] = set()  # (folder, its config's digest, its weights' dtype): `_warmed_key`
+# thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models"). By the
+# parts that ran: an engine of the folder that keeps its KV in pages (a bench's second) wants the paged part too
+_done: dict[tuple[Path, str, str], set[str]] = {}  # (folder, its config's digest, its weights' dtype): `_warmed_key`
 
 
 def _warmed_key(path: Path) -> tuple[Path, str, str]:
@@ -125,6 +127,13 @@ def _warmed_key(path: Path) -> tuple[Path, str, str]:
     except (OSError, ValueError, KeyError):
         config = dtype = ""
     return path, config, dtype
+
+
+def _missing(path: Path, paged: bool) -> tuple[str, ...]:
+    """The parts a folder's engine wants (`PARTS`, and with `paged` PAGED_PART) whose warmers have not filled the
+    cache in this process."""
+    done = _done.get(_warmed_key(path), set())
+    return tuple(part for part in PARTS + ((PAGED_PART,) if paged else ()) if part not in done)
 
 
 def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | None = False) -> bool:
@@ -141,8 +150,9 @@ def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | Non
         return False
     keep_compiled_kernels()
     path = Path(model).expanduser().resolve()
-    if path not in _early and _warmed_key(path) not in _done:
-        _early[path] = Warmer(path, paged=plain_config(model_config(path)) if paged is None else paged)
+    missing = _missing(path, plain_config(model_config(path)) if paged is None else paged)
+    if path not in _early and missing:
+        _early[path] = Warmer(path, parts=missing)
     return True
 
 
@@ -157,16 +167,19 @@ class Warmer:
         too); None when this process's warmers of the folder filled the cache already (`_done`)."""
         path = Path(model_path).resolve()
         early = _early.pop(path, None)
-        if _warmed_key(path) in _done:
-            if early is not None:  # started for a model already warmed here: its processes go
-                early.stop()
+        missing = _missing(path, paged)
+        if early is not None and (not missing or not set(missing) <= set(early.parts)):
+            early.stop()  # all done here already, or started without a part this engine wants: they end alone
+            early = None
+        if not missing:
             return None
-        return early or cls(model_path, paged=paged)
+        return early or cls(model_path, parts=missing)
 
-    def __init__(self, model_path: Path, paged: bool = False) -> None:
+    def __init__(self, model_path: Path, paged: bool = False, parts: tuple[str, ...] | None = None) -> None:
+        """Warmers for `parts` (default: `PARTS`, and PAGED_PART with `paged`)."""
         self.path = Path(model_path).resolve()
         self.started = time.perf_counter()
-        self.parts = PARTS + (PAGED_PART,) if paged else PARTS
+        self.parts = parts if parts is not None else PARTS + ((PAGED_PART,) if paged else ())
         self.procs = [self._start(part) for part in self.parts]
         # each warmer collected on a thread of its own as it ends (its stderr read, its exit status taken): a `wait`
         # only waits for their notes, and a `stop` from another thread ends it at once
@@ -212,7 +225,7 @@ class Warmer:
                 done = False
         if done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
-            _done.add(_warmed_key(self.path))
+            _done.setdefault(_warmed_key(self.path), set()).update(self.parts)
         return done
 
     def stop(self) -> None:
@@ -435,8 +448,17 @@ def _warm(model_path: Path, part: str) -> None:
             return
         pool = PagePool(paged_cache.page_layout(blank, cache_blocks.layout(blank, model=model), 16, 16), 8)
         cache = paged_cache.paged_cache(pool, blank)
-        mx.eval(model(mx.arange(24, dtype=mx.uint32)[None], cache=cache))  # a page and a half: a page's write
-        mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache), paged_cache.state_arrays(cache))
+        # a page and a half, its pages one run: the writes of a run of slots, the reads of a slice
+        mx.eval(model(mx.arange(24, dtype=mx.uint32)[None], cache=cache), paged_cache.state_arrays(cache))
+        if all(isinstance(c, paged_cache.PagedKVCache) for c in cache):
+            # a fork's first write into the partial page it shares: the page copied (a gather by slot); its table
+            # then no run, its reads gather by token
+            twin = paged_cache.fork(cache, 20)
+            mx.eval(model(mx.array([[1, 2]], dtype=mx.uint32), cache=twin), paged_cache.state_arrays(twin))
+        layout = pool.layout  # a batch's step writes a slot a row: one scatter along the slots
+        kv = mx.zeros((layout.kv_heads, 2, layout.head_dim), layout.dtype)
+        pool.write(0, mx.array([0, 17], mx.int32), kv, kv)
+        mx.eval(pool.keys[0], pool.values[0])
         return
     from mlx_lm.models.cache import BatchKVCache
 
