@@ -143,8 +143,9 @@ def test_the_attention_paths_are_measured_once_a_process_and_every_engine_of_the
     first, second = (attention.PathCosts.measure(model, [256, 1024], queries=16, repeats=1) for _ in range(2))
     assert first.table == second.table == [(256, 0.001, 0.0005, 0.1), (1024, 0.001, 0.0005, 0.1)]
     assert len(timed) == 2 and second.layers == len(model.layers)  # the second engine measured nothing
-    other = attention.PathCosts.measure(model, [256], queries=16, repeats=1)  # another probe: measured
-    assert len(timed) == 3 and other.table == [(256, 0.001, 0.0005, 0.0)]
+    # another context's ladder: only its own lengths measured (a length measured before had its build seen then)
+    other = attention.PathCosts.measure(model, [256, 4096], queries=16, repeats=1)
+    assert timed[2:] == [(timed[0][0], 4096)] and other.table == [(256, 0.001, 0.0005, 0.1), (4096, 0.001, 0.0005, 0.0)]
 
 
 def test_a_copied_prefix_then_plain_prefill_continues_like_one_cache(model):

@@ -448,8 +448,8 @@ def swapped(model: Any, make: Callable[[Any], Any]) -> Iterator[None]:
         module.scaled_dot_product_attention = fused
 
 
-# PathCosts' tables measured in this process, by attention shape and probe (`PathCosts.steps`)
-_measured: dict[tuple[Any, ...], list[tuple[int, float, float, float]]] = {}
+# PathCosts' rows measured in this process, by attention shape and probe, then by key length (`PathCosts.steps`)
+_measured: dict[tuple[Any, ...], dict[int, tuple[int, float, float, float]]] = {}
 _measured_lock = threading.Lock()
 
 
@@ -483,30 +483,34 @@ class PathCosts:
         """`measure` as short jobs, one per key length (each a few of the fused kernel's graph builds); the
         last calls done(costs). Run in order, on the thread that runs the model.
 
-        Once per process for an attention shape (`_measured`): MLX keeps a fused graph for the process, so a
-        second engine of the shape (a twin, a model reloaded after an unload) measured no build at the probe's
-        new shape, which the first had built, and took the fused kernel where the first took plain ops: the
-        same chunk then ran on another path in each, to other bits (docs/decisions.md, "One measure of the
-        attention paths per process")."""
+        Once per process for an attention shape and key length (`_measured`): MLX keeps a fused graph for the
+        process, so a second engine of the shape (a twin, a model reloaded after an unload, one of another context
+        whose ladder shares lengths) measured no build at the probe's new shape, which the first had built, and
+        took the fused kernel where the first took plain ops: the same chunk then ran on another path in each, to
+        other bits (docs/decisions.md, "One measure of the attention paths per process")."""
         shape = cls._shape(model)
         if shape is None:
             return [lambda: done(None)]
         layers, heads, kv_heads, head_dim, dtype = shape
-        key = (heads, kv_heads, head_dim, dtype, queries, repeats, tuple(key_lengths))
+        key = (heads, kv_heads, head_dim, dtype, queries, repeats)
         with _measured_lock:
-            known = _measured.get(key)
-        if known is not None:
-            return [lambda: done(cls(layers, queries, known))]
-        table: list[tuple[int, float, float, float]] = []
+            known = dict(_measured.get(key, {}))
+        missing = [k for k in key_lengths if k not in known]  # another context's ladder: only its own lengths
+
+        def table() -> list[tuple[int, float, float, float]]:
+            with _measured_lock:
+                rows = _measured.get(key, {})
+                return [rows[k] for k in key_lengths]
 
         def one(k: int, last: bool) -> None:
-            table.append((k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats)))
+            row = (k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats))
+            with _measured_lock:  # two engines measuring at once: the first to finish a length is every one's
+                _measured.setdefault(key, {}).setdefault(k, row)
             if last:
-                with _measured_lock:  # two engines measuring at once: the first to finish is every one's
-                    kept = _measured.setdefault(key, table)
-                done(cls(layers, queries, kept))
-        return [lambda k=k, last=i == len(key_lengths) - 1: one(k, last) for i, k in enumerate(key_lengths)] or \
-            [lambda: done(cls(layers, queries, table))]
+                done(cls(layers, queries, table()))
+        if not missing:
+            return [lambda: done(cls(layers, queries, [known[k] for k in key_lengths]))]
+        return [lambda k=k, last=i == len(missing) - 1: one(k, last) for i, k in enumerate(missing)]
 
     @staticmethod
     def _shape(model: Any) -> tuple[int, int, int, int, Any] | None:
