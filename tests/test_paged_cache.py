@@ -119,13 +119,25 @@ def test_on_cuda_a_copy_on_write_waits_for_the_streams_finished_tasks_before_it_
     a = paged_cache(pool, make_prompt_cache(model))
     feed(model, a, shared, [13])
     b = fork(a, 13)
+    page, fresh, p = pool.table(a[0].session.name).pages[-1], pool.free[-1], pool.layout.page_tokens
+    held = 13 % p or p  # the partial page's tokens
+
+    def copied() -> bool:
+        return mx.array_equal(pool.keys[0][:, fresh * p : fresh * p + held],
+                              pool.keys[0][:, page * p : page * p + held]).item()
+
     events = []
+
+    def synchronize(*_) -> None:  # the fresh page not yet written (the copy's writes come after)
+        events.append(("synchronize", copied()))
+
     monkeypatch.setattr(cudart, "on_cuda", lambda: True)
-    monkeypatch.setattr(mx, "synchronize", lambda *_: events.append("synchronize"))
+    monkeypatch.setattr(mx, "synchronize", synchronize)
     real = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *args: events.append("eval") or real(*args))
     b[0].session.slots_for(13, 1)  # b writes into the partial page a lists too: copied first
-    assert events[:2] == ["eval", "synchronize"], events
+    assert events[:3] == ["eval", ("synchronize", False), ("synchronize", False)], events
+    assert pool.table(b[0].session.name).pages[-1] == fresh and copied()  # and then copied there
 
 
 def test_a_session_maps_a_published_prefix_and_decodes_as_if_it_had_computed_it(model) -> None:

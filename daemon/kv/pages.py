@@ -402,14 +402,18 @@ class PagePool:
         pools = (*self.keys, *self.values)
         # Gathered (a copy, never a view) and evaluated before the writes: a pool's update whose source is still
         # a pending read of that pool copies the whole pool instead of writing in place. On CUDA the gathers'
-        # inputs, the pools, stay held by the stream's worker until it runs their finished tasks, with the same
-        # effect (the H200, session 50: a 16-token page's copy took four pools, 33.6 MB); `synchronize` returns
-        # once those ran (MLX's CommandEncoder::synchronize waits for a completion handler queued after them)
+        # inputs, the pools, stay held by a stream's worker until it runs their finished tasks, with the same
+        # effect (docs/decisions.md, "The paged default's CUDA failures, found"): `synchronize` returns once those
+        # ran (MLX's CommandEncoder::synchronize waits for a completion handler queued after them), on this
+        # thread's stream and on the decode steps' (mlx-lm's generation stream), whose pending reads hold them too
         rows = mx.arange(page * p, page * p + tokens, dtype=mx.int32)
         sources = [pool[:, rows] for pool in pools]
         mx.eval(sources)
         if cudart.on_cuda():
+            from mlx_lm.generate import generation_stream
+
             mx.synchronize()
+            mx.synchronize(generation_stream)
         for pool, source in zip(pools, sources, strict=True):
             pool[:, fresh * p:fresh * p + tokens] = source
         self._release(page)
