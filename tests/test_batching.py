@@ -39,6 +39,14 @@ def engine(model_dir, tmp_path):
 
 
 @pytest.fixture
+def twin(model_dir, tmp_path):
+    """`engine` again, on a store of its own, for references: over pages (CUDA's default for llama) a session of a
+    prompt a hot session holds maps its pages and prefills only the tail, a prefix hit, which on CUDA is held to a
+    bound, not to bits (tests/test_prefix.py); on the twin it prefills cold."""
+    yield from batched_engine(model_dir, tmp_path / "twin")
+
+
+@pytest.fixture
 def merging(model_dir, tmp_path):
     """`engine` with its KV out of pages whatever the default: for a merged batch's own ways (a plain cache back
     to each session, a long row leaving for its padding, the caches scheduled ahead of the pass), which a batch
@@ -164,9 +172,9 @@ def test_after_a_batched_call_the_session_holds_a_plain_cache_that_sleeps_and_wa
     assert len(follow.tokens) == 8
 
 
-def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(engine):
-    probe = session(engine, "probe", PROMPTS[1])
-    full = engine.generate(probe, GenerateParams(max_tokens=20)).text
+def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(engine, twin):
+    probe = session(twin, "probe", PROMPTS[1])  # references on the twin: no hit between them and the calls
+    full = twin.generate(probe, GenerateParams(max_tokens=20)).text
     stop = full[6:8]
     assert stop and full.find(stop) >= 0
     events: list[dict] = []
@@ -188,7 +196,7 @@ def test_stop_strings_max_tokens_eos_and_cancellation_end_only_their_own_call(en
     assert "".join(e["text"] for e in events) == results[0].text
     assert results[1].finish_reason == "length" and len(results[1].tokens) == 3
     assert results[2].finish_reason == "cancelled" and 12 <= len(results[2].tokens) < 200
-    assert results[3].tokens == solo_tokens(engine, "alone3", PROMPTS[3], GenerateParams(max_tokens=30))
+    assert results[3].tokens == solo_tokens(twin, "alone3", PROMPTS[3], GenerateParams(max_tokens=30))
     for c, r in zip(calls, results):  # every generated token is in the session and its cache
         assert c.session.tokens[-len(r.tokens):] == r.tokens and c.session.cache[0].offset == len(c.session.tokens)
 
