@@ -154,7 +154,7 @@ pytest_here() {  # pytest with the suite's settings; Node (npm: the agent CLIs) 
 }
 
 suite() {  # $1: 1 or 2, every other test file (sorted) from the first or the second: half the suite, one call each
-  # (the whole suite with 16 workers needs ~530-560 s of a call's 600 on a loaded machine; S50's was cut at 512 s).
+  # (the whole suite with 16 workers takes about a call's whole limit: docs/benchmarks.md).
   # No model is built beside it: its build took the tests' cores (a later part builds it)
   local remote=() files=() f i=0
   if [ -x "$WEED_DIR/weed" ]; then export PATH="$WEED_DIR:$PATH"

@@ -3,9 +3,8 @@
 usage: python bench/paged_turn.py [--layers 32] [--tokens 75000] [--queries 131] [--block 128] [--rounds 5]
                                   [--out bench/out]
 
-Where a paged lone turn's time goes at an agent's length: at 75k tokens its chunk took 391-597 ms against 311-478
-over a buffer, and its first token came 44-66 ms after it against 21-23 (docs/benchmarks.md, "The paged default's
-CUDA failures, found"). The same random KV of `--tokens` tokens (the 8B shape: 32 query heads over 8 KV heads of
+Where a paged lone turn's time goes at an agent's length, where its chunk and first token came later than over a
+buffer (docs/benchmarks.md, "The paged default's CUDA failures, found"). The same random KV of `--tokens` tokens (the 8B shape: 32 query heads over 8 KV heads of
 128, bf16, `--layers` layers) is held in a page pool (pages of `--block` tokens, one run, as a cold prefill leaves
 them) and in per-layer buffers (grown as the engine grows them: kv/capacity.py on CUDA). Timed, every layer's
 attention evaluated together, medians of `--rounds` (the paths alternated):
@@ -16,7 +15,7 @@ attention evaluated together, medians of `--rounds` (the paths alternated):
 - `copy`: the pages' copy alone (`PagedKVCache.padded`), what a chunk attending over the pages in place would save;
 - `step`: one decode step's attention for a call alone: over pages the paged kernel (CUDA; elsewhere the one-run
   slice into MLX's fused attention), over the buffer the row kernel (CUDA; elsewhere MLX's fused attention).
-Beside each: the bytes of every layer's K and V and those bytes at 4.8 TB/s (the H200's peak), `bound_ms`.
+Beside each: the bytes of every layer's K and V and those bytes at PEAK_TB_S (the GPU machine's peak), `bound_ms`.
 The chunk's projections, MLP and writes are left out: both paths have them.
 """
 

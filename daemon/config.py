@@ -143,10 +143,9 @@ class Tuning:
     modules_ahead: bool = True
     # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py). Off:
     # on the CPU each step gathers every row's pages. On CUDA (with paged_kernel) a fleet over a shared prompt
-    # runs as fast over pages and holds a fraction of the KV, but a start compiles the paged kernels, a long
-    # prompt's persistence captures from pages are slow enough that a lone agent's next turns wait on them, and on
-    # CUDA a batched paged decode once parted from the same calls alone (docs/decisions.md, "The paged default on
-    # the GPU's suite")
+    # runs as fast over pages and holds a fraction of the KV, but a start compiles the paged kernels, a lone
+    # agent's turn over a long context attends over a copy of every page, and the GPU's suite has not passed with
+    # it on (docs/decisions.md, "The paged default's CUDA failures, found")
     paged_kv: bool = False
     # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
     # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention

@@ -128,8 +128,8 @@ def test_path_costs_choose_plain_ops_where_they_cost_less_than_a_new_fused_shape
 def test_the_attention_paths_are_measured_once_a_process_and_every_engine_of_the_shape_takes_that(model, monkeypatch):
     # MLX keeps a fused graph for the process: a second engine of the shape (a twin, a model reloaded after an
     # unload) measured no build at the probe's new shape, which the first had built, and chose the fused kernel
-    # where the first chose plain ops, so the same chunk ran on another path in each, to other bits (the H200,
-    # session 50: test_packing's twin engines). Measured once, every engine of the shape decides alike.
+    # where the first chose plain ops, so the same chunk ran on another path in each, to other bits (test_packing's
+    # twin engines on CUDA: docs/decisions.md). Measured once, every engine of the shape decides alike.
     from kvwake.daemon.model import attention
 
     monkeypatch.setattr(attention, "_measured", {})

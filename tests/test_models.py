@@ -103,7 +103,7 @@ def test_sessions_of_two_models_wake_exactly_after_an_unload_a_reload_and_a_rest
         # nor does MLX keep them cached, for the next model's arrays to reuse (were: up to the cache's limit). Not 0:
         # where weights are read mapped (CUDA's default) the unloaded model's modules are built again at once for
         # its next load (sessions/models.py `_build_ahead`), and evaluating its RoPE frequencies frees a few
-        # hundred bytes of temporaries into MLX's cache (452 here with mapped reads forced, 712-912 on the H200)
+        # hundred bytes of temporaries into MLX's cache (docs/decisions.md, "The paged default's CUDA failures, found")
         assert memory["mlx_cache_bytes"] < min(4096, weights // 16), memory
     # One conversation sent to each model, both loaded: each continues only its own model's sessions
     api = track(anthropic.Anthropic(base_url=openai_config(d.socket)["base_url"].removesuffix("/v1"),

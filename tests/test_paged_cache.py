@@ -110,7 +110,7 @@ def test_a_copy_on_write_copies_a_page_not_the_pool(model) -> None:
 
 def test_on_cuda_a_copy_on_write_waits_for_the_streams_finished_tasks_before_it_writes(model, monkeypatch) -> None:
     # On CUDA the page's gathers keep the pools held by the stream's worker until it runs their finished tasks, and
-    # the write then copied the pools whole (the test above, on the H200 in session 50): the copy synchronizes
+    # the write then copied the pools whole (the test above, on a GPU: docs/decisions.md): the copy synchronizes
     # first. (Here, off CUDA, only the order is seen; the test above holds it to the bytes on a GPU.)
     from kvwake.daemon.kv import cudart
 
@@ -268,7 +268,7 @@ def test_a_span_copied_before_it_is_held_is_a_slice_of_the_pool_where_its_pages_
 def test_a_span_made_into_byte_planes_reads_only_its_own_tokens_of_the_pages(model, one_run, monkeypatch) -> None:
     # CUDA's checkpoints capture spans as byte planes made on the device (`defer_planed`). Over pages that took each
     # layer's `keys` and `values`, a gather of every token the session holds, and then sliced the span: at 75k tokens
-    # each 64-block span gathered the whole session, 55-69 ms of the engine thread a span (docs/benchmarks.md).
+    # each span gathered the whole session, a lone agent's turns waited on it (docs/benchmarks.md).
     paged, plain, gathers = twins_watched(model, one_run, monkeypatch)
     got, want = (cache_blocks.defer_planed(c, 1, 3, BLOCK).host() for c in (paged, plain))
     assert [(p.names, [x.tobytes() for x in p.planes]) for p in got] == \
