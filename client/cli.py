@@ -158,7 +158,8 @@ def serve(opts: Options, **flags: object) -> None:
     start_digests_early(settings.model, settings.data_dir)  # the bundle's file reads overlap the imports and the load
     from kvwake.daemon.model.kernel_cache import start_early
 
-    start_early(settings.model, settings.tuning.kernel_warmer, settings.tuning.paged_kv)  # CUDA: the kernels' compiles overlap them too
+    # CUDA: the kernels' compiles overlap them too
+    start_early(settings.model, settings.tuning.kernel_warmer, settings.tuning.paged_kv)
     from kvwake.daemon.serve import run
 
     if listen is not None and socket_path(listen) is not None:  # the status file goes next to the socket served

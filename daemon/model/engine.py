@@ -134,7 +134,8 @@ class Engine(Appending):
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
             # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
-            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=bool(tuning.paged_kv)) if tuning.kernel_warmer else None
+            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=bool(tuning.paged_kv)) \
+                if tuning.kernel_warmer else None
             # and the row kernel, once per process, whatever the warmer's knob: built on this engine's thread,
             # its compile would stop every other model's decode steps for its length
             # (`kernels_for`: other models' folders, whose row kernels are built now)

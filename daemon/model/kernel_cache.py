@@ -418,13 +418,15 @@ def _warm(model_path: Path, part: str) -> None:
 
     dtype = getattr(mx, weights_dtype(model_path))
     config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
-    if part == "forward":
-        from mlx_lm.models.cache import make_prompt_cache
+    if part in ("forward", PAGED_PART):  # the miniature itself
         from mlx_lm.utils import _get_classes
 
         model_class, args_class = _get_classes(config=config)
         model = model_class(args_class.from_dict(config))
         model.set_dtype(dtype)
+    if part == "forward":
+        from mlx_lm.models.cache import make_prompt_cache
+
         cache = make_prompt_cache(model)
         mx.eval(model(mx.arange(16, dtype=mx.uint32)[None], cache=cache))  # past a sliding window of 8 too
         mx.eval(model(mx.array([[1]], dtype=mx.uint32), cache=cache))
@@ -435,14 +437,10 @@ def _warm(model_path: Path, part: str) -> None:
         return
     if part == PAGED_PART:  # as a paged engine prefills and decodes (kv/paging.py `Pages`): pages of 16 tokens
         from mlx_lm.models.cache import KVCache, make_prompt_cache
-        from mlx_lm.utils import _get_classes
 
         from kvwake.daemon.kv import cache_blocks, paged_cache
         from kvwake.daemon.kv.pages import PagePool
 
-        model_class, args_class = _get_classes(config=config)
-        model = model_class(args_class.from_dict(config))
-        model.set_dtype(dtype)
         blank = make_prompt_cache(model)
         if not any(type(c) is KVCache for c in blank):  # nothing a paged engine would page
             return
