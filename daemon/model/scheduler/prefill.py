@@ -43,7 +43,7 @@ from kvwake.daemon.model.parallel_rows import ParallelRows
 from kvwake.daemon.model.scheduler import slices
 from kvwake.daemon.session_state import Session
 
-__all__ = ["CUDA_STEP", "STEP", "PrefillPlanner", "default_step", "pack_groups"]
+__all__ = ["CUDA_STEP", "STEP", "PrefillPlanner", "default_step", "pack_groups", "unmeasured_plain"]
 
 log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
@@ -57,6 +57,16 @@ PLAIN_BEFORE_BUILD = 2  # a full chunk's new fused shape runs plain beside decod
 
 STEP = 512  # tokens per full chunk on the CPU and Metal
 CUDA_STEP = 2048  # on CUDA: a long prompt builds a quarter of the attention graphs, each pass over more tokens
+
+
+def unmeasured_plain(keys: int) -> bool:
+    """Whether a short chunk over `keys` keys runs plain ops while the attention paths' costs are not measured:
+    below kv/capacity.py's CUDNN_MIN, where a fused shape rarely recurs (each build a stall) and plain ops over
+    few keys cost little. From there on a turn's chunk runs fused at a shape its next turns share (a bucket,
+    a paged turn's padding), built once, where plain ops grow with the keys every turn: at 75k keys on the 8B
+    shape 330-470 ms a 131-token turn against 74-87 ms fused (H200; docs/benchmarks.md, "A lone agent's turn
+    before the warm-up measured its paths")."""
+    return keys < kvcapacity.CUDNN_MIN
 
 
 def default_step() -> int:
@@ -259,8 +269,12 @@ class PrefillPlanner:
         shape = ("bucket", *bucket) if bucket else ("padded", *padded) if padded else \
             attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
-        # costed at the shape the fused kernel runs it at: a bucket's, a paged turn's padded one
-        short = is_short and (self.paths is None or self.paths.plain(n, end, new, bucket or paged_turn))
+        # costed at the shape the fused kernel runs it at: a bucket's, a paged turn's padded one; before the costs
+        # are measured (the daemon's warm-up runs them in idle moments, which turns coming one after another may
+        # not leave), plain below CUDNN_MIN keys only: past it a turn's shape recurs (a bucket, a paged turn's
+        # padding) and plain ops cost each turn more than a build once (`unmeasured_plain`)
+        short = is_short and (self.paths.plain(n, end, new, bucket or paged_turn) if self.paths is not None
+                              else unmeasured_plain(end))
         new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
         if new_beside:
             self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
