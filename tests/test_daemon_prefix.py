@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import pytest
 
@@ -73,10 +74,13 @@ def test_a_corrupt_tail_is_prefilled_instead(daemon):
     assert daemon.log_problems() == []
 
 
-def test_a_hot_session_shares_its_prompt_without_sleeping(tmp_path, model_dir):
+@pytest.mark.parametrize("paged", [False, True], ids=["buffers", "pages"])
+def test_a_hot_session_shares_its_prompt_without_sleeping(tmp_path, model_dir, paged):
     # Persistence off: with it, the deleted sessions' persisted blocks would serve "cold" from the store
-    # (tests/test_persist.py), and it would not be the from-scratch prefill compared with here.
-    daemon = Daemon(tmp_path, model_dir, block_tokens=B, extra=["--no-persist"]).start()
+    # (tests/test_persist.py), and it would not be the from-scratch prefill compared with here. Over pages too
+    # (the default on CUDA).
+    daemon = Daemon(tmp_path, model_dir, block_tokens=B,
+                    extra=["--no-persist", "--tune", f"paged_kv={str(paged).lower()}"]).start()
     with daemon.client() as c:
         c.call("session.create", session_id="a")
         c.call("session.append", session_id="a", tokens=SHARED + [30, 31, 32])  # hot, never slept
@@ -87,6 +91,11 @@ def test_a_hot_session_shares_its_prompt_without_sleeping(tmp_path, model_dir):
         copied = c.call("session.generate", session_id="b", max_tokens=8)["tokens"]
         for sid in ("a", "b"):
             c.call("session.delete", session_id=sid)
+        # a delete frees its KV after it replies: over pages a prompt before that maps the pages still there
+        deadline = time.monotonic() + 10
+        while c.call("status").get("pages", {}).get("held_pages", 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.call("status").get("pages", {}).get("held_pages", 0) == 0, c.call("status")["pages"]
         c.call("session.create", session_id="cold")  # nothing hot, nothing stored: prefilled from scratch
         cold = c.call("session.append", session_id="cold", tokens=SHARED + [5, 6, 7])
         assert cold["reused"] == 0

@@ -12,7 +12,7 @@ import pytest
 
 from kvwake.daemon.kv import restore_buffers
 from kvwake.daemon.kv.cache_blocks import StateMismatchError
-from tests.test_manager import manager, model_dir  # noqa: F401 - the in-process manager (16-token blocks)
+from tests.test_manager import either, manager, model_dir  # noqa: F401 - the in-process manager (16-token blocks)
 from tests.test_shared_prefill import lead_then_wait
 
 SHARED = [(i * 37 + 11) % 200 + 20 for i in range(300)]  # 18 whole blocks of 16, and 12 tokens
@@ -63,7 +63,8 @@ async def wake_together(manager, monkeypatch, fail: bool = False) -> dict[str, d
     return results
 
 
-async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_exactly(manager, monkeypatch):
+async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_exactly(either, monkeypatch):
+    manager = either  # over buffers, then over pages (the default on CUDA)
     await slept(manager)
     got = await wake_together(manager, monkeypatch)
     read = {sid: info["blocks_from_disk"] + info["blocks_from_memory"] for sid, info in got.items()}
@@ -75,6 +76,9 @@ async def test_sessions_woken_together_read_their_shared_blocks_once_and_wake_ex
     for sid in OWN:  # each woken alone (nothing to share with): every block read, the same bytes
         await manager.sleep(sid)
     for sid in OWN:
+        # a sleep frees its KV after it replies: over pages a wake before that maps the pages still there (the
+        # store's bytes, so as exact) and would not be alone
+        await manager.released()
         info = await manager.wake(sid)
         assert info["blocks_shared"] == 0 and kv_bytes(manager, sid) == together[sid], sid
         await manager.sleep(sid)
@@ -183,7 +187,8 @@ async def test_a_prefix_that_is_not_whole_blocks_of_the_restores_kv_is_refused(m
         manager.thread.call(lambda: buffers().take_prefix(source[:1], 64))
 
 
-async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_prefilled_ones(manager):
+async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_prefilled_ones(either):
+    manager = either  # over buffers, then over pages (the default on CUDA)
     await slept(manager)
     await manager.wake("agent0")  # hot, its prompt's KV the stored blocks' bytes
     info = await manager.wake("agent1")
@@ -192,14 +197,22 @@ async def test_a_wake_copies_the_blocks_a_hot_woken_session_holds_but_never_a_pr
     copied = kv_bytes(manager, "agent1")
     await manager.sleep("agent1")
     await manager.sleep("agent0")
+    await manager.released()  # over pages, a wake before the sleeps' frees would map their pages
     assert (await manager.wake("agent1"))["blocks_shared"] == 0 and kv_bytes(manager, "agent1") == copied
-    # A session that computed the prompt itself is no source for a wake (only for a prefill's prefix)
+    # A session that took the prompt as a prefill's prefix is no source for a wake over buffers (its cache is not
+    # counted restored). Over pages the prefix hit restored the store's blocks into pages published as the store's
+    # bytes (kv/paged_wake.py), which a wake maps, as exact as reading them.
     await manager.sleep("agent1")
+    await manager.released()
     await manager.create("fresh")
-    await manager.append("fresh", tokens=SHARED + [3, 4, 5])
+    assert (await manager.append("fresh", tokens=SHARED + [3, 4, 5]))["reused"] == 300
     assert manager.entries["fresh"].session.restored == 0
-    assert (await manager.wake("agent2"))["blocks_shared"] == 0
-    # A woken session whose history was cut back below its blocks gives only what it still holds of them
+    paged = manager.engine.pages is not None
+    assert (await manager.wake("agent2"))["blocks_shared"] == (SHARED_BLOCKS if paged else 0)
+    # A woken session whose history was cut back below its blocks gives only what it still holds of them (fresh,
+    # whose pages would give all 18, gone)
+    await manager.delete("fresh")
+    await manager.released()
     await manager.append("agent2", tokens=SHARED[:40] + [9] * 30, whole=True)  # the whole history, resent
     assert manager.entries["agent2"].session.restored == 40
     assert (await manager.wake("agent3"))["blocks_shared"] == 2  # its 2 whole blocks of them, not 18
