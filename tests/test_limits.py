@@ -131,19 +131,24 @@ def test_a_session_whose_kv_would_not_fit_the_memory_limit_is_refused(tmp_path, 
         d.stop()
 
 
-def test_a_long_prompt_beside_hot_sessions_sleeps_them_to_fit_the_memory_left_for_kv(tmp_path, model_dir, measured):
+@pytest.mark.parametrize("paged", [False, True], ids=["buffers", "pages"])
+def test_a_long_prompt_beside_hot_sessions_sleeps_them_to_fit_the_memory_left_for_kv(tmp_path, model_dir, measured,
+                                                                                      paged):
     # Room for the KV of ~700 tokens: a 200-token session (a 256-token buffer) and a 300-token one (512) do
     # not fit together, though each fits alone and the hot budget (half the room) is never looked at here.
+    # Over pages (the default on CUDA) KV is counted by 16-token pages and a shared prefix once: those two fit
+    # (the second maps the first's 200 tokens), so the second is 550 tokens of its own (13 + 35 pages: 768 tokens).
     limit = limit_for_tokens(measured, 700.5)
     (tmp_path / "none.toml").write_text(f"mlx_memory_bytes = {limit}\nlifecycle_interval_s = 3600\n")
-    d = Daemon(tmp_path, model_dir).start()
+    d = Daemon(tmp_path, model_dir, extra=["--tune", f"paged_kv={str(paged).lower()}"]).start()
+    second = [(i * 7 + 3) % 200 + 20 for i in range(550)] if paged else TOKENS + TOKENS[:100]
     try:
         with d.client() as rpc:
             rpc.call("session.create", session_id="first")
             rpc.call("session.append", session_id="first", tokens=TOKENS)
             rpc.call("session.create", session_id="second")
             assert rpc.call("session.info", session_id="first")["state"] == "hot"
-            rpc.call("session.append", session_id="second", tokens=TOKENS + TOKENS[:100])
+            rpc.call("session.append", session_id="second", tokens=second)
             assert rpc.call("session.info", session_id="first")["state"] == "asleep"
             assert rpc.call("session.info", session_id="second")["state"] == "hot"
             status = rpc.call("status")
