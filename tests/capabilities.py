@@ -69,3 +69,26 @@ def chunked_prefill_is_exact(engine: Any, tokens: int = 40, splits: tuple[int, .
             exact = exact and all(bool(mx.array_equal(logits[0], other).item()) for other in logits[1:])
         _chunking[id(engine)] = exact
     return _chunking[id(engine)]
+
+
+_decoding: dict[str, bool] = {}
+
+
+def decode_matches_prefill(model_dir: Any, tokens: int = 40) -> bool:
+    """Whether a token's logits are bit-identical decoded alone after `tokens` - 1 prefilled and prefilled as the
+    last of a chunk of `tokens` (mlx-lm's own forward of the model in `model_dir`): true on the CPU; on CUDA MLX
+    takes other kernels for one query than for many, so a conversation that comes back from a crash with its
+    last reply's tokens prefilled (they were decoded) is held to a bound there, not to bits (DESIGN, invariant 1).
+    Probed once per model folder."""
+    from mlx_lm import load
+
+    key = str(model_dir)
+    if key not in _decoding:
+        model, _ = load(key)
+        ids = mx.array([[(i * 37 + 5) % 200 + 20 for i in range(tokens)]], dtype=mx.uint32)
+        whole, part = make_prompt_cache(model), make_prompt_cache(model)
+        chunk = model(ids, cache=whole)[:, -1]
+        model(ids[:, :-1], cache=part)
+        step = model(ids[:, -1:], cache=part)[:, -1]
+        _decoding[key] = bool(mx.array_equal(chunk, step).item())
+    return _decoding[key]

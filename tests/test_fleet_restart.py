@@ -31,6 +31,7 @@ from kvwake.client import openai_config
 from kvwake.store import Store
 from testkit.daemon import Daemon, openai_client, track
 from testkit.tinymodel import make_model_dir
+from tests.capabilities import decode_matches_prefill
 
 AGENTS = 4
 ANTHROPIC_AGENT = 3  # the others speak the openai package
@@ -161,9 +162,16 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 def test_a_fleet_killed_between_rounds_continues_every_turn_exactly_and_apart(tmp_path, model_dir):
     reference, _ = fleet(tmp_path / "reference", model_dir, kill=False)
     killed, kept = fleet(tmp_path / "killed", model_dir, kill=True)
-    # Nothing lost: every turn after the restart is the reference's, token for token.
+    # Nothing lost: every turn after the restart is the reference's, token for token. Where a conversation came
+    # back with fewer tokens than the reference held there, it prefilled tokens the reference had decoded (its
+    # last reply's, not committed at the kill): bit for bit only where decoding a token and prefilling it agree
+    # (the CPU); on CUDA such a conversation's later replies are held to the counts below, its earlier ones still
+    # to the reference's.
+    exact = decode_matches_prefill(model_dir)
     for agent in range(AGENTS):
-        assert [t.reply for t in killed[agent]] == [t.reply for t in reference[agent]], (
+        redone = killed[agent][ROUNDS_BEFORE_KILL].cached_tokens < reference[agent][ROUNDS_BEFORE_KILL].cached_tokens
+        upto = ROUNDS if exact or not redone else ROUNDS_BEFORE_KILL
+        assert [t.reply for t in killed[agent][:upto]] == [t.reply for t in reference[agent][:upto]], (
             agent, [(t.session, t.prompt_tokens, t.cached_tokens) for t in reference[agent]],
             [(t.session, t.prompt_tokens, t.cached_tokens) for t in killed[agent]])
     for history in (reference, killed):
