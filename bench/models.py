@@ -244,6 +244,14 @@ def timed(c: RawClient, method: str, **params: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, result
 
 
+def freed(c: RawClient, timeout_s: float = 30.0) -> None:
+    """Wait until the sleeps' and deletes' KV is freed: a sleep replies first, and over pages (the default on CUDA)
+    a wake before the frees maps the pages still there instead of reading its blocks."""
+    deadline = time.monotonic() + timeout_s
+    while c.call("status").get("pages", {}).get("held_pages", 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def model_row(c: RawClient, name: str) -> dict[str, Any]:
     """Model `name`'s row of `model.list`: its state, and while loaded its last load (`load_ms`, `load_phases_ms`)."""
     return next(m for m in c.call("model.list")["models"] if m["name"] == name)
@@ -268,6 +276,7 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         history = [{"role": "user", "content": UNIT * max(1, args.context // per_unit)}]
         appended = c.call("session.append", session_id=sid, messages=history)
         c.call("session.sleep", session_id=sid)
+        freed(c)  # a plain wake: every block read, none of the sleep's pages still there mapped
         wake_s, woken = timed(c, "session.wake", session_id=sid)
         c.call("session.sleep", session_id=sid)
         c.call("model.unload", name=name)
@@ -283,6 +292,7 @@ def unloaded_turn(d: Daemon, main: Path, args: argparse.Namespace) -> dict[str, 
         # the same wake again on the reloaded engine, once its turn is done: whether what slows the turn's wake
         # stays with the reloaded engine or passes with the moments after its load
         c.call("session.sleep", session_id=sid)
+        freed(c)
         again_s, again = timed(c, "session.wake", session_id=sid)
         # and a turn like the first on the woken session: the first token a warm engine gives it
         warm_reply = c.call("session.chat", session_id=sid, messages=turn, max_tokens=1, temperature=0)
