@@ -163,7 +163,7 @@ suite() {  # $1: 1 or 2, every other test file (sorted) from the first or the se
     for f in tests/test_remote*.py; do remote+=(--ignore="$f"); done  # each one's server is tests/test_remote.py's weed
   fi
   if [ -n "${1:-}" ]; then
-    for f in $(ls tests/test_*.py | sort); do
+    for f in $(ls tests/test_*.py | LC_ALL=C sort); do  # one split on every machine, whatever its locale
       [ $((i % 2 + 1)) = "$1" ] && files+=("$f")
       i=$((i + 1))
     done
