@@ -188,40 +188,53 @@ def test_the_engine_takes_plain_attention_only_for_a_short_chunk_where_it_costs_
     store.close()
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["buffers", "pages"])
 def test_before_the_costs_are_measured_a_short_chunk_runs_plain_only_below_cudnn_min_keys(model_dir, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, paged):
     # Was: with no costs yet every short chunk ran plain ops. The daemon measures them in idle moments, which an
-    # agent's turns coming one after another did not leave: each 131-token turn over 75k keys ran plain, 330-470 ms
-    # against 74-87 fused on the H200 (docs/benchmarks.md, "A lone agent's turn before the warm-up measured its
-    # paths").
-    from kvwake.daemon.kv.capacity import CUDNN_MIN
+    # agent's turns coming one after another did not leave: each turn over a long context ran plain ops where
+    # the fused kernel at its shared shape costs a fraction (docs/benchmarks.md, "A lone agent's turn before the
+    # warm-up measured its paths").
+    from kvwake.daemon.kv import capacity
     from kvwake.daemon.model import attention
     from kvwake.daemon.model.engine import Engine
     from kvwake.daemon.session_state import Session
     from kvwake.store import Store
 
-    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA: plain and bucketed prefill on,
+    monkeypatch.setattr(attention, "bucket_wanted", lambda: True)
+    installed = capacity.installed()  # and buffers grown by kv/capacity.py's rule (an engine on CUDA installs it)
+    capacity.install()
     store = Store(tmp_path / "store", block_tokens=16)
-    engine = Engine(store, tmp_path, model_dir, prefill_step=512, tuning=Tuning(paged_kv=False))  # buffers
+    engine = Engine(store, tmp_path, model_dir, prefill_step=512, tuning=Tuning(paged_kv=paged))
     engine.planner.paths = None  # as a daemon's before its warm-up's last job
+    args = engine.model.args
+    dtype = engine.pages.pool.layout.dtype if paged else mx.float32
 
     def path(held: int) -> str:
         session = Session("s")
         session.cache = engine.make_cache()
         for c in session.cache:
-            keys = mx.zeros((1, engine.model.args.num_key_value_heads, held, engine.model.args.head_dim
-                             or engine.model.args.hidden_size // engine.model.args.num_attention_heads), mx.float32)
+            keys = mx.zeros((1, args.num_key_value_heads, held,
+                             args.head_dim or args.hidden_size // args.num_attention_heads), dtype)
             c.state = (keys, keys, held)
         session.tokens, session.processed = [5] * (held + 131), held
         return engine.planner._path(session, 131, held + 131, sliced=False)[0]
 
-    assert path(4096) == "plain" and path(CUDNN_MIN - 132) == "plain"
-    # fused: over the whole buffer at its bucket where kv/capacity.py's growth is installed (CUDA), else at its shape
-    assert path(CUDNN_MIN - 131) in ("fused", "bucket") and path(CUDNN_MIN + 4096) in ("fused", "bucket")
-    engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.1, 0.1)])  # measured: costs decide again
-    assert path(CUDNN_MIN + 4096) == "plain"
-    engine.close()
-    store.close()
+    try:
+        shared = "padded" if paged else "bucket"  # a paged turn's padded shape, or a bucket over the buffer
+        assert path(4096) == "plain" and path(capacity.CUDNN_MIN - 132) == "plain"
+        assert path(capacity.CUDNN_MIN - 131) == shared and path(capacity.CUDNN_MIN + 4096) == shared
+        if paged:  # no shape to share (the padded mask too large): plain, a graph of its own each turn otherwise
+            monkeypatch.setattr(attention, "PADDED_MASK_BYTES", 1)
+            assert path(capacity.CUDNN_MIN + 4096) == "plain"
+        engine.planner.paths = attention.PathCosts(2, 32, [(64, 0.001, 0.1, 0.1)])  # measured: costs decide again
+        assert path(capacity.CUDNN_MIN + 4096) == "plain"
+    finally:
+        if not installed:
+            capacity.uninstall()
+        engine.close()
+        store.close()
 
 
 def test_a_full_chunks_new_fused_shape_runs_plain_beside_a_decoding_call_until_it_comes_back(model_dir, tmp_path,

@@ -9,7 +9,8 @@ once (`queue_chunks`, the `Packed` job of turns that came together); what a chun
   CUDA builds one attention graph per (step, multiple). The step is 2048 tokens on CUDA, 512 elsewhere
   (`default_step`).
 - A short chunk (a turn's input, a hit's remainder) takes the plain attention ops when those cost less than
-  a new fused graph at its key length (`attention.PathCosts`, measured at warm-up), or runs fused at a shared
+  a new fused graph at its key length (`attention.PathCosts`, measured at warm-up; until then plain below
+  kv/capacity.py's CUDNN_MIN keys, and past it where no shape is shared), or runs fused at a shared
   query bucket over the whole buffer (`attention.bucketed_attention`) so turns within one capacity share one
   graph. A full chunk whose fused graph is new runs plain beside decoding `PLAIN_BEFORE_BUILD` times, then is
   built: a build inside a slice is a gap in every decoding neighbour's stream.
@@ -43,7 +44,7 @@ from kvwake.daemon.model.parallel_rows import ParallelRows
 from kvwake.daemon.model.scheduler import slices
 from kvwake.daemon.session_state import Session
 
-__all__ = ["CUDA_STEP", "STEP", "PrefillPlanner", "default_step", "pack_groups", "unmeasured_plain"]
+__all__ = ["CUDA_STEP", "STEP", "PrefillPlanner", "default_step", "pack_groups"]
 
 log = logging.getLogger("kvwake.engine")
 T = TypeVar("T")
@@ -59,14 +60,15 @@ STEP = 512  # tokens per full chunk on the CPU and Metal
 CUDA_STEP = 2048  # on CUDA: a long prompt builds a quarter of the attention graphs, each pass over more tokens
 
 
-def unmeasured_plain(keys: int) -> bool:
+def _unmeasured_plain(keys: int, shared: bool) -> bool:
     """Whether a short chunk over `keys` keys runs plain ops while the attention paths' costs are not measured:
     below kv/capacity.py's CUDNN_MIN, where a fused shape rarely recurs (each build a stall) and plain ops over
-    few keys cost little. From there on a turn's chunk runs fused at a shape its next turns share (a bucket,
-    a paged turn's padding), built once, where plain ops grow with the keys every turn: at 75k keys on the 8B
-    shape 330-470 ms a 131-token turn against 74-87 ms fused (H200; docs/benchmarks.md, "A lone agent's turn
-    before the warm-up measured its paths")."""
-    return keys < kvcapacity.CUDNN_MIN
+    few keys cost little; from there on unless the chunk has a shape its next turns share (`shared`: a bucket
+    over the buffer, a paged turn's padding), built once, where plain ops grow with the keys every turn
+    (docs/decisions.md, "Before the costs are measured, plain attention below CUDNN_MIN keys only"). A chunk
+    with no shared shape (a sliding-window model's, a paged turn whose mask would be too large) would build its
+    own graph every turn: plain, as before."""
+    return keys < kvcapacity.CUDNN_MIN or not shared
 
 
 def default_step() -> int:
@@ -270,11 +272,10 @@ class PrefillPlanner:
             attention.fused_shape(session.cache, n) if self.plain_prefill else None
         new = shape is None or shape not in self._fused_shapes  # unknown (not a plain KVCache): counted new
         # costed at the shape the fused kernel runs it at: a bucket's, a paged turn's padded one; before the costs
-        # are measured (the daemon's warm-up runs them in idle moments, which turns coming one after another may
-        # not leave), plain below CUDNN_MIN keys only: past it a turn's shape recurs (a bucket, a paged turn's
-        # padding) and plain ops cost each turn more than a build once (`unmeasured_plain`)
+        # are measured (the daemon's warm-up measures them in idle moments, which turns coming one after another
+        # may not leave) by key length and shape (`_unmeasured_plain`)
         short = is_short and (self.paths.plain(n, end, new, bucket or paged_turn) if self.paths is not None
-                              else unmeasured_plain(end))
+                              else _unmeasured_plain(end, bool(bucket or paged_turn)))
         new_beside = sliced and shape is not None and new and self._plain_shapes.get(shape, 0) < PLAIN_BEFORE_BUILD
         if new_beside:
             self._plain_shapes[shape] = self._plain_shapes.get(shape, 0) + 1
