@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the test kit (testkit/) and bench/lib.py, from this checkout
 
 from bench.lib import Stream, machine, pct  # noqa: E402
-from testkit.daemon import Daemon, RawClient  # noqa: E402
+from testkit.daemon import Daemon, RawClient, freed  # noqa: E402
 
 BLOCK = 128
 UNIT = "The archive holds notes, plans and tool output from many earlier runs. "
@@ -242,14 +242,6 @@ def timed(c: RawClient, method: str, **params: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     result = c.call(method, **params)
     return time.perf_counter() - t0, result
-
-
-def freed(c: RawClient, timeout_s: float = 30.0) -> None:
-    """Wait until the sleeps' and deletes' KV is freed: a sleep replies first, and over pages (the default on CUDA)
-    a wake before the frees maps the pages still there instead of reading its blocks."""
-    deadline = time.monotonic() + timeout_s
-    while c.call("status").get("pages", {}).get("held_pages", 0) and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def model_row(c: RawClient, name: str) -> dict[str, Any]:

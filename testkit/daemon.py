@@ -122,6 +122,17 @@ def hot_set_read(c: RawClient, timeout: float = 30.0) -> dict | None:
         time.sleep(0.05)
 
 
+def freed(c: RawClient, timeout: float = 30.0) -> None:
+    """Wait until the KV of every session let go so far is freed (`status` memory's freeing_sessions: a sleep or
+    a delete replies first, then frees in the background; over pages a wake or prompt before that maps the pages
+    still there). Raises TimeoutError naming what is left."""
+    deadline = time.monotonic() + timeout
+    while (memory := c.call("status")["memory"])["freeing_sessions"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{memory['freeing_sessions']} sessions' KV still freeing after {timeout} s: {memory}")
+        time.sleep(0.01)
+
+
 def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
     """A raw HTTP request (what the API client packages would not send): status and JSON body."""
     request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")

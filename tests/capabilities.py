@@ -79,9 +79,14 @@ def decode_matches_prefill(model_dir: Any, tokens: int = 40) -> bool:
     last of a chunk of `tokens` (mlx-lm's own forward of the model in `model_dir`): true on the CPU; on CUDA MLX
     takes other kernels for one query than for many, so a conversation that comes back from a crash with its
     last reply's tokens prefilled (they were decoded) is held to a bound there, not to bits (DESIGN, invariant 1).
-    Probed once per model folder."""
+    Probed once per model folder; never exact where kvwake's own prefill attention runs (CUDA's plain and
+    bucketed paths, `attention.wanted`), whose bits mlx-lm's forward does not show."""
     from mlx_lm import load
 
+    from kvwake.daemon.model import attention
+
+    if attention.wanted():
+        return False
     key = str(model_dir)
     if key not in _decoding:
         model, _ = load(key)

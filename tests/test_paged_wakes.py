@@ -138,9 +138,8 @@ def test_a_kill_9_after_paged_wakes_leaves_a_store_whose_wakes_count_their_pages
     # with none, wakes them reading the prompt once and mapping it after, gives every page back once they
     # sleep again, and its store checks clean.
     import signal
-    import time
 
-    from testkit.daemon import Daemon
+    from testkit.daemon import Daemon, freed
 
     d = Daemon(tmp_path, model_dir, env={"KVWAKE_PAGED_KV": "true"}).start()
     sids = ["s0", "s1", "s2", "s3"]
@@ -161,9 +160,7 @@ def test_a_kill_9_after_paged_wakes_leaves_a_store_whose_wakes_count_their_pages
         assert (pages["held_pages"], pages["shared_pages"]) == (SHARED_BLOCKS + 3 * OWN_PAGES, SHARED_BLOCKS)
         for sid in sids[1:]:
             c.call("session.sleep", session_id=sid)
-        deadline = time.monotonic() + 30  # a sleep's KV is freed in the background, after its reply
-        while c.call("status")["memory"]["freeing_kv_bytes"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        freed(c)  # a sleep's KV is freed in the background, after its reply
         assert c.call("status")["pages"]["held_pages"] == 0
         assert c.call("store.fsck")["ok"]
     assert d.stop() == 0

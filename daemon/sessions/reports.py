@@ -60,6 +60,8 @@ async def status(m: SessionManager) -> dict[str, Any]:
     engine, thread = model.engine, model.thread
     return {**report, "model": model.name, "bundle_hash": engine.bundle.hash,
             "memory": {"hot_kv_bytes": m.hot_bytes(), "freeing_kv_bytes": m.freeing_bytes(),
+                       # sessions whose KV is being freed (a paged one's bytes are its pages': 0 above)
+                       "freeing_sessions": len(m.releasing),
                        "hot_budget_bytes": m.hot_budget(), "kv_room_bytes": engine.kv_room_bytes,
                        "ram_tier_bytes": engine.ram_tier.bytes, "peak_rss_bytes": rss,
                        "mlx_memory_limit_bytes": engine.limits.memory_bytes if engine.limits else None,
