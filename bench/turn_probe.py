@@ -38,7 +38,7 @@ async def run(args: argparse.Namespace, paged: bool, warm: str, folder: Path) ->
     store = Store(folder / "store", block_tokens=128)
     thread = EngineThread()
     t0 = time.perf_counter()
-    limits = thread.submit(lambda: memory.apply_limits(None, 4 << 30)).result()  # as the daemon's loader sets them
+    limits = thread.submit(memory.apply_limits).result()  # the defaults, as a daemon sets them unless configured
     engine = thread.submit(lambda: Engine(store, folder, args.model, limits=limits, warm=False,
                                           tuning=Tuning(paged_kv=paged))).result()
     thread.attach(engine.decoder, engine.planner)
