@@ -388,6 +388,7 @@ async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(either, 
     import time
 
     from kvwake.daemon.kv import pipeline
+    from kvwake.daemon.sessions import reports
 
     go = threading.Event()
     real = pipeline._free_layers
@@ -403,9 +404,12 @@ async def test_a_sleep_replies_once_committed_and_its_kv_is_freed_after(either, 
     assert time.monotonic() - started < 5, "the sleep waited for its KV's freeing"
     assert info["snapshot_id"] and manager.entry("f").session is None
     assert manager.freeing_bytes() == unpaged and manager.hot_bytes() == nbytes > 0 and where == []
+    # what status says meanwhile: one session freeing (its bytes 0 over pages, so a wait reads the count)
+    assert (await reports.status(manager))["memory"]["freeing_sessions"] == 1
     go.set()
     await manager.released()
     assert manager.freeing_bytes() == 0 and manager.hot_bytes() == 0
+    assert (await reports.status(manager))["memory"]["freeing_sessions"] == 0
     assert where == ["kvwake-engine"] * 2, where
     await manager.wake("f")
     assert manager.entry("f").session.processed == session.processed

@@ -112,7 +112,6 @@ _early: dict[Path, Warmer] = {}
 # Model folders whose warmers ended with the cache filled in this process: the process has loaded those kernels
 # too, so a model loaded again (an unload, then a turn for its sessions) starts none. Two processes importing MLX
 # and running the miniature on the GPU can outlast a reload's weights, now read in seconds, and the new engine
-# thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models")
 # thread's first job waits for them, with the turn's wake behind it (docs/decisions.md, "Several models"). By the
 # parts that ran: an engine of the folder that keeps its KV in pages (a bench's second) wants the paged part too
 _done: dict[tuple[Path, str, str], set[str]] = {}  # (folder, its config's digest, its weights' dtype): `_warmed_key`
