@@ -159,7 +159,7 @@ def serve(opts: Options, **flags: object) -> None:
     from kvwake.daemon.model.kernel_cache import start_early
 
     # CUDA: the kernels' compiles overlap them too
-    start_early(settings.model, settings.tuning.kernel_warmer, settings.tuning.paged_kv)
+    start_early(settings.model, settings.tuning.kernel_warmer, settings.tuning.paged_kv, settings.tuning.paths_ahead)
     from kvwake.daemon.serve import run
 
     if listen is not None and socket_path(listen) is not None:  # the status file goes next to the socket served

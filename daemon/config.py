@@ -134,6 +134,11 @@ class Tuning:
     # CUDA: MLX's kernels the model needs compiled by a child process while the weights load, into the kernel
     # cache under the data directory (model/kernel_cache.py); False: each compiled where it is first met
     kernel_warmer: bool = True
+    # CUDA: the attention paths' costs (a short chunk's plain ops or fused kernel, model/attention.py PathCosts) kept
+    # in a file beside the kernel cache and, where it lacks them, measured by a kernel warmer beside the load: taken
+    # before the first chunk. False: measured by the warm-up in idle moments, which back-to-back agents may never
+    # leave (docs/decisions.md, "The attention paths' costs measured before serving")
+    paths_ahead: bool = False
     # the first start hashes the other configured models' files into the digest cache, one file at a time on a
     # thread of its own, so that their loads find their bundle's digests cached (kv/bundle.py digests_ahead)
     digests_ahead: bool = True

@@ -324,7 +324,8 @@ def test_the_first_models_start_names_the_other_model_folders_and_a_later_load_m
     made, warmed = [], []
     engine = SimpleNamespace(wait_kernels=lambda: None, decoder=None, planner=None)
     monkeypatch.setattr(loader, "Engine", lambda *a, **kw: made.append(kw) or engine)
-    monkeypatch.setattr(loader.kernel_cache, "start_early", lambda model, on, paged=False: warmed.append((model, on)))
+    monkeypatch.setattr(loader.kernel_cache, "start_early",
+                        lambda model, on, paged=False, paths=False: warmed.append((model, on)))
     preloaded, hashed = [], []
     monkeypatch.setattr(loader.weights, "preload", lambda paths, modules, read: preloaded.append(paths))
     monkeypatch.setattr(loader.bundle, "digests_ahead", lambda folders, cache: hashed.append((folders, made[:])))
@@ -476,3 +477,67 @@ def test_a_stopped_warmer_is_left_to_end_on_its_own_and_a_wait_for_it_returns_at
     while any(p.returncode is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p.returncode for p in procs] == [0] * len(procs)  # each ended on its own, reaped
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """The user's cache folder (platformdirs: XDG_CACHE_HOME here) in tmp_path, for this process and its children;
+    this process's measured attention costs emptied (a process that measured nothing)."""
+    from kvwake.daemon.model import attention
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(attention, "_measured", {})
+    return tmp_path / "cache"
+
+
+def test_the_paths_part_keeps_the_models_attention_costs_and_an_engine_takes_them_before_its_first_chunk(
+        tmp_path, cache_home, monkeypatch):
+    # Was: only the warm-up measured them, in idle moments, which back-to-back agents never left: the fleet's
+    # daemons never finished it (docs/benchmarks.md, "A lone agent's turn before the warm-up measured its paths")
+    from kvwake.daemon.config import Tuning
+    from kvwake.daemon.model import attention
+    from kvwake.daemon.model.engine import Engine
+    from kvwake.store import Store
+
+    model = make_model_dir(tmp_path / "llama").resolve()  # 4 heads over 2 of 16, a 4k context: keys 1k and 4k
+    assert kernel_cache._missing(model, False, paths=True) == (*kernel_cache.PARTS, kernel_cache.PATHS_PART)
+    assert kernel_cache._missing(model, False) == kernel_cache.PARTS  # not asked for
+    child = subprocess.run([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model), "paths"],
+                           capture_output=True, timeout=300)  # the warmer's child, as `Warmer` starts it
+    assert child.returncode == 0, child.stderr.decode(errors="replace")[-2000:]
+    (key, rows), = json.loads(kernel_cache.costs_file().read_text()).items()
+    assert key.startswith(mx.device_info()["device_name"] + "|4x2x16|") and sorted(rows, key=int) == ["1024", "4096"]
+    assert all(plain > 0 and fused > 0 and extra >= 0 for plain, fused, extra in rows.values())
+    assert kernel_cache._missing(model, False, paths=True) == kernel_cache.PARTS  # kept: no child for them again
+
+    monkeypatch.setattr(attention, "wanted", lambda: True)  # as on CUDA: short chunks' paths by their costs
+    store = Store(tmp_path / "store", block_tokens=16)
+    kept = [(int(k), *row) for k, row in sorted(rows.items(), key=lambda item: int(item[0]))]
+    for ahead, taken in ((False, None), (True, kept)):
+        engine = Engine(store, tmp_path, model, warm=False, tuning=Tuning(paths_ahead=ahead))
+        assert engine.planner.paths is None
+        engine.wait_kernels()  # its first job: the costs the machine keeps, before any chunk and any warm-up
+        assert (engine.planner.paths.table if engine.planner.paths else None) == taken
+        engine.close()
+    store.close()
+
+
+def test_costs_the_warm_up_measures_are_kept_for_the_machines_later_processes(tmp_path, cache_home, monkeypatch):
+    from mlx_lm import load
+
+    from kvwake.daemon.model import attention
+
+    model, _ = load(str(make_model_dir(tmp_path / "llama")))
+    got: list = []
+    steps = attention.PathCosts.steps(model, [64, 128], got.append, kept=True)
+    assert len(steps) == 2  # one a key length
+    for step in steps:
+        step()
+    measured = got[0].table
+    monkeypatch.setattr(attention, "_measured", {})  # a later process
+    assert attention.PathCosts.known(model, [64, 128]) is None  # not measured here, the file not asked
+    assert attention.PathCosts.known(model, [64, 128], kept=True).table == measured
+    again = attention.PathCosts.steps(model, [64, 128], got.append, kept=True)
+    assert len(again) == 1  # nothing to measure: the kept rows, at once
+    again[0]()
+    assert got[1].table == measured

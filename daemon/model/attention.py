@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -44,13 +45,14 @@ from mlx.utils import tree_flatten
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_cache import PagedKVCache
+from kvwake.daemon.model import kernel_cache
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "LIKELY_BUCKETS",
            "PADDED_MASK_BYTES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
            "bucketed_attention", "bucketed_prefill", "cuda_graphs", "decode_warm_capacities", "fused_shape",
            "key_bucket", "key_ladder", "on_cuda", "padded_attention", "padded_shape",
            "plain_attention", "plain_prefill", "plain_warm_shapes", "query_bucket", "query_buckets", "swapped",
-           "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
+           "measure_ahead", "text_model", "wanted", "warm_bucket", "warm_decode", "warm_plain"]
 
 # MLX on CUDA keeps the cuDNN graphs of its fused attention in an LRU of MLX_CUDA_SDPA_CACHE_SIZE (256) and
 # counts every miss for the life of the process: past twice the capacity, each new shape raises "Cache
@@ -71,6 +73,8 @@ def decode_warm_capacities() -> tuple[int, ...]:
 
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
+# PathCosts' probe (a turn's chunk of queries, the best of two runs) and key lengths: the kernel warmer's too
+PROBE_QUERIES, PROBE_REPEATS = kernel_cache.PROBE_QUERIES, kernel_cache.PROBE_REPEATS
 # A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at
 # least KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
 KEY_BUCKET_MIN = 1024
@@ -80,8 +84,7 @@ KEY_BUCKET_SHARE = 8
 
 def key_ladder(context: int | None) -> list[int]:
     """Key lengths PathCosts measures at: 1k to 128k by fours, up to the model's context (32k when unknown)."""
-    top = context or 32768
-    return [k for k in (1024, 4096, 16384, 65536, 131072) if k <= top] or [top]
+    return kernel_cache.key_ladder(context)
 
 
 def wanted() -> bool:
@@ -470,7 +473,8 @@ class PathCosts:
         self.table = sorted(table)  # (key length, plain s, fused s, fused first-shape extra s) per layer
 
     @classmethod
-    def measure(cls, model: Any, key_lengths: list[int], queries: int = 128, repeats: int = 2) -> PathCosts | None:
+    def measure(cls, model: Any, key_lengths: list[int], queries: int = PROBE_QUERIES,
+                repeats: int = PROBE_REPEATS) -> PathCosts | None:
         """Costs for `model`'s attention shape (None when its args do not give it)."""
         got: list[PathCosts | None] = []
         for step in cls.steps(model, key_lengths, got.append, queries, repeats):
@@ -478,8 +482,30 @@ class PathCosts:
         return got[0]
 
     @classmethod
-    def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any], queries: int = 128,
-              repeats: int = 2) -> list[Callable[[], None]]:
+    def known(cls, model: Any, key_lengths: list[int], queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
+              kept: bool = False) -> PathCosts | None:
+        """The costs at every one of `key_lengths` where this process measured them, or (`kept`) the machine's costs
+        file holds them (model/kernel_cache.py); else None."""
+        shape = cls._shape(model)
+        if shape is None:
+            return None
+        layers, *measure = shape
+        rows = cls._rows((*measure, queries, repeats), kept)
+        return cls(layers, queries, [rows[k] for k in key_lengths]) if all(k in rows for k in key_lengths) else None
+
+    @staticmethod
+    def _rows(key: tuple, kept: bool) -> dict[int, tuple[int, float, float, float]]:
+        """This process's rows for a measure's key, with (`kept`) the costs file's merged in first."""
+        with _measured_lock:
+            if kept:
+                for k, row in kernel_cache.stored_costs(kernel_cache.costs_key(*key)).items():
+                    _measured.setdefault(key, {}).setdefault(k, (k, *row))
+            return dict(_measured.get(key, {}))
+
+    @classmethod
+    def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any],
+              queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
+              kept: bool = False) -> list[Callable[[], None]]:
         """`measure` as short jobs, one per key length (each a few of the fused kernel's graph builds); the
         last calls done(costs). Run in order, on the thread that runs the model.
 
@@ -487,14 +513,20 @@ class PathCosts:
         process, so a second engine of the shape (a twin, a model reloaded after an unload, one of another context
         whose ladder shares lengths) measured no build at the probe's new shape, which the first had built, and
         took the fused kernel where the first took plain ops: the same chunk then ran on another path in each, to
-        other bits (docs/decisions.md, "One measure of the attention paths per process")."""
-        shape = cls._shape(model)
+        other bits (docs/decisions.md, "One measure of the attention paths per process"). `kept`: with the machine's
+        costs file (model/kernel_cache.py): its rows taken as measured, and each row measured here kept there."""
+        return cls.steps_for(cls._shape(model), key_lengths, done, queries, repeats, kept)
+
+    @classmethod
+    def steps_for(cls, shape: tuple[int, int, int, int, Any] | None, key_lengths: list[int],
+                  done: Callable[[PathCosts | None], Any], queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
+                  kept: bool = False) -> list[Callable[[], None]]:
+        """`steps` for an attention shape (`_shape`'s: layers, heads, KV heads, head size, dtype)."""
         if shape is None:
             return [lambda: done(None)]
         layers, heads, kv_heads, head_dim, dtype = shape
         key = (heads, kv_heads, head_dim, dtype, queries, repeats)
-        with _measured_lock:
-            known = dict(_measured.get(key, {}))
+        known = cls._rows(key, kept)  # `kept`: the machine's costs file's rows, and each row measured here kept there
         missing = [k for k in key_lengths if k not in known]  # another context's ladder: only its own lengths
 
         def table() -> list[tuple[int, float, float, float]]:
@@ -506,6 +538,8 @@ class PathCosts:
             row = (k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats))
             with _measured_lock:  # two engines measuring at once: the first to finish a length is every one's
                 _measured.setdefault(key, {}).setdefault(k, row)
+            if kept:
+                kernel_cache.store_cost(kernel_cache.costs_key(*key), k, row[1:])
             if last:
                 done(cls(layers, queries, table()))
         if not missing:
@@ -515,15 +549,20 @@ class PathCosts:
     @staticmethod
     def _shape(model: Any) -> tuple[int, int, int, int, Any] | None:
         args = getattr(text_model(model), "args", None)
+        dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                     mx.float16)
+        return PathCosts._args_shape(args, dtype, len(getattr(model, "layers", [])))
+
+    @staticmethod
+    def _args_shape(args: Any, dtype: Any, layers: int = 0) -> tuple[int, int, int, int, Any] | None:
+        """(layers, heads, KV heads, head size, dtype) from a model's args (or a config's keys as attributes)."""
         heads = getattr(args, "num_attention_heads", None)
         hidden = getattr(args, "hidden_size", None)
-        layers = getattr(args, "num_hidden_layers", None) or len(getattr(model, "layers", []))
+        layers = getattr(args, "num_hidden_layers", None) or layers
         if not (heads and hidden and layers):
             return None
         kv_heads = getattr(args, "num_key_value_heads", None) or heads
         head_dim = getattr(args, "head_dim", None) or hidden // heads
-        dtype = next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
-                     mx.float16)
         return layers, heads, kv_heads, head_dim, dtype
 
     def costs(self, q: int, k: int, new: bool = True) -> tuple[float, float]:
@@ -550,6 +589,21 @@ class PathCosts:
                 return tuple(a + w * (b - a) for a, b in zip(lo, hi))  # type: ignore[return-value]
         last_k, plain, fused, extra = table[-1]
         return plain * k / last_k, fused * k / last_k, extra
+
+
+def measure_ahead(config: dict[str, Any], dtype: Any, context: int | None) -> int:
+    """The kernel warmer's "paths" part (model/kernel_cache.py): the costs `PathCosts.steps` measures, at the shape
+    of the model `config` (its text config) describes and at every key length of its context's ladder, measured
+    where the machine's costs file lacks them and kept there, for the engine to take before it serves. Returns
+    how many rows were measured."""
+    shape = PathCosts._args_shape(SimpleNamespace(**config), dtype)
+    if shape is None:
+        return 0
+    ladder = key_ladder(context)
+    missing = [k for k in ladder if k not in PathCosts._rows((*shape[1:], PROBE_QUERIES, PROBE_REPEATS), kept=True)]
+    for step in PathCosts.steps_for(shape, ladder, lambda costs: None, kept=True) if missing else ():
+        step()
+    return len(missing)
 
 
 def _fast_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,

@@ -134,8 +134,8 @@ class Engine(Appending):
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
             # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
-            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=bool(tuning.paged_kv)) \
-                if tuning.kernel_warmer else None
+            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=bool(tuning.paged_kv),
+                                                    paths=tuning.paths_ahead) if tuning.kernel_warmer else None
             # and the row kernel, once per process, whatever the warmer's knob: built on this engine's thread,
             # its compile would stop every other model's decode steps for its length
             # (`kernels_for`: other models' folders, whose row kernels are built now)
@@ -260,6 +260,12 @@ class Engine(Appending):
         if kernels is not None:
             kernels.wait()
             self.kernels = None
+        if self.tuning.paths_ahead and self.planner.plain_prefill and self.planner.paths is None:
+            # the attention paths' costs as the machine keeps them (measured by a warmer's "paths" part, or by an
+            # earlier daemon's warm-up): chosen by them from the first chunk on, not once idle moments let the
+            # warm-up measure them
+            self.planner.paths = attention.PathCosts.known(self.model, attention.key_ladder(self.context_length),
+                                                           kept=True)
 
     def stop_kernels(self) -> None:
         """Any thread: the kernel warmers still compiling no longer waited for, whether the engine thread's first
@@ -313,7 +319,8 @@ class Engine(Appending):
                      for q, k in attention.plain_warm_shapes(self.prefill_step, self.context_length)
                      if self.kv_bytes(q + k) <= room / 2]  # its cache made for it: beside room for sessions
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
-                                              lambda costs: setattr(self.planner, "paths", costs))
+                                              lambda costs: setattr(self.planner, "paths", costs),
+                                              kept=self.tuning.paths_ahead)
         return jobs
 
     def _warm_staging(self) -> bool:

@@ -36,8 +36,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "padded_chunk",
-           "safetensors_header", "start_early", "text_config", "weights_dtype"]
+__all__ = ["PARTS", "PATHS_PART", "BesideLoad", "Warmer", "costs_key", "keep_compiled_kernels", "miniature",
+           "padded_chunk", "safetensors_header", "start_early", "stored_costs", "store_cost", "text_config",
+           "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -45,6 +46,13 @@ PARTS = ("forward", "compaction")
 # a paged engine's (kv/paged_cache.py) too: its pool's writes and gathers are kernels of their own, compiled at a
 # paged daemon's first turns where no warmer ran them (a loaded GPU's first chats waited seconds for them)
 PAGED_PART = "paged"
+# With `paths_ahead`: the attention paths' costs (model/attention.py `PathCosts`) measured in a child beside the load
+# where the machine's costs file lacks them, not in the warm-up's idle moments, which agents' turns may never leave
+# (docs/decisions.md, "The attention paths' costs measured before serving")
+PATHS_PART = "paths"
+COSTS_FILE = "path-costs.json"  # the measured rows, by device, MLX version and attention shape
+PROBE_QUERIES, PROBE_REPEATS = 128, 2  # what PathCosts measures: a turn's chunk of queries, the best of two runs
+KEY_LADDER = (1024, 4096, 16384, 65536, 131072)  # and at which key lengths, up to the model's context
 # (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
 
 
@@ -93,6 +101,74 @@ def miniature(config: dict[str, Any]) -> dict[str, Any]:
             "head_dim": head_dim, "vocab_size": 256, "tie_word_embeddings": True}
 
 
+def costs_file() -> Path:
+    """The machine's measured attention costs: beside MLX's kernel cache, one file per MLX version (the costs are
+    its kernels')."""
+    import mlx.core as mx
+
+    from kvwake.paths import default_cache_dir
+
+    return default_cache_dir() / f"mlx-{mx.__version__}" / COSTS_FILE
+
+
+def key_ladder(context: int | None) -> list[int]:
+    """KEY_LADDER up to a model's context (32k when unknown)."""
+    top = context or 32768
+    return [k for k in KEY_LADDER if k <= top] or [top]
+
+
+def _paths_missing(path: Path) -> bool:
+    """Whether the costs file lacks a row the model in `path` wants (its attention shape from its config, at its
+    context's ladder); False where the config does not give the shape (the engine measures, or goes without)."""
+    import mlx.core as mx
+
+    config = model_config(path)
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if not (heads and hidden):
+        return False
+    key = costs_key(heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
+                    getattr(mx, weights_dtype(path)), PROBE_QUERIES, PROBE_REPEATS)
+    rows = stored_costs(key)
+    return any(k not in rows for k in key_ladder(config.get("max_position_embeddings")))
+
+
+def costs_key(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int, repeats: int) -> str:
+    """A measure's key in the costs file: the device it ran on and what it measured."""
+    import mlx.core as mx
+
+    device = mx.device_info().get("device_name", str(mx.default_device()))
+    return f"{device}|{heads}x{kv_heads}x{head_dim}|{dtype}|q{queries}|r{repeats}"
+
+
+def stored_costs(key: str) -> dict[int, tuple[float, float, float]]:
+    """The rows (key length -> plain, fused, fused's extra at a new shape) kept under `key`; {} where none are or
+    the file cannot be read (measured again then)."""
+    try:
+        rows = json.loads(costs_file().read_text()).get(key, {})
+        return {int(k): (float(a), float(b), float(c)) for k, (a, b, c) in rows.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def store_cost(key: str, keys: int, row: tuple[float, float, float]) -> None:
+    """Keep one measured row (written whole by a rename: a reader never sees half a file; two writers at once may
+    lose one's row, measured again by a later start). Only speed is at stake: a failure is logged."""
+    path = costs_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            kept = json.loads(path.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        kept = kept if isinstance(kept, dict) else {}
+        kept.setdefault(key, {})[str(keys)] = list(row)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("keeping a measured attention cost failed", extra={"file": str(path), "error": repr(exc)})
+
+
 def keep_compiled_kernels() -> None:
     """Keep the kernels MLX compiles on CUDA (NVRTC, at a kernel's first use) in the user's cache folder,
     unless MLX_PTX_CACHE_DIR says where: MLX's default is the temporary folder, which a reboot empties,
@@ -128,14 +204,16 @@ def _warmed_key(path: Path) -> tuple[Path, str, str]:
     return path, config, dtype
 
 
-def _missing(path: Path, paged: bool) -> tuple[str, ...]:
-    """The parts a folder's engine wants (`PARTS`, and with `paged` PAGED_PART) whose warmers have not filled the
-    cache in this process."""
+def _missing(path: Path, paged: bool, paths: bool = False) -> tuple[str, ...]:
+    """The parts a folder's engine wants (`PARTS`, with `paged` PAGED_PART, with `paths` PATHS_PART where the costs
+    file lacks the model's rows) whose warmers have not filled the cache in this process."""
     done = _done.get(_warmed_key(path), set())
-    return tuple(part for part in PARTS + ((PAGED_PART,) if paged else ()) if part not in done)
+    wanted = PARTS + ((PAGED_PART,) if paged else ()) + ((PATHS_PART,) if paths and _paths_missing(path) else ())
+    return tuple(part for part in wanted if part not in done)
 
 
-def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | None = False) -> bool:
+def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | None = False,
+                paths: bool = False) -> bool:
     """Start the warmers of `model` (the settings' model) before the daemon's heavy imports, for the engine
     to take (`Warmer.for_model`): on a fresh machine their compiles, not the weights, end a first start's
     work, and they began only once the imports were done. Only a model given as a folder, and on CUDA (this
@@ -149,7 +227,7 @@ def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | Non
         return False
     keep_compiled_kernels()
     path = Path(model).expanduser().resolve()
-    missing = _missing(path, plain_config(model_config(path)) if paged is None else paged)
+    missing = _missing(path, plain_config(model_config(path)) if paged is None else paged, paths)
     if path not in _early and missing:
         _early[path] = Warmer(path, parts=missing)
     return True
@@ -161,12 +239,13 @@ class Warmer:
     `wait` before the engine's first forward pass."""
 
     @classmethod
-    def for_model(cls, model_path: Path, paged: bool = False) -> Warmer | None:
+    def for_model(cls, model_path: Path, paged: bool = False, paths: bool = False) -> Warmer | None:
         """The warmers `start_early` started for this model folder, else new ones (`paged`: a paged engine's part
-        too); None when this process's warmers of the folder filled the cache already (`_done`)."""
+        too; `paths`: the attention costs' where not kept); None when this process's warmers of the folder filled
+        the cache already (`_done`)."""
         path = Path(model_path).resolve()
         early = _early.pop(path, None)
-        missing = _missing(path, paged)
+        missing = _missing(path, paged, paths)
         if early is not None and (not missing or not set(missing) <= set(early.parts)):
             early.stop()  # all done here already, or started without a part this engine wants: they end alone
             early = None
@@ -409,13 +488,19 @@ def padded_chunk(dtype: Any, head_dim: int, key: Any) -> tuple[Any, Any]:
 
 def _warm(model_path: Path, part: str) -> None:
     """A child's work: the miniature's prefill and decode step and a padded chunk ("forward"), the same over a
-    pool of pages ("paged"), or a batch's compaction."""
+    pool of pages ("paged"), a batch's compaction, or the attention paths' costs at the model's shape ("paths")."""
     from kvwake.daemon.imports import lighten_imports
 
     lighten_imports()  # as `serve` does: frameworks mlx-lm's imports would pull in stay out
     import mlx.core as mx
 
     dtype = getattr(mx, weights_dtype(model_path))
+    if part == PATHS_PART:  # the model's own attention shape (random tensors: no weights), not the miniature's
+        from kvwake.daemon.model import attention
+
+        config = model_config(model_path)
+        attention.measure_ahead(config, dtype, config.get("max_position_embeddings"))
+        return
     config = miniature(json.loads((Path(model_path) / "config.json").read_text()))
     if part in ("forward", PAGED_PART):  # the miniature itself
         from mlx_lm.utils import _get_classes

@@ -61,7 +61,8 @@ def start_model(settings: Settings, store: Store, spec: ModelSpec, limits: memor
               if s is not spec and s.source is not None and Path(s.source).expanduser().is_dir()] if first else []
     for folder in others:  # their kernel warmers now, while nothing decodes: a later load takes them done
         # (Warmer.for_model) instead of starting two processes on the GPU beside the models decoding then
-        kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer, settings.tuning.paged_kv)
+        kernel_cache.start_early(str(folder), settings.tuning.kernel_warmer, settings.tuning.paged_kv,
+                                 settings.tuning.paths_ahead)
     # their tokenizers and modules, whose making held the GIL beside the decoding at their load (model/weights.py)
     weights.preload(others, modules=settings.tuning.modules_ahead, read=settings.tuning.weights_read)
     thread = EngineThread(f"kvwake-engine-{spec.name}", on_exit=release_mlx_streams,
