@@ -506,7 +506,8 @@ def test_the_paths_part_keeps_the_models_attention_costs_and_an_engine_takes_the
                            capture_output=True, timeout=300)  # the warmer's child, as `Warmer` starts it
     assert child.returncode == 0, child.stderr.decode(errors="replace")[-2000:]
     (key, rows), = json.loads(kernel_cache.costs_file().read_text()).items()
-    assert key.startswith(mx.device_info()["device_name"] + "|4x2x16|") and sorted(rows, key=int) == ["1024", "4096"]
+    device = mx.device_info()["device_name"]
+    assert key.startswith(f"{kernel_cache.COSTS_FORMAT}|{device}|4x2x16|") and sorted(rows, key=int) == ["1024", "4096"]
     assert all(plain > 0 and fused > 0 and extra >= 0 for plain, fused, extra in rows.values())
     assert kernel_cache._missing(model, False, paths=True) == kernel_cache.PARTS  # kept: no child for them again
 
@@ -541,3 +542,22 @@ def test_costs_the_warm_up_measures_are_kept_for_the_machines_later_processes(tm
     assert len(again) == 1  # nothing to measure: the kept rows, at once
     again[0]()
     assert got[1].table == measured
+
+
+def test_writers_of_the_costs_file_at_once_lose_no_row(cache_home):
+    # Was: one temporary file a process and no lock: engines of two models writing at once lost rows and whole keys
+    import threading
+
+    def write(model: int) -> None:
+        for k in range(25):
+            kernel_cache.store_cost(f"model-{model}", k, (k, 2.0 * k, 0.0))
+
+    threads = [threading.Thread(target=write, args=(m,)) for m in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for m in range(4):
+        assert kernel_cache.stored_costs(f"model-{m}") == {k: (k, 2.0 * k, 0.0) for k in range(25)}, m
+    assert sorted(p.name for p in kernel_cache.costs_file().parent.iterdir()) == ["path-costs.json",
+                                                                                 "path-costs.json.lock"]

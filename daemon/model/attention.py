@@ -483,29 +483,36 @@ class PathCosts:
 
     @classmethod
     def known(cls, model: Any, key_lengths: list[int], queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
-              kept: bool = False) -> PathCosts | None:
+              kept: bool = False, named: Any = None) -> PathCosts | None:
         """The costs at every one of `key_lengths` where this process measured them, or (`kept`) the machine's costs
-        file holds them (model/kernel_cache.py); else None."""
+        file holds them (model/kernel_cache.py; `named`: the dtype its rows are keyed by, the checkpoint's as
+        `kernel_cache.weights_dtype` reads it, where it is not the measured one); else None."""
         shape = cls._shape(model)
         if shape is None:
             return None
         layers, *measure = shape
-        rows = cls._rows((*measure, queries, repeats), kept)
+        rows = cls._rows((*measure, queries, repeats), kept, named)
         return cls(layers, queries, [rows[k] for k in key_lengths]) if all(k in rows for k in key_lengths) else None
 
     @staticmethod
-    def _rows(key: tuple, kept: bool) -> dict[int, tuple[int, float, float, float]]:
-        """This process's rows for a measure's key, with (`kept`) the costs file's merged in first."""
+    def _rows(key: tuple, kept: bool, named: Any = None) -> dict[int, tuple[int, float, float, float]]:
+        """This process's rows for a measure's key, with (`kept`) the costs file's merged in first (read before the
+        lock: other engines' measures do not wait on the file)."""
+        stored = kernel_cache.stored_costs(PathCosts._file_key(key, named)) if kept else {}
         with _measured_lock:
-            if kept:
-                for k, row in kernel_cache.stored_costs(kernel_cache.costs_key(*key)).items():
-                    _measured.setdefault(key, {}).setdefault(k, (k, *row))
+            for k, row in stored.items():
+                _measured.setdefault(key, {}).setdefault(k, (k, *row))
             return dict(_measured.get(key, {}))
+
+    @staticmethod
+    def _file_key(key: tuple, named: Any = None) -> str:
+        heads, kv_heads, head_dim, dtype, queries, repeats = key
+        return kernel_cache.costs_key(heads, kv_heads, head_dim, named or dtype, queries, repeats)
 
     @classmethod
     def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any],
               queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
-              kept: bool = False) -> list[Callable[[], None]]:
+              kept: bool = False, named: Any = None) -> list[Callable[[], None]]:
         """`measure` as short jobs, one per key length (each a few of the fused kernel's graph builds); the
         last calls done(costs). Run in order, on the thread that runs the model.
 
@@ -515,18 +522,18 @@ class PathCosts:
         took the fused kernel where the first took plain ops: the same chunk then ran on another path in each, to
         other bits (docs/decisions.md, "One measure of the attention paths per process"). `kept`: with the machine's
         costs file (model/kernel_cache.py): its rows taken as measured, and each row measured here kept there."""
-        return cls.steps_for(cls._shape(model), key_lengths, done, queries, repeats, kept)
+        return cls.steps_for(cls._shape(model), key_lengths, done, queries, repeats, kept, named)
 
     @classmethod
     def steps_for(cls, shape: tuple[int, int, int, int, Any] | None, key_lengths: list[int],
                   done: Callable[[PathCosts | None], Any], queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
-                  kept: bool = False) -> list[Callable[[], None]]:
+                  kept: bool = False, named: Any = None) -> list[Callable[[], None]]:
         """`steps` for an attention shape (`_shape`'s: layers, heads, KV heads, head size, dtype)."""
         if shape is None:
             return [lambda: done(None)]
         layers, heads, kv_heads, head_dim, dtype = shape
         key = (heads, kv_heads, head_dim, dtype, queries, repeats)
-        known = cls._rows(key, kept)  # `kept`: the machine's costs file's rows, and each row measured here kept there
+        known = cls._rows(key, kept, named)  # `kept`: the machine's costs file's rows, and each row measured here kept there
         missing = [k for k in key_lengths if k not in known]  # another context's ladder: only its own lengths
 
         def table() -> list[tuple[int, float, float, float]]:
@@ -537,9 +544,9 @@ class PathCosts:
         def one(k: int, last: bool) -> None:
             row = (k, *_timed_paths(heads, kv_heads, head_dim, dtype, queries, k, repeats))
             with _measured_lock:  # two engines measuring at once: the first to finish a length is every one's
-                _measured.setdefault(key, {}).setdefault(k, row)
-            if kept:
-                kernel_cache.store_cost(kernel_cache.costs_key(*key), k, row[1:])
+                row = _measured.setdefault(key, {}).setdefault(k, row)
+            if kept:  # the row this process uses, whichever engine measured it
+                kernel_cache.store_cost(cls._file_key(key, named), k, row[1:])
             if last:
                 done(cls(layers, queries, table()))
         if not missing:
@@ -600,7 +607,8 @@ def measure_ahead(config: dict[str, Any], dtype: Any, context: int | None) -> in
     if shape is None:
         return 0
     ladder = key_ladder(context)
-    missing = [k for k in ladder if k not in PathCosts._rows((*shape[1:], PROBE_QUERIES, PROBE_REPEATS), kept=True)]
+    known = PathCosts._rows((*shape[1:], PROBE_QUERIES, PROBE_REPEATS), kept=True)
+    missing = [k for k in ladder if k not in known]
     for step in PathCosts.steps_for(shape, ladder, lambda costs: None, kept=True) if missing else ():
         step()
     return len(missing)

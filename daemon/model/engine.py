@@ -265,7 +265,12 @@ class Engine(Appending):
             # earlier daemon's warm-up): chosen by them from the first chunk on, not once idle moments let the
             # warm-up measure them
             self.planner.paths = attention.PathCosts.known(self.model, attention.key_ladder(self.context_length),
-                                                           kept=True)
+                                                           kept=True, named=self._costs_dtype())
+
+    def _costs_dtype(self) -> Any:
+        """The dtype the machine's costs file keys this model's rows by: its checkpoint's, as the warmer's child
+        reads it (a bf16 model with float32 norms measures in bf16 here, its rows keyed as the child keys them)."""
+        return getattr(mx, kernel_cache.weights_dtype(self.model_path))
 
     def stop_kernels(self) -> None:
         """Any thread: the kernel warmers still compiling no longer waited for, whether the engine thread's first
@@ -320,7 +325,8 @@ class Engine(Appending):
                      if self.kv_bytes(q + k) <= room / 2]  # its cache made for it: beside room for sessions
             jobs += attention.PathCosts.steps(self.model, attention.key_ladder(self.context_length),
                                               lambda costs: setattr(self.planner, "paths", costs),
-                                              kept=self.tuning.paths_ahead)
+                                              kept=self.tuning.paths_ahead,
+                                              named=self._costs_dtype() if self.tuning.paths_ahead else None)
         return jobs
 
     def _warm_staging(self) -> bool:

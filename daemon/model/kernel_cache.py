@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PARTS", "PATHS_PART", "BesideLoad", "Warmer", "costs_key", "keep_compiled_kernels", "miniature",
-           "padded_chunk", "safetensors_header", "start_early", "stored_costs", "store_cost", "text_config",
-           "weights_dtype"]
+__all__ = ["KEY_LADDER", "PARTS", "PATHS_PART", "PROBE_QUERIES", "PROBE_REPEATS", "BesideLoad", "Warmer",
+           "costs_file", "costs_key", "keep_compiled_kernels", "key_ladder", "miniature", "padded_chunk",
+           "safetensors_header", "start_early", "stored_costs", "store_cost", "text_config", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -51,6 +51,9 @@ PAGED_PART = "paged"
 # (docs/decisions.md, "The attention paths' costs measured before serving")
 PATHS_PART = "paths"
 COSTS_FILE = "path-costs.json"  # the measured rows, by device, MLX version and attention shape
+# In the key: what a row means (attention.py `_timed_paths`: plain, fused at a known shape, fused's extra at a new
+# one, seconds a layer). A change to that measure names another version, so old rows are not taken for new ones.
+COSTS_FORMAT = "v1"
 PROBE_QUERIES, PROBE_REPEATS = 128, 2  # what PathCosts measures: a turn's chunk of queries, the best of two runs
 KEY_LADDER = (1024, 4096, 16384, 65536, 131072)  # and at which key lengths, up to the model's context
 # (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
@@ -119,15 +122,20 @@ def key_ladder(context: int | None) -> list[int]:
 
 def _paths_missing(path: Path) -> bool:
     """Whether the costs file lacks a row the model in `path` wants (its attention shape from its config, at its
-    context's ladder); False where the config does not give the shape (the engine measures, or goes without)."""
+    context's ladder); False where the config or the weights' header does not give the shape (the engine
+    measures, or goes without)."""
     import mlx.core as mx
 
     config = model_config(path)
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if not (heads and hidden):
         return False
+    try:
+        dtype = getattr(mx, weights_dtype(path))
+    except (OSError, ValueError, KeyError):
+        return False
     key = costs_key(heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
-                    getattr(mx, weights_dtype(path)), PROBE_QUERIES, PROBE_REPEATS)
+                    dtype, PROBE_QUERIES, PROBE_REPEATS)
     rows = stored_costs(key)
     return any(k not in rows for k in key_ladder(config.get("max_position_embeddings")))
 
@@ -137,7 +145,7 @@ def costs_key(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int
     import mlx.core as mx
 
     device = mx.device_info().get("device_name", str(mx.default_device()))
-    return f"{device}|{heads}x{kv_heads}x{head_dim}|{dtype}|q{queries}|r{repeats}"
+    return f"{COSTS_FORMAT}|{device}|{heads}x{kv_heads}x{head_dim}|{dtype}|q{queries}|r{repeats}"
 
 
 def stored_costs(key: str) -> dict[int, tuple[float, float, float]]:
@@ -150,21 +158,33 @@ def stored_costs(key: str) -> dict[int, tuple[float, float, float]]:
         return {}
 
 
+_costs_lock = threading.Lock()  # one writer of the costs file at a time in this process (engines of several models)
+
+
 def store_cost(key: str, keys: int, row: tuple[float, float, float]) -> None:
-    """Keep one measured row (written whole by a rename: a reader never sees half a file; two writers at once may
-    lose one's row, measured again by a later start). Only speed is at stake: a failure is logged."""
+    """Keep one measured row. The file is {key: {key length: [plain, fused, extra]}}, read, updated and written
+    whole by a rename (a reader never sees half a file) under this process's lock and an exclusive lock on a file
+    beside it (processes: a daemon and a warmer's child), so no writer loses another's rows. Only speed is at
+    stake: a failure is logged."""
+    import fcntl
+    import tempfile
+
     path = costs_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            kept = json.loads(path.read_text())
-        except (OSError, ValueError):
-            kept = {}
-        kept = kept if isinstance(kept, dict) else {}
-        kept.setdefault(key, {})[str(keys)] = list(row)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(kept, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with _costs_lock, open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                kept = json.loads(path.read_text())
+            except (OSError, ValueError):
+                kept = {}
+            kept = kept if isinstance(kept, dict) else {}
+            rows = kept.get(key) if isinstance(kept.get(key), dict) else {}
+            kept[key] = {**rows, str(keys): list(row)}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(kept, indent=1, sort_keys=True))
+            os.replace(tmp, path)
     except OSError as exc:
         log.warning("keeping a measured attention cost failed", extra={"file": str(path), "error": repr(exc)})
 
