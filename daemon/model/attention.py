@@ -533,7 +533,8 @@ class PathCosts:
             return [lambda: done(None)]
         layers, heads, kv_heads, head_dim, dtype = shape
         key = (heads, kv_heads, head_dim, dtype, queries, repeats)
-        known = cls._rows(key, kept, named)  # `kept`: the machine's costs file's rows, and each row measured here kept there
+        # `kept`: the machine's costs file's rows, and each row measured here kept there
+        known = cls._rows(key, kept, named)
         missing = [k for k in key_lengths if k not in known]  # another context's ladder: only its own lengths
 
         def table() -> list[tuple[int, float, float, float]]:
