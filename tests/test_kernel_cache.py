@@ -15,7 +15,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from kvwake.daemon.model import kernel_cache
+from kvwake.daemon.model import kernel_cache, path_costs
 from testkit.tinymodel import make_model_dir
 
 
@@ -505,9 +505,9 @@ def test_the_paths_part_keeps_the_models_attention_costs_and_an_engine_takes_the
     child = subprocess.run([sys.executable, "-m", "kvwake.daemon.model.kernel_cache", str(model), "paths"],
                            capture_output=True, timeout=300)  # the warmer's child, as `Warmer` starts it
     assert child.returncode == 0, child.stderr.decode(errors="replace")[-2000:]
-    (key, rows), = json.loads(kernel_cache.costs_file().read_text()).items()
+    (key, rows), = json.loads(path_costs.costs_file().read_text()).items()
     device = mx.device_info()["device_name"]
-    assert key.startswith(f"{kernel_cache.COSTS_FORMAT}|{device}|4x2x16|") and sorted(rows, key=int) == ["1024", "4096"]
+    assert key.startswith(f"{path_costs.COSTS_FORMAT}|{device}|4x2x16|") and sorted(rows, key=int) == ["1024", "4096"]
     assert all(plain > 0 and fused > 0 and extra >= 0 for plain, fused, extra in rows.values())
     assert kernel_cache._missing(model, False, paths=True) == kernel_cache.PARTS  # kept: no child for them again
 
@@ -550,7 +550,7 @@ def test_writers_of_the_costs_file_at_once_lose_no_row(cache_home):
 
     def write(model: int) -> None:
         for k in range(25):
-            kernel_cache.store_cost(f"model-{model}", k, (k, 2.0 * k, 0.0))
+            path_costs.store_cost(f"model-{model}", k, (k, 2.0 * k, 0.0))
 
     threads = [threading.Thread(target=write, args=(m,)) for m in range(4)]
     for t in threads:
@@ -558,6 +558,6 @@ def test_writers_of_the_costs_file_at_once_lose_no_row(cache_home):
     for t in threads:
         t.join()
     for m in range(4):
-        assert kernel_cache.stored_costs(f"model-{m}") == {k: (k, 2.0 * k, 0.0) for k in range(25)}, m
-    assert sorted(p.name for p in kernel_cache.costs_file().parent.iterdir()) == ["path-costs.json",
+        assert path_costs.stored_costs(f"model-{m}") == {k: (k, 2.0 * k, 0.0) for k in range(25)}, m
+    assert sorted(p.name for p in path_costs.costs_file().parent.iterdir()) == ["path-costs.json",
                                                                                  "path-costs.json.lock"]

@@ -45,7 +45,7 @@ from mlx.utils import tree_flatten
 from kvwake.daemon.kv import capacity as kvcapacity
 from kvwake.daemon.kv import cudart
 from kvwake.daemon.kv.paged_cache import PagedKVCache
-from kvwake.daemon.model import kernel_cache
+from kvwake.daemon.model import path_costs
 
 __all__ = ["BUCKET_MIN_QUERIES", "BUCKET_STEP", "KEY_BUCKET_MIN", "KEY_BUCKET_SHARE", "LIKELY_BUCKETS",
            "PADDED_MASK_BYTES", "PLAIN_MAX_BYTES", "PLAIN_MAX_QUERIES", "PathCosts", "attention_module", "bucket_shape", "bucket_wanted",
@@ -74,7 +74,7 @@ def decode_warm_capacities() -> tuple[int, ...]:
 PLAIN_MAX_BYTES = 256 << 20  # float32 scores of one chunk's attention, per layer
 PLAIN_MAX_QUERIES = 256  # longer chunks (a long prompt's 512-token ones) are faster fused, graph build included
 # PathCosts' probe (a turn's chunk of queries, the best of two runs) and key lengths: the kernel warmer's too
-PROBE_QUERIES, PROBE_REPEATS = kernel_cache.PROBE_QUERIES, kernel_cache.PROBE_REPEATS
+PROBE_QUERIES, PROBE_REPEATS = path_costs.PROBE_QUERIES, path_costs.PROBE_REPEATS
 # A turn's longer chunk pads its keys to a multiple of the largest power of two <= keys / KEY_BUCKET_SHARE (at
 # least KEY_BUCKET_MIN): its graph is shared by turns whose keys fall within the step (`padded_attention`)
 KEY_BUCKET_MIN = 1024
@@ -84,7 +84,7 @@ KEY_BUCKET_SHARE = 8
 
 def key_ladder(context: int | None) -> list[int]:
     """Key lengths PathCosts measures at: 1k to 128k by fours, up to the model's context (32k when unknown)."""
-    return kernel_cache.key_ladder(context)
+    return path_costs.key_ladder(context)
 
 
 def wanted() -> bool:
@@ -485,7 +485,7 @@ class PathCosts:
     def known(cls, model: Any, key_lengths: list[int], queries: int = PROBE_QUERIES, repeats: int = PROBE_REPEATS,
               kept: bool = False, named: Any = None) -> PathCosts | None:
         """The costs at every one of `key_lengths` where this process measured them, or (`kept`) the machine's costs
-        file holds them (model/kernel_cache.py; `named`: the dtype its rows are keyed by, the checkpoint's as
+        file holds them (model/path_costs.py; `named`: the dtype its rows are keyed by, the checkpoint's as
         `kernel_cache.weights_dtype` reads it, where it is not the measured one); else None."""
         shape = cls._shape(model)
         if shape is None:
@@ -498,7 +498,7 @@ class PathCosts:
     def _rows(key: tuple, kept: bool, named: Any = None) -> dict[int, tuple[int, float, float, float]]:
         """This process's rows for a measure's key, with (`kept`) the costs file's merged in first (read before the
         lock: other engines' measures do not wait on the file)."""
-        stored = kernel_cache.stored_costs(PathCosts._file_key(key, named)) if kept else {}
+        stored = path_costs.stored_costs(PathCosts._file_key(key, named)) if kept else {}
         with _measured_lock:
             for k, row in stored.items():
                 _measured.setdefault(key, {}).setdefault(k, (k, *row))
@@ -507,7 +507,7 @@ class PathCosts:
     @staticmethod
     def _file_key(key: tuple, named: Any = None) -> str:
         heads, kv_heads, head_dim, dtype, queries, repeats = key
-        return kernel_cache.costs_key(heads, kv_heads, head_dim, named or dtype, queries, repeats)
+        return path_costs.costs_key(heads, kv_heads, head_dim, named or dtype, queries, repeats)
 
     @classmethod
     def steps(cls, model: Any, key_lengths: list[int], done: Callable[[PathCosts | None], Any],
@@ -521,7 +521,7 @@ class PathCosts:
         whose ladder shares lengths) measured no build at the probe's new shape, which the first had built, and
         took the fused kernel where the first took plain ops: the same chunk then ran on another path in each, to
         other bits (docs/decisions.md, "One measure of the attention paths per process"). `kept`: with the machine's
-        costs file (model/kernel_cache.py): its rows taken as measured, and each row measured here kept there."""
+        costs file (model/path_costs.py): its rows taken as measured, and each row measured here kept there."""
         return cls.steps_for(cls._shape(model), key_lengths, done, queries, repeats, kept, named)
 
     @classmethod
@@ -547,7 +547,7 @@ class PathCosts:
             with _measured_lock:  # two engines measuring at once: the first to finish a length is every one's
                 row = _measured.setdefault(key, {}).setdefault(k, row)
             if kept:  # the row this process uses, whichever engine measured it
-                kernel_cache.store_cost(cls._file_key(key, named), k, row[1:])
+                path_costs.store_cost(cls._file_key(key, named), k, row[1:])
             if last:
                 done(cls(layers, queries, table()))
         if not missing:

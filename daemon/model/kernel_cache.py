@@ -36,9 +36,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KEY_LADDER", "PARTS", "PATHS_PART", "PROBE_QUERIES", "PROBE_REPEATS", "BesideLoad", "Warmer",
-           "costs_file", "costs_key", "keep_compiled_kernels", "key_ladder", "miniature", "padded_chunk",
-           "safetensors_header", "start_early", "stored_costs", "store_cost", "text_config", "weights_dtype"]
+from kvwake.daemon.model import path_costs
+
+__all__ = ["PARTS", "PATHS_PART", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "padded_chunk",
+           "safetensors_header", "start_early", "text_config", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -50,12 +51,6 @@ PAGED_PART = "paged"
 # where the machine's costs file lacks them, not in the warm-up's idle moments, which agents' turns may never leave
 # (docs/decisions.md, "The attention paths' costs measured before serving")
 PATHS_PART = "paths"
-COSTS_FILE = "path-costs.json"  # the measured rows, by device, MLX version and attention shape
-# In the key: what a row means (attention.py `_timed_paths`: plain, fused at a known shape, fused's extra at a new
-# one, seconds a layer). A change to that measure names another version, so old rows are not taken for new ones.
-COSTS_FORMAT = "v1"
-PROBE_QUERIES, PROBE_REPEATS = 128, 2  # what PathCosts measures: a turn's chunk of queries, the best of two runs
-KEY_LADDER = (1024, 4096, 16384, 65536, 131072)  # and at which key lengths, up to the model's context
 # (A quantized model's products compile nothing: model/quantized.py dequantizes where MLX would compile)
 
 
@@ -104,22 +99,6 @@ def miniature(config: dict[str, Any]) -> dict[str, Any]:
             "head_dim": head_dim, "vocab_size": 256, "tie_word_embeddings": True}
 
 
-def costs_file() -> Path:
-    """The machine's measured attention costs: beside MLX's kernel cache, one file per MLX version (the costs are
-    its kernels')."""
-    import mlx.core as mx
-
-    from kvwake.paths import default_cache_dir
-
-    return default_cache_dir() / f"mlx-{mx.__version__}" / COSTS_FILE
-
-
-def key_ladder(context: int | None) -> list[int]:
-    """KEY_LADDER up to a model's context (32k when unknown)."""
-    top = context or 32768
-    return [k for k in KEY_LADDER if k <= top] or [top]
-
-
 def _paths_missing(path: Path) -> bool:
     """Whether the costs file lacks a row the model in `path` wants (its attention shape from its config, at its
     context's ladder); False where the config or the weights' header does not give the shape (the engine
@@ -134,59 +113,11 @@ def _paths_missing(path: Path) -> bool:
         dtype = getattr(mx, weights_dtype(path))
     except (OSError, ValueError, KeyError):
         return False
-    key = costs_key(heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
-                    dtype, PROBE_QUERIES, PROBE_REPEATS)
-    rows = stored_costs(key)
-    return any(k not in rows for k in key_ladder(config.get("max_position_embeddings")))
-
-
-def costs_key(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int, repeats: int) -> str:
-    """A measure's key in the costs file: the device it ran on and what it measured."""
-    import mlx.core as mx
-
-    device = mx.device_info().get("device_name", str(mx.default_device()))
-    return f"{COSTS_FORMAT}|{device}|{heads}x{kv_heads}x{head_dim}|{dtype}|q{queries}|r{repeats}"
-
-
-def stored_costs(key: str) -> dict[int, tuple[float, float, float]]:
-    """The rows (key length -> plain, fused, fused's extra at a new shape) kept under `key`; {} where none are or
-    the file cannot be read (measured again then)."""
-    try:
-        rows = json.loads(costs_file().read_text()).get(key, {})
-        return {int(k): (float(a), float(b), float(c)) for k, (a, b, c) in rows.items()}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return {}
-
-
-_costs_lock = threading.Lock()  # one writer of the costs file at a time in this process (engines of several models)
-
-
-def store_cost(key: str, keys: int, row: tuple[float, float, float]) -> None:
-    """Keep one measured row. The file is {key: {key length: [plain, fused, extra]}}, read, updated and written
-    whole by a rename (a reader never sees half a file) under this process's lock and an exclusive lock on a file
-    beside it (processes: a daemon and a warmer's child), so no writer loses another's rows. Only speed is at
-    stake: a failure is logged."""
-    import fcntl
-    import tempfile
-
-    path = costs_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _costs_lock, open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                kept = json.loads(path.read_text())
-            except (OSError, ValueError):
-                kept = {}
-            kept = kept if isinstance(kept, dict) else {}
-            rows = kept.get(key) if isinstance(kept.get(key), dict) else {}
-            kept[key] = {**rows, str(keys): list(row)}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(kept, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("keeping a measured attention cost failed", extra={"file": str(path), "error": repr(exc)})
+    key = path_costs.costs_key(heads, config.get("num_key_value_heads") or heads,
+                               config.get("head_dim") or hidden // heads, dtype, path_costs.PROBE_QUERIES,
+                               path_costs.PROBE_REPEATS)
+    rows = path_costs.stored_costs(key)
+    return any(k not in rows for k in path_costs.key_ladder(config.get("max_position_embeddings")))
 
 
 def keep_compiled_kernels() -> None:
