@@ -564,14 +564,9 @@ class PathCosts:
     @staticmethod
     def _args_shape(args: Any, dtype: Any, layers: int = 0) -> tuple[int, int, int, int, Any] | None:
         """(layers, heads, KV heads, head size, dtype) from a model's args (or a config's keys as attributes)."""
-        heads = getattr(args, "num_attention_heads", None)
-        hidden = getattr(args, "hidden_size", None)
+        shape = path_costs.attention_shape(lambda name: getattr(args, name, None))
         layers = getattr(args, "num_hidden_layers", None) or layers
-        if not (heads and hidden and layers):
-            return None
-        kv_heads = getattr(args, "num_key_value_heads", None) or heads
-        head_dim = getattr(args, "head_dim", None) or hidden // heads
-        return layers, heads, kv_heads, head_dim, dtype
+        return (layers, *shape, dtype) if shape and layers else None
 
     def costs(self, q: int, k: int, new: bool = True) -> tuple[float, float]:
         """(plain, fused) seconds for a chunk of q queries over k keys, all layers; `new`: its fused

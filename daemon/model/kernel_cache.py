@@ -106,17 +106,15 @@ def _paths_missing(path: Path) -> bool:
     import mlx.core as mx
 
     config = model_config(path)
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    if not (heads and hidden):
+    shape = path_costs.attention_shape(config.get)
+    if shape is None:
         return False
     try:
         dtype = getattr(mx, weights_dtype(path))
     except (OSError, ValueError, KeyError):
         return False
-    key = path_costs.costs_key(heads, config.get("num_key_value_heads") or heads,
-                               config.get("head_dim") or hidden // heads, dtype, path_costs.PROBE_QUERIES,
-                               path_costs.PROBE_REPEATS)
-    rows = path_costs.stored_costs(key)
+    rows = path_costs.stored_costs(path_costs.costs_key(*shape, dtype, path_costs.PROBE_QUERIES,
+                                                        path_costs.PROBE_REPEATS))
     return any(k not in rows for k in path_costs.key_ladder(config.get("max_position_embeddings")))
 
 

@@ -12,11 +12,12 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COSTS_FILE", "COSTS_FORMAT", "KEY_LADDER", "PROBE_QUERIES", "PROBE_REPEATS", "costs_file", "costs_key",
-           "key_ladder", "store_cost", "stored_costs"]
+__all__ = ["COSTS_FILE", "COSTS_FORMAT", "KEY_LADDER", "PROBE_QUERIES", "PROBE_REPEATS", "attention_shape",
+           "costs_file", "costs_key", "key_ladder", "store_cost", "stored_costs"]
 
 log = logging.getLogger("kvwake.kernels")
 COSTS_FILE = "path-costs.json"  # the measured rows, by device, MLX version and attention shape
@@ -41,6 +42,15 @@ def key_ladder(context: int | None) -> list[int]:
     """KEY_LADDER up to a model's context (32k when unknown)."""
     top = context or 32768
     return [k for k in KEY_LADDER if k <= top] or [top]
+
+
+def attention_shape(field: Callable[[str], Any]) -> tuple[int, int, int] | None:
+    """(heads, KV heads, head size) from a model's fields (`field(name)`: its args' or its config's, None where
+    absent); None where they do not give them."""
+    heads, hidden = field("num_attention_heads"), field("hidden_size")
+    if not (heads and hidden):
+        return None
+    return heads, field("num_key_value_heads") or heads, field("head_dim") or hidden // heads
 
 
 def costs_key(heads: int, kv_heads: int, head_dim: int, dtype: Any, queries: int, repeats: int) -> str:
