@@ -108,7 +108,7 @@ def stop_model(model: LoadedModel) -> None:
     log.info("model stopped", extra={"model": model.name, "ms": round((time.perf_counter() - started) * 1000, 1)})
 
 
-def free_stopped(clear: bool = True) -> None:
+def free_stopped(clear: bool = True) -> dict[str, int]:
     """Free what stopped models left, once nothing refers to them any more (from a worker thread). Their arrays sit
     in reference cycles (mlx-lm's modules), which only a full collection frees; and their objects were frozen after
     their load (model/switching.py), out of the collector's reach: back within it for this one pass, then what the
@@ -120,14 +120,16 @@ def free_stopped(clear: bool = True) -> None:
     array (a wake's image, a sleep's copy) is managed memory and a kernel's output device memory, and a buffer
     of one kind reused as the other is migrated or copied whole at its first use: the next model's first wake
     and turn would pay for the last one's leftovers (docs/decisions.md, "Several models"). False
-    only to measure that (bench/reload_probe.py)."""
+    only to measure that (bench/reload_probe.py). Says what MLX holds after it, in arrays and in its cache (the
+    unload's log line: what an unload left behind is there to see)."""
+    import mlx.core as mx
+
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     if clear:
-        import mlx.core as mx
-
         mx.clear_cache()
+    return {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory()}
 
 
 # a warm-up waits this long at most for the requests it would hold back (`warm_model`'s `until_idle`)

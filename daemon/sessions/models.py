@@ -305,6 +305,7 @@ class ModelKeeping(ModelRoom):
 
     async def _unload(self, name: str, why: str) -> dict[str, Any]:
         slept = 0
+        left: dict[str, int] = {}
         try:
             while self._uses[name] > 0:
                 await asyncio.sleep(WAIT_S)
@@ -323,12 +324,12 @@ class ModelKeeping(ModelRoom):
                 await to_thread.run_sync(stop_model, model)
             finally:
                 del model  # the last reference: its weights go with the pass that follows
-                await to_thread.run_sync(free_stopped)
+                left = await to_thread.run_sync(free_stopped)
             self.fit_rooms()  # its weights gone: the others' KV room grows by them
             self._build_ahead_later(name)
         finally:
             self._unloads.pop(name, None)
-        log.info("model unloaded", extra={"model": name, "why": why, "slept": slept})
+        log.info("model unloaded", extra={"model": name, "why": why, "slept": slept, **left})
         return {"model": name, "unloaded": True, "slept": slept}
 
     def _build_ahead_later(self, name: str) -> None:
