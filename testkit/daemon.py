@@ -133,6 +133,16 @@ def freed(c: RawClient, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def warmed(c: RawClient, timeout: float = 120.0) -> None:
+    """Wait until every loaded model's warm-up ran (`model.list` warmed: on CUDA its jobs run in idle moments, and
+    what MLX holds moves with them). Raises TimeoutError naming the models still warming."""
+    deadline = time.monotonic() + timeout
+    while cold := [m["name"] for m in c.call("model.list")["models"] if m["state"] == "loaded" and not m["warmed"]]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"models {cold} still warming after {timeout} s")
+        time.sleep(0.05)
+
+
 def get(url: str, headers: dict | None = None, body: bytes | None = None) -> tuple[int, dict]:
     """A raw HTTP request (what the API client packages would not send): status and JSON body."""
     request = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")

@@ -474,7 +474,7 @@ def test_the_warm_up_waits_for_the_hot_sets_wakes_and_no_longer_than_warm_hold_s
             started.append(time.monotonic())
             return []
 
-    model = SimpleNamespace(name="m", thread=Thread(), engine=SimpleNamespace(warm_jobs=list))
+    model = SimpleNamespace(name="m", thread=Thread(), engine=SimpleNamespace(warm_jobs=list), warmed=threading.Event())
 
     class Hot:
         def __init__(self, left: int) -> None:

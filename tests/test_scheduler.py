@@ -215,7 +215,7 @@ async def test_the_warm_up_runs_as_idle_jobs_and_a_request_goes_first():
             return [lambda i=i: warm_job(i) for i in range(3)]
 
     class Model:
-        name, engine = "tiny", Engine()
+        name, engine, warmed = "tiny", Engine(), threading.Event()
 
     Model.thread = thread
     try:
@@ -227,7 +227,7 @@ async def test_the_warm_up_runs_as_idle_jobs_and_a_request_goes_first():
                 await anyio.sleep(0.05)
                 if len(order) == 4:
                     break
-        assert order == ["request", "warm0", "warm1", "warm2"]
+        assert order == ["request", "warm0", "warm1", "warm2"] and Model.warmed.is_set()
     finally:
         thread.stop()
 

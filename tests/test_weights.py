@@ -324,6 +324,7 @@ def test_a_model_built_ahead_is_not_taken_once_its_files_changed_or_a_parameter_
 
     monkeypatch.setattr(weights, "_prepared", {})
     model = make_model_dir(tmp_path / "m")
+    monkeypatch.setattr(weights, "default_read", lambda: "mlx")  # the CPU's way (CUDA's default is mapped)
     assert weights.prepare(model) is False and weights._prepared == {}  # read MLX's way here
     monkeypatch.setattr(weights, "default_read", lambda: "mapped")
     assert weights.prepare(model)

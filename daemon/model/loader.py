@@ -160,6 +160,7 @@ async def warm_model(model: LoadedModel, until_idle: Callable[[], Any] | None = 
         if getattr(model.thread, "alive", True):  # else unloaded meanwhile (its jobs refused): nothing failed
             log.warning("warm-up failed", extra={"model": model.name, "error": repr(exc)})
         return
+    model.warmed.set()
     if jobs:  # each job's ms, in Engine.warm_jobs' order: a long one is what a request may have waited for
         log.info("warm", extra={"model": model.name, "jobs": len(jobs), "jobs_ms": took,
                                 "ms": round((time.perf_counter() - started) * 1000, 1)})

@@ -14,7 +14,8 @@ sleeps the model's sessions first (docs/decisions.md, "Several models (issue 53)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvwake.errors import NotFoundError
@@ -34,6 +35,9 @@ class LoadedModel:
     engine: Engine
     thread: EngineThread
     served_as: str | None = None  # the registry's name for it (model/registry.py); None: the engine's own
+    # set once its warm-up's jobs all ran (model/loader.py warm_model; at once where it has none): until then idle
+    # moments run them, and what MLX holds moves with them
+    warmed: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     @property
     def name(self) -> str:

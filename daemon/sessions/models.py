@@ -394,8 +394,9 @@ class ModelKeeping(ModelRoom):
         """Every model served, in order: its name, aliases, pinned, state (loaded, loading, unloaded), when
         loading its start (seconds since the epoch), when loaded its bundle hash, weights' bytes and its load
         (`load_ms`: the load on demand that serves it now, None for one loaded at the daemon's start;
-        `load_phases_ms`: its engine's start by phase), loading or loaded the reader of its load's sessions'
-        blocks (`read_ahead`, None when none waited), and its sessions (hot, asleep)."""
+        `load_phases_ms`: its engine's start by phase; `warmed`: its warm-up's jobs all ran), loading or loaded the
+        reader of its load's sessions' blocks (`read_ahead`, None when none waited), and its sessions (hot,
+        asleep)."""
         hot = Counter(self.model_of(e) for e in self.entries.hot.values())  # hot ones: as few as memory holds
         states = []
         for spec in self.registry:
@@ -414,6 +415,7 @@ class ModelKeeping(ModelRoom):
                 row["weights_bytes"] = self._weights.get(spec.name)
                 row["load_ms"] = self._load_ms.get(spec.name)
                 row["load_phases_ms"] = self.models.get(spec.name).started_ms
+                row["warmed"] = self.models.get(spec.name).warmed.is_set()
             states.append(row)
         return states
 
