@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -92,7 +94,9 @@ def main() -> None:
                 free_stopped(clear=variant != "cached")
             cached_bytes = mx.get_cache_memory()  # what the next engine's arrays may be handed
             if variant == "warmer":
-                kernel_cache._done.clear()  # as before: the reload starts the folder's warmers again
+                kernel_cache._done.clear()  # as before: the reload starts the folder's warmers again (nor noted
+                shutil.rmtree(Path(os.environ.get("MLX_PTX_CACHE_DIR", "/nonexistent")) / kernel_cache.NOTES_DIR,
+                              ignore_errors=True)  # on the machine: the next start notes them again)
             t0 = time.perf_counter()
             engine, thread = start_model(settings, store, spec, limits)
             thread.call(engine.wait_kernels)  # the daemon's first job on a new engine thread (model/loader.py)

@@ -9,6 +9,7 @@ machine (docs/benchmarks.md, "fleet").
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -106,6 +107,10 @@ def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_p
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)  # as on CUDA: the warmers start early
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+
+    def fresh() -> None:  # a new process on a machine whose cache is empty: none done, none noted
+        kernel_cache._done.clear()
+        shutil.rmtree(tmp_path / "ptx" / kernel_cache.NOTES_DIR, ignore_errors=True)
     # which parts start (each child a process that exits at once: on a GPU the real ones compile for minutes
     # beside the suite; the parts themselves ran above, and the other tests here run whole warmers)
     monkeypatch.setattr(kernel_cache.Warmer, "_start",
@@ -117,7 +122,7 @@ def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_p
         warmer = kernel_cache._early.pop(path.resolve())
         assert [p.args[-1] for p in warmer.procs] == list(parts) == list(warmer.parts), (path.name, pages)
         assert warmer.wait(timeout=120) is True, (path.name, pages)
-        kernel_cache._done.clear()
+        fresh()
     # By the parts done: a folder warmed for an engine over buffers, then one over pages (a bench's second engine)
     # warms the paged part alone; then neither starts any
     first = kernel_cache.Warmer.for_model(llama)
@@ -126,11 +131,43 @@ def test_a_paged_engines_warmers_run_its_prefill_and_decode_over_pages_too(tmp_p
     assert second.parts == ("paged",) and second.wait(timeout=120)
     assert kernel_cache.Warmer.for_model(llama) is None and kernel_cache.Warmer.for_model(llama, paged=True) is None
     assert kernel_cache.start_early(str(llama), paged=True) and kernel_cache._early == {}  # none started early
-    kernel_cache._done.clear()  # early warmers for buffers, then an engine over pages: new ones, the paged part too
+    fresh()  # early warmers for buffers, then an engine over pages: new ones, the paged part too
     assert kernel_cache.start_early(str(llama), paged=False)
     early = kernel_cache._early[llama.resolve()]
     third = kernel_cache.Warmer.for_model(llama, paged=True)
     assert third is not early and early.stopped and third.parts == paged and third.wait(timeout=120)
+
+
+def test_a_machine_whose_cache_its_warmers_filled_starts_none_again_until_the_model_or_cache_changes(
+        tmp_path, monkeypatch):
+    # Were: each new process started every warmer again, a child importing MLX and making a CUDA context for
+    # kernels already in MLX's disk cache, which a small model's engine then waited for before its first pass
+    monkeypatch.setattr(kernel_cache, "_done", {})
+    monkeypatch.setattr(kernel_cache.Warmer, "_start",  # children that exit at once, as in the test above
+                        lambda self, part: subprocess.Popen([sys.executable, "-c", "pass", part],
+                                                            stderr=subprocess.PIPE))
+    ptx = tmp_path / "ptx"
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(ptx))
+    llama = make_model_dir(tmp_path / "llama")
+    twin = make_model_dir(tmp_path / "twin")  # another folder of the same config and dtype: the same kernels
+    first = kernel_cache.Warmer.for_model(llama, paged=True)
+    assert first.parts == kernel_cache.PARTS + ("paged",) and first.wait(timeout=120)
+    assert len(list((ptx / kernel_cache.NOTES_DIR).iterdir())) == 3
+    kernel_cache._done.clear()  # a later process on this machine
+    assert kernel_cache.Warmer.for_model(llama, paged=True) is None and kernel_cache.Warmer.for_model(twin) is None
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    changed = kernel_cache.Warmer.for_model(llama)  # its model changed in place: warmed again
+    assert changed.parts == kernel_cache.PARTS and changed.wait(timeout=120)
+    kernel_cache._done.clear()
+    shutil.rmtree(ptx)  # the cache emptied, its notes with it
+    again = kernel_cache.Warmer.for_model(twin)
+    assert again.parts == kernel_cache.PARTS and again.wait(timeout=120)
+    kernel_cache._done.clear()
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")  # no disk cache (not CUDA): nothing noted, each process warms
+    assert kernel_cache.Warmer.for_model(twin).wait(timeout=120) and not (tmp_path / kernel_cache.NOTES_DIR).exists()
+    kernel_cache._done.clear()
+    assert kernel_cache.Warmer.for_model(twin).parts == kernel_cache.PARTS
 
 
 def test_a_quantized_models_warmer_runs_the_plain_parts_only(tmp_path):
@@ -253,11 +290,10 @@ def test_warmers_started_early_are_taken_by_the_engine_once_and_not_started_off_
     assert later is not early
     assert early.wait(timeout=120) and later.wait(timeout=120)
     # once they filled the cache, a model of the folder loaded again in this process starts none (a reload's
-    # first job waited for them); another folder's still start
+    # first job waited for them), nor does another folder of the same model (noted on the machine)
     assert kernel_cache.Warmer.for_model(path) is None
     assert kernel_cache.start_early(str(path)) is True and kernel_cache._early == {}  # none started early either
-    other = kernel_cache.Warmer.for_model(make_model_dir(tmp_path / "other", arch="llama"))
-    assert other is not None and other.wait(timeout=120)
+    assert kernel_cache.Warmer.for_model(make_model_dir(tmp_path / "other", arch="llama")) is None
     config = json.loads((path / "config.json").read_text())  # the folder's model changed in place: warmed again
     (path / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
     again = kernel_cache.Warmer.for_model(path)

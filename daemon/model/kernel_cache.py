@@ -10,8 +10,8 @@ miniature (same kind of model, same dtype, the smallest widths), while the engin
 engine waits for it before its first forward pass, whose kernels then come from the cache. A paged engine's
 warmers run the miniature over a pool of pages too (its writes, gathers and copies are kernels of their own). A
 process of its own, because MLX evaluates on the thread that holds its stream: a thread beside the load could not
-compile for it; one a part (two, three with pages), each importing as `serve` does (no PyTorch), so a cached
-machine's warmers end within the load.
+compile for it; one a part (two, three with pages), each importing as `serve` does (no PyTorch). A part whose
+warmer filled the cache is noted there (`NOTES_DIR`), and no later start on the machine runs it again.
 
 Custom kernels (`mx.fast.cuda_kernel`, model/ragged_decode.py, model/quantized_kernel.py) are compiled in every
 process: MLX keeps them out of its disk cache. The row kernel and a 4-bit model's kernel, seconds of NVRTC, are
@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvwake import __version__
 from kvwake.daemon.model import path_costs
 
 __all__ = ["PARTS", "PATHS_PART", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "padded_chunk",
@@ -153,12 +154,64 @@ def _warmed_key(path: Path) -> tuple[Path, str, str]:
     return path, config, dtype
 
 
+# The parts whose warmers filled MLX's disk cache on this machine, noted in that cache's folder (what empties the
+# cache empties the notes), one empty file a part and model config: a later process starts none of them. A warmer
+# on a filled cache compiled nothing that served its daemon (MLX's kernels come from the disk cache in any process),
+# yet each was a child importing MLX and making a CUDA context beside a restart's wakes, and the engine's first
+# forward pass waited for it where the weights were read sooner (a small model, the tests' daemons). Keyed by what
+# the child runs: the config's bytes, the weights' dtype, the part, and this module and kvwake's version (a changed
+# miniature compiles other kernels). A note whose kernels went missing costs their compile at first use, as without
+# a warmer.
+NOTES_DIR = "kvwake-warmed"
+
+
+def _note(path: Path, part: str) -> Path | None:
+    """Where the note of `part` for the model in folder `path` lives; None where MLX keeps no disk cache here (no
+    MLX_PTX_CACHE_DIR: `keep_compiled_kernels` sets it on CUDA) or the config cannot be read. The attention costs'
+    part keeps its own record (the costs file)."""
+    cache = os.environ.get("MLX_PTX_CACHE_DIR")
+    _, config, dtype = _warmed_key(path)
+    if not cache or not config or part == PATHS_PART:
+        return None
+    key = json.dumps([__version__, _module_digest(), config, dtype, part])
+    return Path(cache) / NOTES_DIR / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _module_digest() -> str:
+    global _digest
+    if _digest is None:
+        _digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return _digest
+
+
+_digest: str | None = None
+
+
+def _noted(path: Path, part: str) -> bool:
+    note = _note(path, part)
+    return note is not None and note.exists()
+
+
+def _write_notes(path: Path, parts: Sequence[str]) -> None:
+    """Note `parts` done for the model in `path` (a folder that cannot be written: no note, warmers next time)."""
+    for part in parts:
+        note = _note(path, part)
+        if note is not None:
+            try:
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.touch()
+            except OSError as exc:
+                log.warning("kernel warmer's note not written: %s", exc)
+                return
+
+
 def _missing(path: Path, paged: bool, paths: bool = False) -> tuple[str, ...]:
     """The parts a folder's engine wants (`PARTS`, with `paged` PAGED_PART, with `paths` PATHS_PART where the costs
-    file lacks the model's rows) whose warmers have not filled the cache in this process."""
+    file lacks the model's rows) whose warmers have not filled the cache, in this process or, noted, on this
+    machine (`NOTES_DIR`)."""
     done = _done.get(_warmed_key(path), set())
     wanted = PARTS + ((PAGED_PART,) if paged else ()) + ((PATHS_PART,) if paths and _paths_missing(path) else ())
-    return tuple(part for part in wanted if part not in done)
+    return tuple(part for part in wanted if part not in done and not _noted(path, part))
 
 
 def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | None = False,
@@ -253,6 +306,7 @@ class Warmer:
         if done:
             log.info("kernel warmers done in %.1f s", time.perf_counter() - self.started)
             _done.setdefault(_warmed_key(self.path), set()).update(self.parts)
+            _write_notes(self.path, self.parts)
         return done
 
     def stop(self) -> None:
