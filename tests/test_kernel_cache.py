@@ -30,6 +30,14 @@ def rows_built_here():
     kernel_cache._rows.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def own_disk_cache(tmp_path, monkeypatch):
+    """Each test's MLX disk cache a folder of its own, empty, its warmers' notes with it: the suite's process may
+    have one set already (`keep_compiled_kernels`, from an engine made as on CUDA), where other tests' warmers noted
+    the session's tiny model done, and a test counting warmers found none (CI)."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "own-ptx"))
+
+
 @pytest.mark.parametrize("arch, dtype, name", [
     ("llama", mx.bfloat16, "bfloat16"), ("gemma3_text", mx.float16, "float16"), ("lfm2", mx.bfloat16, "bfloat16"),
                                                ("llama", mx.float32, "float32")])
