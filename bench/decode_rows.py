@@ -54,6 +54,7 @@ import importlib  # noqa: E402
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import decode_calls, quantized, ragged_decode  # noqa: E402
+from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402
@@ -259,7 +260,8 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvwake-decode-rows-"))
     store = Store(work / "store", block_tokens=256)
-    engine = Engine(store, work, a.model, max_batch=64, warm=False)
+    # buffers by default: each mode lays its rows out itself (the paged mode in a pool of its own, page_pool)
+    engine = Engine(store, work, a.model, max_batch=64, warm=False, tuning=Tuning(paged_kv=False))
     if a.quantize:
         import mlx.nn as nn
 

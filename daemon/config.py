@@ -146,15 +146,15 @@ class Tuning:
     # the mapped way, for their loads to take instead of building them beside the decoding (model/weights.py
     # prepare)
     modules_ahead: bool = True
-    # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py). Off:
-    # on the CPU each step gathers every row's pages. On CUDA (with paged_kernel) a fleet over a shared prompt
-    # runs as fast over pages and holds a fraction of the KV, but a start compiles the paged kernels, a lone
-    # agent's turn over a long context attends over a copy of every page, and the GPU's suite has not passed with
-    # it on (docs/decisions.md, "The paged default's CUDA failures, found")
-    paged_kv: bool = False
+    # plain-attention layers' KV in a pool of pages, a shared prefix's blocks held once (kv/paged_cache.py); None:
+    # on CUDA for a model whose every layer is plain attention, off elsewhere (on the CPU each step gathers every
+    # row's pages; Metal has no paged kernel). On CUDA a fleet over a shared prompt decodes as fast over pages and
+    # holds a fraction of the KV; a lone agent's turn over a long context attends over a copy of its pages
+    # (docs/decisions.md, "The paged default")
+    paged_kv: bool | None = None
     # CUDA, with paged_kv: a paged batch's attention by the paged kernel, reading every row's pages in place
-    # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention
-    paged_kernel: bool = False
+    # (model/paged_attention.py); False: each row's pages gathered into MLX's fused attention; None: on CUDA
+    paged_kernel: bool | None = None
     # a model with sliding-window or recurrent layers takes restore points while it prefills, so its
     # prefixes are reused (kv/points.py); False: such a model reuses only whole snapshots
     restore_points: bool = True

@@ -97,3 +97,25 @@ def test_the_page_pools_bound_follows_the_kv_room_as_other_models_load_and_unloa
     assert pool.limit == allocated
     paged.set_kv_room(4 * allocated * page)
     assert pool.limit == 4 * allocated
+
+
+def test_pages_are_the_default_on_cuda_for_a_plain_model_and_asked_for_elsewhere(model_dir, tmp_path, monkeypatch):
+    from kvwake.daemon.kv import cudart
+    from kvwake.daemon.model import kernel_cache
+
+    assert Tuning().paged_kv is None and Tuning().paged_kernel is None  # the machine's choice
+    windowed = tmp_path / "windowed"
+    windowed.mkdir()
+    (windowed / "config.json").write_text('{"model_type": "gemma3_text", "sliding_window": 512}')
+    for cuda in (False, True):
+        monkeypatch.setattr(cudart, "on_cuda", lambda cuda=cuda: cuda)
+        assert kernel_cache.paged_wanted(None, model_dir) is cuda  # tiny llama: plain attention only
+        assert kernel_cache.paged_wanted(None, windowed) is False  # a window's layers keep their rings
+        assert kernel_cache.paged_wanted(True, windowed) and not kernel_cache.paged_wanted(False, model_dir)
+    monkeypatch.undo()
+    engine = Engine(Store(tmp_path / "store", block_tokens=BLOCK), tmp_path, model_dir, warm=False)
+    try:  # the engine takes the guess: pages and their kernel on CUDA, buffers on the CPU
+        assert (engine.pages is not None) is cudart.on_cuda() is engine.decoder.paged_kernel
+    finally:
+        engine.close()
+        engine.store.close()

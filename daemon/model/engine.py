@@ -131,10 +131,13 @@ class Engine(Appending):
         # the bundle's file digests, read on background threads while the weights load (kv/bundle.py)
         digests = start_digests(self.model_path, digest_cache=Path(data_dir) / DIGEST_CACHE_NAME)
         kernels = row_kernel = None
+        # plain KV layers in pages, a shared prefix held once (kv/paging.py): `--tune paged_kv`, else CUDA's
+        # default for a model of plain attention only (the config's guess; the loaded cache decides below)
+        self.paged = kernel_cache.paged_wanted(tuning.paged_kv, self.model_path)
         if attention.on_cuda():  # buffers off cuDNN's 256-token grid below 16k tokens (kv/capacity.py)
             kvcapacity.install()
             # MLX's kernels compiled beside the load, once per machine (model/kernel_cache.py)
-            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=bool(tuning.paged_kv),
+            kernels = kernel_cache.Warmer.for_model(self.model_path, paged=self.paged,
                                                     paths=tuning.paths_ahead) if tuning.kernel_warmer else None
             # and the row kernel, once per process, whatever the warmer's knob: built on this engine's thread,
             # its compile would stop every other model's decode steps for its length
@@ -143,7 +146,7 @@ class Engine(Appending):
             row_kernel = kernel_cache.BesideLoad(self.model_path, ragged_decode.wanted(tuning.row_kernel),
                                                  store.block_tokens if staged else None, others=kernels_for,
                                                  wakes=wakes_ahead, quantized=tuning.quantized_kernel,
-                                                 page_tokens=store.block_tokens if tuning.paged_kv else None)
+                                                 page_tokens=store.block_tokens if self.paged else None)
         self.weight_pieces: list[dict[str, Any]] = []  # each piece of the weights' read (model/weights.py)
         self.model, self.tokenizer = weights.load(str(self.model_path), phases=self.started,
                                                   timeline=self.weight_pieces, read=tuning.weights_read)
@@ -189,9 +192,9 @@ class Engine(Appending):
         # False when the model's heads are not a shape it takes.
         self.decoder.row_kernel = ragged_decode.wanted(tuning.row_kernel) and ragged_decode.warm(
             self.model, built=row_kernel.result() if row_kernel is not None else None,
-            page_tokens=store.block_tokens if tuning.paged_kv else None,
+            page_tokens=store.block_tokens if self.paged else None,
             paged=row_kernel.paged if row_kernel is not None else None)
-        self.decoder.paged_kernel = tuning.paged_kernel
+        self.decoder.paged_kernel = attention.on_cuda() if tuning.paged_kernel is None else tuning.paged_kernel
         if self.quantized_layers and row_kernel is not None and row_kernel.quantized_built:
             # built beside the load (not where the GPU cannot run it: before sm_80's tensor-core products)
             quantized.install(self.model, kernel=True)
@@ -232,16 +235,16 @@ class Engine(Appending):
         # a model whose cache does not cut by token: restore points where its prefills pass a block boundary
         marks = self.template.message_marks() if not self.cuttable and tuning.restore_points else frozenset()
         self.points = PointTaker(self.kv, probe, tuning.restore_points, marks, tuning.window_blocks,
-                                 tuning.held_points, tuning.cut_points and not tuning.paged_kv)  # cut_at: plain KVCache
+                                 tuning.held_points, tuning.cut_points and not self.paged)  # cut_at: plain KVCache
         self.planner.stop_at = self.points.next_stop if self.points.enabled else None
         self.points.idle_of = lambda: self.planner.idle  # the engine thread's, once attached (model/thread.py)
         self.reply_points = ReplyPoints(self)  # and one where a reply crossed a block boundary
-        # `--tune paged_kv`: plain KV layers in pages, a shared prefix held once (kv/paging.py), up to what all
+        # in pages (`self.paged`): plain KV layers, a shared prefix held once (kv/paging.py), up to what all
         # KV may take (the hot budget is where sessions start to sleep, not a bound)
         kv_bound = self.kv_room_bytes if self.kv_room_bytes is not None else self.hot_budget_bytes
         self.points.set_room(kv_bound)  # and again as the room moves (set_kv_room)
         self.pages = Pages.for_model(probe, kv_layout, store.block_tokens, kv_bound,
-                                     self.bundle.hash) if tuning.paged_kv else None
+                                     self.bundle.hash) if self.paged else None
         # Whether a wake may take its first blocks from another session's cache: plain KV, not quantized (what
         # a snapshot's blocks hold is what that cache holds); paged, it maps that cache's pages (kv/paged_wake.py)
         self.wakes_share = self.cuttable and kv_bits is None and all(type(c) is KVCache for c in probe)

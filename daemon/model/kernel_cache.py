@@ -40,7 +40,7 @@ from kvwake import __version__
 from kvwake.daemon.model import path_costs
 
 __all__ = ["PARTS", "PATHS_PART", "BesideLoad", "Warmer", "keep_compiled_kernels", "miniature", "padded_chunk",
-           "safetensors_header", "start_early", "text_config", "weights_dtype"]
+           "paged_wanted", "safetensors_header", "start_early", "text_config", "weights_dtype"]
 
 log = logging.getLogger("kvwake.kernels")
 WAIT_S = 120.0  # a warmer still compiling then is left to finish alone (the engine compiles what it needs)
@@ -343,6 +343,18 @@ def plain_config(config: dict[str, Any]) -> bool:
     if any(kind not in ("full_attention", "attention") for kind in config.get("layer_types") or ()):
         return False
     return not config.get("sliding_window") or config.get("use_sliding_window") is False
+
+
+def paged_wanted(configured: bool | None, model_path: Path) -> bool:
+    """Whether an engine of `model_path` keeps its plain KV in pages (tuning paged_kv): `configured` when given,
+    else on CUDA for a model whose config names plain attention layers only (`plain_config`). There a fleet over a
+    shared prompt holds it once and decodes as fast; on the CPU each step would gather every row's pages, and
+    Metal has no paged kernel (docs/decisions.md, "The paged default")."""
+    if configured is not None:
+        return configured
+    from kvwake.daemon.kv import cudart
+
+    return cudart.on_cuda() and plain_config(model_config(model_path))
 
 
 # Row kernel shapes built in this process (`BesideLoad`): shape -> whether the kernel takes it
