@@ -72,6 +72,7 @@ async def test_appends_starting_together_prefill_the_shared_prompt_once(manager,
     monkeypatch.undo()
     for sid in OWN:  # none hot to copy from: "cold" prefills the same tokens from scratch
         await manager.delete(sid)
+    await manager.released()  # their KV freed (in the background): over pages "cold" would map what is still held
     await manager.create("cold")
     assert (await manager.append("cold", tokens=SHARED + OWN["agent2"]))["reused"] == 0
     assert (await manager.generate("cold", params, None, lambda: False))["tokens"] == taken
