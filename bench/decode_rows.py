@@ -51,10 +51,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 from bench.lib import machine, save  # noqa: E402
 import importlib  # noqa: E402
 
+from kvwake.daemon.config import Tuning  # noqa: E402
 from kvwake.daemon.kv import cache_blocks, paged_cache  # noqa: E402
 from kvwake.daemon.kv.pages import PagePool  # noqa: E402
 from kvwake.daemon.model import decode_calls, quantized, ragged_decode  # noqa: E402
-from kvwake.daemon.config import Tuning
 from kvwake.daemon.model.engine import Engine  # noqa: E402
 from kvwake.daemon.model.generation import GenerateParams  # noqa: E402
 from kvwake.daemon.session_state import Session  # noqa: E402

@@ -119,3 +119,11 @@ def test_pages_are_the_default_on_cuda_for_a_plain_model_and_asked_for_elsewhere
     finally:
         engine.close()
         engine.store.close()
+    asked = []  # and where the guess says pages, whatever the machine, the engine pages (a CPU run sees that too)
+    monkeypatch.setattr(kernel_cache, "paged_wanted", lambda configured, path: asked.append(configured) or True)
+    engine = Engine(Store(tmp_path / "store2", block_tokens=BLOCK), tmp_path, model_dir, warm=False)
+    try:
+        assert asked == [None] and engine.pages is not None
+    finally:
+        engine.close()
+        engine.store.close()

@@ -229,7 +229,7 @@ def start_early(model: str | None, kernel_warmer: bool = True, paged: bool | Non
         return False
     keep_compiled_kernels()
     path = Path(model).expanduser().resolve()
-    missing = _missing(path, plain_config(model_config(path)) if paged is None else paged, paths)
+    missing = _missing(path, paged_wanted(paged, path), paths)
     if path not in _early and missing:
         _early[path] = Warmer(path, parts=missing)
     return True
